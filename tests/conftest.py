@@ -1,0 +1,32 @@
+"""Shared fixtures and markers.
+
+`requires_cuda` tests skip themselves on machines without a CUDA GPU. Data files come from
+`../shared` beside the project root (never read by the shipped package).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("TINYSERVE_SHARED", ROOT.parent / "shared"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "requires_cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> Path:
+    if not SHARED.is_dir():
+        pytest.skip(f"{SHARED} is missing")
+    return SHARED

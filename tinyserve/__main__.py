@@ -1,0 +1,3 @@
+from tinyserve.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,246 @@
+"""Plain data shared by every layer of tinyserve.
+
+Nothing here computes: these are the contracts between the packages.
+
+- `SamplingParams`: what a request asks of the sampler.
+- `ScheduledSeq`, `Batch`, `ForwardOutput`: scheduler <-> runner (`schedule() -> Batch`,
+  `runner.forward(batch) -> ForwardOutput`, `scheduler.update(batch, output)`).
+- `ForwardContext`: the per-forward tensors the model, the KV backends and the GDN state pool
+  read (positions, page table, write slots, state slots), entered with `forward_context(ctx)`.
+- `DenseWeight`, `NVFP4Weight`, `FP8Weight`: how one linear layer's weight is stored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+# --------------------------------------------------------------------------------------------
+# Sampling
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one request asks of the sampler. Temperature 0 is greedy.
+
+    Raises ValueError naming the field when a value is out of range.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: Sequence[str] | str | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
+               "must be an integer >= 1")
+        _check(0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]")
+        _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
+               "must be an integer >= 0 (0 disables it)")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        _check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty",
+               "must be in (0, 10]")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop",
+               "must be non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids", "must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class ParamError(ValueError):
+    """A request parameter is out of range. `param` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param} {message}")
+        self.param = param
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise ParamError(param, message)
+
+
+# --------------------------------------------------------------------------------------------
+# Scheduler <-> runner
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a forward step.
+
+    `token_ids` are the new tokens to run (a prefill chunk, or the one last sampled token when
+    decoding); the KV cache and GDN state already hold `start_pos` tokens of this sequence.
+    `page_ids` cover at least `start_pos + len(token_ids)` tokens. `sample` asks for a token
+    to be sampled after this chunk (the last prefill chunk, or a decode step).
+    `history` is every token of the sequence so far (prompt + output), for penalties.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    page_ids: list[int]
+    state_slot: int
+    sample: bool
+    params: SamplingParams = field(default_factory=SamplingParams)
+    history: list[int] = field(default_factory=list)
+    num_generated: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class Batch:
+    """What the scheduler hands the runner for one step."""
+
+    seqs: list[ScheduledSeq]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(s.num_tokens == 1 and s.start_pos > 0 for s in self.seqs)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+@dataclass
+class ForwardOutput:
+    """What the runner returns: one sampled token per sequence with `sample=True`, in batch
+    order (`None` for sequences that did not sample). `logits` is optional (tests, LLM.logits)."""
+
+    next_tokens: list[int | None]
+    logits: torch.Tensor | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Per-forward context
+
+
+@dataclass
+class ForwardContext:
+    """Tensors describing one forward over a batch of B sequences and N new tokens.
+
+    All index tensors live on the model's device. Host copies (`*_cpu` lists) let CPU-side
+    loops run without a device synchronisation.
+    """
+
+    input_ids: torch.Tensor  # [N] int64, new tokens of all sequences, batch order
+    positions: torch.Tensor  # [N] int64, absolute position of each new token
+    cu_seqlens: torch.Tensor  # [B+1] int32, offsets of each sequence's tokens in [N]
+    prefix_lens: torch.Tensor  # [B] int32, tokens cached before this forward
+    seq_lens: torch.Tensor  # [B] int32, prefix + new
+    page_table: torch.Tensor  # [B, max_pages] int32, page ids of each sequence (0-padded)
+    slot_mapping: torch.Tensor  # [N] int64, KV slot (page * page_size + offset) per new token
+    state_slots: torch.Tensor  # [B] int64, GDN state slot per sequence
+    logits_indices: torch.Tensor  # [S] int64, rows of [N] whose logits are wanted
+    page_size: int
+    q_lens_cpu: list[int]
+    prefix_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens_cpu)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(q == 1 for q in self.q_lens_cpu) and all(p > 0 for p in self.prefix_lens_cpu)
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    """Make `ctx` the current forward context for this thread while the block runs."""
+    prev = getattr(_local, "ctx", None)
+    _local.ctx = ctx
+    try:
+        yield ctx
+    finally:
+        _local.ctx = prev
+
+
+def get_forward_context() -> ForwardContext:
+    ctx = getattr(_local, "ctx", None)
+    if ctx is None:
+        raise RuntimeError("no forward context is active (use `with forward_context(ctx):`)")
+    return ctx
+
+
+# --------------------------------------------------------------------------------------------
+# Weights of one linear layer (y = x @ W.T, W is [out, in])
+
+
+@dataclass
+class DenseWeight:
+    """A plain weight [out, in] in bf16 / fp16 / fp32."""
+
+    weight: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)  # type: ignore[return-value]
+
+
+@dataclass
+class NVFP4Weight:
+    """NVFP4: E2M1 codes, FP8 E4M3 scale per 16 inputs, one fp32 global scale.
+
+    `packed` uint8 [out, in/2] (low nibble = even input element), `block_scale` uint8 [out, in/16]
+    holding the raw E4M3 bits, `global_scale` a python float in the ModelOpt (multiply)
+    convention: W = E2M1[code] * e4m3(block_scale) * global_scale. compressed-tensors checkpoints
+    are folded to this convention at load (global_scale = 1 / weight_global_scale).
+    """
+
+    packed: torch.Tensor
+    block_scale: torch.Tensor
+    global_scale: float
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.packed.shape[0], self.packed.shape[1] * 2)
+
+
+@dataclass
+class FP8Weight:
+    """FP8 E4M3 weight [out, in] (uint8 bits) with a per-tensor scalar or per-row [out, 1] scale."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)  # type: ignore[return-value]
+
+
+LinearWeight = DenseWeight | NVFP4Weight | FP8Weight

@@ -1,0 +1,1 @@
+"""Scheduler, model runner, engine loop thread, offline LLM API."""

@@ -1,0 +1,52 @@
+"""Typed environment variables. Every variable tinyserve reads is declared here."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class _Env:
+    name: str
+    default: str
+    help: str
+
+    def raw(self) -> str:
+        return os.environ.get(self.name, self.default)
+
+
+@dataclass(frozen=True)
+class StrEnv(_Env):
+    def get(self) -> str:
+        return self.raw()
+
+
+@dataclass(frozen=True)
+class BoolEnv(_Env):
+    def get(self) -> bool:
+        return self.raw().strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class IntEnv(_Env):
+    def get(self) -> int:
+        value = self.raw()
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"{self.name}={value!r} is not an integer") from None
+
+
+@dataclass(frozen=True)
+class PathEnv(_Env):
+    def get(self) -> Path:
+        return Path(os.path.expanduser(self.raw()))
+
+
+LOG_LEVEL = StrEnv("TINYSERVE_LOG_LEVEL", "INFO", "log level of the tinyserve loggers")
+CACHE_DIR = PathEnv("TINYSERVE_CACHE_DIR", "~/.cache/tinyserve",
+                    "compiled kernels and the demo checkpoint")
+DISABLE_KERNELS = BoolEnv("TINYSERVE_DISABLE_KERNELS", "0",
+                          "run the pure-torch references even on a GPU")

@@ -1,0 +1,1 @@
+"""Pinned host expert store, GPU expert cache, memory planner."""

@@ -1,0 +1,1 @@
+"""FastAPI app, request/response models, chat template, tool and reasoning parsers, metrics."""

@@ -1,0 +1,1 @@
+"""Tiny checkpoint factory for tests, `tinyserve demo` and benchmarks."""

@@ -12,7 +12,7 @@ import sys
 
 from tinyserve import __version__
 
-KV_CHOICES = ("bf16", "iso3", "iso4")
+from tinyserve.kv.registry import KV_BACKEND_NAMES as KV_CHOICES
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,41 @@
+"""KV-backend registry: `--kv` choices come from here."""
+
+from __future__ import annotations
+
+import importlib
+from functools import partial
+from typing import Any
+
+from tinyserve.kv.base import KVBackend
+
+# name -> (module:class, extra constructor kwargs). Modules load on first use.
+_BACKENDS: dict[str, tuple[str, dict[str, Any]]] = {
+    "bf16": ("tinyserve.kv.bf16:BF16KVBackend", {}),
+    "iso3": ("tinyserve.kv.iso_pool:ISOKVBackend", {"fmt": "iso3"}),
+    "iso4": ("tinyserve.kv.iso_pool:ISOKVBackend", {"fmt": "iso4"}),
+}
+
+KV_BACKEND_NAMES = tuple(_BACKENDS)
+
+
+def kv_backend_class(name: str):
+    """The backend class for `name`, with its fixed kwargs bound (a callable and the class)."""
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown KV format {name!r}; choose one of {', '.join(_BACKENDS)}")
+    target, kwargs = _BACKENDS[name]
+    module_name, cls_name = target.split(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    return partial(cls, **kwargs), cls
+
+
+def kv_bytes_per_token(name: str, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+    factory, cls = kv_backend_class(name)
+    kwargs = _BACKENDS[name][1]
+    if kwargs:
+        return cls.bytes_per_token(num_layers, num_kv_heads, head_dim, **kwargs)
+    return cls.bytes_per_token(num_layers, num_kv_heads, head_dim)
+
+
+def create_kv_backend(name: str, **kwargs: Any) -> KVBackend:
+    factory, _ = kv_backend_class(name)
+    return factory(**kwargs)

@@ -107,8 +107,8 @@ def test_decode_attention_ref_equals_dequant_sdpa(fmt, hq, hkv, d, page_size) ->
     scale = d ** -0.5
     out = iso.decode_attention_ref(q, kc, vc, perm, torch.tensor(lens), page_size, fmt, scale)
     for b, n in enumerate(lens):
-        kd = iso.dequantize_ref(iso._gather_rows(kc, perm[b], page_size, n), fmt, d)
-        vd = iso.dequantize_ref(iso._gather_rows(vc, perm[b], page_size, n), fmt, d)
+        kd = iso.dequantize_ref(iso.gather_rows(kc, perm[b], page_size, n), fmt, d)
+        vd = iso.dequantize_ref(iso.gather_rows(vc, perm[b], page_size, n), fmt, d)
         ref = iso.attention_oracle(q[b : b + 1], kd, vd, n - 1, scale)[0]
         cos = torch.nn.functional.cosine_similarity(out[b].flatten(), ref.flatten(), dim=0)
         assert cos >= 0.9999, f"seq {b} len {n}: cosine {cos:.6f}"

@@ -199,7 +199,7 @@ def dequantize_ref(packed: torch.Tensor, fmt: str, head_dim: int) -> torch.Tenso
     return y.reshape(*packed.shape[:-1], head_dim)
 
 
-def _gather_rows(cache: torch.Tensor, page_ids: torch.Tensor, page_size: int,
+def gather_rows(cache: torch.Tensor, page_ids: torch.Tensor, page_size: int,
                  n: int) -> torch.Tensor:
     """Rows of the first n tokens of a sequence from cache [slots, ...] via its page ids."""
     t = torch.arange(n, device=cache.device)
@@ -227,8 +227,8 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     q_rot = rotate_ref(q.float().cpu()).reshape(b_count, hq, nb, BLOCK)  # [B, Hq, nb, 128]
     for b in range(b_count):
         n = int(seq_lens[b])
-        kn, kc = unpack_ref(_gather_rows(k_cache, page_table[b], page_size, n), fmt, d)
-        vn, vc = unpack_ref(_gather_rows(v_cache, page_table[b], page_size, n), fmt, d)
+        kn, kc = unpack_ref(gather_rows(k_cache, page_table[b], page_size, n), fmt, d)
+        vn, vc = unpack_ref(gather_rows(v_cache, page_table[b], page_size, n), fmt, d)
         # kn [T, Hkv, nb], kc [T, Hkv, nb, 128] -> expand to the query heads
         kn, kc = kn.repeat_interleave(group, 1), kc.repeat_interleave(group, 1)
         vn, vc = vn.repeat_interleave(group, 1), vc.repeat_interleave(group, 1)

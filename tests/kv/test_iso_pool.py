@@ -1,0 +1,106 @@
+"""ISOKVBackend: sizing, layout, and the store/attend ordering contract on the CPU references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinyserve.core import ForwardContext
+from tinyserve.kernels import iso
+from tinyserve.kv.iso_pool import ISOKVBackend
+from tinyserve.kv.registry import create_kv_backend, kv_bytes_per_token
+
+FMTS = ("iso3", "iso4")
+
+
+def test_bytes_per_token_35b_a3b() -> None:
+    assert ISOKVBackend.bytes_per_token(10, 2, 256, fmt="iso3") == 4000
+    assert ISOKVBackend.bytes_per_token(10, 2, 256, fmt="iso4") == 5440
+    assert kv_bytes_per_token("iso3", 10, 2, 256) == 4000
+    assert kv_bytes_per_token("iso4", 10, 2, 256) == 5440
+    assert 10 * 2 * 256 * 2 * 2 / 4000 > 5.0
+
+
+def _make(fmt: str, num_pages: int = 8, page_size: int = 4, hkv: int = 2, d: int = 128):
+    return create_kv_backend(fmt, layer_ids=[3, 7], num_kv_heads=hkv, head_dim=d,
+                             num_pages=num_pages, page_size=page_size, device="cpu",
+                             dtype=torch.float32)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_layout_and_layer_remap(fmt: str) -> None:
+    kv = _make(fmt)
+    assert isinstance(kv, ISOKVBackend) and kv.fmt == fmt
+    rb = iso.packed_row_bytes(128, fmt)
+    assert kv.buffer.shape == (2, 2, 9 * 4, 2, rb) and kv.buffer.dtype == torch.uint8
+    assert kv.k_cache(7).shape == (36, 2, rb)
+    with pytest.raises(KeyError):
+        kv.k_cache(4)
+
+
+def test_head_dim_refused() -> None:
+    with pytest.raises(ValueError, match="head_dim % 128"):
+        _make("iso3", d=96)
+
+
+def _ctx(q_lens, prefix_lens, page_table, page_size) -> ForwardContext:
+    pos, slots = [], []
+    for b, (n, p) in enumerate(zip(q_lens, prefix_lens, strict=True)):
+        for t in range(p, p + n):
+            pos.append(t)
+            slots.append(page_table[b][t // page_size] * page_size + t % page_size)
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    return ForwardContext(
+        input_ids=torch.zeros(len(pos), dtype=torch.int64),
+        positions=torch.tensor(pos), cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32),
+        seq_lens=torch.tensor([n + p for n, p in zip(q_lens, prefix_lens, strict=True)],
+                              dtype=torch.int32),
+        page_table=torch.tensor(page_table, dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        state_slots=torch.zeros(len(q_lens), dtype=torch.int64),
+        logits_indices=torch.tensor([c - 1 for c in cu[1:]]), page_size=page_size,
+        q_lens_cpu=list(q_lens), prefix_lens_cpu=list(prefix_lens))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_ordering_contract_extend_then_decode(fmt: str) -> None:
+    """Extend sees its own chunk unquantized; decode sees its own token quantized."""
+    torch.manual_seed(0)
+    page_size, hq, hkv, d = 4, 4, 2, 128
+    kv = _make(fmt, page_size=page_size)
+    pages = [[5, 1, 6, 0], [2, 7, 3, 4]]
+    hist_k: list[list[torch.Tensor]] = [[], []]
+    hist_v: list[list[torch.Tensor]] = [[], []]
+    steps = [([5, 3], [0, 0]), ([3, 2], [5, 3]), ([1, 1], [8, 5]), ([1, 1], [9, 6])]
+    scale = d ** -0.5
+    for q_lens, prefix in steps:
+        n = sum(q_lens)
+        q, k, v = torch.randn(n, hq, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)
+        ctx = _ctx(q_lens, prefix, pages, page_size)
+        out = kv.forward(7, q, k, v, ctx, scale)
+        decode = ctx.is_decode
+        start = 0
+        for b, m in enumerate(q_lens):
+            kb, vb = k[start:start + m], v[start:start + m]
+            qk = [iso.dequantize_ref(iso.quantize_ref(x, fmt), fmt, d) for x in kb]
+            qv = [iso.dequantize_ref(iso.quantize_ref(x, fmt), fmt, d) for x in vb]
+            own_k, own_v = (qk, qv) if decode else (list(kb), list(vb))
+            kk = torch.stack(hist_k[b] + own_k)
+            vv = torch.stack(hist_v[b] + own_v)
+            ref = iso.attention_oracle(q[start:start + m], kk, vv, prefix[b], scale)
+            got = out[start:start + m]
+            assert torch.isfinite(got).all()
+            cos = torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0)
+            assert cos >= 0.9999, f"step {q_lens}/{prefix} seq {b}: cosine {cos}"
+            assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4)
+            hist_k[b] += qk
+            hist_v[b] += qv
+            start += m
+    # the packed bytes in the pool are exactly quantize_ref of what was stored
+    kc = kv.k_cache(7)
+    seq0 = iso.gather_rows(kc, torch.tensor(pages[0]), page_size, 10)
+    assert torch.equal(iso.dequantize_ref(seq0, fmt, d), torch.stack(hist_k[0]))
+    assert kv.k_cache(3).eq(0).all(), "another layer's slab was written"

@@ -1,0 +1,241 @@
+"""The scheduler on hand-written outputs: no model, no torch tensors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tinyserve.core import ForwardOutput, SamplingParams
+from tinyserve.engine.scheduler import RequestRejected, Scheduler
+from tinyserve.kv.allocator import PageAllocator
+
+EOS = 0
+
+
+def make(num_pages=64, num_slots=4, page_size=4, max_context=64, max_seqs=4, budget=16):
+    return Scheduler(pages=PageAllocator(num_pages), slots=PageAllocator(num_slots),
+                     page_size=page_size, max_context=max_context, max_seqs=max_seqs,
+                     max_num_batched_tokens=budget, eos_token_ids=(EOS,))
+
+
+def next_token(history: list[int]) -> int:
+    """A deterministic 'model': the next token depends on the whole sequence."""
+    return (sum(history) * 31 + len(history)) % 90 + 5
+
+
+def step(s: Scheduler, forced: dict[str, int] | None = None):
+    batch = s.schedule()
+    tokens = []
+    for seq in batch.seqs:
+        # NOTE: the runner sees every token up to the end of its chunk.
+        assert seq.history[seq.start_pos:seq.start_pos + seq.num_tokens] == seq.token_ids
+        assert len(seq.page_ids) * s.page_size >= seq.start_pos + seq.num_tokens
+        if not seq.sample:
+            tokens.append(None)
+        elif forced and seq.request_id in forced:
+            tokens.append(forced[seq.request_id])
+        else:
+            tokens.append(next_token(seq.history))
+    events = s.update(batch, ForwardOutput(tokens))
+    log = s.__dict__.setdefault("test_log", ({}, {}))  # every step's events, for run_all
+    for e in events:
+        log[0].setdefault(e.request_id, []).append(e.token_id)
+        if e.finish_reason:
+            log[1][e.request_id] = e.finish_reason
+    return batch, events
+
+
+def run_all(s: Scheduler, limit=1000):
+    """Step until idle; the outputs and finish reasons of every step so far."""
+    for _ in range(limit):
+        if not s.has_work:
+            break
+        step(s)
+    assert not s.has_work
+    return s.__dict__.get("test_log", ({}, {}))
+
+
+def assert_idle(s: Scheduler) -> None:
+    assert s.pages.num_free == s.pages.num_pages
+    assert s.slots.num_free == s.slots.num_pages
+    assert not s.requests and not s.running and not s.waiting
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0)
+
+
+def test_chunked_prefill_then_decode() -> None:
+    s = make(budget=4)
+    s.add("a", list(range(1, 11)), greedy(3))
+    chunks = []
+    for _ in range(5):
+        batch, _ = step(s)
+        (seq,) = batch.seqs
+        chunks.append((seq.start_pos, seq.num_tokens, seq.sample))
+    assert chunks == [(0, 4, False), (4, 4, False), (8, 2, True), (10, 1, True), (11, 1, True)]
+    assert_idle(s)
+
+
+def test_decodes_first_then_prefill_under_budget() -> None:
+    s = make(budget=8, max_seqs=4)
+    s.add("a", [1, 2], greedy(10))
+    s.add("b", [3, 4], greedy(10))
+    step(s)  # both prefills
+    s.add("c", list(range(1, 21)), greedy(2))
+    batch, _ = step(s)
+    assert [(q.request_id, q.num_tokens) for q in batch.seqs] == [("a", 1), ("b", 1), ("c", 6)]
+    assert batch.num_tokens == 8
+    batch, _ = step(s)
+    assert [(q.request_id, q.num_tokens) for q in batch.seqs] == [("a", 1), ("b", 1), ("c", 6)]
+
+
+def test_max_seqs_limits_running() -> None:
+    s = make(max_seqs=2, num_slots=8)
+    for i in range(5):
+        s.add(f"r{i}", [1, 2, 3], greedy(4))
+    batch, _ = step(s)
+    assert len(batch) == 2 and len(s.running) == 2 and len(s.waiting) == 3
+    outputs, reasons = run_all(s)
+    assert all(len(v) == 4 for v in outputs.values()) and set(reasons.values()) == {"length"}
+    assert_idle(s)
+
+
+def test_admission_waits_for_slots_and_pages() -> None:
+    s = make(num_slots=1)
+    s.add("a", [1, 2, 3], greedy(2))
+    s.add("b", [1, 2, 3], greedy(2))
+    batch, _ = step(s)
+    assert [q.request_id for q in batch.seqs] == ["a"] and len(s.waiting) == 1
+    s2 = make(num_pages=3, page_size=4, max_context=12)
+    s2.add("a", list(range(1, 9)), greedy(4))  # 2 pages now, 3 at the end
+    s2.add("b", list(range(1, 9)), greedy(4))
+    batch, _ = step(s2)
+    assert [q.request_id for q in batch.seqs] == ["a"]
+    outputs, _ = run_all(s2)
+    assert len(outputs["a"]) == len(outputs["b"]) == 4
+    assert_idle(s2)
+
+
+def test_rejects_what_can_never_fit() -> None:
+    s = make(num_pages=4, page_size=4, max_context=32)
+    with pytest.raises(RequestRejected, match="exceeds the context limit of 32") as exc:
+        s.add("a", [1] * 30, greedy(5))
+    assert (exc.value.prompt_tokens, exc.value.max_tokens, exc.value.limit) == (30, 5, 32)
+    with pytest.raises(RequestRejected, match="needs 5 KV pages; the pool has 4"):
+        s.check(17, greedy(2))
+    with pytest.raises(RequestRejected, match="empty"):
+        s.check(0, greedy(2))
+    s.add("ok", [1] * 12, greedy(4))  # exactly fills the pool
+    with pytest.raises(ValueError, match="already in use"):
+        s.add("ok", [1], greedy(1))
+    run_all(s)
+    assert_idle(s)
+
+
+def test_preempts_newest_when_pages_run_out_and_recomputes() -> None:
+    prompts = {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8], "c": [9, 10, 11, 12]}
+    alone = {}
+    for rid, p in prompts.items():
+        s = make()
+        s.add(rid, p, greedy(8))
+        alone[rid] = run_all(s)[0][rid]
+    s = make(num_pages=7, page_size=4, max_context=12)
+    for rid, p in prompts.items():
+        s.add(rid, p, greedy(8))
+    outputs, reasons = run_all(s)
+    assert s.num_preemptions > 0
+    assert outputs == alone
+    assert reasons == {"a": "length", "b": "length", "c": "length"}
+    assert_idle(s)
+
+
+def test_abort_anywhere_frees_everything() -> None:
+    s = make(budget=4)
+    s.add("prefilling", list(range(1, 11)), greedy(5))
+    s.add("waiting", [1, 2], greedy(5))
+    step(s)
+    assert s.requests["prefilling"].running and s.pages.num_used > 0
+    assert s.finish("prefilling") is not None
+    assert s.finish("waiting") is not None
+    assert s.finish("unknown") is None
+    assert_idle(s)
+    s.add("decoding", [1, 2], greedy(5))
+    step(s)
+    step(s)
+    s.finish("decoding")
+    assert_idle(s)
+
+
+def test_fifo_head_is_not_starved_by_small_requests() -> None:
+    s = make(num_pages=6, page_size=4, max_context=24, max_seqs=4)
+    s.add("small0", [1, 2, 3, 4], greedy(3))
+    step(s)
+    s.add("big", list(range(1, 21)), greedy(3))  # needs 5 pages: waits for small0
+    s.add("small1", [1, 2], greedy(3))
+    order = []
+    for _ in range(100):
+        if not s.has_work:
+            break
+        batch, _ = step(s)
+        for q in batch.seqs:
+            if q.start_pos == 0 and q.request_id not in order:
+                order.append(q.request_id)
+    assert order == ["big", "small1"]
+    assert_idle(s)
+
+
+def test_stop_conditions() -> None:
+    s = make()
+    s.add("eos", [1, 2], greedy(10))
+    s.add("ignore", [1, 2], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    s.add("stop_id", [1, 2], SamplingParams(max_tokens=10, stop_token_ids=[77]))
+    _, events = step(s, forced={"eos": EOS, "ignore": EOS, "stop_id": 5})
+    assert [(e.request_id, e.finish_reason) for e in events] == [
+        ("eos", "stop"), ("ignore", None), ("stop_id", None)]
+    _, events = step(s, forced={"ignore": EOS, "stop_id": 77})
+    assert [(e.request_id, e.finish_reason) for e in events] == [
+        ("ignore", None), ("stop_id", "stop")]
+    _, events = step(s, forced={"ignore": EOS})
+    assert [(e.request_id, e.token_id, e.finish_reason) for e in events] == [
+        ("ignore", EOS, "length")]
+    assert_idle(s)
+
+
+def test_solo_runs_alone_after_a_failed_step() -> None:
+    s = make()
+    for rid in "abc":
+        s.add(rid, [1, 2, 3], greedy(4))
+    batch = s.schedule()  # pretend this step failed
+    for q in batch.seqs:
+        s.preempt(q.request_id, solo=True)
+    assert s.pages.num_used == 0
+    for expected in ("a", "b", "c"):
+        batch, _ = step(s)
+        assert [q.request_id for q in batch.seqs] == [expected]
+    batch, _ = step(s)
+    assert len(batch) == 3
+    run_all(s)
+    assert_idle(s)
+
+
+def test_random_workload_returns_to_idle() -> None:
+    rng = random.Random(1)
+    s = make(num_pages=12, page_size=4, max_context=40, max_seqs=3, budget=8, num_slots=3)
+    n = 0
+    for _ in range(400):
+        if rng.random() < 0.3:
+            plen = rng.randint(1, 20)
+            s.add(f"r{n}", [rng.randint(1, 99) for _ in range(plen)],
+                  greedy(rng.randint(1, 40 - plen)))
+            n += 1
+        if s.requests and rng.random() < 0.05:
+            s.finish(rng.choice(list(s.requests)))
+        if s.has_work:
+            batch, _ = step(s)
+            assert len(batch) <= 3 and batch.num_tokens <= 8
+        assert s.pages.num_used == sum(len(r.pages) for r in s.running)
+        assert s.slots.num_used == len(s.running)
+    run_all(s)
+    assert_idle(s)

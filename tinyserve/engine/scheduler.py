@@ -1,0 +1,265 @@
+"""Continuous-batching scheduler: which requests run in the next step, and with which tokens.
+
+Pure Python (no torch). Each step `schedule()` builds a `Batch`: first one decode token for
+every running request that has finished its prefill, then prefill chunks (of running requests,
+then of newly admitted ones, strictly FIFO) under the token budget. Admission takes a GDN state
+slot and the KV pages of all the request's known tokens; decoding takes one more page at each
+page boundary, and when none is left the newest running request is preempted (pages and slot
+returned, re-queued to recompute its prompt and output so far). `update(batch, output)` appends
+the sampled tokens, applies the token stop conditions and frees finished requests.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from tinyserve.core import Batch, ForwardOutput, SamplingParams, ScheduledSeq
+from tinyserve.kv.allocator import PageAllocator
+
+
+class RequestRejected(ValueError):
+    """The request can never fit, whatever else is running. The numbers are attributes."""
+
+    def __init__(self, message: str, *, prompt_tokens: int, max_tokens: int, limit: int) -> None:
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.limit = limit
+
+
+@dataclass
+class Request:
+    """A request's bookkeeping. `tokens` = prompt + output; the KV cache and GDN state hold
+    the first `num_computed` of them."""
+
+    request_id: str
+    prompt_len: int
+    params: SamplingParams
+    arrival: int
+    tokens: list[int]
+    num_computed: int = 0
+    pages: list[int] = field(default_factory=list)
+    slot: int | None = None
+    running: bool = False
+    solo: bool = False  # run alone until one step succeeds (after a failed shared step)
+    num_preemptions: int = 0
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_computed > 0 and len(self.tokens) - self.num_computed == 1
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """One sampled token of one request; `finish_reason` is set when it ended the request."""
+
+    request_id: str
+    token_id: int
+    finish_reason: str | None
+
+
+def _by_arrival(r: Request) -> int:
+    return r.arrival
+
+
+class Scheduler:
+    """Waiting and running requests over a page allocator and a state-slot allocator.
+
+    Not thread-safe: the engine loop thread is its only caller (submissions reach it through
+    the engine's inbox). `check()` reads only constants and may be called from any thread.
+    """
+
+    def __init__(self, *, pages: PageAllocator, slots: PageAllocator, page_size: int,
+                 max_context: int, max_seqs: int, max_num_batched_tokens: int,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
+        if max_num_batched_tokens < max_seqs:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
+                             f"max_seqs ({max_seqs})")
+        self.pages = pages
+        self.slots = slots
+        self.page_size = page_size
+        self.max_context = max_context
+        self.max_seqs = max_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: list[Request] = []  # sorted by arrival
+        self.running: list[Request] = []  # sorted by arrival
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._arrivals = 0
+
+    # ---------------------------------------------------------------- submission and removal
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def check(self, prompt_len: int, params: SamplingParams) -> None:
+        """Raise RequestRejected when a request can never fit."""
+        total = prompt_len + params.max_tokens
+        if prompt_len < 1:
+            raise RequestRejected("the prompt is empty", prompt_tokens=prompt_len,
+                                  max_tokens=params.max_tokens, limit=self.max_context)
+        if total > self.max_context:
+            raise RequestRejected(
+                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"tokens exceeds the context limit of {self.max_context} tokens",
+                prompt_tokens=prompt_len, max_tokens=params.max_tokens, limit=self.max_context)
+        if self.pages_for(total) > self.pages.num_pages:
+            raise RequestRejected(
+                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) needs "
+                f"{self.pages_for(total)} KV pages; the pool has {self.pages.num_pages}",
+                prompt_tokens=prompt_len, max_tokens=params.max_tokens,
+                limit=self.pages.num_pages * self.page_size)
+        if self.slots.num_pages < 1:
+            raise RequestRejected("no GDN state slots", prompt_tokens=prompt_len,
+                                  max_tokens=params.max_tokens, limit=0)
+
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
+        self.check(len(prompt_ids), params)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = Request(request_id, len(prompt_ids), params, self._arrivals, list(prompt_ids))
+        self._arrivals += 1
+        self.requests[request_id] = req
+        self.waiting.append(req)  # newest arrival: stays sorted
+        return req
+
+    def finish(self, request_id: str) -> Request | None:
+        """Remove a request wherever it is (abort, stop string, error); free its resources."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._release(req)
+        return req
+
+    def preempt(self, request_id: str, *, solo: bool = False) -> None:
+        """Return a running request's pages and slot and re-queue it to recompute."""
+        req = self.requests[request_id]
+        req.solo = req.solo or solo
+        if not req.running:
+            return
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed = 0
+        req.running = False
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, req, key=_by_arrival)
+
+    def _release(self, req: Request) -> None:
+        if req.pages:
+            self.pages.free(req.pages)
+            req.pages = []
+        if req.slot is not None:
+            self.slots.free([req.slot])
+            req.slot = None
+
+    # ---------------------------------------------------------------- one step
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def schedule(self) -> Batch:
+        """The next step's batch (empty when there is nothing to run)."""
+        solo = next((r for r in self.running if r.solo), None)
+        if solo is None and self.waiting and self.waiting[0].solo:
+            head = self.waiting[0]
+            if len(self.running) < self.max_seqs and self._admit(head):
+                solo = head
+        if solo is not None:
+            if solo.is_decode and not self._reserve_decode_page(solo):
+                return Batch([])
+            return Batch([self._chunk(solo, self.max_num_batched_tokens)])
+        seqs: list[ScheduledSeq] = []
+        budget = self.max_num_batched_tokens
+        for req in [r for r in self.running if r.is_decode]:
+            if req.running and self._reserve_decode_page(req):
+                seqs.append(self._chunk(req, 1))
+                budget -= 1
+        for req in [r for r in self.running if not r.is_decode]:
+            if budget <= 0:
+                break
+            seqs.append(self._chunk(req, budget))
+            budget -= seqs[-1].num_tokens
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+            req = self.waiting[0]
+            if req.solo or not self._admit(req):
+                break  # FIFO: nobody overtakes the head of the queue
+            seqs.append(self._chunk(req, budget))
+            budget -= seqs[-1].num_tokens
+        return Batch(seqs)
+
+    def _reserve_decode_page(self, req: Request) -> bool:
+        """Make room for one more token of `req`, preempting newer requests if needed.
+        False when `req` itself had to be preempted."""
+        while len(req.pages) < self.pages_for(req.num_computed + 1):
+            page = self.pages.alloc(1)
+            if page is not None:
+                req.pages += page
+                break
+            victim = self.running[-1]
+            self.preempt(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _admit(self, req: Request) -> bool:
+        need = self.pages_for(len(req.tokens))
+        if not (self.pages.can_alloc(need) and self.slots.can_alloc(1)):
+            return False
+        self.waiting.pop(0)
+        req.pages = self.pages.alloc(need)
+        req.slot = self.slots.alloc(1)[0]
+        req.running = True
+        bisect.insort(self.running, req, key=_by_arrival)
+        return True
+
+    def _chunk(self, req: Request, budget: int) -> ScheduledSeq:
+        start = req.num_computed
+        end = min(len(req.tokens), start + budget)
+        return ScheduledSeq(
+            request_id=req.request_id, token_ids=req.tokens[start:end], start_pos=start,
+            page_ids=list(req.pages), state_slot=req.slot, sample=end == len(req.tokens),
+            params=req.params, history=req.tokens, num_generated=req.num_generated)
+
+    def update(self, batch: Batch, output: ForwardOutput) -> list[StepEvent]:
+        """Record a finished step: computed tokens, sampled tokens, token stop conditions."""
+        events = []
+        for seq, token in zip(batch.seqs, output.next_tokens, strict=True):
+            req = self.requests.get(seq.request_id)
+            if req is None or not req.running or req.num_computed != seq.start_pos:
+                continue  # finished or preempted since it was scheduled
+            req.num_computed += seq.num_tokens
+            req.solo = False
+            if not seq.sample:
+                continue
+            if token is None:
+                raise ValueError(f"no token sampled for {seq.request_id!r}")
+            req.tokens.append(token)
+            reason = self._stop_reason(req, token)
+            events.append(StepEvent(req.request_id, token, reason))
+            if reason is not None:
+                self.finish(req.request_id)
+        return events
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if req.num_generated >= p.max_tokens:
+            return "length"
+        return None

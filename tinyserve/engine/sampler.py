@@ -1,0 +1,121 @@
+"""Batched sampling on the model's device.
+
+Per row: optional test hook -> penalties (repetition on prompt + output, presence / frequency on
+the output) -> greedy argmax when temperature is 0, otherwise temperature, top-k, top-p and
+min-p filtering and an exponential race (argmax p / q with q ~ Exp(1), which draws from p).
+A request with a seed draws its noise from a generator seeded with (seed, tokens generated so
+far), so its output depends neither on the rest of the batch nor on preemption.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from tinyserve.core import ScheduledSeq
+
+LogitsHook = Callable[[torch.Tensor, Sequence[ScheduledSeq]], torch.Tensor]
+"""`hook(logits [S, V] float32, seqs) -> logits`: runs before everything else (tests use it to
+force scripted tokens through the real sampler)."""
+
+_SEED_STRIDE = 1_000_003
+
+
+class Sampler:
+    """`sampler(logits, seqs) -> tokens`: one token per row of `logits`, rows in `seqs` order."""
+
+    def __init__(self, logits_hook: LogitsHook | None = None) -> None:
+        self.logits_hook = logits_hook
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
+        """Sample one token per row.
+
+        Args:
+            logits: [S, V] float32 on the model's device, one row per sampling sequence.
+            seqs: the S sequences (their `params`, `history`, `num_generated`).
+        Returns:
+            [S] int64 token ids on the same device.
+        """
+        if len(seqs) != logits.shape[0]:
+            raise ValueError(f"{logits.shape[0]} logit rows for {len(seqs)} sequences")
+        if self.logits_hook is not None:
+            logits = self.logits_hook(logits, seqs)
+        logits = apply_penalties(logits.float(), seqs)
+        greedy_tokens = logits.argmax(dim=-1)
+        if all(s.params.greedy for s in seqs):
+            return greedy_tokens
+        probs = filtered_probs(logits, seqs)
+        noise = exponential_noise(probs, seqs)
+        sampled = (probs / noise).argmax(dim=-1)
+        is_greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
+        return torch.where(is_greedy, greedy_tokens, sampled)
+
+
+def apply_penalties(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
+    """Repetition penalty (HF: divide positive logits, multiply negative ones) over every token
+    of the sequence; presence and frequency penalties (OpenAI) over the generated tokens."""
+    rows = [i for i, s in enumerate(seqs) if _has_penalty(s)]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    device = logits.device
+    V = logits.shape[1]
+    for i in rows:
+        p, seq = seqs[i].params, seqs[i]
+        row = logits[i]
+        if p.repetition_penalty != 1.0 and seq.history:
+            seen = torch.tensor(sorted(set(seq.history)), device=device, dtype=torch.long)
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                    vals * p.repetition_penalty)
+        out = seq.history[len(seq.history) - seq.num_generated:] if seq.num_generated else []
+        if out and (p.presence_penalty or p.frequency_penalty):
+            ids = torch.tensor(out, device=device, dtype=torch.long)
+            counts = torch.zeros(V, device=device).index_add_(
+                0, ids, torch.ones(len(out), device=device))
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def _has_penalty(s: ScheduledSeq) -> bool:
+    p = s.params
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def filtered_probs(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
+    """Softmax at each row's temperature with top-k, top-p and min-p applied (not renormalised:
+    the exponential race does not need it). [S, V] float32."""
+    device = logits.device
+    temps = torch.tensor([max(s.params.temperature, 1e-5) for s in seqs], device=device)
+    probs = torch.softmax(logits / temps[:, None], dim=-1)  # [S, V]
+    V = probs.shape[1]
+    top_k = [s.params.top_k if 0 < s.params.top_k < V else V for s in seqs]
+    top_p = [s.params.top_p for s in seqs]
+    min_p = [s.params.min_p for s in seqs]
+    if any(k < V for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)  # [S, V]
+        rank = torch.arange(V, device=device)[None, :]
+        drop = rank >= torch.tensor(top_k, device=device)[:, None]
+        # keep the smallest prefix whose mass reaches top_p (the top token always stays)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop |= mass_before >= torch.tensor(top_p, device=device)[:, None]
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    if any(p > 0.0 for p in min_p):
+        floor = torch.tensor(min_p, device=device)[:, None] * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs
+
+
+def exponential_noise(probs: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
+    """Exp(1) noise [S, V]; rows of seeded requests from their own (seed, step) generator."""
+    noise = torch.empty_like(probs).exponential_()
+    for i, s in enumerate(seqs):
+        if s.params.seed is not None:
+            gen = torch.Generator(device=probs.device)
+            gen.manual_seed((s.params.seed * _SEED_STRIDE + s.num_generated) % (2**63))
+            noise[i] = torch.empty_like(probs[i]).exponential_(generator=gen)
+    # NOTE: a zero draw would divide by zero; probability 0 in practice, clamp anyway.
+    return noise.clamp_min_(1e-20)

@@ -50,3 +50,7 @@ CACHE_DIR = PathEnv("TINYSERVE_CACHE_DIR", "~/.cache/tinyserve",
                     "compiled kernels and the demo checkpoint")
 DISABLE_KERNELS = BoolEnv("TINYSERVE_DISABLE_KERNELS", "0",
                           "run the pure-torch references even on a GPU")
+NVFP4_GEMV_MAX_M = IntEnv("TINYSERVE_NVFP4_GEMV_MAX_M", "4",
+                          "NVFP4 linear: largest M that takes the split-K GEMV path")
+NVFP4_DEQUANT_MIN_M = IntEnv("TINYSERVE_NVFP4_DEQUANT_MIN_M", "128",
+                             "NVFP4 linear: smallest M that dequantizes to a scratch + cuBLAS")

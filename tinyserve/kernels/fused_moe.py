@@ -1,0 +1,238 @@
+"""Fused MoE over expert slots (Triton), NVFP4 or bf16 experts, with its torch reference.
+
+Experts live in slot buffers (`ExpertSlots`); a layer's routed experts are addressed by slot
+index, so the same kernels serve all-resident experts (slot = expert id) and the GPU expert
+cache (slot = cache line). `fused_moe` runs every (token, expert) pair of a layer in one launch
+sequence: gate_up GEMV -> silu(gate) * up -> down GEMV scaled by the routing weight -> sum over
+the k experts of each token. Pairs are ordered by slot so pairs sharing an expert run
+side by side and read its weights from L2.
+
+Slot layout (gate = rows 0..F-1 of w13, up = rows F..2F-1):
+- NVFP4: w13 uint8 [S, 2F, H/2], w13_scale uint8 [S, 2F, H/16], w13_global fp32 [S, 2]
+  (gate, up); w2 uint8 [S, H, F/2], w2_scale uint8 [S, H, F/16], w2_global fp32 [S].
+- dense: w13 [S, 2F, H], w2 [S, H, F] (bf16 on a GPU); the scale fields are None.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
+
+MOE_BLOCK_N, MOE_BLOCK_W = 16, 32  # rows per program, int32 words (x8 inputs) per step
+
+
+@functools.cache
+def _kernels():
+    from tinyserve.kernels import nvfp4_triton
+
+    return nvfp4_triton
+
+
+@dataclass(frozen=True)
+class ExpertSlots:
+    """Slot buffers for the routed experts of one layer (layout in the module docstring)."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    w13_global: torch.Tensor | None = None
+    w2_global: torch.Tensor | None = None
+
+    @property
+    def is_fp4(self) -> bool:
+        return self.w13_scale is not None
+
+    @property
+    def num_slots(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w2.shape[1]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w13.shape[1] // 2
+
+    @property
+    def device(self) -> torch.device:
+        return self.w13.device
+
+
+def allocate_expert_slots(num_slots: int, hidden_size: int, intermediate_size: int, *,
+                          fp4: bool, device: torch.device | str,
+                          dtype: torch.dtype = torch.bfloat16) -> ExpertSlots:
+    """Empty slot buffers (zero codes, unit scales for NVFP4; zeros for dense `dtype`)."""
+    s, h, f = num_slots, hidden_size, intermediate_size
+    if fp4:
+        if h % 16 or f % 16:
+            raise ValueError(f"NVFP4 experts need H and F divisible by 16, got H={h} F={f}")
+        z = functools.partial(torch.zeros, dtype=torch.uint8, device=device)
+        return ExpertSlots(
+            w13=z(s, 2 * f, h // 2), w2=z(s, h, f // 2),
+            w13_scale=z(s, 2 * f, h // 16), w2_scale=z(s, h, f // 16),
+            w13_global=torch.ones(s, 2, dtype=torch.float32, device=device),
+            w2_global=torch.ones(s, dtype=torch.float32, device=device))
+    return ExpertSlots(w13=torch.zeros(s, 2 * f, h, dtype=dtype, device=device),
+                       w2=torch.zeros(s, h, f, dtype=dtype, device=device))
+
+
+def _dense(w: LinearWeight, dtype: torch.dtype) -> torch.Tensor:
+    from tinyserve.kernels.nvfp4_ref import dequantize_fp8, dequantize_nvfp4
+
+    if isinstance(w, DenseWeight):
+        return w.weight.to(dtype)
+    if isinstance(w, NVFP4Weight):
+        return dequantize_nvfp4(w, dtype)
+    if isinstance(w, FP8Weight):
+        return dequantize_fp8(w, dtype)
+    raise TypeError(f"not a linear weight: {type(w).__name__}")
+
+
+def write_slot(slots: ExpertSlots, slot_id: int, gate: LinearWeight, up: LinearWeight,
+               down: LinearWeight, *, non_blocking: bool = False) -> None:
+    """Copy one expert (gate, up [F, H], down [H, F]) into slot `slot_id` in place.
+
+    NVFP4 slots need NVFP4 weights (raises TypeError otherwise); dense slots take any weight
+    (NVFP4/FP8 are dequantized). Sources may be on the host (pinned for `non_blocking`).
+    """
+    f, h = slots.intermediate_size, slots.hidden_size
+    for name, w, shape in (("gate", gate, (f, h)), ("up", up, (f, h)), ("down", down, (h, f))):
+        if tuple(w.shape) != shape:
+            raise ValueError(f"{name} weight {list(w.shape)} != {list(shape)}")
+    if not 0 <= slot_id < slots.num_slots:
+        raise IndexError(f"slot {slot_id} out of range [0, {slots.num_slots})")
+    if not slots.is_fp4:
+        dt = slots.w13.dtype
+        slots.w13[slot_id, :f].copy_(_dense(gate, dt), non_blocking=non_blocking)
+        slots.w13[slot_id, f:].copy_(_dense(up, dt), non_blocking=non_blocking)
+        slots.w2[slot_id].copy_(_dense(down, dt), non_blocking=non_blocking)
+        return
+    if not all(isinstance(w, NVFP4Weight) for w in (gate, up, down)):
+        raise TypeError("NVFP4 expert slots need NVFP4Weight gate, up and down")
+    assert slots.w13_scale is not None and slots.w2_scale is not None
+    assert slots.w13_global is not None and slots.w2_global is not None
+    nb = non_blocking
+    slots.w13[slot_id, :f].copy_(gate.packed, non_blocking=nb)
+    slots.w13[slot_id, f:].copy_(up.packed, non_blocking=nb)
+    slots.w13_scale[slot_id, :f].copy_(gate.block_scale, non_blocking=nb)
+    slots.w13_scale[slot_id, f:].copy_(up.block_scale, non_blocking=nb)
+    slots.w2[slot_id].copy_(down.packed, non_blocking=nb)
+    slots.w2_scale[slot_id].copy_(down.block_scale, non_blocking=nb)
+    # NOTE: fill_ with a python float never synchronises.
+    slots.w13_global[slot_id, 0].fill_(float(gate.global_scale))
+    slots.w13_global[slot_id, 1].fill_(float(up.global_scale))
+    slots.w2_global[slot_id].fill_(float(down.global_scale))
+
+
+def pack_expert_slots(experts: Sequence[tuple[LinearWeight, LinearWeight, LinearWeight]],
+                      device: torch.device | str,
+                      dtype: torch.dtype = torch.bfloat16) -> ExpertSlots:
+    """Slot buffers holding `experts[i]` (gate, up, down) in slot i.
+
+    NVFP4 slots when every weight is NVFP4Weight, otherwise dense slots in `dtype`.
+    """
+    if not experts:
+        raise ValueError("pack_expert_slots needs at least one expert")
+    fp4 = all(isinstance(w, NVFP4Weight) for e in experts for w in e)
+    f, h = experts[0][0].shape
+    slots = allocate_expert_slots(len(experts), h, f, fp4=fp4, device=device, dtype=dtype)
+    for i, (gate, up, down) in enumerate(experts):
+        write_slot(slots, i, gate, up, down)
+    return slots
+
+
+def _check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+           slots: ExpertSlots) -> None:
+    if x.dim() != 2 or x.shape[1] != slots.hidden_size:
+        raise ValueError(f"x must be [N, {slots.hidden_size}], got {list(x.shape)}")
+    if ids.dim() != 2 or ids.shape[0] != x.shape[0] or tuple(weights.shape) != tuple(ids.shape):
+        raise ValueError(f"topk ids {list(ids.shape)} / weights {list(weights.shape)} must be "
+                         f"[N={x.shape[0]}, k]")
+    if ids.dtype not in (torch.int32, torch.int64) or ids.is_floating_point():
+        raise TypeError(f"topk_slot_ids must be int32/int64, got {ids.dtype}")
+    if not (x.device == ids.device == weights.device == slots.device):
+        raise ValueError("x, topk ids/weights and the slots must be on one device")
+
+
+def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.Tensor,
+              slots: ExpertSlots) -> torch.Tensor:
+    """Routed-expert MLP: sum_j w[t, j] * down_s(silu(gate_s(x_t)) * up_s(x_t)), s = ids[t, j].
+
+    Args:
+        x: [N, H] bf16 / fp16 / fp32 activations.
+        topk_slot_ids: [N, k] int32/int64 slot index of each chosen expert (in [0, S)).
+        topk_weights: [N, k] routing weights (any float dtype).
+        slots: the layer's ExpertSlots, on x's device.
+    Returns:
+        [N, H] in x.dtype (fp32 accumulation and intermediate).
+    """
+    _check(x, topk_slot_ids, topk_weights, slots)
+    kern = _kernels()
+    n, topk = topk_slot_ids.shape
+    h, f = slots.hidden_size, slots.intermediate_size
+    pairs = n * topk
+    if pairs == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    ids = topk_slot_ids.contiguous().view(-1)
+    wts = topk_weights.contiguous().view(-1)
+    # NOTE: a stable sort keeps token order within a slot; no host synchronisation.
+    order = torch.argsort(ids, stable=True).to(torch.int32) if n > 1 else \
+        torch.arange(pairs, device=x.device, dtype=torch.int32)
+    fp4 = slots.is_fp4
+    w13 = slots.w13.view(torch.int32) if fp4 else slots.w13
+    w2 = slots.w2.view(torch.int32) if fp4 else slots.w2
+    s13 = slots.w13_scale if fp4 else slots.w13
+    s2 = slots.w2_scale if fp4 else slots.w2
+    g13 = slots.w13_global if fp4 else wts
+    g2 = slots.w2_global if fp4 else wts
+    inter = torch.empty(pairs, f, device=x.device, dtype=torch.float32)
+    kern.moe_gate_up_kernel[(pairs, -(-f // MOE_BLOCK_N))](
+        x, ids, order, w13, s13, g13, inter, h, f, topk, x.stride(0), IS_FP4=fp4,
+        BLOCK_N=MOE_BLOCK_N, BLOCK_W=MOE_BLOCK_W, num_warps=4)
+    pair_out = torch.empty(pairs, h, device=x.device, dtype=torch.float32)
+    kern.moe_down_kernel[(pairs, -(-h // MOE_BLOCK_N))](
+        inter, ids, order, wts, w2, s2, g2, pair_out, h, f, IS_FP4=fp4,
+        BLOCK_N=MOE_BLOCK_N, BLOCK_W=MOE_BLOCK_W, num_warps=4)
+    return pair_out.view(n, topk, h).sum(1).to(x.dtype)
+
+
+def slot_weights(slots: ExpertSlots, slot_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense fp32 (w13 [2F, H], w2 [H, F]) of one slot (reference path)."""
+    from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4
+
+    if not slots.is_fp4:
+        return slots.w13[slot_id].float(), slots.w2[slot_id].float()
+    assert slots.w13_scale is not None and slots.w2_scale is not None
+    assert slots.w13_global is not None and slots.w2_global is not None
+    f = slots.intermediate_size
+    g13 = slots.w13_global[slot_id].tolist()
+    halves = [dequantize_nvfp4(NVFP4Weight(slots.w13[slot_id, r], slots.w13_scale[slot_id, r],
+                                           g13[i]))
+              for i, r in enumerate((slice(0, f), slice(f, 2 * f)))]
+    w2 = dequantize_nvfp4(NVFP4Weight(slots.w2[slot_id], slots.w2_scale[slot_id],
+                                      float(slots.w2_global[slot_id])))
+    return torch.cat(halves), w2
+
+
+def fused_moe_ref(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  slots: ExpertSlots) -> torch.Tensor:
+    """Per-slot torch loop in fp32, same contract as `fused_moe`."""
+    _check(x, topk_slot_ids, topk_weights, slots)
+    f = slots.intermediate_size
+    xf = x.float()
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for s in torch.unique(topk_slot_ids).tolist():
+        tok, j = (topk_slot_ids == s).nonzero(as_tuple=True)
+        w13, w2 = slot_weights(slots, s)
+        gu = xf[tok] @ w13.T  # [n_s, 2F]
+        hid = torch.nn.functional.silu(gu[:, :f]) * gu[:, f:]
+        out.index_add_(0, tok, (hid @ w2.T) * topk_weights[tok, j].float()[:, None])
+    return out.to(x.dtype)

@@ -1,0 +1,168 @@
+"""NVFP4 W4A16 linear in Triton: `nvfp4_linear(x, w) = x @ dequantize(w).T`.
+
+Three paths (specs/nvfp4.md §5.3), picked by the number of rows M of x:
+
+- `gemv` (M <= GEMV_MAX_M, decode): int32 loads of 8 packed codes, arithmetic E2M1 decode,
+  E4M3 decoded from its uint8 bits, split-K when there are too few row blocks to fill the GPU.
+- `dot` (up to DEQUANT_MIN_M): tensor-core `tl.dot` with the weight tile dequantized in the
+  K loop (even and odd inputs as two dots, no lookup table, no scratch).
+- `dequant` (prefill): dequantize to a bf16/fp16 scratch (in row chunks of at most
+  SCRATCH_ELEMS) and call torch.matmul (cuBLAS).
+
+The thresholds come from TINYSERVE_NVFP4_GEMV_MAX_M / TINYSERVE_NVFP4_DEQUANT_MIN_M; the
+bench (`bench/nvfp4.py`) measures all three. The reference is `kernels/nvfp4_ref.py`.
+Triton is imported on the first call, never at import time.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from tinyserve import envs
+from tinyserve.core import NVFP4Weight
+
+PATHS = ("gemv", "dot", "dequant")
+SCRATCH_ELEMS = 1 << 24  # dequant scratch cap (32 MiB in bf16)
+GEMV_BLOCK_N, GEMV_BLOCK_W = 16, 32  # rows per program, int32 words (x8 inputs) per step
+GEMV_MIN_K_SPLIT = 512  # never split K finer than this
+
+
+@functools.cache
+def _kernels():
+    from tinyserve.kernels import nvfp4_triton
+
+    return nvfp4_triton
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def _thresholds() -> tuple[int, int]:
+    return envs.NVFP4_GEMV_MAX_M.get(), envs.NVFP4_DEQUANT_MIN_M.get()
+
+
+def choose_path(m: int) -> str:
+    """The default path for M rows of activations."""
+    gemv_max, dequant_min = _thresholds()
+    if m <= gemv_max:
+        return "gemv"
+    return "dot" if m < dequant_min else "dequant"
+
+
+def _check(x: torch.Tensor, w: NVFP4Weight) -> tuple[int, int, int]:
+    if x.dim() != 2:
+        raise ValueError(f"x must be [M, K], got {list(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"x must be bf16/fp16/fp32, got {x.dtype}")
+    n, half_k = w.packed.shape
+    k = half_k * 2
+    if x.shape[1] != k or k % 16:
+        raise ValueError(f"x {list(x.shape)} does not match NVFP4 weight [{n}, {k}]")
+    if w.packed.dtype != torch.uint8 or w.block_scale.dtype != torch.uint8:
+        raise TypeError("NVFP4 packed codes and block scales must be uint8")
+    if tuple(w.block_scale.shape) != (n, k // 16):
+        raise ValueError(f"block_scale {list(w.block_scale.shape)} != [{n}, {k // 16}]")
+    if not (w.packed.is_contiguous() and w.block_scale.is_contiguous()):
+        raise ValueError("NVFP4 weight tensors must be contiguous")
+    if w.packed.device != x.device or w.block_scale.device != x.device:
+        raise ValueError("x and the weight must be on the same device")
+    return x.shape[0], n, k
+
+
+def _gemv(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int) -> torch.Tensor:
+    kern = _kernels()
+    words = w.packed.view(torch.int32)  # [N, K/8]: 8 codes per word, element 8i+j in nibble j
+    n_blocks = triton_cdiv(n, GEMV_BLOCK_N)
+    step = GEMV_BLOCK_W * 8
+    split = 1
+    target = 2 * _num_sms(x.device)
+    while n_blocks * split < target and k // (split * 2) >= GEMV_MIN_K_SPLIT:
+        split *= 2
+    k_split = triton_cdiv(triton_cdiv(k, split), step) * step
+    split = triton_cdiv(k, k_split)
+    if split == 1:
+        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    else:
+        out = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+    factor = kern.FP4_UNIT * float(w.global_scale)
+    grid = (m * split * n_blocks,)
+    kern.nvfp4_gemv_kernel[grid](x, words, w.block_scale, out, factor, m, n, k, x.stride(0),
+                                 k_split, SPLIT_K=split, BLOCK_N=GEMV_BLOCK_N,
+                                 BLOCK_W=GEMV_BLOCK_W, num_warps=4)
+    return out if split == 1 else out.sum(0).to(x.dtype)
+
+
+def _dot(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int) -> torch.Tensor:
+    kern = _kernels()
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    block_n, block_k = 64, 128
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    grid = (triton_cdiv(m, block_m) * triton_cdiv(n, block_n),)
+    kern.nvfp4_dot_kernel[grid](x, w.packed, w.block_scale, out, float(w.global_scale), m, n,
+                                k, x.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+                                BLOCK_K=block_k, num_warps=4)
+    return out
+
+
+def nvfp4_dequantize(w: NVFP4Weight, dtype: torch.dtype = torch.bfloat16, *,
+                     rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """Dense [N, K] (or rows [r0, r1)) of an NVFP4 weight in `dtype`, on the weight's device."""
+    kern = _kernels()
+    n, k = w.shape
+    r0, r1 = rows if rows is not None else (0, n)
+    out = torch.empty(r1 - r0, k, device=w.packed.device, dtype=dtype)
+    block_n, block_k = 32, 128
+    grid = (triton_cdiv(r1 - r0, block_n), triton_cdiv(k, block_k))
+    kern.nvfp4_dequant_kernel[grid](w.packed[r0:r1], w.block_scale[r0:r1], out,
+                                    float(w.global_scale), r1 - r0, k, BLOCK_N=block_n,
+                                    BLOCK_K=block_k, num_warps=4)
+    return out
+
+
+def _dequant_matmul(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int) -> torch.Tensor:
+    dtype = x.dtype
+    chunk = max(64, SCRATCH_ELEMS // k // 64 * 64)
+    if chunk >= n:
+        return x @ nvfp4_dequantize(w, dtype).T
+    out = torch.empty(m, n, device=x.device, dtype=dtype)
+    for r0 in range(0, n, chunk):
+        r1 = min(n, r0 + chunk)
+        out[:, r0:r1] = x @ nvfp4_dequantize(w, dtype, rows=(r0, r1)).T
+    return out
+
+
+def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, *, path: str | None = None) -> torch.Tensor:
+    """y = x @ dequantize(w).T, W4A16 on a GPU (or the Triton interpreter).
+
+    Args:
+        x: [M, K] (or [..., K]) bf16 / fp16 / fp32 on the weight's device.
+        w: NVFP4Weight with packed uint8 [N, K/2], block_scale uint8 [N, K/16], contiguous.
+        path: "gemv", "dot" or "dequant"; None picks by M (`choose_path`).
+    Returns:
+        [M, N] (or [..., N]) in x.dtype. Accumulates in fp32.
+    Raises:
+        ValueError / TypeError on shape, dtype, layout or device mismatch.
+    """
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, n, k = _check(x2, w)
+    path = path or choose_path(m)
+    if path not in PATHS:
+        raise ValueError(f"unknown nvfp4 path {path!r}; choose from {PATHS}")
+    if m == 0:
+        return x.new_empty(*lead, n)
+    run = {"gemv": _gemv, "dot": _dot, "dequant": _dequant_matmul}[path]
+    return run(x2, w, m, n, k).reshape(*lead, n)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,200 @@
+"""Triton kernels behind `kernels/nvfp4.py` and `kernels/fused_moe.py` (W4A16, no FP4 cores).
+
+This module imports triton at the top, so only the launchers import it, lazily. Decoding:
+
+- E2M1 code c -> fp16 bits `((c & 7) << 9) | ((c & 8) << 12)` = E2M1[c] * 2^-14 exactly
+  (subnormal 0.5 and -0 included; no lookup table).
+- E4M3 bits b -> fp16 bits `((b & 0x80) << 8) | ((b & 0x7F) << 7)` = e4m3(b) * 2^-8 exactly
+  (e4m3 subnormals land on fp16 subnormals; works below sm_89, no fp8 type needed).
+
+So E2M1 * e4m3 = decoded product * 2^22 (`FP4_UNIT`), folded into the per-tensor factor.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FP4_UNIT = float(2**22)
+FP4_UNIT_C = tl.constexpr(FP4_UNIT)
+
+
+@triton.jit
+def _e2m1(codes):
+    # codes: int32 in 0..15 -> E2M1[code] * 2^-14, fp32
+    bits = ((codes & 7) << 9) | ((codes & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e4m3(raw):
+    # raw: uint8 E4M3 bits -> e4m3 * 2^-8, fp32
+    b = raw.to(tl.int32)
+    bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _rows_dot(x_row, w_ptr, s_ptr, rows, row_mask, K, k_lo, k_hi,
+              IS_FP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """sum_k x[k] * W[rows, k] over k in [k_lo, k_hi), fp32 [BLOCK_N].
+
+    IS_FP4: `w_ptr` is int32 words [rows, K/8] (8 codes each, code j in bits 4j..4j+3) and
+    `s_ptr` uint8 [rows, K/16]; the result lacks the factor FP4_UNIT * global_scale.
+    Otherwise `w_ptr` is a dense [rows, K] weight and `s_ptr` is unused.
+    """
+    offs_w = tl.arange(0, BLOCK_W)
+    offs_j = tl.arange(0, 8)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    rows64 = rows.to(tl.int64)
+    for k0 in range(k_lo, k_hi, BLOCK_W * 8):
+        word = k0 // 8 + offs_w  # [BW]
+        kk = word[:, None] * 8 + offs_j[None, :]  # [BW, 8]
+        k_ok = kk < k_hi
+        xv = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)  # [BW, 8]
+        if IS_FP4:
+            w_ok = row_mask[:, None] & (word[None, :] < k_hi // 8)
+            words = tl.load(w_ptr + rows64[:, None] * (K // 8) + word[None, :], mask=w_ok,
+                            other=0)  # [BN, BW] int32
+            codes = (words[:, :, None] >> (offs_j * 4)[None, None, :]) & 15  # [BN, BW, 8]
+            part = tl.sum(_e2m1(codes) * xv[None, :, :], axis=2)  # [BN, BW]
+            raw = tl.load(s_ptr + rows64[:, None] * (K // 16) + (word // 2)[None, :],
+                          mask=w_ok, other=0)
+            acc += tl.sum(part * _e4m3(raw), axis=1)
+        else:
+            w_ok = row_mask[:, None, None] & k_ok[None, :, :]
+            wv = tl.load(w_ptr + rows64[:, None, None] * K + kk[None, :, :], mask=w_ok,
+                         other=0.0).to(tl.float32)  # [BN, BW, 8]
+            acc += tl.sum(tl.sum(wv * xv[None, :, :], axis=2), axis=1)
+    return acc
+
+
+@triton.jit
+def nvfp4_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, factor, M, N, K, stride_xm, K_SPLIT,
+                      SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    # out[pid_k, m, n] = factor * sum_{k in split} x[m, k] * W[n, k]
+    pid = tl.program_id(0)
+    pid_m = pid % M  # NOTE: rows of x vary fastest so one weight tile is reused from L2
+    rest = pid // M
+    pid_k = rest % SPLIT_K
+    pid_n = rest // SPLIT_K
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    k_lo = pid_k * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    acc = _rows_dot(x_ptr + pid_m.to(tl.int64) * stride_xm, w_ptr, s_ptr, rows, row_mask, K,
+                    k_lo, k_hi, True, BLOCK_N, BLOCK_W)
+    out = out_ptr + (pid_k.to(tl.int64) * M + pid_m) * N + rows
+    tl.store(out, (acc * factor).to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _dequant_tile(w_ptr, s_ptr, rows, row_mask, K, byte, byte_mask):
+    """[BK/2, BN] even-element and odd-element weights of `rows` at byte columns `byte`, as
+    fp32 E2M1 * e4m3 (exact in bf16/fp16), from codes [rows, K/2] and scales [rows, K/16]."""
+    rows64 = rows.to(tl.int64)
+    ok = byte_mask[:, None] & row_mask[None, :]
+    packed = tl.load(w_ptr + rows64[None, :] * (K // 2) + byte[:, None], mask=ok, other=0)
+    packed = packed.to(tl.int32)
+    raw = tl.load(s_ptr + rows64[None, :] * (K // 16) + (byte // 8)[:, None], mask=ok, other=0)
+    scale = _e4m3(raw) * FP4_UNIT_C
+    lo = _e2m1(packed & 15) * scale
+    hi = _e2m1(packed >> 4) * scale
+    return lo, hi
+
+
+@triton.jit
+def nvfp4_dot_kernel(x_ptr, w_ptr, s_ptr, out_ptr, gs, M, N, K, stride_xm,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # out[m, n] = gs * sum_k x[m, k] * (E2M1 * e4m3)[n, k]; even/odd inputs in two dots
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_m
+    pid_n = pid // num_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    row_mask = rows < N
+    offs_b = tl.arange(0, BLOCK_K // 2)
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        byte = k0 // 2 + offs_b
+        b_mask = byte < K // 2
+        lo, hi = _dequant_tile(w_ptr, s_ptr, rows, row_mask, K, byte, b_mask)
+        xm = m_mask[:, None] & b_mask[None, :]
+        x_even = tl.load(x_rows + 2 * byte[None, :], mask=xm, other=0.0)
+        x_odd = tl.load(x_rows + 2 * byte[None, :] + 1, mask=xm, other=0.0)
+        acc += tl.dot(x_even, lo.to(x_ptr.dtype.element_ty))
+        acc += tl.dot(x_odd, hi.to(x_ptr.dtype.element_ty))
+    out = out_ptr + offs_m.to(tl.int64)[:, None] * N + rows[None, :]
+    tl.store(out, (acc * gs).to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & row_mask[None, :])
+
+
+@triton.jit
+def nvfp4_dequant_kernel(w_ptr, s_ptr, out_ptr, gs, N, K,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # out[n, k] = gs * E2M1 * e4m3, out [N, K] row-major in out's dtype
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    byte = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    row_mask = rows < N
+    b_mask = byte < K // 2
+    lo, hi = _dequant_tile(w_ptr, s_ptr, rows, row_mask, K, byte, b_mask)
+    ok = b_mask[:, None] & row_mask[None, :]
+    out = out_ptr + rows.to(tl.int64)[None, :] * K + 2 * byte[:, None]
+    tl.store(out, (lo * gs).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out + 1, (hi * gs).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# --------------------------------------------------------------------------------------------
+# Fused MoE over expert slots, one program per (token, expert) pair and block of rows.
+
+
+@triton.jit
+def moe_gate_up_kernel(x_ptr, ids_ptr, order_ptr, w_ptr, s_ptr, gs_ptr, inter_ptr,
+                       H, F, TOPK, stride_xm,
+                       IS_FP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    # inter[p, f] = silu(x[t] . W13[slot, f]) * (x[t] . W13[slot, F + f]), p = t * TOPK + j
+    p = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)  # pairs sorted by slot
+    slot = tl.load(ids_ptr + p).to(tl.int64)
+    x_row = x_ptr + (p // TOPK) * stride_xm
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < F
+    if IS_FP4:
+        w_slot = w_ptr + slot * (2 * F) * (H // 8)
+        s_slot = s_ptr + slot * (2 * F) * (H // 16)
+    else:
+        w_slot = w_ptr + slot * (2 * F) * H
+        s_slot = s_ptr
+    g = _rows_dot(x_row, w_slot, s_slot, rows, row_mask, H, 0, H, IS_FP4, BLOCK_N, BLOCK_W)
+    u = _rows_dot(x_row, w_slot, s_slot, rows + F, row_mask, H, 0, H, IS_FP4, BLOCK_N,
+                  BLOCK_W)
+    if IS_FP4:
+        g = g * (tl.load(gs_ptr + 2 * slot) * FP4_UNIT_C)
+        u = u * (tl.load(gs_ptr + 2 * slot + 1) * FP4_UNIT_C)
+    h = g / (1.0 + tl.exp(-g)) * u
+    tl.store(inter_ptr + p * F + rows, h, mask=row_mask)
+
+
+@triton.jit
+def moe_down_kernel(inter_ptr, ids_ptr, order_ptr, wt_ptr, w_ptr, s_ptr, gs_ptr, out_ptr,
+                    H, F,
+                    IS_FP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    # out[p, h] = topk_weight[p] * inter[p] . W2[slot, h]
+    p = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
+    slot = tl.load(ids_ptr + p).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < H
+    if IS_FP4:
+        w_slot = w_ptr + slot * H * (F // 8)
+        s_slot = s_ptr + slot * H * (F // 16)
+    else:
+        w_slot = w_ptr + slot * H * F
+        s_slot = s_ptr
+    acc = _rows_dot(inter_ptr + p * F, w_slot, s_slot, rows, row_mask, F, 0, F, IS_FP4,
+                    BLOCK_N, BLOCK_W)
+    factor = tl.load(wt_ptr + p).to(tl.float32)
+    if IS_FP4:
+        factor = factor * tl.load(gs_ptr + slot) * FP4_UNIT_C
+    tl.store(out_ptr + p * H + rows, acc * factor, mask=row_mask)

@@ -1,0 +1,342 @@
+"""Gated DeltaNet kernels (Triton) over the GDN state pool, read and written IN PLACE by slot.
+
+Public functions (each runs Triton on CUDA tensors and the pure-torch references of
+`kernels/gdn_ref.py` otherwise; `backend="triton"|"torch"` forces one):
+
+- `causal_conv1d_update(x [B,C], weight [C,K], conv_pool [slots,C,K-1], slots [B])`: decode.
+- `causal_conv1d_prefill(x [T,C], weight, conv_pool, slots [B], cu_seqlens [B+1],
+  has_initial_state [B])`: varlen batch (decode rows are sequences of length 1).
+- `gdn_decode(q [B,Hk,dk], k, v [B,Hv,dv], a [B,Hv], b [B,Hv], A_log [Hv], dt_bias [Hv],
+  recurrent_pool [slots,Hv,dk,dv] fp32, slots [B])`: one token per sequence.
+- `gdn_prefill(q [T,Hk,dk], k, v [T,Hv,dv], a [T,Hv], b [T,Hv], A_log, dt_bias,
+  recurrent_pool, slots, cu_seqlens, has_initial_state)`: varlen batch, chunked form (chunk
+  64), or the recurrent kernel over the tokens (`method="recurrent"`, and the fallback if the
+  chunk kernel fails to build).
+
+The GDN kernels fuse the l2norm of q and k (eps 1e-6), the q scaling by dk**-0.5,
+g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) and the value-head grouping (value
+head h reads key head h // (Hv // Hk)); all state math is fp32. Sequences whose
+`has_initial_state` is false start from zeros and never read their slot.
+Kernel source: `kernels/_gdn_triton.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from tinyserve.kernels import gdn_ref
+from tinyserve.log import get_logger
+
+log = get_logger(__name__)
+
+_CONV_BLOCK_C = 256
+_CONV_BLOCK_T = 16
+
+
+@functools.cache
+def _kernels():
+    from tinyserve.kernels import _gdn_triton
+
+    return _gdn_triton.build()
+
+
+def _use_triton(backend: str, *tensors: torch.Tensor) -> bool:
+    if backend == "auto":
+        from tinyserve import envs
+
+        return all(t.is_cuda for t in tensors) and not envs.DISABLE_KERNELS.get()
+    if backend not in ("triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', not {backend!r}")
+    return backend == "triton"
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+def _out(out: torch.Tensor | None, shape: tuple, like: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    _check(tuple(out.shape) == tuple(shape) and out.dtype == like.dtype
+           and out.is_contiguous(), f"out must be contiguous {shape} {like.dtype}")
+    return out
+
+
+def _last_contig(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+# --------------------------------------------------------------------------------------------
+# causal conv1d
+
+
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor,
+                         slots: torch.Tensor, *, out: torch.Tensor | None = None,
+                         backend: str = "auto") -> torch.Tensor:
+    """One decode step of the depthwise causal conv + SiLU, updating the conv state in place.
+
+    Args:
+        x: [B, C] pre-conv inputs (model dtype); weight: [C, K];
+        conv_pool: [slots, C, K-1] (one layer's view, last dim contiguous), oldest first;
+        slots: [B] int, the pool slot of each row (distinct).
+    Returns:
+        y [B, C] in x.dtype (written to `out` when given).
+    """
+    B, C = x.shape
+    K = weight.shape[1]
+    _check(weight.shape == (C, K), f"weight {tuple(weight.shape)} != ({C}, {K})")
+    _check(conv_pool.dim() == 3 and conv_pool.shape[1:] == (C, K - 1),
+           f"conv_pool {tuple(conv_pool.shape)} != [slots, {C}, {K - 1}]")
+    _check(slots.shape == (B,), f"slots {tuple(slots.shape)} != ({B},)")
+    y = _out(out, (B, C), x)
+    if not _use_triton(backend, x, conv_pool):
+        for i, s in enumerate(slots.tolist()):
+            yi, st = gdn_ref.causal_conv1d_ref(x[i:i + 1], weight, conv_pool[s])
+            y[i] = yi[0]
+            conv_pool[s] = st
+        return y
+    _check(conv_pool.stride(2) == 1, "conv_pool needs a contiguous last dim")
+    x, weight = _last_contig(x), weight.contiguous()
+    grid = (B, triton_cdiv(C, _CONV_BLOCK_C))
+    _kernels().conv1d_update[grid](
+        x, weight, conv_pool, slots, y, C,
+        x.stride(0), conv_pool.stride(0), conv_pool.stride(1), y.stride(0),
+        K=K, KP=_pow2(K - 1), BLOCK_C=_CONV_BLOCK_C, num_warps=4)
+    return y
+
+
+def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor,
+                          slots: torch.Tensor, cu_seqlens: torch.Tensor,
+                          has_initial_state: torch.Tensor, *, out: torch.Tensor | None = None,
+                          backend: str = "auto") -> torch.Tensor:
+    """Depthwise causal conv + SiLU over a varlen batch, state read and written back in place.
+
+    Args:
+        x: [T, C] pre-conv inputs of all sequences, batch order; weight: [C, K];
+        conv_pool: [slots, C, K-1]; slots: [B] int; cu_seqlens: [B+1] int32 offsets into T;
+        has_initial_state: [B] bool, false -> the sequence starts from a zero state (its slot
+            is not read).
+    Returns:
+        y [T, C] in x.dtype. Every slot in `slots` ends holding the last K-1 inputs.
+    """
+    T, C = x.shape
+    K = weight.shape[1]
+    B = slots.shape[0]
+    _check(weight.shape == (C, K), f"weight {tuple(weight.shape)} != ({C}, {K})")
+    _check(conv_pool.dim() == 3 and conv_pool.shape[1:] == (C, K - 1),
+           f"conv_pool {tuple(conv_pool.shape)} != [slots, {C}, {K - 1}]")
+    _check(cu_seqlens.shape == (B + 1,) and has_initial_state.shape == (B,),
+           "cu_seqlens must be [B+1] and has_initial_state [B]")
+    y = _out(out, (T, C), x)
+    if not _use_triton(backend, x, conv_pool):
+        cu = cu_seqlens.tolist()
+        for i, (s, init) in enumerate(zip(slots.tolist(), has_initial_state.tolist(), strict=True)):
+            st = conv_pool[s] if init else torch.zeros_like(conv_pool[s])
+            y[cu[i]:cu[i + 1]], conv_pool[s] = gdn_ref.causal_conv1d_ref(
+                x[cu[i]:cu[i + 1]], weight, st)
+        return y
+    _check(conv_pool.stride(2) == 1, "conv_pool needs a contiguous last dim")
+    x, weight = _last_contig(x), weight.contiguous()
+    cu = cu_seqlens.to(torch.int32)
+    init = has_initial_state.to(torch.int32)
+    # [T] sequence of each token, without a host synchronisation
+    seq_ids = torch.searchsorted(cu[1:], torch.arange(T, dtype=torch.int32, device=x.device),
+                                 right=True).to(torch.int32)
+    k = _kernels()
+    if T > 0:
+        grid = (triton_cdiv(T, _CONV_BLOCK_T), triton_cdiv(C, _CONV_BLOCK_C))
+        k.conv1d_varlen[grid](
+            x, weight, conv_pool, slots, cu, init, seq_ids, y, T, C,
+            x.stride(0), conv_pool.stride(0), conv_pool.stride(1), y.stride(0),
+            K=K, BLOCK_T=_CONV_BLOCK_T, BLOCK_C=_CONV_BLOCK_C, num_warps=4)
+    # NOTE: a second launch, so no program overwrites a state another one still reads.
+    grid = (B, triton_cdiv(C, _CONV_BLOCK_C))
+    k.conv1d_state_writeback[grid](
+        x, conv_pool, slots, cu, init, C,
+        x.stride(0), conv_pool.stride(0), conv_pool.stride(1),
+        K=K, KP=_pow2(K - 1), BLOCK_C=_CONV_BLOCK_C, num_warps=4)
+    return y
+
+
+# --------------------------------------------------------------------------------------------
+# gated delta rule
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+              dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, beta) fp32 [N, Hv] from the raw projections: g = -exp(A_log) * softplus(a +
+    dt_bias), beta = sigmoid(b). The torch form of what the kernels fuse."""
+    g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
+    return g, b.float().sigmoid()
+
+
+def _prep_qk(q: torch.Tensor, k: torch.Tensor, Hv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """l2norm (eps 1e-6), q * dk**-0.5, key heads repeated to Hv; fp32 [N, Hv, dk]."""
+    def l2(u: torch.Tensor) -> torch.Tensor:
+        u = u.float()
+        return u * torch.rsqrt((u * u).sum(-1, keepdim=True) + 1e-6)
+
+    G = Hv // q.shape[1]
+    qn = l2(q) * q.shape[-1] ** -0.5
+    return qn.repeat_interleave(G, dim=1), l2(k).repeat_interleave(G, dim=1)
+
+
+def _check_gdn(q, k, v, a, b, A_log, dt_bias, pool, slots) -> tuple[int, int, int, int, int]:
+    N, Hk, dk = q.shape
+    Hv, dv = v.shape[1], v.shape[2]
+    _check(k.shape == q.shape, f"k {tuple(k.shape)} != q {tuple(q.shape)}")
+    _check(v.shape[0] == N and Hv % Hk == 0, f"v {tuple(v.shape)} does not fit q {(N, Hk)}")
+    _check(a.shape == (N, Hv) and b.shape == (N, Hv), f"a, b must be [{N}, {Hv}]")
+    _check(A_log.shape == (Hv,) and dt_bias.shape == (Hv,), f"A_log, dt_bias must be [{Hv}]")
+    _check(pool.dim() == 4 and pool.shape[1:] == (Hv, dk, dv),
+           f"recurrent_pool {tuple(pool.shape)} != [slots, {Hv}, {dk}, {dv}]")
+    _check(pool.dtype == torch.float32, f"recurrent_pool must be float32, not {pool.dtype}")
+    _check(slots.dim() == 1, "slots must be 1-D")
+    return N, Hk, Hv, dk, dv
+
+
+def _gdn_torch(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, chunked) -> None:
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    qn, kn = _prep_qk(q, k, v.shape[1])
+    fn = gdn_ref.chunk_gated_delta_rule_ref if chunked else gdn_ref.recurrent_gated_delta_rule_ref
+    for i, (s, has) in enumerate(zip(slots.tolist(), init, strict=True)):
+        lo, hi = cu[i], cu[i + 1]
+        st = pool[s] if has else torch.zeros_like(pool[s])
+        o, new = fn(qn[lo:hi], kn[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], st)
+        y[lo:hi] = o.to(y.dtype)
+        pool[s] = new
+
+
+def _strides(q, k, v, a, b, y) -> tuple:
+    return (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            a.stride(0), b.stride(0), y.stride(0), y.stride(1))
+
+
+def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+               b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+               recurrent_pool: torch.Tensor, slots: torch.Tensor, *,
+               out: torch.Tensor | None = None, backend: str = "auto",
+               block_v: int = 32) -> torch.Tensor:
+    """One gated-delta-rule step per sequence, the state updated in place in its pool slot.
+
+    Args:
+        q, k: [B, Hk, dk] raw (pre-l2norm) post-conv; v: [B, Hv, dv]; a, b: [B, Hv] raw gate
+            projections; A_log, dt_bias: [Hv]; recurrent_pool: [slots, Hv, dk, dv] fp32 (one
+            layer's view, contiguous per slot); slots: [B] int (distinct).
+    Returns:
+        o [B, Hv, dv] in v.dtype. Every sequence reads its slot (decode has a state).
+    """
+    B, Hk, Hv, dk, dv = _check_gdn(q, k, v, a, b, A_log, dt_bias, recurrent_pool, slots)
+    _check(slots.shape == (B,), f"slots {tuple(slots.shape)} != ({B},)")
+    y = _out(out, (B, Hv, dv), v)
+    if not _use_triton(backend, q, recurrent_pool):
+        _gdn_torch(q, k, v, a, b, A_log, dt_bias, recurrent_pool, slots,
+                   list(range(B + 1)), [True] * B, y, chunked=False)
+        return y
+    return _launch_recurrent(q, k, v, a, b, A_log, dt_bias, recurrent_pool, slots,
+                             None, None, y, block_v)
+
+
+def _launch_recurrent(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, block_v):
+    B = slots.shape[0]
+    Hk, dk = q.shape[1], q.shape[2]
+    Hv, dv = v.shape[1], v.shape[2]
+    q, k, v, a, b = (_last_contig(t) for t in (q, k, v, a, b))
+    _check(pool.stride(3) == 1 and pool.stride(2) == dv, "recurrent_pool slots must be contiguous")
+    BV = min(_pow2(dv), block_v)
+    grid = (B, Hv, triton_cdiv(dv, BV))
+    varlen = cu is not None
+    _kernels().gdn_recurrent[grid](
+        q, k, v, a, b, A_log, dt_bias, pool, slots,
+        cu if varlen else slots, init if varlen else slots, y,
+        *_strides(q, k, v, a, b, y), pool.stride(0), pool.stride(1),
+        dk ** -0.5, Hv // Hk, dk, dv,
+        IS_VARLEN=varlen, BK=_pow2(dk), BV=BV, num_warps=4 if BV <= 32 else 8)
+    return y
+
+
+def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                recurrent_pool: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
+                has_initial_state: torch.Tensor, *, out: torch.Tensor | None = None,
+                backend: str = "auto", method: str = "chunk", chunk_size: int = 64,
+                block_v: int = 32) -> torch.Tensor:
+    """Gated delta rule over a varlen batch (prefill chunks and decode rows mixed).
+
+    Args:
+        q, k: [T, Hk, dk] raw post-conv; v: [T, Hv, dv]; a, b: [T, Hv]; A_log, dt_bias: [Hv];
+        recurrent_pool: [slots, Hv, dk, dv] fp32; slots: [B] int (distinct); cu_seqlens: [B+1]
+        int32 offsets into T; has_initial_state: [B] bool (false -> zero initial state, slot
+        not read).
+        method: "chunk" (chunked form, `chunk_size` >= 16, power of two) or "recurrent".
+    Returns:
+        o [T, Hv, dv] in v.dtype; each sequence's final state is written to its slot.
+    """
+    T, Hk, Hv, dk, dv = _check_gdn(q, k, v, a, b, A_log, dt_bias, recurrent_pool, slots)
+    B = slots.shape[0]
+    _check(cu_seqlens.shape == (B + 1,) and has_initial_state.shape == (B,),
+           "cu_seqlens must be [B+1] and has_initial_state [B]")
+    _check(method in ("chunk", "recurrent"), "method must be 'chunk' or 'recurrent'")
+    y = _out(out, (T, Hv, dv), v)
+    if not _use_triton(backend, q, recurrent_pool):
+        _gdn_torch(q, k, v, a, b, A_log, dt_bias, recurrent_pool, slots,
+                   cu_seqlens.tolist(), has_initial_state.tolist(), y, method == "chunk")
+        return y
+    cu = cu_seqlens.to(torch.int32)
+    init = has_initial_state.to(torch.int32)
+    if method == "chunk" and not _chunk_broken():
+        try:
+            return _launch_chunk(q, k, v, a, b, A_log, dt_bias, recurrent_pool, slots, cu,
+                                 init, y, chunk_size, block_v)
+        except Exception as e:  # noqa: BLE001 - a build failure falls back to the recurrence
+            if not _is_build_error(e):
+                raise
+            log.warning("GDN chunk kernel failed to build (%s); using the recurrent kernel", e)
+            _chunk_broken(set_broken=True)
+    return _launch_recurrent(q, k, v, a, b, A_log, dt_bias, recurrent_pool, slots, cu, init,
+                             y, block_v)
+
+
+_BROKEN: list[bool] = [False]
+
+
+def _chunk_broken(set_broken: bool = False) -> bool:
+    if set_broken:
+        _BROKEN[0] = True
+    return _BROKEN[0]
+
+
+def _is_build_error(e: Exception) -> bool:
+    name = type(e).__name__
+    mod = type(e).__module__ or ""
+    return "triton" in mod or name in ("CompilationError", "OutOfResources",
+                                       "CompileTimeAssertionFailure")
+
+
+def _launch_chunk(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, BT, block_v):
+    B = slots.shape[0]
+    Hk, dk = q.shape[1], q.shape[2]
+    Hv, dv = v.shape[1], v.shape[2]
+    _check(BT >= 16 and BT == _pow2(BT), f"chunk_size must be a power of two >= 16, not {BT}")
+    q, k, v, a, b = (_last_contig(t) for t in (q, k, v, a, b))
+    _check(pool.stride(3) == 1 and pool.stride(2) == dv, "recurrent_pool slots must be contiguous")
+    BK = max(_pow2(dk), 16)
+    BV = max(min(_pow2(dv), block_v), 16)
+    grid = (B, Hv, triton_cdiv(dv, BV))
+    _kernels().gdn_chunk[grid](
+        q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y,
+        *_strides(q, k, v, a, b, y), pool.stride(0), pool.stride(1),
+        dk ** -0.5, Hv // Hk, dk, dv,
+        BT=BT, BK=BK, BV=BV, num_warps=8)
+    return y
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b

@@ -1,0 +1,111 @@
+"""Incremental detokenization with stop strings.
+
+Text is decoded a few tokens at a time (a window from the last character boundary), so each
+step costs O(1) tokens of decoding. Text that ends in a partial UTF-8 character (the tokenizer
+gives U+FFFD) is held back until the character completes. Stop strings are matched on the
+decoded text, across token boundaries; the text from a stop string on is never emitted, and a
+tail that could still become a stop string is held back until it cannot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+_REPLACEMENT = "\ufffd"
+# A UTF-8 character has at most 4 bytes, so at most 4 byte-level tokens: past that a trailing
+# U+FFFD is a real invalid sequence, not an incomplete one, and is emitted.
+_MAX_HELD_TOKENS = 4
+
+
+class Tokenizer(Protocol):
+    def decode(self, token_ids: list[int], **kwargs: Any) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Per-request decoder. `add(ids)` returns the new text that is safe to emit; once a stop
+    string matched, `stopped` is True and nothing more is emitted. `finish()` returns the text
+    still held back when the request ends for another reason.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), *,
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.skip_special_tokens = skip_special_tokens
+        self.stopped = False
+        self._max_stop = max((len(s) for s in self.stop), default=0)
+        self._ids: list[int] = []
+        self._prefix_offset = 0  # start of the decode window (a character boundary)
+        self._read_offset = 0  # tokens whose text is already in self._text
+        self._text = ""  # decoded text (cut at the stop string once matched)
+        self._emitted = 0  # characters of self._text handed out
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return self._text[:self._emitted]
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        if self.stopped:
+            return ""
+        self._ids.extend(token_ids)
+        self._decode(final=False)
+        return self._emit(final=False)
+
+    def finish(self) -> str:
+        """Flush held-back text (a partial character, a possible stop-string start)."""
+        if self.stopped:
+            return ""
+        self._decode(final=True)
+        return self._emit(final=True)
+
+    def _decode(self, *, final: bool) -> None:
+        if self._read_offset == len(self._ids):
+            return
+        prefix = self._decode_ids(self._ids[self._prefix_offset:self._read_offset])
+        end = len(self._ids)
+        full = self._decode_ids(self._ids[self._prefix_offset:end])
+        if not final:
+            # Drop trailing tokens of an incomplete character (at most _MAX_HELD_TOKENS).
+            while full.endswith(_REPLACEMENT) and len(self._ids) - end < _MAX_HELD_TOKENS:
+                end -= 1
+                if end <= self._read_offset:
+                    return  # nothing complete yet: wait for the next bytes
+                full = self._decode_ids(self._ids[self._prefix_offset:end])
+            if full.endswith(_REPLACEMENT):  # a real invalid sequence: emit it as it is
+                end = len(self._ids)
+                full = self._decode_ids(self._ids[self._prefix_offset:end])
+        self._text += full[len(prefix):]
+        self._prefix_offset = self._read_offset
+        self._read_offset = end
+
+    def _decode_ids(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _emit(self, *, final: bool) -> str:
+        end = len(self._text)
+        if self.stop:
+            start = max(0, self._emitted - self._max_stop + 1)
+            hits = [i for i in (self._text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                end = min(hits)
+                self._text = self._text[:end]
+                self.stopped = True
+            elif not final:
+                end -= _stop_prefix_len(self._text, self.stop, self._max_stop)
+        end = max(end, self._emitted)
+        delta = self._text[self._emitted:end]
+        self._emitted = end
+        return delta
+
+
+def _stop_prefix_len(text: str, stops: tuple[str, ...], max_len: int) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+    for k in range(min(max_len - 1, len(text)), 0, -1):
+        tail = text[-k:]
+        if any(s.startswith(tail) for s in stops):
+            return k
+    return 0

@@ -1,0 +1,258 @@
+"""Expert-cache policy: which (layer, expert) lives in which GPU slot, and which slot goes next.
+
+One slot pool is shared by every layer. A slot's priority is
+
+    score = last_step + freq_weight * log2(1 + uses)
+
+(LRU with a frequency term: `uses` counts the steps in which the expert was routed to, halved
+every `aging_steps` steps so a hot expert of an old topic fades). The slot with the lowest score
+is evicted first; free slots go before any occupied one; ties go to the lower slot id. A slot
+holding an expert that the current step has already asked for is pinned until `end_step()` and
+is never evicted. `freq_weight` was chosen on a skewed synthetic trace (bench/NOTES_offload.md).
+
+Two ways to drive it:
+- host-driven (CPU, eager prefill): `access(layer, experts)` returns the slots and the loads to
+  perform;
+- device-driven (decode under a CUDA graph): `victims(n)` hands the device lookup kernel a list
+  of slots it may take, and `observe(layer, experts, slots, loaded)` replays what the kernel did,
+  so the host mirror stays exact (see `offload.lookup`).
+
+Everything here is plain Python; no torch.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+Key = tuple[int, int]  # (layer, expert)
+
+DEFAULT_FREQ_WEIGHT = 16.0
+DEFAULT_AGING_STEPS = 256
+
+
+@dataclass
+class CacheStats:
+    """Counters of an expert cache. `h2d_bytes` counts bytes copied host -> device."""
+
+    hits: int = 0
+    misses: int = 0
+    h2d_bytes: int = 0
+    layer_hits: dict[int, int] = field(default_factory=dict)
+    layer_misses: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    def layer_hit_rate(self, layer: int) -> float:
+        h, m = self.layer_hits.get(layer, 0), self.layer_misses.get(layer, 0)
+        return h / (h + m) if h + m else 0.0
+
+    def count(self, layer: int, hits: int, misses: int, bytes_per_miss: int) -> None:
+        self.hits += hits
+        self.misses += misses
+        self.h2d_bytes += misses * bytes_per_miss
+        self.layer_hits[layer] = self.layer_hits.get(layer, 0) + hits
+        self.layer_misses[layer] = self.layer_misses.get(layer, 0) + misses
+
+    def as_dict(self) -> dict:
+        layers = sorted(set(self.layer_hits) | set(self.layer_misses))
+        return {"hits": self.hits, "misses": self.misses, "hit_rate": self.hit_rate,
+                "h2d_bytes": self.h2d_bytes,
+                "layer_hit_rate": {layer: self.layer_hit_rate(layer) for layer in layers}}
+
+
+class CacheFullError(RuntimeError):
+    """Every slot is pinned by the current step: the pool is too small for one step's experts."""
+
+
+class ExpertCachePolicy:
+    """LRU-with-frequency slot assignment over one pool of `num_slots` slots.
+
+    Args:
+        num_slots: slots in the pool (shared by all layers).
+        bytes_per_expert: bytes one miss copies (for `stats.h2d_bytes`).
+        freq_weight: weight of the frequency term; 0 gives plain LRU.
+        aging_steps: halve every use count after this many steps (0: never).
+    """
+
+    def __init__(self, num_slots: int, *, bytes_per_expert: int = 0,
+                 freq_weight: float = DEFAULT_FREQ_WEIGHT,
+                 aging_steps: int = DEFAULT_AGING_STEPS) -> None:
+        if num_slots < 1:
+            raise ValueError(f"an expert cache needs at least one slot, got {num_slots}")
+        self.num_slots = num_slots
+        self.bytes_per_expert = bytes_per_expert
+        self.freq_weight = freq_weight
+        self.aging_steps = aging_steps
+        self.stats = CacheStats()
+        self.owner: list[Key | None] = [None] * num_slots
+        self.where: dict[Key, int] = {}
+        self.step = 0
+        self._last: dict[Key, int] = {}  # step of the last use
+        self._uses: dict[Key, float] = {}  # steps in which the key was used (aged)
+        self._pinned: set[int] = set()
+        self._touched: set[Key] = set()  # keys counted as used in this step
+        # (score, slot, version) entries; stale ones are skipped when popped.
+        self._heap: list[tuple[float, int, int]] = [(-math.inf, s, 0) for s in range(num_slots)]
+        self._version = [0] * num_slots
+
+    # ---------------------------------------------------------------- scoring
+    def score(self, key: Key) -> float:
+        uses = self._uses.get(key, 0.0)
+        return self._last.get(key, -1) + self.freq_weight * math.log2(1.0 + uses)
+
+    def _touch(self, key: Key) -> None:
+        if key not in self._touched:
+            self._touched.add(key)
+            self._uses[key] = self._uses.get(key, 0.0) + 1.0
+        self._last[key] = self.step
+        slot = self.where.get(key)
+        if slot is not None:
+            self._push(slot)
+
+    def _push(self, slot: int) -> None:
+        self._version[slot] += 1
+        key = self.owner[slot]
+        score = -math.inf if key is None else self.score(key)
+        heapq.heappush(self._heap, (score, slot, self._version[slot]))
+        if len(self._heap) > 8 * self.num_slots + 1024:
+            self._heap = [e for e in self._heap if e[2] == self._version[e[1]]]
+            heapq.heapify(self._heap)
+
+    # ---------------------------------------------------------------- victims
+    def victims(self, n: int, exclude: Iterable[int] = ()) -> list[int]:
+        """The `n` slots to give up first (lowest score, never pinned), best victim first.
+
+        Raises CacheFullError when fewer than `n` slots are evictable.
+        """
+        skip = set(exclude) | self._pinned
+        out: list[int] = []
+        popped: list[tuple[float, int, int]] = []
+        while len(out) < n and self._heap:
+            entry = heapq.heappop(self._heap)
+            _, slot, version = entry
+            if version != self._version[slot]:
+                continue  # stale
+            popped.append(entry)
+            if slot not in skip:
+                out.append(slot)
+        for entry in popped:
+            heapq.heappush(self._heap, entry)
+        if len(out) < n:
+            raise CacheFullError(
+                f"expert cache: {n} slots wanted but only {len(out)} of {self.num_slots} can be "
+                f"evicted ({len(self._pinned)} pinned by this step)")
+        return out
+
+    # ---------------------------------------------------------------- host-driven path
+    def access(self, layer: int, experts: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
+        """Slots of `experts` of `layer` (same order, duplicates allowed) and the loads to do.
+
+        Returns (slots, loads) with loads = [(expert, slot)] for each distinct miss. Every
+        returned slot stays pinned until `end_step()`.
+        """
+        unique = list(dict.fromkeys(int(e) for e in experts))
+        hits = [e for e in unique if (layer, e) in self.where]
+        for e in hits:
+            self._pinned.add(self.where[(layer, e)])
+        misses = [e for e in unique if (layer, e) not in self.where]
+        loads: list[tuple[int, int]] = []
+        if misses:
+            for e, slot in zip(misses, self.victims(len(misses)), strict=True):
+                self._assign(slot, (layer, e))
+                loads.append((e, slot))
+        for e in unique:
+            self._touch((layer, e))
+        self.stats.count(layer, len(hits), len(misses), self.bytes_per_expert)
+        return [self.where[(layer, int(e))] for e in experts], loads
+
+    def _assign(self, slot: int, key: Key) -> None:
+        old = self.owner[slot]
+        if old is not None:
+            del self.where[old]
+        self.owner[slot] = key
+        self.where[key] = slot
+        self._pinned.add(slot)
+        self._push(slot)
+
+    def end_step(self) -> None:
+        """The step is over: unpin its slots, advance the clock, age the counts."""
+        self._pinned.clear()
+        self._touched.clear()
+        self.step += 1
+        if self.aging_steps and self.step % self.aging_steps == 0:
+            self._uses = {k: v / 2 for k, v in self._uses.items() if v >= 0.5}
+            for slot in range(self.num_slots):
+                self._push(slot)
+
+    # ---------------------------------------------------------------- device-driven path
+    def observe(self, layer: int, experts: Sequence[int], slots: Sequence[int],
+                loaded: Sequence[bool]) -> None:
+        """Replay one device lookup: `experts[i]` of `layer` ended in `slots[i]`, loaded or hit."""
+        hits = misses = 0
+        seen: set[int] = set()
+        for e, s, was_loaded in zip(experts, slots, loaded, strict=True):
+            e, s = int(e), int(s)
+            if e in seen:
+                continue
+            seen.add(e)
+            if was_loaded:
+                self._assign(s, (layer, e))
+                misses += 1
+            else:
+                self._pinned.add(s)
+                hits += 1
+            self._touch((layer, e))
+        self.stats.count(layer, hits, misses, self.bytes_per_expert)
+
+    def slot_of(self, layer: int, expert: int) -> int:
+        """The slot holding (layer, expert), or -1."""
+        return self.where.get((layer, expert), -1)
+
+    def resident(self) -> dict[Key, int]:
+        return dict(self.where)
+
+
+# -------------------------------------------------------------------- measuring a policy
+
+
+def synthetic_trace(num_layers: int, num_experts: int, top_k: int, steps: int, *,
+                    zipf: float = 1.0, drift_every: int = 128, drift_frac: float = 0.25,
+                    seed: int = 0) -> list[list[list[int]]]:
+    """A skewed routing trace `[step][layer] -> top_k distinct experts` (one token per step).
+
+    Each layer has its own Zipf(`zipf`) popularity over a random order of its experts; every
+    `drift_every` steps a random `drift_frac` of the ranks are reshuffled (a topic change).
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    ranks = np.arange(1, num_experts + 1, dtype=np.float64)
+    weights = ranks ** -zipf
+    order = np.stack([rng.permutation(num_experts) for _ in range(num_layers)])  # [L, E]
+    trace: list[list[list[int]]] = []
+    for step in range(steps):
+        if drift_every and step and step % drift_every == 0:
+            n = max(2, int(drift_frac * num_experts))
+            for layer in range(num_layers):
+                pos = rng.choice(num_experts, size=n, replace=False)
+                order[layer, pos] = order[layer, rng.permutation(pos)]
+        # Efraimidis-Spirakis: top-k of u ** (1 / w) samples k distinct experts by weight.
+        keys = rng.random((num_layers, num_experts)) ** (1.0 / weights)
+        top = np.argpartition(-keys, top_k - 1, axis=1)[:, :top_k]
+        trace.append([order[layer, top[layer]].tolist() for layer in range(num_layers)])
+    return trace
+
+
+def simulate(policy: ExpertCachePolicy, trace: list[list[list[int]]]) -> float:
+    """Run `trace` through `policy` (host-driven) and return its hit rate."""
+    for step in trace:
+        for layer, experts in enumerate(step):
+            policy.access(layer, experts)
+        policy.end_step()
+    return policy.stats.hit_rate

@@ -1,0 +1,345 @@
+"""The HTTP layer against a scripted engine: shapes, streaming order, errors, auth, disconnects."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server.fakes import FakeEngine, serve
+from tinyserve.server.app import create_app
+from tinyserve.server.state import ServerConfig, ServerState
+
+MODEL = "tiny-test"
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get weather",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"},
+        "metric": {"type": "boolean"}}}}}]
+REASONING = ["Let", " me", " think", ".\n", "</think>", "\n\n", "Hello", " world", "!"]
+TOOL_REPLY = ["Check", "ing.\n", "</think>", "\n\n", "<tool_call>", "\n<function=get_weather>",
+              "\n<parameter=city>\nPar", "is\n</parameter>\n<parameter=days>\n3\n</parameter>",
+              "\n<parameter=metric>\ntrue\n</parameter>\n</function>\n", "</tool_call>"]
+
+
+def _script(tokenizer):
+    def script(prompt_ids, params):
+        text = tokenizer.decode(prompt_ids)
+        if "ERROR" in text:
+            return ["partial", RuntimeError("device lost")]
+        if "TOOL" in text:
+            return TOOL_REPLY
+        if "LONG" in text:
+            return [f" w{i}" for i in range(400)]
+        return REASONING
+    return script
+
+
+@pytest.fixture
+def make_server(qwen_tokenizer):
+    @contextlib.contextmanager
+    def factory(*, engine_kw=None, loaded=True, **cfg):
+        engine = FakeEngine(qwen_tokenizer, _script(qwen_tokenizer), **(engine_kw or {}))
+        state = ServerState(ServerConfig(served_model_name=MODEL, **cfg),
+                            engine if loaded else None)
+        try:
+            with serve(create_app(state)) as url:
+                yield url, engine, state
+        finally:
+            engine.shutdown()
+    return factory
+
+
+@pytest.fixture
+def server(make_server):
+    with make_server() as s:
+        yield s
+
+
+def _client(url: str, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def _msgs(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_chat_reasoning_split_stream_equals_nonstream(server):
+    url, engine, _ = server
+    client = _client(url)
+    full = client.chat.completions.create(model=MODEL, messages=_msgs("Hi"), temperature=0)
+    msg = full.choices[0].message
+    assert msg.content == "Hello world!"
+    assert msg.model_extra["reasoning_content"] == "Let me think."
+    assert msg.model_extra["reasoning"] == "Let me think."
+    assert full.choices[0].finish_reason == "stop"
+    assert full.usage.completion_tokens == len(REASONING)
+    assert full.usage.prompt_tokens == len(engine.submitted[-1][0])
+
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=_msgs("Hi"), stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.id == chunks[0].id for c in chunks)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    reasoning = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content", "")
+                        for c in chunks if c.choices)
+    assert (content, reasoning) == ("Hello world!", "Let me think.")
+    assert chunks[-2].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_thinking_off_is_all_content(server):
+    url, engine, _ = server
+    r = _client(url).chat.completions.create(
+        model=MODEL, messages=_msgs("Hi"),
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices[0].message.content == "Let me think.\n</think>\n\nHello world!"
+    assert "reasoning_content" not in (r.choices[0].message.model_extra or {})
+    prompt = engine.tokenizer.decode(engine.submitted[-1][0])
+    assert prompt.endswith("<think>\n\n</think>\n\n")
+
+
+def test_tool_calls_nonstream_and_stream(server):
+    url, engine, _ = server
+    client = _client(url)
+    r = client.chat.completions.create(model=MODEL, messages=_msgs("TOOL please"), tools=TOOLS)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    assert choice.message.model_extra["reasoning_content"] == "Checking."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 3, "metric": True}
+    assert "<tools>" in engine.tokenizer.decode(engine.submitted[-1][0])
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=_msgs("TOOL please"),
+                                                 tools=TOOLS, stream=True))
+    deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id.startswith("call_") and deltas[0].function.name == "get_weather"
+    args = "".join(d.function.arguments or "" for d in deltas)
+    assert json.loads(args) == {"city": "Paris", "days": 3, "metric": True}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not any(c.choices[0].delta.content for c in chunks[1:])
+
+
+def test_tool_choice_none_leaves_text_and_tools_out(server):
+    url, engine, _ = server
+    r = _client(url).chat.completions.create(model=MODEL, messages=_msgs("TOOL please"),
+                                             tools=TOOLS, tool_choice="none")
+    assert "<tool_call>" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+    assert "<tools>" not in engine.tokenizer.decode(engine.submitted[-1][0])
+
+
+def test_sampling_params_reach_engine(server):
+    url, engine, _ = server
+    _client(url).chat.completions.create(
+        model=MODEL, messages=_msgs("Hi"), max_completion_tokens=5, temperature=0.5, top_p=0.9,
+        seed=7, stop=["xyz"], presence_penalty=0.5, frequency_penalty=0.25,
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1})
+    p = engine.submitted[-1][1]
+    assert (p.max_tokens, p.temperature, p.top_p, p.seed, p.stop) == (5, 0.5, 0.9, 7, ("xyz",))
+    assert (p.presence_penalty, p.frequency_penalty) == (0.5, 0.25)
+    assert (p.top_k, p.min_p, p.repetition_penalty) == (20, 0.05, 1.1)
+    assert 248046 in p.stop_token_ids  # <|im_end|>
+    _client(url).chat.completions.create(model=MODEL, messages=_msgs("Hi"),
+                                         extra_body={"ignore_eos": True})
+    p = engine.submitted[-1][1]
+    assert p.ignore_eos and not p.stop_token_ids
+    assert p.max_tokens == engine.max_context - len(engine.submitted[-1][0])
+
+
+def test_finish_length_and_completions(server):
+    url, engine, _ = server
+    client = _client(url)
+    r = client.chat.completions.create(model=MODEL, messages=_msgs("LONG"), max_tokens=3)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+    c = client.completions.create(model=MODEL, prompt="LONG text", max_tokens=4)
+    assert c.choices[0].text == " w0 w1 w2 w3" and c.choices[0].finish_reason == "length"
+    assert c.usage.prompt_tokens == len(engine.tokenizer.encode("LONG text"))
+    chunks = list(client.completions.create(model=MODEL, prompt="LONG", max_tokens=4,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == " w0 w1 w2 w3"
+    assert chunks[-1].usage.completion_tokens == 4
+    c = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=2)
+    assert engine.submitted[-1][0] == [1, 2, 3] and c.usage.prompt_tokens == 3
+
+
+def _err(resp: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+BAD_BODIES = {
+    "n": ({"n": 2}, "n"),
+    "logit_bias": ({"logit_bias": {"1": 5}}, "logit_bias"),
+    "logprobs": ({"logprobs": True}, "logprobs"),
+    "json_schema": ({"response_format": {"type": "json_schema", "json_schema": {}}},
+                    "response_format"),
+    "tool_choice_required": ({"tool_choice": "required", "tools": TOOLS}, "tool_choice"),
+    "functions": ({"functions": [{"name": "f"}]}, "functions"),
+    "temperature_range": ({"temperature": -1}, "temperature"),
+    "top_p_range": ({"top_p": 0}, "top_p"),
+    "max_tokens_zero": ({"max_tokens": 0}, "max_tokens"),
+    "max_completion_tokens_big": ({"max_completion_tokens": 10**6}, "max_completion_tokens"),
+    "temperature_type": ({"temperature": "hot"}, "temperature"),
+    "empty_messages": ({"messages": []}, "messages"),
+    "bad_role": ({"messages": [{"role": "wizard", "content": "x"}]}, None),
+    "no_user_turn": ({"messages": [{"role": "system", "content": "x"}]}, "messages"),
+    "image_part": ({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content"),
+    "stop_type": ({"stop": 5}, None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_BODIES))
+def test_bad_requests_are_400(server, name):
+    url, engine, _ = server
+    extra, param = BAD_BODIES[name]
+    body = {"model": MODEL, "messages": _msgs("Hi"), **extra}
+    n_before = len(engine.submitted)
+    err = _err(httpx.post(url + "/v1/chat/completions", json=body), 400, param)
+    assert err["type"] == "invalid_request_error"
+    assert len(engine.submitted) == n_before
+
+
+def test_other_error_classes(server):
+    url, engine, _ = server
+    post = lambda path, **kw: httpx.post(url + path, **kw)  # noqa: E731
+    err = _err(post("/v1/chat/completions", content=b"{not json",
+                    headers={"content-type": "application/json"}), 400)
+    assert "JSON" in err["message"]
+    _err(post("/v1/chat/completions", json=[1, 2]), 400)
+    _err(post("/v1/chat/completions", json={"model": MODEL}), 400, "messages")
+    _err(post("/v1/chat/completions", json={"model": "gpt-4", "messages": _msgs("x")}), 404,
+         "model")
+    _err(httpx.get(url + "/v1/models/gpt-4"), 404, "model")
+    _err(httpx.get(url + "/v1/nope"), 404)
+    long = "hello " * 5000
+    err = _err(post("/v1/chat/completions", json={"model": MODEL, "messages": _msgs(long)}),
+               400, "messages")
+    assert str(engine.max_context) in err["message"] and "5" in err["message"]
+    _err(post("/v1/completions", json={"model": MODEL, "prompt": "x", "echo": True}), 400,
+         "echo")
+    _err(post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b"]}), 400, "prompt")
+    _err(post("/v1/completions", json={"model": MODEL, "prompt": [10**9]}), 400, "prompt")
+    _err(post("/v1/chat/completions", content=b"x" * (17 * 2**20),
+              headers={"content-type": "application/json"}), 413)
+    # the server survived all of it
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+
+
+def test_models_and_health(server):
+    url, engine, _ = server
+    models = _client(url).models.list()
+    (card,) = models.data
+    assert card.id == MODEL
+    assert card.model_extra["context_length"] == engine.max_context
+    assert card.model_extra["max_model_len"] == engine.max_context
+    assert _client(url).models.retrieve(MODEL).id == MODEL
+
+
+def test_loading_state(make_server):
+    with make_server(loaded=False) as (url, engine, state):
+        state.set_progress(0.25, "weights")
+        r = httpx.get(url + "/health")
+        assert r.status_code == 503
+        assert r.json() == {"status": "loading", "progress": 0.25, "stage": "weights"}
+        _err(httpx.post(url + "/v1/chat/completions",
+                        json={"model": MODEL, "messages": _msgs("x")}), 503)
+        state.set_engine(engine)
+        assert httpx.get(url + "/health").json() == {"status": "ok"}
+
+
+def test_api_key(make_server):
+    with make_server(api_key="sekret") as (url, _, _):
+        with pytest.raises(openai.AuthenticationError):
+            _client(url, "wrong").models.list()
+        err = _err(httpx.get(url + "/v1/models"), 401)
+        assert err["code"] == "invalid_api_key"
+        _err(httpx.get(url + "/metrics"), 401)
+        assert httpx.get(url + "/health").status_code == 200
+        r = _client(url, "sekret").chat.completions.create(model=MODEL, messages=_msgs("Hi"))
+        assert r.choices[0].message.content == "Hello world!"
+
+
+def test_cors_off_by_default_and_on_when_asked(make_server):
+    hdr = {"Origin": "http://example.com"}
+    with make_server() as (url, _, _):
+        assert "access-control-allow-origin" not in httpx.get(url + "/v1/models", headers=hdr
+                                                               ).headers
+    with make_server(cors_origins=("http://example.com",)) as (url, _, _):
+        r = httpx.get(url + "/v1/models", headers=hdr)
+        assert r.headers["access-control-allow-origin"] == "http://example.com"
+
+
+def _raw_stream(url: str, body: dict, timeout: float = 30) -> list[str]:
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=timeout) as r:
+        assert r.status_code == 200
+        return [line for line in r.iter_lines() if line]
+
+
+def test_keepalive_during_prefill_and_error_event(make_server):
+    with make_server(engine_kw={"prefill_s": 0.6}, keepalive_s=0.1) as (url, _, _):
+        lines = _raw_stream(url, {"model": MODEL, "messages": _msgs("Hi"), "stream": True})
+        assert lines.count(": keep-alive") >= 2
+        assert lines[-1] == "data: [DONE]"
+    with make_server() as (url, _, state):
+        lines = _raw_stream(url, {"model": MODEL, "messages": _msgs("ERROR"), "stream": True})
+        last = json.loads(lines[-1].removeprefix("data: "))
+        assert last["error"]["type"] == "server_error" and "device lost" in last["error"]["message"]
+        assert "data: [DONE]" not in lines
+        r = httpx.post(url + "/v1/chat/completions",
+                       json={"model": MODEL, "messages": _msgs("ERROR")})
+        _err(r, 500)
+        assert httpx.get(url + "/health").status_code == 200
+
+
+def _wait(cond, timeout=5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_disconnect_aborts_stream_and_nonstream(make_server):
+    with make_server(engine_kw={"tick_s": 0.01}) as (url, engine, _):
+        body = {"model": MODEL, "messages": _msgs("LONG"), "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            for i, _line in enumerate(r.iter_lines()):
+                if i > 5:
+                    break
+        assert _wait(lambda: len(engine.aborted) == 1)
+        assert _wait(lambda: engine.stats().num_running == 0)
+    # non-streamed, client gives up during a long prefill
+    with make_server(engine_kw={"prefill_s": 30}) as (url, engine, _):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/chat/completions",
+                       json={"model": MODEL, "messages": _msgs("Hi")}, timeout=0.5)
+        assert _wait(lambda: len(engine.aborted) == 1)
+        assert engine.stats().num_running == 0
+        metrics = httpx.get(url + "/metrics").text
+        assert 'tinyserve:requests_total{endpoint="chat",outcome="abort"} 1' in metrics
+
+
+def test_metrics(server):
+    url, _, _ = server
+    _client(url).chat.completions.create(model=MODEL, messages=_msgs("Hi"))
+    text = httpx.get(url + "/metrics").text
+    assert 'tinyserve:requests_total{endpoint="chat",outcome="stop"} 1' in text
+    assert f"tinyserve:generation_tokens_total {len(REASONING)}" in text
+    assert "tinyserve:time_to_first_token_seconds_count 1" in text
+    assert f"tinyserve:inter_token_latency_seconds_count {len(REASONING) - 1}" in text
+    assert "tinyserve:kv_pages_total 64" in text
+    assert "tinyserve:num_requests_running 0" in text

@@ -1,0 +1,131 @@
+"""The FastAPI app: OpenAI-compatible routes over one engine.
+
+`create_app(state)` builds the app; `state.engine` may be set later (the server answers
+`/health` with 503 and its load progress until then).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from tinyserve.server.auth import APIKeyMiddleware, BodyLimitMiddleware
+from tinyserve.server.errors import install_error_handlers
+from tinyserve.server.formatters import ChatFormatter, CompletionFormatter
+from tinyserve.server.generate import check_fits, generate, make_params
+from tinyserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from tinyserve.server.responses import ChatAssembler, now
+from tinyserve.server.state import ServerState
+
+
+def context_length(engine: Any) -> int:
+    """What a request may use (prompt + output): the real KV capacity, at most the model's
+    position limit."""
+    limit = getattr(engine.model_config, "max_position_embeddings", None)
+    return int(min(engine.max_context, limit)) if limit else int(engine.max_context)
+
+
+def model_card(state: ServerState) -> dict[str, Any]:
+    n = context_length(state.require_engine())
+    return {"id": state.config.served_model_name, "object": "model", "created": _CREATED,
+            "owned_by": "tinyserve", "max_model_len": n, "context_length": n}
+
+
+_CREATED = now()
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="tinyserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.tinyserve = state
+    install_error_handlers(app)
+    cfg = state.config
+    app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
+    app.add_middleware(APIKeyMiddleware, keys=cfg.api_keys)
+    if cfg.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.cors_origins),
+                           allow_methods=["*"], allow_headers=["*"])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.engine is not None and not state.shutting_down:
+            return JSONResponse({"status": "ok"})
+        if state.load_error:
+            return JSONResponse({"status": "error", "message": state.load_error},
+                                status_code=503)
+        status = "shutting_down" if state.shutting_down else "loading"
+        return JSONResponse({"status": status, "progress": round(state.load_progress, 4),
+                             "stage": state.load_stage}, status_code=503)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card(state)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        card = model_card(state)
+        state.check_model(model_id)
+        return card
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        stats = None
+        if state.engine is not None:
+            try:
+                stats = state.engine.stats()
+            except Exception:  # metrics must never fail the scrape
+                stats = None
+        return PlainTextResponse(state.metrics.render(stats),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        engine = state.require_engine()
+        state.check_model(req.model)
+        req.check_supported()
+        prompt = await anyio.to_thread.run_sync(state.renderer.render, req)
+        want, max_param = req.requested_max_tokens
+        max_tokens = check_fits(len(prompt.ids), want, context_length(engine),
+                                prompt_param="messages", max_param=max_param)
+        params = make_params(lambda: req.sampling_params(
+            max_tokens=max_tokens, stop_token_ids=state.stop_token_ids), max_param)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.use_tools else None
+        assembler = ChatAssembler(reasoning_open=prompt.reasoning_open, tools=tools,
+                                  parallel_tool_calls=req.parallel_tool_calls)
+        fmt = ChatFormatter(state.config.served_model_name, assembler,
+                            usage_null=req.include_usage)
+        return await generate(state, request, fmt, prompt.ids, params, stream=req.stream,
+                              include_usage=req.include_usage)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        engine = state.require_engine()
+        state.check_model(req.model)
+        req.check_supported()
+        prompt = req.prompt_input()
+        if isinstance(prompt, str):
+            ids = await anyio.to_thread.run_sync(
+                lambda: list(engine.tokenizer.encode(prompt, add_special_tokens=False)))
+        else:
+            ids = _check_token_ids(prompt, len(engine.tokenizer))
+        max_tokens = check_fits(len(ids), req.max_tokens, context_length(engine),
+                                prompt_param="prompt", max_param="max_tokens")
+        params = make_params(lambda: req.sampling_params(
+            max_tokens=max_tokens, stop_token_ids=state.stop_token_ids), "max_tokens")
+        fmt = CompletionFormatter(state.config.served_model_name, usage_null=req.include_usage)
+        return await generate(state, request, fmt, ids, params, stream=req.stream,
+                              include_usage=req.include_usage)
+
+    return app
+
+
+def _check_token_ids(ids: list[int], vocab: int) -> list[int]:
+    from tinyserve.server.errors import APIError
+
+    if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
+        raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+    return list(ids)

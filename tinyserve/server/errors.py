@@ -1,0 +1,95 @@
+"""OpenAI error objects: `{"error": {"message", "type", "param", "code"}}` for every failure.
+
+`APIError` is raised anywhere in a request handler; `install_error_handlers(app)` turns it,
+FastAPI's validation errors (422 -> 400), HTTP errors and anything unexpected (500, logged)
+into that shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tinyserve.log import get_logger
+
+log = get_logger(__name__)
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI error object and `status`."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def _loc_to_param(loc: tuple | list) -> str | None:
+    parts = [p for p in loc if p not in ("body", "query", "path")]
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif not str(p).startswith(("function-", "list[", "str", "int", "dict[", "literal")):
+            out += ("." if out else "") + str(p)
+    return out or None
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """FastAPI/pydantic validation errors -> one 400 APIError naming the first bad field."""
+    if not errors:
+        return APIError(400, "invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"malformed JSON body: {first.get('msg', '')}".rstrip(": "))
+    loc = first.get("loc", ())
+    param = _loc_to_param(loc)
+    if first.get("type") == "missing":
+        return APIError(400, f"{param} is required", param=param)
+    if param is None and first.get("type") in ("model_attributes_type", "dict_type"):
+        return APIError(400, "the request body must be a JSON object")
+    msg = first.get("msg", "invalid value")
+    return APIError(400, f"{param}: {msg}" if param else msg, param=param)
+
+
+def install_error_handlers(app: Any) -> None:
+    """Register handlers so every error the app returns is an OpenAI error object."""
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
+
+    async def on_api_error(request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def on_validation(request, exc: RequestValidationError):
+        err = validation_error(list(exc.errors()))
+        return JSONResponse(err.body(), status_code=err.status)
+
+    async def on_http(request, exc: HTTPException):
+        if exc.status_code == 404:
+            err = APIError(404, f"no route {request.method} {request.url.path}",
+                           code="not_found")
+        else:
+            err = APIError(exc.status_code, str(exc.detail))
+        return JSONResponse(err.body(), status_code=err.status, headers=exc.headers)
+
+    async def on_any(request, exc: Exception):
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        err = APIError(500, f"internal error: {type(exc).__name__}")
+        return JSONResponse(err.body(), status_code=500)
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(HTTPException, on_http)
+    app.add_exception_handler(Exception, on_any)

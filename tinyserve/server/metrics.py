@@ -1,0 +1,120 @@
+"""Prometheus text-format metrics for `GET /metrics` (no client library needed).
+
+The server counts requests, tokens and latencies itself; queue and memory gauges come from
+`engine.stats()` at scrape time. Names carry the `tinyserve:` prefix (vLLM uses `vllm:`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from typing import Any
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+                    0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_PREFIX = "tinyserve:"
+
+# EngineStats attribute -> (metric name, help). The first attribute the engine has is used.
+_GAUGES = (
+    (("num_running", "running"), "num_requests_running", "requests being generated"),
+    (("num_waiting", "waiting"), "num_requests_waiting", "requests queued for admission"),
+    (("kv_pages_used", "used_pages", "num_used_pages"), "kv_pages_used", "KV cache pages in use"),
+    (("kv_pages_total", "total_pages", "num_pages"), "kv_pages_total", "KV cache pages in all"),
+    (("expert_cache_hit_rate",), "expert_cache_hit_rate",
+     "fraction of routed-expert lookups served from the GPU expert cache"),
+)
+
+
+def _fmt(value: float) -> str:
+    if value == float("inf"):
+        return "+Inf"
+    return repr(float(value)) if isinstance(value, float) else str(value)
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    return "{" + inner + "}"
+
+
+class _Histogram:
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.total = 0.0
+        self.n = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.n += 1
+
+    def lines(self, name: str) -> list[str]:
+        out, acc = [], 0
+        for bound, count in zip(self.buckets + (float("inf"),), self.counts, strict=True):
+            acc += count
+            out.append(f'{name}_bucket{{le="{_fmt(bound)}"}} {acc}')
+        out += [f"{name}_sum {self.total!r}", f"{name}_count {self.n}"]
+        return out
+
+
+class ServerMetrics:
+    """Thread-safe counters and histograms of the API server."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests: dict[tuple[str, str], int] = {}  # (endpoint, outcome) -> count
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.ttft = _Histogram(_LATENCY_BUCKETS)
+        self.itl = _Histogram(_LATENCY_BUCKETS)
+        self.e2e = _Histogram(_LATENCY_BUCKETS)
+
+    def request_done(self, endpoint: str, outcome: str, prompt_tokens: int = 0,
+                     completion_tokens: int = 0, latency_s: float | None = None) -> None:
+        """Count one finished request. `outcome` is a finish reason or an error class."""
+        with self._lock:
+            key = (endpoint, outcome)
+            self.requests[key] = self.requests.get(key, 0) + 1
+            self.prompt_tokens += prompt_tokens
+            self.generation_tokens += completion_tokens
+            if latency_s is not None:
+                self.e2e.observe(latency_s)
+
+    def observe_ttft(self, seconds: float) -> None:
+        with self._lock:
+            self.ttft.observe(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        with self._lock:
+            self.itl.observe(seconds)
+
+    def render(self, stats: Any | None = None) -> str:
+        """The Prometheus text exposition (version 0.0.4)."""
+        p = _PREFIX
+        lines = [f"# HELP {p}requests_total finished requests by endpoint and outcome",
+                 f"# TYPE {p}requests_total counter"]
+        with self._lock:
+            for (endpoint, outcome), n in sorted(self.requests.items()):
+                lines.append(f"{p}requests_total"
+                             f"{_labels({'endpoint': endpoint, 'outcome': outcome})} {n}")
+            for name, value, help_ in (
+                    ("prompt_tokens_total", self.prompt_tokens, "prompt tokens processed"),
+                    ("generation_tokens_total", self.generation_tokens, "tokens generated")):
+                lines += [f"# HELP {p}{name} {help_}", f"# TYPE {p}{name} counter",
+                          f"{p}{name} {value}"]
+            for name, hist, help_ in (
+                    ("time_to_first_token_seconds", self.ttft, "time to the first token"),
+                    ("inter_token_latency_seconds", self.itl, "time between streamed tokens"),
+                    ("e2e_request_latency_seconds", self.e2e, "request latency")):
+                lines += [f"# HELP {p}{name} {help_}", f"# TYPE {p}{name} histogram"]
+                lines += hist.lines(p + name)
+        if stats is not None:
+            for attrs, name, help_ in _GAUGES:
+                value = next((getattr(stats, a) for a in attrs
+                              if getattr(stats, a, None) is not None), None)
+                if isinstance(value, (int, float)):
+                    lines += [f"# HELP {p}{name} {help_}", f"# TYPE {p}{name} gauge",
+                              f"{p}{name} {_fmt(value)}"]
+        return "\n".join(lines) + "\n"

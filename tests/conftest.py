@@ -30,3 +30,25 @@ def shared_dir() -> Path:
     if not SHARED.is_dir():
         pytest.skip(f"{SHARED} is missing")
     return SHARED
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """Factory: `tiny_checkpoint(fmt="bf16", **overrides) -> Path` of a tiny random checkpoint
+    (tinyserve.testing.make_tiny_checkpoint), built once per (fmt, overrides) per session.
+    Treat the directory as read-only."""
+    import json
+
+    from tinyserve.testing import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny_checkpoints")
+    cache: dict[str, Path] = {}
+
+    def make(fmt: str = "bf16", **overrides) -> Path:
+        key = json.dumps([fmt, overrides], sort_keys=True, default=str)
+        if key not in cache:
+            cache[key] = make_tiny_checkpoint(root / f"ckpt{len(cache)}-{fmt}", fmt=fmt,
+                                              **overrides)
+        return cache[key]
+
+    return make

@@ -1,0 +1,305 @@
+"""Qwen3.5-MoE model configuration: `ModelConfig` and `load_config(path)`.
+
+`load_config` reads `config.json` (nested `text_config` or a flat `qwen3_5_moe_text` config),
+`generation_config.json` (extra EOS ids) and, for ModelOpt checkpoints, `hf_quant_config.json`.
+The defaults of `ModelConfig` are Qwen3.5-35B-A3B's, so `ModelConfig()` describes the real model.
+Every problem raises `ConfigError` with one sentence naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+LAYER_TYPES = ("linear_attention", "full_attention")
+QUANT_METHODS = ("none", "modelopt", "compressed-tensors")
+MODELOPT_ALGOS = ("NVFP4", "W4A16_NVFP4", "FP8", "MIXED_PRECISION")
+
+_QWEN35_LAYER_TYPES = (("linear_attention",) * 3 + ("full_attention",)) * 10
+
+
+class ConfigError(ValueError):
+    """A checkpoint's configuration is missing, unsupported or impossible."""
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How a checkpoint says it is quantized (the loader trusts the tensors, not this).
+
+    `method` is "none", "modelopt" or "compressed-tensors"; `algo` the ModelOpt quant_algo
+    ("NVFP4", "W4A16_NVFP4", "FP8", "MIXED_PRECISION") or the compressed-tensors format;
+    `exclude` the ModelOpt `exclude_modules` / compressed-tensors `ignore` patterns;
+    `quantized_layers` the MIXED_PRECISION map as (module, algo) pairs.
+    """
+
+    method: str = "none"
+    algo: str | None = None
+    group_size: int = 16
+    exclude: tuple[str, ...] = ()
+    quantized_layers: tuple[tuple[str, str], ...] = ()
+    kv_cache_algo: str | None = None
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.method != "none"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Text-model hyperparameters of a Qwen3.5-MoE checkpoint (defaults: Qwen3.5-35B-A3B)."""
+
+    vocab_size: int = 248320
+    hidden_size: int = 2048
+    num_layers: int = 40
+    layer_types: tuple[str, ...] = _QWEN35_LAYER_TYPES
+    num_attention_heads: int = 16
+    num_kv_heads: int = 2
+    head_dim: int = 256
+    rope_theta: float = 1e7
+    partial_rotary_factor: float = 0.25
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    num_experts: int = 256
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 262144
+    tie_word_embeddings: bool = False
+    eos_token_ids: tuple[int, ...] = (248044, 248046)
+    model_type: str = "qwen3_5_moe_text"
+    quant: QuantConfig = field(default_factory=QuantConfig)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        _validate(self, "ModelConfig")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def full_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    @property
+    def linear_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the GDN causal conv: q | k | v."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def gqa_group(self) -> int:
+        return self.num_attention_heads // self.num_kv_heads
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """Read a checkpoint directory's (or a config.json file's) text-model configuration.
+
+    Raises ConfigError (one sentence naming the file and field) for a missing or unreadable
+    config, an unsupported model_type, a missing field or an impossible value.
+    """
+    path = Path(path)
+    cfg_file = path if path.is_file() else path / "config.json"
+    root = _read_json(cfg_file, required=True)
+    text = root.get("text_config")
+    where = f"{cfg_file}: text_config" if isinstance(text, dict) else str(cfg_file)
+    if not isinstance(text, dict):
+        text = root
+    model_type = root.get("model_type", text.get("model_type"))
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"{cfg_file}: model_type {model_type!r} is not supported "
+                          f"(expected one of {', '.join(SUPPORTED_MODEL_TYPES)})")
+
+    def get(name: str, default: Any = ..., *, kind: type = int) -> Any:
+        value = text.get(name, root.get(name, default))
+        if value is ...:
+            raise ConfigError(f"{where}: field {name!r} is missing")
+        if kind is int and not (isinstance(value, int) and not isinstance(value, bool)):
+            raise ConfigError(f"{where}: field {name!r} must be an integer, got {value!r}")
+        if kind is float and not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: field {name!r} must be a number, got {value!r}")
+        return value
+
+    num_layers = get("num_hidden_layers")
+    layer_types = text.get("layer_types")
+    if layer_types is None:
+        interval = get("full_attention_interval", 4)
+        if interval < 1:
+            raise ConfigError(f"{where}: field 'full_attention_interval' must be >= 1")
+        layer_types = ["linear_attention" if (i + 1) % interval else "full_attention"
+                       for i in range(num_layers)]
+    if not isinstance(layer_types, list):
+        raise ConfigError(f"{where}: field 'layer_types' must be a list")
+
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{where}: field 'rope_parameters' must be an object")
+    rope_theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
+    partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+
+    hidden = get("hidden_size")
+    heads = get("num_attention_heads")
+    values = dict(
+        vocab_size=get("vocab_size"),
+        hidden_size=hidden,
+        num_layers=num_layers,
+        layer_types=tuple(layer_types),
+        num_attention_heads=heads,
+        num_kv_heads=get("num_key_value_heads", heads),
+        head_dim=get("head_dim", hidden // heads if heads else 0),
+        rope_theta=float(rope_theta),
+        partial_rotary_factor=float(partial),
+        linear_num_key_heads=get("linear_num_key_heads"),
+        linear_num_value_heads=get("linear_num_value_heads"),
+        linear_key_head_dim=get("linear_key_head_dim"),
+        linear_value_head_dim=get("linear_value_head_dim"),
+        linear_conv_kernel_dim=get("linear_conv_kernel_dim", 4),
+        num_experts=get("num_experts"),
+        num_experts_per_tok=get("num_experts_per_tok"),
+        moe_intermediate_size=get("moe_intermediate_size"),
+        shared_expert_intermediate_size=get("shared_expert_intermediate_size"),
+        rms_norm_eps=float(get("rms_norm_eps", 1e-6, kind=float)),
+        max_position_embeddings=get("max_position_embeddings", 262144),
+        tie_word_embeddings=bool(root.get("tie_word_embeddings",
+                                          text.get("tie_word_embeddings", False))),
+        eos_token_ids=_eos_ids(cfg_file, root, text),
+        model_type=str(text.get("model_type", model_type)),
+        quant=_quant_config(cfg_file, root),
+    )
+    return _build(values, where)
+
+
+def _build(values: dict[str, Any], where: str) -> ModelConfig:
+    try:
+        return ModelConfig(**values)
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace("ModelConfig:", f"{where}:", 1)) from None
+
+
+def _validate(cfg: ModelConfig, where: str) -> None:
+    def fail(name: str, why: str) -> None:
+        raise ConfigError(f"{where}: field {name!r} {why}")
+
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
+                 "num_kv_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                 "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+                 "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                 "shared_expert_intermediate_size", "max_position_embeddings"):
+        if getattr(cfg, name) < 1:
+            fail(_hf_name(name), f"must be >= 1, got {getattr(cfg, name)}")
+    if len(cfg.layer_types) != cfg.num_layers:
+        fail("layer_types", f"has {len(cfg.layer_types)} entries for "
+                            f"num_hidden_layers={cfg.num_layers}")
+    bad = sorted(set(cfg.layer_types) - set(LAYER_TYPES))
+    if bad:
+        fail("layer_types", f"has unknown layer type {bad[0]!r}")
+    if cfg.num_attention_heads % cfg.num_kv_heads:
+        fail("num_key_value_heads", f"({cfg.num_kv_heads}) must divide num_attention_heads "
+                                    f"({cfg.num_attention_heads})")
+    if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
+        fail("linear_num_value_heads", f"({cfg.linear_num_value_heads}) must be a multiple of "
+                                       f"linear_num_key_heads ({cfg.linear_num_key_heads})")
+    if cfg.num_experts_per_tok > cfg.num_experts:
+        fail("num_experts_per_tok", f"({cfg.num_experts_per_tok}) exceeds num_experts "
+                                    f"({cfg.num_experts})")
+    if not 0.0 < cfg.partial_rotary_factor <= 1.0:
+        fail("partial_rotary_factor", f"must be in (0, 1], got {cfg.partial_rotary_factor}")
+    if cfg.rotary_dim % 2 or cfg.rotary_dim < 2:
+        fail("partial_rotary_factor", f"gives an odd or empty rotary dim {cfg.rotary_dim}")
+    if cfg.rope_theta <= 0:
+        fail("rope_theta", f"must be > 0, got {cfg.rope_theta}")
+    if not cfg.rms_norm_eps > 0:
+        fail("rms_norm_eps", f"must be > 0, got {cfg.rms_norm_eps}")
+    if any(not 0 <= t < cfg.vocab_size for t in cfg.eos_token_ids):
+        fail("eos_token_id", f"{list(cfg.eos_token_ids)} is outside the vocabulary "
+                             f"(vocab_size {cfg.vocab_size})")
+    if cfg.quant.method not in QUANT_METHODS:
+        fail("quant_method", f"{cfg.quant.method!r} is not supported")
+
+
+def _hf_name(name: str) -> str:
+    return {"num_layers": "num_hidden_layers", "num_kv_heads": "num_key_value_heads"}.get(
+        name, name)
+
+
+def _read_json(file: Path, *, required: bool) -> dict[str, Any]:
+    if not file.is_file():
+        if required:
+            raise ConfigError(f"{file}: file not found")
+        return {}
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{file}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file}: the top level must be a JSON object")
+    return data
+
+
+def _as_ids(value: Any, file: Path, name: str) -> list[int]:
+    if value is None:
+        return []
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ConfigError(f"{file}: field {name!r} must be an integer or a list of integers")
+    return ids
+
+
+def _eos_ids(cfg_file: Path, root: dict[str, Any], text: dict[str, Any]) -> tuple[int, ...]:
+    gen_file = cfg_file.parent / "generation_config.json"
+    gen = _read_json(gen_file, required=False)
+    ids = (_as_ids(text.get("eos_token_id"), cfg_file, "eos_token_id")
+           + _as_ids(root.get("eos_token_id") if text is not root else None, cfg_file,
+                     "eos_token_id")
+           + _as_ids(gen.get("eos_token_id"), gen_file, "eos_token_id"))
+    return tuple(dict.fromkeys(ids))
+
+
+def _quant_config(cfg_file: Path, root: dict[str, Any]) -> QuantConfig:
+    q = root.get("quantization_config")
+    if q is None and isinstance(root.get("text_config"), dict):
+        q = root["text_config"].get("quantization_config")
+    if not q:
+        return QuantConfig()
+    method = q.get("quant_method")
+    if method == "compressed-tensors":
+        return QuantConfig(method=method, algo=q.get("format"),
+                           exclude=tuple(q.get("ignore") or ()))
+    if method != "modelopt":
+        raise ConfigError(f"{cfg_file}: quantization_config.quant_method {method!r} is not "
+                          f"supported (expected modelopt or compressed-tensors)")
+    hf_file = cfg_file.parent / "hf_quant_config.json"
+    hf = _read_json(hf_file, required=False).get("quantization") or {}
+    algo = hf.get("quant_algo", q.get("quant_algo"))
+    if algo not in MODELOPT_ALGOS:
+        src = hf_file if "quant_algo" in hf else cfg_file
+        raise ConfigError(f"{src}: quant_algo {algo!r} is not supported "
+                          f"(expected one of {', '.join(MODELOPT_ALGOS)})")
+    layers = hf.get("quantized_layers") or q.get("quantized_layers") or {}
+    return QuantConfig(
+        method=method,
+        algo=algo,
+        group_size=int(hf.get("group_size", q.get("group_size", 16)) or 16),
+        exclude=tuple(hf.get("exclude_modules") or q.get("ignore") or ()),
+        quantized_layers=tuple((str(k), str(v.get("quant_algo"))) for k, v in layers.items()),
+        kv_cache_algo=hf.get("kv_cache_quant_algo"),
+    )

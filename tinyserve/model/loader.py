@@ -1,0 +1,282 @@
+"""Checkpoint loading: safetensors shards -> canonical weight names (specs/qwen35_moe.md §3-§4).
+
+- `CheckpointReader(path)`: single-file or sharded (model.safetensors.index.json) safetensors,
+  headers parsed up front (no tensor data read), tensors memory-mapped one at a time.
+- `iter_weights(path_or_reader, config, ...)`: yields `(canonical_name, Tensor | LinearWeight)`
+  in file order after checking every tensor's presence, shape and dtype from the headers.
+- `describe_weights(...)`: the same plan without reading data (storage kind and bytes per
+  canonical weight), for the memory planner.
+- `resolve_model_path(model)`: a local directory or a Hugging Face repo id.
+
+Every problem raises `CheckpointError` with one line naming the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
+from tinyserve.model.config import ModelConfig
+
+INDEX_FILE = "model.safetensors.index.json"
+_TORCH_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+    "I64": torch.int64, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint's files or tensors do not match what its config describes."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: its file, safetensors dtype name, shape and byte range."""
+
+    name: str
+    file: Path
+    file_index: int
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+class CheckpointReader:
+    """Lazy reader over a directory of safetensors files (or one .safetensors file).
+
+    Only headers are read at construction; `get(name)` reads one tensor through a memory map.
+    Raises CheckpointError for a missing shard, an unreadable or truncated file.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.files = self._find_files()
+        infos: list[TensorInfo] = []
+        for i, file in enumerate(self.files):
+            infos.extend(_read_header(file, i))
+        infos.sort(key=lambda t: (t.file_index, t.offset))
+        self._infos = {t.name: t for t in infos}
+        self._handles: dict[Path, Any] = {}
+
+    def _find_files(self) -> list[Path]:
+        if self.path.is_file():
+            return [self.path]
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path}: checkpoint directory not found")
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from None
+            files = [self.path / f for f in dict.fromkeys(weight_map.values())]
+            for f in files:
+                if not f.is_file():
+                    raise CheckpointError(f"{index}: shard file '{f.name}' is missing")
+            return files
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{self.path}: no .safetensors files found")
+        return files
+
+    def names(self) -> list[str]:
+        """Every tensor name, in file order (shard, then byte offset)."""
+        return list(self._infos)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._infos
+
+    def info(self, name: str) -> TensorInfo:
+        return self._infos[name]
+
+    def tensor_info(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """(torch dtype, shape) of one tensor, from the headers alone."""
+        t = self._infos[name]
+        return _TORCH_DTYPES.get(t.dtype, torch.uint8), t.shape
+
+    def get(self, name: str, index: int | None = None) -> torch.Tensor:
+        """Read one tensor (or its `index`-th row along dim 0) on CPU. FP8 comes back as uint8."""
+        t = self._infos[name]
+        try:
+            handle = self._handle(t.file)
+            tensor = handle.get_tensor(name) if index is None else handle.get_slice(name)[index]
+        except Exception as exc:  # safetensors raises its own error types
+            raise CheckpointError(f"{t.file}: cannot read tensor '{name}' ({exc})") from None
+        if t.dtype.startswith("F8_"):
+            tensor = tensor.view(torch.uint8)
+        return tensor
+
+    def _handle(self, file: Path) -> Any:
+        if file not in self._handles:
+            from safetensors import safe_open
+
+            self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
+        return self._handles[file]
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _read_header(file: Path, file_index: int) -> list[TensorInfo]:
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{file}: file is truncated ({size} bytes, no header)")
+            (n,) = struct.unpack("<Q", head)
+            if 8 + n > size:
+                raise CheckpointError(f"{file}: file is truncated ({size} bytes, its header "
+                                      f"alone needs {8 + n})")
+            header = json.loads(f.read(n))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{file}: not a valid safetensors file ({exc})") from None
+    infos, end = [], 0
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, stop = meta["data_offsets"]
+            infos.append(TensorInfo(name, file, file_index, str(meta["dtype"]),
+                                    tuple(int(d) for d in meta["shape"]), 8 + n + start,
+                                    stop - start))
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{file}: tensor '{name}' has a malformed header") from None
+        end = max(end, stop)
+    if 8 + n + end > size:
+        raise CheckpointError(f"{file}: file is truncated ({size} bytes, its header needs "
+                              f"{8 + n + end})")
+    return infos
+
+
+# --------------------------------------------------------------------------------------------
+# Names
+
+
+_SKIP_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+_HEAD_PREFIXES = ("lm_head.", "language_model.lm_head.")
+_LM_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+_EXPERT_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)$")
+
+
+def strip_prefix(raw: str) -> str | None:
+    """Raw checkpoint key -> key without the language-model prefix; None for skipped keys
+    (vision tower, MTP head). Unknown prefixes come back unchanged."""
+    if raw.startswith(_SKIP_PREFIXES):
+        return None
+    for p in _HEAD_PREFIXES:
+        if raw.startswith(p):
+            return "lm_head." + raw[len(p):]
+    for p in _LM_PREFIXES:
+        if raw.startswith(p):
+            return raw[len(p):]
+    return raw
+
+
+def parse_expert_name(name: str) -> tuple[int, int, str] | None:
+    """'layers.3.mlp.experts.5.up_proj' -> (3, 5, 'up_proj'); None for other names."""
+    m = _EXPERT_RE.match(name)
+    return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
+
+
+def is_expert_name(name: str) -> bool:
+    return _EXPERT_RE.match(name) is not None
+
+
+# --------------------------------------------------------------------------------------------
+# Loading (the plan itself lives in loader_plan.py)
+
+
+def iter_weights(
+    path_or_reader: str | Path | CheckpointReader,
+    config: ModelConfig,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    include_experts: bool = True,
+) -> Iterator[tuple[str, torch.Tensor | LinearWeight]]:
+    """Yield `(canonical_name, Tensor | LinearWeight)` for every weight, in file order.
+
+    Dense weights and norms are cast to `dtype` (default: float32 on CPU, bfloat16 elsewhere);
+    `linear_attn.{A_log,dt_bias,norm}` stay float32; `conv1d` comes as [C, K]. NVFP4 and FP8
+    weights keep their packed uint8 form (compressed-tensors folded to the multiply
+    convention). Routed experts are left out with `include_experts=False`. The whole
+    checkpoint is checked against `config` (from headers) before the first weight is read.
+    Raises CheckpointError.
+    """
+    from tinyserve.model.loader_plan import plan_weights
+
+    reader = path_or_reader if isinstance(path_or_reader, CheckpointReader) else \
+        CheckpointReader(path_or_reader)
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    try:
+        for entry in plan_weights(reader, config):
+            if not include_experts and entry.is_expert:
+                continue
+            yield from entry.load(reader, dtype, device)
+    finally:
+        if reader is not path_or_reader:
+            reader.close()
+
+
+def load_weights(
+    path_or_reader: str | Path | CheckpointReader,
+    config: ModelConfig,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    include_experts: bool = True,
+) -> dict[str, torch.Tensor | LinearWeight]:
+    """`dict(iter_weights(...))`."""
+    return dict(iter_weights(path_or_reader, config, dtype=dtype, device=device,
+                             include_experts=include_experts))
+
+
+def to_linear(value: torch.Tensor | LinearWeight) -> LinearWeight:
+    """Wrap a plain tensor as DenseWeight; pass LinearWeights through."""
+    return value if isinstance(value, (DenseWeight, NVFP4Weight, FP8Weight)) else \
+        DenseWeight(value)
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local checkpoint directory, or a Hugging Face repo id downloaded to the local cache.
+
+    Raises CheckpointError with one line when the path is not a directory or the download
+    fails (offline, repo not found, no access).
+    """
+    local = Path(model).expanduser()
+    if local.is_dir():
+        return local
+    looks_local = model.startswith(("/", ".", "~")) or local.exists() or model.count("/") != 1
+    if looks_local or not re.fullmatch(r"[\w.-]+/[\w.-]+", model):
+        raise CheckpointError(f"{model}: no such checkpoint directory")
+    try:
+        from huggingface_hub import snapshot_download
+
+        got = snapshot_download(repo_id=model, allow_patterns=[
+            "*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"])
+    except Exception as exc:  # offline, 404, 401, network: all one message
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise CheckpointError(f"{model}: not a local directory, and fetching it from the "
+                              f"Hugging Face Hub failed ({type(exc).__name__}: {first})") from None
+    return Path(got)

@@ -1,0 +1,292 @@
+"""The loading plan: which checkpoint tensors make each canonical weight, and how.
+
+`plan_weights(reader, config)` matches a checkpoint's tensor names (headers only) against the
+names and shapes the config implies (specs/qwen35_moe.md §3-§4), decides each linear's storage
+from which tensors exist (dense, ModelOpt NVFP4, compressed-tensors NVFP4, FP8), and returns
+entries in file order. Any missing, extra, misshapen or mistyped tensor raises CheckpointError.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
+from tinyserve.model.config import ModelConfig
+from tinyserve.model.loader import (
+    FLOAT_DTYPES,
+    CheckpointError,
+    CheckpointReader,
+    is_expert_name,
+    strip_prefix,
+)
+
+_LINEAR_PARAMS = ("weight", "weight_scale", "weight_scale_2", "weight_packed",
+                  "weight_global_scale")
+_IGNORED_PARAMS = ("input_scale", "input_global_scale", "k_scale", "v_scale")
+_FP32_TENSORS = ("A_log", "dt_bias", "norm")  # of linear_attn
+STORAGES = ("dense", "modelopt", "compressed-tensors", "fp8")
+
+
+@dataclass
+class WeightPlan:
+    """One canonical weight (or, for fused experts, one fused tensor yielding E of them)."""
+
+    name: str
+    kind: str  # "tensor" | "fp32" | "conv" | "linear" | "fused_gate_up" | "fused_down"
+    raw: dict[str, str]  # param -> checkpoint tensor name
+    shape: tuple[int, ...]  # canonical shape ([out, in] for linears)
+    storage: str = "dense"
+    nbytes: int = 0  # bytes on disk
+    order: tuple[int, int] = (0, 0)
+    is_expert: bool = False
+    num_experts: int = 0  # fused entries only
+    extra: dict[str, str] = field(default_factory=dict)  # ignored params (input scales)
+
+    def load(self, reader: CheckpointReader, dtype: torch.dtype,
+             device: torch.device) -> Iterator[tuple[str, torch.Tensor | LinearWeight]]:
+        if self.kind in ("fused_gate_up", "fused_down"):
+            f = self.shape[0] // 2 if self.kind == "fused_gate_up" else 0
+            for e in range(self.num_experts):
+                w = reader.get(self.raw["weight"], e)  # [2F, H] or [H, F]
+                if self.kind == "fused_gate_up":
+                    yield f"{self.name}.{e}.gate_proj", _dense(w[:f], dtype, device)
+                    yield f"{self.name}.{e}.up_proj", _dense(w[f:], dtype, device)
+                else:
+                    yield f"{self.name}.{e}.down_proj", _dense(w, dtype, device)
+            return
+        if self.kind != "linear":
+            t = reader.get(self.raw["weight"])
+            if self.kind == "conv":
+                t = t.reshape(self.shape)
+            yield self.name, t.to(device=device,
+                                  dtype=torch.float32 if self.kind == "fp32" else dtype)
+            return
+        yield self.name, _load_linear(reader, self.raw, self.storage, dtype, device)
+
+
+def _dense(w: torch.Tensor, dtype: torch.dtype, device: torch.device) -> DenseWeight:
+    return DenseWeight(w.to(device=device, dtype=dtype).contiguous())
+
+
+def _scalar(t: torch.Tensor) -> float:
+    return float(t.to(torch.float32).reshape(-1)[0])
+
+
+def _load_linear(reader: CheckpointReader, raw: dict[str, str], storage: str,
+                 dtype: torch.dtype, device: torch.device) -> LinearWeight:
+    if storage == "dense":
+        return _dense(reader.get(raw["weight"]), dtype, device)
+    if storage == "fp8":
+        weight = reader.get(raw["weight"]).to(device)
+        scale = reader.get(raw["weight_scale"]).to(device=device, dtype=torch.float32)
+        scale = scale.reshape(()) if scale.numel() == 1 else scale.reshape(-1, 1)
+        return FP8Weight(weight=weight, scale=scale)
+    if storage == "modelopt":
+        packed, glob = reader.get(raw["weight"]), _scalar(reader.get(raw["weight_scale_2"]))
+    else:  # compressed-tensors: W = E2M1 * block / weight_global_scale
+        packed = reader.get(raw["weight_packed"])
+        inv = _scalar(reader.get(raw["weight_global_scale"]))
+        glob = float(torch.tensor(1.0 / inv, dtype=torch.float32)) if inv else 0.0
+    block = reader.get(raw["weight_scale"])
+    return NVFP4Weight(packed=packed.to(device), block_scale=block.to(device).view(torch.uint8),
+                       global_scale=glob)
+
+
+# --------------------------------------------------------------------------------------------
+# What the config implies
+
+
+def expected_weights(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Canonical name -> (kind, shape) of every weight the config implies, per-expert names.
+
+    kind: "tensor" (cast to the model dtype), "fp32", "conv" ([C, K]) or "linear" ([out, in]).
+    """
+    c, h = config, config.hidden_size
+    out: dict[str, tuple[str, tuple[int, ...]]] = {"embed_tokens": ("tensor", (c.vocab_size, h))}
+    for layer, kind in enumerate(c.layer_types):
+        p = f"layers.{layer}."
+        out[p + "input_layernorm"] = ("tensor", (h,))
+        if kind == "linear_attention":
+            a, hv, vd = p + "linear_attn.", c.linear_num_value_heads, c.linear_value_dim
+            out[a + "in_proj_qkv"] = ("linear", (c.linear_conv_dim, h))
+            out[a + "in_proj_z"] = ("linear", (vd, h))
+            out[a + "in_proj_b"] = ("linear", (hv, h))
+            out[a + "in_proj_a"] = ("linear", (hv, h))
+            out[a + "conv1d"] = ("conv", (c.linear_conv_dim, c.linear_conv_kernel_dim))
+            out[a + "A_log"] = ("fp32", (hv,))
+            out[a + "dt_bias"] = ("fp32", (hv,))
+            out[a + "norm"] = ("fp32", (c.linear_value_head_dim,))
+            out[a + "out_proj"] = ("linear", (h, vd))
+        else:
+            a, qd = p + "self_attn.", c.num_attention_heads * c.head_dim
+            out[a + "q_proj"] = ("linear", (2 * qd, h))
+            out[a + "k_proj"] = ("linear", (c.num_kv_heads * c.head_dim, h))
+            out[a + "v_proj"] = ("linear", (c.num_kv_heads * c.head_dim, h))
+            out[a + "o_proj"] = ("linear", (h, qd))
+            out[a + "q_norm"] = ("tensor", (c.head_dim,))
+            out[a + "k_norm"] = ("tensor", (c.head_dim,))
+        out[p + "post_attention_layernorm"] = ("tensor", (h,))
+        m, f, fs = p + "mlp.", c.moe_intermediate_size, c.shared_expert_intermediate_size
+        out[m + "gate"] = ("linear", (c.num_experts, h))
+        for e in range(c.num_experts):
+            out[f"{m}experts.{e}.gate_proj"] = ("linear", (f, h))
+            out[f"{m}experts.{e}.up_proj"] = ("linear", (f, h))
+            out[f"{m}experts.{e}.down_proj"] = ("linear", (h, f))
+        out[m + "shared_expert.gate_proj"] = ("linear", (fs, h))
+        out[m + "shared_expert.up_proj"] = ("linear", (fs, h))
+        out[m + "shared_expert.down_proj"] = ("linear", (h, fs))
+        out[m + "shared_expert_gate"] = ("linear", (1, h))
+    out["norm"] = ("tensor", (h,))
+    out["lm_head"] = ("linear", (c.vocab_size, h))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Matching the checkpoint against it
+
+
+def plan_weights(reader: CheckpointReader, config: ModelConfig) -> list[WeightPlan]:
+    """Match every checkpoint tensor to a canonical weight; entries sorted in file order.
+
+    Fused experts give two entries per layer (`layers.L.mlp.experts`, kinds fused_gate_up and
+    fused_down) that each yield E canonical weights. Raises CheckpointError.
+    """
+    keys: dict[str, str] = {}  # name without prefix -> checkpoint name
+    for raw in reader.names():
+        key = strip_prefix(raw)
+        if key is None:
+            continue
+        if key in keys:
+            raise CheckpointError(f"{reader.info(raw).file}: tensor '{raw}' duplicates "
+                                  f"'{keys[key]}'")
+        keys[key] = raw
+    m = _Matcher(reader, keys, config)
+    plans = m.match()
+    if keys:
+        raw = min(keys.values(), key=lambda r: (reader.info(r).file_index, reader.info(r).offset))
+        raise CheckpointError(f"{reader.info(raw).file}: unexpected tensor '{raw}'")
+    return sorted(plans, key=lambda p: p.order)
+
+
+class _Matcher:
+    def __init__(self, reader: CheckpointReader, keys: dict[str, str],
+                 config: ModelConfig) -> None:
+        self.reader, self.keys, self.config = reader, keys, config
+        self.prefix = next((raw[: len(raw) - len(k)] for k, raw in keys.items()
+                            if not k.startswith("lm_head.") and raw.endswith(k)), "model.")
+
+    def match(self) -> list[WeightPlan]:
+        c = self.config
+        fused = {layer for layer in range(c.num_layers)
+                 if f"layers.{layer}.mlp.experts.gate_up_proj" in self.keys
+                 or f"layers.{layer}.mlp.experts.down_proj" in self.keys}
+        plans = []
+        for name, (kind, shape) in expected_weights(c).items():
+            expert = is_expert_name(name)
+            if expert and int(name.split(".")[1]) in fused:
+                continue
+            if name == "lm_head" and c.tie_word_embeddings and "lm_head.weight" not in self.keys:
+                embed = next(p for p in plans if p.name == "embed_tokens")
+                plans.append(WeightPlan("lm_head", "linear", dict(embed.raw), shape,
+                                        order=embed.order))
+                continue
+            plan = self._linear(name, shape) if kind == "linear" else self._tensor(name, kind,
+                                                                                  shape)
+            plan.is_expert = expert
+            plans.append(plan)
+        f, h = c.moe_intermediate_size, c.hidden_size
+        for layer in sorted(fused):
+            base = f"layers.{layer}.mlp.experts"
+            for kind, shape in (("fused_gate_up", (c.num_experts, 2 * f, h)),
+                                ("fused_down", (c.num_experts, h, f))):
+                key = f"{base}.{'gate_up_proj' if kind == 'fused_gate_up' else 'down_proj'}"
+                raw = self._take(key)
+                self._check(raw, shape, FLOAT_DTYPES)
+                plans.append(WeightPlan(base, kind, {"weight": raw}, shape[1:], "dense",
+                                        self._nbytes([raw]), self._order([raw]), True,
+                                        c.num_experts))
+        return plans
+
+    def _take(self, key: str) -> str:
+        raw = self.keys.pop(key, None)
+        if raw is None:
+            head = key.startswith("lm_head.")
+            raise CheckpointError(f"{self.reader.path}: missing tensor "
+                                  f"'{'' if head else self.prefix}{key}'")
+        return raw
+
+    def _order(self, raws: list[str]) -> tuple[int, int]:
+        return min((self.reader.info(r).file_index, self.reader.info(r).offset) for r in raws)
+
+    def _nbytes(self, raws: list[str]) -> int:
+        return sum(self.reader.info(r).nbytes for r in raws)
+
+    def _check(self, raw: str, shape: tuple[int, ...] | tuple[tuple[int, ...], ...],
+               dtypes: tuple[str, ...]) -> None:
+        t = self.reader.info(raw)
+        if t.dtype not in dtypes:
+            raise CheckpointError(f"{t.file}: tensor '{raw}' has dtype {t.dtype}, expected "
+                                  f"{' or '.join(dtypes)}")
+        shapes = shape if shape and isinstance(shape[0], tuple) else (shape,)
+        if t.shape not in shapes:
+            raise CheckpointError(f"{t.file}: tensor '{raw}' has shape {list(t.shape)}, "
+                                  f"expected {list(shapes[0])}")
+
+    def _tensor(self, name: str, kind: str, shape: tuple[int, ...]) -> WeightPlan:
+        bare = name.endswith(("A_log", "dt_bias"))
+        raw = self._take(name if bare else name + ".weight")
+        shapes = (shape, (shape[0], 1, shape[1])) if kind == "conv" else shape
+        self._check(raw, shapes, FLOAT_DTYPES)
+        return WeightPlan(name, kind, {"weight": raw}, shape, "dense", self._nbytes([raw]),
+                          self._order([raw]))
+
+    def _linear(self, name: str, shape: tuple[int, ...]) -> WeightPlan:
+        params = {p: self.keys.pop(f"{name}.{p}") for p in _LINEAR_PARAMS + _IGNORED_PARAMS
+                  if f"{name}.{p}" in self.keys}
+        ignored = {p: params.pop(p) for p in _IGNORED_PARAMS if p in params}
+        out, inp = shape
+        if "weight_packed" in params:
+            storage = "compressed-tensors"
+        elif "weight" not in params:
+            self._take(name + ".weight")  # raises: missing
+            raise AssertionError
+        else:
+            t = self.reader.info(params["weight"])
+            storage = {"U8": "modelopt", "F8_E4M3": "fp8"}.get(
+                t.dtype, "dense" if t.dtype in FLOAT_DTYPES else "")
+            if not storage:
+                raise CheckpointError(f"{t.file}: tensor '{params['weight']}' has dtype "
+                                      f"{t.dtype}, expected BF16, F16 or F32 (dense), U8 "
+                                      f"(NVFP4) or F8_E4M3 (FP8)")
+        needed = {"dense": ("weight",), "fp8": ("weight", "weight_scale"),
+                  "modelopt": ("weight", "weight_scale", "weight_scale_2"),
+                  "compressed-tensors": ("weight_packed", "weight_scale",
+                                         "weight_global_scale")}[storage]
+        for p in needed:
+            if p not in params:
+                self._take(f"{name}.{p}")
+        for p, raw in params.items():
+            if p not in needed:
+                raise CheckpointError(f"{self.reader.info(raw).file}: unexpected tensor "
+                                      f"'{raw}' beside a {storage} weight")
+        if storage == "dense":
+            self._check(params["weight"], shape, FLOAT_DTYPES)
+        elif storage == "fp8":
+            self._check(params["weight"], shape, ("F8_E4M3",))
+            self._check(params["weight_scale"], ((), (1,), (out, 1), (out,)), FLOAT_DTYPES)
+        else:
+            if inp % 16:
+                raise CheckpointError(f"{self.reader.info(params['weight_scale']).file}: "
+                                      f"NVFP4 tensor '{params['weight_scale']}' needs an input "
+                                      f"dim divisible by 16, got {inp}")
+            codes = params["weight" if storage == "modelopt" else "weight_packed"]
+            glob = params["weight_scale_2" if storage == "modelopt" else "weight_global_scale"]
+            self._check(codes, (out, inp // 2), ("U8",))
+            self._check(params["weight_scale"], (out, inp // 16), ("F8_E4M3", "U8"))
+            self._check(glob, ((), (1,)), FLOAT_DTYPES)
+        raws = list(params.values()) + list(ignored.values())
+        return WeightPlan(name, "linear", params, shape, storage, self._nbytes(raws),
+                          self._order(raws), extra=ignored)

@@ -1,0 +1,225 @@
+"""`tinyserve quantize SRC DST`: turn a bf16 Qwen3.5-MoE checkpoint into NVFP4.
+
+What becomes NVFP4 (the compressed-tensors recipe of specs/nvfp4.md §3.3): routed experts,
+shared experts and the full-attention q/k/v/o projections. What stays bf16: the router
+(`mlp.gate`), `shared_expert_gate`, every GDN (`linear_attn.*`) tensor including in_proj_qkv,
+in_proj_z and out_proj, conv1d, norms, A_log/dt_bias, embeddings and lm_head; vision and MTP
+tensors are copied unchanged. `quantize_gdn=True` also quantizes GDN in_proj_qkv / in_proj_z /
+out_proj (in_proj_a / in_proj_b never: 32 rows).
+
+Output: safetensors shards (with an index when more than one), config.json with the format's
+`quantization_config`, hf_quant_config.json for ModelOpt, and the source's tokenizer and
+generation files. Weight-only (W4A16): no activation scales are written.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tinyserve.core import NVFP4Weight
+from tinyserve.kernels.nvfp4_ref import quantize_nvfp4
+from tinyserve.log import get_logger
+from tinyserve.model.config import load_config
+from tinyserve.model.loader import INDEX_FILE, CheckpointReader, strip_prefix
+from tinyserve.model.loader_plan import plan_weights
+
+FORMATS = ("modelopt", "compressed-tensors")
+_QUANTIZED = re.compile(r"(mlp\.experts\.\d+\.|mlp\.shared_expert\.)(gate|up|down)_proj$"
+                        r"|self_attn\.[qkvo]_proj$")
+_QUANTIZED_GDN = re.compile(r"linear_attn\.(in_proj_qkv|in_proj_z|out_proj)$")
+_COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                 "generation_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+                 "added_tokens.json", "preprocessor_config.json")
+log = get_logger(__name__)
+
+
+class CheckpointWriter:
+    """Writes tensors into safetensors shards of at most `max_shard_bytes` (one shard is named
+    model.safetensors; several get model-0000i-of-0000n.safetensors and an index)."""
+
+    def __init__(self, path: str | Path, max_shard_bytes: int = 4 << 30) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.max_shard_bytes = max_shard_bytes
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shards: list[tuple[Path, list[str]]] = []
+        self._total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._pending[name] = tensor.detach().to("cpu").contiguous()
+        self._pending_bytes += nbytes
+        self._total += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        file = self.path / f"model-{len(self._shards) + 1:05d}.safetensors.tmp"
+        save_file(self._pending, str(file), metadata={"format": "pt"})
+        self._shards.append((file, list(self._pending)))
+        self._pending, self._pending_bytes = {}, 0
+
+    def close(self) -> list[Path]:
+        """Write what is pending, name the shards, write the index; returns the shard files."""
+        if self._pending or not self._shards:
+            self._flush()
+        n = len(self._shards)
+        files, weight_map = [], {}
+        for i, (tmp, names) in enumerate(self._shards, 1):
+            final = self.path / ("model.safetensors" if n == 1
+                                 else f"model-{i:05d}-of-{n:05d}.safetensors")
+            tmp.replace(final)
+            files.append(final)
+            weight_map.update(dict.fromkeys(names, final.name))
+        if n > 1:
+            index = {"metadata": {"total_size": self._total}, "weight_map": weight_map}
+            (self.path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        return files
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            self.close()
+
+
+def should_quantize(name: str, *, quantize_gdn: bool = False) -> bool:
+    """Whether the canonical linear `name` becomes NVFP4 under this module's recipe."""
+    return bool(_QUANTIZED.search(name) or (quantize_gdn and _QUANTIZED_GDN.search(name)))
+
+
+def nvfp4_tensors(w: NVFP4Weight, fmt: str) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors (param suffix -> tensor) of one NVFP4 linear in format `fmt`."""
+    block = w.block_scale.view(torch.float8_e4m3fn)
+    if fmt == "modelopt":
+        return {"weight": w.packed, "weight_scale": block,
+                "weight_scale_2": torch.tensor(w.global_scale, dtype=torch.float32)}
+    inv = torch.tensor(1.0 / w.global_scale, dtype=torch.float32)
+    return {"weight_packed": w.packed, "weight_scale": block,
+            "weight_global_scale": inv.reshape(1)}
+
+
+def _add_nvfp4(writer: CheckpointWriter, module: str, w: NVFP4Weight, fmt: str) -> None:
+    for param, t in nvfp4_tensors(w, fmt).items():
+        writer.add(f"{module}.{param}", t)
+
+
+def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str = "modelopt", *,
+                        quantize_gdn: bool = False, max_shard_bytes: int = 4 << 30) -> Path:
+    """Quantize the bf16 checkpoint `src` into `dst` in format `fmt` ("modelopt" or
+    "compressed-tensors"); returns `dst`. Reads and writes one tensor at a time.
+
+    Raises ValueError for an unknown format, ConfigError / CheckpointError for a bad source.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r} (expected {' or '.join(FORMATS)})")
+    src, dst = Path(src), Path(dst)
+    if src.resolve() == dst.resolve():
+        raise ValueError(f"{dst}: the output directory must differ from the source")
+    config = load_config(src)
+    if config.quant.is_quantized:
+        raise ValueError(f"{src / 'config.json'}: the source is already quantized "
+                         f"({config.quant.method})")
+    quantized: list[str] = []
+    with CheckpointReader(src) as reader, CheckpointWriter(dst, max_shard_bytes) as writer:
+        plans = {p.raw["weight"]: p for p in plan_weights(reader, config)
+                 if p.kind in ("linear", "fused_gate_up", "fused_down")}
+        for raw in reader.names():
+            key, plan = strip_prefix(raw), plans.get(raw)
+            if plan is not None and key is not None and plan.kind != "linear":
+                # Fused 3-D experts [E, 2F, H] / [E, H, F] are written per expert.
+                prefix = raw[: len(raw) - len(key)]
+                for e in range(plan.num_experts):
+                    w = reader.get(raw, e)
+                    f = w.shape[0] // 2
+                    parts = ({"gate_proj": w[:f], "up_proj": w[f:]}
+                             if plan.kind == "fused_gate_up" else {"down_proj": w})
+                    for proj, part in parts.items():
+                        module = f"{prefix}{plan.name}.{e}.{proj}"
+                        _add_nvfp4(writer, module, quantize_nvfp4(part), fmt)
+                        quantized.append(module)
+            elif plan is not None and key is not None and should_quantize(
+                    plan.name, quantize_gdn=quantize_gdn):
+                module = raw.removesuffix(".weight")
+                _add_nvfp4(writer, module, quantize_nvfp4(reader.get(raw)), fmt)
+                quantized.append(module)
+            else:
+                t = reader.get(raw)
+                if reader.info(raw).dtype == "F8_E4M3":
+                    t = t.view(torch.float8_e4m3fn)
+                writer.add(raw, t)
+    _write_configs(src, dst, fmt, quantized, quantize_gdn)
+    log.info("quantized %d linear layers of %s to %s (%s)", len(quantized), src, dst, fmt)
+    return dst
+
+
+def _write_configs(src: Path, dst: Path, fmt: str, quantized: list[str],
+                   quantize_gdn: bool) -> None:
+    cfg: dict[str, Any] = json.loads((src / "config.json").read_text())
+    nested = isinstance(cfg.get("text_config"), dict)
+    lm = "model.language_model." if nested else "model."
+    if fmt == "compressed-tensors":
+        ignore = ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$",
+                  "re:.*linear_attn.in_proj_[ab]$" if quantize_gdn else "re:.*linear_attn.*",
+                  "re:.*embed_tokens$", "re:.*visual.*", "re:mtp.*"]
+        weights = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16,
+                   "strategy": "tensor_group", "dynamic": False,
+                   "scale_dtype": "torch.float8_e4m3fn"}
+        cfg["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": None,
+                                          "output_activations": None, "format": None}},
+            "ignore": ignore, "kv_cache_scheme": None, "global_compression_ratio": None,
+        }
+    else:
+        exclude = ["lm_head", f"{lm}embed_tokens", "model.visual*", "mtp*"]
+        for layer, kind in enumerate(_layer_types(cfg)):
+            p = f"{lm}layers.{layer}."
+            exclude.append(f"{p}mlp.gate")
+            exclude.append(f"{p}mlp.shared_expert_gate")
+            if kind == "linear_attention":
+                exclude += ([f"{p}linear_attn.in_proj_a", f"{p}linear_attn.in_proj_b",
+                             f"{p}linear_attn.conv1d"] if quantize_gdn
+                            else [f"{p}linear_attn*"])
+        producer = {"name": "modelopt", "version": "tinyserve"}
+        quant = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None,
+                 "group_size": 16, "exclude_modules": exclude}
+        group = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+        cfg["quantization_config"] = {
+            "quant_method": "modelopt", "quant_algo": "NVFP4", "producer": producer,
+            "config_groups": {"group_0": {"weights": group, "targets": ["Linear"]}},
+            "ignore": exclude, "kv_cache_scheme": None,
+        }
+        hf = {"producer": producer, "quantization": quant}
+        (dst / "hf_quant_config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    for name in _COPIED_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+
+
+def _layer_types(cfg: dict[str, Any]) -> list[str]:
+    text = cfg.get("text_config") or cfg
+    if text.get("layer_types"):
+        return list(text["layer_types"])
+    n, every = text["num_hidden_layers"], text.get("full_attention_interval", 4)
+    return ["linear_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+
+
+def quantize_command(args: Any) -> int:
+    """CLI handler: `tinyserve quantize SRC DST --format FMT`."""
+    dst = quantize_checkpoint(args.src, args.dst, args.format)
+    print(f"wrote {args.format} NVFP4 checkpoint to {dst}")
+    return 0

@@ -1,0 +1,136 @@
+"""Model runner: turns a scheduler `Batch` into a `ForwardContext`, runs the model under it and
+samples. `logits(token_ids)` gives teacher-forced logits of one sequence (tests, `LLM`).
+
+Decode steps run eagerly for now; this is where CUDA-graph capture and replay will live.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tinyserve.core import Batch, ForwardContext, ForwardOutput, ScheduledSeq, forward_context
+from tinyserve.engine.sampler import Sampler
+
+
+class ModelRunner:
+    """Runs `model` (a `model.qwen35.Qwen35Model`) over scheduler batches.
+
+    Args:
+        model: the model; its `kv` and `states` pools are the ones the batch's page ids and
+            state slots index.
+        page_size: tokens per KV page (the scheduler's page size).
+        device: the model's device (defaults to `model.device`).
+        sampler: `sampler(logits [S, V], seqs) -> [S] int64`; default `Sampler()`.
+    """
+
+    def __init__(self, model: Any, *, page_size: int, device: torch.device | str | None = None,
+                 sampler: Any = None) -> None:
+        self.model = model
+        self.page_size = page_size
+        self.device = torch.device(device) if device is not None else model.device
+        self.sampler = sampler if sampler is not None else Sampler()
+
+    def prepare(self, batch: Batch | Sequence[ScheduledSeq], *,
+                all_logits: bool = False) -> ForwardContext:
+        """Flatten a batch into forward tensors on the device.
+
+        `logits_indices` holds the last row of each sequence with `sample=True`, or every row
+        when `all_logits` (teacher-forced logits). Raises ValueError when a sequence's pages do
+        not cover its tokens.
+        """
+        seqs = batch.seqs if isinstance(batch, Batch) else list(batch)
+        ps = self.page_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu = [0]
+        logit_rows: list[int] = []
+        max_pages = max((len(s.page_ids) for s in seqs), default=0)
+        table = [[0] * max(max_pages, 1) for _ in seqs]
+        for b, s in enumerate(seqs):
+            n, start = s.num_tokens, s.start_pos
+            if len(s.page_ids) * ps < start + n:
+                raise ValueError(f"sequence {s.request_id}: {len(s.page_ids)} pages of {ps} "
+                                 f"cannot hold {start + n} tokens")
+            ids.extend(s.token_ids)
+            pos = range(start, start + n)
+            positions.extend(pos)
+            slots.extend(s.page_ids[p // ps] * ps + p % ps for p in pos)
+            table[b][:len(s.page_ids)] = s.page_ids
+            if all_logits:
+                logit_rows.extend(range(cu[-1], cu[-1] + n))
+            elif s.sample and n > 0:
+                logit_rows.append(cu[-1] + n - 1)
+            cu.append(cu[-1] + n)
+        q_lens = [s.num_tokens for s in seqs]
+        prefix = [s.start_pos for s in seqs]
+
+        def t(data: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
+
+        return ForwardContext(
+            input_ids=t(ids, torch.int64),
+            positions=t(positions, torch.int64),
+            cu_seqlens=t(cu, torch.int32),
+            prefix_lens=t(prefix, torch.int32),
+            seq_lens=t([p + q for p, q in zip(prefix, q_lens, strict=True)], torch.int32),
+            page_table=t(table, torch.int32),
+            slot_mapping=t(slots, torch.int64),
+            state_slots=t([s.state_slot for s in seqs], torch.int64),
+            logits_indices=t(logit_rows, torch.int64),
+            page_size=ps,
+            q_lens_cpu=q_lens,
+            prefix_lens_cpu=prefix,
+        )
+
+    def run(self, ctx: ForwardContext) -> torch.Tensor:
+        """The model's logits [S, V] float32 for `ctx.logits_indices`."""
+        with forward_context(ctx):
+            return self.model.forward(ctx)
+
+    def forward(self, batch: Batch) -> ForwardOutput:
+        """One step: forward every sequence's new tokens, sample where `sample` is set."""
+        ctx = self.prepare(batch)
+        logits = self.run(ctx)
+        sampling = [s for s in batch.seqs if s.sample and s.num_tokens > 0]
+        next_tokens: list[int | None] = [None] * len(batch.seqs)
+        if sampling:
+            tokens = self.sampler(logits, sampling).tolist()  # the step's one host copy
+            it = iter(tokens)
+            for i, s in enumerate(batch.seqs):
+                if s.sample and s.num_tokens > 0:
+                    next_tokens[i] = next(it)
+        return ForwardOutput(next_tokens=next_tokens, logits=logits)
+
+    def logits(self, token_ids: Sequence[int], *, page_ids: Sequence[int] | None = None,
+               state_slot: int | None = None, chunk_size: int | None = None) -> torch.Tensor:
+        """Teacher-forced logits [T, V] float32 of one sequence, prefilled from position 0.
+
+        Uses `page_ids` / `state_slot` when given, else the first pages of the KV pool and a
+        slot taken from (and returned to) the state pool: do not call that form while other
+        sequences live in the pools. `chunk_size` splits the prefill into chunks.
+        """
+        T = len(token_ids)
+        if page_ids is None:
+            need = -(-T // self.page_size)
+            if need > self.model.kv.num_pages:
+                raise ValueError(f"{T} tokens need {need} KV pages; the pool has "
+                                 f"{self.model.kv.num_pages}")
+            page_ids = list(range(need))
+        own_slot = state_slot is None
+        slot = self.model.states.alloc() if own_slot else state_slot
+        try:
+            step = chunk_size or max(T, 1)
+            out = []
+            for start in range(0, T, step):
+                chunk = list(token_ids[start:start + step])
+                seq = ScheduledSeq(request_id="logits", token_ids=chunk, start_pos=start,
+                                   page_ids=list(page_ids), state_slot=slot, sample=False)
+                out.append(self.run(self.prepare([seq], all_logits=True)))
+            return torch.cat(out) if out else torch.empty(0, 0)
+        finally:
+            if own_slot:
+                self.model.states.free(slot)

@@ -1,0 +1,94 @@
+"""Paged KV store in the model dtype (bf16 on GPU, fp32 for exact CPU tests) with a
+pure-torch attention over it.
+
+Store: K and V each [num_attention_layers, num_pages + 1, page_size, Hkv, D]. Page `num_pages`
+is a padding page: tokens whose slot is negative (padded rows of a captured batch) are written
+there and never read.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tinyserve.core import ForwardContext
+from tinyserve.kv.base import KVBackend
+
+
+class BF16KVBackend(KVBackend):
+    """KV backend storing post-norm, post-RoPE K/V unquantized in the model dtype."""
+
+    name = "bf16"
+
+    def __init__(self, *, layer_ids: list[int], num_kv_heads: int, head_dim: int,
+                 num_pages: int, page_size: int, device: torch.device | str,
+                 dtype: torch.dtype) -> None:
+        super().__init__(layer_ids=layer_ids, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                         num_pages=num_pages, page_size=page_size, device=device, dtype=dtype)
+        self._index = {L: i for i, L in enumerate(self.layer_ids)}
+        shape = (len(self.layer_ids), num_pages + 1, page_size, num_kv_heads, head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+
+    @classmethod
+    def bytes_per_token(cls, num_layers: int, num_kv_heads: int, head_dim: int,
+                        dtype_bytes: int = 2) -> int:
+        """K and V of every attention layer: 10 x 2 x 2 x 256 x 2 B = 20,480 B for 35B-A3B."""
+        return num_layers * 2 * num_kv_heads * head_dim * dtype_bytes
+
+    def layer_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of one layer, each [num_pages + 1, page_size, Hkv, D] (views)."""
+        i = self._index[layer_id]
+        return self.k_cache[i], self.v_cache[i]
+
+    def write(self, layer_id: int, k: torch.Tensor, v: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        """Store k, v [N, Hkv, D] at flat slots [N] (negative slot -> the padding page)."""
+        kc, vc = self.layer_cache(layer_id)
+        pad_slot = self.num_pages * self.page_size
+        slots = torch.where(slot_mapping < 0, pad_slot, slot_mapping)
+        kc.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k.to(kc.dtype))
+        vc.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v.to(vc.dtype))
+
+    def gather(self, layer_id: int, page_ids: torch.Tensor,
+               length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `length` cached tokens of a sequence: (K, V) each [length, Hkv, D]."""
+        kc, vc = self.layer_cache(layer_id)
+        n_pages = -(-length // self.page_size)
+        pages = page_ids[:n_pages].long()
+        k = kc[pages].reshape(-1, self.num_kv_heads, self.head_dim)[:length]
+        v = vc[pages].reshape(-1, self.num_kv_heads, self.head_dim)[:length]
+        return k, v
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                ctx: ForwardContext, scale: float) -> torch.Tensor:
+        self.write(layer_id, k, v, ctx.slot_mapping)
+        out = torch.empty_like(q)
+        start = 0
+        for b, (n, prefix) in enumerate(zip(ctx.q_lens_cpu, ctx.prefix_lens_cpu, strict=True)):
+            if n == 0:
+                continue
+            end = start + n
+            kb, vb = self.gather(layer_id, ctx.page_table[b], prefix + n)
+            out[start:end] = causal_attention(q[start:end], kb, vb, prefix, scale)
+            start = end
+        return out
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,
+                     scale: float) -> torch.Tensor:
+    """Reference attention of one sequence with GQA.
+
+    q [n, Hq, D] at positions prefix .. prefix+n-1; k, v [prefix+n, Hkv, D]. Query i sees keys
+    0 .. prefix+i. Returns [n, Hq, D] in q.dtype (SDPA: fp32 softmax inside).
+    """
+    n, Hq, _ = q.shape
+    S, Hkv, _ = k.shape
+    rep = Hq // Hkv
+    qh = q.transpose(0, 1)  # [Hq, n, D]
+    kh = k.transpose(0, 1).repeat_interleave(rep, dim=0)  # [Hq, S, D]
+    vh = v.transpose(0, 1).repeat_interleave(rep, dim=0)
+    rows = torch.arange(n, device=q.device)[:, None] + prefix
+    mask = torch.arange(S, device=q.device)[None, :] <= rows  # [n, S]
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return o.transpose(0, 1)

@@ -1,0 +1,68 @@
+"""`linear(x, w)`: y = x @ W.T for every weight storage (dense, NVFP4, FP8).
+
+The single seam where GPU kernels plug in is `_quantized_linear`: on CUDA (unless
+TINYSERVE_DISABLE_KERNELS is set) NVFP4 weights go through the Triton kernel
+`tinyserve.kernels.nvfp4.nvfp4_linear`; everywhere else the pure-torch reference dequantizes
+the weight and runs a plain matmul.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from tinyserve import envs
+from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
+
+
+def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+    """x [..., in] (model dtype) -> [..., out] in x.dtype. No bias (Qwen3.5 has none)."""
+    if isinstance(w, DenseWeight):
+        return F.linear(x, w.weight)
+    return _quantized_linear(x, w)
+
+
+def dequantize(w: LinearWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The dense [out, in] weight of any storage, in `dtype`."""
+    if isinstance(w, DenseWeight):
+        return w.weight.to(dtype)
+    from tinyserve.kernels import nvfp4_ref
+
+    if isinstance(w, NVFP4Weight):
+        return nvfp4_ref.dequantize_nvfp4(w, dtype=dtype)
+    if isinstance(w, FP8Weight):
+        return nvfp4_ref.dequantize_fp8(w, dtype=dtype)
+    raise TypeError(f"unknown weight storage {type(w).__name__}")
+
+
+def to_device(w: LinearWeight, device: torch.device | str,
+              dtype: torch.dtype) -> LinearWeight:
+    """Move a weight to `device`; dense weights are also cast to the model `dtype`."""
+    if isinstance(w, DenseWeight):
+        return DenseWeight(w.weight.to(device=device, dtype=dtype))
+    if isinstance(w, NVFP4Weight):
+        return NVFP4Weight(w.packed.to(device), w.block_scale.to(device), w.global_scale)
+    if isinstance(w, FP8Weight):
+        return FP8Weight(w.weight.to(device), w.scale.to(device))
+    raise TypeError(f"unknown weight storage {type(w).__name__}")
+
+
+def _quantized_linear(x: torch.Tensor, w: NVFP4Weight | FP8Weight) -> torch.Tensor:
+    if isinstance(w, NVFP4Weight) and x.is_cuda and _kernels_enabled():
+        from tinyserve.kernels.nvfp4 import nvfp4_linear
+
+        return nvfp4_linear(x, w)
+    return F.linear(x, dequantize(w, x.dtype))
+
+
+@functools.cache
+def _kernels_enabled() -> bool:
+    if envs.DISABLE_KERNELS.get():
+        return False
+    try:
+        import tinyserve.kernels.nvfp4  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,112 @@
+"""The Qwen3.5-MoE text model over canonical weights, batched over varlen sequences.
+
+`Qwen35Model.forward(ctx)` runs the new tokens of every sequence of a forward context (prefill
+chunks and decode tokens mixed) through embedding -> layers [GDN | gated attention] + MoE ->
+final norm -> lm_head, for the rows `ctx.logits_indices` only. Full-attention layers read and
+write K/V through the KV backend; GDN layers read and write the GDN state pool.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tinyserve.core import DenseWeight, ForwardContext, LinearWeight
+from tinyserve.model.attention import GatedAttention
+from tinyserve.model.gdn import GatedDeltaNet
+from tinyserve.model.linear import linear, to_device
+from tinyserve.model.moe import ResidentExperts, SparseMoE
+from tinyserve.model.norm import rms_norm
+from tinyserve.model.rope import PartialRoPE
+
+# Tensors kept in fp32 whatever the model dtype (GDN decay parameters; spec loader rule 5).
+_FP32_SUFFIXES = (".linear_attn.A_log", ".linear_attn.dt_bias", ".linear_attn.norm")
+
+
+class Qwen35Model:
+    """Qwen3.5-MoE forward over canonical weights.
+
+    Args:
+        config: a `model.config.ModelConfig`.
+        weights: canonical name -> Tensor or LinearWeight (see `model.loader`). Expert
+            weights may be absent when `experts` is given.
+        kv: KV backend of the full-attention layers (`kv.base.KVBackend`).
+        states: GDN state pool of the linear-attention layers (`kv.state_pool.GDNStatePool`).
+        experts: routed-experts provider; default `ResidentExperts` over `weights`.
+        device, dtype: compute device and model dtype (fp32 on CPU for exact parity).
+    """
+
+    def __init__(self, config: Any, weights: dict[str, Any], *, kv: Any, states: Any,
+                 experts: Any = None, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.config = config
+        self.kv = kv
+        self.states = states
+        self.device = torch.device(device)
+        self.dtype = dtype
+        w = {name: self._place(name, t) for name, t in weights.items()}
+        self.embed_tokens: torch.Tensor = w["embed_tokens"]
+        self.norm: torch.Tensor = w["norm"]
+        lm_head = w.get("lm_head")
+        if lm_head is None and config.tie_word_embeddings:
+            lm_head = DenseWeight(self.embed_tokens)
+        self.lm_head: LinearWeight = lm_head
+        if experts is None:
+            experts = ResidentExperts(w, config, range(config.num_layers))
+        self.experts = experts
+        self.rope = PartialRoPE(config.head_dim, config.rotary_dim, config.rope_theta,
+                                self.device)
+        self.layers = [_Layer(L, config, w, self.rope, experts)
+                       for L in range(config.num_layers)]
+
+    def _place(self, name: str, t: Any) -> Any:
+        if isinstance(t, torch.Tensor):
+            dtype = torch.float32 if name.endswith(_FP32_SUFFIXES) else self.dtype
+            return t.to(device=self.device, dtype=dtype)
+        return to_device(t, self.device, self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, ctx: ForwardContext) -> torch.Tensor:
+        """Logits [S, V] float32 for the rows `ctx.logits_indices` of the N new tokens."""
+        x = self.embed_tokens[ctx.input_ids]  # [N, H]
+        cos_sin = self.rope.cos_sin(ctx.positions, self.dtype)
+        for layer in self.layers:
+            x = layer.forward(x, ctx, self.kv, self.states, cos_sin)
+        x = x[ctx.logits_indices]  # [S, H]
+        x = rms_norm(x, self.norm, self.config.rms_norm_eps)
+        return linear(x, self.lm_head).float()
+
+
+class _Layer:
+    """Decoder layer: x += Mixer(norm(x)); x += MoE(norm(x))."""
+
+    def __init__(self, L: int, config: Any, w: dict[str, Any], rope: PartialRoPE,
+                 experts: Any) -> None:
+        p = f"layers.{L}."
+        self.eps = config.rms_norm_eps
+        self.input_layernorm = w[p + "input_layernorm"]
+        self.post_attention_layernorm = w[p + "post_attention_layernorm"]
+        self.is_attention = config.layer_types[L] == "full_attention"
+        if self.is_attention:
+            self.mixer: Any = GatedAttention(L, config, _sub(w, p + "self_attn."), rope)
+        else:
+            self.mixer = GatedDeltaNet(L, config, _sub(w, p + "linear_attn."))
+        self.mlp = SparseMoE(L, config, _sub(w, p + "mlp."), experts)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, kv: Any, states: Any,
+                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h = rms_norm(x, self.input_layernorm, self.eps)
+        if self.is_attention:
+            h = self.mixer.forward(h, ctx, kv, cos_sin)
+        else:
+            h = self.mixer.forward(h, ctx, states)
+        x = x + h
+        h = rms_norm(x, self.post_attention_layernorm, self.eps)
+        return x + self.mlp.forward(h)
+
+
+def _sub(w: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """The entries under `prefix`, with the prefix stripped (experts excluded)."""
+    return {k[len(prefix):]: v for k, v in w.items()
+            if k.startswith(prefix) and ".experts." not in k}

@@ -1,0 +1,102 @@
+"""EngineConfig: what the engine is asked for. Frozen; derived values are properties."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+from tinyserve.kv.registry import KV_BACKEND_NAMES
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def parse_bytes(value: str | int) -> int:
+    """'6GiB', '6 GB', '512MiB', '1e9' or an int -> bytes. Raises ValueError."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {value!r} as a memory size (e.g. 6GiB, 512MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings.
+
+    model: checkpoint directory (or Hugging Face repo id).
+    kv: KV cache format (`kv.registry` names). device: "cuda", "cpu" or None (cuda when
+    available). dtype: "float32" / "bfloat16" / "float16" or None (float32 on CPU, bfloat16
+    on CUDA). max_context: cap on prompt + output tokens (None: the model's and the pool's).
+    max_seqs: most sequences in one step. max_num_batched_tokens: token budget of one step
+    (prefill chunk size). page_size: tokens per KV page. gpu_memory: budget for the whole
+    engine on the GPU ("6GiB"; None: what the device has free). num_kv_pages: fixes the KV
+    pool size. kv_memory_fraction: share of the memory left after the weights that the KV
+    pool may take when no number of pages is given.
+    """
+
+    model: str
+    kv: str = "bf16"
+    device: str | None = None
+    dtype: str | None = None
+    max_context: int | None = None
+    max_seqs: int = 8
+    max_num_batched_tokens: int = 2048
+    page_size: int = 16
+    gpu_memory: str | int | None = None
+    num_kv_pages: int | None = None
+    kv_memory_fraction: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.kv not in KV_BACKEND_NAMES:
+            raise ValueError(f"kv must be one of {', '.join(KV_BACKEND_NAMES)}, got {self.kv!r}")
+        if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        for name in ("max_seqs", "max_num_batched_tokens", "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                             f">= max_seqs ({self.max_seqs})")
+        if self.max_context is not None and self.max_context < 2:
+            raise ValueError(f"max_context must be >= 2, got {self.max_context}")
+        if self.num_kv_pages is not None and self.num_kv_pages < 1:
+            raise ValueError(f"num_kv_pages must be >= 1, got {self.num_kv_pages}")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1], got "
+                             f"{self.kv_memory_fraction}")
+        if self.gpu_memory is not None:
+            parse_bytes(self.gpu_memory)
+
+    @classmethod
+    def from_args(cls, args: Any, **overrides: Any) -> EngineConfig:
+        """From parsed CLI arguments: attributes that are missing or None keep the defaults."""
+        names = {f.name for f in fields(cls)}
+        values = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+        values.update(overrides)
+        return cls(**values)
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device is not None:
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def torch_dtype(self) -> Any:
+        import torch
+
+        if self.dtype is not None:
+            return getattr(torch, self.dtype)
+        return torch.float32 if self.resolved_device == "cpu" else torch.bfloat16
+
+    @property
+    def gpu_memory_bytes(self) -> int | None:
+        return None if self.gpu_memory is None else parse_bytes(self.gpu_memory)

@@ -1,0 +1,337 @@
+"""The engine: a background thread stepping the scheduler and the model runner.
+
+Any thread may `submit` and `abort`; those go through an inbox the loop thread drains between
+steps, so the scheduler, the pools and the runner are only ever touched by the loop thread.
+One step is `schedule -> runner.forward -> update`. A failing forward of one request fails
+that request alone; a failing shared step is retried one request at a time. The loop never
+dies on a request's error.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from tinyserve.core import Batch, SamplingParams
+from tinyserve.engine.config import EngineConfig
+from tinyserve.engine.detokenizer import IncrementalDetokenizer
+from tinyserve.engine.scheduler import RequestRejected, Scheduler, StepEvent
+from tinyserve.engine.stream import RequestHandle, RequestOutput
+from tinyserve.kv.allocator import PageAllocator
+from tinyserve.log import get_logger
+
+__all__ = ["Engine", "EngineParts", "EngineStats", "RequestHandle", "RequestOutput",
+           "RequestRejected"]
+
+log = get_logger(__name__)
+_SAMPLES = 2048  # latency samples kept for stats()
+
+
+@dataclass
+class EngineParts:
+    """What `engine.build` assembles. `runner.forward(batch) -> ForwardOutput`,
+    `runner.logits(ids, page_ids=, state_slot=, chunk_size=)`, `runner.sampler.logits_hook`.
+    `max_context` is already min(model, KV pool, --max-context)."""
+
+    runner: Any
+    tokenizer: Any
+    model_config: Any
+    num_kv_pages: int
+    num_state_slots: int
+    max_context: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    page_size: int
+    state_slots_used: int
+    state_slots_total: int
+    max_context: int
+    requests_submitted: int
+    requests_finished: int
+    requests_aborted: int
+    requests_failed: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    preemptions: int
+    steps: int
+    ttft_seconds: tuple[float, ...]  # recent time-to-first-token samples
+    itl_seconds: tuple[float, ...]  # recent inter-token latency samples
+
+
+class _Live:
+    """Loop-thread state of one request."""
+
+    def __init__(self, handle: RequestHandle, detok: IncrementalDetokenizer) -> None:
+        self.handle = handle
+        self.detok = detok
+        self.submitted = time.perf_counter()
+        self.last_token: float | None = None
+        self.completion_tokens = 0
+
+
+class Engine:
+    """Thread-safe front of the scheduler + runner. `start()` launches the loop thread."""
+
+    def __init__(self, parts: EngineParts, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = parts.runner
+        self.tokenizer = parts.tokenizer
+        self.model_config = parts.model_config
+        self.max_context = parts.max_context
+        self.scheduler = Scheduler(
+            pages=PageAllocator(parts.num_kv_pages), slots=PageAllocator(parts.num_state_slots),
+            page_size=config.page_size, max_context=parts.max_context,
+            max_seqs=config.max_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            eos_token_ids=parts.eos_token_ids)
+        self._vocab = getattr(parts.model_config, "vocab_size", None)
+        self._inbox: list[tuple] = []
+        self._cond = threading.Condition()
+        self._live: dict[str, _Live] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._ids = itertools.count()
+        self._counts = dict.fromkeys(("submitted", "finished", "aborted", "failed",
+                                      "prompt_tokens", "generation_tokens", "steps"), 0)
+        self._ttft: deque[float] = deque(maxlen=_SAMPLES)
+        self._itl: deque[float] = deque(maxlen=_SAMPLES)
+
+    # ---------------------------------------------------------------- any thread
+
+    def start(self) -> Engine:
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="tinyserve-engine",
+                                                daemon=True)
+                self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Stop the loop thread; unfinished requests end with finish_reason "abort"."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        with self._cond:
+            inbox, self._inbox = self._inbox, []
+        for item in inbox:
+            if item[0] == "add":
+                self._live[item[1]] = item[4]
+            elif item[0] == "call":
+                item[2].set_exception(RuntimeError("the engine shut down"))
+        for rid in list(self._live):
+            self._end(rid, "abort", error="the engine shut down")
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
+               request_id: str | None = None) -> RequestHandle:
+        """Queue a request; returns its stream at once.
+
+        Raises RequestRejected (a ValueError naming the numbers) when the prompt plus
+        `max_tokens` can never fit, ValueError on token ids outside the vocabulary and
+        RuntimeError after shutdown.
+        """
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt_ids]
+        self.scheduler.check(len(prompt), params)
+        if self._vocab and any(not 0 <= t < self._vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {self._vocab})")
+        rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        handle = RequestHandle(rid, len(prompt), self.abort)
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the engine is shut down")
+            self._inbox.append(("add", rid, prompt, params, _Live(handle, detok)))
+            self._cond.notify_all()
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        """End a request (finish_reason "abort") and free its pages and state slot before the
+        next step. Unknown or finished ids are ignored."""
+        with self._cond:
+            self._inbox.append(("abort", request_id))
+            self._cond.notify_all()
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn()` on the loop thread between steps and return its result (or raise)."""
+        if self._thread is None or not self._thread.is_alive():
+            return fn()
+        fut: Future = Future()
+        with self._cond:
+            self._inbox.append(("call", fn, fut))
+            self._cond.notify_all()
+        return fut.result()
+
+    def set_logits_hook(self, fn: Callable | None) -> None:
+        """`fn(logits [S, V] float32, seqs) -> logits`, run before sampling (tests)."""
+        self.runner.sampler.logits_hook = fn
+
+    def logits(self, token_ids: Sequence[int]) -> Any:
+        """Teacher-forced logits [T, V] float32 of one sequence, on pages and a state slot
+        taken from the engine's pools (chunked like prefill). Raises RequestRejected when the
+        sequence cannot fit, RuntimeError when the pools are busy."""
+        ids = [int(t) for t in token_ids]
+        self.scheduler.check(len(ids), SamplingParams(max_tokens=1))
+        return self.call(lambda: self._logits(ids))
+
+    def stats(self) -> EngineStats:
+        s, c = self.scheduler, self._counts
+        return EngineStats(
+            running=len(s.running), waiting=len(s.waiting) + len(self._inbox),
+            kv_pages_used=s.pages.num_used, kv_pages_total=s.pages.num_pages,
+            page_size=s.page_size, state_slots_used=s.slots.num_used,
+            state_slots_total=s.slots.num_pages, max_context=self.max_context,
+            requests_submitted=c["submitted"], requests_finished=c["finished"],
+            requests_aborted=c["aborted"], requests_failed=c["failed"],
+            prompt_tokens_total=c["prompt_tokens"],
+            generation_tokens_total=c["generation_tokens"], preemptions=s.num_preemptions,
+            steps=c["steps"], ttft_seconds=tuple(self._ttft), itl_seconds=tuple(self._itl))
+
+    # ---------------------------------------------------------------- loop thread
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._inbox or self._stopping
+                                    or self.scheduler.has_work)
+                if self._stopping:
+                    return
+                inbox, self._inbox = self._inbox, []
+            try:
+                for item in inbox:
+                    self._apply(item)
+                if self.scheduler.has_work:
+                    self.step()
+            except Exception:  # a bug outside any one request: keep serving
+                log.exception("engine step failed")
+                time.sleep(0.01)
+
+    def step(self) -> None:
+        """One engine step: schedule, forward, hand out the sampled tokens."""
+        batch = self.scheduler.schedule()
+        output = self._forward(batch)
+        if output is not None:
+            self._emit(self.scheduler.update(batch, output))
+
+    def _forward(self, batch: Batch) -> Any:
+        if not batch.seqs:
+            return None
+        self._counts["steps"] += 1
+        try:
+            return self.runner.forward(batch)
+        except Exception as exc:
+            if len(batch) == 1:
+                log.exception("request %s failed", batch.seqs[0].request_id)
+                self._end(batch.seqs[0].request_id, "error", error=f"{type(exc).__name__}: "
+                          f"{exc}")
+            else:  # which request broke it? rerun each alone, from scratch
+                log.warning("a step of %d requests failed (%s); retrying them one at a time",
+                            len(batch), exc)
+                for seq in batch.seqs:
+                    self.scheduler.preempt(seq.request_id, solo=True)
+            return None
+
+    def _apply(self, item: tuple) -> None:
+        kind = item[0]
+        if kind == "add":
+            _, rid, prompt, params, live = item
+            try:
+                self.scheduler.add(rid, prompt, params)
+            except ValueError as exc:
+                live.handle.put(RequestOutput(rid, finished=True, finish_reason="error",
+                                              error=str(exc), prompt_tokens=len(prompt)))
+                return
+            self._live[rid] = live
+            self._counts["submitted"] += 1
+            self._counts["prompt_tokens"] += len(prompt)
+        elif kind == "abort":
+            self._end(item[1], "abort")
+        elif kind == "call":
+            _, fn, fut = item
+            try:
+                fut.set_result(fn())
+            except Exception as exc:
+                fut.set_exception(exc)
+
+    def _emit(self, events: list[StepEvent]) -> None:
+        now = time.perf_counter()
+        for ev in events:
+            live = self._live.get(ev.request_id)
+            if live is None:
+                continue
+            try:
+                self._emit_one(live, ev, now)
+            except Exception as exc:
+                log.exception("output of request %s failed", ev.request_id)
+                self._end(ev.request_id, "error", error=f"{type(exc).__name__}: {exc}")
+
+    def _emit_one(self, live: _Live, ev: StepEvent, now: float) -> None:
+        if live.last_token is None:
+            self._ttft.append(now - live.submitted)
+        else:
+            self._itl.append(now - live.last_token)
+        live.last_token = now
+        live.completion_tokens += 1
+        self._counts["generation_tokens"] += 1
+        reason = ev.finish_reason
+        if reason == "stop":  # an EOS or stop token: it has no text
+            text = live.detok.finish()
+        else:
+            text = live.detok.add([ev.token_id])
+            if live.detok.stopped:
+                reason = "stop"
+                self.scheduler.finish(ev.request_id)
+            elif reason is not None:
+                text += live.detok.finish()
+        live.handle.put(RequestOutput(
+            ev.request_id, [ev.token_id], text, reason is not None, reason, None,
+            live.handle.prompt_tokens, live.completion_tokens))
+        if reason is not None:
+            del self._live[ev.request_id]
+            self._counts["finished"] += 1
+
+    def _end(self, rid: str, reason: str, *, error: str | None = None) -> None:
+        """Finish a request outside the token path (abort, error, shutdown)."""
+        if rid in self.scheduler.requests:
+            self.scheduler.finish(rid)
+        live = self._live.pop(rid, None)
+        if live is None:
+            return
+        self._counts["aborted" if reason == "abort" else "failed"] += 1
+        live.handle.put(RequestOutput(rid, [], "", True, reason, error,
+                                      live.handle.prompt_tokens, live.completion_tokens))
+
+    def _logits(self, ids: list[int]) -> Any:
+        s = self.scheduler
+        pages = s.pages.alloc(s.pages_for(len(ids)))
+        slot = s.slots.alloc(1)
+        try:
+            if pages is None or slot is None:
+                raise RuntimeError("no free KV pages or state slot for logits(); retry when "
+                                   "the engine is idle")
+            return self.runner.logits(ids, page_ids=pages, state_slot=slot[0],
+                                      chunk_size=self.config.max_num_batched_tokens)
+        finally:
+            if pages:
+                s.pages.free(pages)
+            if slot:
+                s.slots.free(slot)

@@ -1,0 +1,110 @@
+"""Per-request output streams: `RequestOutput` items handed from the engine thread to a consumer
+iterating synchronously (`for out in handle`) or asynchronously (`async for out in handle`)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """New output of one request since the previous item.
+
+    token_ids: the new token ids. text: the new text (UTF-8-safe; stop strings and text that
+    may begin one are held back, a matched stop string is never emitted). finish_reason:
+    "stop" | "length" | "abort" | "error" on the last item, else None. error: the message when
+    finish_reason is "error". prompt_tokens / completion_tokens: totals so far.
+    """
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class RequestHandle:
+    """The stream of one request. Iterate it once, synchronously or asynchronously; iteration
+    ends after the item with `finished=True`. `abort()` asks the engine to stop the request."""
+
+    def __init__(self, request_id: str, prompt_tokens: int,
+                 abort: Callable[[str], None]) -> None:
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self._abort = abort
+        self._items: deque[RequestOutput] = deque()
+        self._cond = threading.Condition()
+        self._waker: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        self.finished = False
+
+    def abort(self) -> None:
+        self._abort(self.request_id)
+
+    def put(self, out: RequestOutput) -> None:
+        """Called by the engine thread (any thread)."""
+        with self._cond:
+            if self.finished:
+                return
+            self.finished = out.finished
+            self._items.append(out)
+            self._cond.notify_all()
+            waker = self._waker
+        if waker is not None:
+            loop, event = waker
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # the consumer's event loop is closed: nobody is listening
+                pass
+
+    def get(self, timeout: float | None = None) -> RequestOutput:
+        """The next item (blocking). Raises TimeoutError after `timeout` seconds."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._items, timeout):
+                raise TimeoutError(f"no output from {self.request_id} in {timeout} s")
+            return self._items.popleft()
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while True:
+            out = self.get()
+            yield out
+            if out.finished:
+                return
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._aiter()
+
+    async def _aiter(self) -> AsyncIterator[RequestOutput]:
+        event = asyncio.Event()
+        with self._cond:
+            self._waker = (asyncio.get_running_loop(), event)
+        while True:
+            with self._cond:
+                out = self._items.popleft() if self._items else None
+                if out is None:
+                    event.clear()  # NOTE: cleared under the lock, so no put() is missed
+            if out is None:
+                await event.wait()
+                continue
+            yield out
+            if out.finished:
+                return
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """Wait for the end and merge every item into one (all tokens, all text)."""
+        ids: list[int] = []
+        text: list[str] = []
+        while True:
+            out = self.get(timeout)
+            ids += out.token_ids
+            text.append(out.text)
+            if out.finished:
+                return RequestOutput(self.request_id, ids, "".join(text), True,
+                                     out.finish_reason, out.error, out.prompt_tokens,
+                                     out.completion_tokens)

@@ -1,0 +1,223 @@
+"""Gated DeltaNet kernels on one CUDA GPU, Qwen3.5-35B-A3B shapes, one GDN layer.
+
+Decode (batch 1 and 8): time per layer per token of `causal_conv1d_update` + `gdn_decode`
+(CUDA graph, median) against the state bytes they must read and write, as a fraction of the
+device copy bandwidth measured in the same run. Prefill (4k and 30k tokens, one sequence, and a
+mixed batch): tokens/s of the chunked and the recurrent Triton kernels. Baseline: the pure-torch
+references (`backend="torch"`) on the same GPU in the same run (the recurrent reference on a
+1k-token prefix only: it is one Python step per token). Each case records its own failure and
+the rest go on.
+
+    python bench/gdn.py [--quick]      -> bench/results/gdn.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from tinyserve.kernels import gdn
+
+Hk, Hv, DK, DV, C, K = 16, 32, 128, 128, 8192, 4
+DTYPE = torch.bfloat16
+NUM_SLOTS = 16
+OUT = Path(__file__).resolve().parent / "results" / "gdn.json"
+
+
+def _bench(fn, graph: bool = False) -> float:
+    """Median milliseconds."""
+    import triton.testing
+
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def _time_slow(fn, reps: int = 3) -> float:
+    """Median milliseconds of a slow function (a Python loop per token)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in GB/s (read + write bytes)."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _bench(lambda: dst.copy_(src))
+
+    return 2 * n / ms / 1e6
+
+
+def _inputs(T: int):
+    q = torch.randn(T, Hk, DK, device="cuda", dtype=DTYPE)
+    k = torch.randn(T, Hk, DK, device="cuda", dtype=DTYPE)
+    v = torch.randn(T, Hv, DV, device="cuda", dtype=DTYPE)
+    a = torch.randn(T, Hv, device="cuda", dtype=DTYPE)
+    b = torch.randn(T, Hv, device="cuda", dtype=DTYPE)
+    A_log = torch.rand(Hv, device="cuda") * 2 - 1
+    dt_bias = torch.randn(Hv, device="cuda")
+    return q, k, v, a, b, A_log, dt_bias
+
+
+def _pools():
+    rec = torch.randn(NUM_SLOTS, Hv, DK, DV, device="cuda") * 0.1
+    conv = torch.randn(NUM_SLOTS, C, K - 1, device="cuda", dtype=DTYPE)
+    return rec, conv
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def bench_decode(B: int, copy_gbps: float) -> dict:
+    rec, conv = _pools()
+    slots = torch.randperm(NUM_SLOTS, device="cuda")[:B]
+    q, k, v, a, b, A_log, dt_bias = _inputs(B)
+    x = torch.randn(B, C, device="cuda", dtype=DTYPE)
+    w = torch.randn(C, K, device="cuda", dtype=DTYPE)
+    rec_bytes = B * Hv * DK * DV * 4 * 2
+    conv_bytes = B * C * (K - 1) * 2 * 2
+    out: dict = {"batch": B, "state_bytes_read_write": rec_bytes + conv_bytes}
+    per_bv = {}
+    for bv in (16, 32, 64):
+        ms = _bench(lambda bv=bv: gdn.gdn_decode(q, k, v, a, b, A_log, dt_bias, rec, slots,
+                                                 block_v=bv), graph=True)
+        per_bv[bv] = ms * 1e3
+    best_bv = min(per_bv, key=per_bv.get)
+    conv_us = _bench(lambda: gdn.causal_conv1d_update(x, w, conv, slots), graph=True) * 1e3
+    gdn_us = per_bv[best_bv]
+    total = gdn_us + conv_us
+    out.update(
+        gdn_decode_us_by_block_v=per_bv, best_block_v=best_bv, gdn_decode_us=gdn_us,
+        conv_update_us=conv_us, layer_us_per_token=total,
+        recurrent_bandwidth_fraction=rec_bytes / (gdn_us * 1e-6) / 1e9 / copy_gbps,
+        layer_bandwidth_fraction=(rec_bytes + conv_bytes) / (total * 1e-6) / 1e9 / copy_gbps,
+        gdn_decode_us_eager=_bench(lambda: gdn.gdn_decode(q, k, v, a, b, A_log, dt_bias, rec,
+                                                          slots, block_v=best_bv)) * 1e3,
+    )
+    ref_rec = rec.clone()
+    out["torch_ref_gdn_decode_us"] = _time_slow(
+        lambda: gdn.gdn_decode(q, k, v, a, b, A_log, dt_bias, ref_rec, slots,
+                               backend="torch"), reps=5) * 1e3
+    # correctness of one step against the reference, from identical states
+    r1, r2 = rec.clone(), rec.clone()
+    o1 = gdn.gdn_decode(q, k, v, a, b, A_log, dt_bias, r1, slots)
+    o2 = gdn.gdn_decode(q, k, v, a, b, A_log, dt_bias, r2, slots, backend="torch")
+    out["rel_err_out"], out["rel_err_state"] = _rel(o1, o2), _rel(r1[slots], r2[slots])
+    return out
+
+
+def bench_prefill(lens: list[int], init: list[bool], ref_prefix: int | None) -> dict:
+    T = sum(lens)
+    rec, conv = _pools()
+    slots = torch.randperm(NUM_SLOTS, device="cuda")[:len(lens)]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
+                      device="cuda")
+    has = torch.tensor(init, device="cuda")
+    args = _inputs(T)
+    x = torch.randn(T, C, device="cuda", dtype=DTYPE)
+    w = torch.randn(C, K, device="cuda", dtype=DTYPE)
+    out: dict = {"lens": lens if len(lens) <= 16 else f"{len(lens)} seqs", "tokens": T}
+    for method, bvs in (("chunk", (32, 64)), ("recurrent", (32,))):
+        for bv in bvs:
+            name = f"{method}_bv{bv}"
+            try:
+                ms = _bench(lambda m=method, bv=bv: gdn.gdn_prefill(
+                    *args, rec, slots, cu, has, method=m, block_v=bv))
+                out[f"{name}_ms"] = ms
+                out[f"{name}_tokens_per_s"] = T / ms * 1e3
+            except Exception as e:  # noqa: BLE001 - record and go on
+                out[f"{name}_error"] = repr(e)[:500]
+    out["conv_prefill_ms"] = _bench(lambda: gdn.causal_conv1d_prefill(x, w, conv, slots, cu,
+                                                                      has))
+    # the torch chunk reference on the same input, and the accuracy of the chunk kernel
+    r1, r2 = rec.clone(), rec.clone()
+    o1 = gdn.gdn_prefill(*args, r1, slots, cu, has)
+    t_ref = _time_slow(lambda: gdn.gdn_prefill(*args, r2.clone(), slots, cu, has,
+                                               backend="torch"), reps=1)
+    o2 = gdn.gdn_prefill(*args, r2, slots, cu, has, backend="torch")
+    out["torch_chunk_ref_ms"] = t_ref
+    out["torch_chunk_ref_tokens_per_s"] = T / t_ref * 1e3
+    out["rel_err_out_vs_chunk_ref"] = _rel(o1, o2)
+    out["rel_err_state_vs_chunk_ref"] = _rel(r1[slots], r2[slots])
+    if ref_prefix:
+        n = min(ref_prefix, lens[0])
+        one = [t[:n] for t in args[:5]] + list(args[5:])
+        cu1 = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+        s1, h1 = slots[:1], torch.tensor([False], device="cuda")
+        t_rec = _time_slow(lambda: gdn.gdn_prefill(*one, rec, s1, cu1, h1, backend="torch",
+                                                   method="recurrent"), reps=1)
+        out["torch_recurrent_ref_prefix_tokens"] = n
+        out["torch_recurrent_ref_tokens_per_s"] = n / t_rec * 1e3
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="skip the 30k-token prefill")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 1
+    import triton
+
+    torch.manual_seed(0)
+    res: dict = {
+        "bench": "gdn", "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "shapes": {"Hk": Hk, "Hv": Hv, "dk": DK, "dv": DV, "conv_dim": C, "conv_kernel": K,
+                   "dtype": str(DTYPE), "state": "fp32"},
+        "baseline": "pure-torch references (kernels/gdn_ref.py) on the same GPU, same run",
+        "cases": {}, "errors": {},
+    }
+
+    def case(name: str, fn, *a) -> None:
+        t0 = time.perf_counter()
+        try:
+            res["cases"][name] = fn(*a)
+            print(f"{name}: {json.dumps(res['cases'][name])}", flush=True)
+        except Exception:  # noqa: BLE001 - a failed case is recorded, the rest still run
+            res["errors"][name] = traceback.format_exc()[-3000:]
+            print(f"{name}: FAILED\n{res['errors'][name]}", flush=True)
+        torch.cuda.empty_cache()
+        print(f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
+
+    try:
+        res["copy_bandwidth_GBps"] = _copy_bandwidth()
+    except Exception:  # noqa: BLE001
+        res["errors"]["copy_bandwidth"] = traceback.format_exc()[-3000:]
+        res["copy_bandwidth_GBps"] = float("nan")
+    print(f"device copy bandwidth: {res['copy_bandwidth_GBps']:.0f} GB/s", flush=True)
+    for B in (1, 8):
+        case(f"decode_b{B}", bench_decode, B, res["copy_bandwidth_GBps"])
+    case("prefill_4k", bench_prefill, [4096], [False], 1024)
+    case("prefill_mixed_2k_plus_7_decodes", bench_prefill, [2048] + [1] * 7,
+         [False] + [True] * 7, None)
+    if not args.quick:
+        case("prefill_30k", bench_prefill, [30720], [False], None)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0 if not res["errors"] else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

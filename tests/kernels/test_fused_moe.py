@@ -7,6 +7,7 @@ Bound: relative Frobenius error < 1e-2 (bf16 activations), < 1e-5 (fp32, interpr
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -19,6 +20,8 @@ import pytest  # noqa: E402
 from tests.kernels.test_nvfp4 import poison, rand_nvfp4, rel_err  # noqa: E402, F401
 from tinyserve.core import DenseWeight  # noqa: E402
 from tinyserve.kernels.fused_moe import (  # noqa: E402
+    MOE_PATHS,
+    align_pairs,
     allocate_expert_slots,
     fused_moe,
     fused_moe_ref,
@@ -47,23 +50,36 @@ def routing(n: int, num_slots: int, k: int) -> tuple[torch.Tensor, torch.Tensor]
     return ids, weights
 
 
-def check(slots, n: int, k: int, dtype: torch.dtype, bound: float) -> None:
+def check(slots, n: int, k: int, dtype: torch.dtype, bound: float, path=None) -> None:
     ids, weights = routing(n, slots.num_slots, k)
     x = torch.randn(n, slots.hidden_size, device=DEV).to(dtype)
     ref = fused_moe_ref(x.float(), ids, weights, slots)
-    y = fused_moe(x, ids, weights, slots)
+    y = fused_moe(x, ids, weights, slots, path=path)
     assert y.shape == x.shape and y.dtype == dtype
     assert not torch.isnan(y).any()
     assert rel_err(y, ref) < bound, rel_err(y, ref)
 
 
+@pytest.mark.parametrize("path", MOE_PATHS)
 @pytest.mark.parametrize("n", [1, 5], ids=lambda n: f"N{n}")
 @pytest.mark.parametrize("fp4", [True, False], ids=["nvfp4", "dense"])
-def test_fused_moe_small(fp4, n):
-    slots = pack_expert_slots(make_experts(6, 64, 32, fp4), DEV,
-                              dtype=torch.bfloat16 if DEV == "cuda" else torch.float32)
+def test_fused_moe_small(fp4, n, path):
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
-    check(slots, n, 3, dtype, 1e-2 if dtype == torch.bfloat16 else 1e-5)
+    slots = pack_expert_slots(make_experts(6, 64, 48, fp4), DEV, dtype=dtype)
+    check(slots, n, 3, dtype, 1e-2 if dtype == torch.bfloat16 else 1e-5, path)
+
+
+def test_align_pairs():
+    ids = torch.tensor([3, 0, 3, 3, 1, 0, 3], device=DEV)
+    sorted_pairs, block_slot = align_pairs(ids, 5, 2)
+    got = {}
+    for b, s in enumerate(block_slot.tolist()):
+        chunk = sorted_pairs[2 * b:2 * b + 2].tolist()
+        if s < 0:
+            assert chunk == [7, 7]
+            continue
+        got.setdefault(s, []).extend(p for p in chunk if p < 7)
+    assert got == {0: [1, 5], 1: [4], 3: [0, 2, 3, 6]}
 
 
 def test_write_slot_then_route():
@@ -100,11 +116,16 @@ def test_errors():
 
 
 @pytest.mark.requires_cuda
-@pytest.mark.parametrize("n", [1, 3, 64, 1024], ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("path", [None, *MOE_PATHS], ids=lambda p: p or "default")
+@pytest.mark.parametrize("n", [1, 3, 64, 2048], ids=lambda n: f"N{n}")
 @pytest.mark.parametrize("fp4", [True, False], ids=["nvfp4", "bf16"])
-def test_fused_moe_gpu(fp4, n):
-    slots = pack_expert_slots(make_experts(256 if fp4 else 64, 2048, 512, fp4), DEV)
-    check(slots, n, 8, torch.bfloat16, 1e-2)
+def test_fused_moe_gpu(fp4, n, path):
+    check(_gpu_slots(fp4), n, 8, torch.bfloat16, 1e-2, path)
+
+
+@functools.lru_cache(maxsize=1)
+def _gpu_slots(fp4: bool):
+    return pack_expert_slots(make_experts(256 if fp4 else 64, 2048, 512, fp4), DEV)
 
 
 @pytest.mark.requires_cuda

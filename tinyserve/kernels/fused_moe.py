@@ -3,9 +3,11 @@
 Experts live in slot buffers (`ExpertSlots`); a layer's routed experts are addressed by slot
 index, so the same kernels serve all-resident experts (slot = expert id) and the GPU expert
 cache (slot = cache line). `fused_moe` runs every (token, expert) pair of a layer in one launch
-sequence: gate_up GEMV -> silu(gate) * up -> down GEMV scaled by the routing weight -> sum over
-the k experts of each token. Pairs are ordered by slot so pairs sharing an expert run
-side by side and read its weights from L2.
+sequence: gate_up -> silu(gate) * up -> down scaled by the routing weight -> sum over the k
+experts of each token. Decode (few pairs): one program per pair and row block, int32 code
+loads (the GEMV of `kernels/nvfp4.py`), pairs ordered by slot so shared experts come from L2.
+Prefill: pairs grouped per slot into BLOCK_M tiles (`align_pairs`, no host sync) and
+tensor-core dots with the weight tile dequantized in the K loop.
 
 Slot layout (gate = rows 0..F-1 of w13, up = rows F..2F-1):
 - NVFP4: w13 uint8 [S, 2F, H/2], w13_scale uint8 [S, 2F, H/16], w13_global fp32 [S, 2]
@@ -23,7 +25,10 @@ import torch
 
 from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
 
-MOE_BLOCK_N, MOE_BLOCK_W = 16, 32  # rows per program, int32 words (x8 inputs) per step
+MOE_PATHS = ("gemv", "dot")
+MOE_GEMV_MAX_PAIRS = 64  # default: gemv up to this many (token, expert) pairs, then dot
+MOE_BLOCK_N, MOE_BLOCK_W = 16, 32  # gemv: rows per program, int32 words (x8 inputs) per step
+MOE_DOT_BLOCK_N, MOE_DOT_BLOCK_K = 64, 128  # dot: output rows / inputs per tile
 
 
 @functools.cache
@@ -162,7 +167,7 @@ def _check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 
 
 def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.Tensor,
-              slots: ExpertSlots) -> torch.Tensor:
+              slots: ExpertSlots, *, path: str | None = None) -> torch.Tensor:
     """Routed-expert MLP: sum_j w[t, j] * down_s(silu(gate_s(x_t)) * up_s(x_t)), s = ids[t, j].
 
     Args:
@@ -170,29 +175,38 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
         topk_slot_ids: [N, k] int32/int64 slot index of each chosen expert (in [0, S)).
         topk_weights: [N, k] routing weights (any float dtype).
         slots: the layer's ExpertSlots, on x's device.
+        path: "gemv" (one program per pair and row block; decode) or "dot" (pairs grouped
+            per slot into BLOCK_M tiles, tensor cores; prefill); None picks by N * k.
     Returns:
-        [N, H] in x.dtype (fp32 accumulation and intermediate).
+        [N, H] in x.dtype (fp32 accumulation). No host synchronisation (CUDA-graph safe).
     """
     _check(x, topk_slot_ids, topk_weights, slots)
-    kern = _kernels()
     n, topk = topk_slot_ids.shape
-    h, f = slots.hidden_size, slots.intermediate_size
     pairs = n * topk
     if pairs == 0:
         return torch.zeros_like(x)
+    path = path or ("gemv" if pairs <= MOE_GEMV_MAX_PAIRS else "dot")
+    if path not in MOE_PATHS:
+        raise ValueError(f"unknown fused_moe path {path!r}; choose from {MOE_PATHS}")
     x = x.contiguous()
     ids = topk_slot_ids.contiguous().view(-1)
     wts = topk_weights.contiguous().view(-1)
+    run = _moe_gemv if path == "gemv" else _moe_dot
+    pair_out = run(x, ids, wts, topk, slots)  # [P, H] fp32, weighted
+    return pair_out.view(n, topk, -1).sum(1).to(x.dtype)
+
+
+def _moe_gemv(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
+              slots: ExpertSlots) -> torch.Tensor:
+    kern = _kernels()
+    pairs, h, f = ids.numel(), slots.hidden_size, slots.intermediate_size
     # NOTE: a stable sort keeps token order within a slot; no host synchronisation.
-    order = torch.argsort(ids, stable=True).to(torch.int32) if n > 1 else \
+    order = torch.argsort(ids, stable=True).to(torch.int32) if pairs > topk else \
         torch.arange(pairs, device=x.device, dtype=torch.int32)
     fp4 = slots.is_fp4
     w13 = slots.w13.view(torch.int32) if fp4 else slots.w13
     w2 = slots.w2.view(torch.int32) if fp4 else slots.w2
-    s13 = slots.w13_scale if fp4 else slots.w13
-    s2 = slots.w2_scale if fp4 else slots.w2
-    g13 = slots.w13_global if fp4 else wts
-    g2 = slots.w2_global if fp4 else wts
+    s13, s2, g13, g2 = _scales(slots, wts)
     inter = torch.empty(pairs, f, device=x.device, dtype=torch.float32)
     kern.moe_gate_up_kernel[(pairs, -(-f // MOE_BLOCK_N))](
         x, ids, order, w13, s13, g13, inter, h, f, topk, x.stride(0), IS_FP4=fp4,
@@ -201,7 +215,63 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
     kern.moe_down_kernel[(pairs, -(-h // MOE_BLOCK_N))](
         inter, ids, order, wts, w2, s2, g2, pair_out, h, f, IS_FP4=fp4,
         BLOCK_N=MOE_BLOCK_N, BLOCK_W=MOE_BLOCK_W, num_warps=4)
-    return pair_out.view(n, topk, h).sum(1).to(x.dtype)
+    return pair_out
+
+
+def _scales(slots: ExpertSlots, dummy: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    if slots.is_fp4:
+        return slots.w13_scale, slots.w2_scale, slots.w13_global, slots.w2_global
+    return dummy, dummy, dummy, dummy
+
+
+def align_pairs(ids: torch.Tensor, num_slots: int, block_m: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group pair indices by slot, each slot's run padded to a multiple of `block_m`.
+
+    Returns (sorted_pairs int32 [num_blocks * block_m], pad entries = P; block_slot int32
+    [num_blocks], -1 for blocks past the end). num_blocks is a bound known without a sync.
+    """
+    pairs = ids.numel()
+    dev = ids.device
+    order = torch.argsort(ids, stable=True)
+    sorted_slot = ids[order]
+    counts = torch.zeros(num_slots, dtype=torch.int64, device=dev)
+    counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int64))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends_padded = torch.cumsum(padded, 0)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(pairs, device=dev) - starts[sorted_slot]
+    dest = (ends_padded - padded)[sorted_slot] + rank
+    num_blocks = -(-(pairs + min(pairs, num_slots) * (block_m - 1)) // block_m)
+    sorted_pairs = torch.full((num_blocks * block_m,), pairs, dtype=torch.int32, device=dev)
+    sorted_pairs[dest] = order.to(torch.int32)
+    starts_b = torch.arange(num_blocks, device=dev) * block_m
+    block_slot = torch.searchsorted(ends_padded, starts_b, right=True)
+    block_slot = torch.where(block_slot < num_slots, block_slot, -1).to(torch.int32)
+    return sorted_pairs, block_slot
+
+
+def _moe_dot(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
+             slots: ExpertSlots) -> torch.Tensor:
+    kern = _kernels()
+    pairs, h, f = ids.numel(), slots.hidden_size, slots.intermediate_size
+    per_slot = pairs / min(pairs, slots.num_slots)
+    block_m = 16 if per_slot <= 16 else (32 if per_slot <= 32 else 64)
+    sorted_pairs, block_slot = align_pairs(ids.long(), slots.num_slots, block_m)
+    num_blocks = block_slot.numel()
+    fp4 = slots.is_fp4
+    s13, s2, g13, g2 = _scales(slots, wts)
+    inter = torch.empty(pairs, f, device=x.device, dtype=x.dtype)
+    kern.moe_dot_gate_up_kernel[(num_blocks, -(-f // MOE_DOT_BLOCK_N))](
+        x, block_slot, sorted_pairs, slots.w13, s13, g13, inter, h, f, topk, pairs,
+        x.stride(0), IS_FP4=fp4, BLOCK_M=block_m, BLOCK_N=MOE_DOT_BLOCK_N,
+        BLOCK_K=MOE_DOT_BLOCK_K, num_warps=4)
+    pair_out = torch.empty(pairs, h, device=x.device, dtype=torch.float32)
+    kern.moe_dot_down_kernel[(num_blocks, -(-h // MOE_DOT_BLOCK_N))](
+        inter, block_slot, sorted_pairs, wts, slots.w2, s2, g2, pair_out, h, f, pairs,
+        IS_FP4=fp4, BLOCK_M=block_m, BLOCK_N=MOE_DOT_BLOCK_N, BLOCK_K=MOE_DOT_BLOCK_K,
+        num_warps=4)
+    return pair_out
 
 
 def slot_weights(slots: ExpertSlots, slot_id: int) -> tuple[torch.Tensor, torch.Tensor]:

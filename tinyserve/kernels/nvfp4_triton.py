@@ -104,29 +104,53 @@ def _dequant_tile(w_ptr, s_ptr, rows, row_mask, K, byte, byte_mask):
 
 
 @triton.jit
+def _tile_dot(acc, x_rows, x_mask, w_ptr, s_ptr, rows, row_mask, K,
+              IS_FP4: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc [BM, BN] += x[BM, :K] @ W[rows, :K].T with tensor cores, W in x's dtype.
+
+    `x_rows` [BM] pointers to rows of x. IS_FP4: W from codes/scales (without the global
+    scale; even and odd inputs as two dots), else a dense [rows, K] weight.
+    """
+    if IS_FP4:
+        offs_b = tl.arange(0, BLOCK_K // 2)
+        for k0 in range(0, K, BLOCK_K):
+            byte = k0 // 2 + offs_b
+            b_mask = byte < K // 2
+            lo, hi = _dequant_tile(w_ptr, s_ptr, rows, row_mask, K, byte, b_mask)
+            xm = x_mask[:, None] & b_mask[None, :]
+            x_even = tl.load(x_rows[:, None] + 2 * byte[None, :], mask=xm, other=0.0)
+            x_odd = tl.load(x_rows[:, None] + 2 * byte[None, :] + 1, mask=xm, other=0.0)
+            acc += tl.dot(x_even, lo.to(x_even.dtype))
+            acc += tl.dot(x_odd, hi.to(x_odd.dtype))
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        rows64 = rows.to(tl.int64)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            k_mask = kk < K
+            xv = tl.load(x_rows[:, None] + kk[None, :], mask=x_mask[:, None] & k_mask[None, :],
+                         other=0.0)
+            wv = tl.load(w_ptr + rows64[None, :] * K + kk[:, None],
+                         mask=k_mask[:, None] & row_mask[None, :], other=0.0)
+            acc += tl.dot(xv, wv.to(xv.dtype))
+    return acc
+
+
+@triton.jit
 def nvfp4_dot_kernel(x_ptr, w_ptr, s_ptr, out_ptr, gs, M, N, K, stride_xm,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # out[m, n] = gs * sum_k x[m, k] * (E2M1 * e4m3)[n, k]; even/odd inputs in two dots
+    # out[m, n] = gs * sum_k x[m, k] * (E2M1 * e4m3)[n, k]
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
-    pid_m = pid % num_m
+    pid_m = pid % num_m  # NOTE: M tiles vary fastest so one weight tile is reused from L2
     pid_n = pid // num_m
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     row_mask = rows < N
-    offs_b = tl.arange(0, BLOCK_K // 2)
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    x_rows = x_ptr + offs_m.to(tl.int64) * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        byte = k0 // 2 + offs_b
-        b_mask = byte < K // 2
-        lo, hi = _dequant_tile(w_ptr, s_ptr, rows, row_mask, K, byte, b_mask)
-        xm = m_mask[:, None] & b_mask[None, :]
-        x_even = tl.load(x_rows + 2 * byte[None, :], mask=xm, other=0.0)
-        x_odd = tl.load(x_rows + 2 * byte[None, :] + 1, mask=xm, other=0.0)
-        acc += tl.dot(x_even, lo.to(x_ptr.dtype.element_ty))
-        acc += tl.dot(x_odd, hi.to(x_ptr.dtype.element_ty))
+    acc = _tile_dot(acc, x_rows, m_mask, w_ptr, s_ptr, rows, row_mask, K, True, BLOCK_K)
     out = out_ptr + offs_m.to(tl.int64)[:, None] * N + rows[None, :]
     tl.store(out, (acc * gs).to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & row_mask[None, :])
@@ -173,7 +197,7 @@ def moe_gate_up_kernel(x_ptr, ids_ptr, order_ptr, w_ptr, s_ptr, gs_ptr, inter_pt
     if IS_FP4:
         g = g * (tl.load(gs_ptr + 2 * slot) * FP4_UNIT_C)
         u = u * (tl.load(gs_ptr + 2 * slot + 1) * FP4_UNIT_C)
-    h = g / (1.0 + tl.exp(-g)) * u
+    h = g * tl.sigmoid(g) * u
     tl.store(inter_ptr + p * F + rows, h, mask=row_mask)
 
 
@@ -198,3 +222,71 @@ def moe_down_kernel(inter_ptr, ids_ptr, order_ptr, wt_ptr, w_ptr, s_ptr, gs_ptr,
     if IS_FP4:
         factor = factor * tl.load(gs_ptr + slot) * FP4_UNIT_C
     tl.store(out_ptr + p * H + rows, acc * factor, mask=row_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Fused MoE, prefill: pairs sorted by slot and padded to BLOCK_M per slot, tensor-core tiles.
+
+
+@triton.jit
+def moe_dot_gate_up_kernel(x_ptr, block_slot_ptr, sorted_pairs_ptr, w_ptr, s_ptr, gs_ptr,
+                           inter_ptr, H, F, TOPK, P, stride_xm,
+                           IS_FP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+    # inter[p, f] = silu(x[t] . W13[slot, f]) * (x[t] . W13[slot, F + f]) for the pairs p of
+    # one block (all of one slot); inter is in x's dtype
+    pid_b = tl.program_id(0)
+    slot = tl.load(block_slot_ptr + pid_b).to(tl.int64)
+    if slot < 0:  # padding block past the last slot's pairs
+        return
+    pairs = tl.load(sorted_pairs_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    valid = pairs < P
+    x_rows = x_ptr + (pairs // TOPK) * stride_xm
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < F
+    if IS_FP4:
+        w_slot = w_ptr + slot * (2 * F) * (H // 2)
+        s_slot = s_ptr + slot * (2 * F) * (H // 16)
+    else:
+        w_slot = w_ptr + slot * (2 * F) * H
+        s_slot = s_ptr
+    g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    g = _tile_dot(g, x_rows, valid, w_slot, s_slot, rows, row_mask, H, IS_FP4, BLOCK_K)
+    u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    u = _tile_dot(u, x_rows, valid, w_slot, s_slot, rows + F, row_mask, H, IS_FP4, BLOCK_K)
+    if IS_FP4:
+        g = g * tl.load(gs_ptr + 2 * slot)  # NOTE: dot tiles already carry FP4_UNIT
+        u = u * tl.load(gs_ptr + 2 * slot + 1)
+    h = g * tl.sigmoid(g) * u
+    tl.store(inter_ptr + pairs[:, None] * F + rows[None, :],
+             h.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & row_mask[None, :])
+
+
+@triton.jit
+def moe_dot_down_kernel(inter_ptr, block_slot_ptr, sorted_pairs_ptr, wt_ptr, w_ptr, s_ptr,
+                        gs_ptr, out_ptr, H, F, P,
+                        IS_FP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    # out[p, h] = topk_weight[p] * inter[p] . W2[slot, h]
+    pid_b = tl.program_id(0)
+    slot = tl.load(block_slot_ptr + pid_b).to(tl.int64)
+    if slot < 0:
+        return
+    pairs = tl.load(sorted_pairs_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    valid = pairs < P
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < H
+    if IS_FP4:
+        w_slot = w_ptr + slot * H * (F // 2)
+        s_slot = s_ptr + slot * H * (F // 16)
+    else:
+        w_slot = w_ptr + slot * H * F
+        s_slot = s_ptr
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = _tile_dot(acc, inter_ptr + pairs * F, valid, w_slot, s_slot, rows, row_mask, F,
+                    IS_FP4, BLOCK_K)
+    factor = tl.load(wt_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
+    if IS_FP4:
+        factor = factor * tl.load(gs_ptr + slot)
+    tl.store(out_ptr + pairs[:, None] * H + rows[None, :], acc * factor[:, None],
+             mask=valid[:, None] & row_mask[None, :])

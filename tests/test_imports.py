@@ -15,7 +15,7 @@ ALLOWED = {
     "kernels": {"core"},
     "model": {"core", "kernels"},
     "kv": {"core", "kernels"},
-    "offload": {"core", "kernels", "model"},
+    "offload": {"core", "kernels", "model", "kv"},
     "testing": {"core", "kernels", "model"},
     "engine": {"core", "kernels", "model", "kv", "offload", "testing"},
     "server": {"core", "kernels", "model", "kv", "offload", "engine", "testing"},

@@ -1,0 +1,131 @@
+"""The offline LLM API end to end on the tiny random checkpoint (CPU, fp32)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tinyserve.core import SamplingParams
+from tinyserve.engine.llm import LLM
+from tinyserve.engine.scheduler import RequestRejected
+
+PROMPTS = ["Hello, how are you?", "The quick brown fox jumps over the lazy dog. " * 3, "42"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    # A small step budget so that prefill is chunked and mixed with decodes.
+    with LLM(str(ckpt), device="cpu", max_context=128, max_seqs=4,
+             max_num_batched_tokens=16) as llm:
+        yield llm
+
+
+def assert_idle(llm: LLM) -> None:
+    s = llm.engine.stats()
+    assert (s.running, s.waiting, s.kv_pages_used, s.state_slots_used) == (0, 0, 0, 0)
+
+
+def test_batched_equals_alone(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    alone = [llm.generate(p, params)[0] for p in PROMPTS]
+    together = llm.generate(PROMPTS, params)
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 12 for c in together)
+    assert together[0].prompt_token_ids == llm.encode(PROMPTS[0])
+    assert_idle(llm)
+
+
+def test_seeds_reproduce(llm: LLM) -> None:
+    p = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=11, ignore_eos=True)
+    first = llm.generate(PROMPTS[0], p)[0].token_ids
+    mixed = llm.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]],
+                         [SamplingParams(max_tokens=16, seed=3), p, SamplingParams()])
+    assert mixed[1].token_ids == first
+    other = llm.generate(PROMPTS[0], SamplingParams(max_tokens=16, seed=12, ignore_eos=True))
+    assert other[0].token_ids != first
+
+
+def _force(llm: LLM, text: str):
+    script = llm.encode(text)
+
+    def hook(logits, seqs):
+        out = torch.full_like(logits, -1e9)
+        for i, s in enumerate(seqs):
+            out[i, script[min(s.num_generated, len(script) - 1)]] = 0.0
+        return out
+
+    return hook
+
+
+def test_stop_strings_and_lengths(llm: LLM) -> None:
+    llm.engine.set_logits_hook(_force(llm, "Hello world. The weather is sunny today."))
+    try:
+        c = llm.generate("x", SamplingParams(max_tokens=40, stop=["sunny", "Paris"]))[0]
+        assert (c.text, c.finish_reason) == ("Hello world. The weather is ", "stop")
+        c = llm.generate("x", SamplingParams(max_tokens=3))[0]
+        assert c.finish_reason == "length" and len(c.token_ids) == 3
+        assert c.text == llm.tokenizer.decode(c.token_ids)
+    finally:
+        llm.engine.set_logits_hook(None)
+    assert_idle(llm)
+
+
+def test_eos_stops(llm: LLM) -> None:
+    eos = llm.engine.scheduler.eos_token_ids
+    llm.engine.set_logits_hook(_force(llm, "Hi<|im_end|>"))
+    try:
+        c = llm.generate("x", SamplingParams(max_tokens=40))[0]
+    finally:
+        llm.engine.set_logits_hook(None)
+    assert c.finish_reason == "stop" and c.token_ids[-1] in eos and c.text == "Hi"
+
+
+def test_abort_frees_everything(llm: LLM) -> None:
+    h = llm.engine.submit(llm.encode(PROMPTS[1]), SamplingParams(max_tokens=70, ignore_eos=True))
+    h.get(timeout=30)
+    h.abort()
+    assert h.result(timeout=30).finish_reason == "abort"
+    time.sleep(0.05)
+    assert_idle(llm)
+
+
+def test_rejects_what_cannot_fit(llm: LLM) -> None:
+    with pytest.raises(RequestRejected, match="context limit of 128"):
+        llm.generate(["short", "long " * 200], SamplingParams(max_tokens=8))
+    assert_idle(llm)
+
+
+def test_logits_match_transformers(llm: LLM, ckpt) -> None:
+    from transformers import Qwen3_5MoeForCausalLM
+
+    hf = Qwen3_5MoeForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    ids = llm.encode(PROMPTS[1])[:40]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids]), use_cache=False).logits[0].float()
+    got = llm.logits(ids)
+    assert got.shape == ref.shape and got.dtype == torch.float32
+    assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+    # The same through generate(): prefill of one token, then forced decode steps.
+    rows = []
+
+    def capture(logits, seqs):
+        rows.append(logits[0].clone())
+        out = torch.full_like(logits, -1e9)
+        out[0, ids[min(seqs[0].num_generated + 1, len(ids) - 1)]] = 0.0
+        return out
+
+    llm.engine.set_logits_hook(capture)
+    try:
+        llm.generate([ids[:1]], SamplingParams(max_tokens=len(ids), ignore_eos=True))
+    finally:
+        llm.engine.set_logits_hook(None)
+    decoded = torch.stack(rows).cpu()
+    assert (decoded - ref).abs().max() <= 1e-4 * ref.abs().max()

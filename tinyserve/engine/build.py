@@ -1,0 +1,102 @@
+"""Assemble an engine from a checkpoint path and an EngineConfig.
+
+checkpoint -> ModelConfig, tokenizer, weights -> GDN state pool (one slot per sequence) ->
+KV pool (sized from the memory left, or from max_context x max_seqs on CPU) -> Qwen35Model ->
+ModelRunner -> Engine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tinyserve.engine.config import EngineConfig
+from tinyserve.engine.loop import Engine, EngineParts
+from tinyserve.engine.runner import ModelRunner
+from tinyserve.kv.registry import create_kv_backend, kv_bytes_per_token
+from tinyserve.kv.state_pool import GDNStatePool
+from tinyserve.log import get_logger
+from tinyserve.model.config import ModelConfig, load_config
+from tinyserve.model.loader import load_weights, resolve_model_path
+from tinyserve.model.qwen35 import Qwen35Model
+
+log = get_logger(__name__)
+
+# Activations and workspace kept free on the GPU beside the weights, states and KV pool.
+_GPU_RESERVE = 512 * 2**20
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    """Load the checkpoint and return a (not yet started) Engine. Raises ValueError /
+    FileNotFoundError with one-line messages on bad checkpoints or impossible budgets."""
+    return Engine(build_parts(config), config)
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The checkpoint's Hugging Face tokenizer. Raises ValueError when it has none."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:
+        raise ValueError(f"{path}: cannot load the tokenizer ({type(exc).__name__}: "
+                         f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''})"
+                         ) from None
+
+
+def build_parts(config: EngineConfig) -> EngineParts:
+    path = resolve_model_path(config.model)
+    mcfg = load_config(path)
+    tokenizer = load_tokenizer(path)
+    device = torch.device(config.resolved_device)
+    dtype = config.torch_dtype
+    weights = load_weights(path, mcfg, dtype=dtype, device=device)
+    states = GDNStatePool.for_config(mcfg, config.max_seqs, device=device, dtype=dtype)
+    num_pages = kv_pages(config, mcfg, device)
+    kv = create_kv_backend(config.kv, layer_ids=list(mcfg.full_attention_layers),
+                           num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim,
+                           num_pages=num_pages, page_size=config.page_size, device=device,
+                           dtype=dtype)
+    model = Qwen35Model(mcfg, weights, kv=kv, states=states, device=device, dtype=dtype)
+    del weights
+    runner = ModelRunner(model, page_size=config.page_size, device=device)
+    max_context = min(mcfg.max_position_embeddings, num_pages * config.page_size,
+                      config.max_context or mcfg.max_position_embeddings)
+    eos = tuple(dict.fromkeys(mcfg.eos_token_ids + _tokenizer_eos(tokenizer)))
+    log.info("%s: %d KV pages of %d tokens (%s), %d state slots, max context %d tokens",
+             path.name, num_pages, config.page_size, config.kv, config.max_seqs, max_context)
+    return EngineParts(runner=runner, tokenizer=tokenizer, model_config=mcfg,
+                       num_kv_pages=num_pages, num_state_slots=config.max_seqs,
+                       max_context=max_context, eos_token_ids=eos)
+
+
+def kv_pages(config: EngineConfig, mcfg: ModelConfig, device: torch.device) -> int:
+    """Number of KV pages: `num_kv_pages` when given; on CPU enough for max_seqs sequences of
+    max_context tokens; on CUDA what the budget leaves after the weights and states (capped at
+    that same need). Raises ValueError when not even one page fits."""
+    if config.num_kv_pages is not None:
+        return config.num_kv_pages
+    context = min(config.max_context or mcfg.max_position_embeddings,
+                  mcfg.max_position_embeddings)
+    need = -(-context // config.page_size) * config.max_seqs
+    if device.type != "cuda":
+        return need
+    page_bytes = config.page_size * kv_bytes_per_token(
+        config.kv, len(mcfg.full_attention_layers), mcfg.num_kv_heads, mcfg.head_dim)
+    free, _ = torch.cuda.mem_get_info(device)
+    budget = config.gpu_memory_bytes
+    available = free if budget is None else min(free, budget - torch.cuda.memory_allocated(device))
+    usable = int((available - _GPU_RESERVE) * config.kv_memory_fraction)
+    pages = min(need, usable // page_bytes)
+    if pages < 1:
+        raise ValueError(f"no GPU memory left for the KV cache: {available / 2**30:.2f} GiB "
+                         f"available after the weights, {_GPU_RESERVE / 2**30:.2f} GiB reserved "
+                         f"for activations; raise --gpu-memory or lower --max-seqs")
+    return pages
+
+
+def _tokenizer_eos(tokenizer: Any) -> tuple[int, ...]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return (eos,) if isinstance(eos, int) else ()

@@ -7,25 +7,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model.hf_tiny import TINY, WIDE, build_runner, canonical_weights, hf_model
+from tests.model.hf_tiny import build_runner, checkpoint, hf_reference
 from tinyserve.core import Batch, SamplingParams, ScheduledSeq
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
 
-SPECS = {"tiny": TINY, "wide": WIDE}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
+FORMATS = ["bf16", "bf16-official", "modelopt", "compressed-tensors"]
 
 
-@pytest.fixture(scope="module", params=list(SPECS))
+@pytest.fixture(scope="module", params=["tiny", "hd128"])
 def pair(request):
-    spec = SPECS[request.param]
-    hf = hf_model(spec, seed=len(request.param))
-    return spec, hf, canonical_weights(hf)
+    """(config, weights, HF reference) of the bf16 tiny checkpoint of one geometry."""
+    cfg, w = checkpoint("bf16", request.param)
+    return cfg, hf_reference("bf16", request.param), w
 
 
 def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return torch.randint(0, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor) -> None:
@@ -49,9 +49,13 @@ def _hf_cached(hf, ids: list[int], prefill: int) -> torch.Tensor:
     return torch.cat(logits)
 
 
-def test_full_logits(pair) -> None:
-    spec, hf, w = pair
-    runner = build_runner(spec, w)
+@pytest.mark.parametrize("geometry,fmt", [("tiny", f) for f in FORMATS] + [("hd128", "bf16"),
+                                                                        ("hd128", "modelopt")])
+def test_full_logits(geometry: str, fmt: str) -> None:
+    """Every checkpoint format; NVFP4 against transformers running the dequantized weights."""
+    cfg, w = checkpoint(fmt, geometry)
+    hf = hf_reference(fmt, geometry)
+    runner = build_runner(cfg, w)
     ids = _ids(70, seed=1)  # two GDN chunks of 64
     with torch.no_grad():
         ref = hf(torch.tensor([ids]), use_cache=False).logits[0]
@@ -61,12 +65,12 @@ def test_full_logits(pair) -> None:
 def test_chunked_prefill_then_decode(pair) -> None:
     """Prefill in chunks of 7, then token-by-token decode, equals HF's cached decode and the
     one-piece prefill."""
-    spec, hf, w = pair
-    runner = build_runner(spec, w)
+    cfg, hf, w = pair
+    runner = build_runner(cfg, w)
     ids = _ids(30, seed=2)
     ref = _hf_cached(hf, ids, prefill=21)
     one_piece = runner.logits(ids[:21])
-    runner = build_runner(spec, w)
+    runner = build_runner(cfg, w)
     chunked = runner.logits(ids[:21], chunk_size=7, state_slot=1, page_ids=list(range(8)))
     _close(chunked, one_piece)
     decoded = [chunked]
@@ -80,15 +84,15 @@ def test_chunked_prefill_then_decode(pair) -> None:
 def test_batch_equals_alone(pair) -> None:
     """Three prompts of different lengths in one forward (then mixed with decode steps) equal
     each run alone; pages are scattered and out of order."""
-    spec, _, w = pair
+    cfg, _, w = pair
     prompts = [_ids(n, seed=10 + n) for n in (5, 13, 9)]
     pages = [[7, 2, 11], [0, 9, 4, 15, 1], [3, 14, 6, 12]]
     slots = [2, 0, 3]
     alone = []
     for p in prompts:
-        r = build_runner(spec, w)
+        r = build_runner(cfg, w)
         alone.append(r.logits(p + [1, 2]))
-    runner = build_runner(spec, w)
+    runner = build_runner(cfg, w)
     seqs = [ScheduledSeq(f"r{i}", p, 0, pages[i], slots[i], True, GREEDY)
             for i, p in enumerate(prompts)]
     got = [[] for _ in prompts]
@@ -114,7 +118,7 @@ def test_batch_equals_alone(pair) -> None:
 
 
 def test_greedy_32_tokens(pair) -> None:
-    spec, hf, w = pair
+    cfg, hf, w = pair
     prompt = _ids(11, seed=3)
     # Transformers, cached greedy decode, with the top-2 margin of every step.
     ids, margins = list(prompt), []
@@ -127,7 +131,7 @@ def test_greedy_32_tokens(pair) -> None:
             out = hf(torch.tensor([[ids[-1]]]), past_key_values=out.past_key_values,
                      use_cache=True)
     ref = ids[len(prompt):]
-    runner = build_runner(spec, w, num_pages=16)
+    runner = build_runner(cfg, w, num_pages=16)
     pages, toks = list(range(12)), list(prompt)
     seq = ScheduledSeq("g", list(prompt), 0, pages, 0, True, GREEDY)
     for _ in range(32):

@@ -92,8 +92,10 @@ class ISOKVBackend(KVBackend):
         if self.use_kernels:
             from tinyserve.kernels import iso_cuda
 
+            max_len = max(p + n for p, n in zip(ctx.prefix_lens_cpu, ctx.q_lens_cpu, strict=True))
             return iso_cuda.iso_decode_attention(q, kc, vc, ctx.page_table, ctx.seq_lens,
-                                                 ctx.page_size, self.fmt, scale)
+                                                 ctx.page_size, self.fmt, scale,
+                                                 max_seq_len=max_len)
         out = iso.decode_attention_ref(q, kc.cpu(), vc.cpu(), ctx.page_table.cpu(),
                                        ctx.seq_lens.cpu(), ctx.page_size, self.fmt, scale)
         return out.to(device=q.device, dtype=q.dtype)

@@ -1,0 +1,160 @@
+// ISO3_0 / ISO4_0 shared device code: quaternion and centroid tables, exact-rounding helpers.
+// Plain CUDA (no torch headers), so every .cu file compiles with `nvcc -c` alone.
+// Formats and operation order: specs/iso_kv.md §1-§4; the torch reference is kernels/iso.py.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace iso {
+
+constexpr int kBlock = 128;
+
+// Set A quaternions (w, x, y, z), one per 4-D group of a 128-block.
+static __constant__ float kQuat[32][4] = {
+    {0.5765609741f, 0.4450169504f, 0.2695076466f, -0.6300023794f},
+    {0.3176580369f, -0.5780548453f, -0.0201656222f, -0.7513582706f},
+    {-0.3234235942f, 0.7089627385f, -0.1687686443f, -0.6035611629f},
+    {-0.5127438903f, -0.3940812945f, -0.5415957570f, 0.5370919704f},
+    {0.9233905673f, -0.0897334740f, -0.2796611190f, 0.2471584976f},
+    {-0.3323571086f, 0.4727236331f, 0.3510629535f, 0.7367672324f},
+    {0.5468608141f, 0.5542563796f, 0.2609911859f, 0.5706370473f},
+    {-0.2500519454f, 0.0450818054f, -0.2715902030f, 0.9282674193f},
+    {-0.5812215805f, -0.3657043576f, -0.0937586129f, 0.7208684087f},
+    {0.3228830695f, -0.4298477769f, 0.3095585108f, -0.7843156457f},
+    {-0.7299832702f, 0.4666220546f, -0.4123268127f, -0.2817355990f},
+    {-0.4535493255f, 0.7556306720f, -0.4394895136f, -0.1736787707f},
+    {-0.7338157296f, -0.5284956098f, 0.0626545250f, 0.4222335219f},
+    {-0.2884652913f, 0.7042509317f, -0.4811822474f, -0.4350655377f},
+    {-0.9000198841f, 0.0230921544f, -0.0407132693f, 0.4333281815f},
+    {-0.0377033800f, 0.7110687494f, -0.4566248953f, 0.5333415866f},
+    {0.5104404092f, 0.3024962246f, 0.7834537029f, 0.1847889870f},
+    {0.2033989877f, -0.1157865301f, -0.6187923551f, 0.7498788238f},
+    {-0.2462528497f, 0.7490812540f, 0.0809760988f, 0.6096553802f},
+    {0.2314069420f, -0.2582575679f, -0.8879503012f, -0.3021556735f},
+    {0.0072374810f, -0.2255804837f, -0.8928058147f, -0.3898189068f},
+    {0.3923372924f, 0.3838746250f, 0.8350352049f, 0.0377884321f},
+    {0.4958070219f, -0.3209520578f, -0.6994170547f, 0.4024685621f},
+    {-0.7235037088f, -0.3477301002f, 0.5606835485f, 0.2031257302f},
+    {-0.9383618832f, 0.1824720055f, 0.2933705449f, 0.0107116764f},
+    {0.4430379272f, 0.4032751918f, 0.7377059460f, -0.3112498820f},
+    {-0.2075705230f, 0.8433781862f, 0.4534837306f, 0.1999502629f},
+    {0.1983736306f, 0.9533935785f, -0.0009816211f, -0.2273492515f},
+    {-0.8834578991f, -0.0620501526f, -0.3632916510f, 0.2892593443f},
+    {0.7389573455f, 0.0927560627f, -0.3959124386f, 0.5372074246f},
+    {-0.0156172011f, 0.2964956462f, 0.1631654203f, 0.9408631325f},
+    {0.7738668919f, 0.2402082384f, 0.5088164806f, 0.2907505929f},
+};
+
+static __constant__ float kCent3[8] = {-0.1906850000f, -0.1178320000f, -0.0657170000f,
+                                       -0.0214600000f, 0.0214600000f,  0.0657170000f,
+                                       0.1178320000f,  0.1906850000f};
+static __constant__ float kCent4[16] = {
+    -0.1739260000f, -0.1171950000f, -0.0895270000f, -0.0687560000f, -0.0512620000f, -0.0355970000f,
+    -0.0209890000f, -0.0069380000f, 0.0069380000f,  0.0209890000f,  0.0355970000f,  0.0512620000f,
+    0.0687560000f,  0.0895270000f,  0.1171950000f,  0.1739260000f};
+
+template <int BITS>
+struct Fmt;
+template <>
+struct Fmt<3> {
+  static constexpr int kBytes = 50;
+  static constexpr int kCents = 8;
+};
+template <>
+struct Fmt<4> {
+  static constexpr int kBytes = 68;
+  static constexpr int kCents = 16;
+};
+
+template <int BITS>
+__device__ __forceinline__ float centroid(int i) {
+  return BITS == 3 ? kCent3[i] : kCent4[i];
+}
+
+// Left quaternion product r = q (x) v, left to right, one rounding per operation (no FMA).
+// conj=true multiplies by the conjugate (the inverse rotation).
+__device__ __forceinline__ void rotate_exact(int g, bool conj, const float v[4], float r[4]) {
+  const float qw = kQuat[g][0];
+  const float qx = conj ? -kQuat[g][1] : kQuat[g][1];
+  const float qy = conj ? -kQuat[g][2] : kQuat[g][2];
+  const float qz = conj ? -kQuat[g][3] : kQuat[g][3];
+  r[0] = __fsub_rn(__fsub_rn(__fsub_rn(__fmul_rn(qw, v[0]), __fmul_rn(qx, v[1])),
+                             __fmul_rn(qy, v[2])), __fmul_rn(qz, v[3]));
+  r[1] = __fsub_rn(__fadd_rn(__fadd_rn(__fmul_rn(qw, v[1]), __fmul_rn(qx, v[0])),
+                             __fmul_rn(qy, v[3])), __fmul_rn(qz, v[2]));
+  r[2] = __fadd_rn(__fadd_rn(__fsub_rn(__fmul_rn(qw, v[2]), __fmul_rn(qx, v[3])),
+                             __fmul_rn(qy, v[0])), __fmul_rn(qz, v[1]));
+  r[3] = __fadd_rn(__fsub_rn(__fadd_rn(__fmul_rn(qw, v[3]), __fmul_rn(qx, v[2])),
+                             __fmul_rn(qy, v[1])), __fmul_rn(qz, v[0]));
+}
+
+// The same rotation with ordinary (contractible) arithmetic, for attention math.
+__device__ __forceinline__ void rotate_fast(int g, bool conj, const float v[4], float r[4]) {
+  const float qw = kQuat[g][0];
+  const float qx = conj ? -kQuat[g][1] : kQuat[g][1];
+  const float qy = conj ? -kQuat[g][2] : kQuat[g][2];
+  const float qz = conj ? -kQuat[g][3] : kQuat[g][3];
+  r[0] = qw * v[0] - qx * v[1] - qy * v[2] - qz * v[3];
+  r[1] = qw * v[1] + qx * v[0] + qy * v[3] - qz * v[2];
+  r[2] = qw * v[2] - qx * v[3] + qy * v[0] + qz * v[1];
+  r[3] = qw * v[3] + qx * v[2] - qy * v[1] + qz * v[0];
+}
+
+// The 4 centroid indices of group g (0..31) of one packed block.
+template <int BITS>
+__device__ __forceinline__ void group_indices(const uint8_t* blk, int g, int idx[4]) {
+  if (BITS == 3) {
+    const int qs = blk[2 + g];
+    const int nib = (blk[34 + (g >> 1)] >> ((g & 1) * 4)) & 15;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) idx[c] = ((qs >> (2 * c)) & 3) | (((nib >> c) & 1) << 2);
+  } else {
+    const int b0 = blk[4 + 2 * g];
+    const int b1 = blk[5 + 2 * g];
+    idx[0] = b0 & 15;
+    idx[1] = b0 >> 4;
+    idx[2] = b1 & 15;
+    idx[3] = b1 >> 4;
+  }
+}
+
+__device__ __forceinline__ float block_norm(const uint8_t* blk) {
+  const unsigned short bits = (unsigned short)blk[0] | ((unsigned short)blk[1] << 8);
+  return __half2float(__ushort_as_half(bits));
+}
+
+template <typename T>
+__device__ __forceinline__ float to_float(T x);
+template <>
+__device__ __forceinline__ float to_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+template <>
+__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+
+// dtype codes shared with the launchers: 0 float32, 1 bfloat16, 2 float16.
+#define ISO_DISPATCH_DTYPE(code, T, ...)        \
+  switch (code) {                               \
+    case 0: { using T = float; __VA_ARGS__; break; }         \
+    case 1: { using T = __nv_bfloat16; __VA_ARGS__; break; } \
+    case 2: { using T = __half; __VA_ARGS__; break; }        \
+    default: return 1;                          \
+  }
+
+}  // namespace iso

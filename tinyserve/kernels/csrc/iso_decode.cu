@@ -1,0 +1,340 @@
+// ISO paged decode attention in the rotated space (specs/iso_kv.md §6.5), split-K.
+//
+// Pass 1 (decode_partial_kernel): grid (splits, kv heads, batch), 4 warps. A CTA owns `chunk`
+// context tokens of one (sequence, kv head) and all G query heads of its GQA group, so every
+// packed K/V row is read once per group. Each lane owns E = D/32 consecutive elements and
+// keeps the G rotated, pre-scaled queries and G rotated accumulators in registers. Per tile
+// of 32 tokens: coalesced copy of the packed K and V rows into shared memory (through the
+// page table), scores = norm * dot(q_rot, centroids) reduced with a reduce-scatter over the
+// warp, one online-softmax rescale per warp per tile, then V accumulated in rotated space.
+// The 4 warps' states are merged in shared memory and written as one partial per split.
+// Pass 2 (decode_merge_kernel): log-sum-exp merge of the splits, one inverse rotation per
+// 4-D group, divide by the softmax sum, cast to the output dtype.
+#include <math_constants.h>
+
+#include <type_traits>
+
+#include "iso_common.cuh"
+
+namespace iso {
+
+constexpr int kWarps = 4;
+constexpr int kTile = 32;
+constexpr int kTokPerWarp = kTile / kWarps;
+
+// Sum over the warp of G per-lane values; returns the total of head lane / (32 / G).
+template <int G>
+__device__ __forceinline__ float reduce_scatter(float (&v)[G], int lane) {
+#pragma unroll
+  for (int w = G / 2, off = 16; w >= 1; w >>= 1, off >>= 1) {
+    const bool upper = (lane & off) != 0;
+#pragma unroll
+    for (int i = 0; i < w; ++i) {
+      const float send = upper ? v[i] : v[i + w];
+      const float keep = upper ? v[i + w] : v[i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, off);
+    }
+  }
+  float s = v[0];
+#pragma unroll
+  for (int off = 32 / G / 2; off >= 1; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+  return s;
+}
+
+template <int BITS, int NB>
+__device__ __forceinline__ float decode_lane(const uint8_t* row, int blk, int g0,
+                                             const float* cent, float (&c)[NB * 4]) {
+  const uint8_t* b = row + blk * Fmt<BITS>::kBytes;
+#pragma unroll
+  for (int k = 0; k < NB; ++k) {
+    int idx[4];
+    group_indices<BITS>(b, g0 + k, idx);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) c[4 * k + j] = cent[idx[j]];
+  }
+  return block_norm(b);
+}
+
+template <int BITS, int NB, int G>
+__global__ void __launch_bounds__(kWarps * 32)
+    decode_partial_kernel(const float* __restrict__ q, const uint8_t* __restrict__ k_cache,
+                          const uint8_t* __restrict__ v_cache, int64_t slot_stride,
+                          const int32_t* __restrict__ page_table, int64_t pt_stride,
+                          const int32_t* __restrict__ seq_lens, int page_size, int n_kv_heads,
+                          int chunk, int n_splits, float scale_log2, float* __restrict__ part_acc,
+                          float* __restrict__ part_ml) {
+  constexpr int D = NB * kBlock;
+  constexpr int E = NB * 4;
+  constexpr int RB = NB * Fmt<BITS>::kBytes;
+  constexpr int kLanesPerBlock = 32 / NB;
+  using W = typename std::conditional<RB % 4 == 0, uint32_t, uint16_t>::type;
+  constexpr int RW = RB / (int)sizeof(W);
+  constexpr int kTileBytes = 2 * kTile * RB;
+  constexpr int kMergeBytes = kWarps * G * D * 4;
+  constexpr int kRaw = kTileBytes > kMergeBytes ? kTileBytes : kMergeBytes;
+
+  __shared__ __align__(16) uint8_t raw[kRaw];
+  __shared__ int64_t slot_sm[kTile];
+  __shared__ float score_sm[kWarps][G][kTokPerWarp];
+  __shared__ float ml_sm[kWarps][G][2];
+  __shared__ float cent_sm[16];
+
+  const int split = blockIdx.x;
+  const int kvh = blockIdx.y;
+  const int b = blockIdx.z;
+  const int len = seq_lens[b];
+  const int t_begin = split * chunk;
+  if (t_begin >= len) return;
+  const int t_end = min(len, t_begin + chunk);
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int hq = n_kv_heads * G;
+  uint8_t* k_sm = raw;
+  uint8_t* v_sm = raw + kTile * RB;
+  if (threadIdx.x < Fmt<BITS>::kCents) cent_sm[threadIdx.x] = centroid<BITS>(threadIdx.x);
+
+  const int blk = lane / kLanesPerBlock;
+  const int g0 = (lane % kLanesPerBlock) * NB;
+  const int e0 = lane * E;
+
+  float qr[G][E];  // rotated query, times scale * log2(e)
+  float acc[G][E];  // rotated, unnormalised output
+  float m[G], l[G];
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    const float* qh = q + ((int64_t)b * hq + kvh * G + h) * D + e0;
+#pragma unroll
+    for (int k = 0; k < NB; ++k) {
+      float v4[4], r4[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v4[j] = qh[4 * k + j];
+      rotate_fast(g0 + k, false, v4, r4);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) qr[h][4 * k + j] = r4[j] * scale_log2;
+    }
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[h][e] = 0.0f;
+    m[h] = -CUDART_INF_F;
+    l[h] = 0.0f;
+  }
+
+  for (int t0 = t_begin; t0 < t_end; t0 += kTile) {
+    const int n = min(kTile, t_end - t0);
+    __syncthreads();  // the previous tile is consumed (and cent_sm is visible)
+    if (threadIdx.x < n) {
+      const int t = t0 + threadIdx.x;
+      const int64_t page = page_table[(int64_t)b * pt_stride + t / page_size];
+      slot_sm[threadIdx.x] = page * page_size + t % page_size;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n * RW; i += kWarps * 32) {
+      const int tok = i / RW;
+      const int w = i - tok * RW;
+      const int64_t off = slot_sm[tok] * slot_stride + (int64_t)kvh * RB;
+      reinterpret_cast<W*>(k_sm)[i] = reinterpret_cast<const W*>(k_cache + off)[w];
+      reinterpret_cast<W*>(v_sm)[i] = reinterpret_cast<const W*>(v_cache + off)[w];
+    }
+    __syncthreads();
+
+    // scores of this warp's tokens
+#pragma unroll
+    for (int k = 0; k < kTokPerWarp; ++k) {
+      const int i = warp * kTokPerWarp + k;
+      if (i < n) {
+        float c[E];
+        const float nk = decode_lane<BITS, NB>(k_sm + i * RB, blk, g0, cent_sm, c);
+        float s[G];
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+          float a = 0.0f;
+#pragma unroll
+          for (int e = 0; e < E; ++e) a += qr[h][e] * c[e];
+          s[h] = a * nk;
+        }
+        // NOTE: lanes of different 128-blocks carry different norms; the sum still adds
+        // norm_b * dot_b over the blocks, as §6.5 requires.
+        const float tot = reduce_scatter<G>(s, lane);
+        if (lane % (32 / G) == 0) score_sm[warp][lane / (32 / G)][k] = tot;
+      } else if (lane < G) {
+        score_sm[warp][lane][k] = -CUDART_INF_F;
+      }
+    }
+    __syncwarp();
+
+    // one online-softmax rescale per warp per tile
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      float mt = m[h];
+#pragma unroll
+      for (int k = 0; k < kTokPerWarp; ++k) mt = fmaxf(mt, score_sm[warp][h][k]);
+      if (mt != -CUDART_INF_F) {
+        const float alpha = exp2f(m[h] - mt);  // m[h] = -inf gives 0
+        m[h] = mt;
+        l[h] *= alpha;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[h][e] *= alpha;
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kTokPerWarp; ++k) {
+      const int i = warp * kTokPerWarp + k;
+      if (i < n) {
+        float c[E];
+        const float nv = decode_lane<BITS, NB>(v_sm + i * RB, blk, g0, cent_sm, c);
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+          const float p = exp2f(score_sm[warp][h][k] - m[h]);
+          l[h] += p;
+          const float pn = p * nv;
+#pragma unroll
+          for (int e = 0; e < E; ++e) acc[h][e] += pn * c[e];
+        }
+      }
+    }
+  }
+
+  // merge the warps of this CTA; `raw` is reused
+  __syncthreads();
+  float* macc = reinterpret_cast<float*>(raw);  // [kWarps][G][D]
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) macc[(warp * G + h) * D + e0 + e] = acc[h][e];
+    if (lane == 0) {
+      ml_sm[warp][h][0] = m[h];
+      ml_sm[warp][h][1] = l[h];
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < G * D; i += kWarps * 32) {
+    const int h = i / D;
+    const int d = i - h * D;
+    float mx = -CUDART_INF_F;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, ml_sm[w][h][0]);
+    float a = 0.0f, sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float mw = ml_sm[w][h][0];
+      if (mw != -CUDART_INF_F) {
+        const float f = exp2f(mw - mx);
+        a += f * macc[(w * G + h) * D + d];
+        sum += f * ml_sm[w][h][1];
+      }
+    }
+    const int64_t row = ((int64_t)b * hq + kvh * G + h) * n_splits + split;
+    part_acc[row * D + d] = a;
+    if (d == 0) {
+      part_ml[row * 2] = mx;
+      part_ml[row * 2 + 1] = sum;
+    }
+  }
+}
+
+template <typename T>
+__global__ void decode_merge_kernel(const float* __restrict__ part_acc,
+                                    const float* __restrict__ part_ml,
+                                    const int32_t* __restrict__ seq_lens, int chunk, int n_splits,
+                                    int hq, int d, T* __restrict__ out, int64_t out_stride_b) {
+  const int h = blockIdx.x;
+  const int b = blockIdx.y;
+  const int gi = threadIdx.x;  // 4-D group index within the head vector
+  if (gi * 4 >= d) return;
+  const int len = seq_lens[b];
+  const int ns = min(n_splits, (len + chunk - 1) / chunk);
+  const int64_t row0 = ((int64_t)b * hq + h) * n_splits;
+  float mx = -CUDART_INF_F;
+  for (int s = 0; s < ns; ++s) mx = fmaxf(mx, part_ml[(row0 + s) * 2]);
+  float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float sum = 0.0f;
+  for (int s = 0; s < ns; ++s) {
+    const float ms = part_ml[(row0 + s) * 2];
+    if (ms == -CUDART_INF_F) continue;
+    const float f = exp2f(ms - mx);
+    sum += f * part_ml[(row0 + s) * 2 + 1];
+    const float4 pa = *reinterpret_cast<const float4*>(part_acc + (row0 + s) * d + gi * 4);
+    a[0] += f * pa.x;
+    a[1] += f * pa.y;
+    a[2] += f * pa.z;
+    a[3] += f * pa.w;
+  }
+  float y[4];
+  rotate_fast(gi % 32, true, a, y);
+  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+  T* o = out + (int64_t)b * out_stride_b + (int64_t)h * d + gi * 4;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) o[j] = from_float<T>(y[j] * inv);
+}
+
+template <int BITS, int NB, int G>
+int launch_partial(const float* q, const uint8_t* kc, const uint8_t* vc, int64_t slot_stride,
+                   const int32_t* pt, int64_t pt_stride, const int32_t* lens, int batch,
+                   int page_size, int n_kv_heads, int chunk, int n_splits, float scale_log2,
+                   float* part_acc, float* part_ml, cudaStream_t stream) {
+  const dim3 grid(n_splits, n_kv_heads, batch);
+  decode_partial_kernel<BITS, NB, G><<<grid, kWarps * 32, 0, stream>>>(
+      q, kc, vc, slot_stride, pt, pt_stride, lens, page_size, n_kv_heads, chunk, n_splits,
+      scale_log2, part_acc, part_ml);
+  return 0;
+}
+
+template <int BITS, int NB>
+int dispatch_group(int group, const float* q, const uint8_t* kc, const uint8_t* vc,
+                   int64_t ss, const int32_t* pt, int64_t pts, const int32_t* lens, int batch,
+                   int ps, int hkv, int chunk, int nsp, float sl2, float* pa, float* pm,
+                   cudaStream_t st) {
+#define ISO_G(GV)                                                                              \
+  case GV:                                                                                     \
+    return launch_partial<BITS, NB, GV>(q, kc, vc, ss, pt, pts, lens, batch, ps, hkv, chunk,   \
+                                        nsp, sl2, pa, pm, st);
+  if constexpr (NB == 1) {
+    switch (group) { ISO_G(1) ISO_G(2) ISO_G(4) ISO_G(8) ISO_G(16) default: return 3; }
+  } else {
+    switch (group) { ISO_G(1) ISO_G(2) ISO_G(4) ISO_G(8) default: return 3; }
+  }
+#undef ISO_G
+}
+
+}  // namespace iso
+
+// q: float32 [batch, n_q_heads, head_dim] contiguous. Caches: uint8, slot rows of slot_stride
+// bytes, head h at byte h * row_bytes. page_table: int32 [batch, pt_stride]. part_acc: float32
+// [batch, n_q_heads, n_splits, head_dim]; part_ml: float32 [batch, n_q_heads, n_splits, 2].
+// out: [batch, n_q_heads, head_dim] of dtype_code (0 fp32, 1 bf16, 2 fp16), row stride
+// out_stride_b. Returns 0, a CUDA error code, 2 (bad format/head_dim) or 3 (bad GQA group).
+extern "C" int tinyserve_iso_decode(const float* q, const void* k_cache, const void* v_cache,
+                                    int64_t slot_stride, const int32_t* page_table,
+                                    int64_t pt_stride, const int32_t* seq_lens, int batch,
+                                    int n_q_heads, int n_kv_heads, int head_dim, int page_size,
+                                    int chunk, int n_splits, float scale, int bits,
+                                    float* part_acc, float* part_ml, void* out,
+                                    int64_t out_stride_b, int dtype_code, cudaStream_t stream) {
+  using namespace iso;
+  if (batch == 0) return 0;
+  if (n_kv_heads <= 0 || n_q_heads % n_kv_heads != 0) return 3;
+  const int group = n_q_heads / n_kv_heads;
+  const float sl2 = scale * 1.4426950408889634f;
+  const auto* kc = static_cast<const uint8_t*>(k_cache);
+  const auto* vc = static_cast<const uint8_t*>(v_cache);
+  int rc = 2;
+  const int nb = head_dim / kBlock;
+  if (head_dim % kBlock != 0) return 2;
+#define ISO_NB(BV, NBV)                                                                     \
+  rc = dispatch_group<BV, NBV>(group, q, kc, vc, slot_stride, page_table, pt_stride,        \
+                               seq_lens, batch, page_size, n_kv_heads, chunk, n_splits, sl2, \
+                               part_acc, part_ml, stream)
+  if (bits == 3 && nb == 1) ISO_NB(3, 1);
+  else if (bits == 3 && nb == 2) ISO_NB(3, 2);
+  else if (bits == 4 && nb == 1) ISO_NB(4, 1);
+  else if (bits == 4 && nb == 2) ISO_NB(4, 2);
+#undef ISO_NB
+  if (rc != 0) return rc;
+  const dim3 grid(n_q_heads, batch);
+  const int threads = ((head_dim / 4 + 31) / 32) * 32;
+  ISO_DISPATCH_DTYPE(dtype_code, T, {
+    decode_merge_kernel<T><<<grid, threads, 0, stream>>>(part_acc, part_ml, seq_lens, chunk,
+                                                         n_splits, n_q_heads, head_dim,
+                                                         static_cast<T*>(out), out_stride_b);
+  });
+  return (int)cudaGetLastError();
+}

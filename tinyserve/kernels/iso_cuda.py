@@ -1,0 +1,225 @@
+"""ISO3/ISO4 CUDA kernels: build at first use, launchers that check shapes and dtypes.
+
+The kernels live in `csrc/iso_store.cu` and `csrc/iso_decode.cu` (plain CUDA, extern "C"
+launchers) and are bound by `csrc/iso_binding.cpp`, compiled with torch.utils.cpp_extension
+for the running GPU's architecture into TINYSERVE_CACHE_DIR. Nothing here runs at import.
+
+- `iso_store`: quantize-on-write, byte-exact with `iso.quantize_ref`.
+- `iso_dequant_rows`: packed rows -> dense rows (bit-exact with `iso.dequantize_ref` in fp32).
+- `iso_decode_attention`: paged split-K decode attention in the rotated space (§6.5).
+- `iso_extend_attention`: a prefill chunk over its packed prefix (dequantized once per layer
+  into a scratch) plus its own K/V (causal), merged by log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from tinyserve import envs
+from tinyserve.kernels.iso import BLOCK, FORMATS, packed_row_bytes
+
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = ("iso_binding.cpp", "iso_store.cu", "iso_decode.cu")
+_BITS = {"iso3": 3, "iso4": 4}
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_TILE = 32
+MIN_SPLIT_TOKENS = 256
+
+
+@functools.cache
+def _module(major: int, minor: int):
+    from torch.utils.cpp_extension import load
+
+    build = envs.CACHE_DIR.get() / "kernels" / f"iso_sm{major}{minor}"
+    build.mkdir(parents=True, exist_ok=True)
+    old = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"
+    try:
+        return load(name=f"tinyserve_iso_sm{major}{minor}",
+                    sources=[str(_CSRC / s) for s in _SOURCES],
+                    extra_include_paths=[str(_CSRC)], extra_cflags=["-O3", "-std=c++17"],
+                    extra_cuda_cflags=["-O3", "-std=c++17"], build_directory=str(build),
+                    verbose=False)
+    finally:
+        if old is None:
+            os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+        else:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = old
+
+
+def module(device: torch.device | None = None):
+    """The compiled extension for `device` (default: the current CUDA device)."""
+    return _module(*torch.cuda.get_device_capability(device))
+
+
+def _bits(fmt: str) -> int:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown ISO format {fmt!r}; expected one of {FORMATS}")
+    return _BITS[fmt]
+
+
+def _check_cache(cache: torch.Tensor, heads: int, head_dim: int, fmt: str, name: str) -> None:
+    rb = packed_row_bytes(head_dim, fmt)
+    if cache.dtype != torch.uint8 or cache.dim() != 3 or tuple(cache.shape[1:]) != (heads, rb):
+        raise ValueError(f"{name} must be uint8 [slots, {heads}, {rb}], got {cache.dtype} "
+                         f"{tuple(cache.shape)}")
+    if cache.stride(2) != 1 or cache.stride(1) != rb:
+        raise ValueError(f"{name} rows must be contiguous (strides {cache.stride()})")
+    if not cache.is_cuda:
+        raise ValueError(f"{name} must be on a CUDA device")
+
+
+def iso_store(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor, fmt: str) -> None:
+    """Quantize k, v [N, H, D] (fp32 / bf16 / fp16, CUDA) into the caches at slots loc [N]
+    (int32 or int64). Caches: uint8 [slots, H, row_bytes]. Raises ValueError on bad input."""
+    bits = _bits(fmt)
+    if k.dim() != 3 or k.shape != v.shape or k.dtype != v.dtype or k.dtype not in _FLOATS:
+        raise ValueError(f"k and v must be [N, H, D] of one float dtype, got {k.dtype} "
+                         f"{tuple(k.shape)} and {v.dtype} {tuple(v.shape)}")
+    n, heads, d = k.shape
+    _check_cache(k_cache, heads, d, fmt, "k_cache")
+    _check_cache(v_cache, heads, d, fmt, "v_cache")
+    if loc.dtype not in (torch.int32, torch.int64) or loc.shape != (n,):
+        raise ValueError(f"loc must be int32/int64 [{n}], got {loc.dtype} {tuple(loc.shape)}")
+    if k.stride(2) != 1 or k.stride(1) != d:
+        k = k.contiguous()
+    if v.stride(2) != 1 or v.stride(1) != d:
+        v = v.contiguous()
+    module(k.device).store(k_cache, v_cache, loc.contiguous(), k, v, bits)
+
+
+def iso_dequant_rows(cache: torch.Tensor, slots: torch.Tensor, fmt: str, head_dim: int,
+                     dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Packed rows at slots [M] (int64) -> [M, H, head_dim] of `dtype`."""
+    bits = _bits(fmt)
+    heads = cache.shape[1]
+    _check_cache(cache, heads, head_dim, fmt, "cache")
+    out = torch.empty(slots.numel(), heads, head_dim, dtype=dtype, device=cache.device)
+    if slots.numel():
+        module(cache.device).dequant_rows(cache, slots.long().contiguous(), out, bits)
+    return out
+
+
+def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int,
+                num_sms: int) -> tuple[int, int]:
+    """(tokens per split, number of splits): about two CTAs per SM, >= 256 tokens per split."""
+    max_seq_len = max(1, max_seq_len)
+    want = max(1, math.ceil(2 * num_sms / max(1, batch * num_kv_heads)))
+    splits = max(1, min(math.ceil(max_seq_len / MIN_SPLIT_TOKENS), want))
+    chunk = math.ceil(math.ceil(max_seq_len / splits) / _TILE) * _TILE
+    return chunk, math.ceil(max_seq_len / chunk)
+
+
+def iso_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
+                         fmt: str, scale: float, *, max_seq_len: int | None = None,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence over its packed K/V (rotated-space, split-K).
+
+    Args:
+        q: [B, Hq, D] float (CUDA); Hq / Hkv in {1, 2, 4, 8, 16} (D=128) or {1, 2, 4, 8} (D=256).
+        k_cache, v_cache: uint8 [slots, Hkv, row_bytes].
+        page_table: int32 [B, max_pages]; seq_lens: int32 [B] (>= 1, the new token included).
+        max_seq_len: an upper bound of seq_lens (avoids a device sync; needed under CUDA graphs).
+    Returns:
+        [B, Hq, D] in q's dtype (or written into `out`).
+    """
+    bits = _bits(fmt)
+    if q.dim() != 3 or q.dtype not in _FLOATS:
+        raise ValueError(f"q must be [B, Hq, D] float, got {q.dtype} {tuple(q.shape)}")
+    b, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    _check_cache(k_cache, hkv, d, fmt, "k_cache")
+    _check_cache(v_cache, hkv, d, fmt, "v_cache")
+    if k_cache.stride(0) != v_cache.stride(0):
+        raise ValueError("k_cache and v_cache must have the same slot stride")
+    group = hq // hkv if hq % hkv == 0 else 0
+    if group not in (1, 2, 4, 8, 16) or group * (d // BLOCK) > 16:
+        raise ValueError(f"unsupported GQA group {hq}/{hkv} for head_dim {d}")
+    if page_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError("page_table and seq_lens must be int32")
+    if page_table.shape[0] != b or seq_lens.shape != (b,) or page_table.stride(1) != 1:
+        raise ValueError(f"page_table [{b}, P] (rows contiguous) and seq_lens [{b}] expected")
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max().item()) if b else 1
+    props = torch.cuda.get_device_properties(q.device)
+    chunk, splits = plan_splits(b, hkv, max_seq_len, props.multi_processor_count)
+    if out is None:
+        out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    if b == 0:
+        return out
+    if out.shape != (b, hq, d) or out.stride(2) != 1 or out.stride(1) != d:
+        raise ValueError(f"out must be [{b}, {hq}, {d}] with contiguous rows")
+    part_acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(b, hq, splits, 2, dtype=torch.float32, device=q.device)
+    module(q.device).decode(q.float().contiguous(), k_cache, v_cache, page_table,
+                            seq_lens.contiguous(), page_size, chunk, splits, float(scale), bits,
+                            part_acc, part_ml, out)
+    return out
+
+
+def _attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [H, L, D], k/v [H, S, D] (same H) -> (out fp32 [H, L, D], natural-log LSE [H, L])."""
+    try:
+        res = torch.ops.aten._scaled_dot_product_flash_attention(
+            q[None], k[None], v[None], 0.0, causal, False, scale=scale)
+        return res[0][0].float(), res[1][0].float()
+    except (RuntimeError, NotImplementedError):
+        pass
+    outs, lses = [], []
+    kf, vf = k.float(), v.float()
+    for s in range(0, q.shape[1], 64):  # fp32 fallback in query blocks
+        qb = q[:, s:s + 64].float()
+        sc = (qb @ kf.transpose(1, 2)) * scale
+        if causal:
+            rows = torch.arange(s, s + qb.shape[1], device=q.device)[:, None]
+            sc = sc.masked_fill(torch.arange(k.shape[1], device=q.device)[None] > rows,
+                                float("-inf"))
+        lse = torch.logsumexp(sc, dim=-1)
+        outs.append(torch.exp(sc - lse[..., None]) @ vf)
+        lses.append(lse)
+    return torch.cat(outs, 1), torch.cat(lses, 1)
+
+
+def iso_extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                         cu_seqlens: torch.Tensor, q_lens: list[int], prefix_lens: list[int],
+                         page_size: int, fmt: str, scale: float) -> torch.Tensor:
+    """Prefill chunks: q [N, Hq, D] over each sequence's packed prefix and its own k, v
+    [N, Hkv, D] (causal). Does not store anything. Returns [N, Hq, D] in q's dtype."""
+    _bits(fmt)
+    n_tok, hq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    out = torch.empty_like(q)
+    start = 0
+    for b, (n, prefix) in enumerate(zip(q_lens, prefix_lens, strict=True)):
+        if n == 0:
+            continue
+        qs = q[start:start + n].transpose(0, 1)  # [Hq, n, D]
+        ke = k[start:start + n].repeat_interleave(group, 1).transpose(0, 1)  # [Hq, n, D]
+        ve = v[start:start + n].repeat_interleave(group, 1).transpose(0, 1)
+        o_new, lse_new = _attend_lse(qs, ke.to(q.dtype), ve.to(q.dtype), True, scale)
+        if prefix > 0:
+            t = torch.arange(prefix, device=q.device)
+            slots = page_table[b].long()[t // page_size] * page_size + t % page_size
+            kp = iso_dequant_rows(k_cache, slots, fmt, d, q.dtype).transpose(0, 1)  # [Hkv,P,D]
+            vp = iso_dequant_rows(v_cache, slots, fmt, d, q.dtype).transpose(0, 1)
+            # GQA without copying the prefix: the group's heads stacked along the query axis
+            qg = qs.reshape(hkv, group * n, d)
+            o_pre, lse_pre = _attend_lse(qg, kp.contiguous(), vp.contiguous(), False, scale)
+            o_pre, lse_pre = o_pre.reshape(hq, n, d), lse_pre.reshape(hq, n)
+            mx = torch.maximum(lse_new, lse_pre)
+            w_new, w_pre = torch.exp(lse_new - mx), torch.exp(lse_pre - mx)
+            o_new = (o_new * w_new[..., None] + o_pre * w_pre[..., None]) / (w_new + w_pre)[
+                ..., None]
+        out[start:start + n] = o_new.transpose(0, 1).to(q.dtype)
+        start += n
+    return out

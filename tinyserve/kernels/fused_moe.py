@@ -4,8 +4,9 @@ Experts live in slot buffers (`ExpertSlots`); a layer's routed experts are addre
 index, so the same kernels serve all-resident experts (slot = expert id) and the GPU expert
 cache (slot = cache line). `fused_moe` runs every (token, expert) pair of a layer in one launch
 sequence: gate_up -> silu(gate) * up -> down scaled by the routing weight -> sum over the k
-experts of each token. Decode (few pairs): one program per pair and row block, int32 code
-loads (the GEMV of `kernels/nvfp4.py`), pairs ordered by slot so shared experts come from L2.
+experts of each token. Decode (few pairs): gate_up with one program per pair and row block,
+int32 code loads (the GEMV of `kernels/nvfp4.py`), pairs ordered by slot so shared experts
+come from L2; down with one program per token and row block summing its k experts.
 Prefill: pairs grouped per slot into BLOCK_M tiles (`align_pairs`, no host sync) and
 tensor-core dots with the weight tile dequantized in the K loop.
 
@@ -28,6 +29,7 @@ from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
 MOE_PATHS = ("gemv", "dot")
 MOE_GEMV_MAX_PAIRS = 64  # default: gemv up to this many (token, expert) pairs, then dot
 MOE_BLOCK_N, MOE_BLOCK_W = 16, 32  # gemv: rows per program, int32 words (x8 inputs) per step
+MOE_DOWN_BLOCK_N = 8  # gemv down: rows per program (each program loops over the k experts)
 MOE_DOT_BLOCK_N, MOE_DOT_BLOCK_K = 64, 128  # dot: output rows / inputs per tile
 
 
@@ -191,8 +193,9 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
     x = x.contiguous()
     ids = topk_slot_ids.contiguous().view(-1)
     wts = topk_weights.contiguous().view(-1)
-    run = _moe_gemv if path == "gemv" else _moe_dot
-    pair_out = run(x, ids, wts, topk, slots)  # [P, H] fp32, weighted
+    if path == "gemv":
+        return _moe_gemv(x, ids, wts, topk, slots)
+    pair_out = _moe_dot(x, ids, wts, topk, slots)  # [P, H] fp32, weighted
     return pair_out.view(n, topk, -1).sum(1).to(x.dtype)
 
 
@@ -200,9 +203,11 @@ def _moe_gemv(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
               slots: ExpertSlots) -> torch.Tensor:
     kern = _kernels()
     pairs, h, f = ids.numel(), slots.hidden_size, slots.intermediate_size
-    # NOTE: a stable sort keeps token order within a slot; no host synchronisation.
-    order = torch.argsort(ids, stable=True).to(torch.int32) if pairs > topk else \
-        torch.arange(pairs, device=x.device, dtype=torch.int32)
+    n = pairs // topk
+    # NOTE: a stable sort keeps token order within a slot; no host synchronisation. One
+    # token needs no order (its k experts differ): decode is two launches.
+    has_order = n > 1
+    order = torch.argsort(ids, stable=True).to(torch.int32) if has_order else ids
     fp4 = slots.is_fp4
     w13 = slots.w13.view(torch.int32) if fp4 else slots.w13
     w2 = slots.w2.view(torch.int32) if fp4 else slots.w2
@@ -210,12 +215,12 @@ def _moe_gemv(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
     inter = torch.empty(pairs, f, device=x.device, dtype=torch.float32)
     kern.moe_gate_up_kernel[(pairs, -(-f // MOE_BLOCK_N))](
         x, ids, order, w13, s13, g13, inter, h, f, topk, x.stride(0), IS_FP4=fp4,
-        BLOCK_N=MOE_BLOCK_N, BLOCK_W=MOE_BLOCK_W, num_warps=4)
-    pair_out = torch.empty(pairs, h, device=x.device, dtype=torch.float32)
-    kern.moe_down_kernel[(pairs, -(-h // MOE_BLOCK_N))](
-        inter, ids, order, wts, w2, s2, g2, pair_out, h, f, IS_FP4=fp4,
-        BLOCK_N=MOE_BLOCK_N, BLOCK_W=MOE_BLOCK_W, num_warps=4)
-    return pair_out
+        HAS_ORDER=has_order, BLOCK_N=MOE_BLOCK_N, BLOCK_W=MOE_BLOCK_W, num_warps=4)
+    out = torch.empty(n, h, device=x.device, dtype=x.dtype)
+    kern.moe_down_kernel[(n, -(-h // MOE_DOWN_BLOCK_N))](
+        inter, ids, wts, w2, s2, g2, out, h, f, topk, IS_FP4=fp4,
+        BLOCK_N=MOE_DOWN_BLOCK_N, BLOCK_W=MOE_BLOCK_W, num_warps=4)
+    return out
 
 
 def _scales(slots: ExpertSlots, dummy: torch.Tensor) -> tuple[torch.Tensor, ...]:

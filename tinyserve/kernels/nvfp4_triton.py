@@ -178,9 +178,13 @@ def nvfp4_dequant_kernel(w_ptr, s_ptr, out_ptr, gs, N, K,
 @triton.jit
 def moe_gate_up_kernel(x_ptr, ids_ptr, order_ptr, w_ptr, s_ptr, gs_ptr, inter_ptr,
                        H, F, TOPK, stride_xm,
-                       IS_FP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+                       IS_FP4: tl.constexpr, HAS_ORDER: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_W: tl.constexpr):
     # inter[p, f] = silu(x[t] . W13[slot, f]) * (x[t] . W13[slot, F + f]), p = t * TOPK + j
-    p = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)  # pairs sorted by slot
+    if HAS_ORDER:
+        p = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)  # pairs sorted by slot
+    else:
+        p = tl.program_id(0).to(tl.int64)
     slot = tl.load(ids_ptr + p).to(tl.int64)
     x_row = x_ptr + (p // TOPK) * stride_xm
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -202,26 +206,29 @@ def moe_gate_up_kernel(x_ptr, ids_ptr, order_ptr, w_ptr, s_ptr, gs_ptr, inter_pt
 
 
 @triton.jit
-def moe_down_kernel(inter_ptr, ids_ptr, order_ptr, wt_ptr, w_ptr, s_ptr, gs_ptr, out_ptr,
-                    H, F,
+def moe_down_kernel(inter_ptr, ids_ptr, wt_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, H, F, TOPK,
                     IS_FP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
-    # out[p, h] = topk_weight[p] * inter[p] . W2[slot, h]
-    p = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
-    slot = tl.load(ids_ptr + p).to(tl.int64)
+    # out[t, h] = sum_j topk_weight[t, j] * inter[t * TOPK + j] . W2[slot_j, h], in out's dtype
+    t = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < H
-    if IS_FP4:
-        w_slot = w_ptr + slot * H * (F // 8)
-        s_slot = s_ptr + slot * H * (F // 16)
-    else:
-        w_slot = w_ptr + slot * H * F
-        s_slot = s_ptr
-    acc = _rows_dot(inter_ptr + p * F, w_slot, s_slot, rows, row_mask, F, 0, F, IS_FP4,
-                    BLOCK_N, BLOCK_W)
-    factor = tl.load(wt_ptr + p).to(tl.float32)
-    if IS_FP4:
-        factor = factor * tl.load(gs_ptr + slot) * FP4_UNIT_C
-    tl.store(out_ptr + p * H + rows, acc * factor, mask=row_mask)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in range(TOPK):
+        p = t * TOPK + j
+        slot = tl.load(ids_ptr + p).to(tl.int64)
+        if IS_FP4:
+            w_slot = w_ptr + slot * H * (F // 8)
+            s_slot = s_ptr + slot * H * (F // 16)
+        else:
+            w_slot = w_ptr + slot * H * F
+            s_slot = s_ptr
+        part = _rows_dot(inter_ptr + p * F, w_slot, s_slot, rows, row_mask, F, 0, F, IS_FP4,
+                         BLOCK_N, BLOCK_W)
+        factor = tl.load(wt_ptr + p).to(tl.float32)
+        if IS_FP4:
+            factor = factor * tl.load(gs_ptr + slot) * FP4_UNIT_C
+        acc += part * factor
+    tl.store(out_ptr + t * H + rows, acc.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
 # --------------------------------------------------------------------------------------------

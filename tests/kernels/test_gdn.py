@@ -88,6 +88,9 @@ def _gdn_expected(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, init):
     out, lo = [], 0
     for s, n, has in zip(slots, lens, init, strict=True):
         st = pool[s] if has else torch.zeros_like(pool[s])
+        if n == 0:
+            pool[s] = st
+            continue
         o, pool[s] = gdn_ref.chunk_gated_delta_rule_ref(
             qn[lo:lo + n], kn[lo:lo + n], v[lo:lo + n].float(), g[lo:lo + n],
             beta[lo:lo + n], st)
@@ -97,7 +100,8 @@ def _gdn_expected(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, init):
 
 
 def check_gdn_prefill(sh: Shape, lens: list[int], init: list[bool], device: str,
-                      dtype: torch.dtype, method: str, tol: float, chunk_size: int = 64) -> None:
+                      dtype: torch.dtype, method: str, tol: float, chunk_size: int = 64,
+                      precision: str = "ieee") -> None:
     T = sum(lens)
     slots = torch.randperm(NUM_SLOTS)[:len(lens)].tolist()
     live = [s for s, h in zip(slots, init, strict=True) if h]
@@ -108,7 +112,7 @@ def check_gdn_prefill(sh: Shape, lens: list[int], init: list[bool], device: str,
     out = torch.full((T, sh.Hv, sh.dv), float("nan"), dtype=dtype, device=device)
     gdn.gdn_prefill(*inputs, pool, torch.tensor(slots, device=device), _cu(lens, device),
                     torch.tensor(init, device=device), out=out, backend="triton",
-                    method=method, chunk_size=chunk_size)
+                    method=method, chunk_size=chunk_size, dot_precision=precision)
     out_tol = max(tol, 1e-2 if dtype == torch.bfloat16 else tol)
     assert _rel(out, want_o) < out_tol
     assert _rel(pool[slots], want_pool[slots]) < tol
@@ -225,6 +229,13 @@ def test_interp_gdn_prefill_mixed(method: str, chunk: int) -> None:
 
 
 @interp_only
+def test_interp_gdn_prefill_empty_seq_and_tf32x3() -> None:
+    # a zero-length sequence keeps its state; the precision flag reaches the kernels
+    check_gdn_prefill(SMALL, [33, 0, 16], [True, True, False], "cpu", torch.float32, "chunk",
+                      1e-5, 16, precision="tf32x3")
+
+
+@interp_only
 def test_interp_gdn_prefill_odd_dims() -> None:
     sh = Shape(Hk=1, Hv=3, dk=24, dv=20)  # masks on dk, dv; 3 value heads per key head
     check_gdn_prefill(sh, [19, 1], [False, True], "cpu", torch.float32, "chunk", 1e-5, 16)
@@ -250,11 +261,13 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 @pytest.mark.requires_cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("method", ["chunk", "recurrent"])
-def test_cuda_gdn_prefill_1k_mixed(method: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("method,precision", [("chunk", "ieee"), ("chunk", "tf32x3"),
+                                              ("recurrent", "ieee")],
+                         ids=["chunk", "chunk-tf32x3", "recurrent"])
+def test_cuda_gdn_prefill_1k_mixed(method: str, precision: str, dtype: torch.dtype) -> None:
     lens = [1000, 1, 300, 64, 1, 17, 129]
     init = [False, True, True, False, True, True, False]
-    check_gdn_prefill(FULL, lens, init, "cuda", dtype, method, 1e-4)
+    check_gdn_prefill(FULL, lens, init, "cuda", dtype, method, 1e-4, precision=precision)
 
 
 @pytest.mark.requires_cuda

@@ -2,7 +2,8 @@
 
 The kernels are plain functions here and become `triton.jit` functions in `build()`, so
 importing this module never imports triton (`tl` is bound when `build()` runs).
-All state math is fp32; the dots use IEEE fp32 (no TF32) so results track the fp32 reference.
+All state math is fp32; the chunk kernels' dots take their precision as a constexpr ("ieee" by
+default, so results track the fp32 reference; "tf32x3" uses tensor cores at near-fp32 accuracy).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def build() -> SimpleNamespace:
         conv1d_varlen=triton.jit(conv1d_varlen_kernel),
         conv1d_state_writeback=triton.jit(conv1d_state_writeback_kernel),
         gdn_recurrent=triton.jit(gdn_recurrent_kernel),
+        gdn_chunk_prep=triton.jit(gdn_chunk_prep_kernel),
         gdn_chunk=triton.jit(gdn_chunk_kernel),
     )
 
@@ -163,14 +165,55 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, p
     tl.store(s_ptrs, S, mask=smask)
 
 
+def gdn_chunk_prep_kernel(k_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cseq_ptr, cstart_ptr,
+                          cu_ptr, ti_ptr, s_kt, s_kh, s_at, s_bt, s_tt, s_th, G, DK,
+                          BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    # NOTE: grid (chunks, Hv); every chunk independent. Writes Ti = (I + L)^-1 with
+    # L = strictly-lower((kb k^T) * D) (spec §2.7) to ti[t, h, 0:BT] for the chunk's rows t.
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    kk = tl.arange(0, BK)
+    rows = tl.arange(0, BT)
+    kmask = kk < DK
+    seq = tl.load(cseq_ptr + c)
+    start = tl.load(cstart_ptr + c)
+    end = tl.load(cu_ptr + seq + 1)  # padding chunks have start == end
+    t = (start + rows).to(tl.int64)
+    tmask = t < end
+    k = tl.load(k_ptr + t[:, None] * s_kt + (h // G) * s_kh + kk[None, :],
+                mask=tmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)  # [BT, BK]
+    a = tl.load(a_ptr + t * s_at + h, mask=tmask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + t * s_bt + h, mask=tmask, other=0.0).to(tl.float32)
+    k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+    A = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    x = a + tl.load(dtb_ptr + h).to(tl.float32)
+    sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # softplus
+    g = tl.where(tmask, A * sp, 0.0)
+    beta = tl.where(tmask, tl.sigmoid(b), 0.0)
+    cum = tl.cumsum(g, 0)  # [BT]
+    strict = rows[:, None] > rows[None, :]
+    D = tl.where(strict, tl.exp(tl.minimum(cum[:, None] - cum[None, :], 0.0)), 0.0)
+    L = tl.where(strict, tl.dot(k * beta[:, None], tl.trans(k), input_precision=PREC) * D, 0.0)
+    # forward substitution, row by row: row i of Ti - I = -L[i] - sum_j L[i, j] (Ti - I)[j]
+    Ti = -L
+    for i in range(1, BT):
+        sel = rows == i
+        r = tl.sum(tl.where(sel[:, None], Ti, 0.0), 0)
+        r = r + tl.sum(r[:, None] * Ti, 0) * (rows < i)
+        Ti = tl.where(sel[:, None], r[None, :], Ti)
+    Ti = Ti + (rows[:, None] == rows[None, :]).to(tl.float32)
+    tl.store(ti_ptr + t[:, None] * s_tt + h * s_th + rows[None, :], Ti, mask=tmask[:, None])
+
+
 def gdn_chunk_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, pool_ptr,
-                     slots_ptr, cu_ptr, init_ptr, o_ptr,
+                     slots_ptr, cu_ptr, init_ptr, ti_ptr, o_ptr,
                      s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_at, s_bt, s_ot, s_oh,
-                     s_ps, s_ph, scale, G, DK, DV,
-                     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                     s_tt, s_th, s_ps, s_ph, scale, G, DK, DV,
+                     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     PREC: tl.constexpr):
     # NOTE: one program walks all chunks of one (sequence, value head, dv block), carrying
-    # S [BK, BV] in registers; per chunk (spec §2.7): T = (I + L)^-1 by forward substitution,
-    # U = T vb, W = T (kb * exp(cum)), v_new = U - W S, o = (q * exp(cum)) S + (qk^T * D) v_new,
+    # S [BK, BV] in registers; per chunk (spec §2.7), with Ti from gdn_chunk_prep_kernel:
+    # U = Ti vb, W = Ti (kb * exp(cum)), v_new = U - W S, o = (q * exp(cum)) S + (qk^T * D) v_new,
     # S <- S exp(cum_last) + (k * exp(cum_last - cum))^T v_new. Padded rows have q=k=v=0,
     # beta=0, g=0, which changes neither o nor S.
     bid = tl.program_id(0)
@@ -191,8 +234,6 @@ def gdn_chunk_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, pool_
     A = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dtb = tl.load(dtb_ptr + h).to(tl.float32)
     causal = rows[:, None] >= rows[None, :]
-    strict = rows[:, None] > rows[None, :]
-    eye = (rows[:, None] == rows[None, :]).to(tl.float32)
     for cs in range(start, end, BT):
         t = (cs + rows).to(tl.int64)  # [BT]
         tmask = t < end
@@ -203,6 +244,8 @@ def gdn_chunk_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, pool_
                     other=0.0).to(tl.float32)  # [BT, BK]
         v = tl.load(v_ptr + t[:, None] * s_vt + h * s_vh + vv[None, :],
                     mask=tmask[:, None] & vmask[None, :], other=0.0).to(tl.float32)  # [BT, BV]
+        Ti = tl.load(ti_ptr + t[:, None] * s_tt + h * s_th + rows[None, :],
+                     mask=tmask[:, None], other=0.0)  # [BT, BT]
         a = tl.load(a_ptr + t * s_at + h, mask=tmask, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + t * s_bt + h, mask=tmask, other=0.0).to(tl.float32)
         q = q * (tl.rsqrt(tl.sum(q * q, 1) + 1e-6) * scale)[:, None]
@@ -214,25 +257,15 @@ def gdn_chunk_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, pool_
         cum = tl.cumsum(g, 0)  # [BT]
         last = tl.sum(tl.where(rows == BT - 1, cum, 0.0), 0)
         D = tl.where(causal, tl.exp(tl.minimum(cum[:, None] - cum[None, :], 0.0)), 0.0)
-        kb = k * beta[:, None]
-        L = tl.where(strict, tl.dot(kb, tl.trans(k), input_precision="ieee") * D, 0.0)
-        # forward substitution: Ti = (I + L)^-1, built row by row (strictly-lower part first)
-        Ti = -L
-        for i in range(1, BT):
-            sel = rows == i
-            r = tl.sum(tl.where(sel[:, None], Ti, 0.0), 0)
-            r = r + tl.sum(r[:, None] * Ti, 0) * (rows < i)
-            Ti = tl.where(sel[:, None], r[None, :], Ti)
-        Ti = Ti + eye
         ecum = tl.exp(cum)
-        U = tl.dot(Ti, v * beta[:, None], input_precision="ieee")  # [BT, BV]
-        W = tl.dot(Ti, kb * ecum[:, None], input_precision="ieee")  # [BT, BK]
-        v_new = U - tl.dot(W, S, input_precision="ieee")
-        att = tl.where(causal, tl.dot(q, tl.trans(k), input_precision="ieee") * D, 0.0)
-        o = tl.dot(q * ecum[:, None], S, input_precision="ieee")
-        o += tl.dot(att, v_new, input_precision="ieee")
+        U = tl.dot(Ti, v * beta[:, None], input_precision=PREC)  # [BT, BV]
+        W = tl.dot(Ti, k * (beta * ecum)[:, None], input_precision=PREC)  # [BT, BK]
+        v_new = U - tl.dot(W, S, input_precision=PREC)
+        att = tl.where(causal, tl.dot(q, tl.trans(k), input_precision=PREC) * D, 0.0)
+        o = tl.dot(q * ecum[:, None], S, input_precision=PREC)
+        o += tl.dot(att, v_new, input_precision=PREC)
         tl.store(o_ptr + t[:, None] * s_ot + h * s_oh + vv[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=tmask[:, None] & vmask[None, :])
         k_dec = k * tl.exp(last - cum)[:, None]
-        S = S * tl.exp(last) + tl.dot(tl.trans(k_dec), v_new, input_precision="ieee")
+        S = S * tl.exp(last) + tl.dot(tl.trans(k_dec), v_new, input_precision=PREC)
     tl.store(s_ptrs, S, mask=smask)

@@ -33,6 +33,7 @@ log = get_logger(__name__)
 
 _CONV_BLOCK_C = 256
 _CONV_BLOCK_T = 16
+_CHUNK_WARPS = 8
 
 
 @functools.cache
@@ -205,6 +206,9 @@ def _gdn_torch(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, chunked)
     for i, (s, has) in enumerate(zip(slots.tolist(), init, strict=True)):
         lo, hi = cu[i], cu[i + 1]
         st = pool[s] if has else torch.zeros_like(pool[s])
+        if hi == lo:  # an empty sequence keeps (or zeroes) its state, like the kernels
+            pool[s] = st
+            continue
         o, new = fn(qn[lo:hi], kn[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], st)
         y[lo:hi] = o.to(y.dtype)
         pool[s] = new
@@ -263,7 +267,7 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
                 recurrent_pool: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
                 has_initial_state: torch.Tensor, *, out: torch.Tensor | None = None,
                 backend: str = "auto", method: str = "chunk", chunk_size: int = 64,
-                block_v: int = 32) -> torch.Tensor:
+                block_v: int = 32, dot_precision: str = "ieee") -> torch.Tensor:
     """Gated delta rule over a varlen batch (prefill chunks and decode rows mixed).
 
     Args:
@@ -272,6 +276,9 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
         int32 offsets into T; has_initial_state: [B] bool (false -> zero initial state, slot
         not read).
         method: "chunk" (chunked form, `chunk_size` >= 16, power of two) or "recurrent".
+        dot_precision: of the chunk kernels' fp32 dots: "ieee", "tf32x3" (tensor cores,
+            near-fp32) or "tf32".
+    The chunk form takes a transient fp32 workspace of T * Hv * chunk_size * 4 bytes.
     Returns:
         o [T, Hv, dv] in v.dtype; each sequence's final state is written to its slot.
     """
@@ -290,7 +297,7 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
     if method == "chunk" and not _chunk_broken():
         try:
             return _launch_chunk(q, k, v, a, b, A_log, dt_bias, recurrent_pool, slots, cu,
-                                 init, y, chunk_size, block_v)
+                                 init, y, chunk_size, block_v, dot_precision)
         except Exception as e:  # noqa: BLE001 - a build failure falls back to the recurrence
             if not _is_build_error(e):
                 raise
@@ -316,21 +323,39 @@ def _is_build_error(e: Exception) -> bool:
                                        "CompileTimeAssertionFailure")
 
 
-def _launch_chunk(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, BT, block_v):
+def _launch_chunk(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, BT, block_v,
+                  precision):
     B = slots.shape[0]
-    Hk, dk = q.shape[1], q.shape[2]
+    T, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
     _check(BT >= 16 and BT == _pow2(BT), f"chunk_size must be a power of two >= 16, not {BT}")
+    _check(precision in ("ieee", "tf32x3", "tf32"), f"bad dot precision {precision!r}")
     q, k, v, a, b = (_last_contig(t) for t in (q, k, v, a, b))
     _check(pool.stride(3) == 1 and pool.stride(2) == dv, "recurrent_pool slots must be contiguous")
     BK = max(_pow2(dk), 16)
     BV = max(min(_pow2(dv), block_v), 16)
+    kern = _kernels()
+    # chunk table on the device (no host sync): chunk c -> (sequence, first token)
+    max_chunks = triton_cdiv(T, BT) + B
+    nch = (cu[1:] - cu[:-1] + BT - 1) // BT  # [B]
+    ccu = torch.cumsum(nch, 0).to(torch.int32)  # [B] end of each sequence's chunks
+    ids = torch.arange(max_chunks, dtype=torch.int32, device=q.device)
+    cseq = torch.searchsorted(ccu, ids, right=True).clamp_(max=B - 1).to(torch.int32)
+    first = ccu[cseq] - nch[cseq]  # index of the sequence's first chunk
+    cstart = torch.where(ids < ccu[-1], cu[cseq] + (ids - first) * BT, cu[cseq + 1])
+    cstart = cstart.to(torch.int32)
+    # [T, Hv, BT] fp32: row t holds Ti[t - chunk start, :] of its chunk
+    ti = torch.empty(T, Hv, BT, dtype=torch.float32, device=q.device)
+    kern.gdn_chunk_prep[(max_chunks, Hv)](
+        k, a, b, A_log, dt_bias, cseq, cstart, cu, ti,
+        k.stride(0), k.stride(1), a.stride(0), b.stride(0), ti.stride(0), ti.stride(1),
+        Hv // Hk, dk, BT=BT, BK=BK, PREC=precision, num_warps=4)
     grid = (B, Hv, triton_cdiv(dv, BV))
-    _kernels().gdn_chunk[grid](
-        q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y,
-        *_strides(q, k, v, a, b, y), pool.stride(0), pool.stride(1),
-        dk ** -0.5, Hv // Hk, dk, dv,
-        BT=BT, BK=BK, BV=BV, num_warps=8)
+    kern.gdn_chunk[grid](
+        q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, ti, y,
+        *_strides(q, k, v, a, b, y), ti.stride(0), ti.stride(1), pool.stride(0),
+        pool.stride(1), dk ** -0.5, Hv // Hk, dk, dv,
+        BT=BT, BK=BK, BV=BV, PREC=precision, num_warps=_CHUNK_WARPS)
     return y
 
 

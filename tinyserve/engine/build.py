@@ -54,7 +54,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     dtype = config.torch_dtype
     weights = load_weights(path, mcfg, dtype=dtype, device=device)
     states = GDNStatePool.for_config(mcfg, config.max_seqs, device=device, dtype=dtype)
-    num_pages = kv_pages(config, mcfg, device)
+    num_pages = kv_pages(config, mcfg, device, path)
     kv = create_kv_backend(config.kv, layer_ids=list(mcfg.full_attention_layers),
                            num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim,
                            num_pages=num_pages, page_size=config.page_size, device=device,
@@ -72,12 +72,25 @@ def build_parts(config: EngineConfig) -> EngineParts:
                        max_context=max_context, eos_token_ids=eos)
 
 
-def kv_pages(config: EngineConfig, mcfg: ModelConfig, device: torch.device) -> int:
+def kv_pages(config: EngineConfig, mcfg: ModelConfig, device: torch.device,
+             path: Path | None = None) -> int:
     """Number of KV pages: `num_kv_pages` when given; on CPU enough for max_seqs sequences of
-    max_context tokens; on CUDA what the budget leaves after the weights and states (capped at
-    that same need). Raises ValueError when not even one page fits."""
+    max_context tokens; on CUDA with `gpu_memory` the memory planner's number; on CUDA without
+    it what the free memory leaves after the weights and states (capped at that same need).
+    Raises ValueError when not even one page fits."""
     if config.num_kv_pages is not None:
         return config.num_kv_pages
+    if device.type == "cuda" and config.gpu_memory is not None and path is not None:
+        from tinyserve.offload.planner import PlanConfig, plan_checkpoint
+
+        plan = plan_checkpoint(path, PlanConfig(
+            gpu_memory=config.gpu_memory_bytes, kv=config.kv, max_context=config.max_context,
+            max_seqs=config.max_seqs, page_size=config.page_size,
+            prefill_chunk=config.max_num_batched_tokens))
+        if plan.experts_offloaded:
+            log.warning("the plan offloads experts, which the engine does not do yet: all "
+                        "experts are loaded onto the GPU")
+        return plan.kv_pages
     context = min(config.max_context or mcfg.max_position_embeddings,
                   mcfg.max_position_embeddings)
     need = -(-context // config.page_size) * config.max_seqs

@@ -1,0 +1,19 @@
+from __future__ import annotations
+
+import json
+
+from tinyserve.cli import main
+
+
+def test_bench_command_on_the_tiny_checkpoint(tiny_checkpoint, capsys) -> None:
+    ckpt = tiny_checkpoint()
+    assert main(["bench", str(ckpt), "--device", "cpu", "--prompt-len", "12", "--gen-len", "5",
+                 "--batch", "3", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["batch"] == 3 and r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
+    assert r["ttft_s"]["max"] >= r["ttft_s"]["mean"] > 0
+    assert r["config"]["max_context"] == 17 and r["peak_memory_bytes"] is None
+    assert main(["bench", str(ckpt), "--device", "cpu", "--prompt-len", "4", "--gen-len",
+                 "2"]) == 0
+    assert "decode" in capsys.readouterr().out
+    assert main(["bench", str(ckpt), "--device", "cpu", "--batch", "0"]) == 2

@@ -1,0 +1,132 @@
+"""`tinyserve bench MODEL`: prefill and decode speed of the whole engine.
+
+`--batch` requests of `--prompt-len` random tokens each generate `--gen-len` tokens (greedy,
+EOS ignored), submitted together after one warm-up request. Reported: prefill tokens/s (all
+prompt tokens over the time until the last request's first token), decode tokens/s (tokens
+after the first over the time after it), time to first token, peak GPU memory and, when the
+experts are offloaded, the expert-cache hit rate.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from typing import Any
+
+import torch
+
+from tinyserve.core import SamplingParams
+from tinyserve.engine.build import build_engine
+from tinyserve.engine.config import EngineConfig
+from tinyserve.engine.loop import Engine, RequestHandle
+
+
+def bench_command(args: Any) -> int:
+    """Run the benchmark described by CLI `args`; prints a summary (or JSON with --json)."""
+    if min(args.prompt_len, args.gen_len, args.batch) < 1:
+        raise ValueError("--prompt-len, --gen-len and --batch must be >= 1")
+    overrides: dict[str, Any] = {"max_seqs": max(args.batch, getattr(args, "max_seqs", 0) or 0)}
+    if getattr(args, "max_context", None) is None:
+        overrides["max_context"] = args.prompt_len + args.gen_len
+    config = EngineConfig.from_args(args, **overrides)
+    engine = build_engine(config).start()
+    try:
+        result = run_bench(engine, prompt_len=args.prompt_len, gen_len=args.gen_len,
+                           batch=args.batch)
+    finally:
+        engine.shutdown()
+    result["config"] = {"model": config.model, "kv": config.kv, "device": config.resolved_device,
+                        "max_seqs": config.max_seqs, "max_context": engine.max_context}
+    print(json.dumps(result, indent=2) if args.json else format_result(result))
+    return 0
+
+
+def run_bench(engine: Engine, *, prompt_len: int, gen_len: int, batch: int,
+              seed: int = 0) -> dict[str, Any]:
+    """Measure one batch on a started engine; returns plain numbers (seconds, tokens/s)."""
+    vocab = _vocab(engine)
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
+    warm = torch.randint(0, vocab, (min(prompt_len, 16),), generator=gen).tolist()
+    engine.submit(warm, SamplingParams(max_tokens=2, ignore_eos=True)).result()
+    prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
+               for _ in range(batch)]
+    cuda = torch.cuda.is_available() and engine.config.resolved_device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    steps0 = engine.stats().steps
+    start = time.perf_counter()
+    handles = [engine.submit(p, params) for p in prompts]
+    timings = _collect(handles)
+    end = time.perf_counter()
+    first = [t[0] - start for t in timings]
+    last_first = max(first)
+    decoded = sum(n - 1 for n in (len(t) for t in timings))
+    decode_time = end - start - last_first
+    result: dict[str, Any] = {
+        "prompt_len": prompt_len, "gen_len": gen_len, "batch": batch,
+        "prefill_tok_s": batch * prompt_len / last_first,
+        "decode_tok_s": decoded / decode_time if decode_time > 0 and decoded else None,
+        "ttft_s": {"mean": statistics.fmean(first), "max": last_first},
+        "total_s": end - start,
+        "steps": engine.stats().steps - steps0,
+        "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        "expert_hit_rate": _expert_hit_rate(engine),
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+    }
+    return result
+
+
+def _collect(handles: list[RequestHandle]) -> list[list[float]]:
+    """Arrival time of every output token of each request (one reader thread each)."""
+    timings: list[list[float]] = [[] for _ in handles]
+    errors: list[str] = []
+
+    def read(i: int) -> None:
+        for out in handles[i]:
+            timings[i].extend([time.perf_counter()] * len(out.token_ids))
+            if out.error:
+                errors.append(out.error)
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(len(handles))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors or any(not t for t in timings):
+        raise RuntimeError(f"a benchmark request failed: {errors[:1] or 'no tokens'}")
+    return timings
+
+
+def _vocab(engine: Engine) -> int:
+    sizes = [getattr(engine.model_config, "vocab_size", None), len(engine.tokenizer)]
+    return min(s for s in sizes if s)
+
+
+def _expert_hit_rate(engine: Engine) -> float | None:
+    experts = getattr(getattr(engine.runner, "model", None), "experts", None)
+    stats = getattr(experts, "stats", None)
+    rate = getattr(stats, "hit_rate", None)
+    return float(rate) if isinstance(rate, (int, float)) else None
+
+
+def format_result(r: dict[str, Any]) -> str:
+    def num(v: Any, fmt: str) -> str:
+        return "n/a" if v is None else format(v, fmt)
+
+    mem = r["peak_memory_bytes"]
+    lines = [
+        f"device            {r['device']}",
+        f"batch x prompt    {r['batch']} x {r['prompt_len']} tokens, {r['gen_len']} generated",
+        f"prefill           {num(r['prefill_tok_s'], ',.1f')} tok/s",
+        f"decode            {num(r['decode_tok_s'], ',.1f')} tok/s",
+        f"TTFT mean / max   {r['ttft_s']['mean'] * 1e3:,.1f} / {r['ttft_s']['max'] * 1e3:,.1f} ms",
+        f"peak GPU memory   {'n/a' if mem is None else f'{mem / 2**30:.2f} GiB'}",
+        f"expert hit rate   {num(r['expert_hit_rate'], '.1%')}",
+        f"engine steps      {r['steps']}",
+    ]
+    return "\n".join(lines)

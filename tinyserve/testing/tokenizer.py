@@ -51,8 +51,13 @@ def tokenizer_json() -> str:
     tok.train_from_iterator(_TRAINING_TEXT.splitlines(keepends=True) * 2, trainer=trainer)
     from tokenizers import AddedToken
 
-    tok.add_special_tokens([AddedToken(t, special=t in _HIDDEN_SPECIALS, normalized=False)
-                            for t in SPECIAL_TOKENS])
+    # NOTE: add_special_tokens marks every token special; the tags go through add_tokens so
+    # that decode(skip_special_tokens=True) keeps them, as the real Qwen3.5 tokenizer does.
+    # SPECIAL_TOKENS lists the hidden ones first, so the ids are unchanged.
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in SPECIAL_TOKENS if t in _HIDDEN_SPECIALS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t in SPECIAL_TOKENS if t not in _HIDDEN_SPECIALS])
     return tok.to_str()
 
 

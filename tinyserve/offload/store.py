@@ -1,0 +1,195 @@
+"""Host expert store: every routed expert in (pinned) host memory, in the fused-MoE slot layout.
+
+The store is an `ExpertSlots` with num_layers * num_experts rows (row = layer * E + expert)
+whose fields are views into ONE host buffer of the exact byte count, so that a cache miss is a
+plain row copy from the store to a GPU slot (`offload.lookup`). The buffer is a plain CPU
+allocation registered with the CUDA driver (cudaHostRegister, portable + mapped), not the
+pinned caching allocator, which would round 18 GB up to a power of two. Registered memory is
+device-addressable, so a GPU kernel can read it directly (zero-copy).
+
+It fills expert by expert as the loader yields them (`add`), so peak RAM stays near the final
+size. When registration fails or RAM looks short, a warning gives the numbers and the store
+stays pageable (the cache then copies through the host-driven path). On a machine without
+CUDA it is plain memory.
+"""
+
+from __future__ import annotations
+
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tinyserve.core import LinearWeight, NVFP4Weight
+from tinyserve.kernels.fused_moe import ExpertSlots, write_slot
+from tinyserve.log import get_logger
+
+logger = get_logger(__name__)
+
+_ALIGN = 4096
+_HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02
+
+
+def slot_fields(num_rows: int, hidden: int, inter: int, *, fp4: bool,
+                dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(field, shape, dtype) of an ExpertSlots with `num_rows` rows (kernels.fused_moe)."""
+    r, h, f = num_rows, hidden, inter
+    if fp4:
+        return [("w13", (r, 2 * f, h // 2), torch.uint8), ("w13_scale", (r, 2 * f, h // 16),
+                                                             torch.uint8),
+                ("w13_global", (r, 2), torch.float32), ("w2", (r, h, f // 2), torch.uint8),
+                ("w2_scale", (r, h, f // 16), torch.uint8), ("w2_global", (r,), torch.float32)]
+    return [("w13", (r, 2 * f, h), dtype), ("w2", (r, h, f), dtype)]
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for s in shape:
+        n *= s
+    return n
+
+
+def _available_ram() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class HostExpertStore:
+    """All routed experts of a model in host memory (see the module docstring).
+
+    Args:
+        num_layers, num_experts, hidden_size, intermediate_size: the geometry.
+        fp4: NVFP4 slots (else dense slots in `dtype`).
+        pin: register the buffer with CUDA (default: when CUDA is available).
+    Attributes:
+        slots: ExpertSlots over the buffer, row = layer * num_experts + expert.
+        pinned: whether the buffer is registered (device-addressable).
+        nbytes: exact size of the buffer.
+    """
+
+    def __init__(self, num_layers: int, num_experts: int, hidden_size: int,
+                 intermediate_size: int, *, fp4: bool = True,
+                 dtype: torch.dtype = torch.bfloat16, pin: bool | None = None) -> None:
+        self.num_layers, self.num_experts = num_layers, num_experts
+        rows = num_layers * num_experts
+        fields = slot_fields(rows, hidden_size, intermediate_size, fp4=fp4, dtype=dtype)
+        offsets, total = [], 0
+        for _, shape, dt in fields:
+            offsets.append(total)
+            total += -(-_nbytes(shape, dt) // _ALIGN) * _ALIGN
+        self.nbytes = total
+        self.bytes_per_expert = sum(_nbytes(shape[1:], dt) for _, shape, dt in fields)
+        want_pin = torch.cuda.is_available() if pin is None else pin
+        avail = _available_ram()
+        if avail is not None and total > avail:
+            logger.warning("expert store needs %.2f GiB of host RAM but only %.2f GiB is "
+                           "available; expect swapping", total / 2**30, avail / 2**30)
+            want_pin = False if pin is None else want_pin
+        self.buffer = torch.empty(total, dtype=torch.uint8)
+        self.pinned = bool(want_pin) and self._register()
+        views: dict[str, torch.Tensor] = {}
+        for (name, shape, dt), off in zip(fields, offsets, strict=True):
+            views[name] = self.buffer[off:off + _nbytes(shape, dt)].view(dt).view(shape)
+        self.slots = ExpertSlots(**views)
+        self._pending: dict[tuple[int, int], dict[str, LinearWeight]] = {}
+        self._filled = torch.zeros(rows, dtype=torch.bool)
+
+    def _register(self) -> bool:
+        ptr, size = self.buffer.data_ptr(), self.nbytes
+        try:
+            cudart = torch.cuda.cudart()
+            res = cudart.cudaHostRegister(ptr, size, _HOST_REGISTER_PORTABLE_MAPPED)
+            if int(res) != 0:
+                raise RuntimeError(f"cudaHostRegister returned error {int(res)}")
+        except Exception as exc:  # no CUDA, driver refusal, not enough lockable memory
+            logger.warning("could not pin the %.2f GiB expert store (%s); it stays in "
+                           "pageable memory, so every expert-cache miss waits for the host",
+                           size / 2**30, exc)
+            return False
+        weakref.finalize(self, _unregister, cudart, ptr, self.buffer)
+        return True
+
+    @classmethod
+    def for_config(cls, config: Any, *, fp4: bool = True, dtype: torch.dtype = torch.bfloat16,
+                   pin: bool | None = None) -> HostExpertStore:
+        return cls(config.num_layers, config.num_experts, config.hidden_size,
+                   config.moe_intermediate_size, fp4=fp4, dtype=dtype, pin=pin)
+
+    # ------------------------------------------------------------------ filling
+    def row(self, layer: int, expert: int) -> int:
+        return layer * self.num_experts + expert
+
+    def add(self, name: str, weight: Any) -> bool:
+        """Take one canonical weight; True if it was a routed expert's (and is now stored)."""
+        from tinyserve.model.loader import parse_expert_name
+
+        parsed = parse_expert_name(name)
+        if parsed is None:
+            return False
+        layer, expert, proj = parsed
+        parts = self._pending.setdefault((layer, expert), {})
+        parts[proj] = weight
+        if len(parts) == 3:
+            del self._pending[(layer, expert)]
+            row = self.row(layer, expert)
+            write_slot(self.slots, row, parts["gate_proj"], parts["up_proj"],
+                       parts["down_proj"])
+            self._filled[row] = True
+        return True
+
+    @property
+    def complete(self) -> bool:
+        return bool(self._filled.all()) and not self._pending
+
+    def check_complete(self) -> None:
+        """Raise ValueError naming the first expert that never arrived."""
+        if not self.complete:
+            missing = (~self._filled).nonzero()
+            row = int(missing[0]) if len(missing) else -1
+            raise ValueError(f"expert store incomplete: layer {row // self.num_experts} expert "
+                             f"{row % self.num_experts} is missing "
+                             f"({int((~self._filled).sum())} experts in all)")
+
+    @classmethod
+    def from_weights(cls, weights: dict[str, Any], config: Any, *,
+                     dtype: torch.dtype = torch.bfloat16,
+                     pin: bool | None = None) -> HostExpertStore:
+        """A store holding the routed experts of a canonical weight dict."""
+        probe = weights["layers.0.mlp.experts.0.gate_proj"]
+        store = cls.for_config(config, fp4=isinstance(probe, NVFP4Weight), dtype=dtype, pin=pin)
+        for name, w in weights.items():
+            store.add(name, w)
+        store.check_complete()
+        return store
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, config: Any, *,
+                        dtype: torch.dtype = torch.bfloat16,
+                        pin: bool | None = None) -> HostExpertStore:
+        """Read only the routed experts of a checkpoint, shard by shard, into a new store."""
+        from tinyserve.model.loader import CheckpointReader
+        from tinyserve.model.loader_plan import plan_weights
+
+        with CheckpointReader(path) as reader:
+            plans = [p for p in plan_weights(reader, config) if p.is_expert]
+            fp4 = all(p.storage in ("modelopt", "compressed-tensors") for p in plans)
+            store = cls.for_config(config, fp4=fp4, dtype=dtype, pin=pin)
+            for p in plans:
+                for name, w in p.load(reader, dtype, torch.device("cpu")):
+                    store.add(name, w)
+        store.check_complete()
+        return store
+
+
+def _unregister(cudart: Any, ptr: int, buffer: torch.Tensor) -> None:
+    try:
+        cudart.cudaHostUnregister(ptr)
+    except Exception:  # interpreter shutdown
+        pass
+    del buffer

@@ -1,0 +1,204 @@
+"""`tinyserve run MODEL` and `tinyserve demo`: start answering at once, load in the background.
+
+The HTTP server comes up first (`/health` answers 503 with the load progress), the engine is
+built in a thread with a progress bar, then the URL and the memory plan are printed. A load
+failure is printed as one line and ends the process with status 1.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from tinyserve import envs
+from tinyserve.log import get_logger
+from tinyserve.server.state import ServerConfig, ServerState
+
+log = get_logger(__name__)
+
+
+def server_config(args: Any, default_name: str) -> ServerConfig:
+    """ServerConfig from CLI arguments (missing ones keep the dataclass defaults)."""
+    return ServerConfig(
+        served_model_name=getattr(args, "served_model_name", None) or default_name,
+        api_key=getattr(args, "api_key", None) or os.environ.get("TINYSERVE_API_KEY") or None,
+        cors_origins=tuple(getattr(args, "cors_origin", None) or ()))
+
+
+def _weight_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def _memory_in_use() -> int:
+    """Bytes this process holds in RAM plus on the current CUDA device."""
+    used = 0
+    try:
+        with open("/proc/self/statm") as f:
+            used += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    if "torch" in sys.modules:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            used += torch.cuda.memory_allocated()
+    return used
+
+
+class _ProgressWatcher:
+    """Estimates weight-loading progress from memory growth (the loader streams weights into
+    host or device memory) and shows it as a tqdm bar and in `/health`."""
+
+    def __init__(self, state: ServerState, total_bytes: int, show: bool) -> None:
+        self.state, self.total = state, max(1, total_bytes)
+        self._stop = threading.Event()
+        self._bar = None
+        if show:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=100, desc="loading weights", unit="%", file=sys.stderr,
+                             bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}")
+        self._base = _memory_in_use()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            frac = min(0.99, max(0.0, (_memory_in_use() - self._base) / self.total))
+            frac = max(frac, self.state.load_progress)
+            self.state.set_progress(frac, "weights")
+            if self._bar is not None:
+                self._bar.n = int(frac * 100)
+                self._bar.refresh()
+
+    def close(self, ok: bool) -> None:
+        self._stop.set()
+        self._thread.join()
+        if self._bar is not None:
+            if ok:
+                self._bar.n = 100
+                self._bar.refresh()
+            self._bar.close()
+
+
+def memory_summary(engine: Any, args: Any) -> str:
+    """A short description of where the engine's memory went."""
+    stats = engine.stats()
+    cfg = getattr(engine, "config", None)
+    kv = getattr(cfg, "kv", getattr(args, "kv", "?"))
+    lines = [f"  device {getattr(cfg, 'resolved_device', '?')}, "
+             f"dtype {str(getattr(cfg, 'torch_dtype', '?')).replace('torch.', '')}",
+             f"  KV cache ({kv}): {stats.kv_pages_total} pages x {stats.page_size} tokens = "
+             f"{stats.kv_pages_total * stats.page_size} tokens",
+             f"  GDN state slots: {stats.state_slots_total} (most sequences at once)",
+             f"  context per request: {stats.max_context} tokens"]
+    if getattr(cfg, "resolved_device", "cpu").startswith("cuda"):
+        import torch
+
+        lines.append(f"  GPU memory in use: {torch.cuda.memory_allocated() / 2**30:.2f} GiB")
+    return "\n".join(lines)
+
+
+def _load(state: ServerState, args: Any, model: str, server: Any, show_progress: bool,
+          on_ready: Any = None) -> None:
+    from tinyserve.engine.build import build_engine
+    from tinyserve.engine.config import EngineConfig
+    from tinyserve.model.loader import resolve_model_path
+
+    watcher = None
+    try:
+        state.set_progress(0.0, "resolving")
+        path = resolve_model_path(model)
+        config = EngineConfig.from_args(args, model=str(path))
+        watcher = _ProgressWatcher(state, _weight_bytes(path), show_progress)
+        engine = build_engine(config)
+        watcher.close(ok=True)
+        watcher = None
+        engine.start()
+        state.set_engine(engine)
+        if on_ready is not None:
+            on_ready(engine)
+    except Exception as exc:  # any failure: one line, then stop the server
+        if watcher is not None:
+            watcher.close(ok=False)
+        state.load_error = f"{type(exc).__name__}: {exc}" if not isinstance(
+            exc, (ValueError, OSError)) else str(exc)
+        print(f"tinyserve: error: {state.load_error}", file=sys.stderr, flush=True)
+        server.should_exit = True
+
+
+def serve(args: Any, model: str, default_name: str, banner: str = "") -> int:
+    """Serve `model` until interrupted. Returns the process exit status."""
+    import uvicorn
+
+    from tinyserve.server.app import create_app
+
+    state = ServerState(server_config(args, default_name))
+    app = create_app(state)
+    host, port = args.host, args.port
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                           lifespan="off", timeout_graceful_shutdown=5))
+    shown = "localhost" if host in ("0.0.0.0", "::") else host
+
+    def ready(engine: Any) -> None:
+        print(f"\ntinyserve: serving {state.config.served_model_name!r} at "
+              f"http://{shown}:{port}/v1\n{memory_summary(engine, args)}", flush=True)
+        if banner:
+            print(banner, flush=True)
+
+    print(f"tinyserve: listening on http://{shown}:{port} (loading {model})", flush=True)
+    loader = threading.Thread(target=_load, args=(state, args, model, server,
+                                                  True, ready),
+                              name="tinyserve-load", daemon=True)
+    loader.start()
+    try:
+        server.run()
+    finally:
+        state.shutting_down = True
+        loader.join(timeout=0.1)
+        if state.engine is not None:
+            state.engine.shutdown()
+    if state.load_error:
+        return 1
+    return 0 if server.started else 1
+
+
+def run_command(args: Any) -> int:
+    """`tinyserve run MODEL [--kv] [--host] [--port] [--api-key] [--served-model-name] ...`."""
+    name = args.model.rstrip("/").split("/")[-1] if Path(args.model).is_dir() else args.model
+    return serve(args, args.model, name)
+
+
+DEMO_WARNING = ("tinyserve demo: this is a tiny model with RANDOM weights. Its output is random "
+                "text; it only shows that the server works. Serve a real checkpoint with "
+                "`tinyserve run MODEL`.")
+
+
+def demo_checkpoint() -> Path:
+    """The demo's tiny random checkpoint in TINYSERVE_CACHE_DIR, made on first use."""
+    from tinyserve.testing import make_tiny_checkpoint
+
+    path = envs.CACHE_DIR.get() / "demo-checkpoint"
+    if not (path / "config.json").is_file():
+        tmp = path.with_name(f"demo-checkpoint.tmp{os.getpid()}-{int(time.time())}")
+        make_tiny_checkpoint(tmp, fmt="bf16")
+        try:
+            tmp.rename(path)
+        except OSError:  # made by another process meanwhile
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def demo_command(args: Any) -> int:
+    """`tinyserve demo`: serve a tiny random checkpoint (its output is random text)."""
+    print(DEMO_WARNING, flush=True)
+    path = demo_checkpoint()
+    if getattr(args, "device", None) is None:
+        args.device = "cpu"
+    return serve(args, str(path), "tinyserve-demo", banner=DEMO_WARNING)

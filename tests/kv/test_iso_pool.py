@@ -104,3 +104,76 @@ def test_ordering_contract_extend_then_decode(fmt: str) -> None:
     seq0 = iso.gather_rows(kc, torch.tensor(pages[0]), page_size, 10)
     assert torch.equal(iso.dequantize_ref(seq0, fmt, d), torch.stack(hist_k[0]))
     assert kv.k_cache(3).eq(0).all(), "another layer's slab was written"
+
+
+# ------------------------------------------------------------------------------------------
+# Through the tiny model (head_dim 128): ISO KV against the bf16 backend
+
+
+@pytest.fixture(scope="module")
+def hd128():
+    pytest.importorskip("transformers")
+    from tests.model.hf_tiny import checkpoint
+
+    return checkpoint("bf16", "hd128")
+
+
+def _runner(cfg, weights, kv_name: str):
+    from tinyserve.engine.runner import ModelRunner
+    from tinyserve.kv.state_pool import GDNStatePool
+    from tinyserve.model.qwen35 import Qwen35Model
+
+    kv = create_kv_backend(kv_name, layer_ids=list(cfg.full_attention_layers),
+                           num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, num_pages=32,
+                           page_size=4, device="cpu", dtype=torch.float32)
+    states = GDNStatePool.for_config(cfg, 2, device="cpu", dtype=torch.float32)
+    model = Qwen35Model(cfg, weights, kv=kv, states=states, device="cpu", dtype=torch.float32)
+    return ModelRunner(model, page_size=4)
+
+
+def _kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """KL(ref || other) per position."""
+    lp, lq = ref_logits.log_softmax(-1), logits.log_softmax(-1)
+    return (lp.exp() * (lp - lq)).sum(-1)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_tiny_model_logits_close_to_bf16(hd128, fmt: str) -> None:
+    """Chunked prefill (extend over a packed prefix) and one-token steps (decode) stay close
+    to the bf16 backend; KL is printed."""
+    cfg, w = hd128
+    ids = torch.randint(0, 500, (24,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        ref = _runner(cfg, w, "bf16").logits(ids, chunk_size=8)
+        ext = _runner(cfg, w, fmt).logits(ids, chunk_size=8)
+        dec = _runner(cfg, w, fmt).logits(ids, chunk_size=1)
+    assert torch.isfinite(ext).all() and torch.isfinite(dec).all()
+    kl_ext, kl_dec = _kl(ref, ext), _kl(ref, dec)
+    print(f"\n{fmt}: KL vs bf16 extend mean {kl_ext.mean():.2e} max {kl_ext.max():.2e}; "
+          f"decode mean {kl_dec.mean():.2e} max {kl_dec.max():.2e}")
+    # the first chunk never reads quantized K/V: identical to bf16
+    torch.testing.assert_close(ext[:8], ref[:8], rtol=1e-5, atol=1e-5)
+    assert kl_ext.max() < 0.01 and kl_dec.max() < 0.01
+    assert (ext.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_tiny_model_generates(hd128, fmt: str) -> None:
+    from tests.model.hf_tiny import _ROOT
+    from tinyserve.core import SamplingParams
+    from tinyserve.engine.llm import LLM
+
+    with LLM(str(_ROOT / "hd128-bf16"), kv=fmt, device="cpu", num_kv_pages=16) as llm:
+        outs = llm.generate([[5, 6, 7, 8, 9], [11, 12]],
+                            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [6, 6]
+    assert all(o.finish_reason == "length" for o in outs)
+
+
+def test_negative_slot_goes_to_padding_page() -> None:
+    kv = _make("iso4", num_pages=2, page_size=4)
+    k = torch.randn(2, 2, 128)
+    kv.store(3, k, k, torch.tensor([-1, 1]))
+    assert torch.equal(kv.k_cache(3)[8], iso.quantize_ref(k[0], "iso4"))
+    assert torch.equal(kv.k_cache(3)[1], iso.quantize_ref(k[1], "iso4"))
+    assert kv.k_cache(3)[[0, 2, 3, 4, 5, 6, 7]].eq(0).all()

@@ -66,8 +66,10 @@ class ISOKVBackend(KVBackend):
 
     def store(self, layer_id: int, k: torch.Tensor, v: torch.Tensor,
               slots: torch.Tensor) -> None:
-        """Quantize k, v [N, Hkv, D] and write them at `slots` [N] (int32 or int64)."""
+        """Quantize k, v [N, Hkv, D] and write them at `slots` [N] (int32 or int64); a
+        negative slot (a padded row of a captured batch) goes to the padding page."""
         kc, vc = self.k_cache(layer_id), self.v_cache(layer_id)
+        slots = torch.where(slots < 0, self.num_pages * self.page_size, slots)
         if self.use_kernels:
             from tinyserve.kernels import iso_cuda
 

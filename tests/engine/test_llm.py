@@ -129,3 +129,25 @@ def test_logits_match_transformers(llm: LLM, ckpt) -> None:
         llm.engine.set_logits_hook(None)
     decoded = torch.stack(rows).cpu()
     assert (decoded - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+@pytest.mark.requires_cuda
+def test_cuda_generate_logits_and_abort(ckpt) -> None:
+    with LLM(str(ckpt), device="cuda", max_context=256, max_seqs=4) as gpu:
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        outs = gpu.generate(PROMPTS, params)
+        assert all(c.finish_reason == "length" and len(c.token_ids) == 16 for c in outs)
+        p = SamplingParams(max_tokens=16, seed=5, ignore_eos=True)
+        assert gpu.generate(PROMPTS[0], p)[0].token_ids == gpu.generate(PROMPTS[0], p)[0].token_ids
+        ids = gpu.encode(PROMPTS[1])[:40]
+        got = gpu.logits(ids)
+        with LLM(str(ckpt), device="cpu", max_context=128, max_seqs=1) as cpu:
+            ref = cpu.logits(ids)
+        cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)
+        assert cos.min() > 0.99, cos.min()
+        h = gpu.engine.submit(ids, SamplingParams(max_tokens=200, ignore_eos=True))
+        h.get(timeout=60)
+        h.abort()
+        assert h.result(timeout=60).finish_reason == "abort"
+        time.sleep(0.1)
+        assert_idle(gpu)

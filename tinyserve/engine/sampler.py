@@ -92,7 +92,7 @@ def filtered_probs(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.
     probs = torch.softmax(logits / temps[:, None], dim=-1)  # [S, V]
     V = probs.shape[1]
     top_k = [s.params.top_k if 0 < s.params.top_k < V else V for s in seqs]
-    top_p = [s.params.top_p for s in seqs]
+    top_p = [s.params.top_p if s.params.top_p < 1.0 else 2.0 for s in seqs]  # 2: keep all
     min_p = [s.params.min_p for s in seqs]
     if any(k < V for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_probs, order = probs.sort(dim=-1, descending=True)  # [S, V]

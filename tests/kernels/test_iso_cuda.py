@@ -139,6 +139,8 @@ DECODE_CASES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_decode_attention(fmt, case, dtype) -> None:
     hq, hkv, d, ps, lens = case
+    if dtype == torch.float32 and max(lens) > 5000:
+        pytest.skip("long contexts run in bf16 only")
     kc, vc, table = _filled_cache(fmt, sum(lens), hkv, d, ps, lens, seed=len(lens) + d)
     q = torch.randn(len(lens), hq, d, device="cuda").to(dtype)
     out = torch.full_like(q, float("nan"))

@@ -1,8 +1,10 @@
 """ISO3/ISO4 CUDA kernels: build at first use, launchers that check shapes and dtypes.
 
-The kernels live in `csrc/iso_store.cu` and `csrc/iso_decode.cu` (plain CUDA, extern "C"
-launchers) and are bound by `csrc/iso_binding.cpp`, compiled with torch.utils.cpp_extension
-for the running GPU's architecture into TINYSERVE_CACHE_DIR. Nothing here runs at import.
+The kernels live in `csrc/iso_store.cu` and `csrc/iso_decode.cu` (plain CUDA, no torch
+headers, extern "C" launchers). At first use nvcc compiles them for the running GPU's
+architecture into a shared library cached in TINYSERVE_CACHE_DIR (keyed by a hash of the
+sources), loaded with ctypes; launches go to torch's current stream, so they can be captured
+in CUDA graphs. Nothing here runs at import.
 
 - `iso_store`: quantize-on-write, byte-exact with `iso.quantize_ref`.
 - `iso_dequant_rows`: packed rows -> dense rows (bit-exact with `iso.dequantize_ref` in fp32).
@@ -13,48 +15,85 @@ for the running GPU's architecture into TINYSERVE_CACHE_DIR. Nothing here runs a
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import hashlib
 import math
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import torch
 
 from tinyserve import envs
 from tinyserve.kernels.iso import BLOCK, FORMATS, packed_row_bytes
+from tinyserve.log import get_logger
+
+log = get_logger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("iso_binding.cpp", "iso_store.cu", "iso_decode.cu")
+_SOURCES = ("iso_store.cu", "iso_decode.cu")
 _BITS = {"iso3": 3, "iso4": 4}
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _TILE = 32
 MIN_SPLIT_TOKENS = 256
+_ERRORS = {2: "bad format or head_dim", 3: "unsupported GQA group"}
+
+_I, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_SIGNATURES = {
+    "tinyserve_iso_store": [_P, _P, _I64, _P, _P, _I64, _I64, _P, _I, _I, _I, _I, _I, _I, _P],
+    "tinyserve_iso_dequant_rows": [_P, _I64, _P, _P, _I, _I, _I, _I, _I, _P],
+    "tinyserve_iso_decode": [_P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _I, _I, _F,
+                             _I, _P, _P, _P, _I64, _I, _P],
+}
+
+
+def _nvcc() -> str:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME and Path(CUDA_HOME, "bin", "nvcc").exists():
+        return str(Path(CUDA_HOME, "bin", "nvcc"))
+    raise RuntimeError("the ISO KV kernels need nvcc (CUDA toolkit) to build on first use")
 
 
 @functools.cache
-def _module(major: int, minor: int):
-    from torch.utils.cpp_extension import load
+def _library(major: int, minor: int) -> ctypes.CDLL:
+    """Compile csrc/iso_*.cu for sm_{major}{minor} into a shared library (cached by source
+    hash in TINYSERVE_CACHE_DIR) and load it."""
+    files = [_CSRC / s for s in _SOURCES] + [_CSRC / "iso_common.cuh"]
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
+    out_dir = envs.CACHE_DIR.get() / "kernels"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lib_path = out_dir / f"libtinyserve_iso_sm{major}{minor}_{digest}.so"
+    if not lib_path.exists():
+        tmp = lib_path.with_suffix(f".{os.getpid()}.tmp")
+        cmd = [_nvcc(), "-std=c++17", "-O3", f"-arch=sm_{major}{minor}", "-shared",
+               "-Xcompiler", "-fPIC", "-I", str(_CSRC), "-o", str(tmp),
+               *[str(_CSRC / s) for s in _SOURCES]]
+        log.info("building the ISO KV kernels for sm_%d%d", major, minor)
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"nvcc failed building the ISO kernels:\n{res.stderr[-4000:]}")
+        os.replace(tmp, lib_path)
+    lib = ctypes.CDLL(str(lib_path))
+    for name, args in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = ctypes.c_int
+    return lib
 
-    build = envs.CACHE_DIR.get() / "kernels" / f"iso_sm{major}{minor}"
-    build.mkdir(parents=True, exist_ok=True)
-    old = os.environ.get("TORCH_CUDA_ARCH_LIST")
-    os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"
-    try:
-        return load(name=f"tinyserve_iso_sm{major}{minor}",
-                    sources=[str(_CSRC / s) for s in _SOURCES],
-                    extra_include_paths=[str(_CSRC)], extra_cflags=["-O3", "-std=c++17"],
-                    extra_cuda_cflags=["-O3", "-std=c++17"], build_directory=str(build),
-                    verbose=False)
-    finally:
-        if old is None:
-            os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
-        else:
-            os.environ["TORCH_CUDA_ARCH_LIST"] = old
 
-
-def module(device: torch.device | None = None):
-    """The compiled extension for `device` (default: the current CUDA device)."""
-    return _module(*torch.cuda.get_device_capability(device))
+def _call(device: torch.device, name: str, *args) -> None:
+    lib = _library(*torch.cuda.get_device_capability(device))
+    stream = torch.cuda.current_stream(device).cuda_stream
+    rc = getattr(lib, name)(*args, stream)
+    if rc != 0:
+        raise RuntimeError(f"{name} failed: {_ERRORS.get(rc, f'CUDA error {rc}')}")
 
 
 def _bits(fmt: str) -> int:
@@ -85,13 +124,21 @@ def iso_store(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
     n, heads, d = k.shape
     _check_cache(k_cache, heads, d, fmt, "k_cache")
     _check_cache(v_cache, heads, d, fmt, "v_cache")
+    if k_cache.stride(0) != v_cache.stride(0):
+        raise ValueError("k_cache and v_cache must have the same slot stride")
     if loc.dtype not in (torch.int32, torch.int64) or loc.shape != (n,):
         raise ValueError(f"loc must be int32/int64 [{n}], got {loc.dtype} {tuple(loc.shape)}")
     if k.stride(2) != 1 or k.stride(1) != d:
         k = k.contiguous()
     if v.stride(2) != 1 or v.stride(1) != d:
         v = v.contiguous()
-    module(k.device).store(k_cache, v_cache, loc.contiguous(), k, v, bits)
+    if n == 0:
+        return
+    loc = loc.contiguous()
+    _call(k.device, "tinyserve_iso_store", k_cache.data_ptr(), v_cache.data_ptr(),
+          k_cache.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0),
+          loc.data_ptr(), int(loc.dtype == torch.int64), n, heads, d, bits,
+          _DTYPE_CODE[k.dtype])
 
 
 def iso_dequant_rows(cache: torch.Tensor, slots: torch.Tensor, fmt: str, head_dim: int,
@@ -101,8 +148,13 @@ def iso_dequant_rows(cache: torch.Tensor, slots: torch.Tensor, fmt: str, head_di
     heads = cache.shape[1]
     _check_cache(cache, heads, head_dim, fmt, "cache")
     out = torch.empty(slots.numel(), heads, head_dim, dtype=dtype, device=cache.device)
+    if out.dtype not in _FLOATS:
+        raise ValueError(f"dtype must be one of {_FLOATS}, got {dtype}")
     if slots.numel():
-        module(cache.device).dequant_rows(cache, slots.long().contiguous(), out, bits)
+        slots = slots.long().contiguous()
+        _call(cache.device, "tinyserve_iso_dequant_rows", cache.data_ptr(), cache.stride(0),
+              slots.data_ptr(), out.data_ptr(), slots.numel(), heads, head_dim, bits,
+              _DTYPE_CODE[dtype])
     return out
 
 
@@ -158,9 +210,13 @@ def iso_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         raise ValueError(f"out must be [{b}, {hq}, {d}] with contiguous rows")
     part_acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(b, hq, splits, 2, dtype=torch.float32, device=q.device)
-    module(q.device).decode(q.float().contiguous(), k_cache, v_cache, page_table,
-                            seq_lens.contiguous(), page_size, chunk, splits, float(scale), bits,
-                            part_acc, part_ml, out)
+    qf = q.float().contiguous()
+    seq_lens = seq_lens.contiguous()
+    _call(q.device, "tinyserve_iso_decode", qf.data_ptr(), k_cache.data_ptr(),
+          v_cache.data_ptr(), k_cache.stride(0), page_table.data_ptr(), page_table.stride(0),
+          seq_lens.data_ptr(), b, hq, hkv, d, page_size, chunk, splits, float(scale), bits,
+          part_acc.data_ptr(), part_ml.data_ptr(), out.data_ptr(), out.stride(0),
+          _DTYPE_CODE[out.dtype])
     return out
 
 

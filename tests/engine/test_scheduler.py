@@ -239,3 +239,15 @@ def test_random_workload_returns_to_idle() -> None:
         assert s.slots.num_used == len(s.running)
     run_all(s)
     assert_idle(s)
+
+
+def test_admission_leaves_a_page_per_running_request() -> None:
+    s = make(num_pages=3, page_size=4, max_context=12)
+    s.add("a", [1, 2, 3, 4], greedy(4))  # 1 page now, 2 at the end
+    step(s)
+    s.add("b", list(range(1, 9)), greedy(1))  # 2 pages: admitting it would starve a's decode
+    batch, _ = step(s)
+    assert [q.request_id for q in batch.seqs] == ["a"]
+    outputs, _ = run_all(s)
+    assert s.num_preemptions == 0 and len(outputs["b"]) == 1
+    assert_idle(s)

@@ -218,8 +218,10 @@ class Scheduler:
         return True
 
     def _admit(self, req: Request) -> bool:
+        # NOTE: leave one page per running request free, so that admitting a request does
+        # not force the preemption of that same request at the next page boundary.
         need = self.pages_for(len(req.tokens))
-        if not (self.pages.can_alloc(need) and self.slots.can_alloc(1)):
+        if not (self.pages.can_alloc(need + len(self.running)) and self.slots.can_alloc(1)):
             return False
         self.waiting.pop(0)
         req.pages = self.pages.alloc(need)

@@ -180,6 +180,11 @@ class ExpertCachePolicy:
         self._pinned.add(slot)
         self._push(slot)
 
+    def release(self) -> None:
+        """Unpin every slot without ending the step (the pinned layer's work is ordered
+        before any later copy, e.g. on one stream)."""
+        self._pinned.clear()
+
     def end_step(self) -> None:
         """The step is over: unpin its slots, advance the clock, age the counts."""
         self._pinned.clear()

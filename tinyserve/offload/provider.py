@@ -1,0 +1,63 @@
+"""OffloadedExperts: the experts provider over a host store and a GPU slot cache.
+
+Same interface as `model.moe.ResidentExperts`:
+`forward(layer_id, x [N, H], topk_ids [N, k] int64, topk_weights [N, k]) -> [N, H]`, so the
+model runs with it exactly as with all-resident experts. Each call resolves the layer's experts
+to cache slots (copying misses from the store, see `offload.gpu_cache`) and runs the fused MoE
+over the slots. A call for a layer at or below the previous call's layer starts a new step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tinyserve import envs
+from tinyserve.kernels.fused_moe import fused_moe, fused_moe_ref
+from tinyserve.offload.gpu_cache import DeviceExpertCache
+from tinyserve.offload.store import HostExpertStore
+
+
+class OffloadedExperts:
+    """Routed experts from a `HostExpertStore` through a `DeviceExpertCache`.
+
+    Args:
+        cache: the GPU slot cache (it holds the store).
+        use_kernel: run the Triton fused MoE (default: on CUDA unless
+            TINYSERVE_DISABLE_KERNELS); else `fused_moe_ref`.
+    """
+
+    def __init__(self, cache: DeviceExpertCache, *, use_kernel: bool | None = None) -> None:
+        self.cache = cache
+        if use_kernel is None:
+            use_kernel = cache.device.type == "cuda" and not envs.DISABLE_KERNELS.get()
+        self.use_kernel = use_kernel
+        self._last_layer: int | None = None
+
+    @classmethod
+    def create(cls, store: HostExpertStore, num_slots: int, *, device: torch.device | str,
+               dtype: torch.dtype = torch.bfloat16, **cache_kwargs: Any) -> OffloadedExperts:
+        """A provider with a fresh cache of `num_slots` slots on `device`."""
+        return cls(DeviceExpertCache(store, num_slots, device=device, dtype=dtype,
+                                     **cache_kwargs))
+
+    def begin_step(self) -> None:
+        """Start a new step (a runner replaying a CUDA graph calls this between replays)."""
+        self.cache.begin_step()
+        self._last_layer = None
+
+    def forward(self, layer_id: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        """Σ_j topk_weights[:, j] * Expert_{topk_ids[:, j]}(x); x [N, H] -> [N, H] in x.dtype."""
+        if self._last_layer is not None and layer_id <= self._last_layer:
+            self.cache.begin_step()
+        self._last_layer = layer_id
+        slot_ids = self.cache.lookup(layer_id, topk_ids)  # [N, k] int32
+        if self.use_kernel:
+            return fused_moe(x, slot_ids, topk_weights, self.cache.slots)
+        return fused_moe_ref(x, slot_ids, topk_weights, self.cache.slots)
+
+    @property
+    def stats(self):
+        return self.cache.stats

@@ -49,8 +49,14 @@ def to_device(w: LinearWeight, device: torch.device | str,
     raise TypeError(f"unknown weight storage {type(w).__name__}")
 
 
+def kernels_enabled(device: torch.device) -> bool:
+    """Whether GPU kernels run on `device`: CUDA, triton importable, and
+    TINYSERVE_DISABLE_KERNELS unset (read at every call, so tests can flip it)."""
+    return device.type == "cuda" and not envs.DISABLE_KERNELS.get() and _has_triton()
+
+
 def _quantized_linear(x: torch.Tensor, w: NVFP4Weight | FP8Weight) -> torch.Tensor:
-    if isinstance(w, NVFP4Weight) and x.is_cuda and _kernels_enabled():
+    if isinstance(w, NVFP4Weight) and kernels_enabled(x.device):
         from tinyserve.kernels.nvfp4 import nvfp4_linear
 
         return nvfp4_linear(x, w)
@@ -58,11 +64,9 @@ def _quantized_linear(x: torch.Tensor, w: NVFP4Weight | FP8Weight) -> torch.Tens
 
 
 @functools.cache
-def _kernels_enabled() -> bool:
-    if envs.DISABLE_KERNELS.get():
-        return False
+def _has_triton() -> bool:
     try:
-        import tinyserve.kernels.nvfp4  # noqa: F401
+        import triton  # noqa: F401
     except ImportError:
         return False
     return True

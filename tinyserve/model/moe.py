@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tinyserve.core import LinearWeight
-from tinyserve.model.linear import linear
+from tinyserve.core import DenseWeight, FP8Weight, LinearWeight
+from tinyserve.model.linear import kernels_enabled, linear
 
 
 def swiglu_mlp(x: torch.Tensor, gate: LinearWeight, up: LinearWeight,
@@ -40,24 +40,39 @@ class ResidentExperts:
     `weights` maps canonical names (`layers.{L}.mlp.experts.{e}.{gate,up,down}_proj`) to
     weights already on the compute device.
 
-    `forward` is the seam for the CUDA fused-MoE kernel (`tinyserve.kernels.fused_moe`); today
-    it runs the per-expert loop, which is the reference the kernel is tested against.
+    On CUDA (kernels enabled) each layer's experts are packed once into slot buffers (slot =
+    expert id) and run by the fused-MoE kernel (`kernels/fused_moe.py`); elsewhere, or with
+    `use_kernel=False`, the per-expert torch loop runs (the reference of the kernel).
     """
 
-    def __init__(self, weights: dict[str, Any], config: Any, layer_ids: Iterable[int]) -> None:
+    def __init__(self, weights: dict[str, Any], config: Any, layer_ids: Iterable[int], *,
+                 use_kernel: bool | None = None) -> None:
         self.num_experts = config.num_experts
         self.experts: dict[int, list[tuple[LinearWeight, LinearWeight, LinearWeight]]] = {}
+        self.slots: dict[int, Any] = {}
+        layer_ids = list(layer_ids)
+        first = weights[f"layers.{layer_ids[0]}.mlp.experts.0.gate_proj"] if layer_ids else None
+        device = _device_of(first) if first is not None else torch.device("cpu")
+        self.use_kernel = kernels_enabled(device) if use_kernel is None else use_kernel
         for L in layer_ids:
             p = f"layers.{L}.mlp.experts"
-            self.experts[L] = [
-                (weights[f"{p}.{e}.gate_proj"], weights[f"{p}.{e}.up_proj"],
-                 weights[f"{p}.{e}.down_proj"])
-                for e in range(self.num_experts)
-            ]
+            experts = [(weights[f"{p}.{e}.gate_proj"], weights[f"{p}.{e}.up_proj"],
+                        weights[f"{p}.{e}.down_proj"]) for e in range(self.num_experts)]
+            if self.use_kernel:
+                from tinyserve.kernels.fused_moe import pack_expert_slots
+
+                dtype = first.weight.dtype if isinstance(first, DenseWeight) else torch.bfloat16
+                self.slots[L] = pack_expert_slots(experts, device, dtype)
+            else:
+                self.experts[L] = experts
 
     def forward(self, layer_id: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         """Σ_j topk_weights[:, j] * Expert_{topk_ids[:, j]}(x); x [N, H] -> [N, H] in x.dtype."""
+        if self.use_kernel:
+            from tinyserve.kernels.fused_moe import fused_moe
+
+            return fused_moe(x, topk_ids, topk_weights, self.slots[layer_id])
         return self._forward_loop(layer_id, x, topk_ids, topk_weights)
 
     def _forward_loop(self, layer_id: int, x: torch.Tensor, topk_ids: torch.Tensor,
@@ -71,6 +86,10 @@ class ResidentExperts:
             y = y * topk_weights[token_idx, slot, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
         return out
+
+
+def _device_of(w: LinearWeight) -> torch.device:
+    return (w.weight if isinstance(w, (DenseWeight, FP8Weight)) else w.packed).device
 
 
 class SparseMoE:

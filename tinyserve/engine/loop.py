@@ -173,7 +173,8 @@ class Engine:
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn()` on the loop thread between steps and return its result (or raise)."""
-        if self._thread is None or not self._thread.is_alive():
+        if (self._thread is None or not self._thread.is_alive()
+                or self._thread is threading.current_thread()):
             return fn()
         fut: Future = Future()
         with self._cond:
@@ -196,7 +197,8 @@ class Engine:
     def stats(self) -> EngineStats:
         s, c = self.scheduler, self._counts
         return EngineStats(
-            running=len(s.running), waiting=len(s.waiting) + len(self._inbox),
+            running=len(s.running),
+            waiting=len(s.waiting) + sum(item[0] == "add" for item in list(self._inbox)),
             kv_pages_used=s.pages.num_used, kv_pages_total=s.pages.num_pages,
             page_size=s.page_size, state_slots_used=s.slots.num_used,
             state_slots_total=s.slots.num_pages, max_context=self.max_context,

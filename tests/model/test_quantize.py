@@ -10,18 +10,25 @@ import torch
 from safetensors import safe_open
 
 from tinyserve.cli import main as cli_main
-from tinyserve.core import DenseWeight, NVFP4Weight
-from tinyserve.kernels.nvfp4_ref import quantize_nvfp4
+from tinyserve.core import DenseWeight, FP8Weight, NVFP4Weight
+from tinyserve.kernels.nvfp4_ref import quantize_fp8, quantize_nvfp4
 from tinyserve.model.config import load_config
 from tinyserve.model.loader import CheckpointReader, load_weights
-from tinyserve.model.quantize import quantize_checkpoint, should_quantize
+from tinyserve.model.quantize import quantize_checkpoint, should_quantize, weight_format
 
 
-def _assert_matches_quantizer(quantized: dict, source: dict, *, gdn: bool = False) -> int:
+def _assert_matches_quantizer(quantized: dict, source: dict, *, gdn: bool = False,
+                              recipe: str = "nvfp4") -> int:
     n = 0
     for name, src in source.items():
         got = quantized[name]
-        if isinstance(src, DenseWeight) and should_quantize(name, quantize_gdn=gdn):
+        kind = weight_format(name, recipe=recipe, quantize_gdn=gdn)
+        if isinstance(src, DenseWeight) and kind == "fp8":
+            want = quantize_fp8(src.weight)
+            assert isinstance(got, FP8Weight), name
+            assert torch.equal(got.weight, want.weight) and torch.equal(got.scale, want.scale)
+            n += 1
+        elif isinstance(src, DenseWeight) and kind == "nvfp4":
             want = quantize_nvfp4(src.weight)
             assert isinstance(got, NVFP4Weight), name
             assert torch.equal(got.packed, want.packed), name
@@ -102,6 +109,24 @@ def test_quantize_gdn_option(tiny_checkpoint, tmp_path):
     assert isinstance(w["layers.0.linear_attn.out_proj"], NVFP4Weight)
     assert isinstance(w["layers.0.linear_attn.in_proj_a"], DenseWeight)
     _assert_matches_quantizer(w, load_weights(src, load_config(src)), gdn=True)
+
+
+def test_mixed_recipe_round_trip(tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint("bf16")
+    dst = quantize_checkpoint(src, tmp_path / "mixed", "modelopt", recipe="mixed")
+    cfg = load_config(dst)
+    assert (cfg.quant.method, cfg.quant.algo) == ("modelopt", "MIXED_PRECISION")
+    layers = dict(cfg.quant.quantized_layers)
+    assert layers["model.layers.0.mlp.experts"] == "W4A16_NVFP4"
+    assert layers["lm_head"] == "W4A16_NVFP4"
+    assert layers["model.layers.3.self_attn.q_proj"] == "FP8"
+    assert layers["model.layers.0.linear_attn.in_proj_z"] == "FP8"
+    assert "model.layers.0.linear_attn.in_proj_a" not in layers
+    w = load_weights(dst, cfg)
+    n = _assert_matches_quantizer(w, load_weights(src, load_config(src)), recipe="mixed")
+    assert n == 4 * (8 * 3 + 3) + 1 + 3 * 3 + 4
+    with pytest.raises(ValueError, match="unknown recipe 'mixed' for compressed-tensors"):
+        quantize_checkpoint(src, tmp_path / "x", "compressed-tensors", recipe="mixed")
 
 
 def test_recipe():

@@ -13,11 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tinyserve.log import get_logger
+
 SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 LAYER_TYPES = ("linear_attention", "full_attention")
 QUANT_METHODS = ("none", "modelopt", "compressed-tensors")
 MODELOPT_ALGOS = ("NVFP4", "W4A16_NVFP4", "FP8", "MIXED_PRECISION")
 
+log = get_logger(__name__)
 _QWEN35_LAYER_TYPES = (("linear_attention",) * 3 + ("full_attention",)) * 10
 
 
@@ -153,6 +156,9 @@ def load_config(path: str | Path) -> ModelConfig:
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise ConfigError(f"{where}: field 'rope_parameters' must be an object")
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        log.warning("%s: rope_type %r is not supported; using default RoPE (exact within "
+                    "max_position_embeddings)", where, rope.get("rope_type", rope.get("type")))
     rope_theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
     partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
 

@@ -25,8 +25,8 @@ from tinyserve.model.loader import (
 
 _LINEAR_PARAMS = ("weight", "weight_scale", "weight_scale_2", "weight_packed",
                   "weight_global_scale")
-_IGNORED_PARAMS = ("input_scale", "input_global_scale", "k_scale", "v_scale")
-_FP32_TENSORS = ("A_log", "dt_bias", "norm")  # of linear_attn
+_IGNORED_PARAMS = ("input_scale", "input_global_scale")
+_KV_SCALES = (".k_scale", ".v_scale", ".q_scale", ".prob_scale")
 STORAGES = ("dense", "modelopt", "compressed-tensors", "fp8")
 
 
@@ -157,7 +157,7 @@ def plan_weights(reader: CheckpointReader, config: ModelConfig) -> list[WeightPl
     keys: dict[str, str] = {}  # name without prefix -> checkpoint name
     for raw in reader.names():
         key = strip_prefix(raw)
-        if key is None:
+        if key is None or key.endswith(_KV_SCALES):  # KV-cache scales: tinyserve has its own
             continue
         if key in keys:
             raise CheckpointError(f"{reader.info(raw).file}: tensor '{raw}' duplicates "

@@ -5,11 +5,14 @@ shared experts and the full-attention q/k/v/o projections. What stays bf16: the 
 (`mlp.gate`), `shared_expert_gate`, every GDN (`linear_attn.*`) tensor including in_proj_qkv,
 in_proj_z and out_proj, conv1d, norms, A_log/dt_bias, embeddings and lm_head; vision and MTP
 tensors are copied unchanged. `quantize_gdn=True` also quantizes GDN in_proj_qkv / in_proj_z /
-out_proj (in_proj_a / in_proj_b never: 32 rows).
+out_proj (in_proj_a / in_proj_b never: 32 rows). `recipe="mixed"` (ModelOpt only) writes the
+MIXED_PRECISION layout of nvidia/Qwen3.6-35B-A3B-NVFP4 instead (see `weight_format`).
 
 Output: safetensors shards (with an index when more than one), config.json with the format's
 `quantization_config`, hf_quant_config.json for ModelOpt, and the source's tokenizer and
-generation files. Weight-only (W4A16): no activation scales are written.
+generation files. Weight-only (W4A16): no activation scales are written. The NVFP4 global
+scale is nudged to an fp32 value whose reciprocal round-trips (see
+`kernels.nvfp4_ref.nvfp4_global_scale`), so both formats dequantize to the same weights.
 """
 
 from __future__ import annotations
@@ -22,17 +25,19 @@ from typing import Any
 
 import torch
 
-from tinyserve.core import NVFP4Weight
-from tinyserve.kernels.nvfp4_ref import quantize_nvfp4
+from tinyserve.core import FP8Weight, NVFP4Weight
+from tinyserve.kernels.nvfp4_ref import quantize_fp8, quantize_nvfp4
 from tinyserve.log import get_logger
 from tinyserve.model.config import load_config
 from tinyserve.model.loader import INDEX_FILE, CheckpointReader, strip_prefix
 from tinyserve.model.loader_plan import plan_weights
 
 FORMATS = ("modelopt", "compressed-tensors")
-_QUANTIZED = re.compile(r"(mlp\.experts\.\d+\.|mlp\.shared_expert\.)(gate|up|down)_proj$"
-                        r"|self_attn\.[qkvo]_proj$")
-_QUANTIZED_GDN = re.compile(r"linear_attn\.(in_proj_qkv|in_proj_z|out_proj)$")
+RECIPES = ("nvfp4", "mixed")
+_EXPERTS = re.compile(r"mlp\.experts\.\d+\.(gate|up|down)_proj$")
+_SHARED = re.compile(r"mlp\.shared_expert\.(gate|up|down)_proj$")
+_ATTN = re.compile(r"self_attn\.[qkvo]_proj$")
+_GDN_BIG = re.compile(r"linear_attn\.(in_proj_qkv|in_proj_z|out_proj)$")
 _COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                  "generation_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
                  "added_tokens.json", "preprocessor_config.json")
@@ -93,9 +98,29 @@ class CheckpointWriter:
             self.close()
 
 
+def weight_format(name: str, *, recipe: str = "nvfp4",
+                  quantize_gdn: bool = False) -> str | None:
+    """How the canonical linear `name` is stored under `recipe`: "nvfp4", "fp8" or None (bf16).
+
+    "nvfp4": routed experts, shared experts, self_attn q/k/v/o (+ GDN in_proj_qkv / in_proj_z /
+    out_proj with `quantize_gdn`). "mixed" (ModelOpt MIXED_PRECISION, the layout of
+    nvidia/Qwen3.6-35B-A3B-NVFP4): routed and shared experts and lm_head NVFP4 (weight-only),
+    self_attn q/k/v/o and GDN in_proj_qkv / in_proj_z / out_proj FP8 per-tensor.
+    """
+    if _EXPERTS.search(name) or _SHARED.search(name):
+        return "nvfp4"
+    if recipe == "mixed":
+        if name == "lm_head":
+            return "nvfp4"
+        return "fp8" if _ATTN.search(name) or _GDN_BIG.search(name) else None
+    if _ATTN.search(name) or (quantize_gdn and _GDN_BIG.search(name)):
+        return "nvfp4"
+    return None
+
+
 def should_quantize(name: str, *, quantize_gdn: bool = False) -> bool:
-    """Whether the canonical linear `name` becomes NVFP4 under this module's recipe."""
-    return bool(_QUANTIZED.search(name) or (quantize_gdn and _QUANTIZED_GDN.search(name)))
+    """Whether the canonical linear `name` becomes NVFP4 under the default recipe."""
+    return weight_format(name, quantize_gdn=quantize_gdn) == "nvfp4"
 
 
 def nvfp4_tensors(w: NVFP4Weight, fmt: str) -> dict[str, torch.Tensor]:
@@ -109,20 +134,27 @@ def nvfp4_tensors(w: NVFP4Weight, fmt: str) -> dict[str, torch.Tensor]:
             "weight_global_scale": inv.reshape(1)}
 
 
-def _add_nvfp4(writer: CheckpointWriter, module: str, w: NVFP4Weight, fmt: str) -> None:
-    for param, t in nvfp4_tensors(w, fmt).items():
-        writer.add(f"{module}.{param}", t)
+def fp8_tensors(w: FP8Weight) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of one per-tensor FP8 linear (ModelOpt names)."""
+    return {"weight": w.weight.view(torch.float8_e4m3fn),
+            "weight_scale": w.scale.to(torch.float32).reshape(())}
 
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str = "modelopt", *,
-                        quantize_gdn: bool = False, max_shard_bytes: int = 4 << 30) -> Path:
+                        recipe: str = "nvfp4", quantize_gdn: bool = False,
+                        max_shard_bytes: int = 4 << 30) -> Path:
     """Quantize the bf16 checkpoint `src` into `dst` in format `fmt` ("modelopt" or
-    "compressed-tensors"); returns `dst`. Reads and writes one tensor at a time.
+    "compressed-tensors") under `recipe` (see `weight_format`; "mixed" is ModelOpt only);
+    returns `dst`. Reads and writes one tensor at a time; fused 3-D experts come out per expert.
 
-    Raises ValueError for an unknown format, ConfigError / CheckpointError for a bad source.
+    Raises ValueError for an unknown format or recipe or an already quantized source,
+    ConfigError / CheckpointError for a bad source.
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r} (expected {' or '.join(FORMATS)})")
+    if recipe not in RECIPES or (recipe == "mixed" and fmt != "modelopt"):
+        raise ValueError(f"unknown recipe {recipe!r} for {fmt} (expected nvfp4"
+                         f"{' or mixed' if fmt == 'modelopt' else ''})")
     src, dst = Path(src), Path(dst)
     if src.resolve() == dst.resolve():
         raise ValueError(f"{dst}: the output directory must differ from the source")
@@ -130,7 +162,19 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str = "modelopt",
     if config.quant.is_quantized:
         raise ValueError(f"{src / 'config.json'}: the source is already quantized "
                          f"({config.quant.method})")
-    quantized: list[str] = []
+    done: dict[str, str] = {}  # module -> "nvfp4" | "fp8"
+
+    def add(module: str, name: str, w: torch.Tensor, writer: CheckpointWriter) -> bool:
+        kind = weight_format(name, recipe=recipe, quantize_gdn=quantize_gdn)
+        if kind is None:
+            return False
+        tensors = (nvfp4_tensors(quantize_nvfp4(w), fmt) if kind == "nvfp4"
+                   else fp8_tensors(quantize_fp8(w)))
+        for param, t in tensors.items():
+            writer.add(f"{module}.{param}", t)
+        done[module] = kind
+        return True
+
     with CheckpointReader(src) as reader, CheckpointWriter(dst, max_shard_bytes) as writer:
         plans = {p.raw["weight"]: p for p in plan_weights(reader, config)
                  if p.kind in ("linear", "fused_gate_up", "fused_down")}
@@ -145,25 +189,22 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str = "modelopt",
                     parts = ({"gate_proj": w[:f], "up_proj": w[f:]}
                              if plan.kind == "fused_gate_up" else {"down_proj": w})
                     for proj, part in parts.items():
-                        module = f"{prefix}{plan.name}.{e}.{proj}"
-                        _add_nvfp4(writer, module, quantize_nvfp4(part), fmt)
-                        quantized.append(module)
-            elif plan is not None and key is not None and should_quantize(
-                    plan.name, quantize_gdn=quantize_gdn):
-                module = raw.removesuffix(".weight")
-                _add_nvfp4(writer, module, quantize_nvfp4(reader.get(raw)), fmt)
-                quantized.append(module)
-            else:
-                t = reader.get(raw)
-                if reader.info(raw).dtype == "F8_E4M3":
-                    t = t.view(torch.float8_e4m3fn)
-                writer.add(raw, t)
-    _write_configs(src, dst, fmt, quantized, quantize_gdn)
-    log.info("quantized %d linear layers of %s to %s (%s)", len(quantized), src, dst, fmt)
+                        name = f"{plan.name}.{e}.{proj}"
+                        add(prefix + name, name, part, writer)
+                continue
+            if plan is not None and key is not None and raw.endswith(".weight") and add(
+                    raw.removesuffix(".weight"), plan.name, reader.get(raw), writer):
+                continue
+            t = reader.get(raw)
+            if reader.info(raw).dtype == "F8_E4M3":
+                t = t.view(torch.float8_e4m3fn)
+            writer.add(raw, t)
+    _write_configs(src, dst, fmt, recipe, done, quantize_gdn)
+    log.info("quantized %d linear layers of %s to %s (%s, %s)", len(done), src, dst, fmt, recipe)
     return dst
 
 
-def _write_configs(src: Path, dst: Path, fmt: str, quantized: list[str],
+def _write_configs(src: Path, dst: Path, fmt: str, recipe: str, done: dict[str, str],
                    quantize_gdn: bool) -> None:
     cfg: dict[str, Any] = json.loads((src / "config.json").read_text())
     nested = isinstance(cfg.get("text_config"), dict)
@@ -184,24 +225,36 @@ def _write_configs(src: Path, dst: Path, fmt: str, quantized: list[str],
             "ignore": ignore, "kv_cache_scheme": None, "global_compression_ratio": None,
         }
     else:
-        exclude = ["lm_head", f"{lm}embed_tokens", "model.visual*", "mtp*"]
+        exclude = [f"{lm}embed_tokens", "model.visual*", "mtp*"]
+        exclude += [] if "lm_head" in done else ["lm_head"]
         for layer, kind in enumerate(_layer_types(cfg)):
             p = f"{lm}layers.{layer}."
-            exclude.append(f"{p}mlp.gate")
-            exclude.append(f"{p}mlp.shared_expert_gate")
+            exclude += [f"{p}mlp.gate", f"{p}mlp.shared_expert_gate"]
             if kind == "linear_attention":
+                quantized = quantize_gdn or recipe == "mixed"
                 exclude += ([f"{p}linear_attn.in_proj_a", f"{p}linear_attn.in_proj_b",
-                             f"{p}linear_attn.conv1d"] if quantize_gdn
-                            else [f"{p}linear_attn*"])
+                             f"{p}linear_attn.conv1d"] if quantized else [f"{p}linear_attn*"])
         producer = {"name": "modelopt", "version": "tinyserve"}
-        quant = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None,
-                 "group_size": 16, "exclude_modules": exclude}
         group = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+        quant: dict[str, Any] = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None,
+                                 "group_size": 16, "exclude_modules": exclude}
         cfg["quantization_config"] = {
             "quant_method": "modelopt", "quant_algo": "NVFP4", "producer": producer,
             "config_groups": {"group_0": {"weights": group, "targets": ["Linear"]}},
             "ignore": exclude, "kv_cache_scheme": None,
         }
+        if recipe == "mixed":
+            layers: dict[str, Any] = {}
+            for module, kind in done.items():
+                module = re.sub(r"\.experts\.\d+\.(gate|up|down)_proj$", ".experts", module)
+                layers[module] = ({"quant_algo": "FP8"} if kind == "fp8"
+                                  else {"quant_algo": "W4A16_NVFP4", "group_size": 16})
+            quant = {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None,
+                     "quantized_layers": layers, "exclude_modules": exclude}
+            cfg["quantization_config"] = {
+                "quant_method": "modelopt", "quant_algo": "MIXED_PRECISION",
+                "producer": producer, "quantized_layers": layers, "ignore": exclude,
+                "kv_cache_scheme": None}
         hf = {"producer": producer, "quantization": quant}
         (dst / "hf_quant_config.json").write_text(json.dumps(hf, indent=2) + "\n")
     (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

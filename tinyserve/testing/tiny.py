@@ -10,7 +10,9 @@ and dt_bias randomised so that none of them is a no-op. Formats:
   `model.language_model.` prefix, fused 3-D experts, dummy `model.visual.*` and `mtp.*`
   tensors (the loader must skip them), two shards with an index.
 - "modelopt", "compressed-tensors": the "bf16" checkpoint run through
-  `tinyserve.model.quantize.quantize_checkpoint`.
+  `tinyserve.model.quantize.quantize_checkpoint` (NVFP4 experts, shared experts, q/k/v/o).
+- "modelopt-mixed": ModelOpt MIXED_PRECISION like nvidia/Qwen3.6-35B-A3B-NVFP4: NVFP4 experts,
+  shared experts and lm_head; FP8 self_attn q/k/v/o and GDN in_proj_qkv/in_proj_z/out_proj.
 
 A_log and linear_attn.norm are stored F32 (as in Qwen3.5), everything else BF16.
 """
@@ -27,7 +29,7 @@ import torch
 from tinyserve.model.quantize import CheckpointWriter, quantize_checkpoint
 from tinyserve.testing.tokenizer import save_tiny_tokenizer
 
-FORMATS = ("bf16", "bf16-official", "modelopt", "compressed-tensors")
+FORMATS = ("bf16", "bf16-official", "modelopt", "compressed-tensors", "modelopt-mixed")
 
 # specs/qwen35_moe.md §5, with room in the vocabulary for the tiny tokenizer (500 ids).
 TINY_CONFIG: dict[str, Any] = {
@@ -90,9 +92,11 @@ def make_tiny_checkpoint(path: str | Path, *, fmt: str = "bf16", seed: int = 0,
     if fmt not in FORMATS:
         raise ValueError(f"unknown tiny checkpoint format {fmt!r} (expected one of {FORMATS})")
     path = Path(path)
-    if fmt in ("modelopt", "compressed-tensors"):
+    if fmt in ("modelopt", "compressed-tensors", "modelopt-mixed"):
         with tempfile.TemporaryDirectory(prefix="tiny-bf16-") as tmp:
             src = make_tiny_checkpoint(tmp, fmt="bf16", seed=seed, **config_overrides)
+            if fmt == "modelopt-mixed":
+                return quantize_checkpoint(src, path, "modelopt", recipe="mixed")
             return quantize_checkpoint(src, path, fmt)
     path.mkdir(parents=True, exist_ok=True)
     text = tiny_text_config(**config_overrides)

@@ -151,9 +151,8 @@ def test_rejections_are_immediate() -> None:
     engine = make_engine(max_context=32)
     with pytest.raises(RequestRejected, match="exceeds the context limit of 32"):
         engine.submit([1] * 30, greedy(8))
+    engine._vocab = V  # the fake parts carry no model config
     with pytest.raises(ValueError, match="prompt token ids"):
-        engine.model_config = None
-        engine._vocab = V
         engine.submit([V + 5], greedy(1))
     engine.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):

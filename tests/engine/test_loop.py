@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -54,7 +55,8 @@ class FakeRunner:
 
 
 def make_engine(num_pages=64, max_seqs=4, budget=8, max_context=128) -> Engine:
-    parts = EngineParts(runner=FakeRunner(), tokenizer=ByteTokenizer(), model_config=None,
+    parts = EngineParts(runner=FakeRunner(), tokenizer=ByteTokenizer(),
+                        model_config=SimpleNamespace(vocab_size=V),
                         num_kv_pages=num_pages, num_state_slots=max_seqs,
                         max_context=max_context, eos_token_ids=(EOS,))
     cfg = EngineConfig(model="fake", max_seqs=max_seqs, max_num_batched_tokens=budget,
@@ -151,7 +153,6 @@ def test_rejections_are_immediate() -> None:
     engine = make_engine(max_context=32)
     with pytest.raises(RequestRejected, match="exceeds the context limit of 32"):
         engine.submit([1] * 30, greedy(8))
-    engine._vocab = V  # the fake parts carry no model config
     with pytest.raises(ValueError, match="prompt token ids"):
         engine.submit([V + 5], greedy(1))
     engine.shutdown()

@@ -21,6 +21,7 @@ from tests.kernels.test_nvfp4 import poison, rand_nvfp4, rel_err  # noqa: E402, 
 from tinyserve.core import DenseWeight  # noqa: E402
 from tinyserve.kernels.fused_moe import (  # noqa: E402
     MOE_PATHS,
+    MoEGemvConfig,
     align_pairs,
     allocate_expert_slots,
     fused_moe,
@@ -33,6 +34,8 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.usefixtures("poison")
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# the interpreter runs one python step per program: big tiles keep it fast on CPU
+CFG = None if DEV == "cuda" else MoEGemvConfig(16, 8, 16, 8)
 
 
 def make_experts(num: int, h: int, f: int, fp4: bool) -> list:
@@ -54,7 +57,7 @@ def check(slots, n: int, k: int, dtype: torch.dtype, bound: float, path=None) ->
     ids, weights = routing(n, slots.num_slots, k)
     x = torch.randn(n, slots.hidden_size, device=DEV).to(dtype)
     ref = fused_moe_ref(x.float(), ids, weights, slots)
-    y = fused_moe(x, ids, weights, slots, path=path)
+    y = fused_moe(x, ids, weights, slots, path=path, gemv_config=CFG)
     assert y.shape == x.shape and y.dtype == dtype
     assert not torch.isnan(y).any()
     assert rel_err(y, ref) < bound, rel_err(y, ref)
@@ -67,6 +70,13 @@ def test_fused_moe_small(fp4, n, path):
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
     slots = pack_expert_slots(make_experts(6, 64, 48, fp4), DEV, dtype=dtype)
     check(slots, n, 3, dtype, 1e-2 if dtype == torch.bfloat16 else 1e-5, path)
+
+
+def test_fused_moe_default_tiles():
+    slots = pack_expert_slots(make_experts(4, 64, 32, True), DEV)
+    ids, weights = routing(1, 4, 2)
+    x = torch.randn(1, 64, device=DEV)
+    assert rel_err(fused_moe(x, ids, weights, slots), fused_moe_ref(x, ids, weights, slots)) < 1e-2
 
 
 def test_align_pairs():
@@ -92,7 +102,7 @@ def test_write_slot_then_route():
     x = torch.randn(4, 64, device=DEV)
     ids = torch.tensor([[3, 1], [1, 3], [3, 1], [1, 3]], device=DEV)
     weights = torch.rand(4, 2, device=DEV)
-    y = fused_moe(x, ids, weights, slots)
+    y = fused_moe(x, ids, weights, slots, gemv_config=CFG)
     ref = fused_moe_ref(x, torch.where(ids == 3, 0, 1), weights, ref_slots)
     assert rel_err(y, ref.float()) < 1e-2
 

@@ -19,12 +19,20 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from tinyserve.core import NVFP4Weight  # noqa: E402
-from tinyserve.kernels.nvfp4 import PATHS, choose_path, nvfp4_dequantize, nvfp4_linear  # noqa: E402
+from tinyserve.kernels.nvfp4 import (  # noqa: E402
+    PATHS,
+    GemvConfig,
+    choose_path,
+    nvfp4_dequantize,
+    nvfp4_linear,
+)
 from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4, quantize_nvfp4  # noqa: E402
 
 pytest.importorskip("triton")
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# the interpreter runs one python step per program: big tiles keep it fast on CPU
+CFG = None if DEV == "cuda" else GemvConfig(block_n=16, block_w=32)
 
 
 def rand_nvfp4(n: int, k: int, device: str, gen: torch.Generator | None = None) -> NVFP4Weight:
@@ -64,7 +72,7 @@ def check_linear(m: int, n: int, k: int, path: str | None, dtype: torch.dtype, b
     w, wd = _weight(n, k)
     x = torch.randn(m, k, device=DEV).to(dtype)
     ref = x.float() @ wd.T
-    y = nvfp4_linear(x, w, path=path)
+    y = nvfp4_linear(x, w, path=path, gemv_config=CFG)
     assert y.shape == (m, n) and y.dtype == dtype
     assert not torch.isnan(y).any()
     assert rel_err(y, ref) < bound, (path, rel_err(y, ref))
@@ -90,6 +98,8 @@ def test_linear_leading_dims_and_default_path(poison):
     y = nvfp4_linear(x, w)
     ref = x.float() @ dequantize_nvfp4(w).T
     assert y.shape == (2, 3, 32) and rel_err(y, ref) < 1e-2
+    y1 = nvfp4_linear(x[0, :1], w)  # default gemv tiles
+    assert rel_err(y1, ref[0, :1]) < 1e-2
 
 
 def test_quantized_weight_matches_reference(poison):

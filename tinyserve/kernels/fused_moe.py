@@ -28,8 +28,24 @@ from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
 
 MOE_PATHS = ("gemv", "dot")
 MOE_GEMV_MAX_PAIRS = 64  # default: gemv up to this many (token, expert) pairs, then dot
-MOE_BLOCK_N, MOE_BLOCK_W = 16, 32  # gemv: rows per program, int32 words (x8 inputs) per step
-MOE_DOWN_BLOCK_N = 8  # gemv down: rows per program (each program loops over the k experts)
+
+
+@dataclass(frozen=True)
+class MoEGemvConfig:
+    """Tiles of the gemv path: rows per program and int32 words (x8 inputs) per K step.
+
+    NOTE: a K step covering all of H (gate_up) or F (down) leaves no loop, so every load of a
+    program is in flight at once (decode is latency bound).
+    """
+
+    gate_up_block_n: int = 2
+    gate_up_block_w: int = 256
+    down_block_n: int = 8
+    down_block_w: int = 64
+    num_warps: int = 4
+
+
+DEFAULT_MOE_GEMV = MoEGemvConfig()
 MOE_DOT_BLOCK_N, MOE_DOT_BLOCK_K = 64, 128  # dot: output rows / inputs per tile
 
 
@@ -169,7 +185,8 @@ def _check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 
 
 def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.Tensor,
-              slots: ExpertSlots, *, path: str | None = None) -> torch.Tensor:
+              slots: ExpertSlots, *, path: str | None = None,
+              gemv_config: MoEGemvConfig | None = None) -> torch.Tensor:
     """Routed-expert MLP: sum_j w[t, j] * down_s(silu(gate_s(x_t)) * up_s(x_t)), s = ids[t, j].
 
     Args:
@@ -179,6 +196,7 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
         slots: the layer's ExpertSlots, on x's device.
         path: "gemv" (one program per pair and row block; decode) or "dot" (pairs grouped
             per slot into BLOCK_M tiles, tensor cores; prefill); None picks by N * k.
+        gemv_config: tile sizes of the gemv path (bench sweeps); None = DEFAULT_MOE_GEMV.
     Returns:
         [N, H] in x.dtype (fp32 accumulation). No host synchronisation (CUDA-graph safe).
     """
@@ -194,13 +212,13 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
     ids = topk_slot_ids.contiguous().view(-1)
     wts = topk_weights.contiguous().view(-1)
     if path == "gemv":
-        return _moe_gemv(x, ids, wts, topk, slots)
+        return _moe_gemv(x, ids, wts, topk, slots, gemv_config or DEFAULT_MOE_GEMV)
     pair_out = _moe_dot(x, ids, wts, topk, slots)  # [P, H] fp32, weighted
     return pair_out.view(n, topk, -1).sum(1).to(x.dtype)
 
 
 def _moe_gemv(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
-              slots: ExpertSlots) -> torch.Tensor:
+              slots: ExpertSlots, cfg: MoEGemvConfig) -> torch.Tensor:
     kern = _kernels()
     pairs, h, f = ids.numel(), slots.hidden_size, slots.intermediate_size
     n = pairs // topk
@@ -213,13 +231,14 @@ def _moe_gemv(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
     w2 = slots.w2.view(torch.int32) if fp4 else slots.w2
     s13, s2, g13, g2 = _scales(slots, wts)
     inter = torch.empty(pairs, f, device=x.device, dtype=torch.float32)
-    kern.moe_gate_up_kernel[(pairs, -(-f // MOE_BLOCK_N))](
-        x, ids, order, w13, s13, g13, inter, h, f, topk, x.stride(0), IS_FP4=fp4,
-        HAS_ORDER=has_order, BLOCK_N=MOE_BLOCK_N, BLOCK_W=MOE_BLOCK_W, num_warps=4)
+    kern.moe_gate_up_kernel[(pairs, -(-f // cfg.gate_up_block_n))](
+        x, ids, order, w13, s13, g13, inter, x.stride(0), H=h, F=f, TOPK=topk, IS_FP4=fp4,
+        HAS_ORDER=has_order, BLOCK_N=cfg.gate_up_block_n, BLOCK_W=cfg.gate_up_block_w,
+        num_warps=cfg.num_warps)
     out = torch.empty(n, h, device=x.device, dtype=x.dtype)
-    kern.moe_down_kernel[(n, -(-h // MOE_DOWN_BLOCK_N))](
-        inter, ids, wts, w2, s2, g2, out, h, f, topk, IS_FP4=fp4,
-        BLOCK_N=MOE_DOWN_BLOCK_N, BLOCK_W=MOE_BLOCK_W, num_warps=4)
+    kern.moe_down_kernel[(n, -(-h // cfg.down_block_n))](
+        inter, ids, wts, w2, s2, g2, out, H=h, F=f, TOPK=topk, IS_FP4=fp4,
+        BLOCK_N=cfg.down_block_n, BLOCK_W=cfg.down_block_w, num_warps=cfg.num_warps)
     return out
 
 

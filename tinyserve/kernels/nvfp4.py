@@ -3,7 +3,8 @@
 Three paths (specs/nvfp4.md §5.3), picked by the number of rows M of x:
 
 - `gemv` (M <= GEMV_MAX_M, decode): int32 loads of 8 packed codes, arithmetic E2M1 decode,
-  E4M3 decoded from its uint8 bits, split-K when there are too few row blocks to fill the GPU.
+  E4M3 decoded from its uint8 bits, split-K when there are too few programs to fill the GPU
+  (fp32 partials, summed by one torch op).
 - `dot` (up to DEQUANT_MIN_M): tensor-core `tl.dot` with the weight tile dequantized in the
   K loop (even and odd inputs as two dots, no lookup table, no scratch).
 - `dequant` (prefill): dequantize to a bf16/fp16 scratch (in row chunks of at most
@@ -17,6 +18,7 @@ Triton is imported on the first call, never at import time.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -25,8 +27,21 @@ from tinyserve.core import NVFP4Weight
 
 PATHS = ("gemv", "dot", "dequant")
 SCRATCH_ELEMS = 1 << 24  # dequant scratch cap (32 MiB in bf16)
-GEMV_BLOCK_N, GEMV_BLOCK_W = 16, 32  # rows per program, int32 words (x8 inputs) per step
-GEMV_MIN_K_SPLIT = 512  # never split K finer than this
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Tiles of the gemv path: `block_n` rows per program, `block_w` int32 words (8 inputs
+    each) per K step; K is split (powers of two, at least one step per split) until there
+    are `programs_per_sm` programs per SM, so enough loads are in flight to fill HBM."""
+
+    block_n: int = 8
+    block_w: int = 64
+    num_warps: int = 4
+    programs_per_sm: int = 8
+
+
+DEFAULT_GEMV = GemvConfig()
 
 
 @functools.cache
@@ -39,7 +54,7 @@ def _kernels():
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
-        return 4
+        return 1  # the interpreter: few programs
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -76,14 +91,15 @@ def _check(x: torch.Tensor, w: NVFP4Weight) -> tuple[int, int, int]:
     return x.shape[0], n, k
 
 
-def _gemv(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int) -> torch.Tensor:
+def _gemv(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int,
+          cfg: GemvConfig) -> torch.Tensor:
     kern = _kernels()
     words = w.packed.view(torch.int32)  # [N, K/8]: 8 codes per word, element 8i+j in nibble j
-    n_blocks = triton_cdiv(n, GEMV_BLOCK_N)
-    step = GEMV_BLOCK_W * 8
+    n_blocks = triton_cdiv(n, cfg.block_n)
+    step = cfg.block_w * 8
     split = 1
-    target = 2 * _num_sms(x.device)
-    while n_blocks * split < target and k // (split * 2) >= GEMV_MIN_K_SPLIT:
+    target = cfg.programs_per_sm * _num_sms(x.device)
+    while m * n_blocks * split < target and k // (split * 2) >= step:
         split *= 2
     k_split = triton_cdiv(triton_cdiv(k, split), step) * step
     split = triton_cdiv(k, k_split)
@@ -94,8 +110,8 @@ def _gemv(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int) -> torch.Tens
     factor = kern.FP4_UNIT * float(w.global_scale)
     grid = (m * split * n_blocks,)
     kern.nvfp4_gemv_kernel[grid](x, words, w.block_scale, out, factor, m, n, k, x.stride(0),
-                                 k_split, SPLIT_K=split, BLOCK_N=GEMV_BLOCK_N,
-                                 BLOCK_W=GEMV_BLOCK_W, num_warps=4)
+                                 k_split, SPLIT_K=split, BLOCK_N=cfg.block_n,
+                                 BLOCK_W=cfg.block_w, num_warps=cfg.num_warps)
     return out if split == 1 else out.sum(0).to(x.dtype)
 
 
@@ -138,13 +154,15 @@ def _dequant_matmul(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int) -> 
     return out
 
 
-def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, *, path: str | None = None) -> torch.Tensor:
+def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, *, path: str | None = None,
+                 gemv_config: GemvConfig | None = None) -> torch.Tensor:
     """y = x @ dequantize(w).T, W4A16 on a GPU (or the Triton interpreter).
 
     Args:
         x: [M, K] (or [..., K]) bf16 / fp16 / fp32 on the weight's device.
         w: NVFP4Weight with packed uint8 [N, K/2], block_scale uint8 [N, K/16], contiguous.
         path: "gemv", "dot" or "dequant"; None picks by M (`choose_path`).
+        gemv_config: tiles of the gemv path (the bench sweeps them); None = DEFAULT_GEMV.
     Returns:
         [M, N] (or [..., N]) in x.dtype. Accumulates in fp32.
     Raises:
@@ -160,8 +178,11 @@ def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, *, path: str | None = None) ->
         raise ValueError(f"unknown nvfp4 path {path!r}; choose from {PATHS}")
     if m == 0:
         return x.new_empty(*lead, n)
-    run = {"gemv": _gemv, "dot": _dot, "dequant": _dequant_matmul}[path]
-    return run(x2, w, m, n, k).reshape(*lead, n)
+    if path == "gemv":
+        y = _gemv(x2, w, m, n, k, gemv_config or DEFAULT_GEMV)
+    else:
+        y = (_dot if path == "dot" else _dequant_matmul)(x2, w, m, n, k)
+    return y.reshape(*lead, n)
 
 
 def triton_cdiv(a: int, b: int) -> int:

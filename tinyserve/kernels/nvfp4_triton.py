@@ -176,8 +176,8 @@ def nvfp4_dequant_kernel(w_ptr, s_ptr, out_ptr, gs, N, K,
 
 
 @triton.jit
-def moe_gate_up_kernel(x_ptr, ids_ptr, order_ptr, w_ptr, s_ptr, gs_ptr, inter_ptr,
-                       H, F, TOPK, stride_xm,
+def moe_gate_up_kernel(x_ptr, ids_ptr, order_ptr, w_ptr, s_ptr, gs_ptr, inter_ptr, stride_xm,
+                       H: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
                        IS_FP4: tl.constexpr, HAS_ORDER: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_W: tl.constexpr):
     # inter[p, f] = silu(x[t] . W13[slot, f]) * (x[t] . W13[slot, F + f]), p = t * TOPK + j
@@ -206,14 +206,16 @@ def moe_gate_up_kernel(x_ptr, ids_ptr, order_ptr, w_ptr, s_ptr, gs_ptr, inter_pt
 
 
 @triton.jit
-def moe_down_kernel(inter_ptr, ids_ptr, wt_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, H, F, TOPK,
+def moe_down_kernel(inter_ptr, ids_ptr, wt_ptr, w_ptr, s_ptr, gs_ptr, out_ptr,
+                    H: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
                     IS_FP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
     # out[t, h] = sum_j topk_weight[t, j] * inter[t * TOPK + j] . W2[slot_j, h], in out's dtype
     t = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < H
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in range(TOPK):
+    # NOTE: unrolled (TOPK, H, F constexpr) so the k experts' loads are all in flight at once
+    for j in tl.static_range(TOPK):
         p = t * TOPK + j
         slot = tl.load(ids_ptr + p).to(tl.int64)
         if IS_FP4:

@@ -151,3 +151,15 @@ def test_cuda_generate_logits_and_abort(ckpt) -> None:
         assert h.result(timeout=60).finish_reason == "abort"
         time.sleep(0.1)
         assert_idle(gpu)
+
+
+def test_preemption_recomputes_exactly(llm: LLM, ckpt) -> None:
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = [p[:60] for p in PROMPTS]
+    alone = [llm.generate(p, params)[0].token_ids for p in prompts]
+    with LLM(str(ckpt), device="cpu", max_context=96, max_seqs=3, num_kv_pages=7,
+             max_num_batched_tokens=32) as small:
+        got = small.generate(prompts, params)
+        assert small.engine.stats().preemptions > 0
+        assert_idle(small)
+    assert [c.token_ids for c in got] == alone

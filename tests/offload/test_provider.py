@@ -1,0 +1,89 @@
+"""An offloaded tiny model (cache smaller than the experts) generates exactly the tokens of the
+fully resident one, with the host-driven and the device-driven (torch reference) cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.model.hf_tiny import checkpoint
+from tinyserve.core import Batch, SamplingParams, ScheduledSeq
+from tinyserve.engine.runner import ModelRunner
+from tinyserve.kv.bf16 import BF16KVBackend
+from tinyserve.kv.state_pool import GDNStatePool
+from tinyserve.model.qwen35 import Qwen35Model
+from tinyserve.offload.provider import OffloadedExperts
+from tinyserve.offload.store import HostExpertStore
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
+
+
+def _runner(cfg, weights, experts=None) -> ModelRunner:
+    kv = BF16KVBackend(layer_ids=list(cfg.full_attention_layers), num_kv_heads=cfg.num_kv_heads,
+                       head_dim=cfg.head_dim, num_pages=32, page_size=4, device="cpu",
+                       dtype=torch.float32)
+    states = GDNStatePool.for_config(cfg, 2, device="cpu", dtype=torch.float32)
+    for t in (kv.k_cache, kv.v_cache, states.conv, states.recurrent):
+        t.fill_(float("nan"))
+    if experts is not None:  # the model must not need the expert weights
+        weights = {k: v for k, v in weights.items() if ".mlp.experts." not in k}
+    model = Qwen35Model(cfg, weights, kv=kv, states=states, experts=experts, device="cpu",
+                        dtype=torch.float32)
+    return ModelRunner(model, page_size=4)
+
+
+def _generate(runner: ModelRunner, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    pages = list(range(32))
+    seq = ScheduledSeq("r", list(prompt), start_pos=0, page_ids=pages, state_slot=0,
+                       sample=True, params=GREEDY)
+    out = runner.forward(Batch([seq]))
+    tokens, logits = [out.next_tokens[0]], [out.logits]
+    for _ in range(n - 1):
+        pos = len(prompt) + len(tokens) - 1
+        seq = ScheduledSeq("r", [tokens[-1]], start_pos=pos, page_ids=pages, state_slot=0,
+                           sample=True, params=GREEDY)
+        out = runner.forward(Batch([seq]))
+        tokens.append(out.next_tokens[0])
+        logits.append(out.logits)
+    return tokens, torch.cat(logits)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg, w = checkpoint("modelopt")
+    prompt = torch.randint(0, 500, (23,), generator=torch.Generator().manual_seed(4)).tolist()
+    ref_tokens, ref_logits = _generate(_runner(cfg, w), prompt, 24)
+    return cfg, w, prompt, ref_tokens, ref_logits
+
+
+@pytest.mark.parametrize("mode", ["host", "device"])
+def test_offloaded_model_generates_the_resident_tokens(tiny, mode: str) -> None:
+    cfg, w, prompt, ref_tokens, ref_logits = tiny
+    store = HostExpertStore.from_weights(w, cfg)
+    total = cfg.num_layers * cfg.num_experts  # 32
+    experts = OffloadedExperts.create(store, cfg.num_experts + 2, device="cpu",
+                                      dtype=torch.float32, mode=mode, use_triton=False)
+    tokens, logits = _generate(_runner(cfg, w, experts), prompt, 24)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5 * ref_logits.abs().max())
+    stats = experts.stats
+    assert stats.misses > total  # the cache really evicted and reloaded
+    assert stats.h2d_bytes == stats.misses * store.bytes_per_expert
+    # The cache state is consistent: every resident expert sits in the slot it claims.
+    cache = experts.cache
+    for (layer, e), slot in cache.resident().items():
+        row = layer * cfg.num_experts + e
+        assert torch.equal(cache.slots.w13[slot], store.slots.w13[row])
+        assert torch.equal(cache.slots.w2_scale[slot], store.slots.w2_scale[row])
+
+
+def test_device_mode_mirror_follows_the_device(tiny) -> None:
+    cfg, w, prompt, _, _ = tiny
+    store = HostExpertStore.from_weights(w, cfg)
+    experts = OffloadedExperts.create(store, 12, device="cpu", dtype=torch.float32,
+                                      mode="device", use_triton=False)
+    _generate(_runner(cfg, w, experts), prompt, 6)
+    experts.begin_step()
+    assert experts.cache.policy.resident() == experts.cache.resident()
+    assert 0.0 < experts.stats.hit_rate < 1.0
+    assert set(experts.stats.as_dict()["layer_hit_rate"]) == set(range(cfg.num_layers))

@@ -11,7 +11,6 @@ import importlib
 import sys
 
 from tinyserve import __version__
-
 from tinyserve.kv.registry import KV_BACKEND_NAMES as KV_CHOICES
 
 
@@ -35,6 +34,9 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cors-origin", action="append", default=None,
                    help="allow this browser origin (repeatable); CORS is off by default")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
+    p.add_argument("--always-include-usage", action="store_true",
+                   help="end every stream with a usage chunk, even without "
+                        "stream_options.include_usage")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -54,3 +54,5 @@ NVFP4_GEMV_MAX_M = IntEnv("TINYSERVE_NVFP4_GEMV_MAX_M", "4",
                           "NVFP4 linear: largest M that takes the split-K GEMV path")
 NVFP4_DEQUANT_MIN_M = IntEnv("TINYSERVE_NVFP4_DEQUANT_MIN_M", "128",
                              "NVFP4 linear: smallest M that dequantizes to a scratch + cuBLAS")
+API_KEY = StrEnv("TINYSERVE_API_KEY", "",
+                 "API key(s), comma-separated, when `tinyserve run` gets no --api-key")

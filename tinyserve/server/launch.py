@@ -25,8 +25,9 @@ def server_config(args: Any, default_name: str) -> ServerConfig:
     """ServerConfig from CLI arguments (missing ones keep the dataclass defaults)."""
     return ServerConfig(
         served_model_name=getattr(args, "served_model_name", None) or default_name,
-        api_key=getattr(args, "api_key", None) or os.environ.get("TINYSERVE_API_KEY") or None,
-        cors_origins=tuple(getattr(args, "cors_origin", None) or ()))
+        api_key=getattr(args, "api_key", None) or envs.API_KEY.get() or None,
+        cors_origins=tuple(getattr(args, "cors_origin", None) or ()),
+        always_include_usage=bool(getattr(args, "always_include_usage", False)))
 
 
 def _weight_bytes(path: Path) -> int:

@@ -177,3 +177,25 @@ def test_fp8_quantize_dequantize(per_channel):
     assert torch.equal(dequantize_fp8(flat), d)
     x = torch.randn(2, 32, generator=g)
     torch.testing.assert_close(fp8_linear_ref(x, q), x @ d.T)
+
+
+@pytest.mark.requires_cuda
+def test_reference_on_cuda_matches_cpu():
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(96, 256, generator=g) * 3
+    cpu = quantize_nvfp4(w)
+    gpu = quantize_nvfp4(w.cuda())
+    assert gpu.packed.is_cuda and gpu.block_scale.is_cuda
+    assert torch.equal(gpu.packed.cpu(), cpu.packed)
+    assert torch.equal(gpu.block_scale.cpu(), cpu.block_scale)
+    assert gpu.global_scale == cpu.global_scale
+    assert torch.equal(dequantize_nvfp4(gpu).cpu(), dequantize_nvfp4(cpu))
+    bits = ALL_BITS.cuda()
+    native = bits.view(torch.float8_e4m3fn).float()
+    finite = FINITE.cuda()
+    assert torch.equal(e4m3_to_float(bits)[finite], native[finite])
+    x = (torch.randn(10_000, device="cuda") * 100).clamp(-448, 448)
+    assert torch.equal(float_to_e4m3_bits(x), x.to(torch.float8_e4m3fn).view(torch.uint8))
+    xa = torch.randn(4, 256, generator=g).to(torch.bfloat16)
+    y = nvfp4_linear_ref(xa.cuda(), gpu)
+    torch.testing.assert_close(y.cpu(), nvfp4_linear_ref(xa, cpu), rtol=1e-2, atol=1e-2)

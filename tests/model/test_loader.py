@@ -359,3 +359,24 @@ def test_resolve_model_path(tmp_path, tiny_checkpoint, monkeypatch):
     assert msg.startswith("nobody-here/no-such-model: not a local directory, and fetching it "
                           "from the Hugging Face Hub failed (")
     assert "\n" not in msg
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("fmt", ["modelopt", "modelopt-mixed", "bf16-official"])
+def test_load_to_cuda(tiny_checkpoint, fmt):
+    path = tiny_checkpoint(fmt)
+    cfg = load_config(path)
+    cpu = load_weights(path, cfg, dtype=torch.bfloat16)
+    gpu = load_weights(path, cfg, device="cuda")  # default dtype on CUDA: bf16
+    for name, v in gpu.items():
+        if isinstance(v, NVFP4Weight):
+            assert v.packed.is_cuda and v.block_scale.is_cuda
+            assert torch.equal(v.packed.cpu(), cpu[name].packed)
+        elif isinstance(v, (DenseWeight, FP8Weight)):
+            assert v.weight.is_cuda
+            assert torch.equal(v.weight.cpu(), cpu[name].weight)
+        else:
+            assert v.is_cuda and v.dtype == cpu[name].dtype
+            assert torch.equal(v.cpu(), cpu[name])
+    assert gpu["layers.0.linear_attn.A_log"].dtype == torch.float32
+    assert gpu["embed_tokens"].dtype == torch.bfloat16

@@ -157,3 +157,18 @@ def test_errors(tiny_checkpoint, tmp_path):
         quantize_checkpoint(src, tmp_path / "x", "gptq")
     with pytest.raises(ValueError, match="must differ from the source"):
         quantize_checkpoint(src, src, "modelopt")
+    dst = quantize_checkpoint(src, tmp_path / "once", "modelopt")
+    with pytest.raises(ValueError) as err:
+        quantize_checkpoint(src, dst, "modelopt")
+    assert str(err.value) == (f"{dst}: already holds a checkpoint (model.safetensors); use an "
+                              f"empty output directory")
+    quantize_checkpoint(src, dst, "compressed-tensors", overwrite=True)
+    assert load_config(dst).quant.method == "compressed-tensors"
+
+
+@pytest.mark.requires_cuda
+def test_quantize_on_cuda_is_bit_identical(tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint("bf16")
+    a = quantize_checkpoint(src, tmp_path / "cpu", "modelopt", recipe="mixed")
+    b = quantize_checkpoint(src, tmp_path / "gpu", "modelopt", recipe="mixed", device="cuda")
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()

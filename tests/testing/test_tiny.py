@@ -30,6 +30,15 @@ def test_deterministic_per_seed(tmp_path):
     assert _files(a)["model.safetensors"] != _files(c)["model.safetensors"]
 
 
+def test_rebuild_in_place_replaces_shards(tmp_path):
+    from tinyserve.model.loader import CheckpointReader
+
+    make_tiny_checkpoint(tmp_path / "x", fmt="bf16-official")
+    make_tiny_checkpoint(tmp_path / "x", fmt="bf16")
+    assert [f.name for f in CheckpointReader(tmp_path / "x").files] == ["model.safetensors"]
+    assert not (tmp_path / "x" / "model.safetensors.index.json").exists()
+
+
 def test_fast_after_first_build(tmp_path, tiny_checkpoint):
     tiny_checkpoint("bf16")  # imports done
     start = time.perf_counter()

@@ -4,8 +4,8 @@
   headers parsed up front (no tensor data read), tensors memory-mapped one at a time.
 - `iter_weights(path_or_reader, config, ...)`: yields `(canonical_name, Tensor | LinearWeight)`
   in file order after checking every tensor's presence, shape and dtype from the headers.
-- `describe_weights(...)`: the same plan without reading data (storage kind and bytes per
-  canonical weight), for the memory planner.
+- `loader_plan.plan_weights(reader, config)`: the same plan without reading data (storage
+  kind and bytes per canonical weight), for the memory planner and the expert store.
 - `resolve_model_path(model)`: a local directory or a Hugging Face repo id.
 
 Every problem raises `CheckpointError` with one line naming the file and the tensor.

@@ -46,11 +46,22 @@ log = get_logger(__name__)
 
 class CheckpointWriter:
     """Writes tensors into safetensors shards of at most `max_shard_bytes` (one shard is named
-    model.safetensors; several get model-0000i-of-0000n.safetensors and an index)."""
+    model.safetensors; several get model-0000i-of-0000n.safetensors and an index).
 
-    def __init__(self, path: str | Path, max_shard_bytes: int = 4 << 30) -> None:
+    Raises ValueError when `path` already holds safetensors files, unless `overwrite` (then
+    they and the index are deleted first).
+    """
+
+    def __init__(self, path: str | Path, max_shard_bytes: int = 4 << 30, *,
+                 overwrite: bool = False) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
+        old = sorted(self.path.glob("*.safetensors")) + sorted(self.path.glob(INDEX_FILE))
+        if old and not overwrite:
+            raise ValueError(f"{self.path}: already holds a checkpoint ({old[0].name}); "
+                             f"use an empty output directory")
+        for f in old:
+            f.unlink()
         self.max_shard_bytes = max_shard_bytes
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
@@ -142,10 +153,12 @@ def fp8_tensors(w: FP8Weight) -> dict[str, torch.Tensor]:
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str = "modelopt", *,
                         recipe: str = "nvfp4", quantize_gdn: bool = False,
-                        max_shard_bytes: int = 4 << 30) -> Path:
+                        max_shard_bytes: int = 4 << 30, device: str = "cpu",
+                        overwrite: bool = False) -> Path:
     """Quantize the bf16 checkpoint `src` into `dst` in format `fmt` ("modelopt" or
     "compressed-tensors") under `recipe` (see `weight_format`; "mixed" is ModelOpt only);
     returns `dst`. Reads and writes one tensor at a time; fused 3-D experts come out per expert.
+    `device="cuda"` runs the quantizer there (bit-identical results, faster on big models).
 
     Raises ValueError for an unknown format or recipe or an already quantized source,
     ConfigError / CheckpointError for a bad source.
@@ -168,6 +181,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str = "modelopt",
         kind = weight_format(name, recipe=recipe, quantize_gdn=quantize_gdn)
         if kind is None:
             return False
+        w = w.to(device)
         tensors = (nvfp4_tensors(quantize_nvfp4(w), fmt) if kind == "nvfp4"
                    else fp8_tensors(quantize_fp8(w)))
         for param, t in tensors.items():
@@ -175,7 +189,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str = "modelopt",
         done[module] = kind
         return True
 
-    with CheckpointReader(src) as reader, CheckpointWriter(dst, max_shard_bytes) as writer:
+    with (CheckpointReader(src) as reader,
+          CheckpointWriter(dst, max_shard_bytes, overwrite=overwrite) as writer):
         plans = {p.raw["weight"]: p for p in plan_weights(reader, config)
                  if p.kind in ("linear", "fused_gate_up", "fused_down")}
         for raw in reader.names():

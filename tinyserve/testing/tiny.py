@@ -96,8 +96,9 @@ def make_tiny_checkpoint(path: str | Path, *, fmt: str = "bf16", seed: int = 0,
         with tempfile.TemporaryDirectory(prefix="tiny-bf16-") as tmp:
             src = make_tiny_checkpoint(tmp, fmt="bf16", seed=seed, **config_overrides)
             if fmt == "modelopt-mixed":
-                return quantize_checkpoint(src, path, "modelopt", recipe="mixed")
-            return quantize_checkpoint(src, path, fmt)
+                return quantize_checkpoint(src, path, "modelopt", recipe="mixed",
+                                           overwrite=True)
+            return quantize_checkpoint(src, path, fmt, overwrite=True)
     path.mkdir(parents=True, exist_ok=True)
     text = tiny_text_config(**config_overrides)
     specials = save_tiny_tokenizer(path)
@@ -119,7 +120,7 @@ def make_tiny_checkpoint(path: str | Path, *, fmt: str = "bf16", seed: int = 0,
         tensors = _official_tensors(state, text, seed)
         max_bytes = sum(t.numel() * t.element_size() for t in tensors.values()) // 2 + 1
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    with CheckpointWriter(path, max_shard_bytes=max_bytes) as writer:
+    with CheckpointWriter(path, max_shard_bytes=max_bytes, overwrite=True) as writer:
         for name, t in tensors.items():
             writer.add(name, t)
     return path

@@ -87,25 +87,23 @@ def _has_penalty(s: ScheduledSeq) -> bool:
 def filtered_probs(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
     """Softmax at each row's temperature with top-k, top-p and min-p applied (not renormalised:
     the exponential race does not need it). [S, V] float32."""
-    device = logits.device
-    temps = torch.tensor([max(s.params.temperature, 1e-5) for s in seqs], device=device)
-    probs = torch.softmax(logits / temps[:, None], dim=-1)  # [S, V]
-    V = probs.shape[1]
-    top_k = [s.params.top_k if 0 < s.params.top_k < V else V for s in seqs]
-    top_p = [s.params.top_p if s.params.top_p < 1.0 else 2.0 for s in seqs]  # 2: keep all
-    min_p = [s.params.min_p for s in seqs]
-    if any(k < V for k in top_k) or any(p < 1.0 for p in top_p):
+    V = logits.shape[1]
+    # One host-to-device copy: [S, 4] = temperature, top_k (V: off), top_p (2: off), min_p.
+    rows = [(max(p.temperature, 1e-5), p.top_k if 0 < p.top_k < V else V,
+             p.top_p if p.top_p < 1.0 else 2.0, p.min_p) for p in (s.params for s in seqs)]
+    table = torch.tensor(rows, dtype=torch.float32).to(logits.device, non_blocking=True)
+    temps, top_k, top_p, min_p = table[:, :, None].unbind(1)  # each [S, 1]
+    probs = torch.softmax(logits / temps, dim=-1)  # [S, V]
+    if any(r[1] < V or r[2] < 1.0 for r in rows):
         sorted_probs, order = probs.sort(dim=-1, descending=True)  # [S, V]
-        rank = torch.arange(V, device=device)[None, :]
-        drop = rank >= torch.tensor(top_k, device=device)[:, None]
+        rank = torch.arange(V, device=logits.device, dtype=torch.float32)[None, :]
         # keep the smallest prefix whose mass reaches top_p (the top token always stays)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop |= mass_before >= torch.tensor(top_p, device=device)[:, None]
+        drop = (rank >= top_k) | (mass_before >= top_p)
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
-    if any(p > 0.0 for p in min_p):
-        floor = torch.tensor(min_p, device=device)[:, None] * probs.amax(dim=-1, keepdim=True)
-        probs = probs.masked_fill(probs < floor, 0.0)
+    if any(r[3] > 0.0 for r in rows):
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
     return probs
 
 

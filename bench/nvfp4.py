@@ -4,9 +4,11 @@ Measured in one run on one CUDA device:
 1. device copy bandwidth (1 GiB device-to-device copy, bytes read + written);
 2. M = 1, 4, 16: each NVFP4 path and the default vs torch.matmul on a bf16 weight; achieved
    weight bandwidth as a fraction of the copy bandwidth (target >= 0.6 at >= 8 MB of weights);
+   at M = 1 a sweep of gemv tile configs on the two big shapes (`gemv_sweep_M1`);
 3. M = 512, 2048: TFLOP/s of the `dot` and `dequant` paths vs bf16 cuBLAS;
 4. fused MoE: one token x 8 of 256 NVFP4 experts (gemv path) vs the time to read its 8
-   experts' bytes at copy bandwidth (target <= 2x); 2048 tokens x 8 over 256 experts, both
+   experts' bytes at copy bandwidth (target <= 2x), for a few tile configs; 2048 tokens x 8
+   over 256 experts, both
    paths, vs a per-expert bf16 cuBLAS loop.
 Every case is timed inside a CUDA graph (launch overhead amortised) and cycles through enough
 weight copies to exceed L2, so the numbers are HBM numbers. A failing case is recorded with
@@ -29,16 +31,32 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tinyserve.core import NVFP4Weight  # noqa: E402
-from tinyserve.kernels.fused_moe import allocate_expert_slots, fused_moe  # noqa: E402
-from tinyserve.kernels.nvfp4 import PATHS, choose_path, nvfp4_linear  # noqa: E402
+from tinyserve.kernels.fused_moe import (  # noqa: E402
+    DEFAULT_MOE_GEMV,
+    MoEGemvConfig,
+    allocate_expert_slots,
+    fused_moe,
+)
+from tinyserve.kernels.nvfp4 import (  # noqa: E402
+    DEFAULT_GEMV,
+    PATHS,
+    GemvConfig,
+    choose_path,
+    nvfp4_linear,
+)
 
 SHAPES = {  # name: (N, K)
     "gate_up_2048_1024": (1024, 2048), "down_512_2048": (2048, 512),
     "qkvz_2048_8192": (8192, 2048), "o_4096_2048": (2048, 4096),
     "lm_head_2048_248320": (248320, 2048),
 }
+GEMV_SWEEP = [DEFAULT_GEMV, GemvConfig(16, 32, 4, 8), GemvConfig(4, 128, 4, 8),
+              GemvConfig(8, 64, 4, 32), GemvConfig(32, 32, 8, 8)]
+MOE_SWEEP = [DEFAULT_MOE_GEMV, MoEGemvConfig(16, 32, 16, 32), MoEGemvConfig(4, 64, 4, 64),
+             MoEGemvConfig(1, 256, 8, 64, 2)]
 ROTATE_BYTES = 256 << 20  # cycle weight copies until this many bytes (> L2)
 RESULTS: dict = {}
+OUT_PATH = ROOT / "bench/results/nvfp4.json"
 
 
 def time_graph(fns: list, reps: int = 10) -> float:
@@ -70,6 +88,9 @@ def record(section: str, key: str, fn) -> None:
         RESULTS.setdefault(section, {})[key] = {"error": f"{type(exc).__name__}: {exc}"}
         traceback.print_exc()
     print(section, key, json.dumps(RESULTS[section][key]), flush=True)
+    # NOTE: rewritten after every case so a run cut short by a timeout still leaves its numbers
+    OUT_PATH.parent.mkdir(parents=True, exist_ok=True)
+    OUT_PATH.write_text(json.dumps(RESULTS, indent=2) + "\n")
 
 
 def copy_bandwidth() -> dict:
@@ -120,6 +141,24 @@ def bench_linear(name: str, m: int, bw: float) -> dict:
     return out
 
 
+def bench_gemv_sweep(name: str, bw: float) -> dict:
+    """M = 1, gemv path, several tile configs (the default is the first)."""
+    n, k = SHAPES[name]
+    wb = nvfp4_bytes(n, k)
+    ws = [rand_nvfp4(n, k) for _ in range(copies(wb))]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    out = {}
+    for cfg in GEMV_SWEEP:
+        key = f"bn{cfg.block_n}_bw{cfg.block_w}_w{cfg.num_warps}_pps{cfg.programs_per_sm}"
+        try:
+            us = time_graph([lambda w=w, c=cfg: nvfp4_linear(x, w, path="gemv", gemv_config=c)
+                             for w in ws])
+            out[key] = {"us": us, "frac_copy_bw": wb / us / 1e3 / bw}
+        except Exception as exc:  # noqa: BLE001
+            out[key] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
 def expert_slots_fp4(num: int, h: int, f: int):
     slots = allocate_expert_slots(num, h, f, fp4=True, device="cuda")
     slots.w13.random_(0, 256)
@@ -138,11 +177,21 @@ def bench_moe_decode(bw: float, h: int = 2048, f: int = 512, e: int = 256) -> di
     w = torch.softmax(torch.randn(1, k, device="cuda"), -1)
     # 20 different routings per graph: 160 expert reads, ~280 MB, more than L2
     routes = [torch.randperm(e, device="cuda")[:k].reshape(1, k) for _ in range(20)]
-    us = time_graph([lambda r=r: fused_moe(x, r, w, slots, path="gemv") for r in routes])
     expert_bytes = 3 * nvfp4_bytes(f, h)
     read_us = k * expert_bytes / bw / 1e3
-    return {"us": us, "bytes_8_experts": k * expert_bytes, "read_at_copy_bw_us": read_us,
-            "ratio_to_read_time": us / read_us, "frac_copy_bw": read_us / us}
+    out: dict = {"bytes_8_experts": k * expert_bytes, "read_at_copy_bw_us": read_us}
+    for cfg in MOE_SWEEP:  # the default first
+        key = "default" if cfg == DEFAULT_MOE_GEMV else (
+            f"gu{cfg.gate_up_block_n}x{cfg.gate_up_block_w}_dn{cfg.down_block_n}x"
+            f"{cfg.down_block_w}_w{cfg.num_warps}")
+        try:
+            us = time_graph([lambda r=r, c=cfg: fused_moe(x, r, w, slots, path="gemv",
+                                                          gemv_config=c) for r in routes])
+            out[key] = {"us": us, "ratio_to_read_time": us / read_us,
+                        "frac_copy_bw": read_us / us}
+        except Exception as exc:  # noqa: BLE001
+            out[key] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out
 
 
 def bench_moe_prefill(tokens: int, h: int = 2048, f: int = 512, e: int = 256) -> dict:
@@ -184,6 +233,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="M=1 only, no lm_head, no prefill")
     ap.add_argument("--out", default=str(ROOT / "bench/results/nvfp4.json"))
     args = ap.parse_args()
+    global OUT_PATH
+    OUT_PATH = Path(args.out)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 1
@@ -198,22 +249,27 @@ def main() -> int:
     record("copy_bandwidth", "d2d_1GiB", copy_bandwidth)
     bw = RESULTS["copy_bandwidth"]["d2d_1GiB"].get("GBps", 4000.0)
     shapes = [s for s in SHAPES if not (args.quick and s.startswith("lm_head"))]
-    for m in (1,) if args.quick else (1, 4, 16):
+    # NOTE: most important first, so a run cut short by a timeout keeps those
+    for name in shapes:
+        record("gemv", f"{name}_M1", lambda n=name: bench_linear(n, 1, bw))
+    record("fused_moe", "decode_1tok_8of256", lambda: bench_moe_decode(bw))
+    if args.quick:
+        shapes = []
+    for name in ("qkvz_2048_8192", "lm_head_2048_248320"):
+        if name in shapes:
+            record("gemv_sweep_M1", name, lambda n=name: bench_gemv_sweep(n, bw))
+    for m in (4, 16):
         for name in shapes:
             record("gemv", f"{name}_M{m}", lambda n=name, m=m: bench_linear(n, m, bw))
-    if not args.quick:
-        for m in (512, 2048):
-            for name in shapes:
-                if name.startswith("lm_head") and m == 2048:
-                    continue
+    for m in (512, 2048):
+        for name in shapes:
+            if not (name.startswith("lm_head") and m == 2048):
                 record("gemm", f"{name}_M{m}", lambda n=name, m=m: bench_linear(n, m, bw))
-    record("fused_moe", "decode_1tok_8of256", lambda: bench_moe_decode(bw))
     if not args.quick:
         record("fused_moe", "prefill_2048tok_8of256", lambda: bench_moe_prefill(2048))
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(RESULTS, indent=2) + "\n")
-    print(f"wrote {path}")
+    RESULTS["meta"]["complete"] = True
+    OUT_PATH.write_text(json.dumps(RESULTS, indent=2) + "\n")
+    print(f"wrote {OUT_PATH}")
     return 0
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tinyserve.engine.detokenizer import IncrementalDetokenizer
 
@@ -61,9 +63,10 @@ def test_special_tokens_skipped() -> None:
     (["STOP"], "abc STO", "abc STO"),  # flushed at the end: it never completed
     (["\n\n", "xyz"], "line\nmore\n\nrest", "line\nmore"),
     (["世界"], "你好世界!", "你好"),
-    (["ab", "b"], "xxab", "xx"),  # the earliest match wins
+    (["ab", "b"], "xxab", "xx"),  # the first to complete wins; ties: the longest
+    (["a", " aa"], " aa", " "),
     (["aaa"], "aaaa", ""),
-], ids=["simple", "partial_at_end", "two", "multibyte", "earliest", "at_start"])
+], ids=["simple", "partial_at_end", "two", "multibyte", "earliest", "first_complete", "at_start"])
 def test_stop_strings(stops, text, expected) -> None:
     rng = random.Random(1)
     for _ in range(20):
@@ -100,3 +103,20 @@ def test_with_a_real_tokenizer() -> None:
     pieces = stream(detok, ids, rng)
     assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
     assert all("\ufffd" not in p for p in pieces)
+
+
+ALPHABET = "ab \n\u00e9\u4e16\U0001f642"
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(ALPHABET, max_size=30), stops=st.lists(st.text(ALPHABET, min_size=1,
+       max_size=4), max_size=3), seed=st.integers(0, 2**16))
+def test_stop_strings_property(text: str, stops: list[str], seed: int) -> None:
+    # the stop string that completes first, as if the text came one character at a time
+    hits = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
+    expected = text[:min(hits)[1]] if hits else text
+    detok = IncrementalDetokenizer(TOK, stops)
+    pieces = stream(detok, TOK.encode(text), random.Random(seed))
+    assert "".join(pieces) == expected
+    assert all("\ufffd" not in p for p in pieces)
+    assert detok.stopped == bool(hits)

@@ -89,9 +89,11 @@ class IncrementalDetokenizer:
         end = len(self._text)
         if self.stop:
             start = max(0, self._emitted - self._max_stop + 1)
-            hits = [i for i in (self._text.find(s, start) for s in self.stop) if i >= 0]
+            # (end, start) of each stop string's first match: the one that completes first
+            # wins, as if the text came one character at a time (ties: the longest).
+            hits = [(i + len(s), i) for s in self.stop if (i := self._text.find(s, start)) >= 0]
             if hits:
-                end = min(hits)
+                end = min(hits)[1]
                 self._text = self._text[:end]
                 self.stopped = True
             elif not final:

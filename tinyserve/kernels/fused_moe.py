@@ -182,6 +182,10 @@ def _check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         raise TypeError(f"topk_slot_ids must be int32/int64, got {ids.dtype}")
     if not (x.device == ids.device == weights.device == slots.device):
         raise ValueError("x, topk ids/weights and the slots must be on one device")
+    bufs = (slots.w13, slots.w2, slots.w13_scale, slots.w2_scale, slots.w13_global,
+            slots.w2_global)
+    if not all(b is None or b.is_contiguous() for b in bufs):
+        raise ValueError("ExpertSlots buffers must be contiguous")
 
 
 def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.Tensor,

@@ -72,11 +72,10 @@ def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     """fp32 values already divided by their scale -> E2M1 codes uint8 (saturating at 6)."""
     a = x.abs()
-    idx = torch.zeros_like(a, dtype=torch.int32)
-    for b in _BOUNDS_TIE_DOWN:
-        idx += (a > b).to(torch.int32)
-    for b in _BOUNDS_TIE_UP:
-        idx += (a >= b).to(torch.int32)
+    down = torch.tensor(_BOUNDS_TIE_DOWN, dtype=a.dtype, device=a.device)
+    up = torch.tensor(_BOUNDS_TIE_UP, dtype=a.dtype, device=a.device)
+    # magnitude index = #(bounds < a) over tie-down bounds + #(bounds <= a) over tie-up bounds
+    idx = torch.bucketize(a, down, right=False) + torch.bucketize(a, up, right=True)
     idx = torch.where(x < 0, idx | 8, idx)
     return idx.to(torch.uint8)
 

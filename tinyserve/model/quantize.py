@@ -288,6 +288,7 @@ def _layer_types(cfg: dict[str, Any]) -> list[str]:
 
 def quantize_command(args: Any) -> int:
     """CLI handler: `tinyserve quantize SRC DST --format FMT`."""
-    dst = quantize_checkpoint(args.src, args.dst, args.format)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # bit-identical, much faster
+    dst = quantize_checkpoint(args.src, args.dst, args.format, device=device)
     print(f"wrote {args.format} NVFP4 checkpoint to {dst}")
     return 0

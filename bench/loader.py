@@ -1,0 +1,232 @@
+"""Checkpoint loading speed at Qwen3.5-35B-A3B shapes (a few layers), and quantizer speed.
+
+A synthetic ModelOpt MIXED_PRECISION checkpoint (the layout of nvidia/Qwen3.6-35B-A3B-NVFP4:
+NVFP4 routed/shared experts and lm_head, FP8 attention and GDN projections, bf16 rest; random
+bytes, real shapes, `--layers` layers, 1 GiB shards) is written to a temporary directory. Then:
+
+- plan: headers + plan_weights (no tensor data) for the whole checkpoint;
+- load_cpu / load_cuda: `iter_weights` into CPU memory / onto the GPU, GB/s of checkpoint bytes;
+- baseline: `safetensors.torch.load_file` of every shard (CPU and CUDA) in the same run, same
+  page-cache state (every file is read once before timing);
+- quantize: `quantize_nvfp4` of one expert projection [512, 2048] on CPU (baseline) and CUDA.
+
+Each case records its own failure and the rest go on.
+
+    python bench/loader.py [--layers 4] [--quick]      -> bench/results/loader.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from tinyserve.model.config import load_config  # noqa: E402
+from tinyserve.model.loader import CheckpointReader, iter_weights  # noqa: E402
+from tinyserve.model.loader_plan import expected_weights, plan_weights  # noqa: E402
+from tinyserve.model.quantize import CheckpointWriter  # noqa: E402
+
+OUT = Path(__file__).resolve().parent / "results" / "loader.json"
+NVFP4_NAMES = ("mlp.experts.", "mlp.shared_expert.", "lm_head")
+FP8_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj")
+
+
+def _config_json(layers: int) -> dict:
+    types = (["linear_attention"] * 3 + ["full_attention"]) * ((layers + 3) // 4)
+    return {
+        "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
+        "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": layers,
+        "layer_types": types[:layers], "num_attention_heads": 16, "num_key_value_heads": 2,
+        "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+        "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 262144, "tie_word_embeddings": False,
+        "eos_token_id": 248044,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
+                            "partial_rotary_factor": 0.25},
+        "quantization_config": {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION"},
+    }
+
+
+def write_checkpoint(path: Path, layers: int) -> int:
+    """Random bytes with real shapes; returns the bytes written."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(_config_json(layers)))
+    (path / "hf_quant_config.json").write_text(json.dumps(
+        {"quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": {}}}))
+    config = load_config(path)
+    g = torch.Generator().manual_seed(0)
+    total = 0
+    with CheckpointWriter(path, max_shard_bytes=1 << 30, overwrite=True) as w:
+        for name, (kind, shape) in expected_weights(config).items():
+            raw = name if name == "lm_head" else f"model.{name}"
+            if kind != "linear":
+                suffix = "" if name.endswith(("A_log", "dt_bias")) else ".weight"
+                shape = (shape[0], 1, shape[1]) if kind == "conv" else shape
+                t = torch.randn(shape, generator=g).to(torch.float32 if kind == "fp32"
+                                                       else torch.bfloat16)
+                tensors = {raw + suffix: t}
+            elif any(k in name for k in NVFP4_NAMES):
+                out, inp = shape
+                tensors = {
+                    raw + ".weight": torch.randint(0, 256, (out, inp // 2), generator=g,
+                                                   dtype=torch.uint8),
+                    raw + ".weight_scale": torch.randint(0x30, 0x48, (out, inp // 16),
+                                                         generator=g, dtype=torch.uint8
+                                                         ).view(torch.float8_e4m3fn),
+                    raw + ".weight_scale_2": torch.tensor(1e-3),
+                }
+            elif any(name.endswith(k) for k in FP8_NAMES):
+                tensors = {
+                    raw + ".weight": torch.randint(0, 0x7E, shape, generator=g,
+                                                   dtype=torch.uint8).view(torch.float8_e4m3fn),
+                    raw + ".weight_scale": torch.tensor(1e-2),
+                    raw + ".input_scale": torch.tensor(1e-2),
+                }
+            else:
+                tensors = {raw + ".weight": torch.randn(shape, generator=g).to(torch.bfloat16)}
+            for k, t in tensors.items():
+                w.add(k, t)
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(fn, reps: int = 3) -> float:
+    """Median seconds."""
+    times = []
+    for _ in range(reps):
+        _sync()
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_plan(path: Path) -> dict:
+    config = load_config(path)
+
+    def run() -> None:
+        with CheckpointReader(path) as r:
+            plan_weights(r, config)
+
+    return {"seconds": _timed(run)}
+
+
+def bench_load(path: Path, nbytes: int, device: str) -> dict:
+    from safetensors.torch import load_file
+
+    config = load_config(path)
+    files = CheckpointReader(path).files
+
+    def ours() -> None:
+        for _ in iter_weights(path, config, dtype=torch.bfloat16, device=device):
+            pass
+
+    def baseline() -> None:
+        for f in files:
+            load_file(str(f), device=device)
+
+    base = _timed(baseline)
+    mine = _timed(ours)
+    return {"bytes": nbytes, "seconds": mine, "GBps": nbytes / mine / 1e9,
+            "baseline_seconds": base, "baseline_GBps": nbytes / base / 1e9,
+            "ratio_to_baseline": base / mine}
+
+
+def bench_quantize(quick: bool) -> dict:
+    from tinyserve.kernels.nvfp4_ref import quantize_nvfp4
+
+    w = torch.randn(512, 2048)
+    reps = 3 if quick else 10
+    cpu = _timed(lambda: quantize_nvfp4(w), reps)
+    out = {"shape": [512, 2048], "cpu_ms": cpu * 1e3, "baseline": "cpu"}
+    if torch.cuda.is_available():
+        wc = w.cuda()
+        quantize_nvfp4(wc)
+        gpu = _timed(lambda: quantize_nvfp4(wc), reps)
+        a, b = quantize_nvfp4(w), quantize_nvfp4(wc)
+        out.update(cuda_ms=gpu * 1e3, speedup=cpu / gpu,
+                   bit_identical=bool(torch.equal(a.packed, b.packed.cpu())
+                                      and torch.equal(a.block_scale, b.block_scale.cpu())
+                                      and a.global_scale == b.global_scale))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--quick", action="store_true", help="one layer, fewer repetitions")
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--dir", type=Path, default=None, help="where to write the checkpoint")
+    args = ap.parse_args()
+    layers = 1 if args.quick else args.layers
+    res: dict = {
+        "bench": "loader",
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "checkpoint": f"synthetic ModelOpt MIXED_PRECISION, Qwen3.5-35B-A3B shapes, "
+                      f"{layers} layers",
+        "baseline": "safetensors.torch.load_file of every shard, same run, warm page cache",
+        "cases": {}, "errors": {},
+    }
+    try:
+        import triton
+
+        res["triton"] = triton.__version__
+    except ImportError:
+        res["triton"] = None
+
+    def case(name: str, fn, *a) -> None:
+        t0 = time.perf_counter()
+        try:
+            res["cases"][name] = fn(*a)
+            print(f"{name}: {json.dumps(res['cases'][name])}", flush=True)
+        except Exception:  # noqa: BLE001 - a failed case is recorded, the rest still run
+            res["errors"][name] = traceback.format_exc()[-3000:]
+            print(f"{name}: FAILED\n{res['errors'][name]}", flush=True)
+        print(f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
+
+    tmp = Path(tempfile.mkdtemp(prefix="tinyserve-loader-", dir=args.dir))
+    try:
+        t0 = time.perf_counter()
+        nbytes = write_checkpoint(tmp / "ckpt", layers)
+        res["write_seconds"] = time.perf_counter() - t0
+        res["checkpoint_bytes"] = nbytes
+        print(f"wrote {nbytes / 1e9:.2f} GB in {res['write_seconds']:.1f} s", flush=True)
+        case("plan", bench_plan, tmp / "ckpt")
+        case("load_cpu", bench_load, tmp / "ckpt", nbytes, "cpu")
+        if torch.cuda.is_available():
+            case("load_cuda", bench_load, tmp / "ckpt", nbytes, "cuda")
+    except Exception:  # noqa: BLE001
+        res["errors"]["write"] = traceback.format_exc()[-3000:]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    case("quantize_expert", bench_quantize, args.quick)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0 if not res["errors"] else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+#pragma once
+// CPU emulation shim: see emu.h.
+#include "emu.h"

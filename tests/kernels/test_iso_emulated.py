@@ -124,3 +124,33 @@ def test_decode_matches_reference(lib, case) -> None:
     assert cos >= 0.9999, f"splits {splits}: cosine {cos}"
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("fmt", ["iso3", "iso4"])
+def test_extend_launcher_logic_on_cpu(monkeypatch, fmt: str) -> None:
+    """iso_extend_attention's GQA stacking and log-sum-exp merge (fp32 fallback path), with the
+    row-dequant kernel replaced by its reference."""
+    def deq(cache, slots, fmt_, head_dim, dtype=torch.bfloat16):
+        return iso.dequantize_ref(cache[slots.long()], fmt_, head_dim).to(dtype)
+
+    monkeypatch.setattr(iso_cuda, "iso_dequant_rows", deq)
+    torch.manual_seed(4)
+    hq, hkv, d, ps = 8, 2, 128, 4
+    prefixes, chunks = [0, 6, 13], [5, 3, 1]
+    table = torch.arange(3 * 8, dtype=torch.int32).reshape(3, 8)
+    kc = iso.quantize_ref(torch.randn(3 * 8 * ps, hkv, d), fmt)
+    vc = iso.quantize_ref(torch.randn(3 * 8 * ps, hkv, d), fmt)
+    n = sum(chunks)
+    q, k, v = torch.randn(n, hq, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)
+    cu = torch.tensor([0, 5, 8, 9], dtype=torch.int32)
+    out = iso_cuda.iso_extend_attention(q, k, v, kc, vc, table, cu, chunks, prefixes, ps, fmt,
+                                        d ** -0.5)
+    start = 0
+    for b, (p, m) in enumerate(zip(prefixes, chunks, strict=True)):
+        rows = iso.gather_rows(kc, table[b], ps, p)
+        kk = torch.cat([iso.dequantize_ref(rows, fmt, d), k[start:start + m]])
+        vv = torch.cat([iso.dequantize_ref(iso.gather_rows(vc, table[b], ps, p), fmt, d),
+                        v[start:start + m]])
+        ref = iso.attention_oracle(q[start:start + m], kk, vv, p, d ** -0.5)
+        torch.testing.assert_close(out[start:start + m], ref, rtol=1e-4, atol=1e-5)
+        start += m

@@ -2,8 +2,8 @@
 
 The kernels are plain functions here and become `triton.jit` functions in `build()`, so
 importing this module never imports triton (`tl` is bound when `build()` runs).
-All state math is fp32; the chunk kernels' dots take their precision as a constexpr ("ieee" by
-default, so results track the fp32 reference; "tf32x3" uses tensor cores at near-fp32 accuracy).
+All state math is fp32; the chunk kernels' dots take their precision as a constexpr (PREC:
+"tf32x3" = tensor cores at fp32-level accuracy, "ieee" = FMA, "tf32").
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 // packed K/V row is read once per group. Each lane owns E = D/32 consecutive elements and
 // keeps the G rotated, pre-scaled queries and G rotated accumulators in registers. Per tile
 // of 32 tokens: coalesced copy of the packed K and V rows into shared memory (through the
-// page table), scores = norm * dot(q_rot, centroids) reduced with a reduce-scatter over the
+// page table; cp.async, double-buffered so the next tile loads during this one's math), scores = norm * dot(q_rot, centroids) reduced with a reduce-scatter over the
 // warp, one online-softmax rescale per warp per tile, then V accumulated in rotated space.
 // The 4 warps' states are merged in shared memory and written as one partial per split.
 // Pass 2 (decode_merge_kernel): log-sum-exp merge of the splits, one inverse rotation per
@@ -41,6 +41,32 @@ __device__ __forceinline__ float reduce_scatter(float (&v)[G], int lane) {
   return s;
 }
 
+// Asynchronous global -> shared copies (sm_80+); plain copies elsewhere and for 2-byte words.
+template <typename W>
+__device__ __forceinline__ void copy_word(W* dst, const W* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (sizeof(W) == 4) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(src));
+    return;
+  }
+#endif
+  *dst = *src;
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
 template <int BITS, int NB>
 __device__ __forceinline__ float decode_lane(const uint8_t* row, int blk, int g0,
                                              const float* cent, float (&c)[NB * 4]) {
@@ -69,12 +95,12 @@ __global__ void __launch_bounds__(kWarps * 32)
   constexpr int kLanesPerBlock = 32 / NB;
   using W = typename std::conditional<RB % 4 == 0, uint32_t, uint16_t>::type;
   constexpr int RW = RB / (int)sizeof(W);
-  constexpr int kTileBytes = 2 * kTile * RB;
+  constexpr int kTileBytes = 2 * 2 * kTile * RB;  // two buffers of K and V
   constexpr int kMergeBytes = kWarps * G * D * 4;
   constexpr int kRaw = kTileBytes > kMergeBytes ? kTileBytes : kMergeBytes;
 
   __shared__ __align__(16) uint8_t raw[kRaw];
-  __shared__ int64_t slot_sm[kTile];
+  __shared__ int64_t slot_sm[2][kTile];
   __shared__ float score_sm[kWarps][G][kTokPerWarp];
   __shared__ float ml_sm[kWarps][G][2];
   __shared__ float cent_sm[16];
@@ -89,8 +115,6 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int hq = n_kv_heads * G;
-  uint8_t* k_sm = raw;
-  uint8_t* v_sm = raw + kTile * RB;
   if (threadIdx.x < Fmt<BITS>::kCents) cent_sm[threadIdx.x] = centroid<BITS>(threadIdx.x);
 
   const int blk = lane / kLanesPerBlock;
@@ -118,23 +142,48 @@ __global__ void __launch_bounds__(kWarps * 32)
     l[h] = 0.0f;
   }
 
-  for (int t0 = t_begin; t0 < t_end; t0 += kTile) {
+  // Double-buffered tiles: the copy of tile i+1 (cp.async) overlaps the math of tile i.
+  auto load_slots = [&](int t0, int buf) {
     const int n = min(kTile, t_end - t0);
-    __syncthreads();  // the previous tile is consumed (and cent_sm is visible)
     if (threadIdx.x < n) {
       const int t = t0 + threadIdx.x;
       const int64_t page = page_table[(int64_t)b * pt_stride + t / page_size];
-      slot_sm[threadIdx.x] = page * page_size + t % page_size;
+      slot_sm[buf][threadIdx.x] = page * page_size + t % page_size;
     }
-    __syncthreads();
+  };
+  auto issue_copy = [&](int t0, int buf) {
+    const int n = min(kTile, t_end - t0);
+    W* kd = reinterpret_cast<W*>(raw + buf * 2 * kTile * RB);
+    W* vd = reinterpret_cast<W*>(raw + buf * 2 * kTile * RB + kTile * RB);
     for (int i = threadIdx.x; i < n * RW; i += kWarps * 32) {
       const int tok = i / RW;
       const int w = i - tok * RW;
-      const int64_t off = slot_sm[tok] * slot_stride + (int64_t)kvh * RB;
-      reinterpret_cast<W*>(k_sm)[i] = reinterpret_cast<const W*>(k_cache + off)[w];
-      reinterpret_cast<W*>(v_sm)[i] = reinterpret_cast<const W*>(v_cache + off)[w];
+      const int64_t off = slot_sm[buf][tok] * slot_stride + (int64_t)kvh * RB;
+      copy_word(kd + i, reinterpret_cast<const W*>(k_cache + off) + w);
+      copy_word(vd + i, reinterpret_cast<const W*>(v_cache + off) + w);
     }
+    cp_async_commit();
+  };
+  load_slots(t_begin, 0);
+  __syncthreads();
+  issue_copy(t_begin, 0);
+
+  for (int t0 = t_begin, it = 0; t0 < t_end; t0 += kTile, ++it) {
+    const int n = min(kTile, t_end - t0);
+    const int buf = it & 1;
+    const bool has_next = t0 + kTile < t_end;
+    // every thread finished tile it-1 (its buffer is buf ^ 1) before this barrier
+    if (has_next) load_slots(t0 + kTile, buf ^ 1);
     __syncthreads();
+    if (has_next) {
+      issue_copy(t0 + kTile, buf ^ 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // tile `it` is in shared memory for everyone (and cent_sm is visible)
+    const uint8_t* k_sm = raw + buf * 2 * kTile * RB;
+    const uint8_t* v_sm = k_sm + kTile * RB;
 
     // scores of this warp's tokens
 #pragma unroll

@@ -1,6 +1,7 @@
 """Assemble an engine from a checkpoint path and an EngineConfig.
 
-checkpoint -> ModelConfig, tokenizer, weights -> GDN state pool (one slot per sequence) ->
+checkpoint -> ModelConfig, tokenizer, weights -> GDN state pool (one slot per sequence, then
+the prefix cache's snapshot slots) ->
 KV pool (sized from the memory left, or from max_context x max_seqs on CPU) -> Qwen35Model ->
 ModelRunner -> Engine.
 """
@@ -53,7 +54,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
     device = torch.device(config.resolved_device)
     dtype = config.torch_dtype
     weights = load_weights(path, mcfg, dtype=dtype, device=device)
-    states = GDNStatePool.for_config(mcfg, config.max_seqs, device=device, dtype=dtype)
+    num_snap = config.num_snapshot_slots
+    states = GDNStatePool.for_config(mcfg, config.max_seqs + num_snap, device=device, dtype=dtype)
     num_pages = kv_pages(config, mcfg, device, path)
     kv = create_kv_backend(config.kv, layer_ids=list(mcfg.full_attention_layers),
                            num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim,
@@ -69,7 +71,9 @@ def build_parts(config: EngineConfig) -> EngineParts:
              path.name, num_pages, config.page_size, config.kv, config.max_seqs, max_context)
     return EngineParts(runner=runner, tokenizer=tokenizer, model_config=mcfg,
                        num_kv_pages=num_pages, num_state_slots=config.max_seqs,
-                       max_context=max_context, eos_token_ids=eos)
+                       max_context=max_context, eos_token_ids=eos, state_pool=states,
+                       snapshot_slots=tuple(range(config.max_seqs, config.max_seqs + num_snap)),
+                       snapshot_interval=config.prefix_snapshot_interval)
 
 
 def kv_pages(config: EngineConfig, mcfg: ModelConfig, device: torch.device,
@@ -86,7 +90,8 @@ def kv_pages(config: EngineConfig, mcfg: ModelConfig, device: torch.device,
         plan = plan_checkpoint(path, PlanConfig(
             gpu_memory=config.gpu_memory_bytes, kv=config.kv, max_context=config.max_context,
             max_seqs=config.max_seqs, page_size=config.page_size,
-            prefill_chunk=config.max_num_batched_tokens))
+            prefill_chunk=config.max_num_batched_tokens,
+            extra_state_slots=config.num_snapshot_slots))
         if plan.experts_offloaded:
             log.warning("the plan offloads experts, which the engine does not do yet: all "
                         "experts are loaded onto the GPU")

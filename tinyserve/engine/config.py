@@ -35,7 +35,11 @@ class EngineConfig:
     (prefill chunk size). page_size: tokens per KV page. gpu_memory: budget for the whole
     engine on the GPU ("6GiB"; None: what the device has free). num_kv_pages: fixes the KV
     pool size. kv_memory_fraction: share of the memory left after the weights that the KV
-    pool may take when no number of pages is given.
+    pool may take when no number of pages is given. prefix_cache: reuse cached prompt
+    prefixes (KV pages + GDN state snapshots) across requests. prefix_snapshot_slots: GDN state
+    snapshots the prefix cache may keep (each costs a sequence's whole GDN state, ~61 MiB on
+    35B-A3B). prefix_snapshot_interval: also snapshot every this many prefill tokens (a
+    multiple of page_size; 0: only at the end of each prompt and request).
     """
 
     model: str
@@ -49,6 +53,9 @@ class EngineConfig:
     gpu_memory: str | int | None = None
     num_kv_pages: int | None = None
     kv_memory_fraction: float = 0.9
+    prefix_cache: bool = True
+    prefix_snapshot_slots: int = 4
+    prefix_snapshot_interval: int = 0
 
     def __post_init__(self) -> None:
         if self.kv not in KV_BACKEND_NAMES:
@@ -72,14 +79,27 @@ class EngineConfig:
                              f"{self.kv_memory_fraction}")
         if self.gpu_memory is not None:
             parse_bytes(self.gpu_memory)
+        if self.prefix_snapshot_slots < 0:
+            raise ValueError(f"prefix_snapshot_slots must be >= 0, got "
+                             f"{self.prefix_snapshot_slots}")
+        if self.prefix_snapshot_interval < 0 or self.prefix_snapshot_interval % self.page_size:
+            raise ValueError(f"prefix_snapshot_interval must be a non-negative multiple of "
+                             f"page_size ({self.page_size}), got {self.prefix_snapshot_interval}")
 
     @classmethod
     def from_args(cls, args: Any, **overrides: Any) -> EngineConfig:
         """From parsed CLI arguments: attributes that are missing or None keep the defaults."""
         names = {f.name for f in fields(cls)}
         values = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+        if getattr(args, "no_prefix_cache", False):
+            values["prefix_cache"] = False
         values.update(overrides)
         return cls(**values)
+
+    @property
+    def num_snapshot_slots(self) -> int:
+        """GDN state slots kept for prefix-cache snapshots (0 when the cache is off)."""
+        return self.prefix_snapshot_slots if self.prefix_cache else 0
 
     @property
     def resolved_device(self) -> str:

@@ -25,6 +25,7 @@ from tinyserve.engine.detokenizer import IncrementalDetokenizer
 from tinyserve.engine.scheduler import RequestRejected, Scheduler, StepEvent
 from tinyserve.engine.stream import RequestHandle, RequestOutput
 from tinyserve.kv.allocator import PageAllocator
+from tinyserve.kv.prefix_cache import PrefixCache
 from tinyserve.log import get_logger
 
 __all__ = ["Engine", "EngineParts", "EngineStats", "RequestHandle", "RequestOutput",
@@ -38,7 +39,9 @@ _SAMPLES = 2048  # latency samples kept for stats()
 class EngineParts:
     """What `engine.build` assembles. `runner.forward(batch) -> ForwardOutput`,
     `runner.logits(ids, page_ids=, state_slot=, chunk_size=)`, `runner.sampler.logits_hook`.
-    `max_context` is already min(model, KV pool, --max-context)."""
+    `max_context` is already min(model, KV pool, --max-context). `state_pool` (the GDN state
+    pool, with `copy_slot`) and `snapshot_slots` (its slot ids beyond the sequences' slots)
+    enable the prefix cache; without them it is off."""
 
     runner: Any
     tokenizer: Any
@@ -47,6 +50,9 @@ class EngineParts:
     num_state_slots: int
     max_context: int
     eos_token_ids: tuple[int, ...] = ()
+    state_pool: Any = None
+    snapshot_slots: tuple[int, ...] = ()
+    snapshot_interval: int = 0
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,13 @@ class EngineStats:
     steps: int
     ttft_seconds: tuple[float, ...]  # recent time-to-first-token samples
     itl_seconds: tuple[float, ...]  # recent inter-token latency samples
+    # prefix cache (kv_pages_used above leaves out the pages only the cache holds)
+    prefix_cache_pages: int = 0  # KV pages the prefix cache holds
+    prefix_cache_snapshots: int = 0  # GDN state snapshots it holds
+    prefix_cache_snapshot_slots: int = 0  # snapshot slots in all (0: the cache is off)
+    prefix_cache_queries: int = 0  # admissions that looked it up
+    prefix_cache_hits: int = 0  # ... and reused a cached prefix
+    prefix_cached_tokens: int = 0  # prompt tokens served from it
 
 
 class _Live:
@@ -91,11 +104,18 @@ class Engine:
         self.tokenizer = parts.tokenizer
         self.model_config = parts.model_config
         self.max_context = parts.max_context
+        pages = PageAllocator(parts.num_kv_pages)
+        self.prefix_cache: PrefixCache | None = None
+        if config.prefix_cache and parts.state_pool is not None and parts.snapshot_slots:
+            self.prefix_cache = PrefixCache(
+                pages, page_size=config.page_size, states=parts.state_pool,
+                snapshot_slots=parts.snapshot_slots,
+                snapshot_interval=parts.snapshot_interval)
         self.scheduler = Scheduler(
-            pages=PageAllocator(parts.num_kv_pages), slots=PageAllocator(parts.num_state_slots),
+            pages=pages, slots=PageAllocator(parts.num_state_slots),
             page_size=config.page_size, max_context=parts.max_context,
             max_seqs=config.max_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            eos_token_ids=parts.eos_token_ids)
+            eos_token_ids=parts.eos_token_ids, prefix_cache=self.prefix_cache)
         self._vocab = getattr(parts.model_config, "vocab_size", None)
         self._inbox: list[tuple] = []
         self._cond = threading.Condition()
@@ -194,19 +214,30 @@ class Engine:
         self.scheduler.check(len(ids), SamplingParams(max_tokens=1))
         return self.call(lambda: self._logits(ids))
 
+    def clear_prefix_cache(self) -> None:
+        """Drop every cached prefix (its idle pages and snapshot slots go back to the pools)."""
+        if self.prefix_cache is not None:
+            self.call(self.prefix_cache.clear)
+
     def stats(self) -> EngineStats:
-        s, c = self.scheduler, self._counts
+        s, c, pc = self.scheduler, self._counts, self.prefix_cache
+        cache = {} if pc is None else dict(
+            prefix_cache_pages=pc.num_pages, prefix_cache_snapshots=pc.num_snapshots,
+            prefix_cache_snapshot_slots=len(pc.snapshot_slots), prefix_cache_queries=pc.queries,
+            prefix_cache_hits=pc.hits, prefix_cached_tokens=pc.hit_tokens)
         return EngineStats(
             running=len(s.running),
             waiting=len(s.waiting) + sum(item[0] == "add" for item in list(self._inbox)),
-            kv_pages_used=s.pages.num_used, kv_pages_total=s.pages.num_pages,
+            kv_pages_used=s.pages.num_used - (0 if pc is None else pc.num_idle_pages),
+            kv_pages_total=s.pages.num_pages,
             page_size=s.page_size, state_slots_used=s.slots.num_used,
             state_slots_total=s.slots.num_pages, max_context=self.max_context,
             requests_submitted=c["submitted"], requests_finished=c["finished"],
             requests_aborted=c["aborted"], requests_failed=c["failed"],
             prompt_tokens_total=c["prompt_tokens"],
             generation_tokens_total=c["generation_tokens"], preemptions=s.num_preemptions,
-            steps=c["steps"], ttft_seconds=tuple(self._ttft), itl_seconds=tuple(self._itl))
+            steps=c["steps"], ttft_seconds=tuple(self._ttft), itl_seconds=tuple(self._itl),
+            **cache)
 
     # ---------------------------------------------------------------- loop thread
 
@@ -306,7 +337,7 @@ class Engine:
                 text += live.detok.finish()
         live.handle.put(RequestOutput(
             ev.request_id, [ev.token_id], text, reason is not None, reason, None,
-            live.handle.prompt_tokens, live.completion_tokens))
+            live.handle.prompt_tokens, live.completion_tokens, ev.cached_tokens))
         if reason is not None:
             del self._live[ev.request_id]
             self._counts["finished"] += 1
@@ -324,7 +355,7 @@ class Engine:
 
     def _logits(self, ids: list[int]) -> Any:
         s = self.scheduler
-        pages = s.pages.alloc(s.pages_for(len(ids)))
+        pages = s.alloc_pages(s.pages_for(len(ids)))
         slot = s.slots.alloc(1)
         try:
             if pages is None or slot is None:

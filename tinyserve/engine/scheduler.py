@@ -7,6 +7,14 @@ slot and the KV pages of all the request's known tokens; decoding takes one more
 page boundary, and when none is left the newest running request is preempted (pages and slot
 returned, re-queued to recompute its prompt and output so far). `update(batch, output)` appends
 the sampled tokens, applies the token stop conditions and frees finished requests.
+
+With a prefix cache (`kv.prefix_cache`), admission reuses the longest cached prefix that ends
+at a GDN state snapshot (restoring the snapshot into the request's slot) and prefills only the
+rest; prefill chunks are cut at the last page boundary of the known tokens (and every
+`snapshot_interval` tokens), and whenever a forward leaves a request exactly on a page boundary
+its pages and state are cached there (the newest such snapshot of a request replaces its
+previous one, except at those cut points). When pages run short, idle cached pages are evicted
+before anyone waits or is preempted.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from dataclasses import dataclass, field
 
 from tinyserve.core import Batch, ForwardOutput, SamplingParams, ScheduledSeq
 from tinyserve.kv.allocator import PageAllocator
+from tinyserve.kv.prefix_cache import PrefixCache, PrefixMatch, RadixNode
 
 
 class RequestRejected(ValueError):
@@ -44,6 +53,8 @@ class Request:
     running: bool = False
     solo: bool = False  # run alone until one step succeeds (after a failed shared step)
     num_preemptions: int = 0
+    num_cached: int = 0  # prompt tokens reused from the prefix cache at the first admission
+    snapshot_node: RadixNode | None = None  # this request's latest replaceable snapshot
 
     @property
     def num_generated(self) -> int:
@@ -65,6 +76,7 @@ class StepEvent:
     request_id: str
     token_id: int
     finish_reason: str | None
+    cached_tokens: int = 0
 
 
 def _by_arrival(r: Request) -> int:
@@ -80,7 +92,8 @@ class Scheduler:
 
     def __init__(self, *, pages: PageAllocator, slots: PageAllocator, page_size: int,
                  max_context: int, max_seqs: int, max_num_batched_tokens: int,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (),
+                 prefix_cache: PrefixCache | None = None) -> None:
         if max_num_batched_tokens < max_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
                              f"max_seqs ({max_seqs})")
@@ -91,6 +104,7 @@ class Scheduler:
         self.max_seqs = max_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.cache = prefix_cache
         self.waiting: list[Request] = []  # sorted by arrival
         self.running: list[Request] = []  # sorted by arrival
         self.requests: dict[str, Request] = {}
@@ -167,6 +181,17 @@ class Scheduler:
             self.slots.free([req.slot])
             req.slot = None
 
+    def alloc_pages(self, n: int) -> list[int] | None:
+        """`n` free pages, evicting idle cached pages when needed; None when they cannot be had."""
+        return self.pages.alloc(n) if self._make_room(n) else None
+
+    def _make_room(self, n: int) -> bool:
+        """Whether `n` pages are free, after evicting idle cached pages when that suffices."""
+        short = n - self.pages.num_free
+        if short > 0 and self.cache is not None and self.cache.evictable_pages() >= short:
+            self.cache.evict(short)
+        return self.pages.can_alloc(n)
+
     # ---------------------------------------------------------------- one step
 
     @property
@@ -207,7 +232,7 @@ class Scheduler:
         """Make room for one more token of `req`, preempting newer requests if needed.
         False when `req` itself had to be preempted."""
         while len(req.pages) < self.pages_for(req.num_computed + 1):
-            page = self.pages.alloc(1)
+            page = self.alloc_pages(1)
             if page is not None:
                 req.pages += page
                 break
@@ -220,12 +245,25 @@ class Scheduler:
     def _admit(self, req: Request) -> bool:
         # NOTE: leave one page per running request free, so that admitting a request does
         # not force the preemption of that same request at the next page boundary.
-        need = self.pages_for(len(req.tokens))
-        if not (self.pages.can_alloc(need + len(self.running)) and self.slots.can_alloc(1)):
+        if not self.slots.can_alloc(1):
+            return False
+        match = PrefixMatch()
+        if self.cache is not None:  # NOTE: at least one token is left to prefill (a logit)
+            match = self.cache.match(req.tokens, len(req.tokens) - 1)
+            self.pages.incref(match.pages)  # the request's own reference, taken first
+        need = self.pages_for(len(req.tokens)) - len(match.pages)
+        if not self._make_room(need + len(self.running)):
+            self.pages.decref(match.pages)
             return False
         self.waiting.pop(0)
-        req.pages = self.pages.alloc(need)
+        req.pages = list(match.pages) + self.pages.alloc(need)
         req.slot = self.slots.alloc(1)[0]
+        if self.cache is not None:
+            self.cache.restore(match, req.slot)
+            req.num_computed = match.num_tokens
+            if req.num_preemptions == 0:
+                req.num_cached = min(match.num_tokens, req.prompt_len)
+                self.cache.record(match)
         req.running = True
         bisect.insort(self.running, req, key=_by_arrival)
         return True
@@ -233,6 +271,13 @@ class Scheduler:
     def _chunk(self, req: Request, budget: int) -> ScheduledSeq:
         start = req.num_computed
         end = min(len(req.tokens), start + budget)
+        if self.cache is not None:  # end a chunk where a snapshot is worth keeping
+            last_page = len(req.tokens) // self.page_size * self.page_size
+            if start < last_page < end:
+                end = last_page
+            every = self.cache.snapshot_interval
+            if every and (start // every + 1) * every < end:
+                end = (start // every + 1) * every
         return ScheduledSeq(
             request_id=req.request_id, token_ids=req.tokens[start:end], start_pos=start,
             page_ids=list(req.pages), state_slot=req.slot, sample=end == len(req.tokens),
@@ -247,16 +292,27 @@ class Scheduler:
                 continue  # finished or preempted since it was scheduled
             req.num_computed += seq.num_tokens
             req.solo = False
+            if self.cache is not None and req.num_computed % self.page_size == 0:
+                self._snapshot(req)
             if not seq.sample:
                 continue
             if token is None:
                 raise ValueError(f"no token sampled for {seq.request_id!r}")
             req.tokens.append(token)
             reason = self._stop_reason(req, token)
-            events.append(StepEvent(req.request_id, token, reason))
+            events.append(StepEvent(req.request_id, token, reason, req.num_cached))
             if reason is not None:
                 self.finish(req.request_id)
         return events
+
+    def _snapshot(self, req: Request) -> None:
+        """Cache the request's computed pages and its state, which sit on a page boundary."""
+        n = req.num_computed
+        every = self.cache.snapshot_interval
+        keep = n == req.prompt_len // self.page_size * self.page_size or (every and n % every == 0)
+        node = self.cache.insert(req.tokens[:n], req.pages[:n // self.page_size], req.slot,
+                                 replace=req.snapshot_node)
+        req.snapshot_node = None if keep else node
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params

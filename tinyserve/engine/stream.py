@@ -17,7 +17,8 @@ class RequestOutput:
     token_ids: the new token ids. text: the new text (UTF-8-safe; stop strings and text that
     may begin one are held back, a matched stop string is never emitted). finish_reason:
     "stop" | "length" | "abort" | "error" on the last item, else None. error: the message when
-    finish_reason is "error". prompt_tokens / completion_tokens: totals so far.
+    finish_reason is "error". prompt_tokens / completion_tokens: totals so far. cached_tokens:
+    prompt tokens served from the prefix cache.
     """
 
     request_id: str
@@ -28,6 +29,7 @@ class RequestOutput:
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
 
 
 class RequestHandle:
@@ -107,4 +109,4 @@ class RequestHandle:
             if out.finished:
                 return RequestOutput(self.request_id, ids, "".join(text), True,
                                      out.finish_reason, out.error, out.prompt_tokens,
-                                     out.completion_tokens)
+                                     out.completion_tokens, out.cached_tokens)

@@ -77,6 +77,16 @@ class GDNStatePool:
         self.conv[:, slot].zero_()
         self.recurrent[:, slot].zero_()
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy slot `src`'s conv and recurrent state of every layer into slot `dst` (the prefix
+        cache: a sequence's state into a snapshot slot, and a snapshot back into a sequence's
+        slot). Runs on the pool's device stream, ordered with the forwards around it."""
+        self._check(src)
+        self._check(dst)
+        if src != dst:
+            self.conv[:, dst].copy_(self.conv[:, src])
+            self.recurrent[:, dst].copy_(self.recurrent[:, src])
+
     def conv_state(self, layer_id: int) -> torch.Tensor:
         """[slots, C, K-1] view of one layer's conv states."""
         return self.conv[self._index[layer_id]]

@@ -198,6 +198,10 @@ BAD_BODIES = {
     "image_part": ({"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content"),
     "stop_type": ({"stop": 5}, None),
+    "guided_json": ({"guided_json": {"type": "object"}}, "guided_json"),
+    "min_tokens": ({"min_tokens": 5}, "min_tokens"),
+    "audio_modality": ({"modalities": ["text", "audio"]}, "modalities"),
+    "empty_stop_string": ({"stop": [""]}, "stop"),
 }
 
 
@@ -219,6 +223,9 @@ def test_other_error_classes(server):
                     headers={"content-type": "application/json"}), 400)
     assert "JSON" in err["message"]
     _err(post("/v1/chat/completions", json=[1, 2]), 400)
+    nan = b'{"model": "tiny-test", "messages": [{"role": "user", "content": "x"}], "top_p": NaN}'
+    _err(post("/v1/chat/completions", content=nan,
+              headers={"content-type": "application/json"}), 400, "top_p")
     _err(post("/v1/chat/completions", json={"model": MODEL}), 400, "messages")
     _err(post("/v1/chat/completions", json={"model": "gpt-4", "messages": _msgs("x")}), 404,
          "model")
@@ -322,6 +329,15 @@ def test_disconnect_aborts_stream_and_nonstream(make_server):
                     break
         assert _wait(lambda: len(engine.aborted) == 1)
         assert _wait(lambda: engine.stats().num_running == 0)
+    # streamed, client gives up during a long prefill (only the role chunk has arrived)
+    with make_server(engine_kw={"prefill_s": 30}, keepalive_s=0.05) as (url, engine, _):
+        body = {"model": MODEL, "messages": _msgs("Hi"), "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith(": keep-alive"):
+                    break
+        assert _wait(lambda: len(engine.aborted) == 1)
+        assert engine.stats().num_running == 0
     # non-streamed, client gives up during a long prefill
     with make_server(engine_kw={"prefill_s": 30}) as (url, engine, _):
         with pytest.raises(httpx.ReadTimeout):

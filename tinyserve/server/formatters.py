@@ -46,17 +46,19 @@ class ChatFormatter:
         self.finish_reason = self.assembler.finish_reason(engine_reason)
         return chunks + [self._chunk({}, self.finish_reason)]
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int,
+                    cached_tokens: int = 0) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.model, "choices": [],
-                "usage": usage(prompt_tokens, completion_tokens)}
+                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
-    def body(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def body(self, prompt_tokens: int, completion_tokens: int,
+             cached_tokens: int = 0) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.model,
                 "choices": [{"index": 0, "message": self.assembler.message(), "logprobs": None,
                              "finish_reason": self.finish_reason}],
-                "usage": usage(prompt_tokens, completion_tokens)}
+                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 class CompletionFormatter:
@@ -86,17 +88,19 @@ class CompletionFormatter:
         return [completion_chunk(self.id, self.created, self.model, "", engine_reason,
                                  with_usage_null=self._usage_null)]
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int,
+                    cached_tokens: int = 0) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model, "choices": [],
-                "usage": usage(prompt_tokens, completion_tokens)}
+                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
-    def body(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def body(self, prompt_tokens: int, completion_tokens: int,
+             cached_tokens: int = 0) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model,
                 "choices": [{"index": 0, "text": self.text, "logprobs": None,
                              "finish_reason": self.finish_reason}],
-                "usage": usage(prompt_tokens, completion_tokens)}
+                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 Formatter = ChatFormatter | CompletionFormatter

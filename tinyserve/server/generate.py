@@ -65,6 +65,8 @@ async def generate(state: ServerState, request: Request, fmt: Formatter,
         state.metrics.request_done(fmt.endpoint, "rejected")
         raise APIError(400, str(exc), param=getattr(exc, "param", None) or fmt.prompt_param,
                        code="context_length_exceeded") from None
+    except RuntimeError as exc:  # the engine is shutting down
+        raise APIError(503, f"the engine is not accepting requests: {exc}") from None
     run = _Run(state, fmt, handle, len(prompt_ids), t0)
     if stream:
         usage = include_usage or state.config.always_include_usage
@@ -81,12 +83,14 @@ class _Run:
         self.state, self.fmt, self.handle, self.t0 = state, fmt, handle, t0
         self.prompt_tokens = prompt_len
         self.completion_tokens = 0
+        self.cached_tokens = 0
         self.finished = False
         self._last_token_t: float | None = None
 
     def _account(self, out: Any) -> None:
         n_new = len(getattr(out, "token_ids", ()) or ())
         self.prompt_tokens = getattr(out, "prompt_tokens", None) or self.prompt_tokens
+        self.cached_tokens = getattr(out, "cached_tokens", None) or self.cached_tokens
         self.completion_tokens = getattr(out, "completion_tokens", None) or (
             self.completion_tokens + n_new)
         if n_new:
@@ -143,7 +147,8 @@ class _Run:
                 for chunk in chunks:
                     yield sse(chunk)
                 if include_usage:
-                    yield sse(fmt.usage_chunk(self.prompt_tokens, self.completion_tokens))
+                    yield sse(fmt.usage_chunk(self.prompt_tokens, self.completion_tokens,
+                                              self.cached_tokens))
                 yield DONE
                 return
         except Exception as exc:
@@ -178,7 +183,8 @@ class _Run:
                 raise APIError(500, f"generation failed: {out.error}")
             fmt.on_finish(out.finish_reason)
             self._done(fmt.finish_reason or "stop")
-            return JSONResponse(fmt.body(self.prompt_tokens, self.completion_tokens))
+            return JSONResponse(fmt.body(self.prompt_tokens, self.completion_tokens,
+                                         self.cached_tokens))
         except asyncio.CancelledError:
             self._abort()
             raise

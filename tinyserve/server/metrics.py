@@ -22,6 +22,16 @@ _GAUGES = (
     (("kv_pages_total", "total_pages", "num_pages"), "kv_pages_total", "KV cache pages in all"),
     (("expert_cache_hit_rate",), "expert_cache_hit_rate",
      "fraction of routed-expert lookups served from the GPU expert cache"),
+    (("prefix_cache_pages",), "prefix_cache_pages", "KV cache pages held by the prefix cache"),
+)
+# EngineStats attribute -> (counter name, help), rendered when the engine has the attribute.
+_COUNTERS = (
+    ("prefix_cache_queries", "prefix_cache_queries_total",
+     "admitted requests that looked up the prefix cache"),
+    ("prefix_cache_hits", "prefix_cache_hits_total",
+     "admitted requests that reused a cached prefix"),
+    ("prefix_cached_tokens", "prompt_tokens_cached_total",
+     "prompt tokens served from the prefix cache"),
 )
 
 
@@ -117,4 +127,9 @@ class ServerMetrics:
                 if isinstance(value, (int, float)):
                     lines += [f"# HELP {p}{name} {help_}", f"# TYPE {p}{name} gauge",
                               f"{p}{name} {_fmt(value)}"]
+            for attr, name, help_ in _COUNTERS:
+                value = getattr(stats, attr, None)
+                if isinstance(value, int):
+                    lines += [f"# HELP {p}{name} {help_}", f"# TYPE {p}{name} counter",
+                              f"{p}{name} {value}"]
         return "\n".join(lines) + "\n"

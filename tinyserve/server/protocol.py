@@ -14,6 +14,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from tinyserve.core import SamplingParams
 from tinyserve.server.errors import APIError
 
+# Fields other servers accept that would change the output here if they were ignored.
+_REJECTED_IF_SET = ("audio", "prediction", "web_search_options", "guided_json", "guided_regex",
+                    "guided_choice", "guided_grammar", "structured_outputs", "min_tokens",
+                    "include_stop_str_in_output", "best_of")
+_HARMLESS = {"min_tokens": 0, "best_of": 1}
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -68,6 +74,14 @@ class _Sampling(_Body):
     user: str | None = None
 
     def _unsupported_common(self) -> None:
+        extra = self.model_extra or {}
+        for name in _REJECTED_IF_SET:
+            value = extra.get(name)
+            if value not in (None, False, "", [], {}) and value != _HARMLESS.get(name):
+                raise APIError(400, f"{name} is not supported", param=name)
+        modalities = extra.get("modalities")
+        if modalities not in (None, ["text"]):
+            raise APIError(400, "only the text modality is supported", param="modalities")
         if self.n not in (None, 1):
             raise APIError(400, "n must be 1 (one choice per request)", param="n")
         if self.logit_bias:

@@ -220,3 +220,35 @@ def test_pool_on_cuda_matches_cpu(fmt: str) -> None:
         got = gpu.forward(3, q.cuda(), k.cuda(), v.cuda(), ctx_gpu, 256 ** -0.5)
         _compare(got.cpu(), ref, f"pool {fmt} {q_lens}/{prefix}")
     assert torch.equal(gpu.buffer.cpu(), cpu.buffer)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_tiny_model_on_cuda_close_to_bf16(fmt: str) -> None:
+    """The tiny head_dim-128 model on the GPU (bf16) with ISO KV against the bf16 backend:
+    chunked prefill and one-token decode steps; KL printed."""
+    pytest.importorskip("transformers")
+    from tests.model.hf_tiny import checkpoint
+    from tinyserve.engine.runner import ModelRunner
+    from tinyserve.kv.registry import create_kv_backend
+    from tinyserve.kv.state_pool import GDNStatePool
+    from tinyserve.model.qwen35 import Qwen35Model
+
+    cfg, w = checkpoint("bf16", "hd128")
+
+    def logits(kv_name: str, chunk: int) -> torch.Tensor:
+        kv = create_kv_backend(kv_name, layer_ids=list(cfg.full_attention_layers),
+                               num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                               num_pages=32, page_size=16, device="cuda", dtype=torch.bfloat16)
+        states = GDNStatePool.for_config(cfg, 2, device="cuda", dtype=torch.bfloat16)
+        model = Qwen35Model(cfg, w, kv=kv, states=states, device="cuda", dtype=torch.bfloat16)
+        return ModelRunner(model, page_size=16).logits(ids, chunk_size=chunk).float().cpu()
+
+    ids = torch.randint(0, 500, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        ref = logits("bf16", 16).log_softmax(-1)
+        for chunk in (16, 1):
+            got = logits(fmt, chunk).log_softmax(-1)
+            assert torch.isfinite(got).all()
+            kl = (ref.exp() * (ref - got)).sum(-1)
+            print(f"\n{fmt} chunk {chunk}: KL vs bf16 mean {kl.mean():.2e} max {kl.max():.2e}")
+            assert kl.max() < 0.05

@@ -380,3 +380,67 @@ def test_load_to_cuda(tiny_checkpoint, fmt):
             assert torch.equal(v.cpu(), cpu[name])
     assert gpu["layers.0.linear_attn.A_log"].dtype == torch.float32
     assert gpu["embed_tokens"].dtype == torch.bfloat16
+
+
+def _sparse_checkpoint(path: Path, cfg) -> Path:
+    """A ModelOpt NVFP4 (experts) checkpoint at full size whose data are holes: only the
+    header is real, so planning reads it exactly as it would the real thing."""
+    import struct
+
+    header, offset = {}, 0
+
+    def add(name: str, dtype: str, shape: tuple, itemsize: int) -> None:
+        nonlocal offset
+        n = itemsize
+        for d in shape:
+            n *= d
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset,
+                                                                                offset + n]}
+        offset += n
+
+    for name, (kind, shape) in expected_weights(cfg).items():
+        raw = name if name == "lm_head" else "model.language_model." + name
+        if kind == "linear" and parse_expert_name(name):
+            out, inp = shape
+            add(raw + ".weight", "U8", (out, inp // 2), 1)
+            add(raw + ".weight_scale", "F8_E4M3", (out, inp // 16), 1)
+            add(raw + ".weight_scale_2", "F32", (), 4)
+        elif kind == "linear":
+            add(raw + ".weight", "BF16", shape, 2)
+        else:
+            bare = name.endswith(("A_log", "dt_bias"))
+            add(raw + ("" if bare else ".weight"), "F32" if kind == "fp32" else "BF16",
+                (shape[0], 1, shape[1]) if kind == "conv" else shape,
+                4 if kind == "fp32" else 2)
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_5_moe", "text_config": {
+            "model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048,
+            "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2,
+            "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+            "linear_key_head_dim": 128, "linear_value_head_dim": 128, "num_experts": 256,
+            "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512, "eos_token_id": 248044,
+            "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25}}}))
+    blob = json.dumps(header).encode()
+    with open(path / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        f.truncate(8 + len(blob) + offset)
+    return path
+
+
+def test_plan_at_qwen35_35b_scale(tmp_path):
+    from tinyserve.model.config import ModelConfig
+
+    cfg = ModelConfig(eos_token_ids=(248044,))
+    path = _sparse_checkpoint(tmp_path / "big", cfg)
+    assert load_config(path) == cfg
+    plans = plan_weights(CheckpointReader(path), cfg)
+    experts = [p for p in plans if p.is_expert]
+    assert len(experts) == 40 * 256 * 3
+    assert {p.storage for p in experts} == {"modelopt"}
+    # specs/nvfp4.md §6: one W4A16 expert (gate + up + down) is 1,769,484 bytes
+    assert sum(p.nbytes for p in experts) == 40 * 256 * 1_769_484
+    assert CheckpointReader(path).tensor_info(
+        "model.language_model.layers.39.mlp.experts.255.down_proj.weight") == (
+        torch.uint8, (2048, 256))

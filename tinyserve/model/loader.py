@@ -17,9 +17,8 @@ import json
 import re
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -40,8 +39,7 @@ class CheckpointError(ValueError):
     """A checkpoint's files or tensors do not match what its config describes."""
 
 
-@dataclass(frozen=True)
-class TensorInfo:
+class TensorInfo(NamedTuple):
     """Where one tensor lives: its file, safetensors dtype name, shape and byte range."""
 
     name: str
@@ -81,7 +79,7 @@ class CheckpointReader:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from None
-            files = [self.path / f for f in dict.fromkeys(weight_map.values())]
+            files = [self.path / f for f in sorted(set(weight_map.values()))]
             for f in files:
                 if not f.is_file():
                     raise CheckpointError(f"{index}: shard file '{f.name}' is missing")
@@ -149,18 +147,17 @@ def _read_header(file: Path, file_index: int) -> list[TensorInfo]:
             header = json.loads(f.read(n))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{file}: not a valid safetensors file ({exc})") from None
-    infos, end = [], 0
+    infos, end, base = [], 0, 8 + n
     for name, meta in header.items():
         if name == "__metadata__":
             continue
         try:
             start, stop = meta["data_offsets"]
-            infos.append(TensorInfo(name, file, file_index, str(meta["dtype"]),
-                                    tuple(int(d) for d in meta["shape"]), 8 + n + start,
-                                    stop - start))
+            infos.append(TensorInfo(name, file, file_index, meta["dtype"], tuple(meta["shape"]),
+                                    base + start, stop - start))
+            end = stop if stop > end else end
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{file}: tensor '{name}' has a malformed header") from None
-        end = max(end, stop)
     if 8 + n + end > size:
         raise CheckpointError(f"{file}: file is truncated ({size} bytes, its header needs "
                               f"{8 + n + end})")

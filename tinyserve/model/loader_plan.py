@@ -26,7 +26,9 @@ from tinyserve.model.loader import (
 _LINEAR_PARAMS = ("weight", "weight_scale", "weight_scale_2", "weight_packed",
                   "weight_global_scale")
 _IGNORED_PARAMS = ("input_scale", "input_global_scale")
-_KV_SCALES = (".k_scale", ".v_scale", ".q_scale", ".prob_scale")
+# Dropped silently: KV-cache quantization scales (tinyserve has its own KV formats) and the
+# rotary tables some exporters save.
+_DROPPED = (".k_scale", ".v_scale", ".q_scale", ".prob_scale", "rotary_emb.inv_freq")
 STORAGES = ("dense", "modelopt", "compressed-tensors", "fp8")
 
 
@@ -157,7 +159,7 @@ def plan_weights(reader: CheckpointReader, config: ModelConfig) -> list[WeightPl
     keys: dict[str, str] = {}  # name without prefix -> checkpoint name
     for raw in reader.names():
         key = strip_prefix(raw)
-        if key is None or key.endswith(_KV_SCALES):  # KV-cache scales: tinyserve has its own
+        if key is None or key.endswith(_DROPPED):
             continue
         if key in keys:
             raise CheckpointError(f"{reader.info(raw).file}: tensor '{raw}' duplicates "

@@ -226,7 +226,7 @@ def _attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     try:
         res = torch.ops.aten._scaled_dot_product_flash_attention(
             q[None], k[None], v[None], 0.0, causal, False, scale=scale)
-        return res[0][0].float(), res[1][0].float()
+        return res[0][0].float(), res[1][0, :, : q.shape[1]].float()  # LSE may be padded
     except (RuntimeError, NotImplementedError):
         pass
     outs, lses = [], []

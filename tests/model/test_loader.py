@@ -234,6 +234,22 @@ def test_error_missing_shard(tmp_path, tiny_checkpoint):
                             f"'model-00002-of-00003.safetensors' is missing")
 
 
+def test_error_bad_index(tmp_path, tiny_checkpoint):
+    path = _copy(tiny_checkpoint("bf16-official"), tmp_path / "ck")
+    (path / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    assert _error(path) == (f"{path}/model.safetensors.index.json: not a valid safetensors "
+                            f"index ('weight_map')")
+
+
+def test_error_duplicate_under_two_prefixes(tmp_path, tiny_checkpoint):
+    path = _copy(tiny_checkpoint("bf16"), tmp_path / "ck")
+    _edit(path, lambda t: {**t, "model.language_model.norm.weight": t["model.norm.weight"] + 0})
+    msg = _error(path)
+    assert msg.startswith(f"{path}/model.safetensors: tensor '")
+    assert msg.endswith("' duplicates 'model.norm.weight'") or msg.endswith(
+        "' duplicates 'model.language_model.norm.weight'")
+
+
 def test_error_missing_tensor(tmp_path, tiny_checkpoint):
     path = _copy(tiny_checkpoint("bf16"), tmp_path / "ck")
     _edit(path, lambda t: {k: v for k, v in t.items() if k != "model.layers.2.mlp.gate.weight"})
@@ -243,6 +259,13 @@ def test_error_missing_tensor(tmp_path, tiny_checkpoint):
 def test_error_missing_quantization_tensor(tmp_path, tiny_checkpoint):
     path = _copy(tiny_checkpoint("modelopt"), tmp_path / "ck")
     name = "model.layers.1.mlp.experts.3.down_proj.weight_scale_2"
+    _edit(path, lambda t: {k: v for k, v in t.items() if k != name})
+    assert _error(path) == f"{path}: missing tensor '{name}'"
+
+
+def test_error_missing_compressed_tensors_scale(tmp_path, tiny_checkpoint):
+    path = _copy(tiny_checkpoint("compressed-tensors"), tmp_path / "ck")
+    name = "model.layers.3.self_attn.v_proj.weight_global_scale"
     _edit(path, lambda t: {k: v for k, v in t.items() if k != name})
     assert _error(path) == f"{path}: missing tensor '{name}'"
 

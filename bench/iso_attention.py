@@ -71,7 +71,7 @@ def _layers_needed(bytes_per_layer: int) -> int:
     return max(2, min(10, math.ceil(2 * l2 / max(1, bytes_per_layer))))
 
 
-def bench_decode_iso(fmt: str, batch: int, ctx: int) -> dict:
+def bench_decode_iso(fmt: str, batch: int, ctx: int, split_tokens: int | None = None) -> dict:
     rb = iso.packed_row_bytes(D, fmt)
     bytes_layer = 2 * batch * ctx * HKV * rb
     n_layers = _layers_needed(bytes_layer)
@@ -94,11 +94,13 @@ def bench_decode_iso(fmt: str, batch: int, ctx: int) -> dict:
     def run():
         for kc, vc in caches:
             iso_cuda.iso_decode_attention(q, kc, vc, table, lens, PAGE, fmt, D ** -0.5,
-                                          max_seq_len=ctx, out=out)
+                                          max_seq_len=ctx, out=out, split_tokens=split_tokens)
 
     us, method = _time_us(run, n_layers)
     chunk, splits = iso_cuda.plan_splits(batch, HKV, ctx,
                                          torch.cuda.get_device_properties(0).multi_processor_count)
+    if split_tokens:
+        chunk, splits = split_tokens, math.ceil(ctx / split_tokens)
     return dict(us=us, bytes=bytes_layer, GBps=bytes_layer / us / 1e3, method=method,
                 layers_in_rotation=n_layers, split_tokens=chunk, splits=splits)
 
@@ -179,6 +181,15 @@ def main() -> int:
                 print(json.dumps(row), flush=True)
                 res["decode"].append(row)
                 torch.cuda.empty_cache()
+    res["split_sweep"] = []  # iso3, batch 1, 32k: tokens per split (default marked in decode)
+    for split_tokens in (128, 256, 512, 1024):
+        row = dict(fmt="iso3", batch=1, context=32768, forced_split_tokens=split_tokens)
+        try:
+            row.update(bench_decode_iso("iso3", 1, 32768, split_tokens))
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = f"{type(exc).__name__}: {exc}"
+        print(json.dumps(row), flush=True)
+        res["split_sweep"].append(row)
     for prefix in (0, 2048, 8192, 16384, 30720):
         row = dict(fmt="iso3", chunk=2048, prefix=prefix)
         try:

@@ -158,12 +158,13 @@ def iso_dequant_rows(cache: torch.Tensor, slots: torch.Tensor, fmt: str, head_di
     return out
 
 
-def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int,
-                num_sms: int) -> tuple[int, int]:
-    """(tokens per split, number of splits): about two CTAs per SM, >= 256 tokens per split."""
+def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *,
+                min_tokens: int = MIN_SPLIT_TOKENS, ctas_per_sm: int = 2) -> tuple[int, int]:
+    """(tokens per split, number of splits): about `ctas_per_sm` CTAs per SM and at least
+    `min_tokens` tokens per split (rounded to the 32-token tile)."""
     max_seq_len = max(1, max_seq_len)
-    want = max(1, math.ceil(2 * num_sms / max(1, batch * num_kv_heads)))
-    splits = max(1, min(math.ceil(max_seq_len / MIN_SPLIT_TOKENS), want))
+    want = max(1, math.ceil(ctas_per_sm * num_sms / max(1, batch * num_kv_heads)))
+    splits = max(1, min(math.ceil(max_seq_len / max(1, min_tokens)), want))
     chunk = math.ceil(math.ceil(max_seq_len / splits) / _TILE) * _TILE
     return chunk, math.ceil(max_seq_len / chunk)
 
@@ -171,14 +172,17 @@ def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int,
 def iso_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
                          fmt: str, scale: float, *, max_seq_len: int | None = None,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None,
+                         split_tokens: int | None = None) -> torch.Tensor:
     """One query per sequence over its packed K/V (rotated-space, split-K).
 
     Args:
         q: [B, Hq, D] float (CUDA); Hq / Hkv in {1, 2, 4, 8, 16} (D=128) or {1, 2, 4, 8} (D=256).
         k_cache, v_cache: uint8 [slots, Hkv, row_bytes].
         page_table: int32 [B, max_pages]; seq_lens: int32 [B] (>= 1, the new token included).
-        max_seq_len: an upper bound of seq_lens (avoids a device sync; needed under CUDA graphs).
+        max_seq_len: an upper bound of seq_lens (avoids a device sync; needed under CUDA graphs:
+            the split grid covers exactly max_seq_len tokens, so it must not be exceeded).
+        split_tokens: force this many tokens per split (tuning); default from `plan_splits`.
     Returns:
         [B, Hq, D] in q's dtype (or written into `out`).
     """
@@ -201,7 +205,11 @@ def iso_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item()) if b else 1
     props = torch.cuda.get_device_properties(q.device)
-    chunk, splits = plan_splits(b, hkv, max_seq_len, props.multi_processor_count)
+    if split_tokens:
+        chunk = math.ceil(split_tokens / _TILE) * _TILE
+        splits = math.ceil(max(1, max_seq_len) / chunk)
+    else:
+        chunk, splits = plan_splits(b, hkv, max_seq_len, props.multi_processor_count)
     if out is None:
         out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     if b == 0:

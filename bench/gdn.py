@@ -151,7 +151,7 @@ def bench_prefill(lens: list[int], init: list[bool], ref_prefix: int | None,
         try:
             def run(r, m=method, bv=bv, prec=prec):
                 return gdn.gdn_prefill(*args, r, slots, cu, has, method=m, block_v=bv,
-                                       dot_precision=prec)
+                                       dot_precision=prec, fallback=False)
             r1 = rec0.clone()
             o1 = run(r1)
             out[f"{name}_rel_err_out"] = _rel(o1, o_ref)

@@ -112,7 +112,8 @@ def check_gdn_prefill(sh: Shape, lens: list[int], init: list[bool], device: str,
     out = torch.full((T, sh.Hv, sh.dv), float("nan"), dtype=dtype, device=device)
     gdn.gdn_prefill(*inputs, pool, torch.tensor(slots, device=device), _cu(lens, device),
                     torch.tensor(init, device=device), out=out, backend="triton",
-                    method=method, chunk_size=chunk_size, dot_precision=precision)
+                    method=method, chunk_size=chunk_size, dot_precision=precision,
+                    fallback=False)
     out_tol = max(tol, 1e-2 if dtype == torch.bfloat16 else tol)
     assert _rel(out, want_o) < out_tol
     assert _rel(pool[slots], want_pool[slots]) < tol

@@ -267,7 +267,8 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
                 recurrent_pool: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
                 has_initial_state: torch.Tensor, *, out: torch.Tensor | None = None,
                 backend: str = "auto", method: str = "chunk", chunk_size: int = 64,
-                block_v: int = 32, dot_precision: str = "tf32x3") -> torch.Tensor:
+                block_v: int = 32, dot_precision: str = "tf32x3",
+                fallback: bool = True) -> torch.Tensor:
     """Gated delta rule over a varlen batch (prefill chunks and decode rows mixed).
 
     Args:
@@ -276,6 +277,8 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
         int32 offsets into T; has_initial_state: [B] bool (false -> zero initial state, slot
         not read).
         method: "chunk" (chunked form, `chunk_size` >= 16, power of two) or "recurrent".
+        fallback: when the chunk kernel fails to BUILD, log it once and use the recurrent
+            kernel from then on (False: raise).
         dot_precision: of the chunk kernels' fp32 dots: "tf32x3" (default: tensor cores,
             fp32-level accuracy), "ieee" (CUDA-core FMA; large unrolled code, spills on sm_90)
             or "tf32" (fastest, ~1e-3 relative).
@@ -300,7 +303,7 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
             return _launch_chunk(q, k, v, a, b, A_log, dt_bias, recurrent_pool, slots, cu,
                                  init, y, chunk_size, block_v, dot_precision)
         except Exception as e:  # noqa: BLE001 - a build failure falls back to the recurrence
-            if not _is_build_error(e):
+            if not (fallback and _is_build_error(e)):
                 raise
             log.warning("GDN chunk kernel failed to build (%s); using the recurrent kernel", e)
             _chunk_broken(set_broken=True)

@@ -299,3 +299,41 @@ def test_cuda_auto_backend_is_triton_and_matches_torch() -> None:
                          torch.tensor(init, device="cuda"), backend="torch")
     assert _rel(o1, o2) < 1e-2
     assert _rel(p1[[3, 5]], p2[[3, 5]]) < 1e-4
+
+
+# --------------------------------------------------------------------------------------------
+# Ahead-of-time build for sm_90 on a machine without a GPU (slow: ~2-4 min on 2 cores)
+
+_PTR_TYPES = {"alog_ptr": "*fp32", "dtb_ptr": "*fp32", "ti_ptr": "*fp32", "slots_ptr": "*i64",
+              "cu_ptr": "*i32", "init_ptr": "*i32", "seq_ptr": "*i32", "cseq_ptr": "*i32",
+              "cstart_ptr": "*i32", "scale": "fp32"}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(INTERP, reason="needs the compiler, not the interpreter")
+def test_kernels_build_for_sm90() -> None:
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tinyserve.kernels import _gdn_triton
+
+    ks = _gdn_triton.build()
+    cases = [
+        (ks.conv1d_update, dict(K=4, KP=4, BLOCK_C=256), 4),
+        (ks.conv1d_varlen, dict(K=4, BLOCK_T=16, BLOCK_C=256), 4),
+        (ks.conv1d_state_writeback, dict(K=4, KP=4, BLOCK_C=256), 4),
+        (ks.gdn_recurrent, dict(IS_VARLEN=False, BK=128, BV=32), 4),
+        (ks.gdn_recurrent, dict(IS_VARLEN=True, BK=128, BV=32), 4),
+        (ks.gdn_chunk_prep, dict(BT=64, BK=128, PREC="tf32x3"), 4),
+        (ks.gdn_chunk, dict(BT=64, BK=128, BV=32, PREC="tf32x3"), 8),
+    ]
+    for jf, constexprs, warps in cases:
+        sig = {n: "constexpr" if n in constexprs
+               else _PTR_TYPES.get(n, "*bf16" if n.endswith("_ptr") else "i32")
+               for n in jf.arg_names}
+        if "pool_ptr" in sig:
+            sig["pool_ptr"] = "*bf16" if "conv1d" in jf.fn.__name__ else "*fp32"
+        k = triton.compile(ASTSource(jf, sig, constexprs), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": warps})
+        assert k.metadata.shared <= 227 * 1024, f"{jf.fn.__name__}: too much shared memory"

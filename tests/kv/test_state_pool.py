@@ -48,6 +48,20 @@ def test_alloc_free_reset() -> None:
         pool.reset(5)
 
 
+def test_copy_slot() -> None:
+    pool = _pool()
+    pool.conv.normal_()
+    pool.recurrent.normal_()
+    before = pool.conv[:, 1].clone(), pool.recurrent[:, 1].clone()
+    pool.copy_slot(2, 0)
+    assert torch.equal(pool.conv[:, 0], pool.conv[:, 2])
+    assert torch.equal(pool.recurrent[:, 0], pool.recurrent[:, 2])
+    assert torch.equal(pool.conv[:, 1], before[0]) and torch.equal(pool.recurrent[:, 1], before[1])
+    pool.copy_slot(1, 1)
+    with pytest.raises(ValueError):
+        pool.copy_slot(0, 3)
+
+
 def test_for_config_35b_sizes() -> None:
     cfg = ModelConfig()
     assert GDNStatePool.bytes_per_slot(cfg) == 30 * (32 * 128 * 128 * 4 + 8192 * 3 * 2)

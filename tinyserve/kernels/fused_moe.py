@@ -291,13 +291,13 @@ def _moe_dot(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
     s13, s2, g13, g2 = _scales(slots, wts)
     inter = torch.empty(pairs, f, device=x.device, dtype=x.dtype)
     kern.moe_dot_gate_up_kernel[(num_blocks, -(-f // MOE_DOT_BLOCK_N))](
-        x, block_slot, sorted_pairs, slots.w13, s13, g13, inter, h, f, topk, pairs,
-        x.stride(0), IS_FP4=fp4, BLOCK_M=block_m, BLOCK_N=MOE_DOT_BLOCK_N,
+        x, block_slot, sorted_pairs, slots.w13, s13, g13, inter, topk, pairs, x.stride(0),
+        H=h, F=f, IS_FP4=fp4, BLOCK_M=block_m, BLOCK_N=MOE_DOT_BLOCK_N,
         BLOCK_K=MOE_DOT_BLOCK_K, num_warps=4)
     pair_out = torch.empty(pairs, h, device=x.device, dtype=torch.float32)
     kern.moe_dot_down_kernel[(num_blocks, -(-h // MOE_DOT_BLOCK_N))](
-        inter, block_slot, sorted_pairs, wts, slots.w2, s2, g2, pair_out, h, f, pairs,
-        IS_FP4=fp4, BLOCK_M=block_m, BLOCK_N=MOE_DOT_BLOCK_N, BLOCK_K=MOE_DOT_BLOCK_K,
+        inter, block_slot, sorted_pairs, wts, slots.w2, s2, g2, pair_out, pairs,
+        H=h, F=f, IS_FP4=fp4, BLOCK_M=block_m, BLOCK_N=MOE_DOT_BLOCK_N, BLOCK_K=MOE_DOT_BLOCK_K,
         num_warps=4)
     return pair_out
 

@@ -122,8 +122,8 @@ def _dot(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int) -> torch.Tenso
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     grid = (triton_cdiv(m, block_m) * triton_cdiv(n, block_n),)
     kern.nvfp4_dot_kernel[grid](x, w.packed, w.block_scale, out, float(w.global_scale), m, n,
-                                k, x.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
-                                BLOCK_K=block_k, num_warps=4)
+                                k, x.stride(0), k // 2, k // 16, BLOCK_M=block_m,
+                                BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return out
 
 
@@ -137,8 +137,8 @@ def nvfp4_dequantize(w: NVFP4Weight, dtype: torch.dtype = torch.bfloat16, *,
     block_n, block_k = 32, 128
     grid = (triton_cdiv(r1 - r0, block_n), triton_cdiv(k, block_k))
     kern.nvfp4_dequant_kernel[grid](w.packed[r0:r1], w.block_scale[r0:r1], out,
-                                    float(w.global_scale), r1 - r0, k, BLOCK_N=block_n,
-                                    BLOCK_K=block_k, num_warps=4)
+                                    float(w.global_scale), r1 - r0, k, k // 2, k // 16,
+                                    BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return out
 
 

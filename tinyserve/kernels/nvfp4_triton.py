@@ -89,55 +89,51 @@ def nvfp4_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, factor, M, N, K, stride_xm, 
 
 
 @triton.jit
-def _dequant_tile(w_ptr, s_ptr, rows, row_mask, K, byte, byte_mask):
-    """[BK/2, BN] even-element and odd-element weights of `rows` at byte columns `byte`, as
-    fp32 E2M1 * e4m3 (exact in bf16/fp16), from codes [rows, K/2] and scales [rows, K/16]."""
+def _dequant_tile(w_ptr, s_ptr, rows, row_mask, k0, K, SW, SS,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BN, BK] fp32 E2M1 * e4m3 (exact in bf16/fp16) of `rows` at inputs k0..k0+BK, from codes
+    [rows, SW bytes] and scales [rows, SS bytes] (row strides; divisible by 16 -> wide loads)."""
     rows64 = rows.to(tl.int64)
-    ok = byte_mask[:, None] & row_mask[None, :]
-    packed = tl.load(w_ptr + rows64[None, :] * (K // 2) + byte[:, None], mask=ok, other=0)
-    packed = packed.to(tl.int32)
-    raw = tl.load(s_ptr + rows64[None, :] * (K // 16) + (byte // 8)[:, None], mask=ok, other=0)
+    byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    blk = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    packed = tl.load(w_ptr + rows64[:, None] * SW + byte[None, :],
+                     mask=row_mask[:, None] & (byte < K // 2)[None, :], other=0)
+    packed = packed.to(tl.int32)  # [BN, BK/2]
+    raw = tl.load(s_ptr + rows64[:, None] * SS + blk[None, :],
+                  mask=row_mask[:, None] & (blk < K // 16)[None, :], other=0)  # [BN, BK/16]
     scale = _e4m3(raw) * FP4_UNIT_C
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, BLOCK_K // 16, 8]),
+                       [BLOCK_N, BLOCK_K // 2])
     lo = _e2m1(packed & 15) * scale
     hi = _e2m1(packed >> 4) * scale
-    return lo, hi
+    return tl.interleave(lo, hi)  # element 2j = low nibble of byte j
 
 
 @triton.jit
-def _tile_dot(acc, x_rows, x_mask, w_ptr, s_ptr, rows, row_mask, K,
-              IS_FP4: tl.constexpr, BLOCK_K: tl.constexpr):
+def _tile_dot(acc, x_rows, x_mask, w_ptr, s_ptr, rows, row_mask, K, SW, SS,
+              IS_FP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc [BM, BN] += x[BM, :K] @ W[rows, :K].T with tensor cores, W in x's dtype.
 
     `x_rows` [BM] pointers to rows of x. IS_FP4: W from codes/scales (without the global
-    scale; even and odd inputs as two dots), else a dense [rows, K] weight.
+    scale; row strides SW, SS bytes), else a dense weight with row stride SW elements.
     """
-    if IS_FP4:
-        offs_b = tl.arange(0, BLOCK_K // 2)
-        for k0 in range(0, K, BLOCK_K):
-            byte = k0 // 2 + offs_b
-            b_mask = byte < K // 2
-            lo, hi = _dequant_tile(w_ptr, s_ptr, rows, row_mask, K, byte, b_mask)
-            xm = x_mask[:, None] & b_mask[None, :]
-            x_even = tl.load(x_rows[:, None] + 2 * byte[None, :], mask=xm, other=0.0)
-            x_odd = tl.load(x_rows[:, None] + 2 * byte[None, :] + 1, mask=xm, other=0.0)
-            acc += tl.dot(x_even, lo.to(x_even.dtype))
-            acc += tl.dot(x_odd, hi.to(x_odd.dtype))
-    else:
-        offs_k = tl.arange(0, BLOCK_K)
-        rows64 = rows.to(tl.int64)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + offs_k
-            k_mask = kk < K
-            xv = tl.load(x_rows[:, None] + kk[None, :], mask=x_mask[:, None] & k_mask[None, :],
-                         other=0.0)
-            wv = tl.load(w_ptr + rows64[None, :] * K + kk[:, None],
-                         mask=k_mask[:, None] & row_mask[None, :], other=0.0)
-            acc += tl.dot(xv, wv.to(xv.dtype))
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < K
+        xv = tl.load(x_rows[:, None] + kk[None, :], mask=x_mask[:, None] & k_mask[None, :],
+                     other=0.0)  # [BM, BK]
+        if IS_FP4:
+            w = _dequant_tile(w_ptr, s_ptr, rows, row_mask, k0, K, SW, SS, BLOCK_N, BLOCK_K)
+        else:
+            w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * SW + kk[None, :],
+                        mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += tl.dot(xv, tl.trans(w.to(xv.dtype)))
     return acc
 
 
 @triton.jit
-def nvfp4_dot_kernel(x_ptr, w_ptr, s_ptr, out_ptr, gs, M, N, K, stride_xm,
+def nvfp4_dot_kernel(x_ptr, w_ptr, s_ptr, out_ptr, gs, M, N, K, stride_xm, stride_w, stride_s,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # out[m, n] = gs * sum_k x[m, k] * (E2M1 * e4m3)[n, k]
     pid = tl.program_id(0)
@@ -150,25 +146,26 @@ def nvfp4_dot_kernel(x_ptr, w_ptr, s_ptr, out_ptr, gs, M, N, K, stride_xm,
     row_mask = rows < N
     x_rows = x_ptr + offs_m.to(tl.int64) * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc = _tile_dot(acc, x_rows, m_mask, w_ptr, s_ptr, rows, row_mask, K, True, BLOCK_K)
+    acc = _tile_dot(acc, x_rows, m_mask, w_ptr, s_ptr, rows, row_mask, K, stride_w, stride_s,
+                    True, BLOCK_N, BLOCK_K)
     out = out_ptr + offs_m.to(tl.int64)[:, None] * N + rows[None, :]
     tl.store(out, (acc * gs).to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & row_mask[None, :])
 
 
 @triton.jit
-def nvfp4_dequant_kernel(w_ptr, s_ptr, out_ptr, gs, N, K,
+def nvfp4_dequant_kernel(w_ptr, s_ptr, out_ptr, gs, N, K, stride_w, stride_s,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # out[n, k] = gs * E2M1 * e4m3, out [N, K] row-major in out's dtype
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    byte = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    k0 = tl.program_id(1) * BLOCK_K
     row_mask = rows < N
-    b_mask = byte < K // 2
-    lo, hi = _dequant_tile(w_ptr, s_ptr, rows, row_mask, K, byte, b_mask)
-    ok = b_mask[:, None] & row_mask[None, :]
-    out = out_ptr + rows.to(tl.int64)[None, :] * K + 2 * byte[:, None]
-    tl.store(out, (lo * gs).to(out_ptr.dtype.element_ty), mask=ok)
-    tl.store(out + 1, (hi * gs).to(out_ptr.dtype.element_ty), mask=ok)
+    w = _dequant_tile(w_ptr, s_ptr, rows, row_mask, k0, K, stride_w, stride_s, BLOCK_N,
+                      BLOCK_K)
+    kk = k0 + tl.arange(0, BLOCK_K)
+    out = out_ptr + rows.to(tl.int64)[:, None] * K + kk[None, :]
+    tl.store(out, (w * gs).to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & (kk < K)[None, :])
 
 
 # --------------------------------------------------------------------------------------------
@@ -239,9 +236,9 @@ def moe_down_kernel(inter_ptr, ids_ptr, wt_ptr, w_ptr, s_ptr, gs_ptr, out_ptr,
 
 @triton.jit
 def moe_dot_gate_up_kernel(x_ptr, block_slot_ptr, sorted_pairs_ptr, w_ptr, s_ptr, gs_ptr,
-                           inter_ptr, H, F, TOPK, P, stride_xm,
-                           IS_FP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
+                           inter_ptr, TOPK, P, stride_xm,
+                           H: tl.constexpr, F: tl.constexpr, IS_FP4: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # inter[p, f] = silu(x[t] . W13[slot, f]) * (x[t] . W13[slot, F + f]) for the pairs p of
     # one block (all of one slot); inter is in x's dtype
     pid_b = tl.program_id(0)
@@ -259,10 +256,13 @@ def moe_dot_gate_up_kernel(x_ptr, block_slot_ptr, sorted_pairs_ptr, w_ptr, s_ptr
     else:
         w_slot = w_ptr + slot * (2 * F) * H
         s_slot = s_ptr
+    SW: tl.constexpr = H // 2 if IS_FP4 else H
     g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    g = _tile_dot(g, x_rows, valid, w_slot, s_slot, rows, row_mask, H, IS_FP4, BLOCK_K)
+    g = _tile_dot(g, x_rows, valid, w_slot, s_slot, rows, row_mask, H, SW, H // 16, IS_FP4,
+                  BLOCK_N, BLOCK_K)
     u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    u = _tile_dot(u, x_rows, valid, w_slot, s_slot, rows + F, row_mask, H, IS_FP4, BLOCK_K)
+    u = _tile_dot(u, x_rows, valid, w_slot, s_slot, rows + F, row_mask, H, SW, H // 16, IS_FP4,
+                  BLOCK_N, BLOCK_K)
     if IS_FP4:
         g = g * tl.load(gs_ptr + 2 * slot)  # NOTE: dot tiles already carry FP4_UNIT
         u = u * tl.load(gs_ptr + 2 * slot + 1)
@@ -273,9 +273,9 @@ def moe_dot_gate_up_kernel(x_ptr, block_slot_ptr, sorted_pairs_ptr, w_ptr, s_ptr
 
 @triton.jit
 def moe_dot_down_kernel(inter_ptr, block_slot_ptr, sorted_pairs_ptr, wt_ptr, w_ptr, s_ptr,
-                        gs_ptr, out_ptr, H, F, P,
-                        IS_FP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        gs_ptr, out_ptr, P,
+                        H: tl.constexpr, F: tl.constexpr, IS_FP4: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # out[p, h] = topk_weight[p] * inter[p] . W2[slot, h]
     pid_b = tl.program_id(0)
     slot = tl.load(block_slot_ptr + pid_b).to(tl.int64)
@@ -291,9 +291,10 @@ def moe_dot_down_kernel(inter_ptr, block_slot_ptr, sorted_pairs_ptr, wt_ptr, w_p
     else:
         w_slot = w_ptr + slot * H * F
         s_slot = s_ptr
+    SW: tl.constexpr = F // 2 if IS_FP4 else F
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc = _tile_dot(acc, inter_ptr + pairs * F, valid, w_slot, s_slot, rows, row_mask, F,
-                    IS_FP4, BLOCK_K)
+    acc = _tile_dot(acc, inter_ptr + pairs * F, valid, w_slot, s_slot, rows, row_mask, F, SW,
+                    F // 16, IS_FP4, BLOCK_N, BLOCK_K)
     factor = tl.load(wt_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
     if IS_FP4:
         factor = factor * tl.load(gs_ptr + slot)

@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -168,6 +169,7 @@ def main() -> int:
     result: dict[str, Any] = {
         "benchmark": "serve", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "torch": torch.__version__, "python": platform.python_version(),
+        "host_load_average": os.getloadavg(),
         "device": (torch.cuda.get_device_name() if args.device.startswith("cuda")
                    else platform.processor() or platform.machine()),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -190,6 +192,10 @@ def main() -> int:
             url + "/v1/models", headers={"Authorization": f"Bearer {args.api_key}"}
             if args.api_key else {}).json()["data"][0]["id"]
         result["model_id"] = model
+        # warm up both paths (first-request costs are not what this measures)
+        asyncio.run(_http_case(url, model, _prompts(2, args.prompt_words), 4, 2, args.api_key))
+        if engine is not None:
+            _engine_case(engine, _prompts(2, args.prompt_words), 4, 2)
         for c in args.concurrency:
             n = args.requests or max(8, 2 * c)
             prompts = _prompts(n, args.prompt_words)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 
 import httpx
@@ -359,3 +360,19 @@ def test_metrics(server):
     assert f"tinyserve:inter_token_latency_seconds_count {len(REASONING) - 1}" in text
     assert "tinyserve:kv_pages_total 64" in text
     assert "tinyserve:num_requests_running 0" in text
+
+
+def test_engine_side_abort_is_503(make_server):
+    with make_server(engine_kw={"prefill_s": 30}) as (url, engine, _):
+        result = {}
+
+        def call() -> None:
+            result["r"] = httpx.post(url + "/v1/chat/completions", timeout=30,
+                                     json={"model": MODEL, "messages": _msgs("Hi")})
+
+        t = threading.Thread(target=call)
+        t.start()
+        assert _wait(lambda: engine.stats().num_running == 1)
+        engine.abort(next(iter(engine._active)))  # as the engine does when it shuts down
+        t.join(10)
+        _err(result["r"], 503)

@@ -75,6 +75,13 @@ async def generate(state: ServerState, request: Request, fmt: Formatter,
     return await run.collect(request)
 
 
+def _failure(out: Any) -> APIError:
+    """The error for a request the engine ended by itself (a failure, or its shutdown)."""
+    if out.finish_reason == "abort":
+        return APIError(503, f"the request was stopped: {out.error or 'engine shutdown'}")
+    return APIError(500, f"generation failed: {out.error}")
+
+
 class _Run:
     """One submitted request on its way back to the client."""
 
@@ -138,9 +145,9 @@ class _Run:
                     yield sse(chunk)
                 if not out.finished:
                     continue
-                if out.finish_reason == "error":
-                    self._done("error")
-                    yield sse(error_body(f"generation failed: {out.error}", "server_error"))
+                if out.finish_reason in ("error", "abort"):  # abort here: engine shutdown
+                    self._done(out.finish_reason)
+                    yield sse(_failure(out).body())
                     return
                 chunks = fmt.on_finish(out.finish_reason)
                 self._done(fmt.finish_reason or "stop")
@@ -178,9 +185,9 @@ class _Run:
                 fmt.on_text(out.text or "")
                 if out.finished:
                     break
-            if out.finish_reason == "error":
-                self._done("error")
-                raise APIError(500, f"generation failed: {out.error}")
+            if out.finish_reason in ("error", "abort"):
+                self._done(out.finish_reason)
+                raise _failure(out)
             fmt.on_finish(out.finish_reason)
             self._done(fmt.finish_reason or "stop")
             return JSONResponse(fmt.body(self.prompt_tokens, self.completion_tokens,

@@ -28,14 +28,18 @@ def e2m1_table(device: torch.device | str = "cpu") -> torch.Tensor:
     return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
 
 
+def _exp2i(e: torch.Tensor) -> torch.Tensor:
+    """2**e as fp32, exactly, for integer e in [-126, 127] (built from the exponent bits)."""
+    return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
 def e4m3_to_float(bits: torch.Tensor) -> torch.Tensor:
     """Decode FP8 E4M3 (float8_e4m3fn) from its uint8 bits to fp32; 0x7F / 0xFF give NaN."""
     b = bits.to(torch.int32)
     exp = (b >> 3) & 0xF
     man = (b & 0x7).to(torch.float32)
-    normal = torch.ldexp(1.0 + man / 8.0, exp - 7)
-    subnormal = torch.ldexp(man / 8.0, torch.full_like(exp, -6))
-    mag = torch.where(exp == 0, subnormal, normal)
+    # E > 0: 2**(E-7) * (1 + m/8); E == 0: 2**-6 * m/8 = m * 2**-9 (all products exact)
+    mag = torch.where(exp == 0, man * 2.0**-9, (8.0 + man) * _exp2i(exp - 10))
     mag = torch.where((b & 0x7F) == 0x7F, torch.full_like(mag, float("nan")), mag)
     return torch.where((b & 0x80) != 0, -mag, mag)
 
@@ -47,7 +51,7 @@ def float_to_e4m3_bits(x: torch.Tensor) -> torch.Tensor:
     mant, exp = torch.frexp(a)  # a = mant * 2**exp, mant in [0.5, 1)
     e = (exp - 1).clamp(min=-6)  # unbiased exponent, subnormals share -6
     # a / 2**(e-3) lies in [8, 16) for normals, [0, 8) for subnormals; RNE to an integer.
-    steps = torch.round(torch.ldexp(a, 3 - e)).to(torch.int32)
+    steps = torch.round(a * _exp2i((3 - e).clamp(max=127))).to(torch.int32)
     bits = torch.where(a >= 2.0**-6, ((e + 7) << 3) + steps - 8, steps)
     bits = torch.where(a > E4M3_MAX, torch.full_like(bits, 0x7E), bits.clamp(max=0x7E))
     bits = torch.where(torch.isnan(x), torch.full_like(bits, 0x7F), bits)

@@ -83,6 +83,13 @@ class DeviceExpertCache:
         self._log_slots = torch.full((L, self.victim_len), -1, **i32)
         self._calls: list[tuple[int, int]] = []  # (layer, number of ids) since begin_step
         self._last_calls: list[tuple[int, int]] = []
+        # Layer l's victims: the policy order's entries l, l+L, l+2L, ... first (so decode
+        # layers share the best victims without overlap), then the rest in order.
+        n = self._victim_n = min(num_slots, L * self.victim_len)
+        idx = torch.arange(n)
+        self._victim_perm = torch.stack([
+            torch.cat([idx[layer::L], idx[idx % L != layer]])[:self.victim_len]
+            for layer in range(L)])
         self._fill_victims()
 
     @property
@@ -122,11 +129,8 @@ class DeviceExpertCache:
         """Victim lists from the policy: disjoint per layer while the pool allows."""
         if self.mode != "device":
             return
-        L, V, S = self.num_layers, self.victim_len, self.num_slots
-        order = self.policy.victims(min(S, L * V))
-        n = len(order)
-        lists = [[order[(layer * V + j) % n] for j in range(V)] for layer in range(L)]
-        self.victims.copy_(torch.tensor(lists, dtype=torch.int32))
+        order = torch.tensor(self.policy.victims(self._victim_n), dtype=torch.int32)
+        self.victims.copy_(order[self._victim_perm])
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -163,6 +167,25 @@ class DeviceExpertCache:
             lk.copy_rows_ref(self.store.slots, self.slots, rows, dst)
         self._calls.append((layer, len(ids)))
         return torch.tensor(slots, dtype=torch.int32, device=self.device).view(topk_ids.shape)
+
+    def preload_all(self) -> None:
+        """Copy every expert into slot = row (needs num_slots >= layers x experts): the
+        all-resident configuration through the same lookup and kernels."""
+        rows = self.num_layers * self.num_experts
+        if self.num_slots < rows:
+            raise ValueError(f"{self.num_slots} slots cannot hold all {rows} experts")
+        for name in lk.FIELDS:
+            src, dst = getattr(self.store.slots, name), getattr(self.slots, name)
+            if src is not None:
+                dst[:rows].copy_(src, non_blocking=True)
+        ar = torch.arange(rows, dtype=torch.int32, device=self.device)
+        self.table[:rows] = ar
+        self.owner[:rows] = ar
+        for r in range(rows):
+            self.policy.observe(r // self.num_experts, [r % self.num_experts], [r], [True])
+        self.policy.end_step()
+        self.policy.stats = CacheStats()
+        self._fill_victims()
 
     def resident(self) -> dict[tuple[int, int], int]:
         """(layer, expert) -> slot, read from the device table (a synchronisation)."""

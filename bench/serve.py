@@ -186,20 +186,26 @@ def main() -> int:
     url = args.url
     try:
         if url is None:
-            url, engine, stop = _start_tiny_server(args.device)
+            engine = _tiny_engine(args.device)
             result["model"] = "tiny random checkpoint (tinyserve.testing)"
-        model = args.model or httpx.get(
-            url + "/v1/models", headers={"Authorization": f"Bearer {args.api_key}"}
-            if args.api_key else {}).json()["data"][0]["id"]
-        result["model_id"] = model
-        # warm up both paths (first-request costs are not what this measures)
-        asyncio.run(_http_case(url, model, _prompts(2, args.prompt_words), 4, 2, args.api_key))
-        if engine is not None:
-            _engine_case(engine, _prompts(2, args.prompt_words), 4, 2)
+            _engine_case(engine, _prompts(2, args.prompt_words), 4, 2)  # warm-up
+            try:
+                url, stop = _start_tiny_server(engine)
+            except ImportError as exc:  # e.g. a GPU box without fastapi: engine numbers only
+                result["server_error"] = f"cannot start the server: {exc}"
+        if url is not None:
+            model = args.model or httpx.get(
+                url + "/v1/models", headers={"Authorization": f"Bearer {args.api_key}"}
+                if args.api_key else {}).json()["data"][0]["id"]
+            result["model_id"] = model
+            asyncio.run(_http_case(url, model, _prompts(2, args.prompt_words), 4, 2,
+                                   args.api_key))  # warm-up
         for c in args.concurrency:
             n = args.requests or max(8, 2 * c)
             prompts = _prompts(n, args.prompt_words)
             for kind in ("server", "baseline"):
+                if url is None and kind == "server":
+                    continue
                 case = {"concurrency": c, "requests": n,
                         "path": "http" if kind == "server" else
                         ("engine" if engine is not None else "http, concurrency 1")}
@@ -224,26 +230,32 @@ def main() -> int:
     finally:
         if stop is not None:
             stop()
+        if engine is not None:
+            engine.shutdown()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0
 
 
-def _start_tiny_server(device: str) -> tuple[str, Any, Any]:
-    import socket
-
-    import uvicorn
-
+def _tiny_engine(device: str) -> Any:
     from tinyserve.engine.build import build_engine
     from tinyserve.engine.config import EngineConfig
-    from tinyserve.server.app import create_app
-    from tinyserve.server.state import ServerConfig, ServerState
     from tinyserve.testing import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny", fmt="bf16",
                                 max_position_embeddings=2048)
-    engine = build_engine(EngineConfig(model=str(ckpt), device=device, max_seqs=16)).start()
+    return build_engine(EngineConfig(model=str(ckpt), device=device, max_seqs=16)).start()
+
+
+def _start_tiny_server(engine: Any) -> tuple[str, Any]:
+    import socket
+
+    import uvicorn
+
+    from tinyserve.server.app import create_app
+    from tinyserve.server.state import ServerConfig, ServerState
+
     state = ServerState(ServerConfig(served_model_name="tiny"), engine)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -260,9 +272,8 @@ def _start_tiny_server(device: str) -> tuple[str, Any, Any]:
     def stop() -> None:
         server.should_exit = True
         thread.join(10)
-        engine.shutdown()
 
-    return f"http://127.0.0.1:{port}", engine, stop
+    return f"http://127.0.0.1:{port}", stop
 
 
 if __name__ == "__main__":

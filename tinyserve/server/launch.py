@@ -115,6 +115,8 @@ def _load(state: ServerState, args: Any, model: str, server: Any, show_progress:
         state.set_progress(0.0, "resolving")
         path = resolve_model_path(model)
         config = EngineConfig.from_args(args, model=str(path))
+        import transformers  # noqa: F401  (so its import does not count as weights loading)
+
         watcher = _ProgressWatcher(state, _weight_bytes(path), show_progress)
         engine = build_engine(config)
         watcher.close(ok=True)

@@ -1,0 +1,74 @@
+"""The server over the tiny checkpoint on CUDA (kernels instead of references): greedy stream ==
+non-streamed text, concurrent streams == the same requests alone, aborts free the pages.
+Needs fastapi, uvicorn and openai on the GPU machine (skipped otherwise)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+pytestmark = pytest.mark.requires_cuda
+
+
+@pytest.fixture(scope="module")
+def gpu_live(tiny_checkpoint):
+    from tests.server.fakes import serve
+    from tinyserve.engine.build import build_engine
+    from tinyserve.engine.config import EngineConfig
+    from tinyserve.server.app import create_app
+    from tinyserve.server.state import ServerConfig, ServerState
+
+    engine = build_engine(EngineConfig(model=str(tiny_checkpoint(max_position_embeddings=2048)),
+                                       device="cuda", max_seqs=8, max_context=1024)).start()
+    try:
+        with serve(create_app(ServerState(ServerConfig(served_model_name="tiny"), engine))
+                   ) as url:
+            yield url, engine
+    finally:
+        engine.shutdown()
+
+
+def _run(client, prompt: str, n: int, stream: bool) -> str:
+    kw = dict(model="tiny", messages=[{"role": "user", "content": prompt}], temperature=0,
+              max_tokens=n, extra_body={"ignore_eos": True,
+                                        "chat_template_kwargs": {"enable_thinking": False}})
+    if not stream:
+        return client.chat.completions.create(**kw).choices[0].message.content
+    return "".join(c.choices[0].delta.content or "" for c in
+                   client.chat.completions.create(**kw, stream=True) if c.choices)
+
+
+def test_gpu_stream_concurrency_and_abort(gpu_live):
+    url, engine = gpu_live
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    jobs = [(f"Request {i}: " + "weather in Paris " * (i % 4), 4 + 5 * i) for i in range(8)]
+    solo = [_run(client, p, n, stream=False) for p, n in jobs]
+    assert [_run(client, p, n, stream=True) for p, n in jobs[:2]] == solo[:2]
+    results: list[str | None] = [None] * len(jobs)
+
+    def worker(i: int) -> None:
+        results[i] = _run(client, *jobs[i], stream=True)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert results == solo
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "max_tokens": 500, "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 5:
+                break
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and engine.stats().kv_pages_used:
+        time.sleep(0.05)
+    assert engine.stats().kv_pages_used == 0

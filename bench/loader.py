@@ -1,8 +1,8 @@
 """Checkpoint loading speed at Qwen3.5-35B-A3B shapes (a few layers), and quantizer speed.
 
-A synthetic ModelOpt MIXED_PRECISION checkpoint (the layout of nvidia/Qwen3.6-35B-A3B-NVFP4:
-NVFP4 routed/shared experts and lm_head, FP8 attention and GDN projections, bf16 rest; random
-bytes, real shapes, `--layers` layers, 1 GiB shards) is written to a temporary directory. Then:
+A synthetic ModelOpt MIXED_PRECISION checkpoint (`testing.fullsize`: the layout of
+nvidia/Qwen3.6-35B-A3B-NVFP4, random weights, real shapes, `--layers` layers, 1 GiB shards) is
+written to a temporary directory. Then:
 
 - plan: headers + plan_weights (no tensor data) for the whole checkpoint;
 - load_cpu / load_cuda: `iter_weights` into CPU memory / onto the GPU, GB/s of checkpoint bytes;
@@ -34,74 +34,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from tinyserve.model.config import load_config  # noqa: E402
 from tinyserve.model.loader import CheckpointReader, iter_weights  # noqa: E402
-from tinyserve.model.loader_plan import expected_weights, plan_weights  # noqa: E402
-from tinyserve.model.quantize import CheckpointWriter  # noqa: E402
+from tinyserve.model.loader_plan import plan_weights  # noqa: E402
+from tinyserve.testing.fullsize import write_fullsize_checkpoint  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "loader.json"
-NVFP4_NAMES = ("mlp.experts.", "mlp.shared_expert.", "lm_head")
-FP8_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-             "linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj")
-
-
-def _config_json(layers: int) -> dict:
-    types = (["linear_attention"] * 3 + ["full_attention"]) * ((layers + 3) // 4)
-    return {
-        "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
-        "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": layers,
-        "layer_types": types[:layers], "num_attention_heads": 16, "num_key_value_heads": 2,
-        "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
-        "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
-        "shared_expert_intermediate_size": 512, "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 262144, "tie_word_embeddings": False,
-        "eos_token_id": 248044,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
-                            "partial_rotary_factor": 0.25},
-        "quantization_config": {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION"},
-    }
 
 
 def write_checkpoint(path: Path, layers: int) -> int:
-    """Random bytes with real shapes; returns the bytes written."""
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(_config_json(layers)))
-    (path / "hf_quant_config.json").write_text(json.dumps(
-        {"quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": {}}}))
-    config = load_config(path)
-    g = torch.Generator().manual_seed(0)
-    total = 0
-    with CheckpointWriter(path, max_shard_bytes=1 << 30, overwrite=True) as w:
-        for name, (kind, shape) in expected_weights(config).items():
-            raw = name if name == "lm_head" else f"model.{name}"
-            if kind != "linear":
-                suffix = "" if name.endswith(("A_log", "dt_bias")) else ".weight"
-                shape = (shape[0], 1, shape[1]) if kind == "conv" else shape
-                t = torch.randn(shape, generator=g).to(torch.float32 if kind == "fp32"
-                                                       else torch.bfloat16)
-                tensors = {raw + suffix: t}
-            elif any(k in name for k in NVFP4_NAMES):
-                out, inp = shape
-                tensors = {
-                    raw + ".weight": torch.randint(0, 256, (out, inp // 2), generator=g,
-                                                   dtype=torch.uint8),
-                    raw + ".weight_scale": torch.randint(0x30, 0x48, (out, inp // 16),
-                                                         generator=g, dtype=torch.uint8
-                                                         ).view(torch.float8_e4m3fn),
-                    raw + ".weight_scale_2": torch.tensor(1e-3),
-                }
-            elif any(name.endswith(k) for k in FP8_NAMES):
-                tensors = {
-                    raw + ".weight": torch.randint(0, 0x7E, shape, generator=g,
-                                                   dtype=torch.uint8).view(torch.float8_e4m3fn),
-                    raw + ".weight_scale": torch.tensor(1e-2),
-                    raw + ".input_scale": torch.tensor(1e-2),
-                }
-            else:
-                tensors = {raw + ".weight": torch.randn(shape, generator=g).to(torch.bfloat16)}
-            for k, t in tensors.items():
-                w.add(k, t)
-                total += t.numel() * t.element_size()
-    return total
+    """`testing.fullsize` checkpoint with `layers` layers in 1 GiB shards; returns its bytes."""
+    write_fullsize_checkpoint(path, layers=layers, max_shard_bytes=1 << 30)
+    return sum(f.stat().st_size for f in CheckpointReader(path).files)
 
 
 def _sync() -> None:

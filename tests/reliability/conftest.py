@@ -1,0 +1,81 @@
+"""Fixtures of the reliability tests: the real engine on a tiny CPU checkpoint behind uvicorn,
+and the session summary (figures printed at the end of the run and written to
+bench/results/reliability_cpu.json)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.reliability import report
+from tests.reliability.client import KEY, MODEL
+from tests.server.fakes import serve
+
+
+@pytest.hookimpl
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> None:
+    if "tests/reliability/" in item.nodeid.replace("\\", "/") and call.when == "call":
+        report.record_test(item.nodeid, "failed" if call.excinfo else "passed")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not report.touched():
+        return
+    data = report.write()
+    terminalreporter.section("tinyserve reliability")
+    for line in report.lines(data):
+        terminalreporter.write_line(line)
+
+
+def build(ckpt: Any, **overrides: Any) -> Any:
+    from tinyserve.engine.build import build_engine
+    from tinyserve.engine.config import EngineConfig
+
+    kw = dict(model=str(ckpt), device="cpu", max_context=512, max_seqs=16,
+              max_num_batched_tokens=96, num_kv_pages=160)
+    kw.update(overrides)
+    return build_engine(EngineConfig(**kw)).start()
+
+
+@contextlib.contextmanager
+def serving(engine: Any, **config: Any) -> Iterator[tuple[str, Any]]:
+    """uvicorn on an ephemeral port over `engine`; yields (url, ServerState)."""
+    from tinyserve.server.app import create_app
+    from tinyserve.server.state import ServerConfig, ServerState
+
+    state = ServerState(ServerConfig(**{"served_model_name": MODEL, **config}), engine)
+    with serve(create_app(state)) as url:
+        yield url, state
+
+
+@pytest.fixture(scope="session")
+def rel_ckpt(tiny_checkpoint):
+    # the checkpoint tests/server uses, so a whole-suite run builds it once
+    return tiny_checkpoint(max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module")
+def load_server(rel_ckpt):
+    """(url, engine): 16 sequences at once, 160 KV pages (so a full load preempts), chunked
+    prefill of 96 tokens, prefix cache on, API key KEY."""
+    engine = build(rel_ckpt)
+    try:
+        with serving(engine, api_key=KEY) as (url, _):
+            yield url, engine
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def small_server(rel_ckpt):
+    """(url, engine, state): a 96-token context so that any generated request ends fast."""
+    engine = build(rel_ckpt, max_context=96, max_seqs=4, num_kv_pages=32,
+                   max_num_batched_tokens=64)
+    try:
+        with serving(engine, api_key=KEY, max_body_bytes=1 << 20) as (url, state):
+            yield url, engine, state
+    finally:
+        engine.shutdown()

@@ -179,3 +179,17 @@ def test_unreadable_files(tmp_path):
     with pytest.raises(ConfigError, match=r"hf_quant_config\.json: quant_algo 'W4A8_AWQ' is not "
                                           r"supported"):
         load_config(tmp_path)
+
+
+def test_quant_config_leniency_and_formats(tmp_path):
+    # ModelOpt without any quant_algo: the tensors decide
+    _write(tmp_path, "config.json", _flat(quantization_config={"quant_method": "modelopt"}))
+    assert load_config(tmp_path).quant == QuantConfig(method="modelopt")
+    q = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    _write(tmp_path, "config.json", _flat(quantization_config=q))
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path)
+    assert str(err.value) == (f"{tmp_path}/config.json: quantization_config.format "
+                              f"'pack-quantized' is not supported (expected one of "
+                              f"nvfp4-pack-quantized, float-quantized, naive-quantized, "
+                              f"mixed-precision)")

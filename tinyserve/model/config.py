@@ -19,6 +19,7 @@ SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 LAYER_TYPES = ("linear_attention", "full_attention")
 QUANT_METHODS = ("none", "modelopt", "compressed-tensors")
 MODELOPT_ALGOS = ("NVFP4", "W4A16_NVFP4", "FP8", "MIXED_PRECISION")
+CT_FORMATS = ("nvfp4-pack-quantized", "float-quantized", "naive-quantized", "mixed-precision")
 
 log = get_logger(__name__)
 _QWEN35_LAYER_TYPES = (("linear_attention",) * 3 + ("full_attention",)) * 10
@@ -288,15 +289,18 @@ def _quant_config(cfg_file: Path, root: dict[str, Any]) -> QuantConfig:
         return QuantConfig()
     method = q.get("quant_method")
     if method == "compressed-tensors":
-        return QuantConfig(method=method, algo=q.get("format"),
-                           exclude=tuple(q.get("ignore") or ()))
+        fmt = q.get("format")
+        if fmt is not None and fmt not in CT_FORMATS:
+            raise ConfigError(f"{cfg_file}: quantization_config.format {fmt!r} is not supported "
+                              f"(expected one of {', '.join(CT_FORMATS)})")
+        return QuantConfig(method=method, algo=fmt, exclude=tuple(q.get("ignore") or ()))
     if method != "modelopt":
         raise ConfigError(f"{cfg_file}: quantization_config.quant_method {method!r} is not "
                           f"supported (expected modelopt or compressed-tensors)")
     hf_file = cfg_file.parent / "hf_quant_config.json"
     hf = _read_json(hf_file, required=False).get("quantization") or {}
     algo = hf.get("quant_algo", q.get("quant_algo"))
-    if algo not in MODELOPT_ALGOS:
+    if algo is not None and algo not in MODELOPT_ALGOS:  # None: the tensors will tell
         src = hf_file if "quant_algo" in hf else cfg_file
         raise ConfigError(f"{src}: quant_algo {algo!r} is not supported "
                           f"(expected one of {', '.join(MODELOPT_ALGOS)})")

@@ -101,7 +101,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch
         return y
     _check(conv_pool.stride(2) == 1, "conv_pool needs a contiguous last dim")
     x, weight = _last_contig(x), weight.contiguous()
-    grid = (B, triton_cdiv(C, _CONV_BLOCK_C))
+    grid = (B, _cdiv(C, _CONV_BLOCK_C))
     _kernels().conv1d_update[grid](
         x, weight, conv_pool, slots, y, C,
         x.stride(0), conv_pool.stride(0), conv_pool.stride(1), y.stride(0),
@@ -148,13 +148,13 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_pool: torc
                                  right=True).to(torch.int32)
     k = _kernels()
     if T > 0:
-        grid = (triton_cdiv(T, _CONV_BLOCK_T), triton_cdiv(C, _CONV_BLOCK_C))
+        grid = (_cdiv(T, _CONV_BLOCK_T), _cdiv(C, _CONV_BLOCK_C))
         k.conv1d_varlen[grid](
             x, weight, conv_pool, slots, cu, init, seq_ids, y, T, C,
             x.stride(0), conv_pool.stride(0), conv_pool.stride(1), y.stride(0),
             K=K, BLOCK_T=_CONV_BLOCK_T, BLOCK_C=_CONV_BLOCK_C, num_warps=4)
     # NOTE: a second launch, so no program overwrites a state another one still reads.
-    grid = (B, triton_cdiv(C, _CONV_BLOCK_C))
+    grid = (B, _cdiv(C, _CONV_BLOCK_C))
     k.conv1d_state_writeback[grid](
         x, conv_pool, slots, cu, init, C,
         x.stride(0), conv_pool.stride(0), conv_pool.stride(1),
@@ -251,7 +251,7 @@ def _launch_recurrent(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, b
     q, k, v, a, b = (_last_contig(t) for t in (q, k, v, a, b))
     _check(pool.stride(3) == 1 and pool.stride(2) == dv, "recurrent_pool slots must be contiguous")
     BV = min(_pow2(dv), block_v)
-    grid = (B, Hv, triton_cdiv(dv, BV))
+    grid = (B, Hv, _cdiv(dv, BV))
     varlen = cu is not None
     _kernels().gdn_recurrent[grid](
         q, k, v, a, b, A_log, dt_bias, pool, slots,
@@ -340,7 +340,7 @@ def _launch_chunk(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, BT, b
     BV = max(min(_pow2(dv), block_v), 16)
     kern = _kernels()
     # chunk table on the device (no host sync): chunk c -> (sequence, first token)
-    max_chunks = triton_cdiv(T, BT) + B
+    max_chunks = _cdiv(T, BT) + B
     nch = (cu[1:] - cu[:-1] + BT - 1) // BT  # [B]
     ccu = torch.cumsum(nch, 0).to(torch.int32)  # [B] end of each sequence's chunks
     ids = torch.arange(max_chunks, dtype=torch.int32, device=q.device)
@@ -354,7 +354,7 @@ def _launch_chunk(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, BT, b
         k, a, b, A_log, dt_bias, cseq, cstart, cu, ti,
         k.stride(0), k.stride(1), a.stride(0), b.stride(0), ti.stride(0), ti.stride(1),
         Hv // Hk, dk, BT=BT, BK=BK, PREC=precision, num_warps=4)
-    grid = (B, Hv, triton_cdiv(dv, BV))
+    grid = (B, Hv, _cdiv(dv, BV))
     kern.gdn_chunk[grid](
         q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, ti, y,
         *_strides(q, k, v, a, b, y), ti.stride(0), ti.stride(1), pool.stride(0),
@@ -367,5 +367,5 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b

@@ -51,7 +51,7 @@ SHAPES = {  # name: (N, K)
     "lm_head_2048_248320": (248320, 2048),
 }
 GEMV_SWEEP = [DEFAULT_GEMV, GemvConfig(16, 32, 4, 8), GemvConfig(4, 128, 4, 8),
-              GemvConfig(8, 64, 4, 32), GemvConfig(32, 32, 8, 8)]
+              GemvConfig(8, 128, 4, 8), GemvConfig(8, 64, 4, 32), GemvConfig(32, 32, 8, 8)]
 MOE_SWEEP = [DEFAULT_MOE_GEMV, MoEGemvConfig(16, 32, 16, 32), MoEGemvConfig(4, 64, 4, 64),
              MoEGemvConfig(1, 256, 8, 64, 2)]
 ROTATE_BYTES = 256 << 20  # cycle weight copies until this many bytes (> L2)

@@ -34,7 +34,13 @@ STORAGES = ("dense", "modelopt", "compressed-tensors", "fp8")
 
 @dataclass
 class WeightPlan:
-    """One canonical weight (or, for fused experts, one fused tensor yielding E of them)."""
+    """One canonical weight (or, for fused experts, one fused tensor yielding E of them).
+
+    Public fields: `name` (canonical), `kind`, `raw` (param -> checkpoint tensor name),
+    `shape` (canonical; [out, in] for linears, [2F, H] / [H, F] per expert for fused),
+    `storage` ("dense", "modelopt", "compressed-tensors", "fp8"), `nbytes` (on disk, all
+    tensors of the entry), `is_expert`. `load(reader, dtype, device)` yields the weights.
+    """
 
     name: str
     kind: str  # "tensor" | "fp32" | "conv" | "linear" | "fused_gate_up" | "fused_down"
@@ -215,10 +221,12 @@ class _Matcher:
     def _take(self, key: str) -> str:
         raw = self.keys.pop(key, None)
         if raw is None:
-            head = key.startswith("lm_head.")
-            raise CheckpointError(f"{self.reader.path}: missing tensor "
-                                  f"'{'' if head else self.prefix}{key}'")
+            raise self._missing(key)
         return raw
+
+    def _missing(self, key: str) -> CheckpointError:
+        prefix = "" if key.startswith("lm_head.") else self.prefix
+        return CheckpointError(f"{self.reader.path}: missing tensor '{prefix}{key}'")
 
     def _order(self, raws: list[str]) -> tuple[int, int]:
         return min((self.reader.info(r).file_index, self.reader.info(r).offset) for r in raws)
@@ -253,8 +261,7 @@ class _Matcher:
         if "weight_packed" in params:
             storage = "compressed-tensors"
         elif "weight" not in params:
-            self._take(name + ".weight")  # raises: missing
-            raise AssertionError
+            raise self._missing(name + ".weight")
         else:
             t = self.reader.info(params["weight"])
             storage = {"U8": "modelopt", "F8_E4M3": "fp8"}.get(
@@ -269,7 +276,7 @@ class _Matcher:
                                          "weight_global_scale")}[storage]
         for p in needed:
             if p not in params:
-                self._take(f"{name}.{p}")
+                raise self._missing(f"{name}.{p}")
         for p, raw in params.items():
             if p not in needed:
                 raise CheckpointError(f"{self.reader.info(raw).file}: unexpected tensor "

@@ -145,13 +145,15 @@ def test_compressed_tensors_quant_info(tmp_path):
     ({"linear_num_value_heads": 3}, "config.json: field 'linear_num_value_heads' (3) must be a "
                                     "multiple of linear_num_key_heads (2)"),
     ({"vocab_size": 0}, "config.json: field 'vocab_size' must be >= 1, got 0"),
+    ({"rope_parameters": {"rope_theta": "big"}},
+     "config.json: field 'rope_theta' must be a number, got 'big'"),
     ({"eos_token_id": 9999}, "config.json: field 'eos_token_id' [9999] is outside the "
                              "vocabulary (vocab_size 512)"),
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}},
      "config.json: quantization_config.quant_method 'gptq' is not supported (expected "
      "modelopt or compressed-tensors)"),
 ], ids=["model_type", "missing", "type", "kv_heads", "layer_count", "layer_kind", "topk",
-        "value_heads", "vocab", "eos", "quant_method"])
+        "value_heads", "vocab", "rope_theta", "eos", "quant_method"])
 def test_config_errors(tmp_path, changes, message):
     _write(tmp_path, "config.json", _flat(**changes))
     with pytest.raises(ConfigError) as err:

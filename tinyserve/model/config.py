@@ -162,6 +162,9 @@ def load_config(path: str | Path) -> ModelConfig:
                     "max_position_embeddings)", where, rope.get("rope_type", rope.get("type")))
     rope_theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
     partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+    for name, value in (("rope_theta", rope_theta), ("partial_rotary_factor", partial)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: field {name!r} must be a number, got {value!r}")
 
     hidden = get("hidden_size")
     heads = get("num_attention_heads")
@@ -216,7 +219,7 @@ def _validate(cfg: ModelConfig, where: str) -> None:
     if len(cfg.layer_types) != cfg.num_layers:
         fail("layer_types", f"has {len(cfg.layer_types)} entries for "
                             f"num_hidden_layers={cfg.num_layers}")
-    bad = sorted(set(cfg.layer_types) - set(LAYER_TYPES))
+    bad = [t for t in cfg.layer_types if t not in LAYER_TYPES]
     if bad:
         fail("layer_types", f"has unknown layer type {bad[0]!r}")
     if cfg.num_attention_heads % cfg.num_kv_heads:

@@ -376,3 +376,15 @@ def test_engine_side_abort_is_503(make_server):
         engine.abort(next(iter(engine._active)))  # as the engine does when it shuts down
         t.join(10)
         _err(result["r"], 503)
+
+
+def test_always_include_usage(make_server):
+    with make_server(always_include_usage=True) as (url, _, _):
+        chunks = list(_client(url).chat.completions.create(model=MODEL, messages=_msgs("Hi"),
+                                                           stream=True))
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(REASONING)
+    with make_server() as (url, _, _):
+        chunks = list(_client(url).chat.completions.create(model=MODEL, messages=_msgs("Hi"),
+                                                           stream=True))
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        assert all(c.usage is None for c in chunks)

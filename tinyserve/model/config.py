@@ -22,7 +22,12 @@ MODELOPT_ALGOS = ("NVFP4", "W4A16_NVFP4", "FP8", "MIXED_PRECISION")
 CT_FORMATS = ("nvfp4-pack-quantized", "float-quantized", "naive-quantized", "mixed-precision")
 
 log = get_logger(__name__)
-_QWEN35_LAYER_TYPES = (("linear_attention",) * 3 + ("full_attention",)) * 10
+
+
+def default_layer_types(num_layers: int, interval: int = 4) -> tuple[str, ...]:
+    """transformers' rule without `layer_types`: every `interval`-th layer is full attention."""
+    return tuple("linear_attention" if (i + 1) % interval else "full_attention"
+                 for i in range(num_layers))
 
 
 class ConfigError(ValueError):
@@ -58,7 +63,7 @@ class ModelConfig:
     vocab_size: int = 248320
     hidden_size: int = 2048
     num_layers: int = 40
-    layer_types: tuple[str, ...] = _QWEN35_LAYER_TYPES
+    layer_types: tuple[str, ...] = default_layer_types(40)
     num_attention_heads: int = 16
     num_kv_heads: int = 2
     head_dim: int = 256
@@ -149,8 +154,7 @@ def load_config(path: str | Path) -> ModelConfig:
         interval = get("full_attention_interval", 4)
         if interval < 1:
             raise ConfigError(f"{where}: field 'full_attention_interval' must be >= 1")
-        layer_types = ["linear_attention" if (i + 1) % interval else "full_attention"
-                       for i in range(num_layers)]
+        layer_types = list(default_layer_types(num_layers, interval))
     if not isinstance(layer_types, list):
         raise ConfigError(f"{where}: field 'layer_types' must be a list")
 

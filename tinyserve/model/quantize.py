@@ -214,13 +214,13 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str = "modelopt",
             if reader.info(raw).dtype == "F8_E4M3":
                 t = t.view(torch.float8_e4m3fn)
             writer.add(raw, t)
-    _write_configs(src, dst, fmt, recipe, done, quantize_gdn)
+    _write_configs(src, dst, fmt, recipe, done, quantize_gdn, config.layer_types)
     log.info("quantized %d linear layers of %s to %s (%s, %s)", len(done), src, dst, fmt, recipe)
     return dst
 
 
 def _write_configs(src: Path, dst: Path, fmt: str, recipe: str, done: dict[str, str],
-                   quantize_gdn: bool) -> None:
+                   quantize_gdn: bool, layer_types: tuple[str, ...]) -> None:
     cfg: dict[str, Any] = json.loads((src / "config.json").read_text())
     nested = isinstance(cfg.get("text_config"), dict)
     lm = "model.language_model." if nested else "model."
@@ -242,7 +242,7 @@ def _write_configs(src: Path, dst: Path, fmt: str, recipe: str, done: dict[str, 
     else:
         exclude = [f"{lm}embed_tokens", "model.visual*", "mtp*"]
         exclude += [] if "lm_head" in done else ["lm_head"]
-        for layer, kind in enumerate(_layer_types(cfg)):
+        for layer, kind in enumerate(layer_types):
             p = f"{lm}layers.{layer}."
             exclude += [f"{p}mlp.gate", f"{p}mlp.shared_expert_gate"]
             if kind == "linear_attention":
@@ -276,14 +276,6 @@ def _write_configs(src: Path, dst: Path, fmt: str, recipe: str, done: dict[str, 
     for name in _COPIED_FILES:
         if (src / name).is_file():
             shutil.copyfile(src / name, dst / name)
-
-
-def _layer_types(cfg: dict[str, Any]) -> list[str]:
-    text = cfg.get("text_config") or cfg
-    if text.get("layer_types"):
-        return list(text["layer_types"])
-    n, every = text["num_hidden_layers"], text.get("full_attention_interval", 4)
-    return ["linear_attention" if (i + 1) % every else "full_attention" for i in range(n)]
 
 
 def quantize_command(args: Any) -> int:

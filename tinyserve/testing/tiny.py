@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from tinyserve.model.config import default_layer_types
 from tinyserve.model.quantize import CheckpointWriter, quantize_checkpoint
 from tinyserve.testing.tokenizer import save_tiny_tokenizer
 
@@ -69,9 +70,8 @@ def tiny_text_config(**overrides: Any) -> dict[str, Any]:
     they are not given themselves."""
     cfg = json.loads(json.dumps(TINY_CONFIG))
     if "num_hidden_layers" in overrides and "layer_types" not in overrides:
-        every = overrides.get("full_attention_interval", 4)
-        cfg["layer_types"] = ["linear_attention" if (i + 1) % every else "full_attention"
-                              for i in range(overrides["num_hidden_layers"])]
+        cfg["layer_types"] = list(default_layer_types(
+            overrides["num_hidden_layers"], overrides.get("full_attention_interval", 4)))
     cfg.update(overrides)
     rope = cfg["rope_parameters"]
     if "rope_parameters" not in overrides:

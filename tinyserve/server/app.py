@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from tinyserve.server.auth import APIKeyMiddleware, BodyLimitMiddleware
+from tinyserve.server.chat import encode_text
 from tinyserve.server.errors import install_error_handlers
 from tinyserve.server.formatters import ChatFormatter, CompletionFormatter
 from tinyserve.server.generate import check_fits, generate, make_params
@@ -109,7 +110,7 @@ def create_app(state: ServerState) -> FastAPI:
         prompt = req.prompt_input()
         if isinstance(prompt, str):
             ids = await anyio.to_thread.run_sync(
-                lambda: list(engine.tokenizer.encode(prompt, add_special_tokens=False)))
+                lambda: encode_text(engine.tokenizer, prompt, "prompt"))
         else:
             ids = _check_token_ids(prompt, len(engine.tokenizer))
         max_tokens = check_fits(len(ids), req.max_tokens, context_length(engine),

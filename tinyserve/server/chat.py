@@ -89,8 +89,8 @@ class ChatRenderer:
         except Exception as exc:  # jinja errors: raise_exception() in the template, bad input
             raise APIError(400, f"cannot render the chat template: {exc}",
                            param="messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return RenderedPrompt(text=text, ids=list(ids),
+        ids = encode_text(self.tokenizer, text, "messages")
+        return RenderedPrompt(text=text, ids=ids,
                               reasoning_open=reasoning_open_in_prompt(text))
 
     def render(self, req: ChatCompletionRequest) -> RenderedPrompt:
@@ -98,3 +98,15 @@ class ChatRenderer:
         tools = ([t.model_dump(exclude_none=True) for t in req.tools]
                  if req.use_tools else None)
         return self.render_messages(messages, tools=tools, **req.template_kwargs())
+
+
+def encode_text(tokenizer: Any, text: str, param: str) -> list[int]:
+    """Token ids of `text` (no special tokens added). A string with a lone surrogate (a JSON
+    `\\ud800` escape) is not valid Unicode and the tokenizer cannot take it: a 400 naming
+    `param`."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, f"{param} holds a lone surrogate (\\ud800-\\udfff), which is not "
+                       "valid Unicode", param=param) from None
+    return list(tokenizer.encode(text, add_special_tokens=False))

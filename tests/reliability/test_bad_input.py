@@ -1,0 +1,201 @@
+"""Hand-written bad input: malformed and invalid bodies, wrong types, out-of-range values,
+oversized and deeply nested bodies, unknown models and fields. No 5xx; every 4xx is an OpenAI
+error object; the server keeps serving afterwards."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.reliability import report
+from tests.reliability.client import AUTH, MODEL, leaks, raw_request
+
+CHAT, COMP = "/v1/chat/completions", "/v1/completions"
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def chat(**kw: Any) -> dict:
+    return {"model": MODEL, "messages": MSGS, "max_tokens": 4, **kw}
+
+
+def comp(**kw: Any) -> dict:
+    return {"model": MODEL, "prompt": "Hello", "max_tokens": 4, **kw}
+
+
+def assert_error_object(r: httpx.Response) -> dict:
+    """The body of a 4xx/5xx must be {"error": {"message", "type", "param", "code"}}."""
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) >= {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"], err
+    assert err["type"] in ("invalid_request_error", "server_error"), err
+    return err
+
+
+def assert_still_serving(url: str, engine: Any) -> None:
+    assert httpx.get(url + "/health", timeout=10).status_code == 200
+    r = httpx.post(url + COMP, headers=AUTH, timeout=60,
+                   json=comp(max_tokens=3, ignore_eos=True, temperature=0))
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+    left = leaks(engine)
+    report.add("leaked_kv_pages", left["kv_pages"])
+    report.add("leaked_state_slots", left["state_slots"])
+    report.add("leaked_prefix_cache_refs", left["cache_refs"])
+    assert left == {"requests": 0, "kv_pages": 0, "state_slots": 0, "cache_refs": 0}, left
+
+
+def _deep(n: int) -> bytes:
+    return b'{"model": "tiny", "messages": ' + b"[" * n + b"]" * n + b"}"
+
+
+# (id, path, body: dict -> JSON | bytes sent as is, expected status or None for "any non-5xx")
+CASES: list[tuple[str, str, Any, int | None]] = [
+    ("malformed-json", CHAT, b'{"model": "tiny", "messages": [', 400),
+    ("trailing-garbage", CHAT, json.dumps(chat()).encode() + b"}}", 400),
+    ("empty-body", CHAT, b"", 400),
+    ("invalid-utf8", COMP, b'{"model": "tiny", "prompt": "\xff\xfe\xfd", "max_tokens": 2}', 400),
+    ("invalid-utf8-key", COMP, b'{"mod\xc3\x28l": "tiny", "prompt": "x"}', 400),
+    ("lone-surrogate", COMP, b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 2}', None),
+    ("lone-surrogate-chat", CHAT,
+     b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}',
+     None),
+    ("lone-surrogate-model", COMP, b'{"model": "\\ud800", "prompt": "x"}', 404),
+    ("lone-surrogate-stop", COMP, b'{"model": "tiny", "prompt": "x", "stop": ["\\ud800"]}', None),
+    ("lone-surrogate-key", CHAT, b'{"model": "tiny", "messages": [{"role": "user", '
+     b'"content": "x", "\\udc00": 1}], "max_tokens": 2}', None),
+    ("lone-surrogate-bad-value", COMP, b'{"model": "tiny", "prompt": "x", "top_p": "\\ud800"}',
+     400),
+    ("nul-char", COMP, comp(prompt="a\u0000b"), None),
+    ("body-is-list", CHAT, b"[]", 400),
+    ("body-is-string", CHAT, b'"hello"', 400),
+    ("body-is-null", CHAT, b"null", 400),
+    ("body-is-number", COMP, b"42", 400),
+    ("nan-temperature", COMP, b'{"model": "tiny", "prompt": "x", "temperature": NaN}', 400),
+    ("inf-top-p", COMP, b'{"model": "tiny", "prompt": "x", "top_p": Infinity}', 400),
+    ("messages-string", CHAT, chat(messages="hi"), 400),
+    ("messages-empty", CHAT, chat(messages=[]), 400),
+    ("message-no-role", CHAT, chat(messages=[{"content": "hi"}]), 400),
+    ("message-bad-role", CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), 400),
+    ("message-content-int", CHAT, chat(messages=[{"role": "user", "content": 5}]), 400),
+    ("message-content-parts-bad", CHAT,
+     chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]), 400),
+    ("message-content-null", CHAT, chat(messages=[{"role": "user", "content": None}]), None),
+    ("tool-message-no-id", CHAT, chat(messages=[{"role": "tool", "content": "x"}]), None),
+    ("tools-wrong-shape", CHAT, chat(tools=[{"type": "function"}]), 400),
+    ("tools-string", CHAT, chat(tools="all"), 400),
+    ("max-tokens-string", COMP, comp(max_tokens="ten"), 400),
+    ("max-tokens-float", COMP, comp(max_tokens=2.5), 400),
+    ("max-tokens-zero", COMP, comp(max_tokens=0), 400),
+    ("max-tokens-negative", COMP, comp(max_tokens=-1), 400),
+    ("max-tokens-huge", COMP, comp(max_tokens=10**12), 400),
+    ("max-tokens-2^63", CHAT, chat(max_tokens=2**63), 400),
+    ("max-tokens-2^64", CHAT, chat(max_completion_tokens=2**64 + 1), 400),
+    ("max-tokens-1e308", COMP, comp(max_tokens=1e308), 400),
+    ("temperature-negative", COMP, comp(temperature=-1), 400),
+    ("temperature-huge", COMP, comp(temperature=1e300), 400),
+    ("temperature-string", CHAT, chat(temperature="hot"), 400),
+    ("top-p-negative", COMP, comp(top_p=-0.5), 400),
+    ("top-p-above-1", COMP, comp(top_p=1.5), 400),
+    ("top-k-negative", COMP, comp(top_k=-5), 400),
+    ("min-p-negative", COMP, comp(min_p=-0.1), 400),
+    ("presence-penalty-range", COMP, comp(presence_penalty=-5), 400),
+    ("frequency-penalty-range", CHAT, chat(frequency_penalty=99), 400),
+    ("repetition-penalty-zero", COMP, comp(repetition_penalty=0), 400),
+    ("seed-huge", COMP, comp(seed=2**80), None),
+    ("seed-negative", COMP, comp(seed=-1), None),
+    ("n-negative", COMP, comp(n=-1), 400),
+    ("n-two", CHAT, chat(n=2), 400),
+    ("logit-bias", CHAT, chat(logit_bias={"5": 10}), 400),
+    ("stop-int", COMP, comp(stop=5), 400),
+    ("stop-empty-string", COMP, comp(stop=[""]), None),
+    ("stop-10k-strings", COMP, comp(stop=[f"stop{i}" for i in range(10_000)]), None),
+    ("stop-long-string", COMP, comp(stop=["x" * 100_000]), None),
+    ("stream-string", COMP, comp(stream="maybe"), 400),
+    ("stream-options-wrong", CHAT, chat(stream=True, stream_options=5), 400),
+    ("prompt-beyond-context", COMP, comp(prompt="Paris " * 2000), 400),
+    ("messages-beyond-context", CHAT, chat(messages=[{"role": "user", "content": "x" * 5000}]),
+     400),
+    ("prompt-empty", COMP, comp(prompt=""), 400),
+    ("prompt-empty-list", COMP, comp(prompt=[]), 400),
+    ("prompt-ids-out-of-vocab", COMP, comp(prompt=[1, 2, 10**9]), 400),
+    ("prompt-ids-negative", COMP, comp(prompt=[-1, 5]), 400),
+    ("prompt-ids-huge", COMP, comp(prompt=[2**70]), 400),
+    ("prompt-batch", COMP, comp(prompt=["a", "b"]), 400),
+    ("prompt-dict", COMP, comp(prompt={"text": "a"}), 400),
+    ("unknown-model", CHAT, chat(model="gpt-4"), 404),
+    ("model-path", CHAT, chat(model="../../etc/passwd"), 404),
+    ("model-int", CHAT, chat(model=5), 400),
+    ("model-missing", COMP, {"prompt": "x", "max_tokens": 2}, None),
+    ("unknown-field", CHAT, chat(frobnicate=1), None),
+    ("unknown-nested-field", CHAT,
+     chat(messages=[{"role": "user", "content": "hi", "weird": {"a": [1]}}]), None),
+    ("response-format-json", CHAT, chat(response_format={"type": "json_schema"}), 400),
+    ("tool-choice-forced", CHAT, chat(tool_choice={"type": "function"}), 400),
+    ("reasoning-effort-bad", CHAT, chat(reasoning_effort="extreme"), 400),
+    ("chat-template-kwargs-wrong", CHAT, chat(chat_template_kwargs="x"), 400),
+    ("deep-json-1k", CHAT, _deep(1_000), 400),
+    ("deep-json-100k", CHAT, _deep(100_000), 400),
+    ("deep-object", COMP, b'{"model": "tiny", "prompt": "x", "extra": ' + b'{"a":' * 50_000
+     + b"1" + b"}" * 50_000 + b"}", None),
+    ("wide-json-under-limit", CHAT,
+     chat(messages=[{"role": "user", "content": "y"}] * 20_000), 400),
+    ("huge-string-under-limit", COMP, comp(prompt="z" * 900_000), 400),
+    ("body-over-limit", COMP, comp(prompt="z" * 2_000_000), 413),
+]
+
+
+@pytest.mark.parametrize("path,body,want", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_body(small_server, path: str, body: Any, want: int | None):
+    url, _, _ = small_server
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(url + path, content=data, timeout=60,
+                   headers={**AUTH, "Content-Type": "application/json"})
+    report.add("bad_inputs_tried")
+    if r.status_code >= 500:
+        report.add("responses_5xx")
+    assert r.status_code < 500, r.text[:500]
+    if want is not None:
+        assert r.status_code == want, r.text[:500]
+    if r.status_code >= 400:
+        assert_error_object(r)
+    else:
+        assert r.status_code == 200 and r.json()["choices"], r.text[:500]
+
+
+# (id, raw HTTP request after the request line's path, expected status)
+RAW: list[tuple[str, bytes, int]] = [
+    ("text-plain-body", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain"
+     b"\r\nContent-Length: 5\r\n\r\nhello", 400),
+    ("bad-content-length", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc"
+     b"\r\n\r\n", 400),
+    ("get-on-post-route", b"GET /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n", 405),
+    ("unknown-route", b"GET /v1/engines/../../etc/passwd HTTP/1.1\r\nHost: x\r\n\r\n", 404),
+    ("unknown-model-card", b"GET /v1/models/..%2F..%2Fetc%2Fpasswd HTTP/1.1\r\nHost: x\r\n\r\n",
+     404),
+]
+
+
+@pytest.mark.parametrize("data,want", [c[1:] for c in RAW], ids=[c[0] for c in RAW])
+def test_bad_http(small_server, data: bytes, want: int):
+    url, _, _ = small_server
+    head, sep, rest = data.partition(b"\r\n")
+    data = head + sep + f"Authorization: Bearer {AUTH['Authorization'][7:]}\r\n".encode() + rest
+    data = data.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1)
+    status, body = raw_request(url, data)
+    report.add("bad_inputs_tried")
+    if status >= 500:
+        report.add("responses_5xx")
+    assert status == want, body[:500]
+    if status >= 400 and body.startswith(b"{"):  # not when h11 refused the request itself
+        err = json.loads(body)["error"]
+        assert err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_still_serving_after_bad_input(small_server):
+    url, engine, _ = small_server
+    assert_still_serving(url, engine)

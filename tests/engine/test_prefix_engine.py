@@ -13,6 +13,7 @@ import threading
 
 import httpx
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -350,3 +351,76 @@ def test_tiny_server_reports_cached_tokens(engines) -> None:
     assert "tinyserve:prefix_cache_hits_total" in metrics
     hits = [ln for ln in metrics.splitlines() if ln.startswith("tinyserve:prefix_cache_hits")]
     assert int(hits[0].split()[-1]) >= 1
+
+
+def _turn2_logits(engine, p1: list[int], extra: list[int], a1: list[int] | None = None):
+    """Turn 1 (greedy, 28 tokens) then turn 2 = p1 + answer + extra with one sampled token;
+    returns (answer, turn-2 logits [V] float32 on the CPU, turn-2 cached tokens)."""
+    if a1 is None:
+        a1 = _gen(engine, p1, 28, "t2l-1").token_ids
+    seen = {}
+
+    def hook(logits, seqs):
+        for i, s in enumerate(seqs):
+            if s.request_id == "t2l-2" and s.num_generated == 0:
+                seen["logits"] = logits[i].float().cpu()
+        return logits
+
+    engine.set_logits_hook(hook)
+    try:
+        out = _gen(engine, p1 + a1 + extra, 1, "t2l-2")
+    finally:
+        engine.set_logits_hook(None)
+    return a1, seen["logits"], out.cached_tokens
+
+
+def _kl(ref, other) -> float:
+    lp, lq = ref.log_softmax(-1), other.log_softmax(-1)
+    return float((lp.exp() * (lp - lq)).sum())
+
+
+@pytest.mark.parametrize("fmt", ["iso3", "iso4"])
+def test_tiny_iso_pages_are_reused_as_they_are(fmt: str) -> None:
+    """ISO KV (head_dim 128): the cached packed pages serve the second turn; its logits stay
+    as close to an uncached run as chunked prefill does (the prefix is read packed)."""
+    pytest.importorskip("transformers")
+    from tests.model.hf_tiny import _ROOT, checkpoint
+    from tinyserve.engine.build import build_engine
+    from tinyserve.engine.config import EngineConfig
+
+    checkpoint("bf16", "hd128")
+    common = dict(model=str(_ROOT / "hd128-bf16"), kv=fmt, device="cpu", max_context=128,
+                  max_seqs=2, max_num_batched_tokens=64)
+    rng = random.Random(5)
+    p1, extra = _prompt(rng, 37), _prompt(rng, 9)
+    with build_engine(EngineConfig(**common)).start() as cached:
+        a1, got, n_cached = _turn2_logits(cached, p1, extra)
+    with build_engine(EngineConfig(**common, prefix_cache=False)).start() as plain:
+        _, ref, _ = _turn2_logits(plain, p1, extra, a1)
+    assert n_cached == 64 and torch.isfinite(got).all()
+    assert _kl(ref, got) < 0.01
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("kv", ["bf16", "iso3"])
+def test_cuda_second_turn_matches_uncached(kv: str) -> None:
+    """On the GPU (bf16, kernels): a restored GDN snapshot + reused pages give the second
+    turn the logits of an uncached run, within bf16 noise."""
+    pytest.importorskip("transformers")
+    from tests.model.hf_tiny import _ROOT, checkpoint
+    from tinyserve.engine.build import build_engine
+    from tinyserve.engine.config import EngineConfig
+
+    checkpoint("bf16", "hd128")
+    common = dict(model=str(_ROOT / "hd128-bf16"), kv=kv, device="cuda", max_context=256,
+                  max_seqs=2, max_num_batched_tokens=64)
+    rng = random.Random(6)
+    p1, extra = _prompt(rng, 37), _prompt(rng, 9)
+    with build_engine(EngineConfig(**common)).start() as cached:
+        a1, got, n_cached = _turn2_logits(cached, p1, extra)
+        assert cached.stats().prefix_cache_hits == 1
+    with build_engine(EngineConfig(**common, prefix_cache=False)).start() as plain:
+        _, ref, _ = _turn2_logits(plain, p1, extra, a1)
+    assert n_cached == 64 and torch.isfinite(got).all()
+    assert _kl(ref, got) < 0.02
+    assert torch.nn.functional.cosine_similarity(ref, got, dim=0) > 0.99

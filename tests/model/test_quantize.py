@@ -171,4 +171,10 @@ def test_quantize_on_cuda_is_bit_identical(tiny_checkpoint, tmp_path):
     src = tiny_checkpoint("bf16")
     a = quantize_checkpoint(src, tmp_path / "cpu", "modelopt", recipe="mixed")
     b = quantize_checkpoint(src, tmp_path / "gpu", "modelopt", recipe="mixed", device="cuda")
+    from safetensors.torch import load_file
+
+    ta, tb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert ta.keys() == tb.keys()
+    differ = [k for k in ta if not torch.equal(ta[k].view(torch.uint8), tb[k].view(torch.uint8))]
+    assert not differ, f"{len(differ)} tensors differ between CPU and CUDA, e.g. {differ[:5]}"
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()

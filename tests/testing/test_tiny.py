@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -37,14 +36,6 @@ def test_rebuild_in_place_replaces_shards(tmp_path):
     make_tiny_checkpoint(tmp_path / "x", fmt="bf16")
     assert [f.name for f in CheckpointReader(tmp_path / "x").files] == ["model.safetensors"]
     assert not (tmp_path / "x" / "model.safetensors.index.json").exists()
-
-
-def test_fast_after_first_build(tmp_path, tiny_checkpoint):
-    tiny_checkpoint("bf16")  # imports done
-    start = time.process_time()  # CPU time: the test machine may be busy
-    make_tiny_checkpoint(tmp_path / "a", seed=1)
-    make_tiny_checkpoint(tmp_path / "b", fmt="modelopt", seed=1)
-    assert time.process_time() - start < 2.0
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "bf16-official"])

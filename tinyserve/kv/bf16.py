@@ -83,12 +83,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: 
     0 .. prefix+i. Returns [n, Hq, D] in q.dtype (SDPA: fp32 softmax inside).
     """
     n, Hq, _ = q.shape
-    S, Hkv, _ = k.shape
-    rep = Hq // Hkv
-    qh = q.transpose(0, 1)  # [Hq, n, D]
-    kh = k.transpose(0, 1).repeat_interleave(rep, dim=0)  # [Hq, S, D]
-    vh = v.transpose(0, 1).repeat_interleave(rep, dim=0)
-    rows = torch.arange(n, device=q.device)[:, None] + prefix
-    mask = torch.arange(S, device=q.device)[None, :] <= rows  # [n, S]
-    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    S = k.shape[0]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, len, D]
+    if prefix == 0:  # plain causal: the fused kernels apply without a mask
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                           enable_gqa=True)
+    elif n == 1:  # one new token sees everything
+        o = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=True)
+    else:
+        rows = torch.arange(n, device=q.device)[:, None] + prefix
+        mask = torch.arange(S, device=q.device)[None, :] <= rows  # [n, S]
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
+                                           enable_gqa=True)
     return o.transpose(0, 1)

@@ -61,3 +61,17 @@ class OffloadedExperts:
     @property
     def stats(self):
         return self.cache.stats
+
+
+def load_offloaded_experts(path: Any, config: Any, plan: Any, *, device: torch.device | str,
+                           dtype: torch.dtype = torch.bfloat16) -> OffloadedExperts:
+    """The experts provider a `MemoryPlan` asks for: the checkpoint's routed experts in a
+    pinned host store behind `plan.expert_slots` GPU slots (all of them preloaded when the
+    plan keeps every expert resident). Load the other weights with
+    `iter_weights(..., include_experts=False)` and pass this as `Qwen35Model(experts=...)`."""
+    store = HostExpertStore.from_checkpoint(path, config, dtype=dtype)
+    experts = OffloadedExperts.create(store, plan.expert_slots, device=device, dtype=dtype,
+                                      max_ids=plan.prefill_chunk * config.num_experts_per_tok)
+    if not plan.experts_offloaded:
+        experts.cache.preload_all()
+    return experts

@@ -202,7 +202,8 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
             per slot into BLOCK_M tiles, tensor cores; prefill); None picks by N * k.
         gemv_config: tile sizes of the gemv path (bench sweeps); None = DEFAULT_MOE_GEMV.
     Returns:
-        [N, H] in x.dtype (fp32 accumulation). No host synchronisation (CUDA-graph safe).
+        [N, H] in x.dtype; fp32 accumulation, the silu(gate) * up intermediate in fp32 (gemv)
+        or x.dtype (dot). No host synchronisation (CUDA-graph safe).
     """
     _check(x, topk_slot_ids, topk_weights, slots)
     n, topk = topk_slot_ids.shape

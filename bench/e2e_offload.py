@@ -195,7 +195,8 @@ class SkewedRouter:
 
     def forward(self, layer_id, x, topk_ids, topk_weights):
         n, k = topk_ids.shape
-        ids = torch.multinomial(self.probs[layer_id].expand(n, -1), k, generator=self.gen)
+        probs = self.probs[layer_id].expand(n, -1).contiguous()
+        ids = torch.multinomial(probs, k, generator=self.gen)
         return self.inner.forward(layer_id, x, ids, topk_weights)
 
     @property
@@ -315,6 +316,8 @@ def main() -> int:
     rec.data["plan"] = plan.as_dict()
     rec.save()
     total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.empty_cache()
+    rec.data["device_used_before_model_mib"] = round(mem_used() / MiB, 1)
     torch.cuda.set_per_process_memory_fraction((budget - req.cuda_context) / total)
     weights = dict(iter_weights(ckpt, config, dtype=torch.bfloat16, device="cuda",
                                 include_experts=False))
@@ -331,6 +334,8 @@ def main() -> int:
     def skewed_case() -> dict:
         out = {}
         for label, w in (("lfru_w16", 16.0), ("lru", 0.0)):
+            set_experts(runner, None)  # free the previous cache before the next one
+            torch.cuda.empty_cache()
             inner = OffloadedExperts.create(
                 store, plan.expert_slots, device="cuda", max_ids=plan.prefill_chunk * 8,
                 policy=ExpertCachePolicy(plan.expert_slots, freq_weight=w,
@@ -340,6 +345,7 @@ def main() -> int:
                         list(range(64 + 1024 // plan.page_size)), warmup=16)
             out[label] = {k: r[k] for k in ("decode_tok_s", "decode_hit_rate",
                                             "decode_miss_mb_per_token")}
+            out[label]["device_used_mib"] = round(mem_used() / MiB, 1)
             del inner
         return out
 

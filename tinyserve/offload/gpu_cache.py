@@ -141,16 +141,24 @@ class DeviceExpertCache:
         if m > self._log_ids.shape[1]:
             raise ValueError(f"{m} routed pairs exceed the cache's max_ids "
                              f"{self._log_ids.shape[1]}")
+        result = None
         if self.use_triton:
-            slot_ids, rows, slots = lk.expert_lookup(topk_ids, layer, self.table, self.owner,
-                                                     self.victims[layer], self.num_experts,
-                                                     scratch=self._scratch)
-            lk.copy_rows(self.store.slots, self.slots, rows, slots)
-        else:
-            slot_ids, rows, slots = lk.expert_lookup_ref(topk_ids, layer, self.table,
-                                                         self.owner, self.victims[layer],
-                                                         self.num_experts)
-            lk.copy_rows_ref(self.store.slots, self.slots, rows, slots)
+            try:
+                result = lk.expert_lookup(topk_ids, layer, self.table, self.owner,
+                                          self.victims[layer], self.num_experts,
+                                          scratch=self._scratch)
+                lk.copy_rows(self.store.slots, self.slots, result[1], result[2])
+            except Exception as exc:  # no Triton, or host memory not device-addressable
+                logger.warning("Triton expert lookup/copy failed (%r); using the torch path",
+                               exc)
+                self.use_triton = False
+                if result is not None:  # the lookup ran: only the copy is left
+                    lk.copy_rows_ref(self.store.slots, self.slots, result[1], result[2])
+        if result is None:
+            result = lk.expert_lookup_ref(topk_ids, layer, self.table, self.owner,
+                                          self.victims[layer], self.num_experts)
+            lk.copy_rows_ref(self.store.slots, self.slots, result[1], result[2])
+        slot_ids, rows, slots = result
         self._log_ids[layer, :m].copy_(topk_ids.reshape(-1))
         self._log_rows[layer].copy_(rows)
         self._log_slots[layer].copy_(slots)

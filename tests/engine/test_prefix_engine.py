@@ -424,3 +424,15 @@ def test_cuda_second_turn_matches_uncached(kv: str) -> None:
     assert n_cached == 64 and torch.isfinite(got).all()
     assert _kl(ref, got) < 0.02
     assert torch.nn.functional.cosine_similarity(ref, got, dim=0) > 0.99
+
+
+def test_cli_flag_turns_the_cache_off() -> None:
+    from tinyserve.cli import build_parser
+    from tinyserve.engine.config import EngineConfig
+
+    on = EngineConfig.from_args(build_parser().parse_args(["run", "m"]))
+    off = EngineConfig.from_args(build_parser().parse_args(["run", "m", "--no-prefix-cache"]))
+    assert (on.prefix_cache, on.num_snapshot_slots) == (True, on.prefix_snapshot_slots)
+    assert (off.prefix_cache, off.num_snapshot_slots) == (False, 0)
+    with pytest.raises(ValueError, match="prefix_snapshot_interval"):
+        EngineConfig(model="m", prefix_snapshot_interval=10)

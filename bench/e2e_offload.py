@@ -266,6 +266,7 @@ def measure(runner: ModelRunner, plan: Any, quick: bool) -> dict:
         out[name]["peak_allocated_mib"] = round(torch.cuda.max_memory_allocated() / MiB, 1)
         out[name]["peak_reserved_mib"] = round(torch.cuda.max_memory_reserved() / MiB, 1)
         out[name]["device_used_mib"] = round(mem_used() / MiB, 1)
+        out[name]["within_budget"] = mem_used() <= plan.gpu_memory
     out["cache"] = runner.model.experts.stats.as_dict()
     out["cache"]["layer_hit_rate"] = {k: round(v, 3)
                                       for k, v in out["cache"]["layer_hit_rate"].items()}
@@ -311,13 +312,15 @@ def main() -> int:
         return 1
     rec.run("h2d", case_h2d, store, config)
     budget = parse_size(args.gpu_memory)
-    req = PlanConfig(gpu_memory=budget, kv=args.kv, max_context=args.max_context, embed="cuda")
+    torch.cuda.empty_cache()
+    context = mem_used()  # CUDA context (+ nothing else: every case above freed its memory)
+    rec.data["device_used_before_model_mib"] = round(context / MiB, 1)
+    req = PlanConfig(gpu_memory=budget, kv=args.kv, max_context=args.max_context, embed="cuda",
+                     cuda_context=max(context, 256 * MiB))
     plan = plan_checkpoint(ckpt, req)
     rec.data["plan"] = plan.as_dict()
     rec.save()
     total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.empty_cache()
-    rec.data["device_used_before_model_mib"] = round(mem_used() / MiB, 1)
     torch.cuda.set_per_process_memory_fraction((budget - req.cuda_context) / total)
     weights = dict(iter_weights(ckpt, config, dtype=torch.bfloat16, device="cuda",
                                 include_experts=False))

@@ -67,8 +67,9 @@ def build_parts(config: EngineConfig) -> EngineParts:
     max_context = min(mcfg.max_position_embeddings, num_pages * config.page_size,
                       config.max_context or mcfg.max_position_embeddings)
     eos = tuple(dict.fromkeys(mcfg.eos_token_ids + _tokenizer_eos(tokenizer)))
-    log.info("%s: %d KV pages of %d tokens (%s), %d state slots, max context %d tokens",
-             path.name, num_pages, config.page_size, config.kv, config.max_seqs, max_context)
+    log.info("%s: %d KV pages of %d tokens (%s), %d state slots (+%d prefix-cache snapshots), "
+             "max context %d tokens", path.name, num_pages, config.page_size, config.kv,
+             config.max_seqs, num_snap, max_context)
     return EngineParts(runner=runner, tokenizer=tokenizer, model_config=mcfg,
                        num_kv_pages=num_pages, num_state_slots=config.max_seqs,
                        max_context=max_context, eos_token_ids=eos, state_pool=states,

@@ -24,6 +24,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seqs", type=int, default=None, help="most sequences decoded at once")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="where the model runs (default: cuda when available)")
+    p.add_argument("--no-cuda-graph", action="store_true",
+                   help="decode eagerly instead of replaying CUDA graphs")
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:

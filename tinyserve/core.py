@@ -166,10 +166,22 @@ class ForwardContext:
     page_size: int
     q_lens_cpu: list[int]
     prefix_lens_cpu: list[int]
+    # Host upper bound of seq_lens that decode attention sizes its work by. None: exact, from
+    # the host lists. A captured decode graph sets its capacity here, and its host lists are
+    # placeholders then (decode kernels read only the tensors and this bound).
+    max_seq_len: int | None = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.q_lens_cpu)
+
+    @property
+    def seq_len_bound(self) -> int:
+        """`max_seq_len`, or max(prefix + new) over the sequences when it is None."""
+        if self.max_seq_len is not None:
+            return self.max_seq_len
+        return max((p + q for p, q in zip(self.prefix_lens_cpu, self.q_lens_cpu, strict=True)),
+                   default=0)
 
     @property
     def is_decode(self) -> bool:

@@ -55,7 +55,10 @@ def build_parts(config: EngineConfig) -> EngineParts:
     dtype = config.torch_dtype
     weights = load_weights(path, mcfg, dtype=dtype, device=device)
     num_snap = config.num_snapshot_slots
-    states = GDNStatePool.for_config(mcfg, config.max_seqs + num_snap, device=device, dtype=dtype)
+    # NOTE: one more slot after the snapshots for the padded rows of captured decode graphs.
+    pad_slot = config.max_seqs + num_snap
+    graphs = config.cuda_graphs and device.type == "cuda"
+    states = GDNStatePool.for_config(mcfg, pad_slot + int(graphs), device=device, dtype=dtype)
     num_pages = kv_pages(config, mcfg, device, path)
     kv = create_kv_backend(config.kv, layer_ids=list(mcfg.full_attention_layers),
                            num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim,
@@ -63,7 +66,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
                            dtype=dtype)
     model = Qwen35Model(mcfg, weights, kv=kv, states=states, device=device, dtype=dtype)
     del weights
-    runner = ModelRunner(model, page_size=config.page_size, device=device)
+    runner = ModelRunner(model, page_size=config.page_size, device=device, cuda_graphs=graphs,
+                         graph_pad_slot=pad_slot if graphs else None)
     max_context = min(mcfg.max_position_embeddings, num_pages * config.page_size,
                       config.max_context or mcfg.max_position_embeddings)
     eos = tuple(dict.fromkeys(mcfg.eos_token_ids + _tokenizer_eos(tokenizer)))
@@ -92,7 +96,7 @@ def kv_pages(config: EngineConfig, mcfg: ModelConfig, device: torch.device,
             gpu_memory=config.gpu_memory_bytes, kv=config.kv, max_context=config.max_context,
             max_seqs=config.max_seqs, page_size=config.page_size,
             prefill_chunk=config.max_num_batched_tokens,
-            extra_state_slots=config.num_snapshot_slots))
+            extra_state_slots=config.num_snapshot_slots + int(config.cuda_graphs)))
         if plan.experts_offloaded:
             log.warning("the plan offloads experts, which the engine does not do yet: all "
                         "experts are loaded onto the GPU")

@@ -39,7 +39,8 @@ class EngineConfig:
     prefixes (KV pages + GDN state snapshots) across requests. prefix_snapshot_slots: GDN state
     snapshots the prefix cache may keep (each costs a sequence's whole GDN state, ~61 MiB on
     35B-A3B). prefix_snapshot_interval: also snapshot every this many prefill tokens (a
-    multiple of page_size; 0: only at the end of each prompt and request).
+    multiple of page_size; 0: only at the end of each prompt and request). cuda_graphs:
+    replay CUDA graphs for decode steps on CUDA (`--no-cuda-graph` turns them off).
     """
 
     model: str
@@ -56,6 +57,7 @@ class EngineConfig:
     prefix_cache: bool = True
     prefix_snapshot_slots: int = 4
     prefix_snapshot_interval: int = 0
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.kv not in KV_BACKEND_NAMES:
@@ -93,6 +95,8 @@ class EngineConfig:
         values = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
         if getattr(args, "no_prefix_cache", False):
             values["prefix_cache"] = False
+        if getattr(args, "no_cuda_graph", False):
+            values["cuda_graphs"] = False
         values.update(overrides)
         return cls(**values)
 

@@ -1,7 +1,9 @@
 """Model runner: turns a scheduler `Batch` into a `ForwardContext`, runs the model under it and
 samples. `logits(token_ids)` gives teacher-forced logits of one sequence (tests, `LLM`).
 
-Decode steps run eagerly for now; this is where CUDA-graph capture and replay will live.
+With `cuda_graphs` on a CUDA device (kernels on, a capturable experts provider), pure-decode
+batches replay a CUDA graph of the forward (`engine.graph`); prefill and mixed batches, and
+everything on CPU, run eagerly.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from typing import Any
 import torch
 
 from tinyserve.core import Batch, ForwardContext, ForwardOutput, ScheduledSeq, forward_context
+from tinyserve.engine.graph import DecodeGraphs
 from tinyserve.engine.sampler import Sampler
+from tinyserve.model.linear import kernels_enabled
 
 
 class ModelRunner:
@@ -24,14 +28,22 @@ class ModelRunner:
         page_size: tokens per KV page (the scheduler's page size).
         device: the model's device (defaults to `model.device`).
         sampler: `sampler(logits [S, V], seqs) -> [S] int64`; default `Sampler()`.
+        cuda_graphs: replay CUDA graphs for pure-decode batches. Needs `graph_pad_slot`, a
+            GDN state slot that no sequence uses (padded rows write it), a CUDA device with
+            the kernels on and an experts provider with `capturable` true; otherwise eager.
     """
 
     def __init__(self, model: Any, *, page_size: int, device: torch.device | str | None = None,
-                 sampler: Any = None) -> None:
+                 sampler: Any = None, cuda_graphs: bool = False,
+                 graph_pad_slot: int | None = None) -> None:
         self.model = model
         self.page_size = page_size
         self.device = torch.device(device) if device is not None else model.device
         self.sampler = sampler if sampler is not None else Sampler()
+        self.graphs: DecodeGraphs | None = None
+        if (cuda_graphs and graph_pad_slot is not None and kernels_enabled(self.device)
+                and getattr(model.experts, "capturable", False)):
+            self.graphs = DecodeGraphs(model, page_size=page_size, pad_state_slot=graph_pad_slot)
 
     def prepare(self, batch: Batch | Sequence[ScheduledSeq], *,
                 all_logits: bool = False) -> ForwardContext:
@@ -93,8 +105,12 @@ class ModelRunner:
 
     def forward(self, batch: Batch) -> ForwardOutput:
         """One step: forward every sequence's new tokens, sample where `sample` is set."""
-        ctx = self.prepare(batch)
-        logits = self.run(ctx)
+        if self.graphs is not None and self.graphs.supports(batch.seqs):
+            rows = [i for i, s in enumerate(batch.seqs) if s.sample]
+            logits = self.graphs.run(batch.seqs)  # [B, V] static buffer
+            logits = logits.clone() if len(rows) == len(batch.seqs) else logits[rows]
+        else:
+            logits = self.run(self.prepare(batch))
         sampling = [s for s in batch.seqs if s.sample and s.num_tokens > 0]
         next_tokens: list[int | None] = [None] * len(batch.seqs)
         if sampling:

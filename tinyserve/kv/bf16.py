@@ -63,6 +63,9 @@ class BF16KVBackend(KVBackend):
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 ctx: ForwardContext, scale: float) -> torch.Tensor:
         self.write(layer_id, k, v, ctx.slot_mapping)
+        if ctx.is_decode and (q.is_cuda or ctx.max_seq_len is not None):
+            return self.decode(layer_id, q, ctx.page_table, ctx.seq_lens, ctx.seq_len_bound,
+                               scale)
         out = torch.empty_like(q)
         start = 0
         for b, (n, prefix) in enumerate(zip(ctx.q_lens_cpu, ctx.prefix_lens_cpu, strict=True)):
@@ -73,6 +76,33 @@ class BF16KVBackend(KVBackend):
             out[start:end] = causal_attention(q[start:end], kb, vb, prefix, scale)
             start = end
         return out
+
+    def decode(self, layer_id: int, q: torch.Tensor, page_table: torch.Tensor,
+               seq_lens: torch.Tensor, max_seq_len: int, scale: float) -> torch.Tensor:
+        """One query per sequence over its first `seq_lens[b]` cached tokens, batched and
+        without a host synchronisation (CUDA-graph safe): the first ceil(max_seq_len /
+        page_size) pages of each page-table row are gathered and the keys past the length
+        masked.
+
+        Args:
+            q: [B, Hq, D]; page_table: [B, P] int; seq_lens: [B] int (>= 1, the new token
+                included, <= max_seq_len).
+        Returns:
+            [B, Hq, D] in q.dtype.
+        """
+        kc, vc = self.layer_cache(layer_id)
+        B, Hq, D = q.shape
+        n_pages = max(1, min(-(-max_seq_len // self.page_size), page_table.shape[1]))
+        S = n_pages * self.page_size
+        pages = page_table[:, :n_pages].long()  # [B, P]
+        keep = torch.arange(S, device=q.device)[None, :] < seq_lens[:, None]  # [B, S]
+        # NOTE: rows past the length are zeroed, not only masked: stale pages may hold NaN.
+        k = torch.where(keep[:, :, None, None], kc[pages].view(B, S, self.num_kv_heads, D), 0)
+        v = torch.where(keep[:, :, None, None], vc[pages].view(B, S, self.num_kv_heads, D), 0)
+        o = F.scaled_dot_product_attention(
+            q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),  # [B, Hkv, S, D]
+            attn_mask=keep[:, None, None], scale=scale, enable_gqa=True)  # [B, Hq, 1, D]
+        return o[:, :, 0]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,

@@ -66,6 +66,11 @@ class ResidentExperts:
             else:
                 self.experts[L] = experts
 
+    @property
+    def capturable(self) -> bool:
+        """Whether `forward` runs without host synchronisation (CUDA-graph safe): the kernel."""
+        return self.use_kernel
+
     def forward(self, layer_id: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         """Σ_j topk_weights[:, j] * Expert_{topk_ids[:, j]}(x); x [N, H] -> [N, H] in x.dtype."""

@@ -1,0 +1,205 @@
+"""Decode over static buffers (`engine.graph`): buckets, the packed inputs, and the static
+padded forward equal to the eager one on CPU; on CUDA, graph replay against eager decode on
+the tiny model (bf16 and NVFP4 weights, bf16 and ISO3 KV, 1 and 3 sequences) with one host
+synchronisation per step."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from tests.model.hf_tiny import checkpoint
+from tinyserve.core import Batch, SamplingParams, ScheduledSeq
+from tinyserve.engine.graph import DecodeGraphs, batch_bucket, capacity_pages
+from tinyserve.engine.runner import ModelRunner
+from tinyserve.kv.registry import create_kv_backend
+from tinyserve.kv.state_pool import GDNStatePool
+from tinyserve.model.qwen35 import Qwen35Model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
+PAGE, PAGES_PER_SEQ, NUM_SEQS = 4, 16, 3
+PAD_SLOT = NUM_SEQS  # the pool has one more slot than sequences
+
+
+def _runner(fmt: str, kv: str, *, device: str, dtype: torch.dtype,
+            graphs: bool = False) -> ModelRunner:
+    cfg, w = checkpoint(fmt, "hd128")
+    backend = create_kv_backend(kv, layer_ids=list(cfg.full_attention_layers),
+                                num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                num_pages=NUM_SEQS * PAGES_PER_SEQ, page_size=PAGE,
+                                device=device, dtype=dtype)
+    states = GDNStatePool.for_config(cfg, NUM_SEQS + 1, device=device, dtype=dtype)
+    for t in (states.conv, states.recurrent, *_kv_tensors(backend)):
+        t.fill_(255 if t.dtype == torch.uint8 else float("nan"))  # poison
+    model = Qwen35Model(cfg, w, kv=backend, states=states, device=device, dtype=dtype)
+    return ModelRunner(model, page_size=PAGE, cuda_graphs=graphs, graph_pad_slot=PAD_SLOT)
+
+
+def _kv_tensors(backend) -> list[torch.Tensor]:
+    return [backend.buffer] if hasattr(backend, "buffer") else [backend.k_cache, backend.v_cache]
+
+
+def _prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 500, (length,), generator=g).tolist()
+            for length in (9, 14, 5)[:n]]
+
+
+def _pages(i: int) -> list[int]:
+    return list(range(i * PAGES_PER_SEQ, (i + 1) * PAGES_PER_SEQ))
+
+
+def _decode_seqs(last: list[int], pos: list[int]) -> list[ScheduledSeq]:
+    return [ScheduledSeq(f"r{i}", [t], p, _pages(i), i, sample=True, params=GREEDY)
+            for i, (t, p) in enumerate(zip(last, pos, strict=True))]
+
+
+def _prefill(runner: ModelRunner, prompts: list[list[int]]) -> list[int]:
+    seqs = [ScheduledSeq(f"r{i}", p, 0, _pages(i), i, sample=True, params=GREEDY)
+            for i, p in enumerate(prompts)]
+    return runner.forward(Batch(seqs)).next_tokens
+
+
+def test_buckets_and_capacity() -> None:
+    assert [batch_bucket(n) for n in (1, 2, 3, 5, 8, 9, 17, 256)] == [1, 2, 4, 8, 8, 16, 24,
+                                                                      256]
+    assert batch_bucket(257) is None
+    assert capacity_pages(1, 16) == 16 and capacity_pages(256, 16) == 16
+    assert capacity_pages(257, 16) == 32 and capacity_pages(3000, 4) == 1024
+
+
+def test_static_inputs_match_prepare() -> None:
+    runner = _runner("bf16", "bf16", device="cpu", dtype=torch.float32)
+    graphs = DecodeGraphs(runner.model, page_size=PAGE, pad_state_slot=PAD_SLOT)
+    seqs = [ScheduledSeq("a", [11], 9, _pages(0), 2, sample=True),
+            ScheduledSeq("b", [12], 30, _pages(1), 0, sample=True),
+            ScheduledSeq("c", [13], 4, _pages(2), 1, sample=True)]
+    entry = graphs._build(4, capacity_pages(31, PAGE))
+    graphs._fill(entry, seqs)
+    graphs._upload(entry)
+    ref, ctx = runner.prepare(Batch(seqs)), entry.ctx
+    for name in ("input_ids", "positions", "slot_mapping", "state_slots", "prefix_lens",
+                 "seq_lens"):
+        assert getattr(ctx, name)[:3].tolist() == getattr(ref, name).tolist(), name
+    assert ctx.input_ids[3] == 0 and ctx.slot_mapping[3] == -1
+    assert ctx.state_slots[3] == PAD_SLOT and ctx.seq_lens[3] == 1
+    assert ctx.page_table.shape == (4, 64) and ctx.page_table[3].eq(0).all()
+    for b, s in enumerate(seqs):
+        used = s.start_pos // PAGE + 1
+        assert ctx.page_table[b, :used].tolist() == s.page_ids[:used]
+        assert ctx.page_table[b, used:].eq(0).all()
+    assert ctx.is_decode and ctx.seq_len_bound == 256
+    with pytest.raises(ValueError, match="cannot hold"):
+        graphs.run([ScheduledSeq("d", [1], 200, [0], 0, sample=True)])
+
+
+@pytest.mark.parametrize("kv", ["bf16", "iso3"])
+def test_static_padded_decode_equals_eager_on_cpu(kv: str) -> None:
+    """Three sequences in a bucket of four, host lists as placeholders: the static forward
+    gives the eager logits and leaves the same KV pages and GDN states (the padded row writes
+    only the padding page and the spare slot)."""
+    eager = _runner("bf16", kv, device="cpu", dtype=torch.float32)
+    static = _runner("bf16", kv, device="cpu", dtype=torch.float32)
+    graphs = DecodeGraphs(static.model, page_size=PAGE, pad_state_slot=PAD_SLOT)
+    prompts = _prompts(NUM_SEQS)
+    last = _prefill(eager, prompts)
+    assert _prefill(static, prompts) == last
+    pos = [len(p) for p in prompts]
+    for _ in range(3):
+        seqs = _decode_seqs(last, pos)
+        want = eager.run(eager.prepare(Batch(seqs)))
+        got = graphs.run(seqs)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        last = want.argmax(-1).tolist()
+        pos = [p + 1 for p in pos]
+    real = slice(0, NUM_SEQS)
+    for a, b in ((eager.model.states.conv, static.model.states.conv),
+                 (eager.model.states.recurrent, static.model.states.recurrent)):
+        torch.testing.assert_close(b[:, real], a[:, real], rtol=1e-4, atol=1e-4)
+    used = NUM_SEQS * PAGES_PER_SEQ  # every page but the backend's padding page
+    for a, b in zip(_kv_tensors(eager.model.kv), _kv_tensors(static.model.kv), strict=True):
+        if a.dtype == torch.uint8:
+            written = ~a[:, :, :used * PAGE].eq(255)
+            assert torch.equal(written, ~b[:, :, :used * PAGE].eq(255))
+        else:
+            mask = ~a[:, :used].isnan()
+            assert torch.equal(mask, ~b[:, :used].isnan())
+            torch.testing.assert_close(b[:, :used][mask], a[:, :used][mask])
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA
+
+
+def _greedy_run(runner: ModelRunner, prompts: list[list[int]], steps: int,
+                syncs: list[int] | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
+    last = _prefill(runner, prompts)
+    tokens = [[t] for t in last]
+    pos = [len(p) for p in prompts]
+    logits = []
+    for _ in range(steps):
+        batch = Batch(_decode_seqs(last, pos))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = runner.forward(batch)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        if syncs is not None:
+            syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+        logits.append(out.logits.float().cpu())
+        last = out.next_tokens
+        for i, t in enumerate(last):
+            tokens[i].append(t)
+        pos = [p + 1 for p in pos]
+    return tokens, logits
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("kv", ["bf16", "iso3"])
+@pytest.mark.parametrize("fmt", ["bf16", "modelopt"])
+def test_graph_decode_equals_eager(fmt: str, kv: str, batch: int) -> None:
+    """Greedy decode with replayed graphs gives the eager tokens (a near-tie of the eager
+    logits may flip a token: then that sequence stops being compared), logits within bf16
+    noise, and one host synchronisation per step once the graph is captured."""
+    prompts, steps = _prompts(batch), 10
+    eager = _runner(fmt, kv, device="cuda", dtype=torch.bfloat16, graphs=False)
+    graph = _runner(fmt, kv, device="cuda", dtype=torch.bfloat16, graphs=True)
+    assert eager.graphs is None and graph.graphs is not None
+    want, want_logits = _greedy_run(eager, prompts, steps)
+    syncs: list[int] = []
+    got, got_logits = _greedy_run(graph, prompts, steps, syncs)
+    assert graph.graphs.num_graphs >= 1, "no decode graph was captured"
+    assert syncs[1:] == [1] * (steps - 1), syncs  # step 0 captures
+    for i in range(batch):
+        assert got[i][0] == want[i][0]  # prefill is eager in both
+        for step in range(steps):
+            ref, out = want_logits[step][i], got_logits[step][i]
+            assert torch.isfinite(out).all()
+            scale = ref.abs().max().item()
+            assert (out - ref).abs().max().item() <= 0.03 * scale, (i, step)
+            if got[i][step + 1] != want[i][step + 1]:
+                top2 = ref.topk(2).values
+                assert (top2[0] - top2[1]).item() <= 0.02 * scale, (i, step, "not a near-tie")
+                break
+
+
+@pytest.mark.requires_cuda
+def test_graph_reused_per_bucket() -> None:
+    """Steps of the same bucket replay one graph; another batch size captures another."""
+    runner = _runner("bf16", "bf16", device="cuda", dtype=torch.bfloat16, graphs=True)
+    prompts = _prompts(2)
+    last = _prefill(runner, prompts)
+    pos = [len(p) for p in prompts]
+    for _ in range(3):
+        last = runner.forward(Batch(_decode_seqs(last, pos))).next_tokens
+        pos = [p + 1 for p in pos]
+    assert runner.graphs.num_graphs == 1
+    seqs = [ScheduledSeq("x", [1], 40, _pages(2), 2, sample=True, params=GREEDY)]
+    runner.forward(Batch(seqs))
+    assert runner.graphs.num_graphs == 2

@@ -1,0 +1,201 @@
+"""CUDA graphs of the decode step: the model's forward over a pure-decode batch, captured once
+per (padded batch size, context capacity) and replayed over static input buffers.
+
+One decode step = fill a pinned host buffer with the packed inputs (token, position, KV slot,
+GDN state slot, lengths, page table) -> one host-to-device copy -> graph replay -> logits
+[B, V] float32 in a static buffer. The runner samples from them and copies the tokens back:
+the step's one host synchronisation.
+
+Padding: B sequences run in the smallest bucket >= B of `BATCH_BUCKETS`. A padded row has
+token 0 at position 0, KV slot -1 (the backends' padding page), length 1, an all-zero
+page-table row and the spare GDN state slot `pad_state_slot`, which no sequence may hold;
+its logits are dropped. Rows never mix (attention, GDN, MoE and norms work per row), so a
+padded row cannot change a real one.
+
+Context: the page table of a graph holds `capacity // page_size` pages, the capacity being
+the smallest power of two >= the longest sequence of the step (at least `MIN_CAPACITY`
+tokens); decode attention sizes its work by the capacity (`ForwardContext.max_seq_len`),
+at most twice the longest sequence. The host lists of a graph's context are placeholders.
+
+Without capture (CPU, or `capture=False`) the same static context runs eagerly: the CPU
+test of everything but the capture itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tinyserve.core import ForwardContext, ScheduledSeq, forward_context
+from tinyserve.log import get_logger
+
+log = get_logger(__name__)
+
+BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, *range(16, 257, 8))
+MIN_CAPACITY = 256
+
+
+def batch_bucket(n: int) -> int | None:
+    """The padded batch size of a decode step of `n` sequences (None: too many to capture)."""
+    return next((b for b in BATCH_BUCKETS if b >= n), None)
+
+
+def capacity_pages(max_seq_len: int, page_size: int) -> int:
+    """Page-table width of the graph serving sequences of at most `max_seq_len` tokens."""
+    tokens = max(MIN_CAPACITY, 1 << max(max_seq_len - 1, 0).bit_length())
+    return -(-tokens // page_size)
+
+
+@dataclass
+class _Entry:
+    """Static buffers (and the graph) of one (batch bucket, pages) pair."""
+
+    batch: int
+    pages: int
+    host: torch.Tensor  # [W] int64, pinned on CUDA: the packed inputs
+    device_buf: torch.Tensor  # [W] int64 on the device, the graph's inputs are views of it
+    ctx: ForwardContext
+    graph: Any = None  # torch.cuda.CUDAGraph once captured
+    logits: torch.Tensor | None = None  # [batch, V] float32, the graph's output
+    copied: Any = None  # torch.cuda.Event after the last host-to-device copy
+
+
+class DecodeGraphs:
+    """Decode forwards of `model` over static buffers, captured as CUDA graphs on first use.
+
+    Args:
+        model: a `model.qwen35.Qwen35Model` (its KV backend and GDN state pool).
+        page_size: tokens per KV page.
+        pad_state_slot: a GDN state slot reserved for padded rows (no sequence may use it).
+        capture: capture CUDA graphs (CUDA only); False runs the static context eagerly.
+    """
+
+    def __init__(self, model: Any, *, page_size: int, pad_state_slot: int,
+                 capture: bool = True) -> None:
+        self.model = model
+        self.page_size = page_size
+        self.pad_state_slot = pad_state_slot
+        self.device = torch.device(model.device)
+        self.capture = capture and self.device.type == "cuda"
+        self._entries: dict[tuple[int, int], _Entry] = {}
+        self._pool: Any = None
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(e.graph is not None for e in self._entries.values())
+
+    def supports(self, seqs: Sequence[ScheduledSeq]) -> bool:
+        """Whether `seqs` is a decode step these graphs run (one token each, a cached prefix,
+        not more sequences than the largest bucket)."""
+        return (0 < len(seqs) <= BATCH_BUCKETS[-1]
+                and all(s.num_tokens == 1 and s.start_pos > 0 for s in seqs))
+
+    @torch.inference_mode()
+    def run(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
+        """Logits [B, V] float32 of one decode step, one row per sequence in order.
+
+        The result is a view of a static buffer, valid until the next `run`. Raises
+        ValueError when a sequence's pages do not cover its tokens.
+        """
+        if not self.supports(seqs):
+            raise ValueError("not a decode step of at most "
+                             f"{BATCH_BUCKETS[-1]} sequences")
+        bucket = batch_bucket(len(seqs))
+        pages = capacity_pages(max(s.start_pos + 1 for s in seqs), self.page_size)
+        entry = self._entries.get((bucket, pages))
+        if entry is None:
+            entry = self._build(bucket, pages)
+        if entry.copied is not None and not entry.copied.query():
+            entry.copied.synchronize()  # the last copy out of `host` must finish first
+        self._fill(entry, seqs)
+        self._upload(entry)
+        if entry.graph is not None:
+            entry.graph.replay()
+            return entry.logits[:len(seqs)]
+        return self._forward(entry.ctx)[:len(seqs)]
+
+    # ---------------------------------------------------------------------------------------
+
+    def _forward(self, ctx: ForwardContext) -> torch.Tensor:
+        with forward_context(ctx):
+            return self.model.forward(ctx)
+
+    def _upload(self, entry: _Entry) -> None:
+        entry.device_buf.copy_(entry.host, non_blocking=True)
+        if self.device.type == "cuda":
+            if entry.copied is None:
+                entry.copied = torch.cuda.Event()
+            entry.copied.record()
+
+    def _build(self, bucket: int, pages: int) -> _Entry:
+        B, P, dev = bucket, pages, self.device
+        n64, n32 = 4 * B, 2 * B + B * P
+        words = n64 + (n32 + 1) // 2
+        device_buf = torch.zeros(words, dtype=torch.int64, device=dev)
+        host = torch.zeros(words, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        d32 = device_buf[n64:].view(torch.int32)
+        ctx = ForwardContext(
+            input_ids=device_buf[0:B], positions=device_buf[B:2 * B],
+            slot_mapping=device_buf[2 * B:3 * B], state_slots=device_buf[3 * B:4 * B],
+            cu_seqlens=torch.arange(B + 1, dtype=torch.int32, device=dev),
+            prefix_lens=d32[0:B], seq_lens=d32[B:2 * B],
+            page_table=d32[2 * B:2 * B + B * P].view(B, P),
+            logits_indices=torch.arange(B, dtype=torch.int64, device=dev),
+            page_size=self.page_size, q_lens_cpu=[1] * B, prefix_lens_cpu=[1] * B,
+            max_seq_len=P * self.page_size)
+        entry = _Entry(B, P, host, device_buf, ctx)
+        self._fill(entry, [])  # every row padded: warm-up and capture touch no sequence
+        self._upload(entry)
+        if self.capture:
+            try:
+                self._capture(entry)
+            except Exception as exc:  # noqa: BLE001 - eager decode still works
+                log.warning("CUDA graph capture of a %d-sequence decode failed (%s: %s); "
+                            "decoding eagerly from now on", B, type(exc).__name__, exc)
+                self.capture = False
+                entry.graph = entry.logits = None
+        self._entries[(B, P)] = entry
+        return entry
+
+    def _capture(self, entry: _Entry) -> None:
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for _ in range(2):  # compile and autotune kernels, create library handles
+                self._forward(entry.ctx)
+        current.wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            logits = self._forward(entry.ctx)
+        entry.graph, entry.logits = graph, logits
+        log.info("captured the decode graph of %d sequences x %d pages", entry.batch,
+                 entry.pages)
+
+    def _fill(self, entry: _Entry, seqs: Sequence[ScheduledSeq]) -> None:
+        """Write the inputs of `seqs` (then padding) into the entry's host buffer."""
+        B, P, ps, n = entry.batch, entry.pages, self.page_size, len(seqs)
+        h64 = entry.host[:4 * B].numpy().reshape(4, B)  # ids, positions, KV slots, states
+        h32 = entry.host[4 * B:].view(torch.int32).numpy()
+        prefix, lens = h32[0:B], h32[B:2 * B]
+        table = h32[2 * B:2 * B + B * P].reshape(B, P)
+        table[:] = 0
+        for b, s in enumerate(seqs):
+            pos = s.start_pos
+            used = pos // ps + 1
+            if len(s.page_ids) < used:
+                raise ValueError(f"sequence {s.request_id}: {len(s.page_ids)} pages of {ps} "
+                                 f"cannot hold {pos + 1} tokens")
+            table[b, :used] = s.page_ids[:used]
+            h64[:, b] = (s.token_ids[0], pos, s.page_ids[pos // ps] * ps + pos % ps,
+                         s.state_slot)
+        h64[:, n:] = [[0], [0], [-1], [self.pad_state_slot]]
+        prefix[:n] = [s.start_pos for s in seqs]
+        lens[:n] = [s.start_pos + 1 for s in seqs]
+        prefix[n:] = 1
+        lens[n:] = 1

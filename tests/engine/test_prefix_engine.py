@@ -168,7 +168,7 @@ conversation = st.tuples(
     st.sampled_from([None, 0, 1, 3]))  # abort after this many steps of its first turn
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(st.lists(conversation, min_size=1, max_size=6), st.lists(st.integers(5, 6), max_size=12),
        st.integers(8, 16), st.integers(0, 3), st.sampled_from([0, 8]))
 def test_random_interleavings_keep_accounting_exact(convs, system, num_pages, snapshots,

@@ -38,8 +38,10 @@ class EngineConfig:
     pool may take when no number of pages is given. prefix_cache: reuse cached prompt
     prefixes (KV pages + GDN state snapshots) across requests. prefix_snapshot_slots: GDN state
     snapshots the prefix cache may keep (each costs a sequence's whole GDN state, ~61 MiB on
-    35B-A3B). prefix_snapshot_interval: also snapshot every this many prefill tokens (a
-    multiple of page_size; 0: only at the end of each prompt and request). cuda_graphs:
+    35B-A3B; every running request keeps its newest one, so with fewer slots than running
+    requests they displace each other, least recently used first). prefix_snapshot_interval:
+    also snapshot every this many prefill tokens (a multiple of page_size; 0: only at the end
+    of each prompt and request). cuda_graphs:
     replay CUDA graphs for decode steps on CUDA (`--no-cuda-graph` turns them off).
     """
 

@@ -15,7 +15,8 @@ padded row cannot change a real one.
 Context: the page table of a graph holds `capacity // page_size` pages, the capacity being
 the smallest power of two >= the longest sequence of the step (at least `MIN_CAPACITY`
 tokens); decode attention sizes its work by the capacity (`ForwardContext.max_seq_len`),
-at most twice the longest sequence. The host lists of a graph's context are placeholders.
+at most twice the longest sequence. The host lists of a graph's context are placeholders
+(one new token after capacity - 1 cached ones: upper bounds, never exact lengths).
 
 Without capture (CPU, or `capture=False`) the same static context runs eagerly: the CPU
 test of everything but the capture itself.
@@ -144,8 +145,8 @@ class DecodeGraphs:
             prefix_lens=d32[0:B], seq_lens=d32[B:2 * B],
             page_table=d32[2 * B:2 * B + B * P].view(B, P),
             logits_indices=torch.arange(B, dtype=torch.int64, device=dev),
-            page_size=self.page_size, q_lens_cpu=[1] * B, prefix_lens_cpu=[1] * B,
-            max_seq_len=P * self.page_size)
+            page_size=self.page_size, q_lens_cpu=[1] * B,
+            prefix_lens_cpu=[P * self.page_size - 1] * B, max_seq_len=P * self.page_size)
         entry = _Entry(B, P, host, device_buf, ctx)
         self._fill(entry, [])  # every row padded: warm-up and capture touch no sequence
         self._upload(entry)

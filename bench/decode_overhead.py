@@ -1,0 +1,181 @@
+"""Decode-step overhead on one CUDA GPU: the wall time of one decode step (`runner.forward`:
+inputs -> forward -> greedy sampling -> tokens on the host) eagerly and as a replayed CUDA
+graph, against the sum of the step's GPU kernel times from torch.profiler, measured in the
+same run on the same model.
+
+Qwen3.5-35B-A3B geometry with random weights (bench/model_step.py builds them: hidden 2048,
+256 NVFP4 experts top-8 resident on the GPU, GDN 16/32 heads, attention 16/2 x 256, the real
+vocabulary), `--layers` layers (default 8: 6 GDN + 2 attention), every sequence at a 1023-token
+context. Cases: KV bf16 and iso3 x batch 1 and 8. Target: graph step <= 1.3x the kernel sum.
+Each case records its own failure; the rest go on.
+
+    python bench/decode_overhead.py [--layers 8]   -> bench/results/decode_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from model_step import _config, _weights  # noqa: E402  (same random 35B-A3B-shaped weights)
+
+from tinyserve.core import Batch, SamplingParams, ScheduledSeq  # noqa: E402
+from tinyserve.engine.runner import ModelRunner  # noqa: E402
+from tinyserve.kv.registry import create_kv_backend  # noqa: E402
+from tinyserve.kv.state_pool import GDNStatePool  # noqa: E402
+from tinyserve.model.qwen35 import Qwen35Model  # noqa: E402
+
+OUT = Path(__file__).resolve().parent / "results" / "decode_overhead.json"
+PAGE = 16
+CONTEXT = 1023  # cached tokens: with the new one 1024, the graphs' capacity exactly
+MAX_BATCH = 8
+TARGET = 1.3
+
+
+def _model(cfg, w: dict, kv_name: str) -> Qwen35Model:
+    per = CONTEXT // PAGE + 2
+    kv = create_kv_backend(kv_name, layer_ids=list(cfg.full_attention_layers),
+                           num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                           num_pages=MAX_BATCH * per, page_size=PAGE, device="cuda",
+                           dtype=torch.bfloat16)
+    slots = torch.arange(MAX_BATCH * per * PAGE, device="cuda")
+    for L in cfg.full_attention_layers:  # real K/V in every slot (ISO: quantized on store)
+        k = torch.randn(slots.numel(), cfg.num_kv_heads, cfg.head_dim, device="cuda",
+                        dtype=torch.bfloat16)
+        if kv_name == "bf16":
+            kv.write(L, k, torch.randn_like(k), slots)
+        else:
+            kv.store(L, k, torch.randn_like(k), slots)
+    states = GDNStatePool.for_config(cfg, MAX_BATCH + 1, device="cuda", dtype=torch.bfloat16)
+    states.conv.normal_(0, 0.5)
+    states.recurrent.normal_(0, 0.05)
+    return Qwen35Model(cfg, w, kv=kv, states=states, device="cuda", dtype=torch.bfloat16)
+
+
+def _batch(n: int) -> Batch:
+    per = CONTEXT // PAGE + 2
+    greedy = SamplingParams(temperature=0.0)
+    return Batch([ScheduledSeq(f"s{i}", [7 + i], CONTEXT, list(range(i * per, (i + 1) * per)),
+                               i, sample=True, params=greedy) for i in range(n)])
+
+
+def _step_ms(runner: ModelRunner, batch: Batch, reps: int) -> float:
+    for _ in range(3):  # warm-up (and capture)
+        runner.forward(batch)
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runner.forward(batch)  # ends with the host copy of the tokens
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _kernel_ms(runner: ModelRunner, batch: Batch, reps: int) -> tuple[float, int]:
+    """(GPU time of kernels and copies per step, launches per step) from torch.profiler."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    runner.forward(batch)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            runner.forward(batch)
+        torch.cuda.synchronize()
+    total_us, count = 0.0, 0
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            total_us += getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
+            count += 1
+    return total_us / 1e3 / reps, count // reps
+
+
+def _case(cfg, w: dict, kv_name: str, n: int, reps: int) -> dict:
+    model = _model(cfg, w, kv_name)
+    eager = ModelRunner(model, page_size=PAGE)
+    graph = ModelRunner(model, page_size=PAGE, cuda_graphs=True, graph_pad_slot=MAX_BATCH)
+    if graph.graphs is None:
+        raise RuntimeError("the runner did not enable CUDA graphs (kernels off?)")
+    batch = _batch(n)
+    eager_ms = _step_ms(eager, batch, reps)
+    graph_ms = _step_ms(graph, batch, reps)
+    if graph.graphs.num_graphs < 1:
+        raise RuntimeError("no decode graph was captured (see the log)")
+    kern_eager, launches = _kernel_ms(eager, batch, 5)
+    kern_graph, graph_events = _kernel_ms(graph, batch, 5)
+    # NOTE: older CUPTI may not trace kernels inside graphs; then the eager sum stands in.
+    kern = kern_graph if graph_events >= launches // 2 else kern_eager
+    return {
+        "batch": n, "kv": kv_name,
+        "eager_step_ms": eager_ms, "graph_step_ms": graph_ms,
+        "kernel_sum_ms": kern, "kernel_sum_eager_ms": kern_eager,
+        "kernel_sum_graph_ms": kern_graph, "launches_per_step": launches,
+        "graph_events_per_step": graph_events,
+        "graph_over_kernels": graph_ms / kern, "eager_over_kernels": eager_ms / kern,
+        "meets_target": graph_ms <= TARGET * kern,
+        "eager_tok_s": n * 1e3 / eager_ms, "graph_tok_s": n * 1e3 / graph_ms,
+        "graph_speedup": eager_ms / graph_ms,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--kv", nargs="+", default=["bf16", "iso3"])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, MAX_BATCH])
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 1
+    import triton
+
+    cfg = _config(args.layers)
+    res: dict = {
+        "bench": "decode_overhead", "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": {"layers": cfg.num_layers, "layer_types": list(cfg.layer_types),
+                  "geometry": "Qwen3.5-35B-A3B", "experts": "NVFP4 (random codes), resident",
+                  "other_linears": "bf16 (shared expert NVFP4)", "context": CONTEXT + 1,
+                  "page_size": PAGE},
+        "step": "runner.forward of a decode batch: host inputs -> forward -> greedy sampling "
+                "-> tokens on the host",
+        "baseline": "sum of the step's GPU kernel and copy times (torch.profiler), and the "
+                    "eager step (cuda_graphs=False), same model, same run",
+        "target": f"graph_step_ms <= {TARGET} x kernel_sum_ms",
+        "cases": {}, "errors": {},
+    }
+    w = _weights(cfg, "cuda")
+    for kv_name in args.kv:
+        for n in args.batch:
+            name = f"{kv_name}_b{n}"
+            t0 = time.perf_counter()
+            try:
+                res["cases"][name] = _case(cfg, w, kv_name, n, args.reps)
+                print(f"{name}: {json.dumps(res['cases'][name])}", flush=True)
+            except Exception:  # noqa: BLE001 - a failed case is recorded, the rest still run
+                res["errors"][name] = traceback.format_exc()[-3000:]
+                print(f"{name}: FAILED\n{res['errors'][name]}", flush=True)
+            torch.cuda.empty_cache()
+            print(f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0 if not res["errors"] else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

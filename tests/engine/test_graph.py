@@ -14,6 +14,7 @@ from tests.model.hf_tiny import checkpoint
 from tinyserve.core import Batch, SamplingParams, ScheduledSeq
 from tinyserve.engine.graph import DecodeGraphs, batch_bucket, capacity_pages
 from tinyserve.engine.runner import ModelRunner
+from tinyserve.kv.bf16 import BF16KVBackend, causal_attention
 from tinyserve.kv.registry import create_kv_backend
 from tinyserve.kv.state_pool import GDNStatePool
 from tinyserve.model.qwen35 import Qwen35Model
@@ -68,6 +69,35 @@ def test_buckets_and_capacity() -> None:
     assert batch_bucket(257) is None
     assert capacity_pages(1, 16) == 16 and capacity_pages(256, 16) == 16
     assert capacity_pages(257, 16) == 32 and capacity_pages(3000, 4) == 1024
+
+
+def test_bf16_batched_decode_equals_per_sequence() -> None:
+    """`BF16KVBackend.decode` (what graphs run) against the per-sequence eager attention, with
+    NaN in every unwritten slot and a page table wider than the lengths."""
+    g = torch.Generator().manual_seed(3)
+    kv = BF16KVBackend(layer_ids=[0], num_kv_heads=2, head_dim=8, num_pages=12, page_size=PAGE,
+                       device="cpu", dtype=torch.float32)
+    kv.k_cache.fill_(float("nan"))
+    kv.v_cache.fill_(float("nan"))
+    lens, tables = [5, 13, 1], [[4, 0, 0], [7, 2, 9, 11], [3]]
+    for length, pages in zip(lens, tables, strict=True):
+        t = torch.arange(length)
+        slots = torch.tensor(pages)[t // PAGE] * PAGE + t % PAGE
+        kv.write(0, torch.randn(length, 2, 8, generator=g), torch.randn(length, 2, 8, generator=g),
+                 slots)
+    q = torch.randn(3, 4, 8, generator=g)
+    width = 6
+    table = torch.tensor([p + [0] * (width - len(p)) for p in tables], dtype=torch.int32)
+    got = kv.decode(0, q, table, torch.tensor(lens, dtype=torch.int32), 24, 0.3)
+    for b, (length, pages) in enumerate(zip(lens, tables, strict=True)):
+        kb, vb = kv.gather(0, torch.tensor(pages), length)
+        want = causal_attention(q[b:b + 1], kb, vb, length - 1, 0.3)
+        torch.testing.assert_close(got[b:b + 1], want, rtol=1e-5, atol=1e-5)
+
+
+def test_runner_keeps_cpu_eager() -> None:
+    runner = _runner("bf16", "bf16", device="cpu", dtype=torch.float32, graphs=True)
+    assert runner.graphs is None
 
 
 def test_static_inputs_match_prepare() -> None:

@@ -105,7 +105,7 @@ class DeviceExpertCache:
         """
         calls = self._calls or self._last_calls
         if self.mode == "device" and calls:
-            ids = self._log_ids.cpu()
+            ids = self._log_ids[:, :max(m for _, m in calls)].cpu()
             rows, slots = self._log_rows.cpu(), self._log_slots.cpu()
             E = self.num_experts
             for layer, m in calls:

@@ -114,6 +114,9 @@ class DecodeGraphs:
         self._fill(entry, seqs)
         self._upload(entry)
         if entry.graph is not None:
+            begin_step = getattr(self.model.experts, "begin_step", None)
+            if begin_step is not None:  # a provider with per-step host state (expert cache)
+                begin_step()
             entry.graph.replay()
             return entry.logits[:len(seqs)]
         return self._forward(entry.ctx)[:len(seqs)]

@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from tinyserve.core import DenseWeight, NVFP4Weight, ScheduledSeq
 from tinyserve.engine.runner import ModelRunner
-from tinyserve.kernels.nvfp4_ref import float_to_e4m3_bits
 from tinyserve.kv.bf16 import BF16KVBackend
 from tinyserve.kv.state_pool import GDNStatePool
 from tinyserve.model.config import ModelConfig
@@ -54,7 +53,9 @@ def _weights(cfg: ModelConfig, dev: str) -> dict:
 
     def fp4(o: int, i: int) -> NVFP4Weight:
         packed = torch.randint(0, 256, (o, i // 2), generator=g, device=dev, dtype=torch.uint8)
-        scale = float_to_e4m3_bits(torch.rand(o, i // 16, generator=g, device=dev) + 0.5)
+        # E4M3 bits 0x30..0x3F: block scales 0.5 .. 1.875
+        scale = torch.randint(0x30, 0x40, (o, i // 16), generator=g, device=dev,
+                              dtype=torch.uint8)
         return NVFP4Weight(packed, scale, 0.004)
 
     def vec(n: int, base: float = 0.0) -> torch.Tensor:

@@ -71,8 +71,8 @@ def load_server(rel_ckpt):
 
 @pytest.fixture(scope="module")
 def small_server(rel_ckpt):
-    """(url, engine, state): a 96-token context so that any generated request ends fast."""
-    engine = build(rel_ckpt, max_context=96, max_seqs=4, num_kv_pages=32,
+    """(url, engine, state): a 64-token context so that any generated request ends fast."""
+    engine = build(rel_ckpt, max_context=64, max_seqs=4, num_kv_pages=32,
                    max_num_batched_tokens=64)
     try:
         with serving(engine, api_key=KEY, max_body_bytes=1 << 20) as (url, state):

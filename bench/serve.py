@@ -1,9 +1,11 @@
 """Serving benchmark: N concurrent streaming clients against the OpenAI-compatible server.
 
 Without --url it builds the tiny random checkpoint (tinyserve.testing), serves it on CPU (or
---device) in this process and also runs the same workload straight on the engine
+--device) and also runs the same workload straight on the engine
 (`Engine.submit`, no HTTP) as the baseline, so the numbers show what the HTTP/SSE layer adds.
 With --url it drives a running server; the baseline is then the same server at concurrency 1.
+The self-started server is `tinyserve run` in a subprocess, so the clients do not share its
+interpreter lock; the engine baseline runs afterwards, in this process.
 Each case records its own failure and the rest go on.
 
 Per request: TTFT (send -> first streamed token), inter-token latency ((last - first) /
@@ -21,6 +23,8 @@ import datetime
 import json
 import os
 import platform
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -166,10 +170,12 @@ def main() -> int:
 
     import torch
 
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # as the server subprocess (see _env)
     result: dict[str, Any] = {
         "benchmark": "serve", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "torch": torch.__version__, "python": platform.python_version(),
-        "host_load_average": os.getloadavg(),
+        "host_load_average": os.getloadavg(), "cpu_threads": torch.get_num_threads(),
         "device": (torch.cuda.get_device_name() if args.device.startswith("cuda")
                    else platform.processor() or platform.machine()),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -181,55 +187,49 @@ def main() -> int:
     except ImportError:
         result["triton"] = None
 
-    stop = None
+    server = None
     engine = None
     url = args.url
+    model = args.model
+    ckpt = None
     try:
         if url is None:
-            engine = _tiny_engine(args.device)
+            ckpt = _tiny_checkpoint()
             result["model"] = "tiny random checkpoint (tinyserve.testing)"
-            _engine_case(engine, _prompts(2, args.prompt_words), 4, 2)  # warm-up
             try:
-                url, stop = _start_tiny_server(engine)
-            except ImportError as exc:  # e.g. a GPU box without fastapi: engine numbers only
+                url, server = _start_server(ckpt, args.device)
+            except Exception as exc:  # e.g. a GPU box without fastapi: engine numbers only
                 result["server_error"] = f"cannot start the server: {exc}"
         if url is not None:
-            model = args.model or httpx.get(
-                url + "/v1/models", headers={"Authorization": f"Bearer {args.api_key}"}
-                if args.api_key else {}).json()["data"][0]["id"]
+            headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+            model = model or httpx.get(url + "/v1/models", headers=headers
+                                       ).json()["data"][0]["id"]
             result["model_id"] = model
             asyncio.run(_http_case(url, model, _prompts(2, args.prompt_words), 4, 2,
                                    args.api_key))  # warm-up
-        for c in args.concurrency:
-            n = args.requests or max(8, 2 * c)
-            prompts = _prompts(n, args.prompt_words)
-            for kind in ("server", "baseline"):
-                if url is None and kind == "server":
-                    continue
-                case = {"concurrency": c, "requests": n,
-                        "path": "http" if kind == "server" else
-                        ("engine" if engine is not None else "http, concurrency 1")}
-                try:
-                    if kind == "server":
-                        case.update(asyncio.run(_http_case(url, model, prompts,
-                                                           args.max_tokens, c, args.api_key)))
-                    elif engine is not None:
-                        case.update(_engine_case(engine, prompts, args.max_tokens, c))
-                    else:
-                        case.update(asyncio.run(_http_case(url, model, prompts,
-                                                           args.max_tokens, 1, args.api_key)))
-                except Exception as exc:
-                    case["error"] = f"{type(exc).__name__}: {exc}"
-                    case["traceback"] = traceback.format_exc()[-2000:]
-                result["cases" if kind == "server" else "baseline"].append(case)
-                print(json.dumps({k: v for k, v in case.items() if k != "traceback"}),
-                      flush=True)
+            for c in args.concurrency:
+                _run_case(result["cases"], "http", c, args, lambda p, c=c: asyncio.run(
+                    _http_case(url, model, p, args.max_tokens, c, args.api_key)))
+            if ckpt is None:  # a server we did not start: its concurrency 1 is the baseline
+                for c in args.concurrency:
+                    _run_case(result["baseline"], "http, concurrency 1", c, args,
+                              lambda p: asyncio.run(_http_case(url, model, p, args.max_tokens,
+                                                               1, args.api_key)))
+        if server is not None:
+            _stop_server(server)
+            server = None
+        if ckpt is not None:  # the same workload straight on the engine, no HTTP
+            engine = _tiny_engine(ckpt, args.device)
+            _engine_case(engine, _prompts(2, args.prompt_words), 4, 2)  # warm-up
+            for c in args.concurrency:
+                _run_case(result["baseline"], "engine", c, args,
+                          lambda p, c=c: _engine_case(engine, p, args.max_tokens, c))
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()[-4000:]
     finally:
-        if stop is not None:
-            stop()
+        if server is not None:
+            _stop_server(server)
         if engine is not None:
             engine.shutdown()
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -238,42 +238,71 @@ def main() -> int:
     return 0
 
 
-def _tiny_engine(device: str) -> Any:
-    from tinyserve.engine.build import build_engine
-    from tinyserve.engine.config import EngineConfig
+def _run_case(out: list, path: str, concurrency: int, args: Any, fn: Any) -> None:
+    n = args.requests or max(8, 2 * concurrency)
+    case: dict[str, Any] = {"concurrency": concurrency, "requests": n, "path": path}
+    try:
+        case.update(fn(_prompts(n, args.prompt_words)))
+    except Exception as exc:
+        case["error"] = f"{type(exc).__name__}: {exc}"
+        case["traceback"] = traceback.format_exc()[-2000:]
+    out.append(case)
+    print(json.dumps({k: v for k, v in case.items() if k != "traceback"}), flush=True)
+
+
+def _tiny_checkpoint() -> Path:
     from tinyserve.testing import make_tiny_checkpoint
 
-    ckpt = make_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny", fmt="bf16",
+    return make_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny", fmt="bf16",
                                 max_position_embeddings=2048)
+
+
+def _tiny_engine(ckpt: Path, device: str) -> Any:
+    from tinyserve.engine.build import build_engine
+    from tinyserve.engine.config import EngineConfig
+
     return build_engine(EngineConfig(model=str(ckpt), device=device, max_seqs=16)).start()
 
 
-def _start_tiny_server(engine: Any) -> tuple[str, Any]:
+def _start_server(ckpt: Path, device: str) -> tuple[str, subprocess.Popen]:
+    """`tinyserve run` in its own process (the clients here must not share its GIL)."""
     import socket
 
-    import uvicorn
-
-    from tinyserve.server.app import create_app
-    from tinyserve.server.state import ServerConfig, ServerState
-
-    state = ServerState(ServerConfig(served_model_name="tiny"), engine)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError("the server did not start")
-        time.sleep(0.02)
+    proc = subprocess.Popen([sys.executable, "-m", "tinyserve", "run", str(ckpt), "--port",
+                             str(port), "--device", device, "--max-seqs", "16",
+                             "--served-model-name", "tiny"], cwd=ROOT, env=_env(device),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited: {proc.stderr.read()[-1000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return url, proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    _stop_server(proc)
+    raise RuntimeError("the server did not become ready in 300 s")
 
-    def stop() -> None:
-        server.should_exit = True
-        thread.join(10)
 
-    return f"http://127.0.0.1:{port}", stop
+def _env(device: str) -> dict[str, str]:
+    # NOTE: one intra-op thread on CPU: on a shared, oversubscribed host OpenMP teams stall
+    # (measured 0.5 s vs 8-20 s for the same 32-token request), which would hide the server.
+    return {**os.environ, **({"OMP_NUM_THREADS": "1"} if device == "cpu" else {})}
+
+
+def _stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 if __name__ == "__main__":

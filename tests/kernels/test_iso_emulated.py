@@ -45,7 +45,9 @@ def lib(tmp_path_factory):
         pytest.skip(f"the emulation does not build here: {res.stderr[-500:]}")
     lib = ctypes.CDLL(str(so))
     lib.tinyserve_iso_store.argtypes = [P, P, I64, P, P, I64, I64, P, I, I, I, I, I, I, P]
-    lib.tinyserve_iso_dequant_rows.argtypes = [P, I64, P, P, I, I, I, I, I, P]
+    lib.tinyserve_iso_store_debug.argtypes = [P, P, I64, P, P, I64, I64, P, I, I, I, I, I, I,
+                                              P, P]
+    lib.tinyserve_iso_dequant_rows.argtypes = [P, I64, P, P, I64, I64, I, I, I, I, I, P]
     lib.tinyserve_iso_decode.argtypes = [P, P, P, I64, P, I64, P, I, I, I, I, I, I, I, F, I, P,
                                          P, P, I64, I, P]
     return lib
@@ -78,8 +80,13 @@ def test_store_golden_and_dequant(lib, shared_dir, fmt: str) -> None:
     assert torch.equal(kc2, iso.quantize_ref(kb.float(), fmt))
     out = torch.full((9, 2, 256), float("nan"))
     lib.tinyserve_iso_dequant_rows(kc2.data_ptr(), kc2.stride(0), loc2.data_ptr(),
-                                   out.data_ptr(), 9, 2, 256, BITS[fmt], 0, None)
+                                   out.data_ptr(), 512, 256, 9, 2, 256, BITS[fmt], 0, None)
     assert torch.equal(out, iso.dequantize_ref(kc2, fmt, 256))
+    out_hm = torch.full((2, 9, 256), float("nan"))  # head-major layout
+    lib.tinyserve_iso_dequant_rows(kc2.data_ptr(), kc2.stride(0), loc2.data_ptr(),
+                                   out_hm.data_ptr(), 256, 9 * 256, 9, 2, 256, BITS[fmt], 0,
+                                   None)
+    assert torch.equal(out_hm, out.transpose(0, 1))
 
 
 CASES = [  # fmt, hq, hkv, d, page_size, lens, SMs (sets the split count), out dtype
@@ -130,8 +137,9 @@ def test_decode_matches_reference(lib, case) -> None:
 def test_extend_launcher_logic_on_cpu(monkeypatch, fmt: str) -> None:
     """iso_extend_attention's GQA stacking and log-sum-exp merge (fp32 fallback path), with the
     row-dequant kernel replaced by its reference."""
-    def deq(cache, slots, fmt_, head_dim, dtype=torch.bfloat16):
-        return iso.dequantize_ref(cache[slots.long()], fmt_, head_dim).to(dtype)
+    def deq(cache, slots, fmt_, head_dim, dtype=torch.bfloat16, *, head_major=False):
+        rows = iso.dequantize_ref(cache[slots.long()], fmt_, head_dim).to(dtype)
+        return rows.transpose(0, 1).contiguous() if head_major else rows
 
     monkeypatch.setattr(iso_cuda, "iso_dequant_rows", deq)
     torch.manual_seed(4)

@@ -130,16 +130,9 @@ def _seq_sum_sq(v: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def quantize_ref(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Quantize float32 x [..., D] (D % 128 == 0) to packed uint8 [..., D//128*block_bytes].
-
-    Strict: matches the C reference bit for bit (sequential sums, no FMA). Runs on CPU.
-    """
-    _check_fmt(fmt)
-    d = x.shape[-1]
-    packed_row_bytes(d, fmt)
-    lead = x.shape[:-1]
-    xb = x.detach().to("cpu", torch.float32).reshape(-1, BLOCK)  # [R, 128]
+def _quantize_blocks(xb: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 blocks [R, 128] -> (indices int64 [R, 128], norm terms float32 [5, R]: sum of
+    squares, norm, reconstruction sum of squares, reconstruction norm, corrected norm)."""
     ns = _seq_sum_sq(xb)
     grp_norm = torch.sqrt(ns)
     inv = torch.where(grp_norm > _THRESH, 1.0 / grp_norm, torch.zeros_like(grp_norm))
@@ -153,8 +146,35 @@ def quantize_ref(x: torch.Tensor, fmt: str) -> torch.Tensor:
         better = dist < best
         idx = torch.where(better, i, idx)
         best = torch.where(better, dist, best)
-    recon = torch.sqrt(_seq_sum_sq(cent[idx]))
+    rs = _seq_sum_sq(cent[idx])
+    recon = torch.sqrt(rs)
     corrected = torch.where(recon > _THRESH, grp_norm / recon, grp_norm)
+    return idx, torch.stack([ns, grp_norm, rs, recon, corrected])
+
+
+def norm_terms_ref(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The norm arithmetic of `quantize_ref` per 128-block, for diagnostics: float32
+    [..., D//128, 5] = (sum of squares, norm, reconstruction sum of squares, reconstruction
+    norm, corrected norm before fp16 rounding)."""
+    _check_fmt(fmt)
+    d = x.shape[-1]
+    packed_row_bytes(d, fmt)
+    xb = x.detach().to("cpu", torch.float32).reshape(-1, BLOCK)
+    return _quantize_blocks(xb, fmt)[1].T.reshape(*x.shape[:-1], d // BLOCK, 5)
+
+
+def quantize_ref(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Quantize float32 x [..., D] (D % 128 == 0) to packed uint8 [..., D//128*block_bytes].
+
+    Strict: matches the C reference bit for bit (sequential sums, no FMA). Runs on CPU.
+    """
+    _check_fmt(fmt)
+    d = x.shape[-1]
+    packed_row_bytes(d, fmt)
+    lead = x.shape[:-1]
+    xb = x.detach().to("cpu", torch.float32).reshape(-1, BLOCK)  # [R, 128]
+    idx, terms = _quantize_blocks(xb, fmt)
+    corrected = terms[4]
     norm_bytes = corrected.half().view(torch.uint8).reshape(-1, 2)  # little-endian
     if fmt == "iso3":
         low = (idx & 3).reshape(-1, 32, 4)

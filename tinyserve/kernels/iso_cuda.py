@@ -44,7 +44,9 @@ _ERRORS = {2: "bad format or head_dim", 3: "unsupported GQA group"}
 _I, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
     "tinyserve_iso_store": [_P, _P, _I64, _P, _P, _I64, _I64, _P, _I, _I, _I, _I, _I, _I, _P],
-    "tinyserve_iso_dequant_rows": [_P, _I64, _P, _P, _I, _I, _I, _I, _I, _P],
+    "tinyserve_iso_store_debug": [_P, _P, _I64, _P, _P, _I64, _I64, _P, _I, _I, _I, _I, _I, _I,
+                                  _P, _P],
+    "tinyserve_iso_dequant_rows": [_P, _I64, _P, _P, _I64, _I64, _I, _I, _I, _I, _I, _P],
     "tinyserve_iso_decode": [_P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _I, _I, _F,
                              _I, _P, _P, _P, _I64, _I, _P],
 }
@@ -113,10 +115,7 @@ def _check_cache(cache: torch.Tensor, heads: int, head_dim: int, fmt: str, name:
         raise ValueError(f"{name} must be on a CUDA device")
 
 
-def iso_store(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor, fmt: str) -> None:
-    """Quantize k, v [N, H, D] (fp32 / bf16 / fp16, CUDA) into the caches at slots loc [N]
-    (int32 or int64). Caches: uint8 [slots, H, row_bytes]. Raises ValueError on bad input."""
+def _store_args(k_cache, v_cache, loc, k, v, fmt):
     bits = _bits(fmt)
     if k.dim() != 3 or k.shape != v.shape or k.dtype != v.dtype or k.dtype not in _FLOATS:
         raise ValueError(f"k and v must be [N, H, D] of one float dtype, got {k.dtype} "
@@ -132,34 +131,64 @@ def iso_store(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
         k = k.contiguous()
     if v.stride(2) != 1 or v.stride(1) != d:
         v = v.contiguous()
-    if n == 0:
-        return
     loc = loc.contiguous()
-    _call(k.device, "tinyserve_iso_store", k_cache.data_ptr(), v_cache.data_ptr(),
-          k_cache.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0),
-          loc.data_ptr(), int(loc.dtype == torch.int64), n, heads, d, bits,
-          _DTYPE_CODE[k.dtype])
+    return (k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k.data_ptr(),
+            v.data_ptr(), k.stride(0), v.stride(0), loc.data_ptr(),
+            int(loc.dtype == torch.int64), n, heads, d, bits, _DTYPE_CODE[k.dtype]), (k, v, loc)
+
+
+def iso_store(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor, fmt: str) -> None:
+    """Quantize k, v [N, H, D] (fp32 / bf16 / fp16, CUDA) into the caches at slots loc [N]
+    (int32 or int64). Caches: uint8 [slots, H, row_bytes]. Raises ValueError on bad input."""
+    args, keep = _store_args(k_cache, v_cache, loc, k, v, fmt)
+    if k.shape[0] == 0:
+        return
+    _call(k.device, "tinyserve_iso_store", *args)
+    del keep
+
+
+def iso_store_debug(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
+                    k: torch.Tensor, v: torch.Tensor, fmt: str) -> torch.Tensor:
+    """`iso_store` that also returns the per-block norm arithmetic, float32
+    [N, H, 2 (K, V), D/128, 6]: sum of squares, norm, reconstruction sum of squares,
+    reconstruction norm, corrected norm, stored fp16 bits (as a float)."""
+    args, keep = _store_args(k_cache, v_cache, loc, k, v, fmt)
+    n, heads, d = k.shape
+    dbg = torch.full((n, heads, 2, d // BLOCK, 6), float("nan"), device=k.device)
+    if n:
+        _call(k.device, "tinyserve_iso_store_debug", *args, dbg.data_ptr())
+    del keep
+    return dbg
 
 
 def iso_dequant_rows(cache: torch.Tensor, slots: torch.Tensor, fmt: str, head_dim: int,
-                     dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Packed rows at slots [M] (int64) -> [M, H, head_dim] of `dtype`."""
+                     dtype: torch.dtype = torch.bfloat16, *,
+                     head_major: bool = False) -> torch.Tensor:
+    """Packed rows at slots [M] -> [M, H, head_dim] of `dtype` ([H, M, head_dim] contiguous
+    with head_major=True, the layout attention kernels want)."""
     bits = _bits(fmt)
     heads = cache.shape[1]
     _check_cache(cache, heads, head_dim, fmt, "cache")
-    out = torch.empty(slots.numel(), heads, head_dim, dtype=dtype, device=cache.device)
-    if out.dtype not in _FLOATS:
+    if dtype not in _FLOATS:
         raise ValueError(f"dtype must be one of {_FLOATS}, got {dtype}")
-    if slots.numel():
+    m = slots.numel()
+    if head_major:
+        out = torch.empty(heads, m, head_dim, dtype=dtype, device=cache.device)
+        row_stride, head_stride = out.stride(1), out.stride(0)
+    else:
+        out = torch.empty(m, heads, head_dim, dtype=dtype, device=cache.device)
+        row_stride, head_stride = out.stride(0), out.stride(1)
+    if m:
         slots = slots.long().contiguous()
         _call(cache.device, "tinyserve_iso_dequant_rows", cache.data_ptr(), cache.stride(0),
-              slots.data_ptr(), out.data_ptr(), slots.numel(), heads, head_dim, bits,
-              _DTYPE_CODE[dtype])
+              slots.data_ptr(), out.data_ptr(), row_stride, head_stride, m, heads, head_dim,
+              bits, _DTYPE_CODE[dtype])
     return out
 
 
 def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *,
-                min_tokens: int = MIN_SPLIT_TOKENS, ctas_per_sm: int = 2) -> tuple[int, int]:
+                min_tokens: int = MIN_SPLIT_TOKENS, ctas_per_sm: int = 4) -> tuple[int, int]:
     """(tokens per split, number of splits): about `ctas_per_sm` CTAs per SM and at least
     `min_tokens` tokens per split (rounded to the 32-token tile)."""
     max_seq_len = max(1, max_seq_len)
@@ -228,18 +257,71 @@ def iso_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return out
 
 
-def _attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [H, L, D], k/v [H, S, D] (same H) -> (out fp32 [H, L, D], natural-log LSE [H, L])."""
-    try:
+# Attention backends for the extend path, fastest first; one that fails is dropped for good.
+EXTEND_BACKENDS = ["cudnn", "flash"]
+
+
+def _lse_of(lse: torch.Tensor, heads: int, length: int) -> torch.Tensor:
+    return lse.reshape(heads, -1)[:, :length].float()  # flash pads L; cuDNN may add a dim
+
+
+_CHECKED: set[tuple] = set()
+
+
+def _backend_call(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if name == "cudnn":
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q[None], k[None], v[None], None, True, 0.0, causal, False, scale=scale)
+    else:
         res = torch.ops.aten._scaled_dot_product_flash_attention(
             q[None], k[None], v[None], 0.0, causal, False, scale=scale)
-        return res[0][0].float(), res[1][0, :, : q.shape[1]].float()  # LSE may be padded
-    except (RuntimeError, NotImplementedError):
-        pass
+    return res[0][0], _lse_of(res[1], q.shape[0], q.shape[1])
+
+
+def _check_backend(name: str, q: torch.Tensor, scale: float) -> None:
+    """Once per (backend, device, dtype, head_dim): the output and LSE of a small causal and
+    non-causal problem against fp32 math; raises RuntimeError on a mismatch."""
+    key = (name, q.device, q.dtype, q.shape[-1])
+    if key in _CHECKED:
+        return
+    gen = torch.Generator(device=q.device).manual_seed(0)
+    for causal, (lq, lk) in ((True, (48, 48)), (False, (40, 72))):
+        qq = torch.randn(2, lq, q.shape[-1], device=q.device, generator=gen).to(q.dtype)
+        kk = torch.randn(2, lk, q.shape[-1], device=q.device, generator=gen).to(q.dtype)
+        vv = torch.randn(2, lk, q.shape[-1], device=q.device, generator=gen).to(q.dtype)
+        o, lse = _backend_call(name, qq, kk, vv, causal, scale)
+        sc = (qq.float() @ kk.float().transpose(1, 2)) * scale
+        if causal:
+            sc = sc.masked_fill(torch.ones(lq, lk, dtype=torch.bool, device=q.device)
+                                .triu(1), float("-inf"))
+        ref_lse = torch.logsumexp(sc, -1)
+        ref_o = torch.softmax(sc, -1) @ vv.float()
+        if not (torch.allclose(lse, ref_lse, atol=2e-2, rtol=1e-2)
+                and torch.allclose(o.float(), ref_o, atol=3e-2, rtol=3e-2)):
+            raise RuntimeError(f"{name}: output or LSE differs from fp32 math "
+                               f"(max LSE error {(lse - ref_lse).abs().max().item():.3g})")
+    _CHECKED.add(key)
+
+
+def _attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [H, L, D], k/v [H, S, D] (same H) -> (out [H, L, D] in q's dtype, natural-log LSE
+    fp32 [H, L]). Tries EXTEND_BACKENDS in order (each checked once against fp32 math), then
+    an fp32 fallback in query blocks."""
+    length = q.shape[1]
+    for name in list(EXTEND_BACKENDS):
+        try:
+            if q.is_cuda:
+                _check_backend(name, q, scale)
+            return _backend_call(name, q, k, v, causal, scale)
+        except (RuntimeError, NotImplementedError, TypeError) as exc:
+            log.info("extend attention backend %s unavailable (%s); dropping it", name,
+                     str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+            EXTEND_BACKENDS.remove(name)
     outs, lses = [], []
     kf, vf = k.float(), v.float()
-    for s in range(0, q.shape[1], 64):  # fp32 fallback in query blocks
+    for s in range(0, length, 64):  # fp32 fallback in query blocks
         qb = q[:, s:s + 64].float()
         sc = (qb @ kf.transpose(1, 2)) * scale
         if causal:
@@ -249,7 +331,7 @@ def _attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         lse = torch.logsumexp(sc, dim=-1)
         outs.append(torch.exp(sc - lse[..., None]) @ vf)
         lses.append(lse)
-    return torch.cat(outs, 1), torch.cat(lses, 1)
+    return torch.cat(outs, 1).to(q.dtype), torch.cat(lses, 1)
 
 
 def iso_extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -257,7 +339,13 @@ def iso_extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          cu_seqlens: torch.Tensor, q_lens: list[int], prefix_lens: list[int],
                          page_size: int, fmt: str, scale: float) -> torch.Tensor:
     """Prefill chunks: q [N, Hq, D] over each sequence's packed prefix and its own k, v
-    [N, Hkv, D] (causal). Does not store anything. Returns [N, Hq, D] in q's dtype."""
+    [N, Hkv, D] (causal). Does not store anything. Returns [N, Hq, D] in q's dtype.
+
+    Without a prefix this is one SDPA call (GQA, causal: the same kernel as the bf16 path).
+    With one, the prefix is dequantized once per layer straight into head-major [Hkv, P, D]
+    rows, attended non-causally with the group's query heads stacked on the query axis (no
+    per-head copy of the prefix), the chunk attends causally to itself, and the two results
+    are merged by their log-sum-exp (one lerp)."""
     _bits(fmt)
     n_tok, hq, d = q.shape
     hkv = k.shape[1]
@@ -267,23 +355,26 @@ def iso_extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for b, (n, prefix) in enumerate(zip(q_lens, prefix_lens, strict=True)):
         if n == 0:
             continue
-        qs = q[start:start + n].transpose(0, 1)  # [Hq, n, D]
-        ke = k[start:start + n].repeat_interleave(group, 1).transpose(0, 1)  # [Hq, n, D]
-        ve = v[start:start + n].repeat_interleave(group, 1).transpose(0, 1)
-        o_new, lse_new = _attend_lse(qs, ke.to(q.dtype), ve.to(q.dtype), True, scale)
-        if prefix > 0:
+        qs = q[start:start + n].transpose(0, 1)  # [Hq, n, D] view
+        ks = k[start:start + n].transpose(0, 1).to(q.dtype)  # [Hkv, n, D]
+        vs = v[start:start + n].transpose(0, 1).to(q.dtype)
+        if prefix == 0:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qs[None], ks[None], vs[None], is_causal=True, scale=scale,
+                enable_gqa=group > 1)[0]
+        else:
+            ke = ks.repeat_interleave(group, 0) if group > 1 else ks
+            ve = vs.repeat_interleave(group, 0) if group > 1 else vs
+            o_new, lse_new = _attend_lse(qs, ke, ve, True, scale)
             t = torch.arange(prefix, device=q.device)
             slots = page_table[b].long()[t // page_size] * page_size + t % page_size
-            kp = iso_dequant_rows(k_cache, slots, fmt, d, q.dtype).transpose(0, 1)  # [Hkv,P,D]
-            vp = iso_dequant_rows(v_cache, slots, fmt, d, q.dtype).transpose(0, 1)
-            # GQA without copying the prefix: the group's heads stacked along the query axis
-            qg = qs.reshape(hkv, group * n, d)
-            o_pre, lse_pre = _attend_lse(qg, kp.contiguous(), vp.contiguous(), False, scale)
+            kp = iso_dequant_rows(k_cache, slots, fmt, d, q.dtype, head_major=True)
+            vp = iso_dequant_rows(v_cache, slots, fmt, d, q.dtype, head_major=True)
+            qg = qs.reshape(hkv, group * n, d)  # the group's heads stacked on the query axis
+            o_pre, lse_pre = _attend_lse(qg, kp, vp, False, scale)
             o_pre, lse_pre = o_pre.reshape(hq, n, d), lse_pre.reshape(hq, n)
-            mx = torch.maximum(lse_new, lse_pre)
-            w_new, w_pre = torch.exp(lse_new - mx), torch.exp(lse_pre - mx)
-            o_new = (o_new * w_new[..., None] + o_pre * w_pre[..., None]) / (w_new + w_pre)[
-                ..., None]
-        out[start:start + n] = o_new.transpose(0, 1).to(q.dtype)
+            w = torch.sigmoid(lse_pre - lse_new).to(o_new.dtype)[..., None]
+            o = torch.lerp(o_new, o_pre.to(o_new.dtype), w)
+        out[start:start + n] = o.transpose(0, 1)
         start += n
     return out

@@ -9,9 +9,11 @@ Ordering contract (§6.2):
 - extend (anything else): attend over the packed prefix plus the chunk's own K/V in the model
   dtype (causal), then store the chunk (deferred quantization).
 
-On CUDA the store, decode and extend run the kernels of `kernels.iso_cuda`; elsewhere (or with
-TINYSERVE_DISABLE_KERNELS=1) the references of `kernels.iso` run: quantize on write,
-dequantize + fp32 attention.
+On CUDA the store and extend run the kernels of `kernels.iso_cuda`; decode runs the
+tensor-core Triton kernel (`kernels.iso_triton`) or the CUDA SIMT kernel, whichever
+bench/iso_attention.py measured faster (DECODE_IMPL; TINYSERVE_ISO_DECODE overrides it).
+Elsewhere (or with TINYSERVE_DISABLE_KERNELS=1) the references of `kernels.iso` run: quantize
+on write, dequantize + fp32 attention.
 """
 
 from __future__ import annotations
@@ -22,6 +24,17 @@ from tinyserve import envs
 from tinyserve.core import ForwardContext
 from tinyserve.kernels import iso
 from tinyserve.kv.base import KVBackend
+
+# The decode kernel bench/iso_attention.py measured faster on the H200 ("triton" or "cuda").
+DECODE_IMPL = "triton"
+
+
+def decode_impl() -> str:
+    """The decode attention kernel in use: TINYSERVE_ISO_DECODE, else DECODE_IMPL."""
+    impl = envs.ISO_DECODE.get().strip().lower() or DECODE_IMPL
+    if impl not in ("triton", "cuda"):
+        raise ValueError(f"TINYSERVE_ISO_DECODE must be triton or cuda, got {impl!r}")
+    return impl
 
 
 class ISOKVBackend(KVBackend):
@@ -92,12 +105,17 @@ class ISOKVBackend(KVBackend):
                 scale: float) -> torch.Tensor:
         kc, vc = self.k_cache(layer_id), self.v_cache(layer_id)
         if self.use_kernels:
+            if decode_impl() == "triton":
+                from tinyserve.kernels import iso_triton
+
+                return iso_triton.iso_decode_attention_triton(
+                    q, kc, vc, ctx.page_table, ctx.seq_lens, ctx.page_size, self.fmt, scale,
+                    max_seq_len=ctx.seq_len_bound)
             from tinyserve.kernels import iso_cuda
 
-            max_len = max(p + n for p, n in zip(ctx.prefix_lens_cpu, ctx.q_lens_cpu, strict=True))
             return iso_cuda.iso_decode_attention(q, kc, vc, ctx.page_table, ctx.seq_lens,
                                                  ctx.page_size, self.fmt, scale,
-                                                 max_seq_len=max_len)
+                                                 max_seq_len=ctx.seq_len_bound)
         out = iso.decode_attention_ref(q, kc.cpu(), vc.cpu(), ctx.page_table.cpu(),
                                        ctx.seq_lens.cpu(), ctx.page_size, self.fmt, scale)
         return out.to(device=q.device, dtype=q.dtype)

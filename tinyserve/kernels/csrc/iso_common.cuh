@@ -121,9 +121,45 @@ __device__ __forceinline__ void group_indices(const uint8_t* blk, int g, int idx
   }
 }
 
+// fp32 -> IEEE binary16 bits, round to nearest even, in integer arithmetic (no f16 register:
+// on sm_90 ptxas turned a byte store of a cvt.rn.f16.f32 result into F2I.U8.F16, i.e. it
+// wrote the integer value of the norm instead of its low byte). Overflow gives +-inf, NaN a
+// quiet NaN, values below 2^-25 give +-0, subnormals are rounded exactly.
+__device__ __forceinline__ uint32_t f32_to_f16_bits(float f) {
+  const uint32_t x = __float_as_uint(f);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return sign | (ax > 0x7f800000u ? 0x7e00u : 0x7c00u);
+  if (ax >= 0x477ff000u) return sign | 0x7c00u;  // >= 65520 rounds to inf
+  if (ax >= 0x38800000u) {                       // normal binary16 range (>= 2^-14)
+    const uint32_t r = ax + 0x0fffu + ((ax >> 13) & 1u);
+    return sign | ((r - 0x38000000u) >> 13);
+  }
+  if (ax < 0x33000000u) return sign;  // < 2^-25: rounds to zero (2^-25 itself ties to 0)
+  const uint32_t e = ax >> 23;                     // 102..112
+  const uint32_t m = (ax & 0x7fffffu) | 0x800000u;  // value = m * 2^(e-150)
+  const uint32_t shift = 126u - e;                 // 14..24: in units of 2^-24
+  uint32_t q = m >> shift;
+  const uint32_t rem = m & ((1u << shift) - 1u);
+  const uint32_t half = 1u << (shift - 1u);
+  if (rem > half || (rem == half && (q & 1u))) ++q;
+  return sign | q;
+}
+
+// IEEE binary16 bits -> fp32 (exact), in integer arithmetic.
+__device__ __forceinline__ float f16_bits_to_f32(uint32_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 0x1fu;
+  const uint32_t m = h & 0x3ffu;
+  if (e == 0x1fu) return __uint_as_float(sign | 0x7f800000u | (m << 13));
+  if (e != 0u) return __uint_as_float(sign | ((e + 112u) << 23) | (m << 13));
+  // zero or subnormal: m * 2^-24, exact in fp32
+  const float mag = __fmul_rn((float)m, 5.9604644775390625e-08f);
+  return __uint_as_float(__float_as_uint(mag) | sign);
+}
+
 __device__ __forceinline__ float block_norm(const uint8_t* blk) {
-  const unsigned short bits = (unsigned short)blk[0] | ((unsigned short)blk[1] << 8);
-  return __half2float(__ushort_as_half(bits));
+  return f16_bits_to_f32((uint32_t)blk[0] | ((uint32_t)blk[1] << 8));
 }
 
 template <typename T>

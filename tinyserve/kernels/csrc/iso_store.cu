@@ -3,27 +3,46 @@
 // iso_store: K and V rows [N, H, D] (fp32 / bf16 / fp16) -> packed slots of the paged cache
 // (uint8 [slots, H, row_bytes]) at locations loc[N] (int32 or int64). One warp per (token,
 // head, K|V); lane g owns group g of each 128-block. Byte-exact with kernels/iso.py
-// quantize_ref: explicit round-to-nearest intrinsics (no FMA) and the two norms summed
-// sequentially over j = 0..127 by lane 0, exactly the reference order.
+// quantize_ref: explicit round-to-nearest intrinsics (no FMA), the two norms summed
+// sequentially over j = 0..127 (the reference order) by every lane from values broadcast with
+// shuffles (no shared memory), and the fp16 norm rounded in integer arithmetic.
 //
-// iso_dequant_rows: packed rows at slots[M] -> [M, H, D] in fp32 / bf16 / fp16, bit-exact in
-// fp32 with dequantize_ref.
+// iso_dequant_rows: packed rows at slots[M] -> out[h * head_stride + m * row_stride + d] in
+// fp32 / bf16 / fp16, bit-exact in fp32 with dequantize_ref.
 #include "iso_common.cuh"
 
 namespace iso {
 
 constexpr int kStoreWarps = 4;
 
+// Sequential fp32 sum of the warp's 128 values in element order (lane l holds elements
+// 4l..4l+3), without shared memory: the running sum is handed from lane to lane with shuffles
+// (lane i adds its 4 values to lane i-1's total); every lane receives the final sum.
+__device__ __forceinline__ float warp_sequential_sum(const float (&s)[4], int lane) {
+  float acc = 0.0f;
+  for (int i = 0; i < 32; ++i) {
+    const float prev = __shfl_sync(0xffffffffu, acc, i == 0 ? 0 : i - 1);
+    if (lane == i) {
+      acc = i == 0 ? 0.0f : prev;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc = __fadd_rn(acc, s[c]);
+    }
+  }
+  return __shfl_sync(0xffffffffu, acc, 31);
+}
+
+// dbg (optional): per (token, head, K|V, block) 6 floats: sum of squares, norm, reconstruction
+// sum, reconstruction norm, corrected norm, stored fp16 bits (as a float).
 template <int BITS, typename T, typename IDX>
 __global__ void store_kernel(uint8_t* __restrict__ k_cache, uint8_t* __restrict__ v_cache,
                              int64_t slot_stride, const T* __restrict__ k,
                              const T* __restrict__ v, int64_t k_tok_stride, int64_t v_tok_stride,
-                             const IDX* __restrict__ loc, int n_tokens, int n_heads, int nb) {
-  __shared__ float sq[kStoreWarps][kBlock];
+                             const IDX* __restrict__ loc, int n_tokens, int n_heads, int nb,
+                             float* __restrict__ dbg) {
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int64_t item = (int64_t)blockIdx.x * kStoreWarps + warp;
-  if (item >= (int64_t)n_tokens * n_heads * 2) return;
+  if (item >= (int64_t)n_tokens * n_heads * 2) return;  // whole warps only
   const int is_v = (int)(item & 1);
   const int head = (int)((item >> 1) % n_heads);
   const int64_t tok = (item >> 1) / n_heads;
@@ -32,22 +51,16 @@ __global__ void store_kernel(uint8_t* __restrict__ k_cache, uint8_t* __restrict_
   const int row_bytes = nb * Fmt<BITS>::kBytes;
   uint8_t* dst = (is_v ? v_cache : k_cache) + (int64_t)loc[tok] * slot_stride +
                  (int64_t)head * row_bytes;
-  float* my_sq = sq[warp];
 
   for (int b = 0; b < nb; ++b) {
-    float x[4];
+    float x[4], sq[4];
 #pragma unroll
-    for (int c = 0; c < 4; ++c) x[c] = to_float<T>(src[b * kBlock + lane * 4 + c]);
-    // 1-2. sequential sum of squares, sqrt
-#pragma unroll
-    for (int c = 0; c < 4; ++c) my_sq[lane * 4 + c] = __fmul_rn(x[c], x[c]);
-    __syncwarp();
-    float ns = 0.0f;
-    if (lane == 0) {
-      for (int j = 0; j < kBlock; ++j) ns = __fadd_rn(ns, my_sq[j]);
+    for (int c = 0; c < 4; ++c) {
+      x[c] = to_float<T>(src[b * kBlock + lane * 4 + c]);
+      sq[c] = __fmul_rn(x[c], x[c]);
     }
-    ns = __shfl_sync(0xffffffffu, ns, 0);
-    __syncwarp();
+    // 1-2. sequential sum of squares, sqrt
+    const float ns = warp_sequential_sum(sq, lane);
     const float grp_norm = __fsqrt_rn(ns);
     // 3-4. reciprocal, normalise by multiplying
     const float inv = grp_norm > 1e-10f ? __fdiv_rn(1.0f, grp_norm) : 0.0f;
@@ -57,6 +70,7 @@ __global__ void store_kernel(uint8_t* __restrict__ k_cache, uint8_t* __restrict_
     // 5. rotate, nearest centroid (strictly smaller distance wins, ties to the lower index)
     rotate_exact(lane, false, vn, r);
     int idx[4];
+    float csq[4];
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       float best = fabsf(__fsub_rn(r[c], centroid<BITS>(0)));
@@ -71,27 +85,30 @@ __global__ void store_kernel(uint8_t* __restrict__ k_cache, uint8_t* __restrict_
       }
       idx[c] = bi;
       const float cv = centroid<BITS>(bi);
-      my_sq[lane * 4 + c] = __fmul_rn(cv, cv);
+      csq[c] = __fmul_rn(cv, cv);
     }
-    __syncwarp();
     // 6-7. reconstruction norm (sequential), corrected norm
-    float rs = 0.0f;
-    if (lane == 0) {
-      for (int j = 0; j < kBlock; ++j) rs = __fadd_rn(rs, my_sq[j]);
-    }
-    rs = __shfl_sync(0xffffffffu, rs, 0);
-    __syncwarp();
+    const float rs = warp_sequential_sum(csq, lane);
     const float recon = __fsqrt_rn(rs);
     const float corrected = recon > 1e-10f ? __fdiv_rn(grp_norm, recon) : grp_norm;
+    const uint32_t hbits = f32_to_f16_bits(corrected);
     // 8. write the block
     uint8_t* blk = dst + b * Fmt<BITS>::kBytes;
     if (lane == 0) {
-      const unsigned short h = __half_as_ushort(__float2half_rn(corrected));
-      blk[0] = (uint8_t)(h & 0xff);
-      blk[1] = (uint8_t)(h >> 8);
+      blk[0] = (uint8_t)(hbits & 0xffu);
+      blk[1] = (uint8_t)(hbits >> 8);
       if (BITS == 4) {
         blk[2] = 0;
         blk[3] = 0;
+      }
+      if (dbg != nullptr) {
+        float* o = dbg + (item * nb + b) * 6;
+        o[0] = ns;
+        o[1] = grp_norm;
+        o[2] = rs;
+        o[3] = recon;
+        o[4] = corrected;
+        o[5] = (float)hbits;
       }
     }
     if (BITS == 3) {
@@ -111,6 +128,7 @@ __global__ void store_kernel(uint8_t* __restrict__ k_cache, uint8_t* __restrict_
 template <int BITS, typename T>
 __global__ void dequant_rows_kernel(const uint8_t* __restrict__ cache, int64_t slot_stride,
                                     const int64_t* __restrict__ slots, T* __restrict__ out,
+                                    int64_t out_row_stride, int64_t out_head_stride,
                                     int n_rows, int n_heads, int nb) {
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
@@ -120,7 +138,7 @@ __global__ void dequant_rows_kernel(const uint8_t* __restrict__ cache, int64_t s
   const int64_t row = item / n_heads;
   const int row_bytes = nb * Fmt<BITS>::kBytes;
   const uint8_t* src = cache + slots[row] * slot_stride + (int64_t)head * row_bytes;
-  T* dst = out + item * (int64_t)(nb * kBlock);
+  T* dst = out + row * out_row_stride + head * out_head_stride;
   for (int b = 0; b < nb; ++b) {
     const uint8_t* blk = src + b * Fmt<BITS>::kBytes;
     const float norm = block_norm(blk);
@@ -131,24 +149,32 @@ __global__ void dequant_rows_kernel(const uint8_t* __restrict__ cache, int64_t s
     for (int i = 0; i < 4; ++i) c[i] = centroid<BITS>(idx[i]);
     rotate_exact(lane, true, c, y);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) dst[b * kBlock + lane * 4 + i] = from_float<T>(__fmul_rn(y[i], norm));
+    for (int i = 0; i < 4; ++i)
+      dst[b * kBlock + lane * 4 + i] = from_float<T>(__fmul_rn(y[i], norm));
   }
+}
+
+template <int BITS, typename T, typename IDX>
+void launch_store(uint8_t* kc, uint8_t* vc, int64_t slot_stride, const T* k, const T* v,
+                  int64_t ks, int64_t vs, const IDX* loc, int n_tokens, int n_heads, int nb,
+                  float* dbg, cudaStream_t stream) {
+  const int64_t items = (int64_t)n_tokens * n_heads * 2;
+  const dim3 grid((unsigned)((items + kStoreWarps - 1) / kStoreWarps));
+  store_kernel<BITS, T, IDX><<<grid, 32 * kStoreWarps, 0, stream>>>(
+      kc, vc, slot_stride, k, v, ks, vs, loc, n_tokens, n_heads, nb, dbg);
 }
 
 }  // namespace iso
 
-extern "C" int tinyserve_iso_store(void* k_cache, void* v_cache, int64_t slot_stride,
-                                   const void* k, const void* v, int64_t k_tok_stride,
-                                   int64_t v_tok_stride, const void* loc, int loc_is_64,
-                                   int n_tokens, int n_heads, int head_dim, int bits,
-                                   int dtype_code, cudaStream_t stream) {
+static int iso_store_impl(void* k_cache, void* v_cache, int64_t slot_stride, const void* k,
+                          const void* v, int64_t k_tok_stride, int64_t v_tok_stride,
+                          const void* loc, int loc_is_64, int n_tokens, int n_heads,
+                          int head_dim, int bits, int dtype_code, float* dbg,
+                          cudaStream_t stream) {
   using namespace iso;
   if (n_tokens == 0) return 0;
   if (head_dim % kBlock != 0 || (bits != 3 && bits != 4)) return 2;
   const int nb = head_dim / kBlock;
-  const int64_t items = (int64_t)n_tokens * n_heads * 2;
-  const dim3 grid((unsigned)((items + kStoreWarps - 1) / kStoreWarps));
-  const dim3 block(32 * kStoreWarps);
   auto* kc = static_cast<uint8_t*>(k_cache);
   auto* vc = static_cast<uint8_t*>(v_cache);
   ISO_DISPATCH_DTYPE(dtype_code, T, {
@@ -157,28 +183,50 @@ extern "C" int tinyserve_iso_store(void* k_cache, void* v_cache, int64_t slot_st
     if (loc_is_64) {
       const auto* lp = static_cast<const int64_t*>(loc);
       if (bits == 3)
-        store_kernel<3, T, int64_t><<<grid, block, 0, stream>>>(
-            kc, vc, slot_stride, kp, vp, k_tok_stride, v_tok_stride, lp, n_tokens, n_heads, nb);
+        launch_store<3>(kc, vc, slot_stride, kp, vp, k_tok_stride, v_tok_stride, lp, n_tokens,
+                        n_heads, nb, dbg, stream);
       else
-        store_kernel<4, T, int64_t><<<grid, block, 0, stream>>>(
-            kc, vc, slot_stride, kp, vp, k_tok_stride, v_tok_stride, lp, n_tokens, n_heads, nb);
+        launch_store<4>(kc, vc, slot_stride, kp, vp, k_tok_stride, v_tok_stride, lp, n_tokens,
+                        n_heads, nb, dbg, stream);
     } else {
       const auto* lp = static_cast<const int32_t*>(loc);
       if (bits == 3)
-        store_kernel<3, T, int32_t><<<grid, block, 0, stream>>>(
-            kc, vc, slot_stride, kp, vp, k_tok_stride, v_tok_stride, lp, n_tokens, n_heads, nb);
+        launch_store<3>(kc, vc, slot_stride, kp, vp, k_tok_stride, v_tok_stride, lp, n_tokens,
+                        n_heads, nb, dbg, stream);
       else
-        store_kernel<4, T, int32_t><<<grid, block, 0, stream>>>(
-            kc, vc, slot_stride, kp, vp, k_tok_stride, v_tok_stride, lp, n_tokens, n_heads, nb);
+        launch_store<4>(kc, vc, slot_stride, kp, vp, k_tok_stride, v_tok_stride, lp, n_tokens,
+                        n_heads, nb, dbg, stream);
     }
   });
   return (int)cudaGetLastError();
 }
 
+extern "C" int tinyserve_iso_store(void* k_cache, void* v_cache, int64_t slot_stride,
+                                   const void* k, const void* v, int64_t k_tok_stride,
+                                   int64_t v_tok_stride, const void* loc, int loc_is_64,
+                                   int n_tokens, int n_heads, int head_dim, int bits,
+                                   int dtype_code, cudaStream_t stream) {
+  return iso_store_impl(k_cache, v_cache, slot_stride, k, v, k_tok_stride, v_tok_stride, loc,
+                        loc_is_64, n_tokens, n_heads, head_dim, bits, dtype_code, nullptr,
+                        stream);
+}
+
+// The store with a diagnostics buffer: dbg float32 [n_tokens, n_heads, 2 (K, V), nb, 6].
+extern "C" int tinyserve_iso_store_debug(void* k_cache, void* v_cache, int64_t slot_stride,
+                                         const void* k, const void* v, int64_t k_tok_stride,
+                                         int64_t v_tok_stride, const void* loc, int loc_is_64,
+                                         int n_tokens, int n_heads, int head_dim, int bits,
+                                         int dtype_code, float* dbg, cudaStream_t stream) {
+  return iso_store_impl(k_cache, v_cache, slot_stride, k, v, k_tok_stride, v_tok_stride, loc,
+                        loc_is_64, n_tokens, n_heads, head_dim, bits, dtype_code, dbg, stream);
+}
+
+// out element (row m, head h, d) at out + m * out_row_stride + h * out_head_stride + d.
 extern "C" int tinyserve_iso_dequant_rows(const void* cache, int64_t slot_stride,
-                                          const int64_t* slots, void* out, int n_rows,
-                                          int n_heads, int head_dim, int bits, int dtype_code,
-                                          cudaStream_t stream) {
+                                          const int64_t* slots, void* out,
+                                          int64_t out_row_stride, int64_t out_head_stride,
+                                          int n_rows, int n_heads, int head_dim, int bits,
+                                          int dtype_code, cudaStream_t stream) {
   using namespace iso;
   if (n_rows == 0) return 0;
   if (head_dim % kBlock != 0 || (bits != 3 && bits != 4)) return 2;
@@ -189,11 +237,13 @@ extern "C" int tinyserve_iso_dequant_rows(const void* cache, int64_t slot_stride
   ISO_DISPATCH_DTYPE(dtype_code, T, {
     T* op = static_cast<T*>(out);
     if (bits == 3)
-      dequant_rows_kernel<3, T><<<grid, 128, 0, stream>>>(cp, slot_stride, slots, op, n_rows,
-                                                          n_heads, nb);
+      dequant_rows_kernel<3, T><<<grid, 128, 0, stream>>>(cp, slot_stride, slots, op,
+                                                          out_row_stride, out_head_stride,
+                                                          n_rows, n_heads, nb);
     else
-      dequant_rows_kernel<4, T><<<grid, 128, 0, stream>>>(cp, slot_stride, slots, op, n_rows,
-                                                          n_heads, nb);
+      dequant_rows_kernel<4, T><<<grid, 128, 0, stream>>>(cp, slot_stride, slots, op,
+                                                          out_row_stride, out_head_stride,
+                                                          n_rows, n_heads, nb);
   });
   return (int)cudaGetLastError();
 }

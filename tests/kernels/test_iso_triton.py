@@ -1,0 +1,101 @@
+"""The tensor-core ISO decode kernel (kernels/iso_triton.py) against `decode_attention_ref`.
+
+Without CUDA the kernels run in the Triton interpreter at small sizes (the same code path as
+the GPU, minus the compiler). Outputs and partial buffers are poisoned with NaN first.
+Bound: fp16 operands with fp32 accumulation, so |out - ref| <= 2e-3 * max|ref| (fp32 q).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from tinyserve.kernels import iso  # noqa: E402
+from tinyserve.kernels import iso_triton as it  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+CASES = [  # fmt, hq, hkv, d, page_size, lens, split_tokens, q dtype
+    ("iso3", 16, 2, 256, 16, [1, 70], 64, torch.float32),
+    ("iso4", 16, 2, 256, 16, [1, 70], None, torch.float32),
+    ("iso3", 8, 4, 128, 4, [5, 100], 64, torch.float32),
+    ("iso4", 16, 1, 128, 1, [33], 64, torch.bfloat16),
+    ("iso4", 4, 2, 256, 8, [200, 3], 128, torch.float32),
+]
+
+
+def _cache(fmt, hkv, d, ps, lens, seed):
+    gen = torch.Generator().manual_seed(seed)
+    pages_per = [math.ceil(n / ps) for n in lens]
+    num_pages = sum(pages_per) + 1
+    perm = torch.randperm(num_pages, generator=gen)
+    table = torch.zeros(len(lens), max(pages_per) + 2, dtype=torch.int32)
+    table[:, -2:] = 10_000_000  # entries past a sequence's pages must never be read
+    at = 0
+    for b, p in enumerate(pages_per):
+        table[b, :p] = perm[at:at + p].int()
+        at += p
+    k = torch.randn(num_pages * ps, hkv, d, generator=gen)
+    k[:, :, 3] *= 20  # an outlier channel
+    kc = iso.quantize_ref(k, fmt)
+    vc = iso.quantize_ref(torch.randn(num_pages * ps, hkv, d, generator=gen), fmt)
+    return kc, vc, table
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-hq{c[1]}-hkv{c[2]}-d{c[3]}-ps{c[4]}-"
+                                             f"len{max(c[5])}x{len(c[5])}" for c in CASES])
+def test_triton_decode_matches_reference(case) -> None:
+    fmt, hq, hkv, d, ps, lens, split_tokens, dtype = case
+    kc, vc, table = _cache(fmt, hkv, d, ps, lens, seed=len(lens) * d + hq)
+    torch.manual_seed(hq + d)
+    q = torch.randn(len(lens), hq, d).to(dtype)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    out = torch.full((len(lens), hq, d), float("nan"), dtype=dtype, device=DEV)
+    got = it.iso_decode_attention_triton(q.to(DEV), kc.to(DEV), vc.to(DEV), table.to(DEV),
+                                         seq.to(DEV), ps, fmt, d ** -0.5, out=out,
+                                         split_tokens=split_tokens)
+    assert got is out
+    ref = iso.decode_attention_ref(q, kc, vc, table, seq, ps, fmt, d ** -0.5)
+    err = (out.float().cpu() - ref).abs().max().item() / ref.abs().max().item()
+    tol = 2e-3 if dtype == torch.float32 else 1e-2
+    assert err < tol, f"relative error {err:.2e}"
+
+
+def test_rotation_tables_are_the_quaternions() -> None:
+    cent, rot = it._tables(torch.device("cpu"), "iso4")
+    x = torch.randn(5, 256)
+    fwd = torch.einsum("gck,rbgk->rbgc", rot[0].double(), x.double().reshape(5, 2, 32, 4))
+    torch.testing.assert_close(fwd.float().reshape(5, 256), iso.rotate_ref(x), rtol=1e-6,
+                               atol=1e-6)
+    torch.testing.assert_close(rot[1] @ rot[0], torch.eye(4).expand(32, 4, 4), atol=1e-6,
+                               rtol=0)
+    assert torch.equal(cent.float(), iso.centroid_table("iso4").half().float())
+
+
+def test_plan_splits_keeps_the_gpu_busy() -> None:
+    # batch 8, 2 kv heads, 32k on 132 SMs: >= 2 waves of programs, >= 128 tokens per split
+    chunk, splits = it.plan_splits(8, 2, 32768, 132)
+    assert splits * 16 >= 2 * 132 and chunk >= 128 and chunk % it.BLOCK_T == 0
+    assert chunk * splits >= 32768 and chunk * (splits - 1) < 32768
+    chunk, splits = it.plan_splits(1, 2, 32768, 132)
+    assert chunk >= 128 and splits * 2 >= 2 * 132
+    assert it.plan_splits(1, 2, 1, 132) == (it.BLOCK_T, 1)
+
+
+def test_rejects_bad_shapes() -> None:
+    kc = torch.zeros(16, 2, 100, dtype=torch.uint8)
+    q = torch.zeros(1, 5, 256)
+    t, s = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="GQA"):
+        it.iso_decode_attention_triton(q, kc, kc, t, s, 16, "iso3", 1.0)
+    with pytest.raises(ValueError, match="k_cache"):
+        it.iso_decode_attention_triton(torch.zeros(1, 4, 256), kc, kc, t, s, 16, "iso4", 1.0)

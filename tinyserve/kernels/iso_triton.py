@@ -1,0 +1,271 @@
+"""ISO3/ISO4 paged decode attention on tensor cores (Triton), in the rotated space (§6.5).
+
+Pass 1 (`_iso_decode_partial`), grid (splits, batch * kv heads): one program owns `chunk`
+context tokens of one (sequence, kv head) and the G query heads of its GQA group (padded to
+16 rows for the MMA). It rotates the query once (forward quaternion per 4-D group, fp32),
+scales it by scale * log2(e) and keeps it in fp16. Per tile of BLOCK_T tokens it gathers the
+packed K rows through the page table, unpacks the indices into fp16 centroid values (rotated
+space, unscaled), and computes S = sum_b norm_b * (Q_b @ C_b^T) with tl.dot (one dot per
+128-block, fp32 accumulation); online softmax in base 2; then acc_b += (P * norm_v_b) @ Cv_b.
+It writes the unnormalised rotated accumulator and (max, sum) per split.
+Pass 2 (`_iso_decode_merge`), one program per (sequence, query head): log-sum-exp merge of the
+splits, inverse rotation per 4-D group (fp32), divide by the sum, cast, store.
+
+Precision: fp16 query and centroid operands (11-bit mantissa), fp32 accumulation; the
+softmax weights enter the V product in fp16. Results agree with the fp32 reference to ~1e-3.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from tinyserve.kernels import iso
+
+_LOG2E = 1.4426950408889634
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+BLOCK_T = 64
+MIN_SPLIT_TOKENS = 128
+CTAS_PER_SM = 4
+
+
+@triton.jit
+def _unpack_block(cache_ptr, row, tmask, blk: tl.constexpr, cent_ptr, BITS: tl.constexpr,
+                  BB: tl.constexpr):
+    """Centroid values fp16 [T, 128] and norms fp32 [T] of block `blk` of the rows at byte
+    offsets `row` [T] (int64); masked rows give norm 0."""
+    base = cache_ptr + row + blk * BB  # [T] pointers
+    lo = tl.load(base, mask=tmask, other=0).to(tl.int32)
+    hi = tl.load(base + 1, mask=tmask, other=0).to(tl.int32)
+    bits = (lo | (hi << 8)).to(tl.int16)
+    nrm = bits.to(tl.float16, bitcast=True).to(tl.float32)
+    nrm = tl.where(tmask, nrm, 0.0)
+    if BITS == 4:
+        cols = tl.arange(0, 64)
+        qs = tl.load(base[:, None] + 4 + cols[None, :], mask=tmask[:, None], other=0)
+        qs = qs.to(tl.int32)
+        idx = tl.interleave(qs & 15, qs >> 4)  # element 2i: low nibble, 2i+1: high nibble
+    else:
+        cols = tl.arange(0, 32)
+        qs = tl.load(base[:, None] + 2 + cols[None, :], mask=tmask[:, None], other=0)
+        qs = qs.to(tl.int32)
+        low = tl.interleave(tl.interleave(qs & 3, (qs >> 4) & 3),
+                            tl.interleave((qs >> 2) & 3, (qs >> 6) & 3))
+        scol = tl.arange(0, 16)
+        sg = tl.load(base[:, None] + 34 + scol[None, :], mask=tmask[:, None], other=0)
+        sg = sg.to(tl.int32)
+        h04 = tl.interleave(sg & 1, (sg >> 4) & 1)
+        h26 = tl.interleave((sg >> 2) & 1, (sg >> 6) & 1)
+        h15 = tl.interleave((sg >> 1) & 1, (sg >> 5) & 1)
+        h37 = tl.interleave((sg >> 3) & 1, (sg >> 7) & 1)
+        high = tl.interleave(tl.interleave(h04, h26), tl.interleave(h15, h37))
+        idx = low | (high << 2)
+    cent = tl.load(cent_ptr + idx)  # fp16 table lookup (L1)
+    return cent, nrm
+
+
+@triton.jit
+def _rotated_query(q_ptr, qrow, hmask, blk: tl.constexpr, rot_ptr, scale_log2,
+                   BLOCK_H: tl.constexpr):
+    """Forward-rotated query block `blk` [BLOCK_H, 128] as fp16, times scale * log2(e)."""
+    g = tl.arange(0, 32)
+    c = tl.arange(0, 4)
+    # r[h, g, c] = sum_k R[g, c, k] * q[h, g, k]
+    r = tl.zeros([BLOCK_H, 32, 4], dtype=tl.float32)
+    for k in tl.static_range(4):
+        qk = tl.load(q_ptr + qrow[:, None] + blk * 128 + g[None, :] * 4 + k,
+                     mask=hmask[:, None], other=0.0).to(tl.float32)  # [BLOCK_H, 32]
+        rk = tl.load(rot_ptr + g[:, None] * 16 + c[None, :] * 4 + k)  # [32, 4]
+        r += qk[:, :, None] * rk[None, :, :]
+    return (tl.reshape(r, [BLOCK_H, 128]) * scale_log2).to(tl.float16)
+
+
+@triton.jit
+def _iso_decode_partial(q_ptr, k_ptr, v_ptr, slot_stride, pt_ptr, pt_stride, lens_ptr,
+                        cent_ptr, rot_ptr, part_acc_ptr, part_ml_ptr, chunk, n_splits,
+                        page_size, scale_log2,
+                        HKV: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr,
+                        NB: tl.constexpr, BITS: tl.constexpr, BB: tl.constexpr,
+                        BLOCK_T: tl.constexpr):
+    split = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HKV
+    kvh = bh % HKV
+    D: tl.constexpr = NB * 128
+    RB: tl.constexpr = NB * BB
+    seq_len = tl.load(lens_ptr + b)
+    t_begin = split * chunk
+    t_end = tl.minimum(seq_len, t_begin + chunk)
+    hs = tl.arange(0, BLOCK_H)
+    hmask = hs < G
+    qrow = (b * (HKV * G) + kvh * G + hs).to(tl.int64) * D
+    q0 = _rotated_query(q_ptr, qrow, hmask, 0, rot_ptr, scale_log2, BLOCK_H)
+    if NB == 2:
+        q1 = _rotated_query(q_ptr, qrow, hmask, 1, rot_ptr, scale_log2, BLOCK_H)
+    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    for t0 in range(t_begin, t_end, BLOCK_T):
+        ts = t0 + tl.arange(0, BLOCK_T)
+        tmask = ts < t_end
+        page = tl.load(pt_ptr + b.to(tl.int64) * pt_stride + ts // page_size, mask=tmask,
+                       other=0)
+        row = (page.to(tl.int64) * page_size + ts % page_size) * slot_stride + kvh * RB
+        ck, nk = _unpack_block(k_ptr, row, tmask, 0, cent_ptr, BITS, BB)
+        s = tl.dot(q0, tl.trans(ck)) * nk[None, :]
+        if NB == 2:
+            ck1, nk1 = _unpack_block(k_ptr, row, tmask, 1, cent_ptr, BITS, BB)
+            s += tl.dot(q1, tl.trans(ck1)) * nk1[None, :]
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        cv, nv = _unpack_block(v_ptr, row, tmask, 0, cent_ptr, BITS, BB)
+        acc0 = acc0 * alpha[:, None] + tl.dot((p * nv[None, :]).to(tl.float16), cv)
+        if NB == 2:
+            cv1, nv1 = _unpack_block(v_ptr, row, tmask, 1, cent_ptr, BITS, BB)
+            acc1 = acc1 * alpha[:, None] + tl.dot((p * nv1[None, :]).to(tl.float16), cv1)
+        m = m_new
+    prow = ((b * (HKV * G) + kvh * G + hs).to(tl.int64) * n_splits + split)  # [BLOCK_H]
+    cols = tl.arange(0, 128)
+    tl.store(part_acc_ptr + prow[:, None] * D + cols[None, :], acc0, mask=hmask[:, None])
+    if NB == 2:
+        tl.store(part_acc_ptr + prow[:, None] * D + 128 + cols[None, :], acc1,
+                 mask=hmask[:, None])
+    tl.store(part_ml_ptr + prow * 2, m, mask=hmask)
+    tl.store(part_ml_ptr + prow * 2 + 1, l_sum, mask=hmask)
+
+
+@triton.jit
+def _iso_decode_merge(part_acc_ptr, part_ml_ptr, rot_ptr, out_ptr, n_splits, out_stride_b,
+                      HQ: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # b * HQ + h
+    b = row // HQ
+    h = row % HQ
+    ss = tl.arange(0, BLOCK_S)
+    mx = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, n_splits, BLOCK_S):
+        sm = tl.load(part_ml_ptr + (row * n_splits + s0 + ss) * 2, mask=s0 + ss < n_splits,
+                     other=float("-inf"))
+        mx = tl.maximum(mx, sm)
+    big = tl.max(mx, 0)  # split 0 always holds >= 1 token, so this is finite
+    G4: tl.constexpr = D // 4
+    gi = tl.arange(0, G4)
+    ci = tl.arange(0, 4)
+    acc = tl.zeros([G4, 4], dtype=tl.float32)
+    total = tl.zeros([BLOCK_S], dtype=tl.float32)
+    for s0 in range(0, n_splits, BLOCK_S):
+        s = s0 + ss
+        smask = s < n_splits
+        ms = tl.load(part_ml_ptr + (row * n_splits + s) * 2, mask=smask, other=float("-inf"))
+        ls = tl.load(part_ml_ptr + (row * n_splits + s) * 2 + 1, mask=smask, other=0.0)
+        w = tl.where(ms > float("-inf"), tl.exp2(ms - big), 0.0)
+        total += w * ls
+        a = tl.load(part_acc_ptr + (row * n_splits + s)[:, None, None] * D
+                    + gi[None, :, None] * 4 + ci[None, None, :],
+                    mask=smask[:, None, None], other=0.0)
+        acc += tl.sum(w[:, None, None] * a, 0)
+    lsum = tl.sum(total, 0)
+    inv = tl.where(lsum > 0, 1.0 / lsum, 0.0)
+    # inverse rotation: y[g, c] = sum_k Rinv[g % 32, c, k] * acc[g, k]
+    coef = tl.load(rot_ptr + 512 + (gi % 32)[:, None, None] * 16 + ci[None, :, None] * 4
+                   + ci[None, None, :])
+    y = tl.sum(coef * acc[:, None, :], 2) * inv
+    optr = out_ptr + b * out_stride_b + h * D + gi[:, None] * 4 + ci[None, :]
+    tl.store(optr, y.to(out_ptr.dtype.element_ty))
+
+
+@functools.cache
+def _tables(device: torch.device, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(centroids fp16 [8|16], rotations fp32 [2, 32, 4, 4]: forward R_g, inverse R_g^T)."""
+    q = iso.quat_table().double()
+    w, x, y, z = q[:, 0], q[:, 1], q[:, 2], q[:, 3]
+    fwd = torch.stack([
+        torch.stack([w, -x, -y, -z], -1), torch.stack([x, w, -z, y], -1),
+        torch.stack([y, z, w, -x], -1), torch.stack([z, -y, x, w], -1)], 1)  # [32, 4, 4]
+    rot = torch.stack([fwd, fwd.transpose(1, 2)]).float().contiguous()
+    cent = iso.centroid_table(fmt).half()
+    return cent.to(device), rot.to(device)
+
+
+def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *,
+                min_tokens: int = MIN_SPLIT_TOKENS, ctas_per_sm: int = CTAS_PER_SM,
+                tile: int = BLOCK_T) -> tuple[int, int]:
+    """(tokens per split, number of splits): about `ctas_per_sm` programs per SM, at least
+    `min_tokens` tokens per split, chunk a multiple of `tile`."""
+    max_seq_len = max(1, max_seq_len)
+    want = max(1, math.ceil(ctas_per_sm * num_sms / max(1, batch * num_kv_heads)))
+    splits = max(1, min(math.ceil(max_seq_len / max(1, min_tokens)), want))
+    chunk = math.ceil(math.ceil(max_seq_len / splits) / tile) * tile
+    return chunk, math.ceil(max_seq_len / chunk)
+
+
+def iso_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                page_table: torch.Tensor, seq_lens: torch.Tensor,
+                                page_size: int, fmt: str, scale: float, *,
+                                max_seq_len: int | None = None, out: torch.Tensor | None = None,
+                                split_tokens: int | None = None, block_t: int = BLOCK_T,
+                                ctas_per_sm: int = CTAS_PER_SM, num_warps: int = 4,
+                                num_stages: int = 2) -> torch.Tensor:
+    """One query per sequence over its packed K/V (same contract as
+    `iso_cuda.iso_decode_attention`): q [B, Hq, D] float, caches uint8 [slots, Hkv, row_bytes],
+    page_table int32 [B, P] (rows contiguous), seq_lens int32 [B] (each >= 1, <= max_seq_len).
+    Hq / Hkv <= 16. Returns [B, Hq, D] in q's dtype (or written into `out`)."""
+    if fmt not in iso.FORMATS:
+        raise ValueError(f"unknown ISO format {fmt!r}; expected one of {iso.FORMATS}")
+    if q.dim() != 3 or q.dtype not in _FLOATS:
+        raise ValueError(f"q must be [B, Hq, D] float, got {q.dtype} {tuple(q.shape)}")
+    b, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    rb = iso.packed_row_bytes(d, fmt)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dtype != torch.uint8 or c.dim() != 3 or tuple(c.shape[1:]) != (hkv, rb) \
+                or c.stride(2) != 1 or c.stride(1) != rb:
+            raise ValueError(f"{name} must be uint8 [slots, {hkv}, {rb}] with contiguous rows, "
+                             f"got {c.dtype} {tuple(c.shape)} strides {c.stride()}")
+    if k_cache.stride(0) != v_cache.stride(0):
+        raise ValueError("k_cache and v_cache must have the same slot stride")
+    if hq % hkv or hq // hkv > 16 or d // iso.BLOCK not in (1, 2):
+        raise ValueError(f"unsupported GQA group {hq}/{hkv} or head_dim {d}")
+    if page_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError("page_table and seq_lens must be int32")
+    if page_table.shape[0] != b or seq_lens.shape != (b,) or page_table.stride(1) != 1:
+        raise ValueError(f"page_table [{b}, P] (rows contiguous) and seq_lens [{b}] expected")
+    if out is None:
+        out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    if out.shape != (b, hq, d) or out.stride(2) != 1 or out.stride(1) != d \
+            or out.dtype not in _FLOATS:
+        raise ValueError(f"out must be float [{b}, {hq}, {d}] with contiguous rows")
+    if b == 0:
+        return out
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max().item())
+    if split_tokens:
+        chunk = math.ceil(split_tokens / block_t) * block_t
+        splits = math.ceil(max(1, max_seq_len) / chunk)
+    else:
+        sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
+               if q.is_cuda else 4)
+        chunk, splits = plan_splits(b, hkv, max_seq_len, sms, ctas_per_sm=ctas_per_sm,
+                                    tile=block_t)
+    group = hq // hkv
+    cent, rot = _tables(q.device, fmt)
+    qc = q.contiguous()
+    part_acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(b, hq, splits, 2, dtype=torch.float32, device=q.device)
+    _iso_decode_partial[(splits, b * hkv)](
+        qc, k_cache, v_cache, k_cache.stride(0), page_table, page_table.stride(0),
+        seq_lens.contiguous(), cent, rot, part_acc, part_ml, chunk, splits, page_size,
+        float(scale) * _LOG2E, HKV=hkv, G=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        NB=d // iso.BLOCK, BITS=3 if fmt == "iso3" else 4, BB=iso.BLOCK_BYTES[fmt],
+        BLOCK_T=block_t, num_warps=num_warps, num_stages=num_stages)
+    _iso_decode_merge[(b * hq,)](
+        part_acc, part_ml, rot, out, splits, out.stride(0), HQ=hq, D=d,
+        BLOCK_S=min(16, triton.next_power_of_2(splits)), num_warps=4)
+    return out

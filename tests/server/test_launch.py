@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _start(*argv: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tinyserve", *argv], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def _stop(proc: subprocess.Popen) -> tuple[int, str, str]:

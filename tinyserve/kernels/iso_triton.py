@@ -267,5 +267,5 @@ def iso_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         BLOCK_T=block_t, num_warps=num_warps, num_stages=num_stages)
     _iso_decode_merge[(b * hq,)](
         part_acc, part_ml, rot, out, splits, out.stride(0), HQ=hq, D=d,
-        BLOCK_S=min(16, triton.next_power_of_2(splits)), num_warps=4)
+        BLOCK_S=max(2, min(16, triton.next_power_of_2(splits))), num_warps=4)
     return out

@@ -92,17 +92,19 @@ class BF16KVBackend(KVBackend):
         """
         kc, vc = self.layer_cache(layer_id)
         B, Hq, D = q.shape
+        Hkv = self.num_kv_heads
         n_pages = max(1, min(-(-max_seq_len // self.page_size), page_table.shape[1]))
         S = n_pages * self.page_size
         pages = page_table[:, :n_pages].long()  # [B, P]
         keep = torch.arange(S, device=q.device)[None, :] < seq_lens[:, None]  # [B, S]
         # NOTE: rows past the length are zeroed, not only masked: stale pages may hold NaN.
-        k = torch.where(keep[:, :, None, None], kc[pages].view(B, S, self.num_kv_heads, D), 0)
-        v = torch.where(keep[:, :, None, None], vc[pages].view(B, S, self.num_kv_heads, D), 0)
-        o = F.scaled_dot_product_attention(
-            q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),  # [B, Hkv, S, D]
-            attn_mask=keep[:, None, None], scale=scale, enable_gqa=True)  # [B, Hq, 1, D]
-        return o[:, :, 0]
+        k = torch.where(keep[:, :, None, None], kc[pages].view(B, S, Hkv, D), 0)
+        v = torch.where(keep[:, :, None, None], vc[pages].view(B, S, Hkv, D), 0)
+        # GQA without repeating K/V: a KV head's query heads become its query rows.
+        qg = q.reshape(B, Hkv, Hq // Hkv, D)
+        o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=keep[:, None, None], scale=scale)
+        return o.reshape(B, Hq, D)  # [B, Hkv, G, D] -> [B, Hq, D]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,

@@ -53,17 +53,15 @@ def _unpack_block(cache_ptr, row, tmask, blk: tl.constexpr, cent_ptr, BITS: tl.c
         cols = tl.arange(0, 32)
         qs = tl.load(base[:, None] + 2 + cols[None, :], mask=tmask[:, None], other=0)
         qs = qs.to(tl.int32)
-        low = tl.interleave(tl.interleave(qs & 3, (qs >> 4) & 3),
-                            tl.interleave((qs >> 2) & 3, (qs >> 6) & 3))
         scol = tl.arange(0, 16)
         sg = tl.load(base[:, None] + 34 + scol[None, :], mask=tmask[:, None], other=0)
         sg = sg.to(tl.int32)
-        h04 = tl.interleave(sg & 1, (sg >> 4) & 1)
-        h26 = tl.interleave((sg >> 2) & 1, (sg >> 6) & 1)
-        h15 = tl.interleave((sg >> 1) & 1, (sg >> 5) & 1)
-        h37 = tl.interleave((sg >> 3) & 1, (sg >> 7) & 1)
-        high = tl.interleave(tl.interleave(h04, h26), tl.interleave(h15, h37))
-        idx = low | (high << 2)
+        nib = tl.interleave(sg & 15, sg >> 4)  # [T, 32]: the 4 high bits of group g
+        f0 = (qs & 3) | ((nib << 2) & 4)  # index of element 4g + c
+        f1 = ((qs >> 2) & 3) | ((nib << 1) & 4)
+        f2 = ((qs >> 4) & 3) | (nib & 4)
+        f3 = ((qs >> 6) & 3) | ((nib >> 1) & 4)
+        idx = tl.interleave(tl.interleave(f0, f2), tl.interleave(f1, f3))
     cent = tl.load(cent_ptr + idx)  # fp16 table lookup (L1)
     return cent, nrm
 

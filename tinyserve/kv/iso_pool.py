@@ -24,6 +24,9 @@ from tinyserve import envs
 from tinyserve.core import ForwardContext
 from tinyserve.kernels import iso
 from tinyserve.kv.base import KVBackend
+from tinyserve.log import get_logger
+
+log = get_logger(__name__)
 
 # The decode kernel bench/iso_attention.py measured faster on the H200 ("triton" or "cuda").
 DECODE_IMPL = "triton"
@@ -61,6 +64,7 @@ class ISOKVBackend(KVBackend):
         self.buffer = torch.zeros(2, len(self.layer_ids), self.num_slots, num_kv_heads,
                                   self.row_bytes, dtype=torch.uint8, device=self.device)
         self.use_kernels = self.device.type == "cuda" and not envs.DISABLE_KERNELS.get()
+        self._triton_ok = True
 
     @classmethod
     def bytes_per_token(cls, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -105,12 +109,17 @@ class ISOKVBackend(KVBackend):
                 scale: float) -> torch.Tensor:
         kc, vc = self.k_cache(layer_id), self.v_cache(layer_id)
         if self.use_kernels:
-            if decode_impl() == "triton":
+            if decode_impl() == "triton" and self._triton_ok:
                 from tinyserve.kernels import iso_triton
 
-                return iso_triton.iso_decode_attention_triton(
-                    q, kc, vc, ctx.page_table, ctx.seq_lens, ctx.page_size, self.fmt, scale,
-                    max_seq_len=ctx.seq_len_bound)
+                try:
+                    return iso_triton.iso_decode_attention_triton(
+                        q, kc, vc, ctx.page_table, ctx.seq_lens, ctx.page_size, self.fmt,
+                        scale, max_seq_len=ctx.seq_len_bound)
+                except Exception as exc:  # noqa: BLE001 - a compile failure: use the CUDA kernel
+                    log.warning("ISO Triton decode failed (%s: %s); using the CUDA kernel",
+                                type(exc).__name__, str(exc)[:300])
+                    self._triton_ok = False
             from tinyserve.kernels import iso_cuda
 
             return iso_cuda.iso_decode_attention(q, kc, vc, ctx.page_table, ctx.seq_lens,

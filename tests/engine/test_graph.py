@@ -123,6 +123,10 @@ def test_static_inputs_match_prepare() -> None:
     assert ctx.is_decode and ctx.seq_len_bound == 256
     with pytest.raises(ValueError, match="cannot hold"):
         graphs.run([ScheduledSeq("d", [1], 200, [0], 0, sample=True)])
+    with pytest.raises(ValueError, match="padding state slot"):
+        graphs.run([ScheduledSeq("e", [1], 3, [0], PAD_SLOT, sample=True)])
+    with pytest.raises(ValueError, match="pad_state_slot"):
+        DecodeGraphs(runner.model, page_size=PAGE, pad_state_slot=NUM_SEQS + 1)
 
 
 @pytest.mark.parametrize("kv", ["bf16", "iso3"])

@@ -72,10 +72,15 @@ class DecodeGraphs:
         page_size: tokens per KV page.
         pad_state_slot: a GDN state slot reserved for padded rows (no sequence may use it).
         capture: capture CUDA graphs (CUDA only); False runs the static context eagerly.
+    Raises ValueError when `pad_state_slot` is not a slot of the model's state pool.
     """
 
     def __init__(self, model: Any, *, page_size: int, pad_state_slot: int,
                  capture: bool = True) -> None:
+        num_slots = model.states.num_slots
+        if not 0 <= pad_state_slot < num_slots:
+            raise ValueError(f"pad_state_slot {pad_state_slot} is not a slot of the GDN state "
+                             f"pool (0 .. {num_slots - 1})")
         self.model = model
         self.page_size = page_size
         self.pad_state_slot = pad_state_slot
@@ -195,6 +200,9 @@ class DecodeGraphs:
             if len(s.page_ids) < used:
                 raise ValueError(f"sequence {s.request_id}: {len(s.page_ids)} pages of {ps} "
                                  f"cannot hold {pos + 1} tokens")
+            if s.state_slot == self.pad_state_slot:
+                raise ValueError(f"sequence {s.request_id} holds the padding state slot "
+                                 f"{self.pad_state_slot}")
             table[b, :used] = s.page_ids[:used]
             h64[:, b] = (s.token_ids[0], pos, s.page_ids[pos // ps] * ps + pos % ps,
                          s.state_slot)

@@ -117,8 +117,9 @@ def test_batch_equals_alone(pair) -> None:
         _close(torch.stack(got[i]), alone[i][rows[i]])
 
 
-def test_greedy_32_tokens(pair) -> None:
-    cfg, hf, w = pair
+def test_greedy_32_tokens() -> None:
+    cfg, w = checkpoint("bf16", "tiny")
+    hf = hf_reference("bf16", "tiny")
     prompt = _ids(11, seed=3)
     # Transformers, cached greedy decode, with the top-2 margin of every step.
     ids, margins = list(prompt), []

@@ -32,7 +32,7 @@ pytest.importorskip("triton")
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # the interpreter runs one python step per program: big tiles keep it fast on CPU
-CFG = None if DEV == "cuda" else GemvConfig(block_n=16, block_w=32)
+CFG = None if DEV == "cuda" else GemvConfig(block_n=16, block_b=16)
 
 
 def rand_nvfp4(n: int, k: int, device: str, gen: torch.Generator | None = None) -> NVFP4Weight:
@@ -90,6 +90,25 @@ SMALL_M = [1, 3, 16]
 def test_linear_small(poison, nk, m, path):
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
     check_linear(m, *nk, path, dtype, 1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("m", [2, 5], ids=lambda m: f"M{m}")
+def test_gemv_row_groups(poison, m):
+    # M = 2 (two x rows per program) and 5 (groups of four, the last one partly masked)
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    check_linear(m, 40, 256, "gemv", dtype, 1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_gemv_every_code(poison):
+    # all 16 codes in every nibble position, all 254 non-NaN scales: the gemv decode (bf16
+    # bit patterns, fp32 subnormal 0.5) against the fp32 reference
+    codes = torch.arange(256, dtype=torch.uint8).repeat(254 * 2).reshape(254, 512)
+    scales = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    w = NVFP4Weight(codes.to(DEV), scales[:, None].expand(254, 64).contiguous().to(DEV), 0.75)
+    x = torch.randn(3, 1024, device=DEV)
+    ref = x @ dequantize_nvfp4(w).T
+    y = nvfp4_linear(x, w, path="gemv", gemv_config=GemvConfig(64, 64, 4, 1))
+    assert rel_err(y, ref) < 1e-5
 
 
 def test_linear_leading_dims_and_default_path(poison):

@@ -32,20 +32,32 @@ MOE_GEMV_MAX_PAIRS = 64  # default: gemv up to this many (token, expert) pairs, 
 
 @dataclass(frozen=True)
 class MoEGemvConfig:
-    """Tiles of the gemv path: rows per program and int32 words (x8 inputs) per K step.
+    """Tiles of the gemv path: weight rows per program and blocks of 16 inputs per K step,
+    for gate_up (K = H) and down (K = F), and warps per program.
 
     NOTE: a K step covering all of H (gate_up) or F (down) leaves no loop, so every load of a
     program is in flight at once (decode is latency bound).
     """
 
-    gate_up_block_n: int = 2
-    gate_up_block_w: int = 256
+    gate_up_block_n: int = 8
+    gate_up_block_b: int = 64
     down_block_n: int = 8
-    down_block_w: int = 64
+    down_block_b: int = 32
     num_warps: int = 4
 
 
-DEFAULT_MOE_GEMV = MoEGemvConfig()
+def default_moe_gemv_config(hidden_size: int, intermediate_size: int) -> MoEGemvConfig:
+    """A warp covers up to 64 blocks (1024 inputs) of a row; 8 rows per program."""
+    gu_b = min(64, _next_pow2(max(1, hidden_size // 16)))
+    dn_b = min(64, _next_pow2(max(1, intermediate_size // 16)))
+    return MoEGemvConfig(8, gu_b, 8, dn_b, 4)
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << (v - 1).bit_length()
+
+
+DEFAULT_MOE_GEMV = default_moe_gemv_config(2048, 512)  # Qwen3.5-35B-A3B
 MOE_DOT_BLOCK_N, MOE_DOT_BLOCK_K = 64, 128  # dot: output rows / inputs per tile
 
 
@@ -200,7 +212,8 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
         slots: the layer's ExpertSlots, on x's device.
         path: "gemv" (one program per pair and row block; decode) or "dot" (pairs grouped
             per slot into BLOCK_M tiles, tensor cores; prefill); None picks by N * k.
-        gemv_config: tile sizes of the gemv path (bench sweeps); None = DEFAULT_MOE_GEMV.
+        gemv_config: tile sizes of the gemv path (bench sweeps); None =
+            `default_moe_gemv_config(H, F)`.
     Returns:
         [N, H] in x.dtype; fp32 accumulation, the silu(gate) * up intermediate in fp32 (gemv)
         or x.dtype (dot). No host synchronisation (CUDA-graph safe).
@@ -217,7 +230,9 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
     ids = topk_slot_ids.contiguous().view(-1)
     wts = topk_weights.contiguous().view(-1)
     if path == "gemv":
-        return _moe_gemv(x, ids, wts, topk, slots, gemv_config or DEFAULT_MOE_GEMV)
+        cfg = gemv_config or default_moe_gemv_config(slots.hidden_size,
+                                                      slots.intermediate_size)
+        return _moe_gemv(x, ids, wts, topk, slots, cfg)
     pair_out = _moe_dot(x, ids, wts, topk, slots)  # [P, H] fp32, weighted
     return pair_out.view(n, topk, -1).sum(1).to(x.dtype)
 
@@ -232,18 +247,18 @@ def _moe_gemv(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
     has_order = n > 1
     order = torch.argsort(ids, stable=True).to(torch.int32) if has_order else ids
     fp4 = slots.is_fp4
-    w13 = slots.w13.view(torch.int32) if fp4 else slots.w13
-    w2 = slots.w2.view(torch.int32) if fp4 else slots.w2
+    w13 = slots.w13.view(torch.int64) if fp4 else slots.w13  # one word = 16 codes
+    w2 = slots.w2.view(torch.int64) if fp4 else slots.w2
     s13, s2, g13, g2 = _scales(slots, wts)
     inter = torch.empty(pairs, f, device=x.device, dtype=torch.float32)
     kern.moe_gate_up_kernel[(pairs, -(-f // cfg.gate_up_block_n))](
         x, ids, order, w13, s13, g13, inter, x.stride(0), H=h, F=f, TOPK=topk, IS_FP4=fp4,
-        HAS_ORDER=has_order, BLOCK_N=cfg.gate_up_block_n, BLOCK_W=cfg.gate_up_block_w,
+        HAS_ORDER=has_order, BLOCK_N=cfg.gate_up_block_n, BLOCK_B=cfg.gate_up_block_b,
         num_warps=cfg.num_warps)
     out = torch.empty(n, h, device=x.device, dtype=x.dtype)
     kern.moe_down_kernel[(n, -(-h // cfg.down_block_n))](
         inter, ids, wts, w2, s2, g2, out, H=h, F=f, TOPK=topk, IS_FP4=fp4,
-        BLOCK_N=cfg.down_block_n, BLOCK_W=cfg.down_block_w, num_warps=cfg.num_warps)
+        BLOCK_N=cfg.down_block_n, BLOCK_B=cfg.down_block_b, num_warps=cfg.num_warps)
     return out
 
 

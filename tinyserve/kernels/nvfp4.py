@@ -31,17 +31,31 @@ SCRATCH_ELEMS = 1 << 24  # dequant scratch cap (32 MiB in bf16)
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Tiles of the gemv path: `block_n` rows per program, `block_w` int32 words (8 inputs
-    each) per K step; K is split (powers of two, at least one step per split) until there
-    are `programs_per_sm` programs per SM, so enough loads are in flight to fill HBM."""
+    """Tiles of the gemv path: `block_n` weight rows per program, `block_b` blocks of 16
+    inputs (one int64 word of codes + one scale byte each) per K step, `num_warps`. K is split
+    across programs (powers of two, at least one step per split) only while there are fewer
+    than `programs_per_sm` programs per SM."""
 
-    block_n: int = 8
-    block_w: int = 64
+    block_n: int = 16
+    block_b: int = 64
     num_warps: int = 4
-    programs_per_sm: int = 8
+    programs_per_sm: int = 2
 
 
-DEFAULT_GEMV = GemvConfig()
+def default_gemv_config(n: int, k: int, num_sms: int) -> GemvConfig:
+    """Tiles for an [N, K] weight: a warp covers 64 blocks (1024 inputs, 16-byte loads) of a
+    row, its 4 warps 4 rows, 16 rows per program (each thread decodes 4 rows against the x
+    values it loaded once); rows per program shrink until there are >= 2 programs per SM."""
+    block_b = min(64, _next_pow2(max(1, k // 16)))
+    block_n = max(1, 1024 // block_b)
+    while block_n > 1 and triton_cdiv(n, block_n) < 2 * num_sms:
+        block_n //= 2
+    warps = max(1, min(4, block_n * block_b // 64))
+    return GemvConfig(block_n, block_b, warps, 2)
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << (v - 1).bit_length()
 
 
 @functools.cache
@@ -92,26 +106,30 @@ def _check(x: torch.Tensor, w: NVFP4Weight) -> tuple[int, int, int]:
 
 
 def _gemv(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int,
-          cfg: GemvConfig) -> torch.Tensor:
+          cfg: GemvConfig | None) -> torch.Tensor:
     kern = _kernels()
-    words = w.packed.view(torch.int32)  # [N, K/8]: 8 codes per word, element 8i+j in nibble j
+    sms = _num_sms(x.device)
+    cfg = cfg or default_gemv_config(n, k, sms)
+    kb = k // 16
+    words = w.packed.view(torch.int64)  # [N, K/16]: one block of 16 codes per word
+    block_m = 1 if m == 1 else (2 if m == 2 else 4)
+    num_m = triton_cdiv(m, block_m)
     n_blocks = triton_cdiv(n, cfg.block_n)
-    step = cfg.block_w * 8
     split = 1
-    target = cfg.programs_per_sm * _num_sms(x.device)
-    while m * n_blocks * split < target and k // (split * 2) >= step:
+    while (num_m * n_blocks * split < cfg.programs_per_sm * sms
+           and kb // (split * 2) >= cfg.block_b):
         split *= 2
-    k_split = triton_cdiv(triton_cdiv(k, split), step) * step
-    split = triton_cdiv(k, k_split)
+    b_split = triton_cdiv(triton_cdiv(kb, split), cfg.block_b) * cfg.block_b
+    split = triton_cdiv(kb, b_split)
     if split == 1:
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     else:
         out = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     factor = kern.FP4_UNIT * float(w.global_scale)
-    grid = (m * split * n_blocks,)
-    kern.nvfp4_gemv_kernel[grid](x, words, w.block_scale, out, factor, m, n, k, x.stride(0),
-                                 k_split, SPLIT_K=split, BLOCK_N=cfg.block_n,
-                                 BLOCK_W=cfg.block_w, num_warps=cfg.num_warps)
+    grid = (num_m * split * n_blocks,)
+    kern.nvfp4_gemv_kernel[grid](x, words, w.block_scale, out, factor, m, n, kb, x.stride(0),
+                                 b_split, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+                                 BLOCK_B=cfg.block_b, num_warps=cfg.num_warps)
     return out if split == 1 else out.sum(0).to(x.dtype)
 
 
@@ -162,7 +180,8 @@ def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, *, path: str | None = None,
         x: [M, K] (or [..., K]) bf16 / fp16 / fp32 on the weight's device.
         w: NVFP4Weight with packed uint8 [N, K/2], block_scale uint8 [N, K/16], contiguous.
         path: "gemv", "dot" or "dequant"; None picks by M (`choose_path`).
-        gemv_config: tiles of the gemv path (the bench sweeps them); None = DEFAULT_GEMV.
+        gemv_config: tiles of the gemv path (the bench sweeps them); None = the shape's
+            `default_gemv_config`.
     Returns:
         [M, N] (or [..., N]) in x.dtype. Accumulates in fp32.
     Raises:
@@ -179,7 +198,7 @@ def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, *, path: str | None = None,
     if m == 0:
         return x.new_empty(*lead, n)
     if path == "gemv":
-        y = _gemv(x2, w, m, n, k, gemv_config or DEFAULT_GEMV)
+        y = _gemv(x2, w, m, n, k, gemv_config)
     else:
         y = (_dot if path == "dot" else _dequant_matmul)(x2, w, m, n, k)
     return y.reshape(*lead, n)

@@ -17,6 +17,8 @@ import triton.language as tl
 
 FP4_UNIT = float(2**22)
 FP4_UNIT_C = tl.constexpr(FP4_UNIT)
+X_PRESCALE_C = tl.constexpr(float(2**64))  # gemv: x * 2^64 keeps x * E2M1 * 2^-126 normal
+GEMV_RESCALE_C = tl.constexpr(float(2**48))  # 2^(126 + 8 - 64 - 22)
 
 
 @triton.jit
@@ -35,57 +37,155 @@ def _e4m3(raw):
 
 
 @triton.jit
-def _rows_dot(x_row, w_ptr, s_ptr, rows, row_mask, K, k_lo, k_hi,
-              IS_FP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
-    """sum_k x[k] * W[rows, k] over k in [k_lo, k_hi), fp32 [BLOCK_N].
+def _nibble_pair(w, I: tl.constexpr):
+    """Nibbles I and I + 4 of uint32 words `w` -> two fp32 tensors E2M1 * 2^-126.
 
-    IS_FP4: `w_ptr` is int32 words [rows, K/8] (8 codes each, code j in bits 4j..4j+3) and
-    `s_ptr` uint8 [rows, K/16]; the result lacks the factor FP4_UNIT * global_scale.
-    Otherwise `w_ptr` is a dense [rows, K] weight and `s_ptr` is unused.
+    Both bf16 bit patterns are built at once, one per 16-bit half (magnitude bits 4I..4I+2
+    -> 6..8, sign bit 4I+3 -> 15), then each half becomes an fp32 by a shift or a mask: six
+    integer ops per pair, no conversion instruction. Code 1 (0.5) is an fp32 subnormal, exact
+    (no flush to zero: Triton emits no .ftz for fma/mul); callers prescale x by X_PRESCALE so
+    products stay normal.
     """
-    offs_w = tl.arange(0, BLOCK_W)
-    offs_j = tl.arange(0, 8)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    rows64 = rows.to(tl.int64)
-    for k0 in range(k_lo, k_hi, BLOCK_W * 8):
-        word = k0 // 8 + offs_w  # [BW]
-        kk = word[:, None] * 8 + offs_j[None, :]  # [BW, 8]
-        k_ok = kk < k_hi
-        xv = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)  # [BW, 8]
-        if IS_FP4:
-            w_ok = row_mask[:, None] & (word[None, :] < k_hi // 8)
-            words = tl.load(w_ptr + rows64[:, None] * (K // 8) + word[None, :], mask=w_ok,
-                            other=0)  # [BN, BW] int32
-            codes = (words[:, :, None] >> (offs_j * 4)[None, None, :]) & 15  # [BN, BW, 8]
-            part = tl.sum(_e2m1(codes) * xv[None, :, :], axis=2)  # [BN, BW]
-            raw = tl.load(s_ptr + rows64[:, None] * (K // 16) + (word // 2)[None, :],
-                          mask=w_ok, other=0)
-            acc += tl.sum(part * _e4m3(raw), axis=1)
-        else:
-            w_ok = row_mask[:, None, None] & k_ok[None, :, :]
-            wv = tl.load(w_ptr + rows64[:, None, None] * K + kk[None, :, :], mask=w_ok,
-                         other=0.0).to(tl.float32)  # [BN, BW, 8]
-            acc += tl.sum(tl.sum(wv * xv[None, :, :], axis=2), axis=1)
-    return acc
+    SM: tl.constexpr = 6 - 4 * I
+    SS: tl.constexpr = 12 - 4 * I
+    if SM >= 0:
+        mag = w << SM
+    else:
+        mag = w >> (-SM)
+    if SS >= 0:
+        sign = w << SS
+    else:
+        sign = w >> (-SS)
+    bits = (mag & 0x01C001C0) | (sign & 0x80008000)
+    a = (bits << 16).to(tl.float32, bitcast=True)
+    b = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return a, b
 
 
 @triton.jit
-def nvfp4_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, factor, M, N, K, stride_xm, K_SPLIT,
-                      SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
-    # out[pid_k, m, n] = factor * sum_{k in split} x[m, k] * W[n, k]
+def _x_quad(xk, I: tl.constexpr, m):
+    # X_PRESCALE * x at inputs 16b + I, +4, +8, +12 of the blocks at `xk` (mask m), fp32 [BB]
+    x0 = tl.load(xk + I, mask=m, other=0.0).to(tl.float32) * X_PRESCALE_C
+    x1 = tl.load(xk + (I + 4), mask=m, other=0.0).to(tl.float32) * X_PRESCALE_C
+    x2 = tl.load(xk + (I + 8), mask=m, other=0.0).to(tl.float32) * X_PRESCALE_C
+    x3 = tl.load(xk + (I + 12), mask=m, other=0.0).to(tl.float32) * X_PRESCALE_C
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _fma4(p, w0, w4, w8, w12, x0, x4, x8, x12):
+    p += w0 * x0[None, :]
+    p += w4 * x4[None, :]
+    p += w8 * x8[None, :]
+    p += w12 * x12[None, :]
+    return p
+
+
+@triton.jit
+def _fp4_rows_dot(x_ptr, stride_xm, m_rows, w_ptr, s_ptr, rows, row_mask, KB, b_lo, b_hi,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+    """sum_k x[m, k] * (E2M1 * e4m3)[rows, k] over the 16-input blocks [b_lo, b_hi), for the
+    first BLOCK_M (1, 2 or 4; rows >= m_rows read as 0) rows of x: four fp32 [BLOCK_N]
+    (unused ones are zeros), each lacking the factor FP4_UNIT * global_scale.
+
+    `w_ptr`: int64 view of the codes, [rows, KB] (one word = one block of 16 codes, element
+    16b + j in bits 4j..4j+3); `s_ptr`: uint8 block scales [rows, KB]. The weight tile
+    [BLOCK_N, BLOCK_B] is decoded once and used for every row of x; products are summed per
+    block, scaled once per block, and reduced across the tile only at the end.
+    """
+    offs_b = tl.arange(0, BLOCK_B)
+    rows64 = rows.to(tl.int64)
+    w_rows = w_ptr + rows64[:, None] * KB
+    s_rows = s_ptr + rows64[:, None] * KB
+    acc0 = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
+    for b0 in range(b_lo, b_hi, BLOCK_B):
+        # NOTE: contiguity capped at 2 words so a thread loads 16 bytes per row and holds
+        # several rows (they share its x values) instead of one long row segment
+        blk = tl.max_contiguous(b0 + offs_b, 2)  # [BB]
+        ok = blk < b_hi
+        zero = tl.zeros_like(blk)  # NOTE: vector masks only (the interpreter rejects scalars)
+        mask = row_mask[:, None] & ok[None, :]
+        v = tl.load(w_rows + blk[None, :], mask=mask, other=0)  # [BN, BB] int64
+        scale = _e4m3(tl.load(s_rows + blk[None, :], mask=mask, other=0))  # [BN, BB]
+        lo = v.to(tl.uint32)  # inputs 16b + 0..7
+        hi = (v >> 32).to(tl.uint32)  # inputs 16b + 8..15
+        xk = x_ptr + blk * 16
+        p0 = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
+        p1 = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
+        p2 = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
+        p3 = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
+        for i in tl.static_range(4):
+            w0, w4 = _nibble_pair(lo, i)
+            w8, w12 = _nibble_pair(hi, i)
+            x0, x4, x8, x12 = _x_quad(xk, i, ok & (zero < m_rows))
+            p0 = _fma4(p0, w0, w4, w8, w12, x0, x4, x8, x12)
+            if BLOCK_M > 1:
+                x0, x4, x8, x12 = _x_quad(xk + stride_xm, i, ok & (zero + 1 < m_rows))
+                p1 = _fma4(p1, w0, w4, w8, w12, x0, x4, x8, x12)
+            if BLOCK_M > 2:
+                x0, x4, x8, x12 = _x_quad(xk + 2 * stride_xm, i, ok & (zero + 2 < m_rows))
+                p2 = _fma4(p2, w0, w4, w8, w12, x0, x4, x8, x12)
+                x0, x4, x8, x12 = _x_quad(xk + 3 * stride_xm, i, ok & (zero + 3 < m_rows))
+                p3 = _fma4(p3, w0, w4, w8, w12, x0, x4, x8, x12)
+        acc0 += p0 * scale
+        if BLOCK_M > 1:
+            acc1 += p1 * scale
+        if BLOCK_M > 2:
+            acc2 += p2 * scale
+            acc3 += p3 * scale
+    # NOTE: sums are x * E2M1 * e4m3 * 2^(64 - 126 - 8); rescale to the common 2^-22 unit
+    u = GEMV_RESCALE_C
+    return (tl.sum(acc0, axis=1) * u, tl.sum(acc1, axis=1) * u, tl.sum(acc2, axis=1) * u,
+            tl.sum(acc3, axis=1) * u)
+
+
+@triton.jit
+def _dense_rows_dot(x_row, w_ptr, rows, row_mask, K, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """sum_k x[k] * W[rows, k], W a dense [rows, K] weight, fp32 [BLOCK_N]."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    rows64 = rows.to(tl.int64)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < K
+        xv = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)
+        wv = tl.load(w_ptr + rows64[:, None] * K + kk[None, :],
+                     mask=row_mask[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += wv * xv[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def nvfp4_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, factor, M, N, KB, stride_xm, B_SPLIT,
+                      SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_B: tl.constexpr):
+    # out[pid_k, m, n] = factor * sum_{k in split} x[m, k] * W[n, k], BLOCK_M rows of x at once
     pid = tl.program_id(0)
-    pid_m = pid % M  # NOTE: rows of x vary fastest so one weight tile is reused from L2
-    rest = pid // M
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_m  # NOTE: x row groups vary fastest so one weight tile is reused from L2
+    rest = pid // num_m
     pid_k = rest % SPLIT_K
     pid_n = rest // SPLIT_K
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
-    k_lo = pid_k * K_SPLIT
-    k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    acc = _rows_dot(x_ptr + pid_m.to(tl.int64) * stride_xm, w_ptr, s_ptr, rows, row_mask, K,
-                    k_lo, k_hi, True, BLOCK_N, BLOCK_W)
-    out = out_ptr + (pid_k.to(tl.int64) * M + pid_m) * N + rows
-    tl.store(out, (acc * factor).to(out_ptr.dtype.element_ty), mask=row_mask)
+    b_lo = pid_k * B_SPLIT
+    b_hi = tl.minimum(b_lo + B_SPLIT, KB)
+    m0 = pid_m * BLOCK_M
+    a0, a1, a2, a3 = _fp4_rows_dot(x_ptr + m0.to(tl.int64) * stride_xm, stride_xm, M - m0,
+                                   w_ptr, s_ptr, rows, row_mask, KB, b_lo, b_hi, BLOCK_M,
+                                   BLOCK_N, BLOCK_B)
+    out = out_ptr + (pid_k.to(tl.int64) * M + m0) * N + rows
+    ty = out_ptr.dtype.element_ty
+    tl.store(out, (a0 * factor).to(ty), mask=row_mask)
+    if BLOCK_M > 1:
+        tl.store(out + N, (a1 * factor).to(ty), mask=row_mask & (rows * 0 + m0 + 1 < M))
+    if BLOCK_M > 2:
+        tl.store(out + 2 * N, (a2 * factor).to(ty), mask=row_mask & (rows * 0 + m0 + 2 < M))
+        tl.store(out + 3 * N, (a3 * factor).to(ty), mask=row_mask & (rows * 0 + m0 + 3 < M))
 
 
 @triton.jit
@@ -173,11 +273,24 @@ def nvfp4_dequant_kernel(w_ptr, s_ptr, out_ptr, gs, N, K, stride_w, stride_s,
 
 
 @triton.jit
+def _slot_rows_dot(x_row, w_slot, s_slot, rows, row_mask, K: tl.constexpr,
+                   IS_FP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+    # one row of x against `rows` of one slot's weight: fp32 [BLOCK_N] (fp4 lacks FP4_UNIT * gs)
+    if IS_FP4:
+        acc, _a1, _a2, _a3 = _fp4_rows_dot(x_row, 0, 1, w_slot, s_slot, rows, row_mask,
+                                           K // 16, 0, K // 16, 1, BLOCK_N, BLOCK_B)
+    else:
+        acc = _dense_rows_dot(x_row, w_slot, rows, row_mask, K, BLOCK_N, BLOCK_B * 8)
+    return acc
+
+
+@triton.jit
 def moe_gate_up_kernel(x_ptr, ids_ptr, order_ptr, w_ptr, s_ptr, gs_ptr, inter_ptr, stride_xm,
                        H: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
                        IS_FP4: tl.constexpr, HAS_ORDER: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_W: tl.constexpr):
+                       BLOCK_B: tl.constexpr):
     # inter[p, f] = silu(x[t] . W13[slot, f]) * (x[t] . W13[slot, F + f]), p = t * TOPK + j
+    # NOTE: one launch for every pair: grid (pairs, F / BLOCK_N); fp4 w_ptr is the int64 view
     if HAS_ORDER:
         p = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)  # pairs sorted by slot
     else:
@@ -187,14 +300,14 @@ def moe_gate_up_kernel(x_ptr, ids_ptr, order_ptr, w_ptr, s_ptr, gs_ptr, inter_pt
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < F
     if IS_FP4:
-        w_slot = w_ptr + slot * (2 * F) * (H // 8)
+        w_slot = w_ptr + slot * (2 * F) * (H // 16)
         s_slot = s_ptr + slot * (2 * F) * (H // 16)
     else:
         w_slot = w_ptr + slot * (2 * F) * H
         s_slot = s_ptr
-    g = _rows_dot(x_row, w_slot, s_slot, rows, row_mask, H, 0, H, IS_FP4, BLOCK_N, BLOCK_W)
-    u = _rows_dot(x_row, w_slot, s_slot, rows + F, row_mask, H, 0, H, IS_FP4, BLOCK_N,
-                  BLOCK_W)
+    g = _slot_rows_dot(x_row, w_slot, s_slot, rows, row_mask, H, IS_FP4, BLOCK_N, BLOCK_B)
+    u = _slot_rows_dot(x_row, w_slot, s_slot, rows + F, row_mask, H, IS_FP4, BLOCK_N,
+                       BLOCK_B)
     if IS_FP4:
         g = g * (tl.load(gs_ptr + 2 * slot) * FP4_UNIT_C)
         u = u * (tl.load(gs_ptr + 2 * slot + 1) * FP4_UNIT_C)
@@ -205,7 +318,7 @@ def moe_gate_up_kernel(x_ptr, ids_ptr, order_ptr, w_ptr, s_ptr, gs_ptr, inter_pt
 @triton.jit
 def moe_down_kernel(inter_ptr, ids_ptr, wt_ptr, w_ptr, s_ptr, gs_ptr, out_ptr,
                     H: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
-                    IS_FP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+                    IS_FP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
     # out[t, h] = sum_j topk_weight[t, j] * inter[t * TOPK + j] . W2[slot_j, h], in out's dtype
     t = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -216,13 +329,13 @@ def moe_down_kernel(inter_ptr, ids_ptr, wt_ptr, w_ptr, s_ptr, gs_ptr, out_ptr,
         p = t * TOPK + j
         slot = tl.load(ids_ptr + p).to(tl.int64)
         if IS_FP4:
-            w_slot = w_ptr + slot * H * (F // 8)
+            w_slot = w_ptr + slot * H * (F // 16)
             s_slot = s_ptr + slot * H * (F // 16)
         else:
             w_slot = w_ptr + slot * H * F
             s_slot = s_ptr
-        part = _rows_dot(inter_ptr + p * F, w_slot, s_slot, rows, row_mask, F, 0, F, IS_FP4,
-                         BLOCK_N, BLOCK_W)
+        part = _slot_rows_dot(inter_ptr + p * F, w_slot, s_slot, rows, row_mask, F, IS_FP4,
+                              BLOCK_N, BLOCK_B)
         factor = tl.load(wt_ptr + p).to(tl.float32)
         if IS_FP4:
             factor = factor * tl.load(gs_ptr + slot) * FP4_UNIT_C

@@ -165,7 +165,7 @@ def test_static_padded_decode_equals_eager_on_cpu(kv: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# CUDA
+# Through the runner (CPU: the static path without capture; CUDA: captured graphs)
 
 
 def _greedy_run(runner: ModelRunner, prompts: list[list[int]], steps: int,
@@ -176,14 +176,16 @@ def _greedy_run(runner: ModelRunner, prompts: list[list[int]], steps: int,
     logits = []
     for _ in range(steps):
         batch = Batch(_decode_seqs(last, pos))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                out = runner.forward(batch)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        if syncs is not None:
+        if syncs is None:
+            out = runner.forward(batch)
+        else:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    out = runner.forward(batch)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
             syncs.append(sum("synchroniz" in str(w.message) for w in caught))
         logits.append(out.logits.float().cpu())
         last = out.next_tokens
@@ -191,6 +193,21 @@ def _greedy_run(runner: ModelRunner, prompts: list[list[int]], steps: int,
             tokens[i].append(t)
         pos = [p + 1 for p in pos]
     return tokens, logits
+
+
+def test_runner_decode_branch_on_cpu() -> None:
+    """`runner.forward` through the static decode path (no capture on CPU) generates the
+    eager runner's greedy tokens, sampling from copies of the static logits."""
+    eager = _runner("bf16", "bf16", device="cpu", dtype=torch.float32)
+    static = _runner("bf16", "bf16", device="cpu", dtype=torch.float32)
+    static.graphs = DecodeGraphs(static.model, page_size=PAGE, pad_state_slot=PAD_SLOT)
+    prompts = _prompts(NUM_SEQS)
+    want, want_logits = _greedy_run(eager, prompts, 4)
+    got, got_logits = _greedy_run(static, prompts, 4)
+    assert got == want
+    assert got_logits[0].data_ptr() != got_logits[1].data_ptr()
+    for a, b in zip(got_logits, want_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.requires_cuda

@@ -34,5 +34,6 @@ if [[ $what == kernels || $what == all ]]; then
 fi
 if [[ $what == e2e || $what == all ]]; then
     [[ -f bench/e2e_offload.py ]] && run_bench e2e_offload 420
+    [[ -f bench/decode_overhead.py ]] && run_bench decode_overhead 300
 fi
 cd bench/results && tar czf "$OUT/results.tgz" *.json 2>/dev/null; ls -la

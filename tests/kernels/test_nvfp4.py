@@ -99,6 +99,12 @@ def test_gemv_row_groups(poison, m):
     check_linear(m, 40, 256, "gemv", dtype, 1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+def test_dot_split_k(poison):
+    # few output tiles: the dot path splits K (fp32 workspace, summed)
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    check_linear(3, 16, 1024, "dot", dtype, 1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
 def test_gemv_every_code(poison):
     # all 16 codes in every nibble position, all 254 non-NaN scales: the gemv decode (bf16
     # bit patterns, fp32 subnormal 0.5) against the fp32 reference

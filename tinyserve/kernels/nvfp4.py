@@ -136,13 +136,27 @@ def _gemv(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int,
 def _dot(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int) -> torch.Tensor:
     kern = _kernels()
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    block_n, block_k = 64, 128
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    grid = (triton_cdiv(m, block_m) * triton_cdiv(n, block_n),)
+    block_k = 128
+    target = 2 * _num_sms(x.device)
+    num_m = triton_cdiv(m, block_m)
+    block_n = 64
+    while block_n > 16 and num_m * triton_cdiv(n, block_n) < target:
+        block_n //= 2
+    split = 1  # split-K (fp32 workspace + sum) while there are too few tiles
+    while num_m * triton_cdiv(n, block_n) * split < target and k // (split * 2) >= block_k:
+        split *= 2
+    k_split = triton_cdiv(triton_cdiv(k, split), block_k) * block_k
+    split = triton_cdiv(k, k_split)
+    if split == 1:
+        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    else:
+        out = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+    grid = (num_m * split * triton_cdiv(n, block_n),)
     kern.nvfp4_dot_kernel[grid](x, w.packed, w.block_scale, out, float(w.global_scale), m, n,
-                                k, x.stride(0), k // 2, k // 16, BLOCK_M=block_m,
+                                k, x.stride(0), k // 2, k // 16, k_split, k_split // 2,
+                                k_split // 16, SPLIT_K=split, BLOCK_M=block_m,
                                 BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
-    return out
+    return out if split == 1 else out.sum(0).to(x.dtype)
 
 
 def nvfp4_dequantize(w: NVFP4Weight, dtype: torch.dtype = torch.bfloat16, *,

@@ -234,21 +234,27 @@ def _tile_dot(acc, x_rows, x_mask, w_ptr, s_ptr, rows, row_mask, K, SW, SS,
 
 @triton.jit
 def nvfp4_dot_kernel(x_ptr, w_ptr, s_ptr, out_ptr, gs, M, N, K, stride_xm, stride_w, stride_s,
+                     K_SPLIT, K_SPLIT_W, K_SPLIT_S, SPLIT_K: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # out[m, n] = gs * sum_k x[m, k] * (E2M1 * e4m3)[n, k]
+    # out[pid_k, m, n] = gs * sum_{k in split} x[m, k] * (E2M1 * e4m3)[n, k]
+    # NOTE: K_SPLIT_W / K_SPLIT_S (= K_SPLIT / 2, / 16) are arguments so Triton knows the
+    # split offsets keep 16-byte alignment
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     pid_m = pid % num_m  # NOTE: M tiles vary fastest so one weight tile is reused from L2
-    pid_n = pid // num_m
+    rest = pid // num_m
+    pid_k = rest % SPLIT_K
+    pid_n = rest // SPLIT_K
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     row_mask = rows < N
-    x_rows = x_ptr + offs_m.to(tl.int64) * stride_xm
+    x_rows = x_ptr + offs_m.to(tl.int64) * stride_xm + pid_k * K_SPLIT
+    k_len = tl.minimum(K_SPLIT, K - pid_k * K_SPLIT)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc = _tile_dot(acc, x_rows, m_mask, w_ptr, s_ptr, rows, row_mask, K, stride_w, stride_s,
-                    True, BLOCK_N, BLOCK_K)
-    out = out_ptr + offs_m.to(tl.int64)[:, None] * N + rows[None, :]
+    acc = _tile_dot(acc, x_rows, m_mask, w_ptr + pid_k * K_SPLIT_W, s_ptr + pid_k * K_SPLIT_S,
+                    rows, row_mask, k_len, stride_w, stride_s, True, BLOCK_N, BLOCK_K)
+    out = out_ptr + (pid_k * M + offs_m).to(tl.int64)[:, None] * N + rows[None, :]
     tl.store(out, (acc * gs).to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & row_mask[None, :])
 

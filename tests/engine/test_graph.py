@@ -71,9 +71,12 @@ def test_buckets_and_capacity() -> None:
     assert capacity_pages(257, 16) == 32 and capacity_pages(3000, 4) == 1024
 
 
-def test_bf16_batched_decode_equals_per_sequence() -> None:
+@pytest.mark.parametrize("budget", [1 << 30, 1], ids=["one-call", "row-by-row"])
+def test_bf16_batched_decode_equals_per_sequence(budget: int,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """`BF16KVBackend.decode` (what graphs run) against the per-sequence eager attention, with
     NaN in every unwritten slot and a page table wider than the lengths."""
+    monkeypatch.setattr("tinyserve.kv.bf16.DECODE_GATHER_BYTES", budget)
     g = torch.Generator().manual_seed(3)
     kv = BF16KVBackend(layer_ids=[0], num_kv_heads=2, head_dim=8, num_pages=12, page_size=PAGE,
                        device="cpu", dtype=torch.float32)

@@ -82,7 +82,7 @@ class BF16KVBackend(KVBackend):
         """One query per sequence over its first `seq_lens[b]` cached tokens, batched and
         without a host synchronisation (CUDA-graph safe): the first ceil(max_seq_len /
         page_size) pages of each page-table row are gathered and the keys past the length
-        masked.
+        masked, in groups of rows whose gathered K/V fit DECODE_GATHER_BYTES.
 
         Args:
             q: [B, Hq, D]; page_table: [B, P] int; seq_lens: [B] int (>= 1, the new token
@@ -91,20 +91,40 @@ class BF16KVBackend(KVBackend):
             [B, Hq, D] in q.dtype.
         """
         kc, vc = self.layer_cache(layer_id)
-        B, Hq, D = q.shape
-        Hkv = self.num_kv_heads
+        B = q.shape[0]
         n_pages = max(1, min(-(-max_seq_len // self.page_size), page_table.shape[1]))
-        S = n_pages * self.page_size
         pages = page_table[:, :n_pages].long()  # [B, P]
-        keep = torch.arange(S, device=q.device)[None, :] < seq_lens[:, None]  # [B, S]
-        # NOTE: rows past the length are zeroed, not only masked: stale pages may hold NaN.
-        k = torch.where(keep[:, :, None, None], kc[pages].view(B, S, Hkv, D), 0)
-        v = torch.where(keep[:, :, None, None], vc[pages].view(B, S, Hkv, D), 0)
-        # GQA without repeating K/V: a KV head's query heads become its query rows.
-        qg = q.reshape(B, Hkv, Hq // Hkv, D)
-        o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=keep[:, None, None], scale=scale)
-        return o.reshape(B, Hq, D)  # [B, Hkv, G, D] -> [B, Hq, D]
+        row_bytes = 2 * n_pages * kc[0].numel() * kc.element_size()
+        group = max(1, DECODE_GATHER_BYTES // row_bytes)
+        if group >= B:
+            return _paged_decode(q, kc, vc, pages, seq_lens, scale)
+        out = torch.empty_like(q)
+        for b in range(0, B, group):
+            out[b:b + group] = _paged_decode(q[b:b + group], kc, vc, pages[b:b + group],
+                                             seq_lens[b:b + group], scale)
+        return out
+
+
+# Most bytes of gathered K/V one batched decode attention call holds (rows beyond run in turn).
+DECODE_GATHER_BYTES = 256 * 2**20
+
+
+def _paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pages: torch.Tensor,
+                  seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, Hq, D] over the K/V of pages [B, P] (caches [pages, page_size, Hkv, D]), keys
+    past seq_lens [B] masked. Returns [B, Hq, D]."""
+    B, Hq, D = q.shape
+    Hkv = kc.shape[2]
+    S = pages.shape[1] * kc.shape[1]
+    keep = torch.arange(S, device=q.device)[None, :] < seq_lens[:, None]  # [B, S]
+    # NOTE: rows past the length are zeroed, not only masked: stale pages may hold NaN.
+    k = kc[pages].view(B, S, Hkv, D).masked_fill_(~keep[:, :, None, None], 0)
+    v = vc[pages].view(B, S, Hkv, D).masked_fill_(~keep[:, :, None, None], 0)
+    # GQA without repeating K/V: a KV head's query heads become its query rows.
+    qg = q.reshape(B, Hkv, Hq // Hkv, D)
+    o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=keep[:, None, None], scale=scale)
+    return o.reshape(B, Hq, D)  # [B, Hkv, G, D] -> [B, Hq, D]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,

@@ -45,7 +45,10 @@ class Qwen35Model:
         self.states = states
         self.device = torch.device(device)
         self.dtype = dtype
-        w = {name: self._place(name, t) for name, t in weights.items()}
+        # NOTE: with an experts provider given, routed-expert weights stay where they are (an
+        # offloaded provider keeps them in host memory); only the rest moves to the device.
+        w = {name: self._place(name, t) for name, t in weights.items()
+             if experts is None or ".mlp.experts." not in name}
         self.embed_tokens: torch.Tensor = w["embed_tokens"]
         self.norm: torch.Tensor = w["norm"]
         lm_head = w.get("lm_head")

@@ -192,8 +192,8 @@ def _sweep(res: dict, st: dict) -> None:
     warp settings. Rows land in res["split_sweep"]."""
     configs = [("cuda", dict(split_tokens=t)) for t in (128, 256, 512)]
     configs += [("triton", dict(block_t=bt, ctas_per_sm=c, num_warps=w))
-                for bt, c, w in ((64, 2, 4), (64, 4, 4), (64, 8, 4), (32, 4, 4), (128, 4, 4),
-                                 (64, 4, 8), (128, 4, 8))]
+                for bt, c, w in ((64, 2, 8), (64, 4, 8), (64, 8, 8), (128, 4, 8), (32, 4, 4),
+                                 (32, 8, 4), (64, 4, 4))]
     for impl, cfg in configs:
         row = dict(fmt=st["fmt"], impl=impl, batch=st["batch"], context=st["ctx"], config=cfg)
         try:

@@ -1,4 +1,4 @@
-"""The offloaded provider on a GPU: same output as all-resident slots, and no host
+"""The offloaded provider on a GPU: the output of all-resident slots, and no host
 synchronisation inside a step (torch's sync debug mode turns any into an error)."""
 
 from __future__ import annotations
@@ -56,8 +56,11 @@ def test_offloaded_equals_resident_without_host_sync(tokens: int) -> None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
         for la in range(L):
-            ref = fused_moe(xs[la], ids[la], wts[la], resident[la])
-            assert torch.equal(outs[la], ref)
+            ref = fused_moe(xs[la], ids[la], wts[la], resident[la]).float()
+            # Same weights, same kernel; only the slot numbering (and so the tiling of the
+            # prefill path) differs, so allow bf16 rounding.
+            torch.testing.assert_close(outs[la].float(), ref, rtol=1e-2,
+                                       atol=1e-2 * ref.abs().max().item())
     experts.begin_step()
     assert experts.stats.misses > E  # evictions happened
     assert experts.cache.policy.resident() == experts.cache.resident()

@@ -73,15 +73,24 @@ class BodyLimitMiddleware:
                 return await _send_error(send, 413, too_big)
         except ValueError:
             return await _send_error(send, 400, error_body("invalid Content-Length"))
-        seen = 0
+        seen, refused = 0, False
 
         async def limited_receive() -> dict:
-            nonlocal seen
+            nonlocal seen, refused
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    raise ValueError(f"request body larger than {self.max_bytes} bytes")
+                    # NOTE: answer 413 here; the app sees a disconnect and what it sends after
+                    # that is dropped
+                    if not refused:
+                        refused = True
+                        await _send_error(send, 413, too_big)
+                    return {"type": "http.disconnect"}
             return message
 
-        await self.app(scope, limited_receive, send)
+        async def guarded_send(message: dict) -> None:
+            if not refused:
+                await send(message)
+
+        await self.app(scope, limited_receive, guarded_send)

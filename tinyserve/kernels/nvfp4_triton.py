@@ -303,22 +303,25 @@ def moe_gate_up_kernel(x_ptr, ids_ptr, order_ptr, w_ptr, s_ptr, gs_ptr, inter_pt
         p = tl.program_id(0).to(tl.int64)
     slot = tl.load(ids_ptr + p).to(tl.int64)
     x_row = x_ptr + (p // TOPK) * stride_xm
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < F
+    f0 = tl.program_id(1) * BLOCK_N
     if IS_FP4:
-        w_slot = w_ptr + slot * (2 * F) * (H // 16)
-        s_slot = s_ptr + slot * (2 * F) * (H // 16)
+        # NOTE: gate row f and up row F + f interleaved in one tile, so both stream at once
+        j = tl.arange(0, 2 * BLOCK_N)
+        f = f0 + j // 2
+        half = j % 2  # 0 = gate, 1 = up
+        acc, _a1, _a2, _a3 = _fp4_rows_dot(x_row, 0, 1, w_ptr + slot * (2 * F) * (H // 16),
+                                           s_ptr + slot * (2 * F) * (H // 16), f + half * F,
+                                           f < F, H // 16, 0, H // 16, 1, 2 * BLOCK_N, BLOCK_B)
+        acc = acc * (tl.load(gs_ptr + 2 * slot + half) * FP4_UNIT_C)
+        g, u = tl.split(tl.reshape(acc, [BLOCK_N, 2]))
     else:
+        rows = f0 + tl.arange(0, BLOCK_N)
         w_slot = w_ptr + slot * (2 * F) * H
-        s_slot = s_ptr
-    g = _slot_rows_dot(x_row, w_slot, s_slot, rows, row_mask, H, IS_FP4, BLOCK_N, BLOCK_B)
-    u = _slot_rows_dot(x_row, w_slot, s_slot, rows + F, row_mask, H, IS_FP4, BLOCK_N,
-                       BLOCK_B)
-    if IS_FP4:
-        g = g * (tl.load(gs_ptr + 2 * slot) * FP4_UNIT_C)
-        u = u * (tl.load(gs_ptr + 2 * slot + 1) * FP4_UNIT_C)
+        g = _dense_rows_dot(x_row, w_slot, rows, rows < F, H, BLOCK_N, BLOCK_B * 8)
+        u = _dense_rows_dot(x_row, w_slot, rows + F, rows < F, H, BLOCK_N, BLOCK_B * 8)
     h = g * tl.sigmoid(g) * u
-    tl.store(inter_ptr + p * F + rows, h, mask=row_mask)
+    rows = f0 + tl.arange(0, BLOCK_N)
+    tl.store(inter_ptr + p * F + rows, h, mask=rows < F)
 
 
 @triton.jit

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tinyserve.kernels import gdn, gdn_ref
+from tinyserve.kernels import _gdn_config, gdn, gdn_ref
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 interp_only = pytest.mark.skipif(not INTERP, reason="runs in the TRITON_INTERPRET=1 child")
@@ -212,6 +212,69 @@ def test_torch_backend_conv_split_matches_whole() -> None:
     torch.testing.assert_close(pool2[0], pool[1])
 
 
+def test_chunk_config_choice_fits_shared_memory() -> None:
+    C = _gdn_config.ChunkConfig
+    cfgs = _gdn_config.chunk_configs(128, 64, 128)
+    assert cfgs[0] == C(64, 16, 4) and cfgs[-1] == C(32, 16, 4)
+    # measured sm_90 builds (num_stages=1): BV=16 80 KiB, BV=32 96 KiB; the bound covers them
+    assert _gdn_config.chunk_smem_bytes(C(64, 16, 4), 128) >= 80 * 1024
+    assert _gdn_config.chunk_smem_bytes(C(64, 32, 8), 128) >= 96 * 1024
+    for c in cfgs[:-1]:
+        assert _gdn_config.chunk_smem_bytes(c, 128) <= _gdn_config.SM90_SMEM_BYTES
+    # the round-1 failure: 3 pipeline stages do not fit, so they are never chosen
+    assert _gdn_config.chunk_smem_bytes(C(64, 32, 8, 3), 128) > _gdn_config.SM90_SMEM_BYTES
+    # a pinned dv tile that cannot fit leaves only the smallest fallback
+    assert _gdn_config.chunk_configs(128, 64, 128, block_v=64) == [C(32, 16, 4)]
+    assert _gdn_config.chunk_configs(128, 64, 128, block_v=32)[0] == C(64, 32, 8)
+    # a small device limit: only the fallback; odd dv clamps the tile to a power of two >= 16
+    assert _gdn_config.chunk_configs(128, 64, 128, smem_limit=100_000) == [C(32, 16, 4)]
+    assert [c.block_v for c in _gdn_config.chunk_configs(20, 16, 32)] == [16, 32]
+
+
+def test_chunk_launch_moves_down_on_out_of_resources(monkeypatch: pytest.MonkeyPatch) -> None:
+    class OutOfResources(Exception):
+        pass
+
+    tried = []
+
+    def fake_run(*args) -> None:
+        cfg = args[12]
+        tried.append(cfg)
+        if cfg.chunk == 64:
+            raise OutOfResources("shared memory")
+
+    monkeypatch.setattr(gdn, "_run_chunk", fake_run)
+    monkeypatch.setattr(gdn, "_CHOSEN", {})
+    q = torch.zeros(5, 2, 32)
+    v = torch.zeros(5, 4, 32)
+    args = (q, q, v) + (None,) * 8
+    gdn._launch_chunk(*args, torch.zeros(5, 4, 32), 64, None, "tf32x3")
+    C = _gdn_config.ChunkConfig
+    assert tried == [C(64, 16, 4), C(32, 16, 4)]  # the larger dv tile is skipped
+    gdn._launch_chunk(*args, torch.zeros(5, 4, 32), 64, None, "tf32x3")
+    assert tried[-1] == C(32, 16, 4) and len(tried) == 3  # the choice is remembered
+    monkeypatch.setattr(gdn, "_CHOSEN", {})
+    tried.clear()
+
+    def always_oor(*args) -> None:
+        tried.append(args[12])
+        raise OutOfResources("shared memory")
+
+    monkeypatch.setattr(gdn, "_run_chunk", always_oor)
+    with pytest.raises(OutOfResources):  # the smallest config failing too is an error
+        gdn._launch_chunk(*args, torch.zeros(5, 4, 32), 64, None, "tf32x3")
+    assert tried == [C(64, 16, 4), C(32, 16, 4)]
+
+    def other_error(*args) -> None:
+        tried.append(args[12])
+        raise RuntimeError("not a resource error")
+
+    monkeypatch.setattr(gdn, "_run_chunk", other_error)
+    with pytest.raises(RuntimeError):
+        gdn._launch_chunk(*args, torch.zeros(5, 4, 32), 64, None, "tf32x3")
+    assert tried[-1] == C(64, 16, 4)
+
+
 @pytest.mark.skipif(INTERP, reason="this is the parent of the interpreter run")
 def test_triton_kernels_under_interpreter() -> None:
     pytest.importorskip("triton")
@@ -304,7 +367,8 @@ def test_cuda_auto_backend_is_triton_and_matches_torch() -> None:
 # --------------------------------------------------------------------------------------------
 # Ahead-of-time build for sm_90 on a machine without a GPU (slow: ~2-4 min on 2 cores)
 
-_PTR_TYPES = {"alog_ptr": "*fp32", "dtb_ptr": "*fp32", "ti_ptr": "*fp32", "slots_ptr": "*i64",
+_PTR_TYPES = {"alog_ptr": "*fp32", "dtb_ptr": "*fp32", "ti_ptr": "*fp32", "att_ptr": "*fp32",
+              "slots_ptr": "*i64",
               "cu_ptr": "*i32", "init_ptr": "*i32", "seq_ptr": "*i32", "cseq_ptr": "*i32",
               "cstart_ptr": "*i32", "scale": "fp32"}
 
@@ -326,6 +390,7 @@ def test_kernels_build_for_sm90() -> None:
         (ks.gdn_recurrent, dict(IS_VARLEN=False, BK=128, BV=32), 4),
         (ks.gdn_recurrent, dict(IS_VARLEN=True, BK=128, BV=32), 4),
         (ks.gdn_chunk_prep, dict(BT=64, BK=128, PREC="tf32x3"), 4),
+        (ks.gdn_chunk, dict(BT=64, BK=128, BV=16, PREC="tf32x3"), 4),
         (ks.gdn_chunk, dict(BT=64, BK=128, BV=32, PREC="tf32x3"), 8),
     ]
     for jf, constexprs, warps in cases:
@@ -335,5 +400,8 @@ def test_kernels_build_for_sm90() -> None:
         if "pool_ptr" in sig:
             sig["pool_ptr"] = "*bf16" if "conv1d" in jf.fn.__name__ else "*fp32"
         k = triton.compile(ASTSource(jf, sig, constexprs), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": warps})
+                           options={"num_warps": warps, "num_stages": 1})
         assert k.metadata.shared <= 227 * 1024, f"{jf.fn.__name__}: too much shared memory"
+        if jf is ks.gdn_chunk:  # the launcher's bound covers the build
+            cfg = _gdn_config.ChunkConfig(64, constexprs["BV"], warps)
+            assert k.metadata.shared <= _gdn_config.chunk_smem_bytes(cfg, 128)

@@ -165,11 +165,13 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, p
     tl.store(s_ptrs, S, mask=smask)
 
 
-def gdn_chunk_prep_kernel(k_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cseq_ptr, cstart_ptr,
-                          cu_ptr, ti_ptr, s_kt, s_kh, s_at, s_bt, s_tt, s_th, G, DK,
+def gdn_chunk_prep_kernel(q_ptr, k_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cseq_ptr, cstart_ptr,
+                          cu_ptr, ti_ptr, att_ptr, s_qt, s_qh, s_kt, s_kh, s_at, s_bt, s_tt,
+                          s_th, scale, G, DK,
                           BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
-    # NOTE: grid (chunks, Hv); every chunk independent. Writes Ti = (I + L)^-1 with
-    # L = strictly-lower((kb k^T) * D) (spec §2.7) to ti[t, h, 0:BT] for the chunk's rows t.
+    # NOTE: grid (chunks, Hv); every chunk independent. For the chunk's rows t writes
+    # Ti = (I + L)^-1 with L = strictly-lower((kb k^T) * D) (spec §2.7) to ti[t, h, 0:BT] and
+    # att = lower-incl-diagonal((q k^T) * D) to att[t, h, 0:BT] (same strides).
     c = tl.program_id(0)
     h = tl.program_id(1)
     kk = tl.arange(0, BK)
@@ -180,19 +182,26 @@ def gdn_chunk_prep_kernel(k_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cseq_ptr, csta
     end = tl.load(cu_ptr + seq + 1)  # padding chunks have start == end
     t = (start + rows).to(tl.int64)
     tmask = t < end
-    k = tl.load(k_ptr + t[:, None] * s_kt + (h // G) * s_kh + kk[None, :],
-                mask=tmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)  # [BT, BK]
+    m2 = tmask[:, None] & kmask[None, :]
+    k = tl.load(k_ptr + t[:, None] * s_kt + (h // G) * s_kh + kk[None, :], mask=m2,
+                other=0.0).to(tl.float32)  # [BT, BK]
+    q = tl.load(q_ptr + t[:, None] * s_qt + (h // G) * s_qh + kk[None, :], mask=m2,
+                other=0.0).to(tl.float32)  # [BT, BK]
     a = tl.load(a_ptr + t * s_at + h, mask=tmask, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + t * s_bt + h, mask=tmask, other=0.0).to(tl.float32)
     k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+    q = q * (tl.rsqrt(tl.sum(q * q, 1) + 1e-6) * scale)[:, None]
     A = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     x = a + tl.load(dtb_ptr + h).to(tl.float32)
     sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # softplus
     g = tl.where(tmask, A * sp, 0.0)
     beta = tl.where(tmask, tl.sigmoid(b), 0.0)
     cum = tl.cumsum(g, 0)  # [BT]
+    causal = rows[:, None] >= rows[None, :]
+    D = tl.where(causal, tl.exp(tl.minimum(cum[:, None] - cum[None, :], 0.0)), 0.0)
+    att = tl.where(causal, tl.dot(q, tl.trans(k), input_precision=PREC) * D, 0.0)
+    tl.store(att_ptr + t[:, None] * s_tt + h * s_th + rows[None, :], att, mask=tmask[:, None])
     strict = rows[:, None] > rows[None, :]
-    D = tl.where(strict, tl.exp(tl.minimum(cum[:, None] - cum[None, :], 0.0)), 0.0)
     L = tl.where(strict, tl.dot(k * beta[:, None], tl.trans(k), input_precision=PREC) * D, 0.0)
     # forward substitution, row by row: row i of Ti - I = -L[i] - sum_j L[i, j] (Ti - I)[j]
     Ti = -L
@@ -206,14 +215,15 @@ def gdn_chunk_prep_kernel(k_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cseq_ptr, csta
 
 
 def gdn_chunk_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, pool_ptr,
-                     slots_ptr, cu_ptr, init_ptr, ti_ptr, o_ptr,
+                     slots_ptr, cu_ptr, init_ptr, ti_ptr, att_ptr, o_ptr,
                      s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_at, s_bt, s_ot, s_oh,
                      s_tt, s_th, s_ps, s_ph, scale, G, DK, DV,
                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      PREC: tl.constexpr):
     # NOTE: one program walks all chunks of one (sequence, value head, dv block), carrying
-    # S [BK, BV] in registers; per chunk (spec §2.7), with Ti from gdn_chunk_prep_kernel:
-    # U = Ti vb, W = Ti (kb * exp(cum)), v_new = U - W S, o = (q * exp(cum)) S + (qk^T * D) v_new,
+    # S [BK, BV] in registers; per chunk (spec §2.7), with Ti and att from the prep kernel and
+    # W S = Ti ((kb * exp(cum)) S) reassociated so no [BT, BK] product is formed here:
+    # v_new = Ti (vb - (kb * exp(cum)) S), o = (q * exp(cum)) S + att v_new,
     # S <- S exp(cum_last) + (k * exp(cum_last - cum))^T v_new. Padded rows have q=k=v=0,
     # beta=0, g=0, which changes neither o nor S.
     bid = tl.program_id(0)
@@ -233,36 +243,34 @@ def gdn_chunk_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, pool_
     S = tl.load(s_ptrs, mask=smask & use_init[None, :], other=0.0)
     A = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dtb = tl.load(dtb_ptr + h).to(tl.float32)
-    causal = rows[:, None] >= rows[None, :]
     for cs in range(start, end, BT):
         t = (cs + rows).to(tl.int64)  # [BT]
         tmask = t < end
         qm = tmask[:, None] & kmask[None, :]
-        q = tl.load(q_ptr + t[:, None] * s_qt + hk * s_qh + kk[None, :], mask=qm,
-                    other=0.0).to(tl.float32)  # [BT, BK]
-        k = tl.load(k_ptr + t[:, None] * s_kt + hk * s_kh + kk[None, :], mask=qm,
-                    other=0.0).to(tl.float32)  # [BT, BK]
-        v = tl.load(v_ptr + t[:, None] * s_vt + h * s_vh + vv[None, :],
-                    mask=tmask[:, None] & vmask[None, :], other=0.0).to(tl.float32)  # [BT, BV]
-        Ti = tl.load(ti_ptr + t[:, None] * s_tt + h * s_th + rows[None, :],
-                     mask=tmask[:, None], other=0.0)  # [BT, BT]
         a = tl.load(a_ptr + t * s_at + h, mask=tmask, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + t * s_bt + h, mask=tmask, other=0.0).to(tl.float32)
-        q = q * (tl.rsqrt(tl.sum(q * q, 1) + 1e-6) * scale)[:, None]
-        k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
         x = a + dtb
         sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # softplus
         g = tl.where(tmask, A * sp, 0.0)
         beta = tl.where(tmask, tl.sigmoid(b), 0.0)
         cum = tl.cumsum(g, 0)  # [BT]
         last = tl.sum(tl.where(rows == BT - 1, cum, 0.0), 0)
-        D = tl.where(causal, tl.exp(tl.minimum(cum[:, None] - cum[None, :], 0.0)), 0.0)
         ecum = tl.exp(cum)
-        U = tl.dot(Ti, v * beta[:, None], input_precision=PREC)  # [BT, BV]
-        W = tl.dot(Ti, k * (beta * ecum)[:, None], input_precision=PREC)  # [BT, BK]
-        v_new = U - tl.dot(W, S, input_precision=PREC)
-        att = tl.where(causal, tl.dot(q, tl.trans(k), input_precision=PREC) * D, 0.0)
-        o = tl.dot(q * ecum[:, None], S, input_precision=PREC)
+        k = tl.load(k_ptr + t[:, None] * s_kt + hk * s_kh + kk[None, :], mask=qm,
+                    other=0.0).to(tl.float32)  # [BT, BK]
+        k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+        v = tl.load(v_ptr + t[:, None] * s_vt + h * s_vh + vv[None, :],
+                    mask=tmask[:, None] & vmask[None, :], other=0.0).to(tl.float32)  # [BT, BV]
+        Ti = tl.load(ti_ptr + t[:, None] * s_tt + h * s_th + rows[None, :],
+                     mask=tmask[:, None], other=0.0)  # [BT, BT]
+        X = tl.dot(k * (beta * ecum)[:, None], S, input_precision=PREC)  # [BT, BV]
+        v_new = tl.dot(Ti, v * beta[:, None] - X, input_precision=PREC)  # [BT, BV]
+        q = tl.load(q_ptr + t[:, None] * s_qt + hk * s_qh + kk[None, :], mask=qm,
+                    other=0.0).to(tl.float32)  # [BT, BK]
+        q = q * (tl.rsqrt(tl.sum(q * q, 1) + 1e-6) * scale * ecum)[:, None]
+        att = tl.load(att_ptr + t[:, None] * s_tt + h * s_th + rows[None, :],
+                      mask=tmask[:, None], other=0.0)  # [BT, BT]
+        o = tl.dot(q, S, input_precision=PREC)
         o += tl.dot(att, v_new, input_precision=PREC)
         tl.store(o_ptr + t[:, None] * s_ot + h * s_oh + vv[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=tmask[:, None] & vmask[None, :])

@@ -26,14 +26,13 @@ import functools
 
 import torch
 
-from tinyserve.kernels import gdn_ref
+from tinyserve.kernels import _gdn_config, gdn_ref
 from tinyserve.log import get_logger
 
 log = get_logger(__name__)
 
 _CONV_BLOCK_C = 256
 _CONV_BLOCK_T = 16
-_CHUNK_WARPS = 8
 
 
 @functools.cache
@@ -267,7 +266,7 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
                 recurrent_pool: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
                 has_initial_state: torch.Tensor, *, out: torch.Tensor | None = None,
                 backend: str = "auto", method: str = "chunk", chunk_size: int = 64,
-                block_v: int = 32, dot_precision: str = "tf32x3",
+                block_v: int | None = None, dot_precision: str = "tf32x3",
                 fallback: bool = True) -> torch.Tensor:
     """Gated delta rule over a varlen batch (prefill chunks and decode rows mixed).
 
@@ -277,12 +276,14 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
         int32 offsets into T; has_initial_state: [B] bool (false -> zero initial state, slot
         not read).
         method: "chunk" (chunked form, `chunk_size` >= 16, power of two) or "recurrent".
-        fallback: when the chunk kernel fails to BUILD, log it once and use the recurrent
-            kernel from then on (False: raise).
+        block_v: dv tile of one program (None: the chunk form picks one that fits the
+            device's shared memory, `_gdn_config.chunk_configs`; the recurrent kernel 32).
+        fallback: when the chunk kernel fails to build or launch for lack of resources on
+            every config, log it once and use the recurrent kernel from then on (False: raise).
         dot_precision: of the chunk kernels' fp32 dots: "tf32x3" (default: tensor cores,
             fp32-level accuracy), "ieee" (CUDA-core FMA; large unrolled code, spills on sm_90)
             or "tf32" (fastest, ~1e-3 relative).
-    The chunk form takes a transient fp32 workspace of T * Hv * chunk_size * 4 bytes.
+    The chunk form takes a transient fp32 workspace of T * Hv * chunk_size * 8 bytes.
     Returns:
         o [T, Hv, dv] in v.dtype; each sequence's final state is written to its slot.
     """
@@ -308,10 +309,12 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
             log.warning("GDN chunk kernel failed to build (%s); using the recurrent kernel", e)
             _chunk_broken(set_broken=True)
     return _launch_recurrent(q, k, v, a, b, A_log, dt_bias, recurrent_pool, slots, cu, init,
-                             y, block_v)
+                             y, block_v or 32)
 
 
 _BROKEN: list[bool] = [False]
+# (device, chunk, dk, dv, block_v, precision, dtype) -> index of the first config that launched
+_CHOSEN: dict[tuple, int] = {}
 
 
 def _chunk_broken(set_broken: bool = False) -> bool:
@@ -327,17 +330,51 @@ def _is_build_error(e: Exception) -> bool:
                                        "CompileTimeAssertionFailure")
 
 
+def _smem_limit(device: torch.device) -> int:
+    try:
+        props = torch.cuda.get_device_properties(device)
+        return int(getattr(props, "shared_memory_per_block_optin", 0)
+                   or _gdn_config.SM90_SMEM_BYTES)
+    except Exception:  # noqa: BLE001 - no CUDA: the sm_90 limit
+        return _gdn_config.SM90_SMEM_BYTES
+
+
 def _launch_chunk(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, BT, block_v,
                   precision):
+    """Run the first config of `chunk_configs` that launches; an OutOfResources at launch
+    (nothing has run then) moves to the next smaller one, logged once per shape."""
+    dk, dv = q.shape[2], v.shape[2]
+    _check(BT >= 16 and BT == _pow2(BT), f"chunk_size must be a power of two >= 16, not {BT}")
+    _check(precision in ("ieee", "tf32x3", "tf32"), f"bad dot precision {precision!r}")
+    BK = max(_pow2(dk), 16)
+    cfgs = _gdn_config.chunk_configs(dv, BT, BK, block_v=block_v,
+                                     smem_limit=_smem_limit(q.device))
+    key = (q.device, BT, dk, dv, block_v, precision, q.dtype)
+    i = _CHOSEN.get(key, 0)
+    while True:
+        cfg = cfgs[i]
+        try:
+            _run_chunk(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, cfg, BK,
+                       precision)
+            _CHOSEN[key] = i
+            return y
+        except Exception as e:  # noqa: BLE001 - only a resource error moves down the list
+            size = _gdn_config.chunk_smem_bytes(cfg, BK)
+            nxt = [j for j in range(i + 1, len(cfgs))
+                   if _gdn_config.chunk_smem_bytes(cfgs[j], BK) < size]
+            if type(e).__name__ != "OutOfResources" or not nxt:
+                raise
+            log.warning("GDN chunk config %s does not fit (%s); trying %s", cfg, e, cfgs[nxt[0]])
+            i = nxt[0]
+
+
+def _run_chunk(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, cfg, BK, precision):
     B = slots.shape[0]
     T, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
-    _check(BT >= 16 and BT == _pow2(BT), f"chunk_size must be a power of two >= 16, not {BT}")
-    _check(precision in ("ieee", "tf32x3", "tf32"), f"bad dot precision {precision!r}")
+    BT, BV = cfg.chunk, cfg.block_v
     q, k, v, a, b = (_last_contig(t) for t in (q, k, v, a, b))
     _check(pool.stride(3) == 1 and pool.stride(2) == dv, "recurrent_pool slots must be contiguous")
-    BK = max(_pow2(dk), 16)
-    BV = max(min(_pow2(dv), block_v), 16)
     kern = _kernels()
     # chunk table on the device (no host sync): chunk c -> (sequence, first token)
     max_chunks = _cdiv(T, BT) + B
@@ -348,23 +385,24 @@ def _launch_chunk(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, BT, b
     first = ccu[cseq] - nch[cseq]  # index of the sequence's first chunk
     cstart = torch.where(ids < ccu[-1], cu[cseq] + (ids - first) * BT, cu[cseq + 1])
     cstart = cstart.to(torch.int32)
-    # [T, Hv, BT] fp32: row t holds Ti[t - chunk start, :] of its chunk
-    ti = torch.empty(T, Hv, BT, dtype=torch.float32, device=q.device)
+    # [2, T, Hv, BT] fp32: row t of [0] holds Ti[t - chunk start, :] of its chunk, of [1] att
+    ws = torch.empty(2, T, Hv, BT, dtype=torch.float32, device=q.device)
+    ti, att = ws[0], ws[1]
     kern.gdn_chunk_prep[(max_chunks, Hv)](
-        k, a, b, A_log, dt_bias, cseq, cstart, cu, ti,
-        k.stride(0), k.stride(1), a.stride(0), b.stride(0), ti.stride(0), ti.stride(1),
-        Hv // Hk, dk, BT=BT, BK=BK, PREC=precision, num_warps=4)
+        q, k, a, b, A_log, dt_bias, cseq, cstart, cu, ti, att,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), a.stride(0), b.stride(0),
+        ti.stride(0), ti.stride(1), dk ** -0.5, Hv // Hk, dk,
+        BT=BT, BK=BK, PREC=precision, num_warps=4, num_stages=1)
     grid = (B, Hv, _cdiv(dv, BV))
     kern.gdn_chunk[grid](
-        q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, ti, y,
+        q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, ti, att, y,
         *_strides(q, k, v, a, b, y), ti.stride(0), ti.stride(1), pool.stride(0),
         pool.stride(1), dk ** -0.5, Hv // Hk, dk, dv,
-        BT=BT, BK=BK, BV=BV, PREC=precision, num_warps=_CHUNK_WARPS)
-    return y
+        BT=BT, BK=BK, BV=BV, PREC=precision, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+_pow2 = _gdn_config.pow2
 
 
 def _cdiv(a: int, b: int) -> int:

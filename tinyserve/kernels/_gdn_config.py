@@ -1,0 +1,61 @@
+"""Launch configurations of the GDN chunk kernel (`kernels/_gdn_triton.py`) and their
+shared-memory footprint, so `kernels/gdn.py` launches a variant that fits the device.
+
+The footprint model is an upper bound fitted to sm_90 builds (triton 3.6 and 3.9, num_stages=1,
+tf32x3 dots; bf16 and fp32 inputs build the same size): the chunk kernel keeps a few [BT, BK]
+and [BT, BT] fp32 dot operands in shared memory plus [BK, BV] and [BT, BV] ones, and the
+model adds 25% on top. A config whose bound exceeds the device limit is skipped; if a build
+still fails at launch, `gdn.py` moves down this list and remembers the choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# H200 / H100 (sm_90) opt-in shared memory per block; used when the device is not queried.
+SM90_SMEM_BYTES = 232_448
+_MARGIN = 1.25
+
+
+@dataclass(frozen=True)
+class ChunkConfig:
+    """One launch variant of the chunk kernels: chunk length, dv tile, warps, pipeline stages."""
+
+    chunk: int
+    block_v: int
+    num_warps: int
+    num_stages: int = 1
+
+
+def chunk_smem_bytes(cfg: ChunkConfig, block_k: int) -> int:
+    """Upper bound of `gdn_chunk_kernel`'s shared memory (bytes) for one program.
+
+    Measured on sm_90 (BT=64, BK=128, num_stages=1): 80 KiB at BV=16, 96 KiB at BV=32.
+    Every extra pipeline stage buffers one more chunk of q, k (fp32 worst case), v, Ti, att.
+    """
+    fp32, bt, bv = 4, cfg.chunk, cfg.block_v
+    base = (2 * bt * block_k + 2 * bt * bt) * fp32  # q/k operands, Ti/att
+    tiles = (block_k * bv + 2 * bt * bv) * fp32 * 2  # S, v_new (tf32 hi/lo)
+    per_stage = (2 * bt * block_k + bt * bv + 2 * bt * bt) * fp32
+    return int((base + tiles + (cfg.num_stages - 1) * per_stage) * _MARGIN)
+
+
+def chunk_configs(dv: int, chunk: int, block_k: int, *, block_v: int | None = None,
+                  smem_limit: int = SM90_SMEM_BYTES) -> list[ChunkConfig]:
+    """Launch variants to try, best first; all but the last fit `smem_limit` by
+    `chunk_smem_bytes`, the last is the smallest one (half the chunk, dv tile 16).
+
+    `block_v` pins the dv tile (the bench sweeps it); otherwise dv tiles of 16 give
+    Hv * dv / 16 programs (256 for 35B-A3B: about two per SM on 132 SMs).
+    """
+    top = max(16, pow2(dv))
+    tiles = [block_v] if block_v else [16, 32]
+    ladder = [ChunkConfig(chunk, max(16, min(bv, top)), 4 if bv <= 16 else 8) for bv in tiles]
+    fits = [c for c in ladder if chunk_smem_bytes(c, block_k) <= smem_limit]
+    smallest = ChunkConfig(max(16, chunk // 2), 16, 4)
+    return [*dict.fromkeys(fits), smallest] if smallest not in fits else fits
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(n - 1, 0).bit_length()

@@ -123,7 +123,8 @@ def bench_decode(B: int, copy_gbps: float) -> dict:
     return out
 
 
-DEFAULT_VARIANTS = (("chunk", 32, "tf32x3"), ("chunk", 64, "tf32x3"), ("recurrent", 32, "ieee"))
+DEFAULT_VARIANTS = (("chunk", None, "tf32x3"), ("chunk", 16, "tf32x3"), ("chunk", 32, "tf32x3"),
+                    ("recurrent", 32, "ieee"))
 
 
 def bench_prefill(lens: list[int], init: list[bool], ref_prefix: int | None,
@@ -147,7 +148,7 @@ def bench_prefill(lens: list[int], init: list[bool], ref_prefix: int | None,
     out["torch_chunk_ref_ms"] = t_ref
     out["torch_chunk_ref_tokens_per_s"] = T / t_ref * 1e3
     for method, bv, prec in variants:
-        name = f"{method}_bv{bv}" + (f"_{prec}" if method == "chunk" else "")
+        name = f"{method}_bv{bv or 'auto'}" + (f"_{prec}" if method == "chunk" else "")
         try:
             def run(r, m=method, bv=bv, prec=prec):
                 return gdn.gdn_prefill(*args, r, slots, cu, has, method=m, block_v=bv,
@@ -159,6 +160,7 @@ def bench_prefill(lens: list[int], init: list[bool], ref_prefix: int | None,
             ms = _bench(lambda run=run: run(rec))
             out[f"{name}_ms"] = ms
             out[f"{name}_tokens_per_s"] = T / ms * 1e3
+            out[f"{name}_configs"] = {str(k): str(v) for k, v in gdn.chunk_configs_chosen()}
         except Exception as e:  # noqa: BLE001 - record and go on
             out[f"{name}_error"] = repr(e)[:500]
     out["conv_prefill_ms"] = _bench(lambda: gdn.causal_conv1d_prefill(x, w, conv, slots, cu,
@@ -223,7 +225,7 @@ def main() -> int:
     case("prefill_mixed_2k_plus_7_decodes", bench_prefill, [2048] + [1] * 7,
          [False] + [True] * 7, None)
     # last: fp32 FMA dots compile slowly (spills on sm_90); for comparison only
-    case("prefill_4k_ieee_dots", bench_prefill, [4096], [False], None, [("chunk", 32, "ieee")])
+    case("prefill_4k_ieee_dots", bench_prefill, [4096], [False], None, [("chunk", 16, "ieee")])
     print(f"wrote {args.out}")
     return 0 if not res["errors"] else 2
 

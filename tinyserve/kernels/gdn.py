@@ -317,6 +317,17 @@ _BROKEN: list[bool] = [False]
 _CHOSEN: dict[tuple, int] = {}
 
 
+def chunk_configs_chosen() -> list[tuple[tuple, _gdn_config.ChunkConfig]]:
+    """(launch key, config) of every chunk-kernel shape launched so far (for benchmarks)."""
+    out = []
+    for key, i in _CHOSEN.items():
+        dev, BT, dk, dv, block_v, _, _ = key
+        cfgs = _gdn_config.chunk_configs(dv, BT, max(_pow2(dk), 16), block_v=block_v,
+                                         smem_limit=_smem_limit(dev))
+        out.append((key, cfgs[i]))
+    return out
+
+
 def _chunk_broken(set_broken: bool = False) -> bool:
     if set_broken:
         _BROKEN[0] = True

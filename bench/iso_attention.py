@@ -194,6 +194,9 @@ def _sweep(res: dict, st: dict) -> None:
     configs += [("triton", dict(block_t=bt, ctas_per_sm=c, num_warps=w))
                 for bt, c, w in ((64, 2, 8), (64, 4, 8), (64, 8, 8), (128, 4, 8), (32, 4, 4),
                                  (32, 8, 4), (64, 4, 4))]
+    # capped registers: 2 programs per SM, some spilling (sm_90 build: ~300 B of stack)
+    configs += [("triton", dict(block_t=bt, ctas_per_sm=8, num_warps=w, maxnreg=128))
+                for bt, w in ((64, 8), (32, 4))]
     for impl, cfg in configs:
         row = dict(fmt=st["fmt"], impl=impl, batch=st["batch"], context=st["ctx"], config=cfg)
         try:

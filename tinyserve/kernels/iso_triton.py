@@ -211,7 +211,8 @@ def iso_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 max_seq_len: int | None = None, out: torch.Tensor | None = None,
                                 split_tokens: int | None = None, block_t: int = BLOCK_T,
                                 ctas_per_sm: int = CTAS_PER_SM, num_warps: int = NUM_WARPS,
-                                num_stages: int = 2) -> torch.Tensor:
+                                num_stages: int = 2, maxnreg: int | None = None
+                                ) -> torch.Tensor:
     """One query per sequence over its packed K/V (same contract as
     `iso_cuda.iso_decode_attention`): q [B, Hq, D] float, caches uint8 [slots, Hkv, row_bytes],
     page_table int32 [B, P] (rows contiguous), seq_lens int32 [B] (each >= 1, <= max_seq_len).
@@ -263,7 +264,8 @@ def iso_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         seq_lens.contiguous(), cent, rot, part_acc, part_ml, chunk, splits, page_size,
         float(scale) * _LOG2E, HKV=hkv, G=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         NB=d // iso.BLOCK, BITS=3 if fmt == "iso3" else 4, BB=iso.BLOCK_BYTES[fmt],
-        BLOCK_T=block_t, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_T=block_t, num_warps=num_warps, num_stages=num_stages,
+        **({"maxnreg": maxnreg} if maxnreg else {}))
     _iso_decode_merge[(b * hq,)](
         part_acc, part_ml, rot, out, splits, out.stride(0), HQ=hq, D=d,
         BLOCK_S=max(2, min(16, triton.next_power_of_2(splits))), num_warps=4)

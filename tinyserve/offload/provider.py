@@ -51,12 +51,20 @@ class OffloadedExperts:
                 topk_weights: torch.Tensor) -> torch.Tensor:
         """Σ_j topk_weights[:, j] * Expert_{topk_ids[:, j]}(x); x [N, H] -> [N, H] in x.dtype."""
         if self._last_layer is not None and layer_id <= self._last_layer:
-            self.cache.begin_step()
+            # NOTE: never inside a CUDA-graph capture (begin_step reads device logs); the
+            # graph runner calls begin_step() before each replay instead.
+            if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+                self.cache.begin_step()
         self._last_layer = layer_id
         slot_ids = self.cache.lookup(layer_id, topk_ids)  # [N, k] int32
         if self.use_kernel:
             return fused_moe(x, slot_ids, topk_weights, self.cache.slots)
         return fused_moe_ref(x, slot_ids, topk_weights, self.cache.slots)
+
+    @property
+    def capturable(self) -> bool:
+        """A decode step through this provider can be captured in a CUDA graph."""
+        return self.cache.mode == "device" and self.cache.use_triton
 
     @property
     def stats(self):

@@ -18,6 +18,8 @@ Cases:
   rates, miss bytes per decode token, peak memory.
 - skewed: decode with a synthetic skewed router (below) under the same plan, with the
   default policy (LRU + frequency term, weight 16) and with plain LRU (weight 0).
+- offload_cuda_graphs: the offloaded decode at 1k replaying CUDA graphs (lookup and miss
+  copies inside the graph; the host policy runs between replays).
 - resident: every expert in GPU slots (no budget), the same measurements: the upper bound.
 
 Skewed synthetic router: a random-weight model routes almost uniformly, which no cache policy
@@ -273,7 +275,8 @@ def measure(runner: ModelRunner, plan: Any, quick: bool) -> dict:
     return out
 
 
-def build_runner(ckpt: Path, config: Any, plan: Any, experts: Any, weights: dict) -> ModelRunner:
+def build_runner(ckpt: Path, config: Any, plan: Any, experts: Any, weights: dict,
+                 graphs: bool = False) -> ModelRunner:
     dtype = torch.bfloat16
     kv = create_kv_backend(plan.kv_format, layer_ids=list(config.full_attention_layers),
                            num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
@@ -282,6 +285,8 @@ def build_runner(ckpt: Path, config: Any, plan: Any, experts: Any, weights: dict
     states = GDNStatePool.for_config(config, plan.state_slots, device="cuda", dtype=dtype)
     model = Qwen35Model(config, weights, kv=kv, states=states, experts=experts, device="cuda",
                         dtype=dtype)
+    if graphs:  # decode steps replay CUDA graphs; state slot 1 pads the batch
+        return ModelRunner(model, page_size=plan.page_size, cuda_graphs=True, graph_pad_slot=1)
     return ModelRunner(model, page_size=plan.page_size)
 
 
@@ -354,7 +359,22 @@ def main() -> int:
 
     if runner is not None:
         rec.run("skewed", skewed_case)
+        set_experts(runner, None)
         del runner
+    torch.cuda.empty_cache()
+
+    def graphs_case() -> dict:
+        experts = OffloadedExperts.create(store, plan.expert_slots, device="cuda",
+                                          max_ids=plan.prefill_chunk * 8)
+        runner = build_runner(ckpt, config, plan, experts, weights, graphs=True)
+        pages = list(range(64 + 1024 // plan.page_size))
+        out = run_seq(runner, 1024, 32, plan.prefill_chunk, pages, warmup=4)
+        out["graphs_captured"] = (runner.graphs.num_graphs if runner.graphs is not None
+                                  else "graphs off (provider not capturable?)")
+        out["device_used_mib"] = round(mem_used() / MiB, 1)
+        return out
+
+    rec.run("offload_cuda_graphs", graphs_case)
     torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction(1.0)
 

@@ -86,6 +86,7 @@ class DecodeGraphs:
         self.pad_state_slot = pad_state_slot
         self.device = torch.device(model.device)
         self.capture = capture and self.device.type == "cuda"
+        self.failed = False  # a capture failed (logged); graphs are off from then on
         self._entries: dict[tuple[int, int], _Entry] = {}
         self._pool: Any = None
 
@@ -95,8 +96,9 @@ class DecodeGraphs:
 
     def supports(self, seqs: Sequence[ScheduledSeq]) -> bool:
         """Whether `seqs` is a decode step these graphs run (one token each, a cached prefix,
-        not more sequences than the largest bucket)."""
-        return (0 < len(seqs) <= BATCH_BUCKETS[-1]
+        not more sequences than the largest bucket). False for good once a capture failed:
+        the caller decodes eagerly then."""
+        return (not self.failed and 0 < len(seqs) <= BATCH_BUCKETS[-1]
                 and all(s.num_tokens == 1 and s.start_pos > 0 for s in seqs))
 
     @torch.inference_mode()
@@ -106,9 +108,9 @@ class DecodeGraphs:
         The result is a view of a static buffer, valid until the next `run`. Raises
         ValueError when a sequence's pages do not cover its tokens.
         """
-        if not self.supports(seqs):
-            raise ValueError("not a decode step of at most "
-                             f"{BATCH_BUCKETS[-1]} sequences")
+        if not (0 < len(seqs) <= BATCH_BUCKETS[-1]
+                and all(s.num_tokens == 1 and s.start_pos > 0 for s in seqs)):
+            raise ValueError(f"not a decode step of 1 .. {BATCH_BUCKETS[-1]} sequences")
         bucket = batch_bucket(len(seqs))
         pages = capacity_pages(max(s.start_pos + 1 for s in seqs), self.page_size)
         entry = self._entries.get((bucket, pages))
@@ -164,7 +166,7 @@ class DecodeGraphs:
             except Exception as exc:  # noqa: BLE001 - eager decode still works
                 log.warning("CUDA graph capture of a %d-sequence decode failed (%s: %s); "
                             "decoding eagerly from now on", B, type(exc).__name__, exc)
-                self.capture = False
+                self.capture, self.failed = False, True
                 entry.graph = entry.logits = None
         self._entries[(B, P)] = entry
         return entry

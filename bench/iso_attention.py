@@ -107,6 +107,9 @@ def bench_decode_iso(st: dict, impl: str, **cfg) -> dict:
             iso_cuda.iso_decode_attention(q, kc, vc, table, lens, PAGE, fmt, D ** -0.5,
                                           max_seq_len=ctx, out=out, **cfg)
     else:
+        if impl == "triton_interleave":
+            cfg = dict(cfg, variant="interleave")
+
         def call(kc, vc):
             iso_triton.iso_decode_attention_triton(q, kc, vc, table, lens, PAGE, fmt,
                                                    D ** -0.5, max_seq_len=ctx, out=out, **cfg)
@@ -194,6 +197,8 @@ def _sweep(res: dict, st: dict) -> None:
     configs += [("triton", dict(block_t=bt, ctas_per_sm=c, num_warps=w))
                 for bt, c, w in ((64, 2, 8), (64, 4, 8), (64, 8, 8), (128, 4, 8), (32, 4, 4),
                                  (32, 8, 4), (64, 4, 4))]
+    configs += [("triton_interleave", dict(block_t=bt, ctas_per_sm=c, num_warps=w))
+                for bt, c, w in ((64, 4, 8), (32, 8, 4))]
     # capped registers: 2 programs per SM, some spilling (sm_90 build: ~300 B of stack)
     configs += [("triton", dict(block_t=bt, ctas_per_sm=8, num_warps=w, maxnreg=128))
                 for bt, w in ((64, 8), (32, 4))]
@@ -259,7 +264,7 @@ def main() -> int:
                                               error=f"{type(exc).__name__}: {exc}"))
                     traceback.print_exc()
                     continue
-                for impl in ("cuda", "triton"):
+                for impl in ("cuda", "triton", "triton_interleave"):
                     row = dict(fmt=fmt, impl=impl, batch=batch, context=ctx)
                     try:
                         row.update(bench_decode_iso(st, impl))

@@ -184,7 +184,7 @@ DECODE_CASES = [
                          ids=[f"hq{c[0]}-hkv{c[1]}-d{c[2]}-ps{c[3]}-len{max(c[4])}x{len(c[4])}"
                               for c in DECODE_CASES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("impl", ["cuda", "fields", "interleave"])
 def test_decode_attention(impl, fmt, case, dtype) -> None:
     hq, hkv, d, ps, lens = case
     if dtype == torch.float32 and max(lens) > 5000:
@@ -200,7 +200,7 @@ def test_decode_attention(impl, fmt, case, dtype) -> None:
         from tinyserve.kernels import iso_triton
 
         iso_triton.iso_decode_attention_triton(q, kc, vc, table, seq_lens, ps, fmt, scale,
-                                               out=out)
+                                               out=out, variant=impl)
     for b, n in enumerate(lens):
         kd = _seq_rows(kc, table, b, n, ps, fmt, d)
         vd = _seq_rows(vc, table, b, n, ps, fmt, d)

@@ -53,7 +53,8 @@ def _cache(fmt, hkv, d, ps, lens, seed):
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-hq{c[1]}-hkv{c[2]}-d{c[3]}-ps{c[4]}-"
                                              f"len{max(c[5])}x{len(c[5])}" for c in CASES])
-def test_triton_decode_matches_reference(case) -> None:
+@pytest.mark.parametrize("variant", ["fields", "interleave"])
+def test_triton_decode_matches_reference(case, variant) -> None:
     fmt, hq, hkv, d, ps, lens, split_tokens, dtype = case
     kc, vc, table = _cache(fmt, hkv, d, ps, lens, seed=len(lens) * d + hq)
     torch.manual_seed(hq + d)
@@ -62,7 +63,7 @@ def test_triton_decode_matches_reference(case) -> None:
     out = torch.full((len(lens), hq, d), float("nan"), dtype=dtype, device=DEV)
     got = it.iso_decode_attention_triton(q.to(DEV), kc.to(DEV), vc.to(DEV), table.to(DEV),
                                          seq.to(DEV), ps, fmt, d ** -0.5, out=out,
-                                         split_tokens=split_tokens)
+                                         split_tokens=split_tokens, variant=variant)
     assert got is out
     ref = iso.decode_attention_ref(q, kc, vc, table, seq, ps, fmt, d ** -0.5)
     err = (out.float().cpu() - ref).abs().max().item() / ref.abs().max().item()
@@ -130,10 +131,11 @@ def test_kernels_build_for_sm90(bits: int) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    cases = [(it._iso_decode_partial, dict(HKV=2, G=8, BLOCK_H=16, NB=2, BITS=bits,
-                                           BB=iso.BLOCK_BYTES[f"iso{bits}"],
-                                           BLOCK_T=it.BLOCK_T), it.NUM_WARPS),
-             (it._iso_decode_merge, dict(HQ=16, D=256, BLOCK_S=16), 4)]
+    shape = dict(HKV=2, G=8, BLOCK_H=16, NB=2, BITS=bits, BB=iso.BLOCK_BYTES[f"iso{bits}"],
+                 BLOCK_T=it.BLOCK_T)
+    cases = [(it._iso_decode_partial, shape, it.NUM_WARPS),
+             (it.iso_decode_partial_fields, shape, it.NUM_WARPS),
+             (it._iso_decode_merge, dict(HQ=16, D=256, BLOCK_S=16, FIELD_MAJOR=True), 4)]
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     for jf, consts, warps in cases:
         sig = {n: "constexpr" if n in consts else _TYPES.get(n, "i32") for n in jf.arg_names}

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from tinyserve.kernels import iso
+from tinyserve.kernels._iso_triton_fields import iso_decode_partial_fields
 
 _LOG2E = 1.4426950408889634
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -32,6 +33,7 @@ BLOCK_T = 64
 NUM_WARPS = 8  # sm_90 build: ~252 registers, no spills (4 warps spill at BLOCK_T=64)
 MIN_SPLIT_TOKENS = 128
 CTAS_PER_SM = 4
+VARIANT = "fields"
 
 
 @triton.jit
@@ -143,7 +145,8 @@ def _iso_decode_partial(q_ptr, k_ptr, v_ptr, slot_stride, pt_ptr, pt_stride, len
 
 @triton.jit
 def _iso_decode_merge(part_acc_ptr, part_ml_ptr, rot_ptr, out_ptr, n_splits, out_stride_b,
-                      HQ: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
+                      HQ: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                      FIELD_MAJOR: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # b * HQ + h
     b = row // HQ
     h = row % HQ
@@ -166,8 +169,11 @@ def _iso_decode_merge(part_acc_ptr, part_ml_ptr, rot_ptr, out_ptr, n_splits, out
         ls = tl.load(part_ml_ptr + (row * n_splits + s) * 2 + 1, mask=smask, other=0.0)
         w = tl.where(ms > float("-inf"), tl.exp2(ms - big), 0.0)
         total += w * ls
-        a = tl.load(part_acc_ptr + (row * n_splits + s)[:, None, None] * D
-                    + gi[None, :, None] * 4 + ci[None, None, :],
+        if FIELD_MAJOR:  # element 128b + 4g + c stored at 128b + 32c + g
+            eoff = (gi // 32 * 128 + gi % 32)[:, None] + ci[None, :] * 32
+        else:
+            eoff = gi[:, None] * 4 + ci[None, :]
+        a = tl.load(part_acc_ptr + (row * n_splits + s)[:, None, None] * D + eoff[None, :, :],
                     mask=smask[:, None, None], other=0.0)
         acc += tl.sum(w[:, None, None] * a, 0)
     lsum = tl.sum(total, 0)
@@ -211,12 +217,16 @@ def iso_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 max_seq_len: int | None = None, out: torch.Tensor | None = None,
                                 split_tokens: int | None = None, block_t: int = BLOCK_T,
                                 ctas_per_sm: int = CTAS_PER_SM, num_warps: int = NUM_WARPS,
-                                num_stages: int = 2, maxnreg: int | None = None
-                                ) -> torch.Tensor:
+                                num_stages: int = 2, maxnreg: int | None = None,
+                                variant: str = VARIANT) -> torch.Tensor:
     """One query per sequence over its packed K/V (same contract as
     `iso_cuda.iso_decode_attention`): q [B, Hq, D] float, caches uint8 [slots, Hkv, row_bytes],
     page_table int32 [B, P] (rows contiguous), seq_lens int32 [B] (each >= 1, <= max_seq_len).
-    Hq / Hkv <= 16. Returns [B, Hq, D] in q's dtype (or written into `out`)."""
+    Hq / Hkv <= 16. Returns [B, Hq, D] in q's dtype (or written into `out`). `variant`:
+    "fields" (per-field dots, kernels/_iso_triton_fields.py) or "interleave" (whole-block
+    dots, the block rebuilt with tl.interleave)."""
+    if variant not in ("fields", "interleave"):
+        raise ValueError(f"variant must be fields or interleave, got {variant!r}")
     if fmt not in iso.FORMATS:
         raise ValueError(f"unknown ISO format {fmt!r}; expected one of {iso.FORMATS}")
     if q.dim() != 3 or q.dtype not in _FLOATS:
@@ -259,7 +269,8 @@ def iso_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     qc = q.contiguous()
     part_acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(b, hq, splits, 2, dtype=torch.float32, device=q.device)
-    _iso_decode_partial[(splits, b * hkv)](
+    kernel = iso_decode_partial_fields if variant == "fields" else _iso_decode_partial
+    kernel[(splits, b * hkv)](
         qc, k_cache, v_cache, k_cache.stride(0), page_table, page_table.stride(0),
         seq_lens.contiguous(), cent, rot, part_acc, part_ml, chunk, splits, page_size,
         float(scale) * _LOG2E, HKV=hkv, G=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
@@ -268,5 +279,6 @@ def iso_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         **({"maxnreg": maxnreg} if maxnreg else {}))
     _iso_decode_merge[(b * hq,)](
         part_acc, part_ml, rot, out, splits, out.stride(0), HQ=hq, D=d,
-        BLOCK_S=max(2, min(16, triton.next_power_of_2(splits))), num_warps=4)
+        BLOCK_S=max(2, min(16, triton.next_power_of_2(splits))), FIELD_MAJOR=variant == "fields",
+        num_warps=4)
     return out

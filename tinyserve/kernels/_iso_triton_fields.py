@@ -1,0 +1,154 @@
+"""Field-major variant of the ISO tensor-core decode pass 1 (see kernels/iso_triton.py).
+
+The 128 values of a block are handled as 4 fields of 32: field c holds element 4g + c of
+every 4-D group g. The packed bytes give each field directly (iso3: 2 low bits from qs byte
+g, the high bit from nibble g of the signs plane; iso4: a nibble of byte 2g or 2g + 1), so no
+interleaving is needed: S = sum_b norm_b * sum_c Q_bc @ C_bc^T (K = 32 per dot), and V is
+accumulated per field. The query is rotated straight into the fields (r_c[h, g] =
+sum_k R[g, c, k] q[h, 4g + k]). Partial accumulators are stored field-major:
+element b*128 + 4g + c at offset b*128 + 32c + g (the merge kernel reads them that way).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fields(cache_ptr, row, tmask, blk: tl.constexpr, cent_ptr, BITS: tl.constexpr,
+            BB: tl.constexpr):
+    """Centroid values fp16 [T, 32] of fields 0..3 of block `blk`, and norms fp32 [T]."""
+    base = cache_ptr + row + blk * BB
+    lo = tl.load(base, mask=tmask, other=0).to(tl.int32)
+    hi = tl.load(base + 1, mask=tmask, other=0).to(tl.int32)
+    nrm = (lo | (hi << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    nrm = tl.where(tmask, nrm, 0.0)
+    g = tl.arange(0, 32)
+    if BITS == 4:
+        be = tl.load(base[:, None] + 4 + 2 * g[None, :], mask=tmask[:, None], other=0)
+        bo = tl.load(base[:, None] + 5 + 2 * g[None, :], mask=tmask[:, None], other=0)
+        be = be.to(tl.int32)
+        bo = bo.to(tl.int32)
+        i0, i1, i2, i3 = be & 15, be >> 4, bo & 15, bo >> 4
+    else:
+        qs = tl.load(base[:, None] + 2 + g[None, :], mask=tmask[:, None], other=0)
+        sg = tl.load(base[:, None] + 34 + (g // 2)[None, :], mask=tmask[:, None], other=0)
+        qs = qs.to(tl.int32)
+        nib = sg.to(tl.int32) >> ((g % 2) * 4)[None, :]
+        i0 = (qs & 3) | ((nib << 2) & 4)
+        i1 = ((qs >> 2) & 3) | ((nib << 1) & 4)
+        i2 = ((qs >> 4) & 3) | (nib & 4)
+        i3 = ((qs >> 6) & 3) | ((nib >> 1) & 4)
+    return (tl.load(cent_ptr + i0), tl.load(cent_ptr + i1), tl.load(cent_ptr + i2),
+            tl.load(cent_ptr + i3), nrm)
+
+
+@triton.jit
+def _query_fields(q_ptr, qrow, hmask, blk: tl.constexpr, rot_ptr, scale_log2):
+    """The forward-rotated query of block `blk` as 4 fields fp16 [BLOCK_H, 32], times
+    scale * log2(e)."""
+    g = tl.arange(0, 32)
+    base = q_ptr + qrow[:, None] + blk * 128 + 4 * g[None, :]
+    v0 = tl.load(base, mask=hmask[:, None], other=0.0).to(tl.float32)
+    v1 = tl.load(base + 1, mask=hmask[:, None], other=0.0).to(tl.float32)
+    v2 = tl.load(base + 2, mask=hmask[:, None], other=0.0).to(tl.float32)
+    v3 = tl.load(base + 3, mask=hmask[:, None], other=0.0).to(tl.float32)
+    r = rot_ptr + g * 16  # R[g, c, k] at g*16 + c*4 + k
+    f0 = (tl.load(r)[None, :] * v0 + tl.load(r + 1)[None, :] * v1
+          + tl.load(r + 2)[None, :] * v2 + tl.load(r + 3)[None, :] * v3)
+    f1 = (tl.load(r + 4)[None, :] * v0 + tl.load(r + 5)[None, :] * v1
+          + tl.load(r + 6)[None, :] * v2 + tl.load(r + 7)[None, :] * v3)
+    f2 = (tl.load(r + 8)[None, :] * v0 + tl.load(r + 9)[None, :] * v1
+          + tl.load(r + 10)[None, :] * v2 + tl.load(r + 11)[None, :] * v3)
+    f3 = (tl.load(r + 12)[None, :] * v0 + tl.load(r + 13)[None, :] * v1
+          + tl.load(r + 14)[None, :] * v2 + tl.load(r + 15)[None, :] * v3)
+    return ((f0 * scale_log2).to(tl.float16), (f1 * scale_log2).to(tl.float16),
+            (f2 * scale_log2).to(tl.float16), (f3 * scale_log2).to(tl.float16))
+
+
+@triton.jit
+def _scores(q0, q1, q2, q3, c0, c1, c2, c3):
+    return (tl.dot(q0, tl.trans(c0)) + tl.dot(q1, tl.trans(c1)) + tl.dot(q2, tl.trans(c2))
+            + tl.dot(q3, tl.trans(c3)))
+
+
+@triton.jit
+def _store_fields(ptr, prow, hmask, off: tl.constexpr, a0, a1, a2, a3):
+    g = tl.arange(0, 32)
+    base = ptr + prow[:, None] + off + g[None, :]
+    tl.store(base, a0, mask=hmask[:, None])
+    tl.store(base + 32, a1, mask=hmask[:, None])
+    tl.store(base + 64, a2, mask=hmask[:, None])
+    tl.store(base + 96, a3, mask=hmask[:, None])
+
+
+@triton.jit
+def iso_decode_partial_fields(q_ptr, k_ptr, v_ptr, slot_stride, pt_ptr, pt_stride, lens_ptr,
+                              cent_ptr, rot_ptr, part_acc_ptr, part_ml_ptr, chunk, n_splits,
+                              page_size, scale_log2,
+                              HKV: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr,
+                              NB: tl.constexpr, BITS: tl.constexpr, BB: tl.constexpr,
+                              BLOCK_T: tl.constexpr):
+    split = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HKV
+    kvh = bh % HKV
+    D: tl.constexpr = NB * 128
+    RB: tl.constexpr = NB * BB
+    seq_len = tl.load(lens_ptr + b)
+    t_begin = split * chunk
+    t_end = tl.minimum(seq_len, t_begin + chunk)
+    hs = tl.arange(0, BLOCK_H)
+    hmask = hs < G
+    qrow = (b * (HKV * G) + kvh * G + hs).to(tl.int64) * D
+    q00, q01, q02, q03 = _query_fields(q_ptr, qrow, hmask, 0, rot_ptr, scale_log2)
+    if NB == 2:
+        q10, q11, q12, q13 = _query_fields(q_ptr, qrow, hmask, 1, rot_ptr, scale_log2)
+    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    a00 = tl.zeros([BLOCK_H, 32], dtype=tl.float32)
+    a01 = tl.zeros([BLOCK_H, 32], dtype=tl.float32)
+    a02 = tl.zeros([BLOCK_H, 32], dtype=tl.float32)
+    a03 = tl.zeros([BLOCK_H, 32], dtype=tl.float32)
+    a10 = tl.zeros([BLOCK_H, 32], dtype=tl.float32)
+    a11 = tl.zeros([BLOCK_H, 32], dtype=tl.float32)
+    a12 = tl.zeros([BLOCK_H, 32], dtype=tl.float32)
+    a13 = tl.zeros([BLOCK_H, 32], dtype=tl.float32)
+    for t0 in range(t_begin, t_end, BLOCK_T):
+        ts = t0 + tl.arange(0, BLOCK_T)
+        tmask = ts < t_end
+        page = tl.load(pt_ptr + b.to(tl.int64) * pt_stride + ts // page_size, mask=tmask,
+                       other=0)
+        row = (page.to(tl.int64) * page_size + ts % page_size) * slot_stride + kvh * RB
+        c0, c1, c2, c3, nk = _fields(k_ptr, row, tmask, 0, cent_ptr, BITS, BB)
+        s = _scores(q00, q01, q02, q03, c0, c1, c2, c3) * nk[None, :]
+        if NB == 2:
+            c0, c1, c2, c3, nk = _fields(k_ptr, row, tmask, 1, cent_ptr, BITS, BB)
+            s += _scores(q10, q11, q12, q13, c0, c1, c2, c3) * nk[None, :]
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)[:, None]
+        p = tl.exp2(s - m_new[:, None])
+        l_sum = l_sum * tl.exp2(m - m_new) + tl.sum(p, 1)
+        c0, c1, c2, c3, nv = _fields(v_ptr, row, tmask, 0, cent_ptr, BITS, BB)
+        pv = (p * nv[None, :]).to(tl.float16)
+        a00 = a00 * alpha + tl.dot(pv, c0)
+        a01 = a01 * alpha + tl.dot(pv, c1)
+        a02 = a02 * alpha + tl.dot(pv, c2)
+        a03 = a03 * alpha + tl.dot(pv, c3)
+        if NB == 2:
+            c0, c1, c2, c3, nv = _fields(v_ptr, row, tmask, 1, cent_ptr, BITS, BB)
+            pv = (p * nv[None, :]).to(tl.float16)
+            a10 = a10 * alpha + tl.dot(pv, c0)
+            a11 = a11 * alpha + tl.dot(pv, c1)
+            a12 = a12 * alpha + tl.dot(pv, c2)
+            a13 = a13 * alpha + tl.dot(pv, c3)
+        m = m_new
+    prow = (b * (HKV * G) + kvh * G + hs).to(tl.int64) * n_splits + split
+    _store_fields(part_acc_ptr, prow * D, hmask, 0, a00, a01, a02, a03)
+    if NB == 2:
+        _store_fields(part_acc_ptr, prow * D, hmask, 128, a10, a11, a12, a13)
+    tl.store(part_ml_ptr + prow * 2, m, mask=hmask)
+    tl.store(part_ml_ptr + prow * 2 + 1, l_sum, mask=hmask)
+

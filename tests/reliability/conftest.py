@@ -5,14 +5,20 @@ bench/results/reliability_cpu.json)."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.reliability import report
-from tests.reliability.client import KEY, MODEL
-from tests.server.fakes import serve
+
+# The HTTP tests need the server stack (the GPU machine may lack it); the engine ones do not.
+_HTTP = ("test_load.py", "test_bad_input.py", "test_security.py", "test_fuzz.py")
+collect_ignore = [] if all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn", "httpx")) \
+    else list(_HTTP)
+if importlib.util.find_spec("schemathesis") is None:
+    collect_ignore.append("test_fuzz.py")
 
 
 @pytest.hookimpl
@@ -43,6 +49,8 @@ def build(ckpt: Any, **overrides: Any) -> Any:
 @contextlib.contextmanager
 def serving(engine: Any, **config: Any) -> Iterator[tuple[str, Any]]:
     """uvicorn on an ephemeral port over `engine`; yields (url, ServerState)."""
+    from tests.reliability.client import MODEL
+    from tests.server.fakes import serve
     from tinyserve.server.app import create_app
     from tinyserve.server.state import ServerConfig, ServerState
 
@@ -61,6 +69,8 @@ def rel_ckpt(tiny_checkpoint):
 def load_server(rel_ckpt):
     """(url, engine): 16 sequences at once, 160 KV pages (so a full load preempts), chunked
     prefill of 96 tokens, prefix cache on, API key KEY."""
+    from tests.reliability.client import KEY
+
     engine = build(rel_ckpt)
     try:
         with serving(engine, api_key=KEY) as (url, _):
@@ -74,6 +84,8 @@ def small_server(rel_ckpt):
     """(url, engine, state): a 64-token context so that any generated request ends fast."""
     engine = build(rel_ckpt, max_context=64, max_seqs=4, num_kv_pages=32,
                    max_num_batched_tokens=64)
+    from tests.reliability.client import KEY
+
     try:
         with serving(engine, api_key=KEY, max_body_bytes=1 << 20) as (url, state):
             yield url, engine, state

@@ -17,7 +17,8 @@ RESULT = ROOT / "bench" / "results" / "reliability_cpu.json"
 FIGURES = ("requests_served", "disconnects_injected", "disconnects_in_prefill",
            "disconnects_in_decode", "disconnects_non_streaming", "faults_injected",
            "bad_inputs_tried", "responses_5xx", "leaked_kv_pages", "leaked_state_slots",
-           "leaked_prefix_cache_refs", "checkpoint_faults_tried", "preemptions")
+           "leaked_prefix_cache_refs", "checkpoint_faults_tried", "preemptions",
+           "engine_aborts_injected")
 
 _lock = threading.Lock()
 _figures: dict[str, int] = dict.fromkeys(FIGURES, 0)
@@ -63,6 +64,7 @@ def lines(data: dict[str, Any]) -> list[str]:
         f"disconnects injected: {f['disconnects_injected']} (prefill "
         f"{f['disconnects_in_prefill']}, decode {f['disconnects_in_decode']}, non-streaming "
         f"{f['disconnects_non_streaming']})",
+        f"engine aborts injected (no HTTP): {f['engine_aborts_injected']}",
         f"engine faults injected: {f['faults_injected']}, preemptions under load: "
         f"{f['preemptions']}",
         f"bad inputs tried: {f['bad_inputs_tried']}",

@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 from tests.reliability import report
-from tests.reliability.client import AUTH, MODEL, leaks, raw_request
+from tests.reliability.client import AUTH, MODEL, raw_request
+from tests.reliability.pools import leaks
 
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"
 MSGS = [{"role": "user", "content": "hi"}]

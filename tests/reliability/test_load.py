@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from tests.reliability import report
-from tests.reliability.client import MODEL, Result, complete, hang_up, leaks, stream
+from tests.reliability.client import MODEL, Result, complete, hang_up, stream
+from tests.reliability.pools import leaks
 
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"
 WORDS = ("Paris", "river", "cloud", "engine", "seven", "garden", "blue", "quantum", "market",

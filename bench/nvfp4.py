@@ -54,10 +54,13 @@ SHAPES = {  # name: (N, K)
 GEMV_SWEEP = [  # (block_n, block_b, num_warps, programs_per_sm); the shape's default is added
     GemvConfig(16, 64, 4, 2), GemvConfig(8, 64, 4, 2), GemvConfig(32, 64, 4, 2),
     GemvConfig(4, 64, 4, 2), GemvConfig(16, 64, 4, 8), GemvConfig(8, 128, 4, 2),
-    GemvConfig(32, 32, 4, 2), GemvConfig(64, 64, 8, 2)]
+    GemvConfig(32, 32, 4, 2), GemvConfig(64, 64, 8, 2), GemvConfig(16, 64, 4, 2, True),
+    GemvConfig(8, 64, 4, 2, True), GemvConfig(32, 64, 4, 2, True)]
 MOE_SWEEP = [DEFAULT_MOE_GEMV, MoEGemvConfig(4, 64, 8, 32, 4), MoEGemvConfig(16, 64, 16, 32, 4),
              MoEGemvConfig(8, 128, 8, 32, 4), MoEGemvConfig(8, 64, 4, 32, 2),
-             MoEGemvConfig(4, 128, 16, 32, 4), MoEGemvConfig(2, 64, 4, 32, 2)]
+             MoEGemvConfig(4, 128, 16, 32, 4), MoEGemvConfig(2, 64, 4, 32, 2),
+             MoEGemvConfig(8, 64, 8, 32, 4, True), MoEGemvConfig(4, 64, 8, 32, 4, True),
+             MoEGemvConfig(4, 64, 4, 32, 2, True)]
 ROTATE_BYTES = 256 << 20  # cycle weight copies until this many bytes (> L2)
 RESULTS: dict = {}
 OUT_PATH = ROOT / "bench/results/nvfp4.json"
@@ -177,7 +180,8 @@ def bench_gemv_sweep(name: str, m: int, bw: float) -> dict:
 
 
 def gemv_key(cfg: GemvConfig) -> str:
-    return f"bn{cfg.block_n}_bb{cfg.block_b}_w{cfg.num_warps}_pps{cfg.programs_per_sm}"
+    pf = "_pf" if cfg.prefetch else ""
+    return f"bn{cfg.block_n}_bb{cfg.block_b}_w{cfg.num_warps}_pps{cfg.programs_per_sm}{pf}"
 
 
 def expert_slots_fp4(num: int, h: int, f: int):
@@ -204,7 +208,7 @@ def bench_moe_decode(bw: float, h: int = 2048, f: int = 512, e: int = 256) -> di
     for cfg in MOE_SWEEP:  # the default first
         key = "default" if cfg == DEFAULT_MOE_GEMV else (
             f"gu{cfg.gate_up_block_n}x{cfg.gate_up_block_b}_dn{cfg.down_block_n}x"
-            f"{cfg.down_block_b}_w{cfg.num_warps}")
+            f"{cfg.down_block_b}_w{cfg.num_warps}{'_pf' if cfg.prefetch else ''}")
         try:
             us = time_graph([lambda r=r, c=cfg: fused_moe(x, r, w, slots, path="gemv",
                                                           gemv_config=c) for r in routes])

@@ -72,6 +72,18 @@ def test_fused_moe_small(fp4, n, path):
     check(slots, n, 3, dtype, 1e-2 if dtype == torch.bfloat16 else 1e-5, path)
 
 
+def test_fused_moe_prefetch():
+    # several K steps per program (gate_up 2, down 3) with the next step loaded ahead
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    slots = pack_expert_slots(make_experts(6, 64, 48, True), DEV, dtype=dtype)
+    ids, weights = routing(2, 6, 3)
+    x = torch.randn(2, 64, device=DEV).to(dtype)
+    y = fused_moe(x, ids, weights, slots, path="gemv",
+                  gemv_config=MoEGemvConfig(16, 2, 16, 1, 4, prefetch=True))
+    ref = fused_moe_ref(x.float(), ids, weights, slots)
+    assert rel_err(y, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
 def test_fused_moe_default_tiles():
     slots = pack_expert_slots(make_experts(4, 64, 32, True), DEV)
     ids, weights = routing(1, 4, 2)

@@ -99,6 +99,16 @@ def test_gemv_row_groups(poison, m):
     check_linear(m, 40, 256, "gemv", dtype, 1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+@pytest.mark.parametrize("m", [1, 3], ids=lambda m: f"M{m}")
+def test_gemv_prefetch(poison, m):
+    # four K steps per program with the next step's words loaded ahead
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    w, wd = _weight(40, 1024)
+    x = torch.randn(m, 1024, device=DEV).to(dtype)
+    y = nvfp4_linear(x, w, path="gemv", gemv_config=GemvConfig(16, 16, 4, 1, prefetch=True))
+    assert rel_err(y, x.float() @ wd.T) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
 def test_dot_split_k(poison):
     # few output tiles: the dot path splits K (fp32 workspace, summed)
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float32

@@ -44,6 +44,7 @@ class MoEGemvConfig:
     down_block_n: int = 8
     down_block_b: int = 32
     num_warps: int = 4
+    prefetch: bool = False  # load the next K step before decoding this one
 
 
 def default_moe_gemv_config(hidden_size: int, intermediate_size: int) -> MoEGemvConfig:
@@ -254,11 +255,13 @@ def _moe_gemv(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
     kern.moe_gate_up_kernel[(pairs, -(-f // cfg.gate_up_block_n))](
         x, ids, order, w13, s13, g13, inter, x.stride(0), H=h, F=f, TOPK=topk, IS_FP4=fp4,
         HAS_ORDER=has_order, BLOCK_N=cfg.gate_up_block_n, BLOCK_B=cfg.gate_up_block_b,
+        PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps)
     out = torch.empty(n, h, device=x.device, dtype=x.dtype)
     kern.moe_down_kernel[(n, -(-h // cfg.down_block_n))](
         inter, ids, wts, w2, s2, g2, out, H=h, F=f, TOPK=topk, IS_FP4=fp4,
-        BLOCK_N=cfg.down_block_n, BLOCK_B=cfg.down_block_b, num_warps=cfg.num_warps)
+        BLOCK_N=cfg.down_block_n, BLOCK_B=cfg.down_block_b, PREFETCH=cfg.prefetch,
+        num_warps=cfg.num_warps)
     return out
 
 

@@ -34,12 +34,13 @@ class GemvConfig:
     """Tiles of the gemv path: `block_n` weight rows per program, `block_b` blocks of 16
     inputs (one int64 word of codes + one scale byte each) per K step, `num_warps`. K is split
     across programs (powers of two, at least one step per split) only while there are fewer
-    than `programs_per_sm` programs per SM."""
+    than `programs_per_sm` programs per SM. `prefetch`: two K steps in flight per program."""
 
     block_n: int = 16
     block_b: int = 64
     num_warps: int = 4
     programs_per_sm: int = 2
+    prefetch: bool = False  # load the next K step before decoding this one
 
 
 def default_gemv_config(n: int, k: int, num_sms: int) -> GemvConfig:
@@ -129,7 +130,8 @@ def _gemv(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int,
     grid = (num_m * split * n_blocks,)
     kern.nvfp4_gemv_kernel[grid](x, words, w.block_scale, out, factor, m, n, kb, x.stride(0),
                                  b_split, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-                                 BLOCK_B=cfg.block_b, num_warps=cfg.num_warps)
+                                 BLOCK_B=cfg.block_b, PREFETCH=cfg.prefetch,
+                                 num_warps=cfg.num_warps)
     return out if split == 1 else out.sum(0).to(x.dtype)
 
 

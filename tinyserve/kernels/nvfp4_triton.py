@@ -83,7 +83,8 @@ def _fma4(p, w0, w4, w8, w12, x0, x4, x8, x12):
 
 @triton.jit
 def _fp4_rows_dot(x_ptr, stride_xm, m_rows, w_ptr, s_ptr, rows, row_mask, KB, b_lo, b_hi,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+                  PREFETCH: tl.constexpr = False):
     """sum_k x[m, k] * (E2M1 * e4m3)[rows, k] over the 16-input blocks [b_lo, b_hi), for the
     first BLOCK_M (1, 2 or 4; rows >= m_rows read as 0) rows of x: four fp32 [BLOCK_N]
     (unused ones are zeros), each lacking the factor FP4_UNIT * global_scale.
@@ -91,7 +92,9 @@ def _fp4_rows_dot(x_ptr, stride_xm, m_rows, w_ptr, s_ptr, rows, row_mask, KB, b_
     `w_ptr`: int64 view of the codes, [rows, KB] (one word = one block of 16 codes, element
     16b + j in bits 4j..4j+3); `s_ptr`: uint8 block scales [rows, KB]. The weight tile
     [BLOCK_N, BLOCK_B] is decoded once and used for every row of x; products are summed per
-    block, scaled once per block, and reduced across the tile only at the end.
+    block, scaled once per block, and reduced across the tile only at the end. PREFETCH: the
+    next K step's words and scales are loaded before this step is decoded (two steps in
+    flight per program; for grids of about one wave).
     """
     offs_b = tl.arange(0, BLOCK_B)
     rows64 = rows.to(tl.int64)
@@ -101,17 +104,30 @@ def _fp4_rows_dot(x_ptr, stride_xm, m_rows, w_ptr, s_ptr, rows, row_mask, KB, b_
     acc1 = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
+    fblk = tl.max_contiguous(b_lo + offs_b, 2)
+    fmask = row_mask[:, None] & (fblk < b_hi)[None, :]
+    v_next = tl.load(w_rows + fblk[None, :], mask=fmask, other=0)  # used when PREFETCH
+    raw_next = tl.load(s_rows + fblk[None, :], mask=fmask, other=0)
     for b0 in range(b_lo, b_hi, BLOCK_B):
         # NOTE: contiguity capped at 2 words so a thread loads 16 bytes per row and holds
         # several rows (they share its x values) instead of one long row segment
         blk = tl.max_contiguous(b0 + offs_b, 2)  # [BB]
         ok = blk < b_hi
         zero = tl.zeros_like(blk)  # NOTE: vector masks only (the interpreter rejects scalars)
-        mask = row_mask[:, None] & ok[None, :]
-        v = tl.load(w_rows + blk[None, :], mask=mask, other=0)  # [BN, BB] int64
-        scale = _e4m3(tl.load(s_rows + blk[None, :], mask=mask, other=0))  # [BN, BB]
-        lo = v.to(tl.uint32)  # inputs 16b + 0..7
-        hi = (v >> 32).to(tl.uint32)  # inputs 16b + 8..15
+        if PREFETCH:
+            cur_v = v_next
+            cur_raw = raw_next
+            nblk = tl.max_contiguous(b0 + BLOCK_B + offs_b, 2)
+            nmask = row_mask[:, None] & (nblk < b_hi)[None, :]
+            v_next = tl.load(w_rows + nblk[None, :], mask=nmask, other=0)
+            raw_next = tl.load(s_rows + nblk[None, :], mask=nmask, other=0)
+        else:
+            mask = row_mask[:, None] & ok[None, :]
+            cur_v = tl.load(w_rows + blk[None, :], mask=mask, other=0)  # [BN, BB] int64
+            cur_raw = tl.load(s_rows + blk[None, :], mask=mask, other=0)  # [BN, BB] uint8
+        scale = _e4m3(cur_raw)
+        lo = cur_v.to(tl.uint32)  # inputs 16b + 0..7
+        hi = (cur_v >> 32).to(tl.uint32)  # inputs 16b + 8..15
         xk = x_ptr + blk * 16
         p0 = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
         p1 = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
@@ -162,7 +178,7 @@ def _dense_rows_dot(x_row, w_ptr, rows, row_mask, K, BLOCK_N: tl.constexpr,
 @triton.jit
 def nvfp4_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, factor, M, N, KB, stride_xm, B_SPLIT,
                       SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_B: tl.constexpr):
+                      BLOCK_B: tl.constexpr, PREFETCH: tl.constexpr):
     # out[pid_k, m, n] = factor * sum_{k in split} x[m, k] * W[n, k], BLOCK_M rows of x at once
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -177,7 +193,7 @@ def nvfp4_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, factor, M, N, KB, stride_xm,
     m0 = pid_m * BLOCK_M
     a0, a1, a2, a3 = _fp4_rows_dot(x_ptr + m0.to(tl.int64) * stride_xm, stride_xm, M - m0,
                                    w_ptr, s_ptr, rows, row_mask, KB, b_lo, b_hi, BLOCK_M,
-                                   BLOCK_N, BLOCK_B)
+                                   BLOCK_N, BLOCK_B, PREFETCH)
     out = out_ptr + (pid_k.to(tl.int64) * M + m0) * N + rows
     ty = out_ptr.dtype.element_ty
     tl.store(out, (a0 * factor).to(ty), mask=row_mask)
@@ -280,11 +296,12 @@ def nvfp4_dequant_kernel(w_ptr, s_ptr, out_ptr, gs, N, K, stride_w, stride_s,
 
 @triton.jit
 def _slot_rows_dot(x_row, w_slot, s_slot, rows, row_mask, K: tl.constexpr,
-                   IS_FP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+                   IS_FP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+                   PREFETCH: tl.constexpr):
     # one row of x against `rows` of one slot's weight: fp32 [BLOCK_N] (fp4 lacks FP4_UNIT * gs)
     if IS_FP4:
         acc, _a1, _a2, _a3 = _fp4_rows_dot(x_row, 0, 1, w_slot, s_slot, rows, row_mask,
-                                           K // 16, 0, K // 16, 1, BLOCK_N, BLOCK_B)
+                                           K // 16, 0, K // 16, 1, BLOCK_N, BLOCK_B, PREFETCH)
     else:
         acc = _dense_rows_dot(x_row, w_slot, rows, row_mask, K, BLOCK_N, BLOCK_B * 8)
     return acc
@@ -294,7 +311,7 @@ def _slot_rows_dot(x_row, w_slot, s_slot, rows, row_mask, K: tl.constexpr,
 def moe_gate_up_kernel(x_ptr, ids_ptr, order_ptr, w_ptr, s_ptr, gs_ptr, inter_ptr, stride_xm,
                        H: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
                        IS_FP4: tl.constexpr, HAS_ORDER: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_B: tl.constexpr):
+                       BLOCK_B: tl.constexpr, PREFETCH: tl.constexpr):
     # inter[p, f] = silu(x[t] . W13[slot, f]) * (x[t] . W13[slot, F + f]), p = t * TOPK + j
     # NOTE: one launch for every pair: grid (pairs, F / BLOCK_N); fp4 w_ptr is the int64 view
     if HAS_ORDER:
@@ -311,7 +328,8 @@ def moe_gate_up_kernel(x_ptr, ids_ptr, order_ptr, w_ptr, s_ptr, gs_ptr, inter_pt
         half = j % 2  # 0 = gate, 1 = up
         acc, _a1, _a2, _a3 = _fp4_rows_dot(x_row, 0, 1, w_ptr + slot * (2 * F) * (H // 16),
                                            s_ptr + slot * (2 * F) * (H // 16), f + half * F,
-                                           f < F, H // 16, 0, H // 16, 1, 2 * BLOCK_N, BLOCK_B)
+                                           f < F, H // 16, 0, H // 16, 1, 2 * BLOCK_N, BLOCK_B,
+                                           PREFETCH)
         acc = acc * (tl.load(gs_ptr + 2 * slot + half) * FP4_UNIT_C)
         g, u = tl.split(tl.reshape(acc, [BLOCK_N, 2]))
     else:
@@ -327,7 +345,8 @@ def moe_gate_up_kernel(x_ptr, ids_ptr, order_ptr, w_ptr, s_ptr, gs_ptr, inter_pt
 @triton.jit
 def moe_down_kernel(inter_ptr, ids_ptr, wt_ptr, w_ptr, s_ptr, gs_ptr, out_ptr,
                     H: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
-                    IS_FP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+                    IS_FP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+                    PREFETCH: tl.constexpr):
     # out[t, h] = sum_j topk_weight[t, j] * inter[t * TOPK + j] . W2[slot_j, h], in out's dtype
     t = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -344,7 +363,7 @@ def moe_down_kernel(inter_ptr, ids_ptr, wt_ptr, w_ptr, s_ptr, gs_ptr, out_ptr,
             w_slot = w_ptr + slot * H * F
             s_slot = s_ptr
         part = _slot_rows_dot(inter_ptr + p * F, w_slot, s_slot, rows, row_mask, F, IS_FP4,
-                              BLOCK_N, BLOCK_B)
+                              BLOCK_N, BLOCK_B, PREFETCH)
         factor = tl.load(wt_ptr + p).to(tl.float32)
         if IS_FP4:
             factor = factor * tl.load(gs_ptr + slot) * FP4_UNIT_C

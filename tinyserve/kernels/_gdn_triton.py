@@ -235,18 +235,23 @@ def gdn_chunk_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, pool_
     vmask = vv < DV
     hk = h // G
     slot = tl.load(slots_ptr + bid).to(tl.int64)
-    start = tl.load(cu_ptr + bid)
-    end = tl.load(cu_ptr + bid + 1)
+    start = tl.load(cu_ptr + bid).to(tl.int64)
+    end = tl.load(cu_ptr + bid + 1).to(tl.int64)
     use_init = tl.load(init_ptr + bid + vv * 0) != 0  # [BV]
     s_ptrs = pool_ptr + slot * s_ps + h * s_ph + kk[:, None] * DV + vv[None, :]  # [BK, BV]
     smask = kmask[:, None] & vmask[None, :]
     S = tl.load(s_ptrs, mask=smask & use_init[None, :], other=0.0)
     A = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dtb = tl.load(dtb_ptr + h).to(tl.float32)
+    # [BT, *] int32 offsets within a chunk; each chunk adds a scalar int64 row base
+    q_off = rows[:, None] * s_qt + kk[None, :]
+    k_off = rows[:, None] * s_kt + kk[None, :]
+    v_off = rows[:, None] * s_vt + vv[None, :]
+    o_off = rows[:, None] * s_ot + vv[None, :]
+    w_off = rows[:, None] * s_tt + rows[None, :]
     for cs in range(start, end, BT):
-        t = (cs + rows).to(tl.int64)  # [BT]
+        t = cs + rows  # [BT] int64
         tmask = t < end
-        qm = tmask[:, None] & kmask[None, :]
         a = tl.load(a_ptr + t * s_at + h, mask=tmask, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + t * s_bt + h, mask=tmask, other=0.0).to(tl.float32)
         x = a + dtb
@@ -256,24 +261,25 @@ def gdn_chunk_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, pool_
         cum = tl.cumsum(g, 0)  # [BT]
         last = tl.sum(tl.where(rows == BT - 1, cum, 0.0), 0)
         ecum = tl.exp(cum)
-        k = tl.load(k_ptr + t[:, None] * s_kt + hk * s_kh + kk[None, :], mask=qm,
-                    other=0.0).to(tl.float32)  # [BT, BK]
-        k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-        v = tl.load(v_ptr + t[:, None] * s_vt + h * s_vh + vv[None, :],
-                    mask=tmask[:, None] & vmask[None, :], other=0.0).to(tl.float32)  # [BT, BV]
-        Ti = tl.load(ti_ptr + t[:, None] * s_tt + h * s_th + rows[None, :],
-                     mask=tmask[:, None], other=0.0)  # [BT, BT]
-        X = tl.dot(k * (beta * ecum)[:, None], S, input_precision=PREC)  # [BT, BV]
+        qm = tmask[:, None] & kmask[None, :]
+        k = tl.load(k_ptr + cs * s_kt + hk * s_kh + k_off, mask=qm, other=0.0).to(tl.float32)
+        kn = tl.rsqrt(tl.sum(k * k, 1) + 1e-6)  # [BT] l2norm factors
+        v = tl.load(v_ptr + cs * s_vt + h * s_vh + v_off, mask=tmask[:, None] & vmask[None, :],
+                    other=0.0).to(tl.float32)  # [BT, BV]
+        Ti = tl.load(ti_ptr + cs * s_tt + h * s_th + w_off, mask=tmask[:, None],
+                     other=0.0)  # [BT, BT]
+        X = tl.dot(k * (kn * beta * ecum)[:, None], S, input_precision=PREC)  # [BT, BV]
         v_new = tl.dot(Ti, v * beta[:, None] - X, input_precision=PREC)  # [BT, BV]
-        q = tl.load(q_ptr + t[:, None] * s_qt + hk * s_qh + kk[None, :], mask=qm,
-                    other=0.0).to(tl.float32)  # [BT, BK]
+        q = tl.load(q_ptr + cs * s_qt + hk * s_qh + q_off, mask=qm, other=0.0).to(tl.float32)
         q = q * (tl.rsqrt(tl.sum(q * q, 1) + 1e-6) * scale * ecum)[:, None]
-        att = tl.load(att_ptr + t[:, None] * s_tt + h * s_th + rows[None, :],
-                      mask=tmask[:, None], other=0.0)  # [BT, BT]
+        att = tl.load(att_ptr + cs * s_tt + h * s_th + w_off, mask=tmask[:, None],
+                      other=0.0)  # [BT, BT]
         o = tl.dot(q, S, input_precision=PREC)
         o += tl.dot(att, v_new, input_precision=PREC)
-        tl.store(o_ptr + t[:, None] * s_ot + h * s_oh + vv[None, :],
+        tl.store(o_ptr + cs * s_ot + h * s_oh + o_off,
                  o.to(o_ptr.dtype.element_ty), mask=tmask[:, None] & vmask[None, :])
-        k_dec = k * tl.exp(last - cum)[:, None]
+        # k again (an L1/L2 hit) rather than a [BT, BK] tile live across the chunk
+        k = tl.load(k_ptr + cs * s_kt + hk * s_kh + k_off, mask=qm, other=0.0).to(tl.float32)
+        k_dec = k * (kn * tl.exp(last - cum))[:, None]
         S = S * tl.exp(last) + tl.dot(tl.trans(k_dec), v_new, input_precision=PREC)
     tl.store(s_ptrs, S, mask=smask)

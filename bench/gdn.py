@@ -177,6 +177,43 @@ def bench_prefill(lens: list[int], init: list[bool], ref_prefix: int | None,
     return out
 
 
+SWEEP = [  # (chunk, dv tile, warps, stages, prep warps)
+    (64, 16, 4, 1, 4), (64, 16, 8, 1, 4), (64, 32, 8, 1, 4), (64, 32, 4, 1, 4),
+    (64, 16, 4, 2, 4), (64, 16, 4, 1, 8), (32, 16, 4, 1, 4), (32, 32, 4, 1, 4),
+]
+
+
+def bench_chunk_configs(T: int) -> dict:
+    """Each chunk-kernel launch config on one T-token sequence (bf16 inputs): time, error."""
+    from tinyserve.kernels._gdn_config import ChunkConfig
+
+    rec, _ = _pools()
+    slots = torch.tensor([3], device="cuda")
+    cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+    has = torch.tensor([True], device="cuda")
+    args = _inputs(T)
+    r_ref = rec.clone()
+    o_ref = gdn.gdn_prefill(*args, r_ref, slots, cu, has, backend="torch")
+    out: dict = {"tokens": T}
+    for c in SWEEP:
+        cfg = ChunkConfig(*c)
+        name = "bt{}_bv{}_w{}_s{}_pw{}".format(*c)
+        try:
+            def run(r, cfg=cfg):
+                return gdn.gdn_prefill(*args, r, slots, cu, has, chunk_config=cfg,
+                                       fallback=False)
+            r1 = rec.clone()
+            o1 = run(r1)
+            ms = _bench(lambda run=run: run(rec))
+            out[name] = {"ms": ms, "tokens_per_s": T / ms * 1e3,
+                         "rel_err_out": _rel(o1, o_ref), "rel_err_state": _rel(r1[3], r_ref[3])}
+        except Exception as e:  # noqa: BLE001 - record and go on
+            out[name] = {"error": repr(e)[:500]}
+    ok = {k: v["tokens_per_s"] for k, v in out.items() if isinstance(v, dict) and "ms" in v}
+    out["best"] = max(ok, key=ok.get) if ok else None
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="skip the 30k-token prefill")
@@ -220,6 +257,7 @@ def main() -> int:
     for B in (1, 8):
         case(f"decode_b{B}", bench_decode, B, res["copy_bandwidth_GBps"])
     case("prefill_4k", bench_prefill, [4096], [False], 1024)
+    case("prefill_4k_chunk_configs", bench_chunk_configs, 4096)
     if not args.quick:
         case("prefill_30k", bench_prefill, [30720], [False], None)
     case("prefill_mixed_2k_plus_7_decodes", bench_prefill, [2048] + [1] * 7,

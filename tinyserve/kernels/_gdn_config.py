@@ -19,12 +19,14 @@ _MARGIN = 1.25
 
 @dataclass(frozen=True)
 class ChunkConfig:
-    """One launch variant of the chunk kernels: chunk length, dv tile, warps, pipeline stages."""
+    """One launch variant of the chunk kernels: chunk length, dv tile, warps and software
+    pipeline stages of `gdn_chunk_kernel`, warps of the prep kernel."""
 
     chunk: int
     block_v: int
     num_warps: int
     num_stages: int = 1
+    prep_warps: int = 4  # of `gdn_chunk_prep_kernel`
 
 
 def chunk_smem_bytes(cfg: ChunkConfig, block_k: int) -> int:

@@ -267,7 +267,8 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
                 has_initial_state: torch.Tensor, *, out: torch.Tensor | None = None,
                 backend: str = "auto", method: str = "chunk", chunk_size: int = 64,
                 block_v: int | None = None, dot_precision: str = "tf32x3",
-                fallback: bool = True) -> torch.Tensor:
+                fallback: bool = True,
+                chunk_config: _gdn_config.ChunkConfig | None = None) -> torch.Tensor:
     """Gated delta rule over a varlen batch (prefill chunks and decode rows mixed).
 
     Args:
@@ -278,6 +279,8 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
         method: "chunk" (chunked form, `chunk_size` >= 16, power of two) or "recurrent".
         block_v: dv tile of one program (None: the chunk form picks one that fits the
             device's shared memory, `_gdn_config.chunk_configs`; the recurrent kernel 32).
+        chunk_config: run exactly this chunk-kernel config (benchmarks; overrides
+            chunk_size and block_v, no fallback to a smaller one).
         fallback: when the chunk kernel fails to build or launch for lack of resources on
             every config, log it once and use the recurrent kernel from then on (False: raise).
         dot_precision: of the chunk kernels' fp32 dots: "tf32x3" (default: tensor cores,
@@ -302,7 +305,7 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
     if method == "chunk" and not _chunk_broken():
         try:
             return _launch_chunk(q, k, v, a, b, A_log, dt_bias, recurrent_pool, slots, cu,
-                                 init, y, chunk_size, block_v, dot_precision)
+                                 init, y, chunk_size, block_v, dot_precision, chunk_config)
         except Exception as e:  # noqa: BLE001 - a build failure falls back to the recurrence
             if not (fallback and _is_build_error(e)):
                 raise
@@ -351,7 +354,7 @@ def _smem_limit(device: torch.device) -> int:
 
 
 def _launch_chunk(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, BT, block_v,
-                  precision):
+                  precision, forced=None):
     """Run the first config of `chunk_configs` that launches; an OutOfResources at launch
     (nothing has run then) moves to the next smaller one, logged once per shape."""
     dk, dv = q.shape[2], v.shape[2]
@@ -361,13 +364,16 @@ def _launch_chunk(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, BT, b
     cfgs = _gdn_config.chunk_configs(dv, BT, BK, block_v=block_v,
                                      smem_limit=_smem_limit(q.device))
     key = (q.device, BT, dk, dv, block_v, precision, q.dtype)
+    if forced is not None:
+        cfgs, key = [forced], None
     i = _CHOSEN.get(key, 0)
     while True:
         cfg = cfgs[i]
         try:
             _run_chunk(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, cfg, BK,
                        precision)
-            _CHOSEN[key] = i
+            if key is not None:
+                _CHOSEN[key] = i
             return y
         except Exception as e:  # noqa: BLE001 - only a resource error moves down the list
             size = _gdn_config.chunk_smem_bytes(cfg, BK)
@@ -403,7 +409,7 @@ def _run_chunk(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, cfg, BK,
         q, k, a, b, A_log, dt_bias, cseq, cstart, cu, ti, att,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), a.stride(0), b.stride(0),
         ti.stride(0), ti.stride(1), dk ** -0.5, Hv // Hk, dk,
-        BT=BT, BK=BK, PREC=precision, num_warps=4, num_stages=1)
+        BT=BT, BK=BK, PREC=precision, num_warps=cfg.prep_warps, num_stages=1)
     grid = (B, Hv, _cdiv(dv, BV))
     kern.gdn_chunk[grid](
         q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, ti, att, y,

@@ -152,6 +152,9 @@ def run_load(url: str, engine, *, seed: int, distinct: int, total: int,
     assert after.requests_aborted > before.requests_aborted
     report.add("preemptions", after.preemptions - before.preemptions)
     assert elapsed < time_limit
+    assert httpx.get(url + "/health", timeout=10).status_code == 200
+    with httpx.Client(timeout=60) as client:  # and the first job still answers as alone
+        assert complete(client, url, jobs[0].path, jobs[0].body).text == solo[0].text
 
 
 def test_load_with_disconnects_and_a_fault(load_server):

@@ -389,7 +389,8 @@ def test_kernels_build_for_sm90() -> None:
         (ks.conv1d_state_writeback, dict(K=4, KP=4, BLOCK_C=256), 4),
         (ks.gdn_recurrent, dict(IS_VARLEN=False, BK=128, BV=32), 4),
         (ks.gdn_recurrent, dict(IS_VARLEN=True, BK=128, BV=32), 4),
-        (ks.gdn_chunk_prep, dict(BT=64, BK=128, PREC="tf32x3"), 4),
+        (ks.gdn_chunk_prep, dict(BT=64, BK=128, PREC="tf32x3", NATIVE_QK=True), 4),
+        (ks.gdn_chunk_prep, dict(BT=64, BK=128, PREC="tf32x3", NATIVE_QK=False), 4),
         (ks.gdn_chunk, dict(BT=64, BK=128, BV=16, PREC="tf32x3"), 4),
         (ks.gdn_chunk, dict(BT=64, BK=128, BV=32, PREC="tf32x3"), 8),
     ]

@@ -168,7 +168,8 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, p
 def gdn_chunk_prep_kernel(q_ptr, k_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cseq_ptr, cstart_ptr,
                           cu_ptr, ti_ptr, att_ptr, s_qt, s_qh, s_kt, s_kh, s_at, s_bt, s_tt,
                           s_th, scale, G, DK,
-                          BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+                          BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                          NATIVE_QK: tl.constexpr):
     # NOTE: grid (chunks, Hv); every chunk independent. For the chunk's rows t writes
     # Ti = (I + L)^-1 with L = strictly-lower((kb k^T) * D) (spec §2.7) to ti[t, h, 0:BT] and
     # att = lower-incl-diagonal((q k^T) * D) to att[t, h, 0:BT] (same strides).
@@ -183,14 +184,20 @@ def gdn_chunk_prep_kernel(q_ptr, k_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cseq_pt
     t = (start + rows).to(tl.int64)
     tmask = t < end
     m2 = tmask[:, None] & kmask[None, :]
+    # NATIVE_QK: q k^T and k k^T take the 16-bit inputs as they are (bf16 x bf16 products are
+    # exact in the fp32 accumulator); otherwise fp32 dots at PREC. The l2norm factors are
+    # applied after the dots. (The interpreter's 16-bit dot is wrong: the launcher passes
+    # NATIVE_QK=False there.)
     k = tl.load(k_ptr + t[:, None] * s_kt + (h // G) * s_kh + kk[None, :], mask=m2,
-                other=0.0).to(tl.float32)  # [BT, BK]
+                other=0.0)  # [BT, BK]
     q = tl.load(q_ptr + t[:, None] * s_qt + (h // G) * s_qh + kk[None, :], mask=m2,
-                other=0.0).to(tl.float32)  # [BT, BK]
+                other=0.0)  # [BT, BK]
     a = tl.load(a_ptr + t * s_at + h, mask=tmask, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + t * s_bt + h, mask=tmask, other=0.0).to(tl.float32)
-    k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-    q = q * (tl.rsqrt(tl.sum(q * q, 1) + 1e-6) * scale)[:, None]
+    kf = k.to(tl.float32)
+    kn = tl.rsqrt(tl.sum(kf * kf, 1) + 1e-6)  # [BT]
+    qf = q.to(tl.float32)
+    qn = tl.rsqrt(tl.sum(qf * qf, 1) + 1e-6) * scale
     A = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     x = a + tl.load(dtb_ptr + h).to(tl.float32)
     sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # softplus
@@ -199,10 +206,20 @@ def gdn_chunk_prep_kernel(q_ptr, k_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cseq_pt
     cum = tl.cumsum(g, 0)  # [BT]
     causal = rows[:, None] >= rows[None, :]
     D = tl.where(causal, tl.exp(tl.minimum(cum[:, None] - cum[None, :], 0.0)), 0.0)
-    att = tl.where(causal, tl.dot(q, tl.trans(k), input_precision=PREC) * D, 0.0)
+    if NATIVE_QK:  # 16-bit inputs: exact products, fp32 accumulation
+        kT = tl.trans(k)
+        qk = tl.dot(q, kT)
+        kk2 = tl.dot(k, kT)
+    else:
+        kfT = tl.trans(kf)
+        qk = tl.dot(qf, kfT, input_precision=PREC)
+        kk2 = tl.dot(kf, kfT, input_precision=PREC)
+    att = qk * (qn[:, None] * kn[None, :])
+    att = tl.where(causal, att * D, 0.0)
     tl.store(att_ptr + t[:, None] * s_tt + h * s_th + rows[None, :], att, mask=tmask[:, None])
     strict = rows[:, None] > rows[None, :]
-    L = tl.where(strict, tl.dot(k * beta[:, None], tl.trans(k), input_precision=PREC) * D, 0.0)
+    L = kk2 * ((beta * kn)[:, None] * kn[None, :])
+    L = tl.where(strict, L * D, 0.0)
     # forward substitution, row by row: row i of Ti - I = -L[i] - sum_j L[i, j] (Ti - I)[j]
     Ti = -L
     for i in range(1, BT):

@@ -23,6 +23,7 @@ Kernel source: `kernels/_gdn_triton.py`.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -409,7 +410,8 @@ def _run_chunk(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, cfg, BK,
         q, k, a, b, A_log, dt_bias, cseq, cstart, cu, ti, att,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), a.stride(0), b.stride(0),
         ti.stride(0), ti.stride(1), dk ** -0.5, Hv // Hk, dk,
-        BT=BT, BK=BK, PREC=precision, num_warps=cfg.prep_warps, num_stages=1)
+        BT=BT, BK=BK, PREC=precision, NATIVE_QK=_native_qk(q), num_warps=cfg.prep_warps,
+        num_stages=1)
     grid = (B, Hv, _cdiv(dv, BV))
     kern.gdn_chunk[grid](
         q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, ti, att, y,
@@ -420,6 +422,11 @@ def _run_chunk(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, cfg, BK,
 
 
 _pow2 = _gdn_config.pow2
+
+
+def _native_qk(q: torch.Tensor) -> bool:
+    """16-bit q/k go into the prep kernel's dots as they are (not under the interpreter)."""
+    return q.dtype in (torch.bfloat16, torch.float16) and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -179,7 +179,8 @@ def bench_prefill(lens: list[int], init: list[bool], ref_prefix: int | None,
 
 SWEEP = [  # (chunk, dv tile, warps, stages, prep warps)
     (64, 16, 4, 1, 4), (64, 16, 8, 1, 4), (64, 32, 8, 1, 4), (64, 32, 4, 1, 4),
-    (64, 16, 4, 2, 4), (64, 16, 4, 1, 8), (32, 16, 4, 1, 4), (32, 32, 4, 1, 4),
+    (64, 16, 4, 2, 4), (64, 16, 4, 1, 8), (64, 16, 4, 1, 2), (32, 16, 4, 1, 4),
+    (32, 32, 4, 1, 4), (32, 16, 4, 1, 2),
 ]
 
 
@@ -212,6 +213,31 @@ def bench_chunk_configs(T: int) -> dict:
     ok = {k: v["tokens_per_s"] for k, v in out.items() if isinstance(v, dict) and "ms" in v}
     out["best"] = max(ok, key=ok.get) if ok else None
     return out
+
+
+def bench_kernel_split(T: int) -> dict:
+    """Device time per kernel (torch profiler) of one T-token chunked prefill: prep vs the
+    sequential chunk kernel vs the small torch ops of the chunk table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rec, _ = _pools()
+    slots = torch.tensor([3], device="cuda")
+    cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+    has = torch.tensor([True], device="cuda")
+    args = _inputs(T)
+    for _ in range(2):
+        gdn.gdn_prefill(*args, rec, slots, cu, has, fallback=False)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            gdn.gdn_prefill(*args, rec, slots, cu, has, fallback=False)
+        torch.cuda.synchronize()
+    us: dict = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t:
+            us[ev.key[:80]] = round(t / 5, 1)
+    return {"tokens": T, "device_us_per_call_by_kernel": us}
 
 
 def main() -> int:
@@ -257,6 +283,7 @@ def main() -> int:
     for B in (1, 8):
         case(f"decode_b{B}", bench_decode, B, res["copy_bandwidth_GBps"])
     case("prefill_4k", bench_prefill, [4096], [False], 1024)
+    case("prefill_4k_kernel_split", bench_kernel_split, 4096)
     case("prefill_4k_chunk_configs", bench_chunk_configs, 4096)
     if not args.quick:
         case("prefill_30k", bench_prefill, [30720], [False], None)

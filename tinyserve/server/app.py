@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from tinyserve.server.auth import APIKeyMiddleware, BodyLimitMiddleware
 from tinyserve.server.chat import encode_text
-from tinyserve.server.errors import install_error_handlers
+from tinyserve.server.errors import APIError, install_error_handlers
 from tinyserve.server.formatters import ChatFormatter, CompletionFormatter
 from tinyserve.server.generate import check_fits, generate, make_params
 from tinyserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -88,6 +88,12 @@ def create_app(state: ServerState) -> FastAPI:
         engine = state.require_engine()
         state.check_model(req.model)
         req.check_supported()
+        # NOTE: every message renders to >= 2 tokens; refuse a huge list before the
+        # template spends seconds of CPU on it
+        if 2 * len(req.messages) >= context_length(engine):
+            raise APIError(400, f"{len(req.messages)} messages cannot fit in this server's "
+                           f"context of {context_length(engine)} tokens", param="messages",
+                           code="context_length_exceeded")
         prompt = await anyio.to_thread.run_sync(state.renderer.render, req)
         want, max_param = req.requested_max_tokens
         max_tokens = check_fits(len(prompt.ids), want, context_length(engine),

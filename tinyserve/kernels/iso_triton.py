@@ -29,10 +29,14 @@ from tinyserve.kernels._iso_triton_fields import iso_decode_partial_fields
 
 _LOG2E = 1.4426950408889634
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-BLOCK_T = 64
-NUM_WARPS = 8  # sm_90 build: ~252 registers, no spills (4 warps spill at BLOCK_T=64)
+# Measured best on the H200 (bench/results/iso_attention.json, iso3 32k): 32-token tiles,
+# 4 warps, registers capped at 128 (several programs per SM; a little spilling), ~8 programs
+# per SM: 80 us at batch 1 vs 116 us for 64-token tiles / 8 warps / uncapped.
+BLOCK_T = 32
+NUM_WARPS = 4
+MAXNREG = 128
 MIN_SPLIT_TOKENS = 128
-CTAS_PER_SM = 4
+CTAS_PER_SM = 8
 VARIANT = "fields"
 
 
@@ -217,7 +221,7 @@ def iso_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 max_seq_len: int | None = None, out: torch.Tensor | None = None,
                                 split_tokens: int | None = None, block_t: int = BLOCK_T,
                                 ctas_per_sm: int = CTAS_PER_SM, num_warps: int = NUM_WARPS,
-                                num_stages: int = 2, maxnreg: int | None = None,
+                                num_stages: int = 2, maxnreg: int | None = MAXNREG,
                                 variant: str = VARIANT) -> torch.Tensor:
     """One query per sequence over its packed K/V (same contract as
     `iso_cuda.iso_decode_attention`): q [B, Hq, D] float, caches uint8 [slots, Hkv, row_bytes],

@@ -32,7 +32,7 @@ pytest.importorskip("triton")
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # the interpreter runs one python step per program: big tiles keep it fast on CPU
-CFG = None if DEV == "cuda" else GemvConfig(block_n=16, block_b=16)
+CFG = None if DEV == "cuda" else GemvConfig(block_n=16, block_b=16, programs_per_sm=2)
 
 
 def rand_nvfp4(n: int, k: int, device: str, gen: torch.Generator | None = None) -> NVFP4Weight:

@@ -36,23 +36,21 @@ class GemvConfig:
     across programs (powers of two, at least one step per split) only while there are fewer
     than `programs_per_sm` programs per SM. `prefetch`: two K steps in flight per program."""
 
-    block_n: int = 16
-    block_b: int = 64
+    block_n: int = 8
+    block_b: int = 128
     num_warps: int = 4
-    programs_per_sm: int = 2
+    programs_per_sm: int = 0
     prefetch: bool = False  # load the next K step before decoding this one
 
 
 def default_gemv_config(n: int, k: int, num_sms: int) -> GemvConfig:
-    """Tiles for an [N, K] weight: a warp covers 64 blocks (1024 inputs, 16-byte loads) of a
-    row, its 4 warps 4 rows, 16 rows per program (each thread decodes 4 rows against the x
-    values it loaded once); rows per program shrink until there are >= 2 programs per SM."""
-    block_b = min(64, _next_pow2(max(1, k // 16)))
+    """Tiles for an [N, K] weight, from the H200 sweep (bench/NOTES_nvfp4.md): 8 rows x 128
+    blocks (2048 inputs; 2 warps along K, x reaches the threads through shared memory in one
+    coalesced load) when K >= 1024, else 1024 / (K/16) rows x all of K; no split-K."""
+    block_b = 128 if k // 16 > 32 else _next_pow2(max(1, k // 16))
     block_n = max(1, 1024 // block_b)
-    while block_n > 1 and triton_cdiv(n, block_n) < 2 * num_sms:
-        block_n //= 2
     warps = max(1, min(4, block_n * block_b // 64))
-    return GemvConfig(block_n, block_b, warps, 2)
+    return GemvConfig(block_n, block_b, warps, 0)
 
 
 def _next_pow2(v: int) -> int:

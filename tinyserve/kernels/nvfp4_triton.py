@@ -63,12 +63,13 @@ def _nibble_pair(w, I: tl.constexpr):
 
 
 @triton.jit
-def _x_quad(xk, I: tl.constexpr, m):
-    # X_PRESCALE * x at inputs 16b + I, +4, +8, +12 of the blocks at `xk` (mask m), fp32 [BB]
-    x0 = tl.load(xk + I, mask=m, other=0.0).to(tl.float32) * X_PRESCALE_C
-    x1 = tl.load(xk + (I + 4), mask=m, other=0.0).to(tl.float32) * X_PRESCALE_C
-    x2 = tl.load(xk + (I + 8), mask=m, other=0.0).to(tl.float32) * X_PRESCALE_C
-    x3 = tl.load(xk + (I + 12), mask=m, other=0.0).to(tl.float32) * X_PRESCALE_C
+def _x_quad(xk, I: tl.constexpr, m, XS):
+    # X_PRESCALE * x at inputs 16b + I, +4, +8, +12 of the blocks at `xk` (mask m), fp32 [BB];
+    # input 16b + i sits at xk + i * XS (XS = 1: plain rows; XS = KB: block-transposed rows)
+    x0 = tl.load(xk + I * XS, mask=m, other=0.0).to(tl.float32) * X_PRESCALE_C
+    x1 = tl.load(xk + (I + 4) * XS, mask=m, other=0.0).to(tl.float32) * X_PRESCALE_C
+    x2 = tl.load(xk + (I + 8) * XS, mask=m, other=0.0).to(tl.float32) * X_PRESCALE_C
+    x3 = tl.load(xk + (I + 12) * XS, mask=m, other=0.0).to(tl.float32) * X_PRESCALE_C
     return x0, x1, x2, x3
 
 
@@ -84,7 +85,7 @@ def _fma4(p, w0, w4, w8, w12, x0, x4, x8, x12):
 @triton.jit
 def _fp4_rows_dot(x_ptr, stride_xm, m_rows, w_ptr, s_ptr, rows, row_mask, KB, b_lo, b_hi,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-                  PREFETCH: tl.constexpr = False):
+                  PREFETCH: tl.constexpr = False, X_T: tl.constexpr = False):
     """sum_k x[m, k] * (E2M1 * e4m3)[rows, k] over the 16-input blocks [b_lo, b_hi), for the
     first BLOCK_M (1, 2 or 4; rows >= m_rows read as 0) rows of x: four fp32 [BLOCK_N]
     (unused ones are zeros), each lacking the factor FP4_UNIT * global_scale.
@@ -94,7 +95,9 @@ def _fp4_rows_dot(x_ptr, stride_xm, m_rows, w_ptr, s_ptr, rows, row_mask, KB, b_
     [BLOCK_N, BLOCK_B] is decoded once and used for every row of x; products are summed per
     block, scaled once per block, and reduced across the tile only at the end. PREFETCH: the
     next K step's words and scales are loaded before this step is decoded (two steps in
-    flight per program; for grids of about one wave).
+    flight per program; for grids of about one wave). X_T: each row of x is stored
+    block-transposed (input 16b + i at i * KB + b), so the loads of one input position over
+    the blocks of a warp are contiguous (the MoE intermediate is written that way).
     """
     offs_b = tl.arange(0, BLOCK_B)
     rows64 = rows.to(tl.int64)
@@ -128,7 +131,12 @@ def _fp4_rows_dot(x_ptr, stride_xm, m_rows, w_ptr, s_ptr, rows, row_mask, KB, b_
         scale = _e4m3(cur_raw)
         lo = cur_v.to(tl.uint32)  # inputs 16b + 0..7
         hi = (cur_v >> 32).to(tl.uint32)  # inputs 16b + 8..15
-        xk = x_ptr + blk * 16
+        if X_T:
+            xk = x_ptr + blk
+            XS = KB
+        else:
+            xk = x_ptr + blk * 16
+            XS = 1
         p0 = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
         p1 = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
         p2 = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
@@ -136,15 +144,17 @@ def _fp4_rows_dot(x_ptr, stride_xm, m_rows, w_ptr, s_ptr, rows, row_mask, KB, b_
         for i in tl.static_range(4):
             w0, w4 = _nibble_pair(lo, i)
             w8, w12 = _nibble_pair(hi, i)
-            x0, x4, x8, x12 = _x_quad(xk, i, ok & (zero < m_rows))
+            x0, x4, x8, x12 = _x_quad(xk, i, ok & (zero < m_rows), XS)
             p0 = _fma4(p0, w0, w4, w8, w12, x0, x4, x8, x12)
             if BLOCK_M > 1:
-                x0, x4, x8, x12 = _x_quad(xk + stride_xm, i, ok & (zero + 1 < m_rows))
+                x0, x4, x8, x12 = _x_quad(xk + stride_xm, i, ok & (zero + 1 < m_rows), XS)
                 p1 = _fma4(p1, w0, w4, w8, w12, x0, x4, x8, x12)
             if BLOCK_M > 2:
-                x0, x4, x8, x12 = _x_quad(xk + 2 * stride_xm, i, ok & (zero + 2 < m_rows))
+                x0, x4, x8, x12 = _x_quad(xk + 2 * stride_xm, i, ok & (zero + 2 < m_rows),
+                                          XS)
                 p2 = _fma4(p2, w0, w4, w8, w12, x0, x4, x8, x12)
-                x0, x4, x8, x12 = _x_quad(xk + 3 * stride_xm, i, ok & (zero + 3 < m_rows))
+                x0, x4, x8, x12 = _x_quad(xk + 3 * stride_xm, i, ok & (zero + 3 < m_rows),
+                                          XS)
                 p3 = _fma4(p3, w0, w4, w8, w12, x0, x4, x8, x12)
         acc0 += p0 * scale
         if BLOCK_M > 1:
@@ -298,10 +308,12 @@ def nvfp4_dequant_kernel(w_ptr, s_ptr, out_ptr, gs, N, K, stride_w, stride_s,
 def _slot_rows_dot(x_row, w_slot, s_slot, rows, row_mask, K: tl.constexpr,
                    IS_FP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
                    PREFETCH: tl.constexpr):
-    # one row of x against `rows` of one slot's weight: fp32 [BLOCK_N] (fp4 lacks FP4_UNIT * gs)
+    # one row of x against `rows` of one slot's weight: fp32 [BLOCK_N] (fp4 lacks FP4_UNIT * gs;
+    # fp4 reads x block-transposed, as moe_gate_up_kernel writes it)
     if IS_FP4:
         acc, _a1, _a2, _a3 = _fp4_rows_dot(x_row, 0, 1, w_slot, s_slot, rows, row_mask,
-                                           K // 16, 0, K // 16, 1, BLOCK_N, BLOCK_B, PREFETCH)
+                                           K // 16, 0, K // 16, 1, BLOCK_N, BLOCK_B, PREFETCH,
+                                           True)
     else:
         acc = _dense_rows_dot(x_row, w_slot, rows, row_mask, K, BLOCK_N, BLOCK_B * 8)
     return acc
@@ -339,7 +351,13 @@ def moe_gate_up_kernel(x_ptr, ids_ptr, order_ptr, w_ptr, s_ptr, gs_ptr, inter_pt
         u = _dense_rows_dot(x_row, w_slot, rows + F, rows < F, H, BLOCK_N, BLOCK_B * 8)
     h = g * tl.sigmoid(g) * u
     rows = f0 + tl.arange(0, BLOCK_N)
-    tl.store(inter_ptr + p * F + rows, h, mask=rows < F)
+    if IS_FP4:
+        # NOTE: block-transposed (feature 16b + i at i * F/16 + b): the down kernel's loads of
+        # one input position over a warp's blocks are then contiguous
+        dst = (rows % 16) * (F // 16) + rows // 16
+    else:
+        dst = rows
+    tl.store(inter_ptr + p * F + dst, h, mask=rows < F)
 
 
 @triton.jit

@@ -177,10 +177,10 @@ def bench_prefill(lens: list[int], init: list[bool], ref_prefix: int | None,
     return out
 
 
-SWEEP = [  # (chunk, dv tile, warps, stages, prep warps)
+SWEEP = [  # (chunk, dv tile, warps, stages, prep warps[, blocked inverse])
     (64, 16, 4, 1, 4), (64, 16, 8, 1, 4), (64, 32, 8, 1, 4), (64, 32, 4, 1, 4),
     (64, 16, 4, 2, 4), (64, 16, 4, 1, 8), (64, 16, 4, 1, 2), (32, 16, 4, 1, 4),
-    (32, 32, 4, 1, 4), (32, 16, 4, 1, 2),
+    (32, 32, 4, 1, 4), (32, 16, 4, 1, 2), (64, 16, 4, 1, 4, False), (32, 16, 4, 1, 4, False),
 ]
 
 
@@ -198,7 +198,7 @@ def bench_chunk_configs(T: int) -> dict:
     out: dict = {"tokens": T}
     for c in SWEEP:
         cfg = ChunkConfig(*c)
-        name = "bt{}_bv{}_w{}_s{}_pw{}".format(*c)
+        name = "bt{}_bv{}_w{}_s{}_pw{}".format(*c) + ("" if cfg.blocked_inverse else "_rows")
         try:
             def run(r, cfg=cfg):
                 return gdn.gdn_prefill(*args, r, slots, cu, has, chunk_config=cfg,

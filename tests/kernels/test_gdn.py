@@ -101,7 +101,7 @@ def _gdn_expected(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, init):
 
 def check_gdn_prefill(sh: Shape, lens: list[int], init: list[bool], device: str,
                       dtype: torch.dtype, method: str, tol: float, chunk_size: int = 64,
-                      precision: str = "ieee") -> None:
+                      precision: str = "ieee", chunk_config=None) -> None:
     T = sum(lens)
     slots = torch.randperm(NUM_SLOTS)[:len(lens)].tolist()
     live = [s for s, h in zip(slots, init, strict=True) if h]
@@ -113,7 +113,7 @@ def check_gdn_prefill(sh: Shape, lens: list[int], init: list[bool], device: str,
     gdn.gdn_prefill(*inputs, pool, torch.tensor(slots, device=device), _cu(lens, device),
                     torch.tensor(init, device=device), out=out, backend="triton",
                     method=method, chunk_size=chunk_size, dot_precision=precision,
-                    fallback=False)
+                    fallback=False, chunk_config=chunk_config)
     out_tol = max(tol, 1e-2 if dtype == torch.bfloat16 else tol)
     assert _rel(out, want_o) < out_tol
     assert _rel(pool[slots], want_pool[slots]) < tol
@@ -306,6 +306,15 @@ def test_interp_gdn_prefill_odd_dims() -> None:
 
 
 @interp_only
+@pytest.mark.parametrize("cfg", [_gdn_config.ChunkConfig(64, 32, 4, 1, 4, False),
+                                 _gdn_config.ChunkConfig(32, 16, 4, 1, 4, True)],
+                         ids=["rows_inverse_bv32", "blocked_chunk32"])
+def test_interp_gdn_prefill_forced_config(cfg: _gdn_config.ChunkConfig) -> None:
+    # the row-by-row inverse of the prep kernel, a 2-block chunk, a single dv tile
+    check_gdn_prefill(SMALL, *MIXED, "cpu", torch.float32, "chunk", 1e-5, chunk_config=cfg)
+
+
+@interp_only
 def test_interp_gdn_decode() -> None:
     check_gdn_decode(SMALL, B=3, steps=4, device="cpu", dtype=torch.float32, tol=1e-5)
 
@@ -389,8 +398,10 @@ def test_kernels_build_for_sm90() -> None:
         (ks.conv1d_state_writeback, dict(K=4, KP=4, BLOCK_C=256), 4),
         (ks.gdn_recurrent, dict(IS_VARLEN=False, BK=128, BV=32), 4),
         (ks.gdn_recurrent, dict(IS_VARLEN=True, BK=128, BV=32), 4),
-        (ks.gdn_chunk_prep, dict(BT=64, BK=128, PREC="tf32x3", NATIVE_QK=True), 4),
-        (ks.gdn_chunk_prep, dict(BT=64, BK=128, PREC="tf32x3", NATIVE_QK=False), 4),
+        (ks.gdn_chunk_prep, dict(BT=64, BK=128, PREC="tf32x3", NATIVE_QK=True, NLEVELS=2,
+                                 BLOCKED=True), 4),
+        (ks.gdn_chunk_prep, dict(BT=64, BK=128, PREC="tf32x3", NATIVE_QK=False, NLEVELS=2,
+                                 BLOCKED=False), 4),
         (ks.gdn_chunk, dict(BT=64, BK=128, BV=16, PREC="tf32x3"), 4),
         (ks.gdn_chunk, dict(BT=64, BK=128, BV=32, PREC="tf32x3"), 8),
     ]

@@ -27,6 +27,7 @@ class ChunkConfig:
     num_warps: int
     num_stages: int = 1
     prep_warps: int = 4  # of `gdn_chunk_prep_kernel`
+    blocked_inverse: bool = True  # prep: 16-row blocks by dots (False: 63 row steps)
 
 
 def chunk_smem_bytes(cfg: ChunkConfig, block_k: int) -> int:

@@ -169,7 +169,8 @@ def gdn_chunk_prep_kernel(q_ptr, k_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cseq_pt
                           cu_ptr, ti_ptr, att_ptr, s_qt, s_qh, s_kt, s_kh, s_at, s_bt, s_tt,
                           s_th, scale, G, DK,
                           BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-                          NATIVE_QK: tl.constexpr):
+                          NATIVE_QK: tl.constexpr, NLEVELS: tl.constexpr,
+                          BLOCKED: tl.constexpr):
     # NOTE: grid (chunks, Hv); every chunk independent. For the chunk's rows t writes
     # Ti = (I + L)^-1 with L = strictly-lower((kb k^T) * D) (spec §2.7) to ti[t, h, 0:BT] and
     # att = lower-incl-diagonal((q k^T) * D) to att[t, h, 0:BT] (same strides).
@@ -220,14 +221,33 @@ def gdn_chunk_prep_kernel(q_ptr, k_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cseq_pt
     strict = rows[:, None] > rows[None, :]
     L = kk2 * ((beta * kn)[:, None] * kn[None, :])
     L = tl.where(strict, L * D, 0.0)
-    # forward substitution, row by row: row i of Ti - I = -L[i] - sum_j L[i, j] (Ti - I)[j]
-    Ti = -L
-    for i in range(1, BT):
-        sel = rows == i
-        r = tl.sum(tl.where(sel[:, None], Ti, 0.0), 0)
-        r = r + tl.sum(r[:, None] * Ti, 0) * (rows < i)
-        Ti = tl.where(sel[:, None], r[None, :], Ti)
-    Ti = Ti + (rows[:, None] == rows[None, :]).to(tl.float32)
+    eye = (rows[:, None] == rows[None, :]).to(tl.float32)
+    if BLOCKED:
+        # (I + L)^-1 blockwise (16-row blocks, all diagonal blocks at once): X = (I + Lb)^-1 - I
+        # of the block diagonal Lb by substitution, one 16-row step per dot (row i of X is
+        # -Lb[i] - Lb[i] X once the rows above it are final); then with N = (I + X) Lo, Lo the
+        # strictly block-lower rest (N^NB = 0): Ti = (I - N)(I + N^2)(I + N^4)... (I + X).
+        same = (rows // 16)[:, None] == (rows // 16)[None, :]
+        Lb = tl.where(same, L, 0.0)
+        X = -Lb
+        for i in range(2, 16):
+            P = tl.dot(Lb, X, input_precision=PREC)
+            X = tl.where(((rows % 16) == i)[:, None], -Lb - P, X)
+        Tb = X + eye
+        N = tl.dot(Tb, L - Lb, input_precision=PREC)
+        R = eye - N
+        for _ in tl.static_range(1, NLEVELS):
+            N = tl.dot(N, N, input_precision=PREC)
+            R = R + tl.dot(R, N, input_precision=PREC)
+        Ti = tl.dot(R, Tb, input_precision=PREC)
+    else:  # forward substitution, row by row: row i of Ti - I = -L[i] - sum_j L[i, j] (Ti - I)[j]
+        Ti = -L
+        for i in range(1, BT):
+            sel = rows == i
+            r = tl.sum(tl.where(sel[:, None], Ti, 0.0), 0)
+            r = r + tl.sum(r[:, None] * Ti, 0) * (rows < i)
+            Ti = tl.where(sel[:, None], r[None, :], Ti)
+        Ti = Ti + eye
     tl.store(ti_ptr + t[:, None] * s_tt + h * s_th + rows[None, :], Ti, mask=tmask[:, None])
 
 

@@ -410,8 +410,9 @@ def _run_chunk(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, cfg, BK,
         q, k, a, b, A_log, dt_bias, cseq, cstart, cu, ti, att,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), a.stride(0), b.stride(0),
         ti.stride(0), ti.stride(1), dk ** -0.5, Hv // Hk, dk,
-        BT=BT, BK=BK, PREC=precision, NATIVE_QK=_native_qk(q), num_warps=cfg.prep_warps,
-        num_stages=1)
+        BT=BT, BK=BK, PREC=precision, NATIVE_QK=_native_qk(q),
+        NLEVELS=max((BT // 16).bit_length() - 1, 1), BLOCKED=cfg.blocked_inverse,
+        num_warps=cfg.prep_warps, num_stages=1)
     grid = (B, Hv, _cdiv(dv, BV))
     kern.gdn_chunk[grid](
         q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, ti, att, y,

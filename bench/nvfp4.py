@@ -138,7 +138,7 @@ def bench_linear(name: str, m: int, bw: float) -> dict:
     wb = nvfp4_bytes(n, k)
     ws = [rand_nvfp4(n, k) for _ in range(copies(wb))]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    out: dict = {"N": n, "K": k, "M": m, "weight_bytes": wb, "default": choose_path(m)}
+    out: dict = {"N": n, "K": k, "M": m, "weight_bytes": wb, "default": choose_path(m, n, k)}
     for path in PATHS:
         if path == "gemv" and m > 16:
             continue

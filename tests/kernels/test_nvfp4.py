@@ -159,6 +159,9 @@ def test_dequantize_every_code_exact(poison):
 def test_choose_path_and_errors():
     assert choose_path(1) == "gemv"
     assert choose_path(4096) == "dequant"
+    assert choose_path(1, 248320, 2048) == "gemv"
+    assert choose_path(4, 1024, 2048) == "gemv"  # small weight: the multi-row gemv
+    assert choose_path(4, 8192, 2048) == "dot"
     w = rand_nvfp4(16, 64, DEV)
     with pytest.raises(ValueError):
         nvfp4_linear(torch.randn(2, 32, device=DEV), w)

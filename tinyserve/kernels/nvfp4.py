@@ -76,10 +76,18 @@ def _thresholds() -> tuple[int, int]:
     return envs.NVFP4_GEMV_MAX_M.get(), envs.NVFP4_DEQUANT_MIN_M.get()
 
 
-def choose_path(m: int) -> str:
-    """The default path for M rows of activations."""
+GEMV_MULTI_ROW_MAX_WEIGHTS = 1 << 23  # M > 1 takes gemv only up to this N * K (o_proj size)
+
+
+def choose_path(m: int, n: int = 0, k: int = 0) -> str:
+    """The default path for M rows of activations against an [N, K] weight (0: unknown).
+
+    M = 1 is gemv; up to TINYSERVE_NVFP4_GEMV_MAX_M rows stay on gemv only for weights of at
+    most GEMV_MULTI_ROW_MAX_WEIGHTS (on the H200 a 4-row gemv of qkvz took 3.1x its 1-row
+    time, more than `dot`); then `dot` below TINYSERVE_NVFP4_DEQUANT_MIN_M, else `dequant`.
+    """
     gemv_max, dequant_min = _thresholds()
-    if m <= gemv_max:
+    if m == 1 or (m <= gemv_max and n * k <= GEMV_MULTI_ROW_MAX_WEIGHTS):
         return "gemv"
     return "dot" if m < dequant_min else "dequant"
 
@@ -206,7 +214,7 @@ def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, *, path: str | None = None,
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m, n, k = _check(x2, w)
-    path = path or choose_path(m)
+    path = path or choose_path(m, n, k)
     if path not in PATHS:
         raise ValueError(f"unknown nvfp4 path {path!r}; choose from {PATHS}")
     if m == 0:

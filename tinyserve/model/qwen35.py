@@ -35,20 +35,28 @@ class Qwen35Model:
         states: GDN state pool of the linear-attention layers (`kv.state_pool.GDNStatePool`).
         experts: routed-experts provider; default `ResidentExperts` over `weights`.
         device, dtype: compute device and model dtype (fp32 on CPU for exact parity).
+        embed_device: where `embed_tokens` lives (default `device`). "cpu" keeps it in host
+            RAM and gathers the rows there, copying [N, H] to `device` per forward (for tight
+            VRAM; not inside a CUDA graph). Ignored with tied embeddings (lm_head needs it).
     """
 
     def __init__(self, config: Any, weights: dict[str, Any], *, kv: Any, states: Any,
                  experts: Any = None, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32,
+                 embed_device: torch.device | str | None = None) -> None:
         self.config = config
         self.kv = kv
         self.states = states
         self.device = torch.device(device)
         self.dtype = dtype
+        self.embed_device = torch.device(
+            embed_device if embed_device is not None and not config.tie_word_embeddings
+            else self.device)
         # NOTE: with an experts provider given, routed-expert weights stay where they are (an
         # offloaded provider keeps them in host memory); only the rest moves to the device.
         w = {name: self._place(name, t) for name, t in weights.items()
-             if experts is None or ".mlp.experts." not in name}
+             if name != "embed_tokens" and (experts is None or ".mlp.experts." not in name)}
+        w["embed_tokens"] = weights["embed_tokens"].to(device=self.embed_device, dtype=dtype)
         self.embed_tokens: torch.Tensor = w["embed_tokens"]
         self.norm: torch.Tensor = w["norm"]
         lm_head = w.get("lm_head")
@@ -72,7 +80,11 @@ class Qwen35Model:
     @torch.inference_mode()
     def forward(self, ctx: ForwardContext) -> torch.Tensor:
         """Logits [S, V] float32 for the rows `ctx.logits_indices` of the N new tokens."""
-        x = self.embed_tokens[ctx.input_ids]  # [N, H]
+        if self.embed_device == self.device:
+            x = self.embed_tokens[ctx.input_ids]  # [N, H]
+        else:  # host row gather, one [N, H] copy to the device
+            ids = ctx.input_ids.to(self.embed_device)
+            x = self.embed_tokens[ids].to(self.device)
         cos_sin = self.rope.cos_sin(ctx.positions, self.dtype)
         for layer in self.layers:
             x = layer.forward(x, ctx, self.kv, self.states, cos_sin)

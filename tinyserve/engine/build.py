@@ -1,9 +1,10 @@
 """Assemble an engine from a checkpoint path and an EngineConfig.
 
-checkpoint -> ModelConfig, tokenizer, weights -> GDN state pool (one slot per sequence, then
-the prefix cache's snapshot slots) ->
-KV pool (sized from the memory left, or from max_context x max_seqs on CPU) -> Qwen35Model ->
-ModelRunner -> Engine.
+checkpoint -> ModelConfig, tokenizer -> (CUDA) memory plan for --gpu-memory: allocator cap,
+expert offload, embedding placement, KV pages -> weights (without the routed experts when they
+are offloaded: OffloadedExperts over a pinned host store) -> GDN state pool (one slot per
+sequence, then the prefix cache's snapshot slots) -> KV pool (from the plan, the memory left,
+or max_context x max_seqs on CPU) -> Qwen35Model -> ModelRunner -> Engine.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from tinyserve.log import get_logger
 from tinyserve.model.config import ModelConfig, load_config
 from tinyserve.model.loader import load_weights, resolve_model_path
 from tinyserve.model.qwen35 import Qwen35Model
+from tinyserve.offload.planner import MemoryPlan, PlanConfig, PlanError, plan_checkpoint
+from tinyserve.offload.provider import OffloadedExperts
+from tinyserve.offload.store import HostExpertStore
 
 log = get_logger(__name__)
 
@@ -53,18 +57,33 @@ def build_parts(config: EngineConfig) -> EngineParts:
     tokenizer = load_tokenizer(path)
     device = torch.device(config.resolved_device)
     dtype = config.torch_dtype
-    weights = load_weights(path, mcfg, dtype=dtype, device=device)
     num_snap = config.num_snapshot_slots
     # NOTE: one more slot after the snapshots for the padded rows of captured decode graphs.
     pad_slot = config.max_seqs + num_snap
     graphs = config.cuda_graphs and device.type == "cuda"
+    plan = memory_plan(config, path, device) if device.type == "cuda" else None
+    if plan is not None and config.gpu_memory is not None:
+        cap_allocator(plan, device)
+    slots = config.expert_cache_slots
+    if slots is None and plan is not None and plan.experts_offloaded:
+        slots = plan.expert_slots
+    embed_device = "cpu" if plan is not None and plan.embed_device == "cpu" else None
+    if embed_device == "cpu" and graphs:
+        # NOTE: the host row gather cannot run inside a captured graph.
+        log.info("embedding on the CPU (row gather): decode runs without CUDA graphs")
+        graphs = False
+    weights = load_weights(path, mcfg, dtype=dtype, device=device,
+                           include_experts=slots is None)
+    experts = None if slots is None else offloaded_experts(path, mcfg, slots, config, device,
+                                                           dtype)
     states = GDNStatePool.for_config(mcfg, pad_slot + int(graphs), device=device, dtype=dtype)
-    num_pages = kv_pages(config, mcfg, device, path)
+    num_pages = kv_pages(config, mcfg, device, path, plan=plan)
     kv = create_kv_backend(config.kv, layer_ids=list(mcfg.full_attention_layers),
                            num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim,
                            num_pages=num_pages, page_size=config.page_size, device=device,
                            dtype=dtype)
-    model = Qwen35Model(mcfg, weights, kv=kv, states=states, device=device, dtype=dtype)
+    model = Qwen35Model(mcfg, weights, kv=kv, states=states, experts=experts, device=device,
+                        dtype=dtype, embed_device=embed_device)
     del weights
     runner = ModelRunner(model, page_size=config.page_size, device=device, cuda_graphs=graphs,
                          graph_pad_slot=pad_slot if graphs else None)
@@ -72,34 +91,83 @@ def build_parts(config: EngineConfig) -> EngineParts:
                       config.max_context or mcfg.max_position_embeddings)
     eos = tuple(dict.fromkeys(mcfg.eos_token_ids + _tokenizer_eos(tokenizer)))
     log.info("%s: %d KV pages of %d tokens (%s), %d state slots (+%d prefix-cache snapshots), "
-             "max context %d tokens", path.name, num_pages, config.page_size, config.kv,
-             config.max_seqs, num_snap, max_context)
+             "max context %d tokens, %s", path.name, num_pages, config.page_size, config.kv,
+             config.max_seqs, num_snap, max_context,
+             "experts resident" if slots is None else f"expert cache of {slots} slots")
     return EngineParts(runner=runner, tokenizer=tokenizer, model_config=mcfg,
                        num_kv_pages=num_pages, num_state_slots=config.max_seqs,
                        max_context=max_context, eos_token_ids=eos, state_pool=states,
                        snapshot_slots=tuple(range(config.max_seqs, config.max_seqs + num_snap)),
-                       snapshot_interval=config.prefix_snapshot_interval)
+                       snapshot_interval=config.prefix_snapshot_interval, memory_plan=plan)
+
+
+def plan_config(config: EngineConfig, gpu_memory: int,
+                max_position: int | None = None) -> PlanConfig:
+    """The planner's request for this engine config and a GPU budget in bytes (max_context
+    capped at the model's `max_position` when given, as the engine caps it)."""
+    context = config.max_context
+    if context is not None and max_position is not None:
+        context = min(context, max_position)
+    return PlanConfig(gpu_memory=gpu_memory, kv=config.kv, max_context=context,
+                      max_seqs=config.max_seqs, page_size=config.page_size,
+                      prefill_chunk=config.max_num_batched_tokens,
+                      extra_state_slots=config.num_snapshot_slots + int(config.cuda_graphs),
+                      dtype_bytes=config.torch_dtype.itemsize)
+
+
+def memory_plan(config: EngineConfig, path: Path, device: torch.device) -> MemoryPlan | None:
+    """The memory plan for `gpu_memory`. Raises PlanError (a ValueError) with the numbers when
+    the model cannot fit. Without `gpu_memory` the plan is for the device's free memory, and
+    None (every expert resident, as without a plan) when even that plan fails."""
+    budget = config.gpu_memory_bytes
+    max_position = load_config(path).max_position_embeddings
+    if budget is not None:
+        return plan_checkpoint(path, plan_config(config, budget, max_position))
+    free, _ = torch.cuda.mem_get_info(device)
+    try:
+        return plan_checkpoint(path, plan_config(config, free, max_position))
+    except PlanError as exc:
+        log.warning("no memory plan for the free GPU memory (%s): all experts resident", exc)
+        return None
+
+
+def cap_allocator(plan: MemoryPlan, device: torch.device) -> None:
+    """Cap the caching allocator at the budget (less the CUDA context the plan reserves) so
+    that an allocation past it fails loudly instead of using the rest of a bigger card."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    context = dict(plan.workspace).get("cuda context", 0)
+    fraction = min(1.0, max(plan.gpu_memory - context, 1) / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    log.info("GPU allocator capped at %.2f GiB of %.2f GiB", fraction * total / 2**30,
+             total / 2**30)
+
+
+def offloaded_experts(path: Path, mcfg: ModelConfig, num_slots: int, config: EngineConfig,
+                      device: torch.device, dtype: torch.dtype) -> OffloadedExperts:
+    """The checkpoint's routed experts in a pinned host store behind `num_slots` cache slots
+    on `device` (at least one layer's experts; all of them preloaded when they fit)."""
+    store = HostExpertStore.from_checkpoint(path, mcfg, dtype=dtype)
+    experts = OffloadedExperts.create(
+        store, num_slots, device=device, dtype=dtype,
+        max_ids=config.max_num_batched_tokens * mcfg.num_experts_per_tok)
+    if num_slots >= mcfg.num_layers * mcfg.num_experts:
+        experts.cache.preload_all()
+    return experts
 
 
 def kv_pages(config: EngineConfig, mcfg: ModelConfig, device: torch.device,
-             path: Path | None = None) -> int:
+             path: Path | None = None, plan: MemoryPlan | None = None) -> int:
     """Number of KV pages: `num_kv_pages` when given; on CPU enough for max_seqs sequences of
-    max_context tokens; on CUDA with `gpu_memory` the memory planner's number; on CUDA without
-    it what the free memory leaves after the weights and states (capped at that same need).
-    Raises ValueError when not even one page fits."""
+    max_context tokens; on CUDA the memory plan's number when `gpu_memory` is given or the plan
+    offloads experts; else what the free memory leaves after the weights and states (capped
+    at that same need). Raises ValueError when not even one page fits."""
     if config.num_kv_pages is not None:
         return config.num_kv_pages
-    if device.type == "cuda" and config.gpu_memory is not None and path is not None:
-        from tinyserve.offload.planner import PlanConfig, plan_checkpoint
-
-        plan = plan_checkpoint(path, PlanConfig(
-            gpu_memory=config.gpu_memory_bytes, kv=config.kv, max_context=config.max_context,
-            max_seqs=config.max_seqs, page_size=config.page_size,
-            prefill_chunk=config.max_num_batched_tokens,
-            extra_state_slots=config.num_snapshot_slots + int(config.cuda_graphs)))
-        if plan.experts_offloaded:
-            log.warning("the plan offloads experts, which the engine does not do yet: all "
-                        "experts are loaded onto the GPU")
+    if device.type == "cuda" and plan is None and config.gpu_memory is not None \
+            and path is not None:
+        plan = memory_plan(config, path, device)  # (not None with gpu_memory)
+    if device.type == "cuda" and plan is not None and (
+            config.gpu_memory is not None or plan.experts_offloaded):
         return plan.kv_pages
     context = min(config.max_context or mcfg.max_position_embeddings,
                   mcfg.max_position_embeddings)

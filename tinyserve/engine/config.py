@@ -43,6 +43,9 @@ class EngineConfig:
     also snapshot every this many prefill tokens (a multiple of page_size; 0: only at the end
     of each prompt and request). cuda_graphs:
     replay CUDA graphs for decode steps on CUDA (`--no-cuda-graph` turns them off).
+    expert_cache_slots: force offloaded routed experts (pinned host store + a GPU slot cache
+    of this many slots, at least one layer's experts) on any device; None: on CUDA the memory
+    planner decides, on CPU every expert is resident.
     """
 
     model: str
@@ -60,6 +63,7 @@ class EngineConfig:
     prefix_snapshot_slots: int = 4
     prefix_snapshot_interval: int = 0
     cuda_graphs: bool = True
+    expert_cache_slots: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv not in KV_BACKEND_NAMES:
@@ -83,6 +87,8 @@ class EngineConfig:
                              f"{self.kv_memory_fraction}")
         if self.gpu_memory is not None:
             parse_bytes(self.gpu_memory)
+        if self.expert_cache_slots is not None and self.expert_cache_slots < 1:
+            raise ValueError(f"expert_cache_slots must be >= 1, got {self.expert_cache_slots}")
         if self.prefix_snapshot_slots < 0:
             raise ValueError(f"prefix_snapshot_slots must be >= 0, got "
                              f"{self.prefix_snapshot_slots}")

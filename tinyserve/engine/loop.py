@@ -53,6 +53,7 @@ class EngineParts:
     state_pool: Any = None
     snapshot_slots: tuple[int, ...] = ()
     snapshot_interval: int = 0
+    memory_plan: Any = None  # offload.planner.MemoryPlan on CUDA, else None
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,11 @@ class EngineStats:
     prefix_cache_queries: int = 0  # admissions that looked it up
     prefix_cache_hits: int = 0  # ... and reused a cached prefix
     prefix_cached_tokens: int = 0  # prompt tokens served from it
+    # GPU expert cache (None when the experts are resident without a cache)
+    expert_cache_hit_rate: float | None = None
+    expert_cache_hits: int | None = None  # routed-expert lookups found in a GPU slot
+    expert_cache_misses: int | None = None  # ... copied in from the host store
+    expert_cache_h2d_bytes: int | None = None  # bytes copied host -> device for misses
 
 
 class _Live:
@@ -104,6 +110,7 @@ class Engine:
         self.tokenizer = parts.tokenizer
         self.model_config = parts.model_config
         self.max_context = parts.max_context
+        self.memory_plan = parts.memory_plan
         pages = PageAllocator(parts.num_kv_pages)
         self.prefix_cache: PrefixCache | None = None
         if config.prefix_cache and parts.state_pool is not None and parts.snapshot_slots:
@@ -225,6 +232,11 @@ class Engine:
             prefix_cache_pages=pc.num_pages, prefix_cache_snapshots=pc.num_snapshots,
             prefix_cache_snapshot_slots=len(pc.snapshot_slots), prefix_cache_queries=pc.queries,
             prefix_cache_hits=pc.hits, prefix_cached_tokens=pc.hit_tokens)
+        experts = getattr(getattr(self.runner, "model", None), "experts", None)
+        es = getattr(experts, "stats", None)
+        if es is not None and hasattr(es, "hit_rate"):
+            cache.update(expert_cache_hit_rate=float(es.hit_rate), expert_cache_hits=es.hits,
+                         expert_cache_misses=es.misses, expert_cache_h2d_bytes=es.h2d_bytes)
         return EngineStats(
             running=len(s.running),
             waiting=len(s.waiting) + sum(item[0] == "add" for item in list(self._inbox)),

@@ -1,0 +1,90 @@
+"""The engine with offloaded routed experts (host store + a small expert cache) on CPU:
+same greedy tokens as the all-resident engine, cache counters in EngineStats, and the
+memory plan's numbers used by the builder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinyserve.core import SamplingParams
+from tinyserve.engine.build import kv_pages, plan_config
+from tinyserve.engine.config import EngineConfig
+from tinyserve.engine.llm import LLM
+from tinyserve.model.config import load_config
+from tinyserve.offload.planner import plan_checkpoint
+from tinyserve.offload.provider import OffloadedExperts
+
+PROMPTS = ["Hello, how are you?", "The quick brown fox jumps over the lazy dog. " * 2, "42"]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["bf16", "modelopt"])
+def ckpt(request, tiny_checkpoint):
+    return tiny_checkpoint(request.param)
+
+
+def _generate(ckpt, **kwargs) -> tuple[list[list[int]], object, object]:
+    with LLM(str(ckpt), device="cpu", max_context=96, max_seqs=3, max_num_batched_tokens=16,
+             **kwargs) as llm:
+        out = llm.generate(PROMPTS, GREEDY)
+        return [c.token_ids for c in out], llm.engine.stats(), llm.engine.runner.model.experts
+
+
+def test_offloaded_engine_generates_the_resident_tokens(ckpt) -> None:
+    cfg = load_config(ckpt)
+    resident, rstats, _ = _generate(ckpt)
+    slots = cfg.num_experts + 2  # far fewer than the 32 routed experts of the model
+    offloaded, stats, experts = _generate(ckpt, expert_cache_slots=slots)
+    assert offloaded == resident
+    assert isinstance(experts, OffloadedExperts) and experts.cache.num_slots == slots
+    assert rstats.expert_cache_hit_rate is None and rstats.expert_cache_hits is None
+    total = cfg.num_layers * cfg.num_experts
+    assert stats.expert_cache_misses > total  # the cache really evicted and reloaded
+    assert stats.expert_cache_hits > 0
+    assert 0.0 < stats.expert_cache_hit_rate < 1.0
+    assert stats.expert_cache_h2d_bytes == (stats.expert_cache_misses
+                                            * experts.cache.store.bytes_per_expert)
+
+
+def test_cache_holding_every_expert_is_preloaded(tiny_checkpoint) -> None:
+    ckpt = tiny_checkpoint("modelopt")
+    cfg = load_config(ckpt)
+    resident, _, _ = _generate(ckpt)
+    tokens, stats, _ = _generate(ckpt, expert_cache_slots=cfg.num_layers * cfg.num_experts)
+    assert tokens == resident
+    assert stats.expert_cache_misses == 0 and stats.expert_cache_hit_rate == 1.0
+
+
+def test_too_small_cache_is_refused(tiny_checkpoint) -> None:
+    ckpt = tiny_checkpoint("modelopt")
+    with pytest.raises(ValueError, match="at least one layer"):
+        LLM(str(ckpt), device="cpu", max_context=64, expert_cache_slots=3)
+    with pytest.raises(ValueError, match="expert_cache_slots"):
+        EngineConfig(model=str(ckpt), expert_cache_slots=0)
+
+
+def test_builder_takes_the_plans_numbers(tiny_checkpoint) -> None:
+    ckpt = tiny_checkpoint("modelopt")
+    mcfg = load_config(ckpt)
+    config = EngineConfig(model=str(ckpt), kv="bf16", max_context=256, max_seqs=2,
+                          page_size=16, gpu_memory="512MiB", dtype="bfloat16",
+                          max_num_batched_tokens=256)
+    req = plan_config(config, config.gpu_memory_bytes)
+    assert (req.gpu_memory, req.kv, req.max_context, req.max_seqs, req.page_size,
+            req.prefill_chunk, req.dtype_bytes) == (512 << 20, "bf16", 256, 2, 16, 256, 2)
+    assert req.extra_state_slots == config.num_snapshot_slots + 1  # + the graph pad slot
+    plan = plan_checkpoint(ckpt, req)
+    assert plan.kv_pages == 256 // 16 and plan.state_slots == 2 + req.extra_state_slots
+    # On "cuda" with a plan the pool is the plan's (no device is touched).
+    assert kv_pages(config, mcfg, torch.device("cuda"), plan=plan) == plan.kv_pages
+    assert not plan.experts_offloaded and plan.embed_device == "cuda"
+    # A budget short of the routed experts: offloaded, embedding on the host.
+    budget = plan.gpu_bytes - plan.embed_bytes - (plan.num_routed_experts - 12) \
+        * plan.expert_slot_bytes
+    small = plan_checkpoint(ckpt, plan_config(config, budget))
+    assert small.experts_offloaded and small.embed_device == "cpu"
+    assert mcfg.num_experts <= small.expert_slots < plan.num_routed_experts
+    assert kv_pages(config, mcfg, torch.device("cuda"), plan=small) == small.kv_pages
+    cpu = EngineConfig(model=str(ckpt), max_context=256, max_seqs=2)
+    assert kv_pages(cpu, mcfg, torch.device("cpu")) == 2 * 256 // 16

@@ -26,6 +26,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="where the model runs (default: cuda when available)")
     p.add_argument("--no-cuda-graph", action="store_true",
                    help="decode eagerly instead of replaying CUDA graphs")
+    p.add_argument("--expert-cache-slots", type=int, default=None,
+                   help="offload the routed experts behind a GPU cache of this many slots "
+                        "(default: the memory plan decides)")
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:

@@ -39,7 +39,12 @@ def bench_command(args: Any) -> int:
         engine.shutdown()
     result["config"] = {"model": config.model, "kv": config.kv, "device": config.resolved_device,
                         "max_seqs": config.max_seqs, "max_context": engine.max_context}
+    plan = getattr(engine, "memory_plan", None)
+    if plan is not None:
+        result["memory_plan"] = plan.as_dict()
     print(json.dumps(result, indent=2) if args.json else format_result(result))
+    if plan is not None and not args.json:
+        print(f"memory plan\n{plan.format()}")
     return 0
 
 
@@ -57,7 +62,8 @@ def run_bench(engine: Engine, *, prompt_len: int, gen_len: int, batch: int,
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    steps0 = engine.stats().steps
+    stats0 = engine.stats()
+    steps0 = stats0.steps
     start = time.perf_counter()
     handles = [engine.submit(p, params) for p in prompts]
     timings = _collect(handles)
@@ -75,6 +81,7 @@ def run_bench(engine: Engine, *, prompt_len: int, gen_len: int, batch: int,
         "steps": engine.stats().steps - steps0,
         "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "expert_hit_rate": _expert_hit_rate(engine),
+        "expert_cache": _expert_cache(engine, stats0),
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__,
     }
@@ -108,10 +115,16 @@ def _vocab(engine: Engine) -> int:
 
 
 def _expert_hit_rate(engine: Engine) -> float | None:
-    experts = getattr(getattr(engine.runner, "model", None), "experts", None)
-    stats = getattr(experts, "stats", None)
-    rate = getattr(stats, "hit_rate", None)
-    return float(rate) if isinstance(rate, (int, float)) else None
+    return getattr(engine.stats(), "expert_cache_hit_rate", None)
+
+
+def _expert_cache(engine: Engine, before: Any) -> dict[str, Any] | None:
+    """Expert-cache hits, misses and host-to-device bytes during the run (None: no cache)."""
+    after = engine.stats()
+    if getattr(after, "expert_cache_hits", None) is None:
+        return None
+    return {k: getattr(after, f"expert_cache_{k}") - (getattr(before, f"expert_cache_{k}") or 0)
+            for k in ("hits", "misses", "h2d_bytes")}
 
 
 def format_result(r: dict[str, Any]) -> str:
@@ -127,6 +140,9 @@ def format_result(r: dict[str, Any]) -> str:
         f"TTFT mean / max   {r['ttft_s']['mean'] * 1e3:,.1f} / {r['ttft_s']['max'] * 1e3:,.1f} ms",
         f"peak GPU memory   {'n/a' if mem is None else f'{mem / 2**30:.2f} GiB'}",
         f"expert hit rate   {num(r['expert_hit_rate'], '.1%')}",
+        *([f"expert misses     {r['expert_cache']['misses']:,} "
+           f"({r['expert_cache']['h2d_bytes'] / 2**30:.2f} GiB host to device)"]
+          if r.get("expert_cache") else []),
         f"engine steps      {r['steps']}",
     ]
     return "\n".join(lines)

@@ -102,6 +102,9 @@ def memory_summary(engine: Any, args: Any) -> str:
         import torch
 
         lines.append(f"  GPU memory in use: {torch.cuda.memory_allocated() / 2**30:.2f} GiB")
+    plan = getattr(engine, "memory_plan", None)
+    if plan is not None:
+        lines += ["memory plan:", *("  " + row for row in plan.format().splitlines())]
     return "\n".join(lines)
 
 

@@ -32,6 +32,12 @@ _COUNTERS = (
      "admitted requests that reused a cached prefix"),
     ("prefix_cached_tokens", "prompt_tokens_cached_total",
      "prompt tokens served from the prefix cache"),
+    ("expert_cache_hits", "expert_cache_hits_total",
+     "routed-expert lookups served from the GPU expert cache"),
+    ("expert_cache_misses", "expert_cache_misses_total",
+     "routed-expert lookups copied in from the host expert store"),
+    ("expert_cache_h2d_bytes", "expert_cache_h2d_bytes_total",
+     "bytes of expert weights copied host to device"),
 )
 
 

@@ -74,6 +74,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
         graphs = False
     weights = load_weights(path, mcfg, dtype=dtype, device=device,
                            include_experts=slots is None)
+    if embed_device == "cpu":  # off the device before the cache and KV pool take their share
+        weights["embed_tokens"] = weights["embed_tokens"].cpu()
     experts = None if slots is None else offloaded_experts(path, mcfg, slots, config, device,
                                                            dtype)
     states = GDNStatePool.for_config(mcfg, pad_slot + int(graphs), device=device, dtype=dtype)

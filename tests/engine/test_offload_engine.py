@@ -88,3 +88,34 @@ def test_builder_takes_the_plans_numbers(tiny_checkpoint) -> None:
     assert kv_pages(config, mcfg, torch.device("cuda"), plan=small) == small.kv_pages
     cpu = EngineConfig(model=str(ckpt), max_context=256, max_seqs=2)
     assert kv_pages(cpu, mcfg, torch.device("cpu")) == 2 * 256 // 16
+
+
+def test_server_completions_and_metrics_with_offloaded_experts(tiny_checkpoint) -> None:
+    pytest.importorskip("fastapi")
+    import httpx
+
+    from tests.server.fakes import serve
+    from tinyserve.engine.build import build_engine
+    from tinyserve.server.app import create_app
+    from tinyserve.server.state import ServerConfig, ServerState
+
+    ckpt = tiny_checkpoint("modelopt")
+    want, _, _ = _generate(ckpt)
+    engine = build_engine(EngineConfig(model=str(ckpt), device="cpu", max_context=96,
+                                       max_seqs=3, max_num_batched_tokens=16,
+                                       expert_cache_slots=10)).start()
+    try:
+        with serve(create_app(ServerState(ServerConfig(served_model_name="tiny"), engine))) \
+                as url:
+            ids = engine.tokenizer.encode(PROMPTS[0])
+            r = httpx.post(url + "/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": ids, "max_tokens": 10, "temperature": 0,
+                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            text = r.json()["choices"][0]["text"]
+            assert text == engine.tokenizer.decode(want[0])
+            metrics = httpx.get(url + "/metrics", timeout=10).text
+            assert "tinyserve:expert_cache_hit_rate" in metrics
+            assert "tinyserve:expert_cache_misses_total" in metrics
+    finally:
+        engine.shutdown()

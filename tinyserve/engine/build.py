@@ -139,7 +139,8 @@ def cap_allocator(plan: MemoryPlan, device: torch.device) -> None:
     total = torch.cuda.get_device_properties(device).total_memory
     context = dict(plan.workspace).get("cuda context", 0)
     fraction = min(1.0, max(plan.gpu_memory - context, 1) / total)
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
     log.info("GPU allocator capped at %.2f GiB of %.2f GiB", fraction * total / 2**30,
              total / 2**30)
 

@@ -225,7 +225,7 @@ def test_chunk_config_choice_fits_shared_memory() -> None:
     assert _gdn_config.chunk_smem_bytes(C(64, 32, 8, 3), 128) > _gdn_config.SM90_SMEM_BYTES
     # a pinned dv tile that cannot fit leaves only the smallest fallback
     assert _gdn_config.chunk_configs(128, 64, 128, block_v=64) == [C(32, 16, 4)]
-    assert _gdn_config.chunk_configs(128, 64, 128, block_v=32)[0] == C(64, 32, 8)
+    assert _gdn_config.chunk_configs(128, 64, 128, block_v=32)[0] == C(64, 32, 4)
     # a small device limit: only the fallback; odd dv clamps the tile to a power of two >= 16
     assert _gdn_config.chunk_configs(128, 64, 128, smem_limit=100_000) == [C(32, 16, 4)]
     assert [c.block_v for c in _gdn_config.chunk_configs(20, 16, 32)] == [16, 32]

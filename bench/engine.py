@@ -18,14 +18,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
 
 import torch
+from common import median_ms  # bench/ is on sys.path when run as a script
 
 from tinyserve.core import SamplingParams, ScheduledSeq
 from tinyserve.engine.sampler import Sampler
@@ -34,18 +33,7 @@ V = 248320
 OUT = Path(__file__).resolve().parent / "results" / "engine.json"
 
 
-def _ms(fn, reps: int = 50) -> float:
-    """Median milliseconds of fn() (synchronised)."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+
 
 
 def _seqs(batch: int, params: SamplingParams) -> list[ScheduledSeq]:
@@ -70,15 +58,16 @@ def bench_sampler(batches: list[int]) -> list[dict]:
     sampler = Sampler()
     for B in batches:
         logits = torch.randn(B, V, device="cuda") * 4
-        base_greedy = _ms(lambda logits=logits: logits.argmax(-1).tolist())
-        base_multi = _ms(lambda logits=logits: torch.multinomial(
-            torch.softmax(logits / 0.8, -1), 1).tolist())
+        base_greedy = median_ms(lambda logits=logits: logits.argmax(-1).tolist(), 50, warmup=3)
+        base_multi = median_ms(lambda logits=logits: torch.multinomial(
+            torch.softmax(logits / 0.8, -1), 1).tolist(), 50, warmup=3)
         for name, params in SAMPLER_CASES.items():
             row = {"case": name, "batch": B, "baseline_argmax_ms": base_greedy,
                    "baseline_multinomial_ms": base_multi}
             try:
                 seqs = _seqs(B, params)
-                row["ms"] = _ms(lambda logits=logits, seqs=seqs: sampler(logits, seqs).tolist())
+                row["ms"] = median_ms(
+                    lambda logits=logits, seqs=seqs: sampler(logits, seqs).tolist(), 50, warmup=3)
             except Exception:
                 row["error"] = traceback.format_exc(limit=3)
             rows.append(row)
@@ -109,11 +98,12 @@ def bench_engine(quick: bool) -> list[dict]:
                 for i in range(batch):  # queue them as the loop would
                     engine._live[f"r{i}"] = _dummy_live(engine, f"r{i}")
                 engine.step()  # prefill
-                row["engine_step_ms"] = _ms(engine.step, reps=100)
+                row["engine_step_ms"] = median_ms(engine.step, 100, warmup=3)
                 batch_now: Batch = engine.scheduler.schedule()
                 ctx = engine.runner.prepare(batch_now)
                 run = engine.runner.run
-                row["baseline_forward_ms"] = _ms(lambda ctx=ctx, run=run: run(ctx), 100)
+                row["baseline_forward_ms"] = median_ms(lambda ctx=ctx, run=run: run(ctx), 100,
+                                                          warmup=3)
                 row["host_overhead_ms"] = row["engine_step_ms"] - row["baseline_forward_ms"]
                 engine.shutdown()
                 engine = build_engine(cfg).start()

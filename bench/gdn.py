@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 import time
 import traceback
 from pathlib import Path
 
 import torch
+from common import median_ms  # bench/ is on sys.path when run as a script
 
 from tinyserve.kernels import gdn
 
@@ -41,17 +41,7 @@ def _bench(fn, graph: bool = False) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-def _time_slow(fn, reps: int = 3) -> float:
-    """Median milliseconds of a slow function (a Python loop per token)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+
 
 
 def _copy_bandwidth() -> float:
@@ -112,7 +102,7 @@ def bench_decode(B: int, copy_gbps: float) -> dict:
                                                           slots, block_v=best_bv)) * 1e3,
     )
     ref_rec = rec.clone()
-    out["torch_ref_gdn_decode_us"] = _time_slow(
+    out["torch_ref_gdn_decode_us"] = median_ms(
         lambda: gdn.gdn_decode(q, k, v, a, b, A_log, dt_bias, ref_rec, slots,
                                backend="torch"), reps=5) * 1e3
     # correctness of one step against the reference, from identical states
@@ -142,8 +132,8 @@ def bench_prefill(lens: list[int], init: list[bool], ref_prefix: int | None,
     # the torch chunk reference on the same input: baseline time and the accuracy target
     rec0 = rec.clone()  # pristine states; timing runs below update `rec` in place
     r_ref = rec0.clone()
-    t_ref = _time_slow(lambda: gdn.gdn_prefill(*args, rec0.clone(), slots, cu, has,
-                                               backend="torch"), reps=1)
+    t_ref = median_ms(lambda: gdn.gdn_prefill(*args, rec0.clone(), slots, cu, has,
+                                          backend="torch"), reps=1)
     o_ref = gdn.gdn_prefill(*args, r_ref, slots, cu, has, backend="torch")
     out["torch_chunk_ref_ms"] = t_ref
     out["torch_chunk_ref_tokens_per_s"] = T / t_ref * 1e3
@@ -170,8 +160,8 @@ def bench_prefill(lens: list[int], init: list[bool], ref_prefix: int | None,
         one = [t[:n] for t in args[:5]] + list(args[5:])
         cu1 = torch.tensor([0, n], dtype=torch.int32, device="cuda")
         s1, h1 = slots[:1], torch.tensor([False], device="cuda")
-        t_rec = _time_slow(lambda: gdn.gdn_prefill(*one, rec, s1, cu1, h1, backend="torch",
-                                                   method="recurrent"), reps=1)
+        t_rec = median_ms(lambda: gdn.gdn_prefill(*one, rec, s1, cu1, h1, backend="torch",
+                                              method="recurrent"), reps=1)
         out["torch_recurrent_ref_prefix_tokens"] = n
         out["torch_recurrent_ref_tokens_per_s"] = n / t_rec * 1e3
     return out

@@ -17,7 +17,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -26,6 +25,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from common import median_ms  # bench/ is on sys.path when run as a script
 
 from tinyserve.core import DenseWeight, NVFP4Weight, ScheduledSeq
 from tinyserve.engine.runner import ModelRunner
@@ -111,16 +112,7 @@ def _runner(cfg: ModelConfig, w: dict, num_seqs: int) -> ModelRunner:
     return ModelRunner(model, page_size=PAGE)
 
 
-def _time(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+
 
 
 def _step(cfg: ModelConfig, w: dict, kind: str, n: int, reps: int) -> dict:
@@ -135,7 +127,7 @@ def _step(cfg: ModelConfig, w: dict, kind: str, n: int, reps: int) -> dict:
         seqs = [ScheduledSeq("p", list(range(1, n + 1)), 0, list(range(n // PAGE + 1)), 0,
                              sample=True)]
     ctx = runner.prepare(seqs)
-    ms = _time(lambda: runner.run(ctx), reps)
+    ms = median_ms(lambda: runner.run(ctx), reps)
     return {"ms_per_step": ms, "ms_per_layer": ms / cfg.num_layers}
 
 

@@ -23,3 +23,54 @@ def median_ms(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def run_meta(name: str, **extra: object) -> dict:
+    """The JSON header of a result file: what ran, where, with which versions, when."""
+    import datetime
+    import subprocess
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    meta: dict = {"name": name, "date": now.isoformat(timespec="seconds"),
+                  "torch": torch.__version__}
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        meta["device"] = torch.cuda.get_device_name()
+    try:
+        meta["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=True,
+                                        capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return {**meta, **extra}
+
+
+class Recorder:
+    """Collects named cases into one JSON file, rewritten after every case; a failing case
+    records its traceback and the next one still runs."""
+
+    def __init__(self, path, meta: dict) -> None:
+        self.path = path
+        self.data: dict = {**meta, "cases": {}, "errors": {}}
+
+    def run(self, name: str, fn: Callable[..., dict], *args: object) -> dict | None:
+        import json
+        import traceback
+
+        t0 = time.perf_counter()
+        try:
+            out = fn(*args)
+            self.data["cases"][name] = {"seconds": round(time.perf_counter() - t0, 2), **out}
+            print(f"[{name}] {json.dumps(self.data['cases'][name])[:3000]}", flush=True)
+            return out
+        except Exception as exc:  # record and go on (OOM included)
+            self.data["errors"][name] = traceback.format_exc()[-4000:]
+            print(f"[{name}] FAILED: {exc!r}\n{self.data['errors'][name]}", flush=True)
+            return None
+        finally:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(self.data, indent=1, default=str) + "\n")

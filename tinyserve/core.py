@@ -170,6 +170,9 @@ class ForwardContext:
     # the host lists. A captured decode graph sets its capacity here, and its host lists are
     # placeholders then (decode kernels read only the tensors and this bound).
     max_seq_len: int | None = None
+    # [N] int64 host copy of input_ids (None: none kept): a host embedding table gathers its
+    # rows from it without a device -> host synchronisation.
+    input_ids_cpu: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -3,6 +3,12 @@
 Router: fp32 softmax over the router logits, top-k, ALWAYS renormalised over the top k, cast to
 the model dtype. Shared expert: SwiGLU MLP scaled by sigmoid(shared_expert_gate(x)).
 
+On CUDA (`kernels_enabled`) the glue runs as Triton kernels (`kernels/router.py`,
+`kernels/shared_expert.py`) beside the torch references here (`*_ref`, the CPU path), and
+`SparseMoE` concatenates, once at build, the shared expert's gate_proj and up_proj into one
+gate_up weight and the router with shared_expert_gate into one [E + 1, H] weight when each
+pair has the same storage (and NVFP4 global scale): one GEMV for each pair.
+
 Experts provider interface (resident here; an offloaded one lives in `offload/`):
 `forward(layer_id, x [N, H], topk_ids [N, k] int64, topk_weights [N, k]) -> [N, H]`.
 """
@@ -15,23 +21,95 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tinyserve.core import DenseWeight, FP8Weight, LinearWeight
+from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
 from tinyserve.model.linear import kernels_enabled, linear
+
+ROUTER_KERNEL_MAX_N = 256  # the router kernel up to this many tokens, torch above
 
 
 def swiglu_mlp(x: torch.Tensor, gate: LinearWeight, up: LinearWeight,
                down: LinearWeight) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)), x [N, H] -> [N, H]."""
-    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+    return linear(silu_mul(linear(x, gate), linear(x, up)), down)
 
 
 def route(x: torch.Tensor, router: LinearWeight, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, H] -> (topk_ids [N, k] int64, topk_weights [N, k] in x.dtype, renormalised)."""
-    logits = linear(x, router)  # [N, E] model dtype
+    return topk_softmax(linear(x, router), top_k, x.dtype)  # logits [N, E] model dtype
+
+
+def topk_softmax(logits: torch.Tensor, top_k: int,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [N, E] (unit column stride) -> (ids [N, k] int64 in descending
+    probability, weights [N, k] in `dtype`): fp32 softmax, top-k, renormalised, cast."""
+    if kernels_enabled(logits.device) and logits.shape[0] <= ROUTER_KERNEL_MAX_N:
+        from tinyserve.kernels import router as router_kernels
+
+        return router_kernels.topk_softmax(logits, top_k, dtype)
+    return topk_softmax_ref(logits, top_k, dtype)
+
+
+def topk_softmax_ref(logits: torch.Tensor, top_k: int,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch `topk_softmax`."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     weights = weights / weights.sum(dim=-1, keepdim=True)
-    return ids, weights.to(x.dtype)
+    return ids, weights.to(dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate, up [N, F] in the model dtype (one kernel on CUDA)."""
+    if kernels_enabled(gate.device) and gate.dim() == 2:
+        from tinyserve.kernels import shared_expert
+
+        return shared_expert.silu_mul(gate, up)
+    return silu_mul_ref(gate, up)
+
+
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Pure-torch `silu_mul`."""
+    return F.silu(gate) * up
+
+
+def gated_add(routed: torch.Tensor, gate_logit: torch.Tensor,
+              shared: torch.Tensor) -> torch.Tensor:
+    """routed + sigmoid(gate_logit) * shared; routed, shared [N, H], gate_logit [N, 1], all in
+    the model dtype (one kernel on CUDA)."""
+    if kernels_enabled(routed.device):
+        from tinyserve.kernels import shared_expert
+
+        return shared_expert.gated_add(routed, gate_logit, shared)
+    return gated_add_ref(routed, gate_logit, shared)
+
+
+def gated_add_ref(routed: torch.Tensor, gate_logit: torch.Tensor,
+                  shared: torch.Tensor) -> torch.Tensor:
+    """Pure-torch `gated_add`."""
+    return routed + torch.sigmoid(gate_logit) * shared
+
+
+def concat_rows(a: LinearWeight, b: LinearWeight) -> LinearWeight | None:
+    """One weight whose output rows are a's then b's (`linear(x, ab) = [linear(x, a) |
+    linear(x, b)]`), or None when the storages differ (or two NVFP4 global scales do)."""
+    if a.shape[1] != b.shape[1] or type(a) is not type(b):
+        return None
+    if isinstance(a, DenseWeight) and isinstance(b, DenseWeight):
+        if a.weight.dtype != b.weight.dtype:
+            return None
+        return DenseWeight(torch.cat([a.weight, b.weight]))
+    if isinstance(a, NVFP4Weight) and isinstance(b, NVFP4Weight):
+        if a.global_scale != b.global_scale:
+            return None
+        return NVFP4Weight(torch.cat([a.packed, b.packed]),
+                           torch.cat([a.block_scale, b.block_scale]), a.global_scale)
+    if isinstance(a, FP8Weight) and isinstance(b, FP8Weight):
+        if a.scale.numel() == 1 and b.scale.numel() == 1 and torch.equal(a.scale, b.scale):
+            return FP8Weight(torch.cat([a.weight, b.weight]), a.scale)
+        scales = [w.scale.to(torch.float32).reshape(-1, 1).expand(w.shape[0], 1)
+                  for w in (a, b)]  # per-row [out, 1]
+        return FP8Weight(torch.cat([a.weight, b.weight]), torch.cat(scales))
+    return None
 
 
 class ResidentExperts:
@@ -98,21 +176,45 @@ def _device_of(w: LinearWeight) -> torch.device:
 
 
 class SparseMoE:
-    """Router + routed experts (through the provider) + gated shared expert, one layer."""
+    """Router + routed experts (through the provider) + gated shared expert, one layer.
+
+    Where kernels run, `gate_up` ([2F, H]) replaces the shared expert's gate and up weights
+    and `router_gate` ([E + 1, H]) the router and shared_expert_gate (None when a pair cannot
+    be concatenated; then the separate weights stay).
+    """
 
     def __init__(self, layer_id: int, config: Any, w: dict[str, Any], experts: Any) -> None:
         self.layer_id = layer_id
         self.top_k = config.num_experts_per_tok
-        self.router: LinearWeight = w["gate"]
-        self.shared = (w["shared_expert.gate_proj"], w["shared_expert.up_proj"],
-                       w["shared_expert.down_proj"])
-        self.shared_gate: LinearWeight = w["shared_expert_gate"]
+        self.num_experts = config.num_experts
         self.experts = experts
+        gate, up = w["shared_expert.gate_proj"], w["shared_expert.up_proj"]
+        router, shared_gate = w["gate"], w["shared_expert_gate"]
+        self.down: LinearWeight = w["shared_expert.down_proj"]
+        # NOTE: fused weights only where kernels run, so the CPU path (and its parity with
+        # transformers) keeps the separate projections.
+        fuse = kernels_enabled(_device_of(router))
+        self.gate_up = concat_rows(gate, up) if fuse else None
+        self.router_gate = concat_rows(router, shared_gate) if fuse else None
+        self.gate, self.up = (gate, up) if self.gate_up is None else (None, None)
+        self.router, self.shared_gate = ((router, shared_gate) if self.router_gate is None
+                                         else (None, None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, H] (normed) -> [N, H]."""
-        shared = swiglu_mlp(x, *self.shared)
-        ids, weights = route(x, self.router, self.top_k)
+        if self.gate_up is not None:
+            gu = linear(x, self.gate_up)  # [N, 2F]: gate | up
+            f = gu.shape[1] // 2
+            h = silu_mul(gu[:, :f], gu[:, f:])
+        else:
+            h = silu_mul(linear(x, self.gate), linear(x, self.up))
+        shared = linear(h, self.down)  # [N, H]
+        E = self.num_experts
+        if self.router_gate is not None:
+            logits = linear(x, self.router_gate)  # [N, E + 1]: router | shared gate
+            router_logits, gate_logit = logits[:, :E], logits[:, E:]
+        else:
+            router_logits, gate_logit = linear(x, self.router), linear(x, self.shared_gate)
+        ids, weights = topk_softmax(router_logits, self.top_k, x.dtype)
         routed = self.experts.forward(self.layer_id, x, ids, weights)
-        shared = torch.sigmoid(linear(x, self.shared_gate)) * shared
-        return routed + shared
+        return gated_add(routed, gate_logit, shared)

@@ -1,21 +1,43 @@
-"""RMSNorms of Qwen3.5-MoE: the zero-centred one (weight enters as 1 + w) and the gated one of
-the GDN output (plain weight w, SiLU gate)."""
+"""RMSNorms of Qwen3.5-MoE: the zero-centred one (weight enters as 1 + w), the same fused with
+the residual add before it, and the gated one of the GDN output (plain weight w, SiLU gate).
+
+The `*_ref` functions are the pure-torch definitions (the CPU path, and the references of the
+Triton kernels in `kernels/norm.py`, which run instead on CUDA when
+`model.linear.kernels_enabled`).
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from tinyserve.model.linear import kernels_enabled
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`dt(f32(x) * rsqrt(mean(f32(x)^2) + eps) * (1 + f32(w)))` over the last dim.
 
     Used for the layer norms, the final norm and q_norm / k_norm. The cast back to x.dtype
-    happens after the weight multiply.
+    happens after the weight multiply. x [..., D] (unit last stride on CUDA), weight [D].
     """
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * (1.0 + weight.float())).to(x.dtype)
+    if kernels_enabled(x.device):
+        from tinyserve.kernels import norm as norm_kernels
+
+        return norm_kernels.rms_norm(x, weight, eps)
+    return rms_norm_ref(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`s = x + residual` in x.dtype, then `rms_norm(s, weight, eps)`; returns (normed, s).
+
+    One kernel on CUDA for the decoder layer's `x = x + h; h = norm(x)`.
+    """
+    if kernels_enabled(x.device):
+        from tinyserve.kernels import norm as norm_kernels
+
+        return norm_kernels.add_rms_norm(x, residual, weight, eps)
+    return add_rms_norm_ref(x, residual, weight, eps)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
@@ -26,6 +48,30 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
         x, gate: [..., D] in the model dtype; weight: [D] (plain, initialised to ones; kept in
         fp32 or the model dtype, whichever the loader gives).
     """
+    if kernels_enabled(x.device):
+        from tinyserve.kernels import norm as norm_kernels
+
+        return norm_kernels.gated_rms_norm(x, gate, weight, eps)
+    return gated_rms_norm_ref(x, gate, weight, eps)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Pure-torch `rms_norm`."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * (1.0 + weight.float())).to(x.dtype)
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch `add_rms_norm`."""
+    s = x + residual
+    return rms_norm_ref(s, weight, eps), s
+
+
+def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+    """Pure-torch `gated_rms_norm`."""
     dtype = x.dtype
     xf = x.float()
     h = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)

@@ -1,0 +1,139 @@
+"""RMSNorms of Qwen3.5-MoE as one Triton kernel each (one program per row, fp32 math).
+
+References (pure torch, the CPU path): `model/norm.py` (`rms_norm_ref`, `gated_rms_norm_ref`,
+`add_rms_norm_ref`). The kernels cast back to the model dtype at the same points as the
+references, so a bf16 output differs by at most a rounding step where the fp32 row sum is
+accumulated in another order.
+
+- `rms_norm`: `dt(f32(x) * rsqrt(mean(f32(x)^2) + eps) * (1 + f32(w)))` (zero-centred weight).
+- `add_rms_norm`: `s = dt(x + residual)`, then `rms_norm(s)`; returns (normed, s).
+- `gated_rms_norm`: `dt((w * dt(norm(x))) * silu(f32(z)))` (plain weight; `w * h` rounded to
+  the model dtype when w is in the model dtype, as torch's type promotion does).
+
+This module imports triton at the top: callers import it lazily (on CUDA only).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, D, stride_x, stride_r, stride_y,
+                    stride_s, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    m = cols < D
+    x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + row * stride_r + cols, mask=m, other=0.0).to(tl.float32)
+        s = (x + r).to(s_ptr.dtype.element_ty)  # the new residual, in the model dtype
+        tl.store(s_ptr + row * stride_s + cols, s, mask=m)
+        x = s.to(tl.float32)
+    var = tl.sum(x * x, axis=0) / D
+    rstd = tl.rsqrt(var + eps)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    y = (x * rstd) * (1.0 + w)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, D, stride_x, stride_z, stride_y, eps,
+                          ROUND_WH: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    m = cols < D
+    x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + row * stride_z + cols, mask=m, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    var = tl.sum(x * x, axis=0) / D
+    h = (x * tl.rsqrt(var + eps)).to(y_ptr.dtype.element_ty).to(tl.float32)
+    h = w * h
+    if ROUND_WH:  # w in the model dtype: torch rounds w * h to it
+        h = h.to(y_ptr.dtype.element_ty).to(tl.float32)
+    g = z / (1.0 + tl.exp(-z))  # silu in fp32
+    tl.store(y_ptr + row * stride_y + cols, (h * g).to(y_ptr.dtype.element_ty), mask=m)
+
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
+    """t [..., D] as [R, D] rows with unit column stride (a view when the strides allow)."""
+    t2 = t.reshape(-1, d)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor) -> int:
+    d = x.shape[-1]
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"x must be bf16/fp16/fp32, got {x.dtype}")
+    if weight.shape != (d,):
+        raise ValueError(f"weight {list(weight.shape)} does not match the last dim {d}")
+    for t in others:
+        if t.shape != x.shape or t.dtype != x.dtype:
+            raise ValueError(f"{list(t.shape)} {t.dtype} does not match x {list(x.shape)} "
+                             f"{x.dtype}")
+    if any(t.device != x.device for t in (weight, *others)):
+        raise ValueError("all tensors must be on one device")
+    return d
+
+
+def _launch_cfg(d: int) -> tuple[int, int]:
+    block = triton.next_power_of_2(d)
+    return block, max(1, min(8, block // 256))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm over the last dim. x [..., D] (any strides with a unit last
+    stride), weight [D] -> [..., D] contiguous in x.dtype."""
+    d = _check(x, weight)
+    x2 = _rows(x, d)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y2 = y.view(-1, d)
+    if x2.shape[0]:
+        block, warps = _launch_cfg(d)
+        rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, y2, y2, d, x2.stride(0), 0,
+                                        y2.stride(0), 0, eps, HAS_RESIDUAL=False,
+                                        BLOCK_D=block, num_warps=warps)
+    return y
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`s = x + residual` (rounded to x.dtype), then `rms_norm(s)`, in one pass.
+
+    x, residual [..., D] same shape and dtype; weight [D]. Returns (normed, s), both new
+    contiguous tensors in x.dtype.
+    """
+    d = _check(x, weight, residual)
+    x2, r2 = _rows(x, d), _rows(residual, d)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y2, s2 = y.view(-1, d), s.view(-1, d)
+    if x2.shape[0]:
+        block, warps = _launch_cfg(d)
+        rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y2, s2, d, x2.stride(0), r2.stride(0),
+                                        y2.stride(0), s2.stride(0), eps, HAS_RESIDUAL=True,
+                                        BLOCK_D=block, num_warps=warps)
+    return y, s
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """GDN output norm per head: x, gate [..., D] in the model dtype, weight [D] (fp32 or the
+    model dtype) -> [..., D] contiguous in x.dtype."""
+    d = _check(x, weight, gate)
+    x2, z2 = _rows(x, d), _rows(gate, d)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y2 = y.view(-1, d)
+    round_wh = torch.promote_types(weight.dtype, x.dtype) != torch.float32
+    if x2.shape[0]:
+        block, warps = _launch_cfg(d)
+        gated_rms_norm_kernel[(x2.shape[0],)](x2, z2, weight, y2, d, x2.stride(0),
+                                              z2.stride(0), y2.stride(0), eps,
+                                              ROUND_WH=round_wh, BLOCK_D=block,
+                                              num_warps=warps)
+    return y

@@ -1,0 +1,92 @@
+"""Elementwise glue of the MoE block's shared expert in Triton, rounding like the torch code.
+
+- `silu_mul(gate, up)`: `dt(dt(silu(gate)) * up)`, the SwiGLU middle; gate and up may be the
+  two column halves of one [N, 2F] gate_up projection.
+- `gated_add(routed, gate_logit, shared)`: `dt(routed + dt(dt(sigmoid(gate_logit)) * shared))`,
+  the shared expert's sigmoid gate and the sum with the routed experts.
+
+References (pure torch): `model.moe.silu_mul_ref`, `model.moe.gated_add_ref`. The dt(...)
+points are where torch rounds a model-dtype intermediate; the math between them is fp32.
+
+This module imports triton at the top: callers import it lazily (on CUDA only).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 1024  # elements of one row per program
+
+
+@triton.jit
+def silu_mul_kernel(g_ptr, u_ptr, y_ptr, F, stride_g, stride_u, stride_y,
+                    BLOCK_F: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    m = cols < F
+    g = tl.load(g_ptr + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=m, other=0.0).to(tl.float32)
+    a = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, (a * u).to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def gated_add_kernel(r_ptr, s_ptr, g_ptr, y_ptr, H, stride_r, stride_s, stride_g, stride_y,
+                     BLOCK_H: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m = cols < H
+    dt = y_ptr.dtype.element_ty
+    logit = tl.load(g_ptr + row * stride_g).to(tl.float32)
+    gate = (1.0 / (1.0 + tl.exp(-logit))).to(dt).to(tl.float32)
+    s = tl.load(s_ptr + row * stride_s + cols, mask=m, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + row * stride_r + cols, mask=m, other=0.0).to(tl.float32)
+    sh = (gate * s).to(dt).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, (r + sh).to(dt), mask=m)
+
+
+def _check_rows(*ts: torch.Tensor) -> None:
+    for t in ts:
+        if t.dim() != 2 or t.stride(-1) != 1:
+            raise ValueError(f"expected [N, C] with unit column stride, got {list(t.shape)} "
+                             f"strides {t.stride()}")
+        if t.device != ts[0].device or t.shape[0] != ts[0].shape[0]:
+            raise ValueError("tensors must share the device and the number of rows")
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up [N, F] in the model dtype (unit column stride, any row stride) -> [N, F]."""
+    _check_rows(gate, up)
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"gate {list(gate.shape)} {gate.dtype} != up {list(up.shape)} "
+                         f"{up.dtype}")
+    n, f = gate.shape
+    y = torch.empty(n, f, dtype=gate.dtype, device=gate.device)
+    if n and f:
+        block = min(BLOCK, triton.next_power_of_2(f))
+        silu_mul_kernel[(n, triton.cdiv(f, block))](gate, up, y, f, gate.stride(0),
+                                                    up.stride(0), y.stride(0), BLOCK_F=block,
+                                                    num_warps=max(1, min(4, block // 256)))
+    return y
+
+
+def gated_add(routed: torch.Tensor, gate_logit: torch.Tensor,
+              shared: torch.Tensor) -> torch.Tensor:
+    """routed, shared [N, H] in the model dtype; gate_logit [N, 1] (any row stride, e.g. the
+    last column of a wider projection) -> routed + sigmoid(gate_logit) * shared, [N, H]."""
+    _check_rows(routed, gate_logit, shared)
+    if routed.shape != shared.shape or gate_logit.shape[1] != 1:
+        raise ValueError(f"routed {list(routed.shape)}, shared {list(shared.shape)}, "
+                         f"gate_logit {list(gate_logit.shape)}")
+    n, h = routed.shape
+    y = torch.empty(n, h, dtype=routed.dtype, device=routed.device)
+    if n and h:
+        block = min(BLOCK, triton.next_power_of_2(h))
+        gated_add_kernel[(n, triton.cdiv(h, block))](routed, shared, gate_logit, y, h,
+                                                     routed.stride(0), shared.stride(0),
+                                                     gate_logit.stride(0), y.stride(0),
+                                                     BLOCK_H=block,
+                                                     num_warps=max(1, min(4, block // 256)))
+    return y

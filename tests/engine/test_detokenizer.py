@@ -120,3 +120,33 @@ def test_stop_strings_property(text: str, stops: list[str], seed: int) -> None:
     assert "".join(pieces) == expected
     assert all("\ufffd" not in p for p in pieces)
     assert detok.stopped == bool(hits)
+
+
+@pytest.mark.parametrize("clean_up", [False, True], ids=["backend", "wrapper"])
+def test_fast_tokenizer_backend_decodes_like_the_wrapper(clean_up: bool) -> None:
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from tinyserve.engine.detokenizer import _decoder
+    from tinyserve.testing.tokenizer import TINY_VOCAB_SIZE, tokenizer_json
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer_json()),
+                                  clean_up_tokenization_spaces=clean_up)
+    calls = []
+    wrapped = tok.decode
+
+    def counting_decode(ids, **kw):
+        calls.append(1)
+        return wrapped(ids, **kw)
+
+    tok.decode = counting_decode
+    rng = random.Random(3)
+    for skip in (True, False):
+        fn = _decoder(tok, skip)
+        for _ in range(50):  # random ids: partial characters, special tokens, tags
+            ids = [rng.randrange(TINY_VOCAB_SIZE) for _ in range(rng.randint(1, 6))]
+            assert fn(ids) == wrapped(ids, skip_special_tokens=skip)
+        detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+        ids = [rng.randrange(TINY_VOCAB_SIZE) for _ in range(40)]
+        assert "".join(stream(detok, ids, rng)) == wrapped(ids, skip_special_tokens=skip)
+    assert bool(calls) == clean_up  # the wrapper runs only when it post-processes

@@ -1,10 +1,11 @@
 """`tinyserve bench MODEL`: prefill and decode speed of the whole engine.
 
 `--batch` requests of `--prompt-len` random tokens each generate `--gen-len` tokens (greedy,
-EOS ignored), submitted together after one warm-up request. Reported: prefill tokens/s (all
-prompt tokens over the time until the last request's first token), decode tokens/s (tokens
-after the first over the time after it), time to first token, peak GPU memory and, when the
-experts are offloaded, the expert-cache hit rate.
+EOS ignored), submitted together after a warm-up of the same shape. Reported: prefill tokens/s
+(all prompt tokens over the time until the last request's first token), decode tokens/s
+(tokens after the first over the time after it), the median decode step (inter-token
+interval), time to first token, peak GPU memory, CUDA graphs captured during the measured run
+(0 once warm) and, when the experts are offloaded, the expert-cache hit rate.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from tinyserve.core import SamplingParams
 from tinyserve.engine.build import build_engine
 from tinyserve.engine.config import EngineConfig
+from tinyserve.engine.graph import capacity_pages
 from tinyserve.engine.loop import Engine, RequestHandle
 
 
@@ -54,8 +56,19 @@ def run_bench(engine: Engine, *, prompt_len: int, gen_len: int, batch: int,
     vocab = _vocab(engine)
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
-    warm = torch.randint(0, vocab, (min(prompt_len, 16),), generator=gen).tolist()
-    engine.submit(warm, SamplingParams(max_tokens=2, ignore_eos=True)).result()
+    # NOTE: the warm-up runs `batch` requests of `prompt_len` other random tokens, so that the
+    # prefill kernels are compiled for the measured chunk shapes and the decode graphs of the
+    # measured batch bucket and context capacity are captured before the clock starts (one
+    # capture costs a few eager steps: ~0.3 s on the full-size model). It decodes through
+    # `gen_len` tokens only when the measured run crosses a graph capacity, else 2.
+    page_size = engine.config.page_size
+    crosses = (capacity_pages(prompt_len + 1, page_size)
+               != capacity_pages(prompt_len + gen_len - 1, page_size))
+    warm = SamplingParams(max_tokens=gen_len if crosses else min(gen_len, 2), temperature=0.0,
+                          ignore_eos=True)
+    warm_prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
+                    for _ in range(batch)]
+    _collect([engine.submit(p, warm) for p in warm_prompts])
     prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
                for _ in range(batch)]
     cuda = torch.cuda.is_available() and engine.config.resolved_device.startswith("cuda")
@@ -64,6 +77,7 @@ def run_bench(engine: Engine, *, prompt_len: int, gen_len: int, batch: int,
         torch.cuda.reset_peak_memory_stats()
     stats0 = engine.stats()
     steps0 = stats0.steps
+    graphs0 = _num_graphs(engine)
     start = time.perf_counter()
     handles = [engine.submit(p, params) for p in prompts]
     timings = _collect(handles)
@@ -72,13 +86,16 @@ def run_bench(engine: Engine, *, prompt_len: int, gen_len: int, batch: int,
     last_first = max(first)
     decoded = sum(n - 1 for n in (len(t) for t in timings))
     decode_time = end - start - last_first
+    itl = [b - a for t in timings for a, b in zip(t, t[1:], strict=False)]
     result: dict[str, Any] = {
         "prompt_len": prompt_len, "gen_len": gen_len, "batch": batch,
         "prefill_tok_s": batch * prompt_len / last_first,
         "decode_tok_s": decoded / decode_time if decode_time > 0 and decoded else None,
+        "decode_step_ms": 1e3 * statistics.median(itl) if itl else None,
         "ttft_s": {"mean": statistics.fmean(first), "max": last_first},
         "total_s": end - start,
         "steps": engine.stats().steps - steps0,
+        "graphs_captured": _num_graphs(engine) - graphs0,
         "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "expert_hit_rate": _expert_hit_rate(engine),
         "expert_cache": _expert_cache(engine, stats0),
@@ -114,6 +131,11 @@ def _vocab(engine: Engine) -> int:
     return min(s for s in sizes if s)
 
 
+def _num_graphs(engine: Engine) -> int:
+    graphs = getattr(engine.runner, "graphs", None)
+    return 0 if graphs is None else graphs.num_graphs
+
+
 def _expert_hit_rate(engine: Engine) -> float | None:
     return getattr(engine.stats(), "expert_cache_hit_rate", None)
 
@@ -137,12 +159,13 @@ def format_result(r: dict[str, Any]) -> str:
         f"batch x prompt    {r['batch']} x {r['prompt_len']} tokens, {r['gen_len']} generated",
         f"prefill           {num(r['prefill_tok_s'], ',.1f')} tok/s",
         f"decode            {num(r['decode_tok_s'], ',.1f')} tok/s",
+        f"decode step       {num(r.get('decode_step_ms'), ',.2f')} ms (median)",
         f"TTFT mean / max   {r['ttft_s']['mean'] * 1e3:,.1f} / {r['ttft_s']['max'] * 1e3:,.1f} ms",
         f"peak GPU memory   {'n/a' if mem is None else f'{mem / 2**30:.2f} GiB'}",
         f"expert hit rate   {num(r['expert_hit_rate'], '.1%')}",
         *([f"expert misses     {r['expert_cache']['misses']:,} "
            f"({r['expert_cache']['h2d_bytes'] / 2**30:.2f} GiB host to device)"]
           if r.get("expert_cache") else []),
-        f"engine steps      {r['steps']}",
+        f"engine steps      {r['steps']} ({r.get('graphs_captured', 0)} graphs captured)",
     ]
     return "\n".join(lines)

@@ -5,11 +5,15 @@ step costs O(1) tokens of decoding. Text that ends in a partial UTF-8 character 
 gives U+FFFD) is held back until the character completes. Stop strings are matched on the
 decoded text, across token boundaries; the text from a stop string on is never emitted, and a
 tail that could still become a stop string is held back until it cannot.
+
+A Hugging Face fast tokenizer whose decode adds no post-processing (clean_up_tokenization_spaces
+off, as in Qwen3.5) is decoded through its Rust backend directly: the same text for a seventh
+of the per-call cost (the Python wrapper costs ~8 us a call, two calls a token).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 _REPLACEMENT = "\ufffd"
@@ -35,6 +39,7 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stopped = False
         self._max_stop = max((len(s) for s in self.stop), default=0)
+        self._decode_fn = _decoder(tokenizer, skip_special_tokens)
         self._ids: list[int] = []
         self._prefix_offset = 0  # start of the decode window (a character boundary)
         self._read_offset = 0  # tokens whose text is already in self._text
@@ -83,7 +88,7 @@ class IncrementalDetokenizer:
     def _decode_ids(self, ids: list[int]) -> str:
         if not ids:
             return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self._decode_fn(ids)
 
     def _emit(self, *, final: bool) -> str:
         end = len(self._text)
@@ -102,6 +107,16 @@ class IncrementalDetokenizer:
         delta = self._text[self._emitted:end]
         self._emitted = end
         return delta
+
+
+def _decoder(tokenizer: Tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """`ids -> text`: the Rust backend of a Hugging Face fast tokenizer when its `decode` would
+    return the backend's text unchanged, else `tokenizer.decode`."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (getattr(tokenizer, "clean_up_tokenization_spaces", None) is False
+            and callable(getattr(backend, "decode", None))):
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def _stop_prefix_len(text: str, stops: tuple[str, ...], max_len: int) -> int:

@@ -25,7 +25,7 @@ PAD_SLOT = NUM_SEQS  # the pool has one more slot than sequences
 
 
 def _runner(fmt: str, kv: str, *, device: str, dtype: torch.dtype,
-            graphs: bool = False) -> ModelRunner:
+            graphs: bool = False, embed_device: str | None = None) -> ModelRunner:
     cfg, w = checkpoint(fmt, "hd128")
     backend = create_kv_backend(kv, layer_ids=list(cfg.full_attention_layers),
                                 num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
@@ -34,7 +34,8 @@ def _runner(fmt: str, kv: str, *, device: str, dtype: torch.dtype,
     states = GDNStatePool.for_config(cfg, NUM_SEQS + 1, device=device, dtype=dtype)
     for t in (states.conv, states.recurrent, *_kv_tensors(backend)):
         t.fill_(255 if t.dtype == torch.uint8 else float("nan"))  # poison
-    model = Qwen35Model(cfg, w, kv=backend, states=states, device=device, dtype=dtype)
+    model = Qwen35Model(cfg, w, kv=backend, states=states, device=device, dtype=dtype,
+                        embed_device=embed_device)
     return ModelRunner(model, page_size=PAGE, cuda_graphs=graphs, graph_pad_slot=PAD_SLOT)
 
 
@@ -230,9 +231,16 @@ def test_graph_decode_equals_eager(fmt: str, kv: str, batch: int) -> None:
     got, got_logits = _greedy_run(graph, prompts, steps, syncs)
     assert graph.graphs.num_graphs >= 1, "no decode graph was captured"
     assert syncs[1:] == [1] * (steps - 1), syncs  # step 0 captures
-    for i in range(batch):
+    assert_same_greedy(got, want, got_logits, want_logits)
+
+
+def assert_same_greedy(got: list[list[int]], want: list[list[int]],
+                       got_logits: list[torch.Tensor], want_logits: list[torch.Tensor]) -> None:
+    """Graph tokens equal the eager ones, logits within bf16 noise; a token may flip only at
+    a near-tie of the eager logits (then that sequence stops being compared)."""
+    for i in range(len(want)):
         assert got[i][0] == want[i][0]  # prefill is eager in both
-        for step in range(steps):
+        for step in range(len(want_logits)):
             ref, out = want_logits[step][i], got_logits[step][i]
             assert torch.isfinite(out).all()
             diff = (out - ref).abs().max().item()

@@ -26,6 +26,8 @@ def test_prepare_tensors(tiny) -> None:
             ScheduledSeq("c", [1, 2], 4, [7, 5, 6], 2, sample=False)]
     ctx = runner.prepare(Batch(seqs))
     assert ctx.input_ids.tolist() == [5, 6, 7, 9, 1, 2]
+    assert ctx.input_ids_cpu.device.type == "cpu"  # what a host embedding table gathers from
+    assert ctx.input_ids_cpu.tolist() == [5, 6, 7, 9, 1, 2]
     assert ctx.positions.tolist() == [0, 1, 2, 6, 4, 5]
     assert ctx.cu_seqlens.tolist() == [0, 3, 4, 6] and ctx.cu_seqlens.dtype == torch.int32
     assert ctx.prefix_lens.tolist() == [0, 6, 4] and ctx.seq_lens.tolist() == [3, 7, 6]

@@ -67,11 +67,9 @@ def build_parts(config: EngineConfig) -> EngineParts:
     slots = config.expert_cache_slots
     if slots is None and plan is not None and plan.experts_offloaded:
         slots = plan.expert_slots
+    # NOTE: with the embedding on the host, decode graphs start from the hidden states that
+    # the host gathers each step (`engine.graph`).
     embed_device = "cpu" if plan is not None and plan.embed_device == "cpu" else None
-    if embed_device == "cpu" and graphs:
-        # NOTE: the host row gather cannot run inside a captured graph.
-        log.info("embedding on the CPU (row gather): decode runs without CUDA graphs")
-        graphs = False
     weights = load_weights(path, mcfg, dtype=dtype, device=device,
                            include_experts=slots is None)
     if embed_device == "cpu":  # off the device before the cache and KV pool take their share

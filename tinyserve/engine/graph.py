@@ -18,6 +18,11 @@ tokens); decode attention sizes its work by the capacity (`ForwardContext.max_se
 at most twice the longest sequence. The host lists of a graph's context are placeholders
 (one new token after capacity - 1 cached ones: upper bounds, never exact lengths).
 
+Host embedding (the model's `embed_tokens` in host RAM, `Qwen35Model.embed_on_host`): the
+graph starts from a static hidden-state input [B, H] (model dtype) instead of the token ids.
+Each step gathers the B rows from the host table into the tail of the pinned packed buffer
+(padded rows zero), so the same one host-to-device copy fills them.
+
 Without capture (CPU, or `capture=False`) the same static context runs eagerly: the CPU
 test of everything but the capture itself.
 """
@@ -62,6 +67,9 @@ class _Entry:
     graph: Any = None  # torch.cuda.CUDAGraph once captured
     logits: torch.Tensor | None = None  # [batch, V] float32, the graph's output
     copied: Any = None  # torch.cuda.Event after the last host-to-device copy
+    # Host embedding only: [batch, H] model-dtype views of `host` / `device_buf` (graph input).
+    host_hidden: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
 
 
 class DecodeGraphs:
@@ -72,11 +80,14 @@ class DecodeGraphs:
         page_size: tokens per KV page.
         pad_state_slot: a GDN state slot reserved for padded rows (no sequence may use it).
         capture: capture CUDA graphs (CUDA only); False runs the static context eagerly.
-    Raises ValueError when `pad_state_slot` is not a slot of the model's state pool.
+        host_embedding: start the graphs from gathered hidden states instead of token ids
+            (None: when the model's embedding table is on the host, `model.embed_on_host`).
+    Raises ValueError when `pad_state_slot` is not a slot of the model's state pool, or with
+    `host_embedding` when the embedding table is not in host RAM.
     """
 
     def __init__(self, model: Any, *, page_size: int, pad_state_slot: int,
-                 capture: bool = True) -> None:
+                 capture: bool = True, host_embedding: bool | None = None) -> None:
         num_slots = model.states.num_slots
         if not 0 <= pad_state_slot < num_slots:
             raise ValueError(f"pad_state_slot {pad_state_slot} is not a slot of the GDN state "
@@ -86,6 +97,10 @@ class DecodeGraphs:
         self.pad_state_slot = pad_state_slot
         self.device = torch.device(model.device)
         self.capture = capture and self.device.type == "cuda"
+        self.host_embedding = (bool(getattr(model, "embed_on_host", False))
+                               if host_embedding is None else host_embedding)
+        if self.host_embedding and model.embed_tokens.device.type != "cpu":
+            raise ValueError("host_embedding needs the model's embedding table in host RAM")
         self.failed = False  # a capture failed (logged); graphs are off from then on
         self._entries: dict[tuple[int, int], _Entry] = {}
         self._pool: Any = None
@@ -126,13 +141,15 @@ class DecodeGraphs:
                 begin_step()
             entry.graph.replay()
             return entry.logits[:len(seqs)]
-        return self._forward(entry.ctx)[:len(seqs)]
+        return self._forward(entry)[:len(seqs)]
 
     # ---------------------------------------------------------------------------------------
 
-    def _forward(self, ctx: ForwardContext) -> torch.Tensor:
-        with forward_context(ctx):
-            return self.model.forward(ctx)
+    def _forward(self, entry: _Entry) -> torch.Tensor:
+        with forward_context(entry.ctx):
+            if entry.hidden is None:
+                return self.model.forward(entry.ctx)
+            return self.model.forward(entry.ctx, hidden=entry.hidden)
 
     def _upload(self, entry: _Entry) -> None:
         entry.device_buf.copy_(entry.host, non_blocking=True)
@@ -145,9 +162,13 @@ class DecodeGraphs:
         B, P, dev = bucket, pages, self.device
         n64, n32 = 4 * B, 2 * B + B * P
         words = n64 + (n32 + 1) // 2
-        device_buf = torch.zeros(words, dtype=torch.int64, device=dev)
-        host = torch.zeros(words, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        d32 = device_buf[n64:].view(torch.int32)
+        hidden_bytes = 0
+        if self.host_embedding:
+            dtype, H = self.model.dtype, self.model.config.hidden_size
+            hidden_bytes = B * H * dtype.itemsize
+        device_buf = torch.zeros(words + -(-hidden_bytes // 8), dtype=torch.int64, device=dev)
+        host = torch.zeros(device_buf.numel(), dtype=torch.int64, pin_memory=dev.type == "cuda")
+        d32 = device_buf[n64:words].view(torch.int32)
         ctx = ForwardContext(
             input_ids=device_buf[0:B], positions=device_buf[B:2 * B],
             slot_mapping=device_buf[2 * B:3 * B], state_slots=device_buf[3 * B:4 * B],
@@ -158,6 +179,12 @@ class DecodeGraphs:
             page_size=self.page_size, q_lens_cpu=[1] * B,
             prefix_lens_cpu=[P * self.page_size - 1] * B, max_seq_len=P * self.page_size)
         entry = _Entry(B, P, host, device_buf, ctx)
+        if self.host_embedding:  # [B, H] model dtype, word-aligned after the int inputs
+
+            def tail(buf: torch.Tensor) -> torch.Tensor:
+                return buf[words:].view(torch.uint8)[:hidden_bytes].view(dtype).view(B, H)
+
+            entry.host_hidden, entry.hidden = tail(host), tail(device_buf)
         self._fill(entry, [])  # every row padded: warm-up and capture touch no sequence
         self._upload(entry)
         if self.capture:
@@ -177,13 +204,13 @@ class DecodeGraphs:
         side.wait_stream(current)
         with torch.cuda.stream(side):
             for _ in range(2):  # compile and autotune kernels, create library handles
-                self._forward(entry.ctx)
+                self._forward(entry)
         current.wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits = self._forward(entry.ctx)
+            logits = self._forward(entry)
         entry.graph, entry.logits = graph, logits
         log.info("captured the decode graph of %d sequences x %d pages", entry.batch,
                  entry.pages)
@@ -213,3 +240,6 @@ class DecodeGraphs:
         lens[:n] = [s.start_pos + 1 for s in seqs]
         prefix[n:] = 1
         lens[n:] = 1
+        if entry.host_hidden is not None:  # the rows of the tokens written above
+            self.model.embed_host(entry.host[:n], out=entry.host_hidden[:n])
+            entry.host_hidden[n:] = 0

@@ -2,7 +2,8 @@
 samples. `logits(token_ids)` gives teacher-forced logits of one sequence (tests, `LLM`).
 
 With `cuda_graphs` on a CUDA device (kernels on, a capturable experts provider), pure-decode
-batches replay a CUDA graph of the forward (`engine.graph`); prefill and mixed batches, and
+batches replay a CUDA graph of the forward (`engine.graph`; with the embedding table on the
+host the graph starts from host-gathered hidden states); prefill and mixed batches, and
 everything on CPU, run eagerly.
 """
 
@@ -47,7 +48,8 @@ class ModelRunner:
 
     def prepare(self, batch: Batch | Sequence[ScheduledSeq], *,
                 all_logits: bool = False) -> ForwardContext:
-        """Flatten a batch into forward tensors on the device.
+        """Flatten a batch into forward tensors on the device (and the token ids on the host,
+        `input_ids_cpu`, which a host embedding table gathers from).
 
         `logits_indices` holds the last row of each sequence with `sample=True`, or every row
         when `all_logits` (teacher-forced logits). Raises ValueError when a sequence's pages do
@@ -80,11 +82,12 @@ class ModelRunner:
         q_lens = [s.num_tokens for s in seqs]
         prefix = [s.start_pos for s in seqs]
 
-        def t(data: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
+        def t(data: list | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            return torch.as_tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
+        ids_cpu = torch.tensor(ids, dtype=torch.int64)
         return ForwardContext(
-            input_ids=t(ids, torch.int64),
+            input_ids=t(ids_cpu, torch.int64),
             positions=t(positions, torch.int64),
             cu_seqlens=t(cu, torch.int32),
             prefix_lens=t(prefix, torch.int32),
@@ -96,6 +99,7 @@ class ModelRunner:
             page_size=ps,
             q_lens_cpu=q_lens,
             prefix_lens_cpu=prefix,
+            input_ids_cpu=ids_cpu,
         )
 
     def run(self, ctx: ForwardContext) -> torch.Tensor:

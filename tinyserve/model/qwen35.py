@@ -4,6 +4,9 @@
 chunks and decode tokens mixed) through embedding -> layers [GDN | gated attention] + MoE ->
 final norm -> lm_head, for the rows `ctx.logits_indices` only. Full-attention layers read and
 write K/V through the KV backend; GDN layers read and write the GDN state pool.
+
+The embedding is a separate first stage: `embed(input_ids)`, then `forward(ctx, hidden)` from
+the hidden states (a captured decode graph starts there when the table lives on the host).
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ class Qwen35Model:
         experts: routed-experts provider; default `ResidentExperts` over `weights`.
         device, dtype: compute device and model dtype (fp32 on CPU for exact parity).
         embed_device: where `embed_tokens` lives (default `device`). "cpu" keeps it in host
-            RAM and gathers the rows there, copying [N, H] to `device` per forward (for tight
-            VRAM; not inside a CUDA graph). Ignored with tied embeddings (lm_head needs it).
+            RAM and gathers the rows there from host token ids (`ctx.input_ids_cpu`), copying
+            [N, H] to `device` per forward (for tight VRAM). Ignored with tied embeddings
+            (lm_head needs it).
     """
 
     def __init__(self, config: Any, weights: dict[str, Any], *, kv: Any, states: Any,
@@ -77,14 +81,45 @@ class Qwen35Model:
             return t.to(device=self.device, dtype=dtype)
         return to_device(t, self.device, self.dtype)
 
+    @property
+    def embed_on_host(self) -> bool:
+        """Whether the embedding table lives in host RAM while the model runs on a device."""
+        return self.embed_device != self.device
+
+    def embed_host(self, input_ids: torch.Tensor, out: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """Rows [N, H] (model dtype) of the embedding table on its own device, gathered into
+        `out` when given (e.g. a pinned staging buffer). `input_ids` [N] int64 on that device."""
+        return torch.index_select(self.embed_tokens, 0, input_ids, out=out)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows [N, H] on the model's device for token ids [N] int64.
+
+        With the table on the host, ids on the host are gathered into pinned memory and copied
+        to the device without blocking (no synchronisation); ids on the device cost a
+        device -> host copy first (a synchronisation).
+        """
+        if not self.embed_on_host:
+            return self.embed_tokens[input_ids.to(self.device, non_blocking=True)]
+        ids = input_ids.to(self.embed_device)
+        rows = torch.empty((ids.shape[0], self.embed_tokens.shape[1]), dtype=self.dtype,
+                           pin_memory=self.device.type == "cuda")
+        # NOTE: the pinned block goes back to torch's host allocator, which reuses it only
+        # after the copy below has finished.
+        return self.embed_host(ids, out=rows).to(self.device, non_blocking=True)
+
     @torch.inference_mode()
-    def forward(self, ctx: ForwardContext) -> torch.Tensor:
-        """Logits [S, V] float32 for the rows `ctx.logits_indices` of the N new tokens."""
-        if self.embed_device == self.device:
-            x = self.embed_tokens[ctx.input_ids]  # [N, H]
-        else:  # host row gather, one [N, H] copy to the device
-            ids = ctx.input_ids.to(self.embed_device)
-            x = self.embed_tokens[ids].to(self.device)
+    def forward(self, ctx: ForwardContext, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [S, V] float32 for the rows `ctx.logits_indices` of the N new tokens.
+
+        `hidden` [N, H] (model dtype, on the device): the embedded tokens, read and never
+        written; None embeds `ctx.input_ids` (from `ctx.input_ids_cpu` when the table is on
+        the host and the context has them).
+        """
+        if hidden is None:
+            host_ids = ctx.input_ids_cpu if self.embed_on_host else None
+            hidden = self.embed(host_ids if host_ids is not None else ctx.input_ids)
+        x = hidden  # [N, H]
         cos_sin = self.rope.cos_sin(ctx.positions, self.dtype)
         for layer in self.layers:
             x = layer.forward(x, ctx, self.kv, self.states, cos_sin)

@@ -1,0 +1,143 @@
+"""Router and shared-expert glue kernels (`kernels/router.py`, `kernels/shared_expert.py`) vs
+the torch references in `model/moe.py`.
+
+Without CUDA the kernels run in the Triton interpreter at small sizes; the 35B-A3B router
+(256 experts, top-8) and widths (H 2048, F 512) run on a GPU. Outputs come from a
+NaN-poisoned torch.empty. Router logits are distinct (a random permutation of a spaced grid),
+so the top-k ids must equal torch.topk's exactly; weights within 1e-6 (fp32) or one bf16
+rounding step. Elementwise glue: fp32 within 1e-5, bf16 within 2^-6 relative on the GPU (one
+step plus the exp difference; for the gated add relative to |routed| + |shared|, as the sum
+may cancel); the interpreter truncates fp32 -> bf16, so 2^-5 on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from tests.kernels.test_nvfp4 import poison  # noqa: E402, F401
+from tinyserve.model.moe import gated_add_ref, silu_mul_ref, topk_softmax_ref  # noqa: E402
+
+pytest.importorskip("triton")
+from tinyserve.kernels import router as R  # noqa: E402
+from tinyserve.kernels import shared_expert as S  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("poison")
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16]
+# (tokens, experts, top_k)
+ROUTER_SMALL = [(1, 8, 2), (3, 37, 5), (5, 64, 8)]
+ROUTER_FULL = [(1, 256, 8), (8, 256, 8), (33, 256, 8), (7, 257, 8)]
+ROUTER = ROUTER_SMALL if DEV == "cpu" else ROUTER_SMALL + ROUTER_FULL
+# (rows, width)
+ELEM_SMALL = [(1, 16), (3, 37), (5, 100)]
+ELEM_FULL = [(1, 512), (8, 512), (1, 2048), (8, 2048), (3, 2049)]
+ELEM = ELEM_SMALL if DEV == "cpu" else ELEM_SMALL + ELEM_FULL
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def distinct_logits(n: int, e: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """[n, e] logits, every row a permutation of e distinct values exact in bf16."""
+    grid = torch.linspace(-4.0, 4.0, e, device=DEV).to(torch.bfloat16).float()
+    assert grid.unique().numel() == e, "grid collapsed in bf16"
+    g = _gen(seed)
+    rows = [grid[torch.randperm(e, generator=g, device=DEV)] for _ in range(n)]
+    return torch.stack(rows).to(dtype)
+
+
+def assert_close(y: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+    """`scale`: the magnitude the bf16 bound is relative to (default |ref|)."""
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    assert not torch.isnan(y).any(), "unwritten (NaN-poisoned) elements"
+    if y.dtype == torch.float32:
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+        return
+    yf, rf = y.float(), ref.float()
+    scale = rf.abs() if scale is None else scale.float()
+    bound = (2.0**-6 if DEV == "cuda" else 2.0**-5) * scale + 1e-6
+    assert ((yf - rf).abs() <= bound).all(), float((yf - rf).abs().max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ROUTER, ids=lambda c: "N{}-E{}-k{}".format(*c))
+def test_topk_softmax(case, dtype) -> None:
+    n, e, k = case
+    logits = distinct_logits(n, e, dtype, seed=n * 1000 + e)
+    ids, w = R.topk_softmax(logits, k, dtype)
+    ids_ref, w_ref = topk_softmax_ref(logits, k, dtype)
+    assert ids.dtype == torch.int64 and ids.shape == (n, k)
+    assert torch.equal(ids, ids_ref)
+    assert_close(w, w_ref)
+    if dtype == torch.float32:
+        torch.testing.assert_close(w.sum(-1), torch.ones(n, device=DEV))
+
+
+def test_topk_softmax_strided_columns() -> None:
+    # the router logits as the first E columns of the [N, E + 1] router | shared-gate output
+    n, e, k = 3, 16, 4
+    wide = distinct_logits(n, e + 1, torch.float32, seed=7)
+    ids, w = R.topk_softmax(wide[:, :e], k, torch.float32)
+    ids_ref, w_ref = topk_softmax_ref(wide[:, :e].contiguous(), k, torch.float32)
+    assert torch.equal(ids, ids_ref)
+    assert_close(w, w_ref)
+
+
+def test_topk_softmax_ties_take_the_lower_id() -> None:
+    logits = torch.zeros(2, 8, device=DEV)
+    logits[0, 5] = logits[0, 2] = 1.0
+    ids, w = R.topk_softmax(logits, 3, torch.float32)
+    assert ids[0].tolist() == [2, 5, 0] and ids[1].tolist() == [0, 1, 2]
+    torch.testing.assert_close(w[1], torch.full((3,), 1 / 3, device=DEV))
+
+
+def test_topk_softmax_bad_inputs() -> None:
+    with pytest.raises(ValueError):
+        R.topk_softmax(torch.zeros(2, 4, device=DEV), 5, torch.float32)
+    with pytest.raises(ValueError):
+        R.topk_softmax(torch.zeros(4, 2, device=DEV).t(), 1, torch.float32)
+    ids, w = R.topk_softmax(torch.zeros(0, 8, device=DEV), 2, torch.float32)
+    assert ids.shape == w.shape == (0, 2)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "gate_up"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ELEM, ids=lambda c: "N{}-F{}".format(*c))
+def test_silu_mul(case, dtype, fused) -> None:
+    n, f = case
+    gu = (3 * torch.randn(n, 2 * f, generator=_gen(f), device=DEV)).to(dtype)
+    g, u = (gu[:, :f], gu[:, f:]) if fused else (gu[:, :f].contiguous(),
+                                                  gu[:, f:].contiguous())
+    assert_close(S.silu_mul(g, u), silu_mul_ref(g, u))
+
+
+@pytest.mark.parametrize("strided_gate", [False, True], ids=["gate", "gate_column"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ELEM, ids=lambda c: "N{}-H{}".format(*c))
+def test_gated_add(case, dtype, strided_gate) -> None:
+    n, h = case
+    g = _gen(h + 1)
+    routed = torch.randn(n, h, generator=g, device=DEV).to(dtype)
+    shared = torch.randn(n, h, generator=g, device=DEV).to(dtype)
+    wide = (3 * torch.randn(n, 9, generator=g, device=DEV)).to(dtype)
+    logit = wide[:, 8:] if strided_gate else wide[:, 8:].contiguous()
+    # the sum may cancel: bound relative to the operands
+    assert_close(S.gated_add(routed, logit, shared), gated_add_ref(routed, logit, shared),
+                 scale=routed.abs() + shared.abs())
+
+
+def test_glue_bad_inputs() -> None:
+    a = torch.zeros(2, 8, device=DEV)
+    with pytest.raises(ValueError):
+        S.silu_mul(a, torch.zeros(3, 8, device=DEV))
+    with pytest.raises(ValueError):
+        S.gated_add(a, torch.zeros(2, 2, device=DEV), a)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tinyserve.kernels import _gdn_config, gdn, gdn_ref
+from tinyserve.kernels import _gdn_chunk, _gdn_config, gdn, gdn_ref
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 interp_only = pytest.mark.skipif(not INTERP, reason="runs in the TRITON_INTERPRET=1 child")
@@ -243,35 +243,35 @@ def test_chunk_launch_moves_down_on_out_of_resources(monkeypatch: pytest.MonkeyP
         if cfg.chunk == 64:
             raise OutOfResources("shared memory")
 
-    monkeypatch.setattr(gdn, "_run_chunk", fake_run)
-    monkeypatch.setattr(gdn, "_CHOSEN", {})
+    monkeypatch.setattr(_gdn_chunk, "run_chunk", fake_run)
+    monkeypatch.setattr(_gdn_chunk, "_CHOSEN", {})
     q = torch.zeros(5, 2, 32)
     v = torch.zeros(5, 4, 32)
     args = (q, q, v) + (None,) * 8
-    gdn._launch_chunk(*args, torch.zeros(5, 4, 32), 64, None, "tf32x3")
+    _gdn_chunk.launch_chunk(*args, torch.zeros(5, 4, 32), 64, None, "tf32x3")
     C = _gdn_config.ChunkConfig
     assert tried == [C(64, 16, 4), C(32, 16, 4)]  # the larger dv tile is skipped
-    gdn._launch_chunk(*args, torch.zeros(5, 4, 32), 64, None, "tf32x3")
+    _gdn_chunk.launch_chunk(*args, torch.zeros(5, 4, 32), 64, None, "tf32x3")
     assert tried[-1] == C(32, 16, 4) and len(tried) == 3  # the choice is remembered
-    monkeypatch.setattr(gdn, "_CHOSEN", {})
+    monkeypatch.setattr(_gdn_chunk, "_CHOSEN", {})
     tried.clear()
 
     def always_oor(*args) -> None:
         tried.append(args[12])
         raise OutOfResources("shared memory")
 
-    monkeypatch.setattr(gdn, "_run_chunk", always_oor)
+    monkeypatch.setattr(_gdn_chunk, "run_chunk", always_oor)
     with pytest.raises(OutOfResources):  # the smallest config failing too is an error
-        gdn._launch_chunk(*args, torch.zeros(5, 4, 32), 64, None, "tf32x3")
+        _gdn_chunk.launch_chunk(*args, torch.zeros(5, 4, 32), 64, None, "tf32x3")
     assert tried == [C(64, 16, 4), C(32, 16, 4)]
 
     def other_error(*args) -> None:
         tried.append(args[12])
         raise RuntimeError("not a resource error")
 
-    monkeypatch.setattr(gdn, "_run_chunk", other_error)
+    monkeypatch.setattr(_gdn_chunk, "run_chunk", other_error)
     with pytest.raises(RuntimeError):
-        gdn._launch_chunk(*args, torch.zeros(5, 4, 32), 64, None, "tf32x3")
+        _gdn_chunk.launch_chunk(*args, torch.zeros(5, 4, 32), 64, None, "tf32x3")
     assert tried[-1] == C(64, 16, 4)
 
 

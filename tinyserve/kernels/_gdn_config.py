@@ -1,16 +1,19 @@
 """Launch configurations of the GDN chunk kernel (`kernels/_gdn_triton.py`) and their
-shared-memory footprint, so `kernels/gdn.py` launches a variant that fits the device.
+shared-memory footprint, so `kernels/_gdn_chunk.py` launches a variant that fits the device;
+plus the small argument helpers both GDN launchers (`gdn.py`, `_gdn_chunk.py`) share.
 
 The footprint model is an upper bound fitted to sm_90 builds (triton 3.6 and 3.9, num_stages=1,
 tf32x3 dots; bf16 and fp32 inputs build the same size): the chunk kernel keeps a few [BT, BK]
 and [BT, BT] fp32 dot operands in shared memory plus [BK, BV] and [BT, BV] ones, and the
 model adds 25% on top. A config whose bound exceeds the device limit is skipped; if a build
-still fails at launch, `gdn.py` moves down this list and remembers the choice.
+still fails at launch, `_gdn_chunk.py` moves down this list and remembers the choice.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 # H200 / H100 (sm_90) opt-in shared memory per block; used when the device is not queried.
 SM90_SMEM_BYTES = 232_448
@@ -64,3 +67,25 @@ def chunk_configs(dv: int, chunk: int, block_k: int, *, block_v: int | None = No
 def pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive ints."""
+    return (a + b - 1) // b
+
+
+def check(ok: bool, msg: str) -> None:
+    """Raise ValueError(msg) unless `ok` (launcher argument checks)."""
+    if not ok:
+        raise ValueError(msg)
+
+
+def last_contig(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself when its last dim is contiguous, else a contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def strides(q, k, v, a, b, y) -> tuple:
+    """The token / head strides the recurrent and chunk kernels take, in their order."""
+    return (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            a.stride(0), b.stride(0), y.stride(0), y.stride(1))

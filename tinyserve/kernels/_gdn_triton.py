@@ -8,14 +8,16 @@ All state math is fp32; the chunk kernels' dots take their precision as a conste
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 from typing import Any
 
 tl: Any = None  # triton.language, bound by build()
 
 
+@functools.cache
 def build() -> SimpleNamespace:
-    """Import triton and jit the kernels (call once; `gdn._kernels` caches it)."""
+    """Import triton and jit the kernels (once per process: cached)."""
     global tl
     import triton
     import triton.language

@@ -17,30 +17,28 @@ The GDN kernels fuse the l2norm of q and k (eps 1e-6), the q scaling by dk**-0.5
 g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) and the value-head grouping (value
 head h reads key head h // (Hv // Hk)); all state math is fp32. Sequences whose
 `has_initial_state` is false start from zeros and never read their slot.
-Kernel source: `kernels/_gdn_triton.py`.
+Kernel source: `kernels/_gdn_triton.py`; the chunked-prefill launcher: `kernels/_gdn_chunk.py`.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 
-from tinyserve.kernels import _gdn_config, gdn_ref
+from tinyserve.kernels import _gdn_chunk, _gdn_config, _gdn_triton, gdn_ref
+from tinyserve.kernels._gdn_chunk import chunk_configs_chosen
+from tinyserve.kernels._gdn_config import cdiv as _cdiv
+from tinyserve.kernels._gdn_config import check as _check
+from tinyserve.kernels._gdn_config import last_contig as _last_contig
+from tinyserve.kernels._gdn_config import pow2 as _pow2
+from tinyserve.kernels._gdn_config import strides as _strides
 from tinyserve.log import get_logger
 
+__all__ = ["causal_conv1d_prefill", "causal_conv1d_update", "chunk_configs_chosen", "gdn_decode",
+           "gdn_gates", "gdn_prefill"]
 log = get_logger(__name__)
 
 _CONV_BLOCK_C = 256
 _CONV_BLOCK_T = 16
-
-
-@functools.cache
-def _kernels():
-    from tinyserve.kernels import _gdn_triton
-
-    return _gdn_triton.build()
 
 
 def _use_triton(backend: str, *tensors: torch.Tensor) -> bool:
@@ -53,21 +51,12 @@ def _use_triton(backend: str, *tensors: torch.Tensor) -> bool:
     return backend == "triton"
 
 
-def _check(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ValueError(msg)
-
-
 def _out(out: torch.Tensor | None, shape: tuple, like: torch.Tensor) -> torch.Tensor:
     if out is None:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
     _check(tuple(out.shape) == tuple(shape) and out.dtype == like.dtype
            and out.is_contiguous(), f"out must be contiguous {shape} {like.dtype}")
     return out
-
-
-def _last_contig(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 # --------------------------------------------------------------------------------------------
@@ -102,7 +91,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch
     _check(conv_pool.stride(2) == 1, "conv_pool needs a contiguous last dim")
     x, weight = _last_contig(x), weight.contiguous()
     grid = (B, _cdiv(C, _CONV_BLOCK_C))
-    _kernels().conv1d_update[grid](
+    _gdn_triton.build().conv1d_update[grid](
         x, weight, conv_pool, slots, y, C,
         x.stride(0), conv_pool.stride(0), conv_pool.stride(1), y.stride(0),
         K=K, KP=_pow2(K - 1), BLOCK_C=_CONV_BLOCK_C, num_warps=4)
@@ -146,7 +135,7 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_pool: torc
     # [T] sequence of each token, without a host synchronisation
     seq_ids = torch.searchsorted(cu[1:], torch.arange(T, dtype=torch.int32, device=x.device),
                                  right=True).to(torch.int32)
-    k = _kernels()
+    k = _gdn_triton.build()
     if T > 0:
         grid = (_cdiv(T, _CONV_BLOCK_T), _cdiv(C, _CONV_BLOCK_C))
         k.conv1d_varlen[grid](
@@ -214,11 +203,6 @@ def _gdn_torch(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, chunked)
         pool[s] = new
 
 
-def _strides(q, k, v, a, b, y) -> tuple:
-    return (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            a.stride(0), b.stride(0), y.stride(0), y.stride(1))
-
-
 def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                recurrent_pool: torch.Tensor, slots: torch.Tensor, *,
@@ -253,7 +237,7 @@ def _launch_recurrent(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, b
     BV = min(_pow2(dv), block_v)
     grid = (B, Hv, _cdiv(dv, BV))
     varlen = cu is not None
-    _kernels().gdn_recurrent[grid](
+    _gdn_triton.build().gdn_recurrent[grid](
         q, k, v, a, b, A_log, dt_bias, pool, slots,
         cu if varlen else slots, init if varlen else slots, y,
         *_strides(q, k, v, a, b, y), pool.stride(0), pool.stride(1),
@@ -303,132 +287,15 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
         return y
     cu = cu_seqlens.to(torch.int32)
     init = has_initial_state.to(torch.int32)
-    if method == "chunk" and not _chunk_broken():
+    if method == "chunk" and not _gdn_chunk.chunk_broken():
         try:
-            return _launch_chunk(q, k, v, a, b, A_log, dt_bias, recurrent_pool, slots, cu,
-                                 init, y, chunk_size, block_v, dot_precision, chunk_config)
+            return _gdn_chunk.launch_chunk(q, k, v, a, b, A_log, dt_bias, recurrent_pool, slots,
+                                           cu, init, y, chunk_size, block_v, dot_precision,
+                                           chunk_config)
         except Exception as e:  # noqa: BLE001 - a build failure falls back to the recurrence
-            if not (fallback and _is_build_error(e)):
+            if not (fallback and _gdn_chunk.is_build_error(e)):
                 raise
             log.warning("GDN chunk kernel failed to build (%s); using the recurrent kernel", e)
-            _chunk_broken(set_broken=True)
+            _gdn_chunk.chunk_broken(set_broken=True)
     return _launch_recurrent(q, k, v, a, b, A_log, dt_bias, recurrent_pool, slots, cu, init,
                              y, block_v or 32)
-
-
-_BROKEN: list[bool] = [False]
-# (device, chunk, dk, dv, block_v, precision, dtype) -> index of the first config that launched
-_CHOSEN: dict[tuple, int] = {}
-
-
-def chunk_configs_chosen() -> list[tuple[tuple, _gdn_config.ChunkConfig]]:
-    """(launch key, config) of every chunk-kernel shape launched so far (for benchmarks)."""
-    out = []
-    for key, i in _CHOSEN.items():
-        dev, BT, dk, dv, block_v, _, _ = key
-        cfgs = _gdn_config.chunk_configs(dv, BT, max(_pow2(dk), 16), block_v=block_v,
-                                         smem_limit=_smem_limit(dev))
-        out.append((key, cfgs[i]))
-    return out
-
-
-def _chunk_broken(set_broken: bool = False) -> bool:
-    if set_broken:
-        _BROKEN[0] = True
-    return _BROKEN[0]
-
-
-def _is_build_error(e: Exception) -> bool:
-    name = type(e).__name__
-    mod = type(e).__module__ or ""
-    return "triton" in mod or name in ("CompilationError", "OutOfResources",
-                                       "CompileTimeAssertionFailure")
-
-
-def _smem_limit(device: torch.device) -> int:
-    try:
-        props = torch.cuda.get_device_properties(device)
-        return int(getattr(props, "shared_memory_per_block_optin", 0)
-                   or _gdn_config.SM90_SMEM_BYTES)
-    except Exception:  # noqa: BLE001 - no CUDA: the sm_90 limit
-        return _gdn_config.SM90_SMEM_BYTES
-
-
-def _launch_chunk(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, BT, block_v,
-                  precision, forced=None):
-    """Run the first config of `chunk_configs` that launches; an OutOfResources at launch
-    (nothing has run then) moves to the next smaller one, logged once per shape."""
-    dk, dv = q.shape[2], v.shape[2]
-    _check(BT >= 16 and BT == _pow2(BT), f"chunk_size must be a power of two >= 16, not {BT}")
-    _check(precision in ("ieee", "tf32x3", "tf32"), f"bad dot precision {precision!r}")
-    BK = max(_pow2(dk), 16)
-    cfgs = _gdn_config.chunk_configs(dv, BT, BK, block_v=block_v,
-                                     smem_limit=_smem_limit(q.device))
-    key = (q.device, BT, dk, dv, block_v, precision, q.dtype)
-    if forced is not None:
-        cfgs, key = [forced], None
-    i = _CHOSEN.get(key, 0)
-    while True:
-        cfg = cfgs[i]
-        try:
-            _run_chunk(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, cfg, BK,
-                       precision)
-            if key is not None:
-                _CHOSEN[key] = i
-            return y
-        except Exception as e:  # noqa: BLE001 - only a resource error moves down the list
-            size = _gdn_config.chunk_smem_bytes(cfg, BK)
-            nxt = [j for j in range(i + 1, len(cfgs))
-                   if _gdn_config.chunk_smem_bytes(cfgs[j], BK) < size]
-            if type(e).__name__ != "OutOfResources" or not nxt:
-                raise
-            log.warning("GDN chunk config %s does not fit (%s); trying %s", cfg, e, cfgs[nxt[0]])
-            i = nxt[0]
-
-
-def _run_chunk(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, cfg, BK, precision):
-    B = slots.shape[0]
-    T, Hk, dk = q.shape
-    Hv, dv = v.shape[1], v.shape[2]
-    BT, BV = cfg.chunk, cfg.block_v
-    q, k, v, a, b = (_last_contig(t) for t in (q, k, v, a, b))
-    _check(pool.stride(3) == 1 and pool.stride(2) == dv, "recurrent_pool slots must be contiguous")
-    kern = _kernels()
-    # chunk table on the device (no host sync): chunk c -> (sequence, first token)
-    max_chunks = _cdiv(T, BT) + B
-    nch = (cu[1:] - cu[:-1] + BT - 1) // BT  # [B]
-    ccu = torch.cumsum(nch, 0).to(torch.int32)  # [B] end of each sequence's chunks
-    ids = torch.arange(max_chunks, dtype=torch.int32, device=q.device)
-    cseq = torch.searchsorted(ccu, ids, right=True).clamp_(max=B - 1).to(torch.int32)
-    first = ccu[cseq] - nch[cseq]  # index of the sequence's first chunk
-    cstart = torch.where(ids < ccu[-1], cu[cseq] + (ids - first) * BT, cu[cseq + 1])
-    cstart = cstart.to(torch.int32)
-    # [2, T, Hv, BT] fp32: row t of [0] holds Ti[t - chunk start, :] of its chunk, of [1] att
-    ws = torch.empty(2, T, Hv, BT, dtype=torch.float32, device=q.device)
-    ti, att = ws[0], ws[1]
-    kern.gdn_chunk_prep[(max_chunks, Hv)](
-        q, k, a, b, A_log, dt_bias, cseq, cstart, cu, ti, att,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), a.stride(0), b.stride(0),
-        ti.stride(0), ti.stride(1), dk ** -0.5, Hv // Hk, dk,
-        BT=BT, BK=BK, PREC=precision, NATIVE_QK=_native_qk(q),
-        NLEVELS=max((BT // 16).bit_length() - 1, 1), BLOCKED=cfg.blocked_inverse,
-        num_warps=cfg.prep_warps, num_stages=1)
-    grid = (B, Hv, _cdiv(dv, BV))
-    kern.gdn_chunk[grid](
-        q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, ti, att, y,
-        *_strides(q, k, v, a, b, y), ti.stride(0), ti.stride(1), pool.stride(0),
-        pool.stride(1), dk ** -0.5, Hv // Hk, dk, dv,
-        BT=BT, BK=BK, BV=BV, PREC=precision, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
-
-
-_pow2 = _gdn_config.pow2
-
-
-def _native_qk(q: torch.Tensor) -> bool:
-    """16-bit q/k go into the prep kernel's dots as they are (not under the interpreter)."""
-    return q.dtype in (torch.bfloat16, torch.float16) and os.environ.get("TRITON_INTERPRET") != "1"
-
-
-def _cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b

@@ -33,13 +33,13 @@ from tinyserve.log import get_logger
 log = get_logger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("iso_store.cu", "iso_decode.cu")
+_SOURCES = ("iso_store.cu", "iso_decode.cu", "iso_decode_mma.cu")
 _BITS = {"iso3": 3, "iso4": 4}
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _TILE = 32
 MIN_SPLIT_TOKENS = 256
-_ERRORS = {2: "bad format or head_dim", 3: "unsupported GQA group"}
+_ERRORS = {2: "bad format or head_dim", 3: "unsupported GQA group", 4: "bad n_warps"}
 
 _I, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
@@ -49,6 +49,8 @@ _SIGNATURES = {
     "tinyserve_iso_dequant_rows": [_P, _I64, _P, _P, _I64, _I64, _I, _I, _I, _I, _I, _P],
     "tinyserve_iso_decode": [_P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _I, _I, _F,
                              _I, _P, _P, _P, _I64, _I, _P],
+    "tinyserve_iso_decode_mma": [_P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _I, _I,
+                                 _F, _I, _P, _P, _P, _I64, _I, _P],
 }
 
 
@@ -67,7 +69,7 @@ def _nvcc() -> str:
 def _library(major: int, minor: int) -> ctypes.CDLL:
     """Compile csrc/iso_*.cu for sm_{major}{minor} into a shared library (cached by source
     hash in TINYSERVE_CACHE_DIR) and load it."""
-    files = [_CSRC / s for s in _SOURCES] + [_CSRC / "iso_common.cuh"]
+    files = [_CSRC / s for s in _SOURCES] + [_CSRC / "iso_common.cuh", _CSRC / "iso_split.cuh"]
     digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
     out_dir = envs.CACHE_DIR.get() / "kernels"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -198,6 +200,27 @@ def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *
     return chunk, math.ceil(max_seq_len / chunk)
 
 
+def _check_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  page_table: torch.Tensor, seq_lens: torch.Tensor,
+                  fmt: str) -> tuple[int, int, int, int]:
+    """Shape/dtype checks shared by the decode launchers; returns (B, Hq, D, Hkv)."""
+    if q.dim() != 3 or q.dtype not in _FLOATS:
+        raise ValueError(f"q must be [B, Hq, D] float, got {q.dtype} {tuple(q.shape)}")
+    b, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    _check_cache(k_cache, hkv, d, fmt, "k_cache")
+    _check_cache(v_cache, hkv, d, fmt, "v_cache")
+    if k_cache.stride(0) != v_cache.stride(0):
+        raise ValueError("k_cache and v_cache must have the same slot stride")
+    if hq % hkv:
+        raise ValueError(f"unsupported GQA group {hq}/{hkv}")
+    if page_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError("page_table and seq_lens must be int32")
+    if page_table.shape[0] != b or seq_lens.shape != (b,) or page_table.stride(1) != 1:
+        raise ValueError(f"page_table [{b}, P] (rows contiguous) and seq_lens [{b}] expected")
+    return b, hq, d, hkv
+
+
 def iso_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
                          fmt: str, scale: float, *, max_seq_len: int | None = None,
@@ -216,21 +239,10 @@ def iso_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         [B, Hq, D] in q's dtype (or written into `out`).
     """
     bits = _bits(fmt)
-    if q.dim() != 3 or q.dtype not in _FLOATS:
-        raise ValueError(f"q must be [B, Hq, D] float, got {q.dtype} {tuple(q.shape)}")
-    b, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    _check_cache(k_cache, hkv, d, fmt, "k_cache")
-    _check_cache(v_cache, hkv, d, fmt, "v_cache")
-    if k_cache.stride(0) != v_cache.stride(0):
-        raise ValueError("k_cache and v_cache must have the same slot stride")
-    group = hq // hkv if hq % hkv == 0 else 0
+    b, hq, d, hkv = _check_decode(q, k_cache, v_cache, page_table, seq_lens, fmt)
+    group = hq // hkv
     if group not in (1, 2, 4, 8, 16) or group * (d // BLOCK) > 16:
         raise ValueError(f"unsupported GQA group {hq}/{hkv} for head_dim {d}")
-    if page_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
-        raise ValueError("page_table and seq_lens must be int32")
-    if page_table.shape[0] != b or seq_lens.shape != (b,) or page_table.stride(1) != 1:
-        raise ValueError(f"page_table [{b}, P] (rows contiguous) and seq_lens [{b}] expected")
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item()) if b else 1
     props = torch.cuda.get_device_properties(q.device)
@@ -252,6 +264,74 @@ def iso_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     _call(q.device, "tinyserve_iso_decode", qf.data_ptr(), k_cache.data_ptr(),
           v_cache.data_ptr(), k_cache.stride(0), page_table.data_ptr(), page_table.stride(0),
           seq_lens.data_ptr(), b, hq, hkv, d, page_size, chunk, splits, float(scale), bits,
+          part_acc.data_ptr(), part_ml.data_ptr(), out.data_ptr(), out.stride(0),
+          _DTYPE_CODE[out.dtype])
+    return out
+
+
+# Settings of the tensor-core decode kernel (csrc/iso_decode_mma.cu) by batch size: the row
+# with the smallest `max_batch` >= batch is used (the last row otherwise). `warps` per CTA
+# (2 or 4), about `ctas_per_sm` CTAs per SM, at least `min_split_tokens` tokens per split.
+# Set from bench/iso_attention.py's mma sweep (`mma_best`).
+MMA_CONFIG: tuple[dict, ...] = (
+    dict(max_batch=1, warps=4, ctas_per_sm=4, min_split_tokens=128),
+    dict(max_batch=1 << 30, warps=4, ctas_per_sm=4, min_split_tokens=256),
+)
+
+
+def mma_config(batch: int) -> dict:
+    """The MMA_CONFIG row for `batch`."""
+    for row in MMA_CONFIG:
+        if batch <= row["max_batch"]:
+            return row
+    return MMA_CONFIG[-1]
+
+
+def mma_supported(fmt: str, num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether `iso_decode_attention_mma` takes these shapes (iso3, group <= 8, D 128/256)."""
+    return (fmt == "iso3" and num_kv_heads > 0 and num_q_heads % num_kv_heads == 0
+            and num_q_heads // num_kv_heads <= 8 and head_dim in (128, 256))
+
+
+def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
+                             fmt: str, scale: float, *, max_seq_len: int | None = None,
+                             out: torch.Tensor | None = None, split_tokens: int | None = None,
+                             warps: int | None = None,
+                             ctas_per_sm: int | None = None) -> torch.Tensor:
+    """`iso_decode_attention` on tensor cores (iso3 only; GQA group <= 8; head_dim 128 or
+    256): fp16 query and centroid operands, fp32 accumulation. Settings default to
+    `mma_config(B)`; `split_tokens`, `warps`, `ctas_per_sm` override them (tuning)."""
+    b, hq, d, hkv = _check_decode(q, k_cache, v_cache, page_table, seq_lens, fmt)
+    if not mma_supported(fmt, hq, hkv, d):
+        raise ValueError(f"the MMA decode kernel takes iso3, GQA group <= 8, head_dim 128/256; "
+                         f"got {fmt}, {hq}/{hkv} heads, head_dim {d}")
+    cfg = mma_config(b)
+    warps = warps or cfg["warps"]
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max().item()) if b else 1
+    if split_tokens:
+        chunk = math.ceil(split_tokens / 16) * 16
+        splits = math.ceil(max(1, max_seq_len) / chunk)
+    else:
+        sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
+               if q.is_cuda else 4)
+        chunk, splits = plan_splits(b, hkv, max_seq_len, sms,
+                                    min_tokens=cfg["min_split_tokens"],
+                                    ctas_per_sm=ctas_per_sm or cfg["ctas_per_sm"])
+    if out is None:
+        out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    if b == 0:
+        return out
+    if out.shape != (b, hq, d) or out.stride(2) != 1 or out.stride(1) != d:
+        raise ValueError(f"out must be [{b}, {hq}, {d}] with contiguous rows")
+    part_acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(b, hq, splits, 2, dtype=torch.float32, device=q.device)
+    qf = q.float().contiguous()
+    seq_lens = seq_lens.contiguous()
+    _call(q.device, "tinyserve_iso_decode_mma", qf.data_ptr(), k_cache.data_ptr(),
+          v_cache.data_ptr(), k_cache.stride(0), page_table.data_ptr(), page_table.stride(0),
+          seq_lens.data_ptr(), b, hq, hkv, d, page_size, chunk, splits, float(scale), warps,
           part_acc.data_ptr(), part_ml.data_ptr(), out.data_ptr(), out.stride(0),
           _DTYPE_CODE[out.dtype])
     return out

@@ -1,0 +1,124 @@
+"""The tensor-core ISO3 decode kernel (csrc/iso_decode_mma.cu) compiled for the CPU under the
+CUDA emulation (cuda_emu/emu.h, plus the kernel's own emulation of the byte permute and of
+the warp-wide mma.sync with the PTX fragment layouts, -DTINYSERVE_CUDA_EMU), against
+`decode_attention_ref`: GQA groups 1-8, head_dim 128/256, page sizes 1/4/16, mixed lengths,
+one and many splits, 2 and 4 warps, poisoned partials and outputs. Bound: fp16 operands
+with fp32 accumulation, |out - ref| <= 3e-3 * max|ref| and cosine >= 0.99999."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tinyserve.kernels import iso, iso_cuda
+
+CSRC = Path(iso.__file__).resolve().parent / "csrc"
+EMU = Path(__file__).resolve().parent / "cuda_emu"
+I, I64, F, P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no g++")
+    out = tmp_path_factory.mktemp("iso_mma_emu")
+    text = (CSRC / "iso_decode_mma.cu").read_text()
+    text = re.sub(r"([A-Za-z_][\w:]*(?:<[^<>;]*>)?)\s*<<<(.*?)>>>\s*\(",
+                  r"emu::Launch(\2)(\1, ", text, flags=re.S)
+    src = out / "iso_decode_mma.cpp"
+    src.write_text(text)
+    so = out / "libiso_mma_emu.so"
+    res = subprocess.run([cxx, "-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared",
+                          "-pthread", "-w", "-DTINYSERVE_CUDA_EMU", f"-I{EMU}", f"-I{CSRC}",
+                          "-o", str(so), str(src)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"the emulation does not build here: {res.stderr[-800:]}")
+    lib = ctypes.CDLL(str(so))
+    lib.tinyserve_iso_decode_mma.argtypes = [P, P, P, I64, P, I64, P, I, I, I, I, I, I, I, F,
+                                             I, P, P, P, I64, I, P]
+    return lib
+
+
+CASES = [  # hq, hkv, d, page_size, lens, split tokens (None: one split), warps, out dtype
+    (16, 2, 256, 16, [1], None, 4, torch.float32),
+    (16, 2, 256, 16, [70, 17, 300], 64, 4, torch.float32),
+    (16, 2, 256, 1, [33, 2], 32, 2, torch.bfloat16),
+    (8, 8, 128, 16, [5, 100], None, 2, torch.float32),
+    (4, 1, 128, 4, [100, 1], 48, 4, torch.float32),
+    (2, 1, 256, 4, [129], 80, 4, torch.float32),
+    (6, 2, 128, 16, [40], None, 4, torch.float32),
+]
+
+
+def _cache(hkv, d, ps, lens, gen):
+    pages_per = [math.ceil(n / ps) for n in lens]
+    num_pages = sum(pages_per) + 1
+    perm = torch.randperm(num_pages, generator=gen)
+    table = torch.zeros(len(lens), max(pages_per) + 1, dtype=torch.int32)
+    table[:, -1] = 1 << 20  # never read: past every sequence's pages
+    at = 0
+    for b, p in enumerate(pages_per):
+        table[b, :p] = perm[at:at + p].int()
+        at += p
+    k = torch.randn(num_pages * ps, hkv, d, generator=gen)
+    k[:, :, 5] *= 8  # an outlier channel
+    kc = iso.quantize_ref(k, "iso3")
+    vc = iso.quantize_ref(torch.randn(num_pages * ps, hkv, d, generator=gen), "iso3")
+    return kc, vc, table
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"hq{c[0]}-hkv{c[1]}-d{c[2]}-ps{c[3]}-"
+                                             f"len{max(c[4])}x{len(c[4])}-w{c[6]}"
+                                             for c in CASES])
+def test_mma_decode_matches_reference(lib, case) -> None:
+    hq, hkv, d, ps, lens, split_tokens, warps, dtype = case
+    gen = torch.Generator().manual_seed(hq * 7 + d + len(lens))
+    kc, vc, table = _cache(hkv, d, ps, lens, gen)
+    q = torch.randn(len(lens), hq, d, generator=gen) * 3
+    seq = torch.tensor(lens, dtype=torch.int32)
+    chunk = split_tokens or max(lens)
+    splits = math.ceil(max(lens) / chunk)
+    part_acc = torch.full((len(lens), hq, splits, d), float("nan"))
+    part_ml = torch.full((len(lens), hq, splits, 2), float("nan"))
+    out = torch.full((len(lens), hq, d), float("nan")).to(dtype)
+    rc = lib.tinyserve_iso_decode_mma(
+        q.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.stride(0), table.data_ptr(),
+        table.stride(0), seq.data_ptr(), len(lens), hq, hkv, d, ps, chunk, splits, d ** -0.5,
+        warps, part_acc.data_ptr(), part_ml.data_ptr(), out.data_ptr(), out.stride(0),
+        0 if dtype == torch.float32 else 1, None)
+    assert rc == 0
+    ref = iso.decode_attention_ref(q, kc, vc, table, seq, ps, "iso3", d ** -0.5)
+    assert not out.isnan().any()
+    cos = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.flatten(), dim=0)
+    err = (out.float() - ref).abs().max().item() / ref.abs().max().item()
+    tol = 3e-3 if dtype == torch.float32 else 1e-2
+    print(f"cosine {cos.item():.7f} relative error {err:.2e}")
+    assert cos >= 0.99999 and err < tol, f"cosine {cos}, relative error {err:.2e}"
+
+
+def test_mma_rejects_unsupported(lib) -> None:
+    z = torch.zeros(4, dtype=torch.int32)
+    args = [z.data_ptr(), z.data_ptr(), z.data_ptr(), 0, z.data_ptr(), 1, z.data_ptr(), 1]
+    tail = [16, 1, 1, 1.0, 4, z.data_ptr(), z.data_ptr(), z.data_ptr(), 0, 0, None]
+    assert lib.tinyserve_iso_decode_mma(*args, 16, 1, 256, *tail) == 3  # group 16
+    assert lib.tinyserve_iso_decode_mma(*args, 8, 1, 384, *tail) == 2  # head_dim
+    bad_warps = tail[:4] + [3] + tail[5:]
+    assert lib.tinyserve_iso_decode_mma(*args, 8, 1, 256, *bad_warps) == 4
+
+
+def test_mma_config_table() -> None:
+    assert iso_cuda.mma_config(1) is iso_cuda.MMA_CONFIG[0]
+    assert iso_cuda.mma_config(10 ** 9) is iso_cuda.MMA_CONFIG[-1]
+    for row in iso_cuda.MMA_CONFIG:
+        assert row["warps"] in (2, 4) and row["ctas_per_sm"] >= 1
+    assert iso_cuda.mma_supported("iso3", 16, 2, 256)
+    assert not iso_cuda.mma_supported("iso4", 16, 2, 256)
+    assert not iso_cuda.mma_supported("iso3", 32, 2, 256)

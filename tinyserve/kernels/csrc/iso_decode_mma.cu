@@ -1,0 +1,472 @@
+// ISO3 paged decode attention on tensor cores (mma.sync m16n8k16, fp16 in, fp32 accumulate),
+// in the rotated space (specs/iso_kv.md §6.5), split-K. Same contract as iso_decode.cu.
+//
+// Grid (splits, kv heads, batch), NW warps. Every warp walks its own 16-token sub-tiles of
+// the CTA's chunk (cp.async double buffer per warp, no CTA barrier in the loop) and keeps its
+// own online softmax; the warps merge in shared memory at the end, the splits in
+// decode_merge_kernel (iso_split.cuh).
+//
+// Decoding a packed value costs ~2 instructions: a 32-bit qs word holds the 2 low index bits
+// of 16 values, the matching signs halfword their high bits. Two masks split the word into
+// "even" and "odd" nibble words (8 3-bit indices each, the high bits merged in from a Morton
+// spread of the signs halfword), and each 16-bit half of a nibble word selects 4 centroid
+// bytes at once with a byte permute (prmt) from an 8-entry table of the fp16 centroids' low
+// bytes and one of their high bytes; two more permutes interleave those into 2 fp16 pairs.
+// The contraction index of a dot product can be ordered freely, so the pairs go into the
+// MMA operand registers in the order they come out (the query is permuted to match once).
+//
+// Scores: S_b[h, t] = Q_b[h, :] . C_b[t, :] with the G <= 8 query heads as the MMA's M rows
+// (padded to 16), 8 tokens as N, k = 16 packed values of block b; the fp16 norms scale S_b per
+// (token, block). Values: O^T[d, h] += V^T[d, t] P^T[t, h], d as M (16 rows per tile), heads
+// as N, 16 tokens as k; P (fp16) is scaled by the V norm of its (token, block), and its
+// fragment is the score accumulator's own layout. The accumulator holds the rotated output.
+#include <math_constants.h>
+
+#include <type_traits>
+
+#include "iso_common.cuh"
+#include "iso_split.cuh"
+
+namespace iso {
+namespace mma {
+
+constexpr int kSub = 16;  // tokens per warp sub-tile
+constexpr int kRows = 8;  // query heads per MMA (the real M rows)
+
+#ifdef TINYSERVE_CUDA_EMU
+// CPU emulation (tests/kernels/test_iso_mma.py): the byte permute and the warp-wide MMA with
+// the PTX fragment layouts, exchanged through a per-warp buffer.
+inline uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {
+  const uint64_t src = (uint64_t)b << 32 | a;
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t n = (s >> (4 * i)) & 7u;
+    r |= (uint32_t)((src >> (8 * n)) & 0xffu) << (8 * i);
+  }
+  return r;
+}
+inline float half_at(uint32_t x, int hi) {
+  uint16_t h = (uint16_t)(hi ? x >> 16 : x & 0xffffu);
+  return __half2float(__ushort_as_half(h));
+}
+inline uint32_t pack_half2(float lo, float hi) {
+  return (uint32_t)__half_as_ushort(__float2half_rn(lo)) |
+         ((uint32_t)__half_as_ushort(__float2half_rn(hi)) << 16);
+}
+// d += A[16x16] B[16x8]; lane l = 4 * g + t holds A rows g, g+8 at columns 2t, 2t+1
+// (a0, a1) and 2t+8, 2t+9 (a2, a3); B column g at rows 2t, 2t+1 (b0), 2t+8, 2t+9 (b1);
+// D rows g, g+8 at columns 2t, 2t+1 (d0, d1 / d2, d3).
+inline void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                     uint32_t b0, uint32_t b1) {
+  static uint32_t abuf[32][32][4], bbuf[32][32][2];
+  const int w = emu_warp(), l = emu_lane();
+  abuf[w][l][0] = a0; abuf[w][l][1] = a1; abuf[w][l][2] = a2; abuf[w][l][3] = a3;
+  bbuf[w][l][0] = b0; bbuf[w][l][1] = b1;
+  __syncwarp();
+  auto A = [&](int r, int k) {
+    const int lane = 4 * (r & 7) + ((k & 7) >> 1);
+    const int reg = (r >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
+    return half_at(abuf[w][lane][reg], k & 1);
+  };
+  auto B = [&](int k, int n) { return half_at(bbuf[w][4 * n + ((k & 7) >> 1)][k >= 8], k & 1); };
+  const int g = l >> 2, t = l & 3;
+  for (int i = 0; i < 4; ++i) {
+    const int r = g + (i >= 2 ? 8 : 0), c = 2 * t + (i & 1);
+    float s = d[i];
+    for (int k = 0; k < 16; ++k) s += A(r, k) * B(k, c);
+    d[i] = s;
+  }
+  __syncwarp();
+}
+#else
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {
+  return __byte_perm(a, b, s);
+}
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+#endif
+
+// The 8 iso3 centroids as fp16: low bytes (l0: indices 0-3, l1: 4-7) and high bytes.
+struct Lut {
+  uint32_t l0, l1, h0, h1;
+};
+
+__device__ __forceinline__ Lut make_lut() {
+  Lut t{0u, 0u, 0u, 0u};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t h = __half_as_ushort(__float2half_rn(kCent3[i]));
+    const int sh = 8 * (i & 3);
+    if (i < 4) {
+      t.l0 |= (h & 0xffu) << sh;
+      t.h0 |= (h >> 8) << sh;
+    } else {
+      t.l1 |= (h & 0xffu) << sh;
+      t.h1 |= (h >> 8) << sh;
+    }
+  }
+  return t;
+}
+
+// 4 indices (the low 4 nibbles of sel) -> 2 fp16 pairs: (v0, v1) and (v2, v3).
+__device__ __forceinline__ void lookup4(const Lut& t, uint32_t sel, uint32_t& p01,
+                                        uint32_t& p23) {
+  const uint32_t lo = prmt(t.l0, t.l1, sel);
+  const uint32_t hi = prmt(t.h0, t.h1, sel);
+  p01 = prmt(lo, hi, 0x5140u);
+  p23 = prmt(lo, hi, 0x7362u);
+}
+
+// bit i -> bit 2i (16 -> 32 bits)
+__device__ __forceinline__ uint32_t spread16(uint32_t x) {
+  x = (x | (x << 8)) & 0x00ff00ffu;
+  x = (x | (x << 4)) & 0x0f0f0f0fu;
+  x = (x | (x << 2)) & 0x33333333u;
+  return (x | (x << 1)) & 0x55555555u;
+}
+
+// A qs word (low 2 bits of values f = 0..15 at bits 2f) and its signs halfword (bit f = high
+// bit of value f) -> nibble words: e holds the 3-bit index of value 2k in nibble k, o of 2k+1.
+__device__ __forceinline__ void nibbles(uint32_t w, uint32_t s16, uint32_t& e, uint32_t& o) {
+  const uint32_t sp = spread16(s16);
+  e = (w & 0x33333333u) | ((sp << 2) & 0x44444444u);
+  o = ((w >> 2) & 0x33333333u) | (sp & 0x44444444u);
+}
+
+__device__ __forceinline__ uint32_t ld16(const uint8_t* p) {
+  return *reinterpret_cast<const uint16_t*>(p);
+}
+__device__ __forceinline__ uint32_t ld32(const uint8_t* p) {  // 2-byte aligned
+  return ld16(p) | (ld16(p + 2) << 16);
+}
+
+// The value order of one qs word as the K operand sees it: pair p holds values
+// (pair_first(p), pair_first(p) + 2) of the word.
+__host__ __device__ constexpr int pair_first(int p) { return 4 * (p & 3) + (p >> 2); }
+
+// One token's K word w of a block: 8 fp16 pairs, pair p in kb[p].
+__device__ __forceinline__ void k_word(const uint8_t* blk, int w, const Lut& t,
+                                       uint32_t (&kb)[8]) {
+  uint32_t e, o;
+  nibbles(ld32(blk + 2 + 4 * w), ld16(blk + 34 + 2 * w), e, o);
+  lookup4(t, e, kb[0], kb[1]);
+  lookup4(t, e >> 16, kb[2], kb[3]);
+  lookup4(t, o, kb[4], kb[5]);
+  lookup4(t, o >> 16, kb[6], kb[7]);
+}
+
+// Two tokens' V word w of a block: r[f] = (value f of token a, value f of token b) in fp16.
+__device__ __forceinline__ void v_word(const uint8_t* ba, const uint8_t* bb, int w,
+                                       const Lut& t, uint32_t (&r)[16]) {
+  uint32_t ea, oa, eb, ob;
+  nibbles(ld32(ba + 2 + 4 * w), ld16(ba + 34 + 2 * w), ea, oa);
+  nibbles(ld32(bb + 2 + 4 * w), ld16(bb + 34 + 2 * w), eb, ob);
+  const uint32_t s0 = (ea & 0x0f0f0f0fu) | ((eb << 4) & 0xf0f0f0f0u);  // values 0, 4, 8, 12
+  const uint32_t s2 = ((ea >> 4) & 0x0f0f0f0fu) | (eb & 0xf0f0f0f0u);  // 2, 6, 10, 14
+  const uint32_t s1 = (oa & 0x0f0f0f0fu) | ((ob << 4) & 0xf0f0f0f0u);  // 1, 5, 9, 13
+  const uint32_t s3 = ((oa >> 4) & 0x0f0f0f0fu) | (ob & 0xf0f0f0f0u);  // 3, 7, 11, 15
+  lookup4(t, s0, r[0], r[4]);
+  lookup4(t, s0 >> 16, r[8], r[12]);
+  lookup4(t, s2, r[2], r[6]);
+  lookup4(t, s2 >> 16, r[10], r[14]);
+  lookup4(t, s1, r[1], r[5]);
+  lookup4(t, s1 >> 16, r[9], r[13]);
+  lookup4(t, s3, r[3], r[7]);
+  lookup4(t, s3 >> 16, r[11], r[15]);
+}
+
+template <int NB, int NW>
+__global__ void __launch_bounds__(NW * 32)
+    decode_mma_kernel(const float* __restrict__ q, const uint8_t* __restrict__ k_cache,
+                      const uint8_t* __restrict__ v_cache, int64_t slot_stride,
+                      const int32_t* __restrict__ page_table, int64_t pt_stride,
+                      const int32_t* __restrict__ seq_lens, int page_size, int n_kv_heads,
+                      int group, int chunk, int n_splits, float scale_log2,
+                      float* __restrict__ part_acc, float* __restrict__ part_ml) {
+  constexpr int D = NB * kBlock;
+  constexpr int BB = Fmt<3>::kBytes;
+  constexpr int RB = NB * BB;
+  using W = typename std::conditional<RB % 4 == 0, uint32_t, uint16_t>::type;
+  constexpr int RW = RB / (int)sizeof(W);
+  constexpr int kWarpBuf = 2 * 2 * kSub * RB;  // two buffers of K and V rows per warp
+  constexpr int kTileBytes = NW * kWarpBuf;
+  constexpr int kMergeBytes = NW * kRows * D * 4;
+  constexpr int kRaw = kTileBytes > kMergeBytes ? kTileBytes : kMergeBytes;
+
+  __shared__ __align__(16) uint8_t raw[kRaw];
+  __shared__ float q_sm[kRows][D];
+  __shared__ int64_t off_sm[NW][2][kSub];
+  __shared__ float ml_sm[NW][kRows][2];
+
+  const int split = blockIdx.x;
+  const int kvh = blockIdx.y;
+  const int b = blockIdx.z;
+  const int len = seq_lens[b];
+  const int t_begin = split * chunk;
+  if (t_begin >= len) return;
+  const int t_end = min(len, t_begin + chunk);
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int gq = lane >> 2;  // MMA group: query head (scores), token (K), d row (V)
+  const int tq = lane & 3;
+  const int hq = n_kv_heads * group;
+
+  // rotated query times scale * log2(e), fp32; rows >= group are zero
+  for (int i = threadIdx.x; i < kRows * D / 4; i += NW * 32) {
+    const int h = i / (D / 4);
+    const int g = i - h * (D / 4);
+    float v4[4] = {0.0f, 0.0f, 0.0f, 0.0f}, r4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (h < group) {
+      const float* qh = q + ((int64_t)b * hq + kvh * group + h) * D + 4 * g;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v4[j] = qh[j];
+      rotate_fast(g & 31, false, v4, r4);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) q_sm[h][4 * g + j] = r4[j] * scale_log2;
+  }
+  __syncthreads();
+  // Q fragments: k-step s = 4u + j of block b holds pairs 2j, 2j+1 of qs word 2tq + u
+  uint32_t qa[NB][8][2];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const int e = nb * kBlock + 16 * (2 * tq + (s >> 2)) + pair_first(2 * (s & 3) + x);
+        qa[nb][s][x] = pack_half2(q_sm[gq][e], q_sm[gq][e + 2]);
+      }
+    }
+  }
+  const Lut lut = make_lut();
+
+  uint8_t* wbuf = raw + warp * kWarpBuf;
+  auto stage = [&](int t0, int buf) {  // warp-uniform: copy the K/V rows of a sub-tile
+    if (lane < kSub) {
+      const int t = t0 + lane;
+      int64_t off = 0;
+      if (t < t_end) {
+        const int64_t page = page_table[(int64_t)b * pt_stride + t / page_size];
+        off = (page * page_size + t % page_size) * slot_stride + (int64_t)kvh * RB;
+      }
+      off_sm[warp][buf][lane] = off;
+    }
+    __syncwarp();
+    const int n = min(kSub, t_end - t0);
+    W* kd = reinterpret_cast<W*>(wbuf + buf * 2 * kSub * RB);
+    W* vd = reinterpret_cast<W*>(wbuf + buf * 2 * kSub * RB + kSub * RB);
+    for (int i = lane; i < n * RW; i += 32) {
+      const int tok = i / RW;
+      const int w = i - tok * RW;
+      const int64_t off = off_sm[warp][buf][tok];
+      copy_word(kd + i, reinterpret_cast<const W*>(k_cache + off) + w);
+      copy_word(vd + i, reinterpret_cast<const W*>(v_cache + off) + w);
+    }
+    cp_async_commit();
+  };
+
+  float m_run = -CUDART_INF_F, l_run = 0.0f;
+  float acc[NB * 8][4];
+#pragma unroll
+  for (int i = 0; i < NB * 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+
+  constexpr int kStride = NW * kSub;
+  int t0 = t_begin + warp * kSub;
+  if (t0 < t_end) stage(t0, 0);
+  for (int it = 0; t0 < t_end; t0 += kStride, ++it) {
+    const int buf = it & 1;
+    __syncwarp();  // every lane is done with the other buffer (sub-tile it - 1)
+    if (t0 + kStride < t_end) {
+      stage(t0 + kStride, buf ^ 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncwarp();
+    const uint8_t* ks = wbuf + buf * 2 * kSub * RB;
+    const uint8_t* vs = ks + kSub * RB;
+    const int n = min(kSub, t_end - t0);
+
+    // scores: S_b[head gq][tokens 8 nt + 2 tq + {0, 1}] in sacc[b][nt][0..1]
+    float sacc[NB][2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const uint8_t* row = ks + (8 * nt + gq) * RB;
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        sacc[nb][nt][0] = sacc[nb][nt][1] = sacc[nb][nt][2] = sacc[nb][nt][3] = 0.0f;
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          uint32_t kb[8];
+          k_word(row + nb * BB, 2 * tq + u, lut, kb);
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            mma16816(sacc[nb][nt], qa[nb][4 * u + j][0], 0u, qa[nb][4 * u + j][1], 0u,
+                     kb[2 * j], kb[2 * j + 1]);
+        }
+      }
+    }
+    // this lane's tokens: 2tq, 2tq+1 (nt 0) and 2tq+8, 2tq+9 (nt 1)
+    float sc[4];
+    float mt = -CUDART_INF_F;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int ti = 8 * (i >> 1) + 2 * tq + (i & 1);
+      float s = 0.0f;
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) s += block_norm(ks + ti * RB + nb * BB) * sacc[nb][i >> 1][i & 1];
+      sc[i] = ti < n ? s : -CUDART_INF_F;
+      mt = fmaxf(mt, sc[i]);
+    }
+    mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
+    mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
+    const float m_new = fmaxf(m_run, mt);  // finite: token 0 of the sub-tile is valid
+    const float alpha = exp2f(m_run - m_new);
+    m_run = m_new;
+    float p[4];
+    float psum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      p[i] = exp2f(sc[i] - m_new);
+      psum += p[i];
+    }
+    l_run = l_run * alpha + psum;
+    const float a_lo = __shfl_sync(0xffffffffu, alpha, 8 * tq);      // head 2tq
+    const float a_hi = __shfl_sync(0xffffffffu, alpha, 8 * tq + 4);  // head 2tq + 1
+#pragma unroll
+    for (int i = 0; i < NB * 8; ++i) {
+      acc[i][0] *= a_lo;
+      acc[i][1] *= a_hi;
+      acc[i][2] *= a_lo;
+      acc[i][3] *= a_hi;
+    }
+    // values: tokens T0 = 2tq, T1 = 2tq+1, T2 = 2tq+8, T3 = 2tq+9; d rows from qs word gq
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      float pv[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int ti = 8 * (i >> 1) + 2 * tq + (i & 1);
+        pv[i] = ti < n ? p[i] * block_norm(vs + ti * RB + nb * BB) : 0.0f;
+      }
+      const uint32_t pb0 = pack_half2(pv[0], pv[1]);
+      const uint32_t pb1 = pack_half2(pv[2], pv[3]);
+      uint32_t r01[16], r23[16];
+      v_word(vs + (2 * tq) * RB + nb * BB, vs + (2 * tq + 1) * RB + nb * BB, gq, lut, r01);
+      v_word(vs + (2 * tq + 8) * RB + nb * BB, vs + (2 * tq + 9) * RB + nb * BB, gq, lut, r23);
+#pragma unroll
+      for (int k = 0; k < 8; ++k)
+        mma16816(acc[8 * nb + k], r01[2 * k], r01[2 * k + 1], r23[2 * k], r23[2 * k + 1], pb0,
+                 pb1);
+    }
+  }
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+
+  // merge the warps of this CTA; `raw` is reused
+  __syncthreads();
+  float* macc = reinterpret_cast<float*>(raw);  // [NW][kRows][D]
+#pragma unroll
+  for (int i = 0; i < NB * 8; ++i) {
+    // acc[i]: d = 128 (i / 8) + 16 gq + 2 (i % 8) (+1 for acc[i][2..3]), heads 2tq, 2tq+1
+    const int d = (i >> 3) * kBlock + 16 * gq + 2 * (i & 7);
+    macc[(warp * kRows + 2 * tq) * D + d] = acc[i][0];
+    macc[(warp * kRows + 2 * tq + 1) * D + d] = acc[i][1];
+    macc[(warp * kRows + 2 * tq) * D + d + 1] = acc[i][2];
+    macc[(warp * kRows + 2 * tq + 1) * D + d + 1] = acc[i][3];
+  }
+  if (tq == 0) {
+    ml_sm[warp][gq][0] = m_run;
+    ml_sm[warp][gq][1] = l_run;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < group * D; i += NW * 32) {
+    const int h = i / D;
+    const int d = i - h * D;
+    float mx = -CUDART_INF_F;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, ml_sm[w][h][0]);
+    float a = 0.0f, sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float mw = ml_sm[w][h][0];
+      if (mw != -CUDART_INF_F) {
+        const float f = exp2f(mw - mx);
+        a += f * macc[(w * kRows + h) * D + d];
+        sum += f * ml_sm[w][h][1];
+      }
+    }
+    const int64_t prow = ((int64_t)b * hq + kvh * group + h) * n_splits + split;
+    part_acc[prow * D + d] = a;
+    if (d == 0) {
+      part_ml[prow * 2] = mx;
+      part_ml[prow * 2 + 1] = sum;
+    }
+  }
+}
+
+template <int NB, int NW>
+void launch(const float* q, const uint8_t* kc, const uint8_t* vc, int64_t ss, const int32_t* pt,
+            int64_t pts, const int32_t* lens, int batch, int ps, int hkv, int group, int chunk,
+            int nsp, float sl2, float* pa, float* pm, cudaStream_t st) {
+  const dim3 grid(nsp, hkv, batch);
+  decode_mma_kernel<NB, NW><<<grid, NW * 32, 0, st>>>(q, kc, vc, ss, pt, pts, lens, ps, hkv,
+                                                      group, chunk, nsp, sl2, pa, pm);
+}
+
+}  // namespace mma
+}  // namespace iso
+
+// Same arguments as tinyserve_iso_decode (iso3 only, GQA group <= 8, head_dim 128 or 256),
+// plus n_warps (2 or 4). Returns 0, a CUDA error code, 2 (bad format/head_dim), 3 (bad GQA
+// group) or 4 (bad n_warps).
+extern "C" int tinyserve_iso_decode_mma(const float* q, const void* k_cache, const void* v_cache,
+                                        int64_t slot_stride, const int32_t* page_table,
+                                        int64_t pt_stride, const int32_t* seq_lens, int batch,
+                                        int n_q_heads, int n_kv_heads, int head_dim,
+                                        int page_size, int chunk, int n_splits, float scale,
+                                        int n_warps, float* part_acc, float* part_ml, void* out,
+                                        int64_t out_stride_b, int dtype_code,
+                                        cudaStream_t stream) {
+  using namespace iso;
+  if (batch == 0) return 0;
+  if (n_kv_heads <= 0 || n_q_heads % n_kv_heads != 0) return 3;
+  const int group = n_q_heads / n_kv_heads;
+  if (group < 1 || group > mma::kRows) return 3;
+  if (head_dim != 128 && head_dim != 256) return 2;
+  if (n_warps != 2 && n_warps != 4) return 4;
+  const float sl2 = scale * 1.4426950408889634f;
+  const auto* kc = static_cast<const uint8_t*>(k_cache);
+  const auto* vc = static_cast<const uint8_t*>(v_cache);
+#define ISO_MMA(NBV, NWV)                                                                      \
+  mma::launch<NBV, NWV>(q, kc, vc, slot_stride, page_table, pt_stride, seq_lens, batch,        \
+                        page_size, n_kv_heads, group, chunk, n_splits, sl2, part_acc, part_ml, \
+                        stream)
+  if (head_dim == 256) {
+    if (n_warps == 4) ISO_MMA(2, 4);
+    else ISO_MMA(2, 2);
+  } else {
+    if (n_warps == 4) ISO_MMA(1, 4);
+    else ISO_MMA(1, 2);
+  }
+#undef ISO_MMA
+  const dim3 grid(n_q_heads, batch);
+  const int threads = ((head_dim / 4 + 31) / 32) * 32;
+  ISO_DISPATCH_DTYPE(dtype_code, T, {
+    decode_merge_kernel<T><<<grid, threads, 0, stream>>>(part_acc, part_ml, seq_lens, chunk,
+                                                         n_splits, n_q_heads, head_dim,
+                                                         static_cast<T*>(out), out_stride_b);
+  });
+  return (int)cudaGetLastError();
+}

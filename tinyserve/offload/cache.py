@@ -17,15 +17,16 @@ Two ways to drive it:
   of slots it may take, and `observe(layer, experts, slots, loaded)` replays what the kernel did,
   so the host mirror stays exact (see `offload.lookup`).
 
-Everything here is plain Python; no torch.
+Everything here is plain Python and numpy; no torch.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -97,9 +98,9 @@ class ExpertCachePolicy:
         self._uses: dict[Key, float] = {}  # steps in which the key was used (aged)
         self._pinned: set[int] = set()
         self._touched: set[Key] = set()  # keys counted as used in this step
-        # (score, slot, version) entries; stale ones are skipped when popped.
-        self._heap: list[tuple[float, int, int]] = [(-math.inf, s, 0) for s in range(num_slots)]
-        self._version = [0] * num_slots
+        # NOTE: the current score of every slot (-inf when free), rewritten whenever the
+        # owner's score changes; victims are a stable argsort of it (ties -> lower slot).
+        self._score = np.full(num_slots, -math.inf)
 
     # ---------------------------------------------------------------- scoring
     def score(self, key: Key) -> float:
@@ -116,13 +117,8 @@ class ExpertCachePolicy:
             self._push(slot)
 
     def _push(self, slot: int) -> None:
-        self._version[slot] += 1
         key = self.owner[slot]
-        score = -math.inf if key is None else self.score(key)
-        heapq.heappush(self._heap, (score, slot, self._version[slot]))
-        if len(self._heap) > 8 * self.num_slots + 1024:
-            self._heap = [e for e in self._heap if e[2] == self._version[e[1]]]
-            heapq.heapify(self._heap)
+        self._score[slot] = -math.inf if key is None else self.score(key)
 
     # ---------------------------------------------------------------- victims
     def victims(self, n: int, exclude: Iterable[int] = ()) -> list[int]:
@@ -130,24 +126,21 @@ class ExpertCachePolicy:
 
         Raises CacheFullError when fewer than `n` slots are evictable.
         """
-        skip = set(exclude) | self._pinned
-        out: list[int] = []
-        popped: list[tuple[float, int, int]] = []
-        while len(out) < n and self._heap:
-            entry = heapq.heappop(self._heap)
-            _, slot, version = entry
-            if version != self._version[slot]:
-                continue  # stale
-            popped.append(entry)
-            if slot not in skip:
-                out.append(slot)
-        for entry in popped:
-            heapq.heappush(self._heap, entry)
-        if len(out) < n:
+        return self.victim_array(n, exclude).tolist()
+
+    def victim_array(self, n: int, exclude: Iterable[int] = ()) -> np.ndarray:
+        """`victims(n, exclude)` as an int64 numpy array [n]."""
+        order = np.argsort(self._score, kind="stable")
+        skip = self._pinned.union(exclude)
+        if skip:
+            keep = np.ones(self.num_slots, dtype=bool)
+            keep[np.fromiter(skip, dtype=np.int64, count=len(skip))] = False
+            order = order[keep[order]]
+        if len(order) < n:
             raise CacheFullError(
-                f"expert cache: {n} slots wanted but only {len(out)} of {self.num_slots} can be "
-                f"evicted ({len(self._pinned)} pinned by this step)")
-        return out
+                f"expert cache: {n} slots wanted but only {len(order)} of {self.num_slots} can "
+                f"be evicted ({len(self._pinned)} pinned by this step)")
+        return order[:n]
 
     # ---------------------------------------------------------------- host-driven path
     def access(self, layer: int, experts: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
@@ -198,21 +191,40 @@ class ExpertCachePolicy:
     # ---------------------------------------------------------------- device-driven path
     def observe(self, layer: int, experts: Sequence[int], slots: Sequence[int],
                 loaded: Sequence[bool]) -> None:
-        """Replay one device lookup: `experts[i]` of `layer` ended in `slots[i]`, loaded or hit."""
+        """Replay one device lookup: `experts[i]` of `layer` ended in `slots[i]`, loaded or hit.
+
+        The same bookkeeping as `_assign` + `_touch` per distinct expert, written out once
+        (this runs for every layer of every offloaded decode step)."""
         hits = misses = 0
         seen: set[int] = set()
+        where, owner, last, uses = self.where, self.owner, self._last, self._uses
+        touched, pinned, score = self._touched, self._pinned, self._score
+        step, w, log2 = self.step, self.freq_weight, math.log2
         for e, s, was_loaded in zip(experts, slots, loaded, strict=True):
             e, s = int(e), int(s)
             if e in seen:
                 continue
             seen.add(e)
+            key = (layer, e)
             if was_loaded:
-                self._assign(s, (layer, e))
+                old = owner[s]
+                if old is not None:
+                    del where[old]
+                owner[s] = key
+                where[key] = s
                 misses += 1
             else:
-                self._pinned.add(s)
                 hits += 1
-            self._touch((layer, e))
+            pinned.add(s)
+            if key in touched:
+                u = uses[key]
+            else:
+                touched.add(key)
+                u = uses[key] = uses.get(key, 0.0) + 1.0
+            last[key] = step
+            slot = where.get(key)
+            if slot is not None:
+                score[slot] = step + w * log2(1.0 + u)
         self.stats.count(layer, hits, misses, self.bytes_per_expert)
 
     def slot_of(self, layer: int, expert: int) -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from tinyserve.kernels.fused_moe import allocate_expert_slots
@@ -78,17 +79,21 @@ class DeviceExpertCache:
         self.victims = torch.zeros(L, self.victim_len, **i32)
         self._scratch = (torch.empty(num_slots + 1, **i32),
                          torch.empty(self.victim_len + 1, **i32))
-        self._log_ids = torch.full((L, max_ids), -1, **i32)
-        self._log_rows = torch.full((L, self.victim_len), -1, **i32)
-        self._log_slots = torch.full((L, self.victim_len), -1, **i32)
-        self._calls: list[tuple[int, int]] = []  # (layer, number of ids) since begin_step
-        self._last_calls: list[tuple[int, int]] = []
+        # The step's log, read by begin_step in one copy: per layer the load list (rows, slots;
+        # -1 padded) the lookup wrote and the routed ids (-1 beyond the call's ids: begin_step
+        # resets what it read, so a layer whose first id is -1 was not called).
+        V = self.victim_len
+        self._log = torch.full((L, 2 * V + max_ids), -1, **i32)  # [L, rows | slots | ids]
+        self._log_rows, self._log_slots = self._log[:, :V], self._log[:, V:2 * V]
+        self._log_ids = self._log[:, 2 * V:]
+        self._width = 0  # most ids of an eager call since begin_step
+        self._graph_width = 0  # most ids of a call captured in a CUDA graph (replayed later)
         # Layer l's victims: the policy order's entries l, l+L, l+2L, ... first (so decode
         # layers share the best victims without overlap), then the rest in order.
         n = self._victim_n = min(num_slots, L * self.victim_len)
-        idx = torch.arange(n)
-        self._victim_perm = torch.stack([
-            torch.cat([idx[layer::L], idx[idx % L != layer]])[:self.victim_len]
+        idx = np.arange(n)
+        self._victim_perm = np.stack([
+            np.concatenate([idx[layer::L], idx[idx % L != layer]])[:self.victim_len]
             for layer in range(L)])
         self._fill_victims()
 
@@ -101,36 +106,63 @@ class DeviceExpertCache:
         """Fold the last step's lookups into the policy and hand out fresh victim lists.
 
         Called by the provider when layer 0 comes round again; a runner replaying a CUDA
-        graph calls it between replays (skipping it only makes victims staler).
+        graph calls it between replays (skipping it only makes victims staler). Host cost:
+        one device-to-host copy of the log, then numpy and a few dict operations per routed
+        expert (bench/offload_host.py).
         """
-        calls = self._calls or self._last_calls
-        if self.mode == "device" and calls:
-            ids = self._log_ids[:, :max(m for _, m in calls)].cpu()
-            rows, slots = self._log_rows.cpu(), self._log_slots.cpu()
-            E = self.num_experts
-            for layer, m in calls:
-                loads = {int(r) - layer * E: int(s) for r, s in zip(rows[layer], slots[layer],
-                                                                      strict=True) if r >= 0}
-                experts = list(dict.fromkeys(ids[layer, :m].tolist()))
-                got = [(e, loads[e], True) if e in loads else (e, self.policy.slot_of(layer, e),
-                                                              False) for e in experts]
-                got = [g for g in got if g[1] >= 0]
-                self.policy.observe(layer, [g[0] for g in got], [g[1] for g in got],
-                                    [g[2] for g in got])
-                self.policy.release()
+        width = max(self._width, self._graph_width) if self.mode == "device" else 0
+        replayed = width > 0 and self._replay(width)
         self.policy.end_step()
-        if self.mode == "device" and calls:
+        if replayed:
             self._fill_victims()
-        if self._calls:
-            self._last_calls = self._calls
-        self._calls = []
+        self._width = 0
+
+    def _replay(self, width: int) -> bool:
+        """Replay the logged lookups into the policy; False when no layer was called."""
+        V, E = self.victim_len, self.num_experts
+        log = self._log[:, :2 * V + width].to("cpu", copy=True).numpy()  # [L, 2V + width]
+        self._log_ids[:, :width].fill_(-1)
+        ids = log[:, 2 * V:]
+        called = np.flatnonzero(ids[:, 0] >= 0)
+        if not len(called):
+            return False
+        ids, rows, slots = ids[called], log[called, :V], log[called, V:2 * V]
+        # Distinct experts of each called layer: [n, E] flags (-1 -> the dump column E).
+        needed = np.zeros((len(called), E + 1), dtype=bool)
+        needed[np.arange(len(called))[:, None], np.where(ids >= 0, ids, E)] = True
+        need_i, need_e = np.nonzero(needed[:, :E])
+        load_i, load_j = np.nonzero(rows >= 0)
+        keys = zip(load_i.tolist(), (rows[load_i, load_j] % E).tolist(), strict=True)
+        loads = dict(zip(keys, slots[load_i, load_j].tolist(), strict=True))
+        layers = called.tolist()
+        bounds = np.searchsorted(need_i, np.arange(len(called) + 1)).tolist()
+        experts = need_e.tolist()
+        slot_of = self.policy.where.get
+        # NOTE: the policy's state after a layer does not depend on the order of its experts
+        # (the kernel never hands a slot this layer hits to a miss), so ascending order is fine.
+        for i, layer in enumerate(layers):
+            es, ss, ld = [], [], []
+            for e in experts[bounds[i]:bounds[i + 1]]:
+                s = loads.get((i, e))
+                if s is None:
+                    s = slot_of((layer, e), -1)
+                    if s < 0:
+                        continue
+                    ld.append(False)
+                else:
+                    ld.append(True)
+                es.append(e)
+                ss.append(s)
+            self.policy.observe(layer, es, ss, ld)
+            self.policy.release()
+        return True
 
     def _fill_victims(self) -> None:
         """Victim lists from the policy: disjoint per layer while the pool allows."""
         if self.mode != "device":
             return
-        order = torch.tensor(self.policy.victims(self._victim_n), dtype=torch.int32)
-        self.victims.copy_(order[self._victim_perm])
+        order = self.policy.victim_array(self._victim_n)
+        self.victims.copy_(torch.from_numpy(order[self._victim_perm].astype(np.int32)))
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -141,12 +173,20 @@ class DeviceExpertCache:
         if m > self._log_ids.shape[1]:
             raise ValueError(f"{m} routed pairs exceed the cache's max_ids "
                              f"{self._log_ids.shape[1]}")
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            self._graph_width = max(self._graph_width, m)
+        else:
+            self._width = max(self._width, m)
+        ids = self._log_ids[layer, :m]  # int32: the lookup's input and the step's log
+        ids.copy_(topk_ids.reshape(-1))
+        ids = ids.view(topk_ids.shape)
+        out = (self._log_rows[layer], self._log_slots[layer])
         result = None
         if self.use_triton:
             try:
-                result = lk.expert_lookup(topk_ids, layer, self.table, self.owner,
+                result = lk.expert_lookup(ids, layer, self.table, self.owner,
                                           self.victims[layer], self.num_experts,
-                                          scratch=self._scratch)
+                                          scratch=self._scratch, out=out)
                 lk.copy_rows(self.store.slots, self.slots, result[1], result[2])
             except Exception as exc:  # no Triton, or host memory not device-addressable
                 logger.warning("Triton expert lookup/copy failed (%r); using the torch path",
@@ -155,15 +195,10 @@ class DeviceExpertCache:
                 if result is not None:  # the lookup ran: only the copy is left
                     lk.copy_rows_ref(self.store.slots, self.slots, result[1], result[2])
         if result is None:
-            result = lk.expert_lookup_ref(topk_ids, layer, self.table, self.owner,
-                                          self.victims[layer], self.num_experts)
+            result = lk.expert_lookup_ref(ids, layer, self.table, self.owner,
+                                          self.victims[layer], self.num_experts, out=out)
             lk.copy_rows_ref(self.store.slots, self.slots, result[1], result[2])
-        slot_ids, rows, slots = result
-        self._log_ids[layer, :m].copy_(topk_ids.reshape(-1))
-        self._log_rows[layer].copy_(rows)
-        self._log_slots[layer].copy_(slots)
-        self._calls.append((layer, m))
-        return slot_ids
+        return result[0]
 
     def _lookup_host(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
         ids = topk_ids.reshape(-1).tolist()
@@ -173,7 +208,6 @@ class DeviceExpertCache:
             rows = torch.tensor([layer * self.num_experts + e for e, _ in loads])
             dst = torch.tensor([s for _, s in loads], device=self.device)
             lk.copy_rows_ref(self.store.slots, self.slots, rows, dst)
-        self._calls.append((layer, len(ids)))
         return torch.tensor(slots, dtype=torch.int32, device=self.device).view(topk_ids.shape)
 
     def preload_all(self) -> None:

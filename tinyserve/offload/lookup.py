@@ -30,12 +30,14 @@ FIELDS = ("w13", "w13_scale", "w13_global", "w2", "w2_scale", "w2_global")
 
 
 def expert_lookup_ref(topk_ids: torch.Tensor, layer: int, table: torch.Tensor,
-                      owner: torch.Tensor, victims: torch.Tensor,
-                      num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      owner: torch.Tensor, victims: torch.Tensor, num_experts: int, *,
+                      out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Resolve the slots of `topk_ids` [N, k] of `layer`, assigning victims to misses.
 
     Mutates `table` and `owner`. Returns (slot_ids [N, k] int32, load_rows [K] int32,
-    load_slots [K] int32) with K = len(victims); unused load entries are -1.
+    load_slots [K] int32) with K = len(victims); unused load entries are -1. `out`: two
+    int32 [K] tensors to write the load lists into (returned as they are).
     """
     dev, E = table.device, num_experts
     S, K = owner.numel() - 1, victims.numel()
@@ -70,7 +72,11 @@ def expert_lookup_ref(topk_ids: torch.Tensor, layer: int, table: torch.Tensor,
     load_slots = torch.full((K + 1,), -1, dtype=torch.int32, device=dev)
     load_rows.scatter_(0, pos, rows)
     load_slots.scatter_(0, pos, new_slot)
-    return slot_ids, load_rows[:K], load_slots[:K]
+    if out is None:
+        return slot_ids, load_rows[:K], load_slots[:K]
+    out[0].copy_(load_rows[:K])
+    out[1].copy_(load_slots[:K])
+    return slot_ids, out[0], out[1]
 
 
 def copy_rows_ref(src: ExpertSlots, dst: ExpertSlots, rows: torch.Tensor,
@@ -165,8 +171,10 @@ def _triton_kernels():
 def expert_lookup(topk_ids: torch.Tensor, layer: int, table: torch.Tensor,
                   owner: torch.Tensor, victims: torch.Tensor, num_experts: int, *,
                   scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton version of `expert_lookup_ref` (same contract, one launch, no host sync)."""
+    """Triton version of `expert_lookup_ref` (same contract, one launch, no host sync);
+    `out` (contiguous int32 [K] each) receives the load lists directly."""
     triton, kernel, _ = _triton_kernels()
     for t, name in ((table, "table"), (owner, "owner"), (victims, "victims")):
         if t.dtype != torch.int32 or not t.is_contiguous():
@@ -178,8 +186,14 @@ def expert_lookup(topk_ids: torch.Tensor, layer: int, table: torch.Tensor,
         scratch = (torch.empty(S + 1, dtype=torch.int32, device=dev),
                    torch.empty(K + 1, dtype=torch.int32, device=dev))
     slot_ids = torch.empty(M, dtype=torch.int32, device=dev)
-    load_rows = torch.empty(K, dtype=torch.int32, device=dev)
-    load_slots = torch.empty(K, dtype=torch.int32, device=dev)
+    if out is None:
+        out = (torch.empty(K, dtype=torch.int32, device=dev),
+               torch.empty(K, dtype=torch.int32, device=dev))
+    load_rows, load_slots = out
+    for t in out:
+        if t.dtype != torch.int32 or not t.is_contiguous() or t.numel() != K:
+            raise TypeError(f"load lists must be contiguous int32 [{K}], got {t.dtype} "
+                            f"{tuple(t.shape)}")
     kernel[(1,)](ids, M, table, owner, victims, K, scratch[0], scratch[1], slot_ids,
                  load_rows, load_slots, layer * num_experts, num_experts, S,
                  BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_M=32,

@@ -84,6 +84,20 @@ def test_fused_moe_prefetch():
     assert rel_err(y, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+@pytest.mark.parametrize("n", [1, 2], ids=lambda n: f"N{n}")
+def test_fused_moe_h2(n):
+    # the h2 decode in both kernels (gate_up over x, down over the fp32 intermediate)
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    slots = pack_expert_slots(make_experts(6, 64, 48, True), DEV, dtype=dtype)
+    ids, weights = routing(n, 6, 3)
+    x = torch.randn(n, 64, device=DEV).to(torch.bfloat16).to(dtype)
+    cfg = MoEGemvConfig(16, 4, 16, 4, 4, decode="h2")
+    y = fused_moe(x, ids, weights, slots, path="gemv", gemv_config=cfg)
+    ref = fused_moe_ref(x.float(), ids, weights, slots)
+    # NOTE: the intermediate is rounded to fp16 (scaled) before the down projection
+    assert rel_err(y, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-3)
+
+
 def test_fused_moe_default_tiles():
     slots = pack_expert_slots(make_experts(4, 64, 32, True), DEV)
     ids, weights = routing(1, 4, 2)
@@ -143,6 +157,17 @@ def test_errors():
 @pytest.mark.parametrize("fp4", [True, False], ids=["nvfp4", "bf16"])
 def test_fused_moe_gpu(fp4, n, path):
     check(_gpu_slots(fp4), n, 8, torch.bfloat16, 1e-2, path)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("n", [1, 3], ids=lambda n: f"N{n}")
+def test_fused_moe_h2_gpu(n):
+    cfg = MoEGemvConfig(4, 128, 8, 32, 4, False, 2, decode="h2")
+    slots = _gpu_slots(True)
+    ids, weights = routing(n, slots.num_slots, 8)
+    x = torch.randn(n, 2048, device=DEV, dtype=torch.bfloat16)
+    y = fused_moe(x, ids, weights, slots, path="gemv", gemv_config=cfg)
+    assert rel_err(y, fused_moe_ref(x.float(), ids, weights, slots)) < 1e-2
 
 
 @functools.lru_cache(maxsize=1)

@@ -109,6 +109,51 @@ def test_gemv_prefetch(poison, m):
     assert rel_err(y, x.float() @ wd.T) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+H2 = GemvConfig(16, 16, 4, 0, decode="h2")  # interpreter-sized tiles, the "h2" decode
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 300.0], ids=lambda s: f"x{s:g}")
+@pytest.mark.parametrize("split", [0, 2], ids=["whole_k", "split_k"])
+@pytest.mark.parametrize("nk", SMALL, ids=lambda s: f"N{s[0]}xK{s[1]}")
+def test_gemv_h2(poison, nk, split, scale):
+    # the h2 decode at M = 1: fp16x2 weight pairs, x scaled per program by a power of two
+    # (bf16-valued x is exact in fp16 after the scale; the interpreter emulates the half2 FMAs
+    # in fp32, so the bound is fp32's); M = 3 falls back to the f32 decode
+    w, wd = _weight(*nk)
+    cfg = GemvConfig(16, 16, 4, split, decode="h2")
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    bound = 1e-2 if DEV == "cuda" else 1e-5
+    for m in (1, 3):
+        x = (torch.randn(m, nk[1], device=DEV) * scale).to(torch.bfloat16).to(dtype)
+        y = nvfp4_linear(x, w, path="gemv", gemv_config=cfg)
+        assert not torch.isnan(y).any()
+        assert rel_err(y, x.float() @ wd.T) < bound, (m, rel_err(y, x.float() @ wd.T))
+
+
+def test_gemv_h2_every_code_and_zero_x(poison):
+    codes = torch.arange(256, dtype=torch.uint8).repeat(254 * 2).reshape(254, 512)
+    scales = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    w = NVFP4Weight(codes.to(DEV), scales[:, None].expand(254, 64).contiguous().to(DEV), 0.75)
+    x = torch.randn(1, 1024, device=DEV).to(torch.bfloat16).float()
+    cfg = GemvConfig(64, 64, 4, 1, decode="h2")
+    y = nvfp4_linear(x, w, path="gemv", gemv_config=cfg)
+    assert rel_err(y, x @ dequantize_nvfp4(w).T) < (1e-3 if DEV == "cuda" else 1e-5)
+    zero = nvfp4_linear(torch.zeros_like(x), w, path="gemv", gemv_config=cfg)
+    assert torch.equal(zero, torch.zeros_like(zero))
+
+
+def test_gemv_tiles_table(monkeypatch):
+    from tinyserve.kernels import nvfp4_tiles
+
+    cfg = GemvConfig(4, 8, 1, 0, vec=1, num_stages=1)
+    monkeypatch.setitem(nvfp4_tiles.GEMV_TILES, (48, 256), cfg)
+    assert nvfp4_tiles.default_gemv_config(48, 256) is cfg
+    assert nvfp4_tiles.default_gemv_config(8192, 2048) == GemvConfig(8, 128, 4, 0)
+    w, wd = _weight(48, 256)
+    x = torch.randn(1, 256, device=DEV)
+    assert rel_err(nvfp4_linear(x, w), x @ wd.T) < 1e-2  # the table's tiles
+
+
 def test_dot_split_k(poison):
     # few output tiles: the dot path splits K (fp32 workspace, summed)
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
@@ -190,6 +235,20 @@ GPU_CASES = [  # grouped by shape so each weight is built once
 @pytest.mark.parametrize("name,m,path", GPU_CASES, ids=lambda v: str(v))
 def test_linear_gpu(poison, name, m, path):
     check_linear(m, *SHAPES[name], path, torch.bfloat16, 1e-2)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_gemv_h2_gpu(poison, name):
+    # inline-PTX half2 FMAs at M = 1, bf16 and fp16, x over a wide range of magnitudes
+    n, k = SHAPES[name]
+    w, wd = _weight(n, k)
+    cfg = GemvConfig(16, 128 if k >= 2048 else k // 16, 4, 0, decode="h2")
+    for dtype, scale in ((torch.bfloat16, 1.0), (torch.float16, 1e-3), (torch.bfloat16, 1e4)):
+        x = (torch.randn(1, k, device=DEV) * scale).to(dtype)
+        ref = x.float() @ wd.T
+        y = nvfp4_linear(x, w, path="gemv", gemv_config=cfg)
+        assert rel_err(y, ref) < 1e-2, (dtype, scale, rel_err(y, ref))
 
 
 @pytest.mark.requires_cuda

@@ -5,7 +5,8 @@ index, so the same kernels serve all-resident experts (slot = expert id) and the
 cache (slot = cache line). `fused_moe` runs every (token, expert) pair of a layer in one launch
 sequence: gate_up -> silu(gate) * up -> down scaled by the routing weight -> sum over the k
 experts of each token. Decode (few pairs): gate_up with one program per pair and row block,
-int32 code loads (the GEMV of `kernels/nvfp4.py`), pairs ordered by slot so shared experts
+int64 code loads (the GEMV core of `kernels/nvfp4.py`; tiles per (H, F) from
+`nvfp4_tiles.MOE_GEMV_TILES`), pairs ordered by slot so shared experts
 come from L2; down with one program per token and row block summing its k experts.
 Prefill: pairs grouped per slot into BLOCK_M tiles (`align_pairs`, no host sync) and
 tensor-core dots with the weight tile dequantized in the K loop.
@@ -25,41 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
+from tinyserve.kernels.nvfp4_tiles import MoEGemvConfig, default_moe_gemv_config
 
 MOE_PATHS = ("gemv", "dot")
 MOE_GEMV_MAX_PAIRS = 64  # default: gemv up to this many (token, expert) pairs, then dot
-
-
-@dataclass(frozen=True)
-class MoEGemvConfig:
-    """Tiles of the gemv path: weight rows per program and blocks of 16 inputs per K step,
-    for gate_up (K = H) and down (K = F), and warps per program (down_num_warps 0: the same
-    as num_warps).
-
-    NOTE: a K step covering all of H (gate_up) or F (down) leaves no loop, so every load of a
-    program is in flight at once (decode is latency bound).
-    """
-
-    gate_up_block_n: int = 4
-    gate_up_block_b: int = 128
-    down_block_n: int = 8
-    down_block_b: int = 32
-    num_warps: int = 4
-    prefetch: bool = False  # load the next K step before decoding this one
-    down_num_warps: int = 2
-
-
-def default_moe_gemv_config(hidden_size: int, intermediate_size: int) -> MoEGemvConfig:
-    """gate_up: 4 gate + 4 up rows x 128 blocks (x reaches the threads through shared memory,
-    one coalesced load); down: 8 rows x F/16 blocks (2 warps), x block-transposed.
-    Measured on an H200 (bench/NOTES_nvfp4.md)."""
-    gu_b = min(128, _next_pow2(max(1, hidden_size // 16)))
-    dn_b = min(128, _next_pow2(max(1, intermediate_size // 16)))
-    return MoEGemvConfig(4, gu_b, 8, dn_b, 4, False, 2)
-
-
-def _next_pow2(v: int) -> int:
-    return 1 << (v - 1).bit_length()
 
 
 DEFAULT_MOE_GEMV = default_moe_gemv_config(2048, 512)  # Qwen3.5-35B-A3B
@@ -68,9 +38,9 @@ MOE_DOT_BLOCK_N, MOE_DOT_BLOCK_K = 64, 128  # dot: output rows / inputs per tile
 
 @functools.cache
 def _kernels():
-    from tinyserve.kernels import nvfp4_triton
+    from tinyserve.kernels import fused_moe_triton
 
-    return nvfp4_triton
+    return fused_moe_triton
 
 
 @dataclass(frozen=True)
@@ -255,17 +225,18 @@ def _moe_gemv(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
     w13 = slots.w13.view(torch.int64) if fp4 else slots.w13  # one word = 16 codes
     w2 = slots.w2.view(torch.int64) if fp4 else slots.w2
     s13, s2, g13, g2 = _scales(slots, wts)
+    is_h2 = fp4 and cfg.decode == "h2"
+    use_asm = x.device.type == "cuda"  # NOTE: the interpreter runs the h2 emulation
     inter = torch.empty(pairs, f, device=x.device, dtype=torch.float32)
     kern.moe_gate_up_kernel[(pairs, -(-f // cfg.gate_up_block_n))](
         x, ids, order, w13, s13, g13, inter, x.stride(0), H=h, F=f, TOPK=topk, IS_FP4=fp4,
         HAS_ORDER=has_order, BLOCK_N=cfg.gate_up_block_n, BLOCK_B=cfg.gate_up_block_b,
-        PREFETCH=cfg.prefetch,
-        num_warps=cfg.num_warps)
+        PREFETCH=cfg.prefetch, IS_H2=is_h2, USE_ASM=use_asm, num_warps=cfg.num_warps)
     out = torch.empty(n, h, device=x.device, dtype=x.dtype)
     kern.moe_down_kernel[(n, -(-h // cfg.down_block_n))](
         inter, ids, wts, w2, s2, g2, out, H=h, F=f, TOPK=topk, IS_FP4=fp4,
         BLOCK_N=cfg.down_block_n, BLOCK_B=cfg.down_block_b, PREFETCH=cfg.prefetch,
-        num_warps=cfg.down_num_warps or cfg.num_warps)
+        IS_H2=is_h2, USE_ASM=use_asm, num_warps=cfg.down_num_warps or cfg.num_warps)
     return out
 
 

@@ -2,9 +2,10 @@
 
 Three paths (specs/nvfp4.md §5.3), picked by the number of rows M of x:
 
-- `gemv` (M <= GEMV_MAX_M, decode): int32 loads of 8 packed codes, arithmetic E2M1 decode,
-  E4M3 decoded from its uint8 bits, split-K when there are too few programs to fill the GPU
-  (fp32 partials, summed by one torch op).
+- `gemv` (M <= GEMV_MAX_M, decode): int64 loads of 16 packed codes, arithmetic E2M1 decode
+  ("f32" or "h2", `nvfp4_tiles.py`), E4M3 decoded from its uint8 bits, split-K when there are
+  too few programs to fill the GPU (fp32 partials, summed by one torch op). Tiles per shape
+  come from `nvfp4_tiles.GEMV_TILES` (rule-based default for other shapes).
 - `dot` (up to DEQUANT_MIN_M): tensor-core `tl.dot` with the weight tile dequantized in the
   K loop (even and odd inputs as two dots, no lookup table, no scratch).
 - `dequant` (prefill): dequantize to a bf16/fp16 scratch (in row chunks of at most
@@ -18,43 +19,19 @@ Triton is imported on the first call, never at import time.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
 from tinyserve import envs
 from tinyserve.core import NVFP4Weight
+from tinyserve.kernels.nvfp4_tiles import GemvConfig, default_gemv_config
 
 PATHS = ("gemv", "dot", "dequant")
 SCRATCH_ELEMS = 1 << 24  # dequant scratch cap (32 MiB in bf16)
 
 
-@dataclass(frozen=True)
-class GemvConfig:
-    """Tiles of the gemv path: `block_n` weight rows per program, `block_b` blocks of 16
-    inputs (one int64 word of codes + one scale byte each) per K step, `num_warps`. K is split
-    across programs (powers of two, at least one step per split) only while there are fewer
-    than `programs_per_sm` programs per SM. `prefetch`: two K steps in flight per program."""
-
-    block_n: int = 8
-    block_b: int = 128
-    num_warps: int = 4
-    programs_per_sm: int = 0
-    prefetch: bool = False  # load the next K step before decoding this one
-
-
-def default_gemv_config(n: int, k: int, num_sms: int) -> GemvConfig:
-    """Tiles for an [N, K] weight, from the H200 sweep (bench/NOTES_nvfp4.md): 8 rows x 128
-    blocks (2048 inputs; 2 warps along K, x reaches the threads through shared memory in one
-    coalesced load) when K >= 1024, else 1024 / (K/16) rows x all of K; no split-K."""
-    block_b = 128 if k // 16 > 32 else _next_pow2(max(1, k // 16))
-    block_n = max(1, 1024 // block_b)
-    warps = max(1, min(4, block_n * block_b // 64))
-    return GemvConfig(block_n, block_b, warps, 0)
-
-
-def _next_pow2(v: int) -> int:
-    return 1 << (v - 1).bit_length()
+__all__ = ["PATHS", "GemvConfig", "choose_path", "default_gemv_config", "nvfp4_dequantize",
+           "nvfp4_linear"]
 
 
 @functools.cache
@@ -62,6 +39,13 @@ def _kernels():
     from tinyserve.kernels import nvfp4_triton
 
     return nvfp4_triton
+
+
+@functools.cache
+def _dot_kernels():
+    from tinyserve.kernels import nvfp4_dot_triton
+
+    return nvfp4_dot_triton
 
 
 @functools.cache
@@ -119,6 +103,7 @@ def _gemv(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int,
     cfg = cfg or default_gemv_config(n, k, sms)
     kb = k // 16
     words = w.packed.view(torch.int64)  # [N, K/16]: one block of 16 codes per word
+    is_h2 = cfg.decode == "h2" and m == 1  # NOTE: h2 serves one row of x; M > 1 takes f32
     block_m = 1 if m == 1 else (2 if m == 2 else 4)
     num_m = triton_cdiv(m, block_m)
     n_blocks = triton_cdiv(n, cfg.block_n)
@@ -136,13 +121,14 @@ def _gemv(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int,
     grid = (num_m * split * n_blocks,)
     kern.nvfp4_gemv_kernel[grid](x, words, w.block_scale, out, factor, m, n, kb, x.stride(0),
                                  b_split, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-                                 BLOCK_B=cfg.block_b, PREFETCH=cfg.prefetch,
-                                 num_warps=cfg.num_warps)
+                                 BLOCK_B=cfg.block_b, PREFETCH=cfg.prefetch, VEC=cfg.vec,
+                                 IS_H2=is_h2, USE_ASM=x.device.type == "cuda",
+                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out if split == 1 else out.sum(0).to(x.dtype)
 
 
 def _dot(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int) -> torch.Tensor:
-    kern = _kernels()
+    kern = _dot_kernels()
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     block_k = 128
     target = 2 * _num_sms(x.device)
@@ -170,7 +156,7 @@ def _dot(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int) -> torch.Tenso
 def nvfp4_dequantize(w: NVFP4Weight, dtype: torch.dtype = torch.bfloat16, *,
                      rows: tuple[int, int] | None = None) -> torch.Tensor:
     """Dense [N, K] (or rows [r0, r1)) of an NVFP4 weight in `dtype`, on the weight's device."""
-    kern = _kernels()
+    kern = _dot_kernels()
     n, k = w.shape
     r0, r1 = rows if rows is not None else (0, n)
     out = torch.empty(r1 - r0, k, device=w.packed.device, dtype=dtype)

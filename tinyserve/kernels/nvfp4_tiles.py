@@ -1,0 +1,92 @@
+"""Tile tables of the NVFP4 decode kernels (gemv and fused-MoE gemv), one entry per shape.
+
+Plain data: the kernels take their tiles from here, so the winners of a `bench/nvfp4.py`
+sweep go into `GEMV_TILES` / `MOE_GEMV_TILES` without touching kernel code. Shapes missing
+from a table get the rule-based default (`default_gemv_config`, `default_moe_gemv_config`).
+
+Decode variants (`decode`): "f32" builds fp32 E2M1 values from bf16 bit patterns and sums in
+fp32 (6 integer ops per 2 weights + 2 FMAs); "h2" builds fp16x2 pairs of E2M1 values and
+multiplies them against x (scaled by a power of two per program so that max|x| is in
+[2^13, 2^14)) with packed half2 FMAs, summed in fp16 over a block of 16 inputs, then in fp32
+(M = 1 only; inline PTX on a GPU, an fp32 emulation of the same packed words elsewhere).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DECODES = ("f32", "h2")
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Tiles of the gemv path: `block_n` weight rows per program, `block_b` blocks of 16
+    inputs (one int64 word of codes + one scale byte each) per K step, `num_warps`. K is split
+    across programs (powers of two, at least one step per split) only while there are fewer
+    than `programs_per_sm` programs per SM. `prefetch`: two K steps in flight per program.
+    `vec`: contiguous code words per thread and row (2 = 16-byte loads). `num_stages`: Triton's
+    software pipelining of the K loop. `decode`: "f32" or "h2" (module docstring)."""
+
+    block_n: int = 8
+    block_b: int = 128
+    num_warps: int = 4
+    programs_per_sm: int = 0
+    prefetch: bool = False  # load the next K step before decoding this one
+    vec: int = 2
+    num_stages: int = 3  # Triton's default
+    decode: str = "f32"
+
+
+@dataclass(frozen=True)
+class MoEGemvConfig:
+    """Tiles of the fused-MoE gemv path: weight rows per program and blocks of 16 inputs per K
+    step, for gate_up (K = H) and down (K = F), and warps per program (down_num_warps 0: the
+    same as num_warps). `decode` as for GemvConfig (both kernels).
+
+    NOTE: a K step covering all of H (gate_up) or F (down) leaves no loop, so every load of a
+    program is in flight at once (decode is latency bound).
+    """
+
+    gate_up_block_n: int = 4
+    gate_up_block_b: int = 128
+    down_block_n: int = 8
+    down_block_b: int = 32
+    num_warps: int = 4
+    prefetch: bool = False  # load the next K step before decoding this one
+    down_num_warps: int = 2
+    decode: str = "f32"
+
+
+# (N, K) -> tiles for M = 1. Filled from the H200 sweeps (bench/NOTES_nvfp4.md).
+GEMV_TILES: dict[tuple[int, int], GemvConfig] = {}
+
+# (H, F) -> tiles for one decode token. Filled from the H200 sweeps (bench/NOTES_nvfp4.md).
+MOE_GEMV_TILES: dict[tuple[int, int], MoEGemvConfig] = {}
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << (v - 1).bit_length()
+
+
+def default_gemv_config(n: int, k: int, num_sms: int = 132) -> GemvConfig:
+    """Tiles for an [N, K] weight at M = 1: the `GEMV_TILES` entry, else 8 rows x 128 blocks
+    (2048 inputs; x reaches the threads through shared memory in one coalesced load) when
+    K >= 1024, else 1024 / (K/16) rows x all of K; no split-K (it never won on the H200)."""
+    hit = GEMV_TILES.get((n, k))
+    if hit is not None:
+        return hit
+    block_b = 128 if k // 16 > 32 else _next_pow2(max(1, k // 16))
+    block_n = max(1, 1024 // block_b)
+    warps = max(1, min(4, block_n * block_b // 64))
+    return GemvConfig(block_n, block_b, warps, 0)
+
+
+def default_moe_gemv_config(hidden_size: int, intermediate_size: int) -> MoEGemvConfig:
+    """The `MOE_GEMV_TILES` entry, else gate_up 4 gate + 4 up rows x up to 128 blocks, down
+    8 rows x F/16 blocks (2 warps), x block-transposed (measured on an H200)."""
+    hit = MOE_GEMV_TILES.get((hidden_size, intermediate_size))
+    if hit is not None:
+        return hit
+    gu_b = min(128, _next_pow2(max(1, hidden_size // 16)))
+    dn_b = min(128, _next_pow2(max(1, intermediate_size // 16)))
+    return MoEGemvConfig(4, gu_b, 8, dn_b, 4, False, 2)

@@ -184,11 +184,13 @@ DECODE_CASES = [
                          ids=[f"hq{c[0]}-hkv{c[1]}-d{c[2]}-ps{c[3]}-len{max(c[4])}x{len(c[4])}"
                               for c in DECODE_CASES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("impl", ["cuda", "fields", "interleave"])
+@pytest.mark.parametrize("impl", ["cuda", "fields", "interleave", "mma"])
 def test_decode_attention(impl, fmt, case, dtype) -> None:
     hq, hkv, d, ps, lens = case
     if dtype == torch.float32 and max(lens) > 5000:
         pytest.skip("long contexts run in bf16 only")
+    if impl == "mma" and not _cuda().mma_supported(fmt, hq, hkv, d):
+        pytest.skip("the mma kernel takes iso3 with GQA group <= 8")
     kc, vc, table = _filled_cache(fmt, sum(lens), hkv, d, ps, lens, seed=len(lens) + d)
     q = torch.randn(len(lens), hq, d, device="cuda").to(dtype)
     out = torch.full_like(q, float("nan"))
@@ -196,6 +198,8 @@ def test_decode_attention(impl, fmt, case, dtype) -> None:
     scale = d ** -0.5
     if impl == "cuda":
         _cuda().iso_decode_attention(q, kc, vc, table, seq_lens, ps, fmt, scale, out=out)
+    elif impl == "mma":
+        _cuda().iso_decode_attention_mma(q, kc, vc, table, seq_lens, ps, fmt, scale, out=out)
     else:
         from tinyserve.kernels import iso_triton
 
@@ -250,7 +254,7 @@ def test_extend_attention(fmt, case) -> None:
 
 
 @pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("impl", ["cuda", "triton", "mma"])
 def test_pool_on_cuda_matches_cpu(fmt: str, impl: str, monkeypatch) -> None:
     """The whole backend (store + decode + extend) on CUDA against the CPU references."""
     monkeypatch.setenv("TINYSERVE_ISO_DECODE", impl)

@@ -177,3 +177,16 @@ def test_negative_slot_goes_to_padding_page() -> None:
     assert torch.equal(kv.k_cache(3)[8], iso.quantize_ref(k[0], "iso4"))
     assert torch.equal(kv.k_cache(3)[1], iso.quantize_ref(k[1], "iso4"))
     assert kv.k_cache(3)[[0, 2, 3, 4, 5, 6, 7]].eq(0).all()
+
+
+def test_decode_impl_choices(monkeypatch) -> None:
+    from tinyserve.kv import iso_pool
+
+    for impl in iso_pool.DECODE_IMPLS:
+        monkeypatch.setenv("TINYSERVE_ISO_DECODE", impl.upper())
+        assert iso_pool.decode_impl() == impl
+    monkeypatch.setenv("TINYSERVE_ISO_DECODE", "")
+    assert iso_pool.decode_impl() == iso_pool.DECODE_IMPL
+    monkeypatch.setenv("TINYSERVE_ISO_DECODE", "fast")
+    with pytest.raises(ValueError, match="TINYSERVE_ISO_DECODE"):
+        iso_pool.decode_impl()

@@ -10,8 +10,10 @@ Ordering contract (§6.2):
   dtype (causal), then store the chunk (deferred quantization).
 
 On CUDA the store and extend run the kernels of `kernels.iso_cuda`; decode runs the
-tensor-core Triton kernel (`kernels.iso_triton`) or the CUDA SIMT kernel, whichever
-bench/iso_attention.py measured faster (DECODE_IMPL; TINYSERVE_ISO_DECODE overrides it).
+tensor-core Triton kernel (`kernels.iso_triton`), the CUDA SIMT kernel or the CUDA
+tensor-core kernel ("mma": iso3, GQA group <= 8; other shapes use the Triton kernel),
+whichever bench/iso_attention.py measured fastest (DECODE_IMPL; TINYSERVE_ISO_DECODE
+overrides it).
 Elsewhere (or with TINYSERVE_DISABLE_KERNELS=1) the references of `kernels.iso` run: quantize
 on write, dequantize + fp32 attention.
 """
@@ -28,17 +30,19 @@ from tinyserve.log import get_logger
 
 log = get_logger(__name__)
 
-# The decode kernel bench/iso_attention.py measured faster on the H200 ("triton" or "cuda"):
+# The decode kernel bench/iso_attention.py measured fastest on the H200 ("triton", "cuda" or
+# "mma"; the mma kernel is not measured yet):
 # with its tuned settings the Triton kernel is ~20% faster than the CUDA one at 32k (iso3:
 # 80 vs 102 us at batch 1, 401 vs 465 us at batch 8).
 DECODE_IMPL = "triton"
+DECODE_IMPLS = ("triton", "cuda", "mma")
 
 
 def decode_impl() -> str:
     """The decode attention kernel in use: TINYSERVE_ISO_DECODE, else DECODE_IMPL."""
     impl = envs.ISO_DECODE.get().strip().lower() or DECODE_IMPL
-    if impl not in ("triton", "cuda"):
-        raise ValueError(f"TINYSERVE_ISO_DECODE must be triton or cuda, got {impl!r}")
+    if impl not in DECODE_IMPLS:
+        raise ValueError(f"TINYSERVE_ISO_DECODE must be one of {DECODE_IMPLS}, got {impl!r}")
     return impl
 
 
@@ -111,7 +115,17 @@ class ISOKVBackend(KVBackend):
                 scale: float) -> torch.Tensor:
         kc, vc = self.k_cache(layer_id), self.v_cache(layer_id)
         if self.use_kernels:
-            if decode_impl() == "triton" and self._triton_ok:
+            impl = decode_impl()
+            if impl == "mma":
+                from tinyserve.kernels import iso_cuda
+
+                if iso_cuda.mma_supported(self.fmt, q.shape[1], self.num_kv_heads,
+                                          self.head_dim):
+                    return iso_cuda.iso_decode_attention_mma(
+                        q, kc, vc, ctx.page_table, ctx.seq_lens, ctx.page_size, self.fmt,
+                        scale, max_seq_len=ctx.seq_len_bound)
+                impl = "triton"
+            if impl == "triton" and self._triton_ok:
                 from tinyserve.kernels import iso_triton
 
                 try:

@@ -251,3 +251,22 @@ def test_admission_leaves_a_page_per_running_request() -> None:
     outputs, _ = run_all(s)
     assert s.num_preemptions == 0 and len(outputs["b"]) == 1
     assert_idle(s)
+
+
+def test_decode_steps_hand_out_the_page_list_without_copying_it() -> None:
+    s = make(num_pages=64, page_size=4)
+    s.add("a", list(range(1, 10)), SamplingParams(max_tokens=12, ignore_eos=True))
+    s.add("b", list(range(1, 6)), SamplingParams(max_tokens=12, ignore_eos=True))
+    step(s)
+    for _ in range(8):  # across page boundaries: pages appended in place
+        batch, _ = step(s)
+        for seq in batch.seqs:
+            req = s.requests[seq.request_id]
+            assert seq.page_ids is req.pages
+            assert len(seq.page_ids) == s.pages_for(seq.start_pos + 1)
+    s.preempt("b")  # a released request gets a new list; the old batch keeps its pages
+    old = next(q for q in batch.seqs if q.request_id == "b")
+    assert s.requests["b"].pages == [] and old.page_ids and old.page_ids is not \
+        s.requests["b"].pages
+    run_all(s)
+    assert_idle(s)

@@ -211,11 +211,15 @@ class Scheduler:
             return Batch([self._chunk(solo, self.max_num_batched_tokens)])
         seqs: list[ScheduledSeq] = []
         budget = self.max_num_batched_tokens
-        for req in [r for r in self.running if r.is_decode]:
+        decode: list[Request] = []
+        prefill: list[Request] = []
+        for r in self.running:
+            (decode if r.is_decode else prefill).append(r)
+        for req in decode:
             if req.running and self._reserve_decode_page(req):
                 seqs.append(self._chunk(req, 1))
                 budget -= 1
-        for req in [r for r in self.running if not r.is_decode]:
+        for req in prefill:
             if budget <= 0:
                 break
             seqs.append(self._chunk(req, budget))
@@ -278,9 +282,12 @@ class Scheduler:
             every = self.cache.snapshot_interval
             if every and (start // every + 1) * every < end:
                 end = (start // every + 1) * every
+        # NOTE: page_ids is the request's own list, not a copy (a long context has thousands of
+        # pages): it only grows, in place, at a later step's page reservation, and a released
+        # request gets a new list. A batch is consumed before the next schedule().
         return ScheduledSeq(
             request_id=req.request_id, token_ids=req.tokens[start:end], start_pos=start,
-            page_ids=list(req.pages), state_slot=req.slot, sample=end == len(req.tokens),
+            page_ids=req.pages, state_slot=req.slot, sample=end == len(req.tokens),
             params=req.params, history=req.tokens, num_generated=req.num_generated)
 
     def update(self, batch: Batch, output: ForwardOutput) -> list[StepEvent]:

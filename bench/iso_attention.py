@@ -1,29 +1,29 @@
 """ISO3/ISO4 paged decode and extend attention against bf16 SDPA, one layer of Qwen3.5-35B-A3B
 (16 query heads, 2 KV heads, head_dim 256), measured side by side in one run.
 
-Decode: batch 1 and 8, context 4k / 32k / 128k; iso3 and iso4 with both decode kernels (the
-CUDA SIMT kernel of kernels.iso_cuda and the tensor-core Triton kernel of kernels.iso_triton)
-vs bf16 torch SDPA with GQA (`enable_gqa=True`) over a contiguous bf16 K/V (the baseline).
-Each timed call runs over several distinct layer caches (so nothing stays in L2 between
-layers, as in a real step) inside a CUDA graph; the per-layer time is the graph time / calls.
-Bytes read and achieved bandwidth are recorded; `decode_choice` says which kernel won (the
-value for kv/iso_pool.DECODE_IMPL). A sweep times Triton tile / split settings.
+Decode: batch 1 and 8, context 4k / 32k / 128k; iso3 with the three decode kernels (the CUDA
+SIMT kernel "cuda", the Triton tensor-core kernel "triton", the CUDA tensor-core kernel "mma"
+of csrc/iso_decode_mma.cu) and a sweep of the mma kernel's settings (warps per CTA, CTAs per
+SM, which set the split count), iso4 at 32k (cuda, triton), vs bf16 torch SDPA with GQA
+(`enable_gqa=True`) over a contiguous bf16 K/V (the baseline). Each timed call runs over
+several distinct layer caches (so nothing stays in L2 between layers, as in a real step)
+inside a CUDA graph; the per-layer time is the graph time / calls. Every timed config also
+records its cosine against an fp32 oracle (dequantized rows, fp32 softmax attention) on the
+same cache. `decode_choice` says which kernel won (the value for kv/iso_pool.DECODE_IMPL),
+`mma_best` the mma settings per batch (the rows for iso_cuda.MMA_CONFIG).
 Extend: tokens/s of a 2k-token chunk over prefixes 0..30k, the ratio to bf16 SDPA at the same
 prefix, and a breakdown (prefix dequantization, prefix attention, chunk attention).
 
-Writes bench/results/iso_attention.json. A failing case is recorded and the rest still run.
-Usage: python bench/iso_attention.py [--quick]
+Writes bench/results/iso_attention.json (bench/common.py Recorder: a failing case is recorded
+and the rest still run). Usage: python bench/iso_attention.py [--quick] [--no-extend]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import statistics
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -31,6 +31,9 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from common import Recorder, run_meta  # noqa: E402
 
 from tinyserve.kernels import iso, iso_cuda, iso_triton  # noqa: E402
 
@@ -98,39 +101,67 @@ def _iso_state(fmt: str, batch: int, ctx: int) -> dict:
                 out=torch.empty_like(q), bytes=bytes_layer, n_layers=n_layers)
 
 
-def bench_decode_iso(st: dict, impl: str, **cfg) -> dict:
-    """Time one decode kernel ("cuda" or "triton", with optional settings) on a state."""
-    fmt, ctx = st["fmt"], st["ctx"]
-    q, table, lens, out = st["q"], st["table"], st["lens"], st["out"]
-    if impl == "cuda":
-        def call(kc, vc):
-            iso_cuda.iso_decode_attention(q, kc, vc, table, lens, PAGE, fmt, D ** -0.5,
-                                          max_seq_len=ctx, out=out, **cfg)
-    else:
-        if impl == "triton_interleave":
-            cfg = dict(cfg, variant="interleave")
+MMA_SWEEP = [dict(warps=w, ctas_per_sm=c) for w in (4, 2) for c in (1, 2, 4, 8)]
 
-        def call(kc, vc):
-            iso_triton.iso_decode_attention_triton(q, kc, vc, table, lens, PAGE, fmt,
-                                                   D ** -0.5, max_seq_len=ctx, out=out, **cfg)
+
+def _oracle(st: dict) -> torch.Tensor:
+    """fp32 attention over the dequantized rows of the first layer cache: [B, HQ, D]."""
+    kc, vc = st["caches"][0]
+    out = torch.empty(st["batch"], HQ, D, device="cuda")
+    t = torch.arange(st["ctx"], device="cuda")
+    for b in range(st["batch"]):
+        slots = st["table"][b].long()[t // PAGE] * PAGE + t % PAGE
+        k = iso_cuda.iso_dequant_rows(kc, slots, st["fmt"], D, torch.float32)  # [T, HKV, D]
+        v = iso_cuda.iso_dequant_rows(vc, slots, st["fmt"], D, torch.float32)
+        qg = st["q"][b].float().reshape(HKV, HQ // HKV, D)
+        p = torch.softmax(torch.einsum("hgd,thd->hgt", qg, k) * D ** -0.5, dim=-1)
+        out[b] = torch.einsum("hgt,thd->hgd", p, v).reshape(HQ, D)
+        del k, v, p
+    return out
+
+
+def _call(st: dict, impl: str, cfg: dict):
+    fmt, ctx = st["fmt"], st["ctx"]
+    q, table, lens = st["q"], st["table"], st["lens"]
+    if impl == "cuda":
+        return lambda kc, vc, out: iso_cuda.iso_decode_attention(
+            q, kc, vc, table, lens, PAGE, fmt, D ** -0.5, max_seq_len=ctx, out=out, **cfg)
+    if impl == "mma":
+        return lambda kc, vc, out: iso_cuda.iso_decode_attention_mma(
+            q, kc, vc, table, lens, PAGE, fmt, D ** -0.5, max_seq_len=ctx, out=out, **cfg)
+    return lambda kc, vc, out: iso_triton.iso_decode_attention_triton(
+        q, kc, vc, table, lens, PAGE, fmt, D ** -0.5, max_seq_len=ctx, out=out, **cfg)
+
+
+def bench_decode_iso(st: dict, impl: str, cfg: dict, base_us: float | None) -> dict:
+    """Time one decode kernel ("cuda", "triton" or "mma", with optional settings) on a
+    state, and its cosine against the fp32 oracle on the first layer cache."""
+    call = _call(st, impl, cfg)
+    check = torch.full_like(st["q"], float("nan"))
+    call(*st["caches"][0], check)
+    ref = st["oracle"]
+    cos = torch.nn.functional.cosine_similarity(check.float().flatten(), ref.flatten(),
+                                                dim=0).item()
+    rel = ((check.float() - ref).abs().max() / ref.abs().max()).item()
+    out = st["out"]
 
     def run():
         for kc, vc in st["caches"]:
-            call(kc, vc)
+            call(kc, vc, out)
 
     us, method = _time_us(run, st["n_layers"])
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    if impl == "cuda":
-        chunk, splits = iso_cuda.plan_splits(st["batch"], HKV, ctx, sms)
-    else:
-        chunk, splits = iso_triton.plan_splits(
-            st["batch"], HKV, ctx, sms, ctas_per_sm=cfg.get("ctas_per_sm", iso_triton.CTAS_PER_SM),
-            tile=cfg.get("block_t", iso_triton.BLOCK_T))
-    if cfg.get("split_tokens"):
-        chunk = cfg["split_tokens"]
-        splits = math.ceil(ctx / chunk)
-    return dict(us=us, bytes=st["bytes"], GBps=st["bytes"] / us / 1e3, method=method,
-                layers_in_rotation=st["n_layers"], split_tokens=chunk, splits=splits)
+    row = dict(us=us, cos_vs_oracle=cos, max_rel_err=rel, cos_ok=cos >= 0.999,
+               GBps=st["bytes"] / us / 1e3, bytes=st["bytes"], method=method,
+               layers_in_rotation=st["n_layers"], config=cfg)
+    if base_us:
+        row["ratio_vs_bf16"] = us / base_us
+    if impl == "mma":
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        c = iso_cuda.mma_config(st["batch"])
+        row["split_tokens"], row["splits"] = iso_cuda.plan_splits(
+            st["batch"], HKV, st["ctx"], sms, min_tokens=c["min_split_tokens"],
+            ctas_per_sm=cfg.get("ctas_per_sm", c["ctas_per_sm"]))
+    return row
 
 
 def bench_decode_bf16(batch: int, ctx: int) -> dict:
@@ -166,139 +197,131 @@ def bench_extend(fmt: str, prefix: int, chunk: int = 2048) -> dict:
     cu = torch.tensor([0, chunk], dtype=torch.int32, device="cuda")
     ms = do_bench(lambda: iso_cuda.iso_extend_attention(q, k, k, kc, vc, table, cu, [chunk],
                                                         [prefix], PAGE, fmt, D ** -0.5),
-                  warmup=5, rep=100)
+                  warmup=3, rep=40)
     kb = torch.randn(1, HKV, total, D, device="cuda").bfloat16()
     qb = q.transpose(0, 1)[None]
     ms_bf16 = do_bench(lambda: F.scaled_dot_product_attention(qb, kb, kb, enable_gqa=True,
                                                               is_causal=prefix == 0),
-                       warmup=5, rep=100)
+                       warmup=3, rep=40)
     row = dict(ms=ms, tokens_per_s=chunk / ms * 1e3, bf16_sdpa_ms=ms_bf16,
                bf16_tokens_per_s=chunk / ms_bf16 * 1e3, iso_over_bf16=ms / ms_bf16,
                attention_backends=list(iso_cuda.EXTEND_BACKENDS))
     if prefix:  # where the time goes
         slots = torch.arange(prefix, device="cuda")
         row["dequant_kv_ms"] = 2 * do_bench(lambda: iso_cuda.iso_dequant_rows(
-            kc, slots, fmt, D, torch.bfloat16, head_major=True), warmup=5, rep=50)
+            kc, slots, fmt, D, torch.bfloat16, head_major=True), warmup=3, rep=25)
         kp = iso_cuda.iso_dequant_rows(kc, slots, fmt, D, torch.bfloat16, head_major=True)
         qg = q.transpose(0, 1).reshape(HKV, HQ // HKV * chunk, D)
         row["prefix_attention_ms"] = do_bench(
-            lambda: iso_cuda._attend_lse(qg, kp, kp, False, D ** -0.5), warmup=5, rep=50)
+            lambda: iso_cuda._attend_lse(qg, kp, kp, False, D ** -0.5), warmup=3, rep=25)
         ke = k.transpose(0, 1).repeat_interleave(HQ // HKV, 0)
         row["chunk_attention_ms"] = do_bench(
             lambda: iso_cuda._attend_lse(q.transpose(0, 1), ke, ke, True, D ** -0.5),
-            warmup=5, rep=50)
+            warmup=3, rep=25)
     return row
 
 
-def _sweep(res: dict, st: dict) -> None:
-    """Decode settings on one state (32k): CUDA split sizes, Triton tile / split / warp /
-    register-cap settings. Rows land in res["split_sweep"]."""
-    configs = [("cuda", dict(split_tokens=t)) for t in (256, 512)]
-    configs += [("triton", dict(block_t=bt, ctas_per_sm=c, num_warps=w, maxnreg=None))
-                for bt, c, w in ((64, 4, 8), (128, 4, 8), (64, 4, 4))]
-    # register caps (several programs per SM, some spilling)
-    configs += [("triton", dict(block_t=bt, ctas_per_sm=c, num_warps=w, maxnreg=r))
-                for bt, c, w, r in ((64, 8, 8, 128), (32, 16, 4, 128), (32, 8, 4, 96),
-                                    (32, 8, 4, 168), (16, 8, 4, 128), (32, 8, 2, 128),
-                                    (64, 8, 4, 128))]
-    configs += [("triton_interleave", dict(block_t=32, ctas_per_sm=8, num_warps=4,
-                                           maxnreg=128))]
-    for impl, cfg in configs:
-        row = dict(fmt=st["fmt"], impl=impl, batch=st["batch"], context=st["ctx"], config=cfg)
-        try:
-            row.update(bench_decode_iso(st, impl, **cfg))
-        except Exception as exc:  # noqa: BLE001
-            row["error"] = f"{type(exc).__name__}: {exc}"
-        print(json.dumps(row), flush=True)
-        res.setdefault("split_sweep", []).append(row)
-
-
-def _choose(rows: list[dict]) -> dict:
-    """Which decode kernel is faster: geometric mean of triton/cuda time over the 32k and
-    128k rows of both formats and batches."""
-    t = {(r["fmt"], r["batch"], r["context"], r.get("impl")): r["us"] for r in rows
-         if "us" in r and r["fmt"] != "bf16"}
-    logs = [math.log(t[(f, b, c, "triton")] / t[(f, b, c, "cuda")])
-            for (f, b, c, impl) in t if impl == "cuda" and c >= 32768
-            and (f, b, c, "triton") in t]
-    if not logs:
+def _choose(cases: dict) -> dict:
+    """Fastest correct iso3 decode kernel: geometric mean over the 32k and 128k rows (batch 1
+    and 8) of each kernel's time (mma: its best sweep setting per row) over the bf16 time."""
+    ratios: dict[str, list[float]] = {}
+    for name, row in cases.items():
+        parts = name.split("/")  # decode/b{B}/{ctx}/iso3/{impl}[/{cfg}]
+        if len(parts) < 5 or parts[0] != "decode" or parts[3] != "iso3" \
+                or int(parts[2]) < 32768 or not row.get("cos_ok") or "ratio_vs_bf16" not in row:
+            continue
+        key = (parts[4], parts[1], parts[2])
+        ratios.setdefault(key, []).append(row["ratio_vs_bf16"])
+    best: dict[str, list[float]] = {}
+    for (impl, _, _), vals in ratios.items():
+        best.setdefault(impl, []).append(math.log(min(vals)))
+    geo = {impl: math.exp(sum(v) / len(v)) for impl, v in best.items() if v}
+    if not geo:
         return dict(impl=None, reason="no comparable rows")
-    ratio = math.exp(sum(logs) / len(logs))
-    return dict(impl="triton" if ratio < 1 else "cuda", triton_over_cuda_geomean=ratio,
-                rows=len(logs))
+    return dict(impl=min(geo, key=geo.get), iso_over_bf16_geomean=geo)
+
+
+def _mma_best(cases: dict) -> dict:
+    """Per batch: the mma sweep setting that passed at the most contexts, lowest geometric-mean
+    time among those (the row for iso_cuda.MMA_CONFIG)."""
+    logs: dict[tuple, list[float]] = {}
+    for name, row in cases.items():
+        parts = name.split("/")
+        if len(parts) == 6 and parts[4] == "mma" and row.get("cos_ok"):
+            logs.setdefault((parts[1], parts[5]), []).append(math.log(row["us"]))
+    out: dict = {}
+    for (batch, cfg), vals in logs.items():
+        geo = math.exp(sum(vals) / len(vals))
+        cur = out.get(batch)
+        if cur is None or (-len(vals), geo) < (-cur["contexts"], cur["geomean_us"]):
+            warps, ctas = cfg[1:].split("c")
+            out[batch] = dict(config=cfg, warps=int(warps), ctas_per_sm=int(ctas),
+                              geomean_us=geo, contexts=len(vals))
+    return out
+
+
+def _summary(cases: dict) -> None:
+    print("\ndecode (us per layer, ratio vs bf16, cosine vs oracle):")
+    for name, row in cases.items():
+        if name.startswith("decode/") and "us" in row:
+            extra = (f" x{row['ratio_vs_bf16']:.2f} cos {row['cos_vs_oracle']:.5f}"
+                     if "ratio_vs_bf16" in row else "")
+            print(f"  {name:44s} {row['us']:9.1f}{extra}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="4k and 32k only")
+    parser.add_argument("--no-extend", action="store_true", help="decode only")
     args = parser.parse_args()
-    import triton
-
     props = torch.cuda.get_device_properties(0)
-    res: dict = dict(
-        device=torch.cuda.get_device_name(0), sms=props.multi_processor_count,
-        torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    rec = Recorder(RESULTS, run_meta(
+        "iso_attention", sms=props.multi_processor_count, cuda=torch.version.cuda,
         shapes=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, page_size=PAGE),
-        baseline="torch SDPA bf16, enable_gqa=True, contiguous K/V", decode=[], extend=[],
-        targets="iso3 <= 0.5x bf16 at 32k and 128k; extend iso/bf16 within 1.3x at every "
-                "prefix")
+        baseline="torch SDPA bf16, enable_gqa=True, contiguous K/V",
+        mma_config=list(iso_cuda.MMA_CONFIG), triton_block_t=iso_triton.BLOCK_T,
+        targets="iso3 <= 0.5x bf16 at 32k and 128k (batch 1); extend iso/bf16 within 1.3x"))
     contexts = [4096, 32768] if args.quick else [4096, 32768, 131072]
     for batch in (1, 8):
         for ctx in contexts:
-            base = None
-            row = dict(fmt="bf16", batch=batch, context=ctx)
-            try:
-                row.update(bench_decode_bf16(batch, ctx))
-                base = row["us"]
-            except Exception as exc:  # noqa: BLE001
-                row["error"] = f"{type(exc).__name__}: {exc}"
-                traceback.print_exc()
-            print(json.dumps(row), flush=True)
-            res["decode"].append(row)
+            tag = f"decode/b{batch}/{ctx}"
+            row = rec.run(f"{tag}/bf16", bench_decode_bf16, batch, ctx)
+            base = row["us"] if row else None
             torch.cuda.empty_cache()
-            for fmt in ("iso3", "iso4"):
-                try:
-                    st = _iso_state(fmt, batch, ctx)
-                except Exception as exc:  # noqa: BLE001
-                    res["decode"].append(dict(fmt=fmt, batch=batch, context=ctx,
-                                              error=f"{type(exc).__name__}: {exc}"))
-                    traceback.print_exc()
+            for fmt in ("iso3", "iso4") if ctx == 32768 else ("iso3",):
+                holder: dict = {}
+
+                def make(fmt=fmt, batch=batch, ctx=ctx, holder=holder) -> dict:
+                    holder["st"] = st = _iso_state(fmt, batch, ctx)
+                    st["oracle"] = _oracle(st)
+                    return dict(n_layers=st["n_layers"], bytes=st["bytes"])
+
+                if rec.run(f"{tag}/{fmt}/state", make) is None:
                     continue
-                for impl in ("cuda", "triton", "triton_interleave"):
-                    row = dict(fmt=fmt, impl=impl, batch=batch, context=ctx)
-                    try:
-                        row.update(bench_decode_iso(st, impl))
-                        if base:
-                            row["ratio_vs_bf16"] = row["us"] / base
-                    except Exception as exc:  # noqa: BLE001
-                        row["error"] = f"{type(exc).__name__}: {exc}"
-                        traceback.print_exc()
-                    print(json.dumps(row), flush=True)
-                    res["decode"].append(row)
-                if ctx == 32768:
-                    _sweep(res, st)
+                st = holder.pop("st")
+                impls = ["cuda", "triton"] + (["mma"] if fmt == "iso3" else [])
+                for impl in impls:
+                    rec.run(f"{tag}/{fmt}/{impl}", bench_decode_iso, st, impl, {}, base)
+                if fmt == "iso3":
+                    for cfg in MMA_SWEEP:
+                        cname = f"w{cfg['warps']}c{cfg['ctas_per_sm']}"
+                        rec.run(f"{tag}/{fmt}/mma/{cname}", bench_decode_iso, st, "mma", cfg,
+                                base)
                 del st
                 torch.cuda.empty_cache()
-    res["decode_choice"] = _choose(res["decode"])
-    print(json.dumps(dict(decode_choice=res["decode_choice"])), flush=True)
-    for prefix in (0, 2048, 8192, 16384, 30720):
-        row = dict(fmt="iso3", chunk=2048, prefix=prefix)
-        try:
-            row.update(bench_extend("iso3", prefix))
-        except Exception as exc:  # noqa: BLE001
-            row["error"] = f"{type(exc).__name__}: {exc}"
-            traceback.print_exc()
-        print(json.dumps(row), flush=True)
-        res["extend"].append(row)
-    tps = [r["tokens_per_s"] for r in res["extend"] if "tokens_per_s" in r]
-    if tps:
-        res["extend_flatness_min_over_max"] = min(tps) / max(tps)
-    ratios = [r["iso_over_bf16"] for r in res["extend"] if "iso_over_bf16" in r]
-    if ratios:
-        res["extend_iso_over_bf16_max"] = max(ratios)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(res, indent=2) + "\n")
+    cases = rec.data["cases"]
+    rec.data["decode_choice"] = _choose(cases)
+    rec.data["mma_best"] = _mma_best(cases)
+    if not args.no_extend:
+        for prefix in (0, 2048, 8192, 30720):
+            rec.run(f"extend/iso3/prefix{prefix}", bench_extend, "iso3", prefix)
+        tps = [r["tokens_per_s"] for n, r in cases.items() if n.startswith("extend/")]
+        if tps:
+            rec.data["extend_flatness_min_over_max"] = min(tps) / max(tps)
+    RESULTS.write_text(__import__("json").dumps(rec.data, indent=1, default=str) + "\n")
+    _summary(cases)
+    print(f"decode_choice: {rec.data['decode_choice']}")
+    print(f"mma_best: {rec.data['mma_best']}")
     print(f"wrote {RESULTS}")
     return 0
 

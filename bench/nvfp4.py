@@ -1,72 +1,88 @@
-"""NVFP4 W4A16 kernels vs bf16 cuBLAS on Qwen3.5-35B-A3B shapes -> bench/results/nvfp4.json.
+"""NVFP4 decode kernels at M = 1, a sweep of gemv and fused-MoE variants -> results/nvfp4.json.
 
-Measured in one run on one CUDA device:
-1. device copy bandwidth (1 GiB device-to-device copy, bytes read + written);
-2. M = 1, 2, 4, 8, 16: each NVFP4 path and the default vs torch.matmul on a bf16 weight;
-   achieved weight bandwidth as a fraction of the copy bandwidth (target >= 0.6 at >= 8 MB of
-   weights); a sweep of gemv tile configs per shape at M = 1 (`gemv_sweep_M1`, best marked)
-   and on the two big shapes at M = 4 (`gemv_sweep_M4`);
-3. M = 512, 2048: TFLOP/s of the `dot` and `dequant` paths vs bf16 cuBLAS;
-4. fused MoE: one token x 8 of 256 NVFP4 experts (gemv path) vs the time to read its 8
-   experts' bytes at copy bandwidth (target <= 2x), for a few tile configs; 2048 tokens x 8
-   over 256 experts, both
-   paths, vs a per-expert bf16 cuBLAS loop.
-Every case is timed inside a CUDA graph (launch overhead amortised) and cycles through enough
-weight copies to exceed L2, so the numbers are HBM numbers. A failing case is recorded with
-its error and the run goes on. Usage: python bench/nvfp4.py [--quick]
+One unattended run on one GPU (< 120 s, most of it Triton compiles), everything beside its
+baseline from the same run:
+1. bandwidth: a 1 GiB device copy (read + written) and a bf16 cuBLAS GEMV over a 1 GiB
+   weight (read only); the larger is the reference `bw` for every fraction below;
+2. gemv M = 1 on the 35B-A3B shapes (qkvz, lm_head, o_proj, gate_up, down): bf16 cuBLAS,
+   the shape's current tiles (`default_gemv_config`) and every candidate of `GEMV_SWEEP`
+   (decode "f32" / "h2", rows, blocks, warps, load width, stages, split-K);
+3. fused MoE, one decode token x 8 of 256 experts: the current tiles and `MOE_SWEEP`, against
+   the time to read the 8 experts' bytes at `bw` (target <= 2x).
+Every variant is first checked against the torch reference on the GPU (relative Frobenius
+and max errors recorded; a variant over 1e-2 is not timed). Timing: the median of 10 replays
+of a CUDA graph that cycles through enough weight copies (>= 256 MB) to miss L2. The winners
+per shape are printed as `nvfp4_tiles.py` table entries. A failing case is recorded and the
+rest still run; past TIME_BUDGET_S the remaining variants are skipped (recorded as such).
+
+Usage: python bench/nvfp4.py [--smoke]  (--smoke: tiny shapes, any device, no timing; checks
+the script itself, e.g. on CPU with TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
+import os
 import statistics
 import sys
-import traceback
+import time
 from pathlib import Path
-
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from bench.common import Recorder, run_meta  # noqa: E402
 from tinyserve.core import NVFP4Weight  # noqa: E402
 from tinyserve.kernels.fused_moe import (  # noqa: E402
-    DEFAULT_MOE_GEMV,
     MoEGemvConfig,
     allocate_expert_slots,
+    default_moe_gemv_config,
     fused_moe,
+    fused_moe_ref,
 )
-from tinyserve.kernels.nvfp4 import (  # noqa: E402
-    PATHS,
-    GemvConfig,
-    choose_path,
-    default_gemv_config,
-    nvfp4_linear,
-)
+from tinyserve.kernels.nvfp4 import GemvConfig, default_gemv_config, nvfp4_linear  # noqa: E402
+from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4  # noqa: E402
 
-SHAPES = {  # name: (N, K)
-    "gate_up_2048_1024": (1024, 2048), "down_512_2048": (2048, 512),
-    "qkvz_2048_8192": (8192, 2048), "o_4096_2048": (2048, 4096),
-    "lm_head_2048_248320": (248320, 2048),
+SHAPES = {  # name: (N, K), most important first
+    "qkvz_2048_8192": (8192, 2048), "lm_head_2048_248320": (248320, 2048),
+    "o_4096_2048": (2048, 4096), "gate_up_2048_1024": (1024, 2048),
+    "down_512_2048": (2048, 512),
 }
-GEMV_SWEEP = [  # (block_n, block_b, num_warps, programs_per_sm, prefetch); + the default
-    GemvConfig(8, 128, 4, 0), GemvConfig(16, 128, 4, 0), GemvConfig(4, 128, 4, 0),
-    GemvConfig(16, 128, 8, 0), GemvConfig(32, 32, 4, 0), GemvConfig(64, 32, 8, 0),
-    GemvConfig(8, 128, 4, 1), GemvConfig(8, 128, 4, 0, True)]
-MOE_SWEEP = [DEFAULT_MOE_GEMV, MoEGemvConfig(8, 128, 8, 32, 4, False, 2),
-             MoEGemvConfig(4, 128, 16, 32, 4, False, 4), MoEGemvConfig(4, 128, 4, 32, 4, False, 2),
-             MoEGemvConfig(2, 128, 8, 32, 2, False, 2), MoEGemvConfig(8, 128, 16, 32, 4, False, 2),
-             MoEGemvConfig(4, 128, 8, 32, 4, False, 4)]
+SMOKE_SHAPES = {"qkvz": (64, 1024), "down": (48, 512)}
+G = GemvConfig
+GEMV_SWEEP = [  # K >= 1024 (a block_b past K/16 is masked)
+    G(8, 128, 4), G(16, 128, 4), G(32, 32, 4), G(16, 128, 4, vec=4),
+    G(8, 128, 4, 4),  # split-K up to 4 programs per SM
+    G(8, 128, 4, decode="h2"), G(16, 128, 4, decode="h2"), G(16, 128, 4, vec=4, decode="h2"),
+    G(16, 256, 8, decode="h2"), G(32, 128, 8, decode="h2"), G(64, 128, 8, decode="h2"),
+    G(8, 128, 4, 4, decode="h2"),
+]
+GEMV_SWEEP_SMALL_K = [  # K = 512 (32 blocks)
+    G(32, 32, 4), G(16, 32, 2), G(64, 32, 8), G(32, 32, 4, decode="h2"),
+    G(16, 32, 2, decode="h2"), G(64, 32, 8, decode="h2"),
+]
+M_ = MoEGemvConfig  # gate_up rows, blocks; down rows, blocks; warps; prefetch; down warps
+MOE_SWEEP = [
+    M_(8, 128, 8, 32, 4, False, 2), M_(4, 128, 16, 32, 4, False, 4),
+    M_(4, 128, 8, 32, 4, False, 2, "h2"), M_(8, 128, 8, 32, 4, False, 2, "h2"),
+    M_(4, 128, 16, 32, 4, False, 4, "h2"), M_(2, 128, 8, 32, 2, False, 2, "h2"),
+    M_(8, 128, 16, 32, 8, False, 4, "h2"),
+]
 ROTATE_BYTES = 256 << 20  # cycle weight copies until this many bytes (> L2)
-RESULTS: dict = {}
-OUT_PATH = ROOT / "bench/results/nvfp4.json"
+MAX_REL_ERR = 1e-2
+TIME_BUDGET_S = 100.0
+T0 = time.perf_counter()
+SMOKE = False  # --smoke: no timing, no time budget
 
 
 def time_graph(fns: list, reps: int = 10, stat=statistics.median) -> float:
     """Median (or `stat`) microseconds per call of the calls in `fns`, replayed in one CUDA
-    graph."""
+    graph (launch overhead amortised; the calls run back to back)."""
     for fn in fns[:2]:
         fn()
     torch.cuda.synchronize()
@@ -87,41 +103,34 @@ def time_graph(fns: list, reps: int = 10, stat=statistics.median) -> float:
     return stat(times)
 
 
-def record(section: str, key: str, fn) -> None:
-    try:
-        RESULTS.setdefault(section, {})[key] = fn()
-    except Exception as exc:  # noqa: BLE001 - one failed case must not stop the run
-        RESULTS.setdefault(section, {})[key] = {"error": f"{type(exc).__name__}: {exc}"}
-        traceback.print_exc()
-    print(section, key, json.dumps(RESULTS[section][key]), flush=True)
-    # NOTE: rewritten after every case so a run cut short by a timeout still leaves its numbers
-    OUT_PATH.parent.mkdir(parents=True, exist_ok=True)
-    OUT_PATH.write_text(json.dumps(RESULTS, indent=2) + "\n")
+def errors(y: torch.Tensor, ref: torch.Tensor) -> dict:
+    d = y.float() - ref
+    return {"rel_err": float(d.norm() / ref.norm()),
+            "max_rel_err": float(d.abs().max() / ref.abs().max())}
 
 
-def copy_bandwidth() -> dict:
-    """Steady state: 20 copies of 1 GiB per graph replay, after a warm-up; the best replay
-    (the first version timed 4 copies and read 2.8 TB/s where a 20-copy loop gave 4.2)."""
+def over_budget() -> bool:
+    return not SMOKE and time.perf_counter() - T0 > TIME_BUDGET_S
+
+
+def bandwidth(dev: str) -> dict:
+    """20 copies of 1 GiB per graph replay (best replay), and a bf16 cuBLAS GEMV over a
+    1 GiB weight (read only)."""
     n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    a = torch.empty(n, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
-    for _ in range(20):
-        b.copy_(a)
-    med = time_graph([lambda: b.copy_(a)] * 20, reps=5)
-    best = time_graph([lambda: b.copy_(a)] * 20, reps=5, stat=min)
-    # read-only reference: a bf16 GEMV (cuBLAS) over a 1 GiB weight streams it once
+    copy = time_graph([lambda: b.copy_(a)] * 20, reps=5, stat=min)
     w = a.view(torch.bfloat16).view(1 << 15, 1 << 14)
-    v = torch.randn(1 << 14, 1, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1 << 14, 1, device=dev, dtype=torch.bfloat16)
     read = time_graph([lambda: w @ v] * 20, reps=5, stat=min)
-    out = {"bytes": 2 * n, "us": best, "copy_GBps": 2 * n / best / 1e3,
-           "copy_median_GBps": 2 * n / med / 1e3, "gemv_read_GBps": n / read / 1e3}
-    out["GBps"] = max(out["copy_GBps"], out["gemv_read_GBps"])  # the reference below
+    out = {"copy_GBps": 2 * n / copy / 1e3, "gemv_read_GBps": n / read / 1e3}
+    out["GBps"] = max(out["copy_GBps"], out["gemv_read_GBps"])
     return out
 
 
-def rand_nvfp4(n: int, k: int) -> NVFP4Weight:
-    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
-    scale = torch.randint(0x30, 0x48, (n, k // 16), dtype=torch.uint8, device="cuda")
+def rand_nvfp4(n: int, k: int, dev: str) -> NVFP4Weight:
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev)
+    scale = torch.randint(0x30, 0x48, (n, k // 16), dtype=torch.uint8, device=dev)
     return NVFP4Weight(packed, scale, 0.5 / k**0.5)
 
 
@@ -129,67 +138,69 @@ def nvfp4_bytes(n: int, k: int) -> int:
     return n * k // 2 + n * k // 16
 
 
-def copies(nbytes: int) -> int:
-    return max(1, min(32, -(-ROTATE_BYTES // nbytes)))
+def copies(nbytes: int, smoke: bool) -> int:
+    return 1 if smoke else max(1, min(32, -(-ROTATE_BYTES // nbytes)))
 
 
-def bench_linear(name: str, m: int, bw: float) -> dict:
-    n, k = SHAPES[name]
+def gemv_key(c: GemvConfig) -> str:
+    return (f"{c.decode}_bn{c.block_n}_bb{c.block_b}_w{c.num_warps}_v{c.vec}_s{c.num_stages}"
+            f"_pps{c.programs_per_sm}{'_pf' if c.prefetch else ''}")
+
+
+def gemv_table_entry(c: GemvConfig) -> str:
+    return (f"GemvConfig({c.block_n}, {c.block_b}, {c.num_warps}, {c.programs_per_sm}, "
+            f"vec={c.vec}, num_stages={c.num_stages}, decode={c.decode!r})")
+
+
+def bench_gemv(n: int, k: int, bw: float, dev: str, smoke: bool) -> dict:
+    """bf16 cuBLAS, the current tiles and the sweep at M = 1 on one [N, K] shape."""
     wb = nvfp4_bytes(n, k)
-    ws = [rand_nvfp4(n, k) for _ in range(copies(wb))]
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    out: dict = {"N": n, "K": k, "M": m, "weight_bytes": wb, "default": choose_path(m, n, k)}
-    for path in PATHS:
-        if path == "gemv" and m > 16:
+    ws = [rand_nvfp4(n, k, dev) for _ in range(copies(wb, smoke))]
+    x = torch.randn(1, k, device=dev, dtype=torch.bfloat16 if dev == "cuda" else torch.float32)
+    ref = x.float() @ dequantize_nvfp4(ws[0]).to(dev).T
+    out: dict = {"N": n, "K": k, "weight_bytes": wb}
+    if not smoke:
+        dense = [torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+                 for _ in range(copies(2 * n * k, smoke))]
+        us = time_graph([lambda d=d: x @ d.T for d in dense])
+        out["bf16_cublas"] = {"us": us, "frac_bw": 2 * n * k / us / 1e3 / bw}
+        del dense
+    default = default_gemv_config(n, k)
+    cands = GEMV_SWEEP if k // 16 > 32 else GEMV_SWEEP_SMALL_K
+    variants: dict = {}
+    for cfg in [default] + [c for c in cands if c != default]:
+        key = gemv_key(cfg)
+        if over_budget():
+            variants[key] = {"skipped": "time budget"}
             continue
         try:
-            us = time_graph([lambda w=w, p=path: nvfp4_linear(x, w, path=p) for w in ws])
-            out[path] = {"us": us, "frac_copy_bw": wb / us / 1e3 / bw,
-                         "TFLOPs": 2 * m * n * k / us / 1e6}
-        except Exception as exc:  # noqa: BLE001
-            out[path] = {"error": f"{type(exc).__name__}: {exc}"}
-    del ws
-    dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-             for _ in range(copies(2 * n * k))]
-    us = time_graph([lambda d=d: x @ d.T for d in dense])
-    out["bf16_cublas"] = {"us": us, "frac_copy_bw": 2 * n * k / us / 1e3 / bw,
-                          "TFLOPs": 2 * m * n * k / us / 1e6}
-    best = min(out[p]["us"] for p in PATHS if "us" in out.get(p, {}))
-    out["best_nvfp4_vs_bf16_speedup"] = us / best
-    return out
-
-
-def bench_gemv_sweep(name: str, m: int, bw: float) -> dict:
-    """gemv path, the shape's default tiles and the GEMV_SWEEP candidates; the best marked."""
-    n, k = SHAPES[name]
-    wb = nvfp4_bytes(n, k)
-    ws = [rand_nvfp4(n, k) for _ in range(copies(wb))]
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    default = default_gemv_config(n, k, torch.cuda.get_device_properties(0).multi_processor_count)
-    out: dict = {"default": gemv_key(default)}
-    for cfg in [default] + [c for c in GEMV_SWEEP if c != default]:
-        key = gemv_key(cfg)
-        try:
-            us = time_graph([lambda w=w, c=cfg: nvfp4_linear(x, w, path="gemv", gemv_config=c)
-                             for w in ws])
-            out[key] = {"us": us, "frac_copy_bw": wb / us / 1e3 / bw}
-        except Exception as exc:  # noqa: BLE001
-            out[key] = {"error": f"{type(exc).__name__}: {exc}"}
-    timed = {kk: v["us"] for kk, v in out.items() if isinstance(v, dict) and "us" in v}
+            y = nvfp4_linear(x, ws[0], path="gemv", gemv_config=cfg)
+            res = errors(y, ref)
+            if res["rel_err"] <= MAX_REL_ERR and not smoke:
+                us = time_graph([lambda w=w, c=cfg: nvfp4_linear(x, w, path="gemv",
+                                                                 gemv_config=c) for w in ws])
+                res.update(us=us, frac_bw=wb / us / 1e3 / bw)
+            elif res["rel_err"] > MAX_REL_ERR:
+                res["wrong"] = True
+        except Exception as exc:  # noqa: BLE001 - one failed variant must not stop the sweep
+            res = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        variants[key] = res
+    out["default"] = gemv_key(default)
+    out["variants"] = variants
+    timed = {kk: v for kk, v in variants.items() if "us" in v}
     if timed:
-        best = min(timed, key=timed.get)
-        out["best"] = {"config": best, "us": timed[best],
-                       "frac_copy_bw": wb / timed[best] / 1e3 / bw}
+        best = min(timed, key=lambda kk: timed[kk]["us"])
+        cfg = next(c for c in [default, *cands] if gemv_key(c) == best)
+        out["best"] = {"config": best, "us": timed[best]["us"],
+                       "frac_bw": timed[best]["frac_bw"],
+                       "vs_default": variants[out["default"]].get("us", float("nan"))
+                       / timed[best]["us"],
+                       "table_entry": f"({n}, {k}): {gemv_table_entry(cfg)},"}
     return out
 
 
-def gemv_key(cfg: GemvConfig) -> str:
-    pf = "_pf" if cfg.prefetch else ""
-    return f"bn{cfg.block_n}_bb{cfg.block_b}_w{cfg.num_warps}_pps{cfg.programs_per_sm}{pf}"
-
-
-def expert_slots_fp4(num: int, h: int, f: int):
-    slots = allocate_expert_slots(num, h, f, fp4=True, device="cuda")
+def expert_slots_fp4(num: int, h: int, f: int, dev: str):
+    slots = allocate_expert_slots(num, h, f, fp4=True, device=dev)
     slots.w13.random_(0, 256)
     slots.w2.random_(0, 256)
     slots.w13_scale.random_(0x30, 0x48)
@@ -199,113 +210,109 @@ def expert_slots_fp4(num: int, h: int, f: int):
     return slots
 
 
-def bench_moe_decode(bw: float, h: int = 2048, f: int = 512, e: int = 256) -> dict:
+def moe_key(c: MoEGemvConfig) -> str:
+    return (f"{c.decode}_gu{c.gate_up_block_n}x{c.gate_up_block_b}_dn{c.down_block_n}x"
+            f"{c.down_block_b}_w{c.num_warps}_dw{c.down_num_warps}{'_pf' if c.prefetch else ''}")
+
+
+def bench_moe_decode(bw: float, dev: str, smoke: bool, h: int = 2048, f: int = 512,
+                     e: int = 256) -> dict:
+    """One token x 8 of `e` experts: the current tiles and MOE_SWEEP vs the byte-read time."""
     k = 8
-    slots = expert_slots_fp4(e, h, f)
-    x = torch.randn(1, h, device="cuda", dtype=torch.bfloat16)
-    w = torch.softmax(torch.randn(1, k, device="cuda"), -1)
+    slots = expert_slots_fp4(e, h, f, dev)
+    x = torch.randn(1, h, device=dev, dtype=torch.bfloat16 if dev == "cuda" else torch.float32)
+    w = torch.softmax(torch.randn(1, k, device=dev), -1)
     # 20 different routings per graph: 160 expert reads, ~280 MB, more than L2
-    routes = [torch.randperm(e, device="cuda")[:k].reshape(1, k) for _ in range(20)]
+    routes = [torch.randperm(e, device=dev)[:k].reshape(1, k) for _ in range(1 if smoke else 20)]
+    ref = fused_moe_ref(x.float(), routes[0], w, slots)
     expert_bytes = 3 * nvfp4_bytes(f, h)
     read_us = k * expert_bytes / bw / 1e3
-    out: dict = {"bytes_8_experts": k * expert_bytes, "read_at_copy_bw_us": read_us}
-    for cfg in MOE_SWEEP:  # the default first
-        key = "default" if cfg == DEFAULT_MOE_GEMV else (
-            f"gu{cfg.gate_up_block_n}x{cfg.gate_up_block_b}_dn{cfg.down_block_n}x"
-            f"{cfg.down_block_b}_w{cfg.num_warps}_dw{cfg.down_num_warps}"
-            f"{'_pf' if cfg.prefetch else ''}")
+    out: dict = {"H": h, "F": f, "experts": e, "bytes_8_experts": k * expert_bytes,
+                 "read_at_bw_us": read_us}
+    default = default_moe_gemv_config(h, f)
+    variants: dict = {}
+    for cfg in [default] + [c for c in MOE_SWEEP if c != default]:
+        key = moe_key(cfg)
+        if over_budget():
+            variants[key] = {"skipped": "time budget"}
+            continue
         try:
-            us = time_graph([lambda r=r, c=cfg: fused_moe(x, r, w, slots, path="gemv",
-                                                          gemv_config=c) for r in routes])
-            out[key] = {"us": us, "ratio_to_read_time": us / read_us,
-                        "frac_copy_bw": read_us / us}
+            y = fused_moe(x, routes[0], w, slots, path="gemv", gemv_config=cfg)
+            res = errors(y, ref)
+            if res["rel_err"] <= MAX_REL_ERR and not smoke:
+                us = time_graph([lambda r=r, c=cfg: fused_moe(x, r, w, slots, path="gemv",
+                                                              gemv_config=c) for r in routes])
+                res.update(us=us, ratio_to_read_time=us / read_us)
+            elif res["rel_err"] > MAX_REL_ERR:
+                res["wrong"] = True
         except Exception as exc:  # noqa: BLE001
-            out[key] = {"error": f"{type(exc).__name__}: {exc}"}
-    timed = {kk: v["us"] for kk, v in out.items() if isinstance(v, dict) and "us" in v}
+            res = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        variants[key] = res
+    out["default"] = moe_key(default)
+    out["variants"] = variants
+    timed = {kk: v for kk, v in variants.items() if "us" in v}
     if timed:
-        best = min(timed, key=timed.get)
-        out["best"] = {"config": best, "us": timed[best],
-                       "ratio_to_read_time": timed[best] / read_us}
+        best = min(timed, key=lambda kk: timed[kk]["us"])
+        c = next(c for c in [default, *MOE_SWEEP] if moe_key(c) == best)
+        out["best"] = {"config": best, "us": timed[best]["us"],
+                       "ratio_to_read_time": timed[best]["ratio_to_read_time"],
+                       "table_entry": f"({h}, {f}): MoEGemvConfig({c.gate_up_block_n}, "
+                       f"{c.gate_up_block_b}, {c.down_block_n}, {c.down_block_b}, "
+                       f"{c.num_warps}, {c.prefetch}, {c.down_num_warps}, {c.decode!r}),"}
     return out
 
 
-def bench_moe_prefill(tokens: int, h: int = 2048, f: int = 512, e: int = 256) -> dict:
-    k = 8
-    slots = expert_slots_fp4(e, h, f)
-    x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
-    ids = torch.stack([torch.randperm(e, device="cuda")[:k] for _ in range(tokens)])
-    w = torch.softmax(torch.randn(tokens, k, device="cuda"), -1)
-    flops = 2 * tokens * k * 3 * h * f
-    out: dict = {"tokens": tokens, "experts": e, "topk": k}
-    for path in ("dot", "gemv"):
-        try:
-            us = time_graph([lambda p=path, s=slots: fused_moe(x, ids, w, s, path=p)],
-                            reps=3)
-            out[path] = {"us": us, "TFLOPs": flops / us / 1e6}
-        except Exception as exc:  # noqa: BLE001
-            out[path] = {"error": f"{type(exc).__name__}: {exc}"}
-    # baseline: per-expert bf16 cuBLAS loop (gather, gate_up, silu*up, down, scatter-add)
-    del slots
-    w13 = torch.randn(e, 2 * f, h, device="cuda", dtype=torch.bfloat16) / h**0.5
-    w2 = torch.randn(e, h, f, device="cuda", dtype=torch.bfloat16) / f**0.5
-    flat = ids.flatten()
-    groups = [(flat == s).nonzero().flatten() for s in range(e)]
-
-    def loop() -> torch.Tensor:
-        y = torch.zeros(tokens * k, h, device="cuda", dtype=torch.bfloat16)
-        for s, rows in enumerate(groups):
-            gu = x[rows // k] @ w13[s].T
-            y[rows] = (torch.nn.functional.silu(gu[:, :f]) * gu[:, f:]) @ w2[s].T
-        return y
-
-    us = time_graph([loop], reps=3)
-    out["bf16_cublas_loop"] = {"us": us, "TFLOPs": flops / us / 1e6}
-    return out
+def summary(rec: Recorder) -> None:
+    print("\n== NVFP4 decode sweep ==")
+    for name, case in rec.data["cases"].items():
+        best = case.get("best")
+        if not best:
+            continue
+        if "frac_bw" in best:
+            base = case.get("bf16_cublas", {}).get("us", float("nan"))
+            dflt = case["variants"][case["default"]].get("us", float("nan"))
+            print(f"{name:28s} default {dflt:8.2f} us | best {best['us']:8.2f} us "
+                  f"({best['frac_bw']:.0%} of bw) {best['config']} | bf16 cuBLAS {base:8.2f} us")
+        else:
+            print(f"{name:28s} best {best['us']:.2f} us = {best['ratio_to_read_time']:.2f}x "
+                  f"read time ({case['read_at_bw_us']:.2f} us) {best['config']}")
+    print("\ntable entries (tinyserve/kernels/nvfp4_tiles.py):")
+    for case in rec.data["cases"].values():
+        if case.get("best"):
+            print("   ", case["best"]["table_entry"])
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="M=1 only, no lm_head, no prefill")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, no timing (any device)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/nvfp4.json"))
     args = ap.parse_args()
-    global OUT_PATH
-    OUT_PATH = Path(args.out)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU")
+    global SMOKE
+    SMOKE = args.smoke
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev != "cuda" and not args.smoke:
+        print("needs a CUDA GPU (or --smoke)")
         return 1
-    import triton
-
-    RESULTS["meta"] = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "triton": triton.__version__, "cuda": torch.version.cuda,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "timing": "median of 10 CUDA-graph replays, weights rotated past L2",
-    }
-    record("copy_bandwidth", "d2d_1GiB", copy_bandwidth)
-    bw = RESULTS["copy_bandwidth"]["d2d_1GiB"].get("GBps", 4000.0)
-    shapes = [s for s in SHAPES if not (args.quick and s.startswith("lm_head"))]
-    # NOTE: most important first, so a run cut short by a timeout keeps those
-    for name in shapes:
-        record("gemv", f"{name}_M1", lambda n=name: bench_linear(n, 1, bw))
-    record("fused_moe", "decode_1tok_8of256", lambda: bench_moe_decode(bw))
-    if args.quick:
-        shapes = []
-    for name in shapes:
-        record("gemv_sweep_M1", name, lambda n=name: bench_gemv_sweep(n, 1, bw))
-    if "qkvz_2048_8192" in shapes:
-        record("gemv_sweep_M4", "qkvz_2048_8192", lambda: bench_gemv_sweep("qkvz_2048_8192", 4, bw))
-    for m in (4, 16, 2, 8):
-        for name in shapes:
-            record("gemv", f"{name}_M{m}", lambda n=name, m=m: bench_linear(n, m, bw))
-    for m in (512, 2048):
-        for name in shapes:
-            if not (name.startswith("lm_head") and m == 2048):
-                record("gemm", f"{name}_M{m}", lambda n=name, m=m: bench_linear(n, m, bw))
-    if not args.quick:
-        record("fused_moe", "prefill_2048tok_8of256", lambda: bench_moe_prefill(2048))
-    RESULTS["meta"]["complete"] = True
-    OUT_PATH.write_text(json.dumps(RESULTS, indent=2) + "\n")
-    print(f"wrote {OUT_PATH}")
+    out = Path(args.out if not args.smoke else "/tmp/nvfp4_smoke.json")
+    rec = Recorder(out, run_meta("nvfp4", timing="median of 10 CUDA-graph replays, weights "
+                                 "rotated past L2", budget_s=TIME_BUDGET_S))
+    bw = 4000.0
+    if not args.smoke:
+        res = rec.run("bandwidth", bandwidth, dev)
+        bw = (res or {}).get("GBps", bw)
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    names = list(shapes)
+    rec.run(f"gemv_M1_{names[0]}", bench_gemv, *shapes[names[0]], bw, dev, args.smoke)
+    if args.smoke:
+        rec.run("moe_decode_1tok_8of256", bench_moe_decode, bw, dev, True, 32, 32, 10)
+    else:
+        rec.run("moe_decode_1tok_8of256", bench_moe_decode, bw, dev, False)
+    for name in names[1:]:
+        rec.run(f"gemv_M1_{name}", bench_gemv, *shapes[name], bw, dev, args.smoke)
+    rec.data["seconds"] = round(time.perf_counter() - T0, 1)
+    rec.path.write_text(__import__("json").dumps(rec.data, indent=1, default=str) + "\n")
+    summary(rec)
+    print(f"wrote {out} in {rec.data['seconds']} s")
     return 0
 
 

@@ -52,8 +52,10 @@ DECODE_M = (1, 4, 16)
 PREFILL_M = (512, 2048)
 VARIANTS = [("gemv", False), ("gemv", True), ("dot", False), ("dot", True), ("dequant", False),
             ("dequant", True)]
-GEMV_SWEEP = [DEFAULT_GEMV, GemvConfig(8, 4, 2, 1024), GemvConfig(32, 4, 2, 1024),
-              GemvConfig(16, 8, 2, 1024), GemvConfig(16, 4, 4, 1024), GemvConfig(8, 4, 4, 256)]
+GEMV_SWEEP = [  # (words_per_thread, num_warps, programs_per_sm, max_block_w); default first
+    DEFAULT_GEMV, GemvConfig(8, 4, 2, 1024), GemvConfig(32, 4, 2, 1024),
+    GemvConfig(16, 8, 2, 1024), GemvConfig(8, 8, 2, 1024), GemvConfig(4, 4, 2, 1024),
+    GemvConfig(16, 4, 4, 256)]  # the last splits K (2 or 4 ways) on every shape
 ROTATE_BYTES = 256 << 20  # cycle weight copies until this many bytes (> the 50 MB L2)
 BUDGET_S = 80.0
 START = time.perf_counter()

@@ -3,14 +3,18 @@
 The weight bytes are read directly (no per-call conversion of the weight). Three paths, picked
 by the number of rows M of x (`choose_path`):
 
-- `gemv` (M <= GEMV_MAX_M, decode): the weight read as int32 words (4 codes, 16-byte loads),
-  one K range per program held in registers (split-K only when K exceeds `max_block_w` words
-  or there are too few row blocks), decoded once and used for every row of x. bf16 x is read
-  as int64 words (4 inputs) that line up with the weight words.
+- `gemv` (M <= GEMV_MAX_M, decode): CUDA cores; the weight read as int32 words (4 codes,
+  16-byte loads), one K range per program held in registers (split-K only when K exceeds
+  `max_block_w` words or there are too few row blocks), decoded once and used for every row
+  of x. bf16 x is read as int64 words (4 inputs) that line up with the weight words.
 - `dot` (up to DEQUANT_MIN_M): tensor-core `tl.dot` with the weight tile converted to x's
-  dtype in the K loop (exact: e4m3 fits in bf16 and fp16).
+  dtype in the K loop (exact: e4m3 fits in bf16 and fp16); 16-row tiles for small M.
 - `dequant` (prefill): e4m3 * scale to a scratch in x's dtype (row chunks of at most
   SCRATCH_ELEMS), then torch.matmul (cuBLAS).
+
+Why gemv stops at 4 rows (static sm_90 SASS, Triton 3.9): the gemv costs ~7.4 instructions per
+weight at M = 1 and ~19 at M = 4 (one FMA per row plus per-row x decode and reduction), the
+16-row `dot` ~6 whatever M; bench/fp8_linear.py measures both at M = 1, 4, 16.
 
 Decoding without an fp8 type (runs on sm_80/86), from the byte b = s eeee mmm:
 - gemv: two codes per 32-bit half at once; `((w << 8) & 0x80008000) | ((w << 4) & 0x07F007F0)`
@@ -42,7 +46,7 @@ import triton.language as tl
 from tinyserve.core import FP8Weight
 
 PATHS = ("gemv", "dot", "dequant")
-GEMV_MAX_M = 16  # largest M on the gemv path by default
+GEMV_MAX_M = 4  # largest M on the gemv path by default (5..16: dot with 16-row tiles)
 DEQUANT_MIN_M = 256  # smallest M on the dequant path by default
 SCRATCH_ELEMS = 1 << 24  # dequant scratch cap (32 MiB in bf16)
 
@@ -320,7 +324,7 @@ def _gemv(x: torch.Tensor, w: FP8Weight, scale: torch.Tensor, per_row: bool, m: 
         out = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, block_n) * split,)
     fp8_gemv_kernel[grid](xv, w.weight.view(torch.int32), scale, out, m, n, k // 4,
-                          xv.stride(0), SPLIT_K=split, BLOCK_M=1 if m == 1 else 4,
+                          xv.stride(0), SPLIT_K=split, BLOCK_M=min(4, _next_pow2(m)),
                           BLOCK_N=block_n, BLOCK_W=block_w, IS_PER_ROW=per_row,
                           IS_X_BF16=is_bf16, USE_NATIVE=native, num_warps=cfg.num_warps)
     return out if split == 1 else out.sum(0).to(x.dtype)

@@ -149,6 +149,10 @@ __device__ __forceinline__ uint32_t ld16(const uint8_t* p) {
 __device__ __forceinline__ uint32_t ld32(const uint8_t* p) {  // 2-byte aligned
   return ld16(p) | (ld16(p + 2) << 16);
 }
+// The fp16 block norm at p (2-byte aligned) as fp32 (one hardware conversion).
+__device__ __forceinline__ float norm_at(const uint8_t* p) {
+  return __half2float(__ushort_as_half((unsigned short)ld16(p)));
+}
 
 // The value order of one qs word as the K operand sees it: pair p holds values
 // (pair_first(p), pair_first(p) + 2) of the word.
@@ -198,6 +202,7 @@ __global__ void __launch_bounds__(NW * 32)
   constexpr int RB = NB * BB;
   using W = typename std::conditional<RB % 4 == 0, uint32_t, uint16_t>::type;
   constexpr int RW = RB / (int)sizeof(W);
+  static_assert(RW <= 32, "one lane per word of a packed row");
   constexpr int kWarpBuf = 2 * 2 * kSub * RB;  // two buffers of K and V rows per warp
   constexpr int kTileBytes = NW * kWarpBuf;
   constexpr int kMergeBytes = NW * kRows * D * 4;
@@ -266,12 +271,13 @@ __global__ void __launch_bounds__(NW * 32)
     const int n = min(kSub, t_end - t0);
     W* kd = reinterpret_cast<W*>(wbuf + buf * 2 * kSub * RB);
     W* vd = reinterpret_cast<W*>(wbuf + buf * 2 * kSub * RB + kSub * RB);
-    for (int i = lane; i < n * RW; i += 32) {
-      const int tok = i / RW;
-      const int w = i - tok * RW;
-      const int64_t off = off_sm[warp][buf][tok];
-      copy_word(kd + i, reinterpret_cast<const W*>(k_cache + off) + w);
-      copy_word(vd + i, reinterpret_cast<const W*>(v_cache + off) + w);
+    if (lane < RW) {  // lane = word of the row: no division, one offset per token
+#pragma unroll 4
+      for (int tok = 0; tok < n; ++tok) {
+        const int64_t off = off_sm[warp][buf][tok];
+        copy_word(kd + tok * RW + lane, reinterpret_cast<const W*>(k_cache + off) + lane);
+        copy_word(vd + tok * RW + lane, reinterpret_cast<const W*>(v_cache + off) + lane);
+      }
     }
     cp_async_commit();
   };
@@ -325,7 +331,8 @@ __global__ void __launch_bounds__(NW * 32)
       const int ti = 8 * (i >> 1) + 2 * tq + (i & 1);
       float s = 0.0f;
 #pragma unroll
-      for (int nb = 0; nb < NB; ++nb) s += block_norm(ks + ti * RB + nb * BB) * sacc[nb][i >> 1][i & 1];
+      for (int nb = 0; nb < NB; ++nb)
+        s += norm_at(ks + ti * RB + nb * BB) * sacc[nb][i >> 1][i & 1];
       sc[i] = ti < n ? s : -CUDART_INF_F;
       mt = fmaxf(mt, sc[i]);
     }
@@ -358,7 +365,7 @@ __global__ void __launch_bounds__(NW * 32)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int ti = 8 * (i >> 1) + 2 * tq + (i & 1);
-        pv[i] = ti < n ? p[i] * block_norm(vs + ti * RB + nb * BB) : 0.0f;
+        pv[i] = ti < n ? p[i] * norm_at(vs + ti * RB + nb * BB) : 0.0f;
       }
       const uint32_t pb0 = pack_half2(pv[0], pv[1]);
       const uint32_t pb1 = pack_half2(pv[2], pv[3]);

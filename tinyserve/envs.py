@@ -58,3 +58,5 @@ ISO_DECODE = StrEnv("TINYSERVE_ISO_DECODE", "",
                    "ISO KV decode attention kernel: triton or cuda (empty: the measured default)")
 API_KEY = StrEnv("TINYSERVE_API_KEY", "",
                  "API key(s), comma-separated, when `tinyserve run` gets no --api-key")
+WRITE_RESULTS = BoolEnv("TINYSERVE_WRITE_RESULTS", "0",
+                        "tests: also write their measured figures to bench/results/*.json")

@@ -1,6 +1,6 @@
 """Fixtures of the reliability tests: the real engine on a tiny CPU checkpoint behind uvicorn,
-and the session summary (figures printed at the end of the run and written to
-bench/results/reliability_cpu.json)."""
+and the session summary (figures printed at the end of the run; written to
+bench/results/reliability_cpu.json when TINYSERVE_WRITE_RESULTS=1)."""
 
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> None:
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if not report.touched():
         return
-    data = report.write()
+    written = report.write()
     terminalreporter.section("tinyserve reliability")
-    for line in report.lines(data):
+    for line in report.lines(report.summary(), written):
         terminalreporter.write_line(line)
 
 

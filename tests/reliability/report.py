@@ -1,6 +1,7 @@
 """Figures the reliability tests add up over a session (requests served, disconnects, bad
-inputs, 5xx responses, leaked pages and slots), written to bench/results/reliability_cpu.json
-and printed by the terminal summary hook in conftest.py whatever the capture mode."""
+inputs, 5xx responses, leaked pages and slots), printed by the terminal summary hook in
+conftest.py whatever the capture mode, and written to bench/results/reliability_cpu.json only
+when TINYSERVE_WRITE_RESULTS=1 (so a plain test run leaves the tree clean)."""
 
 from __future__ import annotations
 
@@ -50,14 +51,21 @@ def summary() -> dict[str, Any]:
                 "torch": torch.__version__, "figures": dict(_figures), "tests": dict(_tests)}
 
 
-def write() -> dict[str, Any]:
-    data = summary()
-    RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(json.dumps(data, indent=2) + "\n")
-    return data
+def write(path: Path | None = None) -> Path | None:
+    """Write `summary()` to `path` (default RESULT when TINYSERVE_WRITE_RESULTS is set);
+    returns the file written, or None when nothing was asked for."""
+    from tinyserve import envs
+
+    if path is None:
+        if not envs.WRITE_RESULTS.get():
+            return None
+        path = RESULT
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary(), indent=2) + "\n")
+    return path
 
 
-def lines(data: dict[str, Any]) -> list[str]:
+def lines(data: dict[str, Any], written: Path | None) -> list[str]:
     f = data["figures"]
     return [
         f"requests served: {f['requests_served']}",
@@ -73,5 +81,10 @@ def lines(data: dict[str, Any]) -> list[str]:
         f"leaked KV pages: {f['leaked_kv_pages']}, leaked state slots: "
         f"{f['leaked_state_slots']}, leaked prefix-cache references: "
         f"{f['leaked_prefix_cache_refs']}",
-        f"written to {RESULT.relative_to(ROOT)}",
+        f"written to {_shown(written)}" if written else
+        f"not written (TINYSERVE_WRITE_RESULTS=1 writes {_shown(RESULT)})",
     ]
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)

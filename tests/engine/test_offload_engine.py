@@ -86,7 +86,8 @@ def test_builder_takes_the_plans_numbers(tiny_checkpoint) -> None:
         * plan.expert_slot_bytes
     # The budget-proportional allocator slack would move by more than these tiny experts.
     budget -= dict(plan.workspace)["allocator slack"]
-    small = plan_checkpoint(ckpt, replace(plan_config(config, budget), allocator_slack=0.0))
+    small = plan_checkpoint(ckpt, replace(plan_config(config, budget), allocator_slack=0.0,
+                                          allocator_slack_min=0))
     assert small.experts_offloaded and small.embed_device == "cpu"
     assert mcfg.num_experts <= small.expert_slots < plan.num_routed_experts
     assert kv_pages(config, mcfg, torch.device("cuda"), plan=small) == small.kv_pages

@@ -129,3 +129,22 @@ def test_plan_command(tiny_nvfp4: Path, capsys) -> None:
     assert "expert cache" in capsys.readouterr().out
     assert main(["plan", str(tiny_nvfp4), "--gpu-memory", "10MiB", "--max-context", "512"]) == 2
     assert "needs at least" in capsys.readouterr().err
+
+
+def test_small_budgets_keep_a_fixed_allocator_slack(tiny_nvfp4: Path) -> None:
+    """4% of a small budget cannot hold the cuBLAS workspace and the allocator's segments: the
+    slack has a floor, so a tiny model's allocator cap is not a few MiB; large budgets keep
+    the proportional slack. A budget below what is fixed is refused with the numbers."""
+    req = PlanConfig(gpu_memory=700 * MiB, max_context=128, prefill_chunk=32)
+    plan = plan_checkpoint(tiny_nvfp4, req)
+    slack = dict(plan.workspace)["allocator slack"]
+    assert slack == req.allocator_slack_min == 96 * MiB
+    # The allocator's share (budget less the CUDA context) covers the slack and graph pools.
+    assert plan.gpu_memory - req.cuda_context >= slack + req.graph_pool
+    w = geometry_weight_bytes(QWEN35, "mixed")
+    big = plan_for_geometry(QWEN35, w, PlanConfig(gpu_memory=6 * GiB, kv="iso3"))
+    assert dict(big.workspace)["allocator slack"] == int(0.04 * 6 * GiB)
+    fixed = plan.gpu_bytes - plan.expert_cache_bytes - plan.embed_bytes
+    with pytest.raises(PlanError, match=r"needs at least \d+ MiB .* budget is \d+ MiB"):
+        plan_checkpoint(tiny_nvfp4, PlanConfig(gpu_memory=fixed - MiB, max_context=128,
+                                               prefill_chunk=32))

@@ -52,6 +52,10 @@ class PlanConfig:
     cuda_context: int = 320 * MiB  # CUDA context, cuBLAS workspaces, allocator slack
     graph_pool: int = 64 * MiB  # CUDA-graph private pools
     allocator_slack: float = 0.04  # fraction of the budget: allocator rounding, transient buffers
+    # NOTE: the slack never goes below this: a small model under a small budget still needs the
+    # cuBLAS workspace (32 MiB on sm_90) and the allocator's 2/20 MiB segments, which do not
+    # shrink with the budget (a 4% slack left a tiny model ~64 MiB for everything).
+    allocator_slack_min: int = 96 * MiB
     # NOTE: 0.27 makes the default 6 GiB iso3 plan of 35B-A3B hold 128k+ tokens (the design
     # target) and still leave ~1,500 expert slots.
     kv_fraction: float = 0.27  # share of the free memory given to KV without --max-context
@@ -221,7 +225,8 @@ def _workspace(config: Any, req: PlanConfig, max_context: int) -> tuple[tuple[st
         # NOTE: measured on an H200 with a 6 GiB cap: the caching allocator's rounding and
         # transient buffers (sampler, expert-miss lists, cuBLAS/Triton scratch) took ~300 MiB
         # beyond the items above, and the first decode step ran out of memory without this.
-        ("allocator slack", int(req.gpu_memory * req.allocator_slack)),
+        ("allocator slack", max(req.allocator_slack_min,
+                                int(req.gpu_memory * req.allocator_slack))),
     )
 
 

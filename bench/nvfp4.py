@@ -67,11 +67,12 @@ GEMV_SWEEP_SMALL_K = [  # K = 512 (32 blocks)
     G(16, 32, 2, decode="h2"), G(64, 32, 8, decode="h2"),
 ]
 M_ = MoEGemvConfig  # gate_up rows, blocks; down rows, blocks; warps; prefetch; down warps
-MOE_SWEEP = [
+MOE_SWEEP = [  # + decode, down_expert_split
     M_(8, 128, 8, 32, 4, False, 2), M_(4, 128, 16, 32, 4, False, 4),
     M_(4, 128, 8, 32, 4, False, 2, "h2"), M_(8, 128, 8, 32, 4, False, 2, "h2"),
-    M_(4, 128, 16, 32, 4, False, 4, "h2"), M_(2, 128, 8, 32, 2, False, 2, "h2"),
-    M_(8, 128, 16, 32, 8, False, 4, "h2"),
+    M_(4, 128, 16, 32, 4, False, 4, "h2"),
+    M_(4, 128, 8, 32, 4, False, 2, "f32", 4), M_(4, 128, 8, 32, 4, False, 2, "h2", 2),
+    M_(4, 128, 8, 32, 4, False, 2, "h2", 4), M_(4, 128, 16, 32, 4, False, 4, "h2", 8),
 ]
 ROTATE_BYTES = 256 << 20  # cycle weight copies until this many bytes (> L2)
 MAX_REL_ERR = 1e-2
@@ -212,7 +213,8 @@ def expert_slots_fp4(num: int, h: int, f: int, dev: str):
 
 def moe_key(c: MoEGemvConfig) -> str:
     return (f"{c.decode}_gu{c.gate_up_block_n}x{c.gate_up_block_b}_dn{c.down_block_n}x"
-            f"{c.down_block_b}_w{c.num_warps}_dw{c.down_num_warps}{'_pf' if c.prefetch else ''}")
+            f"{c.down_block_b}_w{c.num_warps}_dw{c.down_num_warps}_es{c.down_expert_split}"
+            f"{'_pf' if c.prefetch else ''}")
 
 
 def bench_moe_decode(bw: float, dev: str, smoke: bool, h: int = 2048, f: int = 512,
@@ -258,7 +260,8 @@ def bench_moe_decode(bw: float, dev: str, smoke: bool, h: int = 2048, f: int = 5
                        "ratio_to_read_time": timed[best]["ratio_to_read_time"],
                        "table_entry": f"({h}, {f}): MoEGemvConfig({c.gate_up_block_n}, "
                        f"{c.gate_up_block_b}, {c.down_block_n}, {c.down_block_b}, "
-                       f"{c.num_warps}, {c.prefetch}, {c.down_num_warps}, {c.decode!r}),"}
+                       f"{c.num_warps}, {c.prefetch}, {c.down_num_warps}, {c.decode!r}, "
+                       f"{c.down_expert_split}),"}
     return out
 
 

@@ -98,6 +98,20 @@ def test_fused_moe_h2(n):
     assert rel_err(y, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-3)
 
 
+@pytest.mark.parametrize("split", [2, 4], ids=lambda s: f"split{s}")
+def test_fused_moe_down_expert_split(split):
+    # the down kernel's experts in groups of programs, partial sums added after
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    slots = pack_expert_slots(make_experts(6, 64, 48, True), DEV, dtype=dtype)
+    ids, weights = routing(2, 6, 4)
+    x = torch.randn(2, 64, device=DEV).to(dtype)
+    cfg = MoEGemvConfig(16, 4, 16, 4, 4, down_expert_split=split)
+    y = fused_moe(x, ids, weights, slots, path="gemv", gemv_config=cfg)
+    assert y.dtype == dtype
+    ref = fused_moe_ref(x.float(), ids, weights, slots)
+    assert rel_err(y, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
 def test_fused_moe_default_tiles():
     slots = pack_expert_slots(make_experts(4, 64, 32, True), DEV)
     ids, weights = routing(1, 4, 2)
@@ -162,12 +176,15 @@ def test_fused_moe_gpu(fp4, n, path):
 @pytest.mark.requires_cuda
 @pytest.mark.parametrize("n", [1, 3], ids=lambda n: f"N{n}")
 def test_fused_moe_h2_gpu(n):
-    cfg = MoEGemvConfig(4, 128, 8, 32, 4, False, 2, decode="h2")
     slots = _gpu_slots(True)
     ids, weights = routing(n, slots.num_slots, 8)
     x = torch.randn(n, 2048, device=DEV, dtype=torch.bfloat16)
-    y = fused_moe(x, ids, weights, slots, path="gemv", gemv_config=cfg)
-    assert rel_err(y, fused_moe_ref(x.float(), ids, weights, slots)) < 1e-2
+    ref = fused_moe_ref(x.float(), ids, weights, slots)
+    for cfg in (MoEGemvConfig(4, 128, 8, 32, 4, False, 2, decode="h2"),
+                MoEGemvConfig(4, 128, 8, 32, 4, False, 2, down_expert_split=4),
+                MoEGemvConfig(4, 128, 16, 32, 4, False, 4, "h2", down_expert_split=8)):
+        y = fused_moe(x, ids, weights, slots, path="gemv", gemv_config=cfg)
+        assert rel_err(y, ref) < 1e-2, cfg
 
 
 @functools.lru_cache(maxsize=1)

@@ -232,12 +232,20 @@ def _moe_gemv(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
         x, ids, order, w13, s13, g13, inter, x.stride(0), H=h, F=f, TOPK=topk, IS_FP4=fp4,
         HAS_ORDER=has_order, BLOCK_N=cfg.gate_up_block_n, BLOCK_B=cfg.gate_up_block_b,
         PREFETCH=cfg.prefetch, IS_H2=is_h2, USE_ASM=use_asm, num_warps=cfg.num_warps)
-    out = torch.empty(n, h, device=x.device, dtype=x.dtype)
-    kern.moe_down_kernel[(n, -(-h // cfg.down_block_n))](
+    # NOTE: expert groups in separate programs (more programs for one token); fp32 partial
+    # sums [N, groups, H] then one sum
+    split = cfg.down_expert_split if topk % max(1, cfg.down_expert_split) == 0 else 1
+    split = max(1, split)
+    if split == 1:
+        out = torch.empty(n, h, device=x.device, dtype=x.dtype)
+    else:
+        out = torch.empty(n, split, h, device=x.device, dtype=torch.float32)
+    kern.moe_down_kernel[(n, -(-h // cfg.down_block_n), split)](
         inter, ids, wts, w2, s2, g2, out, H=h, F=f, TOPK=topk, IS_FP4=fp4,
         BLOCK_N=cfg.down_block_n, BLOCK_B=cfg.down_block_b, PREFETCH=cfg.prefetch,
-        IS_H2=is_h2, USE_ASM=use_asm, num_warps=cfg.down_num_warps or cfg.num_warps)
-    return out
+        IS_H2=is_h2, USE_ASM=use_asm, EXPERT_SPLIT=split,
+        num_warps=cfg.down_num_warps or cfg.num_warps)
+    return out if split == 1 else out.sum(1).to(x.dtype)
 
 
 def _scales(slots: ExpertSlots, dummy: torch.Tensor) -> tuple[torch.Tensor, ...]:

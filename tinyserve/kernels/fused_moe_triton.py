@@ -103,15 +103,20 @@ def moe_gate_up_kernel(x_ptr, ids_ptr, order_ptr, w_ptr, s_ptr, gs_ptr, inter_pt
 def moe_down_kernel(inter_ptr, ids_ptr, wt_ptr, w_ptr, s_ptr, gs_ptr, out_ptr,
                     H: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
                     IS_FP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-                    PREFETCH: tl.constexpr, IS_H2: tl.constexpr, USE_ASM: tl.constexpr):
-    # out[t, h] = sum_j topk_weight[t, j] * inter[t * TOPK + j] . W2[slot_j, h], in out's dtype
+                    PREFETCH: tl.constexpr, IS_H2: tl.constexpr, USE_ASM: tl.constexpr,
+                    EXPERT_SPLIT: tl.constexpr = 1):
+    # out[t, g, h] = sum_{j in group g} topk_weight[t, j] * inter[t * TOPK + j] . W2[slot_j, h]
+    # in out's dtype; grid (tokens, H / BLOCK_N, EXPERT_SPLIT), TOPK / EXPERT_SPLIT experts
+    # per group (EXPERT_SPLIT 1: out is [tokens, H], the whole sum)
     t = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g = tl.program_id(2)
     row_mask = rows < H
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    # NOTE: unrolled (TOPK, H, F constexpr) so the k experts' loads are all in flight at once
-    for j in tl.static_range(TOPK):
-        p = t * TOPK + j
+    PER: tl.constexpr = TOPK // EXPERT_SPLIT
+    # NOTE: unrolled (TOPK, H, F constexpr) so the group's loads are all in flight at once
+    for jj in tl.static_range(PER):
+        p = t * TOPK + g * PER + jj
         slot = tl.load(ids_ptr + p).to(tl.int64)
         if IS_FP4:
             w_slot = w_ptr + slot * H * (F // 16)
@@ -125,7 +130,8 @@ def moe_down_kernel(inter_ptr, ids_ptr, wt_ptr, w_ptr, s_ptr, gs_ptr, out_ptr,
         if IS_FP4:
             factor = factor * tl.load(gs_ptr + slot) * FP4_UNIT_C
         acc += part * factor
-    tl.store(out_ptr + t * H + rows, acc.to(out_ptr.dtype.element_ty), mask=row_mask)
+    tl.store(out_ptr + (t * EXPERT_SPLIT + g) * H + rows, acc.to(out_ptr.dtype.element_ty),
+             mask=row_mask)
 
 
 # --------------------------------------------------------------------------------------------

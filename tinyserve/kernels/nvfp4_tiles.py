@@ -41,7 +41,9 @@ class GemvConfig:
 class MoEGemvConfig:
     """Tiles of the fused-MoE gemv path: weight rows per program and blocks of 16 inputs per K
     step, for gate_up (K = H) and down (K = F), and warps per program (down_num_warps 0: the
-    same as num_warps). `decode` as for GemvConfig (both kernels).
+    same as num_warps). `decode` as for GemvConfig (both kernels). `down_expert_split`: the
+    down kernel's k experts in that many groups of programs (fp32 partial sums, then one sum
+    kernel; 1 = every program sums all k, one launch less).
 
     NOTE: a K step covering all of H (gate_up) or F (down) leaves no loop, so every load of a
     program is in flight at once (decode is latency bound).
@@ -55,6 +57,7 @@ class MoEGemvConfig:
     prefetch: bool = False  # load the next K step before decoding this one
     down_num_warps: int = 2
     decode: str = "f32"
+    down_expert_split: int = 1
 
 
 # (N, K) -> tiles for M = 1. Filled from the H200 sweeps (bench/NOTES_nvfp4.md).

@@ -55,6 +55,7 @@ CASES = [  # hq, hkv, d, page_size, lens, split tokens (None: one split), warps,
     (4, 1, 128, 4, [100, 1], 48, 4, torch.float32),
     (2, 1, 256, 4, [129], 80, 4, torch.float32),
     (6, 2, 128, 16, [40], None, 4, torch.float32),
+    (16, 2, 256, 16, [600, 5], 16, 2, torch.float32),  # 38 splits: every merge slice
 ]
 
 

@@ -4,7 +4,7 @@
 // Grid (splits, kv heads, batch), NW warps. Every warp walks its own 16-token sub-tiles of
 // the CTA's chunk (cp.async double buffer per warp, no CTA barrier in the loop) and keeps its
 // own online softmax; the warps merge in shared memory at the end, the splits in
-// decode_merge_kernel (iso_split.cuh).
+// decode_merge_wide_kernel (iso_split.cuh).
 //
 // Decoding a packed value costs ~2 instructions: a 32-bit qs word holds the 2 low index bits
 // of 16 values, the matching signs halfword their high bits. Two masks split the word into
@@ -469,11 +469,10 @@ extern "C" int tinyserve_iso_decode_mma(const float* q, const void* k_cache, con
   }
 #undef ISO_MMA
   const dim3 grid(n_q_heads, batch);
-  const int threads = ((head_dim / 4 + 31) / 32) * 32;
   ISO_DISPATCH_DTYPE(dtype_code, T, {
-    decode_merge_kernel<T><<<grid, threads, 0, stream>>>(part_acc, part_ml, seq_lens, chunk,
-                                                         n_splits, n_q_heads, head_dim,
-                                                         static_cast<T*>(out), out_stride_b);
+    decode_merge_wide_kernel<T><<<grid, kWideMergeThreads, 0, stream>>>(
+        part_acc, part_ml, seq_lens, chunk, n_splits, n_q_heads, head_dim,
+        static_cast<T*>(out), out_stride_b);
   });
   return (int)cudaGetLastError();
 }

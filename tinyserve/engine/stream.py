@@ -4,8 +4,8 @@ iterating synchronously (`for out in handle`) or asynchronously (`async for out 
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -34,15 +34,19 @@ class RequestOutput:
 
 class RequestHandle:
     """The stream of one request. Iterate it once, synchronously or asynchronously; iteration
-    ends after the item with `finished=True`. `abort()` asks the engine to stop the request."""
+    ends after the item with `finished=True`. `abort()` asks the engine to stop the request.
+
+    Items go through a `queue.SimpleQueue`: `put` (the engine thread) never waits for the
+    consumer, whose thread may be descheduled at any moment; a small lock only keeps a second
+    finished item out."""
 
     def __init__(self, request_id: str, prompt_tokens: int,
                  abort: Callable[[str], None]) -> None:
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
         self._abort = abort
-        self._items: deque[RequestOutput] = deque()
-        self._cond = threading.Condition()
+        self._items: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        self._lock = threading.Lock()
         self._waker: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
         self.finished = False
 
@@ -51,13 +55,12 @@ class RequestHandle:
 
     def put(self, out: RequestOutput) -> None:
         """Called by the engine thread (any thread)."""
-        with self._cond:
+        with self._lock:
             if self.finished:
                 return
             self.finished = out.finished
-            self._items.append(out)
-            self._cond.notify_all()
-            waker = self._waker
+            self._items.put(out)
+        waker = self._waker
         if waker is not None:
             loop, event = waker
             try:
@@ -67,10 +70,10 @@ class RequestHandle:
 
     def get(self, timeout: float | None = None) -> RequestOutput:
         """The next item (blocking). Raises TimeoutError after `timeout` seconds."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._items, timeout):
-                raise TimeoutError(f"no output from {self.request_id} in {timeout} s")
-            return self._items.popleft()
+        try:
+            return self._items.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no output from {self.request_id} in {timeout} s") from None
 
     def __iter__(self) -> Iterator[RequestOutput]:
         while True:
@@ -84,14 +87,14 @@ class RequestHandle:
 
     async def _aiter(self) -> AsyncIterator[RequestOutput]:
         event = asyncio.Event()
-        with self._cond:
-            self._waker = (asyncio.get_running_loop(), event)
+        self._waker = (asyncio.get_running_loop(), event)
         while True:
-            with self._cond:
-                out = self._items.popleft() if self._items else None
-                if out is None:
-                    event.clear()  # NOTE: cleared under the lock, so no put() is missed
-            if out is None:
+            try:
+                out = self._items.get_nowait()
+            except queue.Empty:
+                # NOTE: a put() after the get_nowait() above schedules event.set() on this
+                # loop, which runs only once this coroutine awaits: after the clear().
+                event.clear()
                 await event.wait()
                 continue
             yield out

@@ -229,7 +229,8 @@ def _e4m3_tile(raw, USE_NATIVE: tl.constexpr):
 @triton.jit
 def fp8_dot_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_w, K_SPLIT,
                    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, IS_PER_ROW: tl.constexpr, USE_NATIVE: tl.constexpr):
+                   BLOCK_K: tl.constexpr, IS_PER_ROW: tl.constexpr, USE_NATIVE: tl.constexpr,
+                   IS_FP32: tl.constexpr):
     # out[pid_k, m, n] = scale[n] * sum_{k in split} x[m, k] * e4m3(W[n, k]), tensor cores
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -255,7 +256,10 @@ def fp8_dot_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_w, K
         raw = tl.load(w_rows[:, None] + kk[None, :], mask=row_mask[:, None] & k_ok[None, :],
                       other=0)  # [BN, BK] uint8
         wv = _e4m3_tile(raw, USE_NATIVE).to(xv.dtype)
-        acc += tl.dot(xv, tl.trans(wv))
+        if IS_FP32:  # fp32 x (tests, CPU-sized checks): exact products, not tf32
+            acc += tl.dot(xv, tl.trans(wv), input_precision="ieee")
+        else:
+            acc += tl.dot(xv, tl.trans(wv))
     scale = _scale(s_ptr, rows, row_mask, IS_PER_ROW)
     if not USE_NATIVE:
         scale = scale * HALF_UNIT_C
@@ -335,6 +339,8 @@ def _dot(x: torch.Tensor, w: FP8Weight, scale: torch.Tensor, per_row: bool, m: i
     block_m = 16 if m <= 16 else (32 if m <= 32 else (64 if m <= 64 else 128))
     block_k = 128 if block_m <= 64 else 64
     block_n = 128 if block_m == 128 else 64
+    if x.dtype == torch.float32:  # exact fp32 dot: small tiles (no tensor cores anyway)
+        block_m, block_n, block_k = min(block_m, 32), 32, 32
     target = 2 * _num_sms(x.device)
     num_m = triton.cdiv(m, block_m)
     while block_n > 16 and num_m * triton.cdiv(n, block_n) < target:
@@ -352,7 +358,7 @@ def _dot(x: torch.Tensor, w: FP8Weight, scale: torch.Tensor, per_row: bool, m: i
     fp8_dot_kernel[grid](x, w.weight, scale, out, m, n, k, x.stride(0), k, k_split,
                          SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                          IS_PER_ROW=per_row, USE_NATIVE=native,
-                         num_warps=8 if block_m == 128 else 4)
+                         IS_FP32=x.dtype == torch.float32, num_warps=8 if block_m == 128 else 4)
     return out if split == 1 else out.sum(0).to(x.dtype)
 
 

@@ -56,6 +56,7 @@ CASES = [  # hq, hkv, d, page_size, lens, split tokens (None: one split), warps,
     (2, 1, 256, 4, [129], 80, 4, torch.float32),
     (6, 2, 128, 16, [40], None, 4, torch.float32),
     (16, 2, 256, 16, [600, 5], 16, 2, torch.float32),  # 38 splits: every merge slice
+    (16, 2, 256, 16, [1000], None, 4, torch.float32),  # ~16 sub-tiles per warp
 ]
 
 

@@ -78,7 +78,13 @@ inline void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint3
   }
   __syncwarp();
 }
+inline bool warp_any(bool p) {
+  int v = p ? 1 : 0;
+  for (int off = 16; off >= 1; off >>= 1) v |= __shfl_xor_sync(0xffffffffu, v, off);
+  return v != 0;
+}
 #else
+__device__ __forceinline__ bool warp_any(bool p) { return __any_sync(0xffffffffu, p); }
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {
   return __byte_perm(a, b, s);
 }
@@ -349,14 +355,16 @@ __global__ void __launch_bounds__(NW * 32)
       psum += p[i];
     }
     l_run = l_run * alpha + psum;
-    const float a_lo = __shfl_sync(0xffffffffu, alpha, 8 * tq);      // head 2tq
-    const float a_hi = __shfl_sync(0xffffffffu, alpha, 8 * tq + 4);  // head 2tq + 1
+    if (warp_any(alpha != 1.0f)) {  // warp-uniform; after the first tiles the max rarely moves
+      const float a_lo = __shfl_sync(0xffffffffu, alpha, 8 * tq);      // head 2tq
+      const float a_hi = __shfl_sync(0xffffffffu, alpha, 8 * tq + 4);  // head 2tq + 1
 #pragma unroll
-    for (int i = 0; i < NB * 8; ++i) {
-      acc[i][0] *= a_lo;
-      acc[i][1] *= a_hi;
-      acc[i][2] *= a_lo;
-      acc[i][3] *= a_hi;
+      for (int i = 0; i < NB * 8; ++i) {
+        acc[i][0] *= a_lo;
+        acc[i][1] *= a_hi;
+        acc[i][2] *= a_lo;
+        acc[i][3] *= a_hi;
+      }
     }
     // values: tokens T0 = 2tq, T1 = 2tq+1, T2 = 2tq+8, T3 = 2tq+9; d rows from qs word gq
 #pragma unroll

@@ -15,12 +15,9 @@ Each case records its own failure; the rest go on.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -28,7 +25,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from model_step import _config, _weights  # noqa: E402  (same random 35B-A3B-shaped weights)
+from common import Recorder, run_meta  # noqa: E402
+
+# the same random 35B-A3B-shaped weights as model_step
+from model_step import _config, _weights, model_meta  # noqa: E402
 
 from tinyserve.core import Batch, SamplingParams, ScheduledSeq  # noqa: E402
 from tinyserve.engine.runner import ModelRunner  # noqa: E402
@@ -140,41 +140,23 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 1
-    import triton
-
     cfg = _config(args.layers)
-    res: dict = {
-        "bench": "decode_overhead", "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "triton": triton.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "model": {"layers": cfg.num_layers, "layer_types": list(cfg.layer_types),
-                  "geometry": "Qwen3.5-35B-A3B", "experts": "NVFP4 (random codes), resident",
-                  "other_linears": "bf16 (shared expert NVFP4)", "context": CONTEXT + 1,
-                  "page_size": PAGE},
-        "step": "runner.forward of a decode batch: host inputs -> forward -> greedy sampling "
-                "-> tokens on the host",
-        "baseline": "sum of the step's GPU kernel and copy times (torch.profiler), and the "
-                    "eager step (cuda_graphs=False), same model, same run",
-        "target": f"graph_step_ms <= {TARGET} x kernel_sum_ms",
-        "cases": {}, "errors": {},
-    }
+    rec = Recorder(args.out, run_meta(
+        "decode_overhead", bench="decode_overhead",
+        model=model_meta(cfg, experts="NVFP4 (random codes), resident", context=CONTEXT + 1,
+                         page_size=PAGE),
+        step="runner.forward of a decode batch: host inputs -> forward -> greedy sampling "
+             "-> tokens on the host",
+        baseline="sum of the step's GPU kernel and copy times (torch.profiler), and the "
+                 "eager step (cuda_graphs=False), same model, same run",
+        target=f"graph_step_ms <= {TARGET} x kernel_sum_ms"))
     w = _weights(cfg, "cuda")
     for kv_name in args.kv:
         for n in args.batch:
-            name = f"{kv_name}_b{n}"
-            t0 = time.perf_counter()
-            try:
-                res["cases"][name] = _case(cfg, w, kv_name, n, args.reps)
-                print(f"{name}: {json.dumps(res['cases'][name])}", flush=True)
-            except Exception:  # noqa: BLE001 - a failed case is recorded, the rest still run
-                res["errors"][name] = traceback.format_exc()[-3000:]
-                print(f"{name}: FAILED\n{res['errors'][name]}", flush=True)
+            rec.run(f"{kv_name}_b{n}", _case, cfg, w, kv_name, n, args.reps)
             torch.cuda.empty_cache()
-            print(f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=2) + "\n")
     print(f"wrote {args.out}")
-    return 0 if not res["errors"] else 2
+    return 0 if not rec.data["errors"] else 2
 
 
 if __name__ == "__main__":

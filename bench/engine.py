@@ -16,7 +16,6 @@ Each case records its own failure and the rest go on.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 import tempfile
@@ -24,10 +23,13 @@ import traceback
 from pathlib import Path
 
 import torch
-from common import median_ms  # bench/ is on sys.path when run as a script
 
-from tinyserve.core import SamplingParams, ScheduledSeq
-from tinyserve.engine.sampler import Sampler
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from common import median_ms, run_meta  # noqa: E402  (bench/ is on sys.path as a script)
+
+from tinyserve.core import SamplingParams, ScheduledSeq  # noqa: E402
+from tinyserve.engine.sampler import Sampler  # noqa: E402
 
 V = 248320
 OUT = Path(__file__).resolve().parent / "results" / "engine.json"
@@ -134,19 +136,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 1
-    result: dict = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "baseline": "sampler: argmax / multinomial(softmax) on the same logits; engine: "
-                    "bare runner.run(ctx) on the same decode batch",
-    }
-    try:
-        import triton
-
-        result["triton"] = triton.__version__
-    except ImportError:
-        result["triton"] = None
+    result = run_meta("engine", baseline="sampler: argmax / multinomial(softmax) on the same "
+                      "logits; engine: bare runner.run(ctx) on the same decode batch")
     for name, fn in (("sampler", lambda: bench_sampler([1, 8] if args.quick else [1, 8, 32])),
                      ("engine", lambda: bench_engine(args.quick))):
         try:

@@ -14,17 +14,17 @@ the rest go on.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
-import time
 import traceback
 from pathlib import Path
 
 import torch
-from common import median_ms  # bench/ is on sys.path when run as a script
 
-from tinyserve.kernels import gdn
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from common import Recorder, median_ms, run_meta  # noqa: E402  (bench/ is on sys.path as a script)
+
+from tinyserve.kernels import gdn  # noqa: E402
 
 Hk, Hv, DK, DV, C, K = 16, 32, 128, 128, 8192, 4
 DTYPE = torch.bfloat16
@@ -238,31 +238,17 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 1
-    import triton
-
     torch.manual_seed(0)
-    res: dict = {
-        "bench": "gdn", "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "triton": triton.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "shapes": {"Hk": Hk, "Hv": Hv, "dk": DK, "dv": DV, "conv_dim": C, "conv_kernel": K,
-                   "dtype": str(DTYPE), "state": "fp32"},
-        "baseline": "pure-torch references (kernels/gdn_ref.py) on the same GPU, same run",
-        "cases": {}, "errors": {},
-    }
+    rec = Recorder(args.out, run_meta(
+        "gdn", bench="gdn",
+        shapes={"Hk": Hk, "Hv": Hv, "dk": DK, "dv": DV, "conv_dim": C, "conv_kernel": K,
+                "dtype": str(DTYPE), "state": "fp32"},
+        baseline="pure-torch references (kernels/gdn_ref.py) on the same GPU, same run"))
+    res = rec.data
 
     def case(name: str, fn, *a) -> None:
-        t0 = time.perf_counter()
-        try:
-            res["cases"][name] = fn(*a)
-            print(f"{name}: {json.dumps(res['cases'][name])}", flush=True)
-        except Exception:  # noqa: BLE001 - a failed case is recorded, the rest still run
-            res["errors"][name] = traceback.format_exc()[-3000:]
-            print(f"{name}: FAILED\n{res['errors'][name]}", flush=True)
+        rec.run(name, fn, *a)
         torch.cuda.empty_cache()
-        print(f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(res, indent=2) + "\n")  # after every case
 
     try:
         res["copy_bandwidth_GBps"] = _copy_bandwidth()

@@ -14,19 +14,15 @@ head). Each case records its own failure; the rest go on.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
-import time
-import traceback
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from common import median_ms  # bench/ is on sys.path when run as a script
+from common import Recorder, median_ms, run_meta  # bench/ is on sys.path as a script
 
 from tinyserve.core import DenseWeight, NVFP4Weight, ScheduledSeq
 from tinyserve.engine.runner import ModelRunner
@@ -131,6 +127,26 @@ def _step(cfg: ModelConfig, w: dict, kind: str, n: int, reps: int) -> dict:
     return {"ms_per_step": ms, "ms_per_layer": ms / cfg.num_layers}
 
 
+def model_meta(cfg: ModelConfig, **extra: object) -> dict:
+    """The JSON description of the `_config` / `_weights` model (with `extra` keys)."""
+    return {"layers": cfg.num_layers, "layer_types": list(cfg.layer_types),
+            "geometry": "Qwen3.5-35B-A3B", "experts": "NVFP4 (random codes)",
+            "other_linears": "bf16 (shared expert NVFP4)", "page_size": PAGE, **extra}
+
+
+def _kernels_vs_reference(cfg, w, kind: str, n: int, reps: int, ref_reps: int) -> dict:
+    os.environ.pop("TINYSERVE_DISABLE_KERNELS", None)
+    fast = _step(cfg, w, kind, n, reps)
+    torch.cuda.empty_cache()
+    os.environ["TINYSERVE_DISABLE_KERNELS"] = "1"
+    try:
+        ref = _step(cfg, w, kind, n, ref_reps)
+    finally:
+        os.environ.pop("TINYSERVE_DISABLE_KERNELS", None)
+    return {"kernels": fast, "reference": ref,
+            "speedup": ref["ms_per_step"] / fast["ms_per_step"]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -139,47 +155,20 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 1
-    import triton
-
     cfg = _config(args.layers)
-    res: dict = {
-        "bench": "model_step", "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "triton": triton.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "model": {"layers": cfg.num_layers, "layer_types": list(cfg.layer_types),
-                  "geometry": "Qwen3.5-35B-A3B", "experts": "NVFP4 (random codes)",
-                  "other_linears": "bf16 (shared expert NVFP4)", "kv": "bf16",
-                  "context": CONTEXT, "page_size": PAGE},
-        "baseline": "same model on the pure-torch references (TINYSERVE_DISABLE_KERNELS=1), "
-                    "same GPU, same run",
-        "cases": {}, "errors": {},
-    }
+    rec = Recorder(args.out, run_meta(
+        "model_step", bench="model_step",
+        model=model_meta(cfg, kv="bf16", context=CONTEXT),
+        baseline="same model on the pure-torch references (TINYSERVE_DISABLE_KERNELS=1), "
+                 "same GPU, same run"))
     w = _weights(cfg, "cuda")
     cases = [("decode_b1", "decode", 1, 20, 3), ("decode_b8", "decode", 8, 20, 3),
              ("prefill_2k", "prefill", 2048, 5, 2)]
     for name, kind, n, reps, ref_reps in cases:
-        t0 = time.perf_counter()
-        try:
-            os.environ.pop("TINYSERVE_DISABLE_KERNELS", None)
-            fast = _step(cfg, w, kind, n, reps)
-            torch.cuda.empty_cache()
-            os.environ["TINYSERVE_DISABLE_KERNELS"] = "1"
-            try:
-                ref = _step(cfg, w, kind, n, ref_reps)
-            finally:
-                os.environ.pop("TINYSERVE_DISABLE_KERNELS", None)
-            res["cases"][name] = {"kernels": fast, "reference": ref,
-                                  "speedup": ref["ms_per_step"] / fast["ms_per_step"]}
-            print(f"{name}: {json.dumps(res['cases'][name])}", flush=True)
-        except Exception:  # noqa: BLE001 - a failed case is recorded, the rest still run
-            res["errors"][name] = traceback.format_exc()[-3000:]
-            print(f"{name}: FAILED\n{res['errors'][name]}", flush=True)
+        rec.run(name, _kernels_vs_reference, cfg, w, kind, n, reps, ref_reps)
         torch.cuda.empty_cache()
-        print(f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=2) + "\n")
     print(f"wrote {args.out}")
-    return 0 if not res["errors"] else 2
+    return 0 if not rec.data["errors"] else 2
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ Cases (each at batch 1 and 8, greedy, EOS ignored, decode steps only):
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -236,13 +237,15 @@ def standin_engine(tokenizer, batch: int, gpu_ms: float, context: int) -> Engine
 
 
 def drive(engine: Engine, batch: int, prompt_len: int, gen_len: int, vocab: int,
-          seed: int = 0) -> dict:
+          seed: int = 0, *, short: int | None = None) -> dict:
     """Submit `batch` greedy requests together, read them on one thread each; returns the
-    wall-clock decode rate over the steps after every first token."""
+    wall-clock decode rate over the steps after every first token. `short`: every prompt but
+    the first has this many tokens (a warm-up that captures the graph of the same batch
+    bucket and context capacity for one long prefill)."""
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
-    prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
-               for _ in range(batch)]
+    prompts = [torch.randint(0, vocab, (prompt_len if i == 0 or short is None else short,),
+                             generator=gen).tolist() for i in range(batch)]
     handles = [engine.submit(p, params) for p in prompts]
     times: list[list[float]] = [[] for _ in handles]
 
@@ -292,28 +295,37 @@ def case_tiny(ckpt: str, batch: int, steps: int) -> dict:
     return {"batch": batch, **out, **ph.summary()}
 
 
-def case_ckpt(ckpt: str, kv: str, batch: int, context: int, steps: int) -> dict:
-    """The real checkpoint on CUDA: engine decode steps (phases) and, on the same runner and
-    graph, the runner alone stepping the same decode batch."""
+def ckpt_engine(ckpt: str, kv: str, max_batch: int, context: int, steps: int) -> Engine:
     from tinyserve.engine.build import build_engine
 
-    cfg = EngineConfig(model=ckpt, kv=kv, max_seqs=batch, max_context=context + steps + 16,
-                       prefix_cache=False)
-    engine = build_engine(cfg)
+    return build_engine(EngineConfig(model=ckpt, kv=kv, max_seqs=max_batch,
+                                     max_context=context + steps + 48, prefix_cache=False))
+
+
+def case_ckpt(engine: Engine, batch: int, context: int, steps: int) -> dict:
+    """The real checkpoint on CUDA (a started engine): engine decode steps (phases) and, on
+    the same runner and graph, the runner alone stepping a decode batch of the same shape."""
     vocab = min(engine.model_config.vocab_size, len(engine.tokenizer))
     ph = Phases()
     instrument(engine, ph)
-    with engine:
-        drive(engine, batch, context, 4, vocab, seed=1)  # warm-up: captures the same graphs
-        ph.steps.clear()
-        torch.cuda.synchronize()
-        out = drive(engine, batch, context, steps, vocab)
-        out.update(ph.summary())
-        out["graphs"] = 0 if engine.runner.graphs is None else engine.runner.graphs.num_graphs
-        out["runner_step_ms"] = engine.call(lambda: runner_alone(engine, batch, context, 32))
+    graphs = engine.runner.graphs
+    # warm-up: one long prompt decoding with batch - 1 short ones captures the same graph
+    drive(engine, batch, context, 4, vocab, seed=1, short=16)
+    captured = 0 if graphs is None else graphs.num_graphs
+    ph.steps.clear()
+    _sync()
+    out = drive(engine, batch, context, steps, vocab)
+    out.update(ph.summary())
+    out["graphs_captured_in_run"] = 0 if graphs is None else graphs.num_graphs - captured
+    out["runner_step_ms"] = engine.call(lambda: runner_alone(engine, batch, context, 32))
     step = out["us_per_step"]["step"] / 1e3
     out["engine_over_runner_ms"] = round(step - out["runner_step_ms"], 3)
     return {"batch": batch, "context": context, **out}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def runner_alone(engine: Engine, batch: int, context: int, n: int) -> float:
@@ -330,7 +342,7 @@ def runner_alone(engine: Engine, batch: int, context: int, n: int) -> float:
         for i in range(n + 2):
             seqs = [ScheduledSeq(f"b{b}", [tokens[b]], context + i, pages[b * per:(b + 1) * per],
                                  slots[b], True, greedy) for b in range(batch)]
-            torch.cuda.synchronize()
+            _sync()
             t0 = time.perf_counter()
             tokens = r.forward(Batch(seqs)).next_tokens
             times.append(time.perf_counter() - t0)
@@ -357,11 +369,13 @@ def main() -> int:
         # descheduled worker (a 4 ms scheduler slice), which no GPU step would see.
         torch.set_num_threads(1)
     out = Path(args.out) if args.out else RESULTS / f"{name}.json"
-    rec = Recorder(out, run_meta(name, args=vars(args), threads=torch.get_num_threads()))
+    rec = Recorder(out, run_meta(name, args=vars(args), threads=torch.get_num_threads(),
+                                 loadavg=os.getloadavg()))
     if args.ckpt:
-        for b in args.batch:
-            rec.run(f"ckpt_b{b}", case_ckpt, args.ckpt, args.kv, b, args.context,
-                    min(args.steps, 64))
+        steps = min(args.steps, 64)
+        with ckpt_engine(args.ckpt, args.kv, max(args.batch), args.context, steps) as engine:
+            for b in args.batch:
+                rec.run(f"ckpt_b{b}", case_ckpt, engine, b, args.context, steps)
     else:
         with tempfile.TemporaryDirectory() as tmp:
             tok = tiny_tokenizer(Path(tmp))

@@ -124,3 +124,22 @@ def test_mma_config_table() -> None:
     assert iso_cuda.mma_supported("iso3", 16, 2, 256)
     assert not iso_cuda.mma_supported("iso4", 16, 2, 256)
     assert not iso_cuda.mma_supported("iso3", 32, 2, 256)
+
+
+@pytest.mark.slow
+def test_mma_kernel_builds_for_sm90(tmp_path) -> None:
+    """nvcc (no GPU needed) builds the kernel for sm_90 without register spills and within
+    the 48 KB of static shared memory."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc")
+    res = subprocess.run([nvcc, "-std=c++17", "-O3", "-arch=sm_90", "-c", "-Xptxas", "-v",
+                          "-I", str(CSRC), "-o", str(tmp_path / "mma.o"),
+                          str(CSRC / "iso_decode_mma.cu")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    info = res.stderr
+    kernels = re.findall(r"Compiling entry function '(\w*decode_mma_kernel\w*)'", info)
+    assert len(kernels) == 4, info[-3000:]
+    assert not re.search(r"[1-9]\d* bytes spill stores", info), info[-3000:]
+    for smem in re.findall(r"(\d+) bytes smem", info):
+        assert int(smem) <= 48 * 1024

@@ -64,3 +64,58 @@ def test_offloaded_equals_resident_without_host_sync(tokens: int) -> None:
     experts.begin_step()
     assert experts.stats.misses > E  # evictions happened
     assert experts.cache.policy.resident() == experts.cache.resident()
+
+
+def _decode_syncs(cfg, weights, experts) -> int:
+    """Host synchronisations of one eager tiny-model decode step (after a prefill and a decode
+    warm-up), counted with torch's sync debug mode."""
+    import warnings
+
+    from tinyserve.core import Batch, SamplingParams, ScheduledSeq
+    from tinyserve.engine.runner import ModelRunner
+    from tinyserve.kv.bf16 import BF16KVBackend
+    from tinyserve.kv.state_pool import GDNStatePool
+    from tinyserve.model.qwen35 import Qwen35Model
+
+    kv = BF16KVBackend(layer_ids=list(cfg.full_attention_layers), num_kv_heads=cfg.num_kv_heads,
+                       head_dim=cfg.head_dim, num_pages=16, page_size=4, device="cuda",
+                       dtype=torch.bfloat16)
+    states = GDNStatePool.for_config(cfg, 2, device="cuda", dtype=torch.bfloat16)
+    model = Qwen35Model(cfg, weights, kv=kv, states=states, experts=experts, device="cuda",
+                        dtype=torch.bfloat16)
+    runner = ModelRunner(model, page_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    pages = list(range(16))
+    token = runner.forward(Batch([ScheduledSeq("r", list(range(1, 12)), start_pos=0,
+                                               page_ids=pages, state_slot=0, sample=True,
+                                               params=params)])).next_tokens[0]
+    counts = []
+    for pos in range(11, 14):
+        seq = ScheduledSeq("r", [token], start_pos=pos, page_ids=pages, state_slot=0,
+                           sample=True, params=params)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                token = runner.forward(Batch([seq])).next_tokens[0]
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts.append(sum("synchroniz" in str(w.message) for w in seen))
+    return counts[-1]
+
+
+def test_offloaded_decode_step_adds_no_per_layer_sync() -> None:
+    """A whole-model eager decode step with offloaded experts synchronises with the host at
+    most twice more than with resident experts (begin_step's log copy at the step boundary),
+    never once per layer."""
+    from tests.model.hf_tiny import checkpoint
+
+    cfg, w = checkpoint("modelopt")
+    resident = _decode_syncs(cfg, w, None)
+    store = HostExpertStore.from_weights(w, cfg)
+    experts = OffloadedExperts.create(store, cfg.num_experts + 2, device="cuda",
+                                      max_ids=16 * cfg.num_experts_per_tok)
+    assert experts.cache.mode == "device"
+    offloaded = _decode_syncs(cfg, w, experts)
+    assert offloaded <= resident + 2 < resident + cfg.num_layers, (offloaded, resident)

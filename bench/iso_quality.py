@@ -12,7 +12,6 @@ Usage: python bench/iso_quality.py
 
 from __future__ import annotations
 
-import datetime
 import json
 import platform
 import sys
@@ -24,6 +23,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from common import run_meta  # noqa: E402  (bench/ is on sys.path as a script)
 
 from tinyserve.kernels import iso  # noqa: E402
 
@@ -98,10 +99,9 @@ def tiny_model_kl(n_tokens: int = 48) -> dict:
 
 
 def main() -> int:
-    res: dict = dict(
-        device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.machine(),
-        torch=torch.__version__, date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        baseline="bf16 K/V (attention in fp32)", attention=[], tiny_model=None)
+    res = run_meta("iso_quality", baseline="bf16 K/V (attention in fp32)", attention=[],
+                   tiny_model=None)
+    res.setdefault("device", platform.machine())
     for kind in ("gaussian", "outlier_k"):
         try:
             row = attention_cosines(kind)

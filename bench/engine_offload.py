@@ -14,13 +14,10 @@ peak allocated and reserved GPU memory, device memory in use, expert-cache count
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +25,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from common import Recorder, run_meta  # noqa: E402  (bench/ is on sys.path as a script)
 
 from tinyserve.engine.bench import run_bench  # noqa: E402
 from tinyserve.engine.build import build_engine  # noqa: E402
@@ -37,9 +36,13 @@ RESULT = ROOT / "bench" / "results" / "engine_offload.json"
 MiB = 1 << 20
 
 
-def save(data: dict[str, Any]) -> None:
-    RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(json.dumps(data, indent=1, default=str) + "\n")
+def _checkpoint(ckpt: Path) -> dict[str, Any]:
+    written = not (ckpt / "config.json").is_file()
+    if written:
+        from tinyserve.testing.fullsize import write_fullsize_checkpoint
+
+        write_fullsize_checkpoint(ckpt)
+    return {"path": str(ckpt), "written": written}
 
 
 def case(args: argparse.Namespace, gpu_memory: str | None) -> dict[str, Any]:
@@ -89,40 +92,13 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--skip-baseline", action="store_true")
     args = p.parse_args()
-    import triton
-
-    data: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "triton": triton.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "args": vars(args), "cases": {}, "errors": {},
-        "baseline": "resident: the same engine with no --gpu-memory (every expert on the GPU)"}
-    runs = [("checkpoint", None)]
-    runs.append((f"offload_{args.gpu_memory}", args.gpu_memory))
+    rec = Recorder(RESULT, run_meta(
+        "engine_offload", args=vars(args),
+        baseline="resident: the same engine with no --gpu-memory (every expert on the GPU)"))
+    rec.run("checkpoint", _checkpoint, Path(args.ckpt))
+    rec.run(f"offload_{args.gpu_memory}", case, args, args.gpu_memory)
     if not args.skip_baseline:
-        runs.append(("resident", None))
-    for name, budget in runs:
-        t0 = time.perf_counter()
-        try:
-            if name == "checkpoint":
-                ckpt = Path(args.ckpt)
-                written = not (ckpt / "config.json").is_file()
-                if written:
-                    from tinyserve.testing.fullsize import write_fullsize_checkpoint
-
-                    write_fullsize_checkpoint(ckpt)
-                out = {"path": str(ckpt), "written": written}
-            else:
-                out = case(args, budget)
-            data["cases"][name] = {"seconds": round(time.perf_counter() - t0, 1), **out}
-            print(f"[{name}] {json.dumps(data['cases'][name], default=str)[:3000]}", flush=True)
-        except BaseException as exc:  # record and go on (OOM included)
-            data["errors"][name] = traceback.format_exc()[-4000:]
-            print(f"[{name}] FAILED: {exc!r}", flush=True)
-            if isinstance(exc, KeyboardInterrupt):
-                raise
-        finally:
-            save(data)
+        rec.run("resident", case, args, None)
     return 0
 
 

@@ -18,8 +18,6 @@ Each case records its own failure and the rest go on.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import shutil
 import statistics
 import sys
@@ -31,6 +29,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from common import Recorder, run_meta  # noqa: E402  (bench/ is on sys.path as a script)
 
 from tinyserve.model.config import load_config  # noqa: E402
 from tinyserve.model.loader import CheckpointReader, iter_weights  # noqa: E402
@@ -121,32 +121,13 @@ def main() -> int:
     ap.add_argument("--dir", type=Path, default=None, help="where to write the checkpoint")
     args = ap.parse_args()
     layers = 1 if args.quick else args.layers
-    res: dict = {
-        "bench": "loader",
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "checkpoint": f"synthetic ModelOpt MIXED_PRECISION, Qwen3.5-35B-A3B shapes, "
-                      f"{layers} layers",
-        "baseline": "safetensors.torch.load_file of every shard, same run, warm page cache",
-        "cases": {}, "errors": {},
-    }
-    try:
-        import triton
-
-        res["triton"] = triton.__version__
-    except ImportError:
-        res["triton"] = None
-
-    def case(name: str, fn, *a) -> None:
-        t0 = time.perf_counter()
-        try:
-            res["cases"][name] = fn(*a)
-            print(f"{name}: {json.dumps(res['cases'][name])}", flush=True)
-        except Exception:  # noqa: BLE001 - a failed case is recorded, the rest still run
-            res["errors"][name] = traceback.format_exc()[-3000:]
-            print(f"{name}: FAILED\n{res['errors'][name]}", flush=True)
-        print(f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
+    meta = run_meta(
+        "loader", bench="loader",
+        checkpoint=f"synthetic ModelOpt MIXED_PRECISION, Qwen3.5-35B-A3B shapes, {layers} layers",
+        baseline="safetensors.torch.load_file of every shard, same run, warm page cache")
+    meta.setdefault("device", "cpu")
+    rec = Recorder(args.out, meta)
+    res, case = rec.data, rec.run
 
     tmp = Path(tempfile.mkdtemp(prefix="tinyserve-loader-", dir=args.dir))
     try:
@@ -164,8 +145,6 @@ def main() -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     case("quantize_expert", bench_quantize, args.quick)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0 if not res["errors"] else 2
 

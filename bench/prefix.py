@@ -17,7 +17,6 @@ and the rest go on.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import random
 import re
@@ -31,6 +30,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from common import run_meta  # noqa: E402  (bench/ is on sys.path as a script)
 
 from tinyserve.core import SamplingParams  # noqa: E402
 
@@ -134,19 +135,9 @@ def main() -> int:
     script["reps"] = args.reps
     if args.quick:
         script.update(first=script["first"] // 4, turns=4, reps=1)
-    result: dict = {
-        "device": name,
-        "torch": torch.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "script": script,
-        "baseline": "the same engine and conversation with prefix_cache=False",
-    }
-    try:
-        import triton
-
-        result["triton"] = triton.__version__
-    except ImportError:
-        result["triton"] = None
+    result = run_meta("prefix", script=script,
+                      baseline="the same engine and conversation with prefix_cache=False")
+    result["device"] = name
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
 import platform
@@ -38,6 +37,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 OUT = ROOT / "bench" / "results" / "serve_cpu.json"
+
+from common import run_meta  # noqa: E402  (bench/ is on sys.path as a script)
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -172,20 +173,13 @@ def main() -> int:
 
     if args.device == "cpu":
         torch.set_num_threads(1)  # as the server subprocess (see _env)
-    result: dict[str, Any] = {
-        "benchmark": "serve", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "torch": torch.__version__, "python": platform.python_version(),
-        "host_load_average": os.getloadavg(), "cpu_threads": torch.get_num_threads(),
-        "device": (torch.cuda.get_device_name() if args.device.startswith("cuda")
-                   else platform.processor() or platform.machine()),
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "cases": [], "baseline": []}
-    try:
-        import triton
-
-        result["triton"] = triton.__version__
-    except ImportError:
-        result["triton"] = None
+    result: dict[str, Any] = run_meta(
+        "serve", benchmark="serve", python=platform.python_version(),
+        host_load_average=os.getloadavg(), cpu_threads=torch.get_num_threads(),
+        device=(torch.cuda.get_device_name() if args.device.startswith("cuda")
+                else platform.processor() or platform.machine()),
+        settings={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        cases=[], baseline=[])
 
     server = None
     engine = None

@@ -2,7 +2,7 @@
 
 Per op, at decode sizes of Qwen3.5-35B-A3B (batch 1 and 8): the pure-torch reference (the
 code the model ran before: `*_ref` in `model/norm.py` and `model/moe.py`) and the kernel
-(`kernels/norm.py`, `kernels/router.py`, `kernels/shared_expert.py`), each timed inside one
+(`kernels/norm.py`, `kernels/router.py`, `kernels/glue.py`), each timed inside one
 CUDA graph of CALLS back-to-back calls (median of the replays, per call), with the max
 relative difference of the outputs. The `moe_glue` case is one MoE block without its routed
 experts (NVFP4 shared expert, bf16 router and shared gate): separate projections + torch glue
@@ -36,17 +36,20 @@ from common import Recorder, run_meta  # noqa: E402
 from tinyserve.core import DenseWeight, NVFP4Weight  # noqa: E402
 from tinyserve.model import moe  # noqa: E402
 from tinyserve.model import norm as model_norm  # noqa: E402
+from tinyserve.model.attention import sigmoid_mul_ref  # noqa: E402
 from tinyserve.model.linear import linear  # noqa: E402
+from tinyserve.model.rope import PartialRoPE, norm_rope_ref  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "small_ops.json"
 H, E, TOPK, F = 2048, 256, 8, 512
-HEADS, KV_HEADS, HEAD_DIM = 16, 2, 256
+HEADS, KV_HEADS, HEAD_DIM, ROTARY_DIM = 16, 2, 256, 64
 GDN_HEADS, GDN_DIM = 32, 128
 EPS = 1e-6
 # occurrences per decoded token (40 layers: 30 GDN + 10 attention)
 # (add_rms_norm: the post-attention norm with its residual add, once the layer code uses it)
-PER_TOKEN = {"rms_norm": 81, "add_rms_norm": 40, "q_norm": 10, "k_norm": 10, "gated_rms_norm": 30,
-             "router_topk": 40, "silu_mul": 40, "gated_add": 40, "moe_glue": 40}
+PER_TOKEN = {"rms_norm": 81, "add_rms_norm": 40, "q_norm_rope": 10, "k_norm_rope": 10,
+             "attn_gate": 10, "gated_rms_norm": 30, "router_topk": 40, "silu_mul": 40,
+             "gated_add": 40, "moe_glue": 40}
 
 
 def time_us(fn, calls: int, replays: int) -> float:
@@ -106,14 +109,17 @@ def rand_nvfp4(n: int, k: int, dev: str) -> NVFP4Weight:
 
 def cases(n: int, dev: str, dt: torch.dtype):
     """name -> (torch reference fn, fused fn) at batch n."""
+    from tinyserve.kernels import glue as ks
     from tinyserve.kernels import norm as kn
     from tinyserve.kernels import router as kr
-    from tinyserve.kernels import shared_expert as ks
 
     r = lambda *s: torch.randn(*s, device=dev).to(dt)  # noqa: E731
     x, res, w = r(n, H), r(n, H), 0.1 * r(H)
     qg, k = r(n, HEADS, 2 * HEAD_DIM), r(n, KV_HEADS, HEAD_DIM)
-    q, qw = qg[..., :HEAD_DIM], 0.1 * r(HEAD_DIM)
+    q, gate, qw = qg[..., :HEAD_DIM], qg[..., HEAD_DIM:], 0.1 * r(HEAD_DIM)
+    attn_o = r(n, HEADS, HEAD_DIM)
+    rope = PartialRoPE(HEAD_DIM, ROTARY_DIM, 1e7, dev)
+    cos, sin = rope.cos_sin(torch.arange(1000, 1000 + n, device=dev), dt)
     o, z = r(n, GDN_HEADS, GDN_DIM), r(n, GDN_HEADS, GDN_DIM)
     gw = 1 + 0.1 * torch.randn(GDN_DIM, device=dev)  # fp32, as the loader keeps it
     logits = r(n, E)
@@ -122,8 +128,11 @@ def cases(n: int, dev: str, dt: torch.dtype):
         "rms_norm": (lambda: model_norm.rms_norm_ref(x, w, EPS), lambda: kn.rms_norm(x, w, EPS)),
         "add_rms_norm": (lambda: model_norm.add_rms_norm_ref(x, res, w, EPS),
                          lambda: kn.add_rms_norm(x, res, w, EPS)),
-        "q_norm": (lambda: model_norm.rms_norm_ref(q, qw, EPS), lambda: kn.rms_norm(q, qw, EPS)),
-        "k_norm": (lambda: model_norm.rms_norm_ref(k, qw, EPS), lambda: kn.rms_norm(k, qw, EPS)),
+        "q_norm_rope": (lambda: norm_rope_ref(rope, q, qw, EPS, cos, sin),
+                        lambda: kn.rms_norm_rope(q, qw, EPS, cos, sin)),
+        "k_norm_rope": (lambda: norm_rope_ref(rope, k, qw, EPS, cos, sin),
+                        lambda: kn.rms_norm_rope(k, qw, EPS, cos, sin)),
+        "attn_gate": (lambda: sigmoid_mul_ref(attn_o, gate), lambda: ks.sigmoid_mul(attn_o, gate)),
         "gated_rms_norm": (lambda: model_norm.gated_rms_norm_ref(o, z, gw, EPS),
                            lambda: kn.gated_rms_norm(o, z, gw, EPS)),
         "router_topk": (lambda: moe.topk_softmax_ref(logits, TOPK, dt),

@@ -279,6 +279,11 @@ def summary(rec: Recorder) -> None:
         else:
             print(f"{name:28s} best {best['us']:.2f} us = {best['ratio_to_read_time']:.2f}x "
                   f"read time ({case['read_at_bw_us']:.2f} us) {best['config']}")
+        ranked = sorted((v["us"], kk) for kk, v in case["variants"].items() if "us" in v)
+        print("    " + ", ".join(f"{kk} {us:.2f}" for us, kk in ranked))
+        bad = [kk for kk, v in case["variants"].items() if "us" not in v]
+        if bad:
+            print("    not timed (wrong / error / skipped):", ", ".join(bad))
     print("\ntable entries (tinyserve/kernels/nvfp4_tiles.py):")
     for case in rec.data["cases"].values():
         if case.get("best"):

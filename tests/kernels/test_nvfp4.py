@@ -242,7 +242,7 @@ def test_gemv_h2_gpu(poison, name):
     # inline-PTX half2 FMAs at M = 1, bf16 and fp16, x over a wide range of magnitudes
     n, k = SHAPES[name]
     w, wd = _weight(n, k)
-    cfg = GemvConfig(16, 128 if k >= 2048 else k // 16, 4, 0, decode="h2")
+    cfg = GemvConfig(16, min(128, 1 << (k // 16 - 1).bit_length()), 4, 0, decode="h2")
     for dtype, scale in ((torch.bfloat16, 1.0), (torch.float16, 1e-3), (torch.bfloat16, 1e4)):
         x = (torch.randn(1, k, device=DEV) * scale).to(dtype)
         ref = x.float() @ wd.T

@@ -23,6 +23,7 @@ Everything here is plain Python and numpy; no torch.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -226,6 +227,46 @@ class ExpertCachePolicy:
             if slot is not None:
                 score[slot] = step + w * log2(1.0 + u)
         self.stats.count(layer, hits, misses, self.bytes_per_expert)
+
+    def replay_step(self, layers: Sequence[int], hits: Sequence[tuple[Key, int]],
+                    loads: Sequence[tuple[Key, int]]) -> None:
+        """`observe(layer, ...)` + `release()` for each of `layers` in order, in one call.
+
+        `hits`: (key, slot) of every expert the step found resident, with the slot the policy
+        had for it when the step began; `loads`: (key, slot) of every copied-in expert, in the
+        order the lookups ran. Each key at most once. Same state and statistics as replaying
+        layer by layer: a key's slot only changes by a load, and a layer never loads into a
+        slot it hits, so the touches can follow all the loads.
+        """
+        where, owner, last, uses = self.where, self.owner, self._last, self._uses
+        touched, score = self._touched, self._score
+        step, w, log2 = self.step, self.freq_weight, math.log2
+        for key, s in loads:
+            old = owner[s]
+            if old is not None:
+                del where[old]
+            owner[s] = key
+            where[key] = s
+        at: list[int] = []
+        new: list[float] = []
+        for part in (hits, loads):
+            for key, _ in part:
+                if key in touched:
+                    u = uses[key]
+                else:
+                    touched.add(key)
+                    u = uses[key] = uses.get(key, 0.0) + 1.0
+                last[key] = step
+                slot = where.get(key)
+                if slot is not None:  # (distinct keys hold distinct slots)
+                    at.append(slot)
+                    new.append(step + w * log2(1.0 + u))
+        score[at] = new
+        n_hits = Counter(key[0] for key, _ in hits)
+        n_loads = Counter(key[0] for key, _ in loads)
+        for layer in layers:
+            self.stats.count(layer, n_hits[layer], n_loads[layer], self.bytes_per_expert)
+        self._pinned.clear()
 
     def slot_of(self, layer: int, expert: int) -> int:
         """The slot holding (layer, expert), or -1."""

@@ -131,34 +131,25 @@ class DeviceExpertCache:
         if not len(called):
             return False
         ids, rows, slots = ids[called], log[called, :V], log[called, V:2 * V]
+        n = len(called)
         # Distinct experts of each called layer: [n, E] flags (-1 -> the dump column E).
-        needed = np.zeros((len(called), E + 1), dtype=bool)
-        needed[np.arange(len(called))[:, None], np.where(ids >= 0, ids, E)] = True
-        need_i, need_e = np.nonzero(needed[:, :E])
-        load_i, load_j = np.nonzero(rows >= 0)
-        keys = zip(load_i.tolist(), (rows[load_i, load_j] % E).tolist(), strict=True)
-        loads = dict(zip(keys, slots[load_i, load_j].tolist(), strict=True))
-        layers = called.tolist()
-        bounds = np.searchsorted(need_i, np.arange(len(called) + 1)).tolist()
-        experts = need_e.tolist()
-        slot_of = self.policy.where.get
-        # NOTE: the policy's state after a layer does not depend on the order of its experts
-        # (the kernel never hands a slot this layer hits to a miss), so ascending order is fine.
-        for i, layer in enumerate(layers):
-            es, ss, ld = [], [], []
-            for e in experts[bounds[i]:bounds[i + 1]]:
-                s = loads.get((i, e))
-                if s is None:
-                    s = slot_of((layer, e), -1)
-                    if s < 0:
-                        continue
-                    ld.append(False)
-                else:
-                    ld.append(True)
-                es.append(e)
-                ss.append(s)
-            self.policy.observe(layer, es, ss, ld)
-            self.policy.release()
+        needed = np.zeros((n, E + 1), dtype=bool)
+        needed[np.arange(n)[:, None], np.where(ids >= 0, ids, E)] = True
+        load_i, load_j = np.nonzero(rows >= 0)  # row-major: in the order the layers ran
+        load_e = rows[load_i, load_j] % E
+        needed[load_i, load_e] = False
+        hit_i, hit_e = np.nonzero(needed[:, :E])
+        # NOTE: a hit's slot is the one the mirror had when the step began: only the layer of
+        # a key loads it, so nothing earlier in the step can have moved it.
+        where = self.policy.where
+        hits = []
+        for key in zip(called[hit_i].tolist(), hit_e.tolist(), strict=True):
+            s = where.get(key)
+            if s is not None:
+                hits.append((key, s))
+        loads = list(zip(zip(called[load_i].tolist(), load_e.tolist(), strict=True),
+                         slots[load_i, load_j].tolist(), strict=True))
+        self.policy.replay_step(called.tolist(), hits, loads)
         return True
 
     def _fill_victims(self) -> None:

@@ -54,12 +54,13 @@ def interpreter_ok(request):
 
 
 def run_in_interpreter_child(path: str) -> None:
-    """Run the test file `path` in a child pytest with TRITON_INTERPRET=1 set from the start."""
+    """Run the test file `path` (its tests not marked slow) in a child pytest with
+    TRITON_INTERPRET=1 set from the start."""
     if not CHILD:
         pytest.skip("the interpreter works in this process")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", path, "-q", "-p", "no:cacheprovider"],
-                       env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "pytest", path, "-q", "-p", "no:cacheprovider",
+                        "-m", "not slow"], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
 
 

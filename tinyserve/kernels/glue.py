@@ -1,11 +1,14 @@
-"""Elementwise glue of the MoE block's shared expert in Triton, rounding like the torch code.
+"""Elementwise glue of the decoder layer in Triton, rounding like the torch code.
 
 - `silu_mul(gate, up)`: `dt(dt(silu(gate)) * up)`, the SwiGLU middle; gate and up may be the
   two column halves of one [N, 2F] gate_up projection.
 - `gated_add(routed, gate_logit, shared)`: `dt(routed + dt(dt(sigmoid(gate_logit)) * shared))`,
   the shared expert's sigmoid gate and the sum with the routed experts.
+- `sigmoid_mul(x, gate)`: `dt(x * dt(sigmoid(gate)))` over [N, H, D] rows, the attention
+  output gate (gate read in place from the q|gate projection, no copy).
 
-References (pure torch): `model.moe.silu_mul_ref`, `model.moe.gated_add_ref`. The dt(...)
+References (pure torch): `model.moe.silu_mul_ref`, `model.moe.gated_add_ref`,
+`model.attention.sigmoid_mul_ref`. The dt(...)
 points are where torch rounds a model-dtype intermediate; the math between them is fp32.
 
 This module imports triton at the top: callers import it lazily (on CUDA only).
@@ -45,6 +48,20 @@ def gated_add_kernel(r_ptr, s_ptr, g_ptr, y_ptr, H, stride_r, stride_s, stride_g
     r = tl.load(r_ptr + row * stride_r + cols, mask=m, other=0.0).to(tl.float32)
     sh = (gate * s).to(dt).to(tl.float32)
     tl.store(y_ptr + row * stride_y + cols, (r + sh).to(dt), mask=m)
+
+
+@triton.jit
+def sigmoid_mul_kernel(x_ptr, g_ptr, y_ptr, H, D, stride_xn, stride_xh, stride_gn, stride_gh,
+                       BLOCK_D: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_D)
+    m = cols < D
+    dt = y_ptr.dtype.element_ty
+    x = tl.load(x_ptr + n * stride_xn + h * stride_xh + cols, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + n * stride_gn + h * stride_gh + cols, mask=m, other=0.0).to(tl.float32)
+    s = (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    tl.store(y_ptr + (n * H + h) * D + cols, (x * s).to(dt), mask=m)
 
 
 def _check_rows(*ts: torch.Tensor) -> None:
@@ -89,4 +106,22 @@ def gated_add(routed: torch.Tensor, gate_logit: torch.Tensor,
                                                      gate_logit.stride(0), y.stride(0),
                                                      BLOCK_H=block,
                                                      num_warps=max(1, min(4, block // 256)))
+    return y
+
+
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x, gate [N, H, D] in the model dtype (unit last stride, any other strides) ->
+    x * sigmoid(gate) as [N, H * D] contiguous."""
+    if x.dim() != 3 or x.shape != gate.shape or x.dtype != gate.dtype:
+        raise ValueError(f"x {list(x.shape)} {x.dtype} and gate {list(gate.shape)} "
+                         f"{gate.dtype} must be [N, H, D] alike")
+    if x.stride(-1) != 1 or gate.stride(-1) != 1 or x.device != gate.device:
+        raise ValueError("x and gate need a unit last stride and one device")
+    n, h, d = x.shape
+    y = torch.empty(n, h * d, dtype=x.dtype, device=x.device)
+    if y.numel():
+        block = triton.next_power_of_2(d)
+        sigmoid_mul_kernel[(n, h)](x, gate, y, h, d, x.stride(0), x.stride(1), gate.stride(0),
+                                   gate.stride(1), BLOCK_D=block,
+                                   num_warps=max(1, min(4, block // 256)))
     return y

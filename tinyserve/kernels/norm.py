@@ -9,6 +9,9 @@ accumulated in another order.
 - `add_rms_norm`: `s = dt(x + residual)`, then `rms_norm(s)`; returns (normed, s).
 - `gated_rms_norm`: `dt((w * dt(norm(x))) * silu(f32(z)))` (plain weight; `w * h` rounded to
   the model dtype when w is in the model dtype, as torch's type promotion does).
+- `rms_norm_rope`: `rms_norm` per head, then NeoX rotate_half RoPE over the first R dims
+  (q_norm / k_norm + `model.rope.PartialRoPE.apply`, reference `model.rope.norm_rope_ref`):
+  `dt(dt(y * cos) + dt(rotate_half(y) * sin))` with y the normed head in the model dtype.
 
 This module imports triton at the top: callers import it lazily (on CUDA only).
 """
@@ -55,6 +58,35 @@ def gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, D, stride_x, stride_z, str
         h = h.to(y_ptr.dtype.element_ty).to(tl.float32)
     g = z / (1.0 + tl.exp(-z))  # silu in fp32
     tl.store(y_ptr + row * stride_y + cols, (h * g).to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, H, D, R, stride_xn, stride_xh,
+                         stride_c, eps, BLOCK_D: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_D)
+    m = cols < D
+    dt = y_ptr.dtype.element_ty
+    row = x_ptr + n * stride_xn + h * stride_xh
+    x = tl.load(row + cols, mask=m, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    y = ((x * rstd) * (1.0 + w)).to(dt).to(tl.float32)
+    # rotate_half partner of each rotary column: j + R/2 for the first half, j - R/2 after
+    half = R // 2
+    is_rot = cols < R
+    partner = tl.where(cols < half, cols + half, cols - half)
+    pm = m & is_rot
+    xp = tl.load(row + partner, mask=pm, other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + partner, mask=pm, other=0.0).to(tl.float32)
+    yp = ((xp * rstd) * (1.0 + wp)).to(dt).to(tl.float32)
+    yp = tl.where(cols < half, -yp, yp)
+    c = tl.load(cos_ptr + n * stride_c + cols, mask=pm, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + n * stride_c + cols, mask=pm, other=0.0).to(tl.float32)
+    rot = (y * c).to(dt).to(tl.float32) + (yp * s).to(dt).to(tl.float32)
+    out = tl.where(is_rot, rot, y)
+    tl.store(y_ptr + (n * H + h) * D + cols, out.to(dt), mask=m)
 
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -136,4 +168,31 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
                                               z2.stride(0), y2.stride(0), eps,
                                               ROUND_WH=round_wh, BLOCK_D=block,
                                               num_warps=warps)
+    return y
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    """Per-head zero-centred RMSNorm, then RoPE (rotate_half) over the first R dims.
+
+    x [N, H, D] (unit last stride, any other strides, e.g. the q half of q|gate rows),
+    weight [D], cos / sin [N, R] in x.dtype (R even, <= D; unit last stride) -> [N, H, D]
+    contiguous in x.dtype.
+    """
+    d = _check(x, weight)
+    if x.dim() != 3 or x.stride(-1) != 1:
+        raise ValueError(f"x must be [N, H, D] with unit last stride, got {list(x.shape)}")
+    n, h, _ = x.shape
+    r = cos.shape[-1]
+    if (cos.shape != (n, r) or sin.shape != cos.shape or r % 2 or r > d
+            or cos.stride() != sin.stride() or cos.stride(-1) != 1):
+        raise ValueError(f"cos/sin {list(cos.shape)} {list(sin.shape)} do not fit x "
+                         f"{list(x.shape)}")
+    if cos.dtype != x.dtype or sin.dtype != x.dtype:
+        raise TypeError(f"cos/sin must be in {x.dtype}")
+    y = torch.empty(n, h, d, dtype=x.dtype, device=x.device)
+    if y.numel():
+        block, warps = _launch_cfg(d)
+        rms_norm_rope_kernel[(n, h)](x, weight, cos, sin, y, h, d, r, x.stride(0), x.stride(1),
+                                     cos.stride(0), eps, BLOCK_D=block, num_warps=warps)
     return y

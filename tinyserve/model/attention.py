@@ -1,6 +1,7 @@
 """Gated full attention of Qwen3.5-MoE (`self_attn`): q/gate interleaved by head, per-head
 q_norm / k_norm (1 + w), partial RoPE, paged attention through the KV backend, sigmoid output
-gate."""
+gate. On CUDA the norms + RoPE and the output gate run as Triton kernels (`PartialRoPE.norm_apply`,
+`kernels/glue.py: sigmoid_mul`)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,23 @@ from typing import Any
 import torch
 
 from tinyserve.core import ForwardContext, LinearWeight
-from tinyserve.model.linear import linear
-from tinyserve.model.norm import rms_norm
+from tinyserve.model.linear import kernels_enabled, linear
 from tinyserve.model.rope import PartialRoPE
+
+
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x, gate [N, H, D] (gate may be a strided view) -> x * sigmoid(gate) as [N, H * D]."""
+    if kernels_enabled(x.device) and x.stride(-1) == 1 and gate.stride(-1) == 1:
+        from tinyserve.kernels import glue
+
+        return glue.sigmoid_mul(x, gate)
+    return sigmoid_mul_ref(x, gate)
+
+
+def sigmoid_mul_ref(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Pure-torch `sigmoid_mul`."""
+    n = x.shape[0]
+    return x.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1))
 
 
 class GatedAttention:
@@ -38,14 +53,12 @@ class GatedAttention:
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         # NOTE: q_proj rows are [q_h | gate_h] per head h, not [all q | all gates].
         qg = linear(x, self.q_proj).view(N, H, 2 * D)
-        q, gate = qg[..., :D], qg[..., D:].reshape(N, H * D)
-        q = rms_norm(q, self.q_norm, self.eps)  # [N, H, D]
-        k = rms_norm(linear(x, self.k_proj).view(N, Hkv, D), self.k_norm, self.eps)
-        v = linear(x, self.v_proj).view(N, Hkv, D)
+        q, gate = qg[..., :D], qg[..., D:]  # [N, H, D] views
         cos, sin = cos_sin
-        q = self.rope.apply(q, cos, sin)
-        k = self.rope.apply(k, cos, sin)
+        q = self.rope.norm_apply(q, self.q_norm, self.eps, cos, sin)  # [N, H, D]
+        k = self.rope.norm_apply(linear(x, self.k_proj).view(N, Hkv, D), self.k_norm,
+                                 self.eps, cos, sin)
+        v = linear(x, self.v_proj).view(N, Hkv, D)
         o = kv.forward(self.layer_id, q.contiguous(), k.contiguous(), v.contiguous(), ctx,
                        D ** -0.5)  # [N, H, D]
-        o = o.reshape(N, H * D) * torch.sigmoid(gate)
-        return linear(o, self.o_proj)
+        return linear(sigmoid_mul(o.reshape(N, H, D), gate), self.o_proj)

@@ -4,7 +4,7 @@ Router: fp32 softmax over the router logits, top-k, ALWAYS renormalised over the
 the model dtype. Shared expert: SwiGLU MLP scaled by sigmoid(shared_expert_gate(x)).
 
 On CUDA (`kernels_enabled`) the glue runs as Triton kernels (`kernels/router.py`,
-`kernels/shared_expert.py`) beside the torch references here (`*_ref`, the CPU path), and
+`kernels/glue.py`) beside the torch references here (`*_ref`, the CPU path), and
 `SparseMoE` concatenates, once at build, the shared expert's gate_proj and up_proj into one
 gate_up weight and the router with shared_expert_gate into one [E + 1, H] weight when each
 pair has the same storage (and NVFP4 global scale): one GEMV for each pair.
@@ -61,9 +61,9 @@ def topk_softmax_ref(logits: torch.Tensor, top_k: int,
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate, up [N, F] in the model dtype (one kernel on CUDA)."""
     if kernels_enabled(gate.device) and gate.dim() == 2:
-        from tinyserve.kernels import shared_expert
+        from tinyserve.kernels import glue
 
-        return shared_expert.silu_mul(gate, up)
+        return glue.silu_mul(gate, up)
     return silu_mul_ref(gate, up)
 
 
@@ -77,9 +77,9 @@ def gated_add(routed: torch.Tensor, gate_logit: torch.Tensor,
     """routed + sigmoid(gate_logit) * shared; routed, shared [N, H], gate_logit [N, 1], all in
     the model dtype (one kernel on CUDA)."""
     if kernels_enabled(routed.device):
-        from tinyserve.kernels import shared_expert
+        from tinyserve.kernels import glue
 
-        return shared_expert.gated_add(routed, gate_logit, shared)
+        return glue.gated_add(routed, gate_logit, shared)
     return gated_add_ref(routed, gate_logit, shared)
 
 

@@ -1,9 +1,15 @@
 """Partial rotary position embedding (NeoX rotate_half) over the first `rotary_dim` dims of
-each head. For text-only input Qwen3.5's interleaved mRoPE equals this 1-D RoPE."""
+each head. For text-only input Qwen3.5's interleaved mRoPE equals this 1-D RoPE.
+
+`norm_apply` is the attention's q_norm / k_norm followed by the rotation: one Triton kernel on
+CUDA (`kernels/norm.py: rms_norm_rope`), `norm_rope_ref` elsewhere."""
 
 from __future__ import annotations
 
 import torch
+
+from tinyserve.model.linear import kernels_enabled
+from tinyserve.model.norm import rms_norm_ref
 
 
 class PartialRoPE:
@@ -32,3 +38,19 @@ class PartialRoPE:
         half = R // 2
         rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
         return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+    def norm_apply(self, x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                   sin: torch.Tensor) -> torch.Tensor:
+        """`apply(rms_norm(x, weight, eps), cos, sin)` for x [N, H, D] (may be a strided view);
+        returns a new contiguous [N, H, D]."""
+        if kernels_enabled(x.device) and x.stride(-1) == 1:
+            from tinyserve.kernels import norm as norm_kernels
+
+            return norm_kernels.rms_norm_rope(x, weight, eps, cos, sin)
+        return norm_rope_ref(self, x, weight, eps, cos, sin)
+
+
+def norm_rope_ref(rope: PartialRoPE, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Pure-torch `PartialRoPE.norm_apply`."""
+    return rope.apply(rms_norm_ref(x, weight, eps), cos, sin)

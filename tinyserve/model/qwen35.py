@@ -20,7 +20,7 @@ from tinyserve.model.attention import GatedAttention
 from tinyserve.model.gdn import GatedDeltaNet
 from tinyserve.model.linear import linear, to_device
 from tinyserve.model.moe import ResidentExperts, SparseMoE
-from tinyserve.model.norm import rms_norm
+from tinyserve.model.norm import add_rms_norm, rms_norm
 from tinyserve.model.rope import PartialRoPE
 
 # Tensors kept in fp32 whatever the model dtype (GDN decay parameters; spec loader rule 5).
@@ -119,17 +119,18 @@ class Qwen35Model:
         if hidden is None:
             host_ids = ctx.input_ids_cpu if self.embed_on_host else None
             hidden = self.embed(host_ids if host_ids is not None else ctx.input_ids)
-        x = hidden  # [N, H]
+        x, h = hidden, None  # the residual stream [N, H] and the pending MoE output
         cos_sin = self.rope.cos_sin(ctx.positions, self.dtype)
         for layer in self.layers:
-            x = layer.forward(x, ctx, self.kv, self.states, cos_sin)
-        x = x[ctx.logits_indices]  # [S, H]
-        x = rms_norm(x, self.norm, self.config.rms_norm_eps)
+            x, h = layer.forward(x, h, ctx, self.kv, self.states, cos_sin)
+        rows = ctx.logits_indices  # [S]
+        x, _ = add_rms_norm(h[rows], x[rows], self.norm, self.config.rms_norm_eps)
         return linear(x, self.lm_head).float()
 
 
 class _Layer:
-    """Decoder layer: x += Mixer(norm(x)); x += MoE(norm(x))."""
+    """Decoder layer: x += Mixer(norm(x)); x += MoE(norm(x)) (the second add is fused into the
+    next norm, see `forward`)."""
 
     def __init__(self, L: int, config: Any, w: dict[str, Any], rope: PartialRoPE,
                  experts: Any) -> None:
@@ -144,16 +145,22 @@ class _Layer:
             self.mixer = GatedDeltaNet(L, config, _sub(w, p + "linear_attn."))
         self.mlp = SparseMoE(L, config, _sub(w, p + "mlp."), experts)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, kv: Any, states: Any,
-                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        h = rms_norm(x, self.input_layernorm, self.eps)
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, ctx: ForwardContext,
+                kv: Any, states: Any, cos_sin: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream, this layer's MoE output): the caller adds the MoE output to
+        the stream in the next layer's fused add + norm (`pending` is the previous layer's,
+        None for the first layer)."""
+        if pending is None:
+            h = rms_norm(x, self.input_layernorm, self.eps)
+        else:
+            h, x = add_rms_norm(pending, x, self.input_layernorm, self.eps)
         if self.is_attention:
             h = self.mixer.forward(h, ctx, kv, cos_sin)
         else:
             h = self.mixer.forward(h, ctx, states)
-        x = x + h
-        h = rms_norm(x, self.post_attention_layernorm, self.eps)
-        return x + self.mlp.forward(h)
+        h, x = add_rms_norm(h, x, self.post_attention_layernorm, self.eps)
+        return x, self.mlp.forward(h)
 
 
 def _sub(w: dict[str, Any], prefix: str) -> dict[str, Any]:

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout
 sys.path.insert(0, str(ROOT / "bench"))
 
 from common import Recorder, run_meta  # noqa: E402
-from nvfp4 import copy_bandwidth, time_graph  # noqa: E402
+from nvfp4 import bandwidth, time_graph  # noqa: E402
 
 from tinyserve.core import FP8Weight  # noqa: E402
 from tinyserve.kernels.fp8 import (  # noqa: E402
@@ -174,7 +174,7 @@ def main() -> int:
     rec = Recorder(out_path, run_meta(
         "fp8_linear", timing="median of 10 CUDA-graph replays, weights rotated past L2",
         capability=list(torch.cuda.get_device_capability())))
-    bw_case = rec.run("bandwidth", copy_bandwidth) or {}
+    bw_case = rec.run("bandwidth", bandwidth, "cuda") or {}
     bw = {"copy": bw_case.get("copy_GBps", 3000.0), "read": bw_case.get("GBps", 4000.0)}
     for m in DECODE_M:  # NOTE: most important first; a cut-short run keeps those
         for name in SHAPES:

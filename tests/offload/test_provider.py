@@ -87,3 +87,24 @@ def test_device_mode_mirror_follows_the_device(tiny) -> None:
     assert experts.cache.policy.resident() == experts.cache.resident()
     assert 0.0 < experts.stats.hit_rate < 1.0
     assert set(experts.stats.as_dict()["layer_hit_rate"]) == set(range(cfg.num_layers))
+
+
+def test_eager_call_after_a_replay_keeps_the_mirror(tiny) -> None:
+    """A graph replay runs every layer's lookup behind the provider's back (begin_step, then
+    lookups only): the next eager forward must still fold that step's log into the policy
+    before overwriting it, or the mirror loses loads and drifts from the device table."""
+    cfg, w, prompt, _, _ = tiny
+    store = HostExpertStore.from_weights(w, cfg)
+    experts = OffloadedExperts.create(store, cfg.num_experts + 2, device="cpu",
+                                      dtype=torch.float32, mode="device", use_triton=False)
+    runner = _runner(cfg, w, experts)
+    _generate(runner, prompt, 2)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):  # replay-like steps: lookups that bypass the provider's forward
+        experts.begin_step()
+        for layer in range(cfg.num_layers):
+            ids = torch.randperm(cfg.num_experts, generator=g)[:cfg.num_experts_per_tok]
+            experts.cache.lookup(layer, ids.view(1, -1))
+        _generate(runner, prompt, 2)  # eager prefill + decode right after the "replay"
+        experts.begin_step()
+        assert experts.cache.policy.resident() == experts.cache.resident()

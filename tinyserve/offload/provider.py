@@ -43,9 +43,14 @@ class OffloadedExperts:
                                      **cache_kwargs))
 
     def begin_step(self) -> None:
-        """Start a new step (a runner replaying a CUDA graph calls this between replays)."""
+        """Start a new step (a runner replaying a CUDA graph calls this before each replay).
+
+        The replay that follows runs lookups this object never sees, so the next eager call
+        must start a new step too, whatever its layer: otherwise its lookups would overwrite
+        the replay's log before the policy has read it (and the host mirror would lose loads).
+        """
         self.cache.begin_step()
-        self._last_layer = None
+        self._last_layer = self.cache.num_layers
 
     def forward(self, layer_id: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:

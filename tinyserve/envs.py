@@ -55,7 +55,7 @@ NVFP4_GEMV_MAX_M = IntEnv("TINYSERVE_NVFP4_GEMV_MAX_M", "4",
 NVFP4_DEQUANT_MIN_M = IntEnv("TINYSERVE_NVFP4_DEQUANT_MIN_M", "128",
                              "NVFP4 linear: smallest M that dequantizes to a scratch + cuBLAS")
 ISO_DECODE = StrEnv("TINYSERVE_ISO_DECODE", "",
-                   "ISO KV decode attention kernel: triton or cuda (empty: the measured default)")
+                   "ISO KV decode kernel: mma, triton or cuda (empty: the measured default)")
 API_KEY = StrEnv("TINYSERVE_API_KEY", "",
                  "API key(s), comma-separated, when `tinyserve run` gets no --api-key")
 WRITE_RESULTS = BoolEnv("TINYSERVE_WRITE_RESULTS", "0",

@@ -273,9 +273,9 @@ def iso_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 # with the smallest `max_batch` >= batch is used (the last row otherwise). `warps` per CTA
 # (2 or 4), about `ctas_per_sm` CTAs per SM, at least `min_split_tokens` tokens per split.
 # Set from bench/iso_attention.py's mma sweep (`mma_best`).
-MMA_CONFIG: tuple[dict, ...] = (
-    dict(max_batch=1, warps=4, ctas_per_sm=4, min_split_tokens=128),
-    dict(max_batch=1 << 30, warps=4, ctas_per_sm=4, min_split_tokens=256),
+MMA_CONFIG: tuple[dict, ...] = (  # H200 sweep, bench/results/iso_attention.json (mma_best)
+    dict(max_batch=1, warps=4, ctas_per_sm=2, min_split_tokens=128),
+    dict(max_batch=1 << 30, warps=2, ctas_per_sm=4, min_split_tokens=256),
 )
 
 

@@ -61,10 +61,17 @@ class MoEGemvConfig:
 
 
 # (N, K) -> tiles for M = 1. Filled from the H200 sweeps (bench/NOTES_nvfp4.md).
-GEMV_TILES: dict[tuple[int, int], GemvConfig] = {}
+GEMV_TILES: dict[tuple[int, int], GemvConfig] = {
+    # H200 sweep (bench/results/nvfp4.json); M = 1 microseconds in the comments.
+    (248320, 2048): GemvConfig(16, 128, 4, 0, vec=4, num_stages=3, decode="h2"),  # 117 (was 156)
+    (8192, 2048): GemvConfig(16, 128, 4, 0, vec=4, num_stages=3, decode="f32"),  # 7.3 (was 7.7)
+    (2048, 512): GemvConfig(16, 32, 2, 0, vec=2, num_stages=3, decode="f32"),  # 2.6 (was 2.7)
+}
 
 # (H, F) -> tiles for one decode token. Filled from the H200 sweeps (bench/NOTES_nvfp4.md).
-MOE_GEMV_TILES: dict[tuple[int, int], MoEGemvConfig] = {}
+MOE_GEMV_TILES: dict[tuple[int, int], MoEGemvConfig] = {
+    (2048, 512): MoEGemvConfig(4, 128, 16, 32, 4, False, 4, "h2", 8),  # 18.2 us (was ~22)
+}
 
 
 def _next_pow2(v: int) -> int:

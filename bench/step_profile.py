@@ -4,7 +4,8 @@ Builds the engine's runner from a checkpoint exactly as `tinyserve run` does (`e
 memory plan, offload, KV pool, graphs), prefills one sequence of `--context` random tokens,
 then measures decode at batch 1: eager steps, graph replays (when the build captures graphs),
 and one profiled eager step whose GPU kernels are grouped by name (top `--top`), with the sum
-of all kernel times. Several `--gpu-memory` budgets run in the same process, one after another.
+of all kernel times. Each `--gpu-memory` budget runs in a fresh process (the allocator cap of
+a budget counts every byte the process still holds).
 
     python bench/step_profile.py CKPT [--kv iso3] [--gpu-memory none 6GiB] [--context 1024]
         -> bench/results/step_profile.json
@@ -13,8 +14,10 @@ of all kernel times. Several `--gpu-memory` budgets run in the same process, one
 from __future__ import annotations
 
 import argparse
-import gc
+import json
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -123,16 +126,30 @@ def main() -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--case-json", help=argparse.SUPPRESS)  # child mode: one budget -> this file
     args = p.parse_args()
+    if args.case_json:  # a fresh process per budget: the allocator cap counts what is left over
+        b = args.gpu_memory[0]
+        out = measure(args.ckpt, args.kv, None if b == "none" else b, args.context, args.steps,
+                      args.top)
+        Path(args.case_json).write_text(json.dumps(out))
+        return 0
     rec = Recorder(OUT, run_meta("step_profile", args=vars(args)))
     for budget in args.gpu_memory:
-        b = None if budget == "none" else budget
-        rec.run(f"{args.kv}_{budget}", measure, args.ckpt, args.kv, b, args.context,
-                args.steps, args.top)
-        gc.collect()  # the engine of this budget goes before the next one is built
-        torch.cuda.empty_cache()
-        torch.cuda.set_per_process_memory_fraction(1.0)
+        rec.run(f"{args.kv}_{budget}", child, args, budget)
     return 0
+
+
+def child(args: argparse.Namespace, budget: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "case.json"
+        cmd = [sys.executable, __file__, args.ckpt, "--kv", args.kv, "--gpu-memory", budget,
+               "--context", str(args.context), "--steps", str(args.steps), "--top",
+               str(args.top), "--case-json", str(path)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0 or not path.exists():
+            raise RuntimeError(f"exit {res.returncode}: {res.stderr[-3000:]}")
+        return json.loads(path.read_text())
 
 
 if __name__ == "__main__":

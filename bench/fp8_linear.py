@@ -96,7 +96,7 @@ def bench_shape(name: str, m: int, bw: dict) -> dict:
                 "frac_read_bw": round(nbytes / us / 1e3 / bw["read"], 3),
                 "TFLOPs": round(2 * m * n * k / us / 1e6, 2)}
 
-    variants = [("default", None, False)] + [(f"{p}{'_native' if nat else ''}", p, nat)
+    variants = [("default", None, None)] + [(f"{p}{'_native' if nat else ''}", p, nat)
                                              for p, nat in VARIANTS]
     for key, path, nat in variants:
         if (path == "gemv" and m > 16) or (nat and m not in NATIVE_M):

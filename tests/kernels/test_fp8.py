@@ -28,6 +28,7 @@ from tinyserve.kernels.fp8 import (  # noqa: E402
     PATHS,
     GemvConfig,
     choose_path,
+    default_native,
     fp8_dequantize,
     fp8_linear,
     gemv_tiles,
@@ -79,7 +80,8 @@ def _weight(n: int, k: int, per_row: bool) -> tuple[FP8Weight, torch.Tensor]:
 
 
 def check(m: int, n: int, k: int, path: str | None, dtype: torch.dtype, bound: float, *,
-          per_row: bool = False, native: bool = False, cfg: GemvConfig | None = None) -> None:
+          per_row: bool = False, native: bool | None = False, cfg: GemvConfig | None = None
+          ) -> None:
     w, wd = _weight(n, k, per_row)
     x = torch.randn(m, k, device=DEV).to(dtype)
     ref = x.float() @ wd.T
@@ -174,6 +176,15 @@ def test_quantized_weight_leading_dims_and_default_path(poison):
     assert fp8_linear(x[:0], w).shape == (0, 3, 40)
 
 
+def test_default_native():
+    # dot decodes with float8e4nv by default on sm_89+; every path bit-decodes elsewhere
+    assert not any(default_native(p, torch.device("cpu")) for p in PATHS)
+    if DEV == "cuda":
+        cuda = torch.device("cuda")
+        assert default_native("dot", cuda) == (torch.cuda.get_device_capability() >= (8, 9))
+        assert not default_native("gemv", cuda) and not default_native("dequant", cuda)
+
+
 def test_choose_path_and_errors():
     assert choose_path(1, 8192, 2048) == "gemv"
     assert choose_path(4, 8192, 2048) == "gemv"
@@ -218,6 +229,14 @@ def test_linear_gpu(poison, name, m, path):
 def test_linear_gpu_native_and_per_row(poison, path):
     check(1, 8192, 2048, path, torch.bfloat16, 1e-2, native=NATIVE[-1])
     check(16, 2048, 4096, path, torch.bfloat16, 1e-2, per_row=True, native=NATIVE[-1])
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("m", [1, 4, 16, 100, 512])
+def test_linear_gpu_default_decode(poison, m):
+    # native=None: each path's default decode (native dot on sm_89+)
+    check(m, 8192, 2048, None, torch.bfloat16, 1e-2, native=None)
+    check(m, 2048, 4096, None, torch.bfloat16, 1e-2, per_row=True, native=None)
 
 
 @pytest.mark.requires_cuda

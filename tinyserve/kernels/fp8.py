@@ -24,7 +24,10 @@ Decoding without an fp8 type (runs on sm_80/86), from the byte b = s eeee mmm:
   products stay normal; the 2^56 goes back with the scale.
 - dot / dequant: fp16 bits `((b & 0x80) << 8) | ((b & 0x7F) << 7)` = e4m3 * 2^-8 (subnormals
   land on fp16 subnormals), as in `nvfp4_triton._e4m3`.
-`native=True` uses Triton's float8e4nv conversion instead (sm_89+; the bench measures both).
+`native=True` uses Triton's float8e4nv conversion instead (sm_89+). By default (`native=None`)
+the paths in NATIVE_PATHS decode natively where the GPU has the conversion (`default_native`):
+on the H200 the native `dot` was 3-27 % faster than the bit decode in all 12 measured cases,
+while `gemv` and `dequant` measured the same within noise at M = 1 (bench/NOTES_fp8.md).
 
 NaN: 0x7F / 0xFF never occur in checkpoints (quantizers saturate at +-448). The bit decode
 reads them as +-480 (the exponent-15 pattern), the native decode as NaN, the reference as NaN;
@@ -45,8 +48,17 @@ import torch
 from tinyserve.core import FP8Weight
 
 PATHS = ("gemv", "dot", "dequant")
+# H200, bench/results/fp8_linear.json (us, bit decode): at M = 4 gemv vs best other path
+# 8192x2048 18.9 vs 17.6 (dot), 4096x2048 11.2 vs 12.2, 2048x4096 13.1 vs 13.4, 512x2048 4.6 vs
+# 7.1; at M = 16 gemv is 1.8-3x slower than dot. Kept at 4.
 GEMV_MAX_M = 4  # largest M on the gemv path by default (5..16: dot with 16-row tiles)
+# H200: dequant vs dot at M = 16 within -13..+9 %, at M = 512 1.5-2.9x faster (8192x2048:
+# 40 vs 62 us); the cut-over between is unmeasured. Kept at 256.
 DEQUANT_MIN_M = 256  # smallest M on the dequant path by default
+# H200, native vs bit decode (us): dot M = 1 12.7 vs 17.4 (8192x2048), M = 16 11.5-16.1 vs
+# 14.0-18.6, M = 2048 84-164 vs 103-200 (faster in 12 of 12 cases); gemv M = 1 and dequant
+# equal within noise (except gemv 2048x4096: 4.9 vs 5.4), so only dot switches.
+NATIVE_PATHS = ("dot",)  # paths that decode with float8e4nv by default on sm_89+
 SCRATCH_ELEMS = 1 << 24  # dequant scratch cap (32 MiB in bf16)
 
 
@@ -105,6 +117,17 @@ def gemv_tiles(n: int, k: int, num_sms: int, cfg: GemvConfig = DEFAULT_GEMV
     while _cdiv(n, block_n) * _cdiv(kw, block_w) < target and block_w > 128:
         block_w //= 2
     return block_n, block_w, _cdiv(kw, block_w)
+
+
+@functools.cache
+def _has_native_fp8(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def default_native(path: str, device: torch.device) -> bool:
+    """Whether `path` decodes with Triton's float8e4nv conversion by default on `device`:
+    paths in NATIVE_PATHS on CUDA devices of compute capability 8.9 or newer."""
+    return path in NATIVE_PATHS and _has_native_fp8(torch.device(device))
 
 
 def choose_path(m: int, n: int = 0, k: int = 4) -> str:
@@ -227,7 +250,8 @@ def _dequant_matmul(x: torch.Tensor, w: FP8Weight, m: int, n: int, k: int,
 
 
 def fp8_linear(x: torch.Tensor, w: FP8Weight, *, path: str | None = None,
-               gemv_config: GemvConfig | None = None, native: bool = False) -> torch.Tensor:
+               gemv_config: GemvConfig | None = None, native: bool | None = None
+               ) -> torch.Tensor:
     """y = x @ (e4m3(w.weight) * w.scale).T, W8A16 on a GPU (or the Triton interpreter).
 
     Args:
@@ -235,7 +259,8 @@ def fp8_linear(x: torch.Tensor, w: FP8Weight, *, path: str | None = None,
         w: FP8Weight: weight uint8 [N, K] (E4M3 bits, contiguous), scale fp32 scalar or [N, 1].
         path: "gemv" (needs K % 4 == 0), "dot" or "dequant"; None picks by M (`choose_path`).
         gemv_config: tiles of the gemv path (the bench sweeps them); None = DEFAULT_GEMV.
-        native: decode with Triton's float8e4nv type (sm_89+) instead of bit arithmetic.
+        native: decode with Triton's float8e4nv type (sm_89+) instead of bit arithmetic;
+            None = `default_native(path, x.device)`.
     Returns:
         [M, N] (or [..., N]) in x.dtype; fp32 accumulation, one rounding to x.dtype (the
         dequant path also rounds e4m3 * scale to x.dtype). No host synchronisation: the scale
@@ -253,6 +278,8 @@ def fp8_linear(x: torch.Tensor, w: FP8Weight, *, path: str | None = None,
         raise ValueError(f"unknown fp8 path {path!r}; choose from {PATHS}")
     if m == 0:
         return x.new_empty(*lead, n)
+    if native is None:
+        native = default_native(path, x.device)
     if path == "gemv":
         y = _gemv(x2, w, scale, per_row, m, n, k, gemv_config or DEFAULT_GEMV, native)
     elif path == "dot":

@@ -58,5 +58,7 @@ ISO_DECODE = StrEnv("TINYSERVE_ISO_DECODE", "",
                    "ISO KV decode kernel: mma, triton or cuda (empty: the measured default)")
 API_KEY = StrEnv("TINYSERVE_API_KEY", "",
                  "API key(s), comma-separated, when `tinyserve run` gets no --api-key")
+FULLSIZE_DIR = StrEnv("TINYSERVE_FULLSIZE_DIR", "",
+                      "tests and benches: the full-size random checkpoint (testing.fullsize)")
 WRITE_RESULTS = BoolEnv("TINYSERVE_WRITE_RESULTS", "0",
                         "tests: also write their measured figures to bench/results/*.json")

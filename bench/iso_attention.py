@@ -10,7 +10,7 @@ several distinct layer caches (so nothing stays in L2 between layers, as in a re
 inside a CUDA graph; the per-layer time is the graph time / calls. Every timed config also
 records its cosine against an fp32 oracle (dequantized rows, fp32 softmax attention) on the
 same cache. `decode_choice` says which kernel won (the value for kv/iso_pool.DECODE_IMPL),
-`mma_best` the mma settings per batch (the rows for iso_cuda.MMA_CONFIG).
+`mma_best` the mma settings per batch (the rows for iso_mma.MMA_CONFIG).
 Extend: tokens/s of a 2k-token chunk over prefixes 0..30k, the ratio to bf16 SDPA at the same
 prefix, and a breakdown (prefix dequantization, prefix attention, chunk attention).
 
@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from common import Recorder, run_meta  # noqa: E402
 
-from tinyserve.kernels import iso, iso_cuda, iso_triton  # noqa: E402
+from tinyserve.kernels import iso, iso_cuda, iso_mma, iso_triton  # noqa: E402
 
 HQ, HKV, D = 16, 2, 256
 PAGE = 16
@@ -128,7 +128,7 @@ def _call(st: dict, impl: str, cfg: dict):
         return lambda kc, vc, out: iso_cuda.iso_decode_attention(
             q, kc, vc, table, lens, PAGE, fmt, D ** -0.5, max_seq_len=ctx, out=out, **cfg)
     if impl == "mma":
-        return lambda kc, vc, out: iso_cuda.iso_decode_attention_mma(
+        return lambda kc, vc, out: iso_mma.iso_decode_attention_mma(
             q, kc, vc, table, lens, PAGE, fmt, D ** -0.5, max_seq_len=ctx, out=out, **cfg)
     return lambda kc, vc, out: iso_triton.iso_decode_attention_triton(
         q, kc, vc, table, lens, PAGE, fmt, D ** -0.5, max_seq_len=ctx, out=out, **cfg)
@@ -158,7 +158,7 @@ def bench_decode_iso(st: dict, impl: str, cfg: dict, base_us: float | None) -> d
         row["ratio_vs_bf16"] = us / base_us
     if impl == "mma":
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        c = iso_cuda.mma_config(st["batch"])
+        c = iso_mma.mma_config(st["batch"])
         row["split_tokens"], row["splits"] = iso_cuda.plan_splits(
             st["batch"], HKV, st["ctx"], sms, min_tokens=c["min_split_tokens"],
             ctas_per_sm=cfg.get("ctas_per_sm", c["ctas_per_sm"]))
@@ -244,7 +244,7 @@ def _choose(cases: dict) -> dict:
 
 def _mma_best(cases: dict) -> dict:
     """Per batch: the mma sweep setting that passed at the most contexts, lowest geometric-mean
-    time among those (the row for iso_cuda.MMA_CONFIG)."""
+    time among those (the row for iso_mma.MMA_CONFIG)."""
     logs: dict[tuple, list[float]] = {}
     for name, row in cases.items():
         parts = name.split("/")
@@ -280,7 +280,7 @@ def main() -> int:
         "iso_attention", sms=props.multi_processor_count, cuda=torch.version.cuda,
         shapes=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, page_size=PAGE),
         baseline="torch SDPA bf16, enable_gqa=True, contiguous K/V",
-        mma_config=list(iso_cuda.MMA_CONFIG), triton_block_t=iso_triton.BLOCK_T,
+        mma_config=list(iso_mma.MMA_CONFIG), triton_block_t=iso_triton.BLOCK_T,
         targets="iso3 <= 0.5x bf16 at 32k and 128k (batch 1); extend iso/bf16 within 1.3x"))
     contexts = [4096, 32768] if args.quick else [4096, 32768, 131072]
     for batch in (1, 8):

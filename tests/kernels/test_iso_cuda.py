@@ -24,6 +24,12 @@ def _cuda():
     return iso_cuda
 
 
+def _mma():
+    from tinyserve.kernels import iso_mma
+
+    return iso_mma
+
+
 @pytest.fixture(scope="module")
 def golden(shared_dir):
     return np.load(shared_dir / "data" / "iso_golden.npz")
@@ -189,7 +195,7 @@ def test_decode_attention(impl, fmt, case, dtype) -> None:
     hq, hkv, d, ps, lens = case
     if dtype == torch.float32 and max(lens) > 5000:
         pytest.skip("long contexts run in bf16 only")
-    if impl == "mma" and not _cuda().mma_supported(fmt, hq, hkv, d):
+    if impl == "mma" and not _mma().mma_supported(fmt, hq, hkv, d):
         pytest.skip("the mma kernel takes iso3 with GQA group <= 8")
     kc, vc, table = _filled_cache(fmt, sum(lens), hkv, d, ps, lens, seed=len(lens) + d)
     q = torch.randn(len(lens), hq, d, device="cuda").to(dtype)
@@ -199,7 +205,7 @@ def test_decode_attention(impl, fmt, case, dtype) -> None:
     if impl == "cuda":
         _cuda().iso_decode_attention(q, kc, vc, table, seq_lens, ps, fmt, scale, out=out)
     elif impl == "mma":
-        _cuda().iso_decode_attention_mma(q, kc, vc, table, seq_lens, ps, fmt, scale, out=out)
+        _mma().iso_decode_attention_mma(q, kc, vc, table, seq_lens, ps, fmt, scale, out=out)
     else:
         from tinyserve.kernels import iso_triton
 

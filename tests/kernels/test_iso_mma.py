@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinyserve.kernels import iso, iso_cuda
+from tinyserve.kernels import iso, iso_mma
 
 CSRC = Path(iso.__file__).resolve().parent / "csrc"
 EMU = Path(__file__).resolve().parent / "cuda_emu"
@@ -117,13 +117,13 @@ def test_mma_rejects_unsupported(lib) -> None:
 
 
 def test_mma_config_table() -> None:
-    assert iso_cuda.mma_config(1) is iso_cuda.MMA_CONFIG[0]
-    assert iso_cuda.mma_config(10 ** 9) is iso_cuda.MMA_CONFIG[-1]
-    for row in iso_cuda.MMA_CONFIG:
+    assert iso_mma.mma_config(1) is iso_mma.MMA_CONFIG[0]
+    assert iso_mma.mma_config(10 ** 9) is iso_mma.MMA_CONFIG[-1]
+    for row in iso_mma.MMA_CONFIG:
         assert row["warps"] in (2, 4) and row["ctas_per_sm"] >= 1
-    assert iso_cuda.mma_supported("iso3", 16, 2, 256)
-    assert not iso_cuda.mma_supported("iso4", 16, 2, 256)
-    assert not iso_cuda.mma_supported("iso3", 32, 2, 256)
+    assert iso_mma.mma_supported("iso3", 16, 2, 256)
+    assert not iso_mma.mma_supported("iso4", 16, 2, 256)
+    assert not iso_mma.mma_supported("iso3", 32, 2, 256)
 
 
 @pytest.mark.slow

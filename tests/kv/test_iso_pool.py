@@ -190,3 +190,29 @@ def test_decode_impl_choices(monkeypatch) -> None:
     monkeypatch.setenv("TINYSERVE_ISO_DECODE", "fast")
     with pytest.raises(ValueError, match="TINYSERVE_ISO_DECODE"):
         iso_pool.decode_impl()
+
+
+@pytest.mark.parametrize("fmt, want", [("iso3", "mma"), ("iso4", "triton")])
+def test_mma_decode_dispatch(fmt: str, want: str, monkeypatch) -> None:
+    """With the kernels on and TINYSERVE_ISO_DECODE=mma, iso3 decode goes to
+    `iso_mma.iso_decode_attention_mma` (bound from the pool's context) and shapes the MMA
+    kernel does not take go to the Triton kernel (the kernels are stubs here)."""
+    from tinyserve.kernels import iso_mma, iso_triton
+
+    calls = []
+
+    def stub(name):
+        def run(q, kc, vc, table, seq_lens, page_size, fmt_, scale, *, max_seq_len):
+            calls.append((name, fmt_, page_size, max_seq_len, tuple(kc.shape)))
+            return torch.zeros_like(q)
+        return run
+
+    monkeypatch.setattr(iso_mma, "iso_decode_attention_mma", stub("mma"))
+    monkeypatch.setattr(iso_triton, "iso_decode_attention_triton", stub("triton"))
+    monkeypatch.setenv("TINYSERVE_ISO_DECODE", "mma")
+    kv = _make(fmt, d=256)
+    kv.use_kernels = True
+    ctx = _ctx([1, 1], [5, 2], [[0, 1], [2, 3]], 4)
+    out = kv._decode(7, torch.randn(2, 16, 256), ctx, 0.1)
+    assert out.shape == (2, 16, 256)
+    assert calls == [(want, fmt, 4, ctx.seq_len_bound, tuple(kv.k_cache(7).shape))]

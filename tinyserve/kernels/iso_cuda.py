@@ -8,7 +8,8 @@ in CUDA graphs. Nothing here runs at import.
 
 - `iso_store`: quantize-on-write, byte-exact with `iso.quantize_ref`.
 - `iso_dequant_rows`: packed rows -> dense rows (bit-exact with `iso.dequantize_ref` in fp32).
-- `iso_decode_attention`: paged split-K decode attention in the rotated space (§6.5).
+- `iso_decode_attention`: paged split-K decode attention in the rotated space (§6.5); the
+  tensor-core variant's launcher and settings are in `iso_mma` (built into the same library).
 - `iso_extend_attention`: a prefill chunk over its packed prefix (dequantized once per layer
   into a scratch) plus its own K/V (causal), merged by log-sum-exp.
 """
@@ -264,74 +265,6 @@ def iso_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     _call(q.device, "tinyserve_iso_decode", qf.data_ptr(), k_cache.data_ptr(),
           v_cache.data_ptr(), k_cache.stride(0), page_table.data_ptr(), page_table.stride(0),
           seq_lens.data_ptr(), b, hq, hkv, d, page_size, chunk, splits, float(scale), bits,
-          part_acc.data_ptr(), part_ml.data_ptr(), out.data_ptr(), out.stride(0),
-          _DTYPE_CODE[out.dtype])
-    return out
-
-
-# Settings of the tensor-core decode kernel (csrc/iso_decode_mma.cu) by batch size: the row
-# with the smallest `max_batch` >= batch is used (the last row otherwise). `warps` per CTA
-# (2 or 4), about `ctas_per_sm` CTAs per SM, at least `min_split_tokens` tokens per split.
-# Set from bench/iso_attention.py's mma sweep (`mma_best`).
-MMA_CONFIG: tuple[dict, ...] = (  # H200 sweep, bench/results/iso_attention.json (mma_best)
-    dict(max_batch=1, warps=4, ctas_per_sm=2, min_split_tokens=128),
-    dict(max_batch=1 << 30, warps=2, ctas_per_sm=4, min_split_tokens=256),
-)
-
-
-def mma_config(batch: int) -> dict:
-    """The MMA_CONFIG row for `batch`."""
-    for row in MMA_CONFIG:
-        if batch <= row["max_batch"]:
-            return row
-    return MMA_CONFIG[-1]
-
-
-def mma_supported(fmt: str, num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether `iso_decode_attention_mma` takes these shapes (iso3, group <= 8, D 128/256)."""
-    return (fmt == "iso3" and num_kv_heads > 0 and num_q_heads % num_kv_heads == 0
-            and num_q_heads // num_kv_heads <= 8 and head_dim in (128, 256))
-
-
-def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                             page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
-                             fmt: str, scale: float, *, max_seq_len: int | None = None,
-                             out: torch.Tensor | None = None, split_tokens: int | None = None,
-                             warps: int | None = None,
-                             ctas_per_sm: int | None = None) -> torch.Tensor:
-    """`iso_decode_attention` on tensor cores (iso3 only; GQA group <= 8; head_dim 128 or
-    256): fp16 query and centroid operands, fp32 accumulation. Settings default to
-    `mma_config(B)`; `split_tokens`, `warps`, `ctas_per_sm` override them (tuning)."""
-    b, hq, d, hkv = _check_decode(q, k_cache, v_cache, page_table, seq_lens, fmt)
-    if not mma_supported(fmt, hq, hkv, d):
-        raise ValueError(f"the MMA decode kernel takes iso3, GQA group <= 8, head_dim 128/256; "
-                         f"got {fmt}, {hq}/{hkv} heads, head_dim {d}")
-    cfg = mma_config(b)
-    warps = warps or cfg["warps"]
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max().item()) if b else 1
-    if split_tokens:
-        chunk = math.ceil(split_tokens / 16) * 16
-        splits = math.ceil(max(1, max_seq_len) / chunk)
-    else:
-        sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
-               if q.is_cuda else 4)
-        chunk, splits = plan_splits(b, hkv, max_seq_len, sms,
-                                    min_tokens=cfg["min_split_tokens"],
-                                    ctas_per_sm=ctas_per_sm or cfg["ctas_per_sm"])
-    if out is None:
-        out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
-    if b == 0:
-        return out
-    if out.shape != (b, hq, d) or out.stride(2) != 1 or out.stride(1) != d:
-        raise ValueError(f"out must be [{b}, {hq}, {d}] with contiguous rows")
-    part_acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
-    part_ml = torch.empty(b, hq, splits, 2, dtype=torch.float32, device=q.device)
-    qf = q.float().contiguous()
-    seq_lens = seq_lens.contiguous()
-    _call(q.device, "tinyserve_iso_decode_mma", qf.data_ptr(), k_cache.data_ptr(),
-          v_cache.data_ptr(), k_cache.stride(0), page_table.data_ptr(), page_table.stride(0),
-          seq_lens.data_ptr(), b, hq, hkv, d, page_size, chunk, splits, float(scale), warps,
           part_acc.data_ptr(), part_ml.data_ptr(), out.data_ptr(), out.stride(0),
           _DTYPE_CODE[out.dtype])
     return out

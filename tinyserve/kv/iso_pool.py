@@ -11,9 +11,9 @@ Ordering contract (§6.2):
 
 On CUDA the store and extend run the kernels of `kernels.iso_cuda`; decode runs the
 tensor-core Triton kernel (`kernels.iso_triton`), the CUDA SIMT kernel or the CUDA
-tensor-core kernel ("mma": iso3, GQA group <= 8; other shapes use the Triton kernel),
-whichever bench/iso_attention.py measured fastest (DECODE_IMPL; TINYSERVE_ISO_DECODE
-overrides it).
+tensor-core kernel (`kernels.iso_mma`, "mma": iso3, GQA group <= 8; other shapes use the
+Triton kernel), whichever bench/iso_attention.py measured fastest (DECODE_IMPL;
+TINYSERVE_ISO_DECODE overrides it).
 Elsewhere (or with TINYSERVE_DISABLE_KERNELS=1) the references of `kernels.iso` run: quantize
 on write, dequantize + fp32 attention.
 """
@@ -116,11 +116,11 @@ class ISOKVBackend(KVBackend):
         if self.use_kernels:
             impl = decode_impl()
             if impl == "mma":
-                from tinyserve.kernels import iso_cuda
+                from tinyserve.kernels import iso_mma
 
-                if iso_cuda.mma_supported(self.fmt, q.shape[1], self.num_kv_heads,
-                                          self.head_dim):
-                    return iso_cuda.iso_decode_attention_mma(
+                if iso_mma.mma_supported(self.fmt, q.shape[1], self.num_kv_heads,
+                                         self.head_dim):
+                    return iso_mma.iso_decode_attention_mma(
                         q, kc, vc, ctx.page_table, ctx.seq_lens, ctx.page_size, self.fmt,
                         scale, max_seq_len=ctx.seq_len_bound)
                 impl = "triton"

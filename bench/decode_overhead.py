@@ -9,14 +9,21 @@ vocabulary), `--layers` layers (default 8: 6 GDN + 2 attention), every sequence 
 context. Cases: KV bf16 and iso3 x batch 1 and 8. Target: graph step <= 1.3x the kernel sum.
 Each case records its own failure; the rest go on.
 
+`--dry` runs every case on the CPU instead, on a small model of the same layer pattern in fp32,
+the graph runner over the static decode path without capture (no profiler sum, no ratios):
+a check that the script still drives today's model, runner and KV backends.
+
     python bench/decode_overhead.py [--layers 8]   -> bench/results/decode_overhead.json
+    python bench/decode_overhead.py --dry          -> a JSON in the temp directory
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +38,7 @@ from common import Recorder, run_meta  # noqa: E402
 from model_step import _config, _weights, model_meta  # noqa: E402
 
 from tinyserve.core import Batch, SamplingParams, ScheduledSeq  # noqa: E402
+from tinyserve.engine.graph import DecodeGraphs  # noqa: E402
 from tinyserve.engine.runner import ModelRunner  # noqa: E402
 from tinyserve.kv.registry import create_kv_backend  # noqa: E402
 from tinyserve.kv.state_pool import GDNStatePool  # noqa: E402
@@ -43,24 +51,37 @@ MAX_BATCH = 8
 TARGET = 1.3
 
 
-def _model(cfg, w: dict, kv_name: str) -> Qwen35Model:
+def _dry_config(layers: int):
+    """A small model of `_config(layers)`'s layer pattern (head_dim 128 for ISO) for --dry."""
+    return dataclasses.replace(
+        _config(layers), vocab_size=512, hidden_size=128, num_attention_heads=4,
+        num_kv_heads=2, head_dim=128, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=32, linear_value_head_dim=32, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=64, shared_expert_intermediate_size=64, eos_token_ids=())
+
+
+def _sync(dev: str) -> None:
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def _model(cfg, w: dict, kv_name: str, dev: str = "cuda") -> Qwen35Model:
     per = CONTEXT // PAGE + 2
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     kv = create_kv_backend(kv_name, layer_ids=list(cfg.full_attention_layers),
                            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                           num_pages=MAX_BATCH * per, page_size=PAGE, device="cuda",
-                           dtype=torch.bfloat16)
-    slots = torch.arange(MAX_BATCH * per * PAGE, device="cuda")
+                           num_pages=MAX_BATCH * per, page_size=PAGE, device=dev, dtype=dtype)
+    slots = torch.arange(MAX_BATCH * per * PAGE, device=dev)
     for L in cfg.full_attention_layers:  # real K/V in every slot (ISO: quantized on store)
-        k = torch.randn(slots.numel(), cfg.num_kv_heads, cfg.head_dim, device="cuda",
-                        dtype=torch.bfloat16)
+        k = torch.randn(slots.numel(), cfg.num_kv_heads, cfg.head_dim, device=dev, dtype=dtype)
         if kv_name == "bf16":
             kv.write(L, k, torch.randn_like(k), slots)
         else:
             kv.store(L, k, torch.randn_like(k), slots)
-    states = GDNStatePool.for_config(cfg, MAX_BATCH + 1, device="cuda", dtype=torch.bfloat16)
+    states = GDNStatePool.for_config(cfg, MAX_BATCH + 1, device=dev, dtype=dtype)
     states.conv.normal_(0, 0.5)
     states.recurrent.normal_(0, 0.05)
-    return Qwen35Model(cfg, w, kv=kv, states=states, device="cuda", dtype=torch.bfloat16)
+    return Qwen35Model(cfg, w, kv=kv, states=states, device=dev, dtype=dtype)
 
 
 def _batch(n: int) -> Batch:
@@ -75,7 +96,7 @@ def _step_ms(runner: ModelRunner, batch: Batch, reps: int) -> float:
         runner.forward(batch)
     times = []
     for _ in range(reps):
-        torch.cuda.synchronize()
+        _sync(runner.device.type)
         t0 = time.perf_counter()
         runner.forward(batch)  # ends with the host copy of the tokens
         times.append((time.perf_counter() - t0) * 1e3)
@@ -87,12 +108,13 @@ def _kernel_ms(runner: ModelRunner, batch: Batch, reps: int) -> tuple[float, int
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    dev = runner.device.type
     runner.forward(batch)
-    torch.cuda.synchronize()
+    _sync(dev)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             runner.forward(batch)
-        torch.cuda.synchronize()
+        _sync(dev)
     total_us, count = 0.0, 0
     for e in prof.events():
         if e.device_type == DeviceType.CUDA:
@@ -101,15 +123,21 @@ def _kernel_ms(runner: ModelRunner, batch: Batch, reps: int) -> tuple[float, int
     return total_us / 1e3 / reps, count // reps
 
 
-def _case(cfg, w: dict, kv_name: str, n: int, reps: int) -> dict:
-    model = _model(cfg, w, kv_name)
+def _case(cfg, w: dict, kv_name: str, n: int, reps: int, dev: str = "cuda") -> dict:
+    model = _model(cfg, w, kv_name, dev)
     eager = ModelRunner(model, page_size=PAGE)
     graph = ModelRunner(model, page_size=PAGE, cuda_graphs=True, graph_pad_slot=MAX_BATCH)
+    if dev != "cuda":  # --dry: the static decode path without capture
+        graph.graphs = DecodeGraphs(model, page_size=PAGE, pad_state_slot=MAX_BATCH,
+                                    capture=False)
     if graph.graphs is None:
         raise RuntimeError("the runner did not enable CUDA graphs (kernels off?)")
     batch = _batch(n)
     eager_ms = _step_ms(eager, batch, reps)
     graph_ms = _step_ms(graph, batch, reps)
+    if dev != "cuda":
+        return {"batch": n, "kv": kv_name, "device": dev, "eager_step_ms": eager_ms,
+                "static_step_ms": graph_ms}
     if graph.graphs.num_graphs < 1:
         raise RuntimeError("no decode graph was captured (see the log)")
     kern_eager, launches = _kernel_ms(eager, batch, 5)
@@ -135,14 +163,20 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--kv", nargs="+", default=["bf16", "iso3"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, MAX_BATCH])
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--dry", action="store_true",
+                    help="CPU check on a small model (fp32, no capture, no profiler sums)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
-        return 1
-    cfg = _config(args.layers)
-    rec = Recorder(args.out, run_meta(
-        "decode_overhead", bench="decode_overhead",
+    if args.dry:
+        dev, cfg, reps = "cpu", _dry_config(args.layers), 2
+        out = args.out or Path(tempfile.gettempdir()) / "decode_overhead_dry.json"
+    else:
+        if not torch.cuda.is_available():
+            print("needs a CUDA GPU (or --dry)", file=sys.stderr)
+            return 1
+        dev, cfg, reps, out = "cuda", _config(args.layers), args.reps, args.out or OUT
+    rec = Recorder(out, run_meta(
+        "decode_overhead", bench="decode_overhead", dry=args.dry,
         model=model_meta(cfg, experts="NVFP4 (random codes), resident", context=CONTEXT + 1,
                          page_size=PAGE),
         step="runner.forward of a decode batch: host inputs -> forward -> greedy sampling "
@@ -150,13 +184,28 @@ def main() -> int:
         baseline="sum of the step's GPU kernel and copy times (torch.profiler), and the "
                  "eager step (cuda_graphs=False), same model, same run",
         target=f"graph_step_ms <= {TARGET} x kernel_sum_ms"))
-    w = _weights(cfg, "cuda")
+    w = _weights(cfg, dev)
     for kv_name in args.kv:
         for n in args.batch:
-            rec.run(f"{kv_name}_b{n}", _case, cfg, w, kv_name, n, args.reps)
-            torch.cuda.empty_cache()
-    print(f"wrote {args.out}")
+            rec.run(f"{kv_name}_b{n}", _case, cfg, w, kv_name, n, reps, dev)
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+    _summary(rec.data)
+    print(f"wrote {out}")
     return 0 if not rec.data["errors"] else 2
+
+
+def _summary(data: dict) -> None:
+    for name, c in data["cases"].items():
+        if "graph_step_ms" in c:
+            print(f"{name:10s} eager {c['eager_step_ms']:7.2f} ms  graph {c['graph_step_ms']:6.2f} "
+                  f"ms  kernels {c['kernel_sum_ms']:6.2f} ms  graph/kernels "
+                  f"{c['graph_over_kernels']:.2f} (target {TARGET})")
+        else:
+            print(f"{name:10s} eager {c['eager_step_ms']:7.2f} ms  static "
+                  f"{c['static_step_ms']:7.2f} ms  ({c['device']})")
+    for name in data["errors"]:
+        print(f"{name:10s} FAILED (see the JSON)")
 
 
 if __name__ == "__main__":

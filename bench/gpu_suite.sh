@@ -1,41 +1,173 @@
 #!/usr/bin/env bash
-# One unattended GPU session: the CUDA tests, then the kernel benchmarks.
-# Usage: bash bench/gpu_suite.sh [tests|kernels|e2e|all]   (results -> bench/results, logs -> $OUT)
+# One unattended GPU session: the CUDA tests, the kernel benchmarks and the full-size
+# end-to-end checks, every log and result kept in ONE file.
+#
+#   bash bench/gpu_suite.sh [PART|STEP ...]        (default: all)
+#   DRY=1 bash bench/gpu_suite.sh all              print the steps and their limits only
+#
+# Output: $OUT/gpu_suite.tar.gz (default OUT=/tmp/tinyserve-out) holding env.txt,
+# summary.txt (one line per step: exit code, seconds), logs/<step>.log, results/*.json (every
+# bench/results JSON after the run) and cli/*.json; rewritten after every step, so a run cut
+# short still returns what finished. Each step runs under `timeout -s INT` (Python prints its
+# summary / writes its JSON on the interrupt); the whole run stops starting steps once
+# SUITE_LIMIT seconds (default 570: under a 10-minute command limit) are nearly spent.
+#
+# Parts -> steps, with the expected wall time on one H200 (first run of a fresh machine:
+# Triton and nvcc builds included; the checkpoint in page cache after its first read):
+#   tests    iso_lib          ~0.5 min  build the ISO KV CUDA library once, before the workers
+#            gpu_tests        ~3-4 min  pytest -m requires_cuda, $TEST_WORKERS (6) workers
+#                                       (445 passed in 2:53 with 8 workers on 2026-11-29)
+#   kernels  bench_iso_attention, bench_nvfp4, bench_gdn      ~1-2 min each (150 s cap)
+#   e2e      checkpoint       ~1-3 min  write the full-size random 35B-A3B checkpoint (~21 GB)
+#                                       to $TINYSERVE_FULLSIZE_DIR unless it is there
+#            fullsize_graph   ~4-5 min  tests/engine/test_fullsize_graph.py: graph vs eager
+#                                       tokens, iso3/bf16 x resident/6GiB, 4 fresh processes
+#                                       -> results/fullsize_graph.json
+#            step_profile     ~2.5 min  bench/step_profile.py CKPT --gpu-memory none 6GiB
+#            cli_bench        ~2 min    tinyserve bench CKPT --kv iso3 1024/64, without and
+#                                       with --gpu-memory 6GiB -> cli/bench_{none,6GiB}.json
+#            e2e_offload      ~1.5 min  bench/e2e_offload.py
+#            decode_overhead  ~1.5 min  bench/decode_overhead.py (8 layers, bf16/iso3 x b1/b8)
+#   all = tests kernels e2e (~25 min: split it over several commands of < 10 min, e.g.
+#   `tests`, then `checkpoint fullsize_graph`, then `step_profile cli_bench e2e_offload
+#   decode_overhead`; steps that need the checkpoint write it first when it is missing).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$PWD
 OUT=${OUT:-/tmp/tinyserve-out}
-mkdir -p "$OUT" bench/results
+DRY=${DRY:-0}
+SUITE_LIMIT=${SUITE_LIMIT:-570}
+TAR="$OUT/gpu_suite.tar.gz"
+STAGE=$(mktemp -d /tmp/tinyserve-suite.XXXXXX)
+mkdir -p "$OUT" "$STAGE/logs" "$STAGE/cli" bench/results
 export PYTHONUNBUFFERED=1 TINYSERVE_CACHE_DIR=${TINYSERVE_CACHE_DIR:-/tmp/tinyserve-cache}
-what=${1:-all}
+export TINYSERVE_FULLSIZE_DIR=${TINYSERVE_FULLSIZE_DIR:-/tmp/tinyserve-fullsize}
+CKPT=$TINYSERVE_FULLSIZE_DIR
+START=$SECONDS
+
+expand() {  # part or step names -> steps
+    local a
+    for a in "$@"; do
+        case $a in
+            all) expand tests kernels e2e ;;
+            tests) echo iso_lib gpu_tests ;;
+            kernels) for b in ${KERNEL_BENCHES:-iso_attention nvfp4 gdn}; do
+                         echo "bench_$b"; done ;;
+            e2e) echo checkpoint fullsize_graph step_profile cli_bench e2e_offload \
+                      decode_overhead ;;
+            iso_lib|gpu_tests|bench_*|checkpoint|fullsize_graph|step_profile|cli_bench|\
+e2e_offload|decode_overhead) echo "$a" ;;
+            *) echo "unknown part or step: $a" >&2; exit 2 ;;
+        esac
+    done
+}
+STEPS=$(expand "${@:-all}") || exit 2
+
+pack() {  # everything into the one tar file (results as they are now)
+    [[ $DRY == 1 ]] && return
+    mkdir -p "$STAGE/results"
+    cp -f bench/results/*.json "$STAGE/results/" 2>/dev/null
+    tar czf "$TAR.tmp" -C "$STAGE" . && mv -f "$TAR.tmp" "$TAR"
+}
+trap 'pack; rm -rf "$STAGE"' EXIT
+trap 'echo "interrupted"; exit 130' INT TERM
+
+note() { echo "$*" | tee -a "$STAGE/summary.txt"; }
+
+run_step() {  # name, limit seconds, command...: log to logs/<name>.log, one summary line
+    local name=$1 limit=$2; shift 2
+    local left=$((SUITE_LIMIT - (SECONDS - START) - 15))
+    if ((left < 30)); then note "$name SKIPPED (suite time limit)"; return 1; fi
+    ((limit > left)) && limit=$left
+    echo "== $name (limit ${limit}s): $*"
+    if [[ $DRY == 1 ]]; then return 0; fi
+    local t0=$SECONDS rc
+    timeout -s INT -k 30 "$limit" "$@" > "$STAGE/logs/$name.log" 2>&1
+    rc=$?
+    tail -n "${TAIL:-30}" "$STAGE/logs/$name.log"
+    note "$name exit $rc $((SECONDS - t0))s$( ((rc == 124)) && echo ' (timed out)')"
+    pack
+    return $rc
+}
+
+have_ckpt() { [[ -f $CKPT/config.json && -f $CKPT/model.safetensors.index.json ]]; }
+
+ensure_ckpt() {  # write into a side directory, then move it in: no half-written checkpoint
+    have_ckpt && return 0
+    rm -rf "$CKPT.partial"
+    run_step checkpoint 420 python3 -m tinyserve.testing.fullsize "$CKPT.partial" &&
+        { [[ $DRY == 1 ]] || { rm -rf "$CKPT" && mv "$CKPT.partial" "$CKPT"; }; }
+}
+
+need_ckpt() {
+    ensure_ckpt || { note "$1 SKIPPED (no full-size checkpoint)"; return 1; }
+}
 
 {
     date -u +%FT%TZ
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
     python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
     git rev-parse HEAD 2>/dev/null || true
-} > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+    git status --short 2>/dev/null | head -20
+    echo "steps: $(echo $STEPS)"
+} > "$STAGE/env.txt" 2>&1
+cat "$STAGE/env.txt"
 
-if [[ $what == tests || $what == all ]]; then
-    # Parallel workers share the one GPU; Triton and nvcc builds dominate the wall time.
-    timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -m requires_cuda -q -rfEs --tb=short \
-        -p no:cacheprovider -n "${TEST_WORKERS:-6}" ${TESTS:-tests/kernels tests/kv tests/model tests/engine tests/offload} \
-        2>&1 | tee "$OUT/gpu_tests.log" | tail -60
-fi
+for step in $STEPS; do
+    case $step in
+        iso_lib)
+            run_step iso_lib 240 python3 -c 'import torch
+from tinyserve.kernels import iso_cuda
+iso_cuda._library(*torch.cuda.get_device_capability())
+print("ISO KV library built")' ;;
+        gpu_tests)
+            # Parallel workers share the one GPU; Triton and nvcc builds dominate the wall time.
+            # The full-size test runs in its own step (its checkpoint is unset here: it skips).
+            run_step gpu_tests "${TESTS_TIMEOUT:-420}" env -u TINYSERVE_FULLSIZE_DIR \
+                python3 -m pytest -m requires_cuda -q -rfEs --tb=short -p no:cacheprovider \
+                -n "${TEST_WORKERS:-6}" \
+                ${TESTS:-tests/kernels tests/kv tests/model tests/engine tests/offload} ;;
+        bench_*)
+            b=${step#bench_}
+            [[ -f bench/$b.py ]] && run_step "$step" "${BENCH_TIMEOUT:-150}" python3 "bench/$b.py" ;;
+        checkpoint)
+            ensure_ckpt || true
+            have_ckpt && note "checkpoint at $CKPT ($(du -sh "$CKPT" 2>/dev/null | cut -f1))" ;;
+        fullsize_graph)
+            need_ckpt fullsize_graph &&
+                run_step fullsize_graph 480 env TINYSERVE_WRITE_RESULTS=1 python3 -m pytest \
+                    -m "requires_cuda and slow" -q -rfEsx --tb=short -p no:cacheprovider \
+                    tests/engine/test_fullsize_graph.py
+            [[ $DRY == 1 ]] || python3 - <<'EOF' 2>&1 | tee -a "$STAGE/summary.txt"
+import json
+from pathlib import Path
 
-run_bench() {  # name, timeout seconds, args...
-    local name=$1 limit=$2; shift 2
-    echo "== bench/$name.py $*"
-    timeout "$limit" python3 "bench/$name.py" "$@" > "$OUT/bench_$name.log" 2>&1
-    echo "exit $?"; tail -25 "$OUT/bench_$name.log"
-}
-if [[ $what == kernels || $what == all ]]; then
-    for b in ${KERNEL_BENCHES:-iso_attention nvfp4 gdn}; do
-        [[ -f bench/$b.py ]] && run_bench "$b" "${BENCH_TIMEOUT:-150}"
-    done
-fi
-if [[ $what == e2e || $what == all ]]; then
-    [[ -f bench/e2e_offload.py ]] && run_bench e2e_offload 420
-    [[ -f bench/decode_overhead.py ]] && run_bench decode_overhead 300
-fi
-cd bench/results && tar czf "$OUT/results.tgz" *.json 2>/dev/null; ls -la
+p = Path("bench/results/fullsize_graph.json")
+for name, c in (json.loads(p.read_text())["cases"] if p.exists() else {}).items():
+    diff = max((s["max_diff"] for s in c["steps"]), default=float("nan"))
+    print(f"  {name}: {c['identical']}/{len(c['steps'])} tokens identical, max logit diff "
+          f"{diff:.3g}, flips {c['flips']}, problems {c['problems']}")
+EOF
+            ;;
+        step_profile)
+            need_ckpt step_profile &&
+                run_step step_profile 300 python3 bench/step_profile.py "$CKPT" --kv iso3 \
+                    --gpu-memory none 6GiB ;;
+        cli_bench)
+            if need_ckpt cli_bench; then
+                for budget in none 6GiB; do
+                    extra=(); [[ $budget != none ]] && extra=(--gpu-memory "$budget")
+                    run_step "cli_bench_$budget" 180 bash -c \
+                        'python3 -m tinyserve.cli bench "$@" > "'"$STAGE/cli/bench_$budget.json"'"' \
+                        _ "$CKPT" --kv iso3 --prompt-len 1024 --gen-len 64 --json "${extra[@]}"
+                    [[ $DRY == 1 ]] || head -c 800 "$STAGE/cli/bench_$budget.json"; echo
+                done
+            fi ;;
+        e2e_offload)
+            need_ckpt e2e_offload &&
+                run_step e2e_offload 300 python3 bench/e2e_offload.py --ckpt "$CKPT" ;;
+        decode_overhead)
+            run_step decode_overhead 240 python3 bench/decode_overhead.py ;;
+    esac
+done
+note "done in $((SECONDS - START))s -> $TAR"

@@ -105,6 +105,19 @@ def test_topk_softmax_ties_take_the_lower_id() -> None:
     torch.testing.assert_close(w[1], torch.full((3,), 1 / 3, device=DEV))
 
 
+def test_topk_softmax_non_finite_logits_keep_ids_in_range() -> None:
+    # a NaN or +inf logit makes the row's softmax NaN: the ids must still index real experts
+    # (they address expert slots), the weights stay NaN as in the reference
+    n, e, k = 3, 12, 4
+    logits = distinct_logits(n, e, torch.float32, seed=11)
+    logits[0, 3] = float("nan")
+    logits[1, 7] = float("inf")
+    logits[2] = float("-inf")
+    ids, w = R.topk_softmax(logits, k, torch.float32)
+    assert bool(((ids >= 0) & (ids < e)).all()), ids
+    assert bool(torch.isnan(w).all())
+
+
 def test_topk_softmax_bad_inputs() -> None:
     with pytest.raises(ValueError):
         R.topk_softmax(torch.zeros(2, 4, device=DEV), 5, torch.float32)

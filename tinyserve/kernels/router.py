@@ -4,7 +4,8 @@ over the k, cast to the model dtype (one program per token row).
 Reference (pure torch, the CPU path and large batches): `model.moe.topk_softmax_ref`.
 Ties: among equal probabilities the lower expert id is taken first; the k ids come out in
 descending probability like `torch.topk(sorted=True)` (which leaves the order of exact ties
-unspecified).
+unspecified). A row with a NaN or +inf logit (NaN softmax) gets k distinct ids in [0, E)
+(lowest first) and NaN weights, so the ids can always index expert slots.
 
 This module imports triton at the top: callers import it lazily (on CUDA only).
 """
@@ -25,7 +26,11 @@ def topk_softmax_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_l, K: tl.constexpr
     x = tl.load(logits_ptr + row * stride_l + cols, mask=m, other=float("-inf")).to(tl.float32)
     e = tl.exp(x - tl.max(x, axis=0))  # masked columns: exp(-inf) = 0
     p = e / tl.sum(e, axis=0)
-    p = tl.where(m, p, -1.0)  # never chosen
+    # NOTE: a NaN or +inf logit makes the whole row NaN; NaN ranks above every probability
+    # (as in torch.topk) so the k ids stay distinct real experts, and the weights come out NaN
+    is_nan = m & (p != p)
+    row_nan = tl.max(is_nan.to(tl.int32), axis=0)
+    p = tl.where(m, tl.where(is_nan, 2.0, p), -1.0)  # masked columns: never chosen
     kk = tl.arange(0, BLOCK_K)
     top_p = tl.zeros([BLOCK_K], dtype=tl.float32)
     top_i = tl.zeros([BLOCK_K], dtype=tl.int32)
@@ -36,6 +41,7 @@ def topk_softmax_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_l, K: tl.constexpr
         top_i = tl.where(kk == j, idx, top_i)
         p = tl.where(cols == idx, -1.0, p)
     w = top_p / tl.sum(top_p, axis=0)  # entries past K are 0
+    w = tl.where(row_nan > 0, float("nan"), w)
     mk = kk < K
     tl.store(ids_ptr + row * K + kk, top_i.to(tl.int64), mask=mk)
     tl.store(w_ptr + row * K + kk, w.to(w_ptr.dtype.element_ty), mask=mk)

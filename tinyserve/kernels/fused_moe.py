@@ -191,7 +191,9 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
             `default_moe_gemv_config(H, F)`.
     Returns:
         [N, H] in x.dtype; fp32 accumulation, the silu(gate) * up intermediate in fp32 (gemv)
-        or x.dtype (dot). No host synchronisation (CUDA-graph safe).
+        or x.dtype (dot). The "h2" gemv decode (the 35B-A3B default, `MOE_GEMV_TILES`)
+        rounds x and the intermediate to fp16 after a power-of-two scale and sums each block
+        of 16 products in fp16. No host synchronisation (CUDA-graph safe).
     """
     _check(x, topk_slot_ids, topk_weights, slots)
     n, topk = topk_slot_ids.shape

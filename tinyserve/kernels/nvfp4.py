@@ -103,7 +103,9 @@ def _gemv(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int,
     cfg = cfg or default_gemv_config(n, k, sms)
     kb = k // 16
     words = w.packed.view(torch.int64)  # [N, K/16]: one block of 16 codes per word
-    is_h2 = cfg.decode == "h2" and m == 1  # NOTE: h2 serves one row of x; M > 1 takes f32
+    # NOTE: h2 serves one row of 16-bit x; M > 1 and fp32 x (h2 would round it to fp16)
+    # take f32
+    is_h2 = cfg.decode == "h2" and m == 1 and x.dtype != torch.float32
     block_m = 1 if m == 1 else (2 if m == 2 else 4)
     num_m = triton_cdiv(m, block_m)
     n_blocks = triton_cdiv(n, cfg.block_n)
@@ -191,7 +193,9 @@ def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, *, path: str | None = None,
         gemv_config: tiles of the gemv path (the bench sweeps them); None = the shape's
             `default_gemv_config`.
     Returns:
-        [M, N] (or [..., N]) in x.dtype. Accumulates in fp32.
+        [M, N] (or [..., N]) in x.dtype. Accumulates in fp32, except the "h2" gemv decode
+        (M = 1, bf16/fp16 x): x scaled by a power of two and rounded to fp16, the 16
+        products of each block summed in fp16, then in fp32 (`nvfp4_tiles`).
     Raises:
         ValueError / TypeError on shape, dtype, layout or device mismatch.
     """

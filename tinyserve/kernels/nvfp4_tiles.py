@@ -8,7 +8,9 @@ Decode variants (`decode`): "f32" builds fp32 E2M1 values from bf16 bit patterns
 fp32 (6 integer ops per 2 weights + 2 FMAs); "h2" builds fp16x2 pairs of E2M1 values and
 multiplies them against x (scaled by a power of two per program so that max|x| is in
 [2^13, 2^14)) with packed half2 FMAs, summed in fp16 over a block of 16 inputs, then in fp32
-(M = 1 only; inline PTX on a GPU, an fp32 emulation of the same packed words elsewhere).
+(M = 1 and bf16/fp16 x only in `nvfp4_linear`; the fused-MoE kernels also round fp32 x and
+their fp32 intermediate to fp16; inline PTX on a GPU, an fp32 emulation of the same packed
+words elsewhere, which rounds x to fp16 but not the products or the block sums).
 """
 
 from __future__ import annotations

@@ -270,3 +270,25 @@ def test_decode_steps_hand_out_the_page_list_without_copying_it() -> None:
         s.requests["b"].pages
     run_all(s)
     assert_idle(s)
+
+
+def test_request_preempted_by_a_decode_page_is_not_prefilled_in_the_same_step() -> None:
+    # b is admitted while a decodes, and still prefilling (one token a step) when a crosses a
+    # page boundary with no page left: a's reservation preempts b in that very schedule().
+    s = make(num_pages=6, page_size=4, max_context=16, max_seqs=2, budget=2)
+    s.add("a", [1, 2, 3, 4], SamplingParams(max_tokens=12, ignore_eos=True))
+    step(s)
+    step(s)
+    s.add("b", list(range(1, 13)), SamplingParams(max_tokens=2, ignore_eos=True))
+    for _ in range(8):
+        batch, _ = step(s)
+        assert [q.request_id for q in batch.seqs] == ["a", "b"]
+    assert s.num_preemptions == 0
+    batch, _ = step(s)  # the step that preempts b: its batch holds a alone
+    assert s.num_preemptions == 1
+    assert [q.request_id for q in batch.seqs] == ["a"]
+    for seq in batch.seqs:
+        assert seq.state_slot is not None and s.requests[seq.request_id].running
+    outputs, reasons = run_all(s)
+    assert reasons == {"a": "length", "b": "length"}
+    assert_idle(s)

@@ -222,6 +222,8 @@ class Scheduler:
         for req in prefill:
             if budget <= 0:
                 break
+            if not req.running:  # preempted by a decode's page reservation above
+                continue
             seqs.append(self._chunk(req, budget))
             budget -= seqs[-1].num_tokens
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:

@@ -208,6 +208,22 @@ def test_choose_path_and_errors():
         fp8_linear(torch.randn(2, 62, device=DEV), rand_fp8(16, 62, DEV), path="gemv")
 
 
+
+def test_dequantize_checks_rows_and_weight(poison):
+    # a row range past the weight would read past its buffer; bad scales or strides misread
+    w = rand_fp8(16, 64, DEV)
+    assert fp8_dequantize(w, torch.float32, rows=(5, 5)).shape == (0, 64)
+    for rows in ((0, 17), (-1, 4), (6, 5)):
+        with pytest.raises(ValueError):
+            fp8_dequantize(w, rows=rows)
+    with pytest.raises(ValueError):
+        fp8_dequantize(FP8Weight(w.weight, torch.ones(3, device=DEV)))
+    with pytest.raises(ValueError):
+        fp8_dequantize(FP8Weight(torch.cat([w.weight, w.weight], 1)[:, ::2], w.scale))
+    with pytest.raises(TypeError):
+        fp8_dequantize(FP8Weight(w.weight.to(torch.int16), w.scale))
+
+
 # --- Qwen3.5-35B-A3B projection shapes on a GPU ------------------------------------------
 
 SHAPES = {  # (N, K)

@@ -225,6 +225,23 @@ def test_choose_path_and_errors():
         nvfp4_linear(torch.zeros(2, 64, dtype=torch.int32, device=DEV), w)
 
 
+
+def test_dequantize_checks_rows_and_weight(poison):
+    # a row range past the weight would read past its buffers; a strided weight is misread
+    w = rand_nvfp4(16, 64, DEV)
+    assert torch.equal(nvfp4_dequantize(w, torch.float32, rows=(3, 16)),
+                       dequantize_nvfp4(w)[3:16])
+    assert nvfp4_dequantize(w, torch.float32, rows=(5, 5)).shape == (0, 64)
+    for rows in ((0, 17), (-1, 4), (6, 5)):
+        with pytest.raises(ValueError):
+            nvfp4_dequantize(w, rows=rows)
+    strided = NVFP4Weight(torch.cat([w.packed, w.packed], 1)[:, ::2], w.block_scale, 1.0)
+    with pytest.raises(ValueError):
+        nvfp4_dequantize(strided)
+    with pytest.raises(TypeError):
+        nvfp4_dequantize(NVFP4Weight(w.packed.to(torch.int16), w.block_scale, 1.0))
+
+
 # --- Qwen3.5-35B-A3B shapes on a GPU -----------------------------------------------------
 
 SHAPES = {  # (N, K)

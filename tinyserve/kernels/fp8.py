@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from tinyserve.core import FP8Weight
+from tinyserve.kernels.nvfp4 import row_range
 
 PATHS = ("gemv", "dot", "dequant")
 # H200, bench/results/fp8_linear.json (us, bit decode): at M = 4 gemv vs best other path
@@ -138,28 +139,36 @@ def choose_path(m: int, n: int = 0, k: int = 4) -> str:
     return "dot" if m < DEQUANT_MIN_M else "dequant"
 
 
+def _check_weight(w: FP8Weight) -> tuple[int, int, torch.Tensor, bool]:
+    """(N, K, fp32 scale on the device, per-row?) of a weight the kernels can read."""
+    if w.weight.dtype != torch.uint8 or w.weight.dim() != 2:
+        raise TypeError(f"FP8 weight must be uint8 [N, K], got {w.weight.dtype} "
+                        f"{list(w.weight.shape)}")
+    n, k = w.weight.shape
+    if not w.weight.is_contiguous():
+        raise ValueError("FP8 weight must be contiguous")
+    if w.scale.device != w.weight.device:
+        raise ValueError("the FP8 weight and its scale must be on one device")
+    if w.scale.numel() not in (1, n):
+        raise ValueError(f"FP8 scale must be a scalar or [{n}, 1], got {list(w.scale.shape)}")
+    scale = w.scale.reshape(-1)
+    if scale.dtype != torch.float32:
+        scale = scale.float()
+    return n, k, scale.contiguous(), scale.numel() > 1
+
+
 def _check(x: torch.Tensor, w: FP8Weight) -> tuple[int, int, int, torch.Tensor, bool]:
     """(M, N, K, fp32 scale on the device, per-row?) after checking shapes and devices."""
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K], got {list(x.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"x must be bf16/fp16/fp32, got {x.dtype}")
-    if w.weight.dtype != torch.uint8 or w.weight.dim() != 2:
-        raise TypeError(f"FP8 weight must be uint8 [N, K], got {w.weight.dtype} "
-                        f"{list(w.weight.shape)}")
-    n, k = w.weight.shape
+    n, k, scale, per_row = _check_weight(w)
     if x.shape[1] != k:
         raise ValueError(f"x {list(x.shape)} does not match FP8 weight [{n}, {k}]")
-    if not w.weight.is_contiguous():
-        raise ValueError("FP8 weight must be contiguous")
-    if w.weight.device != x.device or w.scale.device != x.device:
+    if w.weight.device != x.device:
         raise ValueError("x, the weight and its scale must be on the same device")
-    if w.scale.numel() not in (1, n):
-        raise ValueError(f"FP8 scale must be a scalar or [{n}, 1], got {list(w.scale.shape)}")
-    scale = w.scale.reshape(-1)
-    if scale.dtype != torch.float32:
-        scale = scale.float()
-    return x.shape[0], n, k, scale.contiguous(), scale.numel() > 1
+    return x.shape[0], n, k, scale, per_row
 
 
 def _gemv(x: torch.Tensor, w: FP8Weight, scale: torch.Tensor, per_row: bool, m: int, n: int,
@@ -221,14 +230,16 @@ def fp8_dequantize(w: FP8Weight, dtype: torch.dtype = torch.bfloat16, *,
         dtype: output dtype (the product is rounded once, from fp32).
         rows: a row range; None = all rows.
         native: decode with Triton's float8e4nv type (sm_89+) instead of bit arithmetic.
+    Raises:
+        ValueError / TypeError on a malformed weight or scale, or rows outside [0, N].
     """
-    n, k = w.weight.shape
-    r0, r1 = rows if rows is not None else (0, n)
-    scale = w.scale.reshape(-1).float().contiguous()
-    per_row = scale.numel() > 1
+    n, k, scale, per_row = _check_weight(w)
+    r0, r1 = row_range(rows, n)
     if per_row:
         scale = scale[r0:r1]
     out = torch.empty(r1 - r0, k, device=w.weight.device, dtype=dtype)
+    if r0 == r1:
+        return out
     block_n, block_k = 32, 128
     grid = (_cdiv(r1 - r0, block_n), _cdiv(k, block_k))
     kern = _kernels().fp8_dequant_kernel

@@ -76,24 +76,44 @@ def choose_path(m: int, n: int = 0, k: int = 0) -> str:
     return "dot" if m < dequant_min else "dequant"
 
 
+def _check_weight(w: NVFP4Weight) -> tuple[int, int]:
+    """(N, K) of a weight the kernels can read: uint8, contiguous, scales [N, K/16]."""
+    if w.packed.dtype != torch.uint8 or w.block_scale.dtype != torch.uint8:
+        raise TypeError("NVFP4 packed codes and block scales must be uint8")
+    if w.packed.dim() != 2:
+        raise ValueError(f"NVFP4 packed codes must be [N, K/2], got {list(w.packed.shape)}")
+    n, half_k = w.packed.shape
+    k = half_k * 2
+    if k % 16:
+        raise ValueError(f"NVFP4 weight K={k} is not a multiple of 16")
+    if tuple(w.block_scale.shape) != (n, k // 16):
+        raise ValueError(f"block_scale {list(w.block_scale.shape)} != [{n}, {k // 16}]")
+    if not (w.packed.is_contiguous() and w.block_scale.is_contiguous()):
+        raise ValueError("NVFP4 weight tensors must be contiguous")
+    if w.packed.device != w.block_scale.device:
+        raise ValueError("NVFP4 codes and block scales must be on one device")
+    return n, k
+
+
 def _check(x: torch.Tensor, w: NVFP4Weight) -> tuple[int, int, int]:
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K], got {list(x.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"x must be bf16/fp16/fp32, got {x.dtype}")
-    n, half_k = w.packed.shape
-    k = half_k * 2
-    if x.shape[1] != k or k % 16:
+    n, k = _check_weight(w)
+    if x.shape[1] != k:
         raise ValueError(f"x {list(x.shape)} does not match NVFP4 weight [{n}, {k}]")
-    if w.packed.dtype != torch.uint8 or w.block_scale.dtype != torch.uint8:
-        raise TypeError("NVFP4 packed codes and block scales must be uint8")
-    if tuple(w.block_scale.shape) != (n, k // 16):
-        raise ValueError(f"block_scale {list(w.block_scale.shape)} != [{n}, {k // 16}]")
-    if not (w.packed.is_contiguous() and w.block_scale.is_contiguous()):
-        raise ValueError("NVFP4 weight tensors must be contiguous")
-    if w.packed.device != x.device or w.block_scale.device != x.device:
+    if w.packed.device != x.device:
         raise ValueError("x and the weight must be on the same device")
     return x.shape[0], n, k
+
+
+def row_range(rows: tuple[int, int] | None, n: int) -> tuple[int, int]:
+    """`rows` (None = all) checked against N rows: 0 <= r0 <= r1 <= N, else ValueError."""
+    r0, r1 = rows if rows is not None else (0, n)
+    if not 0 <= r0 <= r1 <= n:
+        raise ValueError(f"rows {rows} are not a range within [0, {n}]")
+    return r0, r1
 
 
 def _gemv(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int,
@@ -157,11 +177,16 @@ def _dot(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int) -> torch.Tenso
 
 def nvfp4_dequantize(w: NVFP4Weight, dtype: torch.dtype = torch.bfloat16, *,
                      rows: tuple[int, int] | None = None) -> torch.Tensor:
-    """Dense [N, K] (or rows [r0, r1)) of an NVFP4 weight in `dtype`, on the weight's device."""
+    """Dense [N, K] (or rows [r0, r1)) of an NVFP4 weight in `dtype`, on the weight's device.
+
+    Raises ValueError / TypeError on a malformed weight or a row range outside [0, N].
+    """
     kern = _dot_kernels()
-    n, k = w.shape
-    r0, r1 = rows if rows is not None else (0, n)
+    n, k = _check_weight(w)
+    r0, r1 = row_range(rows, n)
     out = torch.empty(r1 - r0, k, device=w.packed.device, dtype=dtype)
+    if r0 == r1:
+        return out
     block_n, block_k = 32, 128
     grid = (triton_cdiv(r1 - r0, block_n), triton_cdiv(k, block_k))
     kern.nvfp4_dequant_kernel[grid](w.packed[r0:r1], w.block_scale[r0:r1], out,

@@ -119,3 +119,23 @@ def test_offloaded_decode_step_adds_no_per_layer_sync() -> None:
     assert experts.cache.mode == "device"
     offloaded = _decode_syncs(cfg, w, experts)
     assert offloaded <= resident + 2 < resident + cfg.num_layers, (offloaded, resident)
+
+
+def test_victim_staging_buffer_waits_for_its_last_upload() -> None:
+    # The constructor uploads the victim lists from a pinned staging buffer without waiting;
+    # preload_all (no synchronisation in between) rewrites that buffer, and must first wait
+    # for the upload, which here queues behind ~0.1 s of GPU sleep.
+    L, E, H, F = 2, 8, 256, 128
+    cfg = SimpleNamespace(num_layers=L, num_experts=E, hidden_size=H, moe_intermediate_size=F)
+    store = HostExpertStore.from_weights(_experts(L, E, H, F), cfg)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    slept = torch.cuda.Event()
+    slept.record()
+    experts = OffloadedExperts.create(store, L * E, device="cuda")
+    experts.cache.preload_all()
+    assert slept.query(), "the staging buffer was rewritten while its upload was pending"
+    torch.cuda.synchronize()
+    order = experts.cache.policy.victim_array(experts.cache._victim_n)
+    want = torch.from_numpy(order[experts.cache._victim_perm]).to(torch.int32)
+    assert torch.equal(experts.cache.victims.cpu(), want)

@@ -77,10 +77,12 @@ class DeviceExpertCache:
         self.owner = torch.full((num_slots + 1,), -1, **i32)
         self.victim_len = min(E, max_ids, num_slots)
         self.victims = torch.zeros(L, self.victim_len, **i32)
-        # NOTE: uploaded without a host wait; begin_step's log copy (a synchronisation) comes
-        # before the next write of this staging buffer.
+        # NOTE: uploaded without a host wait; the next write of this staging buffer first
+        # waits for that copy (`_victims_copied`: free after begin_step's log copy, which
+        # synchronises, but not between __init__ and preload_all).
         self._victims_host = torch.zeros(L, self.victim_len, dtype=torch.int32,
                                          pin_memory=cuda)
+        self._victims_copied = torch.cuda.Event() if cuda else None
         self._scratch = (torch.empty(num_slots + 1, **i32),
                          torch.empty(self.victim_len + 1, **i32))
         # The step's log, read by begin_step in one copy: per layer the load list (rows, slots;
@@ -157,8 +159,12 @@ class DeviceExpertCache:
         if self.mode != "device":
             return
         order = self.policy.victim_array(self._victim_n)
+        if self._victims_copied is not None:
+            self._victims_copied.synchronize()  # the last copy out of the staging buffer
         self._victims_host.numpy()[:] = order[self._victim_perm]
         self.victims.copy_(self._victims_host, non_blocking=True)
+        if self._victims_copied is not None:
+            self._victims_copied.record()
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:

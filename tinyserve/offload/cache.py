@@ -287,8 +287,6 @@ def synthetic_trace(num_layers: int, num_experts: int, top_k: int, steps: int, *
     Each layer has its own Zipf(`zipf`) popularity over a random order of its experts; every
     `drift_every` steps a random `drift_frac` of the ranks are reshuffled (a topic change).
     """
-    import numpy as np
-
     rng = np.random.default_rng(seed)
     ranks = np.arange(1, num_experts + 1, dtype=np.float64)
     weights = ranks ** -zipf

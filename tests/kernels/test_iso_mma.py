@@ -126,6 +126,30 @@ def test_mma_config_table() -> None:
     assert not iso_mma.mma_supported("iso3", 32, 2, 256)
 
 
+def test_decode_launchers_check_devices_and_out(monkeypatch) -> None:
+    # q, page_table, seq_lens and out must be on the caches' device and out of a float dtype:
+    # the kernels take raw pointers. The caches' CUDA check is lifted to run on the CPU.
+    from tinyserve.kernels import iso_cuda
+
+    monkeypatch.setattr(iso_cuda, "_check_cache", lambda *a: None)
+    b, hq, hkv, d, ps = 2, 4, 2, 128, 4
+    rb = iso.packed_row_bytes(d, "iso3")
+    kc = torch.zeros(8, hkv, rb, dtype=torch.uint8)
+    q = torch.randn(b, hq, d)
+    table = torch.zeros(b, 2, dtype=torch.int32)
+    seq = torch.full((b,), 5, dtype=torch.int32)
+    meta = {"device": "meta"}
+    bad = [dict(q=q.to(**meta)), dict(table=table.to(**meta)), dict(seq=seq.to(**meta)),
+           dict(out=torch.empty(b, hq, d, **meta)),
+           dict(out=torch.empty(b, hq, d, dtype=torch.int32))]
+    for launch in (iso_cuda.iso_decode_attention, iso_mma.iso_decode_attention_mma):
+        for case in bad:
+            args = {"q": q, "table": table, "seq": seq, "out": None, **case}
+            with pytest.raises(ValueError):
+                launch(args["q"], kc, kc, args["table"], args["seq"], ps, "iso3", 1.0,
+                       max_seq_len=8, out=args["out"])
+
+
 @pytest.mark.slow
 def test_mma_kernel_builds_for_sm90(tmp_path) -> None:
     """nvcc (no GPU needed) builds the kernel for sm_90 without register spills and within

@@ -219,7 +219,20 @@ def _check_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError("page_table and seq_lens must be int32")
     if page_table.shape[0] != b or seq_lens.shape != (b,) or page_table.stride(1) != 1:
         raise ValueError(f"page_table [{b}, P] (rows contiguous) and seq_lens [{b}] expected")
+    if any(t.device != k_cache.device for t in (q, v_cache, page_table, seq_lens)):
+        raise ValueError(f"q, the caches, page_table and seq_lens must be on {k_cache.device}")
     return b, hq, d, hkv
+
+
+def _check_out(out: torch.Tensor | None, q: torch.Tensor, b: int, hq: int, d: int) -> None:
+    # the decode kernels write through out's pointer: float [B, Hq, D] on q's device
+    if out is None:
+        return
+    if out.dtype not in _FLOATS or out.device != q.device:
+        raise ValueError(f"out must be a float tensor on {q.device}, got {out.dtype} on "
+                         f"{out.device}")
+    if out.shape != (b, hq, d) or out.stride(2) != 1 or out.stride(1) != d:
+        raise ValueError(f"out must be [{b}, {hq}, {d}] with contiguous rows")
 
 
 def iso_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -241,6 +254,7 @@ def iso_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """
     bits = _bits(fmt)
     b, hq, d, hkv = _check_decode(q, k_cache, v_cache, page_table, seq_lens, fmt)
+    _check_out(out, q, b, hq, d)
     group = hq // hkv
     if group not in (1, 2, 4, 8, 16) or group * (d // BLOCK) > 16:
         raise ValueError(f"unsupported GQA group {hq}/{hkv} for head_dim {d}")
@@ -256,8 +270,6 @@ def iso_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    if out.shape != (b, hq, d) or out.stride(2) != 1 or out.stride(1) != d:
-        raise ValueError(f"out must be [{b}, {hq}, {d}] with contiguous rows")
     part_acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(b, hq, splits, 2, dtype=torch.float32, device=q.device)
     qf = q.float().contiguous()

@@ -13,7 +13,13 @@ import math
 
 import torch
 
-from tinyserve.kernels.iso_cuda import _DTYPE_CODE, _call, _check_decode, plan_splits
+from tinyserve.kernels.iso_cuda import (
+    _DTYPE_CODE,
+    _call,
+    _check_decode,
+    _check_out,
+    plan_splits,
+)
 
 # Settings of the tensor-core decode kernel (csrc/iso_decode_mma.cu) by batch size: the row
 # with the smallest `max_batch` >= batch is used (the last row otherwise). `warps` per CTA
@@ -50,6 +56,7 @@ def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     `mma_config(B)`; `split_tokens`, `warps`, `ctas_per_sm` override them (tuning). Raises
     ValueError on shapes it does not take."""
     b, hq, d, hkv = _check_decode(q, k_cache, v_cache, page_table, seq_lens, fmt)
+    _check_out(out, q, b, hq, d)
     if not mma_supported(fmt, hq, hkv, d):
         raise ValueError(f"the MMA decode kernel takes iso3, GQA group <= 8, head_dim 128/256; "
                          f"got {fmt}, {hq}/{hkv} heads, head_dim {d}")
@@ -70,8 +77,6 @@ def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    if out.shape != (b, hq, d) or out.stride(2) != 1 or out.stride(1) != d:
-        raise ValueError(f"out must be [{b}, {hq}, {d}] with contiguous rows")
     part_acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(b, hq, splits, 2, dtype=torch.float32, device=q.device)
     qf = q.float().contiguous()

@@ -68,3 +68,15 @@ def test_host_table_gathers_from_host_ids(runner, monkeypatch: pytest.MonkeyPatc
     fallback = dataclasses.replace(poisoned, input_ids_cpu=None)
     assert not torch.equal(_forward(model, fallback), want)
     assert seen[-1] == (poisoned.input_ids.tolist(), True)
+
+
+def test_embed_on_host_compares_device_kinds_not_names(runner) -> None:
+    # "cpu:0" is host RAM as much as "cpu"; only a host table under a device model gathers
+    # on the host (on CUDA, "cuda:0" vs "cuda" would gather a device table into host memory).
+    cfg, w = checkpoint("bf16", "tiny")
+    assert not cfg.tie_word_embeddings
+    m = runner.model
+    for embed_device in (None, "cpu", "cpu:0"):
+        model = Qwen35Model(cfg, w, kv=m.kv, states=m.states, device="cpu",
+                            dtype=torch.float32, embed_device=embed_device)
+        assert not model.embed_on_host, embed_device

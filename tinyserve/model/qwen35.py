@@ -84,7 +84,7 @@ class Qwen35Model:
     @property
     def embed_on_host(self) -> bool:
         """Whether the embedding table lives in host RAM while the model runs on a device."""
-        return self.embed_device != self.device
+        return self.embed_device.type == "cpu" and self.device.type != "cpu"
 
     def embed_host(self, input_ids: torch.Tensor, out: torch.Tensor | None = None
                    ) -> torch.Tensor:

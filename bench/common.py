@@ -74,3 +74,13 @@ class Recorder:
         finally:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(json.dumps(self.data, indent=1, default=str) + "\n")
+
+
+def rand_nvfp4(n: int, k: int, dev: str):
+    """A random [n, k] NVFP4Weight: every code, block scales around 1 (E4M3 0x30..0x47),
+    global scale 0.5 / sqrt(k) (outputs of order 1 for unit activations)."""
+    from tinyserve.core import NVFP4Weight
+
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev)
+    scale = torch.randint(0x30, 0x48, (n, k // 16), dtype=torch.uint8, device=dev)
+    return NVFP4Weight(packed, scale, 0.5 / k**0.5)

@@ -36,8 +36,7 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from bench.common import Recorder, run_meta  # noqa: E402
-from tinyserve.core import NVFP4Weight  # noqa: E402
+from bench.common import Recorder, rand_nvfp4, run_meta  # noqa: E402
 from tinyserve.kernels.fused_moe import (  # noqa: E402
     MoEGemvConfig,
     allocate_expert_slots,
@@ -127,12 +126,6 @@ def bandwidth(dev: str) -> dict:
     out = {"copy_GBps": 2 * n / copy / 1e3, "gemv_read_GBps": n / read / 1e3}
     out["GBps"] = max(out["copy_GBps"], out["gemv_read_GBps"])
     return out
-
-
-def rand_nvfp4(n: int, k: int, dev: str) -> NVFP4Weight:
-    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev)
-    scale = torch.randint(0x30, 0x48, (n, k // 16), dtype=torch.uint8, device=dev)
-    return NVFP4Weight(packed, scale, 0.5 / k**0.5)
 
 
 def nvfp4_bytes(n: int, k: int) -> int:

@@ -31,9 +31,9 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Recorder, run_meta  # noqa: E402
+from common import Recorder, rand_nvfp4, run_meta  # noqa: E402
 
-from tinyserve.core import DenseWeight, NVFP4Weight  # noqa: E402
+from tinyserve.core import DenseWeight  # noqa: E402
 from tinyserve.model import moe  # noqa: E402
 from tinyserve.model import norm as model_norm  # noqa: E402
 from tinyserve.model.attention import sigmoid_mul_ref  # noqa: E402
@@ -99,12 +99,6 @@ def compare(ref_fn, fused_fn, calls: int, replays: int) -> dict:
     fused_us = time_us(fused_fn, calls, replays)
     return {"torch_us": round(ref_us, 2), "fused_us": round(fused_us, 2),
             "speedup": round(ref_us / fused_us, 2), "max_rel_diff": diff}
-
-
-def rand_nvfp4(n: int, k: int, dev: str) -> NVFP4Weight:
-    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev)
-    scale = torch.randint(0x30, 0x48, (n, k // 16), dtype=torch.uint8, device=dev)
-    return NVFP4Weight(packed, scale, 0.5 / k**0.5)
 
 
 def cases(n: int, dev: str, dt: torch.dtype):

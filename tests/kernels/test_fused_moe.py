@@ -155,6 +155,9 @@ def test_errors():
                   torch.ones(1, 2, device=DEV), slots)
     with pytest.raises(TypeError):
         fused_moe(x, torch.zeros(1, 2, device=DEV), torch.ones(1, 2, device=DEV), slots)
+    with pytest.raises(TypeError):  # integer activations
+        fused_moe(x.to(torch.int32), torch.zeros(1, 2, dtype=torch.int64, device=DEV),
+                  torch.ones(1, 2, device=DEV), slots)
     with pytest.raises(TypeError):
         write_slot(slots, 0, *make_experts(1, 32, 16, False)[0])
     with pytest.raises(IndexError):

@@ -156,6 +156,13 @@ def test_empty_and_bad_inputs() -> None:
     with pytest.raises(ValueError):
         K.add_rms_norm(torch.zeros(2, 16, device=DEV), torch.zeros(3, 16, device=DEV),
                        torch.zeros(16, device=DEV), 1e-6)
+    # cos / sin are read through raw pointers: on another device they must be refused
+    x, w = torch.zeros(2, 3, 16, device=DEV), torch.zeros(16, device=DEV)
+    cs = torch.zeros(2, 8, device=DEV)
+    with pytest.raises(ValueError):
+        K.rms_norm_rope(x, w, 1e-6, cs.to("meta"), cs)
+    with pytest.raises(ValueError):
+        K.rms_norm_rope(x, w, 1e-6, cs, cs.to("meta"))
 
 
 # (N, H, D, R): q heads of q|gate rows and k heads; odd N, R < D and R = D

@@ -159,6 +159,10 @@ def test_glue_bad_inputs() -> None:
         S.silu_mul(a, torch.zeros(3, 8, device=DEV))
     with pytest.raises(ValueError):
         S.gated_add(a, torch.zeros(2, 2, device=DEV), a)
+    with pytest.raises(ValueError):  # the output takes routed's dtype: shared must match it
+        S.gated_add(a, torch.zeros(2, 1, device=DEV), a.to(torch.bfloat16))
+    with pytest.raises(ValueError):
+        S.gated_add(a, torch.zeros(2, 1, device=DEV, dtype=torch.int32), a)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

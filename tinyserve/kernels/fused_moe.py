@@ -162,6 +162,8 @@ def _check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
            slots: ExpertSlots) -> None:
     if x.dim() != 2 or x.shape[1] != slots.hidden_size:
         raise ValueError(f"x must be [N, {slots.hidden_size}], got {list(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"x must be bf16/fp16/fp32, got {x.dtype}")
     if ids.dim() != 2 or ids.shape[0] != x.shape[0] or tuple(weights.shape) != tuple(ids.shape):
         raise ValueError(f"topk ids {list(ids.shape)} / weights {list(weights.shape)} must be "
                          f"[N={x.shape[0]}, k]")

@@ -94,9 +94,11 @@ def gated_add(routed: torch.Tensor, gate_logit: torch.Tensor,
     """routed, shared [N, H] in the model dtype; gate_logit [N, 1] (any row stride, e.g. the
     last column of a wider projection) -> routed + sigmoid(gate_logit) * shared, [N, H]."""
     _check_rows(routed, gate_logit, shared)
-    if routed.shape != shared.shape or gate_logit.shape[1] != 1:
-        raise ValueError(f"routed {list(routed.shape)}, shared {list(shared.shape)}, "
-                         f"gate_logit {list(gate_logit.shape)}")
+    if (routed.shape != shared.shape or gate_logit.shape[1] != 1
+            or shared.dtype != routed.dtype or not gate_logit.is_floating_point()):
+        raise ValueError(f"routed {list(routed.shape)} {routed.dtype}, shared "
+                         f"{list(shared.shape)} {shared.dtype} (one dtype), gate_logit "
+                         f"{list(gate_logit.shape)} {gate_logit.dtype} (float [N, 1])")
     n, h = routed.shape
     y = torch.empty(n, h, dtype=routed.dtype, device=routed.device)
     if n and h:

@@ -190,6 +190,8 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
                          f"{list(x.shape)}")
     if cos.dtype != x.dtype or sin.dtype != x.dtype:
         raise TypeError(f"cos/sin must be in {x.dtype}")
+    if cos.device != x.device or sin.device != x.device:
+        raise ValueError(f"cos/sin must be on {x.device}")
     y = torch.empty(n, h, d, dtype=x.dtype, device=x.device)
     if y.numel():
         block, warps = _launch_cfg(d)

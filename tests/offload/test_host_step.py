@@ -125,3 +125,32 @@ def test_device_mode_begin_step_matches_the_heap_replay(kind: str, tokens: int) 
     stats = cache.stats.as_dict()
     cache.begin_step()
     assert cache.stats.as_dict() == stats
+
+
+def test_lookups_of_two_replays_in_one_log_keep_the_mirror_consistent() -> None:
+    """Two passes of lookups without `begin_step` in between (as two graph replays would
+    make): the second overwrites the first's log, so the mirror misses those loads. The
+    device stays exact, and the mirror must stay a one-to-one map, never raise, and agree
+    with the device again for every expert a step loads."""
+    L, E, k, S = 3, 8, 2, 12
+    store = HostExpertStore(L, E, 64, 32, fp4=True, pin=False)
+    cache = DeviceExpertCache(store, S, device="cpu", mode="device", use_triton=False,
+                              max_ids=k)
+    g = torch.Generator().manual_seed(0)
+    for step in range(60):
+        loaded = []
+        for _ in range(1 + step % 2):
+            for layer in range(L):
+                ids = torch.rand(1, E, generator=g).topk(k).indices
+                before = cache.table.clone()
+                slot_ids = cache.lookup(layer, ids)
+                rows = layer * E + ids
+                assert torch.equal(cache.owner[slot_ids.long()], rows.int())  # device exact
+                loaded += [(layer, int(e)) for e in ids.view(-1)
+                           if before[layer * E + e] < 0]
+        cache.begin_step()
+        p = cache.policy
+        assert all(p.owner[s] == key for key, s in p.where.items())
+        if step % 2 == 0:  # one pass: the log holds every load
+            device = cache.resident()
+            assert all(p.where[key] == device[key] for key in loaded)

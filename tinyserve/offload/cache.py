@@ -166,13 +166,27 @@ class ExpertCachePolicy:
         return [self.where[(layer, int(e))] for e in experts], loads
 
     def _assign(self, slot: int, key: Key) -> None:
-        old = self.owner[slot]
-        if old is not None:
-            del self.where[old]
-        self.owner[slot] = key
-        self.where[key] = slot
+        self._take(slot, key)
         self._pinned.add(slot)
         self._push(slot)
+
+    def _take(self, slot: int, key: Key) -> None:
+        """`key` now lives in `slot` (its score is the caller's to set).
+
+        NOTE: a device-driven mirror can miss loads (lookups whose log was overwritten before
+        `begin_step` read it). The device is the truth then: a slot whose owner the mirror
+        had elsewhere is simply overwritten, and a slot the mirror had for `key` is freed.
+        """
+        where, owner = self.where, self.owner
+        old = owner[slot]
+        if old is not None and where.get(old) == slot:
+            del where[old]
+        prev = where.get(key)
+        if prev is not None and prev != slot:
+            owner[prev] = None
+            self._score[prev] = -math.inf
+        owner[slot] = key
+        where[key] = slot
 
     def release(self) -> None:
         """Unpin every slot without ending the step (the pinned layer's work is ordered
@@ -194,11 +208,11 @@ class ExpertCachePolicy:
                 loaded: Sequence[bool]) -> None:
         """Replay one device lookup: `experts[i]` of `layer` ended in `slots[i]`, loaded or hit.
 
-        The same bookkeeping as `_assign` + `_touch` per distinct expert, written out once
-        (this runs for every layer of every offloaded decode step)."""
+        The same bookkeeping as `_assign` + `_touch` per distinct expert, the touch written out
+        once."""
         hits = misses = 0
         seen: set[int] = set()
-        where, owner, last, uses = self.where, self.owner, self._last, self._uses
+        where, last, uses = self.where, self._last, self._uses
         touched, pinned, score = self._touched, self._pinned, self._score
         step, w, log2 = self.step, self.freq_weight, math.log2
         for e, s, was_loaded in zip(experts, slots, loaded, strict=True):
@@ -208,11 +222,7 @@ class ExpertCachePolicy:
             seen.add(e)
             key = (layer, e)
             if was_loaded:
-                old = owner[s]
-                if old is not None:
-                    del where[old]
-                owner[s] = key
-                where[key] = s
+                self._take(s, key)
                 misses += 1
             else:
                 hits += 1
@@ -238,15 +248,11 @@ class ExpertCachePolicy:
         layer by layer: a key's slot only changes by a load, and a layer never loads into a
         slot it hits, so the touches can follow all the loads.
         """
-        where, owner, last, uses = self.where, self.owner, self._last, self._uses
+        where, last, uses = self.where, self._last, self._uses
         touched, score = self._touched, self._score
         step, w, log2 = self.step, self.freq_weight, math.log2
         for key, s in loads:
-            old = owner[s]
-            if old is not None:
-                del where[old]
-            owner[s] = key
-            where[key] = s
+            self._take(s, key)
         at: list[int] = []
         new: list[float] = []
         for part in (hits, loads):

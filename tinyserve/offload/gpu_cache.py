@@ -111,8 +111,9 @@ class DeviceExpertCache:
     def begin_step(self) -> None:
         """Fold the last step's lookups into the policy and hand out fresh victim lists.
 
-        Called by the provider when layer 0 comes round again; a runner replaying a CUDA
-        graph calls it between replays (skipping it only makes victims staler). Host cost:
+        Called by the provider when a call's layer is at or below the previous call's, and
+        before each CUDA-graph replay. Skipping it only makes victims staler (lookups logged
+        over by later ones are lost to the mirror, which the device overrules). Host cost:
         one device-to-host copy of the log, then numpy and a few dict operations per routed
         expert (bench/offload_host.py).
         """

@@ -151,6 +151,17 @@ def test_gemv_h2_every_code_and_zero_x(poison):
     assert torch.equal(zero, torch.zeros_like(zero))
 
 
+def test_tile_configs_reject_unknown_decode_and_odd_tiles():
+    from tinyserve.kernels.nvfp4_tiles import MoEGemvConfig
+
+    for bad in (dict(decode="H2"), dict(block_n=12), dict(vec=3)):
+        with pytest.raises(ValueError):
+            GemvConfig(**bad)
+    for bad in (dict(decode="fp16"), dict(down_block_b=48), dict(down_expert_split=0)):
+        with pytest.raises(ValueError):
+            MoEGemvConfig(**bad)
+
+
 def test_gemv_tiles_table(monkeypatch):
     from tinyserve.kernels import nvfp4_tiles
 

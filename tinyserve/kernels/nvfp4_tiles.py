@@ -38,6 +38,9 @@ class GemvConfig:
     num_stages: int = 3  # Triton's default
     decode: str = "f32"
 
+    def __post_init__(self) -> None:
+        _check_tiles(self.decode, self.block_n, self.block_b, self.vec)
+
 
 @dataclass(frozen=True)
 class MoEGemvConfig:
@@ -60,6 +63,18 @@ class MoEGemvConfig:
     down_num_warps: int = 2
     decode: str = "f32"
     down_expert_split: int = 1
+
+    def __post_init__(self) -> None:
+        _check_tiles(self.decode, self.gate_up_block_n, self.gate_up_block_b,
+                     self.down_block_n, self.down_block_b, self.down_expert_split)
+
+
+def _check_tiles(decode: str, *sizes: int) -> None:
+    # NOTE: an unknown decode name would silently run "f32"; Triton needs power-of-two tiles
+    if decode not in DECODES:
+        raise ValueError(f"unknown NVFP4 decode {decode!r}; choose from {DECODES}")
+    if any(v < 1 or v & (v - 1) for v in sizes):
+        raise ValueError(f"NVFP4 tile sizes must be powers of two, got {sizes}")
 
 
 # (N, K) -> tiles for M = 1. Filled from the H200 sweeps (bench/NOTES_nvfp4.md).

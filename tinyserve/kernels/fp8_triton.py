@@ -6,7 +6,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-X_PRESCALE_C = tl.constexpr(float(2**64))  # gemv: x * 2^64 keeps x * e4m3 * 2^-120 normal
+# gemv (bit decode): x * 2^64 keeps x * e4m3 * 2^-120 normal. NOTE: exact products for
+# 2^-61 <= |x| < 2^64; smaller |x| lose bits, |x| >= 2^64 overflow to inf (native: any x)
+X_PRESCALE_C = tl.constexpr(float(2**64))
 GEMV_UNIT_C = tl.constexpr(float(2**56))  # 2^(120 - 64)
 HALF_UNIT_C = tl.constexpr(float(2**8))  # dot / dequant: fp16 bits are e4m3 * 2^-8
 

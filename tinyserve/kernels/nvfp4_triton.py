@@ -20,7 +20,10 @@ import triton.language as tl
 
 FP4_UNIT = float(2**22)
 FP4_UNIT_C = tl.constexpr(FP4_UNIT)
-X_PRESCALE_C = tl.constexpr(float(2**64))  # gemv: x * 2^64 keeps x * E2M1 * 2^-126 normal
+# gemv: x * 2^64 keeps x * E2M1 * 2^-126 normal. NOTE: exact products for 2^-63 <= |x| < 2^64;
+# smaller |x| lose bits (fp32 subnormals), |x| >= 2^64 overflow to inf (no max pass: the
+# "h2" decode has one and takes any finite x)
+X_PRESCALE_C = tl.constexpr(float(2**64))
 GEMV_RESCALE_C = tl.constexpr(float(2**48))  # 2^(126 + 8 - 64 - 22)
 
 

@@ -72,8 +72,14 @@ class Recorder:
             print(f"[{name}] FAILED: {exc!r}\n{self.data['errors'][name]}", flush=True)
             return None
         finally:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps(self.data, indent=1, default=str) + "\n")
+            self.save()
+
+    def save(self) -> None:
+        """Write the JSON now (after adding summary fields to `data`)."""
+        import json
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.data, indent=1, default=str) + "\n")
 
 
 def rand_nvfp4(n: int, k: int, dev: str):

@@ -186,7 +186,7 @@ def main() -> int:
         run(rec, f"gemv_sweep_{name}", bench_gemv_sweep, name, bw)
     rec.data["complete"] = True
     rec.data["seconds"] = round(time.perf_counter() - START, 1)
-    out_path.write_text(__import__("json").dumps(rec.data, indent=1, default=str) + "\n")
+    rec.save()
     summary(rec)
     print(f"wrote {out_path} in {rec.data['seconds']} s")
     return 0

@@ -21,7 +21,6 @@ and the rest still run). Usage: python bench/iso_attention.py [--quick] [--no-ex
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -319,7 +318,7 @@ def main() -> int:
         tps = [r["tokens_per_s"] for n, r in cases.items() if n.startswith("extend/")]
         if tps:
             rec.data["extend_flatness_min_over_max"] = min(tps) / max(tps)
-    RESULTS.write_text(json.dumps(rec.data, indent=1, default=str) + "\n")
+    rec.save()
     _summary(cases)
     print(f"decode_choice: {rec.data['decode_choice']}")
     print(f"mma_best: {rec.data['mma_best']}")

@@ -311,7 +311,7 @@ def main() -> int:
     for name in names[1:]:
         rec.run(f"gemv_M1_{name}", bench_gemv, *shapes[name], bw, dev, args.smoke)
     rec.data["seconds"] = round(time.perf_counter() - T0, 1)
-    rec.path.write_text(__import__("json").dumps(rec.data, indent=1, default=str) + "\n")
+    rec.save()
     summary(rec)
     print(f"wrote {out} in {rec.data['seconds']} s")
     return 0

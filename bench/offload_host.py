@@ -16,7 +16,6 @@ Routing: uniform random (8 distinct of 256 per layer) and the skewed Zipf(1.0) t
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -95,7 +94,7 @@ def main() -> int:
     rec.run("random", run, random_trace(n), store, args.warmup)
     rec.run("zipf", run, synthetic_trace(L, E, K, n, zipf=1.0, seed=0), store, args.warmup)
     rec.data["calibration_ms_after"] = calibration_ms()
-    rec.path.write_text(json.dumps(rec.data, indent=1, default=str) + "\n")
+    rec.save()
     print(f"calibration loop {rec.data['calibration_ms']} ms before, "
           f"{rec.data['calibration_ms_after']} ms after")
     for name, case in rec.data["cases"].items():

@@ -10,7 +10,8 @@ against the block `SparseMoE.forward` builds (concatenated gate_up and router|ga
 The summary scales each op by its count per decoded token (40 layers: 30 GDN, 10 attention).
 
     python bench/small_ops.py            -> bench/results/small_ops.json
-    python bench/small_ops.py --dry      (CPU, Triton interpreter, tiny reps: plumbing only)
+    python bench/small_ops.py --dry      (CPU, Triton interpreter, tiny reps: plumbing only;
+                                          JSON in the temp directory)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -175,7 +177,7 @@ def main() -> None:
     if args.dry:  # run the glue kernels in the interpreter (the NVFP4 linear stays torch)
         moe.kernels_enabled = lambda device: True
     calls, replays = (2, 1) if args.dry else (args.calls, args.replays)
-    out = OUT.with_name("small_ops_dry.json") if args.dry else OUT
+    out = Path(tempfile.gettempdir()) / "small_ops_dry.json" if args.dry else OUT
     rec = Recorder(out, run_meta("small_ops", calls=calls, replays=replays, dtype=str(dt),
                                  per_token=PER_TOKEN))
     torch.manual_seed(0)
@@ -193,7 +195,7 @@ def main() -> None:
                 saved += count * (c["torch_us"] - c["fused_us"])
         summary[f"N{n}_saved_ms_per_step"] = round(saved / 1e3, 3)
     rec.data["summary"] = summary
-    rec.path.write_text(__import__("json").dumps(rec.data, indent=1, default=str) + "\n")
+    rec.save()
     print(f"{'case':22s} {'torch us':>9s} {'fused us':>9s} {'speedup':>8s} {'max rel':>9s}")
     for name, c in rec.data["cases"].items():
         print(f"{name:22s} {c['torch_us']:9.2f} {c['fused_us']:9.2f} {c['speedup']:8.2f} "

@@ -7,7 +7,8 @@ sequence: gate_up -> silu(gate) * up -> down scaled by the routing weight -> sum
 experts of each token. Decode (few pairs): gate_up with one program per pair and row block,
 int64 code loads (the GEMV core of `kernels/nvfp4.py`; tiles per (H, F) from
 `nvfp4_tiles.MOE_GEMV_TILES`), pairs ordered by slot so shared experts
-come from L2; down with one program per token and row block summing its k experts.
+come from L2; down with one program per token and row block summing its k experts (or
+`down_expert_split` groups of them in separate programs, fp32 partial sums added after).
 Prefill: pairs grouped per slot into BLOCK_M tiles (`align_pairs`, no host sync) and
 tensor-core dots with the weight tile dequantized in the K loop.
 

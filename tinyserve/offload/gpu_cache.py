@@ -165,7 +165,7 @@ class DeviceExpertCache:
         self._victims_host.numpy()[:] = order[self._victim_perm]
         self.victims.copy_(self._victims_host, non_blocking=True)
         if self._victims_copied is not None:
-            self._victims_copied.record()
+            self._victims_copied.record(torch.cuda.current_stream(self.device))
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:

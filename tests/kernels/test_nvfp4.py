@@ -130,6 +130,22 @@ def test_gemv_h2(poison, nk, split):
         assert rel_err(y, x.float() @ wd.T) < bound, (m, scale, rel_err(y, x.float() @ wd.T))
 
 
+def test_gemv_h2_non_finite_x(poison):
+    # an inf in x picks the smallest scale: the other inputs flush to 0 in fp16, and the outputs
+    # are non-finite exactly where the reference's are; a NaN input gives NaN outputs
+    w, wd = _weight(48, 256)
+    cfg = GemvConfig(16, 16, 4, 0, decode="h2")
+    x = torch.randn(1, 256, device=DEV).to(torch.float16)
+    x[0, 17] = float("inf")
+    y = nvfp4_linear(x, w, path="gemv", gemv_config=cfg).float()
+    ref = x.float() @ wd.T
+    assert torch.equal(torch.isinf(y), torch.isinf(ref))
+    assert torch.equal(torch.isnan(y), torch.isnan(ref))
+    assert torch.equal(torch.sign(y[torch.isinf(y)]), torch.sign(ref[torch.isinf(ref)]))
+    x[0, 17] = float("nan")
+    assert torch.isnan(nvfp4_linear(x, w, path="gemv", gemv_config=cfg)).all()
+
+
 def test_gemv_h2_config_keeps_fp32_x_exact(poison):
     # an fp32 x must not be rounded to fp16 because a tile table entry says "h2": it takes
     # the f32 decode (fp32 products and sums)

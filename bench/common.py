@@ -49,27 +49,40 @@ def run_meta(name: str, **extra: object) -> dict:
     return {**meta, **extra}
 
 
+def sync() -> None:
+    """torch.cuda.synchronize() when there is a GPU (CPU dry runs: nothing)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 class Recorder:
     """Collects named cases into one JSON file, rewritten after every case; a failing case
-    records its traceback and the next one still runs."""
+    records its traceback and the next one still runs (an interrupt is recorded, then
+    re-raised, so a `timeout -s INT` leaves the JSON complete up to that case)."""
 
     def __init__(self, path, meta: dict) -> None:
         self.path = path
         self.data: dict = {**meta, "cases": {}, "errors": {}}
 
-    def run(self, name: str, fn: Callable[..., dict], *args: object) -> dict | None:
+    def run(self, name: str, fn: Callable[..., object], *args: object) -> object:
+        """fn(*args) returns the case's record (a dict; returned) or (record, value): the
+        record is stored and `value` returned. None when the case failed."""
         import json
         import traceback
 
         t0 = time.perf_counter()
         try:
             out = fn(*args)
-            self.data["cases"][name] = {"seconds": round(time.perf_counter() - t0, 2), **out}
+            record, value = out if isinstance(out, tuple) else (out, out)
+            self.data["cases"][name] = {"seconds": round(time.perf_counter() - t0, 2),
+                                        **(record or {})}
             print(f"[{name}] {json.dumps(self.data['cases'][name])[:3000]}", flush=True)
-            return out
-        except Exception as exc:  # record and go on (OOM included)
+            return value
+        except BaseException as exc:  # record and go on (OOM included)
             self.data["errors"][name] = traceback.format_exc()[-4000:]
             print(f"[{name}] FAILED: {exc!r}\n{self.data['errors'][name]}", flush=True)
+            if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit
+                raise
             return None
         finally:
             self.save()

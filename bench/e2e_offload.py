@@ -33,12 +33,9 @@ device), keeping the model's routing weights.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +44,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import Recorder, run_meta, sync  # noqa: E402
 from tinyserve.core import Batch, SamplingParams, ScheduledSeq  # noqa: E402
 from tinyserve.engine.runner import ModelRunner  # noqa: E402
 from tinyserve.kv.registry import create_kv_backend  # noqa: E402
@@ -63,32 +61,6 @@ RESULT = ROOT / "bench" / "results" / "e2e_offload.json"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 
 
-class Recorder:
-    def __init__(self, meta: dict[str, Any]) -> None:
-        self.data: dict[str, Any] = {**meta, "cases": {}, "errors": {}}
-
-    def run(self, name: str, fn, *args: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            out = fn(*args)
-            self.data["cases"][name] = {"seconds": round(time.perf_counter() - t0, 2),
-                                        **(out[0] if isinstance(out, tuple) else out or {})}
-            print(f"[{name}] {json.dumps(self.data['cases'][name])[:2000]}", flush=True)
-            return out[1] if isinstance(out, tuple) else None
-        except BaseException as exc:  # record and go on (OOM included)
-            self.data["errors"][name] = traceback.format_exc()[-4000:]
-            print(f"[{name}] FAILED: {exc!r}", flush=True)
-            if isinstance(exc, KeyboardInterrupt):
-                raise
-            return None
-        finally:
-            self.save()
-
-    def save(self) -> None:
-        RESULT.parent.mkdir(parents=True, exist_ok=True)
-        RESULT.write_text(json.dumps(self.data, indent=1, default=str) + "\n")
-
-
 def cuda_time(fn, reps: int = 5) -> float:
     """Best of `reps` timings of fn() in seconds (after one warm-up)."""
     fn()
@@ -101,11 +73,6 @@ def cuda_time(fn, reps: int = 5) -> float:
         b.synchronize()
         best = min(best, a.elapsed_time(b) / 1e3)
     return best
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def mem_used() -> int:
@@ -303,12 +270,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("e2e_offload needs a CUDA GPU", file=sys.stderr)
         return 1
-    import triton
 
-    rec = Recorder({"name": "e2e_offload", "device": torch.cuda.get_device_name(),
-                    "torch": torch.__version__, "triton": triton.__version__,
-                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                    "args": vars(args), "level": "model (Qwen35Model + ModelRunner, eager)"})
+    rec = Recorder(RESULT, run_meta("e2e_offload", args=vars(args),
+                                    level="model (Qwen35Model + ModelRunner, eager)"))
     ckpt = Path(args.ckpt)
     rec.run("checkpoint", case_checkpoint, ckpt, args.layers)
     config = load_config(ckpt)

@@ -55,7 +55,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Recorder, run_meta  # noqa: E402
+from common import Recorder, run_meta, sync  # noqa: E402
 
 from tinyserve.core import Batch, ForwardContext, SamplingParams, ScheduledSeq  # noqa: E402
 from tinyserve.engine import detokenizer, stream  # noqa: E402
@@ -313,7 +313,7 @@ def case_ckpt(engine: Engine, batch: int, context: int, steps: int) -> dict:
     drive(engine, batch, context, 4, vocab, seed=1, short=16)
     captured = 0 if graphs is None else graphs.num_graphs
     ph.steps.clear()
-    _sync()
+    sync()
     out = drive(engine, batch, context, steps, vocab)
     out.update(ph.summary())
     out["graphs_captured_in_run"] = 0 if graphs is None else graphs.num_graphs - captured
@@ -321,11 +321,6 @@ def case_ckpt(engine: Engine, batch: int, context: int, steps: int) -> dict:
     step = out["us_per_step"]["step"] / 1e3
     out["engine_over_runner_ms"] = round(step - out["runner_step_ms"], 3)
     return {"batch": batch, "context": context, **out}
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def runner_alone(engine: Engine, batch: int, context: int, n: int) -> float:
@@ -342,7 +337,7 @@ def runner_alone(engine: Engine, batch: int, context: int, n: int) -> float:
         for i in range(n + 2):
             seqs = [ScheduledSeq(f"b{b}", [tokens[b]], context + i, pages[b * per:(b + 1) * per],
                                  slots[b], True, greedy) for b in range(batch)]
-            _sync()
+            sync()
             t0 = time.perf_counter()
             tokens = r.forward(Batch(seqs)).next_tokens
             times.append(time.perf_counter() - t0)

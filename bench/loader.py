@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from common import Recorder, run_meta  # noqa: E402  (bench/ is on sys.path as a script)
+from common import Recorder, run_meta, sync  # noqa: E402  (bench/ is on sys.path as a script)
 
 from tinyserve.model.config import load_config  # noqa: E402
 from tinyserve.model.loader import CheckpointReader, iter_weights  # noqa: E402
@@ -46,19 +46,14 @@ def write_checkpoint(path: Path, layers: int) -> int:
     return sum(f.stat().st_size for f in CheckpointReader(path).files)
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _timed(fn, reps: int = 3) -> float:
     """Median seconds."""
     times = []
     for _ in range(reps):
-        _sync()
+        sync()
         t0 = time.perf_counter()
         fn()
-        _sync()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

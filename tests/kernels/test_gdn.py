@@ -417,3 +417,25 @@ def test_kernels_build_for_sm90() -> None:
         if jf is ks.gdn_chunk:  # the launcher's bound covers the build
             cfg = _gdn_config.ChunkConfig(64, constexprs["BV"], warps)
             assert k.metadata.shared <= _gdn_config.chunk_smem_bytes(cfg, 128)
+
+
+def test_triton_launchers_check_devices() -> None:
+    # the Triton kernels read every tensor by pointer: one on another device must be refused
+    # before a launch (checked ahead of the kernels, so no interpreter is needed)
+    sh, B = SMALL, 2
+    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(sh, B, "cpu", torch.float32)
+    pool = torch.zeros(NUM_SLOTS, sh.Hv, sh.dk, sh.dv)
+    slots = torch.tensor([3, 5])
+    meta = torch.device("meta")
+    with pytest.raises(ValueError):
+        gdn.gdn_decode(q, k, v, a, b, A_log.to(meta), dt_bias, pool, slots, backend="triton")
+    with pytest.raises(ValueError):
+        gdn.gdn_prefill(q, k, v, a, b, A_log, dt_bias, pool, slots.to(meta), _cu([1, 1], "cpu"),
+                        torch.ones(B, dtype=torch.bool), backend="triton")
+    x, w = torch.randn(B, sh.C), torch.randn(sh.C, sh.K)
+    conv = torch.zeros(NUM_SLOTS, sh.C, sh.K - 1)
+    with pytest.raises(ValueError):
+        gdn.causal_conv1d_update(x, w.to(meta), conv, slots, backend="triton")
+    with pytest.raises(ValueError):
+        gdn.causal_conv1d_prefill(x, w, conv, slots, _cu([1, 1], "meta"),
+                                  torch.ones(B, dtype=torch.bool), backend="triton")

@@ -51,6 +51,13 @@ def _use_triton(backend: str, *tensors: torch.Tensor) -> bool:
     return backend == "triton"
 
 
+def _one_device(*ts: torch.Tensor) -> None:
+    # the Triton kernels read every tensor by pointer
+    dev = ts[0].device
+    _check(all(t.device == dev for t in ts), f"GDN kernel inputs must all be on {dev}, got "
+           f"{sorted({str(t.device) for t in ts})}")
+
+
 def _out(out: torch.Tensor | None, shape: tuple, like: torch.Tensor) -> torch.Tensor:
     if out is None:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
@@ -89,6 +96,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch
             conv_pool[s] = st
         return y
     _check(conv_pool.stride(2) == 1, "conv_pool needs a contiguous last dim")
+    _one_device(x, weight, conv_pool, slots, y)
     x, weight = _last_contig(x), weight.contiguous()
     grid = (B, _cdiv(C, _CONV_BLOCK_C))
     _gdn_triton.build().conv1d_update[grid](
@@ -129,6 +137,7 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_pool: torc
                 x[cu[i]:cu[i + 1]], weight, st)
         return y
     _check(conv_pool.stride(2) == 1, "conv_pool needs a contiguous last dim")
+    _one_device(x, weight, conv_pool, slots, cu_seqlens, has_initial_state, y)
     x, weight = _last_contig(x), weight.contiguous()
     cu = cu_seqlens.to(torch.int32)
     init = has_initial_state.to(torch.int32)
@@ -224,6 +233,7 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tenso
         _gdn_torch(q, k, v, a, b, A_log, dt_bias, recurrent_pool, slots,
                    list(range(B + 1)), [True] * B, y, chunked=False)
         return y
+    _one_device(q, k, v, a, b, A_log, dt_bias, recurrent_pool, slots, y)
     return _launch_recurrent(q, k, v, a, b, A_log, dt_bias, recurrent_pool, slots,
                              None, None, y, block_v)
 
@@ -285,6 +295,8 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
         _gdn_torch(q, k, v, a, b, A_log, dt_bias, recurrent_pool, slots,
                    cu_seqlens.tolist(), has_initial_state.tolist(), y, method == "chunk")
         return y
+    _one_device(q, k, v, a, b, A_log, dt_bias, recurrent_pool, slots, cu_seqlens,
+                has_initial_state, y)
     cu = cu_seqlens.to(torch.int32)
     init = has_initial_state.to(torch.int32)
     if method == "chunk" and not _gdn_chunk.chunk_broken():

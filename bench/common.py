@@ -41,6 +41,10 @@ def run_meta(name: str, **extra: object) -> dict:
         pass
     if torch.cuda.is_available():
         meta["device"] = torch.cuda.get_device_name()
+        meta["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+        meta["cuda"] = torch.version.cuda
+    else:
+        meta["device"] = "cpu"
     try:
         meta["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=True,
                                         capture_output=True, text=True).stdout.strip()

@@ -139,10 +139,15 @@ def quantize_nvfp4(w: torch.Tensor) -> NVFP4Weight:
 
 
 def quantize_fp8(w: torch.Tensor, *, per_channel: bool = False) -> FP8Weight:
-    """Quantize [out, in] to FP8 E4M3 with a per-tensor (or per-row [out, 1]) scale amax/448."""
+    """Quantize [out, in] to FP8 E4M3 with a per-tensor (or per-row [out, 1]) scale amax/448.
+
+    The same bits on every device. NOTE: on CUDA `tensor / python_float` runs as a multiply
+    by the fp32 reciprocal (1 / 448 is inexact: one ulp off a true division for some amax);
+    dividing by a tensor is a true IEEE division on CPU and CUDA alike.
+    """
     x = w.to(torch.float32)
     amax = x.abs().amax(dim=1, keepdim=True) if per_channel else x.abs().max().reshape(())
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     return FP8Weight(weight=float_to_e4m3_bits(x / scale), scale=scale)
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from tinyserve.core import FP8Weight, NVFP4Weight
-from tinyserve.kernels.nvfp4_ref import E4M3_MAX, float_to_e4m3_bits, quantize_nvfp4
+from tinyserve.kernels.nvfp4_ref import quantize_fp8, quantize_nvfp4
 from tinyserve.log import get_logger
 from tinyserve.model.config import load_config
 from tinyserve.model.loader import INDEX_FILE, CheckpointReader, strip_prefix
@@ -151,21 +151,6 @@ def fp8_tensors(w: FP8Weight) -> dict[str, torch.Tensor]:
             "weight_scale": w.scale.to(torch.float32).reshape(())}
 
 
-def quantize_fp8_exact(w: torch.Tensor) -> FP8Weight:
-    """Per-tensor FP8 E4M3 of [out, in] with scale amax / 448: `nvfp4_ref.quantize_fp8`, with
-    the same bits on every device.
-
-    NOTE: on CUDA, `tensor / python_float` runs as a multiply by the fp32 reciprocal
-    (1 / 448 is inexact), one ulp off the CPU's true division for some amax; that was the
-    CPU/CUDA checkpoint difference (FP8 `weight_scale`s). Dividing by a tensor on the same
-    device is a true IEEE division on both, so the CPU bits are unchanged.
-    """
-    x = w.to(torch.float32)
-    amax = x.abs().max().reshape(())
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
-    return FP8Weight(weight=float_to_e4m3_bits(x / scale), scale=scale)
-
-
 def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str = "modelopt", *,
                         recipe: str = "nvfp4", quantize_gdn: bool = False,
                         max_shard_bytes: int = 4 << 30, device: str = "cpu",
@@ -198,7 +183,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str = "modelopt",
             return False
         w = w.to(device)
         tensors = (nvfp4_tensors(quantize_nvfp4(w), fmt) if kind == "nvfp4"
-                   else fp8_tensors(quantize_fp8_exact(w)))
+                   else fp8_tensors(quantize_fp8(w)))
         for param, t in tensors.items():
             writer.add(f"{module}.{param}", t)
         done[module] = kind

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from tinyserve.core import FP8Weight
+from tinyserve.kernels.launch import cdiv, dot_tiles, num_sms, split_k_output, split_k_result
 from tinyserve.kernels.nvfp4 import row_range
 
 PATHS = ("gemv", "dot", "dequant")
@@ -87,17 +88,6 @@ def _kernels():
     return fp8_triton
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the interpreter: few programs
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _pow2_floor(v: int) -> int:
     return 1 << (max(1, v).bit_length() - 1)
 
@@ -113,11 +103,11 @@ def gemv_tiles(n: int, k: int, num_sms: int, cfg: GemvConfig = DEFAULT_GEMV
     block_w = min(_next_pow2(kw), cfg.max_block_w)
     block_n = _pow2_floor(cfg.words_per_thread * 32 * cfg.num_warps // block_w)
     target = cfg.programs_per_sm * num_sms
-    while block_n > 1 and _cdiv(n, block_n) * _cdiv(kw, block_w) < target:
+    while block_n > 1 and cdiv(n, block_n) * cdiv(kw, block_w) < target:
         block_n //= 2
-    while _cdiv(n, block_n) * _cdiv(kw, block_w) < target and block_w > 128:
+    while cdiv(n, block_n) * cdiv(kw, block_w) < target and block_w > 128:
         block_w //= 2
-    return block_n, block_w, _cdiv(kw, block_w)
+    return block_n, block_w, cdiv(kw, block_w)
 
 
 @functools.cache
@@ -175,21 +165,18 @@ def _gemv(x: torch.Tensor, w: FP8Weight, scale: torch.Tensor, per_row: bool, m: 
           k: int, cfg: GemvConfig, native: bool) -> torch.Tensor:
     if k % 4:
         raise ValueError(f"the gemv path needs K % 4 == 0, got K={k}")
-    block_n, block_w, split = gemv_tiles(n, k, _num_sms(x.device), cfg)
+    block_n, block_w, split = gemv_tiles(n, k, num_sms(x.device), cfg)
     is_bf16 = (x.dtype == torch.bfloat16 and x.stride(0) % 4 == 0
                and x.storage_offset() % 4 == 0)
     xv = x.view(torch.int64) if is_bf16 else x  # [M, K/4]: one word = 4 inputs
-    if split == 1:
-        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    else:
-        out = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
-    grid = (_cdiv(n, block_n) * split,)
+    out = split_k_output(split, m, n, x)
+    grid = (cdiv(n, block_n) * split,)
     kern = _kernels().fp8_gemv_kernel
     kern[grid](xv, w.weight.view(torch.int32), scale, out, m, n, k // 4, xv.stride(0),
                SPLIT_K=split, BLOCK_M=min(4, _next_pow2(m)), BLOCK_N=block_n, BLOCK_W=block_w,
                IS_PER_ROW=per_row, IS_X_BF16=is_bf16, USE_NATIVE=native,
                num_warps=cfg.num_warps)
-    return out if split == 1 else out.sum(0).to(x.dtype)
+    return split_k_result(out, split, x.dtype)
 
 
 def _dot(x: torch.Tensor, w: FP8Weight, scale: torch.Tensor, per_row: bool, m: int, n: int,
@@ -199,26 +186,16 @@ def _dot(x: torch.Tensor, w: FP8Weight, scale: torch.Tensor, per_row: bool, m: i
     block_n = 128 if block_m == 128 else 64
     if x.dtype == torch.float32:  # exact fp32 dot: small tiles (no tensor cores anyway)
         block_m, block_n, block_k = min(block_m, 32), 32, 32
-    target = 2 * _num_sms(x.device)
-    num_m = _cdiv(m, block_m)
-    while block_n > 16 and num_m * _cdiv(n, block_n) < target:
-        block_n //= 2
-    split = 1  # split-K (fp32 workspace + sum) while there are too few tiles
-    while num_m * _cdiv(n, block_n) * split < target and k // (split * 2) >= block_k:
-        split *= 2
-    k_split = _cdiv(_cdiv(k, split), block_k) * block_k
-    split = _cdiv(k, k_split)
-    if split == 1:
-        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    else:
-        out = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
-    grid = (num_m * split * _cdiv(n, block_n),)
+    num_m = cdiv(m, block_m)
+    block_n, split, k_split = dot_tiles(num_m, n, k, block_n, block_k, 2 * num_sms(x.device))
+    out = split_k_output(split, m, n, x)
+    grid = (num_m * split * cdiv(n, block_n),)
     kern = _kernels().fp8_dot_kernel
     kern[grid](x, w.weight, scale, out, m, n, k, x.stride(0), k, k_split, SPLIT_K=split,
                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IS_PER_ROW=per_row,
                USE_NATIVE=native, IS_FP32=x.dtype == torch.float32,
                num_warps=8 if block_m == 128 else 4)
-    return out if split == 1 else out.sum(0).to(x.dtype)
+    return split_k_result(out, split, x.dtype)
 
 
 def fp8_dequantize(w: FP8Weight, dtype: torch.dtype = torch.bfloat16, *,
@@ -241,7 +218,7 @@ def fp8_dequantize(w: FP8Weight, dtype: torch.dtype = torch.bfloat16, *,
     if r0 == r1:
         return out
     block_n, block_k = 32, 128
-    grid = (_cdiv(r1 - r0, block_n), _cdiv(k, block_k))
+    grid = (cdiv(r1 - r0, block_n), cdiv(k, block_k))
     kern = _kernels().fp8_dequant_kernel
     kern[grid](w.weight[r0:r1], scale, out, r1 - r0, k, k, IS_PER_ROW=per_row,
                USE_NATIVE=native, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)

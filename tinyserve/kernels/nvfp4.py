@@ -24,6 +24,7 @@ import torch
 
 from tinyserve import envs
 from tinyserve.core import NVFP4Weight
+from tinyserve.kernels.launch import cdiv, dot_tiles, num_sms, split_k_output, split_k_result
 from tinyserve.kernels.nvfp4_tiles import GemvConfig, default_gemv_config
 
 PATHS = ("gemv", "dot", "dequant")
@@ -46,13 +47,6 @@ def _dot_kernels():
     from tinyserve.kernels import nvfp4_dot_triton
 
     return nvfp4_dot_triton
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the interpreter: few programs
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.cache
@@ -119,7 +113,7 @@ def row_range(rows: tuple[int, int] | None, n: int) -> tuple[int, int]:
 def _gemv(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int,
           cfg: GemvConfig | None) -> torch.Tensor:
     kern = _kernels()
-    sms = _num_sms(x.device)
+    sms = num_sms(x.device)
     cfg = cfg or default_gemv_config(n, k, sms)
     kb = k // 16
     words = w.packed.view(torch.int64)  # [N, K/16]: one block of 16 codes per word
@@ -127,18 +121,15 @@ def _gemv(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int,
     # take f32
     is_h2 = cfg.decode == "h2" and m == 1 and x.dtype != torch.float32
     block_m = 1 if m == 1 else (2 if m == 2 else 4)
-    num_m = triton_cdiv(m, block_m)
-    n_blocks = triton_cdiv(n, cfg.block_n)
+    num_m = cdiv(m, block_m)
+    n_blocks = cdiv(n, cfg.block_n)
     split = 1
     while (num_m * n_blocks * split < cfg.programs_per_sm * sms
            and kb // (split * 2) >= cfg.block_b):
         split *= 2
-    b_split = triton_cdiv(triton_cdiv(kb, split), cfg.block_b) * cfg.block_b
-    split = triton_cdiv(kb, b_split)
-    if split == 1:
-        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    else:
-        out = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+    b_split = cdiv(cdiv(kb, split), cfg.block_b) * cfg.block_b
+    split = cdiv(kb, b_split)
+    out = split_k_output(split, m, n, x)
     factor = kern.FP4_UNIT * float(w.global_scale)
     grid = (num_m * split * n_blocks,)
     kern.nvfp4_gemv_kernel[grid](x, words, w.block_scale, out, factor, m, n, kb, x.stride(0),
@@ -146,33 +137,22 @@ def _gemv(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int,
                                  BLOCK_B=cfg.block_b, PREFETCH=cfg.prefetch, VEC=cfg.vec,
                                  IS_H2=is_h2, USE_ASM=x.device.type == "cuda",
                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out if split == 1 else out.sum(0).to(x.dtype)
+    return split_k_result(out, split, x.dtype)
 
 
 def _dot(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int) -> torch.Tensor:
     kern = _dot_kernels()
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     block_k = 128
-    target = 2 * _num_sms(x.device)
-    num_m = triton_cdiv(m, block_m)
-    block_n = 64
-    while block_n > 16 and num_m * triton_cdiv(n, block_n) < target:
-        block_n //= 2
-    split = 1  # split-K (fp32 workspace + sum) while there are too few tiles
-    while num_m * triton_cdiv(n, block_n) * split < target and k // (split * 2) >= block_k:
-        split *= 2
-    k_split = triton_cdiv(triton_cdiv(k, split), block_k) * block_k
-    split = triton_cdiv(k, k_split)
-    if split == 1:
-        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    else:
-        out = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
-    grid = (num_m * split * triton_cdiv(n, block_n),)
+    num_m = cdiv(m, block_m)
+    block_n, split, k_split = dot_tiles(num_m, n, k, 64, block_k, 2 * num_sms(x.device))
+    out = split_k_output(split, m, n, x)
+    grid = (num_m * split * cdiv(n, block_n),)
     kern.nvfp4_dot_kernel[grid](x, w.packed, w.block_scale, out, float(w.global_scale), m, n,
                                 k, x.stride(0), k // 2, k // 16, k_split, k_split // 2,
                                 k_split // 16, SPLIT_K=split, BLOCK_M=block_m,
                                 BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
-    return out if split == 1 else out.sum(0).to(x.dtype)
+    return split_k_result(out, split, x.dtype)
 
 
 def nvfp4_dequantize(w: NVFP4Weight, dtype: torch.dtype = torch.bfloat16, *,
@@ -188,7 +168,7 @@ def nvfp4_dequantize(w: NVFP4Weight, dtype: torch.dtype = torch.bfloat16, *,
     if r0 == r1:
         return out
     block_n, block_k = 32, 128
-    grid = (triton_cdiv(r1 - r0, block_n), triton_cdiv(k, block_k))
+    grid = (cdiv(r1 - r0, block_n), cdiv(k, block_k))
     kern.nvfp4_dequant_kernel[grid](w.packed[r0:r1], w.block_scale[r0:r1], out,
                                     float(w.global_scale), r1 - r0, k, k // 2, k // 16,
                                     BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
@@ -239,7 +219,3 @@ def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, *, path: str | None = None,
     else:
         y = (_dot if path == "dot" else _dequant_matmul)(x2, w, m, n, k)
     return y.reshape(*lead, n)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)

@@ -1,0 +1,46 @@
+"""Launch arithmetic shared by the Triton linear kernels (NVFP4 and FP8): grid sizes, the
+device's SM count, and split-K (partial sums in an fp32 workspace [split, M, N], summed after
+the kernel when there is more than one split)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: few programs
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def dot_tiles(num_m: int, n: int, k: int, block_n: int, block_k: int,
+              target: int) -> tuple[int, int, int]:
+    """(block_n, split, k_split) of a tiled dot with `num_m` row tiles: halve block_n (down to
+    16), then double the K splits, while there are fewer than `target` tiles; each split covers
+    `k_split` inputs (a multiple of block_k)."""
+    while block_n > 16 and num_m * cdiv(n, block_n) < target:
+        block_n //= 2
+    split = 1
+    while num_m * cdiv(n, block_n) * split < target and k // (split * 2) >= block_k:
+        split *= 2
+    k_split = cdiv(cdiv(k, split), block_k) * block_k
+    return block_n, cdiv(k, k_split), k_split
+
+
+def split_k_output(split: int, m: int, n: int, x: torch.Tensor) -> torch.Tensor:
+    """The kernel's output: [M, N] in x's dtype, or the fp32 workspace [split, M, N]."""
+    if split == 1:
+        return torch.empty(m, n, device=x.device, dtype=x.dtype)
+    return torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+
+
+def split_k_result(out: torch.Tensor, split: int, dtype: torch.dtype) -> torch.Tensor:
+    """[M, N] in `dtype` from what `split_k_output` gave the kernel."""
+    return out if split == 1 else out.sum(0).to(dtype)

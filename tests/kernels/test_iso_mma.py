@@ -167,3 +167,36 @@ def test_mma_kernel_builds_for_sm90(tmp_path) -> None:
     assert not re.search(r"[1-9]\d* bytes spill stores", info), info[-3000:]
     for smem in re.findall(r"(\d+) bytes smem", info):
         assert int(smem) <= 48 * 1024
+
+
+@pytest.mark.parametrize("forced", [None, 40])
+def test_decode_launchers_pass_the_split_plan_to_the_library(monkeypatch, forced) -> None:
+    # Both CUDA decode launchers hand the C entry the same argument list: the planned (or
+    # forced) split, fp32 partials, the variant argument (bits / warps) and the out pointer.
+    from tinyserve.kernels import iso_cuda
+
+    calls = []
+    monkeypatch.setattr(iso_cuda, "_check_cache", lambda *a: None)
+    monkeypatch.setattr(iso_cuda, "_call", lambda dev, name, *a: calls.append((name, a)))
+    props = type("P", (), {"multi_processor_count": 132})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: props)
+    b, hq, hkv, d, ps = 2, 8, 2, 256, 16
+    rb = iso.packed_row_bytes(d, "iso3")
+    kc = torch.zeros(64, hkv, rb, dtype=torch.uint8)
+    q = torch.randn(b, hq, d, dtype=torch.bfloat16)
+    table = torch.zeros(b, 32, dtype=torch.int32)
+    seq = torch.tensor([500, 370], dtype=torch.int32)
+    out_cuda = iso_cuda.iso_decode_attention(q, kc, kc, table, seq, ps, "iso3", 0.5,
+                                             split_tokens=forced)
+    out_mma = iso_mma.iso_decode_attention_mma(q, kc, kc, table, seq, ps, "iso3", 0.5,
+                                               split_tokens=forced)
+    (n1, a1), (n2, a2) = calls
+    assert (n1, n2) == ("tinyserve_iso_decode", "tinyserve_iso_decode_mma")
+    want_cuda = (256, 2) if forced is None else (64, 8)  # 32-token tiles
+    want_mma = (256, 2) if forced is None else (48, 11)  # forced splits in 16-token slices
+    assert a1[7:16] == (b, hq, hkv, d, ps, *want_cuda, 0.5, 3)
+    assert a2[7:16] == (b, hq, hkv, d, ps, *want_mma, 0.5, iso_mma.mma_config(b)["warps"])
+    assert a1[3] == kc.stride(0) and a1[5] == table.stride(0)
+    assert a1[-3:] == (out_cuda.data_ptr(), out_cuda.stride(0), 1)
+    assert a2[-3:] == (out_mma.data_ptr(), out_mma.stride(0), 1)
+    assert out_cuda.shape == out_mma.shape == (b, hq, d) and out_cuda.dtype == q.dtype

@@ -191,14 +191,55 @@ def iso_dequant_rows(cache: torch.Tensor, slots: torch.Tensor, fmt: str, head_di
 
 
 def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *,
-                min_tokens: int = MIN_SPLIT_TOKENS, ctas_per_sm: int = 4) -> tuple[int, int]:
+                min_tokens: int = MIN_SPLIT_TOKENS, ctas_per_sm: int = 4,
+                tile: int = _TILE) -> tuple[int, int]:
     """(tokens per split, number of splits): about `ctas_per_sm` CTAs per SM and at least
-    `min_tokens` tokens per split (rounded to the 32-token tile)."""
+    `min_tokens` tokens per split, the split a multiple of `tile` tokens."""
     max_seq_len = max(1, max_seq_len)
     want = max(1, math.ceil(ctas_per_sm * num_sms / max(1, batch * num_kv_heads)))
     splits = max(1, min(math.ceil(max_seq_len / max(1, min_tokens)), want))
-    chunk = math.ceil(math.ceil(max_seq_len / splits) / _TILE) * _TILE
+    chunk = math.ceil(math.ceil(max_seq_len / splits) / tile) * tile
     return chunk, math.ceil(max_seq_len / chunk)
+
+
+def decode_splits(q: torch.Tensor, seq_lens: torch.Tensor, num_kv_heads: int,
+                  max_seq_len: int | None, split_tokens: int | None, *, split_tile: int,
+                  **plan: int) -> tuple[int, int]:
+    """(tokens per split, number of splits) of a split-K decode launcher: `split_tokens`
+    (rounded up to `split_tile`) when forced, else `plan_splits(..., **plan)` for the device.
+    Reads max(seq_lens) (a device sync) only when `max_seq_len` is None."""
+    b = q.shape[0]
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max().item()) if b else 1
+    if split_tokens:
+        chunk = math.ceil(split_tokens / split_tile) * split_tile
+        return chunk, math.ceil(max(1, max_seq_len) / chunk)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+    return plan_splits(b, num_kv_heads, max_seq_len, sms, **plan)
+
+
+def run_split_decode(entry: str, variant: int, q: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
+                     page_size: int, scale: float, chunk: int, splits: int,
+                     out: torch.Tensor | None) -> torch.Tensor:
+    """Run the library's split-K decode `entry` (`variant`: its bits / warps argument) with
+    fp32 partials [B, Hq, splits, D] and (max, sum) [B, Hq, splits, 2]; [B, Hq, D] in q's
+    dtype, or written into `out`. Shapes are the caller's to check."""
+    b, hq, d = q.shape
+    if out is None:
+        out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    if b == 0:
+        return out
+    part_acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(b, hq, splits, 2, dtype=torch.float32, device=q.device)
+    qf = q.float().contiguous()
+    seq_lens = seq_lens.contiguous()
+    _call(q.device, entry, qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+          k_cache.stride(0), page_table.data_ptr(), page_table.stride(0), seq_lens.data_ptr(),
+          b, hq, k_cache.shape[1], d, page_size, chunk, splits, float(scale), variant,
+          part_acc.data_ptr(), part_ml.data_ptr(), out.data_ptr(), out.stride(0),
+          _DTYPE_CODE[out.dtype])
+    return out
 
 
 def _check_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -258,28 +299,9 @@ def iso_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     group = hq // hkv
     if group not in (1, 2, 4, 8, 16) or group * (d // BLOCK) > 16:
         raise ValueError(f"unsupported GQA group {hq}/{hkv} for head_dim {d}")
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max().item()) if b else 1
-    props = torch.cuda.get_device_properties(q.device)
-    if split_tokens:
-        chunk = math.ceil(split_tokens / _TILE) * _TILE
-        splits = math.ceil(max(1, max_seq_len) / chunk)
-    else:
-        chunk, splits = plan_splits(b, hkv, max_seq_len, props.multi_processor_count)
-    if out is None:
-        out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
-    if b == 0:
-        return out
-    part_acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
-    part_ml = torch.empty(b, hq, splits, 2, dtype=torch.float32, device=q.device)
-    qf = q.float().contiguous()
-    seq_lens = seq_lens.contiguous()
-    _call(q.device, "tinyserve_iso_decode", qf.data_ptr(), k_cache.data_ptr(),
-          v_cache.data_ptr(), k_cache.stride(0), page_table.data_ptr(), page_table.stride(0),
-          seq_lens.data_ptr(), b, hq, hkv, d, page_size, chunk, splits, float(scale), bits,
-          part_acc.data_ptr(), part_ml.data_ptr(), out.data_ptr(), out.stride(0),
-          _DTYPE_CODE[out.dtype])
-    return out
+    chunk, splits = decode_splits(q, seq_lens, hkv, max_seq_len, split_tokens, split_tile=_TILE)
+    return run_split_decode("tinyserve_iso_decode", bits, q, k_cache, v_cache, page_table,
+                            seq_lens, page_size, scale, chunk, splits, out)
 
 
 # Attention backends for the extend path, fastest first; one that fails is dropped for good.

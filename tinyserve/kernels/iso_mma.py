@@ -9,17 +9,9 @@ runs at import.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from tinyserve.kernels.iso_cuda import (
-    _DTYPE_CODE,
-    _call,
-    _check_decode,
-    _check_out,
-    plan_splits,
-)
+from tinyserve.kernels.iso_cuda import _check_decode, _check_out, decode_splits, run_split_decode
 
 # Settings of the tensor-core decode kernel (csrc/iso_decode_mma.cu) by batch size: the row
 # with the smallest `max_batch` >= batch is used (the last row otherwise). `warps` per CTA
@@ -61,29 +53,8 @@ def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         raise ValueError(f"the MMA decode kernel takes iso3, GQA group <= 8, head_dim 128/256; "
                          f"got {fmt}, {hq}/{hkv} heads, head_dim {d}")
     cfg = mma_config(b)
-    warps = warps or cfg["warps"]
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max().item()) if b else 1
-    if split_tokens:
-        chunk = math.ceil(split_tokens / 16) * 16
-        splits = math.ceil(max(1, max_seq_len) / chunk)
-    else:
-        sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
-               if q.is_cuda else 4)
-        chunk, splits = plan_splits(b, hkv, max_seq_len, sms,
-                                    min_tokens=cfg["min_split_tokens"],
-                                    ctas_per_sm=ctas_per_sm or cfg["ctas_per_sm"])
-    if out is None:
-        out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
-    if b == 0:
-        return out
-    part_acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
-    part_ml = torch.empty(b, hq, splits, 2, dtype=torch.float32, device=q.device)
-    qf = q.float().contiguous()
-    seq_lens = seq_lens.contiguous()
-    _call(q.device, "tinyserve_iso_decode_mma", qf.data_ptr(), k_cache.data_ptr(),
-          v_cache.data_ptr(), k_cache.stride(0), page_table.data_ptr(), page_table.stride(0),
-          seq_lens.data_ptr(), b, hq, hkv, d, page_size, chunk, splits, float(scale), warps,
-          part_acc.data_ptr(), part_ml.data_ptr(), out.data_ptr(), out.stride(0),
-          _DTYPE_CODE[out.dtype])
-    return out
+    chunk, splits = decode_splits(q, seq_lens, hkv, max_seq_len, split_tokens, split_tile=16,
+                                  min_tokens=cfg["min_split_tokens"],
+                                  ctas_per_sm=ctas_per_sm or cfg["ctas_per_sm"])
+    return run_split_decode("tinyserve_iso_decode_mma", warps or cfg["warps"], q, k_cache,
+                            v_cache, page_table, seq_lens, page_size, scale, chunk, splits, out)

@@ -18,13 +18,12 @@ softmax weights enter the V product in fp16. Results agree with the fp32 referen
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
 import triton.language as tl
 
-from tinyserve.kernels import iso
+from tinyserve.kernels import iso, iso_cuda
 from tinyserve.kernels._iso_triton_fields import iso_decode_partial_fields
 
 _LOG2E = 1.4426950408889634
@@ -206,13 +205,9 @@ def _tables(device: torch.device, fmt: str) -> tuple[torch.Tensor, torch.Tensor]
 def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *,
                 min_tokens: int = MIN_SPLIT_TOKENS, ctas_per_sm: int = CTAS_PER_SM,
                 tile: int = BLOCK_T) -> tuple[int, int]:
-    """(tokens per split, number of splits): about `ctas_per_sm` programs per SM, at least
-    `min_tokens` tokens per split, chunk a multiple of `tile`."""
-    max_seq_len = max(1, max_seq_len)
-    want = max(1, math.ceil(ctas_per_sm * num_sms / max(1, batch * num_kv_heads)))
-    splits = max(1, min(math.ceil(max_seq_len / max(1, min_tokens)), want))
-    chunk = math.ceil(math.ceil(max_seq_len / splits) / tile) * tile
-    return chunk, math.ceil(max_seq_len / chunk)
+    """`iso_cuda.plan_splits` with this kernel's defaults."""
+    return iso_cuda.plan_splits(batch, num_kv_heads, max_seq_len, num_sms,
+                                min_tokens=min_tokens, ctas_per_sm=ctas_per_sm, tile=tile)
 
 
 def iso_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -258,16 +253,9 @@ def iso_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         raise ValueError(f"out must be float [{b}, {hq}, {d}] with contiguous rows")
     if b == 0:
         return out
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max().item())
-    if split_tokens:
-        chunk = math.ceil(split_tokens / block_t) * block_t
-        splits = math.ceil(max(1, max_seq_len) / chunk)
-    else:
-        sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
-               if q.is_cuda else 4)
-        chunk, splits = plan_splits(b, hkv, max_seq_len, sms, ctas_per_sm=ctas_per_sm,
-                                    tile=block_t)
+    chunk, splits = iso_cuda.decode_splits(q, seq_lens, hkv, max_seq_len, split_tokens,
+                                           split_tile=block_t, min_tokens=MIN_SPLIT_TOKENS,
+                                           ctas_per_sm=ctas_per_sm, tile=block_t)
     group = hq // hkv
     cent, rot = _tables(q.device, fmt)
     qc = q.contiguous()

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from common import Recorder, run_meta  # noqa: E402
 
-from tinyserve.kernels import iso, iso_cuda, iso_mma, iso_triton  # noqa: E402
+from tinyserve.kernels import iso, iso_cuda, iso_extend, iso_mma, iso_triton  # noqa: E402
 
 HQ, HKV, D = 16, 2, 256
 PAGE = 16
@@ -195,7 +195,7 @@ def bench_extend(fmt: str, prefix: int, chunk: int = 2048) -> dict:
     q = torch.randn(chunk, HQ, D, device="cuda").bfloat16()
     k = torch.randn(chunk, HKV, D, device="cuda").bfloat16()
     cu = torch.tensor([0, chunk], dtype=torch.int32, device="cuda")
-    ms = do_bench(lambda: iso_cuda.iso_extend_attention(q, k, k, kc, vc, table, cu, [chunk],
+    ms = do_bench(lambda: iso_extend.iso_extend_attention(q, k, k, kc, vc, table, cu, [chunk],
                                                         [prefix], PAGE, fmt, D ** -0.5),
                   warmup=3, rep=40)
     kb = torch.randn(1, HKV, total, D, device="cuda").bfloat16()
@@ -205,7 +205,7 @@ def bench_extend(fmt: str, prefix: int, chunk: int = 2048) -> dict:
                        warmup=3, rep=40)
     row = dict(ms=ms, tokens_per_s=chunk / ms * 1e3, bf16_sdpa_ms=ms_bf16,
                bf16_tokens_per_s=chunk / ms_bf16 * 1e3, iso_over_bf16=ms / ms_bf16,
-               attention_backends=list(iso_cuda.EXTEND_BACKENDS))
+               attention_backends=list(iso_extend.EXTEND_BACKENDS))
     if prefix:  # where the time goes
         slots = torch.arange(prefix, device="cuda")
         row["dequant_kv_ms"] = 2 * do_bench(lambda: iso_cuda.iso_dequant_rows(
@@ -213,10 +213,10 @@ def bench_extend(fmt: str, prefix: int, chunk: int = 2048) -> dict:
         kp = iso_cuda.iso_dequant_rows(kc, slots, fmt, D, torch.bfloat16, head_major=True)
         qg = q.transpose(0, 1).reshape(HKV, HQ // HKV * chunk, D)
         row["prefix_attention_ms"] = do_bench(
-            lambda: iso_cuda._attend_lse(qg, kp, kp, False, D ** -0.5), warmup=3, rep=25)
+            lambda: iso_extend._attend_lse(qg, kp, kp, False, D ** -0.5), warmup=3, rep=25)
         ke = k.transpose(0, 1).repeat_interleave(HQ // HKV, 0)
         row["chunk_attention_ms"] = do_bench(
-            lambda: iso_cuda._attend_lse(q.transpose(0, 1), ke, ke, True, D ** -0.5),
+            lambda: iso_extend._attend_lse(q.transpose(0, 1), ke, ke, True, D ** -0.5),
             warmup=3, rep=25)
     return row
 

@@ -30,6 +30,12 @@ def _mma():
     return iso_mma
 
 
+def _extend():
+    from tinyserve.kernels import iso_extend
+
+    return iso_extend
+
+
 @pytest.fixture(scope="module")
 def golden(shared_dir):
     return np.load(shared_dir / "data" / "iso_golden.npz")
@@ -246,7 +252,7 @@ def test_extend_attention(fmt, case) -> None:
     v = torch.randn(n_tok, hkv, d, device="cuda").bfloat16()
     cu = torch.tensor([0] + list(np.cumsum(chunks)), dtype=torch.int32, device="cuda")
     scale = d ** -0.5
-    out = _cuda().iso_extend_attention(q, k, v, kc, vc, big, cu, chunks, prefixes, ps, fmt,
+    out = _extend().iso_extend_attention(q, k, v, kc, vc, big, cu, chunks, prefixes, ps, fmt,
                                        scale)
     start = 0
     for b, (p, n) in enumerate(zip(prefixes, chunks, strict=True)):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from tinyserve.kernels import iso, iso_cuda
+from tinyserve.kernels import iso, iso_cuda, iso_extend
 
 CSRC = Path(iso.__file__).resolve().parent / "csrc"
 EMU = Path(__file__).resolve().parent / "cuda_emu"
@@ -151,7 +151,7 @@ def test_extend_launcher_logic_on_cpu(monkeypatch, fmt: str) -> None:
     n = sum(chunks)
     q, k, v = torch.randn(n, hq, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)
     cu = torch.tensor([0, 5, 8, 9], dtype=torch.int32)
-    out = iso_cuda.iso_extend_attention(q, k, v, kc, vc, table, cu, chunks, prefixes, ps, fmt,
+    out = iso_extend.iso_extend_attention(q, k, v, kc, vc, table, cu, chunks, prefixes, ps, fmt,
                                         d ** -0.5)
     start = 0
     for b, (p, m) in enumerate(zip(prefixes, chunks, strict=True)):

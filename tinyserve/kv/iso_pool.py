@@ -148,9 +148,9 @@ class ISOKVBackend(KVBackend):
                 ctx: ForwardContext, scale: float) -> torch.Tensor:
         kc, vc = self.k_cache(layer_id), self.v_cache(layer_id)
         if self.use_kernels:
-            from tinyserve.kernels import iso_cuda
+            from tinyserve.kernels import iso_extend
 
-            return iso_cuda.iso_extend_attention(
+            return iso_extend.iso_extend_attention(
                 q, k, v, kc, vc, ctx.page_table, ctx.cu_seqlens, ctx.q_lens_cpu,
                 ctx.prefix_lens_cpu, ctx.page_size, self.fmt, scale)
         out = torch.empty(q.shape, dtype=torch.float32)

@@ -82,8 +82,10 @@ def _id(case) -> str:
     return "x".join(map(str, rows)) + f"-D{d}"
 
 
-def assert_close(y: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None = None) -> None:
-    """`scale`: the magnitude the bf16 bound is relative to (default |ref|)."""
+def assert_close(y: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None = None, *,
+                 max_mismatch: float | None = 0.01) -> None:
+    """`scale`: the magnitude the bf16 bound is relative to (default |ref|); on a GPU at most
+    `max_mismatch` of the elements may differ at all (None: no such bound)."""
     assert y.shape == ref.shape and y.dtype == ref.dtype
     assert not torch.isnan(y).any(), "unwritten (NaN-poisoned) elements"
     if y.dtype == torch.float32:
@@ -93,8 +95,8 @@ def assert_close(y: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None 
     scale = rf.abs() if scale is None else scale.float()
     bound = (2.0**-6 if DEV == "cuda" else 2.0**-5) * scale + 1e-6
     assert ((yf - rf).abs() <= bound).all(), float((yf - rf).abs().max())
-    if DEV == "cuda":
-        assert (yf != rf).float().mean().item() <= 0.01
+    if DEV == "cuda" and max_mismatch is not None:
+        assert (yf != rf).float().mean().item() <= max_mismatch
 
 
 def _rand(shape, dtype, gen_seed: int) -> torch.Tensor:

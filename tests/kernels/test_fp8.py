@@ -45,20 +45,6 @@ EDGE = [0x00, 0x80, 0x01, 0x81, 0x07, 0x87, 0x08, 0x7E, 0xFE, 0x38, 0xB8]  # 0, 
 # (smallest, largest), smallest normal, +-448, +-1
 
 
-@pytest.fixture
-def poison(monkeypatch):
-    """Every float tensor from torch.empty starts as NaN."""
-    real = torch.empty
-
-    def empty(*args, **kwargs):
-        t = real(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
-
-
 def rand_fp8(n: int, k: int, device: str, per_row: bool = False,
              gen: torch.Generator | None = None) -> FP8Weight:
     """Every non-NaN code (0x7F / 0xFF excluded), scale ~ 1/(16 sqrt(k))."""

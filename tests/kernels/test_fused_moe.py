@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from tests.kernels.test_nvfp4 import poison, rand_nvfp4, rel_err  # noqa: E402, F401
+from tests.kernels.test_nvfp4 import rand_nvfp4, rel_err  # noqa: E402
 from tinyserve.core import DenseWeight  # noqa: E402
 from tinyserve.kernels.fused_moe import (  # noqa: E402
     MOE_PATHS,

@@ -22,7 +22,6 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from tests.kernels.test_nvfp4 import poison  # noqa: E402, F401
 from tinyserve.model.norm import (  # noqa: E402
     add_rms_norm_ref,
     gated_rms_norm_ref,

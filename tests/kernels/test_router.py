@@ -23,7 +23,6 @@ import pytest  # noqa: E402
 
 from tests.kernels.test_norm import assert_close as _assert_close  # noqa: E402
 from tests.kernels.test_norm import interpreter_ok, run_in_interpreter_child  # noqa: E402, F401
-from tests.kernels.test_nvfp4 import poison  # noqa: E402, F401
 from tinyserve.model.moe import gated_add_ref, silu_mul_ref, topk_softmax_ref  # noqa: E402
 
 pytest.importorskip("triton")

@@ -230,29 +230,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < G * D; i += kWarps * 32) {
-    const int h = i / D;
-    const int d = i - h * D;
-    float mx = -CUDART_INF_F;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, ml_sm[w][h][0]);
-    float a = 0.0f, sum = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float mw = ml_sm[w][h][0];
-      if (mw != -CUDART_INF_F) {
-        const float f = exp2f(mw - mx);
-        a += f * macc[(w * G + h) * D + d];
-        sum += f * ml_sm[w][h][1];
-      }
-    }
-    const int64_t row = ((int64_t)b * hq + kvh * G + h) * n_splits + split;
-    part_acc[row * D + d] = a;
-    if (d == 0) {
-      part_ml[row * 2] = mx;
-      part_ml[row * 2 + 1] = sum;
-    }
-  }
+  merge_warp_partials<kWarps, D>(macc, &ml_sm[0][0][0], G, G, (int64_t)b * hq + kvh * G,
+                                 n_splits, split, part_acc, part_ml);
 }
 
 template <int BITS, int NB, int G>

@@ -406,29 +406,8 @@ __global__ void __launch_bounds__(NW * 32)
     ml_sm[warp][gq][1] = l_run;
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < group * D; i += NW * 32) {
-    const int h = i / D;
-    const int d = i - h * D;
-    float mx = -CUDART_INF_F;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, ml_sm[w][h][0]);
-    float a = 0.0f, sum = 0.0f;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) {
-      const float mw = ml_sm[w][h][0];
-      if (mw != -CUDART_INF_F) {
-        const float f = exp2f(mw - mx);
-        a += f * macc[(w * kRows + h) * D + d];
-        sum += f * ml_sm[w][h][1];
-      }
-    }
-    const int64_t prow = ((int64_t)b * hq + kvh * group + h) * n_splits + split;
-    part_acc[prow * D + d] = a;
-    if (d == 0) {
-      part_ml[prow * 2] = mx;
-      part_ml[prow * 2 + 1] = sum;
-    }
-  }
+  merge_warp_partials<NW, D>(macc, &ml_sm[0][0][0], kRows, group,
+                            (int64_t)b * hq + kvh * group, n_splits, split, part_acc, part_ml);
 }
 
 template <int NB, int NW>

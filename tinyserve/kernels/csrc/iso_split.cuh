@@ -8,6 +8,40 @@
 
 namespace iso {
 
+// The last step of a split's CTA: its NW warps each hold an online-softmax partial of `heads`
+// query heads, unnormalised accumulators macc [NW][rows][D] and (running max in log2 units,
+// sum) ml [NW][rows][2] (rows >= heads), in shared memory after a barrier. Merge them into the
+// split's partial rows ((row0 + h) * n_splits + split) of part_acc [.., D] and part_ml [.., 2].
+template <int NW, int D>
+__device__ __forceinline__ void merge_warp_partials(const float* macc, const float* ml, int rows,
+                                                    int heads, int64_t row0, int n_splits,
+                                                    int split, float* __restrict__ part_acc,
+                                                    float* __restrict__ part_ml) {
+  for (int i = threadIdx.x; i < heads * D; i += NW * 32) {
+    const int h = i / D;
+    const int d = i - h * D;
+    float mx = -CUDART_INF_F;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, ml[(w * rows + h) * 2]);
+    float a = 0.0f, sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float mw = ml[(w * rows + h) * 2];
+      if (mw != -CUDART_INF_F) {
+        const float f = exp2f(mw - mx);
+        a += f * macc[(w * rows + h) * D + d];
+        sum += f * ml[(w * rows + h) * 2 + 1];
+      }
+    }
+    const int64_t prow = (row0 + h) * n_splits + split;
+    part_acc[prow * D + d] = a;
+    if (d == 0) {
+      part_ml[prow * 2] = mx;
+      part_ml[prow * 2 + 1] = sum;
+    }
+  }
+}
+
 // Asynchronous global -> shared copies (sm_80+); plain copies elsewhere and for 2-byte words.
 template <typename W>
 __device__ __forceinline__ void copy_word(W* dst, const W* src) {

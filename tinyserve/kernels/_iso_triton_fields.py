@@ -14,6 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tinyserve.kernels._iso_triton_common import kv_rows, split_program
+
 
 @triton.jit
 def _fields(cache_ptr, row, tmask, blk: tl.constexpr, cent_ptr, BITS: tl.constexpr,
@@ -90,18 +92,10 @@ def iso_decode_partial_fields(q_ptr, k_ptr, v_ptr, slot_stride, pt_ptr, pt_strid
                               HKV: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr,
                               NB: tl.constexpr, BITS: tl.constexpr, BB: tl.constexpr,
                               BLOCK_T: tl.constexpr):
-    split = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // HKV
-    kvh = bh % HKV
     D: tl.constexpr = NB * 128
     RB: tl.constexpr = NB * BB
-    seq_len = tl.load(lens_ptr + b)
-    t_begin = split * chunk
-    t_end = tl.minimum(seq_len, t_begin + chunk)
-    hs = tl.arange(0, BLOCK_H)
-    hmask = hs < G
-    qrow = (b * (HKV * G) + kvh * G + hs).to(tl.int64) * D
+    split, b, kvh, t_begin, t_end, hs, hmask, qrow = split_program(lens_ptr, chunk, HKV, G,
+                                                                   BLOCK_H, D)
     q00, q01, q02, q03 = _query_fields(q_ptr, qrow, hmask, 0, rot_ptr, scale_log2)
     if NB == 2:
         q10, q11, q12, q13 = _query_fields(q_ptr, qrow, hmask, 1, rot_ptr, scale_log2)
@@ -118,9 +112,7 @@ def iso_decode_partial_fields(q_ptr, k_ptr, v_ptr, slot_stride, pt_ptr, pt_strid
     for t0 in range(t_begin, t_end, BLOCK_T):
         ts = t0 + tl.arange(0, BLOCK_T)
         tmask = ts < t_end
-        page = tl.load(pt_ptr + b.to(tl.int64) * pt_stride + ts // page_size, mask=tmask,
-                       other=0)
-        row = (page.to(tl.int64) * page_size + ts % page_size) * slot_stride + kvh * RB
+        row = kv_rows(pt_ptr, pt_stride, b, ts, tmask, page_size, slot_stride, kvh, RB)
         c0, c1, c2, c3, nk = _fields(k_ptr, row, tmask, 0, cent_ptr, BITS, BB)
         s = _scores(q00, q01, q02, q03, c0, c1, c2, c3) * nk[None, :]
         if NB == 2:

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from tinyserve.kernels import iso, iso_cuda
+from tinyserve.kernels._iso_triton_common import kv_rows, split_program
 from tinyserve.kernels._iso_triton_fields import iso_decode_partial_fields
 
 _LOG2E = 1.4426950408889634
@@ -95,18 +96,10 @@ def _iso_decode_partial(q_ptr, k_ptr, v_ptr, slot_stride, pt_ptr, pt_stride, len
                         HKV: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr,
                         NB: tl.constexpr, BITS: tl.constexpr, BB: tl.constexpr,
                         BLOCK_T: tl.constexpr):
-    split = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // HKV
-    kvh = bh % HKV
     D: tl.constexpr = NB * 128
     RB: tl.constexpr = NB * BB
-    seq_len = tl.load(lens_ptr + b)
-    t_begin = split * chunk
-    t_end = tl.minimum(seq_len, t_begin + chunk)
-    hs = tl.arange(0, BLOCK_H)
-    hmask = hs < G
-    qrow = (b * (HKV * G) + kvh * G + hs).to(tl.int64) * D
+    split, b, kvh, t_begin, t_end, hs, hmask, qrow = split_program(lens_ptr, chunk, HKV, G,
+                                                                   BLOCK_H, D)
     q0 = _rotated_query(q_ptr, qrow, hmask, 0, rot_ptr, scale_log2, BLOCK_H)
     if NB == 2:
         q1 = _rotated_query(q_ptr, qrow, hmask, 1, rot_ptr, scale_log2, BLOCK_H)
@@ -117,9 +110,7 @@ def _iso_decode_partial(q_ptr, k_ptr, v_ptr, slot_stride, pt_ptr, pt_stride, len
     for t0 in range(t_begin, t_end, BLOCK_T):
         ts = t0 + tl.arange(0, BLOCK_T)
         tmask = ts < t_end
-        page = tl.load(pt_ptr + b.to(tl.int64) * pt_stride + ts // page_size, mask=tmask,
-                       other=0)
-        row = (page.to(tl.int64) * page_size + ts % page_size) * slot_stride + kvh * RB
+        row = kv_rows(pt_ptr, pt_stride, b, ts, tmask, page_size, slot_stride, kvh, RB)
         ck, nk = _unpack_block(k_ptr, row, tmask, 0, cent_ptr, BITS, BB)
         s = tl.dot(q0, tl.trans(ck)) * nk[None, :]
         if NB == 2:

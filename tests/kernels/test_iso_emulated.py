@@ -8,42 +8,20 @@ from __future__ import annotations
 
 import ctypes
 import math
-import re
-import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from tests.kernels import emulation
 from tinyserve.kernels import iso, iso_cuda, iso_extend
 
-CSRC = Path(iso.__file__).resolve().parent / "csrc"
-EMU = Path(__file__).resolve().parent / "cuda_emu"
 I, I64, F, P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
-    cxx = shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no g++")
-    out = tmp_path_factory.mktemp("iso_emu")
-    sources = []
-    for name in ("iso_store.cu", "iso_decode.cu"):
-        text = (CSRC / name).read_text()
-        text = re.sub(r"([A-Za-z_][\w:]*(?:<[^<>;]*>)?)\s*<<<(.*?)>>>\s*\(",
-                      r"emu::Launch(\2)(\1, ", text, flags=re.S)
-        (out / f"{name}.cpp").write_text(text)
-        sources.append(str(out / f"{name}.cpp"))
-    so = out / "libiso_emu.so"
-    res = subprocess.run([cxx, "-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared",
-                          "-pthread", "-w", f"-I{EMU}", f"-I{CSRC}", "-o", str(so), *sources],
-                         capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"the emulation does not build here: {res.stderr[-500:]}")
-    lib = ctypes.CDLL(str(so))
+    lib = emulation.build(("iso_store.cu", "iso_decode.cu"), tmp_path_factory.mktemp("iso_emu"))
     lib.tinyserve_iso_store.argtypes = [P, P, I64, P, P, I64, I64, P, I, I, I, I, I, I, P]
     lib.tinyserve_iso_store_debug.argtypes = [P, P, I64, P, P, I64, I64, P, I, I, I, I, I, I,
                                               P, P]

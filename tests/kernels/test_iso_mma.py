@@ -12,36 +12,21 @@ import math
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.kernels import emulation
 from tinyserve.kernels import iso, iso_mma
 
-CSRC = Path(iso.__file__).resolve().parent / "csrc"
-EMU = Path(__file__).resolve().parent / "cuda_emu"
+CSRC = emulation.CSRC
 I, I64, F, P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
-    cxx = shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no g++")
-    out = tmp_path_factory.mktemp("iso_mma_emu")
-    text = (CSRC / "iso_decode_mma.cu").read_text()
-    text = re.sub(r"([A-Za-z_][\w:]*(?:<[^<>;]*>)?)\s*<<<(.*?)>>>\s*\(",
-                  r"emu::Launch(\2)(\1, ", text, flags=re.S)
-    src = out / "iso_decode_mma.cpp"
-    src.write_text(text)
-    so = out / "libiso_mma_emu.so"
-    res = subprocess.run([cxx, "-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared",
-                          "-pthread", "-w", "-DTINYSERVE_CUDA_EMU", f"-I{EMU}", f"-I{CSRC}",
-                          "-o", str(so), str(src)], capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"the emulation does not build here: {res.stderr[-800:]}")
-    lib = ctypes.CDLL(str(so))
+    lib = emulation.build(("iso_decode_mma.cu",), tmp_path_factory.mktemp("iso_mma_emu"),
+                          defines=("TINYSERVE_CUDA_EMU",))
     lib.tinyserve_iso_decode_mma.argtypes = [P, P, P, I64, P, I64, P, I, I, I, I, I, I, I, F,
                                              I, P, P, P, I64, I, P]
     return lib

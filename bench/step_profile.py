@@ -4,11 +4,13 @@ Builds the engine's runner from a checkpoint exactly as `tinyserve run` does (`e
 memory plan, offload, KV pool, graphs), prefills one sequence of `--context` random tokens,
 then measures decode at batch 1: eager steps, graph replays (when the build captures graphs),
 and one profiled eager step whose GPU kernels are grouped by name (top `--top`), with the sum
-of all kernel times. Each `--gpu-memory` budget runs in a fresh process (the allocator cap of
+of all kernel times. Then one prefill chunk of `--prefill-tokens` (a second sequence from
+position 0, after one warm-up chunk of the same shape): its wall time, and its kernels
+grouped the same way. Each `--gpu-memory` budget runs in a fresh process (the allocator cap of
 a budget counts every byte the process still holds).
 
     python bench/step_profile.py CKPT [--kv iso3] [--gpu-memory none 6GiB] [--context 1024]
-        -> bench/results/step_profile.json
+        [--prefill-tokens 2048] -> bench/results/step_profile.json
 """
 
 from __future__ import annotations
@@ -55,16 +57,41 @@ def kernel_table(prof, top: int) -> tuple[float, list[dict]]:
                     "share": round(v[0] / max(total, 1e-9), 3)} for k, v in rows]
 
 
-def measure(ckpt: str, kv: str, budget: str | None, context: int, steps: int, top: int) -> dict:
+def profile_prefill(runner, ids: list[int], pages: list[int], top: int) -> dict:
+    """Wall time and kernels of one prefill chunk of `ids` from position 0 (after a warm-up)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def chunk() -> None:
+        seq = ScheduledSeq("q", ids, start_pos=0, page_ids=pages, state_slot=0, sample=True,
+                           params=GREEDY)
+        runner.forward(Batch([seq]))
+
+    chunk()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    chunk()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        chunk()
+    total_us, rows = kernel_table(prof, top)
+    return {"tokens": len(ids), "wall_ms": round(1e3 * wall, 1),
+            "tok_s": round(len(ids) / wall, 1), "kernel_sum_ms": round(total_us / 1e3, 1),
+            "top_kernels": rows}
+
+
+def measure(ckpt: str, kv: str, budget: str | None, context: int, steps: int, top: int,
+            prefill_tokens: int = 0) -> dict:
+    tokens = max(context + 4 * steps + 8, prefill_tokens)
     config = EngineConfig(model=ckpt, kv=kv, gpu_memory=budget, max_seqs=1,
-                          max_context=context + 4 * steps + 64, prefix_cache=False)
+                          max_context=tokens + 56, prefix_cache=False)
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     parts = build_parts(config)
     build_s = time.perf_counter() - t0
     runner = parts.runner
     ps = config.page_size
-    pages = list(range(-(-(context + 4 * steps + 8) // ps)))
+    pages = list(range(-(-tokens // ps)))
     vocab = min(parts.model_config.vocab_size, len(parts.tokenizer))
     ids = torch.randint(0, vocab, (context,), generator=torch.Generator().manual_seed(0)).tolist()
     chunk = config.max_num_batched_tokens
@@ -112,6 +139,12 @@ def measure(ckpt: str, kv: str, budget: str | None, context: int, steps: int, to
     total_us, rows = kernel_table(prof, top)
     out["eager_kernel_sum_ms"] = round(total_us / 1e3, 2)
     out["top_kernels"] = rows
+    if prefill_tokens:
+        runner.graphs = None  # the prefill chunk runs eagerly anyway
+        more = torch.randint(0, vocab, (prefill_tokens,),
+                             generator=torch.Generator().manual_seed(1)).tolist()
+        out["prefill_chunk"] = profile_prefill(runner, more, pages, top)
+        runner.graphs = graphs
     out["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     free, total = torch.cuda.mem_get_info()
     out["device_used_gib"] = round((total - free) / 2**30, 2)
@@ -126,12 +159,14 @@ def main() -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--prefill-tokens", type=int, default=2048,
+                   help="tokens of the profiled prefill chunk (0: none)")
     p.add_argument("--case-json", help=argparse.SUPPRESS)  # child mode: one budget -> this file
     args = p.parse_args()
     if args.case_json:  # a fresh process per budget: the allocator cap counts what is left over
         b = args.gpu_memory[0]
         out = measure(args.ckpt, args.kv, None if b == "none" else b, args.context, args.steps,
-                      args.top)
+                      args.top, args.prefill_tokens)
         Path(args.case_json).write_text(json.dumps(out))
         return 0
     rec = Recorder(OUT, run_meta("step_profile", args=vars(args)))
@@ -145,7 +180,8 @@ def child(args: argparse.Namespace, budget: str) -> dict:
         path = Path(tmp) / "case.json"
         cmd = [sys.executable, __file__, args.ckpt, "--kv", args.kv, "--gpu-memory", budget,
                "--context", str(args.context), "--steps", str(args.steps), "--top",
-               str(args.top), "--case-json", str(path)]
+               str(args.top), "--prefill-tokens", str(args.prefill_tokens),
+               "--case-json", str(path)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0 or not path.exists():
             raise RuntimeError(f"exit {res.returncode}: {res.stderr[-3000:]}")

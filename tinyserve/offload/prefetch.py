@@ -22,7 +22,9 @@ Ordering at the call for layer l (`LayerStreamer.slot_ids`):
   3. copy layer l + 1 into region (l + 1) % 2 after `mark` (the prefetch);
   4. the compute stream waits for layer l's copy, then the MoE of layer l runs.
 `release()` (a call that does not stream, `begin_step`) makes the compute stream wait for
-the last copy, so no copy lands in a slot the cache hands out again; the slots come back free.
+the last copy, so no copy lands in a slot the cache hands out again; the slots come back free
+(and first in the policy's victim order). Between the streamed chunks of one prefill the
+regions stay reserved, and a layer a region still holds is not copied again.
 
 Counters: every expert a streamed copy moves counts as a miss of its layer (and its bytes as
 H2D bytes, so bytes per token stay honest); a streamed layer counts no hits. The routed ids
@@ -174,8 +176,14 @@ class LayerStreamer:
         self.cache.stats.count(layer, 0, E, self.cache.store.bytes_per_expert)
 
     def release(self) -> None:
-        """Give the regions back to the cache (free slots) once their last copy is done."""
+        """Give the regions back to the cache (free slots) once their last copy is done.
+
+        A no-op inside a CUDA-graph capture (a capture records no wait on an outside event;
+        the graph runner calls the provider's `begin_step()`, which releases, before each
+        replay)."""
         if not self.active:
+            return
+        if self.cache.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
         if self._last is not None:
             self.queue.wait(self._last)

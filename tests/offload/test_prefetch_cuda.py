@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.offload.test_gpu_cache import _experts
 from tinyserve.core import Batch, SamplingParams, ScheduledSeq
 from tinyserve.kernels.fused_moe import fused_moe, pack_expert_slots
+from tinyserve.kernels.nvfp4_ref import quantize_nvfp4
 from tinyserve.offload import prefetch
 from tinyserve.offload.provider import OffloadedExperts
 from tinyserve.offload.store import HostExpertStore
@@ -19,6 +19,18 @@ from tinyserve.offload.store import HostExpertStore
 pytestmark = pytest.mark.requires_cuda
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
+
+
+def _experts(L: int, E: int, H: int, F: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    w = {}
+    for layer in range(L):
+        for e in range(E):
+            p = f"layers.{layer}.mlp.experts.{e}"
+            w[f"{p}.gate_proj"] = quantize_nvfp4(torch.randn(F, H, generator=g) * 0.05)
+            w[f"{p}.up_proj"] = quantize_nvfp4(torch.randn(F, H, generator=g) * 0.05)
+            w[f"{p}.down_proj"] = quantize_nvfp4(torch.randn(H, F, generator=g) * 0.05)
+    return w
 
 
 def test_streamed_provider_equals_resident_without_host_sync() -> None:

@@ -36,8 +36,8 @@ class OffloadedExperts:
             `prefetch.ENABLED` when the cache has room for two layers but not for all.
         streamer: a ready `LayerStreamer` (tests: an injected copy queue, a threshold).
     Attributes:
-        streamer: the `LayerStreamer`, or None (every call takes the cache path); setting it
-            to None switches streaming off.
+        streamer: the `LayerStreamer`, or None (every call takes the cache path); to switch
+            streaming off, call `begin_step()` (it gives the staging slots back), then set None.
     """
 
     def __init__(self, cache: DeviceExpertCache, *, use_kernel: bool | None = None,
@@ -52,7 +52,7 @@ class OffloadedExperts:
             why = prefetch.can_stream(cache.num_slots, cache.num_layers, cache.num_experts)
             if why is None:
                 streamer = prefetch.LayerStreamer(cache)
-            elif stream_prefill:
+            elif stream_prefill or cache.num_slots < cache.num_layers * cache.num_experts:
                 logger.info("prefill streaming off: %s", why)
         self.streamer = streamer
 

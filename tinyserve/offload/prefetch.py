@@ -156,14 +156,14 @@ class LayerStreamer:
             self.cache.evict_slots(0, 2 * self.cache.num_experts)
             self.active = True
         mark = self.queue.mark()
-        if self.region_layer[layer % 2] != layer:
-            self._copy(layer, mark)
+        self._copy(layer, mark)  # (only when its region does not hold it yet)
         if layer + 1 < self.cache.num_layers:
             self._copy(layer + 1, mark)
         self.queue.wait(self._ready[layer % 2])
         return (topk_ids + self.base(layer)).to(torch.int32)
 
     def _copy(self, layer: int, after: Any) -> None:
+        """Copy `layer` into its region after `after`, unless the region holds it already."""
         r = layer % 2
         if self.region_layer[r] == layer:
             return

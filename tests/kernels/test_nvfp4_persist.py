@@ -4,7 +4,8 @@ reference (dequantize, fp32 matmul).
 Without CUDA the kernel runs in the Triton interpreter on small shapes (an fp32 emulation of
 the half2 FMAs: x is rounded to fp16 after its per-row power-of-two scale, products and sums
 are fp32); the lm_head and qkvz shapes run on a GPU with the inline PTX. Outputs start as NaN.
-Bounds: relative Frobenius error < 1e-2 (bf16 outputs) / 2e-3 (fp16 outputs).
+Bounds: relative Frobenius error < 1e-2 (bf16 outputs) / 2e-3 (fp16 outputs; 5e-3 on a GPU,
+where the block sums are fp16).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from tinyserve.kernels.nvfp4_tiles import PERSISTENT_CANDIDATES  # noqa: E402
 pytest.importorskip("triton")
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-BOUND = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+BOUND = {torch.bfloat16: 1e-2, torch.float16: 2e-3 if DEV == "cpu" else 5e-3}
 
 # interpreter-sized tiles (num_sms is 1 without a GPU: `persistent` = the number of programs,
 # so every program walks several row tiles)
@@ -107,17 +108,20 @@ def test_persistent_config_checks():
 # --- Qwen3.5-35B-A3B shapes on a GPU -----------------------------------------------------
 
 GPU_SHAPES = {"lm_head": (248320, 2048), "qkvz": (8192, 2048), "odd": (1023, 1040)}
+ROW_SCALES = (1.0, 1e-3, 1e3, 30.0)
 
 
 @pytest.mark.requires_cuda
 @pytest.mark.parametrize("name", list(GPU_SHAPES))
 def test_persistent_gemv_gpu(poison, name):
-    # every sweep candidate at M = 1..4, bf16 and fp16 x, inline-PTX half2 FMAs
+    # inline-PTX half2 FMAs, bf16 and fp16 x: every sweep candidate at M = 1 (lm_head, qkvz),
+    # a Triton-staged and the register-prefetch candidate at M = 2..4 (~15 kernel builds)
     n, k = GPU_SHAPES[name]
-    for i, cfg in enumerate(PERSISTENT_CANDIDATES):
-        for m in (1, 2, 3, 4):
-            dtype = (torch.bfloat16, torch.float16)[(i + m) % 2]
-            _check(n, k, m, dtype, cfg, row_scales=(1.0, 1e-3, 1e3, 30.0))
+    staged, prefetch = PERSISTENT_CANDIDATES[0], PERSISTENT_CANDIDATES[-1]
+    cases = [(cfg, 1) for cfg in PERSISTENT_CANDIDATES] if name != "odd" else [(staged, 1)]
+    cases += [(cfg, m) for cfg in (staged, prefetch) for m in (2, 3, 4)]
+    for i, (cfg, m) in enumerate(cases):
+        _check(n, k, m, (torch.bfloat16, torch.float16)[i % 2], cfg, ROW_SCALES)
 
 
 @pytest.mark.requires_cuda

@@ -148,8 +148,9 @@ _TYPES = {"x_ptr": "*bf16", "w_ptr": "*i64", "s_ptr": "*u8", "out_ptr": "*bf16",
 @pytest.mark.slow
 def test_persistent_candidates_build_for_sm90() -> None:
     """Every sweep candidate at M = 1, 2, 4 (K = 2048, the launcher's rows per tile) compiles
-    for sm_90 with the runtime's divisibility attributes, fits in shared memory and spills
-    nothing (the register prefetch at M > 1 excepted). Under the interpreter the check runs
+    for sm_90 with the runtime's divisibility attributes, fits in shared memory, spills
+    nothing (the register prefetch at M > 1 excepted) and, with num_stages > 1, stages its
+    tile loads with cp.async. Under the interpreter the check runs
     in a child process with the compiler."""
     import re
     import subprocess
@@ -192,6 +193,8 @@ def test_persistent_candidates_build_for_sm90() -> None:
                                options={"num_warps": cfg.num_warps,
                                         "num_stages": cfg.num_stages})
             assert k.metadata.shared <= 227 * 1024
+            # NOTE: num_stages > 1 must stage the tile loads through shared memory (cp.async)
+            assert (cfg.num_stages > 1) == ("cp.async" in k.asm["ptx"]), (m, cfg)
             if not tool.exists():
                 continue
             path = Path(os.environ.get("TMPDIR", "/tmp")) / "nvfp4_persist.cubin"

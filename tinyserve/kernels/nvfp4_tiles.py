@@ -99,8 +99,8 @@ GEMV_TILES: dict[tuple[int, int], GemvConfig] = {
 
 # The persistent gemv tiles the H200 sweep (`bench/nvfp4.py`) measures beside the table's;
 # `tests/kernels/test_nvfp4_persist.py` builds each for sm_90 (no spills, shared memory fits).
-# Offline sm_90 build (Triton 3.9): registers / shared memory per program, SASS instructions
-# per weight of the tile loop at K = 2048, M = 1.
+# Offline sm_90 build (Triton 3.6, the H200's): registers / shared memory per program, SASS
+# instructions per weight of the tile loop at K = 2048, M = 1.
 PERSISTENT_CANDIDATES: tuple[GemvConfig, ...] = (
     # Triton stages the next tiles' loads through shared memory (cp.async)
     GemvConfig(16, 128, 4, vec=4, num_stages=3, decode="h2", persistent=4),  # 72 r, 37 KB, 3.7
@@ -111,7 +111,7 @@ PERSISTENT_CANDIDATES: tuple[GemvConfig, ...] = (
     GemvConfig(4, 128, 4, vec=4, num_stages=3, decode="h2", persistent=8),  # 64 r, 9 KB, 4.2
     # the next tile's loads into registers before this tile's decode
     GemvConfig(16, 128, 4, vec=4, num_stages=1, prefetch=True, decode="h2",
-               persistent=3),  # 140 r
+               persistent=4),  # 128 r, 3.6
 )
 
 # (H, F) -> tiles for one decode token. Filled from the H200 sweeps (bench/NOTES_nvfp4.md).

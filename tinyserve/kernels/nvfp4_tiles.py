@@ -30,12 +30,13 @@ class GemvConfig:
     software pipelining of the K loop. `decode`: "f32" or "h2" (module docstring).
 
     `persistent` > 0: the persistent gemv (`nvfp4_persist_triton`, "h2" only, M = 1..4,
-    bf16/fp16 x) with that many programs per SM looping over row tiles of `block_n` rows;
-    `block_b` is raised to cover K (one K step per tile), `prefetch` loads the next row tile
-    into registers before this one is decoded, `num_stages` > 1 lets Triton stage the loads
-    through shared memory, `hoist_x`: x's fp16x2 words are built once per program and kept in
-    registers (else once per tile). `programs_per_sm` (split-K) does not apply. fp32 x and
-    M > 4 take the one-tile-per-program kernel with the f32 decode and the same tiles."""
+    bf16/fp16 x) with that many programs per SM (at most as many as fit) looping over row
+    tiles of `block_n` rows (at most 32 / M); `block_b` is raised to cover K (one K step per
+    tile), `prefetch` loads the next row tile into registers before this one is decoded,
+    `num_stages` > 1 lets Triton stage the loads through shared memory, `hoist_x`: x's fp16x2
+    words are built once per program and kept in registers (else once per tile).
+    `programs_per_sm` (split-K) does not apply. fp32 x and M > 4 take the one-tile-per-program
+    kernel with the f32 decode and the same tiles."""
 
     block_n: int = 8
     block_b: int = 128

@@ -105,6 +105,28 @@ def test_persistent_config_checks():
     assert all(c.persistent > 0 and c.decode == "h2" for c in PERSISTENT_CANDIDATES)
 
 
+def test_resident_programs(monkeypatch):
+    # registers (allocated per warp in 256s), shared memory (+1 KB per program) and threads of
+    # an sm_90 SM; 0 when the kernel or the device does not say
+    from types import SimpleNamespace
+
+    from tinyserve.kernels.launch import resident_programs
+
+    props = SimpleNamespace(regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048,
+                            shared_memory_per_multiprocessor=233472)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: props)
+
+    def kernel(regs: int, smem: int, warps: int = 4) -> SimpleNamespace:
+        meta = SimpleNamespace(num_warps=warps, shared=smem)
+        return SimpleNamespace(_init_handles=lambda: None, n_regs=regs, metadata=meta)
+
+    assert resident_programs(kernel(72, 36896), "cuda") == 6  # shared memory bound
+    assert resident_programs(kernel(72, 18464), "cuda") == 7  # 9 x 256 registers per warp
+    assert resident_programs(kernel(128, 512), "cuda") == 4
+    assert resident_programs(kernel(32, 0, 8), "cuda") == 8  # threads
+    assert resident_programs(object(), "cuda") == 0
+
+
 # --- Qwen3.5-35B-A3B shapes on a GPU -----------------------------------------------------
 
 GPU_SHAPES = {"lm_head": (248320, 2048), "qkvz": (8192, 2048), "odd": (1023, 1040)}

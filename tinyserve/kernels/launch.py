@@ -56,7 +56,8 @@ def resident_programs(kernel, device: torch.device) -> int:
         warps = kernel.metadata.num_warps
         regs = cdiv(kernel.n_regs * 32, 256) * 256 * warps  # allocated per warp in 256s
         by_regs = props.regs_per_multiprocessor // max(1, regs)
-        by_smem = props.shared_memory_per_multiprocessor // (kernel.metadata.shared + 1024)
+        smem = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)  # sm_90's
+        by_smem = smem // (kernel.metadata.shared + 1024)  # + 1 KB reserved per program
         by_threads = props.max_threads_per_multi_processor // (32 * warps)
         return max(0, min(by_regs, by_smem, by_threads, 32))
     except Exception:  # noqa: BLE001 - an estimate only: the caller keeps its own count

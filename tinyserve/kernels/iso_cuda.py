@@ -39,7 +39,8 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _TILE = 32
 MIN_SPLIT_TOKENS = 256
-_ERRORS = {2: "bad format or head_dim", 3: "unsupported GQA group", 4: "bad n_warps"}
+_ERRORS = {2: "bad format or head_dim", 3: "unsupported GQA group", 4: "bad n_warps",
+           5: "bad q dtype or merge"}
 
 _I, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
@@ -50,7 +51,7 @@ _SIGNATURES = {
     "tinyserve_iso_decode": [_P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _I, _I, _F,
                              _I, _P, _P, _P, _I64, _I, _P],
     "tinyserve_iso_decode_mma": [_P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _I, _I,
-                                 _F, _I, _P, _P, _P, _I64, _I, _P],
+                                 _F, _I, _P, _P, _P, _I64, _I, _I, _I, _P],
 }
 
 
@@ -221,10 +222,13 @@ def decode_splits(q: torch.Tensor, seq_lens: torch.Tensor, num_kv_heads: int,
 def run_split_decode(entry: str, variant: int, q: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
                      page_size: int, scale: float, chunk: int, splits: int,
-                     out: torch.Tensor | None) -> torch.Tensor:
+                     out: torch.Tensor | None, *, native_q: bool = False,
+                     tail: tuple[int, ...] = ()) -> torch.Tensor:
     """Run the library's split-K decode `entry` (`variant`: its bits / warps argument) with
     fp32 partials [B, Hq, splits, D] and (max, sum) [B, Hq, splits, 2]; [B, Hq, D] in q's
-    dtype, or written into `out`. Shapes are the caller's to check."""
+    dtype, or written into `out`. With `native_q` the entry reads q in its own dtype and
+    takes q's dtype code after out's (no fp32 copy of q); `tail` are further int arguments
+    before the stream. Shapes are the caller's to check."""
     b, hq, d = q.shape
     if out is None:
         out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
@@ -232,13 +236,14 @@ def run_split_decode(entry: str, variant: int, q: torch.Tensor, k_cache: torch.T
         return out
     part_acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(b, hq, splits, 2, dtype=torch.float32, device=q.device)
-    qf = q.float().contiguous()
+    qf = q.contiguous() if native_q else q.float().contiguous()
     seq_lens = seq_lens.contiguous()
+    q_code = (_DTYPE_CODE[qf.dtype],) if native_q else ()
     _call(q.device, entry, qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
           k_cache.stride(0), page_table.data_ptr(), page_table.stride(0), seq_lens.data_ptr(),
           b, hq, k_cache.shape[1], d, page_size, chunk, splits, float(scale), variant,
           part_acc.data_ptr(), part_ml.data_ptr(), out.data_ptr(), out.stride(0),
-          _DTYPE_CODE[out.dtype])
+          _DTYPE_CODE[out.dtype], *q_code, *tail)
     return out
 
 

@@ -22,6 +22,15 @@ MMA_CONFIG: tuple[dict, ...] = (  # H200 sweep, bench/results/iso_attention.json
     dict(max_batch=1 << 30, warps=2, ctas_per_sm=4, min_split_tokens=256),
 )
 
+# The split merge after the kernel: "cols" (decode_merge_cols_kernel, CTAs over (q head,
+# sequence, 32-column slice): 128 CTAs at batch 1) or "wide" (the previous
+# decode_merge_wide_kernel, one CTA per (q head, sequence): 16 at batch 1).
+MERGE = "cols"
+_MERGE_CODE = {"wide": 0, "cols": 1}
+# Read q in its own dtype in the kernel (True), or pass an fp32 copy (the previous path: one
+# more launch per call).
+NATIVE_Q = True
+
 
 def mma_config(batch: int) -> dict:
     """The MMA_CONFIG row for `batch`."""
@@ -41,12 +50,14 @@ def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                              page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
                              fmt: str, scale: float, *, max_seq_len: int | None = None,
                              out: torch.Tensor | None = None, split_tokens: int | None = None,
-                             warps: int | None = None,
-                             ctas_per_sm: int | None = None) -> torch.Tensor:
+                             warps: int | None = None, ctas_per_sm: int | None = None,
+                             min_split_tokens: int | None = None, merge: str | None = None,
+                             native_q: bool | None = None) -> torch.Tensor:
     """`iso_cuda.iso_decode_attention` on tensor cores (iso3 only; GQA group <= 8; head_dim
     128 or 256): fp16 query and centroid operands, fp32 accumulation. Settings default to
-    `mma_config(B)`; `split_tokens`, `warps`, `ctas_per_sm` override them (tuning). Raises
-    ValueError on shapes it does not take."""
+    `mma_config(B)`; `split_tokens`, `warps`, `ctas_per_sm`, `min_split_tokens` override
+    them (tuning); `merge` ("cols" / "wide") and `native_q` override MERGE and NATIVE_Q (the
+    previous path for comparisons). Raises ValueError on shapes it does not take."""
     b, hq, d, hkv = _check_decode(q, k_cache, v_cache, page_table, seq_lens, fmt)
     _check_out(out, q, b, hq, d)
     if not mma_supported(fmt, hq, hkv, d):
@@ -54,7 +65,15 @@ def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                          f"got {fmt}, {hq}/{hkv} heads, head_dim {d}")
     cfg = mma_config(b)
     chunk, splits = decode_splits(q, seq_lens, hkv, max_seq_len, split_tokens, split_tile=16,
-                                  min_tokens=cfg["min_split_tokens"],
+                                  min_tokens=min_split_tokens or cfg["min_split_tokens"],
                                   ctas_per_sm=ctas_per_sm or cfg["ctas_per_sm"])
+    merge = merge or MERGE
+    if merge not in _MERGE_CODE:
+        raise ValueError(f"merge must be one of {tuple(_MERGE_CODE)}, got {merge!r}")
+    if not (NATIVE_Q if native_q is None else native_q):  # the previous path: fp32 copy of q
+        if out is None:
+            out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+        q = q.float()
     return run_split_decode("tinyserve_iso_decode_mma", warps or cfg["warps"], q, k_cache,
-                            v_cache, page_table, seq_lens, page_size, scale, chunk, splits, out)
+                            v_cache, page_table, seq_lens, page_size, scale, chunk, splits, out,
+                            native_q=True, tail=(_MERGE_CODE[merge],))

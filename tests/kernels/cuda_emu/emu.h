@@ -28,7 +28,7 @@ inline int cudaGetLastError() { return 0; }
 #define __constant__
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 #define CUDART_INF_F INFINITY
 namespace emu {
 struct Ctx { dim3 tid, bid, bdim; std::barrier<>* block; std::barrier<>* warps; float* xbuf; };

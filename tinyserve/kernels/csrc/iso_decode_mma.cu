@@ -3,8 +3,10 @@
 //
 // Grid (splits, kv heads, batch), NW warps. Every warp walks its own 16-token sub-tiles of
 // the CTA's chunk (cp.async double buffer per warp, no CTA barrier in the loop) and keeps its
-// own online softmax; the warps merge in shared memory at the end, the splits in
-// decode_merge_wide_kernel (iso_split.cuh).
+// own online softmax; the warps merge in shared memory at the end, the splits in a second
+// kernel (iso_split.cuh): decode_merge_cols_kernel (grid over heads, sequences and column
+// slices), or the previous decode_merge_wide_kernel (one CTA per head and sequence), picked
+// by the `merge` argument. The query is read in its own dtype (no cast launch before).
 //
 // Decoding a packed value costs ~2 instructions: a 32-bit qs word holds the 2 low index bits
 // of 16 values, the matching signs halfword their high bits. Two masks split the word into
@@ -32,6 +34,27 @@ namespace mma {
 
 constexpr int kSub = 16;  // tokens per warp sub-tile
 constexpr int kRows = 8;  // query heads per MMA (the real M rows)
+
+// The warp-merge buffer's layout: one pad float after every 16 columns and a row stride of
+// D + D/16 + 4 floats, so the 32 lanes of one accumulator store (lane (gq, tq): head 2tq
+// (+1), d = 16 gq + c) hit 32 banks, and 32 consecutive d of one row (the merge's reads) at
+// most 2 lanes per bank; plain rows of D floats put the 32 lanes of a store on 2 banks.
+template <int D>
+struct PaddedRows {
+  static constexpr int kFloats = D + D / 16 + 4;
+  __host__ __device__ static constexpr int at(int r, int d) { return r * kFloats + d + (d >> 4); }
+};
+
+// Column c of a staged query row: the query fragment loads (lane (gq, tq): row gq, c =
+// 32 tq + const) hit 32 banks with the row stride D + 4 and the low 2 bits of c XOR c / 32.
+__host__ __device__ constexpr int q_col(int c) { return c ^ ((c >> 5) & 3); }
+
+// Element i of a query in its dtype (0 fp32, 1 bf16, 2 fp16) as fp32.
+__device__ __forceinline__ float load_q(const void* q, int64_t i, int code) {
+  if (code == 1) return to_float(static_cast<const __nv_bfloat16*>(q)[i]);
+  if (code == 2) return to_float(static_cast<const __half*>(q)[i]);
+  return static_cast<const float*>(q)[i];
+}
 
 #ifdef TINYSERVE_CUDA_EMU
 // CPU emulation (tests/kernels/test_iso_mma.py): the byte permute and the warp-wide MMA with
@@ -195,9 +218,11 @@ __device__ __forceinline__ void v_word(const uint8_t* ba, const uint8_t* bb, int
   lookup4(t, s3 >> 16, r[11], r[15]);
 }
 
+// (NW * 32, 1): sm_90 179 registers, no spills; (NW * 32) alone gave 168 and 16 B spilled.
 template <int NB, int NW>
-__global__ void __launch_bounds__(NW * 32)
-    decode_mma_kernel(const float* __restrict__ q, const uint8_t* __restrict__ k_cache,
+__global__ void __launch_bounds__(NW * 32, 1)
+    decode_mma_kernel(const void* __restrict__ q, int q_code,
+                      const uint8_t* __restrict__ k_cache,
                       const uint8_t* __restrict__ v_cache, int64_t slot_stride,
                       const int32_t* __restrict__ page_table, int64_t pt_stride,
                       const int32_t* __restrict__ seq_lens, int page_size, int n_kv_heads,
@@ -211,11 +236,12 @@ __global__ void __launch_bounds__(NW * 32)
   static_assert(RW <= 32, "one lane per word of a packed row");
   constexpr int kWarpBuf = 2 * 2 * kSub * RB;  // two buffers of K and V rows per warp
   constexpr int kTileBytes = NW * kWarpBuf;
-  constexpr int kMergeBytes = NW * kRows * D * 4;
+  using Rows = PaddedRows<D>;
+  constexpr int kMergeBytes = NW * kRows * Rows::kFloats * 4;
   constexpr int kRaw = kTileBytes > kMergeBytes ? kTileBytes : kMergeBytes;
 
   __shared__ __align__(16) uint8_t raw[kRaw];
-  __shared__ float q_sm[kRows][D];
+  __shared__ float q_sm[kRows][D + 4];
   __shared__ int64_t off_sm[NW][2][kSub];
   __shared__ float ml_sm[NW][kRows][2];
 
@@ -231,36 +257,6 @@ __global__ void __launch_bounds__(NW * 32)
   const int gq = lane >> 2;  // MMA group: query head (scores), token (K), d row (V)
   const int tq = lane & 3;
   const int hq = n_kv_heads * group;
-
-  // rotated query times scale * log2(e), fp32; rows >= group are zero
-  for (int i = threadIdx.x; i < kRows * D / 4; i += NW * 32) {
-    const int h = i / (D / 4);
-    const int g = i - h * (D / 4);
-    float v4[4] = {0.0f, 0.0f, 0.0f, 0.0f}, r4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (h < group) {
-      const float* qh = q + ((int64_t)b * hq + kvh * group + h) * D + 4 * g;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) v4[j] = qh[j];
-      rotate_fast(g & 31, false, v4, r4);
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) q_sm[h][4 * g + j] = r4[j] * scale_log2;
-  }
-  __syncthreads();
-  // Q fragments: k-step s = 4u + j of block b holds pairs 2j, 2j+1 of qs word 2tq + u
-  uint32_t qa[NB][8][2];
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-#pragma unroll
-    for (int s = 0; s < 8; ++s) {
-#pragma unroll
-      for (int x = 0; x < 2; ++x) {
-        const int e = nb * kBlock + 16 * (2 * tq + (s >> 2)) + pair_first(2 * (s & 3) + x);
-        qa[nb][s][x] = pack_half2(q_sm[gq][e], q_sm[gq][e + 2]);
-      }
-    }
-  }
-  const Lut lut = make_lut();
 
   uint8_t* wbuf = raw + warp * kWarpBuf;
   auto stage = [&](int t0, int buf) {  // warp-uniform: copy the K/V rows of a sub-tile
@@ -287,15 +283,47 @@ __global__ void __launch_bounds__(NW * 32)
     }
     cp_async_commit();
   };
+  // the first sub-tile's rows load while the query is staged
+  constexpr int kStride = NW * kSub;
+  int t0 = t_begin + warp * kSub;
+  if (t0 < t_end) stage(t0, 0);
+
+
+  // rotated query times scale * log2(e), fp32; rows >= group are zero
+  for (int i = threadIdx.x; i < kRows * D / 4; i += NW * 32) {
+    const int h = i / (D / 4);
+    const int g = i - h * (D / 4);
+    float v4[4] = {0.0f, 0.0f, 0.0f, 0.0f}, r4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (h < group) {
+      const int64_t qi = ((int64_t)b * hq + kvh * group + h) * D + 4 * g;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v4[j] = load_q(q, qi + j, q_code);
+      rotate_fast(g & 31, false, v4, r4);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) q_sm[h][q_col(4 * g + j)] = r4[j] * scale_log2;
+  }
+  __syncthreads();
+  // Q fragments: k-step s = 4u + j of block b holds pairs 2j, 2j+1 of qs word 2tq + u
+  uint32_t qa[NB][8][2];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const int e = nb * kBlock + 16 * (2 * tq + (s >> 2)) + pair_first(2 * (s & 3) + x);
+        qa[nb][s][x] = pack_half2(q_sm[gq][q_col(e)], q_sm[gq][q_col(e + 2)]);
+      }
+    }
+  }
+  const Lut lut = make_lut();
 
   float m_run = -CUDART_INF_F, l_run = 0.0f;
   float acc[NB * 8][4];
 #pragma unroll
   for (int i = 0; i < NB * 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
-  constexpr int kStride = NW * kSub;
-  int t0 = t_begin + warp * kSub;
-  if (t0 < t_end) stage(t0, 0);
   for (int it = 0; t0 < t_end; t0 += kStride, ++it) {
     const int buf = it & 1;
     __syncwarp();  // every lane is done with the other buffer (sub-tile it - 1)
@@ -391,48 +419,52 @@ __global__ void __launch_bounds__(NW * 32)
 
   // merge the warps of this CTA; `raw` is reused
   __syncthreads();
-  float* macc = reinterpret_cast<float*>(raw);  // [NW][kRows][D]
+  float* macc = reinterpret_cast<float*>(raw);  // [NW][kRows] rows, PaddedRows<D>
+  // acc[i]: d = 128 (i / 8) + 16 gq + 2 (i % 8) (+1 for acc[i][2..3]), heads 2tq, 2tq+1
+  float* m0 = macc + Rows::at(warp * kRows + 2 * tq, 16 * gq);
+  float* m1 = m0 + Rows::kFloats;
 #pragma unroll
   for (int i = 0; i < NB * 8; ++i) {
-    // acc[i]: d = 128 (i / 8) + 16 gq + 2 (i % 8) (+1 for acc[i][2..3]), heads 2tq, 2tq+1
-    const int d = (i >> 3) * kBlock + 16 * gq + 2 * (i & 7);
-    macc[(warp * kRows + 2 * tq) * D + d] = acc[i][0];
-    macc[(warp * kRows + 2 * tq + 1) * D + d] = acc[i][1];
-    macc[(warp * kRows + 2 * tq) * D + d + 1] = acc[i][2];
-    macc[(warp * kRows + 2 * tq + 1) * D + d + 1] = acc[i][3];
+    const int c = Rows::at(0, (i >> 3) * kBlock + 2 * (i & 7));  // + 16 gq: in m0, m1
+    m0[c] = acc[i][0];
+    m1[c] = acc[i][1];
+    m0[c + 1] = acc[i][2];
+    m1[c + 1] = acc[i][3];
   }
   if (tq == 0) {
     ml_sm[warp][gq][0] = m_run;
     ml_sm[warp][gq][1] = l_run;
   }
   __syncthreads();
-  merge_warp_partials<NW, D>(macc, &ml_sm[0][0][0], kRows, group,
+  merge_warp_partials<NW, D, Rows>(macc, &ml_sm[0][0][0], kRows, group,
                             (int64_t)b * hq + kvh * group, n_splits, split, part_acc, part_ml);
 }
 
 template <int NB, int NW>
-void launch(const float* q, const uint8_t* kc, const uint8_t* vc, int64_t ss, const int32_t* pt,
-            int64_t pts, const int32_t* lens, int batch, int ps, int hkv, int group, int chunk,
-            int nsp, float sl2, float* pa, float* pm, cudaStream_t st) {
+void launch(const void* q, int qc, const uint8_t* kc, const uint8_t* vc, int64_t ss,
+            const int32_t* pt, int64_t pts, const int32_t* lens, int batch, int ps, int hkv,
+            int group, int chunk, int nsp, float sl2, float* pa, float* pm, cudaStream_t st) {
   const dim3 grid(nsp, hkv, batch);
-  decode_mma_kernel<NB, NW><<<grid, NW * 32, 0, st>>>(q, kc, vc, ss, pt, pts, lens, ps, hkv,
+  decode_mma_kernel<NB, NW><<<grid, NW * 32, 0, st>>>(q, qc, kc, vc, ss, pt, pts, lens, ps, hkv,
                                                       group, chunk, nsp, sl2, pa, pm);
 }
 
 }  // namespace mma
 }  // namespace iso
 
-// Same arguments as tinyserve_iso_decode (iso3 only, GQA group <= 8, head_dim 128 or 256),
-// plus n_warps (2 or 4). Returns 0, a CUDA error code, 2 (bad format/head_dim), 3 (bad GQA
-// group) or 4 (bad n_warps).
-extern "C" int tinyserve_iso_decode_mma(const float* q, const void* k_cache, const void* v_cache,
+// Same arguments as tinyserve_iso_decode (iso3 only, GQA group <= 8, head_dim 128 or 256)
+// except that q is read in its own dtype (q_dtype_code: 0 fp32, 1 bf16, 2 fp16), plus n_warps
+// (2 or 4) and merge (the split merge kernel: 1 decode_merge_cols_kernel, 0 the previous
+// decode_merge_wide_kernel). Returns 0, a CUDA error code, 2 (bad format/head_dim), 3 (bad GQA
+// group), 4 (bad n_warps) or 5 (bad q dtype or merge).
+extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, const void* v_cache,
                                         int64_t slot_stride, const int32_t* page_table,
                                         int64_t pt_stride, const int32_t* seq_lens, int batch,
                                         int n_q_heads, int n_kv_heads, int head_dim,
                                         int page_size, int chunk, int n_splits, float scale,
                                         int n_warps, float* part_acc, float* part_ml, void* out,
-                                        int64_t out_stride_b, int dtype_code,
-                                        cudaStream_t stream) {
+                                        int64_t out_stride_b, int dtype_code, int q_dtype_code,
+                                        int merge, cudaStream_t stream) {
   using namespace iso;
   if (batch == 0) return 0;
   if (n_kv_heads <= 0 || n_q_heads % n_kv_heads != 0) return 3;
@@ -440,13 +472,14 @@ extern "C" int tinyserve_iso_decode_mma(const float* q, const void* k_cache, con
   if (group < 1 || group > mma::kRows) return 3;
   if (head_dim != 128 && head_dim != 256) return 2;
   if (n_warps != 2 && n_warps != 4) return 4;
+  if (q_dtype_code < 0 || q_dtype_code > 2 || merge < 0 || merge > 1) return 5;
   const float sl2 = scale * 1.4426950408889634f;
   const auto* kc = static_cast<const uint8_t*>(k_cache);
   const auto* vc = static_cast<const uint8_t*>(v_cache);
-#define ISO_MMA(NBV, NWV)                                                                      \
-  mma::launch<NBV, NWV>(q, kc, vc, slot_stride, page_table, pt_stride, seq_lens, batch,        \
-                        page_size, n_kv_heads, group, chunk, n_splits, sl2, part_acc, part_ml, \
-                        stream)
+#define ISO_MMA(NBV, NWV)                                                                     \
+  mma::launch<NBV, NWV>(q, q_dtype_code, kc, vc, slot_stride, page_table, pt_stride,          \
+                        seq_lens, batch, page_size, n_kv_heads, group, chunk, n_splits, sl2,  \
+                        part_acc, part_ml, stream)
   if (head_dim == 256) {
     if (n_warps == 4) ISO_MMA(2, 4);
     else ISO_MMA(2, 2);
@@ -455,11 +488,20 @@ extern "C" int tinyserve_iso_decode_mma(const float* q, const void* k_cache, con
     else ISO_MMA(1, 2);
   }
 #undef ISO_MMA
-  const dim3 grid(n_q_heads, batch);
-  ISO_DISPATCH_DTYPE(dtype_code, T, {
-    decode_merge_wide_kernel<T><<<grid, kWideMergeThreads, 0, stream>>>(
-        part_acc, part_ml, seq_lens, chunk, n_splits, n_q_heads, head_dim,
-        static_cast<T*>(out), out_stride_b);
-  });
+  if (merge == 1) {
+    const dim3 grid(n_q_heads, batch, head_dim / kMergeCols);
+    ISO_DISPATCH_DTYPE(dtype_code, T, {
+      decode_merge_cols_kernel<T><<<grid, kMergeThreads, 0, stream>>>(
+          part_acc, part_ml, seq_lens, chunk, n_splits, n_q_heads, head_dim,
+          static_cast<T*>(out), out_stride_b);
+    });
+  } else {
+    const dim3 grid(n_q_heads, batch);
+    ISO_DISPATCH_DTYPE(dtype_code, T, {
+      decode_merge_wide_kernel<T><<<grid, kWideMergeThreads, 0, stream>>>(
+          part_acc, part_ml, seq_lens, chunk, n_splits, n_q_heads, head_dim,
+          static_cast<T*>(out), out_stride_b);
+    });
+  }
   return (int)cudaGetLastError();
 }

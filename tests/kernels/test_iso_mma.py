@@ -184,7 +184,7 @@ def test_decode_launchers_pass_the_split_plan_to_the_library(monkeypatch, forced
     (n1, a1), (n2, a2) = calls[:2]
     assert (n1, n2) == ("tinyserve_iso_decode", "tinyserve_iso_decode_mma")
     want_cuda = (256, 2) if forced is None else (64, 8)  # 32-token tiles
-    want_mma = (256, 2) if forced is None else (48, 11)  # forced splits in 16-token slices
+    want_mma = (128, 4) if forced is None else (48, 11)  # forced splits in 16-token slices
     assert a1[7:16] == (b, hq, hkv, d, ps, *want_cuda, 0.5, 3)
     assert a2[7:16] == (b, hq, hkv, d, ps, *want_mma, 0.5, iso_mma.mma_config(b)["warps"])
     assert a1[3] == kc.stride(0) and a1[5] == table.stride(0)

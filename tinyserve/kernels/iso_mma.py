@@ -17,9 +17,12 @@ from tinyserve.kernels.iso_cuda import _check_decode, _check_out, decode_splits,
 # with the smallest `max_batch` >= batch is used (the last row otherwise). `warps` per CTA
 # (2 or 4), about `ctas_per_sm` CTAs per SM, at least `min_split_tokens` tokens per split.
 # Set from bench/iso_attention.py's mma sweep (`mma_best`).
+# min_split_tokens = one 16-token sub-tile per warp at batch 1 (4 warps), 4 at batch > 1 (2
+# warps): short contexts get more, shorter splits (batch 1, 4k: 128 CTAs, not 64 of two
+# sub-tiles per warp); from ~16k on the CTA target sets the split, as before.
 MMA_CONFIG: tuple[dict, ...] = (  # H200 sweep, bench/results/iso_attention.json (mma_best)
-    dict(max_batch=1, warps=4, ctas_per_sm=2, min_split_tokens=128),
-    dict(max_batch=1 << 30, warps=2, ctas_per_sm=4, min_split_tokens=256),
+    dict(max_batch=1, warps=4, ctas_per_sm=2, min_split_tokens=64),
+    dict(max_batch=1 << 30, warps=2, ctas_per_sm=4, min_split_tokens=128),
 )
 
 # The split merge after the kernel: "cols" (decode_merge_cols_kernel, CTAs over (q head,

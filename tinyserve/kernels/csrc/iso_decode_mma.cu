@@ -259,15 +259,20 @@ __global__ void __launch_bounds__(NW * 32, 1)
   const int hq = n_kv_heads * group;
 
   uint8_t* wbuf = raw + warp * kWarpBuf;
+  constexpr int kStride = NW * kSub;  // tokens between a warp's sub-tiles
+  // lane < kSub: the page of its token in the next sub-tile to stage, loaded one sub-tile
+  // ahead, so `stage` does not wait on the page table
+  auto page_of = [&](int t) -> int64_t {
+    return t < t_end ? page_table[(int64_t)b * pt_stride + t / page_size] : 0;
+  };
+  int64_t page_next = lane < kSub ? page_of(t_begin + warp * kSub + lane) : 0;
   auto stage = [&](int t0, int buf) {  // warp-uniform: copy the K/V rows of a sub-tile
     if (lane < kSub) {
       const int t = t0 + lane;
       int64_t off = 0;
-      if (t < t_end) {
-        const int64_t page = page_table[(int64_t)b * pt_stride + t / page_size];
-        off = (page * page_size + t % page_size) * slot_stride + (int64_t)kvh * RB;
-      }
+      if (t < t_end) off = (page_next * page_size + t % page_size) * slot_stride + kvh * RB;
       off_sm[warp][buf][lane] = off;
+      page_next = page_of(t + kStride);
     }
     __syncwarp();
     const int n = min(kSub, t_end - t0);
@@ -284,10 +289,8 @@ __global__ void __launch_bounds__(NW * 32, 1)
     cp_async_commit();
   };
   // the first sub-tile's rows load while the query is staged
-  constexpr int kStride = NW * kSub;
   int t0 = t_begin + warp * kSub;
   if (t0 < t_end) stage(t0, 0);
-
 
   // rotated query times scale * log2(e), fp32; rows >= group are zero
   for (int i = threadIdx.x; i < kRows * D / 4; i += NW * 32) {

@@ -104,11 +104,15 @@ def _iso_state(fmt: str, batch: int, ctx: int) -> dict:
                 out=torch.empty_like(q), bytes=bytes_layer, n_layers=n_layers)
 
 
-MMA_SWEEP = [dict(warps=w, ctas_per_sm=c) for w in (4, 2) for c in (1, 2, 4, 8)]
+# ctas_per_sm 0: one wave from the kernel's occupancy (the MMA_CONFIG default)
+MMA_SWEEP = [dict(warps=w, ctas_per_sm=c) for w, cs in ((4, (0, 2, 3, 4)), (2, (0, 4, 6, 8)))
+             for c in cs]
 MIN_SPLIT_SWEEP = (32, 64, 128, 256)  # at 4k, with the batch's default warps / CTAs per SM
 # The mma path before the column-sliced merge, the in-kernel q read and the shorter splits.
-MMA_PREVIOUS = {1: dict(merge="wide", native_q=False, min_split_tokens=128),
-                8: dict(merge="wide", native_q=False, min_split_tokens=256)}
+MMA_PREVIOUS = {1: dict(merge="wide", native_q=False, warps=4, ctas_per_sm=2,
+                       min_split_tokens=128),
+                8: dict(merge="wide", native_q=False, warps=2, ctas_per_sm=4,
+                       min_split_tokens=256)}
 
 
 def _oracle(st: dict) -> torch.Tensor:
@@ -165,10 +169,13 @@ def bench_decode_iso(st: dict, impl: str, cfg: dict, base_us: float | None) -> d
     if impl.startswith("mma"):
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         c = iso_mma.mma_config(st["batch"])
+        ctas = cfg.get("ctas_per_sm", c["ctas_per_sm"])
+        fit = iso_mma.ctas_per_sm_fit(st["q"].device, D, cfg.get("warps", c["warps"]))
+        row["ctas_per_sm_fit"] = fit
         row["split_tokens"], row["splits"] = iso_cuda.plan_splits(
             st["batch"], HKV, st["ctx"], sms,
             min_tokens=cfg.get("min_split_tokens", c["min_split_tokens"]),
-            ctas_per_sm=cfg.get("ctas_per_sm", c["ctas_per_sm"]))
+            ctas_per_sm=ctas or fit, tile=16, one_wave=not ctas)
     return row
 
 

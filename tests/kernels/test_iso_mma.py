@@ -111,10 +111,27 @@ def test_mma_config_table() -> None:
     assert iso_mma.mma_config(1) is iso_mma.MMA_CONFIG[0]
     assert iso_mma.mma_config(10 ** 9) is iso_mma.MMA_CONFIG[-1]
     for row in iso_mma.MMA_CONFIG:
-        assert row["warps"] in (2, 4) and row["ctas_per_sm"] >= 1
+        assert row["warps"] in (2, 4) and (row["ctas_per_sm"] or 0) >= 0
     assert iso_mma.mma_supported("iso3", 16, 2, 256)
     assert not iso_mma.mma_supported("iso4", 16, 2, 256)
     assert not iso_mma.mma_supported("iso3", 32, 2, 256)
+
+
+def test_plan_splits_one_wave() -> None:
+    # one wave: never more CTAs than ctas_per_sm x SMs (floor), unlike the CTA target (ceil)
+    from tinyserve.kernels import iso_cuda
+
+    for batch, ctx, ctas in [(1, 32768, 3), (8, 32768, 7), (8, 131072, 7), (1, 4096, 3),
+                             (3, 100000, 5), (64, 32768, 7)]:
+        chunk, splits = iso_cuda.plan_splits(batch, 2, ctx, 132, min_tokens=64,
+                                             ctas_per_sm=ctas, tile=16, one_wave=True)
+        assert splits * batch * 2 <= max(ctas * 132, batch * 2)
+        assert chunk % 16 == 0 and (splits - 1) * chunk < ctx <= splits * chunk
+    # batch 1, 32k, 3 CTAs of 4 warps per SM: 187 splits of 176 tokens = 374 of 396 slots
+    assert iso_cuda.plan_splits(1, 2, 32768, 132, min_tokens=64, ctas_per_sm=3, tile=16,
+                                one_wave=True) == (176, 187)
+    assert iso_cuda.plan_splits(8, 2, 32768, 132, min_tokens=128, ctas_per_sm=7, tile=16,
+                                one_wave=True) == (576, 57)
 
 
 def test_decode_launchers_check_devices_and_out(monkeypatch) -> None:
@@ -184,7 +201,9 @@ def test_decode_launchers_pass_the_split_plan_to_the_library(monkeypatch, forced
     (n1, a1), (n2, a2) = calls[:2]
     assert (n1, n2) == ("tinyserve_iso_decode", "tinyserve_iso_decode_mma")
     want_cuda = (256, 2) if forced is None else (64, 8)  # 32-token tiles
-    want_mma = (128, 4) if forced is None else (48, 11)  # forced splits in 16-token slices
+    # planned on the CPU: 4 SMs (decode_splits), 2 CTAs per SM (no occupancy): one wave of
+    # 8 CTAs = 2 splits per (sequence, kv head)
+    want_mma = (256, 2) if forced is None else (48, 11)  # forced splits in 16-token slices
     assert a1[7:16] == (b, hq, hkv, d, ps, *want_cuda, 0.5, 3)
     assert a2[7:16] == (b, hq, hkv, d, ps, *want_mma, 0.5, iso_mma.mma_config(b)["warps"])
     assert a1[3] == kc.stride(0) and a1[5] == table.stride(0)

@@ -52,6 +52,7 @@ _SIGNATURES = {
                              _I, _P, _P, _P, _I64, _I, _P],
     "tinyserve_iso_decode_mma": [_P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _I, _I,
                                  _F, _I, _P, _P, _P, _I64, _I, _I, _I, _P],
+    "tinyserve_iso_decode_mma_occupancy": [_I, _I],
 }
 
 
@@ -193,11 +194,17 @@ def iso_dequant_rows(cache: torch.Tensor, slots: torch.Tensor, fmt: str, head_di
 
 def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *,
                 min_tokens: int = MIN_SPLIT_TOKENS, ctas_per_sm: int = 4,
-                tile: int = _TILE) -> tuple[int, int]:
-    """(tokens per split, number of splits): about `ctas_per_sm` CTAs per SM and at least
-    `min_tokens` tokens per split, the split a multiple of `tile` tokens."""
+                tile: int = _TILE, one_wave: bool = False) -> tuple[int, int]:
+    """(tokens per split, number of splits): about `ctas_per_sm` CTAs per SM (with
+    `one_wave`: at most ctas_per_sm x num_sms CTAs, the most that run at once when
+    ctas_per_sm is the kernel's occupancy) and at least `min_tokens` tokens per split, the
+    split a multiple of `tile` tokens."""
     max_seq_len = max(1, max_seq_len)
-    want = max(1, math.ceil(ctas_per_sm * num_sms / max(1, batch * num_kv_heads)))
+    rows = max(1, batch * num_kv_heads)
+    if one_wave:
+        want = max(1, ctas_per_sm * num_sms // rows)
+    else:
+        want = max(1, math.ceil(ctas_per_sm * num_sms / rows))
     splits = max(1, min(math.ceil(max_seq_len / max(1, min_tokens)), want))
     chunk = math.ceil(math.ceil(max_seq_len / splits) / tile) * tile
     return chunk, math.ceil(max_seq_len / chunk)

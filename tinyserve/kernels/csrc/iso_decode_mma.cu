@@ -49,6 +49,25 @@ struct PaddedRows {
 // 32 tq + const) hit 32 banks with the row stride D + 4 and the low 2 bits of c XOR c / 32.
 __host__ __device__ constexpr int q_col(int c) { return c ^ ((c >> 5) & 3); }
 
+// The query's MMA fragments (16 words per lane and 128-value block) are kept in shared memory
+// and read per sub-tile with 16-byte loads the compiler may not hoist (true), or held in
+// registers for the whole CTA (false: 32 more registers at head_dim 256, 2 CTAs of 4 warps
+// per SM instead of 3).
+constexpr bool kQFragsInSmem = true;
+
+#ifdef TINYSERVE_CUDA_EMU
+inline uint4 lds128(const uint4* p) { return *p; }
+#else
+__device__ __forceinline__ uint4 lds128(const uint4* p) {
+  uint4 v;
+  const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(a));
+  return v;
+}
+#endif
+
 // Element i of a query in its dtype (0 fp32, 1 bf16, 2 fp16) as fp32.
 __device__ __forceinline__ float load_q(const void* q, int64_t i, int code) {
   if (code == 1) return to_float(static_cast<const __nv_bfloat16*>(q)[i]);
@@ -244,6 +263,8 @@ __global__ void __launch_bounds__(NW * 32, 1)
   __shared__ float q_sm[kRows][D + 4];
   __shared__ int64_t off_sm[NW][2][kSub];
   __shared__ float ml_sm[NW][kRows][2];
+  // [block nb, word u, j / 2][lane]: (k-step 4u + j, 4u + j + 1) x (a0, a2) of lane's fragment
+  __shared__ uint4 qf_sm[kQFragsInSmem ? NB * 4 : 1][32];
 
   const int split = blockIdx.x;
   const int kvh = blockIdx.y;
@@ -308,15 +329,26 @@ __global__ void __launch_bounds__(NW * 32, 1)
   }
   __syncthreads();
   // Q fragments: k-step s = 4u + j of block b holds pairs 2j, 2j+1 of qs word 2tq + u
-  uint32_t qa[NB][8][2];
+  auto q_frag = [&](int fl, int nb, int s, int x) {  // lane fl's register (s, x) of block nb
+    const int e = nb * kBlock + 16 * (2 * (fl & 3) + (s >> 2)) + pair_first(2 * (s & 3) + x);
+    return pack_half2(q_sm[fl >> 2][q_col(e)], q_sm[fl >> 2][q_col(e + 2)]);
+  };
+  uint32_t qa[kQFragsInSmem ? 1 : NB][8][2];
+  if constexpr (kQFragsInSmem) {
+    for (int i = threadIdx.x; i < NB * 4 * 32; i += NW * 32) {
+      const int fl = i & 31, g = i >> 5;  // g = (nb * 2 + u) * 2 + j / 2
+      const int nb = g >> 2, s0 = 4 * ((g >> 1) & 1) + 2 * (g & 1);
+      qf_sm[g][fl] = make_uint4(q_frag(fl, nb, s0, 0), q_frag(fl, nb, s0, 1),
+                                q_frag(fl, nb, s0 + 1, 0), q_frag(fl, nb, s0 + 1, 1));
+    }
+    __syncthreads();
+  } else {
 #pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
+    for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
-    for (int s = 0; s < 8; ++s) {
+      for (int s = 0; s < 8; ++s) {
 #pragma unroll
-      for (int x = 0; x < 2; ++x) {
-        const int e = nb * kBlock + 16 * (2 * tq + (s >> 2)) + pair_first(2 * (s & 3) + x);
-        qa[nb][s][x] = pack_half2(q_sm[gq][q_col(e)], q_sm[gq][q_col(e + 2)]);
+        for (int x = 0; x < 2; ++x) qa[nb][s][x] = q_frag(lane, nb, s, x);
       }
     }
   }
@@ -344,19 +376,32 @@ __global__ void __launch_bounds__(NW * 32, 1)
     // scores: S_b[head gq][tokens 8 nt + 2 tq + {0, 1}] in sacc[b][nt][0..1]
     float sacc[NB][2][4];
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const uint8_t* row = ks + (8 * nt + gq) * RB;
+    for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
-      for (int nb = 0; nb < NB; ++nb) {
+      for (int nt = 0; nt < 2; ++nt)
         sacc[nb][nt][0] = sacc[nb][nt][1] = sacc[nb][nt][2] = sacc[nb][nt][3] = 0.0f;
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
+      for (int u = 0; u < 2; ++u) {
+        uint32_t qr[4][2];  // this word's 4 k-steps
+        if constexpr (kQFragsInSmem) {
+          const uint4 lo = lds128(&qf_sm[(nb * 2 + u) * 2][lane]);
+          const uint4 hi = lds128(&qf_sm[(nb * 2 + u) * 2 + 1][lane]);
+          qr[0][0] = lo.x, qr[0][1] = lo.y, qr[1][0] = lo.z, qr[1][1] = lo.w;
+          qr[2][0] = hi.x, qr[2][1] = hi.y, qr[3][0] = hi.z, qr[3][1] = hi.w;
+        } else {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            qr[j][0] = qa[nb][4 * u + j][0];
+            qr[j][1] = qa[nb][4 * u + j][1];
+          }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
           uint32_t kb[8];
-          k_word(row + nb * BB, 2 * tq + u, lut, kb);
+          k_word(ks + (8 * nt + gq) * RB + nb * BB, 2 * tq + u, lut, kb);
 #pragma unroll
           for (int j = 0; j < 4; ++j)
-            mma16816(sacc[nb][nt], qa[nb][4 * u + j][0], 0u, qa[nb][4 * u + j][1], 0u,
-                     kb[2 * j], kb[2 * j + 1]);
+            mma16816(sacc[nb][nt], qr[j][0], 0u, qr[j][1], 0u, kb[2 * j], kb[2 * j + 1]);
         }
       }
     }
@@ -507,4 +552,20 @@ extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, cons
     });
   }
   return (int)cudaGetLastError();
+}
+
+// How many CTAs of the decode kernel for (head_dim, n_warps) one SM holds (registers and
+// shared memory): the launcher sizes a one-wave grid from it. 0 on a bad argument or error.
+extern "C" int tinyserve_iso_decode_mma_occupancy(int head_dim, int n_warps) {
+  int n = 0;
+  cudaError_t e = cudaErrorInvalidValue;
+#define ISO_OCC(NBV, NWV)                                                                      \
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, iso::mma::decode_mma_kernel<NBV, NWV>, \
+                                                    NWV * 32, 0)
+  if (head_dim == 256 && n_warps == 4) ISO_OCC(2, 4);
+  if (head_dim == 256 && n_warps == 2) ISO_OCC(2, 2);
+  if (head_dim == 128 && n_warps == 4) ISO_OCC(1, 4);
+  if (head_dim == 128 && n_warps == 2) ISO_OCC(1, 2);
+#undef ISO_OCC
+  return e == cudaSuccess ? n : 0;
 }

@@ -27,7 +27,7 @@ from tinyserve.kernels.iso_cuda import (
 # kernel's occupancy lets every SM hold), at least `min_split_tokens` tokens per split.
 # Set from bench/iso_attention.py's mma sweep (`mma_best`).
 # The sweep's best rows were the largest grids that fit in one wave (bench/NOTES_iso.md), so
-# the CTA count now comes from the kernel's occupancy (sm_90: 138 registers, 3 CTAs of 4
+# the CTA count now comes from the kernel's occupancy (sm_90: 122 registers, 4 CTAs of 4
 # warps or 7 of 2 per SM) instead of a constant. min_split_tokens = one 16-token sub-tile per
 # warp at batch 1 (4 warps), 4 at batch > 1 (2 warps): short contexts get more, shorter
 # splits (batch 1, 4k: 128 CTAs, not 64 of two sub-tiles per warp).

@@ -51,8 +51,8 @@ __host__ __device__ constexpr int q_col(int c) { return c ^ ((c >> 5) & 3); }
 
 // The query's MMA fragments (16 words per lane and 128-value block) are kept in shared memory
 // and read per sub-tile with 16-byte loads the compiler may not hoist (true), or held in
-// registers for the whole CTA (false: 32 more registers at head_dim 256, 2 CTAs of 4 warps
-// per SM instead of 3).
+// registers for the whole CTA (false: 32 more registers at head_dim 256; relax the launch
+// bound of decode_mma_kernel to (NW * 32, 1) with it, or it spills).
 constexpr bool kQFragsInSmem = true;
 
 #ifdef TINYSERVE_CUDA_EMU
@@ -237,9 +237,10 @@ __device__ __forceinline__ void v_word(const uint8_t* ba, const uint8_t* bb, int
   lookup4(t, s3 >> 16, r[11], r[15]);
 }
 
-// (NW * 32, 1): sm_90 179 registers, no spills; (NW * 32) alone gave 168 and 16 B spilled.
+// At least 16 warps per SM (<= 128 registers): sm_90 122 registers, no spills, 4 CTAs of 4
+// warps per SM (7 of 2 warps: shared memory); without the bound ptxas takes 138 (3 CTAs).
 template <int NB, int NW>
-__global__ void __launch_bounds__(NW * 32, 1)
+__global__ void __launch_bounds__(NW * 32, 16 / NW)
     decode_mma_kernel(const void* __restrict__ q, int q_code,
                       const uint8_t* __restrict__ k_cache,
                       const uint8_t* __restrict__ v_cache, int64_t slot_stride,

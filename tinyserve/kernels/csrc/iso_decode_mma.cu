@@ -270,6 +270,19 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
   const int split = blockIdx.x;
   const int kvh = blockIdx.y;
   const int b = blockIdx.z;
+  const int hq = n_kv_heads * group;
+  // the query loads go out first, beside the length's: neither waits on the other
+  constexpr int kQIters = kRows * D / 4 / (NW * 32);  // 4-value groups per thread
+  static_assert(kRows * D / 4 % (NW * 32) == 0, "whole query groups per thread");
+  float qv[kQIters][4];
+#pragma unroll
+  for (int it = 0; it < kQIters; ++it) {
+    const int i = threadIdx.x + it * NW * 32;
+    const int h = i / (D / 4);
+    const int64_t qi = ((int64_t)b * hq + kvh * group + h) * D + 4 * (i - h * (D / 4));
+#pragma unroll
+    for (int j = 0; j < 4; ++j) qv[it][j] = h < group ? load_q(q, qi + j, q_code) : 0.0f;
+  }
   const int len = seq_lens[b];
   const int t_begin = split * chunk;
   if (t_begin >= len) return;
@@ -278,7 +291,6 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
   const int lane = threadIdx.x & 31;
   const int gq = lane >> 2;  // MMA group: query head (scores), token (K), d row (V)
   const int tq = lane & 3;
-  const int hq = n_kv_heads * group;
 
   uint8_t* wbuf = raw + warp * kWarpBuf;
   constexpr int kStride = NW * kSub;  // tokens between a warp's sub-tiles
@@ -315,16 +327,13 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
   if (t0 < t_end) stage(t0, 0);
 
   // rotated query times scale * log2(e), fp32; rows >= group are zero
-  for (int i = threadIdx.x; i < kRows * D / 4; i += NW * 32) {
+#pragma unroll
+  for (int it = 0; it < kQIters; ++it) {
+    const int i = threadIdx.x + it * NW * 32;
     const int h = i / (D / 4);
     const int g = i - h * (D / 4);
-    float v4[4] = {0.0f, 0.0f, 0.0f, 0.0f}, r4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (h < group) {
-      const int64_t qi = ((int64_t)b * hq + kvh * group + h) * D + 4 * g;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) v4[j] = load_q(q, qi + j, q_code);
-      rotate_fast(g & 31, false, v4, r4);
-    }
+    float r4[4];
+    rotate_fast(g & 31, false, qv[it], r4);
 #pragma unroll
     for (int j = 0; j < 4; ++j) q_sm[h][q_col(4 * g + j)] = r4[j] * scale_log2;
   }

@@ -4,7 +4,10 @@
 Decode: batch 1 and 8, context 4k / 32k / 128k; iso3 with the three decode kernels (the CUDA
 SIMT kernel "cuda", the Triton tensor-core kernel "triton", the CUDA tensor-core kernel "mma"
 of csrc/iso_decode_mma.cu) and a sweep of the mma kernel's settings (warps per CTA, CTAs per
-SM, which set the split count), iso4 at 32k (cuda, triton), vs bf16 torch SDPA with GQA
+SM, which set the split count; at 4k the minimum tokens per split), "mma_prev" = the mma
+kernel on its previous path (the one-CTA-per-head split merge, an fp32 copy of q, the previous
+minimum split sizes: `MMA_PREVIOUS`; `mma_vs_previous` has the ratios), iso4 at 32k (cuda,
+triton), vs bf16 torch SDPA with GQA
 (`enable_gqa=True`) over a contiguous bf16 K/V (the baseline). Each timed call runs over
 several distinct layer caches (so nothing stays in L2 between layers, as in a real step)
 inside a CUDA graph; the per-layer time is the graph time / calls. Every timed config also
@@ -101,7 +104,15 @@ def _iso_state(fmt: str, batch: int, ctx: int) -> dict:
                 out=torch.empty_like(q), bytes=bytes_layer, n_layers=n_layers)
 
 
-MMA_SWEEP = [dict(warps=w, ctas_per_sm=c) for w in (4, 2) for c in (1, 2, 4, 8)]
+# ctas_per_sm 0: one wave from the kernel's occupancy (the MMA_CONFIG default)
+MMA_SWEEP = [dict(warps=w, ctas_per_sm=c) for w, cs in ((4, (0, 2, 3, 4)), (2, (0, 4, 6, 8)))
+             for c in cs]
+MIN_SPLIT_SWEEP = (32, 64, 128, 256)  # at 4k, with the batch's default warps / CTAs per SM
+# The mma path before the column-sliced merge, the in-kernel q read and the shorter splits.
+MMA_PREVIOUS = {1: dict(merge="wide", native_q=False, warps=4, ctas_per_sm=2,
+                       min_split_tokens=128),
+                8: dict(merge="wide", native_q=False, warps=2, ctas_per_sm=4,
+                       min_split_tokens=256)}
 
 
 def _oracle(st: dict) -> torch.Tensor:
@@ -126,7 +137,7 @@ def _call(st: dict, impl: str, cfg: dict):
     if impl == "cuda":
         return lambda kc, vc, out: iso_cuda.iso_decode_attention(
             q, kc, vc, table, lens, PAGE, fmt, D ** -0.5, max_seq_len=ctx, out=out, **cfg)
-    if impl == "mma":
+    if impl in ("mma", "mma_prev", "mma_min"):
         return lambda kc, vc, out: iso_mma.iso_decode_attention_mma(
             q, kc, vc, table, lens, PAGE, fmt, D ** -0.5, max_seq_len=ctx, out=out, **cfg)
     return lambda kc, vc, out: iso_triton.iso_decode_attention_triton(
@@ -155,12 +166,16 @@ def bench_decode_iso(st: dict, impl: str, cfg: dict, base_us: float | None) -> d
                layers_in_rotation=st["n_layers"], config=cfg)
     if base_us:
         row["ratio_vs_bf16"] = us / base_us
-    if impl == "mma":
+    if impl.startswith("mma"):
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         c = iso_mma.mma_config(st["batch"])
+        ctas = cfg.get("ctas_per_sm", c["ctas_per_sm"])
+        fit = iso_mma.ctas_per_sm_fit(st["q"].device, D, cfg.get("warps", c["warps"]))
+        row["ctas_per_sm_fit"] = fit
         row["split_tokens"], row["splits"] = iso_cuda.plan_splits(
-            st["batch"], HKV, st["ctx"], sms, min_tokens=c["min_split_tokens"],
-            ctas_per_sm=cfg.get("ctas_per_sm", c["ctas_per_sm"]))
+            st["batch"], HKV, st["ctx"], sms,
+            min_tokens=cfg.get("min_split_tokens", c["min_split_tokens"]),
+            ctas_per_sm=ctas or fit, tile=16, one_wave=not ctas)
     return row
 
 
@@ -228,7 +243,8 @@ def _choose(cases: dict) -> dict:
     for name, row in cases.items():
         parts = name.split("/")  # decode/b{B}/{ctx}/iso3/{impl}[/{cfg}]
         if len(parts) < 5 or parts[0] != "decode" or parts[3] != "iso3" \
-                or int(parts[2]) < 32768 or not row.get("cos_ok") or "ratio_vs_bf16" not in row:
+                or parts[4] not in ("cuda", "triton", "mma") or int(parts[2]) < 32768 \
+                or not row.get("cos_ok") or "ratio_vs_bf16" not in row:
             continue
         key = (parts[4], parts[1], parts[2])
         ratios.setdefault(key, []).append(row["ratio_vs_bf16"])
@@ -260,6 +276,18 @@ def _mma_best(cases: dict) -> dict:
     return out
 
 
+def _vs_previous(cases: dict) -> dict:
+    """Per decode point: the mma path's previous time over its new time (> 1: faster now)."""
+    out = {}
+    for name, row in cases.items():
+        if name.endswith("/iso3/mma_prev") and "us" in row:
+            new = cases.get(name[: -len("_prev")], {})
+            if "us" in new:
+                out[name.split("/iso3/")[0]] = dict(new_us=new["us"], previous_us=row["us"],
+                                                    speedup=row["us"] / new["us"])
+    return out
+
+
 def _summary(cases: dict) -> None:
     print("\ndecode (us per layer, ratio vs bf16, cosine vs oracle):")
     for name, row in cases.items():
@@ -279,7 +307,9 @@ def main() -> int:
         "iso_attention", sms=props.multi_processor_count, cuda=torch.version.cuda,
         shapes=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, page_size=PAGE),
         baseline="torch SDPA bf16, enable_gqa=True, contiguous K/V",
-        mma_config=list(iso_mma.MMA_CONFIG), triton_block_t=iso_triton.BLOCK_T,
+        mma_config=list(iso_mma.MMA_CONFIG), mma_merge=iso_mma.MERGE,
+        mma_native_q=iso_mma.NATIVE_Q, mma_previous=MMA_PREVIOUS,
+        triton_block_t=iso_triton.BLOCK_T,
         targets="iso3 <= 0.5x bf16 at 32k and 128k (batch 1); extend iso/bf16 within 1.3x"))
     contexts = [4096, 32768] if args.quick else [4096, 32768, 131072]
     for batch in (1, 8):
@@ -299,19 +329,24 @@ def main() -> int:
                 if rec.run(f"{tag}/{fmt}/state", make) is None:
                     continue
                 st = holder.pop("st")
-                impls = ["cuda", "triton"] + (["mma"] if fmt == "iso3" else [])
+                impls = ["cuda", "triton"] + (["mma", "mma_prev"] if fmt == "iso3" else [])
                 for impl in impls:
-                    rec.run(f"{tag}/{fmt}/{impl}", bench_decode_iso, st, impl, {}, base)
+                    cfg = MMA_PREVIOUS[batch] if impl == "mma_prev" else {}
+                    rec.run(f"{tag}/{fmt}/{impl}", bench_decode_iso, st, impl, cfg, base)
                 if fmt == "iso3":
                     for cfg in MMA_SWEEP:
                         cname = f"w{cfg['warps']}c{cfg['ctas_per_sm']}"
                         rec.run(f"{tag}/{fmt}/mma/{cname}", bench_decode_iso, st, "mma", cfg,
                                 base)
+                    for m in MIN_SPLIT_SWEEP if ctx == 4096 else ():
+                        rec.run(f"{tag}/{fmt}/mma_min/m{m}", bench_decode_iso, st, "mma",
+                                dict(min_split_tokens=m), base)
                 del st
                 torch.cuda.empty_cache()
     cases = rec.data["cases"]
     rec.data["decode_choice"] = _choose(cases)
     rec.data["mma_best"] = _mma_best(cases)
+    rec.data["mma_vs_previous"] = _vs_previous(cases)
     if not args.no_extend:
         for prefix in (0, 2048, 8192, 30720):
             rec.run(f"extend/iso3/prefix{prefix}", bench_extend, "iso3", prefix)
@@ -322,6 +357,9 @@ def main() -> int:
     _summary(cases)
     print(f"decode_choice: {rec.data['decode_choice']}")
     print(f"mma_best: {rec.data['mma_best']}")
+    for point, r in rec.data["mma_vs_previous"].items():
+        print(f"  {point}: mma {r['new_us']:.1f} us, previous path {r['previous_us']:.1f} us, "
+              f"x{r['speedup']:.2f}")
     print(f"wrote {RESULTS}")
     return 0
 

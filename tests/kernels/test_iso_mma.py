@@ -28,21 +28,25 @@ def lib(tmp_path_factory):
     lib = emulation.build(("iso_decode_mma.cu",), tmp_path_factory.mktemp("iso_mma_emu"),
                           defines=("TINYSERVE_CUDA_EMU",))
     lib.tinyserve_iso_decode_mma.argtypes = [P, P, P, I64, P, I64, P, I, I, I, I, I, I, I, F,
-                                             I, P, P, P, I64, I, P]
+                                             I, P, P, P, I64, I, I, I, P]
     return lib
 
 
-CASES = [  # hq, hkv, d, page_size, lens, split tokens (None: one split), warps, out dtype
-    (16, 2, 256, 16, [1], None, 4, torch.float32),
-    (16, 2, 256, 16, [70, 17, 300], 64, 4, torch.float32),
-    (16, 2, 256, 1, [33, 2], 32, 2, torch.bfloat16),
-    (8, 8, 128, 16, [5, 100], None, 2, torch.float32),
-    (4, 1, 128, 4, [100, 1], 48, 4, torch.float32),
-    (2, 1, 256, 4, [129], 80, 4, torch.float32),
-    (6, 2, 128, 16, [40], None, 4, torch.float32),
-    (16, 2, 256, 16, [600, 5], 16, 2, torch.float32),  # 38 splits: every merge slice
-    (16, 2, 256, 16, [1000], None, 4, torch.float32),  # ~16 sub-tiles per warp
+CASES = [  # hq, hkv, d, page_size, lens, split tokens (None: one split), warps, out dtype,
+    # q dtype, merge (1: column slices, 0: the previous one CTA per head)
+    (16, 2, 256, 16, [1], None, 4, torch.float32, torch.float32, 1),
+    (16, 2, 256, 16, [70, 17, 300], 64, 4, torch.float32, torch.bfloat16, 1),
+    (16, 2, 256, 16, [70, 17, 300], 64, 4, torch.float32, torch.float32, 0),
+    (16, 2, 256, 1, [33, 2], 32, 2, torch.bfloat16, torch.bfloat16, 1),
+    (8, 8, 128, 16, [5, 100], None, 2, torch.float32, torch.float16, 1),
+    (4, 1, 128, 4, [100, 1], 48, 4, torch.float32, torch.float32, 1),
+    (2, 1, 256, 4, [129], 80, 4, torch.float32, torch.float32, 1),
+    (6, 2, 128, 16, [40], None, 4, torch.float32, torch.float32, 0),
+    (16, 2, 256, 16, [600, 5], 16, 2, torch.float32, torch.float32, 1),  # 38 splits
+    (8, 1, 256, 16, [1100], 16, 4, torch.float32, torch.bfloat16, 1),  # 69 splits: > 2 rounds
+    (16, 2, 256, 16, [1000], None, 4, torch.float32, torch.float32, 1),  # ~16 sub-tiles/warp
 ]
+_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _cache(hkv, d, ps, lens, gen):
@@ -63,13 +67,13 @@ def _cache(hkv, d, ps, lens, gen):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"hq{c[0]}-hkv{c[1]}-d{c[2]}-ps{c[3]}-"
-                                             f"len{max(c[4])}x{len(c[4])}-w{c[6]}"
-                                             for c in CASES])
+                                             f"len{max(c[4])}x{len(c[4])}-w{c[6]}-"
+                                             f"q{str(c[8])[6:]}-m{c[9]}" for c in CASES])
 def test_mma_decode_matches_reference(lib, case) -> None:
-    hq, hkv, d, ps, lens, split_tokens, warps, dtype = case
+    hq, hkv, d, ps, lens, split_tokens, warps, dtype, q_dtype, merge = case
     gen = torch.Generator().manual_seed(hq * 7 + d + len(lens))
     kc, vc, table = _cache(hkv, d, ps, lens, gen)
-    q = torch.randn(len(lens), hq, d, generator=gen) * 3
+    q = (torch.randn(len(lens), hq, d, generator=gen) * 3).to(q_dtype)
     seq = torch.tensor(lens, dtype=torch.int32)
     chunk = split_tokens or max(lens)
     splits = math.ceil(max(lens) / chunk)
@@ -80,9 +84,9 @@ def test_mma_decode_matches_reference(lib, case) -> None:
         q.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.stride(0), table.data_ptr(),
         table.stride(0), seq.data_ptr(), len(lens), hq, hkv, d, ps, chunk, splits, d ** -0.5,
         warps, part_acc.data_ptr(), part_ml.data_ptr(), out.data_ptr(), out.stride(0),
-        0 if dtype == torch.float32 else 1, None)
+        _CODE[dtype], _CODE[q_dtype], merge, None)
     assert rc == 0
-    ref = iso.decode_attention_ref(q, kc, vc, table, seq, ps, "iso3", d ** -0.5)
+    ref = iso.decode_attention_ref(q.float(), kc, vc, table, seq, ps, "iso3", d ** -0.5)
     assert not out.isnan().any()
     cos = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.flatten(), dim=0)
     err = (out.float() - ref).abs().max().item() / ref.abs().max().item()
@@ -94,21 +98,40 @@ def test_mma_decode_matches_reference(lib, case) -> None:
 def test_mma_rejects_unsupported(lib) -> None:
     z = torch.zeros(4, dtype=torch.int32)
     args = [z.data_ptr(), z.data_ptr(), z.data_ptr(), 0, z.data_ptr(), 1, z.data_ptr(), 1]
-    tail = [16, 1, 1, 1.0, 4, z.data_ptr(), z.data_ptr(), z.data_ptr(), 0, 0, None]
+    tail = [16, 1, 1, 1.0, 4, z.data_ptr(), z.data_ptr(), z.data_ptr(), 0, 0, 0, 1, None]
     assert lib.tinyserve_iso_decode_mma(*args, 16, 1, 256, *tail) == 3  # group 16
     assert lib.tinyserve_iso_decode_mma(*args, 8, 1, 384, *tail) == 2  # head_dim
     bad_warps = tail[:4] + [3] + tail[5:]
     assert lib.tinyserve_iso_decode_mma(*args, 8, 1, 256, *bad_warps) == 4
+    for bad in ([0, 3, 1], [0, 0, 2], [0, -1, 1]):  # q dtype code, merge
+        assert lib.tinyserve_iso_decode_mma(*args, 8, 1, 256, *tail[:-4], *bad, None) == 5
 
 
 def test_mma_config_table() -> None:
     assert iso_mma.mma_config(1) is iso_mma.MMA_CONFIG[0]
     assert iso_mma.mma_config(10 ** 9) is iso_mma.MMA_CONFIG[-1]
     for row in iso_mma.MMA_CONFIG:
-        assert row["warps"] in (2, 4) and row["ctas_per_sm"] >= 1
+        assert row["warps"] in (2, 4) and (row["ctas_per_sm"] or 0) >= 0
     assert iso_mma.mma_supported("iso3", 16, 2, 256)
     assert not iso_mma.mma_supported("iso4", 16, 2, 256)
     assert not iso_mma.mma_supported("iso3", 32, 2, 256)
+
+
+def test_plan_splits_one_wave() -> None:
+    # one wave: never more CTAs than ctas_per_sm x SMs (floor), unlike the CTA target (ceil)
+    from tinyserve.kernels import iso_cuda
+
+    for batch, ctx, ctas in [(1, 32768, 3), (8, 32768, 7), (8, 131072, 7), (1, 4096, 3),
+                             (3, 100000, 5), (64, 32768, 7)]:
+        chunk, splits = iso_cuda.plan_splits(batch, 2, ctx, 132, min_tokens=64,
+                                             ctas_per_sm=ctas, tile=16, one_wave=True)
+        assert splits * batch * 2 <= max(ctas * 132, batch * 2)
+        assert chunk % 16 == 0 and (splits - 1) * chunk < ctx <= splits * chunk
+    # batch 1, 32k, 3 CTAs of 4 warps per SM: 187 splits of 176 tokens = 374 of 396 slots
+    assert iso_cuda.plan_splits(1, 2, 32768, 132, min_tokens=64, ctas_per_sm=3, tile=16,
+                                one_wave=True) == (176, 187)
+    assert iso_cuda.plan_splits(8, 2, 32768, 132, min_tokens=128, ctas_per_sm=7, tile=16,
+                                one_wave=True) == (576, 57)
 
 
 def test_decode_launchers_check_devices_and_out(monkeypatch) -> None:
@@ -175,13 +198,24 @@ def test_decode_launchers_pass_the_split_plan_to_the_library(monkeypatch, forced
                                              split_tokens=forced)
     out_mma = iso_mma.iso_decode_attention_mma(q, kc, kc, table, seq, ps, "iso3", 0.5,
                                                split_tokens=forced)
-    (n1, a1), (n2, a2) = calls
+    (n1, a1), (n2, a2) = calls[:2]
     assert (n1, n2) == ("tinyserve_iso_decode", "tinyserve_iso_decode_mma")
     want_cuda = (256, 2) if forced is None else (64, 8)  # 32-token tiles
+    # planned on the CPU: 4 SMs (decode_splits), 2 CTAs per SM (no occupancy): one wave of
+    # 8 CTAs = 2 splits per (sequence, kv head)
     want_mma = (256, 2) if forced is None else (48, 11)  # forced splits in 16-token slices
     assert a1[7:16] == (b, hq, hkv, d, ps, *want_cuda, 0.5, 3)
     assert a2[7:16] == (b, hq, hkv, d, ps, *want_mma, 0.5, iso_mma.mma_config(b)["warps"])
     assert a1[3] == kc.stride(0) and a1[5] == table.stride(0)
     assert a1[-3:] == (out_cuda.data_ptr(), out_cuda.stride(0), 1)
-    assert a2[-3:] == (out_mma.data_ptr(), out_mma.stride(0), 1)
+    # the MMA entry reads q in its dtype (code 1: bf16) and takes the merge kernel (1: cols)
+    assert a2[-5:] == (out_mma.data_ptr(), out_mma.stride(0), 1, 1, 1)
+    assert a2[0] == q.data_ptr()
+    prev = iso_mma.iso_decode_attention_mma(q, kc, kc, table, seq, ps, "iso3", 0.5,
+                                            split_tokens=forced, merge="wide", native_q=False)
+    a3 = calls[2][1]  # the previous path: an fp32 copy of q, the one-CTA-per-head merge
+    assert a3[7:16] == a2[7:16] and a3[-5:] == (prev.data_ptr(), prev.stride(0), 1, 0, 0)
+    assert prev.dtype == q.dtype
+    with pytest.raises(ValueError):
+        iso_mma.iso_decode_attention_mma(q, kc, kc, table, seq, ps, "iso3", 0.5, merge="x")
     assert out_cuda.shape == out_mma.shape == (b, hq, d) and out_cuda.dtype == q.dtype

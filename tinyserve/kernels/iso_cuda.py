@@ -39,7 +39,8 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _TILE = 32
 MIN_SPLIT_TOKENS = 256
-_ERRORS = {2: "bad format or head_dim", 3: "unsupported GQA group", 4: "bad n_warps"}
+_ERRORS = {2: "bad format or head_dim", 3: "unsupported GQA group", 4: "bad n_warps",
+           5: "bad q dtype or merge"}
 
 _I, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
@@ -50,7 +51,8 @@ _SIGNATURES = {
     "tinyserve_iso_decode": [_P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _I, _I, _F,
                              _I, _P, _P, _P, _I64, _I, _P],
     "tinyserve_iso_decode_mma": [_P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _I, _I,
-                                 _F, _I, _P, _P, _P, _I64, _I, _P],
+                                 _F, _I, _P, _P, _P, _I64, _I, _I, _I, _P],
+    "tinyserve_iso_decode_mma_occupancy": [_I, _I],
 }
 
 
@@ -192,11 +194,17 @@ def iso_dequant_rows(cache: torch.Tensor, slots: torch.Tensor, fmt: str, head_di
 
 def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *,
                 min_tokens: int = MIN_SPLIT_TOKENS, ctas_per_sm: int = 4,
-                tile: int = _TILE) -> tuple[int, int]:
-    """(tokens per split, number of splits): about `ctas_per_sm` CTAs per SM and at least
-    `min_tokens` tokens per split, the split a multiple of `tile` tokens."""
+                tile: int = _TILE, one_wave: bool = False) -> tuple[int, int]:
+    """(tokens per split, number of splits): about `ctas_per_sm` CTAs per SM (with
+    `one_wave`: at most ctas_per_sm x num_sms CTAs, the most that run at once when
+    ctas_per_sm is the kernel's occupancy) and at least `min_tokens` tokens per split, the
+    split a multiple of `tile` tokens."""
     max_seq_len = max(1, max_seq_len)
-    want = max(1, math.ceil(ctas_per_sm * num_sms / max(1, batch * num_kv_heads)))
+    rows = max(1, batch * num_kv_heads)
+    if one_wave:
+        want = max(1, ctas_per_sm * num_sms // rows)
+    else:
+        want = max(1, math.ceil(ctas_per_sm * num_sms / rows))
     splits = max(1, min(math.ceil(max_seq_len / max(1, min_tokens)), want))
     chunk = math.ceil(math.ceil(max_seq_len / splits) / tile) * tile
     return chunk, math.ceil(max_seq_len / chunk)
@@ -221,10 +229,13 @@ def decode_splits(q: torch.Tensor, seq_lens: torch.Tensor, num_kv_heads: int,
 def run_split_decode(entry: str, variant: int, q: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
                      page_size: int, scale: float, chunk: int, splits: int,
-                     out: torch.Tensor | None) -> torch.Tensor:
+                     out: torch.Tensor | None, *, native_q: bool = False,
+                     tail: tuple[int, ...] = ()) -> torch.Tensor:
     """Run the library's split-K decode `entry` (`variant`: its bits / warps argument) with
     fp32 partials [B, Hq, splits, D] and (max, sum) [B, Hq, splits, 2]; [B, Hq, D] in q's
-    dtype, or written into `out`. Shapes are the caller's to check."""
+    dtype, or written into `out`. With `native_q` the entry reads q in its own dtype and
+    takes q's dtype code after out's (no fp32 copy of q); `tail` are further int arguments
+    before the stream. Shapes are the caller's to check."""
     b, hq, d = q.shape
     if out is None:
         out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
@@ -232,13 +243,14 @@ def run_split_decode(entry: str, variant: int, q: torch.Tensor, k_cache: torch.T
         return out
     part_acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(b, hq, splits, 2, dtype=torch.float32, device=q.device)
-    qf = q.float().contiguous()
+    qf = q.contiguous() if native_q else q.float().contiguous()
     seq_lens = seq_lens.contiguous()
+    q_code = (_DTYPE_CODE[qf.dtype],) if native_q else ()
     _call(q.device, entry, qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
           k_cache.stride(0), page_table.data_ptr(), page_table.stride(0), seq_lens.data_ptr(),
           b, hq, k_cache.shape[1], d, page_size, chunk, splits, float(scale), variant,
           part_acc.data_ptr(), part_ml.data_ptr(), out.data_ptr(), out.stride(0),
-          _DTYPE_CODE[out.dtype])
+          _DTYPE_CODE[out.dtype], *q_code, *tail)
     return out
 
 

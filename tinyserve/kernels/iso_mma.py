@@ -9,18 +9,43 @@ runs at import.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from tinyserve.kernels.iso_cuda import _check_decode, _check_out, decode_splits, run_split_decode
+from tinyserve.kernels.iso_cuda import (
+    _check_decode,
+    _check_out,
+    _library,
+    decode_splits,
+    run_split_decode,
+)
 
 # Settings of the tensor-core decode kernel (csrc/iso_decode_mma.cu) by batch size: the row
 # with the smallest `max_batch` >= batch is used (the last row otherwise). `warps` per CTA
-# (2 or 4), about `ctas_per_sm` CTAs per SM, at least `min_split_tokens` tokens per split.
+# (2 or 4), about `ctas_per_sm` CTAs per SM (None: one full wave, as many CTAs as the
+# kernel's occupancy lets every SM hold), at least `min_split_tokens` tokens per split.
 # Set from bench/iso_attention.py's mma sweep (`mma_best`).
+# The sweep's best rows were the largest grids that fit in one wave (bench/NOTES_iso.md), so
+# the CTA count now comes from the kernel's occupancy (sm_90: 122 registers, 4 CTAs of 4
+# warps or 7 of 2 per SM) instead of a constant. min_split_tokens = one 16-token sub-tile per
+# warp at batch 1 (4 warps), 4 at batch > 1 (2 warps): short contexts get more, shorter
+# splits (batch 1, 4k: 128 CTAs, not 64 of two sub-tiles per warp).
 MMA_CONFIG: tuple[dict, ...] = (  # H200 sweep, bench/results/iso_attention.json (mma_best)
-    dict(max_batch=1, warps=4, ctas_per_sm=2, min_split_tokens=128),
-    dict(max_batch=1 << 30, warps=2, ctas_per_sm=4, min_split_tokens=256),
+    dict(max_batch=1, warps=4, ctas_per_sm=None, min_split_tokens=64),
+    dict(max_batch=1 << 30, warps=2, ctas_per_sm=None, min_split_tokens=128),
 )
+# CTAs per SM assumed for a one-wave grid where the occupancy is unknown (no CUDA device).
+FALLBACK_CTAS_PER_SM = 2
+
+# The split merge after the kernel: "cols" (decode_merge_cols_kernel, CTAs over (q head,
+# sequence, 32-column slice): 128 CTAs at batch 1) or "wide" (the previous
+# decode_merge_wide_kernel, one CTA per (q head, sequence): 16 at batch 1).
+MERGE = "cols"
+_MERGE_CODE = {"wide": 0, "cols": 1}
+# Read q in its own dtype in the kernel (True), or pass an fp32 copy (the previous path: one
+# more launch per call).
+NATIVE_Q = True
 
 
 def mma_config(batch: int) -> dict:
@@ -29,6 +54,20 @@ def mma_config(batch: int) -> dict:
         if batch <= row["max_batch"]:
             return row
     return MMA_CONFIG[-1]
+
+
+@functools.cache
+def _occupancy(device: torch.device, head_dim: int, warps: int) -> int:
+    lib = _library(*torch.cuda.get_device_capability(device))
+    return lib.tinyserve_iso_decode_mma_occupancy(head_dim, warps)
+
+
+def ctas_per_sm_fit(device: torch.device, head_dim: int, warps: int) -> int:
+    """How many CTAs of the kernel (head_dim, warps) one SM holds: the CUDA occupancy on a
+    CUDA device, FALLBACK_CTAS_PER_SM elsewhere or when the query fails."""
+    if device.type != "cuda":
+        return FALLBACK_CTAS_PER_SM
+    return _occupancy(device, head_dim, warps) or FALLBACK_CTAS_PER_SM
 
 
 def mma_supported(fmt: str, num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -41,11 +80,14 @@ def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                              page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
                              fmt: str, scale: float, *, max_seq_len: int | None = None,
                              out: torch.Tensor | None = None, split_tokens: int | None = None,
-                             warps: int | None = None,
-                             ctas_per_sm: int | None = None) -> torch.Tensor:
+                             warps: int | None = None, ctas_per_sm: int | None = None,
+                             min_split_tokens: int | None = None, merge: str | None = None,
+                             native_q: bool | None = None) -> torch.Tensor:
     """`iso_cuda.iso_decode_attention` on tensor cores (iso3 only; GQA group <= 8; head_dim
     128 or 256): fp16 query and centroid operands, fp32 accumulation. Settings default to
-    `mma_config(B)`; `split_tokens`, `warps`, `ctas_per_sm` override them (tuning). Raises
+    `mma_config(B)`; `split_tokens`, `warps`, `ctas_per_sm` (0: one wave from the
+    occupancy), `min_split_tokens` override them (tuning); `merge` ("cols" / "wide") and
+    `native_q` override MERGE and NATIVE_Q (the previous path for comparisons). Raises
     ValueError on shapes it does not take."""
     b, hq, d, hkv = _check_decode(q, k_cache, v_cache, page_table, seq_lens, fmt)
     _check_out(out, q, b, hq, d)
@@ -53,8 +95,19 @@ def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         raise ValueError(f"the MMA decode kernel takes iso3, GQA group <= 8, head_dim 128/256; "
                          f"got {fmt}, {hq}/{hkv} heads, head_dim {d}")
     cfg = mma_config(b)
+    warps = warps or cfg["warps"]
+    ctas = ctas_per_sm if ctas_per_sm is not None else cfg["ctas_per_sm"]
     chunk, splits = decode_splits(q, seq_lens, hkv, max_seq_len, split_tokens, split_tile=16,
-                                  min_tokens=cfg["min_split_tokens"],
-                                  ctas_per_sm=ctas_per_sm or cfg["ctas_per_sm"])
-    return run_split_decode("tinyserve_iso_decode_mma", warps or cfg["warps"], q, k_cache,
-                            v_cache, page_table, seq_lens, page_size, scale, chunk, splits, out)
+                                  min_tokens=min_split_tokens or cfg["min_split_tokens"],
+                                  ctas_per_sm=ctas or ctas_per_sm_fit(q.device, d, warps),
+                                  one_wave=not ctas)
+    merge = merge or MERGE
+    if merge not in _MERGE_CODE:
+        raise ValueError(f"merge must be one of {tuple(_MERGE_CODE)}, got {merge!r}")
+    if not (NATIVE_Q if native_q is None else native_q):  # the previous path: fp32 copy of q
+        if out is None:
+            out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+        q = q.float()
+    return run_split_decode("tinyserve_iso_decode_mma", warps, q, k_cache,
+                            v_cache, page_table, seq_lens, page_size, scale, chunk, splits, out,
+                            native_q=True, tail=(_MERGE_CODE[merge],))

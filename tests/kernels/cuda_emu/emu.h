@@ -19,7 +19,13 @@ using std::min; using std::max;
 struct dim3 { unsigned x = 1, y = 1, z = 1; dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {} };
 typedef void* cudaStream_t;
 struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
 inline int cudaGetLastError() { return 0; }
+typedef int cudaError_t;
+constexpr cudaError_t cudaSuccess = 0, cudaErrorInvalidValue = 1;
+// The emulation has no SMs: every kernel "fits" twice.
+template <typename K> inline cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, K, int, size_t) { *n = 2; return cudaSuccess; }
 #define __global__
 #define __device__
 #define __host__
@@ -28,7 +34,7 @@ inline int cudaGetLastError() { return 0; }
 #define __constant__
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 #define CUDART_INF_F INFINITY
 namespace emu {
 struct Ctx { dim3 tid, bid, bdim; std::barrier<>* block; std::barrier<>* warps; float* xbuf; };

@@ -3,8 +3,10 @@
 //
 // Grid (splits, kv heads, batch), NW warps. Every warp walks its own 16-token sub-tiles of
 // the CTA's chunk (cp.async double buffer per warp, no CTA barrier in the loop) and keeps its
-// own online softmax; the warps merge in shared memory at the end, the splits in
-// decode_merge_wide_kernel (iso_split.cuh).
+// own online softmax; the warps merge in shared memory at the end, the splits in a second
+// kernel (iso_split.cuh): decode_merge_cols_kernel (grid over heads, sequences and column
+// slices), or the previous decode_merge_wide_kernel (one CTA per head and sequence), picked
+// by the `merge` argument. The query is read in its own dtype (no cast launch before).
 //
 // Decoding a packed value costs ~2 instructions: a 32-bit qs word holds the 2 low index bits
 // of 16 values, the matching signs halfword their high bits. Two masks split the word into
@@ -32,6 +34,46 @@ namespace mma {
 
 constexpr int kSub = 16;  // tokens per warp sub-tile
 constexpr int kRows = 8;  // query heads per MMA (the real M rows)
+
+// The warp-merge buffer's layout: one pad float after every 16 columns and a row stride of
+// D + D/16 + 4 floats, so the 32 lanes of one accumulator store (lane (gq, tq): head 2tq
+// (+1), d = 16 gq + c) hit 32 banks, and 32 consecutive d of one row (the merge's reads) at
+// most 2 lanes per bank; plain rows of D floats put the 32 lanes of a store on 2 banks.
+template <int D>
+struct PaddedRows {
+  static constexpr int kFloats = D + D / 16 + 4;
+  __host__ __device__ static constexpr int at(int r, int d) { return r * kFloats + d + (d >> 4); }
+};
+
+// Column c of a staged query row: the query fragment loads (lane (gq, tq): row gq, c =
+// 32 tq + const) hit 32 banks with the row stride D + 4 and the low 2 bits of c XOR c / 32.
+__host__ __device__ constexpr int q_col(int c) { return c ^ ((c >> 5) & 3); }
+
+// The query's MMA fragments (16 words per lane and 128-value block) are kept in shared memory
+// and read per sub-tile with 16-byte loads the compiler may not hoist (true), or held in
+// registers for the whole CTA (false: 32 more registers at head_dim 256; relax the launch
+// bound of decode_mma_kernel to (NW * 32, 1) with it, or it spills).
+constexpr bool kQFragsInSmem = true;
+
+#ifdef TINYSERVE_CUDA_EMU
+inline uint4 lds128(const uint4* p) { return *p; }
+#else
+__device__ __forceinline__ uint4 lds128(const uint4* p) {
+  uint4 v;
+  const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(a));
+  return v;
+}
+#endif
+
+// Element i of a query in its dtype (0 fp32, 1 bf16, 2 fp16) as fp32.
+__device__ __forceinline__ float load_q(const void* q, int64_t i, int code) {
+  if (code == 1) return to_float(static_cast<const __nv_bfloat16*>(q)[i]);
+  if (code == 2) return to_float(static_cast<const __half*>(q)[i]);
+  return static_cast<const float*>(q)[i];
+}
 
 #ifdef TINYSERVE_CUDA_EMU
 // CPU emulation (tests/kernels/test_iso_mma.py): the byte permute and the warp-wide MMA with
@@ -195,9 +237,12 @@ __device__ __forceinline__ void v_word(const uint8_t* ba, const uint8_t* bb, int
   lookup4(t, s3 >> 16, r[11], r[15]);
 }
 
+// At least 16 warps per SM (<= 128 registers): sm_90 122 registers, no spills, 4 CTAs of 4
+// warps per SM (7 of 2 warps: shared memory); without the bound ptxas takes 138 (3 CTAs).
 template <int NB, int NW>
-__global__ void __launch_bounds__(NW * 32)
-    decode_mma_kernel(const float* __restrict__ q, const uint8_t* __restrict__ k_cache,
+__global__ void __launch_bounds__(NW * 32, 16 / NW)
+    decode_mma_kernel(const void* __restrict__ q, int q_code,
+                      const uint8_t* __restrict__ k_cache,
                       const uint8_t* __restrict__ v_cache, int64_t slot_stride,
                       const int32_t* __restrict__ page_table, int64_t pt_stride,
                       const int32_t* __restrict__ seq_lens, int page_size, int n_kv_heads,
@@ -211,17 +256,33 @@ __global__ void __launch_bounds__(NW * 32)
   static_assert(RW <= 32, "one lane per word of a packed row");
   constexpr int kWarpBuf = 2 * 2 * kSub * RB;  // two buffers of K and V rows per warp
   constexpr int kTileBytes = NW * kWarpBuf;
-  constexpr int kMergeBytes = NW * kRows * D * 4;
+  using Rows = PaddedRows<D>;
+  constexpr int kMergeBytes = NW * kRows * Rows::kFloats * 4;
   constexpr int kRaw = kTileBytes > kMergeBytes ? kTileBytes : kMergeBytes;
 
   __shared__ __align__(16) uint8_t raw[kRaw];
-  __shared__ float q_sm[kRows][D];
+  __shared__ float q_sm[kRows][D + 4];
   __shared__ int64_t off_sm[NW][2][kSub];
   __shared__ float ml_sm[NW][kRows][2];
+  // [block nb, word u, j / 2][lane]: (k-step 4u + j, 4u + j + 1) x (a0, a2) of lane's fragment
+  __shared__ uint4 qf_sm[kQFragsInSmem ? NB * 4 : 1][32];
 
   const int split = blockIdx.x;
   const int kvh = blockIdx.y;
   const int b = blockIdx.z;
+  const int hq = n_kv_heads * group;
+  // the query loads go out first, beside the length's: neither waits on the other
+  constexpr int kQIters = kRows * D / 4 / (NW * 32);  // 4-value groups per thread
+  static_assert(kRows * D / 4 % (NW * 32) == 0, "whole query groups per thread");
+  float qv[kQIters][4];
+#pragma unroll
+  for (int it = 0; it < kQIters; ++it) {
+    const int i = threadIdx.x + it * NW * 32;
+    const int h = i / (D / 4);
+    const int64_t qi = ((int64_t)b * hq + kvh * group + h) * D + 4 * (i - h * (D / 4));
+#pragma unroll
+    for (int j = 0; j < 4; ++j) qv[it][j] = h < group ? load_q(q, qi + j, q_code) : 0.0f;
+  }
   const int len = seq_lens[b];
   const int t_begin = split * chunk;
   if (t_begin >= len) return;
@@ -230,48 +291,22 @@ __global__ void __launch_bounds__(NW * 32)
   const int lane = threadIdx.x & 31;
   const int gq = lane >> 2;  // MMA group: query head (scores), token (K), d row (V)
   const int tq = lane & 3;
-  const int hq = n_kv_heads * group;
-
-  // rotated query times scale * log2(e), fp32; rows >= group are zero
-  for (int i = threadIdx.x; i < kRows * D / 4; i += NW * 32) {
-    const int h = i / (D / 4);
-    const int g = i - h * (D / 4);
-    float v4[4] = {0.0f, 0.0f, 0.0f, 0.0f}, r4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (h < group) {
-      const float* qh = q + ((int64_t)b * hq + kvh * group + h) * D + 4 * g;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) v4[j] = qh[j];
-      rotate_fast(g & 31, false, v4, r4);
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) q_sm[h][4 * g + j] = r4[j] * scale_log2;
-  }
-  __syncthreads();
-  // Q fragments: k-step s = 4u + j of block b holds pairs 2j, 2j+1 of qs word 2tq + u
-  uint32_t qa[NB][8][2];
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-#pragma unroll
-    for (int s = 0; s < 8; ++s) {
-#pragma unroll
-      for (int x = 0; x < 2; ++x) {
-        const int e = nb * kBlock + 16 * (2 * tq + (s >> 2)) + pair_first(2 * (s & 3) + x);
-        qa[nb][s][x] = pack_half2(q_sm[gq][e], q_sm[gq][e + 2]);
-      }
-    }
-  }
-  const Lut lut = make_lut();
 
   uint8_t* wbuf = raw + warp * kWarpBuf;
+  constexpr int kStride = NW * kSub;  // tokens between a warp's sub-tiles
+  // lane < kSub: the page of its token in the next sub-tile to stage, loaded one sub-tile
+  // ahead, so `stage` does not wait on the page table
+  auto page_of = [&](int t) -> int64_t {
+    return t < t_end ? page_table[(int64_t)b * pt_stride + t / page_size] : 0;
+  };
+  int64_t page_next = lane < kSub ? page_of(t_begin + warp * kSub + lane) : 0;
   auto stage = [&](int t0, int buf) {  // warp-uniform: copy the K/V rows of a sub-tile
     if (lane < kSub) {
       const int t = t0 + lane;
       int64_t off = 0;
-      if (t < t_end) {
-        const int64_t page = page_table[(int64_t)b * pt_stride + t / page_size];
-        off = (page * page_size + t % page_size) * slot_stride + (int64_t)kvh * RB;
-      }
+      if (t < t_end) off = (page_next * page_size + t % page_size) * slot_stride + kvh * RB;
       off_sm[warp][buf][lane] = off;
+      page_next = page_of(t + kStride);
     }
     __syncwarp();
     const int n = min(kSub, t_end - t0);
@@ -287,15 +322,53 @@ __global__ void __launch_bounds__(NW * 32)
     }
     cp_async_commit();
   };
+  // the first sub-tile's rows load while the query is staged
+  int t0 = t_begin + warp * kSub;
+  if (t0 < t_end) stage(t0, 0);
+
+  // rotated query times scale * log2(e), fp32; rows >= group are zero
+#pragma unroll
+  for (int it = 0; it < kQIters; ++it) {
+    const int i = threadIdx.x + it * NW * 32;
+    const int h = i / (D / 4);
+    const int g = i - h * (D / 4);
+    float r4[4];
+    rotate_fast(g & 31, false, qv[it], r4);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) q_sm[h][q_col(4 * g + j)] = r4[j] * scale_log2;
+  }
+  __syncthreads();
+  // Q fragments: k-step s = 4u + j of block b holds pairs 2j, 2j+1 of qs word 2tq + u
+  auto q_frag = [&](int fl, int nb, int s, int x) {  // lane fl's register (s, x) of block nb
+    const int e = nb * kBlock + 16 * (2 * (fl & 3) + (s >> 2)) + pair_first(2 * (s & 3) + x);
+    return pack_half2(q_sm[fl >> 2][q_col(e)], q_sm[fl >> 2][q_col(e + 2)]);
+  };
+  uint32_t qa[kQFragsInSmem ? 1 : NB][8][2];
+  if constexpr (kQFragsInSmem) {
+    for (int i = threadIdx.x; i < NB * 4 * 32; i += NW * 32) {
+      const int fl = i & 31, g = i >> 5;  // g = (nb * 2 + u) * 2 + j / 2
+      const int nb = g >> 2, s0 = 4 * ((g >> 1) & 1) + 2 * (g & 1);
+      qf_sm[g][fl] = make_uint4(q_frag(fl, nb, s0, 0), q_frag(fl, nb, s0, 1),
+                                q_frag(fl, nb, s0 + 1, 0), q_frag(fl, nb, s0 + 1, 1));
+    }
+    __syncthreads();
+  } else {
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+      for (int s = 0; s < 8; ++s) {
+#pragma unroll
+        for (int x = 0; x < 2; ++x) qa[nb][s][x] = q_frag(lane, nb, s, x);
+      }
+    }
+  }
+  const Lut lut = make_lut();
 
   float m_run = -CUDART_INF_F, l_run = 0.0f;
   float acc[NB * 8][4];
 #pragma unroll
   for (int i = 0; i < NB * 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
-  constexpr int kStride = NW * kSub;
-  int t0 = t_begin + warp * kSub;
-  if (t0 < t_end) stage(t0, 0);
   for (int it = 0; t0 < t_end; t0 += kStride, ++it) {
     const int buf = it & 1;
     __syncwarp();  // every lane is done with the other buffer (sub-tile it - 1)
@@ -313,19 +386,32 @@ __global__ void __launch_bounds__(NW * 32)
     // scores: S_b[head gq][tokens 8 nt + 2 tq + {0, 1}] in sacc[b][nt][0..1]
     float sacc[NB][2][4];
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const uint8_t* row = ks + (8 * nt + gq) * RB;
+    for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
-      for (int nb = 0; nb < NB; ++nb) {
+      for (int nt = 0; nt < 2; ++nt)
         sacc[nb][nt][0] = sacc[nb][nt][1] = sacc[nb][nt][2] = sacc[nb][nt][3] = 0.0f;
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
+      for (int u = 0; u < 2; ++u) {
+        uint32_t qr[4][2];  // this word's 4 k-steps
+        if constexpr (kQFragsInSmem) {
+          const uint4 lo = lds128(&qf_sm[(nb * 2 + u) * 2][lane]);
+          const uint4 hi = lds128(&qf_sm[(nb * 2 + u) * 2 + 1][lane]);
+          qr[0][0] = lo.x, qr[0][1] = lo.y, qr[1][0] = lo.z, qr[1][1] = lo.w;
+          qr[2][0] = hi.x, qr[2][1] = hi.y, qr[3][0] = hi.z, qr[3][1] = hi.w;
+        } else {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            qr[j][0] = qa[nb][4 * u + j][0];
+            qr[j][1] = qa[nb][4 * u + j][1];
+          }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
           uint32_t kb[8];
-          k_word(row + nb * BB, 2 * tq + u, lut, kb);
+          k_word(ks + (8 * nt + gq) * RB + nb * BB, 2 * tq + u, lut, kb);
 #pragma unroll
           for (int j = 0; j < 4; ++j)
-            mma16816(sacc[nb][nt], qa[nb][4 * u + j][0], 0u, qa[nb][4 * u + j][1], 0u,
-                     kb[2 * j], kb[2 * j + 1]);
+            mma16816(sacc[nb][nt], qr[j][0], 0u, qr[j][1], 0u, kb[2 * j], kb[2 * j + 1]);
         }
       }
     }
@@ -391,48 +477,52 @@ __global__ void __launch_bounds__(NW * 32)
 
   // merge the warps of this CTA; `raw` is reused
   __syncthreads();
-  float* macc = reinterpret_cast<float*>(raw);  // [NW][kRows][D]
+  float* macc = reinterpret_cast<float*>(raw);  // [NW][kRows] rows, PaddedRows<D>
+  // acc[i]: d = 128 (i / 8) + 16 gq + 2 (i % 8) (+1 for acc[i][2..3]), heads 2tq, 2tq+1
+  float* m0 = macc + Rows::at(warp * kRows + 2 * tq, 16 * gq);
+  float* m1 = m0 + Rows::kFloats;
 #pragma unroll
   for (int i = 0; i < NB * 8; ++i) {
-    // acc[i]: d = 128 (i / 8) + 16 gq + 2 (i % 8) (+1 for acc[i][2..3]), heads 2tq, 2tq+1
-    const int d = (i >> 3) * kBlock + 16 * gq + 2 * (i & 7);
-    macc[(warp * kRows + 2 * tq) * D + d] = acc[i][0];
-    macc[(warp * kRows + 2 * tq + 1) * D + d] = acc[i][1];
-    macc[(warp * kRows + 2 * tq) * D + d + 1] = acc[i][2];
-    macc[(warp * kRows + 2 * tq + 1) * D + d + 1] = acc[i][3];
+    const int c = Rows::at(0, (i >> 3) * kBlock + 2 * (i & 7));  // + 16 gq: in m0, m1
+    m0[c] = acc[i][0];
+    m1[c] = acc[i][1];
+    m0[c + 1] = acc[i][2];
+    m1[c + 1] = acc[i][3];
   }
   if (tq == 0) {
     ml_sm[warp][gq][0] = m_run;
     ml_sm[warp][gq][1] = l_run;
   }
   __syncthreads();
-  merge_warp_partials<NW, D>(macc, &ml_sm[0][0][0], kRows, group,
+  merge_warp_partials<NW, D, Rows>(macc, &ml_sm[0][0][0], kRows, group,
                             (int64_t)b * hq + kvh * group, n_splits, split, part_acc, part_ml);
 }
 
 template <int NB, int NW>
-void launch(const float* q, const uint8_t* kc, const uint8_t* vc, int64_t ss, const int32_t* pt,
-            int64_t pts, const int32_t* lens, int batch, int ps, int hkv, int group, int chunk,
-            int nsp, float sl2, float* pa, float* pm, cudaStream_t st) {
+void launch(const void* q, int qc, const uint8_t* kc, const uint8_t* vc, int64_t ss,
+            const int32_t* pt, int64_t pts, const int32_t* lens, int batch, int ps, int hkv,
+            int group, int chunk, int nsp, float sl2, float* pa, float* pm, cudaStream_t st) {
   const dim3 grid(nsp, hkv, batch);
-  decode_mma_kernel<NB, NW><<<grid, NW * 32, 0, st>>>(q, kc, vc, ss, pt, pts, lens, ps, hkv,
+  decode_mma_kernel<NB, NW><<<grid, NW * 32, 0, st>>>(q, qc, kc, vc, ss, pt, pts, lens, ps, hkv,
                                                       group, chunk, nsp, sl2, pa, pm);
 }
 
 }  // namespace mma
 }  // namespace iso
 
-// Same arguments as tinyserve_iso_decode (iso3 only, GQA group <= 8, head_dim 128 or 256),
-// plus n_warps (2 or 4). Returns 0, a CUDA error code, 2 (bad format/head_dim), 3 (bad GQA
-// group) or 4 (bad n_warps).
-extern "C" int tinyserve_iso_decode_mma(const float* q, const void* k_cache, const void* v_cache,
+// Same arguments as tinyserve_iso_decode (iso3 only, GQA group <= 8, head_dim 128 or 256)
+// except that q is read in its own dtype (q_dtype_code: 0 fp32, 1 bf16, 2 fp16), plus n_warps
+// (2 or 4) and merge (the split merge kernel: 1 decode_merge_cols_kernel, 0 the previous
+// decode_merge_wide_kernel). Returns 0, a CUDA error code, 2 (bad format/head_dim), 3 (bad GQA
+// group), 4 (bad n_warps) or 5 (bad q dtype or merge).
+extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, const void* v_cache,
                                         int64_t slot_stride, const int32_t* page_table,
                                         int64_t pt_stride, const int32_t* seq_lens, int batch,
                                         int n_q_heads, int n_kv_heads, int head_dim,
                                         int page_size, int chunk, int n_splits, float scale,
                                         int n_warps, float* part_acc, float* part_ml, void* out,
-                                        int64_t out_stride_b, int dtype_code,
-                                        cudaStream_t stream) {
+                                        int64_t out_stride_b, int dtype_code, int q_dtype_code,
+                                        int merge, cudaStream_t stream) {
   using namespace iso;
   if (batch == 0) return 0;
   if (n_kv_heads <= 0 || n_q_heads % n_kv_heads != 0) return 3;
@@ -440,13 +530,14 @@ extern "C" int tinyserve_iso_decode_mma(const float* q, const void* k_cache, con
   if (group < 1 || group > mma::kRows) return 3;
   if (head_dim != 128 && head_dim != 256) return 2;
   if (n_warps != 2 && n_warps != 4) return 4;
+  if (q_dtype_code < 0 || q_dtype_code > 2 || merge < 0 || merge > 1) return 5;
   const float sl2 = scale * 1.4426950408889634f;
   const auto* kc = static_cast<const uint8_t*>(k_cache);
   const auto* vc = static_cast<const uint8_t*>(v_cache);
-#define ISO_MMA(NBV, NWV)                                                                      \
-  mma::launch<NBV, NWV>(q, kc, vc, slot_stride, page_table, pt_stride, seq_lens, batch,        \
-                        page_size, n_kv_heads, group, chunk, n_splits, sl2, part_acc, part_ml, \
-                        stream)
+#define ISO_MMA(NBV, NWV)                                                                     \
+  mma::launch<NBV, NWV>(q, q_dtype_code, kc, vc, slot_stride, page_table, pt_stride,          \
+                        seq_lens, batch, page_size, n_kv_heads, group, chunk, n_splits, sl2,  \
+                        part_acc, part_ml, stream)
   if (head_dim == 256) {
     if (n_warps == 4) ISO_MMA(2, 4);
     else ISO_MMA(2, 2);
@@ -455,11 +546,36 @@ extern "C" int tinyserve_iso_decode_mma(const float* q, const void* k_cache, con
     else ISO_MMA(1, 2);
   }
 #undef ISO_MMA
-  const dim3 grid(n_q_heads, batch);
-  ISO_DISPATCH_DTYPE(dtype_code, T, {
-    decode_merge_wide_kernel<T><<<grid, kWideMergeThreads, 0, stream>>>(
-        part_acc, part_ml, seq_lens, chunk, n_splits, n_q_heads, head_dim,
-        static_cast<T*>(out), out_stride_b);
-  });
+  if (merge == 1) {
+    const dim3 grid(n_q_heads, batch, head_dim / kMergeCols);
+    ISO_DISPATCH_DTYPE(dtype_code, T, {
+      decode_merge_cols_kernel<T><<<grid, kMergeThreads, 0, stream>>>(
+          part_acc, part_ml, seq_lens, chunk, n_splits, n_q_heads, head_dim,
+          static_cast<T*>(out), out_stride_b);
+    });
+  } else {
+    const dim3 grid(n_q_heads, batch);
+    ISO_DISPATCH_DTYPE(dtype_code, T, {
+      decode_merge_wide_kernel<T><<<grid, kWideMergeThreads, 0, stream>>>(
+          part_acc, part_ml, seq_lens, chunk, n_splits, n_q_heads, head_dim,
+          static_cast<T*>(out), out_stride_b);
+    });
+  }
   return (int)cudaGetLastError();
+}
+
+// How many CTAs of the decode kernel for (head_dim, n_warps) one SM holds (registers and
+// shared memory): the launcher sizes a one-wave grid from it. 0 on a bad argument or error.
+extern "C" int tinyserve_iso_decode_mma_occupancy(int head_dim, int n_warps) {
+  int n = 0;
+  cudaError_t e = cudaErrorInvalidValue;
+#define ISO_OCC(NBV, NWV)                                                                      \
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, iso::mma::decode_mma_kernel<NBV, NWV>, \
+                                                    NWV * 32, 0)
+  if (head_dim == 256 && n_warps == 4) ISO_OCC(2, 4);
+  if (head_dim == 256 && n_warps == 2) ISO_OCC(2, 2);
+  if (head_dim == 128 && n_warps == 4) ISO_OCC(1, 4);
+  if (head_dim == 128 && n_warps == 2) ISO_OCC(1, 2);
+#undef ISO_OCC
+  return e == cudaSuccess ? n : 0;
 }

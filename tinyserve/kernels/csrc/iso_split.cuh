@@ -8,11 +8,19 @@
 
 namespace iso {
 
+// Where element d of accumulator row r sits in a warp-merge buffer: r * D + d (plain rows).
+template <int D>
+struct PlainRows {
+  static constexpr int kFloats = D;  // floats per row
+  __host__ __device__ static constexpr int at(int r, int d) { return r * D + d; }
+};
+
 // The last step of a split's CTA: its NW warps each hold an online-softmax partial of `heads`
-// query heads, unnormalised accumulators macc [NW][rows][D] and (running max in log2 units,
-// sum) ml [NW][rows][2] (rows >= heads), in shared memory after a barrier. Merge them into the
-// split's partial rows ((row0 + h) * n_splits + split) of part_acc [.., D] and part_ml [.., 2].
-template <int NW, int D>
+// query heads, unnormalised accumulators macc [NW][rows] rows of Rows::kFloats floats (element
+// d of row r at Rows::at(r, d)) and (running max in log2 units, sum) ml [NW][rows][2] (rows >=
+// heads), in shared memory after a barrier. Merge them into the split's partial rows
+// ((row0 + h) * n_splits + split) of part_acc [.., D] and part_ml [.., 2].
+template <int NW, int D, typename Rows = PlainRows<D>>
 __device__ __forceinline__ void merge_warp_partials(const float* macc, const float* ml, int rows,
                                                     int heads, int64_t row0, int n_splits,
                                                     int split, float* __restrict__ part_acc,
@@ -29,7 +37,7 @@ __device__ __forceinline__ void merge_warp_partials(const float* macc, const flo
       const float mw = ml[(w * rows + h) * 2];
       if (mw != -CUDART_INF_F) {
         const float f = exp2f(mw - mx);
-        a += f * macc[(w * rows + h) * D + d];
+        a += f * macc[Rows::at(w * rows + h, d)];
         sum += f * ml[(w * rows + h) * 2 + 1];
       }
     }
@@ -164,6 +172,90 @@ __global__ void __launch_bounds__(kWideMergeThreads)
   rotate_fast(gi % 32, true, a, y);
   const float inv = total > 0.0f ? 1.0f / total : 0.0f;
   T* o = out + (int64_t)b * out_stride_b + (int64_t)h * d + gi * 4;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) o[c] = from_float<T>(y[c] * inv);
+}
+
+
+// The split merge spread over many CTAs: grid (q heads, batch, D / kMergeCols), so batch 1
+// still fills the GPU (16 heads x 8 column slices = 128 CTAs at D = 256, where the kernels
+// above run 16). Thread (j, gi) folds the splits s = j (mod kMergeSlices) of the 4-D group gi
+// of its CTA's columns in one pass with an online max (the (max, sum) rows and the partials
+// are loaded together: one round of memory latency per split, not two); the slices are merged
+// by shuffles within a warp and through shared memory across warps, then one inverse rotation
+// per group and the division by the sum.
+constexpr int kMergeCols = 32;                               // output columns per CTA
+constexpr int kMergeThreads = 256;
+constexpr int kMergeGroups = kMergeCols / 4;                 // 4-D groups per CTA
+constexpr int kMergeSlices = kMergeThreads / kMergeGroups;  // split slices per CTA
+
+// (m, l, a) <- the log-sum-exp merge of (m, l, a) and (m2, l2, a2); m or m2 may be -inf.
+__device__ __forceinline__ void merge_lse(float& m, float& l, float (&a)[4], float m2, float l2,
+                                          const float (&a2)[4]) {
+  const float mx = fmaxf(m, m2);
+  if (mx == -CUDART_INF_F) return;  // both empty
+  const float f = exp2f(m - mx), f2 = exp2f(m2 - mx);
+  l = l * f + l2 * f2;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) a[c] = a[c] * f + a2[c] * f2;
+  m = mx;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kMergeThreads)
+    decode_merge_cols_kernel(const float* __restrict__ part_acc,
+                             const float* __restrict__ part_ml,
+                             const int32_t* __restrict__ seq_lens, int chunk, int n_splits,
+                             int hq, int d, T* __restrict__ out, int64_t out_stride_b) {
+  __shared__ float red[kMergeThreads / 32][kMergeGroups][6];
+  const int h = blockIdx.x;
+  const int b = blockIdx.y;
+  const int tid = threadIdx.x;
+  const int gi = tid % kMergeGroups;
+  const int j = tid / kMergeGroups;
+  const int col = blockIdx.z * kMergeCols + 4 * gi;
+  const int len = seq_lens[b];
+  const int ns = min(n_splits, (len + chunk - 1) / chunk);
+  const int64_t row0 = ((int64_t)b * hq + h) * n_splits;
+  float m = -CUDART_INF_F, l = 0.0f;
+  float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+  for (int s = j; s < ns; s += kMergeSlices) {
+    const float ms = part_ml[(row0 + s) * 2];
+    const float ls = part_ml[(row0 + s) * 2 + 1];
+    const float4 pa = *reinterpret_cast<const float4*>(part_acc + (row0 + s) * d + col);
+    const float as[4] = {pa.x, pa.y, pa.z, pa.w};
+    merge_lse(m, l, a, ms, ls, as);
+  }
+  // lanes (j % 4, gi): merge the warp's 4 slices of each group
+#pragma unroll
+  for (int off = kMergeGroups; off < 32; off <<= 1) {
+    float a2[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) a2[c] = __shfl_xor_sync(0xffffffffu, a[c], off);
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, off);
+    const float l2 = __shfl_xor_sync(0xffffffffu, l, off);
+    merge_lse(m, l, a, m2, l2, a2);
+  }
+  const int warp = tid >> 5;
+  if ((tid & 31) < kMergeGroups) {
+    float* r = red[warp][gi];
+    r[0] = m;
+    r[1] = l;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) r[2 + c] = a[c];
+  }
+  __syncthreads();
+  if (tid >= kMergeGroups) return;
+  for (int w = 1; w < kMergeThreads / 32; ++w) {
+    const float* r = red[w][gi];
+    const float a2[4] = {r[2], r[3], r[4], r[5]};
+    merge_lse(m, l, a, r[0], r[1], a2);
+  }
+  float y[4];
+  rotate_fast((col >> 2) % 32, true, a, y);
+  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  T* o = out + (int64_t)b * out_stride_b + (int64_t)h * d + col;
 #pragma unroll
   for (int c = 0; c < 4; ++c) o[c] = from_float<T>(y[c] * inv);
 }

@@ -51,11 +51,15 @@ class MoEFusedConfig:
     """Tiles of the one-launch decode ("fused"): `block_f` features of one expert per
     program (a multiple of 16: one int64 code word per down row), `block_b` blocks of 16
     inputs per gate_up K step, `block_h` down rows per step, `num_warps`, and the gate_up
-    `decode` ("f32" / "h2", as in `nvfp4_tiles`; the down product is fp32)."""
+    `decode` ("f32" / "h2", as in `nvfp4_tiles`; the down product is fp32).
 
-    block_f: int = 16
+    NOTE: defaults not measured yet (no spills at sm_90 with Triton 3.9: 102 registers; 144
+    programs of 8 warps for one 35B-A3B token + shared expert, one wave at 2 per SM).
+    """
+
+    block_f: int = 32
     block_b: int = 128
-    block_h: int = 512
+    block_h: int = 1024
     num_warps: int = 8
     decode: str = "h2"
 
@@ -222,6 +226,25 @@ def pack_expert_slots(experts: Sequence[tuple[LinearWeight, LinearWeight, Linear
     return slots
 
 
+def single_expert_slots(gate: NVFP4Weight, up: NVFP4Weight, down: NVFP4Weight) -> ExpertSlots:
+    """One NVFP4 expert (gate, up [F, H], down [H, F], on one device) as slot 0 of its own
+    ExpertSlots (a layer's shared expert): gate | up concatenated (one copy), down's codes
+    and scales viewed in place (copied only when not contiguous)."""
+    f, h = gate.shape
+    if tuple(up.shape) != (f, h) or tuple(down.shape) != (h, f) or h % 16 or f % 16:
+        raise ValueError(f"expert shapes gate {list(gate.shape)} up {list(up.shape)} down "
+                         f"{list(down.shape)} do not form an NVFP4 slot")
+    dev = gate.packed.device
+    return ExpertSlots(
+        w13=torch.cat([gate.packed, up.packed])[None],
+        w2=down.packed.contiguous()[None],
+        w13_scale=torch.cat([gate.block_scale, up.block_scale])[None],
+        w2_scale=down.block_scale.contiguous()[None],
+        w13_global=torch.tensor([[gate.global_scale, up.global_scale]], dtype=torch.float32,
+                                device=dev),
+        w2_global=torch.tensor([down.global_scale], dtype=torch.float32, device=dev))
+
+
 def _check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
            slots: ExpertSlots) -> None:
     if x.dim() != 2 or x.shape[1] != slots.hidden_size:
@@ -345,7 +368,8 @@ def _moe_fused(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
     while f % block_f:  # NOTE: F is a multiple of 16 (slot layout)
         block_f //= 2
     acc, cnt = _decode_workspace(x.device, h, MOE_FUSED_MAX_TOKENS)
-    out = torch.empty_like(x)  # [N, H], every row written by its token's last program
+    # [N, H]: every row is written by its token's last program
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     sh = shared if shared is not None else slots
     assert sh.is_fp4 and slots.w13_scale is not None and sh.w13_scale is not None
     kp = topk + (shared is not None)

@@ -212,11 +212,16 @@ class SparseMoE:
         self.experts = experts
         gate, up = w["shared_expert.gate_proj"], w["shared_expert.up_proj"]
         router, shared_gate = w["gate"], w["shared_expert_gate"]
-        self.down: LinearWeight = w["shared_expert.down_proj"]
+        down = w["shared_expert.down_proj"]
+        self.down: LinearWeight = down
         # NOTE: fused weights only where kernels run, so the CPU path (and its parity with
         # transformers) keeps the separate projections.
         fuse = kernels_enabled(_device_of(router))
-        self.gate_up = concat_rows(gate, up) if fuse else None
+        self.shared_slots: ExpertSlots | None = None
+        if fuse and getattr(experts, "accepts_shared", False) and _swiglu_fp4(gate, up, down):
+            self.shared_slots, self.gate_up, gate, up, self.down = _shared_slot(gate, up, down)
+        else:
+            self.gate_up = concat_rows(gate, up) if fuse else None
         self.router_gate = concat_rows(router, shared_gate) if fuse else None
         self.gate, self.up = (gate, up) if self.gate_up is None else (None, None)
         self.router, self.shared_gate = ((router, shared_gate) if self.router_gate is None

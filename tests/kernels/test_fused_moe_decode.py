@@ -61,7 +61,8 @@ def _routing(n: int, e: int, k: int, slot_of: torch.Tensor):
 
 
 def _assert_workspace_clear(h: int) -> None:
-    acc, cnt = fm._decode_workspace(torch.device(DEV), h, MOE_FUSED_MAX_TOKENS)
+    device = torch.zeros(0, device=DEV).device  # "cuda:0" as the launcher's key, not "cuda"
+    acc, cnt = fm._decode_workspace(device, h, MOE_FUSED_MAX_TOKENS)
     assert not acc.any() and not cnt.any(), "the decode workspace was left dirty"
 
 

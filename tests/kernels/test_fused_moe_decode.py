@@ -136,6 +136,10 @@ def test_fused_decode_shared_equals_gated_add() -> None:
     assert rel_err(y, want) < (1e-5 if DT == torch.float32 else 1e-2), rel_err(y, want)
 
 
+CPU_ONLY = pytest.mark.skipif(DEV == "cuda", reason="GPU time: covered by the 35B-A3B tests")
+
+
+@CPU_ONLY
 @pytest.mark.parametrize("path", ["gemv", "dot"])
 def test_shared_expert_on_the_other_paths(path: str) -> None:
     # outside the fused path the shared expert runs as a one-expert MoE, summed after
@@ -169,6 +173,7 @@ def test_fused_decode_repeats_and_padded_rows() -> None:
     assert rel_err(y, fused_moe_ref(x, ids, weights, slots, **kw).float()) < 1e-2
 
 
+@CPU_ONLY
 def test_default_path_is_fused_for_decode(monkeypatch) -> None:
     h, f, e = 64, 32, 8
     slots, slot_of, sh = _layer(h, f, e)

@@ -44,14 +44,16 @@ if not torch.cuda.is_available():
 from bench.common import Recorder, rand_nvfp4, run_meta  # noqa: E402
 from tinyserve.core import NVFP4Weight  # noqa: E402
 from tinyserve.kernels.fused_moe import (  # noqa: E402
-    MoEFusedConfig,
     MoEGemvConfig,
     allocate_expert_slots,
-    default_moe_fused_config,
     default_moe_gemv_config,
     fused_moe,
     fused_moe_ref,
     single_expert_slots,
+)
+from tinyserve.kernels.fused_moe_decode import (  # noqa: E402
+    MoEFusedConfig,
+    default_moe_fused_config,
 )
 from tinyserve.kernels.nvfp4 import GemvConfig, default_gemv_config, nvfp4_linear  # noqa: E402
 from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4  # noqa: E402
@@ -352,7 +354,7 @@ def summary(rec: Recorder) -> None:
         bad = [kk for kk, v in case["variants"].items() if "us" not in v]
         if bad:
             print("    not timed (wrong / error / skipped):", ", ".join(bad))
-    print("\ntable entries (nvfp4_tiles.py GEMV_TILES; fused_moe.py MOE_FUSED_TILES):")
+    print("\ntable entries (nvfp4_tiles.py GEMV_TILES; fused_moe_decode.py MOE_FUSED_TILES):")
     for case in rec.data["cases"].values():
         if case.get("best"):
             print("   ", case["best"]["table_entry"])

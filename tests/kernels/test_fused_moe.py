@@ -20,7 +20,6 @@ import pytest  # noqa: E402
 from tests.kernels.test_nvfp4 import rand_nvfp4, rel_err  # noqa: E402
 from tinyserve.core import DenseWeight  # noqa: E402
 from tinyserve.kernels.fused_moe import (  # noqa: E402
-    MOE_FUSED_MAX_TOKENS,
     MOE_PATHS,
     MoEGemvConfig,
     align_pairs,
@@ -30,6 +29,7 @@ from tinyserve.kernels.fused_moe import (  # noqa: E402
     pack_expert_slots,
     write_slot,
 )
+from tinyserve.kernels.fused_moe_decode import MOE_FUSED_MAX_TOKENS  # noqa: E402
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.usefixtures("poison")

@@ -21,15 +21,15 @@ import pytest  # noqa: E402
 
 from tests.kernels.test_nvfp4 import rand_nvfp4, rel_err  # noqa: E402
 from tinyserve.kernels import fused_moe as fm  # noqa: E402
+from tinyserve.kernels import fused_moe_decode as fmd  # noqa: E402
 from tinyserve.kernels.fused_moe import (  # noqa: E402
-    MOE_FUSED_MAX_TOKENS,
-    MoEFusedConfig,
     allocate_expert_slots,
     fused_moe,
     fused_moe_ref,
     single_expert_slots,
     write_slot,
 )
+from tinyserve.kernels.fused_moe_decode import MOE_FUSED_MAX_TOKENS, MoEFusedConfig  # noqa: E402
 from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4  # noqa: E402
 from tinyserve.model.moe import gated_add_ref  # noqa: E402
 
@@ -62,7 +62,7 @@ def _routing(n: int, e: int, k: int, slot_of: torch.Tensor):
 
 def _assert_workspace_clear(h: int) -> None:
     device = torch.zeros(0, device=DEV).device  # "cuda:0" as the launcher's key, not "cuda"
-    acc, cnt = fm._decode_workspace(device, h, MOE_FUSED_MAX_TOKENS)
+    acc, cnt = fmd.decode_workspace(device, h, MOE_FUSED_MAX_TOKENS)
     assert not acc.any() and not cnt.any(), "the decode workspace was left dirty"
 
 
@@ -180,14 +180,14 @@ def test_default_path_is_fused_for_decode(monkeypatch) -> None:
     ids, weights = _routing(1, e, 2, slot_of)
     x = torch.randn(1, h, device=DEV).to(DT)
     calls = []
-    real = fm._moe_fused
-    monkeypatch.setattr(fm, "_moe_fused", lambda *a: calls.append(a[5]) or real(*a))
+    real = fm.moe_fused_decode
+    monkeypatch.setattr(fm, "moe_fused_decode", lambda *a: calls.append(a[5]) or real(*a))
     logit = torch.randn(1, 1, device=DEV)
     y = fused_moe(x, ids, weights, slots, shared_slots=sh, shared_logit=logit)
     assert len(calls) == 1 and calls[0] is sh  # one launch, shared expert included
     ref = fused_moe_ref(x, ids, weights, slots, shared_slots=sh, shared_logit=logit)
     assert rel_err(y, ref.float()) < 2e-3
-    monkeypatch.setattr(fm, "MOE_FUSED_DECODE", False)  # the switch: back to two paths
+    monkeypatch.setattr(fmd, "MOE_FUSED_DECODE", False)  # the switch: back to two paths
     y = fused_moe(x, ids, weights, slots, shared_slots=sh, shared_logit=logit)
     assert len(calls) == 1 and rel_err(y, ref.float()) < 1e-2
 

@@ -161,6 +161,7 @@ def _nvfp4_block(h: int, f: int, e: int, k: int, dtype: torch.dtype, fuse: bool,
 def test_sparse_moe_shared_in_fused_launch(n: int, tied: bool, monkeypatch) -> None:
     pytest.importorskip("triton")
     from tinyserve.kernels import fused_moe as fm
+    from tinyserve.kernels import fused_moe_decode as fmd
 
     h, f, e, k = (64, 32, 8, 2) if DEV == "cpu" else (2048, 512, 256, 8)
     dtype = torch.float32 if DEV == "cpu" else torch.bfloat16
@@ -172,12 +173,12 @@ def test_sparse_moe_shared_in_fused_launch(n: int, tied: bool, monkeypatch) -> N
     x = torch.randn(n, h, device=DEV).to(dtype)
     ref = _run(plain, x, False, monkeypatch).float()
     launches = []
-    real = fm._moe_fused
-    monkeypatch.setattr(fm, "_moe_fused", lambda *a: launches.append(a[5]) or real(*a))
+    real = fm.moe_fused_decode
+    monkeypatch.setattr(fm, "moe_fused_decode", lambda *a: launches.append(a[5]) or real(*a))
     got = _run(fused, x, True, monkeypatch).float()
     assert launches == [fused.shared_slots]  # routed + shared: one launch
     # without the fused decode (larger batches): separate shared GEMVs over the slot's bytes
-    monkeypatch.setattr(fm, "MOE_FUSED_DECODE", False)
+    monkeypatch.setattr(fmd, "MOE_FUSED_DECODE", False)
     unfused = _run(fused, x, True, monkeypatch).float()
     assert len(launches) == 1
     for y in (got, unfused):

@@ -5,10 +5,10 @@ index, so the same kernels serve all-resident experts (slot = expert id) and the
 cache (slot = cache line). `fused_moe` runs every (token, expert) pair of a layer in one launch
 sequence: gate_up -> silu(gate) * up -> down scaled by the routing weight -> sum over the k
 experts of each token, plus optionally a gated shared expert (`shared_slots`, one slot).
-Decode, NVFP4, up to `MOE_FUSED_MAX_TOKENS` tokens ("fused", `fused_moe_decode_triton.py`):
-ONE launch for every expert of every token and the shared expert, programs per (pair,
-feature chunk), fp32 atomics into a self-clearing accumulator (`MOE_FUSED_DECODE = False`
-switches it off). Otherwise, decode ("gemv", few pairs): gate_up with one program per pair
+Decode, NVFP4, up to `MOE_FUSED_MAX_TOKENS` tokens ("fused", `fused_moe_decode.py`): ONE
+launch for every expert of every token and the shared expert, programs per (pair, feature
+chunk), fp32 atomics into a self-clearing accumulator (`fused_moe_decode.MOE_FUSED_DECODE =
+False` switches it off). Otherwise, decode ("gemv", few pairs): gate_up with one program per pair
 and row block,
 int64 code loads (the GEMV core of `kernels/nvfp4.py`; tiles per (H, F) from
 `nvfp4_tiles.MOE_GEMV_TILES`), pairs ordered by slot so shared experts
@@ -32,59 +32,21 @@ from dataclasses import dataclass
 import torch
 
 from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
+from tinyserve.kernels import fused_moe_decode as fmd
+from tinyserve.kernels.fused_moe_decode import (
+    MoEFusedConfig,
+    default_moe_fused_config,
+    fuses_shared_expert,
+    moe_fused_decode,
+)
 from tinyserve.kernels.nvfp4_tiles import MoEGemvConfig, default_moe_gemv_config
 
 MOE_PATHS = ("fused", "gemv", "dot")
 MOE_GEMV_MAX_PAIRS = 64  # default: gemv up to this many (token, expert) pairs, then dot
-# NOTE: the one-launch NVFP4 decode ("fused"); False = the gemv path (two launches + a sum,
-# the shared expert through the model's separate gemvs), as before it existed
-MOE_FUSED_DECODE = True
-MOE_FUSED_MAX_TOKENS = 8  # default: "fused" up to this many tokens (the decode graph buckets)
 
 
 DEFAULT_MOE_GEMV = default_moe_gemv_config(2048, 512)  # Qwen3.5-35B-A3B
 MOE_DOT_BLOCK_N, MOE_DOT_BLOCK_K = 64, 128  # dot: output rows / inputs per tile
-
-
-@dataclass(frozen=True)
-class MoEFusedConfig:
-    """Tiles of the one-launch decode ("fused"): `block_f` features of one expert per
-    program (a multiple of 16: one int64 code word per down row), `block_b` blocks of 16
-    inputs per gate_up K step, `block_h` down rows per step, `num_warps`, and the gate_up
-    `decode` ("f32" / "h2", as in `nvfp4_tiles`; the down product is fp32).
-
-    NOTE: defaults not measured yet (no spills at sm_90 with Triton 3.9: 102 registers; 144
-    programs of 8 warps for one 35B-A3B token + shared expert, one wave at 2 per SM).
-    """
-
-    block_f: int = 32
-    block_b: int = 128
-    block_h: int = 1024
-    num_warps: int = 8
-    decode: str = "h2"
-
-    def __post_init__(self) -> None:
-        sizes = (self.block_f, self.block_b, self.block_h, self.num_warps)
-        if self.decode not in ("f32", "h2"):
-            raise ValueError(f"unknown NVFP4 decode {self.decode!r}")
-        if self.block_f < 16 or any(v < 1 or v & (v - 1) for v in sizes):
-            raise ValueError(f"fused MoE tiles must be powers of two (block_f >= 16), "
-                             f"got {sizes}")
-
-
-# (H, F) -> tiles of the one-launch decode; other shapes get MoEFusedConfig().
-MOE_FUSED_TILES: dict[tuple[int, int], MoEFusedConfig] = {}
-
-
-def default_moe_fused_config(hidden_size: int, intermediate_size: int) -> MoEFusedConfig:
-    """The `MOE_FUSED_TILES` entry, else `MoEFusedConfig()`."""
-    return MOE_FUSED_TILES.get((hidden_size, intermediate_size), MoEFusedConfig())
-
-
-def fuses_shared_expert(num_tokens: int) -> bool:
-    """Whether `fused_moe` runs `num_tokens` tokens (NVFP4 slots) in the one-launch decode,
-    which takes a shared expert in the same launch (the model then hands it over)."""
-    return MOE_FUSED_DECODE and 0 < num_tokens <= MOE_FUSED_MAX_TOKENS
 
 
 @functools.cache
@@ -92,23 +54,6 @@ def _kernels():
     from tinyserve.kernels import fused_moe_triton
 
     return fused_moe_triton
-
-
-@functools.cache
-def _decode_kernels():
-    from tinyserve.kernels import fused_moe_decode_triton
-
-    return fused_moe_decode_triton
-
-
-@functools.cache
-def _decode_workspace(device: torch.device, hidden_size: int,
-                      rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # NOTE: one zeroed fp32 accumulator [rows, H] + arrival counters [rows] per device, shared
-    # by every layer and call: each launch leaves them zero again (the last program of a
-    # token clears its row). Calls on two streams at once would share it: one stream only.
-    return (torch.zeros(rows, hidden_size, dtype=torch.float32, device=device),
-            torch.zeros(rows, dtype=torch.int32, device=device))
 
 
 @dataclass(frozen=True)
@@ -298,7 +243,8 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
             otherwise it runs as a second call of the same path, summed after.
         shared_logit: [N, 1] shared-expert gate logits (any row stride), with shared_slots;
             its sigmoid is rounded to x.dtype (as `model.moe.gated_add` does).
-        path: "fused" (one launch, NVFP4, N <= MOE_FUSED_MAX_TOKENS; decode), "gemv" (one
+        path: "fused" (one launch, NVFP4, N <= MOE_FUSED_MAX_TOKENS; decode;
+            `fused_moe_decode.py`), "gemv" (one
             program per pair and row block; decode) or "dot" (pairs grouped per slot into
             BLOCK_M tiles, tensor cores; prefill); None picks "fused" when
             `fuses_shared_expert(N)` and the slots are NVFP4, else by N * k.
@@ -329,9 +275,9 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
             path = "gemv" if pairs <= MOE_GEMV_MAX_PAIRS else "dot"
     if path not in MOE_PATHS:
         raise ValueError(f"unknown fused_moe path {path!r}; choose from {MOE_PATHS}")
-    if path == "fused" and (not slots.is_fp4 or n > MOE_FUSED_MAX_TOKENS):
+    if path == "fused" and (not slots.is_fp4 or n > fmd.MOE_FUSED_MAX_TOKENS):
         raise ValueError(f"the fused path needs NVFP4 slots and at most "
-                         f"{MOE_FUSED_MAX_TOKENS} tokens (got {n}, fp4={slots.is_fp4})")
+                         f"{fmd.MOE_FUSED_MAX_TOKENS} tokens (got {n}, fp4={slots.is_fp4})")
     x = x.contiguous()
     ids = topk_slot_ids.contiguous().view(-1)
     wts = topk_weights.contiguous().view(-1)
@@ -340,8 +286,8 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
     if path == "fused":
         cfg = fused_config or default_moe_fused_config(slots.hidden_size,
                                                         slots.intermediate_size)
-        out = _moe_fused(x, ids, wts, topk, slots, shared_slots if in_kernel else None,
-                         shared_logit if in_kernel else None, cfg)
+        out = moe_fused_decode(x, ids, wts, topk, slots, shared_slots if in_kernel else None,
+                               shared_logit if in_kernel else None, cfg)
     elif path == "gemv":
         cfg = gemv_config or default_moe_gemv_config(slots.hidden_size,
                                                       slots.intermediate_size)
@@ -357,38 +303,6 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
     sh_path = "gemv" if path == "fused" and not shared_slots.is_fp4 else path
     return out + fused_moe(x, sh_ids, sh_w, shared_slots, path=sh_path,
                            gemv_config=gemv_config, fused_config=fused_config)
-
-
-def _moe_fused(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
-               slots: ExpertSlots, shared: ExpertSlots | None, logit: torch.Tensor | None,
-               cfg: MoEFusedConfig) -> torch.Tensor:
-    kern = _decode_kernels()
-    n, h, f = x.shape[0], slots.hidden_size, slots.intermediate_size
-    block_f = cfg.block_f
-    while f % block_f:  # NOTE: F is a multiple of 16 (slot layout)
-        block_f //= 2
-    acc, cnt = _decode_workspace(x.device, h, MOE_FUSED_MAX_TOKENS)
-    # [N, H]: every row is written by its token's last program
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    sh = shared if shared is not None else slots
-    assert sh.is_fp4 and slots.w13_scale is not None and sh.w13_scale is not None
-    kp = topk + (shared is not None)
-    kern.moe_fused_decode_kernel[(n * kp, f // block_f)](
-        x, ids, wts, logit if logit is not None else wts,
-        slots.w13.view(torch.int64), slots.w13_scale, slots.w13_global,
-        slots.w2.view(torch.int64), slots.w2_scale, slots.w2_global,
-        sh.w13.view(torch.int64), sh.w13_scale, sh.w13_global,
-        sh.w2.view(torch.int64), sh.w2_scale, sh.w2_global,
-        acc, cnt, out, x.stride(0), logit.stride(0) if logit is not None else 0,
-        H=h, F=f, TOPK=topk, HAS_SHARED=shared is not None, BLOCK_F=block_f,
-        BLOCK_B=min(cfg.block_b, _next_pow2(h // 16)), BLOCK_H=min(cfg.block_h, _next_pow2(h)),
-        IS_H2=cfg.decode == "h2", USE_ASM=x.device.type == "cuda",
-        FINISH_BLOCK=min(1024, _next_pow2(h)), num_warps=cfg.num_warps)
-    return out
-
-
-def _next_pow2(v: int) -> int:
-    return 1 << max(0, v - 1).bit_length()
 
 
 def _moe_gemv(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,

@@ -232,6 +232,26 @@ class DeviceExpertCache:
         self.policy.stats = CacheStats()
         self._fill_victims()
 
+    def evict_slots(self, start: int, stop: int) -> None:
+        """Forget what slots [start, stop) hold: device table and owner entries and the policy
+        mirror's, so that no lookup finds them; they stay free until a lookup takes them.
+
+        For the prefill streaming regions (`offload.prefetch`): the caller writes the slots
+        itself, ordered after every earlier reader, and runs no lookup until its writes are
+        ordered before the compute stream's next work. Stream-ordered, no host sync.
+        """
+        dump = self.table.numel() - 1
+        held = self.owner[start:stop]
+        self.table.index_fill_(0, torch.where(held >= 0, held, dump).long(), -1)
+        held.fill_(-1)
+        policy = self.policy
+        for slot in range(start, stop):
+            key = policy.owner[slot]
+            if key is not None and policy.where.get(key) == slot:
+                del policy.where[key]
+            policy.owner[slot] = None
+            policy._push(slot)  # a free slot scores -inf: first in line
+
     def resident(self) -> dict[tuple[int, int], int]:
         """(layer, expert) -> slot, read from the device table (a synchronisation)."""
         tab = self.table[:-1].cpu().view(self.num_layers, self.num_experts)

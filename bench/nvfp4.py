@@ -7,16 +7,21 @@ baseline from the same run:
 2. gemv M = 1 on the 35B-A3B shapes (qkvz, lm_head, o_proj, gate_up, down): bf16 cuBLAS,
    the shape's current tiles (`default_gemv_config`) and every candidate of `GEMV_SWEEP`
    (decode "f32" / "h2", rows, blocks, warps, load width, stages, split-K);
-3. fused MoE, one decode token x 8 of 256 experts: the current tiles and `MOE_SWEEP`, against
-   the time to read the 8 experts' bytes at `bw` (target <= 2x).
+3. fused MoE decode, one token x 8 of 256 experts: the one-launch path ("fused", default
+   tiles and `FUSED_SWEEP`) beside the two-kernel "gemv" path (its current tiles), routed
+   only and for the whole layer (+ the shared expert: in the launch, vs the model's separate
+   gate_up GEMV, silu_mul, down GEMV and gated_add), against the time to read the experts'
+   bytes at `bw` (target <= 2x); then the whole layer at 4 and 8 tokens (old vs new, for
+   `MOE_FUSED_MAX_TOKENS`).
 Every variant is first checked against the torch reference on the GPU (relative Frobenius
 and max errors recorded; a variant over 1e-2 is not timed). Timing: the median of 10 replays
 of a CUDA graph that cycles through enough weight copies (>= 256 MB) to miss L2. The winners
 per shape are printed as `nvfp4_tiles.py` table entries. A failing case is recorded and the
 rest still run; past TIME_BUDGET_S the remaining variants are skipped (recorded as such).
 
-Usage: python bench/nvfp4.py [--smoke]  (--smoke: tiny shapes, any device, no timing; checks
-the script itself, e.g. on CPU with TRITON_INTERPRET=1).
+Usage: python bench/nvfp4.py [--smoke] [--only moe|gemv]  (--smoke: tiny shapes, any device,
+no timing; checks the script itself, e.g. on CPU with TRITON_INTERPRET=1; --only moe: the
+bandwidth and the MoE rows only, ~40-70 s, into results/nvfp4_moe.json).
 """
 
 from __future__ import annotations
@@ -37,12 +42,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from bench.common import Recorder, rand_nvfp4, run_meta  # noqa: E402
+from tinyserve.core import NVFP4Weight  # noqa: E402
 from tinyserve.kernels.fused_moe import (  # noqa: E402
     MoEGemvConfig,
     allocate_expert_slots,
     default_moe_gemv_config,
     fused_moe,
     fused_moe_ref,
+    single_expert_slots,
+)
+from tinyserve.kernels.fused_moe_decode import (  # noqa: E402
+    MoEFusedConfig,
+    default_moe_fused_config,
 )
 from tinyserve.kernels.nvfp4 import GemvConfig, default_gemv_config, nvfp4_linear  # noqa: E402
 from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4  # noqa: E402
@@ -67,13 +78,16 @@ GEMV_SWEEP_SMALL_K = [  # K = 512 (32 blocks)
     G(32, 32, 4), G(16, 32, 2), G(64, 32, 8), G(32, 32, 4, decode="h2"),
     G(16, 32, 2, decode="h2"), G(64, 32, 8, decode="h2"),
 ]
-M_ = MoEGemvConfig  # gate_up rows, blocks; down rows, blocks; warps; prefetch; down warps
-MOE_SWEEP = [  # + decode, down_expert_split
-    M_(8, 128, 8, 32, 4, False, 2), M_(4, 128, 16, 32, 4, False, 4),
-    M_(4, 128, 8, 32, 4, False, 2, "h2"), M_(8, 128, 8, 32, 4, False, 2, "h2"),
-    M_(4, 128, 16, 32, 4, False, 4, "h2"),
-    M_(4, 128, 8, 32, 4, False, 2, "f32", 4), M_(4, 128, 8, 32, 4, False, 2, "h2", 2),
-    M_(4, 128, 8, 32, 4, False, 2, "h2", 4), M_(4, 128, 16, 32, 4, False, 4, "h2", 8),
+F_ = MoEFusedConfig  # features per program, gate_up blocks per step, down rows per step,
+FUSED_SWEEP = [  # warps, decode (registers at sm_90 with Triton 3.9 in the comments)
+    F_(32, 128, 1024, 8, "h2"),  # 102
+    F_(16, 128, 2048, 8, "h2"),  # 128
+    F_(16, 64, 512, 4, "h2"),  # 96
+    F_(16, 64, 1024, 4, "h2"),  # 128
+    F_(32, 64, 512, 8, "h2"),  # 128
+    F_(32, 128, 512, 8, "f32"),  # 128
+    F_(16, 64, 512, 4, "f32"),  # 128
+    F_(64, 64, 512, 8, "h2"),  # 166
 ]
 ROTATE_BYTES = 256 << 20  # cycle weight copies until this many bytes (> L2)
 MAX_REL_ERR = 1e-2
@@ -245,51 +259,107 @@ def moe_key(c: MoEGemvConfig) -> str:
             f"{'_pf' if c.prefetch else ''}")
 
 
-def bench_moe_decode(bw: float, dev: str, smoke: bool, h: int = 2048, f: int = 512,
-                     e: int = 256) -> dict:
-    """One token x 8 of `e` experts: the current tiles and MOE_SWEEP vs the byte-read time."""
+def fused_key(c: MoEFusedConfig) -> str:
+    return f"{c.decode}_bf{c.block_f}_bb{c.block_b}_bh{c.block_h}_w{c.num_warps}"
+
+
+def _shared_path(x, sh, logit, routed):
+    """The model's shared expert outside the MoE launch (SparseMoE before the fused path):
+    gate_up GEMV, silu_mul, down GEMV, gated_add (4 launches)."""
+    from tinyserve.kernels import glue
+    from tinyserve.kernels.nvfp4 import nvfp4_linear
+
+    gu = nvfp4_linear(x, sh[1])
+    f = gu.shape[1] // 2
+    return glue.gated_add(routed, logit, nvfp4_linear(glue.silu_mul(gu[:, :f], gu[:, f:]),
+                                                      sh[2]))
+
+
+def bench_moe_decode(bw: float, dev: str, smoke: bool, n: int = 1, h: int = 2048,
+                     f: int = 512, e: int = 256, sweep: bool = True) -> dict:
+    """n tokens x 8 of `e` experts (+ the shared expert): old ("gemv" + the separate shared
+    expert) vs new ("fused", shared expert in the launch), vs the byte-read time."""
     k = 8
     slots = expert_slots_fp4(e, h, f, dev)
-    x = torch.randn(1, h, device=dev, dtype=torch.bfloat16 if dev == "cuda" else torch.float32)
-    w = torch.softmax(torch.randn(1, k, device=dev), -1)
-    # 20 different routings per graph: 160 expert reads, ~280 MB, more than L2
-    routes = [torch.randperm(e, device=dev)[:k].reshape(1, k) for _ in range(1 if smoke else 20)]
-    ref = fused_moe_ref(x.float(), routes[0], w, slots)
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    x = torch.randn(n, h, device=dev, dtype=dt)
+    w = torch.softmax(torch.randn(n, k, device=dev), -1).to(dt)
+    reps = 1 if smoke else 20
+    # 20 routings (and shared experts, one per "layer") per graph: more bytes than L2
+    routes = [torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(n)])
+              for _ in range(reps)]
+    logits = [torch.randn(n, 1, device=dev, dtype=dt) for _ in range(reps)]
+    shared = []
+    for _ in range(reps):
+        sh = single_expert_slots(rand_nvfp4(f, h, dev), rand_nvfp4(f, h, dev),
+                                 rand_nvfp4(h, f, dev))
+        g = float(sh.w13_global[0, 0])  # rand_nvfp4: one global scale per shape
+        shared.append((sh, NVFP4Weight(sh.w13[0], sh.w13_scale[0], g),
+                       NVFP4Weight(sh.w2[0], sh.w2_scale[0], float(sh.w2_global[0]))))
     expert_bytes = 3 * nvfp4_bytes(f, h)
-    read_us = k * expert_bytes / bw / 1e3
-    out: dict = {"H": h, "F": f, "experts": e, "bytes_8_experts": k * expert_bytes,
-                 "read_at_bw_us": read_us}
-    default = default_moe_gemv_config(h, f)
+    distinct = statistics.mean(len(torch.unique(r)) for r in routes)
+    read_routed = distinct * expert_bytes / bw / 1e3
+    read_layer = (distinct + 1) * expert_bytes / bw / 1e3
+    out: dict = {"H": h, "F": f, "experts": e, "tokens": n, "distinct_experts": distinct,
+                 "bytes_per_expert": expert_bytes, "read_routed_us": read_routed,
+                 "read_layer_us": read_layer}
+    ref_routed = fused_moe_ref(x, routes[0], w, slots).float()
+    ref_layer = fused_moe_ref(x, routes[0], w, slots, shared_slots=shared[0][0],
+                              shared_logit=logits[0]).float()
+    gemv_cfg = default_moe_gemv_config(h, f)
+    fused_cfg = default_moe_fused_config(h, f)
+
+    def old_routed(i, c=None):
+        return fused_moe(x, routes[i], w, slots, path="gemv", gemv_config=gemv_cfg)
+
+    def new_routed(i, c=None):
+        return fused_moe(x, routes[i], w, slots, path="fused", fused_config=fused_cfg)
+
+    def old_layer(i, c=None):
+        return _shared_path(x, shared[i], logits[i], old_routed(i))
+
+    def new_layer(i, c=None):
+        return fused_moe(x, routes[i], w, slots, shared_slots=shared[i][0],
+                         shared_logit=logits[i], path="fused", fused_config=c or fused_cfg)
+
+    cases = [("old_layer", old_layer, None, ref_layer, read_layer),
+             ("new_layer", new_layer, None, ref_layer, read_layer)]
+    if n == 1:
+        cases += [("old_routed", old_routed, None, ref_routed, read_routed),
+                  ("new_routed", new_routed, None, ref_routed, read_routed)]
+    if sweep:
+        cases += [(f"new_layer_{fused_key(c)}", new_layer, c, ref_layer, read_layer)
+                  for c in FUSED_SWEEP if c != fused_cfg]
     variants: dict = {}
-    for cfg in [default] + [c for c in MOE_SWEEP if c != default]:
-        key = moe_key(cfg)
+    for key, fn, cfg, ref, read_us in cases:
         if over_budget():
             variants[key] = {"skipped": "time budget"}
             continue
         try:
-            y = fused_moe(x, routes[0], w, slots, path="gemv", gemv_config=cfg)
-            res = errors(y, ref)
+            res = errors(fn(0, cfg), ref)
             if res["rel_err"] <= MAX_REL_ERR and not smoke:
-                us = time_graph([lambda r=r, c=cfg: fused_moe(x, r, w, slots, path="gemv",
-                                                              gemv_config=c) for r in routes])
+                us = time_graph([lambda i=i, fn=fn, c=cfg: fn(i, c) for i in range(reps)])
                 res.update(us=us, ratio_to_read_time=us / read_us)
             elif res["rel_err"] > MAX_REL_ERR:
                 res["wrong"] = True
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - one failed variant must not stop the rest
             res = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         variants[key] = res
-    out["default"] = moe_key(default)
+    out["gemv_config"] = moe_key(gemv_cfg)
+    out["fused_config"] = fused_key(fused_cfg)
     out["variants"] = variants
-    timed = {kk: v for kk, v in variants.items() if "us" in v}
+    for what in ("layer", "routed"):
+        old, new = variants.get(f"old_{what}", {}), variants.get(f"new_{what}", {})
+        if "us" in old and "us" in new:
+            out[f"speedup_{what}"] = old["us"] / new["us"]
+    timed = {kk: v for kk, v in variants.items() if kk.startswith("new_layer") and "us" in v}
     if timed:
         best = min(timed, key=lambda kk: timed[kk]["us"])
-        c = next(c for c in [default, *MOE_SWEEP] if moe_key(c) == best)
-        out["best"] = {"config": best, "us": timed[best]["us"],
+        c = next((c for c in FUSED_SWEEP if best == f"new_layer_{fused_key(c)}"), fused_cfg)
+        out["best"] = {"config": fused_key(c), "us": timed[best]["us"],
                        "ratio_to_read_time": timed[best]["ratio_to_read_time"],
-                       "table_entry": f"({h}, {f}): MoEGemvConfig({c.gate_up_block_n}, "
-                       f"{c.gate_up_block_b}, {c.down_block_n}, {c.down_block_b}, "
-                       f"{c.num_warps}, {c.prefetch}, {c.down_num_warps}, {c.decode!r}, "
-                       f"{c.down_expert_split}),"}
+                       "table_entry": f"({h}, {f}): MoEFusedConfig({c.block_f}, {c.block_b}, "
+                       f"{c.block_h}, {c.num_warps}, {c.decode!r}),"}
     return out
 
 
@@ -299,20 +369,27 @@ def summary(rec: Recorder) -> None:
         best = case.get("best")
         if not best:
             continue
-        if "frac_bw" in best:
+        if "read_layer_us" in case:
+            v = case["variants"]
+            row = " | ".join(f"{kk} {v[kk]['us']:.2f} us ({v[kk]['ratio_to_read_time']:.2f}x)"
+                             for kk in ("old_layer", "new_layer", "old_routed", "new_routed")
+                             if "us" in v.get(kk, {}))
+            print(f"{name:28s} {row}\n    read time: routed {case['read_routed_us']:.2f} us, "
+                  f"layer {case['read_layer_us']:.2f} us; speedup layer "
+                  f"{case.get('speedup_layer', float('nan')):.2f}x, routed "
+                  f"{case.get('speedup_routed', float('nan')):.2f}x; best fused "
+                  f"{best['config']} {best['us']:.2f} us")
+        elif "frac_bw" in best:
             base = case.get("bf16_cublas", {}).get("us", float("nan"))
             dflt = case["variants"][case["default"]].get("us", float("nan"))
             print(f"{name:28s} default {dflt:8.2f} us | best {best['us']:8.2f} us "
                   f"({best['frac_bw']:.0%} of bw) {best['config']} | bf16 cuBLAS {base:8.2f} us")
-        else:
-            print(f"{name:28s} best {best['us']:.2f} us = {best['ratio_to_read_time']:.2f}x "
-                  f"read time ({case['read_at_bw_us']:.2f} us) {best['config']}")
         ranked = sorted((v["us"], kk) for kk, v in case["variants"].items() if "us" in v)
         print("    " + ", ".join(f"{kk} {us:.2f}" for us, kk in ranked))
         bad = [kk for kk, v in case["variants"].items() if "us" not in v]
         if bad:
             print("    not timed (wrong / error / skipped):", ", ".join(bad))
-    print("\ntable entries (tinyserve/kernels/nvfp4_tiles.py):")
+    print("\ntable entries (nvfp4_tiles.py GEMV_TILES; fused_moe_decode.py MOE_FUSED_TILES):")
     for case in rec.data["cases"].values():
         if case.get("best"):
             print("   ", case["best"]["table_entry"])
@@ -321,7 +398,10 @@ def summary(rec: Recorder) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, no timing (any device)")
-    ap.add_argument("--out", default=str(ROOT / "bench/results/nvfp4.json"))
+    ap.add_argument("--only", choices=("all", "moe", "gemv"), default="all",
+                    help="moe / gemv: the bandwidth and those rows only")
+    ap.add_argument("--out", default=None, help="default: bench/results/nvfp4.json "
+                    "(--only moe: nvfp4_moe.json)")
     args = ap.parse_args()
     global SMOKE
     SMOKE = args.smoke
@@ -329,7 +409,10 @@ def main() -> int:
     if dev != "cuda" and not args.smoke:
         print("needs a CUDA GPU (or --smoke)")
         return 1
-    out = Path(args.out if not args.smoke else "/tmp/nvfp4_smoke.json")
+    name = "nvfp4_moe.json" if args.only == "moe" else "nvfp4.json"
+    out = Path(args.out or ROOT / "bench/results" / name)
+    if args.smoke:
+        out = Path("/tmp/nvfp4_smoke.json")
     rec = Recorder(out, run_meta("nvfp4", timing="median of 10 CUDA-graph replays, weights "
                                  "rotated past L2", budget_s=TIME_BUDGET_S))
     bw = 4000.0
@@ -337,12 +420,15 @@ def main() -> int:
         res = rec.run("bandwidth", bandwidth, dev)
         bw = (res or {}).get("GBps", bw)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    names = list(shapes)
-    rec.run(f"gemv_M1_{names[0]}", bench_gemv, *shapes[names[0]], bw, dev, args.smoke)
-    if args.smoke:
-        rec.run("moe_decode_1tok_8of256", bench_moe_decode, bw, dev, True, 32, 32, 10)
-    else:
-        rec.run("moe_decode_1tok_8of256", bench_moe_decode, bw, dev, False)
+    names = list(shapes) if args.only != "moe" else []
+    size = (64, 32, 10) if args.smoke else (2048, 512, 256)
+    for name in names[:1]:
+        rec.run(f"gemv_M1_{name}", bench_gemv, *shapes[name], bw, dev, args.smoke)
+    if args.only != "gemv":
+        rec.run("moe_decode_1tok_8of256", bench_moe_decode, bw, dev, args.smoke, 1, *size)
+        for n in (4, 8):
+            rec.run(f"moe_decode_{n}tok_8of256", bench_moe_decode, bw, dev, args.smoke, n,
+                    *size, False)
     for name in names[1:]:
         rec.run(f"gemv_M1_{name}", bench_gemv, *shapes[name], bw, dev, args.smoke)
     rec.data["seconds"] = round(time.perf_counter() - T0, 1)

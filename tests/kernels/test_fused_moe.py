@@ -29,6 +29,7 @@ from tinyserve.kernels.fused_moe import (  # noqa: E402
     pack_expert_slots,
     write_slot,
 )
+from tinyserve.kernels.fused_moe_decode import MOE_FUSED_MAX_TOKENS  # noqa: E402
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.usefixtures("poison")
@@ -63,7 +64,7 @@ def check(slots, n: int, k: int, dtype: torch.dtype, bound: float, path=None) ->
     assert rel_err(y, ref) < bound, rel_err(y, ref)
 
 
-@pytest.mark.parametrize("path", MOE_PATHS)
+@pytest.mark.parametrize("path", ["gemv", "dot"])  # "fused": test_fused_moe_decode.py
 @pytest.mark.parametrize("n", [1, 5], ids=lambda n: f"N{n}")
 @pytest.mark.parametrize("fp4", [True, False], ids=["nvfp4", "dense"])
 def test_fused_moe_small(fp4, n, path):
@@ -172,6 +173,8 @@ def test_errors():
 @pytest.mark.parametrize("n", [1, 3, 64, 2048], ids=lambda n: f"N{n}")
 @pytest.mark.parametrize("fp4", [True, False], ids=["nvfp4", "bf16"])
 def test_fused_moe_gpu(fp4, n, path):
+    if path == "fused" and (not fp4 or n > MOE_FUSED_MAX_TOKENS):
+        pytest.skip("the fused path takes NVFP4 decode batches")
     check(_gpu_slots(fp4), n, 8, torch.bfloat16, 1e-2, path)
 
 

@@ -126,3 +126,65 @@ def test_sparse_moe_fused_matches_torch_bf16_cuda(n: int, monkeypatch) -> None:
     assert torch.isfinite(got).all()
     per_token = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
     assert per_token.median().item() < 2e-2, per_token.tolist()
+
+
+# --- the NVFP4 shared expert in the fused decode launch ----------------------------------
+
+
+def _nvfp4_block(h: int, f: int, e: int, k: int, dtype: torch.dtype, fuse: bool, tied: bool,
+                 monkeypatch):
+    """SparseMoE with NVFP4 routed and shared experts: fused = kernels on and the resident
+    provider's fused MoE (the shared expert rides along); plain = the torch block. `tied`:
+    the shared gate and up share one global scale (one gate_up GEMV outside the launch)."""
+    cfg = SimpleNamespace(num_experts_per_tok=k, num_experts=e)
+    q = lambda o, i, s: quantize_nvfp4(_w(o, i, s, DEV))  # noqa: E731
+    w = {"gate": DenseWeight(_w(e, h, 10, DEV).to(dtype)),
+         "shared_expert_gate": DenseWeight(_w(1, h, 11, DEV).to(dtype)),
+         "shared_expert.gate_proj": q(f, h, 12), "shared_expert.up_proj": q(f, h, 13),
+         "shared_expert.down_proj": q(h, f, 14)}
+    if tied:
+        w["shared_expert.up_proj"].global_scale = w["shared_expert.gate_proj"].global_scale
+    routed = [(q(f, h, 100 + i), q(f, h, 200 + i), q(h, f, 300 + i)) for i in range(e)]
+    monkeypatch.setattr(moe, "kernels_enabled", lambda device: fuse)
+    if fuse:
+        names = {f"layers.0.mlp.experts.{i}.{p}_proj": wt for i, ex in enumerate(routed)
+                 for p, wt in zip(("gate", "up", "down"), ex, strict=True)}
+        experts = moe.ResidentExperts(names, SimpleNamespace(num_experts=e), [0],
+                                      use_kernel=True)
+    else:
+        experts = _TorchExperts(routed)
+    return moe.SparseMoE(0, cfg, w, experts)
+
+
+@pytest.mark.usefixtures("interpreter_ok")
+@pytest.mark.parametrize(("n", "tied"), [(1, True), (3, False)], ids=["N1-tied", "N3"])
+def test_sparse_moe_shared_in_fused_launch(n: int, tied: bool, monkeypatch) -> None:
+    pytest.importorskip("triton")
+    from tinyserve.kernels import fused_moe as fm
+    from tinyserve.kernels import fused_moe_decode as fmd
+
+    h, f, e, k = (64, 32, 8, 2) if DEV == "cpu" else (2048, 512, 256, 8)
+    dtype = torch.float32 if DEV == "cpu" else torch.bfloat16
+    fused = _nvfp4_block(h, f, e, k, dtype, True, tied, monkeypatch)
+    assert fused.shared_slots is not None and (fused.gate_up is not None) == tied
+    plain = _nvfp4_block(h, f, e, k, dtype, False, tied, monkeypatch)
+    assert plain.shared_slots is None
+    n = n if DEV == "cpu" else 8  # GPU: a full decode bucket (the median token is checked)
+    x = torch.randn(n, h, device=DEV).to(dtype)
+    ref = _run(plain, x, False, monkeypatch).float()
+    launches = []
+    real = fm.moe_fused_decode
+    monkeypatch.setattr(fm, "moe_fused_decode", lambda *a: launches.append(a[5]) or real(*a))
+    got = _run(fused, x, True, monkeypatch).float()
+    assert launches == [fused.shared_slots]  # routed + shared: one launch
+    # without the fused decode (larger batches): separate shared GEMVs over the slot's bytes
+    monkeypatch.setattr(fmd, "MOE_FUSED_DECODE", False)
+    unfused = _run(fused, x, True, monkeypatch).float()
+    assert len(launches) == 1
+    for y in (got, unfused):
+        assert torch.isfinite(y).all()
+        per_token = (y - ref).norm(dim=-1) / ref.norm(dim=-1)
+        # NOTE: on the GPU bf16 router logits (one [E + 1, H] GEMM vs two) may flip an 8th
+        # expert: the median token only
+        worst = per_token.max() if DEV == "cpu" else per_token.median()
+        assert worst.item() < (2e-3 if DEV == "cpu" else 2e-2), per_token.tolist()

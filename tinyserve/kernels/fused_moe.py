@@ -4,7 +4,12 @@ Experts live in slot buffers (`ExpertSlots`); a layer's routed experts are addre
 index, so the same kernels serve all-resident experts (slot = expert id) and the GPU expert
 cache (slot = cache line). `fused_moe` runs every (token, expert) pair of a layer in one launch
 sequence: gate_up -> silu(gate) * up -> down scaled by the routing weight -> sum over the k
-experts of each token. Decode (few pairs): gate_up with one program per pair and row block,
+experts of each token, plus optionally a gated shared expert (`shared_slots`, one slot).
+Decode, NVFP4, up to `MOE_FUSED_MAX_TOKENS` tokens ("fused", `fused_moe_decode.py`): ONE
+launch for every expert of every token and the shared expert, programs per (pair, feature
+chunk), fp32 atomics into a self-clearing accumulator (`fused_moe_decode.MOE_FUSED_DECODE =
+False` switches it off). Otherwise, decode ("gemv", few pairs): gate_up with one program per pair
+and row block,
 int64 code loads (the GEMV core of `kernels/nvfp4.py`; tiles per (H, F) from
 `nvfp4_tiles.MOE_GEMV_TILES`), pairs ordered by slot so shared experts
 come from L2; down with one program per token and row block summing its k experts (or
@@ -27,9 +32,16 @@ from dataclasses import dataclass
 import torch
 
 from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
+from tinyserve.kernels import fused_moe_decode as fmd
+from tinyserve.kernels.fused_moe_decode import (
+    MoEFusedConfig,
+    default_moe_fused_config,
+    fuses_shared_expert,
+    moe_fused_decode,
+)
 from tinyserve.kernels.nvfp4_tiles import MoEGemvConfig, default_moe_gemv_config
 
-MOE_PATHS = ("gemv", "dot")
+MOE_PATHS = ("fused", "gemv", "dot")
 MOE_GEMV_MAX_PAIRS = 64  # default: gemv up to this many (token, expert) pairs, then dot
 
 
@@ -159,6 +171,25 @@ def pack_expert_slots(experts: Sequence[tuple[LinearWeight, LinearWeight, Linear
     return slots
 
 
+def single_expert_slots(gate: NVFP4Weight, up: NVFP4Weight, down: NVFP4Weight) -> ExpertSlots:
+    """One NVFP4 expert (gate, up [F, H], down [H, F], on one device) as slot 0 of its own
+    ExpertSlots (a layer's shared expert): gate | up concatenated (one copy), down's codes
+    and scales viewed in place (copied only when not contiguous)."""
+    f, h = gate.shape
+    if tuple(up.shape) != (f, h) or tuple(down.shape) != (h, f) or h % 16 or f % 16:
+        raise ValueError(f"expert shapes gate {list(gate.shape)} up {list(up.shape)} down "
+                         f"{list(down.shape)} do not form an NVFP4 slot")
+    dev = gate.packed.device
+    return ExpertSlots(
+        w13=torch.cat([gate.packed, up.packed])[None],
+        w2=down.packed.contiguous()[None],
+        w13_scale=torch.cat([gate.block_scale, up.block_scale])[None],
+        w2_scale=down.block_scale.contiguous()[None],
+        w13_global=torch.tensor([[gate.global_scale, up.global_scale]], dtype=torch.float32,
+                                device=dev),
+        w2_global=torch.tensor([down.global_scale], dtype=torch.float32, device=dev))
+
+
 def _check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
            slots: ExpertSlots) -> None:
     if x.dim() != 2 or x.shape[1] != slots.hidden_size:
@@ -178,43 +209,100 @@ def _check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         raise ValueError("ExpertSlots buffers must be contiguous")
 
 
+def _check_shared(x: torch.Tensor, slots: ExpertSlots, shared_slots: ExpertSlots | None,
+                  shared_logit: torch.Tensor | None) -> None:
+    if (shared_slots is None) != (shared_logit is None):
+        raise ValueError("shared_slots and shared_logit go together")
+    if shared_slots is None or shared_logit is None:
+        return
+    if shared_slots.hidden_size != slots.hidden_size or shared_slots.device != x.device:
+        raise ValueError(f"shared expert slots must be [.., H={slots.hidden_size}] on "
+                         f"{x.device}")
+    if tuple(shared_logit.shape) != (x.shape[0], 1) or not shared_logit.is_floating_point():
+        raise ValueError(f"shared_logit must be float [{x.shape[0]}, 1], got "
+                         f"{list(shared_logit.shape)} {shared_logit.dtype}")
+    if shared_logit.device != x.device:
+        raise ValueError("shared_logit must be on x's device")
+
+
 def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.Tensor,
-              slots: ExpertSlots, *, path: str | None = None,
-              gemv_config: MoEGemvConfig | None = None) -> torch.Tensor:
-    """Routed-expert MLP: sum_j w[t, j] * down_s(silu(gate_s(x_t)) * up_s(x_t)), s = ids[t, j].
+              slots: ExpertSlots, *, shared_slots: ExpertSlots | None = None,
+              shared_logit: torch.Tensor | None = None, path: str | None = None,
+              gemv_config: MoEGemvConfig | None = None,
+              fused_config: MoEFusedConfig | None = None) -> torch.Tensor:
+    """Routed-expert MLP: sum_j w[t, j] * down_s(silu(gate_s(x_t)) * up_s(x_t)), s = ids[t, j],
+    plus sigmoid(shared_logit[t]) * shared(x_t) when a shared expert is given.
 
     Args:
         x: [N, H] bf16 / fp16 / fp32 activations.
         topk_slot_ids: [N, k] int32/int64 slot index of each chosen expert (in [0, S)).
         topk_weights: [N, k] routing weights (any float dtype).
         slots: the layer's ExpertSlots, on x's device.
-        path: "gemv" (one program per pair and row block; decode) or "dot" (pairs grouped
-            per slot into BLOCK_M tiles, tensor cores; prefill); None picks by N * k.
+        shared_slots: the layer's shared expert in slot 0 of its own ExpertSlots (same H), or
+            None. In the "fused" path (NVFP4, same F) it is a ninth pair of the one launch;
+            otherwise it runs as a second call of the same path, summed after.
+        shared_logit: [N, 1] shared-expert gate logits (any row stride), with shared_slots;
+            its sigmoid is rounded to x.dtype (as `model.moe.gated_add` does).
+        path: "fused" (one launch, NVFP4, N <= MOE_FUSED_MAX_TOKENS; decode;
+            `fused_moe_decode.py`), "gemv" (one
+            program per pair and row block; decode) or "dot" (pairs grouped per slot into
+            BLOCK_M tiles, tensor cores; prefill); None picks "fused" when
+            `fuses_shared_expert(N)` and the slots are NVFP4, else by N * k.
         gemv_config: tile sizes of the gemv path (bench sweeps); None =
             `default_moe_gemv_config(H, F)`.
+        fused_config: tile sizes of the fused path; None = `default_moe_fused_config(H, F)`.
     Returns:
-        [N, H] in x.dtype; fp32 accumulation, the silu(gate) * up intermediate in fp32 (gemv)
-        or x.dtype (dot). The "h2" gemv decode (the 35B-A3B default, `MOE_GEMV_TILES`)
-        rounds x and the intermediate to fp16 after a power-of-two scale and sums each block
-        of 16 products in fp16. No host synchronisation (CUDA-graph safe).
+        [N, H] in x.dtype; fp32 accumulation, the silu(gate) * up intermediate in fp32
+        (fused, gemv) or x.dtype (dot). The "h2" decode (gemv: the 35B-A3B default,
+        `MOE_GEMV_TILES`; fused: gate_up) rounds x (and, gemv, the intermediate) to fp16
+        after a power-of-two scale and sums each block of 16 products in fp16. The fused
+        path sums with fp32 atomics (order not fixed). No host synchronisation (CUDA-graph
+        safe).
+    Raises:
+        ValueError: bad shapes / devices, an unknown path, "fused" with dense slots or more
+            than MOE_FUSED_MAX_TOKENS tokens. TypeError: bad dtypes.
     """
     _check(x, topk_slot_ids, topk_weights, slots)
+    _check_shared(x, slots, shared_slots, shared_logit)
     n, topk = topk_slot_ids.shape
     pairs = n * topk
     if pairs == 0:
         return torch.zeros_like(x)
-    path = path or ("gemv" if pairs <= MOE_GEMV_MAX_PAIRS else "dot")
+    if path is None:
+        if slots.is_fp4 and fuses_shared_expert(n):
+            path = "fused"
+        else:
+            path = "gemv" if pairs <= MOE_GEMV_MAX_PAIRS else "dot"
     if path not in MOE_PATHS:
         raise ValueError(f"unknown fused_moe path {path!r}; choose from {MOE_PATHS}")
+    if path == "fused" and (not slots.is_fp4 or n > fmd.MOE_FUSED_MAX_TOKENS):
+        raise ValueError(f"the fused path needs NVFP4 slots and at most "
+                         f"{fmd.MOE_FUSED_MAX_TOKENS} tokens (got {n}, fp4={slots.is_fp4})")
     x = x.contiguous()
     ids = topk_slot_ids.contiguous().view(-1)
     wts = topk_weights.contiguous().view(-1)
-    if path == "gemv":
+    in_kernel = (path == "fused" and shared_slots is not None and shared_slots.is_fp4
+                 and shared_slots.intermediate_size == slots.intermediate_size)
+    if path == "fused":
+        cfg = fused_config or default_moe_fused_config(slots.hidden_size,
+                                                        slots.intermediate_size)
+        out = moe_fused_decode(x, ids, wts, topk, slots, shared_slots if in_kernel else None,
+                               shared_logit if in_kernel else None, cfg)
+    elif path == "gemv":
         cfg = gemv_config or default_moe_gemv_config(slots.hidden_size,
                                                       slots.intermediate_size)
-        return _moe_gemv(x, ids, wts, topk, slots, cfg)
-    pair_out = _moe_dot(x, ids, wts, topk, slots)  # [P, H] fp32, weighted
-    return pair_out.view(n, topk, -1).sum(1).to(x.dtype)
+        out = _moe_gemv(x, ids, wts, topk, slots, cfg)
+    else:
+        pair_out = _moe_dot(x, ids, wts, topk, slots)  # [P, H] fp32, weighted
+        out = pair_out.view(n, topk, -1).sum(1).to(x.dtype)
+    if shared_slots is None or shared_logit is None or in_kernel:
+        return out
+    # the shared expert as a one-expert MoE of its own (same path; gemv for fused + dense)
+    sh_ids = torch.zeros(n, 1, dtype=torch.int32, device=x.device)
+    sh_w = torch.sigmoid(shared_logit.float()).to(x.dtype)
+    sh_path = "gemv" if path == "fused" and not shared_slots.is_fp4 else path
+    return out + fused_moe(x, sh_ids, sh_w, shared_slots, path=sh_path,
+                           gemv_config=gemv_config, fused_config=fused_config)
 
 
 def _moe_gemv(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
@@ -328,16 +416,28 @@ def slot_weights(slots: ExpertSlots, slot_id: int) -> tuple[torch.Tensor, torch.
 
 
 def fused_moe_ref(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.Tensor,
-                  slots: ExpertSlots) -> torch.Tensor:
-    """Per-slot torch loop in fp32, same contract as `fused_moe`."""
+                  slots: ExpertSlots, *, shared_slots: ExpertSlots | None = None,
+                  shared_logit: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-slot torch loop in fp32, same contract as `fused_moe` (the shared expert's
+    sigmoid rounded to x.dtype, the rest fp32)."""
     _check(x, topk_slot_ids, topk_weights, slots)
+    _check_shared(x, slots, shared_slots, shared_logit)
+    out = _moe_ref(x.float(), topk_slot_ids, topk_weights.float(), slots)
+    if shared_slots is not None and shared_logit is not None:
+        gate = torch.sigmoid(shared_logit.float()).to(x.dtype).float()  # [N, 1]
+        zeros = torch.zeros(x.shape[0], 1, dtype=torch.int64, device=x.device)
+        out += _moe_ref(x.float(), zeros, gate, shared_slots)
+    return out.to(x.dtype)
+
+
+def _moe_ref(xf: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+             slots: ExpertSlots) -> torch.Tensor:
     f = slots.intermediate_size
-    xf = x.float()
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for s in torch.unique(topk_slot_ids).tolist():
-        tok, j = (topk_slot_ids == s).nonzero(as_tuple=True)
+    out = torch.zeros(xf.shape, dtype=torch.float32, device=xf.device)
+    for s in torch.unique(ids).tolist():
+        tok, j = (ids == s).nonzero(as_tuple=True)
         w13, w2 = slot_weights(slots, s)
         gu = xf[tok] @ w13.T  # [n_s, 2F]
         hid = torch.nn.functional.silu(gu[:, :f]) * gu[:, f:]
-        out.index_add_(0, tok, (hid @ w2.T) * topk_weights[tok, j].float()[:, None])
-    return out.to(x.dtype)
+        out.index_add_(0, tok, (hid @ w2.T) * weights[tok, j][:, None])
+    return out

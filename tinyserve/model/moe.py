@@ -7,10 +7,17 @@ On CUDA (`kernels_enabled`) the glue runs as Triton kernels (`kernels/router.py`
 `kernels/glue.py`) beside the torch references here (`*_ref`, the CPU path), and
 `SparseMoE` concatenates, once at build, the shared expert's gate_proj and up_proj into one
 gate_up weight and the router with shared_expert_gate into one [E + 1, H] weight when each
-pair has the same storage (and NVFP4 global scale): one GEMV for each pair.
+pair has the same storage (and NVFP4 global scale): one GEMV for each pair. When the shared
+expert is NVFP4 and the experts provider runs the fused-MoE kernel (`accepts_shared`), the
+shared expert is also packed once into an expert slot of its own (its gate_up / down weights
+are then views of that slot): for decode-sized batches (`fuses_shared_expert(N)`) the
+provider runs it with the routed experts in one launch, weighted by sigmoid(shared gate
+logit); larger batches keep the separate GEMVs and `gated_add`.
 
 Experts provider interface (resident here; an offloaded one lives in `offload/`):
-`forward(layer_id, x [N, H], topk_ids [N, k] int64, topk_weights [N, k]) -> [N, H]`.
+`forward(layer_id, x [N, H], topk_ids [N, k] int64, topk_weights [N, k]) -> [N, H]`; a
+provider with `accepts_shared` True also takes `shared_slots=` (ExpertSlots) and
+`shared_logit=` ([N, 1]) and adds sigmoid(logit) * shared expert to its output.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
+from tinyserve.kernels.fused_moe import ExpertSlots, pack_expert_slots, single_expert_slots
+from tinyserve.kernels.fused_moe_decode import fuses_shared_expert
 from tinyserve.model.linear import kernels_enabled, linear
 
 ROUTER_KERNEL_MAX_N = 256  # the router kernel up to this many tokens, torch above
@@ -137,8 +146,6 @@ class ResidentExperts:
             experts = [(weights[f"{p}.{e}.gate_proj"], weights[f"{p}.{e}.up_proj"],
                         weights[f"{p}.{e}.down_proj"]) for e in range(self.num_experts)]
             if self.use_kernel:
-                from tinyserve.kernels.fused_moe import pack_expert_slots
-
                 dtype = first.weight.dtype if isinstance(first, DenseWeight) else torch.bfloat16
                 self.slots[L] = pack_expert_slots(experts, device, dtype)
             else:
@@ -149,13 +156,23 @@ class ResidentExperts:
         """Whether `forward` runs without host synchronisation (CUDA-graph safe): the kernel."""
         return self.use_kernel
 
+    @property
+    def accepts_shared(self) -> bool:
+        """Whether `forward` takes a shared expert along (the fused-MoE kernel runs)."""
+        return self.use_kernel
+
     def forward(self, layer_id: int, x: torch.Tensor, topk_ids: torch.Tensor,
-                topk_weights: torch.Tensor) -> torch.Tensor:
-        """Σ_j topk_weights[:, j] * Expert_{topk_ids[:, j]}(x); x [N, H] -> [N, H] in x.dtype."""
+                topk_weights: torch.Tensor, *, shared_slots: ExpertSlots | None = None,
+                shared_logit: torch.Tensor | None = None) -> torch.Tensor:
+        """Σ_j topk_weights[:, j] * Expert_{topk_ids[:, j]}(x) (+ sigmoid(shared_logit) *
+        shared expert, kernel only); x [N, H] -> [N, H] in x.dtype."""
         if self.use_kernel:
             from tinyserve.kernels.fused_moe import fused_moe
 
-            return fused_moe(x, topk_ids, topk_weights, self.slots[layer_id])
+            return fused_moe(x, topk_ids, topk_weights, self.slots[layer_id],
+                             shared_slots=shared_slots, shared_logit=shared_logit)
+        if shared_slots is not None:
+            raise ValueError("the shared expert rides along with the kernel only")
         return self._forward_loop(layer_id, x, topk_ids, topk_weights)
 
     def _forward_loop(self, layer_id: int, x: torch.Tensor, topk_ids: torch.Tensor,
@@ -180,7 +197,8 @@ class SparseMoE:
 
     Where kernels run, `gate_up` ([2F, H]) replaces the shared expert's gate and up weights
     and `router_gate` ([E + 1, H]) the router and shared_expert_gate (None when a pair cannot
-    be concatenated; then the separate weights stay).
+    be concatenated; then the separate weights stay). `shared_slots`: the NVFP4 shared expert
+    as slot 0 of its own ExpertSlots when the provider takes it along (else None).
     """
 
     def __init__(self, layer_id: int, config: Any, w: dict[str, Any], experts: Any) -> None:
@@ -190,11 +208,16 @@ class SparseMoE:
         self.experts = experts
         gate, up = w["shared_expert.gate_proj"], w["shared_expert.up_proj"]
         router, shared_gate = w["gate"], w["shared_expert_gate"]
-        self.down: LinearWeight = w["shared_expert.down_proj"]
+        down = w["shared_expert.down_proj"]
+        self.down: LinearWeight = down
         # NOTE: fused weights only where kernels run, so the CPU path (and its parity with
         # transformers) keeps the separate projections.
         fuse = kernels_enabled(_device_of(router))
-        self.gate_up = concat_rows(gate, up) if fuse else None
+        self.shared_slots: ExpertSlots | None = None
+        if fuse and getattr(experts, "accepts_shared", False) and _swiglu_fp4(gate, up, down):
+            self.shared_slots, self.gate_up, gate, up, self.down = _shared_slot(gate, up, down)
+        else:
+            self.gate_up = concat_rows(gate, up) if fuse else None
         self.router_gate = concat_rows(router, shared_gate) if fuse else None
         self.gate, self.up = (gate, up) if self.gate_up is None else (None, None)
         self.router, self.shared_gate = ((router, shared_gate) if self.router_gate is None
@@ -202,13 +225,6 @@ class SparseMoE:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, H] (normed) -> [N, H]."""
-        if self.gate_up is not None:
-            gu = linear(x, self.gate_up)  # [N, 2F]: gate | up
-            f = gu.shape[1] // 2
-            h = silu_mul(gu[:, :f], gu[:, f:])
-        else:
-            h = silu_mul(linear(x, self.gate), linear(x, self.up))
-        shared = linear(h, self.down)  # [N, H]
         E = self.num_experts
         if self.router_gate is not None:
             logits = linear(x, self.router_gate)  # [N, E + 1]: router | shared gate
@@ -216,5 +232,42 @@ class SparseMoE:
         else:
             router_logits, gate_logit = linear(x, self.router), linear(x, self.shared_gate)
         ids, weights = topk_softmax(router_logits, self.top_k, x.dtype)
+        if self.shared_slots is not None and fuses_shared_expert(x.shape[0]):
+            # routed + sigmoid(gate_logit) * shared, one launch
+            return self.experts.forward(self.layer_id, x, ids, weights,
+                                        shared_slots=self.shared_slots, shared_logit=gate_logit)
         routed = self.experts.forward(self.layer_id, x, ids, weights)
-        return gated_add(routed, gate_logit, shared)
+        return gated_add(routed, gate_logit, self.shared(x))
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The ungated shared expert through its own GEMVs: x [N, H] -> [N, H]."""
+        if self.gate_up is not None:
+            gu = linear(x, self.gate_up)  # [N, 2F]: gate | up
+            f = gu.shape[1] // 2
+            h = silu_mul(gu[:, :f], gu[:, f:])
+        else:
+            h = silu_mul(linear(x, self.gate), linear(x, self.up))
+        return linear(h, self.down)  # [N, H]
+
+
+def _swiglu_fp4(gate: LinearWeight, up: LinearWeight, down: LinearWeight) -> bool:
+    # NVFP4 gate, up [F, H] and down [H, F]: the routed experts' slot format
+    if not all(isinstance(w, NVFP4Weight) for w in (gate, up, down)):
+        return False
+    f, h = gate.shape
+    return tuple(up.shape) == (f, h) and tuple(down.shape) == (h, f) and h % 16 == 0 == f % 16
+
+
+def _shared_slot(gate: NVFP4Weight, up: NVFP4Weight, down: NVFP4Weight
+                 ) -> tuple[ExpertSlots, NVFP4Weight | None, NVFP4Weight, NVFP4Weight,
+                            NVFP4Weight]:
+    """The shared expert as slot 0 of its own ExpertSlots, and (gate_up or None when the gate
+    and up global scales differ, gate, up, down) as views of that slot's bytes."""
+    slots = single_expert_slots(gate, up, down)
+    f = gate.shape[0]
+    assert slots.w13_scale is not None and slots.w2_scale is not None
+    w13, s13 = slots.w13[0], slots.w13_scale[0]  # [2F, H/2], [2F, H/16]
+    g, u = gate.global_scale, up.global_scale
+    gate_up = NVFP4Weight(w13, s13, g) if g == u else None
+    return (slots, gate_up, NVFP4Weight(w13[:f], s13[:f], g), NVFP4Weight(w13[f:], s13[f:], u),
+            NVFP4Weight(slots.w2[0], slots.w2_scale[0], down.global_scale))

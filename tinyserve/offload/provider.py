@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from tinyserve import envs
-from tinyserve.kernels.fused_moe import fused_moe, fused_moe_ref
+from tinyserve.kernels.fused_moe import ExpertSlots, fused_moe, fused_moe_ref
 from tinyserve.log import get_logger
 from tinyserve.offload import prefetch
 from tinyserve.offload.gpu_cache import DeviceExpertCache
@@ -76,9 +76,16 @@ class OffloadedExperts:
         self.cache.begin_step()
         self._last_layer = self.cache.num_layers
 
+    @property
+    def accepts_shared(self) -> bool:
+        """Whether `forward` takes the layer's shared expert along (the fused-MoE kernel)."""
+        return self.use_kernel
+
     def forward(self, layer_id: int, x: torch.Tensor, topk_ids: torch.Tensor,
-                topk_weights: torch.Tensor) -> torch.Tensor:
-        """Σ_j topk_weights[:, j] * Expert_{topk_ids[:, j]}(x); x [N, H] -> [N, H] in x.dtype."""
+                topk_weights: torch.Tensor, *, shared_slots: ExpertSlots | None = None,
+                shared_logit: torch.Tensor | None = None) -> torch.Tensor:
+        """Σ_j topk_weights[:, j] * Expert_{topk_ids[:, j]}(x) (+ sigmoid(shared_logit) *
+        the shared expert in `shared_slots`, never offloaded); x [N, H] -> [N, H] in x.dtype."""
         if self._last_layer is not None and layer_id <= self._last_layer:
             # NOTE: never inside a CUDA-graph capture (begin_step reads device logs); the
             # graph runner calls begin_step() before each replay instead.
@@ -87,8 +94,10 @@ class OffloadedExperts:
         self._last_layer = layer_id
         slot_ids = self._slot_ids(layer_id, topk_ids)  # [N, k] int32
         if self.use_kernel:
-            return fused_moe(x, slot_ids, topk_weights, self.cache.slots)
-        return fused_moe_ref(x, slot_ids, topk_weights, self.cache.slots)
+            return fused_moe(x, slot_ids, topk_weights, self.cache.slots,
+                             shared_slots=shared_slots, shared_logit=shared_logit)
+        return fused_moe_ref(x, slot_ids, topk_weights, self.cache.slots,
+                             shared_slots=shared_slots, shared_logit=shared_logit)
 
     def _slot_ids(self, layer_id: int, topk_ids: torch.Tensor) -> torch.Tensor:
         """The slots of `topk_ids` [N, k]: streamed for a big batch, else from the cache."""

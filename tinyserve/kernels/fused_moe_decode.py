@@ -1,0 +1,125 @@
+"""The one-launch NVFP4 MoE decode ("fused" path of `kernels/fused_moe.py`): tiles, the
+switch, the self-clearing workspace and the launcher of `fused_moe_decode_triton.py`.
+
+One launch runs every (token, expert) pair of a layer, the shared expert included as one
+more pair: programs per (pair, feature chunk) compute their chunk's gate_up, silu * up and
+down columns and add the [H] partial into a per-token fp32 row with atomics; the last
+program of a token writes the output row and clears the workspace (details in the Triton
+module). `MOE_FUSED_DECODE = False` switches the path off (fused_moe then takes the gemv
+path and the model its separate shared-expert GEMVs, as before the path existed).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from tinyserve.kernels.fused_moe import ExpertSlots
+
+# NOTE: the switch of the one-launch decode; False = the gemv path (two launches + a sum,
+# the shared expert through the model's separate gemvs)
+MOE_FUSED_DECODE = True
+MOE_FUSED_MAX_TOKENS = 8  # default: "fused" up to this many tokens (the decode graph buckets)
+
+
+@dataclass(frozen=True)
+class MoEFusedConfig:
+    """Tiles of the one-launch decode: `block_f` features of one expert per program (a
+    multiple of 16: one int64 code word per down row), `block_b` blocks of 16 inputs per
+    gate_up K step, `block_h` down rows per step, `num_warps`, and the gate_up `decode`
+    ("f32" / "h2", as in `nvfp4_tiles`; the down product is fp32).
+
+    NOTE: defaults not measured yet (no spills at sm_90 with Triton 3.9: 102 registers; 144
+    programs of 8 warps for one 35B-A3B token + shared expert, one wave at 2 per SM).
+    """
+
+    block_f: int = 32
+    block_b: int = 128
+    block_h: int = 1024
+    num_warps: int = 8
+    decode: str = "h2"
+
+    def __post_init__(self) -> None:
+        sizes = (self.block_f, self.block_b, self.block_h, self.num_warps)
+        if self.decode not in ("f32", "h2"):
+            raise ValueError(f"unknown NVFP4 decode {self.decode!r}")
+        if self.block_f < 16 or any(v < 1 or v & (v - 1) for v in sizes):
+            raise ValueError(f"fused MoE tiles must be powers of two (block_f >= 16), "
+                             f"got {sizes}")
+
+
+# (H, F) -> tiles of the one-launch decode (bench/nvfp4.py prints entries); other shapes get
+# MoEFusedConfig().
+MOE_FUSED_TILES: dict[tuple[int, int], MoEFusedConfig] = {}
+
+
+def default_moe_fused_config(hidden_size: int, intermediate_size: int) -> MoEFusedConfig:
+    """The `MOE_FUSED_TILES` entry, else `MoEFusedConfig()`."""
+    return MOE_FUSED_TILES.get((hidden_size, intermediate_size), MoEFusedConfig())
+
+
+def fuses_shared_expert(num_tokens: int) -> bool:
+    """Whether `fused_moe` runs `num_tokens` tokens (NVFP4 slots) in the one-launch decode,
+    which takes a shared expert in the same launch (the model then hands it over)."""
+    return MOE_FUSED_DECODE and 0 < num_tokens <= MOE_FUSED_MAX_TOKENS
+
+
+@functools.cache
+def _kernels():
+    from tinyserve.kernels import fused_moe_decode_triton
+
+    return fused_moe_decode_triton
+
+
+@functools.cache
+def decode_workspace(device: torch.device, hidden_size: int,
+                     rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The zeroed fp32 accumulator [rows, H] and int32 arrival counters [rows] of `device`.
+
+    NOTE: one per device, shared by every layer and call: each launch leaves it zero again
+    (the last program of a token clears its row). Launches on two streams at once would
+    share it: one stream only.
+    """
+    return (torch.zeros(rows, hidden_size, dtype=torch.float32, device=device),
+            torch.zeros(rows, dtype=torch.int32, device=device))
+
+
+def moe_fused_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
+                     slots: ExpertSlots, shared: ExpertSlots | None,
+                     logit: torch.Tensor | None, cfg: MoEFusedConfig) -> torch.Tensor:
+    """sum_j wts[t, j] * expert_{ids[t, j]}(x_t) (+ sigmoid(logit[t]) * shared(x_t)).
+
+    x [N, H] contiguous (N <= MOE_FUSED_MAX_TOKENS), ids / wts flat [N * topk], NVFP4 `slots`
+    and `shared` (slot 0, same H and F) checked by `fused_moe`; logit [N, 1] with `shared`.
+    Returns [N, H] in x.dtype. One launch, no host synchronisation.
+    """
+    n, h, f = x.shape[0], slots.hidden_size, slots.intermediate_size
+    block_f = cfg.block_f
+    while f % block_f:  # NOTE: F is a multiple of 16 (slot layout)
+        block_f //= 2
+    acc, cnt = decode_workspace(x.device, h, MOE_FUSED_MAX_TOKENS)
+    # [N, H]: every row is written by its token's last program
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    sh = shared if shared is not None else slots
+    assert slots.w13_scale is not None and sh.w13_scale is not None
+    kp = topk + (shared is not None)
+    _kernels().moe_fused_decode_kernel[(n * kp, f // block_f)](
+        x, ids, wts, logit if logit is not None else wts,
+        slots.w13.view(torch.int64), slots.w13_scale, slots.w13_global,
+        slots.w2.view(torch.int64), slots.w2_scale, slots.w2_global,
+        sh.w13.view(torch.int64), sh.w13_scale, sh.w13_global,
+        sh.w2.view(torch.int64), sh.w2_scale, sh.w2_global,
+        acc, cnt, out, x.stride(0), logit.stride(0) if logit is not None else 0,
+        H=h, F=f, TOPK=topk, HAS_SHARED=shared is not None, BLOCK_F=block_f,
+        BLOCK_B=min(cfg.block_b, _next_pow2(h // 16)), BLOCK_H=min(cfg.block_h, _next_pow2(h)),
+        IS_H2=cfg.decode == "h2", USE_ASM=x.device.type == "cuda",
+        FINISH_BLOCK=min(1024, _next_pow2(h)), num_warps=cfg.num_warps)
+    return out
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, v - 1).bit_length()

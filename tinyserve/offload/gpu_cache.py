@@ -169,7 +169,7 @@ class DeviceExpertCache:
 
         The victim lists written now reach the device after that step (stream order); they
         skip the slots it may be filling from its own lists, which the policy cannot know of
-        yet (`IN_FLIGHT_RESERVE`)."""
+        yet (`IN_FLIGHT_GUESS`)."""
         if self._pending is not None:
             self._fold(in_flight=True)
 

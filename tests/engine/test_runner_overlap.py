@@ -119,3 +119,27 @@ def test_launch_tokens_equal_the_serial_path(tiny) -> None:
         logits = slow.run(slow.prepare(Batch([_seq(ids, pos)])))
         want.append(int(logits.argmax(-1)[0]))
     assert got == want
+
+
+@pytest.mark.requires_cuda
+def test_sampling_never_waits_for_the_device() -> None:
+    """Penalties, temperature, top-k/p, min-p and seeded noise queue their small host tables
+    without a stream synchronisation: the host work after a launch really overlaps it."""
+    from tinyserve.engine.sampler import Sampler
+
+    params = [SamplingParams(temperature=0.7, top_p=0.9, top_k=50, repetition_penalty=1.2,
+                             presence_penalty=0.5, frequency_penalty=0.3),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0, min_p=0.1, seed=4)]
+    seqs = [ScheduledSeq(f"s{i}", [1], 5, [0], i, sample=True, params=p,
+                         history=[1, 2, 3, 4, 5, 3], num_generated=2)
+            for i, p in enumerate(params)]
+    logits = torch.randn(3, 1000, device="cuda")
+    Sampler()(logits, seqs)  # warm-up (library handles, generators)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens = Sampler()(logits, seqs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert tokens.shape == (3,) and tokens.device.type == "cuda"

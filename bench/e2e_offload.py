@@ -11,11 +11,18 @@ Cases:
 - store: load the routed experts into the registered host store.
 - h2d: plain pinned-memory copy (the baseline), cudaMemcpy from the registered store, the
   zero-copy copy kernel over 256 random experts (block sweep) and over 8 (a decode layer),
-  and the latency of the lookup kernel.
+  one whole layer's experts as prefill streaming copies them (6 row ranges, async copies on
+  a side stream), and the latency of the lookup kernel.
 - offload: the plan for `--gpu-memory 6GiB --kv iso3 --max-context 131072` (embedding on
   the GPU: the model has no CPU row gather yet), the allocator capped at the budget minus the
-  CUDA-context reserve; prefill tok/s at 8k and 30k, decode tok/s at 1k and 32k context, hit
-  rates, miss bytes per decode token, peak memory.
+  CUDA-context reserve; prefill tok/s at 8k and 30k (prefill streaming on: the default),
+  decode tok/s at 1k and 32k context, hit rates, miss bytes per decode token, peak memory.
+- prefill_stream: the same runner prefilling 8k tokens with prefill streaming off (the cache
+  path: lookup + miss copy kernel, then the MoE) and on (offload.prefetch: whole layers
+  copied on a side stream while the previous layer computes), each after a warm-up chunk:
+  tok/s, ms per chunk, the H2D bytes and the achieved H2D GB/s over the prefill (vs the
+  pinned copy of `h2d`), and the copy-bound floor (every expert of a chunk at the pinned
+  copy rate).
 - skewed: decode with a synthetic skewed router (below) under the same plan, with the
   default policy (LRU + frequency term, weight 16) and with plain LRU (weight 0).
 - offload_cuda_graphs: the offloaded decode at 1k replaying CUDA graphs (lookup and miss
@@ -132,6 +139,22 @@ def case_h2d(store: HostExpertStore, config: Any) -> dict:
         ok = [v for v in sweep.values() if isinstance(v, float)]
         if ok:
             out[f"copy_kernel_{count}_vs_pinned"] = round(max(ok) / out["pinned_copy_gbps"], 3)
+    # One layer as prefill streaming copies it: 6 contiguous row ranges, side stream.
+    side = torch.cuda.Stream()
+    E = store.num_experts
+    layer_rows = slice(E, 2 * E)  # layer 1
+
+    def layer_copy() -> None:
+        with torch.cuda.stream(side):
+            side.wait_stream(torch.cuda.current_stream())
+            for f in lk.FIELDS:
+                a = getattr(store.slots, f)
+                if a is not None:
+                    getattr(slots, f)[:E].copy_(a[layer_rows], non_blocking=True)
+        torch.cuda.current_stream().wait_stream(side)
+
+    out["store_is_pinned_for_torch"] = bool(store.buffer.is_pinned())
+    out["layer_copy_gbps"] = round(E * store.bytes_per_expert / cuda_time(layer_copy) / 1e9, 2)
     # Check the copy, then time the lookup kernel at decode size.
     rows = torch.randperm(rows_total, generator=g)[:8].int()
     lk.copy_rows(store.slots, slots, rows.cuda(), torch.arange(8, dtype=torch.int32).cuda())
@@ -242,6 +265,57 @@ def measure(runner: ModelRunner, plan: Any, quick: bool) -> dict:
     return out
 
 
+def time_prefill(runner: ModelRunner, n_prompt: int, chunk: int, pages: list[int]
+                 ) -> tuple[float, int]:
+    """(seconds, H2D bytes) of prefilling `n_prompt` random tokens in chunks of `chunk`."""
+    g = torch.Generator().manual_seed(n_prompt + 1)
+    ids = torch.randint(0, runner.model.config.vocab_size, (n_prompt,), generator=g).tolist()
+    stats = runner.model.experts.stats
+    sync()
+    b0, t0 = stats.h2d_bytes, time.perf_counter()
+    for start in range(0, n_prompt, chunk):
+        part = ids[start:start + chunk]
+        seq = ScheduledSeq("s", part, start_pos=start, page_ids=pages, state_slot=0,
+                           sample=start + len(part) == n_prompt, params=GREEDY)
+        runner.forward(Batch([seq]))
+    sync()
+    return time.perf_counter() - t0, stats.h2d_bytes - b0
+
+
+def prefill_stream(runner: ModelRunner, plan: Any, config: Any, n_prompt: int,
+                   pinned_gbps: float | None) -> dict:
+    """8k prefill with prefill streaming off and on (same runner, same cache)."""
+    experts = runner.model.experts
+    streamer = experts.streamer
+    chunk = plan.prefill_chunk
+    pages = list(range(min(plan.kv_pages, -(-34000 // plan.page_size))))
+    out: dict[str, Any] = {"streaming": streamer is not None, "chunk": chunk,
+                           "min_pairs": getattr(streamer, "min_pairs", None)}
+    chunk_bytes = config.num_layers * config.num_experts * experts.cache.store.bytes_per_expert
+    if pinned_gbps:
+        out["copy_floor_ms_per_chunk"] = round(1e3 * chunk_bytes / (pinned_gbps * 1e9), 1)
+        out["copy_floor_tok_s"] = round(chunk / (chunk_bytes / (pinned_gbps * 1e9)), 1)
+    for label, s in (("stream_off", None), ("stream_on", streamer)):
+        if label == "stream_on" and s is None:
+            continue
+        experts.begin_step()  # gives the staging regions back before switching
+        experts.streamer = s
+        time_prefill(runner, chunk, chunk, pages)  # warm-up: this path's kernels and shapes
+        secs, nbytes = time_prefill(runner, n_prompt, chunk, pages)
+        out[label] = {"prefill_tok_s": round(n_prompt / secs, 1),
+                      "ms_per_chunk": round(1e3 * secs * chunk / n_prompt, 1),
+                      "h2d_gb": round(nbytes / 1e9, 2),
+                      "h2d_gbps": round(nbytes / secs / 1e9, 2)}
+        if pinned_gbps:
+            out[label]["h2d_vs_pinned"] = round(nbytes / secs / 1e9 / pinned_gbps, 3)
+    experts.begin_step()
+    experts.streamer = streamer
+    if "stream_on" in out:
+        out["speedup"] = round(out["stream_on"]["prefill_tok_s"]
+                               / out["stream_off"]["prefill_tok_s"], 3)
+    return out
+
+
 def build_runner(ckpt: Path, config: Any, plan: Any, experts: Any, weights: dict,
                  graphs: bool = False) -> ModelRunner:
     dtype = torch.bfloat16
@@ -279,7 +353,8 @@ def main() -> int:
     store = rec.run("store", case_store, ckpt, config)
     if store is None:
         return 1
-    rec.run("h2d", case_h2d, store, config)
+    h2d = rec.run("h2d", case_h2d, store, config)
+    pinned_gbps = h2d.get("pinned_copy_gbps") if isinstance(h2d, dict) else None
     budget = parse_size(args.gpu_memory)
     torch.cuda.empty_cache()
     context = mem_used()  # CUDA context (+ nothing else: every case above freed its memory)
@@ -299,9 +374,12 @@ def main() -> int:
                                           max_ids=plan.prefill_chunk * 8)
         runner = build_runner(ckpt, config, plan, experts, weights)
         return {"expert_slots": plan.expert_slots, "context_tokens": plan.context_tokens,
-                "mode": experts.cache.mode, **measure(runner, plan, args.quick)}, runner
+                "mode": experts.cache.mode, "prefill_streaming": experts.streamer is not None,
+                **measure(runner, plan, args.quick)}, runner
 
     runner = rec.run("offload", offload_case)
+    if runner is not None:
+        rec.run("prefill_stream", prefill_stream, runner, plan, config, 8192, pinned_gbps)
 
     def skewed_case() -> dict:
         out = {}

@@ -46,6 +46,7 @@ from tinyserve.kernels.fused_moe import (  # noqa: E402
 )
 from tinyserve.kernels.nvfp4 import GemvConfig, default_gemv_config, nvfp4_linear  # noqa: E402
 from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4  # noqa: E402
+from tinyserve.kernels.nvfp4_tiles import PERSISTENT_CANDIDATES  # noqa: E402
 
 SHAPES = {  # name: (N, K), most important first
     "qkvz_2048_8192": (8192, 2048), "lm_head_2048_248320": (248320, 2048),
@@ -61,6 +62,7 @@ GEMV_SWEEP = [  # K >= 1024 (a block_b past K/16 is masked)
     G(16, 256, 8, decode="h2"), G(32, 128, 8, decode="h2"), G(64, 128, 8, decode="h2"),
     G(8, 128, 4, 4, decode="h2"),
 ]
+GEMV_SWEEP += PERSISTENT_CANDIDATES  # persistent gemv: fixed grid, next tile's loads in flight
 GEMV_SWEEP_SMALL_K = [  # K = 512 (32 blocks)
     G(32, 32, 4), G(16, 32, 2), G(64, 32, 8), G(32, 32, 4, decode="h2"),
     G(16, 32, 2, decode="h2"), G(64, 32, 8, decode="h2"),
@@ -138,12 +140,39 @@ def copies(nbytes: int, smoke: bool) -> int:
 
 def gemv_key(c: GemvConfig) -> str:
     return (f"{c.decode}_bn{c.block_n}_bb{c.block_b}_w{c.num_warps}_v{c.vec}_s{c.num_stages}"
-            f"_pps{c.programs_per_sm}{'_pf' if c.prefetch else ''}")
+            f"_pps{c.programs_per_sm}{'_pf' if c.prefetch else ''}"
+            f"{f'_persist{c.persistent}' if c.persistent else ''}"
+            f"{'' if c.hoist_x else '_xtile'}")
 
 
 def gemv_table_entry(c: GemvConfig) -> str:
+    extra = (", prefetch=True" if c.prefetch else "") + (
+        f", persistent={c.persistent}" if c.persistent else "") + (
+        "" if c.hoist_x else ", hoist_x=False")
     return (f"GemvConfig({c.block_n}, {c.block_b}, {c.num_warps}, {c.programs_per_sm}, "
-            f"vec={c.vec}, num_stages={c.num_stages}, decode={c.decode!r})")
+            f"vec={c.vec}, num_stages={c.num_stages}, decode={c.decode!r}{extra})")
+
+
+def gemv_m4(x1: torch.Tensor, ws: list, cands: list, variants: dict) -> dict:
+    """M = 4 on a large weight: the `dot` path (today's choice) vs the fastest persistent
+    candidate at M = 1 (it decodes a tile once for all 4 rows of x)."""
+    timed = [c for c in cands if c.persistent and "us" in variants.get(gemv_key(c), {})]
+    if not timed:
+        return {"skipped": "no persistent candidate timed at M = 1"}
+    cfg = min(timed, key=lambda c: variants[gemv_key(c)]["us"])
+    x = torch.randn(4, x1.shape[1], device=x1.device, dtype=x1.dtype)
+    ref = x.float() @ dequantize_nvfp4(ws[0]).to(x.device).T
+    out: dict = {"persistent_config": gemv_key(cfg)}
+    for name, kw in (("dot", {"path": "dot"}), ("persistent", {"path": "gemv",
+                                                                "gemv_config": cfg})):
+        try:
+            res = errors(nvfp4_linear(x, ws[0], **kw), ref)
+            if res["rel_err"] <= MAX_REL_ERR:
+                res["us"] = time_graph([lambda w=w, kw=kw: nvfp4_linear(x, w, **kw) for w in ws])
+        except Exception as exc:  # noqa: BLE001
+            res = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        out[name] = res
+    return out
 
 
 def bench_gemv(n: int, k: int, bw: float, dev: str, smoke: bool) -> dict:
@@ -161,6 +190,8 @@ def bench_gemv(n: int, k: int, bw: float, dev: str, smoke: bool) -> dict:
         del dense
     default = default_gemv_config(n, k)
     cands = GEMV_SWEEP if k // 16 > 32 else GEMV_SWEEP_SMALL_K
+    # persistent tiles cover K: past 2048 inputs they only grow (o_proj: builds, no gain)
+    cands = [c for c in cands if not (c.persistent and k > 2048)]
     variants: dict = {}
     for cfg in [default] + [c for c in cands if c != default]:
         key = gemv_key(cfg)
@@ -190,6 +221,10 @@ def bench_gemv(n: int, k: int, bw: float, dev: str, smoke: bool) -> dict:
                        "vs_default": variants[out["default"]].get("us", float("nan"))
                        / timed[best]["us"],
                        "table_entry": f"({n}, {k}): {gemv_table_entry(cfg)},"}
+    if n * k > (1 << 23) and not smoke and not over_budget():
+        out["M4"] = gemv_m4(x, ws, cands, variants)
+        print(f"M=4 N={n}: " + ", ".join(f"{kk} {v.get('us', float('nan')):.2f} us"
+                                          for kk, v in out["M4"].items() if isinstance(v, dict)))
     return out
 
 

@@ -279,8 +279,10 @@ def _record(name: str, result: dict) -> None:
 @pytest.mark.parametrize("budget", [None, "6GiB"], ids=["resident", "6GiB"])
 @pytest.mark.parametrize("kv", ["iso3", "bf16"])
 def test_fullsize_graph_equals_eager(fullsize_dir: Path, kv: str, budget: str | None) -> None:
+    # Two sequences of PROMPT_LEN + STEPS tokens: under a budget the plan's KV pool holds
+    # max_context tokens in all (shared by the sequences), so it must cover both.
     config = {"model": str(fullsize_dir), "kv": kv, "gpu_memory": budget, "max_seqs": 2,
-              "max_context": PROMPT_LEN + STEPS + 64, "prefix_cache": False}
+              "max_context": 2 * (PROMPT_LEN + STEPS + 64), "prefix_cache": False}
     res = run_child(config, PROMPT_LEN, STEPS)
     problems, flips = judge(res["steps"])
     res.update({"problems": problems, "flips": flips,

@@ -149,3 +149,20 @@ def test_hit_rate_cost_of_the_extra_lag_is_small(zipf: float) -> None:
     serial, deferred = rates
     assert 0.0 < serial < 1.0
     assert deferred > serial - 0.03, rates
+
+
+def test_eviction_after_a_deferred_boundary_waits_for_the_fold() -> None:
+    """`evict_slots` (prefill streaming) between a deferred boundary and its fold: the fold
+    replays the earlier lookups first (their hits and loads counted), then forgets the slots,
+    so the mirror agrees with the device and the evicted slots come first as victims."""
+    trace = synthetic_trace(L, E, K, 6, seed=5)
+    cache = _cache()
+    for step in trace[:5]:
+        _step(cache, [step], deferred=True)
+    cache.begin_step(defer=True)  # the last step's log is pending
+    cache.evict_slots(0, 2 * E // 4)
+    cache.after_launch()
+    assert cache.stats.hits + cache.stats.misses == sum(_distinct([s]) for s in trace[:5])
+    assert cache.policy.resident() == cache.resident()
+    assert all(cache.policy.owner[s] is None for s in range(2 * E // 4))
+    assert set(cache.victims[:, 0].tolist()) <= set(range(2 * E // 4))

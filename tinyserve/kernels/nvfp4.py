@@ -5,7 +5,10 @@ Three paths (specs/nvfp4.md §5.3), picked by the number of rows M of x:
 - `gemv` (M <= GEMV_MAX_M, decode): int64 loads of 16 packed codes, arithmetic E2M1 decode
   ("f32" or "h2", `nvfp4_tiles.py`), E4M3 decoded from its uint8 bits, split-K when there are
   too few programs to fill the GPU (fp32 partials, summed by one torch op). Tiles per shape
-  come from `nvfp4_tiles.GEMV_TILES` (rule-based default for other shapes).
+  come from `nvfp4_tiles.GEMV_TILES` (rule-based default for other shapes); an entry with
+  `persistent` > 0 runs the persistent gemv (`nvfp4_persist_triton.py`: a fixed grid looping
+  over row tiles, next tile's loads in flight during this one's decode) for M <= 4 and
+  bf16/fp16 x.
 - `dot` (up to DEQUANT_MIN_M): tensor-core `tl.dot` with the weight tile dequantized in the
   K loop (even and odd inputs as two dots, no lookup table, no scratch).
 - `dequant` (prefill): dequantize to a bf16/fp16 scratch (in row chunks of at most
@@ -24,7 +27,14 @@ import torch
 
 from tinyserve import envs
 from tinyserve.core import NVFP4Weight
-from tinyserve.kernels.launch import cdiv, dot_tiles, num_sms, split_k_output, split_k_result
+from tinyserve.kernels.launch import (
+    cdiv,
+    dot_tiles,
+    num_sms,
+    resident_programs,
+    split_k_output,
+    split_k_result,
+)
 from tinyserve.kernels.nvfp4_tiles import GemvConfig, default_gemv_config
 
 PATHS = ("gemv", "dot", "dequant")
@@ -43,6 +53,13 @@ def _kernels():
 
 
 @functools.cache
+def _persist_kernels():
+    from tinyserve.kernels import nvfp4_persist_triton
+
+    return nvfp4_persist_triton
+
+
+@functools.cache
 def _dot_kernels():
     from tinyserve.kernels import nvfp4_dot_triton
 
@@ -54,6 +71,10 @@ def _thresholds() -> tuple[int, int]:
     return envs.NVFP4_GEMV_MAX_M.get(), envs.NVFP4_DEQUANT_MIN_M.get()
 
 
+PERSISTENT_MAX_M = 4  # rows of x the persistent gemv takes in one program
+# NOTE: at most this many (weight rows x rows of x) per persistent tile: 16 weight rows at
+# M = 2, 8 at M = 3..4 (sm_90 builds spill beyond it; `test_nvfp4_persist.py`)
+PERSISTENT_MAX_ROWS = 32
 GEMV_MULTI_ROW_MAX_WEIGHTS = 1 << 23  # M > 1 takes gemv only up to this N * K (o_proj size)
 
 
@@ -115,6 +136,8 @@ def _gemv(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int,
     kern = _kernels()
     sms = num_sms(x.device)
     cfg = cfg or default_gemv_config(n, k, sms)
+    if cfg.persistent and m <= PERSISTENT_MAX_M and x.dtype != torch.float32:
+        return _gemv_persistent(x, w, m, n, k, cfg, sms)
     kb = k // 16
     words = w.packed.view(torch.int64)  # [N, K/16]: one block of 16 codes per word
     # NOTE: h2 serves one row of 16-bit x; M > 1 and fp32 x (h2 would round it to fp16)
@@ -138,6 +161,40 @@ def _gemv(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int,
                                  IS_H2=is_h2, USE_ASM=x.device.type == "cuda",
                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return split_k_result(out, split, x.dtype)
+
+
+_RESIDENT: dict[tuple, int] = {}  # persistent gemv variant -> programs that fit on one SM
+
+
+def _gemv_persistent(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int,
+                     cfg: GemvConfig, sms: int) -> torch.Tensor:
+    # NOTE: one K step per tile (block_b raised to cover K), all M <= 4 rows of x per program
+    kern = _persist_kernels()
+    kb = k // 16
+    block_b = max(cfg.block_b, 1 << (kb - 1).bit_length())
+    block_m = 1 if m == 1 else (2 if m == 2 else 4)
+    block_n = min(cfg.block_n, PERSISTENT_MAX_ROWS // block_m)  # x words: ~32 regs per row
+    num_tiles = cdiv(n, block_n)
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    factor = _kernels().FP4_UNIT * float(w.global_scale)
+    args = (x, w.packed.view(torch.int64), w.block_scale, out, factor, m, n, kb, x.stride(0),
+            num_tiles)
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=block_b, VEC=cfg.vec,
+                PREFETCH=cfg.prefetch, HOIST_X=cfg.hoist_x, NUM_STAGES=cfg.num_stages,
+                USE_ASM=x.device.type == "cuda", num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
+    per_sm = cfg.persistent
+    if x.device.type == "cuda":
+        # NOTE: more programs than fit on the SMs would run the persistent loop in waves
+        key = (x.device, x.dtype, cfg, block_m, block_b, n % 16, kb % 16, x.stride(0) % 16)
+        fit = _RESIDENT.get(key)
+        if fit is None:
+            compiled = kern.nvfp4_gemv_persistent_kernel.warmup(*args, grid=(1,), **meta)
+            fit = _RESIDENT[key] = resident_programs(compiled, x.device)
+        per_sm = min(per_sm, fit) if fit else per_sm
+    grid = (kern.persistent_grid(num_tiles, sms, per_sm),)
+    kern.nvfp4_gemv_persistent_kernel[grid](*args, **meta)
+    return out
 
 
 def _dot(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int) -> torch.Tensor:
@@ -199,8 +256,9 @@ def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, *, path: str | None = None,
             `default_gemv_config`.
     Returns:
         [M, N] (or [..., N]) in x.dtype. Accumulates in fp32, except the "h2" gemv decode
-        (M = 1, bf16/fp16 x): x scaled by a power of two and rounded to fp16, the 16
-        products of each block summed in fp16, then in fp32 (`nvfp4_tiles`).
+        (M = 1, or M <= 4 with a persistent config; bf16/fp16 x): each row of x scaled by a
+        power of two and rounded to fp16, the 16 products of each block summed in fp16,
+        then in fp32 (`nvfp4_tiles`).
     Raises:
         ValueError / TypeError on shape, dtype, layout or device mismatch.
     """

@@ -27,7 +27,16 @@ class GemvConfig:
     across programs (powers of two, at least one step per split) only while there are fewer
     than `programs_per_sm` programs per SM. `prefetch`: two K steps in flight per program.
     `vec`: contiguous code words per thread and row (2 = 16-byte loads). `num_stages`: Triton's
-    software pipelining of the K loop. `decode`: "f32" or "h2" (module docstring)."""
+    software pipelining of the K loop. `decode`: "f32" or "h2" (module docstring).
+
+    `persistent` > 0: the persistent gemv (`nvfp4_persist_triton`, "h2" only, M = 1..4,
+    bf16/fp16 x) with that many programs per SM (at most as many as fit) looping over row
+    tiles of `block_n` rows (at most 32 / M); `block_b` is raised to cover K (one K step per
+    tile), `prefetch` loads the next row tile into registers before this one is decoded,
+    `num_stages` > 1 lets Triton stage the loads through shared memory, `hoist_x`: x's fp16x2
+    words are built once per program and kept in registers (else once per tile).
+    `programs_per_sm` (split-K) does not apply. fp32 x and M > 4 take the one-tile-per-program
+    kernel with the f32 decode and the same tiles."""
 
     block_n: int = 8
     block_b: int = 128
@@ -37,9 +46,13 @@ class GemvConfig:
     vec: int = 2
     num_stages: int = 3  # Triton's default
     decode: str = "f32"
+    persistent: int = 0  # programs per SM of the persistent gemv; 0 = one program per tile
+    hoist_x: bool = True  # persistent: x words built once per program
 
     def __post_init__(self) -> None:
         _check_tiles(self.decode, self.block_n, self.block_b, self.vec)
+        if self.persistent < 0 or (self.persistent and self.decode != "h2"):
+            raise ValueError(f"persistent={self.persistent} needs decode 'h2' and >= 0")
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,23 @@ GEMV_TILES: dict[tuple[int, int], GemvConfig] = {
     (8192, 2048): GemvConfig(16, 128, 4, 0, vec=4, num_stages=3, decode="f32"),  # 7.3 (was 7.7)
     (2048, 512): GemvConfig(16, 32, 2, 0, vec=2, num_stages=3, decode="f32"),  # 2.6 (was 2.7)
 }
+
+# The persistent gemv tiles the H200 sweep (`bench/nvfp4.py`) measures beside the table's;
+# `tests/kernels/test_nvfp4_persist.py` builds each for sm_90 (no spills, shared memory fits).
+# Offline sm_90 build (Triton 3.6, the H200's): registers / shared memory per program, SASS
+# instructions per weight of the tile loop at K = 2048, M = 1.
+PERSISTENT_CANDIDATES: tuple[GemvConfig, ...] = (
+    # Triton stages the next tiles' loads through shared memory (cp.async)
+    GemvConfig(16, 128, 4, vec=4, num_stages=3, decode="h2", persistent=4),  # 72 r, 37 KB, 3.7
+    GemvConfig(16, 128, 4, vec=4, num_stages=3, decode="h2", persistent=8),  # capped at ~6
+    GemvConfig(16, 128, 4, vec=4, num_stages=2, decode="h2", persistent=6),  # 72 r, 18 KB
+    GemvConfig(32, 128, 4, vec=4, num_stages=2, decode="h2", persistent=4),  # 72 r, 37 KB, 3.6
+    GemvConfig(8, 128, 4, vec=4, num_stages=3, decode="h2", persistent=6),  # 64 r, 18 KB, 3.8
+    GemvConfig(4, 128, 4, vec=4, num_stages=3, decode="h2", persistent=8),  # 64 r, 9 KB, 4.2
+    # the next tile's loads into registers before this tile's decode
+    GemvConfig(16, 128, 4, vec=4, num_stages=1, prefetch=True, decode="h2",
+               persistent=4),  # 128 r, 3.6
+)
 
 # (H, F) -> tiles for one decode token. Filled from the H200 sweeps (bench/NOTES_nvfp4.md).
 MOE_GEMV_TILES: dict[tuple[int, int], MoEGemvConfig] = {

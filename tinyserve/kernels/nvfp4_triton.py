@@ -267,6 +267,23 @@ def _h2_dot8(p0, p1, p2, p3, q0, q1, q2, q3, x0, x1, x2, x3, y0, y1, y2, y3,
 
 
 @triton.jit
+def _h2_x_scale(x_ptr, b_lo, b_hi, BLOCK_B: tl.constexpr):
+    """(xs, 1 / xs), xs = 2^s with max|x| over inputs [16 b_lo, 16 b_hi) times xs in
+    [2^13, 2^14) (a pass over x from L1/L2; x all zero: the largest scale, 2^126)."""
+    offs_x = tl.arange(0, 16 * BLOCK_B)
+    xmax = tl.zeros([16 * BLOCK_B], dtype=tl.float32)
+    for b0 in range(b_lo, b_hi, BLOCK_B):
+        kx = 16 * b0 + offs_x
+        xv = tl.load(x_ptr + kx, mask=kx < 16 * b_hi, other=0.0).to(tl.float32)
+        xmax = tl.maximum(xmax, tl.abs(xv))
+    e = (tl.max(xmax, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    c = tl.minimum(tl.maximum(267 - e, 2), 253)  # biased exponent of xs = 2^(13 - floor(log2))
+    xs = (c << 23).to(tl.float32, bitcast=True)
+    inv_xs = ((254 - c) << 23).to(tl.float32, bitcast=True)
+    return xs, inv_xs
+
+
+@triton.jit
 def _fp4_rows_dot_h2(x_ptr, w_ptr, s_ptr, rows, row_mask, KB, b_lo, b_hi,
                      BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, X_T: tl.constexpr = False,
                      VEC: tl.constexpr = 2, USE_ASM: tl.constexpr = True):
@@ -279,17 +296,7 @@ def _fp4_rows_dot_h2(x_ptr, w_ptr, s_ptr, rows, row_mask, KB, b_lo, b_hi,
     Each block's 16 products are summed in fp16 (two chains of four half2 FMAs), then scaled by
     its e4m3 in fp32.
     """
-    # NOTE: pass 1 over x (from L1/L2): its largest magnitude picks the power-of-two scale
-    offs_x = tl.arange(0, 16 * BLOCK_B)
-    xmax = tl.zeros([16 * BLOCK_B], dtype=tl.float32)
-    for b0 in range(b_lo, b_hi, BLOCK_B):
-        kx = 16 * b0 + offs_x
-        xv = tl.load(x_ptr + kx, mask=kx < 16 * b_hi, other=0.0).to(tl.float32)
-        xmax = tl.maximum(xmax, tl.abs(xv))
-    e = (tl.max(xmax, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
-    c = tl.minimum(tl.maximum(267 - e, 2), 253)  # biased exponent of xs = 2^(13 - floor(log2))
-    xs = (c << 23).to(tl.float32, bitcast=True)
-    inv_xs = ((254 - c) << 23).to(tl.float32, bitcast=True)
+    xs, inv_xs = _h2_x_scale(x_ptr, b_lo, b_hi, BLOCK_B)
     offs_b = tl.arange(0, BLOCK_B)
     rows64 = rows.to(tl.int64)
     w_rows = w_ptr + rows64[:, None] * KB

@@ -119,6 +119,7 @@ class DeviceExpertCache:
         self._log_host = torch.empty(self._log.numel(), dtype=torch.int32, pin_memory=cuda)
         self._log_copied = _event(self.device)
         self._pending: int | None = None  # ids width of a copied log not folded yet
+        self._evicted: list[tuple[int, int]] = []  # evict_slots ranges waiting for that fold
         self._width = 0  # most ids of an eager call since begin_step
         self._graph_width = 0  # most ids of a call captured in a CUDA graph (replayed later)
         # Layer l's victims: the policy order's entries l, l+L, l+2L, ... first (so decode
@@ -182,6 +183,9 @@ class DeviceExpertCache:
             cols = 2 * self.victim_len + width
             log = self._log_host[:self.num_layers * cols].view(self.num_layers, cols)
             loads = self._replay(log.numpy())
+        for start, stop in self._evicted:  # evictions queued after the log's lookups
+            self._forget(start, stop)
+        self._evicted.clear()
         self.policy.end_step()
         if loads is not None:
             busy = self._in_flight_slots(loads) if in_flight else None
@@ -304,6 +308,33 @@ class DeviceExpertCache:
         self.policy.end_step()
         self.policy.stats = CacheStats()
         self._fill_victims()
+
+    def evict_slots(self, start: int, stop: int) -> None:
+        """Forget what slots [start, stop) hold: device table and owner entries and the policy
+        mirror's, so that no lookup finds them; they stay free until a lookup takes them.
+
+        For the prefill streaming regions (`offload.prefetch`): the caller writes the slots
+        itself, ordered after every earlier reader, and runs no lookup until its writes are
+        ordered before the compute stream's next work. Stream-ordered, no host sync.
+        """
+        dump = self.table.numel() - 1
+        held = self.owner[start:stop]
+        self.table.index_fill_(0, torch.where(held >= 0, held, dump).long(), -1)
+        held.fill_(-1)
+        if self._pending:  # a deferred log of lookups before this: the mirror forgets after it
+            self._evicted.append((start, stop))
+        else:
+            self._forget(start, stop)
+
+    def _forget(self, start: int, stop: int) -> None:
+        """The mirror's half of `evict_slots`."""
+        policy = self.policy
+        for slot in range(start, stop):
+            key = policy.owner[slot]
+            if key is not None and policy.where.get(key) == slot:
+                del policy.where[key]
+            policy.owner[slot] = None
+            policy._push(slot)  # a free slot scores -inf: first in line
 
     def resident(self) -> dict[tuple[int, int], int]:
         """(layer, expert) -> slot, read from the device table (a synchronisation)."""

@@ -5,6 +5,8 @@ Same interface as `model.moe.ResidentExperts`:
 model runs with it exactly as with all-resident experts. Each call resolves the layer's experts
 to cache slots (copying misses from the store, see `offload.gpu_cache`) and runs the fused MoE
 over the slots. A call for a layer at or below the previous call's layer starts a new step.
+A big batch (a prefill chunk) instead streams whole layers into two staging regions of the
+cache while the previous layer computes (`offload.prefetch`).
 """
 
 from __future__ import annotations
@@ -15,8 +17,12 @@ import torch
 
 from tinyserve import envs
 from tinyserve.kernels.fused_moe import fused_moe, fused_moe_ref
+from tinyserve.log import get_logger
+from tinyserve.offload import prefetch
 from tinyserve.offload.gpu_cache import DeviceExpertCache
 from tinyserve.offload.store import HostExpertStore
+
+logger = get_logger(__name__)
 
 
 class OffloadedExperts:
@@ -26,21 +32,37 @@ class OffloadedExperts:
         cache: the GPU slot cache (it holds the store).
         use_kernel: run the Triton fused MoE (default: on CUDA unless
             TINYSERVE_DISABLE_KERNELS); else `fused_moe_ref`.
+        stream_prefill: stream big batches layer by layer (`offload.prefetch`); default:
+            `prefetch.ENABLED` when the cache has room for two layers but not for all.
+        streamer: a ready `LayerStreamer` (tests: an injected copy queue, a threshold).
+    Attributes:
+        streamer: the `LayerStreamer`, or None (every call takes the cache path); to switch
+            streaming off, call `begin_step()` (it gives the staging slots back), then set None.
     """
 
-    def __init__(self, cache: DeviceExpertCache, *, use_kernel: bool | None = None) -> None:
+    def __init__(self, cache: DeviceExpertCache, *, use_kernel: bool | None = None,
+                 stream_prefill: bool | None = None,
+                 streamer: prefetch.LayerStreamer | None = None) -> None:
         self.cache = cache
         if use_kernel is None:
             use_kernel = cache.device.type == "cuda" and not envs.DISABLE_KERNELS.get()
         self.use_kernel = use_kernel
         self._last_layer: int | None = None
+        if streamer is None and (prefetch.ENABLED if stream_prefill is None else stream_prefill):
+            why = prefetch.can_stream(cache.num_slots, cache.num_layers, cache.num_experts)
+            if why is None:
+                streamer = prefetch.LayerStreamer(cache)
+            elif stream_prefill or cache.num_slots < cache.num_layers * cache.num_experts:
+                logger.info("prefill streaming off: %s", why)
+        self.streamer = streamer
 
     @classmethod
     def create(cls, store: HostExpertStore, num_slots: int, *, device: torch.device | str,
-               dtype: torch.dtype = torch.bfloat16, **cache_kwargs: Any) -> OffloadedExperts:
+               dtype: torch.dtype = torch.bfloat16, stream_prefill: bool | None = None,
+               **cache_kwargs: Any) -> OffloadedExperts:
         """A provider with a fresh cache of `num_slots` slots on `device`."""
         return cls(DeviceExpertCache(store, num_slots, device=device, dtype=dtype,
-                                     **cache_kwargs))
+                                     **cache_kwargs), stream_prefill=stream_prefill)
 
     def begin_step(self, *, defer: bool = False) -> None:
         """Start a new step (a runner replaying a CUDA graph calls this before each replay;
@@ -50,6 +72,8 @@ class OffloadedExperts:
         must start a new step too, whatever its layer: otherwise its lookups would overwrite
         the replay's log before the policy has read it (and the host mirror would lose loads).
         """
+        if self.streamer is not None:
+            self.streamer.release()
         self.cache.begin_step(defer=defer)
         self._last_layer = self.cache.num_layers
 
@@ -66,10 +90,19 @@ class OffloadedExperts:
             if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
                 self.cache.begin_step(defer=True)
         self._last_layer = layer_id
-        slot_ids = self.cache.lookup(layer_id, topk_ids)  # [N, k] int32
+        slot_ids = self._slot_ids(layer_id, topk_ids)  # [N, k] int32
         if self.use_kernel:
             return fused_moe(x, slot_ids, topk_weights, self.cache.slots)
         return fused_moe_ref(x, slot_ids, topk_weights, self.cache.slots)
+
+    def _slot_ids(self, layer_id: int, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The slots of `topk_ids` [N, k]: streamed for a big batch, else from the cache."""
+        streamer = self.streamer
+        if streamer is not None:
+            if streamer.wants(topk_ids):
+                return streamer.slot_ids(layer_id, topk_ids)
+            streamer.release()
+        return self.cache.lookup(layer_id, topk_ids)
 
     @property
     def capturable(self) -> bool:

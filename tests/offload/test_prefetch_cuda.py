@@ -1,0 +1,179 @@
+"""Prefill streaming on a GPU (real side stream and events): the provider's output equals the
+all-resident one with no host synchronisation in a streamed call, and the tiny model with a
+cache of two layers' experts generates the resident tokens, eager and with decode graphs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tinyserve.core import Batch, SamplingParams, ScheduledSeq
+from tinyserve.kernels.fused_moe import fused_moe, pack_expert_slots
+from tinyserve.kernels.nvfp4_ref import quantize_nvfp4
+from tinyserve.offload import prefetch
+from tinyserve.offload.provider import OffloadedExperts
+from tinyserve.offload.store import HostExpertStore
+
+pytestmark = pytest.mark.requires_cuda
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
+
+
+def _experts(L: int, E: int, H: int, F: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    w = {}
+    for layer in range(L):
+        for e in range(E):
+            p = f"layers.{layer}.mlp.experts.{e}"
+            w[f"{p}.gate_proj"] = quantize_nvfp4(torch.randn(F, H, generator=g) * 0.05)
+            w[f"{p}.up_proj"] = quantize_nvfp4(torch.randn(F, H, generator=g) * 0.05)
+            w[f"{p}.down_proj"] = quantize_nvfp4(torch.randn(H, F, generator=g) * 0.05)
+    return w
+
+
+def test_streamed_provider_equals_resident_without_host_sync() -> None:
+    L, E, H, F, k = 4, 16, 256, 128, 4
+    cfg = SimpleNamespace(num_layers=L, num_experts=E, hidden_size=H, moe_intermediate_size=F)
+    w = _experts(L, E, H, F)
+    store = HostExpertStore.from_weights(w, cfg)
+    assert store.pinned
+    resident = [pack_expert_slots([(w[f"layers.{la}.mlp.experts.{e}.gate_proj"],
+                                    w[f"layers.{la}.mlp.experts.{e}.up_proj"],
+                                    w[f"layers.{la}.mlp.experts.{e}.down_proj"])
+                                   for e in range(E)], "cuda") for la in range(L)]
+    experts = OffloadedExperts.create(store, 2 * E + 3, device="cuda", max_ids=64 * k)
+    s = experts.streamer
+    assert isinstance(s, prefetch.LayerStreamer) and isinstance(s.queue, prefetch.CudaCopyQueue)
+    assert s.min_pairs == prefetch.MIN_PAIRS_PER_EXPERT * E
+    g = torch.Generator(device="cuda").manual_seed(1)
+    # prefill, decode, decode, prefill (streamed over slots the decode filled), decode
+    for tokens in (64, 1, 3, 64, 64, 2):
+        experts.begin_step()
+        xs = [torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=g)
+              for _ in range(L)]
+        ids = [torch.rand(tokens, E, device="cuda", generator=g).topk(k).indices
+               for _ in range(L)]
+        wts = [torch.rand(tokens, k, device="cuda", generator=g) for _ in range(L)]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            outs = [experts.forward(la, xs[la], ids[la], wts[la]) for la in range(L)]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert s.active == (tokens * k >= s.min_pairs)
+        for la in range(L):
+            ref = fused_moe(xs[la], ids[la], wts[la], resident[la]).float()
+            torch.testing.assert_close(outs[la].float(), ref, rtol=1e-2,
+                                       atol=1e-2 * ref.abs().max().item())
+    experts.begin_step()
+    assert not s.active
+    assert experts.cache.policy.resident() == experts.cache.resident()
+    stats = experts.stats
+    assert stats.h2d_bytes == stats.misses * store.bytes_per_expert
+
+
+class SlowCopyQueue(prefetch.CudaCopyQueue):
+    """Every copy after the first is queued behind ~50 ms of GPU sleep on the side stream."""
+
+    def copy(self, after, copies):
+        if self._n:
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_event(after)
+                torch.cuda._sleep(100_000_000)
+        self._n += 1
+        return super().copy(after, copies)
+
+
+def test_prefetch_runs_beside_the_compute_stream() -> None:
+    """The compute stream waits for layer l's copy only: layer l + 1's (slow) copy runs on
+    the side stream while the compute stream goes on, and the next layer's call waits for it."""
+    L, E, H, F = 3, 8, 256, 128
+    cfg = SimpleNamespace(num_layers=L, num_experts=E, hidden_size=H, moe_intermediate_size=F)
+    store = HostExpertStore.from_weights(_experts(L, E, H, F), cfg)
+    experts = OffloadedExperts.create(store, 2 * E, device="cuda")
+    s = prefetch.LayerStreamer(experts.cache, queue=SlowCopyQueue(torch.device("cuda")))
+    ids = torch.randint(0, E, (64, 2), device="cuda")
+    torch.cuda.synchronize()
+    assert torch.equal(s.slot_ids(0, ids), ids.int())  # copies layer 0, prefetches layer 1
+    after0 = torch.cuda.Event()
+    after0.record()
+    after0.synchronize()  # the compute stream is past layer 0's wait ...
+    assert not s.queue.stream.query()  # ... while layer 1's copy is still queued
+    assert torch.equal(s.slot_ids(1, ids), ids.int() + E)
+    after1 = torch.cuda.Event()
+    after1.record()
+    assert not after1.query()  # the compute stream now waits for layer 1's copy
+    torch.cuda.synchronize()
+    for layer in range(L):  # each region holds exactly the layer it claims
+        r = layer % 2
+        if s.region_layer[r] == layer:
+            assert torch.equal(experts.cache.slots.w13[r * E:(r + 1) * E].cpu(),
+                               store.slots.w13[layer * E:(layer + 1) * E])
+    assert s.region_layer == [2, 1]
+    s.release()
+    assert not s.active
+
+
+def _runner(cfg, weights, experts, graphs: bool):
+    from tinyserve.engine.runner import ModelRunner
+    from tinyserve.kv.bf16 import BF16KVBackend
+    from tinyserve.kv.state_pool import GDNStatePool
+    from tinyserve.model.qwen35 import Qwen35Model
+
+    kv = BF16KVBackend(layer_ids=list(cfg.full_attention_layers), num_kv_heads=cfg.num_kv_heads,
+                       head_dim=cfg.head_dim, num_pages=32, page_size=4, device="cuda",
+                       dtype=torch.bfloat16)
+    states = GDNStatePool.for_config(cfg, 2, device="cuda", dtype=torch.bfloat16)
+    weights = {k: v for k, v in weights.items() if ".mlp.experts." not in k}
+    model = Qwen35Model(cfg, weights, kv=kv, states=states, experts=experts, device="cuda",
+                        dtype=torch.bfloat16)
+    if graphs:
+        return ModelRunner(model, page_size=4, cuda_graphs=True, graph_pad_slot=1)
+    return ModelRunner(model, page_size=4)
+
+
+def _generate(runner, prompt: list[int], n: int, chunk: int) -> tuple[list[int], torch.Tensor]:
+    pages = list(range(32))
+    out = None
+    for start in range(0, len(prompt), chunk):
+        part = prompt[start:start + chunk]
+        last = start + len(part) == len(prompt)
+        seq = ScheduledSeq("r", part, start_pos=start, page_ids=pages, state_slot=0,
+                           sample=last, params=GREEDY)
+        out = runner.forward(Batch([seq]))
+    tokens, logits = [out.next_tokens[0]], [out.logits.float().clone()]
+    for _ in range(n - 1):
+        pos = len(prompt) + len(tokens) - 1
+        seq = ScheduledSeq("r", [tokens[-1]], start_pos=pos, page_ids=pages, state_slot=0,
+                           sample=True, params=GREEDY)
+        out = runner.forward(Batch([seq]))
+        tokens.append(out.next_tokens[0])
+        logits.append(out.logits.float().clone())
+    return tokens, torch.cat(logits)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_streamed_tiny_model_generates_the_resident_tokens(graphs: bool) -> None:
+    from tests.model.hf_tiny import checkpoint
+
+    cfg, w = checkpoint("modelopt")
+    L, E = cfg.num_layers, cfg.num_experts
+    prompt = torch.randint(0, 500, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    store = HostExpertStore.from_weights(w, cfg)
+    resident = OffloadedExperts.create(store, L * E, device="cuda", max_ids=64)
+    resident.cache.preload_all()
+    ref = _generate(_runner(cfg, w, resident, graphs), prompt, 10, 20)
+    streamed = OffloadedExperts.create(store, 2 * E + 1, device="cuda", max_ids=64)
+    assert streamed.streamer is not None and streamed.streamer.min_pairs <= 20 * 2
+    runner = _runner(cfg, w, streamed, graphs)
+    for _ in range(2):  # the second prefill streams over slots the first decode filled
+        tokens, logits = _generate(runner, prompt, 10, 20)
+        assert tokens == ref[0]
+        torch.testing.assert_close(logits, ref[1], rtol=2e-2, atol=2e-2 * ref[1].abs().max())
+    if graphs:
+        assert runner.graphs is not None and runner.graphs.num_graphs >= 1
+    streamed.begin_step()
+    assert streamed.cache.policy.resident() == streamed.cache.resident()
+    assert streamed.stats.misses >= 2 * L * E  # two streamed prefills

@@ -9,11 +9,19 @@ vocabulary), `--layers` layers (default 8: 6 GDN + 2 attention), every sequence 
 context. Cases: KV bf16 and iso3 x batch 1 and 8. Target: graph step <= 1.3x the kernel sum.
 Each case records its own failure; the rest go on.
 
+Offloaded cases (`--offload-slots`, default 46 slots per layer: the 6 GiB plan's share; 0
+skips them): the routed experts in a pinned host store behind a GPU expert cache (random
+routing), KV bf16, batch 1 and 8, twice: `offload_serial` with the expert-cache policy at
+the step boundary (the device waits for it) and `offload_overlap` with the policy after the
+launch, while the step computes (`gpu_cache.DEFER_POLICY`). Same model, same run; the graph
+step's gap to its kernel sum is the host time the step still waits for.
+
 `--dry` runs every case on the CPU instead, on a small model of the same layer pattern in fp32,
 the graph runner over the static decode path without capture (no profiler sum, no ratios):
 a check that the script still drives today's model, runner and KV backends.
 
-    python bench/decode_overhead.py [--layers 8]   -> bench/results/decode_overhead.json
+    python bench/decode_overhead.py [--layers 8] [--offload-slots 46]
+        -> bench/results/decode_overhead.json
     python bench/decode_overhead.py --dry          -> a JSON in the temp directory
 """
 
@@ -43,6 +51,9 @@ from tinyserve.engine.runner import ModelRunner  # noqa: E402
 from tinyserve.kv.registry import create_kv_backend  # noqa: E402
 from tinyserve.kv.state_pool import GDNStatePool  # noqa: E402
 from tinyserve.model.qwen35 import Qwen35Model  # noqa: E402
+from tinyserve.offload import gpu_cache  # noqa: E402
+from tinyserve.offload.provider import OffloadedExperts  # noqa: E402
+from tinyserve.offload.store import HostExpertStore  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "decode_overhead.json"
 PAGE = 16
@@ -65,7 +76,7 @@ def _sync(dev: str) -> None:
         torch.cuda.synchronize()
 
 
-def _model(cfg, w: dict, kv_name: str, dev: str = "cuda") -> Qwen35Model:
+def _model(cfg, w: dict, kv_name: str, dev: str = "cuda", experts=None) -> Qwen35Model:
     per = CONTEXT // PAGE + 2
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     kv = create_kv_backend(kv_name, layer_ids=list(cfg.full_attention_layers),
@@ -81,7 +92,18 @@ def _model(cfg, w: dict, kv_name: str, dev: str = "cuda") -> Qwen35Model:
     states = GDNStatePool.for_config(cfg, MAX_BATCH + 1, device=dev, dtype=dtype)
     states.conv.normal_(0, 0.5)
     states.recurrent.normal_(0, 0.05)
-    return Qwen35Model(cfg, w, kv=kv, states=states, device=dev, dtype=dtype)
+    if experts is not None:  # the model must not need the expert weights
+        w = {k: v for k, v in w.items() if ".mlp.experts." not in k}
+    return Qwen35Model(cfg, w, kv=kv, states=states, experts=experts, device=dev, dtype=dtype)
+
+
+def _offloaded(store: HostExpertStore, slots: int, dev: str) -> OffloadedExperts:
+    """A fresh expert cache of `slots` slots over `store` (device mode; torch references on
+    the CPU for --dry)."""
+    kw = {} if dev == "cuda" else dict(mode="device", use_triton=False)
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    return OffloadedExperts.create(store, slots, device=dev, dtype=dtype,
+                                   max_ids=MAX_BATCH * 8, **kw)
 
 
 def _batch(n: int) -> Batch:
@@ -123,8 +145,10 @@ def _kernel_ms(runner: ModelRunner, batch: Batch, reps: int) -> tuple[float, int
     return total_us / 1e3 / reps, count // reps
 
 
-def _case(cfg, w: dict, kv_name: str, n: int, reps: int, dev: str = "cuda") -> dict:
-    model = _model(cfg, w, kv_name, dev)
+def _case(cfg, w: dict, kv_name: str, n: int, reps: int, dev: str = "cuda",
+          experts=None, defer: bool = True) -> dict:
+    gpu_cache.DEFER_POLICY = defer
+    model = _model(cfg, w, kv_name, dev, experts)
     eager = ModelRunner(model, page_size=PAGE)
     graph = ModelRunner(model, page_size=PAGE, cuda_graphs=True, graph_pad_slot=MAX_BATCH)
     if dev != "cuda":  # --dry: the static decode path without capture
@@ -135,9 +159,12 @@ def _case(cfg, w: dict, kv_name: str, n: int, reps: int, dev: str = "cuda") -> d
     batch = _batch(n)
     eager_ms = _step_ms(eager, batch, reps)
     graph_ms = _step_ms(graph, batch, reps)
+    cache = {} if experts is None else {"offload_slots": experts.cache.num_slots,
+                                        "defer_policy": defer,
+                                        "expert_hit_rate": round(experts.stats.hit_rate, 4)}
     if dev != "cuda":
         return {"batch": n, "kv": kv_name, "device": dev, "eager_step_ms": eager_ms,
-                "static_step_ms": graph_ms}
+                "static_step_ms": graph_ms, **cache}
     if graph.graphs.num_graphs < 1:
         raise RuntimeError("no decode graph was captured (see the log)")
     kern_eager, launches = _kernel_ms(eager, batch, 5)
@@ -153,7 +180,7 @@ def _case(cfg, w: dict, kv_name: str, n: int, reps: int, dev: str = "cuda") -> d
         "graph_over_kernels": graph_ms / kern, "eager_over_kernels": eager_ms / kern,
         "meets_target": graph_ms <= TARGET * kern,
         "eager_tok_s": n * 1e3 / eager_ms, "graph_tok_s": n * 1e3 / graph_ms,
-        "graph_speedup": eager_ms / graph_ms,
+        "graph_speedup": eager_ms / graph_ms, **cache,
     }
 
 
@@ -164,6 +191,8 @@ def main() -> int:
     ap.add_argument("--kv", nargs="+", default=["bf16", "iso3"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, MAX_BATCH])
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--offload-slots", type=int, default=46,
+                    help="expert-cache slots per layer of the offloaded cases (0: none)")
     ap.add_argument("--dry", action="store_true",
                     help="CPU check on a small model (fp32, no capture, no profiler sums)")
     args = ap.parse_args()
@@ -190,6 +219,18 @@ def main() -> int:
             rec.run(f"{kv_name}_b{n}", _case, cfg, w, kv_name, n, reps, dev)
             if dev == "cuda":
                 torch.cuda.empty_cache()
+    if args.offload_slots:
+        store = HostExpertStore.from_weights(w, cfg)
+        slots = max(args.offload_slots, cfg.num_experts // cfg.num_layers + 1) * cfg.num_layers
+        slots = max(slots, cfg.num_experts)
+        for n in args.batch:
+            for defer in (False, True):
+                name = f"offload_{'overlap' if defer else 'serial'}_b{n}"
+                rec.run(name, _case, cfg, w, "bf16", n, reps, dev,
+                        _offloaded(store, slots, dev), defer)
+                if dev == "cuda":
+                    torch.cuda.empty_cache()
+        gpu_cache.DEFER_POLICY = True
     _summary(rec.data)
     print(f"wrote {out}")
     return 0 if not rec.data["errors"] else 2
@@ -197,15 +238,17 @@ def main() -> int:
 
 def _summary(data: dict) -> None:
     for name, c in data["cases"].items():
+        hit = f"  hit rate {c['expert_hit_rate']:.3f}" if "expert_hit_rate" in c else ""
         if "graph_step_ms" in c:
-            print(f"{name:10s} eager {c['eager_step_ms']:7.2f} ms  graph {c['graph_step_ms']:6.2f} "
-                  f"ms  kernels {c['kernel_sum_ms']:6.2f} ms  graph/kernels "
-                  f"{c['graph_over_kernels']:.2f} (target {TARGET})")
+            print(f"{name:20s} eager {c['eager_step_ms']:7.2f} ms ({c['eager_tok_s']:6.1f} tok/s)"
+                  f"  graph {c['graph_step_ms']:6.2f} ms ({c['graph_tok_s']:6.1f} tok/s)  "
+                  f"kernels {c['kernel_sum_ms']:6.2f} ms  graph/kernels "
+                  f"{c['graph_over_kernels']:.2f} (target {TARGET}){hit}")
         else:
-            print(f"{name:10s} eager {c['eager_step_ms']:7.2f} ms  static "
-                  f"{c['static_step_ms']:7.2f} ms  ({c['device']})")
+            print(f"{name:20s} eager {c['eager_step_ms']:7.2f} ms  static "
+                  f"{c['static_step_ms']:7.2f} ms  ({c['device']}){hit}")
     for name in data["errors"]:
-        print(f"{name:10s} FAILED (see the JSON)")
+        print(f"{name:20s} FAILED (see the JSON)")
 
 
 if __name__ == "__main__":

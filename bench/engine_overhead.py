@@ -7,7 +7,7 @@ wrappers installed from outside (nothing in the engine changes):
     loop       between steps: the inbox drain and the lock
     schedule   Scheduler.schedule
     prepare    runner input preparation (ModelRunner.prepare, or DecodeGraphs._fill/_upload)
-    model      the model forward (a stand-in below: it sleeps --gpu-ms to emulate the GPU)
+    model      the model forward (a stand-in below: queues --gpu-ms of emulated GPU work)
     sample     the Sampler call (on CPU this is also its device work)
     forward    the rest of runner.forward (logit row pick, the token copy to the host)
     update     Scheduler.update
@@ -23,17 +23,25 @@ Cases (each at batch 1 and 8, greedy, EOS ignored, decode steps only):
 
 - `standin`: the real ModelRunner over a stand-in model whose forward returns [B, 248320]
   float32 logits (the Qwen3.5 vocabulary; a bigram table picks a token of the tiny tokenizer)
-  and sleeps `--gpu-ms`; the decode path goes through DecodeGraphs without capture (the
-  graph path's host work: pinned-buffer fill and one upload). Tokenizer: the real tiny
-  byte-level BPE tokenizer of tinyserve.testing.
+  at once and emulates an asynchronous GPU: the step's `--gpu-ms` run from its launch (after
+  the previous step's), and the runner's token-copy event waits until they are over, so the
+  host work between launch and wait overlaps them as on a GPU (the CPU sampler's argmax is
+  host time here, device time on a GPU). The decode path goes through DecodeGraphs without
+  capture (the graph path's host work: pinned-buffer fill and one upload). Tokenizer: the
+  real tiny byte-level BPE tokenizer of tinyserve.testing. Each case runs `serial` (the
+  engine emits a step's outputs after its tokens arrive, as before the overlap) and
+  `overlap` (the outputs go out during the next step's device work), same run.
 - `tiny`: the real tiny random model on CPU (sanity number).
-- `ckpt` (with `--ckpt`, on CUDA): the real checkpoint, CUDA graphs on; the baseline in the
-  same run is the runner alone replaying the same decode step (`runner.forward` in a loop, as
-  bench/step_profile.py measures it).
+- `ckpt` (with `--ckpt`, on CUDA): the real checkpoint, CUDA graphs on (`--gpu-memory`: a
+  budget, e.g. 6GiB, that offloads experts); each batch size `serial` (outputs and the
+  expert-cache policy at the step boundary) and `overlap` (both while the next step runs) on
+  the same engine; the baseline in the same run is the runner alone replaying the same
+  decode step (`runner.forward` in a loop, as bench/step_profile.py measures it).
 
-    python bench/engine_overhead.py [--gpu-ms 0 13.3] [--steps 200]
+    python bench/engine_overhead.py [--gpu-ms 0 3.5 13.3] [--steps 200]
         -> bench/results/engine_overhead_cpu.json
-    python bench/engine_overhead.py --ckpt /tmp/tinyserve-fullsize --kv iso3 --context 1024
+    python bench/engine_overhead.py --ckpt /tmp/tinyserve-fullsize --kv iso3 --context 1024 \
+        [--gpu-memory 6GiB]
         -> bench/results/engine_overhead.json
 """
 
@@ -186,7 +194,8 @@ class TimedSampler(Sampler):
 
 class StandinModel:
     """Forward over a ForwardContext: [S, V] float32 logits whose argmax follows a bigram table
-    over the tokenizer's ids, after sleeping `gpu_ms` (the emulated GPU step)."""
+    over the tokenizer's ids, at once; the emulated GPU is busy `gpu_ms` more from then (or
+    from the end of its previous work), until `busy_until`."""
 
     def __init__(self, vocab_used: int, gpu_ms: float, max_rows: int = 64) -> None:
         gen = torch.Generator().manual_seed(0)
@@ -194,6 +203,7 @@ class StandinModel:
         self.buf = torch.randn(max_rows, V, generator=gen)  # |noise| < ~5
         self.hot = [0] * max_rows
         self.gpu_s = gpu_ms / 1e3
+        self.busy_until = 0.0
         self.device = torch.device("cpu")
         self.states = SimpleNamespace(num_slots=256)
         self.experts = SimpleNamespace(capturable=False)
@@ -205,9 +215,28 @@ class StandinModel:
             self.buf[i, self.hot[i]] = 0.0
             self.hot[i] = self.next_of[ids[row] % len(self.next_of)]
             self.buf[i, self.hot[i]] = 100.0
-        if self.gpu_s:
-            time.sleep(self.gpu_s)
+        self.busy_until = max(time.perf_counter(), self.busy_until) + self.gpu_s
         return self.buf[:len(rows)]
+
+
+class EmulatedCopyEvent:
+    """The runner's token-copy event on the emulated GPU: done when the model's queued work
+    is (`synchronize` sleeps until then)."""
+
+    def __init__(self, model: StandinModel) -> None:
+        self.model = model
+        self.done_at = 0.0
+
+    def record(self, stream=None) -> None:
+        self.done_at = self.model.busy_until
+
+    def query(self) -> bool:
+        return time.perf_counter() >= self.done_at
+
+    def synchronize(self) -> None:
+        wait = self.done_at - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
 
 
 def tiny_tokenizer(tmp: Path):
@@ -219,10 +248,12 @@ def tiny_tokenizer(tmp: Path):
     return AutoTokenizer.from_pretrained(str(tmp / "tok"))
 
 
-def standin_engine(tokenizer, batch: int, gpu_ms: float, context: int) -> Engine:
+def standin_engine(tokenizer, batch: int, gpu_ms: float, context: int,
+                   overlap: bool = True) -> Engine:
     page_size = 16
     model = StandinModel(len(tokenizer) - 16, gpu_ms)
     runner = ModelRunner(model, page_size=page_size, device="cpu")
+    runner._tokens_copied = EmulatedCopyEvent(model)
     runner.graphs = DecodeGraphs(model, page_size=page_size, pad_state_slot=255, capture=False)
     pages = batch * (-(-context // page_size) + 1)
     parts = EngineParts(runner=runner, tokenizer=tokenizer,
@@ -230,7 +261,10 @@ def standin_engine(tokenizer, batch: int, gpu_ms: float, context: int) -> Engine
                         num_state_slots=batch, max_context=context + 8,
                         eos_token_ids=(tokenizer.eos_token_id,))
     cfg = EngineConfig(model="standin", max_seqs=batch, prefix_cache=False)
-    return Engine(parts, cfg)
+    engine = Engine(parts, cfg)
+    if not overlap:  # the engine's outputs right after each step, as before the overlap
+        engine._overlap, runner.overlap_hook = False, None
+    return engine
 
 
 # ------------------------------------------------------------------------------ measurement
@@ -268,16 +302,16 @@ def drive(engine: Engine, batch: int, prompt_len: int, gen_len: int, vocab: int,
             "itl_median_ms": round(1e3 * statistics.median(itl), 3) if itl else None}
 
 
-def case_standin(tokenizer, batch: int, gpu_ms: float, steps: int) -> dict:
+def case_standin(tokenizer, batch: int, gpu_ms: float, steps: int, overlap: bool) -> dict:
     prompt_len = 32
-    engine = standin_engine(tokenizer, batch, gpu_ms, prompt_len + steps + 8)
+    engine = standin_engine(tokenizer, batch, gpu_ms, prompt_len + steps + 8, overlap)
     ph = Phases()
     instrument(engine, ph)
     with engine:
         drive(engine, batch, prompt_len, 4, vocab=400, seed=1)  # warm-up
         ph.steps.clear()
         out = drive(engine, batch, prompt_len, steps, vocab=400)
-    return {"batch": batch, "gpu_ms": gpu_ms, **out, **ph.summary()}
+    return {"batch": batch, "gpu_ms": gpu_ms, "overlap": overlap, **out, **ph.summary()}
 
 
 def case_tiny(ckpt: str, batch: int, steps: int) -> dict:
@@ -295,11 +329,23 @@ def case_tiny(ckpt: str, batch: int, steps: int) -> dict:
     return {"batch": batch, **out, **ph.summary()}
 
 
-def ckpt_engine(ckpt: str, kv: str, max_batch: int, context: int, steps: int) -> Engine:
+def ckpt_engine(ckpt: str, kv: str, max_batch: int, context: int, steps: int,
+                gpu_memory: str | None = None) -> Engine:
     from tinyserve.engine.build import build_engine
 
     return build_engine(EngineConfig(model=ckpt, kv=kv, max_seqs=max_batch,
-                                     max_context=context + steps + 48, prefix_cache=False))
+                                     max_context=context + steps + 48, prefix_cache=False,
+                                     gpu_memory=gpu_memory))
+
+
+def set_overlap(engine: Engine, on: bool) -> None:
+    """Overlap on: outputs during the next step's device work and the expert-cache policy
+    after the launch (the default); off: both at the step boundary, as before."""
+    from tinyserve.offload import gpu_cache
+
+    engine._overlap = on
+    engine.runner.overlap_hook = engine._flush if on else None
+    gpu_cache.DEFER_POLICY = on
 
 
 def case_ckpt(engine: Engine, batch: int, context: int, steps: int) -> dict:
@@ -351,9 +397,10 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--ckpt", help="a real checkpoint (CUDA): engine vs runner alone")
     p.add_argument("--kv", default="iso3")
+    p.add_argument("--gpu-memory", help="with --ckpt: the engine's GPU budget (e.g. 6GiB)")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--gpu-ms", type=float, nargs="+", default=[0.0, 13.3])
+    p.add_argument("--gpu-ms", type=float, nargs="+", default=[0.0, 3.5, 13.3])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--label", default="", help="a tag stored with the results (before/after)")
     p.add_argument("--out", help="result file (default by mode)")
@@ -368,26 +415,32 @@ def main() -> int:
                                  loadavg=os.getloadavg()))
     if args.ckpt:
         steps = min(args.steps, 64)
-        with ckpt_engine(args.ckpt, args.kv, max(args.batch), args.context, steps) as engine:
+        with ckpt_engine(args.ckpt, args.kv, max(args.batch), args.context, steps,
+                         args.gpu_memory) as engine:
             for b in args.batch:
-                rec.run(f"ckpt_b{b}", case_ckpt, engine, b, args.context, steps)
+                for on in (False, True):
+                    engine.call(lambda on=on: set_overlap(engine, on))
+                    rec.run(f"ckpt_b{b}_{'overlap' if on else 'serial'}", case_ckpt, engine,
+                            b, args.context, steps)
     else:
         with tempfile.TemporaryDirectory() as tmp:
             tok = tiny_tokenizer(Path(tmp))
             for gpu_ms in args.gpu_ms:
                 for b in args.batch:
-                    rec.run(f"standin_b{b}_gpu{gpu_ms:g}ms", case_standin, tok, b, gpu_ms,
-                            args.steps)
+                    for overlap in (False, True):
+                        mode = "overlap" if overlap else "serial"
+                        rec.run(f"standin_b{b}_gpu{gpu_ms:g}ms_{mode}", case_standin, tok, b,
+                                gpu_ms, args.steps, overlap)
             from tinyserve.testing import make_tiny_checkpoint
 
             ckpt = str(make_tiny_checkpoint(Path(tmp) / "tiny"))
             for b in args.batch:
                 rec.run(f"tiny_b{b}", case_tiny, ckpt, b, min(args.steps, 64))
-    print(f"\n{'case':24s} {'tok/s':>8s} {'step us':>8s} {'host us':>8s}  phases (median us)")
+    print(f"\n{'case':32s} {'tok/s':>8s} {'step us':>8s} {'host us':>8s}  phases (median us)")
     for case, r in rec.data["cases"].items():
         us = r.get("us_per_step", {})
         phases = " ".join(f"{k}={us[k]:.0f}" for k in PHASES if us.get(k))
-        print(f"{case:24s} {r.get('decode_tok_s') or 0:8.1f} {us.get('step', 0):8.0f} "
+        print(f"{case:32s} {r.get('decode_tok_s') or 0:8.1f} {us.get('step', 0):8.0f} "
               f"{us.get('host', 0):8.0f}  {phases}")
     print(f"wrote {out}")
     return 0

@@ -1,4 +1,5 @@
-"""The engine loop over a fake runner (a bigram 'model' through the real sampler)."""
+"""The engine loop over a fake runner (a bigram 'model' through the real sampler), with and
+without the overlap hook (a step's outputs emitted during the next step's forward)."""
 
 from __future__ import annotations
 
@@ -54,14 +55,41 @@ class FakeRunner:
         return self.table[ids]
 
 
-def make_engine(num_pages=64, max_seqs=4, budget=8, max_context=128) -> Engine:
-    parts = EngineParts(runner=FakeRunner(), tokenizer=ByteTokenizer(),
+class OverlapRunner(FakeRunner):
+    """FakeRunner with `ModelRunner`'s overlap hook, called once the step's tokens are known
+    (its 'device work' queued) and before forward returns. Counts the tokens the engine
+    emitted from inside the hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.overlap_hook = None
+        self.engine: Engine | None = None
+        self.emitted_in_hook = 0
+
+    def forward(self, batch: Batch) -> ForwardOutput:
+        out = super().forward(batch)
+        if self.overlap_hook is not None:
+            before = self.engine._counts["generation_tokens"]
+            self.overlap_hook()
+            self.emitted_in_hook += self.engine._counts["generation_tokens"] - before
+        return out
+
+
+OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+
+
+def make_engine(num_pages=64, max_seqs=4, budget=8, max_context=128,
+                overlap=False) -> Engine:
+    runner = OverlapRunner() if overlap else FakeRunner()
+    parts = EngineParts(runner=runner, tokenizer=ByteTokenizer(),
                         model_config=SimpleNamespace(vocab_size=V),
                         num_kv_pages=num_pages, num_state_slots=max_seqs,
                         max_context=max_context, eos_token_ids=(EOS,))
     cfg = EngineConfig(model="fake", max_seqs=max_seqs, max_num_batched_tokens=budget,
                        page_size=4)
-    return Engine(parts, cfg)
+    engine = Engine(parts, cfg)
+    runner.engine = engine
+    return engine
 
 
 def greedy(n: int, **kw) -> SamplingParams:
@@ -76,8 +104,9 @@ def assert_idle(engine: Engine) -> None:
 PROMPTS = [[72, 105], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [50] * 20, [99]]
 
 
-def test_batched_equals_alone_and_returns_to_idle() -> None:
-    with make_engine() as engine:
+@OVERLAP
+def test_batched_equals_alone_and_returns_to_idle(overlap: bool) -> None:
+    with make_engine(overlap=overlap) as engine:
         alone = [engine.submit(p, greedy(12)).result() for p in PROMPTS]
         handles = [engine.submit(p, greedy(12)) for p in PROMPTS]
         together = [h.result() for h in handles]
@@ -86,14 +115,17 @@ def test_batched_equals_alone_and_returns_to_idle() -> None:
         assert [o.prompt_tokens for o in together] == [len(p) for p in PROMPTS]
         assert together[0].text == ByteTokenizer().decode(together[0].token_ids)
         assert max(len(b) for b in engine.runner.batches) > 1  # really batched
+        if overlap:  # most outputs went out while the next step ran
+            assert engine.runner.emitted_in_hook > 60  # of 192
         stats = engine.stats()
         assert stats.requests_finished == 8 and stats.generation_tokens_total == 96
         assert len(stats.ttft_seconds) == 8 and len(stats.itl_seconds) == 88
         assert_idle(engine)
 
 
-def test_seeded_sampling_reproduces_under_batching() -> None:
-    with make_engine() as engine:
+@OVERLAP
+def test_seeded_sampling_reproduces_under_batching(overlap: bool) -> None:
+    with make_engine(overlap=overlap) as engine:
         params = SamplingParams(max_tokens=10, seed=7)
         first = engine.submit(PROMPTS[0], params).result().token_ids
         noise = [engine.submit(p, SamplingParams(max_tokens=10)) for p in PROMPTS[1:]]
@@ -102,7 +134,8 @@ def test_seeded_sampling_reproduces_under_batching() -> None:
         assert first == again
 
 
-def test_async_iteration() -> None:
+@OVERLAP
+def test_async_iteration(overlap: bool) -> None:
     async def main(engine: Engine) -> list[str]:
         async def one(prompt):
             chunks = []
@@ -113,13 +146,14 @@ def test_async_iteration() -> None:
         results = await asyncio.gather(*(one(p) for p in PROMPTS))
         return [[c.finished for c in r] for r in results]
 
-    with make_engine() as engine:
+    with make_engine(overlap=overlap) as engine:
         finished_flags = asyncio.run(main(engine))
     assert all(flags == [False] * 5 + [True] for flags in finished_flags)
 
 
-def test_abort_frees_resources_mid_stream() -> None:
-    with make_engine() as engine:
+@OVERLAP
+def test_abort_frees_resources_mid_stream(overlap: bool) -> None:
+    with make_engine(overlap=overlap) as engine:
         engine.runner.delay = 0.002
         h = engine.submit(PROMPTS[1], greedy(100))
         other = engine.submit(PROMPTS[0], greedy(5))
@@ -135,8 +169,9 @@ def test_abort_frees_resources_mid_stream() -> None:
         assert engine.stats().requests_aborted == 1
 
 
-def test_failing_request_fails_alone() -> None:
-    with make_engine() as engine:
+@OVERLAP
+def test_failing_request_fails_alone(overlap: bool) -> None:
+    with make_engine(overlap=overlap) as engine:
         good = [engine.submit(p, greedy(8)) for p in PROMPTS[:2]]
         bad = engine.submit([5, POISON, 6], greedy(8))
         out = bad.result(timeout=10)
@@ -160,7 +195,8 @@ def test_rejections_are_immediate() -> None:
         engine.submit([1], greedy(1))
 
 
-def test_stop_strings_and_stop_tokens_through_the_engine() -> None:
+@OVERLAP
+def test_stop_strings_and_stop_tokens_through_the_engine(overlap: bool) -> None:
     script = list(b"hello STOP world")
 
     def force(logits, seqs):
@@ -169,7 +205,7 @@ def test_stop_strings_and_stop_tokens_through_the_engine() -> None:
             out[i, script[s.num_generated % len(script)]] = 0.0
         return out
 
-    with make_engine() as engine:
+    with make_engine(overlap=overlap) as engine:
         engine.set_logits_hook(force)
         out = engine.submit([1], SamplingParams(max_tokens=30, stop=["STOP"])).result()
         assert (out.text, out.finish_reason, out.completion_tokens) == ("hello ", "stop", 10)
@@ -189,8 +225,9 @@ def test_logits_runs_on_the_loop_thread() -> None:
             engine.logits([1] * 200)
 
 
-def test_shutdown_aborts_pending_and_is_thread_safe() -> None:
-    engine = make_engine().start()
+@OVERLAP
+def test_shutdown_aborts_pending_and_is_thread_safe(overlap: bool) -> None:
+    engine = make_engine(overlap=overlap).start()
     engine.runner.delay = 0.01
     handles = []
 

@@ -4,7 +4,8 @@ per (padded batch size, context capacity) and replayed over static input buffers
 One decode step = fill a pinned host buffer with the packed inputs (token, position, KV slot,
 GDN state slot, lengths, page table) -> one host-to-device copy -> graph replay -> logits
 [B, V] float32 in a static buffer. The runner samples from them and copies the tokens back:
-the step's one host synchronisation.
+the step's one host synchronisation. A provider with per-step host work (the expert cache)
+starts its step before the replay and does that work after it (`runner.launch`).
 
 Padding: B sequences run in the smallest bucket >= B of `BATCH_BUCKETS`. A padded row has
 token 0 at position 0, KV slot -1 (the backends' padding page), length 1, an all-zero
@@ -138,7 +139,8 @@ class DecodeGraphs:
         if entry.graph is not None:
             begin_step = getattr(self.model.experts, "begin_step", None)
             if begin_step is not None:  # a provider with per-step host state (expert cache)
-                begin_step()
+                # its policy work waits for the runner's `after_launch()`, after the replay
+                begin_step(defer=True)
             entry.graph.replay()
             return entry.logits[:len(seqs)]
         return self._forward(entry)[:len(seqs)]

@@ -5,6 +5,13 @@ steps, so the scheduler, the pools and the runner are only ever touched by the l
 One step is `schedule -> runner.forward -> update`. A failing forward of one request fails
 that request alone; a failing shared step is retried one request at a time. The loop never
 dies on a request's error.
+
+With a runner that has an `overlap_hook` (`ModelRunner`), a step's outputs (detokenizing,
+stop strings, the stream puts) are emitted from that hook during the next step, once its
+device work is queued, instead of between the two steps; they go out at once when no next
+step follows right away (no work left, or requests or calls waiting in the inbox). Every
+token is still emitted once and in order; a stop string found late ends its request one
+step later, whose extra token is dropped by `Scheduler.update`.
 """
 
 from __future__ import annotations
@@ -134,6 +141,10 @@ class Engine:
                                       "prompt_tokens", "generation_tokens", "steps"), 0)
         self._ttft: deque[float] = deque(maxlen=_SAMPLES)
         self._itl: deque[float] = deque(maxlen=_SAMPLES)
+        self._outputs: list[StepEvent] = []  # the last step's, not emitted yet
+        self._overlap = hasattr(self.runner, "overlap_hook")
+        if self._overlap:
+            self.runner.overlap_hook = self._flush
 
     # ---------------------------------------------------------------- any thread
 
@@ -259,9 +270,11 @@ class Engine:
                 self._cond.wait_for(lambda: self._inbox or self._stopping
                                     or self.scheduler.has_work)
                 if self._stopping:
-                    return
+                    break
                 inbox, self._inbox = self._inbox, []
             try:
+                if inbox:  # an abort or a call sees every token sampled so far emitted
+                    self._flush()
                 for item in inbox:
                     self._apply(item)
                 if self.scheduler.has_work:
@@ -269,13 +282,24 @@ class Engine:
             except Exception:  # a bug outside any one request: keep serving
                 log.exception("engine step failed")
                 time.sleep(0.01)
+        self._flush()
 
     def step(self) -> None:
-        """One engine step: schedule, forward, hand out the sampled tokens."""
+        """One engine step: schedule, forward, hand out the sampled tokens (see the module
+        docstring for when the hand-out waits for the next step's device work)."""
         batch = self.scheduler.schedule()
         output = self._forward(batch)
+        self._flush()  # the previous step's outputs, unless the runner's hook sent them
         if output is not None:
-            self._emit(self.scheduler.update(batch, output))
+            self._outputs = self.scheduler.update(batch, output)
+        if not (self._overlap and self.scheduler.has_work and not self._inbox):
+            self._flush()
+
+    def _flush(self) -> None:
+        """Emit the last step's outputs (once)."""
+        events, self._outputs = self._outputs, []
+        if events:
+            self._emit(events)
 
     def _forward(self, batch: Batch) -> Any:
         if not batch.seqs:

@@ -1,6 +1,13 @@
 """Model runner: turns a scheduler `Batch` into a `ForwardContext`, runs the model under it and
 samples. `logits(token_ids)` gives teacher-forced logits of one sequence (tests, `LLM`).
 
+A step is `launch(batch)` -> `PendingOutput.result()` (`forward` does both): launch queues
+the device work (forward, sampling, the copy of the sampled tokens into a pinned host buffer
+with an event), then runs host work that does not need the tokens while the device computes:
+the experts provider's `after_launch()` (the expert-cache policy) and `overlap_hook()` (the
+engine's output of the previous step). `result()` waits for the tokens: the step's one host
+synchronisation.
+
 With `cuda_graphs` on a CUDA device (kernels on, a capturable experts provider), pure-decode
 batches replay a CUDA graph of the forward (`engine.graph`; with the embedding table on the
 host the graph starts from host-gathered hidden states); prefill and mixed batches, and
@@ -9,7 +16,7 @@ everything on CPU, run eagerly.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -18,6 +25,42 @@ from tinyserve.core import Batch, ForwardContext, ForwardOutput, ScheduledSeq, f
 from tinyserve.engine.graph import DecodeGraphs
 from tinyserve.engine.sampler import Sampler
 from tinyserve.model.linear import kernels_enabled
+
+
+def _event(device: torch.device) -> Any:
+    """The event marking the token copy into the pinned buffer (None off CUDA)."""
+    return torch.cuda.Event() if device.type == "cuda" else None
+
+
+class PendingOutput:
+    """A launched step: its sampled tokens are on their way into a host buffer.
+
+    `result()` waits for them (the step's host synchronisation) and returns the
+    `ForwardOutput`; later calls return the same object.
+    """
+
+    def __init__(self, sample_rows: list[int], num_seqs: int, logits: torch.Tensor,
+                 host: torch.Tensor | None, copied: Any) -> None:
+        self._rows = sample_rows
+        self._num_seqs = num_seqs
+        self._logits = logits
+        self._host = host  # [len(sample_rows)] int64 view of the runner's pinned buffer
+        self._copied = copied
+        self._output: ForwardOutput | None = None
+
+    def result(self) -> ForwardOutput:
+        if self._output is None:
+            tokens: list[int] = []
+            if self._host is not None:
+                if self._copied is not None:
+                    self._copied.synchronize()  # the copy into the pinned buffer is done
+                tokens = self._host.tolist()
+            next_tokens: list[int | None] = [None] * self._num_seqs
+            for i, t in zip(self._rows, tokens, strict=True):
+                next_tokens[i] = t
+            self._output = ForwardOutput(next_tokens=next_tokens, logits=self._logits)
+            self._host = None  # the buffer is the runner's again
+        return self._output
 
 
 class ModelRunner:
@@ -42,6 +85,11 @@ class ModelRunner:
         self.device = torch.device(device) if device is not None else model.device
         self.sampler = sampler if sampler is not None else Sampler()
         self.graphs: DecodeGraphs | None = None
+        # Host work to run while a launched step computes (the engine's deferred output).
+        self.overlap_hook: Callable[[], None] | None = None
+        self._tokens_host: torch.Tensor | None = None  # pinned on CUDA: sampled tokens
+        self._tokens_copied = _event(self.device)
+        self._inflight: PendingOutput | None = None  # its tokens may still be in the buffer
         if (cuda_graphs and graph_pad_slot is not None and kernels_enabled(self.device)
                 and getattr(model.experts, "capturable", False)):
             self.graphs = DecodeGraphs(model, page_size=page_size, pad_state_slot=graph_pad_slot)
@@ -109,21 +157,48 @@ class ModelRunner:
 
     def forward(self, batch: Batch) -> ForwardOutput:
         """One step: forward every sequence's new tokens, sample where `sample` is set."""
+        return self.launch(batch).result()
+
+    def launch(self, batch: Batch) -> PendingOutput:
+        """Queue one step (forward, sampling, the sampled tokens' copy to the host), then run
+        the host work that overlaps it: the experts provider's `after_launch()` and
+        `overlap_hook()`. The tokens of the previous launch are read out first if nobody has
+        (the pinned buffer is never rewritten while a copy into it may be in flight)."""
+        if self._inflight is not None:
+            self._inflight.result()
+            self._inflight = None
         if self.graphs is not None and self.graphs.supports(batch.seqs):
             rows = [i for i, s in enumerate(batch.seqs) if s.sample]
             logits = self.graphs.run(batch.seqs)  # [B, V] static buffer
             logits = logits.clone() if len(rows) == len(batch.seqs) else logits[rows]
         else:
             logits = self.run(self.prepare(batch))
-        sampling = [s for s in batch.seqs if s.sample and s.num_tokens > 0]
-        next_tokens: list[int | None] = [None] * len(batch.seqs)
-        if sampling:
-            tokens = self.sampler(logits, sampling).tolist()  # the step's one host copy
-            it = iter(tokens)
-            for i, s in enumerate(batch.seqs):
-                if s.sample and s.num_tokens > 0:
-                    next_tokens[i] = next(it)
-        return ForwardOutput(next_tokens=next_tokens, logits=logits)
+        rows = [i for i, s in enumerate(batch.seqs) if s.sample and s.num_tokens > 0]
+        host = None
+        if rows:
+            tokens = self.sampler(logits, [batch.seqs[i] for i in rows])  # [S] int64
+            host = self._stage(tokens)
+        pending = PendingOutput(rows, len(batch.seqs), logits, host, self._tokens_copied)
+        self._inflight = pending
+        after_launch = getattr(getattr(self.model, "experts", None), "after_launch", None)
+        if after_launch is not None:  # e.g. the expert-cache policy of the last step
+            after_launch()
+        if self.overlap_hook is not None:
+            self.overlap_hook()
+        return pending
+
+    def _stage(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Start copying `tokens` [S] into the pinned host buffer; record its event."""
+        n = tokens.numel()
+        if self._tokens_host is None or self._tokens_host.numel() < n:
+            self._tokens_host = torch.empty(max(n, 256), dtype=torch.int64,
+                                            pin_memory=self.device.type == "cuda")
+        host = self._tokens_host[:n]
+        host.copy_(tokens, non_blocking=True)
+        if self._tokens_copied is not None:
+            cuda = self.device.type == "cuda"
+            self._tokens_copied.record(torch.cuda.current_stream(self.device) if cuda else None)
+        return host
 
     def logits(self, token_ids: Sequence[int], *, page_ids: Sequence[int] | None = None,
                state_slot: int | None = None, chunk_size: int | None = None) -> torch.Tensor:

@@ -49,7 +49,7 @@ class Sampler:
         probs = filtered_probs(logits, seqs)
         noise = exponential_noise(probs, seqs)
         sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
+        is_greedy = _to_device([s.params.greedy for s in seqs], torch.bool, logits.device)
         return torch.where(is_greedy, greedy_tokens, sampled)
 
 
@@ -66,17 +66,24 @@ def apply_penalties(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch
         p, seq = seqs[i].params, seqs[i]
         row = logits[i]
         if p.repetition_penalty != 1.0 and seq.history:
-            seen = torch.tensor(sorted(set(seq.history)), device=device, dtype=torch.long)
+            seen = _to_device(sorted(set(seq.history)), torch.long, device)
             vals = row[seen]
             row[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
                                     vals * p.repetition_penalty)
         out = seq.history[len(seq.history) - seq.num_generated:] if seq.num_generated else []
         if out and (p.presence_penalty or p.frequency_penalty):
-            ids = torch.tensor(out, device=device, dtype=torch.long)
+            ids = _to_device(out, torch.long, device)
             counts = torch.zeros(V, device=device).index_add_(
                 0, ids, torch.ones(len(out), device=device))
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
     return logits
+
+
+def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on `device` without waiting for the device's queued work (a plain
+    `torch.tensor(..., device=)` synchronises the stream, which would end the overlap of a
+    launched step with the host work after it)."""
+    return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
 
 
 def _has_penalty(s: ScheduledSeq) -> bool:
@@ -91,7 +98,7 @@ def filtered_probs(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.
     # One host-to-device copy: [S, 4] = temperature, top_k (V: off), top_p (2: off), min_p.
     rows = [(max(p.temperature, 1e-5), p.top_k if 0 < p.top_k < V else V,
              p.top_p if p.top_p < 1.0 else 2.0, p.min_p) for p in (s.params for s in seqs)]
-    table = torch.tensor(rows, dtype=torch.float32).to(logits.device, non_blocking=True)
+    table = _to_device(rows, torch.float32, logits.device)
     temps, top_k, top_p, min_p = table[:, :, None].unbind(1)  # each [S, 1]
     probs = torch.softmax(logits / temps, dim=-1)  # [S, V]
     if any(r[1] < V or r[2] < 1.0 for r in rows):

@@ -129,9 +129,17 @@ class ExpertCachePolicy:
         """
         return self.victim_array(n, exclude).tolist()
 
-    def victim_array(self, n: int, exclude: Iterable[int] = ()) -> np.ndarray:
-        """`victims(n, exclude)` as an int64 numpy array [n]."""
-        order = np.argsort(self._score, kind="stable")
+    def victim_array(self, n: int, exclude: Iterable[int] = (), *,
+                     filling: np.ndarray | None = None) -> np.ndarray:
+        """`victims(n, exclude)` as an int64 numpy array [n]. `filling`: slots being filled
+        now with experts the policy does not know yet (a step in flight on the device); they
+        rank as if they held an expert first used in the current step, unless they already
+        rank higher."""
+        score = self._score
+        if filling is not None and len(filling):
+            score = score.copy()
+            score[filling] = np.maximum(score[filling], self.step + self.freq_weight)
+        order = np.argsort(score, kind="stable")
         skip = self._pinned.union(exclude)
         if skip:
             keep = np.ones(self.num_slots, dtype=bool)

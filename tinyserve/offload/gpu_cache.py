@@ -5,11 +5,14 @@ Two ways to resolve a layer's experts (`lookup(layer, topk_ids) -> slot ids`):
 - "device" (CUDA with a registered store; also runnable on CPU through the torch references):
   the lookup and the miss copies run on the compute stream as two kernels reading the store
   over PCIe (zero-copy), so a decode step has no host round trip per layer and can be
-  captured in a CUDA graph. The host policy only hands out victim lists, one step behind:
-  `begin_step()` replays the previous step's lookups (from device logs, one small copy at the
-  step boundary where the runner already synchronises) into the policy and writes new victim
-  lists. Stale victims cost hit rate, never correctness: the kernel skips slots the layer hits
-  and keeps table and owner exact itself.
+  captured in a CUDA graph. The host policy only hands out victim lists, behind the device:
+  `begin_step()` copies the step's lookup log to the host (asynchronously, stream-ordered
+  before the next step overwrites it), replays it into the policy and writes new victim
+  lists, uploaded on the stream before the step after. Deferred (`begin_step(defer=True)`,
+  then `after_launch()` once the next step is queued), that host work runs while the device
+  computes the next step, and victims are two steps behind instead of one. Stale victims
+  cost hit rate, never correctness: the kernel skips slots the layer hits and keeps table
+  and owner exact itself.
 - "host" (CPU, or a pageable store): the ids come to the host, the policy decides, and the
   misses are copied with plain tensor copies.
 
@@ -34,6 +37,26 @@ from tinyserve.offload.cache import CacheStats, ExpertCachePolicy
 from tinyserve.offload.store import HostExpertStore
 
 logger = get_logger(__name__)
+
+# The policy work of a step boundary waits until the next step's device work is queued
+# (`begin_step(defer=True)` + `after_launch()`): False does it at the boundary, as before.
+DEFER_POLICY = True
+# A fold that overlaps a step in flight guesses which slots that step is filling from its
+# victim lists (per layer, the head of its list as long as the loads of the step just folded
+# + IN_FLIGHT_MARGIN) and ranks them as freshly used; False: no guess. Hit rates of each
+# choice: bench/offload_host.py, bench/NOTES_offload.md.
+IN_FLIGHT_GUESS = True
+IN_FLIGHT_MARGIN = 2
+
+
+def _event(device: torch.device) -> Any:
+    """The event marking an asynchronous copy to or from a pinned buffer (None off CUDA)."""
+    return torch.cuda.Event() if device.type == "cuda" else None
+
+
+def _record(event: Any, device: torch.device) -> None:
+    if event is not None:
+        event.record(torch.cuda.current_stream(device) if device.type == "cuda" else None)
 
 
 class DeviceExpertCache:
@@ -78,11 +101,11 @@ class DeviceExpertCache:
         self.victim_len = min(E, max_ids, num_slots)
         self.victims = torch.zeros(L, self.victim_len, **i32)
         # NOTE: uploaded without a host wait; the next write of this staging buffer first
-        # waits for that copy (`_victims_copied`: free after begin_step's log copy, which
-        # synchronises, but not between __init__ and preload_all).
+        # waits for that copy (`_victims_copied`; a deferred fold writes it while a step is
+        # in flight, and nothing synchronises between __init__ and preload_all).
         self._victims_host = torch.zeros(L, self.victim_len, dtype=torch.int32,
                                          pin_memory=cuda)
-        self._victims_copied = torch.cuda.Event() if cuda else None
+        self._victims_copied = _event(self.device)
         self._scratch = (torch.empty(num_slots + 1, **i32),
                          torch.empty(self.victim_len + 1, **i32))
         # The step's log, read by begin_step in one copy: per layer the load list (rows, slots;
@@ -92,6 +115,11 @@ class DeviceExpertCache:
         self._log = torch.full((L, 2 * V + max_ids), -1, **i32)  # [L, rows | slots | ids]
         self._log_rows, self._log_slots = self._log[:, :V], self._log[:, V:2 * V]
         self._log_ids = self._log[:, 2 * V:]
+        # The log's host copy (begin_step, without a host wait): read after `_log_copied`.
+        self._log_host = torch.empty(self._log.numel(), dtype=torch.int32, pin_memory=cuda)
+        self._log_copied = _event(self.device)
+        self._pending: int | None = None  # ids width of a copied log not folded yet
+        self._evicted: list[tuple[int, int]] = []  # evict_slots ranges waiting for that fold
         self._width = 0  # most ids of an eager call since begin_step
         self._graph_width = 0  # most ids of a call captured in a CUDA graph (replayed later)
         # Layer l's victims: the policy order's entries l, l+L, l+2L, ... first (so decode
@@ -108,31 +136,69 @@ class DeviceExpertCache:
         return self.policy.stats
 
     # ------------------------------------------------------------------ per step
-    def begin_step(self) -> None:
-        """Fold the last step's lookups into the policy and hand out fresh victim lists.
+    def begin_step(self, *, defer: bool = False) -> None:
+        """Step boundary: fold the last step's lookups into the policy, hand out fresh victims.
 
         Called by the provider when a call's layer is at or below the previous call's, and
         before each CUDA-graph replay. Skipping it only makes victims staler (lookups logged
         over by later ones are lost to the mirror, which the device overrules). Host cost:
-        one device-to-host copy of the log, then numpy and a few dict operations per routed
-        expert (bench/offload_host.py).
-        """
-        width = max(self._width, self._graph_width) if self.mode == "device" else 0
-        replayed = width > 0 and self._replay(width)
-        self.policy.end_step()
-        if replayed:
-            self._fill_victims()
-        self._width = 0
+        numpy and a few dict operations per routed expert (bench/offload_host.py).
 
-    def _replay(self, width: int) -> bool:
-        """Replay the logged lookups into the policy; False when no layer was called."""
+        The step's log is copied device -> host into a pinned buffer without a host wait,
+        ordered on the stream before whatever runs next (which may overwrite the log). With
+        `defer` the policy work waits for `after_launch()`, which the runner calls once the
+        next step's device work is queued: the host work overlaps the device, and the victims
+        that step hands out are two steps behind instead of one. A log still pending from an
+        earlier deferred boundary is folded first, so none is ever lost.
+        """
+        if self._pending is not None:
+            self._fold(in_flight=False)
+        width = max(self._width, self._graph_width) if self.mode == "device" else 0
+        if width > 0:
+            cols = 2 * self.victim_len + width
+            host = self._log_host[:self.num_layers * cols].view(self.num_layers, cols)
+            host.copy_(self._log[:, :cols].contiguous(), non_blocking=True)
+            _record(self._log_copied, self.device)
+            self._log_ids[:, :width].fill_(-1)  # after the copy, on the same stream
+        self._pending = width
+        self._width = 0
+        if not (defer and DEFER_POLICY):
+            self._fold(in_flight=False)
+
+    def after_launch(self) -> None:
+        """Fold a log left by `begin_step(defer=True)` while the step queued since runs.
+
+        The victim lists written now reach the device after that step (stream order); they
+        skip the slots it may be filling from its own lists, which the policy cannot know of
+        yet (`IN_FLIGHT_GUESS`)."""
+        if self._pending is not None:
+            self._fold(in_flight=True)
+
+    def _fold(self, *, in_flight: bool) -> None:
+        width, self._pending = self._pending, None
+        loads = None
+        if width:
+            if self._log_copied is not None:
+                self._log_copied.synchronize()  # the copy into the pinned buffer is done
+            cols = 2 * self.victim_len + width
+            log = self._log_host[:self.num_layers * cols].view(self.num_layers, cols)
+            loads = self._replay(log.numpy())
+        for start, stop in self._evicted:  # evictions queued after the log's lookups
+            self._forget(start, stop)
+        self._evicted.clear()
+        self.policy.end_step()
+        if loads is not None:
+            busy = self._in_flight_slots(loads) if in_flight else None
+            self._fill_victims(busy)
+
+    def _replay(self, log: np.ndarray) -> np.ndarray | None:
+        """Replay a step's log [L, 2V + width] into the policy; returns the number of loads
+        per layer [L], or None when no layer was called."""
         V, E = self.victim_len, self.num_experts
-        log = self._log[:, :2 * V + width].to("cpu", copy=True).numpy()  # [L, 2V + width]
-        self._log_ids[:, :width].fill_(-1)
         ids = log[:, 2 * V:]
         called = np.flatnonzero(ids[:, 0] >= 0)
         if not len(called):
-            return False
+            return None
         ids, rows, slots = ids[called], log[called, :V], log[called, V:2 * V]
         n = len(called)
         # Distinct experts of each called layer: [n, E] flags (-1 -> the dump column E).
@@ -153,19 +219,30 @@ class DeviceExpertCache:
         loads = list(zip(zip(called[load_i].tolist(), load_e.tolist(), strict=True),
                          slots[load_i, load_j].tolist(), strict=True))
         self.policy.replay_step(called.tolist(), hits, loads)
-        return True
+        per_layer = np.zeros(self.num_layers, dtype=np.int64)
+        np.add.at(per_layer, called[load_i], 1)
+        return per_layer
 
-    def _fill_victims(self) -> None:
-        """Victim lists from the policy: disjoint per layer while the pool allows."""
+    def _in_flight_slots(self, loads: np.ndarray) -> np.ndarray | None:
+        """Slots the step in flight may be filling: the heads of the victim lists it reads
+        (the last ones uploaded), `loads + IN_FLIGHT_MARGIN` entries per layer."""
+        if not IN_FLIGHT_GUESS:
+            return None
+        lists = self._victims_host.numpy()  # [L, V], what the device holds now
+        n = np.minimum(loads + IN_FLIGHT_MARGIN, lists.shape[1])
+        return np.unique(lists[np.arange(lists.shape[1])[None, :] < n[:, None]])
+
+    def _fill_victims(self, busy: np.ndarray | None = None) -> None:
+        """Victim lists from the policy: disjoint per layer while the pool allows; `busy`
+        slots (a step in flight may be filling them) rank as freshly used."""
         if self.mode != "device":
             return
-        order = self.policy.victim_array(self._victim_n)
+        order = self.policy.victim_array(self._victim_n, filling=busy)
         if self._victims_copied is not None:
             self._victims_copied.synchronize()  # the last copy out of the staging buffer
         self._victims_host.numpy()[:] = order[self._victim_perm]
         self.victims.copy_(self._victims_host, non_blocking=True)
-        if self._victims_copied is not None:
-            self._victims_copied.record(torch.cuda.current_stream(self.device))
+        _record(self._victims_copied, self.device)
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -244,6 +321,13 @@ class DeviceExpertCache:
         held = self.owner[start:stop]
         self.table.index_fill_(0, torch.where(held >= 0, held, dump).long(), -1)
         held.fill_(-1)
+        if self._pending:  # a deferred log of lookups before this: the mirror forgets after it
+            self._evicted.append((start, stop))
+        else:
+            self._forget(start, stop)
+
+    def _forget(self, start: int, stop: int) -> None:
+        """The mirror's half of `evict_slots`."""
         policy = self.policy
         for slot in range(start, stop):
             key = policy.owner[slot]

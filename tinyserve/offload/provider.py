@@ -64,8 +64,9 @@ class OffloadedExperts:
         return cls(DeviceExpertCache(store, num_slots, device=device, dtype=dtype,
                                      **cache_kwargs), stream_prefill=stream_prefill)
 
-    def begin_step(self) -> None:
-        """Start a new step (a runner replaying a CUDA graph calls this before each replay).
+    def begin_step(self, *, defer: bool = False) -> None:
+        """Start a new step (a runner replaying a CUDA graph calls this before each replay;
+        `defer`: leave the policy work to `after_launch`, see `DeviceExpertCache.begin_step`).
 
         The replay that follows runs lookups this object never sees, so the next eager call
         must start a new step too, whatever its layer: otherwise its lookups would overwrite
@@ -73,8 +74,12 @@ class OffloadedExperts:
         """
         if self.streamer is not None:
             self.streamer.release()
-        self.cache.begin_step()
+        self.cache.begin_step(defer=defer)
         self._last_layer = self.cache.num_layers
+
+    def after_launch(self) -> None:
+        """The step's device work is queued: do the cache's deferred host work now."""
+        self.cache.after_launch()
 
     @property
     def accepts_shared(self) -> bool:
@@ -90,7 +95,7 @@ class OffloadedExperts:
             # NOTE: never inside a CUDA-graph capture (begin_step reads device logs); the
             # graph runner calls begin_step() before each replay instead.
             if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-                self.cache.begin_step()
+                self.cache.begin_step(defer=True)
         self._last_layer = layer_id
         slot_ids = self._slot_ids(layer_id, topk_ids)  # [N, k] int32
         if self.use_kernel:

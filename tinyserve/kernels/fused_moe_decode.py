@@ -23,7 +23,11 @@ if TYPE_CHECKING:
 # NOTE: the switch of the one-launch decode; False = the gemv path (two launches + a sum,
 # the shared expert through the model's separate gemvs)
 MOE_FUSED_DECODE = True
-MOE_FUSED_MAX_TOKENS = 8  # default: "fused" up to this many tokens (the decode graph buckets)
+MOE_FUSED_MAX_TOKENS = 8  # the most tokens the one-launch decode takes (its workspace rows)
+# fused_moe picks "fused" by itself up to this many tokens: on the H200 it won at 1 token (18.6
+# vs 27.6 us per 35B-A3B layer with the shared expert) and lost at 4 and 8 with untuned tiles
+# (77 vs 71, 134 vs 109 us)
+MOE_FUSED_AUTO_TOKENS = 1
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,9 @@ class MoEFusedConfig:
 
 # (H, F) -> tiles of the one-launch decode (bench/nvfp4.py prints entries); other shapes get
 # MoEFusedConfig().
-MOE_FUSED_TILES: dict[tuple[int, int], MoEFusedConfig] = {}
+MOE_FUSED_TILES: dict[tuple[int, int], MoEFusedConfig] = {
+    (2048, 512): MoEFusedConfig(16, 64, 512, 4, "f32"),  # H200: 18.6 us per layer, 1 token
+}
 
 
 def default_moe_fused_config(hidden_size: int, intermediate_size: int) -> MoEFusedConfig:
@@ -65,7 +71,7 @@ def default_moe_fused_config(hidden_size: int, intermediate_size: int) -> MoEFus
 def fuses_shared_expert(num_tokens: int) -> bool:
     """Whether `fused_moe` runs `num_tokens` tokens (NVFP4 slots) in the one-launch decode,
     which takes a shared expert in the same launch (the model then hands it over)."""
-    return MOE_FUSED_DECODE and 0 < num_tokens <= MOE_FUSED_MAX_TOKENS
+    return MOE_FUSED_DECODE and 0 < num_tokens <= MOE_FUSED_AUTO_TOKENS
 
 
 @functools.cache

@@ -32,8 +32,10 @@ from tinyserve.kernels.iso_cuda import (
 # warp at batch 1 (4 warps), 4 at batch > 1 (2 warps): short contexts get more, shorter
 # splits (batch 1, 4k: 128 CTAs, not 64 of two sub-tiles per warp).
 MMA_CONFIG: tuple[dict, ...] = (  # H200 sweep, bench/results/iso_attention.json (mma_best)
-    dict(max_batch=1, warps=4, ctas_per_sm=None, min_split_tokens=64),
-    dict(max_batch=1 << 30, warps=2, ctas_per_sm=None, min_split_tokens=128),
+    # b1 4k/32k/128k: 13.1 / 24.7 / 60.8 us (one wave: 13.1 / 27.0 / 57.8)
+    dict(max_batch=1, warps=4, ctas_per_sm=2, min_split_tokens=64),
+    # b8: one wave of 4-warp CTAs, geomean 92.5 us over 4k/32k/128k (2 warps: 108.6 at 32k)
+    dict(max_batch=1 << 30, warps=4, ctas_per_sm=None, min_split_tokens=128),
 )
 # CTAs per SM assumed for a one-wave grid where the occupancy is unknown (no CUDA device).
 FALLBACK_CTAS_PER_SM = 2

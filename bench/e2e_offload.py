@@ -185,15 +185,15 @@ class SkewedRouter:
                                   for _ in range(config.num_layers)]).cuda()
         self.gen = torch.Generator(device="cuda").manual_seed(seed)
 
-    def forward(self, layer_id, x, topk_ids, topk_weights):
+    def forward(self, layer_id, x, topk_ids, topk_weights, **shared):
         n, k = topk_ids.shape
         probs = self.probs[layer_id].expand(n, -1).contiguous()
         ids = torch.multinomial(probs, k, generator=self.gen)
-        return self.inner.forward(layer_id, x, ids, topk_weights)
+        return self.inner.forward(layer_id, x, ids, topk_weights, **shared)
 
-    @property
-    def stats(self):
-        return self.inner.stats
+    def __getattr__(self, name: str) -> Any:
+        # stats, begin_step, after_launch (the deferred policy), capturable: the provider's
+        return getattr(self.inner, name)
 
 
 def set_experts(runner: ModelRunner, experts: Any) -> None:

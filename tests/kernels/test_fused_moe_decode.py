@@ -174,7 +174,9 @@ def test_fused_decode_repeats_and_padded_rows() -> None:
 
 
 @CPU_ONLY
-def test_default_path_is_fused_for_decode(monkeypatch) -> None:
+def test_switch_selects_the_fused_decode(monkeypatch) -> None:
+    """With MOE_FUSED_DECODE on, a 1-token NVFP4 batch takes the one-launch path by itself."""
+    monkeypatch.setattr(fmd, "MOE_FUSED_DECODE", True)
     h, f, e = 64, 32, 8
     slots, slot_of, sh = _layer(h, f, e)
     ids, weights = _routing(1, e, 2, slot_of)

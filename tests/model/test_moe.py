@@ -165,6 +165,7 @@ def test_sparse_moe_shared_in_fused_launch(n: int, tied: bool, monkeypatch) -> N
 
     # every decode-sized batch takes the one-launch path here (by default only the sizes it
     # was measured faster at do)
+    monkeypatch.setattr(fmd, "MOE_FUSED_DECODE", True)
     monkeypatch.setattr(fmd, "MOE_FUSED_AUTO_TOKENS", fmd.MOE_FUSED_MAX_TOKENS)
     h, f, e, k = (64, 32, 8, 2) if DEV == "cpu" else (2048, 512, 256, 8)
     dtype = torch.float32 if DEV == "cpu" else torch.bfloat16

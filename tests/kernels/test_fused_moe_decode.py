@@ -61,16 +61,16 @@ def _routing(n: int, e: int, k: int, slot_of: torch.Tensor):
 
 
 def _assert_workspace_clear(h: int) -> None:
-    device = torch.zeros(0, device=DEV).device  # "cuda:0" as the launcher's key, not "cuda"
-    acc, cnt = fmd.decode_workspace(device, h, MOE_FUSED_MAX_TOKENS)
-    assert not acc.any() and not cnt.any(), "the decode workspace was left dirty"
+    for dtype in (torch.float32, torch.int64):  # the "f32" and "fixed" accumulators
+        acc, cnt = fmd.decode_workspace(DEV, h, MOE_FUSED_MAX_TOKENS, dtype)
+        assert not acc.any() and not cnt.any(), f"the {dtype} decode workspace was left dirty"
 
 
-def _cfg(h: int, decode: str, block_f: int = 32) -> MoEFusedConfig | None:
+def _cfg(h: int, decode: str, block_f: int = 32, accum: str = "f32") -> MoEFusedConfig | None:
     if DEV == "cuda":
-        return MoEFusedConfig(decode=decode)
+        return MoEFusedConfig(decode=decode, accum=accum)
     # the interpreter runs one python step per loop iteration: one K step, one down step
-    return MoEFusedConfig(block_f, h // 16, h, 4, decode)
+    return MoEFusedConfig(block_f, h // 16, h, 4, decode, accum)
 
 
 # (H, F, experts, top-k, tokens): every size of the grid appears at least once
@@ -83,10 +83,12 @@ def _id(case) -> str:
     return f"H{h}-F{f}-E{e}-k{k}-N{n}"
 
 
-@pytest.mark.parametrize(("shared", "decode"), [(False, "f32"), (True, "f32"), (True, "h2")],
-                         ids=["routed-f32", "shared-f32", "shared-h2"])
+@pytest.mark.parametrize(("shared", "decode", "accum"),
+                         [(False, "f32", "f32"), (True, "f32", "f32"), (True, "h2", "f32"),
+                          (True, "f32", "fixed")],
+                         ids=["routed-f32", "shared-f32", "shared-h2", "shared-f32-fixed"])
 @pytest.mark.parametrize("case", SMALL if DEV == "cpu" else [], ids=_id)
-def test_fused_decode_small(case, shared: bool, decode: str) -> None:
+def test_fused_decode_small(case, shared: bool, decode: str, accum: str) -> None:
     h, f, e, k, n = case
     slots, slot_of, sh = _layer(h, f, e)
     ids, weights = _routing(n, e, k, slot_of)
@@ -96,7 +98,8 @@ def test_fused_decode_small(case, shared: bool, decode: str) -> None:
         # a column of a wider projection, as SparseMoE hands it over (row stride E + 1)
         kw = {"shared_slots": sh, "shared_logit": torch.randn(n, e + 1, device=DEV)[:, e:]}
     ref = fused_moe_ref(x, ids, weights, slots, **kw)
-    y = fused_moe(x, ids, weights, slots, path="fused", fused_config=_cfg(h, decode), **kw)
+    y = fused_moe(x, ids, weights, slots, path="fused", fused_config=_cfg(h, decode, 32, accum),
+                  **kw)
     assert y.shape == x.shape and y.dtype == x.dtype and not torch.isnan(y).any()
     assert rel_err(y, ref.float()) < (1e-5 if decode == "f32" else 2e-3), rel_err(y, ref)
     _assert_workspace_clear(h)
@@ -194,6 +197,47 @@ def test_switch_selects_the_fused_decode(monkeypatch) -> None:
     assert len(calls) == 1 and rel_err(y, ref.float()) < 1e-2
 
 
+def test_fixed_accumulator_rounding() -> None:
+    # "fixed" = each partial rounded toward zero to a multiple of 2^-32, then summed exactly:
+    # error <= (partials per element) * 2^-32 on top of the fp32 one, for a large row (near
+    # 2^20 times the weights) and a tiny one (~1e-6: there the 2^-32 steps show)
+    h, f, e, k = 64, 32, 4, 2
+    slots, slot_of, _ = _layer(h, f, e)
+    ids, weights = _routing(2, e, k, slot_of)
+    x = torch.randn(2, h, device=DEV).to(DT)
+    x[0] *= 256.0  # gate * up grows with |x|^2: outputs near 2^20 (times the weights')
+    x[1] *= 2.0 ** -10
+    ref = fused_moe_ref(x, ids, weights, slots).float()
+    y = fused_moe(x, ids, weights, slots, path="fused", fused_config=_cfg(h, "f32", 32, "fixed"))
+    rel = 1e-5 if DT == torch.float32 else 1e-2
+    for r in range(2):  # per row: the rows are 2^40 apart
+        err = (y[r].float() - ref[r]).abs().max().item()
+        assert err <= k * 2.0 ** -32 + rel * ref[r].abs().max().item(), (r, err)
+    assert ref[1].abs().max() < 1e-4 < 1e4 < ref[0].abs().max()
+    _assert_workspace_clear(h)
+
+
+def test_workspace_is_not_created_during_a_capture(monkeypatch) -> None:
+    """A workspace made while a CUDA graph captures would hold garbage until the graph first
+    replays (its zero fill is a graph node, not run): creating one then raises, an existing
+    one is handed out as always."""
+    made = (torch.zeros(8, 64), torch.zeros(8, dtype=torch.int32))
+    monkeypatch.setattr(fmd, "_WORKSPACES", {
+        (torch.device("cuda", 0), 64, 8, torch.float32): made})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    got = fmd.decode_workspace(torch.device("cuda", 0), 64, 8)
+    assert got[0] is made[0] and got[1] is made[1]
+    with pytest.raises(RuntimeError, match="capture"):
+        fmd.decode_workspace(torch.device("cuda", 0), 64, 8, torch.int64)
+    with pytest.raises(RuntimeError, match="capture"):
+        fmd.decode_workspace(torch.device("cuda", 0), 128, 8)
+    assert len(fmd._WORKSPACES) == 1
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    cpu = fmd.decode_workspace("cpu", 64, 8, torch.int64)  # a CPU key never captures
+    assert cpu[0].dtype == torch.int64 and cpu[0].shape == (8, 64) and not cpu[0].any()
+    assert fmd.decode_workspace(torch.device("cpu"), 64, 8, torch.int64)[0] is cpu[0]
+
+
 def test_fused_decode_errors() -> None:
     h, f = 64, 32
     slots, slot_of, sh = _layer(h, f, 4)
@@ -214,6 +258,8 @@ def test_fused_decode_errors() -> None:
         single_expert_slots(*_expert(h, f)[:2], rand_nvfp4(h, 2 * f, DEV))
     with pytest.raises(ValueError):
         MoEFusedConfig(block_f=8)
+    with pytest.raises(ValueError):
+        MoEFusedConfig(accum="f16")
 
 
 # --- Qwen3.5-35B-A3B layer on a GPU ------------------------------------------------------
@@ -259,6 +305,90 @@ def test_fused_decode_gpu_graph() -> None:
         ref = fused_moe_ref(x, ids, weights, slots, **kw).float()
         for y in ys:
             assert rel_err(y, ref) < 1e-2
+    _assert_workspace_clear(2048)
+
+
+@pytest.mark.requires_cuda
+def test_fused_decode_gpu_repeatable() -> None:
+    """30 launches on the same inputs (35B-A3B layer, 1 token + shared, the table's tiles):
+    "fixed" gives the same bits every time; "f32" (atomics in any order) stays within 2 bf16
+    ulps of its first output (a race, e.g. the last program reading a row before every add
+    landed, would show as a larger error). Prints how often "f32" differed."""
+    slots, slot_of, sh = _gpu_layer()
+    ids, weights = _routing(1, 256, 8, slot_of)
+    x = torch.randn(1, 2048, device=DEV, dtype=torch.bfloat16)
+    kw = {"shared_slots": sh, "shared_logit": torch.randn(1, 1, device=DEV,
+                                                          dtype=torch.bfloat16)}
+    ref = fused_moe_ref(x, ids, weights, slots, **kw).float()
+    base = fmd.default_moe_fused_config(2048, 512)
+    for accum in ("fixed", "f32"):
+        cfg = MoEFusedConfig(base.block_f, base.block_b, base.block_h, base.num_warps,
+                             base.decode, accum)
+        ys = [fused_moe(x, ids, weights, slots, path="fused", fused_config=cfg, **kw)
+              for _ in range(30)]
+        y0 = ys[0].float()
+        assert rel_err(y0, ref) < 1e-2, (accum, rel_err(y0, ref))
+        ulp = torch.finfo(torch.bfloat16).eps * y0.abs().clamp_min(1e-30)  # >= 1 ulp of y0
+        worst = max((y.float() - y0).abs().div(ulp).max().item() for y in ys)
+        differ = sum(not torch.equal(y, ys[0]) for y in ys)
+        g = torch.cuda.CUDAGraph()  # time: 20 launches in a graph, 5 replays
+        with torch.cuda.graph(g):
+            for _ in range(20):
+                fused_moe(x, ids, weights, slots, path="fused", fused_config=cfg, **kw)
+        g.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        print(f"\n{accum}: {differ} of 30 launches differ from the first, worst "
+              f"{worst:.2f} ulp; {start.elapsed_time(end) * 1e3 / 100:.1f} us per launch")
+        if accum == "fixed":
+            assert differ == 0, f"fixed accumulation not reproducible ({differ} of 30)"
+        assert worst <= 2.0, (accum, worst)
+    _assert_workspace_clear(2048)
+
+
+@pytest.mark.requires_cuda
+def test_fused_decode_gpu_graph_equals_eager_chain() -> None:
+    """40 chained "layers" (x <- rms(x + moe_l(x)), each with its own routing), eager vs a
+    CUDA-graph replay of the same chain, as the model runs it: with "fixed" the two give the
+    same bits (graph and eager launch the same kernels on the same buffers); "f32" is
+    printed (its differences are the atomics' order only)."""
+    slots, slot_of, sh = _gpu_layer()
+    layers = [_routing(1, 256, 8, slot_of) for _ in range(40)]
+    logit = torch.randn(40, 1, device=DEV, dtype=torch.bfloat16)
+    x0 = torch.randn(1, 2048, device=DEV, dtype=torch.bfloat16)
+    base = fmd.default_moe_fused_config(2048, 512)
+
+    def chain(cfg: MoEFusedConfig) -> torch.Tensor:
+        x = x0
+        for i, (ids, w) in enumerate(layers):
+            y = fused_moe(x, ids, w, slots, shared_slots=sh, shared_logit=logit[i:i + 1],
+                          path="fused", fused_config=cfg)
+            s = x.float() + y.float()
+            x = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x0.dtype)
+        return x
+
+    for accum in ("fixed", "f32"):
+        cfg = MoEFusedConfig(base.block_f, base.block_b, base.block_h, base.num_warps,
+                             base.decode, accum)
+        eager = chain(cfg)  # also the warm-up: compiles, creates the workspace
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = chain(cfg)
+        results = []
+        for _ in range(3):
+            g.replay()
+            results.append(out.clone())
+            results.append(chain(cfg))  # eager again, between the replays
+        torch.cuda.synchronize()
+        diff = max((r.float() - eager.float()).abs().max().item() for r in results)
+        print(f"\n{accum}: graph / eager chain of 40, largest difference {diff:.3g}")
+        if accum == "fixed":
+            assert diff == 0.0, f"fixed accumulation: graph and eager differ by {diff}"
+        assert rel_err(results[0], eager.float()) < 1e-2
     _assert_workspace_clear(2048)
 
 
@@ -311,11 +441,14 @@ def test_kernel_builds_for_sm90() -> None:
 
     jf = kt.moe_fused_decode_kernel
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    for cfg in (MoEFusedConfig(), MoEFusedConfig(16, 64, 512, 4, "f32")):
+    for cfg in (MoEFusedConfig(), MoEFusedConfig(16, 64, 512, 4, "f32"),
+                MoEFusedConfig(16, 64, 512, 4, "f32", "fixed")):
         consts = dict(H=2048, F=512, TOPK=8, HAS_SHARED=True, BLOCK_F=cfg.block_f,
                       BLOCK_B=cfg.block_b, BLOCK_H=cfg.block_h, IS_H2=cfg.decode == "h2",
-                      USE_ASM=True, FINISH_BLOCK=1024)
+                      USE_ASM=True, FINISH_BLOCK=1024, IS_FIXED=cfg.accum == "fixed")
         sig = {n: "constexpr" if n in consts else _TYPES[n] for n in jf.arg_names}
+        if cfg.accum == "fixed":
+            sig["acc_ptr"] = "*i64"
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(jf.arg_names)
                  if n.endswith("_ptr")}
         k = triton.compile(ASTSource(jf, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),

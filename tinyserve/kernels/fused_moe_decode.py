@@ -31,14 +31,20 @@ MOE_FUSED_MAX_TOKENS = 8  # the most tokens the one-launch decode takes (its wor
 # vs 27.6 us per 35B-A3B layer with the shared expert) and lost at 4 and 8 with untuned tiles
 # (77 vs 71, 134 vs 109 us)
 MOE_FUSED_AUTO_TOKENS = 1
+# accumulators of the partial sums (MoEFusedConfig.accum) and their workspace dtypes
+MOE_FUSED_ACCUMS = ("f32", "fixed")
+_ACC_DTYPES = {"f32": torch.float32, "fixed": torch.int64}
 
 
 @dataclass(frozen=True)
 class MoEFusedConfig:
     """Tiles of the one-launch decode: `block_f` features of one expert per program (a
     multiple of 16: one int64 code word per down row), `block_b` blocks of 16 inputs per
-    gate_up K step, `block_h` down rows per step, `num_warps`, and the gate_up `decode`
-    ("f32" / "h2", as in `nvfp4_tiles`; the down product is fp32).
+    gate_up K step, `block_h` down rows per step, `num_warps`, the gate_up `decode`
+    ("f32" / "h2", as in `nvfp4_tiles`; the down product is fp32), and the `accum` of the
+    partial sums: "f32" (fp32 atomics, sum order not fixed: the output can differ in its
+    last bit between runs) or "fixed" (int64 atomics in units of 2^-32, |row| < 2^31: the
+    same bits on every run).
 
     NOTE: defaults not measured yet (no spills at sm_90 with Triton 3.9: 102 registers; 144
     programs of 8 warps for one 35B-A3B token + shared expert, one wave at 2 per SM).
@@ -49,11 +55,15 @@ class MoEFusedConfig:
     block_h: int = 1024
     num_warps: int = 8
     decode: str = "h2"
+    accum: str = "f32"
 
     def __post_init__(self) -> None:
         sizes = (self.block_f, self.block_b, self.block_h, self.num_warps)
         if self.decode not in ("f32", "h2"):
             raise ValueError(f"unknown NVFP4 decode {self.decode!r}")
+        if self.accum not in MOE_FUSED_ACCUMS:
+            raise ValueError(f"unknown fused MoE accumulator {self.accum!r}; choose from "
+                             f"{MOE_FUSED_ACCUMS}")
         if self.block_f < 16 or any(v < 1 or v & (v - 1) for v in sizes):
             raise ValueError(f"fused MoE tiles must be powers of two (block_f >= 16), "
                              f"got {sizes}")
@@ -84,17 +94,33 @@ def _kernels():
     return fused_moe_decode_triton
 
 
-@functools.cache
-def decode_workspace(device: torch.device, hidden_size: int,
-                     rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The zeroed fp32 accumulator [rows, H] and int32 arrival counters [rows] of `device`.
+def decode_workspace(device: torch.device, hidden_size: int, rows: int,
+                     dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The zeroed accumulator [rows, H] (`dtype`: float32, or int64 fixed point) and int32
+    arrival counters [rows] of `device`.
 
-    NOTE: one per device, shared by every layer and call: each launch leaves it zero again
-    (the last program of a token clears its row). Launches on two streams at once would
-    share it: one stream only.
+    NOTE: one per (device, H, rows, dtype), shared by every layer and call: each launch
+    leaves it zero again (the last program of a token clears its row). Launches on two
+    streams at once would share it: one stream only.
+    Raises RuntimeError when it does not exist yet and the current stream is capturing a
+    CUDA graph: a tensor made during a capture is not zeroed until the graph first replays
+    (its `torch.zeros` is a node of the graph), so an eager launch before that replay would
+    add into garbage. Run the forward once eagerly before capturing (`DecodeGraphs` warms up).
     """
-    return (torch.zeros(rows, hidden_size, dtype=torch.float32, device=device),
-            torch.zeros(rows, dtype=torch.int32, device=device))
+    key = (torch.device(device), hidden_size, rows, dtype)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        if key[0].type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the fused MoE decode workspace cannot be created during a "
+                               "CUDA graph capture; run the forward eagerly once first")
+        ws = (torch.zeros(rows, hidden_size, dtype=dtype, device=device),
+              torch.zeros(rows, dtype=torch.int32, device=device))
+        _WORKSPACES[key] = ws
+    return ws
+
+
+_WORKSPACES: dict[tuple[torch.device, int, int, torch.dtype],
+                  tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def moe_fused_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
@@ -110,7 +136,7 @@ def moe_fused_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk
     block_f = cfg.block_f
     while f % block_f:  # NOTE: F is a multiple of 16 (slot layout)
         block_f //= 2
-    acc, cnt = decode_workspace(x.device, h, MOE_FUSED_MAX_TOKENS)
+    acc, cnt = decode_workspace(x.device, h, MOE_FUSED_MAX_TOKENS, _ACC_DTYPES[cfg.accum])
     # [N, H]: every row is written by its token's last program
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     sh = shared if shared is not None else slots
@@ -126,7 +152,8 @@ def moe_fused_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk
         H=h, F=f, TOPK=topk, HAS_SHARED=shared is not None, BLOCK_F=block_f,
         BLOCK_B=min(cfg.block_b, _next_pow2(h // 16)), BLOCK_H=min(cfg.block_h, _next_pow2(h)),
         IS_H2=cfg.decode == "h2", USE_ASM=x.device.type == "cuda",
-        FINISH_BLOCK=min(1024, _next_pow2(h)), num_warps=cfg.num_warps)
+        FINISH_BLOCK=min(1024, _next_pow2(h)), IS_FIXED=cfg.accum == "fixed",
+        num_warps=cfg.num_warps)
     return out
 
 

@@ -16,8 +16,11 @@ One program:
    output dtype, writes it, and zeroes the row and the counter for the next launch.
 
 So the accumulator and counters (`acc`, `cnt`) must be zero before a launch and are zero
-after it (the launcher keeps one such workspace per device). The sum order of the atomics is
-not fixed: results can differ in the last fp32 bits between runs.
+after it (the launcher keeps one such workspace per device). With fp32 atomics the sum order
+is not fixed: results differ in the last fp32 bits between runs, and so, now and then, in the
+last bit of the bf16 output. `IS_FIXED` accumulates in int64 fixed point instead (each
+partial rounded toward zero to a multiple of 2^-32, |sum| < 2^31): integer adds commute, so
+the output is the same bits on every run, whatever order the programs arrive in.
 
 This module imports triton at the top (the launcher imports it lazily).
 """
@@ -37,6 +40,8 @@ from tinyserve.kernels.nvfp4_triton import (
     _fp4_rows_dot_h2,
     _nibble_pair,
 )
+
+FIXED_ONE_C = tl.constexpr(4294967296.0)  # 2^32: one unit of the fixed-point accumulator
 
 
 @triton.jit
@@ -71,7 +76,7 @@ def moe_fused_decode_kernel(x_ptr, ids_ptr, wt_ptr, logit_ptr,
                             HAS_SHARED: tl.constexpr, BLOCK_F: tl.constexpr,
                             BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr,
                             IS_H2: tl.constexpr, USE_ASM: tl.constexpr,
-                            FINISH_BLOCK: tl.constexpr):
+                            FINISH_BLOCK: tl.constexpr, IS_FIXED: tl.constexpr):
     # out[t] = sum_j w[t, j] * down_j(silu(gate_j(x[t])) * up_j(x[t])) (+ sigmoid(logit[t]) *
     # shared(x[t])); w*_ptr are int64 views of the codes (one word = 16 codes)
     KP: tl.constexpr = TOPK + HAS_SHARED
@@ -136,7 +141,11 @@ def moe_fused_decode_kernel(x_ptr, ids_ptr, wt_ptr, logit_ptr,
         raw_next = tl.load(s2 + nrows[:, None] * FB + cols[None, :], mask=nmask, other=0)
         part = _down_tile(v, raw, hm)  # [BLOCK_H]
         rows = h0 + offs_h
-        tl.atomic_add(acc_row + rows, part * factor, mask=rows < H, sem="relaxed")
+        if IS_FIXED:  # int64 acc: order-independent sum
+            tl.atomic_add(acc_row + rows, (part * factor * FIXED_ONE_C).to(tl.int64),
+                          mask=rows < H, sem="relaxed")
+        else:
+            tl.atomic_add(acc_row + rows, part * factor, mask=rows < H, sem="relaxed")
     # 4. the last program of token t writes its row and clears the workspace
     # NOTE: the barrier orders this CTA's adds before the release of the counter increment
     tl.debug_barrier()
@@ -146,7 +155,10 @@ def moe_fused_decode_kernel(x_ptr, ids_ptr, wt_ptr, logit_ptr,
         for c0 in range(0, H, FINISH_BLOCK):
             r = c0 + offs
             m = r < H
-            s = tl.load(acc_row + r, mask=m, other=0.0, cache_modifier=".cg")
+            a = tl.load(acc_row + r, mask=m, other=0, cache_modifier=".cg")
+            s = a.to(tl.float32)
+            if IS_FIXED:
+                s = s * (1.0 / FIXED_ONE_C)
             tl.store(out_ptr + t * H + r, s.to(out_ptr.dtype.element_ty), mask=m)
-            tl.store(acc_row + r, tl.zeros_like(s), mask=m)
+            tl.store(acc_row + r, tl.zeros_like(a), mask=m)
         tl.store(cnt_ptr + t, 0)

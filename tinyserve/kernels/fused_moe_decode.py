@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 # the shared expert through the model's separate gemvs). Off: on the H200 its kernel tests
 # pass, but the full-size model's graph and eager decode then disagree (8-step greedy run,
 # bf16 KV, experts resident: 2-3 of 8 tokens equal, logits apart by up to 3.4; 8 of 8 and
-# 0.0 with this off), so something in it is not replay-safe or not deterministic enough.
+# 0.0 with this off). Likely cause (bench/NOTES_nvfp4.md, "graph vs eager"): not the graph
+# but the fp32 atomics' run-to-run order, which the random model amplifies through flipped
+# top-k routing; accum="fixed" (same bits every run) is the GPU check and the candidate fix.
 MOE_FUSED_DECODE = False
 MOE_FUSED_MAX_TOKENS = 8  # the most tokens the one-launch decode takes (its workspace rows)
 # fused_moe picks "fused" by itself up to this many tokens: on the H200 it won at 1 token (18.6

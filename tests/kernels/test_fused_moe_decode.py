@@ -61,8 +61,9 @@ def _routing(n: int, e: int, k: int, slot_of: torch.Tensor):
 
 
 def _assert_workspace_clear(h: int) -> None:
+    device = torch.zeros(0, device=DEV).device  # "cuda:0", as the launcher passes x.device
     for dtype in (torch.float32, torch.int64):  # the "f32" and "fixed" accumulators
-        acc, cnt = fmd.decode_workspace(DEV, h, MOE_FUSED_MAX_TOKENS, dtype)
+        acc, cnt = fmd.decode_workspace(device, h, MOE_FUSED_MAX_TOKENS, dtype)
         assert not acc.any() and not cnt.any(), f"the {dtype} decode workspace was left dirty"
 
 

@@ -96,7 +96,7 @@ def _kernels():
     return fused_moe_decode_triton
 
 
-def decode_workspace(device: torch.device, hidden_size: int, rows: int,
+def decode_workspace(device: torch.device | str, hidden_size: int, rows: int,
                      dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """The zeroed accumulator [rows, H] (`dtype`: float32, or int64 fixed point) and int32
     arrival counters [rows] of `device`.
@@ -109,14 +109,17 @@ def decode_workspace(device: torch.device, hidden_size: int, rows: int,
     (its `torch.zeros` is a node of the graph), so an eager launch before that replay would
     add into garbage. Run the forward once eagerly before capturing (`DecodeGraphs` warms up).
     """
-    key = (torch.device(device), hidden_size, rows, dtype)
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:  # "cuda" and "cuda:0" share one workspace
+        dev = torch.device("cuda", torch.cuda.current_device())
+    key = (dev, hidden_size, rows, dtype)
     ws = _WORKSPACES.get(key)
     if ws is None:
-        if key[0].type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the fused MoE decode workspace cannot be created during a "
                                "CUDA graph capture; run the forward eagerly once first")
-        ws = (torch.zeros(rows, hidden_size, dtype=dtype, device=device),
-              torch.zeros(rows, dtype=torch.int32, device=device))
+        ws = (torch.zeros(rows, hidden_size, dtype=dtype, device=dev),
+              torch.zeros(rows, dtype=torch.int32, device=dev))
         _WORKSPACES[key] = ws
     return ws
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.model.hf_tiny import checkpoint
-from tinyserve.core import Batch, SamplingParams, ScheduledSeq
+from tests.offload.greedy import greedy_generate
 from tinyserve.engine.runner import ModelRunner
 from tinyserve.kv.bf16 import BF16KVBackend
 from tinyserve.kv.state_pool import GDNStatePool
@@ -17,8 +17,6 @@ from tinyserve.offload import prefetch
 from tinyserve.offload.gpu_cache import DeviceExpertCache
 from tinyserve.offload.provider import OffloadedExperts
 from tinyserve.offload.store import HostExpertStore
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 
 
 class LogQueue(prefetch.CopyQueue):
@@ -75,33 +73,11 @@ def _runner(cfg, weights, experts=None) -> ModelRunner:
     return ModelRunner(model, page_size=4)
 
 
-def _generate(runner: ModelRunner, prompt: list[int], n: int, chunk: int
-              ) -> tuple[list[int], torch.Tensor]:
-    """Prefill `prompt` in chunks of `chunk` tokens, then greedy decode: (tokens, logits)."""
-    pages = list(range(32))
-    out = None
-    for start in range(0, len(prompt), chunk):
-        part = prompt[start:start + chunk]
-        last = start + len(part) == len(prompt)
-        seq = ScheduledSeq("r", part, start_pos=start, page_ids=pages, state_slot=0,
-                           sample=last, params=GREEDY)
-        out = runner.forward(Batch([seq]))
-    tokens, logits = [out.next_tokens[0]], [out.logits]
-    for _ in range(n - 1):
-        pos = len(prompt) + len(tokens) - 1
-        seq = ScheduledSeq("r", [tokens[-1]], start_pos=pos, page_ids=pages, state_slot=0,
-                           sample=True, params=GREEDY)
-        out = runner.forward(Batch([seq]))
-        tokens.append(out.next_tokens[0])
-        logits.append(out.logits)
-    return tokens, torch.cat(logits)
-
-
 @pytest.fixture(scope="module")
 def tiny():
     cfg, w = checkpoint("modelopt")
     prompt = torch.randint(0, 500, (40,), generator=torch.Generator().manual_seed(5)).tolist()
-    ref = {chunk: _generate(_runner(cfg, w), prompt, 12, chunk) for chunk in (20, 40)}
+    ref = {chunk: greedy_generate(_runner(cfg, w), prompt, 12, chunk) for chunk in (20, 40)}
     return cfg, w, prompt, ref
 
 
@@ -129,7 +105,7 @@ def test_streamed_prefill_generates_the_resident_tokens(tiny, mode: str, chunk: 
     # Twice: the second prefill streams over slots the first decode filled (stale entries
     # would be found by the second decode).
     for _ in range(2):
-        tokens, logits = _generate(runner, prompt, 12, chunk)
+        tokens, logits = greedy_generate(runner, prompt, 12, chunk)
         assert tokens == ref_tokens
         torch.testing.assert_close(logits, ref_logits, rtol=1e-5,
                                    atol=1e-5 * ref_logits.abs().max())

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tinyserve.core import Batch, SamplingParams, ScheduledSeq
+from tests.offload.greedy import greedy_generate
 from tinyserve.kernels.fused_moe import fused_moe, pack_expert_slots
 from tinyserve.kernels.nvfp4_ref import quantize_nvfp4
 from tinyserve.offload import prefetch
@@ -18,7 +18,6 @@ from tinyserve.offload.store import HostExpertStore
 
 pytestmark = pytest.mark.requires_cuda
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 
 
 def _experts(L: int, E: int, H: int, F: int) -> dict:
@@ -138,26 +137,6 @@ def _runner(cfg, weights, experts, graphs: bool):
     return ModelRunner(model, page_size=4)
 
 
-def _generate(runner, prompt: list[int], n: int, chunk: int) -> tuple[list[int], torch.Tensor]:
-    pages = list(range(32))
-    out = None
-    for start in range(0, len(prompt), chunk):
-        part = prompt[start:start + chunk]
-        last = start + len(part) == len(prompt)
-        seq = ScheduledSeq("r", part, start_pos=start, page_ids=pages, state_slot=0,
-                           sample=last, params=GREEDY)
-        out = runner.forward(Batch([seq]))
-    tokens, logits = [out.next_tokens[0]], [out.logits.float().clone()]
-    for _ in range(n - 1):
-        pos = len(prompt) + len(tokens) - 1
-        seq = ScheduledSeq("r", [tokens[-1]], start_pos=pos, page_ids=pages, state_slot=0,
-                           sample=True, params=GREEDY)
-        out = runner.forward(Batch([seq]))
-        tokens.append(out.next_tokens[0])
-        logits.append(out.logits.float().clone())
-    return tokens, torch.cat(logits)
-
-
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_streamed_tiny_model_generates_the_resident_tokens(graphs: bool) -> None:
     from tests.model.hf_tiny import checkpoint
@@ -168,12 +147,12 @@ def test_streamed_tiny_model_generates_the_resident_tokens(graphs: bool) -> None
     store = HostExpertStore.from_weights(w, cfg)
     resident = OffloadedExperts.create(store, L * E, device="cuda", max_ids=64)
     resident.cache.preload_all()
-    ref = _generate(_runner(cfg, w, resident, graphs), prompt, 10, 20)
+    ref = greedy_generate(_runner(cfg, w, resident, graphs), prompt, 10, 20)
     streamed = OffloadedExperts.create(store, 2 * E + 1, device="cuda", max_ids=64)
     assert streamed.streamer is not None and streamed.streamer.min_pairs <= 20 * 2
     runner = _runner(cfg, w, streamed, graphs)
     for _ in range(2):  # the second prefill streams over slots the first decode filled
-        tokens, logits = _generate(runner, prompt, 10, 20)
+        tokens, logits = greedy_generate(runner, prompt, 10, 20)
         assert tokens == ref[0]
         torch.testing.assert_close(logits, ref[1], rtol=2e-2, atol=2e-2 * ref[1].abs().max())
     if graphs:

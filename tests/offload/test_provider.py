@@ -7,15 +7,13 @@ import pytest
 import torch
 
 from tests.model.hf_tiny import checkpoint
-from tinyserve.core import Batch, SamplingParams, ScheduledSeq
+from tests.offload.greedy import greedy_generate
 from tinyserve.engine.runner import ModelRunner
 from tinyserve.kv.bf16 import BF16KVBackend
 from tinyserve.kv.state_pool import GDNStatePool
 from tinyserve.model.qwen35 import Qwen35Model
 from tinyserve.offload.provider import OffloadedExperts
 from tinyserve.offload.store import HostExpertStore
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 
 
 def _runner(cfg, weights, experts=None) -> ModelRunner:
@@ -32,27 +30,11 @@ def _runner(cfg, weights, experts=None) -> ModelRunner:
     return ModelRunner(model, page_size=4)
 
 
-def _generate(runner: ModelRunner, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
-    pages = list(range(32))
-    seq = ScheduledSeq("r", list(prompt), start_pos=0, page_ids=pages, state_slot=0,
-                       sample=True, params=GREEDY)
-    out = runner.forward(Batch([seq]))
-    tokens, logits = [out.next_tokens[0]], [out.logits]
-    for _ in range(n - 1):
-        pos = len(prompt) + len(tokens) - 1
-        seq = ScheduledSeq("r", [tokens[-1]], start_pos=pos, page_ids=pages, state_slot=0,
-                           sample=True, params=GREEDY)
-        out = runner.forward(Batch([seq]))
-        tokens.append(out.next_tokens[0])
-        logits.append(out.logits)
-    return tokens, torch.cat(logits)
-
-
 @pytest.fixture(scope="module")
 def tiny():
     cfg, w = checkpoint("modelopt")
     prompt = torch.randint(0, 500, (23,), generator=torch.Generator().manual_seed(4)).tolist()
-    ref_tokens, ref_logits = _generate(_runner(cfg, w), prompt, 24)
+    ref_tokens, ref_logits = greedy_generate(_runner(cfg, w), prompt, 24)
     return cfg, w, prompt, ref_tokens, ref_logits
 
 
@@ -63,7 +45,7 @@ def test_offloaded_model_generates_the_resident_tokens(tiny, mode: str) -> None:
     total = cfg.num_layers * cfg.num_experts  # 32
     experts = OffloadedExperts.create(store, cfg.num_experts + 2, device="cpu",
                                       dtype=torch.float32, mode=mode, use_triton=False)
-    tokens, logits = _generate(_runner(cfg, w, experts), prompt, 24)
+    tokens, logits = greedy_generate(_runner(cfg, w, experts), prompt, 24)
     assert tokens == ref_tokens
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5 * ref_logits.abs().max())
     stats = experts.stats
@@ -82,7 +64,7 @@ def test_device_mode_mirror_follows_the_device(tiny) -> None:
     store = HostExpertStore.from_weights(w, cfg)
     experts = OffloadedExperts.create(store, 12, device="cpu", dtype=torch.float32,
                                       mode="device", use_triton=False)
-    _generate(_runner(cfg, w, experts), prompt, 6)
+    greedy_generate(_runner(cfg, w, experts), prompt, 6)
     experts.begin_step()
     assert experts.cache.policy.resident() == experts.cache.resident()
     assert 0.0 < experts.stats.hit_rate < 1.0
@@ -98,13 +80,13 @@ def test_eager_call_after_a_replay_keeps_the_mirror(tiny) -> None:
     experts = OffloadedExperts.create(store, cfg.num_experts + 2, device="cpu",
                                       dtype=torch.float32, mode="device", use_triton=False)
     runner = _runner(cfg, w, experts)
-    _generate(runner, prompt, 2)
+    greedy_generate(runner, prompt, 2)
     g = torch.Generator().manual_seed(1)
     for _ in range(4):  # replay-like steps: lookups that bypass the provider's forward
         experts.begin_step()
         for layer in range(cfg.num_layers):
             ids = torch.randperm(cfg.num_experts, generator=g)[:cfg.num_experts_per_tok]
             experts.cache.lookup(layer, ids.view(1, -1))
-        _generate(runner, prompt, 2)  # eager prefill + decode right after the "replay"
+        greedy_generate(runner, prompt, 2)  # eager prefill + decode right after the "replay"
         experts.begin_step()
         assert experts.cache.policy.resident() == experts.cache.resident()

@@ -8,31 +8,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.offload.helpers import random_experts
 from tinyserve.kernels.fused_moe import fused_moe, pack_expert_slots
-from tinyserve.kernels.nvfp4_ref import quantize_nvfp4
 from tinyserve.offload.provider import OffloadedExperts
 from tinyserve.offload.store import HostExpertStore
 
 pytestmark = pytest.mark.requires_cuda
 
 
-def _experts(L: int, E: int, H: int, F: int) -> dict:
-    g = torch.Generator().manual_seed(0)
-    w = {}
-    for layer in range(L):
-        for e in range(E):
-            p = f"layers.{layer}.mlp.experts.{e}"
-            w[f"{p}.gate_proj"] = quantize_nvfp4(torch.randn(F, H, generator=g) * 0.05)
-            w[f"{p}.up_proj"] = quantize_nvfp4(torch.randn(F, H, generator=g) * 0.05)
-            w[f"{p}.down_proj"] = quantize_nvfp4(torch.randn(H, F, generator=g) * 0.05)
-    return w
-
-
 @pytest.mark.parametrize("tokens", [1, 4, 64], ids=lambda n: f"N{n}")
 def test_offloaded_equals_resident_without_host_sync(tokens: int) -> None:
     L, E, H, F, k = 4, 16, 256, 128, 4
     cfg = SimpleNamespace(num_layers=L, num_experts=E, hidden_size=H, moe_intermediate_size=F)
-    w = _experts(L, E, H, F)
+    w = random_experts(L, E, H, F)
     store = HostExpertStore.from_weights(w, cfg)
     assert store.pinned
     resident = [pack_expert_slots([(w[f"layers.{la}.mlp.experts.{e}.gate_proj"],
@@ -127,7 +115,7 @@ def test_victim_staging_buffer_waits_for_its_last_upload() -> None:
     # for the upload, which here queues behind ~0.1 s of GPU sleep.
     L, E, H, F = 2, 8, 256, 128
     cfg = SimpleNamespace(num_layers=L, num_experts=E, hidden_size=H, moe_intermediate_size=F)
-    store = HostExpertStore.from_weights(_experts(L, E, H, F), cfg)
+    store = HostExpertStore.from_weights(random_experts(L, E, H, F), cfg)
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)
     slept = torch.cuda.Event()

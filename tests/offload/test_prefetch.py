@@ -8,11 +8,7 @@ import pytest
 import torch
 
 from tests.model.hf_tiny import checkpoint
-from tests.offload.greedy import greedy_generate
-from tinyserve.engine.runner import ModelRunner
-from tinyserve.kv.bf16 import BF16KVBackend
-from tinyserve.kv.state_pool import GDNStatePool
-from tinyserve.model.qwen35 import Qwen35Model
+from tests.offload.helpers import cpu_runner, greedy_generate
 from tinyserve.offload import prefetch
 from tinyserve.offload.gpu_cache import DeviceExpertCache
 from tinyserve.offload.provider import OffloadedExperts
@@ -59,25 +55,11 @@ class DeferredQueue(prefetch.CopyQueue):
                 dst.copy_(src)
 
 
-def _runner(cfg, weights, experts=None) -> ModelRunner:
-    kv = BF16KVBackend(layer_ids=list(cfg.full_attention_layers), num_kv_heads=cfg.num_kv_heads,
-                       head_dim=cfg.head_dim, num_pages=32, page_size=4, device="cpu",
-                       dtype=torch.float32)
-    states = GDNStatePool.for_config(cfg, 2, device="cpu", dtype=torch.float32)
-    for t in (kv.k_cache, kv.v_cache, states.conv, states.recurrent):
-        t.fill_(float("nan"))
-    if experts is not None:  # the model must not need the expert weights
-        weights = {k: v for k, v in weights.items() if ".mlp.experts." not in k}
-    model = Qwen35Model(cfg, weights, kv=kv, states=states, experts=experts, device="cpu",
-                        dtype=torch.float32)
-    return ModelRunner(model, page_size=4)
-
-
 @pytest.fixture(scope="module")
 def tiny():
     cfg, w = checkpoint("modelopt")
     prompt = torch.randint(0, 500, (40,), generator=torch.Generator().manual_seed(5)).tolist()
-    ref = {chunk: greedy_generate(_runner(cfg, w), prompt, 12, chunk) for chunk in (20, 40)}
+    ref = {chunk: greedy_generate(cpu_runner(cfg, w), prompt, 12, chunk) for chunk in (20, 40)}
     return cfg, w, prompt, ref
 
 
@@ -100,7 +82,7 @@ def test_streamed_prefill_generates_the_resident_tokens(tiny, mode: str, chunk: 
     E = cfg.num_experts
     q = DeferredQueue() if queue == "deferred" else prefetch.CopyQueue()
     experts = _streaming(cfg, w, 2 * E + 1, mode, q)  # < all 32 experts: the cache evicts
-    runner = _runner(cfg, w, experts)
+    runner = cpu_runner(cfg, w, experts)
     ref_tokens, ref_logits = ref[chunk]
     # Twice: the second prefill streams over slots the first decode filled (stale entries
     # would be found by the second decode).

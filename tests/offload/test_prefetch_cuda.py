@@ -9,9 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.offload.greedy import greedy_generate
+from tests.offload.helpers import greedy_generate, random_experts
 from tinyserve.kernels.fused_moe import fused_moe, pack_expert_slots
-from tinyserve.kernels.nvfp4_ref import quantize_nvfp4
 from tinyserve.offload import prefetch
 from tinyserve.offload.provider import OffloadedExperts
 from tinyserve.offload.store import HostExpertStore
@@ -20,22 +19,10 @@ pytestmark = pytest.mark.requires_cuda
 
 
 
-def _experts(L: int, E: int, H: int, F: int) -> dict:
-    g = torch.Generator().manual_seed(0)
-    w = {}
-    for layer in range(L):
-        for e in range(E):
-            p = f"layers.{layer}.mlp.experts.{e}"
-            w[f"{p}.gate_proj"] = quantize_nvfp4(torch.randn(F, H, generator=g) * 0.05)
-            w[f"{p}.up_proj"] = quantize_nvfp4(torch.randn(F, H, generator=g) * 0.05)
-            w[f"{p}.down_proj"] = quantize_nvfp4(torch.randn(H, F, generator=g) * 0.05)
-    return w
-
-
 def test_streamed_provider_equals_resident_without_host_sync() -> None:
     L, E, H, F, k = 4, 16, 256, 128, 4
     cfg = SimpleNamespace(num_layers=L, num_experts=E, hidden_size=H, moe_intermediate_size=F)
-    w = _experts(L, E, H, F)
+    w = random_experts(L, E, H, F)
     store = HostExpertStore.from_weights(w, cfg)
     assert store.pinned
     resident = [pack_expert_slots([(w[f"layers.{la}.mlp.experts.{e}.gate_proj"],
@@ -94,7 +81,7 @@ def test_prefetch_runs_beside_the_compute_stream() -> None:
     the side stream while the compute stream goes on, and the next layer's call waits for it."""
     L, E, H, F = 3, 8, 256, 128
     cfg = SimpleNamespace(num_layers=L, num_experts=E, hidden_size=H, moe_intermediate_size=F)
-    store = HostExpertStore.from_weights(_experts(L, E, H, F), cfg)
+    store = HostExpertStore.from_weights(random_experts(L, E, H, F), cfg)
     experts = OffloadedExperts.create(store, 2 * E, device="cuda")
     s = prefetch.LayerStreamer(experts.cache, queue=SlowCopyQueue(torch.device("cuda")))
     ids = torch.randint(0, E, (64, 2), device="cuda")

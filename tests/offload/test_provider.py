@@ -7,34 +7,16 @@ import pytest
 import torch
 
 from tests.model.hf_tiny import checkpoint
-from tests.offload.greedy import greedy_generate
-from tinyserve.engine.runner import ModelRunner
-from tinyserve.kv.bf16 import BF16KVBackend
-from tinyserve.kv.state_pool import GDNStatePool
-from tinyserve.model.qwen35 import Qwen35Model
+from tests.offload.helpers import cpu_runner, greedy_generate
 from tinyserve.offload.provider import OffloadedExperts
 from tinyserve.offload.store import HostExpertStore
-
-
-def _runner(cfg, weights, experts=None) -> ModelRunner:
-    kv = BF16KVBackend(layer_ids=list(cfg.full_attention_layers), num_kv_heads=cfg.num_kv_heads,
-                       head_dim=cfg.head_dim, num_pages=32, page_size=4, device="cpu",
-                       dtype=torch.float32)
-    states = GDNStatePool.for_config(cfg, 2, device="cpu", dtype=torch.float32)
-    for t in (kv.k_cache, kv.v_cache, states.conv, states.recurrent):
-        t.fill_(float("nan"))
-    if experts is not None:  # the model must not need the expert weights
-        weights = {k: v for k, v in weights.items() if ".mlp.experts." not in k}
-    model = Qwen35Model(cfg, weights, kv=kv, states=states, experts=experts, device="cpu",
-                        dtype=torch.float32)
-    return ModelRunner(model, page_size=4)
 
 
 @pytest.fixture(scope="module")
 def tiny():
     cfg, w = checkpoint("modelopt")
     prompt = torch.randint(0, 500, (23,), generator=torch.Generator().manual_seed(4)).tolist()
-    ref_tokens, ref_logits = greedy_generate(_runner(cfg, w), prompt, 24)
+    ref_tokens, ref_logits = greedy_generate(cpu_runner(cfg, w), prompt, 24)
     return cfg, w, prompt, ref_tokens, ref_logits
 
 
@@ -45,7 +27,7 @@ def test_offloaded_model_generates_the_resident_tokens(tiny, mode: str) -> None:
     total = cfg.num_layers * cfg.num_experts  # 32
     experts = OffloadedExperts.create(store, cfg.num_experts + 2, device="cpu",
                                       dtype=torch.float32, mode=mode, use_triton=False)
-    tokens, logits = greedy_generate(_runner(cfg, w, experts), prompt, 24)
+    tokens, logits = greedy_generate(cpu_runner(cfg, w, experts), prompt, 24)
     assert tokens == ref_tokens
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5 * ref_logits.abs().max())
     stats = experts.stats
@@ -64,7 +46,7 @@ def test_device_mode_mirror_follows_the_device(tiny) -> None:
     store = HostExpertStore.from_weights(w, cfg)
     experts = OffloadedExperts.create(store, 12, device="cpu", dtype=torch.float32,
                                       mode="device", use_triton=False)
-    greedy_generate(_runner(cfg, w, experts), prompt, 6)
+    greedy_generate(cpu_runner(cfg, w, experts), prompt, 6)
     experts.begin_step()
     assert experts.cache.policy.resident() == experts.cache.resident()
     assert 0.0 < experts.stats.hit_rate < 1.0
@@ -79,7 +61,7 @@ def test_eager_call_after_a_replay_keeps_the_mirror(tiny) -> None:
     store = HostExpertStore.from_weights(w, cfg)
     experts = OffloadedExperts.create(store, cfg.num_experts + 2, device="cpu",
                                       dtype=torch.float32, mode="device", use_triton=False)
-    runner = _runner(cfg, w, experts)
+    runner = cpu_runner(cfg, w, experts)
     greedy_generate(runner, prompt, 2)
     g = torch.Generator().manual_seed(1)
     for _ in range(4):  # replay-like steps: lookups that bypass the provider's forward

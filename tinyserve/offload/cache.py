@@ -108,11 +108,18 @@ class ExpertCachePolicy:
         uses = self._uses.get(key, 0.0)
         return self._last.get(key, -1) + self.freq_weight * math.log2(1.0 + uses)
 
-    def _touch(self, key: Key) -> None:
-        if key not in self._touched:
+    def _touch_score(self, key: Key) -> float:
+        """Count `key` as used in this step (once per step); its new score."""
+        if key in self._touched:
+            u = self._uses[key]
+        else:
             self._touched.add(key)
-            self._uses[key] = self._uses.get(key, 0.0) + 1.0
+            u = self._uses[key] = self._uses.get(key, 0.0) + 1.0
         self._last[key] = self.step
+        return self.step + self.freq_weight * math.log2(1.0 + u)
+
+    def _touch(self, key: Key) -> None:
+        self._touch_score(key)
         slot = self.where.get(key)
         if slot is not None:
             self._push(slot)
@@ -216,13 +223,9 @@ class ExpertCachePolicy:
                 loaded: Sequence[bool]) -> None:
         """Replay one device lookup: `experts[i]` of `layer` ended in `slots[i]`, loaded or hit.
 
-        The same bookkeeping as `_assign` + `_touch` per distinct expert, the touch written out
-        once."""
+        The bookkeeping of `_take` (loads) and `_touch_score` for each distinct expert."""
         hits = misses = 0
         seen: set[int] = set()
-        where, last, uses = self.where, self._last, self._uses
-        touched, pinned, score = self._touched, self._pinned, self._score
-        step, w, log2 = self.step, self.freq_weight, math.log2
         for e, s, was_loaded in zip(experts, slots, loaded, strict=True):
             e, s = int(e), int(s)
             if e in seen:
@@ -234,16 +237,11 @@ class ExpertCachePolicy:
                 misses += 1
             else:
                 hits += 1
-            pinned.add(s)
-            if key in touched:
-                u = uses[key]
-            else:
-                touched.add(key)
-                u = uses[key] = uses.get(key, 0.0) + 1.0
-            last[key] = step
-            slot = where.get(key)
+            self._pinned.add(s)
+            score = self._touch_score(key)
+            slot = self.where.get(key)
             if slot is not None:
-                score[slot] = step + w * log2(1.0 + u)
+                self._score[slot] = score
         self.stats.count(layer, hits, misses, self.bytes_per_expert)
 
     def replay_step(self, layers: Sequence[int], hits: Sequence[tuple[Key, int]],
@@ -256,26 +254,18 @@ class ExpertCachePolicy:
         layer by layer: a key's slot only changes by a load, and a layer never loads into a
         slot it hits, so the touches can follow all the loads.
         """
-        where, last, uses = self.where, self._last, self._uses
-        touched, score = self._touched, self._score
-        step, w, log2 = self.step, self.freq_weight, math.log2
         for key, s in loads:
             self._take(s, key)
         at: list[int] = []
         new: list[float] = []
         for part in (hits, loads):
             for key, _ in part:
-                if key in touched:
-                    u = uses[key]
-                else:
-                    touched.add(key)
-                    u = uses[key] = uses.get(key, 0.0) + 1.0
-                last[key] = step
-                slot = where.get(key)
+                score = self._touch_score(key)
+                slot = self.where.get(key)
                 if slot is not None:  # (distinct keys hold distinct slots)
                     at.append(slot)
-                    new.append(step + w * log2(1.0 + u))
-        score[at] = new
+                    new.append(score)
+        self._score[at] = new
         n_hits = Counter(key[0] for key, _ in hits)
         n_loads = Counter(key[0] for key, _ in loads)
         for layer in layers:

@@ -1,5 +1,6 @@
-"""Shared pieces of the offload tests: random NVFP4 experts, a CPU runner of the tiny model,
-greedy generation of one sequence."""
+"""Shared pieces of the offload tests: random NVFP4 experts (and their all-resident slots), a
+step of random routing through a provider without host synchronisation, a CPU runner of the
+tiny model, greedy generation of one sequence."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from tinyserve.core import Batch, SamplingParams, ScheduledSeq
 from tinyserve.engine.runner import ModelRunner
+from tinyserve.kernels.fused_moe import ExpertSlots, fused_moe, pack_expert_slots
 from tinyserve.kernels.nvfp4_ref import quantize_nvfp4
 from tinyserve.kv.bf16 import BF16KVBackend
 from tinyserve.kv.state_pool import GDNStatePool
@@ -52,6 +54,43 @@ def random_experts(L: int, E: int, H: int, F: int) -> dict:
             w[f"{p}.up_proj"] = quantize_nvfp4(torch.randn(F, H, generator=g) * 0.05)
             w[f"{p}.down_proj"] = quantize_nvfp4(torch.randn(H, F, generator=g) * 0.05)
     return w
+
+
+def resident_layers(w: dict, L: int, E: int) -> list[ExpertSlots]:
+    """The experts of `w`, each layer packed into its own CUDA slots (slot = expert id)."""
+    return [pack_expert_slots([(w[f"layers.{la}.mlp.experts.{e}.gate_proj"],
+                                w[f"layers.{la}.mlp.experts.{e}.up_proj"],
+                                w[f"layers.{la}.mlp.experts.{e}.down_proj"])
+                               for e in range(E)], "cuda") for la in range(L)]
+
+
+def step_without_sync(experts: Any, tokens: int, L: int, E: int, H: int, k: int,
+                      g: torch.Generator) -> tuple[list, list, list, list]:
+    """Random inputs, top-`k` routing and weights for each of `L` layers through
+    `experts.forward`, with torch's sync debug mode turning any host synchronisation into an
+    error: (xs, ids, weights, outputs), one entry per layer."""
+    xs = [torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=g)
+          for _ in range(L)]
+    ids = [torch.rand(tokens, E, device="cuda", generator=g).topk(k).indices for _ in range(L)]
+    wts = [torch.rand(tokens, k, device="cuda", generator=g) for _ in range(L)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = [experts.forward(la, xs[la], ids[la], wts[la]) for la in range(L)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return xs, ids, wts, outs
+
+
+def assert_resident_outputs(outs: list, xs: list, ids: list, wts: list,
+                            resident: list[ExpertSlots]) -> None:
+    """Each layer's output equals the fused MoE over the resident slots. Same weights, same
+    kernel; only the slot numbering (and so the tiling of the prefill path) differs, so bf16
+    rounding is allowed."""
+    for la, out in enumerate(outs):
+        ref = fused_moe(xs[la], ids[la], wts[la], resident[la]).float()
+        torch.testing.assert_close(out.float(), ref, rtol=1e-2,
+                                   atol=1e-2 * ref.abs().max().item())
 
 
 def cpu_runner(cfg: Any, weights: dict, experts: Any = None) -> ModelRunner:

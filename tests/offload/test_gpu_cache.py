@@ -8,8 +8,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.offload.helpers import random_experts
-from tinyserve.kernels.fused_moe import fused_moe, pack_expert_slots
+from tests.offload.helpers import (
+    assert_resident_outputs,
+    random_experts,
+    resident_layers,
+    step_without_sync,
+)
 from tinyserve.offload.provider import OffloadedExperts
 from tinyserve.offload.store import HostExpertStore
 
@@ -23,32 +27,14 @@ def test_offloaded_equals_resident_without_host_sync(tokens: int) -> None:
     w = random_experts(L, E, H, F)
     store = HostExpertStore.from_weights(w, cfg)
     assert store.pinned
-    resident = [pack_expert_slots([(w[f"layers.{la}.mlp.experts.{e}.gate_proj"],
-                                    w[f"layers.{la}.mlp.experts.{e}.up_proj"],
-                                    w[f"layers.{la}.mlp.experts.{e}.down_proj"])
-                                   for e in range(E)], "cuda") for la in range(L)]
+    resident = resident_layers(w, L, E)
     experts = OffloadedExperts.create(store, E + 3, device="cuda", max_ids=64 * k)
     assert experts.cache.mode == "device" and experts.cache.use_triton
     g = torch.Generator(device="cuda").manual_seed(1)
     for _ in range(6):
         experts.begin_step()
-        xs = [torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=g)
-              for _ in range(L)]
-        ids = [torch.rand(tokens, E, device="cuda", generator=g).topk(k).indices
-               for _ in range(L)]
-        wts = [torch.rand(tokens, k, device="cuda", generator=g) for _ in range(L)]
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            outs = [experts.forward(la, xs[la], ids[la], wts[la]) for la in range(L)]
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        for la in range(L):
-            ref = fused_moe(xs[la], ids[la], wts[la], resident[la]).float()
-            # Same weights, same kernel; only the slot numbering (and so the tiling of the
-            # prefill path) differs, so allow bf16 rounding.
-            torch.testing.assert_close(outs[la].float(), ref, rtol=1e-2,
-                                       atol=1e-2 * ref.abs().max().item())
+        xs, ids, wts, outs = step_without_sync(experts, tokens, L, E, H, k, g)
+        assert_resident_outputs(outs, xs, ids, wts, resident)
     experts.begin_step()
     assert experts.stats.misses > E  # evictions happened
     assert experts.cache.policy.resident() == experts.cache.resident()

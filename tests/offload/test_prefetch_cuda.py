@@ -9,14 +9,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.offload.helpers import greedy_generate, random_experts
-from tinyserve.kernels.fused_moe import fused_moe, pack_expert_slots
+from tests.offload.helpers import (
+    assert_resident_outputs,
+    greedy_generate,
+    random_experts,
+    resident_layers,
+    step_without_sync,
+)
 from tinyserve.offload import prefetch
 from tinyserve.offload.provider import OffloadedExperts
 from tinyserve.offload.store import HostExpertStore
 
 pytestmark = pytest.mark.requires_cuda
-
 
 
 def test_streamed_provider_equals_resident_without_host_sync() -> None:
@@ -25,10 +29,7 @@ def test_streamed_provider_equals_resident_without_host_sync() -> None:
     w = random_experts(L, E, H, F)
     store = HostExpertStore.from_weights(w, cfg)
     assert store.pinned
-    resident = [pack_expert_slots([(w[f"layers.{la}.mlp.experts.{e}.gate_proj"],
-                                    w[f"layers.{la}.mlp.experts.{e}.up_proj"],
-                                    w[f"layers.{la}.mlp.experts.{e}.down_proj"])
-                                   for e in range(E)], "cuda") for la in range(L)]
+    resident = resident_layers(w, L, E)
     experts = OffloadedExperts.create(store, 2 * E + 3, device="cuda", max_ids=64 * k)
     s = experts.streamer
     assert isinstance(s, prefetch.LayerStreamer) and isinstance(s.queue, prefetch.CudaCopyQueue)
@@ -37,22 +38,9 @@ def test_streamed_provider_equals_resident_without_host_sync() -> None:
     # prefill, decode, decode, prefill (streamed over slots the decode filled), decode
     for tokens in (64, 1, 3, 64, 64, 2):
         experts.begin_step()
-        xs = [torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=g)
-              for _ in range(L)]
-        ids = [torch.rand(tokens, E, device="cuda", generator=g).topk(k).indices
-               for _ in range(L)]
-        wts = [torch.rand(tokens, k, device="cuda", generator=g) for _ in range(L)]
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            outs = [experts.forward(la, xs[la], ids[la], wts[la]) for la in range(L)]
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        xs, ids, wts, outs = step_without_sync(experts, tokens, L, E, H, k, g)
         assert s.active == (tokens * k >= s.min_pairs)
-        for la in range(L):
-            ref = fused_moe(xs[la], ids[la], wts[la], resident[la]).float()
-            torch.testing.assert_close(outs[la].float(), ref, rtol=1e-2,
-                                       atol=1e-2 * ref.abs().max().item())
+        assert_resident_outputs(outs, xs, ids, wts, resident)
     experts.begin_step()
     assert not s.active
     assert experts.cache.policy.resident() == experts.cache.resident()

@@ -19,6 +19,12 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from tests.kernels.sm90_build import (  # noqa: E402
+    compile_sm90,
+    rerun_without_interpreter,
+    resource_usage,
+    usage_field,
+)
 from tests.kernels.test_nvfp4 import rand_nvfp4, rel_err  # noqa: E402
 from tinyserve.kernels import fused_moe as fm  # noqa: E402
 from tinyserve.kernels import fused_moe_decode as fmd  # noqa: E402
@@ -420,28 +426,11 @@ def test_kernel_builds_for_sm90() -> None:
     """Ahead-of-time build for sm_90 without a GPU (35B-A3B shapes, shared expert, the
     default tiles and a small f32 variant): no spills (registers printed). Under the
     interpreter the check runs in a child process with the compiler."""
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        env = dict(os.environ, TRITON_INTERPRET="0")
-        r = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-s", "-m", "slow",
-                            "-k", "builds_for_sm90", "-p", "no:cacheprovider"],
-                           env=env, capture_output=True, text=True, timeout=600)
-        print(r.stdout[-1500:])
-        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    if rerun_without_interpreter(__file__, "builds_for_sm90"):
         return
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from tinyserve.kernels import fused_moe_decode_triton as kt
 
     jf = kt.moe_fused_decode_kernel
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     for cfg in (MoEFusedConfig(), MoEFusedConfig(16, 64, 512, 4, "f32"),
                 MoEFusedConfig(16, 64, 512, 4, "f32", "fixed")):
         consts = dict(H=2048, F=512, TOPK=8, HAS_SHARED=True, BLOCK_F=cfg.block_f,
@@ -452,13 +441,8 @@ def test_kernel_builds_for_sm90() -> None:
             sig["acc_ptr"] = "*i64"
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(jf.arg_names)
                  if n.endswith("_ptr")}
-        k = triton.compile(ASTSource(jf, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": cfg.num_warps})
-        if tool.exists():
-            path = Path(os.environ.get("TMPDIR", "/tmp")) / "fused_moe_decode.cubin"
-            path.write_bytes(k.asm["cubin"])
-            usage = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True,
-                                   text=True).stdout
+        k = compile_sm90(jf, sig, consts, attrs, num_warps=cfg.num_warps)
+        usage = resource_usage(k, "fused_moe_decode")
+        if usage is not None:
             print(f"\n{cfg}: {usage.strip().splitlines()[-1].strip()}")
-            stack = re.search(r"STACK:(\d+)", usage)
-            assert stack is None or int(stack.group(1)) == 0, usage
+            assert not usage_field(usage, "STACK"), usage

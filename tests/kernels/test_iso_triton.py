@@ -19,6 +19,12 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+from tests.kernels.sm90_build import (  # noqa: E402
+    compile_sm90,
+    rerun_without_interpreter,
+    resource_usage,
+    usage_field,
+)
 from tinyserve.kernels import iso  # noqa: E402
 from tinyserve.kernels import iso_triton as it  # noqa: E402
 
@@ -117,44 +123,22 @@ def test_kernels_build_for_sm90(bits: int) -> None:
     kernels compile and fit in shared memory; the resource usage is printed (the default
     register cap spills a little by design; the merge must not spill). Under the
     interpreter the check runs in a child process with the compiler."""
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        env = dict(os.environ, TRITON_INTERPRET="0")
-        r = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-s", "-m", "slow",
-                            "-k", f"build_for_sm90 and {bits}", "-p", "no:cacheprovider"],
-                           env=env, capture_output=True, text=True, timeout=600)
-        print(r.stdout[-1500:])
-        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    if rerun_without_interpreter(__file__, f"build_for_sm90 and {bits}"):
         return
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     shape = dict(HKV=2, G=8, BLOCK_H=16, NB=2, BITS=bits, BB=iso.BLOCK_BYTES[f"iso{bits}"],
                  BLOCK_T=it.BLOCK_T)
     cases = [(it._iso_decode_partial, shape, it.NUM_WARPS),
              (it.iso_decode_partial_fields, shape, it.NUM_WARPS),
              (it._iso_decode_merge, dict(HQ=16, D=256, BLOCK_S=16, FIELD_MAJOR=True), 4)]
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     for jf, consts, warps in cases:
         sig = {n: "constexpr" if n in consts else _TYPES.get(n, "i32") for n in jf.arg_names}
         opts = {"num_warps": warps}
         if jf is not it._iso_decode_merge and it.MAXNREG:
             opts["maxnreg"] = it.MAXNREG
-        k = triton.compile(ASTSource(jf, sig, consts), target=GPUTarget("cuda", 90, 32),
-                           options=opts)
+        k = compile_sm90(jf, sig, consts, **opts)
         assert k.metadata.shared <= 227 * 1024
-        if tool.exists():
-            path = Path(os.environ.get("TMPDIR", "/tmp")) / f"iso_{jf.fn.__name__}_{bits}.cubin"
-            path.write_bytes(k.asm["cubin"])
-            usage = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True,
-                                   text=True).stdout
-            stack = re.search(r"STACK:(\d+)", usage)
+        usage = resource_usage(k, f"iso_{jf.fn.__name__}_{bits}")
+        if usage is not None:
             print(f"\n{jf.fn.__name__} iso{bits}: {usage.strip().splitlines()[-1].strip()}")
             if jf is it._iso_decode_merge:
-                assert stack is None or int(stack.group(1)) == 0, usage
+                assert not usage_field(usage, "STACK"), usage

@@ -20,6 +20,12 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from tests.kernels.sm90_build import (  # noqa: E402
+    compile_sm90,
+    rerun_without_interpreter,
+    resource_usage,
+    usage_field,
+)
 from tests.kernels.test_nvfp4 import _weight, rel_err  # noqa: E402
 from tinyserve.kernels.nvfp4 import PERSISTENT_MAX_ROWS, GemvConfig, nvfp4_linear  # noqa: E402
 from tinyserve.kernels.nvfp4_tiles import PERSISTENT_CANDIDATES  # noqa: E402
@@ -177,28 +183,11 @@ def test_persistent_candidates_build_for_sm90() -> None:
     nothing (the register prefetch at M > 1 excepted) and, with num_stages > 1, stages its
     tile loads with cp.async. Under the interpreter the check runs
     in a child process with the compiler."""
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        env = dict(os.environ, TRITON_INTERPRET="0")
-        r = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-s", "-m", "slow",
-                            "-k", "build_for_sm90", "-p", "no:cacheprovider"],
-                           env=env, capture_output=True, text=True, timeout=900)
-        print(r.stdout[-3000:])
-        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    if rerun_without_interpreter(__file__, "build_for_sm90", timeout=900, tail=3000):
         return
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from tinyserve.kernels import nvfp4_persist_triton as pt
 
     jf = pt.nvfp4_gemv_persistent_kernel
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     seen = set()
     for cfg in PERSISTENT_CANDIDATES:
         for m in (1, 2, 4):
@@ -213,22 +202,15 @@ def test_persistent_candidates_build_for_sm90() -> None:
             sig = {a: "constexpr" if a in consts else _TYPES.get(a, "i32") for a in jf.arg_names}
             attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(jf.arg_names)
                      if a in ("x_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "KB", "stride_xm")}
-            k = triton.compile(ASTSource(jf, sig, consts, attrs),
-                               target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": cfg.num_warps,
-                                        "num_stages": cfg.num_stages})
+            k = compile_sm90(jf, sig, consts, attrs, num_warps=cfg.num_warps,
+                             num_stages=cfg.num_stages)
             assert k.metadata.shared <= 227 * 1024
             # NOTE: num_stages > 1 must stage the tile loads through shared memory (cp.async)
             assert (cfg.num_stages > 1) == ("cp.async" in k.asm["ptx"]), (m, cfg)
-            if not tool.exists():
+            usage = resource_usage(k, "nvfp4_persist")
+            if usage is None:
                 continue
-            path = Path(os.environ.get("TMPDIR", "/tmp")) / "nvfp4_persist.cubin"
-            path.write_bytes(k.asm["cubin"])
-            usage = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True,
-                                   text=True).stdout
-            regs = re.search(r"REG:(\d+)", usage)
-            stack = re.search(r"STACK:(\d+)", usage)
-            print(f"\nM={m} {cfg}: regs {regs and regs.group(1)} stack "
-                  f"{stack and stack.group(1)} shared {k.metadata.shared}")
+            regs, stack = usage_field(usage, "REG"), usage_field(usage, "STACK")
+            print(f"\nM={m} {cfg}: regs {regs} stack {stack} shared {k.metadata.shared}")
             if not (m > 1 and cfg.prefetch):
-                assert stack is None or int(stack.group(1)) == 0, (m, cfg, usage)
+                assert not stack, (m, cfg, usage)

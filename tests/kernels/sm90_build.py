@@ -1,0 +1,57 @@
+"""Ahead-of-time sm_90 builds of Triton kernels without a GPU, for the kernels' build tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def rerun_without_interpreter(test_file: str, keyword: str, *, timeout: int = 600,
+                              tail: int = 1500) -> bool:
+    """Under TRITON_INTERPRET=1 nothing compiles: run the slow tests of `test_file` matching
+    `keyword` in a child process without the interpreter and assert they pass. True when it
+    did (the caller is done), False when this process can compile itself."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-m", "pytest", test_file, "-q", "-s", "-m", "slow",
+                        "-k", keyword, "-p", "no:cacheprovider"],
+                       env=env, capture_output=True, text=True, timeout=timeout)
+    print(r.stdout[-tail:])
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    return True
+
+
+def compile_sm90(fn: Any, signature: dict, constexprs: dict, attrs: dict | None = None,
+                 **options: Any) -> Any:
+    """`triton.compile` of the jit function `fn` for sm_90 (no GPU needed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs),
+                          target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def resource_usage(kernel: Any, name: str) -> str | None:
+    """`cuobjdump -res-usage` of a compiled kernel's cubin (None when Triton ships no
+    cuobjdump)."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return None
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"{name}.cubin"
+    path.write_bytes(kernel.asm["cubin"])
+    return subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True,
+                          text=True).stdout
+
+
+def usage_field(usage: str, field: str) -> int | None:
+    """A number of a `resource_usage` report ("REG", "STACK", "SHARED", ...), None if absent."""
+    m = re.search(rf"{field}:(\d+)", usage)
+    return int(m.group(1)) if m else None

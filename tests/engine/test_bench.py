@@ -22,6 +22,19 @@ def test_bench_command_on_the_tiny_checkpoint(tiny_checkpoint, capsys) -> None:
     assert main(["bench", str(ckpt), "--device", "cpu", "--batch", "0"]) == 2
 
 
+def test_bench_reports_the_measured_runs_expert_cache(tiny_checkpoint, capsys) -> None:
+    # experts offloaded behind a cache of one layer's experts: the hit rate is the measured
+    # run's (its hits and misses), not the engine's since start with the warm-up in it
+    ckpt = tiny_checkpoint()
+    assert main(["bench", str(ckpt), "--device", "cpu", "--prompt-len", "8", "--gen-len", "4",
+                 "--expert-cache-slots", "8", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    cache = r["expert_cache"]
+    assert cache["misses"] > 0 and cache["h2d_bytes"] > 0
+    assert r["expert_hit_rate"] == pytest.approx(
+        cache["hits"] / (cache["hits"] + cache["misses"]))
+
+
 @pytest.mark.requires_cuda
 def test_bench_on_cuda_captures_no_graph_in_the_measured_run(tiny_checkpoint, capsys) -> None:
     # positions 250 .. 257 cross the 256-token graph capacity: the warm-up decodes through it

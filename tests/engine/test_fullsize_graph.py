@@ -256,20 +256,20 @@ def _record(name: str, result: dict) -> None:
     """Merge one case into bench/results/fullsize_graph.json (TINYSERVE_WRITE_RESULTS=1)."""
     if not envs.WRITE_RESULTS.get():
         return
-    data: dict = {}
+    cases: dict = {}  # other cases of earlier runs stay; notes about them do not
     if RESULT.exists():
         try:
-            data = json.loads(RESULT.read_text())
+            cases = json.loads(RESULT.read_text()).get("cases", {})
         except ValueError:
-            data = {}
+            cases = {}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                             capture_output=True, text=True).stdout.strip()
-    data.update({"name": "fullsize_graph", "torch": torch.__version__, "commit": commit,
-                 "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-                 "test": "tests/engine/test_fullsize_graph.py", "prompt_len": PROMPT_LEN,
-                 "steps": STEPS, "rel_tol": REL_TOL})
-    data.setdefault("cases", {})[name] = {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **result}
+    cases[name] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                   "commit": commit, **result}
+    data = {"name": "fullsize_graph", "torch": torch.__version__, "commit": commit,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "test": "tests/engine/test_fullsize_graph.py", "prompt_len": PROMPT_LEN,
+            "steps": STEPS, "rel_tol": REL_TOL, "cases": cases}
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(json.dumps(data, indent=1) + "\n")
 

@@ -5,7 +5,8 @@ EOS ignored), submitted together after a warm-up of the same shape. Reported: pr
 (all prompt tokens over the time until the last request's first token), decode tokens/s
 (tokens after the first over the time after it), the median decode step (inter-token
 interval), time to first token, peak GPU memory, CUDA graphs captured during the measured run
-(0 once warm) and, when the experts are offloaded, the expert-cache hit rate.
+(0 once warm) and, when the experts are offloaded, the expert-cache hits, misses and
+host-to-device bytes of the measured run and its hit rate.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ def run_bench(engine: Engine, *, prompt_len: int, gen_len: int, batch: int,
     decoded = sum(n - 1 for n in (len(t) for t in timings))
     decode_time = end - start - last_first
     itl = [b - a for t in timings for a, b in zip(t, t[1:], strict=False)]
+    cache = _expert_cache(engine, stats0)
+    lookups = cache["hits"] + cache["misses"] if cache else 0
     result: dict[str, Any] = {
         "prompt_len": prompt_len, "gen_len": gen_len, "batch": batch,
         "prefill_tok_s": batch * prompt_len / last_first,
@@ -97,8 +100,8 @@ def run_bench(engine: Engine, *, prompt_len: int, gen_len: int, batch: int,
         "steps": engine.stats().steps - steps0,
         "graphs_captured": _num_graphs(engine) - graphs0,
         "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-        "expert_hit_rate": _expert_hit_rate(engine),
-        "expert_cache": _expert_cache(engine, stats0),
+        "expert_hit_rate": cache["hits"] / lookups if lookups else None,
+        "expert_cache": cache,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__,
     }
@@ -134,10 +137,6 @@ def _vocab(engine: Engine) -> int:
 def _num_graphs(engine: Engine) -> int:
     graphs = getattr(engine.runner, "graphs", None)
     return 0 if graphs is None else graphs.num_graphs
-
-
-def _expert_hit_rate(engine: Engine) -> float | None:
-    return getattr(engine.stats(), "expert_cache_hit_rate", None)
 
 
 def _expert_cache(engine: Engine, before: Any) -> dict[str, Any] | None:

@@ -213,13 +213,16 @@ def run_seq(runner: ModelRunner, n_prompt: int, n_decode: int, chunk: int, pages
     sync()
     t0 = time.perf_counter()
     token = None
+    chunk_ms = []  # per chunk (synchronised): flat when attention over the prefix is cheap
     for start in range(0, n_prompt, chunk):
         part = ids[start:start + chunk]
         last = start + len(part) == n_prompt
         seq = ScheduledSeq("b", part, start_pos=start, page_ids=pages, state_slot=0,
                            sample=last, params=GREEDY)
+        tc = time.perf_counter()
         token = runner.forward(Batch([seq])).next_tokens[0]
-    sync()
+        sync()
+        chunk_ms.append(round(1e3 * (time.perf_counter() - tc), 1))
     prefill_s = time.perf_counter() - t0
     s0 = experts.stats.as_dict()
     pos, t_dec, done = n_prompt, 0.0, 0
@@ -238,6 +241,7 @@ def run_seq(runner: ModelRunner, n_prompt: int, n_decode: int, chunk: int, pages
     s1 = experts.stats.as_dict()
     hits, misses = s1["hits"] - s0["hits"], s1["misses"] - s0["misses"]
     return {"prompt": n_prompt, "prefill_tok_s": round(n_prompt / prefill_s, 1),
+            "prefill_chunk_ms": chunk_ms,
             "decode_tok_s": round(done / t_dec, 2) if done else None,
             "decode_hit_rate": round(hits / max(1, hits + misses), 4),
             "decode_miss_mb_per_token": round((s1["h2d_bytes"] - s0["h2d_bytes"])

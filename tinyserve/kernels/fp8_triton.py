@@ -6,6 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tinyserve.kernels.splitk_triton import splitk_tile
+
 # gemv (bit decode): x * 2^64 keeps x * e4m3 * 2^-120 normal. NOTE: exact products for
 # 2^-61 <= |x| < 2^64; smaller |x| lose bits, |x| >= 2^64 overflow to inf (native: any x)
 X_PRESCALE_C = tl.constexpr(float(2**64))
@@ -132,16 +134,7 @@ def fp8_dot_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_w, K
                    BLOCK_K: tl.constexpr, IS_PER_ROW: tl.constexpr, USE_NATIVE: tl.constexpr,
                    IS_FP32: tl.constexpr):
     # out[pid_k, m, n] = scale[n] * sum_{k in split} x[m, k] * e4m3(W[n, k]), tensor cores
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    pid_m = pid % num_m  # NOTE: M tiles vary fastest so one weight tile is reused from L2
-    rest = pid // num_m
-    pid_k = rest % SPLIT_K
-    pid_n = rest // SPLIT_K
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    row_mask = rows < N
+    pid_k, offs_m, rows, m_mask, row_mask = splitk_tile(M, N, SPLIT_K, BLOCK_M, BLOCK_N)
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     x_rows = x_ptr + offs_m.to(tl.int64) * stride_xm

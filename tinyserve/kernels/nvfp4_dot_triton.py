@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from tinyserve.kernels.nvfp4_triton import FP4_UNIT_C, _e2m1, _e4m3
+from tinyserve.kernels.splitk_triton import splitk_tile
 
 
 @triton.jit
@@ -64,16 +65,7 @@ def nvfp4_dot_kernel(x_ptr, w_ptr, s_ptr, out_ptr, gs, M, N, K, stride_xm, strid
     # out[pid_k, m, n] = gs * sum_{k in split} x[m, k] * (E2M1 * e4m3)[n, k]
     # NOTE: K_SPLIT_W / K_SPLIT_S (= K_SPLIT / 2, / 16) are arguments so Triton knows the
     # split offsets keep 16-byte alignment
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    pid_m = pid % num_m  # NOTE: M tiles vary fastest so one weight tile is reused from L2
-    rest = pid // num_m
-    pid_k = rest % SPLIT_K
-    pid_n = rest // SPLIT_K
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    row_mask = rows < N
+    pid_k, offs_m, rows, m_mask, row_mask = splitk_tile(M, N, SPLIT_K, BLOCK_M, BLOCK_N)
     x_rows = x_ptr + offs_m.to(tl.int64) * stride_xm + pid_k * K_SPLIT
     k_len = tl.minimum(K_SPLIT, K - pid_k * K_SPLIT)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

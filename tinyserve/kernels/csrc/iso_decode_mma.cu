@@ -192,9 +192,10 @@ __device__ __forceinline__ void lookup4(const Lut& t, uint32_t sel, uint32_t& p0
   p23 = prmt(lo, hi, 0x7362u);
 }
 
-// bit i -> bit 2i (16 -> 32 bits)
+// bit i -> bit 2i (16 -> 32 bits); P: the first step (byte 1 to byte 2) as one byte permute
+template <bool P = false>
 __device__ __forceinline__ uint32_t spread16(uint32_t x) {
-  x = (x | (x << 8)) & 0x00ff00ffu;
+  x = P ? prmt(x, 0u, 0x4140u) : (x | (x << 8)) & 0x00ff00ffu;
   x = (x | (x << 4)) & 0x0f0f0f0fu;
   x = (x | (x << 2)) & 0x33333333u;
   return (x | (x << 1)) & 0x55555555u;
@@ -202,8 +203,9 @@ __device__ __forceinline__ uint32_t spread16(uint32_t x) {
 
 // A qs word (low 2 bits of values f = 0..15 at bits 2f) and its signs halfword (bit f = high
 // bit of value f) -> nibble words: e holds the 3-bit index of value 2k in nibble k, o of 2k+1.
+template <bool P = false>
 __device__ __forceinline__ void nibbles(uint32_t w, uint32_t s16, uint32_t& e, uint32_t& o) {
-  const uint32_t sp = spread16(s16);
+  const uint32_t sp = spread16<P>(s16);
   e = (w & 0x33333333u) | ((sp << 2) & 0x44444444u);
   o = ((w >> 2) & 0x33333333u) | (sp & 0x44444444u);
 }
@@ -224,8 +226,9 @@ __device__ __forceinline__ float norm_at(const uint8_t* p) {
 __host__ __device__ constexpr int pair_first(int p) { return 4 * (p & 3) + (p >> 2); }
 
 // The nibble words of one token's K word w of a block.
+template <bool P = false>
 __device__ __forceinline__ void k_nibbles(const uint8_t* blk, int w, uint32_t& e, uint32_t& o) {
-  nibbles(ld32(blk + 2 + 4 * w), ld16(blk + 34 + 2 * w), e, o);
+  nibbles<P>(ld32(blk + 2 + 4 * w), ld16(blk + 34 + 2 * w), e, o);
 }
 
 // One token's K word w of a block: 8 fp16 pairs, pair p in kb[p].
@@ -240,11 +243,12 @@ __device__ __forceinline__ void k_word(const uint8_t* blk, int w, const Lut& t,
 }
 
 // Two tokens' V word w of a block: r[f] = (value f of token a, value f of token b) in fp16.
+template <bool P = false>
 __device__ __forceinline__ void v_word(const uint8_t* ba, const uint8_t* bb, int w,
                                        const Lut& t, uint32_t (&r)[16]) {
   uint32_t ea, oa, eb, ob;
-  nibbles(ld32(ba + 2 + 4 * w), ld16(ba + 34 + 2 * w), ea, oa);
-  nibbles(ld32(bb + 2 + 4 * w), ld16(bb + 34 + 2 * w), eb, ob);
+  nibbles<P>(ld32(ba + 2 + 4 * w), ld16(ba + 34 + 2 * w), ea, oa);
+  nibbles<P>(ld32(bb + 2 + 4 * w), ld16(bb + 34 + 2 * w), eb, ob);
   const uint32_t s0 = (ea & 0x0f0f0f0fu) | ((eb << 4) & 0xf0f0f0f0u);  // values 0, 4, 8, 12
   const uint32_t s2 = ((ea >> 4) & 0x0f0f0f0fu) | (eb & 0xf0f0f0f0u);  // 2, 6, 10, 14
   const uint32_t s1 = (oa & 0x0f0f0f0fu) | ((ob << 4) & 0xf0f0f0f0u);  // 1, 5, 9, 13
@@ -291,8 +295,8 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
   __shared__ float q_sm[kRows][D + 4];
   __shared__ int64_t off_sm[NW][2][kSub];
   __shared__ uint8_t mis_sm[WIDE ? NW : 1][2][kSub];  // WIDE: a row's start in its buffer row
-  __shared__ float ml_sm[NW][kRows][2];  // also the centroid table before the loop (KR)
-  static_assert(sizeof(ml_sm) >= sizeof(Lut), "room for the table");
+  __shared__ float ml_sm[NW][kRows][2];  // also two copies of the centroid table (KR)
+  static_assert(sizeof(ml_sm) >= 2 * sizeof(Lut), "room for the table");
   // [block nb, word u, j / 2][lane]: (k-step 4u + j, 4u + j + 1) x (a0, a2) of lane's fragment
   __shared__ uint4 qf_sm[kQFragsInSmem ? NB * 4 : 1][32];
 
@@ -411,7 +415,7 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
   int t0 = t_begin + warp * kSub;
   if (t0 < t_end) stage(t0, 0);
 
-  if (KR && threadIdx.x == 0) *reinterpret_cast<Lut*>(&ml_sm[0][0][0]) = make_lut();
+  if (KR && threadIdx.x < 2) reinterpret_cast<Lut*>(&ml_sm[0][0][0])[threadIdx.x] = make_lut();
   // rotated query times scale * log2(e), fp32; rows >= group are zero
 #pragma unroll
   for (int it = 0; it < kQIters; ++it) {
@@ -450,10 +454,12 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
   }
   Lut lut = make_lut();
   if constexpr (KR) {
-    // NOTE: the table read back from shared memory is a per-lane value to ptxas; as a
-    // constant it lives in uniform registers and, with registers tight, is copied into a
-    // vector register before every byte permute that reads it (one IMAD per PRMT)
-    lut = *reinterpret_cast<const Lut*>(&ml_sm[0][0][0]);  // ml_sm is written after the loop
+    // NOTE: read back from shared memory at a lane-dependent address (two equal copies),
+    // the table is a per-lane value to ptxas; as a constant, or loaded from one address, it
+    // is warp-uniform and, with registers tight, kept in uniform registers and copied into a
+    // vector register before every byte permute that reads it (one IMAD per PRMT).
+    // ml_sm is written after the loop, behind a barrier.
+    lut = reinterpret_cast<const Lut*>(&ml_sm[0][0][0])[lane & 1];
   }
 
   float m_run = -CUDART_INF_F, l_run = 0.0f;  // head gq (heads as rows)
@@ -506,8 +512,8 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
           // the nibble words of tokens gq and gq + 8; k-step j decodes its 4 pairs just before
           // its MMA (few live registers: the centroid table stays in registers)
           uint32_t n0[2], n1[2];
-          k_nibbles(ks + rg0 + nb * BB, 2 * tq + u, n0[0], n0[1]);
-          k_nibbles(ks + rg1 + nb * BB, 2 * tq + u, n1[0], n1[1]);
+          k_nibbles<true>(ks + rg0 + nb * BB, 2 * tq + u, n0[0], n0[1]);
+          k_nibbles<true>(ks + rg1 + nb * BB, 2 * tq + u, n1[0], n1[1]);
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             const int sh = 16 * (j & 1);
@@ -569,8 +575,8 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
         const uint32_t pb0 = movm_trans(pack_half2(p[0] * vn[nb][0], p[1] * vn[nb][0]));
         const uint32_t pb1 = movm_trans(pack_half2(p[2] * vn[nb][1], p[3] * vn[nb][1]));
         uint32_t r01[16], r23[16];
-        v_word(vs + ra + nb * BB, vs + rb + nb * BB, gq, lut, r01);
-        v_word(vs + rc + nb * BB, vs + rd + nb * BB, gq, lut, r23);
+        v_word<true>(vs + ra + nb * BB, vs + rb + nb * BB, gq, lut, r01);
+        v_word<true>(vs + rc + nb * BB, vs + rd + nb * BB, gq, lut, r23);
 #pragma unroll
         for (int k = 0; k < 8; ++k)
           mma16816(acc[8 * nb + k], r01[2 * k], r01[2 * k + 1], r23[2 * k], r23[2 * k + 1],

@@ -216,6 +216,10 @@ __device__ __forceinline__ uint32_t ld16(const uint8_t* p) {
 __device__ __forceinline__ uint32_t ld32(const uint8_t* p) {  // 2-byte aligned
   return ld16(p) | (ld16(p + 2) << 16);
 }
+// A qs word at p: 4-byte aligned when a4 (one load), else 2-byte aligned (two).
+__device__ __forceinline__ uint32_t ld32q(const uint8_t* p, bool a4) {
+  return a4 ? *reinterpret_cast<const uint32_t*>(p) : ld32(p);
+}
 // The fp16 block norm at p (2-byte aligned) as fp32 (one hardware conversion).
 __device__ __forceinline__ float norm_at(const uint8_t* p) {
   return __half2float(__ushort_as_half((unsigned short)ld16(p)));
@@ -225,10 +229,11 @@ __device__ __forceinline__ float norm_at(const uint8_t* p) {
 // (pair_first(p), pair_first(p) + 2) of the word.
 __host__ __device__ constexpr int pair_first(int p) { return 4 * (p & 3) + (p >> 2); }
 
-// The nibble words of one token's K word w of a block.
+// The nibble words of one token's K word w of a block (a4: blk + 2 is 4-byte aligned).
 template <bool P = false>
-__device__ __forceinline__ void k_nibbles(const uint8_t* blk, int w, uint32_t& e, uint32_t& o) {
-  nibbles<P>(ld32(blk + 2 + 4 * w), ld16(blk + 34 + 2 * w), e, o);
+__device__ __forceinline__ void k_nibbles(const uint8_t* blk, int w, uint32_t& e, uint32_t& o,
+                                          bool a4 = false) {
+  nibbles<P>(ld32q(blk + 2 + 4 * w, a4), ld16(blk + 34 + 2 * w), e, o);
 }
 
 // One token's K word w of a block: 8 fp16 pairs, pair p in kb[p].
@@ -245,10 +250,10 @@ __device__ __forceinline__ void k_word(const uint8_t* blk, int w, const Lut& t,
 // Two tokens' V word w of a block: r[f] = (value f of token a, value f of token b) in fp16.
 template <bool P = false>
 __device__ __forceinline__ void v_word(const uint8_t* ba, const uint8_t* bb, int w,
-                                       const Lut& t, uint32_t (&r)[16]) {
+                                       const Lut& t, uint32_t (&r)[16], bool a4 = false) {
   uint32_t ea, oa, eb, ob;
-  nibbles<P>(ld32(ba + 2 + 4 * w), ld16(ba + 34 + 2 * w), ea, oa);
-  nibbles<P>(ld32(bb + 2 + 4 * w), ld16(bb + 34 + 2 * w), eb, ob);
+  nibbles<P>(ld32q(ba + 2 + 4 * w, a4), ld16(ba + 34 + 2 * w), ea, oa);
+  nibbles<P>(ld32q(bb + 2 + 4 * w, a4), ld16(bb + 34 + 2 * w), eb, ob);
   const uint32_t s0 = (ea & 0x0f0f0f0fu) | ((eb << 4) & 0xf0f0f0f0u);  // values 0, 4, 8, 12
   const uint32_t s2 = ((ea >> 4) & 0x0f0f0f0fu) | (eb & 0xf0f0f0f0u);  // 2, 6, 10, 14
   const uint32_t s1 = (oa & 0x0f0f0f0fu) | ((ob << 4) & 0xf0f0f0f0u);  // 1, 5, 9, 13
@@ -485,6 +490,9 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
       if constexpr (WIDE) return tok * RS + mis_sm[WIDE ? warp : 0][buf][tok];
       return tok * RB;
     };
+    // whether block nb's qs words are 4-byte aligned in the buffer: rows start at multiples
+    // of 4 when RB is one (WIDE: the entry checks the slot stride), so blocks 1, 3, ...
+    auto qs_a4 = [](int nb) { return RB % 4 == 0 && (nb * BB + 2) % 4 == 0; };
 
     if constexpr (KR) {
       const int rg0 = row(gq), rg1 = row(gq + 8);  // this lane's K tokens (scores, norms)
@@ -512,8 +520,8 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
           // the nibble words of tokens gq and gq + 8; k-step j decodes its 4 pairs just before
           // its MMA (few live registers: the centroid table stays in registers)
           uint32_t n0[2], n1[2];
-          k_nibbles<true>(ks + rg0 + nb * BB, 2 * tq + u, n0[0], n0[1]);
-          k_nibbles<true>(ks + rg1 + nb * BB, 2 * tq + u, n1[0], n1[1]);
+          k_nibbles<true>(ks + rg0 + nb * BB, 2 * tq + u, n0[0], n0[1], qs_a4(nb));
+          k_nibbles<true>(ks + rg1 + nb * BB, 2 * tq + u, n1[0], n1[1], qs_a4(nb));
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             const int sh = 16 * (j & 1);
@@ -575,8 +583,8 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
         const uint32_t pb0 = movm_trans(pack_half2(p[0] * vn[nb][0], p[1] * vn[nb][0]));
         const uint32_t pb1 = movm_trans(pack_half2(p[2] * vn[nb][1], p[3] * vn[nb][1]));
         uint32_t r01[16], r23[16];
-        v_word<true>(vs + ra + nb * BB, vs + rb + nb * BB, gq, lut, r01);
-        v_word<true>(vs + rc + nb * BB, vs + rd + nb * BB, gq, lut, r23);
+        v_word<true>(vs + ra + nb * BB, vs + rb + nb * BB, gq, lut, r01, qs_a4(nb));
+        v_word<true>(vs + rc + nb * BB, vs + rd + nb * BB, gq, lut, r23, qs_a4(nb));
 #pragma unroll
         for (int k = 0; k < 8; ++k)
           mma16816(acc[8 * nb + k], r01[2 * k], r01[2 * k + 1], r23[2 * k], r23[2 * k + 1],
@@ -729,7 +737,7 @@ void launch(const void* q, int qc, const uint8_t* kc, const uint8_t* vc, int64_t
 // (2 or 4), merge (the split merge kernel: 1 decode_merge_cols_kernel, 0 the previous
 // decode_merge_wide_kernel) and loop (the score MMA's rows: 0 the query heads, padded to 16,
 // 1 the sub-tile's 16 tokens, 2 the tokens with 16-byte staging copies; 2 runs as 1 unless
-// both caches are 16-byte aligned). Returns 0, a CUDA error code, 2 (bad format/head_dim), 3 (bad
+// both caches are 16-byte aligned and the slot stride a multiple of 4). Returns 0, a CUDA error code, 2 (bad format/head_dim), 3 (bad
 // GQA group), 4 (bad n_warps) or 5 (bad q dtype, merge or loop).
 extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, const void* v_cache,
                                         int64_t slot_stride, const int32_t* page_table,
@@ -748,8 +756,8 @@ extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, cons
   if (n_warps != 2 && n_warps != 4) return 4;
   if (q_dtype_code < 0 || q_dtype_code > 2 || merge < 0 || merge > 1) return 5;
   if (loop < 0 || loop > 2) return 5;
-  if (loop == 2 && ((reinterpret_cast<uintptr_t>(k_cache) | reinterpret_cast<uintptr_t>(v_cache)) &
-                    15u) != 0)
+  if (loop == 2 && (((reinterpret_cast<uintptr_t>(k_cache) | reinterpret_cast<uintptr_t>(v_cache)) &
+                     15u) != 0 || slot_stride % 4 != 0))
     loop = 1;
   const float sl2 = scale * 1.4426950408889634f;
   const auto* kc = static_cast<const uint8_t*>(k_cache);

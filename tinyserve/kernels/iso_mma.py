@@ -54,8 +54,9 @@ NATIVE_Q = True
 # cp.async copies; "tokens": the sub-tile's 16 tokens are the rows and the query the B operand
 # (one MMA per k-step, P transposed to the V MMA's operand with movmatrix); "tokens_wide":
 # "tokens" with each row staged as 16-byte copies of the aligned chunks covering it (runs as
-# "tokens" unless both caches are 16-byte aligned). sm_90 SASS of the loop, instructions per
-# warp and 16-token sub-tile: ~1310 / ~1140 / ~1030 (bench/NOTES_iso.md, round 5).
+# "tokens" unless both caches are 16-byte aligned and the slot stride is a multiple of 4).
+# sm_90 SASS of the loop, instructions per warp and 16-token sub-tile: ~1310 / ~1140 / ~1030
+# (bench/NOTES_iso.md, round 5).
 # "heads" until the GPU measures the others (bench/iso_attention.py, the mma_loop rows).
 MMA_LOOP = "heads"
 _LOOP_CODE = {"heads": 0, "tokens": 1, "tokens_wide": 2}

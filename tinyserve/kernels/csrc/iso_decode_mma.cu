@@ -22,6 +22,10 @@
 // (token, block). Values: O^T[d, h] += V^T[d, t] P^T[t, h], d as M (16 rows per tile), heads
 // as N, 16 tokens as k; P (fp16) is scaled by the V norm of its (token, block), and its
 // fragment is the score accumulator's own layout. The accumulator holds the rotated output.
+// That is loop 0 ("heads"). Loops 1 and 2 ("tokens", "tokens_wide") compute S^T = K Q^T
+// instead: the sub-tile's 16 tokens are the M rows, the query the B operand (one MMA per
+// k-step, no zero rows), and P^T reaches the V MMA's B layout through movmatrix; loop 2 also
+// stages rows as 16-byte chunks. Same results up to fp32 summation order.
 #include <math_constants.h>
 
 #include <type_traits>
@@ -268,8 +272,9 @@ __device__ __forceinline__ void v_word(const uint8_t* ba, const uint8_t* bb, int
   lookup4(t, s3 >> 16, r[11], r[15]);
 }
 
-// At least 16 warps per SM (<= 128 registers): sm_90 122 registers, no spills, 4 CTAs of 4
-// warps per SM (7 of 2 warps: shared memory); without the bound ptxas takes 138 (3 CTAs).
+// At least 16 warps per SM (<= 128 registers): sm_90 123 registers (LOOP 0; 127-128 for 1
+// and 2), no spills, 4 CTAs of 4 warps per SM (7 of 2 warps: shared memory); without the
+// bound ptxas takes 138 for LOOP 0 (3 CTAs).
 // LOOP 0: the query heads as the score MMA's rows; 1: the sub-tile's tokens as its rows
 // (KR); 2: KR with each sub-tile staged in 16-byte copies (WIDE, see `stage`).
 template <int NB, int NW, int LOOP>
@@ -504,19 +509,19 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
         sacc[nb][0] = sacc[nb][1] = sacc[nb][2] = sacc[nb][3] = 0.0f;
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
-            uint32_t qr[4][2];  // this word's 4 k-steps
-            if constexpr (kQFragsInSmem) {
-              const uint4 lo = lds128(&qf_sm[(nb * 2 + u) * 2][lane]);
-              const uint4 hi = lds128(&qf_sm[(nb * 2 + u) * 2 + 1][lane]);
-              qr[0][0] = lo.x, qr[0][1] = lo.y, qr[1][0] = lo.z, qr[1][1] = lo.w;
-              qr[2][0] = hi.x, qr[2][1] = hi.y, qr[3][0] = hi.z, qr[3][1] = hi.w;
-            } else {
+          uint32_t qr[4][2];  // this word's 4 k-steps (the B operand now)
+          if constexpr (kQFragsInSmem) {
+            const uint4 lo = lds128(&qf_sm[(nb * 2 + u) * 2][lane]);
+            const uint4 hi = lds128(&qf_sm[(nb * 2 + u) * 2 + 1][lane]);
+            qr[0][0] = lo.x, qr[0][1] = lo.y, qr[1][0] = lo.z, qr[1][1] = lo.w;
+            qr[2][0] = hi.x, qr[2][1] = hi.y, qr[3][0] = hi.z, qr[3][1] = hi.w;
+          } else {
 #pragma unroll
-              for (int j = 0; j < 4; ++j) {
-                qr[j][0] = qa[nb][4 * u + j][0];
-                qr[j][1] = qa[nb][4 * u + j][1];
-              }
+            for (int j = 0; j < 4; ++j) {
+              qr[j][0] = qa[nb][4 * u + j][0];
+              qr[j][1] = qa[nb][4 * u + j][1];
             }
+          }
           // the nibble words of tokens gq and gq + 8; k-step j decodes its 4 pairs just before
           // its MMA (few live registers: the centroid table stays in registers)
           uint32_t n0[2], n1[2];
@@ -575,7 +580,8 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
         }
       }
       // V tokens 2tq, 2tq + 1, 2tq + 8, 2tq + 9
-      const int ra = row(2 * tq), rb = row(2 * tq + 1), rc = row(2 * tq + 8), rd = row(2 * tq + 9);
+      const int ra = row(2 * tq), rb = row(2 * tq + 1);
+      const int rc = row(2 * tq + 8), rd = row(2 * tq + 9);
       // values: P^T (tokens x heads, fp16 pairs, scaled by the V norm of (token, block))
       // transposed to the B fragment: head gq, tokens 2tq, 2tq + 1 (pb0) / + 8 (pb1)
 #pragma unroll
@@ -593,12 +599,12 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
     } else {
       // scores: S_b[head gq][tokens 8 nt + 2 tq + {0, 1}] in sacc[b][nt][0..1]
       float sacc[NB][2][4];
-  #pragma unroll
+#pragma unroll
       for (int nb = 0; nb < NB; ++nb) {
-  #pragma unroll
+#pragma unroll
         for (int nt = 0; nt < 2; ++nt)
           sacc[nb][nt][0] = sacc[nb][nt][1] = sacc[nb][nt][2] = sacc[nb][nt][3] = 0.0f;
-  #pragma unroll
+#pragma unroll
         for (int u = 0; u < 2; ++u) {
           uint32_t qr[4][2];  // this word's 4 k-steps
           if constexpr (kQFragsInSmem) {
@@ -607,17 +613,17 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
             qr[0][0] = lo.x, qr[0][1] = lo.y, qr[1][0] = lo.z, qr[1][1] = lo.w;
             qr[2][0] = hi.x, qr[2][1] = hi.y, qr[3][0] = hi.z, qr[3][1] = hi.w;
           } else {
-  #pragma unroll
+#pragma unroll
             for (int j = 0; j < 4; ++j) {
               qr[j][0] = qa[nb][4 * u + j][0];
               qr[j][1] = qa[nb][4 * u + j][1];
             }
           }
-  #pragma unroll
+#pragma unroll
           for (int nt = 0; nt < 2; ++nt) {
             uint32_t kb[8];
             k_word(ks + (8 * nt + gq) * RB + nb * BB, 2 * tq + u, lut, kb);
-  #pragma unroll
+#pragma unroll
             for (int j = 0; j < 4; ++j)
               mma16816(sacc[nb][nt], qr[j][0], 0u, qr[j][1], 0u, kb[2 * j], kb[2 * j + 1]);
           }
@@ -626,11 +632,11 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
       // this lane's tokens: 2tq, 2tq+1 (nt 0) and 2tq+8, 2tq+9 (nt 1)
       float sc[4];
       float mt = -CUDART_INF_F;
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int ti = 8 * (i >> 1) + 2 * tq + (i & 1);
         float s = 0.0f;
-  #pragma unroll
+#pragma unroll
         for (int nb = 0; nb < NB; ++nb)
           s += norm_at(ks + ti * RB + nb * BB) * sacc[nb][i >> 1][i & 1];
         sc[i] = ti < n ? s : -CUDART_INF_F;
@@ -643,7 +649,7 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
       m_run = m_new;
       float p[4];
       float psum = 0.0f;
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < 4; ++i) {
         p[i] = exp2f(sc[i] - m_new);
         psum += p[i];
@@ -652,7 +658,7 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
       if (warp_any(alpha != 1.0f)) {  // warp-uniform; after the first tiles the max rarely moves
         const float a_lo = __shfl_sync(0xffffffffu, alpha, 8 * tq);      // head 2tq
         const float a_hi = __shfl_sync(0xffffffffu, alpha, 8 * tq + 4);  // head 2tq + 1
-  #pragma unroll
+#pragma unroll
         for (int i = 0; i < NB * 8; ++i) {
           acc[i][0] *= a_lo;
           acc[i][1] *= a_hi;
@@ -661,10 +667,10 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
         }
       }
       // values: tokens T0 = 2tq, T1 = 2tq+1, T2 = 2tq+8, T3 = 2tq+9; d rows from qs word gq
-  #pragma unroll
+#pragma unroll
       for (int nb = 0; nb < NB; ++nb) {
         float pv[4];
-  #pragma unroll
+#pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int ti = 8 * (i >> 1) + 2 * tq + (i & 1);
           pv[i] = ti < n ? p[i] * norm_at(vs + ti * RB + nb * BB) : 0.0f;
@@ -674,7 +680,7 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
         uint32_t r01[16], r23[16];
         v_word(vs + (2 * tq) * RB + nb * BB, vs + (2 * tq + 1) * RB + nb * BB, gq, lut, r01);
         v_word(vs + (2 * tq + 8) * RB + nb * BB, vs + (2 * tq + 9) * RB + nb * BB, gq, lut, r23);
-  #pragma unroll
+#pragma unroll
         for (int k = 0; k < 8; ++k)
           mma16816(acc[8 * nb + k], r01[2 * k], r01[2 * k + 1], r23[2 * k], r23[2 * k + 1], pb0,
                    pb1);
@@ -737,8 +743,9 @@ void launch(const void* q, int qc, const uint8_t* kc, const uint8_t* vc, int64_t
 // (2 or 4), merge (the split merge kernel: 1 decode_merge_cols_kernel, 0 the previous
 // decode_merge_wide_kernel) and loop (the score MMA's rows: 0 the query heads, padded to 16,
 // 1 the sub-tile's 16 tokens, 2 the tokens with 16-byte staging copies; 2 runs as 1 unless
-// both caches are 16-byte aligned and the slot stride a multiple of 4). Returns 0, a CUDA error code, 2 (bad format/head_dim), 3 (bad
-// GQA group), 4 (bad n_warps) or 5 (bad q dtype, merge or loop).
+// both caches are 16-byte aligned and the slot stride a multiple of 4). Returns 0, a CUDA
+// error code, 2 (bad format/head_dim), 3 (bad GQA group), 4 (bad n_warps) or 5 (bad q dtype,
+// merge or loop).
 extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, const void* v_cache,
                                         int64_t slot_stride, const int32_t* page_table,
                                         int64_t pt_stride, const int32_t* seq_lens, int batch,

@@ -7,7 +7,9 @@ of csrc/iso_decode_mma.cu) and a sweep of the mma kernel's settings (warps per C
 SM, which set the split count; at 4k the minimum tokens per split), "mma_prev" = the mma
 kernel on its previous path (the one-CTA-per-head split merge, an fp32 copy of q, the previous
 minimum split sizes: `MMA_PREVIOUS`; `mma_vs_previous` has the ratios), iso4 at 32k (cuda,
-triton), vs bf16 torch SDPA with GQA
+triton), the mma kernel's decode loops (`iso_mma.MMA_LOOP`: "heads", "tokens", "tokens_wide",
+rows mma_loop/{loop}-{setting}; `mma_loops` has the best row per loop and point), vs bf16
+torch SDPA with GQA
 (`enable_gqa=True`) over a contiguous bf16 K/V (the baseline). Each timed call runs over
 several distinct layer caches (so nothing stays in L2 between layers, as in a real step)
 inside a CUDA graph; the per-layer time is the graph time / calls. Every timed config also
@@ -19,6 +21,8 @@ prefix, and a breakdown (prefix dequantization, prefix attention, chunk attentio
 
 Writes bench/results/iso_attention.json (bench/common.py Recorder: a failing case is recorded
 and the rest still run). Usage: python bench/iso_attention.py [--quick] [--no-extend]
+[--loops] (--loops: bf16 and the mma decode loops only, iso3 decode at the six points, < 60 s,
+written to bench/results/iso_attention_loops.json)
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from tinyserve.kernels import iso, iso_cuda, iso_extend, iso_mma, iso_triton  # 
 HQ, HKV, D = 16, 2, 256
 PAGE = 16
 RESULTS = ROOT / "bench" / "results" / "iso_attention.json"
+RESULTS_LOOPS = ROOT / "bench" / "results" / "iso_attention_loops.json"  # --loops
 
 
 def _time_us(fn, calls_per_run: int) -> tuple[float, str]:
@@ -107,6 +112,10 @@ def _iso_state(fmt: str, batch: int, ctx: int) -> dict:
 # ctas_per_sm 0: one wave from the kernel's occupancy (the MMA_CONFIG default)
 MMA_SWEEP = [dict(warps=w, ctas_per_sm=c) for w, cs in ((4, (0, 2, 3, 4)), (2, (0, 4, 6, 8)))
              for c in cs]
+# the mma kernel's decode loops, each with the batch's default settings and one wave of 4- or
+# 2-warp CTAs
+LOOP_SWEEP = [dict(loop=lp, **c) for lp in ("heads", "tokens", "tokens_wide")
+              for c in (dict(), dict(warps=4, ctas_per_sm=0), dict(warps=2, ctas_per_sm=0))]
 MIN_SPLIT_SWEEP = (32, 64, 128, 256)  # at 4k, with the batch's default warps / CTAs per SM
 # The mma path before the column-sliced merge, the in-kernel q read and the shorter splits.
 MMA_PREVIOUS = {1: dict(merge="wide", native_q=False, warps=4, ctas_per_sm=2,
@@ -137,7 +146,7 @@ def _call(st: dict, impl: str, cfg: dict):
     if impl == "cuda":
         return lambda kc, vc, out: iso_cuda.iso_decode_attention(
             q, kc, vc, table, lens, PAGE, fmt, D ** -0.5, max_seq_len=ctx, out=out, **cfg)
-    if impl in ("mma", "mma_prev", "mma_min"):
+    if impl in ("mma", "mma_prev", "mma_min", "mma_loop"):
         return lambda kc, vc, out: iso_mma.iso_decode_attention_mma(
             q, kc, vc, table, lens, PAGE, fmt, D ** -0.5, max_seq_len=ctx, out=out, **cfg)
     return lambda kc, vc, out: iso_triton.iso_decode_attention_triton(
@@ -170,7 +179,8 @@ def bench_decode_iso(st: dict, impl: str, cfg: dict, base_us: float | None) -> d
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         c = iso_mma.mma_config(st["batch"])
         ctas = cfg.get("ctas_per_sm", c["ctas_per_sm"])
-        fit = iso_mma.ctas_per_sm_fit(st["q"].device, D, cfg.get("warps", c["warps"]))
+        fit = iso_mma.ctas_per_sm_fit(st["q"].device, D, cfg.get("warps", c["warps"]),
+                                      cfg.get("loop"))
         row["ctas_per_sm_fit"] = fit
         row["split_tokens"], row["splits"] = iso_cuda.plan_splits(
             st["batch"], HKV, st["ctx"], sms,
@@ -288,6 +298,25 @@ def _vs_previous(cases: dict) -> dict:
     return out
 
 
+def _loop_name(cfg: dict) -> str:
+    setting = f"w{cfg['warps']}c{cfg['ctas_per_sm']}" if "warps" in cfg else "default"
+    return f"{cfg['loop']}-{setting}"
+
+
+def _loops(cases: dict) -> dict:
+    """Per decode point and mma loop: the fastest correct row (us, its setting, / bf16)."""
+    out: dict = {}
+    for name, row in cases.items():
+        parts = name.split("/")  # decode/b{B}/{ctx}/iso3/mma_loop/{loop}-{setting}
+        if len(parts) == 6 and parts[4] == "mma_loop" and row.get("cos_ok"):
+            loop, setting = parts[5].split("-", 1)
+            point = out.setdefault(f"{parts[1]}/{parts[2]}", {})
+            if loop not in point or row["us"] < point[loop]["us"]:
+                point[loop] = dict(us=row["us"], setting=setting,
+                                   ratio_vs_bf16=row.get("ratio_vs_bf16"))
+    return out
+
+
 def _summary(cases: dict) -> None:
     print("\ndecode (us per layer, ratio vs bf16, cosine vs oracle):")
     for name, row in cases.items():
@@ -301,14 +330,18 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="4k and 32k only")
     parser.add_argument("--no-extend", action="store_true", help="decode only")
+    parser.add_argument("--loops", action="store_true",
+                        help="bf16 and the mma decode loops only (iso3, no extend)")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
-    rec = Recorder(RESULTS, run_meta(
+    results = RESULTS_LOOPS if args.loops else RESULTS
+    rec = Recorder(results, run_meta(
         "iso_attention", sms=props.multi_processor_count, cuda=torch.version.cuda,
         shapes=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, page_size=PAGE),
         baseline="torch SDPA bf16, enable_gqa=True, contiguous K/V",
         mma_config=list(iso_mma.MMA_CONFIG), mma_merge=iso_mma.MERGE,
-        mma_native_q=iso_mma.NATIVE_Q, mma_previous=MMA_PREVIOUS,
+        mma_native_q=iso_mma.NATIVE_Q, mma_previous=MMA_PREVIOUS, mma_loop=iso_mma.MMA_LOOP,
+        mode="loops" if args.loops else "full",
         triton_block_t=iso_triton.BLOCK_T,
         targets="iso3 <= 0.5x bf16 at 32k and 128k (batch 1); extend iso/bf16 within 1.3x"))
     contexts = [4096, 32768] if args.quick else [4096, 32768, 131072]
@@ -318,7 +351,8 @@ def main() -> int:
             row = rec.run(f"{tag}/bf16", bench_decode_bf16, batch, ctx)
             base = row["us"] if row else None
             torch.cuda.empty_cache()
-            for fmt in ("iso3", "iso4") if ctx == 32768 else ("iso3",):
+            fmts = ("iso3", "iso4") if ctx == 32768 and not args.loops else ("iso3",)
+            for fmt in fmts:
                 holder: dict = {}
 
                 def make(fmt=fmt, batch=batch, ctx=ctx, holder=holder) -> dict:
@@ -330,10 +364,13 @@ def main() -> int:
                     continue
                 st = holder.pop("st")
                 impls = ["cuda", "triton"] + (["mma", "mma_prev"] if fmt == "iso3" else [])
-                for impl in impls:
+                for impl in ([] if args.loops else impls):
                     cfg = MMA_PREVIOUS[batch] if impl == "mma_prev" else {}
                     rec.run(f"{tag}/{fmt}/{impl}", bench_decode_iso, st, impl, cfg, base)
-                if fmt == "iso3":
+                for cfg in LOOP_SWEEP if fmt == "iso3" else ():
+                    rec.run(f"{tag}/{fmt}/mma_loop/{_loop_name(cfg)}", bench_decode_iso, st,
+                            "mma_loop", cfg, base)
+                if fmt == "iso3" and not args.loops:
                     for cfg in MMA_SWEEP:
                         cname = f"w{cfg['warps']}c{cfg['ctas_per_sm']}"
                         rec.run(f"{tag}/{fmt}/mma/{cname}", bench_decode_iso, st, "mma", cfg,
@@ -347,7 +384,8 @@ def main() -> int:
     rec.data["decode_choice"] = _choose(cases)
     rec.data["mma_best"] = _mma_best(cases)
     rec.data["mma_vs_previous"] = _vs_previous(cases)
-    if not args.no_extend:
+    rec.data["mma_loops"] = _loops(cases)
+    if not (args.no_extend or args.loops):
         for prefix in (0, 2048, 8192, 30720):
             rec.run(f"extend/iso3/prefix{prefix}", bench_extend, "iso3", prefix)
         tps = [r["tokens_per_s"] for n, r in cases.items() if n.startswith("extend/")]
@@ -360,7 +398,12 @@ def main() -> int:
     for point, r in rec.data["mma_vs_previous"].items():
         print(f"  {point}: mma {r['new_us']:.1f} us, previous path {r['previous_us']:.1f} us, "
               f"x{r['speedup']:.2f}")
-    print(f"wrote {RESULTS}")
+    print("mma loops (best row per loop: us, setting, x bf16):")
+    for point, loops in rec.data["mma_loops"].items():
+        cells = "  ".join(f"{lp} {r['us']:.1f} ({r['setting']}, x{r['ratio_vs_bf16'] or 0:.2f})"
+                          for lp, r in loops.items())
+        print(f"  {point}: {cells}")
+    print(f"wrote {results}")
     return 0
 
 

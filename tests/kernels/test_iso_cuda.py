@@ -196,11 +196,13 @@ DECODE_CASES = [
                          ids=[f"hq{c[0]}-hkv{c[1]}-d{c[2]}-ps{c[3]}-len{max(c[4])}x{len(c[4])}"
                               for c in DECODE_CASES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("impl", ["cuda", "fields", "interleave", "mma"])
+@pytest.mark.parametrize("impl", ["cuda", "fields", "interleave", "mma", "mma-tokens",
+                                  "mma-tokens_wide"])
 def test_decode_attention(impl, fmt, case, dtype) -> None:
     hq, hkv, d, ps, lens = case
     if dtype == torch.float32 and max(lens) > 5000:
         pytest.skip("long contexts run in bf16 only")
+    impl, _, loop = impl.partition("-")  # mma-<loop>: iso_mma.MMA_LOOP
     if impl == "mma" and not _mma().mma_supported(fmt, hq, hkv, d):
         pytest.skip("the mma kernel takes iso3 with GQA group <= 8")
     kc, vc, table = _filled_cache(fmt, sum(lens), hkv, d, ps, lens, seed=len(lens) + d)
@@ -211,7 +213,8 @@ def test_decode_attention(impl, fmt, case, dtype) -> None:
     if impl == "cuda":
         _cuda().iso_decode_attention(q, kc, vc, table, seq_lens, ps, fmt, scale, out=out)
     elif impl == "mma":
-        _mma().iso_decode_attention_mma(q, kc, vc, table, seq_lens, ps, fmt, scale, out=out)
+        _mma().iso_decode_attention_mma(q, kc, vc, table, seq_lens, ps, fmt, scale, out=out,
+                                        loop=loop or None)
     else:
         from tinyserve.kernels import iso_triton
 
@@ -221,7 +224,7 @@ def test_decode_attention(impl, fmt, case, dtype) -> None:
         kd = _seq_rows(kc, table, b, n, ps, fmt, d)
         vd = _seq_rows(vc, table, b, n, ps, fmt, d)
         ref = iso.attention_oracle(q[b:b + 1].float(), kd, vd, n - 1, scale)[0]
-        _compare(out[b], ref, f"decode {impl} {fmt} {case} {dtype} seq {b} len {n}")
+        _compare(out[b], ref, f"decode {impl} {loop} {fmt} {case} {dtype} seq {b} len {n}")
 
 
 EXTEND_CASES = [

@@ -1,6 +1,7 @@
 """The tensor-core ISO3 decode kernel on the GPU: the split merges ("cols", the previous
-"wide"), q read in its dtype or as an fp32 copy, and the one-wave split plan against an fp32
-oracle over the dequantized rows; replays of a CUDA graph of the call; the occupancy query.
+"wide"), q read in its dtype or as an fp32 copy, the one-wave split plan and the three decode
+loops (`iso_mma.MMA_LOOP`) against an fp32 oracle over the dequantized rows; replays of a CUDA
+graph of the call; the same bits on every run (and from the graph); the occupancy query.
 Bound: cosine >= 0.9999 and |out - ref| <= 1e-2 * max|ref| (fp16 operands, bf16 q/out)."""
 
 from __future__ import annotations
@@ -56,9 +57,13 @@ def _check(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     assert cos >= 0.9999 and err <= 1e-2, f"{what}: cosine {cos.item():.6f}, error {err:.2e}"
 
 
+LOOPS = ("heads", "tokens", "tokens_wide")
 SETTINGS = [dict(), dict(merge="wide"), dict(native_q=False), dict(merge="wide", native_q=False),
             dict(warps=4, ctas_per_sm=2, min_split_tokens=128), dict(warps=2, ctas_per_sm=0),
             dict(split_tokens=16)]
+SETTINGS += [dict(cfg, loop=loop) for loop in LOOPS for cfg in
+             (dict(), dict(warps=2, ctas_per_sm=0), dict(split_tokens=16),
+              dict(merge="wide", native_q=False))]
 
 
 @pytest.mark.parametrize("lens", [[1], [4096], [300, 17, 5000, 1], [20000]],
@@ -75,7 +80,8 @@ def test_mma_paths_match_the_oracle(lens, q_dtype) -> None:
         _check(out, ref, f"{cfg} {q_dtype} {lens}")
 
 
-def test_mma_cuda_graph_replays() -> None:
+@pytest.mark.parametrize("loop", LOOPS)
+def test_mma_cuda_graph_replays(loop) -> None:
     """A captured call replays with new queries and lengths (nothing per call outside the
     graph: the merge has no state between launches)."""
     kc, vc, table, seq = _state([4096, 4096], seed=3)
@@ -84,7 +90,7 @@ def test_mma_cuda_graph_replays() -> None:
 
     def call() -> None:
         iso_mma.iso_decode_attention_mma(q, kc, vc, table, seq, PS, "iso3", D ** -0.5,
-                                         max_seq_len=4096, out=out)
+                                         max_seq_len=4096, out=out, loop=loop)
 
     call()
     torch.cuda.synchronize()
@@ -100,11 +106,57 @@ def test_mma_cuda_graph_replays() -> None:
         _check(out, _oracle(q, kc, vc, table, new_lens), f"replay {new_lens}")
 
 
+@pytest.mark.parametrize("loop", LOOPS)
+def test_mma_same_bits_every_run(loop) -> None:
+    """Fixed reduction order: repeated eager calls and a graph replay give identical bits."""
+    kc, vc, table, seq = _state([20000, 3000], seed=5)
+    q = torch.randn(2, HQ, D, device="cuda").bfloat16()
+
+    def call(out: torch.Tensor) -> torch.Tensor:
+        return iso_mma.iso_decode_attention_mma(q, kc, vc, table, seq, PS, "iso3", D ** -0.5,
+                                                max_seq_len=20000, out=out, loop=loop)
+
+    first = call(torch.empty_like(q)).clone()
+    for _ in range(3):
+        assert torch.equal(call(torch.full_like(q, float("nan"))), first)
+    out = torch.empty_like(q)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, first)
+
+
+def test_mma_tokens_wide_on_unaligned_caches() -> None:
+    """Caches that are not 16-byte aligned (4 is what the 4-byte staging copies of the other
+    loops need at head_dim 256) run the "tokens" loop: same bits, oracle bound."""
+    lens = [5000, 77]
+    kc, vc, table, seq = _state(lens, seed=9)
+    q = torch.randn(len(lens), HQ, D, device="cuda").bfloat16()
+    flat_k = torch.empty(kc.numel() + 16, dtype=torch.uint8, device="cuda")
+    flat_v = torch.empty_like(flat_k)
+    kc2 = flat_k[4:4 + kc.numel()].view(kc.shape)
+    vc2 = flat_v[4:4 + vc.numel()].view(vc.shape)
+    kc2.copy_(kc)
+    vc2.copy_(vc)
+    assert kc2.data_ptr() % 16 == 4
+    outs = {}
+    for loop, (k, v) in (("tokens", (kc, vc)), ("tokens_wide", (kc2, vc2))):
+        outs[loop] = iso_mma.iso_decode_attention_mma(q, k, v, table, seq, PS, "iso3",
+                                                      D ** -0.5, max_seq_len=max(lens),
+                                                      loop=loop)
+    assert torch.equal(outs["tokens"], outs["tokens_wide"])
+    _check(outs["tokens_wide"], _oracle(q, kc, vc, table, lens), "unaligned tokens_wide")
+
+
 def test_mma_occupancy() -> None:
     dev = torch.device("cuda")
     for d in (128, 256):
         for warps in (2, 4):
-            fit = iso_mma.ctas_per_sm_fit(dev, d, warps)
-            print(f"head_dim {d}, {warps} warps: {fit} CTAs per SM")
-            assert 1 <= fit <= 32
+            for loop in LOOPS:
+                fit = iso_mma.ctas_per_sm_fit(dev, d, warps, loop)
+                print(f"head_dim {d}, {warps} warps, loop {loop}: {fit} CTAs per SM")
+                assert 1 <= fit <= 32
     assert iso_mma._occupancy(dev, 384, 4) == 0  # no such kernel

@@ -48,6 +48,18 @@ _MERGE_CODE = {"wide": 0, "cols": 1}
 # Read q in its own dtype in the kernel (True), or pass an fp32 copy (the previous path: one
 # more launch per call).
 NATIVE_Q = True
+# The decode loop of the kernel (csrc/iso_decode_mma.cu, template argument LOOP):
+# "heads": the query heads are the score MMA's rows (8 of 16 rows zero: 2 MMAs per 16 tokens
+# and k-step, the zero fragment registers moved in before each), the rows staged with 4-byte
+# cp.async copies; "tokens": the sub-tile's 16 tokens are the rows and the query the B operand
+# (one MMA per k-step, P transposed to the V MMA's operand with movmatrix); "tokens_wide":
+# "tokens" with each row staged as 16-byte copies of the aligned chunks covering it (runs as
+# "tokens" unless both caches are 16-byte aligned and the slot stride is a multiple of 4).
+# sm_90 SASS of the loop, instructions per warp and 16-token sub-tile: ~1310 / ~1140 / ~1030
+# (bench/NOTES_iso.md, round 5).
+# "heads" until the GPU measures the others (bench/iso_attention.py, the mma_loop rows).
+MMA_LOOP = "heads"
+_LOOP_CODE = {"heads": 0, "tokens": 1, "tokens_wide": 2}
 
 
 def mma_config(batch: int) -> dict:
@@ -59,17 +71,19 @@ def mma_config(batch: int) -> dict:
 
 
 @functools.cache
-def _occupancy(device: torch.device, head_dim: int, warps: int) -> int:
+def _occupancy(device: torch.device, head_dim: int, warps: int, loop: str = "heads") -> int:
     lib = _library(*torch.cuda.get_device_capability(device))
-    return lib.tinyserve_iso_decode_mma_occupancy(head_dim, warps)
+    return lib.tinyserve_iso_decode_mma_occupancy(head_dim, warps, _LOOP_CODE[loop])
 
 
-def ctas_per_sm_fit(device: torch.device, head_dim: int, warps: int) -> int:
-    """How many CTAs of the kernel (head_dim, warps) one SM holds: the CUDA occupancy on a
-    CUDA device, FALLBACK_CTAS_PER_SM elsewhere or when the query fails."""
+def ctas_per_sm_fit(device: torch.device, head_dim: int, warps: int,
+                    loop: str | None = None) -> int:
+    """How many CTAs of the kernel (head_dim, warps, loop: MMA_LOOP when None) one SM holds:
+    the CUDA occupancy on a CUDA device, FALLBACK_CTAS_PER_SM elsewhere or when the query
+    fails."""
     if device.type != "cuda":
         return FALLBACK_CTAS_PER_SM
-    return _occupancy(device, head_dim, warps) or FALLBACK_CTAS_PER_SM
+    return _occupancy(device, head_dim, warps, loop or MMA_LOOP) or FALLBACK_CTAS_PER_SM
 
 
 def mma_supported(fmt: str, num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -84,24 +98,29 @@ def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                              out: torch.Tensor | None = None, split_tokens: int | None = None,
                              warps: int | None = None, ctas_per_sm: int | None = None,
                              min_split_tokens: int | None = None, merge: str | None = None,
-                             native_q: bool | None = None) -> torch.Tensor:
+                             native_q: bool | None = None,
+                             loop: str | None = None) -> torch.Tensor:
     """`iso_cuda.iso_decode_attention` on tensor cores (iso3 only; GQA group <= 8; head_dim
     128 or 256): fp16 query and centroid operands, fp32 accumulation. Settings default to
     `mma_config(B)`; `split_tokens`, `warps`, `ctas_per_sm` (0: one wave from the
     occupancy), `min_split_tokens` override them (tuning); `merge` ("cols" / "wide") and
-    `native_q` override MERGE and NATIVE_Q (the previous path for comparisons). Raises
-    ValueError on shapes it does not take."""
+    `native_q` override MERGE and NATIVE_Q (the previous path for comparisons), `loop`
+    ("heads" / "tokens" / "tokens_wide") MMA_LOOP. Raises ValueError on shapes or settings
+    it does not take."""
     b, hq, d, hkv = _check_decode(q, k_cache, v_cache, page_table, seq_lens, fmt)
     _check_out(out, q, b, hq, d)
     if not mma_supported(fmt, hq, hkv, d):
         raise ValueError(f"the MMA decode kernel takes iso3, GQA group <= 8, head_dim 128/256; "
                          f"got {fmt}, {hq}/{hkv} heads, head_dim {d}")
+    loop = loop or MMA_LOOP
+    if loop not in _LOOP_CODE:
+        raise ValueError(f"loop must be one of {tuple(_LOOP_CODE)}, got {loop!r}")
     cfg = mma_config(b)
     warps = warps or cfg["warps"]
     ctas = ctas_per_sm if ctas_per_sm is not None else cfg["ctas_per_sm"]
     chunk, splits = decode_splits(q, seq_lens, hkv, max_seq_len, split_tokens, split_tile=16,
                                   min_tokens=min_split_tokens or cfg["min_split_tokens"],
-                                  ctas_per_sm=ctas or ctas_per_sm_fit(q.device, d, warps),
+                                  ctas_per_sm=ctas or ctas_per_sm_fit(q.device, d, warps, loop),
                                   one_wave=not ctas)
     merge = merge or MERGE
     if merge not in _MERGE_CODE:
@@ -112,4 +131,4 @@ def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         q = q.float()
     return run_split_decode("tinyserve_iso_decode_mma", warps, q, k_cache,
                             v_cache, page_table, seq_lens, page_size, scale, chunk, splits, out,
-                            native_q=True, tail=(_MERGE_CODE[merge],))
+                            native_q=True, tail=(_MERGE_CODE[merge], _LOOP_CODE[loop]))

@@ -22,6 +22,10 @@
 // (token, block). Values: O^T[d, h] += V^T[d, t] P^T[t, h], d as M (16 rows per tile), heads
 // as N, 16 tokens as k; P (fp16) is scaled by the V norm of its (token, block), and its
 // fragment is the score accumulator's own layout. The accumulator holds the rotated output.
+// That is loop 0 ("heads"). Loops 1 and 2 ("tokens", "tokens_wide") compute S^T = K Q^T
+// instead: the sub-tile's 16 tokens are the M rows, the query the B operand (one MMA per
+// k-step, no zero rows), and P^T reaches the V MMA's B layout through movmatrix; loop 2 also
+// stages rows as 16-byte chunks. Same results up to fp32 summation order.
 #include <math_constants.h>
 
 #include <type_traits>
@@ -120,6 +124,18 @@ inline void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint3
   }
   __syncwarp();
 }
+// movmatrix.m8n8.trans.b16: lane 4r + c holds elements (r, 2c), (r, 2c + 1) of an 8x8 matrix of
+// 16-bit values; afterwards the same elements of its transpose.
+inline uint32_t movm_trans(uint32_t x) {
+  static uint32_t buf[32][32];
+  const int w = emu_warp(), l = emu_lane();
+  buf[w][l] = x;
+  __syncwarp();
+  auto el = [&](int r, int c) { return (buf[w][4 * r + (c >> 1)] >> (16 * (c & 1))) & 0xffffu; };
+  const uint32_t r = el(2 * (l & 3), l >> 2) | el(2 * (l & 3) + 1, l >> 2) << 16;
+  __syncwarp();
+  return r;
+}
 inline bool warp_any(bool p) {
   int v = p ? 1 : 0;
   for (int off = 16; off >= 1; off >>= 1) v |= __shfl_xor_sync(0xffffffffu, v, off);
@@ -127,6 +143,11 @@ inline bool warp_any(bool p) {
 }
 #else
 __device__ __forceinline__ bool warp_any(bool p) { return __any_sync(0xffffffffu, p); }
+__device__ __forceinline__ uint32_t movm_trans(uint32_t x) {
+  uint32_t r;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+  return r;
+}
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {
   return __byte_perm(a, b, s);
 }
@@ -175,9 +196,10 @@ __device__ __forceinline__ void lookup4(const Lut& t, uint32_t sel, uint32_t& p0
   p23 = prmt(lo, hi, 0x7362u);
 }
 
-// bit i -> bit 2i (16 -> 32 bits)
+// bit i -> bit 2i (16 -> 32 bits); P: the first step (byte 1 to byte 2) as one byte permute
+template <bool P = false>
 __device__ __forceinline__ uint32_t spread16(uint32_t x) {
-  x = (x | (x << 8)) & 0x00ff00ffu;
+  x = P ? prmt(x, 0u, 0x4140u) : (x | (x << 8)) & 0x00ff00ffu;
   x = (x | (x << 4)) & 0x0f0f0f0fu;
   x = (x | (x << 2)) & 0x33333333u;
   return (x | (x << 1)) & 0x55555555u;
@@ -185,8 +207,9 @@ __device__ __forceinline__ uint32_t spread16(uint32_t x) {
 
 // A qs word (low 2 bits of values f = 0..15 at bits 2f) and its signs halfword (bit f = high
 // bit of value f) -> nibble words: e holds the 3-bit index of value 2k in nibble k, o of 2k+1.
+template <bool P = false>
 __device__ __forceinline__ void nibbles(uint32_t w, uint32_t s16, uint32_t& e, uint32_t& o) {
-  const uint32_t sp = spread16(s16);
+  const uint32_t sp = spread16<P>(s16);
   e = (w & 0x33333333u) | ((sp << 2) & 0x44444444u);
   o = ((w >> 2) & 0x33333333u) | (sp & 0x44444444u);
 }
@@ -197,6 +220,10 @@ __device__ __forceinline__ uint32_t ld16(const uint8_t* p) {
 __device__ __forceinline__ uint32_t ld32(const uint8_t* p) {  // 2-byte aligned
   return ld16(p) | (ld16(p + 2) << 16);
 }
+// A qs word at p: 4-byte aligned when a4 (one load), else 2-byte aligned (two).
+__device__ __forceinline__ uint32_t ld32q(const uint8_t* p, bool a4) {
+  return a4 ? *reinterpret_cast<const uint32_t*>(p) : ld32(p);
+}
 // The fp16 block norm at p (2-byte aligned) as fp32 (one hardware conversion).
 __device__ __forceinline__ float norm_at(const uint8_t* p) {
   return __half2float(__ushort_as_half((unsigned short)ld16(p)));
@@ -206,11 +233,18 @@ __device__ __forceinline__ float norm_at(const uint8_t* p) {
 // (pair_first(p), pair_first(p) + 2) of the word.
 __host__ __device__ constexpr int pair_first(int p) { return 4 * (p & 3) + (p >> 2); }
 
+// The nibble words of one token's K word w of a block (a4: blk + 2 is 4-byte aligned).
+template <bool P = false>
+__device__ __forceinline__ void k_nibbles(const uint8_t* blk, int w, uint32_t& e, uint32_t& o,
+                                          bool a4 = false) {
+  nibbles<P>(ld32q(blk + 2 + 4 * w, a4), ld16(blk + 34 + 2 * w), e, o);
+}
+
 // One token's K word w of a block: 8 fp16 pairs, pair p in kb[p].
 __device__ __forceinline__ void k_word(const uint8_t* blk, int w, const Lut& t,
                                        uint32_t (&kb)[8]) {
   uint32_t e, o;
-  nibbles(ld32(blk + 2 + 4 * w), ld16(blk + 34 + 2 * w), e, o);
+  k_nibbles(blk, w, e, o);
   lookup4(t, e, kb[0], kb[1]);
   lookup4(t, e >> 16, kb[2], kb[3]);
   lookup4(t, o, kb[4], kb[5]);
@@ -218,11 +252,12 @@ __device__ __forceinline__ void k_word(const uint8_t* blk, int w, const Lut& t,
 }
 
 // Two tokens' V word w of a block: r[f] = (value f of token a, value f of token b) in fp16.
+template <bool P = false>
 __device__ __forceinline__ void v_word(const uint8_t* ba, const uint8_t* bb, int w,
-                                       const Lut& t, uint32_t (&r)[16]) {
+                                       const Lut& t, uint32_t (&r)[16], bool a4 = false) {
   uint32_t ea, oa, eb, ob;
-  nibbles(ld32(ba + 2 + 4 * w), ld16(ba + 34 + 2 * w), ea, oa);
-  nibbles(ld32(bb + 2 + 4 * w), ld16(bb + 34 + 2 * w), eb, ob);
+  nibbles<P>(ld32q(ba + 2 + 4 * w, a4), ld16(ba + 34 + 2 * w), ea, oa);
+  nibbles<P>(ld32q(bb + 2 + 4 * w, a4), ld16(bb + 34 + 2 * w), eb, ob);
   const uint32_t s0 = (ea & 0x0f0f0f0fu) | ((eb << 4) & 0xf0f0f0f0u);  // values 0, 4, 8, 12
   const uint32_t s2 = ((ea >> 4) & 0x0f0f0f0fu) | (eb & 0xf0f0f0f0u);  // 2, 6, 10, 14
   const uint32_t s1 = (oa & 0x0f0f0f0fu) | ((ob << 4) & 0xf0f0f0f0u);  // 1, 5, 9, 13
@@ -237,9 +272,12 @@ __device__ __forceinline__ void v_word(const uint8_t* ba, const uint8_t* bb, int
   lookup4(t, s3 >> 16, r[11], r[15]);
 }
 
-// At least 16 warps per SM (<= 128 registers): sm_90 122 registers, no spills, 4 CTAs of 4
-// warps per SM (7 of 2 warps: shared memory); without the bound ptxas takes 138 (3 CTAs).
-template <int NB, int NW>
+// At least 16 warps per SM (<= 128 registers): sm_90 123 registers (LOOP 0; 127-128 for 1
+// and 2), no spills, 4 CTAs of 4 warps per SM (7 of 2 warps: shared memory); without the
+// bound ptxas takes 138 for LOOP 0 (3 CTAs).
+// LOOP 0: the query heads as the score MMA's rows; 1: the sub-tile's tokens as its rows
+// (KR); 2: KR with each sub-tile staged in 16-byte copies (WIDE, see `stage`).
+template <int NB, int NW, int LOOP>
 __global__ void __launch_bounds__(NW * 32, 16 / NW)
     decode_mma_kernel(const void* __restrict__ q, int q_code,
                       const uint8_t* __restrict__ k_cache,
@@ -254,7 +292,10 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
   using W = typename std::conditional<RB % 4 == 0, uint32_t, uint16_t>::type;
   constexpr int RW = RB / (int)sizeof(W);
   static_assert(RW <= 32, "one lane per word of a packed row");
-  constexpr int kWarpBuf = 2 * 2 * kSub * RB;  // two buffers of K and V rows per warp
+  constexpr bool KR = LOOP >= 1, WIDE = LOOP == 2;
+  // shared-memory row stride: WIDE rows start at the source's address mod 16 (up to 14)
+  constexpr int RS = WIDE ? (RB + 14 + 15) / 16 * 16 : RB;
+  constexpr int kWarpBuf = 2 * 2 * kSub * RS;  // two buffers of K and V rows per warp
   constexpr int kTileBytes = NW * kWarpBuf;
   using Rows = PaddedRows<D>;
   constexpr int kMergeBytes = NW * kRows * Rows::kFloats * 4;
@@ -263,7 +304,9 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
   __shared__ __align__(16) uint8_t raw[kRaw];
   __shared__ float q_sm[kRows][D + 4];
   __shared__ int64_t off_sm[NW][2][kSub];
-  __shared__ float ml_sm[NW][kRows][2];
+  __shared__ uint8_t mis_sm[WIDE ? NW : 1][2][kSub];  // WIDE: a row's start in its buffer row
+  __shared__ float ml_sm[NW][kRows][2];  // also two copies of the centroid table (KR)
+  static_assert(sizeof(ml_sm) >= 2 * sizeof(Lut), "room for the table");
   // [block nb, word u, j / 2][lane]: (k-step 4u + j, 4u + j + 1) x (a0, a2) of lane's fragment
   __shared__ uint4 qf_sm[kQFragsInSmem ? NB * 4 : 1][32];
 
@@ -299,8 +342,64 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
   auto page_of = [&](int t) -> int64_t {
     return t < t_end ? page_table[(int64_t)b * pt_stride + t / page_size] : 0;
   };
-  int64_t page_next = lane < kSub ? page_of(t_begin + warp * kSub + lane) : 0;
+  int64_t page_next = 0;
+  // WIDE: the page index and row in the page of lane's token in the next sub-tile to stage,
+  // advanced by kStride tokens per sub-tile without a division
+  int pg_i = 0, pg_r = 0, pg_dq = 0, pg_dr = 0;
+  const int32_t* pt_row = page_table + (int64_t)b * pt_stride;
+  if constexpr (WIDE) {
+    const int t = t_begin + warp * kSub + lane;
+    pg_i = t / page_size;
+    pg_r = t - pg_i * page_size;
+    pg_dq = kStride / page_size;
+    pg_dr = kStride - pg_dq * page_size;
+    if (lane < kSub && t < t_end) page_next = pt_row[pg_i];
+  } else {
+    page_next = lane < kSub ? page_of(t_begin + warp * kSub + lane) : 0;
+  }
+  // WIDE: each row is copied as the aligned 16-byte chunks that cover it (up to 7 for 100
+  // bytes, one lane each: 8 copies per lane and sub-tile instead of 32 of 4 bytes) into a
+  // buffer row of RS bytes, starting at the row's address mod 16 (mis_sm). The entry runs
+  // WIDE only on 16-byte aligned caches, so K and V rows share that offset; the last chunk
+  // ends at the row's end rounded up to 16 bytes, inside the (16-byte aligned) allocation.
+  constexpr int kCh = RS / 16, kTpi = 32 / kCh;  // chunks per buffer row, rows per pass
+  const int chunk_lo = 16 * (lane % kCh) - RB;    // lane's chunk is needed if mis > chunk_lo
+  auto stage_wide = [&](int t0, int buf) {
+    if (lane < kSub) {
+      const int t = t0 + lane;
+      int64_t off = 0;
+      if (t < t_end) off = (int64_t)(page_next * page_size + pg_r) * slot_stride + kvh * RB;
+      off_sm[warp][buf][lane] = off;
+      mis_sm[WIDE ? warp : 0][buf][lane] = (uint8_t)(off & 15);
+      pg_r += pg_dr;
+      pg_i += pg_dq;
+      if (pg_r >= page_size) {
+        pg_r -= page_size;
+        ++pg_i;
+      }
+      page_next = t + kStride < t_end ? pt_row[pg_i] : 0;
+    }
+    __syncwarp();
+    const int n = min(kSub, t_end - t0);
+    uint8_t* dst = wbuf + buf * 2 * kSub * RS + (lane / kCh) * RS + 16 * (lane % kCh);
+#pragma unroll
+    for (int j = 0; j < kSub / kTpi; ++j) {
+      const int tok = j * kTpi + lane / kCh;
+      const int64_t off = off_sm[warp][buf][tok];  // 0 past the sub-tile's end
+      const int mis = (int)off & 15;
+      const int64_t src = off - mis + 16 * (lane % kCh);
+      if (tok < n && mis > chunk_lo) {
+        copy_chunk16(dst + j * kTpi * RS, k_cache + src);
+        copy_chunk16(dst + j * kTpi * RS + kSub * RS, v_cache + src);
+      }
+    }
+    cp_async_commit();
+  };
   auto stage = [&](int t0, int buf) {  // warp-uniform: copy the K/V rows of a sub-tile
+    if constexpr (WIDE) {
+      stage_wide(t0, buf);
+      return;
+    }
     if (lane < kSub) {
       const int t = t0 + lane;
       int64_t off = 0;
@@ -326,6 +425,7 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
   int t0 = t_begin + warp * kSub;
   if (t0 < t_end) stage(t0, 0);
 
+  if (KR && threadIdx.x < 2) reinterpret_cast<Lut*>(&ml_sm[0][0][0])[threadIdx.x] = make_lut();
   // rotated query times scale * log2(e), fp32; rows >= group are zero
 #pragma unroll
   for (int it = 0; it < kQIters; ++it) {
@@ -362,9 +462,18 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
       }
     }
   }
-  const Lut lut = make_lut();
+  Lut lut = make_lut();
+  if constexpr (KR) {
+    // NOTE: read back from shared memory at a lane-dependent address (two equal copies),
+    // the table is a per-lane value to ptxas; as a constant, or loaded from one address, it
+    // is warp-uniform and, with registers tight, kept in uniform registers and copied into a
+    // vector register before every byte permute that reads it (one IMAD per PRMT).
+    // ml_sm is written after the loop, behind a barrier.
+    lut = reinterpret_cast<const Lut*>(&ml_sm[0][0][0])[lane & 1];
+  }
 
-  float m_run = -CUDART_INF_F, l_run = 0.0f;
+  float m_run = -CUDART_INF_F, l_run = 0.0f;  // head gq (heads as rows)
+  float mr[2] = {-CUDART_INF_F, -CUDART_INF_F}, lr[2] = {0.0f, 0.0f};  // heads 2tq, 2tq + 1
   float acc[NB * 8][4];
 #pragma unroll
   for (int i = 0; i < NB * 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
@@ -379,101 +488,215 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
       cp_async_wait<0>();
     }
     __syncwarp();
-    const uint8_t* ks = wbuf + buf * 2 * kSub * RB;
-    const uint8_t* vs = ks + kSub * RB;
+    const uint8_t* ks = wbuf + buf * 2 * kSub * RS;
+    const uint8_t* vs = ks + kSub * RS;
     const int n = min(kSub, t_end - t0);
+    auto row = [&](int tok) -> int {  // byte offset of a token's row in the K (V) buffer
+      if constexpr (WIDE) return tok * RS + mis_sm[WIDE ? warp : 0][buf][tok];
+      return tok * RB;
+    };
+    // whether block nb's qs words are 4-byte aligned in the buffer: rows start at multiples
+    // of 4 when RB is one (WIDE: the entry checks the slot stride), so blocks 1, 3, ...
+    auto qs_a4 = [](int nb) { return RB % 4 == 0 && (nb * BB + 2) % 4 == 0; };
 
-    // scores: S_b[head gq][tokens 8 nt + 2 tq + {0, 1}] in sacc[b][nt][0..1]
-    float sacc[NB][2][4];
+    if constexpr (KR) {
+      const int rg0 = row(gq), rg1 = row(gq + 8);  // this lane's K tokens (scores, norms)
+      // scores, tokens as M rows: S^T_b[tokens gq, gq + 8][heads 2tq, 2tq + 1] in sacc[nb]
+      // (A = the decoded K pairs of two tokens, B = the query fragment: no zero rows)
+      float sacc[NB][4];
 #pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
+      for (int nb = 0; nb < NB; ++nb) {
+        sacc[nb][0] = sacc[nb][1] = sacc[nb][2] = sacc[nb][3] = 0.0f;
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-        sacc[nb][nt][0] = sacc[nb][nt][1] = sacc[nb][nt][2] = sacc[nb][nt][3] = 0.0f;
+        for (int u = 0; u < 2; ++u) {
+          uint32_t qr[4][2];  // this word's 4 k-steps (the B operand now)
+          if constexpr (kQFragsInSmem) {
+            const uint4 lo = lds128(&qf_sm[(nb * 2 + u) * 2][lane]);
+            const uint4 hi = lds128(&qf_sm[(nb * 2 + u) * 2 + 1][lane]);
+            qr[0][0] = lo.x, qr[0][1] = lo.y, qr[1][0] = lo.z, qr[1][1] = lo.w;
+            qr[2][0] = hi.x, qr[2][1] = hi.y, qr[3][0] = hi.z, qr[3][1] = hi.w;
+          } else {
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        uint32_t qr[4][2];  // this word's 4 k-steps
-        if constexpr (kQFragsInSmem) {
-          const uint4 lo = lds128(&qf_sm[(nb * 2 + u) * 2][lane]);
-          const uint4 hi = lds128(&qf_sm[(nb * 2 + u) * 2 + 1][lane]);
-          qr[0][0] = lo.x, qr[0][1] = lo.y, qr[1][0] = lo.z, qr[1][1] = lo.w;
-          qr[2][0] = hi.x, qr[2][1] = hi.y, qr[3][0] = hi.z, qr[3][1] = hi.w;
-        } else {
+            for (int j = 0; j < 4; ++j) {
+              qr[j][0] = qa[nb][4 * u + j][0];
+              qr[j][1] = qa[nb][4 * u + j][1];
+            }
+          }
+          // the nibble words of tokens gq and gq + 8; k-step j decodes its 4 pairs just before
+          // its MMA (few live registers: the centroid table stays in registers)
+          uint32_t n0[2], n1[2];
+          k_nibbles<true>(ks + rg0 + nb * BB, 2 * tq + u, n0[0], n0[1], qs_a4(nb));
+          k_nibbles<true>(ks + rg1 + nb * BB, 2 * tq + u, n1[0], n1[1], qs_a4(nb));
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            qr[j][0] = qa[nb][4 * u + j][0];
-            qr[j][1] = qa[nb][4 * u + j][1];
+            const int sh = 16 * (j & 1);
+            uint32_t a0, a1, a2, a3;
+            lookup4(lut, n0[j >> 1] >> sh, a0, a2);
+            lookup4(lut, n1[j >> 1] >> sh, a1, a3);
+            mma16816(sacc[nb], a0, a1, a2, a3, qr[j][0], qr[j][1]);
           }
         }
+      }
+      // sc[i]: token gq + 8 (i / 2), head 2tq + (i % 2); masked past the sub-tile's end
+      const bool ok0 = gq < n, ok1 = gq + 8 < n;
+      float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      float vn[NB][2];
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          uint32_t kb[8];
-          k_word(ks + (8 * nt + gq) * RB + nb * BB, 2 * tq + u, lut, kb);
+      for (int nb = 0; nb < NB; ++nb) {
+        const float k0n = norm_at(ks + rg0 + nb * BB);
+        const float k1n = norm_at(ks + rg1 + nb * BB);
+        sc[0] += k0n * sacc[nb][0];
+        sc[1] += k0n * sacc[nb][1];
+        sc[2] += k1n * sacc[nb][2];
+        sc[3] += k1n * sacc[nb][3];
+        vn[nb][0] = ok0 ? norm_at(vs + rg0 + nb * BB) : 0.0f;
+        vn[nb][1] = ok1 ? norm_at(vs + rg1 + nb * BB) : 0.0f;
+      }
+      if (!ok0) sc[0] = sc[1] = -CUDART_INF_F;
+      if (!ok1) sc[2] = sc[3] = -CUDART_INF_F;
+      float mt[2] = {fmaxf(sc[0], sc[2]), fmaxf(sc[1], sc[3])};
 #pragma unroll
-          for (int j = 0; j < 4; ++j)
-            mma16816(sacc[nb][nt], qr[j][0], 0u, qr[j][1], 0u, kb[2 * j], kb[2 * j + 1]);
+      for (int off = 4; off < 32; off <<= 1) {  // over the 8 lanes gq of a head pair
+        mt[0] = fmaxf(mt[0], __shfl_xor_sync(0xffffffffu, mt[0], off));
+        mt[1] = fmaxf(mt[1], __shfl_xor_sync(0xffffffffu, mt[1], off));
+      }
+      float alpha[2], p[4];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float m_new = fmaxf(mr[h], mt[h]);  // finite: token 0 of the sub-tile is valid
+        alpha[h] = exp2f(mr[h] - m_new);
+        mr[h] = m_new;
+        p[h] = exp2f(sc[h] - m_new);
+        p[h + 2] = exp2f(sc[h + 2] - m_new);
+        lr[h] = lr[h] * alpha[h] + (p[h] + p[h + 2]);
+      }
+      if (warp_any(alpha[0] != 1.0f || alpha[1] != 1.0f)) {  // the lane's own heads
+#pragma unroll
+        for (int i = 0; i < NB * 8; ++i) {
+          acc[i][0] *= alpha[0];
+          acc[i][1] *= alpha[1];
+          acc[i][2] *= alpha[0];
+          acc[i][3] *= alpha[1];
         }
       }
-    }
-    // this lane's tokens: 2tq, 2tq+1 (nt 0) and 2tq+8, 2tq+9 (nt 1)
-    float sc[4];
-    float mt = -CUDART_INF_F;
+      // V tokens 2tq, 2tq + 1, 2tq + 8, 2tq + 9
+      const int ra = row(2 * tq), rb = row(2 * tq + 1);
+      const int rc = row(2 * tq + 8), rd = row(2 * tq + 9);
+      // values: P^T (tokens x heads, fp16 pairs, scaled by the V norm of (token, block))
+      // transposed to the B fragment: head gq, tokens 2tq, 2tq + 1 (pb0) / + 8 (pb1)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int ti = 8 * (i >> 1) + 2 * tq + (i & 1);
-      float s = 0.0f;
+      for (int nb = 0; nb < NB; ++nb) {
+        const uint32_t pb0 = movm_trans(pack_half2(p[0] * vn[nb][0], p[1] * vn[nb][0]));
+        const uint32_t pb1 = movm_trans(pack_half2(p[2] * vn[nb][1], p[3] * vn[nb][1]));
+        uint32_t r01[16], r23[16];
+        v_word<true>(vs + ra + nb * BB, vs + rb + nb * BB, gq, lut, r01, qs_a4(nb));
+        v_word<true>(vs + rc + nb * BB, vs + rd + nb * BB, gq, lut, r23, qs_a4(nb));
 #pragma unroll
-      for (int nb = 0; nb < NB; ++nb)
-        s += norm_at(ks + ti * RB + nb * BB) * sacc[nb][i >> 1][i & 1];
-      sc[i] = ti < n ? s : -CUDART_INF_F;
-      mt = fmaxf(mt, sc[i]);
-    }
-    mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
-    mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
-    const float m_new = fmaxf(m_run, mt);  // finite: token 0 of the sub-tile is valid
-    const float alpha = exp2f(m_run - m_new);
-    m_run = m_new;
-    float p[4];
-    float psum = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      p[i] = exp2f(sc[i] - m_new);
-      psum += p[i];
-    }
-    l_run = l_run * alpha + psum;
-    if (warp_any(alpha != 1.0f)) {  // warp-uniform; after the first tiles the max rarely moves
-      const float a_lo = __shfl_sync(0xffffffffu, alpha, 8 * tq);      // head 2tq
-      const float a_hi = __shfl_sync(0xffffffffu, alpha, 8 * tq + 4);  // head 2tq + 1
-#pragma unroll
-      for (int i = 0; i < NB * 8; ++i) {
-        acc[i][0] *= a_lo;
-        acc[i][1] *= a_hi;
-        acc[i][2] *= a_lo;
-        acc[i][3] *= a_hi;
+        for (int k = 0; k < 8; ++k)
+          mma16816(acc[8 * nb + k], r01[2 * k], r01[2 * k + 1], r23[2 * k], r23[2 * k + 1],
+                   pb0, pb1);
       }
-    }
-    // values: tokens T0 = 2tq, T1 = 2tq+1, T2 = 2tq+8, T3 = 2tq+9; d rows from qs word gq
+    } else {
+      // scores: S_b[head gq][tokens 8 nt + 2 tq + {0, 1}] in sacc[b][nt][0..1]
+      float sacc[NB][2][4];
 #pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
-      float pv[4];
+      for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+          sacc[nb][nt][0] = sacc[nb][nt][1] = sacc[nb][nt][2] = sacc[nb][nt][3] = 0.0f;
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          uint32_t qr[4][2];  // this word's 4 k-steps
+          if constexpr (kQFragsInSmem) {
+            const uint4 lo = lds128(&qf_sm[(nb * 2 + u) * 2][lane]);
+            const uint4 hi = lds128(&qf_sm[(nb * 2 + u) * 2 + 1][lane]);
+            qr[0][0] = lo.x, qr[0][1] = lo.y, qr[1][0] = lo.z, qr[1][1] = lo.w;
+            qr[2][0] = hi.x, qr[2][1] = hi.y, qr[3][0] = hi.z, qr[3][1] = hi.w;
+          } else {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              qr[j][0] = qa[nb][4 * u + j][0];
+              qr[j][1] = qa[nb][4 * u + j][1];
+            }
+          }
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            uint32_t kb[8];
+            k_word(ks + (8 * nt + gq) * RB + nb * BB, 2 * tq + u, lut, kb);
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+              mma16816(sacc[nb][nt], qr[j][0], 0u, qr[j][1], 0u, kb[2 * j], kb[2 * j + 1]);
+          }
+        }
+      }
+      // this lane's tokens: 2tq, 2tq+1 (nt 0) and 2tq+8, 2tq+9 (nt 1)
+      float sc[4];
+      float mt = -CUDART_INF_F;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int ti = 8 * (i >> 1) + 2 * tq + (i & 1);
-        pv[i] = ti < n ? p[i] * norm_at(vs + ti * RB + nb * BB) : 0.0f;
-      }
-      const uint32_t pb0 = pack_half2(pv[0], pv[1]);
-      const uint32_t pb1 = pack_half2(pv[2], pv[3]);
-      uint32_t r01[16], r23[16];
-      v_word(vs + (2 * tq) * RB + nb * BB, vs + (2 * tq + 1) * RB + nb * BB, gq, lut, r01);
-      v_word(vs + (2 * tq + 8) * RB + nb * BB, vs + (2 * tq + 9) * RB + nb * BB, gq, lut, r23);
+        float s = 0.0f;
 #pragma unroll
-      for (int k = 0; k < 8; ++k)
-        mma16816(acc[8 * nb + k], r01[2 * k], r01[2 * k + 1], r23[2 * k], r23[2 * k + 1], pb0,
-                 pb1);
+        for (int nb = 0; nb < NB; ++nb)
+          s += norm_at(ks + ti * RB + nb * BB) * sacc[nb][i >> 1][i & 1];
+        sc[i] = ti < n ? s : -CUDART_INF_F;
+        mt = fmaxf(mt, sc[i]);
+      }
+      mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
+      mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
+      const float m_new = fmaxf(m_run, mt);  // finite: token 0 of the sub-tile is valid
+      const float alpha = exp2f(m_run - m_new);
+      m_run = m_new;
+      float p[4];
+      float psum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        p[i] = exp2f(sc[i] - m_new);
+        psum += p[i];
+      }
+      l_run = l_run * alpha + psum;
+      if (warp_any(alpha != 1.0f)) {  // warp-uniform; after the first tiles the max rarely moves
+        const float a_lo = __shfl_sync(0xffffffffu, alpha, 8 * tq);      // head 2tq
+        const float a_hi = __shfl_sync(0xffffffffu, alpha, 8 * tq + 4);  // head 2tq + 1
+#pragma unroll
+        for (int i = 0; i < NB * 8; ++i) {
+          acc[i][0] *= a_lo;
+          acc[i][1] *= a_hi;
+          acc[i][2] *= a_lo;
+          acc[i][3] *= a_hi;
+        }
+      }
+      // values: tokens T0 = 2tq, T1 = 2tq+1, T2 = 2tq+8, T3 = 2tq+9; d rows from qs word gq
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        float pv[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int ti = 8 * (i >> 1) + 2 * tq + (i & 1);
+          pv[i] = ti < n ? p[i] * norm_at(vs + ti * RB + nb * BB) : 0.0f;
+        }
+        const uint32_t pb0 = pack_half2(pv[0], pv[1]);
+        const uint32_t pb1 = pack_half2(pv[2], pv[3]);
+        uint32_t r01[16], r23[16];
+        v_word(vs + (2 * tq) * RB + nb * BB, vs + (2 * tq + 1) * RB + nb * BB, gq, lut, r01);
+        v_word(vs + (2 * tq + 8) * RB + nb * BB, vs + (2 * tq + 9) * RB + nb * BB, gq, lut, r23);
+#pragma unroll
+        for (int k = 0; k < 8; ++k)
+          mma16816(acc[8 * nb + k], r01[2 * k], r01[2 * k + 1], r23[2 * k], r23[2 * k + 1], pb0,
+                   pb1);
+      }
     }
   }
-  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
-  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+  if constexpr (KR) {
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {
+      lr[0] += __shfl_xor_sync(0xffffffffu, lr[0], off);
+      lr[1] += __shfl_xor_sync(0xffffffffu, lr[1], off);
+    }
+  } else {
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+  }
 
   // merge the warps of this CTA; `raw` is reused
   __syncthreads();
@@ -489,7 +712,12 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
     m0[c + 1] = acc[i][2];
     m1[c + 1] = acc[i][3];
   }
-  if (tq == 0) {
+  if (KR && gq == 0) {
+    ml_sm[warp][2 * tq][0] = mr[0];
+    ml_sm[warp][2 * tq][1] = lr[0];
+    ml_sm[warp][2 * tq + 1][0] = mr[1];
+    ml_sm[warp][2 * tq + 1][1] = lr[1];
+  } else if (!KR && tq == 0) {
     ml_sm[warp][gq][0] = m_run;
     ml_sm[warp][gq][1] = l_run;
   }
@@ -498,13 +726,13 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
                             (int64_t)b * hq + kvh * group, n_splits, split, part_acc, part_ml);
 }
 
-template <int NB, int NW>
+template <int NB, int NW, int LOOP>
 void launch(const void* q, int qc, const uint8_t* kc, const uint8_t* vc, int64_t ss,
             const int32_t* pt, int64_t pts, const int32_t* lens, int batch, int ps, int hkv,
             int group, int chunk, int nsp, float sl2, float* pa, float* pm, cudaStream_t st) {
   const dim3 grid(nsp, hkv, batch);
-  decode_mma_kernel<NB, NW><<<grid, NW * 32, 0, st>>>(q, qc, kc, vc, ss, pt, pts, lens, ps, hkv,
-                                                      group, chunk, nsp, sl2, pa, pm);
+  decode_mma_kernel<NB, NW, LOOP><<<grid, NW * 32, 0, st>>>(q, qc, kc, vc, ss, pt, pts, lens, ps,
+                                                          hkv, group, chunk, nsp, sl2, pa, pm);
 }
 
 }  // namespace mma
@@ -512,9 +740,12 @@ void launch(const void* q, int qc, const uint8_t* kc, const uint8_t* vc, int64_t
 
 // Same arguments as tinyserve_iso_decode (iso3 only, GQA group <= 8, head_dim 128 or 256)
 // except that q is read in its own dtype (q_dtype_code: 0 fp32, 1 bf16, 2 fp16), plus n_warps
-// (2 or 4) and merge (the split merge kernel: 1 decode_merge_cols_kernel, 0 the previous
-// decode_merge_wide_kernel). Returns 0, a CUDA error code, 2 (bad format/head_dim), 3 (bad GQA
-// group), 4 (bad n_warps) or 5 (bad q dtype or merge).
+// (2 or 4), merge (the split merge kernel: 1 decode_merge_cols_kernel, 0 the previous
+// decode_merge_wide_kernel) and loop (the score MMA's rows: 0 the query heads, padded to 16,
+// 1 the sub-tile's 16 tokens, 2 the tokens with 16-byte staging copies; 2 runs as 1 unless
+// both caches are 16-byte aligned and the slot stride a multiple of 4). Returns 0, a CUDA
+// error code, 2 (bad format/head_dim), 3 (bad GQA group), 4 (bad n_warps) or 5 (bad q dtype,
+// merge or loop).
 extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, const void* v_cache,
                                         int64_t slot_stride, const int32_t* page_table,
                                         int64_t pt_stride, const int32_t* seq_lens, int batch,
@@ -522,7 +753,7 @@ extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, cons
                                         int page_size, int chunk, int n_splits, float scale,
                                         int n_warps, float* part_acc, float* part_ml, void* out,
                                         int64_t out_stride_b, int dtype_code, int q_dtype_code,
-                                        int merge, cudaStream_t stream) {
+                                        int merge, int loop, cudaStream_t stream) {
   using namespace iso;
   if (batch == 0) return 0;
   if (n_kv_heads <= 0 || n_q_heads % n_kv_heads != 0) return 3;
@@ -531,13 +762,18 @@ extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, cons
   if (head_dim != 128 && head_dim != 256) return 2;
   if (n_warps != 2 && n_warps != 4) return 4;
   if (q_dtype_code < 0 || q_dtype_code > 2 || merge < 0 || merge > 1) return 5;
+  if (loop < 0 || loop > 2) return 5;
+  if (loop == 2 && (((reinterpret_cast<uintptr_t>(k_cache) | reinterpret_cast<uintptr_t>(v_cache)) &
+                     15u) != 0 || slot_stride % 4 != 0))
+    loop = 1;
   const float sl2 = scale * 1.4426950408889634f;
   const auto* kc = static_cast<const uint8_t*>(k_cache);
   const auto* vc = static_cast<const uint8_t*>(v_cache);
 #define ISO_MMA(NBV, NWV)                                                                     \
-  mma::launch<NBV, NWV>(q, q_dtype_code, kc, vc, slot_stride, page_table, pt_stride,          \
-                        seq_lens, batch, page_size, n_kv_heads, group, chunk, n_splits, sl2,  \
-                        part_acc, part_ml, stream)
+  (loop == 2 ? mma::launch<NBV, NWV, 2>                                                      \
+   : loop == 1 ? mma::launch<NBV, NWV, 1> : mma::launch<NBV, NWV, 0>)(                        \
+      q, q_dtype_code, kc, vc, slot_stride, page_table, pt_stride, seq_lens, batch, page_size, \
+      n_kv_heads, group, chunk, n_splits, sl2, part_acc, part_ml, stream)
   if (head_dim == 256) {
     if (n_warps == 4) ISO_MMA(2, 4);
     else ISO_MMA(2, 2);
@@ -564,18 +800,23 @@ extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, cons
   return (int)cudaGetLastError();
 }
 
-// How many CTAs of the decode kernel for (head_dim, n_warps) one SM holds (registers and
-// shared memory): the launcher sizes a one-wave grid from it. 0 on a bad argument or error.
-extern "C" int tinyserve_iso_decode_mma_occupancy(int head_dim, int n_warps) {
+// How many CTAs of the decode kernel for (head_dim, n_warps, loop) one SM holds (registers
+// and shared memory): the launcher sizes a one-wave grid from it. 0 on a bad argument or error.
+extern "C" int tinyserve_iso_decode_mma_occupancy(int head_dim, int n_warps, int loop) {
   int n = 0;
   cudaError_t e = cudaErrorInvalidValue;
-#define ISO_OCC(NBV, NWV)                                                                      \
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, iso::mma::decode_mma_kernel<NBV, NWV>, \
-                                                    NWV * 32, 0)
-  if (head_dim == 256 && n_warps == 4) ISO_OCC(2, 4);
-  if (head_dim == 256 && n_warps == 2) ISO_OCC(2, 2);
-  if (head_dim == 128 && n_warps == 4) ISO_OCC(1, 4);
-  if (head_dim == 128 && n_warps == 2) ISO_OCC(1, 2);
+#define ISO_OCC(NBV, NWV, KRV)                                                         \
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(                                   \
+      &n, iso::mma::decode_mma_kernel<NBV, NWV, KRV>, NWV * 32, 0)
+#define ISO_OCC2(NBV, NWV)              \
+  if (loop == 2) ISO_OCC(NBV, NWV, 2);  \
+  else if (loop == 1) ISO_OCC(NBV, NWV, 1); \
+  else if (loop == 0) ISO_OCC(NBV, NWV, 0)
+  if (head_dim == 256 && n_warps == 4) ISO_OCC2(2, 4);
+  if (head_dim == 256 && n_warps == 2) ISO_OCC2(2, 2);
+  if (head_dim == 128 && n_warps == 4) ISO_OCC2(1, 4);
+  if (head_dim == 128 && n_warps == 2) ISO_OCC2(1, 2);
+#undef ISO_OCC2
 #undef ISO_OCC
   return e == cudaSuccess ? n : 0;
 }

@@ -63,6 +63,16 @@ __device__ __forceinline__ void copy_word(W* dst, const W* src) {
   *dst = *src;
 }
 
+// 16 bytes global -> shared (both 16-byte aligned), asynchronously on sm_80+.
+__device__ __forceinline__ void copy_chunk16(uint8_t* dst, const uint8_t* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src));
+#else
+  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+#endif
+}
+
 __device__ __forceinline__ void cp_async_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;\n" ::);

@@ -28,12 +28,13 @@ from tests.kernels.sm90_build import (  # noqa: E402
     resource_usage,
     usage_field,
 )
-from tests.kernels.test_fused_moe_decode import _expert, _gpu_layer, _layer, _routing  # noqa: E402
+from tests.kernels.test_fused_moe_decode import _gpu_layer, _layer, _routing  # noqa: E402
 from tests.kernels.test_nvfp4 import rel_err  # noqa: E402
 from tinyserve.kernels import fused_moe as fm  # noqa: E402
 from tinyserve.kernels import fused_moe_decode as fmd  # noqa: E402
 from tinyserve.kernels.fused_moe import fused_moe, fused_moe_ref  # noqa: E402
 from tinyserve.kernels.fused_moe_decode2 import (  # noqa: E402
+    MOE_FUSED2_CANDIDATES,
     MOE_FUSED2_TILES,
     MoEFused2Config,
     default_moe_fused2_config,
@@ -291,21 +292,18 @@ def _build(jf, consts: dict, num_warps: int, name: str) -> str | None:
     return usage
 
 
-SM90_CONFIGS = [MoEFused2Config(), MoEFused2Config(4, 128, 4, 8, 4, "f32"),
-                MoEFused2Config(8, 128, 8, 16, 4), MoEFused2Config(8, 64, 4, 4, 2),
-                MoEFused2Config(16, 128, 8, 16, 8)]
 
 
 @pytest.mark.slow
-def test_fused2_kernels_build_for_sm90() -> None:
+def test_fused2_kernels_builds_for_sm90() -> None:
     """Ahead-of-time build for sm_90 without a GPU (35B-A3B shapes, shared expert, the
-    table's tiles and bench candidates): no spills (registers printed). Under the interpreter
+    table's tiles and the bench candidates): no spills (registers printed). Under the interpreter
     the check runs in a child process with the compiler."""
     if rerun_without_interpreter(__file__, "builds_for_sm90"):
         return
     from tinyserve.kernels import fused_moe_decode2_triton as kt
 
-    for cfg in SM90_CONFIGS:
+    for cfg in dict.fromkeys((*MOE_FUSED2_TILES.values(), *MOE_FUSED2_CANDIDATES)):
         _build(kt.moe_fused2_gate_up_kernel,
                dict(H=2048, F=512, TOPK=8, HAS_SHARED=True, BLOCK_F=cfg.block_f,
                     BLOCK_B=cfg.block_b, IS_H2=cfg.decode == "h2", USE_ASM=True),

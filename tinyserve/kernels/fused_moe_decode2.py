@@ -52,6 +52,26 @@ MOE_FUSED2_TILES: dict[tuple[int, int], MoEFused2Config] = {
 }
 
 
+# Tiles the H200 sweep (`bench/nvfp4.py --only moe`) times beside the table's at 35B-A3B
+# shapes; `tests/kernels/test_fused_moe_decode2.py` builds each for sm_90 (no spills).
+# sm_90 registers (Triton 3.9) gate_up / down in the comments.
+_C = MoEFused2Config
+MOE_FUSED2_CANDIDATES: tuple[MoEFused2Config, ...] = (
+    _C(4, 128, 4, 8, 4, "h2"),  # 1152 + 256 programs at 1 token; 56 / 127
+    _C(4, 128, 4, 8, 4, "f32"),  # no x pass before the weights; 56 / 127
+    _C(8, 128, 8, 8, 4, "h2"),  # 64
+    _C(2, 128, 2, 8, 4, "h2"),  # 2304 gate_up programs of 2 warps
+    _C(16, 128, 8, 8, 4, "h2"),  # 80
+    _C(8, 128, 4, 8, 4, "f32"),
+    _C(4, 64, 4, 8, 4, "h2"),  # 2 gate_up K steps, the second's loads in flight
+    _C(4, 128, 4, 4, 2, "h2"),  # 512 down programs of 2 warps; 128
+    _C(4, 128, 4, 4, 4, "h2"),
+    _C(4, 128, 4, 16, 8, "h2"),  # 128 down programs; 128
+    _C(4, 128, 4, 2, 2, "h2"),  # 1024 down programs (h re-read: 18 KB each from L2)
+    _C(2, 128, 2, 4, 2, "f32"),
+)
+
+
 def default_moe_fused2_config(hidden_size: int, intermediate_size: int) -> MoEFused2Config:
     """The `MOE_FUSED2_TILES` entry, else `MoEFused2Config()`."""
     return MOE_FUSED2_TILES.get((hidden_size, intermediate_size), MoEFused2Config())

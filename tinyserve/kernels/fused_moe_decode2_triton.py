@@ -7,8 +7,10 @@ its sums in a fixed order: the same bits on every run.
 
 1. `moe_fused2_gate_up_kernel`, grid (N * KP, F / BLOCK_F): the BLOCK_F gate rows and
    BLOCK_F up rows of one feature chunk of one pair (interleaved in one tile) against x[t];
-   the first K step's code words and scales are requested before the "h2" decode's pass over
-   x (so that pass hides under the weight loads), later steps one ahead (`_rows_dot`);
+   the first K step's code words and scales are requested first; "h2" with one K step loads
+   x once and takes its power-of-two scale from those values (no pass over x before the
+   dot), with several steps the scale pass runs under the first loads and later steps are
+   requested one ahead (`_rows_dot`);
    silu(gate) * up in fp32 into the intermediate h [N * KP, F], block-transposed (feature
    16b + i at i * F/16 + b, so the down kernel's loads of one feature over blocks are
    contiguous).
@@ -74,12 +76,71 @@ def _block_dot(v, raw, xk, ok, xs, IS_H2: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _h2_pack(a, b):
+    # two fp32 tensors -> one uint32 of fp16x2 (a in the low half)
+    ia = a.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    ib = b.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return (ia | (ib << 16)).to(tl.uint32)
+
+
+@triton.jit
+def _h2_one_step(v, raw, xk, ok, USE_ASM: tl.constexpr):
+    """The h2 `_block_dot` of a K step covering all of x, summed over the blocks, fp32 [BN]
+    in the unit of `_rows_dot`: x is loaded once (16 inputs per block) and its power-of-two
+    scale taken from those values (as `nvfp4_triton._h2_x_scale` computes it), so no
+    separate pass over x runs before the dot."""
+    x0 = tl.load(xk + 0, mask=ok, other=0.0).to(tl.float32)
+    x1 = tl.load(xk + 1, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(xk + 2, mask=ok, other=0.0).to(tl.float32)
+    x3 = tl.load(xk + 3, mask=ok, other=0.0).to(tl.float32)
+    x4 = tl.load(xk + 4, mask=ok, other=0.0).to(tl.float32)
+    x5 = tl.load(xk + 5, mask=ok, other=0.0).to(tl.float32)
+    x6 = tl.load(xk + 6, mask=ok, other=0.0).to(tl.float32)
+    x7 = tl.load(xk + 7, mask=ok, other=0.0).to(tl.float32)
+    x8 = tl.load(xk + 8, mask=ok, other=0.0).to(tl.float32)
+    x9 = tl.load(xk + 9, mask=ok, other=0.0).to(tl.float32)
+    x10 = tl.load(xk + 10, mask=ok, other=0.0).to(tl.float32)
+    x11 = tl.load(xk + 11, mask=ok, other=0.0).to(tl.float32)
+    x12 = tl.load(xk + 12, mask=ok, other=0.0).to(tl.float32)
+    x13 = tl.load(xk + 13, mask=ok, other=0.0).to(tl.float32)
+    x14 = tl.load(xk + 14, mask=ok, other=0.0).to(tl.float32)
+    x15 = tl.load(xk + 15, mask=ok, other=0.0).to(tl.float32)
+    m = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)),
+                              tl.maximum(tl.abs(x2), tl.abs(x3))),
+                   tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)),
+                              tl.maximum(tl.abs(x6), tl.abs(x7))))
+    m = tl.maximum(m, tl.maximum(tl.maximum(tl.maximum(tl.abs(x8), tl.abs(x9)),
+                                            tl.maximum(tl.abs(x10), tl.abs(x11))),
+                                 tl.maximum(tl.maximum(tl.abs(x12), tl.abs(x13)),
+                                            tl.maximum(tl.abs(x14), tl.abs(x15)))))
+    # NOTE: the exponent rule of `_h2_x_scale`: max|x| * xs in [2^13, 2^14)
+    e = (tl.max(m, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    c = tl.minimum(tl.maximum(267 - e, 2), 253)
+    xs = (c << 23).to(tl.float32, bitcast=True)
+    inv_xs = ((254 - c) << 23).to(tl.float32, bitcast=True)
+    lo = v.to(tl.uint32)  # inputs 16b + 0..7
+    hi = (v >> 32).to(tl.uint32)  # inputs 16b + 8..15
+    p = _h2_dot8(_h2_pair(lo, 0), _h2_pair(lo, 1), _h2_pair(lo, 2), _h2_pair(lo, 3),
+                 _h2_pair(hi, 0), _h2_pair(hi, 1), _h2_pair(hi, 2), _h2_pair(hi, 3),
+                 _bcast(_h2_pack(x0 * xs, x4 * xs)[None, :], lo),
+                 _bcast(_h2_pack(x1 * xs, x5 * xs)[None, :], lo),
+                 _bcast(_h2_pack(x2 * xs, x6 * xs)[None, :], lo),
+                 _bcast(_h2_pack(x3 * xs, x7 * xs)[None, :], lo),
+                 _bcast(_h2_pack(x8 * xs, x12 * xs)[None, :], lo),
+                 _bcast(_h2_pack(x9 * xs, x13 * xs)[None, :], lo),
+                 _bcast(_h2_pack(x10 * xs, x14 * xs)[None, :], lo),
+                 _bcast(_h2_pack(x11 * xs, x15 * xs)[None, :], lo), USE_ASM)
+    return tl.sum(p * _e4m3(raw), axis=1) * inv_xs
+
+
+@triton.jit
 def _rows_dot(x_row, w_ptr, s_ptr, rows, row_mask, KB: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_B: tl.constexpr, IS_H2: tl.constexpr, USE_ASM: tl.constexpr):
     """sum_k x[k] * (E2M1 * e4m3)[rows, k] over all KB blocks, fp32 [BLOCK_N] lacking
-    FP4_UNIT * global_scale (the unit of `nvfp4_triton._fp4_rows_dot`). The first step's
-    loads are issued before the h2 scale pass over x; with several steps the next step's
-    loads are issued before this step is decoded."""
+    FP4_UNIT * global_scale (the unit of `nvfp4_triton._fp4_rows_dot`). One K step (h2):
+    `_h2_one_step`, x loaded once beside the weights. Several steps: the first step's loads
+    are issued before the h2 scale pass over x, the next step's before this step is
+    decoded."""
     ONE_STEP: tl.constexpr = KB <= BLOCK_B
     offs_b = tl.arange(0, BLOCK_B)
     rows64 = rows.to(tl.int64)
@@ -89,6 +150,8 @@ def _rows_dot(x_row, w_ptr, s_ptr, rows, row_mask, KB: tl.constexpr, BLOCK_N: tl
     m = row_mask[:, None] & (blk < KB)[None, :]
     v_next = tl.load(w_rows + blk[None, :], mask=m, other=0)  # [BN, BB] int64
     raw_next = tl.load(s_rows + blk[None, :], mask=m, other=0)  # [BN, BB] uint8
+    if IS_H2 and ONE_STEP:
+        return _h2_one_step(v_next, raw_next, x_row + blk * 16, blk < KB, USE_ASM)
     if IS_H2:
         xs, inv_xs = _h2_x_scale(x_row, 0, KB, BLOCK_B)
     else:

@@ -281,11 +281,16 @@ _TYPES = {"x_ptr": "*bf16", "ids_ptr": "*i64", "wt_ptr": "*bf16", "logit_ptr": "
               ("s2", "*u8"), ("g2", "*fp32"))}}
 
 
+_last_ptx: list[str] = [""]
+
+
 def _build(jf, consts: dict, num_warps: int, name: str) -> str | None:
     sig = {n: "constexpr" if n in consts else _TYPES[n] for n in jf.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(jf.arg_names)
              if n.endswith("_ptr")}
-    usage = resource_usage(compile_sm90(jf, sig, consts, attrs, num_warps=num_warps), name)
+    kernel = compile_sm90(jf, sig, consts, attrs, num_warps=num_warps)
+    _last_ptx[:] = [kernel.asm["ptx"]]
+    usage = resource_usage(kernel, name)
     if usage is not None:
         print(f"\n{name} {consts} w{num_warps}: {usage.strip().splitlines()[-1].strip()}")
         assert not usage_field(usage, "STACK"), usage
@@ -306,8 +311,11 @@ def test_fused2_kernels_builds_for_sm90() -> None:
     for cfg in dict.fromkeys((*MOE_FUSED2_TILES.values(), *MOE_FUSED2_CANDIDATES)):
         _build(kt.moe_fused2_gate_up_kernel,
                dict(H=2048, F=512, TOPK=8, HAS_SHARED=True, BLOCK_F=cfg.block_f,
-                    BLOCK_B=cfg.block_b, IS_H2=cfg.decode == "h2", USE_ASM=True),
-               cfg.num_warps, "fused2_gate_up")
-        _build(kt.moe_fused2_down_kernel,
-               dict(H=2048, F=512, TOPK=8, KPAD=8, FBP=32, HAS_SHARED=True,
-                    BLOCK_H=cfg.block_h), cfg.down_warps, "fused2_down")
+                    BLOCK_B=cfg.block_b, IS_H2=cfg.decode == "h2", USE_ASM=True,
+                    USE_PDL=cfg.pdl), cfg.num_warps, "fused2_gate_up")
+        usage = _build(kt.moe_fused2_down_kernel,
+                       dict(H=2048, F=512, TOPK=8, KPAD=8, FBP=32, HAS_SHARED=True,
+                            BLOCK_H=cfg.block_h, USE_PDL=cfg.pdl), cfg.down_warps,
+                       "fused2_down")
+        if cfg.pdl and usage is not None:
+            assert "griddepcontrol.wait" in _last_ptx[0]  # the wait is in the down kernel

@@ -27,7 +27,9 @@ class MoEFused2Config:
     (its `block_f` gate and `block_f` up rows in one tile), `block_b` blocks of 16 inputs per K
     step (>= H/16: one step, every load of a program in flight at once), `num_warps`, the
     `decode` ("h2" / "f32", as in `nvfp4_tiles`). down: `block_h` output rows per program (all
-    pairs of a token, full rows of F/2 code bytes), `down_warps`. All powers of two."""
+    pairs of a token, full rows of F/2 code bytes), `down_warps`. All powers of two. `pdl`:
+    the down kernel by programmatic dependent launch (CUDA only; its weight loads overlap the
+    gate_up launch)."""
 
     block_f: int = 4
     block_b: int = 128
@@ -35,6 +37,7 @@ class MoEFused2Config:
     block_h: int = 8
     down_warps: int = 4
     decode: str = "h2"
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         sizes = (self.block_f, self.block_b, self.num_warps, self.block_h, self.down_warps)
@@ -68,7 +71,8 @@ MOE_FUSED2_CANDIDATES: tuple[MoEFused2Config, ...] = (
     _C(4, 128, 4, 4, 4, "h2"),
     _C(4, 128, 4, 16, 8, "h2"),  # 128 down programs; 128
     _C(4, 128, 4, 2, 2, "h2"),  # 1024 down programs (h re-read: 18 KB each from L2)
-    _C(2, 128, 2, 4, 2, "f32"),
+    _C(4, 128, 4, 8, 4, "h2", pdl=True),  # down weights requested during gate_up
+    _C(4, 128, 4, 4, 2, "h2", pdl=True),
 )
 
 
@@ -107,6 +111,8 @@ def moe_fused2_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, top
     kp = topk + (shared is not None)
     kern = _kernels()
     use_asm = x.device.type == "cuda"  # NOTE: the interpreter runs the h2 emulation
+    pdl = cfg.pdl and use_asm
+    launch = {"launch_pdl": True} if pdl else {}
     # [N * KP, F] fp32, block-transposed rows; every element written by launch 1
     inter = torch.empty(n * kp, f, dtype=torch.float32, device=x.device)
     kern.moe_fused2_gate_up_kernel[(n * kp, f // block_f)](
@@ -114,7 +120,7 @@ def moe_fused2_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, top
         sh.w13.view(torch.int64), sh.w13_scale, sh.w13_global, inter, x.stride(0),
         H=h, F=f, TOPK=topk, HAS_SHARED=shared is not None, BLOCK_F=block_f,
         BLOCK_B=min(cfg.block_b, _next_pow2(h // 16)), IS_H2=cfg.decode == "h2",
-        USE_ASM=use_asm, num_warps=cfg.num_warps)
+        USE_ASM=use_asm, USE_PDL=pdl, num_warps=cfg.num_warps)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block_h = min(cfg.block_h, _next_pow2(h))
     kern.moe_fused2_down_kernel[(n, -(-h // block_h))](
@@ -123,5 +129,6 @@ def moe_fused2_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, top
         sh.w2.view(torch.int64), sh.w2_scale, sh.w2_global, out,
         logit.stride(0) if logit is not None else 0,
         H=h, F=f, TOPK=topk, KPAD=_next_pow2(topk), FBP=_next_pow2(f // 16),
-        HAS_SHARED=shared is not None, BLOCK_H=block_h, num_warps=cfg.down_warps)
+        HAS_SHARED=shared is not None, BLOCK_H=block_h, USE_PDL=pdl,
+        num_warps=cfg.down_warps, **launch)
     return out

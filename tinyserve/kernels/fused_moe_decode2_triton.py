@@ -21,6 +21,11 @@ its sums in a fixed order: the same bits on every run.
    decode against h, per-pair sums times pair weight * global scale, summed over the pairs in
    registers (a fixed tree), written straight to out[t] in its dtype.
 
+USE_PDL (programmatic dependent launch, the down kernel launched with `launch_pdl`): the
+gate_up programs allow the down launch at their start, so down programs can start and
+request their weights while gate_up runs; each waits (`gdc_wait`: gate_up complete, its
+writes visible) before it reads h.
+
 This module imports triton at the top (the launcher imports it lazily).
 """
 
@@ -28,6 +33,11 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+try:  # programmatic dependent launch (sm_90+); a Triton without it runs USE_PDL=False only
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - depends on the Triton version
+    gdc_launch_dependents = gdc_wait = None
 
 from tinyserve.kernels.nvfp4_triton import (
     FP4_UNIT_C,
@@ -180,9 +190,11 @@ def moe_fused2_gate_up_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, g13_ptr,
                               H: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
                               HAS_SHARED: tl.constexpr, BLOCK_F: tl.constexpr,
                               BLOCK_B: tl.constexpr, IS_H2: tl.constexpr,
-                              USE_ASM: tl.constexpr):
+                              USE_ASM: tl.constexpr, USE_PDL: tl.constexpr = False):
     # h[q, i * F/16 + b] = silu(x[t] . W13[f]) * (x[t] . W13[F + f]), f = 16b + i, of pair q;
     # w13 pointers are int64 views of the codes (one word = 16 codes)
+    if USE_PDL:
+        gdc_launch_dependents()  # the down kernel may start (it waits before reading h)
     KP: tl.constexpr = TOPK + HAS_SHARED
     KB: tl.constexpr = H // 16
     FB: tl.constexpr = F // 16
@@ -241,7 +253,7 @@ def moe_fused2_down_kernel(h_ptr, ids_ptr, wt_ptr, logit_ptr, w2_ptr, s2_ptr, g2
                            sw2_ptr, ss2_ptr, sg2_ptr, out_ptr, stride_logit,
                            H: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
                            KPAD: tl.constexpr, FBP: tl.constexpr, HAS_SHARED: tl.constexpr,
-                           BLOCK_H: tl.constexpr):
+                           BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr = False):
     # out[t, r] = sum_j w[t, j] * h[t * KP + j] . W2_j[r] (+ sigmoid(logit[t]) * shared);
     # w2 pointers are int64 views of the codes
     KP: tl.constexpr = TOPK + HAS_SHARED
@@ -267,6 +279,8 @@ def moe_fused2_down_kernel(h_ptr, ids_ptr, wt_ptr, logit_ptr, w2_ptr, s2_ptr, g2
         raw_s = tl.load(ss2_ptr + off_s, mask=m_s, other=0)
     factor = (tl.load(wt_ptr + t * TOPK + jj, mask=j_ok, other=0.0).to(tl.float32)
               * tl.load(g2_ptr + slot, mask=j_ok, other=0.0))  # [KPAD]
+    if USE_PDL:
+        gdc_wait()  # NOTE: the gate_up launch is complete and h visible only after this
     q = t * KP + jj
     hk = h_ptr + q[:, None] * F + offs_b[None, :]  # [KPAD, FBP]
     p = _down_rows(v, raw, hk, j_ok[:, None] & b_ok[None, :], FB)

@@ -18,8 +18,10 @@ its sums in a fixed order: the same bits on every run.
    of the full contiguous down rows (F/2 code bytes + F/16 scales) of all TOPK routed pairs
    as a [KPAD, BLOCK_H, F/16] tile (KPAD = TOPK rounded up to a power of two, masked), and of
    the shared expert's as a [BLOCK_H, F/16] tile, all in flight at once; the f32 nibble-pair
-   decode against h, per-pair sums times pair weight * global scale, summed over the pairs in
-   registers (a fixed tree), written straight to out[t] in its dtype.
+   decode against h (loaded in the weight tile's shape, every row its own copy from L1: no
+   exchange of h between threads through shared memory), per-pair sums times pair weight *
+   global scale, summed over the pairs in registers (a fixed tree), written straight to
+   out[t] in its dtype.
 
 USE_PDL (programmatic dependent launch, the down kernel launched with `launch_pdl`): the
 gate_up programs allow the down launch at their start, so down programs can start and
@@ -227,9 +229,10 @@ def moe_fused2_gate_up_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, g13_ptr,
 @triton.jit
 def _down_rows(v, raw, hk, hmask, FB: tl.constexpr):
     """Down rows against h of the same pair: v [.., BH, FBP] int64 code words (16 features
-    each), raw their scales, hk [.., FBP] pointers to h's block-transposed features 16b + 0 of
-    each word (feature 16b + i at hk + i * FB), hmask [.., FBP]; fp32 [.., BH, FBP] products
-    in the unit x * E2M1 * e4m3 * 2^(64 - 126 - 8) (sum over the last axis, then
+    each), raw their scales, hk pointers of v's shape to h's block-transposed feature 16b + 0
+    of each word (feature 16b + i at hk + i * FB; the same for every row: loaded in v's
+    layout, no exchange between threads), hmask of v's shape; fp32 [.., BH, FBP] products in
+    the unit x * E2M1 * e4m3 * 2^(64 - 126 - 8) (sum over the last axis, then
     * GEMV_RESCALE)."""
     lo = v.to(tl.uint32)  # features 16b + 0..7
     hi = (v >> 32).to(tl.uint32)  # features 16b + 8..15
@@ -241,11 +244,18 @@ def _down_rows(v, raw, hk, hmask, FB: tl.constexpr):
         x4 = tl.load(hk + (i + 4) * FB, mask=hmask, other=0.0) * X_PRESCALE_C
         x8 = tl.load(hk + (i + 8) * FB, mask=hmask, other=0.0) * X_PRESCALE_C
         x12 = tl.load(hk + (i + 12) * FB, mask=hmask, other=0.0) * X_PRESCALE_C
-        p += w0 * tl.expand_dims(x0, -2)
-        p += w4 * tl.expand_dims(x4, -2)
-        p += w8 * tl.expand_dims(x8, -2)
-        p += w12 * tl.expand_dims(x12, -2)
+        p = _fma4_full(p, w0, w4, w8, w12, x0, x4, x8, x12)
     return p * _e4m3(raw)
+
+
+@triton.jit
+def _fma4_full(p, w0, w4, w8, w12, x0, x4, x8, x12):
+    # p += w * x elementwise (x of p's shape)
+    p += w0 * x0
+    p += w4 * x4
+    p += w8 * x8
+    p += w12 * x12
+    return p
 
 
 @triton.jit
@@ -282,15 +292,17 @@ def moe_fused2_down_kernel(h_ptr, ids_ptr, wt_ptr, logit_ptr, w2_ptr, s2_ptr, g2
     if USE_PDL:
         gdc_wait()  # NOTE: the gate_up launch is complete and h visible only after this
     q = t * KP + jj
-    hk = h_ptr + q[:, None] * F + offs_b[None, :]  # [KPAD, FBP]
-    p = _down_rows(v, raw, hk, j_ok[:, None] & b_ok[None, :], FB)
+    # [KPAD, BH, FBP]: every row's copy of its pair's h (one L1 line per warp)
+    hk = h_ptr + q[:, None, None] * F + (offs_b[None, None, :] + 0 * rows[None, :, None])
+    p = _down_rows(v, raw, hk, m, FB)
     part = tl.sum(p, axis=2) * GEMV_RESCALE_C  # [KPAD, BH]
     y = tl.sum(part * factor[:, None], axis=0)  # [BH], pairs summed in a fixed order
     if HAS_SHARED:
         logit = tl.load(logit_ptr + t * stride_logit).to(tl.float32)
         # NOTE: rounded to the model dtype like `gated_add`'s sigmoid
         sw = tl.sigmoid(logit).to(out_ptr.dtype.element_ty).to(tl.float32)
-        p_s = _down_rows(v_s, raw_s, h_ptr + (t * KP + TOPK) * F + offs_b, b_ok, FB)
+        hk_s = h_ptr + (t * KP + TOPK) * F + (offs_b[None, :] + 0 * rows[:, None])
+        p_s = _down_rows(v_s, raw_s, hk_s, m_s, FB)
         y += tl.sum(p_s, axis=1) * GEMV_RESCALE_C * (sw * tl.load(sg2_ptr))
     tl.store(out_ptr + t * H + rows, (y * FP4_UNIT_C).to(out_ptr.dtype.element_ty),
              mask=row_mask)

@@ -119,7 +119,7 @@ def test_fused2_decode_repeats_and_padded_rows() -> None:
     assert torch.equal(y[2:], torch.zeros_like(y[2:]))
     assert torch.equal(y[:2], alone)  # per-token programs: the batch does not change the bits
     ref = fused_moe_ref(x, ids, weights, slots, shared_slots=sh, shared_logit=logit)
-    assert rel_err(y, ref.float()) < 1e-5
+    assert rel_err(y, ref.float()) < (1e-5 if DT == torch.float32 else 1e-2)
 
 
 @CPU_ONLY

@@ -264,12 +264,12 @@ def fused_key(c: MoEFusedConfig) -> str:
 
 def fused2_key(c: MoEFused2Config) -> str:
     return (f"{c.decode}_bf{c.block_f}_bb{c.block_b}_w{c.num_warps}_bh{c.block_h}"
-            f"_dw{c.down_warps}")
+            f"_dw{c.down_warps}{'_pdl' if c.pdl else ''}")
 
 
 def fused2_table_entry(h: int, f: int, c: MoEFused2Config) -> str:
     return (f"({h}, {f}): MoEFused2Config({c.block_f}, {c.block_b}, {c.num_warps}, "
-            f"{c.block_h}, {c.down_warps}, {c.decode!r}),")
+            f"{c.block_h}, {c.down_warps}, {c.decode!r}{', pdl=True' if c.pdl else ''}),")
 
 
 def _shared_path(x, sh, logit, routed):

@@ -7,12 +7,14 @@ baseline from the same run:
 2. gemv M = 1 on the 35B-A3B shapes (qkvz, lm_head, o_proj, gate_up, down): bf16 cuBLAS,
    the shape's current tiles (`default_gemv_config`) and every candidate of `GEMV_SWEEP`
    (decode "f32" / "h2", rows, blocks, warps, load width, stages, split-K);
-3. fused MoE decode, one token x 8 of 256 experts: the one-launch path ("fused", default
-   tiles and `FUSED_SWEEP`) beside the two-kernel "gemv" path (its current tiles), routed
-   only and for the whole layer (+ the shared expert: in the launch, vs the model's separate
-   gate_up GEMV, silu_mul, down GEMV and gated_add), against the time to read the experts'
-   bytes at `bw` (target <= 2x); then the whole layer at 4 and 8 tokens (old vs new, for
-   `MOE_FUSED_MAX_TOKENS`).
+3. fused MoE decode, one token x 8 of 256 experts: the deterministic two-launch path
+   ("fused2", its table tiles and `MOE_FUSED2_CANDIDATES`) and the one-launch path ("fused",
+   table tiles, fp32 and int64 fixed-point atomics) beside the "gemv" path (its current
+   tiles), routed only and for the whole layer (+ the shared expert: in the fused launches,
+   vs the model's separate gate_up GEMV, silu_mul, down GEMV and gated_add), against the
+   time to read the experts' bytes at `bw` (target <= 2x); then the whole layer at 4 and 8
+   tokens (gemv, fused f32 / fixed, fused2 table tiles + the first `FUSED2_MULTI`
+   candidates).
 Every variant is first checked against the torch reference on the GPU (relative Frobenius
 and max errors recorded; a variant over 1e-2 is not timed). Timing: the median of 10 replays
 of a CUDA graph that cycles through enough weight copies (>= 256 MB) to miss L2. The winners
@@ -21,7 +23,8 @@ rest still run; past TIME_BUDGET_S the remaining variants are skipped (recorded 
 
 Usage: python bench/nvfp4.py [--smoke] [--only moe|gemv]  (--smoke: tiny shapes, any device,
 no timing; checks the script itself, e.g. on CPU with TRITON_INTERPRET=1; --only moe: the
-bandwidth and the MoE rows only, ~40-70 s, into results/nvfp4_moe.json).
+bandwidth and the MoE rows only, ~40-65 s (variants past MOE_BUDGET_S skipped), into
+results/nvfp4_moe.json).
 """
 
 from __future__ import annotations
@@ -55,6 +58,11 @@ from tinyserve.kernels.fused_moe_decode import (  # noqa: E402
     MoEFusedConfig,
     default_moe_fused_config,
 )
+from tinyserve.kernels.fused_moe_decode2 import (  # noqa: E402
+    MOE_FUSED2_CANDIDATES,
+    MoEFused2Config,
+    default_moe_fused2_config,
+)
 from tinyserve.kernels.nvfp4 import GemvConfig, default_gemv_config, nvfp4_linear  # noqa: E402
 from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4  # noqa: E402
 from tinyserve.kernels.nvfp4_tiles import PERSISTENT_CANDIDATES  # noqa: E402
@@ -78,20 +86,11 @@ GEMV_SWEEP_SMALL_K = [  # K = 512 (32 blocks)
     G(32, 32, 4), G(16, 32, 2), G(64, 32, 8), G(32, 32, 4, decode="h2"),
     G(16, 32, 2, decode="h2"), G(64, 32, 8, decode="h2"),
 ]
-F_ = MoEFusedConfig  # features per program, gate_up blocks per step, down rows per step,
-FUSED_SWEEP = [  # warps, decode (registers at sm_90 with Triton 3.9 in the comments)
-    F_(32, 128, 1024, 8, "h2"),  # 102
-    F_(16, 128, 2048, 8, "h2"),  # 128
-    F_(16, 64, 512, 4, "h2"),  # 96
-    F_(16, 64, 1024, 4, "h2"),  # 128
-    F_(32, 64, 512, 8, "h2"),  # 128
-    F_(32, 128, 512, 8, "f32"),  # 128
-    F_(16, 64, 512, 4, "f32"),  # 128
-    F_(64, 64, 512, 8, "h2"),  # 166
-]
+FUSED2_MULTI = 4  # fused2 candidates also timed at 4 and 8 tokens
 ROTATE_BYTES = 256 << 20  # cycle weight copies until this many bytes (> L2)
 MAX_REL_ERR = 1e-2
 TIME_BUDGET_S = 100.0
+MOE_BUDGET_S = 62.0  # --only moe: the run stays under ~70 s
 T0 = time.perf_counter()
 SMOKE = False  # --smoke: no timing, no time budget
 
@@ -260,7 +259,17 @@ def moe_key(c: MoEGemvConfig) -> str:
 
 
 def fused_key(c: MoEFusedConfig) -> str:
-    return f"{c.decode}_bf{c.block_f}_bb{c.block_b}_bh{c.block_h}_w{c.num_warps}"
+    return f"{c.decode}_bf{c.block_f}_bb{c.block_b}_bh{c.block_h}_w{c.num_warps}_{c.accum}"
+
+
+def fused2_key(c: MoEFused2Config) -> str:
+    return (f"{c.decode}_bf{c.block_f}_bb{c.block_b}_w{c.num_warps}_bh{c.block_h}"
+            f"_dw{c.down_warps}{'_pdl' if c.pdl else ''}")
+
+
+def fused2_table_entry(h: int, f: int, c: MoEFused2Config) -> str:
+    return (f"({h}, {f}): MoEFused2Config({c.block_f}, {c.block_b}, {c.num_warps}, "
+            f"{c.block_h}, {c.down_warps}, {c.decode!r}{', pdl=True' if c.pdl else ''}),")
 
 
 def _shared_path(x, sh, logit, routed):
@@ -277,8 +286,9 @@ def _shared_path(x, sh, logit, routed):
 
 def bench_moe_decode(bw: float, dev: str, smoke: bool, n: int = 1, h: int = 2048,
                      f: int = 512, e: int = 256, sweep: bool = True) -> dict:
-    """n tokens x 8 of `e` experts (+ the shared expert): old ("gemv" + the separate shared
-    expert) vs new ("fused", shared expert in the launch), vs the byte-read time."""
+    """n tokens x 8 of `e` experts (+ the shared expert): "gemv" + the separate shared expert
+    (old), "fused" (one launch; fp32 / fixed-point atomics) and "fused2" (two launches,
+    deterministic; table tiles + candidates), each vs the byte-read time."""
     k = 8
     slots = expert_slots_fp4(e, h, f, dev)
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -308,37 +318,50 @@ def bench_moe_decode(bw: float, dev: str, smoke: bool, n: int = 1, h: int = 2048
                               shared_logit=logits[0]).float()
     gemv_cfg = default_moe_gemv_config(h, f)
     fused_cfg = default_moe_fused_config(h, f)
+    fixed_cfg = MoEFusedConfig(fused_cfg.block_f, fused_cfg.block_b, fused_cfg.block_h,
+                               fused_cfg.num_warps, fused_cfg.decode, "fixed")
+    fused2_cfg = default_moe_fused2_config(h, f)
 
-    def old_routed(i, c=None):
-        return fused_moe(x, routes[i], w, slots, path="gemv", gemv_config=gemv_cfg)
+    def routed(path, cfg):
+        def fn(i):
+            if path == "gemv":
+                return fused_moe(x, routes[i], w, slots, path="gemv", gemv_config=gemv_cfg)
+            return fused_moe(x, routes[i], w, slots, path=path, fused_config=cfg)
+        return fn
 
-    def new_routed(i, c=None):
-        return fused_moe(x, routes[i], w, slots, path="fused", fused_config=fused_cfg)
+    def layer(path, cfg):
+        def fn(i):
+            if path == "gemv":
+                return _shared_path(x, shared[i], logits[i], routed("gemv", None)(i))
+            return fused_moe(x, routes[i], w, slots, shared_slots=shared[i][0],
+                             shared_logit=logits[i], path=path, fused_config=cfg)
+        return fn
 
-    def old_layer(i, c=None):
-        return _shared_path(x, shared[i], logits[i], old_routed(i))
-
-    def new_layer(i, c=None):
-        return fused_moe(x, routes[i], w, slots, shared_slots=shared[i][0],
-                         shared_logit=logits[i], path="fused", fused_config=c or fused_cfg)
-
-    cases = [("old_layer", old_layer, None, ref_layer, read_layer),
-             ("new_layer", new_layer, None, ref_layer, read_layer)]
+    # (key, fn, ref, read time, fused2 config or None)
+    cases = [("old_layer", layer("gemv", None), ref_layer, read_layer, None),
+             ("new_layer", layer("fused", fused_cfg), ref_layer, read_layer, None),
+             ("fixed_layer", layer("fused", fixed_cfg), ref_layer, read_layer, None),
+             ("fused2_layer", layer("fused2", fused2_cfg), ref_layer, read_layer, fused2_cfg)]
     if n == 1:
-        cases += [("old_routed", old_routed, None, ref_routed, read_routed),
-                  ("new_routed", new_routed, None, ref_routed, read_routed)]
-    if sweep:
-        cases += [(f"new_layer_{fused_key(c)}", new_layer, c, ref_layer, read_layer)
-                  for c in FUSED_SWEEP if c != fused_cfg]
+        cases += [("old_routed", routed("gemv", None), ref_routed, read_routed, None),
+                  ("new_routed", routed("fused", fused_cfg), ref_routed, read_routed, None),
+                  ("fused2_routed", routed("fused2", fused2_cfg), ref_routed, read_routed,
+                   None)]
+    cands = MOE_FUSED2_CANDIDATES if sweep else MOE_FUSED2_CANDIDATES[:FUSED2_MULTI]
+    cases += [(f"fused2_layer_{fused2_key(c)}", layer("fused2", c), ref_layer, read_layer, c)
+              for c in cands if c != fused2_cfg]
     variants: dict = {}
-    for key, fn, cfg, ref, read_us in cases:
+    configs: dict = {}
+    for key, fn, ref, read_us, cfg in cases:
+        if cfg is not None:
+            configs[key] = cfg
         if over_budget():
             variants[key] = {"skipped": "time budget"}
             continue
         try:
-            res = errors(fn(0, cfg), ref)
+            res = errors(fn(0), ref)
             if res["rel_err"] <= MAX_REL_ERR and not smoke:
-                us = time_graph([lambda i=i, fn=fn, c=cfg: fn(i, c) for i in range(reps)])
+                us = time_graph([lambda i=i, fn=fn: fn(i) for i in range(reps)])
                 res.update(us=us, ratio_to_read_time=us / read_us)
             elif res["rel_err"] > MAX_REL_ERR:
                 res["wrong"] = True
@@ -347,19 +370,22 @@ def bench_moe_decode(bw: float, dev: str, smoke: bool, n: int = 1, h: int = 2048
         variants[key] = res
     out["gemv_config"] = moe_key(gemv_cfg)
     out["fused_config"] = fused_key(fused_cfg)
+    out["fused2_config"] = fused2_key(fused2_cfg)
     out["variants"] = variants
-    for what in ("layer", "routed"):
-        old, new = variants.get(f"old_{what}", {}), variants.get(f"new_{what}", {})
-        if "us" in old and "us" in new:
-            out[f"speedup_{what}"] = old["us"] / new["us"]
-    timed = {kk: v for kk, v in variants.items() if kk.startswith("new_layer") and "us" in v}
+    old = variants.get("old_layer", {})
+    for what in ("new_layer", "fixed_layer", "fused2_layer"):
+        if "us" in old and "us" in variants.get(what, {}):
+            out[f"speedup_{what}"] = old["us"] / variants[what]["us"]
+    for what in ("new_routed", "fused2_routed"):
+        if "us" in variants.get("old_routed", {}) and "us" in variants.get(what, {}):
+            out[f"speedup_{what}"] = variants["old_routed"]["us"] / variants[what]["us"]
+    timed = {kk: v for kk, v in variants.items() if kk in configs and "us" in v}
     if timed:
         best = min(timed, key=lambda kk: timed[kk]["us"])
-        c = next((c for c in FUSED_SWEEP if best == f"new_layer_{fused_key(c)}"), fused_cfg)
-        out["best"] = {"config": fused_key(c), "us": timed[best]["us"],
+        c = configs[best]
+        out["best"] = {"config": fused2_key(c), "us": timed[best]["us"],
                        "ratio_to_read_time": timed[best]["ratio_to_read_time"],
-                       "table_entry": f"({h}, {f}): MoEFusedConfig({c.block_f}, {c.block_b}, "
-                       f"{c.block_h}, {c.num_warps}, {c.decode!r}),"}
+                       "table_entry": fused2_table_entry(h, f, c)}
     return out
 
 
@@ -372,13 +398,19 @@ def summary(rec: Recorder) -> None:
         if "read_layer_us" in case:
             v = case["variants"]
             row = " | ".join(f"{kk} {v[kk]['us']:.2f} us ({v[kk]['ratio_to_read_time']:.2f}x)"
-                             for kk in ("old_layer", "new_layer", "old_routed", "new_routed")
+                             for kk in ("old_layer", "new_layer", "fixed_layer",
+                                        "fused2_layer", "old_routed", "new_routed",
+                                        "fused2_routed")
                              if "us" in v.get(kk, {}))
-            print(f"{name:28s} {row}\n    read time: routed {case['read_routed_us']:.2f} us, "
-                  f"layer {case['read_layer_us']:.2f} us; speedup layer "
-                  f"{case.get('speedup_layer', float('nan')):.2f}x, routed "
-                  f"{case.get('speedup_routed', float('nan')):.2f}x; best fused "
-                  f"{best['config']} {best['us']:.2f} us")
+            nan = float("nan")
+            print(f"{name:28s} (old = gemv, new = fused f32, fixed = fused int64)\n    {row}"
+                  f"\n    read time: routed {case['read_routed_us']:.2f} us, layer "
+                  f"{case['read_layer_us']:.2f} us; layer speedup over gemv: fused "
+                  f"{case.get('speedup_new_layer', nan):.2f}x, fixed "
+                  f"{case.get('speedup_fixed_layer', nan):.2f}x, fused2 "
+                  f"{case.get('speedup_fused2_layer', nan):.2f}x; best fused2 "
+                  f"{best['config']} {best['us']:.2f} us ({best['ratio_to_read_time']:.2f}x "
+                  f"the layer read time)")
         elif "frac_bw" in best:
             base = case.get("bf16_cublas", {}).get("us", float("nan"))
             dflt = case["variants"][case["default"]].get("us", float("nan"))
@@ -389,7 +421,8 @@ def summary(rec: Recorder) -> None:
         bad = [kk for kk, v in case["variants"].items() if "us" not in v]
         if bad:
             print("    not timed (wrong / error / skipped):", ", ".join(bad))
-    print("\ntable entries (nvfp4_tiles.py GEMV_TILES; fused_moe_decode.py MOE_FUSED_TILES):")
+    print("\ntable entries (nvfp4_tiles.py GEMV_TILES; fused_moe_decode2.py "
+          "MOE_FUSED2_TILES):")
     for case in rec.data["cases"].values():
         if case.get("best"):
             print("   ", case["best"]["table_entry"])
@@ -403,8 +436,10 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="default: bench/results/nvfp4.json "
                     "(--only moe: nvfp4_moe.json)")
     args = ap.parse_args()
-    global SMOKE
+    global SMOKE, TIME_BUDGET_S
     SMOKE = args.smoke
+    if args.only == "moe":
+        TIME_BUDGET_S = MOE_BUDGET_S
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev != "cuda" and not args.smoke:
         print("needs a CUDA GPU (or --smoke)")

@@ -1,5 +1,7 @@
 """The one-launch NVFP4 MoE decode ("fused" path of `kernels/fused_moe.py`): tiles, the
-switch, the self-clearing workspace and the launcher of `fused_moe_decode_triton.py`.
+switch, the self-clearing workspace and the launcher of `fused_moe_decode_triton.py`; the
+switch also selects the deterministic two-launch decode ("fused2", `fused_moe_decode2.py`),
+and `moe_fused_decode` launches either (by the type of its config).
 
 One launch runs every (token, expert) pair of a layer, the shared expert included as one
 more pair: programs per (pair, feature chunk) compute their chunk's gate_up, silu * up and
@@ -17,6 +19,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tinyserve.kernels.fused_moe_decode2 import (
+    MoEFused2Config,
+    default_moe_fused2_config,
+    moe_fused2_decode,
+)
+
 if TYPE_CHECKING:
     from tinyserve.kernels.fused_moe import ExpertSlots
 
@@ -28,10 +36,14 @@ if TYPE_CHECKING:
 # but the fp32 atomics' run-to-run order, which the random model amplifies through flipped
 # top-k routing; accum="fixed" (same bits every run) is the GPU check and the candidate fix.
 MOE_FUSED_DECODE = False
+# the decode path the switch enables: "fused2" (two launches, no atomics: the same bits on
+# every run) or "fused" (one launch, atomics; `MoEFusedConfig.accum`)
+MOE_FUSED_PATH = "fused2"
+FUSED_PATHS = ("fused", "fused2")
 MOE_FUSED_MAX_TOKENS = 8  # the most tokens the one-launch decode takes (its workspace rows)
-# fused_moe picks "fused" by itself up to this many tokens: on the H200 it won at 1 token (18.6
-# vs 27.6 us per 35B-A3B layer with the shared expert) and lost at 4 and 8 with untuned tiles
-# (77 vs 71, 134 vs 109 us)
+# fused_moe picks MOE_FUSED_PATH by itself up to this many tokens: on the H200 "fused" won at
+# 1 token (18.6 vs 27.6 us per 35B-A3B layer with the shared expert) and lost at 4 and 8 with
+# untuned tiles (77 vs 71, 134 vs 109 us); "fused2" at 4 and 8: `bench/nvfp4.py --only moe`
 MOE_FUSED_AUTO_TOKENS = 1
 # accumulators of the partial sums (MoEFusedConfig.accum) and their workspace dtypes
 MOE_FUSED_ACCUMS = ("f32", "fixed")
@@ -84,9 +96,30 @@ def default_moe_fused_config(hidden_size: int, intermediate_size: int) -> MoEFus
 
 
 def fuses_shared_expert(num_tokens: int) -> bool:
-    """Whether `fused_moe` runs `num_tokens` tokens (NVFP4 slots) in the one-launch decode,
-    which takes a shared expert in the same launch (the model then hands it over)."""
+    """Whether `fused_moe` runs `num_tokens` tokens (NVFP4 slots) in the decode path of
+    `MOE_FUSED_PATH`, which takes a shared expert in its launches (the model then hands it
+    over)."""
     return MOE_FUSED_DECODE and 0 < num_tokens <= MOE_FUSED_AUTO_TOKENS
+
+
+def fused_decode_config(path: str, hidden_size: int, intermediate_size: int,
+                        cfg: MoEFusedConfig | MoEFused2Config | None = None
+                        ) -> MoEFusedConfig | MoEFused2Config:
+    """`cfg`, or the table's tiles of `path` ("fused" / "fused2") when None.
+
+    Raises:
+        ValueError: an unknown path, or a config of the other path.
+    """
+    kinds = {"fused": (MoEFusedConfig, default_moe_fused_config),
+             "fused2": (MoEFused2Config, default_moe_fused2_config)}
+    if path not in kinds:
+        raise ValueError(f"unknown fused decode path {path!r}; choose from {FUSED_PATHS}")
+    kind, default = kinds[path]
+    if cfg is None:
+        return default(hidden_size, intermediate_size)
+    if not isinstance(cfg, kind):
+        raise ValueError(f"path {path!r} takes a {kind.__name__}, got {type(cfg).__name__}")
+    return cfg
 
 
 @functools.cache
@@ -130,13 +163,18 @@ _WORKSPACES: dict[tuple[torch.device, int, int, torch.dtype],
 
 def moe_fused_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
                      slots: ExpertSlots, shared: ExpertSlots | None,
-                     logit: torch.Tensor | None, cfg: MoEFusedConfig) -> torch.Tensor:
+                     logit: torch.Tensor | None,
+                     cfg: MoEFusedConfig | MoEFused2Config) -> torch.Tensor:
     """sum_j wts[t, j] * expert_{ids[t, j]}(x_t) (+ sigmoid(logit[t]) * shared(x_t)).
 
     x [N, H] contiguous (N <= MOE_FUSED_MAX_TOKENS), ids / wts flat [N * topk], NVFP4 `slots`
     and `shared` (slot 0, same H and F) checked by `fused_moe`; logit [N, 1] with `shared`.
-    Returns [N, H] in x.dtype. One launch, no host synchronisation.
+    Returns [N, H] in x.dtype. A MoEFused2Config runs the two-launch "fused2" decode
+    (`moe_fused2_decode`), a MoEFusedConfig the one-launch "fused" one. No host
+    synchronisation.
     """
+    if isinstance(cfg, MoEFused2Config):
+        return moe_fused2_decode(x, ids, wts, topk, slots, shared, logit, cfg)
     n, h, f = x.shape[0], slots.hidden_size, slots.intermediate_size
     block_f = cfg.block_f
     while f % block_f:  # NOTE: F is a multiple of 16 (slot layout)

@@ -1,0 +1,353 @@
+"""The deterministic two-launch NVFP4 decode of `fused_moe` ("fused2") vs the per-slot torch
+loop.
+
+Without CUDA the kernels run in the Triton interpreter over a small grid (H 64-256 incl. 80
+and 208, F 32-128 incl. 48 and 80, 6-16 experts in random slots, top 2-8 incl. 3 and 5, 1, 3,
+4 and 8 tokens, with and without the shared expert, "f32" and "h2" gate_up, one and several
+K steps); the 35B-A3B layer (H 2048, F 512, 256 experts, top 8, + shared) runs on a GPU:
+accuracy at 1, 4 and 8 tokens, 30 launches with identical bits, a CUDA-graph replay equal to
+eager bitwise over a 40-layer chain. Outputs come from a NaN-poisoned torch.empty (the
+intermediate too). Bounds (relative Frobenius): "f32" decode 1e-5, "h2" (x rounded to fp16)
+2e-3, bf16 on the GPU 1e-2.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from tests.kernels.sm90_build import (  # noqa: E402
+    compile_sm90,
+    rerun_without_interpreter,
+    resource_usage,
+    usage_field,
+)
+from tests.kernels.test_fused_moe_decode import _gpu_layer, _layer, _routing  # noqa: E402
+from tests.kernels.test_nvfp4 import rel_err  # noqa: E402
+from tinyserve.kernels import fused_moe as fm  # noqa: E402
+from tinyserve.kernels import fused_moe_decode as fmd  # noqa: E402
+from tinyserve.kernels.fused_moe import fused_moe, fused_moe_ref  # noqa: E402
+from tinyserve.kernels.fused_moe_decode2 import (  # noqa: E402
+    MOE_FUSED2_CANDIDATES,
+    MOE_FUSED2_TILES,
+    MoEFused2Config,
+    default_moe_fused2_config,
+)
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.usefixtures("poison")
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DT = torch.bfloat16 if DEV == "cuda" else torch.float32
+CPU_ONLY = pytest.mark.skipif(DEV == "cuda", reason="GPU time: covered by the 35B-A3B tests")
+
+
+def _cfg(h: int, decode: str, block_f: int = 16, block_h: int = 8) -> MoEFused2Config:
+    # the interpreter runs one python step per K loop iteration: one K step (block_b >= H/16)
+    return MoEFused2Config(block_f, max(1, 1 << (h // 16 - 1).bit_length()), 4, block_h, 4,
+                           decode)
+
+
+# (H, F, experts, top-k, tokens): every size of the grid appears at least once
+SMALL = [(64, 32, 8, 2, 1), (128, 64, 16, 8, 1), (80, 48, 8, 3, 3), (256, 128, 8, 4, 4),
+         (208, 80, 6, 5, 8), (64, 128, 16, 4, 4)]
+
+
+def _id(case) -> str:
+    h, f, e, k, n = case
+    return f"H{h}-F{f}-E{e}-k{k}-N{n}"
+
+
+@pytest.mark.parametrize(("shared", "decode"),
+                         [(False, "f32"), (True, "f32"), (True, "h2"), (False, "h2")],
+                         ids=["routed-f32", "shared-f32", "shared-h2", "routed-h2"])
+@pytest.mark.parametrize("case", SMALL if DEV == "cpu" else [], ids=_id)
+def test_fused2_decode_small(case, shared: bool, decode: str) -> None:
+    h, f, e, k, n = case
+    slots, slot_of, sh = _layer(h, f, e)
+    ids, weights = _routing(n, e, k, slot_of)
+    x = torch.randn(n, h, device=DEV).to(DT)
+    kw = {}
+    if shared:
+        # a column of a wider projection, as SparseMoE hands it over (row stride E + 1)
+        kw = {"shared_slots": sh, "shared_logit": torch.randn(n, e + 1, device=DEV)[:, e:]}
+    ref = fused_moe_ref(x, ids, weights, slots, **kw)
+    y = fused_moe(x, ids, weights, slots, path="fused2", fused_config=_cfg(h, decode), **kw)
+    assert y.shape == x.shape and y.dtype == x.dtype and not torch.isnan(y).any()
+    assert rel_err(y, ref.float()) < (1e-5 if decode == "f32" else 2e-3), rel_err(y, ref)
+
+
+@pytest.mark.parametrize("decode", ["f32", "h2"])
+def test_fused2_decode_steps_and_tiles(decode: str) -> None:
+    # several gate_up K steps (the next step's loads in flight), feature chunks smaller than
+    # 16 (block_f 4 and 8), output row blocks that do not divide H, int32 ids
+    h, f, e, k, n = 208, 64, 8, 3, 2
+    slots, slot_of, sh = _layer(h, f, e)
+    ids, weights = _routing(n, e, k, slot_of)
+    x = torch.randn(n, h, device=DEV).to(DT)
+    logit = torch.randn(n, 1, device=DEV)
+    ref = fused_moe_ref(x, ids, weights, slots, shared_slots=sh, shared_logit=logit).float()
+    for cfg in (MoEFused2Config(4, 4, 4, 16, 2, decode), MoEFused2Config(8, 8, 2, 32, 1, decode)):
+        y = fused_moe(x, ids.to(torch.int32), weights, slots, shared_slots=sh,
+                      shared_logit=logit, path="fused2", fused_config=cfg)
+        bound = 1e-5 if decode == "f32" and DT == torch.float32 else 1e-2
+        assert rel_err(y, ref) < bound, (cfg, rel_err(y, ref))
+
+
+def test_fused2_decode_repeats_and_padded_rows() -> None:
+    # 4 tokens over 3 experts (every expert repeated across tokens); two rows are like padded
+    # graph rows (the same routing, all-zero input): they are exactly zero and leave the
+    # real rows as they are alone
+    h, f, e, k = 64, 32, 3, 2
+    slots, slot_of, sh = _layer(h, f, e, spare=0)
+    ids, weights = _routing(4, e, k, slot_of)
+    ids[2:] = ids[0]
+    x = torch.randn(4, h, device=DEV).to(DT)
+    x[2:] = 0
+    logit = torch.randn(4, 1, device=DEV)
+    cfg = _cfg(h, "f32")
+    y = fused_moe(x, ids, weights, slots, path="fused2", fused_config=cfg, shared_slots=sh,
+                  shared_logit=logit)
+    alone = fused_moe(x[:2], ids[:2], weights[:2], slots, path="fused2", fused_config=cfg,
+                      shared_slots=sh, shared_logit=logit[:2])
+    assert torch.equal(y[2:], torch.zeros_like(y[2:]))
+    assert torch.equal(y[:2], alone)  # per-token programs: the batch does not change the bits
+    ref = fused_moe_ref(x, ids, weights, slots, shared_slots=sh, shared_logit=logit)
+    assert rel_err(y, ref.float()) < (1e-5 if DT == torch.float32 else 1e-2)
+
+
+@CPU_ONLY
+def test_fused2_repeat_is_bitwise() -> None:
+    h, f, e, k, n = 64, 32, 8, 4, 2
+    slots, slot_of, sh = _layer(h, f, e)
+    ids, weights = _routing(n, e, k, slot_of)
+    x = torch.randn(n, h, device=DEV).to(DT)
+    kw = {"shared_slots": sh, "shared_logit": torch.randn(n, 1, device=DEV)}
+    ys = [fused_moe(x, ids, weights, slots, path="fused2", fused_config=_cfg(h, "h2"), **kw)
+          for _ in range(2)]
+    assert torch.equal(ys[0], ys[1])
+
+
+@CPU_ONLY
+def test_switch_selects_fused2(monkeypatch) -> None:
+    """MOE_FUSED_DECODE on + MOE_FUSED_PATH "fused2": a 1-token NVFP4 batch takes the
+    two-launch path by itself, through `moe_fused_decode` with the shared expert; "fused"
+    selects the one-launch path; the switch off: gemv + the shared expert summed after."""
+    monkeypatch.setattr(fmd, "MOE_FUSED_DECODE", True)
+    assert fmd.MOE_FUSED_PATH == "fused2"
+    h, f, e = 64, 32, 8
+    slots, slot_of, sh = _layer(h, f, e)
+    ids, weights = _routing(1, e, 2, slot_of)
+    x = torch.randn(1, h, device=DEV).to(DT)
+    calls = []
+    real = fm.moe_fused_decode
+    monkeypatch.setattr(fm, "moe_fused_decode",
+                        lambda *a: calls.append((a[5], type(a[7]))) or real(*a))
+    logit = torch.randn(1, 1, device=DEV)
+    ref = fused_moe_ref(x, ids, weights, slots, shared_slots=sh, shared_logit=logit).float()
+    small = {(h, f): _cfg(h, "h2")}
+    monkeypatch.setattr("tinyserve.kernels.fused_moe_decode2.MOE_FUSED2_TILES", small)
+    y = fused_moe(x, ids, weights, slots, shared_slots=sh, shared_logit=logit)
+    assert calls == [(sh, MoEFused2Config)] and rel_err(y, ref) < 2e-3
+    monkeypatch.setattr(fmd, "MOE_FUSED_PATH", "fused")
+    monkeypatch.setitem(fmd.MOE_FUSED_TILES, (h, f), fmd.MoEFusedConfig(32, h // 16, h, 4))
+    y = fused_moe(x, ids, weights, slots, shared_slots=sh, shared_logit=logit)
+    assert calls[1:] == [(sh, fmd.MoEFusedConfig)] and rel_err(y, ref) < 2e-3
+    monkeypatch.setattr(fmd, "MOE_FUSED_DECODE", False)
+    y = fused_moe(x, ids, weights, slots, shared_slots=sh, shared_logit=logit)
+    assert len(calls) == 2 and rel_err(y, ref) < 1e-2
+
+
+def test_fused2_errors() -> None:
+    h, f = 64, 32
+    slots, slot_of, sh = _layer(h, f, 4)
+    ids, weights = _routing(1, 4, 2, slot_of)
+    x = torch.randn(1, h, device=DEV).to(DT)
+    with pytest.raises(ValueError):  # the other path's config
+        fused_moe(x, ids, weights, slots, path="fused2", fused_config=fmd.MoEFusedConfig())
+    with pytest.raises(ValueError):
+        fused_moe(x, ids, weights, slots, path="fused", fused_config=MoEFused2Config())
+    with pytest.raises(ValueError):  # too many tokens
+        n = fmd.MOE_FUSED_MAX_TOKENS + 1
+        fused_moe(torch.randn(n, h, device=DEV), ids.expand(n, 2), weights.expand(n, 2),
+                  slots, path="fused2")
+    with pytest.raises(ValueError):
+        MoEFused2Config(block_h=12)
+    with pytest.raises(ValueError):
+        MoEFused2Config(decode="f16")
+    with pytest.raises(ValueError):
+        fmd.fused_decode_config("gemv", h, f)
+    assert default_moe_fused2_config(2048, 512) is MOE_FUSED2_TILES[(2048, 512)]
+    assert default_moe_fused2_config(h, f) == MoEFused2Config()
+    del sh
+
+
+# --- Qwen3.5-35B-A3B layer on a GPU ------------------------------------------------------
+
+GPU_CONFIGS = [None, MoEFused2Config(4, 128, 4, 8, 4, "f32")]  # the table's h2 and f32
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("n", [1, 4, 8], ids=lambda n: f"N{n}")
+def test_fused2_decode_gpu(n: int) -> None:
+    # the table's tiles and the f32 decode, with and without the shared expert
+    slots, slot_of, sh = _gpu_layer()
+    ids, weights = _routing(n, 256, 8, slot_of)
+    x = torch.randn(n, 2048, device=DEV, dtype=torch.bfloat16)
+    logit = torch.randn(n, 257, device=DEV, dtype=torch.bfloat16)[:, 256:]
+    kw = {"shared_slots": sh, "shared_logit": logit}
+    ref = fused_moe_ref(x, ids, weights, slots, **kw).float()
+    ref_routed = fused_moe_ref(x, ids, weights, slots).float()
+    for cfg in GPU_CONFIGS:
+        y = fused_moe(x, ids, weights, slots, path="fused2", fused_config=cfg, **kw)
+        assert not torch.isnan(y).any() and rel_err(y, ref) < 1e-2, (cfg, rel_err(y, ref))
+        y = fused_moe(x, ids, weights, slots, path="fused2", fused_config=cfg)
+        assert rel_err(y, ref_routed) < 1e-2, (cfg, rel_err(y, ref_routed))
+
+
+@pytest.mark.requires_cuda
+def test_fused2_decode_gpu_repeatable() -> None:
+    """30 launches on the same inputs (35B-A3B layer, 1 and 8 tokens + shared, the table's
+    tiles) give the same bits; prints us per launch (20 launches in a graph)."""
+    slots, slot_of, sh = _gpu_layer()
+    for n in (1, 8):
+        ids, weights = _routing(n, 256, 8, slot_of)
+        x = torch.randn(n, 2048, device=DEV, dtype=torch.bfloat16)
+        kw = {"shared_slots": sh,
+              "shared_logit": torch.randn(n, 1, device=DEV, dtype=torch.bfloat16)}
+        ref = fused_moe_ref(x, ids, weights, slots, **kw).float()
+        ys = [fused_moe(x, ids, weights, slots, path="fused2", **kw) for _ in range(30)]
+        assert rel_err(ys[0], ref) < 1e-2, rel_err(ys[0], ref)
+        differ = sum(not torch.equal(y, ys[0]) for y in ys)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(20):
+                fused_moe(x, ids, weights, slots, path="fused2", **kw)
+        g.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        print(f"\nfused2 N={n}: {differ} of 30 launches differ from the first; "
+              f"{start.elapsed_time(end) * 1e3 / 100:.1f} us per launch (L2-warm)")
+        assert differ == 0, f"fused2 not reproducible ({differ} of 30)"
+
+
+@pytest.mark.requires_cuda
+def test_fused2_pdl_gpu() -> None:
+    """The down kernel by programmatic dependent launch: the same bits as without it, eager
+    and replayed in a CUDA graph with new inputs (the wait orders its reads of h after the
+    gate_up launch)."""
+    slots, slot_of, sh = _gpu_layer()
+    ids, weights = _routing(4, 256, 8, slot_of)
+    x = torch.randn(4, 2048, device=DEV, dtype=torch.bfloat16)
+    logit = torch.randn(4, 1, device=DEV, dtype=torch.bfloat16)
+    kw = {"shared_slots": sh, "shared_logit": logit}
+    base = fmd.fused_decode_config("fused2", 2048, 512)
+    on = MoEFused2Config(base.block_f, base.block_b, base.num_warps, base.block_h,
+                         base.down_warps, base.decode, pdl=True)
+    off = MoEFused2Config(*[getattr(on, n) for n in ("block_f", "block_b", "num_warps",
+                                                      "block_h", "down_warps", "decode")])
+    y_on = fused_moe(x, ids, weights, slots, path="fused2", fused_config=on, **kw)
+    y_off = fused_moe(x, ids, weights, slots, path="fused2", fused_config=off, **kw)
+    assert torch.equal(y_on, y_off)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ys = [fused_moe(x, ids, weights, slots, path="fused2", fused_config=on, **kw)
+              for _ in range(3)]
+    for _ in range(2):
+        ids.copy_(_routing(4, 256, 8, slot_of)[0])
+        x.normal_()
+        logit.normal_()
+        g.replay()
+        want = fused_moe(x, ids, weights, slots, path="fused2", fused_config=off, **kw)
+        torch.cuda.synchronize()
+        assert all(torch.equal(y, want) for y in ys)
+
+
+@pytest.mark.requires_cuda
+def test_fused2_decode_gpu_graph_equals_eager_chain() -> None:
+    """40 chained "layers" (x <- rms(x + moe_l(x)), each with its own routing), eager vs a
+    CUDA-graph replay of the same chain, as the model runs it: the same bits."""
+    slots, slot_of, sh = _gpu_layer()
+    layers = [_routing(1, 256, 8, slot_of) for _ in range(40)]
+    logit = torch.randn(40, 1, device=DEV, dtype=torch.bfloat16)
+    x0 = torch.randn(1, 2048, device=DEV, dtype=torch.bfloat16)
+
+    def chain() -> torch.Tensor:
+        x = x0
+        for i, (ids, w) in enumerate(layers):
+            y = fused_moe(x, ids, w, slots, shared_slots=sh, shared_logit=logit[i:i + 1],
+                          path="fused2")
+            s = x.float() + y.float()
+            x = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x0.dtype)
+        return x
+
+    eager = chain()  # also the warm-up (compiles)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = chain()
+    results = []
+    for _ in range(3):
+        g.replay()
+        results.append(out.clone())
+        results.append(chain())  # eager again, between the replays
+    torch.cuda.synchronize()
+    diff = max((r.float() - eager.float()).abs().max().item() for r in results)
+    print(f"\nfused2: graph / eager chain of 40, largest difference {diff:.3g}")
+    assert diff == 0.0, f"fused2: graph and eager differ by {diff}"
+
+
+_TYPES = {"x_ptr": "*bf16", "ids_ptr": "*i64", "wt_ptr": "*bf16", "logit_ptr": "*bf16",
+          "h_ptr": "*fp32", "out_ptr": "*bf16", "stride_xm": "i32", "stride_logit": "i32",
+          **{f"{p}{n}_ptr": t for p in ("", "s") for n, t in (
+              ("w13", "*i64"), ("s13", "*u8"), ("g13", "*fp32"), ("w2", "*i64"),
+              ("s2", "*u8"), ("g2", "*fp32"))}}
+
+
+_last_ptx: list[str] = [""]
+
+
+def _build(jf, consts: dict, num_warps: int, name: str) -> str | None:
+    sig = {n: "constexpr" if n in consts else _TYPES[n] for n in jf.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(jf.arg_names)
+             if n.endswith("_ptr")}
+    kernel = compile_sm90(jf, sig, consts, attrs, num_warps=num_warps)
+    _last_ptx[:] = [kernel.asm["ptx"]]
+    usage = resource_usage(kernel, name)
+    if usage is not None:
+        print(f"\n{name} {consts} w{num_warps}: {usage.strip().splitlines()[-1].strip()}")
+        assert not usage_field(usage, "STACK"), usage
+    return usage
+
+
+
+
+@pytest.mark.slow
+def test_fused2_kernels_builds_for_sm90() -> None:
+    """Ahead-of-time build for sm_90 without a GPU (35B-A3B shapes, shared expert, the
+    table's tiles and the bench candidates): no spills (registers printed). Under the interpreter
+    the check runs in a child process with the compiler."""
+    if rerun_without_interpreter(__file__, "builds_for_sm90"):
+        return
+    from tinyserve.kernels import fused_moe_decode2_triton as kt
+
+    for cfg in dict.fromkeys((*MOE_FUSED2_TILES.values(), *MOE_FUSED2_CANDIDATES)):
+        _build(kt.moe_fused2_gate_up_kernel,
+               dict(H=2048, F=512, TOPK=8, HAS_SHARED=True, BLOCK_F=cfg.block_f,
+                    BLOCK_B=cfg.block_b, IS_H2=cfg.decode == "h2", USE_ASM=True,
+                    USE_PDL=cfg.pdl), cfg.num_warps, "fused2_gate_up")
+        usage = _build(kt.moe_fused2_down_kernel,
+                       dict(H=2048, F=512, TOPK=8, KPAD=8, FBP=32, HAS_SHARED=True,
+                            BLOCK_H=cfg.block_h, USE_PDL=cfg.pdl), cfg.down_warps,
+                       "fused2_down")
+        if cfg.pdl and usage is not None:
+            assert "griddepcontrol.wait" in _last_ptx[0]  # the wait is in the down kernel

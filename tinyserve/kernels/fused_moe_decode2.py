@@ -1,0 +1,134 @@
+"""The deterministic two-launch NVFP4 MoE decode ("fused2" path of `kernels/fused_moe.py`):
+tiles, their table and the launcher of `fused_moe_decode2_triton.py`.
+
+Every (token, expert) pair of a layer, the shared expert included as one more pair: launch
+1 computes silu(gate) * up per (pair, feature chunk) into a small fp32 intermediate
+[N * KP, F]; launch 2 computes blocks of output rows of each token, reading the full down
+rows of all its pairs and summing them in registers in a fixed order. No atomics and no
+workspace that must be kept zero: the same bits on every run (graph replay == eager).
+`fused_moe_decode.MOE_FUSED_PATH` names the path the decode switch enables.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from tinyserve.kernels.fused_moe import ExpertSlots
+
+
+@dataclass(frozen=True)
+class MoEFused2Config:
+    """Tiles of the two-launch decode. gate_up: `block_f` features of one expert per program
+    (its `block_f` gate and `block_f` up rows in one tile), `block_b` blocks of 16 inputs per K
+    step (>= H/16: one step, every load of a program in flight at once), `num_warps`, the
+    `decode` ("h2" / "f32", as in `nvfp4_tiles`). down: `block_h` output rows per program (all
+    pairs of a token, full rows of F/2 code bytes), `down_warps`. All powers of two. `pdl`:
+    the down kernel by programmatic dependent launch (CUDA only; its weight loads overlap the
+    gate_up launch)."""
+
+    block_f: int = 4
+    block_b: int = 128
+    num_warps: int = 4
+    block_h: int = 8
+    down_warps: int = 4
+    decode: str = "h2"
+    pdl: bool = False
+
+    def __post_init__(self) -> None:
+        sizes = (self.block_f, self.block_b, self.num_warps, self.block_h, self.down_warps)
+        if self.decode not in ("f32", "h2"):
+            raise ValueError(f"unknown NVFP4 decode {self.decode!r}")
+        if any(v < 1 or v & (v - 1) for v in sizes):
+            raise ValueError(f"fused2 MoE tiles must be powers of two, got {sizes}")
+
+
+# (H, F) -> tiles of the two-launch decode (bench/nvfp4.py `--only moe` prints the best
+# entry); other shapes get MoEFused2Config(). NOTE: not measured yet (predictions in
+# bench/NOTES_nvfp4.md, "Sixth version").
+MOE_FUSED2_TILES: dict[tuple[int, int], MoEFused2Config] = {
+    (2048, 512): MoEFused2Config(4, 128, 4, 8, 4, "h2"),
+}
+
+
+# Tiles the H200 sweep (`bench/nvfp4.py --only moe`) times beside the table's at 35B-A3B
+# shapes; `tests/kernels/test_fused_moe_decode2.py` builds each for sm_90 (no spills).
+# sm_90 registers (Triton 3.9) gate_up / down in the comments.
+_C = MoEFused2Config
+MOE_FUSED2_CANDIDATES: tuple[MoEFused2Config, ...] = (
+    _C(4, 128, 4, 8, 4, "h2"),  # 1152 + 256 programs at 1 token; 56 / 127
+    _C(4, 128, 4, 8, 4, "f32"),  # no x pass before the weights; 56 / 127
+    _C(8, 128, 8, 8, 4, "h2"),  # 64
+    _C(2, 128, 2, 8, 4, "h2"),  # 2304 gate_up programs of 2 warps
+    _C(16, 128, 8, 8, 4, "h2"),  # 80
+    _C(8, 128, 4, 8, 4, "f32"),
+    _C(4, 64, 4, 8, 4, "h2"),  # 2 gate_up K steps, the second's loads in flight
+    _C(4, 128, 4, 4, 2, "h2"),  # 512 down programs of 2 warps; 128
+    _C(4, 128, 4, 4, 4, "h2"),
+    _C(4, 128, 4, 16, 8, "h2"),  # 128 down programs; 128
+    _C(4, 128, 4, 2, 2, "h2"),  # 1024 down programs (h re-read: 18 KB each from L2)
+    _C(4, 128, 4, 8, 4, "h2", pdl=True),  # down weights requested during gate_up
+    _C(4, 128, 4, 4, 2, "h2", pdl=True),
+)
+
+
+def default_moe_fused2_config(hidden_size: int, intermediate_size: int) -> MoEFused2Config:
+    """The `MOE_FUSED2_TILES` entry, else `MoEFused2Config()`."""
+    return MOE_FUSED2_TILES.get((hidden_size, intermediate_size), MoEFused2Config())
+
+
+@functools.cache
+def _kernels():
+    from tinyserve.kernels import fused_moe_decode2_triton
+
+    return fused_moe_decode2_triton
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, v - 1).bit_length()
+
+
+def moe_fused2_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
+                      slots: ExpertSlots, shared: ExpertSlots | None,
+                      logit: torch.Tensor | None, cfg: MoEFused2Config) -> torch.Tensor:
+    """sum_j wts[t, j] * expert_{ids[t, j]}(x_t) (+ sigmoid(logit[t]) * shared(x_t)).
+
+    x [N, H] contiguous, ids / wts flat [N * topk], NVFP4 `slots` and `shared` (slot 0, same
+    H and F) checked by `fused_moe`; logit [N, 1] (any row stride) with `shared`. Returns
+    [N, H] in x.dtype. Two launches, no host synchronisation, deterministic.
+    """
+    n, h, f = x.shape[0], slots.hidden_size, slots.intermediate_size
+    block_f = min(cfg.block_f, _next_pow2(f))
+    while f % block_f:  # NOTE: F is a multiple of 16 (slot layout)
+        block_f //= 2
+    sh = shared if shared is not None else slots
+    assert slots.w13_scale is not None and sh.w13_scale is not None
+    assert slots.w2_scale is not None and sh.w2_scale is not None
+    kp = topk + (shared is not None)
+    kern = _kernels()
+    use_asm = x.device.type == "cuda"  # NOTE: the interpreter runs the h2 emulation
+    pdl = cfg.pdl and use_asm
+    launch = {"launch_pdl": True} if pdl else {}
+    # [N * KP, F] fp32, block-transposed rows; every element written by launch 1
+    inter = torch.empty(n * kp, f, dtype=torch.float32, device=x.device)
+    kern.moe_fused2_gate_up_kernel[(n * kp, f // block_f)](
+        x, ids, slots.w13.view(torch.int64), slots.w13_scale, slots.w13_global,
+        sh.w13.view(torch.int64), sh.w13_scale, sh.w13_global, inter, x.stride(0),
+        H=h, F=f, TOPK=topk, HAS_SHARED=shared is not None, BLOCK_F=block_f,
+        BLOCK_B=min(cfg.block_b, _next_pow2(h // 16)), IS_H2=cfg.decode == "h2",
+        USE_ASM=use_asm, USE_PDL=pdl, num_warps=cfg.num_warps)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block_h = min(cfg.block_h, _next_pow2(h))
+    kern.moe_fused2_down_kernel[(n, -(-h // block_h))](
+        inter, ids, wts, logit if logit is not None else wts,
+        slots.w2.view(torch.int64), slots.w2_scale, slots.w2_global,
+        sh.w2.view(torch.int64), sh.w2_scale, sh.w2_global, out,
+        logit.stride(0) if logit is not None else 0,
+        H=h, F=f, TOPK=topk, KPAD=_next_pow2(topk), FBP=_next_pow2(f // 16),
+        HAS_SHARED=shared is not None, BLOCK_H=block_h, USE_PDL=pdl,
+        num_warps=cfg.down_warps, **launch)
+    return out

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 
 import torch
+
+from tinyserve import envs
 
 
 def median_ms(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
@@ -28,7 +31,6 @@ def median_ms(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
 def run_meta(name: str, **extra: object) -> dict:
     """The JSON header of a result file: what ran, where, with which versions, when."""
     import datetime
-    import subprocess
 
     now = datetime.datetime.now(datetime.timezone.utc)
     meta: dict = {"name": name, "date": now.isoformat(timespec="seconds"),
@@ -45,12 +47,22 @@ def run_meta(name: str, **extra: object) -> dict:
         meta["cuda"] = torch.version.cuda
     else:
         meta["device"] = "cpu"
-    try:
-        meta["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=True,
-                                        capture_output=True, text=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
+    commit = current_commit()
+    if commit:
+        meta["commit"] = commit
     return {**meta, **extra}
+
+
+def current_commit() -> str | None:
+    """TINYSERVE_BENCH_COMMIT when set (a copied tree whose .git is not its own), else the
+    checkout's short git HEAD; None outside a checkout."""
+    if envs.BENCH_COMMIT.get():
+        return envs.BENCH_COMMIT.get()
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=True,
+                              capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def sync() -> None:

@@ -62,3 +62,5 @@ FULLSIZE_DIR = StrEnv("TINYSERVE_FULLSIZE_DIR", "",
                       "tests and benches: the full-size random checkpoint (testing.fullsize)")
 WRITE_RESULTS = BoolEnv("TINYSERVE_WRITE_RESULTS", "0",
                         "tests: also write their measured figures to bench/results/*.json")
+BENCH_COMMIT = StrEnv("TINYSERVE_BENCH_COMMIT", "",
+                      "commit recorded in bench results (empty: the checkout's git HEAD)")

@@ -262,8 +262,9 @@ def _record(name: str, result: dict) -> None:
             cases = json.loads(RESULT.read_text()).get("cases", {})
         except ValueError:
             cases = {}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()
+    commit = envs.BENCH_COMMIT.get() or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+        text=True).stdout.strip()
     cases[name] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                    "commit": commit, **result}
     data = {"name": "fullsize_graph", "torch": torch.__version__, "commit": commit,

@@ -28,14 +28,12 @@ from tinyserve.kernels.fused_moe_decode2 import (
 if TYPE_CHECKING:
     from tinyserve.kernels.fused_moe import ExpertSlots
 
-# NOTE: the switch of the one-launch decode; False = the gemv path (two launches + a sum,
-# the shared expert through the model's separate gemvs). Off: on the H200 its kernel tests
-# pass, but the full-size model's graph and eager decode then disagree (8-step greedy run,
-# bf16 KV, experts resident: 2-3 of 8 tokens equal, logits apart by up to 3.4; 8 of 8 and
-# 0.0 with this off). Likely cause (bench/NOTES_nvfp4.md, "graph vs eager"): not the graph
-# but the fp32 atomics' run-to-run order, which the random model amplifies through flipped
-# top-k routing; accum="fixed" (same bits every run) is the GPU check and the candidate fix.
-MOE_FUSED_DECODE = False
+# NOTE: the switch of the fused decode (MOE_FUSED_PATH); False = the gemv path (two launches
+# + a sum, the shared expert through the model's separate gemvs). The one-launch "fused" path
+# sums with fp32 atomics in a different order on every launch: on the random full-size model
+# that flips top-k routing and even two eager runs disagree (5 of 8 tokens); "fused2" sums in a
+# fixed order (graph == eager bit for bit, bench/graph_vs_eager.py).
+MOE_FUSED_DECODE = True
 # the decode path the switch enables: "fused2" (two launches, no atomics: the same bits on
 # every run) or "fused" (one launch, atomics; `MoEFusedConfig.accum`)
 MOE_FUSED_PATH = "fused2"
@@ -43,8 +41,9 @@ FUSED_PATHS = ("fused", "fused2")
 MOE_FUSED_MAX_TOKENS = 8  # the most tokens the one-launch decode takes (its workspace rows)
 # fused_moe picks MOE_FUSED_PATH by itself up to this many tokens: on the H200 "fused" won at
 # 1 token (18.6 vs 27.6 us per 35B-A3B layer with the shared expert) and lost at 4 and 8 with
-# untuned tiles (77 vs 71, 134 vs 109 us); "fused2" at 4 and 8: `bench/nvfp4.py --only moe`
-MOE_FUSED_AUTO_TOKENS = 1
+# untuned tiles (77 vs 71, 134 vs 109 us); "fused2" won at 1, 4 and 8 (15.4 / 55.7 / 98.5 us
+# vs 24.7 / 71.4 / 109.2 for gemv; `bench/nvfp4.py --only moe`, nvfp4_moe.json)
+MOE_FUSED_AUTO_TOKENS = 8
 # accumulators of the partial sums (MoEFusedConfig.accum) and their workspace dtypes
 MOE_FUSED_ACCUMS = ("f32", "fixed")
 _ACC_DTYPES = {"f32": torch.float32, "fixed": torch.int64}

@@ -57,8 +57,9 @@ NATIVE_Q = True
 # "tokens" unless both caches are 16-byte aligned and the slot stride is a multiple of 4).
 # sm_90 SASS of the loop, instructions per warp and 16-token sub-tile: ~1310 / ~1140 / ~1030
 # (bench/NOTES_iso.md, round 5).
-# "heads" until the GPU measures the others (bench/iso_attention.py, the mma_loop rows).
-MMA_LOOP = "heads"
+# H200 (bench/results/iso_attention_loops.json): "tokens_wide" fastest at all six points,
+# 3-13 % under "heads" (b8/128k 280 vs 322 us, b1/32k 23.3 vs 24.6 us).
+MMA_LOOP = "tokens_wide"
 _LOOP_CODE = {"heads": 0, "tokens": 1, "tokens_wide": 2}
 
 

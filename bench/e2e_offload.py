@@ -17,7 +17,7 @@ Cases:
   the GPU: the model has no CPU row gather yet), the allocator capped at the budget minus the
   CUDA-context reserve; prefill tok/s at 8k and 30k (prefill streaming on: the default),
   decode tok/s at 1k and 32k context, hit rates, miss bytes per decode token, peak memory
-  (after an untimed warm-up sequence of two chunks).
+  (after an untimed warm-up sequence of three chunks).
 - prefill_stream: the same runner prefilling 8k tokens with prefill streaming off (the cache
   path: lookup + miss copy kernel, then the MoE) and on (offload.prefetch: whole layers
   copied on a side stream while the previous layer computes), each after a warm-up chunk:
@@ -254,10 +254,11 @@ def measure(runner: ModelRunner, plan: Any, quick: bool) -> dict:
     chunk = plan.prefill_chunk
     out: dict[str, Any] = {}
     steps = 16 if quick else 32
-    # NOTE: a warm-up sequence of two chunks first, so that the timed rows do not pay the
-    # first calls of the prefix-attention shapes (Triton builds, cuDNN plans): without it
-    # the 8k row, the first with a prefix, measured 1.1-2.4k tok/s against 6k for 30k
-    out["warmup"] = run_seq(runner, 2 * chunk, 2, chunk, pages)
+    # NOTE: an untimed warm-up sequence of three chunks first (prefix 0, one chunk - flash,
+    # two chunks - cuDNN), so the timed rows do not pay first calls (Triton builds, cuDNN
+    # plans): without it the 8k row, the first with a prefix, took 1.1-2.4k tok/s against 6k
+    # for 30k, and with two chunks its first cuDNN-prefix chunk still took 1.4 s, not 0.34 s
+    out["warmup"] = run_seq(runner, 3 * chunk, 2, chunk, pages)
     for name, n_prompt, n_dec in (("ctx1k", 1024, steps), ("prefill8k", 8192, 0),
                                   ("ctx32k", 30720 if not quick else 8192, steps)):
         torch.cuda.reset_peak_memory_stats()

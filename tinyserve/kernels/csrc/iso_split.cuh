@@ -121,75 +121,9 @@ __global__ void decode_merge_kernel(const float* __restrict__ part_acc,
   for (int j = 0; j < 4; ++j) o[j] = from_float<T>(y[j] * inv);
 }
 
-// The same merge for many splits (hundreds at batch 1): 512 threads per (head, sequence);
-// thread (j, gi) adds the splits s = j (mod 512 / (D/4)) of 4-D group gi, so the loads of
-// many splits are in flight at once; the slices are summed in shared memory.
-constexpr int kWideMergeThreads = 512;
-
-template <typename T>
-__global__ void __launch_bounds__(kWideMergeThreads)
-    decode_merge_wide_kernel(const float* __restrict__ part_acc,
-                             const float* __restrict__ part_ml,
-                             const int32_t* __restrict__ seq_lens, int chunk, int n_splits,
-                             int hq, int d, T* __restrict__ out, int64_t out_stride_b) {
-  __shared__ float red[kWideMergeThreads * 4];
-  __shared__ float red_ml[kWideMergeThreads];
-  const int h = blockIdx.x;
-  const int b = blockIdx.y;
-  const int tid = threadIdx.x;
-  const int g4 = d / 4;
-  const int slices = kWideMergeThreads / g4;
-  const int j = tid / g4;
-  const int gi = tid - j * g4;
-  const int len = seq_lens[b];
-  const int ns = min(n_splits, (len + chunk - 1) / chunk);
-  const int64_t row0 = ((int64_t)b * hq + h) * n_splits;
-  float mx = -CUDART_INF_F;
-  for (int s = tid; s < ns; s += kWideMergeThreads) mx = fmaxf(mx, part_ml[(row0 + s) * 2]);
-  red_ml[tid] = mx;
-  __syncthreads();
-  for (int w = kWideMergeThreads / 2; w > 0; w >>= 1) {
-    if (tid < w) red_ml[tid] = fmaxf(red_ml[tid], red_ml[tid + w]);
-    __syncthreads();
-  }
-  mx = red_ml[0];  // finite: split 0 holds >= 1 token
-  __syncthreads();
-  float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  float sum = 0.0f;
-#pragma unroll 4
-  for (int s = j; s < ns; s += slices) {
-    const float ms = part_ml[(row0 + s) * 2];
-    const float f = ms == -CUDART_INF_F ? 0.0f : exp2f(ms - mx);
-    sum += f * part_ml[(row0 + s) * 2 + 1];
-    const float4 pa = *reinterpret_cast<const float4*>(part_acc + (row0 + s) * d + gi * 4);
-    a[0] += f * pa.x;
-    a[1] += f * pa.y;
-    a[2] += f * pa.z;
-    a[3] += f * pa.w;
-  }
-#pragma unroll
-  for (int c = 0; c < 4; ++c) red[tid * 4 + c] = a[c];
-  if (gi == 0) red_ml[j] = sum;
-  __syncthreads();
-  if (j != 0) return;
-  for (int jj = 1; jj < slices; ++jj) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) a[c] += red[(jj * g4 + gi) * 4 + c];
-  }
-  float total = 0.0f;
-  for (int jj = 0; jj < slices; ++jj) total += red_ml[jj];
-  float y[4];
-  rotate_fast(gi % 32, true, a, y);
-  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-  T* o = out + (int64_t)b * out_stride_b + (int64_t)h * d + gi * 4;
-#pragma unroll
-  for (int c = 0; c < 4; ++c) o[c] = from_float<T>(y[c] * inv);
-}
-
-
 // The split merge spread over many CTAs: grid (q heads, batch, D / kMergeCols), so batch 1
-// still fills the GPU (16 heads x 8 column slices = 128 CTAs at D = 256, where the kernels
-// above run 16). Thread (j, gi) folds the splits s = j (mod kMergeSlices) of the 4-D group gi
+// still fills the GPU (16 heads x 8 column slices = 128 CTAs at D = 256, where the kernel
+// above runs 16). Thread (j, gi) folds the splits s = j (mod kMergeSlices) of the 4-D group gi
 // of its CTA's columns in one pass with an online max (the (max, sum) rows and the partials
 // are loaded together: one round of memory latency per split, not two); the slices are merged
 // by shuffles within a warp and through shared memory across warps, then one inverse rotation

@@ -4,25 +4,23 @@
 Decode: batch 1 and 8, context 4k / 32k / 128k; iso3 with the three decode kernels (the CUDA
 SIMT kernel "cuda", the Triton tensor-core kernel "triton", the CUDA tensor-core kernel "mma"
 of csrc/iso_decode_mma.cu) and a sweep of the mma kernel's settings (warps per CTA, CTAs per
-SM, which set the split count; at 4k the minimum tokens per split), "mma_prev" = the mma
-kernel on its previous path (the one-CTA-per-head split merge, an fp32 copy of q, the previous
-minimum split sizes: `MMA_PREVIOUS`; `mma_vs_previous` has the ratios), iso4 at 32k (cuda,
-triton), the mma kernel's decode loops (`iso_mma.MMA_LOOP`: "heads", "tokens", "tokens_wide",
-rows mma_loop/{loop}-{setting}; `mma_loops` has the best row per loop and point), vs bf16
-torch SDPA with GQA
-(`enable_gqa=True`) over a contiguous bf16 K/V (the baseline). Each timed call runs over
-several distinct layer caches (so nothing stays in L2 between layers, as in a real step)
-inside a CUDA graph; the per-layer time is the graph time / calls. Every timed config also
-records its cosine against an fp32 oracle (dequantized rows, fp32 softmax attention) on the
-same cache. `decode_choice` says which kernel won (the value for kv/iso_pool.DECODE_IMPL),
-`mma_best` the mma settings per batch (the rows for iso_mma.MMA_CONFIG).
+SM, which set the split count; at 4k the minimum tokens per split), iso4 at 32k (cuda,
+triton), the mma kernel's two row stagings (`iso_mma.LOOPS`: "tokens_wide", the shipped one,
+and its fallback "tokens"; rows mma_loop/{loop}-{setting}; `mma_loops` has the best row per
+loop and point), vs bf16 torch SDPA with GQA (`enable_gqa=True`) over a contiguous bf16 K/V
+(the baseline). Each timed call runs over several distinct layer caches (so nothing stays in
+L2 between layers, as in a real step) inside a CUDA graph; the per-layer time is the graph
+time / calls. Every timed config also records its cosine against an fp32 oracle (dequantized
+rows, fp32 softmax attention) on the same cache. `decode_choice` says which kernel won (the
+value for kv/iso_pool.DECODE_IMPL), `mma_best` the mma settings per batch (the rows for
+iso_mma.MMA_CONFIG).
 Extend: tokens/s of a 2k-token chunk over prefixes 0..30k, the ratio to bf16 SDPA at the same
 prefix, and a breakdown (prefix dequantization, prefix attention, chunk attention).
 
 Writes bench/results/iso_attention.json (bench/common.py Recorder: a failing case is recorded
 and the rest still run). Usage: python bench/iso_attention.py [--quick] [--no-extend]
-[--loops] (--loops: bf16 and the mma decode loops only, iso3 decode at the six points, < 60 s,
-written to bench/results/iso_attention_loops.json)
+[--loops] (--loops: bf16 and the mma kernel's two loops only, iso3 decode at the six points,
+< 60 s, written to bench/results/iso_attention_loops.json)
 """
 
 from __future__ import annotations
@@ -112,16 +110,11 @@ def _iso_state(fmt: str, batch: int, ctx: int) -> dict:
 # ctas_per_sm 0: one wave from the kernel's occupancy (the MMA_CONFIG default)
 MMA_SWEEP = [dict(warps=w, ctas_per_sm=c) for w, cs in ((4, (0, 2, 3, 4)), (2, (0, 4, 6, 8)))
              for c in cs]
-# the mma kernel's decode loops, each with the batch's default settings and one wave of 4- or
+# the mma kernel's loops, each with the batch's default settings and one wave of 4- or
 # 2-warp CTAs
-LOOP_SWEEP = [dict(loop=lp, **c) for lp in ("heads", "tokens", "tokens_wide")
+LOOP_SWEEP = [dict(loop=lp, **c) for lp in iso_mma.LOOPS
               for c in (dict(), dict(warps=4, ctas_per_sm=0), dict(warps=2, ctas_per_sm=0))]
 MIN_SPLIT_SWEEP = (32, 64, 128, 256)  # at 4k, with the batch's default warps / CTAs per SM
-# The mma path before the column-sliced merge, the in-kernel q read and the shorter splits.
-MMA_PREVIOUS = {1: dict(merge="wide", native_q=False, warps=4, ctas_per_sm=2,
-                       min_split_tokens=128),
-                8: dict(merge="wide", native_q=False, warps=2, ctas_per_sm=4,
-                       min_split_tokens=256)}
 
 
 def _oracle(st: dict) -> torch.Tensor:
@@ -146,7 +139,7 @@ def _call(st: dict, impl: str, cfg: dict):
     if impl == "cuda":
         return lambda kc, vc, out: iso_cuda.iso_decode_attention(
             q, kc, vc, table, lens, PAGE, fmt, D ** -0.5, max_seq_len=ctx, out=out, **cfg)
-    if impl in ("mma", "mma_prev", "mma_min", "mma_loop"):
+    if impl in ("mma", "mma_min", "mma_loop"):
         return lambda kc, vc, out: iso_mma.iso_decode_attention_mma(
             q, kc, vc, table, lens, PAGE, fmt, D ** -0.5, max_seq_len=ctx, out=out, **cfg)
     return lambda kc, vc, out: iso_triton.iso_decode_attention_triton(
@@ -180,7 +173,7 @@ def bench_decode_iso(st: dict, impl: str, cfg: dict, base_us: float | None) -> d
         c = iso_mma.mma_config(st["batch"])
         ctas = cfg.get("ctas_per_sm", c["ctas_per_sm"])
         fit = iso_mma.ctas_per_sm_fit(st["q"].device, D, cfg.get("warps", c["warps"]),
-                                      cfg.get("loop"))
+                                      cfg.get("loop", "tokens_wide"))
         row["ctas_per_sm_fit"] = fit
         row["split_tokens"], row["splits"] = iso_cuda.plan_splits(
             st["batch"], HKV, st["ctx"], sms,
@@ -286,18 +279,6 @@ def _mma_best(cases: dict) -> dict:
     return out
 
 
-def _vs_previous(cases: dict) -> dict:
-    """Per decode point: the mma path's previous time over its new time (> 1: faster now)."""
-    out = {}
-    for name, row in cases.items():
-        if name.endswith("/iso3/mma_prev") and "us" in row:
-            new = cases.get(name[: -len("_prev")], {})
-            if "us" in new:
-                out[name.split("/iso3/")[0]] = dict(new_us=new["us"], previous_us=row["us"],
-                                                    speedup=row["us"] / new["us"])
-    return out
-
-
 def _loop_name(cfg: dict) -> str:
     setting = f"w{cfg['warps']}c{cfg['ctas_per_sm']}" if "warps" in cfg else "default"
     return f"{cfg['loop']}-{setting}"
@@ -339,8 +320,7 @@ def main() -> int:
         "iso_attention", sms=props.multi_processor_count, cuda=torch.version.cuda,
         shapes=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, page_size=PAGE),
         baseline="torch SDPA bf16, enable_gqa=True, contiguous K/V",
-        mma_config=list(iso_mma.MMA_CONFIG), mma_merge=iso_mma.MERGE,
-        mma_native_q=iso_mma.NATIVE_Q, mma_previous=MMA_PREVIOUS, mma_loop=iso_mma.MMA_LOOP,
+        mma_config=list(iso_mma.MMA_CONFIG), mma_loops=list(iso_mma.LOOPS),
         mode="loops" if args.loops else "full",
         triton_block_t=iso_triton.BLOCK_T,
         targets="iso3 <= 0.5x bf16 at 32k and 128k (batch 1); extend iso/bf16 within 1.3x"))
@@ -363,10 +343,9 @@ def main() -> int:
                 if rec.run(f"{tag}/{fmt}/state", make) is None:
                     continue
                 st = holder.pop("st")
-                impls = ["cuda", "triton"] + (["mma", "mma_prev"] if fmt == "iso3" else [])
+                impls = ["cuda", "triton"] + (["mma"] if fmt == "iso3" else [])
                 for impl in ([] if args.loops else impls):
-                    cfg = MMA_PREVIOUS[batch] if impl == "mma_prev" else {}
-                    rec.run(f"{tag}/{fmt}/{impl}", bench_decode_iso, st, impl, cfg, base)
+                    rec.run(f"{tag}/{fmt}/{impl}", bench_decode_iso, st, impl, {}, base)
                 for cfg in LOOP_SWEEP if fmt == "iso3" else ():
                     rec.run(f"{tag}/{fmt}/mma_loop/{_loop_name(cfg)}", bench_decode_iso, st,
                             "mma_loop", cfg, base)
@@ -383,7 +362,6 @@ def main() -> int:
     cases = rec.data["cases"]
     rec.data["decode_choice"] = _choose(cases)
     rec.data["mma_best"] = _mma_best(cases)
-    rec.data["mma_vs_previous"] = _vs_previous(cases)
     rec.data["mma_loops"] = _loops(cases)
     if not (args.no_extend or args.loops):
         for prefix in (0, 2048, 8192, 30720):
@@ -395,9 +373,6 @@ def main() -> int:
     _summary(cases)
     print(f"decode_choice: {rec.data['decode_choice']}")
     print(f"mma_best: {rec.data['mma_best']}")
-    for point, r in rec.data["mma_vs_previous"].items():
-        print(f"  {point}: mma {r['new_us']:.1f} us, previous path {r['previous_us']:.1f} us, "
-              f"x{r['speedup']:.2f}")
     print("mma loops (best row per loop: us, setting, x bf16):")
     for point, loops in rec.data["mma_loops"].items():
         cells = "  ".join(f"{lp} {r['us']:.1f} ({r['setting']}, x{r['ratio_vs_bf16'] or 0:.2f})"

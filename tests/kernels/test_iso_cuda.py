@@ -196,13 +196,12 @@ DECODE_CASES = [
                          ids=[f"hq{c[0]}-hkv{c[1]}-d{c[2]}-ps{c[3]}-len{max(c[4])}x{len(c[4])}"
                               for c in DECODE_CASES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("impl", ["cuda", "fields", "interleave", "mma", "mma-tokens",
-                                  "mma-tokens_wide"])
+@pytest.mark.parametrize("impl", ["cuda", "fields", "interleave", "mma", "mma-tokens"])
 def test_decode_attention(impl, fmt, case, dtype) -> None:
     hq, hkv, d, ps, lens = case
     if dtype == torch.float32 and max(lens) > 5000:
         pytest.skip("long contexts run in bf16 only")
-    impl, _, loop = impl.partition("-")  # mma-<loop>: iso_mma.MMA_LOOP
+    impl, _, loop = impl.partition("-")  # mma: tokens_wide, mma-tokens: the fallback
     if impl == "mma" and not _mma().mma_supported(fmt, hq, hkv, d):
         pytest.skip("the mma kernel takes iso3 with GQA group <= 8")
     kc, vc, table = _filled_cache(fmt, sum(lens), hkv, d, ps, lens, seed=len(lens) + d)
@@ -214,7 +213,7 @@ def test_decode_attention(impl, fmt, case, dtype) -> None:
         _cuda().iso_decode_attention(q, kc, vc, table, seq_lens, ps, fmt, scale, out=out)
     elif impl == "mma":
         _mma().iso_decode_attention_mma(q, kc, vc, table, seq_lens, ps, fmt, scale, out=out,
-                                        loop=loop or None)
+                                        loop=loop or "tokens_wide")
     else:
         from tinyserve.kernels import iso_triton
 

@@ -2,7 +2,7 @@
 CUDA emulation (cuda_emu/emu.h, plus the kernel's own emulation of the byte permute and of
 the warp-wide mma.sync with the PTX fragment layouts, -DTINYSERVE_CUDA_EMU), against
 `decode_attention_ref`: GQA groups 1-8, head_dim 128/256, page sizes 1/4/16, mixed lengths,
-one and many splits, 2 and 4 warps, the three decode loops (`iso_mma.MMA_LOOP`), poisoned
+one and many splits, 2 and 4 warps, both row stagings (`iso_mma.LOOPS`), poisoned
 partials and outputs. Bound: fp16 operands
 with fp32 accumulation, |out - ref| <= 3e-3 * max|ref| and cosine >= 0.99999."""
 
@@ -29,23 +29,23 @@ def lib(tmp_path_factory):
     lib = emulation.build(("iso_decode_mma.cu",), tmp_path_factory.mktemp("iso_mma_emu"),
                           defines=("TINYSERVE_CUDA_EMU",))
     lib.tinyserve_iso_decode_mma.argtypes = [P, P, P, I64, P, I64, P, I, I, I, I, I, I, I, F,
-                                             I, P, P, P, I64, I, I, I, I, P]
+                                             I, P, P, P, I64, I, I, I, P]
     return lib
 
 
 CASES = [  # hq, hkv, d, page_size, lens, split tokens (None: one split), warps, out dtype,
-    # q dtype, merge (1: column slices, 0: the previous one CTA per head)
-    (16, 2, 256, 16, [1], None, 4, torch.float32, torch.float32, 1),
-    (16, 2, 256, 16, [70, 17, 300], 64, 4, torch.float32, torch.bfloat16, 1),
-    (16, 2, 256, 16, [70, 17, 300], 64, 4, torch.float32, torch.float32, 0),
-    (16, 2, 256, 1, [33, 2], 32, 2, torch.bfloat16, torch.bfloat16, 1),
-    (8, 8, 128, 16, [5, 100], None, 2, torch.float32, torch.float16, 1),
-    (4, 1, 128, 4, [100, 1], 48, 4, torch.float32, torch.float32, 1),
-    (2, 1, 256, 4, [129], 80, 4, torch.float32, torch.float32, 1),
-    (6, 2, 128, 16, [40], None, 4, torch.float32, torch.float32, 0),
-    (16, 2, 256, 16, [600, 5], 16, 2, torch.float32, torch.float32, 1),  # 38 splits
-    (8, 1, 256, 16, [1100], 16, 4, torch.float32, torch.bfloat16, 1),  # 69 splits: > 2 rounds
-    (16, 2, 256, 16, [1000], None, 4, torch.float32, torch.float32, 1),  # ~16 sub-tiles/warp
+    # q dtype
+    (16, 2, 256, 16, [1], None, 4, torch.float32, torch.float32),
+    (16, 2, 256, 16, [70, 17, 300], 64, 4, torch.float32, torch.bfloat16),
+    (16, 2, 256, 16, [70, 17, 300], 64, 4, torch.float32, torch.float32),
+    (16, 2, 256, 1, [33, 2], 32, 2, torch.bfloat16, torch.bfloat16),
+    (8, 8, 128, 16, [5, 100], None, 2, torch.float32, torch.float16),
+    (4, 1, 128, 4, [100, 1], 48, 4, torch.float32, torch.float32),
+    (2, 1, 256, 4, [129], 80, 4, torch.float32, torch.float32),
+    (6, 2, 128, 16, [40], None, 4, torch.float32, torch.float32),
+    (16, 2, 256, 16, [600, 5], 16, 2, torch.float32, torch.float32),  # 38 splits
+    (8, 1, 256, 16, [1100], 16, 4, torch.float32, torch.bfloat16),  # 69 splits: > 2 rounds
+    (16, 2, 256, 16, [1000], None, 4, torch.float32, torch.float32),  # ~16 sub-tiles/warp
 ]
 _CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -70,12 +70,12 @@ def _cache(hkv, d, ps, lens, gen):
     return torch.cat([kc, pad]), torch.cat([vc, pad]), table
 
 
-@pytest.mark.parametrize("loop", ["heads", "tokens", "tokens_wide"])
+@pytest.mark.parametrize("loop", iso_mma.LOOPS)
 @pytest.mark.parametrize("case", CASES, ids=[f"hq{c[0]}-hkv{c[1]}-d{c[2]}-ps{c[3]}-"
                                              f"len{max(c[4])}x{len(c[4])}-w{c[6]}-"
-                                             f"q{str(c[8])[6:]}-m{c[9]}" for c in CASES])
+                                             f"q{str(c[8])[6:]}" for c in CASES])
 def test_mma_decode_matches_reference(lib, case, loop) -> None:
-    hq, hkv, d, ps, lens, split_tokens, warps, dtype, q_dtype, merge = case
+    hq, hkv, d, ps, lens, split_tokens, warps, dtype, q_dtype = case
     gen = torch.Generator().manual_seed(hq * 7 + d + len(lens))
     kc, vc, table = _cache(hkv, d, ps, lens, gen)
     q = (torch.randn(len(lens), hq, d, generator=gen) * 3).to(q_dtype)
@@ -89,7 +89,7 @@ def test_mma_decode_matches_reference(lib, case, loop) -> None:
         q.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.stride(0), table.data_ptr(),
         table.stride(0), seq.data_ptr(), len(lens), hq, hkv, d, ps, chunk, splits, d ** -0.5,
         warps, part_acc.data_ptr(), part_ml.data_ptr(), out.data_ptr(), out.stride(0),
-        _CODE[dtype], _CODE[q_dtype], merge, iso_mma._LOOP_CODE[loop], None)
+        _CODE[dtype], _CODE[q_dtype], iso_mma._wide(loop), None)
     assert rc == 0
     ref = iso.decode_attention_ref(q.float(), kc, vc, table, seq, ps, "iso3", d ** -0.5)
     assert not out.isnan().any()
@@ -103,14 +103,14 @@ def test_mma_decode_matches_reference(lib, case, loop) -> None:
 def test_mma_rejects_unsupported(lib) -> None:
     z = torch.zeros(4, dtype=torch.int32)
     args = [z.data_ptr(), z.data_ptr(), z.data_ptr(), 0, z.data_ptr(), 1, z.data_ptr(), 1]
-    tail = [16, 1, 1, 1.0, 4, z.data_ptr(), z.data_ptr(), z.data_ptr(), 0, 0, 0, 1, 0, None]
+    tail = [16, 1, 1, 1.0, 4, z.data_ptr(), z.data_ptr(), z.data_ptr(), 0, 0, 0, 1, None]
     assert lib.tinyserve_iso_decode_mma(*args, 16, 1, 256, *tail) == 3  # group 16
     assert lib.tinyserve_iso_decode_mma(*args, 8, 1, 384, *tail) == 2  # head_dim
     bad_warps = tail[:4] + [3] + tail[5:]
     assert lib.tinyserve_iso_decode_mma(*args, 8, 1, 256, *bad_warps) == 4
-    # q dtype code, merge, loop
-    for bad in ([0, 3, 1, 0], [0, 0, 2, 0], [0, -1, 1, 0], [0, 0, 1, 3], [0, 0, 1, -1]):
-        assert lib.tinyserve_iso_decode_mma(*args, 8, 1, 256, *tail[:-5], *bad, None) == 5
+    # q dtype code, wide
+    for bad in ([0, 3, 1], [0, -1, 1], [0, 0, 2], [0, 0, -1]):
+        assert lib.tinyserve_iso_decode_mma(*args, 8, 1, 256, *tail[:-4], *bad, None) == 5
 
 
 def test_mma_config_table() -> None:
@@ -164,6 +164,14 @@ def test_decode_launchers_check_devices_and_out(monkeypatch) -> None:
                        max_seq_len=8, out=args["out"])
 
 
+def test_every_cuda_source_is_in_the_build_hash() -> None:
+    # a change to any csrc file must rebuild the library (iso_cuda._library hashes these)
+    from tinyserve.kernels import iso_cuda
+
+    assert {p.name for p in CSRC.glob("*.cu")} == set(iso_cuda._SOURCES)
+    assert {p.name for p in CSRC.glob("*.cuh")} == set(iso_cuda._HEADERS)
+
+
 @pytest.mark.slow
 def test_mma_kernel_builds_for_sm90(tmp_path) -> None:
     """nvcc (no GPU needed) builds the kernel for sm_90 without register spills and within
@@ -177,7 +185,7 @@ def test_mma_kernel_builds_for_sm90(tmp_path) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     info = res.stderr
     kernels = re.findall(r"Compiling entry function '(\w*decode_mma_kernel\w*)'", info)
-    assert len(kernels) == 12, info[-3000:]  # head_dim 128/256 x 2/4 warps x 3 loops
+    assert len(kernels) == 8, info[-3000:]  # head_dim 128/256 x 2/4 warps x 2 stagings
     assert not re.search(r"[1-9]\d* bytes spill stores", info), info[-3000:]
     for smem in re.findall(r"(\d+) bytes smem", info):
         assert int(smem) <= 48 * 1024
@@ -214,21 +222,14 @@ def test_decode_launchers_pass_the_split_plan_to_the_library(monkeypatch, forced
     assert a2[7:16] == (b, hq, hkv, d, ps, *want_mma, 0.5, iso_mma.mma_config(b)["warps"])
     assert a1[3] == kc.stride(0) and a1[5] == table.stride(0)
     assert a1[-3:] == (out_cuda.data_ptr(), out_cuda.stride(0), 1)
-    # the MMA entry reads q in its dtype (code 1: bf16), takes the merge kernel (1: cols) and
-    # the decode loop (MMA_LOOP)
-    loop = iso_mma._LOOP_CODE[iso_mma.MMA_LOOP]
-    assert a2[-6:] == (out_mma.data_ptr(), out_mma.stride(0), 1, 1, 1, loop)
+    # the MMA entry reads q in its dtype (code 1: bf16) and takes wide = 1 (tokens_wide)
+    assert a2[-5:] == (out_mma.data_ptr(), out_mma.stride(0), 1, 1, 1)
     assert a2[0] == q.data_ptr()
-    prev = iso_mma.iso_decode_attention_mma(q, kc, kc, table, seq, ps, "iso3", 0.5,
-                                            split_tokens=forced, merge="wide", native_q=False)
-    a3 = calls[2][1]  # the previous path: an fp32 copy of q, the one-CTA-per-head merge
-    assert a3[7:16] == a2[7:16] and a3[-6:] == (prev.data_ptr(), prev.stride(0), 1, 0, 0, loop)
-    assert prev.dtype == q.dtype
-    for name, code in (("heads", 0), ("tokens", 1), ("tokens_wide", 2)):
+    for name, wide in (("tokens", 0), ("tokens_wide", 1)):
         iso_mma.iso_decode_attention_mma(q, kc, kc, table, seq, ps, "iso3", 0.5,
                                          split_tokens=forced, loop=name)
-        assert calls[-1][1][7:16] == a2[7:16] and calls[-1][1][-1] == code
-    for bad in (dict(merge="x"), dict(loop="x")):
+        assert calls[-1][1][7:16] == a2[7:16] and calls[-1][1][-1] == wide
+    for bad in ("heads", "x"):
         with pytest.raises(ValueError):
-            iso_mma.iso_decode_attention_mma(q, kc, kc, table, seq, ps, "iso3", 0.5, **bad)
+            iso_mma.iso_decode_attention_mma(q, kc, kc, table, seq, ps, "iso3", 0.5, loop=bad)
     assert out_cuda.shape == out_mma.shape == (b, hq, d) and out_cuda.dtype == q.dtype

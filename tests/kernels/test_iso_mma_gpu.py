@@ -1,7 +1,7 @@
-"""The tensor-core ISO3 decode kernel on the GPU: the split merges ("cols", the previous
-"wide"), q read in its dtype or as an fp32 copy, the one-wave split plan and the three decode
-loops (`iso_mma.MMA_LOOP`) against an fp32 oracle over the dequantized rows; replays of a CUDA
-graph of the call; the same bits on every run (and from the graph); the occupancy query.
+"""The tensor-core ISO3 decode kernel on the GPU: q in each dtype, the one-wave split plan and
+both row stagings (`iso_mma.LOOPS`: "tokens_wide", the shipped one, and its fallback "tokens")
+against an fp32 oracle over the dequantized rows; replays of a CUDA graph of the call; the
+same bits on every run (and from the graph); the unaligned fallback; the occupancy query.
 Bound: cosine >= 0.9999 and |out - ref| <= 1e-2 * max|ref| (fp16 operands, bf16 q/out)."""
 
 from __future__ import annotations
@@ -57,13 +57,10 @@ def _check(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     assert cos >= 0.9999 and err <= 1e-2, f"{what}: cosine {cos.item():.6f}, error {err:.2e}"
 
 
-LOOPS = ("heads", "tokens", "tokens_wide")
-SETTINGS = [dict(), dict(merge="wide"), dict(native_q=False), dict(merge="wide", native_q=False),
-            dict(warps=4, ctas_per_sm=2, min_split_tokens=128), dict(warps=2, ctas_per_sm=0),
-            dict(split_tokens=16)]
-SETTINGS += [dict(cfg, loop=loop) for loop in LOOPS for cfg in
-             (dict(), dict(warps=2, ctas_per_sm=0), dict(split_tokens=16),
-              dict(merge="wide", native_q=False))]
+LOOPS = iso_mma.LOOPS
+SETTINGS = [dict(cfg, loop=loop) for loop in LOOPS for cfg in
+            (dict(), dict(warps=4, ctas_per_sm=2, min_split_tokens=128),
+             dict(warps=2, ctas_per_sm=0), dict(split_tokens=16))]
 
 
 @pytest.mark.parametrize("lens", [[1], [4096], [300, 17, 5000, 1], [20000]],
@@ -130,8 +127,8 @@ def test_mma_same_bits_every_run(loop) -> None:
 
 
 def test_mma_tokens_wide_on_unaligned_caches() -> None:
-    """Caches that are not 16-byte aligned (4 is what the 4-byte staging copies of the other
-    loops need at head_dim 256) run the "tokens" loop: same bits, oracle bound."""
+    """Caches that are not 16-byte aligned (4 is what the 4-byte word copies of "tokens" need
+    at head_dim 256) run "tokens_wide" as "tokens": same bits, oracle bound."""
     lens = [5000, 77]
     kc, vc, table, seq = _state(lens, seed=9)
     q = torch.randn(len(lens), HQ, D, device="cuda").bfloat16()

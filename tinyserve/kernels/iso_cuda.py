@@ -34,13 +34,14 @@ log = get_logger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("iso_store.cu", "iso_decode.cu", "iso_decode_mma.cu")
+_HEADERS = ("iso_common.cuh", "iso_split.cuh", "iso_mma_prims.cuh")  # in the build hash
 _BITS = {"iso3": 3, "iso4": 4}
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _TILE = 32
 MIN_SPLIT_TOKENS = 256
 _ERRORS = {2: "bad format or head_dim", 3: "unsupported GQA group", 4: "bad n_warps",
-           5: "bad q dtype or merge"}
+           5: "bad q dtype or wide"}
 
 _I, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
@@ -51,7 +52,7 @@ _SIGNATURES = {
     "tinyserve_iso_decode": [_P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _I, _I, _F,
                              _I, _P, _P, _P, _I64, _I, _P],
     "tinyserve_iso_decode_mma": [_P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _I, _I,
-                                 _F, _I, _P, _P, _P, _I64, _I, _I, _I, _I, _P],
+                                 _F, _I, _P, _P, _P, _I64, _I, _I, _I, _P],
     "tinyserve_iso_decode_mma_occupancy": [_I, _I, _I],
 }
 
@@ -71,7 +72,7 @@ def _nvcc() -> str:
 def _library(major: int, minor: int) -> ctypes.CDLL:
     """Compile csrc/iso_*.cu for sm_{major}{minor} into a shared library (cached by source
     hash in TINYSERVE_CACHE_DIR) and load it."""
-    files = [_CSRC / s for s in _SOURCES] + [_CSRC / "iso_common.cuh", _CSRC / "iso_split.cuh"]
+    files = [_CSRC / s for s in (*_SOURCES, *_HEADERS)]
     digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
     out_dir = envs.CACHE_DIR.get() / "kernels"
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -40,27 +40,14 @@ MMA_CONFIG: tuple[dict, ...] = (  # H200 sweep, bench/results/iso_attention.json
 # CTAs per SM assumed for a one-wave grid where the occupancy is unknown (no CUDA device).
 FALLBACK_CTAS_PER_SM = 2
 
-# The split merge after the kernel: "cols" (decode_merge_cols_kernel, CTAs over (q head,
-# sequence, 32-column slice): 128 CTAs at batch 1) or "wide" (the previous
-# decode_merge_wide_kernel, one CTA per (q head, sequence): 16 at batch 1).
-MERGE = "cols"
-_MERGE_CODE = {"wide": 0, "cols": 1}
-# Read q in its own dtype in the kernel (True), or pass an fp32 copy (the previous path: one
-# more launch per call).
-NATIVE_Q = True
-# The decode loop of the kernel (csrc/iso_decode_mma.cu, template argument LOOP):
-# "heads": the query heads are the score MMA's rows (8 of 16 rows zero: 2 MMAs per 16 tokens
-# and k-step, the zero fragment registers moved in before each), the rows staged with 4-byte
-# cp.async copies; "tokens": the sub-tile's 16 tokens are the rows and the query the B operand
-# (one MMA per k-step, P transposed to the V MMA's operand with movmatrix); "tokens_wide":
-# "tokens" with each row staged as 16-byte copies of the aligned chunks covering it (runs as
-# "tokens" unless both caches are 16-byte aligned and the slot stride is a multiple of 4).
-# sm_90 SASS of the loop, instructions per warp and 16-token sub-tile: ~1310 / ~1140 / ~1030
-# (bench/NOTES_iso.md, round 5).
-# H200 (bench/results/iso_attention_loops.json): "tokens_wide" fastest at all six points,
-# 3-13 % under "heads" (b8/128k 280 vs 322 us, b1/32k 23.3 vs 24.6 us).
-MMA_LOOP = "tokens_wide"
-_LOOP_CODE = {"heads": 0, "tokens": 1, "tokens_wide": 2}
+# The kernel's loop (csrc/iso_decode_mma.cu): the sub-tile's 16 tokens are the score MMA's
+# rows and the query its B operand, P reaches the V MMA's operand through movmatrix.
+# "tokens_wide" stages each row as 16-byte copies of the aligned chunks covering it (the
+# entry runs "tokens" instead unless both caches are 16-byte aligned and the slot stride is a
+# multiple of 4); "tokens" stages rows as 2/4-byte words. H200
+# (bench/results/iso_attention_loops.json): "tokens_wide" is the faster at all six points;
+# the launcher takes it, `loop="tokens"` forces the fallback (tests, bench).
+LOOPS = ("tokens_wide", "tokens")
 
 
 def mma_config(batch: int) -> dict:
@@ -71,20 +58,25 @@ def mma_config(batch: int) -> dict:
     return MMA_CONFIG[-1]
 
 
+def _wide(loop: str) -> int:
+    if loop not in LOOPS:
+        raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
+    return int(loop == "tokens_wide")
+
+
 @functools.cache
-def _occupancy(device: torch.device, head_dim: int, warps: int, loop: str = "heads") -> int:
+def _occupancy(device: torch.device, head_dim: int, warps: int, wide: int = 1) -> int:
     lib = _library(*torch.cuda.get_device_capability(device))
-    return lib.tinyserve_iso_decode_mma_occupancy(head_dim, warps, _LOOP_CODE[loop])
+    return lib.tinyserve_iso_decode_mma_occupancy(head_dim, warps, wide)
 
 
 def ctas_per_sm_fit(device: torch.device, head_dim: int, warps: int,
-                    loop: str | None = None) -> int:
-    """How many CTAs of the kernel (head_dim, warps, loop: MMA_LOOP when None) one SM holds:
-    the CUDA occupancy on a CUDA device, FALLBACK_CTAS_PER_SM elsewhere or when the query
-    fails."""
+                    loop: str = "tokens_wide") -> int:
+    """How many CTAs of the kernel (head_dim, warps, loop) one SM holds: the CUDA occupancy
+    on a CUDA device, FALLBACK_CTAS_PER_SM elsewhere or when the query fails."""
     if device.type != "cuda":
         return FALLBACK_CTAS_PER_SM
-    return _occupancy(device, head_dim, warps, loop or MMA_LOOP) or FALLBACK_CTAS_PER_SM
+    return _occupancy(device, head_dim, warps, _wide(loop)) or FALLBACK_CTAS_PER_SM
 
 
 def mma_supported(fmt: str, num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -98,24 +90,20 @@ def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                              fmt: str, scale: float, *, max_seq_len: int | None = None,
                              out: torch.Tensor | None = None, split_tokens: int | None = None,
                              warps: int | None = None, ctas_per_sm: int | None = None,
-                             min_split_tokens: int | None = None, merge: str | None = None,
-                             native_q: bool | None = None,
-                             loop: str | None = None) -> torch.Tensor:
+                             min_split_tokens: int | None = None,
+                             loop: str = "tokens_wide") -> torch.Tensor:
     """`iso_cuda.iso_decode_attention` on tensor cores (iso3 only; GQA group <= 8; head_dim
-    128 or 256): fp16 query and centroid operands, fp32 accumulation. Settings default to
-    `mma_config(B)`; `split_tokens`, `warps`, `ctas_per_sm` (0: one wave from the
-    occupancy), `min_split_tokens` override them (tuning); `merge` ("cols" / "wide") and
-    `native_q` override MERGE and NATIVE_Q (the previous path for comparisons), `loop`
-    ("heads" / "tokens" / "tokens_wide") MMA_LOOP. Raises ValueError on shapes or settings
-    it does not take."""
+    128 or 256): fp16 query and centroid operands, fp32 accumulation, q read in its own
+    dtype. Settings default to `mma_config(B)`; `split_tokens`, `warps`, `ctas_per_sm` (0:
+    one wave from the occupancy), `min_split_tokens` override them (tuning); `loop="tokens"`
+    forces the word-staged fallback (LOOPS). Raises ValueError on shapes or settings it does
+    not take."""
     b, hq, d, hkv = _check_decode(q, k_cache, v_cache, page_table, seq_lens, fmt)
     _check_out(out, q, b, hq, d)
     if not mma_supported(fmt, hq, hkv, d):
         raise ValueError(f"the MMA decode kernel takes iso3, GQA group <= 8, head_dim 128/256; "
                          f"got {fmt}, {hq}/{hkv} heads, head_dim {d}")
-    loop = loop or MMA_LOOP
-    if loop not in _LOOP_CODE:
-        raise ValueError(f"loop must be one of {tuple(_LOOP_CODE)}, got {loop!r}")
+    wide = _wide(loop)
     cfg = mma_config(b)
     warps = warps or cfg["warps"]
     ctas = ctas_per_sm if ctas_per_sm is not None else cfg["ctas_per_sm"]
@@ -123,13 +111,6 @@ def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                                   min_tokens=min_split_tokens or cfg["min_split_tokens"],
                                   ctas_per_sm=ctas or ctas_per_sm_fit(q.device, d, warps, loop),
                                   one_wave=not ctas)
-    merge = merge or MERGE
-    if merge not in _MERGE_CODE:
-        raise ValueError(f"merge must be one of {tuple(_MERGE_CODE)}, got {merge!r}")
-    if not (NATIVE_Q if native_q is None else native_q):  # the previous path: fp32 copy of q
-        if out is None:
-            out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
-        q = q.float()
     return run_split_decode("tinyserve_iso_decode_mma", warps, q, k_cache,
                             v_cache, page_table, seq_lens, page_size, scale, chunk, splits, out,
-                            native_q=True, tail=(_MERGE_CODE[merge], _LOOP_CODE[loop]))
+                            native_q=True, tail=(wide,))

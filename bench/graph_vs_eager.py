@@ -6,8 +6,14 @@ how many tokens agree and the largest logit difference. One mode per process (a 
 used to find which kernel change made graph and eager disagree.
 
     python bench/graph_vs_eager.py MODE [--ckpt DIR] [--kv bf16] [--steps 8]
-    modes: as_is | fused_off (one-launch MoE decode off) | fused_on | fused_default_tile |
-           gemv_old (lm_head back on the non-persistent GEMV) | both_off
+    modes: as_is | fused_on (the fused MoE decode on, as shipped) | fused_off (the fused MoE
+           decode off: the gemv path + the separate shared expert) | fused_default_tile
+           (the fused decode with `MoEFusedConfig()` instead of the table's tiles) |
+           gemv_old (lm_head back on the non-persistent GEMV) | both_off (fused_off +
+           gemv_old)
+
+Every kernel of the decode sums in a fixed order, so every mode should give all tokens
+identical and a largest logit difference of 0.
 """
 
 from __future__ import annotations

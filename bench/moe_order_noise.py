@@ -1,7 +1,7 @@
 """CPU emulation: does the fp32 atomic order of the one-launch MoE decode alone make two decodes
 of the random full-shape model disagree?
 
-`SparseMoE.forward` at 1 token is replaced by the kernel's math (`fused_moe_decode_triton.py`,
+`SparseMoE.forward` at 1 token is replaced by the kernel's math (that kernel is removed now;
 tiles 16 features per program): fp32 gate_up and silu * up, one [H] down partial per (pair,
 16-feature chunk), times the routing weight (the shared expert: sigmoid(gate logit) rounded
 to the model dtype), summed in fp32 in a random (`random`) or a fixed (`fixed`) order, rounded

@@ -7,14 +7,12 @@ baseline from the same run:
 2. gemv M = 1 on the 35B-A3B shapes (qkvz, lm_head, o_proj, gate_up, down): bf16 cuBLAS,
    the shape's current tiles (`default_gemv_config`) and every candidate of `GEMV_SWEEP`
    (decode "f32" / "h2", rows, blocks, warps, load width, stages, split-K);
-3. fused MoE decode, one token x 8 of 256 experts: the deterministic two-launch path
-   ("fused2", its table tiles and `MOE_FUSED2_CANDIDATES`) and the one-launch path ("fused",
-   table tiles, fp32 and int64 fixed-point atomics) beside the "gemv" path (its current
-   tiles), routed only and for the whole layer (+ the shared expert: in the fused launches,
-   vs the model's separate gate_up GEMV, silu_mul, down GEMV and gated_add), against the
-   time to read the experts' bytes at `bw` (target <= 2x); then the whole layer at 4 and 8
-   tokens (gemv, fused f32 / fixed, fused2 table tiles + the first `FUSED2_MULTI`
-   candidates).
+3. fused MoE decode, one token x 8 of 256 experts: the "fused" path (two launches,
+   deterministic; its table tiles and `MOE_FUSED_CANDIDATES`) beside the "gemv" path (its
+   current tiles), routed only and for the whole layer (+ the shared expert: in the fused
+   launches, vs the model's separate gate_up GEMV, silu_mul, down GEMV and gated_add),
+   against the time to read the experts' bytes at `bw` (target <= 2x); then the whole layer
+   at 4 and 8 tokens (gemv, fused table tiles + the first `FUSED_MULTI` candidates).
 Every variant is first checked against the torch reference on the GPU (relative Frobenius
 and max errors recorded; a variant over 1e-2 is not timed). Timing: the median of 10 replays
 of a CUDA graph that cycles through enough weight copies (>= 256 MB) to miss L2. The winners
@@ -55,13 +53,9 @@ from tinyserve.kernels.fused_moe import (  # noqa: E402
     single_expert_slots,
 )
 from tinyserve.kernels.fused_moe_decode import (  # noqa: E402
+    MOE_FUSED_CANDIDATES,
     MoEFusedConfig,
     default_moe_fused_config,
-)
-from tinyserve.kernels.fused_moe_decode2 import (  # noqa: E402
-    MOE_FUSED2_CANDIDATES,
-    MoEFused2Config,
-    default_moe_fused2_config,
 )
 from tinyserve.kernels.nvfp4 import GemvConfig, default_gemv_config, nvfp4_linear  # noqa: E402
 from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4  # noqa: E402
@@ -86,7 +80,7 @@ GEMV_SWEEP_SMALL_K = [  # K = 512 (32 blocks)
     G(32, 32, 4), G(16, 32, 2), G(64, 32, 8), G(32, 32, 4, decode="h2"),
     G(16, 32, 2, decode="h2"), G(64, 32, 8, decode="h2"),
 ]
-FUSED2_MULTI = 4  # fused2 candidates also timed at 4 and 8 tokens
+FUSED_MULTI = 4  # fused candidates also timed at 4 and 8 tokens
 ROTATE_BYTES = 256 << 20  # cycle weight copies until this many bytes (> L2)
 MAX_REL_ERR = 1e-2
 TIME_BUDGET_S = 100.0
@@ -259,17 +253,13 @@ def moe_key(c: MoEGemvConfig) -> str:
 
 
 def fused_key(c: MoEFusedConfig) -> str:
-    return f"{c.decode}_bf{c.block_f}_bb{c.block_b}_bh{c.block_h}_w{c.num_warps}_{c.accum}"
-
-
-def fused2_key(c: MoEFused2Config) -> str:
     return (f"{c.decode}_bf{c.block_f}_bb{c.block_b}_w{c.num_warps}_bh{c.block_h}"
-            f"_dw{c.down_warps}{'_pdl' if c.pdl else ''}")
+            f"_dw{c.down_warps}")
 
 
-def fused2_table_entry(h: int, f: int, c: MoEFused2Config) -> str:
-    return (f"({h}, {f}): MoEFused2Config({c.block_f}, {c.block_b}, {c.num_warps}, "
-            f"{c.block_h}, {c.down_warps}, {c.decode!r}{', pdl=True' if c.pdl else ''}),")
+def fused_table_entry(h: int, f: int, c: MoEFusedConfig) -> str:
+    return (f"({h}, {f}): MoEFusedConfig({c.block_f}, {c.block_b}, {c.num_warps}, "
+            f"{c.block_h}, {c.down_warps}, {c.decode!r}),")
 
 
 def _shared_path(x, sh, logit, routed):
@@ -287,8 +277,8 @@ def _shared_path(x, sh, logit, routed):
 def bench_moe_decode(bw: float, dev: str, smoke: bool, n: int = 1, h: int = 2048,
                      f: int = 512, e: int = 256, sweep: bool = True) -> dict:
     """n tokens x 8 of `e` experts (+ the shared expert): "gemv" + the separate shared expert
-    (old), "fused" (one launch; fp32 / fixed-point atomics) and "fused2" (two launches,
-    deterministic; table tiles + candidates), each vs the byte-read time."""
+    and "fused" (two launches, deterministic; table tiles + candidates), each vs the
+    byte-read time."""
     k = 8
     slots = expert_slots_fp4(e, h, f, dev)
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -318,9 +308,6 @@ def bench_moe_decode(bw: float, dev: str, smoke: bool, n: int = 1, h: int = 2048
                               shared_logit=logits[0]).float()
     gemv_cfg = default_moe_gemv_config(h, f)
     fused_cfg = default_moe_fused_config(h, f)
-    fixed_cfg = MoEFusedConfig(fused_cfg.block_f, fused_cfg.block_b, fused_cfg.block_h,
-                               fused_cfg.num_warps, fused_cfg.decode, "fixed")
-    fused2_cfg = default_moe_fused2_config(h, f)
 
     def routed(path, cfg):
         def fn(i):
@@ -337,19 +324,15 @@ def bench_moe_decode(bw: float, dev: str, smoke: bool, n: int = 1, h: int = 2048
                              shared_logit=logits[i], path=path, fused_config=cfg)
         return fn
 
-    # (key, fn, ref, read time, fused2 config or None)
-    cases = [("old_layer", layer("gemv", None), ref_layer, read_layer, None),
-             ("new_layer", layer("fused", fused_cfg), ref_layer, read_layer, None),
-             ("fixed_layer", layer("fused", fixed_cfg), ref_layer, read_layer, None),
-             ("fused2_layer", layer("fused2", fused2_cfg), ref_layer, read_layer, fused2_cfg)]
+    # (key, fn, ref, read time, fused config or None)
+    cases = [("gemv_layer", layer("gemv", None), ref_layer, read_layer, None),
+             ("fused_layer", layer("fused", fused_cfg), ref_layer, read_layer, fused_cfg)]
     if n == 1:
-        cases += [("old_routed", routed("gemv", None), ref_routed, read_routed, None),
-                  ("new_routed", routed("fused", fused_cfg), ref_routed, read_routed, None),
-                  ("fused2_routed", routed("fused2", fused2_cfg), ref_routed, read_routed,
-                   None)]
-    cands = MOE_FUSED2_CANDIDATES if sweep else MOE_FUSED2_CANDIDATES[:FUSED2_MULTI]
-    cases += [(f"fused2_layer_{fused2_key(c)}", layer("fused2", c), ref_layer, read_layer, c)
-              for c in cands if c != fused2_cfg]
+        cases += [("gemv_routed", routed("gemv", None), ref_routed, read_routed, None),
+                  ("fused_routed", routed("fused", fused_cfg), ref_routed, read_routed, None)]
+    cands = MOE_FUSED_CANDIDATES if sweep else MOE_FUSED_CANDIDATES[:FUSED_MULTI]
+    cases += [(f"fused_layer_{fused_key(c)}", layer("fused", c), ref_layer, read_layer, c)
+              for c in cands if c != fused_cfg]
     variants: dict = {}
     configs: dict = {}
     for key, fn, ref, read_us, cfg in cases:
@@ -370,22 +353,18 @@ def bench_moe_decode(bw: float, dev: str, smoke: bool, n: int = 1, h: int = 2048
         variants[key] = res
     out["gemv_config"] = moe_key(gemv_cfg)
     out["fused_config"] = fused_key(fused_cfg)
-    out["fused2_config"] = fused2_key(fused2_cfg)
     out["variants"] = variants
-    old = variants.get("old_layer", {})
-    for what in ("new_layer", "fixed_layer", "fused2_layer"):
-        if "us" in old and "us" in variants.get(what, {}):
-            out[f"speedup_{what}"] = old["us"] / variants[what]["us"]
-    for what in ("new_routed", "fused2_routed"):
-        if "us" in variants.get("old_routed", {}) and "us" in variants.get(what, {}):
-            out[f"speedup_{what}"] = variants["old_routed"]["us"] / variants[what]["us"]
+    for what in ("layer", "routed"):
+        gemv, fused = variants.get(f"gemv_{what}", {}), variants.get(f"fused_{what}", {})
+        if "us" in gemv and "us" in fused:
+            out[f"speedup_fused_{what}"] = gemv["us"] / fused["us"]
     timed = {kk: v for kk, v in variants.items() if kk in configs and "us" in v}
     if timed:
         best = min(timed, key=lambda kk: timed[kk]["us"])
         c = configs[best]
-        out["best"] = {"config": fused2_key(c), "us": timed[best]["us"],
+        out["best"] = {"config": fused_key(c), "us": timed[best]["us"],
                        "ratio_to_read_time": timed[best]["ratio_to_read_time"],
-                       "table_entry": fused2_table_entry(h, f, c)}
+                       "table_entry": fused_table_entry(h, f, c)}
     return out
 
 
@@ -398,17 +377,14 @@ def summary(rec: Recorder) -> None:
         if "read_layer_us" in case:
             v = case["variants"]
             row = " | ".join(f"{kk} {v[kk]['us']:.2f} us ({v[kk]['ratio_to_read_time']:.2f}x)"
-                             for kk in ("old_layer", "new_layer", "fixed_layer",
-                                        "fused2_layer", "old_routed", "new_routed",
-                                        "fused2_routed")
+                             for kk in ("gemv_layer", "fused_layer", "gemv_routed",
+                                        "fused_routed")
                              if "us" in v.get(kk, {}))
             nan = float("nan")
-            print(f"{name:28s} (old = gemv, new = fused f32, fixed = fused int64)\n    {row}"
+            print(f"{name:28s}\n    {row}"
                   f"\n    read time: routed {case['read_routed_us']:.2f} us, layer "
-                  f"{case['read_layer_us']:.2f} us; layer speedup over gemv: fused "
-                  f"{case.get('speedup_new_layer', nan):.2f}x, fixed "
-                  f"{case.get('speedup_fixed_layer', nan):.2f}x, fused2 "
-                  f"{case.get('speedup_fused2_layer', nan):.2f}x; best fused2 "
+                  f"{case['read_layer_us']:.2f} us; layer speedup of fused over gemv "
+                  f"{case.get('speedup_fused_layer', nan):.2f}x; best fused "
                   f"{best['config']} {best['us']:.2f} us ({best['ratio_to_read_time']:.2f}x "
                   f"the layer read time)")
         elif "frac_bw" in best:
@@ -421,8 +397,8 @@ def summary(rec: Recorder) -> None:
         bad = [kk for kk, v in case["variants"].items() if "us" not in v]
         if bad:
             print("    not timed (wrong / error / skipped):", ", ".join(bad))
-    print("\ntable entries (nvfp4_tiles.py GEMV_TILES; fused_moe_decode2.py "
-          "MOE_FUSED2_TILES):")
+    print("\ntable entries (nvfp4_tiles.py GEMV_TILES; fused_moe_decode.py "
+          "MOE_FUSED_TILES):")
     for case in rec.data["cases"].values():
         if case.get("best"):
             print("   ", case["best"]["table_entry"])

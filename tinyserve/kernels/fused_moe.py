@@ -5,20 +5,17 @@ index, so the same kernels serve all-resident experts (slot = expert id) and the
 cache (slot = cache line). `fused_moe` runs every (token, expert) pair of a layer in one launch
 sequence: gate_up -> silu(gate) * up -> down scaled by the routing weight -> sum over the k
 experts of each token, plus optionally a gated shared expert (`shared_slots`, one slot).
-Decode, NVFP4, up to `MOE_FUSED_MAX_TOKENS` tokens ("fused", `fused_moe_decode.py`): ONE
-launch for every expert of every token and the shared expert, programs per (pair, feature
-chunk), fp32 atomics into a self-clearing accumulator (`fused_moe_decode.MOE_FUSED_DECODE =
-False` switches it off), or "fused2" (`fused_moe_decode2.py`): two launches, gate_up +
-silu * up per (pair, feature chunk), then down per (token, row block) summing every pair in
-registers: no atomics, the same bits every run (`fused_moe_decode.MOE_FUSED_PATH` names the
-one the switch enables). Otherwise, decode ("gemv", few pairs): gate_up with one program per pair
-and row block,
-int64 code loads (the GEMV core of `kernels/nvfp4.py`; tiles per (H, F) from
-`nvfp4_tiles.MOE_GEMV_TILES`), pairs ordered by slot so shared experts
-come from L2; down with one program per token and row block summing its k experts (or
-`down_expert_split` groups of them in separate programs, fp32 partial sums added after).
-Prefill: pairs grouped per slot into BLOCK_M tiles (`align_pairs`, no host sync) and
-tensor-core dots with the weight tile dequantized in the K loop.
+Decode, NVFP4, up to `MOE_FUSED_MAX_TOKENS` tokens ("fused", `fused_moe_decode.py`): every
+expert of every token and the shared expert in two launches, gate_up + silu * up per (pair,
+feature chunk), then down per (token, row block) summing every pair in registers: no
+atomics, the same bits every run (`fused_moe_decode.MOE_FUSED_DECODE = False` switches it
+off). Otherwise, decode ("gemv", few pairs): gate_up with one program per pair and row
+block, int64 code loads (the GEMV core of `kernels/nvfp4.py`; tiles per (H, F) from
+`nvfp4_tiles.MOE_GEMV_TILES`), pairs ordered by slot so shared experts come from L2; down
+with one program per token and row block summing its k experts (or `down_expert_split`
+groups of them in separate programs, fp32 partial sums added after). Prefill: pairs grouped
+per slot into BLOCK_M tiles (`align_pairs`, no host sync) and tensor-core dots with the
+weight tile dequantized in the K loop.
 
 Slot layout (gate = rows 0..F-1 of w13, up = rows F..2F-1):
 - NVFP4: w13 uint8 [S, 2F, H/2], w13_scale uint8 [S, 2F, H/16], w13_global fp32 [S, 2]
@@ -37,16 +34,14 @@ import torch
 from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
 from tinyserve.kernels import fused_moe_decode as fmd
 from tinyserve.kernels.fused_moe_decode import (
-    FUSED_PATHS,
-    MoEFused2Config,
     MoEFusedConfig,
-    fused_decode_config,
+    default_moe_fused_config,
     fuses_shared_expert,
     moe_fused_decode,
 )
 from tinyserve.kernels.nvfp4_tiles import MoEGemvConfig, default_moe_gemv_config
 
-MOE_PATHS = ("fused", "fused2", "gemv", "dot")
+MOE_PATHS = ("fused", "gemv", "dot")
 MOE_GEMV_MAX_PAIRS = 64  # default: gemv up to this many (token, expert) pairs, then dot
 
 
@@ -234,7 +229,7 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
               slots: ExpertSlots, *, shared_slots: ExpertSlots | None = None,
               shared_logit: torch.Tensor | None = None, path: str | None = None,
               gemv_config: MoEGemvConfig | None = None,
-              fused_config: MoEFusedConfig | MoEFused2Config | None = None) -> torch.Tensor:
+              fused_config: MoEFusedConfig | None = None) -> torch.Tensor:
     """Routed-expert MLP: sum_j w[t, j] * down_s(silu(gate_s(x_t)) * up_s(x_t)), s = ids[t, j],
     plus sigmoid(shared_logit[t]) * shared(x_t) when a shared expert is given.
 
@@ -244,30 +239,29 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
         topk_weights: [N, k] routing weights (any float dtype).
         slots: the layer's ExpertSlots, on x's device.
         shared_slots: the layer's shared expert in slot 0 of its own ExpertSlots (same H), or
-            None. In the "fused" path (NVFP4, same F) it is a ninth pair of the one launch;
+            None. In the "fused" path (NVFP4, same F) it is a ninth pair of its launches;
             otherwise it runs as a second call of the same path, summed after.
         shared_logit: [N, 1] shared-expert gate logits (any row stride), with shared_slots;
             its sigmoid is rounded to x.dtype (as `model.moe.gated_add` does).
-        path: "fused" (one launch, NVFP4, N <= MOE_FUSED_MAX_TOKENS; decode;
-            `fused_moe_decode.py`), "fused2" (two launches, deterministic, same limits;
-            `fused_moe_decode2.py`), "gemv" (one
-            program per pair and row block; decode) or "dot" (pairs grouped per slot into
-            BLOCK_M tiles, tensor cores; prefill); None picks `MOE_FUSED_PATH` when
-            `fuses_shared_expert(N)` and the slots are NVFP4, else by N * k.
+        path: "fused" (two launches, NVFP4, N <= MOE_FUSED_MAX_TOKENS; decode;
+            `fused_moe_decode.py`), "gemv" (one program per pair and row block; decode) or
+            "dot" (pairs grouped per slot into BLOCK_M tiles, tensor cores; prefill); None
+            picks "fused" when `fuses_shared_expert(N)` and the slots are NVFP4, else by
+            N * k.
         gemv_config: tile sizes of the gemv path (bench sweeps); None =
             `default_moe_gemv_config(H, F)`.
-        fused_config: tile sizes of the fused (MoEFusedConfig) or fused2 (MoEFused2Config)
-            path; None = that path's table entry (`fused_decode_config`).
+        fused_config: tile sizes of the fused path; None = its table entry
+            (`default_moe_fused_config(H, F)`).
     Returns:
         [N, H] in x.dtype; fp32 accumulation, the silu(gate) * up intermediate in fp32
         (fused, gemv) or x.dtype (dot). The "h2" decode (gemv: the 35B-A3B default,
         `MOE_GEMV_TILES`; fused: gate_up) rounds x (and, gemv, the intermediate) to fp16
-        after a power-of-two scale and sums each block of 16 products in fp16. The fused
-        path sums with fp32 atomics (order not fixed); fused2, gemv and dot in a fixed order.
+        after a power-of-two scale and sums each block of 16 products in fp16. Every path
+        sums in a fixed order (the same bits on every run).
         No host synchronisation (CUDA-graph safe).
     Raises:
-        ValueError: bad shapes / devices, an unknown path, "fused" / "fused2" with dense
-            slots or more than MOE_FUSED_MAX_TOKENS tokens or the other path's config.
+        ValueError: bad shapes / devices, an unknown path, "fused" with dense slots or
+            more than MOE_FUSED_MAX_TOKENS tokens.
             TypeError: bad dtypes.
     """
     _check(x, topk_slot_ids, topk_weights, slots)
@@ -278,22 +272,22 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
         return torch.zeros_like(x)
     if path is None:
         if slots.is_fp4 and fuses_shared_expert(n):
-            path = fmd.MOE_FUSED_PATH
+            path = "fused"
         else:
             path = "gemv" if pairs <= MOE_GEMV_MAX_PAIRS else "dot"
     if path not in MOE_PATHS:
         raise ValueError(f"unknown fused_moe path {path!r}; choose from {MOE_PATHS}")
-    if path in FUSED_PATHS and (not slots.is_fp4 or n > fmd.MOE_FUSED_MAX_TOKENS):
+    if path == "fused" and (not slots.is_fp4 or n > fmd.MOE_FUSED_MAX_TOKENS):
         raise ValueError(f"the {path} path needs NVFP4 slots and at most "
                          f"{fmd.MOE_FUSED_MAX_TOKENS} tokens (got {n}, fp4={slots.is_fp4})")
     x = x.contiguous()
     ids = topk_slot_ids.contiguous().view(-1)
     wts = topk_weights.contiguous().view(-1)
-    in_kernel = (path in FUSED_PATHS and shared_slots is not None and shared_slots.is_fp4
+    in_kernel = (path == "fused" and shared_slots is not None and shared_slots.is_fp4
                  and shared_slots.intermediate_size == slots.intermediate_size)
-    if path in FUSED_PATHS:
-        cfg = fused_decode_config(path, slots.hidden_size, slots.intermediate_size,
-                                  fused_config)
+    if path == "fused":
+        cfg = fused_config or default_moe_fused_config(slots.hidden_size,
+                                                        slots.intermediate_size)
         out = moe_fused_decode(x, ids, wts, topk, slots, shared_slots if in_kernel else None,
                                shared_logit if in_kernel else None, cfg)
     elif path == "gemv":
@@ -308,7 +302,7 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
     # the shared expert as a one-expert MoE of its own (same path; gemv for fused + dense)
     sh_ids = torch.zeros(n, 1, dtype=torch.int32, device=x.device)
     sh_w = torch.sigmoid(shared_logit.float()).to(x.dtype)
-    sh_path = "gemv" if path in FUSED_PATHS and not shared_slots.is_fp4 else path
+    sh_path = "gemv" if path == "fused" and not shared_slots.is_fp4 else path
     return out + fused_moe(x, sh_ids, sh_w, shared_slots, path=sh_path,
                            gemv_config=gemv_config, fused_config=fused_config)
 

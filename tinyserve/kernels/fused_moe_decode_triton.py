@@ -1,26 +1,27 @@
-"""Fused-MoE decode in one launch (NVFP4 expert slots), behind `kernels/fused_moe.py`.
+"""Deterministic two-launch NVFP4 MoE decode ("fused" path of `kernels/fused_moe.py`).
 
-Grid (pairs, F / BLOCK_F): pair q = t * KP + j is expert j of token t (j < TOPK: a routed
-slot; j == TOPK with HAS_SHARED: the layer's shared expert, weight sigmoid(shared logit)).
-One program:
-1. gate_up: the BLOCK_F gate rows and BLOCK_F up rows of its feature chunk against x[t]
-   (gate row f and up row F + f interleaved in one tile, the GEMV cores of
-   `nvfp4_triton.py`, "f32" or "h2" decode), silu(gate) * up in registers (fp32);
-2. down: the chunk's BLOCK_F columns of the expert's down weight (one int64 word of 16
-   codes per output row and 16 features) times that intermediate, BLOCK_H output rows per
-   step (the first step's words are loaded before step 1, so they stream with it);
-3. the [H] partial, times the pair weight, added into the token's fp32 accumulator row with
-   relaxed fp32 atomics;
-4. a per-token arrival counter: the program that arrives last (after a CTA barrier and an
-   acq_rel increment, so every other program's adds are visible) converts the row to the
-   output dtype, writes it, and zeroes the row and the counter for the next launch.
+Pair q = t * KP + j is expert j of token t (j < TOPK: a routed slot; j == TOPK with
+HAS_SHARED: the layer's shared expert, weight sigmoid(shared logit) rounded to the output
+dtype). No atomics, no workspace to clear, every output element written by one program with
+its sums in a fixed order: the same bits on every run.
 
-So the accumulator and counters (`acc`, `cnt`) must be zero before a launch and are zero
-after it (the launcher keeps one such workspace per device). With fp32 atomics the sum order
-is not fixed: results differ in the last fp32 bits between runs, and so, now and then, in the
-last bit of the bf16 output. `IS_FIXED` accumulates in int64 fixed point instead (each
-partial rounded toward zero to a multiple of 2^-32, |sum| < 2^31): integer adds commute, so
-the output is the same bits on every run, whatever order the programs arrive in.
+1. `moe_fused_gate_up_kernel`, grid (N * KP, F / BLOCK_F): the BLOCK_F gate rows and
+   BLOCK_F up rows of one feature chunk of one pair (interleaved in one tile) against x[t];
+   the first K step's code words and scales are requested first; "h2" with one K step loads
+   x once and takes its power-of-two scale from those values (no pass over x before the
+   dot), with several steps the scale pass runs under the first loads and later steps are
+   requested one ahead (`_rows_dot`);
+   silu(gate) * up in fp32 into the intermediate h [N * KP, F], block-transposed (feature
+   16b + i at i * F/16 + b, so the down kernel's loads of one feature over blocks are
+   contiguous).
+2. `moe_fused_down_kernel`, grid (N, H / BLOCK_H): BLOCK_H output rows of token t; one load
+   of the full contiguous down rows (F/2 code bytes + F/16 scales) of all TOPK routed pairs
+   as a [KPAD, BLOCK_H, F/16] tile (KPAD = TOPK rounded up to a power of two, masked), and of
+   the shared expert's as a [BLOCK_H, F/16] tile, all in flight at once; the f32 nibble-pair
+   decode against h (loaded in the weight tile's shape, every row its own copy from L1: no
+   exchange of h between threads through shared memory), per-pair sums times pair weight *
+   global scale, summed over the pairs in registers (a fixed tree), written straight to
+   out[t] in its dtype.
 
 This module imports triton at the top (the launcher imports it lazily).
 """
@@ -34,131 +35,260 @@ from tinyserve.kernels.nvfp4_triton import (
     FP4_UNIT_C,
     GEMV_RESCALE_C,
     X_PRESCALE_C,
+    _bcast,
     _e4m3,
     _fma4,
-    _fp4_rows_dot,
-    _fp4_rows_dot_h2,
+    _h2_dot8,
+    _h2_pair,
+    _h2_x_pair,
+    _h2_x_scale,
     _nibble_pair,
+    _x_quad,
 )
 
-FIXED_ONE_C = tl.constexpr(4294967296.0)  # 2^32: one unit of the fixed-point accumulator
+
+@triton.jit
+def _block_dot(v, raw, xk, ok, xs, IS_H2: tl.constexpr, USE_ASM: tl.constexpr):
+    """sum over each 16-input block of W[row, block] * x for code words v [BN, BB] int64,
+    scales raw [BN, BB] uint8 and x at xk (+ 16 b), fp32 [BN, BB]: h2 x * xs * E2M1 * 2^-14 *
+    e4m3 * 2^-8; f32 x * X_PRESCALE * E2M1 * 2^-126 * e4m3 * 2^-8."""
+    lo = v.to(tl.uint32)  # inputs 16b + 0..7
+    hi = (v >> 32).to(tl.uint32)  # inputs 16b + 8..15
+    if IS_H2:
+        x0 = _h2_x_pair(xk, 0, 4, 1, ok, xs)[None, :]
+        x1 = _h2_x_pair(xk, 1, 5, 1, ok, xs)[None, :]
+        x2 = _h2_x_pair(xk, 2, 6, 1, ok, xs)[None, :]
+        x3 = _h2_x_pair(xk, 3, 7, 1, ok, xs)[None, :]
+        y0 = _h2_x_pair(xk, 8, 12, 1, ok, xs)[None, :]
+        y1 = _h2_x_pair(xk, 9, 13, 1, ok, xs)[None, :]
+        y2 = _h2_x_pair(xk, 10, 14, 1, ok, xs)[None, :]
+        y3 = _h2_x_pair(xk, 11, 15, 1, ok, xs)[None, :]
+        p = _h2_dot8(_h2_pair(lo, 0), _h2_pair(lo, 1), _h2_pair(lo, 2), _h2_pair(lo, 3),
+                     _h2_pair(hi, 0), _h2_pair(hi, 1), _h2_pair(hi, 2), _h2_pair(hi, 3),
+                     _bcast(x0, lo), _bcast(x1, lo), _bcast(x2, lo), _bcast(x3, lo),
+                     _bcast(y0, lo), _bcast(y1, lo), _bcast(y2, lo), _bcast(y3, lo), USE_ASM)
+    else:
+        p = tl.zeros(v.shape, dtype=tl.float32)
+        for i in tl.static_range(4):
+            w0, w4 = _nibble_pair(lo, i)
+            w8, w12 = _nibble_pair(hi, i)
+            x0, x4, x8, x12 = _x_quad(xk, i, ok, 1)
+            p = _fma4(p, w0, w4, w8, w12, x0, x4, x8, x12)
+    return p * _e4m3(raw)
 
 
 @triton.jit
-def _col(hm, I: tl.constexpr):
-    # column I of hm [NW, 16] -> [NW]
-    sel = tl.arange(0, 16) == I
-    return tl.sum(tl.where(sel[None, :], hm, 0.0), axis=1)
+def _h2_pack(a, b):
+    # two fp32 tensors -> one uint32 of fp16x2 (a in the low half)
+    ia = a.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    ib = b.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return (ia | (ib << 16)).to(tl.uint32)
 
 
 @triton.jit
-def _down_tile(v, raw, hm):
-    """sum over the chunk's features of W2[rows, feature] * h[feature] for words v [BH, NW]
-    int64 (16 codes each), scales raw [BH, NW] uint8 and hm [NW, 16] = X_PRESCALE * h: fp32
-    [BH], lacking FP4_UNIT * global_scale (the unit of `_fp4_rows_dot`)."""
+def _h2_one_step(v, raw, xk, ok, USE_ASM: tl.constexpr):
+    """The h2 `_block_dot` of a K step covering all of x, summed over the blocks, fp32 [BN]
+    in the unit of `_rows_dot`: x is loaded once (16 inputs per block) and its power-of-two
+    scale taken from those values (as `nvfp4_triton._h2_x_scale` computes it), so no
+    separate pass over x runs before the dot."""
+    x0 = tl.load(xk + 0, mask=ok, other=0.0).to(tl.float32)
+    x1 = tl.load(xk + 1, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(xk + 2, mask=ok, other=0.0).to(tl.float32)
+    x3 = tl.load(xk + 3, mask=ok, other=0.0).to(tl.float32)
+    x4 = tl.load(xk + 4, mask=ok, other=0.0).to(tl.float32)
+    x5 = tl.load(xk + 5, mask=ok, other=0.0).to(tl.float32)
+    x6 = tl.load(xk + 6, mask=ok, other=0.0).to(tl.float32)
+    x7 = tl.load(xk + 7, mask=ok, other=0.0).to(tl.float32)
+    x8 = tl.load(xk + 8, mask=ok, other=0.0).to(tl.float32)
+    x9 = tl.load(xk + 9, mask=ok, other=0.0).to(tl.float32)
+    x10 = tl.load(xk + 10, mask=ok, other=0.0).to(tl.float32)
+    x11 = tl.load(xk + 11, mask=ok, other=0.0).to(tl.float32)
+    x12 = tl.load(xk + 12, mask=ok, other=0.0).to(tl.float32)
+    x13 = tl.load(xk + 13, mask=ok, other=0.0).to(tl.float32)
+    x14 = tl.load(xk + 14, mask=ok, other=0.0).to(tl.float32)
+    x15 = tl.load(xk + 15, mask=ok, other=0.0).to(tl.float32)
+    m = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)),
+                              tl.maximum(tl.abs(x2), tl.abs(x3))),
+                   tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)),
+                              tl.maximum(tl.abs(x6), tl.abs(x7))))
+    m = tl.maximum(m, tl.maximum(tl.maximum(tl.maximum(tl.abs(x8), tl.abs(x9)),
+                                            tl.maximum(tl.abs(x10), tl.abs(x11))),
+                                 tl.maximum(tl.maximum(tl.abs(x12), tl.abs(x13)),
+                                            tl.maximum(tl.abs(x14), tl.abs(x15)))))
+    # NOTE: the exponent rule of `_h2_x_scale`: max|x| * xs in [2^13, 2^14)
+    e = (tl.max(m, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    c = tl.minimum(tl.maximum(267 - e, 2), 253)
+    xs = (c << 23).to(tl.float32, bitcast=True)
+    inv_xs = ((254 - c) << 23).to(tl.float32, bitcast=True)
+    lo = v.to(tl.uint32)  # inputs 16b + 0..7
+    hi = (v >> 32).to(tl.uint32)  # inputs 16b + 8..15
+    p = _h2_dot8(_h2_pair(lo, 0), _h2_pair(lo, 1), _h2_pair(lo, 2), _h2_pair(lo, 3),
+                 _h2_pair(hi, 0), _h2_pair(hi, 1), _h2_pair(hi, 2), _h2_pair(hi, 3),
+                 _bcast(_h2_pack(x0 * xs, x4 * xs)[None, :], lo),
+                 _bcast(_h2_pack(x1 * xs, x5 * xs)[None, :], lo),
+                 _bcast(_h2_pack(x2 * xs, x6 * xs)[None, :], lo),
+                 _bcast(_h2_pack(x3 * xs, x7 * xs)[None, :], lo),
+                 _bcast(_h2_pack(x8 * xs, x12 * xs)[None, :], lo),
+                 _bcast(_h2_pack(x9 * xs, x13 * xs)[None, :], lo),
+                 _bcast(_h2_pack(x10 * xs, x14 * xs)[None, :], lo),
+                 _bcast(_h2_pack(x11 * xs, x15 * xs)[None, :], lo), USE_ASM)
+    return tl.sum(p * _e4m3(raw), axis=1) * inv_xs
+
+
+@triton.jit
+def _rows_dot(x_row, w_ptr, s_ptr, rows, row_mask, KB: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_B: tl.constexpr, IS_H2: tl.constexpr, USE_ASM: tl.constexpr):
+    """sum_k x[k] * (E2M1 * e4m3)[rows, k] over all KB blocks, fp32 [BLOCK_N] lacking
+    FP4_UNIT * global_scale (the unit of `nvfp4_triton._fp4_rows_dot`). One K step (h2):
+    `_h2_one_step`, x loaded once beside the weights. Several steps: the first step's loads
+    are issued before the h2 scale pass over x, the next step's before this step is
+    decoded."""
+    ONE_STEP: tl.constexpr = KB <= BLOCK_B
+    offs_b = tl.arange(0, BLOCK_B)
+    rows64 = rows.to(tl.int64)
+    w_rows = w_ptr + rows64[:, None] * KB
+    s_rows = s_ptr + rows64[:, None] * KB
+    blk = tl.max_contiguous(offs_b, 2)
+    m = row_mask[:, None] & (blk < KB)[None, :]
+    v_next = tl.load(w_rows + blk[None, :], mask=m, other=0)  # [BN, BB] int64
+    raw_next = tl.load(s_rows + blk[None, :], mask=m, other=0)  # [BN, BB] uint8
+    if IS_H2 and ONE_STEP:
+        return _h2_one_step(v_next, raw_next, x_row + blk * 16, blk < KB, USE_ASM)
+    if IS_H2:
+        xs, inv_xs = _h2_x_scale(x_row, 0, KB, BLOCK_B)
+    else:
+        xs = 1.0
+        inv_xs = 1.0
+    acc = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
+    for b0 in range(0, KB, BLOCK_B):
+        v = v_next
+        raw = raw_next
+        blk = tl.max_contiguous(b0 + offs_b, 2)
+        ok = blk < KB
+        if not ONE_STEP:
+            nblk = tl.max_contiguous(b0 + BLOCK_B + offs_b, 2)
+            nm = row_mask[:, None] & (nblk < KB)[None, :]
+            v_next = tl.load(w_rows + nblk[None, :], mask=nm, other=0)
+            raw_next = tl.load(s_rows + nblk[None, :], mask=nm, other=0)
+        acc += _block_dot(v, raw, x_row + blk * 16, ok, xs, IS_H2, USE_ASM)
+    if IS_H2:
+        return tl.sum(acc, axis=1) * inv_xs
+    return tl.sum(acc, axis=1) * GEMV_RESCALE_C
+
+
+@triton.jit
+def moe_fused_gate_up_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, g13_ptr,
+                              sw13_ptr, ss13_ptr, sg13_ptr, h_ptr, stride_xm,
+                              H: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
+                              HAS_SHARED: tl.constexpr, BLOCK_F: tl.constexpr,
+                              BLOCK_B: tl.constexpr, IS_H2: tl.constexpr,
+                              USE_ASM: tl.constexpr):
+    # h[q, i * F/16 + b] = silu(x[t] . W13[f]) * (x[t] . W13[F + f]), f = 16b + i, of pair q;
+    # w13 pointers are int64 views of the codes (one word = 16 codes)
+    KP: tl.constexpr = TOPK + HAS_SHARED
+    KB: tl.constexpr = H // 16
+    FB: tl.constexpr = F // 16
+    q = tl.program_id(0)
+    t = (q // KP).to(tl.int64)
+    j = q % KP
+    f0 = tl.program_id(1) * BLOCK_F
+    # NOTE: the shared pair reads a routed id it does not use (keeps one code path)
+    slot = tl.load(ids_ptr + t * TOPK + tl.minimum(j, TOPK - 1)).to(tl.int64)
+    w13 = w13_ptr + slot * (2 * F * KB)
+    s13 = s13_ptr + slot * (2 * F * KB)
+    g13 = g13_ptr + 2 * slot
+    if HAS_SHARED:
+        if j == TOPK:
+            w13 = sw13_ptr
+            s13 = ss13_ptr
+            g13 = sg13_ptr
+    jj = tl.arange(0, 2 * BLOCK_F)
+    f = f0 + jj // 2
+    half = jj % 2  # 0 = gate row f, 1 = up row F + f
+    acc = _rows_dot(x_ptr + t * stride_xm, w13, s13, f + half * F, f < F, KB, 2 * BLOCK_F,
+                    BLOCK_B, IS_H2, USE_ASM)
+    acc = acc * (tl.load(g13 + half) * FP4_UNIT_C)
+    g, u = tl.split(tl.reshape(acc, [BLOCK_F, 2]))
+    ff = f0 + tl.arange(0, BLOCK_F)
+    dst = (ff % 16) * FB + ff // 16  # block-transposed
+    tl.store(h_ptr + q.to(tl.int64) * F + dst, g * tl.sigmoid(g) * u, mask=ff < F)
+
+
+@triton.jit
+def _down_rows(v, raw, hk, hmask, FB: tl.constexpr):
+    """Down rows against h of the same pair: v [.., BH, FBP] int64 code words (16 features
+    each), raw their scales, hk pointers of v's shape to h's block-transposed feature 16b + 0
+    of each word (feature 16b + i at hk + i * FB; the same for every row: loaded in v's
+    layout, no exchange between threads), hmask of v's shape; fp32 [.., BH, FBP] products in
+    the unit x * E2M1 * e4m3 * 2^(64 - 126 - 8) (sum over the last axis, then
+    * GEMV_RESCALE)."""
     lo = v.to(tl.uint32)  # features 16b + 0..7
     hi = (v >> 32).to(tl.uint32)  # features 16b + 8..15
     p = tl.zeros(v.shape, dtype=tl.float32)
     for i in tl.static_range(4):
         w0, w4 = _nibble_pair(lo, i)
         w8, w12 = _nibble_pair(hi, i)
-        p = _fma4(p, w0, w4, w8, w12, _col(hm, i), _col(hm, i + 4), _col(hm, i + 8),
-                  _col(hm, i + 12))
-    return tl.sum(p * _e4m3(raw), axis=1) * GEMV_RESCALE_C
+        x0 = tl.load(hk + i * FB, mask=hmask, other=0.0) * X_PRESCALE_C
+        x4 = tl.load(hk + (i + 4) * FB, mask=hmask, other=0.0) * X_PRESCALE_C
+        x8 = tl.load(hk + (i + 8) * FB, mask=hmask, other=0.0) * X_PRESCALE_C
+        x12 = tl.load(hk + (i + 12) * FB, mask=hmask, other=0.0) * X_PRESCALE_C
+        p = _fma4_full(p, w0, w4, w8, w12, x0, x4, x8, x12)
+    return p * _e4m3(raw)
 
 
 @triton.jit
-def moe_fused_decode_kernel(x_ptr, ids_ptr, wt_ptr, logit_ptr,
-                            w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr,
-                            sw13_ptr, ss13_ptr, sg13_ptr, sw2_ptr, ss2_ptr, sg2_ptr,
-                            acc_ptr, cnt_ptr, out_ptr, stride_xm, stride_logit,
-                            H: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
-                            HAS_SHARED: tl.constexpr, BLOCK_F: tl.constexpr,
-                            BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr,
-                            IS_H2: tl.constexpr, USE_ASM: tl.constexpr,
-                            FINISH_BLOCK: tl.constexpr, IS_FIXED: tl.constexpr):
-    # out[t] = sum_j w[t, j] * down_j(silu(gate_j(x[t])) * up_j(x[t])) (+ sigmoid(logit[t]) *
-    # shared(x[t])); w*_ptr are int64 views of the codes (one word = 16 codes)
+def _fma4_full(p, w0, w4, w8, w12, x0, x4, x8, x12):
+    # p += w * x elementwise (x of p's shape)
+    p += w0 * x0
+    p += w4 * x4
+    p += w8 * x8
+    p += w12 * x12
+    return p
+
+
+@triton.jit
+def moe_fused_down_kernel(h_ptr, ids_ptr, wt_ptr, logit_ptr, w2_ptr, s2_ptr, g2_ptr,
+                           sw2_ptr, ss2_ptr, sg2_ptr, out_ptr, stride_logit,
+                           H: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
+                           KPAD: tl.constexpr, FBP: tl.constexpr, HAS_SHARED: tl.constexpr,
+                           BLOCK_H: tl.constexpr):
+    # out[t, r] = sum_j w[t, j] * h[t * KP + j] . W2_j[r] (+ sigmoid(logit[t]) * shared);
+    # w2 pointers are int64 views of the codes
     KP: tl.constexpr = TOPK + HAS_SHARED
-    KB: tl.constexpr = H // 16
     FB: tl.constexpr = F // 16
-    NW: tl.constexpr = BLOCK_F // 16
-    q = tl.program_id(0)
-    t = (q // KP).to(tl.int64)
-    j = q % KP
-    f0 = tl.program_id(1) * BLOCK_F
-    # NOTE: the shared pair reads a routed id/weight it does not use (keeps one code path)
-    p = t * TOPK + tl.minimum(j, TOPK - 1)
-    slot = tl.load(ids_ptr + p).to(tl.int64)
-    pw = tl.load(wt_ptr + p).to(tl.float32)
-    w13 = w13_ptr + slot * (2 * F * KB)
-    s13 = s13_ptr + slot * (2 * F * KB)
-    g13 = g13_ptr + 2 * slot
-    w2 = w2_ptr + slot * (H * FB)
-    s2 = s2_ptr + slot * (H * FB)
-    g2 = g2_ptr + slot
+    t = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    row_mask = rows < H
+    offs_b = tl.arange(0, FBP)
+    b_ok = offs_b < FB
+    jj = tl.arange(0, KPAD)
+    j_ok = jj < TOPK
+    slot = tl.load(ids_ptr + t * TOPK + jj, mask=j_ok, other=0).to(tl.int64)  # [KPAD]
+    # every pair's full rows in one load: [KPAD, BH, FBP]
+    off = (slot[:, None, None] * (H * FB) + rows[None, :, None].to(tl.int64) * FB
+           + offs_b[None, None, :])
+    m = j_ok[:, None, None] & row_mask[None, :, None] & b_ok[None, None, :]
+    v = tl.load(w2_ptr + off, mask=m, other=0)
+    raw = tl.load(s2_ptr + off, mask=m, other=0)
     if HAS_SHARED:
-        if j == TOPK:
-            logit = tl.load(logit_ptr + t * stride_logit).to(tl.float32)
-            # NOTE: rounded to the model dtype like `gated_add`'s sigmoid
-            pw = tl.sigmoid(logit).to(out_ptr.dtype.element_ty).to(tl.float32)
-            w13 = sw13_ptr
-            s13 = ss13_ptr
-            g13 = sg13_ptr
-            w2 = sw2_ptr
-            s2 = ss2_ptr
-            g2 = sg2_ptr
-    # the first down step's words and scales, in flight during gate_up
-    offs_h = tl.arange(0, BLOCK_H)
-    cols = f0 // 16 + tl.arange(0, NW)  # [NW] words of the chunk in a down row
-    v_next = tl.load(w2 + offs_h[:, None] * FB + cols[None, :], mask=offs_h[:, None] < H,
-                     other=0)
-    raw_next = tl.load(s2 + offs_h[:, None] * FB + cols[None, :], mask=offs_h[:, None] < H,
-                       other=0)
-    # 1. gate_up of the chunk: gate row f and up row F + f interleaved in one tile
-    x_row = x_ptr + t * stride_xm
-    jj = tl.arange(0, 2 * BLOCK_F)
-    f = f0 + jj // 2
-    half = jj % 2  # 0 = gate, 1 = up
-    if IS_H2:
-        acc = _fp4_rows_dot_h2(x_row, w13, s13, f + half * F, f < F, KB, 0, KB, 2 * BLOCK_F,
-                               BLOCK_B, False, 2, USE_ASM)
-    else:
-        acc, _a1, _a2, _a3 = _fp4_rows_dot(x_row, 0, 1, w13, s13, f + half * F, f < F, KB, 0,
-                                           KB, 1, 2 * BLOCK_F, BLOCK_B, False)
-    acc = acc * (tl.load(g13 + half) * FP4_UNIT_C)
-    g, u = tl.split(tl.reshape(acc, [BLOCK_F, 2]))
-    hm = tl.reshape(g * tl.sigmoid(g) * u * X_PRESCALE_C, [NW, 16])  # [NW, 16] fp32
-    # 2-3. down over the chunk's columns, BLOCK_H rows per step, added into acc[t]
-    factor = pw * tl.load(g2) * FP4_UNIT_C
-    acc_row = acc_ptr + t * H
-    for h0 in range(0, H, BLOCK_H):
-        v = v_next
-        raw = raw_next
-        nrows = h0 + BLOCK_H + offs_h
-        nmask = nrows[:, None] < H
-        v_next = tl.load(w2 + nrows[:, None] * FB + cols[None, :], mask=nmask, other=0)
-        raw_next = tl.load(s2 + nrows[:, None] * FB + cols[None, :], mask=nmask, other=0)
-        part = _down_tile(v, raw, hm)  # [BLOCK_H]
-        rows = h0 + offs_h
-        if IS_FIXED:  # int64 acc: order-independent sum
-            tl.atomic_add(acc_row + rows, (part * factor * FIXED_ONE_C).to(tl.int64),
-                          mask=rows < H, sem="relaxed")
-        else:
-            tl.atomic_add(acc_row + rows, part * factor, mask=rows < H, sem="relaxed")
-    # 4. the last program of token t writes its row and clears the workspace
-    # NOTE: the barrier orders this CTA's adds before the release of the counter increment
-    tl.debug_barrier()
-    arrived = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel")
-    if arrived == KP * (F // BLOCK_F) - 1:
-        offs = tl.arange(0, FINISH_BLOCK)
-        for c0 in range(0, H, FINISH_BLOCK):
-            r = c0 + offs
-            m = r < H
-            a = tl.load(acc_row + r, mask=m, other=0, cache_modifier=".cg")
-            s = a.to(tl.float32)
-            if IS_FIXED:
-                s = s * (1.0 / FIXED_ONE_C)
-            tl.store(out_ptr + t * H + r, s.to(out_ptr.dtype.element_ty), mask=m)
-            tl.store(acc_row + r, tl.zeros_like(a), mask=m)
-        tl.store(cnt_ptr + t, 0)
+        off_s = rows[:, None] * FB + offs_b[None, :]
+        m_s = row_mask[:, None] & b_ok[None, :]
+        v_s = tl.load(sw2_ptr + off_s, mask=m_s, other=0)  # [BH, FBP]
+        raw_s = tl.load(ss2_ptr + off_s, mask=m_s, other=0)
+    factor = (tl.load(wt_ptr + t * TOPK + jj, mask=j_ok, other=0.0).to(tl.float32)
+              * tl.load(g2_ptr + slot, mask=j_ok, other=0.0))  # [KPAD]
+    q = t * KP + jj
+    # [KPAD, BH, FBP]: every row's copy of its pair's h (one L1 line per warp)
+    hk = h_ptr + q[:, None, None] * F + (offs_b[None, None, :] + 0 * rows[None, :, None])
+    p = _down_rows(v, raw, hk, m, FB)
+    part = tl.sum(p, axis=2) * GEMV_RESCALE_C  # [KPAD, BH]
+    y = tl.sum(part * factor[:, None], axis=0)  # [BH], pairs summed in a fixed order
+    if HAS_SHARED:
+        logit = tl.load(logit_ptr + t * stride_logit).to(tl.float32)
+        # NOTE: rounded to the model dtype like `gated_add`'s sigmoid
+        sw = tl.sigmoid(logit).to(out_ptr.dtype.element_ty).to(tl.float32)
+        hk_s = h_ptr + (t * KP + TOPK) * F + (offs_b[None, :] + 0 * rows[:, None])
+        p_s = _down_rows(v_s, raw_s, hk_s, m_s, FB)
+        y += tl.sum(p_s, axis=1) * GEMV_RESCALE_C * (sw * tl.load(sg2_ptr))
+    tl.store(out_ptr + t * H + rows, (y * FP4_UNIT_C).to(out_ptr.dtype.element_ty),
+             mask=row_mask)

@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 MOE_FUSED_DECODE = True
 MOE_FUSED_MAX_TOKENS = 8  # the most tokens `fused_moe` takes in the fused path
 # fused_moe takes the fused path by itself up to this many tokens: on the H200 it won at 1, 4
-# and 8 tokens (15.4 / 55.7 / 98.5 us per 35B-A3B layer with the shared expert vs 24.7 / 71.4
-# / 109.2 for gemv; `bench/nvfp4.py --only moe`, nvfp4_moe.json)
+# and 8 tokens (15.5 / 41.5 / 73.9 us per 35B-A3B layer with the shared expert vs 25.1 / 72.0
+# / 109.4 for gemv; `bench/nvfp4.py --only moe`, nvfp4_moe.json)
 MOE_FUSED_AUTO_TOKENS = 8
 
 
@@ -58,8 +58,8 @@ class MoEFusedConfig:
 # (H, F) -> tiles of the fused decode (bench/nvfp4.py `--only moe` prints the best entry);
 # other shapes get MoEFusedConfig().
 MOE_FUSED_TILES: dict[tuple[int, int], MoEFusedConfig] = {
-    # H200, 35B-A3B layer with the shared expert: 15.4 / 55.7 / 98.5 us at 1 / 4 / 8 tokens
-    # (gemv path 24.7 / 71.4 / 109.2 us)
+    # H200, 35B-A3B layer with the shared expert: 15.5 / 41.5 / 73.9 us at 1 / 4 / 8 tokens
+    # (gemv path 25.1 / 72.0 / 109.4 us)
     (2048, 512): MoEFusedConfig(4, 128, 4, 2, 2, "h2"),
 }
 

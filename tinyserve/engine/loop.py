@@ -26,6 +26,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from tinyserve.core import Batch, SamplingParams
 from tinyserve.engine.config import EngineConfig
 from tinyserve.engine.detokenizer import IncrementalDetokenizer
@@ -231,6 +233,38 @@ class Engine:
         ids = [int(t) for t in token_ids]
         self.scheduler.check(len(ids), SamplingParams(max_tokens=1))
         return self.call(lambda: self._logits(ids))
+
+    def warm_up(self, prompt_len: int | None = None) -> float:
+        """Run one throwaway greedy request so that the first real one does not pay one-time
+        costs (kernel builds, library initialisation, decode-graph capture); returns seconds.
+
+        Its prompt (`prompt_len` random tokens; default two prefill chunks and a half, within
+        the context) prefills a chunk without a prefix, one as long as its prefix and a
+        shorter one (the extend attention's paths), then decodes two tokens. It leaves no
+        trace but the expert-cache counters: the prefix cache is cleared, the request
+        counters and TTFT / ITL samples are reset. Raises RuntimeError if it fails.
+        """
+        chunk = self.config.max_num_batched_tokens
+        n = min(prompt_len or 2 * chunk + chunk // 2, self.max_context - 2)
+        vocab = min(v for v in (self._vocab, len(self.tokenizer)) if v)
+        if n < 1 or vocab < 1:
+            return 0.0
+        prompt = (torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(0))
+                  .tolist())
+        t0 = time.perf_counter()
+        handle = self.submit(prompt, SamplingParams(max_tokens=2, temperature=0.0,
+                                                    ignore_eos=True), request_id="warm-up")
+        errors = [out.error for out in handle if out.error]
+        if errors:
+            raise RuntimeError(f"the warm-up request failed: {errors[0]}")
+        self.clear_prefix_cache()
+        self.call(self._reset_counts)
+        return time.perf_counter() - t0
+
+    def _reset_counts(self) -> None:
+        self._counts = dict.fromkeys(self._counts, 0)
+        self._ttft.clear()
+        self._itl.clear()
 
     def clear_prefix_cache(self) -> None:
         """Drop every cached prefix (its idle pages and snapshot slots go back to the pools)."""

@@ -126,6 +126,9 @@ def _load(state: ServerState, args: Any, model: str, server: Any, show_progress:
         watcher.close(ok=True)
         watcher = None
         engine.start()
+        if config.resolved_device.startswith("cuda"):  # kernel builds, library set-up: GPU only
+            state.set_progress(1.0, "warming up")
+            log.info("warm-up request done in %.1f s", engine.warm_up())
         state.set_engine(engine)
         if on_ready is not None:
             on_ready(engine)

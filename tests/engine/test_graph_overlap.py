@@ -11,13 +11,11 @@ import warnings
 import pytest
 import torch
 
-from tests.model.hf_tiny import checkpoint
+from tests.model.hf_tiny import build_runner, checkpoint
 from tinyserve.core import Batch, SamplingParams, ScheduledSeq
 from tinyserve.engine.llm import LLM
 from tinyserve.engine.runner import ModelRunner
-from tinyserve.kv.bf16 import BF16KVBackend
 from tinyserve.model.config import load_config
-from tinyserve.model.qwen35 import Qwen35Model
 from tinyserve.offload import gpu_cache
 from tinyserve.offload.provider import OffloadedExperts
 from tinyserve.offload.store import HostExpertStore
@@ -29,21 +27,14 @@ PAGES = 32
 
 
 def _runner(cfg, w, *, graphs: bool) -> ModelRunner:
-    from tinyserve.kv.state_pool import GDNStatePool
-
-    kv = BF16KVBackend(layer_ids=list(cfg.full_attention_layers), num_kv_heads=cfg.num_kv_heads,
-                       head_dim=cfg.head_dim, num_pages=PAGES, page_size=4, device="cuda",
-                       dtype=torch.float32)
-    states = GDNStatePool.for_config(cfg, 2, device="cuda", dtype=torch.float32)  # 1: pad
     store = HostExpertStore.from_weights(w, cfg)
     experts = OffloadedExperts.create(store, cfg.num_experts + 2, device="cuda",
                                       dtype=torch.float32,
                                       max_ids=16 * cfg.num_experts_per_tok)
     assert experts.capturable
-    weights = {k: v for k, v in w.items() if ".mlp.experts." not in k}
-    model = Qwen35Model(cfg, weights, kv=kv, states=states, experts=experts, device="cuda",
-                        dtype=torch.float32)
-    return ModelRunner(model, page_size=4, cuda_graphs=graphs, graph_pad_slot=1)
+    # state slot 1 pads the graph's batch
+    return build_runner(cfg, w, num_pages=PAGES, num_slots=2, poison=False, device="cuda",
+                        experts=experts, cuda_graphs=graphs, graph_pad_slot=1)
 
 
 def _decode(runner: ModelRunner, prompt: list[int], n: int,

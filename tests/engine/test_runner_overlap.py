@@ -13,10 +13,6 @@ import torch
 from tests.model.hf_tiny import build_runner, checkpoint
 from tinyserve.core import Batch, SamplingParams, ScheduledSeq
 from tinyserve.engine import runner as runner_mod
-from tinyserve.engine.runner import ModelRunner
-from tinyserve.kv.bf16 import BF16KVBackend
-from tinyserve.kv.state_pool import GDNStatePool
-from tinyserve.model.qwen35 import Qwen35Model
 from tinyserve.offload import gpu_cache
 from tinyserve.offload.provider import OffloadedExperts
 from tinyserve.offload.store import HostExpertStore
@@ -56,14 +52,7 @@ def _offloaded_runner(cfg, w, log: list[str], monkeypatch):
     store = HostExpertStore.from_weights(w, cfg)
     experts = OffloadedExperts.create(store, cfg.num_experts + 2, device="cpu",
                                       dtype=torch.float32, mode="device", use_triton=False)
-    kv = BF16KVBackend(layer_ids=list(cfg.full_attention_layers), num_kv_heads=cfg.num_kv_heads,
-                       head_dim=cfg.head_dim, num_pages=32, page_size=4, device="cpu",
-                       dtype=torch.float32)
-    states = GDNStatePool.for_config(cfg, 2, device="cpu", dtype=torch.float32)
-    weights = {k: v for k, v in w.items() if ".mlp.experts." not in k}
-    model = Qwen35Model(cfg, weights, kv=kv, states=states, experts=experts, device="cpu",
-                        dtype=torch.float32)
-    return ModelRunner(model, page_size=4), experts
+    return build_runner(cfg, w, num_slots=2, poison=False, experts=experts), experts
 
 
 def _seq(tokens: list[int], pos: int) -> ScheduledSeq:

@@ -88,8 +88,11 @@ def hf_state_dict(cfg: ModelConfig, weights: dict[str, Any]) -> dict[str, torch.
 
 def build_runner(cfg: ModelConfig, weights: dict[str, Any], *, num_pages: int = 32,
                  page_size: int = 4, num_slots: int = 4, poison: bool = True,
-                 dtype: torch.dtype = torch.float32, device: str = "cpu") -> ModelRunner:
-    """A model + runner over fresh bf16-backend pages and GDN slots, poisoned with NaN."""
+                 dtype: torch.dtype = torch.float32, device: str = "cpu", experts: Any = None,
+                 **runner_kwargs: Any) -> ModelRunner:
+    """A model + runner over fresh bf16-backend pages and GDN slots, poisoned with NaN;
+    `experts`: a routed-experts provider (the model then leaves the expert weights alone),
+    `runner_kwargs`: more ModelRunner arguments (cuda_graphs, graph_pad_slot)."""
     kv = BF16KVBackend(layer_ids=list(cfg.full_attention_layers), num_kv_heads=cfg.num_kv_heads,
                        head_dim=cfg.head_dim, num_pages=num_pages, page_size=page_size,
                        device=device, dtype=dtype)
@@ -97,6 +100,7 @@ def build_runner(cfg: ModelConfig, weights: dict[str, Any], *, num_pages: int = 
     if poison:
         for t in (kv.k_cache, kv.v_cache, states.conv, states.recurrent):
             t.fill_(float("nan"))
-    model = Qwen35Model(cfg, weights, kv=kv, states=states, device=device, dtype=dtype)
-    return ModelRunner(model, page_size=page_size)
+    model = Qwen35Model(cfg, weights, kv=kv, states=states, experts=experts, device=device,
+                        dtype=dtype)
+    return ModelRunner(model, page_size=page_size, **runner_kwargs)
 

@@ -1,6 +1,6 @@
 """Shared pieces of the offload tests: random NVFP4 experts (and their all-resident slots), a
-step of random routing through a provider without host synchronisation, a CPU runner of the
-tiny model, greedy generation of one sequence."""
+step of random routing through a provider without host synchronisation, greedy generation
+of one sequence."""
 
 from __future__ import annotations
 
@@ -9,12 +9,8 @@ from typing import Any
 import torch
 
 from tinyserve.core import Batch, SamplingParams, ScheduledSeq
-from tinyserve.engine.runner import ModelRunner
 from tinyserve.kernels.fused_moe import ExpertSlots, fused_moe, pack_expert_slots
 from tinyserve.kernels.nvfp4_ref import quantize_nvfp4
-from tinyserve.kv.bf16 import BF16KVBackend
-from tinyserve.kv.state_pool import GDNStatePool
-from tinyserve.model.qwen35 import Qwen35Model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 
@@ -91,19 +87,3 @@ def assert_resident_outputs(outs: list, xs: list, ids: list, wts: list,
         ref = fused_moe(xs[la], ids[la], wts[la], resident[la]).float()
         torch.testing.assert_close(out.float(), ref, rtol=1e-2,
                                    atol=1e-2 * ref.abs().max().item())
-
-
-def cpu_runner(cfg: Any, weights: dict, experts: Any = None) -> ModelRunner:
-    """The model on CPU in fp32 over NaN-filled KV pages and GDN states (32 pages of 4 tokens,
-    2 state slots); with `experts` the model gets no expert weights of its own."""
-    kv = BF16KVBackend(layer_ids=list(cfg.full_attention_layers), num_kv_heads=cfg.num_kv_heads,
-                       head_dim=cfg.head_dim, num_pages=32, page_size=4, device="cpu",
-                       dtype=torch.float32)
-    states = GDNStatePool.for_config(cfg, 2, device="cpu", dtype=torch.float32)
-    for t in (kv.k_cache, kv.v_cache, states.conv, states.recurrent):
-        t.fill_(float("nan"))
-    if experts is not None:  # the model must not need the expert weights
-        weights = {k: v for k, v in weights.items() if ".mlp.experts." not in k}
-    model = Qwen35Model(cfg, weights, kv=kv, states=states, experts=experts, device="cpu",
-                        dtype=torch.float32)
-    return ModelRunner(model, page_size=4)

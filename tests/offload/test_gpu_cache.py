@@ -45,19 +45,11 @@ def _decode_syncs(cfg, weights, experts) -> int:
     warm-up), counted with torch's sync debug mode."""
     import warnings
 
+    from tests.model.hf_tiny import build_runner
     from tinyserve.core import Batch, SamplingParams, ScheduledSeq
-    from tinyserve.engine.runner import ModelRunner
-    from tinyserve.kv.bf16 import BF16KVBackend
-    from tinyserve.kv.state_pool import GDNStatePool
-    from tinyserve.model.qwen35 import Qwen35Model
 
-    kv = BF16KVBackend(layer_ids=list(cfg.full_attention_layers), num_kv_heads=cfg.num_kv_heads,
-                       head_dim=cfg.head_dim, num_pages=16, page_size=4, device="cuda",
-                       dtype=torch.bfloat16)
-    states = GDNStatePool.for_config(cfg, 2, device="cuda", dtype=torch.bfloat16)
-    model = Qwen35Model(cfg, weights, kv=kv, states=states, experts=experts, device="cuda",
-                        dtype=torch.bfloat16)
-    runner = ModelRunner(model, page_size=4)
+    runner = build_runner(cfg, weights, num_pages=16, num_slots=2, poison=False,
+                          dtype=torch.bfloat16, device="cuda", experts=experts)
     params = SamplingParams(temperature=0.0, max_tokens=8)
     pages = list(range(16))
     token = runner.forward(Batch([ScheduledSeq("r", list(range(1, 12)), start_pos=0,

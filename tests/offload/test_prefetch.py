@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model.hf_tiny import checkpoint
-from tests.offload.helpers import cpu_runner, greedy_generate
+from tests.model.hf_tiny import build_runner, checkpoint
+from tests.offload.helpers import greedy_generate
 from tinyserve.offload import prefetch
 from tinyserve.offload.gpu_cache import DeviceExpertCache
 from tinyserve.offload.provider import OffloadedExperts
@@ -59,7 +59,8 @@ class DeferredQueue(prefetch.CopyQueue):
 def tiny():
     cfg, w = checkpoint("modelopt")
     prompt = torch.randint(0, 500, (40,), generator=torch.Generator().manual_seed(5)).tolist()
-    ref = {chunk: greedy_generate(cpu_runner(cfg, w), prompt, 12, chunk) for chunk in (20, 40)}
+    ref = {chunk: greedy_generate(build_runner(cfg, w, num_slots=2), prompt, 12, chunk)
+           for chunk in (20, 40)}
     return cfg, w, prompt, ref
 
 
@@ -82,7 +83,7 @@ def test_streamed_prefill_generates_the_resident_tokens(tiny, mode: str, chunk: 
     E = cfg.num_experts
     q = DeferredQueue() if queue == "deferred" else prefetch.CopyQueue()
     experts = _streaming(cfg, w, 2 * E + 1, mode, q)  # < all 32 experts: the cache evicts
-    runner = cpu_runner(cfg, w, experts)
+    runner = build_runner(cfg, w, num_slots=2, experts=experts)
     ref_tokens, ref_logits = ref[chunk]
     # Twice: the second prefill streams over slots the first decode filled (stale entries
     # would be found by the second decode).

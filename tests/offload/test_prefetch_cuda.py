@@ -95,21 +95,10 @@ def test_prefetch_runs_beside_the_compute_stream() -> None:
 
 
 def _runner(cfg, weights, experts, graphs: bool):
-    from tinyserve.engine.runner import ModelRunner
-    from tinyserve.kv.bf16 import BF16KVBackend
-    from tinyserve.kv.state_pool import GDNStatePool
-    from tinyserve.model.qwen35 import Qwen35Model
+    from tests.model.hf_tiny import build_runner
 
-    kv = BF16KVBackend(layer_ids=list(cfg.full_attention_layers), num_kv_heads=cfg.num_kv_heads,
-                       head_dim=cfg.head_dim, num_pages=32, page_size=4, device="cuda",
-                       dtype=torch.bfloat16)
-    states = GDNStatePool.for_config(cfg, 2, device="cuda", dtype=torch.bfloat16)
-    weights = {k: v for k, v in weights.items() if ".mlp.experts." not in k}
-    model = Qwen35Model(cfg, weights, kv=kv, states=states, experts=experts, device="cuda",
-                        dtype=torch.bfloat16)
-    if graphs:
-        return ModelRunner(model, page_size=4, cuda_graphs=True, graph_pad_slot=1)
-    return ModelRunner(model, page_size=4)
+    return build_runner(cfg, weights, num_slots=2, poison=False, dtype=torch.bfloat16,
+                        device="cuda", experts=experts, cuda_graphs=graphs, graph_pad_slot=1)
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])

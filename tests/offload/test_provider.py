@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model.hf_tiny import checkpoint
-from tests.offload.helpers import cpu_runner, greedy_generate
+from tests.model.hf_tiny import build_runner, checkpoint
+from tests.offload.helpers import greedy_generate
 from tinyserve.offload.provider import OffloadedExperts
 from tinyserve.offload.store import HostExpertStore
 
@@ -16,7 +16,7 @@ from tinyserve.offload.store import HostExpertStore
 def tiny():
     cfg, w = checkpoint("modelopt")
     prompt = torch.randint(0, 500, (23,), generator=torch.Generator().manual_seed(4)).tolist()
-    ref_tokens, ref_logits = greedy_generate(cpu_runner(cfg, w), prompt, 24)
+    ref_tokens, ref_logits = greedy_generate(build_runner(cfg, w, num_slots=2), prompt, 24)
     return cfg, w, prompt, ref_tokens, ref_logits
 
 
@@ -27,7 +27,7 @@ def test_offloaded_model_generates_the_resident_tokens(tiny, mode: str) -> None:
     total = cfg.num_layers * cfg.num_experts  # 32
     experts = OffloadedExperts.create(store, cfg.num_experts + 2, device="cpu",
                                       dtype=torch.float32, mode=mode, use_triton=False)
-    tokens, logits = greedy_generate(cpu_runner(cfg, w, experts), prompt, 24)
+    tokens, logits = greedy_generate(build_runner(cfg, w, num_slots=2, experts=experts), prompt, 24)
     assert tokens == ref_tokens
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5 * ref_logits.abs().max())
     stats = experts.stats
@@ -46,7 +46,7 @@ def test_device_mode_mirror_follows_the_device(tiny) -> None:
     store = HostExpertStore.from_weights(w, cfg)
     experts = OffloadedExperts.create(store, 12, device="cpu", dtype=torch.float32,
                                       mode="device", use_triton=False)
-    greedy_generate(cpu_runner(cfg, w, experts), prompt, 6)
+    greedy_generate(build_runner(cfg, w, num_slots=2, experts=experts), prompt, 6)
     experts.begin_step()
     assert experts.cache.policy.resident() == experts.cache.resident()
     assert 0.0 < experts.stats.hit_rate < 1.0
@@ -61,7 +61,7 @@ def test_eager_call_after_a_replay_keeps_the_mirror(tiny) -> None:
     store = HostExpertStore.from_weights(w, cfg)
     experts = OffloadedExperts.create(store, cfg.num_experts + 2, device="cpu",
                                       dtype=torch.float32, mode="device", use_triton=False)
-    runner = cpu_runner(cfg, w, experts)
+    runner = build_runner(cfg, w, num_slots=2, experts=experts)
     greedy_generate(runner, prompt, 2)
     g = torch.Generator().manual_seed(1)
     for _ in range(4):  # replay-like steps: lookups that bypass the provider's forward

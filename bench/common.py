@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 
 import torch
 
-from tinyserve import envs
+from tinyserve.testing.provenance import current_commit
 
 
 def median_ms(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
@@ -51,18 +50,6 @@ def run_meta(name: str, **extra: object) -> dict:
     if commit:
         meta["commit"] = commit
     return {**meta, **extra}
-
-
-def current_commit() -> str | None:
-    """TINYSERVE_BENCH_COMMIT when set (a copied tree whose .git is not its own), else the
-    checkout's short git HEAD; None outside a checkout."""
-    if envs.BENCH_COMMIT.get():
-        return envs.BENCH_COMMIT.get()
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=True,
-                              capture_output=True, text=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def sync() -> None:

@@ -41,6 +41,7 @@ from tinyserve.core import Batch, SamplingParams, ScheduledSeq  # noqa: E402
 from tinyserve.engine.build import build_parts  # noqa: E402
 from tinyserve.engine.config import EngineConfig  # noqa: E402
 from tinyserve.engine.graph import DecodeGraphs  # noqa: E402
+from tinyserve.testing.provenance import current_commit  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 PROMPT_LEN, STEPS = 300, 16
@@ -262,9 +263,7 @@ def _record(name: str, result: dict) -> None:
             cases = json.loads(RESULT.read_text()).get("cases", {})
         except ValueError:
             cases = {}
-    commit = envs.BENCH_COMMIT.get() or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-        text=True).stdout.strip()
+    commit = current_commit()
     cases[name] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                    "commit": commit, **result}
     data = {"name": "fullsize_graph", "torch": torch.__version__, "commit": commit,

@@ -54,7 +54,6 @@ def bench_command(args: Any) -> int:
 def run_bench(engine: Engine, *, prompt_len: int, gen_len: int, batch: int,
               seed: int = 0) -> dict[str, Any]:
     """Measure one batch on a started engine; returns plain numbers (seconds, tokens/s)."""
-    vocab = _vocab(engine)
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
     # NOTE: the warm-up runs `batch` requests of `prompt_len` other random tokens, so that the
@@ -67,11 +66,9 @@ def run_bench(engine: Engine, *, prompt_len: int, gen_len: int, batch: int,
                != capacity_pages(prompt_len + gen_len - 1, page_size))
     warm = SamplingParams(max_tokens=gen_len if crosses else min(gen_len, 2), temperature=0.0,
                           ignore_eos=True)
-    warm_prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
-                    for _ in range(batch)]
+    warm_prompts = [engine.random_prompt(prompt_len, gen) for _ in range(batch)]
     _collect([engine.submit(p, warm) for p in warm_prompts])
-    prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
-               for _ in range(batch)]
+    prompts = [engine.random_prompt(prompt_len, gen) for _ in range(batch)]
     cuda = torch.cuda.is_available() and engine.config.resolved_device.startswith("cuda")
     if cuda:
         torch.cuda.synchronize()
@@ -127,11 +124,6 @@ def _collect(handles: list[RequestHandle]) -> list[list[float]]:
     if errors or any(not t for t in timings):
         raise RuntimeError(f"a benchmark request failed: {errors[:1] or 'no tokens'}")
     return timings
-
-
-def _vocab(engine: Engine) -> int:
-    sizes = [getattr(engine.model_config, "vocab_size", None), len(engine.tokenizer)]
-    return min(s for s in sizes if s)
 
 
 def _num_graphs(engine: Engine) -> int:

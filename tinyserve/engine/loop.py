@@ -246,11 +246,9 @@ class Engine:
         """
         chunk = self.config.max_num_batched_tokens
         n = min(prompt_len or 2 * chunk + chunk // 2, self.max_context - 2)
-        vocab = min(v for v in (self._vocab, len(self.tokenizer)) if v)
-        if n < 1 or vocab < 1:
+        if n < 1:
             return 0.0
-        prompt = (torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(0))
-                  .tolist())
+        prompt = self.random_prompt(n, torch.Generator().manual_seed(0))
         t0 = time.perf_counter()
         handle = self.submit(prompt, SamplingParams(max_tokens=2, temperature=0.0,
                                                     ignore_eos=True), request_id="warm-up")
@@ -260,6 +258,12 @@ class Engine:
         self.clear_prefix_cache()
         self.call(self._reset_counts)
         return time.perf_counter() - t0
+
+    def random_prompt(self, length: int, generator: torch.Generator) -> list[int]:
+        """`length` random token ids that both the model and the tokenizer know (warm-up,
+        benchmarks)."""
+        vocab = min(v for v in (self._vocab, len(self.tokenizer)) if v)
+        return torch.randint(0, vocab, (length,), generator=generator).tolist()
 
     def _reset_counts(self) -> None:
         self._counts = dict.fromkeys(self._counts, 0)

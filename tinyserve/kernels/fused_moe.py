@@ -278,7 +278,7 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
     if path not in MOE_PATHS:
         raise ValueError(f"unknown fused_moe path {path!r}; choose from {MOE_PATHS}")
     if path == "fused" and (not slots.is_fp4 or n > fmd.MOE_FUSED_MAX_TOKENS):
-        raise ValueError(f"the {path} path needs NVFP4 slots and at most "
+        raise ValueError(f"the fused path needs NVFP4 slots and at most "
                          f"{fmd.MOE_FUSED_MAX_TOKENS} tokens (got {n}, fp4={slots.is_fp4})")
     x = x.contiguous()
     ids = topk_slot_ids.contiguous().view(-1)

@@ -7,7 +7,10 @@ Qwen3.5-35B-A3B geometry with random weights (bench/model_step.py builds them: h
 256 NVFP4 experts top-8 resident on the GPU, GDN 16/32 heads, attention 16/2 x 256, the real
 vocabulary), `--layers` layers (default 8: 6 GDN + 2 attention), every sequence at a 1023-token
 context. Cases: KV bf16 and iso3 x batch 1 and 8. Target: graph step <= 1.3x the kernel sum.
-Each case records its own failure; the rest go on.
+Each case records its own failure; the rest go on. Each graph case also records where the
+step's time goes besides its kernels (`graph_timeline_us`: host time before the first GPU
+work, gaps between kernels inside the GPU span and the pairs of kernels around the largest,
+host time after the last), measured under the profiler.
 
 Offloaded cases (`--offload-slots`, default 46 slots per layer: the 6 GiB plan's share; 0
 skips them): the routed experts in a pinned host store behind a GPU expert cache (random
@@ -125,24 +128,70 @@ def _step_ms(runner: ModelRunner, batch: Batch, reps: int) -> float:
     return statistics.median(times)
 
 
-def _kernel_ms(runner: ModelRunner, batch: Batch, reps: int) -> tuple[float, int]:
-    """(GPU time of kernels and copies per step, launches per step) from torch.profiler."""
+def _kernel_ms(runner: ModelRunner, batch: Batch, reps: int) -> tuple[float, int, dict]:
+    """(GPU time of kernels and copies per step, launches per step, the step's timeline)
+    from torch.profiler; see `_timeline`."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     dev = runner.device.type
     runner.forward(batch)
     _sync(dev)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
-            runner.forward(batch)
+            with record_function(STEP):
+                runner.forward(batch)
         _sync(dev)
-    total_us, count = 0.0, 0
-    for e in prof.events():
-        if e.device_type == DeviceType.CUDA:
-            total_us += getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
-            count += 1
-    return total_us / 1e3 / reps, count // reps
+    gpu = [e for e in prof.events() if e.device_type == DeviceType.CUDA and e.name != STEP]
+    steps = [e for e in prof.events() if e.device_type == DeviceType.CPU and e.name == STEP]
+    total_us = sum(_device_us(e) for e in gpu)
+    return total_us / 1e3 / reps, len(gpu) // reps, _timeline(steps, gpu)
+
+
+STEP = "decode_step"
+
+
+def _device_us(e) -> float:
+    return getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
+
+
+def _timeline(steps: list, gpu: list, top: int = 8) -> dict:
+    """Where a step's wall time goes besides its kernels (means over the profiled steps, in
+    microseconds, under the profiler): `host_lead` from the step's start to its first GPU
+    work, `gpu_span` from there to the end of its last GPU work, of which `gaps` is the time
+    no kernel or copy runs, `host_tail` from then to the step's end (sync, token read-out);
+    `top_gaps`: the largest gaps by the pair of kernels around them."""
+    sums = {"host_lead": 0.0, "gpu_span": 0.0, "gaps": 0.0, "host_tail": 0.0, "nodes": 0}
+    pairs: dict[tuple[str, str], list[float]] = {}
+    n = 0
+    for s in steps:
+        t0, t1 = s.time_range.start, s.time_range.end
+        ev = sorted((e for e in gpu if t0 <= e.time_range.start <= t1),
+                    key=lambda e: e.time_range.start)
+        if not ev:
+            continue
+        n += 1
+        end, busy = ev[0].time_range.start, 0.0
+        for prev, e in zip([None] + ev[:-1], ev):
+            a, b = e.time_range.start, e.time_range.end
+            if prev is not None and a > end:
+                pairs.setdefault((prev.name[:60], e.name[:60]), []).append(a - end)
+            busy += max(0.0, b - max(a, end))
+            end = max(end, b)
+        span = end - ev[0].time_range.start
+        sums["host_lead"] += ev[0].time_range.start - t0
+        sums["gpu_span"] += span
+        sums["gaps"] += span - busy
+        sums["host_tail"] += max(0.0, t1 - end)
+        sums["nodes"] += len(ev)
+    if not n:
+        return {}
+    out = {k: round(v / n, 1) for k, v in sums.items()}
+    out["mean_gap"] = round(sums["gaps"] / max(sums["nodes"] - n, 1), 2)
+    worst = sorted(pairs.items(), key=lambda kv: -sum(kv[1]))[:top]
+    out["top_gaps"] = [{"after": a, "before": b, "us_per_step": round(sum(g) / n, 1),
+                        "count_per_step": round(len(g) / n, 1)} for (a, b), g in worst]
+    return out
 
 
 def _case(cfg, w: dict, kv_name: str, n: int, reps: int, dev: str = "cuda",
@@ -167,8 +216,8 @@ def _case(cfg, w: dict, kv_name: str, n: int, reps: int, dev: str = "cuda",
                 "static_step_ms": graph_ms, **cache}
     if graph.graphs.num_graphs < 1:
         raise RuntimeError("no decode graph was captured (see the log)")
-    kern_eager, launches = _kernel_ms(eager, batch, 5)
-    kern_graph, graph_events = _kernel_ms(graph, batch, 5)
+    kern_eager, launches, _ = _kernel_ms(eager, batch, 5)
+    kern_graph, graph_events, timeline = _kernel_ms(graph, batch, 5)
     # NOTE: older CUPTI may not trace kernels inside graphs; then the eager sum stands in.
     kern = kern_graph if graph_events >= launches // 2 else kern_eager
     return {
@@ -180,7 +229,7 @@ def _case(cfg, w: dict, kv_name: str, n: int, reps: int, dev: str = "cuda",
         "graph_over_kernels": graph_ms / kern, "eager_over_kernels": eager_ms / kern,
         "meets_target": graph_ms <= TARGET * kern,
         "eager_tok_s": n * 1e3 / eager_ms, "graph_tok_s": n * 1e3 / graph_ms,
-        "graph_speedup": eager_ms / graph_ms, **cache,
+        "graph_speedup": eager_ms / graph_ms, "graph_timeline_us": timeline, **cache,
     }
 
 
@@ -244,6 +293,14 @@ def _summary(data: dict) -> None:
                   f"  graph {c['graph_step_ms']:6.2f} ms ({c['graph_tok_s']:6.1f} tok/s)  "
                   f"kernels {c['kernel_sum_ms']:6.2f} ms  graph/kernels "
                   f"{c['graph_over_kernels']:.2f} (target {TARGET}){hit}")
+            t = c.get("graph_timeline_us") or {}
+            if t:
+                print(f"{'':20s} graph step under the profiler, us: host lead {t['host_lead']}"
+                      f"  GPU span {t['gpu_span']} (gaps {t['gaps']} over {t['nodes']} nodes)"
+                      f"  host tail {t['host_tail']}")
+                for g in t["top_gaps"][:4]:
+                    print(f"{'':24s}{g['us_per_step']:6.1f} us  {g['after'][:40]} -> "
+                          f"{g['before'][:40]} (x{g['count_per_step']})")
         else:
             print(f"{name:20s} eager {c['eager_step_ms']:7.2f} ms  static "
                   f"{c['static_step_ms']:7.2f} ms  ({c['device']}){hit}")

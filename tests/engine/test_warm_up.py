@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tinyserve.core import SamplingParams
 from tinyserve.engine.build import build_engine
 from tinyserve.engine.config import EngineConfig
 
 
-def test_warm_up_leaves_no_trace(tiny_checkpoint) -> None:
-    common = dict(model=str(tiny_checkpoint()), device="cpu", max_context=160, max_seqs=2,
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.requires_cuda)])
+def test_warm_up_leaves_no_trace(tiny_checkpoint, device) -> None:
+    """On CUDA with the engine's defaults: kernels, decode graphs."""
+    common = dict(model=str(tiny_checkpoint()), device=device, max_context=160, max_seqs=2,
                   max_num_batched_tokens=64, page_size=16)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompt = list(range(3, 43))

@@ -172,7 +172,7 @@ def _timeline(steps: list, gpu: list, top: int = 8) -> dict:
             continue
         n += 1
         end, busy = ev[0].time_range.start, 0.0
-        for prev, e in zip([None] + ev[:-1], ev):
+        for prev, e in zip([None, *ev[:-1]], ev, strict=True):
             a, b = e.time_range.start, e.time_range.end
             if prev is not None and a > end:
                 pairs.setdefault((prev.name[:60], e.name[:60]), []).append(a - end)
@@ -198,8 +198,10 @@ def _case(cfg, w: dict, kv_name: str, n: int, reps: int, dev: str = "cuda",
           experts=None, defer: bool = True) -> dict:
     gpu_cache.DEFER_POLICY = defer
     model = _model(cfg, w, kv_name, dev, experts)
-    eager = ModelRunner(model, page_size=PAGE)
-    graph = ModelRunner(model, page_size=PAGE, cuda_graphs=True, graph_pad_slot=MAX_BATCH)
+    # as the engine builds them: the logits are not kept
+    eager = ModelRunner(model, page_size=PAGE, keep_logits=False)
+    graph = ModelRunner(model, page_size=PAGE, cuda_graphs=True, graph_pad_slot=MAX_BATCH,
+                        keep_logits=False)
     if dev != "cuda":  # --dry: the static decode path without capture
         graph.graphs = DecodeGraphs(model, page_size=PAGE, pad_state_slot=MAX_BATCH,
                                     capture=False)

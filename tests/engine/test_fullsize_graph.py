@@ -137,6 +137,7 @@ def run_case(config: EngineConfig, prompt_len: int, steps: int, *, capture: bool
     parts = build_parts(config)
     build_s = time.perf_counter() - t0
     runner = parts.runner
+    runner.keep_logits = True  # compared below
     if not capture:
         if config.max_seqs < 3:
             raise ValueError("capture=False needs max_seqs >= 3 (a spare state slot)")

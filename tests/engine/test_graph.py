@@ -14,6 +14,7 @@ from tests.model.hf_tiny import checkpoint
 from tinyserve.core import Batch, SamplingParams, ScheduledSeq
 from tinyserve.engine.graph import DecodeGraphs, batch_bucket, capacity_pages
 from tinyserve.engine.runner import ModelRunner
+from tinyserve.engine.sampler import Sampler
 from tinyserve.kv.bf16 import BF16KVBackend, causal_attention
 from tinyserve.kv.registry import create_kv_backend
 from tinyserve.kv.state_pool import GDNStatePool
@@ -148,8 +149,8 @@ def test_static_padded_decode_equals_eager_on_cpu(kv: str) -> None:
     for _ in range(3):
         seqs = _decode_seqs(last, pos)
         want = eager.run(eager.prepare(Batch(seqs)))
-        got = graphs.run(seqs)
-        assert got.shape == want.shape
+        got, tokens = graphs.run(seqs)
+        assert got.shape == want.shape and torch.equal(tokens, got.argmax(-1))
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         last = want.argmax(-1).tolist()
         pos = [p + 1 for p in pos]
@@ -212,6 +213,44 @@ def test_runner_decode_branch_on_cpu() -> None:
     assert got_logits[0].data_ptr() != got_logits[1].data_ptr()
     for a, b in zip(got_logits, want_logits, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_runner_samples_in_the_graph_when_greedy() -> None:
+    """Greedy rows without penalties take the static path's own argmax (no logits copy with
+    `keep_logits=False`); a row with a repetition penalty goes through the sampler, as
+    eagerly."""
+    eager = _runner("bf16", "bf16", device="cpu", dtype=torch.float32)
+    static = _runner("bf16", "bf16", device="cpu", dtype=torch.float32)
+    static.graphs = DecodeGraphs(static.model, page_size=PAGE, pad_state_slot=PAD_SLOT)
+    static.keep_logits = False
+    calls: list[int] = []
+
+    class Counting(Sampler):
+        def __call__(self, logits, seqs):
+            calls.append(len(seqs))
+            return super().__call__(logits, seqs)
+
+    static.sampler = Counting()
+    prompts = _prompts(NUM_SEQS)
+    last = _prefill(eager, prompts)
+    assert _prefill(static, prompts) == last
+    calls.clear()
+    pos = [len(p) for p in prompts]
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=64)
+    for step in range(4):
+        seqs = _decode_seqs(last, pos)
+        if step >= 2:  # the last row penalised from here on
+            s = seqs[-1]
+            seqs[-1] = ScheduledSeq(s.request_id, s.token_ids, s.start_pos, s.page_ids,
+                                    s.state_slot, sample=True, params=penalised,
+                                    history=prompts[-1] + [s.token_ids[0]])
+        want = eager.forward(Batch(seqs))
+        got = static.forward(Batch(seqs))
+        assert got.next_tokens == want.next_tokens
+        assert (got.logits is None) == (step < 2)
+        last = want.next_tokens
+        pos = [p + 1 for p in pos]
+    assert calls == [NUM_SEQS, NUM_SEQS]  # the sampler ran for the penalised steps only
 
 
 @pytest.mark.requires_cuda

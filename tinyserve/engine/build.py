@@ -86,7 +86,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
                         dtype=dtype, embed_device=embed_device)
     del weights
     runner = ModelRunner(model, page_size=config.page_size, device=device, cuda_graphs=graphs,
-                         graph_pad_slot=pad_slot if graphs else None)
+                         graph_pad_slot=pad_slot if graphs else None, keep_logits=False)
     max_context = min(mcfg.max_position_embeddings, num_pages * config.page_size,
                       config.max_context or mcfg.max_position_embeddings)
     eos = tuple(dict.fromkeys(mcfg.eos_token_ids + _tokenizer_eos(tokenizer)))

@@ -3,9 +3,11 @@ per (padded batch size, context capacity) and replayed over static input buffers
 
 One decode step = fill a pinned host buffer with the packed inputs (token, position, KV slot,
 GDN state slot, lengths, page table) -> one host-to-device copy -> graph replay -> logits
-[B, V] float32 in a static buffer. The runner samples from them and copies the tokens back:
-the step's one host synchronisation. A provider with per-step host work (the expert cache)
-starts its step before the replay and does that work after it (`runner.launch`).
+[B, V] float32 and their greedy tokens (argmax, [B] int64) in static buffers. The runner
+takes the greedy tokens when every row samples greedily without penalties, else samples from
+the logits, and copies the tokens back: the step's one host synchronisation. A provider with
+per-step host work (the expert cache) starts its step before the replay and does that work
+after it (`runner.launch`).
 
 Padding: B sequences run in the smallest bucket >= B of `BATCH_BUCKETS`. A padded row has
 token 0 at position 0, KV slot -1 (the backends' padding page), length 1, an all-zero
@@ -67,6 +69,7 @@ class _Entry:
     ctx: ForwardContext
     graph: Any = None  # torch.cuda.CUDAGraph once captured
     logits: torch.Tensor | None = None  # [batch, V] float32, the graph's output
+    tokens: torch.Tensor | None = None  # [batch] int64, argmax of `logits` (graph output)
     copied: Any = None  # torch.cuda.Event after the last host-to-device copy
     # Host embedding only: [batch, H] model-dtype views of `host` / `device_buf` (graph input).
     host_hidden: torch.Tensor | None = None
@@ -118,11 +121,12 @@ class DecodeGraphs:
                 and all(s.num_tokens == 1 and s.start_pos > 0 for s in seqs))
 
     @torch.inference_mode()
-    def run(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
-        """Logits [B, V] float32 of one decode step, one row per sequence in order.
+    def run(self, seqs: Sequence[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [B, V] float32, their argmax [B] int64) of one decode step, one row per
+        sequence in order.
 
-        The result is a view of a static buffer, valid until the next `run`. Raises
-        ValueError when a sequence's pages do not cover its tokens.
+        Both are views of static buffers, valid until the next `run`. Raises ValueError when
+        a sequence's pages do not cover its tokens.
         """
         if not (0 < len(seqs) <= BATCH_BUCKETS[-1]
                 and all(s.num_tokens == 1 and s.start_pos > 0 for s in seqs)):
@@ -142,16 +146,21 @@ class DecodeGraphs:
                 # its policy work waits for the runner's `after_launch()`, after the replay
                 begin_step(defer=True)
             entry.graph.replay()
-            return entry.logits[:len(seqs)]
-        return self._forward(entry)[:len(seqs)]
+            logits, tokens = entry.logits, entry.tokens
+        else:
+            logits, tokens = self._forward(entry)
+        return logits[:len(seqs)], tokens[:len(seqs)]
 
     # ---------------------------------------------------------------------------------------
 
-    def _forward(self, entry: _Entry) -> torch.Tensor:
+    def _forward(self, entry: _Entry) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, greedy tokens) of the entry's static inputs: what a graph captures."""
         with forward_context(entry.ctx):
             if entry.hidden is None:
-                return self.model.forward(entry.ctx)
-            return self.model.forward(entry.ctx, hidden=entry.hidden)
+                logits = self.model.forward(entry.ctx)
+            else:
+                logits = self.model.forward(entry.ctx, hidden=entry.hidden)
+        return logits, logits.argmax(dim=-1)
 
     def _upload(self, entry: _Entry) -> None:
         entry.device_buf.copy_(entry.host, non_blocking=True)
@@ -196,7 +205,7 @@ class DecodeGraphs:
                 log.warning("CUDA graph capture of a %d-sequence decode failed (%s: %s); "
                             "decoding eagerly from now on", B, type(exc).__name__, exc)
                 self.capture, self.failed = False, True
-                entry.graph = entry.logits = None
+                entry.graph = entry.logits = entry.tokens = None
         self._entries[(B, P)] = entry
         return entry
 
@@ -212,8 +221,8 @@ class DecodeGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits = self._forward(entry)
-        entry.graph, entry.logits = graph, logits
+            logits, tokens = self._forward(entry)
+        entry.graph, entry.logits, entry.tokens = graph, logits, tokens
         log.info("captured the decode graph of %d sequences x %d pages", entry.batch,
                  entry.pages)
 

@@ -75,16 +75,20 @@ class ModelRunner:
         cuda_graphs: replay CUDA graphs for pure-decode batches. Needs `graph_pad_slot`, a
             GDN state slot that no sequence uses (padded rows write it), a CUDA device with
             the kernels on and an experts provider with `capturable` true; otherwise eager.
+        keep_logits: put a graph step's logits in its `ForwardOutput` (a copy of the static
+            buffer). False (the engine, which never reads them): a graph step whose tokens are
+            the graph's own argmax returns `logits=None` and costs no copy.
     """
 
     def __init__(self, model: Any, *, page_size: int, device: torch.device | str | None = None,
                  sampler: Any = None, cuda_graphs: bool = False,
-                 graph_pad_slot: int | None = None) -> None:
+                 graph_pad_slot: int | None = None, keep_logits: bool = True) -> None:
         self.model = model
         self.page_size = page_size
         self.device = torch.device(device) if device is not None else model.device
         self.sampler = sampler if sampler is not None else Sampler()
         self.graphs: DecodeGraphs | None = None
+        self.keep_logits = keep_logits
         # Host work to run while a launched step computes (the engine's deferred output).
         self.overlap_hook: Callable[[], None] | None = None
         self._tokens_host: torch.Tensor | None = None  # pinned on CUDA: sampled tokens
@@ -167,17 +171,23 @@ class ModelRunner:
         if self._inflight is not None:
             self._inflight.result()
             self._inflight = None
-        if self.graphs is not None and self.graphs.supports(batch.seqs):
-            rows = [i for i, s in enumerate(batch.seqs) if s.sample]
-            logits = self.graphs.run(batch.seqs)  # [B, V] static buffer
-            logits = logits.clone() if len(rows) == len(batch.seqs) else logits[rows]
+        seqs = batch.seqs
+        greedy = None  # [S] tokens sampled inside the decode graph
+        if self.graphs is not None and self.graphs.supports(seqs):
+            logits, argmax = self.graphs.run(seqs)  # static buffers
+            rows = [i for i, s in enumerate(seqs) if s.sample]
+            if len(rows) == len(seqs) and self.sampler.argmax_only(seqs):
+                greedy = argmax
+                logits = logits.clone() if self.keep_logits else None
+            else:
+                logits = logits.clone() if len(rows) == len(seqs) else logits[rows]
         else:
             logits = self.run(self.prepare(batch))
-        rows = [i for i, s in enumerate(batch.seqs) if s.sample and s.num_tokens > 0]
+        rows = [i for i, s in enumerate(seqs) if s.sample and s.num_tokens > 0]
         host = None
         if rows:
-            tokens = self.sampler(logits, [batch.seqs[i] for i in rows])  # [S] int64
-            host = self._stage(tokens)
+            tokens = greedy if greedy is not None else self.sampler(logits, [seqs[i] for i in rows])
+            host = self._stage(tokens)  # [S] int64
         pending = PendingOutput(rows, len(batch.seqs), logits, host, self._tokens_copied)
         self._inflight = pending
         after_launch = getattr(getattr(self.model, "experts", None), "after_launch", None)

@@ -28,6 +28,12 @@ class Sampler:
     def __init__(self, logits_hook: LogitsHook | None = None) -> None:
         self.logits_hook = logits_hook
 
+    def argmax_only(self, seqs: Sequence[ScheduledSeq]) -> bool:
+        """Whether sampling `seqs` is the plain argmax of their logits (greedy, no penalties,
+        no hook): then a caller holding the argmax already need not call the sampler."""
+        return self.logits_hook is None and all(s.params.greedy and not _has_penalty(s)
+                                                for s in seqs)
+
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
         """Sample one token per row.

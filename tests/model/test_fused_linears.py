@@ -74,6 +74,7 @@ def test_concat_rows_refuses_mismatches() -> None:
     assert concat_rows(DenseWeight(a), DenseWeight(_w(8, 32, 3))) is None
     assert concat_rows(DenseWeight(a), DenseWeight(b.bfloat16())) is None
     assert concat_rows(DenseWeight(a)) is None
+    assert concat_rows() is None
 
 
 def test_fused_group() -> None:
@@ -96,9 +97,9 @@ def _separate(w, name, parts):
     return None, tuple(w[p] for p in parts)
 
 
-def _run(cfg, w) -> torch.Tensor:
+def _run(cfg, w, **kwargs) -> torch.Tensor:
     """Logits of two prompts prefilled together, then three batched decode steps."""
-    runner = build_runner(cfg, w)
+    runner = build_runner(cfg, w, **kwargs)
     prompts = [[5, 17, 301, 42, 8, 99, 7], [11, 250, 3, 64, 129]]
     pages, slots = [[0, 1, 2, 3], [4, 5, 6, 7]], [0, 1]
     seqs = [ScheduledSeq(f"r{i}", p, 0, pages[i], slots[i], True, GREEDY)
@@ -109,7 +110,7 @@ def _run(cfg, w) -> torch.Tensor:
         step = [ScheduledSeq(f"r{i}", [20 + 7 * t + i], pos[i] + t, pages[i], slots[i], True,
                              GREEDY) for i in range(2)]
         out.append(runner.forward(Batch(step)).logits)
-    return torch.cat(out)
+    return torch.cat(out).float().cpu()
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor) -> None:
@@ -135,6 +136,23 @@ def test_fused_model_equals_separate(fmt: str, monkeypatch) -> None:
     monkeypatch.setattr(attention, "fused_linear", _separate)
     separate = _run(cfg, w)
     _close(fused, separate)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("fmt", ["bf16", "modelopt-mixed"])
+def test_fused_model_on_cuda(fmt: str, monkeypatch) -> None:
+    """bf16 with the kernels on (FP8 / dense GEMVs, Triton GDN, norms, KV store reading the
+    row-strided views): the fused model repeats its bits run to run and stays within the
+    kernels-vs-references bound of tests/model/test_cuda_model.py of the separate one (the
+    wider GEMV may split its sums otherwise)."""
+    from tests.model.test_cuda_model import _similar
+
+    cfg, w = checkpoint(fmt)
+    fused = _run(cfg, w, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(fused, _run(cfg, w, device="cuda", dtype=torch.bfloat16))
+    monkeypatch.setattr(gdn, "fused_linear", _separate)
+    monkeypatch.setattr(attention, "fused_linear", _separate)
+    _similar(fused, _run(cfg, w, device="cuda", dtype=torch.bfloat16), rel=0.02, agree=0.85)
 
 
 def test_model_takes_the_loaders_fused_weights(tiny_checkpoint) -> None:
@@ -240,3 +258,28 @@ def test_loader_yields_the_fused_weight_where_its_last_part_was(tiny_checkpoint)
                 last = max(parts.index(f"layers.{L}.{p}") for p in members)
                 before = [n for n in parts[:last] if fused_group(n) is None]
                 assert set(before) <= set(fused[:fused.index(name)])
+
+
+def _nbytes(w) -> int:
+    if isinstance(w, torch.Tensor):
+        return w.nbytes
+    return sum(t.nbytes for t in vars(w).values() if isinstance(t, torch.Tensor))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "modelopt", "modelopt-mixed"])
+def test_fused_weights_take_the_bytes_of_their_parts(tiny_checkpoint, fmt: str) -> None:
+    """What the memory planner counts (one plan entry per part) is what the fused weights
+    take, but for FP8 parts of different per-tensor scales: their fused weight carries an
+    fp32 scale per row (4 bytes a row, 49 KB for 35B-A3B's in_proj_qkvz)."""
+    path = tiny_checkpoint(fmt)
+    cfg = load_config(path)
+    fused = load_weights(path, cfg, dtype=torch.bfloat16)
+    parts = load_weights(path, cfg, dtype=torch.bfloat16, fuse=False)
+    extra = 0
+    for name, w in fused.items():
+        group = fused_group(name.replace("qkv_proj", "q_proj").replace(
+            "in_proj_qkvz", "in_proj_z").replace("in_proj_ba", "in_proj_a"))
+        if isinstance(w, FP8Weight) and group is not None and group[0] == name:
+            extra += w.scale.nbytes - sum(parts[p].scale.nbytes for p in group[1])
+    assert sum(map(_nbytes, fused.values())) == sum(map(_nbytes, parts.values())) + extra
+    assert (extra > 0) == (fmt == "modelopt-mixed")

@@ -89,4 +89,3 @@ class GatedDeltaNet:
             o = gdn_kernels.gdn_prefill(*args, ctx.cu_seqlens, has_state)
         o = gated_rms_norm(o, z, self.norm, self.eps)
         return linear(o.reshape(N, Hv * dv), self.out_proj)
-

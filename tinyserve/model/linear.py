@@ -63,8 +63,10 @@ def concat_rows(*ws: LinearWeight) -> LinearWeight | None:
     per-tensor scale when all are equal, else get a per-row fp32 scale [out, 1]. The result
     is a new tensor on the weights' device (the parts stay alive until the caller drops them).
     """
+    if len(ws) < 2:
+        return None
     a = ws[0]
-    if len(ws) < 2 or any(type(w) is not type(a) or w.shape[1] != a.shape[1] for w in ws):
+    if any(type(w) is not type(a) or w.shape[1] != a.shape[1] for w in ws):
         return None
     if isinstance(a, DenseWeight):
         if any(w.weight.dtype != a.weight.dtype for w in ws):

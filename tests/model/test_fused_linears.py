@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from tests.model.hf_tiny import build_runner, checkpoint
 from tinyserve.core import Batch, DenseWeight, FP8Weight, NVFP4Weight, SamplingParams, ScheduledSeq
 from tinyserve.kernels.nvfp4_ref import quantize_fp8, quantize_nvfp4
-from tinyserve.model import attention, gdn
+from tinyserve.model import linear as linear_mod
 from tinyserve.model.config import load_config
 from tinyserve.model.linear import concat_rows, linear
 from tinyserve.model.loader import load_weights
@@ -93,10 +93,6 @@ def test_fused_group() -> None:
 # The model: fused vs separate projections
 
 
-def _separate(w, name, parts):
-    return None, tuple(w[p] for p in parts)
-
-
 def _run(cfg, w, **kwargs) -> torch.Tensor:
     """Logits of two prompts prefilled together, then three batched decode steps."""
     runner = build_runner(cfg, w, **kwargs)
@@ -132,10 +128,11 @@ def test_fused_model_equals_separate(fmt: str, monkeypatch) -> None:
                for layer in layers if not layer.is_attention)
     attn = [layer.mixer for layer in layers if layer.is_attention]
     assert all((m.qkv_proj is None) == (fmt == "modelopt") for m in attn)
-    monkeypatch.setattr(gdn, "fused_linear", _separate)
-    monkeypatch.setattr(attention, "fused_linear", _separate)
-    separate = _run(cfg, w)
-    _close(fused, separate)
+    monkeypatch.setattr(linear_mod, "FUSE_SAME_INPUT", False)  # the switch: no fusing
+    runner = build_runner(cfg, w)
+    assert all(layer.mixer.in_proj_qkvz is None if not layer.is_attention
+               else layer.mixer.qkv_proj is None for layer in runner.model.layers)
+    _close(fused, _run(cfg, w))
 
 
 @pytest.mark.requires_cuda
@@ -150,8 +147,7 @@ def test_fused_model_on_cuda(fmt: str, monkeypatch) -> None:
     cfg, w = checkpoint(fmt)
     fused = _run(cfg, w, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(fused, _run(cfg, w, device="cuda", dtype=torch.bfloat16))
-    monkeypatch.setattr(gdn, "fused_linear", _separate)
-    monkeypatch.setattr(attention, "fused_linear", _separate)
+    monkeypatch.setattr(linear_mod, "FUSE_SAME_INPUT", False)
     _similar(fused, _run(cfg, w, device="cuda", dtype=torch.bfloat16), rel=0.02, agree=0.85)
 
 
@@ -163,6 +159,14 @@ def test_model_takes_the_loaders_fused_weights(tiny_checkpoint) -> None:
     # the same concatenated weights, whether the loader or the model built them
     assert torch.equal(_run(cfg, fused), _run(cfg, load_weights(path, cfg, dtype=torch.float32,
                                                                 fuse=False)))
+
+
+def test_switched_off_the_loader_yields_the_parts(tiny_checkpoint, monkeypatch) -> None:
+    path = tiny_checkpoint("bf16")
+    cfg = load_config(path)
+    monkeypatch.setattr(linear_mod, "FUSE_SAME_INPUT", False)
+    assert set(load_weights(path, cfg)) == set(expected_weights(cfg))
+    assert set(load_weights(path, cfg, fuse=True)) == _fused_names(cfg)
 
 
 # --------------------------------------------------------------------------------------------

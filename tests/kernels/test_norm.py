@@ -149,6 +149,19 @@ def test_gated_rms_norm(case, dtype, w_dtype) -> None:
     assert_close(K.gated_rms_norm(x, z, w, 1e-6), gated_rms_norm_ref(x, z, w, 1e-6))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gated_rms_norm_strided_gate(dtype) -> None:
+    # the GDN gate z: the last Hv * dv columns of fused [N, C + Hv * dv] rows, read in place
+    n, h, d, c = (3, 4, 16, 24) if DEV == "cpu" else (8, 32, 128, 8192)
+    qkvz = _rand((n, c + h * d), dtype, 11)
+    z = qkvz[:, c:].view(n, h, d)
+    x = _rand((n, h, d), dtype, 12)
+    w = 1 + 0.3 * _rand((d,), torch.float32, 13)
+    assert_close(K.gated_rms_norm(x, z, w, 1e-6), gated_rms_norm_ref(x, z, w, 1e-6))
+    assert torch.equal(K.gated_rms_norm(x, z, w, 1e-6), K.gated_rms_norm(x, z.contiguous(), w,
+                                                                         1e-6))
+
+
 def test_empty_and_bad_inputs() -> None:
     x = torch.empty(0, 16, device=DEV)
     assert K.rms_norm(x, torch.zeros(16, device=DEV), 1e-6).shape == (0, 16)

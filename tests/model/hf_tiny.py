@@ -26,11 +26,13 @@ _ROOT = Path(tempfile.mkdtemp(prefix="tinyserve-parity-"))
 
 @functools.cache
 def checkpoint(fmt: str, geometry: str = "tiny") -> tuple[ModelConfig, dict[str, Any]]:
-    """(config, canonical fp32 weights) of a tiny checkpoint, written once per process."""
+    """(config, canonical fp32 weights) of a tiny checkpoint, written once per process: the
+    checkpoint's own linears (`fuse=False`, as `hf_state_dict` maps them); the model fuses
+    the same-input ones itself."""
     path = make_tiny_checkpoint(_ROOT / f"{geometry}-{fmt}", fmt=fmt,
                                 **GEOMETRIES[geometry])
     cfg = load_config(path)
-    return cfg, load_weights(path, cfg, dtype=torch.float32)
+    return cfg, load_weights(path, cfg, dtype=torch.float32, fuse=False)
 
 
 @functools.cache

@@ -1,8 +1,8 @@
 """SparseMoE with its fused weights and glue kernels against the plain torch block.
 
-`concat_rows` over every storage; the whole block with the kernels forced on (the Triton
-interpreter on the CPU, tiny sizes) and on a GPU at the 35B-A3B sizes (H 2048, 256 experts,
-top-8, F 512) against the same block with the kernels off.
+The whole block with the kernels forced on (the Triton interpreter on the CPU, tiny sizes) and
+on a GPU at the 35B-A3B sizes (H 2048, 256 experts, top-8, F 512) against the same block with
+the kernels off. (`concat_rows`, which the block uses, is tested in test_fused_linears.py.)
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ import pytest  # noqa: E402
 
 from tests.kernels.test_norm import interpreter_ok, run_in_interpreter_child  # noqa: E402, F401
 from tinyserve.core import DenseWeight  # noqa: E402
-from tinyserve.kernels.nvfp4_ref import quantize_fp8, quantize_nvfp4  # noqa: E402
+from tinyserve.kernels.nvfp4_ref import quantize_nvfp4  # noqa: E402
 from tinyserve.model import moe  # noqa: E402
-from tinyserve.model.linear import linear  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -29,36 +28,6 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 def _w(o: int, i: int, seed: int, device: str = "cpu") -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(o, i, generator=g) / i**0.5).to(device)
-
-
-@pytest.mark.parametrize("kind", ["dense", "nvfp4", "fp8", "fp8_channel", "fp8_mixed"])
-def test_concat_rows_every_storage(kind: str) -> None:
-    a, b = _w(24, 64, 1), _w(8, 64, 2)
-    make = {
-        "dense": lambda w, _: DenseWeight(w),
-        "nvfp4": lambda w, _: quantize_nvfp4(w),
-        "fp8": lambda w, _: quantize_fp8(w),
-        "fp8_channel": lambda w, _: quantize_fp8(w, per_channel=True),
-        "fp8_mixed": lambda w, first: quantize_fp8(w, per_channel=first),
-    }[kind]
-    wa, wb = make(a, True), make(b, False)
-    if kind == "nvfp4":  # one global scale, as ModelOpt writes for a fusable gate/up pair
-        wb.global_scale = wa.global_scale
-    ab = moe.concat_rows(wa, wb)
-    assert ab is not None and ab.shape == (32, 64)
-    x = torch.randn(5, 64)
-    torch.testing.assert_close(linear(x, ab), torch.cat([linear(x, wa), linear(x, wb)], -1),
-                               rtol=1e-6, atol=1e-6)
-
-
-def test_concat_rows_refuses_mismatches() -> None:
-    a, b = _w(8, 64, 1), _w(8, 64, 2)
-    na, nb = quantize_nvfp4(a), quantize_nvfp4(b)
-    nb.global_scale = na.global_scale * 2
-    assert moe.concat_rows(na, nb) is None
-    assert moe.concat_rows(DenseWeight(a), na) is None
-    assert moe.concat_rows(DenseWeight(a), DenseWeight(_w(8, 32, 3))) is None
-    assert moe.concat_rows(DenseWeight(a), DenseWeight(b.bfloat16())) is None
 
 
 class _TorchExperts:

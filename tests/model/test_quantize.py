@@ -13,8 +13,14 @@ from tinyserve.cli import main as cli_main
 from tinyserve.core import DenseWeight, FP8Weight, NVFP4Weight
 from tinyserve.kernels.nvfp4_ref import quantize_fp8, quantize_nvfp4
 from tinyserve.model.config import load_config
-from tinyserve.model.loader import CheckpointReader, load_weights
+from tinyserve.model.loader import CheckpointReader
+from tinyserve.model.loader import load_weights as _load_weights
 from tinyserve.model.quantize import quantize_checkpoint, should_quantize, weight_format
+
+
+def load_weights(path, config) -> dict:
+    """The checkpoint's own linears (no fused same-input linears): compared name by name."""
+    return _load_weights(path, config, fuse=False)
 
 
 def _assert_matches_quantizer(quantized: dict, source: dict, *, gdn: bool = False,

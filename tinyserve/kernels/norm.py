@@ -43,13 +43,15 @@ def rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, D, stride_x, stride_r, st
 
 
 @triton.jit
-def gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, D, stride_x, stride_z, stride_y, eps,
-                          ROUND_WH: tl.constexpr, BLOCK_D: tl.constexpr):
+def gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, D, HZ, stride_x, stride_zn, stride_zh,
+                          stride_y, eps, ROUND_WH: tl.constexpr, BLOCK_D: tl.constexpr):
+    # row = n * HZ + h: z's row at n * stride_zn + h * stride_zh (HZ = 1: plain row stride)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     m = cols < D
     x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + row * stride_z + cols, mask=m, other=0.0).to(tl.float32)
+    z_row = (row // HZ) * stride_zn + (row % HZ) * stride_zh
+    z = tl.load(z_ptr + z_row + cols, mask=m, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
     var = tl.sum(x * x, axis=0) / D
     h = (x * tl.rsqrt(var + eps)).to(y_ptr.dtype.element_ty).to(tl.float32)
@@ -156,16 +158,22 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
                    eps: float) -> torch.Tensor:
     """GDN output norm per head: x, gate [..., D] in the model dtype, weight [D] (fp32 or the
-    model dtype) -> [..., D] contiguous in x.dtype."""
+    model dtype) -> [..., D] contiguous in x.dtype. A gate [N, H, D] with a unit last stride
+    is read in place whatever its other strides (e.g. the z columns of fused qkv | z rows)."""
     d = _check(x, weight, gate)
-    x2, z2 = _rows(x, d), _rows(gate, d)
+    x2 = _rows(x, d)
+    if gate.dim() == 3 and gate.stride(-1) == 1:
+        z2, hz, stride_zn, stride_zh = gate, gate.shape[1], gate.stride(0), gate.stride(1)
+    else:
+        z2 = _rows(gate, d)
+        hz, stride_zn, stride_zh = 1, z2.stride(0), 0
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     y2 = y.view(-1, d)
     round_wh = torch.promote_types(weight.dtype, x.dtype) != torch.float32
     if x2.shape[0]:
         block, warps = _launch_cfg(d)
-        gated_rms_norm_kernel[(x2.shape[0],)](x2, z2, weight, y2, d, x2.stride(0),
-                                              z2.stride(0), y2.stride(0), eps,
+        gated_rms_norm_kernel[(x2.shape[0],)](x2, z2, weight, y2, d, hz, x2.stride(0),
+                                              stride_zn, stride_zh, y2.stride(0), eps,
                                               ROUND_WH=round_wh, BLOCK_D=block,
                                               num_warps=warps)
     return y

@@ -1,7 +1,12 @@
 """Gated full attention of Qwen3.5-MoE (`self_attn`): q/gate interleaved by head, per-head
 q_norm / k_norm (1 + w), partial RoPE, paged attention through the KV backend, sigmoid output
 gate. On CUDA the norms + RoPE and the output gate run as Triton kernels (`PartialRoPE.norm_apply`,
-`kernels/glue.py: sigmoid_mul`)."""
+`kernels/glue.py: sigmoid_mul`).
+
+q_proj, k_proj and v_proj run as one linear `qkv_proj` (q_proj rows, then k_proj's, then
+v_proj's) where their storages allow (`concat_rows`; taken from the weights dict when the
+loader already fused them), split by views: the norm + RoPE kernel, the output gate and the KV
+backends' stores read row-strided [N, H, D] inputs."""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from typing import Any
 import torch
 
 from tinyserve.core import ForwardContext, LinearWeight
-from tinyserve.model.linear import kernels_enabled, linear
+from tinyserve.model.linear import fused_linear, kernels_enabled, linear
 from tinyserve.model.rope import PartialRoPE
 
 
@@ -39,9 +44,9 @@ class GatedAttention:
         self.head_dim = config.head_dim
         self.eps = config.rms_norm_eps
         self.rope = rope
-        self.q_proj: LinearWeight = w["q_proj"]
-        self.k_proj: LinearWeight = w["k_proj"]
-        self.v_proj: LinearWeight = w["v_proj"]
+        # [2 * H * D + 2 * Hkv * D, hidden], or None (then the separate weights)
+        self.qkv_proj, (self.q_proj, self.k_proj, self.v_proj) = fused_linear(
+            w, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
         self.o_proj: LinearWeight = w["o_proj"]
         self.q_norm: torch.Tensor = w["q_norm"]
         self.k_norm: torch.Tensor = w["k_norm"]
@@ -51,14 +56,22 @@ class GatedAttention:
         """x [N, hidden] (normed) -> [N, hidden]. `cos_sin` from `rope.cos_sin(ctx.positions)`."""
         N = x.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None:
+            qkv = linear(x, self.qkv_proj)  # [N, 2 * H * D + 2 * Hkv * D]
+            qd, kd = 2 * H * D, Hkv * D
+            qg, k, v = qkv[:, :qd], qkv[:, qd:qd + kd], qkv[:, qd + kd:]  # row-strided views
+        else:
+            qg, k, v = (linear(x, self.q_proj), linear(x, self.k_proj),
+                        linear(x, self.v_proj))
         # NOTE: q_proj rows are [q_h | gate_h] per head h, not [all q | all gates].
-        qg = linear(x, self.q_proj).view(N, H, 2 * D)
+        qg = qg.view(N, H, 2 * D)
         q, gate = qg[..., :D], qg[..., D:]  # [N, H, D] views
         cos, sin = cos_sin
-        q = self.rope.norm_apply(q, self.q_norm, self.eps, cos, sin)  # [N, H, D]
-        k = self.rope.norm_apply(linear(x, self.k_proj).view(N, Hkv, D), self.k_norm,
-                                 self.eps, cos, sin)
-        v = linear(x, self.v_proj).view(N, Hkv, D)
-        o = kv.forward(self.layer_id, q.contiguous(), k.contiguous(), v.contiguous(), ctx,
-                       D ** -0.5)  # [N, H, D]
+        q = self.rope.norm_apply(q, self.q_norm, self.eps, cos, sin)  # [N, H, D] contiguous
+        k = self.rope.norm_apply(k.view(N, Hkv, D), self.k_norm, self.eps, cos, sin)
+        # NOTE: a decode step hands v over as a row-strided view: the backends' stores take
+        # [N, Hkv, D] of any row stride (unit head and last strides), and decode attention
+        # reads the cache only. Prefill attention gets contiguous K/V as before (one copy).
+        v = (v if ctx.is_decode else v.contiguous()).view(N, Hkv, D)
+        o = kv.forward(self.layer_id, q, k, v, ctx, D ** -0.5)  # [N, H, D]
         return linear(sigmoid_mul(o.reshape(N, H, D), gate), self.o_proj)

@@ -7,6 +7,12 @@ elsewhere), which read each sequence's conv and recurrent state from the GDN sta
 slot) and write the new state back in place. A pure-decode batch (one token per sequence,
 every sequence with a cached prefix) takes the recurrent decode path; anything else the
 chunked varlen path.
+
+The four projections of the same normed input run as two linears where their storages allow
+(`concat_rows`): `in_proj_qkvz` (in_proj_qkv rows, then in_proj_z) and `in_proj_ba` (in_proj_b
+rows, then in_proj_a), taken from the weights dict when the loader already fused them, else
+concatenated here. Their outputs are split by views: the conv, GDN and gated-norm kernels read
+row-strided inputs.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import torch
 
 from tinyserve.core import ForwardContext, LinearWeight
 from tinyserve.kernels import gdn as gdn_kernels
-from tinyserve.model.linear import linear
+from tinyserve.model.linear import fused_linear, linear
 from tinyserve.model.norm import gated_rms_norm
 
 
@@ -31,10 +37,11 @@ class GatedDeltaNet:
         self.dk = config.linear_key_head_dim
         self.dv = config.linear_value_head_dim
         self.eps = config.rms_norm_eps
-        self.in_proj_qkv: LinearWeight = w["in_proj_qkv"]
-        self.in_proj_z: LinearWeight = w["in_proj_z"]
-        self.in_proj_b: LinearWeight = w["in_proj_b"]
-        self.in_proj_a: LinearWeight = w["in_proj_a"]
+        # [C + Hv * dv, hidden] and [2 * Hv, hidden], or None (then the separate weights)
+        self.in_proj_qkvz, (self.in_proj_qkv, self.in_proj_z) = fused_linear(
+            w, "in_proj_qkvz", ("in_proj_qkv", "in_proj_z"))
+        self.in_proj_ba, (self.in_proj_b, self.in_proj_a) = fused_linear(
+            w, "in_proj_ba", ("in_proj_b", "in_proj_a"))
         self.out_proj: LinearWeight = w["out_proj"]
         self.conv_weight: torch.Tensor = w["conv1d"]  # [C, K] model dtype
         self.A_log: torch.Tensor = w["A_log"]  # [Hv] fp32
@@ -45,10 +52,21 @@ class GatedDeltaNet:
         """x [N, hidden] (normed) -> [N, hidden]; updates the pool's states of this layer."""
         N = x.shape[0]
         Hk, Hv, dk, dv = self.Hk, self.Hv, self.dk, self.dv
-        qkv = linear(x, self.in_proj_qkv)  # [N, C]: q | k | v, contiguous channel blocks
-        z = linear(x, self.in_proj_z).view(N, Hv, dv)
-        b = linear(x, self.in_proj_b)  # [N, Hv], beta = sigmoid(b) inside the kernel
-        a = linear(x, self.in_proj_a)  # [N, Hv], g = -exp(A_log) * softplus(a + dt_bias)
+        C = self.conv_weight.shape[0]
+        if self.in_proj_qkvz is not None:
+            qkvz = linear(x, self.in_proj_qkvz)  # [N, C + Hv * dv]
+            qkv, z = qkvz[:, :C], qkvz[:, C:]  # row-strided views
+        else:
+            qkv, z = linear(x, self.in_proj_qkv), linear(x, self.in_proj_z)
+        # qkv [N, C]: q | k | v, contiguous channel blocks
+        z = z.view(N, Hv, dv)
+        if self.in_proj_ba is not None:
+            ba = linear(x, self.in_proj_ba)  # [N, 2 * Hv]
+            b, a = ba[:, :Hv], ba[:, Hv:]
+        else:
+            b, a = linear(x, self.in_proj_b), linear(x, self.in_proj_a)
+        # b [N, Hv]: beta = sigmoid(b) inside the kernel;
+        # a [N, Hv]: g = -exp(A_log) * softplus(a + dt_bias)
 
         conv_pool = states.conv_state(self.layer_id)  # [slots, C, K-1] model dtype
         rec_pool = states.recurrent_state(self.layer_id)  # [slots, Hv, dk, dv] fp32

@@ -5,17 +5,27 @@ TINYSERVE_DISABLE_KERNELS is set) NVFP4 weights go through the Triton kernel
 `tinyserve.kernels.nvfp4.nvfp4_linear` and FP8 weights through `tinyserve.kernels.fp8`
 (reading the fp8 bytes, no per-call conversion); everywhere else the pure-torch reference
 dequantizes the weight and runs a plain matmul.
+
+`concat_rows(a, b, ...)` stacks the output rows of same-input projections into one weight (one
+GEMV instead of several: the MoE router + shared gate, the GDN in_proj_qkv + in_proj_z, ...).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from tinyserve import envs
 from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
+
+# Same-input projections as one linear (`fused_linear`; `loader.iter_weights` fuses them on
+# the host). False: the separate projections everywhere (the switch should a fused GEMV be
+# slower on some GPU); a weights dict already holding fused entries is used as it is.
+FUSE_SAME_INPUT = True
 
 
 def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
@@ -48,6 +58,52 @@ def to_device(w: LinearWeight, device: torch.device | str,
     if isinstance(w, FP8Weight):
         return FP8Weight(w.weight.to(device), w.scale.to(device))
     raise TypeError(f"unknown weight storage {type(w).__name__}")
+
+
+def concat_rows(*ws: LinearWeight) -> LinearWeight | None:
+    """One weight whose output rows are each weight's in turn (`linear(x, concat_rows(a, b))
+    == [linear(x, a) | linear(x, b)]`: every output row is its own dot product), or None when
+    they cannot share one storage: different storage types or input dims, dense weights of
+    different dtypes, NVFP4 weights of different global scales. FP8 weights keep one
+    per-tensor scale when all are equal, else get a per-row fp32 scale [out, 1]. The result
+    is a new tensor on the weights' device (the parts stay alive until the caller drops them).
+    """
+    if len(ws) < 2:
+        return None
+    a = ws[0]
+    if any(type(w) is not type(a) or w.shape[1] != a.shape[1] for w in ws):
+        return None
+    if isinstance(a, DenseWeight):
+        if any(w.weight.dtype != a.weight.dtype for w in ws):
+            return None
+        return DenseWeight(torch.cat([w.weight for w in ws]))
+    if isinstance(a, NVFP4Weight):
+        if any(w.global_scale != a.global_scale for w in ws):
+            return None
+        return NVFP4Weight(torch.cat([w.packed for w in ws]),
+                           torch.cat([w.block_scale for w in ws]), a.global_scale)
+    if isinstance(a, FP8Weight):
+        weight = torch.cat([w.weight for w in ws])
+        if all(w.scale.numel() == 1 and torch.equal(w.scale, a.scale) for w in ws):
+            return FP8Weight(weight, a.scale)
+        scales = [w.scale.to(torch.float32).reshape(-1, 1).expand(w.shape[0], 1)
+                  for w in ws]  # per-row [out, 1]
+        return FP8Weight(weight, torch.cat(scales))
+    return None
+
+
+def fused_linear(w: Mapping[str, Any], name: str, parts: tuple[str, ...]
+                 ) -> tuple[LinearWeight | None, tuple[LinearWeight | None, ...]]:
+    """(fused weight, Nones) of same-input projections, or (None, the separate weights).
+
+    The fused weight is `w[name]` when the dict holds it (the loader fuses on the host), else
+    `concat_rows` of `w[p]` for `parts` when it accepts them (a new copy beside the parts) and
+    FUSE_SAME_INPUT is set.
+    """
+    if name in w:
+        return w[name], (None,) * len(parts)
+    fused = concat_rows(*(w[p] for p in parts)) if FUSE_SAME_INPUT else None
+    return fused, tuple(w[p] if fused is None else None for p in parts)
 
 
 def kernels_enabled(device: torch.device) -> bool:

@@ -3,7 +3,8 @@
 - `CheckpointReader(path)`: single-file or sharded (model.safetensors.index.json) safetensors,
   headers parsed up front (no tensor data read), tensors memory-mapped one at a time.
 - `iter_weights(path_or_reader, config, ...)`: yields `(canonical_name, Tensor | LinearWeight)`
-  in file order after checking every tensor's presence, shape and dtype from the headers.
+  in file order after checking every tensor's presence, shape and dtype from the headers;
+  same-input linears fused on the host (`loader_plan.FUSED_LINEARS`).
 - `loader_plan.plan_weights(reader, config)`: the same plan without reading data (storage
   kind and bytes per canonical weight), for the memory planner and the expert store.
 - `resolve_model_path(model)`: a local directory or a Hugging Face repo id.
@@ -209,6 +210,7 @@ def iter_weights(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     include_experts: bool = True,
+    fuse: bool | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | LinearWeight]]:
     """Yield `(canonical_name, Tensor | LinearWeight)` for every weight, in file order.
 
@@ -217,23 +219,57 @@ def iter_weights(
     weights keep their packed uint8 form (compressed-tensors folded to the multiply
     convention). Routed experts are left out with `include_experts=False`. The whole
     checkpoint is checked against `config` (from headers) before the first weight is read.
-    Raises CheckpointError.
-    """
-    from tinyserve.model.loader_plan import plan_weights
 
+    With `fuse` (default: `model.linear.FUSE_SAME_INPUT`, on) the parts of each
+    `loader_plan.FUSED_LINEARS` group (e.g. `layers.L.linear_attn.in_proj_qkv` and
+    `.in_proj_z`) are read to host memory and concatenated there (`model.linear.concat_rows`);
+    only the fused weight (`...in_proj_qkvz`) goes to `device`, yielded when its last part
+    arrives. When `concat_rows` refuses the parts (NVFP4 of different global scales, ...) the
+    parts are yielded instead. `fuse=False` yields the checkpoint's own linears. Raises
+    CheckpointError.
+    """
+    from tinyserve.model import linear
+    from tinyserve.model.loader_plan import fused_group, plan_weights
+
+    fuse = linear.FUSE_SAME_INPUT if fuse is None else fuse
     reader = path_or_reader if isinstance(path_or_reader, CheckpointReader) else \
         CheckpointReader(path_or_reader)
     device = torch.device(device)
     if dtype is None:
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    pending: dict[str, dict[str, Any]] = {}  # fused name -> its parts read so far (host)
     try:
         for entry in plan_weights(reader, config):
             if not include_experts and entry.is_expert:
                 continue
-            yield from entry.load(reader, dtype, device)
+            group = fused_group(entry.name) if fuse else None
+            if group is None:
+                yield from entry.load(reader, dtype, device)
+                continue
+            fused, parts = group
+            got = pending.setdefault(fused, {})
+            got.update(entry.load(reader, dtype, torch.device("cpu")))
+            if len(got) == len(parts):
+                del pending[fused]
+                yield from _fuse(fused, [(p, got.pop(p)) for p in parts], dtype, device)
+        assert not pending, f"incomplete fused linears {sorted(pending)}"  # the plan has all
     finally:
         if reader is not path_or_reader:
             reader.close()
+
+
+def _fuse(name: str, parts: list[tuple[str, LinearWeight]], dtype: torch.dtype,
+          device: torch.device) -> Iterator[tuple[str, LinearWeight]]:
+    """The host parts as one weight `name` on `device`, or each part when they cannot be."""
+    from tinyserve.model.linear import concat_rows, to_device
+
+    fused = concat_rows(*(w for _, w in parts))
+    if fused is None:
+        for part, w in parts:
+            yield part, to_device(w, device, dtype)
+    else:
+        parts.clear()  # NOTE: the host parts go before the fused copy moves to the device
+        yield name, to_device(fused, device, dtype)
 
 
 def load_weights(
@@ -243,10 +279,11 @@ def load_weights(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     include_experts: bool = True,
+    fuse: bool | None = None,
 ) -> dict[str, torch.Tensor | LinearWeight]:
     """`dict(iter_weights(...))`."""
     return dict(iter_weights(path_or_reader, config, dtype=dtype, device=device,
-                             include_experts=include_experts))
+                             include_experts=include_experts, fuse=fuse))
 
 
 def to_linear(value: torch.Tensor | LinearWeight) -> LinearWeight:

@@ -4,10 +4,15 @@
 names and shapes the config implies (specs/qwen35_moe.md §3-§4), decides each linear's storage
 from which tensors exist (dense, ModelOpt NVFP4, compressed-tensors NVFP4, FP8), and returns
 entries in file order. Any missing, extra, misshapen or mistyped tensor raises CheckpointError.
+
+The plan keeps one entry per canonical weight (the memory planner and the expert store size
+and read those); `FUSED_LINEARS` names the same-input linears that `loader.iter_weights`
+yields fused (`fused_group`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -30,6 +35,15 @@ _IGNORED_PARAMS = ("input_scale", "input_global_scale")
 # rotary tables some exporters save.
 _DROPPED = (".k_scale", ".v_scale", ".q_scale", ".prob_scale", "rotary_emb.inv_freq")
 STORAGES = ("dense", "modelopt", "compressed-tensors", "fp8")
+# Same-input linears of a layer yielded as one (`model.linear.concat_rows`): fused name -> the
+# canonical parts whose output rows it stacks, in this order.
+FUSED_LINEARS: dict[str, tuple[str, ...]] = {
+    "linear_attn.in_proj_qkvz": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
+    "linear_attn.in_proj_ba": ("linear_attn.in_proj_b", "linear_attn.in_proj_a"),
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+}
+_FUSED_OF = {part: fused for fused, parts in FUSED_LINEARS.items() for part in parts}
+_LAYER_RE = re.compile(r"^(layers\.\d+\.)(.+)$")
 
 
 @dataclass
@@ -101,6 +115,17 @@ def _load_linear(reader: CheckpointReader, raw: dict[str, str], storage: str,
     block = reader.get(raw["weight_scale"])
     return NVFP4Weight(packed=packed.to(device), block_scale=block.to(device).view(torch.uint8),
                        global_scale=glob)
+
+
+def fused_group(name: str) -> tuple[str, tuple[str, ...]] | None:
+    """'layers.3.self_attn.k_proj' -> ('layers.3.self_attn.qkv_proj', the canonical names of
+    its q_proj, k_proj and v_proj); None for a weight that no fused linear takes."""
+    m = _LAYER_RE.match(name)
+    fused = _FUSED_OF.get(m.group(2)) if m else None
+    if fused is None:
+        return None
+    prefix = m.group(1)
+    return prefix + fused, tuple(prefix + p for p in FUSED_LINEARS[fused])
 
 
 # --------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
 from tinyserve.kernels.fused_moe import ExpertSlots, pack_expert_slots, single_expert_slots
 from tinyserve.kernels.fused_moe_decode import fuses_shared_expert
-from tinyserve.model.linear import kernels_enabled, linear
+from tinyserve.model.linear import concat_rows, kernels_enabled, linear
 
 ROUTER_KERNEL_MAX_N = 256  # the router kernel up to this many tokens, torch above
 
@@ -96,29 +96,6 @@ def gated_add_ref(routed: torch.Tensor, gate_logit: torch.Tensor,
                   shared: torch.Tensor) -> torch.Tensor:
     """Pure-torch `gated_add`."""
     return routed + torch.sigmoid(gate_logit) * shared
-
-
-def concat_rows(a: LinearWeight, b: LinearWeight) -> LinearWeight | None:
-    """One weight whose output rows are a's then b's (`linear(x, ab) = [linear(x, a) |
-    linear(x, b)]`), or None when the storages differ (or two NVFP4 global scales do)."""
-    if a.shape[1] != b.shape[1] or type(a) is not type(b):
-        return None
-    if isinstance(a, DenseWeight) and isinstance(b, DenseWeight):
-        if a.weight.dtype != b.weight.dtype:
-            return None
-        return DenseWeight(torch.cat([a.weight, b.weight]))
-    if isinstance(a, NVFP4Weight) and isinstance(b, NVFP4Weight):
-        if a.global_scale != b.global_scale:
-            return None
-        return NVFP4Weight(torch.cat([a.packed, b.packed]),
-                           torch.cat([a.block_scale, b.block_scale]), a.global_scale)
-    if isinstance(a, FP8Weight) and isinstance(b, FP8Weight):
-        if a.scale.numel() == 1 and b.scale.numel() == 1 and torch.equal(a.scale, b.scale):
-            return FP8Weight(torch.cat([a.weight, b.weight]), a.scale)
-        scales = [w.scale.to(torch.float32).reshape(-1, 1).expand(w.shape[0], 1)
-                  for w in (a, b)]  # per-row [out, 1]
-        return FP8Weight(torch.cat([a.weight, b.weight]), torch.cat(scales))
-    return None
 
 
 class ResidentExperts:

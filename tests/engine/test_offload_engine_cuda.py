@@ -50,8 +50,8 @@ def _run(ckpt, dtype: str, **kwargs) -> tuple[list[list[int]], object, object]:
 def _same(got: list[list[int]], want: list[list[int]], dtype: str) -> None:
     if dtype == "float32":
         assert got == want
-    else:  # bf16: the expert cache's slot numbering changes the order in which prefill sums
-        # expert outputs, so a late near-tie may flip. Together the prompts would batch by
+    else:  # bf16: slot numbering changes the fused-MoE tiling, a late near-tie may flip.
+        # Together the prompts would batch by
         # arrival time (the engine loop runs beside `generate`), and a different batching
         # flipped a token as early as the fourth under 10 parallel test workers.
         for g, w in zip(got, want, strict=True):

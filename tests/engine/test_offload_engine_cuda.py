@@ -51,9 +51,9 @@ def _same(got: list[list[int]], want: list[list[int]], dtype: str) -> None:
     if dtype == "float32":
         assert got == want
     else:  # bf16: slot numbering changes the fused-MoE tiling, a late near-tie may flip.
-        # Together the prompts would batch by
-        # arrival time (the engine loop runs beside `generate`), and a different batching
-        # flipped a token as early as the fourth under 10 parallel test workers.
+        # Together the prompts would batch by arrival time (the engine loop runs beside
+        # `generate`): a different batching flipped a token as early as the fourth under 10
+        # parallel test workers.
         for g, w in zip(got, want, strict=True):
             common = next((i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), len(w))
             assert common >= len(w) // 2, (g, w)

@@ -88,9 +88,10 @@ def test_embedding_on_the_host_matches_resident(ckpt, monkeypatch) -> None:
 
 
 # Builds one engine in a fresh process (argv[1]: JSON {model, kwargs, prompts, params}) and
-# prints one line "RESULT {json}": greedy tokens, expert-cache counters, placement, plan, and
-# the allocator's peak. A fresh process, because the allocator cap set for a budget counts
-# every byte the process still holds (earlier engines, fixtures, the caching allocator).
+# prints one line "RESULT {json}": greedy tokens (the prompts one at a time, as `_run` in
+# bf16), expert-cache counters, placement, plan, and the allocator's peak. A fresh process,
+# because the allocator cap set for a budget counts every byte the process still holds
+# (earlier engines, fixtures, the caching allocator).
 CHILD = r"""
 import json, sys
 import torch
@@ -99,7 +100,8 @@ from tinyserve.engine.llm import LLM
 
 args = json.loads(sys.argv[1])
 with LLM(args["model"], **args["kwargs"]) as llm:
-    done = llm.generate(args["prompts"], SamplingParams(**args["params"]))
+    params = SamplingParams(**args["params"])
+    done = [llm.generate([p], params)[0] for p in args["prompts"]]  # one at a time, as _run
     stats, runner, plan = llm.engine.stats(), llm.engine.runner, llm.engine.memory_plan
     experts = runner.model.experts
     out = {"tokens": [c.token_ids for c in done],

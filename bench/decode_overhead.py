@@ -10,7 +10,9 @@ context. Cases: KV bf16 and iso3 x batch 1 and 8. Target: graph step <= 1.3x the
 Each case records its own failure; the rest go on. Each graph case also records where the
 step's time goes besides its kernels (`graph_timeline_us`: host time before the first GPU
 work, gaps between kernels inside the GPU span and the pairs of kernels around the largest,
-host time after the last), measured under the profiler.
+host time after the last), measured under the profiler, and without the profiler the graph's
+GPU time replayed back to back (`graph_gpu_ms`) against the step (`step_minus_graph_gpu_ms`:
+the part the host adds).
 
 Offloaded cases (`--offload-slots`, default 46 slots per layer: the 6 GiB plan's share; 0
 skips them): the routed experts in a pinned host store behind a GPU expert cache (random
@@ -128,6 +130,25 @@ def _step_ms(runner: ModelRunner, batch: Batch, reps: int) -> float:
     return statistics.median(times)
 
 
+def _graph_gpu_split(runner: ModelRunner, batch: Batch, step_ms: float, reps: int) -> dict:
+    """The graph step's GPU time without the host: its graph replayed back to back (CUDA
+    events, no profiler), and what the step adds to it (inputs, launch, sampling's token copy,
+    the wait: the host-exposed part)."""
+    entries = list(runner.graphs._entries.values())
+    if len(entries) != 1 or entries[0].graph is None:
+        return {}
+    graph = entries[0].graph
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    gpu_ms = start.elapsed_time(end) / reps
+    return {"graph_gpu_ms": gpu_ms, "step_minus_graph_gpu_ms": step_ms - gpu_ms}
+
+
 def _kernel_ms(runner: ModelRunner, batch: Batch, reps: int) -> tuple[float, int, dict]:
     """(GPU time of kernels and copies per step, launches per step, the step's timeline)
     from torch.profiler; see `_timeline`."""
@@ -218,6 +239,7 @@ def _case(cfg, w: dict, kv_name: str, n: int, reps: int, dev: str = "cuda",
                 "static_step_ms": graph_ms, **cache}
     if graph.graphs.num_graphs < 1:
         raise RuntimeError("no decode graph was captured (see the log)")
+    split = _graph_gpu_split(graph, batch, graph_ms, reps)
     kern_eager, launches, _ = _kernel_ms(eager, batch, 5)
     kern_graph, graph_events, timeline = _kernel_ms(graph, batch, 5)
     # NOTE: older CUPTI may not trace kernels inside graphs; then the eager sum stands in.
@@ -231,7 +253,7 @@ def _case(cfg, w: dict, kv_name: str, n: int, reps: int, dev: str = "cuda",
         "graph_over_kernels": graph_ms / kern, "eager_over_kernels": eager_ms / kern,
         "meets_target": graph_ms <= TARGET * kern,
         "eager_tok_s": n * 1e3 / eager_ms, "graph_tok_s": n * 1e3 / graph_ms,
-        "graph_speedup": eager_ms / graph_ms, "graph_timeline_us": timeline, **cache,
+        "graph_speedup": eager_ms / graph_ms, **split, "graph_timeline_us": timeline, **cache,
     }
 
 
@@ -295,6 +317,9 @@ def _summary(data: dict) -> None:
                   f"  graph {c['graph_step_ms']:6.2f} ms ({c['graph_tok_s']:6.1f} tok/s)  "
                   f"kernels {c['kernel_sum_ms']:6.2f} ms  graph/kernels "
                   f"{c['graph_over_kernels']:.2f} (target {TARGET}){hit}")
+            if "graph_gpu_ms" in c:
+                print(f"{'':20s} graph replayed back to back {c['graph_gpu_ms']:.3f} ms on the "
+                      f"GPU: the step adds {c['step_minus_graph_gpu_ms']:.3f} ms")
             t = c.get("graph_timeline_us") or {}
             if t:
                 print(f"{'':20s} graph step under the profiler, us: host lead {t['host_lead']}"

@@ -16,6 +16,7 @@ def test_bench_command_on_the_tiny_checkpoint(tiny_checkpoint, capsys) -> None:
     assert r["ttft_s"]["max"] >= r["ttft_s"]["mean"] > 0
     assert r["config"]["max_context"] == 17 and r["peak_memory_bytes"] is None
     assert r["decode_step_ms"] > 0 and r["graphs_captured"] == 0 and r["steps"] >= 4
+    assert r["date"].endswith("Z") and "commit" in r  # the checkout's, None outside one
     assert main(["bench", str(ckpt), "--device", "cpu", "--prompt-len", "4", "--gen-len",
                  "2"]) == 0
     assert "decode" in capsys.readouterr().out

@@ -6,7 +6,8 @@ EOS ignored), submitted together after a warm-up of the same shape. Reported: pr
 (tokens after the first over the time after it), the median decode step (inter-token
 interval), time to first token, peak GPU memory, CUDA graphs captured during the measured run
 (0 once warm) and, when the experts are offloaded, the expert-cache hits, misses and
-host-to-device bytes of the measured run and its hit rate.
+host-to-device bytes of the measured run and its hit rate; with the date, device, torch
+version and the commit of the checkout that ran it (None outside one).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tinyserve.engine.build import build_engine
 from tinyserve.engine.config import EngineConfig
 from tinyserve.engine.graph import capacity_pages
 from tinyserve.engine.loop import Engine, RequestHandle
+from tinyserve.testing.provenance import current_commit
 
 
 def bench_command(args: Any) -> int:
@@ -101,6 +103,8 @@ def run_bench(engine: Engine, *, prompt_len: int, gen_len: int, batch: int,
         "expert_cache": cache,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": current_commit(),
     }
     return result
 

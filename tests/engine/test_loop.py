@@ -36,6 +36,7 @@ class FakeRunner:
         gen = torch.Generator().manual_seed(0)
         self.table = torch.randn(V, V, generator=gen) * 3
         self.table[:, EOS] = -1e4  # never ends by itself
+        self.table[:, POISON] = -1e4  # nor samples the poison (only a test's prompt holds it)
         self.sampler = Sampler()
         self.batches: list[Batch] = []
         self.delay = 0.0
@@ -181,6 +182,21 @@ def test_failing_request_fails_alone(overlap: bool) -> None:
         ref = [engine.submit(p, greedy(8)).result().token_ids for p in PROMPTS[:2]]
         assert [r.token_ids for r in results] == ref
         assert engine.stats().requests_failed == 1
+        assert_idle(engine)
+
+
+@OVERLAP
+def test_failing_request_past_its_first_chunk_fails_alone(overlap: bool) -> None:
+    """The poison in the second prefill chunk: after the shared step fails, the request runs
+    alone until past that chunk (it fails there, alone), not just for its first chunk, after
+    which the shared step would fail again, and again."""
+    with make_engine(overlap=overlap) as engine:
+        good = [engine.submit(p, greedy(8)) for p in PROMPTS[:2]]
+        bad = engine.submit([5] * 10 + [POISON, 6], greedy(8))  # budget 8: chunks 0-7, 8-11
+        out = bad.result(timeout=10)
+        assert out.finish_reason == "error" and "poisoned input" in out.error
+        assert all(h.result(timeout=10).finish_reason == "length" for h in good)
+        assert engine.stats().requests_failed == 1 and engine.stats().preemptions <= 3
         assert_idle(engine)
 
 

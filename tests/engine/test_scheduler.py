@@ -209,13 +209,35 @@ def test_solo_runs_alone_after_a_failed_step() -> None:
         s.add(rid, [1, 2, 3], greedy(4))
     batch = s.schedule()  # pretend this step failed
     for q in batch.seqs:
-        s.preempt(q.request_id, solo=True)
+        s.preempt(q.request_id, solo_until=q.start_pos + q.num_tokens)
     assert s.pages.num_used == 0
     for expected in ("a", "b", "c"):
         batch, _ = step(s)
         assert [q.request_id for q in batch.seqs] == [expected]
     batch, _ = step(s)
     assert len(batch) == 3
+    run_all(s)
+    assert_idle(s)
+
+
+def test_solo_lasts_until_past_the_failed_chunk() -> None:
+    """A request whose failed step was its third prefill chunk runs alone through all three
+    chunks again (not only the first: its third would fail beside the others again), then
+    shares steps."""
+    s = make(budget=4)
+    s.add("long", list(range(1, 13)), greedy(2))
+    for _ in range(2):
+        step(s)  # "long": tokens 0-3, then 4-7
+    s.add("other", [1, 2, 3], greedy(6))
+    batch = s.schedule()  # "long" 8-11 (the budget leaves "other" waiting): pretend it failed
+    failed = {q.request_id: q.start_pos + q.num_tokens for q in batch.seqs}
+    assert failed == {"long": 12}
+    s.preempt("long", solo_until=failed["long"])
+    for start in (0, 4, 8):
+        batch, _ = step(s)
+        assert [(q.request_id, q.start_pos) for q in batch.seqs] == [("long", start)]
+    batch, _ = step(s)
+    assert sorted(q.request_id for q in batch.seqs) == ["long", "other"]
     run_all(s)
     assert_idle(s)
 

@@ -353,8 +353,9 @@ class Engine:
             else:  # which request broke it? rerun each alone, from scratch
                 log.warning("a step of %d requests failed (%s); retrying them one at a time",
                             len(batch), exc)
-                for seq in batch.seqs:
-                    self.scheduler.preempt(seq.request_id, solo=True)
+                for seq in batch.seqs:  # each alone until past the failed chunk
+                    self.scheduler.preempt(seq.request_id,
+                                           solo_until=seq.start_pos + seq.num_tokens)
             return None
 
     def _apply(self, item: tuple) -> None:

@@ -51,10 +51,16 @@ class Request:
     pages: list[int] = field(default_factory=list)
     slot: int | None = None
     running: bool = False
-    solo: bool = False  # run alone until one step succeeds (after a failed shared step)
+    # after a failed shared step: run alone until this many tokens are computed (the end of
+    # the failed step's chunk), so a request that breaks a step meets it alone and fails alone
+    solo_until: int = 0
     num_preemptions: int = 0
     num_cached: int = 0  # prompt tokens reused from the prefix cache at the first admission
     snapshot_node: RadixNode | None = None  # this request's latest replaceable snapshot
+
+    @property
+    def solo(self) -> bool:
+        return self.num_computed < self.solo_until
 
     @property
     def num_generated(self) -> int:
@@ -159,10 +165,11 @@ class Scheduler:
         self._release(req)
         return req
 
-    def preempt(self, request_id: str, *, solo: bool = False) -> None:
-        """Return a running request's pages and slot and re-queue it to recompute."""
+    def preempt(self, request_id: str, *, solo_until: int = 0) -> None:
+        """Return a running request's pages and slot and re-queue it to recompute; with
+        `solo_until` it runs alone until that many of its tokens are computed again."""
         req = self.requests[request_id]
-        req.solo = req.solo or solo
+        req.solo_until = max(req.solo_until, solo_until)
         if not req.running:
             return
         self.running.remove(req)
@@ -300,7 +307,6 @@ class Scheduler:
             if req is None or not req.running or req.num_computed != seq.start_pos:
                 continue  # finished or preempted since it was scheduled
             req.num_computed += seq.num_tokens
-            req.solo = False
             if self.cache is not None and req.num_computed % self.page_size == 0:
                 self._snapshot(req)
             if not seq.sample:

@@ -262,7 +262,7 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
     Raises:
         ValueError: bad shapes / devices, an unknown path, "fused" with dense slots or
             more than MOE_FUSED_MAX_TOKENS tokens.
-            TypeError: bad dtypes.
+        TypeError: bad dtypes.
     """
     _check(x, topk_slot_ids, topk_weights, slots)
     _check_shared(x, slots, shared_slots, shared_logit)

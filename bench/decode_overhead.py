@@ -7,6 +7,11 @@ Qwen3.5-35B-A3B geometry with random weights (bench/model_step.py builds them: h
 256 NVFP4 experts top-8 resident on the GPU, GDN 16/32 heads, attention 16/2 x 256, the real
 vocabulary), `--layers` layers (default 8: 6 GDN + 2 attention), every sequence at a 1023-token
 context. Cases: KV bf16 and iso3 x batch 1 and 8. Target: graph step <= 1.3x the kernel sum.
+Two graph steps are timed: the synchronous one (`graph_step_ms`: the step starts after the
+last one's tokens reached the host) and the chained one the engine runs while a batch does
+not change (`chained_step_ms`: step N + 1 launched with its input tokens on the device before
+step N's tokens are read, `runner.launch(batch, after=pending)`; the mean over a run of
+back-to-back steps); the target is judged on the chained step, the engine's decode loop.
 Each case records its own failure; the rest go on. Each graph case also records where the
 step's time goes besides its kernels (`graph_timeline_us`: host time before the first GPU
 work, gaps between kernels inside the GPU span and the pairs of kernels around the largest,
@@ -130,6 +135,27 @@ def _step_ms(runner: ModelRunner, batch: Batch, reps: int) -> float:
     return statistics.median(times)
 
 
+def _chained_step_ms(runner: ModelRunner, batch: Batch, steps: int) -> float:
+    """Mean time of one decode step in a run of chained steps (each launched before the
+    previous one's tokens are read, its input tokens taken on the device), the median over
+    three runs of `steps` steps; every step's tokens are read on the host, as the engine
+    reads them."""
+    if not runner.can_chain(batch):
+        raise RuntimeError("the batch cannot chain (graphs off, or not greedy argmax)")
+    runs = []
+    for _ in range(4):  # the first run warms up
+        _sync(runner.device.type)
+        t0 = time.perf_counter()
+        pending = runner.launch(batch)
+        for _ in range(steps - 1):
+            following = runner.launch(batch, after=pending)
+            pending.result()
+            pending = following
+        pending.result()
+        runs.append((time.perf_counter() - t0) * 1e3 / steps)
+    return statistics.median(runs[1:])
+
+
 def _graph_gpu_split(runner: ModelRunner, batch: Batch, step_ms: float, reps: int) -> dict:
     """The graph step's GPU time without the host: its graph replayed back to back (CUDA
     events, no profiler), and what the step adds to it (inputs, launch, sampling's token copy,
@@ -233,12 +259,13 @@ def _case(cfg, w: dict, kv_name: str, n: int, reps: int, dev: str = "cuda",
     batch = _batch(n)
     eager_ms = _step_ms(eager, batch, reps)
     graph_ms = _step_ms(graph, batch, reps)
+    chained_ms = _chained_step_ms(graph, batch, 10 * reps)
     cache = {} if experts is None else {"offload_slots": experts.cache.num_slots,
                                         "defer_policy": defer,
                                         "expert_hit_rate": round(experts.stats.hit_rate, 4)}
     if dev != "cuda":
         return {"batch": n, "kv": kv_name, "device": dev, "eager_step_ms": eager_ms,
-                "static_step_ms": graph_ms, **cache}
+                "static_step_ms": graph_ms, "static_chained_step_ms": chained_ms, **cache}
     if graph.graphs.num_graphs < 1:
         raise RuntimeError("no decode graph was captured (see the log)")
     split = _graph_gpu_split(graph, batch, graph_ms, reps)
@@ -252,9 +279,12 @@ def _case(cfg, w: dict, kv_name: str, n: int, reps: int, dev: str = "cuda",
         "kernel_sum_ms": kern, "kernel_sum_eager_ms": kern_eager,
         "kernel_sum_graph_ms": kern_graph, "launches_per_step": launches,
         "graph_events_per_step": graph_events,
+        "chained_step_ms": chained_ms,
         "graph_over_kernels": graph_ms / kern, "eager_over_kernels": eager_ms / kern,
-        "meets_target": graph_ms <= TARGET * kern,
+        "chained_over_kernels": chained_ms / kern,
+        "meets_target": chained_ms <= TARGET * kern,
         "eager_tok_s": n * 1e3 / eager_ms, "graph_tok_s": n * 1e3 / graph_ms,
+        "chained_tok_s": n * 1e3 / chained_ms,
         "graph_speedup": eager_ms / graph_ms, **split, "graph_timeline_us": timeline, **cache,
     }
 
@@ -287,7 +317,8 @@ def main() -> int:
              "-> tokens on the host",
         baseline="sum of the step's GPU kernel and copy times (torch.profiler), and the "
                  "eager step (cuda_graphs=False), same model, same run",
-        target=f"graph_step_ms <= {TARGET} x kernel_sum_ms"))
+        target=f"chained_step_ms <= {TARGET} x kernel_sum_ms (graph_step_ms: the "
+               f"synchronous step, recorded beside it)"))
     w = _weights(cfg, dev)
     for kv_name in args.kv:
         for n in args.batch:
@@ -318,7 +349,10 @@ def _summary(data: dict) -> None:
             print(f"{name:20s} eager {c['eager_step_ms']:7.2f} ms ({c['eager_tok_s']:6.1f} tok/s)"
                   f"  graph {c['graph_step_ms']:6.2f} ms ({c['graph_tok_s']:6.1f} tok/s)  "
                   f"kernels {c['kernel_sum_ms']:6.2f} ms  graph/kernels "
-                  f"{c['graph_over_kernels']:.2f} (target {TARGET}){hit}")
+                  f"{c['graph_over_kernels']:.2f}{hit}")
+            print(f"{'':20s} chained {c['chained_step_ms']:6.3f} ms "
+                  f"({c['chained_tok_s']:6.1f} tok/s)  chained/kernels "
+                  f"{c['chained_over_kernels']:.2f} (target {TARGET})")
             if "graph_gpu_ms" in c:
                 print(f"{'':20s} graph replayed back to back {c['graph_gpu_ms']:.3f} ms on the "
                       f"GPU: the step adds {c['step_minus_graph_gpu_ms']:.3f} ms")

@@ -89,6 +89,9 @@ def _check(ok: bool, param: str, message: str) -> None:
 # Scheduler <-> runner
 
 
+PENDING_TOKEN = -1  # a decode input still on the device (see ScheduledSeq)
+
+
 @dataclass
 class ScheduledSeq:
     """One sequence's share of a forward step.
@@ -98,6 +101,9 @@ class ScheduledSeq:
     `page_ids` cover at least `start_pos + len(token_ids)` tokens. `sample` asks for a token
     to be sampled after this chunk (the last prefill chunk, or a decode step).
     `history` is every token of the sequence so far (prompt + output), for penalties.
+    A decode step scheduled before its input token is known (`Scheduler.schedule_next`) has
+    `token_ids == [PENDING_TOKEN]`: the runner reads the token from the previous step's
+    output on the device.
     """
 
     request_id: str

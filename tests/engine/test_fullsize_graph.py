@@ -37,7 +37,7 @@ if __name__ == "__main__":  # the child process: run from a checkout
     sys.path.insert(0, str(ROOT))
 
 from tinyserve import envs  # noqa: E402
-from tinyserve.core import Batch, SamplingParams, ScheduledSeq  # noqa: E402
+from tinyserve.core import PENDING_TOKEN, Batch, SamplingParams, ScheduledSeq  # noqa: E402
 from tinyserve.engine.build import build_parts  # noqa: E402
 from tinyserve.engine.config import EngineConfig  # noqa: E402
 from tinyserve.engine.graph import DecodeGraphs  # noqa: E402
@@ -54,12 +54,17 @@ def compare_graph_eager(runner: Any, prompt: list[int], steps: int, *,
                         chunk: int = 2048) -> dict:
     """Prefill `prompt` eagerly into two sequences (A: `slots[0]`, `pages[0]`; B: the second),
     then `steps` greedy decode steps: B through `runner.graphs`, A eagerly on B's input token.
+    B's first half of the steps is synchronous (each launched after the last one's token is
+    read); from the middle on, when the runner can chain, each B step is launched before the
+    previous one's token is read, with its input token taken on the device (the engine's
+    decode loop), while A follows on the host.
 
     Returns {"prefill_tokens": [A, B], "steps": [per-step record], "graphs_captured",
     "graphs_failed"}; a step record holds the input token, the graph and eager tokens, the
     largest |graph - eager| logit ("max_diff"), the largest |eager| logit ("max_abs"), the
-    eager logit gap top-1 minus the graph token ("gap") and whether the graph logits are all
-    finite. Raises ValueError when the runner has no decode graphs.
+    eager logit gap top-1 minus the graph token ("gap"), whether the graph logits are all
+    finite and whether B's step was chained. Raises ValueError when the runner has no decode
+    graphs.
     """
     graphs = runner.graphs
     if graphs is None:
@@ -83,11 +88,25 @@ def compare_graph_eager(runner: Any, prompt: list[int], steps: int, *,
                                sample=start + len(part) == len(prompt), params=GREEDY)
             token, _ = step(seq, eager=True)
         first.append(token)
-    token, records = first[1], []
+    def b_seq(token: int, pos: int) -> ScheduledSeq:
+        return ScheduledSeq("b", [token], pos, pages[1], slots[1], sample=True, params=GREEDY)
+
+    token, records, pending = first[1], [], None
     for i in range(steps):
         pos = len(prompt) + i
-        got, got_logits = step(ScheduledSeq("b", [token], pos, pages[1], slots[1], sample=True,
-                                            params=GREEDY), eager=False)
+        chained = pending is not None  # launched during the last step
+        nxt = Batch([b_seq(PENDING_TOKEN, pos + 1)])
+        chain_next = steps // 2 <= i + 1 < steps and runner.can_chain(nxt)
+        if pending is None:
+            if chain_next:  # a chain starts from a launched step
+                pending = runner.launch(Batch([b_seq(token, pos)]))
+            else:
+                got, got_logits = step(b_seq(token, pos), eager=False)
+        if pending is not None:
+            following = runner.launch(nxt, after=pending) if chain_next else None
+            out = pending.result()
+            got, got_logits = out.next_tokens[0], out.logits[0].float().cpu()
+            pending = following
         want, ref = step(ScheduledSeq("a", [token], pos, pages[0], slots[0], sample=True,
                                       params=GREEDY), eager=True)
         records.append({
@@ -96,6 +115,7 @@ def compare_graph_eager(runner: Any, prompt: list[int], steps: int, *,
             "max_abs": ref.abs().max().item(),
             "gap": (ref.max() - ref[got]).item(),
             "finite": bool(torch.isfinite(got_logits).all()),
+            "chained": chained,
         })
         token = got
     return {"prefill_tokens": first, "steps": records, "graphs_captured": graphs.num_graphs,
@@ -180,6 +200,7 @@ def test_compare_on_tiny_checkpoint_cpu(tiny_checkpoint) -> None:
     assert res["steps"][0]["input"] == res["prefill_tokens"][1]
     for prev, s in zip(res["steps"], res["steps"][1:], strict=False):
         assert s["input"] == prev["graph"]  # B runs free, A follows B's inputs
+    assert [s["chained"] for s in res["steps"]] == [False, False, True, True]
     problems, flips = judge(res["steps"])
     assert problems == [] and flips == []
     assert max(s["max_diff"] for s in res["steps"]) < 1e-4

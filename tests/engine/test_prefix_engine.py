@@ -241,14 +241,14 @@ def engines(tiny_checkpoint):
 def _record(engine) -> dict[str, int]:
     """Count the tokens each request runs through the model."""
     counts: dict[str, int] = {}
-    forward = engine.runner.forward
+    launch = engine.runner.launch
 
-    def counting(batch):
+    def counting(batch, **kw):
         for s in batch.seqs:
             counts[s.request_id] = counts.get(s.request_id, 0) + s.num_tokens
-        return forward(batch)
+        return launch(batch, **kw)
 
-    engine.runner.forward = counting
+    engine.runner.launch = counting
     return counts
 
 

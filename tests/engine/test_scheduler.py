@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tinyserve.core import ForwardOutput, SamplingParams
+from tinyserve.core import PENDING_TOKEN, ForwardOutput, SamplingParams
 from tinyserve.engine.scheduler import RequestRejected, Scheduler
 from tinyserve.kv.allocator import PageAllocator
 
@@ -314,3 +314,150 @@ def test_request_preempted_by_a_decode_page_is_not_prefilled_in_the_same_step() 
     outputs, reasons = run_all(s)
     assert reasons == {"a": "length", "b": "length"}
     assert_idle(s)
+
+
+# ------------------------------------------------------------------- chained decode steps
+
+
+def chained_run(s: Scheduler, forced: dict[str, dict[int, int]] | None = None,
+                limit: int = 1000) -> tuple[dict, dict, int]:
+    """Step like the engine with chained decode: advance, schedule_next before the tokens
+    are known, record, run the chained batch (its input = the token just recorded). Returns
+    (outputs, finish reasons, chained steps). `forced[rid][i]`: the i-th output token."""
+    outs: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    chained = 0
+    ahead = None
+    for _ in range(limit):
+        if ahead is not None:
+            batch, ahead = ahead, None
+        elif s.has_work:
+            batch = s.schedule()
+        else:
+            break
+        s.advance(batch)
+        nxt = s.schedule_next(batch)
+        tokens = []
+        for seq in batch.seqs:
+            history = seq.history[:seq.start_pos + seq.num_tokens]
+            if seq.token_ids == [PENDING_TOKEN]:
+                assert len(seq.history) >= seq.start_pos + 1  # recorded by now
+            else:
+                assert history[seq.start_pos:] == seq.token_ids
+            n = len(outs.get(seq.request_id, []))
+            f = (forced or {}).get(seq.request_id, {})
+            tokens.append(f.get(n, next_token(history)) if seq.sample else None)
+        for e in s.record(batch, ForwardOutput(tokens)):
+            outs.setdefault(e.request_id, []).append(e.token_id)
+            if e.finish_reason:
+                reasons[e.request_id] = e.finish_reason
+        if nxt is not None:
+            chained += 1
+            ahead = nxt
+    assert not s.has_work
+    return outs, reasons, chained
+
+
+def test_chained_steps_give_the_serial_outputs() -> None:
+    """Chaining changes when steps are scheduled, never what they compute: same outputs and
+    finish reasons as the serial loop, through prefill, length ends at different steps, an
+    EOS and a stop token (both seen one step late), and a late arrival."""
+    want_s, got_s = make(), make()
+    forced = {"eos": {5: EOS}, "stop": {3: 77}}
+    for s in (want_s, got_s):
+        s.add("long", [1, 2, 3, 4, 5], greedy(12))
+        s.add("short", [6, 7], greedy(4))
+        s.add("eos", [8, 9, 10], greedy(10))
+        s.add("stop", [3], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[77]))
+    for s in (want_s,):
+        for _ in range(1000):
+            if not s.has_work:
+                break
+            step(s, forced={rid: f[len(s.requests[rid].output_ids)]
+                            for rid, f in forced.items()
+                            if rid in s.requests and len(s.requests[rid].output_ids) in f})
+    want = want_s.__dict__["test_log"]
+    outs, reasons, chained = chained_run(got_s, forced)
+    assert (outs, reasons) == want
+    assert reasons == {"long": "length", "short": "length", "eos": "stop", "stop": "stop"}
+    assert chained > 5
+    assert_idle(got_s)
+
+
+def test_schedule_next_only_when_nothing_can_change() -> None:
+    s = make(page_size=4)
+    s.add("a", [1, 2, 3], greedy(5))
+    s.add("b", [4, 5], greedy(2))
+    batch = s.schedule()  # both prefills
+    s.advance(batch)
+    assert s.schedule_next(batch) is None  # not a decode step
+    s.record(batch, ForwardOutput([10, 11]))
+    batch = s.schedule()  # a at position 3, b at 2
+    s.advance(batch)
+    assert s.schedule_next(batch) is None  # b's token is its 2nd of 2: it ends
+    s.record(batch, ForwardOutput([12, 13]))
+    assert "b" not in s.requests
+    batch = s.schedule()  # a alone at position 4: its next position needs a second page
+    assert len(s.requests["a"].pages) == 2
+    s.advance(batch)
+    s.add("late", [1], greedy(3))
+    assert s.schedule_next(batch) is None  # someone waits
+    s.finish("late")
+    nxt = s.schedule_next(batch)
+    assert nxt is not None and len(nxt.seqs) == 1
+    q = nxt.seqs[0]
+    assert (q.token_ids, q.start_pos, q.num_generated) == ([PENDING_TOKEN], 5, 3)
+    assert q.page_ids is s.requests["a"].pages and len(q.page_ids) == 2
+    s.record(batch, ForwardOutput([14]))  # a's 3rd token of 5
+    s.advance(nxt)
+    nxt2 = s.schedule_next(nxt)  # it samples the 5th
+    assert nxt2 is not None and nxt2.seqs[0].start_pos == 6
+    s.record(nxt, ForwardOutput([15]))
+    s.advance(nxt2)
+    assert s.schedule_next(nxt2) is None  # a ends with the token nxt2 samples
+    events = s.record(nxt2, ForwardOutput([16]))
+    assert [(e.token_id, e.finish_reason) for e in events] == [(16, "length")]
+
+
+def test_schedule_next_takes_the_page_of_the_next_position_or_gives_up() -> None:
+    s = make(num_pages=2, page_size=4, max_context=8)
+    s.add("a", [1, 2, 3], greedy(5))
+    step(s)  # prefill: one page, token 3 sampled
+    batch = s.schedule()  # decode at position 3: still the first page
+    s.advance(batch)
+    nxt = s.schedule_next(batch)  # position 4: the second and last page
+    assert nxt is not None and s.pages.num_free == 0 and len(s.requests["a"].pages) == 2
+    s.record(batch, ForwardOutput([5]))
+    s.add("b", [1], greedy(1))  # waits for a page
+    s.advance(nxt)
+    assert s.schedule_next(nxt) is None
+    s.record(nxt, ForwardOutput([6]))
+    s.finish("b")
+    s2 = make(num_pages=3, page_size=4, max_context=8)
+    s2.add("a", [1, 2, 3], greedy(5))
+    s2.add("b", [4, 5, 6], greedy(5))
+    step(s2)  # both prefills, one page each
+    batch = s2.schedule()  # both decode at position 3
+    s2.advance(batch)
+    assert s2.schedule_next(batch) is None  # position 4: two new pages, one left
+    assert all(r.running for r in s2.running)  # nobody was preempted for it
+
+
+def test_a_request_ended_between_steps_gets_no_chained_token() -> None:
+    """An abort (or a stop string) between a chained step's launch and its record: its token
+    is dropped and the request's pages and slot are free at once."""
+    s = make()
+    s.add("a", [1, 2, 3], greedy(8))
+    s.add("b", [4, 5, 6], greedy(8))
+    step(s)
+    batch = s.schedule()
+    s.advance(batch)
+    nxt = s.schedule_next(batch)
+    assert nxt is not None
+    s.record(batch, ForwardOutput([7, 8]))
+    s.finish("a")
+    assert s.slots.num_used == 1
+    s.advance(nxt)
+    events = s.record(nxt, ForwardOutput([9, 10]))
+    assert [(e.request_id, e.token_id) for e in events] == [("b", 10)]
+    assert s.requests["b"].tokens == [4, 5, 6, next_token([4, 5, 6]), 8, 10]

@@ -20,13 +20,13 @@ def test_warm_up_leaves_no_trace(tiny_checkpoint, device) -> None:
         expected = cold.submit(prompt, params).result(timeout=120).token_ids
     with build_engine(EngineConfig(**common)).start() as engine:
         seen = []
-        forward = engine.runner.forward
+        launch = engine.runner.launch
 
-        def counting(batch):
+        def counting(batch, **kw):
             seen.extend((s.request_id, s.start_pos, s.num_tokens) for s in batch.seqs)
-            return forward(batch)
+            return launch(batch, **kw)
 
-        engine.runner.forward = counting
+        engine.runner.launch = counting
         assert engine.warm_up() > 0
         # 2.5 chunks of 64 within the context (158 tokens): a chunk without a prefix, one as
         # long as its prefix, then shorter ones (the scheduler may split at snapshot points)

@@ -58,9 +58,10 @@ def build_parts(config: EngineConfig) -> EngineParts:
     device = torch.device(config.resolved_device)
     dtype = config.torch_dtype
     num_snap = config.num_snapshot_slots
-    # NOTE: one more slot after the snapshots for the padded rows of captured decode graphs.
+    # NOTE: one more slot after the snapshots for the padded rows of decode graphs (kept on
+    # every device, as the planner counts it; the runner captures graphs on CUDA only).
     pad_slot = config.max_seqs + num_snap
-    graphs = config.cuda_graphs and device.type == "cuda"
+    graphs = config.cuda_graphs
     plan = memory_plan(config, path, device) if device.type == "cuda" else None
     if plan is not None and config.gpu_memory is not None:
         cap_allocator(plan, device)

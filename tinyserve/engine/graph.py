@@ -7,7 +7,9 @@ GDN state slot, lengths, page table) -> one host-to-device copy -> graph replay 
 takes the greedy tokens when every row samples greedily without penalties, else samples from
 the logits, and copies the tokens back: the step's one host synchronisation. A provider with
 per-step host work (the expert cache) starts its step before the replay and does that work
-after it (`runner.launch`).
+after it (`runner.launch`). A chained step (`run(..., input_tokens=)`, the engine's decode
+loop) takes its token ids from the previous step's argmax on the device: one device copy
+after the upload overwrites the ids the host wrote.
 
 Padding: B sequences run in the smallest bucket >= B of `BATCH_BUCKETS`. A padded row has
 token 0 at position 0, KV slot -1 (the backends' padding page), length 1, an all-zero
@@ -121,16 +123,23 @@ class DecodeGraphs:
                 and all(s.num_tokens == 1 and s.start_pos > 0 for s in seqs))
 
     @torch.inference_mode()
-    def run(self, seqs: Sequence[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, seqs: Sequence[ScheduledSeq], *, input_tokens: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [B, V] float32, their argmax [B] int64) of one decode step, one row per
         sequence in order.
 
-        Both are views of static buffers, valid until the next `run`. Raises ValueError when
-        a sequence's pages do not cover its tokens.
+        Both are views of static buffers, valid until the next `run`. `input_tokens` ([B]
+        int64 on the device, e.g. the previous step's argmax) replaces the sequences' token
+        ids, copied into the graph's input on the device after the upload (not with a host
+        embedding table, whose rows are gathered on the host). Raises ValueError when a
+        sequence's pages do not cover its tokens.
         """
         if not (0 < len(seqs) <= BATCH_BUCKETS[-1]
                 and all(s.num_tokens == 1 and s.start_pos > 0 for s in seqs)):
             raise ValueError(f"not a decode step of 1 .. {BATCH_BUCKETS[-1]} sequences")
+        if input_tokens is not None and (self.host_embedding
+                                         or input_tokens.shape != (len(seqs),)):
+            raise ValueError("input_tokens must be [B] with the token ids on the device")
         bucket = batch_bucket(len(seqs))
         pages = capacity_pages(max(s.start_pos + 1 for s in seqs), self.page_size)
         entry = self._entries.get((bucket, pages))
@@ -138,8 +147,10 @@ class DecodeGraphs:
             entry = self._build(bucket, pages)
         if entry.copied is not None and not entry.copied.query():
             entry.copied.synchronize()  # the last copy out of `host` must finish first
-        self._fill(entry, seqs)
+        self._fill(entry, seqs, device_ids=input_tokens is not None)
         self._upload(entry)
+        if input_tokens is not None:
+            entry.ctx.input_ids[:len(seqs)].copy_(input_tokens)
         if entry.graph is not None:
             begin_step = getattr(self.model.experts, "begin_step", None)
             if begin_step is not None:  # a provider with per-step host state (expert cache)
@@ -226,8 +237,10 @@ class DecodeGraphs:
         log.info("captured the decode graph of %d sequences x %d pages", entry.batch,
                  entry.pages)
 
-    def _fill(self, entry: _Entry, seqs: Sequence[ScheduledSeq]) -> None:
-        """Write the inputs of `seqs` (then padding) into the entry's host buffer."""
+    def _fill(self, entry: _Entry, seqs: Sequence[ScheduledSeq], *,
+              device_ids: bool = False) -> None:
+        """Write the inputs of `seqs` (then padding) into the entry's host buffer; with
+        `device_ids` their token ids come later, on the device (0 written here)."""
         B, P, ps, n = entry.batch, entry.pages, self.page_size, len(seqs)
         h64 = entry.host[:4 * B].numpy().reshape(4, B)  # ids, positions, KV slots, states
         h32 = entry.host[4 * B:].view(torch.int32).numpy()
@@ -244,8 +257,8 @@ class DecodeGraphs:
                 raise ValueError(f"sequence {s.request_id} holds the padding state slot "
                                  f"{self.pad_state_slot}")
             table[b, :used] = s.page_ids[:used]
-            h64[:, b] = (s.token_ids[0], pos, s.page_ids[pos // ps] * ps + pos % ps,
-                         s.state_slot)
+            h64[:, b] = (0 if device_ids else s.token_ids[0], pos,
+                         s.page_ids[pos // ps] * ps + pos % ps, s.state_slot)
         h64[:, n:] = [[0], [0], [-1], [self.pad_state_slot]]
         prefix[:n] = [s.start_pos for s in seqs]
         lens[:n] = [s.start_pos + 1 for s in seqs]

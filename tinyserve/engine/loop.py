@@ -11,7 +11,16 @@ stop strings, the stream puts) are emitted from that hook during the next step, 
 device work is queued, instead of between the two steps; they go out at once when no next
 step follows right away (no work left, or requests or calls waiting in the inbox). Every
 token is still emitted once and in order; a stop string found late ends its request one
-step later, whose extra token is dropped by `Scheduler.update`.
+step later, whose extra token is dropped by `Scheduler.record`.
+
+Chained decode (`PIPELINE_DECODE`, a runner with `can_chain`): when a decode step cannot
+change the batch's make-up (`Scheduler.schedule_next`: nobody waits, nobody reaches
+`max_tokens`) and the runner can take its input tokens on the device, the next decode step
+is launched before this step's tokens are read, so the device runs step N + 1 while the
+host records step N. A request that ends at step N (EOS, stop token or string, abort) has
+its step N + 1 token dropped; its pages and state slot are freed on the host at once and
+reused only by device work queued after that step. Requests that arrive meanwhile are
+admitted at the step after the chained one.
 """
 
 from __future__ import annotations
@@ -42,6 +51,9 @@ __all__ = ["Engine", "EngineParts", "EngineStats", "RequestHandle", "RequestOutp
 
 log = get_logger(__name__)
 _SAMPLES = 2048  # latency samples kept for stats()
+# Launch the next decode step before this one's tokens are read, when the batch cannot change
+# (module docstring). False: every step is scheduled after the previous one is recorded.
+PIPELINE_DECODE = True
 
 
 @dataclass
@@ -99,6 +111,18 @@ class EngineStats:
     expert_cache_h2d_bytes: int | None = None  # bytes copied host -> device for misses
 
 
+class _Done:
+    """The launched-step interface over a runner that only has `forward`."""
+
+    device_tokens = None
+
+    def __init__(self, output: Any) -> None:
+        self._output = output
+
+    def result(self) -> Any:
+        return self._output
+
+
 class _Live:
     """Loop-thread state of one request."""
 
@@ -144,6 +168,7 @@ class Engine:
         self._ttft: deque[float] = deque(maxlen=_SAMPLES)
         self._itl: deque[float] = deque(maxlen=_SAMPLES)
         self._outputs: list[StepEvent] = []  # the last step's, not emitted yet
+        self._ahead: tuple[Batch, Any] | None = None  # a chained step launched, not recorded
         self._overlap = hasattr(self.runner, "overlap_hook")
         if self._overlap:
             self.runner.overlap_hook = self._flush
@@ -323,40 +348,87 @@ class Engine:
         self._flush()
 
     def step(self) -> None:
-        """One engine step: schedule, forward, hand out the sampled tokens (see the module
-        docstring for when the hand-out waits for the next step's device work)."""
-        batch = self.scheduler.schedule()
-        output = self._forward(batch)
+        """One engine step: schedule (or take the chained step launched during the last one),
+        launch, chain the next decode step when it can, read the tokens, hand them out (see
+        the module docstring for when the hand-out waits for the next step's device work)."""
+        batch, pending = self._take_ahead()
+        if pending is None:
+            batch = self.scheduler.schedule()
+            pending = self._launch(batch)
+        output = None
+        if pending is not None:
+            try:
+                self.scheduler.advance(batch)
+                self._ahead = self._chain(batch, pending)
+                output = pending.result()
+            except Exception as exc:
+                self._ahead = None
+                self._step_failed(batch, exc)
         self._flush()  # the previous step's outputs, unless the runner's hook sent them
         if output is not None:
-            self._outputs = self.scheduler.update(batch, output)
+            self._outputs = self.scheduler.record(batch, output)
         if not (self._overlap and self.scheduler.has_work and not self._inbox):
             self._flush()
+
+    def _take_ahead(self) -> tuple[Batch, Any]:
+        """The chained step launched during the last step, unless none of its requests still
+        runs (then its tokens are read and dropped)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return Batch([]), None
+        batch, pending = ahead
+        if any(self.scheduler.requests.get(s.request_id) is not None for s in batch.seqs):
+            self._counts["steps"] += 1
+            return ahead
+        pending.result()
+        return Batch([]), None
+
+    def _launch(self, batch: Batch) -> Any:
+        """Launch `batch` (None when it is empty or its launch failed)."""
+        if not batch.seqs:
+            return None
+        self._counts["steps"] += 1
+        try:
+            launch = getattr(self.runner, "launch", None)
+            return launch(batch) if launch is not None else _Done(self.runner.forward(batch))
+        except Exception as exc:
+            self._step_failed(batch, exc)
+            return None
+
+    def _chain(self, batch: Batch, pending: Any) -> tuple[Batch, Any] | None:
+        """Launch the decode step after `batch` (advanced, not recorded) with its input tokens
+        read from `pending` on the device, when nothing can change the batch before then."""
+        can_chain = getattr(self.runner, "can_chain", None)
+        if (not PIPELINE_DECODE or can_chain is None or self._inbox or self._stopping
+                or getattr(pending, "device_tokens", None) is None or not can_chain(batch)):
+            return None
+        nxt = self.scheduler.schedule_next(batch)
+        if nxt is None or not can_chain(nxt):
+            return None
+        try:
+            return nxt, self.runner.launch(nxt, after=pending)
+        except Exception:  # this step stands; the next one is scheduled as usual
+            log.exception("launching a chained decode step failed")
+            return None
+
+    def _step_failed(self, batch: Batch, exc: Exception) -> None:
+        """A step's launch or result raised: fail its one request, or rerun each alone."""
+        if len(batch) == 1:
+            log.error("request %s failed", batch.seqs[0].request_id, exc_info=exc)
+            self._end(batch.seqs[0].request_id, "error", error=f"{type(exc).__name__}: {exc}")
+        else:  # which request broke it? rerun each alone, from scratch
+            log.warning("a step of %d requests failed (%s); retrying them one at a time",
+                        len(batch), exc)
+            for seq in batch.seqs:  # each alone until past the failed chunk
+                if seq.request_id in self.scheduler.requests:
+                    self.scheduler.preempt(seq.request_id,
+                                           solo_until=seq.start_pos + seq.num_tokens)
 
     def _flush(self) -> None:
         """Emit the last step's outputs (once)."""
         events, self._outputs = self._outputs, []
         if events:
             self._emit(events)
-
-    def _forward(self, batch: Batch) -> Any:
-        if not batch.seqs:
-            return None
-        self._counts["steps"] += 1
-        try:
-            return self.runner.forward(batch)
-        except Exception as exc:
-            if len(batch) == 1:
-                log.exception("request %s failed", batch.seqs[0].request_id)
-                self._end(batch.seqs[0].request_id, "error", error=f"{type(exc).__name__}: "
-                          f"{exc}")
-            else:  # which request broke it? rerun each alone, from scratch
-                log.warning("a step of %d requests failed (%s); retrying them one at a time",
-                            len(batch), exc)
-                for seq in batch.seqs:  # each alone until past the failed chunk
-                    self.scheduler.preempt(seq.request_id,
-                                           solo_until=seq.start_pos + seq.num_tokens)
-            return None
 
     def _apply(self, item: tuple) -> None:
         kind = item[0]

@@ -8,6 +8,13 @@ the experts provider's `after_launch()` (the expert-cache policy) and `overlap_h
 engine's output of the previous step). `result()` waits for the tokens: the step's one host
 synchronisation.
 
+Chained decode: `launch(next_batch, after=pending)` queues the decode step that follows a
+launched one before that one's tokens reach the host; its input tokens are `pending`'s
+sampled tokens, copied on the device (`can_chain` says which batches qualify: graph decode,
+greedy argmax, token ids from the device). The host then waits for step N while step N + 1
+is already queued, so the device never idles on the host between two decode steps. Two
+pinned token buffers alternate, so two launched steps may be unread at once.
+
 With `cuda_graphs` on a CUDA device (kernels on, a capturable experts provider), pure-decode
 batches replay a CUDA graph of the forward (`engine.graph`; with the embedding table on the
 host the graph starts from host-gathered hidden states); prefill and mixed batches, and
@@ -36,17 +43,25 @@ class PendingOutput:
     """A launched step: its sampled tokens are on their way into a host buffer.
 
     `result()` waits for them (the step's host synchronisation) and returns the
-    `ForwardOutput`; later calls return the same object.
+    `ForwardOutput`; later calls return the same object. `device_tokens` ([S] int64 on the
+    device, a view of a static buffer valid until the next step is launched) is set when every
+    sequence sampled greedily inside a decode graph: a chained launch reads its input there.
     """
 
-    def __init__(self, sample_rows: list[int], num_seqs: int, logits: torch.Tensor,
-                 host: torch.Tensor | None, copied: Any) -> None:
+    def __init__(self, sample_rows: list[int], num_seqs: int, logits: torch.Tensor | None,
+                 host: torch.Tensor | None, copied: Any,
+                 device_tokens: torch.Tensor | None = None) -> None:
         self._rows = sample_rows
         self._num_seqs = num_seqs
         self._logits = logits
-        self._host = host  # [len(sample_rows)] int64 view of the runner's pinned buffer
+        self._host = host  # [len(sample_rows)] int64 view of one of the runner's pinned buffers
         self._copied = copied
+        self.device_tokens = device_tokens
         self._output: ForwardOutput | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._output is not None
 
     def result(self) -> ForwardOutput:
         if self._output is None:
@@ -61,6 +76,16 @@ class PendingOutput:
             self._output = ForwardOutput(next_tokens=next_tokens, logits=self._logits)
             self._host = None  # the buffer is the runner's again
         return self._output
+
+
+class _TokenBuffer:
+    """A pinned host buffer for one step's sampled tokens, the event of the copy into it and
+    the step that owns it until its tokens are read."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.host: torch.Tensor | None = None
+        self.copied = _event(device)
+        self.owner: PendingOutput | None = None
 
 
 class ModelRunner:
@@ -91,9 +116,10 @@ class ModelRunner:
         self.keep_logits = keep_logits
         # Host work to run while a launched step computes (the engine's deferred output).
         self.overlap_hook: Callable[[], None] | None = None
-        self._tokens_host: torch.Tensor | None = None  # pinned on CUDA: sampled tokens
-        self._tokens_copied = _event(self.device)
-        self._inflight: PendingOutput | None = None  # its tokens may still be in the buffer
+        # Two token buffers, used in turn: a chained step stages its tokens while the step
+        # before it is still unread.
+        self._buffers = (_TokenBuffer(self.device), _TokenBuffer(self.device))
+        self._next_buffer = 0
         if (cuda_graphs and graph_pad_slot is not None and kernels_enabled(self.device)
                 and getattr(model.experts, "capturable", False)):
             self.graphs = DecodeGraphs(model, page_size=page_size, pad_state_slot=graph_pad_slot)
@@ -163,18 +189,34 @@ class ModelRunner:
         """One step: forward every sequence's new tokens, sample where `sample` is set."""
         return self.launch(batch).result()
 
-    def launch(self, batch: Batch) -> PendingOutput:
+    def can_chain(self, batch: Batch) -> bool:
+        """Whether `batch` (a decode step whose input tokens are the previous step's sampled
+        ones) can be launched with `launch(batch, after=...)`: it runs in a decode graph
+        that takes its token ids from the device (not a host embedding table) and every
+        sequence samples the plain argmax."""
+        seqs = batch.seqs
+        return (self.graphs is not None and not self.graphs.host_embedding
+                and self.graphs.supports(seqs) and all(s.sample for s in seqs)
+                and self.sampler.argmax_only(seqs))
+
+    def launch(self, batch: Batch, *, after: PendingOutput | None = None) -> PendingOutput:
         """Queue one step (forward, sampling, the sampled tokens' copy to the host), then run
         the host work that overlaps it: the experts provider's `after_launch()` and
-        `overlap_hook()`. The tokens of the previous launch are read out first if nobody has
-        (the pinned buffer is never rewritten while a copy into it may be in flight)."""
-        if self._inflight is not None:
-            self._inflight.result()
-            self._inflight = None
+        `overlap_hook()`.
+
+        With `after` (a launched step whose `device_tokens` are set, one per sequence of
+        `batch`, in order), the step's input tokens are those, read on the device: `batch`
+        must pass `can_chain`. Raises ValueError otherwise."""
         seqs = batch.seqs
+        inputs = None
+        if after is not None:
+            inputs = after.device_tokens
+            if inputs is None or inputs.numel() != len(seqs) or not self.can_chain(batch):
+                raise ValueError("a chained launch needs a graph decode batch of argmax rows "
+                                 "after a step that sampled one token per row on the device")
         greedy = None  # [S] tokens sampled inside the decode graph
         if self.graphs is not None and self.graphs.supports(seqs):
-            logits, argmax = self.graphs.run(seqs)  # static buffers
+            logits, argmax = self.graphs.run(seqs, input_tokens=inputs)  # static buffers
             rows = [i for i, s in enumerate(seqs) if s.sample]
             if len(rows) == len(seqs) and self.sampler.argmax_only(seqs):
                 greedy = argmax
@@ -184,12 +226,17 @@ class ModelRunner:
         else:
             logits = self.run(self.prepare(batch))
         rows = [i for i, s in enumerate(seqs) if s.sample and s.num_tokens > 0]
-        host = None
+        buffer, host = None, None
         if rows:
             tokens = greedy if greedy is not None else self.sampler(logits, [seqs[i] for i in rows])
-            host = self._stage(tokens)  # [S] int64
-        pending = PendingOutput(rows, len(batch.seqs), logits, host, self._tokens_copied)
-        self._inflight = pending
+            buffer = self._buffers[self._next_buffer]
+            self._next_buffer ^= 1
+            host = self._stage(buffer, tokens)  # [S] int64
+        pending = PendingOutput(rows, len(seqs), logits, host,
+                                buffer.copied if buffer is not None else None,
+                                device_tokens=greedy)
+        if buffer is not None:
+            buffer.owner = pending
         after_launch = getattr(getattr(self.model, "experts", None), "after_launch", None)
         if after_launch is not None:  # e.g. the expert-cache policy of the last step
             after_launch()
@@ -197,17 +244,22 @@ class ModelRunner:
             self.overlap_hook()
         return pending
 
-    def _stage(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Start copying `tokens` [S] into the pinned host buffer; record its event."""
+    def _stage(self, buffer: _TokenBuffer, tokens: torch.Tensor) -> torch.Tensor:
+        """Start copying `tokens` [S] into `buffer`'s pinned memory; record its event. The
+        step that used the buffer before is read out first if nobody has (its memory is never
+        rewritten while a copy into it may be in flight, or before its tokens are read)."""
+        if buffer.owner is not None and not buffer.owner.done:
+            buffer.owner.result()
+        buffer.owner = None
         n = tokens.numel()
-        if self._tokens_host is None or self._tokens_host.numel() < n:
-            self._tokens_host = torch.empty(max(n, 256), dtype=torch.int64,
-                                            pin_memory=self.device.type == "cuda")
-        host = self._tokens_host[:n]
+        if buffer.host is None or buffer.host.numel() < n:
+            buffer.host = torch.empty(max(n, 256), dtype=torch.int64,
+                                      pin_memory=self.device.type == "cuda")
+        host = buffer.host[:n]
         host.copy_(tokens, non_blocking=True)
-        if self._tokens_copied is not None:
+        if buffer.copied is not None:
             cuda = self.device.type == "cuda"
-            self._tokens_copied.record(torch.cuda.current_stream(self.device) if cuda else None)
+            buffer.copied.record(torch.cuda.current_stream(self.device) if cuda else None)
         return host
 
     def logits(self, token_ids: Sequence[int], *, page_ids: Sequence[int] | None = None,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from tinyserve.core import Batch, ForwardOutput, SamplingParams, ScheduledSeq
+from tinyserve.core import PENDING_TOKEN, Batch, ForwardOutput, SamplingParams, ScheduledSeq
 from tinyserve.kv.allocator import PageAllocator
 from tinyserve.kv.prefix_cache import PrefixCache, PrefixMatch, RadixNode
 
@@ -300,16 +300,34 @@ class Scheduler:
             params=req.params, history=req.tokens, num_generated=req.num_generated)
 
     def update(self, batch: Batch, output: ForwardOutput) -> list[StepEvent]:
-        """Record a finished step: computed tokens, sampled tokens, token stop conditions."""
-        events = []
-        for seq, token in zip(batch.seqs, output.next_tokens, strict=True):
+        """Record a finished step: `advance(batch)` then `record(batch, output)`."""
+        self.advance(batch)
+        return self.record(batch, output)
+
+    def advance(self, batch: Batch) -> None:
+        """Count a launched step's tokens as computed (before its sampled tokens are known),
+        and cache the pages and GDN state of a request it leaves on a page boundary.
+
+        Call it once per batch, after the step's device work is queued and before any later
+        step's: a snapshot copies the state on the stream, so it must sit between the two."""
+        for seq in batch.seqs:
             req = self.requests.get(seq.request_id)
             if req is None or not req.running or req.num_computed != seq.start_pos:
                 continue  # finished or preempted since it was scheduled
             req.num_computed += seq.num_tokens
             if self.cache is not None and req.num_computed % self.page_size == 0:
                 self._snapshot(req)
-            if not seq.sample:
+
+    def record(self, batch: Batch, output: ForwardOutput) -> list[StepEvent]:
+        """Append an advanced step's sampled tokens and apply the token stop conditions;
+        finished requests are freed. A request that ended or was preempted since the step was
+        scheduled gets nothing (a token sampled one step after its end is dropped here)."""
+        events = []
+        for seq, token in zip(batch.seqs, output.next_tokens, strict=True):
+            req = self.requests.get(seq.request_id)
+            if (req is None or not req.running or not seq.sample
+                    or req.num_computed != seq.start_pos + seq.num_tokens
+                    or len(req.tokens) != seq.start_pos + seq.num_tokens):
                 continue
             if token is None:
                 raise ValueError(f"no token sampled for {seq.request_id!r}")
@@ -319,6 +337,36 @@ class Scheduler:
             if reason is not None:
                 self.finish(req.request_id)
         return events
+
+    def schedule_next(self, batch: Batch) -> Batch | None:
+        """The decode step that follows `batch` (advanced, its tokens not known yet), or None
+        when its make-up could change: every running request is in `batch`, decoding, in the
+        same order, nobody waits, none runs alone and none reaches `max_tokens` with the token
+        `batch` samples. The new tokens are the ones `batch` samples, so the seqs' `token_ids`
+        are `[PENDING_TOKEN]` and the runner takes them from that step's output on the device.
+        Takes each request's page for its next position (evicting idle cached pages, never
+        preempting); None when one is missing. An end that `batch`'s token brings (an EOS or a
+        stop token) is seen one step late: `record` drops the extra token."""
+        if self.waiting or len(batch.seqs) != len(self.running) or not batch.seqs:
+            return None
+        seqs = []
+        for seq, req in zip(batch.seqs, self.running, strict=True):
+            if (seq.request_id != req.request_id or seq.num_tokens != 1 or not seq.sample
+                    or req.num_computed != seq.start_pos + 1 or len(req.tokens) != req.num_computed
+                    or req.solo or req.num_generated + 1 >= req.params.max_tokens):
+                return None
+        for req in self.running:
+            if len(req.pages) < self.pages_for(req.num_computed + 1):
+                page = self.alloc_pages(1)
+                if page is None:
+                    return None
+                req.pages += page
+            seqs.append(ScheduledSeq(
+                request_id=req.request_id, token_ids=[PENDING_TOKEN],
+                start_pos=req.num_computed, page_ids=req.pages, state_slot=req.slot,
+                sample=True, params=req.params, history=req.tokens,
+                num_generated=req.num_generated + 1))
+        return Batch(seqs)
 
     def _snapshot(self, req: Request) -> None:
         """Cache the request's computed pages and its state, which sit on a page boundary."""

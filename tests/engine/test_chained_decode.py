@@ -1,0 +1,189 @@
+"""Chained decode steps (the next decode step launched before this one's tokens are read) on
+the tiny model, on CPU through the decode graphs' static path (no capture): the runner's
+chained launches give the serial path's tokens; the engine with chaining gives what it gives
+without, through ends at different steps (length, a stop token, a stop string, an EOS), a
+sampled request beside greedy ones, an abort, a late arrival and the prefix cache's
+decode-time snapshots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.model.hf_tiny import build_runner, checkpoint
+from tinyserve.core import PENDING_TOKEN, Batch, SamplingParams, ScheduledSeq
+from tinyserve.engine import loop
+from tinyserve.engine.graph import DecodeGraphs
+from tinyserve.engine.llm import LLM
+from tinyserve.engine.runner import ModelRunner
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
+PAGES_PER_SEQ = 16
+
+
+@pytest.fixture
+def static_decode(monkeypatch):
+    """CPU runners built with a graph padding slot decode through `DecodeGraphs` without
+    capture, as CUDA runners replay their graphs."""
+    init = ModelRunner.__init__
+
+    def with_graphs(self, model, **kwargs):
+        init(self, model, **kwargs)
+        pad = kwargs.get("graph_pad_slot")
+        if pad is not None and self.graphs is None:
+            self.graphs = DecodeGraphs(model, page_size=self.page_size, pad_state_slot=pad)
+
+    monkeypatch.setattr(ModelRunner, "__init__", with_graphs)
+
+
+def _seqs(tokens: list[int], pos: list[int]) -> list[ScheduledSeq]:
+    return [ScheduledSeq(f"r{i}", [t], p, list(range(i * PAGES_PER_SEQ,
+                                                        (i + 1) * PAGES_PER_SEQ)),
+                         i, sample=True, params=GREEDY)
+            for i, (t, p) in enumerate(zip(tokens, pos, strict=True))]
+
+
+def test_chained_launches_give_the_serial_tokens(static_decode) -> None:
+    cfg, w = checkpoint("bf16")
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (9, 14, 5)]
+
+    def runner() -> ModelRunner:
+        r = build_runner(cfg, w, num_pages=3 * PAGES_PER_SEQ, num_slots=4,
+                         graph_pad_slot=3, keep_logits=False)
+        assert r.graphs is not None
+        return r
+
+    def prefill(r: ModelRunner) -> list[int]:
+        seqs = [ScheduledSeq(f"r{i}", p, 0, _seqs([0] * 3, [1] * 3)[i].page_ids, i,
+                             sample=True, params=GREEDY) for i, p in enumerate(prompts)]
+        return r.forward(Batch(seqs)).next_tokens
+
+    serial, chained = runner(), runner()
+    first = prefill(serial)
+    assert prefill(chained) == first
+    pos = [len(p) for p in prompts]
+    want, last = [], first
+    for i in range(8):
+        last = serial.forward(Batch(_seqs(last, [p + i for p in pos]))).next_tokens
+        want.append(last)
+    got = []
+    pending = chained.launch(Batch(_seqs(first, pos)))
+    for i in range(1, 9):
+        if i < 8:
+            nxt = Batch(_seqs([PENDING_TOKEN] * 3, [p + i for p in pos]))
+            assert chained.can_chain(nxt)
+            following = chained.launch(nxt, after=pending)
+        got.append(pending.result().next_tokens)
+        pending = following
+    assert got == want
+    with pytest.raises(ValueError, match="chained launch"):  # a prefill cannot chain
+        chained.launch(Batch([ScheduledSeq("r0", [1, 2], 40, list(range(16)), 0,
+                                           sample=True, params=GREEDY)]), after=pending)
+
+
+def _generate(path: str, prompts: list[list[int]], params: list[SamplingParams], *,
+              chain: bool, monkeypatch, **kwargs) -> tuple[list, int, object]:
+    """(token ids, texts, finish reasons) per prompt, the number of chained launches and the
+    engine's final stats."""
+    monkeypatch.setattr(loop, "PIPELINE_DECODE", chain)
+    with LLM(path, device="cpu", max_context=192, max_seqs=4, max_num_batched_tokens=32,
+             cuda_graphs=True, **kwargs) as llm:
+        engine = llm.engine
+        assert engine.runner.graphs is not None
+        launch, chained = engine.runner.launch, []
+
+        def counting(batch, **kw):
+            chained.extend([len(batch.seqs)] if kw.get("after") is not None else [])
+            return launch(batch, **kw)
+
+        engine.runner.launch = counting
+        outs = llm.generate(prompts, params)
+        stats = engine.stats()
+    return [(o.token_ids, o.text, o.finish_reason) for o in outs], len(chained), stats
+
+
+def test_engine_with_chained_decode_matches_the_serial_engine(
+        tiny_checkpoint, static_decode, monkeypatch) -> None:
+    path = str(tiny_checkpoint("bf16"))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 400, (n,), generator=g).tolist() for n in (11, 30, 7, 19)]
+    base = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+            for n in (40, 23, 31, 12)]
+    first, _, _ = _generate(path, prompts, base, chain=False, monkeypatch=monkeypatch,
+                            prefix_cache=False)
+    # Ends that only the sampled tokens reveal: a stop token (request 0's 9th token), a stop
+    # string (a piece of request 1's text), and a sampled row (request 3) beside greedy ones.
+    stop_token = first[0][0][8]
+    text = first[1][1]
+    stop_text = text[len(text) // 2:len(text) // 2 + 2]
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                             stop_token_ids=[stop_token]),
+              SamplingParams(max_tokens=23, temperature=0.0, ignore_eos=True, stop=stop_text),
+              base[2],
+              SamplingParams(max_tokens=12, temperature=0.9, seed=11, ignore_eos=True)]
+    for cache in (False, True):
+        want, none, _ = _generate(path, prompts, params, chain=False, monkeypatch=monkeypatch,
+                                  prefix_cache=cache)
+        got, chained, stats = _generate(path, prompts, params, chain=True,
+                                        monkeypatch=monkeypatch, prefix_cache=cache)
+        assert none == 0
+        assert got == want
+        assert got[0][2] == "stop" and got[0][0][-1] == stop_token
+        assert got[1][2] == "stop" and stop_text not in got[1][1]
+        assert chained >= 10  # the greedy rows chained once the sampled one was done
+        assert stats.running == stats.waiting == 0
+        assert stats.kv_pages_used == 0 and stats.state_slots_used == 0
+
+
+def test_decode_time_snapshots_of_a_chained_engine_serve_the_next_turn(
+        tiny_checkpoint, static_decode, monkeypatch) -> None:
+    """A snapshot taken while a chained step is queued holds the state after the step it
+    follows (it is queued between the two): the second turn, resumed from a snapshot that
+    turn 1's decode took, gives the tokens of an engine without a cache."""
+    path = str(tiny_checkpoint("bf16"))
+    g = torch.Generator().manual_seed(6)
+    p1 = torch.randint(0, 400, (21,), generator=g).tolist()
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+
+    def two_turns(chain: bool, cache: bool):
+        monkeypatch.setattr(loop, "PIPELINE_DECODE", chain)
+        with LLM(path, device="cpu", max_context=192, max_seqs=2, cuda_graphs=True,
+                 prefix_cache=cache) as llm:
+            a1 = llm.generate([p1], params)[0].token_ids
+            snapshot = _snapshot_state(llm, p1 + a1, 48) if cache else None
+            p2 = p1 + a1 + [5, 6, 7]
+            a2 = llm.engine.submit(p2, params).result()
+        return a1, a2.token_ids, a2.cached_tokens, snapshot
+
+    want = two_turns(chain=False, cache=False)
+    got = two_turns(chain=True, cache=True)
+    assert got[:2] == want[:2]
+    assert got[2] == 48  # 21 + 30 - 1 = 50 tokens ran in turn 1; the last page boundary: 48
+    (conv, rec), (want_conv, want_rec) = got[3]
+    torch.testing.assert_close(conv, want_conv, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(rec, want_rec, rtol=1e-4, atol=1e-4)
+
+
+def _snapshot_state(llm: LLM, tokens: list[int], n: int):
+    """(conv, recurrent) of the prefix cache's snapshot after `tokens[:n]`, and the same
+    state computed by teacher forcing the `n` tokens in a free slot."""
+    engine = llm.engine
+
+    def read():
+        match = engine.prefix_cache.match(tokens, n)
+        assert match.num_tokens == n and match.snapshot_slot is not None
+        states = engine.runner.model.states
+        snap = (states.conv[:, match.snapshot_slot].clone(),
+                states.recurrent[:, match.snapshot_slot].clone())
+        s = engine.scheduler
+        pages, slot = s.alloc_pages(s.pages_for(n)), s.slots.alloc(1)[0]
+        try:
+            engine.runner.logits(tokens[:n], page_ids=pages, state_slot=slot)
+            ref = states.conv[:, slot].clone(), states.recurrent[:, slot].clone()
+        finally:
+            s.pages.free(pages)
+            s.slots.free([slot])
+        return snap, ref
+
+    return engine.call(read)

@@ -1,9 +1,10 @@
 // ISO3 paged decode attention on tensor cores (mma.sync m16n8k16, fp16 in, fp32 accumulate),
 // in the rotated space (specs/iso_kv.md §6.5), split-K. Same contract as iso_decode.cu.
 //
-// Grid (splits, kv heads, batch), NW warps. Every warp walks its own 16-token sub-tiles of
-// the CTA's chunk (cp.async double buffer per warp, no CTA barrier in the loop) and keeps its
-// own online softmax; the warps merge in shared memory at the end, the splits in a second
+// Grid (splits, kv heads, batch), NW = 2, 4, 8 or 16 warps (8 and 16: the tile/merge buffer
+// in dynamic shared memory). Every warp walks its own 16-token sub-tiles of the CTA's chunk
+// (cp.async double buffer per warp, no CTA barrier in the loop) and keeps its own online
+// softmax; the warps merge in shared memory at the end, the splits in a second
 // kernel (decode_merge_cols_kernel, iso_split.cuh: grid over heads, sequences and column
 // slices). The query is read in its own dtype (no cast launch before). The operand decoding
 // and the MMA wrappers are in iso_mma_prims.cuh.
@@ -384,8 +385,9 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
 
 template <int NB, int NW, bool WIDE>
 cudaError_t launch(const void* q, int qc, const uint8_t* kc, const uint8_t* vc, int64_t ss,
-            const int32_t* pt, int64_t pts, const int32_t* lens, int batch, int ps, int hkv,
-            int group, int chunk, int nsp, float sl2, float* pa, float* pm, cudaStream_t st) {
+                   const int32_t* pt, int64_t pts, const int32_t* lens, int batch, int ps,
+                   int hkv, int group, int chunk, int nsp, float sl2, float* pa, float* pm,
+                   cudaStream_t st) {
   const dim3 grid(nsp, hkv, batch);
   constexpr int smem = Layout<NB, NW, WIDE>::kDynBytes;
   if constexpr (smem > 0) {  // above the default 48 KB: allowed per kernel (cheap, capturable)
@@ -413,14 +415,12 @@ int occupancy() {
   return e == cudaSuccess ? n : 0;
 }
 
-// The kernel for (NB, warps, staging) as a function of the launch arguments (nullptr for a
-// warp count without a kernel).
-template <int NB>
+// `launch` for (NB, warps, staging) (nullptr for a warp count without a kernel).
 using LaunchFn = cudaError_t (*)(const void*, int, const uint8_t*, const uint8_t*, int64_t,
                                  const int32_t*, int64_t, const int32_t*, int, int, int, int,
                                  int, int, float, float*, float*, cudaStream_t);
 template <int NB, bool WIDE>
-LaunchFn<NB> launcher(int n_warps) {
+LaunchFn launcher(int n_warps) {
   switch (n_warps) {
     case 2: return launch<NB, 2, WIDE>;
     case 4: return launch<NB, 4, WIDE>;

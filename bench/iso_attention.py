@@ -19,8 +19,12 @@ prefix, and a breakdown (prefix dequantization, prefix attention, chunk attentio
 
 Writes bench/results/iso_attention.json (bench/common.py Recorder: a failing case is recorded
 and the rest still run). Usage: python bench/iso_attention.py [--quick] [--no-extend]
-[--loops] (--loops: bf16 and the mma kernel's two loops only, iso3 decode at the six points,
-< 60 s, written to bench/results/iso_attention_loops.json)
+[--loops | --warps] (--loops: bf16 and the mma kernel's two loops only, iso3 decode at the six
+points, < 60 s, written to bench/results/iso_attention_loops.json; --warps: bf16, the mma
+kernel's MMA_CONFIG row and WARPS_SWEEP (4, 8, 16 warps per CTA at one wave and 8 warps at one
+CTA per SM), iso3 decode at the six points, < 60 s, written to
+bench/results/iso_attention_warps.json with `mma_warps`: the best row per point and the best
+setting per batch)
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ HQ, HKV, D = 16, 2, 256
 PAGE = 16
 RESULTS = ROOT / "bench" / "results" / "iso_attention.json"
 RESULTS_LOOPS = ROOT / "bench" / "results" / "iso_attention_loops.json"  # --loops
+RESULTS_WARPS = ROOT / "bench" / "results" / "iso_attention_warps.json"  # --warps
 
 
 def _time_us(fn, calls_per_run: int) -> tuple[float, str]:
@@ -115,6 +120,13 @@ MMA_SWEEP = [dict(warps=w, ctas_per_sm=c) for w, cs in ((4, (0, 2, 3, 4)), (2, (
 LOOP_SWEEP = [dict(loop=lp, **c) for lp in iso_mma.LOOPS
               for c in (dict(), dict(warps=4, ctas_per_sm=0), dict(warps=2, ctas_per_sm=0))]
 MIN_SPLIT_SWEEP = (32, 64, 128, 256)  # at 4k, with the batch's default warps / CTAs per SM
+# --warps: warps per CTA (iso_mma.WARPS) at about ctas_per_sm CTAs per SM (0: one wave from
+# the occupancy: 4 CTAs of 4 warps, 2 of 8, 1 of 16 on sm_90), at least one sub-tile per warp
+# and split (min_split_tokens = 16 x warps), beside the batch's MMA_CONFIG row ("default").
+# w4c0, w8c0 and w16c0 hold 16 warps per SM with 4x, 2x and 1x the split partials of w16c0;
+# w8c1 holds 8 warps per SM (as the batch-1 default) with half its partials.
+WARPS_SWEEP = [dict(warps=w, ctas_per_sm=c, min_split_tokens=16 * w)
+               for w, c in ((4, 0), (8, 0), (8, 1), (16, 0))]
 
 
 def _oracle(st: dict) -> torch.Tensor:
@@ -139,7 +151,7 @@ def _call(st: dict, impl: str, cfg: dict):
     if impl == "cuda":
         return lambda kc, vc, out: iso_cuda.iso_decode_attention(
             q, kc, vc, table, lens, PAGE, fmt, D ** -0.5, max_seq_len=ctx, out=out, **cfg)
-    if impl in ("mma", "mma_min", "mma_loop"):
+    if impl in ("mma", "mma_min", "mma_loop", "mma_warps"):
         return lambda kc, vc, out: iso_mma.iso_decode_attention_mma(
             q, kc, vc, table, lens, PAGE, fmt, D ** -0.5, max_seq_len=ctx, out=out, **cfg)
     return lambda kc, vc, out: iso_triton.iso_decode_attention_triton(
@@ -298,6 +310,52 @@ def _loops(cases: dict) -> dict:
     return out
 
 
+def _warps_name(cfg: dict) -> str:
+    return f"w{cfg['warps']}c{cfg['ctas_per_sm']}" if cfg else "default"
+
+
+def _warps_best(cases: dict) -> dict:
+    """--warps: per decode point the fastest correct mma_warps row (us, / bf16, / the default
+    row), and per batch the setting with the lowest geometric-mean time over the contexts it
+    passed at all of (the MMA_CONFIG row to take)."""
+    points: dict = {}
+    per_batch: dict[tuple, list[float]] = {}
+    ctxs: dict[str, set] = {}
+    for name, row in cases.items():
+        parts = name.split("/")  # decode/b{B}/{ctx}/iso3/mma_warps/{setting}
+        if len(parts) != 6 or parts[4] != "mma_warps" or "us" not in row:
+            continue
+        ctxs.setdefault(parts[1], set()).add(parts[2])
+        if not row.get("cos_ok"):
+            continue
+        point = points.setdefault(f"{parts[1]}/{parts[2]}", {"rows": {}})
+        point["rows"][parts[5]] = row["us"]
+        per_batch.setdefault((parts[1], parts[5]), []).append(math.log(row["us"]))
+    for key, point in points.items():
+        rows = point["rows"]
+        best = min(rows, key=rows.get)
+        bf16 = cases.get(f"decode/{key}/bf16", {}).get("us")
+        point.update(best=best, best_us=rows[best],
+                     best_over_bf16=rows[best] / bf16 if bf16 else None,
+                     default_over_bf16=rows["default"] / bf16 if bf16 and "default" in rows
+                     else None,
+                     best_over_default=rows[best] / rows["default"] if "default" in rows
+                     else None)
+    batches: dict = {}
+    for (batch, setting), vals in per_batch.items():
+        if len(vals) < len(ctxs.get(batch, ())):
+            continue  # failed somewhere
+        geo = math.exp(sum(vals) / len(vals))
+        if batch not in batches or geo < batches[batch]["geomean_us"]:
+            cfg = next((c for c in WARPS_SWEEP if _warps_name(c) == setting), None)
+            batches[batch] = dict(setting=setting, geomean_us=geo,
+                                  mma_config=(dict(warps=cfg["warps"],
+                                                   ctas_per_sm=cfg["ctas_per_sm"] or None,
+                                                   min_split_tokens=cfg["min_split_tokens"])
+                                              if cfg else "keep"))
+    return dict(points=points, per_batch=batches)
+
+
 def _summary(cases: dict) -> None:
     print("\ndecode (us per layer, ratio vs bf16, cosine vs oracle):")
     for name, row in cases.items():
@@ -313,15 +371,20 @@ def main() -> int:
     parser.add_argument("--no-extend", action="store_true", help="decode only")
     parser.add_argument("--loops", action="store_true",
                         help="bf16 and the mma decode loops only (iso3, no extend)")
+    parser.add_argument("--warps", action="store_true",
+                        help="bf16 and the mma decode's warps-per-CTA sweep only (iso3, no "
+                             "extend; < 60 s)")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
-    results = RESULTS_LOOPS if args.loops else RESULTS
+    only = args.loops or args.warps  # a decode-only sweep
+    results = RESULTS_WARPS if args.warps else RESULTS_LOOPS if args.loops else RESULTS
     rec = Recorder(results, run_meta(
         "iso_attention", sms=props.multi_processor_count, cuda=torch.version.cuda,
         shapes=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, page_size=PAGE),
         baseline="torch SDPA bf16, enable_gqa=True, contiguous K/V",
         mma_config=list(iso_mma.MMA_CONFIG), mma_loops=list(iso_mma.LOOPS),
-        mode="loops" if args.loops else "full",
+        mode="warps" if args.warps else "loops" if args.loops else "full",
+        mma_warps=list(iso_mma.WARPS),
         triton_block_t=iso_triton.BLOCK_T,
         targets="iso3 <= 0.5x bf16 at 32k and 128k (batch 1); extend iso/bf16 within 1.3x"))
     contexts = [4096, 32768] if args.quick else [4096, 32768, 131072]
@@ -331,7 +394,7 @@ def main() -> int:
             row = rec.run(f"{tag}/bf16", bench_decode_bf16, batch, ctx)
             base = row["us"] if row else None
             torch.cuda.empty_cache()
-            fmts = ("iso3", "iso4") if ctx == 32768 and not args.loops else ("iso3",)
+            fmts = ("iso3", "iso4") if ctx == 32768 and not only else ("iso3",)
             for fmt in fmts:
                 holder: dict = {}
 
@@ -344,12 +407,15 @@ def main() -> int:
                     continue
                 st = holder.pop("st")
                 impls = ["cuda", "triton"] + (["mma"] if fmt == "iso3" else [])
-                for impl in ([] if args.loops else impls):
+                for impl in ([] if only else impls):
                     rec.run(f"{tag}/{fmt}/{impl}", bench_decode_iso, st, impl, {}, base)
-                for cfg in LOOP_SWEEP if fmt == "iso3" else ():
+                for cfg in LOOP_SWEEP if fmt == "iso3" and not args.warps else ():
                     rec.run(f"{tag}/{fmt}/mma_loop/{_loop_name(cfg)}", bench_decode_iso, st,
                             "mma_loop", cfg, base)
-                if fmt == "iso3" and not args.loops:
+                for cfg in [{}, *WARPS_SWEEP] if args.warps else ():
+                    rec.run(f"{tag}/{fmt}/mma_warps/{_warps_name(cfg)}", bench_decode_iso, st,
+                            "mma_warps", cfg, base)
+                if fmt == "iso3" and not only:
                     for cfg in MMA_SWEEP:
                         cname = f"w{cfg['warps']}c{cfg['ctas_per_sm']}"
                         rec.run(f"{tag}/{fmt}/mma/{cname}", bench_decode_iso, st, "mma", cfg,
@@ -363,7 +429,9 @@ def main() -> int:
     rec.data["decode_choice"] = _choose(cases)
     rec.data["mma_best"] = _mma_best(cases)
     rec.data["mma_loops"] = _loops(cases)
-    if not (args.no_extend or args.loops):
+    if args.warps:
+        rec.data["mma_warps"] = _warps_best(cases)
+    if not (args.no_extend or only):
         for prefix in (0, 2048, 8192, 30720):
             rec.run(f"extend/iso3/prefix{prefix}", bench_extend, "iso3", prefix)
         tps = [r["tokens_per_s"] for n, r in cases.items() if n.startswith("extend/")]
@@ -378,6 +446,14 @@ def main() -> int:
         cells = "  ".join(f"{lp} {r['us']:.1f} ({r['setting']}, x{r['ratio_vs_bf16'] or 0:.2f})"
                           for lp, r in loops.items())
         print(f"  {point}: {cells}")
+    if args.warps:
+        print("mma warps per CTA (us per layer; best row, x bf16, x default):")
+        for point, r in rec.data["mma_warps"]["points"].items():
+            cells = " ".join(f"{k} {v:.1f}" for k, v in r["rows"].items())
+            print(f"  {point}: {cells} | best {r['best']} x{r['best_over_bf16'] or 0:.2f} bf16, "
+                  f"x{r['best_over_default'] or 0:.2f} default "
+                  f"(default x{r['default_over_bf16'] or 0:.2f} bf16)")
+        print(f"  per batch (MMA_CONFIG candidate): {rec.data['mma_warps']['per_batch']}")
     print(f"wrote {results}")
     return 0
 

@@ -2,7 +2,7 @@
 CUDA emulation (cuda_emu/emu.h, plus the kernel's own emulation of the byte permute and of
 the warp-wide mma.sync with the PTX fragment layouts, -DTINYSERVE_CUDA_EMU), against
 `decode_attention_ref`: GQA groups 1-8, head_dim 128/256, page sizes 1/4/16, mixed lengths,
-one and many splits, 2 and 4 warps, both row stagings (`iso_mma.LOOPS`), poisoned
+one and many splits, 2, 4, 8 and 16 warps per CTA, both row stagings (`iso_mma.LOOPS`), poisoned
 partials and outputs. Bound: fp16 operands
 with fp32 accumulation, |out - ref| <= 3e-3 * max|ref| and cosine >= 0.99999."""
 
@@ -46,6 +46,15 @@ CASES = [  # hq, hkv, d, page_size, lens, split tokens (None: one split), warps,
     (16, 2, 256, 16, [600, 5], 16, 2, torch.float32, torch.float32),  # 38 splits
     (8, 1, 256, 16, [1100], 16, 4, torch.float32, torch.bfloat16),  # 69 splits: > 2 rounds
     (16, 2, 256, 16, [1000], None, 4, torch.float32, torch.float32),  # ~16 sub-tiles/warp
+    # 8 and 16 warps per CTA (dynamic shared memory; warps without a sub-tile merge as empty)
+    (16, 2, 256, 16, [70, 17, 300], 64, 8, torch.float32, torch.bfloat16),
+    (16, 2, 256, 16, [1000], None, 8, torch.float32, torch.float32),  # ~8 sub-tiles/warp
+    (4, 1, 128, 1, [129, 2], 48, 8, torch.bfloat16, torch.bfloat16),
+    (6, 2, 128, 16, [40], None, 8, torch.float32, torch.float32),  # 5 of 8 warps idle
+    (8, 8, 128, 4, [5, 100], None, 16, torch.float32, torch.float16),  # D=128: 256 q groups
+    (16, 2, 256, 4, [600, 5], 128, 16, torch.float32, torch.float32),
+    (2, 1, 256, 16, [1], None, 16, torch.float32, torch.float32),
+    (8, 1, 256, 16, [1100], 272, 16, torch.float32, torch.bfloat16),  # 5 splits
 ]
 _CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -106,18 +115,29 @@ def test_mma_rejects_unsupported(lib) -> None:
     tail = [16, 1, 1, 1.0, 4, z.data_ptr(), z.data_ptr(), z.data_ptr(), 0, 0, 0, 1, None]
     assert lib.tinyserve_iso_decode_mma(*args, 16, 1, 256, *tail) == 3  # group 16
     assert lib.tinyserve_iso_decode_mma(*args, 8, 1, 384, *tail) == 2  # head_dim
-    bad_warps = tail[:4] + [3] + tail[5:]
-    assert lib.tinyserve_iso_decode_mma(*args, 8, 1, 256, *bad_warps) == 4
+    for warps in (3, 6, 32):
+        bad_warps = tail[:4] + [warps] + tail[5:]
+        assert lib.tinyserve_iso_decode_mma(*args, 8, 1, 256, *bad_warps) == 4
     # q dtype code, wide
     for bad in ([0, 3, 1], [0, -1, 1], [0, 0, 2], [0, 0, -1]):
         assert lib.tinyserve_iso_decode_mma(*args, 8, 1, 256, *tail[:-4], *bad, None) == 5
+
+
+def test_mma_occupancy_entry(lib) -> None:
+    # the emulation reports 2 CTAs per SM for every kernel that exists, 0 for the others
+    for d in (128, 256):
+        for warps in iso_mma.WARPS:
+            for wide in (0, 1):
+                assert lib.tinyserve_iso_decode_mma_occupancy(d, warps, wide) == 2
+    for bad in ((384, 4, 1), (256, 3, 1), (256, 32, 0), (256, 8, 2)):
+        assert lib.tinyserve_iso_decode_mma_occupancy(*bad) == 0
 
 
 def test_mma_config_table() -> None:
     assert iso_mma.mma_config(1) is iso_mma.MMA_CONFIG[0]
     assert iso_mma.mma_config(10 ** 9) is iso_mma.MMA_CONFIG[-1]
     for row in iso_mma.MMA_CONFIG:
-        assert row["warps"] in (2, 4) and (row["ctas_per_sm"] or 0) >= 0
+        assert row["warps"] in iso_mma.WARPS and (row["ctas_per_sm"] or 0) >= 0
     assert iso_mma.mma_supported("iso3", 16, 2, 256)
     assert not iso_mma.mma_supported("iso4", 16, 2, 256)
     assert not iso_mma.mma_supported("iso3", 32, 2, 256)
@@ -174,8 +194,8 @@ def test_every_cuda_source_is_in_the_build_hash() -> None:
 
 @pytest.mark.slow
 def test_mma_kernel_builds_for_sm90(tmp_path) -> None:
-    """nvcc (no GPU needed) builds the kernel for sm_90 without register spills and within
-    the 48 KB of static shared memory."""
+    """nvcc (no GPU needed) builds the kernel for sm_90 without register spills, within
+    128 registers and the 48 KB of static shared memory."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("no nvcc")
@@ -185,10 +205,12 @@ def test_mma_kernel_builds_for_sm90(tmp_path) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     info = res.stderr
     kernels = re.findall(r"Compiling entry function '(\w*decode_mma_kernel\w*)'", info)
-    assert len(kernels) == 8, info[-3000:]  # head_dim 128/256 x 2/4 warps x 2 stagings
+    assert len(kernels) == 16, info[-3000:]  # head_dim 128/256 x 2/4/8/16 warps x 2 stagings
     assert not re.search(r"[1-9]\d* bytes spill stores", info), info[-3000:]
-    for smem in re.findall(r"(\d+) bytes smem", info):
+    for smem in re.findall(r"(\d+) bytes smem", info):  # static (8/16 warps: + dynamic)
         assert int(smem) <= 48 * 1024
+    for regs in re.findall(r"Used (\d+) registers", info):  # 16 warps per SM
+        assert int(regs) <= 128
 
 
 @pytest.mark.parametrize("forced", [None, 40])
@@ -232,4 +254,10 @@ def test_decode_launchers_pass_the_split_plan_to_the_library(monkeypatch, forced
     for bad in ("heads", "x"):
         with pytest.raises(ValueError):
             iso_mma.iso_decode_attention_mma(q, kc, kc, table, seq, ps, "iso3", 0.5, loop=bad)
+    for warps in iso_mma.WARPS:  # the warps argument reaches the entry as its variant
+        iso_mma.iso_decode_attention_mma(q, kc, kc, table, seq, ps, "iso3", 0.5,
+                                         split_tokens=forced, warps=warps)
+        assert calls[-1][1][7:15] == a2[7:15] and calls[-1][1][15] == warps
+    with pytest.raises(ValueError):
+        iso_mma.iso_decode_attention_mma(q, kc, kc, table, seq, ps, "iso3", 0.5, warps=6)
     assert out_cuda.shape == out_mma.shape == (b, hq, d) and out_cuda.dtype == q.dtype

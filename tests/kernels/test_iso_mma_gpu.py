@@ -1,7 +1,8 @@
 """The tensor-core ISO3 decode kernel on the GPU: q in each dtype, the one-wave split plan and
 both row stagings (`iso_mma.LOOPS`: "tokens_wide", the shipped one, and its fallback "tokens")
 against an fp32 oracle over the dequantized rows; replays of a CUDA graph of the call; the
-same bits on every run (and from the graph); the unaligned fallback; the occupancy query.
+same bits on every run (and from the graph); the unaligned fallback; the occupancy query;
+2, 4, 8 and 16 warps per CTA (`iso_mma.WARPS`).
 Bound: cosine >= 0.9999 and |out - ref| <= 1e-2 * max|ref| (fp16 operands, bf16 q/out)."""
 
 from __future__ import annotations
@@ -60,7 +61,12 @@ def _check(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 LOOPS = iso_mma.LOOPS
 SETTINGS = [dict(cfg, loop=loop) for loop in LOOPS for cfg in
             (dict(), dict(warps=4, ctas_per_sm=2, min_split_tokens=128),
-             dict(warps=2, ctas_per_sm=0), dict(split_tokens=16))]
+             dict(warps=2, ctas_per_sm=0), dict(split_tokens=16),
+             dict(warps=8, ctas_per_sm=0, min_split_tokens=128),
+             dict(warps=8, ctas_per_sm=1, min_split_tokens=128),
+             dict(warps=16, ctas_per_sm=0, min_split_tokens=256))]
+# the many-warp CTAs (dynamic shared memory) in the graph and determinism tests
+WIDE_CTAS = [dict(), dict(warps=8, ctas_per_sm=0), dict(warps=16, ctas_per_sm=0)]
 
 
 @pytest.mark.parametrize("lens", [[1], [4096], [300, 17, 5000, 1], [20000]],
@@ -77,8 +83,9 @@ def test_mma_paths_match_the_oracle(lens, q_dtype) -> None:
         _check(out, ref, f"{cfg} {q_dtype} {lens}")
 
 
+@pytest.mark.parametrize("cfg", WIDE_CTAS, ids=lambda c: f"w{c.get('warps', 'default')}")
 @pytest.mark.parametrize("loop", LOOPS)
-def test_mma_cuda_graph_replays(loop) -> None:
+def test_mma_cuda_graph_replays(loop, cfg) -> None:
     """A captured call replays with new queries and lengths (nothing per call outside the
     graph: the merge has no state between launches)."""
     kc, vc, table, seq = _state([4096, 4096], seed=3)
@@ -87,7 +94,7 @@ def test_mma_cuda_graph_replays(loop) -> None:
 
     def call() -> None:
         iso_mma.iso_decode_attention_mma(q, kc, vc, table, seq, PS, "iso3", D ** -0.5,
-                                         max_seq_len=4096, out=out, loop=loop)
+                                         max_seq_len=4096, out=out, loop=loop, **cfg)
 
     call()
     torch.cuda.synchronize()
@@ -103,15 +110,16 @@ def test_mma_cuda_graph_replays(loop) -> None:
         _check(out, _oracle(q, kc, vc, table, new_lens), f"replay {new_lens}")
 
 
+@pytest.mark.parametrize("cfg", WIDE_CTAS, ids=lambda c: f"w{c.get('warps', 'default')}")
 @pytest.mark.parametrize("loop", LOOPS)
-def test_mma_same_bits_every_run(loop) -> None:
+def test_mma_same_bits_every_run(loop, cfg) -> None:
     """Fixed reduction order: repeated eager calls and a graph replay give identical bits."""
     kc, vc, table, seq = _state([20000, 3000], seed=5)
     q = torch.randn(2, HQ, D, device="cuda").bfloat16()
 
     def call(out: torch.Tensor) -> torch.Tensor:
         return iso_mma.iso_decode_attention_mma(q, kc, vc, table, seq, PS, "iso3", D ** -0.5,
-                                                max_seq_len=20000, out=out, loop=loop)
+                                                max_seq_len=20000, out=out, loop=loop, **cfg)
 
     first = call(torch.empty_like(q)).clone()
     for _ in range(3):
@@ -151,9 +159,14 @@ def test_mma_tokens_wide_on_unaligned_caches() -> None:
 def test_mma_occupancy() -> None:
     dev = torch.device("cuda")
     for d in (128, 256):
-        for warps in (2, 4):
+        for warps in iso_mma.WARPS:
             for loop in LOOPS:
                 fit = iso_mma.ctas_per_sm_fit(dev, d, warps, loop)
                 print(f"head_dim {d}, {warps} warps, loop {loop}: {fit} CTAs per SM")
                 assert 1 <= fit <= 32
+    # 16 warps per SM at head_dim 256 (<= 128 registers; 8 and 16 warps: dynamic shared
+    # memory of 70656 / 141312 B + 15-18 KB static, within sm_90's 227 KB per SM)
+    assert iso_mma.ctas_per_sm_fit(dev, 256, 8) == 2
+    assert iso_mma.ctas_per_sm_fit(dev, 256, 16) == 1
     assert iso_mma._occupancy(dev, 384, 4) == 0  # no such kernel
+    assert iso_mma._occupancy(dev, 256, 6) == 0

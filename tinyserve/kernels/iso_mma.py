@@ -21,9 +21,15 @@ from tinyserve.kernels.iso_cuda import (
     run_split_decode,
 )
 
+# Warps per CTA the kernel is built for. The warps of a CTA share its split's tokens (each its
+# own interleaved 16-token sub-tiles, merged in shared memory at the end), so 8 or 16 warps
+# give more warps per SM at the same number of split partials; 8 and 16 take the tile buffers
+# as dynamic shared memory (sm_90: 2 CTAs of 8 warps or 1 of 16 per SM).
+WARPS = (2, 4, 8, 16)
+
 # Settings of the tensor-core decode kernel (csrc/iso_decode_mma.cu) by batch size: the row
 # with the smallest `max_batch` >= batch is used (the last row otherwise). `warps` per CTA
-# (2 or 4), about `ctas_per_sm` CTAs per SM (None: one full wave, as many CTAs as the
+# (one of WARPS), about `ctas_per_sm` CTAs per SM (None: one full wave, as many CTAs as the
 # kernel's occupancy lets every SM hold), at least `min_split_tokens` tokens per split.
 # Set from bench/iso_attention.py's mma sweep (`mma_best`).
 # The sweep's best rows were the largest grids that fit in one wave (bench/NOTES_iso.md), so
@@ -94,8 +100,9 @@ def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                              loop: str = "tokens_wide") -> torch.Tensor:
     """`iso_cuda.iso_decode_attention` on tensor cores (iso3 only; GQA group <= 8; head_dim
     128 or 256): fp16 query and centroid operands, fp32 accumulation, q read in its own
-    dtype. Settings default to `mma_config(B)`; `split_tokens`, `warps`, `ctas_per_sm` (0:
-    one wave from the occupancy), `min_split_tokens` override them (tuning); `loop="tokens"`
+    dtype. Settings default to `mma_config(B)`; `split_tokens`, `warps` (one of WARPS),
+    `ctas_per_sm` (0: one wave from the occupancy), `min_split_tokens` override them (tuning;
+    a split shorter than 16 x warps tokens leaves warps idle); `loop="tokens"`
     forces the word-staged fallback (LOOPS). Raises ValueError on shapes or settings it does
     not take."""
     b, hq, d, hkv = _check_decode(q, k_cache, v_cache, page_table, seq_lens, fmt)
@@ -106,6 +113,8 @@ def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     wide = _wide(loop)
     cfg = mma_config(b)
     warps = warps or cfg["warps"]
+    if warps not in WARPS:
+        raise ValueError(f"warps must be one of {WARPS}, got {warps}")
     ctas = ctas_per_sm if ctas_per_sm is not None else cfg["ctas_per_sm"]
     chunk, splits = decode_splits(q, seq_lens, hkv, max_seq_len, split_tokens, split_tile=16,
                                   min_tokens=min_split_tokens or cfg["min_split_tokens"],

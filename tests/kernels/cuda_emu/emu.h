@@ -3,7 +3,8 @@
 // shuffles, shared memory and merges can be tested without a GPU (tests/kernels/
 // test_iso_emulated.py). Each CTA runs as blockDim std::threads; __syncthreads and __syncwarp
 // are barriers; shuffles exchange through a per-warp buffer; __shared__ becomes static (CTAs run
-// one after another). The *_rn intrinsics are plain IEEE operations (built with
+// one after another; the dynamic shared memory a launch asks for is a fresh 16-byte aligned
+// buffer per CTA, emu::ctx.dyn). The *_rn intrinsics are plain IEEE operations (built with
 // -ffp-contract=off). `kernel<<<grid, block, smem, stream>>>(args)` is rewritten by the test to
 // `emu::Launch(grid, block, smem, stream)(kernel, args)`.
 #include <barrier>
@@ -26,6 +27,8 @@ typedef int cudaError_t;
 constexpr cudaError_t cudaSuccess = 0, cudaErrorInvalidValue = 1;
 // The emulation has no SMs: every kernel "fits" twice.
 template <typename K> inline cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, K, int, size_t) { *n = 2; return cudaSuccess; }
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
+template <typename K> inline cudaError_t cudaFuncSetAttribute(K, cudaFuncAttribute, int) { return cudaSuccess; }
 #define __global__
 #define __device__
 #define __host__
@@ -37,7 +40,7 @@ template <typename K> inline cudaError_t cudaOccupancyMaxActiveBlocksPerMultipro
 #define __launch_bounds__(...)
 #define CUDART_INF_F INFINITY
 namespace emu {
-struct Ctx { dim3 tid, bid, bdim; std::barrier<>* block; std::barrier<>* warps; float* xbuf; };
+struct Ctx { dim3 tid, bid, bdim; std::barrier<>* block; std::barrier<>* warps; float* xbuf; uint8_t* dyn; };
 inline thread_local Ctx ctx;
 }
 #define threadIdx (emu::ctx.tid)
@@ -77,17 +80,20 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) { uint32_t u; std::memcpy(&u, 
 namespace emu {
 struct Launch {
   dim3 g, b;
-  Launch(dim3 g_, dim3 b_, int = 0, cudaStream_t = nullptr) : g(g_), b(b_) {}
+  size_t smem;
+  Launch(dim3 g_, dim3 b_, size_t smem_ = 0, cudaStream_t = nullptr) : g(g_), b(b_), smem(smem_) {}
   template <typename K, typename... A> void operator()(K kernel, A... args) {
     int nthr = b.x * b.y * b.z, nw = (nthr + 31) / 32;
     for (unsigned z = 0; z < g.z; ++z) for (unsigned y = 0; y < g.y; ++y) for (unsigned x = 0; x < g.x; ++x) {
       std::barrier<> block(nthr);
       std::vector<float> xbuf(nw * 32);
+      std::vector<uint4> dyn((smem + 15) / 16);  // poisoned: a read before a write shows
+      std::memset(dyn.data(), 0xff, dyn.size() * sizeof(uint4));
       std::barrier<>* warps = static_cast<std::barrier<>*>(::operator new(sizeof(std::barrier<>) * nw));
       for (int w = 0; w < nw; ++w) new (&warps[w]) std::barrier<>(32);
       std::vector<std::thread> ts;
       for (int t = 0; t < nthr; ++t) ts.emplace_back([&, t] {
-        ctx.tid = dim3(t); ctx.bid = dim3(x, y, z); ctx.bdim = b; ctx.block = &block; ctx.warps = warps; ctx.xbuf = xbuf.data();
+        ctx.tid = dim3(t); ctx.bid = dim3(x, y, z); ctx.bdim = b; ctx.block = &block; ctx.warps = warps; ctx.xbuf = xbuf.data(); ctx.dyn = reinterpret_cast<uint8_t*>(dyn.data());
         kernel(args...);
       });
       for (auto& t : ts) t.join();

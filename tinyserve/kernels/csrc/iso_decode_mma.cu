@@ -1,9 +1,10 @@
 // ISO3 paged decode attention on tensor cores (mma.sync m16n8k16, fp16 in, fp32 accumulate),
 // in the rotated space (specs/iso_kv.md §6.5), split-K. Same contract as iso_decode.cu.
 //
-// Grid (splits, kv heads, batch), NW warps. Every warp walks its own 16-token sub-tiles of
-// the CTA's chunk (cp.async double buffer per warp, no CTA barrier in the loop) and keeps its
-// own online softmax; the warps merge in shared memory at the end, the splits in a second
+// Grid (splits, kv heads, batch), NW = 2, 4, 8 or 16 warps (8 and 16: the tile/merge buffer
+// in dynamic shared memory). Every warp walks its own 16-token sub-tiles of the CTA's chunk
+// (cp.async double buffer per warp, no CTA barrier in the loop) and keeps its own online
+// softmax; the warps merge in shared memory at the end, the splits in a second
 // kernel (decode_merge_cols_kernel, iso_split.cuh: grid over heads, sequences and column
 // slices). The query is read in its own dtype (no cast launch before). The operand decoding
 // and the MMA wrappers are in iso_mma_prims.cuh.
@@ -28,9 +29,31 @@
 namespace iso {
 namespace mma {
 
+// Shared-memory layout of one CTA (host and device): per-warp double buffers of K and V rows
+// during the loop, reused for the warp merge after it.
+template <int NB, int NW, bool WIDE>
+struct Layout {
+  static constexpr int D = NB * kBlock;
+  static constexpr int BB = Fmt<3>::kBytes;
+  static constexpr int RB = NB * BB;
+  // shared-memory row stride: WIDE rows start at the source's address mod 16 (up to 14)
+  static constexpr int RS = WIDE ? (RB + 14 + 15) / 16 * 16 : RB;
+  static constexpr int kWarpBuf = 2 * 2 * kSub * RS;  // two buffers of K and V rows per warp
+  static constexpr int kTileBytes = NW * kWarpBuf;
+  static constexpr int kMergeBytes = NW * kRows * PaddedRows<D>::kFloats * 4;
+  static constexpr int kRaw = kTileBytes > kMergeBytes ? kTileBytes : kMergeBytes;
+  // NOTE: up to 4 warps the whole CTA fits the 48 KB of static shared memory; 8 and 16 warps
+  // take the tile/merge buffer as dynamic shared memory (the launcher raises the kernel's
+  // limit), everything else stays static.
+  static constexpr bool kDynamic = NW > 4;
+  static constexpr int kDynBytes = kDynamic ? kRaw : 0;
+};
+
 // At least 16 warps per SM (<= 128 registers): sm_90 127-128 registers, no spills, 4 CTAs of
-// 4 warps per SM (7 of 2 warps: shared memory). WIDE: each sub-tile staged in 16-byte copies
-// (see `stage`).
+// 4 warps per SM (7 of 2 warps: shared memory), 2 of 8 warps, 1 of 16. WIDE: each sub-tile
+// staged in 16-byte copies (see `stage`). NW warps split the CTA's tokens between them
+// (warp w takes sub-tiles w, w + NW, ...), each with its own buffers and online softmax, so
+// more warps per CTA give more warps per SM at the same number of split partials.
 template <int NB, int NW, bool WIDE>
 __global__ void __launch_bounds__(NW * 32, 16 / NW)
     decode_mma_kernel(const void* __restrict__ q, int q_code,
@@ -40,21 +63,21 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
                       const int32_t* __restrict__ seq_lens, int page_size, int n_kv_heads,
                       int group, int chunk, int n_splits, float scale_log2,
                       float* __restrict__ part_acc, float* __restrict__ part_ml) {
-  constexpr int D = NB * kBlock;
-  constexpr int BB = Fmt<3>::kBytes;
-  constexpr int RB = NB * BB;
+  using L = Layout<NB, NW, WIDE>;
+  constexpr int D = L::D;
+  constexpr int BB = L::BB;
+  constexpr int RB = L::RB;
   using W = typename std::conditional<RB % 4 == 0, uint32_t, uint16_t>::type;
   constexpr int RW = RB / (int)sizeof(W);
   static_assert(RW <= 32, "one lane per word of a packed row");
-  // shared-memory row stride: WIDE rows start at the source's address mod 16 (up to 14)
-  constexpr int RS = WIDE ? (RB + 14 + 15) / 16 * 16 : RB;
-  constexpr int kWarpBuf = 2 * 2 * kSub * RS;  // two buffers of K and V rows per warp
-  constexpr int kTileBytes = NW * kWarpBuf;
+  constexpr int RS = L::RS;
+  constexpr int kWarpBuf = L::kWarpBuf;
   using Rows = PaddedRows<D>;
-  constexpr int kMergeBytes = NW * kRows * Rows::kFloats * 4;
-  constexpr int kRaw = kTileBytes > kMergeBytes ? kTileBytes : kMergeBytes;
 
-  __shared__ __align__(16) uint8_t raw[kRaw];
+  // the tile/merge buffer: static up to 4 warps (16 unused bytes above), else dynamic
+  __shared__ __align__(16) uint8_t raw_static[L::kDynamic ? 16 : L::kRaw];
+  uint8_t* raw = raw_static;
+  if constexpr (L::kDynamic) raw = dynamic_smem();
   __shared__ float q_sm[kRows][D + 4];
   __shared__ int64_t off_sm[NW][2][kSub];
   __shared__ uint8_t mis_sm[WIDE ? NW : 1][2][kSub];  // WIDE: a row's start in its buffer row
@@ -68,13 +91,15 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
   const int b = blockIdx.z;
   const int hq = n_kv_heads * group;
   // the query loads go out first, beside the length's: neither waits on the other
-  constexpr int kQIters = kRows * D / 4 / (NW * 32);  // 4-value groups per thread
-  static_assert(kRows * D / 4 % (NW * 32) == 0, "whole query groups per thread");
+  constexpr int kQGroups = kRows * D / 4;  // 4-value groups of the staged query
+  constexpr int kQIters = (kQGroups + NW * 32 - 1) / (NW * 32);  // per thread
+  // D = 128 with 16 warps: more threads than groups (threads past the end load nothing)
+  constexpr bool kQWhole = kQGroups % (NW * 32) == 0;
   float qv[kQIters][4];
 #pragma unroll
   for (int it = 0; it < kQIters; ++it) {
     const int i = threadIdx.x + it * NW * 32;
-    const int h = i / (D / 4);
+    const int h = i / (D / 4);  // >= kRows > group past the end
     const int64_t qi = ((int64_t)b * hq + kvh * group + h) * D + 4 * (i - h * (D / 4));
 #pragma unroll
     for (int j = 0; j < 4; ++j) qv[it][j] = h < group ? load_q(q, qi + j, q_code) : 0.0f;
@@ -183,6 +208,7 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
 #pragma unroll
   for (int it = 0; it < kQIters; ++it) {
     const int i = threadIdx.x + it * NW * 32;
+    if (!kQWhole && i >= kQGroups) break;
     const int h = i / (D / 4);
     const int g = i - h * (D / 4);
     float r4[4];
@@ -358,12 +384,60 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
 }
 
 template <int NB, int NW, bool WIDE>
-void launch(const void* q, int qc, const uint8_t* kc, const uint8_t* vc, int64_t ss,
-            const int32_t* pt, int64_t pts, const int32_t* lens, int batch, int ps, int hkv,
-            int group, int chunk, int nsp, float sl2, float* pa, float* pm, cudaStream_t st) {
+cudaError_t launch(const void* q, int qc, const uint8_t* kc, const uint8_t* vc, int64_t ss,
+                   const int32_t* pt, int64_t pts, const int32_t* lens, int batch, int ps,
+                   int hkv, int group, int chunk, int nsp, float sl2, float* pa, float* pm,
+                   cudaStream_t st) {
   const dim3 grid(nsp, hkv, batch);
-  decode_mma_kernel<NB, NW, WIDE><<<grid, NW * 32, 0, st>>>(q, qc, kc, vc, ss, pt, pts, lens, ps,
-                                                          hkv, group, chunk, nsp, sl2, pa, pm);
+  constexpr int smem = Layout<NB, NW, WIDE>::kDynBytes;
+  if constexpr (smem > 0) {  // above the default 48 KB: allowed per kernel (cheap, capturable)
+    const cudaError_t e = cudaFuncSetAttribute(decode_mma_kernel<NB, NW, WIDE>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+  }
+  decode_mma_kernel<NB, NW, WIDE><<<grid, NW * 32, smem, st>>>(
+      q, qc, kc, vc, ss, pt, pts, lens, ps, hkv, group, chunk, nsp, sl2, pa, pm);
+  return cudaSuccess;
+}
+
+// How many CTAs of decode_mma_kernel<NB, NW, WIDE> one SM holds (0 on error).
+template <int NB, int NW, bool WIDE>
+int occupancy() {
+  constexpr int smem = Layout<NB, NW, WIDE>::kDynBytes;
+  if constexpr (smem > 0) {
+    if (cudaFuncSetAttribute(decode_mma_kernel<NB, NW, WIDE>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+      return 0;
+  }
+  int n = 0;
+  const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &n, decode_mma_kernel<NB, NW, WIDE>, NW * 32, smem);
+  return e == cudaSuccess ? n : 0;
+}
+
+// `launch` for (NB, warps, staging) (nullptr for a warp count without a kernel).
+using LaunchFn = cudaError_t (*)(const void*, int, const uint8_t*, const uint8_t*, int64_t,
+                                 const int32_t*, int64_t, const int32_t*, int, int, int, int,
+                                 int, int, float, float*, float*, cudaStream_t);
+template <int NB, bool WIDE>
+LaunchFn launcher(int n_warps) {
+  switch (n_warps) {
+    case 2: return launch<NB, 2, WIDE>;
+    case 4: return launch<NB, 4, WIDE>;
+    case 8: return launch<NB, 8, WIDE>;
+    case 16: return launch<NB, 16, WIDE>;
+    default: return nullptr;
+  }
+}
+template <int NB, bool WIDE>
+int occupancy_of(int n_warps) {
+  switch (n_warps) {
+    case 2: return occupancy<NB, 2, WIDE>();
+    case 4: return occupancy<NB, 4, WIDE>();
+    case 8: return occupancy<NB, 8, WIDE>();
+    case 16: return occupancy<NB, 16, WIDE>();
+    default: return 0;
+  }
 }
 
 }  // namespace mma
@@ -371,10 +445,10 @@ void launch(const void* q, int qc, const uint8_t* kc, const uint8_t* vc, int64_t
 
 // Same arguments as tinyserve_iso_decode (iso3 only, GQA group <= 8, head_dim 128 or 256)
 // except that q is read in its own dtype (q_dtype_code: 0 fp32, 1 bf16, 2 fp16), plus n_warps
-// (2 or 4) and wide (1: stage the rows in 16-byte copies when both caches are 16-byte aligned
-// and the slot stride a multiple of 4, else in words; 0: always in words). Returns 0, a CUDA
-// error code, 2 (bad format/head_dim), 3 (bad GQA group), 4 (bad n_warps) or 5 (bad q dtype
-// or wide).
+// (2, 4, 8 or 16 warps per CTA) and wide (1: stage the rows in 16-byte copies when both
+// caches are 16-byte aligned and the slot stride a multiple of 4, else in words; 0: always in
+// words). Returns 0, a CUDA error code, 2 (bad format/head_dim), 3 (bad GQA group), 4 (bad
+// n_warps) or 5 (bad q dtype or wide).
 extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, const void* v_cache,
                                         int64_t slot_stride, const int32_t* page_table,
                                         int64_t pt_stride, const int32_t* seq_lens, int batch,
@@ -389,7 +463,7 @@ extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, cons
   const int group = n_q_heads / n_kv_heads;
   if (group < 1 || group > mma::kRows) return 3;
   if (head_dim != 128 && head_dim != 256) return 2;
-  if (n_warps != 2 && n_warps != 4) return 4;
+  if (n_warps != 2 && n_warps != 4 && n_warps != 8 && n_warps != 16) return 4;
   if (q_dtype_code < 0 || q_dtype_code > 2 || wide < 0 || wide > 1) return 5;
   const uintptr_t addr_bits =
       reinterpret_cast<uintptr_t>(k_cache) | reinterpret_cast<uintptr_t>(v_cache);
@@ -397,18 +471,15 @@ extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, cons
   const float sl2 = scale * 1.4426950408889634f;
   const auto* kc = static_cast<const uint8_t*>(k_cache);
   const auto* vc = static_cast<const uint8_t*>(v_cache);
-#define ISO_MMA(NBV, NWV)                                                                     \
-  (w16 ? mma::launch<NBV, NWV, true> : mma::launch<NBV, NWV, false>)(                          \
+  cudaError_t e;
+#define ISO_MMA(NBV)                                                                           \
+  e = (w16 ? mma::launcher<NBV, true>(n_warps) : mma::launcher<NBV, false>(n_warps))(          \
       q, q_dtype_code, kc, vc, slot_stride, page_table, pt_stride, seq_lens, batch, page_size, \
       n_kv_heads, group, chunk, n_splits, sl2, part_acc, part_ml, stream)
-  if (head_dim == 256) {
-    if (n_warps == 4) ISO_MMA(2, 4);
-    else ISO_MMA(2, 2);
-  } else {
-    if (n_warps == 4) ISO_MMA(1, 4);
-    else ISO_MMA(1, 2);
-  }
+  if (head_dim == 256) ISO_MMA(2);
+  else ISO_MMA(1);
 #undef ISO_MMA
+  if (e != cudaSuccess) return (int)e;
   const dim3 grid(n_q_heads, batch, head_dim / kMergeCols);
   ISO_DISPATCH_DTYPE(dtype_code, T, {
     decode_merge_cols_kernel<T><<<grid, kMergeThreads, 0, stream>>>(
@@ -419,22 +490,14 @@ extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, cons
 }
 
 // How many CTAs of the decode kernel for (head_dim, n_warps, wide: 1 the 16-byte staging,
-// 0 the word staging) one SM holds (registers and shared memory): the launcher sizes a
-// one-wave grid from it. 0 on a bad argument or error.
+// 0 the word staging) one SM holds (registers and shared memory, the dynamic part included):
+// the launcher sizes a one-wave grid from it. 0 on a bad argument or error.
 extern "C" int tinyserve_iso_decode_mma_occupancy(int head_dim, int n_warps, int wide) {
-  int n = 0;
-  cudaError_t e = cudaErrorInvalidValue;
-#define ISO_OCC(NBV, NWV, WV)                                                          \
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(                                   \
-      &n, iso::mma::decode_mma_kernel<NBV, NWV, WV>, NWV * 32, 0)
-#define ISO_OCC2(NBV, NWV)                   \
-  if (wide == 1) ISO_OCC(NBV, NWV, true);    \
-  else if (wide == 0) ISO_OCC(NBV, NWV, false)
-  if (head_dim == 256 && n_warps == 4) ISO_OCC2(2, 4);
-  if (head_dim == 256 && n_warps == 2) ISO_OCC2(2, 2);
-  if (head_dim == 128 && n_warps == 4) ISO_OCC2(1, 4);
-  if (head_dim == 128 && n_warps == 2) ISO_OCC2(1, 2);
-#undef ISO_OCC2
-#undef ISO_OCC
-  return e == cudaSuccess ? n : 0;
+  using namespace iso;
+  if (wide != 0 && wide != 1) return 0;
+  if (head_dim == 256)
+    return wide ? mma::occupancy_of<2, true>(n_warps) : mma::occupancy_of<2, false>(n_warps);
+  if (head_dim == 128)
+    return wide ? mma::occupancy_of<1, true>(n_warps) : mma::occupancy_of<1, false>(n_warps);
+  return 0;
 }

@@ -35,6 +35,16 @@ struct PaddedRows {
 // 32 tq + const) hit 32 banks with the row stride D + 4 and the low 2 bits of c XOR c / 32.
 __host__ __device__ constexpr int q_col(int c) { return c ^ ((c >> 5) & 3); }
 
+// The CTA's dynamic shared memory (16-byte aligned).
+#ifdef TINYSERVE_CUDA_EMU
+inline uint8_t* dynamic_smem() { return emu::ctx.dyn; }
+#else
+__device__ __forceinline__ uint8_t* dynamic_smem() {
+  extern __shared__ __align__(16) uint8_t dyn_smem[];
+  return dyn_smem;
+}
+#endif
+
 #ifdef TINYSERVE_CUDA_EMU
 inline uint4 lds128(const uint4* p) { return *p; }
 #else

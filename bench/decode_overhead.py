@@ -123,15 +123,44 @@ def _batch(n: int) -> Batch:
                                i, sample=True, params=greedy) for i in range(n)])
 
 
+class _HitRates:
+    """The expert cache's hit rate over each timed mode (stats deltas; nothing without a
+    cache)."""
+
+    def __init__(self, experts) -> None:
+        self.stats = None if experts is None else experts.stats
+        self.rates: dict[str, float] = {}
+        self._last = self._now()
+
+    def _now(self) -> tuple[int, int]:
+        return (0, 0) if self.stats is None else (self.stats.hits, self.stats.misses)
+
+    def mark(self, mode: str) -> None:
+        now = self._now()
+        hits, misses = now[0] - self._last[0], now[1] - self._last[1]
+        if hits + misses:
+            self.rates[mode] = round(hits / (hits + misses), 4)
+        self._last = now
+
+
+def _fed(batch: Batch, tokens: list[int]) -> Batch:
+    """`batch` with each sequence's input token replaced by its last sampled one (positions
+    unchanged): every mode decodes the tokens it generates, as the engine does, so the
+    experts it routes to (and an expert cache's misses) are those of real decoding."""
+    return Batch([dataclasses.replace(s, token_ids=[t])
+                  for s, t in zip(batch.seqs, tokens, strict=True)])
+
+
 def _step_ms(runner: ModelRunner, batch: Batch, reps: int) -> float:
     for _ in range(3):  # warm-up (and capture)
-        runner.forward(batch)
+        batch = _fed(batch, runner.forward(batch).next_tokens)
     times = []
     for _ in range(reps):
         _sync(runner.device.type)
         t0 = time.perf_counter()
-        runner.forward(batch)  # ends with the host copy of the tokens
+        out = runner.forward(batch)  # ends with the host copy of the tokens
         times.append((time.perf_counter() - t0) * 1e3)
+        batch = _fed(batch, out.next_tokens)
     return statistics.median(times)
 
 
@@ -182,12 +211,13 @@ def _kernel_ms(runner: ModelRunner, batch: Batch, reps: int) -> tuple[float, int
     from torch.profiler import ProfilerActivity, profile, record_function
 
     dev = runner.device.type
-    runner.forward(batch)
+    batch = _fed(batch, runner.forward(batch).next_tokens)
     _sync(dev)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             with record_function(STEP):
-                runner.forward(batch)
+                out = runner.forward(batch)
+            batch = _fed(batch, out.next_tokens)
         _sync(dev)
     gpu = [e for e in prof.events() if e.device_type == DeviceType.CUDA and e.name != STEP]
     steps = [e for e in prof.events() if e.device_type == DeviceType.CPU and e.name == STEP]
@@ -257,12 +287,17 @@ def _case(cfg, w: dict, kv_name: str, n: int, reps: int, dev: str = "cuda",
     if graph.graphs is None:
         raise RuntimeError("the runner did not enable CUDA graphs (kernels off?)")
     batch = _batch(n)
+    hits = _HitRates(experts)
     eager_ms = _step_ms(eager, batch, reps)
+    hits.mark("eager")
     graph_ms = _step_ms(graph, batch, reps)
+    hits.mark("graph")
     chained_ms = _chained_step_ms(graph, batch, 10 * reps)
+    hits.mark("chained")
     cache = {} if experts is None else {"offload_slots": experts.cache.num_slots,
                                         "defer_policy": defer,
-                                        "expert_hit_rate": round(experts.stats.hit_rate, 4)}
+                                        "expert_hit_rate": round(experts.stats.hit_rate, 4),
+                                        "expert_hit_rate_by_mode": hits.rates}
     if dev != "cuda":
         return {"batch": n, "kv": kv_name, "device": dev, "eager_step_ms": eager_ms,
                 "static_step_ms": graph_ms, "static_chained_step_ms": chained_ms, **cache}

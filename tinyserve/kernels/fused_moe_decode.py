@@ -7,7 +7,8 @@ Every (token, expert) pair of a layer, the shared expert included as one more pa
 rows of all its pairs and summing them in registers in a fixed order. No atomics and no
 workspace that must be kept zero: the same bits on every run (graph replay == eager).
 `MOE_FUSED_DECODE = False` switches the path off (fused_moe then takes the gemv path and the
-model its separate shared-expert GEMVs).
+model its separate shared-expert GEMVs); `MOE_FUSED_PATH = "fused1"` makes fused_moe take
+the same programs in one launch instead (`fused_moe_decode1.py`).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 # NOTE: True: the down programs poll with `ld.acquire.gpu` (inline PTX, every thread); False:
 # one thread's atomic_add(0, sem="acquire") per poll (the fallback if the PTX fails to build)
 MOE_FUSED1_SPIN_ASM = True
-MOE_FUSED1_MAX_SPIN = 1 << 22  # polls before a down program gives up (~seconds): no hang
+MOE_FUSED1_MAX_SPIN = 1 << 20  # polls before a down program gives up (~1 s): no hang
 
 # (H, F) -> tiles of the one-launch decode (`down_warps` unused: every program has
 # `num_warps`); other shapes get MoEFusedConfig(). Until the H200 says otherwise: the

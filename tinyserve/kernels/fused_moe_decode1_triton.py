@@ -25,7 +25,7 @@ launches (`arrive[t]`, `done[t]`):
 Forward progress assumes the hardware dispatches CTAs in increasing linear block index
 (what CUDA does in practice, not a documented guarantee): a down program (higher id) is
 resident only once every gate_up program has been dispatched, and gate_up programs never
-wait, so they all finish. A spin is bounded by MAX_SPIN polls (seconds) so that a broken
+wait, so they all finish. A spin is bounded by MAX_SPIN polls (~1 s) so that a broken
 assumption gives wrong output (the tests see it) instead of a hung GPU. One workspace per
 device: two launches must not run concurrently on different streams. Under
 TRITON_INTERPRET=1 programs run one after the other in id order (every gate_up program

@@ -23,7 +23,10 @@ its sums in a fixed order: the same bits on every run.
    global scale, summed over the pairs in registers (a fixed tree), written straight to
    out[t] in its dtype.
 
-This module imports triton at the top (the launcher imports it lazily).
+The program bodies are jit helpers (`gate_up_program`; `down_loads`, the loads that do not
+depend on h, and `down_finish`) so that the one-launch decode (`fused_moe_decode1_triton`)
+runs the same arithmetic. This module imports triton at the top (the launcher imports it
+lazily).
 """
 
 from __future__ import annotations

@@ -8,15 +8,11 @@ baseline from the same run:
    the shape's current tiles (`default_gemv_config`) and every candidate of `GEMV_SWEEP`
    (decode "f32" / "h2", rows, blocks, warps, load width, stages, split-K);
 3. fused MoE decode, one token x 8 of 256 experts: the "fused" path (two launches,
-   deterministic; its table tiles and the first `FUSED_MULTI` of `MOE_FUSED_CANDIDATES`)
-   and the "fused1" path (the same programs in one launch; its table tiles, its
-   `MOE_FUSED1_CANDIDATES`, each also compared bitwise with its two-launch twin, the same
-   tiles with down_warps = num_warps, whose time is recorded too) beside the "gemv" path
-   (its current tiles), routed only and for the whole layer (+ the shared expert: in the
-   fused launches, vs the model's separate gate_up GEMV, silu_mul, down GEMV and
-   gated_add), against the time to read the experts' bytes at `bw` (target <= 2x); then the
-   whole layer at 4 and 8 tokens (gemv, both fused paths' table tiles, the first
-   `FUSED1_MULTI` fused1 and `FUSED_MULTI` fused candidates).
+   deterministic; its table tiles and `MOE_FUSED_CANDIDATES`) beside the "gemv" path (its
+   current tiles), routed only and for the whole layer (+ the shared expert: in the fused
+   launches, vs the model's separate gate_up GEMV, silu_mul, down GEMV and gated_add),
+   against the time to read the experts' bytes at `bw` (target <= 2x); then the whole layer
+   at 4 and 8 tokens (gemv, fused table tiles + the first `FUSED_MULTI` candidates).
 Every variant is first checked against the torch reference on the GPU (relative Frobenius
 and max errors recorded; a variant over 1e-2 is not timed). Timing: the median of 10 replays
 of a CUDA graph that cycles through enough weight copies (>= 256 MB) to miss L2. The winners
@@ -25,14 +21,13 @@ rest still run; past TIME_BUDGET_S the remaining variants are skipped (recorded 
 
 Usage: python bench/nvfp4.py [--smoke] [--only moe|gemv]  (--smoke: tiny shapes, any device,
 no timing; checks the script itself, e.g. on CPU with TRITON_INTERPRET=1; --only moe: the
-bandwidth and the MoE rows only, ~45-60 s (variants past MOE_BUDGET_S skipped), into
+bandwidth and the MoE rows only, ~40-65 s (variants past MOE_BUDGET_S skipped), into
 results/nvfp4_moe.json).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import sys
@@ -62,10 +57,6 @@ from tinyserve.kernels.fused_moe_decode import (  # noqa: E402
     MoEFusedConfig,
     default_moe_fused_config,
 )
-from tinyserve.kernels.fused_moe_decode1 import (  # noqa: E402
-    MOE_FUSED1_CANDIDATES,
-    default_moe_fused1_config,
-)
 from tinyserve.kernels.nvfp4 import GemvConfig, default_gemv_config, nvfp4_linear  # noqa: E402
 from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4  # noqa: E402
 from tinyserve.kernels.nvfp4_tiles import PERSISTENT_CANDIDATES  # noqa: E402
@@ -89,12 +80,11 @@ GEMV_SWEEP_SMALL_K = [  # K = 512 (32 blocks)
     G(32, 32, 4), G(16, 32, 2), G(64, 32, 8), G(32, 32, 4, decode="h2"),
     G(16, 32, 2, decode="h2"), G(64, 32, 8, decode="h2"),
 ]
-FUSED_MULTI = 2  # two-launch candidates timed (the full sweep ran on 41abb8d)
-FUSED1_MULTI = 2  # one-launch candidates also timed at 4 and 8 tokens
+FUSED_MULTI = 4  # fused candidates also timed at 4 and 8 tokens
 ROTATE_BYTES = 256 << 20  # cycle weight copies until this many bytes (> L2)
 MAX_REL_ERR = 1e-2
 TIME_BUDGET_S = 100.0
-MOE_BUDGET_S = 52.0  # --only moe: the run stays under ~60 s
+MOE_BUDGET_S = 62.0  # --only moe: the run stays under ~70 s
 T0 = time.perf_counter()
 SMOKE = False  # --smoke: no timing, no time budget
 
@@ -334,45 +324,25 @@ def bench_moe_decode(bw: float, dev: str, smoke: bool, n: int = 1, h: int = 2048
                              shared_logit=logits[i], path=path, fused_config=cfg)
         return fn
 
-    # (key, fn, ref, read time, (config, path) or None, two-launch twin or None): "fused1"
-    # runs every program with num_warps, so its twin is the two-launch decode with
-    # down_warps = num_warps (the same bits expected)
-    def twin(c):
-        return dataclasses.replace(c, down_warps=c.num_warps)
-
-    fused1_cfg = default_moe_fused1_config(h, f)
-    cases = [("gemv_layer", layer("gemv", None), ref_layer, read_layer, None, None),
-             ("fused_layer", layer("fused", fused_cfg), ref_layer, read_layer,
-              (fused_cfg, "fused"), None),
-             ("fused1_layer", layer("fused1", fused1_cfg), ref_layer, read_layer,
-              (fused1_cfg, "fused1"), layer("fused", twin(fused1_cfg)))]
+    # (key, fn, ref, read time, fused config or None)
+    cases = [("gemv_layer", layer("gemv", None), ref_layer, read_layer, None),
+             ("fused_layer", layer("fused", fused_cfg), ref_layer, read_layer, fused_cfg)]
     if n == 1:
-        cases += [("gemv_routed", routed("gemv", None), ref_routed, read_routed, None, None),
-                  ("fused_routed", routed("fused", fused_cfg), ref_routed, read_routed, None,
-                   None),
-                  ("fused1_routed", routed("fused1", fused1_cfg), ref_routed, read_routed,
-                   None, routed("fused", twin(fused1_cfg))),
-                  (f"fused_layer_{fused_key(twin(fused1_cfg))}", layer("fused", twin(fused1_cfg)),
-                   ref_layer, read_layer, (twin(fused1_cfg), "fused"), None)]
-    cands1 = MOE_FUSED1_CANDIDATES if sweep else MOE_FUSED1_CANDIDATES[:FUSED1_MULTI]
-    cases += [(f"fused1_layer_{fused_key(c)}", layer("fused1", c), ref_layer, read_layer,
-               (c, "fused1"), layer("fused", twin(c))) for c in cands1 if c != fused1_cfg]
-    cases += [(f"fused_layer_{fused_key(c)}", layer("fused", c), ref_layer, read_layer,
-               (c, "fused"), None)
-              for c in MOE_FUSED_CANDIDATES[:FUSED_MULTI] if c != fused_cfg]
+        cases += [("gemv_routed", routed("gemv", None), ref_routed, read_routed, None),
+                  ("fused_routed", routed("fused", fused_cfg), ref_routed, read_routed, None)]
+    cands = MOE_FUSED_CANDIDATES if sweep else MOE_FUSED_CANDIDATES[:FUSED_MULTI]
+    cases += [(f"fused_layer_{fused_key(c)}", layer("fused", c), ref_layer, read_layer, c)
+              for c in cands if c != fused_cfg]
     variants: dict = {}
     configs: dict = {}
-    for key, fn, ref, read_us, cfg, twin_fn in cases:
+    for key, fn, ref, read_us, cfg in cases:
         if cfg is not None:
             configs[key] = cfg
         if over_budget():
             variants[key] = {"skipped": "time budget"}
             continue
         try:
-            y = fn(0)
-            res = errors(y, ref)
-            if twin_fn is not None:  # one launch == two launches, bit for bit
-                res["equal_to_two_launch"] = bool(torch.equal(y, twin_fn(0)))
+            res = errors(fn(0), ref)
             if res["rel_err"] <= MAX_REL_ERR and not smoke:
                 us = time_graph([lambda i=i, fn=fn: fn(i) for i in range(reps)])
                 res.update(us=us, ratio_to_read_time=us / read_us)
@@ -383,26 +353,18 @@ def bench_moe_decode(bw: float, dev: str, smoke: bool, n: int = 1, h: int = 2048
         variants[key] = res
     out["gemv_config"] = moe_key(gemv_cfg)
     out["fused_config"] = fused_key(fused_cfg)
-    out["fused1_config"] = fused_key(fused1_cfg)
     out["variants"] = variants
     for what in ("layer", "routed"):
         gemv, fused = variants.get(f"gemv_{what}", {}), variants.get(f"fused_{what}", {})
-        fused1 = variants.get(f"fused1_{what}", {})
         if "us" in gemv and "us" in fused:
             out[f"speedup_fused_{what}"] = gemv["us"] / fused["us"]
-        if "us" in fused and "us" in fused1:
-            out[f"speedup_fused1_over_fused_{what}"] = fused["us"] / fused1["us"]
-    for path in ("fused", "fused1"):
-        timed = {kk: v for kk, v in variants.items()
-                 if kk in configs and configs[kk][1] == path and "us" in v}
-        if timed:
-            best = min(timed, key=lambda kk: timed[kk]["us"])
-            c = configs[best][0]
-            out[f"best_{path}"] = {"config": fused_key(c), "us": timed[best]["us"],
-                                   "ratio_to_read_time": timed[best]["ratio_to_read_time"],
-                                   "table_entry": fused_table_entry(h, f, c)}
-    if "best_fused" in out:
-        out["best"] = out["best_fused"]
+    timed = {kk: v for kk, v in variants.items() if kk in configs and "us" in v}
+    if timed:
+        best = min(timed, key=lambda kk: timed[kk]["us"])
+        c = configs[best]
+        out["best"] = {"config": fused_key(c), "us": timed[best]["us"],
+                       "ratio_to_read_time": timed[best]["ratio_to_read_time"],
+                       "table_entry": fused_table_entry(h, f, c)}
     return out
 
 
@@ -415,24 +377,16 @@ def summary(rec: Recorder) -> None:
         if "read_layer_us" in case:
             v = case["variants"]
             row = " | ".join(f"{kk} {v[kk]['us']:.2f} us ({v[kk]['ratio_to_read_time']:.2f}x)"
-                             for kk in ("gemv_layer", "fused_layer", "fused1_layer",
-                                        "gemv_routed", "fused_routed", "fused1_routed")
+                             for kk in ("gemv_layer", "fused_layer", "gemv_routed",
+                                        "fused_routed")
                              if "us" in v.get(kk, {}))
             nan = float("nan")
             print(f"{name:28s}\n    {row}"
                   f"\n    read time: routed {case['read_routed_us']:.2f} us, layer "
                   f"{case['read_layer_us']:.2f} us; layer speedup of fused over gemv "
-                  f"{case.get('speedup_fused_layer', nan):.2f}x, of fused1 over fused "
-                  f"{case.get('speedup_fused1_over_fused_layer', nan):.2f}x")
-            for path in ("fused", "fused1"):
-                b = case.get(f"best_{path}")
-                if b:
-                    print(f"    best {path} {b['config']} {b['us']:.2f} us "
-                          f"({b['ratio_to_read_time']:.2f}x the layer read time)")
-            eq = {kk: vv["equal_to_two_launch"] for kk, vv in v.items()
-                  if "equal_to_two_launch" in vv}
-            print(f"    fused1 == two-launch twin bitwise: {sum(eq.values())} / {len(eq)}"
-                  + "".join(f" (differs: {kk})" for kk, ok in eq.items() if not ok))
+                  f"{case.get('speedup_fused_layer', nan):.2f}x; best fused "
+                  f"{best['config']} {best['us']:.2f} us ({best['ratio_to_read_time']:.2f}x "
+                  f"the layer read time)")
         elif "frac_bw" in best:
             base = case.get("bf16_cublas", {}).get("us", float("nan"))
             dflt = case["variants"][case["default"]].get("us", float("nan"))
@@ -444,12 +398,10 @@ def summary(rec: Recorder) -> None:
         if bad:
             print("    not timed (wrong / error / skipped):", ", ".join(bad))
     print("\ntable entries (nvfp4_tiles.py GEMV_TILES; fused_moe_decode.py "
-          "MOE_FUSED_TILES; fused1: fused_moe_decode1.py MOE_FUSED1_TILES):")
-    for name, case in rec.data["cases"].items():
+          "MOE_FUSED_TILES):")
+    for case in rec.data["cases"].values():
         if case.get("best"):
             print("   ", case["best"]["table_entry"])
-        if case.get("best_fused1"):
-            print(f"    fused1 ({name}):", case["best_fused1"]["table_entry"])
 
 
 def main() -> int:

@@ -9,10 +9,8 @@ Decode, NVFP4, up to `MOE_FUSED_MAX_TOKENS` tokens ("fused", `fused_moe_decode.p
 expert of every token and the shared expert in two launches, gate_up + silu * up per (pair,
 feature chunk), then down per (token, row block) summing every pair in registers: no
 atomics, the same bits every run (`fused_moe_decode.MOE_FUSED_DECODE = False` switches it
-off); "fused1" (`fused_moe_decode1.py`) runs the same programs in one launch, the down
-programs waiting at a per-token counter (`fused_moe_decode.MOE_FUSED_PATH` picks which of the
-two the default takes). Otherwise, decode ("gemv", few pairs): gate_up with one program per
-pair and row block, int64 code loads (the GEMV core of `kernels/nvfp4.py`; tiles per (H, F) from
+off). Otherwise, decode ("gemv", few pairs): gate_up with one program per pair and row
+block, int64 code loads (the GEMV core of `kernels/nvfp4.py`; tiles per (H, F) from
 `nvfp4_tiles.MOE_GEMV_TILES`), pairs ordered by slot so shared experts come from L2; down
 with one program per token and row block summing its k experts (or `down_expert_split`
 groups of them in separate programs, fp32 partial sums added after). Prefill: pairs grouped
@@ -41,11 +39,9 @@ from tinyserve.kernels.fused_moe_decode import (
     fuses_shared_expert,
     moe_fused_decode,
 )
-from tinyserve.kernels.fused_moe_decode1 import default_moe_fused1_config, moe_fused1_decode
 from tinyserve.kernels.nvfp4_tiles import MoEGemvConfig, default_moe_gemv_config
 
-MOE_PATHS = ("fused", "fused1", "gemv", "dot")
-FUSED_PATHS = ("fused", "fused1")  # NVFP4 decode, the shared expert in their launches
+MOE_PATHS = ("fused", "gemv", "dot")
 MOE_GEMV_MAX_PAIRS = 64  # default: gemv up to this many (token, expert) pairs, then dot
 
 
@@ -243,21 +239,19 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
         topk_weights: [N, k] routing weights (any float dtype).
         slots: the layer's ExpertSlots, on x's device.
         shared_slots: the layer's shared expert in slot 0 of its own ExpertSlots (same H), or
-            None. In the fused paths (NVFP4, same F) it is a ninth pair of their launches;
+            None. In the "fused" path (NVFP4, same F) it is a ninth pair of its launches;
             otherwise it runs as a second call of the same path, summed after.
         shared_logit: [N, 1] shared-expert gate logits (any row stride), with shared_slots;
             its sigmoid is rounded to x.dtype (as `model.moe.gated_add` does).
         path: "fused" (two launches, NVFP4, N <= MOE_FUSED_MAX_TOKENS; decode;
-            `fused_moe_decode.py`), "fused1" (the same in one launch; `fused_moe_decode1.py`),
-            "gemv" (one program per pair and row block; decode) or "dot" (pairs grouped per
-            slot into BLOCK_M tiles, tensor cores; prefill); None picks
-            `fused_moe_decode.MOE_FUSED_PATH` when `fuses_shared_expert(N)` and the slots are
-            NVFP4, else by N * k.
+            `fused_moe_decode.py`), "gemv" (one program per pair and row block; decode) or
+            "dot" (pairs grouped per slot into BLOCK_M tiles, tensor cores; prefill); None
+            picks "fused" when `fuses_shared_expert(N)` and the slots are NVFP4, else by
+            N * k.
         gemv_config: tile sizes of the gemv path (bench sweeps); None =
             `default_moe_gemv_config(H, F)`.
-        fused_config: tile sizes of the fused paths ("fused1": every program has
-            `num_warps`, `down_warps` unused); None = the path's table entry
-            (`default_moe_fused_config(H, F)`, `default_moe_fused1_config(H, F)`).
+        fused_config: tile sizes of the fused path; None = its table entry
+            (`default_moe_fused_config(H, F)`).
     Returns:
         [N, H] in x.dtype; fp32 accumulation, the silu(gate) * up intermediate in fp32
         (fused, gemv) or x.dtype (dot). The "h2" decode (gemv: the 35B-A3B default,
@@ -266,7 +260,7 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
         sums in a fixed order (the same bits on every run).
         No host synchronisation (CUDA-graph safe).
     Raises:
-        ValueError: bad shapes / devices, an unknown path, "fused"/"fused1" with dense slots or
+        ValueError: bad shapes / devices, an unknown path, "fused" with dense slots or
             more than MOE_FUSED_MAX_TOKENS tokens.
         TypeError: bad dtypes.
     """
@@ -278,30 +272,24 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
         return torch.zeros_like(x)
     if path is None:
         if slots.is_fp4 and fuses_shared_expert(n):
-            path = fmd.MOE_FUSED_PATH
+            path = "fused"
         else:
             path = "gemv" if pairs <= MOE_GEMV_MAX_PAIRS else "dot"
     if path not in MOE_PATHS:
         raise ValueError(f"unknown fused_moe path {path!r}; choose from {MOE_PATHS}")
-    fused = path in FUSED_PATHS
-    if fused and (not slots.is_fp4 or n > fmd.MOE_FUSED_MAX_TOKENS):
-        raise ValueError(f"the {path} path needs NVFP4 slots and at most "
+    if path == "fused" and (not slots.is_fp4 or n > fmd.MOE_FUSED_MAX_TOKENS):
+        raise ValueError(f"the fused path needs NVFP4 slots and at most "
                          f"{fmd.MOE_FUSED_MAX_TOKENS} tokens (got {n}, fp4={slots.is_fp4})")
     x = x.contiguous()
     ids = topk_slot_ids.contiguous().view(-1)
     wts = topk_weights.contiguous().view(-1)
-    in_kernel = (fused and shared_slots is not None and shared_slots.is_fp4
+    in_kernel = (path == "fused" and shared_slots is not None and shared_slots.is_fp4
                  and shared_slots.intermediate_size == slots.intermediate_size)
     if path == "fused":
         cfg = fused_config or default_moe_fused_config(slots.hidden_size,
                                                         slots.intermediate_size)
         out = moe_fused_decode(x, ids, wts, topk, slots, shared_slots if in_kernel else None,
                                shared_logit if in_kernel else None, cfg)
-    elif path == "fused1":
-        cfg = fused_config or default_moe_fused1_config(slots.hidden_size,
-                                                         slots.intermediate_size)
-        out = moe_fused1_decode(x, ids, wts, topk, slots, shared_slots if in_kernel else None,
-                                shared_logit if in_kernel else None, cfg)
     elif path == "gemv":
         cfg = gemv_config or default_moe_gemv_config(slots.hidden_size,
                                                       slots.intermediate_size)
@@ -314,7 +302,7 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
     # the shared expert as a one-expert MoE of its own (same path; gemv for fused + dense)
     sh_ids = torch.zeros(n, 1, dtype=torch.int32, device=x.device)
     sh_w = torch.sigmoid(shared_logit.float()).to(x.dtype)
-    sh_path = "gemv" if fused and not shared_slots.is_fp4 else path
+    sh_path = "gemv" if path == "fused" and not shared_slots.is_fp4 else path
     return out + fused_moe(x, sh_ids, sh_w, shared_slots, path=sh_path,
                            gemv_config=gemv_config, fused_config=fused_config)
 

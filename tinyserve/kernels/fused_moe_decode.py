@@ -7,8 +7,7 @@ Every (token, expert) pair of a layer, the shared expert included as one more pa
 rows of all its pairs and summing them in registers in a fixed order. No atomics and no
 workspace that must be kept zero: the same bits on every run (graph replay == eager).
 `MOE_FUSED_DECODE = False` switches the path off (fused_moe then takes the gemv path and the
-model its separate shared-expert GEMVs); `MOE_FUSED_PATH = "fused1"` makes fused_moe take
-the same programs in one launch instead (`fused_moe_decode1.py`).
+model its separate shared-expert GEMVs).
 """
 
 from __future__ import annotations
@@ -26,10 +25,6 @@ if TYPE_CHECKING:
 # shared expert through the model's separate gemvs). Both sum in a fixed order (graph ==
 # eager bit for bit on the full-size model, bench/graph_vs_eager.py).
 MOE_FUSED_DECODE = True
-# NOTE: which fused decode `fused_moe` picks by itself: "fused" (two launches) or "fused1"
-# (the same programs in one launch, `fused_moe_decode1.py`; the same bits when the tiles
-# give the down programs the gate_up warp count)
-MOE_FUSED_PATH = "fused"
 MOE_FUSED_MAX_TOKENS = 8  # the most tokens `fused_moe` takes in the fused path
 # fused_moe takes the fused path by itself up to this many tokens: on the H200 it won at 1, 4
 # and 8 tokens (15.5 / 41.5 / 73.9 us per 35B-A3B layer with the shared expert vs 25.1 / 72.0

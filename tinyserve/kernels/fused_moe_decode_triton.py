@@ -23,10 +23,7 @@ its sums in a fixed order: the same bits on every run.
    global scale, summed over the pairs in registers (a fixed tree), written straight to
    out[t] in its dtype.
 
-The program bodies are jit helpers (`gate_up_program`; `down_loads`, the loads that do not
-depend on h, and `down_finish`) so that the one-launch decode (`fused_moe_decode1_triton`)
-runs the same arithmetic. This module imports triton at the top (the launcher imports it
-lazily).
+This module imports triton at the top (the launcher imports it lazily).
 """
 
 from __future__ import annotations
@@ -180,19 +177,21 @@ def _rows_dot(x_row, w_ptr, s_ptr, rows, row_mask, KB: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
-def gate_up_program(q, chunk, x_ptr, ids_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr,
-                    sg13_ptr, h_ptr, stride_xm, H: tl.constexpr, F: tl.constexpr,
-                    TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_F: tl.constexpr,
-                    BLOCK_B: tl.constexpr, IS_H2: tl.constexpr, USE_ASM: tl.constexpr):
-    """One gate_up program: feature chunk `chunk` (BLOCK_F features) of pair `q` into h."""
+def moe_fused_gate_up_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, g13_ptr,
+                              sw13_ptr, ss13_ptr, sg13_ptr, h_ptr, stride_xm,
+                              H: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
+                              HAS_SHARED: tl.constexpr, BLOCK_F: tl.constexpr,
+                              BLOCK_B: tl.constexpr, IS_H2: tl.constexpr,
+                              USE_ASM: tl.constexpr):
     # h[q, i * F/16 + b] = silu(x[t] . W13[f]) * (x[t] . W13[F + f]), f = 16b + i, of pair q;
     # w13 pointers are int64 views of the codes (one word = 16 codes)
     KP: tl.constexpr = TOPK + HAS_SHARED
     KB: tl.constexpr = H // 16
     FB: tl.constexpr = F // 16
+    q = tl.program_id(0)
     t = (q // KP).to(tl.int64)
     j = q % KP
-    f0 = chunk * BLOCK_F
+    f0 = tl.program_id(1) * BLOCK_F
     # NOTE: the shared pair reads a routed id it does not use (keeps one code path)
     slot = tl.load(ids_ptr + t * TOPK + tl.minimum(j, TOPK - 1)).to(tl.int64)
     w13 = w13_ptr + slot * (2 * F * KB)
@@ -213,18 +212,6 @@ def gate_up_program(q, chunk, x_ptr, ids_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_pt
     ff = f0 + tl.arange(0, BLOCK_F)
     dst = (ff % 16) * FB + ff // 16  # block-transposed
     tl.store(h_ptr + q.to(tl.int64) * F + dst, g * tl.sigmoid(g) * u, mask=ff < F)
-
-
-@triton.jit
-def moe_fused_gate_up_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, g13_ptr,
-                              sw13_ptr, ss13_ptr, sg13_ptr, h_ptr, stride_xm,
-                              H: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
-                              HAS_SHARED: tl.constexpr, BLOCK_F: tl.constexpr,
-                              BLOCK_B: tl.constexpr, IS_H2: tl.constexpr,
-                              USE_ASM: tl.constexpr):
-    gate_up_program(tl.program_id(0), tl.program_id(1), x_ptr, ids_ptr, w13_ptr, s13_ptr,
-                    g13_ptr, sw13_ptr, ss13_ptr, sg13_ptr, h_ptr, stride_xm, H, F, TOPK,
-                    HAS_SHARED, BLOCK_F, BLOCK_B, IS_H2, USE_ASM)
 
 
 @triton.jit
@@ -260,14 +247,17 @@ def _fma4_full(p, w0, w4, w8, w12, x0, x4, x8, x12):
 
 
 @triton.jit
-def down_loads(t, rb, ids_ptr, wt_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr,
-               H: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr, KPAD: tl.constexpr,
-               FBP: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr):
-    """The loads of down program (token t, row block rb) that do not depend on h: every
-    pair's full rows (codes v, scales raw: [KPAD, BH, FBP]), the shared expert's (v_s,
-    raw_s: [BH, FBP]; zeros without one) and the pair factors w * global scale [KPAD]."""
+def moe_fused_down_kernel(h_ptr, ids_ptr, wt_ptr, logit_ptr, w2_ptr, s2_ptr, g2_ptr,
+                           sw2_ptr, ss2_ptr, sg2_ptr, out_ptr, stride_logit,
+                           H: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
+                           KPAD: tl.constexpr, FBP: tl.constexpr, HAS_SHARED: tl.constexpr,
+                           BLOCK_H: tl.constexpr):
+    # out[t, r] = sum_j w[t, j] * h[t * KP + j] . W2_j[r] (+ sigmoid(logit[t]) * shared);
+    # w2 pointers are int64 views of the codes
+    KP: tl.constexpr = TOPK + HAS_SHARED
     FB: tl.constexpr = F // 16
-    rows = rb * BLOCK_H + tl.arange(0, BLOCK_H)
+    t = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     row_mask = rows < H
     offs_b = tl.arange(0, FBP)
     b_ok = offs_b < FB
@@ -285,31 +275,8 @@ def down_loads(t, rb, ids_ptr, wt_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr,
         m_s = row_mask[:, None] & b_ok[None, :]
         v_s = tl.load(sw2_ptr + off_s, mask=m_s, other=0)  # [BH, FBP]
         raw_s = tl.load(ss2_ptr + off_s, mask=m_s, other=0)
-    else:
-        v_s = tl.zeros([BLOCK_H, FBP], dtype=tl.int64)
-        raw_s = tl.zeros([BLOCK_H, FBP], dtype=tl.uint8)
     factor = (tl.load(wt_ptr + t * TOPK + jj, mask=j_ok, other=0.0).to(tl.float32)
               * tl.load(g2_ptr + slot, mask=j_ok, other=0.0))  # [KPAD]
-    return v, raw, v_s, raw_s, factor
-
-
-@triton.jit
-def down_finish(t, rb, v, raw, v_s, raw_s, factor, h_ptr, logit_ptr, sg2_ptr, out_ptr,
-                stride_logit, H: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
-                KPAD: tl.constexpr, FBP: tl.constexpr, HAS_SHARED: tl.constexpr,
-                BLOCK_H: tl.constexpr):
-    """The rest of down program (t, rb) once h is written: decode the `down_loads` tiles
-    against h, sum the pairs in a fixed order, write out[t, rows]."""
-    # out[t, r] = sum_j w[t, j] * h[t * KP + j] . W2_j[r] (+ sigmoid(logit[t]) * shared)
-    KP: tl.constexpr = TOPK + HAS_SHARED
-    FB: tl.constexpr = F // 16
-    rows = rb * BLOCK_H + tl.arange(0, BLOCK_H)
-    row_mask = rows < H
-    offs_b = tl.arange(0, FBP)
-    b_ok = offs_b < FB
-    jj = tl.arange(0, KPAD)
-    j_ok = jj < TOPK
-    m = j_ok[:, None, None] & row_mask[None, :, None] & b_ok[None, None, :]
     q = t * KP + jj
     # [KPAD, BH, FBP]: every row's copy of its pair's h (one L1 line per warp)
     hk = h_ptr + q[:, None, None] * F + (offs_b[None, None, :] + 0 * rows[None, :, None])
@@ -317,7 +284,6 @@ def down_finish(t, rb, v, raw, v_s, raw_s, factor, h_ptr, logit_ptr, sg2_ptr, ou
     part = tl.sum(p, axis=2) * GEMV_RESCALE_C  # [KPAD, BH]
     y = tl.sum(part * factor[:, None], axis=0)  # [BH], pairs summed in a fixed order
     if HAS_SHARED:
-        m_s = row_mask[:, None] & b_ok[None, :]
         logit = tl.load(logit_ptr + t * stride_logit).to(tl.float32)
         # NOTE: rounded to the model dtype like `gated_add`'s sigmoid
         sw = tl.sigmoid(logit).to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -326,19 +292,3 @@ def down_finish(t, rb, v, raw, v_s, raw_s, factor, h_ptr, logit_ptr, sg2_ptr, ou
         y += tl.sum(p_s, axis=1) * GEMV_RESCALE_C * (sw * tl.load(sg2_ptr))
     tl.store(out_ptr + t * H + rows, (y * FP4_UNIT_C).to(out_ptr.dtype.element_ty),
              mask=row_mask)
-
-
-@triton.jit
-def moe_fused_down_kernel(h_ptr, ids_ptr, wt_ptr, logit_ptr, w2_ptr, s2_ptr, g2_ptr,
-                           sw2_ptr, ss2_ptr, sg2_ptr, out_ptr, stride_logit,
-                           H: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
-                           KPAD: tl.constexpr, FBP: tl.constexpr, HAS_SHARED: tl.constexpr,
-                           BLOCK_H: tl.constexpr):
-    # w2 pointers are int64 views of the codes
-    t = tl.program_id(0).to(tl.int64)
-    rb = tl.program_id(1)
-    v, raw, v_s, raw_s, factor = down_loads(t, rb, ids_ptr, wt_ptr, w2_ptr, s2_ptr, g2_ptr,
-                                            sw2_ptr, ss2_ptr, H, F, TOPK, KPAD, FBP,
-                                            HAS_SHARED, BLOCK_H)
-    down_finish(t, rb, v, raw, v_s, raw_s, factor, h_ptr, logit_ptr, sg2_ptr, out_ptr,
-                stride_logit, H, F, TOPK, KPAD, FBP, HAS_SHARED, BLOCK_H)

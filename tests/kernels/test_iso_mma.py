@@ -109,6 +109,34 @@ def test_mma_decode_matches_reference(lib, case, loop) -> None:
     assert cos >= 0.99999 and err < tol, f"cosine {cos}, relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("case", [CASES[2], CASES[3], CASES[7], CASES[12], CASES[15]],
+                         ids=lambda c: f"d{c[2]}-ps{c[3]}-w{c[6]}")
+def test_mma_padded_rows_give_the_same_bits(lib, case) -> None:
+    # "tokens_pad" changes only where the staged rows sit in shared memory, not the arithmetic
+    hq, hkv, d, ps, lens, split_tokens, warps, dtype, q_dtype = case
+    gen = torch.Generator().manual_seed(11 * hq + d)
+    kc, vc, table = _cache(hkv, d, ps, lens, gen)
+    # the 16-byte staging runs (not its word fallback)
+    assert kc.data_ptr() % 16 == vc.data_ptr() % 16 == 0 and kc.stride(0) % 4 == 0
+    q = (torch.randn(len(lens), hq, d, generator=gen) * 3).to(q_dtype)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    chunk = split_tokens or max(lens)
+    splits = math.ceil(max(lens) / chunk)
+    outs = []
+    for loop in ("tokens_wide", "tokens_pad"):
+        part_acc = torch.full((len(lens), hq, splits, d), float("nan"))
+        part_ml = torch.full((len(lens), hq, splits, 2), float("nan"))
+        out = torch.full((len(lens), hq, d), float("nan")).to(dtype)
+        assert lib.tinyserve_iso_decode_mma(
+            q.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.stride(0), table.data_ptr(),
+            table.stride(0), seq.data_ptr(), len(lens), hq, hkv, d, ps, chunk, splits,
+            d ** -0.5, warps, part_acc.data_ptr(), part_ml.data_ptr(), out.data_ptr(),
+            out.stride(0), _CODE[dtype], _CODE[q_dtype], iso_mma._wide(loop), None) == 0
+        assert not out.isnan().any()
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_mma_rejects_unsupported(lib) -> None:
     z = torch.zeros(4, dtype=torch.int32)
     args = [z.data_ptr(), z.data_ptr(), z.data_ptr(), 0, z.data_ptr(), 1, z.data_ptr(), 1]

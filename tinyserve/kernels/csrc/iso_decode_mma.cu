@@ -17,7 +17,9 @@
 // through movmatrix. The accumulator holds the rotated output. Two ways to stage a sub-tile
 // (template argument WIDE): each row as the aligned 16-byte chunks covering it (needs 16-byte
 // aligned caches and a slot stride that is a multiple of 4), or as 2/4-byte words (any
-// alignment: the fallback). Same results up to fp32 summation order.
+// alignment: the fallback). Same results up to fp32 summation order. The 16-byte staging has
+// two row layouts (template argument PAD): 128-byte buffer rows at D=256, or 144-byte rows
+// that keep the loop's fragment loads free of most bank conflicts; the same bits.
 #include <math_constants.h>
 
 #include <type_traits>

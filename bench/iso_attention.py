@@ -19,12 +19,17 @@ prefix, and a breakdown (prefix dequantization, prefix attention, chunk attentio
 
 Writes bench/results/iso_attention.json (bench/common.py Recorder: a failing case is recorded
 and the rest still run). Usage: python bench/iso_attention.py [--quick] [--no-extend]
-[--loops | --warps] (--loops: bf16 and the mma kernel's two loops only, iso3 decode at the six
-points, < 60 s, written to bench/results/iso_attention_loops.json; --warps: bf16, the mma
+[--loops | --warps | --layout] (--loops: bf16 and the mma kernel's loops only, iso3 decode
+at the six points, < 60 s, written to bench/results/iso_attention_loops.json; --warps: bf16, the mma
 kernel's MMA_CONFIG row and WARPS_SWEEP (4, 8, 16 warps per CTA at one wave and 8 warps at one
 CTA per SM), iso3 decode at the six points, < 60 s, written to
 bench/results/iso_attention_warps.json with `mma_warps`: the best row per point and the best
-setting per batch)
+setting per batch; --layout: bf16 and the shared-memory row layouts of the 16-byte staging,
+"tokens_wide" (128-byte rows, today's default) against "tokens_pad" (144-byte rows, no bank
+conflicts), each with the batch's MMA_CONFIG row and with 4, 8, 16 warps per CTA at one wave,
+iso3 decode at the six points, < 60 s, written to bench/results/iso_attention_layout.json
+with `mma_layout`: the best row per point, pad / wide per setting and point, and the best
+setting per batch as an MMA_CONFIG row plus the loop for iso_mma.MMA_LOOP)
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ PAGE = 16
 RESULTS = ROOT / "bench" / "results" / "iso_attention.json"
 RESULTS_LOOPS = ROOT / "bench" / "results" / "iso_attention_loops.json"  # --loops
 RESULTS_WARPS = ROOT / "bench" / "results" / "iso_attention_warps.json"  # --warps
+RESULTS_LAYOUT = ROOT / "bench" / "results" / "iso_attention_layout.json"  # --layout
 
 
 def _time_us(fn, calls_per_run: int) -> tuple[float, str]:
@@ -127,6 +133,14 @@ MIN_SPLIT_SWEEP = (32, 64, 128, 256)  # at 4k, with the batch's default warps / 
 # w8c1 holds 8 warps per SM (as the batch-1 default) with half its partials.
 WARPS_SWEEP = [dict(warps=w, ctas_per_sm=c, min_split_tokens=16 * w)
                for w, c in ((4, 0), (8, 0), (8, 1), (16, 0))]
+# --layout: each row layout with the batch's MMA_CONFIG settings and with 4, 8, 16 warps per
+# CTA at one wave (at least one sub-tile per warp and split); "wide-default" is today's
+# default call
+LAYOUTS = {"wide": "tokens_wide", "pad": "tokens_pad"}
+_LAYOUT_SETTINGS = [("default", {})] + [
+    (f"w{w}c0", dict(warps=w, ctas_per_sm=0, min_split_tokens=16 * w)) for w in (4, 8, 16)]
+LAYOUT_SWEEP = {f"{name}-{setting}": dict(loop=loop, **cfg) for name, loop in LAYOUTS.items()
+                for setting, cfg in _LAYOUT_SETTINGS}
 
 
 def _oracle(st: dict) -> torch.Tensor:
@@ -151,7 +165,7 @@ def _call(st: dict, impl: str, cfg: dict):
     if impl == "cuda":
         return lambda kc, vc, out: iso_cuda.iso_decode_attention(
             q, kc, vc, table, lens, PAGE, fmt, D ** -0.5, max_seq_len=ctx, out=out, **cfg)
-    if impl in ("mma", "mma_min", "mma_loop", "mma_warps"):
+    if impl in ("mma", "mma_min", "mma_loop", "mma_warps", "mma_layout"):
         return lambda kc, vc, out: iso_mma.iso_decode_attention_mma(
             q, kc, vc, table, lens, PAGE, fmt, D ** -0.5, max_seq_len=ctx, out=out, **cfg)
     return lambda kc, vc, out: iso_triton.iso_decode_attention_triton(
@@ -185,7 +199,7 @@ def bench_decode_iso(st: dict, impl: str, cfg: dict, base_us: float | None) -> d
         c = iso_mma.mma_config(st["batch"])
         ctas = cfg.get("ctas_per_sm", c["ctas_per_sm"])
         fit = iso_mma.ctas_per_sm_fit(st["q"].device, D, cfg.get("warps", c["warps"]),
-                                      cfg.get("loop", "tokens_wide"))
+                                      cfg.get("loop"))
         row["ctas_per_sm_fit"] = fit
         row["split_tokens"], row["splits"] = iso_cuda.plan_splits(
             st["batch"], HKV, st["ctx"], sms,
@@ -356,6 +370,52 @@ def _warps_best(cases: dict) -> dict:
     return dict(points=points, per_batch=batches)
 
 
+def _layout_best(cases: dict) -> dict:
+    """--layout: per decode point the fastest correct mma_layout row (us, / bf16, / the
+    default) and pad / wide per setting; per batch the setting with the lowest geometric-mean
+    time over the contexts it passed at all of, as the MMA_CONFIG row and MMA_LOOP to take."""
+    points: dict = {}
+    per_batch: dict[tuple, list[float]] = {}
+    ctxs: dict[str, set] = {}
+    for name, row in cases.items():
+        parts = name.split("/")  # decode/b{B}/{ctx}/iso3/mma_layout/{layout}-{setting}
+        if len(parts) != 6 or parts[4] != "mma_layout" or "us" not in row:
+            continue
+        ctxs.setdefault(parts[1], set()).add(parts[2])
+        if not row.get("cos_ok"):
+            continue
+        point = points.setdefault(f"{parts[1]}/{parts[2]}", {"rows": {}})
+        point["rows"][parts[5]] = row["us"]
+        per_batch.setdefault((parts[1], parts[5]), []).append(math.log(row["us"]))
+    for key, point in points.items():
+        rows = point["rows"]
+        best = min(rows, key=rows.get)
+        bf16 = cases.get(f"decode/{key}/bf16", {}).get("us")
+        base = rows.get("wide-default")
+        ratios = {}
+        for setting, _ in _LAYOUT_SETTINGS:
+            if f"pad-{setting}" in rows and f"wide-{setting}" in rows:
+                ratios[setting] = rows[f"pad-{setting}"] / rows[f"wide-{setting}"]
+        point.update(best=best, best_us=rows[best],
+                     best_over_bf16=rows[best] / bf16 if bf16 else None,
+                     default_over_bf16=base / bf16 if bf16 and base else None,
+                     best_over_default=rows[best] / base if base else None,
+                     pad_over_wide=ratios)
+    batches: dict = {}
+    for (batch, setting), vals in per_batch.items():
+        if len(vals) < len(ctxs.get(batch, ())):
+            continue  # failed somewhere
+        geo = math.exp(sum(vals) / len(vals))
+        if batch not in batches or geo < batches[batch]["geomean_us"]:
+            cfg = dict(LAYOUT_SWEEP[setting])
+            loop = cfg.pop("loop")
+            row = (dict(warps=cfg["warps"], ctas_per_sm=cfg["ctas_per_sm"] or None,
+                        min_split_tokens=cfg["min_split_tokens"]) if cfg else "keep")
+            batches[batch] = dict(setting=setting, geomean_us=geo, mma_config=row,
+                                  mma_loop=loop)
+    return dict(points=points, per_batch=batches)
+
+
 def _summary(cases: dict) -> None:
     print("\ndecode (us per layer, ratio vs bf16, cosine vs oracle):")
     for name, row in cases.items():
@@ -374,16 +434,21 @@ def main() -> int:
     parser.add_argument("--warps", action="store_true",
                         help="bf16 and the mma decode's warps-per-CTA sweep only (iso3, no "
                              "extend; < 60 s)")
+    parser.add_argument("--layout", action="store_true",
+                        help="bf16 and the mma decode's shared row layouts (tokens_wide vs "
+                             "tokens_pad) at 4/8/16 warps only (iso3, no extend; < 60 s)")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
-    only = args.loops or args.warps  # a decode-only sweep
-    results = RESULTS_WARPS if args.warps else RESULTS_LOOPS if args.loops else RESULTS
+    only = args.loops or args.warps or args.layout  # a decode-only sweep
+    results = (RESULTS_LAYOUT if args.layout else RESULTS_WARPS if args.warps
+               else RESULTS_LOOPS if args.loops else RESULTS)
     rec = Recorder(results, run_meta(
         "iso_attention", sms=props.multi_processor_count, cuda=torch.version.cuda,
         shapes=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, page_size=PAGE),
         baseline="torch SDPA bf16, enable_gqa=True, contiguous K/V",
         mma_config=list(iso_mma.MMA_CONFIG), mma_loops=list(iso_mma.LOOPS),
-        mode="warps" if args.warps else "loops" if args.loops else "full",
+        mode=("layout" if args.layout else "warps" if args.warps else "loops" if args.loops
+              else "full"), mma_loop=iso_mma.MMA_LOOP,
         mma_warps=list(iso_mma.WARPS),
         triton_block_t=iso_triton.BLOCK_T,
         targets="iso3 <= 0.5x bf16 at 32k and 128k (batch 1); extend iso/bf16 within 1.3x"))
@@ -409,12 +474,16 @@ def main() -> int:
                 impls = ["cuda", "triton"] + (["mma"] if fmt == "iso3" else [])
                 for impl in ([] if only else impls):
                     rec.run(f"{tag}/{fmt}/{impl}", bench_decode_iso, st, impl, {}, base)
-                for cfg in LOOP_SWEEP if fmt == "iso3" and not args.warps else ():
+                for cfg in LOOP_SWEEP if fmt == "iso3" and not (args.warps or args.layout) \
+                        else ():
                     rec.run(f"{tag}/{fmt}/mma_loop/{_loop_name(cfg)}", bench_decode_iso, st,
                             "mma_loop", cfg, base)
                 for cfg in [{}, *WARPS_SWEEP] if args.warps else ():
                     rec.run(f"{tag}/{fmt}/mma_warps/{_warps_name(cfg)}", bench_decode_iso, st,
                             "mma_warps", cfg, base)
+                for name, cfg in LAYOUT_SWEEP.items() if args.layout else ():
+                    rec.run(f"{tag}/{fmt}/mma_layout/{name}", bench_decode_iso, st,
+                            "mma_layout", cfg, base)
                 if fmt == "iso3" and not only:
                     for cfg in MMA_SWEEP:
                         cname = f"w{cfg['warps']}c{cfg['ctas_per_sm']}"
@@ -431,6 +500,8 @@ def main() -> int:
     rec.data["mma_loops"] = _loops(cases)
     if args.warps:
         rec.data["mma_warps"] = _warps_best(cases)
+    if args.layout:
+        rec.data["mma_layout"] = _layout_best(cases)
     if not (args.no_extend or only):
         for prefix in (0, 2048, 8192, 30720):
             rec.run(f"extend/iso3/prefix{prefix}", bench_extend, "iso3", prefix)
@@ -454,6 +525,17 @@ def main() -> int:
                   f"x{r['best_over_default'] or 0:.2f} default "
                   f"(default x{r['default_over_bf16'] or 0:.2f} bf16)")
         print(f"  per batch (MMA_CONFIG candidate): {rec.data['mma_warps']['per_batch']}")
+    if args.layout:
+        print("mma row layouts (us per layer; best row, x bf16, x wide-default; pad/wide):")
+        for point, r in rec.data["mma_layout"]["points"].items():
+            cells = " ".join(f"{k} {v:.1f}" for k, v in r["rows"].items())
+            ratio = " ".join(f"{k} {v:.2f}" for k, v in r["pad_over_wide"].items())
+            print(f"  {point}: {cells}\n    best {r['best']} x{r['best_over_bf16'] or 0:.2f} "
+                  f"bf16, x{r['best_over_default'] or 0:.2f} default (default "
+                  f"x{r['default_over_bf16'] or 0:.2f} bf16) | pad/wide {ratio}")
+        for batch, r in rec.data["mma_layout"]["per_batch"].items():
+            print(f"  {batch}: MMA_CONFIG row {r['mma_config']}, MMA_LOOP {r['mma_loop']!r} "
+                  f"(setting {r['setting']}, geomean {r['geomean_us']:.1f} us)")
     print(f"wrote {results}")
     return 0
 

@@ -2,8 +2,8 @@
 CUDA emulation (cuda_emu/emu.h, plus the kernel's own emulation of the byte permute and of
 the warp-wide mma.sync with the PTX fragment layouts, -DTINYSERVE_CUDA_EMU), against
 `decode_attention_ref`: GQA groups 1-8, head_dim 128/256, page sizes 1/4/16, mixed lengths,
-one and many splits, 2, 4, 8 and 16 warps per CTA, both row stagings (`iso_mma.LOOPS`), poisoned
-partials and outputs. Bound: fp16 operands
+one and many splits, 2, 4, 8 and 16 warps per CTA, every row staging (`iso_mma.LOOPS`: words,
+16-byte chunks, 16-byte chunks in padded rows), poisoned partials and outputs. Bound: fp16 operands
 with fp32 accumulation, |out - ref| <= 3e-3 * max|ref| and cosine >= 0.99999."""
 
 from __future__ import annotations
@@ -109,6 +109,34 @@ def test_mma_decode_matches_reference(lib, case, loop) -> None:
     assert cos >= 0.99999 and err < tol, f"cosine {cos}, relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("case", [CASES[2], CASES[3], CASES[7], CASES[12], CASES[15]],
+                         ids=lambda c: f"d{c[2]}-ps{c[3]}-w{c[6]}")
+def test_mma_padded_rows_give_the_same_bits(lib, case) -> None:
+    # "tokens_pad" changes only where the staged rows sit in shared memory, not the arithmetic
+    hq, hkv, d, ps, lens, split_tokens, warps, dtype, q_dtype = case
+    gen = torch.Generator().manual_seed(11 * hq + d)
+    kc, vc, table = _cache(hkv, d, ps, lens, gen)
+    # the 16-byte staging runs (not its word fallback)
+    assert kc.data_ptr() % 16 == vc.data_ptr() % 16 == 0 and kc.stride(0) % 4 == 0
+    q = (torch.randn(len(lens), hq, d, generator=gen) * 3).to(q_dtype)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    chunk = split_tokens or max(lens)
+    splits = math.ceil(max(lens) / chunk)
+    outs = []
+    for loop in ("tokens_wide", "tokens_pad"):
+        part_acc = torch.full((len(lens), hq, splits, d), float("nan"))
+        part_ml = torch.full((len(lens), hq, splits, 2), float("nan"))
+        out = torch.full((len(lens), hq, d), float("nan")).to(dtype)
+        assert lib.tinyserve_iso_decode_mma(
+            q.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.stride(0), table.data_ptr(),
+            table.stride(0), seq.data_ptr(), len(lens), hq, hkv, d, ps, chunk, splits,
+            d ** -0.5, warps, part_acc.data_ptr(), part_ml.data_ptr(), out.data_ptr(),
+            out.stride(0), _CODE[dtype], _CODE[q_dtype], iso_mma._wide(loop), None) == 0
+        assert not out.isnan().any()
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_mma_rejects_unsupported(lib) -> None:
     z = torch.zeros(4, dtype=torch.int32)
     args = [z.data_ptr(), z.data_ptr(), z.data_ptr(), 0, z.data_ptr(), 1, z.data_ptr(), 1]
@@ -119,7 +147,7 @@ def test_mma_rejects_unsupported(lib) -> None:
         bad_warps = tail[:4] + [warps] + tail[5:]
         assert lib.tinyserve_iso_decode_mma(*args, 8, 1, 256, *bad_warps) == 4
     # q dtype code, wide
-    for bad in ([0, 3, 1], [0, -1, 1], [0, 0, 2], [0, 0, -1]):
+    for bad in ([0, 3, 1], [0, -1, 1], [0, 0, 3], [0, 0, -1]):
         assert lib.tinyserve_iso_decode_mma(*args, 8, 1, 256, *tail[:-4], *bad, None) == 5
 
 
@@ -127,9 +155,9 @@ def test_mma_occupancy_entry(lib) -> None:
     # the emulation reports 2 CTAs per SM for every kernel that exists, 0 for the others
     for d in (128, 256):
         for warps in iso_mma.WARPS:
-            for wide in (0, 1):
+            for wide in (0, 1, 2):
                 assert lib.tinyserve_iso_decode_mma_occupancy(d, warps, wide) == 2
-    for bad in ((384, 4, 1), (256, 3, 1), (256, 32, 0), (256, 8, 2)):
+    for bad in ((384, 4, 1), (256, 3, 1), (256, 32, 0), (256, 8, 3), (128, 4, -1)):
         assert lib.tinyserve_iso_decode_mma_occupancy(*bad) == 0
 
 
@@ -205,7 +233,8 @@ def test_mma_kernel_builds_for_sm90(tmp_path) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     info = res.stderr
     kernels = re.findall(r"Compiling entry function '(\w*decode_mma_kernel\w*)'", info)
-    assert len(kernels) == 16, info[-3000:]  # head_dim 128/256 x 2/4/8/16 warps x 2 stagings
+    # head_dim 128/256 x 2/4/8/16 warps x 3 stagings (words, 16-byte, 16-byte padded rows)
+    assert len(kernels) == 24, info[-3000:]
     assert not re.search(r"[1-9]\d* bytes spill stores", info), info[-3000:]
     for smem in re.findall(r"(\d+) bytes smem", info):  # static (8/16 warps: + dynamic)
         assert int(smem) <= 48 * 1024
@@ -247,7 +276,7 @@ def test_decode_launchers_pass_the_split_plan_to_the_library(monkeypatch, forced
     # the MMA entry reads q in its dtype (code 1: bf16) and takes wide = 1 (tokens_wide)
     assert a2[-5:] == (out_mma.data_ptr(), out_mma.stride(0), 1, 1, 1)
     assert a2[0] == q.data_ptr()
-    for name, wide in (("tokens", 0), ("tokens_wide", 1)):
+    for name, wide in (("tokens", 0), ("tokens_wide", 1), ("tokens_pad", 2)):
         iso_mma.iso_decode_attention_mma(q, kc, kc, table, seq, ps, "iso3", 0.5,
                                          split_tokens=forced, loop=name)
         assert calls[-1][1][7:16] == a2[7:16] and calls[-1][1][-1] == wide

@@ -1,6 +1,7 @@
 """The tensor-core ISO3 decode kernel on the GPU: q in each dtype, the one-wave split plan and
-both row stagings (`iso_mma.LOOPS`: "tokens_wide", the shipped one, and its fallback "tokens")
-against an fp32 oracle over the dequantized rows; replays of a CUDA graph of the call; the
+every row staging (`iso_mma.LOOPS`: "tokens_wide", the shipped one, its fallback "tokens", and
+"tokens_pad", the padded shared rows, which must give the same bits as "tokens_wide") against
+an fp32 oracle over the dequantized rows; replays of a CUDA graph of the call; the
 same bits on every run (and from the graph); the unaligned fallback; the occupancy query;
 2, 4, 8 and 16 warps per CTA (`iso_mma.WARPS`).
 Bound: cosine >= 0.9999 and |out - ref| <= 1e-2 * max|ref| (fp16 operands, bf16 q/out)."""
@@ -59,12 +60,11 @@ def _check(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 
 
 LOOPS = iso_mma.LOOPS
-SETTINGS = [dict(cfg, loop=loop) for loop in LOOPS for cfg in
-            (dict(), dict(warps=4, ctas_per_sm=2, min_split_tokens=128),
-             dict(warps=2, ctas_per_sm=0), dict(split_tokens=16),
-             dict(warps=8, ctas_per_sm=0, min_split_tokens=128),
-             dict(warps=8, ctas_per_sm=1, min_split_tokens=128),
-             dict(warps=16, ctas_per_sm=0, min_split_tokens=256))]
+SETTINGS = [dict(), dict(warps=4, ctas_per_sm=2, min_split_tokens=128),
+            dict(warps=2, ctas_per_sm=0), dict(split_tokens=16),
+            dict(warps=8, ctas_per_sm=0, min_split_tokens=128),
+            dict(warps=8, ctas_per_sm=1, min_split_tokens=128),
+            dict(warps=16, ctas_per_sm=0, min_split_tokens=256)]
 # the many-warp CTAs (dynamic shared memory) in the graph and determinism tests
 WIDE_CTAS = [dict(), dict(warps=8, ctas_per_sm=0), dict(warps=16, ctas_per_sm=0)]
 
@@ -72,15 +72,21 @@ WIDE_CTAS = [dict(), dict(warps=8, ctas_per_sm=0), dict(warps=16, ctas_per_sm=0)
 @pytest.mark.parametrize("lens", [[1], [4096], [300, 17, 5000, 1], [20000]],
                          ids=lambda lens: f"len{max(lens)}x{len(lens)}")
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32, torch.float16])
-def test_mma_paths_match_the_oracle(lens, q_dtype) -> None:
+@pytest.mark.parametrize("loop", LOOPS)
+def test_mma_paths_match_the_oracle(loop, lens, q_dtype) -> None:
     kc, vc, table, seq = _state(lens, seed=len(lens) + max(lens))
     q = torch.randn(len(lens), HQ, D, device="cuda").to(q_dtype)
     ref = _oracle(q, kc, vc, table, lens)
     for cfg in SETTINGS:
         out = torch.full_like(q, float("nan"))
         iso_mma.iso_decode_attention_mma(q, kc, vc, table, seq, PS, "iso3", D ** -0.5,
-                                         max_seq_len=max(lens), out=out, **cfg)
-        _check(out, ref, f"{cfg} {q_dtype} {lens}")
+                                         max_seq_len=max(lens), out=out, loop=loop, **cfg)
+        _check(out, ref, f"{cfg} {loop} {q_dtype} {lens}")
+        if loop == "tokens_pad":  # only where the rows sit in shared memory differs
+            wide = iso_mma.iso_decode_attention_mma(q, kc, vc, table, seq, PS, "iso3",
+                                                    D ** -0.5, max_seq_len=max(lens),
+                                                    loop="tokens_wide", **cfg)
+            assert torch.equal(out, wide), f"{cfg} {q_dtype} {lens}: pad != wide"
 
 
 @pytest.mark.parametrize("cfg", WIDE_CTAS, ids=lambda c: f"w{c.get('warps', 'default')}")
@@ -134,9 +140,10 @@ def test_mma_same_bits_every_run(loop, cfg) -> None:
     assert torch.equal(out, first)
 
 
-def test_mma_tokens_wide_on_unaligned_caches() -> None:
+@pytest.mark.parametrize("loop", ["tokens_wide", "tokens_pad"])
+def test_mma_tokens_wide_on_unaligned_caches(loop) -> None:
     """Caches that are not 16-byte aligned (4 is what the 4-byte word copies of "tokens" need
-    at head_dim 256) run "tokens_wide" as "tokens": same bits, oracle bound."""
+    at head_dim 256) run "tokens_wide" / "tokens_pad" as "tokens": same bits, oracle bound."""
     lens = [5000, 77]
     kc, vc, table, seq = _state(lens, seed=9)
     q = torch.randn(len(lens), HQ, D, device="cuda").bfloat16()
@@ -148,12 +155,12 @@ def test_mma_tokens_wide_on_unaligned_caches() -> None:
     vc2.copy_(vc)
     assert kc2.data_ptr() % 16 == 4
     outs = {}
-    for loop, (k, v) in (("tokens", (kc, vc)), ("tokens_wide", (kc2, vc2))):
-        outs[loop] = iso_mma.iso_decode_attention_mma(q, k, v, table, seq, PS, "iso3",
+    for name, (k, v) in (("tokens", (kc, vc)), (loop, (kc2, vc2))):
+        outs[name] = iso_mma.iso_decode_attention_mma(q, k, v, table, seq, PS, "iso3",
                                                       D ** -0.5, max_seq_len=max(lens),
-                                                      loop=loop)
-    assert torch.equal(outs["tokens"], outs["tokens_wide"])
-    _check(outs["tokens_wide"], _oracle(q, kc, vc, table, lens), "unaligned tokens_wide")
+                                                      loop=name)
+    assert torch.equal(outs["tokens"], outs[loop])
+    _check(outs[loop], _oracle(q, kc, vc, table, lens), f"unaligned {loop}")
 
 
 def test_mma_occupancy() -> None:
@@ -168,5 +175,10 @@ def test_mma_occupancy() -> None:
     # memory of 70656 / 141312 B + 15-18 KB static, within sm_90's 227 KB per SM)
     assert iso_mma.ctas_per_sm_fit(dev, 256, 8) == 2
     assert iso_mma.ctas_per_sm_fit(dev, 256, 16) == 1
+    # the padded rows keep the occupancy: 4 warps 36864 B dynamic + 13.8 KB static (4 CTAs
+    # = 203 KB), 8 warps 73728 + 15 KB (2 CTAs), 16 warps 147456 + 18 KB (1 CTA)
+    for warps in (4, 8, 16):
+        assert iso_mma.ctas_per_sm_fit(dev, 256, warps, "tokens_pad") == \
+            iso_mma.ctas_per_sm_fit(dev, 256, warps, "tokens_wide"), warps
     assert iso_mma._occupancy(dev, 384, 4) == 0  # no such kernel
     assert iso_mma._occupancy(dev, 256, 6) == 0

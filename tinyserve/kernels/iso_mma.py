@@ -53,7 +53,15 @@ FALLBACK_CTAS_PER_SM = 2
 # multiple of 4); "tokens" stages rows as 2/4-byte words. H200
 # (bench/results/iso_attention_loops.json): "tokens_wide" is the faster at all six points;
 # the launcher takes it, `loop="tokens"` forces the fallback (tests, bench).
-LOOPS = ("tokens_wide", "tokens")
+# "tokens_pad" is "tokens_wide" with the shared row stride one 16-byte chunk longer (144
+# instead of 128 bytes at head_dim 256): consecutive tokens' rows no longer start on the same
+# bank, so the loop's fragment loads stop replaying on bank conflicts (bench/NOTES_iso.md,
+# round 7); same fallback to "tokens" on unaligned caches. Not the default until measured
+# (bench/iso_attention.py --layout).
+LOOPS = ("tokens_wide", "tokens", "tokens_pad")
+_WIDE_CODE = {"tokens": 0, "tokens_wide": 1, "tokens_pad": 2}  # the C entry's `wide`
+# The loop the launcher takes when none is given (one of LOOPS).
+MMA_LOOP = "tokens_wide"
 
 
 def mma_config(batch: int) -> dict:
@@ -67,7 +75,7 @@ def mma_config(batch: int) -> dict:
 def _wide(loop: str) -> int:
     if loop not in LOOPS:
         raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
-    return int(loop == "tokens_wide")
+    return _WIDE_CODE[loop]
 
 
 @functools.cache
@@ -77,9 +85,11 @@ def _occupancy(device: torch.device, head_dim: int, warps: int, wide: int = 1) -
 
 
 def ctas_per_sm_fit(device: torch.device, head_dim: int, warps: int,
-                    loop: str = "tokens_wide") -> int:
-    """How many CTAs of the kernel (head_dim, warps, loop) one SM holds: the CUDA occupancy
-    on a CUDA device, FALLBACK_CTAS_PER_SM elsewhere or when the query fails."""
+                    loop: str | None = None) -> int:
+    """How many CTAs of the kernel (head_dim, warps, loop; None: MMA_LOOP) one SM holds: the
+    CUDA occupancy on a CUDA device, FALLBACK_CTAS_PER_SM elsewhere or when the query
+    fails."""
+    loop = loop or MMA_LOOP
     if device.type != "cuda":
         return FALLBACK_CTAS_PER_SM
     return _occupancy(device, head_dim, warps, _wide(loop)) or FALLBACK_CTAS_PER_SM
@@ -97,19 +107,20 @@ def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                              out: torch.Tensor | None = None, split_tokens: int | None = None,
                              warps: int | None = None, ctas_per_sm: int | None = None,
                              min_split_tokens: int | None = None,
-                             loop: str = "tokens_wide") -> torch.Tensor:
+                             loop: str | None = None) -> torch.Tensor:
     """`iso_cuda.iso_decode_attention` on tensor cores (iso3 only; GQA group <= 8; head_dim
     128 or 256): fp16 query and centroid operands, fp32 accumulation, q read in its own
     dtype. Settings default to `mma_config(B)`; `split_tokens`, `warps` (one of WARPS),
     `ctas_per_sm` (0: one wave from the occupancy), `min_split_tokens` override them (tuning;
-    a split shorter than 16 x warps tokens leaves warps idle); `loop="tokens"`
-    forces the word-staged fallback (LOOPS). Raises ValueError on shapes or settings it does
-    not take."""
+    a split shorter than 16 x warps tokens leaves warps idle); `loop="tokens"` forces the
+    word-staged fallback, `loop="tokens_pad"` the padded rows (LOOPS; None: MMA_LOOP). Raises
+    ValueError on shapes or settings it does not take."""
     b, hq, d, hkv = _check_decode(q, k_cache, v_cache, page_table, seq_lens, fmt)
     _check_out(out, q, b, hq, d)
     if not mma_supported(fmt, hq, hkv, d):
         raise ValueError(f"the MMA decode kernel takes iso3, GQA group <= 8, head_dim 128/256; "
                          f"got {fmt}, {hq}/{hkv} heads, head_dim {d}")
+    loop = loop or MMA_LOOP
     wide = _wide(loop)
     cfg = mma_config(b)
     warps = warps or cfg["warps"]

@@ -17,7 +17,9 @@
 // through movmatrix. The accumulator holds the rotated output. Two ways to stage a sub-tile
 // (template argument WIDE): each row as the aligned 16-byte chunks covering it (needs 16-byte
 // aligned caches and a slot stride that is a multiple of 4), or as 2/4-byte words (any
-// alignment: the fallback). Same results up to fp32 summation order.
+// alignment: the fallback). Same results up to fp32 summation order. The 16-byte staging has
+// two row layouts (template argument PAD): 128-byte buffer rows at D=256, or 144-byte rows
+// that keep the loop's fragment loads free of most bank conflicts; the same bits.
 #include <math_constants.h>
 
 #include <type_traits>
@@ -30,22 +32,32 @@ namespace iso {
 namespace mma {
 
 // Shared-memory layout of one CTA (host and device): per-warp double buffers of K and V rows
-// during the loop, reused for the warp merge after it.
-template <int NB, int NW, bool WIDE>
+// during the loop, reused for the warp merge after it. PAD (WIDE only): the row stride is one
+// 16-byte chunk longer than the rows need (D=256: 144 instead of 128 bytes, D=128: 80 instead
+// of 64), so consecutive tokens' rows start 4 banks apart instead of on the same bank; the
+// fragment loads of the loop (8 tokens x 4 words, 4 tokens x 8 words) then spread over the
+// 32 banks (bank analysis: bench/NOTES_iso.md, round 7).
+template <int NB, int NW, bool WIDE, bool PAD = false>
 struct Layout {
+  static_assert(WIDE || !PAD, "the padded rows are a layout of the 16-byte staging");
   static constexpr int D = NB * kBlock;
   static constexpr int BB = Fmt<3>::kBytes;
   static constexpr int RB = NB * BB;
-  // shared-memory row stride: WIDE rows start at the source's address mod 16 (up to 14)
-  static constexpr int RS = WIDE ? (RB + 14 + 15) / 16 * 16 : RB;
+  // WIDE rows start at the source's address mod 16 (up to 14): RW16 bytes of aligned chunks
+  static constexpr int RW16 = (RB + 14 + 15) / 16 * 16;
+  // shared-memory row stride
+  static constexpr int RS = WIDE ? RW16 + (PAD ? 16 : 0) : RB;
   static constexpr int kWarpBuf = 2 * 2 * kSub * RS;  // two buffers of K and V rows per warp
   static constexpr int kTileBytes = NW * kWarpBuf;
   static constexpr int kMergeBytes = NW * kRows * PaddedRows<D>::kFloats * 4;
   static constexpr int kRaw = kTileBytes > kMergeBytes ? kTileBytes : kMergeBytes;
-  // NOTE: up to 4 warps the whole CTA fits the 48 KB of static shared memory; 8 and 16 warps
-  // take the tile/merge buffer as dynamic shared memory (the launcher raises the kernel's
-  // limit), everything else stays static.
-  static constexpr bool kDynamic = NW > 4;
+  // the kernel's other static arrays (q_sm, off_sm, mis_sm, ml_sm, qf_sm)
+  static constexpr int kOther = kRows * (D + 4) * 4 + NW * 2 * kSub * 8 +
+                                (WIDE ? NW : 1) * 2 * kSub + NW * kRows * 2 * 4 + NB * 4 * 32 * 16;
+  // NOTE: the tile/merge buffer is static while the whole CTA fits the 48 KB of static shared
+  // memory (up to 4 warps without PAD), else dynamic shared memory (8 and 16 warps; 4 warps
+  // with PAD at D=256: 36864 + 13824 bytes); the launcher raises the kernel's limit.
+  static constexpr bool kDynamic = NW > 4 || kRaw + kOther > 48 * 1024;
   static constexpr int kDynBytes = kDynamic ? kRaw : 0;
 };
 
@@ -54,7 +66,7 @@ struct Layout {
 // staged in 16-byte copies (see `stage`). NW warps split the CTA's tokens between them
 // (warp w takes sub-tiles w, w + NW, ...), each with its own buffers and online softmax, so
 // more warps per CTA give more warps per SM at the same number of split partials.
-template <int NB, int NW, bool WIDE>
+template <int NB, int NW, bool WIDE, bool PAD>
 __global__ void __launch_bounds__(NW * 32, 16 / NW)
     decode_mma_kernel(const void* __restrict__ q, int q_code,
                       const uint8_t* __restrict__ k_cache,
@@ -63,7 +75,7 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
                       const int32_t* __restrict__ seq_lens, int page_size, int n_kv_heads,
                       int group, int chunk, int n_splits, float scale_log2,
                       float* __restrict__ part_acc, float* __restrict__ part_ml) {
-  using L = Layout<NB, NW, WIDE>;
+  using L = Layout<NB, NW, WIDE, PAD>;
   constexpr int D = L::D;
   constexpr int BB = L::BB;
   constexpr int RB = L::RB;
@@ -140,7 +152,9 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
   // buffer row of RS bytes, starting at the row's address mod 16 (mis_sm). The entry runs
   // WIDE only on 16-byte aligned caches, so K and V rows share that offset; the last chunk
   // ends at the row's end rounded up to 16 bytes, inside the (16-byte aligned) allocation.
-  constexpr int kCh = RS / 16, kTpi = 32 / kCh;  // chunks per buffer row, rows per pass
+  // chunks per row (PAD: the last 16 bytes of a buffer row stay unused), rows per pass
+  constexpr int kCh = L::RW16 / 16, kTpi = 32 / kCh;
+  static_assert(kSub % kTpi == 0, "whole passes");
   const int chunk_lo = 16 * (lane % kCh) - RB;    // lane's chunk is needed if mis > chunk_lo
   auto stage_wide = [&](int t0, int buf) {
     if (lane < kSub) {
@@ -383,35 +397,35 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
                             (int64_t)b * hq + kvh * group, n_splits, split, part_acc, part_ml);
 }
 
-template <int NB, int NW, bool WIDE>
+template <int NB, int NW, bool WIDE, bool PAD>
 cudaError_t launch(const void* q, int qc, const uint8_t* kc, const uint8_t* vc, int64_t ss,
                    const int32_t* pt, int64_t pts, const int32_t* lens, int batch, int ps,
                    int hkv, int group, int chunk, int nsp, float sl2, float* pa, float* pm,
                    cudaStream_t st) {
   const dim3 grid(nsp, hkv, batch);
-  constexpr int smem = Layout<NB, NW, WIDE>::kDynBytes;
+  constexpr int smem = Layout<NB, NW, WIDE, PAD>::kDynBytes;
   if constexpr (smem > 0) {  // above the default 48 KB: allowed per kernel (cheap, capturable)
-    const cudaError_t e = cudaFuncSetAttribute(decode_mma_kernel<NB, NW, WIDE>,
+    const cudaError_t e = cudaFuncSetAttribute(decode_mma_kernel<NB, NW, WIDE, PAD>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
   }
-  decode_mma_kernel<NB, NW, WIDE><<<grid, NW * 32, smem, st>>>(
+  decode_mma_kernel<NB, NW, WIDE, PAD><<<grid, NW * 32, smem, st>>>(
       q, qc, kc, vc, ss, pt, pts, lens, ps, hkv, group, chunk, nsp, sl2, pa, pm);
   return cudaSuccess;
 }
 
-// How many CTAs of decode_mma_kernel<NB, NW, WIDE> one SM holds (0 on error).
-template <int NB, int NW, bool WIDE>
+// How many CTAs of decode_mma_kernel<NB, NW, WIDE, PAD> one SM holds (0 on error).
+template <int NB, int NW, bool WIDE, bool PAD>
 int occupancy() {
-  constexpr int smem = Layout<NB, NW, WIDE>::kDynBytes;
+  constexpr int smem = Layout<NB, NW, WIDE, PAD>::kDynBytes;
   if constexpr (smem > 0) {
-    if (cudaFuncSetAttribute(decode_mma_kernel<NB, NW, WIDE>,
+    if (cudaFuncSetAttribute(decode_mma_kernel<NB, NW, WIDE, PAD>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
       return 0;
   }
   int n = 0;
   const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &n, decode_mma_kernel<NB, NW, WIDE>, NW * 32, smem);
+      &n, decode_mma_kernel<NB, NW, WIDE, PAD>, NW * 32, smem);
   return e == cudaSuccess ? n : 0;
 }
 
@@ -419,23 +433,23 @@ int occupancy() {
 using LaunchFn = cudaError_t (*)(const void*, int, const uint8_t*, const uint8_t*, int64_t,
                                  const int32_t*, int64_t, const int32_t*, int, int, int, int,
                                  int, int, float, float*, float*, cudaStream_t);
-template <int NB, bool WIDE>
+template <int NB, bool WIDE, bool PAD = false>
 LaunchFn launcher(int n_warps) {
   switch (n_warps) {
-    case 2: return launch<NB, 2, WIDE>;
-    case 4: return launch<NB, 4, WIDE>;
-    case 8: return launch<NB, 8, WIDE>;
-    case 16: return launch<NB, 16, WIDE>;
+    case 2: return launch<NB, 2, WIDE, PAD>;
+    case 4: return launch<NB, 4, WIDE, PAD>;
+    case 8: return launch<NB, 8, WIDE, PAD>;
+    case 16: return launch<NB, 16, WIDE, PAD>;
     default: return nullptr;
   }
 }
-template <int NB, bool WIDE>
+template <int NB, bool WIDE, bool PAD = false>
 int occupancy_of(int n_warps) {
   switch (n_warps) {
-    case 2: return occupancy<NB, 2, WIDE>();
-    case 4: return occupancy<NB, 4, WIDE>();
-    case 8: return occupancy<NB, 8, WIDE>();
-    case 16: return occupancy<NB, 16, WIDE>();
+    case 2: return occupancy<NB, 2, WIDE, PAD>();
+    case 4: return occupancy<NB, 4, WIDE, PAD>();
+    case 8: return occupancy<NB, 8, WIDE, PAD>();
+    case 16: return occupancy<NB, 16, WIDE, PAD>();
     default: return 0;
   }
 }
@@ -446,9 +460,10 @@ int occupancy_of(int n_warps) {
 // Same arguments as tinyserve_iso_decode (iso3 only, GQA group <= 8, head_dim 128 or 256)
 // except that q is read in its own dtype (q_dtype_code: 0 fp32, 1 bf16, 2 fp16), plus n_warps
 // (2, 4, 8 or 16 warps per CTA) and wide (1: stage the rows in 16-byte copies when both
-// caches are 16-byte aligned and the slot stride a multiple of 4, else in words; 0: always in
-// words). Returns 0, a CUDA error code, 2 (bad format/head_dim), 3 (bad GQA group), 4 (bad
-// n_warps) or 5 (bad q dtype or wide).
+// caches are 16-byte aligned and the slot stride a multiple of 4, else in words; 2: the same
+// with the padded row stride (Layout's PAD); 0: always in words). Returns 0, a CUDA error
+// code, 2 (bad format/head_dim), 3 (bad GQA group), 4 (bad n_warps) or 5 (bad q dtype or
+// wide).
 extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, const void* v_cache,
                                         int64_t slot_stride, const int32_t* page_table,
                                         int64_t pt_stride, const int32_t* seq_lens, int batch,
@@ -464,16 +479,18 @@ extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, cons
   if (group < 1 || group > mma::kRows) return 3;
   if (head_dim != 128 && head_dim != 256) return 2;
   if (n_warps != 2 && n_warps != 4 && n_warps != 8 && n_warps != 16) return 4;
-  if (q_dtype_code < 0 || q_dtype_code > 2 || wide < 0 || wide > 1) return 5;
+  if (q_dtype_code < 0 || q_dtype_code > 2 || wide < 0 || wide > 2) return 5;
   const uintptr_t addr_bits =
       reinterpret_cast<uintptr_t>(k_cache) | reinterpret_cast<uintptr_t>(v_cache);
-  const bool w16 = wide == 1 && (addr_bits & 15u) == 0 && slot_stride % 4 == 0;
+  const bool w16 = wide >= 1 && (addr_bits & 15u) == 0 && slot_stride % 4 == 0;
+  const bool pad = w16 && wide == 2;
   const float sl2 = scale * 1.4426950408889634f;
   const auto* kc = static_cast<const uint8_t*>(k_cache);
   const auto* vc = static_cast<const uint8_t*>(v_cache);
   cudaError_t e;
 #define ISO_MMA(NBV)                                                                           \
-  e = (w16 ? mma::launcher<NBV, true>(n_warps) : mma::launcher<NBV, false>(n_warps))(          \
+  e = (pad ? mma::launcher<NBV, true, true>(n_warps)                                           \
+         : w16 ? mma::launcher<NBV, true>(n_warps) : mma::launcher<NBV, false>(n_warps))(      \
       q, q_dtype_code, kc, vc, slot_stride, page_table, pt_stride, seq_lens, batch, page_size, \
       n_kv_heads, group, chunk, n_splits, sl2, part_acc, part_ml, stream)
   if (head_dim == 256) ISO_MMA(2);
@@ -490,14 +507,21 @@ extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, cons
 }
 
 // How many CTAs of the decode kernel for (head_dim, n_warps, wide: 1 the 16-byte staging,
-// 0 the word staging) one SM holds (registers and shared memory, the dynamic part included):
-// the launcher sizes a one-wave grid from it. 0 on a bad argument or error.
+// 2 the same with padded rows, 0 the word staging) one SM holds (registers and shared memory,
+// the dynamic part included): the launcher sizes a one-wave grid from it. 0 on a bad argument
+// or error.
 extern "C" int tinyserve_iso_decode_mma_occupancy(int head_dim, int n_warps, int wide) {
   using namespace iso;
-  if (wide != 0 && wide != 1) return 0;
-  if (head_dim == 256)
-    return wide ? mma::occupancy_of<2, true>(n_warps) : mma::occupancy_of<2, false>(n_warps);
-  if (head_dim == 128)
-    return wide ? mma::occupancy_of<1, true>(n_warps) : mma::occupancy_of<1, false>(n_warps);
-  return 0;
+  if (head_dim != 128 && head_dim != 256) return 0;
+  const bool d256 = head_dim == 256;
+  switch (wide) {
+    case 0:
+      return d256 ? mma::occupancy_of<2, false>(n_warps) : mma::occupancy_of<1, false>(n_warps);
+    case 1:
+      return d256 ? mma::occupancy_of<2, true>(n_warps) : mma::occupancy_of<1, true>(n_warps);
+    case 2:
+      return d256 ? mma::occupancy_of<2, true, true>(n_warps)
+                  : mma::occupancy_of<1, true, true>(n_warps);
+    default: return 0;
+  }
 }

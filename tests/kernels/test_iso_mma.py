@@ -273,8 +273,9 @@ def test_decode_launchers_pass_the_split_plan_to_the_library(monkeypatch, forced
     assert a2[7:16] == (b, hq, hkv, d, ps, *want_mma, 0.5, iso_mma.mma_config(b)["warps"])
     assert a1[3] == kc.stride(0) and a1[5] == table.stride(0)
     assert a1[-3:] == (out_cuda.data_ptr(), out_cuda.stride(0), 1)
-    # the MMA entry reads q in its dtype (code 1: bf16) and takes wide = 1 (tokens_wide)
-    assert a2[-5:] == (out_mma.data_ptr(), out_mma.stride(0), 1, 1, 1)
+    # the MMA entry reads q in its dtype (code 1: bf16) and takes the default loop's `wide`
+    default_wide = iso_mma._WIDE_CODE[iso_mma.MMA_LOOP]
+    assert a2[-5:] == (out_mma.data_ptr(), out_mma.stride(0), 1, 1, default_wide)
     assert a2[0] == q.data_ptr()
     for name, wide in (("tokens", 0), ("tokens_wide", 1), ("tokens_pad", 2)):
         iso_mma.iso_decode_attention_mma(q, kc, kc, table, seq, ps, "iso3", 0.5,

@@ -37,11 +37,12 @@ WARPS = (2, 4, 8, 16)
 # warps or 7 of 2 per SM) instead of a constant. min_split_tokens = one 16-token sub-tile per
 # warp at batch 1 (4 warps), 4 at batch > 1 (2 warps): short contexts get more, shorter
 # splits (batch 1, 4k: 128 CTAs, not 64 of two sub-tiles per warp).
-MMA_CONFIG: tuple[dict, ...] = (  # H200 sweep, bench/results/iso_attention.json (mma_best)
-    # b1 4k/32k/128k: 13.1 / 24.7 / 60.8 us (one wave: 13.1 / 27.0 / 57.8)
+MMA_CONFIG: tuple[dict, ...] = (  # H200 sweeps, bench/results/iso_attention_layout.json
+    # b1 4k/32k/128k (padded rows): 12.5 / 22.4 / 51.0 us; 8 or 16 warps per CTA within 4 %
     dict(max_batch=1, warps=4, ctas_per_sm=2, min_split_tokens=64),
-    # b8: one wave of 4-warp CTAs, geomean 92.5 us over 4k/32k/128k (2 warps: 108.6 at 32k)
-    dict(max_batch=1 << 30, warps=4, ctas_per_sm=None, min_split_tokens=128),
+    # b8: one wave of 16-warp CTAs (1 per SM), geomean 79.3 us over 4k/32k/128k with padded
+    # rows (4 warps: 82.7; 4 warps, 16-byte rows: 84.1)
+    dict(max_batch=1 << 30, warps=16, ctas_per_sm=None, min_split_tokens=256),
 )
 # CTAs per SM assumed for a one-wave grid where the occupancy is unknown (no CUDA device).
 FALLBACK_CTAS_PER_SM = 2
@@ -56,12 +57,13 @@ FALLBACK_CTAS_PER_SM = 2
 # "tokens_pad" is "tokens_wide" with the shared row stride one 16-byte chunk longer (144
 # instead of 128 bytes at head_dim 256): consecutive tokens' rows no longer start on the same
 # bank, so the loop's fragment loads stop replaying on bank conflicts (bench/NOTES_iso.md,
-# round 7); same fallback to "tokens" on unaligned caches. Not the default until measured
-# (bench/iso_attention.py --layout).
+# round 7); same fallback to "tokens" on unaligned caches, same bits as "tokens_wide". H200
+# (Nsight Compute, b1 / 128k): shared-load bank conflicts 3.75 M -> 0.40 M, the kernel 67.1 ->
+# 61.3 us; in a graph 3-6 % faster per layer at 32k and 128k (iso_attention_layout.json).
 LOOPS = ("tokens_wide", "tokens", "tokens_pad")
 _WIDE_CODE = {"tokens": 0, "tokens_wide": 1, "tokens_pad": 2}  # the C entry's `wide`
 # The loop the launcher takes when none is given (one of LOOPS).
-MMA_LOOP = "tokens_wide"
+MMA_LOOP = "tokens_pad"
 
 
 def mma_config(batch: int) -> dict:

@@ -1,9 +1,10 @@
 """Chained decode steps (the next decode step launched before this one's tokens are read) on
 the tiny model, on CPU through the decode graphs' static path (no capture): the runner's
-chained launches give the serial path's tokens; the engine with chaining gives what it gives
-without, through ends at different steps (length, a stop token, a stop string, an EOS), a
-sampled request beside greedy ones, an abort, a late arrival and the prefix cache's
-decode-time snapshots."""
+chained launches give the serial path's tokens (greedy and seeded sampling); the engine with
+chaining gives what it gives without, through ends at different steps (length, a stop token,
+a stop string), a seeded sampled request beside greedy ones and the prefix cache's decode-time
+snapshots; an abort and a late arrival while steps are chained leak nothing. (The scheduler's
+side, EOS included: tests/engine/test_scheduler.py.)"""
 
 from __future__ import annotations
 
@@ -36,14 +37,19 @@ def static_decode(monkeypatch):
     monkeypatch.setattr(ModelRunner, "__init__", with_graphs)
 
 
-def _seqs(tokens: list[int], pos: list[int]) -> list[ScheduledSeq]:
+def _seqs(tokens: list[int], pos: list[int], params: SamplingParams = GREEDY,
+          step: int = 0) -> list[ScheduledSeq]:
     return [ScheduledSeq(f"r{i}", [t], p, list(range(i * PAGES_PER_SEQ,
                                                         (i + 1) * PAGES_PER_SEQ)),
-                         i, sample=True, params=GREEDY)
+                         i, sample=True, params=params, num_generated=step)
             for i, (t, p) in enumerate(zip(tokens, pos, strict=True))]
 
 
-def test_chained_launches_give_the_serial_tokens(static_decode) -> None:
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=64)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_chained_launches_give_the_serial_tokens(static_decode, params) -> None:
     cfg, w = checkpoint("bf16")
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (9, 14, 5)]
@@ -65,18 +71,21 @@ def test_chained_launches_give_the_serial_tokens(static_decode) -> None:
     pos = [len(p) for p in prompts]
     want, last = [], first
     for i in range(8):
-        last = serial.forward(Batch(_seqs(last, [p + i for p in pos]))).next_tokens
+        last = serial.forward(Batch(_seqs(last, [p + i for p in pos], params, i + 1))
+                              ).next_tokens
         want.append(last)
     got = []
-    pending = chained.launch(Batch(_seqs(first, pos)))
+    pending = chained.launch(Batch(_seqs(first, pos, params, 1)))
     for i in range(1, 9):
         if i < 8:
-            nxt = Batch(_seqs([PENDING_TOKEN] * 3, [p + i for p in pos]))
+            nxt = Batch(_seqs([PENDING_TOKEN] * 3, [p + i for p in pos], params, i + 1))
             assert chained.can_chain(nxt)
             following = chained.launch(nxt, after=pending)
         got.append(pending.result().next_tokens)
         pending = following
     assert got == want
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.2)
+    assert not chained.can_chain(Batch(_seqs([PENDING_TOKEN] * 3, pos, penalised)))
     with pytest.raises(ValueError, match="chained launch"):  # a prefill cannot chain
         chained.launch(Batch([ScheduledSeq("r0", [1, 2], 40, list(range(16)), 0,
                                            sample=True, params=GREEDY)]), after=pending)
@@ -187,3 +196,82 @@ def _snapshot_state(llm: LLM, tokens: list[int], n: int):
         return snap, ref
 
     return engine.call(read)
+
+
+def test_abort_and_late_arrival_while_steps_are_chained(
+        tiny_checkpoint, static_decode, monkeypatch) -> None:
+    """A request aborted while its next step is already queued ends at once with its pages
+    and slot back; a request that arrives while steps are chained is admitted and finishes;
+    nothing leaks; the survivors chain again afterwards."""
+    monkeypatch.setattr(loop, "PIPELINE_DECODE", True)
+    g = torch.Generator().manual_seed(7)
+    p_long, p_late = (torch.randint(0, 400, (n,), generator=g).tolist() for n in (17, 9))
+    greedy = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    with LLM(str(tiny_checkpoint("bf16")), device="cpu", max_context=192, max_seqs=4,
+             cuda_graphs=True, prefix_cache=False) as llm:
+        engine = llm.engine
+        launch, chained = engine.runner.launch, []
+
+        def counting(batch, **kw):
+            if kw.get("after") is not None:
+                chained.append(tuple(s.request_id for s in batch.seqs))
+            return launch(batch, **kw)
+
+        engine.runner.launch = counting
+        long = engine.submit(p_long, greedy, request_id="long")
+        other = engine.submit(p_long[:5], SamplingParams(max_tokens=40, temperature=0.7,
+                                                         seed=1, ignore_eos=True),
+                              request_id="other")
+        stream = iter(long)
+        for _ in range(6):
+            next(stream)
+        late = engine.submit(p_late, SamplingParams(max_tokens=12, temperature=0.0,
+                                                    ignore_eos=True), request_id="late")
+        for _ in range(4):
+            next(stream)
+        long.abort()
+        outs = list(stream)
+        assert outs[-1].finished and outs[-1].finish_reason == "abort"
+        done_late, done_other = late.result(timeout=120), other.result(timeout=120)
+        stats = engine.stats()
+    assert (done_late.finish_reason, len(done_late.token_ids)) == ("length", 12)
+    assert (done_other.finish_reason, len(done_other.token_ids)) == ("length", 40)
+    assert any("long" in c for c in chained) and any("late" in c for c in chained)
+    assert any(c == ("other",) for c in chained)  # chained on after the others ended
+    assert stats.running == stats.waiting == 0
+    assert stats.kv_pages_used == 0 and stats.state_slots_used == 0
+    assert stats.requests_aborted == 1 and stats.requests_finished == 2
+
+
+@pytest.mark.requires_cuda
+def test_cuda_engine_chains_greedy_and_sampled_rows(tiny_checkpoint, monkeypatch) -> None:
+    """On CUDA (captured graphs), the engine chains greedy and seeded sampled rows and gives
+    the tokens of the engine without chaining (a near-tie of the tiny model aside)."""
+    path = str(tiny_checkpoint("bf16"))
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 400, (n,), generator=g).tolist() for n in (13, 29, 6)]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=4,
+                             ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.6, top_k=20, seed=9,
+                             ignore_eos=True)]
+    outs = {}
+    for chain in (False, True):
+        monkeypatch.setattr(loop, "PIPELINE_DECODE", chain)
+        with LLM(path, device="cuda", max_context=256, max_seqs=4) as llm:
+            engine = llm.engine
+            assert engine.runner.graphs is not None
+            launch, chained = engine.runner.launch, []
+
+            def counting(batch, launch=launch, chained=chained, **kw):
+                chained.extend([1] if kw.get("after") is not None else [])
+                return launch(batch, **kw)
+
+            engine.runner.launch = counting
+            outs[chain] = [c.token_ids for c in llm.generate(prompts, params)]
+            assert engine.runner.graphs.num_graphs >= 1
+            assert (len(chained) >= 10) == chain, len(chained)
+    assert all(len(t) == 24 for t in outs[True])
+    same = sum(a == b for x, y in zip(outs[False], outs[True], strict=True)
+               for a, b in zip(x, y, strict=True))
+    assert same >= 0.9 * 24 * len(prompts), outs

@@ -11,9 +11,9 @@ synchronisation.
 Chained decode: `launch(next_batch, after=pending)` queues the decode step that follows a
 launched one before that one's tokens reach the host; its input tokens are `pending`'s
 sampled tokens, copied on the device (`can_chain` says which batches qualify: graph decode,
-greedy argmax, token ids from the device). The host then waits for step N while step N + 1
-is already queued, so the device never idles on the host between two decode steps. Two
-pinned token buffers alternate, so two launched steps may be unread at once.
+sampling that reads no token history, token ids from the device). The host then waits for
+step N while step N + 1 is already queued, so the device does not wait for the host between
+two decode steps. Two pinned token buffers alternate: two launched steps may be unread.
 
 With `cuda_graphs` on a CUDA device (kernels on, a capturable experts provider), pure-decode
 batches replay a CUDA graph of the forward (`engine.graph`; with the embedding table on the
@@ -44,8 +44,9 @@ class PendingOutput:
 
     `result()` waits for them (the step's host synchronisation) and returns the
     `ForwardOutput`; later calls return the same object. `device_tokens` ([S] int64 on the
-    device, a view of a static buffer valid until the next step is launched) is set when every
-    sequence sampled greedily inside a decode graph: a chained launch reads its input there.
+    device; the decode graph's argmax is a static buffer, valid until the next step is
+    launched) is set when every sequence sampled a token: a chained launch reads its input
+    there.
     """
 
     def __init__(self, sample_rows: list[int], num_seqs: int, logits: torch.Tensor | None,
@@ -193,11 +194,12 @@ class ModelRunner:
         """Whether `batch` (a decode step whose input tokens are the previous step's sampled
         ones) can be launched with `launch(batch, after=...)`: it runs in a decode graph
         that takes its token ids from the device (not a host embedding table) and every
-        sequence samples the plain argmax."""
+        sequence samples without reading its token history (no penalties: the host does not
+        know the newest token yet)."""
         seqs = batch.seqs
         return (self.graphs is not None and not self.graphs.host_embedding
                 and self.graphs.supports(seqs) and all(s.sample for s in seqs)
-                and self.sampler.argmax_only(seqs))
+                and self.sampler.history_free(seqs))
 
     def launch(self, batch: Batch, *, after: PendingOutput | None = None) -> PendingOutput:
         """Queue one step (forward, sampling, the sampled tokens' copy to the host), then run
@@ -212,8 +214,9 @@ class ModelRunner:
         if after is not None:
             inputs = after.device_tokens
             if inputs is None or inputs.numel() != len(seqs) or not self.can_chain(batch):
-                raise ValueError("a chained launch needs a graph decode batch of argmax rows "
-                                 "after a step that sampled one token per row on the device")
+                raise ValueError("a chained launch needs a graph decode batch whose sampling "
+                                 "reads no token history, after a step that sampled one token "
+                                 "per row on the device")
         greedy = None  # [S] tokens sampled inside the decode graph
         if self.graphs is not None and self.graphs.supports(seqs):
             logits, argmax = self.graphs.run(seqs, input_tokens=inputs)  # static buffers
@@ -226,7 +229,7 @@ class ModelRunner:
         else:
             logits = self.run(self.prepare(batch))
         rows = [i for i, s in enumerate(seqs) if s.sample and s.num_tokens > 0]
-        buffer, host = None, None
+        buffer, host, tokens = None, None, None
         if rows:
             tokens = greedy if greedy is not None else self.sampler(logits, [seqs[i] for i in rows])
             buffer = self._buffers[self._next_buffer]
@@ -234,7 +237,7 @@ class ModelRunner:
             host = self._stage(buffer, tokens)  # [S] int64
         pending = PendingOutput(rows, len(seqs), logits, host,
                                 buffer.copied if buffer is not None else None,
-                                device_tokens=greedy)
+                                device_tokens=tokens if len(rows) == len(seqs) else None)
         if buffer is not None:
             buffer.owner = pending
         after_launch = getattr(getattr(self.model, "experts", None), "after_launch", None)

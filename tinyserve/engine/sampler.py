@@ -31,8 +31,13 @@ class Sampler:
     def argmax_only(self, seqs: Sequence[ScheduledSeq]) -> bool:
         """Whether sampling `seqs` is the plain argmax of their logits (greedy, no penalties,
         no hook): then a caller holding the argmax already need not call the sampler."""
-        return self.logits_hook is None and all(s.params.greedy and not _has_penalty(s)
-                                                for s in seqs)
+        return self.history_free(seqs) and all(s.params.greedy for s in seqs)
+
+    def history_free(self, seqs: Sequence[ScheduledSeq]) -> bool:
+        """Whether sampling `seqs` reads nothing of their token history (no penalties, no
+        hook): only the logits, the parameters and `num_generated` (a seed's step). Then a
+        step can be sampled before the host knows the token the step ran on."""
+        return self.logits_hook is None and not any(_has_penalty(s) for s in seqs)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:

@@ -8,8 +8,8 @@ takes the greedy tokens when every row samples greedily without penalties, else 
 the logits, and copies the tokens back: the step's one host synchronisation. A provider with
 per-step host work (the expert cache) starts its step before the replay and does that work
 after it (`runner.launch`). A chained step (`run(..., input_tokens=)`, the engine's decode
-loop) takes its token ids from the previous step's argmax on the device: one device copy
-after the upload overwrites the ids the host wrote.
+loop) takes its token ids from the previous step's sampled tokens on the device: one device
+copy after the upload overwrites the ids the host wrote.
 
 Padding: B sequences run in the smallest bucket >= B of `BATCH_BUCKETS`. A padded row has
 token 0 at position 0, KV slot -1 (the backends' padding page), length 1, an all-zero
@@ -129,7 +129,7 @@ class DecodeGraphs:
         sequence in order.
 
         Both are views of static buffers, valid until the next `run`. `input_tokens` ([B]
-        int64 on the device, e.g. the previous step's argmax) replaces the sequences' token
+        int64 on the device: the previous step's sampled tokens) replaces the sequences' token
         ids, copied into the graph's input on the device after the upload (not with a host
         embedding table, whose rows are gathered on the host). Raises ValueError when a
         sequence's pages do not cover its tokens.

@@ -349,13 +349,13 @@ class Scheduler:
         stop token) is seen one step late: `record` drops the extra token."""
         if self.waiting or len(batch.seqs) != len(self.running) or not batch.seqs:
             return None
-        seqs = []
         for seq, req in zip(batch.seqs, self.running, strict=True):
             if (seq.request_id != req.request_id or seq.num_tokens != 1 or not seq.sample
                     or req.num_computed != seq.start_pos + 1 or len(req.tokens) != req.num_computed
                     or req.solo or req.num_generated + 1 >= req.params.max_tokens):
                 return None
-        for req in self.running:
+        seqs = []
+        for req in self.running:  # NOTE: a page taken before a refusal is needed next step
             if len(req.pages) < self.pages_for(req.num_computed + 1):
                 page = self.alloc_pages(1)
                 if page is None:

@@ -275,3 +275,37 @@ def test_cuda_engine_chains_greedy_and_sampled_rows(tiny_checkpoint, monkeypatch
     same = sum(a == b for x, y in zip(outs[False], outs[True], strict=True)
                for a, b in zip(x, y, strict=True))
     assert same >= 0.9 * 24 * len(prompts), outs
+
+
+def test_chained_steps_across_a_graph_capacity_boundary(static_decode) -> None:
+    """A chained step whose sequence outgrows the graph's context capacity (256 -> 512 tokens)
+    builds the next graph entry inside the chained launch and still reads its input token
+    from the previous step's output (held by the other entry)."""
+    cfg, w = checkpoint("bf16")
+    prompt = torch.randint(0, 500, (250,), generator=torch.Generator().manual_seed(9)).tolist()
+    pages = list(range(160))  # 640 tokens of 4
+
+    def runner() -> ModelRunner:
+        return build_runner(cfg, w, num_pages=160, num_slots=2, graph_pad_slot=1,
+                            keep_logits=False)
+
+    def seq(token: int, pos: int) -> ScheduledSeq:
+        return ScheduledSeq("r", [token], pos, pages, 0, sample=True, params=GREEDY)
+
+    serial, chained = runner(), runner()
+    first = [r.forward(Batch([ScheduledSeq("r", prompt, 0, pages, 0, sample=True,
+                                            params=GREEDY)])).next_tokens[0]
+             for r in (serial, chained)]
+    assert first[0] == first[1]
+    want, token = [], first[0]
+    for pos in range(250, 262):
+        token = serial.forward(Batch([seq(token, pos)])).next_tokens[0]
+        want.append(token)
+    got, pending = [], chained.launch(Batch([seq(first[1], 250)]))
+    for pos in range(251, 263):
+        following = (chained.launch(Batch([seq(PENDING_TOKEN, pos)]), after=pending)
+                     if pos < 262 else None)
+        got.append(pending.result().next_tokens[0])
+        pending = following
+    assert got == want
+    assert len(chained.graphs._entries) == 2  # capacities 256 and 512

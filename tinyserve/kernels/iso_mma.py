@@ -35,8 +35,8 @@ WARPS = (2, 4, 8, 16)
 # The sweep's best rows were the largest grids that fit in one wave (bench/NOTES_iso.md), so
 # the CTA count now comes from the kernel's occupancy (sm_90: 122 registers, 4 CTAs of 4
 # warps or 7 of 2 per SM) instead of a constant. min_split_tokens = one 16-token sub-tile per
-# warp at batch 1 (4 warps), 4 at batch > 1 (2 warps): short contexts get more, shorter
-# splits (batch 1, 4k: 128 CTAs, not 64 of two sub-tiles per warp).
+# warp (64 for 4 warps, 256 for 16): short contexts get more, shorter splits (batch 1, 4k:
+# 128 CTAs, not 64 of two sub-tiles per warp).
 MMA_CONFIG: tuple[dict, ...] = (  # H200 sweeps, bench/results/iso_attention_layout.json
     # b1 4k/32k/128k (padded rows): 12.5 / 22.4 / 51.0 us; 8 or 16 warps per CTA within 4 %
     dict(max_batch=1, warps=4, ctas_per_sm=2, min_split_tokens=64),
@@ -53,7 +53,7 @@ FALLBACK_CTAS_PER_SM = 2
 # entry runs "tokens" instead unless both caches are 16-byte aligned and the slot stride is a
 # multiple of 4); "tokens" stages rows as 2/4-byte words. H200
 # (bench/results/iso_attention_loops.json): "tokens_wide" is the faster at all six points;
-# the launcher takes it, `loop="tokens"` forces the fallback (tests, bench).
+# `loop="tokens"` forces the fallback (tests, bench).
 # "tokens_pad" is "tokens_wide" with the shared row stride one 16-byte chunk longer (144
 # instead of 128 bytes at head_dim 256): consecutive tokens' rows no longer start on the same
 # bank, so the loop's fragment loads stop replaying on bank conflicts (bench/NOTES_iso.md,

@@ -6,7 +6,11 @@ then of newly admitted ones, strictly FIFO) under the token budget. Admission ta
 slot and the KV pages of all the request's known tokens; decoding takes one more page at each
 page boundary, and when none is left the newest running request is preempted (pages and slot
 returned, re-queued to recompute its prompt and output so far). `update(batch, output)` appends
-the sampled tokens, applies the token stop conditions and frees finished requests.
+the sampled tokens, applies the token stop conditions and frees finished requests; it is
+`advance(batch)` (the step's tokens count as computed, once it is launched) then
+`record(batch, output)` (its sampled tokens), which the engine calls apart when it chains
+decode steps: `schedule_next(batch)` gives the decode step after an advanced, unrecorded one,
+whose input tokens are still on the device.
 
 With a prefix cache (`kv.prefix_cache`), admission reuses the longest cached prefix that ends
 at a GDN state snapshot (restoring the snapshot into the request's slot) and prefills only the

@@ -18,18 +18,20 @@ Extend: tokens/s of a 2k-token chunk over prefixes 0..30k, the ratio to bf16 SDP
 prefix, and a breakdown (prefix dequantization, prefix attention, chunk attention).
 
 Writes bench/results/iso_attention.json (bench/common.py Recorder: a failing case is recorded
-and the rest still run). Usage: python bench/iso_attention.py [--quick] [--no-extend]
-[--loops | --warps | --layout] (--loops: bf16 and the mma kernel's loops only, iso3 decode
-at the six points, < 60 s, written to bench/results/iso_attention_loops.json; --warps: bf16, the mma
-kernel's MMA_CONFIG row and WARPS_SWEEP (4, 8, 16 warps per CTA at one wave and 8 warps at one
-CTA per SM), iso3 decode at the six points, < 60 s, written to
+and the rest still run). Usage: python bench/iso_attention.py [--quick] [--no-extend] [--loops |
+--warps | --layout | --extend] (--loops: bf16 and the mma kernel's loops only, iso3 decode at
+the six points, < 60 s, written to bench/results/iso_attention_loops.json; --extend: the extend
+cases only, prefixes 0 / 2k / 8k / 16k / 30k, each also timed inside CUDA graphs (the GPU time
+without the host's launch overhead), < 60 s, written to bench/results/iso_extend.json; --warps:
+bf16, the mma kernel's MMA_CONFIG row and WARPS_SWEEP (4, 8, 16 warps per CTA at one wave and 8
+warps at one CTA per SM), iso3 decode at the six points, < 60 s, written to
 bench/results/iso_attention_warps.json with `mma_warps`: the best row per point and the best
 setting per batch; --layout: bf16 and the shared-memory row layouts of the 16-byte staging,
-"tokens_wide" (128-byte rows, today's default) against "tokens_pad" (144-byte rows, no bank
+"tokens_wide" (128-byte rows) against "tokens_pad" (144-byte rows, the default; no bank
 conflicts), each with the batch's MMA_CONFIG row and with 4, 8, 16 warps per CTA at one wave,
-iso3 decode at the six points, < 60 s, written to bench/results/iso_attention_layout.json
-with `mma_layout`: the best row per point, pad / wide per setting and point, and the best
-setting per batch as an MMA_CONFIG row plus the loop for iso_mma.MMA_LOOP)
+iso3 decode at the six points, < 60 s, written to bench/results/iso_attention_layout.json with
+`mma_layout`: the best row per point, pad / wide per setting and point, and the best setting per
+batch as an MMA_CONFIG row plus the loop for iso_mma.MMA_LOOP)
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ RESULTS = ROOT / "bench" / "results" / "iso_attention.json"
 RESULTS_LOOPS = ROOT / "bench" / "results" / "iso_attention_loops.json"  # --loops
 RESULTS_WARPS = ROOT / "bench" / "results" / "iso_attention_warps.json"  # --warps
 RESULTS_LAYOUT = ROOT / "bench" / "results" / "iso_attention_layout.json"  # --layout
+RESULTS_EXTEND = ROOT / "bench" / "results" / "iso_extend.json"  # --extend
 
 
 def _time_us(fn, calls_per_run: int) -> tuple[float, str]:
@@ -250,6 +253,14 @@ def bench_extend(fmt: str, prefix: int, chunk: int = 2048) -> dict:
     row = dict(ms=ms, tokens_per_s=chunk / ms * 1e3, bf16_sdpa_ms=ms_bf16,
                bf16_tokens_per_s=chunk / ms_bf16 * 1e3, iso_over_bf16=ms / ms_bf16,
                attention_backends=list(iso_extend.EXTEND_BACKENDS))
+    # The same two calls inside CUDA graphs: GPU time without the host's launch overhead
+    # (eager prefill pays that overhead too; the graph time is what the kernels cost).
+    us, method = _time_us(lambda: iso_extend.iso_extend_attention(
+        q, k, k, kc, vc, table, cu, [chunk], [prefix], PAGE, fmt, D ** -0.5), 1)
+    us_bf16, method_bf16 = _time_us(lambda: F.scaled_dot_product_attention(
+        qb, kb, kb, enable_gqa=True, is_causal=prefix == 0), 1)
+    row.update(graph_ms=us / 1e3, bf16_graph_ms=us_bf16 / 1e3, iso_over_bf16_graph=us / us_bf16,
+               graph_tokens_per_s=chunk / us * 1e6, graph_timing=(method, method_bf16))
     if prefix:  # where the time goes
         slots = torch.arange(prefix, device="cuda")
         row["dequant_kv_ms"] = 2 * do_bench(lambda: iso_cuda.iso_dequant_rows(
@@ -423,6 +434,14 @@ def _summary(cases: dict) -> None:
             extra = (f" x{row['ratio_vs_bf16']:.2f} cos {row['cos_vs_oracle']:.5f}"
                      if "ratio_vs_bf16" in row else "")
             print(f"  {name:44s} {row['us']:9.1f}{extra}")
+    ext = {n: r for n, r in cases.items() if n.startswith("extend/") and "ms" in r}
+    if ext:
+        print("extend, 2k chunk (ms; eager | in a CUDA graph; iso3 / bf16 SDPA):")
+    for name, r in ext.items():
+        graph = (f" | {r['graph_ms']:.3f} vs {r['bf16_graph_ms']:.3f} "
+                 f"x{r['iso_over_bf16_graph']:.2f}" if "graph_ms" in r else "")
+        print(f"  {name:28s} {r['ms']:.3f} vs {r['bf16_sdpa_ms']:.3f} "
+              f"x{r['iso_over_bf16']:.2f}{graph}")
 
 
 def main() -> int:
@@ -437,23 +456,27 @@ def main() -> int:
     parser.add_argument("--layout", action="store_true",
                         help="bf16 and the mma decode's shared row layouts (tokens_wide vs "
                              "tokens_pad) at 4/8/16 warps only (iso3, no extend; < 60 s)")
+    parser.add_argument("--extend", action="store_true",
+                        help="the extend cases only (prefixes 0 .. 30k, eager and in CUDA "
+                             "graphs; < 60 s)")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     only = args.loops or args.warps or args.layout  # a decode-only sweep
     results = (RESULTS_LAYOUT if args.layout else RESULTS_WARPS if args.warps
-               else RESULTS_LOOPS if args.loops else RESULTS)
+               else RESULTS_LOOPS if args.loops else RESULTS_EXTEND if args.extend
+               else RESULTS)
     rec = Recorder(results, run_meta(
         "iso_attention", sms=props.multi_processor_count, cuda=torch.version.cuda,
         shapes=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, page_size=PAGE),
         baseline="torch SDPA bf16, enable_gqa=True, contiguous K/V",
         mma_config=list(iso_mma.MMA_CONFIG), mma_loops=list(iso_mma.LOOPS),
         mode=("layout" if args.layout else "warps" if args.warps else "loops" if args.loops
-              else "full"), mma_loop=iso_mma.MMA_LOOP,
+              else "extend" if args.extend else "full"), mma_loop=iso_mma.MMA_LOOP,
         mma_warps=list(iso_mma.WARPS),
         triton_block_t=iso_triton.BLOCK_T,
         targets="iso3 <= 0.5x bf16 at 32k and 128k (batch 1); extend iso/bf16 within 1.3x"))
     contexts = [4096, 32768] if args.quick else [4096, 32768, 131072]
-    for batch in (1, 8):
+    for batch in () if args.extend else (1, 8):
         for ctx in contexts:
             tag = f"decode/b{batch}/{ctx}"
             row = rec.run(f"{tag}/bf16", bench_decode_bf16, batch, ctx)
@@ -503,11 +526,16 @@ def main() -> int:
     if args.layout:
         rec.data["mma_layout"] = _layout_best(cases)
     if not (args.no_extend or only):
-        for prefix in (0, 2048, 8192, 30720):
+        for prefix in (0, 2048, 8192, 16384, 30720) if args.extend else (0, 2048, 8192, 30720):
             rec.run(f"extend/iso3/prefix{prefix}", bench_extend, "iso3", prefix)
-        tps = [r["tokens_per_s"] for n, r in cases.items() if n.startswith("extend/")]
-        if tps:
+        ext = [r for n, r in cases.items() if n.startswith("extend/")]
+        if ext:
+            tps = [r["tokens_per_s"] for r in ext]
             rec.data["extend_flatness_min_over_max"] = min(tps) / max(tps)
+            rec.data["extend_iso_over_bf16_max"] = max(r["iso_over_bf16"] for r in ext)
+            graph = [r["iso_over_bf16_graph"] for r in ext if "iso_over_bf16_graph" in r]
+            if graph:
+                rec.data["extend_iso_over_bf16_graph_max"] = max(graph)
     rec.save()
     _summary(cases)
     print(f"decode_choice: {rec.data['decode_choice']}")

@@ -6,7 +6,7 @@ same run on the same model.
 Qwen3.5-35B-A3B geometry with random weights (bench/model_step.py builds them: hidden 2048,
 256 NVFP4 experts top-8 resident on the GPU, GDN 16/32 heads, attention 16/2 x 256, the real
 vocabulary), `--layers` layers (default 8: 6 GDN + 2 attention), every sequence at a 1023-token
-context. Cases: KV bf16 and iso3 x batch 1 and 8. Target: graph step <= 1.3x the kernel sum.
+context. Cases: KV bf16 and iso3 x batch 1 and 8. Target: decode step <= 1.3x the kernel sum.
 Two graph steps are timed: the synchronous one (`graph_step_ms`: the step starts after the
 last one's tokens reached the host) and the chained one the engine runs while a batch does
 not change (`chained_step_ms`: step N + 1 launched with its input tokens on the device before
@@ -170,7 +170,8 @@ def _chained_step_ms(runner: ModelRunner, batch: Batch, steps: int) -> float:
     three runs of `steps` steps; every step's tokens are read on the host, as the engine
     reads them."""
     if not runner.can_chain(batch):
-        raise RuntimeError("the batch cannot chain (graphs off, or not greedy argmax)")
+        raise RuntimeError("the batch cannot chain (graphs off, a host embedding table, "
+                           "or penalties)")
     runs = []
     for _ in range(4):  # the first run warms up
         _sync(runner.device.type)

@@ -339,16 +339,17 @@ def _warps_name(cfg: dict) -> str:
     return f"w{cfg['warps']}c{cfg['ctas_per_sm']}" if cfg else "default"
 
 
-def _warps_best(cases: dict) -> dict:
-    """--warps: per decode point the fastest correct mma_warps row (us, / bf16, / the default
-    row), and per batch the setting with the lowest geometric-mean time over the contexts it
-    passed at all of (the MMA_CONFIG row to take)."""
+def _sweep_points(cases: dict, kind: str) -> tuple[dict, dict]:
+    """(points, per batch) of a decode sweep's rows `decode/b{B}/{ctx}/iso3/{kind}/{setting}`:
+    per point the correct rows' us by setting, the fastest (us, / bf16); per batch the setting
+    with the lowest geometric-mean time over the contexts it passed at all of, as
+    {batch: (setting, geomean us)}."""
     points: dict = {}
     per_batch: dict[tuple, list[float]] = {}
     ctxs: dict[str, set] = {}
     for name, row in cases.items():
-        parts = name.split("/")  # decode/b{B}/{ctx}/iso3/mma_warps/{setting}
-        if len(parts) != 6 or parts[4] != "mma_warps" or "us" not in row:
+        parts = name.split("/")
+        if len(parts) != 6 or parts[4] != kind or "us" not in row:
             continue
         ctxs.setdefault(parts[1], set()).add(parts[2])
         if not row.get("cos_ok"):
@@ -361,23 +362,44 @@ def _warps_best(cases: dict) -> dict:
         best = min(rows, key=rows.get)
         bf16 = cases.get(f"decode/{key}/bf16", {}).get("us")
         point.update(best=best, best_us=rows[best],
-                     best_over_bf16=rows[best] / bf16 if bf16 else None,
-                     default_over_bf16=rows["default"] / bf16 if bf16 and "default" in rows
-                     else None,
-                     best_over_default=rows[best] / rows["default"] if "default" in rows
-                     else None)
+                     best_over_bf16=rows[best] / bf16 if bf16 else None)
     batches: dict = {}
     for (batch, setting), vals in per_batch.items():
         if len(vals) < len(ctxs.get(batch, ())):
             continue  # failed somewhere
         geo = math.exp(sum(vals) / len(vals))
-        if batch not in batches or geo < batches[batch]["geomean_us"]:
-            cfg = next((c for c in WARPS_SWEEP if _warps_name(c) == setting), None)
-            batches[batch] = dict(setting=setting, geomean_us=geo,
-                                  mma_config=(dict(warps=cfg["warps"],
-                                                   ctas_per_sm=cfg["ctas_per_sm"] or None,
-                                                   min_split_tokens=cfg["min_split_tokens"])
-                                              if cfg else "keep"))
+        if batch not in batches or geo < batches[batch][1]:
+            batches[batch] = (setting, geo)
+    return points, batches
+
+
+def _config_row(cfg: dict) -> dict | str:
+    """A sweep setting as the MMA_CONFIG row to take ("keep": the row as it is)."""
+    if not cfg:
+        return "keep"
+    return dict(warps=cfg["warps"], ctas_per_sm=cfg["ctas_per_sm"] or None,
+                min_split_tokens=cfg["min_split_tokens"])
+
+
+def _vs_default(cases: dict, key: str, point: dict, default: str) -> dict:
+    """The point's default row over bf16, and its best row over the default."""
+    base = point["rows"].get(default)
+    bf16 = cases.get(f"decode/{key}/bf16", {}).get("us")
+    return dict(default_over_bf16=base / bf16 if bf16 and base else None,
+                best_over_default=point["best_us"] / base if base else None)
+
+
+def _warps_best(cases: dict) -> dict:
+    """--warps: per decode point the fastest correct mma_warps row (us, / bf16, / the default
+    row), and per batch the setting with the lowest geometric-mean time over the contexts it
+    passed at all of (the MMA_CONFIG row to take)."""
+    points, best = _sweep_points(cases, "mma_warps")
+    for key, point in points.items():
+        point.update(_vs_default(cases, key, point, "default"))
+    batches = {}
+    for batch, (setting, geo) in best.items():
+        cfg = next((c for c in WARPS_SWEEP if _warps_name(c) == setting), None)
+        batches[batch] = dict(setting=setting, geomean_us=geo, mma_config=_config_row(cfg))
     return dict(points=points, per_batch=batches)
 
 
@@ -385,45 +407,20 @@ def _layout_best(cases: dict) -> dict:
     """--layout: per decode point the fastest correct mma_layout row (us, / bf16, / the
     default) and pad / wide per setting; per batch the setting with the lowest geometric-mean
     time over the contexts it passed at all of, as the MMA_CONFIG row and MMA_LOOP to take."""
-    points: dict = {}
-    per_batch: dict[tuple, list[float]] = {}
-    ctxs: dict[str, set] = {}
-    for name, row in cases.items():
-        parts = name.split("/")  # decode/b{B}/{ctx}/iso3/mma_layout/{layout}-{setting}
-        if len(parts) != 6 or parts[4] != "mma_layout" or "us" not in row:
-            continue
-        ctxs.setdefault(parts[1], set()).add(parts[2])
-        if not row.get("cos_ok"):
-            continue
-        point = points.setdefault(f"{parts[1]}/{parts[2]}", {"rows": {}})
-        point["rows"][parts[5]] = row["us"]
-        per_batch.setdefault((parts[1], parts[5]), []).append(math.log(row["us"]))
+    points, best = _sweep_points(cases, "mma_layout")
     for key, point in points.items():
         rows = point["rows"]
-        best = min(rows, key=rows.get)
-        bf16 = cases.get(f"decode/{key}/bf16", {}).get("us")
-        base = rows.get("wide-default")
-        ratios = {}
-        for setting, _ in _LAYOUT_SETTINGS:
-            if f"pad-{setting}" in rows and f"wide-{setting}" in rows:
-                ratios[setting] = rows[f"pad-{setting}"] / rows[f"wide-{setting}"]
-        point.update(best=best, best_us=rows[best],
-                     best_over_bf16=rows[best] / bf16 if bf16 else None,
-                     default_over_bf16=base / bf16 if bf16 and base else None,
-                     best_over_default=rows[best] / base if base else None,
-                     pad_over_wide=ratios)
-    batches: dict = {}
-    for (batch, setting), vals in per_batch.items():
-        if len(vals) < len(ctxs.get(batch, ())):
-            continue  # failed somewhere
-        geo = math.exp(sum(vals) / len(vals))
-        if batch not in batches or geo < batches[batch]["geomean_us"]:
-            cfg = dict(LAYOUT_SWEEP[setting])
-            loop = cfg.pop("loop")
-            row = (dict(warps=cfg["warps"], ctas_per_sm=cfg["ctas_per_sm"] or None,
-                        min_split_tokens=cfg["min_split_tokens"]) if cfg else "keep")
-            batches[batch] = dict(setting=setting, geomean_us=geo, mma_config=row,
-                                  mma_loop=loop)
+        point.update(_vs_default(cases, key, point, "wide-default"))
+        point["pad_over_wide"] = {
+            setting: rows[f"pad-{setting}"] / rows[f"wide-{setting}"]
+            for setting, _ in _LAYOUT_SETTINGS
+            if f"pad-{setting}" in rows and f"wide-{setting}" in rows}
+    batches = {}
+    for batch, (setting, geo) in best.items():
+        cfg = dict(LAYOUT_SWEEP[setting])
+        loop = cfg.pop("loop")
+        batches[batch] = dict(setting=setting, geomean_us=geo, mma_config=_config_row(cfg),
+                              mma_loop=loop)
     return dict(points=points, per_batch=batches)
 
 

@@ -37,6 +37,19 @@ def static_decode(monkeypatch):
     monkeypatch.setattr(ModelRunner, "__init__", with_graphs)
 
 
+def _record_chained(engine) -> list[tuple[str, ...]]:
+    """Wrap the engine runner's `launch`: the request ids of every chained launch, in order."""
+    launch, chained = engine.runner.launch, []
+
+    def recording(batch, **kw):
+        if kw.get("after") is not None:
+            chained.append(tuple(s.request_id for s in batch.seqs))
+        return launch(batch, **kw)
+
+    engine.runner.launch = recording
+    return chained
+
+
 def _seqs(tokens: list[int], pos: list[int], params: SamplingParams = GREEDY,
           step: int = 0) -> list[ScheduledSeq]:
     return [ScheduledSeq(f"r{i}", [t], p, list(range(i * PAGES_PER_SEQ,
@@ -100,13 +113,7 @@ def _generate(path: str, prompts: list[list[int]], params: list[SamplingParams],
              cuda_graphs=True, **kwargs) as llm:
         engine = llm.engine
         assert engine.runner.graphs is not None
-        launch, chained = engine.runner.launch, []
-
-        def counting(batch, **kw):
-            chained.extend([len(batch.seqs)] if kw.get("after") is not None else [])
-            return launch(batch, **kw)
-
-        engine.runner.launch = counting
+        chained = _record_chained(engine)
         outs = llm.generate(prompts, params)
         stats = engine.stats()
     return [(o.token_ids, o.text, o.finish_reason) for o in outs], len(chained), stats
@@ -210,14 +217,7 @@ def test_abort_and_late_arrival_while_steps_are_chained(
     with LLM(str(tiny_checkpoint("bf16")), device="cpu", max_context=192, max_seqs=4,
              cuda_graphs=True, prefix_cache=False) as llm:
         engine = llm.engine
-        launch, chained = engine.runner.launch, []
-
-        def counting(batch, **kw):
-            if kw.get("after") is not None:
-                chained.append(tuple(s.request_id for s in batch.seqs))
-            return launch(batch, **kw)
-
-        engine.runner.launch = counting
+        chained = _record_chained(engine)
         long = engine.submit(p_long, greedy, request_id="long")
         other = engine.submit(p_long[:5], SamplingParams(max_tokens=40, temperature=0.7,
                                                          seed=1, ignore_eos=True),
@@ -261,13 +261,7 @@ def test_cuda_engine_chains_greedy_and_sampled_rows(tiny_checkpoint, monkeypatch
         with LLM(path, device="cuda", max_context=256, max_seqs=4) as llm:
             engine = llm.engine
             assert engine.runner.graphs is not None
-            launch, chained = engine.runner.launch, []
-
-            def counting(batch, launch=launch, chained=chained, **kw):
-                chained.extend([1] if kw.get("after") is not None else [])
-                return launch(batch, **kw)
-
-            engine.runner.launch = counting
+            chained = _record_chained(engine)
             outs[chain] = [c.token_ids for c in llm.generate(prompts, params)]
             assert engine.runner.graphs.num_graphs >= 1
             assert (len(chained) >= 10) == chain, len(chained)

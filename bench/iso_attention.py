@@ -14,8 +14,9 @@ time / calls. Every timed config also records its cosine against an fp32 oracle 
 rows, fp32 softmax attention) on the same cache. `decode_choice` says which kernel won (the
 value for kv/iso_pool.DECODE_IMPL), `mma_best` the mma settings per batch (the rows for
 iso_mma.MMA_CONFIG).
-Extend: tokens/s of a 2k-token chunk over prefixes 0..30k, the ratio to bf16 SDPA at the same
-prefix, and a breakdown (prefix dequantization, prefix attention, chunk attention).
+Extend: tokens/s of a 2k-token chunk over prefixes 0..30k, the ratio to the bf16 cache's
+attention of the same sequence (lower-right causal SDPA over contiguous bf16 K/V), and the
+time of the prefix's dequantization, the one part the bf16 cache does not pay.
 
 Writes bench/results/iso_attention.json (bench/common.py Recorder: a failing case is recorded
 and the rest still run). Usage: python bench/iso_attention.py [--quick] [--no-extend] [--loops |
@@ -51,7 +52,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from common import Recorder, run_meta  # noqa: E402
 
-from tinyserve.kernels import iso, iso_cuda, iso_extend, iso_mma, iso_triton  # noqa: E402
+from tinyserve.kernels import attention, iso, iso_cuda, iso_extend, iso_mma, iso_triton  # noqa: E402
 
 HQ, HKV, D = 16, 2, 256
 PAGE = 16
@@ -228,6 +229,9 @@ def bench_decode_bf16(batch: int, ctx: int) -> dict:
 
 
 def bench_extend(fmt: str, prefix: int, chunk: int = 2048) -> dict:
+    """A 2k-token chunk over a packed prefix vs the bf16 cache's attention of the same
+    sequence (`attention.chunk_causal_attention` over contiguous bf16 K/V: lower-right causal
+    SDPA, the call the bf16 backend makes after its gather), eagerly and inside CUDA graphs."""
     from triton.testing import do_bench
 
     total = prefix + chunk
@@ -242,37 +246,30 @@ def bench_extend(fmt: str, prefix: int, chunk: int = 2048) -> dict:
     q = torch.randn(chunk, HQ, D, device="cuda").bfloat16()
     k = torch.randn(chunk, HKV, D, device="cuda").bfloat16()
     cu = torch.tensor([0, chunk], dtype=torch.int32, device="cuda")
-    ms = do_bench(lambda: iso_extend.iso_extend_attention(q, k, k, kc, vc, table, cu, [chunk],
-                                                        [prefix], PAGE, fmt, D ** -0.5),
-                  warmup=3, rep=40)
-    kb = torch.randn(1, HKV, total, D, device="cuda").bfloat16()
-    qb = q.transpose(0, 1)[None]
-    ms_bf16 = do_bench(lambda: F.scaled_dot_product_attention(qb, kb, kb, enable_gqa=True,
-                                                              is_causal=prefix == 0),
-                       warmup=3, rep=40)
+    kb = torch.randn(HKV, total, D, device="cuda").bfloat16()
+    qh = q.transpose(0, 1)
+
+    def iso_call():
+        return iso_extend.iso_extend_attention(q, k, k, kc, vc, table, cu, [chunk], [prefix],
+                                               PAGE, fmt, D ** -0.5)
+
+    def bf16_call():
+        return attention.chunk_causal_attention(qh, kb, kb, D ** -0.5)
+
+    ms = do_bench(iso_call, warmup=3, rep=40)
+    ms_bf16 = do_bench(bf16_call, warmup=3, rep=40)
     row = dict(ms=ms, tokens_per_s=chunk / ms * 1e3, bf16_sdpa_ms=ms_bf16,
-               bf16_tokens_per_s=chunk / ms_bf16 * 1e3, iso_over_bf16=ms / ms_bf16,
-               attention_backends=list(iso_extend.EXTEND_BACKENDS))
+               bf16_tokens_per_s=chunk / ms_bf16 * 1e3, iso_over_bf16=ms / ms_bf16)
     # The same two calls inside CUDA graphs: GPU time without the host's launch overhead
     # (eager prefill pays that overhead too; the graph time is what the kernels cost).
-    us, method = _time_us(lambda: iso_extend.iso_extend_attention(
-        q, k, k, kc, vc, table, cu, [chunk], [prefix], PAGE, fmt, D ** -0.5), 1)
-    us_bf16, method_bf16 = _time_us(lambda: F.scaled_dot_product_attention(
-        qb, kb, kb, enable_gqa=True, is_causal=prefix == 0), 1)
+    us, method = _time_us(iso_call, 1)
+    us_bf16, method_bf16 = _time_us(bf16_call, 1)
     row.update(graph_ms=us / 1e3, bf16_graph_ms=us_bf16 / 1e3, iso_over_bf16_graph=us / us_bf16,
                graph_tokens_per_s=chunk / us * 1e6, graph_timing=(method, method_bf16))
-    if prefix:  # where the time goes
+    if prefix:  # the part the bf16 cache does not pay: the prefix's K and V dequantized
         slots = torch.arange(prefix, device="cuda")
         row["dequant_kv_ms"] = 2 * do_bench(lambda: iso_cuda.iso_dequant_rows(
             kc, slots, fmt, D, torch.bfloat16, head_major=True), warmup=3, rep=25)
-        kp = iso_cuda.iso_dequant_rows(kc, slots, fmt, D, torch.bfloat16, head_major=True)
-        qg = q.transpose(0, 1).reshape(HKV, HQ // HKV * chunk, D)
-        row["prefix_attention_ms"] = do_bench(
-            lambda: iso_extend._attend_lse(qg, kp, kp, False, D ** -0.5), warmup=3, rep=25)
-        ke = k.transpose(0, 1).repeat_interleave(HQ // HKV, 0)
-        row["chunk_attention_ms"] = do_bench(
-            lambda: iso_extend._attend_lse(q.transpose(0, 1), ke, ke, True, D ** -0.5),
-            warmup=3, rep=25)
     return row
 
 

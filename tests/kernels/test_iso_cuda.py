@@ -119,6 +119,19 @@ def test_store_bf16_and_dequant(fmt: str, n: int, heads: int, d: int) -> None:
     assert torch.equal(deq, ref)
     hm = _cuda().iso_dequant_rows(kc, loc, fmt, d, torch.bfloat16, head_major=True).cpu()
     assert torch.equal(hm, ref.bfloat16().transpose(0, 1))
+    # into the head of a larger head-major buffer (the extend path's prefix rows), the rest
+    # of the buffer left as it was
+    big = torch.full((heads, n + 5, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    _cuda().iso_dequant_rows(kc, loc, fmt, d, torch.bfloat16, head_major=True,
+                             out=big[:, :n])
+    assert torch.equal(big[:, :n].cpu(), ref.bfloat16().transpose(0, 1))
+    assert big[:, n:].isnan().all()
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        _cuda().iso_dequant_rows(kc, loc, fmt, d, torch.bfloat16, head_major=True,
+                                 out=big.transpose(1, 2)[:, :, :n].transpose(1, 2))
+    with pytest.raises(ValueError, match="out must be"):
+        _cuda().iso_dequant_rows(kc, loc, fmt, d, torch.float32, head_major=True,
+                                 out=big[:, :n])
 
 
 @pytest.mark.parametrize("fmt", FMTS)

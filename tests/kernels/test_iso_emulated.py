@@ -113,11 +113,15 @@ def test_decode_matches_reference(lib, case) -> None:
 
 @pytest.mark.parametrize("fmt", ["iso3", "iso4"])
 def test_extend_launcher_logic_on_cpu(monkeypatch, fmt: str) -> None:
-    """iso_extend_attention's GQA stacking and log-sum-exp merge (fp32 fallback path), with the
-    row-dequant kernel replaced by its reference."""
-    def deq(cache, slots, fmt_, head_dim, dtype=torch.bfloat16, *, head_major=False):
+    """iso_extend_attention's prefix + chunk rows and lower-right causal attention (SDPA on
+    CPU), with the row-dequant kernel replaced by its reference (writing into `out`)."""
+    def deq(cache, slots, fmt_, head_dim, dtype=torch.bfloat16, *, head_major=False, out=None):
         rows = iso.dequantize_ref(cache[slots.long()], fmt_, head_dim).to(dtype)
-        return rows.transpose(0, 1).contiguous() if head_major else rows
+        rows = rows.transpose(0, 1) if head_major else rows
+        if out is None:
+            return rows.contiguous()
+        out.copy_(rows)
+        return out
 
     monkeypatch.setattr(iso_cuda, "iso_dequant_rows", deq)
     torch.manual_seed(4)

@@ -169,22 +169,27 @@ def iso_store_debug(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Ten
 
 
 def iso_dequant_rows(cache: torch.Tensor, slots: torch.Tensor, fmt: str, head_dim: int,
-                     dtype: torch.dtype = torch.bfloat16, *,
-                     head_major: bool = False) -> torch.Tensor:
-    """Packed rows at slots [M] -> [M, H, head_dim] of `dtype` ([H, M, head_dim] contiguous
-    with head_major=True, the layout attention kernels want)."""
+                     dtype: torch.dtype = torch.bfloat16, *, head_major: bool = False,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed rows at slots [M] -> [M, H, head_dim] of `dtype` ([H, M, head_dim] with
+    head_major=True, the layout attention kernels want). `out`: write there instead (that
+    shape and dtype, rows and heads at any stride, the last dimension contiguous)."""
     bits = format_bits(fmt)
     heads = cache.shape[1]
     _check_cache(cache, heads, head_dim, fmt, "cache")
     if dtype not in _FLOATS:
         raise ValueError(f"dtype must be one of {_FLOATS}, got {dtype}")
     m = slots.numel()
-    if head_major:
-        out = torch.empty(heads, m, head_dim, dtype=dtype, device=cache.device)
-        row_stride, head_stride = out.stride(1), out.stride(0)
-    else:
-        out = torch.empty(m, heads, head_dim, dtype=dtype, device=cache.device)
-        row_stride, head_stride = out.stride(0), out.stride(1)
+    shape = (heads, m, head_dim) if head_major else (m, heads, head_dim)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=cache.device)
+    elif (tuple(out.shape) != shape or out.dtype != dtype or out.device != cache.device
+          or out.stride(2) != 1):
+        raise ValueError(f"out must be {shape} {dtype} on {cache.device} with a contiguous "
+                         f"last dimension, got {tuple(out.shape)} {out.dtype} on {out.device} "
+                         f"strides {out.stride()}")
+    row_stride, head_stride = ((out.stride(1), out.stride(0)) if head_major
+                               else (out.stride(0), out.stride(1)))
     if m:
         slots = slots.long().contiguous()
         _call(cache.device, "tinyserve_iso_dequant_rows", cache.data_ptr(), cache.stride(0),

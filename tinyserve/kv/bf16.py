@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tinyserve.core import ForwardContext
+from tinyserve.kernels.attention import chunk_causal_attention
 from tinyserve.kv.base import KVBackend
 
 
@@ -129,22 +130,12 @@ def _paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pages: to
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,
                      scale: float) -> torch.Tensor:
-    """Reference attention of one sequence with GQA.
+    """Attention of one sequence's chunk with GQA (`kernels.attention`).
 
     q [n, Hq, D] at positions prefix .. prefix+n-1; k, v [prefix+n, Hkv, D]. Query i sees keys
     0 .. prefix+i. Returns [n, Hq, D] in q.dtype (SDPA: fp32 softmax inside).
     """
-    n, Hq, _ = q.shape
-    S = k.shape[0]
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, len, D]
-    if prefix == 0:  # plain causal: the fused kernels apply without a mask
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
-                                           enable_gqa=True)
-    elif n == 1:  # one new token sees everything
-        o = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=True)
-    else:
-        rows = torch.arange(n, device=q.device)[:, None] + prefix
-        mask = torch.arange(S, device=q.device)[None, :] <= rows  # [n, S]
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
-                                           enable_gqa=True)
+    if k.shape[0] != prefix + q.shape[0]:
+        raise ValueError(f"{k.shape[0]} keys for a prefix of {prefix} and {q.shape[0]} queries")
+    o = chunk_causal_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale)
     return o.transpose(0, 1)

@@ -18,21 +18,24 @@ Extend: tokens/s of a 2k-token chunk over prefixes 0..30k, the ratio to the bf16
 attention of the same sequence (lower-right causal SDPA over contiguous bf16 K/V), and the
 time of the prefix's dequantization, the one part the bf16 cache does not pay.
 
-Writes bench/results/iso_attention.json (bench/common.py Recorder: a failing case is recorded
-and the rest still run). Usage: python bench/iso_attention.py [--quick] [--no-extend] [--loops |
---warps | --layout | --extend] (--loops: bf16 and the mma kernel's loops only, iso3 decode at
-the six points, < 60 s, written to bench/results/iso_attention_loops.json; --extend: the extend
+Writes bench/results/iso_attention.json (bench/common.py Recorder: a failing case is recorded and
+the rest still run). Usage: python bench/iso_attention.py [--quick] [--no-extend] [--loops |
+--warps | --layout | --pdl | --extend] (--loops: bf16 and the mma kernel's loops only, iso3 decode
+at the six points, < 60 s, written to bench/results/iso_attention_loops.json; --extend: the extend
 cases only, prefixes 0 / 2k / 8k / 16k / 30k, each also timed inside CUDA graphs (the GPU time
 without the host's launch overhead), < 60 s, written to bench/results/iso_extend.json; --warps:
 bf16, the mma kernel's MMA_CONFIG row and WARPS_SWEEP (4, 8, 16 warps per CTA at one wave and 8
 warps at one CTA per SM), iso3 decode at the six points, < 60 s, written to
 bench/results/iso_attention_warps.json with `mma_warps`: the best row per point and the best
 setting per batch; --layout: bf16 and the shared-memory row layouts of the 16-byte staging,
-"tokens_wide" (128-byte rows) against "tokens_pad" (144-byte rows, the default; no bank
-conflicts), each with the batch's MMA_CONFIG row and with 4, 8, 16 warps per CTA at one wave,
-iso3 decode at the six points, < 60 s, written to bench/results/iso_attention_layout.json with
-`mma_layout`: the best row per point, pad / wide per setting and point, and the best setting per
-batch as an MMA_CONFIG row plus the loop for iso_mma.MMA_LOOP)
+"tokens_wide" (128-byte rows) against "tokens_pad" (144-byte rows, the default; no bank conflicts),
+each with the batch's MMA_CONFIG row and with 4, 8, 16 warps per CTA at one wave, iso3 decode at
+the six points, < 60 s, written to bench/results/iso_attention_layout.json with `mma_layout`: the
+best row per point, pad / wide per setting and point, and the best setting per batch as an
+MMA_CONFIG row plus the loop for iso_mma.MMA_LOOP; --pdl: bf16 and the mma decode with its split
+merge launched as a programmatic dependent (`iso_mma.MERGE_PDL`) and plainly, iso3 decode at the
+six points, < 60 s, written to bench/results/iso_attention_pdl.json with `mma_pdl`: on / off per
+point)
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ RESULTS_LOOPS = ROOT / "bench" / "results" / "iso_attention_loops.json"  # --loo
 RESULTS_WARPS = ROOT / "bench" / "results" / "iso_attention_warps.json"  # --warps
 RESULTS_LAYOUT = ROOT / "bench" / "results" / "iso_attention_layout.json"  # --layout
 RESULTS_EXTEND = ROOT / "bench" / "results" / "iso_extend.json"  # --extend
+RESULTS_PDL = ROOT / "bench" / "results" / "iso_attention_pdl.json"  # --pdl
 
 
 def _time_us(fn, calls_per_run: int) -> tuple[float, str]:
@@ -169,7 +173,7 @@ def _call(st: dict, impl: str, cfg: dict):
     if impl == "cuda":
         return lambda kc, vc, out: iso_cuda.iso_decode_attention(
             q, kc, vc, table, lens, PAGE, fmt, D ** -0.5, max_seq_len=ctx, out=out, **cfg)
-    if impl in ("mma", "mma_min", "mma_loop", "mma_warps", "mma_layout"):
+    if impl in ("mma", "mma_min", "mma_loop", "mma_warps", "mma_layout", "mma_pdl"):
         return lambda kc, vc, out: iso_mma.iso_decode_attention_mma(
             q, kc, vc, table, lens, PAGE, fmt, D ** -0.5, max_seq_len=ctx, out=out, **cfg)
     return lambda kc, vc, out: iso_triton.iso_decode_attention_triton(
@@ -421,6 +425,21 @@ def _layout_best(cases: dict) -> dict:
     return dict(points=points, per_batch=batches)
 
 
+def _pdl_points(cases: dict) -> dict:
+    """--pdl: per decode point the merge launched as a dependent vs plainly (us, on / off,
+    on / bf16)."""
+    points = {}
+    for name, row in cases.items():
+        if "/mma_pdl/on" not in name or "us" not in row:
+            continue
+        off = cases.get(name.replace("/on", "/off"), {})
+        if "us" in off:
+            points[name.split("/iso3")[0]] = dict(
+                on_us=row["us"], off_us=off["us"], on_over_off=row["us"] / off["us"],
+                on_over_bf16=row.get("ratio_vs_bf16"), off_over_bf16=off.get("ratio_vs_bf16"))
+    return points
+
+
 def _summary(cases: dict) -> None:
     print("\ndecode (us per layer, ratio vs bf16, cosine vs oracle):")
     for name, row in cases.items():
@@ -450,13 +469,17 @@ def main() -> int:
     parser.add_argument("--layout", action="store_true",
                         help="bf16 and the mma decode's shared row layouts (tokens_wide vs "
                              "tokens_pad) at 4/8/16 warps only (iso3, no extend; < 60 s)")
+    parser.add_argument("--pdl", action="store_true",
+                        help="bf16 and the mma decode with its split merge launched as a "
+                             "programmatic dependent and plainly (iso3, no extend; < 60 s)")
     parser.add_argument("--extend", action="store_true",
                         help="the extend cases only (prefixes 0 .. 30k, eager and in CUDA "
                              "graphs; < 60 s)")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
-    only = args.loops or args.warps or args.layout  # a decode-only sweep
-    results = (RESULTS_LAYOUT if args.layout else RESULTS_WARPS if args.warps
+    only = args.loops or args.warps or args.layout or args.pdl  # a decode-only sweep
+    results = (RESULTS_PDL if args.pdl else RESULTS_LAYOUT if args.layout
+               else RESULTS_WARPS if args.warps
                else RESULTS_LOOPS if args.loops else RESULTS_EXTEND if args.extend
                else RESULTS)
     rec = Recorder(results, run_meta(
@@ -464,9 +487,9 @@ def main() -> int:
         shapes=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, page_size=PAGE),
         baseline="torch SDPA bf16, enable_gqa=True, contiguous K/V",
         mma_config=list(iso_mma.MMA_CONFIG), mma_loops=list(iso_mma.LOOPS),
-        mode=("layout" if args.layout else "warps" if args.warps else "loops" if args.loops
-              else "extend" if args.extend else "full"), mma_loop=iso_mma.MMA_LOOP,
-        mma_warps=list(iso_mma.WARPS),
+        mode=("pdl" if args.pdl else "layout" if args.layout else "warps" if args.warps
+              else "loops" if args.loops else "extend" if args.extend else "full"),
+        mma_loop=iso_mma.MMA_LOOP, mma_warps=list(iso_mma.WARPS), merge_pdl=iso_mma.MERGE_PDL,
         triton_block_t=iso_triton.BLOCK_T,
         targets="iso3 <= 0.5x bf16 at 32k and 128k (batch 1); extend iso/bf16 within 1.3x"))
     contexts = [4096, 32768] if args.quick else [4096, 32768, 131072]
@@ -491,8 +514,10 @@ def main() -> int:
                 impls = ["cuda", "triton"] + (["mma"] if fmt == "iso3" else [])
                 for impl in ([] if only else impls):
                     rec.run(f"{tag}/{fmt}/{impl}", bench_decode_iso, st, impl, {}, base)
-                for cfg in LOOP_SWEEP if fmt == "iso3" and not (args.warps or args.layout) \
-                        else ():
+                for name, pdl in (("on", True), ("off", False)) if args.pdl else ():
+                    rec.run(f"{tag}/{fmt}/mma_pdl/{name}", bench_decode_iso, st, "mma_pdl",
+                            dict(pdl=pdl), base)
+                for cfg in LOOP_SWEEP if fmt == "iso3" and not only else ():
                     rec.run(f"{tag}/{fmt}/mma_loop/{_loop_name(cfg)}", bench_decode_iso, st,
                             "mma_loop", cfg, base)
                 for cfg in [{}, *WARPS_SWEEP] if args.warps else ():
@@ -519,6 +544,8 @@ def main() -> int:
         rec.data["mma_warps"] = _warps_best(cases)
     if args.layout:
         rec.data["mma_layout"] = _layout_best(cases)
+    if args.pdl:
+        rec.data["mma_pdl"] = _pdl_points(cases)
     if not (args.no_extend or only):
         for prefix in (0, 2048, 8192, 16384, 30720) if args.extend else (0, 2048, 8192, 30720):
             rec.run(f"extend/iso3/prefix{prefix}", bench_extend, "iso3", prefix)
@@ -547,6 +574,11 @@ def main() -> int:
                   f"x{r['best_over_default'] or 0:.2f} default "
                   f"(default x{r['default_over_bf16'] or 0:.2f} bf16)")
         print(f"  per batch (MMA_CONFIG candidate): {rec.data['mma_warps']['per_batch']}")
+    if args.pdl:
+        print("split merge as a dependent launch (us per layer: on / off, x bf16):")
+        for point, r in rec.data["mma_pdl"].items():
+            print(f"  {point}: {r['on_us']:.1f} / {r['off_us']:.1f} = x{r['on_over_off']:.3f}; "
+                  f"x{r['on_over_bf16'] or 0:.2f} / x{r['off_over_bf16'] or 0:.2f} bf16")
     if args.layout:
         print("mma row layouts (us per layer; best row, x bf16, x wide-default; pad/wide):")
         for point, r in rec.data["mma_layout"]["points"].items():

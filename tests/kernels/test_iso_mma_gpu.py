@@ -140,6 +140,38 @@ def test_mma_same_bits_every_run(loop, cfg) -> None:
     assert torch.equal(out, first)
 
 
+@pytest.mark.parametrize("cfg", WIDE_CTAS, ids=lambda c: f"w{c.get('warps', 'default')}")
+def test_mma_merge_dependent_launch_same_bits(cfg) -> None:
+    """The split merge launched as a programmatic dependent (sm_90+) or plainly: the same
+    bits, eagerly and replayed from a graph (where the dependency is a programmatic edge),
+    behind a kernel that rewrites the query and lengths just before."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    kc, vc, table, seq = _state([20000, 3000], seed=6)
+    q = torch.randn(2, HQ, D, device="cuda").bfloat16()
+    q_src, seq_src = q.clone(), seq.clone()
+
+    def call(out: torch.Tensor, pdl: bool) -> torch.Tensor:
+        q.copy_(q_src)  # the merge reads what the kernels before it wrote
+        seq.copy_(seq_src)
+        return iso_mma.iso_decode_attention_mma(q, kc, vc, table, seq, PS, "iso3", D ** -0.5,
+                                                max_seq_len=20000, out=out, pdl=pdl, **cfg)
+
+    plain = call(torch.full_like(q, float("nan")), False).clone()
+    _check(plain, _oracle(q, kc, vc, table, [20000, 3000]), f"plain {cfg}")
+    assert torch.equal(call(torch.full_like(q, float("nan")), True), plain)
+    out = torch.empty_like(q)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(out, True)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        q.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain)
+
+
 @pytest.mark.parametrize("loop", ["tokens_wide", "tokens_pad"])
 def test_mma_tokens_wide_on_unaligned_caches(loop) -> None:
     """Caches that are not 16-byte aligned (4 is what the 4-byte word copies of "tokens" need

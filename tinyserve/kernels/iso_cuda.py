@@ -41,7 +41,7 @@ _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _TILE = 32
 MIN_SPLIT_TOKENS = 256
 _ERRORS = {2: "bad format or head_dim", 3: "unsupported GQA group", 4: "bad n_warps",
-           5: "bad q dtype or wide"}
+           5: "bad q dtype, wide or pdl"}
 
 _I, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
@@ -52,7 +52,7 @@ _SIGNATURES = {
     "tinyserve_iso_decode": [_P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _I, _I, _F,
                              _I, _P, _P, _P, _I64, _I, _P],
     "tinyserve_iso_decode_mma": [_P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _I, _I,
-                                 _F, _I, _P, _P, _P, _I64, _I, _I, _I, _P],
+                                 _F, _I, _P, _P, _P, _I64, _I, _I, _I, _I, _P],
     "tinyserve_iso_decode_mma_occupancy": [_I, _I, _I],
 }
 

@@ -66,6 +66,19 @@ _WIDE_CODE = {"tokens": 0, "tokens_wide": 1, "tokens_pad": 2}  # the C entry's `
 MMA_LOOP = "tokens_pad"
 
 
+# The split merge as a programmatic dependent launch of the decode kernel (sm_90+: its CTAs
+# are scheduled while the decode's last CTAs run, and wait on the GPU for the decode grid
+# instead of being launched after it). Below sm_90 the merge is always a plain launch.
+MERGE_PDL = True
+
+
+def _pdl(device: torch.device, pdl: bool | None) -> int:
+    """The C entry's `pdl` argument: 1 where asked (None: MERGE_PDL) and the GPU is sm_90+."""
+    want = MERGE_PDL if pdl is None else pdl
+    return int(bool(want) and device.type == "cuda"
+               and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
 def mma_config(batch: int) -> dict:
     """The MMA_CONFIG row for `batch`."""
     for row in MMA_CONFIG:
@@ -109,13 +122,15 @@ def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                              out: torch.Tensor | None = None, split_tokens: int | None = None,
                              warps: int | None = None, ctas_per_sm: int | None = None,
                              min_split_tokens: int | None = None,
-                             loop: str | None = None) -> torch.Tensor:
+                             loop: str | None = None,
+                             pdl: bool | None = None) -> torch.Tensor:
     """`iso_cuda.iso_decode_attention` on tensor cores (iso3 only; GQA group <= 8; head_dim
     128 or 256): fp16 query and centroid operands, fp32 accumulation, q read in its own
     dtype. Settings default to `mma_config(B)`; `split_tokens`, `warps` (one of WARPS),
     `ctas_per_sm` (0: one wave from the occupancy), `min_split_tokens` override them (tuning;
     a split shorter than 16 x warps tokens leaves warps idle); `loop="tokens"` forces the
-    word-staged fallback, `loop="tokens_pad"` the padded rows (LOOPS; None: MMA_LOOP). Raises
+    word-staged fallback, `loop="tokens_pad"` the padded rows (LOOPS; None: MMA_LOOP); `pdl`
+    (None: MERGE_PDL) launches the split merge as a programmatic dependent. Raises
     ValueError on shapes or settings it does not take."""
     b, hq, d, hkv = _check_decode(q, k_cache, v_cache, page_table, seq_lens, fmt)
     _check_out(out, q, b, hq, d)
@@ -135,4 +150,4 @@ def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                                   one_wave=not ctas)
     return run_split_decode("tinyserve_iso_decode_mma", warps, q, k_cache,
                             v_cache, page_table, seq_lens, page_size, scale, chunk, splits, out,
-                            native_q=True, tail=(wide,))
+                            native_q=True, tail=(wide, _pdl(q.device, pdl)))

@@ -103,3 +103,21 @@ struct Launch {
   }
 };
 }
+// cudaLaunchKernelEx: the emulation runs kernels in launch order, so a programmatic dependent
+// launch (the only attribute the kernels set) is a plain launch here.
+enum cudaLaunchAttributeID { cudaLaunchAttributeProgrammaticStreamSerialization = 5 };
+union cudaLaunchAttributeValue { int programmaticStreamSerializationAllowed; };
+struct cudaLaunchAttribute { cudaLaunchAttributeID id; cudaLaunchAttributeValue val; };
+struct cudaLaunchConfig_t {  // the fields of CUDA's struct in its order (names: the macros)
+  dim3 grid, block;
+  size_t smem;
+  cudaStream_t stream;
+  cudaLaunchAttribute* attrs;
+  unsigned num_attrs;
+};
+template <typename... P, typename... A>
+inline cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* cfg, void (*kernel)(P...),
+                                      A&&... args) {
+  emu::Launch(cfg->grid, cfg->block, cfg->smem, cfg->stream)(kernel, P(args)...);
+  return cudaSuccess;
+}

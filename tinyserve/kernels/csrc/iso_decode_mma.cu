@@ -98,6 +98,7 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
   // [block nb, word u, j / 2][lane]: (k-step 4u + j, 4u + j + 1) x (a0, a2) of lane's fragment
   __shared__ uint4 qf_sm[NB * 4][32];
 
+  allow_dependent_launch();  // the split merge may be scheduled now; it waits for this grid
   const int split = blockIdx.x;
   const int kvh = blockIdx.y;
   const int b = blockIdx.z;
@@ -461,9 +462,10 @@ int occupancy_of(int n_warps) {
 // except that q is read in its own dtype (q_dtype_code: 0 fp32, 1 bf16, 2 fp16), plus n_warps
 // (2, 4, 8 or 16 warps per CTA) and wide (1: stage the rows in 16-byte copies when both
 // caches are 16-byte aligned and the slot stride a multiple of 4, else in words; 2: the same
-// with the padded row stride (Layout's PAD); 0: always in words). Returns 0, a CUDA error
-// code, 2 (bad format/head_dim), 3 (bad GQA group), 4 (bad n_warps) or 5 (bad q dtype or
-// wide).
+// with the padded row stride (Layout's PAD); 0: always in words) and pdl (1: the split merge
+// is a programmatic dependent launch, sm_90+ only; 0: a plain launch). Returns 0, a CUDA error
+// code, 2 (bad format/head_dim), 3 (bad GQA group), 4 (bad n_warps) or 5 (bad q dtype,
+// wide or pdl).
 extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, const void* v_cache,
                                         int64_t slot_stride, const int32_t* page_table,
                                         int64_t pt_stride, const int32_t* seq_lens, int batch,
@@ -471,7 +473,7 @@ extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, cons
                                         int page_size, int chunk, int n_splits, float scale,
                                         int n_warps, float* part_acc, float* part_ml, void* out,
                                         int64_t out_stride_b, int dtype_code, int q_dtype_code,
-                                        int wide, cudaStream_t stream) {
+                                        int wide, int pdl, cudaStream_t stream) {
   using namespace iso;
   if (batch == 0) return 0;
   if (n_kv_heads <= 0 || n_q_heads % n_kv_heads != 0) return 3;
@@ -479,7 +481,8 @@ extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, cons
   if (group < 1 || group > mma::kRows) return 3;
   if (head_dim != 128 && head_dim != 256) return 2;
   if (n_warps != 2 && n_warps != 4 && n_warps != 8 && n_warps != 16) return 4;
-  if (q_dtype_code < 0 || q_dtype_code > 2 || wide < 0 || wide > 2) return 5;
+  if (q_dtype_code < 0 || q_dtype_code > 2 || wide < 0 || wide > 2 || pdl < 0 || pdl > 1)
+    return 5;
   const uintptr_t addr_bits =
       reinterpret_cast<uintptr_t>(k_cache) | reinterpret_cast<uintptr_t>(v_cache);
   const bool w16 = wide >= 1 && (addr_bits & 15u) == 0 && slot_stride % 4 == 0;
@@ -497,12 +500,12 @@ extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, cons
   else ISO_MMA(1);
 #undef ISO_MMA
   if (e != cudaSuccess) return (int)e;
-  const dim3 grid(n_q_heads, batch, head_dim / kMergeCols);
   ISO_DISPATCH_DTYPE(dtype_code, T, {
-    decode_merge_cols_kernel<T><<<grid, kMergeThreads, 0, stream>>>(
-        part_acc, part_ml, seq_lens, chunk, n_splits, n_q_heads, head_dim,
-        static_cast<T*>(out), out_stride_b);
+    e = launch_merge_cols<T>(part_acc, part_ml, seq_lens, chunk, n_splits, n_q_heads,
+                             head_dim, batch, static_cast<T*>(out), out_stride_b, pdl != 0,
+                             stream);
   });
+  if (e != cudaSuccess) return (int)e;
   return (int)cudaGetLastError();
 }
 

@@ -1,0 +1,78 @@
+"""What fraction of the bandwidth reference a decode GEMV can reach at a given weight size, on
+this GPU, timed as bench/nvfp4.py times its GEMVs (a CUDA graph of back-to-back calls over
+weight copies rotated past L2) -> results/gemv_floor.json.
+
+At each size (4 MB .. 286 MB): a bf16 cuBLAS GEMV (M = 1) over a bf16 weight of that many
+bytes, a device-to-device copy of that many bytes (read and written), and the NVFP4 GEMV
+(shipped tiles) on a weight of that many bytes (K = 2048). The bandwidth reference `bw` is
+bench/nvfp4.py's (the larger of a 1 GiB copy and a 1 GiB bf16 GEMV). A small weight cannot
+reach the reference: every call pays a launch, a ramp-up of the first loads and a tail,
+whoever wrote the kernel; cuBLAS at the same bytes says how much of a miss is that floor.
+
+Usage: python bench/gemv_floor.py  (< 60 s on an H200)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench.common import Recorder, rand_nvfp4, run_meta  # noqa: E402
+from bench.nvfp4 import bandwidth, copies, nvfp4_bytes, time_graph  # noqa: E402
+from tinyserve.kernels.nvfp4 import nvfp4_linear  # noqa: E402
+
+SIZES_MB = (4.7, 9.4, 18.9, 37.7, 75.5, 286.0)  # NVFP4 bytes at K = 2048; 9.4: qkvz, 286: lm_head
+K = 2048
+
+
+def bench_size(mb: float, bw: float) -> dict:
+    n = int(mb * 1e6 / nvfp4_bytes(1, K)) // 64 * 64  # NVFP4 rows of K = 2048 in `mb`
+    wb = nvfp4_bytes(n, K)
+    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    ws = [rand_nvfp4(n, K, "cuda") for _ in range(copies(wb, False))]
+    us_fp4 = time_graph([lambda w=w: nvfp4_linear(x, w) for w in ws])
+    del ws
+    kb = wb // (2 * n) // 64 * 64  # bf16 columns with the same bytes per row
+    xb = torch.randn(1, kb, device="cuda", dtype=torch.bfloat16)
+    dense = [torch.randn(n, kb, device="cuda", dtype=torch.bfloat16)
+             for _ in range(copies(2 * n * kb, False))]
+    us_bf16 = time_graph([lambda d=d: xb @ d.T for d in dense])
+    del dense
+    src = [torch.empty(wb, dtype=torch.uint8, device="cuda") for _ in range(copies(wb, False))]
+    dst = torch.empty(wb, dtype=torch.uint8, device="cuda")
+    us_copy = time_graph([lambda s=s: dst.copy_(s) for s in src])
+    return dict(N=n, K=K, weight_bytes=wb, nvfp4_us=us_fp4, nvfp4_frac_bw=wb / us_fp4 / 1e3 / bw,
+                bf16_cublas_bytes=2 * n * kb, bf16_cublas_us=us_bf16,
+                bf16_cublas_frac_bw=2 * n * kb / us_bf16 / 1e3 / bw,
+                copy_us=us_copy, copy_frac_bw=2 * wb / us_copy / 1e3 / bw)
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU")
+        return 1
+    rec = Recorder(ROOT / "bench/results/gemv_floor.json", run_meta(
+        "gemv_floor", timing="median of 10 CUDA-graph replays, weights rotated past L2",
+        baseline="bf16 cuBLAS GEMV and a device copy at the same bytes, same run"))
+    bw = (rec.run("bandwidth", bandwidth, "cuda") or {}).get("GBps", 4000.0)
+    for mb in SIZES_MB:
+        rec.run(f"size_{mb}MB", bench_size, mb, bw)
+        torch.cuda.empty_cache()
+    rec.save()
+    print("fraction of the bandwidth reference (NVFP4 gemv | bf16 cuBLAS | copy):")
+    for name, r in rec.data["cases"].items():
+        if name.startswith("size_") and "nvfp4_us" in r:
+            print(f"  {r['weight_bytes'] / 1e6:7.1f} MB: {r['nvfp4_frac_bw']:.2f} "
+                  f"({r['nvfp4_us']:.1f} us) | {r['bf16_cublas_frac_bw']:.2f} "
+                  f"({r['bf16_cublas_us']:.1f} us) | {r['copy_frac_bw']:.2f} "
+                  f"({r['copy_us']:.1f} us)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

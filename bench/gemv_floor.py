@@ -2,9 +2,9 @@
 this GPU, timed as bench/nvfp4.py times its GEMVs (a CUDA graph of back-to-back calls over
 weight copies rotated past L2) -> results/gemv_floor.json.
 
-At each size (4 MB .. 286 MB): a bf16 cuBLAS GEMV (M = 1) over a bf16 weight of that many
-bytes, a device-to-device copy of that many bytes (read and written), and the NVFP4 GEMV
-(shipped tiles) on a weight of that many bytes (K = 2048). The bandwidth reference `bw` is
+At each size (NVFP4 weights of 4.7 .. 286 MB, K = 2048): the NVFP4 GEMV (M = 1; shipped
+tiles), a bf16 cuBLAS GEMV over a bf16 weight of the same bytes, and a device-to-device copy
+of the same bytes (read and written). The bandwidth reference `bw` is
 bench/nvfp4.py's (the larger of a 1 GiB copy and a 1 GiB bf16 GEMV). A small weight cannot
 reach the reference: every call pays a launch, a ramp-up of the first loads and a tail,
 whoever wrote the kernel; cuBLAS at the same bytes says how much of a miss is that floor.
@@ -26,12 +26,13 @@ from bench.common import Recorder, rand_nvfp4, run_meta  # noqa: E402
 from bench.nvfp4 import bandwidth, copies, nvfp4_bytes, time_graph  # noqa: E402
 from tinyserve.kernels.nvfp4 import nvfp4_linear  # noqa: E402
 
-SIZES_MB = (4.7, 9.4, 18.9, 37.7, 75.5, 286.0)  # NVFP4 bytes at K = 2048; 9.4: qkvz, 286: lm_head
+# NVFP4 rows at K = 2048: 4.7 .. 286 MB; 8192 is the qkvz projection and 248320 the lm_head
+# (their tuned tiles from nvfp4_tiles.py), the other sizes run the default tiles
+ROWS = (4096, 8192, 16384, 32768, 65536, 248320)
 K = 2048
 
 
-def bench_size(mb: float, bw: float) -> dict:
-    n = int(mb * 1e6 / nvfp4_bytes(1, K)) // 64 * 64  # NVFP4 rows of K = 2048 in `mb`
+def bench_size(n: int, bw: float) -> dict:
     wb = nvfp4_bytes(n, K)
     x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
     ws = [rand_nvfp4(n, K, "cuda") for _ in range(copies(wb, False))]
@@ -60,13 +61,13 @@ def main() -> int:
         "gemv_floor", timing="median of 10 CUDA-graph replays, weights rotated past L2",
         baseline="bf16 cuBLAS GEMV and a device copy at the same bytes, same run"))
     bw = (rec.run("bandwidth", bandwidth, "cuda") or {}).get("GBps", 4000.0)
-    for mb in SIZES_MB:
-        rec.run(f"size_{mb}MB", bench_size, mb, bw)
+    for n in ROWS:
+        rec.run(f"rows_{n}", bench_size, n, bw)
         torch.cuda.empty_cache()
     rec.save()
     print("fraction of the bandwidth reference (NVFP4 gemv | bf16 cuBLAS | copy):")
     for name, r in rec.data["cases"].items():
-        if name.startswith("size_") and "nvfp4_us" in r:
+        if name.startswith("rows_") and "nvfp4_us" in r:
             print(f"  {r['weight_bytes'] / 1e6:7.1f} MB: {r['nvfp4_frac_bw']:.2f} "
                   f"({r['nvfp4_us']:.1f} us) | {r['bf16_cublas_frac_bw']:.2f} "
                   f"({r['bf16_cublas_us']:.1f} us) | {r['copy_frac_bw']:.2f} "

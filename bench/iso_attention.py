@@ -15,8 +15,8 @@ rows, fp32 softmax attention) on the same cache. `decode_choice` says which kern
 value for kv/iso_pool.DECODE_IMPL), `mma_best` the mma settings per batch (the rows for
 iso_mma.MMA_CONFIG).
 Extend: tokens/s of a 2k-token chunk over prefixes 0..30k, the ratio to the bf16 cache's
-attention of the same sequence (lower-right causal SDPA over contiguous bf16 K/V), and the
-time of the prefix's dequantization, the one part the bf16 cache does not pay.
+attention of the same sequence (`attention.chunk_causal_attention` over contiguous bf16 K/V),
+and the time of the prefix's dequantization, the one part the bf16 cache does not pay.
 
 Writes bench/results/iso_attention.json (bench/common.py Recorder: a failing case is recorded and
 the rest still run). Usage: python bench/iso_attention.py [--quick] [--no-extend] [--loops |
@@ -234,8 +234,8 @@ def bench_decode_bf16(batch: int, ctx: int) -> dict:
 
 def bench_extend(fmt: str, prefix: int, chunk: int = 2048) -> dict:
     """A 2k-token chunk over a packed prefix vs the bf16 cache's attention of the same
-    sequence (`attention.chunk_causal_attention` over contiguous bf16 K/V: lower-right causal
-    SDPA, the call the bf16 backend makes after its gather), eagerly and inside CUDA graphs."""
+    sequence (`attention.chunk_causal_attention` over contiguous bf16 K/V, the call the bf16
+    backend makes after its gather), eagerly and inside CUDA graphs."""
     from triton.testing import do_bench
 
     total = prefix + chunk

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tinyserve.kernels import attention
 from tinyserve.kernels.attention import chunk_causal_attention
 
 
@@ -32,3 +33,44 @@ def test_chunk_longer_than_its_sequence_is_refused() -> None:
         chunk_causal_attention(torch.randn(2, 5, 8), torch.randn(2, 4, 8),
                                torch.randn(2, 4, 8), 1.0)
 
+
+
+def _math_with_lse(q, k, v, causal, scale):
+    """fp32 stand-in for the cuDNN call: top-left causal, natural-log LSE."""
+    sc = (q.float() @ k.float().transpose(1, 2)) * scale
+    if causal:
+        sc = sc.masked_fill(torch.ones(sc.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(sc, -1)
+    return (torch.softmax(sc, -1) @ v.float()).to(q.dtype), lse
+
+
+@pytest.mark.parametrize("hq,hkv,n,s", [(8, 2, 5, 13), (16, 2, 33, 100), (4, 4, 7, 8)])
+def test_split_path_merges_prefix_and_chunk(monkeypatch, hq: int, hkv: int, n: int,
+                                            s: int) -> None:
+    # the CUDA path's structure (the prefix with a KV head's query heads stacked, the chunk
+    # causal, the log-sum-exp merge) with the cuDNN call replaced by fp32 math
+    monkeypatch.setattr(attention, "_cudnn", _math_with_lse)
+    torch.manual_seed(hq + n + s)
+    q, k, v = torch.randn(hq, n, 64), torch.randn(hkv, s, 64), torch.randn(hkv, s, 64)
+    out = attention._split_cudnn(q, k, v, 0.125)
+    torch.testing.assert_close(out.double(), _reference(q, k, v, 0.125), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("hq,hkv,n,s", [(16, 2, 2048, 2048), (16, 2, 2048, 4096),
+                                        (16, 2, 300, 9000), (8, 8, 64, 65), (16, 2, 1, 500)])
+def test_chunk_causal_attention_on_cuda(hq: int, hkv: int, n: int, s: int) -> None:
+    torch.manual_seed(n + s)
+    q = torch.randn(hq, n, 256, device="cuda").bfloat16()
+    k = torch.randn(hkv, s, 256, device="cuda").bfloat16()
+    v = torch.randn(hkv, s, 256, device="cuda").bfloat16()
+    out = chunk_causal_attention(q, k, v, 256 ** -0.5)
+    want = _reference(q.cpu().float(), k.cpu().float(), v.cpu().float(), 256 ** -0.5)
+    cos = torch.nn.functional.cosine_similarity(out.cpu().double().flatten(), want.flatten(),
+                                                dim=0).item()
+    err = (out.cpu().double() - want).abs().max().item()
+    print(f"\nhq {hq} hkv {hkv} n {n} s {s}: cosine {cos:.7f} max abs err {err:.2e}, "
+          f"cuDNN split path {attention._CUDNN_OK}")
+    assert cos >= 0.9999 and err < 2e-2
+    if torch.cuda.get_device_capability()[0] >= 9 and 1 < n < s:  # the H200 takes cuDNN
+        assert all(attention._CUDNN_OK.values())

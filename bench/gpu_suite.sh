@@ -124,7 +124,7 @@ print("ISO KV library built")' ;;
             # Parallel workers share the one GPU; Triton and nvcc builds dominate the wall time.
             # The full-size test runs in its own step (its checkpoint is unset here: it skips).
             run_step gpu_tests "${TESTS_TIMEOUT:-420}" env -u TINYSERVE_FULLSIZE_DIR \
-                python3 -m pytest -m requires_cuda -q -rfEs --tb=short -p no:cacheprovider \
+                python3 -m pytest -m "requires_cuda or gpu_shapes" -q -rfEs --tb=short -p no:cacheprovider \
                 -n "${TEST_WORKERS:-6}" \
                 ${TESTS:-tests/kernels tests/kv tests/model tests/engine tests/offload} ;;
         bench_*)

@@ -8,6 +8,8 @@ import torch
 from tinyserve.kernels import attention
 from tinyserve.kernels.attention import chunk_causal_attention
 
+pytestmark = pytest.mark.gpu_shapes
+
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     group = q.shape[0] // k.shape[0]

@@ -28,6 +28,8 @@ from tests.kernels.sm90_build import (  # noqa: E402
 from tinyserve.kernels import iso  # noqa: E402
 from tinyserve.kernels import iso_triton as it  # noqa: E402
 
+pytestmark = pytest.mark.gpu_shapes
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 CASES = [  # fmt, hq, hkv, d, page_size, lens, split_tokens, q dtype

@@ -63,7 +63,7 @@ def run_in_interpreter_child(path: str) -> None:
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
 
 
-pytestmark = pytest.mark.usefixtures("poison", "interpreter_ok")
+pytestmark = [pytest.mark.usefixtures("poison", "interpreter_ok"), pytest.mark.gpu_shapes]
 
 
 def test_kernels_in_interpreter_child() -> None:

@@ -29,7 +29,7 @@ pytest.importorskip("triton")
 from tinyserve.kernels import glue as S  # noqa: E402
 from tinyserve.kernels import router as R  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("poison", "interpreter_ok")
+pytestmark = [pytest.mark.usefixtures("poison", "interpreter_ok"), pytest.mark.gpu_shapes]
 
 
 def test_kernels_in_interpreter_child() -> None:

@@ -22,6 +22,8 @@ from tinyserve.core import DenseWeight  # noqa: E402
 from tinyserve.kernels.nvfp4_ref import quantize_nvfp4  # noqa: E402
 from tinyserve.model import moe  # noqa: E402
 
+pytestmark = pytest.mark.gpu_shapes
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 

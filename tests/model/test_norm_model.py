@@ -22,6 +22,8 @@ from tests.kernels.test_norm import interpreter_ok, run_in_interpreter_child  # 
 from tests.model.hf_tiny import build_runner, checkpoint  # noqa: E402
 from tinyserve.model import attention, moe, norm, rope  # noqa: E402
 
+pytestmark = pytest.mark.gpu_shapes
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 GLUE_MODULES = (norm, moe, rope, attention)
 

@@ -3,12 +3,12 @@ attention kernels.
 
 The chunk's queries are the last n of the sequence's S positions (a prefill chunk after its
 cached prefix), so query i sees keys 0 .. S - n + i: the lower-right causal mask. Without a
-prefix that is plain causal SDPA. With one, on CUDA, the prefix and the chunk are attended
-apart with cuDNN and merged by their log-sum-exp: the prefix non-causally, a KV head's query
-heads stacked on the query axis (GQA without repeating the prefix), the chunk causally. On the
-H200 that is 1.6-2x faster than flash attention's lower-right causal call at head_dim 256
-(bench/NOTES_iso.md). Where cuDNN fails or disagrees with fp32 math (checked once per device,
-dtype and head_dim), and on CPU, SDPA runs with `causal_lower_right`.
+prefix that is plain causal SDPA. With one, on CUDA, the prefix and the chunk are attended apart
+with cuDNN and merged by their log-sum-exp (`glue.lse_merge`): the prefix non-causally, a KV
+head's query heads stacked on the query axis (GQA without repeating the prefix), the chunk
+causally. On the H200 that is 1.6-2x faster than flash attention's lower-right causal call at
+head_dim 256 (bench/NOTES_iso.md). Where cuDNN fails or disagrees with fp32 math (checked once
+per device, dtype and head_dim), and on CPU, SDPA runs with `causal_lower_right`.
 """
 
 from __future__ import annotations
@@ -63,8 +63,18 @@ def _split_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if group > 1:
         k_new, v_new = k_new.repeat_interleave(group, 0), v_new.repeat_interleave(group, 0)
     o_new, lse_new = _cudnn(q, k_new, v_new, True, scale)
-    w = torch.sigmoid(lse_pre.reshape(hq, n) - lse_new)[..., None]  # the prefix's share
-    return torch.lerp(o_new.float(), o_pre.reshape(hq, n, d).float(), w).to(q.dtype)
+    merge = lse_merge_ref
+    if q.is_cuda:
+        from tinyserve.kernels.glue import lse_merge as merge
+    return merge(o_pre.reshape(hq, n, d), lse_pre.reshape(hq, n), o_new, lse_new)
+
+
+def lse_merge_ref(a: torch.Tensor, lse_a: torch.Tensor, b: torch.Tensor,
+                  lse_b: torch.Tensor) -> torch.Tensor:
+    """Attention outputs a, b [H, N, D] over disjoint keys with natural-log LSEs lse_a, lse_b
+    fp32 [H, N] -> their merge in a's dtype (fp32 math; `glue.lse_merge` on CUDA)."""
+    w = torch.sigmoid(lse_a - lse_b)[..., None]  # a's share
+    return torch.lerp(b.float(), a.float(), w).to(a.dtype)
 
 
 def _cudnn_ok(q: torch.Tensor) -> bool:

@@ -6,9 +6,12 @@
   the shared expert's sigmoid gate and the sum with the routed experts.
 - `sigmoid_mul(x, gate)`: `dt(x * dt(sigmoid(gate)))` over [N, H, D] rows, the attention
   output gate (gate read in place from the q|gate projection, no copy).
+- `lse_merge(a, lse_a, b, lse_b)`: two attention results over disjoint keys merged by their
+  log-sum-exp, in fp32, one rounding (a chunk's prefix and its own keys,
+  `attention.chunk_causal_attention`).
 
 References (pure torch): `model.moe.silu_mul_ref`, `model.moe.gated_add_ref`,
-`model.attention.sigmoid_mul_ref`. The dt(...)
+`model.attention.sigmoid_mul_ref`, `attention.lse_merge_ref`. The dt(...)
 points are where torch rounds a model-dtype intermediate; the math between them is fp32.
 
 This module imports triton at the top: callers import it lazily (on CUDA only).
@@ -62,6 +65,25 @@ def sigmoid_mul_kernel(x_ptr, g_ptr, y_ptr, H, D, stride_xn, stride_xh, stride_g
     g = tl.load(g_ptr + n * stride_gn + h * stride_gh + cols, mask=m, other=0.0).to(tl.float32)
     s = (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
     tl.store(y_ptr + (n * H + h) * D + cols, (x * s).to(dt), mask=m)
+
+
+@triton.jit
+def lse_merge_kernel(a_ptr, la_ptr, b_ptr, lb_ptr, y_ptr, N, D, stride_ah, stride_an,
+                     stride_bh, stride_bn, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # h * N + n
+    h = row // N
+    n = row - h * N
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m = cols < D
+    la = tl.load(la_ptr + row)
+    lb = tl.load(lb_ptr + row)
+    top = tl.maximum(la, lb)
+    wa = tl.exp(la - top)
+    wb = tl.exp(lb - top)
+    a = tl.load(a_ptr + h * stride_ah + n * stride_an + cols, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + h * stride_bh + n * stride_bn + cols, mask=m, other=0.0).to(tl.float32)
+    y = (a * wa + b * wb) / (wa + wb)
+    tl.store(y_ptr + row * D + cols, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
 def _check_rows(*ts: torch.Tensor) -> None:
@@ -126,4 +148,28 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         sigmoid_mul_kernel[(n, h)](x, gate, y, h, d, x.stride(0), x.stride(1), gate.stride(0),
                                    gate.stride(1), BLOCK_D=block,
                                    num_warps=max(1, min(4, block // 256)))
+    return y
+
+
+def lse_merge(a: torch.Tensor, lse_a: torch.Tensor, b: torch.Tensor,
+              lse_b: torch.Tensor) -> torch.Tensor:
+    """a, b [H, N, D] (unit last stride, any other strides): attention outputs over disjoint
+    key sets with natural-log LSEs lse_a, lse_b fp32 [H, N] -> their merge (a * e^lse_a +
+    b * e^lse_b) / (e^lse_a + e^lse_b) in a's dtype, [H, N, D] contiguous."""
+    if a.dim() != 3 or a.shape != b.shape or a.dtype != b.dtype:
+        raise ValueError(f"a {list(a.shape)} {a.dtype} and b {list(b.shape)} {b.dtype} must "
+                         f"be [H, N, D] alike")
+    if a.stride(-1) != 1 or b.stride(-1) != 1:
+        raise ValueError("a and b need a unit last stride")
+    h, n, d = a.shape
+    if lse_a.shape != (h, n) or lse_b.shape != (h, n) or lse_a.dtype != torch.float32 \
+            or lse_b.dtype != torch.float32:
+        raise ValueError(f"lse_a, lse_b must be fp32 [{h}, {n}], got {lse_a.dtype} "
+                         f"{list(lse_a.shape)}, {lse_b.dtype} {list(lse_b.shape)}")
+    y = torch.empty(h, n, d, dtype=a.dtype, device=a.device)
+    if y.numel():
+        block = min(BLOCK, triton.next_power_of_2(d))
+        lse_merge_kernel[(h * n, triton.cdiv(d, block))](
+            a, lse_a.contiguous(), b, lse_b.contiguous(), y, n, d, a.stride(0), a.stride(1),
+            b.stride(0), b.stride(1), BLOCK_D=block, num_warps=max(1, min(4, block // 256)))
     return y

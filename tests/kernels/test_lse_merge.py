@@ -3,8 +3,9 @@ reference (`attention.lse_merge_ref`) and against attention over the union of th
 
 Without CUDA the kernel runs in the Triton interpreter at small sizes; the 35B-A3B extend
 shape (16 heads, 2k queries, head_dim 256) runs on a GPU. Outputs come from a NaN-poisoned
-torch.empty. fp32 within 1e-5; bf16 within one rounding step (2^-8 relative to the larger
-input; the interpreter truncates, 2^-7).
+torch.empty. fp32 within 1e-5; bf16 within one rounding step of the output (2^-7 relative to
+the larger input: both round an fp32 value computed in another order; the interpreter
+truncates, 2^-6).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def test_lse_merge(h: int, n: int, d: int, dtype: torch.dtype) -> None:
         whole, _ = _attend(q, k, v)  # the merge is attention over the union of the keys
         torch.testing.assert_close(got, whole, rtol=1e-4, atol=1e-5)
     else:
-        bound = (2.0 ** -8 if DEV == "cuda" else 2.0 ** -7) * torch.maximum(
+        bound = (2.0 ** -7 if DEV == "cuda" else 2.0 ** -6) * torch.maximum(
             a_in.float().abs(), b_in.float().abs()) + 1e-6
         assert ((got.float() - want.float()).abs() <= bound).all()
 

@@ -126,13 +126,24 @@ def _next_pow2(v: int) -> int:
     return 1 << (v - 1).bit_length()
 
 
+# Weights of at least this many bytes (K 1024..2048) without a table entry take the
+# lm_head's persistent tiles: on the H200 (bench/results/gemv_floor.json) 0.36 / 0.49 / 0.59
+# of the bandwidth reference at 18.9 / 37.7 / 75.5 MB against 0.33 / 0.37 / 0.40 with the
+# one-tile-per-program default; at 9.4 MB and below the default wins (0.29 vs 0.25).
+PERSISTENT_MIN_BYTES = 16 << 20
+
+
 def default_gemv_config(n: int, k: int, num_sms: int = 132) -> GemvConfig:
-    """Tiles for an [N, K] weight at M = 1: the `GEMV_TILES` entry, else 8 rows x 128 blocks
-    (2048 inputs; x reaches the threads through shared memory in one coalesced load) when
-    K >= 1024, else 1024 / (K/16) rows x all of K; no split-K (it never won on the H200)."""
+    """Tiles for an [N, K] weight at M = 1: the `GEMV_TILES` entry, else the lm_head's
+    persistent tiles for weights of PERSISTENT_MIN_BYTES or more with 1024 <= K <= 2048, else
+    8 rows x 128 blocks (2048 inputs; x reaches the threads through shared memory in one
+    coalesced load) when K >= 1024, else 1024 / (K/16) rows x all of K; no split-K (it never
+    won on the H200)."""
     hit = GEMV_TILES.get((n, k))
     if hit is not None:
         return hit
+    if 1024 <= k <= 2048 and n * k // 2 >= PERSISTENT_MIN_BYTES:
+        return GEMV_TILES[(248320, 2048)]
     block_b = 128 if k // 16 > 32 else _next_pow2(max(1, k // 16))
     block_n = max(1, 1024 // block_b)
     warps = max(1, min(4, block_n * block_b // 64))

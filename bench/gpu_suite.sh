@@ -15,8 +15,9 @@
 # Parts -> steps, with the expected wall time on one H200 (first run of a fresh machine:
 # Triton and nvcc builds included; the checkpoint in page cache after its first read):
 #   tests    iso_lib          ~0.5 min  build the ISO KV CUDA library once, before the workers
-#            gpu_tests        ~3-4 min  pytest -m requires_cuda, $TEST_WORKERS (6) workers
-#                                       (445 passed in 2:53 with 8 workers on 2026-11-29)
+#            gpu_tests        ~4 min    pytest -m "requires_cuda or gpu_shapes",
+#                                       $TEST_WORKERS (6) workers (742 passed and xfailed
+#                                       in 3:42 with 10 workers on 2026-11-30)
 #   kernels  bench_iso_attention, bench_nvfp4, bench_gdn      ~1-2 min each (150 s cap)
 #   e2e      checkpoint       ~1-3 min  write the full-size random 35B-A3B checkpoint (~21 GB)
 #                                       to $TINYSERVE_FULLSIZE_DIR unless it is there

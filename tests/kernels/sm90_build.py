@@ -11,14 +11,14 @@ from typing import Any
 
 
 def rerun_without_interpreter(test_file: str, keyword: str, *, timeout: int = 600,
-                              tail: int = 1500) -> bool:
-    """Under TRITON_INTERPRET=1 nothing compiles: run the slow tests of `test_file` matching
-    `keyword` in a child process without the interpreter and assert they pass. True when it
-    did (the caller is done), False when this process can compile itself."""
+                              tail: int = 1500, marker: str = "slow") -> bool:
+    """Under TRITON_INTERPRET=1 nothing compiles: run the tests of `test_file` matching
+    `keyword` and `marker` in a child process without the interpreter and assert they pass.
+    True when it did (the caller is done), False when this process can compile itself."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return False
     env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-m", "pytest", test_file, "-q", "-s", "-m", "slow",
+    r = subprocess.run([sys.executable, "-m", "pytest", test_file, "-q", "-s", "-m", marker,
                         "-k", keyword, "-p", "no:cacheprovider"],
                        env=env, capture_output=True, text=True, timeout=timeout)
     print(r.stdout[-tail:])

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from tinyserve.log import get_logger
 
@@ -38,6 +37,9 @@ def chunk_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                               scale=scale, enable_gqa=gqa)[0]
     if q.is_cuda and n > 1 and _cudnn_ok(q):
         return _split_cudnn(q, k, v, scale)
+    # NOTE: imported here: the module pulls in torch._dynamo (and triton) at import
+    from torch.nn.attention.bias import causal_lower_right
+
     return F.scaled_dot_product_attention(q[None], k[None], v[None],
                                           attn_mask=causal_lower_right(n, s), scale=scale,
                                           enable_gqa=gqa)[0]

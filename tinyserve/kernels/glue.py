@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tinyserve.kernels.launch import ROUNDING_AS_TORCH
+
 BLOCK = 1024  # elements of one row per program
 
 
@@ -107,7 +109,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         block = min(BLOCK, triton.next_power_of_2(f))
         silu_mul_kernel[(n, triton.cdiv(f, block))](gate, up, y, f, gate.stride(0),
                                                     up.stride(0), y.stride(0), BLOCK_F=block,
-                                                    num_warps=max(1, min(4, block // 256)))
+                                                    num_warps=max(1, min(4, block // 256)),
+                                                    **ROUNDING_AS_TORCH)
     return y
 
 
@@ -129,7 +132,8 @@ def gated_add(routed: torch.Tensor, gate_logit: torch.Tensor,
                                                      routed.stride(0), shared.stride(0),
                                                      gate_logit.stride(0), y.stride(0),
                                                      BLOCK_H=block,
-                                                     num_warps=max(1, min(4, block // 256)))
+                                                     num_warps=max(1, min(4, block // 256)),
+                                                     **ROUNDING_AS_TORCH)
     return y
 
 
@@ -147,7 +151,7 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         block = triton.next_power_of_2(d)
         sigmoid_mul_kernel[(n, h)](x, gate, y, h, d, x.stride(0), x.stride(1), gate.stride(0),
                                    gate.stride(1), BLOCK_D=block,
-                                   num_warps=max(1, min(4, block // 256)))
+                                   num_warps=max(1, min(4, block // 256)), **ROUNDING_AS_TORCH)
     return y
 
 

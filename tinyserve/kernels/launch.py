@@ -1,12 +1,19 @@
-"""Launch arithmetic shared by the Triton linear kernels (NVFP4 and FP8): grid sizes, the
-device's SM count, and split-K (partial sums in an fp32 workspace [split, M, N], summed after
-the kernel when there is more than one split)."""
+"""Launch arithmetic shared by the Triton kernels: grid sizes, the device's SM count, split-K
+of the linear kernels (NVFP4 and FP8: partial sums in an fp32 workspace [split, M, N], summed
+after the kernel when there is more than one split), and the launch options of the kernels
+that round like torch (`ROUNDING_AS_TORCH`)."""
 
 from __future__ import annotations
 
 import functools
 
 import torch
+
+# Launch options of the elementwise kernels whose contract is torch's rounding points
+# (`kernels.norm`, `kernels.glue`): no floating-point contraction. With it Triton turns
+# dt(dt(a * b) + c) into one bf16 FMA and drops the inner rounding (sm_90 PTX `fma.rn.bf16`):
+# on the H200 3-15 % of the RMSNorm+RoPE outputs then differed from torch by a rounding step.
+ROUNDING_AS_TORCH = {"enable_fp_fusion": False}
 
 
 def cdiv(a: int, b: int) -> int:

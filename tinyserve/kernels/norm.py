@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tinyserve.kernels.launch import ROUNDING_AS_TORCH
+
 
 @triton.jit
 def rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, D, stride_x, stride_r, stride_y,
@@ -131,7 +133,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         block, warps = _launch_cfg(d)
         rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, y2, y2, d, x2.stride(0), 0,
                                         y2.stride(0), 0, eps, HAS_RESIDUAL=False,
-                                        BLOCK_D=block, num_warps=warps)
+                                        BLOCK_D=block, num_warps=warps, **ROUNDING_AS_TORCH)
     return y
 
 
@@ -151,7 +153,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         block, warps = _launch_cfg(d)
         rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y2, s2, d, x2.stride(0), r2.stride(0),
                                         y2.stride(0), s2.stride(0), eps, HAS_RESIDUAL=True,
-                                        BLOCK_D=block, num_warps=warps)
+                                        BLOCK_D=block, num_warps=warps, **ROUNDING_AS_TORCH)
     return y, s
 
 
@@ -175,7 +177,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
         gated_rms_norm_kernel[(x2.shape[0],)](x2, z2, weight, y2, d, hz, x2.stride(0),
                                               stride_zn, stride_zh, y2.stride(0), eps,
                                               ROUND_WH=round_wh, BLOCK_D=block,
-                                              num_warps=warps)
+                                              num_warps=warps, **ROUNDING_AS_TORCH)
     return y
 
 
@@ -204,5 +206,6 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
     if y.numel():
         block, warps = _launch_cfg(d)
         rms_norm_rope_kernel[(n, h)](x, weight, cos, sin, y, h, d, r, x.stride(0), x.stride(1),
-                                     cos.stride(0), eps, BLOCK_D=block, num_warps=warps)
+                                     cos.stride(0), eps, BLOCK_D=block, num_warps=warps,
+                                     **ROUNDING_AS_TORCH)
     return y

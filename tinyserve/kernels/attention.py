@@ -32,10 +32,10 @@ def chunk_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if n > s:
         raise ValueError(f"{n} queries over {s} keys: the chunk must be inside the sequence")
     gqa = q.shape[0] != k.shape[0]
-    if n == s:
-        return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True,
+    if n == s or n == 1:  # plain causal, or one query that sees every key
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=n > 1,
                                               scale=scale, enable_gqa=gqa)[0]
-    if q.is_cuda and n > 1 and _cudnn_ok(q):
+    if q.is_cuda and _cudnn_ok(q):
         return _split_cudnn(q, k, v, scale)
     # NOTE: imported here: the module pulls in torch._dynamo (and triton) at import
     from torch.nn.attention.bias import causal_lower_right
@@ -104,7 +104,8 @@ def _check_cudnn(device: torch.device, dtype: torch.dtype, head_dim: int) -> boo
         log.info("chunk attention: cuDNN unavailable (%s); using SDPA's lower-right causal mask",
                  str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
         return False
-    ke, ve = k.float().repeat_interleave(2, 0), v.float().repeat_interleave(2, 0)
+    ke = k.float().repeat_interleave(hq // hkv, 0)
+    ve = v.float().repeat_interleave(hq // hkv, 0)
     scores = (q.float() @ ke.transpose(1, 2)) * scale
     hidden = (torch.arange(s, device=device)[None, :]
               > torch.arange(n, device=device)[:, None] + (s - n))

@@ -3,9 +3,8 @@ chunk's own bf16 K/V (causal; the chunk never attends to its own quantized K/V).
 
 Per sequence, the prefix is dequantized once per layer (`iso_cuda.iso_dequant_rows`,
 bit-exact) straight into head-major [Hkv, P + n, D] rows whose last n rows are the chunk's
-K/V, and one SDPA call with the lower-right causal mask attends the whole
-(`attention.chunk_causal_attention`): the kernel a bf16 KV cache runs on the same sequence,
-plus the dequantization.
+K/V, and `attention.chunk_causal_attention` attends the whole: the call a bf16 KV cache makes
+on the same sequence, plus the dequantization.
 """
 
 from __future__ import annotations

@@ -485,7 +485,8 @@ def main() -> int:
     rec = Recorder(results, run_meta(
         "iso_attention", sms=props.multi_processor_count, cuda=torch.version.cuda,
         shapes=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, page_size=PAGE),
-        baseline="torch SDPA bf16, enable_gqa=True, contiguous K/V",
+        baseline="decode: torch SDPA bf16, enable_gqa=True, contiguous K/V; extend: "
+                 "attention.chunk_causal_attention over contiguous bf16 K/V",
         mma_config=list(iso_mma.MMA_CONFIG), mma_loops=list(iso_mma.LOOPS),
         mode=("pdl" if args.pdl else "layout" if args.layout else "warps" if args.warps
               else "loops" if args.loops else "extend" if args.extend else "full"),

@@ -35,6 +35,7 @@ from tinyserve.kernels.fp8 import (  # noqa: E402
 )
 from tinyserve.kernels.nvfp4_ref import dequantize_fp8, quantize_fp8  # noqa: E402
 
+pytestmark = pytest.mark.gpu_shapes
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # NOTE: the interpreter's tl.dot is wrong for bf16 inputs, so CPU runs use fp32 activations
 DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float32

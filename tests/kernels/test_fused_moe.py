@@ -32,7 +32,7 @@ from tinyserve.kernels.fused_moe import (  # noqa: E402
 from tinyserve.kernels.fused_moe_decode import MOE_FUSED_MAX_TOKENS  # noqa: E402
 
 pytest.importorskip("triton")
-pytestmark = pytest.mark.usefixtures("poison")
+pytestmark = [pytest.mark.usefixtures("poison"), pytest.mark.gpu_shapes]
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # the interpreter runs one python step per program: big tiles keep it fast on CPU

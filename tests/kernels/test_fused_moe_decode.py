@@ -49,7 +49,7 @@ from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4  # noqa: E402
 from tinyserve.model.moe import gated_add_ref  # noqa: E402
 
 pytest.importorskip("triton")
-pytestmark = pytest.mark.usefixtures("poison")
+pytestmark = [pytest.mark.usefixtures("poison"), pytest.mark.gpu_shapes]
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DT = torch.bfloat16 if DEV == "cuda" else torch.float32

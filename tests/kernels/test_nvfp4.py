@@ -30,6 +30,7 @@ from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4, quantize_nvfp4  # noqa
 
 pytest.importorskip("triton")
 
+pytestmark = pytest.mark.gpu_shapes
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # the interpreter runs one python step per program: big tiles keep it fast on CPU
 CFG = None if DEV == "cuda" else GemvConfig(block_n=16, block_b=16, programs_per_sm=2)

@@ -32,6 +32,7 @@ from tinyserve.kernels.nvfp4_tiles import PERSISTENT_CANDIDATES  # noqa: E402
 
 pytest.importorskip("triton")
 
+pytestmark = pytest.mark.gpu_shapes
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BOUND = {torch.bfloat16: 1e-2, torch.float16: 2e-3 if DEV == "cpu" else 5e-3}
 

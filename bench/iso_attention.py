@@ -59,12 +59,17 @@ from tinyserve.kernels import attention, iso, iso_cuda, iso_extend, iso_mma, iso
 
 HQ, HKV, D = 16, 2, 256
 PAGE = 16
-RESULTS = ROOT / "bench" / "results" / "iso_attention.json"
-RESULTS_LOOPS = ROOT / "bench" / "results" / "iso_attention_loops.json"  # --loops
-RESULTS_WARPS = ROOT / "bench" / "results" / "iso_attention_warps.json"  # --warps
-RESULTS_LAYOUT = ROOT / "bench" / "results" / "iso_attention_layout.json"  # --layout
-RESULTS_EXTEND = ROOT / "bench" / "results" / "iso_extend.json"  # --extend
-RESULTS_PDL = ROOT / "bench" / "results" / "iso_attention_pdl.json"  # --pdl
+RESULTS_DIR = ROOT / "bench" / "results"
+# The result file of each mode: the sweep flag given (the first of them in this order), "full"
+# without one
+RESULTS_OF_MODE = {
+    "pdl": RESULTS_DIR / "iso_attention_pdl.json",
+    "layout": RESULTS_DIR / "iso_attention_layout.json",
+    "warps": RESULTS_DIR / "iso_attention_warps.json",
+    "loops": RESULTS_DIR / "iso_attention_loops.json",
+    "extend": RESULTS_DIR / "iso_extend.json",
+    "full": RESULTS_DIR / "iso_attention.json",
+}
 
 
 def _time_us(fn, calls_per_run: int) -> tuple[float, str]:
@@ -477,19 +482,15 @@ def main() -> int:
                              "graphs; < 60 s)")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
-    only = args.loops or args.warps or args.layout or args.pdl  # a decode-only sweep
-    results = (RESULTS_PDL if args.pdl else RESULTS_LAYOUT if args.layout
-               else RESULTS_WARPS if args.warps
-               else RESULTS_LOOPS if args.loops else RESULTS_EXTEND if args.extend
-               else RESULTS)
-    rec = Recorder(results, run_meta(
+    mode = next(m for m in RESULTS_OF_MODE if m == "full" or getattr(args, m))
+    only = mode in ("loops", "warps", "layout", "pdl")  # a decode-only sweep
+    rec = Recorder(RESULTS_OF_MODE[mode], run_meta(
         "iso_attention", sms=props.multi_processor_count, cuda=torch.version.cuda,
         shapes=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, page_size=PAGE),
         baseline="decode: torch SDPA bf16, enable_gqa=True, contiguous K/V; extend: "
                  "attention.chunk_causal_attention over contiguous bf16 K/V",
         mma_config=list(iso_mma.MMA_CONFIG), mma_loops=list(iso_mma.LOOPS),
-        mode=("pdl" if args.pdl else "layout" if args.layout else "warps" if args.warps
-              else "loops" if args.loops else "extend" if args.extend else "full"),
+        mode=mode,
         mma_loop=iso_mma.MMA_LOOP, mma_warps=list(iso_mma.WARPS), merge_pdl=iso_mma.MERGE_PDL,
         triton_block_t=iso_triton.BLOCK_T,
         targets="iso3 <= 0.5x bf16 at 32k and 128k (batch 1); extend iso/bf16 within 1.3x"))
@@ -591,7 +592,7 @@ def main() -> int:
         for batch, r in rec.data["mma_layout"]["per_batch"].items():
             print(f"  {batch}: MMA_CONFIG row {r['mma_config']}, MMA_LOOP {r['mma_loop']!r} "
                   f"(setting {r['setting']}, geomean {r['geomean_us']:.1f} us)")
-    print(f"wrote {results}")
+    print(f"wrote {RESULTS_OF_MODE[mode]}")
     return 0
 
 

@@ -58,6 +58,16 @@ def test_split_path_merges_prefix_and_chunk(monkeypatch, hq: int, hkv: int, n: i
     torch.testing.assert_close(out.double(), _reference(q, k, v, 0.125), rtol=1e-5, atol=1e-5)
 
 
+def test_cudnn_check_accepts_right_and_refuses_wrong_attention(monkeypatch) -> None:
+    # the one-time check against fp32 math, with the cuDNN call replaced by fp32 math (passes)
+    # and by math that ignores the causal mask (must be refused)
+    monkeypatch.setattr(attention, "_cudnn", _math_with_lse)
+    assert attention._check_cudnn(torch.device("cpu"), torch.float32, 64)
+    monkeypatch.setattr(attention, "_cudnn",
+                        lambda q, k, v, causal, scale: _math_with_lse(q, k, v, False, scale))
+    assert not attention._check_cudnn(torch.device("cpu"), torch.float32, 64)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("hq,hkv,n,s", [(16, 2, 2048, 2048), (16, 2, 2048, 4096),
                                         (16, 2, 300, 9000), (8, 8, 64, 65), (16, 2, 1, 500)])

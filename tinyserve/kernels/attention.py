@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tinyserve.kernels.iso import attention_oracle
 from tinyserve.log import get_logger
 
 log = get_logger(__name__)
@@ -104,12 +105,8 @@ def _check_cudnn(device: torch.device, dtype: torch.dtype, head_dim: int) -> boo
         log.info("chunk attention: cuDNN unavailable (%s); using SDPA's lower-right causal mask",
                  str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
         return False
-    ke = k.float().repeat_interleave(hq // hkv, 0)
-    ve = v.float().repeat_interleave(hq // hkv, 0)
-    scores = (q.float() @ ke.transpose(1, 2)) * scale
-    hidden = (torch.arange(s, device=device)[None, :]
-              > torch.arange(n, device=device)[:, None] + (s - n))
-    want = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1) @ ve
+    want = attention_oracle(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), s - n,
+                            scale).transpose(0, 1)
     if not torch.allclose(got, want, atol=2e-2, rtol=2e-2):
         log.warning("chunk attention: cuDNN differs from fp32 math (max error %.3g); using "
                     "SDPA's lower-right causal mask", (got - want).abs().max().item())

@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from tests.kernels.test_attention import _math_with_lse  # noqa: E402
 from tests.kernels.test_norm import interpreter_ok, run_in_interpreter_child  # noqa: E402, F401
 from tinyserve.kernels.attention import lse_merge_ref  # noqa: E402
 
@@ -35,8 +36,7 @@ def test_kernels_in_interpreter_child() -> None:
 
 
 def _attend(q, k, v):
-    sc = q @ k.transpose(1, 2)
-    return torch.softmax(sc, -1) @ v, torch.logsumexp(sc, -1)
+    return _math_with_lse(q, k, v, False, 1.0)
 
 
 @pytest.mark.parametrize("h,n,d", SHAPES)

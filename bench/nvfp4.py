@@ -254,12 +254,12 @@ def moe_key(c: MoEGemvConfig) -> str:
 
 def fused_key(c: MoEFusedConfig) -> str:
     return (f"{c.decode}_bf{c.block_f}_bb{c.block_b}_w{c.num_warps}_bh{c.block_h}"
-            f"_dw{c.down_warps}")
+            f"_dw{c.down_warps}{'' if c.l2_prefetch == 'off' else '_pf' + c.l2_prefetch}")
 
 
 def fused_table_entry(h: int, f: int, c: MoEFusedConfig) -> str:
     return (f"({h}, {f}): MoEFusedConfig({c.block_f}, {c.block_b}, {c.num_warps}, "
-            f"{c.block_h}, {c.down_warps}, {c.decode!r}),")
+            f"{c.block_h}, {c.down_warps}, {c.decode!r}, {c.l2_prefetch!r}),")
 
 
 def _shared_path(x, sh, logit, routed):
@@ -275,10 +275,12 @@ def _shared_path(x, sh, logit, routed):
 
 
 def bench_moe_decode(bw: float, dev: str, smoke: bool, n: int = 1, h: int = 2048,
-                     f: int = 512, e: int = 256, sweep: bool = True) -> dict:
+                     f: int = 512, e: int = 256, sweep: bool = True,
+                     copy_bw: float | None = None) -> dict:
     """n tokens x 8 of `e` experts (+ the shared expert): "gemv" + the separate shared expert
     and "fused" (two launches, deterministic; table tiles + candidates), each vs the
-    byte-read time."""
+    byte-read time at `bw` (and at the device copy bandwidth `copy_bw`, the issue's
+    reference, where given)."""
     k = 8
     slots = expert_slots_fp4(e, h, f, dev)
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -330,6 +332,8 @@ def bench_moe_decode(bw: float, dev: str, smoke: bool, n: int = 1, h: int = 2048
     if n == 1:
         cases += [("gemv_routed", routed("gemv", None), ref_routed, read_routed, None),
                   ("fused_routed", routed("fused", fused_cfg), ref_routed, read_routed, None)]
+        cases += [(f"fused_routed_{fused_key(c)}", routed("fused", c), ref_routed, read_routed,
+                   None) for c in MOE_FUSED_CANDIDATES[:2] if c != fused_cfg]
     cands = MOE_FUSED_CANDIDATES if sweep else MOE_FUSED_CANDIDATES[:FUSED_MULTI]
     cases += [(f"fused_layer_{fused_key(c)}", layer("fused", c), ref_layer, read_layer, c)
               for c in cands if c != fused_cfg]
@@ -346,6 +350,8 @@ def bench_moe_decode(bw: float, dev: str, smoke: bool, n: int = 1, h: int = 2048
             if res["rel_err"] <= MAX_REL_ERR and not smoke:
                 us = time_graph([lambda i=i, fn=fn: fn(i) for i in range(reps)])
                 res.update(us=us, ratio_to_read_time=us / read_us)
+                if copy_bw:
+                    res["ratio_to_copy_read_time"] = us / (read_us * bw / copy_bw)
             elif res["rel_err"] > MAX_REL_ERR:
                 res["wrong"] = True
         except Exception as exc:  # noqa: BLE001 - one failed variant must not stop the rest
@@ -426,20 +432,22 @@ def main() -> int:
         out = Path("/tmp/nvfp4_smoke.json")
     rec = Recorder(out, run_meta("nvfp4", timing="median of 10 CUDA-graph replays, weights "
                                  "rotated past L2", budget_s=TIME_BUDGET_S))
-    bw = 4000.0
+    bw, copy_bw = 4000.0, None
     if not args.smoke:
         res = rec.run("bandwidth", bandwidth, dev)
         bw = (res or {}).get("GBps", bw)
+        copy_bw = (res or {}).get("copy_GBps")
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     names = list(shapes) if args.only != "moe" else []
     size = (64, 32, 10) if args.smoke else (2048, 512, 256)
     for name in names[:1]:
         rec.run(f"gemv_M1_{name}", bench_gemv, *shapes[name], bw, dev, args.smoke)
     if args.only != "gemv":
-        rec.run("moe_decode_1tok_8of256", bench_moe_decode, bw, dev, args.smoke, 1, *size)
+        rec.run("moe_decode_1tok_8of256", bench_moe_decode, bw, dev, args.smoke, 1, *size,
+                True, copy_bw)
         for n in (4, 8):
             rec.run(f"moe_decode_{n}tok_8of256", bench_moe_decode, bw, dev, args.smoke, n,
-                    *size, False)
+                    *size, False, copy_bw)
     for name in names[1:]:
         rec.run(f"gemv_M1_{name}", bench_gemv, *shapes[name], bw, dev, args.smoke)
     rec.data["seconds"] = round(time.perf_counter() - T0, 1)

@@ -14,7 +14,6 @@ come from a NaN-poisoned torch.empty (the intermediate too). Bounds (relative Fr
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
 import torch
 
@@ -40,7 +39,6 @@ from tinyserve.kernels.fused_moe import (  # noqa: E402
     write_slot,
 )
 from tinyserve.kernels.fused_moe_decode import (  # noqa: E402
-    L2_PREFETCH_MODES,
     MOE_FUSED_CANDIDATES,
     MOE_FUSED_MAX_TOKENS,
     MOE_FUSED_TILES,
@@ -245,8 +243,6 @@ def test_fused_decode_errors() -> None:
         MoEFusedConfig(block_h=12)
     with pytest.raises(ValueError):
         MoEFusedConfig(decode="f16")
-    with pytest.raises(ValueError, match="L2 prefetch"):
-        MoEFusedConfig(l2_prefetch="tma")
     assert default_moe_fused_config(2048, 512) is MOE_FUSED_TILES[(2048, 512)]
     assert MOE_FUSED_TILES[(2048, 512)] == MoEFusedConfig(4, 128, 4, 2, 2, "h2")
     assert default_moe_fused_config(h, f) == MoEFusedConfig()
@@ -273,22 +269,6 @@ def test_fused_decode_gpu(n: int) -> None:
         assert not torch.isnan(y).any() and rel_err(y, ref) < 1e-2, (cfg, rel_err(y, ref))
         y = fused_moe(x, ids, weights, slots, path="fused", fused_config=cfg)
         assert rel_err(y, ref_routed) < 1e-2, (cfg, rel_err(y, ref_routed))
-
-
-@pytest.mark.requires_cuda
-@pytest.mark.parametrize("mode", ["lines", "bulk"])
-def test_fused_decode_gpu_prefetch_same_bits(mode: str) -> None:
-    # asking L2 for the down rows changes when bytes arrive, never what is computed
-    slots, slot_of, sh = _gpu_layer()
-    for n in (1, 8):
-        ids, weights = _routing(n, 256, 8, slot_of)
-        x = torch.randn(n, 2048, device=DEV, dtype=torch.bfloat16)
-        logit = torch.randn(n, 1, device=DEV, dtype=torch.bfloat16)
-        base = MOE_FUSED_TILES[(2048, 512)]
-        runs = [fused_moe(x, ids, weights, slots, shared_slots=sh, shared_logit=logit,
-                          path="fused", fused_config=replace(base, l2_prefetch=m))
-                for m in ("off", mode)]
-        assert torch.equal(runs[0], runs[1]), (n, mode)
 
 
 @pytest.mark.requires_cuda
@@ -423,19 +403,8 @@ def test_kernels_build_for_sm90() -> None:
     for cfg in dict.fromkeys((*MOE_FUSED_TILES.values(), *MOE_FUSED_CANDIDATES)):
         _build(kt.moe_fused_gate_up_kernel,
                dict(H=2048, F=512, TOPK=8, HAS_SHARED=True, BLOCK_F=cfg.block_f,
-                    BLOCK_B=cfg.block_b, IS_H2=cfg.decode == "h2", USE_ASM=True,
-                    PREFETCH=L2_PREFETCH_MODES[cfg.l2_prefetch], NT=32 * cfg.num_warps),
+                    BLOCK_B=cfg.block_b, IS_H2=cfg.decode == "h2", USE_ASM=True),
                cfg.num_warps, "fused_gate_up")
-    # the prefetch modes in the PTX: lines, one bulk request per program, none when off
-    wanted = {"off": (0, 0), "lines": (2, 0), "bulk": (0, 2)}
-    for mode, (lines, bulk) in wanted.items():
-        consts = dict(H=2048, F=512, TOPK=8, HAS_SHARED=True, BLOCK_F=4, BLOCK_B=128,
-                      IS_H2=True, USE_ASM=True, PREFETCH=L2_PREFETCH_MODES[mode], NT=128)
-        sig = {n: "constexpr" if n in consts else _TYPES[n]
-               for n in kt.moe_fused_gate_up_kernel.arg_names}
-        ptx = compile_sm90(kt.moe_fused_gate_up_kernel, sig, consts, num_warps=4).asm["ptx"]
-        assert ptx.count("prefetch.global.L2 ") == lines, mode
-        assert ptx.count("cp.async.bulk.prefetch.L2.global") == bulk, mode
         _build(kt.moe_fused_down_kernel,
                dict(H=2048, F=512, TOPK=8, KPAD=8, FBP=32, HAS_SHARED=True,
                     BLOCK_H=cfg.block_h), cfg.down_warps, "fused_down")

@@ -32,20 +32,13 @@ MOE_FUSED_MAX_TOKENS = 8  # the most tokens `fused_moe` takes in the fused path
 MOE_FUSED_AUTO_TOKENS = 8
 
 
-# `MoEFusedConfig.l2_prefetch` -> the gate_up kernel's PREFETCH
-L2_PREFETCH_MODES = {"off": 0, "lines": 1, "bulk": 2}
-
-
 @dataclass(frozen=True)
 class MoEFusedConfig:
     """Tiles of the fused decode. gate_up: `block_f` features of one expert per program (its
     `block_f` gate and `block_f` up rows in one tile), `block_b` blocks of 16 inputs per K
     step (>= H/16: one step, every load of a program in flight at once), `num_warps`, the
     `decode` ("h2" / "f32", as in `nvfp4_tiles`). down: `block_h` output rows per program (all
-    pairs of a token, full rows of F/2 code bytes), `down_warps`. All powers of two.
-    `l2_prefetch`: how gate_up asks L2 for the down rows ahead of launch 2: "off", "lines"
-    (one prefetch per 128-byte line, any GPU) or "bulk" (one bulk prefetch per program,
-    sm_90+; "lines" elsewhere)."""
+    pairs of a token, full rows of F/2 code bytes), `down_warps`. All powers of two."""
 
     block_f: int = 4
     block_b: int = 128
@@ -53,15 +46,11 @@ class MoEFusedConfig:
     block_h: int = 8
     down_warps: int = 4
     decode: str = "h2"
-    l2_prefetch: str = "off"
 
     def __post_init__(self) -> None:
         sizes = (self.block_f, self.block_b, self.num_warps, self.block_h, self.down_warps)
         if self.decode not in ("f32", "h2"):
             raise ValueError(f"unknown NVFP4 decode {self.decode!r}")
-        if self.l2_prefetch not in L2_PREFETCH_MODES:
-            raise ValueError(f"unknown L2 prefetch {self.l2_prefetch!r}, expected one of "
-                             f"{tuple(L2_PREFETCH_MODES)}")
         if any(v < 1 or v & (v - 1) for v in sizes):
             raise ValueError(f"fused MoE tiles must be powers of two, got {sizes}")
 
@@ -80,12 +69,6 @@ MOE_FUSED_TILES: dict[tuple[int, int], MoEFusedConfig] = {
 # sm_90 registers (Triton 3.9) gate_up / down in the comments.
 _C = MoEFusedConfig
 MOE_FUSED_CANDIDATES: tuple[MoEFusedConfig, ...] = (
-    # the table's tiles with the down rows asked of L2 by gate_up, and fewer, larger down
-    # programs (rows from L2 need fewer loads in flight per program)
-    _C(4, 128, 4, 2, 2, "h2", "bulk"),
-    _C(4, 128, 4, 2, 2, "h2", "lines"),
-    _C(4, 128, 4, 8, 4, "h2", "bulk"),
-    _C(4, 128, 4, 4, 2, "h2", "bulk"),
     _C(4, 128, 4, 8, 4, "h2"),  # 1152 + 256 programs at 1 token; 56 / 127
     _C(4, 128, 4, 8, 4, "f32"),  # no x pass before the weights; 56 / 127
     _C(8, 128, 8, 8, 4, "h2"),  # 64
@@ -128,18 +111,6 @@ def _next_pow2(v: int) -> int:
     return 1 << max(0, v - 1).bit_length()
 
 
-def _prefetch_mode(cfg: MoEFusedConfig, device: torch.device, h: int, block_f: int) -> int:
-    """The gate_up kernel's PREFETCH: off on CPU (the interpreter runs no PTX), "bulk" only
-    on sm_90+ and for 16-byte multiples (H * block_f / 16 scale bytes per program)."""
-    mode = cfg.l2_prefetch
-    if device.type != "cuda" or mode == "off":
-        return L2_PREFETCH_MODES["off"]
-    if mode == "bulk" and (torch.cuda.get_device_capability(device)[0] < 9
-                           or h * block_f % 256):
-        mode = "lines"
-    return L2_PREFETCH_MODES[mode]
-
-
 def moe_fused_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
                      slots: ExpertSlots, shared: ExpertSlots | None,
                      logit: torch.Tensor | None, cfg: MoEFusedConfig) -> torch.Tensor:
@@ -164,11 +135,9 @@ def moe_fused_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk
     kern.moe_fused_gate_up_kernel[(n * kp, f // block_f)](
         x, ids, slots.w13.view(torch.int64), slots.w13_scale, slots.w13_global,
         sh.w13.view(torch.int64), sh.w13_scale, sh.w13_global, inter, x.stride(0),
-        slots.w2.view(torch.int64), slots.w2_scale, sh.w2.view(torch.int64), sh.w2_scale,
         H=h, F=f, TOPK=topk, HAS_SHARED=shared is not None, BLOCK_F=block_f,
         BLOCK_B=min(cfg.block_b, _next_pow2(h // 16)), IS_H2=cfg.decode == "h2",
-        USE_ASM=use_asm, PREFETCH=_prefetch_mode(cfg, x.device, h, block_f),
-        NT=32 * cfg.num_warps, num_warps=cfg.num_warps)
+        USE_ASM=use_asm, num_warps=cfg.num_warps)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block_h = min(cfg.block_h, _next_pow2(h))
     kern.moe_fused_down_kernel[(n, -(-h // block_h))](

@@ -13,10 +13,7 @@ its sums in a fixed order: the same bits on every run.
    requested one ahead (`_rows_dot`);
    silu(gate) * up in fp32 into the intermediate h [N * KP, F], block-transposed (feature
    16b + i at i * F/16 + b, so the down kernel's loads of one feature over blocks are
-   contiguous). With PREFETCH, each program first asks L2 for its share of the pair's down
-   rows (1 / (F / BLOCK_F) of the expert's codes and scales, no register written, nothing
-   waited for), so launch 2 reads them from L2 instead of starting a DRAM round trip of its
-   own after the launch boundary.
+   contiguous).
 2. `moe_fused_down_kernel`, grid (N, H / BLOCK_H): BLOCK_H output rows of token t; one load
    of the full contiguous down rows (F/2 code bytes + F/16 scales) of all TOPK routed pairs
    as a [KPAD, BLOCK_H, F/16] tile (KPAD = TOPK rounded up to a power of two, masked), and of
@@ -179,42 +176,13 @@ def _rows_dot(x_row, w_ptr, s_ptr, rows, row_mask, KB: tl.constexpr, BLOCK_N: tl
     return tl.sum(acc, axis=1) * GEMV_RESCALE_C
 
 
-# `PREFETCH` of the gate_up kernel (`MoEFusedConfig.l2_prefetch`)
-PREFETCH_OFF: tl.constexpr = tl.constexpr(0)
-PREFETCH_LINES: tl.constexpr = tl.constexpr(1)  # one `prefetch.global.L2` per 128-byte line
-PREFETCH_BULK: tl.constexpr = tl.constexpr(2)  # one `cp.async.bulk.prefetch.L2` (sm_90+)
-
-
-@triton.jit
-def _prefetch_l2(base, NBYTES: tl.constexpr, NT: tl.constexpr, MODE: tl.constexpr):
-    """Ask L2 for the NBYTES bytes at `base` and go on (nothing comes back to registers).
-    LINES: thread i asks for lines i, i + NT, ... (128 bytes each); BULK: thread 0 asks once
-    (NBYTES a multiple of 16, base 16-byte aligned)."""
-    i = tl.arange(0, NT)
-    ptr = base.to(tl.pointer_type(tl.uint8))
-    if MODE == PREFETCH_LINES:
-        for r in tl.static_range(0, NBYTES, NT * 128):
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.lt.u32 p, $2, $3; @p prefetch.global.L2 [$1]; "
-                "mov.u32 $0, 0; }", "=r,l,r,r",
-                [ptr + r + i * 128, r + i * 128, NBYTES + 0 * i],
-                dtype=tl.int32, is_pure=False, pack=1)
-    if MODE == PREFETCH_BULK:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.eq.u32 p, $2, 0; "
-            "@p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }", "=r,l,r,r",
-            [ptr + 0 * i, i, NBYTES + 0 * i], dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit
 def moe_fused_gate_up_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, g13_ptr,
                               sw13_ptr, ss13_ptr, sg13_ptr, h_ptr, stride_xm,
-                              w2_ptr, s2_ptr, sw2_ptr, ss2_ptr,
                               H: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
                               HAS_SHARED: tl.constexpr, BLOCK_F: tl.constexpr,
                               BLOCK_B: tl.constexpr, IS_H2: tl.constexpr,
-                              USE_ASM: tl.constexpr, PREFETCH: tl.constexpr,
-                              NT: tl.constexpr):
+                              USE_ASM: tl.constexpr):
     # h[q, i * F/16 + b] = silu(x[t] . W13[f]) * (x[t] . W13[F + f]), f = 16b + i, of pair q;
     # w13 pointers are int64 views of the codes (one word = 16 codes)
     KP: tl.constexpr = TOPK + HAS_SHARED
@@ -234,18 +202,6 @@ def moe_fused_gate_up_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, g13_ptr,
             w13 = sw13_ptr
             s13 = ss13_ptr
             g13 = sg13_ptr
-    if PREFETCH != PREFETCH_OFF:
-        # this program's share of the pair's down rows: H * BLOCK_F / 16 code words (int64)
-        # and as many scale bytes, at the same offset of the expert's codes and scales
-        share: tl.constexpr = H * BLOCK_F // 16
-        w2 = w2_ptr + slot * (H * FB) + tl.program_id(1) * share
-        s2 = s2_ptr + slot * (H * FB) + tl.program_id(1) * share
-        if HAS_SHARED:
-            if j == TOPK:
-                w2 = sw2_ptr + tl.program_id(1) * share
-                s2 = ss2_ptr + tl.program_id(1) * share
-        _prefetch_l2(w2, share * 8, NT, PREFETCH)
-        _prefetch_l2(s2, share, NT, PREFETCH)
     jj = tl.arange(0, 2 * BLOCK_F)
     f = f0 + jj // 2
     half = jj % 2  # 0 = gate row f, 1 = up row F + f

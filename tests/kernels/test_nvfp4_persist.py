@@ -27,7 +27,6 @@ from tests.kernels.sm90_build import (  # noqa: E402
     usage_field,
 )
 from tests.kernels.test_nvfp4 import _weight, rel_err  # noqa: E402
-from tinyserve.kernels.launch import PDL_MODES  # noqa: E402
 from tinyserve.kernels.nvfp4 import PERSISTENT_MAX_ROWS, GemvConfig, nvfp4_linear  # noqa: E402
 from tinyserve.kernels.nvfp4_tiles import PERSISTENT_CANDIDATES  # noqa: E402
 
@@ -183,8 +182,7 @@ def test_persistent_candidates_build_for_sm90() -> None:
     """Every sweep candidate at M = 1, 2, 4 (K = 2048, the launcher's rows per tile) compiles
     for sm_90 with the runtime's divisibility attributes, fits in shared memory, spills
     nothing (the register prefetch at M > 1 excepted) and, with num_stages > 1, stages its
-    tile loads with cp.async; built as the H200 runs them (a dependent launch: one wait).
-    Under the interpreter the check runs
+    tile loads with cp.async. Under the interpreter the check runs
     in a child process with the compiler."""
     if rerun_without_interpreter(__file__, "build_for_sm90", timeout=900, tail=3000):
         return
@@ -197,8 +195,7 @@ def test_persistent_candidates_build_for_sm90() -> None:
             consts = dict(BLOCK_M=m, BLOCK_N=min(cfg.block_n, PERSISTENT_MAX_ROWS // m),
                           BLOCK_B=max(128, cfg.block_b),
                           VEC=cfg.vec, PREFETCH=cfg.prefetch, HOIST_X=cfg.hoist_x,
-                          NUM_STAGES=cfg.num_stages, USE_ASM=True,
-                          PDL=PDL_MODES["weights_first"])
+                          NUM_STAGES=cfg.num_stages, USE_ASM=True)
             key = (tuple(consts.items()), cfg.num_warps)
             if key in seen:
                 continue
@@ -211,7 +208,6 @@ def test_persistent_candidates_build_for_sm90() -> None:
             assert k.metadata.shared <= 227 * 1024
             # NOTE: num_stages > 1 must stage the tile loads through shared memory (cp.async)
             assert (cfg.num_stages > 1) == ("cp.async" in k.asm["ptx"]), (m, cfg)
-            assert k.asm["ptx"].count("griddepcontrol.wait") == 1, (m, cfg)
             usage = resource_usage(k, "nvfp4_persist")
             if usage is None:
                 continue

@@ -46,14 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from tinyserve.core import FP8Weight
-from tinyserve.kernels.launch import (
-    cdiv,
-    dot_tiles,
-    num_sms,
-    pdl_mode,
-    split_k_output,
-    split_k_result,
-)
+from tinyserve.kernels.launch import cdiv, dot_tiles, num_sms, split_k_output, split_k_result
 from tinyserve.kernels.nvfp4 import row_range
 
 PATHS = ("gemv", "dot", "dequant")
@@ -61,9 +54,6 @@ PATHS = ("gemv", "dot", "dequant")
 # 8192x2048 18.9 vs 17.6 (dot), 4096x2048 11.2 vs 12.2, 2048x4096 13.1 vs 13.4, 512x2048 4.6 vs
 # 7.1; at M = 16 gemv is 1.8-3x slower than dot. Kept at 4.
 GEMV_MAX_M = 4  # largest M on the gemv path by default (5..16: dot with 16-row tiles)
-# the gemv as a programmatic dependent launch on sm_90+ (`launch.PDL_MODES`, as
-# `nvfp4.GEMV_PDL`)
-GEMV_PDL = "weights_first"
 # H200: dequant vs dot at M = 16 within -13..+9 %, at M = 512 1.5-2.9x faster (8192x2048:
 # 40 vs 62 us); the cut-over between is unmeasured. Kept at 256.
 DEQUANT_MIN_M = 256  # smallest M on the dequant path by default
@@ -182,11 +172,10 @@ def _gemv(x: torch.Tensor, w: FP8Weight, scale: torch.Tensor, per_row: bool, m: 
     out = split_k_output(split, m, n, x)
     grid = (cdiv(n, block_n) * split,)
     kern = _kernels().fp8_gemv_kernel
-    pdl = pdl_mode(GEMV_PDL, x.device)
     kern[grid](xv, w.weight.view(torch.int32), scale, out, m, n, k // 4, xv.stride(0),
                SPLIT_K=split, BLOCK_M=min(4, _next_pow2(m)), BLOCK_N=block_n, BLOCK_W=block_w,
-               IS_PER_ROW=per_row, IS_X_BF16=is_bf16, USE_NATIVE=native, PDL=pdl,
-               num_warps=cfg.num_warps, launch_pdl=pdl > 0)
+               IS_PER_ROW=per_row, IS_X_BF16=is_bf16, USE_NATIVE=native,
+               num_warps=cfg.num_warps)
     return split_k_result(out, split, x.dtype)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tinyserve.kernels.pdl_triton import PDL_OFF, PDL_WEIGHTS_FIRST, dependent_launch_point
 from tinyserve.kernels.splitk_triton import splitk_tile
 
 # gemv (bit decode): x * 2^64 keeps x * e4m3 * 2^-120 normal. NOTE: exact products for
@@ -86,14 +85,10 @@ def _scale(s_ptr, rows, row_mask, IS_PER_ROW: tl.constexpr):
 def fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, KW, stride_xm,
                     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_W: tl.constexpr, IS_PER_ROW: tl.constexpr, IS_X_BF16: tl.constexpr,
-                    USE_NATIVE: tl.constexpr, PDL: tl.constexpr = PDL_OFF):
+                    USE_NATIVE: tl.constexpr):
     # out[pid_k, m, n] = scale[n] * sum_{words of split pid_k} x[m, 4j..4j+3] . W[n, 4j..4j+3]
     # w_ptr: int32 view of the codes [N, KW]; x_ptr: int64 view [M, KW] when IS_X_BF16
     # (stride_xm in its elements). The tile is decoded once, then BLOCK_M rows of x at a time.
-    # PDL (`pdl_triton`): PDL_WEIGHTS_FIRST waits after the codes are requested (the scale,
-    # which a conversion kernel right before may write, and x after it)
-    if PDL != PDL_OFF and PDL != PDL_WEIGHTS_FIRST:
-        dependent_launch_point()
     pid = tl.program_id(0)
     pid_k = pid % SPLIT_K
     pid_n = pid // SPLIT_K
@@ -103,8 +98,6 @@ def fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, KW, stride_xm,
     word_ok = words < KW
     wt = tl.load(w_ptr + rows.to(tl.int64)[:, None] * KW + words[None, :],
                  mask=row_mask[:, None] & word_ok[None, :], other=0)  # [BN, BW] int32
-    if PDL == PDL_WEIGHTS_FIRST:
-        dependent_launch_point()
     w0, w1, w2, w3 = _decode_words(wt.to(tl.uint32, bitcast=True), USE_NATIVE)
     scale = _scale(s_ptr, rows, row_mask, IS_PER_ROW)
     if not USE_NATIVE:

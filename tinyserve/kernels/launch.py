@@ -27,26 +27,6 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# programmatic dependent launch modes of the kernels that take one (`pdl_triton.py`)
-PDL_MODES = {"off": 0, "wait_first": 1, "weights_first": 2}
-
-
-@functools.cache
-def dependent_launch(device: torch.device) -> bool:
-    """Whether kernels on `device` may be programmatic dependent launches (`launch_pdl`,
-    Triton's `gdc_wait`): CUDA compute capability 9.0 or newer."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def pdl_mode(name: str, device: torch.device) -> int:
-    """The kernels' PDL constant for mode `name` of `PDL_MODES` on `device` (0, an ordinary
-    launch, where dependent launches are not supported); ValueError for an unknown name."""
-    if name not in PDL_MODES:
-        raise ValueError(f"unknown dependent-launch mode {name!r}, expected one of "
-                         f"{tuple(PDL_MODES)}")
-    return PDL_MODES[name] if dependent_launch(device) else 0
-
-
 def dot_tiles(num_m: int, n: int, k: int, block_n: int, block_k: int,
               target: int) -> tuple[int, int, int]:
     """(block_n, split, k_split) of a tiled dot with `num_m` row tiles: halve block_n (down to

@@ -31,7 +31,6 @@ from tinyserve.kernels.launch import (
     cdiv,
     dot_tiles,
     num_sms,
-    pdl_mode,
     resident_programs,
     split_k_output,
     split_k_result,
@@ -40,10 +39,6 @@ from tinyserve.kernels.nvfp4_tiles import GemvConfig, default_gemv_config
 
 PATHS = ("gemv", "dot", "dequant")
 SCRATCH_ELEMS = 1 << 24  # dequant scratch cap (32 MiB in bf16)
-# The M <= 4 gemv as a programmatic dependent launch on sm_90+ (`launch.PDL_MODES`: "off",
-# "wait_first", "weights_first"; `pdl_triton.py`): its programs start while the previous
-# kernel drains
-GEMV_PDL = "weights_first"
 
 
 __all__ = ["PATHS", "GemvConfig", "choose_path", "default_gemv_config", "nvfp4_dequantize",
@@ -160,13 +155,11 @@ def _gemv(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int,
     out = split_k_output(split, m, n, x)
     factor = kern.FP4_UNIT * float(w.global_scale)
     grid = (num_m * split * n_blocks,)
-    pdl = pdl_mode(GEMV_PDL, x.device)
     kern.nvfp4_gemv_kernel[grid](x, words, w.block_scale, out, factor, m, n, kb, x.stride(0),
                                  b_split, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
                                  BLOCK_B=cfg.block_b, PREFETCH=cfg.prefetch, VEC=cfg.vec,
-                                 IS_H2=is_h2, USE_ASM=x.device.type == "cuda", PDL=pdl,
-                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                                 launch_pdl=pdl > 0)
+                                 IS_H2=is_h2, USE_ASM=x.device.type == "cuda",
+                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return split_k_result(out, split, x.dtype)
 
 
@@ -186,23 +179,21 @@ def _gemv_persistent(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int,
     factor = _kernels().FP4_UNIT * float(w.global_scale)
     args = (x, w.packed.view(torch.int64), w.block_scale, out, factor, m, n, kb, x.stride(0),
             num_tiles)
-    pdl = pdl_mode(GEMV_PDL, x.device)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=block_b, VEC=cfg.vec,
                 PREFETCH=cfg.prefetch, HOIST_X=cfg.hoist_x, NUM_STAGES=cfg.num_stages,
-                USE_ASM=x.device.type == "cuda", PDL=pdl, num_warps=cfg.num_warps,
+                USE_ASM=x.device.type == "cuda", num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages)
     per_sm = cfg.persistent
     if x.device.type == "cuda":
         # NOTE: more programs than fit on the SMs would run the persistent loop in waves
-        key = (x.device, x.dtype, cfg, block_m, block_b, n % 16, kb % 16, x.stride(0) % 16,
-               pdl)
+        key = (x.device, x.dtype, cfg, block_m, block_b, n % 16, kb % 16, x.stride(0) % 16)
         fit = _RESIDENT.get(key)
         if fit is None:
             compiled = kern.nvfp4_gemv_persistent_kernel.warmup(*args, grid=(1,), **meta)
             fit = _RESIDENT[key] = resident_programs(compiled, x.device)
         per_sm = min(per_sm, fit) if fit else per_sm
     grid = (kern.persistent_grid(num_tiles, sms, per_sm),)
-    kern.nvfp4_gemv_persistent_kernel[grid](*args, **meta, launch_pdl=pdl > 0)
+    kern.nvfp4_gemv_persistent_kernel[grid](*args, **meta)
     return out
 
 

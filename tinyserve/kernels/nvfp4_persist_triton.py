@@ -15,8 +15,6 @@ each program
 
 One K step per tile: BLOCK_B (blocks of 16 inputs) covers K. Same numerics as the "h2" gemv
 (`nvfp4_triton._fp4_rows_dot_h2`); the interpreter runs its fp32 emulation (USE_ASM False).
-PDL (`pdl_triton`): with PDL_WEIGHTS_FIRST and PREFETCH the first tile's loads go out before
-the wait for the previous kernel; otherwise the wait comes first. x is read after it.
 """
 
 from __future__ import annotations
@@ -32,7 +30,6 @@ from tinyserve.kernels.nvfp4_triton import (
     _h2_x_pair,
     _h2_x_scale,
 )
-from tinyserve.kernels.pdl_triton import PDL_OFF, PDL_WEIGHTS_FIRST, dependent_launch_point
 
 
 @triton.jit
@@ -71,19 +68,13 @@ def nvfp4_gemv_persistent_kernel(x_ptr, w_ptr, s_ptr, out_ptr, factor, M, N, KB,
                                  num_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                  BLOCK_B: tl.constexpr, VEC: tl.constexpr,
                                  PREFETCH: tl.constexpr, HOIST_X: tl.constexpr,
-                                 NUM_STAGES: tl.constexpr, USE_ASM: tl.constexpr,
-                                 PDL: tl.constexpr = PDL_OFF):
+                                 NUM_STAGES: tl.constexpr, USE_ASM: tl.constexpr):
     # out[m, n] = factor * sum_k x[m, k] * W[n, k] for m < M <= BLOCK_M, tiles of BLOCK_N rows
     pid = tl.program_id(0)
     step = tl.num_programs(0)
     offs_n = tl.arange(0, BLOCK_N)
     blk = tl.max_contiguous(tl.arange(0, BLOCK_B), VEC)  # [BB]: the whole K (KB <= BB)
     ok = blk < KB
-    EARLY: tl.constexpr = PDL == PDL_WEIGHTS_FIRST and PREFETCH
-    if EARLY:
-        v, raw = _load_tile(w_ptr, s_ptr, pid * BLOCK_N + offs_n, N, KB, blk, ok)
-    if PDL != PDL_OFF:
-        dependent_launch_point()
     # NOTE: x rows past M read row M - 1 (valid memory, no masks); their stores are masked
     x_r0 = x_ptr
     x_r1 = x_ptr + tl.minimum(1, M - 1).to(tl.int64) * stride_xm
@@ -102,7 +93,7 @@ def nvfp4_gemv_persistent_kernel(x_ptr, w_ptr, s_ptr, out_ptr, factor, M, N, KB,
         if HOIST_X:
             xw2 = _h2_x_words(x_r2, blk, ok, xs2)
             xw3 = _h2_x_words(x_r3, blk, ok, xs3)
-    if PREFETCH and not EARLY:
+    if PREFETCH:
         v, raw = _load_tile(w_ptr, s_ptr, pid * BLOCK_N + offs_n, N, KB, blk, ok)
     for t in tl.range(pid, num_tiles, step, num_stages=NUM_STAGES):
         rows = t * BLOCK_N + offs_n  # [BN]

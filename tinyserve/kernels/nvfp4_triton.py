@@ -18,8 +18,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tinyserve.kernels.pdl_triton import PDL_OFF, PDL_WEIGHTS_FIRST, dependent_launch_point
-
 FP4_UNIT = float(2**22)
 FP4_UNIT_C = tl.constexpr(FP4_UNIT)
 # gemv: x * 2^64 keeps x * E2M1 * 2^-126 normal. NOTE: exact products for 2^-63 <= |x| < 2^64;
@@ -94,7 +92,7 @@ def _fma4(p, w0, w4, w8, w12, x0, x4, x8, x12):
 def _fp4_rows_dot(x_ptr, stride_xm, m_rows, w_ptr, s_ptr, rows, row_mask, KB, b_lo, b_hi,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
                   PREFETCH: tl.constexpr = False, X_T: tl.constexpr = False,
-                  VEC: tl.constexpr = 2, PDL: tl.constexpr = PDL_OFF):
+                  VEC: tl.constexpr = 2):
     """sum_k x[m, k] * (E2M1 * e4m3)[rows, k] over the 16-input blocks [b_lo, b_hi), for the
     first BLOCK_M (1, 2 or 4; rows >= m_rows read as 0) rows of x: four fp32 [BLOCK_N]
     (unused ones are zeros), each lacking the factor FP4_UNIT * global_scale.
@@ -107,9 +105,7 @@ def _fp4_rows_dot(x_ptr, stride_xm, m_rows, w_ptr, s_ptr, rows, row_mask, KB, b_
     flight per program; for grids of about one wave). VEC: contiguous words per thread and
     row (the load width). X_T: each row of x is stored
     block-transposed (input 16b + i at i * KB + b), so the loads of one input position over
-    the blocks of a warp are contiguous (the MoE intermediate is written that way). PDL: with
-    PDL_WEIGHTS_FIRST the first K step's words and scales are requested before
-    `dependent_launch_point`, x after (the other modes are the caller's).
+    the blocks of a warp are contiguous (the MoE intermediate is written that way).
     """
     offs_b = tl.arange(0, BLOCK_B)
     rows64 = rows.to(tl.int64)
@@ -123,8 +119,6 @@ def _fp4_rows_dot(x_ptr, stride_xm, m_rows, w_ptr, s_ptr, rows, row_mask, KB, b_
     fmask = row_mask[:, None] & (fblk < b_hi)[None, :]
     v_next = tl.load(w_rows + fblk[None, :], mask=fmask, other=0)  # used when PREFETCH
     raw_next = tl.load(s_rows + fblk[None, :], mask=fmask, other=0)
-    if PDL == PDL_WEIGHTS_FIRST and PREFETCH:
-        dependent_launch_point()
     for b0 in range(b_lo, b_hi, BLOCK_B):
         # NOTE: contiguity capped at VEC (2) words so a thread loads 16 bytes per row and
         # holds several rows (they share its x values) instead of one long row segment
@@ -142,9 +136,6 @@ def _fp4_rows_dot(x_ptr, stride_xm, m_rows, w_ptr, s_ptr, rows, row_mask, KB, b_
             mask = row_mask[:, None] & ok[None, :]
             cur_v = tl.load(w_rows + blk[None, :], mask=mask, other=0)  # [BN, BB] int64
             cur_raw = tl.load(s_rows + blk[None, :], mask=mask, other=0)  # [BN, BB] uint8
-            if PDL == PDL_WEIGHTS_FIRST and not PREFETCH:
-                # NOTE: again in later K steps, where it returns at once
-                dependent_launch_point()
         scale = _e4m3(cur_raw)
         lo = cur_v.to(tl.uint32)  # inputs 16b + 0..7
         hi = (cur_v >> 32).to(tl.uint32)  # inputs 16b + 8..15
@@ -346,11 +337,9 @@ def _fp4_rows_dot_h2(x_ptr, w_ptr, s_ptr, rows, row_mask, KB, b_lo, b_hi,
 def nvfp4_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, factor, M, N, KB, stride_xm, B_SPLIT,
                       SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_B: tl.constexpr, PREFETCH: tl.constexpr, VEC: tl.constexpr,
-                      IS_H2: tl.constexpr, USE_ASM: tl.constexpr,
-                      PDL: tl.constexpr = PDL_OFF):
+                      IS_H2: tl.constexpr, USE_ASM: tl.constexpr):
     # out[pid_k, m, n] = factor * sum_{k in split} x[m, k] * W[n, k], BLOCK_M rows of x at once
-    # (IS_H2: the "h2" decode, BLOCK_M = 1). PDL (`pdl_triton`): the h2 decode waits first
-    # in either mode (its x scale pass comes before the weights)
+    # (IS_H2: the "h2" decode, BLOCK_M = 1)
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     pid_m = pid % num_m  # NOTE: x row groups vary fastest so one weight tile is reused from L2
@@ -363,8 +352,6 @@ def nvfp4_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, factor, M, N, KB, stride_xm,
     b_hi = tl.minimum(b_lo + B_SPLIT, KB)
     m0 = pid_m * BLOCK_M
     x_row = x_ptr + m0.to(tl.int64) * stride_xm
-    if PDL != PDL_OFF and (IS_H2 or PDL != PDL_WEIGHTS_FIRST):
-        dependent_launch_point()
     if IS_H2:
         a0 = _fp4_rows_dot_h2(x_row, w_ptr, s_ptr, rows, row_mask, KB, b_lo, b_hi, BLOCK_N,
                               BLOCK_B, False, VEC, USE_ASM)
@@ -374,7 +361,7 @@ def nvfp4_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, factor, M, N, KB, stride_xm,
     else:
         a0, a1, a2, a3 = _fp4_rows_dot(x_row, stride_xm, M - m0, w_ptr, s_ptr, rows,
                                        row_mask, KB, b_lo, b_hi, BLOCK_M, BLOCK_N, BLOCK_B,
-                                       PREFETCH, False, VEC, PDL)
+                                       PREFETCH, False, VEC)
     out = out_ptr + (pid_k.to(tl.int64) * M + m0) * N + rows
     ty = out_ptr.dtype.element_ty
     tl.store(out, (a0 * factor).to(ty), mask=row_mask)

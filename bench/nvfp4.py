@@ -3,7 +3,8 @@
 One unattended run on one GPU (< 120 s, most of it Triton compiles), everything beside its
 baseline from the same run:
 1. bandwidth: a 1 GiB device copy (read + written) and a bf16 cuBLAS GEMV over a 1 GiB
-   weight (read only); the larger is the reference `bw` for every fraction below;
+   weight (read only); the larger is the reference `bw` for every fraction below, and the
+   fractions of the copy bandwidth alone (the targets' reference) are recorded beside them;
 2. gemv M = 1 on the 35B-A3B shapes (qkvz, lm_head, o_proj, gate_up, down): bf16 cuBLAS,
    the shape's current tiles (`default_gemv_config`) and every candidate of `GEMV_SWEEP`
    (decode "f32" / "h2", rows, blocks, warps, load width, stages, split-K);
@@ -183,8 +184,10 @@ def gemv_m4(x1: torch.Tensor, ws: list, cands: list, variants: dict) -> dict:
     return out
 
 
-def bench_gemv(n: int, k: int, bw: float, dev: str, smoke: bool) -> dict:
-    """bf16 cuBLAS, the current tiles and the sweep at M = 1 on one [N, K] shape."""
+def bench_gemv(n: int, k: int, bw: float, dev: str, smoke: bool,
+               copy_bw: float | None = None) -> dict:
+    """bf16 cuBLAS, the current tiles and the sweep at M = 1 on one [N, K] shape; fractions
+    of `bw` (and of the device copy bandwidth `copy_bw`, where given)."""
     wb = nvfp4_bytes(n, k)
     ws = [rand_nvfp4(n, k, dev) for _ in range(copies(wb, smoke))]
     x = torch.randn(1, k, device=dev, dtype=torch.bfloat16 if dev == "cuda" else torch.float32)
@@ -213,6 +216,8 @@ def bench_gemv(n: int, k: int, bw: float, dev: str, smoke: bool) -> dict:
                 us = time_graph([lambda w=w, c=cfg: nvfp4_linear(x, w, path="gemv",
                                                                  gemv_config=c) for w in ws])
                 res.update(us=us, frac_bw=wb / us / 1e3 / bw)
+                if copy_bw:
+                    res["frac_copy"] = wb / us / 1e3 / copy_bw
             elif res["rel_err"] > MAX_REL_ERR:
                 res["wrong"] = True
         except Exception as exc:  # noqa: BLE001 - one failed variant must not stop the sweep
@@ -226,6 +231,7 @@ def bench_gemv(n: int, k: int, bw: float, dev: str, smoke: bool) -> dict:
         cfg = next(c for c in [default, *cands] if gemv_key(c) == best)
         out["best"] = {"config": best, "us": timed[best]["us"],
                        "frac_bw": timed[best]["frac_bw"],
+                       "frac_copy": timed[best].get("frac_copy"),
                        "vs_default": variants[out["default"]].get("us", float("nan"))
                        / timed[best]["us"],
                        "table_entry": f"({n}, {k}): {gemv_table_entry(cfg)},"}
@@ -441,7 +447,7 @@ def main() -> int:
     names = list(shapes) if args.only != "moe" else []
     size = (64, 32, 10) if args.smoke else (2048, 512, 256)
     for name in names[:1]:
-        rec.run(f"gemv_M1_{name}", bench_gemv, *shapes[name], bw, dev, args.smoke)
+        rec.run(f"gemv_M1_{name}", bench_gemv, *shapes[name], bw, dev, args.smoke, copy_bw)
     if args.only != "gemv":
         rec.run("moe_decode_1tok_8of256", bench_moe_decode, bw, dev, args.smoke, 1, *size,
                 True, copy_bw)
@@ -449,7 +455,7 @@ def main() -> int:
             rec.run(f"moe_decode_{n}tok_8of256", bench_moe_decode, bw, dev, args.smoke, n,
                     *size, False, copy_bw)
     for name in names[1:]:
-        rec.run(f"gemv_M1_{name}", bench_gemv, *shapes[name], bw, dev, args.smoke)
+        rec.run(f"gemv_M1_{name}", bench_gemv, *shapes[name], bw, dev, args.smoke, copy_bw)
     rec.data["seconds"] = round(time.perf_counter() - T0, 1)
     rec.save()
     summary(rec)

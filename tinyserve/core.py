@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +42,9 @@ class SamplingParams:
     stop: Sequence[str] | str | None = None
     stop_token_ids: Sequence[int] | None = None
     ignore_eos: bool = False
+    # token id -> a bias in [-100, 100] added to its logit before sampling (after the
+    # penalties): -100 bans a token, +100 all but forces it. Kept as sorted (id, bias) pairs.
+    logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] | None = None
 
     def __post_init__(self) -> None:
         stop = self.stop
@@ -51,6 +54,16 @@ class SamplingParams:
             stop = (stop,)
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias or ()
+        pairs = list(bias.items() if isinstance(bias, Mapping) else bias)
+        _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                   for t, _ in pairs), "logit_bias", "keys must be token ids (integers >= 0)")
+        _check(all(isinstance(b, int | float) and not isinstance(b, bool)
+                   and -100.0 <= b <= 100.0 for _, b in pairs),
+               "logit_bias", "values must be numbers in [-100, 100]")
+        _check(len({t for t, _ in pairs}) == len(pairs), "logit_bias",
+               "lists a token id twice")
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, float(b)) for t, b in pairs)))
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
                "must be an integer >= 1")
         _check(0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]")

@@ -59,9 +59,11 @@ def _seqs(tokens: list[int], pos: list[int], params: SamplingParams = GREEDY,
 
 
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=64)
+# a bias reads no token history: greedy rows with one run the sampler on the graph's logits
+BIASED = SamplingParams(temperature=0.0, max_tokens=64, logit_bias={7: 3.0, 11: -100.0})
 
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED, BIASED], ids=["greedy", "seeded", "bias"])
 def test_chained_launches_give_the_serial_tokens(static_decode, params) -> None:
     cfg, w = checkpoint("bf16")
     g = torch.Generator().manual_seed(4)

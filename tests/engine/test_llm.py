@@ -163,3 +163,19 @@ def test_preemption_recomputes_exactly(llm: LLM, ckpt) -> None:
         assert small.engine.stats().preemptions > 0
         assert_idle(small)
     assert [c.token_ids for c in got] == alone
+
+
+def test_logit_bias_bans_and_forces_tokens(llm: LLM) -> None:
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    plain = llm.generate(PROMPTS[0], greedy)[0].token_ids
+    banned = {t: -100.0 for t in set(plain)}
+    other = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0,
+                                                    ignore_eos=True, logit_bias=banned))[0]
+    assert not set(other.token_ids) & set(plain)
+    forced = llm.generate(PROMPTS[1], SamplingParams(max_tokens=6, temperature=0.9, seed=1,
+                                                     ignore_eos=True, logit_bias={7: 100}))[0]
+    assert forced.token_ids == [7] * 6
+    vocab = llm.engine._vocab
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate(PROMPTS[2], SamplingParams(logit_bias={vocab: 1.0}))
+    assert_idle(llm)

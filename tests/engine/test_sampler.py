@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tinyserve.core import SamplingParams, ScheduledSeq
+from tinyserve.core import ParamError, SamplingParams, ScheduledSeq
 from tinyserve.engine.sampler import Sampler
 
 
@@ -117,3 +117,45 @@ def test_cuda_matches_cpu_greedy_and_seeded_is_stable() -> None:
     assert gpu[0].item() == logits[0].argmax().item()
     again = Sampler()(logits.cuda(), seqs)
     assert gpu[1:3].tolist() == again[1:3].tolist()
+
+
+def test_logit_bias_bans_and_forces() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    top = logits.argmax(-1)
+    seqs = [seq(SamplingParams(temperature=0.0, logit_bias={int(top[0]): -100})),
+            seq(SamplingParams(temperature=0.0, logit_bias={7: 100, 8: -1.5})),
+            seq(SamplingParams(temperature=0.0))]
+    sampler = Sampler()
+    assert not sampler.argmax_only(seqs) and sampler.history_free(seqs)
+    out = sampler(logits, seqs)
+    assert out[0] != top[0] and out[1] == 7 and out[2] == top[2]
+    # sampled rows never draw a banned token; the logits passed in are not modified
+    before = logits.clone()
+    many = [seq(SamplingParams(temperature=1.0, logit_bias={0: -100, 1: -100}))] * 3000
+    drawn = sampler(torch.zeros(3000, 4), many)
+    assert set(drawn.tolist()) == {2, 3} and torch.equal(logits, before)
+
+
+def test_logit_bias_comes_after_the_penalties() -> None:
+    # token 3 was seen: repetition 2 halves its logit 4 to 2, then the bias adds 4 -> 6 > 5
+    # (biased first, (4 + 4) / 2 = 4 would lose to token 5)
+    logits = torch.zeros(1, 8)
+    logits[0, 3], logits[0, 5] = 4.0, 5.0
+    p = SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias={3: 4.0})
+    assert Sampler()(logits, [seq(p, history=[3, 1])]).item() == 3
+
+
+def test_logit_bias_beyond_the_vocabulary_is_an_error() -> None:
+    with pytest.raises(ValueError, match="logit_bias"):
+        Sampler()(torch.zeros(1, 8), [seq(SamplingParams(logit_bias={8: 1.0}))])
+
+
+def test_logit_bias_params_are_checked_and_normalised() -> None:
+    p = SamplingParams(logit_bias={9: 1, 2: -100.0})
+    assert p.logit_bias == ((2, -100.0), (9, 1.0)) and SamplingParams().logit_bias == ()
+    assert SamplingParams(logit_bias=[(9, 1), (2, -100)]) == p
+    for bad in ({"9": 1}, {-1: 1}, {True: 1}, {9: 100.5}, {9: "up"}, [(9, 1), (9, 2)]):
+        with pytest.raises(ParamError) as err:
+            SamplingParams(logit_bias=bad)
+        assert err.value.param == "logit_bias"

@@ -182,7 +182,9 @@ def _err(resp: httpx.Response, status: int, param: str | None = None) -> dict:
 
 BAD_BODIES = {
     "n": ({"n": 2}, "n"),
-    "logit_bias": ({"logit_bias": {"1": 5}}, "logit_bias"),
+    "logit_bias_key": ({"logit_bias": {"a1": 5}}, "logit_bias"),
+    "logit_bias_range": ({"logit_bias": {"1": -101}}, "logit_bias"),
+    "logit_bias_twice": ({"logit_bias": {"1": 5, "01": 3}}, "logit_bias"),
     "logprobs": ({"logprobs": True}, "logprobs"),
     "json_schema": ({"response_format": {"type": "json_schema", "json_schema": {}}},
                     "response_format"),

@@ -120,6 +120,20 @@ def test_seed_reproducible(live):
     assert a == b
 
 
+def test_logit_bias_through_the_sdk(live):
+    # the OpenAI SDK's logit_bias (token id -> bias) forces a token and bans another
+    url, engine = live
+    client = _client(url)
+    word = engine.tokenizer.encode(" the", add_special_tokens=False)[0]
+    kw = dict(model=MODEL, prompt="Hello", max_tokens=5, extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw, temperature=0.8, seed=3, logit_bias={str(word): 100})
+    assert r.choices[0].text == engine.tokenizer.decode([word] * 5)
+    greedy = client.completions.create(**kw, temperature=0)
+    first = engine.tokenizer.encode(greedy.choices[0].text, add_special_tokens=False)[0]
+    banned = client.completions.create(**kw, temperature=0, logit_bias={str(first): -100})
+    assert not banned.choices[0].text.startswith(greedy.choices[0].text)
+
+
 @pytest.fixture
 def scripted(live):
     """Force the engine to emit SCRIPT token by token, then <|im_end|>."""

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from tinyserve.core import Batch, SamplingParams
+from tinyserve.core import Batch, ParamError, SamplingParams
 from tinyserve.engine.config import EngineConfig
 from tinyserve.engine.detokenizer import IncrementalDetokenizer
 from tinyserve.engine.scheduler import RequestRejected, Scheduler, StepEvent
@@ -213,7 +213,8 @@ class Engine:
         """Queue a request; returns its stream at once.
 
         Raises RequestRejected (a ValueError naming the numbers) when the prompt plus
-        `max_tokens` can never fit, ValueError on token ids outside the vocabulary and
+        `max_tokens` can never fit, ValueError on token ids outside the vocabulary (a
+        ParamError naming `logit_bias` for its keys) and
         RuntimeError after shutdown.
         """
         params = params or SamplingParams()
@@ -221,6 +222,8 @@ class Engine:
         self.scheduler.check(len(prompt), params)
         if self._vocab and any(not 0 <= t < self._vocab for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {self._vocab})")
+        if self._vocab and any(t >= self._vocab for t, _ in params.logit_bias):
+            raise ParamError("logit_bias", f"keys must be token ids in [0, {self._vocab})")
         rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         handle = RequestHandle(rid, len(prompt), self.abort)
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)

@@ -1,8 +1,9 @@
 """Batched sampling on the model's device.
 
 Per row: optional test hook -> penalties (repetition on prompt + output, presence / frequency on
-the output) -> greedy argmax when temperature is 0, otherwise temperature, top-k, top-p and
-min-p filtering and an exponential race (argmax p / q with q ~ Exp(1), which draws from p).
+the output) -> logit bias -> greedy argmax when temperature is 0, otherwise temperature, top-k,
+top-p and min-p filtering and an exponential race (argmax p / q with q ~ Exp(1), which draws
+from p).
 A request with a seed draws its noise from a generator seeded with (seed, tokens generated so
 far), so its output depends neither on the rest of the batch nor on preemption.
 """
@@ -30,8 +31,10 @@ class Sampler:
 
     def argmax_only(self, seqs: Sequence[ScheduledSeq]) -> bool:
         """Whether sampling `seqs` is the plain argmax of their logits (greedy, no penalties,
-        no hook): then a caller holding the argmax already need not call the sampler."""
-        return self.history_free(seqs) and all(s.params.greedy for s in seqs)
+        no logit bias, no hook): then a caller holding the argmax already need not call the
+        sampler."""
+        return (self.history_free(seqs)
+                and all(s.params.greedy and not s.params.logit_bias for s in seqs))
 
     def history_free(self, seqs: Sequence[ScheduledSeq]) -> bool:
         """Whether sampling `seqs` reads nothing of their token history (no penalties, no
@@ -53,7 +56,7 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logit rows for {len(seqs)} sequences")
         if self.logits_hook is not None:
             logits = self.logits_hook(logits, seqs)
-        logits = apply_penalties(logits.float(), seqs)
+        logits = apply_logit_bias(apply_penalties(logits.float(), seqs), seqs)
         greedy_tokens = logits.argmax(dim=-1)
         if all(s.params.greedy for s in seqs):
             return greedy_tokens
@@ -88,6 +91,26 @@ def apply_penalties(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch
                 0, ids, torch.ones(len(out), device=device))
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
     return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
+    """Add each row's `logit_bias` (token id -> bias) to its logits: one index_put_ over the
+    batch, ids and biases in one host-to-device copy each."""
+    rows, ids, biases = [], [], []
+    for i, s in enumerate(seqs):
+        for token, bias in s.params.logit_bias:
+            rows.append(i)
+            ids.append(token)
+            biases.append(bias)
+    if not rows:
+        return logits
+    V = logits.shape[1]
+    if max(ids) >= V:
+        raise ValueError(f"logit_bias names token {max(ids)}, the vocabulary has {V}")
+    device = logits.device
+    index = _to_device([rows, ids], torch.long, device)
+    return logits.index_put((index[0], index[1]), _to_device(biases, logits.dtype, device),
+                            accumulate=True)
 
 
 def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

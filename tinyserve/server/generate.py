@@ -61,6 +61,9 @@ async def generate(state: ServerState, request: Request, fmt: Formatter,
     t0 = time.monotonic()
     try:
         handle = engine.submit(prompt_ids, params, request_id=fmt.id)
+    except ParamError as exc:  # a parameter the engine checks (logit_bias ids)
+        state.metrics.request_done(fmt.endpoint, "rejected")
+        raise APIError(400, str(exc), param=exc.param) from None
     except ValueError as exc:  # RequestRejected: can never fit, with the numbers
         state.metrics.request_done(fmt.endpoint, "rejected")
         raise APIError(400, str(exc), param=getattr(exc, "param", None) or fmt.prompt_param,

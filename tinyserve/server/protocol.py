@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tinyserve.core import SamplingParams
+from tinyserve.core import ParamError, SamplingParams
 from tinyserve.server.errors import APIError
 
 # Fields other servers accept that would change the output here if they were ignored.
@@ -84,8 +84,6 @@ class _Sampling(_Body):
             raise APIError(400, "only the text modality is supported", param="modalities")
         if self.n not in (None, 1):
             raise APIError(400, "n must be 1 (one choice per request)", param="n")
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
         if isinstance(self.stop, list) and len(self.stop) > 16:
             raise APIError(400, "stop takes at most 16 strings", param="stop")
 
@@ -100,7 +98,20 @@ class _Sampling(_Body):
                 kw[name] = value
         stops = tuple(self.stop_token_ids or ()) + (() if self.ignore_eos else stop_token_ids)
         return SamplingParams(max_tokens=max_tokens, stop=self.stop, ignore_eos=self.ignore_eos,
-                              stop_token_ids=tuple(dict.fromkeys(stops)), **kw)
+                              stop_token_ids=tuple(dict.fromkeys(stops)),
+                              logit_bias=self._logit_bias(), **kw)
+
+    def _logit_bias(self) -> dict[int, float]:
+        """`logit_bias` with its JSON keys (strings) read as token ids."""
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            text = key.strip()
+            if not text.isdigit():
+                raise ParamError("logit_bias", f"keys must be token ids, got {key!r}")
+            if int(text) in bias:
+                raise ParamError("logit_bias", f"lists token {int(text)} twice")
+            bias[int(text)] = value
+        return bias
 
     @property
     def include_usage(self) -> bool:

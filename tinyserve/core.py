@@ -23,6 +23,19 @@ import torch
 # Sampling
 
 
+MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for per token
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's log-probability and the `top` most likely tokens' (id, logprob),
+    most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """What one request asks of the sampler. Temperature 0 is greedy.
@@ -45,6 +58,9 @@ class SamplingParams:
     # token id -> a bias in [-100, 100] added to its logit before sampling (after the
     # penalties): -100 bans a token, +100 all but forces it. Kept as sorted (id, bias) pairs.
     logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] | None = None
+    # None: no log-probabilities; k in 0..20: each sampled token's log-probability under the
+    # model (its logits before penalties, bias and temperature) and the k most likely tokens'
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         stop = self.stop
@@ -64,6 +80,9 @@ class SamplingParams:
         _check(len({t for t, _ in pairs}) == len(pairs), "logit_bias",
                "lists a token id twice")
         object.__setattr__(self, "logit_bias", tuple(sorted((t, float(b)) for t, b in pairs)))
+        _check(self.logprobs is None or (isinstance(self.logprobs, int)
+                                         and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
+               "logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
                "must be an integer >= 1")
         _check(0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]")
@@ -155,10 +174,13 @@ class Batch:
 @dataclass
 class ForwardOutput:
     """What the runner returns: one sampled token per sequence with `sample=True`, in batch
-    order (`None` for sequences that did not sample). `logits` is optional (tests, LLM.logits)."""
+    order (`None` for sequences that did not sample). `logits` is optional (tests, LLM.logits).
+    """
 
     next_tokens: list[int | None]
     logits: torch.Tensor | None = None
+    # per sequence, for those whose params ask for logprobs (else None); None: nobody did
+    logprobs: list[TokenLogprobs | None] | None = None
 
 
 # --------------------------------------------------------------------------------------------

@@ -179,3 +179,27 @@ def test_logit_bias_bans_and_forces_tokens(llm: LLM) -> None:
     with pytest.raises(ValueError, match="logit_bias"):
         llm.generate(PROMPTS[2], SamplingParams(logit_bias={vocab: 1.0}))
     assert_idle(llm)
+
+
+def test_logprobs_are_the_models(llm: LLM) -> None:
+    # each token's log-probability and its top 3 are the teacher-forced logits' log-softmax
+    # (the model's distribution: temperature and penalties do not change them)
+    prompt = llm.encode(PROMPTS[0])
+    for params in (SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3),
+                   SamplingParams(max_tokens=6, temperature=0.7, seed=5, ignore_eos=True,
+                                  repetition_penalty=1.3, logprobs=0)):
+        out = llm.generate(prompt, params)[0]
+        assert [lp.token_id for lp in out.logprobs] == out.token_ids
+        ref = torch.log_softmax(llm.logits(prompt + out.token_ids[:-1])[len(prompt) - 1:], -1)
+        for step, lp in enumerate(out.logprobs):
+            assert abs(lp.logprob - ref[step, lp.token_id].item()) < 1e-4
+            assert len(lp.top) == params.logprobs
+            top = ref[step].topk(params.logprobs) if params.logprobs else None
+            if top is not None:
+                assert [t for t, _ in lp.top] == top.indices.tolist()
+                assert max(abs(a - b) for (_, a), b in zip(lp.top, top.values.tolist(),
+                                                          strict=True)) < 1e-4
+        if params.temperature == 0.0:  # greedy: the sampled token is the most likely one
+            assert all(lp.top[0][0] == lp.token_id for lp in out.logprobs)
+    assert llm.generate(prompt, SamplingParams(max_tokens=2))[0].logprobs == []
+    assert_idle(llm)

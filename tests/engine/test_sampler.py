@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tinyserve.core import ParamError, SamplingParams, ScheduledSeq
-from tinyserve.engine.sampler import Sampler
+from tinyserve.engine.sampler import Sampler, token_logprobs
 
 
 def seq(params: SamplingParams, history=(), num_generated=0, rid="r") -> ScheduledSeq:
@@ -159,3 +159,18 @@ def test_logit_bias_params_are_checked_and_normalised() -> None:
         with pytest.raises(ParamError) as err:
             SamplingParams(logit_bias=bad)
         assert err.value.param == "logit_bias"
+
+
+def test_token_logprobs_of_the_rows_that_ask() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(3, 30)
+    seqs = [seq(SamplingParams(temperature=0.0, logprobs=2)), seq(SamplingParams()),
+            seq(SamplingParams(temperature=0.0, logprobs=0))]
+    assert not Sampler().argmax_only([seqs[0]]) and Sampler().argmax_only([seqs[2]]) is False
+    tokens = torch.tensor([4, 9, 17])
+    rows, ks, chosen, ids, lps = token_logprobs(logits, seqs, tokens)
+    ref = torch.log_softmax(logits, -1)
+    assert rows == [0, 2] and ks == [2, 0]
+    assert torch.allclose(chosen, ref[[0, 2], [4, 17]])
+    assert ids.shape == (2, 2) and torch.equal(ids[0], ref[0].topk(2).indices)
+    assert token_logprobs(logits, [seqs[1]] * 3, tokens) is None

@@ -134,6 +134,46 @@ def test_logit_bias_through_the_sdk(live):
     assert not banned.choices[0].text.startswith(greedy.choices[0].text)
 
 
+def test_logprobs_through_the_sdk(live):
+    # chat: one entry per completion token, the same streamed as in one body; completions:
+    # the legacy object, its tokens spelling the text; both the engine's numbers
+    url, engine = live
+    client = _client(url)
+    kw = dict(model=MODEL, messages=_msgs("Hello"), temperature=0, max_tokens=10,
+              logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True,
+                                                         "chat_template_kwargs":
+                                                             {"enable_thinking": False}})
+    full = client.chat.completions.create(**kw)
+    content = full.choices[0].logprobs.content
+    assert len(content) == full.usage.completion_tokens == 10
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.logprob <= 0.0
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob
+        assert bytes(e.bytes).decode("utf-8", errors="replace") == e.token
+    streamed = [e for c in client.chat.completions.create(**kw, stream=True)
+                for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    assert client.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": None}
+                                          ).choices[0].logprobs is None
+    prompt = "The quick brown fox"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                  logprobs=3, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    assert lp.text_offset[0] == 0 and all(len(t) <= 3 for t in lp.top_logprobs)
+    if "\ufffd" not in "".join(lp.tokens):
+        assert "".join(lp.tokens) == r.choices[0].text
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
+                                            temperature=0, logprobs=3, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert [t for c in chunks for ch in c.choices if ch.logprobs
+            for t in ch.logprobs.token_logprobs] == lp.token_logprobs
+    offsets = [o for c in chunks for ch in c.choices if ch.logprobs
+               for o in ch.logprobs.text_offset]
+    assert offsets == lp.text_offset
+
+
 @pytest.fixture
 def scripted(live):
     """Force the engine to emit SCRIPT token by token, then <|im_end|>."""

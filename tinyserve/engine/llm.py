@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from tinyserve.core import SamplingParams
+from tinyserve.core import SamplingParams, TokenLogprobs
 from tinyserve.engine.build import build_engine
 from tinyserve.engine.config import EngineConfig
 from tinyserve.engine.loop import Engine
@@ -25,6 +25,7 @@ class Completion:
     text: str
     finish_reason: str | None
     error: str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # with params.logprobs set
 
 
 class LLM:
@@ -83,7 +84,7 @@ class LLM:
             for h in handles:
                 h.abort()
             raise
-        return [Completion(ids, o.token_ids, o.text, o.finish_reason, o.error)
+        return [Completion(ids, o.token_ids, o.text, o.finish_reason, o.error, o.logprobs)
                 for ids, o in zip(encoded, outs, strict=True)]
 
     def logits(self, token_ids: Sequence[int]) -> torch.Tensor:

@@ -489,7 +489,8 @@ class Engine:
                 text += live.detok.finish()
         live.handle.put(RequestOutput(
             ev.request_id, [ev.token_id], text, reason is not None, reason, None,
-            live.handle.prompt_tokens, live.completion_tokens, ev.cached_tokens))
+            live.handle.prompt_tokens, live.completion_tokens, ev.cached_tokens,
+            [ev.logprobs] if ev.logprobs is not None else []))
         if reason is not None:
             del self._live[ev.request_id]
             self._counts["finished"] += 1

@@ -28,9 +28,16 @@ from typing import Any
 
 import torch
 
-from tinyserve.core import Batch, ForwardContext, ForwardOutput, ScheduledSeq, forward_context
+from tinyserve.core import (
+    Batch,
+    ForwardContext,
+    ForwardOutput,
+    ScheduledSeq,
+    TokenLogprobs,
+    forward_context,
+)
 from tinyserve.engine.graph import DecodeGraphs
-from tinyserve.engine.sampler import Sampler
+from tinyserve.engine.sampler import Sampler, token_logprobs, wants_logprobs
 from tinyserve.model.linear import kernels_enabled
 
 
@@ -51,13 +58,14 @@ class PendingOutput:
 
     def __init__(self, sample_rows: list[int], num_seqs: int, logits: torch.Tensor | None,
                  host: torch.Tensor | None, copied: Any,
-                 device_tokens: torch.Tensor | None = None) -> None:
+                 device_tokens: torch.Tensor | None = None, logprobs: Any = None) -> None:
         self._rows = sample_rows
         self._num_seqs = num_seqs
         self._logits = logits
         self._host = host  # [len(sample_rows)] int64 view of one of the runner's pinned buffers
         self._copied = copied
         self.device_tokens = device_tokens
+        self._logprobs = logprobs  # `sampler.token_logprobs` of the sampled rows, or None
         self._output: ForwardOutput | None = None
 
     @property
@@ -74,9 +82,27 @@ class PendingOutput:
             next_tokens: list[int | None] = [None] * self._num_seqs
             for i, t in zip(self._rows, tokens, strict=True):
                 next_tokens[i] = t
-            self._output = ForwardOutput(next_tokens=next_tokens, logits=self._logits)
+            self._output = ForwardOutput(next_tokens=next_tokens, logits=self._logits,
+                                         logprobs=self._read_logprobs(next_tokens))
             self._host = None  # the buffer is the runner's again
         return self._output
+
+
+    def _read_logprobs(self, next_tokens: list[int | None]) -> list[TokenLogprobs | None] | None:
+        """The sampled rows' log-probabilities on the host, per sequence (a synchronous copy:
+        steps that ask for them are never chained)."""
+        if self._logprobs is None:
+            return None
+        rows, ks, chosen, top_ids, top_lps = self._logprobs
+        out: list[TokenLogprobs | None] = [None] * self._num_seqs
+        chosen, top_ids, top_lps = chosen.tolist(), top_ids.tolist(), top_lps.tolist()
+        for j, (r, k) in enumerate(zip(rows, ks, strict=True)):
+            i = self._rows[r]  # the batch index of sampled row r
+            token = next_tokens[i]
+            assert token is not None
+            out[i] = TokenLogprobs(token, chosen[j],
+                                   tuple(zip(top_ids[j][:k], top_lps[j][:k], strict=True)))
+        return out
 
 
 class _TokenBuffer:
@@ -195,11 +221,11 @@ class ModelRunner:
         ones) can be launched with `launch(batch, after=...)`: it runs in a decode graph
         that takes its token ids from the device (not a host embedding table) and every
         sequence samples without reading its token history (no penalties: the host does not
-        know the newest token yet)."""
+        know the newest token yet) and without log-probabilities (read back synchronously)."""
         seqs = batch.seqs
         return (self.graphs is not None and not self.graphs.host_embedding
                 and self.graphs.supports(seqs) and all(s.sample for s in seqs)
-                and self.sampler.history_free(seqs))
+                and self.sampler.history_free(seqs) and not wants_logprobs(seqs))
 
     def launch(self, batch: Batch, *, after: PendingOutput | None = None) -> PendingOutput:
         """Queue one step (forward, sampling, the sampled tokens' copy to the host), then run
@@ -229,15 +255,19 @@ class ModelRunner:
         else:
             logits = self.run(self.prepare(batch))
         rows = [i for i, s in enumerate(seqs) if s.sample and s.num_tokens > 0]
-        buffer, host, tokens = None, None, None
+        buffer, host, tokens, logprobs = None, None, None, None
         if rows:
-            tokens = greedy if greedy is not None else self.sampler(logits, [seqs[i] for i in rows])
+            sampled = [seqs[i] for i in rows]
+            tokens = greedy if greedy is not None else self.sampler(logits, sampled)
+            if logits is not None:
+                logprobs = token_logprobs(logits, sampled, tokens)
             buffer = self._buffers[self._next_buffer]
             self._next_buffer ^= 1
             host = self._stage(buffer, tokens)  # [S] int64
         pending = PendingOutput(rows, len(seqs), logits, host,
                                 buffer.copied if buffer is not None else None,
-                                device_tokens=tokens if len(rows) == len(seqs) else None)
+                                device_tokens=tokens if len(rows) == len(seqs) else None,
+                                logprobs=logprobs)
         if buffer is not None:
             buffer.owner = pending
         after_launch = getattr(getattr(self.model, "experts", None), "after_launch", None)

@@ -31,9 +31,9 @@ class Sampler:
 
     def argmax_only(self, seqs: Sequence[ScheduledSeq]) -> bool:
         """Whether sampling `seqs` is the plain argmax of their logits (greedy, no penalties,
-        no logit bias, no hook): then a caller holding the argmax already need not call the
-        sampler."""
-        return (self.history_free(seqs)
+        no logit bias, no logprobs, no hook): then a caller holding the argmax already need
+        not call the sampler."""
+        return (self.history_free(seqs) and not wants_logprobs(seqs)
                 and all(s.params.greedy and not s.params.logit_bias for s in seqs))
 
     def history_free(self, seqs: Sequence[ScheduledSeq]) -> bool:
@@ -65,6 +65,29 @@ class Sampler:
         sampled = (probs / noise).argmax(dim=-1)
         is_greedy = _to_device([s.params.greedy for s in seqs], torch.bool, logits.device)
         return torch.where(is_greedy, greedy_tokens, sampled)
+
+
+def wants_logprobs(seqs: Sequence[ScheduledSeq]) -> bool:
+    return any(s.params.logprobs is not None for s in seqs)
+
+
+def token_logprobs(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], tokens: torch.Tensor
+                   ) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor,
+                              torch.Tensor] | None:
+    """The model's log-probabilities for the rows whose params ask for them: (rows, each
+    row's k, the sampled tokens' [R] float32, the top ids [R, K] and log-probabilities
+    [R, K] with K the largest k, most likely first), on the logits' device; None when no row
+    asks. `logits` are the model's [S, V] (before penalties, bias and temperature), `tokens`
+    the sampled [S]."""
+    rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    if not rows:
+        return None
+    ks = [seqs[i].params.logprobs for i in rows]
+    index = _to_device(rows, torch.long, logits.device)
+    lp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+    chosen = lp.gather(1, tokens.index_select(0, index)[:, None])[:, 0]
+    top_lps, top_ids = lp.topk(max(ks), dim=-1)
+    return rows, ks, chosen, top_ids, top_lps
 
 
 def apply_penalties(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:

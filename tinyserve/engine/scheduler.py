@@ -26,7 +26,14 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from tinyserve.core import PENDING_TOKEN, Batch, ForwardOutput, SamplingParams, ScheduledSeq
+from tinyserve.core import (
+    PENDING_TOKEN,
+    Batch,
+    ForwardOutput,
+    SamplingParams,
+    ScheduledSeq,
+    TokenLogprobs,
+)
 from tinyserve.kv.allocator import PageAllocator
 from tinyserve.kv.prefix_cache import PrefixCache, PrefixMatch, RadixNode
 
@@ -87,6 +94,7 @@ class StepEvent:
     token_id: int
     finish_reason: str | None
     cached_tokens: int = 0
+    logprobs: TokenLogprobs | None = None  # when the request asks for them
 
 
 def _by_arrival(r: Request) -> int:
@@ -327,7 +335,8 @@ class Scheduler:
         finished requests are freed. A request that ended or was preempted since the step was
         scheduled gets nothing (a token sampled one step after its end is dropped here)."""
         events = []
-        for seq, token in zip(batch.seqs, output.next_tokens, strict=True):
+        logprobs = output.logprobs or [None] * len(batch.seqs)
+        for seq, token, lp in zip(batch.seqs, output.next_tokens, logprobs, strict=True):
             req = self.requests.get(seq.request_id)
             if (req is None or not req.running or not seq.sample
                     or req.num_computed != seq.start_pos + seq.num_tokens
@@ -337,7 +346,7 @@ class Scheduler:
                 raise ValueError(f"no token sampled for {seq.request_id!r}")
             req.tokens.append(token)
             reason = self._stop_reason(req, token)
-            events.append(StepEvent(req.request_id, token, reason, req.num_cached))
+            events.append(StepEvent(req.request_id, token, reason, req.num_cached, lp))
             if reason is not None:
                 self.finish(req.request_id)
         return events

@@ -9,6 +9,8 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
+from tinyserve.core import TokenLogprobs
+
 
 @dataclass(frozen=True)
 class RequestOutput:
@@ -18,7 +20,8 @@ class RequestOutput:
     may begin one are held back, a matched stop string is never emitted). finish_reason:
     "stop" | "length" | "abort" | "error" on the last item, else None. error: the message when
     finish_reason is "error". prompt_tokens / completion_tokens: totals so far. cached_tokens:
-    prompt tokens served from the prefix cache.
+    prompt tokens served from the prefix cache. logprobs: one entry per new token when the
+    request asks for them, else empty.
     """
 
     request_id: str
@@ -30,6 +33,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class RequestHandle:
@@ -105,11 +109,13 @@ class RequestHandle:
         """Wait for the end and merge every item into one (all tokens, all text)."""
         ids: list[int] = []
         text: list[str] = []
+        logprobs: list[TokenLogprobs] = []
         while True:
             out = self.get(timeout)
             ids += out.token_ids
             text.append(out.text)
+            logprobs += out.logprobs
             if out.finished:
                 return RequestOutput(self.request_id, ids, "".join(text), True,
                                      out.finish_reason, out.error, out.prompt_tokens,
-                                     out.completion_tokens, out.cached_tokens)
+                                     out.completion_tokens, out.cached_tokens, logprobs)

@@ -104,7 +104,8 @@ def create_app(state: ServerState) -> FastAPI:
         assembler = ChatAssembler(reasoning_open=prompt.reasoning_open, tools=tools,
                                   parallel_tool_calls=req.parallel_tool_calls)
         fmt = ChatFormatter(state.config.served_model_name, assembler,
-                            usage_null=req.include_usage)
+                            usage_null=req.include_usage,
+                            token_text=state.token_text if params.logprobs is not None else None)
         return await generate(state, request, fmt, prompt.ids, params, stream=req.stream,
                               include_usage=req.include_usage)
 
@@ -123,7 +124,9 @@ def create_app(state: ServerState) -> FastAPI:
                                 prompt_param="prompt", max_param="max_tokens")
         params = make_params(lambda: req.sampling_params(
             max_tokens=max_tokens, stop_token_ids=state.stop_token_ids), "max_tokens")
-        fmt = CompletionFormatter(state.config.served_model_name, usage_null=req.include_usage)
+        fmt = CompletionFormatter(
+            state.config.served_model_name, usage_null=req.include_usage,
+            token_text=state.token_text if params.logprobs is not None else None)
         return await generate(state, request, fmt, ids, params, stream=req.stream,
                               include_usage=req.include_usage)
 

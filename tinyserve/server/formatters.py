@@ -3,12 +3,21 @@
 A formatter turns text deltas into chunks (`start`, `on_text`, `on_finish`) and builds the
 non-streamed body (`body`). The generation driver in `server.generate` is shared by both
 endpoints; only these shapes differ.
+
+Log-probabilities (when the request asks: `token_text` set) travel with the first chunk
+sent after their tokens arrive: a token whose text is held back (a possible stop string, a
+tool call being parsed) has its entry in a later chunk, the last ones in the finishing
+chunk; every token's entry is sent once, in order. Chat entries cover every generated token,
+reasoning included.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from tinyserve.core import TokenLogprobs
+from tinyserve.server.logprobs import TokenText, chat_entries, completion_logprobs
 from tinyserve.server.responses import (
     ChatAssembler,
     chat_chunk,
@@ -23,22 +32,36 @@ class ChatFormatter:
     endpoint = "chat"
     prompt_param = "messages"
 
-    def __init__(self, model: str, assembler: ChatAssembler, *, usage_null: bool) -> None:
+    def __init__(self, model: str, assembler: ChatAssembler, *, usage_null: bool,
+                 token_text: TokenText | None = None) -> None:
         self.id = new_id("chatcmpl")
         self.created = now()
         self.model = model
         self.assembler = assembler
         self._usage_null = usage_null
+        self._text_of = token_text
+        self._logprobs: list[dict[str, Any]] = []  # every entry, for the body
+        self._unsent = 0  # entries not in a chunk yet (the last ones of _logprobs)
         self.finish_reason: str | None = None
 
     def _chunk(self, delta: dict[str, Any] | None, reason: str | None = None) -> dict[str, Any]:
-        return chat_chunk(self.id, self.created, self.model, delta, reason,
-                          with_usage_null=self._usage_null)
+        chunk = chat_chunk(self.id, self.created, self.model, delta, reason,
+                           with_usage_null=self._usage_null)
+        if self._unsent:
+            chunk["choices"][0]["logprobs"] = {"content": self._logprobs[-self._unsent:]}
+            self._unsent = 0
+        return chunk
+
+    def _add_logprobs(self, logprobs: Sequence[TokenLogprobs]) -> None:
+        if self._text_of is not None and logprobs:
+            self._logprobs += chat_entries(self._text_of, logprobs)
+            self._unsent += len(logprobs)
 
     def start(self) -> list[dict[str, Any]]:
         return [self._chunk({"role": "assistant", "content": ""})]
 
-    def on_text(self, text: str) -> list[dict[str, Any]]:
+    def on_text(self, text: str, logprobs: Sequence[TokenLogprobs] = ()) -> list[dict[str, Any]]:
+        self._add_logprobs(logprobs)
         return [self._chunk(d) for d in self.assembler.feed(text)] if text else []
 
     def on_finish(self, engine_reason: str | None) -> list[dict[str, Any]]:
@@ -56,7 +79,9 @@ class ChatFormatter:
              cached_tokens: int = 0) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.model,
-                "choices": [{"index": 0, "message": self.assembler.message(), "logprobs": None,
+                "choices": [{"index": 0, "message": self.assembler.message(),
+                             "logprobs": ({"content": self._logprobs}
+                                          if self._text_of is not None else None),
                              "finish_reason": self.finish_reason}],
                 "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
@@ -65,28 +90,45 @@ class CompletionFormatter:
     endpoint = "completions"
     prompt_param = "prompt"
 
-    def __init__(self, model: str, *, usage_null: bool) -> None:
+    def __init__(self, model: str, *, usage_null: bool,
+                 token_text: TokenText | None = None) -> None:
         self.id = new_id("cmpl")
         self.created = now()
         self.model = model
         self._usage_null = usage_null
+        self._text_of = token_text
+        self._logprobs: list[TokenLogprobs] = []  # every token's, for the body
+        self._unsent = 0  # tokens not in a chunk yet (the last ones of _logprobs)
+        self._offset = 0  # text offset of the first unsent token
         self.text = ""
         self.finish_reason: str | None = None
+
+    def _chunk(self, text: str, reason: str | None = None) -> dict[str, Any]:
+        chunk = completion_chunk(self.id, self.created, self.model, text, reason,
+                                 with_usage_null=self._usage_null)
+        if self._unsent:
+            lp = completion_logprobs(self._text_of, self._logprobs[-self._unsent:],
+                                     self._offset)
+            chunk["choices"][0]["logprobs"] = lp
+            self._offset += sum(len(t) for t in lp["tokens"])
+            self._unsent = 0
+        return chunk
 
     def start(self) -> list[dict[str, Any]]:
         return []
 
-    def on_text(self, text: str) -> list[dict[str, Any]]:
+    def on_text(self, text: str, logprobs: Sequence[TokenLogprobs] = ()) -> list[dict[str, Any]]:
+        if self._text_of is not None and logprobs:
+            self._logprobs += logprobs
+            self._unsent += len(logprobs)
         if not text:
             return []
         self.text += text
-        return [completion_chunk(self.id, self.created, self.model, text,
-                                 with_usage_null=self._usage_null)]
+        return [self._chunk(text)]
 
     def on_finish(self, engine_reason: str | None) -> list[dict[str, Any]]:
         self.finish_reason = engine_reason
-        return [completion_chunk(self.id, self.created, self.model, "", engine_reason,
-                                 with_usage_null=self._usage_null)]
+        return [self._chunk("", engine_reason)]
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int,
                     cached_tokens: int = 0) -> dict[str, Any]:
@@ -98,7 +140,9 @@ class CompletionFormatter:
              cached_tokens: int = 0) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model,
-                "choices": [{"index": 0, "text": self.text, "logprobs": None,
+                "choices": [{"index": 0, "text": self.text,
+                             "logprobs": (completion_logprobs(self._text_of, self._logprobs, 0)
+                                          if self._text_of is not None else None),
                              "finish_reason": self.finish_reason}],
                 "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 

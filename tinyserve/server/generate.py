@@ -144,7 +144,7 @@ class _Run:
                     yield KEEPALIVE
                     continue
                 self._account(out)
-                for chunk in fmt.on_text(out.text or ""):
+                for chunk in fmt.on_text(out.text or "", getattr(out, "logprobs", ())):
                     yield sse(chunk)
                 if not out.finished:
                     continue
@@ -185,7 +185,7 @@ class _Run:
                         return Response(status_code=499)
                     continue
                 self._account(out)
-                fmt.on_text(out.text or "")
+                fmt.on_text(out.text or "", getattr(out, "logprobs", ()))
                 if out.finished:
                     break
             if out.finish_reason in ("error", "abort"):

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tinyserve.core import ParamError, SamplingParams
+from tinyserve.core import MAX_TOP_LOGPROBS, ParamError, SamplingParams
 from tinyserve.server.errors import APIError
 
 # Fields other servers accept that would change the output here if they were ignored.
@@ -99,7 +99,13 @@ class _Sampling(_Body):
         stops = tuple(self.stop_token_ids or ()) + (() if self.ignore_eos else stop_token_ids)
         return SamplingParams(max_tokens=max_tokens, stop=self.stop, ignore_eos=self.ignore_eos,
                               stop_token_ids=tuple(dict.fromkeys(stops)),
-                              logit_bias=self._logit_bias(), **kw)
+                              logit_bias=self._logit_bias(), logprobs=self.top_k_logprobs,
+                              **kw)
+
+    @property
+    def top_k_logprobs(self) -> int | None:
+        """How many alternatives per token the request's logprobs ask for (None: none)."""
+        return None
 
     def _logit_bias(self) -> dict[int, float]:
         """`logit_bias` with its JSON keys (strings) read as token ids."""
@@ -137,8 +143,11 @@ class ChatCompletionRequest(_Sampling):
         self._unsupported_common()
         if not self.messages:
             raise APIError(400, "messages must be a non-empty list", param="messages")
-        if self.logprobs or self.top_logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]",
+                           param="top_logprobs")
         fmt = (self.response_format or {}).get("type", "text")
         if fmt != "text":
             raise APIError(400, f"response_format {fmt!r} is not supported (no constrained "
@@ -167,6 +176,10 @@ class ChatCompletionRequest(_Sampling):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
+
+    @property
+    def top_k_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def use_tools(self) -> bool:
@@ -199,8 +212,10 @@ class CompletionRequest(_Sampling):
             raise APIError(400, "suffix is not supported", param="suffix")
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of must be 1", param="best_of")
-        if self.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
+
+    @property
+    def top_k_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompt_input(self) -> str | list[int]:
         """The one prompt: text or token ids (a batch of several prompts is rejected)."""

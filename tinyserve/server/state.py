@@ -8,6 +8,7 @@ from typing import Any
 
 from tinyserve.server.chat import ChatRenderer
 from tinyserve.server.errors import APIError
+from tinyserve.server.logprobs import TokenText
 from tinyserve.server.metrics import ServerMetrics
 
 
@@ -47,6 +48,7 @@ class ServerState:
         self.metrics = ServerMetrics()
         self.engine: Any | None = None
         self.renderer: ChatRenderer | None = None
+        self.token_text: TokenText | None = None  # token texts of logprobs, per tokenizer
         self.stop_token_ids: tuple[int, ...] = ()
         self.load_progress = 0.0
         self.load_stage = "starting"
@@ -73,6 +75,7 @@ class ServerState:
             ids.append(int(tokenizer.eos_token_id))
         with self._lock:
             self.renderer = ChatRenderer(tokenizer)
+            self.token_text = TokenText(tokenizer)
             self.stop_token_ids = tuple(dict.fromkeys(ids))
             self.load_progress = 1.0
             self.load_stage = "ready"

@@ -1,0 +1,86 @@
+"""Log-probabilities in the OpenAI shapes: chat's `logprobs.content` entries and the legacy
+completions object (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`).
+
+A token's text is its own bytes decoded on their own: for a byte-level BPE vocabulary (Qwen's)
+those are the bytes the token stands for (`bytes` in chat entries; a token holding part of a
+UTF-8 character shows U+FFFD in `token` and the exact bytes in `bytes`); for other tokenizers,
+and for added tokens outside the byte alphabet, what `decode([id])` gives.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+from tinyserve.core import TokenLogprobs
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, printable character -> byte."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+class TokenText:
+    """Token id -> (text, bytes) for one tokenizer, cached."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        decoder = getattr(backend, "decoder", None)
+        self._byte_level = type(decoder).__name__ == "ByteLevel"
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            hit = self._cache[token_id] = self._lookup(token_id)
+        return hit
+
+    def _lookup(self, token_id: int) -> tuple[str, list[int]]:
+        if self._byte_level:
+            piece = self._tokenizer.convert_ids_to_tokens(token_id)
+            decoder = _byte_decoder()
+            if isinstance(piece, str) and piece and all(ch in decoder for ch in piece):
+                raw = bytes(decoder[ch] for ch in piece)
+                return raw.decode("utf-8", errors="replace"), list(raw)
+        text = self._tokenizer.decode([token_id])
+        return text, list(text.encode("utf-8"))
+
+
+def chat_entries(text_of: TokenText, logprobs: Sequence[TokenLogprobs]) -> list[dict[str, Any]]:
+    """Chat's `logprobs.content` entries, one per token."""
+    out = []
+    for lp in logprobs:
+        token, raw = text_of(lp.token_id)
+        top = []
+        for tid, value in lp.top:
+            t, b = text_of(tid)
+            top.append({"token": t, "logprob": value, "bytes": b})
+        out.append({"token": token, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
+    return out
+
+
+def completion_logprobs(text_of: TokenText, logprobs: Sequence[TokenLogprobs],
+                        offset: int) -> dict[str, Any]:
+    """The completions `logprobs` object of `logprobs`, whose first token starts at
+    character `offset` of the completion's text."""
+    tokens, values, tops, offsets = [], [], [], []
+    for lp in logprobs:
+        token, _ = text_of(lp.token_id)
+        tokens.append(token)
+        values.append(lp.logprob)
+        tops.append({text_of(tid)[0]: value for tid, value in lp.top})
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+            "text_offset": offsets}

@@ -87,7 +87,6 @@ class PendingOutput:
             self._host = None  # the buffer is the runner's again
         return self._output
 
-
     def _read_logprobs(self, next_tokens: list[int | None]) -> list[TokenLogprobs | None] | None:
         """The sampled rows' log-probabilities on the host, per sequence (a synchronous copy:
         steps that ask for them are never chained)."""

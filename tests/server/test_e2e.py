@@ -218,6 +218,27 @@ def test_reasoning_and_tool_call_scripted(live, scripted):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_logprobs_of_a_scripted_tool_call(live, scripted):
+    # every generated token has one entry, reasoning and tool-call tokens included, streamed
+    # or not (the numbers are the model's: the script's logits hook does not change them)
+    url, engine = live
+    client = _client(url)
+    kw = dict(model=MODEL, messages=_msgs("Weather in Paris?"), tools=TOOLS, max_tokens=200,
+              logprobs=True, top_logprobs=1)
+    r = client.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(e.token for e in content).startswith(SCRIPT)
+    chunks = list(client.chat.completions.create(**kw, stream=True,
+                                                 stream_options={"include_usage": True}))
+    streamed = [e for c in chunks for ch in c.choices if ch.logprobs
+                for e in ch.logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert all(len(e.top_logprobs) == 1 and e.logprob <= e.top_logprobs[0].logprob <= 0
+               for e in streamed)
+
+
 def test_concurrent_streams_match_solo(live):
     url, engine = live
     client = _client(url)

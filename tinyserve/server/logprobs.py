@@ -73,7 +73,9 @@ def chat_entries(text_of: TokenText, logprobs: Sequence[TokenLogprobs]) -> list[
 def completion_logprobs(text_of: TokenText, logprobs: Sequence[TokenLogprobs],
                         offset: int) -> dict[str, Any]:
     """The completions `logprobs` object of `logprobs`, whose first token starts at
-    character `offset` of the completion's text."""
+    character `offset` of the completion's text; each token advances the offset by the
+    length of its own text (a token holding part of a character counts as one, and the
+    tokens of a matched stop string, whose text is not sent, count too)."""
     tokens, values, tops, offsets = [], [], [], []
     for lp in logprobs:
         token, _ = text_of(lp.token_id)

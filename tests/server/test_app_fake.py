@@ -181,7 +181,8 @@ def _err(resp: httpx.Response, status: int, param: str | None = None) -> dict:
 
 
 BAD_BODIES = {
-    "n": ({"n": 2}, "n"),
+    "n_zero": ({"n": 0}, "n"),
+    "n_many": ({"n": 17}, "n"),
     "logit_bias_key": ({"logit_bias": {"a1": 5}}, "logit_bias"),
     "logit_bias_range": ({"logit_bias": {"1": -101}}, "logit_bias"),
     "logit_bias_twice": ({"logit_bias": {"1": 5, "01": 3}}, "logit_bias"),
@@ -351,6 +352,30 @@ def test_disconnect_aborts_stream_and_nonstream(make_server):
         assert engine.stats().num_running == 0
         metrics = httpx.get(url + "/metrics").text
         assert 'tinyserve:requests_total{endpoint="chat",outcome="abort"} 1' in metrics
+
+
+def test_n_choices_end_together(make_server):
+    # a client that leaves aborts every choice; one choice failing ends the others
+    with make_server(engine_kw={"tick_s": 0.01}) as (url, engine, _):
+        body = {"model": MODEL, "messages": _msgs("LONG"), "stream": True, "n": 3}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            for i, _line in enumerate(r.iter_lines()):
+                if i > 8:
+                    break
+        assert _wait(lambda: len(engine.aborted) == 3)
+        assert len(set(engine.aborted)) == 3
+        assert _wait(lambda: engine.stats().num_running == 0)
+    with make_server() as (url, engine, _):
+        r = httpx.post(url + "/v1/chat/completions",
+                       json={"model": MODEL, "messages": _msgs("Hi"), "n": 2})
+        body = r.json()
+        assert [c["index"] for c in body["choices"]] == [0, 1]
+        assert body["usage"]["completion_tokens"] == 2 * len(REASONING)
+        lines = _raw_stream(url, {"model": MODEL, "messages": _msgs("ERROR"), "stream": True,
+                                  "n": 2})
+        last = json.loads(lines[-1].removeprefix("data: "))
+        assert last["error"]["type"] == "server_error" and "data: [DONE]" not in lines
+        assert _wait(lambda: engine.stats().num_running == 0)
 
 
 def test_metrics(server):

@@ -308,6 +308,36 @@ def test_errors_with_real_engine(live):
     with pytest.raises(openai.NotFoundError):
         _client(url).chat.completions.create(model="other", messages=_msgs("x"))
     with pytest.raises(openai.BadRequestError) as exc:
-        _client(url).chat.completions.create(model=MODEL, messages=_msgs("x"), n=3)
+        _client(url).chat.completions.create(model=MODEL, messages=_msgs("x"), n=30)
     assert exc.value.body["param"] == "n"
+    assert engine.stats().running == 0
+
+
+def test_n_choices(live):
+    # n choices share one response id; seeded ones differ from each other and reproduce;
+    # streamed chunks carry each choice's index; usage counts the prompt once
+    url, engine = live
+    client = _client(url)
+    kw = dict(model=MODEL, prompt="Hello", max_tokens=8, temperature=1.0, seed=7, n=3,
+              extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw)
+    texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    assert [c.index for c in r.choices] == [0, 1, 2] and len(set(texts)) == 3
+    assert r.usage.completion_tokens == 24
+    assert r.usage.prompt_tokens == len(engine.tokenizer.encode("Hello"))
+    one = client.completions.create(**{**kw, "n": 1})
+    assert one.choices[0].text == texts[0]  # choice i is sampled with seed + i
+    streamed = ["", "", ""]
+    chunks = list(client.completions.create(**kw, stream=True,
+                                            stream_options={"include_usage": True}))
+    for c in chunks:
+        for ch in c.choices:
+            streamed[ch.index] += ch.text
+    assert streamed == texts and len({c.id for c in chunks}) == 1
+    assert chunks[-1].usage.completion_tokens == 24
+    chat = client.chat.completions.create(model=MODEL, messages=_msgs("Hi"), max_tokens=6,
+                                          temperature=0, n=2,
+                                          extra_body={"ignore_eos": True})
+    a, b = (c.message.content for c in chat.choices)
+    assert a == b and [c.finish_reason for c in chat.choices] == ["length", "length"]
     assert engine.stats().running == 0

@@ -98,15 +98,18 @@ def create_app(state: ServerState) -> FastAPI:
         want, max_param = req.requested_max_tokens
         max_tokens = check_fits(len(prompt.ids), want, context_length(engine),
                                 prompt_param="messages", max_param=max_param)
-        params = make_params(lambda: req.sampling_params(
+        params = make_params(lambda: req.choice_params(
             max_tokens=max_tokens, stop_token_ids=state.stop_token_ids), max_param)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.use_tools else None
-        assembler = ChatAssembler(reasoning_open=prompt.reasoning_open, tools=tools,
-                                  parallel_tool_calls=req.parallel_tool_calls)
-        fmt = ChatFormatter(state.config.served_model_name, assembler,
-                            usage_null=req.include_usage,
-                            token_text=state.token_text if params.logprobs is not None else None)
-        return await generate(state, request, fmt, prompt.ids, params, stream=req.stream,
+        token_text = state.token_text if params[0].logprobs is not None else None
+        fmts: list[ChatFormatter] = []
+        for i in range(len(params)):
+            assembler = ChatAssembler(reasoning_open=prompt.reasoning_open, tools=tools,
+                                      parallel_tool_calls=req.parallel_tool_calls)
+            fmts.append(ChatFormatter(state.config.served_model_name, assembler,
+                                      usage_null=req.include_usage, token_text=token_text,
+                                      index=i, first=fmts[0] if fmts else None))
+        return await generate(state, request, fmts, prompt.ids, params, stream=req.stream,
                               include_usage=req.include_usage)
 
     @app.post("/v1/completions")
@@ -122,12 +125,15 @@ def create_app(state: ServerState) -> FastAPI:
             ids = _check_token_ids(prompt, len(engine.tokenizer))
         max_tokens = check_fits(len(ids), req.max_tokens, context_length(engine),
                                 prompt_param="prompt", max_param="max_tokens")
-        params = make_params(lambda: req.sampling_params(
+        params = make_params(lambda: req.choice_params(
             max_tokens=max_tokens, stop_token_ids=state.stop_token_ids), "max_tokens")
-        fmt = CompletionFormatter(
-            state.config.served_model_name, usage_null=req.include_usage,
-            token_text=state.token_text if params.logprobs is not None else None)
-        return await generate(state, request, fmt, ids, params, stream=req.stream,
+        token_text = state.token_text if params[0].logprobs is not None else None
+        fmts: list[CompletionFormatter] = []
+        for i in range(len(params)):
+            fmts.append(CompletionFormatter(
+                state.config.served_model_name, usage_null=req.include_usage,
+                token_text=token_text, index=i, first=fmts[0] if fmts else None))
+        return await generate(state, request, fmts, ids, params, stream=req.stream,
                               include_usage=req.include_usage)
 
     return app

@@ -1,8 +1,9 @@
 """Per-endpoint response shapes: engine outputs -> streamed chunks or one response body.
 
-A formatter turns text deltas into chunks (`start`, `on_text`, `on_finish`) and builds the
-non-streamed body (`body`). The generation driver in `server.generate` is shared by both
-endpoints; only these shapes differ.
+A formatter turns one choice's text deltas into chunks (`start`, `on_text`, `on_finish`) and
+builds the non-streamed body (`body`, with every choice's `choice()` when the request asks for
+`n` > 1: one formatter per choice, sharing the response id). The generation driver in
+`server.generate` is shared by both endpoints; only these shapes differ.
 
 Log-probabilities (when the request asks: `token_text` set) travel with the first chunk
 sent after their tokens arrive: a token whose text is held back (a possible stop string, a
@@ -33,9 +34,11 @@ class ChatFormatter:
     prompt_param = "messages"
 
     def __init__(self, model: str, assembler: ChatAssembler, *, usage_null: bool,
-                 token_text: TokenText | None = None) -> None:
-        self.id = new_id("chatcmpl")
-        self.created = now()
+                 token_text: TokenText | None = None, index: int = 0,
+                 first: ChatFormatter | None = None) -> None:
+        self.id = first.id if first is not None else new_id("chatcmpl")
+        self.created = first.created if first is not None else now()
+        self.index = index
         self.model = model
         self.assembler = assembler
         self._usage_null = usage_null
@@ -46,7 +49,7 @@ class ChatFormatter:
 
     def _chunk(self, delta: dict[str, Any] | None, reason: str | None = None) -> dict[str, Any]:
         chunk = chat_chunk(self.id, self.created, self.model, delta, reason,
-                           with_usage_null=self._usage_null)
+                           with_usage_null=self._usage_null, index=self.index)
         if self._unsent:
             chunk["choices"][0]["logprobs"] = {"content": self._logprobs[-self._unsent:]}
             self._unsent = 0
@@ -75,14 +78,15 @@ class ChatFormatter:
                 "model": self.model, "choices": [],
                 "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
-    def body(self, prompt_tokens: int, completion_tokens: int,
-             cached_tokens: int = 0) -> dict[str, Any]:
+    def choice(self) -> dict[str, Any]:
+        return {"index": self.index, "message": self.assembler.message(),
+                "logprobs": {"content": self._logprobs} if self._text_of is not None else None,
+                "finish_reason": self.finish_reason}
+
+    def body(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+             choices: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.model,
-                "choices": [{"index": 0, "message": self.assembler.message(),
-                             "logprobs": ({"content": self._logprobs}
-                                          if self._text_of is not None else None),
-                             "finish_reason": self.finish_reason}],
+                "model": self.model, "choices": choices or [self.choice()],
                 "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
@@ -90,10 +94,11 @@ class CompletionFormatter:
     endpoint = "completions"
     prompt_param = "prompt"
 
-    def __init__(self, model: str, *, usage_null: bool,
-                 token_text: TokenText | None = None) -> None:
-        self.id = new_id("cmpl")
-        self.created = now()
+    def __init__(self, model: str, *, usage_null: bool, token_text: TokenText | None = None,
+                 index: int = 0, first: CompletionFormatter | None = None) -> None:
+        self.id = first.id if first is not None else new_id("cmpl")
+        self.created = first.created if first is not None else now()
+        self.index = index
         self.model = model
         self._usage_null = usage_null
         self._text_of = token_text
@@ -105,7 +110,7 @@ class CompletionFormatter:
 
     def _chunk(self, text: str, reason: str | None = None) -> dict[str, Any]:
         chunk = completion_chunk(self.id, self.created, self.model, text, reason,
-                                 with_usage_null=self._usage_null)
+                                 with_usage_null=self._usage_null, index=self.index)
         if self._unsent:
             lp = completion_logprobs(self._text_of, self._logprobs[-self._unsent:],
                                      self._offset)
@@ -136,14 +141,16 @@ class CompletionFormatter:
                 "model": self.model, "choices": [],
                 "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
-    def body(self, prompt_tokens: int, completion_tokens: int,
-             cached_tokens: int = 0) -> dict[str, Any]:
+    def choice(self) -> dict[str, Any]:
+        return {"index": self.index, "text": self.text,
+                "logprobs": (completion_logprobs(self._text_of, self._logprobs, 0)
+                             if self._text_of is not None else None),
+                "finish_reason": self.finish_reason}
+
+    def body(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+             choices: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model,
-                "choices": [{"index": 0, "text": self.text,
-                             "logprobs": (completion_logprobs(self._text_of, self._logprobs, 0)
-                                          if self._text_of is not None else None),
-                             "finish_reason": self.finish_reason}],
+                "model": self.model, "choices": choices or [self.choice()],
                 "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 

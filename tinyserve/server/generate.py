@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -24,6 +24,7 @@ from tinyserve.server.state import ServerState
 from tinyserve.server.streaming import DONE, KEEPALIVE, SSE_HEADERS, OutputPump, sse
 
 log = get_logger(__name__)
+T = TypeVar("T")
 
 
 def check_fits(prompt_len: int, max_tokens: int | None, max_context: int, *,
@@ -45,8 +46,8 @@ def check_fits(prompt_len: int, max_tokens: int | None, max_context: int, *,
     return max_tokens
 
 
-def make_params(build: Any, max_param: str) -> SamplingParams:
-    """Call `build()` (a request's sampling_params); range errors become 400s."""
+def make_params(build: Callable[[], T], max_param: str) -> T:
+    """Call `build()` (a request's sampling parameters); range errors become 400s."""
     try:
         return build()
     except ParamError as exc:
@@ -54,23 +55,32 @@ def make_params(build: Any, max_param: str) -> SamplingParams:
         raise APIError(400, str(exc).replace(exc.param, param, 1), param=param) from None
 
 
-async def generate(state: ServerState, request: Request, fmt: Formatter,
-                   prompt_ids: list[int], params: SamplingParams, *, stream: bool,
+async def generate(state: ServerState, request: Request, fmts: Sequence[Formatter],
+                   prompt_ids: list[int], params: Sequence[SamplingParams], *, stream: bool,
                    include_usage: bool) -> Response:
+    """Submit one engine request per choice (`fmts[i]` formats choice i, sampled with
+    `params[i]`) and answer with their stream or one body."""
     engine = state.require_engine()
     t0 = time.monotonic()
+    rids = [fmts[0].id] if len(params) == 1 else [f"{fmts[0].id}-{i}" for i in range(len(params))]
+    handles: list[Any] = []
     try:
-        handle = engine.submit(prompt_ids, params, request_id=fmt.id)
-    except ParamError as exc:  # a parameter the engine checks (logit_bias ids)
-        state.metrics.request_done(fmt.endpoint, "rejected")
-        raise APIError(400, str(exc), param=exc.param) from None
-    except ValueError as exc:  # RequestRejected: can never fit, with the numbers
-        state.metrics.request_done(fmt.endpoint, "rejected")
-        raise APIError(400, str(exc), param=getattr(exc, "param", None) or fmt.prompt_param,
+        for rid, p in zip(rids, params, strict=True):
+            handles.append(engine.submit(prompt_ids, p, request_id=rid))
+    except ValueError as exc:
+        for rid in rids[:len(handles)]:  # the choices already queued go too
+            engine.abort(rid)
+        state.metrics.request_done(fmts[0].endpoint, "rejected")
+        if isinstance(exc, ParamError):  # a parameter the engine checks (logit_bias ids)
+            raise APIError(400, str(exc), param=exc.param) from None
+        # RequestRejected: can never fit, with the numbers
+        raise APIError(400, str(exc), param=getattr(exc, "param", None) or fmts[0].prompt_param,
                        code="context_length_exceeded") from None
     except RuntimeError as exc:  # the engine is shutting down
+        for rid in rids[:len(handles)]:
+            engine.abort(rid)
         raise APIError(503, f"the engine is not accepting requests: {exc}") from None
-    run = _Run(state, fmt, handle, len(prompt_ids), t0)
+    run = _Run(state, fmts, handles, rids, len(prompt_ids), t0)
     if stream:
         usage = include_usage or state.config.always_include_usage
         return StreamingResponse(run.stream(usage), media_type="text/event-stream",
@@ -86,23 +96,30 @@ def _failure(out: Any) -> APIError:
 
 
 class _Run:
-    """One submitted request on its way back to the client."""
+    """One HTTP request's choices (engine requests) on their way back to the client."""
 
-    def __init__(self, state: ServerState, fmt: Formatter, handle: Any, prompt_len: int,
-                 t0: float) -> None:
-        self.state, self.fmt, self.handle, self.t0 = state, fmt, handle, t0
+    def __init__(self, state: ServerState, fmts: Sequence[Formatter], handles: list[Any],
+                 rids: list[str], prompt_len: int, t0: float) -> None:
+        self.state, self.fmts, self.handles, self.t0 = state, list(fmts), handles, t0
+        self.rids = rids  # the choices' engine request ids
+        self.fmt = self.fmts[0]  # the response's id, endpoint and envelope
         self.prompt_tokens = prompt_len
-        self.completion_tokens = 0
+        self.completion = [0] * len(handles)  # completion tokens per choice
         self.cached_tokens = 0
+        self.open = set(range(len(handles)))  # choices not finished yet
         self.finished = False
         self._last_token_t: float | None = None
 
-    def _account(self, out: Any) -> None:
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.completion)
+
+    def _account(self, i: int, out: Any) -> None:
         n_new = len(getattr(out, "token_ids", ()) or ())
         self.prompt_tokens = getattr(out, "prompt_tokens", None) or self.prompt_tokens
         self.cached_tokens = getattr(out, "cached_tokens", None) or self.cached_tokens
-        self.completion_tokens = getattr(out, "completion_tokens", None) or (
-            self.completion_tokens + n_new)
+        self.completion[i] = getattr(out, "completion_tokens", None) or (
+            self.completion[i] + n_new)
         if n_new:
             t = time.monotonic()
             if self._last_token_t is None:
@@ -120,81 +137,99 @@ class _Run:
         if self.finished:
             return
         self.finished = True
-        try:
-            self.state.engine.abort(self.fmt.id)
-        except Exception:  # the engine may already have dropped it
-            log.debug("abort of %s failed", self.fmt.id, exc_info=True)
+        for i in self.open:
+            try:
+                self.state.engine.abort(self.rids[i])
+            except Exception:  # the engine may already have dropped it
+                log.debug("abort of %s failed", self.rids[i], exc_info=True)
         self.state.metrics.request_done(self.fmt.endpoint, "abort", self.prompt_tokens,
                                         self.completion_tokens, time.monotonic() - self.t0)
 
+    def _finish_reason(self) -> str:
+        reasons = [f.finish_reason for f in self.fmts]
+        return next((r for r in reasons if r and r != "stop"), reasons[0] or "stop")
+
     async def stream(self, include_usage: bool) -> AsyncIterator[str]:
-        pump = OutputPump(self.handle)
-        fmt = self.fmt
+        pump = OutputPump(self.handles)
         try:
-            for chunk in fmt.start():
-                yield sse(chunk)
-            while True:
+            for fmt in self.fmts:
+                for chunk in fmt.start():
+                    yield sse(chunk)
+            while self.open:
                 try:
-                    out = await pump.next(self.state.config.keepalive_s)
+                    item = await pump.next(self.state.config.keepalive_s)
                 except StopAsyncIteration:
                     self._done("error")
                     yield sse(error_body("generation ended without a result", "server_error"))
                     return
-                if out is None:
+                if item is None:
                     yield KEEPALIVE
                     continue
-                self._account(out)
+                i, out = item
+                fmt = self.fmts[i]
+                self._account(i, out)
                 for chunk in fmt.on_text(out.text or "", getattr(out, "logprobs", ())):
                     yield sse(chunk)
                 if not out.finished:
                     continue
                 if out.finish_reason in ("error", "abort"):  # abort here: engine shutdown
+                    self._abort_others(i)
                     self._done(out.finish_reason)
                     yield sse(_failure(out).body())
                     return
-                chunks = fmt.on_finish(out.finish_reason)
-                self._done(fmt.finish_reason or "stop")
-                for chunk in chunks:
+                self.open.discard(i)
+                for chunk in fmt.on_finish(out.finish_reason):
                     yield sse(chunk)
-                if include_usage:
-                    yield sse(fmt.usage_chunk(self.prompt_tokens, self.completion_tokens,
-                                              self.cached_tokens))
-                yield DONE
-                return
+            self._done(self._finish_reason())
+            if include_usage:
+                yield sse(self.fmt.usage_chunk(self.prompt_tokens, self.completion_tokens,
+                                               self.cached_tokens))
+            yield DONE
         except Exception as exc:
-            log.exception("stream %s failed", fmt.id)
+            log.exception("stream %s failed", self.fmt.id)
             self._abort()
             yield sse(error_body(f"internal error: {type(exc).__name__}", "server_error"))
         finally:
             pump.close()
             self._abort()  # a no-op once finished; otherwise the client went away
 
+    def _abort_others(self, failed: int) -> None:
+        """A choice failed: the others are not wanted any more."""
+        self.open.discard(failed)
+        for i in self.open:
+            self.state.engine.abort(self.rids[i])
+        self.open.clear()
+
     async def collect(self, request: Request) -> Response:
-        pump = OutputPump(self.handle)
-        fmt = self.fmt
+        pump = OutputPump(self.handles)
         try:
-            while True:
+            while self.open:
                 try:
-                    out = await pump.next(self.state.config.disconnect_poll_s)
+                    item = await pump.next(self.state.config.disconnect_poll_s)
                 except StopAsyncIteration:
                     self._done("error")
                     raise APIError(500, "generation ended without a result") from None
-                if out is None:
+                if item is None:
                     if await request.is_disconnected():
                         self._abort()
                         return Response(status_code=499)
                     continue
-                self._account(out)
+                i, out = item
+                fmt = self.fmts[i]
+                self._account(i, out)
                 fmt.on_text(out.text or "", getattr(out, "logprobs", ()))
-                if out.finished:
-                    break
-            if out.finish_reason in ("error", "abort"):
-                self._done(out.finish_reason)
-                raise _failure(out)
-            fmt.on_finish(out.finish_reason)
-            self._done(fmt.finish_reason or "stop")
-            return JSONResponse(fmt.body(self.prompt_tokens, self.completion_tokens,
-                                         self.cached_tokens))
+                if not out.finished:
+                    continue
+                if out.finish_reason in ("error", "abort"):
+                    self._abort_others(i)
+                    self._done(out.finish_reason)
+                    raise _failure(out)
+                self.open.discard(i)
+                fmt.on_finish(out.finish_reason)
+            self._done(self._finish_reason())
+            choices = [f.choice() for f in self.fmts] if len(self.fmts) > 1 else None
+            return JSONResponse(self.fmt.body(self.prompt_tokens, self.completion_tokens,
+                                              self.cached_tokens, choices))
         except asyncio.CancelledError:
             self._abort()
             raise

@@ -7,12 +7,15 @@ carry nothing for generation. Responses are plain dicts built in `server.respons
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from tinyserve.core import MAX_TOP_LOGPROBS, ParamError, SamplingParams
 from tinyserve.server.errors import APIError
+
+MAX_CHOICES = 16  # the most choices (`n`) one request may ask for
 
 # Fields other servers accept that would change the output here if they were ignored.
 _REJECTED_IF_SET = ("audio", "prediction", "web_search_options", "guided_json", "guided_regex",
@@ -82,8 +85,8 @@ class _Sampling(_Body):
         modalities = extra.get("modalities")
         if modalities not in (None, ["text"]):
             raise APIError(400, "only the text modality is supported", param="modalities")
-        if self.n not in (None, 1):
-            raise APIError(400, "n must be 1 (one choice per request)", param="n")
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            raise APIError(400, f"n must be in [1, {MAX_CHOICES}]", param="n")
         if isinstance(self.stop, list) and len(self.stop) > 16:
             raise APIError(400, "stop takes at most 16 strings", param="stop")
 
@@ -118,6 +121,16 @@ class _Sampling(_Body):
                 raise ParamError("logit_bias", f"lists token {int(text)} twice")
             bias[int(text)] = value
         return bias
+
+    def choice_params(self, *, max_tokens: int, stop_token_ids: tuple[int, ...] = ()
+                      ) -> list[SamplingParams]:
+        """The SamplingParams of each of the `n` choices: the request's, with the seed (when
+        given) advanced by the choice's index so that seeded choices differ."""
+        first = self.sampling_params(max_tokens=max_tokens, stop_token_ids=stop_token_ids)
+        n = self.n or 1
+        if first.seed is None:
+            return [first] * n
+        return [dataclasses.replace(first, seed=(first.seed + i) % 2**63) for i in range(n)]
 
     @property
     def include_usage(self) -> bool:

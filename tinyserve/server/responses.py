@@ -106,11 +106,11 @@ class ChatAssembler:
 
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict[str, Any] | None,
-               finish_reason: str | None = None, *, with_usage_null: bool = False
-               ) -> dict[str, Any]:
+               finish_reason: str | None = None, *, with_usage_null: bool = False,
+               index: int = 0) -> dict[str, Any]:
     chunk: dict[str, Any] = {
         "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-        "choices": [{"index": 0, "delta": delta or {}, "logprobs": None,
+        "choices": [{"index": index, "delta": delta or {}, "logprobs": None,
                      "finish_reason": finish_reason}]}
     if with_usage_null:
         chunk["usage"] = None
@@ -118,11 +118,11 @@ def chat_chunk(rid: str, created: int, model: str, delta: dict[str, Any] | None,
 
 
 def completion_chunk(rid: str, created: int, model: str, text: str,
-                     finish_reason: str | None = None, *, with_usage_null: bool = False
-                     ) -> dict[str, Any]:
+                     finish_reason: str | None = None, *, with_usage_null: bool = False,
+                     index: int = 0) -> dict[str, Any]:
     chunk: dict[str, Any] = {
         "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None,
+        "choices": [{"index": index, "text": text, "logprobs": None,
                      "finish_reason": finish_reason}]}
     if with_usage_null:
         chunk["usage"] = None

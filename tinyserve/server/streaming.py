@@ -1,7 +1,7 @@
 """Server-Sent Events framing and the bridge from an engine request to the event loop.
 
-`OutputPump` drains a `RequestHandle` (async iteration) into a queue in its own task, so the
-handler can wait for the next output with a timeout (to send `: keep-alive` comments during a
+`OutputPump` drains `RequestHandle`s (async iteration) into a queue, each in its own task, so
+the handler can wait for the next output with a timeout (to send `: keep-alive` comments during a
 long prefill and to notice a client that went away) without ever cancelling the handle's own
 iterator.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 from typing import Any
 
 DONE = "data: [DONE]\n\n"
@@ -30,20 +31,24 @@ _END = _End()
 
 
 class OutputPump:
-    """Reads a request handle's outputs in a background task.
+    """Reads the outputs of one or more request handles (the choices of one HTTP request),
+    each in its own background task, into one queue.
 
-    `await next(timeout)` returns the next output, `None` when `timeout` passed first, and
-    raises StopAsyncIteration once the handle is exhausted (or re-raises its exception).
+    `await next(timeout)` returns the next `(choice index, output)`, `None` when `timeout`
+    passed first, and raises StopAsyncIteration once every handle is exhausted (or re-raises
+    a handle's exception).
     """
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handles: Sequence[Any]) -> None:
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._task = asyncio.get_running_loop().create_task(self._run(handle))
+        self._open = len(handles)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._run(i, h)) for i, h in enumerate(handles)]
 
-    async def _run(self, handle: Any) -> None:
+    async def _run(self, index: int, handle: Any) -> None:
         try:
             async for out in handle:
-                self._queue.put_nowait(out)
+                self._queue.put_nowait((index, out))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # surfaced to the handler as the next item
@@ -51,17 +56,21 @@ class OutputPump:
         finally:
             self._queue.put_nowait(_END)
 
-    async def next(self, timeout: float | None) -> Any:
-        try:
-            item = await asyncio.wait_for(self._queue.get(), timeout)
-        except asyncio.TimeoutError:
-            return None
-        if item is _END:
-            self._queue.put_nowait(_END)
-            raise StopAsyncIteration
-        if isinstance(item, Exception):
-            raise item
-        return item
+    async def next(self, timeout: float | None) -> tuple[int, Any] | None:
+        while True:
+            if not self._open:
+                raise StopAsyncIteration
+            try:
+                item = await asyncio.wait_for(self._queue.get(), timeout)
+            except asyncio.TimeoutError:
+                return None
+            if item is _END:
+                self._open -= 1
+                continue
+            if isinstance(item, Exception):
+                raise item
+            return item
 
     def close(self) -> None:
-        self._task.cancel()
+        for task in self._tasks:
+            task.cancel()

@@ -137,13 +137,18 @@ class _Run:
         if self.finished:
             return
         self.finished = True
+        self._abort_open()
+        self.state.metrics.request_done(self.fmt.endpoint, "abort", self.prompt_tokens,
+                                        self.completion_tokens, time.monotonic() - self.t0)
+
+    def _abort_open(self) -> None:
+        """Abort the choices that have not finished."""
         for i in self.open:
             try:
                 self.state.engine.abort(self.rids[i])
             except Exception:  # the engine may already have dropped it
                 log.debug("abort of %s failed", self.rids[i], exc_info=True)
-        self.state.metrics.request_done(self.fmt.endpoint, "abort", self.prompt_tokens,
-                                        self.completion_tokens, time.monotonic() - self.t0)
+        self.open.clear()
 
     def _finish_reason(self) -> str:
         reasons = [f.finish_reason for f in self.fmts]
@@ -173,7 +178,8 @@ class _Run:
                 if not out.finished:
                     continue
                 if out.finish_reason in ("error", "abort"):  # abort here: engine shutdown
-                    self._abort_others(i)
+                    self.open.discard(i)
+                    self._abort_open()  # the other choices are not wanted any more
                     self._done(out.finish_reason)
                     yield sse(_failure(out).body())
                     return
@@ -192,13 +198,6 @@ class _Run:
         finally:
             pump.close()
             self._abort()  # a no-op once finished; otherwise the client went away
-
-    def _abort_others(self, failed: int) -> None:
-        """A choice failed: the others are not wanted any more."""
-        self.open.discard(failed)
-        for i in self.open:
-            self.state.engine.abort(self.rids[i])
-        self.open.clear()
 
     async def collect(self, request: Request) -> Response:
         pump = OutputPump(self.handles)
@@ -221,7 +220,8 @@ class _Run:
                 if not out.finished:
                     continue
                 if out.finish_reason in ("error", "abort"):
-                    self._abort_others(i)
+                    self.open.discard(i)
+                    self._abort_open()  # the other choices are not wanted any more
                     self._done(out.finish_reason)
                     raise _failure(out)
                 self.open.discard(i)

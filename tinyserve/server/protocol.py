@@ -128,9 +128,9 @@ class _Sampling(_Body):
         given) advanced by the choice's index so that seeded choices differ."""
         first = self.sampling_params(max_tokens=max_tokens, stop_token_ids=stop_token_ids)
         n = self.n or 1
-        if first.seed is None:
+        if n == 1 or first.seed is None:
             return [first] * n
-        return [dataclasses.replace(first, seed=(first.seed + i) % 2**63) for i in range(n)]
+        return [dataclasses.replace(first, seed=first.seed + i) for i in range(n)]
 
     @property
     def include_usage(self) -> bool:

@@ -61,9 +61,12 @@ def _seqs(tokens: list[int], pos: list[int], params: SamplingParams = GREEDY,
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=64)
 # a bias reads no token history: greedy rows with one run the sampler on the graph's logits
 BIASED = SamplingParams(temperature=0.0, max_tokens=64, logit_bias={7: 3.0, 11: -100.0})
+# log-probabilities travel back in pinned copies beside the tokens: chained steps keep them
+LOGPROBS = SamplingParams(temperature=0.8, seed=5, max_tokens=64, logprobs=3)
 
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED, BIASED], ids=["greedy", "seeded", "bias"])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED, BIASED, LOGPROBS],
+                         ids=["greedy", "seeded", "bias", "logprobs"])
 def test_chained_launches_give_the_serial_tokens(static_decode, params) -> None:
     cfg, w = checkpoint("bf16")
     g = torch.Generator().manual_seed(4)
@@ -84,12 +87,13 @@ def test_chained_launches_give_the_serial_tokens(static_decode, params) -> None:
     first = prefill(serial)
     assert prefill(chained) == first
     pos = [len(p) for p in prompts]
-    want, last = [], first
+    want, want_lp, last = [], [], first
     for i in range(8):
-        last = serial.forward(Batch(_seqs(last, [p + i for p in pos], params, i + 1))
-                              ).next_tokens
+        out = serial.forward(Batch(_seqs(last, [p + i for p in pos], params, i + 1)))
+        last = out.next_tokens
         want.append(last)
-    got = []
+        want_lp.append(out.logprobs)
+    got, got_lp = [], []
     pending = chained.launch(Batch(_seqs(first, pos, params, 1)))
     for i in range(1, 9):
         if i < 8:
@@ -97,8 +101,14 @@ def test_chained_launches_give_the_serial_tokens(static_decode, params) -> None:
             assert chained.can_chain(nxt)
             following = chained.launch(nxt, after=pending)
         got.append(pending.result().next_tokens)
+        got_lp.append(pending.result().logprobs)
         pending = following
     assert got == want
+    assert got_lp == want_lp
+    if params.logprobs is not None:
+        assert all(len(lp.top) == 3 and lp.token_id == t
+                   for step, lps in zip(got, got_lp, strict=True)
+                   for t, lp in zip(step, lps, strict=True))
     penalised = SamplingParams(temperature=0.0, repetition_penalty=1.2)
     assert not chained.can_chain(Batch(_seqs([PENDING_TOKEN] * 3, pos, penalised)))
     with pytest.raises(ValueError, match="chained launch"):  # a prefill cannot chain
@@ -118,7 +128,16 @@ def _generate(path: str, prompts: list[list[int]], params: list[SamplingParams],
         chained = _record_chained(engine)
         outs = llm.generate(prompts, params)
         stats = engine.stats()
-    return [(o.token_ids, o.text, o.finish_reason) for o in outs], len(chained), stats
+    return ([(o.token_ids, o.text, o.finish_reason, o.logprobs) for o in outs], len(chained),
+            stats)
+
+
+def _close_logprobs(a, b, tol: float = 1e-4) -> bool:
+    return len(a) == len(b) and all(
+        x.token_id == y.token_id and abs(x.logprob - y.logprob) < tol
+        and [t for t, _ in x.top] == [t for t, _ in y.top]
+        and all(abs(p - q) < tol for (_, p), (_, q) in zip(x.top, y.top, strict=True))
+        for x, y in zip(a, b, strict=True))
 
 
 def test_engine_with_chained_decode_matches_the_serial_engine(
@@ -138,7 +157,7 @@ def test_engine_with_chained_decode_matches_the_serial_engine(
     params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
                              stop_token_ids=[stop_token]),
               SamplingParams(max_tokens=23, temperature=0.0, ignore_eos=True, stop=stop_text),
-              base[2],
+              SamplingParams(max_tokens=31, temperature=0.0, ignore_eos=True, logprobs=2),
               SamplingParams(max_tokens=12, temperature=0.9, seed=11, ignore_eos=True)]
     for cache in (False, True):
         want, none, _ = _generate(path, prompts, params, chain=False, monkeypatch=monkeypatch,
@@ -146,7 +165,10 @@ def test_engine_with_chained_decode_matches_the_serial_engine(
         got, chained, stats = _generate(path, prompts, params, chain=True,
                                         monkeypatch=monkeypatch, prefix_cache=cache)
         assert none == 0
-        assert got == want
+        # NOTE: the two engines batch differently, so log-probabilities agree to rounding
+        assert [g[:3] for g in got] == [w[:3] for w in want]
+        assert _close_logprobs(got[2][3], want[2][3]) and len(got[2][3]) == 31
+        assert got[2][0] == first[2][0]  # asking for logprobs changes no token
         assert got[0][2] == "stop" and got[0][0][-1] == stop_token
         assert got[1][2] == "stop" and stop_text not in got[1][1]
         assert chained >= 10  # the greedy rows chained once the sampled one was done

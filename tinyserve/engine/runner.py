@@ -37,7 +37,7 @@ from tinyserve.core import (
     forward_context,
 )
 from tinyserve.engine.graph import DecodeGraphs
-from tinyserve.engine.sampler import Sampler, token_logprobs, wants_logprobs
+from tinyserve.engine.sampler import Sampler, token_logprobs
 from tinyserve.model.linear import kernels_enabled
 
 
@@ -65,7 +65,7 @@ class PendingOutput:
         self._host = host  # [len(sample_rows)] int64 view of one of the runner's pinned buffers
         self._copied = copied
         self.device_tokens = device_tokens
-        self._logprobs = logprobs  # `sampler.token_logprobs` of the sampled rows, or None
+        self._logprobs = logprobs  # `token_logprobs` of the sampled rows (host copies) or None
         self._output: ForwardOutput | None = None
 
     @property
@@ -88,8 +88,8 @@ class PendingOutput:
         return self._output
 
     def _read_logprobs(self, next_tokens: list[int | None]) -> list[TokenLogprobs | None] | None:
-        """The sampled rows' log-probabilities on the host, per sequence (a synchronous copy:
-        steps that ask for them are never chained)."""
+        """The sampled rows' log-probabilities per sequence, from the pinned copies that the
+        tokens' event covers."""
         if self._logprobs is None:
             return None
         rows, ks, chosen, top_ids, top_lps = self._logprobs
@@ -105,11 +105,13 @@ class PendingOutput:
 
 
 class _TokenBuffer:
-    """A pinned host buffer for one step's sampled tokens, the event of the copy into it and
-    the step that owns it until its tokens are read."""
+    """Pinned host buffers for one step's sampled tokens (and the log-probabilities of the
+    rows that ask for them), the event of the copies into them and the step that owns them
+    until its tokens are read."""
 
     def __init__(self, device: torch.device) -> None:
         self.host: torch.Tensor | None = None
+        self.extra: list[torch.Tensor | None] = [None, None, None]  # logprob arrays
         self.copied = _event(device)
         self.owner: PendingOutput | None = None
 
@@ -220,11 +222,11 @@ class ModelRunner:
         ones) can be launched with `launch(batch, after=...)`: it runs in a decode graph
         that takes its token ids from the device (not a host embedding table) and every
         sequence samples without reading its token history (no penalties: the host does not
-        know the newest token yet) and without log-probabilities (read back synchronously)."""
+        know the newest token yet)."""
         seqs = batch.seqs
         return (self.graphs is not None and not self.graphs.host_embedding
                 and self.graphs.supports(seqs) and all(s.sample for s in seqs)
-                and self.sampler.history_free(seqs) and not wants_logprobs(seqs))
+                and self.sampler.history_free(seqs))
 
     def launch(self, batch: Batch, *, after: PendingOutput | None = None) -> PendingOutput:
         """Queue one step (forward, sampling, the sampled tokens' copy to the host), then run
@@ -262,7 +264,7 @@ class ModelRunner:
                 logprobs = token_logprobs(logits, sampled, tokens)
             buffer = self._buffers[self._next_buffer]
             self._next_buffer ^= 1
-            host = self._stage(buffer, tokens)  # [S] int64
+            host, logprobs = self._stage(buffer, tokens, logprobs)  # [S] int64 on the host
         pending = PendingOutput(rows, len(seqs), logits, host,
                                 buffer.copied if buffer is not None else None,
                                 device_tokens=tokens if len(rows) == len(seqs) else None,
@@ -276,22 +278,39 @@ class ModelRunner:
             self.overlap_hook()
         return pending
 
-    def _stage(self, buffer: _TokenBuffer, tokens: torch.Tensor) -> torch.Tensor:
-        """Start copying `tokens` [S] into `buffer`'s pinned memory; record its event. The
+    def _stage(self, buffer: _TokenBuffer, tokens: torch.Tensor, logprobs: Any = None
+               ) -> tuple[torch.Tensor, Any]:
+        """Start copying `tokens` [S] (and the arrays of `logprobs`, `token_logprobs`'s
+        result) into `buffer`'s pinned memory; record its event. Returns the host views. The
         step that used the buffer before is read out first if nobody has (its memory is never
         rewritten while a copy into it may be in flight, or before its tokens are read)."""
         if buffer.owner is not None and not buffer.owner.done:
             buffer.owner.result()
         buffer.owner = None
-        n = tokens.numel()
-        if buffer.host is None or buffer.host.numel() < n:
-            buffer.host = torch.empty(max(n, 256), dtype=torch.int64,
-                                      pin_memory=self.device.type == "cuda")
-        host = buffer.host[:n]
-        host.copy_(tokens, non_blocking=True)
+        host = self._pinned_copy(buffer, -1, tokens)
+        if logprobs is not None:
+            rows, ks, *arrays = logprobs
+            logprobs = (rows, ks, *(self._pinned_copy(buffer, i, a)
+                                    for i, a in enumerate(arrays)))
         if buffer.copied is not None:
             cuda = self.device.type == "cuda"
             buffer.copied.record(torch.cuda.current_stream(self.device) if cuda else None)
+        return host, logprobs
+
+    def _pinned_copy(self, buffer: _TokenBuffer, slot: int, src: torch.Tensor) -> torch.Tensor:
+        """Start copying `src` into `buffer`'s pinned tensor `slot` (-1: the tokens, else one
+        of `extra`), grown as needed; the host view of `src`'s shape."""
+        n = src.numel()
+        held = buffer.host if slot < 0 else buffer.extra[slot]
+        if held is None or held.numel() < n or held.dtype != src.dtype:
+            held = torch.empty(max(n, 256), dtype=src.dtype,
+                               pin_memory=self.device.type == "cuda")
+            if slot < 0:
+                buffer.host = held
+            else:
+                buffer.extra[slot] = held
+        host = held[:n].view(src.shape)
+        host.copy_(src, non_blocking=True)
         return host
 
     def logits(self, token_ids: Sequence[int], *, page_ids: Sequence[int] | None = None,

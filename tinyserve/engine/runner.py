@@ -110,8 +110,8 @@ class _TokenBuffer:
     until its tokens are read."""
 
     def __init__(self, device: torch.device) -> None:
-        self.host: torch.Tensor | None = None
-        self.extra: list[torch.Tensor | None] = [None, None, None]  # logprob arrays
+        # the tokens, then the logprob arrays (chosen, top ids, top logprobs); grown as needed
+        self.pinned: list[torch.Tensor | None] = [None, None, None, None]
         self.copied = _event(device)
         self.owner: PendingOutput | None = None
 
@@ -287,28 +287,24 @@ class ModelRunner:
         if buffer.owner is not None and not buffer.owner.done:
             buffer.owner.result()
         buffer.owner = None
-        host = self._pinned_copy(buffer, -1, tokens)
+        host = self._pinned_copy(buffer, 0, tokens)
         if logprobs is not None:
             rows, ks, *arrays = logprobs
             logprobs = (rows, ks, *(self._pinned_copy(buffer, i, a)
-                                    for i, a in enumerate(arrays)))
+                                    for i, a in enumerate(arrays, start=1)))
         if buffer.copied is not None:
             cuda = self.device.type == "cuda"
             buffer.copied.record(torch.cuda.current_stream(self.device) if cuda else None)
         return host, logprobs
 
     def _pinned_copy(self, buffer: _TokenBuffer, slot: int, src: torch.Tensor) -> torch.Tensor:
-        """Start copying `src` into `buffer`'s pinned tensor `slot` (-1: the tokens, else one
-        of `extra`), grown as needed; the host view of `src`'s shape."""
+        """Start copying `src` into `buffer.pinned[slot]`, grown as needed; the host view of
+        `src`'s shape."""
         n = src.numel()
-        held = buffer.host if slot < 0 else buffer.extra[slot]
+        held = buffer.pinned[slot]
         if held is None or held.numel() < n or held.dtype != src.dtype:
-            held = torch.empty(max(n, 256), dtype=src.dtype,
-                               pin_memory=self.device.type == "cuda")
-            if slot < 0:
-                buffer.host = held
-            else:
-                buffer.extra[slot] = held
+            held = buffer.pinned[slot] = torch.empty(max(n, 256), dtype=src.dtype,
+                                                     pin_memory=self.device.type == "cuda")
         host = held[:n].view(src.shape)
         host.copy_(src, non_blocking=True)
         return host

@@ -14,6 +14,7 @@ come from a NaN-poisoned torch.empty (the intermediate too). Bounds (relative Fr
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -243,9 +244,11 @@ def test_fused_decode_errors() -> None:
         MoEFusedConfig(block_h=12)
     with pytest.raises(ValueError):
         MoEFusedConfig(decode="f16")
-    assert default_moe_fused_config(2048, 512) is MOE_FUSED_TILES[(2048, 512)]
+    cuda = fmd.MOE_FUSED_CUDA  # every default carries the CUDA decode's variant
+    assert default_moe_fused_config(2048, 512) == replace(MOE_FUSED_TILES[(2048, 512)],
+                                                          cuda=cuda)
     assert MOE_FUSED_TILES[(2048, 512)] == MoEFusedConfig(4, 128, 4, 2, 2, "h2")
-    assert default_moe_fused_config(h, f) == MoEFusedConfig()
+    assert default_moe_fused_config(h, f) == MoEFusedConfig(cuda=cuda)
 
 
 # --- Qwen3.5-35B-A3B layer on a GPU ------------------------------------------------------

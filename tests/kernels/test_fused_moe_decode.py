@@ -253,7 +253,8 @@ def test_fused_decode_errors() -> None:
 
 # --- Qwen3.5-35B-A3B layer on a GPU ------------------------------------------------------
 
-GPU_CONFIGS = [None, MoEFusedConfig(4, 128, 4, 8, 4, "f32")]  # the table's h2 and f32
+# the default (the CUDA decode), the Triton table entry (h2) and an f32 one
+GPU_CONFIGS = [None, MOE_FUSED_TILES[(2048, 512)], MoEFusedConfig(4, 128, 4, 8, 4, "f32")]
 
 
 @pytest.mark.requires_cuda

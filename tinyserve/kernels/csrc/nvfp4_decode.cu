@@ -101,7 +101,7 @@ __device__ __forceinline__ float exp2i(int e) { return __uint_as_float(uint32_t(
 // a power of two (max|x| * scale in [2^9, 2^10)), and the blocks' inverse scales.
 template <int BL>
 struct XFrag {
-  __half2 h[8 * BL];
+  __align__(16) __half2 h[8 * BL];  // read and written as uint4 chunks too
   float inv[BL];
 
   __device__ __forceinline__ void set(const float (&v)[16 * BL]) {

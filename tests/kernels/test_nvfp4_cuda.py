@@ -52,7 +52,8 @@ def test_gemv(poison, k, n, dtype, variant):
     y = nvfp4_cuda.nvfp4_gemv_cuda(x, w, variant)
     assert y.shape == (1, n) and y.dtype == dtype
     assert not torch.isnan(y).any()
-    assert rel_err(y, ref) < BOUND[dtype], rel_err(y, ref)
+    bound = BOUND[dtype] if n > 1 else 1e-2  # one value: no averaging over rows
+    assert rel_err(y, ref) < bound, rel_err(y, ref)
 
 
 @pytest.mark.requires_cuda
@@ -236,10 +237,11 @@ def test_kernels_build_for_sm90(tmp_path) -> None:
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     blocks = re.split(r"Compiling entry function", res.stderr)[1:]
-    assert len(blocks) == 30, res.stderr[-3000:]  # 2 dtypes x (7 gemv + 4 gate_up + 4 down)
+    assert len(blocks) == 66, res.stderr[-3000:]  # 2 dtypes x (7 + 9 gemv, 4 + 9 gate_up, 4 down)
     for b in blocks:
         spill = int(re.search(r"(\d+) bytes spill stores", b).group(1))
-        # down at F = 1024 with 3 blocks per SM; the gemv at K = 2048, 3 blocks per SM
-        allowed = 160 if re.search(r"moe_down_kernel\w+Li2ELi3E|gemv_kernel\w+Li4ELi1ELi3E",
-                                   b) else 0
+        # down at F = 1024 with 3 blocks per SM; the gemv at K = 2048, 3 blocks per SM;
+        # gate_up in one pass with 4 features per warp at H = 2048
+        allowed = 200 if re.search(r"moe_down_kernel\w+Li2ELi3E|gemv_kernel\w+Li4ELi1ELi3E|"
+                                   r"gate_up_once_kernel\w+Li4ELi4ELi2E", b) else 0
         assert spill <= allowed, b[:400]

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 GEMV_KS = (512, 1024, 2048, 4096)
 MOE_SHAPES = ((512, 512), (1024, 512), (2048, 512), (4096, 512), (2048, 1024), (4096, 1024))
 MAX_PAIRS = 9  # routed experts per token plus the shared one
-VARIANTS = (0, 1)  # tile choices (csrc: gemv rows per warp / blocks per SM; MoE down blocks)
+VARIANTS = (0, 1, 2)  # tile choices (csrc: rows per warp / blocks per SM / one pass)
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _HALF = (torch.bfloat16, torch.float16)

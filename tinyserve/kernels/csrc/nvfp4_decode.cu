@@ -250,6 +250,36 @@ __global__ void __launch_bounds__(kThreads, MINB)
   }
 }
 
+// The same rows in one pass: warp w owns rows [w * R, w * R + R), every load issued before
+// the table is built, no loop (the grid covers the rows; the launcher picks R so it fits on
+// the GPU at once).
+template <typename T, int BL, int R, int MINB>
+__global__ void __launch_bounds__(kThreads, MINB)
+    gemv_once_kernel(const T* __restrict__ x, const uint8_t* __restrict__ codes,
+                     const uint8_t* __restrict__ scales, T* __restrict__ out, float global,
+                     int rows) {
+  extern __shared__ __align__(16) unsigned char table[];
+  constexpr int64_t kCodeRow = 256 * BL, kScaleRow = 32 * BL;
+  const int lane = threadIdx.x & 31;
+  const int r = (blockIdx.x * kWarps + (threadIdx.x >> 5)) * R;
+  RowFrag<BL> row[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const int ri = r + i < rows ? r + i : rows - 1;  // NOTE: past the end: a row again, unused
+    row[i].load(codes + ri * kCodeRow + lane * 8 * BL, scales + ri * kScaleRow + lane * BL);
+  }
+  fill_table(table);
+  XFrag<BL> xf;
+  xf.load(x + lane * 16 * BL);
+  __syncthreads();
+  const uint32_t lane4 = lane * 4;
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const float v = warp_sum(row[i].dot(xf, table, lane4));
+    if (lane == 0 && r + i < rows) out[r + i] = from_float<T>(v * global);
+  }
+}
+
 // ------------------------------------------------------------------------------- MoE decode
 
 // Pair q = t * KP + j: routed slot ids[t * topk + j] for j < topk, the shared expert (slot 0
@@ -313,6 +343,47 @@ __global__ void __launch_bounds__(kThreads, MINB)
     if (lane == 0) inter[u] = a / (1.f + expf(-a)) * b;  // u = q * F + f
     g = g2;
     up = up2;
+  }
+}
+
+// gate_up in one pass: warp w owns features [w * RF, w * RF + RF) of the flattened
+// (pair, feature) index, all 2 * RF rows loaded at once, no loop (the grid covers them).
+template <typename T, int BL, int RF, int MINB>
+__global__ void __launch_bounds__(kThreads, MINB)
+    moe_gate_up_once_kernel(const T* __restrict__ x, int64_t x_stride,
+                            const void* __restrict__ ids, int ids64, int topk, int kp,
+                            Experts routed, Experts shared, float* __restrict__ inter,
+                            int tokens, int F) {
+  extern __shared__ __align__(16) unsigned char table[];
+  constexpr int64_t kCodeRow = 256 * BL, kScaleRow = 32 * BL;
+  const int lane = threadIdx.x & 31;
+  const int u0 = (blockIdx.x * kWarps + (threadIdx.x >> 5)) * RF;  // F % RF == 0
+  const bool live = u0 < tokens * kp * F;
+  const int q = live ? u0 / F : 0, t = q / kp, j = q % kp;
+  const bool is_shared = j >= topk;
+  const Experts& e = is_shared ? shared : routed;
+  const int64_t slot = is_shared ? 0 : slot_of(ids, ids64, int64_t(t) * topk + j);
+  const int64_t rg = slot * 2 * F + u0 % F;
+  RowFrag<BL> g[RF], up[RF];
+#pragma unroll
+  for (int i = 0; i < RF; ++i) {
+    g[i].load(e.codes + (rg + i) * kCodeRow + lane * 8 * BL,
+              e.scales + (rg + i) * kScaleRow + lane * BL);
+    up[i].load(e.codes + (rg + F + i) * kCodeRow + lane * 8 * BL,
+               e.scales + (rg + F + i) * kScaleRow + lane * BL);
+  }
+  fill_table(table);
+  XFrag<BL> xf;
+  xf.load(x + int64_t(t) * x_stride + lane * 16 * BL);
+  __syncthreads();
+  if (!live) return;
+  const uint32_t lane4 = lane * 4;
+  const float gg = e.global[2 * slot], gu = e.global[2 * slot + 1];
+#pragma unroll
+  for (int i = 0; i < RF; ++i) {
+    const float a = warp_sum(g[i].dot(xf, table, lane4)) * gg;
+    const float b = warp_sum(up[i].dot(xf, table, lane4)) * gu;
+    if (lane == 0) inter[u0 + i] = a / (1.f + expf(-a)) * b;
   }
 }
 
@@ -450,10 +521,45 @@ int launch_gemv(const void* x, const uint8_t* codes, const uint8_t* scales, void
   return 0;
 }
 
-// variant 0 / 1: (rows per warp and step, blocks per SM) for each K (one choice at 4096)
+// One pass with R rows per warp when the rows fit on the GPU at once (1 when the warps
+// suffice); 1 = launched, 0 = too many rows for R (nothing launched).
+template <typename T, int BL, int R>
+int launch_gemv_once(const void* x, const uint8_t* codes, const uint8_t* scales, void* out,
+                     float global, int rows, cudaStream_t stream) {
+  static int fit[kMaxDevices];
+  auto k = gemv_once_kernel<T, BL, R, 2>;
+  int sms = 0;
+  const int per_sm = fit_on_device(reinterpret_cast<const void*>(k), fit, sms);
+  const int64_t blocks = (int64_t(rows) + R * kWarps - 1) / (R * kWarps);
+  if (blocks > int64_t(per_sm) * sms) return 0;
+  k<<<int(blocks), kThreads, kTableBytes, stream>>>(static_cast<const T*>(x), codes, scales,
+                                                     static_cast<T*>(out), global, rows);
+  return 1;
+}
+
+// variant 2: one pass with the fewest rows per warp (1, 2, 4) that fits, else variant 0
+template <typename T, int BL>
+int gemv_once(const void* x, const uint8_t* codes, const uint8_t* scales, void* out,
+              float global, int rows, cudaStream_t stream) {
+  if (launch_gemv_once<T, BL, 1>(x, codes, scales, out, global, rows, stream)) return 0;
+  if (launch_gemv_once<T, BL, 2>(x, codes, scales, out, global, rows, stream)) return 0;
+  if (launch_gemv_once<T, BL, 4>(x, codes, scales, out, global, rows, stream)) return 0;
+  return -1;
+}
+
+// variant 0 / 1: (rows per warp and step, blocks per SM) for each K (one choice at 4096);
+// variant 2: one pass (gemv_once) where the rows fit at once, else variant 0
 template <typename T>
 int gemv_for_k(int k, int variant, const void* x, const uint8_t* codes, const uint8_t* scales,
                void* out, float global, int rows, cudaStream_t stream) {
+  if (variant == 2) {
+    int rc = -1;
+    if (k == 512) rc = gemv_once<T, 1>(x, codes, scales, out, global, rows, stream);
+    if (k == 1024) rc = gemv_once<T, 2>(x, codes, scales, out, global, rows, stream);
+    if (k == 2048) rc = gemv_once<T, 4>(x, codes, scales, out, global, rows, stream);
+    if (rc == 0) return 0;  // else (K = 4096 or too many rows) the loop
+    variant = 0;
+  }
   const bool v1 = variant == 1;
   switch (k) {
     case 512:
@@ -472,19 +578,55 @@ int gemv_for_k(int k, int variant, const void* x, const uint8_t* codes, const ui
   }
 }
 
-// gate_up at 2 blocks per SM (1 for H = 4096: 2 would spill), down at DOWN_MINB
-template <typename T, int BH, int BF, int DOWN_MINB>
+// gate_up in one pass with RF features per warp if they fit at once (1 = launched)
+template <typename T, int BH, int RF>
+int launch_gate_up_once(const void* x, int64_t x_stride, const void* ids, int ids64, int topk,
+                        int kp, Experts r13, Experts s13, float* inter, int tokens, int F,
+                        cudaStream_t stream) {
+  static int fit[kMaxDevices];
+  auto k = moe_gate_up_once_kernel<T, BH, RF, 2>;
+  int sms = 0;
+  const int per_sm = fit_on_device(reinterpret_cast<const void*>(k), fit, sms);
+  const int64_t blocks = (int64_t(tokens) * kp * F + RF * kWarps - 1) / (RF * kWarps);
+  if (blocks > int64_t(per_sm) * sms) return 0;
+  k<<<int(blocks), kThreads, kTableBytes, stream>>>(static_cast<const T*>(x), x_stride, ids,
+                                                     ids64, topk, kp, r13, s13, inter, tokens, F);
+  return 1;
+}
+
+// the fewest features per warp (1, 2, 4) that fit at once; 0 = none (the loop kernel runs)
+template <typename T, int BH, int F>
+int gate_up_once(const void* x, int64_t x_stride, const void* ids, int ids64, int topk, int kp,
+                 Experts r13, Experts s13, float* inter, int tokens, cudaStream_t stream) {
+  if constexpr (BH >= 8) {
+    return 0;  // NOTE: H = 4096 keeps the loop kernel (registers)
+  } else {
+    return launch_gate_up_once<T, BH, 1>(x, x_stride, ids, ids64, topk, kp, r13, s13, inter,
+                                         tokens, F, stream) ||
+           launch_gate_up_once<T, BH, 2>(x, x_stride, ids, ids64, topk, kp, r13, s13, inter,
+                                         tokens, F, stream) ||
+           launch_gate_up_once<T, BH, 4>(x, x_stride, ids, ids64, topk, kp, r13, s13, inter,
+                                         tokens, F, stream);
+  }
+}
+
+// gate_up in one pass (ONCE, where it fits) or the loop kernel at 2 blocks per SM (1 for
+// H = 4096: 2 would spill); down at DOWN_MINB blocks per SM
+template <typename T, int BH, int BF, int DOWN_MINB, bool ONCE>
 int launch_moe(const void* x, int64_t x_stride, const void* ids, int ids64, const void* wts,
                int wts_dtype, const void* logit, int logit_dtype, int64_t logit_stride,
                int topk, int kp, Experts r13, Experts s13, Experts r2, Experts s2, float* inter,
                void* out, int tokens, int H, cudaStream_t stream) {
   constexpr int F = 512 * BF;
   static int fit_gu[kMaxDevices], fit_dn[kMaxDevices];
-  int sms = 0;
-  auto gu = moe_gate_up_kernel<T, BH, (BH >= 8 ? 1 : 2)>;
-  int per_sm = fit_on_device(reinterpret_cast<const void*>(gu), fit_gu, sms);
-  gu<<<grid_for(per_sm, sms, int64_t(tokens) * kp * F), kThreads, kTableBytes, stream>>>(
-      static_cast<const T*>(x), x_stride, ids, ids64, topk, kp, r13, s13, inter, tokens, F);
+  int sms = 0, per_sm = 0;
+  if (!(ONCE && gate_up_once<T, BH, F>(x, x_stride, ids, ids64, topk, kp, r13, s13, inter,
+                                        tokens, stream))) {
+    auto gu = moe_gate_up_kernel<T, BH, (BH >= 8 ? 1 : 2)>;
+    per_sm = fit_on_device(reinterpret_cast<const void*>(gu), fit_gu, sms);
+    gu<<<grid_for(per_sm, sms, int64_t(tokens) * kp * F), kThreads, kTableBytes, stream>>>(
+        static_cast<const T*>(x), x_stride, ids, ids64, topk, kp, r13, s13, inter, tokens, F);
+  }
   auto dn = moe_down_kernel<T, BF, DOWN_MINB>;
   per_sm = fit_on_device(reinterpret_cast<const void*>(dn), fit_dn, sms);
   // blocks per token: the rows' warps, at most a token's share of the resident blocks
@@ -496,19 +638,21 @@ int launch_moe(const void* x, int64_t x_stride, const void* ids, int ids64, cons
   return 0;
 }
 
-// variant 0 / 1: the down kernel at 2 / 3 blocks per SM
+// variant 0 / 1: the down kernel at 2 / 3 blocks per SM; 2: gate_up in one pass where it
+// fits, down at 2
 template <typename T, int BH, int BF>
 int moe_variant(int variant, const void* x, int64_t x_stride, const void* ids, int ids64,
                 const void* wts, int wts_dtype, const void* logit, int logit_dtype,
                 int64_t logit_stride, int topk, int kp, Experts r13, Experts s13, Experts r2,
                 Experts s2, float* inter, void* out, int tokens, int H, cudaStream_t stream) {
-  return variant == 1
-             ? launch_moe<T, BH, BF, 3>(x, x_stride, ids, ids64, wts, wts_dtype, logit,
-                                        logit_dtype, logit_stride, topk, kp, r13, s13, r2, s2,
-                                        inter, out, tokens, H, stream)
-             : launch_moe<T, BH, BF, 2>(x, x_stride, ids, ids64, wts, wts_dtype, logit,
-                                        logit_dtype, logit_stride, topk, kp, r13, s13, r2, s2,
-                                        inter, out, tokens, H, stream);
+#define TS_LAUNCH(MINB, ONCE)                                                                  \
+  return launch_moe<T, BH, BF, MINB, ONCE>(x, x_stride, ids, ids64, wts, wts_dtype, logit,     \
+                                           logit_dtype, logit_stride, topk, kp, r13, s13, r2, \
+                                           s2, inter, out, tokens, H, stream)
+  if (variant == 1) TS_LAUNCH(3, false);
+  if (variant == 2) TS_LAUNCH(2, true);
+  TS_LAUNCH(2, false);
+#undef TS_LAUNCH
 }
 
 template <typename T>

@@ -6,12 +6,10 @@ baseline from the same run:
    weight (read only); the larger is the reference `bw` for every fraction below, and the
    fractions of the copy bandwidth alone (the targets' reference) are recorded beside them;
 2. gemv M = 1 on the 35B-A3B shapes (qkvz, lm_head, o_proj, gate_up, down): bf16 cuBLAS,
-   the shape's default (`default_gemv_config`: the CUDA gemv), the Triton table entry, the
-   CUDA variants ("cuda0", "cuda1") and every candidate of `GEMV_SWEEP` (decode "f32" /
-   "h2", rows, blocks, warps, load width, stages, split-K);
+   the shape's current tiles (`default_gemv_config`) and every candidate of `GEMV_SWEEP`
+   (decode "f32" / "h2", rows, blocks, warps, load width, stages, split-K);
 3. fused MoE decode, one token x 8 of 256 experts: the "fused" path (two launches,
-   deterministic: the CUDA decode by default, the Triton table tiles, the CUDA variants and
-   `MOE_FUSED_CANDIDATES`) beside the "gemv" path (its
+   deterministic; its table tiles and `MOE_FUSED_CANDIDATES`) beside the "gemv" path (its
    current tiles), routed only and for the whole layer (+ the shared expert: in the fused
    launches, vs the model's separate gate_up GEMV, silu_mul, down GEMV and gated_add),
    against the time to read the experts' bytes at `bw` and at the device copy bandwidth
@@ -23,10 +21,10 @@ of a CUDA graph that cycles through enough weight copies (>= 256 MB) to miss L2.
 per shape are printed as `nvfp4_tiles.py` table entries. A failing case is recorded and the
 rest still run; past TIME_BUDGET_S the remaining variants are skipped (recorded as such).
 
-Usage: python bench/nvfp4.py [--smoke] [--quick] [--only moe|gemv]  (--smoke: tiny shapes,
-any device, no timing; checks the script itself, e.g. on CPU with TRITON_INTERPRET=1;
---quick: no Triton tile sweep; --only moe: the bandwidth and the MoE rows only, ~40-65 s
-(variants past MOE_BUDGET_S skipped), into results/nvfp4_moe.json).
+Usage: python bench/nvfp4.py [--smoke] [--only moe|gemv]  (--smoke: tiny shapes, any device,
+no timing; checks the script itself, e.g. on CPU with TRITON_INTERPRET=1; --only moe: the
+bandwidth and the MoE rows only, ~40-65 s (variants past MOE_BUDGET_S skipped), into
+results/nvfp4_moe.json).
 """
 
 from __future__ import annotations
@@ -36,7 +34,6 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,7 +60,6 @@ from tinyserve.kernels.fused_moe_decode import (  # noqa: E402
     default_moe_fused_config,
 )
 from tinyserve.kernels.nvfp4 import GemvConfig, default_gemv_config, nvfp4_linear  # noqa: E402
-from tinyserve.kernels.nvfp4_cuda import VARIANTS as CUDA_VARIANTS  # noqa: E402
 from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4  # noqa: E402
 from tinyserve.kernels.nvfp4_tiles import PERSISTENT_CANDIDATES  # noqa: E402
 
@@ -93,7 +89,6 @@ TIME_BUDGET_S = 100.0
 MOE_BUDGET_S = 62.0  # --only moe: the run stays under ~70 s
 T0 = time.perf_counter()
 SMOKE = False  # --smoke: no timing, no time budget
-QUICK = False  # --quick: the defaults, the Triton table entries and the CUDA variants only
 
 
 def time_graph(fns: list, reps: int = 10, stat=statistics.median) -> float:
@@ -153,8 +148,6 @@ def copies(nbytes: int, smoke: bool) -> int:
 
 
 def gemv_key(c: GemvConfig) -> str:
-    if c.cuda >= 0:  # the CUDA gemv ignores the Triton tiles where it takes the call
-        return f"cuda{c.cuda}"
     return (f"{c.decode}_bn{c.block_n}_bb{c.block_b}_w{c.num_warps}_v{c.vec}_s{c.num_stages}"
             f"_pps{c.programs_per_sm}{'_pf' if c.prefetch else ''}"
             f"{f'_persist{c.persistent}' if c.persistent else ''}"
@@ -207,13 +200,11 @@ def bench_gemv(n: int, k: int, bw: float, dev: str, smoke: bool,
         out["bf16_cublas"] = {"us": us, "frac_bw": 2 * n * k / us / 1e3 / bw}
         del dense
     default = default_gemv_config(n, k)
-    triton = replace(default, cuda=-1)  # the Triton table entry
-    cands = [] if QUICK else GEMV_SWEEP if k // 16 > 32 else GEMV_SWEEP_SMALL_K
+    cands = GEMV_SWEEP if k // 16 > 32 else GEMV_SWEEP_SMALL_K
     # persistent tiles cover K: past 2048 inputs they only grow (o_proj: builds, no gain)
-    cands = [triton, *(replace(triton, cuda=v) for v in CUDA_VARIANTS),
-             *(c for c in cands if not (c.persistent and k > 2048))]
+    cands = [c for c in cands if not (c.persistent and k > 2048)]
     variants: dict = {}
-    for cfg in [default] + [c for c in dict.fromkeys(cands) if c != default]:
+    for cfg in [default] + [c for c in cands if c != default]:
         key = gemv_key(cfg)
         if over_budget():
             variants[key] = {"skipped": "time budget"}
@@ -269,8 +260,6 @@ def moe_key(c: MoEGemvConfig) -> str:
 
 
 def fused_key(c: MoEFusedConfig) -> str:
-    if c.cuda >= 0:  # the CUDA decode ignores the Triton tiles where it takes the call
-        return f"cuda{c.cuda}"
     return (f"{c.decode}_bf{c.block_f}_bb{c.block_b}_w{c.num_warps}_bh{c.block_h}"
             f"_dw{c.down_warps}")
 
@@ -350,14 +339,9 @@ def bench_moe_decode(bw: float, dev: str, smoke: bool, n: int = 1, h: int = 2048
     if n == 1:
         cases += [("gemv_routed", routed("gemv", None), ref_routed, read_routed, None),
                   ("fused_routed", routed("fused", fused_cfg), ref_routed, read_routed, None)]
-    triton = replace(fused_cfg, cuda=-1)  # the Triton table entry
-    alts = [replace(triton, cuda=v) for v in CUDA_VARIANTS]
-    if n == 1:
-        cases += [(f"fused_routed_{fused_key(c)}", routed("fused", c), ref_routed, read_routed,
-                   None) for c in [triton, *alts] if c != fused_cfg]
-    cands = [] if QUICK else MOE_FUSED_CANDIDATES if sweep else MOE_FUSED_CANDIDATES[:FUSED_MULTI]
+    cands = MOE_FUSED_CANDIDATES if sweep else MOE_FUSED_CANDIDATES[:FUSED_MULTI]
     cases += [(f"fused_layer_{fused_key(c)}", layer("fused", c), ref_layer, read_layer, c)
-              for c in dict.fromkeys([triton, *alts, *cands]) if c != fused_cfg]
+              for c in cands if c != fused_cfg]
     variants: dict = {}
     configs: dict = {}
     for key, fn, ref, read_us, cfg in cases:
@@ -439,11 +423,9 @@ def main() -> int:
                     help="moe / gemv: the bandwidth and those rows only")
     ap.add_argument("--out", default=None, help="default: bench/results/nvfp4.json "
                     "(--only moe: nvfp4_moe.json)")
-    ap.add_argument("--quick", action="store_true", help="no Triton tile sweep: the defaults, "
-                    "the Triton table entries, the CUDA variants and bf16 cuBLAS")
     args = ap.parse_args()
-    global SMOKE, QUICK, TIME_BUDGET_S
-    SMOKE, QUICK = args.smoke, args.quick
+    global SMOKE, TIME_BUDGET_S
+    SMOKE = args.smoke
     if args.only == "moe":
         TIME_BUDGET_S = MOE_BUDGET_S
     dev = "cuda" if torch.cuda.is_available() else "cpu"

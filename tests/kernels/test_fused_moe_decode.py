@@ -14,7 +14,6 @@ come from a NaN-poisoned torch.empty (the intermediate too). Bounds (relative Fr
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
 import torch
 
@@ -244,17 +243,14 @@ def test_fused_decode_errors() -> None:
         MoEFusedConfig(block_h=12)
     with pytest.raises(ValueError):
         MoEFusedConfig(decode="f16")
-    cuda = fmd.MOE_FUSED_CUDA  # every default carries the CUDA decode's variant
-    assert default_moe_fused_config(2048, 512) == replace(MOE_FUSED_TILES[(2048, 512)],
-                                                          cuda=cuda)
+    assert default_moe_fused_config(2048, 512) is MOE_FUSED_TILES[(2048, 512)]
     assert MOE_FUSED_TILES[(2048, 512)] == MoEFusedConfig(4, 128, 4, 2, 2, "h2")
-    assert default_moe_fused_config(h, f) == MoEFusedConfig(cuda=cuda)
+    assert default_moe_fused_config(h, f) == MoEFusedConfig()
 
 
 # --- Qwen3.5-35B-A3B layer on a GPU ------------------------------------------------------
 
-# the default (the CUDA decode), the Triton table entry (h2) and an f32 one
-GPU_CONFIGS = [None, MOE_FUSED_TILES[(2048, 512)], MoEFusedConfig(4, 128, 4, 8, 4, "f32")]
+GPU_CONFIGS = [None, MoEFusedConfig(4, 128, 4, 8, 4, "f32")]  # the table's h2 and f32
 
 
 @pytest.mark.requires_cuda

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import replace
 
 import torch
 
@@ -175,19 +174,15 @@ def test_gemv_tiles_table(monkeypatch):
 
     cfg = GemvConfig(4, 8, 1, 0, vec=1, num_stages=1)
     monkeypatch.setitem(nvfp4_tiles.GEMV_TILES, (48, 256), cfg)
-    cuda = nvfp4_tiles.GEMV_CUDA  # every default carries the CUDA gemv's variant
-    assert nvfp4_tiles.default_gemv_config(48, 256) == replace(cfg, cuda=cuda)
-    plain = GemvConfig(8, 128, 4, 0, cuda=cuda)
-    assert nvfp4_tiles.default_gemv_config(4096, 1024) == plain  # no entry
+    assert nvfp4_tiles.default_gemv_config(48, 256) is cfg
+    assert nvfp4_tiles.default_gemv_config(4096, 1024) == GemvConfig(8, 128, 4, 0)  # no entry
     # large weights without an entry take the lm_head's persistent tiles (K 1024..2048)
-    lm_head = replace(nvfp4_tiles.GEMV_TILES[(248320, 2048)], cuda=cuda)
+    lm_head = nvfp4_tiles.GEMV_TILES[(248320, 2048)]
     assert lm_head.persistent
-    assert nvfp4_tiles.default_gemv_config(16384, 2048) == lm_head  # 16 MiB of codes
-    assert nvfp4_tiles.default_gemv_config(32768, 1024) == lm_head
-    assert nvfp4_tiles.default_gemv_config(16000, 2048) == plain  # smaller
-    assert nvfp4_tiles.default_gemv_config(8192, 4096) == plain  # K > 2048
-    monkeypatch.setattr(nvfp4_tiles, "GEMV_CUDA", -1)
-    assert nvfp4_tiles.default_gemv_config(48, 256) == cfg
+    assert nvfp4_tiles.default_gemv_config(16384, 2048) is lm_head  # 16 MiB of codes
+    assert nvfp4_tiles.default_gemv_config(32768, 1024) is lm_head
+    assert nvfp4_tiles.default_gemv_config(16000, 2048) == GemvConfig(8, 128, 4, 0)  # smaller
+    assert nvfp4_tiles.default_gemv_config(8192, 4096) == GemvConfig(8, 128, 4, 0)  # K > 2048
     w, wd = _weight(48, 256)
     x = torch.randn(1, 256, device=DEV)
     assert rel_err(nvfp4_linear(x, w), x @ wd.T) < 1e-2  # the table's tiles

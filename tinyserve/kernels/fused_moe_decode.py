@@ -7,15 +7,13 @@ Every (token, expert) pair of a layer, the shared expert included as one more pa
 rows of all its pairs and summing them in registers in a fixed order. No atomics and no
 workspace that must be kept zero: the same bits on every run (graph replay == eager).
 `MOE_FUSED_DECODE = False` switches the path off (fused_moe then takes the gemv path and the
-model its separate shared-expert GEMVs). On a CUDA device the same two launches run as CUDA
-kernels (`nvfp4_cuda.moe_decode_cuda`: a byte of two codes decoded by one table read) where
-they take the call; `MOE_FUSED_CUDA = -1` keeps the Triton kernels.
+model its separate shared-expert GEMVs).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,11 +38,7 @@ class MoEFusedConfig:
     `block_f` gate and `block_f` up rows in one tile), `block_b` blocks of 16 inputs per K
     step (>= H/16: one step, every load of a program in flight at once), `num_warps`, the
     `decode` ("h2" / "f32", as in `nvfp4_tiles`). down: `block_h` output rows per program (all
-    pairs of a token, full rows of F/2 code bytes), `down_warps`. All powers of two.
-
-    `cuda` >= 0: the CUDA decode (`nvfp4_cuda.moe_decode_cuda`, that variant) wherever it
-    takes the call (bf16/fp16 x, (H, F) in its list, at most 9 pairs per token); the Triton
-    tiles above serve the rest. -1: Triton only (the bench's sweep entries)."""
+    pairs of a token, full rows of F/2 code bytes), `down_warps`. All powers of two."""
 
     block_f: int = 4
     block_b: int = 128
@@ -52,7 +46,6 @@ class MoEFusedConfig:
     block_h: int = 8
     down_warps: int = 4
     decode: str = "h2"
-    cuda: int = -1  # CUDA decode variant, -1 = none
 
     def __post_init__(self) -> None:
         sizes = (self.block_f, self.block_b, self.num_warps, self.block_h, self.down_warps)
@@ -96,14 +89,9 @@ MOE_FUSED_CANDIDATES: tuple[MoEFusedConfig, ...] = (
 )
 
 
-# The CUDA decode variant every default config carries (-1: the Triton kernels only).
-MOE_FUSED_CUDA = 0
-
-
 def default_moe_fused_config(hidden_size: int, intermediate_size: int) -> MoEFusedConfig:
-    """The `MOE_FUSED_TILES` entry, else `MoEFusedConfig()`, with `cuda` = MOE_FUSED_CUDA."""
-    cfg = MOE_FUSED_TILES.get((hidden_size, intermediate_size), MoEFusedConfig())
-    return replace(cfg, cuda=MOE_FUSED_CUDA)
+    """The `MOE_FUSED_TILES` entry, else `MoEFusedConfig()`."""
+    return MOE_FUSED_TILES.get((hidden_size, intermediate_size), MoEFusedConfig())
 
 
 def fuses_shared_expert(num_tokens: int) -> bool:
@@ -119,13 +107,6 @@ def _kernels():
     return fused_moe_decode_triton
 
 
-@functools.cache
-def _cuda_kernels():
-    from tinyserve.kernels import nvfp4_cuda
-
-    return nvfp4_cuda
-
-
 def _next_pow2(v: int) -> int:
     return 1 << max(0, v - 1).bit_length()
 
@@ -139,9 +120,6 @@ def moe_fused_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk
     H and F) checked by `fused_moe`; logit [N, 1] (any row stride) with `shared`. Returns
     [N, H] in x.dtype. Two launches, no host synchronisation, deterministic.
     """
-    if cfg.cuda >= 0 and _cuda_kernels().moe_supported(x, topk, slots, shared):
-        return _cuda_kernels().moe_decode_cuda(x, ids, wts, topk, slots, shared, logit,
-                                               cfg.cuda)
     n, h, f = x.shape[0], slots.hidden_size, slots.intermediate_size
     block_f = min(cfg.block_f, _next_pow2(f))
     while f % block_f:  # NOTE: F is a multiple of 16 (slot layout)

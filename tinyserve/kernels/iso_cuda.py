@@ -1,8 +1,10 @@
 """ISO3/ISO4 CUDA kernels: build at first use, launchers that check shapes and dtypes.
 
 The kernels live in `csrc/iso_store.cu` and `csrc/iso_decode.cu` (plain CUDA, no torch
-headers, extern "C" launchers), built at first use by `cuda_lib`; launches go to torch's
-current stream, so they can be captured in CUDA graphs. Nothing here runs at import.
+headers, extern "C" launchers). At first use nvcc compiles them for the running GPU's
+architecture into a shared library cached in TINYSERVE_CACHE_DIR (keyed by a hash of the
+sources), loaded with ctypes; launches go to torch's current stream, so they can be captured
+in CUDA graphs. Nothing here runs at import.
 
 - `iso_store`: quantize-on-write, byte-exact with `iso.quantize_ref`.
 - `iso_dequant_rows`: packed rows -> dense rows (bit-exact with `iso.dequantize_ref` in fp32).
@@ -15,13 +17,22 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import math
+import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import torch
 
-from tinyserve.kernels import cuda_lib
+from tinyserve import envs
 from tinyserve.kernels.iso import BLOCK, FORMATS, packed_row_bytes
+from tinyserve.log import get_logger
 
+log = get_logger(__name__)
+
+_CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("iso_store.cu", "iso_decode.cu", "iso_decode_mma.cu")
 _HEADERS = ("iso_common.cuh", "iso_split.cuh", "iso_mma_prims.cuh")  # in the build hash
 _BITS = {"iso3": 3, "iso4": 4}
@@ -46,10 +57,42 @@ _SIGNATURES = {
 }
 
 
+def _nvcc() -> str:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME and Path(CUDA_HOME, "bin", "nvcc").exists():
+        return str(Path(CUDA_HOME, "bin", "nvcc"))
+    raise RuntimeError("the ISO KV kernels need nvcc (CUDA toolkit) to build on first use")
+
+
 @functools.cache
 def _library(major: int, minor: int) -> ctypes.CDLL:
-    """csrc/iso_*.cu built for sm_{major}{minor} (`cuda_lib.build`) and loaded."""
-    return cuda_lib.build("iso", _SOURCES, _HEADERS, major, minor, _SIGNATURES)
+    """Compile csrc/iso_*.cu for sm_{major}{minor} into a shared library (cached by source
+    hash in TINYSERVE_CACHE_DIR) and load it."""
+    files = [_CSRC / s for s in (*_SOURCES, *_HEADERS)]
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
+    out_dir = envs.CACHE_DIR.get() / "kernels"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lib_path = out_dir / f"libtinyserve_iso_sm{major}{minor}_{digest}.so"
+    if not lib_path.exists():
+        tmp = lib_path.with_suffix(f".{os.getpid()}.tmp")
+        cmd = [_nvcc(), "-std=c++17", "-O3", f"-arch=sm_{major}{minor}", "-shared",
+               "-Xcompiler", "-fPIC", "-I", str(_CSRC), "-o", str(tmp),
+               *[str(_CSRC / s) for s in _SOURCES]]
+        log.info("building the ISO KV kernels for sm_%d%d", major, minor)
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"nvcc failed building the ISO kernels:\n{res.stderr[-4000:]}")
+        os.replace(tmp, lib_path)
+    lib = ctypes.CDLL(str(lib_path))
+    for name, args in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = ctypes.c_int
+    return lib
 
 
 def _call(device: torch.device, name: str, *args) -> None:

@@ -2,9 +2,7 @@
 
 Three paths (specs/nvfp4.md §5.3), picked by the number of rows M of x:
 
-- `gemv` (M <= GEMV_MAX_M, decode): at M = 1 with bf16/fp16 x on a CUDA device, the CUDA
-  gemv of `nvfp4_cuda` (a byte of two codes decoded by a table read; the config's `cuda`
-  field, on by default). Otherwise Triton: int64 loads of 16 packed codes, arithmetic E2M1 decode
+- `gemv` (M <= GEMV_MAX_M, decode): int64 loads of 16 packed codes, arithmetic E2M1 decode
   ("f32" or "h2", `nvfp4_tiles.py`), E4M3 decoded from its uint8 bits, split-K when there are
   too few programs to fill the GPU (fp32 partials, summed by one torch op). Tiles per shape
   come from `nvfp4_tiles.GEMV_TILES` (rule-based default for other shapes); an entry with
@@ -52,13 +50,6 @@ def _kernels():
     from tinyserve.kernels import nvfp4_triton
 
     return nvfp4_triton
-
-
-@functools.cache
-def _cuda_kernels():
-    from tinyserve.kernels import nvfp4_cuda
-
-    return nvfp4_cuda
 
 
 @functools.cache
@@ -142,11 +133,9 @@ def row_range(rows: tuple[int, int] | None, n: int) -> tuple[int, int]:
 
 def _gemv(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int,
           cfg: GemvConfig | None) -> torch.Tensor:
+    kern = _kernels()
     sms = num_sms(x.device)
     cfg = cfg or default_gemv_config(n, k, sms)
-    if cfg.cuda >= 0 and m == 1 and _cuda_kernels().gemv_supported(x, w):
-        return _cuda_kernels().nvfp4_gemv_cuda(x, w, cfg.cuda)
-    kern = _kernels()
     if cfg.persistent and m <= PERSISTENT_MAX_M and x.dtype != torch.float32:
         return _gemv_persistent(x, w, m, n, k, cfg, sms)
     kb = k // 16

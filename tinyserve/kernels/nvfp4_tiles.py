@@ -15,7 +15,7 @@ words elsewhere, which rounds x to fp16 but not the products or the block sums).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 DECODES = ("f32", "h2")
 
@@ -36,11 +36,7 @@ class GemvConfig:
     `num_stages` > 1 lets Triton stage the loads through shared memory, `hoist_x`: x's fp16x2
     words are built once per program and kept in registers (else once per tile).
     `programs_per_sm` (split-K) does not apply. fp32 x and M > 4 take the one-tile-per-program
-    kernel with the f32 decode and the same tiles.
-
-    `cuda` >= 0: the CUDA gemv (`nvfp4_cuda`, that tile variant) wherever it takes the call
-    (M = 1, bf16/fp16 x, K in its list); the Triton tiles above serve the rest. -1: Triton
-    only (the bench's sweep entries)."""
+    kernel with the f32 decode and the same tiles."""
 
     block_n: int = 8
     block_b: int = 128
@@ -52,7 +48,6 @@ class GemvConfig:
     decode: str = "f32"
     persistent: int = 0  # programs per SM of the persistent gemv; 0 = one program per tile
     hoist_x: bool = True  # persistent: x words built once per program
-    cuda: int = -1  # CUDA gemv variant, -1 = none
 
     def __post_init__(self) -> None:
         _check_tiles(self.decode, self.block_n, self.block_b, self.vec)
@@ -138,25 +133,21 @@ def _next_pow2(v: int) -> int:
 PERSISTENT_MIN_BYTES = 16 << 20
 
 
-# The CUDA gemv variant every default config carries (-1: the Triton kernels only).
-GEMV_CUDA = 0
-
-
 def default_gemv_config(n: int, k: int, num_sms: int = 132) -> GemvConfig:
-    """Tiles for an [N, K] weight at M = 1, with `cuda` = GEMV_CUDA: the `GEMV_TILES` entry,
-    else the lm_head's persistent tiles for weights of PERSISTENT_MIN_BYTES or more with
-    1024 <= K <= 2048, else 8 rows x 128 blocks (2048 inputs; x reaches the threads through
-    shared memory in one coalesced load) when K >= 1024, else 1024 / (K/16) rows x all of K;
-    no split-K (it never won on the H200)."""
+    """Tiles for an [N, K] weight at M = 1: the `GEMV_TILES` entry, else the lm_head's
+    persistent tiles for weights of PERSISTENT_MIN_BYTES or more with 1024 <= K <= 2048, else
+    8 rows x 128 blocks (2048 inputs; x reaches the threads through shared memory in one
+    coalesced load) when K >= 1024, else 1024 / (K/16) rows x all of K; no split-K (it never
+    won on the H200)."""
     hit = GEMV_TILES.get((n, k))
-    if hit is None and 1024 <= k <= 2048 and n * k // 2 >= PERSISTENT_MIN_BYTES:
-        hit = GEMV_TILES[(248320, 2048)]
-    if hit is None:
-        block_b = 128 if k // 16 > 32 else _next_pow2(max(1, k // 16))
-        block_n = max(1, 1024 // block_b)
-        warps = max(1, min(4, block_n * block_b // 64))
-        hit = GemvConfig(block_n, block_b, warps, 0)
-    return replace(hit, cuda=GEMV_CUDA)
+    if hit is not None:
+        return hit
+    if 1024 <= k <= 2048 and n * k // 2 >= PERSISTENT_MIN_BYTES:
+        return GEMV_TILES[(248320, 2048)]
+    block_b = 128 if k // 16 > 32 else _next_pow2(max(1, k // 16))
+    block_n = max(1, 1024 // block_b)
+    warps = max(1, min(4, block_n * block_b // 64))
+    return GemvConfig(block_n, block_b, warps, 0)
 
 
 def default_moe_gemv_config(hidden_size: int, intermediate_size: int) -> MoEGemvConfig:

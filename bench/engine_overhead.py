@@ -185,8 +185,8 @@ class TimedSampler(Sampler):
         super().__init__()
         self._call = call
 
-    def __call__(self, logits, seqs):
-        return self._call(self, logits, seqs)
+    def __call__(self, logits, seqs, **kw):
+        return self._call(self, logits, seqs, **kw)
 
 
 # ------------------------------------------------------------------------------ stand-in model

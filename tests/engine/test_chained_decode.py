@@ -1,12 +1,15 @@
 """Chained decode steps (the next decode step launched before this one's tokens are read) on
 the tiny model, on CPU through the decode graphs' static path (no capture): the runner's
-chained launches give the serial path's tokens (greedy and seeded sampling); the engine with
-chaining gives what it gives without, through ends at different steps (length, a stop token,
-a stop string), a seeded sampled request beside greedy ones and the prefix cache's decode-time
-snapshots; an abort and a late arrival while steps are chained leak nothing. (The scheduler's
-side, EOS included: tests/engine/test_scheduler.py.)"""
+chained launches give the serial path's tokens (greedy, seeded, biased, with logprobs, with
+penalties); the engine with chaining gives what it gives without, through ends at different
+steps (length, a stop token, a stop string), a seeded sampled request with penalties beside
+greedy ones and the prefix cache's decode-time snapshots; an abort and a late arrival while
+steps are chained leak nothing. (The scheduler's side, EOS included:
+tests/engine/test_scheduler.py.)"""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -51,10 +54,11 @@ def _record_chained(engine) -> list[tuple[str, ...]]:
 
 
 def _seqs(tokens: list[int], pos: list[int], params: SamplingParams = GREEDY,
-          step: int = 0) -> list[ScheduledSeq]:
+          step: int = 0, histories: list[list[int]] | None = None) -> list[ScheduledSeq]:
     return [ScheduledSeq(f"r{i}", [t], p, list(range(i * PAGES_PER_SEQ,
                                                         (i + 1) * PAGES_PER_SEQ)),
-                         i, sample=True, params=params, num_generated=step)
+                         i, sample=True, params=params,
+                         history=list(histories[i]) if histories else [], num_generated=step)
             for i, (t, p) in enumerate(zip(tokens, pos, strict=True))]
 
 
@@ -63,10 +67,13 @@ SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=64)
 BIASED = SamplingParams(temperature=0.0, max_tokens=64, logit_bias={7: 3.0, 11: -100.0})
 # log-probabilities travel back in pinned copies beside the tokens: chained steps keep them
 LOGPROBS = SamplingParams(temperature=0.8, seed=5, max_tokens=64, logprobs=3)
+# penalties count tokens on the device: a chained step reads the counts of the one before
+PENALISED = SamplingParams(temperature=0.7, seed=6, max_tokens=64, repetition_penalty=1.3,
+                           presence_penalty=0.6, frequency_penalty=0.4)
 
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED, BIASED, LOGPROBS],
-                         ids=["greedy", "seeded", "bias", "logprobs"])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED, BIASED, LOGPROBS, PENALISED],
+                         ids=["greedy", "seeded", "bias", "logprobs", "penalties"])
 def test_chained_launches_give_the_serial_tokens(static_decode, params) -> None:
     cfg, w = checkpoint("bf16")
     g = torch.Generator().manual_seed(4)
@@ -83,21 +90,31 @@ def test_chained_launches_give_the_serial_tokens(static_decode, params) -> None:
                              sample=True, params=GREEDY) for i, p in enumerate(prompts)]
         return r.forward(Batch(seqs)).next_tokens
 
-    serial, chained = runner(), runner()
-    first = prefill(serial)
-    assert prefill(chained) == first
     pos = [len(p) for p in prompts]
-    want, want_lp, last = [], [], first
-    for i in range(8):
-        out = serial.forward(Batch(_seqs(last, [p + i for p in pos], params, i + 1)))
-        last = out.next_tokens
-        want.append(last)
-        want_lp.append(out.logprobs)
+
+    def serial(q: SamplingParams) -> tuple[list, list, list[int]]:
+        """8 steps one after the other, the host's history complete at every step."""
+        r = runner()
+        first = prefill(r)
+        hist = [p + [t] for p, t in zip(prompts, first, strict=True)]
+        tokens, lps, last = [], [], first
+        for i in range(8):
+            out = r.forward(Batch(_seqs(last, [p + i for p in pos], q, i + 1, hist)))
+            last = out.next_tokens
+            tokens.append(last)
+            lps.append(out.logprobs)
+            hist = [h + [t] for h, t in zip(hist, last, strict=True)]
+        return tokens, lps, first
+
+    want, want_lp, first = serial(params)
+    chained = runner()
+    assert prefill(chained) == first
     got, got_lp = [], []
-    pending = chained.launch(Batch(_seqs(first, pos, params, 1)))
+    hist = [p + [t] for p, t in zip(prompts, first, strict=True)]  # chained: never updated
+    pending = chained.launch(Batch(_seqs(first, pos, params, 1, hist)))
     for i in range(1, 9):
         if i < 8:
-            nxt = Batch(_seqs([PENDING_TOKEN] * 3, [p + i for p in pos], params, i + 1))
+            nxt = Batch(_seqs([PENDING_TOKEN] * 3, [p + i for p in pos], params, i + 1, hist))
             assert chained.can_chain(nxt)
             following = chained.launch(nxt, after=pending)
         got.append(pending.result().next_tokens)
@@ -109,8 +126,13 @@ def test_chained_launches_give_the_serial_tokens(static_decode, params) -> None:
         assert all(len(lp.top) == 3 and lp.token_id == t
                    for step, lps in zip(got, got_lp, strict=True)
                    for t, lp in zip(step, lps, strict=True))
-    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.2)
-    assert not chained.can_chain(Batch(_seqs([PENDING_TOKEN] * 3, pos, penalised)))
+    if params is PENALISED:  # the penalties changed the tokens
+        plain = replace(params, repetition_penalty=1.0, presence_penalty=0.0,
+                        frequency_penalty=0.0)
+        assert serial(plain)[0] != want
+    chained.sampler.logits_hook = lambda logits, seqs: logits  # a hook may read anything
+    assert not chained.can_chain(Batch(_seqs([PENDING_TOKEN] * 3, pos, params)))
+    chained.sampler.logits_hook = None
     with pytest.raises(ValueError, match="chained launch"):  # a prefill cannot chain
         chained.launch(Batch([ScheduledSeq("r0", [1, 2], 40, list(range(16)), 0,
                                            sample=True, params=GREEDY)]), after=pending)
@@ -150,7 +172,8 @@ def test_engine_with_chained_decode_matches_the_serial_engine(
     first, _, _ = _generate(path, prompts, base, chain=False, monkeypatch=monkeypatch,
                             prefix_cache=False)
     # Ends that only the sampled tokens reveal: a stop token (request 0's 9th token), a stop
-    # string (a piece of request 1's text), and a sampled row (request 3) beside greedy ones.
+    # string (a piece of request 1's text), and a sampled row with penalties (request 3)
+    # beside greedy ones.
     stop_token = first[0][0][8]
     text = first[1][1]
     stop_text = text[len(text) // 2:len(text) // 2 + 2]
@@ -158,7 +181,8 @@ def test_engine_with_chained_decode_matches_the_serial_engine(
                              stop_token_ids=[stop_token]),
               SamplingParams(max_tokens=23, temperature=0.0, ignore_eos=True, stop=stop_text),
               SamplingParams(max_tokens=31, temperature=0.0, ignore_eos=True, logprobs=2),
-              SamplingParams(max_tokens=12, temperature=0.9, seed=11, ignore_eos=True)]
+              SamplingParams(max_tokens=12, temperature=0.9, seed=11, ignore_eos=True,
+                             repetition_penalty=1.2, presence_penalty=0.5)]
     for cache in (False, True):
         want, none, _ = _generate(path, prompts, params, chain=False, monkeypatch=monkeypatch,
                                   prefix_cache=cache)
@@ -269,8 +293,9 @@ def test_abort_and_late_arrival_while_steps_are_chained(
 
 @pytest.mark.requires_cuda
 def test_cuda_engine_chains_greedy_and_sampled_rows(tiny_checkpoint, monkeypatch) -> None:
-    """On CUDA (captured graphs), the engine chains greedy and seeded sampled rows and gives
-    the tokens of the engine without chaining (a near-tie of the tiny model aside)."""
+    """On CUDA (captured graphs), the engine chains greedy, seeded sampled and penalised rows
+    and gives the tokens of the engine without chaining (a near-tie of the tiny model
+    aside)."""
     path = str(tiny_checkpoint("bf16"))
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, 400, (n,), generator=g).tolist() for n in (13, 29, 6)]
@@ -278,7 +303,8 @@ def test_cuda_engine_chains_greedy_and_sampled_rows(tiny_checkpoint, monkeypatch
               SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=4,
                              ignore_eos=True),
               SamplingParams(max_tokens=24, temperature=0.6, top_k=20, seed=9,
-                             ignore_eos=True)]
+                             ignore_eos=True, repetition_penalty=1.2, presence_penalty=0.4,
+                             frequency_penalty=0.3)]
     outs = {}
     for chain in (False, True):
         monkeypatch.setattr(loop, "PIPELINE_DECODE", chain)

@@ -226,9 +226,9 @@ def test_runner_samples_in_the_graph_when_greedy() -> None:
     calls: list[int] = []
 
     class Counting(Sampler):
-        def __call__(self, logits, seqs):
+        def __call__(self, logits, seqs, **kw):
             calls.append(len(seqs))
-            return super().__call__(logits, seqs)
+            return super().__call__(logits, seqs, **kw)
 
     static.sampler = Counting()
     prompts = _prompts(NUM_SEQS)

@@ -45,7 +45,7 @@ def test_prepare_tensors(tiny) -> None:
 def test_forward_samples_only_flagged_rows(tiny) -> None:
     calls = []
 
-    def sampler(logits, seqs):
+    def sampler(logits, seqs, chained=False):
         calls.append((logits.shape, [s.request_id for s in seqs]))
         return torch.tensor([11, 22][:len(seqs)])
 

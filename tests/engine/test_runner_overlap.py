@@ -65,7 +65,8 @@ def test_host_work_runs_after_the_step_is_queued_and_before_the_wait(tiny, monke
     runner, experts = _offloaded_runner(cfg, w, log, monkeypatch)
     sampler, after = runner.sampler, experts.after_launch
 
-    runner.sampler = lambda logits, seqs: log.append("sample") or sampler(logits, seqs)
+    runner.sampler = lambda logits, seqs, **kw: (log.append("sample")
+                                                 or sampler(logits, seqs, **kw))
     experts.after_launch = lambda: log.append("after_launch") or after()
     runner.overlap_hook = lambda: log.append("hook")
     prompt = torch.randint(0, 500, (11,), generator=torch.Generator().manual_seed(3)).tolist()

@@ -90,6 +90,39 @@ def test_presence_and_frequency_apply_to_output_only() -> None:
     assert Sampler()(logits, [seq(f, history=[2, 0, 0], num_generated=2)]).item() == 1
 
 
+PENALISED = [SamplingParams(temperature=0.0, repetition_penalty=1.4),
+             SamplingParams(temperature=0.0, presence_penalty=0.8, frequency_penalty=0.6),
+             SamplingParams(temperature=0.9, seed=2, repetition_penalty=1.2,
+                            presence_penalty=0.5, frequency_penalty=0.5)]
+
+
+def test_chained_penalties_count_on_the_device() -> None:
+    """A chained call (the host's history one token behind) samples what an unchained call
+    with the full history samples: the counts the previous call advanced on the device equal
+    counts rebuilt from the history, step after step."""
+    torch.manual_seed(3)
+    prompt = [1, 2, 3, 2]
+    chained, serial = Sampler(), Sampler()
+    hist = [list(prompt) for _ in PENALISED]
+    steps = [torch.randn(len(PENALISED), 6) * 0.3 for _ in range(12)]
+    for gen, logits in enumerate(steps):
+        rows = list(enumerate(zip(PENALISED, hist, strict=True)))
+        full = [seq(p, h, gen, f"r{j}") for j, (p, h) in rows]
+        # the chained sampler sees the history of the step before (first call: unchained);
+        # the step count is known ahead (`Scheduler.schedule_next`)
+        stale = [seq(p, h[:-1] if gen else h, gen, f"r{j}") for j, (p, h) in rows]
+        want = serial(logits, full)
+        got = chained(logits, stale, chained=gen > 0)
+        assert torch.equal(got, want), gen
+        for h, t in zip(hist, want.tolist(), strict=True):
+            h.append(t)
+    assert len({tuple(h[len(prompt):]) for h in hist}) > 1  # the penalties did something
+    # counts of requests missing from a call are dropped; chaining them is an error
+    chained(steps[0][:1], [seq(PENALISED[0], hist[0], len(steps), "r0")])
+    with pytest.raises(RuntimeError, match="r1"):
+        chained(steps[0][1:2], [seq(PENALISED[1], hist[1], len(steps), "r1")], chained=True)
+
+
 def test_hook_forces_tokens_through_the_sampler() -> None:
     def force(logits, seqs):
         out = torch.full_like(logits, float("-inf"))
@@ -127,7 +160,7 @@ def test_logit_bias_bans_and_forces() -> None:
             seq(SamplingParams(temperature=0.0, logit_bias={7: 100, 8: -1.5})),
             seq(SamplingParams(temperature=0.0))]
     sampler = Sampler()
-    assert not sampler.argmax_only(seqs) and sampler.history_free(seqs)
+    assert not sampler.argmax_only(seqs) and sampler.chainable(seqs)
     out = sampler(logits, seqs)
     assert out[0] != top[0] and out[1] == 7 and out[2] == top[2]
     # sampled rows never draw a banned token; the logits passed in are not modified

@@ -16,9 +16,9 @@ step later, whose extra token is dropped by `Scheduler.record`.
 Chained decode (`PIPELINE_DECODE`, a runner with `can_chain`): when a decode step cannot
 change the batch's make-up (`Scheduler.schedule_next`: nobody waits, nobody reaches
 `max_tokens`) and the runner can take its input tokens on the device (decode graphs, and
-sampling that reads no token history: greedy or temperature / top-k / top-p / min-p, seeded
-or not, but no penalties), the next decode step is launched before this step's tokens are
-read, so the device runs step N + 1 while the
+sampling that needs no token from the host: greedy or temperature / top-k / top-p / min-p,
+seeded or not, with penalties counted on the device; no logits hook), the next decode step
+is launched before this step's tokens are read, so the device runs step N + 1 while the
 host records step N. A request that ends at step N (EOS, stop token or string, abort) has
 its step N + 1 token dropped; its pages and state slot are freed on the host at once and
 reused only by device work queued after that step. Requests that arrive meanwhile are

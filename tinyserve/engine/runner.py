@@ -221,12 +221,12 @@ class ModelRunner:
         """Whether `batch` (a decode step whose input tokens are the previous step's sampled
         ones) can be launched with `launch(batch, after=...)`: it runs in a decode graph
         that takes its token ids from the device (not a host embedding table) and every
-        sequence samples without reading its token history (no penalties: the host does not
-        know the newest token yet)."""
+        sequence samples without the newest token on the host (`Sampler.chainable`:
+        penalties count tokens on the device)."""
         seqs = batch.seqs
         return (self.graphs is not None and not self.graphs.host_embedding
                 and self.graphs.supports(seqs) and all(s.sample for s in seqs)
-                and self.sampler.history_free(seqs))
+                and self.sampler.chainable(seqs))
 
     def launch(self, batch: Batch, *, after: PendingOutput | None = None) -> PendingOutput:
         """Queue one step (forward, sampling, the sampled tokens' copy to the host), then run
@@ -259,7 +259,8 @@ class ModelRunner:
         buffer, host, tokens, logprobs = None, None, None, None
         if rows:
             sampled = [seqs[i] for i in rows]
-            tokens = greedy if greedy is not None else self.sampler(logits, sampled)
+            tokens = (greedy if greedy is not None
+                      else self.sampler(logits, sampled, chained=after is not None))
             if logits is not None:
                 logprobs = token_logprobs(logits, sampled, tokens)
             buffer = self._buffers[self._next_buffer]

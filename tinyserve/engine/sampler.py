@@ -6,11 +6,18 @@ top-p and min-p filtering and an exponential race (argmax p / q with q ~ Exp(1),
 from p).
 A request with a seed draws its noise from a generator seeded with (seed, tokens generated so
 far), so its output depends neither on the rest of the batch nor on preemption.
+
+Penalties read a sequence's tokens from device-side counts (`TokenCounts`: the tokens seen, for
+the repetition penalty; the output tokens' counts, for presence and frequency), built from the
+host's history and then advanced on the device by every token the sampler draws. So a chained
+step (launched before the host has the previous step's token) samples penalised rows from the
+counts the previous step left; an unchained step rebuilds them from the host's history.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -24,31 +31,40 @@ _SEED_STRIDE = 1_000_003
 
 
 class Sampler:
-    """`sampler(logits, seqs) -> tokens`: one token per row of `logits`, rows in `seqs` order."""
+    """`sampler(logits, seqs) -> tokens`: one token per row of `logits`, rows in `seqs` order.
+
+    Holds the `TokenCounts` of the penalised rows it sampled last (by request id); a call
+    keeps those of its own rows only."""
 
     def __init__(self, logits_hook: LogitsHook | None = None) -> None:
         self.logits_hook = logits_hook
+        self._counts: dict[str, TokenCounts] = {}
 
     def argmax_only(self, seqs: Sequence[ScheduledSeq]) -> bool:
         """Whether sampling `seqs` is the plain argmax of their logits (greedy, no penalties,
         no logit bias, no logprobs, no hook): then a caller holding the argmax already need
         not call the sampler."""
-        return (self.history_free(seqs) and not wants_logprobs(seqs)
-                and all(s.params.greedy and not s.params.logit_bias for s in seqs))
+        return (self.chainable(seqs) and not wants_logprobs(seqs)
+                and all(s.params.greedy and not s.params.logit_bias and not _has_penalty(s)
+                        for s in seqs))
 
-    def history_free(self, seqs: Sequence[ScheduledSeq]) -> bool:
-        """Whether sampling `seqs` reads nothing of their token history (no penalties, no
-        hook): only the logits, the parameters and `num_generated` (a seed's step). Then a
-        step can be sampled before the host knows the token the step ran on."""
-        return self.logits_hook is None and not any(_has_penalty(s) for s in seqs)
+    def chainable(self, seqs: Sequence[ScheduledSeq]) -> bool:
+        """Whether `seqs` can be sampled before the host knows the tokens the step ran on
+        (`chained=True`): no logits hook (it may read anything). Penalised rows read their
+        device-side counts, which the previous step's sampling advanced."""
+        return self.logits_hook is None
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq], *,
+                 chained: bool = False) -> torch.Tensor:
         """Sample one token per row.
 
         Args:
             logits: [S, V] float32 on the model's device, one row per sampling sequence.
             seqs: the S sequences (their `params`, `history`, `num_generated`).
+            chained: the step was launched before the host had its input tokens: the
+                sequences' `history` lacks the newest token, so penalised rows use the counts
+                the previous call left for them (RuntimeError if it left none).
         Returns:
             [S] int64 token ids on the same device.
         """
@@ -56,15 +72,69 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logit rows for {len(seqs)} sequences")
         if self.logits_hook is not None:
             logits = self.logits_hook(logits, seqs)
-        logits = apply_logit_bias(apply_penalties(logits.float(), seqs), seqs)
-        greedy_tokens = logits.argmax(dim=-1)
-        if all(s.params.greedy for s in seqs):
-            return greedy_tokens
-        probs = filtered_probs(logits, seqs)
-        noise = exponential_noise(probs, seqs)
-        sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = _to_device([s.params.greedy for s in seqs], torch.bool, logits.device)
-        return torch.where(is_greedy, greedy_tokens, sampled)
+        counts = self._take_counts(seqs, logits.shape[1], logits.device, chained)
+        logits = apply_logit_bias(apply_penalties(logits.float(), seqs, counts), seqs)
+        tokens = logits.argmax(dim=-1)
+        if not all(s.params.greedy for s in seqs):
+            probs = filtered_probs(logits, seqs)
+            noise = exponential_noise(probs, seqs)
+            sampled = (probs / noise).argmax(dim=-1)
+            is_greedy = _to_device([s.params.greedy for s in seqs], torch.bool, logits.device)
+            tokens = torch.where(is_greedy, tokens, sampled)
+        for i, c in counts.items():
+            c.add(tokens[i:i + 1])
+        return tokens
+
+    def _take_counts(self, seqs: Sequence[ScheduledSeq], vocab: int, device: torch.device,
+                     chained: bool) -> dict[int, TokenCounts]:
+        """Row -> counts of each penalised row: the previous call's when chained, else built
+        from the host's history. Counts of requests not in this call are dropped."""
+        counts, kept = {}, {}
+        for i, s in enumerate(seqs):
+            if not _has_penalty(s):
+                continue
+            c = self._counts.get(s.request_id) if chained else None
+            if c is None:
+                if chained:
+                    raise RuntimeError(f"request {s.request_id!r} was chained without the "
+                                       "token counts of its previous step")
+                c = TokenCounts.from_history(s, vocab, device)
+            counts[i] = kept[s.request_id] = c
+        self._counts = kept
+        return counts
+
+
+@dataclass
+class TokenCounts:
+    """A penalised sequence's tokens on the device: `seen` [V] bool, every token of prompt and
+    output (None without a repetition penalty); `output` [V] float32, how often each token
+    was generated (None without presence / frequency penalties)."""
+
+    seen: torch.Tensor | None
+    output: torch.Tensor | None
+
+    @classmethod
+    def from_history(cls, seq: ScheduledSeq, vocab: int, device: torch.device) -> TokenCounts:
+        p = seq.params
+        seen = output = None
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            if seq.history:
+                seen[_to_device(seq.history, torch.long, device)] = True
+        if p.presence_penalty or p.frequency_penalty:
+            output = torch.zeros(vocab, device=device)
+            out = seq.history[len(seq.history) - seq.num_generated:] if seq.num_generated else []
+            if out:
+                ids = _to_device(out, torch.long, device)
+                output.index_add_(0, ids, torch.ones(len(out), device=device))
+        return cls(seen, output)
+
+    def add(self, token: torch.Tensor) -> None:
+        """Count one sampled token ([1] int64 on the device) as seen and generated."""
+        if self.seen is not None:
+            self.seen.index_fill_(0, token, True)
+        if self.output is not None:
+            self.output.index_add_(0, token, torch.ones(1, device=self.output.device))
 
 
 def wants_logprobs(seqs: Sequence[ScheduledSeq]) -> bool:
@@ -90,29 +160,21 @@ def token_logprobs(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], tokens: t
     return rows, ks, chosen, top_ids, top_lps
 
 
-def apply_penalties(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, seqs: Sequence[ScheduledSeq],
+                    counts: dict[int, TokenCounts]) -> torch.Tensor:
     """Repetition penalty (HF: divide positive logits, multiply negative ones) over every token
-    of the sequence; presence and frequency penalties (OpenAI) over the generated tokens."""
-    rows = [i for i, s in enumerate(seqs) if _has_penalty(s)]
-    if not rows:
+    of the sequence; presence and frequency penalties (OpenAI) over the generated tokens; for
+    the rows in `counts` (row -> its TokenCounts)."""
+    if not counts:
         return logits
     logits = logits.clone()
-    device = logits.device
-    V = logits.shape[1]
-    for i in rows:
-        p, seq = seqs[i].params, seqs[i]
-        row = logits[i]
-        if p.repetition_penalty != 1.0 and seq.history:
-            seen = _to_device(sorted(set(seq.history)), torch.long, device)
-            vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
-                                    vals * p.repetition_penalty)
-        out = seq.history[len(seq.history) - seq.num_generated:] if seq.num_generated else []
-        if out and (p.presence_penalty or p.frequency_penalty):
-            ids = _to_device(out, torch.long, device)
-            counts = torch.zeros(V, device=device).index_add_(
-                0, ids, torch.ones(len(out), device=device))
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    for i, c in counts.items():
+        p, row = seqs[i].params, logits[i]
+        if c.seen is not None:
+            rp = p.repetition_penalty
+            row.copy_(torch.where(c.seen, torch.where(row > 0, row / rp, row * rp), row))
+        if c.output is not None:
+            row -= p.frequency_penalty * c.output + p.presence_penalty * (c.output > 0).float()
     return logits
 
 

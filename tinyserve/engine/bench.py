@@ -16,6 +16,7 @@ import json
 import statistics
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -54,10 +55,13 @@ def bench_command(args: Any) -> int:
 
 
 def run_bench(engine: Engine, *, prompt_len: int, gen_len: int, batch: int,
-              seed: int = 0) -> dict[str, Any]:
-    """Measure one batch on a started engine; returns plain numbers (seconds, tokens/s)."""
+              seed: int = 0, sampling: SamplingParams | None = None) -> dict[str, Any]:
+    """Measure one batch on a started engine; returns plain numbers (seconds, tokens/s).
+    `sampling` (greedy by default) is the measured requests' (max_tokens = gen_len, EOS
+    ignored); the warm-up is greedy."""
     gen = torch.Generator().manual_seed(seed)
-    params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
+    params = replace(sampling or SamplingParams(temperature=0.0), max_tokens=gen_len,
+                     ignore_eos=True)
     # NOTE: the warm-up runs `batch` requests of `prompt_len` other random tokens, so that the
     # prefill kernels are compiled for the measured chunk shapes and the decode graphs of the
     # measured batch bucket and context capacity are captured before the clock starts (one

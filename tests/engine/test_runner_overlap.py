@@ -115,7 +115,8 @@ def test_launch_tokens_equal_the_serial_path(tiny) -> None:
 @pytest.mark.requires_cuda
 def test_sampling_never_waits_for_the_device() -> None:
     """Penalties, temperature, top-k/p, min-p and seeded noise queue their small host tables
-    without a stream synchronisation: the host work after a launch really overlaps it."""
+    without a stream synchronisation: the host work after a launch really overlaps it. So
+    do the penalties' device-side counts, built and then advanced by a chained call."""
     from tinyserve.engine.sampler import Sampler
 
     params = [SamplingParams(temperature=0.7, top_p=0.9, top_k=50, repetition_penalty=1.2,
@@ -129,8 +130,10 @@ def test_sampling_never_waits_for_the_device() -> None:
     Sampler()(logits, seqs)  # warm-up (library handles, generators)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
+    sampler = Sampler()
     try:
-        tokens = Sampler()(logits, seqs)
+        tokens = sampler(logits, seqs)
+        chained = sampler(logits, seqs, chained=True)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert tokens.shape == (3,) and tokens.device.type == "cuda"
+    assert tokens.shape == chained.shape == (3,) and tokens.device.type == "cuda"

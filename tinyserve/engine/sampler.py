@@ -119,8 +119,8 @@ class TokenCounts:
         seen = output = None
         if p.repetition_penalty != 1.0:
             seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-            if seq.history:
-                seen[_to_device(seq.history, torch.long, device)] = True
+            if seq.history:  # NOTE: index_fill_, not seen[ids] = True (that synchronises)
+                seen.index_fill_(0, _to_device(seq.history, torch.long, device), True)
         if p.presence_penalty or p.frequency_penalty:
             output = torch.zeros(vocab, device=device)
             out = seq.history[len(seq.history) - seq.num_generated:] if seq.num_generated else []

@@ -1,10 +1,12 @@
-"""Decode graphs with the embedding table in host RAM (`embed_device="cpu"`): the static
-forward starts from hidden states the host gathers into the packed pinned input buffer.
+"""Decode graphs with the embedding table in host RAM (`embed_device="cpu"`). Registered with
+CUDA (the default on a GPU, `embed_mapped`), the graph's embedding kernel reads the rows from
+it by token ids on the device; otherwise ("host ids") the static forward starts from hidden
+states the host gathers into the packed pinned input buffer.
 
 CPU: the packed rows (poisoned first) and the static path without capture against the eager
-runner. CUDA: graph replay against eager decode, the eager forward with a host table free of
-host synchronisations, and the engine capturing graphs when its memory plan puts the
-embedding on the host.
+runner. CUDA, both modes: graph replay against eager decode, the eager forward with a host
+table free of host synchronisations, and the engine capturing graphs when its memory plan
+puts the embedding on the host (and chaining its steps when the table is registered).
 """
 
 from __future__ import annotations
@@ -107,18 +109,34 @@ def _counted(calls: dict[str, int], name: str, fn):
 # CUDA
 
 
+MODES = pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "host_ids"])
+
+
+def _set_mode(monkeypatch, mapped: bool) -> None:
+    """"host_ids": the host table's registration fails, as when the driver refuses it."""
+    if not mapped:
+        from tinyserve.model import qwen35
+
+        monkeypatch.setattr(qwen35, "register_mapped", lambda t, what: False)
+
+
 @pytest.mark.requires_cuda
+@MODES
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("fmt", ["bf16", "modelopt"])
-def test_host_embedding_graph_decode_equals_eager(fmt: str, batch: int) -> None:
-    """`embed_device="cpu"`: replayed graphs (started from the host-gathered rows) give the
-    greedy tokens of eager decode, with one host synchronisation per step."""
+def test_host_embedding_graph_decode_equals_eager(fmt: str, batch: int, mapped: bool,
+                                                  monkeypatch) -> None:
+    """`embed_device="cpu"`: replayed graphs (embedding from the registered table on the
+    device, or started from the host-gathered rows) give the greedy tokens of eager decode,
+    with one host synchronisation per step."""
+    _set_mode(monkeypatch, mapped)
     prompts, steps = _prompts(batch), 8
     eager = _runner(fmt, "iso3", device="cuda", dtype=torch.bfloat16, embed_device="cpu")
     graph = _runner(fmt, "iso3", device="cuda", dtype=torch.bfloat16, graphs=True,
                     embed_device="cpu")
     assert graph.model.embed_tokens.device.type == "cpu"
-    assert graph.graphs is not None and graph.graphs.host_embedding
+    assert graph.model.embed_mapped == mapped
+    assert graph.graphs is not None and graph.graphs.host_embedding == (not mapped)
     want, want_logits = _greedy_run(eager, prompts, steps)
     syncs: list[int] = []
     got, got_logits = _greedy_run(graph, prompts, steps, syncs)
@@ -130,11 +148,15 @@ def test_host_embedding_graph_decode_equals_eager(fmt: str, batch: int) -> None:
 
 
 @pytest.mark.requires_cuda
+@MODES
 @pytest.mark.parametrize("fmt", ["bf16", "modelopt"])
-def test_host_embedding_eager_forward_does_not_sync(fmt: str) -> None:
-    """The eager forward with the table on the host gathers from `ctx.input_ids_cpu`: no
-    host synchronisation inside it (sync debug mode "error"), for decode and for the
-    embedding of a prefill; and its logits equal those of the table on the device."""
+def test_host_embedding_eager_forward_does_not_sync(fmt: str, mapped: bool,
+                                                    monkeypatch) -> None:
+    """The eager forward with the table on the host reads it on the device, or gathers from
+    `ctx.input_ids_cpu`: no host synchronisation inside it (sync debug mode "error"), for
+    decode and for the embedding of a prefill; and its logits equal those of the table on
+    the device."""
+    _set_mode(monkeypatch, mapped)
     host = _runner(fmt, "iso3", device="cuda", dtype=torch.bfloat16, embed_device="cpu")
     dev = _runner(fmt, "iso3", device="cuda", dtype=torch.bfloat16)
     assert host.model.embed_on_host and not dev.model.embed_on_host
@@ -142,8 +164,9 @@ def test_host_embedding_eager_forward_does_not_sync(fmt: str) -> None:
     last = _prefill(dev, prompts)
     assert _prefill(host, prompts) == last
     ids = torch.tensor(prompts[1])
+    host.model.embed(ids.cuda())  # builds the gather kernel
     with _no_sync():
-        rows = host.model.embed(ids)  # [T, H]
+        rows = host.model.embed(ids if not mapped else ids.cuda())  # [T, H]
     assert torch.equal(rows, dev.model.embed(ids.cuda()))
     pos = [len(p) for p in prompts]
     for step in range(4):  # step 0 unchecked: kernel builds and autotuning synchronise
@@ -170,14 +193,19 @@ def _no_sync() -> Iterator[None]:
 
 
 @pytest.mark.requires_cuda
+@MODES
 @pytest.mark.parametrize("offload", [False, True], ids=["resident", "offloaded"])
 def test_engine_captures_graphs_with_host_embedding(tiny_checkpoint, monkeypatch,
-                                                    offload: bool) -> None:
+                                                    offload: bool, mapped: bool) -> None:
     """An engine whose memory plan puts the embedding on the host (experts resident, or
     offloaded behind a small cache as in a 6 GiB plan) captures decode graphs and generates
-    the tokens of the all-resident engine (fp32)."""
+    the tokens of the all-resident engine (fp32); with the table registered its decode
+    steps chain."""
+    from tests.engine.test_chained_decode import _record_chained
     from tinyserve.engine import build
     from tinyserve.engine.llm import LLM
+
+    _set_mode(monkeypatch, mapped)
 
     path = str(tiny_checkpoint("modelopt"))
     prompts = ["Hello, how are you?", "The quick brown fox jumps over the lazy dog. " * 2, "42"]
@@ -189,7 +217,10 @@ def test_engine_captures_graphs_with_host_embedding(tiny_checkpoint, monkeypatch
         gc.collect()
         torch.cuda.empty_cache()
         with LLM(path, **common) as llm:
+            chained.append(_record_chained(llm.engine))
             return [c.token_ids for c in llm.generate(prompts, params)], llm.engine.runner
+
+    chained: list[list] = []
 
     want, _ = generate()
     real = build.memory_plan
@@ -202,6 +233,7 @@ def test_engine_captures_graphs_with_host_embedding(tiny_checkpoint, monkeypatch
     monkeypatch.setattr(build, "memory_plan", plan)
     got, runner = generate()
     assert runner.model.embed_tokens.device.type == "cpu"
-    assert runner.graphs is not None and runner.graphs.host_embedding
+    assert runner.graphs is not None and runner.graphs.host_embedding == (not mapped)
     assert runner.graphs.num_graphs >= 1 and not runner.graphs.failed
     assert got == want
+    assert (len(chained[-1]) >= 10) == mapped, len(chained[-1])

@@ -23,10 +23,13 @@ tokens); decode attention sizes its work by the capacity (`ForwardContext.max_se
 at most twice the longest sequence. The host lists of a graph's context are placeholders
 (one new token after capacity - 1 cached ones: upper bounds, never exact lengths).
 
-Host embedding (the model's `embed_tokens` in host RAM, `Qwen35Model.embed_on_host`): the
-graph starts from a static hidden-state input [B, H] (model dtype) instead of the token ids.
-Each step gathers the B rows from the host table into the tail of the pinned packed buffer
-(padded rows zero), so the same one host-to-device copy fills them.
+Host embedding (the model's `embed_tokens` in host RAM that the device cannot read,
+`Qwen35Model.embed_needs_host_ids`): the graph starts from a static hidden-state input [B, H]
+(model dtype) instead of the token ids. Each step gathers the B rows from the host table into
+the tail of the pinned packed buffer (padded rows zero), so the same one host-to-device copy
+fills them. A host table registered with CUDA (`embed_mapped`, the usual case) needs none of
+this: the graph's embedding kernel reads its rows over PCIe from token ids on the device, so
+such steps chain like any other.
 
 Without capture (CPU, or `capture=False`) the same static context runs eagerly: the CPU
 test of everything but the capture itself.
@@ -87,7 +90,8 @@ class DecodeGraphs:
         pad_state_slot: a GDN state slot reserved for padded rows (no sequence may use it).
         capture: capture CUDA graphs (CUDA only); False runs the static context eagerly.
         host_embedding: start the graphs from gathered hidden states instead of token ids
-            (None: when the model's embedding table is on the host, `model.embed_on_host`).
+            (None: when the model's embedding needs host token ids,
+            `model.embed_needs_host_ids`).
     Raises ValueError when `pad_state_slot` is not a slot of the model's state pool, or with
     `host_embedding` when the embedding table is not in host RAM.
     """
@@ -103,7 +107,7 @@ class DecodeGraphs:
         self.pad_state_slot = pad_state_slot
         self.device = torch.device(model.device)
         self.capture = capture and self.device.type == "cuda"
-        self.host_embedding = (bool(getattr(model, "embed_on_host", False))
+        self.host_embedding = (bool(getattr(model, "embed_needs_host_ids", False))
                                if host_embedding is None else host_embedding)
         if self.host_embedding and model.embed_tokens.device.type != "cpu":
             raise ValueError("host_embedding needs the model's embedding table in host RAM")

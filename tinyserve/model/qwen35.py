@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from tinyserve.core import DenseWeight, ForwardContext, LinearWeight
+from tinyserve.kernels.host_rows import gather_rows, register_mapped
 from tinyserve.model.attention import GatedAttention
 from tinyserve.model.gdn import GatedDeltaNet
 from tinyserve.model.linear import linear, to_device
@@ -39,9 +40,11 @@ class Qwen35Model:
         experts: routed-experts provider; default `ResidentExperts` over `weights`.
         device, dtype: compute device and model dtype (fp32 on CPU for exact parity).
         embed_device: where `embed_tokens` lives (default `device`). "cpu" keeps it in host
-            RAM and gathers the rows there from host token ids (`ctx.input_ids_cpu`), copying
-            [N, H] to `device` per forward (for tight VRAM). Ignored with tied embeddings
-            (lm_head needs it).
+            RAM (for tight VRAM), registered with CUDA when the model runs on a GPU, so that
+            a kernel gathers the rows of token ids on the device straight from it
+            (`embed_mapped`); if registration fails the rows are gathered on the host from
+            host token ids (`ctx.input_ids_cpu`) and copied to `device` per forward.
+            Ignored with tied embeddings (lm_head needs it).
     """
 
     def __init__(self, config: Any, weights: dict[str, Any], *, kv: Any, states: Any,
@@ -62,6 +65,11 @@ class Qwen35Model:
              if name != "embed_tokens" and (experts is None or ".mlp.experts." not in name)}
         w["embed_tokens"] = weights["embed_tokens"].to(device=self.embed_device, dtype=dtype)
         self.embed_tokens: torch.Tensor = w["embed_tokens"]
+        self.embed_mapped = False  # the host table is device-addressable (zero-copy gather)
+        if self.embed_on_host and self.device.type == "cuda":
+            # NOTE: its own memory (a loaded tensor may map the checkpoint file)
+            self.embed_tokens = self.embed_tokens.clone(memory_format=torch.contiguous_format)
+            self.embed_mapped = register_mapped(self.embed_tokens, "embedding table")
         self.norm: torch.Tensor = w["norm"]
         lm_head = w.get("lm_head")
         if lm_head is None and config.tie_word_embeddings:
@@ -86,6 +94,12 @@ class Qwen35Model:
         """Whether the embedding table lives in host RAM while the model runs on a device."""
         return self.embed_device.type == "cpu" and self.device.type != "cpu"
 
+    @property
+    def embed_needs_host_ids(self) -> bool:
+        """Whether embedding needs the token ids on the host (a host table the device cannot
+        read): then a decode step cannot start from token ids on the device."""
+        return self.embed_on_host and not self.embed_mapped
+
     def embed_host(self, input_ids: torch.Tensor, out: torch.Tensor | None = None
                    ) -> torch.Tensor:
         """Rows [N, H] (model dtype) of the embedding table on its own device, gathered into
@@ -95,12 +109,15 @@ class Qwen35Model:
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows [N, H] on the model's device for token ids [N] int64.
 
-        With the table on the host, ids on the host are gathered into pinned memory and copied
-        to the device without blocking (no synchronisation); ids on the device cost a
-        device -> host copy first (a synchronisation).
+        With the table on the host and registered (`embed_mapped`), a kernel on the device reads
+        the rows from it (no synchronisation, capturable). Otherwise ids on the host are
+        gathered into pinned memory and copied to the device without blocking; ids on the
+        device cost a device -> host copy first (a synchronisation).
         """
         if not self.embed_on_host:
             return self.embed_tokens[input_ids.to(self.device, non_blocking=True)]
+        if self.embed_mapped:
+            return gather_rows(self.embed_tokens, input_ids.to(self.device, non_blocking=True))
         ids = input_ids.to(self.embed_device)
         rows = torch.empty((ids.shape[0], self.embed_tokens.shape[1]), dtype=self.dtype,
                            pin_memory=self.device.type == "cuda")
@@ -117,7 +134,7 @@ class Qwen35Model:
         the host and the context has them).
         """
         if hidden is None:
-            host_ids = ctx.input_ids_cpu if self.embed_on_host else None
+            host_ids = ctx.input_ids_cpu if self.embed_needs_host_ids else None
             hidden = self.embed(host_ids if host_ids is not None else ctx.input_ids)
         x, h = hidden, None  # the residual stream [N, H] and the pending MoE output
         cos_sin = self.rope.cos_sin(ctx.positions, self.dtype)

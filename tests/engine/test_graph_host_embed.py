@@ -164,9 +164,11 @@ def test_host_embedding_eager_forward_does_not_sync(fmt: str, mapped: bool,
     last = _prefill(dev, prompts)
     assert _prefill(host, prompts) == last
     ids = torch.tensor(prompts[1])
-    host.model.embed(ids.cuda())  # builds the gather kernel
+    if mapped:  # ids on the device (copied before the check), the gather kernel built
+        ids = ids.cuda()
+        host.model.embed(ids)
     with _no_sync():
-        rows = host.model.embed(ids if not mapped else ids.cuda())  # [T, H]
+        rows = host.model.embed(ids)  # [T, H]
     assert torch.equal(rows, dev.model.embed(ids.cuda()))
     pos = [len(p) for p in prompts]
     for step in range(4):  # step 0 unchecked: kernel builds and autotuning synchronise
@@ -236,4 +238,4 @@ def test_engine_captures_graphs_with_host_embedding(tiny_checkpoint, monkeypatch
     assert runner.graphs is not None and runner.graphs.host_embedding == (not mapped)
     assert runner.graphs.num_graphs >= 1 and not runner.graphs.failed
     assert got == want
-    assert (len(chained[-1]) >= 10) == mapped, len(chained[-1])
+    assert bool(chained[-1]) == mapped, len(chained[-1])  # some steps chained

@@ -15,7 +15,6 @@ CUDA it is plain memory.
 
 from __future__ import annotations
 
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +22,12 @@ import torch
 
 from tinyserve.core import LinearWeight, NVFP4Weight
 from tinyserve.kernels.fused_moe import ExpertSlots, write_slot
+from tinyserve.kernels.host_rows import register_mapped
 from tinyserve.log import get_logger
 
 logger = get_logger(__name__)
 
 _ALIGN = 4096
-_HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02
 
 
 def slot_fields(num_rows: int, hidden: int, inter: int, *, fp4: bool,
@@ -92,28 +91,14 @@ class HostExpertStore:
                            "available; expect swapping", total / 2**30, avail / 2**30)
             want_pin = False if pin is None else want_pin
         self.buffer = torch.empty(total, dtype=torch.uint8)
-        self.pinned = bool(want_pin) and self._register()
+        self.pinned = bool(want_pin) and register_mapped(
+            self.buffer, "expert store (every expert-cache miss then waits for the host)")
         views: dict[str, torch.Tensor] = {}
         for (name, shape, dt), off in zip(fields, offsets, strict=True):
             views[name] = self.buffer[off:off + _nbytes(shape, dt)].view(dt).view(shape)
         self.slots = ExpertSlots(**views)
         self._pending: dict[tuple[int, int], dict[str, LinearWeight]] = {}
         self._filled = torch.zeros(rows, dtype=torch.bool)
-
-    def _register(self) -> bool:
-        ptr, size = self.buffer.data_ptr(), self.nbytes
-        try:
-            cudart = torch.cuda.cudart()
-            res = cudart.cudaHostRegister(ptr, size, _HOST_REGISTER_PORTABLE_MAPPED)
-            if int(res) != 0:
-                raise RuntimeError(f"cudaHostRegister returned error {int(res)}")
-        except Exception as exc:  # no CUDA, driver refusal, not enough lockable memory
-            logger.warning("could not pin the %.2f GiB expert store (%s); it stays in "
-                           "pageable memory, so every expert-cache miss waits for the host",
-                           size / 2**30, exc)
-            return False
-        weakref.finalize(self, _unregister, cudart, ptr, self.buffer)
-        return True
 
     @classmethod
     def for_config(cls, config: Any, *, fp4: bool = True, dtype: torch.dtype = torch.bfloat16,
@@ -185,11 +170,3 @@ class HostExpertStore:
                     store.add(name, w)
         store.check_complete()
         return store
-
-
-def _unregister(cudart: Any, ptr: int, buffer: torch.Tensor) -> None:
-    try:
-        cudart.cudaHostUnregister(ptr)
-    except Exception:  # interpreter shutdown
-        pass
-    del buffer

@@ -221,6 +221,9 @@ def _workspace(config: Any, req: PlanConfig, max_context: int) -> tuple[tuple[st
         # extend attention reads one layer's prefix as bf16 K and V
         ("attention scratch", max_context * 2 * c.num_kv_heads * c.head_dim * req.dtype_bytes),
         ("logits", logits_rows * c.vocab_size * 4 * 2),
+        # a penalised sequence's token counts on the device (engine/sampler.TokenCounts):
+        # tokens seen (bool) and output counts (fp32)
+        ("penalty counts", logits_rows * c.vocab_size * 5),
         ("cuda graphs", req.graph_pool),
         # NOTE: measured on an H200 with a 6 GiB cap: the caching allocator's rounding and
         # transient buffers (sampler, expert-miss lists, cuBLAS/Triton scratch) took ~300 MiB

@@ -28,6 +28,9 @@
 #            cli_bench        ~2 min    tinyserve bench CKPT --kv iso3 1024/64, without and
 #                                       with --gpu-memory 6GiB -> cli/bench_{none,6GiB}.json
 #            e2e_offload      ~1.5 min  bench/e2e_offload.py
+#            decode_modes     ~3 min    bench/decode_modes.py CKPT --kv iso3, resident and at
+#                                       --gpu-memory 6GiB (chained vs synchronous, greedy and
+#                                       penalised) -> results/decode_modes[_6GiB].json
 #            decode_overhead  ~1.5 min  bench/decode_overhead.py (8 layers, bf16/iso3 x b1/b8)
 #   all = tests kernels e2e (~25 min: split it over several commands of < 10 min, e.g.
 #   `tests`, then `checkpoint fullsize_graph`, then `step_profile cli_bench e2e_offload
@@ -55,9 +58,9 @@ expand() {  # part or step names -> steps
             kernels) for b in ${KERNEL_BENCHES:-iso_attention nvfp4 gdn}; do
                          echo "bench_$b"; done ;;
             e2e) echo checkpoint fullsize_graph step_profile cli_bench e2e_offload \
-                      decode_overhead ;;
+                      decode_modes decode_overhead ;;
             iso_lib|gpu_tests|bench_*|checkpoint|fullsize_graph|step_profile|cli_bench|\
-e2e_offload|decode_overhead) echo "$a" ;;
+e2e_offload|decode_modes|decode_overhead) echo "$a" ;;
             *) echo "unknown part or step: $a" >&2; exit 2 ;;
         esac
     done
@@ -167,6 +170,13 @@ EOF
         e2e_offload)
             need_ckpt e2e_offload &&
                 run_step e2e_offload 300 python3 bench/e2e_offload.py --ckpt "$CKPT" ;;
+        decode_modes)
+            if need_ckpt decode_modes; then
+                run_step decode_modes_resident 180 python3 bench/decode_modes.py "$CKPT" \
+                    --kv iso3
+                run_step decode_modes_6GiB 180 python3 bench/decode_modes.py "$CKPT" \
+                    --kv iso3 --gpu-memory 6GiB
+            fi ;;
         decode_overhead)
             run_step decode_overhead 240 python3 bench/decode_overhead.py ;;
     esac

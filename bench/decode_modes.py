@@ -62,7 +62,6 @@ def main() -> int:
     tag = (f"_{args.gpu_memory}" if args.gpu_memory else "") + ("_host_ids" if args.host_ids
                                                                  else "")
     args.out = args.out or str(ROOT / f"bench/results/decode_modes{tag}.json")
-    args.device, args.max_seqs, args.max_context = None, args.batch, None
     config = EngineConfig.from_args(args, max_seqs=args.batch,
                                     max_context=args.prompt_len + args.gen_len)
     engine = build_engine(config).start()

@@ -261,12 +261,13 @@ def moe_key(c: MoEGemvConfig) -> str:
 
 def fused_key(c: MoEFusedConfig) -> str:
     return (f"{c.decode}_bf{c.block_f}_bb{c.block_b}_w{c.num_warps}_bh{c.block_h}"
-            f"_dw{c.down_warps}")
+            f"_dw{c.down_warps}{'' if c.down_pdl else '_nopdl'}")
 
 
 def fused_table_entry(h: int, f: int, c: MoEFusedConfig) -> str:
     return (f"({h}, {f}): MoEFusedConfig({c.block_f}, {c.block_b}, {c.num_warps}, "
-            f"{c.block_h}, {c.down_warps}, {c.decode!r}),")
+            f"{c.block_h}, {c.down_warps}, {c.decode!r}"
+            f"{'' if c.down_pdl else ', down_pdl=False'}),")
 
 
 def _shared_path(x, sh, logit, routed):

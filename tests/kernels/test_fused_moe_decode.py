@@ -13,6 +13,7 @@ come from a NaN-poisoned torch.empty (the intermediate too). Bounds (relative Fr
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -358,6 +359,42 @@ def test_fused_decode_gpu_graph_equals_eager_chain() -> None:
     assert diff == 0.0, f"fused: graph and eager differ by {diff}"
 
 
+@pytest.mark.requires_cuda
+def test_fused_decode_gpu_dependent_launch() -> None:
+    """`down_pdl` (the table's default) vs ordinary launches, 35B-A3B layer + shared, 1 and 8
+    tokens: 12 calls issued back to back with new inputs each (a down kernel reading h before
+    its gate_up wrote it would read the previous call's h from the reused intermediate), then
+    the same 12 captured in a CUDA graph and replayed: the same bits as ordinary launches."""
+    slots, slot_of, sh = _gpu_layer()
+    on = MOE_FUSED_TILES[(2048, 512)]
+    assert on.down_pdl
+    off = dataclasses.replace(on, down_pdl=False)
+    for n in (1, 8):
+        calls = [(*_routing(n, 256, 8, slot_of),
+                  torch.randn(n, 2048, device=DEV, dtype=torch.bfloat16),
+                  torch.randn(n, 1, device=DEV, dtype=torch.bfloat16)) for _ in range(12)]
+
+        def run(cfg, calls=calls):
+            return [fused_moe(x, ids, w, slots, shared_slots=sh, shared_logit=lg, path="fused",
+                              fused_config=cfg) for ids, w, x, lg in calls]
+
+        want = run(off)
+        torch.cuda.synchronize()
+        ref = fused_moe_ref(calls[0][2], calls[0][0], calls[0][1], slots, shared_slots=sh,
+                            shared_logit=calls[0][3]).float()
+        assert rel_err(want[0], ref) < 1e-2, rel_err(want[0], ref)
+        got = run(on)
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), n
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            replayed = run(on)
+        for _ in range(2):
+            g.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(a, b) for a, b in zip(replayed, want, strict=True)), n
+
+
 _GPU_LAYER: list = []
 
 
@@ -379,11 +416,15 @@ _TYPES = {"x_ptr": "*bf16", "ids_ptr": "*i64", "wt_ptr": "*bf16", "logit_ptr": "
               ("s2", "*u8"), ("g2", "*fp32"))}}
 
 
-def _build(jf, consts: dict, num_warps: int, name: str) -> str | None:
+def _compile(jf, consts: dict, num_warps: int):
     sig = {n: "constexpr" if n in consts else _TYPES[n] for n in jf.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(jf.arg_names)
              if n.endswith("_ptr")}
-    kernel = compile_sm90(jf, sig, consts, attrs, num_warps=num_warps)
+    return compile_sm90(jf, sig, consts, attrs, num_warps=num_warps)
+
+
+def _build(jf, consts: dict, num_warps: int, name: str) -> str | None:
+    kernel = _compile(jf, consts, num_warps)
     usage = resource_usage(kernel, name)
     if usage is not None:
         print(f"\n{name} {consts} w{num_warps}: {usage.strip().splitlines()[-1].strip()}")
@@ -403,8 +444,61 @@ def test_kernels_build_for_sm90() -> None:
     for cfg in dict.fromkeys((*MOE_FUSED_TILES.values(), *MOE_FUSED_CANDIDATES)):
         _build(kt.moe_fused_gate_up_kernel,
                dict(H=2048, F=512, TOPK=8, HAS_SHARED=True, BLOCK_F=cfg.block_f,
-                    BLOCK_B=cfg.block_b, IS_H2=cfg.decode == "h2", USE_ASM=True),
-               cfg.num_warps, "fused_gate_up")
+                    BLOCK_B=cfg.block_b, IS_H2=cfg.decode == "h2", USE_ASM=True,
+                    TRIGGER=cfg.down_pdl), cfg.num_warps, "fused_gate_up")
         _build(kt.moe_fused_down_kernel,
                dict(H=2048, F=512, TOPK=8, KPAD=8, FBP=32, HAS_SHARED=True,
-                    BLOCK_H=cfg.block_h), cfg.down_warps, "fused_down")
+                    BLOCK_H=cfg.block_h, PDL=cfg.down_pdl), cfg.down_warps, "fused_down")
+
+
+def _sass(kernel) -> list[str]:
+    """The kernel's SASS instructions in order (nvdisasm shipped with Triton), [] without it."""
+    import subprocess
+    from pathlib import Path
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    if not tool.exists():
+        return []
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / "fused_down_pdl.cubin"
+    path.write_bytes(kernel.asm["cubin"])
+    out = subprocess.run([str(tool), "-c", str(path)], capture_output=True, text=True).stdout
+    return [line.split("*/", 1)[1].strip() for line in out.splitlines()
+            if line.strip().startswith("/*") and ";" in line]
+
+
+@pytest.mark.slow
+def test_down_dependent_launch_builds_for_sm90() -> None:
+    """`down_pdl`: gate_up releases its dependents and the down kernel waits once, after its
+    weight loads (codes: 128-bit, scales: bytes) and before its loads of h (fp32, no byte
+    loads after the wait); without it, neither instruction. Under the interpreter the check
+    runs in a child process with the compiler."""
+    if rerun_without_interpreter(__file__, "dependent_launch_builds"):
+        return
+    from tinyserve.kernels import fused_moe_decode_triton as kt
+
+    cfg = MOE_FUSED_TILES[(2048, 512)]
+    assert cfg.down_pdl
+    for pdl in (True, False):
+        down = _compile(kt.moe_fused_down_kernel,
+                        dict(H=2048, F=512, TOPK=8, KPAD=8, FBP=32, HAS_SHARED=True,
+                             BLOCK_H=cfg.block_h, PDL=pdl), cfg.down_warps)
+        gate_up = _compile(kt.moe_fused_gate_up_kernel,
+                           dict(H=2048, F=512, TOPK=8, HAS_SHARED=True, BLOCK_F=cfg.block_f,
+                                BLOCK_B=cfg.block_b, IS_H2=True, USE_ASM=True, TRIGGER=pdl),
+                           cfg.num_warps)
+        assert down.asm["ptx"].count("griddepcontrol.wait") == int(pdl)
+        assert gate_up.asm["ptx"].count("griddepcontrol.launch_dependents") == int(pdl)
+        sass = _sass(down)
+        if not pdl or not sass:
+            continue
+        waits = [i for i, ins in enumerate(sass) if ins.startswith("ACQBULK")]
+        assert len(waits) == 1, waits
+        before = [ins for ins in sass[:waits[0]] if "LDG" in ins]
+        after = [ins for ins in sass[waits[0]:] if "LDG" in ins]
+        print(f"\nfused down, dependent launch: {len(before)} global loads before the "
+              f"wait, {len(after)} after")
+        assert any("LDG.E.128" in ins for ins in before), before
+        assert any("LDG.E.U8" in ins for ins in before), before
+        assert after and not any(".U8" in ins for ins in after), after

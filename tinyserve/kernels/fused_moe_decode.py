@@ -4,7 +4,8 @@ their table and candidates, and the launcher of `fused_moe_decode_triton.py`.
 Every (token, expert) pair of a layer, the shared expert included as one more pair: launch
 1 computes silu(gate) * up per (pair, feature chunk) into a small fp32 intermediate
 [N * KP, F]; launch 2 computes blocks of output rows of each token, reading the full down
-rows of all its pairs and summing them in registers in a fixed order. No atomics and no
+rows of all its pairs and summing them in registers in a fixed order (on sm_90+ launch 2 is a
+programmatic dependent of launch 1: `MoEFusedConfig.down_pdl`). No atomics and no
 workspace that must be kept zero: the same bits on every run (graph replay == eager).
 `MOE_FUSED_DECODE = False` switches the path off (fused_moe then takes the gemv path and the
 model its separate shared-expert GEMVs).
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from tinyserve.kernels.launch import dependent_launch
 
 if TYPE_CHECKING:
     from tinyserve.kernels.fused_moe import ExpertSlots
@@ -38,7 +41,11 @@ class MoEFusedConfig:
     `block_f` gate and `block_f` up rows in one tile), `block_b` blocks of 16 inputs per K
     step (>= H/16: one step, every load of a program in flight at once), `num_warps`, the
     `decode` ("h2" / "f32", as in `nvfp4_tiles`). down: `block_h` output rows per program (all
-    pairs of a token, full rows of F/2 code bytes), `down_warps`. All powers of two."""
+    pairs of a token, full rows of F/2 code bytes), `down_warps`. All powers of two.
+    `down_pdl`: on sm_90+ the down kernel is a programmatic dependent launch of gate_up (which
+    lets it launch as soon as all of its own programs have started): down programs become
+    resident while gate_up drains, request their weight rows, and only then wait for gate_up's
+    writes before they read h (elsewhere an ordinary launch)."""
 
     block_f: int = 4
     block_b: int = 128
@@ -46,6 +53,7 @@ class MoEFusedConfig:
     block_h: int = 8
     down_warps: int = 4
     decode: str = "h2"
+    down_pdl: bool = True
 
     def __post_init__(self) -> None:
         sizes = (self.block_f, self.block_b, self.num_warps, self.block_h, self.down_warps)
@@ -69,6 +77,7 @@ MOE_FUSED_TILES: dict[tuple[int, int], MoEFusedConfig] = {
 # sm_90 registers (Triton 3.9) gate_up / down in the comments.
 _C = MoEFusedConfig
 MOE_FUSED_CANDIDATES: tuple[MoEFusedConfig, ...] = (
+    _C(4, 128, 4, 2, 2, "h2", down_pdl=False),  # the table's tiles, two ordinary launches
     _C(4, 128, 4, 8, 4, "h2"),  # 1152 + 256 programs at 1 token; 56 / 127
     _C(4, 128, 4, 8, 4, "f32"),  # no x pass before the weights; 56 / 127
     _C(8, 128, 8, 8, 4, "h2"),  # 64
@@ -130,6 +139,7 @@ def moe_fused_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk
     kp = topk + (shared is not None)
     kern = _kernels()
     use_asm = x.device.type == "cuda"  # NOTE: the interpreter runs the h2 emulation
+    pdl = cfg.down_pdl and dependent_launch(x.device)
     # [N * KP, F] fp32, block-transposed rows; every element written by launch 1
     inter = torch.empty(n * kp, f, dtype=torch.float32, device=x.device)
     kern.moe_fused_gate_up_kernel[(n * kp, f // block_f)](
@@ -137,7 +147,7 @@ def moe_fused_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk
         sh.w13.view(torch.int64), sh.w13_scale, sh.w13_global, inter, x.stride(0),
         H=h, F=f, TOPK=topk, HAS_SHARED=shared is not None, BLOCK_F=block_f,
         BLOCK_B=min(cfg.block_b, _next_pow2(h // 16)), IS_H2=cfg.decode == "h2",
-        USE_ASM=use_asm, num_warps=cfg.num_warps)
+        USE_ASM=use_asm, TRIGGER=pdl, num_warps=cfg.num_warps)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block_h = min(cfg.block_h, _next_pow2(h))
     kern.moe_fused_down_kernel[(n, -(-h // block_h))](
@@ -146,5 +156,6 @@ def moe_fused_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk
         sh.w2.view(torch.int64), sh.w2_scale, sh.w2_global, out,
         logit.stride(0) if logit is not None else 0,
         H=h, F=f, TOPK=topk, KPAD=_next_pow2(topk), FBP=_next_pow2(f // 16),
-        HAS_SHARED=shared is not None, BLOCK_H=block_h, num_warps=cfg.down_warps)
+        HAS_SHARED=shared is not None, BLOCK_H=block_h, PDL=pdl, num_warps=cfg.down_warps,
+        **({"launch_pdl": True} if pdl else {}))
     return out

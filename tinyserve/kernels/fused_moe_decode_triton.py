@@ -21,7 +21,8 @@ its sums in a fixed order: the same bits on every run.
    decode against h (loaded in the weight tile's shape, every row its own copy from L1: no
    exchange of h between threads through shared memory), per-pair sums times pair weight *
    global scale, summed over the pairs in registers (a fixed tree), written straight to
-   out[t] in its dtype.
+   out[t] in its dtype. With PDL it is a programmatic dependent launch of 1 (sm_90+): its
+   weight loads go out before `griddepcontrol.wait`, its loads of h after.
 
 This module imports triton at the top (the launcher imports it lazily).
 """
@@ -182,9 +183,12 @@ def moe_fused_gate_up_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, g13_ptr,
                               H: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
                               HAS_SHARED: tl.constexpr, BLOCK_F: tl.constexpr,
                               BLOCK_B: tl.constexpr, IS_H2: tl.constexpr,
-                              USE_ASM: tl.constexpr):
+                              USE_ASM: tl.constexpr, TRIGGER: tl.constexpr):
     # h[q, i * F/16 + b] = silu(x[t] . W13[f]) * (x[t] . W13[F + f]), f = 16b + i, of pair q;
-    # w13 pointers are int64 views of the codes (one word = 16 codes)
+    # w13 pointers are int64 views of the codes (one word = 16 codes). TRIGGER: the down
+    # kernel, a dependent launch, may launch once every program got here (it waits for h)
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
     KP: tl.constexpr = TOPK + HAS_SHARED
     KB: tl.constexpr = H // 16
     FB: tl.constexpr = F // 16
@@ -251,9 +255,11 @@ def moe_fused_down_kernel(h_ptr, ids_ptr, wt_ptr, logit_ptr, w2_ptr, s2_ptr, g2_
                            sw2_ptr, ss2_ptr, sg2_ptr, out_ptr, stride_logit,
                            H: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
                            KPAD: tl.constexpr, FBP: tl.constexpr, HAS_SHARED: tl.constexpr,
-                           BLOCK_H: tl.constexpr):
+                           BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     # out[t, r] = sum_j w[t, j] * h[t * KP + j] . W2_j[r] (+ sigmoid(logit[t]) * shared);
-    # w2 pointers are int64 views of the codes
+    # w2 pointers are int64 views of the codes. PDL (a dependent launch of the gate_up
+    # kernel): everything but h is loaded first (ids, weights and gate come from kernels that
+    # finished before gate_up started), then the wait for gate_up's writes, then h
     KP: tl.constexpr = TOPK + HAS_SHARED
     FB: tl.constexpr = F // 16
     t = tl.program_id(0).to(tl.int64)
@@ -277,6 +283,12 @@ def moe_fused_down_kernel(h_ptr, ids_ptr, wt_ptr, logit_ptr, w2_ptr, s2_ptr, g2_
         raw_s = tl.load(ss2_ptr + off_s, mask=m_s, other=0)
     factor = (tl.load(wt_ptr + t * TOPK + jj, mask=j_ok, other=0.0).to(tl.float32)
               * tl.load(g2_ptr + slot, mask=j_ok, other=0.0))  # [KPAD]
+    if HAS_SHARED:
+        logit = tl.load(logit_ptr + t * stride_logit).to(tl.float32)
+        # NOTE: rounded to the model dtype like `gated_add`'s sigmoid
+        sw = tl.sigmoid(logit).to(out_ptr.dtype.element_ty).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     q = t * KP + jj
     # [KPAD, BH, FBP]: every row's copy of its pair's h (one L1 line per warp)
     hk = h_ptr + q[:, None, None] * F + (offs_b[None, None, :] + 0 * rows[None, :, None])
@@ -284,9 +296,6 @@ def moe_fused_down_kernel(h_ptr, ids_ptr, wt_ptr, logit_ptr, w2_ptr, s2_ptr, g2_
     part = tl.sum(p, axis=2) * GEMV_RESCALE_C  # [KPAD, BH]
     y = tl.sum(part * factor[:, None], axis=0)  # [BH], pairs summed in a fixed order
     if HAS_SHARED:
-        logit = tl.load(logit_ptr + t * stride_logit).to(tl.float32)
-        # NOTE: rounded to the model dtype like `gated_add`'s sigmoid
-        sw = tl.sigmoid(logit).to(out_ptr.dtype.element_ty).to(tl.float32)
         hk_s = h_ptr + (t * KP + TOPK) * F + (offs_b[None, :] + 0 * rows[:, None])
         p_s = _down_rows(v_s, raw_s, hk_s, m_s, FB)
         y += tl.sum(p_s, axis=1) * GEMV_RESCALE_C * (sw * tl.load(sg2_ptr))

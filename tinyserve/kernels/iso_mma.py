@@ -20,6 +20,7 @@ from tinyserve.kernels.iso_cuda import (
     decode_splits,
     run_split_decode,
 )
+from tinyserve.kernels.launch import dependent_launch
 
 # Warps per CTA the kernel is built for. The warps of a CTA share its split's tokens (each its
 # own interleaved 16-token sub-tiles, merged in shared memory at the end), so 8 or 16 warps
@@ -75,8 +76,7 @@ MERGE_PDL = True
 def _pdl(device: torch.device, pdl: bool | None) -> int:
     """The C entry's `pdl` argument: 1 where asked (None: MERGE_PDL) and the GPU is sm_90+."""
     want = MERGE_PDL if pdl is None else pdl
-    return int(bool(want) and device.type == "cuda"
-               and torch.cuda.get_device_capability(device)[0] >= 9)
+    return int(bool(want) and dependent_launch(device))
 
 
 def mma_config(batch: int) -> dict:

@@ -27,6 +27,14 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.cache
+def dependent_launch(device: torch.device) -> bool:
+    """Whether kernels on `device` may be programmatic dependent launches (a kernel's programs
+    start while the previous kernel in the stream still runs, and wait for its writes with
+    `griddepcontrol.wait`): CUDA compute capability 9.0 or newer."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def dot_tiles(num_m: int, n: int, k: int, block_n: int, block_k: int,
               target: int) -> tuple[int, int, int]:
     """(block_n, split, k_split) of a tiled dot with `num_m` row tiles: halve block_n (down to

@@ -27,7 +27,6 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-@functools.cache
 def dependent_launch(device: torch.device) -> bool:
     """Whether kernels on `device` may be programmatic dependent launches (a kernel's programs
     start while the previous kernel in the stream still runs, and wait for its writes with

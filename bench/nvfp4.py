@@ -82,7 +82,7 @@ GEMV_SWEEP_SMALL_K = [  # K = 512 (32 blocks)
     G(32, 32, 4), G(16, 32, 2), G(64, 32, 8), G(32, 32, 4, decode="h2"),
     G(16, 32, 2, decode="h2"), G(64, 32, 8, decode="h2"),
 ]
-FUSED_MULTI = 4  # fused candidates also timed at 4 and 8 tokens
+FUSED_MULTI = 5  # fused candidates also timed at 4 and 8 tokens (and routed at 1)
 ROTATE_BYTES = 256 << 20  # cycle weight copies until this many bytes (> L2)
 MAX_REL_ERR = 1e-2
 TIME_BUDGET_S = 100.0
@@ -343,6 +343,9 @@ def bench_moe_decode(bw: float, dev: str, smoke: bool, n: int = 1, h: int = 2048
     cands = MOE_FUSED_CANDIDATES if sweep else MOE_FUSED_CANDIDATES[:FUSED_MULTI]
     cases += [(f"fused_layer_{fused_key(c)}", layer("fused", c), ref_layer, read_layer, c)
               for c in cands if c != fused_cfg]
+    if n == 1:  # the target's own measure (routed experts only) for the leading candidates
+        cases += [(f"fused_routed_{fused_key(c)}", routed("fused", c), ref_routed, read_routed,
+                   None) for c in MOE_FUSED_CANDIDATES[:FUSED_MULTI] if c != fused_cfg]
     variants: dict = {}
     configs: dict = {}
     for key, fn, ref, read_us, cfg in cases:

@@ -73,28 +73,26 @@ MOE_FUSED_TILES: dict[tuple[int, int], MoEFusedConfig] = {
 
 
 # Tiles the H200 sweep (`bench/nvfp4.py --only moe`) times beside the table's at 35B-A3B
-# shapes; `tests/kernels/test_fused_moe_decode.py` builds each for sm_90 (no spills).
-# sm_90 registers (Triton 3.9) gate_up / down in the comments.
+# shapes (the first `FUSED_MULTI` of the bench also at 4 and 8 tokens, and routed only at 1);
+# `tests/kernels/test_fused_moe_decode.py` builds each for sm_90 (no spills). With the down
+# kernel a dependent launch, gate_up and down programs share the GPU, so both tiles count.
 _C = MoEFusedConfig
 MOE_FUSED_CANDIDATES: tuple[MoEFusedConfig, ...] = (
     _C(4, 128, 4, 2, 2, "h2", down_pdl=False),  # the table's tiles, two ordinary launches
-    _C(4, 128, 4, 8, 4, "h2"),  # 1152 + 256 programs at 1 token; 56 / 127
-    _C(4, 128, 4, 8, 4, "f32"),  # no x pass before the weights; 56 / 127
-    _C(8, 128, 8, 8, 4, "h2"),  # 64
-    _C(2, 128, 2, 8, 4, "h2"),  # 2304 gate_up programs of 2 warps
-    _C(16, 128, 8, 8, 4, "h2"),  # 80
-    _C(8, 128, 4, 8, 4, "f32"),
-    _C(4, 64, 4, 8, 4, "h2"),  # 2 gate_up K steps, the second's loads in flight
-    _C(4, 128, 4, 4, 2, "h2"),  # 512 down programs of 2 warps; 128
+    _C(8, 128, 4, 2, 2, "h2"),  # 576 gate_up programs at 1 token + shared: one wave
+    _C(8, 128, 4, 4, 4, "h2"),
+    _C(16, 128, 4, 2, 2, "h2"),
+    _C(8, 128, 2, 2, 2, "h2"),
+    _C(8, 128, 8, 2, 2, "h2"),
+    _C(16, 128, 8, 2, 2, "h2"),
+    _C(8, 128, 4, 4, 2, "h2"),
+    _C(8, 128, 4, 8, 4, "h2"),
     _C(4, 128, 4, 4, 4, "h2"),
-    _C(4, 128, 4, 16, 8, "h2"),  # 128 down programs; 128
-    _C(4, 128, 4, 2, 2, "h2"),  # 1024 down programs (h re-read: 18 KB each from L2)
-    # gate_up in one wave: (4, 128, 4) has 1152 programs of 4 warps at 64 registers, 8 per
-    # SM = 1056 on 132 SMs, so a second, 96-program wave (Nsight Compute: 10.1 us for 10.6
-    # MB, 22 % of DRAM peak); 2 warps or 8 features per program fit in one
-    _C(4, 128, 2, 2, 2, "h2"),
-    _C(8, 128, 4, 2, 2, "h2"),
+    _C(4, 128, 2, 2, 2, "h2"),  # 1152 gate_up programs of 2 warps
+    _C(4, 128, 4, 8, 4, "h2"),  # the earlier down tiles (256 programs of 4 warps)
+    _C(4, 128, 4, 8, 4, "f32"),  # no x pass before the weights
     _C(8, 128, 4, 2, 2, "f32"),
+    _C(4, 64, 4, 2, 2, "h2"),  # 2 gate_up K steps, the second's loads in flight
 )
 
 

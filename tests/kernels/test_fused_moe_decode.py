@@ -245,7 +245,7 @@ def test_fused_decode_errors() -> None:
     with pytest.raises(ValueError):
         MoEFusedConfig(decode="f16")
     assert default_moe_fused_config(2048, 512) is MOE_FUSED_TILES[(2048, 512)]
-    assert MOE_FUSED_TILES[(2048, 512)] == MoEFusedConfig(4, 128, 4, 2, 2, "h2")
+    assert MOE_FUSED_TILES[(2048, 512)] == MoEFusedConfig(8, 128, 4, 4, 4, "h2")
     assert default_moe_fused_config(h, f) == MoEFusedConfig()
 
 

@@ -66,9 +66,10 @@ class MoEFusedConfig:
 # (H, F) -> tiles of the fused decode (bench/nvfp4.py `--only moe` prints the best entry);
 # other shapes get MoEFusedConfig().
 MOE_FUSED_TILES: dict[tuple[int, int], MoEFusedConfig] = {
-    # H200, 35B-A3B layer with the shared expert: 15.5 / 41.5 / 73.9 us at 1 / 4 / 8 tokens
-    # (gemv path 25.1 / 72.0 / 109.4 us)
-    (2048, 512): MoEFusedConfig(4, 128, 4, 2, 2, "h2"),
+    # H200, 35B-A3B layer with the shared expert, down a dependent launch: 13.3 / 33.5 / 60.6
+    # us at 1 / 4 / 8 tokens (the earlier 4 x 128 / 2 x 2 tiles in ordinary launches: 15.6 /
+    # 41.9 / 74.4; gemv path 25.2 / 71.8 / 108.8; bench/results/nvfp4_moe.json)
+    (2048, 512): MoEFusedConfig(8, 128, 4, 4, 4, "h2"),
 }
 
 
@@ -78,10 +79,10 @@ MOE_FUSED_TILES: dict[tuple[int, int], MoEFusedConfig] = {
 # kernel a dependent launch, gate_up and down programs share the GPU, so both tiles count.
 _C = MoEFusedConfig
 MOE_FUSED_CANDIDATES: tuple[MoEFusedConfig, ...] = (
-    _C(4, 128, 4, 2, 2, "h2", down_pdl=False),  # the table's tiles, two ordinary launches
-    _C(8, 128, 4, 2, 2, "h2"),  # 576 gate_up programs at 1 token + shared: one wave
-    _C(8, 128, 4, 4, 4, "h2"),
-    _C(16, 128, 4, 2, 2, "h2"),
+    _C(4, 128, 4, 2, 2, "h2", down_pdl=False),  # the earlier table entry, ordinary launches
+    _C(8, 128, 4, 4, 4, "h2", down_pdl=False),  # the table's tiles, ordinary launches
+    _C(4, 128, 4, 2, 2, "h2"),  # 1152 gate_up programs at 1 token + shared: two waves
+    _C(8, 128, 4, 2, 2, "h2"),  # 576: one wave
     _C(8, 128, 2, 2, 2, "h2"),
     _C(8, 128, 8, 2, 2, "h2"),
     _C(16, 128, 8, 2, 2, "h2"),

@@ -1,5 +1,5 @@
-"""`kernels/host_rows.py`: the row gather (Triton; the interpreter on CPU) against torch
-indexing, and host-memory registration. On a GPU the table lives in registered host memory and
+"""`kernels/host_rows.py`: the row copy and gather (Triton; the interpreter on CPU) against
+torch indexing, and host-memory registration. On a GPU the table lives in registered host memory and
 the gather reads it from the device, inside a CUDA graph too."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from tinyserve.kernels.host_rows import gather_rows, register_mapped  # noqa: E402
+from tinyserve.kernels.host_rows import copy_rows, gather_rows, register_mapped  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -27,6 +27,36 @@ def test_gather_rows_equals_indexing(poison, dtype, width) -> None:
         assert got.dtype == dtype and torch.equal(got.cpu(), table[ids.long()])
     assert gather_rows(table.to(DEV), torch.empty(0, dtype=torch.long, device=DEV)).shape == (
         0, width)
+
+
+@pytest.mark.parametrize("dtype,shape", [(torch.uint8, (6, 5)), (torch.float32, (3,)),
+                                         (torch.uint8, (4, 3))], ids=["u8-words", "f32", "u8"])
+def test_copy_rows_into_listed_rows(dtype, shape) -> None:
+    # rows of any shape (uint8 rows of 30 bytes as 4-byte words, 12 bytes as bytes), -1 skipped
+    src = (torch.rand(9, *shape) * 100).to(dtype)
+    dst = torch.full((5, *shape), 7).to(dtype).to(DEV)
+    want = dst.cpu().clone()
+    rows, slots = torch.tensor([4, -1, 0, 8], dtype=torch.int32), torch.tensor([2, 0, 4, 1])
+    for r, s in zip(rows.tolist(), slots.tolist(), strict=True):
+        if r >= 0:
+            want[s] = src[r]
+    copy_rows(src.to(DEV), dst, rows.to(DEV), slots.to(DEV))
+    assert torch.equal(dst.cpu(), want)
+
+
+def test_copy_rows_checks_its_inputs() -> None:
+    a, b = torch.zeros(4, 6), torch.zeros(2, 6)
+    ok = torch.zeros(1, dtype=torch.long)
+    with pytest.raises(ValueError, match="rows differ"):
+        copy_rows(a, torch.zeros(2, 5), ok)
+    with pytest.raises(ValueError, match="rows differ"):
+        copy_rows(a, b.half(), ok)
+    with pytest.raises(ValueError, match="contiguous"):
+        copy_rows(torch.zeros(6, 4).t(), b, ok)
+    with pytest.raises(ValueError, match="dst_rows"):
+        copy_rows(a, b, ok, torch.zeros(1))
+    with pytest.raises(ValueError, match="destination rows"):
+        copy_rows(a, b, ok, torch.zeros(2, dtype=torch.long))
 
 
 def test_gather_rows_checks_its_inputs() -> None:

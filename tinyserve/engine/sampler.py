@@ -108,33 +108,36 @@ class Sampler:
 class TokenCounts:
     """A penalised sequence's tokens on the device: `seen` [V] bool, every token of prompt and
     output (None without a repetition penalty); `output` [V] float32, how often each token
-    was generated (None without presence / frequency penalties)."""
+    was generated (None without presence / frequency penalties), and `one`, the [1] float32
+    1.0 that `add` counts with (no allocation per step)."""
 
     seen: torch.Tensor | None
     output: torch.Tensor | None
+    one: torch.Tensor | None = None
 
     @classmethod
     def from_history(cls, seq: ScheduledSeq, vocab: int, device: torch.device) -> TokenCounts:
         p = seq.params
-        seen = output = None
+        seen = output = one = None
         if p.repetition_penalty != 1.0:
             seen = torch.zeros(vocab, dtype=torch.bool, device=device)
             if seq.history:  # NOTE: index_fill_, not seen[ids] = True (that synchronises)
                 seen.index_fill_(0, _to_device(seq.history, torch.long, device), True)
         if p.presence_penalty or p.frequency_penalty:
             output = torch.zeros(vocab, device=device)
+            one = torch.ones(1, device=device)
             out = seq.history[len(seq.history) - seq.num_generated:] if seq.num_generated else []
             if out:
                 ids = _to_device(out, torch.long, device)
-                output.index_add_(0, ids, torch.ones(len(out), device=device))
-        return cls(seen, output)
+                output.index_add_(0, ids, one.expand(len(out)))
+        return cls(seen, output, one)
 
     def add(self, token: torch.Tensor) -> None:
         """Count one sampled token ([1] int64 on the device) as seen and generated."""
         if self.seen is not None:
             self.seen.index_fill_(0, token, True)
         if self.output is not None:
-            self.output.index_add_(0, token, torch.ones(1, device=self.output.device))
+            self.output.index_add_(0, token, self.one)
 
 
 def wants_logprobs(seqs: Sequence[ScheduledSeq]) -> bool:

@@ -1,11 +1,12 @@
-"""Host memory a GPU kernel can read, and a row gather from it.
+"""Host memory a GPU kernel can read, and a row copy from it.
 
 `register_mapped(t)` page-locks a CPU tensor's memory with the CUDA driver (cudaHostRegister,
 portable + mapped): its pages become device-addressable, so a kernel reads them over PCIe with
-no copy issued by the host (zero-copy). `gather_rows(table, ids)` is such a kernel: rows
-`table[ids]` into a device tensor, `ids` on the device, so a CUDA graph can embed the tokens
-it is given on the device from a table that lives in host RAM.
-Triton is imported on the first gather, never at import time.
+no copy issued by the host (zero-copy). `copy_rows(src, dst, rows, dst_rows)` is such a kernel:
+listed rows of `src` into listed rows of `dst`, the lists on the device, so a CUDA graph can
+copy what it decides on the device from memory that lives in host RAM: `gather_rows(table,
+ids)` embeds tokens from a host table, the expert cache copies missing experts into its slots
+(`offload/lookup.copy_rows`). Triton is imported on the first copy, never at import time.
 """
 
 from __future__ import annotations
@@ -56,14 +57,57 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def gather_rows_kernel(table_ptr, ids_ptr, out_ptr, W, BLOCK: tl.constexpr):
-        row = tl.load(ids_ptr + tl.program_id(0)).to(tl.int64)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < W
-        v = tl.load(table_ptr + row * W + offs, mask=mask)
-        tl.store(out_ptr + tl.program_id(0).to(tl.int64) * W + offs, v, mask=mask)
+    def copy_rows_kernel(src_ptr, rows_ptr, dst_ptr, dst_rows_ptr, W, HAS_DST_ROWS: tl.constexpr,
+                         BLOCK: tl.constexpr):
+        i = tl.program_id(0)
+        row = tl.load(rows_ptr + i).to(tl.int64)
+        if HAS_DST_ROWS:
+            dst_row = tl.load(dst_rows_ptr + i).to(tl.int64)
+        else:
+            dst_row = i.to(tl.int64)
+        if row >= 0:
+            offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < W
+            v = tl.load(src_ptr + row * W + offs, mask=mask)
+            tl.store(dst_ptr + dst_row * W + offs, v, mask=mask)
 
-    return triton, gather_rows_kernel
+    return triton, copy_rows_kernel
+
+
+def _index_list(t: torch.Tensor, name: str) -> None:
+    if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be [N] int32/int64, got {t.dtype} {tuple(t.shape)}")
+
+
+def copy_rows(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor,
+              dst_rows: torch.Tensor | None = None, *, block: int = 1024) -> None:
+    """dst[dst_rows[i]] = src[rows[i]] (dst[i] without `dst_rows`) for every i with
+    rows[i] >= 0, in one launch on `dst`'s device. src [R, ...] and dst [S, ...] contiguous with
+    rows of the same shape and dtype; src on that device or in host memory that
+    `register_mapped` made device-addressable; rows / dst_rows [N] int32/int64 on the device,
+    in range (not checked: the kernel reads them there)."""
+    if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
+        raise ValueError(f"rows differ: src {src.dtype} {tuple(src.shape)}, dst {dst.dtype} "
+                         f"{tuple(dst.shape)}")
+    if not (src.is_contiguous() and dst.is_contiguous()):
+        raise ValueError("src and dst must be contiguous")
+    _index_list(rows, "rows")
+    if dst_rows is not None:
+        _index_list(dst_rows, "dst_rows")
+        if dst_rows.numel() != rows.numel():
+            raise ValueError(f"{rows.numel()} rows but {dst_rows.numel()} destination rows")
+    n = rows.numel()
+    if n == 0 or src.numel() == 0:
+        return
+    # NOTE: 4-byte words when a row allows it: fewer, wider PCIe reads
+    row_bytes = src[0].numel() * src.element_size()
+    word = torch.int32 if row_bytes % 4 == 0 else torch.uint8
+    a, b = src.view(src.shape[0], -1).view(word), dst.view(dst.shape[0], -1).view(word)
+    triton, kernel = _kernel()
+    w = a.shape[1]
+    kernel[(n, triton.cdiv(w, block))](a, rows, b, dst_rows if dst_rows is not None else rows,
+                                      w, HAS_DST_ROWS=dst_rows is not None, BLOCK=block,
+                                      num_warps=4)
 
 
 def gather_rows(table: torch.Tensor, ids: torch.Tensor, *, block: int = 1024) -> torch.Tensor:
@@ -72,16 +116,7 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor, *, block: int = 1024) ->
     [0, V) (not checked: the kernel reads them on the device)."""
     if table.dim() != 2 or not table.is_contiguous():
         raise ValueError(f"table must be a contiguous [V, W] tensor, got {tuple(table.shape)}")
-    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"ids must be [N] int32/int64, got {ids.dtype} {tuple(ids.shape)}")
-    n, width = ids.numel(), table.shape[1]
-    out = torch.empty(n, width, dtype=table.dtype, device=ids.device)
-    if n == 0:
-        return out
-    # NOTE: 4-byte words when a row allows it: fewer, wider PCIe reads
-    word = torch.int32 if (width * table.element_size()) % 4 == 0 else table.dtype
-    src, dst = table.view(word), out.view(word)
-    triton, kernel = _kernel()
-    w = src.shape[1]
-    kernel[(n, triton.cdiv(w, block))](src, ids, dst, w, BLOCK=block, num_warps=4)
+    _index_list(ids, "ids")
+    out = torch.empty(ids.numel(), table.shape[1], dtype=table.dtype, device=ids.device)
+    copy_rows(table, out, ids, block=block)
     return out

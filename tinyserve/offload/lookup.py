@@ -14,8 +14,8 @@ and returns the slot of every (token, k) plus a compacted load list (row, slot),
 Two implementations of each, same results:
 - `*_ref`: fixed-size torch ops (no host synchronisation, capturable in a CUDA graph); this is
   the readable reference and the CPU path.
-- Triton: `expert_lookup_kernel` (one program) and `copy_rows_kernel`, which reads the store
-  straight from registered host memory (zero-copy over PCIe) into the GPU slots.
+- Triton: `expert_lookup_kernel` (one program) and `kernels/host_rows.copy_rows`, which reads
+  the store straight from registered host memory (zero-copy over PCIe) into the GPU slots.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import functools
 
 import torch
 
+from tinyserve.kernels import host_rows
 from tinyserve.kernels.fused_moe import ExpertSlots
 
 FIELDS = ("w13", "w13_scale", "w13_global", "w2", "w2_scale", "w2_global")
@@ -154,18 +155,7 @@ def _triton_kernels():
             slot = tl.load(table_ptr + base + ids, mask=offs_m < M, other=-1)
             tl.store(slot_ids_ptr + offs_m, slot, mask=offs_m < M)
 
-    @triton.jit
-    def copy_rows_kernel(src_ptr, dst_ptr, rows_ptr, slots_ptr, W, BLOCK: tl.constexpr):
-        i = tl.program_id(0)
-        row = tl.load(rows_ptr + i).to(tl.int64)
-        slot = tl.load(slots_ptr + i).to(tl.int64)
-        if row >= 0:
-            offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-            mask = offs < W
-            v = tl.load(src_ptr + row * W + offs, mask=mask)
-            tl.store(dst_ptr + slot * W + offs, v, mask=mask)
-
-    return triton, expert_lookup_kernel, copy_rows_kernel
+    return triton, expert_lookup_kernel
 
 
 def expert_lookup(topk_ids: torch.Tensor, layer: int, table: torch.Tensor,
@@ -175,7 +165,7 @@ def expert_lookup(topk_ids: torch.Tensor, layer: int, table: torch.Tensor,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of `expert_lookup_ref` (same contract, one launch, no host sync);
     `out` (contiguous int32 [K] each) receives the load lists directly."""
-    triton, kernel, _ = _triton_kernels()
+    triton, kernel = _triton_kernels()
     for t, name in ((table, "table"), (owner, "owner"), (victims, "victims")):
         if t.dtype != torch.int32 or not t.is_contiguous():
             raise TypeError(f"{name} must be contiguous int32, got {t.dtype}")
@@ -203,15 +193,9 @@ def expert_lookup(topk_ids: torch.Tensor, layer: int, table: torch.Tensor,
 
 def copy_rows(src: ExpertSlots, dst: ExpertSlots, rows: torch.Tensor, slots: torch.Tensor,
               *, block: int = 2048) -> None:
-    """Triton version of `copy_rows_ref`: `src` may live in registered host memory."""
-    triton, _, kernel = _triton_kernels()
-    n = rows.numel()
+    """Triton version of `copy_rows_ref` (`host_rows.copy_rows` per field, one launch each):
+    `src` may live in registered host memory."""
     for name in FIELDS:
-        a, b = getattr(src, name), getattr(dst, name)
-        if a is None:
-            continue
-        row_bytes = a[0].numel() * a.element_size()
-        word = torch.int32 if row_bytes % 4 == 0 else torch.uint8
-        a_w, b_w = a.view(a.shape[0], -1).view(word), b.view(b.shape[0], -1).view(word)
-        W = a_w.shape[1]
-        kernel[(n, triton.cdiv(W, block))](a_w, b_w, rows, slots, W, BLOCK=block, num_warps=4)
+        a = getattr(src, name)
+        if a is not None:
+            host_rows.copy_rows(a, getattr(dst, name), rows, slots, block=block)

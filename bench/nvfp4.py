@@ -21,10 +21,10 @@ of a CUDA graph that cycles through enough weight copies (>= 256 MB) to miss L2.
 per shape are printed as `nvfp4_tiles.py` table entries. A failing case is recorded and the
 rest still run; past TIME_BUDGET_S the remaining variants are skipped (recorded as such).
 
-Usage: python bench/nvfp4.py [--smoke] [--only moe|gemv]  (--smoke: tiny shapes, any device,
-no timing; checks the script itself, e.g. on CPU with TRITON_INTERPRET=1; --only moe: the
-bandwidth and the MoE rows only, ~40-65 s (variants past MOE_BUDGET_S skipped), into
-results/nvfp4_moe.json).
+Usage: python bench/nvfp4.py [--smoke] [--only moe|gemv] [--shape NAME]  (--smoke: tiny
+shapes, any device, no timing; checks the script itself, e.g. on CPU with TRITON_INTERPRET=1;
+--only moe: the bandwidth and the MoE rows only, ~40-65 s (variants past MOE_BUDGET_S
+skipped), into results/nvfp4_moe.json; --shape: the gemv rows of one shape of SHAPES).
 """
 
 from __future__ import annotations
@@ -76,6 +76,9 @@ GEMV_SWEEP = [  # K >= 1024 (a block_b past K/16 is masked)
     G(8, 128, 4, decode="h2"), G(16, 128, 4, decode="h2"), G(16, 128, 4, vec=4, decode="h2"),
     G(16, 256, 8, decode="h2"), G(32, 128, 8, decode="h2"), G(64, 128, 8, decode="h2"),
     G(8, 128, 4, 4, decode="h2"),
+    # the qkvz tiles with twice the warps (Nsight Compute: 127 registers, ~3 programs of 4
+    # warps per SM, stalls on global loads)
+    G(16, 128, 8, vec=4), G(16, 128, 8), G(32, 128, 8, vec=4), G(16, 128, 8, vec=4, decode="h2"),
 ]
 GEMV_SWEEP += PERSISTENT_CANDIDATES  # persistent gemv: fixed grid, next tile's loads in flight
 GEMV_SWEEP_SMALL_K = [  # K = 512 (32 blocks)
@@ -425,6 +428,8 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, no timing (any device)")
     ap.add_argument("--only", choices=("all", "moe", "gemv"), default="all",
                     help="moe / gemv: the bandwidth and those rows only")
+    ap.add_argument("--shape", choices=tuple(SHAPES), default=None,
+                    help="the gemv rows of this shape only")
     ap.add_argument("--out", default=None, help="default: bench/results/nvfp4.json "
                     "(--only moe: nvfp4_moe.json)")
     args = ap.parse_args()
@@ -449,6 +454,8 @@ def main() -> int:
         copy_bw = (res or {}).get("copy_GBps")
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     names = list(shapes) if args.only != "moe" else []
+    if args.shape and not args.smoke:
+        names = [args.shape]
     size = (64, 32, 10) if args.smoke else (2048, 512, 256)
     for name in names[:1]:
         rec.run(f"gemv_M1_{name}", bench_gemv, *shapes[name], bw, dev, args.smoke, copy_bw)

@@ -76,9 +76,6 @@ GEMV_SWEEP = [  # K >= 1024 (a block_b past K/16 is masked)
     G(8, 128, 4, decode="h2"), G(16, 128, 4, decode="h2"), G(16, 128, 4, vec=4, decode="h2"),
     G(16, 256, 8, decode="h2"), G(32, 128, 8, decode="h2"), G(64, 128, 8, decode="h2"),
     G(8, 128, 4, 4, decode="h2"),
-    # the qkvz tiles with twice the warps (Nsight Compute: 127 registers, ~3 programs of 4
-    # warps per SM, stalls on global loads)
-    G(16, 128, 8, vec=4), G(16, 128, 8), G(32, 128, 8, vec=4), G(16, 128, 8, vec=4, decode="h2"),
 ]
 GEMV_SWEEP += PERSISTENT_CANDIDATES  # persistent gemv: fixed grid, next tile's loads in flight
 GEMV_SWEEP_SMALL_K = [  # K = 512 (32 blocks)

@@ -27,6 +27,17 @@ def median_ms(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def engine_arguments(ap) -> None:
+    """The arguments of the scripts that measure the full model like `tinyserve bench`: the
+    checkpoint, --kv, --gpu-memory, --batch, --prompt-len, --gen-len (1024 + 64 tokens)."""
+    ap.add_argument("model")
+    ap.add_argument("--kv", default="iso3")
+    ap.add_argument("--gpu-memory", default=None)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--gen-len", type=int, default=64)
+
+
 def run_meta(name: str, **extra: object) -> dict:
     """The JSON header of a result file: what ran, where, with which versions, when."""
     import datetime

@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import run_meta  # noqa: E402
+from bench.common import engine_arguments, run_meta  # noqa: E402
 from tinyserve.core import SamplingParams  # noqa: E402
 from tinyserve.engine import loop  # noqa: E402
 from tinyserve.engine.bench import run_bench  # noqa: E402
@@ -45,12 +45,7 @@ PENALTIES = SamplingParams(temperature=0.0, presence_penalty=1.5, frequency_pena
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("model")
-    ap.add_argument("--kv", default="iso3")
-    ap.add_argument("--gpu-memory", default=None)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--prompt-len", type=int, default=1024)
-    ap.add_argument("--gen-len", type=int, default=64)
+    engine_arguments(ap)
     ap.add_argument("--host-ids", action="store_true",
                     help="do not register a host embedding table with CUDA")
     ap.add_argument("--out", default=None)

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import run_meta  # noqa: E402
+from bench.common import engine_arguments, run_meta  # noqa: E402
 
 KEYS = ("decode_tok_s", "decode_step_ms", "steps", "expert_hit_rate")
 
@@ -48,33 +48,19 @@ def tiles(mode: str, table):
 def child(args: argparse.Namespace) -> int:
     """One engine with the tiles of mode args.child on every table shape; prints the run as
     JSON."""
-    from tinyserve.engine.bench import run_bench
-    from tinyserve.engine.build import build_engine
-    from tinyserve.engine.config import EngineConfig
+    from tinyserve.engine.bench import bench_from_args
     from tinyserve.kernels import fused_moe_decode as fmd
 
     for shape, cfg in list(fmd.MOE_FUSED_TILES.items()):
         fmd.MOE_FUSED_TILES[shape] = tiles(args.child, cfg)
-    config = EngineConfig.from_args(args, max_seqs=args.batch,
-                                    max_context=args.prompt_len + args.gen_len)
-    engine = build_engine(config).start()
-    try:
-        r = run_bench(engine, prompt_len=args.prompt_len, gen_len=args.gen_len,
-                      batch=args.batch)
-    finally:
-        engine.shutdown()
+    r, _ = bench_from_args(args)
     print("RESULT " + json.dumps({k: r[k] for k in KEYS}))
     return 0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("model")
-    ap.add_argument("--kv", default="iso3")
-    ap.add_argument("--gpu-memory", default=None)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--prompt-len", type=int, default=1024)
-    ap.add_argument("--gen-len", type=int, default=64)
+    engine_arguments(ap)
     ap.add_argument("--modes", nargs="+", default=["table", "table:nopdl"])
     ap.add_argument("--runs", type=int, default=2, help="runs per mode, alternating")
     ap.add_argument("--out", default=None)

@@ -31,6 +31,17 @@ from tinyserve.testing.provenance import current_commit
 
 def bench_command(args: Any) -> int:
     """Run the benchmark described by CLI `args`; prints a summary (or JSON with --json)."""
+    result, plan = bench_from_args(args)
+    print(json.dumps(result, indent=2) if args.json else format_result(result))
+    if plan is not None and not args.json:
+        print(f"memory plan\n{plan.format()}")
+    return 0
+
+
+def bench_from_args(args: Any) -> tuple[dict[str, Any], Any]:
+    """Build the engine that CLI `args` describe, measure one batch (`run_bench`) and shut it
+    down; returns the result (with the engine's config and memory plan) and the plan (None
+    without one)."""
     if min(args.prompt_len, args.gen_len, args.batch) < 1:
         raise ValueError("--prompt-len, --gen-len and --batch must be >= 1")
     overrides: dict[str, Any] = {"max_seqs": max(args.batch, getattr(args, "max_seqs", 0) or 0)}
@@ -48,10 +59,7 @@ def bench_command(args: Any) -> int:
     plan = getattr(engine, "memory_plan", None)
     if plan is not None:
         result["memory_plan"] = plan.as_dict()
-    print(json.dumps(result, indent=2) if args.json else format_result(result))
-    if plan is not None and not args.json:
-        print(f"memory plan\n{plan.format()}")
-    return 0
+    return result, plan
 
 
 def run_bench(engine: Engine, *, prompt_len: int, gen_len: int, batch: int,

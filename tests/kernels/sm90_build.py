@@ -51,6 +51,21 @@ def resource_usage(kernel: Any, name: str) -> str | None:
                           text=True).stdout
 
 
+def sass_instructions(kernel: Any) -> list[str]:
+    """A compiled kernel's SASS instructions in order (`nvdisasm` shipped with Triton), [] when
+    Triton ships none."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    if not tool.exists():
+        return []
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"{kernel.name}.cubin"
+    path.write_bytes(kernel.asm["cubin"])
+    out = subprocess.run([str(tool), "-c", str(path)], capture_output=True, text=True).stdout
+    return [line.split("*/", 1)[1].strip() for line in out.splitlines()
+            if line.strip().startswith("/*") and ";" in line]
+
+
 def usage_field(usage: str, field: str) -> int | None:
     """A number of a `resource_usage` report ("REG", "STACK", "SHARED", ...), None if absent."""
     m = re.search(rf"{field}:(\d+)", usage)

@@ -27,6 +27,7 @@ from tests.kernels.sm90_build import (  # noqa: E402
     compile_sm90,
     rerun_without_interpreter,
     resource_usage,
+    sass_instructions,
     usage_field,
 )
 from tests.kernels.test_nvfp4 import rand_nvfp4, rel_err  # noqa: E402
@@ -451,23 +452,6 @@ def test_kernels_build_for_sm90() -> None:
                     BLOCK_H=cfg.block_h, PDL=cfg.down_pdl), cfg.down_warps, "fused_down")
 
 
-def _sass(kernel) -> list[str]:
-    """The kernel's SASS instructions in order (nvdisasm shipped with Triton), [] without it."""
-    import subprocess
-    from pathlib import Path
-
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    if not tool.exists():
-        return []
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / "fused_down_pdl.cubin"
-    path.write_bytes(kernel.asm["cubin"])
-    out = subprocess.run([str(tool), "-c", str(path)], capture_output=True, text=True).stdout
-    return [line.split("*/", 1)[1].strip() for line in out.splitlines()
-            if line.strip().startswith("/*") and ";" in line]
-
-
 @pytest.mark.slow
 def test_down_dependent_launch_builds_for_sm90() -> None:
     """`down_pdl`: gate_up releases its dependents and the down kernel waits once, after its
@@ -490,7 +474,7 @@ def test_down_dependent_launch_builds_for_sm90() -> None:
                            cfg.num_warps)
         assert down.asm["ptx"].count("griddepcontrol.wait") == int(pdl)
         assert gate_up.asm["ptx"].count("griddepcontrol.launch_dependents") == int(pdl)
-        sass = _sass(down)
+        sass = sass_instructions(down)
         if not pdl or not sass:
             continue
         waits = [i for i, ins in enumerate(sass) if ins.startswith("ACQBULK")]

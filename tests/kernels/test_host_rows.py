@@ -30,9 +30,10 @@ def test_gather_rows_equals_indexing(poison, dtype, width) -> None:
 
 
 @pytest.mark.parametrize("dtype,shape", [(torch.uint8, (6, 5)), (torch.float32, (3,)),
-                                         (torch.uint8, (4, 3))], ids=["u8-words", "f32", "u8"])
+                                         (torch.uint8, (4, 3))], ids=["u8", "f32", "u8-words"])
 def test_copy_rows_into_listed_rows(dtype, shape) -> None:
-    # rows of any shape (uint8 rows of 30 bytes as 4-byte words, 12 bytes as bytes), -1 skipped
+    # rows of any shape (uint8 rows of 30 bytes copied as bytes, of 12 bytes as 4-byte words),
+    # -1 skipped
     src = (torch.rand(9, *shape) * 100).to(dtype)
     dst = torch.full((5, *shape), 7).to(dtype).to(DEV)
     want = dst.cpu().clone()

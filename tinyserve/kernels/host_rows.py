@@ -101,7 +101,7 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor,
         return
     # NOTE: 4-byte words when a row allows it: fewer, wider PCIe reads
     row_bytes = src[0].numel() * src.element_size()
-    word = torch.int32 if row_bytes % 4 == 0 else torch.uint8
+    word = torch.int32 if row_bytes % 4 == 0 else src.dtype
     a, b = src.view(src.shape[0], -1).view(word), dst.view(dst.shape[0], -1).view(word)
     triton, kernel = _kernel()
     w = a.shape[1]

@@ -117,6 +117,18 @@ def test_gemv_h2(poison, nk, split):
         assert rel_err(y, x.float() @ wd.T) < bound, (m, scale, rel_err(y, x.float() @ wd.T))
 
 
+def test_gemv_h2_one_step_matches_steps(poison):
+    # one K step covering x (x loaded once beside the weights, its scale from those values;
+    # 17 of 32 blocks real) against the same rows in 16-block steps: the same scale, the same
+    # per-block products; only the fp32 order of the block sums differs
+    w, wd = _weight(37, 272)
+    x = (torch.randn(1, 272, device=DEV) * 3.0).to(torch.float16)
+    one = nvfp4_linear(x, w, path="gemv", gemv_config=GemvConfig(16, 32, 4, 0, decode="h2"))
+    steps = nvfp4_linear(x, w, path="gemv", gemv_config=GemvConfig(16, 16, 4, 0, decode="h2"))
+    torch.testing.assert_close(one.float(), steps.float(), rtol=2e-3, atol=1e-3)
+    assert rel_err(one, x.float() @ wd.T) < 2e-3
+
+
 def test_gemv_h2_non_finite_x(poison):
     # an inf in x picks the smallest scale: the other inputs flush to 0 in fp16, and the outputs
     # are non-finite exactly where the reference's are; a NaN input gives NaN outputs

@@ -10,7 +10,7 @@ its sums in a fixed order: the same bits on every run.
    the first K step's code words and scales are requested first; "h2" with one K step loads
    x once and takes its power-of-two scale from those values (no pass over x before the
    dot), with several steps the scale pass runs under the first loads and later steps are
-   requested one ahead (`_rows_dot`);
+   requested one ahead (`_rows_dot`, h2 through `nvfp4_triton._fp4_rows_dot_h2`);
    silu(gate) * up in fp32 into the intermediate h [N * KP, F], block-transposed (feature
    16b + i at i * F/16 + b, so the down kernel's loads of one feature over blocks are
    contiguous).
@@ -36,115 +36,42 @@ from tinyserve.kernels.nvfp4_triton import (
     FP4_UNIT_C,
     GEMV_RESCALE_C,
     X_PRESCALE_C,
-    _bcast,
     _e4m3,
     _fma4,
-    _h2_dot8,
-    _h2_pair,
-    _h2_x_pair,
-    _h2_x_scale,
+    _fp4_rows_dot_h2,
     _nibble_pair,
     _x_quad,
 )
 
 
 @triton.jit
-def _block_dot(v, raw, xk, ok, xs, IS_H2: tl.constexpr, USE_ASM: tl.constexpr):
+def _f32_block_dot(v, raw, xk, ok):
     """sum over each 16-input block of W[row, block] * x for code words v [BN, BB] int64,
-    scales raw [BN, BB] uint8 and x at xk (+ 16 b), fp32 [BN, BB]: h2 x * xs * E2M1 * 2^-14 *
-    e4m3 * 2^-8; f32 x * X_PRESCALE * E2M1 * 2^-126 * e4m3 * 2^-8."""
+    scales raw [BN, BB] uint8 and x at xk (+ 16 b), fp32 [BN, BB] in the unit x * X_PRESCALE *
+    E2M1 * 2^-126 * e4m3 * 2^-8 (the f32 nibble-pair decode)."""
     lo = v.to(tl.uint32)  # inputs 16b + 0..7
     hi = (v >> 32).to(tl.uint32)  # inputs 16b + 8..15
-    if IS_H2:
-        x0 = _h2_x_pair(xk, 0, 4, 1, ok, xs)[None, :]
-        x1 = _h2_x_pair(xk, 1, 5, 1, ok, xs)[None, :]
-        x2 = _h2_x_pair(xk, 2, 6, 1, ok, xs)[None, :]
-        x3 = _h2_x_pair(xk, 3, 7, 1, ok, xs)[None, :]
-        y0 = _h2_x_pair(xk, 8, 12, 1, ok, xs)[None, :]
-        y1 = _h2_x_pair(xk, 9, 13, 1, ok, xs)[None, :]
-        y2 = _h2_x_pair(xk, 10, 14, 1, ok, xs)[None, :]
-        y3 = _h2_x_pair(xk, 11, 15, 1, ok, xs)[None, :]
-        p = _h2_dot8(_h2_pair(lo, 0), _h2_pair(lo, 1), _h2_pair(lo, 2), _h2_pair(lo, 3),
-                     _h2_pair(hi, 0), _h2_pair(hi, 1), _h2_pair(hi, 2), _h2_pair(hi, 3),
-                     _bcast(x0, lo), _bcast(x1, lo), _bcast(x2, lo), _bcast(x3, lo),
-                     _bcast(y0, lo), _bcast(y1, lo), _bcast(y2, lo), _bcast(y3, lo), USE_ASM)
-    else:
-        p = tl.zeros(v.shape, dtype=tl.float32)
-        for i in tl.static_range(4):
-            w0, w4 = _nibble_pair(lo, i)
-            w8, w12 = _nibble_pair(hi, i)
-            x0, x4, x8, x12 = _x_quad(xk, i, ok, 1)
-            p = _fma4(p, w0, w4, w8, w12, x0, x4, x8, x12)
+    p = tl.zeros(v.shape, dtype=tl.float32)
+    for i in tl.static_range(4):
+        w0, w4 = _nibble_pair(lo, i)
+        w8, w12 = _nibble_pair(hi, i)
+        x0, x4, x8, x12 = _x_quad(xk, i, ok, 1)
+        p = _fma4(p, w0, w4, w8, w12, x0, x4, x8, x12)
     return p * _e4m3(raw)
-
-
-@triton.jit
-def _h2_pack(a, b):
-    # two fp32 tensors -> one uint32 of fp16x2 (a in the low half)
-    ia = a.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    ib = b.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    return (ia | (ib << 16)).to(tl.uint32)
-
-
-@triton.jit
-def _h2_one_step(v, raw, xk, ok, USE_ASM: tl.constexpr):
-    """The h2 `_block_dot` of a K step covering all of x, summed over the blocks, fp32 [BN]
-    in the unit of `_rows_dot`: x is loaded once (16 inputs per block) and its power-of-two
-    scale taken from those values (as `nvfp4_triton._h2_x_scale` computes it), so no
-    separate pass over x runs before the dot."""
-    x0 = tl.load(xk + 0, mask=ok, other=0.0).to(tl.float32)
-    x1 = tl.load(xk + 1, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(xk + 2, mask=ok, other=0.0).to(tl.float32)
-    x3 = tl.load(xk + 3, mask=ok, other=0.0).to(tl.float32)
-    x4 = tl.load(xk + 4, mask=ok, other=0.0).to(tl.float32)
-    x5 = tl.load(xk + 5, mask=ok, other=0.0).to(tl.float32)
-    x6 = tl.load(xk + 6, mask=ok, other=0.0).to(tl.float32)
-    x7 = tl.load(xk + 7, mask=ok, other=0.0).to(tl.float32)
-    x8 = tl.load(xk + 8, mask=ok, other=0.0).to(tl.float32)
-    x9 = tl.load(xk + 9, mask=ok, other=0.0).to(tl.float32)
-    x10 = tl.load(xk + 10, mask=ok, other=0.0).to(tl.float32)
-    x11 = tl.load(xk + 11, mask=ok, other=0.0).to(tl.float32)
-    x12 = tl.load(xk + 12, mask=ok, other=0.0).to(tl.float32)
-    x13 = tl.load(xk + 13, mask=ok, other=0.0).to(tl.float32)
-    x14 = tl.load(xk + 14, mask=ok, other=0.0).to(tl.float32)
-    x15 = tl.load(xk + 15, mask=ok, other=0.0).to(tl.float32)
-    m = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)),
-                              tl.maximum(tl.abs(x2), tl.abs(x3))),
-                   tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)),
-                              tl.maximum(tl.abs(x6), tl.abs(x7))))
-    m = tl.maximum(m, tl.maximum(tl.maximum(tl.maximum(tl.abs(x8), tl.abs(x9)),
-                                            tl.maximum(tl.abs(x10), tl.abs(x11))),
-                                 tl.maximum(tl.maximum(tl.abs(x12), tl.abs(x13)),
-                                            tl.maximum(tl.abs(x14), tl.abs(x15)))))
-    # NOTE: the exponent rule of `_h2_x_scale`: max|x| * xs in [2^13, 2^14)
-    e = (tl.max(m, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
-    c = tl.minimum(tl.maximum(267 - e, 2), 253)
-    xs = (c << 23).to(tl.float32, bitcast=True)
-    inv_xs = ((254 - c) << 23).to(tl.float32, bitcast=True)
-    lo = v.to(tl.uint32)  # inputs 16b + 0..7
-    hi = (v >> 32).to(tl.uint32)  # inputs 16b + 8..15
-    p = _h2_dot8(_h2_pair(lo, 0), _h2_pair(lo, 1), _h2_pair(lo, 2), _h2_pair(lo, 3),
-                 _h2_pair(hi, 0), _h2_pair(hi, 1), _h2_pair(hi, 2), _h2_pair(hi, 3),
-                 _bcast(_h2_pack(x0 * xs, x4 * xs)[None, :], lo),
-                 _bcast(_h2_pack(x1 * xs, x5 * xs)[None, :], lo),
-                 _bcast(_h2_pack(x2 * xs, x6 * xs)[None, :], lo),
-                 _bcast(_h2_pack(x3 * xs, x7 * xs)[None, :], lo),
-                 _bcast(_h2_pack(x8 * xs, x12 * xs)[None, :], lo),
-                 _bcast(_h2_pack(x9 * xs, x13 * xs)[None, :], lo),
-                 _bcast(_h2_pack(x10 * xs, x14 * xs)[None, :], lo),
-                 _bcast(_h2_pack(x11 * xs, x15 * xs)[None, :], lo), USE_ASM)
-    return tl.sum(p * _e4m3(raw), axis=1) * inv_xs
 
 
 @triton.jit
 def _rows_dot(x_row, w_ptr, s_ptr, rows, row_mask, KB: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_B: tl.constexpr, IS_H2: tl.constexpr, USE_ASM: tl.constexpr):
     """sum_k x[k] * (E2M1 * e4m3)[rows, k] over all KB blocks, fp32 [BLOCK_N] lacking
-    FP4_UNIT * global_scale (the unit of `nvfp4_triton._fp4_rows_dot`). One K step (h2):
-    `_h2_one_step`, x loaded once beside the weights. Several steps: the first step's loads
-    are issued before the h2 scale pass over x, the next step's before this step is
-    decoded."""
+    FP4_UNIT * global_scale (the unit of `nvfp4_triton._fp4_rows_dot`). h2:
+    `nvfp4_triton._fp4_rows_dot_h2` (the first step's weights requested first; one K step:
+    x loaded once beside them). f32: the first step's loads go out first, the next step's
+    before this step is decoded."""
     ONE_STEP: tl.constexpr = KB <= BLOCK_B
+    if IS_H2:
+        return _fp4_rows_dot_h2(x_row, w_ptr, s_ptr, rows, row_mask, KB, 0, KB, BLOCK_N,
+                                BLOCK_B, False, 2, USE_ASM, ONE_STEP)
     offs_b = tl.arange(0, BLOCK_B)
     rows64 = rows.to(tl.int64)
     w_rows = w_ptr + rows64[:, None] * KB
@@ -153,13 +80,6 @@ def _rows_dot(x_row, w_ptr, s_ptr, rows, row_mask, KB: tl.constexpr, BLOCK_N: tl
     m = row_mask[:, None] & (blk < KB)[None, :]
     v_next = tl.load(w_rows + blk[None, :], mask=m, other=0)  # [BN, BB] int64
     raw_next = tl.load(s_rows + blk[None, :], mask=m, other=0)  # [BN, BB] uint8
-    if IS_H2 and ONE_STEP:
-        return _h2_one_step(v_next, raw_next, x_row + blk * 16, blk < KB, USE_ASM)
-    if IS_H2:
-        xs, inv_xs = _h2_x_scale(x_row, 0, KB, BLOCK_B)
-    else:
-        xs = 1.0
-        inv_xs = 1.0
     acc = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
     for b0 in range(0, KB, BLOCK_B):
         v = v_next
@@ -171,9 +91,7 @@ def _rows_dot(x_row, w_ptr, s_ptr, rows, row_mask, KB: tl.constexpr, BLOCK_N: tl
             nm = row_mask[:, None] & (nblk < KB)[None, :]
             v_next = tl.load(w_rows + nblk[None, :], mask=nm, other=0)
             raw_next = tl.load(s_rows + nblk[None, :], mask=nm, other=0)
-        acc += _block_dot(v, raw, x_row + blk * 16, ok, xs, IS_H2, USE_ASM)
-    if IS_H2:
-        return tl.sum(acc, axis=1) * inv_xs
+        acc += _f32_block_dot(v, raw, x_row + blk * 16, ok)
     return tl.sum(acc, axis=1) * GEMV_RESCALE_C
 
 

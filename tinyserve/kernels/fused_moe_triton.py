@@ -42,7 +42,7 @@ def _slot_rows_dot(x_row, w_slot, s_slot, rows, row_mask, K: tl.constexpr,
     # fp4 reads x block-transposed, as moe_gate_up_kernel writes it)
     if IS_FP4 and IS_H2:
         acc = _fp4_rows_dot_h2(x_row, w_slot, s_slot, rows, row_mask, K // 16, 0, K // 16,
-                               BLOCK_N, BLOCK_B, True, 2, USE_ASM)
+                               BLOCK_N, BLOCK_B, True, 2, USE_ASM, K // 16 <= BLOCK_B)
     elif IS_FP4:
         acc, _a1, _a2, _a3 = _fp4_rows_dot(x_row, 0, 1, w_slot, s_slot, rows, row_mask,
                                            K // 16, 0, K // 16, 1, BLOCK_N, BLOCK_B, PREFETCH,
@@ -76,7 +76,8 @@ def moe_gate_up_kernel(x_ptr, ids_ptr, order_ptr, w_ptr, s_ptr, gs_ptr, inter_pt
         s_slot = s_ptr + slot * (2 * F) * (H // 16)
         if IS_H2:
             acc = _fp4_rows_dot_h2(x_row, w_slot, s_slot, f + half * F, f < F, H // 16, 0,
-                                   H // 16, 2 * BLOCK_N, BLOCK_B, False, 2, USE_ASM)
+                                   H // 16, 2 * BLOCK_N, BLOCK_B, False, 2, USE_ASM,
+                                   H // 16 <= BLOCK_B)
         else:
             acc, _a1, _a2, _a3 = _fp4_rows_dot(x_row, 0, 1, w_slot, s_slot, f + half * F,
                                                f < F, H // 16, 0, H // 16, 1, 2 * BLOCK_N,

@@ -159,6 +159,7 @@ def _gemv(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int,
                                  b_split, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
                                  BLOCK_B=cfg.block_b, PREFETCH=cfg.prefetch, VEC=cfg.vec,
                                  IS_H2=is_h2, USE_ASM=x.device.type == "cuda",
+                                 ONE_STEP=is_h2 and b_split <= cfg.block_b,
                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return split_k_result(out, split, x.dtype)
 

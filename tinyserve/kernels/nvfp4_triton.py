@@ -284,9 +284,69 @@ def _h2_x_scale(x_ptr, b_lo, b_hi, BLOCK_B: tl.constexpr):
 
 
 @triton.jit
+def _h2_pack(a, b):
+    # two fp32 tensors -> one uint32 of fp16x2 (a in the low half)
+    ia = a.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    ib = b.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return (ia | (ib << 16)).to(tl.uint32)
+
+
+@triton.jit
+def _h2_one_step(v, raw, xk, XS, ok, USE_ASM: tl.constexpr):
+    """The "h2" dot of one K step that covers the program's whole range of x, summed over the
+    blocks: fp32 [BN] in the unit of `_fp4_rows_dot_h2`. Code words v [BN, BB] int64 and
+    scales raw [BN, BB] (already requested), x's input 16b + i at xk + i * XS (mask ok [BB]).
+    x is loaded once and its power-of-two scale taken from those values (`_h2_x_scale`'s rule),
+    so no pass over x runs before the dot."""
+    x0 = tl.load(xk + 0 * XS, mask=ok, other=0.0).to(tl.float32)
+    x1 = tl.load(xk + 1 * XS, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(xk + 2 * XS, mask=ok, other=0.0).to(tl.float32)
+    x3 = tl.load(xk + 3 * XS, mask=ok, other=0.0).to(tl.float32)
+    x4 = tl.load(xk + 4 * XS, mask=ok, other=0.0).to(tl.float32)
+    x5 = tl.load(xk + 5 * XS, mask=ok, other=0.0).to(tl.float32)
+    x6 = tl.load(xk + 6 * XS, mask=ok, other=0.0).to(tl.float32)
+    x7 = tl.load(xk + 7 * XS, mask=ok, other=0.0).to(tl.float32)
+    x8 = tl.load(xk + 8 * XS, mask=ok, other=0.0).to(tl.float32)
+    x9 = tl.load(xk + 9 * XS, mask=ok, other=0.0).to(tl.float32)
+    x10 = tl.load(xk + 10 * XS, mask=ok, other=0.0).to(tl.float32)
+    x11 = tl.load(xk + 11 * XS, mask=ok, other=0.0).to(tl.float32)
+    x12 = tl.load(xk + 12 * XS, mask=ok, other=0.0).to(tl.float32)
+    x13 = tl.load(xk + 13 * XS, mask=ok, other=0.0).to(tl.float32)
+    x14 = tl.load(xk + 14 * XS, mask=ok, other=0.0).to(tl.float32)
+    x15 = tl.load(xk + 15 * XS, mask=ok, other=0.0).to(tl.float32)
+    m = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)),
+                              tl.maximum(tl.abs(x2), tl.abs(x3))),
+                   tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)),
+                              tl.maximum(tl.abs(x6), tl.abs(x7))))
+    m = tl.maximum(m, tl.maximum(tl.maximum(tl.maximum(tl.abs(x8), tl.abs(x9)),
+                                            tl.maximum(tl.abs(x10), tl.abs(x11))),
+                                 tl.maximum(tl.maximum(tl.abs(x12), tl.abs(x13)),
+                                            tl.maximum(tl.abs(x14), tl.abs(x15)))))
+    # NOTE: the exponent rule of `_h2_x_scale`: max|x| * xs in [2^13, 2^14)
+    e = (tl.max(m, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    c = tl.minimum(tl.maximum(267 - e, 2), 253)
+    xs = (c << 23).to(tl.float32, bitcast=True)
+    inv_xs = ((254 - c) << 23).to(tl.float32, bitcast=True)
+    lo = v.to(tl.uint32)  # inputs 16b + 0..7
+    hi = (v >> 32).to(tl.uint32)  # inputs 16b + 8..15
+    p = _h2_dot8(_h2_pair(lo, 0), _h2_pair(lo, 1), _h2_pair(lo, 2), _h2_pair(lo, 3),
+                 _h2_pair(hi, 0), _h2_pair(hi, 1), _h2_pair(hi, 2), _h2_pair(hi, 3),
+                 _bcast(_h2_pack(x0 * xs, x4 * xs)[None, :], lo),
+                 _bcast(_h2_pack(x1 * xs, x5 * xs)[None, :], lo),
+                 _bcast(_h2_pack(x2 * xs, x6 * xs)[None, :], lo),
+                 _bcast(_h2_pack(x3 * xs, x7 * xs)[None, :], lo),
+                 _bcast(_h2_pack(x8 * xs, x12 * xs)[None, :], lo),
+                 _bcast(_h2_pack(x9 * xs, x13 * xs)[None, :], lo),
+                 _bcast(_h2_pack(x10 * xs, x14 * xs)[None, :], lo),
+                 _bcast(_h2_pack(x11 * xs, x15 * xs)[None, :], lo), USE_ASM)
+    return tl.sum(p * _e4m3(raw), axis=1) * inv_xs
+
+
+@triton.jit
 def _fp4_rows_dot_h2(x_ptr, w_ptr, s_ptr, rows, row_mask, KB, b_lo, b_hi,
                      BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, X_T: tl.constexpr = False,
-                     VEC: tl.constexpr = 2, USE_ASM: tl.constexpr = True):
+                     VEC: tl.constexpr = 2, USE_ASM: tl.constexpr = True,
+                     ONE_STEP: tl.constexpr = False):
     """`_fp4_rows_dot` for one row of x with the "h2" decode: fp32 [BLOCK_N] in the same unit
     (lacking FP4_UNIT * global_scale).
 
@@ -295,19 +355,40 @@ def _fp4_rows_dot_h2(x_ptr, w_ptr, s_ptr, rows, row_mask, KB, b_lo, b_hi,
     fp16, products (|E2M1| * 2^-14 <= 6 * 2^-14) stay <= 6 and the fp16 sums of a block <= 48.
     Each block's 16 products are summed in fp16 (two chains of four half2 FMAs), then scaled by
     its e4m3 in fp32.
+
+    The first K step's code words and scales are requested before anything else. ONE_STEP
+    (the caller guarantees b_hi - b_lo <= BLOCK_B): `_h2_one_step`, x loaded once beside
+    them. Otherwise the scale pass over x runs under those loads, and every later step is
+    requested before the one before it is decoded (two steps in flight).
     """
-    xs, inv_xs = _h2_x_scale(x_ptr, b_lo, b_hi, BLOCK_B)
-    offs_b = tl.arange(0, BLOCK_B)
+    # NOTE: the hint on the range too: with b_lo a literal 0 the sum folds away, and its hint
+    # with it (the loads then take another layout, twice the registers)
+    offs_b = tl.max_contiguous(tl.arange(0, BLOCK_B), VEC)
     rows64 = rows.to(tl.int64)
     w_rows = w_ptr + rows64[:, None] * KB
     s_rows = s_ptr + rows64[:, None] * KB
+    blk = tl.max_contiguous(b_lo + offs_b, VEC)  # [BB]
+    ok = blk < b_hi
+    mask = row_mask[:, None] & ok[None, :]
+    v_next = tl.load(w_rows + blk[None, :], mask=mask, other=0)  # [BN, BB] int64
+    raw_next = tl.load(s_rows + blk[None, :], mask=mask, other=0)  # [BN, BB] uint8
+    # NOTE: the plain row's input stride stays a literal 1 (a constexpr: the compiler merges
+    # the 16 loads of a block); X_T's is KB
+    if ONE_STEP:
+        if X_T:
+            return _h2_one_step(v_next, raw_next, x_ptr + blk, KB, ok, USE_ASM)
+        return _h2_one_step(v_next, raw_next, x_ptr + blk * 16, 1, ok, USE_ASM)
+    xs, inv_xs = _h2_x_scale(x_ptr, b_lo, b_hi, BLOCK_B)
     acc = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
     for b0 in range(b_lo, b_hi, BLOCK_B):
+        v = v_next
+        raw = raw_next
         blk = tl.max_contiguous(b0 + offs_b, VEC)  # [BB]
         ok = blk < b_hi
-        mask = row_mask[:, None] & ok[None, :]
-        v = tl.load(w_rows + blk[None, :], mask=mask, other=0)  # [BN, BB] int64
-        raw = tl.load(s_rows + blk[None, :], mask=mask, other=0)  # [BN, BB] uint8
+        nblk = tl.max_contiguous(b0 + BLOCK_B + offs_b, VEC)
+        nmask = row_mask[:, None] & (nblk < b_hi)[None, :]
+        v_next = tl.load(w_rows + nblk[None, :], mask=nmask, other=0)
+        raw_next = tl.load(s_rows + nblk[None, :], mask=nmask, other=0)
         lo = v.to(tl.uint32)  # inputs 16b + 0..7
         hi = (v >> 32).to(tl.uint32)  # inputs 16b + 8..15
         if X_T:
@@ -337,9 +418,10 @@ def _fp4_rows_dot_h2(x_ptr, w_ptr, s_ptr, rows, row_mask, KB, b_lo, b_hi,
 def nvfp4_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, factor, M, N, KB, stride_xm, B_SPLIT,
                       SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_B: tl.constexpr, PREFETCH: tl.constexpr, VEC: tl.constexpr,
-                      IS_H2: tl.constexpr, USE_ASM: tl.constexpr):
+                      IS_H2: tl.constexpr, USE_ASM: tl.constexpr,
+                      ONE_STEP: tl.constexpr = False):
     # out[pid_k, m, n] = factor * sum_{k in split} x[m, k] * W[n, k], BLOCK_M rows of x at once
-    # (IS_H2: the "h2" decode, BLOCK_M = 1)
+    # (IS_H2: the "h2" decode, BLOCK_M = 1; ONE_STEP: B_SPLIT <= BLOCK_B, one K step each)
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     pid_m = pid % num_m  # NOTE: x row groups vary fastest so one weight tile is reused from L2
@@ -354,7 +436,7 @@ def nvfp4_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, factor, M, N, KB, stride_xm,
     x_row = x_ptr + m0.to(tl.int64) * stride_xm
     if IS_H2:
         a0 = _fp4_rows_dot_h2(x_row, w_ptr, s_ptr, rows, row_mask, KB, b_lo, b_hi, BLOCK_N,
-                              BLOCK_B, False, VEC, USE_ASM)
+                              BLOCK_B, False, VEC, USE_ASM, ONE_STEP)
         a1 = a0
         a2 = a0
         a3 = a0

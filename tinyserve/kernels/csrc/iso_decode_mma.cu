@@ -72,8 +72,8 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
                       const uint8_t* __restrict__ k_cache,
                       const uint8_t* __restrict__ v_cache, int64_t slot_stride,
                       const int32_t* __restrict__ page_table, int64_t pt_stride,
-                      int pt_cols, const int32_t* __restrict__ seq_lens, int page_size,
-                      int n_kv_heads, int group, int chunk, int n_splits, float scale_log2,
+                      const int32_t* __restrict__ seq_lens, int page_size, int n_kv_heads,
+                      int group, int chunk, int n_splits, float scale_log2,
                       float* __restrict__ part_acc, float* __restrict__ part_ml) {
   using L = Layout<NB, NW, WIDE, PAD>;
   constexpr int D = L::D;
@@ -117,19 +117,12 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
 #pragma unroll
     for (int j = 0; j < 4; ++j) qv[it][j] = h < group ? load_q(q, qi + j, q_code) : 0.0f;
   }
-  const int t_begin = split * chunk;
-  const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
-  // the page of lane's token in the warp's first sub-tile goes out beside the length, not
-  // after it (one memory round trip less before the first rows): read wherever the table row
-  // has the column, used only for tokens of the sequence
-  const int32_t* pt_row = page_table + (int64_t)b * pt_stride;
-  const int t_first = t_begin + warp * kSub + lane;
-  const int pg_first = t_first / page_size;
-  const int64_t page_first = lane < kSub && pg_first < pt_cols ? pt_row[pg_first] : 0;
   const int len = seq_lens[b];
+  const int t_begin = split * chunk;
   if (t_begin >= len) return;
   const int t_end = min(len, t_begin + chunk);
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
   const int gq = lane >> 2;  // MMA group: query head (scores), token (K), d row (V)
   const int tq = lane & 3;
 
@@ -138,18 +131,22 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
   // lane < kSub: the page of its token in the next sub-tile to stage, loaded one sub-tile
   // ahead, so `stage` does not wait on the page table
   auto page_of = [&](int t) -> int64_t {
-    return t < t_end ? pt_row[t / page_size] : 0;
+    return t < t_end ? page_table[(int64_t)b * pt_stride + t / page_size] : 0;
   };
   int64_t page_next = 0;
   // WIDE: the page index and row in the page of lane's token in the next sub-tile to stage,
   // advanced by kStride tokens per sub-tile without a division
   int pg_i = 0, pg_r = 0, pg_dq = 0, pg_dr = 0;
-  if (lane < kSub && t_first < t_end) page_next = page_first;
+  const int32_t* pt_row = page_table + (int64_t)b * pt_stride;
   if constexpr (WIDE) {
-    pg_i = pg_first;
-    pg_r = t_first - pg_i * page_size;
+    const int t = t_begin + warp * kSub + lane;
+    pg_i = t / page_size;
+    pg_r = t - pg_i * page_size;
     pg_dq = kStride / page_size;
     pg_dr = kStride - pg_dq * page_size;
+    if (lane < kSub && t < t_end) page_next = pt_row[pg_i];
+  } else {
+    page_next = lane < kSub ? page_of(t_begin + warp * kSub + lane) : 0;
   }
   // WIDE: each row is copied as the aligned 16-byte chunks that cover it (up to 7 for 100
   // bytes, one lane each: 8 copies per lane and sub-tile instead of 32 of 4 bytes) into a
@@ -403,9 +400,9 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
 
 template <int NB, int NW, bool WIDE, bool PAD>
 cudaError_t launch(const void* q, int qc, const uint8_t* kc, const uint8_t* vc, int64_t ss,
-                   const int32_t* pt, int64_t pts, int ptc, const int32_t* lens, int batch,
-                   int ps, int hkv, int group, int chunk, int nsp, float sl2, float* pa,
-                   float* pm, cudaStream_t st) {
+                   const int32_t* pt, int64_t pts, const int32_t* lens, int batch, int ps,
+                   int hkv, int group, int chunk, int nsp, float sl2, float* pa, float* pm,
+                   cudaStream_t st) {
   const dim3 grid(nsp, hkv, batch);
   constexpr int smem = Layout<NB, NW, WIDE, PAD>::kDynBytes;
   if constexpr (smem > 0) {  // above the default 48 KB: allowed per kernel (cheap, capturable)
@@ -414,7 +411,7 @@ cudaError_t launch(const void* q, int qc, const uint8_t* kc, const uint8_t* vc, 
     if (e != cudaSuccess) return e;
   }
   decode_mma_kernel<NB, NW, WIDE, PAD><<<grid, NW * 32, smem, st>>>(
-      q, qc, kc, vc, ss, pt, pts, ptc, lens, ps, hkv, group, chunk, nsp, sl2, pa, pm);
+      q, qc, kc, vc, ss, pt, pts, lens, ps, hkv, group, chunk, nsp, sl2, pa, pm);
   return cudaSuccess;
 }
 
@@ -435,8 +432,8 @@ int occupancy() {
 
 // `launch` for (NB, warps, staging) (nullptr for a warp count without a kernel).
 using LaunchFn = cudaError_t (*)(const void*, int, const uint8_t*, const uint8_t*, int64_t,
-                                 const int32_t*, int64_t, int, const int32_t*, int, int, int,
-                                 int, int, int, float, float*, float*, cudaStream_t);
+                                 const int32_t*, int64_t, const int32_t*, int, int, int, int,
+                                 int, int, float, float*, float*, cudaStream_t);
 template <int NB, bool WIDE, bool PAD = false>
 LaunchFn launcher(int n_warps) {
   switch (n_warps) {
@@ -468,8 +465,7 @@ int occupancy_of(int n_warps) {
 // with the padded row stride (Layout's PAD); 0: always in words) and pdl (1: the split merge
 // is a programmatic dependent launch, sm_90+ only; 0: a plain launch). Returns 0, a CUDA error
 // code, 2 (bad format/head_dim), 3 (bad GQA group), 4 (bad n_warps) or 5 (bad q dtype,
-// wide, pdl or pt_cols). pt_cols: the page table's columns (each row covers its sequence;
-// the kernel reads a row's first pages before it knows the sequence's length).
+// wide or pdl).
 extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, const void* v_cache,
                                         int64_t slot_stride, const int32_t* page_table,
                                         int64_t pt_stride, const int32_t* seq_lens, int batch,
@@ -477,8 +473,7 @@ extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, cons
                                         int page_size, int chunk, int n_splits, float scale,
                                         int n_warps, float* part_acc, float* part_ml, void* out,
                                         int64_t out_stride_b, int dtype_code, int q_dtype_code,
-                                        int wide, int pdl, int pt_cols,
-                                        cudaStream_t stream) {
+                                        int wide, int pdl, cudaStream_t stream) {
   using namespace iso;
   if (batch == 0) return 0;
   if (n_kv_heads <= 0 || n_q_heads % n_kv_heads != 0) return 3;
@@ -486,8 +481,7 @@ extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, cons
   if (group < 1 || group > mma::kRows) return 3;
   if (head_dim != 128 && head_dim != 256) return 2;
   if (n_warps != 2 && n_warps != 4 && n_warps != 8 && n_warps != 16) return 4;
-  if (q_dtype_code < 0 || q_dtype_code > 2 || wide < 0 || wide > 2 || pdl < 0 || pdl > 1 ||
-      pt_cols < 1)
+  if (q_dtype_code < 0 || q_dtype_code > 2 || wide < 0 || wide > 2 || pdl < 0 || pdl > 1)
     return 5;
   const uintptr_t addr_bits =
       reinterpret_cast<uintptr_t>(k_cache) | reinterpret_cast<uintptr_t>(v_cache);
@@ -500,8 +494,8 @@ extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, cons
 #define ISO_MMA(NBV)                                                                           \
   e = (pad ? mma::launcher<NBV, true, true>(n_warps)                                           \
          : w16 ? mma::launcher<NBV, true>(n_warps) : mma::launcher<NBV, false>(n_warps))(      \
-      q, q_dtype_code, kc, vc, slot_stride, page_table, pt_stride, pt_cols, seq_lens, batch,   \
-      page_size, n_kv_heads, group, chunk, n_splits, sl2, part_acc, part_ml, stream)
+      q, q_dtype_code, kc, vc, slot_stride, page_table, pt_stride, seq_lens, batch, page_size, \
+      n_kv_heads, group, chunk, n_splits, sl2, part_acc, part_ml, stream)
   if (head_dim == 256) ISO_MMA(2);
   else ISO_MMA(1);
 #undef ISO_MMA

@@ -174,10 +174,8 @@ __global__ void __launch_bounds__(kMergeThreads)
   const int gi = tid % kMergeGroups;
   const int j = tid / kMergeGroups;
   const int col = blockIdx.z * kMergeCols + 4 * gi;
-  // the length is the decode's input, not its output: read before the wait, so after it
-  // only the partials' round trip remains
-  const int len = seq_lens[b];
   wait_for_prior_grid();
+  const int len = seq_lens[b];
   const int ns = min(n_splits, (len + chunk - 1) / chunk);
   const int64_t row0 = ((int64_t)b * hq + h) * n_splits;
   float m = -CUDART_INF_F, l = 0.0f;

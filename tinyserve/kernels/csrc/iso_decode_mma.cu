@@ -109,6 +109,9 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
   // D = 128 with 16 warps: more threads than groups (threads past the end load nothing)
   constexpr bool kQWhole = kQGroups % (NW * 32) == 0;
   float qv[kQIters][4];
+  // the quaternion of the lane's 4-D group: the query groups a thread rotates below are
+  // i mod D/4 with i = lane (mod 32), always group `lane` of its block
+  const float4 quat = quat_row(threadIdx.x & 31);
 #pragma unroll
   for (int it = 0; it < kQIters; ++it) {
     const int i = threadIdx.x + it * NW * 32;
@@ -227,7 +230,7 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
     const int h = i / (D / 4);
     const int g = i - h * (D / 4);
     float r4[4];
-    rotate_fast(g & 31, false, qv[it], r4);
+    rotate_by(quat, false, qv[it], r4);  // g & 31 == lane
 #pragma unroll
     for (int j = 0; j < 4; ++j) q_sm[h][q_col(4 * g + j)] = r4[j] * scale_log2;
   }

@@ -19,34 +19,53 @@ struct PlainRows {
 // query heads, unnormalised accumulators macc [NW][rows] rows of Rows::kFloats floats (element
 // d of row r at Rows::at(r, d)) and (running max in log2 units, sum) ml [NW][rows][2] (rows >=
 // heads), in shared memory after a barrier. Merge them into the split's partial rows
-// ((row0 + h) * n_splits + split) of part_acc [.., D] and part_ml [.., 2].
+// ((row0 + h) * n_splits + split) of part_acc [.., D] and part_ml [.., 2]. Every thread of
+// the CTA calls it (it has a barrier). One thread per head first replaces each warp's sum in
+// ml by its factor exp2(m_w - max) (-1: a warp without tokens, skipped), once per head; then
+// each thread merges 4 columns at a time, its NW x 4 loads independent of one another (not a
+// chain of dependent loads and exp2 per column), one 16-byte store per 4 columns.
 template <int NW, int D, typename Rows = PlainRows<D>>
-__device__ __forceinline__ void merge_warp_partials(const float* macc, const float* ml, int rows,
+__device__ __forceinline__ void merge_warp_partials(const float* macc, float* ml, int rows,
                                                     int heads, int64_t row0, int n_splits,
-                                                    int split, float* __restrict__ part_acc,
+                                                    int split,
+                                                    float* __restrict__ part_acc,
                                                     float* __restrict__ part_ml) {
-  for (int i = threadIdx.x; i < heads * D; i += NW * 32) {
-    const int h = i / D;
-    const int d = i - h * D;
+  static_assert(D % 4 == 0, "4 columns per step");
+  for (int h = threadIdx.x; h < heads; h += NW * 32) {
     float mx = -CUDART_INF_F;
 #pragma unroll
     for (int w = 0; w < NW; ++w) mx = fmaxf(mx, ml[(w * rows + h) * 2]);
-    float a = 0.0f, sum = 0.0f;
+    float sum = 0.0f;
 #pragma unroll
     for (int w = 0; w < NW; ++w) {
       const float mw = ml[(w * rows + h) * 2];
+      float f = -1.0f;
       if (mw != -CUDART_INF_F) {
-        const float f = exp2f(mw - mx);
-        a += f * macc[Rows::at(w * rows + h, d)];
+        f = exp2f(mw - mx);
         sum += f * ml[(w * rows + h) * 2 + 1];
+      }
+      ml[(w * rows + h) * 2 + 1] = f;  // read by this thread only, above
+    }
+    const int64_t prow = (row0 + h) * n_splits + split;
+    part_ml[prow * 2] = mx;
+    part_ml[prow * 2 + 1] = sum;
+  }
+  __syncthreads();
+  for (int i = 4 * threadIdx.x; i < heads * D; i += 4 * NW * 32) {
+    const int h = i / D;
+    const int d = i - h * D;
+    float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float f = ml[(w * rows + h) * 2 + 1];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float m = macc[Rows::at(w * rows + h, d + j)];
+        a[j] = f >= 0.0f ? a[j] + f * m : a[j];
       }
     }
     const int64_t prow = (row0 + h) * n_splits + split;
-    part_acc[prow * D + d] = a;
-    if (d == 0) {
-      part_ml[prow * 2] = mx;
-      part_ml[prow * 2 + 1] = sum;
-    }
+    *reinterpret_cast<float4*>(part_acc + prow * D + d) = make_float4(a[0], a[1], a[2], a[3]);
   }
 }
 
@@ -95,6 +114,7 @@ __global__ void decode_merge_kernel(const float* __restrict__ part_acc,
   const int b = blockIdx.y;
   const int gi = threadIdx.x;  // 4-D group index within the head vector
   if (gi * 4 >= d) return;
+  const float4 quat = quat_row(gi % 32);
   const int len = seq_lens[b];
   const int ns = min(n_splits, (len + chunk - 1) / chunk);
   const int64_t row0 = ((int64_t)b * hq + h) * n_splits;
@@ -114,7 +134,7 @@ __global__ void decode_merge_kernel(const float* __restrict__ part_acc,
     a[3] += f * pa.w;
   }
   float y[4];
-  rotate_fast(gi % 32, true, a, y);
+  rotate_by(quat, true, a, y);
   const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
   T* o = out + (int64_t)b * out_stride_b + (int64_t)h * d + gi * 4;
 #pragma unroll
@@ -174,6 +194,7 @@ __global__ void __launch_bounds__(kMergeThreads)
   const int gi = tid % kMergeGroups;
   const int j = tid / kMergeGroups;
   const int col = blockIdx.z * kMergeCols + 4 * gi;
+  const float4 quat = quat_row((col >> 2) % 32);  // the group's, before the wait
   wait_for_prior_grid();
   const int len = seq_lens[b];
   const int ns = min(n_splits, (len + chunk - 1) / chunk);
@@ -214,7 +235,7 @@ __global__ void __launch_bounds__(kMergeThreads)
     merge_lse(m, l, a, r[0], r[1], a2);
   }
   float y[4];
-  rotate_fast((col >> 2) % 32, true, a, y);
+  rotate_by(quat, true, a, y);
   const float inv = l > 0.0f ? 1.0f / l : 0.0f;
   T* o = out + (int64_t)b * out_stride_b + (int64_t)h * d + col;
 #pragma unroll

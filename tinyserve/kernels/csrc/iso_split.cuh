@@ -152,6 +152,7 @@ constexpr int kMergeCols = 32;                               // output columns p
 constexpr int kMergeThreads = 256;
 constexpr int kMergeGroups = kMergeCols / 4;                 // 4-D groups per CTA
 constexpr int kMergeSlices = kMergeThreads / kMergeGroups;  // split slices per CTA
+constexpr int kMergeBatch = 4;                               // splits in flight per thread
 
 // (m, l, a) <- the log-sum-exp merge of (m, l, a) and (m2, l2, a2); m or m2 may be -inf.
 __device__ __forceinline__ void merge_lse(float& m, float& l, float (&a)[4], float m2, float l2,
@@ -194,20 +195,36 @@ __global__ void __launch_bounds__(kMergeThreads)
   const int gi = tid % kMergeGroups;
   const int j = tid / kMergeGroups;
   const int col = blockIdx.z * kMergeCols + 4 * gi;
-  const float4 quat = quat_row((col >> 2) % 32);  // the group's, before the wait
+  const float4 quat = quat_row((col >> 2) % 32);
   wait_for_prior_grid();
   const int len = seq_lens[b];
   const int ns = min(n_splits, (len + chunk - 1) / chunk);
   const int64_t row0 = ((int64_t)b * hq + h) * n_splits;
   float m = -CUDART_INF_F, l = 0.0f;
   float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll 4
-  for (int s = j; s < ns; s += kMergeSlices) {
-    const float ms = part_ml[(row0 + s) * 2];
-    const float ls = part_ml[(row0 + s) * 2 + 1];
-    const float4 pa = *reinterpret_cast<const float4*>(part_acc + (row0 + s) * d + col);
-    const float as[4] = {pa.x, pa.y, pa.z, pa.w};
-    merge_lse(m, l, a, ms, ls, as);
+  // kMergeBatch of the thread's splits per round: all their loads first (bounded by
+  // n_splits, not by the length: they go out beside its load), then the merges of the splits
+  // the sequence has (ns), in split order. A merge may return early, so loads inside the
+  // merge loop went out one split, or one dependent pair of loads, at a time.
+  for (int s0 = j; s0 < n_splits; s0 += kMergeBatch * kMergeSlices) {
+    float ms[kMergeBatch], ls[kMergeBatch];
+    float4 pa[kMergeBatch];
+#pragma unroll
+    for (int u = 0; u < kMergeBatch; ++u) {
+      const int s = s0 + u * kMergeSlices;
+      if (s < n_splits) {
+        ms[u] = part_ml[(row0 + s) * 2];
+        ls[u] = part_ml[(row0 + s) * 2 + 1];
+        pa[u] = *reinterpret_cast<const float4*>(part_acc + (row0 + s) * d + col);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kMergeBatch; ++u) {
+      if (s0 + u * kMergeSlices < ns) {
+        const float as[4] = {pa[u].x, pa[u].y, pa[u].z, pa[u].w};
+        merge_lse(m, l, a, ms[u], ls[u], as);
+      }
+    }
   }
   // lanes (j % 4, gi): merge the warp's 4 slices of each group
 #pragma unroll

@@ -152,7 +152,10 @@ constexpr int kMergeCols = 32;                               // output columns p
 constexpr int kMergeThreads = 256;
 constexpr int kMergeGroups = kMergeCols / 4;                 // 4-D groups per CTA
 constexpr int kMergeSlices = kMergeThreads / kMergeGroups;  // split slices per CTA
-constexpr int kMergeBatch = 4;                               // splits in flight per thread
+// Splits in flight per thread where a thread has several (batch 1 at 32k: 4 of its 4); one
+// keeps the kernel at 32 registers, 8 CTAs per SM, where the grid is large (batch 8: 1,024
+// CTAs of one split per thread; 4 in flight took 64 registers and a second wave).
+constexpr int kMergeBatch = 4;
 
 // (m, l, a) <- the log-sum-exp merge of (m, l, a) and (m2, l2, a2); m or m2 may be -inf.
 __device__ __forceinline__ void merge_lse(float& m, float& l, float (&a)[4], float m2, float l2,
@@ -182,7 +185,7 @@ __device__ __forceinline__ void wait_for_prior_grid() {
 #endif
 }
 
-template <typename T>
+template <typename T, int BATCH>
 __global__ void __launch_bounds__(kMergeThreads)
     decode_merge_cols_kernel(const float* __restrict__ part_acc,
                              const float* __restrict__ part_ml,
@@ -202,15 +205,15 @@ __global__ void __launch_bounds__(kMergeThreads)
   const int64_t row0 = ((int64_t)b * hq + h) * n_splits;
   float m = -CUDART_INF_F, l = 0.0f;
   float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  // kMergeBatch of the thread's splits per round: all their loads first (bounded by
-  // n_splits, not by the length: they go out beside its load), then the merges of the splits
-  // the sequence has (ns), in split order. A merge may return early, so loads inside the
-  // merge loop went out one split, or one dependent pair of loads, at a time.
-  for (int s0 = j; s0 < n_splits; s0 += kMergeBatch * kMergeSlices) {
-    float ms[kMergeBatch], ls[kMergeBatch];
-    float4 pa[kMergeBatch];
+  // BATCH of the thread's splits per round: all their loads first (bounded by n_splits, not
+  // by the length: they go out beside its load), then the merges of the splits the sequence
+  // has (ns), in split order. A merge may return early, so loads inside the merge loop went
+  // out one split, or one dependent pair of loads, at a time.
+  for (int s0 = j; s0 < n_splits; s0 += BATCH * kMergeSlices) {
+    float ms[BATCH], ls[BATCH];
+    float4 pa[BATCH];
 #pragma unroll
-    for (int u = 0; u < kMergeBatch; ++u) {
+    for (int u = 0; u < BATCH; ++u) {
       const int s = s0 + u * kMergeSlices;
       if (s < n_splits) {
         ms[u] = part_ml[(row0 + s) * 2];
@@ -219,7 +222,7 @@ __global__ void __launch_bounds__(kMergeThreads)
       }
     }
 #pragma unroll
-    for (int u = 0; u < kMergeBatch; ++u) {
+    for (int u = 0; u < BATCH; ++u) {
       if (s0 + u * kMergeSlices < ns) {
         const float as[4] = {pa[u].x, pa[u].y, pa[u].z, pa[u].w};
         merge_lse(m, l, a, ms[u], ls[u], as);
@@ -259,7 +262,8 @@ __global__ void __launch_bounds__(kMergeThreads)
   for (int c = 0; c < 4; ++c) o[c] = from_float<T>(y[c] * inv);
 }
 
-// Launch decode_merge_cols_kernel<T> (grid (q heads, batch, D / kMergeCols)); with `pdl` as a
+// Launch decode_merge_cols_kernel<T, BATCH> (grid (q heads, batch, D / kMergeCols); BATCH
+// kMergeBatch where a thread has more than one split, else 1); with `pdl` as a
 // programmatic dependent of the kernel before it on the stream (sm_90+; captured into CUDA
 // graphs as a programmatic edge): its CTAs are scheduled while the decode's last CTAs run.
 template <typename T>
@@ -273,7 +277,10 @@ cudaError_t launch_merge_cols(const float* part_acc, const float* part_ml,
   // (grid, block, dynamic shared memory, stream, attributes, how many)
   const cudaLaunchConfig_t cfg = {dim3(hq, batch, d / kMergeCols), dim3(kMergeThreads), 0,
                                   stream, attr, pdl ? 1u : 0u};
-  return cudaLaunchKernelEx(&cfg, decode_merge_cols_kernel<T>, part_acc, part_ml, seq_lens,
+  if (n_splits > kMergeSlices)
+    return cudaLaunchKernelEx(&cfg, decode_merge_cols_kernel<T, kMergeBatch>, part_acc,
+                              part_ml, seq_lens, chunk, n_splits, hq, d, out, out_stride_b);
+  return cudaLaunchKernelEx(&cfg, decode_merge_cols_kernel<T, 1>, part_acc, part_ml, seq_lens,
                             chunk, n_splits, hq, d, out, out_stride_b);
 }
 

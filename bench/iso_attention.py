@@ -209,7 +209,7 @@ def bench_decode_iso(st: dict, impl: str, cfg: dict, base_us: float | None) -> d
         row["ratio_vs_bf16"] = us / base_us
     if impl.startswith("mma"):
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        c = iso_mma.mma_config(st["batch"])
+        c = iso_mma.mma_config(st["batch"], st["ctx"])
         ctas = cfg.get("ctas_per_sm", c["ctas_per_sm"])
         fit = iso_mma.ctas_per_sm_fit(st["q"].device, D, cfg.get("warps", c["warps"]),
                                       cfg.get("loop"))

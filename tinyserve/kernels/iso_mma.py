@@ -28,8 +28,9 @@ from tinyserve.kernels.launch import dependent_launch
 # as dynamic shared memory (sm_90: 2 CTAs of 8 warps or 1 of 16 per SM).
 WARPS = (2, 4, 8, 16)
 
-# Settings of the tensor-core decode kernel (csrc/iso_decode_mma.cu) by batch size: the row
-# with the smallest `max_batch` >= batch is used (the last row otherwise). `warps` per CTA
+# Settings of the tensor-core decode kernel (csrc/iso_decode_mma.cu) by batch size and
+# context: the first row with `max_batch` >= batch and `min_context` (0 if absent) <= the
+# call's longest sequence (its bound) is used (the last row otherwise). `warps` per CTA
 # (one of WARPS), about `ctas_per_sm` CTAs per SM (None: one full wave, as many CTAs as the
 # kernel's occupancy lets every SM hold), at least `min_split_tokens` tokens per split.
 # Set from bench/iso_attention.py's mma sweep (`mma_best`).
@@ -39,7 +40,11 @@ WARPS = (2, 4, 8, 16)
 # warp (64 for 4 warps, 256 for 16): short contexts get more, shorter splits (batch 1, 4k:
 # 128 CTAs, not 64 of two sub-tiles per warp).
 MMA_CONFIG: tuple[dict, ...] = (  # H200 sweeps, bench/results/iso_attention_layout.json
-    # b1 4k/32k/128k (padded rows): 12.5 / 22.4 / 51.0 us; 8 or 16 warps per CTA within 4 %
+    # b1 from 64k tokens: one full wave (4 CTAs of 4 warps per SM, 256 splits per kv head at
+    # 128k): 43.5 vs 45.4 us with 2 CTAs per SM at 128k, 18.2 vs 17.4 at 32k (the threshold
+    # lies between the two measured points; bench/results/iso_attention_merge.json)
+    dict(max_batch=1, min_context=65536, warps=4, ctas_per_sm=None, min_split_tokens=64),
+    # b1 4k/32k (padded rows): 8.5 / 17.4 us
     dict(max_batch=1, warps=4, ctas_per_sm=2, min_split_tokens=64),
     # b8: one wave of 16-warp CTAs (1 per SM), geomean 79.3 us over 4k/32k/128k with padded
     # rows (4 warps: 82.7; 4 warps, 16-byte rows: 84.1)
@@ -79,10 +84,10 @@ def _pdl(device: torch.device, pdl: bool | None) -> int:
     return int(bool(want) and dependent_launch(device))
 
 
-def mma_config(batch: int) -> dict:
-    """The MMA_CONFIG row for `batch`."""
+def mma_config(batch: int, context: int = 0) -> dict:
+    """The MMA_CONFIG row for `batch` sequences of up to `context` tokens."""
     for row in MMA_CONFIG:
-        if batch <= row["max_batch"]:
+        if batch <= row["max_batch"] and context >= row.get("min_context", 0):
             return row
     return MMA_CONFIG[-1]
 
@@ -126,7 +131,8 @@ def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                              pdl: bool | None = None) -> torch.Tensor:
     """`iso_cuda.iso_decode_attention` on tensor cores (iso3 only; GQA group <= 8; head_dim
     128 or 256): fp16 query and centroid operands, fp32 accumulation, q read in its own
-    dtype. Settings default to `mma_config(B)`; `split_tokens`, `warps` (one of WARPS),
+    dtype. Settings default to `mma_config(B, max_seq_len)` (no row for long contexts when
+    max_seq_len is None: the bound is not read back); `split_tokens`, `warps` (one of WARPS),
     `ctas_per_sm` (0: one wave from the occupancy), `min_split_tokens` override them (tuning;
     a split shorter than 16 x warps tokens leaves warps idle); `loop="tokens"` forces the
     word-staged fallback, `loop="tokens_pad"` the padded rows (LOOPS; None: MMA_LOOP); `pdl`
@@ -139,7 +145,7 @@ def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                          f"got {fmt}, {hq}/{hkv} heads, head_dim {d}")
     loop = loop or MMA_LOOP
     wide = _wide(loop)
-    cfg = mma_config(b)
+    cfg = mma_config(b, max_seq_len or 0)
     warps = warps or cfg["warps"]
     if warps not in WARPS:
         raise ValueError(f"warps must be one of {WARPS}, got {warps}")

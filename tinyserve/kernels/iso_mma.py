@@ -42,7 +42,7 @@ WARPS = (2, 4, 8, 16)
 MMA_CONFIG: tuple[dict, ...] = (  # H200 sweeps, bench/results/iso_attention_layout.json
     # b1 from 64k tokens: one full wave (4 CTAs of 4 warps per SM, 256 splits per kv head at
     # 128k): 43.5 vs 45.4 us with 2 CTAs per SM at 128k, 18.2 vs 17.4 at 32k (the threshold
-    # lies between the two measured points; bench/results/iso_attention_merge.json)
+    # lies between the two measured points; bench/results/iso_decode_ab.json, `grids`)
     dict(max_batch=1, min_context=65536, warps=4, ctas_per_sm=None, min_split_tokens=64),
     # b1 4k/32k (padded rows): 8.5 / 17.4 us
     dict(max_batch=1, warps=4, ctas_per_sm=2, min_split_tokens=64),

@@ -27,8 +27,7 @@ struct PlainRows {
 template <int NW, int D, typename Rows = PlainRows<D>>
 __device__ __forceinline__ void merge_warp_partials(const float* macc, float* ml, int rows,
                                                     int heads, int64_t row0, int n_splits,
-                                                    int split,
-                                                    float* __restrict__ part_acc,
+                                                    int split, float* __restrict__ part_acc,
                                                     float* __restrict__ part_ml) {
   static_assert(D % 4 == 0, "4 columns per step");
   for (int h = threadIdx.x; h < heads; h += NW * 32) {
@@ -152,9 +151,9 @@ constexpr int kMergeCols = 32;                               // output columns p
 constexpr int kMergeThreads = 256;
 constexpr int kMergeGroups = kMergeCols / 4;                 // 4-D groups per CTA
 constexpr int kMergeSlices = kMergeThreads / kMergeGroups;  // split slices per CTA
-// Splits in flight per thread where a thread has several (batch 1 at 32k: 4 of its 4); one
-// keeps the kernel at 32 registers, 8 CTAs per SM, where the grid is large (batch 8: 1,024
-// CTAs of one split per thread; 4 in flight took 64 registers and a second wave).
+// Splits in flight per thread where a thread has several (batch 1 at 32k: all 4 of its
+// splits at once); with one split per thread the kernel keeps 32 registers, 8 CTAs per SM,
+// where the grid is large (batch 8: 1,024 CTAs; 4 in flight take 64 registers: two waves).
 constexpr int kMergeBatch = 4;
 
 // (m, l, a) <- the log-sum-exp merge of (m, l, a) and (m2, l2, a2); m or m2 may be -inf.

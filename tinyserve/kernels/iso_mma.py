@@ -78,12 +78,6 @@ MMA_LOOP = "tokens_pad"
 MERGE_PDL = True
 
 
-# A row with `ctas_per_sm` set launches with at most that many CTAs per SM (padded dynamic
-# shared memory; the kernel's occupancy would allow more): the block scheduler may otherwise
-# stack more CTAs on some SMs than on others, and the last SMs set the call's time.
-CAP_CTAS_PER_SM = True
-
-
 def _pdl(device: torch.device, pdl: bool | None) -> int:
     """The C entry's `pdl` argument: 1 where asked (None: MERGE_PDL) and the GPU is sm_90+."""
     want = MERGE_PDL if pdl is None else pdl
@@ -160,7 +154,6 @@ def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                                   min_tokens=min_split_tokens or cfg["min_split_tokens"],
                                   ctas_per_sm=ctas or ctas_per_sm_fit(q.device, d, warps, loop),
                                   one_wave=not ctas)
-    cap = ctas if ctas and CAP_CTAS_PER_SM else 0
     return run_split_decode("tinyserve_iso_decode_mma", warps, q, k_cache,
                             v_cache, page_table, seq_lens, page_size, scale, chunk, splits, out,
-                            native_q=True, tail=(wide, _pdl(q.device, pdl), cap))
+                            native_q=True, tail=(wide, _pdl(q.device, pdl)))

@@ -163,11 +163,11 @@ def test_mma_occupancy_entry(lib) -> None:
 
 
 def test_mma_config_table() -> None:
-    # batch 1 takes a full wave of CTAs from 64k tokens, 2 CTAs per SM below; batch > 1 the
+    # batch 1 takes a full wave of CTAs from 96k tokens, 2 CTAs per SM below; batch > 1 the
     # last row at any length
     long_b1, short_b1, many = iso_mma.MMA_CONFIG
-    assert iso_mma.mma_config(1) is short_b1 and iso_mma.mma_config(1, 65535) is short_b1
-    assert iso_mma.mma_config(1, 65536) is long_b1 and long_b1["ctas_per_sm"] is None
+    assert iso_mma.mma_config(1) is short_b1 and iso_mma.mma_config(1, 98303) is short_b1
+    assert iso_mma.mma_config(1, 98304) is long_b1 and long_b1["ctas_per_sm"] is None
     assert iso_mma.mma_config(2, 1 << 17) is many
     assert iso_mma.mma_config(10 ** 9) is iso_mma.MMA_CONFIG[-1]
     for row in iso_mma.MMA_CONFIG:

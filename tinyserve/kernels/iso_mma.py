@@ -40,10 +40,10 @@ WARPS = (2, 4, 8, 16)
 # warp (64 for 4 warps, 256 for 16): short contexts get more, shorter splits (batch 1, 4k:
 # 128 CTAs, not 64 of two sub-tiles per warp).
 MMA_CONFIG: tuple[dict, ...] = (  # H200 sweeps, bench/results/iso_attention_layout.json
-    # b1 from 64k tokens: one full wave (4 CTAs of 4 warps per SM, 256 splits per kv head at
-    # 128k): 43.5 vs 45.4 us with 2 CTAs per SM at 128k, 18.2 vs 17.4 at 32k (the threshold
-    # lies between the two measured points; bench/results/iso_decode_ab.json, `grids`)
-    dict(max_batch=1, min_context=65536, warps=4, ctas_per_sm=None, min_split_tokens=64),
+    # b1 from 96k tokens: one full wave (4 CTAs of 4 warps per SM, 256 splits per kv head at
+    # 128k): 43.5 vs 45.4 us with 2 CTAs per SM at 128k; 2 per SM stay ahead at 32k / 48k /
+    # 64k (17.4 / 22.1 / 26.6 vs 18.2 / 22.5 / 26.7; bench/results/iso_decode_ab.json, `grids`)
+    dict(max_batch=1, min_context=98304, warps=4, ctas_per_sm=None, min_split_tokens=64),
     # b1 4k/32k (padded rows): 8.5 / 17.4 us
     dict(max_batch=1, warps=4, ctas_per_sm=2, min_split_tokens=64),
     # b8: one wave of 16-warp CTAs (1 per SM), geomean 79.3 us over 4k/32k/128k with padded

@@ -115,11 +115,6 @@ __device__ __forceinline__ void rotate_by(float4 q, bool conj, const float v[4],
   r[3] = qw * v[3] + qx * v[2] - qy * v[1] + qz * v[0];
 }
 
-// rotate_by group g's quaternion from constant memory (for a warp-uniform g).
-__device__ __forceinline__ void rotate_fast(int g, bool conj, const float v[4], float r[4]) {
-  rotate_by(make_float4(kQuat[g][0], kQuat[g][1], kQuat[g][2], kQuat[g][3]), conj, v, r);
-}
-
 // The 4 centroid indices of group g (0..31) of one packed block.
 template <int BITS>
 __device__ __forceinline__ void group_indices(const uint8_t* blk, int g, int idx[4]) {

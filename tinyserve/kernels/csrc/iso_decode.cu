@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       float v4[4], r4[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) v4[j] = qh[4 * k + j];
-      rotate_fast(g0 + k, false, v4, r4);
+      rotate_by(quat_row(g0 + k), false, v4, r4);  // g0 is per lane
 #pragma unroll
       for (int j = 0; j < 4; ++j) qr[h][4 * k + j] = r4[j] * scale_log2;
     }

@@ -103,7 +103,9 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
   const int kvh = blockIdx.y;
   const int b = blockIdx.z;
   const int hq = n_kv_heads * group;
-  // the query loads go out first, beside the length's: neither waits on the other
+  // the length first: length -> page table -> rows is the prologue's longest chain; the
+  // query loads go out beside it
+  const int len = seq_lens[b];
   constexpr int kQGroups = kRows * D / 4;  // 4-value groups of the staged query
   constexpr int kQIters = (kQGroups + NW * 32 - 1) / (NW * 32);  // per thread
   // D = 128 with 16 warps: more threads than groups (threads past the end load nothing)
@@ -120,7 +122,6 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
 #pragma unroll
     for (int j = 0; j < 4; ++j) qv[it][j] = h < group ? load_q(q, qi + j, q_code) : 0.0f;
   }
-  const int len = seq_lens[b];
   const int t_begin = split * chunk;
   if (t_begin >= len) return;
   const int t_end = min(len, t_begin + chunk);
@@ -132,11 +133,13 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
   uint8_t* wbuf = raw + warp * kWarpBuf;
   constexpr int kStride = NW * kSub;  // tokens between a warp's sub-tiles
   // lane < kSub: the page of its token in the next sub-tile to stage, loaded one sub-tile
-  // ahead, so `stage` does not wait on the page table
-  auto page_of = [&](int t) -> int64_t {
+  // ahead, so `stage` does not wait on the page table. NOTE: kept as the table's int32 until
+  // that next `stage`: widened where it is loaded, it made each stage wait for the load it
+  // had just issued (a sign extension right behind it, before the copies).
+  auto page_of = [&](int t) -> int32_t {
     return t < t_end ? page_table[(int64_t)b * pt_stride + t / page_size] : 0;
   };
-  int64_t page_next = 0;
+  int32_t page_next = 0;
   // WIDE: the page index and row in the page of lane's token in the next sub-tile to stage,
   // advanced by kStride tokens per sub-tile without a division
   int pg_i = 0, pg_r = 0, pg_dq = 0, pg_dr = 0;
@@ -164,7 +167,7 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
     if (lane < kSub) {
       const int t = t0 + lane;
       int64_t off = 0;
-      if (t < t_end) off = (int64_t)(page_next * page_size + pg_r) * slot_stride + kvh * RB;
+      if (t < t_end) off = ((int64_t)page_next * page_size + pg_r) * slot_stride + kvh * RB;
       off_sm[warp][buf][lane] = off;
       mis_sm[WIDE ? warp : 0][buf][lane] = (uint8_t)(off & 15);
       pg_r += pg_dr;
@@ -199,7 +202,8 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
     if (lane < kSub) {
       const int t = t0 + lane;
       int64_t off = 0;
-      if (t < t_end) off = (page_next * page_size + t % page_size) * slot_stride + kvh * RB;
+      if (t < t_end)
+        off = ((int64_t)page_next * page_size + t % page_size) * slot_stride + kvh * RB;
       off_sm[warp][buf][lane] = off;
       page_next = page_of(t + kStride);
     }

@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
   constexpr int kQIters = (kQGroups + NW * 32 - 1) / (NW * 32);  // per thread
   // D = 128 with 16 warps: more threads than groups (threads past the end load nothing)
   constexpr bool kQWhole = kQGroups % (NW * 32) == 0;
-  float qv[kQIters][4];
+  uint32_t qv[kQIters][4];  // the query's bits (load_q_bits)
   // the quaternion of the lane's 4-D group: the query groups a thread rotates below are
   // i mod D/4 with i = lane (mod 32), always group `lane` of its block
   const float4 quat = quat_row(threadIdx.x & 31);
@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
     const int h = i / (D / 4);  // >= kRows > group past the end
     const int64_t qi = ((int64_t)b * hq + kvh * group + h) * D + 4 * (i - h * (D / 4));
 #pragma unroll
-    for (int j = 0; j < 4; ++j) qv[it][j] = h < group ? load_q(q, qi + j, q_code) : 0.0f;
+    for (int j = 0; j < 4; ++j) qv[it][j] = h < group ? load_q_bits(q, qi + j, q_code) : 0u;
   }
   const int t_begin = split * chunk;
   if (t_begin >= len) return;
@@ -233,8 +233,10 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
     if (!kQWhole && i >= kQGroups) break;
     const int h = i / (D / 4);
     const int g = i - h * (D / 4);
-    float r4[4];
-    rotate_by(quat, false, qv[it], r4);  // g & 31 == lane
+    float v4[4], r4[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v4[j] = q_bits_to_float(qv[it][j], q_code);
+    rotate_by(quat, false, v4, r4);  // g & 31 == lane
 #pragma unroll
     for (int j = 0; j < 4; ++j) q_sm[h][q_col(4 * g + j)] = r4[j] * scale_log2;
   }

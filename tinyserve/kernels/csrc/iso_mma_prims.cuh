@@ -58,11 +58,19 @@ __device__ __forceinline__ uint4 lds128(const uint4* p) {
 }
 #endif
 
-// Element i of a query in its dtype (0 fp32, 1 bf16, 2 fp16) as fp32.
-__device__ __forceinline__ float load_q(const void* q, int64_t i, int code) {
-  if (code == 1) return to_float(static_cast<const __nv_bfloat16*>(q)[i]);
-  if (code == 2) return to_float(static_cast<const __half*>(q)[i]);
-  return static_cast<const float*>(q)[i];
+// Element i of a query in its dtype (0 fp32, 1 bf16, 2 fp16): its bits, zero-extended, and
+// those bits as fp32 (`q_bits_to_float`). NOTE: two steps so that a kernel converts where it
+// uses the value; converted at the load, the warp waited there for the query's loads before
+// issuing any load after them.
+__device__ __forceinline__ uint32_t load_q_bits(const void* q, int64_t i, int code) {
+  if (code == 0) return static_cast<const uint32_t*>(q)[i];
+  return static_cast<const uint16_t*>(q)[i];
+}
+
+__device__ __forceinline__ float q_bits_to_float(uint32_t bits, int code) {
+  if (code == 1) return __uint_as_float(bits << 16);
+  if (code == 2) return __half2float(__ushort_as_half((unsigned short)bits));
+  return __uint_as_float(bits);
 }
 
 #ifdef TINYSERVE_CUDA_EMU

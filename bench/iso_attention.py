@@ -32,8 +32,8 @@ setting per batch; --layout: bf16 and the shared-memory row layouts of the 16-by
 each with the batch's MMA_CONFIG row and with 4, 8, 16 warps per CTA at one wave, iso3 decode at
 the six points, < 60 s, written to bench/results/iso_attention_layout.json with `mma_layout`: the
 best row per point, pad / wide per setting and point, and the best setting per batch as an
-MMA_CONFIG row plus the loop for iso_mma.MMA_LOOP; --pdl: bf16 and the mma decode with its split
-merge launched as a programmatic dependent (`iso_mma.MERGE_PDL`) and plainly, iso3 decode at the
+MMA_CONFIG row plus the loop for iso_mma.MMA_LOOP; --pdl: bf16 and the mma decode with its kernels
+launched as programmatic dependents (`iso_mma.DEPENDENT_LAUNCHES`) and plainly, iso3 decode at the
 six points, < 60 s, written to bench/results/iso_attention_pdl.json with `mma_pdl`: on / off per
 point)
 """
@@ -491,7 +491,8 @@ def main() -> int:
                  "attention.chunk_causal_attention over contiguous bf16 K/V",
         mma_config=list(iso_mma.MMA_CONFIG), mma_loops=list(iso_mma.LOOPS),
         mode=mode,
-        mma_loop=iso_mma.MMA_LOOP, mma_warps=list(iso_mma.WARPS), merge_pdl=iso_mma.MERGE_PDL,
+        mma_loop=iso_mma.MMA_LOOP, mma_warps=list(iso_mma.WARPS),
+        dependent_launches=iso_mma.DEPENDENT_LAUNCHES,
         triton_block_t=iso_triton.BLOCK_T,
         targets="iso3 <= 0.5x bf16 at 32k and 128k (batch 1); extend iso/bf16 within 1.3x"))
     contexts = [4096, 32768] if args.quick else [4096, 32768, 131072]

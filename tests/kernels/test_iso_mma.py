@@ -29,7 +29,7 @@ def lib(tmp_path_factory):
     lib = emulation.build(("iso_decode_mma.cu",), tmp_path_factory.mktemp("iso_mma_emu"),
                           defines=("TINYSERVE_CUDA_EMU",))
     lib.tinyserve_iso_decode_mma.argtypes = [P, P, P, I64, P, I64, P, I, I, I, I, I, I, I, F,
-                                             I, P, P, P, I64, I, I, I, I, P]
+                                             I, P, P, P, I64, I, I, I, I, I, P]
     return lib
 
 
@@ -98,7 +98,7 @@ def test_mma_decode_matches_reference(lib, case, loop) -> None:
         q.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.stride(0), table.data_ptr(),
         table.stride(0), seq.data_ptr(), len(lens), hq, hkv, d, ps, chunk, splits, d ** -0.5,
         warps, part_acc.data_ptr(), part_ml.data_ptr(), out.data_ptr(), out.stride(0),
-        _CODE[dtype], _CODE[q_dtype], iso_mma._wide(loop), 1, None)
+        _CODE[dtype], _CODE[q_dtype], iso_mma._wide(loop), 1, 2, None)
     assert rc == 0
     ref = iso.decode_attention_ref(q.float(), kc, vc, table, seq, ps, "iso3", d ** -0.5)
     assert not out.isnan().any()
@@ -131,7 +131,7 @@ def test_mma_padded_rows_give_the_same_bits(lib, case) -> None:
             q.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.stride(0), table.data_ptr(),
             table.stride(0), seq.data_ptr(), len(lens), hq, hkv, d, ps, chunk, splits,
             d ** -0.5, warps, part_acc.data_ptr(), part_ml.data_ptr(), out.data_ptr(),
-            out.stride(0), _CODE[dtype], _CODE[q_dtype], iso_mma._wide(loop), 1, None) == 0
+            out.stride(0), _CODE[dtype], _CODE[q_dtype], iso_mma._wide(loop), 1, 0, None) == 0
         assert not out.isnan().any()
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
@@ -140,16 +140,16 @@ def test_mma_padded_rows_give_the_same_bits(lib, case) -> None:
 def test_mma_rejects_unsupported(lib) -> None:
     z = torch.zeros(4, dtype=torch.int32)
     args = [z.data_ptr(), z.data_ptr(), z.data_ptr(), 0, z.data_ptr(), 1, z.data_ptr(), 1]
-    tail = [16, 1, 1, 1.0, 4, z.data_ptr(), z.data_ptr(), z.data_ptr(), 0, 0, 0, 1, 0, None]
+    tail = [16, 1, 1, 1.0, 4, z.data_ptr(), z.data_ptr(), z.data_ptr(), 0, 0, 0, 1, 0, 0, None]
     assert lib.tinyserve_iso_decode_mma(*args, 16, 1, 256, *tail) == 3  # group 16
     assert lib.tinyserve_iso_decode_mma(*args, 8, 1, 384, *tail) == 2  # head_dim
     for warps in (3, 6, 32):
         bad_warps = tail[:4] + [warps] + tail[5:]
         assert lib.tinyserve_iso_decode_mma(*args, 8, 1, 256, *bad_warps) == 4
-    # q dtype code, wide, pdl
-    for bad in ([0, 3, 1, 0], [0, -1, 1, 0], [0, 0, 3, 0], [0, 0, -1, 0], [0, 0, 1, 2],
-                [0, 0, 1, -1]):
-        assert lib.tinyserve_iso_decode_mma(*args, 8, 1, 256, *tail[:-5], *bad, None) == 5
+    # q dtype code, wide, pdl, CTA cap
+    for bad in ([0, 3, 1, 0, 0], [0, -1, 1, 0, 0], [0, 0, 3, 0, 0], [0, 0, -1, 0, 0],
+                [0, 0, 1, 2, 0], [0, 0, 1, -1, 0], [0, 0, 1, 0, -1]):
+        assert lib.tinyserve_iso_decode_mma(*args, 8, 1, 256, *tail[:-6], *bad, None) == 5
 
 
 def test_mma_occupancy_entry(lib) -> None:
@@ -281,13 +281,14 @@ def test_decode_launchers_pass_the_split_plan_to_the_library(monkeypatch, forced
     assert a1[-3:] == (out_cuda.data_ptr(), out_cuda.stride(0), 1)
     # the MMA entry reads q in its dtype (code 1: bf16) and takes the default loop's `wide`
     default_wide = iso_mma._WIDE_CODE[iso_mma.MMA_LOOP]
-    # and pdl 0 (not a CUDA device)
-    assert a2[-6:] == (out_mma.data_ptr(), out_mma.stride(0), 1, 1, default_wide, 0)
+    # and pdl 0 (not a CUDA device), then the cap of CTAs per SM (0: batch 2's row fills one
+    # wave by occupancy)
+    assert a2[-7:] == (out_mma.data_ptr(), out_mma.stride(0), 1, 1, default_wide, 0, 0)
     assert a2[0] == q.data_ptr()
     for name, wide in (("tokens", 0), ("tokens_wide", 1), ("tokens_pad", 2)):
         iso_mma.iso_decode_attention_mma(q, kc, kc, table, seq, ps, "iso3", 0.5,
                                          split_tokens=forced, loop=name)
-        assert calls[-1][1][7:16] == a2[7:16] and calls[-1][1][-2] == wide
+        assert calls[-1][1][7:16] == a2[7:16] and calls[-1][1][-3] == wide
     for bad in ("heads", "x"):
         with pytest.raises(ValueError):
             iso_mma.iso_decode_attention_mma(q, kc, kc, table, seq, ps, "iso3", 0.5, loop=bad)
@@ -297,16 +298,21 @@ def test_decode_launchers_pass_the_split_plan_to_the_library(monkeypatch, forced
         assert calls[-1][1][7:15] == a2[7:15] and calls[-1][1][15] == warps
     with pytest.raises(ValueError):
         iso_mma.iso_decode_attention_mma(q, kc, kc, table, seq, ps, "iso3", 0.5, warps=6)
+    # one sequence below 96k tokens: the row's 2 CTAs per SM, capped; from 96k one full wave
+    for bound, cap in ((500, 2), (1 << 17, 0)):
+        iso_mma.iso_decode_attention_mma(q[:1], kc, kc, table[:1], seq[:1], ps, "iso3", 0.5,
+                                         max_seq_len=bound)
+        assert calls[-1][1][-1] == cap
     assert out_cuda.shape == out_mma.shape == (b, hq, d) and out_cuda.dtype == q.dtype
 
 
-def test_merge_is_a_dependent_launch_on_sm90_only(monkeypatch) -> None:
+def test_dependent_launches_on_sm90_only(monkeypatch) -> None:
     cuda = torch.device("cuda", 0)
     for cap, want in (((9, 0), 1), ((10, 0), 1), ((8, 9), 0), ((8, 0), 0)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev, cap=cap: cap)
         assert iso_mma._pdl(cuda, None) == want
         assert iso_mma._pdl(cuda, True) == want
         assert iso_mma._pdl(cuda, False) == 0
-    monkeypatch.setattr(iso_mma, "MERGE_PDL", False)
+    monkeypatch.setattr(iso_mma, "DEPENDENT_LAUNCHES", False)
     assert iso_mma._pdl(cuda, None) == 0
     assert iso_mma._pdl(torch.device("cpu"), True) == 0

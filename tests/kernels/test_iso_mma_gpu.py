@@ -140,33 +140,47 @@ def test_mma_same_bits_every_run(loop, cfg) -> None:
     assert torch.equal(out, first)
 
 
-@pytest.mark.parametrize("cfg", WIDE_CTAS, ids=lambda c: f"w{c.get('warps', 'default')}")
-def test_mma_merge_dependent_launch_same_bits(cfg) -> None:
-    """The split merge launched as a programmatic dependent (sm_90+) or plainly: the same
-    bits, eagerly and replayed from a graph (where the dependency is a programmatic edge),
-    behind a kernel that rewrites the query and lengths just before."""
+@pytest.mark.parametrize("cfg", WIDE_CTAS + [dict(warps=4, ctas_per_sm=2, min_split_tokens=64)],
+                         ids=lambda c: f"w{c.get('warps', 'default')}c{c.get('ctas_per_sm', '')}")
+def test_mma_dependent_launches_same_bits(cfg) -> None:
+    """The decode kernel and its split merge launched as programmatic dependents (sm_90+) or
+    plainly: the same bits, eagerly and replayed from a graph (programmatic edges), as in a
+    decode step: the query and lengths rewritten, then the store kernel writing each
+    sequence's newest row right before the decode kernel; poisoned rows, query and output
+    before every replay."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90")
-    kc, vc, table, seq = _state([20000, 3000], seed=6)
+    lens = [20000, 3000]
+    kc, vc, table, seq = _state(lens, seed=6)
     q = torch.randn(2, HQ, D, device="cuda").bfloat16()
     q_src, seq_src = q.clone(), seq.clone()
+    last = torch.tensor([table[b, (n - 1) // PS].item() * PS + (n - 1) % PS
+                         for b, n in enumerate(lens)], device="cuda")
+    k_new, v_new = (torch.randn(2, HKV, D, device="cuda") for _ in range(2))
 
     def call(out: torch.Tensor, pdl: bool) -> torch.Tensor:
-        q.copy_(q_src)  # the merge reads what the kernels before it wrote
+        q.copy_(q_src)
         seq.copy_(seq_src)
+        iso_cuda.iso_store(kc, vc, last, k_new, v_new, "iso3")  # the decode waits for this
         return iso_mma.iso_decode_attention_mma(q, kc, vc, table, seq, PS, "iso3", D ** -0.5,
                                                 max_seq_len=20000, out=out, pdl=pdl, **cfg)
 
+    def poison() -> None:
+        q.zero_()
+        iso_cuda.iso_store(kc, vc, last, -k_new, v_new * 3, "iso3")
+
     plain = call(torch.full_like(q, float("nan")), False).clone()
-    _check(plain, _oracle(q, kc, vc, table, [20000, 3000]), f"plain {cfg}")
-    assert torch.equal(call(torch.full_like(q, float("nan")), True), plain)
+    _check(plain, _oracle(q, kc, vc, table, lens), f"plain {cfg}")
+    for _ in range(3):
+        poison()
+        assert torch.equal(call(torch.full_like(q, float("nan")), True), plain)
     out = torch.empty_like(q)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         call(out, True)
     for _ in range(3):
         out.fill_(float("nan"))
-        q.zero_()
+        poison()
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, plain)

@@ -72,15 +72,18 @@ _WIDE_CODE = {"tokens": 0, "tokens_wide": 1, "tokens_pad": 2}  # the C entry's `
 MMA_LOOP = "tokens_pad"
 
 
-# The split merge as a programmatic dependent launch of the decode kernel (sm_90+: its CTAs
-# are scheduled while the decode's last CTAs run, and wait on the GPU for the decode grid
-# instead of being launched after it). Below sm_90 the merge is always a plain launch.
-MERGE_PDL = True
+# Programmatic dependent launches (sm_90+): the decode kernel's CTAs are scheduled while the
+# kernel before it (the KV store in a decode step) still runs and wait on the GPU for it
+# before their first read; the split merge's likewise for the decode kernel. H200, batch 1:
+# 8.3 -> 7.7 us at 4k, 17.0 -> 15.9 at 32k (bench/NOTES_iso.md, round 13). Below sm_90 both
+# are plain launches.
+DEPENDENT_LAUNCHES = True
 
 
 def _pdl(device: torch.device, pdl: bool | None) -> int:
-    """The C entry's `pdl` argument: 1 where asked (None: MERGE_PDL) and the GPU is sm_90+."""
-    want = MERGE_PDL if pdl is None else pdl
+    """The C entry's `pdl` argument: 1 where asked (None: DEPENDENT_LAUNCHES) and the GPU is
+    sm_90+."""
+    want = DEPENDENT_LAUNCHES if pdl is None else pdl
     return int(bool(want) and dependent_launch(device))
 
 
@@ -136,8 +139,12 @@ def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     `ctas_per_sm` (0: one wave from the occupancy), `min_split_tokens` override them (tuning;
     a split shorter than 16 x warps tokens leaves warps idle); `loop="tokens"` forces the
     word-staged fallback, `loop="tokens_pad"` the padded rows (LOOPS; None: MMA_LOOP); `pdl`
-    (None: MERGE_PDL) launches the split merge as a programmatic dependent. Raises
-    ValueError on shapes or settings it does not take."""
+    (None: DEPENDENT_LAUNCHES) launches the decode kernel and the split merge as programmatic
+    dependents. A grid of `ctas_per_sm` CTAs per SM runs with at most that many on any SM
+    (padded dynamic shared memory; the occupancy would allow more): a dependent launch is
+    scheduled while the kernel before it still holds some SMs, and stacking its one wave
+    unevenly there cost 3.3 us at 1 / 32k on the H200. Raises ValueError on shapes or
+    settings it does not take."""
     b, hq, d, hkv = _check_decode(q, k_cache, v_cache, page_table, seq_lens, fmt)
     _check_out(out, q, b, hq, d)
     if not mma_supported(fmt, hq, hkv, d):
@@ -154,6 +161,7 @@ def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                                   min_tokens=min_split_tokens or cfg["min_split_tokens"],
                                   ctas_per_sm=ctas or ctas_per_sm_fit(q.device, d, warps, loop),
                                   one_wave=not ctas)
+    cap = ctas or 0
     return run_split_decode("tinyserve_iso_decode_mma", warps, q, k_cache,
                             v_cache, page_table, seq_lens, page_size, scale, chunk, splits, out,
-                            native_q=True, tail=(wide, _pdl(q.device, pdl)))
+                            native_q=True, tail=(wide, _pdl(q.device, pdl), cap))

@@ -30,6 +30,12 @@ constexpr cudaError_t cudaSuccess = 0, cudaErrorInvalidValue = 1;
 template <typename K> inline cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, K, int, size_t) { *n = 2; return cudaSuccess; }
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 template <typename K> inline cudaError_t cudaFuncSetAttribute(K, cudaFuncAttribute, int) { return cudaSuccess; }
+// One device with the H200's shared memory per SM; kernels report no static shared memory.
+enum cudaDeviceAttr { cudaDevAttrMaxSharedMemoryPerMultiprocessor = 81, cudaDevAttrReservedSharedMemoryPerBlock = 111 };
+inline cudaError_t cudaGetDevice(int* d) { *d = 0; return cudaSuccess; }
+inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr a, int) { *v = a == cudaDevAttrMaxSharedMemoryPerMultiprocessor ? 233472 : 1024; return cudaSuccess; }
+struct cudaFuncAttributes { size_t sharedSizeBytes = 0; };
+template <typename K> inline cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* a, K) { a->sharedSizeBytes = 0; return cudaSuccess; }
 #define __global__
 #define __device__
 #define __host__

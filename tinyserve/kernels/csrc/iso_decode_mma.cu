@@ -99,6 +99,12 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
   __shared__ uint4 qf_sm[NB * 4][32];
 
   allow_dependent_launch();  // the split merge may be scheduled now; it waits for this grid
+  // the quaternion of the lane's 4-D group (a constant table): the query groups a thread
+  // rotates below are i mod D/4 with i = lane (mod 32), always group `lane` of its block
+  const float4 quat = quat_row(threadIdx.x & 31);
+  // launched as a programmatic dependent (pdl): nothing before this line reads what the
+  // kernels before it write (query, lengths, page table, the new token's rows)
+  wait_for_prior_grid();
   const int split = blockIdx.x;
   const int kvh = blockIdx.y;
   const int b = blockIdx.z;
@@ -111,9 +117,6 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
   // D = 128 with 16 warps: more threads than groups (threads past the end load nothing)
   constexpr bool kQWhole = kQGroups % (NW * 32) == 0;
   uint32_t qv[kQIters][4];  // the query's bits (load_q_bits)
-  // the quaternion of the lane's 4-D group: the query groups a thread rotates below are
-  // i mod D/4 with i = lane (mod 32), always group `lane` of its block
-  const float4 quat = quat_row(threadIdx.x & 31);
 #pragma unroll
   for (int it = 0; it < kQIters; ++it) {
     const int i = threadIdx.x + it * NW * 32;
@@ -407,21 +410,47 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
                             (int64_t)b * hq + kvh * group, n_splits, split, part_acc, part_ml);
 }
 
+// Dynamic shared memory for a CTA of `kernel` (its own need: `need` bytes) such that at most
+// `cap` CTAs fit on one SM (0: no cap, `need`): a grid of cap x SMs CTAs then runs cap on
+// every SM instead of, possibly, up to the occupancy on some and fewer on others. -1 on error.
+template <typename K>
+int capped_dynamic_smem(K kernel, int need, int cap) {
+  if (cap <= 0) return need;
+  int dev = 0, per_sm = 0, reserved = 0;
+  cudaFuncAttributes fa;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) !=
+          cudaSuccess ||
+      cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev) !=
+          cudaSuccess ||
+      cudaFuncGetAttributes(&fa, kernel) != cudaSuccess)
+    return -1;
+  const int fixed = (int)fa.sharedSizeBytes + reserved;
+  // cap + 1 CTAs of (fixed + dyn) bytes must not fit in per_sm, cap of them must
+  const int dyn = per_sm / (cap + 1) - fixed + 1;
+  if (dyn <= need) return need;
+  return cap * (fixed + dyn) <= per_sm ? dyn : need;
+}
+
 template <int NB, int NW, bool WIDE, bool PAD>
 cudaError_t launch(const void* q, int qc, const uint8_t* kc, const uint8_t* vc, int64_t ss,
                    const int32_t* pt, int64_t pts, const int32_t* lens, int batch, int ps,
                    int hkv, int group, int chunk, int nsp, float sl2, float* pa, float* pm,
-                   cudaStream_t st) {
+                   int cap, bool pdl, cudaStream_t st) {
   const dim3 grid(nsp, hkv, batch);
-  constexpr int smem = Layout<NB, NW, WIDE, PAD>::kDynBytes;
-  if constexpr (smem > 0) {  // above the default 48 KB: allowed per kernel (cheap, capturable)
-    const cudaError_t e = cudaFuncSetAttribute(decode_mma_kernel<NB, NW, WIDE, PAD>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  auto* kernel = decode_mma_kernel<NB, NW, WIDE, PAD>;
+  const int smem = capped_dynamic_smem(kernel, Layout<NB, NW, WIDE, PAD>::kDynBytes, cap);
+  if (smem < 0) return cudaErrorInvalidValue;
+  if (smem > 0) {  // above the default 48 KB: allowed per kernel (cheap, capturable)
+    const cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
   }
-  decode_mma_kernel<NB, NW, WIDE, PAD><<<grid, NW * 32, smem, st>>>(
-      q, qc, kc, vc, ss, pt, pts, lens, ps, hkv, group, chunk, nsp, sl2, pa, pm);
-  return cudaSuccess;
+  // (grid, block, dynamic shared memory, stream, attributes, how many)
+  const cudaLaunchConfig_t cfg = {grid, dim3(NW * 32), (size_t)smem, st, dependent_launch_attr(),
+                                  pdl ? 1u : 0u};
+  return cudaLaunchKernelEx(&cfg, kernel, q, qc, kc, vc, ss, pt, pts, lens, ps, hkv, group,
+                            chunk, nsp, sl2, pa, pm);
 }
 
 // How many CTAs of decode_mma_kernel<NB, NW, WIDE, PAD> one SM holds (0 on error).
@@ -442,7 +471,7 @@ int occupancy() {
 // `launch` for (NB, warps, staging) (nullptr for a warp count without a kernel).
 using LaunchFn = cudaError_t (*)(const void*, int, const uint8_t*, const uint8_t*, int64_t,
                                  const int32_t*, int64_t, const int32_t*, int, int, int, int,
-                                 int, int, float, float*, float*, cudaStream_t);
+                                 int, int, float, float*, float*, int, bool, cudaStream_t);
 template <int NB, bool WIDE, bool PAD = false>
 LaunchFn launcher(int n_warps) {
   switch (n_warps) {
@@ -471,10 +500,12 @@ int occupancy_of(int n_warps) {
 // except that q is read in its own dtype (q_dtype_code: 0 fp32, 1 bf16, 2 fp16), plus n_warps
 // (2, 4, 8 or 16 warps per CTA) and wide (1: stage the rows in 16-byte copies when both
 // caches are 16-byte aligned and the slot stride a multiple of 4, else in words; 2: the same
-// with the padded row stride (Layout's PAD); 0: always in words) and pdl (1: the split merge
-// is a programmatic dependent launch, sm_90+ only; 0: a plain launch). Returns 0, a CUDA error
+// with the padded row stride (Layout's PAD); 0: always in words) and pdl (1: the decode kernel
+// a programmatic dependent launch of the kernel before it and the split merge one of the
+// decode kernel, sm_90+ only; 0: plain launches). Returns 0, a CUDA error
 // code, 2 (bad format/head_dim), 3 (bad GQA group), 4 (bad n_warps) or 5 (bad q dtype,
-// wide or pdl).
+// wide, pdl or cta_cap). cta_cap > 0: at most that many CTAs of the decode kernel per SM
+// (padded dynamic shared memory), so a grid of cta_cap x SMs CTAs spreads evenly.
 extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, const void* v_cache,
                                         int64_t slot_stride, const int32_t* page_table,
                                         int64_t pt_stride, const int32_t* seq_lens, int batch,
@@ -482,7 +513,8 @@ extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, cons
                                         int page_size, int chunk, int n_splits, float scale,
                                         int n_warps, float* part_acc, float* part_ml, void* out,
                                         int64_t out_stride_b, int dtype_code, int q_dtype_code,
-                                        int wide, int pdl, cudaStream_t stream) {
+                                        int wide, int pdl, int cta_cap,
+                                        cudaStream_t stream) {
   using namespace iso;
   if (batch == 0) return 0;
   if (n_kv_heads <= 0 || n_q_heads % n_kv_heads != 0) return 3;
@@ -490,7 +522,8 @@ extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, cons
   if (group < 1 || group > mma::kRows) return 3;
   if (head_dim != 128 && head_dim != 256) return 2;
   if (n_warps != 2 && n_warps != 4 && n_warps != 8 && n_warps != 16) return 4;
-  if (q_dtype_code < 0 || q_dtype_code > 2 || wide < 0 || wide > 2 || pdl < 0 || pdl > 1)
+  if (q_dtype_code < 0 || q_dtype_code > 2 || wide < 0 || wide > 2 || pdl < 0 || pdl > 1 ||
+      cta_cap < 0)
     return 5;
   const uintptr_t addr_bits =
       reinterpret_cast<uintptr_t>(k_cache) | reinterpret_cast<uintptr_t>(v_cache);
@@ -504,7 +537,7 @@ extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, cons
   e = (pad ? mma::launcher<NBV, true, true>(n_warps)                                           \
          : w16 ? mma::launcher<NBV, true>(n_warps) : mma::launcher<NBV, false>(n_warps))(      \
       q, q_dtype_code, kc, vc, slot_stride, page_table, pt_stride, seq_lens, batch, page_size, \
-      n_kv_heads, group, chunk, n_splits, sl2, part_acc, part_ml, stream)
+      n_kv_heads, group, chunk, n_splits, sl2, part_acc, part_ml, cta_cap, pdl != 0, stream)
   if (head_dim == 256) ISO_MMA(2);
   else ISO_MMA(1);
 #undef ISO_MMA

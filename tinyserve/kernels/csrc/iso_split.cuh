@@ -168,22 +168,6 @@ __device__ __forceinline__ void merge_lse(float& m, float& l, float (&a)[4], flo
   m = mx;
 }
 
-// Programmatic dependent launch (sm_90+): the decode kernel lets the split merge launch while
-// its own CTAs run (`allow_dependent_launch`), and the merge waits there for the decode grid
-// to finish and its writes to be visible (`wait_for_prior_grid`) before it reads a partial.
-// Both are no-ops when the merge was launched without the attribute, and below sm_90.
-__device__ __forceinline__ void allow_dependent_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void wait_for_prior_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 template <typename T, int BATCH>
 __global__ void __launch_bounds__(kMergeThreads)
     decode_merge_cols_kernel(const float* __restrict__ part_acc,
@@ -199,6 +183,7 @@ __global__ void __launch_bounds__(kMergeThreads)
   const int col = blockIdx.z * kMergeCols + 4 * gi;
   const float4 quat = quat_row((col >> 2) % 32);
   wait_for_prior_grid();
+  allow_dependent_launch();  // the next decode kernel's CTAs may be scheduled from here on
   const int len = seq_lens[b];
   const int ns = min(n_splits, (len + chunk - 1) / chunk);
   const int64_t row0 = ((int64_t)b * hq + h) * n_splits;
@@ -263,19 +248,16 @@ __global__ void __launch_bounds__(kMergeThreads)
 
 // Launch decode_merge_cols_kernel<T, BATCH> (grid (q heads, batch, D / kMergeCols); BATCH
 // kMergeBatch where a thread has more than one split, else 1); with `pdl` as a
-// programmatic dependent of the kernel before it on the stream (sm_90+; captured into CUDA
-// graphs as a programmatic edge): its CTAs are scheduled while the decode's last CTAs run.
+// programmatic dependent of the kernel before it on the stream (sm_90+): its CTAs are
+// scheduled while the decode's last CTAs run.
 template <typename T>
 cudaError_t launch_merge_cols(const float* part_acc, const float* part_ml,
                               const int32_t* seq_lens, int chunk, int n_splits, int hq, int d,
                               int batch, T* out, int64_t out_stride_b, bool pdl,
                               cudaStream_t stream) {
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
   // (grid, block, dynamic shared memory, stream, attributes, how many)
   const cudaLaunchConfig_t cfg = {dim3(hq, batch, d / kMergeCols), dim3(kMergeThreads), 0,
-                                  stream, attr, pdl ? 1u : 0u};
+                                  stream, dependent_launch_attr(), pdl ? 1u : 0u};
   if (n_splits > kMergeSlices)
     return cudaLaunchKernelEx(&cfg, decode_merge_cols_kernel<T, kMergeBatch>, part_acc,
                               part_ml, seq_lens, chunk, n_splits, hq, d, out, out_stride_b);

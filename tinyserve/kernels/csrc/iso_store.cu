@@ -39,6 +39,7 @@ __global__ void store_kernel(uint8_t* __restrict__ k_cache, uint8_t* __restrict_
                              const T* __restrict__ v, int64_t k_tok_stride, int64_t v_tok_stride,
                              const IDX* __restrict__ loc, int n_tokens, int n_heads, int nb,
                              float* __restrict__ dbg) {
+  allow_dependent_launch();  // the decode attention after it may be scheduled (and wait) now
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int64_t item = (int64_t)blockIdx.x * kStoreWarps + warp;

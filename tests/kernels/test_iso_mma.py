@@ -29,7 +29,7 @@ def lib(tmp_path_factory):
     lib = emulation.build(("iso_decode_mma.cu",), tmp_path_factory.mktemp("iso_mma_emu"),
                           defines=("TINYSERVE_CUDA_EMU",))
     lib.tinyserve_iso_decode_mma.argtypes = [P, P, P, I64, P, I64, P, I, I, I, I, I, I, I, F,
-                                             I, P, P, P, I64, I, I, I, I, I, P]
+                                             I, P, P, P, I64, I, I, I, I, I, I, P]
     return lib
 
 
@@ -64,7 +64,7 @@ def _cache(hkv, d, ps, lens, gen):
     num_pages = sum(pages_per) + 1
     perm = torch.randperm(num_pages, generator=gen)
     table = torch.zeros(len(lens), max(pages_per) + 1, dtype=torch.int32)
-    table[:, -1] = 1 << 20  # never read: past every sequence's pages
+    table[:, -1] = 1 << 20  # no row read there: past every sequence's pages
     at = 0
     for b, p in enumerate(pages_per):
         table[b, :p] = perm[at:at + p].int()
@@ -98,7 +98,7 @@ def test_mma_decode_matches_reference(lib, case, loop) -> None:
         q.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.stride(0), table.data_ptr(),
         table.stride(0), seq.data_ptr(), len(lens), hq, hkv, d, ps, chunk, splits, d ** -0.5,
         warps, part_acc.data_ptr(), part_ml.data_ptr(), out.data_ptr(), out.stride(0),
-        _CODE[dtype], _CODE[q_dtype], iso_mma._wide(loop), 1, 2, None)
+        _CODE[dtype], _CODE[q_dtype], iso_mma._wide(loop), 1, 2, table.shape[1], None)
     assert rc == 0
     ref = iso.decode_attention_ref(q.float(), kc, vc, table, seq, ps, "iso3", d ** -0.5)
     assert not out.isnan().any()
@@ -131,7 +131,8 @@ def test_mma_padded_rows_give_the_same_bits(lib, case) -> None:
             q.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.stride(0), table.data_ptr(),
             table.stride(0), seq.data_ptr(), len(lens), hq, hkv, d, ps, chunk, splits,
             d ** -0.5, warps, part_acc.data_ptr(), part_ml.data_ptr(), out.data_ptr(),
-            out.stride(0), _CODE[dtype], _CODE[q_dtype], iso_mma._wide(loop), 1, 0, None) == 0
+            out.stride(0), _CODE[dtype], _CODE[q_dtype], iso_mma._wide(loop), 1, 0,
+            table.shape[1], None) == 0
         assert not out.isnan().any()
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
@@ -140,16 +141,18 @@ def test_mma_padded_rows_give_the_same_bits(lib, case) -> None:
 def test_mma_rejects_unsupported(lib) -> None:
     z = torch.zeros(4, dtype=torch.int32)
     args = [z.data_ptr(), z.data_ptr(), z.data_ptr(), 0, z.data_ptr(), 1, z.data_ptr(), 1]
-    tail = [16, 1, 1, 1.0, 4, z.data_ptr(), z.data_ptr(), z.data_ptr(), 0, 0, 0, 1, 0, 0, None]
+    tail = [16, 1, 1, 1.0, 4, z.data_ptr(), z.data_ptr(), z.data_ptr(), 0, 0, 0, 1, 0, 0, 1,
+            None]
     assert lib.tinyserve_iso_decode_mma(*args, 16, 1, 256, *tail) == 3  # group 16
     assert lib.tinyserve_iso_decode_mma(*args, 8, 1, 384, *tail) == 2  # head_dim
     for warps in (3, 6, 32):
         bad_warps = tail[:4] + [warps] + tail[5:]
         assert lib.tinyserve_iso_decode_mma(*args, 8, 1, 256, *bad_warps) == 4
-    # q dtype code, wide, pdl, CTA cap
-    for bad in ([0, 3, 1, 0, 0], [0, -1, 1, 0, 0], [0, 0, 3, 0, 0], [0, 0, -1, 0, 0],
-                [0, 0, 1, 2, 0], [0, 0, 1, -1, 0], [0, 0, 1, 0, -1]):
-        assert lib.tinyserve_iso_decode_mma(*args, 8, 1, 256, *tail[:-6], *bad, None) == 5
+    # q dtype code, wide, pdl, CTA cap, page-table columns (at most the row stride, 1 here)
+    for bad in ([0, 3, 1, 0, 0, 1], [0, -1, 1, 0, 0, 1], [0, 0, 3, 0, 0, 1],
+                [0, 0, -1, 0, 0, 1], [0, 0, 1, 2, 0, 1], [0, 0, 1, -1, 0, 1],
+                [0, 0, 1, 0, -1, 1], [0, 0, 1, 0, 0, -1], [0, 0, 1, 0, 0, 2]):
+        assert lib.tinyserve_iso_decode_mma(*args, 8, 1, 256, *tail[:-7], *bad, None) == 5
 
 
 def test_mma_occupancy_entry(lib) -> None:
@@ -282,13 +285,14 @@ def test_decode_launchers_pass_the_split_plan_to_the_library(monkeypatch, forced
     # the MMA entry reads q in its dtype (code 1: bf16) and takes the default loop's `wide`
     default_wide = iso_mma._WIDE_CODE[iso_mma.MMA_LOOP]
     # and pdl 0 (not a CUDA device), then the cap of CTAs per SM (0: batch 2's row fills one
-    # wave by occupancy)
-    assert a2[-7:] == (out_mma.data_ptr(), out_mma.stride(0), 1, 1, default_wide, 0, 0)
+    # wave by occupancy) and the page table's columns
+    assert a2[-8:] == (out_mma.data_ptr(), out_mma.stride(0), 1, 1, default_wide, 0, 0,
+                       table.shape[1])
     assert a2[0] == q.data_ptr()
     for name, wide in (("tokens", 0), ("tokens_wide", 1), ("tokens_pad", 2)):
         iso_mma.iso_decode_attention_mma(q, kc, kc, table, seq, ps, "iso3", 0.5,
                                          split_tokens=forced, loop=name)
-        assert calls[-1][1][7:16] == a2[7:16] and calls[-1][1][-3] == wide
+        assert calls[-1][1][7:16] == a2[7:16] and calls[-1][1][-4] == wide
     for bad in ("heads", "x"):
         with pytest.raises(ValueError):
             iso_mma.iso_decode_attention_mma(q, kc, kc, table, seq, ps, "iso3", 0.5, loop=bad)
@@ -302,7 +306,7 @@ def test_decode_launchers_pass_the_split_plan_to_the_library(monkeypatch, forced
     for bound, cap in ((500, 2), (1 << 17, 0)):
         iso_mma.iso_decode_attention_mma(q[:1], kc, kc, table[:1], seq[:1], ps, "iso3", 0.5,
                                          max_seq_len=bound)
-        assert calls[-1][1][-1] == cap
+        assert calls[-1][1][-2] == cap
     assert out_cuda.shape == out_mma.shape == (b, hq, d) and out_cuda.dtype == q.dtype
 
 

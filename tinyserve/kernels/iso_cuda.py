@@ -52,7 +52,7 @@ _SIGNATURES = {
     "tinyserve_iso_decode": [_P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _I, _I, _F,
                              _I, _P, _P, _P, _I64, _I, _P],
     "tinyserve_iso_decode_mma": [_P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _I, _I,
-                                 _F, _I, _P, _P, _P, _I64, _I, _I, _I, _I, _I, _P],
+                                 _F, _I, _P, _P, _P, _I64, _I, _I, _I, _I, _I, _I, _P],
     "tinyserve_iso_decode_mma_occupancy": [_I, _I, _I],
 }
 

@@ -164,4 +164,5 @@ def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     cap = ctas or 0
     return run_split_decode("tinyserve_iso_decode_mma", warps, q, k_cache,
                             v_cache, page_table, seq_lens, page_size, scale, chunk, splits, out,
-                            native_q=True, tail=(wide, _pdl(q.device, pdl), cap))
+                            native_q=True,
+                            tail=(wide, _pdl(q.device, pdl), cap, page_table.shape[1]))

@@ -72,7 +72,8 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
                       const uint8_t* __restrict__ k_cache,
                       const uint8_t* __restrict__ v_cache, int64_t slot_stride,
                       const int32_t* __restrict__ page_table, int64_t pt_stride,
-                      const int32_t* __restrict__ seq_lens, int page_size, int n_kv_heads,
+                      int pt_cols, const int32_t* __restrict__ seq_lens, int page_size,
+                      int n_kv_heads,
                       int group, int chunk, int n_splits, float scale_log2,
                       float* __restrict__ part_acc, float* __restrict__ part_ml) {
   using L = Layout<NB, NW, WIDE, PAD>;
@@ -109,8 +110,16 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
   const int kvh = blockIdx.y;
   const int b = blockIdx.z;
   const int hq = n_kv_heads * group;
-  // the length first: length -> page table -> rows is the prologue's longest chain; the
-  // query loads go out beside it
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int t_begin = split * chunk;
+  // length -> page table -> rows is the prologue's longest chain: lane < kSub requests the
+  // page of its token in the warp's first sub-tile beside the length (any column of the
+  // table's row; `stage` drops it past the sequence's end), the query loads go out beside
+  const int32_t* pt_row = page_table + (int64_t)b * pt_stride;
+  const int t_first = t_begin + warp * kSub + lane;
+  const int pg_first = t_first / page_size;
+  int32_t page_next = lane < kSub && pg_first < pt_cols ? pt_row[pg_first] : 0;
   const int len = seq_lens[b];
   constexpr int kQGroups = kRows * D / 4;  // 4-value groups of the staged query
   constexpr int kQIters = (kQGroups + NW * 32 - 1) / (NW * 32);  // per thread
@@ -125,38 +134,24 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
 #pragma unroll
     for (int j = 0; j < 4; ++j) qv[it][j] = h < group ? load_q_bits(q, qi + j, q_code) : 0u;
   }
-  const int t_begin = split * chunk;
   if (t_begin >= len) return;
   const int t_end = min(len, t_begin + chunk);
-  const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
   const int gq = lane >> 2;  // MMA group: query head (scores), token (K), d row (V)
   const int tq = lane & 3;
 
   uint8_t* wbuf = raw + warp * kWarpBuf;
   constexpr int kStride = NW * kSub;  // tokens between a warp's sub-tiles
-  // lane < kSub: the page of its token in the next sub-tile to stage, loaded one sub-tile
-  // ahead, so `stage` does not wait on the page table. NOTE: kept as the table's int32 until
-  // that next `stage`: widened where it is loaded, it made each stage wait for the load it
-  // had just issued (a sign extension right behind it, before the copies).
+  // lane < kSub: page_next is the page of its token in the next sub-tile to stage, loaded one
+  // sub-tile ahead, so `stage` does not wait on the page table. NOTE: kept as the table's
+  // int32 until that next `stage`: widened where it is loaded, it made each stage wait for
+  // the load it had just issued (a sign extension right behind it, before the copies).
   auto page_of = [&](int t) -> int32_t {
-    return t < t_end ? page_table[(int64_t)b * pt_stride + t / page_size] : 0;
+    return t < t_end ? pt_row[t / page_size] : 0;
   };
-  int32_t page_next = 0;
   // WIDE: the page index and row in the page of lane's token in the next sub-tile to stage,
   // advanced by kStride tokens per sub-tile without a division
-  int pg_i = 0, pg_r = 0, pg_dq = 0, pg_dr = 0;
-  const int32_t* pt_row = page_table + (int64_t)b * pt_stride;
-  if constexpr (WIDE) {
-    const int t = t_begin + warp * kSub + lane;
-    pg_i = t / page_size;
-    pg_r = t - pg_i * page_size;
-    pg_dq = kStride / page_size;
-    pg_dr = kStride - pg_dq * page_size;
-    if (lane < kSub && t < t_end) page_next = pt_row[pg_i];
-  } else {
-    page_next = lane < kSub ? page_of(t_begin + warp * kSub + lane) : 0;
-  }
+  int pg_i = pg_first, pg_r = t_first - pg_first * page_size;
+  const int pg_dq = kStride / page_size, pg_dr = kStride - pg_dq * page_size;
   // WIDE: each row is copied as the aligned 16-byte chunks that cover it (up to 7 for 100
   // bytes, one lane each: 8 copies per lane and sub-tile instead of 32 of 4 bytes) into a
   // buffer row of RS bytes, starting at the row's address mod 16 (mis_sm). The entry runs
@@ -434,9 +429,9 @@ int capped_dynamic_smem(K kernel, int need, int cap) {
 
 template <int NB, int NW, bool WIDE, bool PAD>
 cudaError_t launch(const void* q, int qc, const uint8_t* kc, const uint8_t* vc, int64_t ss,
-                   const int32_t* pt, int64_t pts, const int32_t* lens, int batch, int ps,
-                   int hkv, int group, int chunk, int nsp, float sl2, float* pa, float* pm,
-                   int cap, bool pdl, cudaStream_t st) {
+                   const int32_t* pt, int64_t pts, int ptc, const int32_t* lens, int batch,
+                   int ps, int hkv, int group, int chunk, int nsp, float sl2, float* pa,
+                   float* pm, int cap, bool pdl, cudaStream_t st) {
   const dim3 grid(nsp, hkv, batch);
   auto* kernel = decode_mma_kernel<NB, NW, WIDE, PAD>;
   const int smem = capped_dynamic_smem(kernel, Layout<NB, NW, WIDE, PAD>::kDynBytes, cap);
@@ -449,8 +444,8 @@ cudaError_t launch(const void* q, int qc, const uint8_t* kc, const uint8_t* vc, 
   // (grid, block, dynamic shared memory, stream, attributes, how many)
   const cudaLaunchConfig_t cfg = {grid, dim3(NW * 32), (size_t)smem, st, dependent_launch_attr(),
                                   pdl ? 1u : 0u};
-  return cudaLaunchKernelEx(&cfg, kernel, q, qc, kc, vc, ss, pt, pts, lens, ps, hkv, group,
-                            chunk, nsp, sl2, pa, pm);
+  return cudaLaunchKernelEx(&cfg, kernel, q, qc, kc, vc, ss, pt, pts, ptc, lens, ps, hkv,
+                            group, chunk, nsp, sl2, pa, pm);
 }
 
 // How many CTAs of decode_mma_kernel<NB, NW, WIDE, PAD> one SM holds (0 on error).
@@ -470,8 +465,8 @@ int occupancy() {
 
 // `launch` for (NB, warps, staging) (nullptr for a warp count without a kernel).
 using LaunchFn = cudaError_t (*)(const void*, int, const uint8_t*, const uint8_t*, int64_t,
-                                 const int32_t*, int64_t, const int32_t*, int, int, int, int,
-                                 int, int, float, float*, float*, int, bool, cudaStream_t);
+                                 const int32_t*, int64_t, int, const int32_t*, int, int, int,
+                                 int, int, int, float, float*, float*, int, bool, cudaStream_t);
 template <int NB, bool WIDE, bool PAD = false>
 LaunchFn launcher(int n_warps) {
   switch (n_warps) {
@@ -504,8 +499,9 @@ int occupancy_of(int n_warps) {
 // a programmatic dependent launch of the kernel before it and the split merge one of the
 // decode kernel, sm_90+ only; 0: plain launches). Returns 0, a CUDA error
 // code, 2 (bad format/head_dim), 3 (bad GQA group), 4 (bad n_warps) or 5 (bad q dtype,
-// wide, pdl or cta_cap). cta_cap > 0: at most that many CTAs of the decode kernel per SM
-// (padded dynamic shared memory), so a grid of cta_cap x SMs CTAs spreads evenly.
+// wide, pdl, cta_cap or pt_cols). cta_cap > 0: at most that many CTAs of the decode kernel per
+// SM (padded dynamic shared memory), so a grid of cta_cap x SMs CTAs spreads evenly. pt_cols:
+// the page table's columns (its first reads go out before the length is known, inside them).
 extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, const void* v_cache,
                                         int64_t slot_stride, const int32_t* page_table,
                                         int64_t pt_stride, const int32_t* seq_lens, int batch,
@@ -513,7 +509,7 @@ extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, cons
                                         int page_size, int chunk, int n_splits, float scale,
                                         int n_warps, float* part_acc, float* part_ml, void* out,
                                         int64_t out_stride_b, int dtype_code, int q_dtype_code,
-                                        int wide, int pdl, int cta_cap,
+                                        int wide, int pdl, int cta_cap, int pt_cols,
                                         cudaStream_t stream) {
   using namespace iso;
   if (batch == 0) return 0;
@@ -523,7 +519,7 @@ extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, cons
   if (head_dim != 128 && head_dim != 256) return 2;
   if (n_warps != 2 && n_warps != 4 && n_warps != 8 && n_warps != 16) return 4;
   if (q_dtype_code < 0 || q_dtype_code > 2 || wide < 0 || wide > 2 || pdl < 0 || pdl > 1 ||
-      cta_cap < 0)
+      cta_cap < 0 || pt_cols < 0 || pt_cols > pt_stride)
     return 5;
   const uintptr_t addr_bits =
       reinterpret_cast<uintptr_t>(k_cache) | reinterpret_cast<uintptr_t>(v_cache);
@@ -536,8 +532,9 @@ extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, cons
 #define ISO_MMA(NBV)                                                                           \
   e = (pad ? mma::launcher<NBV, true, true>(n_warps)                                           \
          : w16 ? mma::launcher<NBV, true>(n_warps) : mma::launcher<NBV, false>(n_warps))(      \
-      q, q_dtype_code, kc, vc, slot_stride, page_table, pt_stride, seq_lens, batch, page_size, \
-      n_kv_heads, group, chunk, n_splits, sl2, part_acc, part_ml, cta_cap, pdl != 0, stream)
+      q, q_dtype_code, kc, vc, slot_stride, page_table, pt_stride, pt_cols, seq_lens, batch,   \
+      page_size, n_kv_heads, group, chunk, n_splits, sl2, part_acc, part_ml, cta_cap,          \
+      pdl != 0, stream)
   if (head_dim == 256) ISO_MMA(2);
   else ISO_MMA(1);
 #undef ISO_MMA

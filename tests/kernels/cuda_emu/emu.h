@@ -23,12 +23,6 @@ struct alignas(16) float4 { float x, y, z, w; };
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
-struct alignas(8) float2 { float x, y; };
-inline float2 make_float2(float x, float y) { return float2{x, y}; }
-// memory ordering is the host's (kernels run one after another): fences and sleeps are no-ops
-inline void __threadfence() {}
-inline void __nanosleep(unsigned) {}
-template <typename T> inline T __ldcg(const T* p) { return *p; }
 inline int cudaGetLastError() { return 0; }
 typedef int cudaError_t;
 constexpr cudaError_t cudaSuccess = 0, cudaErrorInvalidValue = 1;

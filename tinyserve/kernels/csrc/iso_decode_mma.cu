@@ -99,6 +99,7 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
   // [block nb, word u, j / 2][lane]: (k-step 4u + j, 4u + j + 1) x (a0, a2) of lane's fragment
   __shared__ uint4 qf_sm[NB * 4][32];
 
+  allow_dependent_launch();  // the split merge may be scheduled now; it waits for this grid
   // the quaternion of the lane's 4-D group (a constant table): the query groups a thread
   // rotates below are i mod D/4 with i = lane (mod 32), always group `lane` of its block
   const float4 quat = quat_row(threadIdx.x & 31);
@@ -135,11 +136,6 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
   }
   if (t_begin >= len) return;
   const int t_end = min(len, t_begin + chunk);
-  if (threadIdx.x < group) {  // this split's partial rows: pending until published
-    const int64_t row = (int64_t)b * hq + kvh * group + threadIdx.x;
-    hold_partial(part_ml + (row * n_splits + split) * 2);
-    __threadfence();
-  }
   const int gq = lane >> 2;  // MMA group: query head (scores), token (K), d row (V)
   const int tq = lane & 3;
 
@@ -243,7 +239,6 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
     for (int j = 0; j < 4; ++j) q_sm[h][q_col(4 * g + j)] = r4[j] * scale_log2;
   }
   __syncthreads();
-  allow_dependent_launch();  // the split merge may be scheduled now (partials held)
   // Q fragments: k-step s = 4u + j of block b holds pairs 2j, 2j+1 of qs word 2tq + u
   auto q_frag = [&](int fl, int nb, int s, int x) {  // lane fl's register (s, x) of block nb
     const int e = nb * kBlock + 16 * (2 * (fl & 3) + (s >> 2)) + pair_first(2 * (s & 3) + x);

@@ -15,64 +15,39 @@ struct PlainRows {
   __host__ __device__ static constexpr int at(int r, int d) { return r * D + d; }
 };
 
-// A split's partial is ready once the sum of its (max, sum) row is not kPending. The decode
-// kernel writes kPending there (`hold_partial`) before the split merge may be launched, and
-// (max, sum) in one 8-byte store after the split's accumulator rows and a fence
-// (`publish_partial`); a merge launched as a programmatic dependent polls the rows it reads
-// (`await_partials`) instead of waiting for the whole decode grid, so it merges the splits
-// that are done while the last ones still run. A sum is >= 0 or NaN, never kPending.
-constexpr float kPending = -1.0f;
-
-__device__ __forceinline__ void hold_partial(float* ml) { ml[1] = kPending; }
-
-__device__ __forceinline__ void publish_partial(float* ml, float m, float l) {
-  *reinterpret_cast<float2*>(ml) = make_float2(m, l);
-}
-
-__device__ __forceinline__ float2 load_partial_ml(const float* ml) {
-#if defined(__CUDA_ARCH__)
-  float2 v;
-  asm volatile("ld.volatile.global.v2.f32 {%0, %1}, [%2];"
-               : "=f"(v.x), "=f"(v.y)
-               : "l"(ml)
-               : "memory");
-  return v;
-#else
-  return *reinterpret_cast<const float2*>(ml);
-#endif
-}
-
 // The last step of a split's CTA: its NW warps each hold an online-softmax partial of `heads`
 // query heads, unnormalised accumulators macc [NW][rows] rows of Rows::kFloats floats (element
 // d of row r at Rows::at(r, d)) and (running max in log2 units, sum) ml [NW][rows][2] (rows >=
 // heads), in shared memory after a barrier. Merge them into the split's partial rows
 // ((row0 + h) * n_splits + split) of part_acc [.., D] and part_ml [.., 2]. Every thread of
-// the CTA calls it (it has barriers; heads <= its threads). One thread per head first
-// replaces each warp's sum in ml by its factor exp2(m_w - max) (-1: a warp without tokens,
-// skipped), once per head; then each thread merges 4 columns at a time, its NW x 4 loads
-// independent of one another (not a chain of dependent loads and exp2 per column), one
-// 16-byte store per 4 columns; the (max, sum) rows go last (`publish_partial`).
+// the CTA calls it (it has a barrier). One thread per head first replaces each warp's sum in
+// ml by its factor exp2(m_w - max) (-1: a warp without tokens, skipped), once per head; then
+// each thread merges 4 columns at a time, its NW x 4 loads independent of one another (not a
+// chain of dependent loads and exp2 per column), one 16-byte store per 4 columns.
 template <int NW, int D, typename Rows = PlainRows<D>>
 __device__ __forceinline__ void merge_warp_partials(const float* macc, float* ml, int rows,
                                                     int heads, int64_t row0, int n_splits,
                                                     int split, float* __restrict__ part_acc,
                                                     float* __restrict__ part_ml) {
   static_assert(D % 4 == 0, "4 columns per step");
-  const int head = threadIdx.x;  // the head this thread reduces in the first and last steps
-  float mx = -CUDART_INF_F, sum = 0.0f;
-  if (head < heads) {
+  for (int h = threadIdx.x; h < heads; h += NW * 32) {
+    float mx = -CUDART_INF_F;
 #pragma unroll
-    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, ml[(w * rows + head) * 2]);
+    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, ml[(w * rows + h) * 2]);
+    float sum = 0.0f;
 #pragma unroll
     for (int w = 0; w < NW; ++w) {
-      const float mw = ml[(w * rows + head) * 2];
+      const float mw = ml[(w * rows + h) * 2];
       float f = -1.0f;
       if (mw != -CUDART_INF_F) {
         f = exp2f(mw - mx);
-        sum += f * ml[(w * rows + head) * 2 + 1];
+        sum += f * ml[(w * rows + h) * 2 + 1];
       }
-      ml[(w * rows + head) * 2 + 1] = f;  // read by this thread only, above
+      ml[(w * rows + h) * 2 + 1] = f;  // read by this thread only, above
     }
+    const int64_t prow = (row0 + h) * n_splits + split;
+    part_ml[prow * 2] = mx;
+    part_ml[prow * 2 + 1] = sum;
   }
   __syncthreads();
   for (int i = 4 * threadIdx.x; i < heads * D; i += 4 * NW * 32) {
@@ -91,9 +66,6 @@ __device__ __forceinline__ void merge_warp_partials(const float* macc, float* ml
     const int64_t prow = (row0 + h) * n_splits + split;
     *reinterpret_cast<float4*>(part_acc + prow * D + d) = make_float4(a[0], a[1], a[2], a[3]);
   }
-  __threadfence();  // the CTA's rows, before any (max, sum)
-  __syncthreads();
-  if (head < heads) publish_partial(part_ml + ((row0 + head) * n_splits + split) * 2, mx, sum);
 }
 
 // Asynchronous global -> shared copies (sm_80+); plain copies elsewhere and for 2-byte words.
@@ -196,10 +168,7 @@ __device__ __forceinline__ void merge_lse(float& m, float& l, float (&a)[4], flo
   m = mx;
 }
 
-// POLL (a programmatic dependent of the decode kernel): no wait for the decode grid; each
-// thread polls the (max, sum) rows of its splits (`kPending` until published) and reads the
-// accumulator rows after them.
-template <typename T, int BATCH, bool POLL>
+template <typename T, int BATCH>
 __global__ void __launch_bounds__(kMergeThreads)
     decode_merge_cols_kernel(const float* __restrict__ part_acc,
                              const float* __restrict__ part_ml,
@@ -213,11 +182,9 @@ __global__ void __launch_bounds__(kMergeThreads)
   const int j = tid / kMergeGroups;
   const int col = blockIdx.z * kMergeCols + 4 * gi;
   const float4 quat = quat_row((col >> 2) % 32);
-  if constexpr (!POLL) {
-    wait_for_prior_grid();
-    allow_dependent_launch();  // the next decode kernel's CTAs may be scheduled from here on
-  }
-  const int len = POLL ? __ldcg(seq_lens + b) : seq_lens[b];
+  wait_for_prior_grid();
+  allow_dependent_launch();  // the next decode kernel's CTAs may be scheduled from here on
+  const int len = seq_lens[b];
   const int ns = min(n_splits, (len + chunk - 1) / chunk);
   const int64_t row0 = ((int64_t)b * hq + h) * n_splits;
   float m = -CUDART_INF_F, l = 0.0f;
@@ -229,40 +196,13 @@ __global__ void __launch_bounds__(kMergeThreads)
   for (int s0 = j; s0 < n_splits; s0 += BATCH * kMergeSlices) {
     float ms[BATCH], ls[BATCH];
     float4 pa[BATCH];
-    if constexpr (POLL) {  // the splits the sequence has: (max, sum) polled, then the rows
-      float2 v[BATCH];
 #pragma unroll
-      for (int u = 0; u < BATCH; ++u)
-        if (s0 + u * kMergeSlices < ns)
-          v[u] = load_partial_ml(part_ml + (row0 + s0 + u * kMergeSlices) * 2);
-#pragma unroll
-      for (int u = 0; u < BATCH; ++u) {
-        const int s = s0 + u * kMergeSlices;
-        if (s >= ns) continue;
-        while (v[u].y == kPending) {
-          __nanosleep(128);
-          v[u] = load_partial_ml(part_ml + (row0 + s) * 2);
-        }
-      }
-      __threadfence();  // the accumulator rows after their published (max, sum)
-#pragma unroll
-      for (int u = 0; u < BATCH; ++u) {
-        const int s = s0 + u * kMergeSlices;
-        if (s < ns) {
-          ms[u] = v[u].x;
-          ls[u] = v[u].y;
-          pa[u] = __ldcg(reinterpret_cast<const float4*>(part_acc + (row0 + s) * d + col));
-        }
-      }
-    } else {
-#pragma unroll
-      for (int u = 0; u < BATCH; ++u) {
-        const int s = s0 + u * kMergeSlices;
-        if (s < n_splits) {
-          ms[u] = part_ml[(row0 + s) * 2];
-          ls[u] = part_ml[(row0 + s) * 2 + 1];
-          pa[u] = *reinterpret_cast<const float4*>(part_acc + (row0 + s) * d + col);
-        }
+    for (int u = 0; u < BATCH; ++u) {
+      const int s = s0 + u * kMergeSlices;
+      if (s < n_splits) {
+        ms[u] = part_ml[(row0 + s) * 2];
+        ls[u] = part_ml[(row0 + s) * 2 + 1];
+        pa[u] = *reinterpret_cast<const float4*>(part_acc + (row0 + s) * d + col);
       }
     }
 #pragma unroll
@@ -273,7 +213,6 @@ __global__ void __launch_bounds__(kMergeThreads)
       }
     }
   }
-  if constexpr (POLL) allow_dependent_launch();  // every partial of this thread is read
   // lanes (j % 4, gi): merge the warp's 4 slices of each group
 #pragma unroll
   for (int off = kMergeGroups; off < 32; off <<= 1) {
@@ -319,13 +258,11 @@ cudaError_t launch_merge_cols(const float* part_acc, const float* part_ml,
   // (grid, block, dynamic shared memory, stream, attributes, how many)
   const cudaLaunchConfig_t cfg = {dim3(hq, batch, d / kMergeCols), dim3(kMergeThreads), 0,
                                   stream, dependent_launch_attr(), pdl ? 1u : 0u};
-  auto* kernel = n_splits > kMergeSlices
-                     ? (pdl ? decode_merge_cols_kernel<T, kMergeBatch, true>
-                            : decode_merge_cols_kernel<T, kMergeBatch, false>)
-                     : (pdl ? decode_merge_cols_kernel<T, 1, true>
-                            : decode_merge_cols_kernel<T, 1, false>);
-  return cudaLaunchKernelEx(&cfg, kernel, part_acc, part_ml, seq_lens, chunk, n_splits, hq, d,
-                            out, out_stride_b);
+  if (n_splits > kMergeSlices)
+    return cudaLaunchKernelEx(&cfg, decode_merge_cols_kernel<T, kMergeBatch>, part_acc,
+                              part_ml, seq_lens, chunk, n_splits, hq, d, out, out_stride_b);
+  return cudaLaunchKernelEx(&cfg, decode_merge_cols_kernel<T, 1>, part_acc, part_ml, seq_lens,
+                            chunk, n_splits, hq, d, out, out_stride_b);
 }
 
 }  // namespace iso

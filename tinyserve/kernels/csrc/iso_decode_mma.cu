@@ -73,8 +73,7 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
                       const uint8_t* __restrict__ v_cache, int64_t slot_stride,
                       const int32_t* __restrict__ page_table, int64_t pt_stride,
                       int pt_cols, const int32_t* __restrict__ seq_lens, int page_size,
-                      int n_kv_heads,
-                      int group, int chunk, int n_splits, float scale_log2,
+                      int n_kv_heads, int group, int chunk, int n_splits, float scale_log2,
                       float* __restrict__ part_acc, float* __restrict__ part_ml) {
   using L = Layout<NB, NW, WIDE, PAD>;
   constexpr int D = L::D;
@@ -115,7 +114,7 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
   const int t_begin = split * chunk;
   // length -> page table -> rows is the prologue's longest chain: lane < kSub requests the
   // page of its token in the warp's first sub-tile beside the length (any column of the
-  // table's row; `stage` drops it past the sequence's end), the query loads go out beside
+  // table's row; `stage` drops it past the sequence's end), the query's loads follow
   const int32_t* pt_row = page_table + (int64_t)b * pt_stride;
   const int t_first = t_begin + warp * kSub + lane;
   const int pg_first = t_first / page_size;
@@ -442,8 +441,8 @@ cudaError_t launch(const void* q, int qc, const uint8_t* kc, const uint8_t* vc, 
     if (e != cudaSuccess) return e;
   }
   // (grid, block, dynamic shared memory, stream, attributes, how many)
-  const cudaLaunchConfig_t cfg = {grid, dim3(NW * 32), (size_t)smem, st, dependent_launch_attr(),
-                                  pdl ? 1u : 0u};
+  const cudaLaunchConfig_t cfg = {grid, dim3(NW * 32), (size_t)smem, st,
+                                  dependent_launch_attr(), pdl ? 1u : 0u};
   return cudaLaunchKernelEx(&cfg, kernel, q, qc, kc, vc, ss, pt, pts, ptc, lens, ps, hkv,
                             group, chunk, nsp, sl2, pa, pm);
 }

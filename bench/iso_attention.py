@@ -431,8 +431,8 @@ def _layout_best(cases: dict) -> dict:
 
 
 def _pdl_points(cases: dict) -> dict:
-    """--pdl: per decode point the merge launched as a dependent vs plainly (us, on / off,
-    on / bf16)."""
+    """--pdl: per decode point the decode kernel and its split merge launched as dependents
+    vs plainly (us, on / off, on / bf16)."""
     points = {}
     for name, row in cases.items():
         if "/mma_pdl/on" not in name or "us" not in row:
@@ -578,7 +578,7 @@ def main() -> int:
                   f"(default x{r['default_over_bf16'] or 0:.2f} bf16)")
         print(f"  per batch (MMA_CONFIG candidate): {rec.data['mma_warps']['per_batch']}")
     if args.pdl:
-        print("split merge as a dependent launch (us per layer: on / off, x bf16):")
+        print("dependent launches (us per layer: on / off, x bf16):")
         for point, r in rec.data["mma_pdl"].items():
             print(f"  {point}: {r['on_us']:.1f} / {r['off_us']:.1f} = x{r['on_over_off']:.3f}; "
                   f"x{r['on_over_bf16'] or 0:.2f} / x{r['off_over_bf16'] or 0:.2f} bf16")

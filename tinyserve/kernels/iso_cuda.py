@@ -41,7 +41,8 @@ _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _TILE = 32
 MIN_SPLIT_TOKENS = 256
 _ERRORS = {2: "bad format or head_dim", 3: "unsupported GQA group", 4: "bad n_warps",
-           5: "bad q dtype, wide or pdl"}
+           5: "bad q dtype, wide, pdl, CTA cap or page-table columns (the MMA decode needs "
+              "page_table.stride(0) >= page_table.shape[1])"}
 
 _I, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {

@@ -6,8 +6,11 @@ baseline from the same run:
    weight (read only); the larger is the reference `bw` for every fraction below, and the
    fractions of the copy bandwidth alone (the targets' reference) are recorded beside them;
 2. gemv M = 1 on the 35B-A3B shapes (qkvz, lm_head, o_proj, gate_up, down): bf16 cuBLAS,
-   the shape's current tiles (`default_gemv_config`) and every candidate of `GEMV_SWEEP`
-   (decode "f32" / "h2", rows, blocks, warps, load width, stages, split-K);
+   the default path (`default_path`: what the model runs), the CUDA gemv at each rows per
+   warp (`cuda_r*`, K in 1024 / 2048 / 4096; `cuda_dependent`: its default tiles as
+   programmatic dependent launches, back to back), the shape's Triton tiles
+   (`default_gemv_config`) and every candidate of `GEMV_SWEEP` (decode "f32" / "h2", rows,
+   blocks, warps, load width, stages, split-K);
 3. fused MoE decode, one token x 8 of 256 experts: the "fused" path (two launches,
    deterministic; its table tiles and `MOE_FUSED_CANDIDATES`) beside the "gemv" path (its
    current tiles), routed only and for the whole layer (+ the shared expert: in the fused
@@ -46,6 +49,7 @@ if not torch.cuda.is_available():
 
 from bench.common import Recorder, rand_nvfp4, run_meta  # noqa: E402
 from tinyserve.core import NVFP4Weight  # noqa: E402
+from tinyserve.kernels import nvfp4_cuda  # noqa: E402
 from tinyserve.kernels.fused_moe import (  # noqa: E402
     MoEGemvConfig,
     allocate_expert_slots,
@@ -203,18 +207,24 @@ def bench_gemv(n: int, k: int, bw: float, dev: str, smoke: bool,
     cands = GEMV_SWEEP if k // 16 > 32 else GEMV_SWEEP_SMALL_K
     # persistent tiles cover K: past 2048 inputs they only grow (o_proj: builds, no gain)
     cands = [c for c in cands if not (c.persistent and k > 2048)]
+    calls = {"default_path": lambda w: nvfp4_linear(x, w)}  # what the model runs
+    if dev == "cuda" and k in nvfp4_cuda.KS and x.dtype != torch.float32:
+        for r in nvfp4_cuda.allowed_rows_per_warp(k):
+            calls[f"cuda_r{r}"] = lambda w, r=r: nvfp4_cuda.gemv_one_row(x, w, rows_per_warp=r)
+        # back to back as dependent launches: each call's weights stream during the last's tail
+        calls["cuda_dependent"] = lambda w: nvfp4_cuda.gemv_one_row(x, w, dependent=True)
+    configs = {gemv_key(c): c for c in [default] + [c for c in cands if c != default]}
+    for key, cfg in configs.items():
+        calls[key] = lambda w, c=cfg: nvfp4_linear(x, w, path="gemv", gemv_config=c)
     variants: dict = {}
-    for cfg in [default] + [c for c in cands if c != default]:
-        key = gemv_key(cfg)
+    for key, call in calls.items():
         if over_budget():
             variants[key] = {"skipped": "time budget"}
             continue
         try:
-            y = nvfp4_linear(x, ws[0], path="gemv", gemv_config=cfg)
-            res = errors(y, ref)
+            res = errors(call(ws[0]), ref)
             if res["rel_err"] <= MAX_REL_ERR and not smoke:
-                us = time_graph([lambda w=w, c=cfg: nvfp4_linear(x, w, path="gemv",
-                                                                 gemv_config=c) for w in ws])
+                us = time_graph([lambda w=w, f=call: f(w) for w in ws])
                 res.update(us=us, frac_bw=wb / us / 1e3 / bw)
                 if copy_bw:
                     res["frac_copy"] = wb / us / 1e3 / copy_bw
@@ -225,16 +235,17 @@ def bench_gemv(n: int, k: int, bw: float, dev: str, smoke: bool,
         variants[key] = res
     out["default"] = gemv_key(default)
     out["variants"] = variants
-    timed = {kk: v for kk, v in variants.items() if "us" in v}
+    timed = {kk: v for kk, v in variants.items() if "us" in v and kk != "default_path"}
     if timed:
         best = min(timed, key=lambda kk: timed[kk]["us"])
-        cfg = next(c for c in [default, *cands] if gemv_key(c) == best)
+        entry = (f"({n}, {k}): {gemv_table_entry(configs[best])}," if best in configs
+                 else f"({n}, {k}): the CUDA gemv ({best})")
         out["best"] = {"config": best, "us": timed[best]["us"],
                        "frac_bw": timed[best]["frac_bw"],
                        "frac_copy": timed[best].get("frac_copy"),
                        "vs_default": variants[out["default"]].get("us", float("nan"))
                        / timed[best]["us"],
-                       "table_entry": f"({n}, {k}): {gemv_table_entry(cfg)},"}
+                       "table_entry": entry}
     if n * k > (1 << 23) and not smoke and not over_budget():
         out["M4"] = gemv_m4(x, ws, cands, variants)
         print(f"M=4 N={n}: " + ", ".join(f"{kk} {v.get('us', float('nan')):.2f} us"
@@ -406,7 +417,9 @@ def summary(rec: Recorder) -> None:
         elif "frac_bw" in best:
             base = case.get("bf16_cublas", {}).get("us", float("nan"))
             dflt = case["variants"][case["default"]].get("us", float("nan"))
-            print(f"{name:28s} default {dflt:8.2f} us | best {best['us']:8.2f} us "
+            path = case["variants"].get("default_path", {}).get("us", float("nan"))
+            print(f"{name:28s} default path {path:8.2f} us | Triton tiles {dflt:8.2f} us | "
+                  f"best {best['us']:8.2f} us "
                   f"({best['frac_bw']:.0%} of bw) {best['config']} | bf16 cuBLAS {base:8.2f} us")
         ranked = sorted((v["us"], kk) for kk, v in case["variants"].items() if "us" in v)
         print("    " + ", ".join(f"{kk} {us:.2f}" for us, kk in ranked))

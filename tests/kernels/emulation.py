@@ -1,4 +1,4 @@
-"""Build ISO CUDA sources for the CPU under the CUDA emulation in cuda_emu/emu.h: `<<<>>>`
+"""Build CUDA sources of csrc/ for the CPU under the CUDA emulation in cuda_emu/emu.h: `<<<>>>`
 launches become `emu::Launch(...)(kernel, ...)` calls, the rest compiles as C++20 with g++."""
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tinyserve.kernels import iso
+from tinyserve.kernels.cuda_build import CSRC
 
-CSRC = Path(iso.__file__).resolve().parent / "csrc"
 EMU = Path(__file__).resolve().parent / "cuda_emu"
 
 
@@ -30,7 +29,7 @@ def build(names: tuple[str, ...], out: Path, *, defines: tuple[str, ...] = ()) -
         src = out / f"{name}.cpp"
         src.write_text(text)
         sources.append(str(src))
-    so = out / "libiso_emu.so"
+    so = out / f"lib{Path(names[0]).stem}_emu.so"
     res = subprocess.run([cxx, "-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared",
                           "-pthread", "-w", *(f"-D{d}" for d in defines), f"-I{EMU}",
                           f"-I{CSRC}", "-o", str(so), *sources], capture_output=True, text=True)

@@ -221,11 +221,11 @@ def test_decode_launchers_check_devices_and_out(monkeypatch) -> None:
                        max_seq_len=8, out=args["out"])
 
 
-def test_every_cuda_source_is_in_the_build_hash() -> None:
-    # a change to any csrc file must rebuild the library (iso_cuda._library hashes these)
-    from tinyserve.kernels import iso_cuda
+def test_every_cuda_source_is_in_a_build_hash() -> None:
+    # a change to any csrc file must rebuild its library (cuda_build.library hashes these)
+    from tinyserve.kernels import iso_cuda, nvfp4_cuda
 
-    assert {p.name for p in CSRC.glob("*.cu")} == set(iso_cuda._SOURCES)
+    assert {p.name for p in CSRC.glob("*.cu")} == {*iso_cuda._SOURCES, *nvfp4_cuda._SOURCES}
     assert {p.name for p in CSRC.glob("*.cuh")} == set(iso_cuda._HEADERS)
 
 

@@ -16,25 +16,16 @@ The extend attention that uses `iso_dequant_rows` is in `iso_extend`.
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
 import math
-import os
-import shutil
-import subprocess
-from pathlib import Path
 
 import torch
 
-from tinyserve import envs
+from tinyserve.kernels import cuda_build
 from tinyserve.kernels.iso import BLOCK, FORMATS, packed_row_bytes
-from tinyserve.log import get_logger
 
-log = get_logger(__name__)
-
-_CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("iso_store.cu", "iso_decode.cu", "iso_decode_mma.cu")
-_HEADERS = ("iso_common.cuh", "iso_split.cuh", "iso_mma_prims.cuh")  # in the build hash
+_HEADERS = ("iso_common.cuh", "iso_split.cuh", "iso_mma_prims.cuh",
+            "dependent_launch.cuh")  # in the build hash
 _BITS = {"iso3": 3, "iso4": 4}
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -58,42 +49,10 @@ _SIGNATURES = {
 }
 
 
-def _nvcc() -> str:
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    if CUDA_HOME and Path(CUDA_HOME, "bin", "nvcc").exists():
-        return str(Path(CUDA_HOME, "bin", "nvcc"))
-    raise RuntimeError("the ISO KV kernels need nvcc (CUDA toolkit) to build on first use")
-
-
-@functools.cache
 def _library(major: int, minor: int) -> ctypes.CDLL:
-    """Compile csrc/iso_*.cu for sm_{major}{minor} into a shared library (cached by source
-    hash in TINYSERVE_CACHE_DIR) and load it."""
-    files = [_CSRC / s for s in (*_SOURCES, *_HEADERS)]
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
-    out_dir = envs.CACHE_DIR.get() / "kernels"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    lib_path = out_dir / f"libtinyserve_iso_sm{major}{minor}_{digest}.so"
-    if not lib_path.exists():
-        tmp = lib_path.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [_nvcc(), "-std=c++17", "-O3", f"-arch=sm_{major}{minor}", "-shared",
-               "-Xcompiler", "-fPIC", "-I", str(_CSRC), "-o", str(tmp),
-               *[str(_CSRC / s) for s in _SOURCES]]
-        log.info("building the ISO KV kernels for sm_%d%d", major, minor)
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"nvcc failed building the ISO kernels:\n{res.stderr[-4000:]}")
-        os.replace(tmp, lib_path)
-    lib = ctypes.CDLL(str(lib_path))
-    for name, args in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes = args
-        fn.restype = ctypes.c_int
-    return lib
+    """The ISO kernels (csrc/iso_*.cu) built for sm_{major}{minor} and loaded."""
+    signatures = tuple((name, tuple(args)) for name, args in _SIGNATURES.items())
+    return cuda_build.library("tinyserve_iso", _SOURCES, _HEADERS, signatures, major, minor)
 
 
 def _call(device: torch.device, name: str, *args) -> None:

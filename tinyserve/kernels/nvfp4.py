@@ -2,7 +2,9 @@
 
 Three paths (specs/nvfp4.md §5.3), picked by the number of rows M of x:
 
-- `gemv` (M <= GEMV_MAX_M, decode): int64 loads of 16 packed codes, arithmetic E2M1 decode
+- `gemv` (M <= GEMV_MAX_M, decode): for one row of bf16/fp16 x on a GPU with K in 1024 /
+  2048 / 4096, the CUDA kernel of `nvfp4_cuda` (every weight byte requested at entry); else
+  Triton: int64 loads of 16 packed codes, arithmetic E2M1 decode
   ("f32" or "h2", `nvfp4_tiles.py`), E4M3 decoded from its uint8 bits, split-K when there are
   too few programs to fill the GPU (fp32 partials, summed by one torch op). Tiles per shape
   come from `nvfp4_tiles.GEMV_TILES` (rule-based default for other shapes); an entry with
@@ -27,6 +29,7 @@ import torch
 
 from tinyserve import envs
 from tinyserve.core import NVFP4Weight
+from tinyserve.kernels import nvfp4_cuda
 from tinyserve.kernels.launch import (
     cdiv,
     dot_tiles,
@@ -133,6 +136,8 @@ def row_range(rows: tuple[int, int] | None, n: int) -> tuple[int, int]:
 
 def _gemv(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int,
           cfg: GemvConfig | None) -> torch.Tensor:
+    if cfg is None and nvfp4_cuda.takes(x, w):
+        return nvfp4_cuda.gemv_one_row(x, w)
     kern = _kernels()
     sms = num_sms(x.device)
     cfg = cfg or default_gemv_config(n, k, sms)
@@ -253,13 +258,13 @@ def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, *, path: str | None = None,
         x: [M, K] (or [..., K]) bf16 / fp16 / fp32 on the weight's device.
         w: NVFP4Weight with packed uint8 [N, K/2], block_scale uint8 [N, K/16], contiguous.
         path: "gemv", "dot" or "dequant"; None picks by M (`choose_path`).
-        gemv_config: tiles of the gemv path (the bench sweeps them); None = the shape's
-            `default_gemv_config`.
+        gemv_config: Triton tiles of the gemv path (the bench sweeps them); None = the CUDA
+            kernel where `nvfp4_cuda.takes` the call, else the shape's `default_gemv_config`.
     Returns:
-        [M, N] (or [..., N]) in x.dtype. Accumulates in fp32, except the "h2" gemv decode
-        (M = 1, or M <= 4 with a persistent config; bf16/fp16 x): each row of x scaled by a
-        power of two and rounded to fp16, the 16 products of each block summed in fp16,
-        then in fp32 (`nvfp4_tiles`).
+        [M, N] (or [..., N]) in x.dtype. Accumulates in fp32, except the CUDA gemv and the
+        "h2" gemv decode (M = 1, or M <= 4 with a persistent config; bf16/fp16 x): x scaled
+        by a power of two (per block of 16 inputs in CUDA, per row in "h2") and rounded to
+        fp16, the 16 products of each block summed in fp16, then in fp32 (`nvfp4_tiles`).
     Raises:
         ValueError / TypeError on shape, dtype, layout or device mismatch.
     """

@@ -8,6 +8,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "dependent_launch.cuh"
+
 namespace iso {
 
 constexpr int kBlock = 128;
@@ -195,37 +197,6 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
 }
 template <>
 __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-
-// Programmatic dependent launch (sm_90+): a kernel lets the one after it on the stream launch
-// while its own CTAs run (`allow_dependent_launch`), and that kernel, launched with
-// `dependent_launch_attr`, waits for the grid before it to finish and its writes to be
-// visible (`wait_for_prior_grid`) before it reads any of them. The MMA decode kernel runs
-// so after the kernel before it (the KV store in a decode step) and the split merge after
-// the decode kernel. Both are no-ops in a kernel launched without the attribute, and below
-// sm_90.
-__device__ __forceinline__ void allow_dependent_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void wait_for_prior_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-// The launch attribute of a programmatic dependent launch (captured into CUDA graphs as a
-// programmatic edge). Host only.
-inline cudaLaunchAttribute* dependent_launch_attr() {
-  static cudaLaunchAttribute attr = [] {
-    cudaLaunchAttribute a{};
-    a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    a.val.programmaticStreamSerializationAllowed = 1;
-    return a;
-  }();
-  return &attr;
-}
 
 // dtype codes shared with the launchers: 0 float32, 1 bfloat16, 2 float16.
 #define ISO_DISPATCH_DTYPE(code, T, ...)        \

@@ -1,0 +1,214 @@
+"""The CUDA NVFP4 gemv of one row of x (csrc/nvfp4_gemv.cu) against the torch reference.
+
+Every check runs twice: on the CPU, the kernel compiled under the CUDA emulation
+(cuda_emu/emu.h, fp16 arithmetic emulated) at small shapes and every rows-per-warp variant;
+on a GPU, at the 35B-A3B shapes. Outputs are poisoned with NaN and rows past N must stay
+untouched. Bounds: one-hot x with a power-of-two global scale is bit-exact (every code at every
+nibble position, every non-NaN scale byte); random x within relative Frobenius error 3e-3
+(fp16 products and 8-term sums, then fp32).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from tests.kernels import emulation
+from tinyserve.core import NVFP4Weight
+from tinyserve.kernels import nvfp4_cuda
+from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4
+
+I, F, P = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+BOUND = 3e-3
+DTYPES = {torch.bfloat16: 1, torch.float16: 2}
+SHAPES = {"qkvz": (8192, 2048), "o_proj": (2048, 4096), "gate_up": (1024, 2048),
+          "lm_head": (248320, 2048), "odd": (1000, 1024)}
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    lib = emulation.build(("nvfp4_gemv.cu",), tmp_path_factory.mktemp("nvfp4_emu"),
+                          defines=("TINYSERVE_CUDA_EMU",))
+    lib.tinyserve_nvfp4_gemv.argtypes = [P, P, P, P, F, I, I, I, I, I, P]
+    return lib
+
+
+@pytest.fixture(params=["emu", pytest.param("cuda", marks=pytest.mark.requires_cuda)])
+def gemv(request):
+    """gemv(x [1, K], w, rows_per_warp) -> y [1, N], written into a NaN-poisoned buffer one
+    row longer than N whose last row is checked to stay NaN."""
+    if request.param == "cuda":
+        def launch(x, w, r, y):
+            nvfp4_cuda.gemv_one_row(x, w, rows_per_warp=r, out=y)
+    else:
+        lib = request.getfixturevalue("emulated")
+
+        def launch(x, w, r, y):
+            n, k = w.packed.shape[0], w.packed.shape[1] * 2
+            rc = lib.tinyserve_nvfp4_gemv(w.packed.data_ptr(), w.block_scale.data_ptr(),
+                                          x.data_ptr(), y.data_ptr(), float(w.global_scale),
+                                          n, k, DTYPES[x.dtype], r, 0, None)
+            assert rc == 0
+
+    def run(x, w, r):
+        n = w.packed.shape[0]
+        buf = torch.full((1, n + 1), float("nan"), dtype=x.dtype, device=x.device)
+        launch(x, w, r, buf[:, :n])
+        assert torch.isnan(buf[0, n]), "a row past N was written"
+        return buf[:, :n]
+
+    run.device = "cuda" if request.param == "cuda" else "cpu"
+    return run
+
+
+def rand_weight(n: int, k: int, device: str, global_scale: float | None = None) -> NVFP4Weight:
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device)
+    scale = torch.randint(0x30, 0x48, (n, k // 16), dtype=torch.uint8, device=device)
+    return NVFP4Weight(packed, scale, global_scale or 0.5 / k**0.5)
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref).norm() / ref.double().norm())
+
+
+def small_or_full(gemv, small: tuple[int, int], name: str) -> tuple[int, int]:
+    return SHAPES[name] if gemv.device == "cuda" else small
+
+
+@pytest.mark.parametrize("k", nvfp4_cuda.KS)
+def test_random_rows_every_variant(gemv, k):
+    # N not a multiple of any CTA's rows: the last CTA's spare warps load row N - 1 again
+    n = 1000 if gemv.device == "cuda" else 37
+    w = rand_weight(n, k, gemv.device)
+    ref_w = dequantize_nvfp4(w)
+    for dtype in DTYPES:
+        x = torch.randn(1, k, device=gemv.device).to(dtype)
+        ref = x.float() @ ref_w.T
+        for r in nvfp4_cuda.allowed_rows_per_warp(k):
+            y = gemv(x, w, r)
+            assert y.dtype == dtype and not torch.isnan(y).any()
+            assert rel_err(y, ref) < BOUND, (dtype, r, rel_err(y, ref))
+
+
+def test_one_hot_x_is_exact_for_every_code_and_scale(gemv):
+    # row r holds byte (r + 3i) % 256 at byte i and scale byte (r + 7b) % 256 in block b
+    # (the E4M3 NaN bytes 0x7F / 0xFF replaced: checkpoints never hold them), so over 256 rows
+    # every nibble position of a 16-byte piece meets every code and every block every scale;
+    # x = -1.5 at one input, a power-of-two global scale: every product is exact in fp16 and
+    # fp32, so y must equal the reference bit for bit (after the same output rounding)
+    n, k = 256, 1024
+    rows = torch.arange(n)[:, None]
+    packed = ((rows + 3 * torch.arange(k // 2)) % 256).to(torch.uint8)
+    scale = ((rows + 7 * torch.arange(k // 16)) % 256).to(torch.uint8)
+    scale[(scale & 0x7F) == 0x7F] -= 1
+    w = NVFP4Weight(packed.to(gemv.device), scale.to(gemv.device), 2.0**-5)
+    ref_w = dequantize_nvfp4(w)
+    for dtype in DTYPES:
+        for pos in (0, 5, 10, 15, 17, 22, 27, 28, 545, 1023):  # nibble 0..7 of words 0..3
+            x = torch.zeros(1, k, dtype=dtype, device=gemv.device)
+            x[0, pos] = -1.5
+            y = gemv(x, w, 4)
+            ref = (x.float() @ ref_w.T).to(dtype)
+            assert torch.equal(y, ref), (dtype, pos, (y != ref).nonzero()[:4].tolist())
+
+
+def test_zero_and_wide_magnitudes(gemv):
+    # each block of 16 inputs takes its own power-of-two scale: rows of x at 1e-30 or 1e30,
+    # or with blocks from 1e-30 to 1e30 side by side, keep fp16's relative error
+    n, k = small_or_full(gemv, (40, 2048), "qkvz")
+    w = rand_weight(n, k, gemv.device)
+    zero = gemv(torch.zeros(1, k, dtype=torch.bfloat16, device=gemv.device), w, 4)
+    assert torch.equal(zero, torch.zeros_like(zero))
+    ref_w = dequantize_nvfp4(w).double()
+    mags = torch.tensor([1e-30, 1e-3, 1.0, 3e4, 1e30], device=gemv.device)
+    per_block = mags[torch.arange(k, device=gemv.device) // 16 % 5]
+    for scale in (mags[0], mags[-1], per_block):
+        x = (torch.randn(1, k, device=gemv.device) * scale).to(torch.bfloat16)
+        y = gemv(x, w, 2)
+        assert rel_err(y, x.double() @ ref_w.T) < BOUND, scale
+
+
+def test_non_finite_x(gemv):
+    n, k = 40, 1024
+    w = rand_weight(n, k, gemv.device)
+    ref_w = dequantize_nvfp4(w)
+    for dtype in DTYPES:
+        x = torch.randn(1, k, device=gemv.device).to(dtype)
+        x[0, 17] = float("inf")
+        y = gemv(x, w, 1).float()
+        ref = x.float() @ ref_w.T
+        assert torch.equal(torch.isinf(y), torch.isinf(ref))
+        assert torch.equal(torch.isnan(y), torch.isnan(ref))
+        assert torch.equal(torch.sign(y[torch.isinf(y)]), torch.sign(ref[torch.isinf(ref)]))
+        x[0, 600] = float("nan")
+        assert torch.isnan(gemv(x, w, 1)).all()
+
+
+def test_launcher_refuses_what_the_kernel_does_not_take():
+    w = rand_weight(8, 1024, "cpu")
+    x = torch.randn(1, 1024, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="CUDA"):
+        nvfp4_cuda.gemv_one_row(x, w)
+    assert not nvfp4_cuda.takes(x, w)
+    assert nvfp4_cuda.allowed_rows_per_warp(4096) == (1, 2)
+    # qkvz fits one wave of 2 CTAs per SM with 4 rows per warp on 132 SMs; the lm_head never
+    # does and takes the most rows
+    assert nvfp4_cuda.default_rows_per_warp(8192, 2048, 132) == 4
+    assert nvfp4_cuda.default_rows_per_warp(2048, 4096, 132) == 1
+    assert nvfp4_cuda.default_rows_per_warp(248320, 2048, 132) == 4
+
+
+@pytest.mark.requires_cuda
+def test_dependent_launches_read_the_kernel_before(poison):
+    # two dependent gemvs in a chain (the second's x is the first's output, NaN-filled right
+    # before) give the bits of ordinary launches, eagerly and replayed from a CUDA graph
+    w1, w2 = rand_weight(2048, 2048, "cuda"), rand_weight(1024, 2048, "cuda")
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    y1 = torch.empty(1, 2048, device="cuda", dtype=torch.bfloat16)
+    y2 = torch.empty(1, 1024, device="cuda", dtype=torch.bfloat16)
+
+    def chain(dependent: bool) -> None:
+        y1.fill_(float("nan"))
+        y2.fill_(float("nan"))
+        nvfp4_cuda.gemv_one_row(x, w1, out=y1, dependent=dependent)
+        nvfp4_cuda.gemv_one_row(y1, w2, out=y2, dependent=dependent)
+
+    chain(False)
+    ref = y2.clone()
+    assert not torch.isnan(ref).any()
+    chain(True)
+    assert torch.equal(y2, ref)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        chain(True)
+    for _ in range(3):
+        y2.fill_(0.0)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y2, ref)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_model_shapes_default_path_and_graph(poison, name):
+    # nvfp4_linear's default M = 1 path (CUDA where it takes the shape, else Triton), bf16
+    # and fp16, eagerly and replayed from a CUDA graph
+    from tinyserve.kernels.nvfp4 import nvfp4_linear
+
+    n, k = SHAPES[name]
+    w = rand_weight(n, k, "cuda")
+    ref_w = dequantize_nvfp4(w)
+    for dtype in DTYPES:
+        x = torch.randn(1, k, device="cuda").to(dtype)
+        ref = x.float() @ ref_w.T
+        assert rel_err(nvfp4_linear(x, w), ref) < BOUND
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = nvfp4_linear(x, w)
+        y.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel_err(y, ref) < BOUND, (name, dtype)
+    assert nvfp4_cuda.takes(x, w) == (k in nvfp4_cuda.KS)

@@ -1,0 +1,109 @@
+"""NVFP4 GEMV of one row of 16-bit activations in CUDA (`csrc/nvfp4_gemv.cu`).
+
+Every CTA requests all of its weight bytes at entry (a warp owns `rows_per_warp` whole rows,
+held in registers), then stages x once in fp16 and decodes; where the weight allows, the grid
+is one wave, so the DRAM stream starts at once everywhere and the decode overlaps it.
+Numerics: the "h2" decode with x scaled per block of 16 inputs (the kernel's header): fp16
+products and 16-term sums, then fp32. `nvfp4.nvfp4_linear` takes it for M = 1 where `takes`
+says so; elsewhere the Triton kernels run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from tinyserve import envs
+from tinyserve.core import NVFP4Weight
+from tinyserve.kernels import cuda_build
+from tinyserve.kernels.launch import cdiv, num_sms
+
+_SOURCES = ("nvfp4_gemv.cu",)
+_I, _F, _P = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+_SIGNATURES = (("tinyserve_nvfp4_gemv", (_P, _P, _P, _P, _F, _I, _I, _I, _I, _I, _P)),)
+_HEADERS = ("dependent_launch.cuh",)
+_DTYPE_CODE = {torch.bfloat16: 1, torch.float16: 2}
+KS = (1024, 2048, 4096)  # K the kernel is built for
+WARPS = 8  # warps per CTA
+CTAS_PER_SM = 2  # resident CTAs of the kernel (__launch_bounds__: <= 128 registers)
+ROWS_PER_WARP = (1, 2, 4)
+MAX_ROW_INPUTS = 8192  # rows_per_warp * K: a lane holds at most 8 pieces of 16 bytes
+
+
+def _library(device: torch.device) -> ctypes.CDLL:
+    major, minor = torch.cuda.get_device_capability(device)
+    return cuda_build.library("tinyserve_nvfp4", _SOURCES, _HEADERS, _SIGNATURES, major,
+                              minor)
+
+
+def allowed_rows_per_warp(k: int) -> tuple[int, ...]:
+    return tuple(r for r in ROWS_PER_WARP if r * k <= MAX_ROW_INPUTS)
+
+
+def default_rows_per_warp(n: int, k: int, sms: int) -> int:
+    """The fewest rows per warp whose grid fits the GPU in one wave (CTAS_PER_SM per SM), else
+    the most (fewer, longer CTAs; on the H200 the lm_head took 79.7 / 81.9 / 96.7 us at 4 / 2
+    / 1 rows per warp, `results/nvfp4_cuda_gemv.json`)."""
+    allowed = allowed_rows_per_warp(k)
+    for r in allowed:
+        if cdiv(n, WARPS * r) <= CTAS_PER_SM * sms:
+            return r
+    return allowed[-1]
+
+
+def _aligned(t: torch.Tensor, to: int) -> bool:
+    return t.data_ptr() % to == 0
+
+
+def takes(x: torch.Tensor, w: NVFP4Weight) -> bool:
+    """Whether the CUDA kernel serves x [1, K] against w (default path): a CUDA device, bf16 /
+    fp16 x, K in KS, the aligned layouts the kernel loads, and TINYSERVE_NVFP4_CUDA_GEMV on."""
+    k = w.packed.shape[1] * 2
+    return (x.is_cuda and x.dtype in _DTYPE_CODE and x.dim() == 2 and x.shape[0] == 1
+            and k in KS and x.shape[1] == k and x.stride(-1) == 1 and _aligned(x, 16)
+            and _aligned(w.packed, 16) and _aligned(w.block_scale, 2)
+            and w.packed.is_contiguous() and w.block_scale.is_contiguous()
+            and envs.NVFP4_CUDA_GEMV.get())
+
+
+def gemv_one_row(x: torch.Tensor, w: NVFP4Weight, *, rows_per_warp: int | None = None,
+                 out: torch.Tensor | None = None, dependent: bool = False) -> torch.Tensor:
+    """y [1, N] = x [1, K] @ dequantize(w).T in x.dtype (bf16 / fp16) on a CUDA device.
+
+    `rows_per_warp` (1, 2, 4; None = `default_rows_per_warp`) sets the tiles; `out` [1, N]
+    of x.dtype is written when given. `dependent`: a programmatic dependent launch (sm_90:
+    its weight loads start while the kernel before drains; x is read after that kernel ends).
+    Raises ValueError for inputs the kernel does not take.
+    """
+    n, k = w.packed.shape[0], w.packed.shape[1] * 2
+    if x.dtype not in _DTYPE_CODE or not x.is_cuda or tuple(x.shape) != (1, k):
+        raise ValueError(f"x must be bf16/fp16 [1, {k}] on a CUDA device, got {x.dtype} "
+                         f"{list(x.shape)} on {x.device}")
+    if k not in KS:
+        raise ValueError(f"the CUDA NVFP4 gemv takes K in {KS}, got {k}")
+    if tuple(w.block_scale.shape) != (n, k // 16) or w.packed.dtype != torch.uint8:
+        raise ValueError(f"malformed NVFP4 weight: codes {list(w.packed.shape)}, scales "
+                         f"{list(w.block_scale.shape)}")
+    if not (x.stride(-1) == 1 and _aligned(x, 16) and _aligned(w.packed, 16)
+            and _aligned(w.block_scale, 2) and w.packed.is_contiguous()
+            and w.block_scale.is_contiguous()):
+        raise ValueError("the CUDA NVFP4 gemv needs contiguous, 16-byte aligned x and codes "
+                         "and 2-byte aligned scales")
+    r = rows_per_warp or default_rows_per_warp(n, k, num_sms(x.device))
+    if r not in allowed_rows_per_warp(k):
+        raise ValueError(f"rows_per_warp {r} not in {allowed_rows_per_warp(k)} for K={k}")
+    if out is None:
+        out = torch.empty(1, n, device=x.device, dtype=x.dtype)
+    elif out.dtype != x.dtype or tuple(out.shape) != (1, n) or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {x.dtype} [1, {n}]")
+    if n == 0:
+        return out
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    rc = _library(x.device).tinyserve_nvfp4_gemv(
+        w.packed.data_ptr(), w.block_scale.data_ptr(), x.data_ptr(), out.data_ptr(),
+        float(w.global_scale), n, k, _DTYPE_CODE[x.dtype], r, int(dependent), stream)
+    if rc != 0:
+        raise RuntimeError(f"tinyserve_nvfp4_gemv failed: "
+                           f"{'bad arguments' if rc == 2 else f'CUDA error {rc}'}")
+    return out

@@ -11,8 +11,9 @@ baseline from the same run:
    programmatic dependent launches, back to back), the shape's Triton tiles
    (`default_gemv_config`) and every candidate of `GEMV_SWEEP` (decode "f32" / "h2", rows,
    blocks, warps, load width, stages, split-K);
-3. fused MoE decode, one token x 8 of 256 experts: the "fused" path (two launches,
-   deterministic; its table tiles and `MOE_FUSED_CANDIDATES`) beside the "gemv" path (its
+3. fused MoE decode, one token x 8 of 256 experts: the default "fused" path (`cuda_*`: the
+   CUDA kernels of `nvfp4_cuda.moe_decode` where they apply), its Triton kernels (two
+   launches, deterministic; table tiles and `MOE_FUSED_CANDIDATES`) and the "gemv" path (its
    current tiles), routed only and for the whole layer (+ the shared expert: in the fused
    launches, vs the model's separate gate_up GEMV, silu_mul, down GEMV and gated_add),
    against the time to read the experts' bytes at `bw` and at the device copy bandwidth
@@ -345,11 +346,14 @@ def bench_moe_decode(bw: float, dev: str, smoke: bool, n: int = 1, h: int = 2048
                              shared_logit=logits[i], path=path, fused_config=cfg)
         return fn
 
-    # (key, fn, ref, read time, fused config or None)
-    cases = [("gemv_layer", layer("gemv", None), ref_layer, read_layer, None),
+    # (key, fn, ref, read time, fused config or None); "cuda": the default fused path (no
+    # config: the CUDA kernels where they apply)
+    cases = [("cuda_layer", layer("fused", None), ref_layer, read_layer, None),
+             ("gemv_layer", layer("gemv", None), ref_layer, read_layer, None),
              ("fused_layer", layer("fused", fused_cfg), ref_layer, read_layer, fused_cfg)]
     if n == 1:
-        cases += [("gemv_routed", routed("gemv", None), ref_routed, read_routed, None),
+        cases += [("cuda_routed", routed("fused", None), ref_routed, read_routed, None),
+                  ("gemv_routed", routed("gemv", None), ref_routed, read_routed, None),
                   ("fused_routed", routed("fused", fused_cfg), ref_routed, read_routed, None)]
     cands = MOE_FUSED_CANDIDATES if sweep else MOE_FUSED_CANDIDATES[:FUSED_MULTI]
     cases += [(f"fused_layer_{fused_key(c)}", layer("fused", c), ref_layer, read_layer, c)
@@ -404,8 +408,8 @@ def summary(rec: Recorder) -> None:
             v = case["variants"]
             row = " | ".join(f"{kk} {v[kk]['us']:.2f} us ({v[kk]['ratio_to_read_time']:.2f}x, "
                              f"{v[kk].get('ratio_to_copy_read_time', float('nan')):.2f}x copy)"
-                             for kk in ("gemv_layer", "fused_layer", "gemv_routed",
-                                        "fused_routed")
+                             for kk in ("cuda_layer", "gemv_layer", "fused_layer",
+                                        "cuda_routed", "gemv_routed", "fused_routed")
                              if "us" in v.get(kk, {}))
             nan = float("nan")
             print(f"{name:28s}\n    {row}"

@@ -52,9 +52,9 @@ DISABLE_KERNELS = BoolEnv("TINYSERVE_DISABLE_KERNELS", "0",
                           "run the pure-torch references even on a GPU")
 NVFP4_GEMV_MAX_M = IntEnv("TINYSERVE_NVFP4_GEMV_MAX_M", "4",
                           "NVFP4 linear: largest M that takes the split-K GEMV path")
-NVFP4_CUDA_GEMV = BoolEnv("TINYSERVE_NVFP4_CUDA_GEMV", "1",
-                          "NVFP4 linear: one-row GEMVs of 16-bit x take the CUDA kernel "
-                          "where it applies (0: the Triton gemv everywhere)")
+NVFP4_CUDA = BoolEnv("TINYSERVE_NVFP4_CUDA", "1",
+                     "NVFP4 decode: one-row GEMVs and the fused MoE decode of 16-bit x take "
+                     "the CUDA kernels where they apply (0: Triton everywhere)")
 NVFP4_DEQUANT_MIN_M = IntEnv("TINYSERVE_NVFP4_DEQUANT_MIN_M", "128",
                              "NVFP4 linear: smallest M that dequantizes to a scratch + cuBLAS")
 ISO_DECODE = StrEnv("TINYSERVE_ISO_DECODE", "",

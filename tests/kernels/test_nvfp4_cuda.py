@@ -1,16 +1,15 @@
-"""The CUDA NVFP4 gemv of one row of x (csrc/nvfp4_gemv.cu) against the torch reference.
+"""The CUDA NVFP4 kernels (csrc/nvfp4_gemv.cu, nvfp4_moe.cu) against the torch references.
 
 Every check runs twice: on the CPU, the kernel compiled under the CUDA emulation
 (cuda_emu/emu.h, fp16 arithmetic emulated) at small shapes and every rows-per-warp variant;
 on a GPU, at the 35B-A3B shapes. Outputs are poisoned with NaN and rows past N must stay
 untouched. Bounds: one-hot x with a power-of-two global scale is bit-exact (every code at every
 nibble position, every non-NaN scale byte); random x within relative Frobenius error 3e-3
-(fp16 products and 8-term sums, then fp32).
+(fp16 products and 8-term sums, then fp32); the MoE decode within 5e-3 (its intermediate is
+rounded to fp16 too).
 """
 
 from __future__ import annotations
-
-import ctypes
 
 import pytest
 import torch
@@ -20,7 +19,6 @@ from tinyserve.core import NVFP4Weight
 from tinyserve.kernels import nvfp4_cuda
 from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4
 
-I, F, P = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 BOUND = 3e-3
 DTYPES = {torch.bfloat16: 1, torch.float16: 2}
 SHAPES = {"qkvz": (8192, 2048), "o_proj": (2048, 4096), "gate_up": (1024, 2048),
@@ -29,9 +27,10 @@ SHAPES = {"qkvz": (8192, 2048), "o_proj": (2048, 4096), "gate_up": (1024, 2048),
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
-    lib = emulation.build(("nvfp4_gemv.cu",), tmp_path_factory.mktemp("nvfp4_emu"),
+    lib = emulation.build(nvfp4_cuda._SOURCES, tmp_path_factory.mktemp("nvfp4_emu"),
                           defines=("TINYSERVE_CUDA_EMU",))
-    lib.tinyserve_nvfp4_gemv.argtypes = [P, P, P, P, F, I, I, I, I, I, P]
+    for name, args in nvfp4_cuda._SIGNATURES:
+        getattr(lib, name).argtypes = list(args)
     return lib
 
 
@@ -212,3 +211,128 @@ def test_model_shapes_default_path_and_graph(poison, name):
         torch.cuda.synchronize()
         assert rel_err(y, ref) < BOUND, (name, dtype)
     assert nvfp4_cuda.takes(x, w) == (k in nvfp4_cuda.KS)
+
+
+# --- the MoE decode -------------------------------------------------------------------------
+
+MOE_BOUND = 5e-3
+
+
+def moe_layer(h: int, f: int, experts: int, device: str):
+    """`experts` random NVFP4 experts in random slots of an (experts + 2)-slot buffer, the
+    slot of each expert, and a shared expert in its own slots."""
+    from tinyserve.kernels.fused_moe import (
+        allocate_expert_slots,
+        single_expert_slots,
+        write_slot,
+    )
+
+    def expert():
+        return rand_weight(f, h, device), rand_weight(f, h, device), rand_weight(h, f, device)
+
+    slots = allocate_expert_slots(experts + 2, h, f, fp4=True, device=device)
+    slot_of = torch.randperm(experts + 2, device=device)[:experts]
+    for i in range(experts):
+        write_slot(slots, int(slot_of[i]), *expert())
+    return slots, slot_of, single_expert_slots(*expert())
+
+
+@pytest.fixture(params=["emu", pytest.param("cuda", marks=pytest.mark.requires_cuda)])
+def moe(request):
+    """moe(x, ids, wts, topk, slots, shared, logit) -> [N, H] through the CUDA MoE decode
+    (the emulated library on the CPU), its intermediate poisoned with NaN."""
+    if request.param == "cuda":
+        def run(x, ids, wts, topk, slots, shared, logit, dependent=None):
+            return nvfp4_cuda.moe_decode(x, ids.reshape(-1), wts.reshape(-1), topk, slots,
+                                         shared, logit, dependent=dependent)
+    else:
+        lib = request.getfixturevalue("emulated")
+
+        def run(x, ids, wts, topk, slots, shared, logit, dependent=None):
+            n, h, f = x.shape[0], slots.hidden_size, slots.intermediate_size
+            kp = topk + (shared is not None)
+            inter = torch.full((n * kp, f), float("nan"))
+            out = torch.full((n, h), float("nan"), dtype=x.dtype)
+
+            def ptrs(e, which):
+                if e is None:
+                    return [None] * 3
+                return [getattr(e, f"{which}{p}").data_ptr() for p in ("", "_scale", "_global")]
+
+            codes = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+            rc = lib.tinyserve_nvfp4_moe_decode(
+                x.data_ptr(), x.stride(0), ids.data_ptr(), int(ids.dtype == torch.int64),
+                wts.data_ptr(), codes[wts.dtype], logit.data_ptr() if logit is not None else None,
+                codes[logit.dtype] if logit is not None else 0,
+                logit.stride(0) if logit is not None else 0, n, topk, kp, h, f, DTYPES[x.dtype],
+                *ptrs(slots, "w13"), *ptrs(shared, "w13"), *ptrs(slots, "w2"),
+                *ptrs(shared, "w2"), inter.data_ptr(), out.data_ptr(), 0, None)
+            assert rc == 0
+            return out
+
+    run.device = "cuda" if request.param == "cuda" else "cpu"
+    return run
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["routed", "shared"])
+def test_moe_decode_matches_the_reference(moe, shared):
+    # the emulation at H 1024, F 256 (8 pairs side by side per warp), the GPU at 35B-A3B's
+    # 2048 / 512; 1 and 3 tokens; int32 / int64 ids; fp32 / bf16 routing weights
+    from tinyserve.kernels.fused_moe import fused_moe_ref
+
+    h, f, experts, topk = (2048, 512, 64, 8) if moe.device == "cuda" else (1024, 256, 6, 3)
+    slots, slot_of, sh = moe_layer(h, f, experts, moe.device)
+    for n, id_dtype, w_dtype in ((1, torch.int32, torch.float32), (3, torch.int64,
+                                                                    torch.bfloat16)):
+        ids = torch.stack([slot_of[torch.randperm(experts, device=moe.device)[:topk]]
+                           for _ in range(n)]).to(id_dtype)
+        wts = torch.softmax(torch.randn(n, topk, device=moe.device), -1).to(w_dtype)
+        x = torch.randn(n, h, device=moe.device).to(torch.bfloat16)
+        logit = torch.randn(n, 3, device=moe.device).to(torch.bfloat16)[:, 1:2] if shared \
+            else None
+        kw = {"shared_slots": sh, "shared_logit": logit} if shared else {}
+        ref = fused_moe_ref(x, ids, wts, slots, **kw).float()
+        y = moe(x, ids, wts, topk, slots, sh if shared else None, logit)
+        assert y.dtype == x.dtype and not torch.isnan(y).any()
+        assert rel_err(y, ref) < MOE_BOUND, (n, rel_err(y, ref))
+
+
+def test_moe_decode_is_the_default_fused_path(monkeypatch):
+    # no fused config: the CUDA decode where it takes the call; a config: Triton's
+    from tinyserve.kernels import fused_moe as fm
+    from tinyserve.kernels.fused_moe_decode import MoEFusedConfig
+
+    calls = []
+    monkeypatch.setattr(nvfp4_cuda, "moe_takes", lambda *a: True)
+    monkeypatch.setattr(nvfp4_cuda, "moe_decode", lambda *a: calls.append("cuda") or a[0])
+    monkeypatch.setattr(fm, "moe_fused_decode", lambda *a: calls.append("triton") or a[0])
+    slots, slot_of, sh = moe_layer(64, 32, 4, "cpu")
+    x = torch.randn(1, 64)
+    fm.fused_moe(x, slot_of[:2][None], torch.ones(1, 2), slots, path="fused")
+    fm.fused_moe(x, slot_of[:2][None], torch.ones(1, 2), slots, path="fused",
+                 fused_config=MoEFusedConfig(decode="f32"))
+    assert calls == ["cuda", "triton"]
+    monkeypatch.undo()
+    assert not nvfp4_cuda.moe_takes(x, 2, slots, None)  # the CPU
+
+
+@pytest.mark.requires_cuda
+def test_moe_decode_graph_dependent_and_repeats(poison):
+    # graph replays == eager, dependent == ordinary launches, bit for bit, at 1 and 8 tokens
+    slots, slot_of, sh = moe_layer(2048, 512, 32, "cuda")
+    for n in (1, 8):
+        ids = torch.stack([slot_of[torch.randperm(32, device="cuda")[:8]] for _ in range(n)])
+        wts = torch.softmax(torch.randn(n, 8, device="cuda"), -1).to(torch.bfloat16)
+        x = torch.randn(n, 2048, device="cuda", dtype=torch.bfloat16)
+        logit = torch.randn(n, 1, device="cuda", dtype=torch.bfloat16)
+        args = (x, ids.view(-1), wts.view(-1), 8, slots, sh, logit)
+        eager = nvfp4_cuda.moe_decode(*args, dependent=False)
+        assert torch.equal(nvfp4_cuda.moe_decode(*args, dependent=True), eager)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = nvfp4_cuda.moe_decode(*args)
+        for _ in range(3):
+            y.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y, eager)

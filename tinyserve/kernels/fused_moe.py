@@ -5,17 +5,17 @@ index, so the same kernels serve all-resident experts (slot = expert id) and the
 cache (slot = cache line). `fused_moe` runs every (token, expert) pair of a layer in one launch
 sequence: gate_up -> silu(gate) * up -> down scaled by the routing weight -> sum over the k
 experts of each token, plus optionally a gated shared expert (`shared_slots`, one slot).
-Decode, NVFP4, up to `MOE_FUSED_MAX_TOKENS` tokens ("fused", `fused_moe_decode.py`): every
-expert of every token and the shared expert in two launches, gate_up + silu * up per (pair,
-feature chunk), then down per (token, row block) summing every pair in registers: no
-atomics, the same bits every run (`fused_moe_decode.MOE_FUSED_DECODE = False` switches it
-off). Otherwise, decode ("gemv", few pairs): gate_up with one program per pair and row
-block, int64 code loads (the GEMV core of `kernels/nvfp4.py`; tiles per (H, F) from
-`nvfp4_tiles.MOE_GEMV_TILES`), pairs ordered by slot so shared experts come from L2; down
-with one program per token and row block summing its k experts (or `down_expert_split`
-groups of them in separate programs, fp32 partial sums added after). Prefill: pairs grouped
-per slot into BLOCK_M tiles (`align_pairs`, no host sync) and tensor-core dots with the
-weight tile dequantized in the K loop.
+Decode, NVFP4, up to `MOE_FUSED_MAX_TOKENS` tokens ("fused", `fused_moe_decode.py`; in CUDA,
+`nvfp4_cuda.moe_decode`, where it applies): every expert of every token and the shared expert
+in two launches, gate_up + silu * up per (pair, feature chunk), then down per (token, row
+block) summing every pair in registers: no atomics, the same bits every run
+(`fused_moe_decode.MOE_FUSED_DECODE = False` switches it off). Otherwise, decode ("gemv", few
+pairs): gate_up with one program per pair and row block, int64 code loads (the GEMV core of
+`kernels/nvfp4.py`; tiles per (H, F) from `nvfp4_tiles.MOE_GEMV_TILES`), pairs ordered by slot
+so shared experts come from L2; down with one program per token and row block summing its k
+experts (or `down_expert_split` groups of them in separate programs, fp32 partial sums added
+after). Prefill: pairs grouped per slot into BLOCK_M tiles (`align_pairs`, no host sync) and
+tensor-core dots with the weight tile dequantized in the K loop.
 
 Slot layout (gate = rows 0..F-1 of w13, up = rows F..2F-1):
 - NVFP4: w13 uint8 [S, 2F, H/2], w13_scale uint8 [S, 2F, H/16], w13_global fp32 [S, 2]
@@ -33,6 +33,7 @@ import torch
 
 from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
 from tinyserve.kernels import fused_moe_decode as fmd
+from tinyserve.kernels import nvfp4_cuda
 from tinyserve.kernels.fused_moe_decode import (
     MoEFusedConfig,
     default_moe_fused_config,
@@ -250,8 +251,9 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
             N * k.
         gemv_config: tile sizes of the gemv path (bench sweeps); None =
             `default_moe_gemv_config(H, F)`.
-        fused_config: tile sizes of the fused path; None = its table entry
-            (`default_moe_fused_config(H, F)`).
+        fused_config: Triton tiles of the fused path; None = the CUDA kernels where
+            `nvfp4_cuda.moe_takes` the call (csrc/nvfp4_moe.cu: 16-bit x, 35B-A3B-like
+            shapes), else the table entry (`default_moe_fused_config(H, F)`).
     Returns:
         [N, H] in x.dtype; fp32 accumulation, the silu(gate) * up intermediate in fp32
         (fused, gemv) or x.dtype (dot). The "h2" decode (gemv: the 35B-A3B default,
@@ -286,10 +288,13 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
     in_kernel = (path == "fused" and shared_slots is not None and shared_slots.is_fp4
                  and shared_slots.intermediate_size == slots.intermediate_size)
     if path == "fused":
-        cfg = fused_config or default_moe_fused_config(slots.hidden_size,
-                                                        slots.intermediate_size)
-        out = moe_fused_decode(x, ids, wts, topk, slots, shared_slots if in_kernel else None,
-                               shared_logit if in_kernel else None, cfg)
+        sh, logit = (shared_slots, shared_logit) if in_kernel else (None, None)
+        if fused_config is None and nvfp4_cuda.moe_takes(x, topk, slots, sh):
+            out = nvfp4_cuda.moe_decode(x, ids, wts, topk, slots, sh, logit)
+        else:
+            cfg = fused_config or default_moe_fused_config(slots.hidden_size,
+                                                            slots.intermediate_size)
+            out = moe_fused_decode(x, ids, wts, topk, slots, sh, logit, cfg)
     elif path == "gemv":
         cfg = gemv_config or default_moe_gemv_config(slots.hidden_size,
                                                       slots.intermediate_size)

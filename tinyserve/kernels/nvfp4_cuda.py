@@ -19,10 +19,15 @@ from tinyserve.core import NVFP4Weight
 from tinyserve.kernels import cuda_build
 from tinyserve.kernels.launch import cdiv, num_sms
 
-_SOURCES = ("nvfp4_gemv.cu",)
+_SOURCES = ("nvfp4_gemv.cu", "nvfp4_moe.cu")
 _I, _F, _P = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-_SIGNATURES = (("tinyserve_nvfp4_gemv", (_P, _P, _P, _P, _F, _I, _I, _I, _I, _I, _P)),)
-_HEADERS = ("dependent_launch.cuh",)
+_I64 = ctypes.c_int64
+_SIGNATURES = (
+    ("tinyserve_nvfp4_gemv", (_P, _P, _P, _P, _F, _I, _I, _I, _I, _I, _P)),
+    ("tinyserve_nvfp4_moe_decode", (_P, _I64, _P, _I, _P, _I, _P, _I, _I64, _I, _I, _I, _I,
+                                    _I, _I, *([_P] * 12), _P, _P, _I, _P)),
+)
+_HEADERS = ("dependent_launch.cuh", "nvfp4_decode.cuh")
 _DTYPE_CODE = {torch.bfloat16: 1, torch.float16: 2}
 KS = (1024, 2048, 4096)  # K the kernel is built for
 WARPS = 8  # warps per CTA
@@ -58,13 +63,13 @@ def _aligned(t: torch.Tensor, to: int) -> bool:
 
 def takes(x: torch.Tensor, w: NVFP4Weight) -> bool:
     """Whether the CUDA kernel serves x [1, K] against w (default path): a CUDA device, bf16 /
-    fp16 x, K in KS, the aligned layouts the kernel loads, and TINYSERVE_NVFP4_CUDA_GEMV on."""
+    fp16 x, K in KS, the aligned layouts the kernel loads, and TINYSERVE_NVFP4_CUDA on."""
     k = w.packed.shape[1] * 2
     return (x.is_cuda and x.dtype in _DTYPE_CODE and x.dim() == 2 and x.shape[0] == 1
             and k in KS and x.shape[1] == k and x.stride(-1) == 1 and _aligned(x, 16)
             and _aligned(w.packed, 16) and _aligned(w.block_scale, 2)
             and w.packed.is_contiguous() and w.block_scale.is_contiguous()
-            and envs.NVFP4_CUDA_GEMV.get())
+            and envs.NVFP4_CUDA.get())
 
 
 def gemv_one_row(x: torch.Tensor, w: NVFP4Weight, *, rows_per_warp: int | None = None,
@@ -105,5 +110,66 @@ def gemv_one_row(x: torch.Tensor, w: NVFP4Weight, *, rows_per_warp: int | None =
         float(w.global_scale), n, k, _DTYPE_CODE[x.dtype], r, int(dependent), stream)
     if rc != 0:
         raise RuntimeError(f"tinyserve_nvfp4_gemv failed: "
+                           f"{'bad arguments' if rc == 2 else f'CUDA error {rc}'}")
+    return out
+
+
+# --- the MoE decode (csrc/nvfp4_moe.cu) ---------------------------------------------------
+
+MOE_HS = (1024, 2048)  # H the MoE kernels are built for
+MOE_FS = (256, 512)  # F
+MOE_MAX_PAIRS = 10  # routed + shared experts per token
+_FLOAT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def moe_takes(x: torch.Tensor, topk: int, slots, shared) -> bool:
+    """Whether `moe_decode` serves this call of the fused MoE decode: a CUDA device, bf16 /
+    fp16 x, NVFP4 slots (and shared expert) with H in MOE_HS and F in MOE_FS, at most
+    MOE_MAX_PAIRS pairs per token, aligned slot buffers, TINYSERVE_NVFP4_CUDA on."""
+    h, f = slots.hidden_size, slots.intermediate_size
+    tensors = [slots.w13, slots.w13_scale, slots.w2, slots.w2_scale]
+    if shared is not None:
+        tensors += [shared.w13, shared.w13_scale, shared.w2, shared.w2_scale]
+    return (x.is_cuda and x.dtype in _DTYPE_CODE and slots.is_fp4 and h in MOE_HS
+            and f in MOE_FS and topk + (shared is not None) <= MOE_MAX_PAIRS
+            and (shared is None or (shared.is_fp4 and shared.intermediate_size == f))
+            and x.stride(0) % 8 == 0 and _aligned(x, 16)
+            and all(t.is_contiguous() and _aligned(t, 16) for t in tensors)
+            and envs.NVFP4_CUDA.get())
+
+
+def moe_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int, slots,
+               shared, logit: torch.Tensor | None, *, dependent: bool | None = None
+               ) -> torch.Tensor:
+    """The fused MoE decode (`fused_moe_decode.moe_fused_decode`'s contract) in CUDA: x [N, H]
+    (rows 16-byte aligned), ids / wts flat [N * topk], NVFP4 `slots` and `shared` (slot 0)
+    as checked by `fused_moe` and `moe_takes`, logit [N, 1] with `shared`. Returns [N, H] in
+    x.dtype; two launches (the second a dependent launch on sm_90 unless `dependent` is
+    False), no host synchronisation, the same bits every run."""
+    from tinyserve.kernels.launch import dependent_launch
+
+    n, h, f = x.shape[0], slots.hidden_size, slots.intermediate_size
+    kp = topk + (shared is not None)
+    inter = torch.empty(n * kp, f, dtype=torch.float32, device=x.device)
+    out = torch.empty(n, h, dtype=x.dtype, device=x.device)
+    if dependent is None:
+        dependent = dependent_launch(x.device)
+
+    def weights(e, which: str) -> list:  # codes, scales, global scales of w13 / w2
+        if e is None:
+            return [None] * 3
+        return [getattr(e, f"{which}{part}").data_ptr() for part in ("", "_scale", "_global")]
+
+    has_logit = logit is not None
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    rc = _library(x.device).tinyserve_nvfp4_moe_decode(
+        x.data_ptr(), x.stride(0), ids.data_ptr(), int(ids.dtype == torch.int64),
+        wts.data_ptr(), _FLOAT_CODE[wts.dtype], logit.data_ptr() if has_logit else None,
+        _FLOAT_CODE[logit.dtype] if has_logit else 0, logit.stride(0) if has_logit else 0,
+        n, topk, kp, h, f, _DTYPE_CODE[x.dtype], *weights(slots, "w13"),
+        *weights(shared, "w13"), *weights(slots, "w2"), *weights(shared, "w2"),
+        inter.data_ptr(), out.data_ptr(), int(dependent), stream)
+    if rc != 0:
+        raise RuntimeError(f"tinyserve_nvfp4_moe_decode failed: "
                            f"{'bad arguments' if rc == 2 else f'CUDA error {rc}'}")
     return out

@@ -242,13 +242,13 @@ def moe(request):
     """moe(x, ids, wts, topk, slots, shared, logit) -> [N, H] through the CUDA MoE decode
     (the emulated library on the CPU), its intermediate poisoned with NaN."""
     if request.param == "cuda":
-        def run(x, ids, wts, topk, slots, shared, logit, dependent=None):
+        def run(x, ids, wts, topk, slots, shared, logit, down_rows=2):
             return nvfp4_cuda.moe_decode(x, ids.reshape(-1), wts.reshape(-1), topk, slots,
-                                         shared, logit, dependent=dependent)
+                                         shared, logit, down_rows=down_rows)
     else:
         lib = request.getfixturevalue("emulated")
 
-        def run(x, ids, wts, topk, slots, shared, logit, dependent=None):
+        def run(x, ids, wts, topk, slots, shared, logit, down_rows=2):
             n, h, f = x.shape[0], slots.hidden_size, slots.intermediate_size
             kp = topk + (shared is not None)
             inter = torch.full((n * kp, f), float("nan"))
@@ -266,7 +266,7 @@ def moe(request):
                 codes[logit.dtype] if logit is not None else 0,
                 logit.stride(0) if logit is not None else 0, n, topk, kp, h, f, DTYPES[x.dtype],
                 *ptrs(slots, "w13"), *ptrs(shared, "w13"), *ptrs(slots, "w2"),
-                *ptrs(shared, "w2"), inter.data_ptr(), out.data_ptr(), 0, None)
+                *ptrs(shared, "w2"), inter.data_ptr(), out.data_ptr(), down_rows, 0, None)
             assert rc == 0
             return out
 
@@ -292,9 +292,10 @@ def test_moe_decode_matches_the_reference(moe, shared):
             else None
         kw = {"shared_slots": sh, "shared_logit": logit} if shared else {}
         ref = fused_moe_ref(x, ids, wts, slots, **kw).float()
-        y = moe(x, ids, wts, topk, slots, sh if shared else None, logit)
-        assert y.dtype == x.dtype and not torch.isnan(y).any()
-        assert rel_err(y, ref) < MOE_BOUND, (n, rel_err(y, ref))
+        for down_rows in (1, 2):
+            y = moe(x, ids, wts, topk, slots, sh if shared else None, logit, down_rows)
+            assert y.dtype == x.dtype and not torch.isnan(y).any()
+            assert rel_err(y, ref) < MOE_BOUND, (n, down_rows, rel_err(y, ref))
 
 
 def test_moe_decode_is_the_default_fused_path(monkeypatch):

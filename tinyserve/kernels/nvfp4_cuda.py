@@ -17,7 +17,7 @@ import torch
 from tinyserve import envs
 from tinyserve.core import NVFP4Weight
 from tinyserve.kernels import cuda_build
-from tinyserve.kernels.launch import cdiv, num_sms
+from tinyserve.kernels.launch import cdiv, dependent_launch, num_sms
 
 _SOURCES = ("nvfp4_gemv.cu", "nvfp4_moe.cu")
 _I, _F, _P = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -25,7 +25,7 @@ _I64 = ctypes.c_int64
 _SIGNATURES = (
     ("tinyserve_nvfp4_gemv", (_P, _P, _P, _P, _F, _I, _I, _I, _I, _I, _P)),
     ("tinyserve_nvfp4_moe_decode", (_P, _I64, _P, _I, _P, _I, _P, _I, _I64, _I, _I, _I, _I,
-                                    _I, _I, *([_P] * 12), _P, _P, _I, _P)),
+                                    _I, _I, *([_P] * 12), _P, _P, _I, _I, _P)),
 )
 _HEADERS = ("dependent_launch.cuh", "nvfp4_decode.cuh")
 _DTYPE_CODE = {torch.bfloat16: 1, torch.float16: 2}
@@ -77,8 +77,9 @@ def gemv_one_row(x: torch.Tensor, w: NVFP4Weight, *, rows_per_warp: int | None =
     """y [1, N] = x [1, K] @ dequantize(w).T in x.dtype (bf16 / fp16) on a CUDA device.
 
     `rows_per_warp` (1, 2, 4; None = `default_rows_per_warp`) sets the tiles; `out` [1, N]
-    of x.dtype is written when given. `dependent`: a programmatic dependent launch (sm_90:
-    its weight loads start while the kernel before drains; x is read after that kernel ends).
+    of x.dtype is written when given. `dependent`: a programmatic dependent launch (sm_90 and
+    newer, else ignored: its weight loads start while the kernel before drains; x is read
+    after that kernel ends).
     Raises ValueError for inputs the kernel does not take.
     """
     n, k = w.packed.shape[0], w.packed.shape[1] * 2
@@ -107,7 +108,8 @@ def gemv_one_row(x: torch.Tensor, w: NVFP4Weight, *, rows_per_warp: int | None =
     stream = torch.cuda.current_stream(x.device).cuda_stream
     rc = _library(x.device).tinyserve_nvfp4_gemv(
         w.packed.data_ptr(), w.block_scale.data_ptr(), x.data_ptr(), out.data_ptr(),
-        float(w.global_scale), n, k, _DTYPE_CODE[x.dtype], r, int(dependent), stream)
+        float(w.global_scale), n, k, _DTYPE_CODE[x.dtype], r,
+        int(dependent and dependent_launch(x.device)), stream)
     if rc != 0:
         raise RuntimeError(f"tinyserve_nvfp4_gemv failed: "
                            f"{'bad arguments' if rc == 2 else f'CUDA error {rc}'}")
@@ -119,6 +121,11 @@ def gemv_one_row(x: torch.Tensor, w: NVFP4Weight, *, rows_per_warp: int | None =
 MOE_HS = (1024, 2048)  # H the MoE kernels are built for
 MOE_FS = (256, 512)  # F
 MOE_MAX_PAIRS = 10  # routed + shared experts per token
+# Launch settings of the down kernel, from the H200 (results/nvfp4_moe_cuda.json): 2 output
+# rows per warp, an ordinary launch (as a dependent launch of gate_up its CTAs became resident
+# where gate_up's left first, unevenly: 11.9 us against 11.1 at 1 token)
+MOE_DOWN_ROWS = 2
+MOE_DEPENDENT = False
 _FLOAT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -139,22 +146,18 @@ def moe_takes(x: torch.Tensor, topk: int, slots, shared) -> bool:
 
 
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int, slots,
-               shared, logit: torch.Tensor | None, *, dependent: bool | None = None
-               ) -> torch.Tensor:
+               shared, logit: torch.Tensor | None, *, dependent: bool = MOE_DEPENDENT,
+               down_rows: int = MOE_DOWN_ROWS) -> torch.Tensor:
     """The fused MoE decode (`fused_moe_decode.moe_fused_decode`'s contract) in CUDA: x [N, H]
     (rows 16-byte aligned), ids / wts flat [N * topk], NVFP4 `slots` and `shared` (slot 0)
     as checked by `fused_moe` and `moe_takes`, logit [N, 1] with `shared`. Returns [N, H] in
-    x.dtype; two launches (the second a dependent launch on sm_90 unless `dependent` is
-    False), no host synchronisation, the same bits every run."""
-    from tinyserve.kernels.launch import dependent_launch
-
+    x.dtype; two launches (`dependent`: the second a dependent launch of the first, sm_90+;
+    `down_rows`: its output rows per warp, 1 or 2), no host synchronisation, the same bits
+    every run."""
     n, h, f = x.shape[0], slots.hidden_size, slots.intermediate_size
     kp = topk + (shared is not None)
     inter = torch.empty(n * kp, f, dtype=torch.float32, device=x.device)
     out = torch.empty(n, h, dtype=x.dtype, device=x.device)
-    if dependent is None:
-        dependent = dependent_launch(x.device)
-
     def weights(e, which: str) -> list:  # codes, scales, global scales of w13 / w2
         if e is None:
             return [None] * 3
@@ -168,7 +171,8 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
         _FLOAT_CODE[logit.dtype] if has_logit else 0, logit.stride(0) if has_logit else 0,
         n, topk, kp, h, f, _DTYPE_CODE[x.dtype], *weights(slots, "w13"),
         *weights(shared, "w13"), *weights(slots, "w2"), *weights(shared, "w2"),
-        inter.data_ptr(), out.data_ptr(), int(dependent), stream)
+        inter.data_ptr(), out.data_ptr(), down_rows,
+        int(dependent and dependent_launch(x.device)), stream)
     if rc != 0:
         raise RuntimeError(f"tinyserve_nvfp4_moe_decode failed: "
                            f"{'bad arguments' if rc == 2 else f'CUDA error {rc}'}")

@@ -176,40 +176,55 @@ struct F32 {  // input only: the MoE intermediate
   }
 };
 
-// `count` inputs of format T (vectors of V inputs each; V % 32 == 0) -> shared memory. Per
-// group g of 8 inputs of vector v (group i within it) the fp16 pairs (0,4) (1,5) (2,6) (3,7)
-// scaled by 2^e of their block, at xh[v * V/8 + (i % 4) * V/32 + i / 4]: a lane's piece q of a
-// vector is xh[v * V/8 + k * V/32 + q], k < 4 (4 conflict-free reads); per block b, 2^-e at
-// xf[b]. Every thread of the CTA must call it (warp shuffles).
-template <typename T, int V>
+// `count` inputs of format T (vectors of V inputs each; V % 32 == 0; count <= ITERS * 8 *
+// kThreads) -> shared memory. Per group g of 8 inputs of vector v (group i within it) the
+// fp16 pairs (0,4) (1,5) (2,6) (3,7) scaled by 2^e of their block, at xh[v * V/8 + (i % 4) *
+// V/32 + i / 4]: a lane's piece q of a vector is xh[v * V/8 + k * V/32 + q], k < 4 (4
+// conflict-free reads); per block b, 2^-e at xf[b]. A thread's ITERS groups are all loaded
+// before any is converted (one round trip). Every thread of the CTA must call it (warp
+// shuffles).
+template <typename T, int V, int ITERS>
 __device__ __forceinline__ void stage_inputs(const void* __restrict__ in, int count, uint4* xh,
                                              float* xf) {
   const int groups = count / 8;
-  for (int g0 = 0; g0 < groups; g0 += kThreads) {
-    const int g = g0 + threadIdx.x;
-    const bool ok = g < groups;
-    float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    if (ok) T::load8(in, g, v);
+  float v[ITERS][8];
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int g = it * kThreads + threadIdx.x;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[it][i] = 0.0f;
+    if (g < groups) T::load8(in, g, v[it]);
+  }
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int g = it * kThreads + threadIdx.x;
     // max|v| as fp32 bits (a NaN counts as inf: fmaxf would drop it), then over the block
     uint32_t m = 0;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) m = max(m, min(__float_as_uint(v[i]) & 0x7FFFFFFFu, 0x7F800000u));
+    for (int i = 0; i < 8; ++i) {
+      m = max(m, min(__float_as_uint(v[it][i]) & 0x7FFFFFFFu, 0x7F800000u));
+    }
     m = max(m, __shfl_xor_sync(kFull, m, 1));  // the other half of the block
     // floor(log2 max) from the exponent bits; e puts max in [2^14, 2^15), clamped so that
     // 2^e and 2^-e are normal (an inf / NaN block: x * 2^-113 keeps inf and NaN)
     const int e = max(-113, min(126, 14 - ((int)(m >> 23) - 127)));
     const float up = __uint_as_float((uint32_t)(e + 127) << 23);
-    if (ok) {
+    if (g < groups) {
       uint4 h;
-      h.x = pack_h2(v[0] * up, v[4] * up);
-      h.y = pack_h2(v[1] * up, v[5] * up);
-      h.z = pack_h2(v[2] * up, v[6] * up);
-      h.w = pack_h2(v[3] * up, v[7] * up);
+      h.x = pack_h2(v[it][0] * up, v[it][4] * up);
+      h.y = pack_h2(v[it][1] * up, v[it][5] * up);
+      h.z = pack_h2(v[it][2] * up, v[it][6] * up);
+      h.w = pack_h2(v[it][3] * up, v[it][7] * up);
       const int vec = g / (V / 8), i = g % (V / 8);
       xh[vec * (V / 8) + (i & 3) * (V / 32) + (i >> 2)] = h;
       if ((g & 1) == 0) xf[g >> 1] = __uint_as_float((uint32_t)(127 - e) << 23);  // 2^-e
     }
   }
+}
+
+// The ITERS of stage_inputs for at most `count` inputs.
+__host__ __device__ constexpr int stage_iters(int count) {
+  return (count / 8 + kThreads - 1) / kThreads;
 }
 
 // A lane's staged inputs for piece q of vector v (see stage_inputs).

@@ -50,7 +50,7 @@ nvfp4_gemv_one_row(const uint8_t* __restrict__ codes, const uint8_t* __restrict_
   // 2. x, once per CTA, while the weights are in flight.
   __shared__ uint4 xh[K / 8];
   __shared__ float xf[K / 16];
-  stage_inputs<T, K>(x, K, xh, xf);
+  stage_inputs<T, K, stage_iters(K)>(x, K, xh, xf);
   __syncthreads();
 
   // 3. Each lane's x: piece q = lane + 32 p covers inputs [32 q, 32 q + 32).

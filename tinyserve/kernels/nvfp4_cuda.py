@@ -121,11 +121,11 @@ def gemv_one_row(x: torch.Tensor, w: NVFP4Weight, *, rows_per_warp: int | None =
 MOE_HS = (1024, 2048)  # H the MoE kernels are built for
 MOE_FS = (256, 512)  # F
 MOE_MAX_PAIRS = 10  # routed + shared experts per token
-# Launch settings of the down kernel, from the H200 (results/nvfp4_moe_cuda.json): 2 output
-# rows per warp, an ordinary launch (as a dependent launch of gate_up its CTAs became resident
-# where gate_up's left first, unevenly: 11.9 us against 11.1 at 1 token)
+# Launch settings of the down kernel, from the H200 (results/nvfp4_moe_cuda_launch.json, 1
+# token, 8 routed experts, graph replays): 2 output rows per warp, a dependent launch of
+# gate_up: 9.87 us; 1 row 11.67; ordinary launches 11.00 / 11.45; Triton's table tiles 12.58
 MOE_DOWN_ROWS = 2
-MOE_DEPENDENT = False
+MOE_DEPENDENT = True
 _FLOAT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 

@@ -51,9 +51,10 @@ struct Experts {  // one layer's NVFP4 slots (fused_moe.ExpertSlots) and its sha
 };
 
 // Launch 1, grid (F / 16, N * KP): a warp owns features f, f + 1 of pair q, i.e. the rows gate
-// f, f + 1 and up F + f, F + f + 1 of its slot. H = P * 1024.
+// f, f + 1 and up F + f, F + f + 1 of its slot. H = P * 1024. Three CTAs per SM (80
+// registers): one token's 9 pairs (288 CTAs at 35B-A3B shapes) run in one wave.
 template <typename T, int P>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kThreads, 3)
 moe_gate_up(const uint16_t* __restrict__ x, int64_t x_stride, const void* __restrict__ ids,
             bool ids64, int topk, int kp, Experts w, float* __restrict__ h, int f_size) {
   constexpr int H = P * kInputsPerPiece;

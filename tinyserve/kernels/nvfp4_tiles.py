@@ -90,7 +90,9 @@ def _check_tiles(decode: str, *sizes: int) -> None:
         raise ValueError(f"NVFP4 tile sizes must be powers of two, got {sizes}")
 
 
-# (N, K) -> tiles for M = 1. Filled from the H200 sweeps (bench/NOTES_nvfp4.md).
+# (N, K) -> Triton tiles for M = 1. Filled from the H200 sweeps (bench/NOTES_nvfp4.md). A row of
+# bf16/fp16 x on a GPU with K in 1024 / 2048 / 4096 takes the CUDA kernel instead
+# (`nvfp4_cuda`; these tiles then serve fp32 x and TINYSERVE_NVFP4_CUDA=0).
 GEMV_TILES: dict[tuple[int, int], GemvConfig] = {
     # H200 sweep (bench/results/nvfp4.json); M = 1 microseconds in the comments.
     (248320, 2048): GemvConfig(8, 128, 4, 0, vec=4, num_stages=3, decode="h2",

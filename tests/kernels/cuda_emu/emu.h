@@ -1,6 +1,6 @@
 #pragma once
-// A minimal CPU emulation of the CUDA features the ISO and NVFP4 kernels use, so their indexing, warp
-// shuffles, shared memory and merges can be tested without a GPU (tests/kernels/
+// A minimal CPU emulation of the CUDA features the ISO and NVFP4 kernels use, so their indexing,
+// warp shuffles, shared memory and merges can be tested without a GPU (tests/kernels/
 // test_iso_emulated.py). Each CTA runs as blockDim std::threads; __syncthreads and __syncwarp
 // are barriers; shuffles exchange through a per-warp buffer; __shared__ becomes static (CTAs run
 // one after another; the dynamic shared memory a launch asks for is a fresh 16-byte aligned

@@ -11,6 +11,10 @@ rounded to fp16 too).
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
+
 import pytest
 import torch
 
@@ -337,3 +341,25 @@ def test_moe_decode_graph_dependent_and_repeats(poison):
             g.replay()
             torch.cuda.synchronize()
             assert torch.equal(y, eager)
+
+
+@pytest.mark.slow
+def test_kernels_build_for_sm90_within_their_occupancy(tmp_path):
+    """nvcc (no GPU needed) builds every NVFP4 kernel for sm_90 without register spills and
+    within the registers of its CTAs per SM: the GEMV and the MoE gate_up hold all of their
+    weight pieces in registers (2 CTAs of 256 threads: 128; gate_up 3 CTAs: 80)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc")
+    for source in nvfp4_cuda._SOURCES:
+        res = subprocess.run([nvcc, "-std=c++17", "-O3", "-arch=sm_90", "-c", "-Xptxas", "-v",
+                              "-I", str(emulation.CSRC), "-o", str(tmp_path / "k.o"),
+                              str(emulation.CSRC / source)], capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-3000:]
+        entries = re.split(r"Compiling entry function '", res.stderr)[1:]
+        assert entries, res.stderr[-3000:]
+        for entry in entries:
+            name = entry.split("'")[0]
+            assert not re.search(r"[1-9]\d* bytes spill stores", entry), (name, entry[-500:])
+            regs = int(re.search(r"Used (\d+) registers", entry).group(1))
+            assert regs <= (80 if "moe_gate_up" in name else 128), (name, regs)

@@ -256,6 +256,57 @@ __device__ __forceinline__ float piece_dot(uint4 c, uint32_t s, const InputPiece
   return fmaf(b1, s1 * (in.scale[1] * factor), acc);
 }
 
+constexpr int kInputsPerPiece = 32 * 32;  // a row's inputs covered by one piece per lane
+
+// The pieces lane, lane + 32, ... of R weight rows of P * 1024 inputs each (row r at codes +
+// rows[r] * K/2 and scales + rows[r] * K/16): codes and scale pairs, all requested at once.
+template <int P, int R>
+struct WarpRows {
+  uint4 codes[R][P];
+  uint32_t scales[R][P];
+};
+
+template <int P, int R>
+__device__ __forceinline__ WarpRows<P, R> load_warp_rows(const uint8_t* codes,
+                                                         const uint8_t* scales,
+                                                         const int (&rows)[R]) {
+  constexpr int K = P * kInputsPerPiece;
+  const int lane = threadIdx.x & 31;
+  WarpRows<P, R> w;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const uint4* cr = reinterpret_cast<const uint4*>(codes + (size_t)rows[r] * (K / 2));
+    const uint16_t* sr =
+        reinterpret_cast<const uint16_t*>(scales + (size_t)rows[r] * (K / 16));
+#pragma unroll
+    for (int p = 0; p < P; ++p) w.codes[r][p] = load_stream(cr + lane + 32 * p);
+#pragma unroll
+    for (int p = 0; p < P; ++p) w.scales[r][p] = sr[lane + 32 * p];
+  }
+  return w;
+}
+
+// This lane's part of the R dots of `w` with the staged inputs (one vector of P * 1024), in
+// units of 2^-14, one row at a time (its loads waited for in order); `warp_sum_rows` adds
+// the lanes.
+template <int P, int R>
+__device__ __forceinline__ void dot_warp_rows(const WarpRows<P, R>& w, const uint4* xh,
+                                              const float* xf, float (&acc)[R]) {
+  constexpr int K = P * kInputsPerPiece;
+  const int lane = threadIdx.x & 31;
+  InputPiece xp[P];
+#pragma unroll
+  for (int p = 0; p < P; ++p) xp[p] = input_piece<K>(xh, xf, 0, lane + 32 * p);
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    acc[r] = 0.0f;
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      acc[r] = piece_dot(w.codes[r][p], w.scales[r][p], xp[p], 1.0f, acc[r]);
+    }
+  }
+}
+
 // The sums over the warp of R per-lane rows (R in 1, 2, 4): halve the rows a lane carries
 // while they remain (lanes with bit `off` set keep the upper half), then a plain butterfly.
 // Returns lane L's row L / (32 / R) (every lane of that group holds it).

@@ -16,8 +16,6 @@ namespace {
 
 using namespace nvfp4;
 
-constexpr int kInputsPerPiece = 32 * 32;  // K covered by one 16-byte piece per lane
-
 // One CTA: kWarps x R rows starting at blockIdx.x * kWarps * R; K = P * 1024.
 template <typename T, int P, int R>
 __global__ void __launch_bounds__(kThreads, 2)
@@ -31,18 +29,10 @@ nvfp4_gemv_one_row(const uint8_t* __restrict__ codes, const uint8_t* __restrict_
 
   // 1. Every weight byte of the warp's rows, requested before anything else. Rows past N
   //    load row N - 1 again and are never stored.
-  uint4 c[R][P];
-  uint32_t s[R][P];
+  int rows[R];
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const size_t row = (size_t)min(row0 + r, n - 1);
-    const uint4* cr = reinterpret_cast<const uint4*>(codes + row * (K / 2));
-    const uint16_t* sr = reinterpret_cast<const uint16_t*>(scales + row * (K / 16));
-#pragma unroll
-    for (int p = 0; p < P; ++p) c[r][p] = load_stream(cr + lane + 32 * p);
-#pragma unroll
-    for (int p = 0; p < P; ++p) s[r][p] = sr[lane + 32 * p];
-  }
+  for (int r = 0; r < R; ++r) rows[r] = min(row0 + r, n - 1);
+  const WarpRows<P, R> w = load_warp_rows<P, R>(codes, scales, rows);
   // As a dependent launch: the weights are in flight, x may be the kernel before's output.
   wait_for_prior_grid();
   allow_dependent_launch();
@@ -53,21 +43,11 @@ nvfp4_gemv_one_row(const uint8_t* __restrict__ codes, const uint8_t* __restrict_
   stage_inputs<T, K, stage_iters(K)>(x, K, xh, xf);
   __syncthreads();
 
-  // 3. Each lane's x: piece q = lane + 32 p covers inputs [32 q, 32 q + 32).
-  InputPiece xp[P];
-#pragma unroll
-  for (int p = 0; p < P; ++p) xp[p] = input_piece<K>(xh, xf, 0, lane + 32 * p);
-
-  // 4. Decode and dot, one row at a time (its loads waited for in order).
+  // 3. Decode and dot.
   float acc[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    acc[r] = 0.0f;
-#pragma unroll
-    for (int p = 0; p < P; ++p) acc[r] = piece_dot(c[r][p], s[r][p], xp[p], 1.0f, acc[r]);
-  }
+  dot_warp_rows(w, xh, xf, acc);
 
-  // 5. Sum over the warp; the first lane of row r's group stores it. 2^14: the decoded codes
+  // 4. Sum over the warp; the first lane of row r's group stores it. 2^14: the decoded codes
   //    are code * 2^-14.
   const float sum = warp_sum_rows<R>(acc);
   const int row = row0 + lane / (32 / R);

@@ -19,7 +19,6 @@ namespace {
 
 using namespace nvfp4;
 
-constexpr int kInputsPerPiece = 32 * 32;  // gate_up: H covered by one piece per lane
 constexpr int kMaxPairs = 10;              // KP per token (routed + shared)
 
 __device__ __forceinline__ int64_t load_id(const void* ids, bool wide, int64_t i) {
@@ -63,26 +62,15 @@ moe_gate_up(const uint16_t* __restrict__ x, int64_t x_stride, const void* __rest
   const int q = blockIdx.y, t = q / kp, j = q - t * kp;
   const bool shared = j >= topk;
   const int64_t slot = shared ? 0 : load_id(ids, ids64, (int64_t)t * topk + j);
-  const size_t rows = 2 * (size_t)f_size;
-  const uint8_t* codes = shared ? w.shared_codes : w.codes + slot * rows * (H / 2);
-  const uint8_t* scales = shared ? w.shared_scales : w.scales + slot * rows * (H / 16);
+  const size_t slot_rows = 2 * (size_t)f_size;
+  const uint8_t* codes = shared ? w.shared_codes : w.codes + slot * slot_rows * (H / 2);
+  const uint8_t* scales = shared ? w.shared_scales : w.scales + slot * slot_rows * (H / 16);
   const float* global = shared ? w.shared_global : w.global + 2 * slot;
   const int f = (blockIdx.x * kWarps + warp) * 2;
-  const int row_of[R] = {f, f + 1, f_size + f, f_size + f + 1};
+  const int rows[R] = {f, f + 1, f_size + f, f_size + f + 1};
 
   // 1. the weights, then the global scales (all independent of x)
-  uint4 c[R][P];
-  uint32_t s[R][P];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const uint4* cr = reinterpret_cast<const uint4*>(codes + (size_t)row_of[r] * (H / 2));
-    const uint16_t* sr =
-        reinterpret_cast<const uint16_t*>(scales + (size_t)row_of[r] * (H / 16));
-#pragma unroll
-    for (int p = 0; p < P; ++p) c[r][p] = load_stream(cr + lane + 32 * p);
-#pragma unroll
-    for (int p = 0; p < P; ++p) s[r][p] = sr[lane + 32 * p];
-  }
+  const WarpRows<P, R> w13 = load_warp_rows<P, R>(codes, scales, rows);
   const float gate_scale = global[0], up_scale = global[1];
   allow_dependent_launch();  // the down kernel may launch now; it waits for this grid
 
@@ -91,18 +79,10 @@ moe_gate_up(const uint16_t* __restrict__ x, int64_t x_stride, const void* __rest
   __shared__ float xf[H / 16];
   stage_inputs<T, H, stage_iters(H)>(x + t * x_stride, H, xh, xf);
   __syncthreads();
-  InputPiece xp[P];
-#pragma unroll
-  for (int p = 0; p < P; ++p) xp[p] = input_piece<H>(xh, xf, 0, lane + 32 * p);
 
   // 3. the 4 dots; lanes 0 / 8 end up with gate f / f + 1, lanes 16 / 24 with up f / f + 1
   float acc[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    acc[r] = 0.0f;
-#pragma unroll
-    for (int p = 0; p < P; ++p) acc[r] = piece_dot(c[r][p], s[r][p], xp[p], 1.0f, acc[r]);
-  }
+  dot_warp_rows(w13, xh, xf, acc);
   const float sum = warp_sum_rows<R>(acc);
   const float up = __shfl_xor_sync(kFull, sum, 16) * (up_scale * 0x1p14f);
   if (lane == 0 || lane == 8) {

@@ -318,7 +318,7 @@ def test_moe_decode_is_the_default_fused_path(monkeypatch):
                  fused_config=MoEFusedConfig(decode="f32"))
     assert calls == ["cuda", "triton"]
     monkeypatch.undo()
-    assert not nvfp4_cuda.moe_takes(x, 2, slots, None)  # the CPU
+    assert not nvfp4_cuda.moe_takes(x, torch.ones(2), 2, slots, None, None)  # the CPU
 
 
 @pytest.mark.requires_cuda

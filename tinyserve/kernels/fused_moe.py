@@ -289,7 +289,7 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
                  and shared_slots.intermediate_size == slots.intermediate_size)
     if path == "fused":
         sh, logit = (shared_slots, shared_logit) if in_kernel else (None, None)
-        if fused_config is None and nvfp4_cuda.moe_takes(x, topk, slots, sh):
+        if fused_config is None and nvfp4_cuda.moe_takes(x, wts, topk, slots, sh, logit):
             out = nvfp4_cuda.moe_decode(x, ids, wts, topk, slots, sh, logit)
         else:
             cfg = fused_config or default_moe_fused_config(slots.hidden_size,

@@ -3,8 +3,8 @@
 The kernels live in `csrc/iso_store.cu` and `csrc/iso_decode.cu` (plain CUDA, no torch
 headers, extern "C" launchers). At first use nvcc compiles them for the running GPU's
 architecture into a shared library cached in TINYSERVE_CACHE_DIR (keyed by a hash of the
-sources), loaded with ctypes; launches go to torch's current stream, so they can be captured
-in CUDA graphs. Nothing here runs at import.
+sources; `cuda_build`), loaded with ctypes; launches go to torch's current stream, so they
+can be captured in CUDA graphs. Nothing here runs at import.
 
 - `iso_store`: quantize-on-write, byte-exact with `iso.quantize_ref`.
 - `iso_dequant_rows`: packed rows -> dense rows (bit-exact with `iso.dequantize_ref` in fp32).
@@ -36,23 +36,22 @@ _ERRORS = {2: "bad format or head_dim", 3: "unsupported GQA group", 4: "bad n_wa
               "page_table.stride(0) >= page_table.shape[1])"}
 
 _I, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-_SIGNATURES = {
-    "tinyserve_iso_store": [_P, _P, _I64, _P, _P, _I64, _I64, _P, _I, _I, _I, _I, _I, _I, _P],
-    "tinyserve_iso_store_debug": [_P, _P, _I64, _P, _P, _I64, _I64, _P, _I, _I, _I, _I, _I, _I,
-                                  _P, _P],
-    "tinyserve_iso_dequant_rows": [_P, _I64, _P, _P, _I64, _I64, _I, _I, _I, _I, _I, _P],
-    "tinyserve_iso_decode": [_P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _I, _I, _F,
-                             _I, _P, _P, _P, _I64, _I, _P],
-    "tinyserve_iso_decode_mma": [_P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _I, _I,
-                                 _F, _I, _P, _P, _P, _I64, _I, _I, _I, _I, _I, _I, _P],
-    "tinyserve_iso_decode_mma_occupancy": [_I, _I, _I],
-}
+_SIGNATURES = (  # (entry, ctypes argument types)
+    ("tinyserve_iso_store", (_P, _P, _I64, _P, _P, _I64, _I64, _P, _I, _I, _I, _I, _I, _I, _P)),
+    ("tinyserve_iso_store_debug", (_P, _P, _I64, _P, _P, _I64, _I64, _P, _I, _I, _I, _I, _I,
+                                   _I, _P, _P)),
+    ("tinyserve_iso_dequant_rows", (_P, _I64, _P, _P, _I64, _I64, _I, _I, _I, _I, _I, _P)),
+    ("tinyserve_iso_decode", (_P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _I, _I, _F,
+                              _I, _P, _P, _P, _I64, _I, _P)),
+    ("tinyserve_iso_decode_mma", (_P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _I, _I,
+                                  _F, _I, _P, _P, _P, _I64, _I, _I, _I, _I, _I, _I, _P)),
+    ("tinyserve_iso_decode_mma_occupancy", (_I, _I, _I)),
+)
 
 
 def _library(major: int, minor: int) -> ctypes.CDLL:
     """The ISO kernels (csrc/iso_*.cu) built for sm_{major}{minor} and loaded."""
-    signatures = tuple((name, tuple(args)) for name, args in _SIGNATURES.items())
-    return cuda_build.library("tinyserve_iso", _SOURCES, _HEADERS, signatures, major, minor)
+    return cuda_build.library("tinyserve_iso", _SOURCES, _HEADERS, _SIGNATURES, major, minor)
 
 
 def _call(device: torch.device, name: str, *args) -> None:

@@ -1,11 +1,14 @@
-"""NVFP4 GEMV of one row of 16-bit activations in CUDA (`csrc/nvfp4_gemv.cu`).
+"""The NVFP4 decode kernels in CUDA: the GEMV of one row of 16-bit activations
+(`csrc/nvfp4_gemv.cu`) and the fused MoE decode (`csrc/nvfp4_moe.cu`).
 
-Every CTA requests all of its weight bytes at entry (a warp owns `rows_per_warp` whole rows,
-held in registers), then stages x once in fp16 and decodes; where the weight allows, the grid
+Every CTA requests all of its weight bytes at entry (a warp owns whole rows, held in
+registers), then stages its inputs once in fp16 and decodes; where the weight allows, the grid
 is one wave, so the DRAM stream starts at once everywhere and the decode overlaps it.
-Numerics: the "h2" decode with x scaled per block of 16 inputs (the kernel's header): fp16
-products and 16-term sums, then fp32. `nvfp4.nvfp4_linear` takes it for M = 1 where `takes`
-says so; elsewhere the Triton kernels run.
+Numerics: the "h2" decode with the inputs scaled per block of 16 (`csrc/nvfp4_decode.cuh`):
+fp16 products and 16-term sums, then fp32. `nvfp4.nvfp4_linear` takes the GEMV for M = 1
+where `takes` says so, `fused_moe` the MoE decode where `moe_takes` does (both unless
+TINYSERVE_NVFP4_CUDA=0); elsewhere the Triton kernels run. The library builds at first use
+(`cuda_build`).
 """
 
 from __future__ import annotations
@@ -129,15 +132,18 @@ MOE_DEPENDENT = True
 _FLOAT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def moe_takes(x: torch.Tensor, topk: int, slots, shared) -> bool:
+def moe_takes(x: torch.Tensor, wts: torch.Tensor, topk: int, slots, shared,
+              logit: torch.Tensor | None) -> bool:
     """Whether `moe_decode` serves this call of the fused MoE decode: a CUDA device, bf16 /
-    fp16 x, NVFP4 slots (and shared expert) with H in MOE_HS and F in MOE_FS, at most
-    MOE_MAX_PAIRS pairs per token, aligned slot buffers, TINYSERVE_NVFP4_CUDA on."""
+    fp16 x, fp32 / bf16 / fp16 routing weights and gate logit, NVFP4 slots (and shared
+    expert) with H in MOE_HS and F in MOE_FS, at most MOE_MAX_PAIRS pairs per token, aligned
+    slot buffers, TINYSERVE_NVFP4_CUDA on."""
     h, f = slots.hidden_size, slots.intermediate_size
     tensors = [slots.w13, slots.w13_scale, slots.w2, slots.w2_scale]
     if shared is not None:
         tensors += [shared.w13, shared.w13_scale, shared.w2, shared.w2_scale]
-    return (x.is_cuda and x.dtype in _DTYPE_CODE and slots.is_fp4 and h in MOE_HS
+    return (x.is_cuda and x.dtype in _DTYPE_CODE and wts.dtype in _FLOAT_CODE
+            and (logit is None or logit.dtype in _FLOAT_CODE) and slots.is_fp4 and h in MOE_HS
             and f in MOE_FS and topk + (shared is not None) <= MOE_MAX_PAIRS
             and (shared is None or (shared.is_fp4 and shared.intermediate_size == f))
             and x.stride(0) % 8 == 0 and _aligned(x, 16)
@@ -158,6 +164,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
     kp = topk + (shared is not None)
     inter = torch.empty(n * kp, f, dtype=torch.float32, device=x.device)
     out = torch.empty(n, h, dtype=x.dtype, device=x.device)
+
     def weights(e, which: str) -> list:  # codes, scales, global scales of w13 / w2
         if e is None:
             return [None] * 3

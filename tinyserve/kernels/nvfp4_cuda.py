@@ -51,8 +51,9 @@ def allowed_rows_per_warp(k: int) -> tuple[int, ...]:
 
 def default_rows_per_warp(n: int, k: int, sms: int) -> int:
     """The fewest rows per warp whose grid fits the GPU in one wave (CTAS_PER_SM per SM), else
-    the most (fewer, longer CTAs; on the H200 the lm_head took 79.7 / 81.9 / 96.7 us at 4 / 2
-    / 1 rows per warp, `results/nvfp4_cuda_gemv.json`)."""
+    the most (fewer, longer CTAs). On the H200 the lm_head took 79.7 / 81.9 / 96.7 us at 4 /
+    2 / 1 rows per warp in one run (`results/nvfp4_cuda_gemv_run1.json`), 86.9 / 84.9 / 98.2
+    in another (`nvfp4_cuda_gemv.json`); Triton's persistent tiles 90.5 / 90.1."""
     allowed = allowed_rows_per_warp(k)
     for r in allowed:
         if cdiv(n, WARPS * r) <= CTAS_PER_SM * sms:

@@ -140,10 +140,10 @@ LOOP_SWEEP = [dict(loop=lp, **c) for lp in iso_mma.LOOPS
               for c in (dict(), dict(warps=4, ctas_per_sm=0), dict(warps=2, ctas_per_sm=0))]
 MIN_SPLIT_SWEEP = (32, 64, 128, 256)  # at 4k, with the batch's default warps / CTAs per SM
 # --warps: warps per CTA (iso_mma.WARPS) at about ctas_per_sm CTAs per SM (0: one wave from
-# the occupancy: 4 CTAs of 4 warps, 2 of 8, 1 of 16 on sm_90), at least one sub-tile per warp
+# the occupancy: 3 CTAs of 4 warps, 1 of 8, 1 of 16 on sm_90), at least one sub-tile per warp
 # and split (min_split_tokens = 16 x warps), beside the batch's MMA_CONFIG row ("default").
-# w4c0, w8c0 and w16c0 hold 16 warps per SM with 4x, 2x and 1x the split partials of w16c0;
-# w8c1 holds 8 warps per SM (as the batch-1 default) with half its partials.
+# w4c0 holds 12 warps per SM, w8c0 and w8c1 8 (as the batch-1 default, with half its
+# partials), w16c0 16.
 WARPS_SWEEP = [dict(warps=w, ctas_per_sm=c, min_split_tokens=16 * w)
                for w, c in ((4, 0), (8, 0), (8, 1), (16, 0))]
 # --layout: each row layout with the batch's MMA_CONFIG settings and with 4, 8, 16 warps per

@@ -232,7 +232,8 @@ def test_every_cuda_source_is_in_a_build_hash() -> None:
 @pytest.mark.slow
 def test_mma_kernel_builds_for_sm90(tmp_path) -> None:
     """nvcc (no GPU needed) builds the kernel for sm_90 without register spills, within
-    128 registers and the 48 KB of static shared memory."""
+    the register budget of 8 warps per SM (16-warp CTAs: 128 registers) and the 48 KB of
+    static shared memory."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("no nvcc")
@@ -247,8 +248,13 @@ def test_mma_kernel_builds_for_sm90(tmp_path) -> None:
     assert not re.search(r"[1-9]\d* bytes spill stores", info), info[-3000:]
     for smem in re.findall(r"(\d+) bytes smem", info):  # static (8/16 warps: + dynamic)
         assert int(smem) <= 48 * 1024
-    for regs in re.findall(r"Used (\d+) registers", info):  # 16 warps per SM
-        assert int(regs) <= 128
+    # per kernel (ptxas's report of one entry): its warps per CTA, the mangled name's second
+    # template argument, and its registers
+    entries = [e for e in info.split("Compiling entry function") if "decode_mma_kernel" in e]
+    for entry in entries:
+        warps = int(re.search(r"decode_mma_kernelILi\d+ELi(\d+)E", entry).group(1))
+        regs = int(re.search(r"Used (\d+) registers", entry).group(1))
+        assert regs <= 65536 // (32 * max(8, warps)), (warps, regs)
 
 
 @pytest.mark.parametrize("forced", [None, 40])

@@ -25,7 +25,8 @@ from tinyserve.kernels.launch import dependent_launch
 # Warps per CTA the kernel is built for. The warps of a CTA share its split's tokens (each its
 # own interleaved 16-token sub-tiles, merged in shared memory at the end), so 8 or 16 warps
 # give more warps per SM at the same number of split partials; 8 and 16 take the tile buffers
-# as dynamic shared memory (sm_90: 2 CTAs of 8 warps or 1 of 16 per SM).
+# as dynamic shared memory (sm_90: 1 CTA of 8 or 16 warps per SM: the kernel's register budget
+# is 8 warps per SM, 128 registers only for 16).
 WARPS = (2, 4, 8, 16)
 
 # Settings of the tensor-core decode kernel (csrc/iso_decode_mma.cu) by batch size and
@@ -35,16 +36,17 @@ WARPS = (2, 4, 8, 16)
 # kernel's occupancy lets every SM hold), at least `min_split_tokens` tokens per split.
 # Set from bench/iso_attention.py's mma sweep (`mma_best`).
 # The sweep's best rows were the largest grids that fit in one wave (bench/NOTES_iso.md), so
-# the CTA count now comes from the kernel's occupancy (sm_90: 122 registers, 4 CTAs of 4
-# warps or 7 of 2 per SM) instead of a constant. min_split_tokens = one 16-token sub-tile per
+# the CTA count now comes from the kernel's occupancy (sm_90: 151-153 registers, 3 CTAs of 4
+# warps per SM) instead of a constant. min_split_tokens = one 16-token sub-tile per
 # warp (64 for 4 warps, 256 for 16): short contexts get more, shorter splits (batch 1, 4k:
 # 128 CTAs, not 64 of two sub-tiles per warp).
 MMA_CONFIG: tuple[dict, ...] = (  # H200 sweeps, bench/results/iso_attention_layout.json
-    # b1 from 96k tokens: one full wave (4 CTAs of 4 warps per SM, 256 splits per kv head at
-    # 128k): 43.5 vs 45.4 us with 2 CTAs per SM at 128k; 2 per SM stay ahead at 32k / 48k /
-    # 64k (17.4 / 22.1 / 26.6 vs 18.2 / 22.5 / 26.7; bench/results/iso_decode_ab.json, `grids`)
+    # b1 from 96k tokens: one full wave (3 CTAs of 4 warps per SM, 196 splits per kv head at
+    # 128k): 41.2 vs 41.9 us with 2 CTAs per SM at 128k; 2 per SM stay ahead at 32k / 64k
+    # (15.3 / 24.1 vs 17.4 / 26.3; bench/results/iso_decode_round15.json; with 4 CTAs of 4
+    # warps at 128 registers the same held: iso_decode_ab.json, `grids`)
     dict(max_batch=1, min_context=98304, warps=4, ctas_per_sm=None, min_split_tokens=64),
-    # b1 4k/32k (padded rows): 8.5 / 17.4 us
+    # b1 4k/32k (padded rows): 7.6 / 15.3 us with dependent launches (iso_decode_round15.json)
     dict(max_batch=1, warps=4, ctas_per_sm=2, min_split_tokens=64),
     # b8: one wave of 16-warp CTAs (1 per SM), geomean 79.3 us over 4k/32k/128k with padded
     # rows (4 warps: 82.7; 4 warps, 16-byte rows: 84.1)

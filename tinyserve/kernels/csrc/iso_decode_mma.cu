@@ -61,13 +61,22 @@ struct Layout {
   static constexpr int kDynBytes = kDynamic ? kRaw : 0;
 };
 
-// At least 16 warps per SM (<= 128 registers): sm_90 127-128 registers, no spills, 4 CTAs of
-// 4 warps per SM (7 of 2 warps: shared memory), 2 of 8 warps, 1 of 16. WIDE: each sub-tile
-// staged in 16-byte copies (see `stage`). NW warps split the CTA's tokens between them
-// (warp w takes sub-tiles w, w + NW, ...), each with its own buffers and online softmax, so
-// more warps per CTA give more warps per SM at the same number of split partials.
+// CTAs per SM the register budget must allow: 8 warps per SM (the grids that run are one
+// wave of at most 2-3 CTAs of 4 warps at batch 1, one CTA of 16 warps at batch 8). sm_90, D =
+// 256: 4 warps 151-153 registers (3 CTAs per SM), 8 warps 151-153 (1 CTA), 16 warps 128
+// (1 CTA), no spills. Bounded at 16 warps per SM (128 registers) instead, the 4-warp kernel
+// ran 3 % slower at 1 / 32k and 1 / 128k (bench/NOTES_iso.md, round 15): ptxas then kept the
+// two blocks' score MMA chains and the value decoding in sequence.
+__host__ __device__ constexpr int min_ctas_per_sm(int n_warps) {
+  return n_warps >= 8 ? 1 : 8 / n_warps;
+}
+
+// WIDE: each sub-tile staged in 16-byte copies (see `stage`). NW warps split the CTA's
+// tokens between them (warp w takes sub-tiles w, w + NW, ...), each with its own buffers and
+// online softmax, so more warps per CTA give more warps per SM at the same number of split
+// partials.
 template <int NB, int NW, bool WIDE, bool PAD>
-__global__ void __launch_bounds__(NW * 32, 16 / NW)
+__global__ void __launch_bounds__(NW * 32, min_ctas_per_sm(NW))
     decode_mma_kernel(const void* __restrict__ q, int q_code,
                       const uint8_t* __restrict__ k_cache,
                       const uint8_t* __restrict__ v_cache, int64_t slot_stride,
@@ -346,14 +355,16 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)
       p[h + 2] = exp2f(sc[h + 2] - m_new);
       lr[h] = lr[h] * alpha[h] + (p[h] + p[h + 2]);
     }
-    if (warp_any(alpha[0] != 1.0f || alpha[1] != 1.0f)) {  // the lane's own heads
+    // NOTE: unconditional (alpha = 1 leaves acc's bits as they are). Behind a branch on
+    // whether any alpha != 1 (taken in most sub-tiles: a warp walks 4 of them at 1 / 32k),
+    // the values' decoding below could not start during the softmax's shuffles and exp2s;
+    // the 64 multiplies run on the otherwise idle FMA pipe.
 #pragma unroll
-      for (int i = 0; i < NB * 8; ++i) {
-        acc[i][0] *= alpha[0];
-        acc[i][1] *= alpha[1];
-        acc[i][2] *= alpha[0];
-        acc[i][3] *= alpha[1];
-      }
+    for (int i = 0; i < NB * 8; ++i) {
+      acc[i][0] *= alpha[0];
+      acc[i][1] *= alpha[1];
+      acc[i][2] *= alpha[0];
+      acc[i][3] *= alpha[1];
     }
     // V tokens 2tq, 2tq + 1, 2tq + 8, 2tq + 9
     const int ra = row(2 * tq), rb = row(2 * tq + 1);

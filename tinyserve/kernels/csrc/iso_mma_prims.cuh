@@ -130,13 +130,7 @@ inline uint32_t movm_trans(uint32_t x) {
   __syncwarp();
   return r;
 }
-inline bool warp_any(bool p) {
-  int v = p ? 1 : 0;
-  for (int off = 16; off >= 1; off >>= 1) v |= __shfl_xor_sync(0xffffffffu, v, off);
-  return v != 0;
-}
 #else
-__device__ __forceinline__ bool warp_any(bool p) { return __any_sync(0xffffffffu, p); }
 __device__ __forceinline__ uint32_t movm_trans(uint32_t x) {
   uint32_t r;
   asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));

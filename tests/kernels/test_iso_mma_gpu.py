@@ -223,8 +223,9 @@ def test_mma_occupancy() -> None:
     assert iso_mma.ctas_per_sm_fit(dev, 256, 4) == 3
     assert iso_mma.ctas_per_sm_fit(dev, 256, 8) == 1
     assert iso_mma.ctas_per_sm_fit(dev, 256, 16) == 1
-    # the padded rows keep the occupancy: 4 warps 36864 B dynamic + 13.8 KB static (4 CTAs
-    # = 203 KB), 8 warps 73728 + 15 KB (2 CTAs), 16 warps 147456 + 18 KB (1 CTA)
+    # the padded rows keep the occupancy: their shared memory (4 warps 36864 B dynamic +
+    # 13.8 KB static, 8 warps 73728 + 15 KB, 16 warps 147456 + 18 KB) would fit 4 / 2 / 1
+    # CTAs, the registers bound them as the 16-byte rows' kernels
     for warps in (4, 8, 16):
         assert iso_mma.ctas_per_sm_fit(dev, 256, warps, "tokens_pad") == \
             iso_mma.ctas_per_sm_fit(dev, 256, warps, "tokens_wide"), warps

@@ -147,11 +147,12 @@ def test_sparse_moe_shared_in_fused_launch(n: int, tied: bool, monkeypatch) -> N
     n = n if DEV == "cpu" else 8  # GPU: a full decode bucket (the median token is checked)
     x = torch.randn(n, h, device=DEV).to(dtype)
     ref = _run(plain, x, False, monkeypatch).float()
-    launches = []
-    real = fm.moe_fused_decode
-    monkeypatch.setattr(fm, "moe_fused_decode", lambda *a: launches.append(a[5]) or real(*a))
+    launches = []  # the shared slots each fused decode call got (its 6th argument)
+    for mod, name in ((fm, "moe_fused_decode"), (fm.nvfp4_cuda, "moe_decode")):  # Triton, CUDA
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, real=real: launches.append(a[5]) or real(*a))
     got = _run(fused, x, True, monkeypatch).float()
-    assert launches == [fused.shared_slots]  # routed + shared: one launch
+    assert launches == [fused.shared_slots]  # routed + shared: one fused call
     # without the fused decode (larger batches): separate shared GEMVs over the slot's bytes
     monkeypatch.setattr(fmd, "MOE_FUSED_DECODE", False)
     unfused = _run(fused, x, True, monkeypatch).float()

@@ -257,20 +257,9 @@ def moe(request):
             kp = topk + (shared is not None)
             inter = torch.full((n * kp, f), float("nan"))
             out = torch.full((n, h), float("nan"), dtype=x.dtype)
-
-            def ptrs(e, which):
-                if e is None:
-                    return [None] * 3
-                return [getattr(e, f"{which}{p}").data_ptr() for p in ("", "_scale", "_global")]
-
-            codes = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
             rc = lib.tinyserve_nvfp4_moe_decode(
-                x.data_ptr(), x.stride(0), ids.data_ptr(), int(ids.dtype == torch.int64),
-                wts.data_ptr(), codes[wts.dtype], logit.data_ptr() if logit is not None else None,
-                codes[logit.dtype] if logit is not None else 0,
-                logit.stride(0) if logit is not None else 0, n, topk, kp, h, f, DTYPES[x.dtype],
-                *ptrs(slots, "w13"), *ptrs(shared, "w13"), *ptrs(slots, "w2"),
-                *ptrs(shared, "w2"), inter.data_ptr(), out.data_ptr(), down_rows, 0, None)
+                *nvfp4_cuda.moe_arguments(x, ids, wts, topk, slots, shared, logit, inter, out),
+                down_rows, 0, None)
             assert rc == 0
             return out
 

@@ -110,14 +110,17 @@ def gemv_one_row(x: torch.Tensor, w: NVFP4Weight, *, rows_per_warp: int | None =
     if n == 0:
         return out
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    rc = _library(x.device).tinyserve_nvfp4_gemv(
+    _check("tinyserve_nvfp4_gemv", _library(x.device).tinyserve_nvfp4_gemv(
         w.packed.data_ptr(), w.block_scale.data_ptr(), x.data_ptr(), out.data_ptr(),
         float(w.global_scale), n, k, _DTYPE_CODE[x.dtype], r,
-        int(dependent and dependent_launch(x.device)), stream)
-    if rc != 0:
-        raise RuntimeError(f"tinyserve_nvfp4_gemv failed: "
-                           f"{'bad arguments' if rc == 2 else f'CUDA error {rc}'}")
+        int(dependent and dependent_launch(x.device)), stream))
     return out
+
+
+def _check(entry: str, rc: int) -> None:
+    """RuntimeError unless the library's `entry` returned 0 (2: bad arguments)."""
+    if rc != 0:
+        raise RuntimeError(f"{entry} failed: {'bad arguments' if rc == 2 else f'CUDA error {rc}'}")
 
 
 # --- the MoE decode (csrc/nvfp4_moe.cu) ---------------------------------------------------
@@ -165,23 +168,29 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
     kp = topk + (shared is not None)
     inter = torch.empty(n * kp, f, dtype=torch.float32, device=x.device)
     out = torch.empty(n, h, dtype=x.dtype, device=x.device)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    _check("tinyserve_nvfp4_moe_decode", _library(x.device).tinyserve_nvfp4_moe_decode(
+        *moe_arguments(x, ids, wts, topk, slots, shared, logit, inter, out), down_rows,
+        int(dependent and dependent_launch(x.device)), stream))
+    return out
 
+
+def moe_arguments(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int, slots,
+                  shared, logit: torch.Tensor | None, inter: torch.Tensor,
+                  out: torch.Tensor) -> tuple:
+    """The arguments of tinyserve_nvfp4_moe_decode up to `out` (the launch settings and the
+    stream follow) for `moe_decode`'s inputs, the fp32 scratch `inter` [N * KP, F] and `out`
+    [N, H]."""
     def weights(e, which: str) -> list:  # codes, scales, global scales of w13 / w2
         if e is None:
             return [None] * 3
         return [getattr(e, f"{which}{part}").data_ptr() for part in ("", "_scale", "_global")]
 
     has_logit = logit is not None
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    rc = _library(x.device).tinyserve_nvfp4_moe_decode(
-        x.data_ptr(), x.stride(0), ids.data_ptr(), int(ids.dtype == torch.int64),
-        wts.data_ptr(), _FLOAT_CODE[wts.dtype], logit.data_ptr() if has_logit else None,
-        _FLOAT_CODE[logit.dtype] if has_logit else 0, logit.stride(0) if has_logit else 0,
-        n, topk, kp, h, f, _DTYPE_CODE[x.dtype], *weights(slots, "w13"),
-        *weights(shared, "w13"), *weights(slots, "w2"), *weights(shared, "w2"),
-        inter.data_ptr(), out.data_ptr(), down_rows,
-        int(dependent and dependent_launch(x.device)), stream)
-    if rc != 0:
-        raise RuntimeError(f"tinyserve_nvfp4_moe_decode failed: "
-                           f"{'bad arguments' if rc == 2 else f'CUDA error {rc}'}")
-    return out
+    return (x.data_ptr(), x.stride(0), ids.data_ptr(), int(ids.dtype == torch.int64),
+            wts.data_ptr(), _FLOAT_CODE[wts.dtype], logit.data_ptr() if has_logit else None,
+            _FLOAT_CODE[logit.dtype] if has_logit else 0,
+            logit.stride(0) if has_logit else 0, x.shape[0], topk,
+            topk + (shared is not None), slots.hidden_size, slots.intermediate_size,
+            _DTYPE_CODE[x.dtype], *weights(slots, "w13"), *weights(shared, "w13"),
+            *weights(slots, "w2"), *weights(shared, "w2"), inter.data_ptr(), out.data_ptr())

@@ -242,7 +242,8 @@ extern "C" {
 // 2 fp16) flat [n * topk]; inter: fp32 scratch [n * kp, F]. H in {1024, 2048}, F in
 // {256, 512}, kp <= 10; x rows 16-byte aligned, every weight 16-byte aligned, scales
 // 2-byte aligned. down_rows: output rows per warp of the down launch (1 or 2); dependent != 0:
-// the down launch is a programmatic dependent launch of the gate_up launch. Returns 0, a CUDA error, or 2 for arguments outside these.
+// the down launch is a programmatic dependent launch of the gate_up launch. Returns 0, a
+// CUDA error, or 2 for arguments outside these.
 int tinyserve_nvfp4_moe_decode(
     const void* x, int64_t x_stride, const void* ids, int ids64, const void* wts,
     int wts_dtype, const void* logit, int logit_dtype, int64_t logit_stride, int n, int topk,

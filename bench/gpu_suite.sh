@@ -13,9 +13,8 @@
 # SUITE_LIMIT seconds (default 570: under a 10-minute command limit) are nearly spent.
 #
 # Parts -> steps, with the expected wall time on one H200 (first run of a fresh machine:
-# Triton and nvcc builds included; the checkpoint in page cache after its first read):
-#   tests    iso_lib          ~0.5 min  build the ISO KV CUDA library once, before the workers
-#            gpu_tests        ~4 min    pytest -m "requires_cuda or gpu_shapes",
+# Triton and NVRTC builds included; the checkpoint in page cache after its first read):
+#   tests    gpu_tests        ~4 min    pytest -m "requires_cuda or gpu_shapes",
 #                                       $TEST_WORKERS (6) workers (742 passed and xfailed
 #                                       in 3:42 with 10 workers on 2026-11-30)
 #   kernels  bench_iso_attention, bench_nvfp4, bench_gdn      ~1-2 min each (150 s cap)
@@ -54,12 +53,12 @@ expand() {  # part or step names -> steps
     for a in "$@"; do
         case $a in
             all) expand tests kernels e2e ;;
-            tests) echo iso_lib gpu_tests ;;
+            tests) echo gpu_tests ;;
             kernels) for b in ${KERNEL_BENCHES:-iso_attention nvfp4 gdn}; do
                          echo "bench_$b"; done ;;
             e2e) echo checkpoint fullsize_graph step_profile cli_bench e2e_offload \
                       decode_modes decode_overhead ;;
-            iso_lib|gpu_tests|bench_*|checkpoint|fullsize_graph|step_profile|cli_bench|\
+            gpu_tests|bench_*|checkpoint|fullsize_graph|step_profile|cli_bench|\
 e2e_offload|decode_modes|decode_overhead) echo "$a" ;;
             *) echo "unknown part or step: $a" >&2; exit 2 ;;
         esac
@@ -119,13 +118,8 @@ cat "$STAGE/env.txt"
 
 for step in $STEPS; do
     case $step in
-        iso_lib)
-            run_step iso_lib 240 python3 -c 'import torch
-from tinyserve.kernels import iso_cuda
-iso_cuda._library(*torch.cuda.get_device_capability())
-print("ISO KV library built")' ;;
         gpu_tests)
-            # Parallel workers share the one GPU; Triton and nvcc builds dominate the wall time.
+            # Parallel workers share the one GPU; Triton and NVRTC builds dominate the wall time.
             # The full-size test runs in its own step (its checkpoint is unset here: it skips).
             run_step gpu_tests "${TESTS_TIMEOUT:-420}" env -u TINYSERVE_FULLSIZE_DIR \
                 python3 -m pytest -m "requires_cuda or gpu_shapes" -q -rfEs --tb=short -p no:cacheprovider \

@@ -57,6 +57,9 @@ NVFP4_CUDA = BoolEnv("TINYSERVE_NVFP4_CUDA", "1",
                      "the CUDA kernels where they apply (0: Triton everywhere)")
 NVFP4_DEQUANT_MIN_M = IntEnv("TINYSERVE_NVFP4_DEQUANT_MIN_M", "128",
                              "NVFP4 linear: smallest M that dequantizes to a scratch + cuBLAS")
+CUDA_ARCH = StrEnv("TINYSERVE_CUDA_ARCH", "",
+                   "build the CUDA kernels as PTX for this older architecture (sm_80, sm_86, "
+                   "sm_89, ...) and take its code paths (empty: the GPU's own)")
 ISO_DECODE = StrEnv("TINYSERVE_ISO_DECODE", "",
                    "ISO KV decode kernel: mma, triton or cuda (empty: the measured default)")
 API_KEY = StrEnv("TINYSERVE_API_KEY", "",

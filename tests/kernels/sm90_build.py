@@ -10,6 +10,24 @@ from pathlib import Path
 from typing import Any
 
 
+def ptxas_entries(source: str, names: list[str], arch: int = 90) -> list[str]:
+    """ptxas's report of each kernel of `names` (csrc/`source`) built by NVRTC for `arch` (no
+    GPU needed); skips the test without NVRTC."""
+    import pytest
+
+    from tinyserve.kernels import cuda_build
+
+    try:
+        cuda_build.nvrtc()
+    except cuda_build.KernelBuildError as exc:
+        pytest.skip(str(exc))
+    entries = []
+    for name in names:
+        built = cuda_build.build(source, (name,), arch, options=("--ptxas-options=-v",))
+        entries += built.log.split("Compiling entry function")[1:]
+    return entries
+
+
 def rerun_without_interpreter(test_file: str, keyword: str, *, timeout: int = 600,
                               tail: int = 1500, marker: str = "slow") -> bool:
     """Under TRITON_INTERPRET=1 nothing compiles: run the tests of `test_file` matching

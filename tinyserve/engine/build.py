@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from tinyserve.engine import kernel_check
 from tinyserve.engine.config import EngineConfig
 from tinyserve.engine.loop import Engine, EngineParts
 from tinyserve.engine.runner import ModelRunner
@@ -56,6 +57,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     mcfg = load_config(path)
     tokenizer = load_tokenizer(path)
     device = torch.device(config.resolved_device)
+    kernel_check.check(device)  # before any weight loads: a missing compiler is one line
     dtype = config.torch_dtype
     num_snap = config.num_snapshot_slots
     # NOTE: one more slot after the snapshots for the padded rows of decode graphs (kept on
@@ -91,6 +93,9 @@ def build_parts(config: EngineConfig) -> EngineParts:
     max_context = min(mcfg.max_position_embeddings, num_pages * config.page_size,
                       config.max_context or mcfg.max_position_embeddings)
     eos = tuple(dict.fromkeys(mcfg.eos_token_ids + _tokenizer_eos(tokenizer)))
+    if device.type == "cuda":
+        log.info("kernels: %s", "; ".join(
+            f"{k}: {v}" for k, v in kernel_check.implementations(device, config.kv).items()))
     log.info("%s: %d KV pages of %d tokens (%s), %d state slots (+%d prefix-cache snapshots), "
              "max context %d tokens, %s", path.name, num_pages, config.page_size, config.kv,
              config.max_seqs, num_snap, max_context,

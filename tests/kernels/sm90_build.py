@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +64,11 @@ def resource_usage(kernel: Any, name: str) -> str | None:
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not tool.exists():
         return None
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"{name}.cubin"
-    path.write_bytes(kernel.asm["cubin"])
-    return subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True,
-                          text=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:  # one per call: test processes run side by side
+        path = Path(tmp) / f"{name}.cubin"
+        path.write_bytes(kernel.asm["cubin"])
+        return subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True,
+                              text=True).stdout
 
 
 def sass_instructions(kernel: Any) -> list[str]:
@@ -77,9 +79,10 @@ def sass_instructions(kernel: Any) -> list[str]:
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     if not tool.exists():
         return []
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"{kernel.name}.cubin"
-    path.write_bytes(kernel.asm["cubin"])
-    out = subprocess.run([str(tool), "-c", str(path)], capture_output=True, text=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"{kernel.name}.cubin"
+        path.write_bytes(kernel.asm["cubin"])
+        out = subprocess.run([str(tool), "-c", str(path)], capture_output=True, text=True).stdout
     return [line.split("*/", 1)[1].strip() for line in out.splitlines()
             if line.strip().startswith("/*") and ";" in line]
 

@@ -286,3 +286,41 @@ def test_failure_after_the_stream_started(server):
         with _client(url).messages.stream(model=MODEL, max_tokens=64,
                                           messages=_user("ERROR")) as stream:
             stream.get_final_message()
+
+
+class _Template:
+    """A tokenizer with another chat template (Qwen3.6's `preserve_thinking` gate)."""
+
+    def __init__(self, tokenizer, template: str) -> None:
+        self._tok, self.chat_template = tokenizer, template
+
+    def apply_chat_template(self, messages, **kw):
+        return self._tok.apply_chat_template(messages, chat_template=self.chat_template, **kw)
+
+    def encode(self, text, **kw):
+        return self._tok.encode(text, **kw)
+
+
+def test_earlier_thinking_follows_the_templates_option(qwen_tokenizer):
+    # Qwen3.6's template keeps every turn's thinking with preserve_thinking; the Anthropic
+    # route asks for it by default, and a request's chat_template_kwargs turns it off
+    from tinyserve.server.chat import ChatRenderer
+
+    gate = "{%- if loop.index0 > ns.last_query_index %}"
+    assert gate in qwen_tokenizer.chat_template
+    qwen36 = qwen_tokenizer.chat_template.replace(gate, (
+        "{%- if (preserve_thinking is defined and preserve_thinking is true) or "
+        "(loop.index0 > ns.last_query_index) %}"))
+    messages = [{"role": "user", "content": "a"},
+                {"role": "assistant", "content": [
+                    {"type": "thinking", "thinking": "EARLIER", "signature": "s"},
+                    {"type": "text", "text": "b"}]},
+                {"role": "user", "content": "c"}]
+    for template, kwargs, kept in ((qwen36, None, True),
+                                   (qwen36, {"preserve_thinking": False}, False),
+                                   (qwen_tokenizer.chat_template, None, False)):
+        renderer = ChatRenderer(_Template(qwen_tokenizer, template))
+        chat, _ = to_chat_request(MessagesRequest(model="m", max_tokens=5, messages=messages,
+                                                  chat_template_kwargs=kwargs))
+        text = renderer.render(chat).text
+        assert ("<think>\nEARLIER\n</think>\n\nb<|im_end|>" in text) == kept

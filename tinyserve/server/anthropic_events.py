@@ -57,7 +57,8 @@ class MessagesFormatter:
         self._open: str | None = None  # the kind of the block being written
         self._tool_block: dict[int, int] = {}  # tool call index -> block index
         self._args: dict[int, str] = {}  # block index -> tool input JSON so far
-        self.finish_reason: str | None = None  # Anthropic's stop_reason once finished
+        self.finish_reason: str | None = None  # the chat finish reason (metrics) once finished
+        self.stop_reason: str | None = None  # Anthropic's
         self.stop_sequence: str | None = None
 
     # -- events ----------------------------------------------------------------------------
@@ -75,9 +76,9 @@ class MessagesFormatter:
     def on_finish(self, engine_reason: str | None, stop_str: str | None = None
                   ) -> list[dict[str, Any]]:
         events = self._events(self.assembler.finish()) + self._close()
-        self.finish_reason = stop_reason(self.assembler.finish_reason(engine_reason), stop_str,
-                                         self.clamped)
-        self.stop_sequence = stop_str if self.finish_reason == "stop_sequence" else None
+        self.finish_reason = self.assembler.finish_reason(engine_reason)
+        self.stop_reason = stop_reason(self.finish_reason, stop_str, self.clamped)
+        self.stop_sequence = stop_str if self.stop_reason == "stop_sequence" else None
         return events
 
     def encode(self, event: dict[str, Any]) -> str:
@@ -90,18 +91,18 @@ class MessagesFormatter:
     def stream_end(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
                    include_usage: bool) -> list[str]:
         delta = {"type": "message_delta",
-                 "delta": {"stop_reason": self.finish_reason, "stop_sequence": self.stop_sequence},
+                 "delta": {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence},
                  "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
         return [self.encode(delta), self.encode({"type": "message_stop"})]
 
     # -- the body --------------------------------------------------------------------------
 
     def choice(self) -> dict[str, Any]:
-        return {"content": self.blocks, "stop_reason": self.finish_reason}
+        return {"content": self.blocks, "stop_reason": self.stop_reason}
 
     def body(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
              choices: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        return self._message(self.finish_reason,
+        return self._message(self.stop_reason,
                              usage(prompt_tokens, completion_tokens, cached_tokens))
 
     def _message(self, reason: str | None, use: dict[str, Any]) -> dict[str, Any]:

@@ -490,7 +490,7 @@ class Engine:
         live.handle.put(RequestOutput(
             ev.request_id, [ev.token_id], text, reason is not None, reason, None,
             live.handle.prompt_tokens, live.completion_tokens, ev.cached_tokens,
-            [ev.logprobs] if ev.logprobs is not None else []))
+            [ev.logprobs] if ev.logprobs is not None else [], live.detok.matched))
         if reason is not None:
             del self._live[ev.request_id]
             self._counts["finished"] += 1

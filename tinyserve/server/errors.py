@@ -1,8 +1,9 @@
-"""OpenAI error objects: `{"error": {"message", "type", "param", "code"}}` for every failure.
+"""OpenAI error objects: `{"error": {"message", "type", "param", "code"}}` for every failure,
+and Anthropic's (`{"type": "error", "error": {"type", "message"}}`) on the Anthropic routes.
 
 `APIError` is raised anywhere in a request handler; `install_error_handlers(app)` turns it,
 FastAPI's validation errors (422 -> 400), HTTP errors and anything unexpected (500, logged)
-into that shape.
+into the shape the route's clients expect (`error_body_for(path, ...)`).
 """
 
 from __future__ import annotations
@@ -29,10 +30,36 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
+    def body_for(self, path: str) -> dict[str, Any]:
+        """The error object in the shape the clients of `path` expect."""
+        return error_body_for(path, self.status, self.message, self.type, self.param, self.code)
+
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+ANTHROPIC_PATHS = ("/v1/messages",)  # these routes and those under them answer Anthropic errors
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+                    529: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error object; its `type` follows the HTTP status as Anthropic's API does."""
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_body_for(path: str, status: int, message: str, type: str = "invalid_request_error",
+                   param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """The error object for a request to `path`: Anthropic's on the Anthropic routes (the
+    field a message names is in its text), OpenAI's everywhere else."""
+    if any(path == p or path.startswith(p + "/") for p in ANTHROPIC_PATHS):
+        return anthropic_error_body(status, message)
+    return error_body(message, type, param, code)
 
 
 def _loc_to_param(loc: tuple | list) -> str | None:
@@ -70,11 +97,11 @@ def install_error_handlers(app: Any) -> None:
     from starlette.exceptions import HTTPException
 
     async def on_api_error(request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body_for(request.url.path), status_code=exc.status)
 
     async def on_validation(request, exc: RequestValidationError):
         err = validation_error(list(exc.errors()))
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(err.body_for(request.url.path), status_code=err.status)
 
     async def on_http(request, exc: HTTPException):
         if exc.status_code == 404:
@@ -82,12 +109,13 @@ def install_error_handlers(app: Any) -> None:
                            code="not_found")
         else:
             err = APIError(exc.status_code, str(exc.detail))
-        return JSONResponse(err.body(), status_code=err.status, headers=exc.headers)
+        return JSONResponse(err.body_for(request.url.path), status_code=err.status,
+                            headers=exc.headers)
 
     async def on_any(request, exc: Exception):
         log.exception("internal error on %s %s", request.method, request.url.path)
         err = APIError(500, f"internal error: {type(exc).__name__}")
-        return JSONResponse(err.body(), status_code=500)
+        return JSONResponse(err.body_for(request.url.path), status_code=500)
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)

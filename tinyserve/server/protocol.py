@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tinyserve.core import MAX_TOP_LOGPROBS, ParamError, SamplingParams
 from tinyserve.server.errors import APIError
+from tinyserve.server.tool_choice import forced_function
 
 MAX_CHOICES = 16  # the most choices (`n`) one request may ask for
 
@@ -168,9 +169,7 @@ class ChatCompletionRequest(_Sampling):
         if self.functions or self.function_call:
             raise APIError(400, "functions/function_call are deprecated; use tools",
                            param="functions" if self.functions else "function_call")
-        if self.tool_choice not in (None, "auto", "none"):
-            raise APIError(400, "tool_choice must be 'auto' or 'none' (forced tool calls need "
-                           "constrained decoding, which is not supported)", param="tool_choice")
+        forced_function(self.tool_choice, self.tools)  # a 400 for an unusable tool_choice
         if self.reasoning_effort not in (None, "none", "minimal", "low", "medium", "high"):
             raise APIError(400, "reasoning_effort must be none, minimal, low, medium or high",
                            param="reasoning_effort")

@@ -91,7 +91,7 @@ def _dot2(lo, hi, xe, xo):
     return acc
 
 
-@njit(parallel=True, fastmath=True, nogil=True, cache=True)
+@njit(parallel=True, fastmath=True, nogil=True, cache=True, error_model="numpy")
 def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4):
     """Every pair's expert (module docstring of kernels.nvfp4_cpu); returns the number of
     distinct experts computed."""
@@ -211,4 +211,19 @@ def build(row_block: int, desc_words: int) -> SimpleNamespace:
     """The compiled kernels: `moe`, the E4M3 table it takes and the C entry's address."""
     if row_block != RB or desc_words != DW:
         raise ValueError("kernels.nvfp4_cpu and its numba code disagree on their constants")
-    return SimpleNamespace(moe=moe, e4m3=_E4M3.copy(), entry_address=entry.address)
+    return SimpleNamespace(moe=moe, e4m3=_E4M3.copy(), entry_address=entry.address,
+                           read_sum=read_sum)
+
+
+@njit(parallel=True, nogil=True, cache=True, error_model="numpy")
+def read_sum(words):
+    """Sum of uint64 words [n] read by every thread (a host read-bandwidth probe)."""
+    chunks = 256
+    per = (words.shape[0] + chunks - 1) // chunks
+    part = np.zeros(chunks, np.uint64)
+    for c in prange(chunks):
+        acc = np.uint64(0)
+        for i in range(c * per, min(words.shape[0], (c + 1) * per)):
+            acc += words[i]
+        part[c] = acc
+    return part.sum()

@@ -124,6 +124,23 @@ def moe_cpu_bytes(rows: torch.Tensor, slots: ExpertSlots) -> int:
     return distinct * per
 
 
+def read_host(buffer: torch.Tensor) -> int:
+    """Read every byte of a contiguous CPU tensor with all the kernel's threads (its size a
+    multiple of 8 bytes); returns a checksum (so that nothing is optimised away). The host
+    read-bandwidth probe of `offload.bandwidth`."""
+    words = buffer.view(torch.uint8).reshape(-1)
+    words = words[:words.numel() // 8 * 8].view(torch.int64).numpy().view("uint64")
+    return int(_kernels().read_sum(words))
+
+
+def num_threads() -> int:
+    """Threads the CPU kernel runs on (numba's; NUMBA_NUM_THREADS sets it)."""
+    import numba
+
+    _kernels()
+    return numba.get_num_threads()
+
+
 # ------------------------------------------------------------------------ host function entry
 
 

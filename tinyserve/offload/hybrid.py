@@ -38,7 +38,7 @@ import torch
 
 from tinyserve.kernels import nvfp4_cpu
 from tinyserve.log import get_logger
-from tinyserve.offload.bandwidth import Bandwidths
+from tinyserve.offload.bandwidth import Bandwidths, probe
 
 logger = get_logger(__name__)
 
@@ -237,3 +237,30 @@ class HybridExperts:
 
     def takes(self, num_tokens: int) -> bool:
         return 0 < num_tokens <= self.max_tokens
+
+
+def configure(experts: Any, mode: str | None, top_k: int) -> HybridPlan:
+    """Probe and give `experts` (an `OffloadedExperts`) the plan for `mode` (None: auto);
+    returns it (also kept as `experts.hybrid_plan`). "gpu" and a cache that holds every
+    expert need no probe. Raises ValueError when "cpu" / "hybrid" cannot run here (no numba,
+    experts that are not NVFP4, no H2D rate for hybrid)."""
+    cache = experts.cache
+    resident = cache.num_slots >= cache.num_layers * cache.num_experts
+    plan = HybridPlan("gpu")
+    if mode != "gpu" and not resident:
+        try:
+            runner = CpuExperts(cache.store, device=cache.device)
+            if not nvfp4_cpu.available():
+                raise ValueError("the CPU expert kernel needs numba (pip install numba)")
+        except ValueError:
+            if mode is not None:
+                raise
+            runner = None
+        if runner is not None:
+            plan = plan_split(probe(cache.store, top_k, cache=cache, runner=runner), mode,
+                              top_k)
+            if plan.mode != "gpu":
+                experts.set_hybrid(HybridExperts(plan, runner))
+    experts.hybrid_plan = plan
+    logger.info("expert execution plan:\n%s", plan.format())
+    return plan

@@ -56,6 +56,7 @@ class OffloadedExperts:
                 logger.info("prefill streaming off: %s", why)
         self.streamer = streamer
         self.hybrid: Any = None  # an offload.hybrid.HybridExperts (`set_hybrid`), or None
+        self.hybrid_plan: Any = None  # the offload.hybrid.HybridPlan chosen at start-up
 
     @classmethod
     def create(cls, store: HostExpertStore, num_slots: int, *, device: torch.device | str,

@@ -114,7 +114,8 @@ class OffloadedExperts:
                 self.cache.begin_step(defer=True)
         self._last_layer = layer_id
         cpu_part: list[torch.Tensor] = []
-        slot_ids = self._slot_ids(layer_id, x, topk_ids, topk_weights, cpu_part)  # [N, k]
+        slot_ids = self._slot_ids(layer_id, topk_ids, x=x, topk_weights=topk_weights,
+                                  cpu_part=cpu_part)  # [N, k] int32
         weights = topk_weights
         if cpu_part:
             on_cpu = slot_ids < 0
@@ -128,8 +129,9 @@ class OffloadedExperts:
         self.hybrid.runner.join()
         return (out.float() + cpu_part[0]).to(x.dtype)
 
-    def _slot_ids(self, layer_id: int, x: torch.Tensor, topk_ids: torch.Tensor,
-                  topk_weights: torch.Tensor, cpu_part: list[torch.Tensor]) -> torch.Tensor:
+    def _slot_ids(self, layer_id: int, topk_ids: torch.Tensor, *, x: torch.Tensor | None = None,
+                  topk_weights: torch.Tensor | None = None,
+                  cpu_part: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The slots of `topk_ids` [N, k]: streamed for a big batch, else from the cache; with
         a CPU part for a decode-sized batch, the CPU's pairs get slot -1 and their work is
         forked (its result appended to `cpu_part`)."""
@@ -139,7 +141,7 @@ class OffloadedExperts:
                 return streamer.slot_ids(layer_id, topk_ids)
             streamer.release()
         hybrid = self.hybrid
-        if hybrid is None or not hybrid.takes(x.shape[0]):
+        if hybrid is None or cpu_part is None or not hybrid.takes(topk_ids.shape[0]):
             return self.cache.lookup(layer_id, topk_ids)
 
         def fork(slot_ids: torch.Tensor) -> None:

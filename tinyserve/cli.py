@@ -29,6 +29,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-cache-slots", type=int, default=None,
                    help="offload the routed experts behind a GPU cache of this many slots "
                         "(default: the memory plan decides)")
+    p.add_argument("--experts", choices=("gpu", "cpu", "hybrid"), default=None,
+                   help="offloaded experts missing from the GPU cache during decode: copied "
+                        "(gpu), computed on the CPU (cpu) or split by measured bandwidth "
+                        "(hybrid); default: what the start-up probe predicts fastest")
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
@@ -79,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--bandwidth", action="store_true",
+                   help="only probe the expert bandwidths (host read, H2D miss copy, CPU "
+                        "expert kernel) on the model's expert geometry, and print the split")
     p.set_defaults(handler="tinyserve.engine.bench:bench_command")
     return parser
 

@@ -124,3 +124,23 @@ def test_server_completions_and_metrics_with_offloaded_experts(tiny_checkpoint) 
             assert "tinyserve:expert_cache_misses_total" in metrics
     finally:
         engine.shutdown()
+
+
+@pytest.mark.skipif(not __import__("tinyserve.kernels.nvfp4_cpu", fromlist=["x"]).available(),
+                    reason="numba is not installed")
+def test_cpu_experts_engine_generates_the_same_tokens(tiny_checkpoint) -> None:
+    """`experts="cpu"`: every decode miss computed on the CPU kernel; same greedy tokens, the
+    CPU counter in EngineStats (and /metrics); "gpu" and a CPU device's auto have no CPU part."""
+    ckpt = tiny_checkpoint("modelopt")
+    slots = load_config(ckpt).num_experts + 2
+    copied, gstats, gexperts = _generate(ckpt, expert_cache_slots=slots, experts="gpu")
+    on_cpu, stats, experts = _generate(ckpt, expert_cache_slots=slots, experts="cpu")
+    assert on_cpu == copied
+    assert gstats.expert_cpu_computed is None and gexperts.hybrid_plan.mode == "gpu"
+    assert experts.hybrid_plan.mode == "cpu" and stats.expert_cpu_computed > 0
+    assert stats.expert_cache_misses < gstats.expert_cache_misses  # decode copied nothing
+    _, astats, aexperts = _generate(ckpt, expert_cache_slots=slots)
+    assert aexperts.hybrid_plan.mode == "gpu"  # no H2D rate to split by on a CPU device
+    from tinyserve.server.metrics import ServerMetrics
+
+    assert "tinyserve:expert_cpu_computed_total" in ServerMetrics().render(stats)

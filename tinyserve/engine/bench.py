@@ -30,11 +30,43 @@ from tinyserve.testing.provenance import current_commit
 
 
 def bench_command(args: Any) -> int:
-    """Run the benchmark described by CLI `args`; prints a summary (or JSON with --json)."""
+    """Run the benchmark described by CLI `args`; prints a summary (or JSON with --json).
+    With `--bandwidth` only the expert bandwidth probe runs (`bandwidth_command`)."""
+    if getattr(args, "bandwidth", False):
+        return bandwidth_command(args)
     result, plan = bench_from_args(args)
     print(json.dumps(result, indent=2) if args.json else format_result(result))
     if plan is not None and not args.json:
         print(f"memory plan\n{plan.format()}")
+    return 0
+
+
+def bandwidth_command(args: Any) -> int:
+    """`tinyserve bench MODEL --bandwidth`: the start-up probe of `offload.bandwidth` on a
+    random store of the model's expert geometry (at most 4 GiB; pinned on CUDA), and the
+    plan each mode gets from it; the checkpoint's config alone is read."""
+    from tinyserve.model.config import load_config
+    from tinyserve.model.loader import resolve_model_path
+    from tinyserve.offload import bandwidth, hybrid
+    from tinyserve.offload.gpu_cache import DeviceExpertCache
+
+    mcfg = load_config(resolve_model_path(args.model))
+    store = bandwidth.synthetic_store(mcfg)
+    cache = None
+    device = EngineConfig.from_args(args).resolved_device
+    if device.startswith("cuda"):
+        cache = DeviceExpertCache(store, mcfg.num_experts, device=device)
+    top_k = mcfg.num_experts_per_tok
+    runner = hybrid.CpuExperts(store, device=device)
+    bw = bandwidth.probe(store, top_k, cache=cache, runner=runner)
+    modes = {m: hybrid.plan_split(bw, m, top_k) for m in (None, "gpu", "cpu", "hybrid")
+             if bw.h2d is not None or m != "hybrid"}
+    result = {"bandwidths": bw.as_dict(), "store_bytes": store.nbytes,
+              "plans": {str(m or "auto"): p.as_dict() for m, p in modes.items()},
+              "device": torch.cuda.get_device_name() if cache is not None else "cpu",
+              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "commit": current_commit()}
+    print(json.dumps(result, indent=2) if args.json else modes[None].format())
     return 0
 
 
@@ -59,6 +91,9 @@ def bench_from_args(args: Any) -> tuple[dict[str, Any], Any]:
     plan = getattr(engine, "memory_plan", None)
     if plan is not None:
         result["memory_plan"] = plan.as_dict()
+    experts_plan = getattr(engine.runner.model.experts, "hybrid_plan", None)
+    if experts_plan is not None:
+        result["experts"] = experts_plan.as_dict()
     return result, plan
 
 
@@ -152,8 +187,11 @@ def _expert_cache(engine: Engine, before: Any) -> dict[str, Any] | None:
     after = engine.stats()
     if getattr(after, "expert_cache_hits", None) is None:
         return None
-    return {k: getattr(after, f"expert_cache_{k}") - (getattr(before, f"expert_cache_{k}") or 0)
-            for k in ("hits", "misses", "h2d_bytes")}
+    out = {k: getattr(after, f"expert_cache_{k}") - (getattr(before, f"expert_cache_{k}") or 0)
+           for k in ("hits", "misses", "h2d_bytes")}
+    cpu = getattr(after, "expert_cpu_computed", None)
+    out["cpu_computed"] = None if cpu is None else cpu - (before.expert_cpu_computed or 0)
+    return out
 
 
 def format_result(r: dict[str, Any]) -> str:
@@ -173,6 +211,10 @@ def format_result(r: dict[str, Any]) -> str:
         *([f"expert misses     {r['expert_cache']['misses']:,} "
            f"({r['expert_cache']['h2d_bytes'] / 2**30:.2f} GiB host to device)"]
           if r.get("expert_cache") else []),
+        *([f"experts on CPU    {r['expert_cache']['cpu_computed']:,} "
+           f"({r['experts']['mode']})"]
+          if r.get("expert_cache") and r["expert_cache"].get("cpu_computed") is not None
+          and r.get("experts") else []),
         f"engine steps      {r['steps']} ({r.get('graphs_captured', 0)} graphs captured)",
     ]
     return "\n".join(lines)

@@ -24,6 +24,7 @@ from tinyserve.log import get_logger
 from tinyserve.model.config import ModelConfig, load_config
 from tinyserve.model.loader import load_weights, resolve_model_path
 from tinyserve.model.qwen35 import Qwen35Model
+from tinyserve.offload import hybrid
 from tinyserve.offload.planner import MemoryPlan, PlanConfig, PlanError, plan_checkpoint
 from tinyserve.offload.provider import OffloadedExperts
 from tinyserve.offload.store import HostExpertStore
@@ -152,13 +153,15 @@ def cap_allocator(plan: MemoryPlan, device: torch.device) -> None:
 def offloaded_experts(path: Path, mcfg: ModelConfig, num_slots: int, config: EngineConfig,
                       device: torch.device, dtype: torch.dtype) -> OffloadedExperts:
     """The checkpoint's routed experts in a pinned host store behind `num_slots` cache slots
-    on `device` (at least one layer's experts; all of them preloaded when they fit)."""
+    on `device` (at least one layer's experts; all of them preloaded when they fit), with the
+    CPU part of `config.experts` (`offload.hybrid.configure`: probed and logged)."""
     store = HostExpertStore.from_checkpoint(path, mcfg, dtype=dtype)
     experts = OffloadedExperts.create(
         store, num_slots, device=device, dtype=dtype,
         max_ids=config.max_num_batched_tokens * mcfg.num_experts_per_tok)
     if num_slots >= mcfg.num_layers * mcfg.num_experts:
         experts.cache.preload_all()
+    hybrid.configure(experts, config.experts, mcfg.num_experts_per_tok)
     return experts
 
 

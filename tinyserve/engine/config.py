@@ -46,6 +46,9 @@ class EngineConfig:
     expert_cache_slots: force offloaded routed experts (pinned host store + a GPU slot cache
     of this many slots, at least one layer's experts) on any device; None: on CUDA the memory
     planner decides, on CPU every expert is resident.
+    experts: where offloaded experts that miss the GPU cache run during decode: "gpu" (copied),
+    "cpu" (computed on the CPU), "hybrid" (split by the start-up bandwidth probe) or None
+    (hybrid where the probe predicts it faster, else gpu).
     """
 
     model: str
@@ -64,6 +67,9 @@ class EngineConfig:
     prefix_snapshot_interval: int = 0
     cuda_graphs: bool = True
     expert_cache_slots: int | None = None
+    # Hybrid expert execution (offload.hybrid): "gpu", "cpu", "hybrid" or None (the probe
+    # decides); applies when the routed experts are offloaded.
+    experts: str | None = None
 
     def __post_init__(self) -> None:
         if self.kv not in KV_BACKEND_NAMES:
@@ -89,6 +95,8 @@ class EngineConfig:
             parse_bytes(self.gpu_memory)
         if self.expert_cache_slots is not None and self.expert_cache_slots < 1:
             raise ValueError(f"expert_cache_slots must be >= 1, got {self.expert_cache_slots}")
+        if self.experts is not None and self.experts not in ("gpu", "cpu", "hybrid"):
+            raise ValueError(f"experts must be gpu, cpu or hybrid, got {self.experts!r}")
         if self.prefix_snapshot_slots < 0:
             raise ValueError(f"prefix_snapshot_slots must be >= 0, got "
                              f"{self.prefix_snapshot_slots}")

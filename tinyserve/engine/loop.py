@@ -111,6 +111,7 @@ class EngineStats:
     expert_cache_hits: int | None = None  # routed-expert lookups found in a GPU slot
     expert_cache_misses: int | None = None  # ... copied in from the host store
     expert_cache_h2d_bytes: int | None = None  # bytes copied host -> device for misses
+    expert_cpu_computed: int | None = None  # misses computed on the CPU (hybrid experts)
 
 
 class _Done:
@@ -315,7 +316,8 @@ class Engine:
         es = getattr(experts, "stats", None)
         if es is not None and hasattr(es, "hit_rate"):
             cache.update(expert_cache_hit_rate=float(es.hit_rate), expert_cache_hits=es.hits,
-                         expert_cache_misses=es.misses, expert_cache_h2d_bytes=es.h2d_bytes)
+                         expert_cache_misses=es.misses, expert_cache_h2d_bytes=es.h2d_bytes,
+                         expert_cpu_computed=getattr(experts, "cpu_computed", None))
         return EngineStats(
             running=len(s.running),
             waiting=len(s.waiting) + sum(item[0] == "add" for item in list(self._inbox)),

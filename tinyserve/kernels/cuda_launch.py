@@ -112,7 +112,8 @@ def driver() -> ctypes.CDLL:
     raise cuda_build.KernelBuildError("the CUDA kernels need the NVIDIA driver (libcuda.so.1)")
 
 
-def _check(rc: int, what: str) -> None:
+def check(rc: int, what: str) -> None:
+    """RuntimeError naming `what` and the driver's error unless `rc` (a CUresult) is 0."""
     if rc != 0:
         msg = ctypes.c_char_p()
         driver().cuGetErrorString(rc, ctypes.byref(msg))
@@ -124,14 +125,14 @@ def _make_current(index: int) -> None:
     """Make the device's primary context (torch's) current on this thread."""
     lib = driver()
     ctx = ctypes.c_void_p()
-    _check(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    check(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
     if ctx.value:
         return
     torch.cuda.init()
     dev = ctypes.c_int()
-    _check(lib.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
-    _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-    _check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    check(lib.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
+    check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
 class CudaKernel:
@@ -143,10 +144,10 @@ class CudaKernel:
         _make_current(index)
         self._module = ctypes.c_void_p()
         image = built.image + (b"\0" if built.is_ptx else b"")
-        _check(lib.cuModuleLoadData(ctypes.byref(self._module), image),
+        check(lib.cuModuleLoadData(ctypes.byref(self._module), image),
                f"loading {name} (cuModuleLoadData)")
         self._func = ctypes.c_void_p()
-        _check(lib.cuModuleGetFunction(ctypes.byref(self._func), self._module,
+        check(lib.cuModuleGetFunction(ctypes.byref(self._func), self._module,
                                        built.lowered[name].encode()),
                f"cuModuleGetFunction({name})")
         self._lowered = built.lowered
@@ -162,7 +163,7 @@ class CudaKernel:
             if rc != _INVALID_CONTEXT or attempt:
                 break
             _make_current(self._index)  # a thread that never used CUDA before
-        _check(rc, f"launching {self.name}")
+        check(rc, f"launching {self.name}")
 
     def _launch(self, g, block, params, smem, stream, pdl) -> int:
         lib = driver()
@@ -175,25 +176,25 @@ class CudaKernel:
     def global_int(self, name: str) -> int:
         lib = driver()
         ptr, size = ctypes.c_uint64(), ctypes.c_size_t()
-        _check(lib.cuModuleGetGlobal_v2(ctypes.byref(ptr), ctypes.byref(size), self._module,
+        check(lib.cuModuleGetGlobal_v2(ctypes.byref(ptr), ctypes.byref(size), self._module,
                                         self._lowered[name].encode()), f"cuModuleGetGlobal({name})")
         value = ctypes.c_int()
-        _check(lib.cuMemcpyDtoH_v2(ctypes.byref(value), ptr, ctypes.c_size_t(4)), "cuMemcpyDtoH")
+        check(lib.cuMemcpyDtoH_v2(ctypes.byref(value), ptr, ctypes.c_size_t(4)), "cuMemcpyDtoH")
         return value.value
 
     def attribute(self, attr: int) -> int:
         value = ctypes.c_int()
-        _check(driver().cuFuncGetAttribute(ctypes.byref(value), attr, self._func),
+        check(driver().cuFuncGetAttribute(ctypes.byref(value), attr, self._func),
                "cuFuncGetAttribute")
         return value.value
 
     def set_max_dynamic_smem(self, nbytes: int) -> None:
-        _check(driver().cuFuncSetAttribute(self._func, MAX_DYNAMIC_SHARED, nbytes),
+        check(driver().cuFuncSetAttribute(self._func, MAX_DYNAMIC_SHARED, nbytes),
                f"allowing {nbytes} bytes of dynamic shared memory for {self.name}")
 
     def occupancy(self, block: int, smem: int) -> int:
         n = ctypes.c_int()
-        _check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
             ctypes.byref(n), self._func, block, ctypes.c_size_t(smem)), "cuOccupancy")
         return n.value
 
@@ -235,7 +236,7 @@ class CudaBackend:
 
     def _attr(self, lib: ctypes.CDLL, attr: int) -> int:
         v = ctypes.c_int()
-        _check(lib.cuDeviceGetAttribute(ctypes.byref(v), attr, self.index), "cuDeviceGetAttribute")
+        check(lib.cuDeviceGetAttribute(ctypes.byref(v), attr, self.index), "cuDeviceGetAttribute")
         return v.value
 
     @property

@@ -29,14 +29,12 @@ than gpu at a decode layer's misses, else gpu. Prefill chunks big enough to stre
 from __future__ import annotations
 
 import ctypes
-import functools
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tinyserve.kernels import nvfp4_cpu
+from tinyserve.kernels import cuda_launch, nvfp4_cpu
 from tinyserve.log import get_logger
 from tinyserve.offload.bandwidth import Bandwidths, probe
 
@@ -204,22 +202,13 @@ class CpuExperts:
         return e
 
 
-@functools.cache
-def _cu_launch_host_func() -> Any:
-    lib = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
-    fn = lib.cuLaunchHostFunc
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
-    fn.restype = ctypes.c_int
-    return fn
-
-
 def launch_host_func(stream: Any, desc: torch.Tensor) -> None:
     """Queue the CPU kernel's C entry on `stream` with `desc` (captured as a host node when
-    the stream is capturing). Raises RuntimeError with the driver's error code."""
-    res = _cu_launch_host_func()(stream.cuda_stream, nvfp4_cpu.host_entry_address(),
-                                 desc.data_ptr())
-    if res != 0:
-        raise RuntimeError(f"cuLaunchHostFunc returned CUDA error {res}")
+    the stream is capturing). Raises RuntimeError with the driver's error."""
+    fn = cuda_launch.driver().cuLaunchHostFunc
+    cuda_launch.check(fn(ctypes.c_void_p(stream.cuda_stream),
+                         ctypes.c_void_p(nvfp4_cpu.host_entry_address()),
+                         ctypes.c_void_p(desc.data_ptr())), "cuLaunchHostFunc")
 
 
 class HybridExperts:

@@ -32,14 +32,15 @@ def paged_store_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.T
 def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
                      scale: float, *, max_seq_len: int,
-                     gather_bytes: int = DECODE_GATHER_BYTES) -> torch.Tensor:
+                     gather_bytes: int | None = None) -> torch.Tensor:
     """One query per sequence over its first `seq_lens[b]` cached tokens.
 
     Args:
         q: [B, Hq, D] (Hq a multiple of Hkv); k_cache, v_cache: [slots, Hkv, D] (slots a
             multiple of page_size); page_table: [B, P] int; seq_lens: [B] int, each in
             1 .. max_seq_len; max_seq_len: host bound of seq_lens (sizes the gather).
-        gather_bytes: rows whose gathered K/V exceed it together run in groups.
+        gather_bytes: rows whose gathered K/V exceed it together run in groups (None:
+            DECODE_GATHER_BYTES).
     Returns:
         [B, Hq, D] in q's dtype (SDPA in the cache dtype).
     """
@@ -50,7 +51,8 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     n_pages = max(1, min(-(-max_seq_len // page_size), page_table.shape[1]))
     pages = page_table[:, :n_pages].long()  # [B, P]
     row_bytes = 2 * n_pages * kc[0].numel() * kc.element_size()
-    group = max(1, gather_bytes // row_bytes)
+    budget = DECODE_GATHER_BYTES if gather_bytes is None else gather_bytes
+    group = max(1, budget // row_bytes)
     if group >= B:
         return _gathered_decode(q, kc, vc, pages, seq_lens, scale)
     out = torch.empty_like(q)

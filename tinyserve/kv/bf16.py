@@ -21,6 +21,16 @@ from tinyserve.kernels.attention import chunk_causal_attention
 from tinyserve.kernels.paged_kv import paged_decode_ref, paged_store_ref
 from tinyserve.kv.base import KVBackend
 
+DECODE_IMPLS = ("triton", "gather")
+
+
+def decode_impl() -> str:
+    """The CUDA decode attention in use: TINYSERVE_BF16_DECODE, else "triton"."""
+    impl = envs.BF16_DECODE.get().strip().lower() or "triton"
+    if impl not in DECODE_IMPLS:
+        raise ValueError(f"TINYSERVE_BF16_DECODE must be one of {DECODE_IMPLS}, got {impl!r}")
+    return impl
+
 
 class BF16KVBackend(KVBackend):
     """KV backend storing post-norm, post-RoPE K/V unquantized in the model dtype."""
@@ -96,7 +106,8 @@ class BF16KVBackend(KVBackend):
         without a host synchronisation (CUDA-graph safe; the work is sized by the host bound
         `max_seq_len`): the split-K Triton kernel reading the pages in place
         (`kernels.paged_kv_triton`) on CUDA, the gather + masked SDPA reference
-        (`kernels.paged_kv.paged_decode_ref`) elsewhere or for shapes the kernel refuses.
+        (`kernels.paged_kv.paged_decode_ref`) elsewhere, for shapes the kernel refuses or
+        with TINYSERVE_BF16_DECODE=gather.
 
         Args:
             q: [B, Hq, D]; page_table: [B, P] int32; seq_lens: [B] int32 (>= 1, the new token
@@ -105,7 +116,7 @@ class BF16KVBackend(KVBackend):
             [B, Hq, D] in q.dtype.
         """
         kc, vc = self._flat(layer_id)
-        if self.use_kernels:
+        if self.use_kernels and decode_impl() == "triton":
             from tinyserve.kernels import paged_kv_triton
 
             if paged_kv_triton.decode_supported(q.shape[1], self.num_kv_heads, self.head_dim,

@@ -53,10 +53,11 @@ def run_one(ckpt: str, fmt: str, prompt_len: int, gen_len: int, batch: int,
                          env={**os.environ, **env})
     if res.returncode != 0:
         raise RuntimeError(f"exit {res.returncode}: {res.stderr[-3000:]}")
-    out = json.loads(res.stdout[res.stdout.index("{"):])
+    lines = res.stdout.splitlines()  # the JSON starts at the last line "{" (indent=2)
+    out = json.loads("\n".join(lines[max(i for i, x in enumerate(lines) if x == "{"):]))
     plan = out.get("memory_plan") or {}
     row = {k: out[k] for k in KEEP if k in out}
-    row.update(command=" ".join(cmd[1:]), env=env,
+    row.update(command="python " + " ".join(cmd[1:]), env=env,
                kv_bytes_per_token=plan.get("kv_bytes_per_token"),
                kv_bytes=plan.get("kv_bytes"), context_tokens=plan.get("context_tokens"))
     return row

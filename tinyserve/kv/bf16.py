@@ -5,7 +5,7 @@ Store: K and V each [num_attention_layers, num_pages + 1, page_size, Hkv, D]. Pa
 is a padding page: tokens whose slot is negative (padded rows of a captured batch) are written
 there and never read.
 
-On CUDA with a bf16/fp16 cache the store and decode attention run the Triton kernels of
+On CUDA (sm_80+) with a bf16/fp16 cache the store and decode attention run the Triton kernels of
 `kernels.paged_kv_triton` (one launch for the store, split-K decode over the pages in place);
 elsewhere (or with TINYSERVE_DISABLE_KERNELS=1) their references in `kernels.paged_kv`.
 Prefill and extend attention gather the sequence's K/V and call `kernels.attention`.
@@ -46,9 +46,12 @@ class BF16KVBackend(KVBackend):
         shape = (len(self.layer_ids), num_pages + 1, page_size, num_kv_heads, head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        # NOTE: the Triton kernels need 16-bit tensor-core dots (sm_80+) and a power-of-two
+        # head_dim (their row loads span it).
         self.use_kernels = (self.device.type == "cuda" and not envs.DISABLE_KERNELS.get()
                             and dtype in (torch.bfloat16, torch.float16)
-                            and not head_dim & (head_dim - 1))
+                            and not head_dim & (head_dim - 1)
+                            and torch.cuda.get_device_capability(self.device)[0] >= 8)
 
     @classmethod
     def bytes_per_token(cls, num_layers: int, num_kv_heads: int, head_dim: int,

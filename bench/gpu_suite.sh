@@ -18,6 +18,8 @@
 #                                       $TEST_WORKERS (6) workers (742 passed and xfailed
 #                                       in 3:42 with 10 workers on 2026-11-30)
 #   kernels  bench_iso_attention, bench_nvfp4, bench_gdn      ~1-2 min each (150 s cap)
+#            bench_kv_decode  (not in the default list: KERNEL_BENCHES="kv_decode" or the step
+#                             name) bf16 paged / bf16 SDPA / iso3 decode attention
 #   e2e      checkpoint       ~1-3 min  write the full-size random 35B-A3B checkpoint (~21 GB)
 #                                       to $TINYSERVE_FULLSIZE_DIR unless it is there
 #            fullsize_graph   ~4-5 min  tests/engine/test_fullsize_graph.py: graph vs eager
@@ -31,6 +33,9 @@
 #                                       --gpu-memory 6GiB (chained vs synchronous, greedy and
 #                                       penalised) -> results/decode_modes[_6GiB].json
 #            decode_overhead  ~1.5 min  bench/decode_overhead.py (8 layers, bf16/iso3 x b1/b8)
+#   kv_formats_1k, kv_formats_32k (not in `all`): bench/kv_formats.py CKPT, tinyserve bench with
+#            iso3 / bf16 / bf16-gather side by side at 1k (2 rounds, ~6 min) and 32k (1 round,
+#            merged into the same results/kv_formats.json); run each in its own command
 #   all = tests kernels e2e (~25 min: split it over several commands of < 10 min, e.g.
 #   `tests`, then `checkpoint fullsize_graph`, then `step_profile cli_bench e2e_offload
 #   decode_overhead`; steps that need the checkpoint write it first when it is missing).
@@ -59,7 +64,7 @@ expand() {  # part or step names -> steps
             e2e) echo checkpoint fullsize_graph step_profile cli_bench e2e_offload \
                       decode_modes decode_overhead ;;
             gpu_tests|bench_*|checkpoint|fullsize_graph|step_profile|cli_bench|\
-e2e_offload|decode_modes|decode_overhead) echo "$a" ;;
+e2e_offload|decode_modes|decode_overhead|kv_formats_1k|kv_formats_32k) echo "$a" ;;
             *) echo "unknown part or step: $a" >&2; exit 2 ;;
         esac
     done
@@ -173,6 +178,14 @@ EOF
             fi ;;
         decode_overhead)
             run_step decode_overhead 240 python3 bench/decode_overhead.py ;;
+        kv_formats_1k)
+            need_ckpt kv_formats_1k &&
+                run_step kv_formats_1k 540 python3 bench/kv_formats.py "$CKPT" \
+                    --prompt-lens 1024 --repeats 2 ;;
+        kv_formats_32k)
+            need_ckpt kv_formats_32k &&
+                run_step kv_formats_32k 540 python3 bench/kv_formats.py "$CKPT" \
+                    --prompt-lens 32704 --repeats 1 --merge ;;
     esac
 done
 note "done in $((SECONDS - START))s -> $TAR"

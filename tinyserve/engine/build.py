@@ -117,10 +117,10 @@ def build_parts(config: EngineConfig, *, plan: MemoryPlan | None = None,
                          keep_logits=False)
     eos = tuple(dict.fromkeys(mcfg.eos_token_ids + _tokenizer_eos(tokenizer)))
     log.info("%s: %d KV pages of %d tokens (%s), %d sequences (+%d prefix-cache snapshots), "
-             "max context %d tokens, %s; load stages %s", path.name, plan.kv_pages,
+             "max context %d tokens, %s", path.name, plan.kv_pages,
              config.page_size, config.kv, seqs, snaps, plan.max_context,
              f"expert cache of {plan.expert_slots} slots" if plan.expert_cache
-             else "experts resident", progress.timings())
+             else "experts resident")
     return EngineParts(runner=runner, tokenizer=tokenizer, model_config=mcfg,
                        num_kv_pages=plan.kv_pages, num_state_slots=seqs,
                        max_context=plan.max_context, eos_token_ids=eos, state_pool=states,

@@ -87,6 +87,8 @@ class _Sizes:
         self.dtype_bytes = dtype_bytes(config, device)
         self.kv_tok = kv_bytes_per_token(config.kv, len(model.full_attention_layers),
                                          model.num_kv_heads, model.head_dim)
+        if config.kv == "bf16":  # NOTE: that pool stores the model dtype (fp32 on the CPU)
+            self.kv_tok = self.kv_tok * self.dtype_bytes // 2
         self.per_slot = GDNStatePool.bytes_per_slot(model, self.dtype_bytes)
         self.scratch_tok = 2 * model.num_kv_heads * model.head_dim * self.dtype_bytes
         self.page = config.page_size

@@ -64,9 +64,12 @@ class LoadProgress:
         self.advance(stage, 0.0)
 
     def complete(self, stage: str) -> None:
-        """Mark all of `stage` done (what was announced and not reported)."""
+        """Mark all of `stage` done (what was announced and not reported; nothing when it
+        was not announced)."""
         with self._lock:
-            left = self._total.get(stage, 0.0) - self._done.get(stage, 0.0)
+            if stage not in self._total:
+                return
+            left = self._total[stage] - self._done.get(stage, 0.0)
         self.advance(stage, max(left, 0.0))
 
     def _weights(self) -> dict[str, float]:

@@ -12,9 +12,9 @@ torch's allocator, capped at what is left, which holds: the resident non-expert 
 embedding (or a row gather from host RAM), the workspace (the largest prefill chunk's
 activations, attention scratch, logits, graph pools, the allocator's slack), the GDN states,
 the KV pages and the GPU expert cache. Order of decisions:
-1. Everything (all routed experts and the embedding) fits with the model's whole context ->
-   all resident; without --max-seqs, as many sequences as the memory left holds, up to
-   DEFAULT_MAX_SEQS.
+1. Everything (all routed experts and the embedding) fits with the model's whole context (or,
+   without --max-context, with DEFAULT_CONTEXT tokens) -> all resident; without --max-seqs,
+   as many sequences as the memory left holds, up to DEFAULT_MAX_SEQS.
 2. All experts fit without the embedding -> experts resident, embedding in host RAM.
 3. Otherwise the experts are offloaded (pinned host store + GPU slot cache), the embedding
    stays in host RAM, one sequence unless --max-seqs asks for more, and the cache gets what
@@ -199,19 +199,22 @@ def _plan_gpu(s: _Sizes, tokens: int, forced: int | None) -> MemoryPlan:
     n, slot_bytes = w.num_routed_experts, w.expert_bytes
     all_experts = n * slot_bytes
     seqs = cfg.max_seqs or 1
-    if forced is None:
-        # Steps 1 and 2: everything resident.
+    # Steps 1 and 2: everything resident, with the model's whole context or else (without
+    # --max-context) the default one: resident experts beat a big cache.
+    contexts = [tokens] if cfg.max_context is not None or cfg.num_kv_pages is not None \
+        else sorted({tokens, min(DEFAULT_CONTEXT, tokens)}, reverse=True)
+    for context in contexts if forced is None else ():
         cap = s.cap("cuda", False)
-        if s.fixed(tokens, seqs, cap) + all_experts + s.embed <= cap:
+        if s.fixed(context, seqs, cap) + all_experts + s.embed <= cap:
             most = min(DEFAULT_MAX_SEQS, cfg.max_num_batched_tokens)
             while cfg.max_seqs is None and seqs < most and \
-                    s.fixed(tokens, seqs + 1, cap) + all_experts + s.embed <= cap:
+                    s.fixed(context, seqs + 1, cap) + all_experts + s.embed <= cap:
                 seqs += 1
-            return s.make(tokens=tokens, seqs=seqs, embed_device="cuda", expert_cache=False,
+            return s.make(tokens=context, seqs=seqs, embed_device="cuda", expert_cache=False,
                           slots=n)
         cap = s.cap("cpu", False)
-        if not w.tied and s.fixed(tokens, seqs, cap) + all_experts <= cap:
-            return s.make(tokens=tokens, seqs=seqs, embed_device="cpu", expert_cache=False,
+        if not w.tied and s.fixed(context, seqs, cap) + all_experts <= cap:
+            return s.make(tokens=context, seqs=seqs, embed_device="cpu", expert_cache=False,
                           slots=n)
     # Step 3: offload the experts.
     embed_device = "cuda" if w.tied else "cpu"

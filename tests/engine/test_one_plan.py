@@ -13,8 +13,8 @@ from tests.server.fakes import free_port
 from tinyserve.cli import build_parser, main
 from tinyserve.engine import build, planner
 from tinyserve.engine.bench import bench_config
-from tinyserve.engine.config import EngineConfig
-from tinyserve.engine.device_memory import DeviceMemory, describe_size
+from tinyserve.engine.config import EngineConfig, describe_size
+from tinyserve.engine.device_memory import DeviceMemory
 
 MiB = 1 << 20
 

@@ -25,6 +25,9 @@
 #            fullsize_graph   ~4-5 min  tests/engine/test_fullsize_graph.py: graph vs eager
 #                                       tokens, iso3/bf16 x resident/6GiB, 4 fresh processes
 #                                       -> results/fullsize_graph.json
+#            memory_budget    ~4-6 min  bench/memory_budget.py CKPT: the process's device
+#                                       memory (NVML) through load, a 100k-token prompt and
+#                                       decode at 6 and 4 GiB -> results/memory_budget.json
 #            step_profile     ~2.5 min  bench/step_profile.py CKPT --gpu-memory none 6GiB
 #            cli_bench        ~2 min    tinyserve bench CKPT --kv iso3 1024/64, without and
 #                                       with --gpu-memory 6GiB -> cli/bench_{none,6GiB}.json
@@ -61,10 +64,10 @@ expand() {  # part or step names -> steps
             tests) echo gpu_tests ;;
             kernels) for b in ${KERNEL_BENCHES:-iso_attention nvfp4 gdn}; do
                          echo "bench_$b"; done ;;
-            e2e) echo checkpoint fullsize_graph step_profile cli_bench e2e_offload \
-                      decode_modes decode_overhead ;;
-            gpu_tests|bench_*|checkpoint|fullsize_graph|step_profile|cli_bench|\
-e2e_offload|decode_modes|decode_overhead|kv_formats_1k|kv_formats_32k) echo "$a" ;;
+            e2e) echo checkpoint fullsize_graph memory_budget step_profile cli_bench \
+                      e2e_offload decode_modes decode_overhead ;;
+            gpu_tests|bench_*|checkpoint|fullsize_graph|memory_budget|step_profile|\
+cli_bench|e2e_offload|decode_modes|decode_overhead|kv_formats_1k|kv_formats_32k) echo "$a" ;;
             *) echo "unknown part or step: $a" >&2; exit 2 ;;
         esac
     done
@@ -152,6 +155,10 @@ for name, c in (json.loads(p.read_text())["cases"] if p.exists() else {}).items(
           f"{diff:.3g}, flips {c['flips']}, problems {c['problems']}")
 EOF
             ;;
+        memory_budget)
+            need_ckpt memory_budget &&
+                run_step memory_budget 540 python3 bench/memory_budget.py "$CKPT" \
+                    --budgets 6GiB 4GiB ;;
         step_profile)
             need_ckpt step_profile &&
                 run_step step_profile 300 python3 bench/step_profile.py "$CKPT" --kv iso3 \

@@ -30,15 +30,28 @@ from tinyserve.testing.provenance import current_commit
 
 
 def bench_command(args: Any) -> int:
-    """Run the benchmark described by CLI `args`; prints a summary (or JSON with --json).
-    With `--bandwidth` only the expert bandwidth probe runs (`bandwidth_command`)."""
+    """Run the benchmark described by CLI `args`; prints the memory plan, then a summary
+    (or everything as JSON with --json). With `--bandwidth` only the expert bandwidth probe
+    runs (`bandwidth_command`)."""
     if getattr(args, "bandwidth", False):
         return bandwidth_command(args)
     result, plan = bench_from_args(args)
-    print(json.dumps(result, indent=2) if args.json else format_result(result))
-    if plan is not None and not args.json:
-        print(f"memory plan\n{plan.format()}")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"{plan.format()}\n{format_result(result)}")
     return 0
+
+
+def bench_config(args: Any) -> EngineConfig:
+    """The engine config of CLI `args`: the one `tinyserve run` makes with the same flags
+    (so the same memory plan), with `--batch` sequences when it is more than one."""
+    if min(args.prompt_len, args.gen_len, args.batch) < 1:
+        raise ValueError("--prompt-len, --gen-len and --batch must be >= 1")
+    overrides: dict[str, Any] = {}
+    if args.batch > 1:
+        overrides["max_seqs"] = max(args.batch, getattr(args, "max_seqs", None) or 0)
+    return EngineConfig.from_args(args, **overrides)
 
 
 def bandwidth_command(args: Any) -> int:
@@ -72,25 +85,24 @@ def bandwidth_command(args: Any) -> int:
 
 def bench_from_args(args: Any) -> tuple[dict[str, Any], Any]:
     """Build the engine that CLI `args` describe, measure one batch (`run_bench`) and shut it
-    down; returns the result (with the engine's config and memory plan) and the plan (None
-    without one)."""
-    if min(args.prompt_len, args.gen_len, args.batch) < 1:
-        raise ValueError("--prompt-len, --gen-len and --batch must be >= 1")
-    overrides: dict[str, Any] = {"max_seqs": max(args.batch, getattr(args, "max_seqs", 0) or 0)}
-    if getattr(args, "max_context", None) is None:
-        overrides["max_context"] = args.prompt_len + args.gen_len
-    config = EngineConfig.from_args(args, **overrides)
+    down; returns the result (with the engine's config and memory plan) and the plan.
+    Raises ValueError when a request of the asked lengths does not fit the plan's context."""
+    config = bench_config(args)
     engine = build_engine(config).start()
     try:
+        need = args.prompt_len + args.gen_len
+        if need > engine.max_context:
+            raise ValueError(f"--prompt-len {args.prompt_len} + --gen-len {args.gen_len} = "
+                             f"{need} tokens, but the plan holds {engine.max_context} per "
+                             f"sequence: lower them or raise --max-context")
         result = run_bench(engine, prompt_len=args.prompt_len, gen_len=args.gen_len,
                            batch=args.batch)
     finally:
         engine.shutdown()
-    result["config"] = {"model": config.model, "kv": config.kv, "device": config.resolved_device,
-                        "max_seqs": config.max_seqs, "max_context": engine.max_context}
-    plan = getattr(engine, "memory_plan", None)
-    if plan is not None:
-        result["memory_plan"] = plan.as_dict()
+    plan = engine.memory_plan
+    result["config"] = {"model": config.model, "kv": config.kv, "device": plan.device,
+                        "max_seqs": plan.max_seqs, "max_context": engine.max_context}
+    result["memory_plan"] = plan.as_dict()
     experts_plan = getattr(engine.runner.model.experts, "hybrid_plan", None)
     if experts_plan is not None:
         result["experts"] = experts_plan.as_dict()

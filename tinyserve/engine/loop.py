@@ -76,7 +76,7 @@ class EngineParts:
     state_pool: Any = None
     snapshot_slots: tuple[int, ...] = ()
     snapshot_interval: int = 0
-    memory_plan: Any = None  # offload.planner.MemoryPlan on CUDA, else None
+    memory_plan: Any = None  # engine.memory_plan.MemoryPlan
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ class Engine:
         self.scheduler = Scheduler(
             pages=pages, slots=PageAllocator(parts.num_state_slots),
             page_size=config.page_size, max_context=parts.max_context,
-            max_seqs=config.max_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_seqs=parts.num_state_slots, max_num_batched_tokens=config.max_num_batched_tokens,
             eos_token_ids=parts.eos_token_ids, prefix_cache=self.prefix_cache)
         self._vocab = getattr(parts.model_config, "vocab_size", None)
         self._inbox: list[tuple] = []

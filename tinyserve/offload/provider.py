@@ -11,6 +11,7 @@ cache while the previous layer computes (`offload.prefetch`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -160,14 +161,19 @@ class OffloadedExperts:
 
 
 def load_offloaded_experts(path: Any, config: Any, plan: Any, *, device: torch.device | str,
-                           dtype: torch.dtype = torch.bfloat16) -> OffloadedExperts:
+                           dtype: torch.dtype = torch.bfloat16,
+                           on_pinned: Callable[[int], None] | None = None,
+                           on_read: Callable[[int], None] | None = None) -> OffloadedExperts:
     """The experts provider a `MemoryPlan` asks for: the checkpoint's routed experts in a
-    pinned host store behind `plan.expert_slots` GPU slots (all of them preloaded when the
-    plan keeps every expert resident). Load the other weights with
-    `iter_weights(..., include_experts=False)` and pass this as `Qwen35Model(experts=...)`."""
-    store = HostExpertStore.from_checkpoint(path, config, dtype=dtype)
+    pinned host store behind `plan.expert_slots` GPU slots (all of them preloaded when they
+    are all there). Load the other weights with `iter_weights(..., include_experts=False)`
+    and pass this as `Qwen35Model(experts=...)`. `on_pinned` / `on_read`: load progress
+    (`HostExpertStore.from_checkpoint`). Raises ValueError when the plan's slots are fewer
+    than one layer's experts."""
+    store = HostExpertStore.from_checkpoint(path, config, dtype=dtype, on_pinned=on_pinned,
+                                            on_read=on_read)
     experts = OffloadedExperts.create(store, plan.expert_slots, device=device, dtype=dtype,
                                       max_ids=plan.prefill_chunk * config.num_experts_per_tok)
-    if not plan.experts_offloaded:
+    if plan.expert_slots >= store.num_layers * store.num_experts:
         experts.cache.preload_all()
     return experts

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from tinyserve.engine.config import EngineConfig
 from tinyserve.engine import kernel_check
+from tinyserve.engine.config import EngineConfig
 from tinyserve.engine.device_memory import cap_allocator
 from tinyserve.engine.loop import Engine, EngineParts
 from tinyserve.engine.memory_plan import MemoryPlan

@@ -12,7 +12,6 @@ ids)` embeds tokens from a host table, the expert cache copies missing experts i
 from __future__ import annotations
 
 import functools
-import mmap
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -26,50 +25,38 @@ log = get_logger(__name__)
 _PORTABLE_MAPPED = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
 
-_CHUNK = 1 << 30  # bytes registered per driver call (progress is reported per piece)
-
-
 def register_mapped(t: torch.Tensor, what: str,
                     on_progress: Callable[[int], None] | None = None) -> bool:
     """Page-lock and map the memory of contiguous CPU tensor `t` for every device while `t`
     lives (unregistered when it is freed). False, with a warning naming `what`, when CUDA
     refuses (no driver, not enough lockable memory): `t` stays pageable.
 
-    Registered in pieces of about 1 GiB split at page boundaries (page-locking 18 GB takes
-    seconds), `on_progress(nbytes)` after each; the device reads the pieces as one range
-    (unified addressing: the device address of registered memory is its host address)."""
+    One registration of the whole range, `on_progress(nbytes)` after it. NOTE: not in pieces:
+    an asynchronous copy whose source spans two registrations is refused (cudaErrorInvalidValue
+    on the H200, the expert streamer's layer copies across a 1 GiB piece boundary)."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError(f"{what}: only a contiguous CPU tensor can be registered")
     ptr, size = t.data_ptr(), t.numel() * t.element_size()
-    page = mmap.PAGESIZE
-    done: list[int] = []
     try:
         cudart = torch.cuda.cudart()
-        start, end = ptr, ptr + size
-        while start < end:
-            stop = end if end - start <= _CHUNK + page else (start + _CHUNK) // page * page
-            res = cudart.cudaHostRegister(start, stop - start, _PORTABLE_MAPPED)
-            if int(res) != 0:
-                raise RuntimeError(f"cudaHostRegister returned error {int(res)}")
-            done.append(start)
-            if on_progress is not None:
-                on_progress(stop - start)
-            start = stop
+        res = cudart.cudaHostRegister(ptr, size, _PORTABLE_MAPPED)
+        if int(res) != 0:
+            raise RuntimeError(f"cudaHostRegister returned error {int(res)}")
     except Exception as exc:  # no CUDA, driver refusal, not enough lockable memory
-        _unregister(cudart if done else None, tuple(done))
         log.warning("could not pin the %.2f GiB %s (%s); it stays in pageable memory",
                     size / 2**30, what, exc)
         return False
-    weakref.finalize(t, _unregister, cudart, tuple(done))
+    if on_progress is not None:
+        on_progress(size)
+    weakref.finalize(t, _unregister, cudart, ptr)
     return True
 
 
-def _unregister(cudart: Any, ptrs: tuple[int, ...]) -> None:
-    for ptr in ptrs:
-        try:
-            cudart.cudaHostUnregister(ptr)
-        except Exception:  # interpreter shutdown
-            pass
+def _unregister(cudart: Any, ptr: int) -> None:
+    try:
+        cudart.cudaHostUnregister(ptr)
+    except Exception:  # interpreter shutdown
+        pass
 
 
 @functools.cache

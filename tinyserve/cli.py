@@ -14,7 +14,7 @@ from typing import Any
 
 from tinyserve import __version__
 from tinyserve.engine.config import DEFAULT_CONTEXT, DEFAULT_MAX_SEQS, SIZE_HELP, EngineConfig
-from tinyserve.kv.registry import KV_BACKEND_NAMES as KV_CHOICES
+from tinyserve.kv.registry import KV_CHOICES
 
 
 def _default(name: str) -> Any:

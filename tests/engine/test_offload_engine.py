@@ -72,7 +72,7 @@ def test_builder_takes_the_plans_numbers(tiny_checkpoint, monkeypatch) -> None:
     ckpt = tiny_checkpoint("modelopt")
     mcfg = load_config(ckpt)
     config = EngineConfig(model=str(ckpt), kv="bf16", max_context=256, page_size=16,
-                          gpu_memory="1GiB", dtype="float32", device="cuda",
+                          gpu_memory="2GiB", dtype="float32", device="cuda",
                           max_num_batched_tokens=64)
     full = plan_checkpoint(config, ckpt, reference_device(config))
     assert not full.experts_offloaded and full.embed_device == "cuda"

@@ -18,7 +18,12 @@ from tinyserve.engine.device_memory import (
     reference_device,
 )
 from tinyserve.engine.memory_plan import PlanError
-from tinyserve.engine.planner import ALLOCATOR_SLACK_MIN, plan_checkpoint, plan_memory
+from tinyserve.engine.planner import (
+    ALLOCATOR_SLACK,
+    ALLOCATOR_SLACK_MIN,
+    plan_checkpoint,
+    plan_memory,
+)
 from tinyserve.model.config import ModelConfig, load_config
 from tinyserve.offload.weights import checkpoint_weight_bytes, geometry_weight_bytes
 
@@ -157,7 +162,7 @@ def test_whole_process_budget_uses_the_measured_start_up() -> None:
     items = {k: (b, how) for k, b, how in plan.outside_allocator}
     assert items["CUDA context, libraries"] == (200 * MiB, laptop.startup_source)
     assert items["kernels, local memory, graphs"][0] == LATE_GROWTH
-    assert 0 < items["host memory mappings"][0] <= 64 * MiB
+    assert 0 <= items["host memory mappings"][0] <= 64 * MiB  # 0 measured on the H200
     assert plan.allocator_cap == 6 * GiB - plan.outside_allocator_bytes
     assert plan.expert_slots - ref.expert_slots >= (H200_STARTUP - 200 * MiB) // (2 * MiB)
     text = plan.format()
@@ -199,7 +204,7 @@ def test_checkpoint_bytes_from_headers(tiny_nvfp4: Path) -> None:
     assert w.expert_bytes == 3 * 32 * 64 // 2 + 3 * 32 * 64 // 16 + 12
     assert w.embed == 512 * 64 * 2
     assert w.num_routed_experts == 4 * 8
-    cfg = gpu("1GiB")
+    cfg = gpu("2GiB")
     plan = plan_checkpoint(cfg, tiny_nvfp4, reference_device(cfg))
     assert not plan.experts_offloaded
 
@@ -226,13 +231,14 @@ def test_plan_command(tiny_nvfp4: Path, capsys) -> None:
 
 
 def test_small_budgets_keep_a_fixed_allocator_slack(tiny_nvfp4: Path) -> None:
-    """4% of a small budget cannot hold the cuBLAS workspace and the allocator's segments: the
-    slack has a floor. A budget below what is fixed is refused with the numbers."""
+    """A share of a small budget cannot hold the cuBLAS workspace and the allocator's
+    segments: the slack has a floor. A budget below what is fixed is refused with the
+    numbers."""
     cfg = gpu("1200MiB", max_context=128, max_num_batched_tokens=32)
     plan = plan_checkpoint(cfg, tiny_nvfp4, reference_device(cfg))
     assert dict(plan.workspace)["allocator slack"] == ALLOCATOR_SLACK_MIN
     assert dict(plan35(gpu(kv="iso3")).workspace)["allocator slack"] == int(
-        0.04 * plan35(gpu(kv="iso3")).allocator_cap)
+        ALLOCATOR_SLACK * plan35(gpu(kv="iso3")).allocator_cap)
     fixed = plan.gpu_bytes - plan.num_routed_experts * plan.expert_slot_bytes - plan.embed_bytes
     cfg = gpu(str(fixed - MiB), max_context=128, max_num_batched_tokens=32)
     with pytest.raises(PlanError, match=r"needs at least [\d,.]+ MiB .* budget is"):

@@ -100,7 +100,7 @@ def bench_from_args(args: Any) -> tuple[dict[str, Any], Any]:
     finally:
         engine.shutdown()
     plan = engine.memory_plan
-    result["config"] = {"model": config.model, "kv": config.kv, "device": plan.device,
+    result["config"] = {"model": config.model, "kv": plan.kv_format, "device": plan.device,
                         "max_seqs": plan.max_seqs, "max_context": engine.max_context}
     result["memory_plan"] = plan.as_dict()
     experts_plan = getattr(engine.runner.model.experts, "hybrid_plan", None)

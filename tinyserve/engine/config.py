@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
-from tinyserve.kv.registry import KV_BACKEND_NAMES
+from tinyserve.kv.registry import KV_CHOICES
 
 _DTYPES = ("float32", "bfloat16", "float16")
 # Sequences decoded at once on the CPU, and the most the GPU plan grows to on its own.
@@ -77,7 +77,8 @@ class EngineConfig:
     """Engine settings.
 
     model: checkpoint directory (or Hugging Face repo id).
-    kv: KV cache format (`kv.registry` names). device: "cuda", "cpu" or None (cuda when
+    kv: KV cache format (`kv.registry` names, or "auto": `kv.registry.resolve_kv`; the plan
+    says what it resolved to). device: "cuda", "cpu" or None (cuda when
     available). dtype: "float32" / "bfloat16" / "float16" or None (float32 on CPU, bfloat16
     on CUDA).
     gpu_memory: what the whole process may use on the GPU, as the driver counts it (CUDA
@@ -106,7 +107,7 @@ class EngineConfig:
     """
 
     model: str
-    kv: str = "bf16"
+    kv: str = "auto"
     device: str | None = None
     dtype: str | None = None
     gpu_memory: str | int | None = None
@@ -125,8 +126,8 @@ class EngineConfig:
     experts: str | None = None
 
     def __post_init__(self) -> None:
-        if self.kv not in KV_BACKEND_NAMES:
-            raise ValueError(f"kv must be one of {', '.join(KV_BACKEND_NAMES)}, got {self.kv!r}")
+        if self.kv not in KV_CHOICES:
+            raise ValueError(f"kv must be one of {', '.join(KV_CHOICES)}, got {self.kv!r}")
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype is not None and self.dtype not in _DTYPES:

@@ -66,9 +66,9 @@ class _ProgressBar:
 def memory_summary(engine: Any, device_line: str = "") -> str:
     """A short description of what the engine holds (its memory plan was printed before)."""
     stats = engine.stats()
-    cfg = engine.config
-    lines = [f"  {engine.memory_plan.device}, {str(cfg.torch_dtype).replace('torch.', '')}, "
-             f"KV {cfg.kv}: {stats.kv_pages_total} pages x {stats.page_size} tokens, "
+    cfg, plan = engine.config, engine.memory_plan
+    lines = [f"  {plan.device}, {str(cfg.torch_dtype).replace('torch.', '')}, "
+             f"KV {plan.kv_format}: {stats.kv_pages_total} pages x {stats.page_size} tokens, "
              f"{stats.state_slots_total} sequence{'s' * (stats.state_slots_total != 1)} at "
              f"once, {stats.max_context} tokens each"]
     if device_line:

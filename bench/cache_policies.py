@@ -67,11 +67,11 @@ def realistic_trace(steps: int, batch: int, seed: int) -> np.ndarray:
     return batch_trace([d.expected_topk(d.text(int(s), steps), routers) for s in starts])
 
 
-def device_hit_rate(trace: np.ndarray, fraction: float, freq_weight: float,
-                    warmup: int) -> float:
-    """Hit rate of the engine's device-driven decode path (module docstring)."""
-    slots = round(fraction * L * E)
-    store = HostExpertStore(L, E, 64, 32, fp4=True, pin=False)
+def device_hit_rate(trace: np.ndarray, slots: int, freq_weight: float, warmup: int) -> float:
+    """Hit rate of the engine's device-driven decode path (module docstring) over `trace`
+    [steps, layers, ids] with `slots` slots."""
+    layers = trace.shape[1]
+    store = HostExpertStore(layers, E, 64, 32, fp4=True, pin=False)
     cache = DeviceExpertCache(store, slots, device="cpu", mode="device", use_triton=False,
                               policy=ExpertCachePolicy(slots, freq_weight=freq_weight))
     ids = torch.from_numpy(trace.astype(np.int64))
@@ -80,7 +80,7 @@ def device_hit_rate(trace: np.ndarray, fraction: float, freq_weight: float,
         if step == warmup:
             hits, misses = cache.stats.hits, cache.stats.misses
         cache.begin_step(defer=True)
-        for layer in range(L):
+        for layer in range(layers):
             cache.lookup(layer, ids[step, layer].view(1, -1))
         cache.after_launch()
     cache.begin_step()
@@ -122,7 +122,8 @@ def main() -> int:
                    "host_s": round(time.perf_counter() - t0, 1), "device": {}}
             for pol in args.device_policies if name.startswith("realistic") else ():
                 out["device"][pol] = {
-                    str(f): round(device_hit_rate(trace, f, ENGINE_WEIGHTS[pol], args.warmup), 4)
+                    str(f): round(device_hit_rate(trace, round(f * L * E), ENGINE_WEIGHTS[pol],
+                                                  args.warmup), 4)
                     for f in args.device_fractions}
             return out
 

@@ -61,7 +61,7 @@ class RoutingProfile:
     topic: float = 1.8
     token: float = 1.0
     slow_corr: float = 0.96
-    fast_corr: float = 0.6
+    fast_corr: float = 0.5
     slow_share: float = 0.65
 
     def kernel(self, distance: np.ndarray) -> np.ndarray:

@@ -69,23 +69,33 @@ def realistic_trace(steps: int, batch: int, seed: int) -> np.ndarray:
 
 def device_hit_rate(trace: np.ndarray, slots: int, freq_weight: float, warmup: int) -> float:
     """Hit rate of the engine's device-driven decode path (module docstring) over `trace`
-    [steps, layers, ids] with `slots` slots."""
+    [steps, layers, ids] with `slots` slots, from step `warmup` on."""
+    return device_hit_rates(trace, slots, freq_weight, (warmup,))[0]
+
+
+def device_hit_rates(trace: np.ndarray, slots: int, freq_weight: float,
+                     warmups: tuple[int, ...]) -> list[float]:
+    """`device_hit_rate` from each of `warmups`, in one pass."""
     layers = trace.shape[1]
     store = HostExpertStore(layers, E, 64, 32, fp4=True, pin=False)
     cache = DeviceExpertCache(store, slots, device="cpu", mode="device", use_triton=False,
                               policy=ExpertCachePolicy(slots, freq_weight=freq_weight))
     ids = torch.from_numpy(trace.astype(np.int64))
-    hits = misses = 0
+    marks: dict[int, tuple[int, int]] = {}
     for step in range(trace.shape[0]):
-        if step == warmup:
-            hits, misses = cache.stats.hits, cache.stats.misses
+        if step in warmups:
+            marks[step] = (cache.stats.hits, cache.stats.misses)
         cache.begin_step(defer=True)
         for layer in range(layers):
             cache.lookup(layer, ids[step, layer].view(1, -1))
         cache.after_launch()
     cache.begin_step()
-    hits, misses = cache.stats.hits - hits, cache.stats.misses - misses
-    return hits / max(hits + misses, 1)
+    out = []
+    for w in warmups:
+        hits, misses = marks.get(w, (cache.stats.hits, cache.stats.misses))
+        hits, misses = cache.stats.hits - hits, cache.stats.misses - misses
+        out.append(hits / max(hits + misses, 1))
+    return out
 
 
 def main() -> int:

@@ -13,9 +13,10 @@ process (a budgeted engine caps its process's allocator), batch 1:
   engine's own decode-path hit rate at the fractions the published curve gives.
 
 Per case: decode tok/s, median step, the decode and warm (after 64 tokens) expert hit rates,
-the plan's expert slots and context tokens. `--predict` (CPU only, also afterwards on the
-JSON) adds the simulator's prediction for the same decode text (bench/cache_policies.py's
-device-driven emulation from an empty cache; the engine starts from the warm-up's cache).
+the plan's expert slots and context tokens. `--predict` (CPU only, afterwards, on the JSON;
+the checkpoint is not needed) adds the simulator's prediction for the same decode text
+(bench/cache_policies.py's device-driven emulation from an empty cache; the engine starts
+from the warm-up's cache).
 Writes bench/results/realistic_decode.json.
 
     python bench/realistic_decode.py --ckpt /tmp/tinyserve-fullsize-realistic \\
@@ -80,45 +81,50 @@ def run_case(ckpt: str, extra: list[str]) -> dict:
             "device": r["device"], "bench": r}
 
 
-def decode_text(ckpt: str) -> list[int]:
+def design(ckpt: str | None):
+    """The checkpoint's routing design (seed from its manifest; seed 0 without one: what
+    `--routing realistic` writes by default), full-size geometry."""
+    from tinyserve.model.config import ModelConfig
+    from tinyserve.testing.routing import ROUTING_FILE, RealisticRouting
+    from tinyserve.testing.tokenizer import special_token_ids
+
+    manifest = Path(ckpt or "") / ROUTING_FILE
+    seed = json.loads(manifest.read_text())["seed"] if ckpt and manifest.is_file() else 0
+    c = ModelConfig()
+    return RealisticRouting(hidden=c.hidden_size, num_experts=c.num_experts,
+                            top_k=c.num_experts_per_tok, vocab_size=c.vocab_size,
+                            text_tokens=range(min(special_token_ids().values())), seed=seed)
+
+
+def decode_text(d) -> list[int]:
     """The tokens `tinyserve bench` decodes (batch 1, seed 0): the design's greedy text after
     its measured prompt, drawn after the warm-up prompt from the same generator."""
-    from tinyserve.model.config import load_config
-    from tinyserve.testing.routing import ROUTING_FILE, RealisticRouting
-    from tinyserve.testing.tokenizer import TINY_VOCAB_SIZE, special_token_ids
+    from tinyserve.testing.tokenizer import TINY_VOCAB_SIZE
 
-    manifest = json.loads((Path(ckpt) / ROUTING_FILE).read_text())
-    c = load_config(ckpt)
-    design = RealisticRouting(hidden=c.hidden_size, num_experts=c.num_experts,
-                              top_k=c.num_experts_per_tok, vocab_size=c.vocab_size,
-                              text_tokens=range(min(special_token_ids().values())),
-                              seed=manifest["seed"])
     gen = torch.Generator().manual_seed(0)
     torch.randint(0, TINY_VOCAB_SIZE, (PROMPT_LEN,), generator=gen)  # the warm-up prompt
     last = int(torch.randint(0, TINY_VOCAB_SIZE, (PROMPT_LEN,), generator=gen)[-1])
-    return design.text(last, GEN_LEN)
+    return d.text(last, GEN_LEN)
 
 
 def predict(result: dict) -> None:
-    """Add the simulator's decode and warm hit rates to every realistic case of `result`."""
-    from bench.cache_policies import device_hit_rate
+    """Add the simulator's decode and warm hit rates to every realistic case of `result`
+    (CPU; the checkpoint is not needed: the routing is computed from the design)."""
+    from bench.cache_policies import device_hit_rates
     from tinyserve.engine.bench import WARM_TOKENS
     from tinyserve.offload.cache import DEFAULT_FREQ_WEIGHT
-    from tinyserve.testing.routing import trace_from_checkpoint
 
-    ckpt = result["checkpoints"]["realistic"]
-    trace = trace_from_checkpoint(ckpt, decode_text(ckpt)[:-1])  # the decode steps' inputs
+    d = design(result["checkpoints"]["realistic"])
+    trace = d.expected_topk(decode_text(d)[:-1], [d.router(la) for la in range(40)])
     for name, case in result["cases"].items():
         if name.startswith("uniform"):
             continue
         slots = (round(float(name.removeprefix("slots_")) * ROUTED_EXPERTS)
                  if name.startswith("slots_") else case["expert_slots"])
-        case["predicted"] = {
-            "slots": slots,
-            "freq_weight": DEFAULT_FREQ_WEIGHT,
-            "decode_hit_rate": round(device_hit_rate(trace, slots, DEFAULT_FREQ_WEIGHT, 0), 4),
-            "warm_hit_rate": round(device_hit_rate(trace, slots, DEFAULT_FREQ_WEIGHT,
-                                                   WARM_TOKENS), 4)}
+        decode, warm = device_hit_rates(trace, slots, DEFAULT_FREQ_WEIGHT, (0, WARM_TOKENS))
+        case["predicted"] = {"slots": slots, "freq_weight": DEFAULT_FREQ_WEIGHT,
+                             "decode_hit_rate": round(decode, 4),
+                             "warm_hit_rate": round(warm, 4)}
 
 
 def main() -> int:

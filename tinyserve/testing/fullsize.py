@@ -10,9 +10,12 @@ Random but valid: NVFP4 codes are random bytes (every nibble is a code), block s
 E4M3 values in [0.5, 1.875], FP8 weights are rounded normals, dense tensors small normals.
 Data comes from a few random pools sliced at random offsets, so writing is disk-bound. The
 lm_head rows beyond the tiny tokenizer's vocabulary are zero, so greedy sampling stays inside
-it; the tokenizer is `testing.tokenizer`'s.
+it; the tokenizer is `testing.tokenizer`'s. The random router spreads the tokens evenly over
+the experts (the worst case for the expert cache); `routing="realistic"` writes a router,
+embedding and lm_head that route with a real model's skew and locality instead
+(`testing.routing`, docs/ROUTING.md).
 
-    python -m tinyserve.testing.fullsize /tmp/qwen35-fullsize [--layers 4]
+    python -m tinyserve.testing.fullsize /tmp/qwen35-fullsize [--layers 4] [--routing realistic]
 """
 
 from __future__ import annotations

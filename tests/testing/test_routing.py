@@ -109,7 +109,7 @@ def _decode(path, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
     return out.token_ids, np.array(steps).reshape(n - 1, len(model.layers), -1)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "modelopt-mixed"])
+@pytest.mark.parametrize("fmt", ["bf16", "bf16-official", "modelopt-mixed", "compressed-tensors"])
 def test_tiny_realistic_checkpoint_routes_as_computed(tmp_path, fmt: str) -> None:
     path = make_tiny_checkpoint(tmp_path / "ck", fmt=fmt, routing="realistic", num_experts=16,
                                 num_experts_per_tok=4)

@@ -39,6 +39,14 @@
 #   kv_formats_1k, kv_formats_32k (not in `all`): bench/kv_formats.py CKPT, tinyserve bench with
 #            iso3 / bf16 / bf16-gather side by side at 1k (2 rounds, ~6 min) and 32k (1 round,
 #            merged into the same results/kv_formats.json); run each in its own command
+#   realistic
+#            checkpoint_realistic ~1-3 min  the same checkpoint with realistic routing
+#                                       (testing.routing) in $TINYSERVE_FULLSIZE_DIR-realistic
+#            realistic_decode ~5-6 min  bench/realistic_decode.py: decode at 6 GiB under
+#                                       realistic routing (and uniform, when the random
+#                                       checkpoint is there), against --max-context and at
+#                                       6.6 % / 33 % of the experts cached
+#                                       -> results/realistic_decode.json
 #   all = tests kernels e2e (~25 min: split it over several commands of < 10 min, e.g.
 #   `tests`, then `checkpoint fullsize_graph`, then `step_profile cli_bench e2e_offload
 #   decode_overhead`; steps that need the checkpoint write it first when it is missing).
@@ -54,6 +62,7 @@ mkdir -p "$OUT" "$STAGE/logs" "$STAGE/cli" bench/results
 export PYTHONUNBUFFERED=1 TINYSERVE_CACHE_DIR=${TINYSERVE_CACHE_DIR:-/tmp/tinyserve-cache}
 export TINYSERVE_FULLSIZE_DIR=${TINYSERVE_FULLSIZE_DIR:-/tmp/tinyserve-fullsize}
 CKPT=$TINYSERVE_FULLSIZE_DIR
+RCKPT=$TINYSERVE_FULLSIZE_DIR-realistic
 START=$SECONDS
 
 expand() {  # part or step names -> steps
@@ -66,8 +75,10 @@ expand() {  # part or step names -> steps
                          echo "bench_$b"; done ;;
             e2e) echo checkpoint fullsize_graph memory_budget step_profile cli_bench \
                       e2e_offload decode_modes decode_overhead ;;
+            realistic) echo checkpoint_realistic realistic_decode ;;
             gpu_tests|bench_*|checkpoint|fullsize_graph|memory_budget|step_profile|\
-cli_bench|e2e_offload|decode_modes|decode_overhead|kv_formats_1k|kv_formats_32k) echo "$a" ;;
+cli_bench|e2e_offload|decode_modes|decode_overhead|kv_formats_1k|kv_formats_32k|\
+checkpoint_realistic|realistic_decode) echo "$a" ;;
             *) echo "unknown part or step: $a" >&2; exit 2 ;;
         esac
     done
@@ -112,6 +123,14 @@ ensure_ckpt() {  # write into a side directory, then move it in: no half-written
 
 need_ckpt() {
     ensure_ckpt || { note "$1 SKIPPED (no full-size checkpoint)"; return 1; }
+}
+
+ensure_realistic() {  # the checkpoint with realistic routing, written the same way
+    [[ -f $RCKPT/config.json && -f $RCKPT/model.safetensors.index.json ]] && return 0
+    rm -rf "$RCKPT.partial"
+    run_step checkpoint_realistic 420 python3 -m tinyserve.testing.fullsize "$RCKPT.partial" \
+        --routing realistic &&
+        { [[ $DRY == 1 ]] || { rm -rf "$RCKPT" && mv "$RCKPT.partial" "$RCKPT"; }; }
 }
 
 {
@@ -193,6 +212,16 @@ EOF
             need_ckpt kv_formats_32k &&
                 run_step kv_formats_32k 540 python3 bench/kv_formats.py "$CKPT" \
                     --prompt-lens 32704 --repeats 1 --merge ;;
+        checkpoint_realistic)
+            ensure_realistic || true ;;
+        realistic_decode)
+            if ensure_realistic; then
+                uniform=(); have_ckpt && uniform=(--uniform-ckpt "$CKPT")
+                run_step realistic_decode 540 python3 bench/realistic_decode.py \
+                    --ckpt "$RCKPT" "${uniform[@]}"
+            else
+                note "realistic_decode SKIPPED (no realistic checkpoint)"
+            fi ;;
     esac
 done
 note "done in $((SECONDS - START))s -> $TAR"

@@ -39,6 +39,20 @@ def test_bench_reports_the_measured_runs_expert_cache(tiny_checkpoint, capsys) -
     assert cache["misses"] > 0 and cache["h2d_bytes"] > 0
     assert r["expert_hit_rate"] == pytest.approx(
         cache["hits"] / (cache["hits"] + cache["misses"]))
+    assert 0.0 <= r["decode_expert_hit_rate"] <= 1.0 and r["warm_expert_hit_rate"] is None
+
+
+def test_bench_reports_decode_and_warm_hit_rates(tiny_checkpoint, capsys) -> None:
+    # realistic routing walks a cycle of 8 tokens: once warm, a cache of every expert the
+    # cycle uses hits every time
+    from tinyserve.engine.bench import WARM_TOKENS
+
+    ckpt = tiny_checkpoint(routing="realistic")
+    assert main(["bench", str(ckpt), "--device", "cpu", "--prompt-len", "8", "--gen-len",
+                 str(WARM_TOKENS + 9), "--expert-cache-slots", "24", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert 0.0 < r["expert_hit_rate"] <= r["decode_expert_hit_rate"] <= 1.0
+    assert r["warm_expert_hit_rate"] == pytest.approx(1.0)
 
 
 @pytest.mark.requires_cuda

@@ -45,3 +45,36 @@ def test_sparse_checkpoint_has_the_same_headers(tmp_path) -> None:
     assert [f.stat().st_size for f in files] == \
         [f.stat().st_size for f in sorted(dense.glob("*.safetensors"))]
     assert sum(f.stat().st_blocks * 512 for f in files) < sum(f.stat().st_size for f in files) / 4
+
+
+def test_realistic_routing_keeps_the_routing_channels_to_the_router(tmp_path) -> None:
+    """`routing="realistic"`: a valid checkpoint whose routers read only the routing channels,
+    which no layer writes; its routing is the design's (testing.routing)."""
+    import json
+
+    from tinyserve.testing.routing import ROUTING_FILE, trace_from_checkpoint
+
+    path = write_fullsize_checkpoint(tmp_path / "ck", layers=1, vocab_size=1024,
+                                     max_shard_bytes=1 << 28, routing="realistic")
+    manifest = json.loads((path / ROUTING_FILE).read_text())
+    lo, hi = manifest["reserved_channels"]
+    assert (lo, hi) == (1920, 2048) and len(manifest["cycle"]) == 491
+    reader = CheckpointReader(path)
+    gate = reader.get("model.layers.0.mlp.gate.weight")
+    assert gate.dtype == torch.bfloat16 and not gate[:, :lo].any() and gate[:, lo:].all()
+    for name in ("model.layers.0.mlp.experts.9.down_proj.weight",
+                 "model.layers.0.mlp.shared_expert.down_proj.weight",
+                 "model.layers.0.linear_attn.out_proj.weight"):
+        w = reader.get(name).view(torch.uint8)
+        assert not w[lo:].any() and w[:lo].any(), name
+    for name in ("model.layers.0.post_attention_layernorm.weight", "model.norm.weight"):
+        w = reader.get(name)
+        assert not w[lo:].any() and w[:lo].any(), name
+    head = reader.get("lm_head.weight")
+    assert not head[500:].any() and not head[:, :hi // 2 - 32].any()
+    tokens = manifest["cycle"][:6]
+    trace = trace_from_checkpoint(path, tokens)
+    assert trace.shape == (6, 1, 8) and (trace >= 0).all() and (trace < 256).all()
+    config = load_config(path)
+    store = HostExpertStore.from_checkpoint(path, config, pin=False)
+    assert store.complete

@@ -150,5 +150,27 @@ def test_per_layer_hit_rate() -> None:
 def test_frequency_term_beats_plain_lru_on_a_skewed_trace() -> None:
     trace = synthetic_trace(8, 64, 4, 300, zipf=1.0, seed=3)
     lru = simulate(ExpertCachePolicy(128, freq_weight=0.0), trace)
-    lfru = simulate(ExpertCachePolicy(128), trace)
+    lfru = simulate(ExpertCachePolicy(128, freq_weight=16.0), trace)
     assert lfru > lru + 0.02, (lru, lfru)
+
+
+def test_default_weight_on_realistic_routing() -> None:
+    """The reason for the default (bench/cache_policies.py at full size, 40 layers): with
+    realistic routing it keeps plain LRU's hits for one sequence, where a heavy frequency
+    term loses, and gains over plain LRU for a batch of four."""
+    from tinyserve.offload.cache_sim import EnginePolicy, batch_trace
+    from tinyserve.offload.cache_sim import simulate as replay
+    from tinyserve.testing.routing import RealisticRouting
+
+    d = RealisticRouting(hidden=2048, num_experts=256, top_k=8, vocab_size=500,
+                         text_tokens=range(491))
+    routers = [d.router(la) for la in range(6)]
+    one = d.expected_topk(d.text(int(d.cycle[0]), 260), routers)
+    four = batch_trace([d.expected_topk(d.text(int(d.cycle[i * 120]), 260), routers)
+                        for i in range(4)])
+    default = ExpertCachePolicy(8).freq_weight
+    weights = (0.0, default, 16.0)
+    b1 = {w: replay(one, EnginePolicy(round(0.12 * 6 * 256), w), 60) for w in weights}
+    assert b1[default] > b1[0.0] - 0.01 and b1[default] > b1[16.0] + 0.05, b1
+    b4 = {w: replay(four, EnginePolicy(round(0.2 * 6 * 256), w), 60) for w in weights}
+    assert b4[default] > b4[0.0] + 0.01 and b4[default] > b4[16.0], b4

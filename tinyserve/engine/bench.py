@@ -6,8 +6,11 @@ EOS ignored), submitted together after a warm-up of the same shape. Reported: pr
 (tokens after the first over the time after it), the median decode step (inter-token
 interval), time to first token, peak GPU memory, CUDA graphs captured during the measured run
 (0 once warm) and, when the experts are offloaded, the expert-cache hits, misses and
-host-to-device bytes of the measured run and its hit rate; with the date, device, torch
-version and the commit of the checkout that ran it (None outside one).
+host-to-device bytes of the measured run and its hit rate, the hit rate of its decode steps
+alone (after every request's first token: a streamed prefill counts every expert of every
+layer as a miss) and of the warm decode steps (after `WARM_TOKENS` tokens of every request);
+with the date, device, torch version and the commit of the checkout that ran it (None
+outside one).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from tinyserve.engine.config import EngineConfig
 from tinyserve.engine.graph import capacity_pages
 from tinyserve.engine.loop import Engine, RequestHandle
 from tinyserve.testing.provenance import current_commit
+
+WARM_TOKENS = 64  # decode tokens per request before the warm expert hit rate counts
 
 
 def bench_command(args: Any) -> int:
@@ -139,7 +144,11 @@ def run_bench(engine: Engine, *, prompt_len: int, gen_len: int, batch: int,
     graphs0 = _num_graphs(engine)
     start = time.perf_counter()
     handles = [engine.submit(p, params) for p in prompts]
-    timings = _collect(handles)
+    # NOTE: counters read from a reader thread when every request has that many tokens; the
+    # device-driven cache folds a step's counts one or two steps later, so a snapshot may
+    # miss the last step or two (~0.5 % of a 512-token run).
+    marks = {1: None, 1 + WARM_TOKENS: None} if gen_len > 1 + WARM_TOKENS else {1: None}
+    timings = _collect(handles, marks, engine.stats)
     end = time.perf_counter()
     first = [t[0] - start for t in timings]
     last_first = max(first)
@@ -148,6 +157,7 @@ def run_bench(engine: Engine, *, prompt_len: int, gen_len: int, batch: int,
     itl = [b - a for t in timings for a, b in zip(t, t[1:], strict=False)]
     cache = _expert_cache(engine, stats0)
     lookups = cache["hits"] + cache["misses"] if cache else 0
+    after = engine.stats()
     result: dict[str, Any] = {
         "prompt_len": prompt_len, "gen_len": gen_len, "batch": batch,
         "prefill_tok_s": batch * prompt_len / last_first,
@@ -159,6 +169,9 @@ def run_bench(engine: Engine, *, prompt_len: int, gen_len: int, batch: int,
         "graphs_captured": _num_graphs(engine) - graphs0,
         "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "expert_hit_rate": cache["hits"] / lookups if lookups else None,
+        "decode_expert_hit_rate": _hit_rate(marks.get(1), after) if cache else None,
+        "warm_expert_hit_rate": (_hit_rate(marks.get(1 + WARM_TOKENS), after)
+                                 if cache else None),
         "expert_cache": cache,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__,
@@ -168,14 +181,26 @@ def run_bench(engine: Engine, *, prompt_len: int, gen_len: int, batch: int,
     return result
 
 
-def _collect(handles: list[RequestHandle]) -> list[list[float]]:
-    """Arrival time of every output token of each request (one reader thread each)."""
+def _collect(handles: list[RequestHandle], marks: dict[int, Any] | None = None,
+             snapshot: Any = None) -> list[list[float]]:
+    """Arrival time of every output token of each request (one reader thread each).
+    `marks`: token counts n -> filled with `snapshot()` once every request has n tokens."""
     timings: list[list[float]] = [[] for _ in handles]
     errors: list[str] = []
+    marks = {} if marks is None else marks
+    lock = threading.Lock()
+    waiting = dict.fromkeys(marks, len(handles))  # n -> requests without n tokens yet
 
     def read(i: int) -> None:
         for out in handles[i]:
+            before = len(timings[i])
             timings[i].extend([time.perf_counter()] * len(out.token_ids))
+            for n in marks:
+                if before < n <= len(timings[i]):
+                    with lock:
+                        waiting[n] -= 1
+                        if waiting[n] == 0:
+                            marks[n] = snapshot()
             if out.error:
                 errors.append(out.error)
 
@@ -192,6 +217,15 @@ def _collect(handles: list[RequestHandle]) -> list[list[float]]:
 def _num_graphs(engine: Engine) -> int:
     graphs = getattr(engine.runner, "graphs", None)
     return 0 if graphs is None else graphs.num_graphs
+
+
+def _hit_rate(before: Any, after: Any) -> float | None:
+    """Expert-cache hit rate between two engine stats (None without counters or lookups)."""
+    if before is None or getattr(before, "expert_cache_hits", None) is None:
+        return None
+    hits = after.expert_cache_hits - before.expert_cache_hits
+    lookups = hits + after.expert_cache_misses - before.expert_cache_misses
+    return hits / lookups if lookups > 0 else None
 
 
 def _expert_cache(engine: Engine, before: Any) -> dict[str, Any] | None:
@@ -219,7 +253,9 @@ def format_result(r: dict[str, Any]) -> str:
         f"decode step       {num(r.get('decode_step_ms'), ',.2f')} ms (median)",
         f"TTFT mean / max   {r['ttft_s']['mean'] * 1e3:,.1f} / {r['ttft_s']['max'] * 1e3:,.1f} ms",
         f"peak GPU memory   {'n/a' if mem is None else f'{mem / 2**30:.2f} GiB'}",
-        f"expert hit rate   {num(r['expert_hit_rate'], '.1%')}",
+        f"expert hit rate   {num(r['expert_hit_rate'], '.1%')} (decode "
+        f"{num(r.get('decode_expert_hit_rate'), '.1%')}, warm decode "
+        f"{num(r.get('warm_expert_hit_rate'), '.1%')})",
         *([f"expert misses     {r['expert_cache']['misses']:,} "
            f"({r['expert_cache']['h2d_bytes'] / 2**30:.2f} GiB host to device)"]
           if r.get("expert_cache") else []),

@@ -8,7 +8,11 @@ One slot pool is shared by every layer. A slot's priority is
 every `aging_steps` steps so a hot expert of an old topic fades). The slot with the lowest score
 is evicted first; free slots go before any occupied one; ties go to the lower slot id. A slot
 holding an expert that the current step has already asked for is pinned until `end_step()` and
-is never evicted. `freq_weight` was chosen on a skewed synthetic trace (bench/NOTES_offload.md).
+is never evicted. The default `freq_weight` (2: an expert used in 3 steps ranks as if used 4
+steps later) was chosen on realistic routing (docs/ROUTING.md; bench/cache_policies.py,
+bench/NOTES_offload.md): as good as plain LRU for one sequence, where a weight of 16 lost 6-7
+points of hits at 10-20 % of the experts cached, and as good as 16 for a batch of four,
+where plain LRU lost 4 points.
 
 Two ways to drive it:
 - host-driven (CPU, eager prefill): `access(layer, experts)` returns the slots and the loads to
@@ -31,7 +35,7 @@ import numpy as np
 
 Key = tuple[int, int]  # (layer, expert)
 
-DEFAULT_FREQ_WEIGHT = 16.0
+DEFAULT_FREQ_WEIGHT = 2.0
 DEFAULT_AGING_STEPS = 256
 
 

@@ -12,9 +12,12 @@ Random but valid: NVFP4 codes are random bytes (every nibble is a code), block s
 E4M3 values in [0.5, 1.875], FP8 weights are rounded normals, dense tensors small normals.
 Data comes from a few random pools sliced at random offsets, so writing is disk-bound. The
 lm_head rows beyond the tiny tokenizer's vocabulary are zero, so greedy sampling stays inside
-it; the tokenizer is `testing.tokenizer`'s.
+it; the tokenizer is `testing.tokenizer`'s. The random router spreads the tokens evenly over
+the experts (the worst case for the expert cache); `routing="realistic"` writes a router,
+embedding and lm_head that route with a real model's skew and locality instead
+(`testing.routing`, docs/ROUTING.md).
 
-    python -m tinyserve.testing.fullsize /tmp/qwen35-fullsize [--layers 4]
+    python -m tinyserve.testing.fullsize /tmp/qwen35-fullsize [--layers 4] [--routing realistic]
 """
 
 from __future__ import annotations
@@ -29,7 +32,12 @@ from typing import Any
 import torch
 
 from tinyserve.model.config import ModelConfig
-from tinyserve.testing.tokenizer import TINY_VOCAB_SIZE, save_tiny_tokenizer
+from tinyserve.testing.routing import ROUTING_FILE, ROUTINGS, RealisticRouting
+from tinyserve.testing.tokenizer import (
+    TINY_VOCAB_SIZE,
+    save_tiny_tokenizer,
+    special_token_ids,
+)
 
 _POOL = 1 << 26  # elements per random pool
 
@@ -71,8 +79,9 @@ class _MetaPools(_Pools):
 
 
 class _StreamWriter:
-    """Safetensors shards written tensor by tensor straight from memory (no copies); with
-    `sparse`, the data regions are left as holes."""
+    """Safetensors shards written tensor by tensor straight from memory (no copies); a shard
+    is written as soon as it is full (under a temporary name until `close`), so only one
+    shard's tensors are held at a time. With `sparse`, the data regions are left as holes."""
 
     def __init__(self, path: Path, max_shard_bytes: int, sparse: bool = False) -> None:
         self.sparse = sparse
@@ -80,40 +89,47 @@ class _StreamWriter:
         if any(path.glob("*.safetensors")):
             raise ValueError(f"{path}: already holds a checkpoint")
         self.path, self.max = path, max_shard_bytes
-        self.shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+        self.shard: list[tuple[str, torch.Tensor]] = []
         self.size = 0
+        self.written: list[tuple[Path, list[str]]] = []  # temporary file, its tensor names
 
     def add(self, name: str, t: torch.Tensor) -> None:
         n = t.numel() * t.element_size()
-        if self.shards[-1] and self.size + n > self.max:
-            self.shards.append([])
-            self.size = 0
-        self.shards[-1].append((name, t.contiguous()))
+        if self.shard and self.size + n > self.max:
+            self._flush()
+        self.shard.append((name, t.contiguous()))
         self.size += n
 
-    def close(self) -> None:
-        names = [f"model-{i + 1:05d}-of-{len(self.shards):05d}.safetensors"
-                 for i in range(len(self.shards))]
-        weight_map = {}
-        for file, tensors in zip(names, self.shards, strict=True):
-            header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-            off = 0
-            for name, t in tensors:
-                n = t.numel() * t.element_size()
-                header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
-                                "data_offsets": [off, off + n]}
-                off += n
-                weight_map[name] = file
-            blob = json.dumps(header, separators=(",", ":")).encode()
-            blob += b" " * (-len(blob) % 8)
-            with open(self.path / file, "wb") as f:
-                f.write(len(blob).to_bytes(8, "little"))
-                f.write(blob)
-                if self.sparse:
-                    f.truncate(8 + len(blob) + off)
-                    continue
-                for _, t in tensors:
+    def _flush(self) -> None:
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        off = 0
+        for name, t in self.shard:
+            n = t.numel() * t.element_size()
+            header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
+                            "data_offsets": [off, off + n]}
+            off += n
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        tmp = self.path / f"shard-{len(self.written):05d}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(len(blob).to_bytes(8, "little"))
+            f.write(blob)
+            if self.sparse:
+                f.truncate(8 + len(blob) + off)
+            else:
+                for _, t in self.shard:
                     f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+        self.written.append((tmp, [name for name, _ in self.shard]))
+        self.shard, self.size = [], 0
+
+    def close(self) -> None:
+        if self.shard:
+            self._flush()
+        weight_map = {}
+        for i, (tmp, names) in enumerate(self.written):
+            file = f"model-{i + 1:05d}-of-{len(self.written):05d}.safetensors"
+            tmp.rename(self.path / file)
+            weight_map.update(dict.fromkeys(names, file))
         index = {"metadata": {}, "weight_map": weight_map}
         (self.path / "model.safetensors.index.json").write_text(json.dumps(index) + "\n")
 
@@ -151,20 +167,35 @@ def _fmt(name: str) -> str:
 
 def write_fullsize_checkpoint(path: str | Path, *, layers: int | None = None, seed: int = 0,
                               max_shard_bytes: int = 4 << 30,
-                              vocab_size: int | None = None, sparse: bool = False) -> Path:
+                              vocab_size: int | None = None,
+                              routing: str = "uniform", sparse: bool = False) -> Path:
     """Write the checkpoint into `path` (created; must not hold one). Returns `path`.
 
     `vocab_size` shrinks the vocabulary (tests); everything else keeps the real shapes.
-    `sparse`: headers only, over holes (see the module docstring).
+    `routing`: "uniform" (the random router: tokens spread evenly over the experts) or
+    "realistic" (skewed, temporally local routing and a fixed greedy text, see
+    `testing.routing`; its manifest is written to `routing.ROUTING_FILE`).
+    `sparse`: headers only, over holes (see the module docstring; uniform routing only).
+    Raises ValueError for an unknown routing.
     """
     from tinyserve.model.loader_plan import expected_weights
 
+    if routing not in ROUTINGS:
+        raise ValueError(f"unknown routing {routing!r} (expected one of {ROUTINGS})")
+    if sparse and routing != "uniform":
+        raise ValueError("a sparse checkpoint has no data to route by: uniform routing only")
     path = Path(path)
     base = ModelConfig()
     n = layers or base.num_layers
     c = ModelConfig(num_layers=n, layer_types=base.layer_types[:n] if n <= base.num_layers
                     else tuple(base.layer_types[i % 4] for i in range(n)),
                     vocab_size=vocab_size or base.vocab_size, eos_token_ids=())
+    design = None
+    if routing == "realistic":
+        design = RealisticRouting(hidden=c.hidden_size, num_experts=c.num_experts,
+                                  top_k=c.num_experts_per_tok, vocab_size=c.vocab_size,
+                                  text_tokens=range(min(special_token_ids().values())),
+                                  seed=seed)
     pools = _MetaPools(seed) if sparse else _Pools(seed)
     writer = _StreamWriter(path, max_shard_bytes, sparse)
     done: dict[str, str] = {}
@@ -186,30 +217,73 @@ def write_fullsize_checkpoint(path: str | Path, *, layers: int | None = None, se
             t = pools.take(pools.dense, shape)
             if (name.endswith("norm") or "layernorm" in name) and not t.is_meta:
                 t = t * 5  # zero-centred RMSNorm weights: 1 + w
+            if design is not None:
+                t = _route_tensor(design, name, t)
             writer.add(raw + ".weight", t)
             continue
         fmt, (out, inp) = _fmt(name), shape
         done[name] = fmt
         if fmt == "bf16":
-            writer.add(raw + ".weight", pools.take(pools.dense, shape))
+            t = pools.take(pools.dense, shape)
+            if design is not None and name.endswith(".mlp.gate"):
+                t = design.router(int(name.split(".")[1])).to(torch.bfloat16)
+            writer.add(raw + ".weight", t)
         elif fmt == "fp8":
-            writer.add(raw + ".weight", pools.take(pools.fp8, shape).view(torch.float8_e4m3fn))
+            t = pools.take(pools.fp8, shape)
+            if design is not None and name.endswith(("o_proj", "out_proj")):
+                t = _zero_rows(t, design.reserved)
+            writer.add(raw + ".weight", t.view(torch.float8_e4m3fn))
             writer.add(raw + ".weight_scale", torch.tensor(0.02 / 64 / math.sqrt(inp / 2048)))
         else:
             codes = pools.take(pools.codes, (out, inp // 2))
-            if name == "lm_head":
+            scales = pools.take(pools.scales, (out, inp // 16))
+            global_scale = torch.tensor(0.012 / math.sqrt(inp / 512))
+            if name == "lm_head" and design is not None:
+                codes, scales, global_scale = _routed_lm_head(design, out, inp)
+            elif name == "lm_head":
                 codes = codes.clone()
                 codes[TINY_VOCAB_SIZE:] = 0
+            elif design is not None and name.endswith("down_proj"):
+                codes = _zero_rows(codes, design.reserved)
             writer.add(raw + ".weight", codes)
-            writer.add(raw + ".weight_scale",
-                       pools.take(pools.scales, (out, inp // 16)).view(torch.float8_e4m3fn))
-            writer.add(raw + ".weight_scale_2", torch.tensor(0.012 / math.sqrt(inp / 512)))
+            writer.add(raw + ".weight_scale", scales.view(torch.float8_e4m3fn))
+            writer.add(raw + ".weight_scale_2", global_scale)
     writer.close()
     special = save_tiny_tokenizer(path)
     eos = [special["<|im_end|>"], special["<|endoftext|>"]]
     cfg = _text_config(c, eos)
     _write_quant_config(path, cfg, done)
+    if design is not None:
+        (path / ROUTING_FILE).write_text(json.dumps(design.manifest()) + "\n")
     return path
+
+
+def _zero_rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
+    t = t.clone()
+    t[rows] = 0  # (0 is +0.0 in FP8 and NVFP4 alike)
+    return t
+
+
+def _route_tensor(design: RealisticRouting, name: str, t: torch.Tensor) -> torch.Tensor:
+    """The embedding and the norms in front of the router and the lm_head, routed."""
+    if name == "embed_tokens":
+        return design.embedding(t)
+    if name == "norm" or name.endswith("post_attention_layernorm"):
+        return _zero_rows(t, design.reserved)  # a factor 1 + 0 on the routing channels
+    return t
+
+
+def _routed_lm_head(design: RealisticRouting, out: int, inp: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4 (codes, block scales, global scale) of the lm_head that walks the token cycle."""
+    from tinyserve.kernels.nvfp4_ref import quantize_nvfp4
+
+    q = quantize_nvfp4(design.lm_head(TINY_VOCAB_SIZE))
+    codes = torch.zeros(out, inp // 2, dtype=torch.uint8)
+    scales = torch.full((out, inp // 16), 0x38, dtype=torch.uint8)  # 1.0 (zero rows)
+    codes[:TINY_VOCAB_SIZE] = q.packed
+    scales[:TINY_VOCAB_SIZE] = q.block_scale.view(torch.uint8)
+    return codes, scales, torch.tensor(q.global_scale, dtype=torch.float32)
 
 
 def _write_quant_config(path: Path, cfg: dict[str, Any], done: dict[str, str]) -> None:
@@ -238,8 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("path", help="output directory (must not hold a checkpoint)")
     p.add_argument("--layers", type=int, default=None, help="fewer layers, real shapes")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--routing", choices=ROUTINGS, default="uniform",
+                   help="uniform: the random router; realistic: skewed, local routing")
     args = p.parse_args(argv)
-    out = write_fullsize_checkpoint(args.path, layers=args.layers, seed=args.seed)
+    out = write_fullsize_checkpoint(args.path, layers=args.layers, seed=args.seed,
+                                    routing=args.routing)
     total = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     print(f"wrote {out} ({total / 1e9:.2f} GB)")
     return 0

@@ -13,7 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from tinyserve import __version__
-from tinyserve.engine.config import DEFAULT_CONTEXT, DEFAULT_MAX_SEQS, SIZE_HELP, EngineConfig
+from tinyserve.engine.config import (
+    DEFAULT_CONTEXT,
+    DEFAULT_MAX_SEQS,
+    EXPERT_MODES,
+    SIZE_HELP,
+    EngineConfig,
+)
 from tinyserve.kv.registry import KV_CHOICES
 
 
@@ -44,10 +50,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-cache-slots", type=int, default=_default("expert_cache_slots"),
                    help="offload the routed experts behind a GPU cache of this many slots "
                         "(default: the memory plan decides)")
-    p.add_argument("--experts", choices=("gpu", "cpu", "hybrid"), default=None,
+    p.add_argument("--experts", choices=EXPERT_MODES, default=_default("experts"),
                    help="offloaded experts missing from the GPU cache during decode: copied "
-                        "(gpu), computed on the CPU (cpu) or split by measured bandwidth "
-                        "(hybrid); default: what the start-up probe predicts fastest")
+                        "(gpu), computed on the CPU (cpu), split by measured bandwidth "
+                        "(hybrid) or what the start-up probe predicts fastest (auto)")
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:

@@ -72,6 +72,11 @@ def describe_size(value: str | int) -> str:
     return f"{value.strip()} read as {number} {prefix}iB ({mib} MiB)"
 
 
+# `--experts`: where offloaded experts that miss the GPU cache run during decode. "gpu" is the
+# default until the CPU part has been measured against it on GPUs (bench/hybrid_experts.py).
+EXPERT_MODES = ("gpu", "cpu", "hybrid", "auto")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine settings.
@@ -102,7 +107,7 @@ class EngineConfig:
     cache of this many slots, at least one layer's experts) on any device; None: on CUDA the
     memory plan decides, on CPU every expert is resident.
     experts: where offloaded experts that miss the GPU cache run during decode: "gpu" (copied),
-    "cpu" (computed on the CPU), "hybrid" (split by the start-up bandwidth probe) or None
+    "cpu" (computed on the CPU), "hybrid" (split by the start-up bandwidth probe) or "auto"
     (hybrid where the probe predicts it faster, else gpu).
     """
 
@@ -121,9 +126,9 @@ class EngineConfig:
     prefix_snapshot_interval: int = 0
     cuda_graphs: bool = True
     expert_cache_slots: int | None = None
-    # Hybrid expert execution (offload.hybrid): "gpu", "cpu", "hybrid" or None (the probe
+    # Hybrid expert execution (offload.hybrid): "gpu", "cpu", "hybrid" or "auto" (the probe
     # decides); applies when the routed experts are offloaded.
-    experts: str | None = None
+    experts: str = "gpu"
 
     def __post_init__(self) -> None:
         if self.kv not in KV_CHOICES:
@@ -147,8 +152,9 @@ class EngineConfig:
             parse_size(self.gpu_memory)
         if self.expert_cache_slots is not None and self.expert_cache_slots < 1:
             raise ValueError(f"expert_cache_slots must be >= 1, got {self.expert_cache_slots}")
-        if self.experts is not None and self.experts not in ("gpu", "cpu", "hybrid"):
-            raise ValueError(f"experts must be gpu, cpu or hybrid, got {self.experts!r}")
+        if self.experts not in EXPERT_MODES:
+            raise ValueError(f"experts must be one of {', '.join(EXPERT_MODES)}, got "
+                             f"{self.experts!r}")
         if self.prefix_snapshot_slots is not None and self.prefix_snapshot_slots < 0:
             raise ValueError(f"prefix_snapshot_slots must be >= 0, got "
                              f"{self.prefix_snapshot_slots}")

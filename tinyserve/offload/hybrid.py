@@ -229,12 +229,14 @@ class HybridExperts:
 
 
 def configure(experts: Any, mode: str | None, top_k: int) -> HybridPlan:
-    """Probe and give `experts` (an `OffloadedExperts`) the plan for `mode` (None: auto);
+    """Probe and give `experts` (an `OffloadedExperts`) the plan for `mode` ("auto" or None:
+    what the probe predicts fastest);
     returns it (also kept as `experts.hybrid_plan`). "gpu" and a cache that holds every
     expert need no probe. Raises ValueError when "cpu" / "hybrid" cannot run here (no numba,
     experts that are not NVFP4, no H2D rate for hybrid)."""
     cache = experts.cache
     resident = cache.num_slots >= cache.num_layers * cache.num_experts
+    mode = None if mode == "auto" else mode
     plan = HybridPlan("gpu")
     if mode != "gpu" and not resident:
         try:

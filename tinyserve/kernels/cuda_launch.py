@@ -153,6 +153,7 @@ class CudaKernel:
         self._lowered = built.lowered
         self.name = name
         self._has_ex = hasattr(lib, "cuLaunchKernelEx")
+        self._max_smem = -1
 
     def launch(self, grid: tuple[int, ...], block: int, args: tuple[Any, ...], *,
                smem: int = 0, stream: int = 0, pdl: bool = False) -> None:
@@ -189,8 +190,11 @@ class CudaKernel:
         return value.value
 
     def set_max_dynamic_smem(self, nbytes: int) -> None:
+        if nbytes == self._max_smem:  # (a launcher sets it before every launch)
+            return
         check(driver().cuFuncSetAttribute(self._func, MAX_DYNAMIC_SHARED, nbytes),
-               f"allowing {nbytes} bytes of dynamic shared memory for {self.name}")
+              f"allowing {nbytes} bytes of dynamic shared memory for {self.name}")
+        self._max_smem = nbytes
 
     def occupancy(self, block: int, smem: int) -> int:
         n = ctypes.c_int()

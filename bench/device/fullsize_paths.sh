@@ -3,10 +3,11 @@
 # path (bench/kernel_paths.py, one JSON line each into $OUT/kernel_paths.jsonl):
 #   1. $OLD (a checkout of the previous release, nvcc build) with the toolkit on PATH;
 #   2. this checkout with nvcc and g++ moved out of reach and empty kernel caches: iso3 and
-#      bf16, all experts resident (one at a time: their speeds are compared);
-#   3. the same at --gpu-memory 6GiB, and each older generation's code
-#      (TINYSERVE_CUDA_ARCH=sm_80 / sm_86 / sm_89), side by side (their tokens are compared;
-#      their speeds, taken together on one GPU, are not).
+#      bf16, all experts resident and at --gpu-memory 6GiB (one at a time: their speeds are
+#      compared; runs that pin the 17 GiB expert store at once ran past their limits);
+#   3. each older generation's code (TINYSERVE_CUDA_ARCH=sm_80 / sm_86 / sm_89), experts
+#      resident, side by side (their tokens are compared; their speeds, taken together on one
+#      GPU, are not).
 #   OUT=dir [OLD=dir] [CKPT=dir] bash bench/device/fullsize_paths.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -26,6 +27,8 @@ paths() {  # label, then kernel_paths.py arguments
 }
 if [[ -n ${OLD:-} ]]; then
     PYTHONPATH=$OLD TINYSERVE_CACHE_DIR=$(mktemp -d) paths "nvcc previous" --kv iso3
+    PYTHONPATH=$OLD TINYSERVE_CACHE_DIR=$(mktemp -d) paths "nvcc previous 6GiB" --kv iso3 \
+        --gpu-memory 6GiB
 fi
 mkdir -p /tmp/hidden
 for tool in nvcc g++ c++ clang++; do
@@ -34,11 +37,11 @@ done
 export TINYSERVE_CACHE_DIR=$(mktemp -d /tmp/ts-cache.XXXX) TRITON_CACHE_DIR=$(mktemp -d /tmp/tr.XXXX)
 paths "nvrtc iso3" --kv iso3
 paths "nvrtc bf16" --kv bf16
-paths "nvrtc iso3 6GiB" --kv iso3 --gpu-memory 6GiB &
-paths "nvrtc bf16 6GiB" --kv bf16 --gpu-memory 6GiB &
-TINYSERVE_CUDA_ARCH=sm_86 paths "sm_86 iso3" --kv iso3 &
-TINYSERVE_CUDA_ARCH=sm_80 paths "sm_80 bf16 6GiB" --kv bf16 --gpu-memory 6GiB &
-TINYSERVE_CUDA_ARCH=sm_89 paths "sm_89 iso3 6GiB" --kv iso3 --gpu-memory 6GiB &
+paths "nvrtc iso3 6GiB" --kv iso3 --gpu-memory 6GiB
+paths "nvrtc bf16 6GiB" --kv bf16 --gpu-memory 6GiB
+for arch in sm_80 sm_86 sm_89; do
+    TINYSERVE_CUDA_ARCH=$arch paths "$arch iso3" --kv iso3 &
+done
 wait
 python3 - "$ROWS" <<'PY'
 import json, sys

@@ -3,7 +3,9 @@
 # PATH, empty kernel caches. Runs, side by side on the one GPU: the CUDA suite natively (sm_90
 # cubins from NVRTC), and the CUDA-kernel tests in each older generation's mode
 # (TINYSERVE_CUDA_ARCH=sm_80 / sm_86 / sm_89: PTX for that generation, its code paths).
-#   OUT=dir bash bench/device/toolkit_free.sh
+# With GRAPH=1 and the full-size checkpoint at $TINYSERVE_FULLSIZE_DIR, then the full-size
+# graph == eager test in each generation's mode (its iso3 and bf16 cases, experts resident).
+#   OUT=dir [GRAPH=1] bash bench/device/toolkit_free.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/tinyserve-out}
@@ -32,3 +34,11 @@ for arch in sm_86 sm_80 sm_89; do
 done
 wait
 for f in "$OUT"/suite_*.log; do echo "== $f"; tail -n 25 "$f"; done
+if [[ ${GRAPH:-0} == 1 ]]; then
+    for arch in sm_80 sm_86 sm_89; do
+        TINYSERVE_CUDA_ARCH=$arch timeout -s INT -k 20 300 python3 -m pytest -q -rfEsx \
+            --tb=short -p no:cacheprovider -m "requires_cuda and slow" -k resident \
+            tests/engine/test_fullsize_graph.py > "$OUT/graph_$arch.log" 2>&1
+        echo "== graph $arch: $(tail -n 1 "$OUT/graph_$arch.log")"
+    done
+fi

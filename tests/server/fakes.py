@@ -105,7 +105,7 @@ class FakeEngine:
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
-    def submit(self, prompt_ids, params, *, request_id=None) -> FakeHandle:
+    def submit(self, prompt_ids, params, *, request_id=None, group=None) -> FakeHandle:
         if len(prompt_ids) + 1 > self.max_context:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds {self.max_context}")
         handle = FakeHandle()

@@ -65,8 +65,8 @@ async def generate(state: ServerState, request: Request, fmts: Sequence[Formatte
     rids = [fmts[0].id] if len(params) == 1 else [f"{fmts[0].id}-{i}" for i in range(len(params))]
     handles: list[Any] = []
     try:
-        for rid, p in zip(rids, params, strict=True):
-            handles.append(engine.submit(prompt_ids, p, request_id=rid))
+        for rid, p in zip(rids, params, strict=True):  # the choices share seats as one group
+            handles.append(engine.submit(prompt_ids, p, request_id=rid, group=fmts[0].id))
     except ValueError as exc:
         for rid in rids[:len(handles)]:  # the choices already queued go too
             engine.abort(rid)

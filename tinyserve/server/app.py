@@ -1,7 +1,8 @@
 """The FastAPI app: OpenAI-compatible routes over one engine.
 
 `create_app(state)` builds the app; `state.engine` may be set later (the server answers
-`/health` with 503 and its load progress until then).
+`/health` with 503 and its load progress until then). `/openapi.json` serves the schema
+(`server.openapi`), behind the API key like every route but `/health`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tinyserve.server.chat import encode_text
 from tinyserve.server.errors import APIError, install_error_handlers
 from tinyserve.server.formatters import ChatFormatter, CompletionFormatter
 from tinyserve.server.generate import check_fits, generate, make_params
+from tinyserve.server.openapi import openapi_schema
 from tinyserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from tinyserve.server.responses import ChatAssembler, now
 from tinyserve.server.state import ServerState
@@ -43,6 +45,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.tinyserve = state
     install_error_handlers(app)
     cfg = state.config
+    app.openapi = lambda: app.openapi_schema or _cache(app, cfg.api_keys)
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
     app.add_middleware(APIKeyMiddleware, keys=cfg.api_keys)
     if cfg.cors_origins:
@@ -61,6 +64,10 @@ def create_app(state: ServerState) -> FastAPI:
         status = "shutting_down" if state.shutting_down else "loading"
         return JSONResponse({"status": status, "progress": round(state.load_progress, 4),
                              "stage": state.load_stage}, status_code=503)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> Response:
+        return JSONResponse(app.openapi())
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
@@ -94,10 +101,12 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(400, f"{len(req.messages)} messages cannot fit in this server's "
                            f"context of {context_length(engine)} tokens", param="messages",
                            code="context_length_exceeded")
-        prompt = await anyio.to_thread.run_sync(state.renderer.render, req)
+        context = context_length(engine)
+        prompt = await anyio.to_thread.run_sync(
+            lambda: state.renderer.render(req, context=context))
         want, max_param = req.requested_max_tokens
-        max_tokens = check_fits(len(prompt.ids), want, context_length(engine),
-                                prompt_param="messages", max_param=max_param)
+        max_tokens = check_fits(len(prompt.ids), want, context, prompt_param="messages",
+                                max_param=max_param)
         params = make_params(lambda: req.choice_params(
             max_tokens=max_tokens, stop_token_ids=state.stop_token_ids), max_param)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.use_tools else None
@@ -105,7 +114,7 @@ def create_app(state: ServerState) -> FastAPI:
         fmts: list[ChatFormatter] = []
         for i in range(len(params)):
             assembler = ChatAssembler(reasoning_open=prompt.reasoning_open, tools=tools,
-                                      parallel_tool_calls=req.parallel_tool_calls)
+                                      parallel_tool_calls=req.parallel_calls)
             fmts.append(ChatFormatter(state.config.served_model_name, assembler,
                                       usage_null=req.include_usage, token_text=token_text,
                                       index=i, first=fmts[0] if fmts else None))
@@ -118,12 +127,13 @@ def create_app(state: ServerState) -> FastAPI:
         state.check_model(req.model)
         req.check_supported()
         prompt = req.prompt_input()
+        context = context_length(engine)
         if isinstance(prompt, str):
             ids = await anyio.to_thread.run_sync(
-                lambda: encode_text(engine.tokenizer, prompt, "prompt"))
+                lambda: encode_text(engine.tokenizer, prompt, "prompt", context=context))
         else:
             ids = _check_token_ids(prompt, len(engine.tokenizer))
-        max_tokens = check_fits(len(ids), req.max_tokens, context_length(engine),
+        max_tokens = check_fits(len(ids), req.requested_max_tokens, context,
                                 prompt_param="prompt", max_param="max_tokens")
         params = make_params(lambda: req.choice_params(
             max_tokens=max_tokens, stop_token_ids=state.stop_token_ids), "max_tokens")
@@ -139,9 +149,12 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-def _check_token_ids(ids: list[int], vocab: int) -> list[int]:
-    from tinyserve.server.errors import APIError
+def _cache(app: FastAPI, keys: tuple[str, ...]) -> dict[str, Any]:
+    app.openapi_schema = openapi_schema(app, with_key=bool(keys))
+    return app.openapi_schema
 
+
+def _check_token_ids(ids: list[int], vocab: int) -> list[int]:
     if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
         raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
     return list(ids)

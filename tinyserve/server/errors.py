@@ -7,6 +7,7 @@ into that shape.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from tinyserve.log import get_logger
@@ -35,31 +36,50 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+# pydantic's names of union members in an error's location (not fields): scalar types and
+# models (CamelCase); the others (`list[str]`, `function-after[...]`) are not identifiers
+_NOT_FIELDS = frozenset({"str", "int", "float", "bool", "none", "bytes"})
+_MODEL_NAME = re.compile(r"^[A-Z][A-Za-z0-9]*$")
+
+
 def _loc_to_param(loc: tuple | list) -> str | None:
     parts = [p for p in loc if p not in ("body", "query", "path")]
     out = ""
     for p in parts:
         if isinstance(p, int):
             out += f"[{p}]"
-        elif not str(p).startswith(("function-", "list[", "str", "int", "dict[", "literal")):
+        elif not str(p).isidentifier():  # a union member, a validator, a dict's key
+            break
+        elif p not in _NOT_FIELDS and not _MODEL_NAME.match(str(p)):
             out += ("." if out else "") + str(p)
     return out or None
 
 
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
-    """FastAPI/pydantic validation errors -> one 400 APIError naming the first bad field."""
+    """FastAPI/pydantic validation errors -> one 400 APIError naming the first bad field.
+
+    An unknown field is refused as OpenAI refuses it ("unrecognized request argument"), or
+    with the reason when it is a top-level field known not to be supported
+    (`protocol.UNSUPPORTED`)."""
+    from tinyserve.server.protocol import UNSUPPORTED
+
     if not errors:
         return APIError(400, "invalid request body")
     first = errors[0]
-    if first.get("type") == "json_invalid":
+    kind = first.get("type")
+    if kind == "json_invalid":
         return APIError(400, f"malformed JSON body: {first.get('msg', '')}".rstrip(": "))
-    loc = first.get("loc", ())
+    loc = tuple(first.get("loc", ()))
     param = _loc_to_param(loc)
-    if first.get("type") == "missing":
+    if kind == "missing":
         return APIError(400, f"{param} is required", param=param)
-    if param is None and first.get("type") in ("model_attributes_type", "dict_type"):
+    if param is None and kind in ("model_attributes_type", "dict_type", "model_type"):
         return APIError(400, "the request body must be a JSON object")
-    msg = first.get("msg", "invalid value")
+    if kind == "extra_forbidden":
+        if len(loc) == 2 and loc[1] in UNSUPPORTED:
+            return APIError(400, UNSUPPORTED[loc[1]], param=param)
+        return APIError(400, f"unrecognized request argument: {param}", param=param)
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     return APIError(400, f"{param}: {msg}" if param else msg, param=param)
 
 

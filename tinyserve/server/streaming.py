@@ -19,8 +19,10 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def sse(obj: dict[str, Any]) -> str:
-    """One SSE event carrying `obj` as JSON."""
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    """One SSE event carrying `obj` as strict JSON (a NaN or an infinity raises ValueError,
+    as in the non-streamed bodies: they are not JSON)."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return f"data: {text}\n\n"
 
 
 class _End:

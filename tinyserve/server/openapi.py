@@ -1,0 +1,77 @@
+"""The OpenAPI schema served at `GET /openapi.json` (behind the API key when one is set).
+
+FastAPI's generated schema is corrected to what the server really answers: no 422 (every
+validation error is a 400 with an OpenAI error object), and each route lists the error
+statuses it can send (400 invalid request, 401 missing or wrong key, 404 unknown model or
+route, 413 body too large, 500 generation failure, 503 loading or shutting down), all with
+the OpenAI error schema. Generation routes answer JSON or, with `stream: true`, server-sent
+events. With an API key the schema declares the bearer scheme on every route but /health.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ERROR_SCHEMA = {
+    "type": "object", "required": ["error"], "additionalProperties": False,
+    "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string"},
+                       "type": {"type": "string",
+                                "enum": ["invalid_request_error", "server_error"]},
+                       "param": {"type": ["string", "null"]},
+                       "code": {"type": ["string", "null"]}}}}}
+
+_WHY = {
+    "400": "invalid request: the parameter is named in `error.param`",
+    "401": "missing or wrong API key (only when the server has one)",
+    "404": "unknown model or route",
+    "413": "request body larger than the server's limit",
+    "500": "generation failed",
+    "503": "the model is still loading or the server is shutting down",
+}
+# statuses each route may answer besides 200 (method, path)
+_ERRORS = {
+    ("POST", "/v1/chat/completions"): ("400", "401", "404", "413", "500", "503"),
+    ("POST", "/v1/completions"): ("400", "401", "404", "413", "500", "503"),
+    ("GET", "/v1/models"): ("401", "503"),
+    ("GET", "/v1/models/{model_id}"): ("401", "404", "503"),
+    ("GET", "/metrics"): ("401",),
+    ("GET", "/health"): ("503",),
+}
+_STREAMING = {("POST", "/v1/chat/completions"), ("POST", "/v1/completions")}
+
+
+def openapi_schema(app: Any, *, with_key: bool) -> dict[str, Any]:
+    """The corrected schema of `app` (`with_key`: the server requires an API key)."""
+    from fastapi.openapi.utils import get_openapi
+
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                         description="OpenAI-compatible API of tinyserve")
+    components = schema.setdefault("components", {})
+    schemas = components.setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    schemas["ErrorResponse"] = ERROR_SCHEMA
+    ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    if with_key:
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        schema["security"] = [{"bearer": []}]
+    for path, item in schema.get("paths", {}).items():
+        for method, op in item.items():
+            key = (method.upper(), path)
+            responses = op.setdefault("responses", {})
+            responses.pop("422", None)
+            for status in _ERRORS.get(key, ("401",) if with_key else ()):
+                if status == "401" and not with_key:
+                    continue
+                responses[status] = {"description": _WHY[status],
+                                     "content": {"application/json": {"schema": ref}}}
+            if key in _STREAMING:
+                ok = responses.setdefault("200", {"description": "Successful Response"})
+                ok.setdefault("content", {})["text/event-stream"] = {"schema": {
+                    "type": "string", "description": "server-sent events (`stream: true`), "
+                    "ending with `data: [DONE]`"}}
+            if path == "/health" and with_key:
+                op["security"] = []
+    return schema

@@ -360,9 +360,9 @@ def test_keepalive_during_prefill_and_error_event(make_server):
         assert lines[-1] == "data: [DONE]"
     with make_server() as (url, _, state):
         lines = _raw_stream(url, {"model": MODEL, "messages": _msgs("ERROR"), "stream": True})
-        last = json.loads(lines[-1].removeprefix("data: "))
+        assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+        last = json.loads(lines[-2].removeprefix("data: "))  # the error event, then [DONE]
         assert last["error"]["type"] == "server_error" and "device lost" in last["error"]["message"]
-        assert "data: [DONE]" not in lines
         r = httpx.post(url + "/v1/chat/completions",
                        json={"model": MODEL, "messages": _msgs("ERROR")})
         _err(r, 500)
@@ -426,8 +426,9 @@ def test_n_choices_end_together(make_server):
         assert body["usage"]["completion_tokens"] == 2 * len(REASONING)
         lines = _raw_stream(url, {"model": MODEL, "messages": _msgs("ERROR"), "stream": True,
                                   "n": 2})
-        last = json.loads(lines[-1].removeprefix("data: "))
-        assert last["error"]["type"] == "server_error" and "data: [DONE]" not in lines
+        assert lines[-1] == "data: [DONE]"
+        last = json.loads(lines[-2].removeprefix("data: "))
+        assert last["error"]["type"] == "server_error"
         assert _wait(lambda: engine.stats().num_running == 0)
 
 
@@ -441,6 +442,9 @@ def test_metrics(server):
     assert f"tinyserve:inter_token_latency_seconds_count {len(REASONING) - 1}" in text
     assert "tinyserve:kv_pages_total 64" in text
     assert "tinyserve:num_requests_running 0" in text
+    assert "tinyserve:gdn_state_slots_used 0" in text
+    assert "tinyserve:gdn_state_slots_total 64" in text
+    assert "# TYPE tinyserve:preemptions_total counter\ntinyserve:preemptions_total 0" in text
 
 
 def test_engine_side_abort_is_503(make_server):
@@ -502,3 +506,30 @@ def test_what_openai_accepts_is_accepted(server):
         assert "not supported" in err["message"]
     err = _err(post("/v1/completions", {"prompt": "x", "frobnicate": 1}), 400, "frobnicate")
     assert err["message"] == "unrecognized request argument: frobnicate"
+
+
+def test_openapi_schema_is_served_and_says_what_the_server_answers(make_server):
+    with make_server(api_key="sekret") as (url, _, _):
+        assert httpx.get(url + "/openapi.json").status_code == 401
+        r = httpx.get(url + "/openapi.json", headers={"Authorization": "Bearer sekret"})
+        assert r.status_code == 200
+        schema = r.json()
+    assert "422" not in json.dumps(schema["paths"])
+    assert "HTTPValidationError" not in json.dumps(schema)
+    err = schema["components"]["schemas"]["ErrorResponse"]
+    assert err["properties"]["error"]["required"] == ["message", "type", "param", "code"]
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert {"200", "400", "401", "404", "413", "503"} <= set(responses), path
+        for status in ("400", "401", "404", "413", "503"):
+            ref = responses[status]["content"]["application/json"]["schema"]["$ref"]
+            assert ref.endswith("/ErrorResponse")
+        assert "text/event-stream" in responses["200"]["content"]
+        body = schema["paths"][path]["post"]["requestBody"]["content"]
+        name = body["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+        model = schema["components"]["schemas"][name]
+        assert model["additionalProperties"] is False  # unknown fields are refused
+        temperature = model["properties"]["temperature"]["anyOf"][0]
+        assert (temperature["minimum"], temperature["maximum"]) == (0, 2)
+    assert schema["security"] == [{"bearer": []}]
+    assert schema["paths"]["/health"]["get"]["security"] == []

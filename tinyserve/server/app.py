@@ -45,7 +45,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.tinyserve = state
     install_error_handlers(app)
     cfg = state.config
-    app.openapi = lambda: app.openapi_schema or _cache(app, cfg.api_keys)
+    app.openapi = lambda: app.openapi_schema or _cache(app, cfg)
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
     app.add_middleware(APIKeyMiddleware, keys=cfg.api_keys)
     if cfg.cors_origins:
@@ -149,8 +149,9 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-def _cache(app: FastAPI, keys: tuple[str, ...]) -> dict[str, Any]:
-    app.openapi_schema = openapi_schema(app, with_key=bool(keys))
+def _cache(app: FastAPI, cfg: Any) -> dict[str, Any]:
+    app.openapi_schema = openapi_schema(app, with_key=bool(cfg.api_keys),
+                                        model=cfg.served_model_name)
     return app.openapi_schema
 
 

@@ -1,9 +1,10 @@
 """The generation driver shared by /v1/chat/completions and /v1/completions.
 
 Submits to the engine, then either streams SSE chunks (keep-alive comments while nothing
-arrives, one error event if generation fails after the stream started) or collects one body
-while watching the client. Whenever the client goes away before the request finishes, the
-request is aborted in the engine, which frees its KV pages and state slot.
+arrives; if generation fails or the server shuts down after the stream started, one error
+event, then `data: [DONE]` as always) or collects one body while watching the client.
+Whenever the client goes away before the request finishes, the request is aborted in the
+engine, which frees its KV pages and state slot.
 """
 
 from __future__ import annotations
@@ -166,6 +167,7 @@ class _Run:
                 except StopAsyncIteration:
                     self._done("error")
                     yield sse(error_body("generation ended without a result", "server_error"))
+                    yield DONE
                     return
                 if item is None:
                     yield KEEPALIVE
@@ -182,6 +184,7 @@ class _Run:
                     self._abort_open()  # the other choices are not wanted any more
                     self._done(out.finish_reason)
                     yield sse(_failure(out).body())
+                    yield DONE
                     return
                 self.open.discard(i)
                 for chunk in fmt.on_finish(out.finish_reason):
@@ -195,6 +198,7 @@ class _Run:
             log.exception("stream %s failed", self.fmt.id)
             self._abort()
             yield sse(error_body(f"internal error: {type(exc).__name__}", "server_error"))
+            yield DONE
         finally:
             pump.close()
             self._abort()  # a no-op once finished; otherwise the client went away

@@ -6,6 +6,7 @@ statuses it can send (400 invalid request, 401 missing or wrong key, 404 unknown
 route, 413 body too large, 500 generation failure, 503 loading or shutting down), all with
 the OpenAI error schema. Generation routes answer JSON or, with `stream: true`, server-sent
 events. With an API key the schema declares the bearer scheme on every route but /health.
+The served model's id is the example of the bodies' `model` field.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ _ERRORS = {
 _STREAMING = {("POST", "/v1/chat/completions"), ("POST", "/v1/completions")}
 
 
-def openapi_schema(app: Any, *, with_key: bool) -> dict[str, Any]:
-    """The corrected schema of `app` (`with_key`: the server requires an API key)."""
+def openapi_schema(app: Any, *, with_key: bool, model: str | None = None) -> dict[str, Any]:
+    """The corrected schema of `app` (`with_key`: the server requires an API key; `model`:
+    the model id it serves, given as the example of every `model` field)."""
     from fastapi.openapi.utils import get_openapi
 
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
@@ -53,6 +55,10 @@ def openapi_schema(app: Any, *, with_key: bool) -> dict[str, Any]:
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
     schemas["ErrorResponse"] = ERROR_SCHEMA
+    for body in schemas.values():
+        field = body.get("properties", {}).get("model")
+        if model is not None and field is not None:
+            field["examples"] = [model]
     ref = {"$ref": "#/components/schemas/ErrorResponse"}
     if with_key:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}

@@ -10,10 +10,11 @@ subprocess on the CPU (or --device), and over HTTP (streaming chat, greedy, igno
    own, so that every one is sent while the big request runs); then the big request is
    dropped (the client hangs up, which aborts it).
 
-Per short request: TTFT and end-to-end latency (send -> [DONE]). The ratio of the contended
-median to the alone median is what fairness is about (target: at most 3).
+Both run `--rounds` times (the machine is shared: noise). Per short request: TTFT and
+end-to-end latency (send -> [DONE]). The ratio of the contended median to the alone median is
+what fairness is about (target: at most 3).
 
-    python bench/fairness.py [--n 16] [--long-tokens 2000] [--max-seqs 16]
+    python bench/fairness.py [--n 16] [--long-tokens 2000] [--max-seqs 16] [--rounds 3]
         -> bench/results/fairness_cpu.json (or --out)
 """
 
@@ -98,6 +99,13 @@ async def _shorts(client: httpx.AsyncClient, url: str, args: Any,
 
 
 async def _run(url: str, args: Any) -> dict[str, Any]:
+    rounds = [await _round(url, args) for _ in range(args.rounds)]
+    out: dict[str, Any] = {"alone": [r for x in rounds for r in x.pop("alone")],
+                           "contended": [r for x in rounds for r in x.pop("contended")]}
+    return {**out, "rounds": rounds}
+
+
+async def _round(url: str, args: Any) -> dict[str, Any]:
     async with httpx.AsyncClient(timeout=args.timeout_s) as client:
         await _stream(client, url, _body(4))  # warm-up
         alone = await _shorts(client, url, args)
@@ -133,6 +141,7 @@ def main() -> int:
     ap.add_argument("--short-requests", type=int, default=5)
     ap.add_argument("--gap-s", type=float, default=0.5, help="time between short requests")
     ap.add_argument("--max-seqs", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3, help="alone + contended, this many times")
     ap.add_argument("--timeout-s", type=float, default=600)
     ap.add_argument("--label", default="", help="recorded with the result (e.g. before/after)")
     ap.add_argument("--out", type=Path, default=OUT)

@@ -114,7 +114,7 @@ def create_app(state: ServerState) -> FastAPI:
         fmts: list[ChatFormatter] = []
         for i in range(len(params)):
             assembler = ChatAssembler(reasoning_open=prompt.reasoning_open, tools=tools,
-                                      parallel_tool_calls=req.parallel_calls)
+                                      parallel_tool_calls=req.parallel_tool_calls)
             fmts.append(ChatFormatter(state.config.served_model_name, assembler,
                                       usage_null=req.include_usage, token_text=token_text,
                                       index=i, first=fmts[0] if fmts else None))

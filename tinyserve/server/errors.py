@@ -7,6 +7,7 @@ into that shape.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -76,8 +77,12 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     if param is None and kind in ("model_attributes_type", "dict_type", "model_type"):
         return APIError(400, "the request body must be a JSON object")
     if kind == "extra_forbidden":
-        if len(loc) == 2 and loc[1] in UNSUPPORTED:
-            return APIError(400, UNSUPPORTED[loc[1]], param=param)
+        name, parent = str(loc[-1]), _loc_to_param(loc[:-1])
+        if not name.isidentifier():  # quoted, with any odd character escaped
+            name = json.dumps(name)
+        param = f"{parent}.{name}" if parent else name
+        if parent is None and name in UNSUPPORTED:
+            return APIError(400, UNSUPPORTED[name], param=param)
         return APIError(400, f"unrecognized request argument: {param}", param=param)
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     return APIError(400, f"{param}: {msg}" if param else msg, param=param)

@@ -120,11 +120,15 @@ class ToolCall(_Body):
 
 
 class ContentPart(_Body):
-    """A content part; only `{"type": "text", "text": ...}` is supported (`check_supported`)."""
+    """A content part; only `{"type": "text", "text": ...}` is supported (`check_supported`
+    names the others)."""
 
-    model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+    refusal: Any = None
 
 
 class ChatMessage(_Body):
@@ -274,10 +278,6 @@ class ChatCompletionRequest(_Sampling):
     @property
     def use_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
-
-    @property
-    def parallel_calls(self) -> bool:
-        return self.parallel_tool_calls is not False
 
     def template_kwargs(self) -> dict[str, Any]:
         """Extra variables for the chat template (enable_thinking and the caller's own)."""

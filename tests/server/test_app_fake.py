@@ -221,6 +221,10 @@ BAD_BODIES = {
     "content_number": ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     # unknown fields, as OpenAI answers them
     "unknown_field": ({"frobnicate": 1}, "frobnicate"),
+    "unknown_field_odd_name": ({"my-field": 1}, '"my-field"'),
+    "content_part_unknown_key": ({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x", "cache_control": {}}]}]},
+        "messages[0].content[0].cache_control"),
     "unknown_message_field": ({"messages": [{"role": "user", "content": "x", "weird": 1}]},
                               "messages[0].weird"),
     "unknown_stream_option": ({"stream_options": {"continuous_usage_stats": True}},

@@ -12,6 +12,11 @@ a later 4-token request waited for all of it to finish. The scheduler instead:
   newest running request of the group that holds the most seats, as long as that group holds
   at least two more than the newcomer's: seats end up shared evenly between the groups that
   want them and never move back and forth;
+- runs the largest group with only as many sequences per step as the next largest group
+  holds (those that ran least recently: they take turns), so a newcomer's steps are as wide
+  as the other groups' shares, not as the largest group (a step's cost grows with its
+  sequences on the CPU, and with the experts they route to when experts are offloaded);
+  a group running alone, or beside one as large, runs all its sequences;
 - when pages run out during decode, preempts the newest request of the group holding the most
   seats (the newest request overall when every group holds one, as before groups existed).
 

@@ -6,8 +6,9 @@ then of newly admitted ones) under the token budget. Admission takes a GDN state
 KV pages of all the request's known tokens; decoding takes one more page at each page
 boundary. Requests belong to groups (the choices of one API request) that share the seats
 fairly (`engine.fairness`: round-robin admission between groups, FIFO within one; a group
-holding more seats yields one to a newcomer by preemption; when pages run out, the newest
-request of the group holding the most seats is preempted). Preemption returns the pages and
+holding more seats yields one to a newcomer by preemption and runs, per step, only as many
+sequences as the next largest group holds; when pages run out, the newest request of the
+group holding the most seats is preempted). Preemption returns the pages and
 slot and re-queues the request to recompute its prompt and output so far.
 `update(batch, output)` appends the sampled tokens, applies the token stop conditions and frees
 finished requests; it is `advance(batch)` (the step's tokens count as computed, once it is

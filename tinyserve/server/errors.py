@@ -37,10 +37,10 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-# pydantic's names of union members in an error's location (not fields): scalar types and
-# models (CamelCase); the others (`list[str]`, `function-after[...]`) are not identifiers
-_NOT_FIELDS = frozenset({"str", "int", "float", "bool", "none", "bytes"})
-_MODEL_NAME = re.compile(r"^[A-Z][A-Za-z0-9]*$")
+# pydantic's names of union members and validators in an error's location (not fields):
+# `str`, `list[Part]`, `literal['a','b']`, `function-after[...]`, a model's name
+_MEMBER = re.compile(r"(?:[a-z][a-z0-9-]*\[.*\]|function-.*|constrained-.*|str|int|float|bool"
+                     r"|none|bytes|[A-Z][A-Za-z0-9]*)", re.S)
 
 
 def _loc_to_param(loc: tuple | list) -> str | None:
@@ -49,11 +49,29 @@ def _loc_to_param(loc: tuple | list) -> str | None:
     for p in parts:
         if isinstance(p, int):
             out += f"[{p}]"
-        elif not str(p).isidentifier():  # a union member, a validator, a dict's key
+        elif _MEMBER.fullmatch(str(p)):
+            continue
+        elif not str(p).isidentifier():  # a dict's key: the error is the dict's
             break
-        elif p not in _NOT_FIELDS and not _MODEL_NAME.match(str(p)):
+        else:
             out += ("." if out else "") + str(p)
     return out or None
+
+
+def _union_member(p: Any) -> bool:
+    return isinstance(p, str) and bool(_MEMBER.fullmatch(p))
+
+
+def _deepest_alternative(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first error, or when it is one member's of a union (`str | list[Part]`) the deepest
+    error of any member of that union: the member the value was meant for got furthest."""
+    first = errors[0]
+    loc = tuple(first.get("loc", ()))
+    cut = next((i for i, p in enumerate(loc) if _union_member(p)), None)
+    if cut is None:
+        return first
+    same = [e for e in errors if tuple(e.get("loc", ()))[:cut] == loc[:cut]]
+    return max(same, key=lambda e: len(e.get("loc", ())))
 
 
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
@@ -66,7 +84,7 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
 
     if not errors:
         return APIError(400, "invalid request body")
-    first = errors[0]
+    first = _deepest_alternative(errors)
     kind = first.get("type")
     if kind == "json_invalid":
         return APIError(400, f"malformed JSON body: {first.get('msg', '')}".rstrip(": "))

@@ -2,25 +2,24 @@
 #   docker build -t tinyserve .
 #   docker run --gpus all -p 8000:8000 -v hf:/data/hf -v kernels:/data/kernels tinyserve \
 #       run Qwen/Qwen3.5-35B-A3B --kv iso3 --gpu-memory 6GiB --host 0.0.0.0
-# A devel base, because the ISO KV CUDA kernels compile at first use (cached in /data/kernels).
+# No CUDA toolkit in the image: the project's CUDA kernels compile at first use with the NVRTC
+# of torch's CUDA wheel, for whatever GPU is passed through (cached in /data/kernels); Triton
+# builds its launcher with gcc once.
 ARG CUDA_VERSION=12.8.1
-FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu24.04
+FROM nvidia/cuda:${CUDA_VERSION}-base-ubuntu24.04
 
-# GPUs the kernels are compiled for: Ampere (8.0, 8.6), Ada (8.9), Hopper (9.0).
-ARG TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0"
 ARG TORCH_VERSION=2.9.1
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1 \
-    TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST} \
     HF_HOME=/data/hf \
     TINYSERVE_CACHE_DIR=/data/kernels \
     PATH=/opt/venv/bin:$PATH
 
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev ninja-build \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv
 

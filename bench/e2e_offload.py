@@ -14,9 +14,9 @@ Cases:
   one whole layer's experts as prefill streaming copies them (6 row ranges, async copies on
   a side stream), and the latency of the lookup kernel.
 - offload: the plan for `--gpu-memory 6GiB --kv iso3 --max-context 131072` (embedding on
-  the GPU: the model has no CPU row gather yet), the allocator capped at the budget minus the
-  CUDA-context reserve; prefill tok/s at 8k and 30k (prefill streaming on: the default),
-  decode tok/s at 1k and 32k context, hit rates, miss bytes per decode token, peak memory
+  the GPU: this bench's model has no CPU row gather), the allocator capped at the plan's
+  cap; prefill tok/s at 8k and 30k (prefill streaming on: the default), decode tok/s at 1k
+  and 32k context, hit rates, miss bytes per decode token, peak memory
   (after an untimed warm-up sequence of three chunks).
 - prefill_stream: the same runner prefilling 8k tokens with prefill streaming off (the cache
   path: lookup + miss copy kernel, then the MoE) and on (offload.prefetch: whole layers
@@ -42,6 +42,7 @@ device), keeping the model's routing weights.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -55,6 +56,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import Recorder, run_meta, sync  # noqa: E402
 from tinyserve.core import Batch, SamplingParams, ScheduledSeq  # noqa: E402
+from tinyserve.engine.config import EngineConfig, parse_size  # noqa: E402
+from tinyserve.engine.device_memory import DeviceMemory  # noqa: E402
+from tinyserve.engine.planner import plan_checkpoint  # noqa: E402
 from tinyserve.engine.runner import ModelRunner  # noqa: E402
 from tinyserve.kv.registry import create_kv_backend  # noqa: E402
 from tinyserve.kv.state_pool import GDNStatePool  # noqa: E402
@@ -62,8 +66,9 @@ from tinyserve.model.config import load_config  # noqa: E402
 from tinyserve.model.loader import iter_weights  # noqa: E402
 from tinyserve.model.qwen35 import Qwen35Model  # noqa: E402
 from tinyserve.offload.cache import ExpertCachePolicy  # noqa: E402
-from tinyserve.offload.planner import GiB, MiB, PlanConfig, parse_size, plan_checkpoint  # noqa: E402
 from tinyserve.offload.provider import OffloadedExperts  # noqa: E402
+
+MiB, GiB = 1 << 20, 1 << 30
 from tinyserve.offload.store import HostExpertStore  # noqa: E402
 
 RESULT = ROOT / "bench" / "results" / "e2e_offload.json"
@@ -370,13 +375,19 @@ def main() -> int:
     torch.cuda.empty_cache()
     context = mem_used()  # CUDA context (+ nothing else: every case above freed its memory)
     rec.data["device_used_before_model_mib"] = round(context / MiB, 1)
-    req = PlanConfig(gpu_memory=budget, kv=args.kv, max_context=args.max_context, embed="cuda",
-                     cuda_context=max(context, 256 * MiB))
-    plan = plan_checkpoint(ckpt, req)
+    # The model of this bench keeps the embedding on the GPU: the plan's embedding moves
+    # there and takes the expert slots it needs.
+    econfig = EngineConfig(model=str(ckpt), kv=args.kv, max_context=args.max_context,
+                           gpu_memory=budget, device="cuda", max_seqs=1)
+    device = DeviceMemory(device="cuda", budget=budget, budget_source=args.gpu_memory,
+                          startup=max(context, 256 * MiB), startup_source="device used")
+    plan = plan_checkpoint(econfig, ckpt, device)
+    plan = dataclasses.replace(plan, embed_device="cuda", expert_slots=plan.expert_slots
+                               - -(-plan.embed_bytes // plan.expert_slot_bytes))
     rec.data["plan"] = plan.as_dict()
     rec.save()
     total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction((budget - req.cuda_context) / total)
+    torch.cuda.set_per_process_memory_fraction(plan.allocator_cap / total)
     weights = dict(iter_weights(ckpt, config, dtype=torch.bfloat16, device="cuda",
                                 include_experts=False))
 

@@ -13,17 +13,21 @@
 # SUITE_LIMIT seconds (default 570: under a 10-minute command limit) are nearly spent.
 #
 # Parts -> steps, with the expected wall time on one H200 (first run of a fresh machine:
-# Triton and nvcc builds included; the checkpoint in page cache after its first read):
-#   tests    iso_lib          ~0.5 min  build the ISO KV CUDA library once, before the workers
-#            gpu_tests        ~4 min    pytest -m "requires_cuda or gpu_shapes",
+# Triton and NVRTC builds included; the checkpoint in page cache after its first read):
+#   tests    gpu_tests        ~4 min    pytest -m "requires_cuda or gpu_shapes",
 #                                       $TEST_WORKERS (6) workers (742 passed and xfailed
 #                                       in 3:42 with 10 workers on 2026-11-30)
 #   kernels  bench_iso_attention, bench_nvfp4, bench_gdn      ~1-2 min each (150 s cap)
+#            bench_kv_decode  (not in the default list: KERNEL_BENCHES="kv_decode" or the step
+#                             name) bf16 paged / bf16 SDPA / iso3 decode attention
 #   e2e      checkpoint       ~1-3 min  write the full-size random 35B-A3B checkpoint (~21 GB)
 #                                       to $TINYSERVE_FULLSIZE_DIR unless it is there
 #            fullsize_graph   ~4-5 min  tests/engine/test_fullsize_graph.py: graph vs eager
 #                                       tokens, iso3/bf16 x resident/6GiB, 4 fresh processes
 #                                       -> results/fullsize_graph.json
+#            memory_budget    ~4-6 min  bench/memory_budget.py CKPT: the process's device
+#                                       memory (NVML) through load, a 100k-token prompt and
+#                                       decode at 6 and 4 GiB -> results/memory_budget.json
 #            step_profile     ~2.5 min  bench/step_profile.py CKPT --gpu-memory none 6GiB
 #            cli_bench        ~2 min    tinyserve bench CKPT --kv iso3 1024/64, without and
 #                                       with --gpu-memory 6GiB -> cli/bench_{none,6GiB}.json
@@ -32,6 +36,9 @@
 #                                       --gpu-memory 6GiB (chained vs synchronous, greedy and
 #                                       penalised) -> results/decode_modes[_6GiB].json
 #            decode_overhead  ~1.5 min  bench/decode_overhead.py (8 layers, bf16/iso3 x b1/b8)
+#   kv_formats_1k, kv_formats_32k (not in `all`): bench/kv_formats.py CKPT, tinyserve bench with
+#            iso3 / bf16 / bf16-gather side by side at 1k (2 rounds, ~6 min) and 32k (1 round,
+#            merged into the same results/kv_formats.json); run each in its own command
 #   all = tests kernels e2e (~25 min: split it over several commands of < 10 min, e.g.
 #   `tests`, then `checkpoint fullsize_graph`, then `step_profile cli_bench e2e_offload
 #   decode_overhead`; steps that need the checkpoint write it first when it is missing).
@@ -54,13 +61,13 @@ expand() {  # part or step names -> steps
     for a in "$@"; do
         case $a in
             all) expand tests kernels e2e ;;
-            tests) echo iso_lib gpu_tests ;;
+            tests) echo gpu_tests ;;
             kernels) for b in ${KERNEL_BENCHES:-iso_attention nvfp4 gdn}; do
                          echo "bench_$b"; done ;;
-            e2e) echo checkpoint fullsize_graph step_profile cli_bench e2e_offload \
-                      decode_modes decode_overhead ;;
-            iso_lib|gpu_tests|bench_*|checkpoint|fullsize_graph|step_profile|cli_bench|\
-e2e_offload|decode_modes|decode_overhead) echo "$a" ;;
+            e2e) echo checkpoint fullsize_graph memory_budget step_profile cli_bench \
+                      e2e_offload decode_modes decode_overhead ;;
+            gpu_tests|bench_*|checkpoint|fullsize_graph|memory_budget|step_profile|\
+cli_bench|e2e_offload|decode_modes|decode_overhead|kv_formats_1k|kv_formats_32k) echo "$a" ;;
             *) echo "unknown part or step: $a" >&2; exit 2 ;;
         esac
     done
@@ -119,13 +126,8 @@ cat "$STAGE/env.txt"
 
 for step in $STEPS; do
     case $step in
-        iso_lib)
-            run_step iso_lib 240 python3 -c 'import torch
-from tinyserve.kernels import iso_cuda
-iso_cuda._library(*torch.cuda.get_device_capability())
-print("ISO KV library built")' ;;
         gpu_tests)
-            # Parallel workers share the one GPU; Triton and nvcc builds dominate the wall time.
+            # Parallel workers share the one GPU; Triton and NVRTC builds dominate the wall time.
             # The full-size test runs in its own step (its checkpoint is unset here: it skips).
             run_step gpu_tests "${TESTS_TIMEOUT:-420}" env -u TINYSERVE_FULLSIZE_DIR \
                 python3 -m pytest -m "requires_cuda or gpu_shapes" -q -rfEs --tb=short -p no:cacheprovider \
@@ -153,6 +155,10 @@ for name, c in (json.loads(p.read_text())["cases"] if p.exists() else {}).items(
           f"{diff:.3g}, flips {c['flips']}, problems {c['problems']}")
 EOF
             ;;
+        memory_budget)
+            need_ckpt memory_budget &&
+                run_step memory_budget 540 python3 bench/memory_budget.py "$CKPT" \
+                    --budgets 6GiB 4GiB ;;
         step_profile)
             need_ckpt step_profile &&
                 run_step step_profile 300 python3 bench/step_profile.py "$CKPT" --kv iso3 \
@@ -179,6 +185,14 @@ EOF
             fi ;;
         decode_overhead)
             run_step decode_overhead 240 python3 bench/decode_overhead.py ;;
+        kv_formats_1k)
+            need_ckpt kv_formats_1k &&
+                run_step kv_formats_1k 540 python3 bench/kv_formats.py "$CKPT" \
+                    --prompt-lens 1024 --repeats 2 ;;
+        kv_formats_32k)
+            need_ckpt kv_formats_32k &&
+                run_step kv_formats_32k 540 python3 bench/kv_formats.py "$CKPT" \
+                    --prompt-lens 32704 --repeats 1 --merge ;;
     esac
 done
 note "done in $((SECONDS - START))s -> $TAR"

@@ -10,7 +10,7 @@ grouped the same way. Each `--gpu-memory` budget runs in a fresh process (the al
 a budget counts every byte the process still holds).
 
     python bench/step_profile.py CKPT [--kv iso3] [--gpu-memory none 6GiB] [--context 1024]
-        [--prefill-tokens 2048] -> bench/results/step_profile.json
+        [--prefill-tokens 2048] [--out PATH] -> bench/results/step_profile.json
 """
 
 from __future__ import annotations
@@ -161,6 +161,7 @@ def main() -> int:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--prefill-tokens", type=int, default=2048,
                    help="tokens of the profiled prefill chunk (0: none)")
+    p.add_argument("--out", type=Path, default=OUT, help="result file (default %(default)s)")
     p.add_argument("--case-json", help=argparse.SUPPRESS)  # child mode: one budget -> this file
     args = p.parse_args()
     if args.case_json:  # a fresh process per budget: the allocator cap counts what is left over
@@ -169,7 +170,7 @@ def main() -> int:
                       args.top, args.prefill_tokens)
         Path(args.case_json).write_text(json.dumps(out))
         return 0
-    rec = Recorder(OUT, run_meta("step_profile", args=vars(args)))
+    rec = Recorder(args.out, run_meta("step_profile", args=vars(args)))
     for budget in args.gpu_memory:
         rec.run(f"{args.kv}_{budget}", child, args, budget)
     return 0

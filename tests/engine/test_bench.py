@@ -14,13 +14,18 @@ def test_bench_command_on_the_tiny_checkpoint(tiny_checkpoint, capsys) -> None:
     r = json.loads(capsys.readouterr().out)
     assert r["batch"] == 3 and r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
     assert r["ttft_s"]["max"] >= r["ttft_s"]["mean"] > 0
-    assert r["config"]["max_context"] == 17 and r["peak_memory_bytes"] is None
+    # the plan `tinyserve run` makes with these flags: the model's whole context
+    assert r["config"]["max_context"] == 512 and r["peak_memory_bytes"] is None
+    assert r["config"]["max_seqs"] == 3 and r["memory_plan"]["max_seqs"] == 3
     assert r["decode_step_ms"] > 0 and r["graphs_captured"] == 0 and r["steps"] >= 4
     assert r["date"].endswith("Z") and "commit" in r  # the checkout's, None outside one
     assert main(["bench", str(ckpt), "--device", "cpu", "--prompt-len", "4", "--gen-len",
                  "2"]) == 0
-    assert "decode" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert out.startswith("memory plan for the CPU") and "decode" in out
     assert main(["bench", str(ckpt), "--device", "cpu", "--batch", "0"]) == 2
+    assert main(["bench", str(ckpt), "--device", "cpu", "--max-context", "64"]) == 2
+    assert "the plan holds 64" in capsys.readouterr().err
 
 
 def test_bench_reports_the_measured_runs_expert_cache(tiny_checkpoint, capsys) -> None:

@@ -74,6 +74,8 @@ def test_stop_strings(stops, text, expected) -> None:
         pieces = stream(detok, TOK.encode(text), rng)
         assert "".join(pieces) == expected == detok.text
         assert detok.stopped == (expected != text)
+        assert (detok.matched is not None) == detok.stopped
+        assert detok.matched is None or text[len(expected):].startswith(detok.matched)
         for s in stops:
             assert s not in "".join(pieces)
 
@@ -113,13 +115,14 @@ ALPHABET = "ab \n\u00e9\u4e16\U0001f642"
        max_size=4), max_size=3), seed=st.integers(0, 2**16))
 def test_stop_strings_property(text: str, stops: list[str], seed: int) -> None:
     # the stop string that completes first, as if the text came one character at a time
-    hits = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
+    hits = [(i + len(s), i, s) for s in stops if (i := text.find(s)) >= 0]
     expected = text[:min(hits)[1]] if hits else text
     detok = IncrementalDetokenizer(TOK, stops)
     pieces = stream(detok, TOK.encode(text), random.Random(seed))
     assert "".join(pieces) == expected
     assert all("\ufffd" not in p for p in pieces)
     assert detok.stopped == bool(hits)
+    assert detok.matched == (min(hits)[2] if hits else None)  # the string that stopped it
 
 
 @pytest.mark.parametrize("clean_up", [False, True], ids=["backend", "wrapper"])

@@ -225,14 +225,16 @@ def test_engine_captures_graphs_with_host_embedding(tiny_checkpoint, monkeypatch
     chained: list[list] = []
 
     want, _ = generate()
-    real = build.memory_plan
+    real = build.plan_engine
 
-    def plan(config, path, device):
-        p = real(config, path, device)
-        slots = p.experts_per_layer + 4 if offload else p.expert_slots
-        return dataclasses.replace(p, embed_device="cpu", expert_slots=slots)
+    def plan(config, path=None, **kwargs):
+        p = real(config, path, **kwargs)
+        if offload:
+            return dataclasses.replace(p, embed_device="cpu", expert_cache=True,
+                                       expert_slots=p.experts_per_layer + 4)
+        return dataclasses.replace(p, embed_device="cpu")
 
-    monkeypatch.setattr(build, "memory_plan", plan)
+    monkeypatch.setattr(build, "plan_engine", plan)
     got, runner = generate()
     assert runner.model.embed_tokens.device.type == "cpu"
     assert runner.graphs is not None and runner.graphs.host_embedding == (not mapped)

@@ -7,14 +7,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
 
 from tinyserve.core import SamplingParams
-from tinyserve.engine.build import kv_pages, plan_config
+from tinyserve.engine.build import build_engine
 from tinyserve.engine.config import EngineConfig
+from tinyserve.engine.device_memory import cpu_device, reference_device
 from tinyserve.engine.llm import LLM
+from tinyserve.engine.planner import plan_checkpoint
 from tinyserve.model.config import load_config
-from tinyserve.offload.planner import plan_checkpoint
 from tinyserve.offload.provider import OffloadedExperts
 
 PROMPTS = ["Hello, how are you?", "The quick brown fox jumps over the lazy dog. " * 2, "42"]
@@ -66,33 +66,32 @@ def test_too_small_cache_is_refused(tiny_checkpoint) -> None:
         EngineConfig(model=str(ckpt), expert_cache_slots=0)
 
 
-def test_builder_takes_the_plans_numbers(tiny_checkpoint) -> None:
+def test_builder_takes_the_plans_numbers(tiny_checkpoint, monkeypatch) -> None:
+    """Every number of the engine is the plan's: sequences, state slots, KV pages, expert
+    slots and the embedding's place (a plan for a GPU budget, built on the CPU)."""
     ckpt = tiny_checkpoint("modelopt")
     mcfg = load_config(ckpt)
-    config = EngineConfig(model=str(ckpt), kv="bf16", max_context=256, max_seqs=2,
-                          page_size=16, gpu_memory="512MiB", dtype="bfloat16",
-                          max_num_batched_tokens=256)
-    req = plan_config(config, config.gpu_memory_bytes)
-    assert (req.gpu_memory, req.kv, req.max_context, req.max_seqs, req.page_size,
-            req.prefill_chunk, req.dtype_bytes) == (512 << 20, "bf16", 256, 2, 16, 256, 2)
-    assert req.extra_state_slots == config.num_snapshot_slots + 1  # + the graph pad slot
-    plan = plan_checkpoint(ckpt, req)
-    assert plan.kv_pages == 256 // 16 and plan.state_slots == 2 + req.extra_state_slots
-    # On "cuda" with a plan the pool is the plan's (no device is touched).
-    assert kv_pages(config, mcfg, torch.device("cuda"), plan=plan) == plan.kv_pages
-    assert not plan.experts_offloaded and plan.embed_device == "cuda"
-    # A budget short of the routed experts: offloaded, embedding on the host.
-    budget = plan.gpu_bytes - plan.embed_bytes - (plan.num_routed_experts - 12) \
-        * plan.expert_slot_bytes
-    # The budget-proportional allocator slack would move by more than these tiny experts.
-    budget -= dict(plan.workspace)["allocator slack"]
-    small = plan_checkpoint(ckpt, replace(plan_config(config, budget), allocator_slack=0.0,
-                                          allocator_slack_min=0))
-    assert small.experts_offloaded and small.embed_device == "cpu"
-    assert mcfg.num_experts <= small.expert_slots < plan.num_routed_experts
-    assert kv_pages(config, mcfg, torch.device("cuda"), plan=small) == small.kv_pages
-    cpu = EngineConfig(model=str(ckpt), max_context=256, max_seqs=2)
-    assert kv_pages(cpu, mcfg, torch.device("cpu")) == 2 * 256 // 16
+    config = EngineConfig(model=str(ckpt), kv="bf16", max_context=256, page_size=16,
+                          gpu_memory="1GiB", dtype="float32", device="cuda",
+                          max_num_batched_tokens=64)
+    full = plan_checkpoint(config, ckpt, reference_device(config))
+    assert not full.experts_offloaded and full.embed_device == "cuda"
+    assert full.max_seqs == 8 and full.snapshot_slots == 9 and full.state_slots == 18
+    # A plan as a small budget makes it, run on the CPU (no device is touched)
+    plan = replace(full, device="cpu", max_seqs=2, snapshot_slots=1, state_slots=4,
+                   kv_pages=full.kv_pages // 2, expert_cache=True,
+                   expert_slots=mcfg.num_experts + 3)
+    cpu = replace(config, device="cpu", gpu_memory=None)
+    with build_engine(cpu, plan=plan).start() as engine:
+        stats = engine.stats()
+        assert (stats.kv_pages_total, stats.state_slots_total) == (plan.kv_pages, 2)
+        assert stats.prefix_cache_snapshot_slots == 1
+        assert engine.runner.model.states.num_slots == 4
+        assert engine.runner.model.experts.cache.num_slots == mcfg.num_experts + 3
+        assert engine.memory_plan is plan and engine.max_context == plan.max_context
+    # the CPU's own plan: 8 sequences of max_context tokens each, every expert resident
+    own = plan_checkpoint(cpu, ckpt, cpu_device())
+    assert own.kv_pages == 8 * 256 // 16 and not own.expert_cache
 
 
 def test_server_completions_and_metrics_with_offloaded_experts(tiny_checkpoint) -> None:
@@ -124,3 +123,23 @@ def test_server_completions_and_metrics_with_offloaded_experts(tiny_checkpoint) 
             assert "tinyserve:expert_cache_misses_total" in metrics
     finally:
         engine.shutdown()
+
+
+@pytest.mark.skipif(not __import__("tinyserve.kernels.nvfp4_cpu", fromlist=["x"]).available(),
+                    reason="numba is not installed")
+def test_cpu_experts_engine_generates_the_same_tokens(tiny_checkpoint) -> None:
+    """`experts="cpu"`: every decode miss computed on the CPU kernel; same greedy tokens, the
+    CPU counter in EngineStats (and /metrics); "gpu" and a CPU device's auto have no CPU part."""
+    ckpt = tiny_checkpoint("modelopt")
+    slots = load_config(ckpt).num_experts + 2
+    copied, gstats, gexperts = _generate(ckpt, expert_cache_slots=slots, experts="gpu")
+    on_cpu, stats, experts = _generate(ckpt, expert_cache_slots=slots, experts="cpu")
+    assert on_cpu == copied
+    assert gstats.expert_cpu_computed is None and gexperts.hybrid_plan.mode == "gpu"
+    assert experts.hybrid_plan.mode == "cpu" and stats.expert_cpu_computed > 0
+    assert stats.expert_cache_misses < gstats.expert_cache_misses  # decode copied nothing
+    _, astats, aexperts = _generate(ckpt, expert_cache_slots=slots)
+    assert aexperts.hybrid_plan.mode == "gpu"  # no H2D rate to split by on a CPU device
+    from tinyserve.server.metrics import ServerMetrics
+
+    assert "tinyserve:expert_cpu_computed_total" in ServerMetrics().render(stats)

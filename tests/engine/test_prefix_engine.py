@@ -432,7 +432,8 @@ def test_cli_flag_turns_the_cache_off() -> None:
 
     on = EngineConfig.from_args(build_parser().parse_args(["run", "m"]))
     off = EngineConfig.from_args(build_parser().parse_args(["run", "m", "--no-prefix-cache"]))
-    assert (on.prefix_cache, on.num_snapshot_slots) == (True, on.prefix_snapshot_slots)
-    assert (off.prefix_cache, off.num_snapshot_slots) == (False, 0)
+    assert (on.prefix_cache, on.snapshot_slots(1), on.snapshot_slots(4)) == (True, 2, 5)
+    assert (off.prefix_cache, off.snapshot_slots(1)) == (False, 0)
+    assert EngineConfig(model="m", prefix_snapshot_slots=3).snapshot_slots(1) == 3
     with pytest.raises(ValueError, match="prefix_snapshot_interval"):
         EngineConfig(model="m", prefix_snapshot_interval=10)

@@ -6,8 +6,27 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
+
+
+def ptxas_entries(source: str, names: list[str], arch: int = 90) -> list[str]:
+    """ptxas's report of each kernel of `names` (csrc/`source`) built by NVRTC for `arch` (no
+    GPU needed); skips the test without NVRTC."""
+    import pytest
+
+    from tinyserve.kernels import cuda_build
+
+    try:
+        cuda_build.nvrtc()
+    except cuda_build.KernelBuildError as exc:
+        pytest.skip(str(exc))
+    entries = []
+    for name in names:
+        built = cuda_build.build(source, (name,), arch, options=("--ptxas-options=-v",))
+        entries += built.log.split("Compiling entry function")[1:]
+    return entries
 
 
 def rerun_without_interpreter(test_file: str, keyword: str, *, timeout: int = 600,
@@ -45,10 +64,11 @@ def resource_usage(kernel: Any, name: str) -> str | None:
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not tool.exists():
         return None
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"{name}.cubin"
-    path.write_bytes(kernel.asm["cubin"])
-    return subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True,
-                          text=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:  # one per call: test processes run side by side
+        path = Path(tmp) / f"{name}.cubin"
+        path.write_bytes(kernel.asm["cubin"])
+        return subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True,
+                              text=True).stdout
 
 
 def sass_instructions(kernel: Any) -> list[str]:
@@ -59,9 +79,10 @@ def sass_instructions(kernel: Any) -> list[str]:
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     if not tool.exists():
         return []
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"{kernel.name}.cubin"
-    path.write_bytes(kernel.asm["cubin"])
-    out = subprocess.run([str(tool), "-c", str(path)], capture_output=True, text=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"{kernel.name}.cubin"
+        path.write_bytes(kernel.asm["cubin"])
+        out = subprocess.run([str(tool), "-c", str(path)], capture_output=True, text=True).stdout
     return [line.split("*/", 1)[1].strip() for line in out.splitlines()
             if line.strip().startswith("/*") and ";" in line]
 

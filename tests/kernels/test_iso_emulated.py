@@ -1,12 +1,12 @@
-"""The ISO CUDA sources, compiled for the CPU under a small CUDA emulation (cuda_emu/emu.h),
-against the torch references: exact store and dequant bytes on the golden rows, decode
-attention over a grid of GQA groups, page sizes and split counts. Checks the kernels' indexing,
-warp shuffles, shared-memory tiles and split merges on machines without a GPU; skipped when no
-C++20 compiler is available."""
+"""The ISO CUDA kernels and their launchers (`iso_cuda`), compiled for the CPU under a small
+CUDA emulation (emulation.py, cuda_emu/emu.h), against the torch references: exact store and
+dequant bytes on the golden rows, decode attention over a grid of GQA groups, page sizes and
+split counts. Checks the launch arithmetic with the kernels' indexing, warp shuffles,
+shared-memory tiles and split merges on machines without a GPU; skipped when no C++20 compiler
+is available."""
 
 from __future__ import annotations
 
-import ctypes
 import math
 
 import numpy as np
@@ -14,56 +14,44 @@ import pytest
 import torch
 
 from tests.kernels import emulation
-from tinyserve.kernels import iso, iso_cuda, iso_extend
-
-I, I64, F, P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+from tinyserve.kernels import cuda_launch, iso, iso_cuda, iso_extend
 
 
 @pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    lib = emulation.build(("iso_store.cu", "iso_decode.cu"), tmp_path_factory.mktemp("iso_emu"))
-    lib.tinyserve_iso_store.argtypes = [P, P, I64, P, P, I64, I64, P, I, I, I, I, I, I, P]
-    lib.tinyserve_iso_store_debug.argtypes = [P, P, I64, P, P, I64, I64, P, I, I, I, I, I, I,
-                                              P, P]
-    lib.tinyserve_iso_dequant_rows.argtypes = [P, I64, P, P, I64, I64, I, I, I, I, I, P]
-    lib.tinyserve_iso_decode.argtypes = [P, P, P, I64, P, I64, P, I, I, I, I, I, I, I, F, I, P,
-                                         P, P, I64, I, P]
-    return lib
+def backend(tmp_path_factory):
+    return emulation.EmuBackend(tmp_path_factory.mktemp("iso_emu"))
 
 
-BITS = {"iso3": 3, "iso4": 4}
+@pytest.fixture
+def emu(backend):
+    with cuda_launch.use_backend(backend):
+        yield backend
 
 
 @pytest.mark.parametrize("fmt", ["iso3", "iso4"])
-def test_store_golden_and_dequant(lib, shared_dir, fmt: str) -> None:
+def test_store_golden_and_dequant(emu, shared_dir, fmt: str) -> None:
     g = np.load(shared_dir / "data" / "iso_golden.npz")
     x = torch.from_numpy(g["x"]).contiguous()
     n, rb = x.shape[0], iso.packed_row_bytes(256, fmt)
     kc = torch.full((n + 3, 1, rb), 0xAB, dtype=torch.uint8)
     vc = kc.clone()
     loc = torch.randperm(n + 3)[:n].int()
-    rc = lib.tinyserve_iso_store(kc.data_ptr(), vc.data_ptr(), kc.stride(0), x.data_ptr(),
-                                 x.data_ptr(), 256, 256, loc.data_ptr(), 0, n, 1, 256,
-                                 BITS[fmt], 0, None)
-    assert rc == 0
+    rows = x[:, None]  # [N, 1, 256]
+    iso_cuda.iso_store(kc, vc, loc, rows, rows, fmt)
     got = kc[loc.long(), 0].numpy()
     assert np.array_equal(got, g[fmt]), np.nonzero((got != g[fmt]).any(1))[0].tolist()
     assert torch.equal(kc, vc)
     kb = torch.randn(9, 2, 256).bfloat16()
     kc2 = torch.zeros(9, 2, rb, dtype=torch.uint8)
+    vc2 = torch.zeros(9, 2, rb, dtype=torch.uint8)
     loc2 = torch.arange(9)
-    lib.tinyserve_iso_store(kc2.data_ptr(), kc2.data_ptr(), kc2.stride(0), kb.data_ptr(),
-                            kb.data_ptr(), kb.stride(0), kb.stride(0), loc2.data_ptr(), 1, 9, 2,
-                            256, BITS[fmt], 1, None)
+    iso_cuda.iso_store(kc2, vc2, loc2, kb, kb, fmt)
     assert torch.equal(kc2, iso.quantize_ref(kb.float(), fmt))
     out = torch.full((9, 2, 256), float("nan"))
-    lib.tinyserve_iso_dequant_rows(kc2.data_ptr(), kc2.stride(0), loc2.data_ptr(),
-                                   out.data_ptr(), 512, 256, 9, 2, 256, BITS[fmt], 0, None)
+    assert iso_cuda.iso_dequant_rows(kc2, loc2, fmt, 256, torch.float32, out=out) is out
     assert torch.equal(out, iso.dequantize_ref(kc2, fmt, 256))
     out_hm = torch.full((2, 9, 256), float("nan"))  # head-major layout
-    lib.tinyserve_iso_dequant_rows(kc2.data_ptr(), kc2.stride(0), loc2.data_ptr(),
-                                   out_hm.data_ptr(), 256, 9 * 256, 9, 2, 256, BITS[fmt], 0,
-                                   None)
+    iso_cuda.iso_dequant_rows(kc2, loc2, fmt, 256, torch.float32, head_major=True, out=out_hm)
     assert torch.equal(out_hm, out.transpose(0, 1))
 
 
@@ -79,7 +67,7 @@ CASES = [  # fmt, hq, hkv, d, page_size, lens, SMs (sets the split count), out d
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-hq{c[1]}-hkv{c[2]}-d{c[3]}-ps{c[4]}-"
                                              f"len{max(c[5])}x{len(c[5])}" for c in CASES])
-def test_decode_matches_reference(lib, case) -> None:
+def test_decode_matches_reference(emu, monkeypatch, case) -> None:
     fmt, hq, hkv, d, ps, lens, sms, dtype = case
     torch.manual_seed(len(lens) * d + hq)
     pages_per = [math.ceil(n / ps) for n in lens]
@@ -94,16 +82,15 @@ def test_decode_matches_reference(lib, case) -> None:
     vc = iso.quantize_ref(torch.randn(num_pages * ps, hkv, d), fmt)
     q = torch.randn(len(lens), hq, d)
     seq = torch.tensor(lens, dtype=torch.int32)
+    emu.num_sms = sms
     chunk, splits = iso_cuda.plan_splits(len(lens), hkv, max(lens), sms)
-    part_acc = torch.full((len(lens), hq, splits, d), float("nan"))
-    part_ml = torch.full((len(lens), hq, splits, 2), float("nan"))
+    poisoned = lambda q_, n: tuple(t.fill_(float("nan"))  # noqa: E731
+                                   for t in split_buffers(q_, n))
+    split_buffers = iso_cuda.split_buffers
+    monkeypatch.setattr(iso_cuda, "split_buffers", poisoned)
     out = torch.full((len(lens), hq, d), float("nan")).to(dtype)
-    rc = lib.tinyserve_iso_decode(
-        q.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.stride(0), table.data_ptr(),
-        table.stride(0), seq.data_ptr(), len(lens), hq, hkv, d, ps, chunk, splits, d ** -0.5,
-        BITS[fmt], part_acc.data_ptr(), part_ml.data_ptr(), out.data_ptr(), out.stride(0),
-        0 if dtype == torch.float32 else 1, None)
-    assert rc == 0
+    assert iso_cuda.iso_decode_attention(q, kc, vc, table, seq, ps, fmt, d ** -0.5,
+                                         out=out) is out
     ref = iso.decode_attention_ref(q, kc, vc, table, seq, ps, fmt, d ** -0.5)
     cos = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.flatten(), dim=0)
     assert cos >= 0.9999, f"splits {splits}: cosine {cos}"
@@ -112,18 +99,9 @@ def test_decode_matches_reference(lib, case) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["iso3", "iso4"])
-def test_extend_launcher_logic_on_cpu(monkeypatch, fmt: str) -> None:
-    """iso_extend_attention's prefix + chunk rows and lower-right causal attention (SDPA on
-    CPU), with the row-dequant kernel replaced by its reference (writing into `out`)."""
-    def deq(cache, slots, fmt_, head_dim, dtype=torch.bfloat16, *, head_major=False, out=None):
-        rows = iso.dequantize_ref(cache[slots.long()], fmt_, head_dim).to(dtype)
-        rows = rows.transpose(0, 1) if head_major else rows
-        if out is None:
-            return rows.contiguous()
-        out.copy_(rows)
-        return out
-
-    monkeypatch.setattr(iso_cuda, "iso_dequant_rows", deq)
+def test_extend_on_cpu(emu, fmt: str) -> None:
+    """iso_extend_attention's prefix + chunk rows (the row-dequant kernel writing into a
+    slice of them) and lower-right causal attention (SDPA on CPU)."""
     torch.manual_seed(4)
     hq, hkv, d, ps = 8, 2, 128, 4
     prefixes, chunks = [0, 6, 13], [5, 3, 1]

@@ -1,36 +1,44 @@
-"""The tensor-core ISO3 decode kernel (csrc/iso_decode_mma.cu) compiled for the CPU under the
-CUDA emulation (cuda_emu/emu.h, plus the kernel's own emulation of the byte permute and of
-the warp-wide mma.sync with the PTX fragment layouts, -DTINYSERVE_CUDA_EMU), against
-`decode_attention_ref`: GQA groups 1-8, head_dim 128/256, page sizes 1/4/16, mixed lengths,
-one and many splits, 2, 4, 8 and 16 warps per CTA, every row staging (`iso_mma.LOOPS`: words,
-16-byte chunks, 16-byte chunks in padded rows), poisoned partials and outputs. Bound: fp16 operands
-with fp32 accumulation, |out - ref| <= 3e-3 * max|ref| and cosine >= 0.99999."""
+"""The tensor-core ISO3 decode kernel (csrc/iso_decode_mma.cu) and its launcher
+(`iso_mma.iso_decode_attention_mma`), compiled for the CPU under the CUDA emulation
+(emulation.py, cuda_emu/emu.h, plus the kernel's own emulation of the byte permute and of the
+warp-wide mma.sync with the PTX fragment layouts), against `decode_attention_ref`: GQA groups
+1-8, head_dim 128/256, page sizes 1/4/16, mixed lengths, one and many splits, 2, 4, 8 and 16
+warps per CTA, every row staging (`iso_mma.LOOPS`: words, 16-byte chunks, 16-byte chunks in
+padded rows), poisoned partials and outputs. Bound: fp16 operands with fp32 accumulation,
+|out - ref| <= 3e-3 * max|ref| and cosine >= 0.99999."""
 
 from __future__ import annotations
 
-import ctypes
 import math
 import re
-import shutil
-import subprocess
 
 import pytest
 import torch
 
 from tests.kernels import emulation
-from tinyserve.kernels import iso, iso_mma
+from tests.kernels.recorder import Recorder
+from tests.kernels.sm90_build import ptxas_entries
+from tinyserve.kernels import cuda_launch, iso, iso_cuda, iso_mma
 
 CSRC = emulation.CSRC
-I, I64, F, P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
 @pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    lib = emulation.build(("iso_decode_mma.cu",), tmp_path_factory.mktemp("iso_mma_emu"),
-                          defines=("TINYSERVE_CUDA_EMU",))
-    lib.tinyserve_iso_decode_mma.argtypes = [P, P, P, I64, P, I64, P, I, I, I, I, I, I, I, F,
-                                             I, P, P, P, I64, I, I, I, I, I, I, P]
-    return lib
+def backend(tmp_path_factory):
+    return emulation.EmuBackend(tmp_path_factory.mktemp("iso_mma_emu"))
+
+
+@pytest.fixture
+def emu(backend, monkeypatch):
+    """The emulated backend, with every split-K partial poisoned before the kernel runs."""
+    buffers = iso_cuda.split_buffers
+
+    def poisoned(q, splits):
+        return tuple(t.fill_(float("nan")) for t in buffers(q, splits))
+
+    monkeypatch.setattr(iso_mma, "split_buffers", poisoned)
+    with cuda_launch.use_backend(backend):
+        yield backend
 
 
 CASES = [  # hq, hkv, d, page_size, lens, split tokens (None: one split), warps, out dtype,
@@ -56,7 +64,6 @@ CASES = [  # hq, hkv, d, page_size, lens, split tokens (None: one split), warps,
     (2, 1, 256, 16, [1], None, 16, torch.float32, torch.float32),
     (8, 1, 256, 16, [1100], 272, 16, torch.float32, torch.bfloat16),  # 5 splits
 ]
-_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _cache(hkv, d, ps, lens, gen):
@@ -83,23 +90,16 @@ def _cache(hkv, d, ps, lens, gen):
 @pytest.mark.parametrize("case", CASES, ids=[f"hq{c[0]}-hkv{c[1]}-d{c[2]}-ps{c[3]}-"
                                              f"len{max(c[4])}x{len(c[4])}-w{c[6]}-"
                                              f"q{str(c[8])[6:]}" for c in CASES])
-def test_mma_decode_matches_reference(lib, case, loop) -> None:
+def test_mma_decode_matches_reference(emu, case, loop) -> None:
     hq, hkv, d, ps, lens, split_tokens, warps, dtype, q_dtype = case
     gen = torch.Generator().manual_seed(hq * 7 + d + len(lens))
     kc, vc, table = _cache(hkv, d, ps, lens, gen)
     q = (torch.randn(len(lens), hq, d, generator=gen) * 3).to(q_dtype)
     seq = torch.tensor(lens, dtype=torch.int32)
-    chunk = split_tokens or max(lens)
-    splits = math.ceil(max(lens) / chunk)
-    part_acc = torch.full((len(lens), hq, splits, d), float("nan"))
-    part_ml = torch.full((len(lens), hq, splits, 2), float("nan"))
     out = torch.full((len(lens), hq, d), float("nan")).to(dtype)
-    rc = lib.tinyserve_iso_decode_mma(
-        q.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.stride(0), table.data_ptr(),
-        table.stride(0), seq.data_ptr(), len(lens), hq, hkv, d, ps, chunk, splits, d ** -0.5,
-        warps, part_acc.data_ptr(), part_ml.data_ptr(), out.data_ptr(), out.stride(0),
-        _CODE[dtype], _CODE[q_dtype], iso_mma._wide(loop), 1, 2, table.shape[1], None)
-    assert rc == 0
+    assert iso_mma.iso_decode_attention_mma(
+        q, kc, vc, table, seq, ps, "iso3", d ** -0.5, max_seq_len=max(lens), out=out,
+        split_tokens=split_tokens or max(lens), warps=warps, ctas_per_sm=2, loop=loop) is out
     ref = iso.decode_attention_ref(q.float(), kc, vc, table, seq, ps, "iso3", d ** -0.5)
     assert not out.isnan().any()
     cos = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.flatten(), dim=0)
@@ -111,7 +111,7 @@ def test_mma_decode_matches_reference(lib, case, loop) -> None:
 
 @pytest.mark.parametrize("case", [CASES[2], CASES[3], CASES[7], CASES[12], CASES[15]],
                          ids=lambda c: f"d{c[2]}-ps{c[3]}-w{c[6]}")
-def test_mma_padded_rows_give_the_same_bits(lib, case) -> None:
+def test_mma_padded_rows_give_the_same_bits(emu, case) -> None:
     # "tokens_pad" changes only where the staged rows sit in shared memory, not the arithmetic
     hq, hkv, d, ps, lens, split_tokens, warps, dtype, q_dtype = case
     gen = torch.Generator().manual_seed(11 * hq + d)
@@ -120,49 +120,31 @@ def test_mma_padded_rows_give_the_same_bits(lib, case) -> None:
     assert kc.data_ptr() % 16 == vc.data_ptr() % 16 == 0 and kc.stride(0) % 4 == 0
     q = (torch.randn(len(lens), hq, d, generator=gen) * 3).to(q_dtype)
     seq = torch.tensor(lens, dtype=torch.int32)
-    chunk = split_tokens or max(lens)
-    splits = math.ceil(max(lens) / chunk)
     outs = []
     for loop in ("tokens_wide", "tokens_pad"):
-        part_acc = torch.full((len(lens), hq, splits, d), float("nan"))
-        part_ml = torch.full((len(lens), hq, splits, 2), float("nan"))
         out = torch.full((len(lens), hq, d), float("nan")).to(dtype)
-        assert lib.tinyserve_iso_decode_mma(
-            q.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.stride(0), table.data_ptr(),
-            table.stride(0), seq.data_ptr(), len(lens), hq, hkv, d, ps, chunk, splits,
-            d ** -0.5, warps, part_acc.data_ptr(), part_ml.data_ptr(), out.data_ptr(),
-            out.stride(0), _CODE[dtype], _CODE[q_dtype], iso_mma._wide(loop), 1, 0,
-            table.shape[1], None) == 0
+        iso_mma.iso_decode_attention_mma(q, kc, vc, table, seq, ps, "iso3", d ** -0.5,
+                                         max_seq_len=max(lens), out=out, warps=warps,
+                                         split_tokens=split_tokens or max(lens), loop=loop)
         assert not out.isnan().any()
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
 
 
-def test_mma_rejects_unsupported(lib) -> None:
-    z = torch.zeros(4, dtype=torch.int32)
-    args = [z.data_ptr(), z.data_ptr(), z.data_ptr(), 0, z.data_ptr(), 1, z.data_ptr(), 1]
-    tail = [16, 1, 1, 1.0, 4, z.data_ptr(), z.data_ptr(), z.data_ptr(), 0, 0, 0, 1, 0, 0, 1,
-            None]
-    assert lib.tinyserve_iso_decode_mma(*args, 16, 1, 256, *tail) == 3  # group 16
-    assert lib.tinyserve_iso_decode_mma(*args, 8, 1, 384, *tail) == 2  # head_dim
-    for warps in (3, 6, 32):
-        bad_warps = tail[:4] + [warps] + tail[5:]
-        assert lib.tinyserve_iso_decode_mma(*args, 8, 1, 256, *bad_warps) == 4
-    # q dtype code, wide, pdl, CTA cap, page-table columns (at most the row stride, 1 here)
-    for bad in ([0, 3, 1, 0, 0, 1], [0, -1, 1, 0, 0, 1], [0, 0, 3, 0, 0, 1],
-                [0, 0, -1, 0, 0, 1], [0, 0, 1, 2, 0, 1], [0, 0, 1, -1, 0, 1],
-                [0, 0, 1, 0, -1, 1], [0, 0, 1, 0, 0, -1], [0, 0, 1, 0, 0, 2]):
-        assert lib.tinyserve_iso_decode_mma(*args, 8, 1, 256, *tail[:-7], *bad, None) == 5
+def test_mma_rejects_unsupported(emu) -> None:
+    def call(hq=8, hkv=1, d=256, **kw):
+        rb = iso.packed_row_bytes(d, "iso3")
+        kc = torch.zeros(4, hkv, rb, dtype=torch.uint8)
+        q = torch.zeros(1, hq, d)
+        table, seq = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+        return iso_mma.iso_decode_attention_mma(q, kc, kc, table, seq, 4, "iso3", 1.0,
+                                                max_seq_len=1, **kw)
 
-
-def test_mma_occupancy_entry(lib) -> None:
-    # the emulation reports 2 CTAs per SM for every kernel that exists, 0 for the others
-    for d in (128, 256):
-        for warps in iso_mma.WARPS:
-            for wide in (0, 1, 2):
-                assert lib.tinyserve_iso_decode_mma_occupancy(d, warps, wide) == 2
-    for bad in ((384, 4, 1), (256, 3, 1), (256, 32, 0), (256, 8, 3), (128, 4, -1)):
-        assert lib.tinyserve_iso_decode_mma_occupancy(*bad) == 0
+    assert not call().isnan().any()
+    for bad in (dict(hq=16), dict(d=384), dict(warps=3), dict(warps=6), dict(warps=32),
+                dict(loop="x")):
+        with pytest.raises(ValueError):
+            call(**bad)
 
 
 def test_mma_config_table() -> None:
@@ -182,8 +164,6 @@ def test_mma_config_table() -> None:
 
 def test_plan_splits_one_wave() -> None:
     # one wave: never more CTAs than ctas_per_sm x SMs (floor), unlike the CTA target (ceil)
-    from tinyserve.kernels import iso_cuda
-
     for batch, ctx, ctas in [(1, 32768, 3), (8, 32768, 7), (8, 131072, 7), (1, 4096, 3),
                              (3, 100000, 5), (64, 32768, 7)]:
         chunk, splits = iso_cuda.plan_splits(batch, 2, ctx, 132, min_tokens=64,
@@ -197,12 +177,9 @@ def test_plan_splits_one_wave() -> None:
                                 one_wave=True) == (576, 57)
 
 
-def test_decode_launchers_check_devices_and_out(monkeypatch) -> None:
+def test_decode_launchers_check_devices_and_out() -> None:
     # q, page_table, seq_lens and out must be on the caches' device and out of a float dtype:
-    # the kernels take raw pointers. The caches' CUDA check is lifted to run on the CPU.
-    from tinyserve.kernels import iso_cuda
-
-    monkeypatch.setattr(iso_cuda, "_check_cache", lambda *a: None)
+    # the kernels take raw pointers
     b, hq, hkv, d, ps = 2, 4, 2, 128, 4
     rb = iso.packed_row_bytes(d, "iso3")
     kc = torch.zeros(8, hkv, rb, dtype=torch.uint8)
@@ -221,108 +198,107 @@ def test_decode_launchers_check_devices_and_out(monkeypatch) -> None:
                        max_seq_len=8, out=args["out"])
 
 
-def test_every_cuda_source_is_in_a_build_hash() -> None:
-    # a change to any csrc file must rebuild its library (cuda_build.library hashes these)
-    from tinyserve.kernels import iso_cuda, nvfp4_cuda
+def test_every_cuda_source_has_a_launcher() -> None:
+    # every .cu file is compiled by a launcher module, every header included by a .cu file;
+    # the build cache hashes every file of csrc/ (a header change rebuilds every kernel)
+    from tinyserve.kernels import nvfp4_cuda
 
-    assert {p.name for p in CSRC.glob("*.cu")} == {*iso_cuda._SOURCES, *nvfp4_cuda._SOURCES}
-    assert {p.name for p in CSRC.glob("*.cuh")} == {*iso_cuda._HEADERS, *nvfp4_cuda._HEADERS}
+    sources = {iso_cuda.STORE, iso_cuda.DECODE, iso_mma.SOURCE, nvfp4_cuda.GEMV, nvfp4_cuda.MOE}
+    assert {p.name for p in CSRC.glob("*.cu")} == sources
+    included = set()
+    for p in CSRC.iterdir():
+        included |= set(re.findall(r'#include "([\w.]+)"', p.read_text()))
+    assert {p.name for p in CSRC.glob("*.cuh")} == included - {"emu.h"}
 
 
 @pytest.mark.slow
-def test_mma_kernel_builds_for_sm90(tmp_path) -> None:
-    """nvcc (no GPU needed) builds the kernel for sm_90 without register spills, within
+def test_mma_kernel_builds_for_sm90() -> None:
+    """NVRTC builds every variant of the kernel for sm_90 without register spills, within
     the register budget of 8 warps per SM (16-warp CTAs: 128 registers) and the 48 KB of
     static shared memory."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("no nvcc")
-    res = subprocess.run([nvcc, "-std=c++17", "-O3", "-arch=sm_90", "-c", "-Xptxas", "-v",
-                          "-I", str(CSRC), "-o", str(tmp_path / "mma.o"),
-                          str(CSRC / "iso_decode_mma.cu")], capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
-    info = res.stderr
-    kernels = re.findall(r"Compiling entry function '(\w*decode_mma_kernel\w*)'", info)
-    # head_dim 128/256 x 2/4/8/16 warps x 3 stagings (words, 16-byte, 16-byte padded rows)
-    assert len(kernels) == 24, info[-3000:]
-    assert not re.search(r"[1-9]\d* bytes spill stores", info), info[-3000:]
-    for smem in re.findall(r"(\d+) bytes smem", info):  # static (8/16 warps: + dynamic)
-        assert int(smem) <= 48 * 1024
-    # per kernel (ptxas's report of one entry): its warps per CTA, the mangled name's second
-    # template argument, and its registers
-    entries = [e for e in info.split("Compiling entry function") if "decode_mma_kernel" in e]
+    names = [f"iso::mma::decode_mma_kernel<{nb}, {w}, {wide}, {pad}>" for nb in (1, 2)
+             for w in iso_mma.WARPS
+             for wide, pad in (("false", "false"), ("true", "false"), ("true", "true"))]
+    entries = ptxas_entries(iso_mma.SOURCE, names, 90)
+    assert len(entries) == 24
     for entry in entries:
+        assert not re.search(r"[1-9]\d* bytes spill stores", entry), entry
+        for smem in re.findall(r"(\d+) bytes smem", entry):  # static (8/16 warps: + dynamic)
+            assert int(smem) <= 48 * 1024
         warps = int(re.search(r"decode_mma_kernelILi\d+ELi(\d+)E", entry).group(1))
         regs = int(re.search(r"Used (\d+) registers", entry).group(1))
         assert regs <= 65536 // (32 * max(8, warps)), (warps, regs)
 
 
 @pytest.mark.parametrize("forced", [None, 40])
-def test_decode_launchers_pass_the_split_plan_to_the_library(monkeypatch, forced) -> None:
-    # Both CUDA decode launchers hand the C entry the same argument list: the planned (or
-    # forced) split, fp32 partials, the variant argument (bits / warps) and the out pointer.
-    from tinyserve.kernels import iso_cuda
-
-    calls = []
-    monkeypatch.setattr(iso_cuda, "_check_cache", lambda *a: None)
-    monkeypatch.setattr(iso_cuda, "_call", lambda dev, name, *a: calls.append((name, a)))
-    props = type("P", (), {"multi_processor_count": 132})()
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: props)
+def test_decode_launchers_pass_the_split_plan(forced) -> None:
+    # Both CUDA decode launchers launch (splits, kv heads, batch) grids over the planned (or
+    # forced) split with fp32 partials, then the split merge into `out`.
+    rec = Recorder()
     b, hq, hkv, d, ps = 2, 8, 2, 256, 16
     rb = iso.packed_row_bytes(d, "iso3")
     kc = torch.zeros(64, hkv, rb, dtype=torch.uint8)
     q = torch.randn(b, hq, d, dtype=torch.bfloat16)
     table = torch.zeros(b, 32, dtype=torch.int32)
     seq = torch.tensor([500, 370], dtype=torch.int32)
-    out_cuda = iso_cuda.iso_decode_attention(q, kc, kc, table, seq, ps, "iso3", 0.5,
-                                             split_tokens=forced)
-    out_mma = iso_mma.iso_decode_attention_mma(q, kc, kc, table, seq, ps, "iso3", 0.5,
-                                               split_tokens=forced)
-    (n1, a1), (n2, a2) = calls[:2]
-    assert (n1, n2) == ("tinyserve_iso_decode", "tinyserve_iso_decode_mma")
-    want_cuda = (256, 2) if forced is None else (64, 8)  # 32-token tiles
-    # planned on the CPU: 4 SMs (decode_splits), 2 CTAs per SM (no occupancy): one wave of
-    # 8 CTAs = 2 splits per (sequence, kv head)
-    want_mma = (256, 2) if forced is None else (48, 11)  # forced splits in 16-token slices
-    assert a1[7:16] == (b, hq, hkv, d, ps, *want_cuda, 0.5, 3)
-    assert a2[7:16] == (b, hq, hkv, d, ps, *want_mma, 0.5, iso_mma.mma_config(b)["warps"])
-    assert a1[3] == kc.stride(0) and a1[5] == table.stride(0)
-    assert a1[-3:] == (out_cuda.data_ptr(), out_cuda.stride(0), 1)
-    # the MMA entry reads q in its dtype (code 1: bf16) and takes the default loop's `wide`
-    default_wide = iso_mma._WIDE_CODE[iso_mma.MMA_LOOP]
-    # and pdl 0 (not a CUDA device), then the cap of CTAs per SM (0: batch 2's row fills one
-    # wave by occupancy) and the page table's columns
-    assert a2[-8:] == (out_mma.data_ptr(), out_mma.stride(0), 1, 1, default_wide, 0, 0,
-                       table.shape[1])
-    assert a2[0] == q.data_ptr()
-    for name, wide in (("tokens", 0), ("tokens_wide", 1), ("tokens_pad", 2)):
-        iso_mma.iso_decode_attention_mma(q, kc, kc, table, seq, ps, "iso3", 0.5,
-                                         split_tokens=forced, loop=name)
-        assert calls[-1][1][7:16] == a2[7:16] and calls[-1][1][-4] == wide
-    for bad in ("heads", "x"):
-        with pytest.raises(ValueError):
-            iso_mma.iso_decode_attention_mma(q, kc, kc, table, seq, ps, "iso3", 0.5, loop=bad)
-    for warps in iso_mma.WARPS:  # the warps argument reaches the entry as its variant
-        iso_mma.iso_decode_attention_mma(q, kc, kc, table, seq, ps, "iso3", 0.5,
-                                         split_tokens=forced, warps=warps)
-        assert calls[-1][1][7:15] == a2[7:15] and calls[-1][1][15] == warps
-    with pytest.raises(ValueError):
-        iso_mma.iso_decode_attention_mma(q, kc, kc, table, seq, ps, "iso3", 0.5, warps=6)
-    # one sequence below 96k tokens: the row's 2 CTAs per SM, capped; from 96k one full wave
-    for bound, cap in ((500, 2), (1 << 17, 0)):
-        iso_mma.iso_decode_attention_mma(q[:1], kc, kc, table[:1], seq[:1], ps, "iso3", 0.5,
-                                         max_seq_len=bound)
-        assert calls[-1][1][-2] == cap
+    with cuda_launch.use_backend(rec):
+        out_cuda = iso_cuda.iso_decode_attention(q, kc, kc, table, seq, ps, "iso3", 0.5,
+                                                 split_tokens=forced)
+        out_mma = iso_mma.iso_decode_attention_mma(q, kc, kc, table, seq, ps, "iso3", 0.5,
+                                                   split_tokens=forced)
+        simt, simt_merge, mma, mma_merge = rec.launches
+        # 132 SMs, 4 CTAs per SM at least 256 tokens each: 2 splits of 256 (32-token tiles)
+        want_cuda = (256, 2) if forced is None else (64, 8)
+        # batch 2's row: one wave (2 CTAs per SM, the fallback occupancy off a CUDA device),
+        # at least 256 tokens per split: 2 splits of 256 (forced: in 16-token slices)
+        want_mma = (256, 2) if forced is None else (48, 11)
+        assert simt["name"] == "iso::decode_partial_kernel<3, 2, 4>"
+        assert simt["grid"] == (want_cuda[1], hkv, b) and simt["block"] == 128
+        assert simt["args"][9:11] == list(want_cuda)
+        assert simt_merge["name"] == "iso::decode_merge_kernel<ts::bf16>"
+        assert simt_merge["args"][-2:] == [out_cuda.data_ptr(), out_cuda.stride(0)]
+        warps = iso_mma.mma_config(b)["warps"]
+        assert mma["name"] == f"iso::mma::decode_mma_kernel<2, {warps}, true, true>"
+        assert mma["grid"] == (want_mma[1], hkv, b) and mma["block"] == 32 * warps
+        assert mma["args"][12:14] == list(want_mma) and mma["args"][1] == 1  # q read as bf16
+        assert mma["args"][7] == table.shape[1] and not mma["pdl"]  # not a CUDA device
+        assert mma_merge["name"] == "iso::decode_merge_cols_kernel<ts::bf16, 1>"
+        assert mma_merge["grid"] == (hq, b, d // iso_mma.MERGE_COLS)
+        assert mma_merge["args"][-2:] == [out_mma.data_ptr(), out_mma.stride(0)]
+        for loop, wide in (("tokens", "false, false"), ("tokens_wide", "true, false"),
+                           ("tokens_pad", "true, true")):
+            iso_mma.iso_decode_attention_mma(q, kc, kc, table, seq, ps, "iso3", 0.5,
+                                             split_tokens=forced, loop=loop)
+            assert rec.launches[-2]["name"].endswith(f"{warps}, {wide}>")
+        for w in iso_mma.WARPS:  # the warps argument picks the kernel
+            iso_mma.iso_decode_attention_mma(q, kc, kc, table, seq, ps, "iso3", 0.5,
+                                             split_tokens=forced, warps=w)
+            assert rec.launches[-2]["name"].startswith(f"iso::mma::decode_mma_kernel<2, {w},")
+        # one sequence below 96k tokens: the row's 2 CTAs per SM, capped by padding the
+        # dynamic shared memory (the recorder's kernels need none); from 96k one full wave
+        for bound, smem in ((500, rec.smem_per_sm // 3 - rec.reserved_smem_per_block + 1),
+                            (1 << 17, 0)):
+            iso_mma.iso_decode_attention_mma(q[:1], kc, kc, table[:1], seq[:1], ps, "iso3",
+                                             0.5, max_seq_len=bound)
+            assert rec.launches[-2]["smem"] == smem
     assert out_cuda.shape == out_mma.shape == (b, hq, d) and out_cuda.dtype == q.dtype
 
 
 def test_dependent_launches_on_sm90_only(monkeypatch) -> None:
     cuda = torch.device("cuda", 0)
+    monkeypatch.delenv("TINYSERVE_CUDA_ARCH", raising=False)
     for cap, want in (((9, 0), 1), ((10, 0), 1), ((8, 9), 0), ((8, 0), 0)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev, cap=cap: cap)
         assert iso_mma._pdl(cuda, None) == want
         assert iso_mma._pdl(cuda, True) == want
         assert iso_mma._pdl(cuda, False) == 0
+    # an older GPU's paths on this one: no dependent launches below sm_90
+    monkeypatch.setenv("TINYSERVE_CUDA_ARCH", "sm_86")
+    assert iso_mma._pdl(cuda, True) == 0
+    monkeypatch.setenv("TINYSERVE_CUDA_ARCH", "junk")
+    with pytest.raises(ValueError, match="TINYSERVE_CUDA_ARCH"):
+        iso_mma._pdl(cuda, True)
+    monkeypatch.delenv("TINYSERVE_CUDA_ARCH")
     monkeypatch.setattr(iso_mma, "DEPENDENT_LAUNCHES", False)
     assert iso_mma._pdl(cuda, None) == 0
     assert iso_mma._pdl(torch.device("cpu"), True) == 0

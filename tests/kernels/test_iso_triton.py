@@ -131,16 +131,17 @@ def test_kernels_build_for_sm90(bits: int) -> None:
                  BLOCK_T=it.BLOCK_T)
     cases = [(it._iso_decode_partial, shape, it.NUM_WARPS),
              (it.iso_decode_partial_fields, shape, it.NUM_WARPS),
-             (it._iso_decode_merge, dict(HQ=16, D=256, BLOCK_S=16, FIELD_MAJOR=True), 4)]
+             (it.decode_merge_kernel, dict(HQ=16, D=256, BLOCK_S=16, FIELD_MAJOR=True,
+                                           IS_ROTATED=True), 4)]
     for jf, consts, warps in cases:
         sig = {n: "constexpr" if n in consts else _TYPES.get(n, "i32") for n in jf.arg_names}
         opts = {"num_warps": warps}
-        if jf is not it._iso_decode_merge and it.MAXNREG:
+        if jf is not it.decode_merge_kernel and it.MAXNREG:
             opts["maxnreg"] = it.MAXNREG
         k = compile_sm90(jf, sig, consts, **opts)
         assert k.metadata.shared <= 227 * 1024
         usage = resource_usage(k, f"iso_{jf.fn.__name__}_{bits}")
         if usage is not None:
             print(f"\n{jf.fn.__name__} iso{bits}: {usage.strip().splitlines()[-1].strip()}")
-            if jf is it._iso_decode_merge:
+            if jf is it.decode_merge_kernel:
                 assert not usage_field(usage, "STACK"), usage

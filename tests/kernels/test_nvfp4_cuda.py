@@ -1,68 +1,60 @@
 """The CUDA NVFP4 kernels (csrc/nvfp4_gemv.cu, nvfp4_moe.cu) against the torch references.
 
-Every check runs twice: on the CPU, the kernel compiled under the CUDA emulation
-(cuda_emu/emu.h, fp16 arithmetic emulated) at small shapes and every rows-per-warp variant;
-on a GPU, at the 35B-A3B shapes. Outputs are poisoned with NaN and rows past N must stay
-untouched. Bounds: one-hot x with a power-of-two global scale is bit-exact (every code at every
-nibble position, every non-NaN scale byte); random x within relative Frobenius error 3e-3
-(fp16 products and 8-term sums, then fp32); the MoE decode within 5e-3 (its intermediate is
-rounded to fp16 too).
+Every check runs twice through the library's launchers: on the CPU, the kernels compiled
+under the CUDA emulation (emulation.py, fp16 arithmetic emulated) at small shapes and every
+rows-per-warp variant; on a GPU, at the 35B-A3B shapes. Outputs are poisoned with NaN and rows
+past N must stay untouched. Bounds: one-hot x with a power-of-two global scale is bit-exact
+(every code at every nibble position, every non-NaN scale byte); random x within relative
+Frobenius error 3e-3 (fp16 products and 8-term sums, then fp32); the MoE decode within 5e-3
+(its intermediate is rounded to fp16 too).
 """
 
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 
 import pytest
 import torch
 
 from tests.kernels import emulation
+from tests.kernels.sm90_build import ptxas_entries
 from tinyserve.core import NVFP4Weight
-from tinyserve.kernels import nvfp4_cuda
+from tinyserve.kernels import cuda_launch, nvfp4_cuda
 from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4
 
 BOUND = 3e-3
-DTYPES = {torch.bfloat16: 1, torch.float16: 2}
+DTYPES = (torch.bfloat16, torch.float16)
 SHAPES = {"qkvz": (8192, 2048), "o_proj": (2048, 4096), "gate_up": (1024, 2048),
           "lm_head": (248320, 2048), "odd": (1000, 1024)}
 
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
-    lib = emulation.build(nvfp4_cuda._SOURCES, tmp_path_factory.mktemp("nvfp4_emu"),
-                          defines=("TINYSERVE_CUDA_EMU",))
-    for name, args in nvfp4_cuda._SIGNATURES:
-        getattr(lib, name).argtypes = list(args)
-    return lib
+    return emulation.EmuBackend(tmp_path_factory.mktemp("nvfp4_emu"))
 
 
 @pytest.fixture(params=["emu", pytest.param("cuda", marks=pytest.mark.requires_cuda)])
-def gemv(request):
+def device(request):
+    """"cuda", or "cpu" with the emulated kernels installed."""
+    if request.param == "cuda":
+        yield "cuda"
+    else:
+        with cuda_launch.use_backend(request.getfixturevalue("emulated")):
+            yield "cpu"
+
+
+@pytest.fixture
+def gemv(device):
     """gemv(x [1, K], w, rows_per_warp) -> y [1, N], written into a NaN-poisoned buffer one
     row longer than N whose last row is checked to stay NaN."""
-    if request.param == "cuda":
-        def launch(x, w, r, y):
-            nvfp4_cuda.gemv_one_row(x, w, rows_per_warp=r, out=y)
-    else:
-        lib = request.getfixturevalue("emulated")
-
-        def launch(x, w, r, y):
-            n, k = w.packed.shape[0], w.packed.shape[1] * 2
-            rc = lib.tinyserve_nvfp4_gemv(w.packed.data_ptr(), w.block_scale.data_ptr(),
-                                          x.data_ptr(), y.data_ptr(), float(w.global_scale),
-                                          n, k, DTYPES[x.dtype], r, 0, None)
-            assert rc == 0
-
     def run(x, w, r):
         n = w.packed.shape[0]
         buf = torch.full((1, n + 1), float("nan"), dtype=x.dtype, device=x.device)
-        launch(x, w, r, buf[:, :n])
+        nvfp4_cuda.gemv_one_row(x, w, rows_per_warp=r, out=buf[:, :n])
         assert torch.isnan(buf[0, n]), "a row past N was written"
         return buf[:, :n]
 
-    run.device = "cuda" if request.param == "cuda" else "cpu"
+    run.device = device
     return run
 
 
@@ -241,29 +233,19 @@ def moe_layer(h: int, f: int, experts: int, device: str):
     return slots, slot_of, single_expert_slots(*expert())
 
 
-@pytest.fixture(params=["emu", pytest.param("cuda", marks=pytest.mark.requires_cuda)])
-def moe(request):
-    """moe(x, ids, wts, topk, slots, shared, logit) -> [N, H] through the CUDA MoE decode
-    (the emulated library on the CPU), its intermediate poisoned with NaN."""
-    if request.param == "cuda":
-        def run(x, ids, wts, topk, slots, shared, logit, down_rows=2):
-            return nvfp4_cuda.moe_decode(x, ids.reshape(-1), wts.reshape(-1), topk, slots,
-                                         shared, logit, down_rows=down_rows)
-    else:
-        lib = request.getfixturevalue("emulated")
+@pytest.fixture
+def moe(device, monkeypatch):
+    """moe(x, ids, wts, topk, slots, shared, logit) -> [N, H] through the CUDA MoE decode (the
+    emulated kernels on the CPU), its intermediate and output poisoned with NaN."""
+    buffers = nvfp4_cuda.moe_buffers
+    monkeypatch.setattr(nvfp4_cuda, "moe_buffers",
+                        lambda *a: tuple(t.fill_(float("nan")) for t in buffers(*a)))
 
-        def run(x, ids, wts, topk, slots, shared, logit, down_rows=2):
-            n, h, f = x.shape[0], slots.hidden_size, slots.intermediate_size
-            kp = topk + (shared is not None)
-            inter = torch.full((n * kp, f), float("nan"))
-            out = torch.full((n, h), float("nan"), dtype=x.dtype)
-            rc = lib.tinyserve_nvfp4_moe_decode(
-                *nvfp4_cuda.moe_arguments(x, ids, wts, topk, slots, shared, logit, inter, out),
-                down_rows, 0, None)
-            assert rc == 0
-            return out
+    def run(x, ids, wts, topk, slots, shared, logit, down_rows=2):
+        return nvfp4_cuda.moe_decode(x, ids.reshape(-1), wts.reshape(-1), topk, slots, shared,
+                                     logit, down_rows=down_rows)
 
-    run.device = "cuda" if request.param == "cuda" else "cpu"
+    run.device = device
     return run
 
 
@@ -333,22 +315,21 @@ def test_moe_decode_graph_dependent_and_repeats(poison):
 
 
 @pytest.mark.slow
-def test_kernels_build_for_sm90_within_their_occupancy(tmp_path):
-    """nvcc (no GPU needed) builds every NVFP4 kernel for sm_90 without register spills and
+def test_kernels_build_for_sm90_within_their_occupancy():
+    """NVRTC (no GPU needed) builds every NVFP4 kernel for sm_90 without register spills and
     within the registers of its CTAs per SM: the GEMV and the MoE gate_up hold all of their
     weight pieces in registers (2 CTAs of 256 threads: 128; gate_up 3 CTAs: 80)."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("no nvcc")
-    for source in nvfp4_cuda._SOURCES:
-        res = subprocess.run([nvcc, "-std=c++17", "-O3", "-arch=sm_90", "-c", "-Xptxas", "-v",
-                              "-I", str(emulation.CSRC), "-o", str(tmp_path / "k.o"),
-                              str(emulation.CSRC / source)], capture_output=True, text=True)
-        assert res.returncode == 0, res.stderr[-3000:]
-        entries = re.split(r"Compiling entry function '", res.stderr)[1:]
-        assert entries, res.stderr[-3000:]
-        for entry in entries:
-            name = entry.split("'")[0]
-            assert not re.search(r"[1-9]\d* bytes spill stores", entry), (name, entry[-500:])
-            regs = int(re.search(r"Used (\d+) registers", entry).group(1))
-            assert regs <= (80 if "moe_gate_up" in name else 128), (name, regs)
+    fmts = ("nvfp4::Bf16", "nvfp4::Fp16")
+    gemv = [f"nvfp4::nvfp4_gemv_one_row<{t}, {k // 1024}, {r}>" for t in fmts
+            for k in nvfp4_cuda.KS for r in nvfp4_cuda.allowed_rows_per_warp(k)]
+    gate_up = [f"nvfp4::moe_gate_up<{t}, {h // 1024}>" for t in fmts for h in nvfp4_cuda.MOE_HS]
+    down = [f"nvfp4::moe_down<{t}, {f}, {r}>" for t in fmts for f in nvfp4_cuda.MOE_FS
+            for r in (1, 2)]
+    entries = (ptxas_entries(nvfp4_cuda.GEMV, gemv)
+               + ptxas_entries(nvfp4_cuda.MOE, gate_up + down))
+    assert len(entries) == len(gemv) + len(gate_up) + len(down)
+    for entry in entries:
+        name = entry.split("'")[1]
+        assert not re.search(r"[1-9]\d* bytes spill stores", entry), (name, entry[-500:])
+        regs = int(re.search(r"Used (\d+) registers", entry).group(1))
+        assert regs <= (80 if "moe_gate_up" in name else 128), (name, regs)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from tinyserve.engine.config import EngineConfig
+from tinyserve.engine.device_memory import reference_device
+from tinyserve.engine.planner import plan_checkpoint
 from tinyserve.model.config import load_config
 from tinyserve.model.loader import CheckpointReader
-from tinyserve.offload.planner import GiB, PlanConfig, plan_checkpoint
 from tinyserve.offload.store import HostExpertStore
 from tinyserve.testing.fullsize import write_fullsize_checkpoint
 
@@ -24,7 +26,22 @@ def test_one_layer_with_the_real_shapes(tmp_path) -> None:
         torch.float8_e4m3fn
     scales = reader.get("model.layers.0.mlp.experts.0.gate_proj.weight_scale")
     assert ((scales >= 0x30) & (scales < 0x40)).all()  # E4M3 in [0.5, 1.875]
-    plan = plan_checkpoint(path, PlanConfig(gpu_memory=2 * GiB, kv="iso3"))
+    engine = EngineConfig(model=str(path), kv="iso3", gpu_memory="2GiB", device="cuda")
+    plan = plan_checkpoint(engine, path, reference_device(engine))
     assert plan.expert_slot_bytes == 1_769_484 and plan.num_routed_experts == 256
     store = HostExpertStore.from_checkpoint(path, config, pin=False)
     assert store.complete and store.slots.w13.shape == (256, 1024, 1024)
+
+
+def test_sparse_checkpoint_has_the_same_headers(tmp_path) -> None:
+    """`sparse=True`: the headers of the real checkpoint over holes (for the planner)."""
+    kw = dict(layers=1, vocab_size=1024, max_shard_bytes=1 << 28)
+    dense = write_fullsize_checkpoint(tmp_path / "dense", **kw)
+    sparse = write_fullsize_checkpoint(tmp_path / "sparse", sparse=True, **kw)
+    a, b = CheckpointReader(dense), CheckpointReader(sparse)
+    assert a.names() == b.names()
+    assert all(a.tensor_info(n) == b.tensor_info(n) for n in a.names())
+    files = sorted(sparse.glob("*.safetensors"))
+    assert [f.stat().st_size for f in files] == \
+        [f.stat().st_size for f in sorted(dense.glob("*.safetensors"))]
+    assert sum(f.stat().st_blocks * 512 for f in files) < sum(f.stat().st_size for f in files) / 4

@@ -1,6 +1,6 @@
 """Hand-written bad input: malformed and invalid bodies, wrong types, out-of-range values,
-oversized and deeply nested bodies, unknown models and fields. No 5xx; every 4xx is an OpenAI
-error object; the server keeps serving afterwards."""
+oversized and deeply nested bodies, unknown models and fields. No 5xx; every 4xx is the API's
+error object (OpenAI's, Anthropic's on /v1/messages); the server keeps serving afterwards."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from tests.reliability import report
 from tests.reliability.client import AUTH, MODEL, raw_request
 from tests.reliability.pools import leaks
+from tinyserve.server.errors import ANTHROPIC_TYPES, is_anthropic_path
 
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"
 MSGS = [{"role": "user", "content": "hi"}]
@@ -27,8 +28,17 @@ def comp(**kw: Any) -> dict:
 
 
 def assert_error_object(r: httpx.Response) -> dict:
-    """The body of a 4xx/5xx must be {"error": {"message", "type", "param", "code"}}."""
+    """The body of a 4xx/5xx must be the API's error object: OpenAI's {"error": {"message",
+    "type", "param", "code"}}, or on the Anthropic routes Anthropic's {"type": "error",
+    "error": {"type", "message"}}. Returns the inner object."""
     body = r.json()
+    if is_anthropic_path(r.request.url.path):
+        assert set(body) == {"type", "error"} and body["type"] == "error", body
+        err = body["error"]
+        assert set(err) == {"type", "message"}, err
+        assert isinstance(err["message"], str) and err["message"], err
+        assert err["type"] in set(ANTHROPIC_TYPES.values()) | {"api_error"}, err
+        return err
     assert set(body) == {"error"}, body
     err = body["error"]
     assert set(err) >= {"message", "type", "param", "code"}, err

@@ -1,6 +1,7 @@
 """Fuzzing the HTTP API on the real engine (tiny model, 64-token context): no request may get a
-5xx, every 4xx is an OpenAI error object, every 200 is strict JSON (or SSE of strict JSON
-ending with [DONE]), and the server keeps serving.
+5xx, every 4xx is the API's error object (OpenAI's, Anthropic's on /v1/messages), every 200 is
+strict JSON (or SSE of strict JSON ending as the API ends a stream), and the server keeps
+serving.
 
 - Schemathesis against the schema the app serves at GET /openapi.json (fetched through the
   app with the key; the cases go to the real server; bounded, derandomized, fixed seed),
@@ -72,9 +73,15 @@ def strict_json(text: str) -> Any:
     return json.loads(text, parse_constant=refuse)
 
 
+_LAST_EVENT = {"/v1/messages": ("message_stop",),
+               "/v1/responses": ("response.completed", "response.incomplete")}
+
+
 def check_response(r: httpx.Response, path: str, *, fuzzed: bool = True) -> None:
-    """No 5xx; a 4xx is an OpenAI error object; a generation 200 is strict JSON or SSE
-    ending with [DONE], and counts what it generated. `fuzzed`: count it as a bad input."""
+    """No 5xx; a 4xx is the API's error object; a generation 200 is strict JSON or SSE of
+    strict JSON ending as the API ends a stream that went well ([DONE], message_stop,
+    response.completed / incomplete), and counts what it generated. `fuzzed`: count it as a
+    bad input."""
     report.add("bad_inputs_tried" if fuzzed else "requests_served")
     STATUSES[r.status_code] = STATUSES.get(r.status_code, 0) + 1
     if r.status_code >= 500:
@@ -83,18 +90,28 @@ def check_response(r: httpx.Response, path: str, *, fuzzed: bool = True) -> None
     if 400 <= r.status_code < 500:
         assert_error_object(r)
         return
-    if r.status_code != 200 or not path.endswith("completions"):
+    if r.status_code != 200:
+        return
+    if path not in _LAST_EVENT and not path.endswith("completions"):
+        if r.headers["content-type"].startswith("application/json"):
+            strict_json(r.text)
         return
     if r.headers["content-type"].startswith("text/event-stream"):
         events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
-        assert events and events[-1] == "[DONE]", r.text[-500:]
-        chunks = [strict_json(e) for e in events[:-1]]
-        assert not any("error" in c for c in chunks), r.text[-500:]
-        tokens = sum(1 for c in chunks for ch in c.get("choices") or ()
-                     if ch.get("text") or (ch.get("delta") or {}).keys() - {"role"})
+        if path in _LAST_EVENT:
+            chunks = [strict_json(e) for e in events]
+            assert chunks and chunks[-1]["type"] in _LAST_EVENT[path], r.text[-500:]
+            last = chunks[-1].get("response") or chunks[-2]  # message_delta before the stop
+            tokens = last["usage"]["output_tokens"]
+        else:
+            assert events and events[-1] == "[DONE]", r.text[-500:]
+            chunks = [strict_json(e) for e in events[:-1]]
+            assert not any("error" in c for c in chunks), r.text[-500:]
+            tokens = sum(1 for c in chunks for ch in c.get("choices") or ()
+                         if ch.get("text") or (ch.get("delta") or {}).keys() - {"role"})
     else:
-        body = strict_json(r.text)
-        tokens = body["usage"]["completion_tokens"]
+        usage = strict_json(r.text)["usage"]
+        tokens = usage.get("completion_tokens", usage.get("output_tokens"))
     GENERATED["requests"] += 1
     GENERATED["tokens"] += tokens
 

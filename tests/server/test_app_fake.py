@@ -190,7 +190,10 @@ BAD_BODIES = {
     "top_logprobs_range": ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     "json_schema": ({"response_format": {"type": "json_schema", "json_schema": {}}},
                     "response_format"),
-    "tool_choice_required": ({"tool_choice": "required", "tools": TOOLS}, "tool_choice"),
+    "tool_choice_required_no_tools": ({"tool_choice": "required"}, "tool_choice"),
+    "tool_choice_unknown_function": ({"tools": TOOLS, "tool_choice": {
+        "type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
+    "tool_choice_bad_form": ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
     "functions": ({"functions": [{"name": "f"}]}, "functions"),
     "temperature_range": ({"temperature": -1}, "temperature"),
     "top_p_range": ({"top_p": 1.5}, "top_p"),
@@ -535,5 +538,5 @@ def test_openapi_schema_is_served_and_says_what_the_server_answers(make_server):
         assert model["additionalProperties"] is False  # unknown fields are refused
         temperature = model["properties"]["temperature"]["anyOf"][0]
         assert (temperature["minimum"], temperature["maximum"]) == (0, 2)
-    assert schema["security"] == [{"bearer": []}]
+    assert schema["security"] == [{"bearer": []}, {"apiKey": []}]  # either header
     assert schema["paths"]["/health"]["get"]["security"] == []

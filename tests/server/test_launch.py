@@ -75,8 +75,11 @@ def test_run_serves_a_checkpoint(tiny_checkpoint):
     finally:
         code, out, err = _stop(proc)
     assert code in (0, 130), err  # 130: uvicorn re-raises the SIGINT after a clean shutdown
-    assert f"http://127.0.0.1:{port}/v1" in out and "KV cache (bf16)" in out
-    assert "loading weights" in err
+    assert f"http://127.0.0.1:{port}/v1" in out
+    # the plan first (what `tinyserve plan` prints for these flags), then the bar
+    assert out.index("memory plan for the CPU") < out.index(f"http://127.0.0.1:{port}/v1")
+    assert "context 2,048 tokens per sequence, 2 sequences at a time" in out
+    assert "loading weights: 100%" in err
 
 
 def test_run_bad_model_fails_with_one_line(tmp_path):

@@ -30,35 +30,82 @@ from tinyserve.testing.provenance import current_commit
 
 
 def bench_command(args: Any) -> int:
-    """Run the benchmark described by CLI `args`; prints a summary (or JSON with --json)."""
+    """Run the benchmark described by CLI `args`; prints the memory plan, then a summary
+    (or everything as JSON with --json). With `--bandwidth` only the expert bandwidth probe
+    runs (`bandwidth_command`)."""
+    if getattr(args, "bandwidth", False):
+        return bandwidth_command(args)
     result, plan = bench_from_args(args)
-    print(json.dumps(result, indent=2) if args.json else format_result(result))
-    if plan is not None and not args.json:
-        print(f"memory plan\n{plan.format()}")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"{plan.format()}\n{format_result(result)}")
+    return 0
+
+
+def bench_config(args: Any) -> EngineConfig:
+    """The engine config of CLI `args`: the one `tinyserve run` makes with the same flags
+    (so the same memory plan), with `--batch` sequences when it is more than one."""
+    if min(args.prompt_len, args.gen_len, args.batch) < 1:
+        raise ValueError("--prompt-len, --gen-len and --batch must be >= 1")
+    overrides: dict[str, Any] = {}
+    if args.batch > 1:
+        overrides["max_seqs"] = max(args.batch, getattr(args, "max_seqs", None) or 0)
+    return EngineConfig.from_args(args, **overrides)
+
+
+def bandwidth_command(args: Any) -> int:
+    """`tinyserve bench MODEL --bandwidth`: the start-up probe of `offload.bandwidth` on a
+    random store of the model's expert geometry (at most 4 GiB; pinned on CUDA), and the
+    plan each mode gets from it; the checkpoint's config alone is read."""
+    from tinyserve.model.config import load_config
+    from tinyserve.model.loader import resolve_model_path
+    from tinyserve.offload import bandwidth, hybrid
+    from tinyserve.offload.gpu_cache import DeviceExpertCache
+
+    mcfg = load_config(resolve_model_path(args.model))
+    store = bandwidth.synthetic_store(mcfg)
+    cache = None
+    device = EngineConfig.from_args(args).resolved_device
+    if device.startswith("cuda"):
+        cache = DeviceExpertCache(store, mcfg.num_experts, device=device)
+    top_k = mcfg.num_experts_per_tok
+    runner = hybrid.CpuExperts(store, device=device)
+    bw = bandwidth.probe(store, top_k, cache=cache, runner=runner)
+    modes = {m: hybrid.plan_split(bw, m, top_k) for m in (None, "gpu", "cpu", "hybrid")
+             if bw.h2d is not None or m != "hybrid"}
+    result = {"bandwidths": bw.as_dict(), "store_bytes": store.nbytes,
+              "plans": {str(m or "auto"): p.as_dict() for m, p in modes.items()},
+              "device": torch.cuda.get_device_name() if cache is not None else "cpu",
+              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "commit": current_commit()}
+    print(json.dumps(result, indent=2) if args.json else modes[None].format())
     return 0
 
 
 def bench_from_args(args: Any) -> tuple[dict[str, Any], Any]:
     """Build the engine that CLI `args` describe, measure one batch (`run_bench`) and shut it
-    down; returns the result (with the engine's config and memory plan) and the plan (None
-    without one)."""
-    if min(args.prompt_len, args.gen_len, args.batch) < 1:
-        raise ValueError("--prompt-len, --gen-len and --batch must be >= 1")
-    overrides: dict[str, Any] = {"max_seqs": max(args.batch, getattr(args, "max_seqs", 0) or 0)}
-    if getattr(args, "max_context", None) is None:
-        overrides["max_context"] = args.prompt_len + args.gen_len
-    config = EngineConfig.from_args(args, **overrides)
+    down; returns the result (with the engine's config and memory plan) and the plan.
+    Raises ValueError when a request of the asked lengths does not fit the plan's context."""
+    config = bench_config(args)
     engine = build_engine(config).start()
     try:
+        need = args.prompt_len + args.gen_len
+        if need > engine.max_context:
+            raise ValueError(f"--prompt-len {args.prompt_len} + --gen-len {args.gen_len} = "
+                             f"{need} tokens, but the plan holds {engine.max_context} per "
+                             f"sequence: lower them or raise --max-context")
         result = run_bench(engine, prompt_len=args.prompt_len, gen_len=args.gen_len,
                            batch=args.batch)
     finally:
         engine.shutdown()
-    result["config"] = {"model": config.model, "kv": config.kv, "device": config.resolved_device,
-                        "max_seqs": config.max_seqs, "max_context": engine.max_context}
-    plan = getattr(engine, "memory_plan", None)
-    if plan is not None:
-        result["memory_plan"] = plan.as_dict()
+    plan = engine.memory_plan
+    result["config"] = {"model": config.model, "kv": config.kv, "device": plan.device,
+                        "max_seqs": plan.max_seqs, "max_context": engine.max_context}
+    result["memory_plan"] = plan.as_dict()
+    experts_plan = getattr(engine.runner.model.experts, "hybrid_plan", None)
+    if experts_plan is not None:
+        result["experts"] = experts_plan.as_dict()
     return result, plan
 
 
@@ -152,8 +199,11 @@ def _expert_cache(engine: Engine, before: Any) -> dict[str, Any] | None:
     after = engine.stats()
     if getattr(after, "expert_cache_hits", None) is None:
         return None
-    return {k: getattr(after, f"expert_cache_{k}") - (getattr(before, f"expert_cache_{k}") or 0)
-            for k in ("hits", "misses", "h2d_bytes")}
+    out = {k: getattr(after, f"expert_cache_{k}") - (getattr(before, f"expert_cache_{k}") or 0)
+           for k in ("hits", "misses", "h2d_bytes")}
+    cpu = getattr(after, "expert_cpu_computed", None)
+    out["cpu_computed"] = None if cpu is None else cpu - (before.expert_cpu_computed or 0)
+    return out
 
 
 def format_result(r: dict[str, Any]) -> str:
@@ -173,6 +223,10 @@ def format_result(r: dict[str, Any]) -> str:
         *([f"expert misses     {r['expert_cache']['misses']:,} "
            f"({r['expert_cache']['h2d_bytes'] / 2**30:.2f} GiB host to device)"]
           if r.get("expert_cache") else []),
+        *([f"experts on CPU    {r['expert_cache']['cpu_computed']:,} "
+           f"({r['experts']['mode']})"]
+          if r.get("expert_cache") and r["expert_cache"].get("cpu_computed") is not None
+          and r.get("experts") else []),
         f"engine steps      {r['steps']} ({r.get('graphs_captured', 0)} graphs captured)",
     ]
     return "\n".join(lines)

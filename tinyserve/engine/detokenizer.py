@@ -28,8 +28,8 @@ class Tokenizer(Protocol):
 
 class IncrementalDetokenizer:
     """Per-request decoder. `add(ids)` returns the new text that is safe to emit; once a stop
-    string matched, `stopped` is True and nothing more is emitted. `finish()` returns the text
-    still held back when the request ends for another reason.
+    string matched, `stopped` is True, `matched` is that string and nothing more is emitted.
+    `finish()` returns the text still held back when the request ends for another reason.
     """
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), *,
@@ -38,6 +38,7 @@ class IncrementalDetokenizer:
         self.stop = tuple(s for s in stop if s)
         self.skip_special_tokens = skip_special_tokens
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
         self._max_stop = max((len(s) for s in self.stop), default=0)
         self._decode_fn = _decoder(tokenizer, skip_special_tokens)
         self._ids: list[int] = []
@@ -96,9 +97,10 @@ class IncrementalDetokenizer:
             start = max(0, self._emitted - self._max_stop + 1)
             # (end, start) of each stop string's first match: the one that completes first
             # wins, as if the text came one character at a time (ties: the longest).
-            hits = [(i + len(s), i) for s in self.stop if (i := self._text.find(s, start)) >= 0]
+            hits = [(i + len(s), i, s) for s in self.stop
+                    if (i := self._text.find(s, start)) >= 0]
             if hits:
-                end = min(hits)[1]
+                _, end, self.matched = min(hits)
                 self._text = self._text[:end]
                 self.stopped = True
             elif not final:

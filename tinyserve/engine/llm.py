@@ -34,11 +34,12 @@ class LLM:
     Args:
         model: checkpoint directory or Hugging Face repo id.
         kv, device, max_context, max_seqs, gpu_memory: as in `EngineConfig` (None keeps its
-            default); `engine_kwargs` sets any other EngineConfig field.
+            default); `engine_kwargs` sets any other EngineConfig field. The memory plan is
+            the one `tinyserve run` makes with the same settings (`engine.memory_plan`).
     Raises ValueError / FileNotFoundError when the checkpoint or the settings are unusable.
     """
 
-    def __init__(self, model: str, *, kv: str = "bf16", device: str | None = None,
+    def __init__(self, model: str, *, kv: str | None = None, device: str | None = None,
                  max_context: int | None = None, max_seqs: int | None = None,
                  gpu_memory: str | int | None = None, **engine_kwargs: Any) -> None:
         given = dict(kv=kv, device=device, max_context=max_context, max_seqs=max_seqs,

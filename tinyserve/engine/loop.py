@@ -77,7 +77,7 @@ class EngineParts:
     state_pool: Any = None
     snapshot_slots: tuple[int, ...] = ()
     snapshot_interval: int = 0
-    memory_plan: Any = None  # offload.planner.MemoryPlan on CUDA, else None
+    memory_plan: Any = None  # engine.memory_plan.MemoryPlan
 
 
 @dataclass(frozen=True)
@@ -112,6 +112,7 @@ class EngineStats:
     expert_cache_hits: int | None = None  # routed-expert lookups found in a GPU slot
     expert_cache_misses: int | None = None  # ... copied in from the host store
     expert_cache_h2d_bytes: int | None = None  # bytes copied host -> device for misses
+    expert_cpu_computed: int | None = None  # misses computed on the CPU (hybrid experts)
 
 
 class _Done:
@@ -157,7 +158,7 @@ class Engine:
         self.scheduler = Scheduler(
             pages=pages, slots=PageAllocator(parts.num_state_slots),
             page_size=config.page_size, max_context=parts.max_context,
-            max_seqs=config.max_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_seqs=parts.num_state_slots, max_num_batched_tokens=config.max_num_batched_tokens,
             eos_token_ids=parts.eos_token_ids, prefix_cache=self.prefix_cache)
         self._vocab = getattr(parts.model_config, "vocab_size", None)
         self._inbox: list[tuple] = []
@@ -321,7 +322,8 @@ class Engine:
         es = getattr(experts, "stats", None)
         if es is not None and hasattr(es, "hit_rate"):
             cache.update(expert_cache_hit_rate=float(es.hit_rate), expert_cache_hits=es.hits,
-                         expert_cache_misses=es.misses, expert_cache_h2d_bytes=es.h2d_bytes)
+                         expert_cache_misses=es.misses, expert_cache_h2d_bytes=es.h2d_bytes,
+                         expert_cpu_computed=getattr(experts, "cpu_computed", None))
         return EngineStats(
             running=len(s.running),
             waiting=len(s.waiting) + sum(item[0] == "add" for item in list(self._inbox)),
@@ -496,7 +498,7 @@ class Engine:
         live.handle.put(RequestOutput(
             ev.request_id, [ev.token_id], text, reason is not None, reason, None,
             live.handle.prompt_tokens, live.completion_tokens, ev.cached_tokens,
-            [ev.logprobs] if ev.logprobs is not None else []))
+            [ev.logprobs] if ev.logprobs is not None else [], live.detok.matched))
         if reason is not None:
             del self._live[ev.request_id]
             self._counts["finished"] += 1

@@ -21,7 +21,8 @@ class RequestOutput:
     "stop" | "length" | "abort" | "error" on the last item, else None. error: the message when
     finish_reason is "error". prompt_tokens / completion_tokens: totals so far. cached_tokens:
     prompt tokens served from the prefix cache. logprobs: one entry per new token when the
-    request asks for them, else empty.
+    request asks for them, else empty. stop_str: the stop string that ended the request
+    (finish_reason "stop"), None when an EOS or stop token did.
     """
 
     request_id: str
@@ -34,6 +35,7 @@ class RequestOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    stop_str: str | None = None
 
 
 class RequestHandle:

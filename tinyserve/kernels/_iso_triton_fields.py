@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tinyserve.kernels._iso_triton_common import kv_rows, split_program
+from tinyserve.kernels._decode_triton_common import kv_rows, split_program
 
 
 @triton.jit

@@ -1,19 +1,25 @@
-"""Build the plain-CUDA kernels of `csrc/` at first use and load them with ctypes.
+"""Compile the CUDA kernels of `csrc/` with NVRTC at first use: no CUDA toolkit, no host compiler.
 
-A library is a set of .cu sources (no torch headers, extern "C" launchers that return 0 or an
-error code) compiled by nvcc for the running GPU's architecture into a shared library cached
-in TINYSERVE_CACHE_DIR, keyed by a hash of its sources and headers. Launchers pass torch's
-current stream, so the kernels can be captured in CUDA graphs. Nothing here runs at import.
+torch's CUDA wheels bring NVRTC (the `nvidia-cuda-nvrtc*` package); it turns a kernel source
+(csrc/*.cu with its headers, no toolkit header needed: prelude.cuh) into a cubin for the GPU's
+architecture, or into PTX for an older one that the driver compiles when it loads it (the
+`TINYSERVE_CUDA_ARCH` mode that runs another generation's code on this GPU). One compile per
+kernel instance: a template's name expression (`iso::store_kernel<3, float, int>`) with the
+`__device__` variables its launcher reads; the result is cached in TINYSERVE_CACHE_DIR keyed by
+the sources, the name expressions, the target and the NVRTC version. `cuda_launch` loads and
+launches what this returns. Nothing here runs at import.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import glob
 import hashlib
+import json
 import os
-import shutil
-import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from tinyserve import envs
@@ -22,44 +28,156 @@ from tinyserve.log import get_logger
 log = get_logger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
+OPTIONS = ("-std=c++17",)  # besides the target and the include path
+
+# The library's file names, newest first (Linux; Windows names them nvrtc64_*).
+_SONAMES = ("libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so")
+_INSTALL_HINT = ("install NVIDIA's NVRTC wheel matching torch's CUDA (pip install "
+                 "nvidia-cuda-nvrtc-cu12 for CUDA 12 builds of torch, nvidia-cuda-nvrtc for "
+                 "CUDA 13)")
 
 
-def nvcc() -> str:
-    """The nvcc on PATH or under torch's CUDA_HOME; RuntimeError when there is none."""
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    from torch.utils.cpp_extension import CUDA_HOME
+class KernelBuildError(RuntimeError):
+    """NVRTC is missing or a kernel did not compile."""
 
-    if CUDA_HOME and Path(CUDA_HOME, "bin", "nvcc").exists():
-        return str(Path(CUDA_HOME, "bin", "nvcc"))
-    raise RuntimeError("the CUDA kernels need nvcc (CUDA toolkit) to build on first use")
+
+@dataclass(frozen=True)
+class Built:
+    """A compiled kernel instance: the image (cubin, or PTX text with `is_ptx`) and the
+    mangled names of the requested name expressions."""
+
+    image: bytes
+    is_ptx: bool
+    lowered: dict[str, str]
+    log: str
+
+
+def _candidates() -> list[str]:
+    """Where libnvrtc may be: the names the loader resolves (torch preloads its own), then the
+    nvidia-* wheels in site-packages, then a toolkit under CUDA_HOME."""
+    found = list(_SONAMES)
+    roots = [p for p in sys.path if p.endswith("site-packages")]
+    for root in roots:
+        found += sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libnvrtc.so*")),
+                        reverse=True)
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home:
+            found += sorted(glob.glob(os.path.join(home, "lib64", "libnvrtc.so*")), reverse=True)
+    return [f for f in found if "alt" not in os.path.basename(f) and "builtins" not in f]
 
 
 @functools.cache
-def library(name: str, sources: tuple[str, ...], headers: tuple[str, ...],
-            signatures: tuple[tuple[str, tuple], ...], major: int, minor: int) -> ctypes.CDLL:
-    """csrc/`sources` built for sm_{major}{minor} as lib`name` (cached by the hash of the
-    sources and `headers`), loaded, each (function, ctypes argtypes) of `signatures` typed
-    to return int."""
-    files = [CSRC / s for s in (*sources, *headers)]
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
+def nvrtc() -> ctypes.CDLL:
+    """The NVRTC library; KernelBuildError (one line: what is missing, how to get it) when
+    there is none."""
+    try:
+        import torch  # noqa: F401 - a CUDA build of torch loads its NVRTC first
+    except ImportError:
+        pass
+    for name in _candidates():
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        return lib
+    raise KernelBuildError(f"the CUDA kernels need NVRTC (libnvrtc.so.12 or .13) and none was "
+                           f"found: {_INSTALL_HINT}")
+
+
+def nvrtc_version() -> tuple[int, int]:
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    nvrtc().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return major.value, minor.value
+
+
+@functools.cache
+def supported_archs() -> tuple[int, ...]:
+    """The architectures this NVRTC compiles for (e.g. 75, 80, ..., 120)."""
+    lib = nvrtc()
+    n = ctypes.c_int()
+    _check(lib, lib.nvrtcGetNumSupportedArchs(ctypes.byref(n)), "nvrtcGetNumSupportedArchs")
+    archs = (ctypes.c_int * n.value)()
+    _check(lib, lib.nvrtcGetSupportedArchs(archs), "nvrtcGetSupportedArchs")
+    return tuple(archs)
+
+
+def _check(lib: ctypes.CDLL, rc: int, what: str) -> None:
+    if rc != 0:
+        raise KernelBuildError(f"{what} failed: {lib.nvrtcGetErrorString(rc).decode()}")
+
+
+@functools.cache
+def _sources_digest() -> str:
+    """A hash of every file in csrc/: a change to any header rebuilds every kernel."""
+    h = hashlib.sha256()
+    for f in sorted(CSRC.iterdir()):
+        if f.suffix in (".cu", ".cuh"):
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def _target(arch: int, ptx: bool) -> str:
+    return f"--gpu-architecture={'compute' if ptx else 'sm'}_{arch}"
+
+
+def build(source: str, names: tuple[str, ...], arch: int, *, ptx: bool = False,
+          options: tuple[str, ...] = ()) -> Built:
+    """Compile csrc/`source` for `arch` (e.g. 86) instantiating the name expressions `names`
+    (kernels, and `&`-prefixed `__device__` variables). Cached on disk; KernelBuildError with
+    NVRTC's log when the source does not compile."""
+    opts = (_target(arch, ptx), f"-I{CSRC}", *OPTIONS, *options)
+    key = json.dumps([_sources_digest(), source, names, opts, nvrtc_version()])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
     out_dir = envs.CACHE_DIR.get() / "kernels"
+    image_path = out_dir / f"{Path(source).stem}_{digest}.{'ptx' if ptx else 'cubin'}"
+    names_path = image_path.with_suffix(".json")
+    if image_path.exists() and names_path.exists():
+        meta = json.loads(names_path.read_text())
+        return Built(image_path.read_bytes(), ptx, meta["lowered"], meta["log"])
+    built = _compile(source, names, opts, ptx)
     out_dir.mkdir(parents=True, exist_ok=True)
-    lib_path = out_dir / f"lib{name}_sm{major}{minor}_{digest}.so"
-    if not lib_path.exists():
-        tmp = lib_path.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [nvcc(), "-std=c++17", "-O3", f"-arch=sm_{major}{minor}", "-shared",
-               "-Xcompiler", "-fPIC", "-I", str(CSRC), "-o", str(tmp),
-               *[str(CSRC / s) for s in sources]]
-        log.info("building %s for sm_%d%d", name, major, minor)
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"nvcc failed building {name}:\n{res.stderr[-4000:]}")
-        os.replace(tmp, lib_path)
-    lib = ctypes.CDLL(str(lib_path))
-    for fn_name, args in signatures:
-        fn = getattr(lib, fn_name)
-        fn.argtypes = list(args)
-        fn.restype = ctypes.c_int
-    return lib
+    for path, data in ((image_path, built.image),
+                       (names_path, json.dumps({"lowered": built.lowered,
+                                                "log": built.log}).encode())):
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    return built
+
+
+def _compile(source: str, names: tuple[str, ...], opts: tuple[str, ...], ptx: bool) -> Built:
+    lib = nvrtc()
+    text = (CSRC / source).read_bytes()
+    prog = ctypes.c_void_p()
+    _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), text, source.encode(), 0, None, None),
+           "nvrtcCreateProgram")
+    try:
+        for name in names:
+            _check(lib, lib.nvrtcAddNameExpression(prog, name.encode()),
+                   f"nvrtcAddNameExpression({name})")
+        c_opts = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        log.debug("compiling %s %s (%s)", source, ", ".join(names), opts[0].split("=")[1])
+        rc = lib.nvrtcCompileProgram(prog, len(opts), c_opts)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, buf)
+        text_log = buf.value.decode(errors="replace")
+        if rc != 0:
+            raise KernelBuildError(f"NVRTC could not compile {source} ({', '.join(names)}):\n"
+                                   f"{text_log[-4000:]}")
+        lowered = {}
+        for name in names:
+            low = ctypes.c_char_p()
+            _check(lib, lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(low)),
+                   f"nvrtcGetLoweredName({name})")
+            lowered[name] = low.value.decode()
+        get_size, get = ((lib.nvrtcGetPTXSize, lib.nvrtcGetPTX) if ptx
+                         else (lib.nvrtcGetCUBINSize, lib.nvrtcGetCUBIN))
+        _check(lib, get_size(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+        image = ctypes.create_string_buffer(size.value)
+        _check(lib, get(prog, image), "nvrtcGetCUBIN")
+        return Built(image.raw, ptx, lowered, text_log)
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,10 +25,15 @@ log = get_logger(__name__)
 _PORTABLE_MAPPED = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
 
-def register_mapped(t: torch.Tensor, what: str) -> bool:
+def register_mapped(t: torch.Tensor, what: str,
+                    on_progress: Callable[[int], None] | None = None) -> bool:
     """Page-lock and map the memory of contiguous CPU tensor `t` for every device while `t`
     lives (unregistered when it is freed). False, with a warning naming `what`, when CUDA
-    refuses (no driver, not enough lockable memory): `t` stays pageable."""
+    refuses (no driver, not enough lockable memory): `t` stays pageable.
+
+    One registration of the whole range, `on_progress(nbytes)` after it. NOTE: not in pieces:
+    an asynchronous copy whose source spans two registrations is refused (cudaErrorInvalidValue
+    on the H200, the expert streamer's layer copies across a 1 GiB piece boundary)."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError(f"{what}: only a contiguous CPU tensor can be registered")
     ptr, size = t.data_ptr(), t.numel() * t.element_size()
@@ -40,6 +46,8 @@ def register_mapped(t: torch.Tensor, what: str) -> bool:
         log.warning("could not pin the %.2f GiB %s (%s); it stays in pageable memory",
                     size / 2**30, what, exc)
         return False
+    if on_progress is not None:
+        on_progress(size)
     weakref.finalize(t, _unregister, cudart, ptr)
     return True
 

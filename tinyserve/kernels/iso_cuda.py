@@ -1,15 +1,14 @@
-"""ISO3/ISO4 CUDA kernels: build at first use, launchers that check shapes and dtypes.
+"""ISO3/ISO4 CUDA kernels: launchers that check shapes and dtypes.
 
-The kernels live in `csrc/iso_store.cu` and `csrc/iso_decode.cu` (plain CUDA, no torch
-headers, extern "C" launchers). At first use nvcc compiles them for the running GPU's
-architecture into a shared library cached in TINYSERVE_CACHE_DIR (keyed by a hash of the
-sources; `cuda_build`), loaded with ctypes; launches go to torch's current stream, so they
-can be captured in CUDA graphs. Nothing here runs at import.
+The kernels live in `csrc/iso_store.cu`, `csrc/iso_decode.cu` and `csrc/iso_decode_mma.cu`
+(device code only); `cuda_launch` compiles each instance with NVRTC at first use (cached in
+TINYSERVE_CACHE_DIR) and launches it on torch's current stream, so the launches can be
+captured in CUDA graphs. Nothing here runs at import.
 
 - `iso_store`: quantize-on-write, byte-exact with `iso.quantize_ref`.
 - `iso_dequant_rows`: packed rows -> dense rows (bit-exact with `iso.dequantize_ref` in fp32).
 - `iso_decode_attention`: paged split-K decode attention in the rotated space (§6.5); the
-  tensor-core variant's launcher and settings are in `iso_mma` (built into the same library).
+  tensor-core variant's launcher and settings are in `iso_mma`.
 The extend attention that uses `iso_dequant_rows` is in `iso_extend`.
 """
 
@@ -20,46 +19,24 @@ import math
 
 import torch
 
-from tinyserve.kernels import cuda_build
+from tinyserve.kernels import cuda_launch
+from tinyserve.kernels.cuda_launch import I64, F, I, ptr
 from tinyserve.kernels.iso import BLOCK, FORMATS, packed_row_bytes
+from tinyserve.kernels.launch import cdiv
 
-_SOURCES = ("iso_store.cu", "iso_decode.cu", "iso_decode_mma.cu")
-_HEADERS = ("iso_common.cuh", "iso_split.cuh", "iso_mma_prims.cuh",
-            "dependent_launch.cuh")  # in the build hash
+STORE, DECODE = "iso_store.cu", "iso_decode.cu"
 _BITS = {"iso3": 3, "iso4": 4}
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# the kernels' element types of fp32 / bf16 / fp16 tensors (csrc/prelude.cuh)
+CTYPE = {torch.float32: "float", torch.bfloat16: "ts::bf16", torch.float16: "ts::f16"}
 _TILE = 32
 MIN_SPLIT_TOKENS = 256
-_ERRORS = {2: "bad format or head_dim", 3: "unsupported GQA group", 4: "bad n_warps",
-           5: "bad q dtype, wide, pdl, CTA cap or page-table columns (the MMA decode needs "
-              "page_table.stride(0) >= page_table.shape[1])"}
+STORE_WARPS = 4  # csrc/iso_store.cu kStoreWarps
+DECODE_WARPS = 4  # csrc/iso_decode.cu kWarps
 
-_I, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-_SIGNATURES = (  # (entry, ctypes argument types)
-    ("tinyserve_iso_store", (_P, _P, _I64, _P, _P, _I64, _I64, _P, _I, _I, _I, _I, _I, _I, _P)),
-    ("tinyserve_iso_store_debug", (_P, _P, _I64, _P, _P, _I64, _I64, _P, _I, _I, _I, _I, _I,
-                                   _I, _P, _P)),
-    ("tinyserve_iso_dequant_rows", (_P, _I64, _P, _P, _I64, _I64, _I, _I, _I, _I, _I, _P)),
-    ("tinyserve_iso_decode", (_P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _I, _I, _F,
-                              _I, _P, _P, _P, _I64, _I, _P)),
-    ("tinyserve_iso_decode_mma", (_P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _I, _I,
-                                  _F, _I, _P, _P, _P, _I64, _I, _I, _I, _I, _I, _I, _P)),
-    ("tinyserve_iso_decode_mma_occupancy", (_I, _I, _I)),
-)
-
-
-def _library(major: int, minor: int) -> ctypes.CDLL:
-    """The ISO kernels (csrc/iso_*.cu) built for sm_{major}{minor} and loaded."""
-    return cuda_build.library("tinyserve_iso", _SOURCES, _HEADERS, _SIGNATURES, major, minor)
-
-
-def _call(device: torch.device, name: str, *args) -> None:
-    lib = _library(*torch.cuda.get_device_capability(device))
-    stream = torch.cuda.current_stream(device).cuda_stream
-    rc = getattr(lib, name)(*args, stream)
-    if rc != 0:
-        raise RuntimeError(f"{name} failed: {_ERRORS.get(rc, f'CUDA error {rc}')}")
+def scale_log2(scale: float) -> ctypes.c_float:
+    """scale * log2(e) rounded as the kernels' fp32 product (scores in exp2 units)."""
+    return F(F(scale).value * F(1.4426950408889634).value)
 
 
 def format_bits(fmt: str) -> int:
@@ -76,11 +53,9 @@ def _check_cache(cache: torch.Tensor, heads: int, head_dim: int, fmt: str, name:
                          f"{tuple(cache.shape)}")
     if cache.stride(2) != 1 or cache.stride(1) != rb:
         raise ValueError(f"{name} rows must be contiguous (strides {cache.stride()})")
-    if not cache.is_cuda:
-        raise ValueError(f"{name} must be on a CUDA device")
 
 
-def _store_args(k_cache, v_cache, loc, k, v, fmt):
+def _store(k_cache, v_cache, loc, k, v, fmt, dbg: torch.Tensor | None) -> None:
     bits = format_bits(fmt)
     if k.dim() != 3 or k.shape != v.shape or k.dtype != v.dtype or k.dtype not in _FLOATS:
         raise ValueError(f"k and v must be [N, H, D] of one float dtype, got {k.dtype} "
@@ -92,25 +67,30 @@ def _store_args(k_cache, v_cache, loc, k, v, fmt):
         raise ValueError("k_cache and v_cache must have the same slot stride")
     if loc.dtype not in (torch.int32, torch.int64) or loc.shape != (n,):
         raise ValueError(f"loc must be int32/int64 [{n}], got {loc.dtype} {tuple(loc.shape)}")
+    if any(t.device != k_cache.device for t in (v_cache, loc, k, v)):
+        raise ValueError(f"the caches, loc, k and v must be on {k_cache.device}")
+    if n == 0:
+        return
     if k.stride(2) != 1 or k.stride(1) != d:
         k = k.contiguous()
     if v.stride(2) != 1 or v.stride(1) != d:
         v = v.contiguous()
     loc = loc.contiguous()
-    return (k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k.data_ptr(),
-            v.data_ptr(), k.stride(0), v.stride(0), loc.data_ptr(),
-            int(loc.dtype == torch.int64), n, heads, d, bits, _DTYPE_CODE[k.dtype]), (k, v, loc)
+    be = cuda_launch.backend(k.device)
+    idx = "int64_t" if loc.dtype == torch.int64 else "int32_t"
+    kern = be.kernel(STORE, f"iso::store_kernel<{bits}, {CTYPE[k.dtype]}, {idx}>")
+    kern.launch((cdiv(n * heads * 2, STORE_WARPS),), 32 * STORE_WARPS,
+                (ptr(k_cache), ptr(v_cache), I64(k_cache.stride(0)), ptr(k), ptr(v),
+                 I64(k.stride(0)), I64(v.stride(0)), ptr(loc), I(n), I(heads), I(d // BLOCK),
+                 ptr(dbg)), stream=be.stream())
 
 
 def iso_store(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor, fmt: str) -> None:
-    """Quantize k, v [N, H, D] (fp32 / bf16 / fp16, CUDA) into the caches at slots loc [N]
-    (int32 or int64). Caches: uint8 [slots, H, row_bytes]. Raises ValueError on bad input."""
-    args, keep = _store_args(k_cache, v_cache, loc, k, v, fmt)
-    if k.shape[0] == 0:
-        return
-    _call(k.device, "tinyserve_iso_store", *args)
-    del keep
+    """Quantize k, v [N, H, D] (fp32 / bf16 / fp16) into the caches at slots loc [N] (int32
+    or int64), all on one CUDA device. Caches: uint8 [slots, H, row_bytes]. Raises ValueError
+    on bad input."""
+    _store(k_cache, v_cache, loc, k, v, fmt, None)
 
 
 def iso_store_debug(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
@@ -118,12 +98,9 @@ def iso_store_debug(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Ten
     """`iso_store` that also returns the per-block norm arithmetic, float32
     [N, H, 2 (K, V), D/128, 6]: sum of squares, norm, reconstruction sum of squares,
     reconstruction norm, corrected norm, stored fp16 bits (as a float)."""
-    args, keep = _store_args(k_cache, v_cache, loc, k, v, fmt)
     n, heads, d = k.shape
     dbg = torch.full((n, heads, 2, d // BLOCK, 6), float("nan"), device=k.device)
-    if n:
-        _call(k.device, "tinyserve_iso_store_debug", *args, dbg.data_ptr())
-    del keep
+    _store(k_cache, v_cache, loc, k, v, fmt, dbg)
     return dbg
 
 
@@ -151,9 +128,12 @@ def iso_dequant_rows(cache: torch.Tensor, slots: torch.Tensor, fmt: str, head_di
                                else (out.stride(0), out.stride(1)))
     if m:
         slots = slots.long().contiguous()
-        _call(cache.device, "tinyserve_iso_dequant_rows", cache.data_ptr(), cache.stride(0),
-              slots.data_ptr(), out.data_ptr(), row_stride, head_stride, m, heads, head_dim,
-              bits, _DTYPE_CODE[dtype])
+        be = cuda_launch.backend(cache.device)
+        kern = be.kernel(STORE, f"iso::dequant_rows_kernel<{bits}, {CTYPE[dtype]}>")
+        kern.launch((cdiv(m * heads, 4),), 128,
+                    (ptr(cache), I64(cache.stride(0)), ptr(slots), ptr(out), I64(row_stride),
+                     I64(head_stride), I(m), I(heads), I(head_dim // BLOCK)),
+                    stream=be.stream())
     return out
 
 
@@ -187,36 +167,15 @@ def decode_splits(q: torch.Tensor, seq_lens: torch.Tensor, num_kv_heads: int,
     if split_tokens:
         chunk = math.ceil(split_tokens / split_tile) * split_tile
         return chunk, math.ceil(max(1, max_seq_len) / chunk)
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-    return plan_splits(b, num_kv_heads, max_seq_len, sms, **plan)
+    return plan_splits(b, num_kv_heads, max_seq_len, cuda_launch.num_sms(q.device), **plan)
 
 
-def run_split_decode(entry: str, variant: int, q: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
-                     page_size: int, scale: float, chunk: int, splits: int,
-                     out: torch.Tensor | None, *, native_q: bool = False,
-                     tail: tuple[int, ...] = ()) -> torch.Tensor:
-    """Run the library's split-K decode `entry` (`variant`: its bits / warps argument) with
-    fp32 partials [B, Hq, splits, D] and (max, sum) [B, Hq, splits, 2]; [B, Hq, D] in q's
-    dtype, or written into `out`. With `native_q` the entry reads q in its own dtype and
-    takes q's dtype code after out's (no fp32 copy of q); `tail` are further int arguments
-    before the stream. Shapes are the caller's to check."""
+def split_buffers(q: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 partials of a split-K decode: accumulators [B, Hq, splits, D] and (max, sum)
+    [B, Hq, splits, 2]."""
     b, hq, d = q.shape
-    if out is None:
-        out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
-    if b == 0:
-        return out
-    part_acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
-    part_ml = torch.empty(b, hq, splits, 2, dtype=torch.float32, device=q.device)
-    qf = q.contiguous() if native_q else q.float().contiguous()
-    seq_lens = seq_lens.contiguous()
-    q_code = (_DTYPE_CODE[qf.dtype],) if native_q else ()
-    _call(q.device, entry, qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-          k_cache.stride(0), page_table.data_ptr(), page_table.stride(0), seq_lens.data_ptr(),
-          b, hq, k_cache.shape[1], d, page_size, chunk, splits, float(scale), variant,
-          part_acc.data_ptr(), part_ml.data_ptr(), out.data_ptr(), out.stride(0),
-          _DTYPE_CODE[out.dtype], *q_code, *tail)
-    return out
+    return (torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device),
+            torch.empty(b, hq, splits, 2, dtype=torch.float32, device=q.device))
 
 
 def _check_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -261,7 +220,7 @@ def iso_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """One query per sequence over its packed K/V (rotated-space, split-K).
 
     Args:
-        q: [B, Hq, D] float (CUDA); Hq / Hkv in {1, 2, 4, 8, 16} (D=128) or {1, 2, 4, 8} (D=256).
+        q: [B, Hq, D] float; Hq / Hkv in {1, 2, 4, 8, 16} (D=128) or {1, 2, 4, 8} (D=256).
         k_cache, v_cache: uint8 [slots, Hkv, row_bytes].
         page_table: int32 [B, max_pages]; seq_lens: int32 [B] (>= 1, the new token included).
         max_seq_len: an upper bound of seq_lens (avoids a device sync; needed under CUDA graphs:
@@ -277,5 +236,23 @@ def iso_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if group not in (1, 2, 4, 8, 16) or group * (d // BLOCK) > 16:
         raise ValueError(f"unsupported GQA group {hq}/{hkv} for head_dim {d}")
     chunk, splits = decode_splits(q, seq_lens, hkv, max_seq_len, split_tokens, split_tile=_TILE)
-    return run_split_decode("tinyserve_iso_decode", bits, q, k_cache, v_cache, page_table,
-                            seq_lens, page_size, scale, chunk, splits, out)
+    if out is None:
+        out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    if b == 0:
+        return out
+    part_acc, part_ml = split_buffers(q, splits)
+    qf = q.float().contiguous()
+    seq_lens = seq_lens.contiguous()
+    be = cuda_launch.backend(q.device)
+    stream = be.stream()
+    kern = be.kernel(DECODE, f"iso::decode_partial_kernel<{bits}, {d // BLOCK}, {group}>")
+    kern.launch((splits, hkv, b), 32 * DECODE_WARPS,
+                (ptr(qf), ptr(k_cache), ptr(v_cache), I64(k_cache.stride(0)), ptr(page_table),
+                 I64(page_table.stride(0)), ptr(seq_lens), I(page_size), I(hkv), I(chunk),
+                 I(splits), scale_log2(scale), ptr(part_acc), ptr(part_ml)),
+                stream=stream)
+    merge = be.kernel(DECODE, f"iso::decode_merge_kernel<{CTYPE[out.dtype]}>")
+    merge.launch((hq, b), cdiv(d // 4, 32) * 32,
+                 (ptr(part_acc), ptr(part_ml), ptr(seq_lens), I(chunk), I(splits), I(hq), I(d),
+                  ptr(out), I64(out.stride(0))), stream=stream)
+    return out

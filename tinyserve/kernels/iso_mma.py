@@ -1,6 +1,6 @@
 """ISO3 decode attention on tensor cores (csrc/iso_decode_mma.cu): settings and launcher.
 
-The kernel is built and loaded with the other ISO kernels (`iso_cuda`, one shared library);
+The kernel is compiled and launched like the other ISO kernels (`iso_cuda`, `cuda_launch`);
 this module holds what is specific to it: the measured settings by batch size (`MMA_CONFIG`,
 `mma_config`), which shapes it takes (`mma_supported`) and the launcher
 `iso_decode_attention_mma` (same contract as `iso_cuda.iso_decode_attention`). Nothing here
@@ -13,14 +13,23 @@ import functools
 
 import torch
 
+from tinyserve.kernels import cuda_launch
+from tinyserve.kernels.cuda_launch import I64, SHARED_SIZE_BYTES, I, ptr
+from tinyserve.kernels.iso import BLOCK
 from tinyserve.kernels.iso_cuda import (
+    CTYPE,
     _check_decode,
     _check_out,
-    _library,
     decode_splits,
-    run_split_decode,
+    scale_log2,
+    split_buffers,
 )
 from tinyserve.kernels.launch import dependent_launch
+
+SOURCE = "iso_decode_mma.cu"
+# csrc/iso_split.cuh: the split merge's columns and threads per CTA, split slices per CTA and
+# splits a thread folds at once where it has several
+MERGE_COLS, MERGE_THREADS, MERGE_SLICES, MERGE_BATCH = 32, 256, 32, 4
 
 # Warps per CTA the kernel is built for. The warps of a CTA share its split's tokens (each its
 # own interleaved 16-token sub-tiles, merged in shared memory at the end), so 8 or 16 warps
@@ -28,6 +37,7 @@ from tinyserve.kernels.launch import dependent_launch
 # as dynamic shared memory (sm_90: 1 CTA of 8 or 16 warps per SM: the kernel's register budget
 # is 8 warps per SM, 128 registers only for 16).
 WARPS = (2, 4, 8, 16)
+_Q_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernel's q_code
 
 # Settings of the tensor-core decode kernel (csrc/iso_decode_mma.cu) by batch size and
 # context: the first row with `max_batch` >= batch and `min_context` (0 if absent) <= the
@@ -103,10 +113,37 @@ def _wide(loop: str) -> int:
     return _WIDE_CODE[loop]
 
 
+def _kernel(device: torch.device, head_dim: int, warps: int, wide: bool, pad: bool):
+    """The compiled kernel for (head_dim, warps, staging) and its dynamic shared memory."""
+    args = f"{head_dim // BLOCK}, {warps}, {str(wide).lower()}, {str(pad).lower()}"
+    smem = f"&iso::mma::kDynamicSmem<{args}>"
+    kern = cuda_launch.backend(device).kernel(SOURCE, f"iso::mma::decode_mma_kernel<{args}>",
+                                              (smem,))
+    return kern, kern.global_int(smem)
+
+
 @functools.cache
 def _occupancy(device: torch.device, head_dim: int, warps: int, wide: int = 1) -> int:
-    lib = _library(*torch.cuda.get_device_capability(device))
-    return lib.tinyserve_iso_decode_mma_occupancy(head_dim, warps, wide)
+    """CTAs of the kernel one SM holds (registers and shared memory, the dynamic part
+    included)."""
+    kern, need = _kernel(device, head_dim, warps, wide >= 1, wide == 2)
+    if need:
+        kern.set_max_dynamic_smem(need)
+    return kern.occupancy(warps * 32, need)
+
+
+def _capped_smem(device: torch.device, kern, need: int, cap: int) -> int:
+    """Dynamic shared memory for a CTA that needs `need` bytes such that at most `cap` CTAs
+    fit on one SM (0: no cap): a grid of cap x SMs CTAs then runs cap on every SM instead
+    of, possibly, up to the occupancy on some SMs and fewer on others."""
+    if cap <= 0:
+        return need
+    be = cuda_launch.backend(device)
+    fixed = kern.attribute(SHARED_SIZE_BYTES) + be.reserved_smem_per_block
+    dyn = be.smem_per_sm // (cap + 1) - fixed + 1  # cap + 1 CTAs must not fit, cap must
+    if dyn <= need:
+        return need
+    return dyn if cap * (fixed + dyn) <= be.smem_per_sm else need
 
 
 def ctas_per_sm_fit(device: torch.device, head_dim: int, warps: int,
@@ -163,8 +200,31 @@ def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                                   min_tokens=min_split_tokens or cfg["min_split_tokens"],
                                   ctas_per_sm=ctas or ctas_per_sm_fit(q.device, d, warps, loop),
                                   one_wave=not ctas)
-    cap = ctas or 0
-    return run_split_decode("tinyserve_iso_decode_mma", warps, q, k_cache,
-                            v_cache, page_table, seq_lens, page_size, scale, chunk, splits, out,
-                            native_q=True,
-                            tail=(wide, _pdl(q.device, pdl), cap, page_table.shape[1]))
+    if out is None:
+        out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    if b == 0:
+        return out
+    # the 16-byte staging needs 16-byte aligned caches and a slot stride of whole words
+    w16 = wide >= 1 and (k_cache.data_ptr() | v_cache.data_ptr()) % 16 == 0 \
+        and k_cache.stride(0) % 4 == 0
+    kern, need = _kernel(q.device, d, warps, w16, w16 and wide == 2)
+    smem = _capped_smem(q.device, kern, need, ctas or 0)
+    if smem:
+        kern.set_max_dynamic_smem(smem)  # above the default 48 KB: allowed per kernel
+    part_acc, part_ml = split_buffers(q, splits)
+    qc, seq_lens = q.contiguous(), seq_lens.contiguous()
+    dependent = bool(_pdl(q.device, pdl))
+    be = cuda_launch.backend(q.device)
+    stream = be.stream()
+    kern.launch((splits, hkv, b), warps * 32,
+                (ptr(qc), I(_Q_CODE[q.dtype]), ptr(k_cache), ptr(v_cache),
+                 I64(k_cache.stride(0)), ptr(page_table), I64(page_table.stride(0)),
+                 I(page_table.shape[1]), ptr(seq_lens), I(page_size), I(hkv), I(hq // hkv),
+                 I(chunk), I(splits), scale_log2(scale), ptr(part_acc), ptr(part_ml)),
+                smem=smem, stream=stream, pdl=dependent)
+    batch = MERGE_BATCH if splits > MERGE_SLICES else 1
+    merge = be.kernel(SOURCE, f"iso::decode_merge_cols_kernel<{CTYPE[out.dtype]}, {batch}>")
+    merge.launch((hq, b, d // MERGE_COLS), MERGE_THREADS,
+                 (ptr(part_acc), ptr(part_ml), ptr(seq_lens), I(chunk), I(splits), I(hq), I(d),
+                  ptr(out), I64(out.stride(0))), stream=stream, pdl=dependent)
+    return out

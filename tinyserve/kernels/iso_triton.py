@@ -8,8 +8,9 @@ packed K rows through the page table, unpacks the indices into fp16 centroid val
 space, unscaled), and computes S = sum_b norm_b * (Q_b @ C_b^T) with tl.dot (one dot per
 128-block, fp32 accumulation); online softmax in base 2; then acc_b += (P * norm_v_b) @ Cv_b.
 It writes the unnormalised rotated accumulator and (max, sum) per split.
-Pass 2 (`_iso_decode_merge`), one program per (sequence, query head): log-sum-exp merge of the
-splits, inverse rotation per 4-D group (fp32), divide by the sum, cast, store.
+Pass 2 (`_decode_triton_common.decode_merge_kernel`, shared with the bf16 kernel), one program
+per (sequence, query head): log-sum-exp merge of the splits, inverse rotation per 4-D group
+(fp32), divide by the sum, cast, store.
 
 Precision: fp16 query and centroid operands (11-bit mantissa), fp32 accumulation; the
 softmax weights enter the V product in fp16. Results agree with the fp32 reference to ~1e-3.
@@ -24,7 +25,7 @@ import triton
 import triton.language as tl
 
 from tinyserve.kernels import iso, iso_cuda
-from tinyserve.kernels._iso_triton_common import kv_rows, split_program
+from tinyserve.kernels._decode_triton_common import decode_merge_kernel, kv_rows, split_program
 from tinyserve.kernels._iso_triton_fields import iso_decode_partial_fields
 
 _LOG2E = 1.4426950408889634
@@ -137,49 +138,6 @@ def _iso_decode_partial(q_ptr, k_ptr, v_ptr, slot_stride, pt_ptr, pt_stride, len
     tl.store(part_ml_ptr + prow * 2 + 1, l_sum, mask=hmask)
 
 
-@triton.jit
-def _iso_decode_merge(part_acc_ptr, part_ml_ptr, rot_ptr, out_ptr, n_splits, out_stride_b,
-                      HQ: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                      FIELD_MAJOR: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)  # b * HQ + h
-    b = row // HQ
-    h = row % HQ
-    ss = tl.arange(0, BLOCK_S)
-    mx = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
-    for s0 in range(0, n_splits, BLOCK_S):
-        sm = tl.load(part_ml_ptr + (row * n_splits + s0 + ss) * 2, mask=s0 + ss < n_splits,
-                     other=float("-inf"))
-        mx = tl.maximum(mx, sm)
-    big = tl.max(mx, 0)  # split 0 always holds >= 1 token, so this is finite
-    G4: tl.constexpr = D // 4
-    gi = tl.arange(0, G4)
-    ci = tl.arange(0, 4)
-    acc = tl.zeros([G4, 4], dtype=tl.float32)
-    total = tl.zeros([BLOCK_S], dtype=tl.float32)
-    for s0 in range(0, n_splits, BLOCK_S):
-        s = s0 + ss
-        smask = s < n_splits
-        ms = tl.load(part_ml_ptr + (row * n_splits + s) * 2, mask=smask, other=float("-inf"))
-        ls = tl.load(part_ml_ptr + (row * n_splits + s) * 2 + 1, mask=smask, other=0.0)
-        w = tl.where(ms > float("-inf"), tl.exp2(ms - big), 0.0)
-        total += w * ls
-        if FIELD_MAJOR:  # element 128b + 4g + c stored at 128b + 32c + g
-            eoff = (gi // 32 * 128 + gi % 32)[:, None] + ci[None, :] * 32
-        else:
-            eoff = gi[:, None] * 4 + ci[None, :]
-        a = tl.load(part_acc_ptr + (row * n_splits + s)[:, None, None] * D + eoff[None, :, :],
-                    mask=smask[:, None, None], other=0.0)
-        acc += tl.sum(w[:, None, None] * a, 0)
-    lsum = tl.sum(total, 0)
-    inv = tl.where(lsum > 0, 1.0 / lsum, 0.0)
-    # inverse rotation: y[g, c] = sum_k Rinv[g % 32, c, k] * acc[g, k]
-    coef = tl.load(rot_ptr + 512 + (gi % 32)[:, None, None] * 16 + ci[None, :, None] * 4
-                   + ci[None, None, :])
-    y = tl.sum(coef * acc[:, None, :], 2) * inv
-    optr = out_ptr + b * out_stride_b + h * D + gi[:, None] * 4 + ci[None, :]
-    tl.store(optr, y.to(out_ptr.dtype.element_ty))
-
-
 @functools.cache
 def _tables(device: torch.device, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(centroids fp16 [8|16], rotations fp32 [2, 32, 4, 4]: forward R_g, inverse R_g^T)."""
@@ -260,8 +218,8 @@ def iso_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         NB=d // iso.BLOCK, BITS=3 if fmt == "iso3" else 4, BB=iso.BLOCK_BYTES[fmt],
         BLOCK_T=block_t, num_warps=num_warps, num_stages=num_stages,
         **({"maxnreg": maxnreg} if maxnreg else {}))
-    _iso_decode_merge[(b * hq,)](
+    decode_merge_kernel[(b * hq,)](
         part_acc, part_ml, rot, out, splits, out.stride(0), HQ=hq, D=d,
         BLOCK_S=max(2, min(16, triton.next_power_of_2(splits))), FIELD_MAJOR=variant == "fields",
-        num_warps=4)
+        IS_ROTATED=True, num_warps=4)
     return out

@@ -6,8 +6,11 @@ that round like torch (`ROUNDING_AS_TORCH`)."""
 from __future__ import annotations
 
 import functools
+import re
 
 import torch
+
+from tinyserve import envs
 
 # Launch options of the elementwise kernels whose contract is torch's rounding points
 # (`kernels.norm`, `kernels.glue`): no floating-point contraction. With it Triton turns
@@ -27,11 +30,25 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def target_arch(device: torch.device) -> int:
+    """The architecture the kernels on CUDA `device` are built for and take the paths of (86
+    for sm_86): TINYSERVE_CUDA_ARCH when set (an older GPU's code on this one), else the
+    device's compute capability."""
+    raw = envs.CUDA_ARCH.get().strip().lower()
+    if raw:
+        m = re.fullmatch(r"(?:sm_?)?(\d{2,3})", raw)
+        if not m:
+            raise ValueError(f"TINYSERVE_CUDA_ARCH={raw!r}: expected sm_80, sm_86, 89, ...")
+        return int(m.group(1))
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
 def dependent_launch(device: torch.device) -> bool:
     """Whether kernels on `device` may be programmatic dependent launches (a kernel's programs
     start while the previous kernel in the stream still runs, and wait for its writes with
-    `griddepcontrol.wait`): CUDA compute capability 9.0 or newer."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    `griddepcontrol.wait`): a CUDA device whose `target_arch` is sm_90 or newer."""
+    return device.type == "cuda" and target_arch(device) >= 90
 
 
 def dot_tiles(num_m: int, n: int, k: int, block_n: int, block_k: int,

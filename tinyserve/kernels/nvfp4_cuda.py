@@ -7,8 +7,8 @@ is one wave, so the DRAM stream starts at once everywhere and the decode overlap
 Numerics: the "h2" decode with the inputs scaled per block of 16 (`csrc/nvfp4_decode.cuh`):
 fp16 products and 16-term sums, then fp32. `nvfp4.nvfp4_linear` takes the GEMV for M = 1
 where `takes` says so, `fused_moe` the MoE decode where `moe_takes` does (both unless
-TINYSERVE_NVFP4_CUDA=0); elsewhere the Triton kernels run. The library builds at first use
-(`cuda_build`).
+TINYSERVE_NVFP4_CUDA=0); elsewhere the Triton kernels run. The kernels compile at first use
+(NVRTC, `cuda_launch`).
 """
 
 from __future__ import annotations
@@ -19,30 +19,17 @@ import torch
 
 from tinyserve import envs
 from tinyserve.core import NVFP4Weight
-from tinyserve.kernels import cuda_build
-from tinyserve.kernels.launch import cdiv, dependent_launch, num_sms
+from tinyserve.kernels import cuda_launch
+from tinyserve.kernels.cuda_launch import I64, F, I, ptr
+from tinyserve.kernels.launch import cdiv, dependent_launch
 
-_SOURCES = ("nvfp4_gemv.cu", "nvfp4_moe.cu")
-_I, _F, _P = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-_I64 = ctypes.c_int64
-_SIGNATURES = (
-    ("tinyserve_nvfp4_gemv", (_P, _P, _P, _P, _F, _I, _I, _I, _I, _I, _P)),
-    ("tinyserve_nvfp4_moe_decode", (_P, _I64, _P, _I, _P, _I, _P, _I, _I64, _I, _I, _I, _I,
-                                    _I, _I, *([_P] * 12), _P, _P, _I, _I, _P)),
-)
-_HEADERS = ("dependent_launch.cuh", "nvfp4_decode.cuh")
-_DTYPE_CODE = {torch.bfloat16: 1, torch.float16: 2}
+GEMV, MOE = "nvfp4_gemv.cu", "nvfp4_moe.cu"
+_FORMAT = {torch.bfloat16: "nvfp4::Bf16", torch.float16: "nvfp4::Fp16"}  # csrc/nvfp4_decode.cuh
 KS = (1024, 2048, 4096)  # K the kernel is built for
 WARPS = 8  # warps per CTA
 CTAS_PER_SM = 2  # resident CTAs of the kernel (__launch_bounds__: <= 128 registers)
 ROWS_PER_WARP = (1, 2, 4)
 MAX_ROW_INPUTS = 8192  # rows_per_warp * K: a lane holds at most 8 pieces of 16 bytes
-
-
-def _library(device: torch.device) -> ctypes.CDLL:
-    major, minor = torch.cuda.get_device_capability(device)
-    return cuda_build.library("tinyserve_nvfp4", _SOURCES, _HEADERS, _SIGNATURES, major,
-                              minor)
 
 
 def allowed_rows_per_warp(k: int) -> tuple[int, ...]:
@@ -69,7 +56,7 @@ def takes(x: torch.Tensor, w: NVFP4Weight) -> bool:
     """Whether the CUDA kernel serves x [1, K] against w (default path): a CUDA device, bf16 /
     fp16 x, K in KS, the aligned layouts the kernel loads, and TINYSERVE_NVFP4_CUDA on."""
     k = w.packed.shape[1] * 2
-    return (x.is_cuda and x.dtype in _DTYPE_CODE and x.dim() == 2 and x.shape[0] == 1
+    return (x.is_cuda and x.dtype in _FORMAT and x.dim() == 2 and x.shape[0] == 1
             and k in KS and x.shape[1] == k and x.stride(-1) == 1 and _aligned(x, 16)
             and _aligned(w.packed, 16) and _aligned(w.block_scale, 2)
             and w.packed.is_contiguous() and w.block_scale.is_contiguous()
@@ -87,9 +74,8 @@ def gemv_one_row(x: torch.Tensor, w: NVFP4Weight, *, rows_per_warp: int | None =
     Raises ValueError for inputs the kernel does not take.
     """
     n, k = w.packed.shape[0], w.packed.shape[1] * 2
-    if x.dtype not in _DTYPE_CODE or not x.is_cuda or tuple(x.shape) != (1, k):
-        raise ValueError(f"x must be bf16/fp16 [1, {k}] on a CUDA device, got {x.dtype} "
-                         f"{list(x.shape)} on {x.device}")
+    if x.dtype not in _FORMAT or tuple(x.shape) != (1, k):
+        raise ValueError(f"x must be bf16/fp16 [1, {k}], got {x.dtype} {list(x.shape)}")
     if k not in KS:
         raise ValueError(f"the CUDA NVFP4 gemv takes K in {KS}, got {k}")
     if tuple(w.block_scale.shape) != (n, k // 16) or w.packed.dtype != torch.uint8:
@@ -100,7 +86,7 @@ def gemv_one_row(x: torch.Tensor, w: NVFP4Weight, *, rows_per_warp: int | None =
             and w.block_scale.is_contiguous()):
         raise ValueError("the CUDA NVFP4 gemv needs contiguous, 16-byte aligned x and codes "
                          "and 2-byte aligned scales")
-    r = rows_per_warp or default_rows_per_warp(n, k, num_sms(x.device))
+    r = rows_per_warp or default_rows_per_warp(n, k, cuda_launch.num_sms(x.device))
     if r not in allowed_rows_per_warp(k):
         raise ValueError(f"rows_per_warp {r} not in {allowed_rows_per_warp(k)} for K={k}")
     if out is None:
@@ -109,18 +95,12 @@ def gemv_one_row(x: torch.Tensor, w: NVFP4Weight, *, rows_per_warp: int | None =
         raise ValueError(f"out must be contiguous {x.dtype} [1, {n}]")
     if n == 0:
         return out
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    _check("tinyserve_nvfp4_gemv", _library(x.device).tinyserve_nvfp4_gemv(
-        w.packed.data_ptr(), w.block_scale.data_ptr(), x.data_ptr(), out.data_ptr(),
-        float(w.global_scale), n, k, _DTYPE_CODE[x.dtype], r,
-        int(dependent and dependent_launch(x.device)), stream))
+    be = cuda_launch.backend(x.device)
+    kern = be.kernel(GEMV, f"nvfp4::nvfp4_gemv_one_row<{_FORMAT[x.dtype]}, {k // 1024}, {r}>")
+    kern.launch((cdiv(n, WARPS * r),), WARPS * 32,
+                (ptr(w.packed), ptr(w.block_scale), ptr(x), ptr(out), F(w.global_scale), I(n)),
+                stream=be.stream(), pdl=dependent and dependent_launch(x.device))
     return out
-
-
-def _check(entry: str, rc: int) -> None:
-    """RuntimeError unless the library's `entry` returned 0 (2: bad arguments)."""
-    if rc != 0:
-        raise RuntimeError(f"{entry} failed: {'bad arguments' if rc == 2 else f'CUDA error {rc}'}")
 
 
 # --- the MoE decode (csrc/nvfp4_moe.cu) ---------------------------------------------------
@@ -146,13 +126,38 @@ def moe_takes(x: torch.Tensor, wts: torch.Tensor, topk: int, slots, shared,
     tensors = [slots.w13, slots.w13_scale, slots.w2, slots.w2_scale]
     if shared is not None:
         tensors += [shared.w13, shared.w13_scale, shared.w2, shared.w2_scale]
-    return (x.is_cuda and x.dtype in _DTYPE_CODE and wts.dtype in _FLOAT_CODE
+    return (x.is_cuda and x.dtype in _FORMAT and wts.dtype in _FLOAT_CODE
             and (logit is None or logit.dtype in _FLOAT_CODE) and slots.is_fp4 and h in MOE_HS
             and f in MOE_FS and topk + (shared is not None) <= MOE_MAX_PAIRS
             and (shared is None or (shared.is_fp4 and shared.intermediate_size == f))
             and x.stride(0) % 8 == 0 and _aligned(x, 16)
             and all(t.is_contiguous() and _aligned(t, 16) for t in tensors)
             and envs.NVFP4_CUDA.get())
+
+
+class _Experts(ctypes.Structure):
+    """csrc/nvfp4_moe.cu `Experts`: one layer's NVFP4 slots and its shared expert (slot 0)."""
+
+    _fields_ = [(f, ctypes.c_void_p) for f in ("codes", "scales", "global_", "shared_codes",
+                                                "shared_scales", "shared_global")]
+
+
+def _experts(slots, shared, which: str) -> _Experts:
+    """The `which` ("w13" or "w2") weights of `slots` and `shared` (codes, scales, global
+    scales)."""
+    def parts(e) -> list:
+        if e is None:
+            return [None] * 3
+        return [getattr(e, f"{which}{part}").data_ptr() for part in ("", "_scale", "_global")]
+
+    return _Experts(*parts(slots), *parts(shared))
+
+
+def moe_buffers(x: torch.Tensor, kp: int, f: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE decode's fp32 intermediate [N * KP, F] and its output [N, H] in x.dtype."""
+    n, h = x.shape
+    return (torch.empty(n * kp, f, dtype=torch.float32, device=x.device),
+            torch.empty(n, h, dtype=x.dtype, device=x.device))
 
 
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int, slots,
@@ -163,34 +168,30 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
     as checked by `fused_moe` and `moe_takes`, logit [N, 1] with `shared`. Returns [N, H] in
     x.dtype; two launches (`dependent`: the second a dependent launch of the first, sm_90+;
     `down_rows`: its output rows per warp, 1 or 2), no host synchronisation, the same bits
-    every run."""
+    every run. Raises ValueError for arguments outside these."""
     n, h, f = x.shape[0], slots.hidden_size, slots.intermediate_size
     kp = topk + (shared is not None)
-    inter = torch.empty(n * kp, f, dtype=torch.float32, device=x.device)
-    out = torch.empty(n, h, dtype=x.dtype, device=x.device)
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    _check("tinyserve_nvfp4_moe_decode", _library(x.device).tinyserve_nvfp4_moe_decode(
-        *moe_arguments(x, ids, wts, topk, slots, shared, logit, inter, out), down_rows,
-        int(dependent and dependent_launch(x.device)), stream))
+    if n <= 0 or topk <= 0 or kp > MOE_MAX_PAIRS or down_rows not in (1, 2):
+        raise ValueError(f"the CUDA MoE decode takes 1+ tokens, 1 <= topk, <= {MOE_MAX_PAIRS} "
+                         f"pairs per token and 1 or 2 down rows, got {n}, {topk}, {kp}, "
+                         f"{down_rows}")
+    if shared is not None and logit is None:
+        raise ValueError("the shared expert needs its gate logit")
+    if x.dtype not in _FORMAT or h not in MOE_HS or f not in MOE_FS:
+        raise ValueError(f"the CUDA MoE decode takes bf16/fp16 x, H in {MOE_HS}, F in "
+                         f"{MOE_FS}; got {x.dtype}, {h}, {f}")
+    inter, out = moe_buffers(x, kp, f)
+    be = cuda_launch.backend(x.device)
+    stream, fmt, ids64 = be.stream(), _FORMAT[x.dtype], ctypes.c_bool(ids.dtype == torch.int64)
+    gate_up = be.kernel(MOE, f"nvfp4::moe_gate_up<{fmt}, {h // 1024}>")
+    gate_up.launch((f // 16, n * kp), WARPS * 32,
+                   (ptr(x), I64(x.stride(0)), ptr(ids), ids64, I(topk), I(kp),
+                    _experts(slots, shared, "w13"), ptr(inter), I(f)), stream=stream)
+    down = be.kernel(MOE, f"nvfp4::moe_down<{fmt}, {f}, {down_rows}>")
+    down.launch((cdiv(h, WARPS * down_rows), n), WARPS * 32,
+                (ptr(inter), ptr(ids), ids64, ptr(wts), I(_FLOAT_CODE[wts.dtype]), ptr(logit),
+                 I(_FLOAT_CODE[logit.dtype] if logit is not None else 0),
+                 I64(logit.stride(0) if logit is not None else 0), I(topk), I(kp),
+                 _experts(slots, shared, "w2"), ptr(out), I(h)),
+                stream=stream, pdl=dependent and dependent_launch(x.device))
     return out
-
-
-def moe_arguments(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int, slots,
-                  shared, logit: torch.Tensor | None, inter: torch.Tensor,
-                  out: torch.Tensor) -> tuple:
-    """The arguments of tinyserve_nvfp4_moe_decode up to `out` (the launch settings and the
-    stream follow) for `moe_decode`'s inputs, the fp32 scratch `inter` [N * KP, F] and `out`
-    [N, H]."""
-    def weights(e, which: str) -> list:  # codes, scales, global scales of w13 / w2
-        if e is None:
-            return [None] * 3
-        return [getattr(e, f"{which}{part}").data_ptr() for part in ("", "_scale", "_global")]
-
-    has_logit = logit is not None
-    return (x.data_ptr(), x.stride(0), ids.data_ptr(), int(ids.dtype == torch.int64),
-            wts.data_ptr(), _FLOAT_CODE[wts.dtype], logit.data_ptr() if has_logit else None,
-            _FLOAT_CODE[logit.dtype] if has_logit else 0,
-            logit.stride(0) if has_logit else 0, x.shape[0], topk,
-            topk + (shared is not None), slots.hidden_size, slots.intermediate_size,
-            _DTYPE_CODE[x.dtype], *weights(slots, "w13"), *weights(shared, "w13"),
-            *weights(slots, "w2"), *weights(shared, "w2"), inter.data_ptr(), out.data_ptr())

@@ -1,19 +1,35 @@
-"""Paged KV store in the model dtype (bf16 on GPU, fp32 for exact CPU tests) with a
-pure-torch attention over it.
+"""Paged KV store in the model dtype (bf16 on GPU, fp32 for exact CPU tests) and the
+attention over it.
 
 Store: K and V each [num_attention_layers, num_pages + 1, page_size, Hkv, D]. Page `num_pages`
 is a padding page: tokens whose slot is negative (padded rows of a captured batch) are written
 there and never read.
+
+On CUDA (sm_80+) with a bf16/fp16 cache the store and decode attention run the Triton kernels of
+`kernels.paged_kv_triton` (one launch for the store, split-K decode over the pages in place);
+elsewhere (or with TINYSERVE_DISABLE_KERNELS=1) their references in `kernels.paged_kv`.
+Prefill and extend attention gather the sequence's K/V and call `kernels.attention`.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from tinyserve import envs
 from tinyserve.core import ForwardContext
 from tinyserve.kernels.attention import chunk_causal_attention
+from tinyserve.kernels.paged_kv import paged_decode_ref, paged_store_ref
 from tinyserve.kv.base import KVBackend
+
+DECODE_IMPLS = ("triton", "gather")
+
+
+def decode_impl() -> str:
+    """The CUDA decode attention in use: TINYSERVE_BF16_DECODE, else "triton"."""
+    impl = envs.BF16_DECODE.get().strip().lower() or "triton"
+    if impl not in DECODE_IMPLS:
+        raise ValueError(f"TINYSERVE_BF16_DECODE must be one of {DECODE_IMPLS}, got {impl!r}")
+    return impl
 
 
 class BF16KVBackend(KVBackend):
@@ -30,6 +46,12 @@ class BF16KVBackend(KVBackend):
         shape = (len(self.layer_ids), num_pages + 1, page_size, num_kv_heads, head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        # NOTE: the Triton kernels need 16-bit tensor-core dots (sm_80+) and a power-of-two
+        # head_dim (their row loads span it).
+        self.use_kernels = (self.device.type == "cuda" and not envs.DISABLE_KERNELS.get()
+                            and dtype in (torch.bfloat16, torch.float16)
+                            and not head_dim & (head_dim - 1)
+                            and torch.cuda.get_device_capability(self.device)[0] >= 8)
 
     @classmethod
     def bytes_per_token(cls, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -45,11 +67,14 @@ class BF16KVBackend(KVBackend):
     def write(self, layer_id: int, k: torch.Tensor, v: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
         """Store k, v [N, Hkv, D] at flat slots [N] (negative slot -> the padding page)."""
-        kc, vc = self.layer_cache(layer_id)
+        kc, vc = self._flat(layer_id)
         pad_slot = self.num_pages * self.page_size
-        slots = torch.where(slot_mapping < 0, pad_slot, slot_mapping)
-        kc.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k.to(kc.dtype))
-        vc.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v.to(vc.dtype))
+        if self.use_kernels:
+            from tinyserve.kernels import paged_kv_triton
+
+            paged_kv_triton.paged_store(kc, vc, slot_mapping, k, v, pad_slot)
+            return
+        paged_store_ref(kc, vc, slot_mapping, k, v, pad_slot)
 
     def gather(self, layer_id: int, page_ids: torch.Tensor,
                length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,51 +106,35 @@ class BF16KVBackend(KVBackend):
     def decode(self, layer_id: int, q: torch.Tensor, page_table: torch.Tensor,
                seq_lens: torch.Tensor, max_seq_len: int, scale: float) -> torch.Tensor:
         """One query per sequence over its first `seq_lens[b]` cached tokens, batched and
-        without a host synchronisation (CUDA-graph safe): the first ceil(max_seq_len /
-        page_size) pages of each page-table row are gathered and the keys past the length
-        masked, in groups of rows whose gathered K/V fit DECODE_GATHER_BYTES.
+        without a host synchronisation (CUDA-graph safe; the work is sized by the host bound
+        `max_seq_len`): the split-K Triton kernel reading the pages in place
+        (`kernels.paged_kv_triton`) on CUDA, the gather + masked SDPA reference
+        (`kernels.paged_kv.paged_decode_ref`) elsewhere, for shapes the kernel refuses or
+        with TINYSERVE_BF16_DECODE=gather.
 
         Args:
-            q: [B, Hq, D]; page_table: [B, P] int; seq_lens: [B] int (>= 1, the new token
+            q: [B, Hq, D]; page_table: [B, P] int32; seq_lens: [B] int32 (>= 1, the new token
                 included, <= max_seq_len).
         Returns:
             [B, Hq, D] in q.dtype.
         """
+        kc, vc = self._flat(layer_id)
+        if self.use_kernels and decode_impl() == "triton":
+            from tinyserve.kernels import paged_kv_triton
+
+            if paged_kv_triton.decode_supported(q.shape[1], self.num_kv_heads, self.head_dim,
+                                                kc.dtype):
+                return paged_kv_triton.paged_decode_attention(
+                    q, kc, vc, page_table, seq_lens, self.page_size, scale,
+                    max_seq_len=max_seq_len)
+        return paged_decode_ref(q, kc, vc, page_table, seq_lens, self.page_size, scale,
+                                max_seq_len=max_seq_len)
+
+    def _flat(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of one layer as [slots, Hkv, D] views, slot = page * page_size + offset."""
         kc, vc = self.layer_cache(layer_id)
-        B = q.shape[0]
-        n_pages = max(1, min(-(-max_seq_len // self.page_size), page_table.shape[1]))
-        pages = page_table[:, :n_pages].long()  # [B, P]
-        row_bytes = 2 * n_pages * kc[0].numel() * kc.element_size()
-        group = max(1, DECODE_GATHER_BYTES // row_bytes)
-        if group >= B:
-            return _paged_decode(q, kc, vc, pages, seq_lens, scale)
-        out = torch.empty_like(q)
-        for b in range(0, B, group):
-            out[b:b + group] = _paged_decode(q[b:b + group], kc, vc, pages[b:b + group],
-                                             seq_lens[b:b + group], scale)
-        return out
-
-
-# Most bytes of gathered K/V one batched decode attention call holds (rows beyond run in turn).
-DECODE_GATHER_BYTES = 256 * 2**20
-
-
-def _paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pages: torch.Tensor,
-                  seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, Hq, D] over the K/V of pages [B, P] (caches [pages, page_size, Hkv, D]), keys
-    past seq_lens [B] masked. Returns [B, Hq, D]."""
-    B, Hq, D = q.shape
-    Hkv = kc.shape[2]
-    S = pages.shape[1] * kc.shape[1]
-    keep = torch.arange(S, device=q.device)[None, :] < seq_lens[:, None]  # [B, S]
-    # NOTE: rows past the length are zeroed, not only masked: stale pages may hold NaN.
-    k = kc[pages].view(B, S, Hkv, D).masked_fill_(~keep[:, :, None, None], 0)
-    v = vc[pages].view(B, S, Hkv, D).masked_fill_(~keep[:, :, None, None], 0)
-    # GQA without repeating K/V: a KV head's query heads become its query rows.
-    qg = q.reshape(B, Hkv, Hq // Hkv, D)
-    o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=keep[:, None, None], scale=scale)
-    return o.reshape(B, Hq, D)  # [B, Hkv, G, D] -> [B, Hq, D]
+        return (kc.view(-1, self.num_kv_heads, self.head_dim),
+                vc.view(-1, self.num_kv_heads, self.head_dim))
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,

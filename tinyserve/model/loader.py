@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -211,6 +211,7 @@ def iter_weights(
     device: torch.device | str = "cpu",
     include_experts: bool = True,
     fuse: bool | None = None,
+    on_entry: Callable[[int], None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | LinearWeight]]:
     """Yield `(canonical_name, Tensor | LinearWeight)` for every weight, in file order.
 
@@ -225,8 +226,9 @@ def iter_weights(
     `.in_proj_z`) are read to host memory and concatenated there (`model.linear.concat_rows`);
     only the fused weight (`...in_proj_qkvz`) goes to `device`, yielded when its last part
     arrives. When `concat_rows` refuses the parts (NVFP4 of different global scales, ...) the
-    parts are yielded instead. `fuse=False` yields the checkpoint's own linears. Raises
-    CheckpointError.
+    parts are yielded instead. `fuse=False` yields the checkpoint's own linears.
+    `on_entry(nbytes)` is called after each checkpoint entry was read, with its bytes on disk
+    (load progress). Raises CheckpointError.
     """
     from tinyserve.model import linear
     from tinyserve.model.loader_plan import fused_group, plan_weights
@@ -245,10 +247,14 @@ def iter_weights(
             group = fused_group(entry.name) if fuse else None
             if group is None:
                 yield from entry.load(reader, dtype, device)
+                if on_entry is not None:
+                    on_entry(entry.nbytes)
                 continue
             fused, parts = group
             got = pending.setdefault(fused, {})
             got.update(entry.load(reader, dtype, torch.device("cpu")))
+            if on_entry is not None:
+                on_entry(entry.nbytes)
             if len(got) == len(parts):
                 del pending[fused]
                 yield from _fuse(fused, [(p, got.pop(p)) for p in parts], dtype, device)
@@ -280,10 +286,11 @@ def load_weights(
     device: torch.device | str = "cpu",
     include_experts: bool = True,
     fuse: bool | None = None,
+    on_entry: Callable[[int], None] | None = None,
 ) -> dict[str, torch.Tensor | LinearWeight]:
     """`dict(iter_weights(...))`."""
     return dict(iter_weights(path_or_reader, config, dtype=dtype, device=device,
-                             include_experts=include_experts, fuse=fuse))
+                             include_experts=include_experts, fuse=fuse, on_entry=on_entry))
 
 
 def to_linear(value: torch.Tensor | LinearWeight) -> LinearWeight:

@@ -1,1 +1,1 @@
-"""Pinned host expert store, GPU expert cache, memory planner."""
+"""Pinned host expert store, GPU expert cache, weight bytes for the memory planner."""

@@ -25,6 +25,7 @@ after the previous layer's fused MoE (whose slots it may overwrite) and before t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -94,6 +95,9 @@ class DeviceExpertCache:
             mode = "host"
         self.mode = mode
         self.use_triton = cuda if use_triton is None else use_triton
+        # Debug knob of benchmarks: hold the stream after each miss copy so that misses move
+        # at most this many bytes per second (0: off; `kernels.throttle`).
+        self.throttle_bytes_per_s = 0.0
         # Device lookup state (see offload.lookup).
         i32 = dict(dtype=torch.int32, device=self.device)
         self.table = torch.full((L * E + 1,), -1, **i32)
@@ -245,10 +249,19 @@ class DeviceExpertCache:
         _record(self._victims_copied, self.device)
 
     # ------------------------------------------------------------------ lookup
-    def lookup(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Slots [N, k] int32 holding `topk_ids` of `layer`, after copying in the misses."""
+    def lookup(self, layer: int, topk_ids: torch.Tensor, *, split: torch.Tensor | None = None,
+               on_lookup: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Slots [N, k] int32 holding `topk_ids` of `layer`, after copying in the misses.
+
+        `split` (fp32 [2] on the device, `offload.hybrid`): the misses it leaves to the CPU get
+        slot -1 and are neither loaded nor counted here. `on_lookup(slot_ids)` runs once the
+        slots are known and before the miss copies are queued (the CPU work forks there, so
+        that it does not wait for the copies)."""
         if self.mode == "host":
-            return self._lookup_host(layer, topk_ids)
+            slots = self._lookup_host(layer, topk_ids, split)
+            if on_lookup is not None:
+                on_lookup(slots)
+            return slots
         m = topk_ids.numel()
         if m > self._log_ids.shape[1]:
             raise ValueError(f"{m} routed pairs exceed the cache's max_ids "
@@ -266,8 +279,10 @@ class DeviceExpertCache:
             try:
                 result = lk.expert_lookup(ids, layer, self.table, self.owner,
                                           self.victims[layer], self.num_experts,
-                                          scratch=self._scratch, out=out)
-                lk.copy_rows(self.store.slots, self.slots, result[1], result[2])
+                                          scratch=self._scratch, out=out, split=split)
+                if on_lookup is not None:
+                    on_lookup(result[0])
+                self._copy(result[1], result[2])
             except Exception as exc:  # no Triton, or host memory not device-addressable
                 logger.warning("Triton expert lookup/copy failed (%r); using the torch path",
                                exc)
@@ -276,19 +291,45 @@ class DeviceExpertCache:
                     lk.copy_rows_ref(self.store.slots, self.slots, result[1], result[2])
         if result is None:
             result = lk.expert_lookup_ref(ids, layer, self.table, self.owner,
-                                          self.victims[layer], self.num_experts, out=out)
+                                          self.victims[layer], self.num_experts, out=out,
+                                          split=split)
+            if on_lookup is not None:
+                on_lookup(result[0])
             lk.copy_rows_ref(self.store.slots, self.slots, result[1], result[2])
         return result[0]
 
-    def _lookup_host(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
+    def _copy(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """The miss copy kernel (then the debug throttle of the host-to-device rate, when
+        `throttle_bytes_per_s` is set: a benchmark's slower PCIe link)."""
+        if not self.throttle_bytes_per_s:
+            lk.copy_rows(self.store.slots, self.slots, rows, slots)
+            return
+        from tinyserve.kernels import throttle
+
+        throttle.stamp(self.device)
+        lk.copy_rows(self.store.slots, self.slots, rows, slots)
+        throttle.hold(rows, self.store.bytes_per_expert / self.throttle_bytes_per_s)
+
+    def _lookup_host(self, layer: int, topk_ids: torch.Tensor,
+                     split: torch.Tensor | None = None) -> torch.Tensor:
         ids = topk_ids.reshape(-1).tolist()
-        slots, loads = self.policy.access(layer, ids)
+        cpu: set[int] = set()
+        if split is not None:  # the same choice as lookup.expert_lookup_ref's
+            a, b = split.tolist()
+            where = self.policy.where
+            misses = sorted({e for e in ids if (layer, e) not in where})
+            c = min(max(int(np.floor(a * len(misses) - b + 0.5)), 0), len(misses))
+            cpu = set(misses[len(misses) - c:])
+        gpu_ids = [e for e in ids if e not in cpu]
+        slots, loads = self.policy.access(layer, gpu_ids) if gpu_ids else ([], [])
         self.policy.release()  # this layer's copies are ordered before any later eviction
         if loads:
             rows = torch.tensor([layer * self.num_experts + e for e, _ in loads])
             dst = torch.tensor([s for _, s in loads], device=self.device)
             lk.copy_rows_ref(self.store.slots, self.slots, rows, dst)
-        return torch.tensor(slots, dtype=torch.int32, device=self.device).view(topk_ids.shape)
+        it = iter(slots)
+        every = [-1 if e in cpu else next(it) for e in ids]
+        return torch.tensor(every, dtype=torch.int32, device=self.device).view(topk_ids.shape)
 
     def preload_all(self) -> None:
         """Copy every expert into slot = row (needs num_slots >= layers x experts): the

@@ -33,12 +33,17 @@ FIELDS = ("w13", "w13_scale", "w13_global", "w2", "w2_scale", "w2_global")
 def expert_lookup_ref(topk_ids: torch.Tensor, layer: int, table: torch.Tensor,
                       owner: torch.Tensor, victims: torch.Tensor, num_experts: int, *,
                       out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      split: torch.Tensor | None = None,
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Resolve the slots of `topk_ids` [N, k] of `layer`, assigning victims to misses.
 
     Mutates `table` and `owner`. Returns (slot_ids [N, k] int32, load_rows [K] int32,
     load_slots [K] int32) with K = len(victims); unused load entries are -1. `out`: two
     int32 [K] tensors to write the load lists into (returned as they are).
+
+    `split` (fp32 [2] on the device: a, b): of the layer's m distinct misses, the last
+    c = clamp(floor(a * m - b + 0.5), 0, m) in expert order get no slot (slot id -1, table
+    unchanged, not loaded): they are computed on the CPU (`offload.hybrid.cpu_share`).
     """
     dev, E = table.device, num_experts
     S, K = owner.numel() - 1, victims.numel()
@@ -48,6 +53,10 @@ def expert_lookup_ref(topk_ids: torch.Tensor, layer: int, table: torch.Tensor,
     tab = table[base:base + E]  # [E] view
     hit = needed & (tab >= 0)
     miss = needed & (tab < 0)
+    if split is not None:
+        m = miss.sum()
+        c = torch.floor(split[0] * m - split[1] + 0.5).clamp(min=0).to(m.dtype)
+        miss = miss & (torch.cumsum(miss, 0) - 1 < m - torch.minimum(c, m))
     # Slots hit by this layer may not be taken.
     marked = torch.zeros(S + 1, dtype=torch.int32, device=dev)
     marked.index_add_(0, torch.where(hit, tab, S).long(), hit.int())
@@ -103,8 +112,8 @@ def _triton_kernels():
     @triton.jit
     def expert_lookup_kernel(ids_ptr, M, table_ptr, owner_ptr, victims_ptr, K, marked_ptr,
                              cand_ptr, slot_ids_ptr, load_rows_ptr, load_slots_ptr, base, E, S,
-                             BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_K: tl.constexpr):
+                             split_ptr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr):
         # One program; scratch `marked` [S+1] and `cand` [K+1] hold nothing between calls.
         offs_e = tl.arange(0, BLOCK_E)
         emask = offs_e < E
@@ -121,6 +130,14 @@ def _triton_kernels():
         tab = tl.load(table_ptr + base + offs_e, mask=emask, other=-1)
         hit = (needed > 0) & (tab >= 0) & emask
         miss = (needed > 0) & (tab < 0) & emask
+        if HAS_SPLIT:  # the last c misses stay unloaded (computed on the CPU)
+            m = tl.sum(miss.to(tl.int32), axis=0)
+            a = tl.load(split_ptr)
+            b = tl.load(split_ptr + 1)
+            c = tl.floor(a * m.to(tl.float32) - b + 0.5)
+            c = tl.minimum(tl.maximum(c, 0.0), m.to(tl.float32)).to(tl.int32)
+            rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
+            miss = miss & (rank < m - c)
         for s0 in range(0, S + 1, BLOCK_K):
             offs_s = s0 + tl.arange(0, BLOCK_K)
             tl.store(marked_ptr + offs_s, tl.zeros([BLOCK_K], dtype=tl.int32),
@@ -162,9 +179,12 @@ def expert_lookup(topk_ids: torch.Tensor, layer: int, table: torch.Tensor,
                   owner: torch.Tensor, victims: torch.Tensor, num_experts: int, *,
                   scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
                   out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  split: torch.Tensor | None = None,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of `expert_lookup_ref` (same contract, one launch, no host sync);
     `out` (contiguous int32 [K] each) receives the load lists directly."""
+    if split is not None and (split.dtype != torch.float32 or split.numel() != 2):
+        raise TypeError(f"split must be float32 [2], got {split.dtype} {tuple(split.shape)}")
     triton, kernel = _triton_kernels()
     for t, name in ((table, "table"), (owner, "owner"), (victims, "victims")):
         if t.dtype != torch.int32 or not t.is_contiguous():
@@ -186,8 +206,9 @@ def expert_lookup(topk_ids: torch.Tensor, layer: int, table: torch.Tensor,
                             f"{tuple(t.shape)}")
     kernel[(1,)](ids, M, table, owner, victims, K, scratch[0], scratch[1], slot_ids,
                  load_rows, load_slots, layer * num_experts, num_experts, S,
-                 BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_M=32,
-                 BLOCK_K=triton.next_power_of_2(max(K, 1)), num_warps=4)
+                 split if split is not None else table, BLOCK_E=triton.next_power_of_2(num_experts),
+                 BLOCK_M=32, BLOCK_K=triton.next_power_of_2(max(K, 1)),
+                 HAS_SPLIT=split is not None, num_warps=4)
     return slot_ids.view(topk_ids.shape), load_rows, load_slots
 
 

@@ -11,6 +11,7 @@ cache while the previous layer computes (`offload.prefetch`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,6 +56,8 @@ class OffloadedExperts:
             elif stream_prefill or cache.num_slots < cache.num_layers * cache.num_experts:
                 logger.info("prefill streaming off: %s", why)
         self.streamer = streamer
+        self.hybrid: Any = None  # an offload.hybrid.HybridExperts (`set_hybrid`), or None
+        self.hybrid_plan: Any = None  # the offload.hybrid.HybridPlan chosen at start-up
 
     @classmethod
     def create(cls, store: HostExpertStore, num_slots: int, *, device: torch.device | str,
@@ -86,32 +89,66 @@ class OffloadedExperts:
         """Whether `forward` takes the layer's shared expert along (the fused-MoE kernel)."""
         return self.use_kernel
 
+    def set_hybrid(self, hybrid: Any) -> None:
+        """Run the CPU share of decode misses with `hybrid` (an `offload.hybrid.HybridExperts`;
+        None: every miss is copied). Decode graphs captured before must be dropped."""
+        self.hybrid = hybrid
+
+    @property
+    def cpu_computed(self) -> int | None:
+        """Distinct experts computed on the CPU so far (None without a CPU part)."""
+        return None if self.hybrid is None else self.hybrid.runner.computed
+
     def forward(self, layer_id: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, *, shared_slots: ExpertSlots | None = None,
                 shared_logit: torch.Tensor | None = None) -> torch.Tensor:
         """Σ_j topk_weights[:, j] * Expert_{topk_ids[:, j]}(x) (+ sigmoid(shared_logit) *
-        the shared expert in `shared_slots`, never offloaded); x [N, H] -> [N, H] in x.dtype."""
+        the shared expert in `shared_slots`, never offloaded); x [N, H] -> [N, H] in x.dtype.
+
+        With a CPU part (`set_hybrid`) and a decode-sized batch, the misses the split leaves
+        to the CPU get weight 0 on the GPU (slot 0 stands in) and their sum, computed on the
+        CPU meanwhile, is added in fp32 before the cast to x.dtype."""
         if self._last_layer is not None and layer_id <= self._last_layer:
             # NOTE: never inside a CUDA-graph capture (begin_step reads device logs); the
             # graph runner calls begin_step() before each replay instead.
             if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
                 self.cache.begin_step(defer=True)
         self._last_layer = layer_id
-        slot_ids = self._slot_ids(layer_id, topk_ids)  # [N, k] int32
-        if self.use_kernel:
-            return fused_moe(x, slot_ids, topk_weights, self.cache.slots,
-                             shared_slots=shared_slots, shared_logit=shared_logit)
-        return fused_moe_ref(x, slot_ids, topk_weights, self.cache.slots,
-                             shared_slots=shared_slots, shared_logit=shared_logit)
+        cpu_part: list[torch.Tensor] = []
+        slot_ids = self._slot_ids(layer_id, topk_ids, x=x, topk_weights=topk_weights,
+                                  cpu_part=cpu_part)  # [N, k] int32
+        weights = topk_weights
+        if cpu_part:
+            on_cpu = slot_ids < 0
+            slot_ids = torch.where(on_cpu, 0, slot_ids)
+            weights = torch.where(on_cpu, 0, topk_weights)
+        moe = fused_moe if self.use_kernel else fused_moe_ref
+        out = moe(x, slot_ids, weights, self.cache.slots, shared_slots=shared_slots,
+                  shared_logit=shared_logit)
+        if not cpu_part:
+            return out
+        self.hybrid.runner.join()
+        return (out.float() + cpu_part[0]).to(x.dtype)
 
-    def _slot_ids(self, layer_id: int, topk_ids: torch.Tensor) -> torch.Tensor:
-        """The slots of `topk_ids` [N, k]: streamed for a big batch, else from the cache."""
+    def _slot_ids(self, layer_id: int, topk_ids: torch.Tensor, *, x: torch.Tensor | None = None,
+                  topk_weights: torch.Tensor | None = None,
+                  cpu_part: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The slots of `topk_ids` [N, k]: streamed for a big batch, else from the cache; with
+        a CPU part for a decode-sized batch, the CPU's pairs get slot -1 and their work is
+        forked (its result appended to `cpu_part`)."""
         streamer = self.streamer
         if streamer is not None:
             if streamer.wants(topk_ids):
                 return streamer.slot_ids(layer_id, topk_ids)
             streamer.release()
-        return self.cache.lookup(layer_id, topk_ids)
+        hybrid = self.hybrid
+        if hybrid is None or cpu_part is None or not hybrid.takes(topk_ids.shape[0]):
+            return self.cache.lookup(layer_id, topk_ids)
+
+        def fork(slot_ids: torch.Tensor) -> None:
+            cpu_part.append(hybrid.runner.start(layer_id, x, topk_ids, slot_ids, topk_weights))
+
+        return self.cache.lookup(layer_id, topk_ids, split=hybrid.split, on_lookup=fork)
 
     @property
     def capturable(self) -> bool:
@@ -124,14 +161,19 @@ class OffloadedExperts:
 
 
 def load_offloaded_experts(path: Any, config: Any, plan: Any, *, device: torch.device | str,
-                           dtype: torch.dtype = torch.bfloat16) -> OffloadedExperts:
+                           dtype: torch.dtype = torch.bfloat16,
+                           on_pinned: Callable[[int], None] | None = None,
+                           on_read: Callable[[int], None] | None = None) -> OffloadedExperts:
     """The experts provider a `MemoryPlan` asks for: the checkpoint's routed experts in a
-    pinned host store behind `plan.expert_slots` GPU slots (all of them preloaded when the
-    plan keeps every expert resident). Load the other weights with
-    `iter_weights(..., include_experts=False)` and pass this as `Qwen35Model(experts=...)`."""
-    store = HostExpertStore.from_checkpoint(path, config, dtype=dtype)
+    pinned host store behind `plan.expert_slots` GPU slots (all of them preloaded when they
+    are all there). Load the other weights with `iter_weights(..., include_experts=False)`
+    and pass this as `Qwen35Model(experts=...)`. `on_pinned` / `on_read`: load progress
+    (`HostExpertStore.from_checkpoint`). Raises ValueError when the plan's slots are fewer
+    than one layer's experts."""
+    store = HostExpertStore.from_checkpoint(path, config, dtype=dtype, on_pinned=on_pinned,
+                                            on_read=on_read)
     experts = OffloadedExperts.create(store, plan.expert_slots, device=device, dtype=dtype,
                                       max_ids=plan.prefill_chunk * config.num_experts_per_tok)
-    if not plan.experts_offloaded:
+    if plan.expert_slots >= store.num_layers * store.num_experts:
         experts.cache.preload_all()
     return experts

@@ -15,6 +15,7 @@ CUDA it is plain memory.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,7 @@ class HostExpertStore:
         num_layers, num_experts, hidden_size, intermediate_size: the geometry.
         fp4: NVFP4 slots (else dense slots in `dtype`).
         pin: register the buffer with CUDA (default: when CUDA is available).
+        on_pinned: called with the bytes of each piece registered (load progress).
     Attributes:
         slots: ExpertSlots over the buffer, row = layer * num_experts + expert.
         pinned: whether the buffer is registered (device-addressable).
@@ -74,7 +76,8 @@ class HostExpertStore:
 
     def __init__(self, num_layers: int, num_experts: int, hidden_size: int,
                  intermediate_size: int, *, fp4: bool = True,
-                 dtype: torch.dtype = torch.bfloat16, pin: bool | None = None) -> None:
+                 dtype: torch.dtype = torch.bfloat16, pin: bool | None = None,
+                 on_pinned: Callable[[int], None] | None = None) -> None:
         self.num_layers, self.num_experts = num_layers, num_experts
         rows = num_layers * num_experts
         fields = slot_fields(rows, hidden_size, intermediate_size, fp4=fp4, dtype=dtype)
@@ -92,7 +95,8 @@ class HostExpertStore:
             want_pin = False if pin is None else want_pin
         self.buffer = torch.empty(total, dtype=torch.uint8)
         self.pinned = bool(want_pin) and register_mapped(
-            self.buffer, "expert store (every expert-cache miss then waits for the host)")
+            self.buffer, "expert store (every expert-cache miss then waits for the host)",
+            on_pinned)
         views: dict[str, torch.Tensor] = {}
         for (name, shape, dt), off in zip(fields, offsets, strict=True):
             views[name] = self.buffer[off:off + _nbytes(shape, dt)].view(dt).view(shape)
@@ -102,9 +106,11 @@ class HostExpertStore:
 
     @classmethod
     def for_config(cls, config: Any, *, fp4: bool = True, dtype: torch.dtype = torch.bfloat16,
-                   pin: bool | None = None) -> HostExpertStore:
+                   pin: bool | None = None,
+                   on_pinned: Callable[[int], None] | None = None) -> HostExpertStore:
         return cls(config.num_layers, config.num_experts, config.hidden_size,
-                   config.moe_intermediate_size, fp4=fp4, dtype=dtype, pin=pin)
+                   config.moe_intermediate_size, fp4=fp4, dtype=dtype, pin=pin,
+                   on_pinned=on_pinned)
 
     # ------------------------------------------------------------------ filling
     def row(self, layer: int, expert: int) -> int:
@@ -155,18 +161,23 @@ class HostExpertStore:
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, config: Any, *,
-                        dtype: torch.dtype = torch.bfloat16,
-                        pin: bool | None = None) -> HostExpertStore:
-        """Read only the routed experts of a checkpoint, shard by shard, into a new store."""
+                        dtype: torch.dtype = torch.bfloat16, pin: bool | None = None,
+                        on_pinned: Callable[[int], None] | None = None,
+                        on_read: Callable[[int], None] | None = None) -> HostExpertStore:
+        """Read only the routed experts of a checkpoint, shard by shard, into a new store.
+        `on_pinned(nbytes)` after each piece of the buffer is registered, `on_read(nbytes)`
+        after each checkpoint entry is stored (its bytes on disk): load progress."""
         from tinyserve.model.loader import CheckpointReader
         from tinyserve.model.loader_plan import plan_weights
 
         with CheckpointReader(path) as reader:
             plans = [p for p in plan_weights(reader, config) if p.is_expert]
             fp4 = all(p.storage in ("modelopt", "compressed-tensors") for p in plans)
-            store = cls.for_config(config, fp4=fp4, dtype=dtype, pin=pin)
+            store = cls.for_config(config, fp4=fp4, dtype=dtype, pin=pin, on_pinned=on_pinned)
             for p in plans:
                 for name, w in p.load(reader, dtype, torch.device("cpu")):
                     store.add(name, w)
+                if on_read is not None:
+                    on_read(p.nbytes)
         store.check_complete()
         return store

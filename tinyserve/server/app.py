@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI-compatible routes over one engine.
+"""The FastAPI app: OpenAI-compatible routes over one engine (and, from their own modules, the
+Anthropic Messages and OpenAI Responses routes).
 
 `create_app(state)` builds the app; `state.engine` may be set later (the server answers
 `/health` with 503 and its load progress until then). `/openapi.json` serves the schema
@@ -13,22 +14,18 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from tinyserve.server.anthropic_api import add_anthropic_routes
 from tinyserve.server.auth import APIKeyMiddleware, BodyLimitMiddleware
 from tinyserve.server.chat import encode_text
 from tinyserve.server.errors import APIError, install_error_handlers
 from tinyserve.server.formatters import ChatFormatter, CompletionFormatter
-from tinyserve.server.generate import check_fits, generate, make_params
+from tinyserve.server.generate import check_fits, context_length, generate, make_params
 from tinyserve.server.openapi import openapi_schema
+from tinyserve.server.prepare import prepare_chat
 from tinyserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from tinyserve.server.responses import ChatAssembler, now
+from tinyserve.server.responses import now
+from tinyserve.server.responses_api import add_responses_routes
 from tinyserve.server.state import ServerState
-
-
-def context_length(engine: Any) -> int:
-    """What a request may use (prompt + output): the real KV capacity, at most the model's
-    position limit."""
-    limit = getattr(engine.model_config, "max_position_embeddings", None)
-    return int(min(engine.max_context, limit)) if limit else int(engine.max_context)
 
 
 def model_card(state: ServerState) -> dict[str, Any]:
@@ -92,33 +89,19 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        engine = state.require_engine()
+        state.require_engine()
         state.check_model(req.model)
         req.check_supported()
-        # NOTE: every message renders to >= 2 tokens; refuse a huge list before the
-        # template spends seconds of CPU on it
-        if 2 * len(req.messages) >= context_length(engine):
-            raise APIError(400, f"{len(req.messages)} messages cannot fit in this server's "
-                           f"context of {context_length(engine)} tokens", param="messages",
-                           code="context_length_exceeded")
-        context = context_length(engine)
-        prompt = await anyio.to_thread.run_sync(
-            lambda: state.renderer.render(req, context=context))
-        want, max_param = req.requested_max_tokens
-        max_tokens = check_fits(len(prompt.ids), want, context, prompt_param="messages",
-                                max_param=max_param)
-        params = make_params(lambda: req.choice_params(
-            max_tokens=max_tokens, stop_token_ids=state.stop_token_ids), max_param)
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.use_tools else None
+        prep = await prepare_chat(state, req)
+        params = prep.params
         token_text = state.token_text if params[0].logprobs is not None else None
         fmts: list[ChatFormatter] = []
         for i in range(len(params)):
-            assembler = ChatAssembler(reasoning_open=prompt.reasoning_open, tools=tools,
-                                      parallel_tool_calls=req.parallel_tool_calls)
-            fmts.append(ChatFormatter(state.config.served_model_name, assembler,
+            fmts.append(ChatFormatter(state.config.served_model_name,
+                                      prep.assembler(req.parallel_tool_calls),
                                       usage_null=req.include_usage, token_text=token_text,
                                       index=i, first=fmts[0] if fmts else None))
-        return await generate(state, request, fmts, prompt.ids, params, stream=req.stream,
+        return await generate(state, request, fmts, prep.prompt.ids, params, stream=req.stream,
                               include_usage=req.include_usage)
 
     @app.post("/v1/completions")
@@ -146,6 +129,8 @@ def create_app(state: ServerState) -> FastAPI:
         return await generate(state, request, fmts, ids, params, stream=req.stream,
                               include_usage=req.include_usage)
 
+    add_anthropic_routes(app, state)
+    add_responses_routes(app, state)
     return app
 
 

@@ -10,7 +10,7 @@ import hmac
 import json
 from typing import Any
 
-from tinyserve.server.errors import error_body
+from tinyserve.server.errors import error_body_for
 
 OPEN_PATHS = frozenset({"/health"})
 
@@ -48,9 +48,10 @@ class APIKeyMiddleware:
         given = given or headers.get(b"x-api-key", b"").decode("latin-1").strip()
         if given and key_matches(given, self.keys):
             return await self.app(scope, receive, send)
-        message = ("missing API key: send 'Authorization: Bearer <key>'" if not given
-                   else "incorrect API key")
-        await _send_error(send, 401, error_body(message, code="invalid_api_key"),
+        message = ("missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+                   if not given else "incorrect API key")
+        await _send_error(send, 401, error_body_for(scope["path"], 401, message,
+                                                    code="invalid_api_key"),
                           [(b"www-authenticate", b"Bearer")])
 
 
@@ -66,13 +67,15 @@ class BodyLimitMiddleware:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         length = headers.get(b"content-length")
-        too_big = error_body(f"request body larger than {self.max_bytes} bytes",
-                             code="request_too_large")
+        too_big = error_body_for(scope["path"], 413,
+                                 f"request body larger than {self.max_bytes} bytes",
+                                 code="request_too_large")
         try:
             if length is not None and int(length) > self.max_bytes:
                 return await _send_error(send, 413, too_big)
         except ValueError:
-            return await _send_error(send, 400, error_body("invalid Content-Length"))
+            return await _send_error(send, 400, error_body_for(scope["path"], 400,
+                                                               "invalid Content-Length"))
         seen, refused = 0, False
 
         async def limited_receive() -> dict:

@@ -14,10 +14,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from tinyserve.server.errors import APIError
+from tinyserve.server.errors import APIError, ContextLengthError
 from tinyserve.server.prompt_ids import PromptTooLong, encoder_for
 from tinyserve.server.protocol import ChatCompletionRequest, ChatMessage, ContentPart, ToolCall
 from tinyserve.server.reasoning import reasoning_open_in_prompt
+from tinyserve.server.tool_choice import continuation
 
 _RESERVED_KWARGS = {"messages", "tools", "add_generation_prompt", "tokenize", "conversation",
                     "return_dict", "chat_template", "documents"}
@@ -28,6 +29,7 @@ class RenderedPrompt:
     text: str
     ids: list[int]
     reasoning_open: bool  # generation starts inside <think> ... </think>
+    prefill: str = ""  # the end of `text` the response's parsers read first, as if generated
 
 
 def _content_text(content: str | list[ContentPart] | None) -> str | None:
@@ -79,12 +81,18 @@ class ChatRenderer:
 
     def render_messages(self, messages: list[dict[str, Any]], *,
                         tools: list[dict[str, Any]] | None = None, context: int | None = None,
-                        param: str = "messages", **template_kwargs: Any) -> RenderedPrompt:
+                        param: str = "messages", answer_prefix: str = "",
+                        forced: str | None = None, **template_kwargs: Any) -> RenderedPrompt:
         """Render plain message dicts (the template's own input) to a prompt. Every string
-        the client sent (in `messages`, `tools` and the template variables) is text, even
-        where it spells a special token. With `context` (tokens of prompt + output), a prompt
-        that leaves no room for output is refused (a 400 naming `param`) before it is
-        tokenised in full."""
+        the client sent (in `messages`, `tools`, the template variables and `answer_prefix`)
+        is text, even where it spells a special token. With `context` (tokens of prompt +
+        output), a prompt that leaves no room for output is refused (a `ContextLengthError`
+        naming `param`) before it is tokenised in full.
+
+        The answer is begun for the model after the generation prompt when the client wrote
+        its start (`answer_prefix`) or a tool call is forced (`forced`, as
+        `tool_choice.forced_function` returns it): `tool_choice.continuation`; the part the
+        response's parsers must read as generated is the result's `prefill`."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions",
                            param=param)
@@ -97,20 +105,27 @@ class ChatRenderer:
         except Exception as exc:  # jinja errors: raise_exception() in the template, bad input
             raise APIError(400, f"cannot render the chat template: {enc.unescape(str(exc))}",
                            param=param) from None
+        suffix, prefill = continuation(reasoning_open_in_prompt(text), enc.escape(answer_prefix),
+                                       enc.escape(forced))
+        text += suffix
         check_unicode(text, param)
         try:
             ids = enc.encode_rendered(text, None if context is None else context - 1)
         except PromptTooLong as exc:
             raise too_long(exc, context, param) from None
         text = enc.unescape(text)
-        return RenderedPrompt(text=text, ids=ids, reasoning_open=reasoning_open_in_prompt(text))
+        return RenderedPrompt(text=text, ids=ids, reasoning_open=reasoning_open_in_prompt(text),
+                              prefill=enc.unescape(prefill))
 
-    def render(self, req: ChatCompletionRequest, *, context: int | None = None
+    def render(self, req: ChatCompletionRequest, *, context: int | None = None,
+               param: str = "messages", answer_prefix: str = "", forced: str | None = None
                ) -> RenderedPrompt:
+        """`req`'s prompt (`render_messages`: `context`, `param`, `answer_prefix`, `forced`)."""
         messages = [message_for_template(m, i) for i, m in enumerate(req.messages)]
         tools = ([t.model_dump(exclude_none=True) for t in req.tools]
                  if req.use_tools else None)
-        return self.render_messages(messages, tools=tools, context=context,
+        return self.render_messages(messages, tools=tools, context=context, param=param,
+                                    answer_prefix=answer_prefix, forced=forced,
                                     **req.template_kwargs())
 
 
@@ -124,13 +139,11 @@ def check_unicode(text: str, param: str) -> None:
                        "valid Unicode", param=param) from None
 
 
-def too_long(exc: PromptTooLong, context: int | None, param: str) -> APIError:
+def too_long(exc: PromptTooLong, context: int | None, param: str) -> ContextLengthError:
     """The 400 for a prompt that leaves no room for output (its length is exact, or a lower
     bound when it was refused before it was tokenised in full)."""
     size = f"{exc.tokens}" if exc.exact else f"more than {exc.limit}"
-    return APIError(400, f"the prompt is {size} tokens, but this server's context holds "
-                    f"{context} tokens (prompt + output)", param=param,
-                    code="context_length_exceeded")
+    return ContextLengthError(size, context or exc.limit + 1, param)
 
 
 def encode_text(tokenizer: Any, text: str, param: str, *, context: int | None = None,

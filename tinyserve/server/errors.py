@@ -1,14 +1,16 @@
-"""OpenAI error objects: `{"error": {"message", "type", "param", "code"}}` for every failure.
+"""OpenAI error objects: `{"error": {"message", "type", "param", "code"}}` for every failure,
+and Anthropic's (`{"type": "error", "error": {"type", "message"}}`) on the Anthropic routes.
 
 `APIError` is raised anywhere in a request handler; `install_error_handlers(app)` turns it,
 FastAPI's validation errors (422 -> 400), HTTP errors and anything unexpected (500, logged)
-into that shape.
+into the shape the route's clients expect (`error_body_for(path, ...)`).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from tinyserve.log import get_logger
@@ -31,10 +33,54 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
+    def body_for(self, path: str) -> dict[str, Any]:
+        """The error object in the shape the clients of `path` expect."""
+        return error_body_for(path, self.status, self.message, self.type, self.param, self.code)
+
+
+class ContextLengthError(APIError):
+    """A 400 for a prompt that leaves no room for output in a `context` of tokens. `size`:
+    its tokens ("1234", or "more than 999" when it was refused before it was tokenised in
+    full). Each API may word it its own way (`prepare.prepare_chat`)."""
+
+    def __init__(self, size: str, context: int, param: str | None) -> None:
+        super().__init__(400, f"the prompt is {size} tokens, but this server's context holds "
+                         f"{context} tokens (prompt + output)", param=param,
+                         code="context_length_exceeded")
+        self.size = size
+        self.context = context
+
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+ANTHROPIC_PATHS = ("/v1/messages",)  # these routes and those under them answer Anthropic errors
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+                    529: "overloaded_error"}
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Whether a request to `path` gets Anthropic's error objects."""
+    return any(path == p or path.startswith(p + "/") for p in ANTHROPIC_PATHS)
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error object; its `type` follows the HTTP status as Anthropic's API does."""
+    kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_body_for(path: str, status: int, message: str, type: str = "invalid_request_error",
+                   param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """The error object for a request to `path`: Anthropic's on the Anthropic routes (the
+    field a message names is in its text), OpenAI's everywhere else."""
+    if is_anthropic_path(path):
+        return anthropic_error_body(status, message)
+    return error_body(message, type, param, code)
 
 
 # pydantic's names of union members and validators in an error's location (not fields):
@@ -74,14 +120,14 @@ def _deepest_alternative(errors: list[dict[str, Any]]) -> dict[str, Any]:
     return max(same, key=lambda e: len(e.get("loc", ())))
 
 
-def validation_error(errors: list[dict[str, Any]]) -> APIError:
+def validation_error(errors: list[dict[str, Any]],
+                     unsupported: Mapping[str, str] | None = None) -> APIError:
     """FastAPI/pydantic validation errors -> one 400 APIError naming the first bad field.
 
     An unknown field is refused as OpenAI refuses it ("unrecognized request argument"), or
-    with the reason when it is a top-level field known not to be supported
-    (`protocol.UNSUPPORTED`)."""
-    from tinyserve.server.protocol import UNSUPPORTED
-
+    with the reason when it is a top-level field known not to be supported (`unsupported`:
+    name -> reason, the body model's `UNSUPPORTED`)."""
+    unsupported = unsupported or {}
     if not errors:
         return APIError(400, "invalid request body")
     first = _deepest_alternative(errors)
@@ -99,11 +145,18 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         if not name.isidentifier():  # quoted, with any odd character escaped
             name = json.dumps(name)
         param = f"{parent}.{name}" if parent else name
-        if parent is None and name in UNSUPPORTED:
-            return APIError(400, UNSUPPORTED[name], param=param)
+        if parent is None and name in unsupported:
+            return APIError(400, unsupported[name], param=param)
         return APIError(400, f"unrecognized request argument: {param}", param=param)
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     return APIError(400, f"{param}: {msg}" if param else msg, param=param)
+
+
+def _unsupported_of(request: Any) -> Mapping[str, str]:
+    """The `UNSUPPORTED` fields of the body model of the route `request` reached."""
+    field = getattr(request.scope.get("route"), "body_field", None)
+    model = getattr(getattr(field, "field_info", None), "annotation", None)
+    return getattr(model, "UNSUPPORTED", None) or {}
 
 
 def install_error_handlers(app: Any) -> None:
@@ -113,11 +166,11 @@ def install_error_handlers(app: Any) -> None:
     from starlette.exceptions import HTTPException
 
     async def on_api_error(request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body_for(request.url.path), status_code=exc.status)
 
     async def on_validation(request, exc: RequestValidationError):
-        err = validation_error(list(exc.errors()))
-        return JSONResponse(err.body(), status_code=err.status)
+        err = validation_error(list(exc.errors()), _unsupported_of(request))
+        return JSONResponse(err.body_for(request.url.path), status_code=err.status)
 
     async def on_http(request, exc: HTTPException):
         if exc.status_code == 404:
@@ -125,12 +178,13 @@ def install_error_handlers(app: Any) -> None:
                            code="not_found")
         else:
             err = APIError(exc.status_code, str(exc.detail))
-        return JSONResponse(err.body(), status_code=err.status, headers=exc.headers)
+        return JSONResponse(err.body_for(request.url.path), status_code=err.status,
+                            headers=exc.headers)
 
     async def on_any(request, exc: Exception):
         log.exception("internal error on %s %s", request.method, request.url.path)
         err = APIError(500, f"internal error: {type(exc).__name__}")
-        return JSONResponse(err.body(), status_code=500)
+        return JSONResponse(err.body_for(request.url.path), status_code=500)
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)

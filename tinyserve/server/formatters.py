@@ -1,9 +1,13 @@
 """Per-endpoint response shapes: engine outputs -> streamed chunks or one response body.
 
-A formatter turns one choice's text deltas into chunks (`start`, `on_text`, `on_finish`) and
-builds the non-streamed body (`body`, with every choice's `choice()` when the request asks for
-`n` > 1: one formatter per choice, sharing the response id). The generation driver in
-`server.generate` is shared by both endpoints; only these shapes differ.
+A formatter (the `Formatter` protocol) turns one choice's text deltas into chunks (`start`,
+`on_text`, `on_finish`), frames them as SSE events (`encode`, `error_event`, `stream_end`:
+OpenAI's `data:` lines, a usage chunk on request and `data: [DONE]` here, after an error
+event too; every event strict JSON: `streaming.sse`) and builds the
+non-streamed body (`body`, with every choice's `choice()` when the request asks for `n` > 1:
+one formatter per choice, sharing the response id). The generation driver in
+`server.generate` is shared by every endpoint; only these shapes differ (the Anthropic and
+Responses formatters live beside their translators).
 
 Log-probabilities (when the request asks: `token_text` set) travel with the first chunk
 sent after their tokens arrive: a token whose text is held back (a possible stop string, a
@@ -15,9 +19,10 @@ reasoning included.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from tinyserve.core import TokenLogprobs
+from tinyserve.server.errors import APIError
 from tinyserve.server.logprobs import TokenText, chat_entries, completion_logprobs
 from tinyserve.server.responses import (
     ChatAssembler,
@@ -27,9 +32,47 @@ from tinyserve.server.responses import (
     now,
     usage,
 )
+from tinyserve.server.streaming import DONE, sse
 
 
-class ChatFormatter:
+class Formatter(Protocol):
+    """What the generation driver asks of one choice's formatter."""
+
+    endpoint: str  # the metrics label
+    prompt_param: str  # the request field a prompt that cannot fit is blamed on
+    id: str
+    finish_reason: str | None
+
+    def start(self) -> list[dict[str, Any]]: ...
+    def on_text(self, text: str, logprobs: Sequence[TokenLogprobs] = ()
+                ) -> list[dict[str, Any]]: ...
+    def on_finish(self, engine_reason: str | None, stop_str: str | None = None
+                  ) -> list[dict[str, Any]]: ...
+    def encode(self, chunk: dict[str, Any]) -> str: ...
+    def error_event(self, err: APIError) -> str: ...  # a failed stream's last events
+    def stream_end(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+                   include_usage: bool) -> list[str]: ...
+    def choice(self) -> dict[str, Any]: ...
+    def body(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+             choices: list[dict[str, Any]] | None = None) -> dict[str, Any]: ...
+
+
+class _OpenAIEvents:
+    """OpenAI's SSE framing: `data: {json}` events, the usage chunk when asked, `[DONE]`."""
+
+    def encode(self, chunk: dict[str, Any]) -> str:
+        return sse(chunk)
+
+    def error_event(self, err: APIError) -> str:
+        return sse(err.body()) + DONE  # the stream ends as every OpenAI stream does
+
+    def stream_end(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+                   include_usage: bool) -> list[str]:
+        usage_event = [sse(self.usage_chunk(prompt_tokens, completion_tokens, cached_tokens))]
+        return (usage_event if include_usage else []) + [DONE]
+
+
+class ChatFormatter(_OpenAIEvents):
     endpoint = "chat"
     prompt_param = "messages"
 
@@ -67,7 +110,8 @@ class ChatFormatter:
         self._add_logprobs(logprobs)
         return [self._chunk(d) for d in self.assembler.feed(text)] if text else []
 
-    def on_finish(self, engine_reason: str | None) -> list[dict[str, Any]]:
+    def on_finish(self, engine_reason: str | None, stop_str: str | None = None
+                  ) -> list[dict[str, Any]]:
         chunks = [self._chunk(d) for d in self.assembler.finish()]
         self.finish_reason = self.assembler.finish_reason(engine_reason)
         return chunks + [self._chunk({}, self.finish_reason)]
@@ -90,7 +134,7 @@ class ChatFormatter:
                 "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
-class CompletionFormatter:
+class CompletionFormatter(_OpenAIEvents):
     endpoint = "completions"
     prompt_param = "prompt"
 
@@ -131,7 +175,8 @@ class CompletionFormatter:
         self.text += text
         return [self._chunk(text)]
 
-    def on_finish(self, engine_reason: str | None) -> list[dict[str, Any]]:
+    def on_finish(self, engine_reason: str | None, stop_str: str | None = None
+                  ) -> list[dict[str, Any]]:
         self.finish_reason = engine_reason
         return [self._chunk("", engine_reason)]
 
@@ -153,5 +198,3 @@ class CompletionFormatter:
                 "model": self.model, "choices": choices or [self.choice()],
                 "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
-
-Formatter = ChatFormatter | CompletionFormatter

@@ -1,10 +1,13 @@
-"""The generation driver shared by /v1/chat/completions and /v1/completions.
+"""The generation driver shared by every generating route (chat/completions, completions,
+messages, responses).
 
-Submits to the engine, then either streams SSE chunks (keep-alive comments while nothing
-arrives; if generation fails or the server shuts down after the stream started, one error
-event, then `data: [DONE]` as always) or collects one body while watching the client.
+Submits to the engine, then either streams SSE events (keep-alive comments while nothing
+arrives; if generation fails or the server shuts down after the stream started, the API's own
+end of a failed stream: OpenAI's error event and `data: [DONE]`, Anthropic's `error` event,
+the Responses API's `response.failed`) or collects one body while watching the client.
 Whenever the client goes away before the request finishes, the request is aborted in the
-engine, which frees its KV pages and state slot.
+engine, which frees its KV pages and state slot. The formatters decide the events' shapes and
+framing (`encode`, `error_event`, `stream_end`).
 """
 
 from __future__ import annotations
@@ -19,22 +22,27 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tinyserve.core import ParamError, SamplingParams
 from tinyserve.log import get_logger
-from tinyserve.server.errors import APIError, error_body
+from tinyserve.server.errors import APIError, ContextLengthError
 from tinyserve.server.formatters import Formatter
 from tinyserve.server.state import ServerState
-from tinyserve.server.streaming import DONE, KEEPALIVE, SSE_HEADERS, OutputPump, sse
+from tinyserve.server.streaming import KEEPALIVE, SSE_HEADERS, OutputPump
 
 log = get_logger(__name__)
 T = TypeVar("T")
+
+
+def context_length(engine: Any) -> int:
+    """What a request may use (prompt + output): the real KV capacity, at most the model's
+    position limit."""
+    limit = getattr(engine.model_config, "max_position_embeddings", None)
+    return int(min(engine.max_context, limit)) if limit else int(engine.max_context)
 
 
 def check_fits(prompt_len: int, max_tokens: int | None, max_context: int, *,
                prompt_param: str, max_param: str) -> int:
     """The max_tokens to use; raises a 400 with the numbers when the request cannot fit."""
     if prompt_len >= max_context:
-        raise APIError(400, f"the prompt is {prompt_len} tokens, but this server's context "
-                       f"holds {max_context} tokens (prompt + output)", param=prompt_param,
-                       code="context_length_exceeded")
+        raise ContextLengthError(str(prompt_len), max_context, prompt_param)
     if max_tokens is None:
         return max_context - prompt_len
     if max_tokens < 1:
@@ -160,14 +168,13 @@ class _Run:
         try:
             for fmt in self.fmts:
                 for chunk in fmt.start():
-                    yield sse(chunk)
+                    yield fmt.encode(chunk)
             while self.open:
                 try:
                     item = await pump.next(self.state.config.keepalive_s)
                 except StopAsyncIteration:
                     self._done("error")
-                    yield sse(error_body("generation ended without a result", "server_error"))
-                    yield DONE
+                    yield self.fmt.error_event(APIError(500, "generation ended without a result"))
                     return
                 if item is None:
                     yield KEEPALIVE
@@ -176,29 +183,26 @@ class _Run:
                 fmt = self.fmts[i]
                 self._account(i, out)
                 for chunk in fmt.on_text(out.text or "", getattr(out, "logprobs", ())):
-                    yield sse(chunk)
+                    yield fmt.encode(chunk)
                 if not out.finished:
                     continue
                 if out.finish_reason in ("error", "abort"):  # abort here: engine shutdown
                     self.open.discard(i)
                     self._abort_open()  # the other choices are not wanted any more
                     self._done(out.finish_reason)
-                    yield sse(_failure(out).body())
-                    yield DONE
+                    yield self.fmt.error_event(_failure(out))
                     return
                 self.open.discard(i)
-                for chunk in fmt.on_finish(out.finish_reason):
-                    yield sse(chunk)
+                for chunk in fmt.on_finish(out.finish_reason, getattr(out, "stop_str", None)):
+                    yield fmt.encode(chunk)
             self._done(self._finish_reason())
-            if include_usage:
-                yield sse(self.fmt.usage_chunk(self.prompt_tokens, self.completion_tokens,
-                                               self.cached_tokens))
-            yield DONE
+            for event in self.fmt.stream_end(self.prompt_tokens, self.completion_tokens,
+                                             self.cached_tokens, include_usage):
+                yield event
         except Exception as exc:
             log.exception("stream %s failed", self.fmt.id)
             self._abort()
-            yield sse(error_body(f"internal error: {type(exc).__name__}", "server_error"))
-            yield DONE
+            yield self.fmt.error_event(APIError(500, f"internal error: {type(exc).__name__}"))
         finally:
             pump.close()
             self._abort()  # a no-op once finished; otherwise the client went away
@@ -229,7 +233,7 @@ class _Run:
                     self._done(out.finish_reason)
                     raise _failure(out)
                 self.open.discard(i)
-                fmt.on_finish(out.finish_reason)
+                fmt.on_finish(out.finish_reason, getattr(out, "stop_str", None))
             self._done(self._finish_reason())
             choices = [f.choice() for f in self.fmts] if len(self.fmts) > 1 else None
             return JSONResponse(self.fmt.body(self.prompt_tokens, self.completion_tokens,

@@ -1,18 +1,21 @@
 """`tinyserve run MODEL` and `tinyserve demo`: start answering at once, load in the background.
 
-The HTTP server comes up first (`/health` answers 503 with the load progress), the engine is
-built in a thread with a progress bar, then the URL and the memory plan are printed. A load
+The HTTP server comes up first (`/health` answers 503 with the load progress). A thread then
+plans the memory and prints the plan (the text `tinyserve plan` prints for the same flags),
+builds the engine under a progress bar that counts the real work (`engine.progress`), warms
+it up on a GPU and prints the URL with the device memory the process then holds. A load
 failure is printed as one line and ends the process with status 1.
 
 SIGTERM drains: new requests get 503 (and `/health` 503 "shutting_down") at once, running
-requests have `drain_s` seconds to finish, then what is left is aborted (a stream ends with an
-error event and `data: [DONE]`, a non-streamed request with a 503) and the process exits with
-status 0. SIGINT does the same without the grace period; a second signal exits at once.
+requests have `drain_s` seconds to finish, then what is left is aborted (a stream ends as its
+API ends a failed stream: OpenAI's error event and `data: [DONE]`, Anthropic's `error` event,
+the Responses API's `response.failed`; a non-streamed request gets a 503 in its API's error
+shape) and the process exits with status 0. SIGINT does the same without the grace period; a
+second signal exits at once.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -50,80 +53,48 @@ def server_config(args: Any, default_name: str) -> ServerConfig:
         raise
 
 
-def _weight_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+class _ProgressBar:
+    """The load's progress (`engine.progress.LoadProgress`) as a tqdm bar on stderr and in
+    `/health`."""
 
-
-def _memory_in_use() -> int:
-    """Bytes this process holds in RAM plus on the current CUDA device."""
-    used = 0
-    try:
-        with open("/proc/self/statm") as f:
-            used += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        pass
-    if "torch" in sys.modules:
-        import torch
-
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            used += torch.cuda.memory_allocated()
-    return used
-
-
-class _ProgressWatcher:
-    """Estimates weight-loading progress from memory growth (the loader streams weights into
-    host or device memory) and shows it as a tqdm bar and in `/health`."""
-
-    def __init__(self, state: ServerState, total_bytes: int, show: bool) -> None:
-        self.state, self.total = state, max(1, total_bytes)
-        self._stop = threading.Event()
+    def __init__(self, state: ServerState, show: bool) -> None:
+        self.state = state
         self._bar = None
+        self._shown = (-1, "")
         if show:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=100, desc="loading weights", unit="%", file=sys.stderr,
+            self._bar = tqdm(total=100, desc="loading", unit="%", file=sys.stderr,
                              bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}")
-        self._base = _memory_in_use()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
 
-    def _run(self) -> None:
-        while not self._stop.wait(0.2):
-            frac = min(0.99, max(0.0, (_memory_in_use() - self._base) / self.total))
-            frac = max(frac, self.state.load_progress)
-            self.state.set_progress(frac, "weights")
-            if self._bar is not None:
-                self._bar.n = int(frac * 100)
-                self._bar.refresh()
+    def update(self, fraction: float, stage: str) -> None:
+        self.state.set_progress(fraction, stage)
+        shown = (int(fraction * 100), stage)
+        if self._bar is not None and shown != self._shown:
+            self._shown = shown
+            self._bar.set_description_str(stage, refresh=False)
+            self._bar.n = shown[0]
+            self._bar.refresh()
 
     def close(self, ok: bool) -> None:
-        self._stop.set()
-        self._thread.join()
         if self._bar is not None:
             if ok:
                 self._bar.n = 100
                 self._bar.refresh()
             self._bar.close()
+            self._bar = None
 
 
-def memory_summary(engine: Any, args: Any) -> str:
-    """A short description of where the engine's memory went."""
+def memory_summary(engine: Any, device_line: str = "") -> str:
+    """A short description of what the engine holds (its memory plan was printed before)."""
     stats = engine.stats()
-    cfg = getattr(engine, "config", None)
-    kv = getattr(cfg, "kv", getattr(args, "kv", "?"))
-    lines = [f"  device {getattr(cfg, 'resolved_device', '?')}, "
-             f"dtype {str(getattr(cfg, 'torch_dtype', '?')).replace('torch.', '')}",
-             f"  KV cache ({kv}): {stats.kv_pages_total} pages x {stats.page_size} tokens = "
-             f"{stats.kv_pages_total * stats.page_size} tokens",
-             f"  GDN state slots: {stats.state_slots_total} (most sequences at once)",
-             f"  context per request: {stats.max_context} tokens"]
-    if getattr(cfg, "resolved_device", "cpu").startswith("cuda"):
-        import torch
-
-        lines.append(f"  GPU memory in use: {torch.cuda.memory_allocated() / 2**30:.2f} GiB")
-    plan = getattr(engine, "memory_plan", None)
-    if plan is not None:
-        lines += ["memory plan:", *("  " + row for row in plan.format().splitlines())]
+    cfg = engine.config
+    lines = [f"  {engine.memory_plan.device}, {str(cfg.torch_dtype).replace('torch.', '')}, "
+             f"KV {cfg.kv}: {stats.kv_pages_total} pages x {stats.page_size} tokens, "
+             f"{stats.state_slots_total} sequence{'s' * (stats.state_slots_total != 1)} at "
+             f"once, {stats.max_context} tokens each"]
+    if device_line:
+        lines.append(f"  {device_line}")
     return "\n".join(lines)
 
 
@@ -131,29 +102,40 @@ def _load(state: ServerState, args: Any, model: str, server: Any, show_progress:
           on_ready: Any = None) -> None:
     from tinyserve.engine.build import build_engine
     from tinyserve.engine.config import EngineConfig
+    from tinyserve.engine.device_memory import device_memory_report
+    from tinyserve.engine.planner import plan_engine
+    from tinyserve.engine.progress import WARM_UP, LoadProgress
     from tinyserve.model.loader import resolve_model_path
 
-    watcher = None
+    bar = None
     try:
         state.set_progress(0.0, "resolving")
         path = resolve_model_path(model)
         config = EngineConfig.from_args(args, model=str(path))
-        import transformers  # noqa: F401  (so its import does not count as weights loading)
-
-        watcher = _ProgressWatcher(state, _weight_bytes(path), show_progress)
-        engine = build_engine(config)
-        watcher.close(ok=True)
-        watcher = None
+        state.set_progress(0.0, "planning")
+        plan = plan_engine(config, path)
+        print(plan.format(), flush=True)  # the same text as `tinyserve plan` with these flags
+        bar = _ProgressBar(state, show_progress)
+        progress = LoadProgress(on_change=bar.update)
+        if plan.is_cuda:  # kernel builds, library set-up, graph capture: GPU only
+            progress.expect(WARM_UP, 1)
+        engine = build_engine(config, plan=plan, progress=progress)
         engine.start()
-        if config.resolved_device.startswith("cuda"):  # kernel builds, library set-up: GPU only
-            state.set_progress(1.0, "warming up")
+        device_line = ""
+        if plan.is_cuda:
+            progress.begin(WARM_UP)
             log.info("warm-up request done in %.1f s", engine.warm_up())
+            progress.complete(WARM_UP)
+            device_line, _ = device_memory_report(plan, plan.device)
+        log.info("load stages (s): %s", progress.timings())
+        bar.close(ok=True)
+        bar = None
         state.set_engine(engine)
         if on_ready is not None:
-            on_ready(engine)
+            on_ready(engine, device_line)
     except Exception as exc:  # any failure: one line, then stop the server
-        if watcher is not None:
-            watcher.close(ok=False)
+        if bar is not None:
+            bar.close(ok=False)
         state.load_error = f"{type(exc).__name__}: {exc}" if not isinstance(
             exc, (ValueError, OSError)) else str(exc)
         print(f"tinyserve: error: {state.load_error}", file=sys.stderr, flush=True)
@@ -182,7 +164,7 @@ class Drainer:
 
     def drain(self, grace_s: float) -> None:
         """Refuse new requests, give the running ones `grace_s` seconds, abort the rest (their
-        streams get an error event and [DONE]), then let uvicorn close the connections."""
+        streams end with their API's error event), then let uvicorn close the connections."""
         state = self.state
         state.shutting_down = True
         engine = state.engine
@@ -217,9 +199,9 @@ def serve(args: Any, model: str, default_name: str, banner: str = "") -> int:
     Drainer(server, state)
     shown = "localhost" if host in ("0.0.0.0", "::") else host
 
-    def ready(engine: Any) -> None:
+    def ready(engine: Any, device_line: str) -> None:
         print(f"\ntinyserve: serving {state.config.served_model_name!r} at "
-              f"http://{shown}:{port}/v1\n{memory_summary(engine, args)}", flush=True)
+              f"http://{shown}:{port}/v1\n{memory_summary(engine, device_line)}", flush=True)
         if banner:
             print(banner, flush=True)
 
@@ -251,27 +233,12 @@ DEMO_WARNING = ("tinyserve demo: this is a tiny model with RANDOM weights. Its o
                 "`tinyserve run MODEL`.")
 
 
-def demo_checkpoint() -> Path:
-    """The demo's tiny random checkpoint in TINYSERVE_CACHE_DIR, made on first use."""
-    from tinyserve.testing import make_tiny_checkpoint
-
-    path = envs.CACHE_DIR.get() / "demo-checkpoint"
-    if not (path / "config.json").is_file():
-        tmp = path.with_name(f"demo-checkpoint.tmp{os.getpid()}-{int(time.time())}")
-        make_tiny_checkpoint(tmp, fmt="bf16")
-        try:
-            tmp.rename(path)
-        except OSError:  # made by another process meanwhile
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path
-
-
 def demo_command(args: Any) -> int:
     """`tinyserve demo`: serve a tiny random checkpoint (its output is random text)."""
+    from tinyserve.testing.demo import DEMO_NAME, demo_checkpoint
+
     print(DEMO_WARNING, flush=True)
     path = demo_checkpoint()
     if getattr(args, "device", None) is None:
         args.device = "cpu"
-    return serve(args, str(path), "tinyserve-demo", banner=DEMO_WARNING)
+    return serve(args, str(path), DEMO_NAME, banner=DEMO_WARNING)

@@ -44,6 +44,8 @@ _COUNTERS = (
      "routed-expert lookups copied in from the host expert store"),
     ("expert_cache_h2d_bytes", "expert_cache_h2d_bytes_total",
      "bytes of expert weights copied host to device"),
+    ("expert_cpu_computed", "expert_cpu_computed_total",
+     "routed experts missing from the GPU cache computed on the CPU instead of copied"),
 )
 
 

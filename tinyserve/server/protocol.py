@@ -1,27 +1,38 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and what they ask of the sampler.
 
-Validation lives here, in one place, for every endpoint: `_Body` models are strict (no
+Validation lives here, in one place, for every endpoint: `StrictModel` models are strict (no
 coercion: `max_tokens: "3"` or `true`, `temperature: "0.5"`, `stream: 1` are refused, while
 an integer is a number), refuse unknown fields (as OpenAI's API does), and declare OpenAI's
 ranges on the fields (the served OpenAPI schema shows them); `errors.validation_error` turns
 any failure into a 400 naming the parameter. What the types cannot say (features that are
 not supported, combinations) is checked by `check_supported`. Fields of OpenAI's that carry
 nothing for generation (`METADATA_FIELDS`) are accepted and change nothing; other OpenAI or
-vLLM fields that would change the output are refused by name (`UNSUPPORTED`). New endpoints
-build their bodies on `_Body` and the field types below. Responses are plain dicts built in
-`server.responses`.
+vLLM fields that would change the output are refused by name (`UNSUPPORTED`). The other APIs'
+bodies (`anthropic_api`, `responses_api`) are built the same way: on `RequestBody` (a
+top-level body with its own `UNSUPPORTED`), `StrictModel` and the field types below.
+Responses are plain dicts built in `server.responses`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from tinyserve.core import MAX_TOP_LOGPROBS, SamplingParams
-from tinyserve.server.errors import APIError
+from tinyserve.server.errors import APIError, validation_error
+from tinyserve.server.tool_choice import forced_function
 
 MAX_CHOICES = 16  # the most choices (`n`) one request may ask for
 MAX_STOP = 16  # the most stop strings
@@ -55,14 +66,44 @@ Penalty = Annotated[float, Field(ge=-2, le=2)]
 TokenId = Annotated[int, Field(ge=0)]
 
 
-class _Body(BaseModel):
+class StrictModel(BaseModel):
     """A request body or part of one: strict types, finite numbers, no unknown fields."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class _OpenBody(_Body):
-    """A top-level body: known unsupported fields are named, metadata fields accepted."""
+class RequestBody(StrictModel):
+    """A top-level body. `UNSUPPORTED`: the API's fields that would change the output if they
+    were ignored, refused by name with the reason when set (`errors.validation_error`); sent
+    empty (null, false, "", [], {}) or with their `HARMLESS` value they are as good as absent."""
+
+    UNSUPPORTED: ClassVar[dict[str, str]] = {}
+    HARMLESS: ClassVar[dict[str, Any]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_unset(cls, data: Any) -> Any:
+        """Unsupported fields sent empty or harmless are dropped."""
+        if not isinstance(data, dict) or not any(k in cls.UNSUPPORTED for k in data):
+            return data
+        return {k: v for k, v in data.items()
+                if k not in cls.UNSUPPORTED or not _unset(v, cls.HARMLESS.get(k, _NO_VALUE))}
+
+
+_NO_VALUE = object()
+
+
+def _unset(value: Any, harmless: Any) -> bool:
+    if value is None or value is False or (isinstance(value, (str, list, dict)) and not value):
+        return True
+    return type(value) is type(harmless) and value == harmless
+
+
+class OpenAIBody(RequestBody):
+    """An OpenAI body: its metadata fields are accepted and change nothing."""
+
+    UNSUPPORTED: ClassVar[dict[str, str]] = UNSUPPORTED
+    HARMLESS: ClassVar[dict[str, Any]] = _HARMLESS
 
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -71,55 +112,66 @@ class _OpenBody(_Body):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _drop_unset(cls, data: Any) -> Any:
-        """Unsupported fields sent empty (null, false, "", [], {}) or harmless are dropped."""
-        if not isinstance(data, dict) or not any(k in UNSUPPORTED for k in data):
-            return data
-        return {k: v for k, v in data.items() if k not in UNSUPPORTED or not _unset(k, v)}
+
+class OtherKind(BaseModel):
+    """A block, item or part of a kind this server does not take: kept as it came (any fields),
+    so that the translator that meets it refuses it naming its `type`."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
 
 
-def _unset(name: str, value: Any) -> bool:
-    if value is None or value is False or (isinstance(value, (str, list, dict)) and not value):
-        return True
-    return name in _HARMLESS and type(value) is int and value == _HARMLESS[name]
+def by_type(kinds: dict[str, type[BaseModel]], default: str | None = None) -> Any:
+    """A union of models picked by the value's `type` (`kinds`: type -> model; `default`: the
+    type of a value without one); a value of any other type is an `OtherKind`."""
+    other = OtherKind.__name__
+    names = {kind: model.__name__ for kind, model in kinds.items()}
+
+    def pick(value: Any) -> str:
+        kind = (value.get("type", default) if isinstance(value, dict)
+                else getattr(value, "type", default))
+        return names.get(kind, other) if isinstance(kind, str) else other
+
+    # NOTE: the tags are the models' names, which `errors.validation_error` leaves out of a
+    # parameter's path (`messages[0].content[2].text`)
+    members = [Annotated[m, Tag(m.__name__)] for m in dict.fromkeys([*kinds.values(), OtherKind])]
+    return Annotated[Union[tuple(members)], Discriminator(pick)]  # noqa: UP007
 
 
-class StreamOptions(_Body):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
 
 
-class FunctionDef(_Body):
+class FunctionDef(StrictModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_Body):
+class Tool(StrictModel):
     type: Literal["function"] = "function"
     function: FunctionDef
 
 
-class FunctionCall(_Body):
+class FunctionCall(StrictModel):
     name: str
     arguments: str | dict[str, Any] = ""  # OpenAI sends a JSON string; an object is taken too
 
 
-class ToolCall(_Body):
+class ToolCall(StrictModel):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
     index: int | None = None  # clients that merged streamed deltas keep it
 
 
-class ContentPart(_Body):
+class ContentPart(StrictModel):
     """A content part; only `{"type": "text", "text": ...}` is supported (`check_supported`
     names the others)."""
 
@@ -131,7 +183,7 @@ class ContentPart(_Body):
     refusal: Any = None
 
 
-class ChatMessage(_Body):
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -146,11 +198,11 @@ class ChatMessage(_Body):
     function_call: None = None
 
 
-class ThinkingConfig(_Body):
+class ThinkingConfig(StrictModel):
     type: Literal["enabled", "disabled"]
 
 
-class _Sampling(_OpenBody):
+class _Sampling(OpenAIBody):
     """Sampling fields shared by chat and completions (top_k, min_p, repetition_penalty,
     stop_token_ids and ignore_eos are the usual extensions of local servers)."""
 
@@ -250,9 +302,7 @@ class ChatCompletionRequest(_Sampling):
             raise APIError(400, "only the text modality is supported", param="modalities")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if self.tool_choice not in (None, "auto", "none"):
-            raise APIError(400, "tool_choice must be 'auto' or 'none' (forced tool calls need "
-                           "constrained decoding, which is not supported)", param="tool_choice")
+        forced_function(self.tool_choice, self.tools)  # a 400 for an unusable tool_choice
         for i, tool in enumerate(self.tools or ()):
             if tool.function.strict:
                 raise APIError(400, "strict function calling needs constrained decoding, which "
@@ -326,3 +376,13 @@ class CompletionRequest(_Sampling):
         if (isinstance(p, str) and not p) or (isinstance(p, list) and not p):
             raise APIError(400, "prompt must not be empty", param="prompt")
         return p
+
+
+def chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat request another API's translator built (`anthropic_api`, `responses_api`). A
+    value that API's own model let through but a chat request refuses is a 400 (its
+    parameter named as the chat request names it), never a 500."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(list(exc.errors()), OpenAIBody.UNSUPPORTED) from None

@@ -2,7 +2,8 @@
 
 `ChatAssembler` runs the reasoning splitter and (when the request has tools) the tool-call
 parser over the engine's text deltas. The streaming chunks and the non-streamed message come
-from the same deltas, so both carry the same text.
+from the same deltas, so both carry the same text. The Anthropic and Responses formatters
+translate the same deltas into their own events.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ class ChatAssembler:
     """Per-request text processing for chat completions."""
 
     def __init__(self, *, reasoning_open: bool, tools: list[dict] | None = None,
-                 parallel_tool_calls: bool | None = True) -> None:
+                 parallel_tool_calls: bool | None = True, prefill: str = "") -> None:
+        """`prefill`: text the prompt ends with that the parsers read before the generated
+        text, as if generated (a forced tool call's preamble)."""
+        self._prefill = prefill
         self._reasoning = ReasoningParser(reasoning_open)
         self._tools = ToolCallParser(tools) if tools else None
         self._parallel = parallel_tool_calls is not False  # None: OpenAI's default, true
@@ -42,12 +46,14 @@ class ChatAssembler:
     def feed(self, text: str) -> list[dict[str, Any]]:
         """Deltas (`{"content"}`, `{"reasoning_content", "reasoning"}`, `{"tool_calls"}`) for
         the next piece of generated text."""
-        reasoning, content = self._reasoning.feed(text)
+        reasoning, content = self._reasoning.feed(self._prefill + text)
+        self._prefill = ""
         return self._deltas(reasoning, content, final=False)
 
     def finish(self) -> list[dict[str, Any]]:
+        out = self.feed("") if self._prefill else []
         reasoning, content = self._reasoning.finish()
-        return self._deltas(reasoning, content, final=True)
+        return out + self._deltas(reasoning, content, final=True)
 
     def message(self) -> dict[str, Any]:
         """The whole assistant message (non-streaming responses)."""

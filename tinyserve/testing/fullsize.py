@@ -5,6 +5,8 @@ experts, vocab 248,320; ~21 GB) in the ModelOpt MIXED_PRECISION layout of
 nvidia/Qwen3.6-35B-A3B-NVFP4: routed and shared experts and lm_head W4A16 NVFP4, GDN
 in_proj_qkv / in_proj_z / out_proj and attention q/k/v/o FP8, everything else BF16
 (A_log and linear_attn.norm F32). `layers=N` keeps the real per-layer shapes with fewer layers.
+`sparse=True` writes the same headers over holes (sparse files, no data: a few MB on disk, in
+seconds), for what reads headers only (the memory planner).
 
 Random but valid: NVFP4 codes are random bytes (every nibble is a code), block scales are
 E4M3 values in [0.5, 1.875], FP8 weights are rounded normals, dense tensors small normals.
@@ -55,10 +57,25 @@ _ST_DTYPES = {torch.uint8: "U8", torch.bfloat16: "BF16", torch.float32: "F32",
               torch.float8_e4m3fn: "F8_E4M3"}
 
 
-class _StreamWriter:
-    """Safetensors shards written tensor by tensor straight from memory (no copies)."""
+class _MetaPools(_Pools):
+    """Tensors of the right shapes and dtypes and no data (`sparse=True`)."""
 
-    def __init__(self, path: Path, max_shard_bytes: int) -> None:
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        meta = torch.device("meta")
+        self.codes = self.scales = self.fp8 = torch.empty(_POOL, dtype=torch.uint8, device=meta)
+        self.dense = torch.empty(_POOL, dtype=torch.bfloat16, device=meta)
+
+    def take(self, pool: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.empty(shape, dtype=pool.dtype, device="meta")
+
+
+class _StreamWriter:
+    """Safetensors shards written tensor by tensor straight from memory (no copies); with
+    `sparse`, the data regions are left as holes."""
+
+    def __init__(self, path: Path, max_shard_bytes: int, sparse: bool = False) -> None:
+        self.sparse = sparse
         path.mkdir(parents=True, exist_ok=True)
         if any(path.glob("*.safetensors")):
             raise ValueError(f"{path}: already holds a checkpoint")
@@ -92,6 +109,9 @@ class _StreamWriter:
             with open(self.path / file, "wb") as f:
                 f.write(len(blob).to_bytes(8, "little"))
                 f.write(blob)
+                if self.sparse:
+                    f.truncate(8 + len(blob) + off)
+                    continue
                 for _, t in tensors:
                     f.write(t.reshape(-1).view(torch.uint8).numpy().data)
         index = {"metadata": {}, "weight_map": weight_map}
@@ -131,10 +151,11 @@ def _fmt(name: str) -> str:
 
 def write_fullsize_checkpoint(path: str | Path, *, layers: int | None = None, seed: int = 0,
                               max_shard_bytes: int = 4 << 30,
-                              vocab_size: int | None = None) -> Path:
+                              vocab_size: int | None = None, sparse: bool = False) -> Path:
     """Write the checkpoint into `path` (created; must not hold one). Returns `path`.
 
     `vocab_size` shrinks the vocabulary (tests); everything else keeps the real shapes.
+    `sparse`: headers only, over holes (see the module docstring).
     """
     from tinyserve.model.loader_plan import expected_weights
 
@@ -144,8 +165,8 @@ def write_fullsize_checkpoint(path: str | Path, *, layers: int | None = None, se
     c = ModelConfig(num_layers=n, layer_types=base.layer_types[:n] if n <= base.num_layers
                     else tuple(base.layer_types[i % 4] for i in range(n)),
                     vocab_size=vocab_size or base.vocab_size, eos_token_ids=())
-    pools = _Pools(seed)
-    writer = _StreamWriter(path, max_shard_bytes)
+    pools = _MetaPools(seed) if sparse else _Pools(seed)
+    writer = _StreamWriter(path, max_shard_bytes, sparse)
     done: dict[str, str] = {}
     for name, (kind, shape) in expected_weights(c).items():
         raw = "lm_head" if name == "lm_head" else f"model.{name}"
@@ -163,7 +184,7 @@ def write_fullsize_checkpoint(path: str | Path, *, layers: int | None = None, se
             if kind == "conv":
                 shape = (shape[0], 1, shape[1])
             t = pools.take(pools.dense, shape)
-            if name.endswith("norm") or "layernorm" in name:
+            if (name.endswith("norm") or "layernorm" in name) and not t.is_meta:
                 t = t * 5  # zero-centred RMSNorm weights: 1 + w
             writer.add(raw + ".weight", t)
             continue

@@ -1,14 +1,10 @@
 // ISO3_0 / ISO4_0 shared device code: quaternion and centroid tables, exact-rounding helpers.
-// Plain CUDA (no torch headers), so every .cu file compiles with `nvcc -c` alone.
+// Plain CUDA with no toolkit header (prelude.cuh), so NVRTC compiles every .cu file alone.
 // Formats and operation order: specs/iso_kv.md §1-§4; the torch reference is kernels/iso.py.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-#include <stdint.h>
-
 #include "dependent_launch.cuh"
+#include "prelude.cuh"
 
 namespace iso {
 
@@ -181,30 +177,23 @@ __device__ __forceinline__ float to_float(T x);
 template <>
 __device__ __forceinline__ float to_float<float>(float x) { return x; }
 template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
-  return __bfloat162float(x);
+__device__ __forceinline__ float to_float<ts::bf16>(ts::bf16 x) {
+  return ts::bf16_to_float(x.bits);
 }
 template <>
-__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float<ts::f16>(ts::f16 x) { return ts::f16_to_float(x.bits); }
 
 template <typename T>
 __device__ __forceinline__ T from_float(float x);
 template <>
 __device__ __forceinline__ float from_float<float>(float x) { return x; }
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
+__device__ __forceinline__ ts::bf16 from_float<ts::bf16>(float x) {
+  return ts::bf16{ts::float_to_bf16(x)};
 }
 template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-
-// dtype codes shared with the launchers: 0 float32, 1 bfloat16, 2 float16.
-#define ISO_DISPATCH_DTYPE(code, T, ...)        \
-  switch (code) {                               \
-    case 0: { using T = float; __VA_ARGS__; break; }         \
-    case 1: { using T = __nv_bfloat16; __VA_ARGS__; break; } \
-    case 2: { using T = __half; __VA_ARGS__; break; }        \
-    default: return 1;                          \
-  }
+__device__ __forceinline__ ts::f16 from_float<ts::f16>(float x) {
+  return ts::f16{ts::float_to_f16(x)};
+}
 
 }  // namespace iso

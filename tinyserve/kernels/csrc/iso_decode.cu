@@ -10,10 +10,6 @@
 // The 4 warps' states are merged in shared memory and written as one partial per split.
 // Pass 2 (decode_merge_kernel): log-sum-exp merge of the splits, one inverse rotation per
 // 4-D group, divide by the softmax sum, cast to the output dtype.
-#include <math_constants.h>
-
-#include <type_traits>
-
 #include "iso_common.cuh"
 #include "iso_split.cuh"
 
@@ -68,7 +64,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   constexpr int E = NB * 4;
   constexpr int RB = NB * Fmt<BITS>::kBytes;
   constexpr int kLanesPerBlock = 32 / NB;
-  using W = typename std::conditional<RB % 4 == 0, uint32_t, uint16_t>::type;
+  using W = typename ts::select<RB % 4 == 0, uint32_t, uint16_t>::type;
   constexpr int RW = RB / (int)sizeof(W);
   constexpr int kTileBytes = 2 * 2 * kTile * RB;  // two buffers of K and V
   constexpr int kMergeBytes = kWarps * G * D * 4;
@@ -234,75 +230,4 @@ __global__ void __launch_bounds__(kWarps * 32)
                                  n_splits, split, part_acc, part_ml);
 }
 
-template <int BITS, int NB, int G>
-int launch_partial(const float* q, const uint8_t* kc, const uint8_t* vc, int64_t slot_stride,
-                   const int32_t* pt, int64_t pt_stride, const int32_t* lens, int batch,
-                   int page_size, int n_kv_heads, int chunk, int n_splits, float scale_log2,
-                   float* part_acc, float* part_ml, cudaStream_t stream) {
-  const dim3 grid(n_splits, n_kv_heads, batch);
-  decode_partial_kernel<BITS, NB, G><<<grid, kWarps * 32, 0, stream>>>(
-      q, kc, vc, slot_stride, pt, pt_stride, lens, page_size, n_kv_heads, chunk, n_splits,
-      scale_log2, part_acc, part_ml);
-  return 0;
-}
-
-template <int BITS, int NB>
-int dispatch_group(int group, const float* q, const uint8_t* kc, const uint8_t* vc,
-                   int64_t ss, const int32_t* pt, int64_t pts, const int32_t* lens, int batch,
-                   int ps, int hkv, int chunk, int nsp, float sl2, float* pa, float* pm,
-                   cudaStream_t st) {
-#define ISO_G(GV)                                                                              \
-  case GV:                                                                                     \
-    return launch_partial<BITS, NB, GV>(q, kc, vc, ss, pt, pts, lens, batch, ps, hkv, chunk,   \
-                                        nsp, sl2, pa, pm, st);
-  if constexpr (NB == 1) {
-    switch (group) { ISO_G(1) ISO_G(2) ISO_G(4) ISO_G(8) ISO_G(16) default: return 3; }
-  } else {
-    switch (group) { ISO_G(1) ISO_G(2) ISO_G(4) ISO_G(8) default: return 3; }
-  }
-#undef ISO_G
-}
-
 }  // namespace iso
-
-// q: float32 [batch, n_q_heads, head_dim] contiguous. Caches: uint8, slot rows of slot_stride
-// bytes, head h at byte h * row_bytes. page_table: int32 [batch, pt_stride]. part_acc: float32
-// [batch, n_q_heads, n_splits, head_dim]; part_ml: float32 [batch, n_q_heads, n_splits, 2].
-// out: [batch, n_q_heads, head_dim] of dtype_code (0 fp32, 1 bf16, 2 fp16), row stride
-// out_stride_b. Returns 0, a CUDA error code, 2 (bad format/head_dim) or 3 (bad GQA group).
-extern "C" int tinyserve_iso_decode(const float* q, const void* k_cache, const void* v_cache,
-                                    int64_t slot_stride, const int32_t* page_table,
-                                    int64_t pt_stride, const int32_t* seq_lens, int batch,
-                                    int n_q_heads, int n_kv_heads, int head_dim, int page_size,
-                                    int chunk, int n_splits, float scale, int bits,
-                                    float* part_acc, float* part_ml, void* out,
-                                    int64_t out_stride_b, int dtype_code, cudaStream_t stream) {
-  using namespace iso;
-  if (batch == 0) return 0;
-  if (n_kv_heads <= 0 || n_q_heads % n_kv_heads != 0) return 3;
-  const int group = n_q_heads / n_kv_heads;
-  const float sl2 = scale * 1.4426950408889634f;
-  const auto* kc = static_cast<const uint8_t*>(k_cache);
-  const auto* vc = static_cast<const uint8_t*>(v_cache);
-  int rc = 2;
-  const int nb = head_dim / kBlock;
-  if (head_dim % kBlock != 0) return 2;
-#define ISO_NB(BV, NBV)                                                                     \
-  rc = dispatch_group<BV, NBV>(group, q, kc, vc, slot_stride, page_table, pt_stride,        \
-                               seq_lens, batch, page_size, n_kv_heads, chunk, n_splits, sl2, \
-                               part_acc, part_ml, stream)
-  if (bits == 3 && nb == 1) ISO_NB(3, 1);
-  else if (bits == 3 && nb == 2) ISO_NB(3, 2);
-  else if (bits == 4 && nb == 1) ISO_NB(4, 1);
-  else if (bits == 4 && nb == 2) ISO_NB(4, 2);
-#undef ISO_NB
-  if (rc != 0) return rc;
-  const dim3 grid(n_q_heads, batch);
-  const int threads = ((head_dim / 4 + 31) / 32) * 32;
-  ISO_DISPATCH_DTYPE(dtype_code, T, {
-    decode_merge_kernel<T><<<grid, threads, 0, stream>>>(part_acc, part_ml, seq_lens, chunk,
-                                                         n_splits, n_q_heads, head_dim,
-                                                         static_cast<T*>(out), out_stride_b);
-  });
-  return (int)cudaGetLastError();
-}

@@ -20,10 +20,6 @@
 // alignment: the fallback). Same results up to fp32 summation order. The 16-byte staging has
 // two row layouts (template argument PAD): 128-byte buffer rows at D=256, or 144-byte rows
 // that keep the loop's fragment loads free of most bank conflicts; the same bits.
-#include <math_constants.h>
-
-#include <type_traits>
-
 #include "iso_common.cuh"
 #include "iso_mma_prims.cuh"
 #include "iso_split.cuh"
@@ -88,7 +84,7 @@ __global__ void __launch_bounds__(NW * 32, min_ctas_per_sm(NW))
   constexpr int D = L::D;
   constexpr int BB = L::BB;
   constexpr int RB = L::RB;
-  using W = typename std::conditional<RB % 4 == 0, uint32_t, uint16_t>::type;
+  using W = typename ts::select<RB % 4 == 0, uint32_t, uint16_t>::type;
   constexpr int RW = RB / (int)sizeof(W);
   static_assert(RW <= 32, "one lane per word of a packed row");
   constexpr int RS = L::RS;
@@ -250,7 +246,7 @@ __global__ void __launch_bounds__(NW * 32, min_ctas_per_sm(NW))
   // Q fragments: k-step s = 4u + j of block b holds pairs 2j, 2j+1 of qs word 2tq + u
   auto q_frag = [&](int fl, int nb, int s, int x) {  // lane fl's register (s, x) of block nb
     const int e = nb * kBlock + 16 * (2 * (fl & 3) + (s >> 2)) + pair_first(2 * (s & 3) + x);
-    return pack_half2(q_sm[fl >> 2][q_col(e)], q_sm[fl >> 2][q_col(e + 2)]);
+    return ts::pack_half2(q_sm[fl >> 2][q_col(e)], q_sm[fl >> 2][q_col(e + 2)]);
   };
   for (int i = threadIdx.x; i < NB * 4 * 32; i += NW * 32) {
     const int fl = i & 31, g = i >> 5;  // g = (nb * 2 + u) * 2 + j / 2
@@ -373,8 +369,8 @@ __global__ void __launch_bounds__(NW * 32, min_ctas_per_sm(NW))
     // transposed to the B fragment: head gq, tokens 2tq, 2tq + 1 (pb0) / + 8 (pb1)
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
-      const uint32_t pb0 = movm_trans(pack_half2(p[0] * vn[nb][0], p[1] * vn[nb][0]));
-      const uint32_t pb1 = movm_trans(pack_half2(p[2] * vn[nb][1], p[3] * vn[nb][1]));
+      const uint32_t pb0 = movm_trans(ts::pack_half2(p[0] * vn[nb][0], p[1] * vn[nb][0]));
+      const uint32_t pb1 = movm_trans(ts::pack_half2(p[2] * vn[nb][1], p[3] * vn[nb][1]));
       uint32_t r01[16], r23[16];
       v_word(vs + ra + nb * BB, vs + rb + nb * BB, gq, lut, r01, qs_a4(nb));
       v_word(vs + rc + nb * BB, vs + rd + nb * BB, gq, lut, r23, qs_a4(nb));
@@ -415,165 +411,10 @@ __global__ void __launch_bounds__(NW * 32, min_ctas_per_sm(NW))
                             (int64_t)b * hq + kvh * group, n_splits, split, part_acc, part_ml);
 }
 
-// Dynamic shared memory for a CTA of `kernel` (its own need: `need` bytes) such that at most
-// `cap` CTAs fit on one SM (0: no cap, `need`): a grid of cap x SMs CTAs then runs cap on
-// every SM instead of, possibly, up to the occupancy on some and fewer on others. -1 on error.
-template <typename K>
-int capped_dynamic_smem(K kernel, int need, int cap) {
-  if (cap <= 0) return need;
-  int dev = 0, per_sm = 0, reserved = 0;
-  cudaFuncAttributes fa;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) !=
-          cudaSuccess ||
-      cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev) !=
-          cudaSuccess ||
-      cudaFuncGetAttributes(&fa, kernel) != cudaSuccess)
-    return -1;
-  const int fixed = (int)fa.sharedSizeBytes + reserved;
-  // cap + 1 CTAs of (fixed + dyn) bytes must not fit in per_sm, cap of them must
-  const int dyn = per_sm / (cap + 1) - fixed + 1;
-  if (dyn <= need) return need;
-  return cap * (fixed + dyn) <= per_sm ? dyn : need;
-}
-
+// The dynamic shared memory a CTA of decode_mma_kernel<NB, NW, WIDE, PAD> needs (bytes; 0:
+// none), read by the launcher (kernels/iso_mma.py) from the compiled module.
 template <int NB, int NW, bool WIDE, bool PAD>
-cudaError_t launch(const void* q, int qc, const uint8_t* kc, const uint8_t* vc, int64_t ss,
-                   const int32_t* pt, int64_t pts, int ptc, const int32_t* lens, int batch,
-                   int ps, int hkv, int group, int chunk, int nsp, float sl2, float* pa,
-                   float* pm, int cap, bool pdl, cudaStream_t st) {
-  const dim3 grid(nsp, hkv, batch);
-  auto* kernel = decode_mma_kernel<NB, NW, WIDE, PAD>;
-  const int smem = capped_dynamic_smem(kernel, Layout<NB, NW, WIDE, PAD>::kDynBytes, cap);
-  if (smem < 0) return cudaErrorInvalidValue;
-  if (smem > 0) {  // above the default 48 KB: allowed per kernel (cheap, capturable)
-    const cudaError_t e =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return e;
-  }
-  // (grid, block, dynamic shared memory, stream, attributes, how many)
-  const cudaLaunchConfig_t cfg = {grid, dim3(NW * 32), (size_t)smem, st,
-                                  dependent_launch_attr(), pdl ? 1u : 0u};
-  return cudaLaunchKernelEx(&cfg, kernel, q, qc, kc, vc, ss, pt, pts, ptc, lens, ps, hkv,
-                            group, chunk, nsp, sl2, pa, pm);
-}
-
-// How many CTAs of decode_mma_kernel<NB, NW, WIDE, PAD> one SM holds (0 on error).
-template <int NB, int NW, bool WIDE, bool PAD>
-int occupancy() {
-  constexpr int smem = Layout<NB, NW, WIDE, PAD>::kDynBytes;
-  if constexpr (smem > 0) {
-    if (cudaFuncSetAttribute(decode_mma_kernel<NB, NW, WIDE, PAD>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
-      return 0;
-  }
-  int n = 0;
-  const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &n, decode_mma_kernel<NB, NW, WIDE, PAD>, NW * 32, smem);
-  return e == cudaSuccess ? n : 0;
-}
-
-// `launch` for (NB, warps, staging) (nullptr for a warp count without a kernel).
-using LaunchFn = cudaError_t (*)(const void*, int, const uint8_t*, const uint8_t*, int64_t,
-                                 const int32_t*, int64_t, int, const int32_t*, int, int, int,
-                                 int, int, int, float, float*, float*, int, bool, cudaStream_t);
-template <int NB, bool WIDE, bool PAD = false>
-LaunchFn launcher(int n_warps) {
-  switch (n_warps) {
-    case 2: return launch<NB, 2, WIDE, PAD>;
-    case 4: return launch<NB, 4, WIDE, PAD>;
-    case 8: return launch<NB, 8, WIDE, PAD>;
-    case 16: return launch<NB, 16, WIDE, PAD>;
-    default: return nullptr;
-  }
-}
-template <int NB, bool WIDE, bool PAD = false>
-int occupancy_of(int n_warps) {
-  switch (n_warps) {
-    case 2: return occupancy<NB, 2, WIDE, PAD>();
-    case 4: return occupancy<NB, 4, WIDE, PAD>();
-    case 8: return occupancy<NB, 8, WIDE, PAD>();
-    case 16: return occupancy<NB, 16, WIDE, PAD>();
-    default: return 0;
-  }
-}
+__device__ const int kDynamicSmem = Layout<NB, NW, WIDE, PAD>::kDynBytes;
 
 }  // namespace mma
 }  // namespace iso
-
-// Same arguments as tinyserve_iso_decode (iso3 only, GQA group <= 8, head_dim 128 or 256)
-// except that q is read in its own dtype (q_dtype_code: 0 fp32, 1 bf16, 2 fp16), plus n_warps
-// (2, 4, 8 or 16 warps per CTA) and wide (1: stage the rows in 16-byte copies when both
-// caches are 16-byte aligned and the slot stride a multiple of 4, else in words; 2: the same
-// with the padded row stride (Layout's PAD); 0: always in words) and pdl (1: the decode kernel
-// a programmatic dependent launch of the kernel before it and the split merge one of the
-// decode kernel, sm_90+ only; 0: plain launches). Returns 0, a CUDA error
-// code, 2 (bad format/head_dim), 3 (bad GQA group), 4 (bad n_warps) or 5 (bad q dtype,
-// wide, pdl, cta_cap or pt_cols). cta_cap > 0: at most that many CTAs of the decode kernel per
-// SM (padded dynamic shared memory), so a grid of cta_cap x SMs CTAs spreads evenly. pt_cols:
-// the page table's columns (its first reads go out before the length is known, inside them).
-extern "C" int tinyserve_iso_decode_mma(const void* q, const void* k_cache, const void* v_cache,
-                                        int64_t slot_stride, const int32_t* page_table,
-                                        int64_t pt_stride, const int32_t* seq_lens, int batch,
-                                        int n_q_heads, int n_kv_heads, int head_dim,
-                                        int page_size, int chunk, int n_splits, float scale,
-                                        int n_warps, float* part_acc, float* part_ml, void* out,
-                                        int64_t out_stride_b, int dtype_code, int q_dtype_code,
-                                        int wide, int pdl, int cta_cap, int pt_cols,
-                                        cudaStream_t stream) {
-  using namespace iso;
-  if (batch == 0) return 0;
-  if (n_kv_heads <= 0 || n_q_heads % n_kv_heads != 0) return 3;
-  const int group = n_q_heads / n_kv_heads;
-  if (group < 1 || group > mma::kRows) return 3;
-  if (head_dim != 128 && head_dim != 256) return 2;
-  if (n_warps != 2 && n_warps != 4 && n_warps != 8 && n_warps != 16) return 4;
-  if (q_dtype_code < 0 || q_dtype_code > 2 || wide < 0 || wide > 2 || pdl < 0 || pdl > 1 ||
-      cta_cap < 0 || pt_cols < 0 || pt_cols > pt_stride)
-    return 5;
-  const uintptr_t addr_bits =
-      reinterpret_cast<uintptr_t>(k_cache) | reinterpret_cast<uintptr_t>(v_cache);
-  const bool w16 = wide >= 1 && (addr_bits & 15u) == 0 && slot_stride % 4 == 0;
-  const bool pad = w16 && wide == 2;
-  const float sl2 = scale * 1.4426950408889634f;
-  const auto* kc = static_cast<const uint8_t*>(k_cache);
-  const auto* vc = static_cast<const uint8_t*>(v_cache);
-  cudaError_t e;
-#define ISO_MMA(NBV)                                                                           \
-  e = (pad ? mma::launcher<NBV, true, true>(n_warps)                                           \
-         : w16 ? mma::launcher<NBV, true>(n_warps) : mma::launcher<NBV, false>(n_warps))(      \
-      q, q_dtype_code, kc, vc, slot_stride, page_table, pt_stride, pt_cols, seq_lens, batch,   \
-      page_size, n_kv_heads, group, chunk, n_splits, sl2, part_acc, part_ml, cta_cap,          \
-      pdl != 0, stream)
-  if (head_dim == 256) ISO_MMA(2);
-  else ISO_MMA(1);
-#undef ISO_MMA
-  if (e != cudaSuccess) return (int)e;
-  ISO_DISPATCH_DTYPE(dtype_code, T, {
-    e = launch_merge_cols<T>(part_acc, part_ml, seq_lens, chunk, n_splits, n_q_heads,
-                             head_dim, batch, static_cast<T*>(out), out_stride_b, pdl != 0,
-                             stream);
-  });
-  if (e != cudaSuccess) return (int)e;
-  return (int)cudaGetLastError();
-}
-
-// How many CTAs of the decode kernel for (head_dim, n_warps, wide: 1 the 16-byte staging,
-// 2 the same with padded rows, 0 the word staging) one SM holds (registers and shared memory,
-// the dynamic part included): the launcher sizes a one-wave grid from it. 0 on a bad argument
-// or error.
-extern "C" int tinyserve_iso_decode_mma_occupancy(int head_dim, int n_warps, int wide) {
-  using namespace iso;
-  if (head_dim != 128 && head_dim != 256) return 0;
-  const bool d256 = head_dim == 256;
-  switch (wide) {
-    case 0:
-      return d256 ? mma::occupancy_of<2, false>(n_warps) : mma::occupancy_of<1, false>(n_warps);
-    case 1:
-      return d256 ? mma::occupancy_of<2, true>(n_warps) : mma::occupancy_of<1, true>(n_warps);
-    case 2:
-      return d256 ? mma::occupancy_of<2, true, true>(n_warps)
-                  : mma::occupancy_of<1, true, true>(n_warps);
-    default: return 0;
-  }
-}

@@ -69,7 +69,7 @@ __device__ __forceinline__ uint32_t load_q_bits(const void* q, int64_t i, int co
 
 __device__ __forceinline__ float q_bits_to_float(uint32_t bits, int code) {
   if (code == 1) return __uint_as_float(bits << 16);
-  if (code == 2) return __half2float(__ushort_as_half((unsigned short)bits));
+  if (code == 2) return ts::f16_to_float((uint16_t)bits);
   return __uint_as_float(bits);
 }
 
@@ -87,11 +87,7 @@ inline uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {
 }
 inline float half_at(uint32_t x, int hi) {
   uint16_t h = (uint16_t)(hi ? x >> 16 : x & 0xffffu);
-  return __half2float(__ushort_as_half(h));
-}
-inline uint32_t pack_half2(float lo, float hi) {
-  return (uint32_t)__half_as_ushort(__float2half_rn(lo)) |
-         ((uint32_t)__half_as_ushort(__float2half_rn(hi)) << 16);
+  return ts::f16_to_float(h);
 }
 // d += A[16x16] B[16x8]; lane l = 4 * g + t holds A rows g, g+8 at columns 2t, 2t+1
 // (a0, a1) and 2t+8, 2t+9 (a2, a3); B column g at rows 2t, 2t+1 (b0), 2t+8, 2t+9 (b1);
@@ -139,10 +135,6 @@ __device__ __forceinline__ uint32_t movm_trans(uint32_t x) {
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {
   return __byte_perm(a, b, s);
 }
-__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
-  const __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
 __device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                          uint32_t a3, uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -162,7 +154,7 @@ __device__ __forceinline__ Lut make_lut() {
   Lut t{0u, 0u, 0u, 0u};
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const uint32_t h = __half_as_ushort(__float2half_rn(kCent3[i]));
+    const uint32_t h = ts::float_to_f16(kCent3[i]);
     const int sh = 8 * (i & 3);
     if (i < 4) {
       t.l0 |= (h & 0xffu) << sh;
@@ -212,7 +204,7 @@ __device__ __forceinline__ uint32_t ld32q(const uint8_t* p, bool a4) {
 }
 // The fp16 block norm at p (2-byte aligned) as fp32 (one hardware conversion).
 __device__ __forceinline__ float norm_at(const uint8_t* p) {
-  return __half2float(__ushort_as_half((unsigned short)ld16(p)));
+  return ts::f16_to_float((uint16_t)ld16(p));
 }
 
 // The value order of one qs word as the K operand sees it: pair p holds values

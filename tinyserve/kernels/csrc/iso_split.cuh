@@ -2,8 +2,6 @@
 // log-sum-exp merge of the per-split partials (one inverse rotation per 4-D group).
 #pragma once
 
-#include <math_constants.h>
-
 #include "iso_common.cuh"
 
 namespace iso {
@@ -244,25 +242,6 @@ __global__ void __launch_bounds__(kMergeThreads)
   T* o = out + (int64_t)b * out_stride_b + (int64_t)h * d + col;
 #pragma unroll
   for (int c = 0; c < 4; ++c) o[c] = from_float<T>(y[c] * inv);
-}
-
-// Launch decode_merge_cols_kernel<T, BATCH> (grid (q heads, batch, D / kMergeCols); BATCH
-// kMergeBatch where a thread has more than one split, else 1); with `pdl` as a
-// programmatic dependent of the kernel before it on the stream (sm_90+): its CTAs are
-// scheduled while the decode's last CTAs run.
-template <typename T>
-cudaError_t launch_merge_cols(const float* part_acc, const float* part_ml,
-                              const int32_t* seq_lens, int chunk, int n_splits, int hq, int d,
-                              int batch, T* out, int64_t out_stride_b, bool pdl,
-                              cudaStream_t stream) {
-  // (grid, block, dynamic shared memory, stream, attributes, how many)
-  const cudaLaunchConfig_t cfg = {dim3(hq, batch, d / kMergeCols), dim3(kMergeThreads), 0,
-                                  stream, dependent_launch_attr(), pdl ? 1u : 0u};
-  if (n_splits > kMergeSlices)
-    return cudaLaunchKernelEx(&cfg, decode_merge_cols_kernel<T, kMergeBatch>, part_acc,
-                              part_ml, seq_lens, chunk, n_splits, hq, d, out, out_stride_b);
-  return cudaLaunchKernelEx(&cfg, decode_merge_cols_kernel<T, 1>, part_acc, part_ml, seq_lens,
-                            chunk, n_splits, hq, d, out, out_stride_b);
 }
 
 }  // namespace iso

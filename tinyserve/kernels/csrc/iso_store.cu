@@ -9,6 +9,9 @@
 //
 // iso_dequant_rows: packed rows at slots[M] -> out[h * head_stride + m * row_stride + d] in
 // fp32 / bf16 / fp16, bit-exact in fp32 with dequantize_ref.
+//
+// Launched by kernels/iso_cuda.py: store_kernel<BITS, T, IDX> on ceil(N * H * 2 / kStoreWarps)
+// CTAs of 32 * kStoreWarps threads, dequant_rows_kernel<BITS, T> on ceil(M * H / 4) CTAs of 128.
 #include "iso_common.cuh"
 
 namespace iso {
@@ -155,96 +158,4 @@ __global__ void dequant_rows_kernel(const uint8_t* __restrict__ cache, int64_t s
   }
 }
 
-template <int BITS, typename T, typename IDX>
-void launch_store(uint8_t* kc, uint8_t* vc, int64_t slot_stride, const T* k, const T* v,
-                  int64_t ks, int64_t vs, const IDX* loc, int n_tokens, int n_heads, int nb,
-                  float* dbg, cudaStream_t stream) {
-  const int64_t items = (int64_t)n_tokens * n_heads * 2;
-  const dim3 grid((unsigned)((items + kStoreWarps - 1) / kStoreWarps));
-  store_kernel<BITS, T, IDX><<<grid, 32 * kStoreWarps, 0, stream>>>(
-      kc, vc, slot_stride, k, v, ks, vs, loc, n_tokens, n_heads, nb, dbg);
-}
-
 }  // namespace iso
-
-static int iso_store_impl(void* k_cache, void* v_cache, int64_t slot_stride, const void* k,
-                          const void* v, int64_t k_tok_stride, int64_t v_tok_stride,
-                          const void* loc, int loc_is_64, int n_tokens, int n_heads,
-                          int head_dim, int bits, int dtype_code, float* dbg,
-                          cudaStream_t stream) {
-  using namespace iso;
-  if (n_tokens == 0) return 0;
-  if (head_dim % kBlock != 0 || (bits != 3 && bits != 4)) return 2;
-  const int nb = head_dim / kBlock;
-  auto* kc = static_cast<uint8_t*>(k_cache);
-  auto* vc = static_cast<uint8_t*>(v_cache);
-  ISO_DISPATCH_DTYPE(dtype_code, T, {
-    const T* kp = static_cast<const T*>(k);
-    const T* vp = static_cast<const T*>(v);
-    if (loc_is_64) {
-      const auto* lp = static_cast<const int64_t*>(loc);
-      if (bits == 3)
-        launch_store<3>(kc, vc, slot_stride, kp, vp, k_tok_stride, v_tok_stride, lp, n_tokens,
-                        n_heads, nb, dbg, stream);
-      else
-        launch_store<4>(kc, vc, slot_stride, kp, vp, k_tok_stride, v_tok_stride, lp, n_tokens,
-                        n_heads, nb, dbg, stream);
-    } else {
-      const auto* lp = static_cast<const int32_t*>(loc);
-      if (bits == 3)
-        launch_store<3>(kc, vc, slot_stride, kp, vp, k_tok_stride, v_tok_stride, lp, n_tokens,
-                        n_heads, nb, dbg, stream);
-      else
-        launch_store<4>(kc, vc, slot_stride, kp, vp, k_tok_stride, v_tok_stride, lp, n_tokens,
-                        n_heads, nb, dbg, stream);
-    }
-  });
-  return (int)cudaGetLastError();
-}
-
-extern "C" int tinyserve_iso_store(void* k_cache, void* v_cache, int64_t slot_stride,
-                                   const void* k, const void* v, int64_t k_tok_stride,
-                                   int64_t v_tok_stride, const void* loc, int loc_is_64,
-                                   int n_tokens, int n_heads, int head_dim, int bits,
-                                   int dtype_code, cudaStream_t stream) {
-  return iso_store_impl(k_cache, v_cache, slot_stride, k, v, k_tok_stride, v_tok_stride, loc,
-                        loc_is_64, n_tokens, n_heads, head_dim, bits, dtype_code, nullptr,
-                        stream);
-}
-
-// The store with a diagnostics buffer: dbg float32 [n_tokens, n_heads, 2 (K, V), nb, 6].
-extern "C" int tinyserve_iso_store_debug(void* k_cache, void* v_cache, int64_t slot_stride,
-                                         const void* k, const void* v, int64_t k_tok_stride,
-                                         int64_t v_tok_stride, const void* loc, int loc_is_64,
-                                         int n_tokens, int n_heads, int head_dim, int bits,
-                                         int dtype_code, float* dbg, cudaStream_t stream) {
-  return iso_store_impl(k_cache, v_cache, slot_stride, k, v, k_tok_stride, v_tok_stride, loc,
-                        loc_is_64, n_tokens, n_heads, head_dim, bits, dtype_code, dbg, stream);
-}
-
-// out element (row m, head h, d) at out + m * out_row_stride + h * out_head_stride + d.
-extern "C" int tinyserve_iso_dequant_rows(const void* cache, int64_t slot_stride,
-                                          const int64_t* slots, void* out,
-                                          int64_t out_row_stride, int64_t out_head_stride,
-                                          int n_rows, int n_heads, int head_dim, int bits,
-                                          int dtype_code, cudaStream_t stream) {
-  using namespace iso;
-  if (n_rows == 0) return 0;
-  if (head_dim % kBlock != 0 || (bits != 3 && bits != 4)) return 2;
-  const int nb = head_dim / kBlock;
-  const int64_t items = (int64_t)n_rows * n_heads;
-  const dim3 grid((unsigned)((items + 3) / 4));
-  const auto* cp = static_cast<const uint8_t*>(cache);
-  ISO_DISPATCH_DTYPE(dtype_code, T, {
-    T* op = static_cast<T*>(out);
-    if (bits == 3)
-      dequant_rows_kernel<3, T><<<grid, 128, 0, stream>>>(cp, slot_stride, slots, op,
-                                                          out_row_stride, out_head_stride,
-                                                          n_rows, n_heads, nb);
-    else
-      dequant_rows_kernel<4, T><<<grid, 128, 0, stream>>>(cp, slot_stride, slots, op,
-                                                          out_row_stride, out_head_stride,
-                                                          n_rows, n_heads, nb);
-  });
-  return (int)cudaGetLastError();
-}

@@ -14,8 +14,7 @@
 // emulated on the CPU.
 #pragma once
 
-#include <cuda_runtime.h>
-#include <stdint.h>
+#include "prelude.cuh"
 
 namespace nvfp4 {
 
@@ -34,7 +33,6 @@ inline uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) {
   };
   return one(a, b, c) | (uint32_t)one(a >> 16, b >> 16, c >> 16) << 16;
 }
-inline uint32_t pack_h2(float lo, float hi) { return f2h(lo) | (uint32_t)f2h(hi) << 16; }
 inline float half_lo(uint32_t h) { return h2f(h & 0xFFFF); }
 inline float half_hi(uint32_t h) { return h2f(h >> 16); }
 inline uint4 load_stream(const uint4* p) { return *p; }
@@ -45,11 +43,6 @@ inline uint32_t bit_select(uint32_t a, uint32_t b, uint32_t mask) {
 __device__ __forceinline__ uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) {
   uint32_t d;
   asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-__device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
-  uint32_t d;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
   return d;
 }
 __device__ __forceinline__ float half_lo(uint32_t h) {
@@ -163,7 +156,7 @@ struct Fp16 {
     load8_16bit<Fp16>(in, g, v);
   }
   __device__ __forceinline__ static uint16_t bits(float v) {
-    return (uint16_t)(pack_h2(v, 0.0f) & 0xFFFF);
+    return (uint16_t)(ts::pack_half2(v, 0.0f) & 0xFFFF);
   }
 };
 
@@ -211,10 +204,10 @@ __device__ __forceinline__ void stage_inputs(const void* __restrict__ in, int co
     const float up = __uint_as_float((uint32_t)(e + 127) << 23);
     if (g < groups) {
       uint4 h;
-      h.x = pack_h2(v[it][0] * up, v[it][4] * up);
-      h.y = pack_h2(v[it][1] * up, v[it][5] * up);
-      h.z = pack_h2(v[it][2] * up, v[it][6] * up);
-      h.w = pack_h2(v[it][3] * up, v[it][7] * up);
+      h.x = ts::pack_half2(v[it][0] * up, v[it][4] * up);
+      h.y = ts::pack_half2(v[it][1] * up, v[it][5] * up);
+      h.z = ts::pack_half2(v[it][2] * up, v[it][6] * up);
+      h.w = ts::pack_half2(v[it][3] * up, v[it][7] * up);
       const int vec = g / (V / 8), i = g % (V / 8);
       xh[vec * (V / 8) + (i & 3) * (V / 32) + (i >> 2)] = h;
       if ((g & 1) == 0) xf[g >> 1] = __uint_as_float((uint32_t)(127 - e) << 23);  // 2^-e

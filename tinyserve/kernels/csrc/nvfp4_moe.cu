@@ -9,15 +9,10 @@
 // all of its weight bytes first and stages its inputs once in shared memory; every sum runs
 // in a fixed order (no atomics): the same bits on every run. Decode and numerics:
 // nvfp4_decode.cuh (the intermediate h is rounded to fp16 per block of 16 like x).
-#include <cuda_runtime.h>
-#include <stdint.h>
-
 #include "dependent_launch.cuh"
 #include "nvfp4_decode.cuh"
 
-namespace {
-
-using namespace nvfp4;
+namespace nvfp4 {
 
 constexpr int kMaxPairs = 10;              // KP per token (routed + shared)
 
@@ -172,98 +167,4 @@ moe_down(const float* __restrict__ h, const void* __restrict__ ids, bool ids64,
   }
 }
 
-struct MoeArgs {
-  const void* x;
-  int64_t x_stride;
-  const void* ids;
-  bool ids64;
-  const void* wts;
-  int wts_dtype;
-  const void* logit;
-  int logit_dtype;
-  int64_t logit_stride;
-  int n, topk, kp, h_size, f_size;
-  Experts gate_up, down;
-  float* inter;
-  void* out;
-  int down_rows;  // output rows per warp of the down launch: 1 or 2
-  bool dependent;
-  cudaStream_t stream;
-};
-
-template <typename T, int F, int R>
-int launch_down(const MoeArgs& a) {
-  const int rows = kWarps * R;
-  const cudaLaunchConfig_t cfg = {dim3((a.h_size + rows - 1) / rows, a.n), dim3(kThreads), 0,
-                                  a.stream, dependent_launch_attr(), a.dependent ? 1u : 0u};
-  return (int)cudaLaunchKernelEx(&cfg, moe_down<T, F, R>, (const float*)a.inter, a.ids,
-                                 a.ids64, a.wts, a.wts_dtype, a.logit, a.logit_dtype,
-                                 a.logit_stride, a.topk, a.kp, a.down,
-                                 static_cast<uint16_t*>(a.out), a.h_size);
-}
-
-template <typename T, int P, int F>
-int launch_moe(const MoeArgs& a) {
-  moe_gate_up<T, P><<<dim3(a.f_size / 16, a.n * a.kp), kThreads, 0, a.stream>>>(
-      static_cast<const uint16_t*>(a.x), a.x_stride, a.ids, a.ids64, a.topk, a.kp, a.gate_up,
-      a.inter, a.f_size);
-  const int rc = (int)cudaGetLastError();
-  if (rc != 0) return rc;
-  return a.down_rows == 1 ? launch_down<T, F, 1>(a) : launch_down<T, F, 2>(a);
-}
-
-template <typename T, int P>
-int launch_f(const MoeArgs& a) {
-  switch (a.f_size) {
-    case 256: return launch_moe<T, P, 256>(a);
-    case 512: return launch_moe<T, P, 512>(a);
-    default: return 2;
-  }
-}
-
-// NOTE: H = 4096 (16 pieces of gate_up weights per lane) and F = 1024 spill on sm_90
-template <typename T>
-int launch_h(const MoeArgs& a) {
-  switch (a.h_size) {
-    case 1024: return launch_f<T, 1>(a);
-    case 2048: return launch_f<T, 2>(a);
-    default: return 2;
-  }
-}
-
-}  // namespace
-
-extern "C" {
-
-// The MoE decode of n tokens over NVFP4 expert slots (layout: kernels/fused_moe.py), topk
-// routed pairs per token plus the shared expert when kp == topk + 1 (shared_* in slot 0 of
-// its own slots, logit [n, 1] with row stride logit_stride), out [n, H] of x's dtype
-// (dtype 1 bf16, 2 fp16). ids int32 / int64 (ids64) and wts (wts_dtype 0 fp32, 1 bf16,
-// 2 fp16) flat [n * topk]; inter: fp32 scratch [n * kp, F]. H in {1024, 2048}, F in
-// {256, 512}, kp <= 10; x rows 16-byte aligned, every weight 16-byte aligned, scales
-// 2-byte aligned. down_rows: output rows per warp of the down launch (1 or 2); dependent != 0:
-// the down launch is a programmatic dependent launch of the gate_up launch. Returns 0, a
-// CUDA error, or 2 for arguments outside these.
-int tinyserve_nvfp4_moe_decode(
-    const void* x, int64_t x_stride, const void* ids, int ids64, const void* wts,
-    int wts_dtype, const void* logit, int logit_dtype, int64_t logit_stride, int n, int topk,
-    int kp, int h_size, int f_size, int dtype, const void* w13, const void* s13,
-    const void* g13, const void* sw13, const void* ss13, const void* sg13, const void* w2,
-    const void* s2, const void* g2, const void* sw2, const void* ss2, const void* sg2,
-    void* inter, void* out, int down_rows, int dependent, cudaStream_t stream) {
-  if (n <= 0 || topk <= 0 || kp < topk || kp > topk + 1 || kp > kMaxPairs) return 2;
-  if (down_rows != 1 && down_rows != 2) return 2;
-  if (kp > topk && (sw13 == nullptr || sw2 == nullptr || logit == nullptr)) return 2;
-  const auto u8 = [](const void* p) { return static_cast<const uint8_t*>(p); };
-  const auto f32 = [](const void* p) { return static_cast<const float*>(p); };
-  const MoeArgs a = {x, x_stride, ids, ids64 != 0, wts, wts_dtype, logit, logit_dtype,
-                     logit_stride, n, topk, kp, h_size, f_size,
-                     {u8(w13), u8(s13), f32(g13), u8(sw13), u8(ss13), f32(sg13)},
-                     {u8(w2), u8(s2), f32(g2), u8(sw2), u8(ss2), f32(sg2)},
-                     static_cast<float*>(inter), out, down_rows, dependent != 0, stream};
-  if (dtype == 1) return launch_h<Bf16>(a);
-  if (dtype == 2) return launch_h<Fp16>(a);
-  return 2;
-}
-
-}  // extern "C"
+}  // namespace nvfp4

@@ -1,0 +1,213 @@
+"""Hybrid expert execution (`--experts gpu|cpu|hybrid`): decode tok/s of each mode in one run.
+
+One engine is built on the full-size random Qwen3.5-35B-A3B-shaped NVFP4 checkpoint
+(testing.fullsize; written unless it is there) with `--gpu-memory 6GiB --kv iso3`; the pinned
+store is loaded once and each case switches the experts' plan and recaptures the decode
+graphs. Writes bench/results/hybrid_experts.json after every case.
+
+Cases:
+- kernel: the CPU expert kernel against the host read bandwidth measured in the same run
+  (every thread reading 4 GiB of the store), for 1..top_k experts of one token and for
+  top_k experts of a batch of 8 tokens, and the torch reference (dequantize + matmul) on
+  the same experts: the measurement behind choosing numba.
+- probe: the start-up probe and the plan of every mode.
+- gpu, cpu, hybrid: `engine.bench.run_bench` (prompt 1024, 64 generated, batch 1): decode
+  tok/s, the median step, hits / misses / experts computed on the CPU.
+- laptop_gpu, laptop_hybrid: the miss copies throttled to `--h2d-gbps` (12 GB/s: an RTX 4060
+  laptop's PCIe 4.0 x8) by the cache's debug throttle (kernels.throttle), the probe run
+  again under it (the plan moves work to the CPU), then gpu-only and the probe's plan.
+A summary compares hybrid with gpu and cpu, and the laptop hybrid with the laptop gpu.
+
+    python bench/hybrid_experts.py [--ckpt DIR] [--gpu-memory 6GiB] [--h2d-gbps 12]
+    python bench/hybrid_experts.py --kernel-only   # no GPU needed: the kernel case alone
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from common import Recorder, run_meta  # noqa: E402  (bench/ is on sys.path as a script)
+
+from tinyserve.kernels import nvfp4_cpu  # noqa: E402
+from tinyserve.offload import bandwidth, hybrid  # noqa: E402
+
+RESULT = ROOT / "bench" / "results" / "hybrid_experts.json"
+
+
+def _median_s(fn, args: list, reps: int) -> float:
+    """Median seconds of fn(*args[i]) over reps calls (args[0] warms up)."""
+    fn(*args[0])
+    times = []
+    for i in range(reps):
+        t = time.perf_counter()
+        fn(*args[1 + i % (len(args) - 1)])
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def kernel_case(store: Any, top_k: int, reps: int) -> dict[str, Any]:
+    """The CPU kernel's read rate of expert bytes vs the host read bandwidth (same run)."""
+    host, nbytes = bandwidth.host_read_bandwidth(store)
+    g = torch.Generator().manual_seed(0)
+    rows_total = store.num_layers * store.num_experts
+    h = store.slots.hidden_size
+    out: dict[str, Any] = {"host_read_gbps": host / 1e9, "host_read_bytes": nbytes,
+                           "threads": nvfp4_cpu.num_threads(), "store_bytes": store.nbytes,
+                           "calls": {}}
+    for n, k in ((1, 1), (1, 2), (1, 4), (1, top_k), (8, top_k)):
+        calls = [(torch.randn(n, h, generator=g),
+                  torch.stack([torch.randperm(rows_total, generator=g)[:k] for _ in range(n)]),
+                  torch.rand(n, k, generator=g), store.slots) for _ in range(reps + 1)]
+        t = _median_s(nvfp4_cpu.moe_cpu, calls, reps)
+        nbytes = min(n * k, rows_total) * store.bytes_per_expert  # distinct experts (about)
+        out["calls"][f"{n}tok_{k}exp"] = {"ms": t * 1e3, "gbps": nbytes / t / 1e9,
+                                          "fraction_of_host_read": nbytes / t / host}
+    x = torch.randn(1, h, generator=g)
+    rows = torch.randperm(rows_total, generator=g)[:top_k].view(1, top_k)
+    w = torch.rand(1, top_k, generator=g)
+    t = _median_s(nvfp4_cpu.moe_cpu_ref, [(x, rows, w, store.slots)] * 2, max(2, reps // 4))
+    out["torch_reference"] = {"ms": t * 1e3,
+                              "gbps": top_k * store.bytes_per_expert / t / 1e9,
+                              "what": "dequantize each expert to fp32, then matmul (torch "
+                                      "CPU ops: the alternative to numba)"}
+    one = out["calls"][f"1tok_{top_k}exp"]
+    out["fraction_of_host_read"] = one["fraction_of_host_read"]
+    out["summary"] = (f"CPU kernel {one['gbps']:.1f} GB/s = {one['fraction_of_host_read']:.0%} "
+                      f"of the host read bandwidth {host / 1e9:.1f} GB/s ({out['threads']} "
+                      f"threads, 1 token x {top_k} experts); torch dequantize + matmul "
+                      f"{out['torch_reference']['gbps']:.2f} GB/s")
+    print(out["summary"], flush=True)
+    return out
+
+
+def _set_mode(engine: Any, plan: hybrid.HybridPlan, runner: hybrid.CpuExperts) -> None:
+    """Give the experts `plan` and drop the decode graphs (they captured the old path)."""
+    from tinyserve.engine.graph import DecodeGraphs
+
+    def switch() -> None:
+        experts = engine.runner.model.experts
+        experts.set_hybrid(None if plan.mode == "gpu" else hybrid.HybridExperts(plan, runner))
+        experts.hybrid_plan = plan
+        old = engine.runner.graphs
+        if old is not None:
+            engine.runner.graphs = DecodeGraphs(old.model, page_size=old.page_size,
+                                                pad_state_slot=old.pad_state_slot)
+        torch.cuda.synchronize()
+
+    engine.call(switch)
+
+
+def decode_case(engine: Any, plan: hybrid.HybridPlan, runner: hybrid.CpuExperts,
+                args: argparse.Namespace) -> dict[str, Any]:
+    from tinyserve.engine.bench import run_bench
+
+    _set_mode(engine, plan, runner)
+    r = run_bench(engine, prompt_len=args.prompt_len, gen_len=args.gen_len, batch=args.batch)
+    r["experts"] = plan.as_dict()
+    print(f"  {plan.mode}: decode {r['decode_tok_s']:.1f} tok/s, step "
+          f"{r['decode_step_ms']:.2f} ms, {r['expert_cache']}", flush=True)
+    return r
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ckpt", default=os.environ.get("TINYSERVE_FULLSIZE_DIR",
+                                                    "/tmp/tinyserve-fullsize"))
+    p.add_argument("--gpu-memory", default="6GiB")
+    p.add_argument("--kv", default="iso3")
+    p.add_argument("--max-context", type=int, default=131072)
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--gen-len", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--h2d-gbps", type=float, default=12.0,
+                   help="the laptop case's miss-copy rate (0: skip the laptop case)")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--kernel-only", action="store_true",
+                   help="only the kernel case, on a random store (no GPU, no checkpoint)")
+    p.add_argument("--store-gib", type=float, default=4.0,
+                   help="--kernel-only: size of the random store (keep it above the LLC)")
+    p.add_argument("--out", default=str(RESULT))
+    args = p.parse_args()
+    rec = Recorder(Path(args.out), run_meta("hybrid_experts", args=vars(args)))
+    if args.kernel_only:
+        from types import SimpleNamespace
+
+        geometry = SimpleNamespace(num_layers=40, num_experts=256, hidden_size=2048,
+                                   moe_intermediate_size=512)
+        store = bandwidth.synthetic_store(geometry, int(args.store_gib * 2**30))
+        rec.run("kernel", kernel_case, store, 8, args.reps)
+        return 0
+
+    from tinyserve.engine.build import build_engine
+    from tinyserve.engine.config import EngineConfig
+
+    if not (Path(args.ckpt) / "config.json").is_file():
+        from tinyserve.testing.fullsize import write_fullsize_checkpoint
+
+        write_fullsize_checkpoint(Path(args.ckpt))
+    config = EngineConfig(model=args.ckpt, kv=args.kv, gpu_memory=args.gpu_memory,
+                          max_context=args.max_context, max_seqs=args.batch, experts="gpu")
+    engine = build_engine(config).start()
+    try:
+        experts = engine.runner.model.experts
+        cache, store = experts.cache, experts.cache.store
+        top_k = engine.runner.model.config.num_experts_per_tok
+        rec.run("kernel", kernel_case, store, top_k, args.reps)
+        runner = hybrid.CpuExperts(store, device=cache.device)
+        bw = rec.run("probe", lambda: _probe(store, top_k, cache, runner))
+        plans = {m: hybrid.plan_split(bw, m, top_k) for m in ("gpu", "cpu", "hybrid")}
+        for mode in ("gpu", "cpu", "hybrid"):
+            rec.run(mode, decode_case, engine, plans[mode], runner, args)
+        if args.h2d_gbps > 0:
+            cache.throttle_bytes_per_s = args.h2d_gbps * 1e9
+            slow = rec.run("laptop_probe", lambda: _probe(store, top_k, cache, runner))
+            rec.run("laptop_gpu", decode_case, engine, hybrid.plan_split(slow, "gpu", top_k),
+                    runner, args)
+            rec.run("laptop_hybrid", decode_case, engine, hybrid.plan_split(slow, None, top_k),
+                    runner, args)
+            cache.throttle_bytes_per_s = 0.0
+        rec.data["summary"] = _summary(rec.data["cases"])
+        rec.save()
+        print(rec.data["summary"], flush=True)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def _probe(store: Any, top_k: int, cache: Any, runner: Any) -> tuple[dict, Any]:
+    bw = bandwidth.probe(store, top_k, cache=cache, runner=runner)
+    print("  " + bw.format(), flush=True)
+    plans = {str(m or "auto"): hybrid.plan_split(bw, m, top_k).as_dict()
+             for m in (None, "gpu", "cpu", "hybrid")}
+    return {"bandwidths": bw.as_dict(), "plans": plans}, bw
+
+
+def _summary(cases: dict[str, Any]) -> dict[str, Any]:
+    tok = {k: (cases.get(k) or {}).get("decode_tok_s") for k in
+           ("gpu", "cpu", "hybrid", "laptop_gpu", "laptop_hybrid")}
+    out: dict[str, Any] = {"decode_tok_s": tok}
+    if tok["gpu"] and tok["hybrid"]:
+        out["hybrid_over_gpu"] = tok["hybrid"] / tok["gpu"]
+        out["hybrid_over_best_alone"] = tok["hybrid"] / max(tok["gpu"], tok["cpu"] or 0)
+    if tok["laptop_gpu"] and tok["laptop_hybrid"]:
+        out["laptop_hybrid_over_gpu"] = tok["laptop_hybrid"] / tok["laptop_gpu"]
+        out["laptop_plan"] = cases["laptop_hybrid"]["experts"]["mode"]
+    kernel = cases.get("kernel")
+    if kernel:
+        out["cpu_kernel_fraction_of_host_read"] = kernel["fraction_of_host_read"]
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

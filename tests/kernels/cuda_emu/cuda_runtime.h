@@ -1,3 +1,0 @@
-#pragma once
-// CPU emulation shim: see emu.h.
-#include "emu.h"

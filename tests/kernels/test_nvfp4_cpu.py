@@ -1,0 +1,89 @@
+"""The CPU NVFP4 expert kernel (numba) against its torch reference, and its C entry."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from tinyserve.kernels import nvfp4_cpu as nc
+from tinyserve.kernels.fused_moe import write_slot
+from tinyserve.kernels.nvfp4_ref import quantize_nvfp4
+from tinyserve.offload.store import HostExpertStore
+
+pytestmark = pytest.mark.skipif(not nc.available(), reason="numba is not installed")
+
+
+def _store(L: int, E: int, H: int, F: int, seed: int) -> HostExpertStore:
+    store = HostExpertStore(L, E, H, F, pin=False)
+    g = torch.Generator().manual_seed(seed)
+    for r in range(L * E):
+        write_slot(store.slots, r, *(quantize_nvfp4(torch.randn(*s, generator=g) * 0.1)
+                                     for s in ((F, H), (F, H), (H, F))))
+    return store
+
+
+def _rows(n: int, k: int, rows: int, cpu_share: float, g: torch.Generator) -> torch.Tensor:
+    """[n, k] distinct rows per token; about `cpu_share` of the pairs kept, the rest -1."""
+    ids = torch.stack([torch.randperm(rows, generator=g)[:k] for _ in range(n)])
+    keep = torch.rand(n, k, generator=g) < cpu_share
+    return torch.where(keep, ids, -1)
+
+
+@pytest.mark.parametrize("n,k,share,H,F", [(1, 8, 1.0, 128, 64), (1, 8, 0.5, 256, 96),
+                                           (3, 4, 0.6, 128, 64), (8, 8, 0.8, 64, 32),
+                                           (2, 2, 0.0, 128, 64)],
+                         ids=["1tok-all", "1tok-half", "3tok", "8tok-shared", "none"])
+def test_moe_cpu_matches_reference(n: int, k: int, share: float, H: int, F: int) -> None:
+    L, E = 2, 6
+    store = _store(L, E, H, F, seed=n * 10 + k)
+    g = torch.Generator().manual_seed(n + k)
+    rows = _rows(n, k, L * E, share, g)
+    if n == 8:  # several tokens on the same experts
+        rows = torch.where(rows >= 0, rows % 3, -1)
+    x = torch.randn(n, H, generator=g).to(torch.bfloat16)
+    w = torch.rand(n, k, generator=g)
+    out = torch.full((n, H), float("nan"))
+    got = nc.moe_cpu(x, rows, w, store.slots, out=out)
+    ref = nc.moe_cpu_ref(x, rows, w, store.slots)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.isfinite(got).all()
+    scale = ref.abs().max().clamp(min=1e-6)
+    assert (got - ref).abs().max() / scale < 1e-5
+    assert torch.equal(got, nc.moe_cpu(x, rows, w, store.slots))  # the same bits again
+
+
+def test_host_entry_matches_moe_cpu_without_the_gil() -> None:
+    L, E, H, F, n, k = 3, 4, 128, 64, 2, 3
+    store = _store(L, E, H, F, seed=7)
+    g = torch.Generator().manual_seed(1)
+    layer = 2
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)])
+    rel = torch.where(torch.rand(n, k, generator=g) < 0.7, ids, -1).to(torch.int32)
+    x = torch.randn(n, H, generator=g)
+    w = torch.rand(n, k, generator=g)
+    stage = torch.cat([x, rel.view(torch.float32), w], dim=1).contiguous()
+    out = torch.full((n, H), float("nan"))
+    desc = nc.host_descriptor(store.slots, stage, out, k, layer * E)
+    rows = torch.where(rel >= 0, rel.long() + layer * E, -1)
+    # ctypes drops the GIL around the call: run it from another thread, as a driver would
+    t = threading.Thread(target=nc.run_host_entry, args=(desc,))
+    t.start()
+    t.join()
+    assert torch.equal(out, nc.moe_cpu(x, rows, w, store.slots))
+    assert int(desc[nc.D_COUNT]) == len(set(rows[rows >= 0].tolist()))
+    assert int(desc[nc.D_CALLS]) == 1
+
+
+def test_moe_cpu_refuses_what_it_cannot_run() -> None:
+    store = _store(1, 2, 64, 32, seed=0)
+    x, rows, w = torch.randn(1, 64), torch.tensor([[0, 1]]), torch.rand(1, 2)
+    with pytest.raises(ValueError, match="do not match"):
+        nc.moe_cpu(torch.randn(1, 32), rows, w, store.slots)
+    with pytest.raises(ValueError, match="out must be"):
+        nc.moe_cpu(x, rows, w, store.slots, out=torch.empty(1, 64, dtype=torch.bfloat16))
+    dense = HostExpertStore(1, 2, 64, 32, fp4=False, pin=False)
+    with pytest.raises(ValueError, match="NVFP4"):
+        nc.moe_cpu(x, rows, w, dense.slots)
+    assert nc.moe_cpu_bytes(rows, store.slots) == 2 * store.bytes_per_expert

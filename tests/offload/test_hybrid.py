@@ -1,0 +1,112 @@
+"""Hybrid expert execution on the CPU: the split's arithmetic, the lookup's split, and the
+tiny model decoding the same greedy tokens with part or all of its misses on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.model.hf_tiny import build_runner, checkpoint
+from tests.offload.helpers import greedy_generate
+from tinyserve.kernels import nvfp4_cpu
+from tinyserve.offload import lookup as lk
+from tinyserve.offload.bandwidth import Bandwidths, probe
+from tinyserve.offload.hybrid import CpuExperts, HybridExperts, HybridPlan, plan_split
+from tinyserve.offload.provider import OffloadedExperts
+from tinyserve.offload.store import HostExpertStore
+
+needs_numba = pytest.mark.skipif(not nvfp4_cpu.available(), reason="numba is not installed")
+BPE = 1_769_484  # one 35B-A3B expert
+
+
+def _bw(h2d: float | None, cpu_bps: float, overhead_s: float = 0.0) -> Bandwidths:
+    return Bandwidths(host_read=95e9, read_bytes=1 << 30, h2d=h2d, cpu_expert_s=BPE / cpu_bps,
+                      cpu_overhead_s=overhead_s, bytes_per_expert=BPE, threads=16)
+
+
+def test_split_balances_copy_and_cpu_time() -> None:
+    plan = plan_split(_bw(41e9, 57e9, 30e-6), "hybrid", top_k=8)
+    t_copy, t_cpu, t_call = BPE / 41e9, BPE / 57e9, 30e-6
+    for m in range(0, 9):
+        c = plan.cpu_share(m)
+        assert 0 <= c <= m
+        # no other c finishes both sides sooner (to within one expert's rounding)
+        best = min(max((m - j) * t_copy, t_call + j * t_cpu if j else 0) for j in range(m + 1))
+        assert max((m - c) * t_copy, t_call + c * t_cpu if c else 0) <= best + max(t_copy, t_cpu)
+    assert plan.cpu_share(8) == 4
+    # a laptop: slow PCIe moves most of the work to the CPU
+    assert plan_split(_bw(12e9, 30e9, 30e-6), "hybrid", top_k=8).cpu_share(8) >= 5
+    assert plan_split(_bw(12e9, 30e9), None, top_k=8).mode == "hybrid"
+    # a CPU much slower than the link: auto keeps the GPU path, never slower than gpu-only
+    assert plan_split(_bw(41e9, 2e9, 30e-6), None, top_k=8).mode == "gpu"
+    assert plan_split(_bw(41e9, 57e9), "cpu", top_k=8).cpu_share(8) == 8
+    assert plan_split(_bw(None, 57e9), None, top_k=8).mode == "gpu"
+    with pytest.raises(ValueError, match="H2D"):
+        plan_split(_bw(None, 57e9), "hybrid", top_k=8)
+    with pytest.raises(ValueError, match="experts must be"):
+        plan_split(_bw(41e9, 57e9), "fpga", top_k=8)
+    assert "hybrid" in plan.format() and plan.as_dict()["a"] == plan.a
+
+
+@pytest.mark.parametrize("a,b", [(0.5, 0.0), (1.0, -1e6), (0.3, 0.4)])
+def test_lookup_split_leaves_the_last_misses_unloaded(a: float, b: float) -> None:
+    L, E, S = 2, 16, 20
+    table = torch.full((L * E + 1,), -1, dtype=torch.int32)
+    owner = torch.full((S + 1,), -1, dtype=torch.int32)
+    table[3], owner[7] = 7, 3  # expert 3 of layer 0 is resident in slot 7
+    victims = torch.arange(S, dtype=torch.int32)
+    ids = torch.tensor([[3, 9, 1], [12, 9, 5]])
+    split = torch.tensor([a, b])
+    slot_ids, rows, slots = lk.expert_lookup_ref(ids, 0, table, owner, victims, E, split=split)
+    misses = [1, 5, 9, 12]
+    c = HybridPlan("hybrid", a, b).cpu_share(len(misses))
+    cpu = set(misses[len(misses) - c:])
+    for t in range(2):
+        for j in range(3):
+            e = int(ids[t, j])
+            assert (int(slot_ids[t, j]) < 0) == (e in cpu)
+    assert int(slot_ids[0, 0]) == 7
+    loaded = sorted(int(r) for r in rows if r >= 0)
+    assert loaded == [e for e in misses if e not in cpu]
+    assert all(int(table[e]) == -1 for e in cpu)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg, w = checkpoint("modelopt")
+    prompt = torch.randint(0, 500, (23,), generator=torch.Generator().manual_seed(4)).tolist()
+    ref_tokens, ref_logits = greedy_generate(build_runner(cfg, w, num_slots=2), prompt, 16)
+    return cfg, w, prompt, ref_tokens, ref_logits
+
+
+@needs_numba
+@pytest.mark.parametrize("mode,plan", [("device", HybridPlan("hybrid", 0.5, 0.0)),
+                                       ("host", HybridPlan("hybrid", 0.6, 0.2)),
+                                       ("device", HybridPlan("cpu", 1.0, -1e6))],
+                         ids=["device-hybrid", "host-hybrid", "device-cpu"])
+def test_cpu_part_decodes_the_same_tokens(tiny, mode: str, plan: HybridPlan) -> None:
+    cfg, w, prompt, ref_tokens, ref_logits = tiny
+    store = HostExpertStore.from_weights(w, cfg)
+    experts = OffloadedExperts.create(store, cfg.num_experts + 2, device="cpu",
+                                      dtype=torch.float32, mode=mode, use_triton=False)
+    experts.set_hybrid(HybridExperts(plan, CpuExperts(store, device="cpu")))
+    runner = build_runner(cfg, w, num_slots=2, experts=experts)
+    tokens, logits = greedy_generate(runner, prompt, 16)
+    assert tokens == ref_tokens
+    # the CPU kernel sums in another order than the torch reference (fp32)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4 * ref_logits.abs().max())
+    computed = experts.cpu_computed
+    assert computed is not None and computed > 0
+    if plan.mode == "cpu":  # the prefill (one 23-token batch: over MAX_TOKENS) copied
+        experts.begin_step()
+        assert experts.stats.hits > 0
+
+
+@needs_numba
+def test_probe_measures_the_cpu_kernel() -> None:
+    store = HostExpertStore(2, 8, 128, 64, pin=False)
+    store.buffer.zero_()
+    bw = probe(store, top_k=4)
+    assert bw.h2d is None and bw.host_read > 0 and bw.cpu_expert_s > 0
+    assert bw.bytes_per_expert == store.bytes_per_expert and bw.threads >= 1
+    assert "CPU expert kernel" in bw.format()

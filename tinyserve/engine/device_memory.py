@@ -1,0 +1,296 @@
+"""The device side of the memory plan: the budget, and what the process holds on the GPU
+outside torch's caching allocator.
+
+`--gpu-memory X` bounds the process's whole device memory as the driver counts it (what
+nvidia-smi shows for the process). The plan caps torch's allocator at X less what lives
+outside it (`MemoryPlan.allocator_cap`), item by item:
+
+- "CUDA context, libraries": the context and the libraries' device state (cuBLAS / cuBLASLt
+  handles, the driver's per-thread local-memory reserve, which grows with the number of SMs).
+  MEASURED at start-up on the running GPU: the process's device memory once the context is
+  made and a bf16 and an fp32 matmul have run, less what torch's allocator holds then.
+- "kernels, local memory, graphs": what grows after start-up and cannot be measured before
+  the model runs: kernel modules as they load, local memory the driver enlarges for kernels
+  that need more of it, CUDA graph executables. A figure measured on the H200 (the GPU with
+  the most SMs that tinyserve runs on, so an upper bound for smaller ones):
+  bench/memory_budget.py, `calibration` in bench/results/memory_budget.json.
+- "host memory mappings": the device page tables of registered host memory (the pinned
+  expert store and embedding table the kernels read over PCIe), per GiB registered; measured
+  the same way.
+
+Without the device (`tinyserve plan` for a GPU that is elsewhere) the H200's start-up figure
+stands in for the measurement, and the plan says so.
+
+The process's device memory (`DeviceMemoryProbe.process_used`): NVML's per-process figure
+(nvidia-ml-py, `import pynvml`) when NVML lists this process; else the device's used memory
+less what it used before this process made its CUDA context (an NVML baseline taken first);
+else, without NVML, the device's used memory (`torch.cuda.mem_get_info`), which counts other
+processes too (larger, so the plan stays inside the budget).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from tinyserve.engine.config import EngineConfig, describe_size
+from tinyserve.log import get_logger
+
+log = get_logger(__name__)
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+# Measured on one H200 (bench/memory_budget.py; bench/results/memory_budget.json holds the
+# runs). The start-up figure is only used where no GPU can be measured.
+H200_STARTUP = 560 * MiB  # context + cuBLAS/cuBLASLt after a bf16 and an fp32 matmul
+LATE_GROWTH = 256 * MiB  # kernel modules, local-memory growth, graph executables
+MAPPING_PER_GIB = 2 * MiB  # device page tables per GiB of registered host memory
+_ROUND = 8 * MiB  # measured figures are rounded up to this, so that plan and run agree
+
+CONTEXT_ITEM = "CUDA context, libraries"
+LATE_ITEM = "kernels, local memory, graphs"
+MAPPING_ITEM = "host memory mappings"
+
+
+def _round_up(n: int) -> int:
+    return -(-max(n, 0) // _ROUND) * _ROUND
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What the device gives the planner.
+
+    device: "cpu" or "cuda[:N]". name: the GPU's name ("" on the CPU or without the GPU).
+    budget: bytes the whole process may use on the GPU (None on the CPU). budget_source: how
+    the budget was set, for the printed plan. startup: the CUDA context and libraries (bytes
+    outside torch's allocator at start-up). startup_source: how `startup` is known.
+    """
+
+    device: str
+    name: str = ""
+    budget: int | None = None
+    budget_source: str = ""
+    startup: int = 0
+    startup_source: str = ""
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    def outside_allocator(self, host_mapped_bytes: int) -> tuple[tuple[str, int, str], ...]:
+        """(item, bytes, how it is known) of the process's device memory outside torch's
+        allocator, with `host_mapped_bytes` of host memory registered for the device."""
+        if not self.is_cuda:
+            return ()
+        mapped = -(-host_mapped_bytes * MAPPING_PER_GIB // GiB)
+        return ((CONTEXT_ITEM, self.startup, self.startup_source),
+                (LATE_ITEM, LATE_GROWTH, "H200 measurement"),
+                (MAPPING_ITEM, _round_up(mapped), "H200 measurement"))
+
+
+def cpu_device() -> DeviceMemory:
+    return DeviceMemory(device="cpu")
+
+
+def reference_device(config: EngineConfig) -> DeviceMemory:
+    """A GPU that is not here: the budget must be given; the start-up figure is the H200's."""
+    budget = config.gpu_memory_bytes
+    if budget is None:
+        raise ValueError("no CUDA device here: give the budget with --gpu-memory (e.g. 6GiB), "
+                         "or plan for the CPU with --device cpu")
+    source = f"--gpu-memory {describe_size(config.gpu_memory)}"  # type: ignore[arg-type]
+    return DeviceMemory(device=config.device or "cuda", budget=budget, budget_source=source,
+                        startup=H200_STARTUP,
+                        startup_source="H200 measurement (no CUDA device here)")
+
+
+class DeviceMemoryProbe:
+    """The device memory this process uses on one GPU, as the driver counts it.
+
+    Make it before this process touches CUDA (the NVML baseline of the device's used memory
+    is taken then); `process_used()` may be called from any thread."""
+
+    def __init__(self, index: int = 0) -> None:
+        self.index = index
+        self._nvml: Any = None
+        self._handle: Any = None
+        self._baseline: int | None = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+        except Exception:  # no nvidia-ml-py, no driver: fall back to torch
+            return
+        import torch
+
+        if not torch.cuda.is_initialized():
+            handle = self._device_handle()
+            if handle is not None:
+                self._baseline = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+
+    @property
+    def source(self) -> str:
+        """How `process_used` measures: 'NVML, this process', 'NVML, device less baseline' or
+        'device-wide (no NVML)'."""
+        if self._nvml is not None and self._process_entry() is not None:
+            return "NVML, this process"
+        if self._nvml is not None and self._baseline is not None:
+            return "NVML, device less baseline"
+        return "device-wide, no NVML"
+
+    def _device_handle(self) -> Any:
+        if self._handle is None and self._nvml is not None:
+            import torch
+
+            try:  # NVML numbers the devices without CUDA_VISIBLE_DEVICES; torch maps them
+                nvml_index = torch.cuda._get_nvml_device_index(self.index)
+            except Exception:
+                nvml_index = self.index
+            try:
+                self._handle = self._nvml.nvmlDeviceGetHandleByIndex(nvml_index)
+            except Exception:
+                self._handle = None
+        return self._handle
+
+    def _process_entry(self) -> int | None:
+        handle = self._device_handle()
+        if handle is None:
+            return None
+        try:
+            procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        except Exception:
+            return None
+        for p in procs:
+            if p.pid == os.getpid() and p.usedGpuMemory is not None:
+                return int(p.usedGpuMemory)
+        return None
+
+    def process_used(self) -> int:
+        """Bytes of device memory this process holds (see the module docstring)."""
+        used = self._process_entry() if self._nvml is not None else None
+        if used is not None:
+            return used
+        handle = self._device_handle() if self._nvml is not None else None
+        if handle is not None and self._baseline is not None:
+            return int(self._nvml.nvmlDeviceGetMemoryInfo(handle).used) - self._baseline
+        import torch
+
+        free, total = torch.cuda.mem_get_info(self.index)
+        return int(total - free)
+
+
+_PROBES: dict[int, DeviceMemoryProbe] = {}
+
+
+def probe_for(index: int) -> DeviceMemoryProbe:
+    """The process's probe of GPU `index` (made on first use: before CUDA, when possible)."""
+    if index not in _PROBES:
+        _PROBES[index] = DeviceMemoryProbe(index)
+    return _PROBES[index]
+
+
+def _device_index(device: str) -> int:
+    return int(device.split(":")[1]) if ":" in device else 0
+
+
+def measure_device(config: EngineConfig) -> DeviceMemory:
+    """Make the CUDA context on the device `config` runs on, start cuBLAS, and measure what
+    the process then holds outside torch's allocator (`DeviceMemory.startup`). The budget is
+    `config.gpu_memory`, or the device's free memory plus what this process holds.
+
+    Raises ValueError (one line, with the numbers) when the budget is more than the device
+    can give this process, or when CUDA is not available."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("CUDA is not available here: run with --device cpu")
+    device = config.device or "cuda"
+    index = _device_index(device)
+    probe = probe_for(index)  # before the context exists, for the NVML baseline
+    with torch.cuda.device(index):
+        for dtype in (torch.bfloat16, torch.float32):  # cuBLAS and cuBLASLt handles
+            a = torch.ones(64, 64, device=f"cuda:{index}", dtype=dtype)
+            (a @ a).sum().item()
+            del a
+        torch.cuda.synchronize()
+        used = probe.process_used()
+        startup = _round_up(used - torch.cuda.memory_reserved(index))
+        free, total = torch.cuda.mem_get_info(index)
+    available = free + used
+    name = torch.cuda.get_device_name(index)
+    budget = config.gpu_memory_bytes
+    if budget is None:
+        budget, source = available, f"free device memory ({available / MiB:,.0f} MiB)"
+    else:
+        source = f"--gpu-memory {describe_size(config.gpu_memory)}"  # type: ignore[arg-type]
+        if budget > available:
+            raise ValueError(f"--gpu-memory {config.gpu_memory} asks for {budget / MiB:,.0f} "
+                             f"MiB but {name} has {available / MiB:,.0f} MiB for this process "
+                             f"({total / MiB:,.0f} MiB in all, the rest used by others)")
+    log.info("%s: %.0f MiB outside torch's allocator after start-up (%s)", name,
+             startup / MiB, probe.source)
+    return DeviceMemory(device=device, name=name,
+                        budget=budget, budget_source=source, startup=startup,
+                        startup_source=f"measured at start-up ({probe.source})")
+
+
+def device_memory(config: EngineConfig, *, measure: bool = True) -> DeviceMemory:
+    """The device `config` runs on: the CPU, a measured GPU, or (with `measure` False and no
+    GPU here, as `tinyserve plan` does) the H200 reference for the budget given."""
+    device = config.device
+    if device is None:
+        import torch
+
+        if torch.cuda.is_available():
+            device = "cuda"
+        elif not measure and config.gpu_memory is not None:
+            device = "cuda"  # a GPU budget without a GPU here: plan for that GPU
+        else:
+            device = "cpu"
+    if device == "cpu":
+        return cpu_device()
+    import torch
+
+    if not measure and not torch.cuda.is_available():
+        return reference_device(config)
+    return measure_device(config)
+
+
+def device_memory_report(plan: Any, device: str) -> tuple[str, int]:
+    """After the model ran: one line on the process's device memory against the plan, and
+    the bytes outside torch's allocator now. When those are more than the plan set aside,
+    torch's allocator is capped lower by the difference (the budget holds; a warning says
+    so)."""
+    import torch
+
+    index = _device_index(device)
+    probe = probe_for(index)
+    torch.cuda.synchronize(index)
+    used = probe.process_used()
+    outside = used - torch.cuda.memory_reserved(index)
+    planned = plan.outside_allocator_bytes
+    line = (f"device memory in use: {used / MiB:,.0f} MiB of the {plan.gpu_memory / MiB:,.0f} "
+            f"MiB budget ({outside / MiB:,.0f} MiB outside torch's allocator, "
+            f"{planned / MiB:,.0f} MiB planned; {probe.source})")
+    if outside > planned:
+        cap = plan.gpu_memory - outside
+        cap_allocator(cap, index)
+        log.warning("the process holds %.0f MiB outside torch's allocator, %.0f MiB more than "
+                    "the plan set aside: the allocator is capped at %.0f MiB", outside / MiB,
+                    (outside - planned) / MiB, cap / MiB)
+    return line, outside
+
+
+def cap_allocator(cap: int, index: int) -> None:
+    """Cap torch's caching allocator on GPU `index` at `cap` bytes, so that an allocation
+    past it fails loudly instead of using the rest of a bigger card."""
+    import torch
+
+    total = torch.cuda.get_device_properties(index).total_memory
+    fraction = min(1.0, max(cap, 1) / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    log.info("GPU allocator capped at %.0f MiB of %.0f MiB", fraction * total / MiB,
+             total / MiB)

@@ -1,0 +1,200 @@
+"""MemoryPlan: where every byte of the budget goes, and its printout (`tinyserve plan` and
+`tinyserve run` print the same `format()`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+class PlanError(ValueError):
+    """The model cannot run within the budget; the one-line message carries the numbers."""
+
+
+def mib(n: int) -> str:
+    return f"{n / MiB:,.1f} MiB"
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The engine's memory, decided before anything is loaded. All sizes in bytes.
+
+    On a GPU, `gpu_memory` bounds the process's whole device memory: `outside_allocator`
+    (CUDA context and libraries, kernel modules, host-memory mappings: item, bytes, how it is
+    known) + torch's allocator, capped at `allocator_cap`, which holds the resident weights,
+    the embedding when it is on the GPU, the workspace, the GDN states, the KV pages and the
+    expert cache. On the CPU (`device` "cpu") there is no budget and everything is resident
+    (or behind a forced expert cache).
+
+    max_seqs sequences at once, each with up to max_context tokens; state_slots GDN state
+    slots = max_seqs + snapshot_slots (prefix cache) + one for the padded rows of decode
+    graphs when they are on. expert_cache: the routed experts sit in a pinned host store
+    behind `expert_slots` GPU slots (all of them preloaded when they are all there).
+    default_context / default_expert_slots: what the plan without --max-context gives, when
+    --max-context changed it (the trade of KV for expert slots the printout shows).
+    """
+
+    device: str
+    device_name: str
+    gpu_memory: int | None
+    budget_source: str
+    outside_allocator: tuple[tuple[str, int, str], ...]
+    resident_weights: tuple[tuple[str, int], ...]  # (group, bytes), no embedding
+    embed_device: str  # "cuda" | "cpu" (row gather from host RAM)
+    embed_bytes: int
+    workspace: tuple[tuple[str, int], ...]
+    prefill_chunk: int
+    max_seqs: int
+    snapshot_slots: int
+    state_slots: int
+    state_bytes_per_slot: int
+    kv_format: str
+    kv_bytes_per_token: int
+    page_size: int
+    kv_pages: int
+    max_context: int
+    expert_slot_bytes: int
+    expert_slots: int
+    num_routed_experts: int
+    experts_per_layer: int
+    expert_cache: bool = False
+    default_context: int | None = None
+    default_expert_slots: int | None = None
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def outside_allocator_bytes(self) -> int:
+        return sum(b for _, b, _ in self.outside_allocator)
+
+    @property
+    def allocator_cap(self) -> int | None:
+        """What torch's caching allocator may reserve (None on the CPU)."""
+        return None if self.gpu_memory is None else self.gpu_memory - self.outside_allocator_bytes
+
+    @property
+    def resident_weight_bytes(self) -> int:
+        return sum(b for _, b in self.resident_weights)
+
+    @property
+    def workspace_bytes(self) -> int:
+        return sum(b for _, b in self.workspace)
+
+    @property
+    def state_bytes(self) -> int:
+        return self.state_slots * self.state_bytes_per_slot
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_pages * self.page_size * self.kv_bytes_per_token
+
+    @property
+    def context_tokens(self) -> int:
+        return self.kv_pages * self.page_size
+
+    @property
+    def expert_cache_bytes(self) -> int:
+        return self.expert_slots * self.expert_slot_bytes
+
+    @property
+    def experts_offloaded(self) -> bool:
+        """Fewer GPU slots than routed experts: misses are copied in from the host store."""
+        return self.expert_cache and self.expert_slots < self.num_routed_experts
+
+    @property
+    def host_expert_bytes(self) -> int:
+        """Pinned host RAM for the expert store (0 when every expert is resident)."""
+        return self.num_routed_experts * self.expert_slot_bytes if self.expert_cache else 0
+
+    @property
+    def allocated_bytes(self) -> int:
+        """What the plan puts in torch's allocator (on the CPU: in host RAM)."""
+        embed = self.embed_bytes if self.embed_device == self.device.split(":")[0] else 0
+        experts = (self.expert_cache_bytes if self.expert_cache
+                   else self.num_routed_experts * self.expert_slot_bytes)
+        return (self.resident_weight_bytes + embed + self.workspace_bytes + self.state_bytes
+                + self.kv_bytes + experts)
+
+    @property
+    def gpu_bytes(self) -> int:
+        """The process's planned device memory (0 on the CPU)."""
+        return self.outside_allocator_bytes + self.allocated_bytes if self.is_cuda else 0
+
+    @property
+    def free_bytes(self) -> int:
+        return 0 if self.gpu_memory is None else self.gpu_memory - self.gpu_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["outside_allocator"] = {k: {"bytes": b, "source": s}
+                                  for k, b, s in self.outside_allocator}
+        d["resident_weights"] = dict(self.resident_weights)
+        d["workspace"] = dict(self.workspace)
+        for name in ("outside_allocator_bytes", "allocator_cap", "resident_weight_bytes",
+                     "workspace_bytes", "state_bytes", "kv_bytes", "context_tokens",
+                     "expert_cache_bytes", "experts_offloaded", "host_expert_bytes",
+                     "allocated_bytes", "gpu_bytes", "free_bytes"):
+            d[name] = getattr(self, name)
+        return d
+
+    def format(self) -> str:
+        """The plan as a table (the same text for `tinyserve plan` and `tinyserve run`)."""
+        rows = self._header()
+        rows += [f"    {g:<34}{mib(b):>14}" for g, b in
+                 (("weights: " + g, b) for g, b in self.resident_weights)]
+        if self.embed_device == self.device.split(":")[0]:
+            rows.append(f"    {'embedding':<34}{mib(self.embed_bytes):>14}")
+        else:
+            rows.append(f"    embedding: host RAM, row gather ({mib(self.embed_bytes)})")
+        rows += [f"    {'workspace: ' + w:<34}{mib(b):>14}" for w, b in self.workspace]
+        parts = [f"{self.max_seqs} sequence{'s' * (self.max_seqs != 1)}"]
+        if self.snapshot_slots:
+            parts.append(f"{self.snapshot_slots} prefix snapshots")
+        if self.state_slots > self.max_seqs + self.snapshot_slots:
+            parts.append("1 graph padding")
+        rows.append(f"    {'GDN states, ' + str(self.state_slots) + ' slots':<34}"
+                    f"{mib(self.state_bytes):>14}  ({', '.join(parts)})")
+        kv = f"KV {self.kv_format}, {self.context_tokens:,} tokens"
+        rows.append(f"    {kv:<34}{mib(self.kv_bytes):>14}  "
+                    f"({self.kv_bytes_per_token:,} B/token)")
+        n, per_layer = self.num_routed_experts, max(1, self.experts_per_layer)
+        layers = max(1, n // per_layer)
+        if self.expert_cache:
+            slots = (f"expert cache, {self.expert_slots:,} of {n:,} slots")
+            rows.append(f"    {slots:<34}{mib(self.expert_cache_bytes):>14}  "
+                        f"({100.0 * self.expert_slots / n:.1f}%, "
+                        f"{self.expert_slots / layers:.0f} per layer)")
+        else:
+            rows.append(f"    {'routed experts, all ' + f'{n:,}':<34}"
+                        f"{mib(n * self.expert_slot_bytes):>14}")
+        if self.is_cuda:
+            rows.append(f"    {'unused':<34}{mib(self.free_bytes):>14}")
+        seqs = f"{self.max_seqs} sequence{'s' * (self.max_seqs != 1)} at a time"
+        rows.append(f"context {self.max_context:,} tokens per sequence, {seqs}, "
+                    f"prefill chunk {self.prefill_chunk:,} tokens")
+        if self.default_context is not None and self.default_expert_slots is not None:
+            dkv = self.context_tokens - self.default_context
+            dslots = self.expert_slots - self.default_expert_slots
+            rows.append(f"--max-context {self.max_context:,} instead of the default "
+                        f"{self.default_context:,}: KV {dkv * self.kv_bytes_per_token / MiB:+,.1f}"
+                        f" MiB, expert cache {dslots:+,} slots")
+        if self.expert_cache:
+            rows.append(f"host RAM: pinned expert store {self.host_expert_bytes / GiB:.2f} GiB")
+        return "\n".join(rows)
+
+    def _header(self) -> list[str]:
+        if not self.is_cuda:
+            return ["memory plan for the CPU (host RAM; no GPU budget)"]
+        assert self.gpu_memory is not None and self.allocator_cap is not None
+        name = f" ({self.device_name})" if self.device_name else ""
+        rows = [f"memory plan for {self.device}{name}: {self.budget_source} for the whole "
+                f"process"]
+        rows.append(f"  {'outside torch allocator':<36}{mib(self.outside_allocator_bytes):>14}")
+        rows += [f"    {item:<34}{mib(b):>14}  ({how})" for item, b, how in self.outside_allocator]
+        rows.append(f"  {'torch allocator, capped at':<36}{mib(self.allocator_cap):>14}")
+        return rows

@@ -1,0 +1,292 @@
+"""The memory planner and `tinyserve plan` (specs/qwen35_moe.md §7).
+
+One `EngineConfig` + the model's geometry and weight bytes + the device (`DeviceMemory`: the
+budget and what lives outside torch's allocator, measured at start-up) -> one `MemoryPlan`.
+`tinyserve plan`, `tinyserve run`, `tinyserve bench` and the offline `LLM` all plan through
+`plan_engine`, so the same flags give the same plan. Only config files and safetensors
+headers are read, so planning a 20 GB checkpoint takes a moment. Anything that cannot fit
+raises `PlanError` with the numbers: what is needed, what was given.
+
+On a GPU, the budget is the whole process: outside_allocator (`engine.device_memory`) +
+torch's allocator, capped at what is left, which holds: the resident non-expert weights, the
+embedding (or a row gather from host RAM), the workspace (the largest prefill chunk's
+activations, attention scratch, logits, graph pools, the allocator's slack), the GDN states,
+the KV pages and the GPU expert cache. Order of decisions:
+1. Everything (all routed experts and the embedding) fits with the model's whole context (or,
+   without --max-context, with DEFAULT_CONTEXT tokens) -> all resident; without --max-seqs,
+   as many sequences as the memory left holds, up to DEFAULT_MAX_SEQS.
+2. All experts fit without the embedding -> experts resident, embedding in host RAM.
+3. Otherwise the experts are offloaded (pinned host store + GPU slot cache), the embedding
+   stays in host RAM, one sequence unless --max-seqs asks for more, and the cache gets what
+   is left; it must hold at least one layer's experts (a prefill chunk can route to all of
+   them). Without --max-context the context is DEFAULT_CONTEXT tokens, or what half of the
+   memory left after the smallest cache holds when that is less. A smaller --max-context
+   trades KV for expert slots, and the printed plan shows the trade.
+On the CPU there is no budget: everything is resident, DEFAULT_MAX_SEQS sequences, and a KV
+pool of max_context tokens for each.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from tinyserve.engine.config import DEFAULT_CONTEXT, DEFAULT_MAX_SEQS, EngineConfig
+from tinyserve.engine.device_memory import DeviceMemory, device_memory
+from tinyserve.engine.memory_plan import MemoryPlan, PlanError, mib
+from tinyserve.kv.registry import kv_bytes_per_token
+from tinyserve.kv.state_pool import GDNStatePool
+from tinyserve.offload.weights import WeightBytes, checkpoint_weight_bytes
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+GRAPH_POOL = 64 * MiB  # CUDA-graph private pools of the decode graphs
+# NOTE: measured on an H200 with a 6 GiB cap: the caching allocator's rounding and transient
+# buffers (sampler, expert-miss lists, cuBLAS/Triton scratch) took ~300 MiB beyond the items
+# of the workspace; the slack is a share of the allocator's cap, never below the floor: a small
+# model under a small budget still needs the cuBLAS workspace (32 MiB on sm_90) and the
+# allocator's 2/20 MiB segments, which do not shrink with the budget. bench/memory_budget.py
+# records the peak reserved less the peak allocated (the fragmentation) at 6 and 4 GiB.
+ALLOCATOR_SLACK = 0.04
+ALLOCATOR_SLACK_MIN = 96 * MiB
+ALLOCATOR_SLACK_MAX = 1 * GiB  # a big budget's slack need not grow with it
+
+
+def activation_bytes_per_token(config: Any, dtype_bytes: int = 2) -> int:
+    """Peak live activations per prefill token in one layer (hidden, mixer, MoE pairs)."""
+    c, d = config, dtype_bytes
+    hidden = 4 * c.hidden_size * d  # residual, normed input, mixer out, MoE out
+    mixer = max(
+        # GDN: qkv before/after conv, z, fp32 q/k/v with key heads repeated, fp32 output
+        (2 * c.linear_conv_dim + c.linear_value_dim) * d
+        + (3 * c.linear_num_value_heads * c.linear_key_head_dim + c.linear_value_dim) * 4,
+        # attention: q|gate, k, v, output
+        (3 * c.num_attention_heads * c.head_dim + 2 * c.num_kv_heads * c.head_dim) * d)
+    # fused MoE: fp32 intermediate [pairs, F] and per-pair output [pairs, H]; router fp32
+    moe = (c.num_experts_per_tok * (c.moe_intermediate_size + c.hidden_size) * 4
+           + c.num_experts * 4 + 2 * c.shared_expert_intermediate_size * d)
+    return hidden + mixer + moe
+
+
+def dtype_bytes(config: EngineConfig, device: DeviceMemory) -> int:
+    """Bytes per element of the model dtype on `device` (float32 on the CPU by default)."""
+    if config.dtype is not None:
+        return {"float32": 4, "bfloat16": 2, "float16": 2}[config.dtype]
+    return 2 if device.is_cuda else 4
+
+
+class _Sizes:
+    """The byte arithmetic of one (config, model, weights, device)."""
+
+    def __init__(self, config: EngineConfig, model: Any, weights: WeightBytes,
+                 device: DeviceMemory) -> None:
+        self.cfg, self.model, self.w, self.dev = config, model, weights, device
+        self.dtype_bytes = dtype_bytes(config, device)
+        self.kv_tok = kv_bytes_per_token(config.kv, len(model.full_attention_layers),
+                                         model.num_kv_heads, model.head_dim)
+        if config.kv == "bf16":  # NOTE: that pool stores the model dtype (fp32 on the CPU)
+            self.kv_tok = self.kv_tok * self.dtype_bytes // 2
+        self.per_slot = GDNStatePool.bytes_per_slot(model, self.dtype_bytes)
+        self.scratch_tok = 2 * model.num_kv_heads * model.head_dim * self.dtype_bytes
+        self.page = config.page_size
+        self.max_pos = model.max_position_embeddings
+        self.embed = 0 if weights.tied else weights.embed  # tied: it is the lm_head
+
+    def state_slots(self, seqs: int) -> int:
+        return seqs + self.cfg.snapshot_slots(seqs) + int(self.cfg.cuda_graphs)
+
+    def pages(self, tokens: int) -> int:
+        if self.cfg.num_kv_pages is not None:
+            return self.cfg.num_kv_pages
+        return -(-tokens // self.page)
+
+    def outside(self, embed_device: str, expert_cache: bool) -> tuple[tuple[str, int, str], ...]:
+        mapped = self.w.embed if embed_device == "cpu" and not self.w.tied else 0
+        mapped += self.w.num_routed_experts * self.w.expert_bytes if expert_cache else 0
+        return self.dev.outside_allocator(mapped)
+
+    def cap(self, embed_device: str, expert_cache: bool) -> int:
+        assert self.dev.budget is not None
+        return self.dev.budget - sum(b for _, b, _ in self.outside(embed_device, expert_cache))
+
+    def workspace(self, tokens: int, seqs: int, cap: int) -> tuple[tuple[str, int], ...]:
+        m, cfg = self.model, self.cfg
+        items = [
+            ("prefill activations", cfg.max_num_batched_tokens
+             * activation_bytes_per_token(m, self.dtype_bytes)),
+            # extend attention reads one layer's prefix as K and V in the model dtype
+            ("attention scratch", min(tokens, self.pages(tokens) * self.page) * self.scratch_tok),
+            ("logits", seqs * m.vocab_size * 4 * 2),
+            # a penalised sequence's token counts on the device (engine/sampler.TokenCounts):
+            # tokens seen (bool) and output counts (fp32)
+            ("penalty counts", seqs * m.vocab_size * 5),
+        ]
+        if cfg.cuda_graphs:
+            items.append(("cuda graphs", GRAPH_POOL))
+        slack = min(ALLOCATOR_SLACK_MAX, max(ALLOCATOR_SLACK_MIN, int(cap * ALLOCATOR_SLACK)))
+        items.append(("allocator slack", slack))
+        return tuple(items)
+
+    def fixed(self, tokens: int, seqs: int, cap: int) -> int:
+        """Resident weights (no embedding, no routed experts) + workspace + states + KV."""
+        return (sum(b for _, b in self.w.resident_groups())
+                + sum(b for _, b in self.workspace(tokens, seqs, cap))
+                + self.state_slots(seqs) * self.per_slot
+                + self.pages(tokens) * self.page * self.kv_tok)
+
+    def make(self, *, tokens: int, seqs: int, embed_device: str, expert_cache: bool,
+             slots: int) -> MemoryPlan:
+        dev, cfg, m = self.dev, self.cfg, self.model
+        cuda = dev.is_cuda
+        pages = self.pages(tokens) if cuda or cfg.num_kv_pages is not None \
+            else self.pages(tokens) * seqs
+        cap = self.cap(embed_device, expert_cache) if cuda else 0
+        return MemoryPlan(
+            device=dev.device, device_name=dev.name, gpu_memory=dev.budget,
+            budget_source=dev.budget_source,
+            outside_allocator=self.outside(embed_device, expert_cache) if cuda else (),
+            resident_weights=self.w.resident_groups(), embed_device=embed_device,
+            embed_bytes=self.w.embed,
+            workspace=self.workspace(tokens, seqs, cap) if cuda else (),
+            prefill_chunk=cfg.max_num_batched_tokens, max_seqs=seqs,
+            snapshot_slots=cfg.snapshot_slots(seqs), state_slots=self.state_slots(seqs),
+            state_bytes_per_slot=self.per_slot, kv_format=cfg.kv,
+            kv_bytes_per_token=self.kv_tok, page_size=self.page, kv_pages=pages,
+            max_context=min(tokens, self.max_pos, self.pages(tokens) * self.page),
+            expert_slot_bytes=self.w.expert_bytes, expert_slots=slots,
+            num_routed_experts=self.w.num_routed_experts, experts_per_layer=m.num_experts,
+            expert_cache=expert_cache)
+
+
+def plan_memory(config: EngineConfig, model: Any, weights: WeightBytes,
+                device: DeviceMemory) -> MemoryPlan:
+    """Plan `config` for a model of geometry `model` (a ModelConfig) whose weights take
+    `weights` bytes, on `device`. Raises PlanError (one line, with the numbers)."""
+    s, cfg = _Sizes(config, model, weights, device), config
+    if cfg.max_context is not None and cfg.max_context > s.max_pos:
+        raise PlanError(f"max_context {cfg.max_context} exceeds the model's "
+                        f"max_position_embeddings {s.max_pos}")
+    forced = cfg.expert_cache_slots
+    n, min_slots = weights.num_routed_experts, model.num_experts
+    if forced is not None and forced < min_slots:
+        raise PlanError(f"expert_cache_slots {forced} is fewer than one layer's {min_slots} "
+                        f"experts: the cache must hold at least one layer")
+    if forced is not None:
+        forced = min(forced, n)
+    tokens = min(cfg.max_context or s.max_pos, s.max_pos)
+    if not device.is_cuda:
+        seqs = cfg.max_seqs or min(DEFAULT_MAX_SEQS, cfg.max_num_batched_tokens)
+        return s.make(tokens=tokens, seqs=seqs, embed_device="cpu",
+                      expert_cache=forced is not None, slots=forced or n)
+    plan = _plan_gpu(s, tokens, forced)
+    if cfg.max_context is not None and plan.experts_offloaded and forced is None:
+        try:
+            default = _plan_gpu(_Sizes(replace(cfg, max_context=None), model, weights, device),
+                                s.max_pos, None)
+        except PlanError:
+            return plan
+        if default.experts_offloaded and default.context_tokens != plan.context_tokens:
+            plan = replace(plan, default_context=default.context_tokens,
+                           default_expert_slots=default.expert_slots)
+    return plan
+
+
+def _plan_gpu(s: _Sizes, tokens: int, forced: int | None) -> MemoryPlan:
+    cfg, w = s.cfg, s.w
+    n, slot_bytes = w.num_routed_experts, w.expert_bytes
+    all_experts = n * slot_bytes
+    seqs = cfg.max_seqs or 1
+    # Steps 1 and 2: everything resident, with the model's whole context or else (without
+    # --max-context) the default one: resident experts beat a big cache.
+    contexts = [tokens] if cfg.max_context is not None or cfg.num_kv_pages is not None \
+        else sorted({tokens, min(DEFAULT_CONTEXT, tokens)}, reverse=True)
+    for context in contexts if forced is None else ():
+        cap = s.cap("cuda", False)
+        if s.fixed(context, seqs, cap) + all_experts + s.embed <= cap:
+            most = min(DEFAULT_MAX_SEQS, cfg.max_num_batched_tokens)
+            while cfg.max_seqs is None and seqs < most and \
+                    s.fixed(context, seqs + 1, cap) + all_experts + s.embed <= cap:
+                seqs += 1
+            return s.make(tokens=context, seqs=seqs, embed_device="cuda", expert_cache=False,
+                          slots=n)
+        cap = s.cap("cpu", False)
+        if not w.tied and s.fixed(context, seqs, cap) + all_experts <= cap:
+            return s.make(tokens=context, seqs=seqs, embed_device="cpu", expert_cache=False,
+                          slots=n)
+    # Step 3: offload the experts.
+    embed_device = "cuda" if w.tied else "cpu"
+    embed_gpu = s.embed if embed_device == "cuda" else 0
+    cap = s.cap(embed_device, True)
+    min_slots = s.model.num_experts
+    if cfg.max_context is None and cfg.num_kv_pages is None:
+        spare = cap - s.fixed(0, seqs, cap) - embed_gpu - min_slots * slot_bytes
+        per_token = s.kv_tok + s.scratch_tok
+        tokens = min(DEFAULT_CONTEXT, s.max_pos, max(spare, 0) // 2 // per_token)
+        tokens = tokens // s.page * s.page
+        if tokens < s.page:
+            _refuse(s, max(s.page, 1), seqs, cap, embed_device, min_slots)
+    left = cap - s.fixed(tokens, seqs, cap) - embed_gpu
+    slots = forced if forced is not None else min(n, max(left, 0) // slot_bytes)
+    if slots < min_slots or left < slots * slot_bytes:
+        _refuse(s, tokens, seqs, cap, embed_device, slots if forced else min_slots)
+    return s.make(tokens=tokens, seqs=seqs, embed_device=embed_device, expert_cache=True,
+                  slots=int(slots))
+
+
+def _refuse(s: _Sizes, tokens: int, seqs: int, cap: int, embed_device: str,
+            slots: int) -> None:
+    dev, w = s.dev, s.w
+    assert dev.budget is not None
+    outside = sum(b for _, b, _ in s.outside(embed_device, True))
+    embed_gpu = s.embed if embed_device == "cuda" else 0
+    ws = sum(b for _, b in s.workspace(tokens, seqs, cap))
+    states = s.state_slots(seqs) * s.per_slot
+    kv = s.pages(tokens) * s.page * s.kv_tok
+    need = outside + s.fixed(tokens, seqs, cap) + embed_gpu + slots * w.expert_bytes
+    parts = [f"outside torch's allocator {mib(outside)}",
+             f"weights {mib(sum(b for _, b in w.resident_groups()))}"]
+    if embed_gpu:
+        parts.append(f"embedding {mib(embed_gpu)}")
+    parts += [f"workspace {mib(ws)}", f"GDN states {mib(states)} ({s.state_slots(seqs)} slots)",
+              f"KV {mib(kv)} ({s.pages(tokens) * s.page} tokens {s.cfg.kv})",
+              f"expert cache {mib(slots * w.expert_bytes)} (at least {slots} slots of "
+              f"{w.expert_bytes / MiB:.2f} MiB)"]
+    hints = ["lower --max-context" if s.cfg.max_context else "",
+             "lower --max-seqs" if s.cfg.max_seqs and s.cfg.max_seqs > 1 else "",
+             "use --kv iso3" if s.cfg.kv == "bf16" else "", "raise --gpu-memory"]
+    raise PlanError(f"the model needs at least {mib(need)} of GPU memory but the budget is "
+                    f"{dev.budget_source}: {', '.join(parts)}; "
+                    f"{', '.join(h for h in hints if h)}")
+
+
+def plan_checkpoint(config: EngineConfig, path: str | Path, device: DeviceMemory) -> MemoryPlan:
+    """Plan checkpoint directory `path`, reading only its config files and safetensors
+    headers."""
+    from tinyserve.model.config import load_config
+
+    model = load_config(path)
+    return plan_memory(config, model, checkpoint_weight_bytes(
+        path, model, dtype_bytes(config, device)), device)
+
+
+def plan_engine(config: EngineConfig, path: str | Path | None = None, *,
+                allow_reference: bool = False) -> MemoryPlan:
+    """The plan of `config` on the device it runs on (a GPU is measured: `device_memory`).
+    `allow_reference`: with a GPU budget and no GPU here, plan for the H200 reference (what
+    `tinyserve plan` does on a machine without the GPU)."""
+    from tinyserve.model.loader import resolve_model_path
+
+    path = resolve_model_path(config.model) if path is None else Path(path)
+    return plan_checkpoint(config, path, device_memory(config, measure=not allow_reference))
+
+
+def plan_command(args: Any) -> int:
+    """`tinyserve plan MODEL [--gpu-memory 6GiB] [--kv iso3] [--max-context N] ...`: print the
+    plan `tinyserve run` would make with the same flags (`--json` for JSON)."""
+    config = EngineConfig.from_args(args)
+    plan = plan_engine(config, allow_reference=True)
+    print(json.dumps(plan.as_dict(), indent=2) if args.json else plan.format())
+    return 0

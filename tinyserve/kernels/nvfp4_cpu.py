@@ -1,0 +1,201 @@
+"""NVFP4 routed experts on the CPU (numba): the pairs of a decode batch read in place from the
+host expert store, beside their torch reference.
+
+`moe_cpu(x, rows, weights, slots)` computes, for every (token t, pair j) with rows[t, j] >= 0,
+
+    out[t] = sum_j weights[t, j] * down_r(silu(gate_r(x_t)) * up_r(x_t)),   r = rows[t, j]
+
+over the NVFP4 `ExpertSlots` of the host store (`offload.store`: row = layer * E + expert;
+codes, E4M3 block scales per 16 inputs and fp32 globals, specs/nvfp4.md). Pairs with row -1
+are skipped (they run on the GPU). Nothing is dequantized to memory: each weight row is
+decoded into a small L1-resident buffer (codes -> fp32 via bit arithmetic, times its block
+and global scale) and dotted with every token that uses the expert, so the store's bytes are
+read once per call.
+
+Parallel in two numba regions: gate_up over (distinct expert, block of rows), then down over
+blocks of output rows (each summing every pair of its rows in a fixed order: the same bits
+on every run and for any thread count). fp32 throughout.
+
+Why numba: it installs from wheels on every platform (no compiler on the user's machine),
+compiles to LLVM with the host's vector units (the code decode stays in 32-bit lanes through
+`_e2m1`, an LLVM intrinsic), releases the GIL, and compiles a C callback (`host_entry`) that
+a CUDA host function node can call from the driver's thread with no Python at all
+(`offload.hybrid`). The measurements behind the choice are in bench/results/hybrid_experts.json
+(`python bench/hybrid_experts.py --kernel-only`).
+
+`moe_cpu_ref` is the torch reference (dequantize + matmul in fp32).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from tinyserve.kernels.fused_moe import ExpertSlots, slot_weights
+
+ROW_BLOCK = 32  # weight rows per work item (both phases)
+# NOTE: the layout of a host-entry descriptor (int64 words, `host_descriptor`)
+DESC_WORDS = 16
+(D_STAGE, D_OUT, D_N, D_K, D_ROW_BASE, D_W13, D_S13, D_G13, D_W2, D_S2, D_G2, D_ROWS, D_H, D_F,
+ D_COUNT, D_CALLS) = range(DESC_WORDS)
+
+
+def available() -> bool:
+    """Whether the CPU expert kernel can run here (numba is installed)."""
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def check_slots(slots: ExpertSlots) -> None:
+    if not slots.is_fp4 or slots.device.type != "cpu":
+        raise ValueError("the CPU expert kernel reads NVFP4 ExpertSlots in host memory")
+    h, f = slots.hidden_size, slots.intermediate_size
+    if h % (2 * ROW_BLOCK) or f % ROW_BLOCK or h % 16 or f % 16:
+        raise ValueError(f"the CPU expert kernel needs H % {2 * ROW_BLOCK} == 0 and "
+                         f"F % {ROW_BLOCK} == 0, got H={h} F={f}")
+
+
+def _store_arrays(slots: ExpertSlots) -> tuple[Any, ...]:
+    """numpy views (no copy) of the store's fields: w13, s13, g13, w2, s2, g2."""
+    return tuple(t.numpy() for t in (slots.w13, slots.w13_scale, slots.w13_global, slots.w2,
+                                     slots.w2_scale, slots.w2_global))
+
+
+def moe_cpu(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, slots: ExpertSlots, *,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """The CPU-side routed experts of a batch (module docstring).
+
+    Args:
+        x: [N, H] float (any float dtype; computed in fp32), on the CPU.
+        rows: [N, k] int: the store row of each pair, -1 for a pair not computed here.
+        weights: [N, k] float routing weights.
+        slots: NVFP4 ExpertSlots in host memory (the host store's `slots`).
+        out: [N, H] float32 contiguous CPU tensor to write (every element is written).
+    Returns:
+        out: [N, H] float32.
+    Raises:
+        ValueError: shapes, devices or slots the kernel does not take; RuntimeError when
+            numba is missing.
+    """
+    check_slots(slots)
+    n, h = x.shape
+    if h != slots.hidden_size or rows.shape != weights.shape or rows.shape[0] != n:
+        raise ValueError(f"x {list(x.shape)}, rows {list(rows.shape)}, weights "
+                         f"{list(weights.shape)} do not match H={slots.hidden_size}")
+    if any(t.device.type != "cpu" for t in (x, rows, weights)):
+        raise ValueError("moe_cpu takes CPU tensors")
+    if out is None:
+        out = torch.empty(n, h, dtype=torch.float32)
+    elif out.shape != (n, h) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 [{n}, {h}] tensor")
+    k = _kernels()
+    xf = x.detach().to(torch.float32).contiguous().numpy()
+    r = rows.detach().to(torch.int64).contiguous().numpy()
+    w = weights.detach().to(torch.float32).contiguous().numpy()
+    k.moe(xf, r, w, *_store_arrays(slots), out.numpy(), k.e4m3)
+    return out
+
+
+def moe_cpu_ref(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
+                slots: ExpertSlots) -> torch.Tensor:
+    """Torch reference of `moe_cpu`: each pair's expert dequantized (fp32) and multiplied."""
+    f = slots.intermediate_size
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    xf = x.float()
+    for r in sorted(set(rows[rows >= 0].tolist())):
+        tok, j = (rows == r).nonzero(as_tuple=True)
+        w13, w2 = slot_weights(slots, r)
+        gu = xf[tok] @ w13.T  # [n_r, 2F]
+        hid = torch.nn.functional.silu(gu[:, :f]) * gu[:, f:]
+        out.index_add_(0, tok, (hid @ w2.T) * weights[tok, j].float()[:, None])
+    return out
+
+
+def moe_cpu_bytes(rows: torch.Tensor, slots: ExpertSlots) -> int:
+    """Bytes of the store a `moe_cpu` call over `rows` reads (each distinct expert once)."""
+    distinct = len(set(rows[rows >= 0].tolist()))
+    per = sum(t[0].numel() * t.element_size() for t in (
+        slots.w13, slots.w13_scale, slots.w13_global, slots.w2, slots.w2_scale, slots.w2_global))
+    return distinct * per
+
+
+def read_host(buffer: torch.Tensor) -> int:
+    """Read every byte of a contiguous CPU tensor with all the kernel's threads (its size a
+    multiple of 8 bytes); returns a checksum (so that nothing is optimised away). The host
+    read-bandwidth probe of `offload.bandwidth`."""
+    words = buffer.view(torch.uint8).reshape(-1)
+    words = words[:words.numel() // 8 * 8].view(torch.int64).numpy().view("uint64")
+    return int(_kernels().read_sum(words))
+
+
+def num_threads() -> int:
+    """Threads the CPU kernel runs on (numba's; NUMBA_NUM_THREADS sets it)."""
+    import numba
+
+    _kernels()
+    return numba.get_num_threads()
+
+
+# ------------------------------------------------------------------------ host function entry
+
+
+def host_descriptor(slots: ExpertSlots, stage: torch.Tensor, out: torch.Tensor,
+                    top_k: int, row_base: int) -> torch.Tensor:
+    """The int64 [DESC_WORDS] descriptor `host_entry` reads: one CPU call over a staging
+    buffer `stage` (float32 [N, H + 2k]: x | rows as int32 bits, relative to `row_base`, -1
+    skipped | weights) into `out` (float32 [N, H]). Both must outlive every call."""
+    check_slots(slots)
+    n, h = out.shape
+    if stage.shape != (n, h + 2 * top_k) or stage.dtype != torch.float32 \
+            or out.dtype != torch.float32 or not (stage.is_contiguous() and out.is_contiguous()):
+        raise ValueError("host_descriptor: stage must be float32 [N, H + 2k], out float32 [N, H]")
+    d = torch.zeros(DESC_WORDS, dtype=torch.int64)
+    d[D_STAGE], d[D_OUT], d[D_N], d[D_K], d[D_ROW_BASE] = (stage.data_ptr(), out.data_ptr(), n,
+                                                           top_k, row_base)
+    for i, t in zip((D_W13, D_S13, D_G13, D_W2, D_S2, D_G2),
+                    (slots.w13, slots.w13_scale, slots.w13_global, slots.w2, slots.w2_scale,
+                     slots.w2_global), strict=True):
+        d[i] = t.data_ptr()
+    d[D_ROWS], d[D_H], d[D_F] = slots.num_slots, h, slots.intermediate_size
+    return d
+
+
+def host_entry_address() -> int:
+    """Address of `void entry(void *descriptor)`: runs `moe_cpu` on the descriptor's buffers
+    without Python (a CUDA host function; it calls no CUDA), adds the distinct experts it
+    computed to word D_COUNT and 1 to D_CALLS."""
+    return _kernels().entry_address
+
+
+def run_host_entry(descriptor: torch.Tensor) -> None:
+    """Call `host_entry_address()` on `descriptor` from this thread (CPU use and tests)."""
+    import ctypes
+
+    fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(host_entry_address())
+    fn(descriptor.data_ptr())
+
+
+# ------------------------------------------------------------------------ numba
+
+
+@functools.cache
+def _kernels() -> Any:
+    import os
+    import sys
+
+    if "numba" not in sys.modules:  # compiled code cached beside the other kernels
+        from tinyserve import envs
+
+        os.environ.setdefault("NUMBA_CACHE_DIR", str(envs.CACHE_DIR.get() / "numba"))
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        raise RuntimeError("the CPU expert kernel needs numba (pip install numba)") from None
+    from tinyserve.kernels import _nvfp4_cpu_numba
+
+    return _nvfp4_cpu_numba.build(ROW_BLOCK, DESC_WORDS)

@@ -1,0 +1,69 @@
+"""A debug throttle for benchmarks: hold the stream so that a copy moves at most a given rate.
+
+`stamp(device)` records the GPU's global timer in a device word; `hold(rows, seconds_per_row)`,
+queued after a copy of the listed rows (-1 entries skipped), spins one program until
+`seconds_per_row` x (listed rows) has passed since the stamp. Between the two sits the real
+copy, so a copy faster than the target ends at the target rate and a slower one is left as it
+is. Both are single-program Triton kernels (capturable in a CUDA graph, no host sync): the
+expert cache's miss copies use them to play a slower PCIe link (`DeviceExpertCache.
+throttle_bytes_per_s`, `bench/hybrid_experts.py --h2d-gbps`). CUDA only (PTX %globaltimer).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _now():
+        dummy = tl.full([1], 0, tl.int32)
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dummy],
+                                      dtype=tl.int64, is_pure=False, pack=1)
+        return tl.max(t, axis=0)
+
+    @triton.jit
+    def stamp_kernel(clock_ptr):
+        tl.store(clock_ptr + tl.arange(0, 1), tl.full([1], 0, tl.int64) + _now())
+
+    @triton.jit
+    def hold_kernel(clock_ptr, rows_ptr, K, ns_per_row, BLOCK_K: tl.constexpr):
+        offs = tl.arange(0, BLOCK_K)
+        rows = tl.load(rows_ptr + offs, mask=offs < K, other=-1)
+        n = tl.sum((rows >= 0).to(tl.int32), axis=0)
+        start = tl.max(tl.load(clock_ptr + tl.arange(0, 1)), axis=0)
+        target = start + (n.to(tl.float32) * ns_per_row).to(tl.int64)
+        now = _now()
+        while now < target:
+            now = _now()
+
+    return triton, stamp_kernel, hold_kernel
+
+
+@functools.cache
+def _clock(device: torch.device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int64, device=device)
+
+
+def stamp(device: torch.device) -> None:
+    """Record the GPU's timer (stream-ordered) as the start of the next held copy."""
+    _, stamp_kernel, _ = _kernels()
+    stamp_kernel[(1,)](_clock(torch.device(device)), num_warps=1)
+
+
+def hold(rows: torch.Tensor, seconds_per_row: float) -> None:
+    """Hold the stream until `seconds_per_row` x (entries of `rows` >= 0) has passed since the
+    last `stamp` on its device. rows: [K] int32 on a CUDA device."""
+    if rows.dim() != 1 or rows.dtype != torch.int32 or rows.device.type != "cuda":
+        raise ValueError(f"rows must be [K] int32 on a CUDA device, got {rows.dtype} "
+                         f"{tuple(rows.shape)} on {rows.device}")
+    triton, _, hold_kernel = _kernels()
+    k = rows.numel()
+    hold_kernel[(1,)](_clock(rows.device), rows, k, seconds_per_row * 1e9,
+                      BLOCK_K=triton.next_power_of_2(max(k, 1)), num_warps=1)

@@ -1,0 +1,166 @@
+"""Start-up probe of the two ways a missing expert can be served: its copy over PCIe (the miss
+copy kernel from the mapped host store, as decode runs it) and its computation on the CPU
+(`kernels.nvfp4_cpu`, one token, as decode runs it), beside the host's read bandwidth.
+
+`probe(store, ...)` takes about a second; `tinyserve bench --bandwidth` prints it, the hybrid
+plan (`offload.hybrid.plan_split`) is computed from it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from tinyserve.kernels import nvfp4_cpu
+from tinyserve.offload.store import HostExpertStore
+
+
+@dataclass(frozen=True)
+class Bandwidths:
+    """What one probe measured.
+
+    host_read: bytes/s of every CPU thread reading `read_bytes` of the store.
+    h2d: bytes/s of the miss-copy path (None off CUDA).
+    cpu_expert_s / cpu_overhead_s: the CPU kernel's time per expert (one token) and the fixed
+        part of one call (on CUDA with the host-function round trip: copies and node launch).
+    """
+
+    host_read: float
+    read_bytes: int
+    h2d: float | None
+    cpu_expert_s: float
+    cpu_overhead_s: float
+    bytes_per_expert: int
+    threads: int
+
+    @property
+    def cpu_kernel(self) -> float:
+        """Expert bytes per second the CPU kernel reads."""
+        return self.bytes_per_expert / self.cpu_expert_s
+
+    @property
+    def cpu_fraction(self) -> float:
+        """The CPU kernel's read rate as a fraction of the host read bandwidth."""
+        return self.cpu_kernel / self.host_read
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "cpu_kernel": self.cpu_kernel, "cpu_fraction": self.cpu_fraction}
+
+    def format(self) -> str:
+        h2d = "n/a" if self.h2d is None else f"{self.h2d / 1e9:.1f} GB/s"
+        return (f"host read {self.host_read / 1e9:.1f} GB/s ({self.threads} threads), "
+                f"H2D miss copy {h2d}, CPU expert kernel {self.cpu_kernel / 1e9:.1f} GB/s "
+                f"({self.cpu_fraction:.0%} of host read; {self.cpu_expert_s * 1e6:.0f} us per "
+                f"expert + {self.cpu_overhead_s * 1e6:.0f} us per call)")
+
+
+def host_read_bandwidth(store: HostExpertStore, max_bytes: int = 4 << 30,
+                        reps: int = 3) -> tuple[float, int]:
+    """(bytes/s, bytes read) of every CPU thread reading the first `max_bytes` of the store's
+    buffer; the best of `reps`. NOTE: a store smaller than the last-level cache reads from
+    the cache: the rate is then the cache's, not the memory's."""
+    buf = store.buffer[:min(store.nbytes, max_bytes)]
+    nvfp4_cpu.read_host(buf[:4096])  # compile
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        nvfp4_cpu.read_host(buf)
+        best = min(best, time.perf_counter() - t)
+    return buf.numel() / best, buf.numel()
+
+
+def cpu_expert_times(store: HostExpertStore, top_k: int, *, reps: int = 5,
+                     runner: Any = None, seed: int = 0) -> tuple[float, float]:
+    """(seconds per expert, seconds per call) of the CPU kernel for one token: medians over
+    `reps` calls of 1 and of `top_k` experts, rows drawn across the whole store. `runner`: an
+    `offload.hybrid.CpuExperts` to time through (its stream round trip included), else
+    `moe_cpu` itself."""
+    g = torch.Generator().manual_seed(seed)
+    rows_total = store.num_layers * store.num_experts
+    h = store.slots.hidden_size
+    x = torch.randn(1, h, generator=g)
+    k = max(2, min(top_k, rows_total))
+
+    def once(n: int) -> float:
+        rows = torch.randperm(rows_total, generator=g)[:n].view(1, n)
+        w = torch.full((1, n), 1.0 / n)
+        t = time.perf_counter()
+        if runner is None:
+            nvfp4_cpu.moe_cpu(x, rows, w, store.slots)
+        else:
+            runner.time_rows(x, rows, w)
+        return time.perf_counter() - t
+
+    once(1)  # compile, warm the threads
+    t1 = statistics.median(once(1) for _ in range(reps))
+    tk = statistics.median(once(k) for _ in range(reps))
+    per = max((tk - t1) / (k - 1), 1e-9)
+    return per, max(t1 - per, 0.0)
+
+
+def h2d_bandwidth(cache: Any, n: int, reps: int = 5) -> float | None:
+    """Bytes/s of the cache's miss-copy path (`DeviceExpertCache._copy`, its throttle
+    included) copying `n` experts into scratch slots; None off CUDA."""
+    if cache.device.type != "cuda":
+        return None
+    from tinyserve.kernels.fused_moe import allocate_expert_slots
+
+    src = cache.store.slots
+    scratch = allocate_expert_slots(n, src.hidden_size, src.intermediate_size, fp4=src.is_fp4,
+                                    device=cache.device)
+    rows_total = cache.num_layers * cache.num_experts
+    dst = torch.arange(n, dtype=torch.int32, device=cache.device)
+    slots, cache.slots = cache.slots, scratch
+    try:
+        times = []
+        for i in range(reps + 1):
+            rows = (torch.randperm(rows_total)[:n]).to(torch.int32).to(cache.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            cache._copy(rows, dst)
+            end.record()
+            end.synchronize()
+            if i:
+                times.append(start.elapsed_time(end) / 1e3)
+    finally:
+        cache.slots = slots
+    return n * cache.store.bytes_per_expert / statistics.median(times)
+
+
+def probe(store: HostExpertStore, top_k: int, *, cache: Any = None, runner: Any = None
+          ) -> Bandwidths:
+    """Measure everything `Bandwidths` holds (`cache`: the GPU expert cache whose miss copies
+    to time; `runner`: the CpuExperts whose round trip to time)."""
+    host, nbytes = host_read_bandwidth(store)
+    per, overhead = cpu_expert_times(store, top_k, runner=runner)
+    h2d = h2d_bandwidth(cache, top_k) if cache is not None else None
+    return Bandwidths(host_read=host, read_bytes=nbytes, h2d=h2d, cpu_expert_s=per,
+                      cpu_overhead_s=overhead, bytes_per_expert=store.bytes_per_expert,
+                      threads=nvfp4_cpu.num_threads())
+
+
+def synthetic_store(config: Any, max_bytes: int = 4 << 30) -> HostExpertStore:
+    """A store of `config`'s expert geometry, filled with random bytes, of at most
+    `max_bytes` (whole layers, at least one): what `tinyserve bench --bandwidth` probes
+    without reading a checkpoint."""
+    probe_store = HostExpertStore(1, config.num_experts, config.hidden_size,
+                                  config.moe_intermediate_size, pin=False)
+    layers = max(1, min(config.num_layers, max_bytes // probe_store.nbytes))
+    del probe_store
+    store = HostExpertStore(layers, config.num_experts, config.hidden_size,
+                            config.moe_intermediate_size, pin=torch.cuda.is_available())
+    g = torch.Generator().manual_seed(0)
+    chunk = 1 << 28
+    for i in range(0, store.nbytes, chunk):
+        part = store.buffer[i:i + chunk]
+        part.copy_(torch.randint(0, 256, (part.numel(),), dtype=torch.uint8, generator=g))
+    # finite block scales (E4M3 codes 0x30-0x3F: 0.5 .. 1.875) and unit global scales
+    for f in (store.slots.w13_scale, store.slots.w2_scale):
+        f.bitwise_and_(0x0F).bitwise_or_(0x30)
+    store.slots.w13_global.fill_(1.0)
+    store.slots.w2_global.fill_(1.0)
+    return store

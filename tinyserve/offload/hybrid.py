@@ -1,0 +1,255 @@
+"""Hybrid expert execution: a layer's cache misses split between PCIe copies and the CPU.
+
+At a small GPU budget decode is bound by copying missing experts over PCIe, while the host's
+RAM reads several times faster than the link. Per decode layer, of its m distinct misses the
+GPU copies m - c (and computes them with its hits) while the CPU computes c from the pinned
+store in place (`kernels.nvfp4_cpu`); c makes both finish together:
+
+    (m - c) * t_copy = t_call + c * t_cpu   ->   c = (m * t_copy - t_call) / (t_copy + t_cpu)
+
+with t_copy = bytes per expert / H2D rate, t_cpu = the CPU kernel's time per expert and t_call
+its fixed cost per layer (the host round trip included), all from the start-up probe
+(`offload.bandwidth`). The lookup kernel applies it on the device (`offload.lookup`, `split`
+= (a, b) = (t_copy, t_call) / (t_copy + t_cpu)), so the split needs no host sync. CPU-computed
+experts are not cached (the GPU cache keeps what the GPU copied).
+
+The CPU part runs in stream order without a host sync (`CpuExperts`): on CUDA a forked stream
+copies the layer's inputs (x, routing) to pinned memory, runs the kernel as a CUDA host
+function (`cuLaunchHostFunc`, capturable: a host node of the decode graph; the function is
+numba's C entry, no Python, no CUDA calls) and copies the result back; the compute stream
+copies the GPU's misses and runs its experts meanwhile and joins the fork before adding the
+two parts. On a CPU device it runs inline.
+
+Modes (`--experts`): "gpu" (no CPU part), "cpu" (every miss on the CPU, the GPU computes its
+cache hits), "hybrid" (the split above); None picks hybrid when the probe predicts it faster
+than gpu at a decode layer's misses, else gpu. Prefill chunks big enough to stream
+(`offload.prefetch`) and batches over `MAX_TOKENS` tokens keep the GPU path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tinyserve.kernels import cuda_launch, nvfp4_cpu
+from tinyserve.log import get_logger
+from tinyserve.offload.bandwidth import Bandwidths, probe
+
+logger = get_logger(__name__)
+
+EXPERT_MODES = ("gpu", "cpu", "hybrid")
+MAX_TOKENS = 16  # largest batch whose misses may go to the CPU
+AUTO_MARGIN = 0.9  # auto picks hybrid when it predicts at most this share of the gpu time
+_ALL = -1.0e6  # b of the "cpu" split: every miss
+
+
+@dataclass(frozen=True)
+class HybridPlan:
+    """The chosen mode and its split (a, b); `bandwidths` is the probe behind it (None: none
+    ran) and `layer_us` the predicted time of a decode layer's misses per mode (m = top_k)."""
+
+    mode: str
+    a: float = 0.0
+    b: float = 0.0
+    bandwidths: Bandwidths | None = None
+    layer_us: dict[str, float] | None = None
+
+    def cpu_share(self, misses: int) -> int:
+        """c of a layer with `misses` distinct misses (what the lookup computes)."""
+        import math
+
+        return min(max(int(math.floor(self.a * misses - self.b + 0.5)), 0), misses)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "a": self.a, "b": self.b, "layer_us": self.layer_us,
+                "bandwidths": None if self.bandwidths is None else self.bandwidths.as_dict()}
+
+    def format(self) -> str:
+        lines = [f"experts           {self.mode}"
+                 + ("" if self.mode != "hybrid" else f" (of m misses, CPU takes "
+                                                      f"{self.a:.2f} * m - {self.b:.2f})")]
+        if self.bandwidths is not None:
+            lines.append(f"bandwidth         {self.bandwidths.format()}")
+        if self.layer_us:
+            lines.append("predicted misses  " + ", ".join(
+                f"{k} {v:.0f} us" for k, v in self.layer_us.items()) + " per decode layer")
+        return "\n".join(lines)
+
+
+def plan_split(bw: Bandwidths, mode: str | None, top_k: int) -> HybridPlan:
+    """The plan for `mode` (None: auto) from probe `bw`. Raises ValueError for an unknown mode
+    or a split that needs the H2D rate when the probe has none."""
+    if mode is not None and mode not in EXPERT_MODES:
+        raise ValueError(f"experts must be one of {', '.join(EXPERT_MODES)}, got {mode!r}")
+    if bw.h2d is None:
+        if mode in (None, "gpu"):
+            return HybridPlan("gpu", bandwidths=bw)
+        if mode == "cpu":
+            return HybridPlan("cpu", 1.0, _ALL, bw)
+        raise ValueError("the hybrid split needs the H2D rate (a CUDA device)")
+    t_copy = bw.bytes_per_expert / bw.h2d
+    t_cpu, t_call = bw.cpu_expert_s, bw.cpu_overhead_s
+    a, b = t_copy / (t_copy + t_cpu), t_call / (t_copy + t_cpu)
+    hybrid = HybridPlan("hybrid", a, b, bw)
+    m = top_k
+    c = hybrid.cpu_share(m)
+    us = {"gpu": m * t_copy * 1e6, "cpu": (t_call + m * t_cpu) * 1e6,
+          "hybrid": max((m - c) * t_copy, t_call + c * t_cpu if c else 0.0) * 1e6}
+    if mode is None:
+        mode = "hybrid" if us["hybrid"] <= AUTO_MARGIN * us["gpu"] else "gpu"
+    if mode == "gpu":
+        return HybridPlan("gpu", bandwidths=bw, layer_us=us)
+    if mode == "cpu":
+        return HybridPlan("cpu", 1.0, _ALL, bw, us)
+    return HybridPlan("hybrid", a, b, bw, us)
+
+
+# ------------------------------------------------------------------------ the CPU part
+
+
+@dataclass
+class _Entry:
+    """Buffers of one (layer, batch size) CPU call on CUDA (kept for the graphs' lifetime)."""
+
+    stage_dev: torch.Tensor  # [N, H + 2k] fp32: x | rows (int32 bits) | weights
+    stage_host: torch.Tensor  # pinned copy of it, read by the host function
+    out_host: torch.Tensor  # [N, H] fp32 pinned, written by the host function
+    y_dev: torch.Tensor  # [N, H] fp32 on the device
+    desc: torch.Tensor  # int64 descriptor (kernels.nvfp4_cpu.host_descriptor)
+
+
+class CpuExperts:
+    """Runs the CPU share of a layer's experts in stream order (module docstring).
+
+    `start(layer, x, ids, slot_ids, weights)` forks the CPU work of the pairs whose slot is -1
+    and returns where its result [N, H] fp32 lands (valid on the compute stream after
+    `join()`); `computed` counts the distinct experts computed so far.
+    """
+
+    def __init__(self, store: Any, *, device: torch.device | str) -> None:
+        nvfp4_cpu.check_slots(store.slots)
+        self.store = store
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self._side = torch.cuda.Stream(self.device) if self.cuda else None
+        self._entries: dict[tuple[int, int, int], _Entry] = {}
+        self._inline_count = 0
+
+    @property
+    def computed(self) -> int:
+        """Distinct (layer, expert) computations run on the CPU so far."""
+        return self._inline_count + sum(int(e.desc[nvfp4_cpu.D_COUNT])
+                                        for e in self._entries.values())
+
+    def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Tensor,
+              weights: torch.Tensor) -> torch.Tensor:
+        """Fork the CPU work of `layer`'s pairs with slot_ids < 0. x [N, H]; ids, slot_ids,
+        weights [N, k] on the device. Returns y [N, H] fp32 (read it after `join()`)."""
+        rel = torch.where(slot_ids < 0, ids.to(torch.int32), -1)  # [N, k] expert or -1
+        if not self.cuda:
+            rows = torch.where(rel >= 0, rel.long() + layer * self.store.num_experts, -1)
+            self._inline_count += len(set(rows[rows >= 0].tolist()))
+            return nvfp4_cpu.moe_cpu(x, rows, weights, self.store.slots)
+        e = self._entry(layer, *ids.shape)
+        torch.cat([x.float(), rel.view(torch.float32), weights.float()], dim=1,
+                  out=e.stage_dev)
+        current = torch.cuda.current_stream(self.device)
+        side = self._side
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            e.stage_host.copy_(e.stage_dev, non_blocking=True)
+            launch_host_func(side, e.desc)
+            e.y_dev.copy_(e.out_host, non_blocking=True)
+        return e.y_dev
+
+    def join(self) -> None:
+        """Order the compute stream's next work after the last forked CPU work."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+
+    def time_rows(self, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> None:
+        """One CPU call over store `rows` [1, k] through the same path as decode, waited for
+        (the bandwidth probe's timing of the round trip)."""
+        E = self.store.num_experts
+        layer = int(rows[rows >= 0].min()) // E if (rows >= 0).any() else 0
+        # rows of other layers than `layer` are expressed through a relative id >= E: the
+        # kernel only adds the layer's base row
+        ids = torch.where(rows >= 0, rows - layer * E, 0)
+        slot = torch.where(rows >= 0, -1, 0).to(torch.int32)
+        dev = self.device
+        y = self.start(layer, x.to(dev), ids.to(dev), slot.to(dev), weights.to(dev))
+        self.join()
+        if self.cuda:
+            torch.cuda.current_stream(dev).synchronize()
+        del y
+
+    def _entry(self, layer: int, n: int, k: int) -> _Entry:
+        key = (layer, n, k)
+        e = self._entries.get(key)
+        if e is None:
+            h = self.store.slots.hidden_size
+            pin = dict(dtype=torch.float32, pin_memory=True)
+            stage_host, out_host = torch.zeros(n, h + 2 * k, **pin), torch.zeros(n, h, **pin)
+            desc = nvfp4_cpu.host_descriptor(self.store.slots, stage_host, out_host, k,
+                                             layer * self.store.num_experts)
+            e = _Entry(torch.zeros(n, h + 2 * k, dtype=torch.float32, device=self.device),
+                       stage_host, out_host,
+                       torch.zeros(n, h, dtype=torch.float32, device=self.device), desc)
+            self._entries[key] = e
+        return e
+
+
+def launch_host_func(stream: Any, desc: torch.Tensor) -> None:
+    """Queue the CPU kernel's C entry on `stream` with `desc` (captured as a host node when
+    the stream is capturing). Raises RuntimeError with the driver's error."""
+    fn = cuda_launch.driver().cuLaunchHostFunc
+    cuda_launch.check(fn(ctypes.c_void_p(stream.cuda_stream),
+                         ctypes.c_void_p(nvfp4_cpu.host_entry_address()),
+                         ctypes.c_void_p(desc.data_ptr())), "cuLaunchHostFunc")
+
+
+class HybridExperts:
+    """What the offloaded provider needs to run a plan: the split on the device, the CPU
+    runner, and the largest batch that uses them."""
+
+    def __init__(self, plan: HybridPlan, runner: CpuExperts, *,
+                 max_tokens: int = MAX_TOKENS) -> None:
+        if plan.mode == "gpu":
+            raise ValueError("a gpu plan has no CPU part")
+        self.plan = plan
+        self.runner = runner
+        self.max_tokens = max_tokens
+        self.split = torch.tensor([plan.a, plan.b], dtype=torch.float32, device=runner.device)
+
+    def takes(self, num_tokens: int) -> bool:
+        return 0 < num_tokens <= self.max_tokens
+
+
+def configure(experts: Any, mode: str | None, top_k: int) -> HybridPlan:
+    """Probe and give `experts` (an `OffloadedExperts`) the plan for `mode` (None: auto);
+    returns it (also kept as `experts.hybrid_plan`). "gpu" and a cache that holds every
+    expert need no probe. Raises ValueError when "cpu" / "hybrid" cannot run here (no numba,
+    experts that are not NVFP4, no H2D rate for hybrid)."""
+    cache = experts.cache
+    resident = cache.num_slots >= cache.num_layers * cache.num_experts
+    plan = HybridPlan("gpu")
+    if mode != "gpu" and not resident:
+        try:
+            runner = CpuExperts(cache.store, device=cache.device)
+            if not nvfp4_cpu.available():
+                raise ValueError("the CPU expert kernel needs numba (pip install numba)")
+        except ValueError:
+            if mode is not None:
+                raise
+            runner = None
+        if runner is not None:
+            plan = plan_split(probe(cache.store, top_k, cache=cache, runner=runner), mode,
+                              top_k)
+            if plan.mode != "gpu":
+                experts.set_hybrid(HybridExperts(plan, runner))
+    experts.hybrid_plan = plan
+    logger.info("expert execution plan:\n%s", plan.format())
+    return plan

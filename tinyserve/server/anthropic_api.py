@@ -1,0 +1,204 @@
+"""The Anthropic Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`) as a
+translator onto the chat pipeline.
+
+A request becomes a `ChatCompletionRequest`: `system` (a string or text blocks) the system
+message; user turns' `tool_result` blocks tool messages (in block order, text blocks between
+them user messages); assistant turns' `thinking` blocks `reasoning_content`, `text` blocks the
+content and `tool_use` blocks tool calls; tools (`input_schema`) function tools; `tool_choice`
+auto / any / tool / none the chat forms ("required" and a named function are forced by
+prefilling the call, `server.tool_choice`); `stop_sequences` stop strings; `thinking`
+enabled / adaptive / disabled the template's `enable_thinking` (absent: the template's
+default). A final assistant turn of text is the start of the answer (Anthropic's prefill).
+The template gets `preserve_thinking: true` unless the request's `chat_template_kwargs` (an
+extension) says otherwise: Anthropic clients send the thinking blocks back.
+
+`max_tokens` is required, as Anthropic requires it; one beyond what the context has left is
+cut to it, and a response that ends there stops with `model_context_window_exceeded`. A
+prompt the context cannot hold is a 400 "prompt is too long: N tokens > M maximum", refused
+before it is tokenised in full. Errors are Anthropic error objects (`errors.error_body_for`).
+
+The bodies (`anthropic_protocol`) are validated as the OpenAI ones are: strict types, Anthropic's
+ranges, unknown fields refused by name. Refused with a 400: images, documents and other block
+kinds, Anthropic's own tool types (web search, bash, text editor, ...), MCP servers,
+containers and structured outputs. Special-token strings anywhere in the request
+(`<|im_end|>`, ...) are text, as on every chat route.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from tinyserve.server.anthropic_events import MessagesFormatter
+from tinyserve.server.anthropic_protocol import (
+    AnthropicToolChoice,
+    CountTokensRequest,
+    MessagesRequest,
+    RedactedThinkingBlock,
+    TextBlock,
+    ThinkingBlock,
+    ToolResultBlock,
+    ToolUseBlock,
+)
+from tinyserve.server.errors import APIError
+from tinyserve.server.generate import generate
+from tinyserve.server.prepare import prepare_chat, render_prompt
+from tinyserve.server.protocol import ChatCompletionRequest, chat_request
+from tinyserve.server.state import ServerState
+from tinyserve.server.tool_parser import json_text
+
+
+def _text_of(blocks: list[Any], where: str) -> str:
+    """The text of text blocks (a tool result's content, the system prompt)."""
+    parts = []
+    for j, block in enumerate(blocks):
+        if not isinstance(block, TextBlock):
+            raise APIError(400, f"{where}[{j}]: only text blocks are supported here, got "
+                           f"{block.type!r}", param=f"{where}[{j}]")
+        parts.append(block.text)
+    return "\n".join(parts)
+
+
+def _user_messages(blocks: list[Any], where: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    text: list[str] = []
+
+    def flush() -> None:
+        if text:
+            out.append({"role": "user", "content": "\n\n".join(text)})
+            text.clear()
+
+    for j, block in enumerate(blocks):
+        if isinstance(block, TextBlock):
+            text.append(block.text)
+        elif isinstance(block, ToolResultBlock):
+            flush()
+            content = block.content
+            body = (_text_of(content, f"{where}[{j}].content") if isinstance(content, list)
+                    else content or "")
+            if block.is_error and not body.lower().startswith("error"):
+                body = f"Error: {body}"
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": body})
+        else:
+            raise APIError(400, f"{where}[{j}]: {block.type!r} blocks are not supported in user "
+                           "turns (text and tool_result are; this server serves a text model)",
+                           param=f"{where}[{j}]")
+    flush()
+    return out
+
+
+def _assistant_message(blocks: list[Any], where: str) -> dict[str, Any]:
+    thinking, text, calls = [], [], []
+    for j, block in enumerate(blocks):
+        if isinstance(block, TextBlock):
+            text.append(block.text)
+        elif isinstance(block, ThinkingBlock):
+            thinking.append(block.thinking)
+        elif isinstance(block, RedactedThinkingBlock):
+            continue  # opaque to this server: nothing to render
+        elif isinstance(block, ToolUseBlock):
+            arguments = json_text(block.input)
+            if arguments is None:  # NaN or Infinity: not JSON
+                raise APIError(400, f"{where}[{j}].input must be a JSON object (no NaN or "
+                               "Infinity)", param=f"{where}[{j}].input")
+            calls.append({"id": block.id, "type": "function",
+                          "function": {"name": block.name, "arguments": arguments}})
+        else:
+            raise APIError(400, f"{where}[{j}]: {block.type!r} blocks are not supported in "
+                           "assistant turns", param=f"{where}[{j}]")
+    msg: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+    if thinking:
+        msg["reasoning_content"] = "\n\n".join(thinking)
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+def _tool_choice(choice: AnthropicToolChoice | None) -> tuple[Any, bool]:
+    """The chat form of Anthropic's tool_choice, and whether parallel calls are allowed."""
+    if choice is None:
+        return None, True
+    parallel = not choice.disable_parallel_tool_use
+    if choice.type == "tool":
+        return {"type": "function", "function": {"name": choice.name}}, parallel
+    return {"auto": "auto", "any": "required", "none": "none"}[choice.type], parallel
+
+
+def _blocks(content: str | list[Any]) -> list[Any]:
+    return [TextBlock(type="text", text=content)] if isinstance(content, str) else content
+
+
+def _check_supported(req: CountTokensRequest) -> None:
+    if req.output_config is not None and req.output_config.format:
+        raise APIError(400, "output_config.format is not supported (no constrained decoding)",
+                       param="output_config.format")
+
+
+def to_chat_request(req: CountTokensRequest) -> tuple[ChatCompletionRequest, str]:
+    """The chat request `req` stands for, and the answer's start (a final assistant turn)."""
+    _check_supported(req)
+    messages: list[dict[str, Any]] = []
+    if req.system:
+        system = req.system if isinstance(req.system, str) else _text_of(req.system, "system")
+        messages.append({"role": "system", "content": system})
+    prefix = ""
+    turns = req.messages
+    if turns[-1].role == "assistant":
+        where = f"messages[{len(turns) - 1}].content"
+        prefix = _text_of(_blocks(turns[-1].content), where)
+        if prefix != prefix.rstrip():
+            raise APIError(400, "final assistant content cannot end with trailing whitespace",
+                           param=where)
+        turns = turns[:-1]
+    for i, msg in enumerate(turns):
+        where = f"messages[{i}].content"
+        if msg.role == "user":
+            messages += _user_messages(_blocks(msg.content), where)
+        else:
+            messages.append(_assistant_message(_blocks(msg.content), where))
+    tool_choice, parallel = _tool_choice(req.tool_choice)
+    tools = [{"type": "function", "function": {
+        "name": t.name, "description": t.description,
+        "parameters": t.input_schema or {"type": "object", "properties": {}}}}
+        for t in req.tools or []]
+    body: dict[str, Any] = {
+        "messages": messages, "tools": tools or None, "tool_choice": tool_choice,
+        "parallel_tool_calls": parallel,
+        "chat_template_kwargs": {"preserve_thinking": True, **(req.chat_template_kwargs or {})}}
+    if req.thinking is not None:
+        body["thinking"] = {"type": "disabled" if req.thinking.type == "disabled" else "enabled"}
+    if isinstance(req, MessagesRequest):
+        body.update(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                    top_k=req.top_k, stop=req.stop_sequences or None, stream=req.stream)
+    return chat_request(body), prefix
+
+
+def _too_long(size: str, context: int) -> str:
+    return f"prompt is too long: {size} tokens > {context - 1} maximum"
+
+
+def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
+    """Register POST /v1/messages and POST /v1/messages/count_tokens on `app`."""
+
+    @app.post("/v1/messages")
+    async def messages(req: MessagesRequest, request: Request) -> Response:
+        state.require_engine()
+        state.check_model(req.model)
+        chat, prefix = to_chat_request(req)
+        prep = await prepare_chat(state, chat, max_param="max_tokens", clamp=True,
+                                  answer_prefix=prefix, too_long=_too_long)
+        fmt = MessagesFormatter(state.config.served_model_name,
+                                prep.assembler(chat.parallel_tool_calls),
+                                prompt_tokens=len(prep.prompt.ids), clamped=prep.clamped)
+        return await generate(state, request, [fmt], prep.prompt.ids, prep.params,
+                              stream=req.stream, include_usage=True)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(req: CountTokensRequest) -> dict[str, Any]:
+        state.require_engine()
+        state.check_model(req.model)
+        chat, prefix = to_chat_request(req)
+        prompt, _ = await render_prompt(state, chat, answer_prefix=prefix)
+        return {"input_tokens": len(prompt.ids)}

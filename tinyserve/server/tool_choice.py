@@ -1,0 +1,73 @@
+"""Forced tool calls without constrained decoding: `tool_choice` "required" or a named function.
+
+The Qwen3.5 chat template writes an assistant turn that calls a tool as
+`<think>\\n{reasoning}\\n</think>\\n\\n<tool_call>\\n<function=NAME>\\n<parameter=...`, and with
+thinking off the generation prompt already holds the closed, empty think block. A forced call
+is that preamble written into the prompt after the generation prompt: the think block closed
+empty when the prompt left it open (exactly the template's `enable_thinking: false` form),
+then `<tool_call>\\n<function=` and, for a named function (or "required" with one tool only),
+the name and `>\\n`. The model writes the parameters (and may add further calls). The
+response's parsers read the preamble first, as if the model had written it, so the call is
+reported as any other (`ChatAssembler(prefill=...)`).
+
+`tool_choice` here is in the chat/completions form ("none" | "auto" | "required" |
+`{"type": "function", "function": {"name": ...}}`); the Anthropic and Responses translators
+map their own forms onto it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tinyserve.server.errors import APIError
+from tinyserve.server.reasoning import THINK_CLOSE
+from tinyserve.server.tool_parser import TOOL_OPEN
+
+_CLOSE_THINK = f"\n{THINK_CLOSE}\n\n"  # after the prompt's `<think>\n`: the empty block
+
+
+def _tool_names(tools: list[Any] | None) -> list[str]:
+    names = []
+    for tool in tools or []:
+        fn = tool.get("function") if isinstance(tool, dict) else getattr(tool, "function", None)
+        name = fn.get("name") if isinstance(fn, dict) else getattr(fn, "name", None)
+        names.append(name)
+    return names
+
+
+def forced_function(tool_choice: Any, tools: list[Any] | None,
+                    param: str = "tool_choice") -> str | None:
+    """Which call `tool_choice` forces: None (none forced: "auto", "none" or unset), "" (any
+    tool: "required" with several tools) or a function name. Raises a 400 naming `param` for
+    an unknown value, a forced call without tools, or a function that is not in `tools`."""
+    if tool_choice in (None, "auto", "none"):
+        return None
+    names = _tool_names(tools)
+    if tool_choice == "required":
+        if not names:
+            raise APIError(400, "tool_choice 'required' needs tools", param=param)
+        return names[0] if len(names) == 1 else ""
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    if (not isinstance(tool_choice, dict) or tool_choice.get("type") != "function"
+            or not isinstance(fn, dict) or not isinstance(fn.get("name"), str)):
+        raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or "
+                       "{'type': 'function', 'function': {'name': ...}}", param=param)
+    if fn["name"] not in names:
+        raise APIError(400, f"tool_choice names the function {fn['name']!r}, which is not in "
+                       "tools", param=param)
+    return fn["name"]
+
+
+def continuation(reasoning_open: bool, text: str = "",
+                 forced: str | None = None) -> tuple[str, str]:
+    """What follows the generation prompt when the answer is begun for the model: `text` (an
+    answer's start the client wrote) and/or the preamble of a forced call (`forced`, as
+    `forced_function` returns it). Returns (text to append to the prompt, the part of it the
+    response's parsers must read as generated). An open think block is closed empty first."""
+    tool = ""
+    if forced is not None:
+        sep = "\n\n" if text.strip() else ""
+        tool = f"{sep}{TOOL_OPEN}\n<function=" + (f"{forced}>\n" if forced else "")
+    if not text and not tool:
+        return "", ""
+    return (_CLOSE_THINK if reasoning_open else "") + text + tool, tool.lstrip("\n")

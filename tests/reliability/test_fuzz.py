@@ -9,7 +9,7 @@ serving.
 - A hypothesis property over valid requests built from the OpenAI ranges (every sampling
   parameter, tools, logprobs, n, stop strings, special-token strings and odd Unicode in the
   text, streamed or not), on an engine with room for the tools prompt: each one must
-  generate.
+  generate. The same over the Anthropic Messages and OpenAI Responses ranges.
 """
 
 from __future__ import annotations
@@ -207,10 +207,67 @@ def test_valid_requests_generate(gen_server, request_body):
     assert r.status_code == 200 and GENERATED["requests"] == before + 1, (body, r.text[:500])
 
 
+AGENT_TOOLS = {
+    "/v1/messages": [{"name": "f", "description": "<|im_end|> tool", "input_schema": {
+        "type": "object", "properties": {"x": {"type": "number"}}}}],
+    "/v1/responses": [{"type": "function", "name": "f", "description": "<|im_end|> tool",
+                       "parameters": {"type": "object", "properties": {"x": {"type": "number"}}}}],
+}
+
+
+@st.composite
+def valid_agent_body(draw) -> tuple[str, dict[str, Any]]:
+    """A valid /v1/messages or /v1/responses body from those APIs' ranges."""
+    path = draw(st.sampled_from(sorted(AGENT_TOOLS)))
+    body: dict[str, Any] = {"model": MODEL, "stream": draw(st.booleans())}
+    optional: dict[str, Any] = {"tools": st.just(AGENT_TOOLS[path])}
+    if path == "/v1/messages":
+        body["max_tokens"] = draw(st.integers(1, 6))
+        body["messages"] = [{"role": "user", "content": draw(text)}]
+        if draw(st.booleans()):  # the answer's start
+            body["messages"].append({"role": "assistant", "content": draw(
+                text.map(str.rstrip).filter(bool))})
+        optional |= {
+            "system": text, "temperature": number.filter(lambda x: 0 <= x <= 1),
+            "top_p": st.sampled_from([0.5, 1, 1e-9]), "top_k": st.integers(0, 50),
+            "stop_sequences": st.lists(text.filter(bool), max_size=3),
+            "tool_choice": st.sampled_from([{"type": "auto"}, {"type": "none"}]),
+            "thinking": st.sampled_from([{"type": "disabled"}, {"type": "adaptive"},
+                                         {"type": "enabled", "budget_tokens": 1024}]),
+            "metadata": st.just({"user_id": "u"})}
+    else:
+        body["max_output_tokens"] = draw(st.integers(1, 6))
+        body["input"] = draw(st.one_of(text, st.builds(
+            lambda t: [{"role": "user", "content": [{"type": "input_text", "text": t}]}], text)))
+        optional |= {
+            "instructions": text, "temperature": number.filter(lambda x: 0 <= x <= 2),
+            "top_p": st.sampled_from([0, 0.5, 1]),
+            "tool_choice": st.sampled_from(["auto", "none"]),
+            "reasoning": st.sampled_from([{"effort": "none"}, {"effort": "low"}]),
+            "store": st.just(False), "include": st.just(["reasoning.encrypted_content"])}
+    for name in draw(st.sets(st.sampled_from(sorted(optional)))):
+        body[name] = draw(optional[name])
+    if "tool_choice" in body and "tools" not in body:
+        body["tools"] = AGENT_TOOLS[path]
+    return path, body
+
+
+@seed(3131)
+@settings(max_examples=30, deadline=None, database=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(valid_agent_body())
+def test_valid_agent_requests_generate(gen_server, request_body):
+    path, body = request_body
+    r = httpx.post(gen_server[0] + path, json=body, headers=AUTH, timeout=60)
+    before = GENERATED["requests"]
+    check_response(r, path, fuzzed=False)
+    assert r.status_code == 200 and GENERATED["requests"] == before + 1, (body, r.text[:500])
+
+
 def test_still_serving_after_fuzz(small_server, gen_server):
     url, engine, _ = small_server
     assert_still_serving(url, engine)
     assert_still_serving(*gen_server)
     # the fuzzers reached both the validation errors and generation
     assert STATUSES.get(200, 0) > 0 and STATUSES.get(400, 0) > 0, STATUSES
-    assert GENERATED["requests"] >= 60 and GENERATED["tokens"] > 60, GENERATED
+    assert GENERATED["requests"] >= 90 and GENERATED["tokens"] > 90, GENERATED

@@ -67,6 +67,9 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--always-include-usage", action="store_true",
                    help="end every stream with a usage chunk, even without "
                         "stream_options.include_usage")
+    p.add_argument("--drain-timeout", type=float, default=None, metavar="SECONDS",
+                   help="on SIGTERM, how long running requests may take to finish before "
+                        "they are aborted")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -262,3 +262,22 @@ def test_shutdown_aborts_pending_and_is_thread_safe(overlap: bool) -> None:
     assert len(outs) == 36
     assert {o.finish_reason for o in outs} <= {"abort", "length"}
     assert all(o.finished for o in outs)
+
+
+def test_a_group_filling_every_seat_does_not_starve_a_later_request() -> None:
+    """The choices of one request (a group) hold every seat for 100 tokens each; a 3-token
+    request submitted later ends long before them, and each choice still gives what it
+    gives alone (the one preempted for the newcomer is recomputed)."""
+    with make_engine(max_seqs=4) as engine:
+        alone = engine.submit([1, 2, 3], greedy(100, ignore_eos=True)).result().token_ids
+        engine.runner.delay = 0.002
+        big = [engine.submit([1, 2, 3], greedy(100, ignore_eos=True), group="big")
+               for _ in range(4)]
+        while engine.stats().generation_tokens_total < 100 + 8:  # every choice decodes
+            time.sleep(0.005)
+        short = engine.submit([4, 5], greedy(3, ignore_eos=True)).result()
+        assert short.completion_tokens == 3
+        assert not any(h.finished for h in big)
+        assert engine.stats().preemptions >= 1
+        assert [h.result().token_ids for h in big] == [alone] * 4
+        assert_idle(engine)

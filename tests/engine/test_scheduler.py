@@ -461,3 +461,86 @@ def test_a_request_ended_between_steps_gets_no_chained_token() -> None:
     events = s.record(nxt, ForwardOutput([9, 10]))
     assert [(e.request_id, e.token_id) for e in events] == [("b", 10)]
     assert s.requests["b"].tokens == [4, 5, 6, next_token([4, 5, 6]), 8, 10]
+
+
+# ------------------------------------------------------------------- fairness between groups
+
+
+def alone_outputs(prompts: dict[str, list[int]], n: int) -> dict[str, list[int]]:
+    out = {}
+    for rid, p in prompts.items():
+        s = make()
+        s.add(rid, p, greedy(n))
+        out[rid] = run_all(s)[0][rid]
+    return out
+
+
+def test_a_group_holding_every_seat_yields_one_to_a_newcomer() -> None:
+    """Four choices of one request fill every seat; a later request gets a seat at once (the
+    group's newest choice is preempted, recomputed later) and shares every step with one
+    choice at a time; every output is what it is alone."""
+    prompts = {f"big{i}": [1 + i, 2, 3] for i in range(4)} | {"short": [7, 8]}
+    s = make(max_seqs=4, num_slots=4)
+    for i in range(4):
+        s.add(f"big{i}", prompts[f"big{i}"], greedy(30), group="big")
+    for _ in range(3):
+        step(s)
+    s.add("short", prompts["short"], greedy(3))
+    batch, _ = step(s)
+    ids = [q.request_id for q in batch.seqs]
+    assert "short" in ids and s.num_preemptions == 1
+    assert not s.requests["big3"].running  # the newest choice of the group made way
+    assert len(batch) == 2  # the big group runs one choice beside the newcomer's one
+    ran = []
+    while "short" in s.requests:
+        batch, _ = step(s)
+        assert len(batch) <= 2
+        ran += [q.request_id for q in batch.seqs if q.request_id != "short"]
+    assert len(set(ran)) == len(ran)  # the big group's choices take turns
+    outputs, reasons = run_all(s)
+    assert outputs == alone_outputs(prompts, 30) | {"short": alone_outputs(prompts, 3)["short"]}
+    assert set(reasons.values()) == {"length"}
+    assert_idle(s)
+
+
+def test_admission_is_round_robin_between_groups() -> None:
+    s = make(max_seqs=2, num_slots=8)
+    for i in range(4):
+        s.add(f"a{i}", [1, 2, 3], greedy(2), group="a")
+    s.add("b0", [4, 5], greedy(2), group="b")
+    order: list[str] = []
+    for _ in range(50):
+        if not s.has_work:
+            break
+        batch, _ = step(s)
+        order += [q.request_id for q in batch.seqs if q.start_pos == 0]
+    # b0 arrived last, but its group held no seat when the first seat came free
+    assert order.index("b0") < order.index("a2") and s.num_preemptions == 0
+    assert_idle(s)
+
+
+def test_groups_holding_their_share_do_not_preempt_each_other() -> None:
+    s = make(max_seqs=4, num_slots=4)
+    for g in "ab":
+        for i in range(3):
+            s.add(f"{g}{i}", [1, 2, 3], greedy(6), group=g)
+    outputs, _ = run_all(s)
+    assert s.num_preemptions == 0  # a waits with 2 seats while b holds 2: no swap
+    assert all(len(v) == 6 for v in outputs.values()) and len(outputs) == 6
+    assert_idle(s)
+
+
+def test_pages_running_out_preempt_the_group_holding_the_most() -> None:
+    s = make(num_pages=9, page_size=4, max_context=16, max_seqs=4)
+    s.add("solo", [1, 2, 3, 4], greedy(8))  # arrives first
+    for i in range(2):
+        s.add(f"g{i}", [5 + i, 6, 7, 8], greedy(8), group="g")
+    s.add("late", [9, 10, 11, 12], greedy(8))  # the newest, but alone in its group
+    for _ in range(6):
+        step(s)
+        if s.num_preemptions:
+            break
+    assert s.num_preemptions == 1
+    assert not s.requests["g1"].running  # not "late", the newest request overall
+    run_all(s)
+    assert_idle(s)

@@ -18,6 +18,7 @@ from tests.reliability.conftest import serving
 from tinyserve.cli import build_parser
 from tinyserve.server.app import create_app
 from tinyserve.server.auth import key_matches
+from tinyserve.server.errors import is_anthropic_path
 from tinyserve.server.state import ServerConfig, ServerState
 
 MARKER = "tsprobe7c1e"
@@ -69,7 +70,10 @@ def test_key_required_on_every_route_but_health(small_server):
                 assert r.status_code == 200, (path, r.text)
                 continue
             assert r.status_code == 401, (method, path, headers, r.status_code)
-            assert r.json()["error"]["code"] == "invalid_api_key"
+            if is_anthropic_path(path):  # Anthropic's error object
+                assert r.json()["error"]["type"] == "authentication_error"
+            else:
+                assert r.json()["error"]["code"] == "invalid_api_key"
             assert r.headers["www-authenticate"] == "Bearer"
         for headers in (AUTH, {"x-api-key": KEY}, {"authorization": "bearer " + KEY}):
             r = _hit(url, method, path, headers, json={} if method == "POST" else None)

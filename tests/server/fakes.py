@@ -105,7 +105,7 @@ class FakeEngine:
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
-    def submit(self, prompt_ids, params, *, request_id=None) -> FakeHandle:
+    def submit(self, prompt_ids, params, *, request_id=None, group=None) -> FakeHandle:
         if len(prompt_ids) + 1 > self.max_context:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds {self.max_context}")
         handle = FakeHandle()
@@ -128,7 +128,9 @@ class FakeEngine:
         with self._lock:
             n = len(self._active)
         return SimpleNamespace(num_running=n, num_waiting=0, kv_pages_used=n,
-                               kv_pages_total=self.max_seqs)
+                               kv_pages_total=self.max_seqs, state_slots_used=n,
+                               state_slots_total=self.max_seqs, preemptions=0, running=n,
+                               waiting=0)
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -196,7 +196,8 @@ BAD_BODIES = {
     "tool_choice_bad_form": ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
     "functions": ({"functions": [{"name": "f"}]}, "functions"),
     "temperature_range": ({"temperature": -1}, "temperature"),
-    "top_p_range": ({"top_p": 0}, "top_p"),
+    "top_p_range": ({"top_p": 1.5}, "top_p"),
+    "temperature_above_2": ({"temperature": 2.5}, "temperature"),
     "max_tokens_zero": ({"max_tokens": 0}, "max_tokens"),
     "max_completion_tokens_big": ({"max_completion_tokens": 10**6}, "max_completion_tokens"),
     "temperature_type": ({"temperature": "hot"}, "temperature"),
@@ -210,6 +211,62 @@ BAD_BODIES = {
     "min_tokens": ({"min_tokens": 5}, "min_tokens"),
     "audio_modality": ({"modalities": ["text", "audio"]}, "modalities"),
     "empty_stop_string": ({"stop": [""]}, "stop"),
+    # no coercion of wrong types
+    "max_tokens_true": ({"max_tokens": True}, "max_tokens"),
+    "max_tokens_string": ({"max_tokens": "3"}, "max_tokens"),
+    "max_tokens_float": ({"max_tokens": 3.0}, "max_tokens"),
+    "temperature_string": ({"temperature": "0.5"}, "temperature"),
+    "stream_one": ({"stream": 1}, "stream"),
+    "logprobs_one": ({"logprobs": 1}, "logprobs"),
+    "n_string": ({"n": "2"}, "n"),
+    "include_usage_string": ({"stream": True, "stream_options": {"include_usage": "yes"}},
+                             "stream_options.include_usage"),
+    "content_number": ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    # unknown fields, as OpenAI answers them
+    "unknown_field": ({"frobnicate": 1}, "frobnicate"),
+    "unknown_field_odd_name": ({"my-field": 1}, '"my-field"'),
+    "content_part_unknown_key": ({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x", "cache_control": {}}]}]},
+        "messages[0].content[0].cache_control"),
+    "unknown_message_field": ({"messages": [{"role": "user", "content": "x", "weird": 1}]},
+                              "messages[0].weird"),
+    "unknown_stream_option": ({"stream_options": {"continuous_usage_stats": True}},
+                              "stream_options.continuous_usage_stats"),
+    "unknown_tool_field": ({"tools": [{"type": "function", "function": {"name": "f"},
+                                       "cache_control": {}}]}, "tools[0].cache_control"),
+    "audio": ({"audio": {"voice": "x"}}, "audio"),
+    "strict_tool": ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]},
+                    "tools[0].function.strict"),
+    "thinking_budget": ({"thinking": {"type": "enabled", "budget_tokens": 5}},
+                        "thinking.budget_tokens"),
+    # logit_bias keys that str.isdigit() takes and int() does not (or should not)
+    "logit_bias_superscript": ({"logit_bias": {"\u00b2": 5}}, "logit_bias"),
+    "logit_bias_arabic_digits": ({"logit_bias": {"\u0661\u0662": 5}}, "logit_bias"),
+    "logit_bias_long_key": ({"logit_bias": {"1" * 5000: 5}}, "logit_bias"),
+    "logit_bias_space": ({"logit_bias": {" 5": 5}}, "logit_bias"),
+    # chat history the template cannot take
+    "tool_call_function_string": ({"messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [{"type": "function", "function": "f"}]}]},
+        "messages[1].tool_calls[0].function"),
+    "tool_call_not_object": ({"messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": ["f"]}]},
+        "messages[1].tool_calls[0]"),
+    "tool_call_args_huge_number": ({"messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [{"type": "function", "function": {
+            "name": "f", "arguments": '{"a": ' + "9" * 5000 + "}"}}]}]},
+        "messages[1].tool_calls[0].function.arguments"),
+    "tool_call_args_deep": ({"messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [{"type": "function", "function": {
+            "name": "f", "arguments": '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"}}]}]},
+        "messages[1].tool_calls[0].function.arguments"),
+    "tool_call_args_list": ({"messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [{"type": "function", "function": {
+            "name": "f", "arguments": "[1, 2]"}}]}]},
+        "messages[1].tool_calls[0].function.arguments"),
 }
 
 
@@ -310,9 +367,9 @@ def test_keepalive_during_prefill_and_error_event(make_server):
         assert lines[-1] == "data: [DONE]"
     with make_server() as (url, _, state):
         lines = _raw_stream(url, {"model": MODEL, "messages": _msgs("ERROR"), "stream": True})
-        last = json.loads(lines[-1].removeprefix("data: "))
+        assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+        last = json.loads(lines[-2].removeprefix("data: "))  # the error event, then [DONE]
         assert last["error"]["type"] == "server_error" and "device lost" in last["error"]["message"]
-        assert "data: [DONE]" not in lines
         r = httpx.post(url + "/v1/chat/completions",
                        json={"model": MODEL, "messages": _msgs("ERROR")})
         _err(r, 500)
@@ -376,8 +433,9 @@ def test_n_choices_end_together(make_server):
         assert body["usage"]["completion_tokens"] == 2 * len(REASONING)
         lines = _raw_stream(url, {"model": MODEL, "messages": _msgs("ERROR"), "stream": True,
                                   "n": 2})
-        last = json.loads(lines[-1].removeprefix("data: "))
-        assert last["error"]["type"] == "server_error" and "data: [DONE]" not in lines
+        assert lines[-1] == "data: [DONE]"
+        last = json.loads(lines[-2].removeprefix("data: "))
+        assert last["error"]["type"] == "server_error"
         assert _wait(lambda: engine.stats().num_running == 0)
 
 
@@ -391,6 +449,9 @@ def test_metrics(server):
     assert f"tinyserve:inter_token_latency_seconds_count {len(REASONING) - 1}" in text
     assert "tinyserve:kv_pages_total 64" in text
     assert "tinyserve:num_requests_running 0" in text
+    assert "tinyserve:gdn_state_slots_used 0" in text
+    assert "tinyserve:gdn_state_slots_total 64" in text
+    assert "# TYPE tinyserve:preemptions_total counter\ntinyserve:preemptions_total 0" in text
 
 
 def test_engine_side_abort_is_503(make_server):
@@ -419,3 +480,63 @@ def test_always_include_usage(make_server):
                                                            stream=True))
         assert chunks[-1].choices[0].finish_reason == "stop"
         assert all(c.usage is None for c in chunks)
+
+
+def test_what_openai_accepts_is_accepted(server):
+    url, engine, _ = server
+    post = lambda path, body: httpx.post(url + path, json={"model": MODEL, **body})  # noqa: E731
+    echoed = {"role": "assistant", "content": None, "refusal": None, "annotations": [],
+              "audio": None, "function_call": None, "tool_calls": [
+                  {"id": "call_1", "index": 0, "type": "function",
+                   "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    body = {"messages": [*_msgs("Hi"), echoed, {"role": "tool", "tool_call_id": "call_1",
+                                                "content": "18C"}, *_msgs("thanks")],
+            "temperature": 1, "top_p": 0, "user": "u1", "metadata": {"k": "v"}, "store": False,
+            "service_tier": "auto", "prompt_cache_key": "x", "safety_identifier": "s",
+            "audio": None, "functions": None, "function_call": None, "min_tokens": 0,
+            "parallel_tool_calls": None, "response_format": {"type": "text"},
+            "modalities": ["text"], "stream_options": None}
+    r = post("/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    p = engine.submitted[-1][1]
+    assert (p.temperature, p.top_p) == (0.0, 1.0)  # top_p 0: only the most likely token
+    # /v1/completions: max_tokens null is as omitted (16); response_format as on chat
+    for extra in ({}, {"max_tokens": None}):
+        r = post("/v1/completions", {"prompt": "LONG", **extra})
+        assert r.status_code == 200 and engine.submitted[-1][1].max_tokens == 16, r.text
+    r = post("/v1/completions", {"prompt": "x", "response_format": {"type": "text"}})
+    assert r.status_code == 200, r.text
+    for path, extra in (("/v1/completions", {"prompt": "x"}),
+                        ("/v1/chat/completions", {"messages": _msgs("x")})):
+        err = _err(post(path, {**extra, "response_format": {"type": "json_object"}}), 400,
+                   "response_format")
+        assert "not supported" in err["message"]
+    err = _err(post("/v1/completions", {"prompt": "x", "frobnicate": 1}), 400, "frobnicate")
+    assert err["message"] == "unrecognized request argument: frobnicate"
+
+
+def test_openapi_schema_is_served_and_says_what_the_server_answers(make_server):
+    with make_server(api_key="sekret") as (url, _, _):
+        assert httpx.get(url + "/openapi.json").status_code == 401
+        r = httpx.get(url + "/openapi.json", headers={"Authorization": "Bearer sekret"})
+        assert r.status_code == 200
+        schema = r.json()
+    assert "422" not in json.dumps(schema["paths"])
+    assert "HTTPValidationError" not in json.dumps(schema)
+    err = schema["components"]["schemas"]["ErrorResponse"]
+    assert err["properties"]["error"]["required"] == ["message", "type", "param", "code"]
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert {"200", "400", "401", "404", "413", "503"} <= set(responses), path
+        for status in ("400", "401", "404", "413", "503"):
+            ref = responses[status]["content"]["application/json"]["schema"]["$ref"]
+            assert ref.endswith("/ErrorResponse")
+        assert "text/event-stream" in responses["200"]["content"]
+        body = schema["paths"][path]["post"]["requestBody"]["content"]
+        name = body["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+        model = schema["components"]["schemas"][name]
+        assert model["additionalProperties"] is False  # unknown fields are refused
+        temperature = model["properties"]["temperature"]["anyOf"][0]
+        assert (temperature["minimum"], temperature["maximum"]) == (0, 2)
+    assert schema["security"] == [{"bearer": []}, {"apiKey": []}]  # either header
+    assert schema["paths"]["/health"]["get"]["security"] == []

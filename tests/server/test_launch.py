@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -123,3 +125,85 @@ def test_server_config_from_cli_args(monkeypatch):
     monkeypatch.setenv("TINYSERVE_API_KEY", "envkey")
     args = build_parser().parse_args(["demo"])
     assert server_config(args, "d").api_keys == ("envkey",)
+
+
+@pytest.mark.parametrize("argv,env", [
+    (["--api-key", ","], {}), (["--api-key", ""], {}), (["--api-key", " , "], {}),
+    ([], {"TINYSERVE_API_KEY": ","}), ([], {"TINYSERVE_API_KEY": "  "})],
+    ids=["comma", "empty", "blanks", "env-comma", "env-blank"])
+def test_an_empty_key_list_refuses_to_start(tmp_path, argv, env):
+    """A key list that holds no key must not turn authentication off: one line, exit 2,
+    before anything loads."""
+    proc = _start("run", str(tmp_path / "never-loaded"), "--port", str(free_port()), *argv,
+                  env=env)
+    code, out, err = _stop_after_exit(proc)
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tinyserve: error:"), err
+    assert "holds no API key" in err and "Traceback" not in err
+
+
+def test_server_config_refuses_an_empty_key_list(monkeypatch):
+    from tinyserve.server.state import ServerConfig
+
+    for key in (",", "", " ,, "):
+        with pytest.raises(ValueError, match="holds no key"):
+            ServerConfig(api_key=key)
+    monkeypatch.setenv("TINYSERVE_API_KEY", "")  # set but empty: as unset
+    assert server_config(build_parser().parse_args(["demo"]), "d").api_keys == ()
+    monkeypatch.setenv("TINYSERVE_API_KEY", " , ")
+    with pytest.raises(ValueError, match="TINYSERVE_API_KEY"):
+        server_config(build_parser().parse_args(["demo"]), "d")
+
+
+def _stream_lines(url: str, body: dict, out: list, started: threading.Event) -> None:
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        out.append(r.status_code)
+        for line in r.iter_lines():
+            if line:
+                out.append(line)
+                started.set()
+
+
+def test_sigterm_drains_then_ends_the_rest_with_an_error_and_done(tiny_checkpoint):
+    """SIGTERM: new requests and /health get 503 at once; a request that finishes within the
+    grace period finishes; one that does not ends with an error event and [DONE]; exit 0."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _start("run", str(tiny_checkpoint(max_position_embeddings=2048)), "--port",
+                  str(port), "--device", "cpu", "--served-model-name", "tiny", "--max-seqs",
+                  "4", "--drain-timeout", "3")
+    try:
+        _wait_ok(url, proc)
+        body = {"model": "tiny", "prompt": "Hello", "ignore_eos": True, "stream": True}
+        long_, short = [], []
+        started = [threading.Event(), threading.Event()]
+        threads = [threading.Thread(target=_stream_lines, args=(
+            url, {**body, "max_tokens": 2000}, long_, started[0])),
+            threading.Thread(target=_stream_lines, args=(
+                url, {**body, "max_tokens": 24}, short, started[1]))]
+        threads[0].start()
+        assert started[0].wait(30)
+        threads[1].start()
+        assert started[1].wait(30)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        health = httpx.get(url + "/health", timeout=5)
+        assert health.status_code == 503 and health.json()["status"] == "shutting_down"
+        r = httpx.post(url + "/v1/completions", timeout=5,
+                       json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+        for t in threads:
+            t.join(30)
+        assert time.monotonic() - t0 < 3 + 10
+        code, _, err = _stop_after_exit(proc)
+    finally:
+        if proc.poll() is None:
+            _stop(proc)
+    assert code == 0, err
+    assert short[0] == 200 and short[-1] == "data: [DONE]"
+    assert '"finish_reason":"length"' in short[-2]  # finished within the grace period
+    assert long_[0] == 200 and long_[-1] == "data: [DONE]"
+    error = json.loads(long_[-2].removeprefix("data: "))["error"]
+    assert error["type"] == "server_error" and "shut down" in error["message"]

@@ -163,3 +163,64 @@ def test_assembler_parallel_tool_calls_false() -> None:
     assert all(tc["index"] == 0 for d in deltas for tc in d.get("tool_calls", []))
     assert a.finish_reason("stop") == "tool_calls" and a.finish_reason("length") == "length"
     assert a.message()["content"] is None
+
+
+def _strict_json(text: str):
+    def refuse(token: str):
+        raise AssertionError(f"{token} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+# the model's parameter text, its schema, what the arguments carry (always strict JSON)
+MODEL_OUTPUT = [
+    ("{1, 2}", {"type": "object"}, "{1, 2}"),  # literal_eval: a set
+    ("b'raw'", {"type": "array"}, "b'raw'"),  # literal_eval: bytes
+    ("{(1, 2): 3}", {"type": "object"}, "{(1, 2): 3}"),  # a tuple key
+    ("(1, 'a')", {"type": "array"}, [1, "a"]),  # a tuple is a JSON array
+    ("inf", {"type": "number"}, "inf"),
+    ("-Infinity", {"type": "number"}, "-Infinity"),
+    ("nan", {"type": "number"}, "nan"),
+    ("1e999", {"type": "number"}, "1e999"),
+    ('{"x": NaN}', {"type": "object"}, '{"x": NaN}'),
+    ("[Infinity]", {"type": "array"}, "[Infinity]"),
+    ("1" * 5000, {"type": "integer"}, "1" * 5000),  # past Python's int-string digit limit
+    ("1" * 5000, {"type": "number"}, "1" * 5000),
+    ("[" * 5000 + "]" * 5000, {"type": "array"}, "[" * 5000 + "]" * 5000),
+    ("12345678901234567890", {"type": "number"}, 12345678901234567890),
+    ("3", {"anyOf": {"type": "integer"}}, "3"),  # anyOf not a list
+    ("3", {"oneOf": 5}, "3"),
+    ("3", {"anyOf": [{"anyOf": [{"type": "integer"}]}]}, 3),
+    ("3", {"type": 7}, "3"),
+]
+
+
+@pytest.mark.parametrize("text,schema,want", MODEL_OUTPUT,
+                         ids=[f"{i}-{t[:12]}" for i, (t, _, _) in enumerate(MODEL_OUTPUT)])
+def test_tool_arguments_are_always_strict_json(text: str, schema, want) -> None:
+    assert convert_value(text, schema) == want
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"p": schema}}}}]
+    a = ChatAssembler(reasoning_open=False, tools=tools)
+    a.feed(f"<tool_call>\n<function=f>\n<parameter=p>\n{text}\n</parameter>\n</function>\n"
+           "</tool_call>")
+    a.finish()
+    (call,) = a.tool_calls
+    assert _strict_json(call["function"]["arguments"]) == {"p": want}
+
+
+def test_deeply_nested_any_of_is_bounded() -> None:
+    schema: dict = {"type": "integer"}
+    for _ in range(5000):
+        schema = {"anyOf": [schema]}
+    assert convert_value("3", schema) == "3"  # deeper than any real schema: text
+
+
+def test_logprobs_are_finite_json() -> None:
+    from tinyserve.core import TokenLogprobs
+    from tinyserve.server.logprobs import chat_entries, completion_logprobs
+
+    lps = [TokenLogprobs(5, float("-inf"), ((5, float("-inf")), (6, -1.5)))]
+    text_of = lambda tid: (f"t{tid}", [tid])  # noqa: E731
+    for obj in (chat_entries(text_of, lps), completion_logprobs(text_of, lps, 0)):
+        text = json.dumps(obj, allow_nan=False)
+        assert "-9999.0" in text

@@ -6,12 +6,13 @@ One step is `schedule -> runner.forward -> update`. A failing forward of one req
 that request alone; a failing shared step is retried one request at a time. The loop never
 dies on a request's error.
 
-With a runner that has an `overlap_hook` (`ModelRunner`), a step's outputs (detokenizing,
-stop strings, the stream puts) are emitted from that hook during the next step, once its
-device work is queued, instead of between the two steps; they go out at once when no next
-step follows right away (no work left, or requests or calls waiting in the inbox). Every
-token is still emitted once and in order; a stop string found late ends its request one
-step later, whose extra token is dropped by `Scheduler.record`.
+With a runner that has an `overlap_hook` and launches asynchronously (`ModelRunner` on
+CUDA; on the CPU a launch computes the step, so nothing would overlap), a step's outputs
+(detokenizing, stop strings, the stream puts) are emitted from that hook during the next
+step, once its device work is queued, instead of between the two steps; they go out at once
+when no next step follows right away (no work left, or requests or calls waiting in the
+inbox). Every token is still emitted once and in order; a stop string found late ends its
+request one step later, whose extra token is dropped by `Scheduler.record`.
 
 Chained decode (`PIPELINE_DECODE`, a runner with `can_chain`): when a decode step cannot
 change the batch's make-up (`Scheduler.schedule_next`: nobody waits, nobody reaches
@@ -172,7 +173,10 @@ class Engine:
         self._itl: deque[float] = deque(maxlen=_SAMPLES)
         self._outputs: list[StepEvent] = []  # the last step's, not emitted yet
         self._ahead: tuple[Batch, Any] | None = None  # a chained step launched, not recorded
-        self._overlap = hasattr(self.runner, "overlap_hook")
+        # a runner whose launch computes the step (the CPU) gains nothing from the hook: the
+        # outputs would only wait one step longer
+        self._overlap = (hasattr(self.runner, "overlap_hook")
+                         and getattr(self.runner, "asynchronous", True))
         if self._overlap:
             self.runner.overlap_hook = self._flush
 
@@ -210,8 +214,10 @@ class Engine:
         self.shutdown()
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
-               request_id: str | None = None) -> RequestHandle:
-        """Queue a request; returns its stream at once.
+               request_id: str | None = None, group: str | None = None) -> RequestHandle:
+        """Queue a request; returns its stream at once. Requests of one `group` (the choices of
+        one API request; default: the request alone) share the engine fairly with other
+        groups (`engine.fairness`).
 
         Raises RequestRejected (a ValueError naming the numbers) when the prompt plus
         `max_tokens` can never fit, ValueError on token ids outside the vocabulary (a
@@ -231,7 +237,7 @@ class Engine:
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the engine is shut down")
-            self._inbox.append(("add", rid, prompt, params, _Live(handle, detok)))
+            self._inbox.append(("add", rid, prompt, params, _Live(handle, detok), group))
             self._cond.notify_all()
         return handle
 
@@ -440,9 +446,9 @@ class Engine:
     def _apply(self, item: tuple) -> None:
         kind = item[0]
         if kind == "add":
-            _, rid, prompt, params, live = item
+            _, rid, prompt, params, live, group = item
             try:
-                self.scheduler.add(rid, prompt, params)
+                self.scheduler.add(rid, prompt, params, group=group)
             except ValueError as exc:
                 live.handle.put(RequestOutput(rid, finished=True, finish_reason="error",
                                               error=str(exc), prompt_tokens=len(prompt)))

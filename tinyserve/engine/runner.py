@@ -144,6 +144,9 @@ class ModelRunner:
         self.keep_logits = keep_logits
         # Host work to run while a launched step computes (the engine's deferred output).
         self.overlap_hook: Callable[[], None] | None = None
+        # NOTE: on the CPU a launch computes the whole step before it returns: work deferred
+        # to the hook would wait a step instead of overlapping it (the engine checks this)
+        self.asynchronous = self.device.type == "cuda"
         # Two token buffers, used in turn: a chained step stages its tokens while the step
         # before it is still unread.
         self._buffers = (_TokenBuffer(self.device), _TokenBuffer(self.device))

@@ -2,15 +2,19 @@
 
 Pure Python (no torch). Each step `schedule()` builds a `Batch`: first one decode token for
 every running request that has finished its prefill, then prefill chunks (of running requests,
-then of newly admitted ones, strictly FIFO) under the token budget. Admission takes a GDN state
-slot and the KV pages of all the request's known tokens; decoding takes one more page at each
-page boundary, and when none is left the newest running request is preempted (pages and slot
-returned, re-queued to recompute its prompt and output so far). `update(batch, output)` appends
-the sampled tokens, applies the token stop conditions and frees finished requests; it is
-`advance(batch)` (the step's tokens count as computed, once it is launched) then
-`record(batch, output)` (its sampled tokens), which the engine calls apart when it chains
-decode steps: `schedule_next(batch)` gives the decode step after an advanced, unrecorded one,
-whose input tokens are still on the device.
+then of newly admitted ones) under the token budget. Admission takes a GDN state slot and the
+KV pages of all the request's known tokens; decoding takes one more page at each page
+boundary. Requests belong to groups (the choices of one API request) that share the seats
+fairly (`engine.fairness`: round-robin admission between groups, FIFO within one; a group
+holding more seats yields one to a newcomer by preemption and runs, per step, only as many
+sequences as the next largest group holds; when pages run out, the newest request of the
+group holding the most seats is preempted). Preemption returns the pages and
+slot and re-queues the request to recompute its prompt and output so far.
+`update(batch, output)` appends the sampled tokens, applies the token stop conditions and frees
+finished requests; it is `advance(batch)` (the step's tokens count as computed, once it is
+launched) then `record(batch, output)` (its sampled tokens), which the engine calls apart when
+it chains decode steps: `schedule_next(batch)` gives the decode step after an advanced,
+unrecorded one, whose input tokens are still on the device.
 
 With a prefix cache (`kv.prefix_cache`), admission reuses the longest cached prefix that ends
 at a GDN state snapshot (restoring the snapshot into the request's slot) and prefills only the
@@ -24,77 +28,14 @@ before anyone waits or is preempted.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
 
-from tinyserve.core import (
-    PENDING_TOKEN,
-    Batch,
-    ForwardOutput,
-    SamplingParams,
-    ScheduledSeq,
-    TokenLogprobs,
-)
+from tinyserve.core import PENDING_TOKEN, Batch, ForwardOutput, SamplingParams, ScheduledSeq
+from tinyserve.engine import fairness
+from tinyserve.engine.requests import Request, RequestRejected, StepEvent
 from tinyserve.kv.allocator import PageAllocator
-from tinyserve.kv.prefix_cache import PrefixCache, PrefixMatch, RadixNode
+from tinyserve.kv.prefix_cache import PrefixCache, PrefixMatch
 
-
-class RequestRejected(ValueError):
-    """The request can never fit, whatever else is running. The numbers are attributes."""
-
-    def __init__(self, message: str, *, prompt_tokens: int, max_tokens: int, limit: int) -> None:
-        super().__init__(message)
-        self.prompt_tokens = prompt_tokens
-        self.max_tokens = max_tokens
-        self.limit = limit
-
-
-@dataclass
-class Request:
-    """A request's bookkeeping. `tokens` = prompt + output; the KV cache and GDN state hold
-    the first `num_computed` of them."""
-
-    request_id: str
-    prompt_len: int
-    params: SamplingParams
-    arrival: int
-    tokens: list[int]
-    num_computed: int = 0
-    pages: list[int] = field(default_factory=list)
-    slot: int | None = None
-    running: bool = False
-    # after a failed shared step: run alone until this many tokens are computed (the end of
-    # the failed step's chunk), so a request that breaks a step meets it alone and fails alone
-    solo_until: int = 0
-    num_preemptions: int = 0
-    num_cached: int = 0  # prompt tokens reused from the prefix cache at the first admission
-    snapshot_node: RadixNode | None = None  # this request's latest replaceable snapshot
-
-    @property
-    def solo(self) -> bool:
-        return self.num_computed < self.solo_until
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.tokens) - self.prompt_len
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
-
-    @property
-    def is_decode(self) -> bool:
-        return self.num_computed > 0 and len(self.tokens) - self.num_computed == 1
-
-
-@dataclass(frozen=True)
-class StepEvent:
-    """One sampled token of one request; `finish_reason` is set when it ended the request."""
-
-    request_id: str
-    token_id: int
-    finish_reason: str | None
-    cached_tokens: int = 0
-    logprobs: TokenLogprobs | None = None  # when the request asks for them
+__all__ = ["Request", "RequestRejected", "Scheduler", "StepEvent"]
 
 
 def _by_arrival(r: Request) -> int:
@@ -128,6 +69,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._arrivals = 0
+        self._steps = 0  # sequences scheduled so far (`Request.last_step` orders a rotation)
 
     # ---------------------------------------------------------------- submission and removal
 
@@ -155,11 +97,14 @@ class Scheduler:
             raise RequestRejected("no GDN state slots", prompt_tokens=prompt_len,
                                   max_tokens=params.max_tokens, limit=0)
 
-    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
+            group: str | None = None) -> Request:
+        """Queue a request; `group` (default: its own id) is what it shares seats with."""
         self.check(len(prompt_ids), params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = Request(request_id, len(prompt_ids), params, self._arrivals, list(prompt_ids))
+        req = Request(request_id, len(prompt_ids), params, self._arrivals, list(prompt_ids),
+                      group=group or request_id)
         self._arrivals += 1
         self.requests[request_id] = req
         self.waiting.append(req)  # newest arrival: stays sorted
@@ -220,19 +165,25 @@ class Scheduler:
     def schedule(self) -> Batch:
         """The next step's batch (empty when there is nothing to run)."""
         solo = next((r for r in self.running if r.solo), None)
-        if solo is None and self.waiting and self.waiting[0].solo:
-            head = self.waiting[0]
+        head = self._next_waiting()
+        if solo is None and head is not None and head.solo:
             if len(self.running) < self.max_seqs and self._admit(head):
                 solo = head
         if solo is not None:
             if solo.is_decode and not self._reserve_decode_page(solo):
                 return Batch([])
             return Batch([self._chunk(solo, self.max_num_batched_tokens)])
+        self._share_seats()
         seqs: list[ScheduledSeq] = []
         budget = self.max_num_batched_tokens
         decode: list[Request] = []
         prefill: list[Request] = []
-        for r in self.running:
+        nxt = self._next_waiting()  # it shares this step already when it has a seat
+        joining = [nxt] if nxt is not None and not nxt.solo and self._has_room(nxt) else []
+        taking_part = [r for r in fairness.step_share(self.running + joining) if r.running]
+        left_out = {id(r) for r in self.running} - {id(r) for r in taking_part}
+        trimmed = {r.group for r in self.running if id(r) in left_out}
+        for r in taking_part:
             (decode if r.is_decode else prefill).append(r)
         for req in decode:
             if req.running and self._reserve_decode_page(req):
@@ -246,12 +197,34 @@ class Scheduler:
             seqs.append(self._chunk(req, budget))
             budget -= seqs[-1].num_tokens
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
-            req = self.waiting[0]
-            if req.solo or not self._admit(req):
-                break  # FIFO: nobody overtakes the head of the queue
+            req = self._next_waiting()
+            if req.solo or req.group in trimmed or not self._admit(req):
+                break  # nobody overtakes the next request in the fair order
             seqs.append(self._chunk(req, budget))
             budget -= seqs[-1].num_tokens
         return Batch(seqs)
+
+    def _next_waiting(self) -> Request | None:
+        return fairness.next_waiting(self.waiting, fairness.seats(self.running))
+
+    def _share_seats(self) -> None:
+        """Preempt for the next waiting request while it finds no seat and another group holds
+        at least two more seats than its group (`engine.fairness`)."""
+        while self.waiting:
+            req = self._next_waiting()
+            if req.solo or self._has_room(req):
+                return
+            victim = fairness.should_yield(self.running, req)
+            if victim is None:
+                return
+            self.preempt(victim.request_id)
+
+    def _has_room(self, req: Request) -> bool:
+        """Whether `req` could be admitted now (pages counted without its cached prefix)."""
+        if len(self.running) >= self.max_seqs or not self.slots.can_alloc(1):
+            return False
+        free = self.pages.num_free + (self.cache.evictable_pages() if self.cache else 0)
+        return self.pages_for(len(req.tokens)) + len(self.running) <= free
 
     def _reserve_decode_page(self, req: Request) -> bool:
         """Make room for one more token of `req`, preempting newer requests if needed.
@@ -261,7 +234,7 @@ class Scheduler:
             if page is not None:
                 req.pages += page
                 break
-            victim = self.running[-1]
+            victim = fairness.victim(self.running)
             self.preempt(victim.request_id)
             if victim is req:
                 return False
@@ -280,7 +253,7 @@ class Scheduler:
         if not self._make_room(need + len(self.running)):
             self.pages.decref(match.pages)
             return False
-        self.waiting.pop(0)
+        self.waiting.remove(req)
         req.pages = list(match.pages) + self.pages.alloc(need)
         req.slot = self.slots.alloc(1)[0]
         if self.cache is not None:
@@ -294,6 +267,8 @@ class Scheduler:
         return True
 
     def _chunk(self, req: Request, budget: int) -> ScheduledSeq:
+        self._steps += 1
+        req.last_step = self._steps
         start = req.num_computed
         end = min(len(req.tokens), start + budget)
         if self.cache is not None:  # end a chunk where a snapshot is worth keeping

@@ -23,6 +23,7 @@ from typing import Any
 from tinyserve.core import TokenLogprobs
 from tinyserve.server.errors import APIError, anthropic_error_body
 from tinyserve.server.responses import ChatAssembler
+from tinyserve.server.streaming import sse
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
@@ -82,8 +83,7 @@ class MessagesFormatter:
         return events
 
     def encode(self, event: dict[str, Any]) -> str:
-        data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-        return f"event: {event['type']}\ndata: {data}\n\n"
+        return sse(event, event["type"])
 
     def error_event(self, err: APIError) -> str:
         return self.encode(anthropic_error_body(err.status, err.message))

@@ -2,7 +2,8 @@
 Anthropic Messages and OpenAI Responses routes).
 
 `create_app(state)` builds the app; `state.engine` may be set later (the server answers
-`/health` with 503 and its load progress until then).
+`/health` with 503 and its load progress until then). `/openapi.json` serves the schema
+(`server.openapi`), behind the API key like every route but `/health`.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from tinyserve.server.anthropic_api import add_anthropic_routes
 from tinyserve.server.auth import APIKeyMiddleware, BodyLimitMiddleware
 from tinyserve.server.chat import encode_text
-from tinyserve.server.errors import install_error_handlers
+from tinyserve.server.errors import APIError, install_error_handlers
 from tinyserve.server.formatters import ChatFormatter, CompletionFormatter
 from tinyserve.server.generate import check_fits, context_length, generate, make_params
+from tinyserve.server.openapi import openapi_schema
 from tinyserve.server.prepare import prepare_chat
 from tinyserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from tinyserve.server.responses import now
@@ -40,6 +42,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.tinyserve = state
     install_error_handlers(app)
     cfg = state.config
+    app.openapi = lambda: app.openapi_schema or _cache(app, cfg)
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
     app.add_middleware(APIKeyMiddleware, keys=cfg.api_keys)
     if cfg.cors_origins:
@@ -58,6 +61,10 @@ def create_app(state: ServerState) -> FastAPI:
         status = "shutting_down" if state.shutting_down else "loading"
         return JSONResponse({"status": status, "progress": round(state.load_progress, 4),
                              "stage": state.load_stage}, status_code=503)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> Response:
+        return JSONResponse(app.openapi())
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
@@ -103,12 +110,13 @@ def create_app(state: ServerState) -> FastAPI:
         state.check_model(req.model)
         req.check_supported()
         prompt = req.prompt_input()
+        context = context_length(engine)
         if isinstance(prompt, str):
             ids = await anyio.to_thread.run_sync(
-                lambda: encode_text(engine.tokenizer, prompt, "prompt"))
+                lambda: encode_text(engine.tokenizer, prompt, "prompt", context=context))
         else:
             ids = _check_token_ids(prompt, len(engine.tokenizer))
-        max_tokens = check_fits(len(ids), req.max_tokens, context_length(engine),
+        max_tokens = check_fits(len(ids), req.requested_max_tokens, context,
                                 prompt_param="prompt", max_param="max_tokens")
         params = make_params(lambda: req.choice_params(
             max_tokens=max_tokens, stop_token_ids=state.stop_token_ids), "max_tokens")
@@ -126,9 +134,13 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-def _check_token_ids(ids: list[int], vocab: int) -> list[int]:
-    from tinyserve.server.errors import APIError
+def _cache(app: FastAPI, cfg: Any) -> dict[str, Any]:
+    app.openapi_schema = openapi_schema(app, with_key=bool(cfg.api_keys),
+                                        model=cfg.served_model_name)
+    return app.openapi_schema
 
+
+def _check_token_ids(ids: list[int], vocab: int) -> list[int]:
     if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
         raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
     return list(ids)

@@ -3,7 +3,9 @@
 The template (Qwen3.5's, read from the checkpoint's tokenizer) renders tools, reasoning of past
 turns and tool responses; `enable_thinking` and any other variables come from the request's
 `chat_template_kwargs`. Whether generation starts inside a `<think>` block is read from the
-rendered prompt.
+rendered prompt. Special-token strings in anything the client sent stay text
+(`prompt_ids`: a user cannot forge a turn), and a prompt longer than the context is refused
+before it is tokenised in full.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from tinyserve.server.errors import APIError
-from tinyserve.server.protocol import ChatCompletionRequest, ChatMessage
+from tinyserve.server.errors import APIError, ContextLengthError
+from tinyserve.server.prompt_ids import PromptTooLong, encoder_for
+from tinyserve.server.protocol import ChatCompletionRequest, ChatMessage, ContentPart, ToolCall
 from tinyserve.server.reasoning import reasoning_open_in_prompt
+from tinyserve.server.tool_choice import continuation
 
 _RESERVED_KWARGS = {"messages", "tools", "add_generation_prompt", "tokenize", "conversation",
                     "return_dict", "chat_template", "documents"}
@@ -25,30 +29,31 @@ class RenderedPrompt:
     text: str
     ids: list[int]
     reasoning_open: bool  # generation starts inside <think> ... </think>
+    prefill: str = ""  # the end of `text` the response's parsers read first, as if generated
 
 
-def _content_text(content: str | list[dict[str, Any]] | None) -> str | None:
+def _content_text(content: str | list[ContentPart] | None) -> str | None:
     if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content)
+        return "".join(part.text or "" for part in content)
     return content
 
 
-def _tool_call_for_template(call: dict[str, Any], where: str) -> dict[str, Any]:
-    call = dict(call)
-    fn = dict(call.get("function") or {})
-    args = fn.get("arguments")
+def _tool_call_for_template(call: ToolCall, where: str) -> dict[str, Any]:
+    args = call.function.arguments
     if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
+        try:  # NOTE: numbers past Python's digit limit raise ValueError, deep nesting
+            args = json.loads(args) if args.strip() else {}  # RecursionError
+        except (ValueError, RecursionError):
             raise APIError(400, "tool call arguments must be a JSON object",
                            param=f"{where}.function.arguments") from None
-    if args is not None and not isinstance(args, dict):
+    if not isinstance(args, dict):
         raise APIError(400, "tool call arguments must be a JSON object",
                        param=f"{where}.function.arguments")
-    fn["arguments"] = args or {}
-    call["function"] = fn
-    return call
+    out: dict[str, Any] = {"type": "function",
+                           "function": {"name": call.function.name, "arguments": args}}
+    if call.id is not None:
+        out["id"] = call.id
+    return out
 
 
 def message_for_template(msg: ChatMessage, index: int) -> dict[str, Any]:
@@ -75,38 +80,81 @@ class ChatRenderer:
         self.tokenizer = tokenizer
 
     def render_messages(self, messages: list[dict[str, Any]], *,
-                        tools: list[dict[str, Any]] | None = None,
-                        **template_kwargs: Any) -> RenderedPrompt:
-        """Render plain message dicts (the template's own input) to a prompt."""
+                        tools: list[dict[str, Any]] | None = None, context: int | None = None,
+                        param: str = "messages", answer_prefix: str = "",
+                        forced: str | None = None, **template_kwargs: Any) -> RenderedPrompt:
+        """Render plain message dicts (the template's own input) to a prompt. Every string
+        the client sent (in `messages`, `tools`, the template variables and `answer_prefix`)
+        is text, even where it spells a special token. With `context` (tokens of prompt +
+        output), a prompt that leaves no room for output is refused (a `ContextLengthError`
+        naming `param`) before it is tokenised in full.
+
+        The answer is begun for the model after the generation prompt when the client wrote
+        its start (`answer_prefix`) or a tool call is forced (`forced`, as
+        `tool_choice.forced_function` returns it): `tool_choice.continuation`; the part the
+        response's parsers must read as generated is the result's `prefill`."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions",
-                           param="messages")
+                           param=param)
+        enc = encoder_for(self.tokenizer)
         kwargs = {k: v for k, v in template_kwargs.items() if k not in _RESERVED_KWARGS}
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tools=tools or None, add_generation_prompt=True, tokenize=False,
-                **kwargs)
+                enc.escape(messages), tools=enc.escape(tools) or None,
+                add_generation_prompt=True, tokenize=False, **enc.escape(kwargs))
         except Exception as exc:  # jinja errors: raise_exception() in the template, bad input
-            raise APIError(400, f"cannot render the chat template: {exc}",
-                           param="messages") from None
-        ids = encode_text(self.tokenizer, text, "messages")
-        return RenderedPrompt(text=text, ids=ids,
-                              reasoning_open=reasoning_open_in_prompt(text))
+            raise APIError(400, f"cannot render the chat template: {enc.unescape(str(exc))}",
+                           param=param) from None
+        suffix, prefill = continuation(reasoning_open_in_prompt(text), enc.escape(answer_prefix),
+                                       enc.escape(forced))
+        text += suffix
+        check_unicode(text, param)
+        try:
+            ids = enc.encode_rendered(text, None if context is None else context - 1)
+        except PromptTooLong as exc:
+            raise too_long(exc, context, param) from None
+        text = enc.unescape(text)
+        return RenderedPrompt(text=text, ids=ids, reasoning_open=reasoning_open_in_prompt(text),
+                              prefill=enc.unescape(prefill))
 
-    def render(self, req: ChatCompletionRequest) -> RenderedPrompt:
+    def render(self, req: ChatCompletionRequest, *, context: int | None = None,
+               param: str = "messages", answer_prefix: str = "", forced: str | None = None
+               ) -> RenderedPrompt:
+        """`req`'s prompt (`render_messages`: `context`, `param`, `answer_prefix`, `forced`)."""
         messages = [message_for_template(m, i) for i, m in enumerate(req.messages)]
         tools = ([t.model_dump(exclude_none=True) for t in req.tools]
                  if req.use_tools else None)
-        return self.render_messages(messages, tools=tools, **req.template_kwargs())
+        return self.render_messages(messages, tools=tools, context=context, param=param,
+                                    answer_prefix=answer_prefix, forced=forced,
+                                    **req.template_kwargs())
 
 
-def encode_text(tokenizer: Any, text: str, param: str) -> list[int]:
-    """Token ids of `text` (no special tokens added). A string with a lone surrogate (a JSON
-    `\\ud800` escape) is not valid Unicode and the tokenizer cannot take it: a 400 naming
-    `param`."""
+def check_unicode(text: str, param: str) -> None:
+    """A string with a lone surrogate (a JSON `\\ud800` escape) is not valid Unicode and the
+    tokenizer cannot take it: a 400 naming `param`."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise APIError(400, f"{param} holds a lone surrogate (\\ud800-\\udfff), which is not "
                        "valid Unicode", param=param) from None
-    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def too_long(exc: PromptTooLong, context: int | None, param: str) -> ContextLengthError:
+    """The 400 for a prompt that leaves no room for output (its length is exact, or a lower
+    bound when it was refused before it was tokenised in full)."""
+    size = f"{exc.tokens}" if exc.exact else f"more than {exc.limit}"
+    return ContextLengthError(size, context or exc.limit + 1, param)
+
+
+def encode_text(tokenizer: Any, text: str, param: str, *, context: int | None = None,
+                specials: bool = True) -> list[int]:
+    """Token ids of `text` (no special tokens added; special-token strings in it are control
+    tokens, or text when `specials` is false). With `context` (tokens of prompt + output), a
+    text that leaves no room for output is refused before it is tokenised in full. A 400
+    naming `param` for that and for a lone surrogate."""
+    check_unicode(text, param)
+    try:
+        return encoder_for(tokenizer).encode(text, None if context is None else context - 1,
+                                             specials=specials)
+    except PromptTooLong as exc:
+        raise too_long(exc, context, param) from None

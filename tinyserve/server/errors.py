@@ -8,6 +8,9 @@ into the shape the route's clients expect (`error_body_for(path, ...)`).
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Mapping
 from typing import Any
 
 from tinyserve.log import get_logger
@@ -35,21 +38,39 @@ class APIError(Exception):
         return error_body_for(path, self.status, self.message, self.type, self.param, self.code)
 
 
+class ContextLengthError(APIError):
+    """A 400 for a prompt that leaves no room for output in a `context` of tokens. `size`:
+    its tokens ("1234", or "more than 999" when it was refused before it was tokenised in
+    full). Each API may word it its own way (`prepare.prepare_chat`)."""
+
+    def __init__(self, size: str, context: int, param: str | None) -> None:
+        super().__init__(400, f"the prompt is {size} tokens, but this server's context holds "
+                         f"{context} tokens (prompt + output)", param=param,
+                         code="context_length_exceeded")
+        self.size = size
+        self.context = context
+
+
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 ANTHROPIC_PATHS = ("/v1/messages",)  # these routes and those under them answer Anthropic errors
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                     403: "permission_error", 404: "not_found_error", 413: "request_too_large",
                     429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
                     529: "overloaded_error"}
 
 
+def is_anthropic_path(path: str) -> bool:
+    """Whether a request to `path` gets Anthropic's error objects."""
+    return any(path == p or path.startswith(p + "/") for p in ANTHROPIC_PATHS)
+
+
 def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
     """Anthropic's error object; its `type` follows the HTTP status as Anthropic's API does."""
-    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
@@ -57,9 +78,15 @@ def error_body_for(path: str, status: int, message: str, type: str = "invalid_re
                    param: str | None = None, code: str | None = None) -> dict[str, Any]:
     """The error object for a request to `path`: Anthropic's on the Anthropic routes (the
     field a message names is in its text), OpenAI's everywhere else."""
-    if any(path == p or path.startswith(p + "/") for p in ANTHROPIC_PATHS):
+    if is_anthropic_path(path):
         return anthropic_error_body(status, message)
     return error_body(message, type, param, code)
+
+
+# pydantic's names of union members and validators in an error's location (not fields):
+# `str`, `list[Part]`, `literal['a','b']`, `function-after[...]`, a model's name
+_MEMBER = re.compile(r"(?:[a-z][a-z0-9-]*\[.*\]|function-.*|constrained-.*|str|int|float|bool"
+                     r"|none|bytes|[A-Z][A-Za-z0-9]*)", re.S)
 
 
 def _loc_to_param(loc: tuple | list) -> str | None:
@@ -68,26 +95,68 @@ def _loc_to_param(loc: tuple | list) -> str | None:
     for p in parts:
         if isinstance(p, int):
             out += f"[{p}]"
-        elif not str(p).startswith(("function-", "list[", "str", "int", "dict[", "literal")):
+        elif _MEMBER.fullmatch(str(p)):
+            continue
+        elif not str(p).isidentifier():  # a dict's key: the error is the dict's
+            break
+        else:
             out += ("." if out else "") + str(p)
     return out or None
 
 
-def validation_error(errors: list[dict[str, Any]]) -> APIError:
-    """FastAPI/pydantic validation errors -> one 400 APIError naming the first bad field."""
+def _union_member(p: Any) -> bool:
+    return isinstance(p, str) and bool(_MEMBER.fullmatch(p))
+
+
+def _deepest_alternative(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first error, or when it is one member's of a union (`str | list[Part]`) the deepest
+    error of any member of that union: the member the value was meant for got furthest."""
+    first = errors[0]
+    loc = tuple(first.get("loc", ()))
+    cut = next((i for i, p in enumerate(loc) if _union_member(p)), None)
+    if cut is None:
+        return first
+    same = [e for e in errors if tuple(e.get("loc", ()))[:cut] == loc[:cut]]
+    return max(same, key=lambda e: len(e.get("loc", ())))
+
+
+def validation_error(errors: list[dict[str, Any]],
+                     unsupported: Mapping[str, str] | None = None) -> APIError:
+    """FastAPI/pydantic validation errors -> one 400 APIError naming the first bad field.
+
+    An unknown field is refused as OpenAI refuses it ("unrecognized request argument"), or
+    with the reason when it is a top-level field known not to be supported (`unsupported`:
+    name -> reason, the body model's `UNSUPPORTED`)."""
+    unsupported = unsupported or {}
     if not errors:
         return APIError(400, "invalid request body")
-    first = errors[0]
-    if first.get("type") == "json_invalid":
+    first = _deepest_alternative(errors)
+    kind = first.get("type")
+    if kind == "json_invalid":
         return APIError(400, f"malformed JSON body: {first.get('msg', '')}".rstrip(": "))
-    loc = first.get("loc", ())
+    loc = tuple(first.get("loc", ()))
     param = _loc_to_param(loc)
-    if first.get("type") == "missing":
+    if kind == "missing":
         return APIError(400, f"{param} is required", param=param)
-    if param is None and first.get("type") in ("model_attributes_type", "dict_type"):
+    if param is None and kind in ("model_attributes_type", "dict_type", "model_type"):
         return APIError(400, "the request body must be a JSON object")
-    msg = first.get("msg", "invalid value")
+    if kind == "extra_forbidden":
+        name, parent = str(loc[-1]), _loc_to_param(loc[:-1])
+        if not name.isidentifier():  # quoted, with any odd character escaped
+            name = json.dumps(name)
+        param = f"{parent}.{name}" if parent else name
+        if parent is None and name in unsupported:
+            return APIError(400, unsupported[name], param=param)
+        return APIError(400, f"unrecognized request argument: {param}", param=param)
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     return APIError(400, f"{param}: {msg}" if param else msg, param=param)
+
+
+def _unsupported_of(request: Any) -> Mapping[str, str]:
+    """The `UNSUPPORTED` fields of the body model of the route `request` reached."""
+    field = getattr(request.scope.get("route"), "body_field", None)
+    model = getattr(getattr(field, "field_info", None), "annotation", None)
+    return getattr(model, "UNSUPPORTED", None) or {}
 
 
 def install_error_handlers(app: Any) -> None:
@@ -100,7 +169,7 @@ def install_error_handlers(app: Any) -> None:
         return JSONResponse(exc.body_for(request.url.path), status_code=exc.status)
 
     async def on_validation(request, exc: RequestValidationError):
-        err = validation_error(list(exc.errors()))
+        err = validation_error(list(exc.errors()), _unsupported_of(request))
         return JSONResponse(err.body_for(request.url.path), status_code=err.status)
 
     async def on_http(request, exc: HTTPException):

@@ -2,7 +2,8 @@
 
 A formatter (the `Formatter` protocol) turns one choice's text deltas into chunks (`start`,
 `on_text`, `on_finish`), frames them as SSE events (`encode`, `error_event`, `stream_end`:
-OpenAI's `data:` lines, a usage chunk on request and `data: [DONE]` here) and builds the
+OpenAI's `data:` lines, a usage chunk on request and `data: [DONE]` here, after an error
+event too; every event strict JSON: `streaming.sse`) and builds the
 non-streamed body (`body`, with every choice's `choice()` when the request asks for `n` > 1:
 one formatter per choice, sharing the response id). The generation driver in
 `server.generate` is shared by every endpoint; only these shapes differ (the Anthropic and
@@ -48,7 +49,7 @@ class Formatter(Protocol):
     def on_finish(self, engine_reason: str | None, stop_str: str | None = None
                   ) -> list[dict[str, Any]]: ...
     def encode(self, chunk: dict[str, Any]) -> str: ...
-    def error_event(self, err: APIError) -> str: ...
+    def error_event(self, err: APIError) -> str: ...  # a failed stream's last events
     def stream_end(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
                    include_usage: bool) -> list[str]: ...
     def choice(self) -> dict[str, Any]: ...
@@ -63,7 +64,7 @@ class _OpenAIEvents:
         return sse(chunk)
 
     def error_event(self, err: APIError) -> str:
-        return sse(err.body())
+        return sse(err.body()) + DONE  # the stream ends as every OpenAI stream does
 
     def stream_end(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
                    include_usage: bool) -> list[str]:

@@ -2,10 +2,12 @@
 messages, responses).
 
 Submits to the engine, then either streams SSE events (keep-alive comments while nothing
-arrives, one error event if generation fails after the stream started) or collects one body
-while watching the client. Whenever the client goes away before the request finishes, the
-request is aborted in the engine, which frees its KV pages and state slot. The formatters
-decide the events' shapes and framing (`encode`, `error_event`, `stream_end`).
+arrives; if generation fails or the server shuts down after the stream started, the API's own
+end of a failed stream: OpenAI's error event and `data: [DONE]`, Anthropic's `error` event,
+the Responses API's `response.failed`) or collects one body while watching the client.
+Whenever the client goes away before the request finishes, the request is aborted in the
+engine, which frees its KV pages and state slot. The formatters decide the events' shapes and
+framing (`encode`, `error_event`, `stream_end`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tinyserve.core import ParamError, SamplingParams
 from tinyserve.log import get_logger
-from tinyserve.server.errors import APIError
+from tinyserve.server.errors import APIError, ContextLengthError
 from tinyserve.server.formatters import Formatter
 from tinyserve.server.state import ServerState
 from tinyserve.server.streaming import KEEPALIVE, SSE_HEADERS, OutputPump
@@ -40,9 +42,7 @@ def check_fits(prompt_len: int, max_tokens: int | None, max_context: int, *,
                prompt_param: str, max_param: str) -> int:
     """The max_tokens to use; raises a 400 with the numbers when the request cannot fit."""
     if prompt_len >= max_context:
-        raise APIError(400, f"the prompt is {prompt_len} tokens, but this server's context "
-                       f"holds {max_context} tokens (prompt + output)", param=prompt_param,
-                       code="context_length_exceeded")
+        raise ContextLengthError(str(prompt_len), max_context, prompt_param)
     if max_tokens is None:
         return max_context - prompt_len
     if max_tokens < 1:
@@ -74,8 +74,8 @@ async def generate(state: ServerState, request: Request, fmts: Sequence[Formatte
     rids = [fmts[0].id] if len(params) == 1 else [f"{fmts[0].id}-{i}" for i in range(len(params))]
     handles: list[Any] = []
     try:
-        for rid, p in zip(rids, params, strict=True):
-            handles.append(engine.submit(prompt_ids, p, request_id=rid))
+        for rid, p in zip(rids, params, strict=True):  # the choices share seats as one group
+            handles.append(engine.submit(prompt_ids, p, request_id=rid, group=fmts[0].id))
     except ValueError as exc:
         for rid in rids[:len(handles)]:  # the choices already queued go too
             engine.abort(rid)

@@ -5,12 +5,21 @@ plans the memory and prints the plan (the text `tinyserve plan` prints for the s
 builds the engine under a progress bar that counts the real work (`engine.progress`), warms
 it up on a GPU and prints the URL with the device memory the process then holds. A load
 failure is printed as one line and ends the process with status 1.
+
+SIGTERM drains: new requests get 503 (and `/health` 503 "shutting_down") at once, running
+requests have `drain_s` seconds to finish, then what is left is aborted (a stream ends as its
+API ends a failed stream: OpenAI's error event and `data: [DONE]`, Anthropic's `error` event,
+the Responses API's `response.failed`; a non-streamed request gets a 503 in its API's error
+shape) and the process exits with status 0. SIGINT does the same without the grace period; a
+second signal exits at once.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +32,25 @@ _SWITCH_INTERVAL_S = 0.001
 
 
 def server_config(args: Any, default_name: str) -> ServerConfig:
-    """ServerConfig from CLI arguments (missing ones keep the dataclass defaults)."""
-    return ServerConfig(
-        served_model_name=getattr(args, "served_model_name", None) or default_name,
-        api_key=getattr(args, "api_key", None) or envs.API_KEY.get() or None,
-        cors_origins=tuple(getattr(args, "cors_origin", None) or ()),
-        always_include_usage=bool(getattr(args, "always_include_usage", False)))
+    """ServerConfig from CLI arguments (missing ones keep the dataclass defaults). Raises
+    ValueError when `--api-key` (or a set TINYSERVE_API_KEY) holds no key: a blank list
+    must not turn authentication off."""
+    key = getattr(args, "api_key", None)
+    where = "--api-key"
+    if key is None and envs.API_KEY.raw():
+        key, where = envs.API_KEY.get(), envs.API_KEY.name
+    drain = getattr(args, "drain_timeout", None)
+    try:
+        return ServerConfig(
+            served_model_name=getattr(args, "served_model_name", None) or default_name,
+            api_key=key, cors_origins=tuple(getattr(args, "cors_origin", None) or ()),
+            always_include_usage=bool(getattr(args, "always_include_usage", False)),
+            **({} if drain is None else {"drain_s": drain}))
+    except ValueError as exc:
+        if key is not None and "API key" in str(exc):
+            raise ValueError(f"{where} {key!r} holds no API key (refusing to serve without "
+                             "authentication); give a key, or leave it unset") from None
+        raise
 
 
 class _ProgressBar:
@@ -120,6 +142,45 @@ def _load(state: ServerState, args: Any, model: str, server: Any, show_progress:
         server.should_exit = True
 
 
+class Drainer:
+    """Handles a uvicorn server's exit signals: the first SIGTERM (or SIGINT) drains the
+    engine before the server exits (module docstring); a second one is uvicorn's own exit."""
+
+    def __init__(self, server: Any, state: ServerState) -> None:
+        self.server = server
+        self.state = state
+        self.thread: threading.Thread | None = None
+        self._uvicorn_exit = server.handle_exit
+        server.handle_exit = self.handle_exit  # NOTE: uvicorn installs it as the handler
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.thread is not None or self.server.should_exit:
+            self._uvicorn_exit(sig, frame)
+            return
+        grace = self.state.config.drain_s if sig == signal.SIGTERM else 0.0
+        self.thread = threading.Thread(target=self.drain, args=(grace,), name="tinyserve-drain",
+                                       daemon=True)
+        self.thread.start()
+
+    def drain(self, grace_s: float) -> None:
+        """Refuse new requests, give the running ones `grace_s` seconds, abort the rest (their
+        streams end with their API's error event), then let uvicorn close the connections."""
+        state = self.state
+        state.shutting_down = True
+        engine = state.engine
+        deadline = time.monotonic() + grace_s
+        try:
+            while engine is not None and time.monotonic() < deadline:
+                stats = engine.stats()
+                if stats.running + stats.waiting == 0:
+                    break
+                time.sleep(0.05)
+            if engine is not None:
+                engine.shutdown()
+        finally:
+            self.server.should_exit = True
+
+
 def serve(args: Any, model: str, default_name: str, banner: str = "") -> int:
     """Serve `model` until interrupted. Returns the process exit status."""
     import uvicorn
@@ -135,6 +196,7 @@ def serve(args: Any, model: str, default_name: str, banner: str = "") -> int:
     host, port = args.host, args.port
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                            lifespan="off", timeout_graceful_shutdown=5))
+    Drainer(server, state)
     shown = "localhost" if host in ("0.0.0.0", "::") else host
 
     def ready(engine: Any, device_line: str) -> None:

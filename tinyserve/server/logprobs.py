@@ -4,7 +4,9 @@ completions object (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`).
 A token's text is its own bytes decoded on their own: for a byte-level BPE vocabulary (Qwen's)
 those are the bytes the token stands for (`bytes` in chat entries; a token holding part of a
 UTF-8 character shows U+FFFD in `token` and the exact bytes in `bytes`); for other tokenizers,
-and for added tokens outside the byte alphabet, what `decode([id])` gives.
+and for added tokens outside the byte alphabet, what `decode([id])` gives. A log-probability
+of minus infinity (a token the model rules out) is sent as -9999.0, as OpenAI does: JSON has
+no infinity.
 """
 
 from __future__ import annotations
@@ -14,6 +16,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from tinyserve.core import TokenLogprobs
+
+MIN_LOGPROB = -9999.0  # what OpenAI sends for a token the model rules out
+
+
+def _value(logprob: float) -> float:
+    """A log-probability as JSON can carry it (NaN, which no model should give, too)."""
+    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB
 
 
 @functools.cache
@@ -65,8 +74,9 @@ def chat_entries(text_of: TokenText, logprobs: Sequence[TokenLogprobs]) -> list[
         top = []
         for tid, value in lp.top:
             t, b = text_of(tid)
-            top.append({"token": t, "logprob": value, "bytes": b})
-        out.append({"token": token, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
+            top.append({"token": t, "logprob": _value(value), "bytes": b})
+        out.append({"token": token, "logprob": _value(lp.logprob), "bytes": raw,
+                    "top_logprobs": top})
     return out
 
 
@@ -80,8 +90,8 @@ def completion_logprobs(text_of: TokenText, logprobs: Sequence[TokenLogprobs],
     for lp in logprobs:
         token, _ = text_of(lp.token_id)
         tokens.append(token)
-        values.append(lp.logprob)
-        tops.append({text_of(tid)[0]: value for tid, value in lp.top})
+        values.append(_value(lp.logprob))
+        tops.append({text_of(tid)[0]: _value(value) for tid, value in lp.top})
         offsets.append(offset)
         offset += len(token)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,

@@ -20,12 +20,18 @@ _GAUGES = (
     (("num_waiting", "waiting"), "num_requests_waiting", "requests queued for admission"),
     (("kv_pages_used", "used_pages", "num_used_pages"), "kv_pages_used", "KV cache pages in use"),
     (("kv_pages_total", "total_pages", "num_pages"), "kv_pages_total", "KV cache pages in all"),
+    (("state_slots_used",), "gdn_state_slots_used",
+     "GDN state slots held by running requests (one each)"),
+    (("state_slots_total",), "gdn_state_slots_total",
+     "GDN state slots in all (the most sequences at once)"),
     (("expert_cache_hit_rate",), "expert_cache_hit_rate",
      "fraction of routed-expert lookups served from the GPU expert cache"),
     (("prefix_cache_pages",), "prefix_cache_pages", "KV cache pages held by the prefix cache"),
 )
 # EngineStats attribute -> (counter name, help), rendered when the engine has the attribute.
 _COUNTERS = (
+    ("preemptions", "preemptions_total",
+     "running requests preempted (pages and state slot returned, recomputed later)"),
     ("prefix_cache_queries", "prefix_cache_queries_total",
      "admitted requests that looked up the prefix cache"),
     ("prefix_cache_hits", "prefix_cache_hits_total",

@@ -16,14 +16,13 @@ from typing import Any
 import anyio
 
 from tinyserve.core import SamplingParams
-from tinyserve.server.chat import RenderedPrompt, encode_text
-from tinyserve.server.errors import APIError
+from tinyserve.server.chat import RenderedPrompt
+from tinyserve.server.errors import APIError, ContextLengthError
 from tinyserve.server.generate import check_fits, context_length, make_params
 from tinyserve.server.protocol import ChatCompletionRequest
-from tinyserve.server.reasoning import reasoning_open_in_prompt
 from tinyserve.server.responses import ChatAssembler
 from tinyserve.server.state import ServerState
-from tinyserve.server.tool_choice import continuation, forced_function
+from tinyserve.server.tool_choice import forced_function
 
 
 @dataclass(frozen=True)
@@ -39,39 +38,36 @@ class PreparedChat:
     prefill: str = ""
     clamped: bool = False
 
-    def assembler(self, parallel_tool_calls: bool = True) -> ChatAssembler:
+    def assembler(self, parallel_tool_calls: bool | None = True) -> ChatAssembler:
         """A fresh parser of one choice's generated text."""
         return ChatAssembler(reasoning_open=self.prompt.reasoning_open, tools=self.tools,
                              parallel_tool_calls=parallel_tool_calls, prefill=self.prefill)
 
 
 async def render_prompt(state: ServerState, req: ChatCompletionRequest, *,
-                        prompt_param: str = "messages", answer_prefix: str = ""
-                        ) -> tuple[RenderedPrompt, str]:
+                        prompt_param: str = "messages", answer_prefix: str = "",
+                        context: int | None = None) -> tuple[RenderedPrompt, str]:
     """The prompt of `req` (continuation included) and what the response's parsers read
     first (`PreparedChat.prefill`). `answer_prefix`: the start of the answer, written by the
-    client (not sent back)."""
-    forced = forced_function(req.tool_choice, req.tools) if req.use_tools else None
+    client (not sent back). `context`: refuse a prompt that leaves no room for output in that
+    many tokens before it is tokenised in full (`ChatRenderer.render_messages`)."""
+    forced = forced_function(req.tool_choice, req.tools)  # a 400 for a forced call of no tool
     renderer = state.renderer
-    prompt = await anyio.to_thread.run_sync(renderer.render, req)
-    suffix, prefill = continuation(prompt.reasoning_open, answer_prefix, forced)
-    if suffix:
-        text = prompt.text + suffix
-        ids = await anyio.to_thread.run_sync(
-            lambda: encode_text(renderer.tokenizer, text, prompt_param))
-        prompt = RenderedPrompt(text=text, ids=ids, reasoning_open=reasoning_open_in_prompt(text))
-    return prompt, prefill
+    prompt = await anyio.to_thread.run_sync(lambda: renderer.render(
+        req, context=context, param=prompt_param, answer_prefix=answer_prefix, forced=forced))
+    return prompt, prompt.prefill
 
 
 async def prepare_chat(state: ServerState, req: ChatCompletionRequest, *,
                        prompt_param: str = "messages", max_param: str | None = None,
                        clamp: bool = False, answer_prefix: str = "",
-                       too_long: Callable[[int, int], str] | None = None) -> PreparedChat:
+                       too_long: Callable[[str, int], str] | None = None) -> PreparedChat:
     """Render `req`, check that it fits and build its sampling parameters (400s name
     `prompt_param` / `max_param`, by default the request's max_tokens field). `clamp`: a
     max_tokens beyond what the context has left is cut to it instead of refused.
-    `answer_prefix`: as in `render_prompt`. `too_long(prompt tokens, context)`: the message
-    of the 400 for a prompt the context cannot hold (the API's own wording)."""
+    `answer_prefix`: as in `render_prompt`. `too_long(size, context)`: the message of the 400
+    for a prompt the context cannot hold, in the API's own wording (`size`: the prompt's
+    tokens as `ContextLengthError.size` gives them)."""
     engine = state.require_engine()
     ctx = context_length(engine)
     # NOTE: every message renders to >= 2 tokens; refuse a huge list before the template
@@ -80,20 +76,23 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, *,
         raise APIError(400, f"{len(req.messages)} messages cannot fit in this server's "
                        f"context of {ctx} tokens", param=prompt_param,
                        code="context_length_exceeded")
-    prompt, prefill = await render_prompt(state, req, prompt_param=prompt_param,
-                                          answer_prefix=answer_prefix)
-    if too_long is not None and len(prompt.ids) >= ctx:
-        raise APIError(400, too_long(len(prompt.ids), ctx), param=prompt_param,
-                       code="context_length_exceeded")
-    want, name = req.requested_max_tokens
-    max_param = max_param or name
-    clamped = False
-    if clamp and want is not None:
-        room = check_fits(len(prompt.ids), None, ctx, prompt_param=prompt_param,
-                          max_param=max_param)
-        clamped, want = want > room, min(want, room)
-    max_tokens = check_fits(len(prompt.ids), want, ctx, prompt_param=prompt_param,
-                            max_param=max_param)
+    try:
+        prompt, prefill = await render_prompt(state, req, prompt_param=prompt_param,
+                                              answer_prefix=answer_prefix, context=ctx)
+        want, name = req.requested_max_tokens
+        max_param = max_param or name
+        clamped = False
+        if clamp and want is not None:
+            room = check_fits(len(prompt.ids), None, ctx, prompt_param=prompt_param,
+                              max_param=max_param)
+            clamped, want = want > room, min(want, room)
+        max_tokens = check_fits(len(prompt.ids), want, ctx, prompt_param=prompt_param,
+                                max_param=max_param)
+    except ContextLengthError as exc:
+        if too_long is None or exc.param != prompt_param:
+            raise
+        raise APIError(400, too_long(exc.size, exc.context), param=prompt_param,
+                       code=exc.code) from None
     params = make_params(lambda: req.choice_params(
         max_tokens=max_tokens, stop_token_ids=state.stop_token_ids), max_param)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.use_tools else None

@@ -1,95 +1,248 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and what they ask of the sampler.
 
-Every field is either honoured or rejected with a 400 naming it (`unsupported_fields`).
-Unknown fields are ignored, as OpenAI's own metadata fields (`user`, `metadata`, `store`)
-carry nothing for generation. Responses are plain dicts built in `server.responses`.
+Validation lives here, in one place, for every endpoint: `StrictModel` models are strict (no
+coercion: `max_tokens: "3"` or `true`, `temperature: "0.5"`, `stream: 1` are refused, while
+an integer is a number), refuse unknown fields (as OpenAI's API does), and declare OpenAI's
+ranges on the fields (the served OpenAPI schema shows them); `errors.validation_error` turns
+any failure into a 400 naming the parameter. What the types cannot say (features that are
+not supported, combinations) is checked by `check_supported`. Fields of OpenAI's that carry
+nothing for generation (`METADATA_FIELDS`) are accepted and change nothing; other OpenAI or
+vLLM fields that would change the output are refused by name (`UNSUPPORTED`). The other APIs'
+bodies (`anthropic_api`, `responses_api`) are built the same way: on `RequestBody` (a
+top-level body with its own `UNSUPPORTED`), `StrictModel` and the field types below.
+Responses are plain dicts built in `server.responses`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from tinyserve.core import MAX_TOP_LOGPROBS, ParamError, SamplingParams
-from tinyserve.server.errors import APIError
+from tinyserve.core import MAX_TOP_LOGPROBS, SamplingParams
+from tinyserve.server.errors import APIError, validation_error
 from tinyserve.server.tool_choice import forced_function
 
 MAX_CHOICES = 16  # the most choices (`n`) one request may ask for
+MAX_STOP = 16  # the most stop strings
+COMPLETION_MAX_TOKENS = 16  # /v1/completions' max_tokens when it is omitted or null
 
-# Fields other servers accept that would change the output here if they were ignored.
-_REJECTED_IF_SET = ("audio", "prediction", "web_search_options", "guided_json", "guided_regex",
-                    "guided_choice", "guided_grammar", "structured_outputs", "min_tokens",
-                    "include_stop_str_in_output", "best_of")
-_HARMLESS = {"min_tokens": 0, "best_of": 1}
+# OpenAI fields that would change the output if they were ignored: refused by name when set
+# (null, false and empty values are as good as absent, and the harmless values below too).
+UNSUPPORTED = {
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "verbosity": "verbosity is not supported",
+    "functions": "functions/function_call are deprecated; use tools",
+    "function_call": "functions/function_call are deprecated; use tools",
+    "guided_json": "guided decoding is not supported",
+    "guided_regex": "guided decoding is not supported",
+    "guided_choice": "guided decoding is not supported",
+    "guided_grammar": "guided decoding is not supported",
+    "structured_outputs": "structured outputs are not supported",
+    "min_tokens": "min_tokens is not supported",
+    "include_stop_str_in_output": "include_stop_str_in_output is not supported",
+}
+_HARMLESS = {"min_tokens": 0}
+# OpenAI fields that carry nothing for generation here: accepted, and they change nothing.
+METADATA_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key",
+                   "safety_identifier")
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
+
+Probability = Annotated[float, Field(ge=0, le=1)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+TokenId = Annotated[int, Field(ge=0)]
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class StrictModel(BaseModel):
+    """A request body or part of one: strict types, finite numbers, no unknown fields."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class StreamOptions(_Body):
+class RequestBody(StrictModel):
+    """A top-level body. `UNSUPPORTED`: the API's fields that would change the output if they
+    were ignored, refused by name with the reason when set (`errors.validation_error`); sent
+    empty (null, false, "", [], {}) or with their `HARMLESS` value they are as good as absent."""
+
+    UNSUPPORTED: ClassVar[dict[str, str]] = {}
+    HARMLESS: ClassVar[dict[str, Any]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_unset(cls, data: Any) -> Any:
+        """Unsupported fields sent empty or harmless are dropped."""
+        if not isinstance(data, dict) or not any(k in cls.UNSUPPORTED for k in data):
+            return data
+        return {k: v for k, v in data.items()
+                if k not in cls.UNSUPPORTED or not _unset(v, cls.HARMLESS.get(k, _NO_VALUE))}
+
+
+_NO_VALUE = object()
+
+
+def _unset(value: Any, harmless: Any) -> bool:
+    if value is None or value is False or (isinstance(value, (str, list, dict)) and not value):
+        return True
+    return type(value) is type(harmless) and value == harmless
+
+
+class OpenAIBody(RequestBody):
+    """An OpenAI body: its metadata fields are accepted and change nothing."""
+
+    UNSUPPORTED: ClassVar[dict[str, str]] = UNSUPPORTED
+    HARMLESS: ClassVar[dict[str, Any]] = _HARMLESS
+
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+
+class OtherKind(BaseModel):
+    """A block, item or part of a kind this server does not take: kept as it came (any fields),
+    so that the translator that meets it refuses it naming its `type`."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+
+
+def by_type(kinds: dict[str, type[BaseModel]], default: str | None = None) -> Any:
+    """A union of models picked by the value's `type` (`kinds`: type -> model; `default`: the
+    type of a value without one); a value of any other type is an `OtherKind`."""
+    other = OtherKind.__name__
+    names = {kind: model.__name__ for kind, model in kinds.items()}
+
+    def pick(value: Any) -> str:
+        kind = (value.get("type", default) if isinstance(value, dict)
+                else getattr(value, "type", default))
+        return names.get(kind, other) if isinstance(kind, str) else other
+
+    # NOTE: the tags are the models' names, which `errors.validation_error` leaves out of a
+    # parameter's path (`messages[0].content[2].text`)
+    members = [Annotated[m, Tag(m.__name__)] for m in dict.fromkeys([*kinds.values(), OtherKind])]
+    return Annotated[Union[tuple(members)], Discriminator(pick)]  # noqa: UP007
+
+
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class FunctionDef(_Body):
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class FunctionDef(StrictModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
-class Tool(_Body):
+class Tool(StrictModel):
     type: Literal["function"] = "function"
     function: FunctionDef
 
 
-class ChatMessage(_Body):
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str | dict[str, Any] = ""  # OpenAI sends a JSON string; an object is taken too
+
+
+class ToolCall(StrictModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+    index: int | None = None  # clients that merged streamed deltas keep it
+
+
+class ContentPart(StrictModel):
+    """A content part; only `{"type": "text", "text": ...}` is supported (`check_supported`
+    names the others)."""
+
+    type: str
+    text: str | None = None
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+    refusal: Any = None
+
+
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
+    # what an OpenAI client echoes back of an earlier response's message
+    refusal: None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: None = None
+    function_call: None = None
 
 
-class _Sampling(_Body):
-    """Sampling fields shared by chat and completions (top_k, min_p, repetition_penalty and
-    ignore_eos are the usual extensions of local servers)."""
+class ThinkingConfig(StrictModel):
+    type: Literal["enabled", "disabled"]
+
+
+class _Sampling(OpenAIBody):
+    """Sampling fields shared by chat and completions (top_k, min_p, repetition_penalty,
+    stop_token_ids and ignore_eos are the usual extensions of local servers)."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: Probability | None = None  # 0: only the most likely token (greedy)
+    top_k: int | None = Field(None, ge=-1)  # 0 or -1: off
+    min_p: Probability | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, json_schema_extra={"propertyNames": {"pattern": "^[0-9]{1,10}$"}})
+    response_format: ResponseFormat | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        seen: set[int] = set()
+        for key in value or {}:
+            if not _TOKEN_ID_KEY.fullmatch(key):
+                raise ValueError(f"keys must be token ids (decimal digits), got {key[:40]!r}")
+            if int(key) in seen:
+                raise ValueError(f"lists token {int(key)} twice")
+            seen.add(int(key))
+        return value
 
     def _unsupported_common(self) -> None:
-        extra = self.model_extra or {}
-        for name in _REJECTED_IF_SET:
-            value = extra.get(name)
-            if value not in (None, False, "", [], {}) and value != _HARMLESS.get(name):
-                raise APIError(400, f"{name} is not supported", param=name)
-        modalities = extra.get("modalities")
-        if modalities not in (None, ["text"]):
-            raise APIError(400, "only the text modality is supported", param="modalities")
-        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
-            raise APIError(400, f"n must be in [1, {MAX_CHOICES}]", param="n")
-        if isinstance(self.stop, list) and len(self.stop) > 16:
-            raise APIError(400, "stop takes at most 16 strings", param="stop")
+        fmt = self.response_format.type if self.response_format is not None else "text"
+        if fmt != "text":
+            raise APIError(400, f"response_format {fmt!r} is not supported (no constrained "
+                           "decoding); use 'text'", param="response_format")
 
     def sampling_params(self, *, max_tokens: int, stop_token_ids: tuple[int, ...] = ()
                         ) -> SamplingParams:
@@ -100,28 +253,20 @@ class _Sampling(_Body):
             value = getattr(self, name)
             if value is not None:
                 kw[name] = value
+        if kw.get("top_k") == -1:
+            kw["top_k"] = 0
+        if kw.get("top_p") == 0:  # nothing but the most likely token: greedy
+            kw.update(top_p=1.0, temperature=0.0)
         stops = tuple(self.stop_token_ids or ()) + (() if self.ignore_eos else stop_token_ids)
         return SamplingParams(max_tokens=max_tokens, stop=self.stop, ignore_eos=self.ignore_eos,
                               stop_token_ids=tuple(dict.fromkeys(stops)),
-                              logit_bias=self._logit_bias(), logprobs=self.top_k_logprobs,
-                              **kw)
+                              logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+                              logprobs=self.top_k_logprobs, **kw)
 
     @property
     def top_k_logprobs(self) -> int | None:
         """How many alternatives per token the request's logprobs ask for (None: none)."""
         return None
-
-    def _logit_bias(self) -> dict[int, float]:
-        """`logit_bias` with its JSON keys (strings) read as token ids."""
-        bias: dict[int, float] = {}
-        for key, value in (self.logit_bias or {}).items():
-            text = key.strip()
-            if not text.isdigit():
-                raise ParamError("logit_bias", f"keys must be token ids, got {key!r}")
-            if int(text) in bias:
-                raise ParamError("logit_bias", f"lists token {int(text)} twice")
-            bias[int(text)] = value
-        return bias
 
     def choice_params(self, *, max_tokens: int, stop_token_ids: tuple[int, ...] = ()
                       ) -> list[SamplingParams]:
@@ -139,47 +284,34 @@ class _Sampling(_Body):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[Tool] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
-    thinking: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    thinking: ThinkingConfig | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
-    functions: list[dict[str, Any]] | None = None
-    function_call: str | dict[str, Any] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    modalities: list[str] | None = None
 
     def check_supported(self) -> None:
         self._unsupported_common()
-        if not self.messages:
-            raise APIError(400, "messages must be a non-empty list", param="messages")
+        if self.modalities not in (None, ["text"]):
+            raise APIError(400, "only the text modality is supported", param="modalities")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise APIError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]",
-                           param="top_logprobs")
-        fmt = (self.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise APIError(400, f"response_format {fmt!r} is not supported (no constrained "
-                           "decoding); use 'text'", param="response_format")
-        if self.functions or self.function_call:
-            raise APIError(400, "functions/function_call are deprecated; use tools",
-                           param="functions" if self.functions else "function_call")
         forced_function(self.tool_choice, self.tools)  # a 400 for an unusable tool_choice
-        if self.reasoning_effort not in (None, "none", "minimal", "low", "medium", "high"):
-            raise APIError(400, "reasoning_effort must be none, minimal, low, medium or high",
-                           param="reasoning_effort")
-        if self.thinking and self.thinking.get("type") not in ("enabled", "disabled"):
-            raise APIError(400, "thinking.type must be 'enabled' or 'disabled'",
-                           param="thinking")
+        for i, tool in enumerate(self.tools or ()):
+            if tool.function.strict:
+                raise APIError(400, "strict function calling needs constrained decoding, which "
+                               "is not supported; send strict: false",
+                               param=f"tools[{i}].function.strict")
         for i, msg in enumerate(self.messages):
             if isinstance(msg.content, list):
                 for part in msg.content:
-                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    if part.type != "text" or part.text is None:
                         raise APIError(400, "only text content parts are supported",
                                        param=f"messages[{i}].content")
 
@@ -202,19 +334,19 @@ class ChatCompletionRequest(_Sampling):
         kw = dict(self.chat_template_kwargs or {})
         if "enable_thinking" not in kw:
             if self.thinking is not None:
-                kw["enable_thinking"] = self.thinking.get("type") == "enabled"
+                kw["enable_thinking"] = self.thinking.type == "enabled"
             elif self.reasoning_effort is not None:
                 kw["enable_thinking"] = self.reasoning_effort != "none"
         return kw
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16)
+    prompt: (str | Annotated[list[str], Field(min_length=1)] | list[TokenId]
+             | Annotated[list[list[TokenId]], Field(min_length=1)])
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
-    logprobs: int | None = None
+    best_of: int | None = Field(None, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def check_supported(self) -> None:
         self._unsupported_common()
@@ -224,6 +356,11 @@ class CompletionRequest(_Sampling):
             raise APIError(400, "suffix is not supported", param="suffix")
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of must be 1", param="best_of")
+
+    @property
+    def requested_max_tokens(self) -> int:
+        """max_tokens, or 16 when it is omitted or null (OpenAI's default here)."""
+        return COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
 
     @property
     def top_k_logprobs(self) -> int | None:
@@ -239,3 +376,13 @@ class CompletionRequest(_Sampling):
         if (isinstance(p, str) and not p) or (isinstance(p, list) and not p):
             raise APIError(400, "prompt must not be empty", param="prompt")
         return p
+
+
+def chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat request another API's translator built (`anthropic_api`, `responses_api`). A
+    value that API's own model let through but a chat request refuses is a 400 (its
+    parameter named as the chat request names it), never a 500."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(list(exc.errors()), OpenAIBody.UNSUPPORTED) from None

@@ -32,13 +32,13 @@ class ChatAssembler:
     """Per-request text processing for chat completions."""
 
     def __init__(self, *, reasoning_open: bool, tools: list[dict] | None = None,
-                 parallel_tool_calls: bool = True, prefill: str = "") -> None:
+                 parallel_tool_calls: bool | None = True, prefill: str = "") -> None:
         """`prefill`: text the prompt ends with that the parsers read before the generated
         text, as if generated (a forced tool call's preamble)."""
         self._prefill = prefill
         self._reasoning = ReasoningParser(reasoning_open)
         self._tools = ToolCallParser(tools) if tools else None
-        self._parallel = parallel_tool_calls
+        self._parallel = parallel_tool_calls is not False  # None: OpenAI's default, true
         self.content = ""
         self.reasoning = ""
         self.tool_calls: list[dict[str, Any]] = []

@@ -17,10 +17,17 @@ with `store: false`). Reasoning comes back to a client that asks for
 encoding of the text), so a client that returns its reasoning items that way, as Codex does,
 keeps the model's earlier thinking. Refused with a 400 naming the field: `store: true`,
 `previous_response_id`, `conversation`, `background`, `prompt`, item references, built-in and
-custom tools (web search, file search, shell, ...), images and files, structured outputs
-(`text.format` other than text), `truncation: "auto"`, logprobs and `max_tool_calls`.
-Accepted without effect: `metadata`, `user`, `prompt_cache_key`, `service_tier`,
-`safety_identifier`, `client_metadata`, `reasoning.summary` and `text.verbosity`.
+custom tools (web search, file search, shell, ...), `strict: true` functions (no constrained
+decoding), images and files, structured outputs (`text.format` other than text),
+`truncation: "auto"`, logprobs and `max_tool_calls`. Accepted without effect: `metadata`,
+`user`, `prompt_cache_key`, `prompt_cache_retention`, `service_tier`, `safety_identifier`,
+`client_metadata`, `stream_options`, `reasoning.summary`, `text.verbosity` and the `id` /
+`status` of items sent back.
+
+The body (`responses_protocol`) is validated as chat/completions' is: strict types, OpenAI's
+ranges, unknown fields refused by name; items and parts of a kind this server does not take
+are refused naming their kind. Special-token strings in any of the client's text are text, as
+on every chat route.
 """
 
 from __future__ import annotations
@@ -29,92 +36,34 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
 
 from tinyserve.server.errors import APIError
 from tinyserve.server.generate import generate
 from tinyserve.server.prepare import prepare_chat
-from tinyserve.server.protocol import ChatCompletionRequest
-from tinyserve.server.responses_events import (
+from tinyserve.server.protocol import ChatCompletionRequest, chat_request
+from tinyserve.server.responses_events import ResponsesFormatter, decode_reasoning
+from tinyserve.server.responses_protocol import (
     ENCRYPTED_INCLUDE,
-    ResponsesFormatter,
-    decode_reasoning,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionChoice,
+    MessageItem,
+    ReasoningItem,
+    ResponsesRequest,
+    TextPart,
 )
 from tinyserve.server.state import ServerState
 
-_REJECTED_IF_SET = ("previous_response_id", "conversation", "background", "prompt",
-                    "max_tool_calls", "top_logprobs", "context_management")
-_INCLUDABLE = (ENCRYPTED_INCLUDE,)
 
-
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
-    max_output_tokens: int | None = None
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    stream: bool = False
-    reasoning: dict[str, Any] | None = None
-    include: list[str] | None = None
-    store: bool | None = None
-    text: dict[str, Any] | None = None
-    truncation: str | None = None
-    metadata: dict[str, Any] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # extension
-
-    def check_supported(self) -> None:
-        extra = self.model_extra or {}
-        for name in _REJECTED_IF_SET:
-            if extra.get(name) not in (None, False, "", [], {}):
-                raise APIError(400, f"{name} is not supported (this server keeps no state and "
-                               "runs no background work)" if name != "max_tool_calls" else
-                               f"{name} is not supported", param=name)
-        if self.store:
-            raise APIError(400, "store: true is not supported: this server keeps no responses; "
-                           "send the whole conversation with store: false", param="store")
-        for i, item in enumerate(self.include or []):
-            if item not in _INCLUDABLE:
-                raise APIError(400, f"include {item!r} is not supported (only "
-                               f"{ENCRYPTED_INCLUDE!r})", param=f"include[{i}]")
-        fmt = ((self.text or {}).get("format") or {}).get("type", "text")
-        if fmt != "text":
-            raise APIError(400, f"text.format {fmt!r} is not supported (no constrained "
-                           "decoding)", param="text.format")
-        if self.truncation not in (None, "disabled"):
-            raise APIError(400, "truncation must be 'disabled'", param="truncation")
-        for i, tool in enumerate(self.tools or []):
-            kind = tool.get("type")
-            if kind != "function":
-                hint = " (in Codex: web_search = \"disabled\")" if kind == "web_search" else ""
-                raise APIError(400, f"tools[{i}]: the {kind!r} tool is not supported; only "
-                               f"function tools are{hint}", param=f"tools[{i}].type")
-            if not isinstance(tool.get("name"), str):
-                raise APIError(400, f"tools[{i}].name is required", param=f"tools[{i}].name")
-        effort = (self.reasoning or {}).get("effort")
-        if effort not in (None, "none", "minimal", "low", "medium", "high", "xhigh"):
-            raise APIError(400, "reasoning.effort must be none, minimal, low, medium, high or "
-                           "xhigh", param="reasoning.effort")
-
-
-def _text_parts(content: Any, where: str) -> str:
+def _text_parts(content: str | list[Any], where: str) -> str:
     if isinstance(content, str):
         return content
-    if not isinstance(content, list):
-        raise APIError(400, f"{where} must be a string or a list of parts", param=where)
     out = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text",
-                                                                   "text"):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise APIError(400, f"{where}[{j}]: {kind!r} parts are not supported (text only; "
-                           "this server serves a text model)", param=f"{where}[{j}]")
-        out.append(str(part.get("text", "")))
+        if not isinstance(part, TextPart):
+            raise APIError(400, f"{where}[{j}]: {part.type!r} parts are not supported (text "
+                           "only; this server serves a text model)", param=f"{where}[{j}]")
+        out.append(part.text)
     return "".join(out)
 
 
@@ -133,41 +82,34 @@ class _Turns:
             self.messages.append(self._assistant)
         return self._assistant
 
-    def add(self, item: dict[str, Any], where: str) -> None:
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            text = _text_parts(item.get("content"), f"{where}.content")
-            if role in ("system", "developer"):
+    def add(self, item: Any, where: str) -> None:
+        if isinstance(item, MessageItem):
+            text = _text_parts(item.content, f"{where}.content")
+            if item.role in ("system", "developer"):
                 self.system.append(text)
-            elif role == "user":
+            elif item.role == "user":
                 self._assistant = None
                 self.messages.append({"role": "user", "content": text})
-            elif role == "assistant":
+            else:
                 turn = self._assistant
                 if turn is None or turn["content"] or turn.get("tool_calls"):
                     turn = self._turn(new=True)
                 turn["content"] = text
-            else:
-                raise APIError(400, f"{where}.role must be user, assistant, system or developer",
-                               param=f"{where}.role")
-        elif kind == "reasoning":
-            text = decode_reasoning(item)
+        elif isinstance(item, ReasoningItem):
+            text = decode_reasoning(item.model_dump(exclude_none=True))
             turn = self._turn(new=True)
             if text:
                 turn["reasoning_content"] = text
-        elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"),
-                                 "arguments": item.get("arguments") or "{}"}}
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments or "{}"}}
             self._turn().setdefault("tool_calls", []).append(call)
-        elif kind == "function_call_output":
+        elif isinstance(item, FunctionCallOutputItem):
             self._assistant = None
-            self.messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                                  "content": _text_parts(item.get("output", ""),
-                                                         f"{where}.output")})
+            self.messages.append({"role": "tool", "tool_call_id": item.call_id,
+                                  "content": _text_parts(item.output, f"{where}.output")})
         else:
-            raise APIError(400, f"{where}: {kind!r} items are not supported (messages, "
+            raise APIError(400, f"{where}: {item.type!r} items are not supported (messages, "
                            "reasoning, function_call and function_call_output are; this "
                            "server keeps no state)", param=f"{where}.type")
 
@@ -179,7 +121,7 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     if req.instructions:
         turns.system.append(req.instructions)
     if isinstance(req.input, str):
-        turns.add({"type": "message", "role": "user", "content": req.input}, "input")
+        turns.add(MessageItem(role="user", content=req.input), "input")
     else:
         for i, item in enumerate(req.input):
             turns.add(item, f"input[{i}]")
@@ -187,25 +129,22 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
                 else []) + turns.messages
     if not turns.messages:
         raise APIError(400, "input must hold at least one message", param="input")
-    tool_choice = req.tool_choice
-    if isinstance(tool_choice, dict):
-        if tool_choice.get("type") != "function" or not isinstance(tool_choice.get("name"), str):
-            raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or "
-                           "{'type': 'function', 'name': ...}", param="tool_choice")
-        tool_choice = {"type": "function", "function": {"name": tool_choice["name"]}}
+    tool_choice: Any = req.tool_choice
+    if isinstance(tool_choice, FunctionChoice):
+        tool_choice = {"type": "function", "function": {"name": tool_choice.name}}
     tools = [{"type": "function", "function": {
-        "name": t["name"], "description": t.get("description"),
-        "parameters": t.get("parameters") or {"type": "object", "properties": {}}}}
+        "name": t.name, "description": t.description,
+        "parameters": t.parameters or {"type": "object", "properties": {}}}}
         for t in req.tools or []]
     body: dict[str, Any] = {
         "messages": messages, "tools": tools or None, "tool_choice": tool_choice,
         "parallel_tool_calls": req.parallel_tool_calls, "max_tokens": req.max_output_tokens,
         "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream,
         "chat_template_kwargs": {"preserve_thinking": True, **(req.chat_template_kwargs or {})}}
-    effort = (req.reasoning or {}).get("effort")
+    effort = req.reasoning.effort if req.reasoning is not None else None
     if effort is not None:
         body["thinking"] = {"type": "disabled" if effort == "none" else "enabled"}
-    return ChatCompletionRequest.model_validate(body)
+    return chat_request(body)
 
 
 def add_responses_routes(app: FastAPI, state: ServerState) -> None:

@@ -28,8 +28,8 @@ from typing import Any
 from tinyserve.core import TokenLogprobs
 from tinyserve.server.errors import APIError
 from tinyserve.server.responses import ChatAssembler
+from tinyserve.server.streaming import sse
 
-ENCRYPTED_INCLUDE = "reasoning.encrypted_content"
 _MARK = "tsr1."
 _ECHOED = ("instructions", "max_output_tokens", "parallel_tool_calls", "temperature", "top_p",
            "tool_choice", "tools", "reasoning", "text", "metadata")
@@ -72,9 +72,11 @@ class ResponsesFormatter:
         self.created_at = int(time.time())
         self.model = model
         self.assembler = assembler
-        self._echo = {k: getattr(echo, k, None) for k in _ECHOED}
+        settings = echo.model_dump(mode="json", exclude_none=True, by_alias=True)
+        self._echo = {k: settings.get(k) for k in _ECHOED}
         self._echo["tools"] = self._echo["tools"] or []
         self._echo["tool_choice"] = self._echo["tool_choice"] or "auto"
+        self._echo["parallel_tool_calls"] = self._echo["parallel_tool_calls"] is not False
         self._with_encrypted = with_encrypted
         self._count = count_tokens
         self.output: list[dict[str, Any]] = []
@@ -102,8 +104,7 @@ class ResponsesFormatter:
     def encode(self, event: dict[str, Any]) -> str:
         event["sequence_number"] = self._seq
         self._seq += 1
-        data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-        return f"event: {event['type']}\ndata: {data}\n\n"
+        return sse(event, event["type"])
 
     def error_event(self, err: APIError) -> str:
         failed = self._response("failed", None)

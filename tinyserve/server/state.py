@@ -10,6 +10,7 @@ from tinyserve.server.chat import ChatRenderer
 from tinyserve.server.errors import APIError
 from tinyserve.server.logprobs import TokenText
 from tinyserve.server.metrics import ServerMetrics
+from tinyserve.server.prompt_ids import encoder_for
 
 
 @dataclass(frozen=True)
@@ -17,16 +18,24 @@ class ServerConfig:
     """How the HTTP layer behaves. The CLI takes its defaults from these fields."""
 
     served_model_name: str = "tinyserve"
-    api_key: str | None = None  # one key, or several separated by commas
+    api_key: str | None = None  # one key, or several separated by commas (None: no key)
     cors_origins: tuple[str, ...] = ()
     keepalive_s: float = 5.0  # SSE `: keep-alive` comment after this long without output
     disconnect_poll_s: float = 0.25  # how often a non-streamed request checks its client
     max_body_bytes: int = 16 * 1024 * 1024
     always_include_usage: bool = False  # send the usage chunk even without include_usage
+    drain_s: float = 30.0  # on SIGTERM: how long running requests may take to finish
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_keys:
+            # NOTE: "" or "," must not mean "no authentication": the caller asked for a key
+            raise ValueError(f"the API key list {self.api_key!r} holds no key")
+        if not self.drain_s >= 0:
+            raise ValueError(f"drain_s must be >= 0, got {self.drain_s}")
 
     @property
     def api_keys(self) -> tuple[str, ...]:
-        if not self.api_key:
+        if self.api_key is None:
             return ()
         return tuple(k.strip() for k in self.api_key.split(",") if k.strip())
 
@@ -73,6 +82,7 @@ class ServerState:
                 ids.append(tid)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             ids.append(int(tokenizer.eos_token_id))
+        encoder_for(tokenizer)  # its vocabulary scan now, not in the first request
         with self._lock:
             self.renderer = ChatRenderer(tokenizer)
             self.token_text = TokenText(tokenizer)

@@ -18,9 +18,12 @@ KEEPALIVE = ": keep-alive\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def sse(obj: dict[str, Any]) -> str:
-    """One SSE event carrying `obj` as JSON."""
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def sse(obj: dict[str, Any], event: str | None = None) -> str:
+    """One SSE event carrying `obj` as strict JSON (a NaN or an infinity raises ValueError,
+    as in the non-streamed bodies: they are not JSON), named `event` when given (the
+    Anthropic and Responses APIs name each event by its type)."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return f"data: {text}\n\n" if event is None else f"event: {event}\ndata: {text}\n\n"
 
 
 class _End:

@@ -14,14 +14,18 @@ The model writes one block per call::
 `ContentDelta` for text outside the blocks, `ToolCallStart` when a function name is known,
 `ToolCallArgs` with the next fragment of the call's JSON `arguments` (the fragments of one call
 concatenate to a JSON object). Parameter values are converted to the JSON type their tool's
-schema declares. `finish()` flushes what is left, closing a half-written call when its name is
-known and returning the raw text as content otherwise (a malformed block is never lost).
+schema declares; whatever the model writes and whatever the client's schema says, the
+arguments are strict JSON (a value that would not be - a set, bytes, an infinite or NaN
+number - stays the model's text). `finish()` flushes what is left, closing a half-written
+call when its name is known and returning the raw text as content otherwise (a malformed
+block is never lost).
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 import uuid
 from dataclasses import dataclass
@@ -74,8 +78,11 @@ def schema_types(tools: list[dict] | None) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _type_names(schema: Any) -> list[str]:
-    if not isinstance(schema, dict):
+_MAX_SCHEMA_DEPTH = 16  # anyOf / oneOf nesting followed when looking for a type
+
+
+def _type_names(schema: Any, depth: int = 0) -> list[str]:
+    if not isinstance(schema, dict) or depth > _MAX_SCHEMA_DEPTH:
         return []
     t = schema.get("type")
     if isinstance(t, str):
@@ -84,15 +91,35 @@ def _type_names(schema: Any) -> list[str]:
         return [x for x in t if isinstance(x, str)]
     names: list[str] = []
     for key in ("anyOf", "oneOf"):
-        for sub in schema.get(key) or []:
-            names += _type_names(sub)
+        subs = schema.get(key)
+        for sub in subs if isinstance(subs, list) else ():
+            names += _type_names(sub, depth + 1)
     if not names and "enum" in schema:
         names = ["string"]
     return names
 
 
+def json_text(value: Any) -> str | None:
+    """`value` as strict JSON text (no NaN or Infinity, only JSON types), or None."""
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return None
+
+
 def convert_value(value: str, schema: Any) -> Any:
-    """Turn a parameter's text into the JSON type its schema declares (text when unsure)."""
+    """Turn a parameter's text into the JSON type its schema declares (text when unsure, or
+    when the converted value would not be strict JSON)."""
+    out = _convert(value, schema)
+    if out is value:
+        return value
+    text = json_text(out)
+    if text is None:
+        return value
+    return json.loads(text) if isinstance(out, (tuple, list, dict)) else out  # JSON's own types
+
+
+def _convert(value: str, schema: Any) -> Any:
     types = _type_names(schema)
     if not types:
         return value
@@ -107,7 +134,9 @@ def convert_value(value: str, schema: Any) -> Any:
                 return int(stripped)
             if t == "number":
                 num = float(stripped)
-                return int(num) if num.is_integer() and re.fullmatch(r"-?\d+", stripped) else num
+                if not math.isfinite(num):
+                    continue
+                return int(stripped) if re.fullmatch(r"-?\d+", stripped) else num
             if t == "boolean" and stripped.lower() in ("true", "false"):
                 return stripped.lower() == "true"
             if t in ("object", "array"):
@@ -266,8 +295,8 @@ class ToolCallParser:
         value = convert_value(_strip_one_newline(raw), schema)
         sep = "{" if self._num_params == 0 else ", "
         self._num_params += 1
-        events.append(ToolCallArgs(self._index, f"{sep}{json.dumps(key)}: "
-                                                f"{json.dumps(value, ensure_ascii=False)}"))
+        events.append(ToolCallArgs(self._index, f"{sep}{json.dumps(key, ensure_ascii=False)}: "
+                                                f"{json_text(value)}"))
 
     def _close_call(self, events: list[ToolEvent]) -> None:
         events.append(ToolCallArgs(self._index, "}" if self._num_params else "{}"))

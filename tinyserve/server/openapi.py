@@ -1,0 +1,115 @@
+"""The OpenAPI schema served at `GET /openapi.json` (behind the API key when one is set).
+
+FastAPI's generated schema is corrected to what the server really answers: no 422 (every
+validation error is a 400 with the API's error object), and each route lists the error
+statuses it can send (400 invalid request, 401 missing or wrong key, 404 unknown model or
+route, 413 body too large, 500 generation failure, 503 loading or shutting down), each with
+the error schema of the route's API: OpenAI's error object, or Anthropic's on `/v1/messages`
+and the routes under it. Generation routes answer JSON or, with `stream: true`, server-sent
+events (each API's own). With an API key the schema declares the key's two headers
+(`Authorization: Bearer` or `x-api-key`) on every route but /health. The served model's id is
+the example of the bodies' `model` field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tinyserve.server.errors import ANTHROPIC_TYPES, is_anthropic_path
+
+ERROR_SCHEMA = {
+    "type": "object", "required": ["error"], "additionalProperties": False,
+    "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string"},
+                       "type": {"type": "string",
+                                "enum": ["invalid_request_error", "server_error"]},
+                       "param": {"type": ["string", "null"]},
+                       "code": {"type": ["string", "null"]}}}}}
+
+ANTHROPIC_ERROR_SCHEMA = {
+    "type": "object", "required": ["type", "error"], "additionalProperties": False,
+    "properties": {"type": {"type": "string", "enum": ["error"]}, "error": {
+        "type": "object", "required": ["type", "message"],
+        "properties": {"type": {"type": "string",
+                                "enum": sorted(set(ANTHROPIC_TYPES.values()) | {"api_error"})},
+                       "message": {"type": "string"}}}}}
+
+_WHY = {
+    "400": "invalid request: the parameter is named in `error.param`",
+    "401": "missing or wrong API key (only when the server has one)",
+    "404": "unknown model or route",
+    "413": "request body larger than the server's limit",
+    "500": "generation failed",
+    "503": "the model is still loading or the server is shutting down",
+}
+_GENERATE = ("400", "401", "404", "413", "500", "503")
+# statuses each route may answer besides 200 (method, path)
+_ERRORS = {
+    ("POST", "/v1/chat/completions"): _GENERATE,
+    ("POST", "/v1/completions"): _GENERATE,
+    ("POST", "/v1/messages"): _GENERATE,
+    ("POST", "/v1/messages/count_tokens"): ("400", "401", "404", "413", "503"),
+    ("POST", "/v1/responses"): _GENERATE,
+    ("GET", "/v1/models"): ("401", "503"),
+    ("GET", "/v1/models/{model_id}"): ("401", "404", "503"),
+    ("GET", "/metrics"): ("401",),
+    ("GET", "/health"): ("503",),
+}
+# what a streamed answer (`stream: true`) of each generating route is
+_STREAMING = {
+    ("POST", "/v1/chat/completions"): "server-sent events (`stream: true`): `data:` chunks "
+    "ending with `data: [DONE]` (after an error event too)",
+    ("POST", "/v1/completions"): "server-sent events (`stream: true`): `data:` chunks ending "
+    "with `data: [DONE]` (after an error event too)",
+    ("POST", "/v1/messages"): "server-sent events (`stream: true`), each named by its type: "
+    "`message_start` ... `message_stop`, or an `error` event after a failure",
+    ("POST", "/v1/responses"): "server-sent events (`stream: true`), each named by its type "
+    "and numbered: `response.created` ... `response.completed` (or `response.incomplete`), "
+    "or `response.failed` after a failure",
+}
+
+
+def openapi_schema(app: Any, *, with_key: bool, model: str | None = None) -> dict[str, Any]:
+    """The corrected schema of `app` (`with_key`: the server requires an API key; `model`:
+    the model id it serves, given as the example of every `model` field)."""
+    from fastapi.openapi.utils import get_openapi
+
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                         description="OpenAI-compatible API of tinyserve (and the "
+                                     "Anthropic Messages API)")
+    components = schema.setdefault("components", {})
+    schemas = components.setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    schemas["ErrorResponse"] = ERROR_SCHEMA
+    schemas["AnthropicErrorResponse"] = ANTHROPIC_ERROR_SCHEMA
+    for body in schemas.values():
+        field = body.get("properties", {}).get("model")
+        if model is not None and field is not None:
+            field["examples"] = [model]
+    if with_key:
+        components["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer"},
+            "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
+        schema["security"] = [{"bearer": []}, {"apiKey": []}]  # either header
+    for path, item in schema.get("paths", {}).items():
+        for method, op in item.items():
+            key = (method.upper(), path)
+            responses = op.setdefault("responses", {})
+            responses.pop("422", None)
+            ref = {"$ref": "#/components/schemas/" + ("AnthropicErrorResponse"
+                                                      if is_anthropic_path(path)
+                                                      else "ErrorResponse")}
+            for status in _ERRORS.get(key, ("401",) if with_key else ()):
+                if status == "401" and not with_key:
+                    continue
+                responses[status] = {"description": _WHY[status],
+                                     "content": {"application/json": {"schema": ref}}}
+            if key in _STREAMING:
+                ok = responses.setdefault("200", {"description": "Successful Response"})
+                ok.setdefault("content", {})["text/event-stream"] = {"schema": {
+                    "type": "string", "description": _STREAMING[key]}}
+            if path == "/health" and with_key:
+                op["security"] = []
+    return schema

@@ -11,15 +11,15 @@ outside it (`MemoryPlan.allocator_cap`), item by item:
   made and a bf16 and an fp32 matmul have run, less what torch's allocator holds then.
 - "kernels, local memory, graphs": what grows after start-up and cannot be measured before
   the model runs: kernel modules as they load, local memory the driver enlarges for kernels
-  that need more of it, CUDA graph executables. A figure measured on the H200 (the GPU with
-  the most SMs that tinyserve runs on, so an upper bound for smaller ones):
-  bench/memory_budget.py, `calibration` in bench/results/memory_budget.json.
+  that need more of it, CUDA graph executables. A figure measured on the reference GPU (the
+  GPU with the most SMs that tinyserve runs on, so an upper bound for smaller ones) by
+  bench/memory_budget.py.
 - "host memory mappings": the device page tables of registered host memory (the pinned
   expert store and embedding table the kernels read over PCIe), per GiB registered; measured
   the same way.
 
-Without the device (`tinyserve plan` for a GPU that is elsewhere) the H200's start-up figure
-stands in for the measurement, and the plan says so.
+Without the device (`tinyserve plan` for a GPU that is elsewhere) the reference GPU's start-up
+figure stands in for the measurement, and the plan says so.
 
 The process's device memory (`DeviceMemoryProbe.process_used`): NVML's per-process figure
 (nvidia-ml-py, `import pynvml`) when NVML lists this process; else the device's used memory
@@ -42,11 +42,12 @@ log = get_logger(__name__)
 MiB = 1 << 20
 GiB = 1 << 30
 
-# Measured on one H200 (bench/memory_budget.py; bench/results/memory_budget.json holds the
-# runs). The start-up figure is only used where no GPU can be measured.
-H200_STARTUP = 680 * MiB  # context + cuBLAS/cuBLASLt after a bf16 and an fp32 matmul (676)
-LATE_GROWTH = 192 * MiB  # kernel modules, local-memory growth, graph executables (150-152)
-MAPPING_PER_GIB = 0  # device memory per GiB of registered host memory (0 at 2 GiB)
+# Measured on the reference GPU, an H200, by bench/memory_budget.py (the runs and the
+# calibration: docs/RESULTS.md, "The whole process inside --gpu-memory"). The start-up figure
+# is only used where no GPU can be measured.
+H200_STARTUP = 680 * MiB  # context + cuBLAS/cuBLASLt after a bf16 and an fp32 matmul
+LATE_GROWTH = 192 * MiB  # kernel modules, local-memory growth, graph executables
+MAPPING_PER_GIB = 0  # device memory per GiB of registered host memory
 _ROUND = 8 * MiB  # measured figures are rounded up to this, so that plan and run agree
 
 CONTEXT_ITEM = "CUDA context, libraries"
@@ -95,7 +96,8 @@ def cpu_device() -> DeviceMemory:
 
 
 def reference_device(config: EngineConfig) -> DeviceMemory:
-    """A GPU that is not here: the budget must be given; the start-up figure is the H200's."""
+    """A GPU that is not here: the budget must be given; the start-up figure is the reference
+    GPU's (H200_STARTUP)."""
     budget = config.gpu_memory_bytes
     if budget is None:
         raise ValueError("no CUDA device here: give the budget with --gpu-memory (e.g. 6GiB), "
@@ -239,7 +241,7 @@ def measure_device(config: EngineConfig) -> DeviceMemory:
 
 def device_memory(config: EngineConfig, *, measure: bool = True) -> DeviceMemory:
     """The device `config` runs on: the CPU, a measured GPU, or (with `measure` False and no
-    GPU here, as `tinyserve plan` does) the H200 reference for the budget given."""
+    GPU here, as `tinyserve plan` does) the reference GPU for the budget given."""
     device = config.device
     if device is None:
         import torch

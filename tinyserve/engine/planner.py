@@ -44,14 +44,13 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 GRAPH_POOL = 64 * MiB  # CUDA-graph private pools of the decode graphs
-# NOTE: measured on an H200 with a 6 GiB cap: the caching allocator's rounding and transient
-# buffers (sampler, expert-miss lists, cuBLAS/Triton scratch) took ~300 MiB beyond the items
-# of the workspace; the slack is a share of the allocator's cap, never below the floor: a small
-# model under a small budget still needs the cuBLAS workspace (32 MiB on sm_90) and the
-# allocator's 2/20 MiB segments, which do not shrink with the budget. bench/memory_budget.py
-# records the peak reserved less the peak allocated (the fragmentation): 256 MiB at 4 GiB, 264
-# at 6 GiB on the H200, where 0.04 of the cap left 180 / 226 MiB of the budget unused with
-# 104 MiB more planned outside the allocator than the calibrated figures now plan.
+# NOTE: the slack covers what the workspace items do not: the caching allocator's rounding
+# and fragmentation and transient buffers (sampler, expert-miss lists, cuBLAS/Triton
+# scratch). It is a share of the allocator's cap, never below the floor: a small model under
+# a small budget still needs the cuBLAS workspace (32 MiB on sm_90) and the allocator's
+# 2/20 MiB segments, which do not shrink with the budget. bench/memory_budget.py records the
+# peak reserved less the peak allocated (docs/RESULTS.md, "The whole process inside
+# --gpu-memory").
 ALLOCATOR_SLACK = 0.06
 ALLOCATOR_SLACK_MIN = 96 * MiB
 ALLOCATOR_SLACK_MAX = 1 * GiB  # a big budget's slack need not grow with it
@@ -278,7 +277,7 @@ def plan_checkpoint(config: EngineConfig, path: str | Path, device: DeviceMemory
 def plan_engine(config: EngineConfig, path: str | Path | None = None, *,
                 allow_reference: bool = False) -> MemoryPlan:
     """The plan of `config` on the device it runs on (a GPU is measured: `device_memory`).
-    `allow_reference`: with a GPU budget and no GPU here, plan for the H200 reference (what
+    `allow_reference`: with a GPU budget and no GPU here, plan for the reference GPU (what
     `tinyserve plan` does on a machine without the GPU)."""
     from tinyserve.model.loader import resolve_model_path
 

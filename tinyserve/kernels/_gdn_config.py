@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-# H200 / H100 (sm_90) opt-in shared memory per block; used when the device is not queried.
+# sm_90 (H100, H200) opt-in shared memory per block; used when the device is not queried.
 SM90_SMEM_BYTES = 232_448
 _MARGIN = 1.25
 
@@ -56,7 +56,7 @@ def chunk_configs(dv: int, chunk: int, block_k: int, *, block_v: int | None = No
     """
     top = max(16, pow2(dv))
     tiles = [block_v] if block_v else [16, 32]
-    # NOTE: 4 warps only: a dv-16 tile with 8 warps hit an illegal memory access on the H200
+    # NOTE: 4 warps only: a dv-16 tile with 8 warps hit an illegal memory access on the GPU
     # (bench sweep); 4 warps is the configuration the GPU tests verified.
     ladder = [ChunkConfig(chunk, max(16, min(bv, top)), 4) for bv in tiles]
     fits = [c for c in ladder if chunk_smem_bytes(c, block_k) <= smem_limit]

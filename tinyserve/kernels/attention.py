@@ -6,9 +6,10 @@ cached prefix), so query i sees keys 0 .. S - n + i: the lower-right causal mask
 prefix that is plain causal SDPA. With one, on CUDA, the prefix and the chunk are attended apart
 with cuDNN and merged by their log-sum-exp (`glue.lse_merge`): the prefix non-causally, a KV
 head's query heads stacked on the query axis (GQA without repeating the prefix), the chunk
-causally. On the H200 that is 1.6-2x faster than flash attention's lower-right causal call at
-head_dim 256 (bench/NOTES_iso.md). Where cuDNN fails or disagrees with fp32 math (checked once
-per device, dtype and head_dim), and on CPU, SDPA runs with `causal_lower_right`.
+causally: faster than flash attention's lower-right causal call at head_dim 256, to which
+SDPA dispatches a lower-right mask (docs/RESULTS.md, "Extend"). Where cuDNN fails or
+disagrees with fp32 math (checked once per device, dtype and head_dim), and on CPU, SDPA runs
+with `causal_lower_right`.
 """
 
 from __future__ import annotations

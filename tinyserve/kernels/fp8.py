@@ -14,7 +14,7 @@ by the number of rows M of x (`choose_path`):
 
 Why gemv stops at 4 rows (static sm_90 SASS, Triton 3.9): the gemv costs ~7.4 instructions per
 weight at M = 1 and ~19 at M = 4 (one FMA per row plus per-row x decode and reduction), the
-16-row `dot` ~6 whatever M; bench/fp8_linear.py measures both at M = 1, 4, 16.
+16-row `dot` ~6 whatever M; bench/fp8_linear.py times both at M = 1, 4, 16.
 
 Decoding without an fp8 type (runs on sm_80/86), from the byte b = s eeee mmm:
 - gemv: two codes per 32-bit half at once; `((w << 8) & 0x80008000) | ((w << 4) & 0x07F007F0)`
@@ -26,8 +26,8 @@ Decoding without an fp8 type (runs on sm_80/86), from the byte b = s eeee mmm:
   land on fp16 subnormals), as in `nvfp4_triton._e4m3`.
 `native=True` uses Triton's float8e4nv conversion instead (sm_89+). By default (`native=None`)
 the paths in NATIVE_PATHS decode natively where the GPU has the conversion (`default_native`):
-on the H200 the native `dot` was 3-27 % faster than the bit decode in all 12 measured cases,
-while `gemv` and `dequant` measured the same within noise at M = 1 (bench/NOTES_fp8.md).
+the native `dot` is faster than its bit decode, while `gemv` and `dequant` gain nothing from
+it (docs/RESULTS.md, "FP8 W8A16").
 
 NaN: 0x7F / 0xFF never occur in checkpoints (quantizers saturate at +-448). The bit decode
 reads them as +-480 (the exponent-15 pattern), the native decode as NaN, the reference as NaN;
@@ -50,16 +50,11 @@ from tinyserve.kernels.launch import cdiv, dot_tiles, num_sms, split_k_output, s
 from tinyserve.kernels.nvfp4 import row_range
 
 PATHS = ("gemv", "dot", "dequant")
-# H200, bench/results/fp8_linear.json (us, bit decode): at M = 4 gemv vs best other path
-# 8192x2048 18.9 vs 17.6 (dot), 4096x2048 11.2 vs 12.2, 2048x4096 13.1 vs 13.4, 512x2048 4.6 vs
-# 7.1; at M = 16 gemv is 1.8-3x slower than dot. Kept at 4.
+# Path thresholds and decodes, from bench/fp8_linear.py (the data behind each:
+# docs/RESULTS.md, "FP8 W8A16"). The gemv wins at 4 rows on most shapes, loses to dot at 16;
+# dequant + cuBLAS wins from 512 rows (the cut-over between 16 and 512 is not located).
 GEMV_MAX_M = 4  # largest M on the gemv path by default (5..16: dot with 16-row tiles)
-# H200: dequant vs dot at M = 16 within -13..+9 %, at M = 512 1.5-2.9x faster (8192x2048:
-# 40 vs 62 us); the cut-over between is unmeasured. Kept at 256.
 DEQUANT_MIN_M = 256  # smallest M on the dequant path by default
-# H200, native vs bit decode (us): dot M = 1 12.7 vs 17.4 (8192x2048), M = 16 11.5-16.1 vs
-# 14.0-18.6, M = 2048 84-164 vs 103-200 (faster in 12 of 12 cases); gemv M = 1 and dequant
-# equal within noise (except gemv 2048x4096: 4.9 vs 5.4), so only dot switches.
 NATIVE_PATHS = ("dot",)  # paths that decode with float8e4nv by default on sm_89+
 SCRATCH_ELEMS = 1 << 24  # dequant scratch cap (32 MiB in bf16)
 

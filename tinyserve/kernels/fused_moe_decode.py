@@ -25,13 +25,12 @@ if TYPE_CHECKING:
     from tinyserve.kernels.fused_moe import ExpertSlots
 
 # NOTE: the switch of the fused decode; False = the gemv path (two launches + a sum, the
-# shared expert through the model's separate gemvs). Both sum in a fixed order (graph ==
-# eager bit for bit on the full-size model, bench/graph_vs_eager.py).
+# shared expert through the model's separate gemvs). Both sum in a fixed order, so graph and
+# eager decode give the same bits (bench/graph_vs_eager.py checks it on the full-size model).
 MOE_FUSED_DECODE = True
 MOE_FUSED_MAX_TOKENS = 8  # the most tokens `fused_moe` takes in the fused path
-# fused_moe takes the fused path by itself up to this many tokens: on the H200 it won at 1, 4
-# and 8 tokens (15.5 / 41.5 / 73.9 us per 35B-A3B layer with the shared expert vs 25.1 / 72.0
-# / 109.4 for gemv; `bench/nvfp4.py --only moe`, nvfp4_moe.json)
+# fused_moe takes the fused path by itself up to this many tokens (it is faster than the gemv
+# path at 1, 4 and 8 tokens: docs/RESULTS.md, "NVFP4 decode")
 MOE_FUSED_AUTO_TOKENS = 8
 
 
@@ -66,14 +65,14 @@ class MoEFusedConfig:
 # (H, F) -> tiles of the fused decode (bench/nvfp4.py `--only moe` prints the best entry);
 # other shapes get MoEFusedConfig().
 MOE_FUSED_TILES: dict[tuple[int, int], MoEFusedConfig] = {
-    # H200, 35B-A3B layer with the shared expert, down a dependent launch: 13.3 / 33.5 / 60.6
-    # us at 1 / 4 / 8 tokens (the earlier 4 x 128 / 2 x 2 tiles in ordinary launches: 15.6 /
-    # 41.9 / 74.4; gemv path 25.2 / 71.8 / 108.8; bench/results/nvfp4_moe.json)
+    # 35B-A3B: 8-feature gate_up chunks (a token's 9 pairs, shared expert included, in one
+    # wave), 4 down rows of 4 warps, down a dependent launch: the best of the sweep at 1, 4
+    # and 8 tokens (docs/RESULTS.md)
     (2048, 512): MoEFusedConfig(8, 128, 4, 4, 4, "h2"),
 }
 
 
-# Tiles the H200 sweep (`bench/nvfp4.py --only moe`) times beside the table's at 35B-A3B
+# Tiles the sweep (`bench/nvfp4.py --only moe`) times beside the table's at 35B-A3B
 # shapes (the first `FUSED_MULTI` of the bench also at 4 and 8 tokens, and routed only at 1);
 # `tests/kernels/test_fused_moe_decode.py` builds each for sm_90 (no spills). With the down
 # kernel a dependent launch, gate_up and down programs share the GPU, so both tiles count.

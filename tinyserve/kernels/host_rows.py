@@ -32,8 +32,8 @@ def register_mapped(t: torch.Tensor, what: str,
     refuses (no driver, not enough lockable memory): `t` stays pageable.
 
     One registration of the whole range, `on_progress(nbytes)` after it. NOTE: not in pieces:
-    an asynchronous copy whose source spans two registrations is refused (cudaErrorInvalidValue
-    on the H200, the expert streamer's layer copies across a 1 GiB piece boundary)."""
+    an asynchronous copy whose source spans two registrations is refused (cudaErrorInvalidValue;
+    the expert streamer's layer copies cross any piece boundary)."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError(f"{what}: only a contiguous CPU tensor can be registered")
     ptr, size = t.data_ptr(), t.numel() * t.element_size()

@@ -44,22 +44,17 @@ _Q_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernel'
 # call's longest sequence (its bound) is used (the last row otherwise). `warps` per CTA
 # (one of WARPS), about `ctas_per_sm` CTAs per SM (None: one full wave, as many CTAs as the
 # kernel's occupancy lets every SM hold), at least `min_split_tokens` tokens per split.
-# Set from bench/iso_attention.py's mma sweep (`mma_best`).
-# The sweep's best rows were the largest grids that fit in one wave (bench/NOTES_iso.md), so
-# the CTA count now comes from the kernel's occupancy (sm_90: 151-153 registers, 3 CTAs of 4
-# warps per SM) instead of a constant. min_split_tokens = one 16-token sub-tile per
-# warp (64 for 4 warps, 256 for 16): short contexts get more, shorter splits (batch 1, 4k:
-# 128 CTAs, not 64 of two sub-tiles per warp).
-MMA_CONFIG: tuple[dict, ...] = (  # H200 sweeps, bench/results/iso_attention_layout.json
-    # b1 from 96k tokens: one full wave (3 CTAs of 4 warps per SM, 196 splits per kv head at
-    # 128k): 41.2 vs 41.9 us with 2 CTAs per SM at 128k; 2 per SM stay ahead at 32k / 64k
-    # (15.3 / 24.1 vs 17.4 / 26.3; bench/results/iso_decode_round15.json; with 4 CTAs of 4
-    # warps at 128 registers the same held: iso_decode_ab.json, `grids`)
+# The CTA count comes from the kernel's occupancy (sm_90: 151-153 registers, 3 CTAs of 4
+# warps per SM), so a grid never runs a partial second wave. min_split_tokens = one 16-token
+# sub-tile per warp (64 for 4 warps, 256 for 16): short contexts get more, shorter splits.
+# Values from the sweeps of bench/iso_attention.py (numbers in docs/RESULTS.md, "ISO3/ISO4 KV
+# cache").
+MMA_CONFIG: tuple[dict, ...] = (
+    # batch 1 from 96k tokens: one full wave of 4-warp CTAs
     dict(max_batch=1, min_context=98304, warps=4, ctas_per_sm=None, min_split_tokens=64),
-    # b1 4k/32k (padded rows): 7.6 / 15.3 us with dependent launches (iso_decode_round15.json)
+    # batch 1 below: 2 CTAs of 4 warps per SM
     dict(max_batch=1, warps=4, ctas_per_sm=2, min_split_tokens=64),
-    # b8: one wave of 16-warp CTAs (1 per SM), geomean 79.3 us over 4k/32k/128k with padded
-    # rows (4 warps: 82.7; 4 warps, 16-byte rows: 84.1)
+    # batch > 1: one wave of 16-warp CTAs (1 per SM)
     dict(max_batch=1 << 30, warps=16, ctas_per_sm=None, min_split_tokens=256),
 )
 # CTAs per SM assumed for a one-wave grid where the occupancy is unknown (no CUDA device).
@@ -69,15 +64,12 @@ FALLBACK_CTAS_PER_SM = 2
 # rows and the query its B operand, P reaches the V MMA's operand through movmatrix.
 # "tokens_wide" stages each row as 16-byte copies of the aligned chunks covering it (the
 # entry runs "tokens" instead unless both caches are 16-byte aligned and the slot stride is a
-# multiple of 4); "tokens" stages rows as 2/4-byte words. H200
-# (bench/results/iso_attention_loops.json): "tokens_wide" is the faster at all six points;
-# `loop="tokens"` forces the fallback (tests, bench).
+# multiple of 4); "tokens" stages rows as 2/4-byte words; `loop="tokens"` forces that
+# fallback (tests, bench).
 # "tokens_pad" is "tokens_wide" with the shared row stride one 16-byte chunk longer (144
 # instead of 128 bytes at head_dim 256): consecutive tokens' rows no longer start on the same
-# bank, so the loop's fragment loads stop replaying on bank conflicts (bench/NOTES_iso.md,
-# round 7); same fallback to "tokens" on unaligned caches, same bits as "tokens_wide". H200
-# (Nsight Compute, b1 / 128k): shared-load bank conflicts 3.75 M -> 0.40 M, the kernel 67.1 ->
-# 61.3 us; in a graph 3-6 % faster per layer at 32k and 128k (iso_attention_layout.json).
+# bank, so the loop's fragment loads do not replay on bank conflicts; same fallback to
+# "tokens" on unaligned caches, same bits as "tokens_wide".
 LOOPS = ("tokens_wide", "tokens", "tokens_pad")
 _WIDE_CODE = {"tokens": 0, "tokens_wide": 1, "tokens_pad": 2}  # the C entry's `wide`
 # The loop the launcher takes when none is given (one of LOOPS).
@@ -86,8 +78,7 @@ MMA_LOOP = "tokens_pad"
 
 # Programmatic dependent launches (sm_90+): the decode kernel's CTAs are scheduled while the
 # kernel before it (the KV store in a decode step) still runs and wait on the GPU for it
-# before their first read; the split merge's likewise for the decode kernel. H200, batch 1:
-# 8.3 -> 7.7 us at 4k, 17.0 -> 15.9 at 32k (bench/NOTES_iso.md, round 13). Below sm_90 both
+# before their first read; the split merge's likewise for the decode kernel. Below sm_90 both
 # are plain launches.
 DEPENDENT_LAUNCHES = True
 
@@ -181,9 +172,9 @@ def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     (None: DEPENDENT_LAUNCHES) launches the decode kernel and the split merge as programmatic
     dependents. A grid of `ctas_per_sm` CTAs per SM runs with at most that many on any SM
     (padded dynamic shared memory; the occupancy would allow more): a dependent launch is
-    scheduled while the kernel before it still holds some SMs, and stacking its one wave
-    unevenly there cost 3.3 us at 1 / 32k on the H200. Raises ValueError on shapes or
-    settings it does not take."""
+    scheduled while the kernel before it still holds some SMs, and uncapped its one wave
+    would stack unevenly on the SMs free first. Raises ValueError on shapes or settings it
+    does not take."""
     b, hq, d, hkv = _check_decode(q, k_cache, v_cache, page_table, seq_lens, fmt)
     _check_out(out, q, b, hq, d)
     if not mma_supported(fmt, hq, hkv, d):

@@ -30,9 +30,9 @@ from tinyserve.kernels._iso_triton_fields import iso_decode_partial_fields
 
 _LOG2E = 1.4426950408889634
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-# Measured best on the H200 (bench/results/iso_attention.json, iso3 32k): 32-token tiles,
-# 4 warps, registers capped at 128 (several programs per SM; a little spilling), ~8 programs
-# per SM: 80 us at batch 1 vs 116 us for 64-token tiles / 8 warps / uncapped.
+# Launch settings from the bench/iso_attention.py sweep: 32-token tiles, 4 warps, registers
+# capped at 128 (several programs per SM, a little spilling), ~8 programs per SM; 64-token
+# tiles need ~250 registers and leave one program per SM.
 BLOCK_T = 32
 NUM_WARPS = 4
 MAXNREG = 128

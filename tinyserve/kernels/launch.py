@@ -14,8 +14,8 @@ from tinyserve import envs
 
 # Launch options of the elementwise kernels whose contract is torch's rounding points
 # (`kernels.norm`, `kernels.glue`): no floating-point contraction. With it Triton turns
-# dt(dt(a * b) + c) into one bf16 FMA and drops the inner rounding (sm_90 PTX `fma.rn.bf16`):
-# on the H200 3-15 % of the RMSNorm+RoPE outputs then differed from torch by a rounding step.
+# dt(dt(a * b) + c) into one bf16 FMA and drops the inner rounding (sm_90 PTX `fma.rn.bf16`),
+# and a few percent of the RMSNorm+RoPE outputs differ from torch by a rounding step.
 ROUNDING_AS_TORCH = {"enable_fp_fusion": False}
 
 

@@ -85,8 +85,9 @@ def choose_path(m: int, n: int = 0, k: int = 0) -> str:
     """The default path for M rows of activations against an [N, K] weight (0: unknown).
 
     M = 1 is gemv; up to TINYSERVE_NVFP4_GEMV_MAX_M rows stay on gemv only for weights of at
-    most GEMV_MULTI_ROW_MAX_WEIGHTS (on the H200 a 4-row gemv of qkvz took 3.1x its 1-row
-    time, more than `dot`); then `dot` below TINYSERVE_NVFP4_DEQUANT_MIN_M, else `dequant`.
+    most GEMV_MULTI_ROW_MAX_WEIGHTS (the gemv decodes a tile once for every row of x, but on
+    larger weights its per-row work makes a 4-row call slower than `dot`); then `dot` below
+    TINYSERVE_NVFP4_DEQUANT_MIN_M, else `dequant`.
     """
     gemv_max, dequant_min = _thresholds()
     if m == 1 or (m <= gemv_max and n * k <= GEMV_MULTI_ROW_MAX_WEIGHTS):

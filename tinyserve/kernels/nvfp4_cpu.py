@@ -20,8 +20,8 @@ Why numba: it installs from wheels on every platform (no compiler on the user's 
 compiles to LLVM with the host's vector units (the code decode stays in 32-bit lanes through
 `_e2m1`, an LLVM intrinsic), releases the GIL, and compiles a C callback (`host_entry`) that
 a CUDA host function node can call from the driver's thread with no Python at all
-(`offload.hybrid`). The measurements behind the choice are in bench/results/hybrid_experts.json
-(`python bench/hybrid_experts.py --kernel-only`).
+(`offload.hybrid`). `python bench/hybrid_experts.py --kernel-only` times the kernel against
+the host's read bandwidth and the torch reference.
 
 `moe_cpu_ref` is the torch reference (dequantize + matmul in fp32).
 """

@@ -38,9 +38,8 @@ def allowed_rows_per_warp(k: int) -> tuple[int, ...]:
 
 def default_rows_per_warp(n: int, k: int, sms: int) -> int:
     """The fewest rows per warp whose grid fits the GPU in one wave (CTAS_PER_SM per SM), else
-    the most (fewer, longer CTAs). On the H200 the lm_head took 79.7 / 81.9 / 96.7 us at 4 /
-    2 / 1 rows per warp in one run (`results/nvfp4_cuda_gemv_run1.json`), 86.9 / 84.9 / 98.2
-    in another (`nvfp4_cuda_gemv.json`); Triton's persistent tiles 90.5 / 90.1."""
+    the most (fewer, longer CTAs: a weight too large for one wave, such as the lm_head, runs
+    fastest with the most rows per warp; docs/RESULTS.md)."""
     allowed = allowed_rows_per_warp(k)
     for r in allowed:
         if cdiv(n, WARPS * r) <= CTAS_PER_SM * sms:
@@ -108,9 +107,8 @@ def gemv_one_row(x: torch.Tensor, w: NVFP4Weight, *, rows_per_warp: int | None =
 MOE_HS = (1024, 2048)  # H the MoE kernels are built for
 MOE_FS = (256, 512)  # F
 MOE_MAX_PAIRS = 10  # routed + shared experts per token
-# Launch settings of the down kernel, from the H200 (results/nvfp4_moe_cuda_launch.json, 1
-# token, 8 routed experts, graph replays): 2 output rows per warp, a dependent launch of
-# gate_up: 9.87 us; 1 row 11.67; ordinary launches 11.00 / 11.45; Triton's table tiles 12.58
+# Launch settings of the down kernel: 2 output rows per warp, a programmatic dependent launch
+# of gate_up (sm_90+), the fastest of the measured settings (docs/RESULTS.md, "NVFP4 decode")
 MOE_DOWN_ROWS = 2
 MOE_DEPENDENT = True
 _FLOAT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

@@ -90,21 +90,21 @@ def _check_tiles(decode: str, *sizes: int) -> None:
         raise ValueError(f"NVFP4 tile sizes must be powers of two, got {sizes}")
 
 
-# (N, K) -> Triton tiles for M = 1. Filled from the H200 sweeps (bench/NOTES_nvfp4.md). A row of
-# bf16/fp16 x on a GPU with K in 1024 / 2048 / 4096 takes the CUDA kernel instead
-# (`nvfp4_cuda`; these tiles then serve fp32 x and TINYSERVE_NVFP4_CUDA=0).
+# (N, K) -> Triton tiles for M = 1, the winners of the `bench/nvfp4.py` sweeps (measured on an
+# H200; docs/RESULTS.md, "NVFP4 decode in Triton"). A row of bf16/fp16 x on a GPU with K in
+# 1024 / 2048 / 4096 takes the CUDA kernel instead (`nvfp4_cuda`; these tiles then serve fp32 x
+# and TINYSERVE_NVFP4_CUDA=0).
 GEMV_TILES: dict[tuple[int, int], GemvConfig] = {
-    # H200 sweep (bench/results/nvfp4.json); M = 1 microseconds in the comments.
     (248320, 2048): GemvConfig(8, 128, 4, 0, vec=4, num_stages=3, decode="h2",
-                               persistent=6),  # 86.9 us, 0.74 (non-persistent 16 x 128: 117)
-    (8192, 2048): GemvConfig(16, 128, 4, 0, vec=4, num_stages=3, decode="f32"),  # 7.3 (was 7.7)
-    (2048, 512): GemvConfig(16, 32, 2, 0, vec=2, num_stages=3, decode="f32"),  # 2.6 (was 2.7)
+                               persistent=6),  # lm_head: the persistent gemv
+    (8192, 2048): GemvConfig(16, 128, 4, 0, vec=4, num_stages=3, decode="f32"),  # qkvz
+    (2048, 512): GemvConfig(16, 32, 2, 0, vec=2, num_stages=3, decode="f32"),  # expert down
 }
 
-# The persistent gemv tiles the H200 sweep (`bench/nvfp4.py`) measures beside the table's;
+# The persistent gemv tiles the sweep (`bench/nvfp4.py`) measures beside the table's;
 # `tests/kernels/test_nvfp4_persist.py` builds each for sm_90 (no spills, shared memory fits).
-# Offline sm_90 build (Triton 3.6, the H200's): registers / shared memory per program, SASS
-# instructions per weight of the tile loop at K = 2048, M = 1.
+# Offline sm_90 build (Triton 3.6): registers / shared memory per program, SASS instructions
+# per weight of the tile loop at K = 2048, M = 1.
 PERSISTENT_CANDIDATES: tuple[GemvConfig, ...] = (
     # Triton stages the next tiles' loads through shared memory (cp.async)
     GemvConfig(16, 128, 4, vec=4, num_stages=3, decode="h2", persistent=4),  # 72 r, 37 KB, 3.7
@@ -118,9 +118,9 @@ PERSISTENT_CANDIDATES: tuple[GemvConfig, ...] = (
                persistent=4),  # 128 r, 3.6
 )
 
-# (H, F) -> tiles for one decode token. Filled from the H200 sweeps (bench/NOTES_nvfp4.md).
+# (H, F) -> tiles for one decode token, the winners of the `bench/nvfp4.py` sweeps.
 MOE_GEMV_TILES: dict[tuple[int, int], MoEGemvConfig] = {
-    (2048, 512): MoEGemvConfig(4, 128, 16, 32, 4, False, 4, "h2", 8),  # 18.2 us (was ~22)
+    (2048, 512): MoEGemvConfig(4, 128, 16, 32, 4, False, 4, "h2", 8),
 }
 
 
@@ -129,9 +129,8 @@ def _next_pow2(v: int) -> int:
 
 
 # Weights of at least this many bytes (K 1024..2048) without a table entry take the
-# lm_head's persistent tiles: on the H200 (bench/results/gemv_floor.json) 0.36 / 0.49 / 0.59
-# of the bandwidth reference at 18.9 / 37.7 / 75.5 MB against 0.33 / 0.37 / 0.40 with the
-# one-tile-per-program default; at 9.4 MB and below the default wins (0.29 vs 0.25).
+# lm_head's persistent tiles: from ~16 MB up they beat the one-tile-per-program default, at
+# 9.4 MB and below the default wins (bench/gemv_floor.py; docs/RESULTS.md).
 PERSISTENT_MIN_BYTES = 16 << 20
 
 
@@ -139,8 +138,8 @@ def default_gemv_config(n: int, k: int, num_sms: int = 132) -> GemvConfig:
     """Tiles for an [N, K] weight at M = 1: the `GEMV_TILES` entry, else the lm_head's
     persistent tiles for weights of PERSISTENT_MIN_BYTES or more with 1024 <= K <= 2048, else
     8 rows x 128 blocks (2048 inputs; x reaches the threads through shared memory in one
-    coalesced load) when K >= 1024, else 1024 / (K/16) rows x all of K; no split-K (it never
-    won on the H200)."""
+    coalesced load) when K >= 1024, else 1024 / (K/16) rows x all of K; no split-K (it was
+    never faster in the sweeps)."""
     hit = GEMV_TILES.get((n, k))
     if hit is not None:
         return hit
@@ -154,7 +153,7 @@ def default_gemv_config(n: int, k: int, num_sms: int = 132) -> GemvConfig:
 
 def default_moe_gemv_config(hidden_size: int, intermediate_size: int) -> MoEGemvConfig:
     """The `MOE_GEMV_TILES` entry, else gate_up 4 gate + 4 up rows x up to 128 blocks, down
-    8 rows x F/16 blocks (2 warps), x block-transposed (measured on an H200)."""
+    8 rows x F/16 blocks (2 warps), x block-transposed."""
     hit = MOE_GEMV_TILES.get((hidden_size, intermediate_size))
     if hit is not None:
         return hit

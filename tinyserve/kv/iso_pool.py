@@ -12,8 +12,7 @@ Ordering contract (§6.2):
 On CUDA the store and extend run the kernels of `kernels.iso_cuda`; decode runs the
 tensor-core Triton kernel (`kernels.iso_triton`), the CUDA SIMT kernel or the CUDA
 tensor-core kernel (`kernels.iso_mma`, "mma": iso3, GQA group <= 8; other shapes use the
-Triton kernel), whichever bench/iso_attention.py measured fastest (DECODE_IMPL;
-TINYSERVE_ISO_DECODE overrides it).
+Triton kernel), as DECODE_IMPL says (TINYSERVE_ISO_DECODE overrides it).
 Elsewhere (or with TINYSERVE_DISABLE_KERNELS=1) the references of `kernels.iso` run: quantize
 on write, dequantize + fp32 attention.
 """
@@ -30,9 +29,9 @@ from tinyserve.log import get_logger
 
 log = get_logger(__name__)
 
-# The decode kernel bench/iso_attention.py measured fastest on the H200 ("triton", "cuda" or
-# "mma"): the tensor-core kernel, iso3 batch 1 at 32k / 128k 36 / 72 us against 81 / 284 us
-# for the Triton one (bf16 SDPA 32 / 89 us); iso4 and GQA groups over 8 fall back to Triton.
+# The decode kernel ("triton", "cuda" or "mma"): the tensor-core kernel, the fastest of the
+# three at every measured point (docs/RESULTS.md); iso4 and GQA groups over 8 fall back to
+# Triton.
 DECODE_IMPL = "mma"
 DECODE_IMPLS = ("triton", "cuda", "mma")
 

@@ -10,9 +10,9 @@ is evicted first; free slots go before any occupied one; ties go to the lower sl
 holding an expert that the current step has already asked for is pinned until `end_step()` and
 is never evicted. The default `freq_weight` (2: an expert used in 3 steps ranks as if used 4
 steps later) was chosen on realistic routing (docs/ROUTING.md; bench/cache_policies.py,
-bench/NOTES_offload.md): as good as plain LRU for one sequence, where a weight of 16 lost 6-7
-points of hits at 10-20 % of the experts cached, and as good as 16 for a batch of four,
-where plain LRU lost 4 points.
+docs/RESULTS.md): as good as plain LRU for one sequence, where a larger weight loses hits at
+the cache sizes of a 6 GiB budget, and as good as a larger weight for a batch of four, where
+plain LRU loses hits.
 
 Two ways to drive it:
 - host-driven (CPU, eager prefill): `access(layer, experts)` returns the slots and the loads to

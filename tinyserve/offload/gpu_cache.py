@@ -44,8 +44,8 @@ logger = get_logger(__name__)
 DEFER_POLICY = True
 # A fold that overlaps a step in flight guesses which slots that step is filling from its
 # victim lists (per layer, the head of its list as long as the loads of the step just folded
-# + IN_FLIGHT_MARGIN) and ranks them as freshly used; False: no guess. Hit rates of each
-# choice: bench/offload_host.py, bench/NOTES_offload.md.
+# + IN_FLIGHT_MARGIN) and ranks them as freshly used; False: no guess (bench/offload_host.py
+# measures the hit rate of each choice; docs/RESULTS.md, "Expert offload").
 IN_FLIGHT_GUESS = True
 IN_FLIGHT_MARGIN = 2
 

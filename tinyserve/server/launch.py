@@ -188,8 +188,8 @@ def serve(args: Any, model: str, default_name: str, banner: str = "") -> int:
     from tinyserve.server.app import create_app
 
     # NOTE: the engine thread holds the GIL between tensor ops; with the default 5 ms switch
-    # interval every streamed chunk could wait that long for the event loop to run. 1 ms cut
-    # inter-token latency at 16 streams from 106 to 73 ms (engine alone: 69 ms) on CPU.
+    # interval every streamed chunk could wait that long for the event loop to run, so the
+    # server switches every 1 ms (its effect on inter-token latency: docs/RESULTS.md, "CPU").
     sys.setswitchinterval(_SWITCH_INTERVAL_S)
     state = ServerState(server_config(args, default_name))
     app = create_app(state)

@@ -32,7 +32,7 @@ namespace mma {
 // 16-byte chunk longer than the rows need (D=256: 144 instead of 128 bytes, D=128: 80 instead
 // of 64), so consecutive tokens' rows start 4 banks apart instead of on the same bank; the
 // fragment loads of the loop (8 tokens x 4 words, 4 tokens x 8 words) then spread over the
-// 32 banks (bank analysis: bench/NOTES_iso.md, round 7).
+// 32 banks (bank conflicts measured in docs/RESULTS.md, "ISO3/ISO4 KV cache").
 template <int NB, int NW, bool WIDE, bool PAD = false>
 struct Layout {
   static_assert(WIDE || !PAD, "the padded rows are a layout of the 16-byte staging");
@@ -60,9 +60,9 @@ struct Layout {
 // CTAs per SM the register budget must allow: 8 warps per SM (the grids that run are one
 // wave of at most 2-3 CTAs of 4 warps at batch 1, one CTA of 16 warps at batch 8). sm_90, D =
 // 256: 4 warps 151-153 registers (3 CTAs per SM), 8 warps 151-153 (1 CTA), 16 warps 128
-// (1 CTA), no spills. Bounded at 16 warps per SM (128 registers) instead, the 4-warp kernel
-// ran 3 % slower at 1 / 32k and 1 / 128k (bench/NOTES_iso.md, round 15): ptxas then kept the
-// two blocks' score MMA chains and the value decoding in sequence.
+// (1 CTA), no spills. Bounded at 16 warps per SM (128 registers) instead, ptxas keeps the two
+// blocks' score MMA chains and the value decoding in sequence, which is slower
+// (docs/RESULTS.md).
 __host__ __device__ constexpr int min_ctas_per_sm(int n_warps) {
   return n_warps >= 8 ? 1 : 8 / n_warps;
 }

@@ -1,5 +1,6 @@
 """A scripted stand-in for the engine (same public surface as tinyserve.engine.loop.Engine),
-and a uvicorn server running in a thread on an ephemeral port."""
+a uvicorn server running in a thread on an ephemeral port, and the app over a scripted engine
+served that way (`scripted_server`)."""
 
 from __future__ import annotations
 
@@ -193,3 +194,21 @@ def serve(app: Any) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def scripted_server(tokenizer: Any, script: Callable, model: str, *,
+                    engine_kw: dict | None = None, loaded: bool = True,
+                    **cfg: Any) -> Iterator[tuple[str, FakeEngine, Any]]:
+    """The app over a FakeEngine running `script`, served as `model` with ServerConfig
+    `cfg` (`loaded=False`: still loading); yields (base URL, engine, server state)."""
+    from tinyserve.server.app import create_app
+    from tinyserve.server.state import ServerConfig, ServerState
+
+    engine = FakeEngine(tokenizer, script, **(engine_kw or {}))
+    state = ServerState(ServerConfig(served_model_name=model, **cfg), engine if loaded else None)
+    try:
+        with serve(create_app(state)) as url:
+            yield url, engine, state
+    finally:
+        engine.shutdown()

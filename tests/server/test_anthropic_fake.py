@@ -3,17 +3,15 @@ order, stream == body, translation of multi-turn tool conversations, errors, aut
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 
 import anthropic
 import httpx
 import pytest
 
-from tests.server.fakes import FakeEngine, serve
+from tests.server.fakes import scripted_server
 from tinyserve.server.anthropic_api import MessagesRequest, to_chat_request
-from tinyserve.server.app import create_app
-from tinyserve.server.state import ServerConfig, ServerState
 
 MODEL = "tiny-test"
 TOOLS = [{"name": "get_weather", "description": "Get weather", "input_schema": {
@@ -41,16 +39,7 @@ def _script(tokenizer):
 
 @pytest.fixture
 def make_server(qwen_tokenizer):
-    @contextlib.contextmanager
-    def factory(*, engine_kw=None, **cfg):
-        engine = FakeEngine(qwen_tokenizer, _script(qwen_tokenizer), **(engine_kw or {}))
-        state = ServerState(ServerConfig(served_model_name=MODEL, **cfg), engine)
-        try:
-            with serve(create_app(state)) as url:
-                yield url, engine
-        finally:
-            engine.shutdown()
-    return factory
+    return functools.partial(scripted_server, qwen_tokenizer, _script(qwen_tokenizer), MODEL)
 
 
 @pytest.fixture
@@ -86,7 +75,7 @@ def _events(url: str, body: dict) -> list[tuple[str, dict]]:
 
 
 def test_text_stream_equals_body(server):
-    url, engine = server
+    url, engine, _ = server
     client = _client(url)
     kw = dict(model=MODEL, max_tokens=64, messages=_user("Hi"))
     msg = client.messages.create(**kw)
@@ -106,7 +95,7 @@ def test_text_stream_equals_body(server):
 
 
 def test_event_sequence_as_anthropic_sends_it(server):
-    url, _ = server
+    url, _, _ = server
     events = _events(url, {"model": MODEL, "max_tokens": 64, "messages": _user("TOOL"),
                            "tools": TOOLS})
     names = [n for n, _ in events]
@@ -133,7 +122,7 @@ def test_event_sequence_as_anthropic_sends_it(server):
 
 
 def test_tool_use_and_multi_turn_translation(server, qwen_tokenizer):
-    url, engine = server
+    url, engine, _ = server
     client = _client(url)
     first = client.messages.create(model=MODEL, max_tokens=64, messages=_user("TOOL"),
                                    tools=TOOLS)
@@ -172,7 +161,7 @@ def test_preserve_thinking_passed_to_the_template():
 
 
 def test_tool_choice_forces_the_call(server, qwen_tokenizer):
-    url, engine = server
+    url, engine, _ = server
     client = _client(url)
     msg = client.messages.create(model=MODEL, max_tokens=64, messages=_user("Hi"), tools=TOOLS,
                                  tool_choice={"type": "tool", "name": "get_weather"})
@@ -190,7 +179,7 @@ def test_tool_choice_forces_the_call(server, qwen_tokenizer):
 
 
 def test_prefill_continues_the_answer(server, qwen_tokenizer):
-    url, engine = server
+    url, engine, _ = server
     msg = _client(url).messages.create(model=MODEL, max_tokens=64, messages=_user("Hi") + [
         {"role": "assistant", "content": "The answer is"}])
     assert qwen_tokenizer.decode(engine.submitted[-1][0]).endswith(
@@ -201,7 +190,7 @@ def test_prefill_continues_the_answer(server, qwen_tokenizer):
 
 
 def test_length_and_context_window(make_server):
-    with make_server(engine_kw={"max_context": 300}) as (url, engine):
+    with make_server(engine_kw={"max_context": 300}) as (url, engine, _):
         client = _client(url)
         msg = client.messages.create(model=MODEL, max_tokens=5, messages=_user("LONG"))
         assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 5
@@ -238,7 +227,7 @@ BAD = {
 
 @pytest.mark.parametrize("name", sorted(BAD))
 def test_bad_requests_are_anthropic_400s(server, name):
-    url, engine = server
+    url, engine, _ = server
     extra, needle = BAD[name]
     body = {"model": MODEL, "max_tokens": 16, "messages": _user("Hi"), **extra}
     body = {k: v for k, v in body.items() if v is not None}
@@ -251,7 +240,7 @@ def test_bad_requests_are_anthropic_400s(server, name):
 
 
 def test_error_shapes_and_auth(make_server):
-    with make_server(api_key="k1") as (url, engine):
+    with make_server(api_key="k1") as (url, engine, _):
         for headers in ({"x-api-key": "k1"}, {"authorization": "Bearer k1"}):
             r = httpx.post(url + "/v1/messages?beta=true", headers=headers, json={
                 "model": MODEL, "max_tokens": 8, "messages": _user("Hi")})
@@ -277,7 +266,7 @@ def test_error_shapes_and_auth(make_server):
 
 
 def test_failure_after_the_stream_started(server):
-    url, _ = server
+    url, _, _ = server
     events = _events(url, {"model": MODEL, "max_tokens": 64, "messages": _user("ERROR")})
     assert events[-1][0] == "error"
     assert events[-1][1]["error"]["type"] == "api_error"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import threading
 import time
@@ -11,9 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.fakes import FakeEngine, serve
-from tinyserve.server.app import create_app
-from tinyserve.server.state import ServerConfig, ServerState
+from tests.server.fakes import scripted_server
 
 MODEL = "tiny-test"
 TOOLS = [{"type": "function", "function": {
@@ -42,17 +40,7 @@ def _script(tokenizer):
 
 @pytest.fixture
 def make_server(qwen_tokenizer):
-    @contextlib.contextmanager
-    def factory(*, engine_kw=None, loaded=True, **cfg):
-        engine = FakeEngine(qwen_tokenizer, _script(qwen_tokenizer), **(engine_kw or {}))
-        state = ServerState(ServerConfig(served_model_name=MODEL, **cfg),
-                            engine if loaded else None)
-        try:
-            with serve(create_app(state)) as url:
-                yield url, engine, state
-        finally:
-            engine.shutdown()
-    return factory
+    return functools.partial(scripted_server, qwen_tokenizer, _script(qwen_tokenizer), MODEL)
 
 
 @pytest.fixture

@@ -3,18 +3,16 @@ stream == body, items in and out (reasoning coming back), forced calls, errors."
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 
 import httpx
 import openai
 import pytest
 
-from tests.server.fakes import FakeEngine, serve
+from tests.server.fakes import scripted_server
 from tests.server.test_anthropic_fake import REASONING, TOOL_REPLY, _script
-from tinyserve.server.app import create_app
 from tinyserve.server.responses_events import decode_reasoning, encode_reasoning
-from tinyserve.server.state import ServerConfig, ServerState
 
 MODEL = "tiny-test"
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Get weather",
@@ -24,16 +22,7 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "Get weather
 
 @pytest.fixture
 def make_server(qwen_tokenizer):
-    @contextlib.contextmanager
-    def factory(**cfg):
-        engine = FakeEngine(qwen_tokenizer, _script(qwen_tokenizer))
-        state = ServerState(ServerConfig(served_model_name=MODEL, **cfg), engine)
-        try:
-            with serve(create_app(state)) as url:
-                yield url, engine
-        finally:
-            engine.shutdown()
-    return factory
+    return functools.partial(scripted_server, qwen_tokenizer, _script(qwen_tokenizer), MODEL)
 
 
 @pytest.fixture
@@ -47,7 +36,7 @@ def _client(url: str, key: str = "x") -> openai.OpenAI:
 
 
 def test_text_stream_equals_body(server):
-    url, engine = server
+    url, engine, _ = server
     client = _client(url)
     r = client.responses.create(model=MODEL, input="Hi", instructions="Be brief.")
     assert r.status == "completed" and r.output_text == "Hello world!"
@@ -70,7 +59,7 @@ def test_text_stream_equals_body(server):
 
 
 def test_raw_events_are_named_and_numbered(server):
-    url, _ = server
+    url, _, _ = server
     events = []
     with httpx.stream("POST", url + "/v1/responses", timeout=30, json={
             "model": MODEL, "input": "TOOL", "tools": TOOLS, "stream": True}) as r:
@@ -92,7 +81,7 @@ def test_raw_events_are_named_and_numbered(server):
 
 
 def test_multi_turn_tool_conversation_items(server, qwen_tokenizer):
-    url, engine = server
+    url, engine, _ = server
     client = _client(url)
     kw = dict(model=MODEL, tools=TOOLS, include=["reasoning.encrypted_content"], store=False)
     first = client.responses.create(input=[{"role": "user", "content": "TOOL"}], **kw)
@@ -115,7 +104,7 @@ def test_multi_turn_tool_conversation_items(server, qwen_tokenizer):
 
 
 def test_forced_call(server, qwen_tokenizer):
-    url, engine = server
+    url, engine, _ = server
     r = _client(url).responses.create(model=MODEL, input="Hi", tools=TOOLS,
                                       tool_choice={"type": "function", "name": "get_weather"})
     assert qwen_tokenizer.decode(engine.submitted[-1][0]).endswith(
@@ -125,7 +114,7 @@ def test_forced_call(server, qwen_tokenizer):
 
 
 def test_effort_none_and_max_output_tokens(server, qwen_tokenizer):
-    url, engine = server
+    url, engine, _ = server
     r = _client(url).responses.create(model=MODEL, input="Hi", reasoning={"effort": "none"},
                                       max_output_tokens=3)
     assert qwen_tokenizer.decode(engine.submitted[-1][0]).endswith("<think>\n\n</think>\n\n")
@@ -161,7 +150,7 @@ BAD = {
 
 @pytest.mark.parametrize("name", sorted(BAD))
 def test_unsupported_is_a_400_naming_it(server, name):
-    url, engine = server
+    url, engine, _ = server
     extra, param = BAD[name]
     r = httpx.post(url + "/v1/responses", json={"model": MODEL, "input": "Hi", **extra})
     assert r.status_code == 400, r.text
@@ -171,7 +160,7 @@ def test_unsupported_is_a_400_naming_it(server, name):
 
 
 def test_failure_and_auth(make_server):
-    with make_server(api_key="k") as (url, _):
+    with make_server(api_key="k") as (url, _, _):
         with pytest.raises(openai.AuthenticationError):
             _client(url, "bad").responses.create(model=MODEL, input="Hi")
         with pytest.raises(openai.NotFoundError):

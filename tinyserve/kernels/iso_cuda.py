@@ -22,11 +22,10 @@ import torch
 from tinyserve.kernels import cuda_launch
 from tinyserve.kernels.cuda_launch import I64, F, I, ptr
 from tinyserve.kernels.iso import BLOCK, FORMATS, packed_row_bytes
-from tinyserve.kernels.launch import cdiv
+from tinyserve.kernels.launch import FLOATS, cdiv, check_pages, decode_output
 
 STORE, DECODE = "iso_store.cu", "iso_decode.cu"
 _BITS = {"iso3": 3, "iso4": 4}
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # the kernels' element types of fp32 / bf16 / fp16 tensors (csrc/prelude.cuh)
 CTYPE = {torch.float32: "float", torch.bfloat16: "ts::bf16", torch.float16: "ts::f16"}
 _TILE = 32
@@ -57,7 +56,7 @@ def _check_cache(cache: torch.Tensor, heads: int, head_dim: int, fmt: str, name:
 
 def _store(k_cache, v_cache, loc, k, v, fmt, dbg: torch.Tensor | None) -> None:
     bits = format_bits(fmt)
-    if k.dim() != 3 or k.shape != v.shape or k.dtype != v.dtype or k.dtype not in _FLOATS:
+    if k.dim() != 3 or k.shape != v.shape or k.dtype != v.dtype or k.dtype not in FLOATS:
         raise ValueError(f"k and v must be [N, H, D] of one float dtype, got {k.dtype} "
                          f"{tuple(k.shape)} and {v.dtype} {tuple(v.shape)}")
     n, heads, d = k.shape
@@ -113,8 +112,8 @@ def iso_dequant_rows(cache: torch.Tensor, slots: torch.Tensor, fmt: str, head_di
     bits = format_bits(fmt)
     heads = cache.shape[1]
     _check_cache(cache, heads, head_dim, fmt, "cache")
-    if dtype not in _FLOATS:
-        raise ValueError(f"dtype must be one of {_FLOATS}, got {dtype}")
+    if dtype not in FLOATS:
+        raise ValueError(f"dtype must be one of {FLOATS}, got {dtype}")
     m = slots.numel()
     shape = (heads, m, head_dim) if head_major else (m, heads, head_dim)
     if out is None:
@@ -182,7 +181,7 @@ def _check_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   page_table: torch.Tensor, seq_lens: torch.Tensor,
                   fmt: str) -> tuple[int, int, int, int]:
     """Shape/dtype checks shared by the decode launchers; returns (B, Hq, D, Hkv)."""
-    if q.dim() != 3 or q.dtype not in _FLOATS:
+    if q.dim() != 3 or q.dtype not in FLOATS:
         raise ValueError(f"q must be [B, Hq, D] float, got {q.dtype} {tuple(q.shape)}")
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
@@ -192,24 +191,10 @@ def _check_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError("k_cache and v_cache must have the same slot stride")
     if hq % hkv:
         raise ValueError(f"unsupported GQA group {hq}/{hkv}")
-    if page_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
-        raise ValueError("page_table and seq_lens must be int32")
-    if page_table.shape[0] != b or seq_lens.shape != (b,) or page_table.stride(1) != 1:
-        raise ValueError(f"page_table [{b}, P] (rows contiguous) and seq_lens [{b}] expected")
+    check_pages(page_table, seq_lens, b)
     if any(t.device != k_cache.device for t in (q, v_cache, page_table, seq_lens)):
         raise ValueError(f"q, the caches, page_table and seq_lens must be on {k_cache.device}")
     return b, hq, d, hkv
-
-
-def _check_out(out: torch.Tensor | None, q: torch.Tensor, b: int, hq: int, d: int) -> None:
-    # the decode kernels write through out's pointer: float [B, Hq, D] on q's device
-    if out is None:
-        return
-    if out.dtype not in _FLOATS or out.device != q.device:
-        raise ValueError(f"out must be a float tensor on {q.device}, got {out.dtype} on "
-                         f"{out.device}")
-    if out.shape != (b, hq, d) or out.stride(2) != 1 or out.stride(1) != d:
-        raise ValueError(f"out must be [{b}, {hq}, {d}] with contiguous rows")
 
 
 def iso_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -231,13 +216,11 @@ def iso_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """
     bits = format_bits(fmt)
     b, hq, d, hkv = _check_decode(q, k_cache, v_cache, page_table, seq_lens, fmt)
-    _check_out(out, q, b, hq, d)
+    out = decode_output(out, q, b, hq, d)
     group = hq // hkv
     if group not in (1, 2, 4, 8, 16) or group * (d // BLOCK) > 16:
         raise ValueError(f"unsupported GQA group {hq}/{hkv} for head_dim {d}")
     chunk, splits = decode_splits(q, seq_lens, hkv, max_seq_len, split_tokens, split_tile=_TILE)
-    if out is None:
-        out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     if b == 0:
         return out
     part_acc, part_ml = split_buffers(q, splits)

@@ -19,12 +19,11 @@ from tinyserve.kernels.iso import BLOCK
 from tinyserve.kernels.iso_cuda import (
     CTYPE,
     _check_decode,
-    _check_out,
     decode_splits,
     scale_log2,
     split_buffers,
 )
-from tinyserve.kernels.launch import dependent_launch
+from tinyserve.kernels.launch import decode_output, dependent_launch
 
 SOURCE = "iso_decode_mma.cu"
 # csrc/iso_split.cuh: the split merge's columns and threads per CTA, split slices per CTA and
@@ -176,7 +175,7 @@ def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     would stack unevenly on the SMs free first. Raises ValueError on shapes or settings it
     does not take."""
     b, hq, d, hkv = _check_decode(q, k_cache, v_cache, page_table, seq_lens, fmt)
-    _check_out(out, q, b, hq, d)
+    out = decode_output(out, q, b, hq, d)
     if not mma_supported(fmt, hq, hkv, d):
         raise ValueError(f"the MMA decode kernel takes iso3, GQA group <= 8, head_dim 128/256; "
                          f"got {fmt}, {hq}/{hkv} heads, head_dim {d}")
@@ -191,8 +190,6 @@ def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                                   min_tokens=min_split_tokens or cfg["min_split_tokens"],
                                   ctas_per_sm=ctas or ctas_per_sm_fit(q.device, d, warps, loop),
                                   one_wave=not ctas)
-    if out is None:
-        out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     if b == 0:
         return out
     # the 16-byte staging needs 16-byte aligned caches and a slot stride of whole words

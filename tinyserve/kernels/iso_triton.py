@@ -27,9 +27,9 @@ import triton.language as tl
 from tinyserve.kernels import iso, iso_cuda
 from tinyserve.kernels._decode_triton_common import decode_merge_kernel, kv_rows, split_program
 from tinyserve.kernels._iso_triton_fields import iso_decode_partial_fields
+from tinyserve.kernels.launch import decode_output
 
 _LOG2E = 1.4426950408889634
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # Launch settings from the bench/iso_attention.py sweep: 32-token tiles, 4 warps, registers
 # capped at 128 (several programs per SM, a little spilling), ~8 programs per SM; 64-token
 # tiles need ~250 registers and leave one program per SM.
@@ -175,31 +175,11 @@ def iso_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     dots, the block rebuilt with tl.interleave)."""
     if variant not in ("fields", "interleave"):
         raise ValueError(f"variant must be fields or interleave, got {variant!r}")
-    if fmt not in iso.FORMATS:
-        raise ValueError(f"unknown ISO format {fmt!r}; expected one of {iso.FORMATS}")
-    if q.dim() != 3 or q.dtype not in _FLOATS:
-        raise ValueError(f"q must be [B, Hq, D] float, got {q.dtype} {tuple(q.shape)}")
-    b, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    rb = iso.packed_row_bytes(d, fmt)
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dtype != torch.uint8 or c.dim() != 3 or tuple(c.shape[1:]) != (hkv, rb) \
-                or c.stride(2) != 1 or c.stride(1) != rb:
-            raise ValueError(f"{name} must be uint8 [slots, {hkv}, {rb}] with contiguous rows, "
-                             f"got {c.dtype} {tuple(c.shape)} strides {c.stride()}")
-    if k_cache.stride(0) != v_cache.stride(0):
-        raise ValueError("k_cache and v_cache must have the same slot stride")
-    if hq % hkv or hq // hkv > 16 or d // iso.BLOCK not in (1, 2):
+    iso_cuda.format_bits(fmt)  # (checks the format)
+    b, hq, d, hkv = iso_cuda._check_decode(q, k_cache, v_cache, page_table, seq_lens, fmt)
+    if hq // hkv > 16 or d // iso.BLOCK not in (1, 2):
         raise ValueError(f"unsupported GQA group {hq}/{hkv} or head_dim {d}")
-    if page_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
-        raise ValueError("page_table and seq_lens must be int32")
-    if page_table.shape[0] != b or seq_lens.shape != (b,) or page_table.stride(1) != 1:
-        raise ValueError(f"page_table [{b}, P] (rows contiguous) and seq_lens [{b}] expected")
-    if out is None:
-        out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
-    if out.shape != (b, hq, d) or out.stride(2) != 1 or out.stride(1) != d \
-            or out.dtype not in _FLOATS:
-        raise ValueError(f"out must be float [{b}, {hq}, {d}] with contiguous rows")
+    out = decode_output(out, q, b, hq, d)
     if b == 0:
         return out
     chunk, splits = iso_cuda.decode_splits(q, seq_lens, hkv, max_seq_len, split_tokens,
@@ -208,8 +188,7 @@ def iso_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     group = hq // hkv
     cent, rot = _tables(q.device, fmt)
     qc = q.contiguous()
-    part_acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
-    part_ml = torch.empty(b, hq, splits, 2, dtype=torch.float32, device=q.device)
+    part_acc, part_ml = iso_cuda.split_buffers(q, splits)
     kernel = iso_decode_partial_fields if variant == "fields" else _iso_decode_partial
     kernel[(splits, b * hkv)](
         qc, k_cache, v_cache, k_cache.stride(0), page_table, page_table.stride(0),

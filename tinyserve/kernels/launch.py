@@ -19,6 +19,34 @@ from tinyserve import envs
 ROUNDING_AS_TORCH = {"enable_fp_fusion": False}
 
 
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_pages(page_table: torch.Tensor, seq_lens: torch.Tensor, b: int) -> None:
+    """The paged decode kernels' page table (int32 [B, P], rows contiguous) and lengths (int32
+    [B]); ValueError otherwise."""
+    if page_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError("page_table and seq_lens must be int32")
+    if page_table.dim() != 2 or page_table.shape[0] != b or seq_lens.shape != (b,) \
+            or page_table.stride(1) != 1:
+        raise ValueError(f"page_table [{b}, P] (rows contiguous) and seq_lens [{b}] expected")
+
+
+def decode_output(out: torch.Tensor | None, q: torch.Tensor, b: int, hq: int,
+                  d: int) -> torch.Tensor:
+    """Where a decode kernel writes [B, Hq, D]: a new tensor in q's dtype, or `out` when it is
+    a float tensor on q's device with that shape and contiguous rows (ValueError otherwise:
+    the kernels write through its pointer)."""
+    if out is None:
+        return torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    if out.dtype not in FLOATS or out.device != q.device:
+        raise ValueError(f"out must be a float tensor on {q.device}, got {out.dtype} on "
+                         f"{out.device}")
+    if out.shape != (b, hq, d) or out.stride(2) != 1 or out.stride(1) != d:
+        raise ValueError(f"out must be [{b}, {hq}, {d}] with contiguous rows")
+    return out
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

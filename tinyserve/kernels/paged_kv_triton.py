@@ -31,10 +31,10 @@ import triton
 import triton.language as tl
 
 from tinyserve.kernels._decode_triton_common import decode_merge_kernel, kv_rows, split_program
-from tinyserve.kernels.iso_cuda import decode_splits
+from tinyserve.kernels.iso_cuda import decode_splits, split_buffers
+from tinyserve.kernels.launch import FLOATS, check_pages, decode_output
 
 _LOG2E = 1.4426950408889634
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 CACHE_DTYPES = (torch.bfloat16, torch.float16)
 MAX_GROUP = 16  # query heads per kv head: one 16-row MMA tile
 # Launch settings (bench/kv_decode.py sweeps them; not yet measured on a GPU).
@@ -126,7 +126,7 @@ def paged_store(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tenso
     n, hkv, d = k.shape
     _check_caches(k_cache, v_cache, hkv, d)
     for name, t in (("k", k), ("v", v)):
-        if t.shape != (n, hkv, d) or t.dtype not in _FLOATS or t.stride(2) != 1 \
+        if t.shape != (n, hkv, d) or t.dtype not in FLOATS or t.stride(2) != 1 \
                 or t.stride(1) != d:
             raise ValueError(f"{name} must be float [{n}, {hkv}, {d}] with contiguous heads, "
                              f"got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
@@ -165,7 +165,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     sizes the split grid (None: read from seq_lens, a device synchronisation);
     `split_tokens` forces the tokens per split. Returns [B, Hq, D] in q's dtype (or written
     into `out`). Raises ValueError on shapes `decode_supported` refuses."""
-    if q.dim() != 3 or q.dtype not in _FLOATS:
+    if q.dim() != 3 or q.dtype not in FLOATS:
         raise ValueError(f"q must be [B, Hq, D] float, got {q.dtype} {tuple(q.shape)}")
     b, hq, d = q.shape
     hkv = k_cache.shape[1] if k_cache.dim() == 3 else 0
@@ -174,25 +174,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"unsupported decode shape: {hq} query heads over {hkv} kv heads "
                          f"(at most {MAX_GROUP} per kv head), head_dim {d} (a power of two "
                          f"in 16 .. 256)")
-    if page_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
-        raise ValueError("page_table and seq_lens must be int32")
-    if page_table.dim() != 2 or page_table.shape[0] != b or seq_lens.shape != (b,) \
-            or page_table.stride(1) != 1:
-        raise ValueError(f"page_table [{b}, P] (rows contiguous) and seq_lens [{b}] expected")
+    check_pages(page_table, seq_lens, b)
     if block_t < 16 or block_t & (block_t - 1):
         raise ValueError(f"block_t must be a power of two >= 16, got {block_t}")
-    if out is None:
-        out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
-    if out.shape != (b, hq, d) or out.stride(2) != 1 or out.stride(1) != d \
-            or out.dtype not in _FLOATS:
-        raise ValueError(f"out must be float [{b}, {hq}, {d}] with contiguous rows")
+    out = decode_output(out, q, b, hq, d)
     if b == 0:
         return out
     chunk, splits = decode_splits(q, seq_lens, hkv, max_seq_len, split_tokens,
                                   split_tile=block_t, min_tokens=min_split_tokens,
                                   ctas_per_sm=ctas_per_sm, tile=block_t)
-    part_acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
-    part_ml = torch.empty(b, hq, splits, 2, dtype=torch.float32, device=q.device)
+    part_acc, part_ml = split_buffers(q, splits)
     paged_decode_partial_kernel[(splits, b * hkv)](
         q.contiguous(), k_cache, v_cache, k_cache.stride(0), page_table,
         page_table.stride(0), seq_lens.contiguous(), part_acc, part_ml, chunk, splits,

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 OUT = ROOT / "bench" / "results" / "fairness_cpu.json"
 
 from common import run_meta  # noqa: E402  (bench/ is on sys.path as a script)
-from serve import _env, _stop_server  # noqa: E402
+from serve import _start_server, _stop_server  # noqa: E402
 
 
 async def _stream(client: httpx.AsyncClient, url: str, body: dict, *,
@@ -156,7 +156,7 @@ def main() -> int:
         host_load_average=os.getloadavg(), command=" ".join(["python", *sys.argv]),
         settings={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         model="tiny random checkpoint (tinyserve.testing), max_position_embeddings 4096")
-    server = _start(ckpt, args)
+    server = _start_server(ckpt, args.device, max_seqs=args.max_seqs)
     try:
         result.update(asyncio.run(_run(server[0], args)))
     finally:
@@ -173,33 +173,6 @@ def main() -> int:
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
-
-
-def _start(ckpt: Path, args: Any) -> tuple[str, Any]:
-    import socket
-    import subprocess
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "tinyserve", "run", str(ckpt), "--port",
-                             str(port), "--device", args.device, "--max-seqs",
-                             str(args.max_seqs), "--served-model-name", "tiny"], cwd=ROOT,
-                            env=_env(args.device), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited: {proc.stderr.read()[-1000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return url, proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    _stop_server(proc)
-    raise RuntimeError("the server did not become ready in 300 s")
 
 
 if __name__ == "__main__":

@@ -258,7 +258,8 @@ def _tiny_engine(ckpt: Path, device: str) -> Any:
     return build_engine(EngineConfig(model=str(ckpt), device=device, max_seqs=16)).start()
 
 
-def _start_server(ckpt: Path, device: str) -> tuple[str, subprocess.Popen]:
+def _start_server(ckpt: Path, device: str, *,
+                  max_seqs: int = 16) -> tuple[str, subprocess.Popen]:
     """`tinyserve run` in its own process (the clients here must not share its GIL)."""
     import socket
 
@@ -266,7 +267,7 @@ def _start_server(ckpt: Path, device: str) -> tuple[str, subprocess.Popen]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "tinyserve", "run", str(ckpt), "--port",
-                             str(port), "--device", device, "--max-seqs", "16",
+                             str(port), "--device", device, "--max-seqs", str(max_seqs),
                              "--served-model-name", "tiny"], cwd=ROOT, env=_env(device),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"

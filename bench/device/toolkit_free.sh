@@ -3,14 +3,18 @@
 # PATH, empty kernel caches. Runs, side by side on the one GPU: the CUDA suite natively (sm_90
 # cubins from NVRTC), and the CUDA-kernel tests in each older generation's mode
 # (TINYSERVE_CUDA_ARCH=sm_80 / sm_86 / sm_89: PTX for that generation, its code paths).
-# With GRAPH=1 and the full-size checkpoint at $TINYSERVE_FULLSIZE_DIR, then the full-size
-# graph == eager test in each generation's mode (its iso3 and bf16 cases, experts resident).
-#   OUT=dir [GRAPH=1] bash bench/device/toolkit_free.sh
+# With GRAPH=1, beside them: the full-size checkpoint written to $TINYSERVE_FULLSIZE_DIR unless it
+# is there, then the full-size graph == eager test natively (all four cases) and, in a second
+# chain, in each generation's mode (its iso3 cases first, then bf16; experts resident), every
+# case into bench/results/fullsize_graph.json.
+#   OUT=dir [GRAPH=1] [LIMIT=s] bash bench/device/toolkit_free.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/tinyserve-out}
 mkdir -p "$OUT" /tmp/hidden
 export PYTHONUNBUFFERED=1
+export TINYSERVE_FULLSIZE_DIR=${TINYSERVE_FULLSIZE_DIR:-/tmp/tinyserve-fullsize}
+CKPT=$TINYSERVE_FULLSIZE_DIR
 for tool in nvcc g++ c++ clang++; do
     while p=$(command -v "$tool"); do mv "$p" "/tmp/hidden/$(echo "$p" | tr / _)" || break; done
 done
@@ -24,21 +28,41 @@ export TINYSERVE_CACHE_DIR=$(mktemp -d /tmp/ts-cache.XXXX) TRITON_CACHE_DIR=$(mk
     python3 -c 'from tinyserve.kernels import cuda_build as c; print("nvrtc", c.nvrtc(), c.nvrtc_version())'
 } 2>&1 | tee "$OUT/env.txt"
 LIMIT=${LIMIT:-480}
+T0=$SECONDS
 SEL=(-m "requires_cuda or gpu_shapes" -q -rfEs --tb=short -p no:cacheprovider)
-timeout -s INT -k 20 "$LIMIT" python3 -m pytest "${SEL[@]}" -n "${WORKERS:-8}" \
-    tests/kernels tests/kv tests/model tests/engine tests/offload > "$OUT/suite_native.log" 2>&1 &
+env -u TINYSERVE_FULLSIZE_DIR timeout -s INT -k 20 "$LIMIT" python3 -m pytest "${SEL[@]}" \
+    -n "${WORKERS:-8}" tests/kernels tests/kv tests/model tests/engine tests/offload \
+    tests/server tests/reliability > "$OUT/suite_native.log" 2>&1 &
 for arch in sm_86 sm_80 sm_89; do
     TINYSERVE_CUDA_ARCH=$arch timeout -s INT -k 20 "$LIMIT" python3 -m pytest "${SEL[@]}" -n 2 \
         -k "iso or nvfp4 or moe or cuda" tests/kernels tests/kv tests/model/test_cuda_model.py \
         > "$OUT/suite_$arch.log" 2>&1 &
 done
-wait
-for f in "$OUT"/suite_*.log; do echo "== $f"; tail -n 25 "$f"; done
+
+graph() {  # log name, then pytest arguments: the full-size graph == eager cases
+    local name=$1; shift
+    local left=$((LIMIT - (SECONDS - T0)))
+    if ((left < 60)); then echo "== $name: not started (time limit)" >> "$OUT/graph.txt"; return; fi
+    TINYSERVE_WRITE_RESULTS=1 timeout -s INT -k 20 "$left" python3 -m pytest -q -rfEsx \
+        --tb=short -p no:cacheprovider -m "requires_cuda and slow" "$@" \
+        tests/engine/test_fullsize_graph.py > "$OUT/graph_$name.log" 2>&1
+    echo "== $name ($((SECONDS - T0)) s): $(tail -n 1 "$OUT/graph_$name.log")" >> "$OUT/graph.txt"
+}
 if [[ ${GRAPH:-0} == 1 ]]; then
-    for arch in sm_80 sm_86 sm_89; do
-        TINYSERVE_CUDA_ARCH=$arch timeout -s INT -k 20 300 python3 -m pytest -q -rfEsx \
-            --tb=short -p no:cacheprovider -m "requires_cuda and slow" -k resident \
-            tests/engine/test_fullsize_graph.py > "$OUT/graph_$arch.log" 2>&1
-        echo "== graph $arch: $(tail -n 1 "$OUT/graph_$arch.log")"
+    if [[ ! -f $CKPT/config.json ]]; then
+        python3 -m tinyserve.testing.fullsize "$CKPT.partial" > "$OUT/checkpoint.log" 2>&1 \
+            && mv "$CKPT.partial" "$CKPT"
+        echo "checkpoint written at $((SECONDS - T0)) s" >> "$OUT/graph.txt"
+    fi
+    graph native &
+    for kv in iso3 bf16; do
+        for arch in sm_86 sm_80 sm_89; do
+            TINYSERVE_CUDA_ARCH=$arch graph "${kv}_$arch" -k "$kv and resident"
+        done
     done
 fi
+wait
+for f in "$OUT"/suite_*.log; do echo "== $f"; tail -n 25 "$f"; done
+[[ -f $OUT/graph.txt ]] && cat "$OUT/graph.txt"
+cp bench/results/fullsize_graph.json "$OUT/" 2>/dev/null
+true

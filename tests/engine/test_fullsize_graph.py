@@ -20,6 +20,7 @@ On CPU the same comparison runs on the tiny checkpoint through the static decode
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -279,21 +280,23 @@ def _record(name: str, result: dict) -> None:
     """Merge one case into bench/results/fullsize_graph.json (TINYSERVE_WRITE_RESULTS=1)."""
     if not envs.WRITE_RESULTS.get():
         return
-    cases: dict = {}  # other cases of earlier runs stay; notes about them do not
-    if RESULT.exists():
-        try:
-            cases = json.loads(RESULT.read_text()).get("cases", {})
-        except ValueError:
-            cases = {}
-    commit = current_commit()
-    cases[name] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                   "commit": commit, **result}
-    data = {"name": "fullsize_graph", "torch": torch.__version__, "commit": commit,
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "test": "tests/engine/test_fullsize_graph.py", "prompt_len": PROMPT_LEN,
-            "steps": STEPS, "rel_tol": REL_TOL, "cases": cases}
     RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(json.dumps(data, indent=1) + "\n")
+    with open(RESULT.with_suffix(".lock"), "w") as lock:  # several sessions may run at once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cases: dict = {}  # other cases of earlier runs stay; notes about them do not
+        if RESULT.exists():
+            try:
+                cases = json.loads(RESULT.read_text()).get("cases", {})
+            except ValueError:
+                cases = {}
+        commit = current_commit()
+        cases[name] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                       "commit": commit, **result}
+        data = {"name": "fullsize_graph", "torch": torch.__version__, "commit": commit,
+                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                "test": "tests/engine/test_fullsize_graph.py", "prompt_len": PROMPT_LEN,
+                "steps": STEPS, "rel_tol": REL_TOL, "cases": cases}
+        RESULT.write_text(json.dumps(data, indent=1) + "\n")
 
 
 @pytest.mark.requires_cuda
@@ -309,7 +312,8 @@ def test_fullsize_graph_equals_eager(fullsize_dir: Path, kv: str, budget: str | 
     problems, flips = judge(res["steps"])
     res.update({"problems": problems, "flips": flips,
                 "identical": sum(s["graph"] == s["eager"] for s in res["steps"])})
-    _record(f"{kv}_{budget or 'resident'}", res)
+    arch = envs.CUDA_ARCH.get().strip()  # an older generation's code paths (cuda_launch)
+    _record(f"{kv}_{budget or 'resident'}" + (f"_{arch}" if arch else ""), res)
     if flips:
         warnings.warn(f"{kv}/{budget}: near-tie flips {flips}", stacklevel=1)
     assert res["graphs_captured"] >= 1 and not res["graphs_failed"], "no decode graph ran"

@@ -212,3 +212,26 @@ def scripted_server(tokenizer: Any, script: Callable, model: str, *,
             yield url, engine, state
     finally:
         engine.shutdown()
+
+
+REASONING = ["Let", " me", " think", ".\n", "</think>", "\n\n", "Hello", " world", "!"]
+TOOL_REPLY = ["Check", "ing.\n", "</think>", "\n\n", "<tool_call>", "\n<function=get_weather>",
+              "\n<parameter=city>\nPar", "is\n</parameter>\n<parameter=days>\n3\n</parameter>",
+              "\n</function>\n", "</tool_call>"]
+
+
+def agent_script(tokenizer):
+    """The scripted model of the agent-API tests: a forced tool call, a device error, a long
+    reply, a tool call, or reasoning then text, chosen by the prompt."""
+    def script(prompt_ids, params):
+        text = tokenizer.decode(prompt_ids)
+        if text.endswith("<function=get_weather>\n"):  # a forced call
+            return ["<parameter=city>\nOslo\n</parameter>\n", "</function>\n</tool_call>"]
+        if "ERROR" in text:
+            return ["partial", RuntimeError("device lost")]
+        if "LONG" in text:
+            return [f" w{i}" for i in range(400)]
+        if "TOOL" in text and "<tool_response>" not in text:
+            return TOOL_REPLY
+        return REASONING
+    return script

@@ -6,40 +6,20 @@ from __future__ import annotations
 import functools
 import json
 
-import anthropic
 import httpx
 import pytest
 
-from tests.server.fakes import scripted_server
+from tests.server.fakes import REASONING, TOOL_REPLY, agent_script, scripted_server
 from tinyserve.server.anthropic_api import MessagesRequest, to_chat_request
+
+anthropic = pytest.importorskip("anthropic")
 
 MODEL = "tiny-test"
 TOOLS = [{"name": "get_weather", "description": "Get weather", "input_schema": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}]
-REASONING = ["Let", " me", " think", ".\n", "</think>", "\n\n", "Hello", " world", "!"]
-TOOL_REPLY = ["Check", "ing.\n", "</think>", "\n\n", "<tool_call>", "\n<function=get_weather>",
-              "\n<parameter=city>\nPar", "is\n</parameter>\n<parameter=days>\n3\n</parameter>",
-              "\n</function>\n", "</tool_call>"]
-
-
-def _script(tokenizer):
-    def script(prompt_ids, params):
-        text = tokenizer.decode(prompt_ids)
-        if text.endswith("<function=get_weather>\n"):  # a forced call
-            return ["<parameter=city>\nOslo\n</parameter>\n", "</function>\n</tool_call>"]
-        if "ERROR" in text:
-            return ["partial", RuntimeError("device lost")]
-        if "LONG" in text:
-            return [f" w{i}" for i in range(400)]
-        if "TOOL" in text and "<tool_response>" not in text:
-            return TOOL_REPLY
-        return REASONING
-    return script
-
-
 @pytest.fixture
 def make_server(qwen_tokenizer):
-    return functools.partial(scripted_server, qwen_tokenizer, _script(qwen_tokenizer), MODEL)
+    return functools.partial(scripted_server, qwen_tokenizer, agent_script(qwen_tokenizer), MODEL)
 
 
 @pytest.fixture

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import json
 
-import anthropic
-import openai
 import pytest
 import torch
 
 from tests.server.fakes import serve
 from tinyserve.server.app import create_app
 from tinyserve.server.state import ServerConfig, ServerState
+
+anthropic = pytest.importorskip("anthropic")
+openai = pytest.importorskip("openai")
 
 MODEL = "tiny"
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

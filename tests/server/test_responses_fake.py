@@ -10,8 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.fakes import scripted_server
-from tests.server.test_anthropic_fake import REASONING, TOOL_REPLY, _script
+from tests.server.fakes import REASONING, TOOL_REPLY, agent_script, scripted_server
 from tinyserve.server.responses_events import decode_reasoning, encode_reasoning
 
 MODEL = "tiny-test"
@@ -22,7 +21,7 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "Get weather
 
 @pytest.fixture
 def make_server(qwen_tokenizer):
-    return functools.partial(scripted_server, qwen_tokenizer, _script(qwen_tokenizer), MODEL)
+    return functools.partial(scripted_server, qwen_tokenizer, agent_script(qwen_tokenizer), MODEL)
 
 
 @pytest.fixture

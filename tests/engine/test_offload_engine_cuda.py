@@ -144,9 +144,13 @@ def test_gpu_memory_budget_offloads(ckpt) -> None:
     inside = (full.allocated_bytes - full.embed_bytes
               - (full.num_routed_experts - 12) * full.expert_slot_bytes)
     # ... plus what a child process holds outside the allocator (measured there at start-up;
-    # resident: no host mappings), plus the mappings an offloaded plan adds (one 8 MiB step)
+    # resident: no host mappings), plus the device page tables of the host memory an
+    # offloaded plan registers (the embedding and every routed expert)
     first = run_child(ckpt, dtype="bfloat16", gpu_memory="4GiB", **COMMON)["plan"]
-    budget = inside + first["gpu_memory"] - first["allocator_cap"] + (8 << 20)
+    host = full.embed_bytes + full.num_routed_experts * full.expert_slot_bytes
+    mappings = sum(b for _, b, _ in nothing_outside.outside_allocator(host)) - sum(
+        b for _, b, _ in nothing_outside.outside_allocator(0))
+    budget = inside + first["gpu_memory"] - first["allocator_cap"] + mappings
     got = run_child(ckpt, dtype="bfloat16", gpu_memory=budget, **COMMON)
     plan = got["plan"]
     assert plan["gpu_memory"] == budget and plan["embed_device"] == "cpu"

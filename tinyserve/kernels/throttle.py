@@ -46,15 +46,23 @@ def _kernels():
     return triton, stamp_kernel, hold_kernel
 
 
+def _clock(device: torch.device | str) -> torch.Tensor:
+    """The device word of `device`'s stamp: one per GPU, however the device is named ("cuda"
+    and "cuda:0" are the same word)."""
+    device = torch.device(device)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return _clock_at(index)
+
+
 @functools.cache
-def _clock(device: torch.device) -> torch.Tensor:
-    return torch.zeros(1, dtype=torch.int64, device=device)
+def _clock_at(index: int) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int64, device=torch.device("cuda", index))
 
 
 def stamp(device: torch.device) -> None:
     """Record the GPU's timer (stream-ordered) as the start of the next held copy."""
     _, stamp_kernel, _ = _kernels()
-    stamp_kernel[(1,)](_clock(torch.device(device)), num_warps=1)
+    stamp_kernel[(1,)](_clock(device), num_warps=1)
 
 
 def hold(rows: torch.Tensor, seconds_per_row: float) -> None:

@@ -3,10 +3,11 @@
 # PATH, empty kernel caches. Runs, side by side on the one GPU: the CUDA suite natively (sm_90
 # cubins from NVRTC), and the CUDA-kernel tests in each older generation's mode
 # (TINYSERVE_CUDA_ARCH=sm_80 / sm_86 / sm_89: PTX for that generation, its code paths).
-# With GRAPH=1, beside them: the full-size checkpoint written to $TINYSERVE_FULLSIZE_DIR unless it
-# is there, then the full-size graph == eager test natively (all four cases) and, in a second
-# chain, in each generation's mode (its iso3 cases first, then bf16; experts resident), every
-# case into bench/results/fullsize_graph.json.
+# With GRAPH=1, beside them, one case at a time (two resident full-size engines do not fit an
+# 80 GB card beside the suites): the full-size checkpoint written to $TINYSERVE_FULLSIZE_DIR
+# unless it is there, then the full-size graph == eager test natively (iso3 at 6 GiB first,
+# then the other three cases) and in each generation's mode (iso3, then bf16; experts
+# resident), every case into bench/results/fullsize_graph.json.
 #   OUT=dir [GRAPH=1] [LIMIT=s] bash bench/device/toolkit_free.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -54,12 +55,15 @@ if [[ ${GRAPH:-0} == 1 ]]; then
             && mv "$CKPT.partial" "$CKPT"
         echo "checkpoint written at $((SECONDS - T0)) s" >> "$OUT/graph.txt"
     fi
-    graph native &
-    for kv in iso3 bf16; do
-        for arch in sm_86 sm_80 sm_89; do
-            TINYSERVE_CUDA_ARCH=$arch graph "${kv}_$arch" -k "$kv and resident"
+    (
+        graph native_iso3_6GiB -k "iso3 and 6GiB"
+        graph native -k "not (iso3 and 6GiB)"
+        for kv in iso3 bf16; do
+            for arch in sm_86 sm_80 sm_89; do
+                TINYSERVE_CUDA_ARCH=$arch graph "${kv}_$arch" -k "$kv and resident"
+            done
         done
-    done
+    ) &
 fi
 wait
 for f in "$OUT"/suite_*.log; do echo "== $f"; tail -n 25 "$f"; done

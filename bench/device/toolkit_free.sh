@@ -8,7 +8,7 @@
 # unless it is there, then the full-size graph == eager test natively (iso3 at 6 GiB first,
 # then the other three cases) and in each generation's mode (iso3, then bf16; experts
 # resident), every case into bench/results/fullsize_graph.json.
-#   OUT=dir [GRAPH=1] [LIMIT=s] bash bench/device/toolkit_free.sh
+#   OUT=dir [GRAPH=1] [LIMIT=s] [ARCHS="sm_86 sm_80 sm_89"] bash bench/device/toolkit_free.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/tinyserve-out}
@@ -34,7 +34,8 @@ SEL=(-m "requires_cuda or gpu_shapes" -q -rfEs --tb=short -p no:cacheprovider)
 env -u TINYSERVE_FULLSIZE_DIR timeout -s INT -k 20 "$LIMIT" python3 -m pytest "${SEL[@]}" \
     -n "${WORKERS:-8}" tests/kernels tests/kv tests/model tests/engine tests/offload \
     tests/server tests/reliability > "$OUT/suite_native.log" 2>&1 &
-for arch in sm_86 sm_80 sm_89; do
+ARCHS=${ARCHS-sm_86 sm_80 sm_89}  # ARCHS="": the native suite alone (an 80 GB card)
+for arch in $ARCHS; do
     TINYSERVE_CUDA_ARCH=$arch timeout -s INT -k 20 "$LIMIT" python3 -m pytest "${SEL[@]}" -n 2 \
         -k "iso or nvfp4 or moe or cuda" tests/kernels tests/kv tests/model/test_cuda_model.py \
         > "$OUT/suite_$arch.log" 2>&1 &
@@ -59,7 +60,7 @@ if [[ ${GRAPH:-0} == 1 ]]; then
         graph native_iso3_6GiB -k "iso3 and 6GiB"
         graph native -k "not (iso3 and 6GiB)"
         for kv in iso3 bf16; do
-            for arch in sm_86 sm_80 sm_89; do
+            for arch in $ARCHS; do
                 TINYSERVE_CUDA_ARCH=$arch graph "${kv}_$arch" -k "$kv and resident"
             done
         done

@@ -263,7 +263,7 @@ def fullsize_dir() -> Path:
 
 
 def run_child(config: dict, prompt_len: int, steps: int, *, capture: bool = True,
-              timeout: int = 300) -> dict:
+              timeout: int = 900) -> dict:
     """`run_case` in a fresh Python process (this file as a script); returns its result."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))

@@ -59,7 +59,7 @@ def _clock_at(index: int) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int64, device=torch.device("cuda", index))
 
 
-def stamp(device: torch.device) -> None:
+def stamp(device: torch.device | str) -> None:
     """Record the GPU's timer (stream-ordered) as the start of the next held copy."""
     _, stamp_kernel, _ = _kernels()
     stamp_kernel[(1,)](_clock(device), num_warps=1)

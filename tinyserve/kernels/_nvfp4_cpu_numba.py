@@ -91,6 +91,21 @@ def _dot2(lo, hi, xe, xo):
     return acc
 
 
+@njit(inline="always", fastmath=True)
+def _dot_row(codes, scales, scale, e4, xe, xo):
+    """One row's dot with the deinterleaved input, decoded on the fly: each block's products
+    are summed unscaled and its scale applied once (what a row used by one pair takes: no
+    decoded copy of the row is written and read back)."""
+    acc = np.float32(0.0)
+    for blk in range(scales.shape[0]):
+        a = np.float32(0.0)
+        for i in range(blk * 8, blk * 8 + 8):
+            b = np.uint32(codes[i])
+            a += _e2m1(b & np.uint32(15)) * xe[i] + _e2m1(b >> np.uint32(4)) * xo[i]
+        acc += e4[scales[blk]] * a
+    return acc * scale
+
+
 @njit(parallel=True, fastmath=True, nogil=True, cache=True, error_model="numpy")
 def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4):
     """Every pair's expert (module docstring of kernels.nvfp4_cpu); returns the number of
@@ -128,7 +143,13 @@ def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4):
         r = flat[pairs[starts[u]]]
         lo = np.empty(h // 2, np.float32)
         hi = np.empty(h // 2, np.float32)
+        single = starts[u + 1] - starts[u] == 1
         for o in range(o0, o0 + RB):
+            if single:
+                t = pairs[starts[u]] // topk
+                gu[starts[u], o] = _dot_row(w13[r, o], s13[r, o], g13[r, o // f], e4,
+                                            xe[t], xo[t])
+                continue
             _decode_row(w13[r, o], s13[r, o], g13[r, o // f], e4, lo, hi)
             for p in range(starts[u], starts[u + 1]):
                 t = pairs[p] // topk
@@ -151,6 +172,11 @@ def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4):
             acc[:] = 0.0
             for u in range(groups):
                 r = flat[pairs[starts[u]]]
+                if starts[u + 1] - starts[u] == 1:
+                    q = pairs[starts[u]]
+                    acc[q // topk] += wts.reshape(-1)[q] * _dot_row(
+                        w2[r, o], s2[r, o], g2[r], e4, he[starts[u]], ho[starts[u]])
+                    continue
                 _decode_row(w2[r, o], s2[r, o], g2[r], e4, lo, hi)
                 for p in range(starts[u], starts[u + 1]):
                     q = pairs[p]

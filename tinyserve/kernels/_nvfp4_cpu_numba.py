@@ -141,19 +141,18 @@ def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4):
         u = item // nb1
         o0 = (item % nb1) * RB
         r = flat[pairs[starts[u]]]
-        lo = np.empty(h // 2, np.float32)
-        hi = np.empty(h // 2, np.float32)
-        single = starts[u + 1] - starts[u] == 1
-        for o in range(o0, o0 + RB):
-            if single:
-                t = pairs[starts[u]] // topk
-                gu[starts[u], o] = _dot_row(w13[r, o], s13[r, o], g13[r, o // f], e4,
-                                            xe[t], xo[t])
-                continue
-            _decode_row(w13[r, o], s13[r, o], g13[r, o // f], e4, lo, hi)
-            for p in range(starts[u], starts[u + 1]):
-                t = pairs[p] // topk
-                gu[p, o] = _dot2(lo, hi, xe[t], xo[t])
+        if starts[u + 1] - starts[u] == 1:  # one pair: dot each row as it is decoded
+            p, t = starts[u], pairs[starts[u]] // topk
+            for o in range(o0, o0 + RB):
+                gu[p, o] = _dot_row(w13[r, o], s13[r, o], g13[r, o // f], e4, xe[t], xo[t])
+        else:  # several pairs: decode each row once
+            lo = np.empty(h // 2, np.float32)
+            hi = np.empty(h // 2, np.float32)
+            for o in range(o0, o0 + RB):
+                _decode_row(w13[r, o], s13[r, o], g13[r, o // f], e4, lo, hi)
+                for p in range(starts[u], starts[u + 1]):
+                    t = pairs[p] // topk
+                    gu[p, o] = _dot2(lo, hi, xe[t], xo[t])
     he = np.empty((npairs, f // 2), np.float32)  # silu(gate) * up, deinterleaved
     ho = np.empty((npairs, f // 2), np.float32)
     for p in range(npairs):

@@ -45,6 +45,10 @@ def test_sparse_checkpoint_has_the_same_headers(tmp_path) -> None:
     assert [f.stat().st_size for f in files] == \
         [f.stat().st_size for f in sorted(dense.glob("*.safetensors"))]
     assert sum(f.stat().st_blocks * 512 for f in files) < sum(f.stat().st_size for f in files) / 4
+    again = write_fullsize_checkpoint(tmp_path / "again", **kw)  # a seed writes one checkpoint
+    c = CheckpointReader(again)
+    assert all(torch.equal(a.get(n).view(-1).view(torch.uint8), c.get(n).view(-1).view(torch.uint8))
+               for n in a.names())
 
 
 def test_realistic_routing_keeps_the_routing_channels_to_the_router(tmp_path) -> None:

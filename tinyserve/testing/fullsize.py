@@ -197,6 +197,7 @@ def write_fullsize_checkpoint(path: str | Path, *, layers: int | None = None, se
                                   text_tokens=range(min(special_token_ids().values())),
                                   seed=seed)
     pools = _MetaPools(seed) if sparse else _Pools(seed)
+    norm_gen = torch.Generator().manual_seed(seed)
     writer = _StreamWriter(path, max_shard_bytes, sparse)
     done: dict[str, str] = {}
     for name, (kind, shape) in expected_weights(c).items():
@@ -208,7 +209,7 @@ def write_fullsize_checkpoint(path: str | Path, *, layers: int | None = None, se
             elif name.endswith("dt_bias"):
                 t = torch.ones(shape, dtype=torch.bfloat16)
             else:
-                t = 1.0 + 0.1 * torch.randn(shape)
+                t = 1.0 + 0.1 * torch.randn(shape, generator=norm_gen)
             writer.add(raw if bare else raw + ".weight", t)
             continue
         if kind != "linear":

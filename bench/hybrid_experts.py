@@ -8,8 +8,9 @@ graphs. Writes bench/results/hybrid_experts.json after every case.
 Cases:
 - kernel: the CPU expert kernel against the host read bandwidth measured in the same run
   (every thread reading 4 GiB of the store), for 1..top_k experts of one token and for
-  top_k experts of a batch of 8 tokens, and the torch reference (dequantize + matmul) on
-  the same experts: the measurement behind choosing numba.
+  top_k experts of a batch of 8 tokens, one token's top_k experts on 1, 2, 4, 8 and the
+  probe's thread counts, and the torch reference (dequantize + matmul) on the same experts:
+  the measurement behind choosing numba.
 - probe: the start-up probe and the plan of every mode.
 - gpu, cpu, hybrid: `engine.bench.run_bench` (prompt 1024, 64 generated, batch 1): decode
   tok/s, the median step, hits / misses / experts computed on the CPU.
@@ -25,6 +26,7 @@ A summary compares hybrid with gpu and cpu, and the laptop hybrid with the lapto
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -63,7 +65,7 @@ def kernel_case(store: Any, top_k: int, reps: int) -> dict[str, Any]:
     rows_total = store.num_layers * store.num_experts
     h = store.slots.hidden_size
     out: dict[str, Any] = {"host_read_gbps": host / 1e9, "host_read_bytes": nbytes,
-                           "threads": nvfp4_cpu.num_threads(), "store_bytes": store.nbytes,
+                           "threads": nvfp4_cpu.max_threads(), "store_bytes": store.nbytes,
                            "calls": {}}
     for n, k in ((1, 1), (1, 2), (1, 4), (1, top_k), (8, top_k)):
         calls = [(torch.randn(n, h, generator=g),
@@ -73,6 +75,17 @@ def kernel_case(store: Any, top_k: int, reps: int) -> dict[str, Any]:
         nbytes = min(n * k, rows_total) * store.bytes_per_expert  # distinct experts (about)
         out["calls"][f"{n}tok_{k}exp"] = {"ms": t * 1e3, "gbps": nbytes / t / 1e9,
                                           "fraction_of_host_read": nbytes / t / host}
+    n = out["threads"]
+    one_token = [(torch.randn(1, h, generator=g),
+                  torch.randperm(rows_total, generator=g)[:top_k].view(1, top_k),
+                  torch.rand(1, top_k, generator=g), store.slots) for _ in range(reps + 1)]
+    out["threads_sweep"] = {}
+    for threads in sorted({t for t in (1, 2, 4, 8, *bandwidth.thread_counts(n)) if t <= n}):
+        t = _median_s(functools.partial(nvfp4_cpu.moe_cpu, threads=threads), one_token, reps)
+        out["threads_sweep"][threads] = {"ms": t * 1e3,
+                                         "gbps": top_k * store.bytes_per_expert / t / 1e9}
+    sweep = ", ".join(f"{k}: {v['gbps']:.1f} GB/s" for k, v in out["threads_sweep"].items())
+    print(f"  1 token x {top_k} experts by threads: {sweep}", flush=True)
     x = torch.randn(1, h, generator=g)
     rows = torch.randperm(rows_total, generator=g)[:top_k].view(1, top_k)
     w = torch.rand(1, top_k, generator=g)

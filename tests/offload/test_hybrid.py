@@ -10,7 +10,7 @@ from tests.model.hf_tiny import build_runner, checkpoint
 from tests.offload.helpers import greedy_generate
 from tinyserve.kernels import nvfp4_cpu
 from tinyserve.offload import lookup as lk
-from tinyserve.offload.bandwidth import Bandwidths, probe
+from tinyserve.offload.bandwidth import Bandwidths, probe, thread_counts
 from tinyserve.offload.hybrid import CpuExperts, HybridExperts, HybridPlan, plan_split
 from tinyserve.offload.provider import OffloadedExperts
 from tinyserve.offload.store import HostExpertStore
@@ -108,5 +108,7 @@ def test_probe_measures_the_cpu_kernel() -> None:
     store.buffer.zero_()
     bw = probe(store, top_k=4)
     assert bw.h2d is None and bw.host_read > 0 and bw.cpu_expert_s > 0
-    assert bw.bytes_per_expert == store.bytes_per_expert and bw.threads >= 1
+    assert bw.bytes_per_expert == store.bytes_per_expert
+    assert sorted(bw.call_us) == sorted(thread_counts(nvfp4_cpu.max_threads()))
+    assert bw.call_us[bw.threads] == min(bw.call_us.values())
     assert "CPU expert kernel" in bw.format()

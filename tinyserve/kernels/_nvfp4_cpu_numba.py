@@ -7,6 +7,7 @@ s2 uint8 [R, H, F/16], g2 fp32 [R]; out [N, H] fp32; e4 fp32 [256] (E4M3 values)
 
 from __future__ import annotations
 
+import ctypes
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,7 +17,7 @@ from numba.extending import intrinsic
 from numba.np.ufunc.parallel import _launch_threads
 
 RB = 32  # rows per work item: kernels.nvfp4_cpu.ROW_BLOCK
-DW = 16  # descriptor words: kernels.nvfp4_cpu.DESC_WORDS
+DW = 19  # descriptor words: kernels.nvfp4_cpu.DESC_WORDS
 
 
 @intrinsic
@@ -66,6 +67,21 @@ def _typed_ptr(dtype):
     return ptr
 
 
+@intrinsic
+def _call_i32(typingctx, addr, value):
+    """`int f(int)` at address `addr` called with `value` (numba's threading-layer setters,
+    reached through addresses passed in: a cached function may not hold their ctypes
+    objects)."""
+    sig = types.int64(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        fn = builder.inttoptr(args[0], ir.FunctionType(i32, [i32]).as_pointer())
+        return builder.sext(builder.call(fn, [builder.trunc(args[1], i32)]), ir.IntType(64))
+
+    return sig, codegen
+
+
 _ptr_f32 = _typed_ptr(types.float32)
 _ptr_i32 = _typed_ptr(types.int32)
 _ptr_i64 = _typed_ptr(types.int64)
@@ -107,9 +123,10 @@ def _dot_row(codes, scales, scale, e4, xe, xo):
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True, error_model="numpy")
-def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4):
-    """Every pair's expert (module docstring of kernels.nvfp4_cpu); returns the number of
-    distinct experts computed."""
+def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, setters):
+    """Every pair's expert (module docstring of kernels.nvfp4_cpu) on `threads` threads
+    (`setters`: the addresses of numba's set_num_threads and set_parallel_chunksize);
+    returns the number of distinct experts computed."""
     n, topk = rows.shape
     h = x.shape[1]
     f = w2.shape[2] * 2
@@ -128,6 +145,13 @@ def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4):
             starts[groups] = p
             groups += 1
     starts[groups] = npairs
+    if groups == 0:
+        out[:] = 0.0
+        return 0
+    _call_i32(setters[0], threads)
+    # work items handed out one at a time: a thread the OS preempts (the engine's own threads
+    # share the cores) delays one item, not a fixed share of the call
+    chunk = _call_i32(setters[1], 1)
     # x deinterleaved: even / odd inputs [N, H/2]
     xe = np.empty((n, h // 2), np.float32)
     xo = np.empty((n, h // 2), np.float32)
@@ -182,6 +206,7 @@ def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4):
                     acc[q // topk] += wts.reshape(-1)[q] * _dot2(lo, hi, he[p], ho[p])
             for t in range(n):
                 out[t, o] = acc[t]
+    _call_i32(setters[1], chunk)
     return groups
 
 
@@ -228,7 +253,9 @@ def entry(desc):
             wts[t, j] = stage_f[t, h + topk + j]
     e4 = np.empty(256, np.float32)  # (a writable array: the same `moe` as Python calls)
     e4[:] = _E4M3
-    d[14] += moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4)
+    setters = np.empty(2, np.int64)
+    setters[0], setters[1] = d[17], d[18]
+    d[14] += moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, d[16], setters)
     d[15] += 1
 
 
@@ -236,8 +263,12 @@ def build(row_block: int, desc_words: int) -> SimpleNamespace:
     """The compiled kernels: `moe`, the E4M3 table it takes and the C entry's address."""
     if row_block != RB or desc_words != DW:
         raise ValueError("kernels.nvfp4_cpu and its numba code disagree on their constants")
+    from numba.np.ufunc import parallel
+
+    setters = np.array([ctypes.cast(f, ctypes.c_void_p).value for f in
+                        (parallel._set_num_threads, parallel._set_parallel_chunksize)], np.int64)
     return SimpleNamespace(moe=moe, e4m3=_E4M3.copy(), entry_address=entry.address,
-                           read_sum=read_sum)
+                           read_sum=read_sum, setters=setters)
 
 
 @njit(parallel=True, nogil=True, cache=True, error_model="numpy")

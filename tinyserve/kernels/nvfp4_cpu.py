@@ -14,7 +14,8 @@ read once per call.
 
 Parallel in two numba regions: gate_up over (distinct expert, block of rows), then down over
 blocks of output rows (each summing every pair of its rows in a fixed order: the same bits
-on every run and for any thread count). fp32 throughout.
+on every run and for any thread count), work items handed out one at a time. A call with no
+pair to compute writes zeros and starts no thread. fp32 throughout.
 
 Why numba: it installs from wheels on every platform (no compiler on the user's machine),
 compiles to LLVM with the host's vector units (the code decode stays in 32-bit lanes through
@@ -37,9 +38,9 @@ from tinyserve.kernels.fused_moe import ExpertSlots, slot_weights
 
 ROW_BLOCK = 32  # weight rows per work item (both phases)
 # NOTE: the layout of a host-entry descriptor (int64 words, `host_descriptor`)
-DESC_WORDS = 16
+DESC_WORDS = 19
 (D_STAGE, D_OUT, D_N, D_K, D_ROW_BASE, D_W13, D_S13, D_G13, D_W2, D_S2, D_G2, D_ROWS, D_H, D_F,
- D_COUNT, D_CALLS) = range(DESC_WORDS)
+ D_COUNT, D_CALLS, D_THREADS, D_SET_THREADS, D_SET_CHUNK) = range(DESC_WORDS)
 
 
 def available() -> bool:
@@ -67,7 +68,7 @@ def _store_arrays(slots: ExpertSlots) -> tuple[Any, ...]:
 
 
 def moe_cpu(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, slots: ExpertSlots, *,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
     """The CPU-side routed experts of a batch (module docstring).
 
     Args:
@@ -76,6 +77,7 @@ def moe_cpu(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, slots: E
         weights: [N, k] float routing weights.
         slots: NVFP4 ExpertSlots in host memory (the host store's `slots`).
         out: [N, H] float32 contiguous CPU tensor to write (every element is written).
+        threads: CPU threads to run on (default: `max_threads()`).
     Returns:
         out: [N, H] float32.
     Raises:
@@ -94,10 +96,11 @@ def moe_cpu(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, slots: E
     elif out.shape != (n, h) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous float32 [{n}, {h}] tensor")
     k = _kernels()
+    threads = check_threads(max_threads() if threads is None else threads)
     xf = x.detach().to(torch.float32).contiguous().numpy()
     r = rows.detach().to(torch.int64).contiguous().numpy()
     w = weights.detach().to(torch.float32).contiguous().numpy()
-    k.moe(xf, r, w, *_store_arrays(slots), out.numpy(), k.e4m3)
+    k.moe(xf, r, w, *_store_arrays(slots), out.numpy(), k.e4m3, threads, k.setters)
     return out
 
 
@@ -133,22 +136,29 @@ def read_host(buffer: torch.Tensor) -> int:
     return int(_kernels().read_sum(words))
 
 
-def num_threads() -> int:
-    """Threads the CPU kernel runs on (numba's; NUMBA_NUM_THREADS sets it)."""
+def max_threads() -> int:
+    """The most threads the CPU kernel can run on (numba's pool; NUMBA_NUM_THREADS sets it)."""
     import numba
 
     _kernels()
-    return numba.get_num_threads()
+    return numba.config.NUMBA_NUM_THREADS
+
+
+def check_threads(threads: int) -> int:
+    if not 1 <= threads <= max_threads():
+        raise ValueError(f"threads must be in 1..{max_threads()}, got {threads}")
+    return threads
 
 
 # ------------------------------------------------------------------------ host function entry
 
 
 def host_descriptor(slots: ExpertSlots, stage: torch.Tensor, out: torch.Tensor,
-                    top_k: int, row_base: int) -> torch.Tensor:
-    """The int64 [DESC_WORDS] descriptor `host_entry` reads: one CPU call over a staging
-    buffer `stage` (float32 [N, H + 2k]: x | rows as int32 bits, relative to `row_base`, -1
-    skipped | weights) into `out` (float32 [N, H]). Both must outlive every call."""
+                    top_k: int, row_base: int, threads: int) -> torch.Tensor:
+    """The int64 [DESC_WORDS] descriptor `host_entry` reads: one CPU call on `threads`
+    threads (word D_THREADS; may be changed between calls) over a staging buffer `stage`
+    (float32 [N, H + 2k]: x | rows as int32 bits, relative to `row_base`, -1 skipped |
+    weights) into `out` (float32 [N, H]). Both must outlive every call."""
     check_slots(slots)
     n, h = out.shape
     if stage.shape != (n, h + 2 * top_k) or stage.dtype != torch.float32 \
@@ -162,6 +172,8 @@ def host_descriptor(slots: ExpertSlots, stage: torch.Tensor, out: torch.Tensor,
                      slots.w2_global), strict=True):
         d[i] = t.data_ptr()
     d[D_ROWS], d[D_H], d[D_F] = slots.num_slots, h, slots.intermediate_size
+    d[D_THREADS] = check_threads(threads)
+    d[D_SET_THREADS], d[D_SET_CHUNK] = (int(a) for a in _kernels().setters)
     return d
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -26,7 +26,9 @@ class Bandwidths:
     host_read: bytes/s of every CPU thread reading `read_bytes` of the store.
     h2d: bytes/s of the miss-copy path (None off CUDA).
     cpu_expert_s / cpu_overhead_s: the CPU kernel's time per expert (one token) and the fixed
-        part of one call (on CUDA with the host-function round trip: copies and node launch).
+        part of one call (on CUDA with the host-function round trip: copies and node launch),
+        on `threads` threads: of the counts tried (`call_us`: a top_k call's time on each), the
+        fastest.
     """
 
     host_read: float
@@ -36,6 +38,7 @@ class Bandwidths:
     cpu_overhead_s: float
     bytes_per_expert: int
     threads: int
+    call_us: dict[int, float] = field(default_factory=dict)
 
     @property
     def cpu_kernel(self) -> float:
@@ -52,8 +55,8 @@ class Bandwidths:
 
     def format(self) -> str:
         h2d = "n/a" if self.h2d is None else f"{self.h2d / 1e9:.1f} GB/s"
-        return (f"host read {self.host_read / 1e9:.1f} GB/s ({self.threads} threads), "
-                f"H2D miss copy {h2d}, CPU expert kernel {self.cpu_kernel / 1e9:.1f} GB/s "
+        return (f"host read {self.host_read / 1e9:.1f} GB/s, H2D miss copy {h2d}, CPU expert "
+                f"kernel {self.cpu_kernel / 1e9:.1f} GB/s on {self.threads} threads "
                 f"({self.cpu_fraction:.0%} of host read; {self.cpu_expert_s * 1e6:.0f} us per "
                 f"expert + {self.cpu_overhead_s * 1e6:.0f} us per call)")
 
@@ -74,11 +77,15 @@ def host_read_bandwidth(store: HostExpertStore, max_bytes: int = 4 << 30,
 
 
 def cpu_expert_times(store: HostExpertStore, top_k: int, *, reps: int = 5,
-                     runner: Any = None, seed: int = 0) -> tuple[float, float]:
-    """(seconds per expert, seconds per call) of the CPU kernel for one token: medians over
-    `reps` calls of 1 and of `top_k` experts, rows drawn across the whole store. `runner`: an
-    `offload.hybrid.CpuExperts` to time through (its stream round trip included), else
-    `moe_cpu` itself."""
+                     runner: Any = None, threads: int | None = None, seed: int = 0
+                     ) -> tuple[float, float]:
+    """(seconds per expert, seconds per call) of the CPU kernel for one token on `threads`
+    threads (default: all): medians over `reps` calls of 1 and of `top_k` experts, rows drawn
+    across the whole store. `runner`: an `offload.hybrid.CpuExperts` to time through (its
+    stream round trip included; its thread count is set), else `moe_cpu` itself."""
+    threads = nvfp4_cpu.max_threads() if threads is None else threads
+    if runner is not None:
+        runner.set_threads(threads)
     g = torch.Generator().manual_seed(seed)
     rows_total = store.num_layers * store.num_experts
     h = store.slots.hidden_size
@@ -90,7 +97,7 @@ def cpu_expert_times(store: HostExpertStore, top_k: int, *, reps: int = 5,
         w = torch.full((1, n), 1.0 / n)
         t = time.perf_counter()
         if runner is None:
-            nvfp4_cpu.moe_cpu(x, rows, w, store.slots)
+            nvfp4_cpu.moe_cpu(x, rows, w, store.slots, threads=threads)
         else:
             runner.time_rows(x, rows, w)
         return time.perf_counter() - t
@@ -136,11 +143,23 @@ def probe(store: HostExpertStore, top_k: int, *, cache: Any = None, runner: Any 
     """Measure everything `Bandwidths` holds (`cache`: the GPU expert cache whose miss copies
     to time; `runner`: the CpuExperts whose round trip to time)."""
     host, nbytes = host_read_bandwidth(store)
-    per, overhead = cpu_expert_times(store, top_k, runner=runner)
+    times = {t: cpu_expert_times(store, top_k, runner=runner, threads=t)
+             for t in thread_counts(nvfp4_cpu.max_threads())}
+    call_us = {t: (overhead + top_k * per) * 1e6 for t, (per, overhead) in times.items()}
+    threads = min(call_us, key=call_us.__getitem__)
+    if runner is not None:
+        runner.set_threads(threads)
     h2d = h2d_bandwidth(cache, top_k) if cache is not None else None
+    per, overhead = times[threads]
     return Bandwidths(host_read=host, read_bytes=nbytes, h2d=h2d, cpu_expert_s=per,
                       cpu_overhead_s=overhead, bytes_per_expert=store.bytes_per_expert,
-                      threads=nvfp4_cpu.num_threads())
+                      threads=threads, call_us=call_us)
+
+
+def thread_counts(n: int) -> list[int]:
+    """The CPU kernel's thread counts the probe tries with `n` CPUs: all of them, all but the
+    two that the engine's own threads (Python, the CUDA driver's) run on, and half."""
+    return sorted({n, max(1, n - 2), max(1, n // 2)}, reverse=True)
 
 
 def synthetic_store(config: Any, max_bytes: int = 4 << 30) -> HostExpertStore:

@@ -126,17 +126,25 @@ class CpuExperts:
 
     `start(layer, x, ids, slot_ids, weights)` forks the CPU work of the pairs whose slot is -1
     and returns where its result [N, H] fp32 lands (valid on the compute stream after
-    `join()`); `computed` counts the distinct experts computed so far.
+    `join()`); `computed` counts the distinct experts computed so far. The kernel runs on
+    `threads` CPU threads (`set_threads`; the probe picks the fastest count).
     """
 
     def __init__(self, store: Any, *, device: torch.device | str) -> None:
         nvfp4_cpu.check_slots(store.slots)
+        self.threads = nvfp4_cpu.max_threads()
         self.store = store
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self._side = torch.cuda.Stream(self.device) if self.cuda else None
         self._entries: dict[tuple[int, int, int], _Entry] = {}
         self._inline_count = 0
+
+    def set_threads(self, threads: int) -> None:
+        """Run the following calls on `threads` threads (calls already queued included)."""
+        self.threads = nvfp4_cpu.check_threads(threads)
+        for e in self._entries.values():
+            e.desc[nvfp4_cpu.D_THREADS] = threads
 
     @property
     def computed(self) -> int:
@@ -152,7 +160,7 @@ class CpuExperts:
         if not self.cuda:
             rows = torch.where(rel >= 0, rel.long() + layer * self.store.num_experts, -1)
             self._inline_count += len(set(rows[rows >= 0].tolist()))
-            return nvfp4_cpu.moe_cpu(x, rows, weights, self.store.slots)
+            return nvfp4_cpu.moe_cpu(x, rows, weights, self.store.slots, threads=self.threads)
         e = self._entry(layer, *ids.shape)
         torch.cat([x.float(), rel.view(torch.float32), weights.float()], dim=1,
                   out=e.stage_dev)
@@ -194,7 +202,7 @@ class CpuExperts:
             pin = dict(dtype=torch.float32, pin_memory=True)
             stage_host, out_host = torch.zeros(n, h + 2 * k, **pin), torch.zeros(n, h, **pin)
             desc = nvfp4_cpu.host_descriptor(self.store.slots, stage_host, out_host, k,
-                                             layer * self.store.num_experts)
+                                             layer * self.store.num_experts, self.threads)
             e = _Entry(torch.zeros(n, h + 2 * k, dtype=torch.float32, device=self.device),
                        stage_host, out_host,
                        torch.zeros(n, h, dtype=torch.float32, device=self.device), desc)
@@ -240,9 +248,9 @@ def configure(experts: Any, mode: str | None, top_k: int) -> HybridPlan:
     plan = HybridPlan("gpu")
     if mode != "gpu" and not resident:
         try:
-            runner = CpuExperts(cache.store, device=cache.device)
             if not nvfp4_cpu.available():
                 raise ValueError("the CPU expert kernel needs numba (pip install numba)")
+            runner = CpuExperts(cache.store, device=cache.device)
         except ValueError:
             if mode is not None:
                 raise

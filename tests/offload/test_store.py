@@ -26,7 +26,7 @@ def test_store_matches_packed_slots(tiny_nvfp4: Path) -> None:
     config = load_config(tiny_nvfp4)
     weights = load_weights(tiny_nvfp4, config)
     store = HostExpertStore.from_checkpoint(tiny_nvfp4, config)
-    assert store.complete and not store.pinned
+    assert store.complete and store.pinned == torch.cuda.is_available()  # pinned where it helps
     e = config.num_experts
     for layer in range(config.num_layers):
         p = f"layers.{layer}.mlp.experts"

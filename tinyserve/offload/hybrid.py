@@ -201,8 +201,9 @@ class CpuExperts:
             h = self.store.slots.hidden_size
             pin = dict(dtype=torch.float32, pin_memory=True)
             stage_host, out_host = torch.zeros(n, h + 2 * k, **pin), torch.zeros(n, h, **pin)
-            desc = nvfp4_cpu.host_descriptor(self.store.slots, stage_host, out_host, k,
-                                             layer * self.store.num_experts, self.threads)
+            with torch.inference_mode(False):  # `set_threads` writes it from any thread
+                desc = nvfp4_cpu.host_descriptor(self.store.slots, stage_host, out_host, k,
+                                                 layer * self.store.num_experts, self.threads)
             e = _Entry(torch.zeros(n, h + 2 * k, dtype=torch.float32, device=self.device),
                        stage_host, out_host,
                        torch.zeros(n, h, dtype=torch.float32, device=self.device), desc)

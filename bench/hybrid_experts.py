@@ -67,8 +67,9 @@ def kernel_case(store: Any, top_k: int, reps: int) -> dict[str, Any]:
     out: dict[str, Any] = {"host_read_gbps": host / 1e9, "host_read_bytes": nbytes,
                            "threads": nvfp4_cpu.max_threads(), "store_bytes": store.nbytes,
                            "calls": {}}
+    args: dict[tuple[int, int], list] = {}  # (tokens, experts) -> the calls' arguments
     for n, k in ((1, 1), (1, 2), (1, 4), (1, top_k), (8, top_k)):
-        calls = [(torch.randn(n, h, generator=g),
+        calls = args[n, k] = [(torch.randn(n, h, generator=g),
                   torch.stack([torch.randperm(rows_total, generator=g)[:k] for _ in range(n)]),
                   torch.rand(n, k, generator=g), store.slots) for _ in range(reps + 1)]
         t = _median_s(nvfp4_cpu.moe_cpu, calls, reps)
@@ -76,12 +77,10 @@ def kernel_case(store: Any, top_k: int, reps: int) -> dict[str, Any]:
         out["calls"][f"{n}tok_{k}exp"] = {"ms": t * 1e3, "gbps": nbytes / t / 1e9,
                                           "fraction_of_host_read": nbytes / t / host}
     n = out["threads"]
-    one_token = [(torch.randn(1, h, generator=g),
-                  torch.randperm(rows_total, generator=g)[:top_k].view(1, top_k),
-                  torch.rand(1, top_k, generator=g), store.slots) for _ in range(reps + 1)]
     out["threads_sweep"] = {}
     for threads in sorted({t for t in (1, 2, 4, 8, *bandwidth.thread_counts(n)) if t <= n}):
-        t = _median_s(functools.partial(nvfp4_cpu.moe_cpu, threads=threads), one_token, reps)
+        t = _median_s(functools.partial(nvfp4_cpu.moe_cpu, threads=threads), args[1, top_k],
+                      reps)
         out["threads_sweep"][threads] = {"ms": t * 1e3,
                                          "gbps": top_k * store.bytes_per_expert / t / 1e9}
     sweep = ", ".join(f"{k}: {v['gbps']:.1f} GB/s" for k, v in out["threads_sweep"].items())

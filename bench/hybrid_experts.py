@@ -13,7 +13,8 @@ Cases:
   the measurement behind choosing numba.
 - probe: the start-up probe and the plan of every mode.
 - gpu, cpu, hybrid: `engine.bench.run_bench` (prompt 1024, 64 generated, batch 1): decode
-  tok/s, the median step, hits / misses / experts computed on the CPU.
+  tok/s, the median step, hits / misses / experts computed on the CPU, and the greedy tokens
+  of one fixed prompt (the summary counts how many agree with gpu-only's).
 - laptop_gpu, laptop_hybrid: the miss copies throttled to `--h2d-gbps` (12 GB/s: an RTX 4060
   laptop's PCIe 4.0 x8) by the cache's debug throttle (kernels.throttle), the probe run
   again under it (the plan moves work to the CPU), then gpu-only and the probe's plan.
@@ -127,9 +128,22 @@ def decode_case(engine: Any, plan: hybrid.HybridPlan, runner: hybrid.CpuExperts,
     _set_mode(engine, plan, runner)
     r = run_bench(engine, prompt_len=args.prompt_len, gen_len=args.gen_len, batch=args.batch)
     r["experts"] = plan.as_dict()
+    r["greedy_tokens"] = _greedy_tokens(engine, args.prompt_len, TOKEN_CHECK)
     print(f"  {plan.mode}: decode {r['decode_tok_s']:.1f} tok/s, step "
           f"{r['decode_step_ms']:.2f} ms, {r['expert_cache']}", flush=True)
     return r
+
+
+TOKEN_CHECK = 32  # greedy tokens each mode decodes from one fixed prompt
+
+
+def _greedy_tokens(engine: Any, prompt_len: int, n: int) -> list[int]:
+    from tinyserve.core import SamplingParams
+
+    prompt = engine.random_prompt(prompt_len, torch.Generator().manual_seed(1234))
+    handle = engine.submit(prompt, SamplingParams(temperature=0.0, max_tokens=n,
+                                                  ignore_eos=True))
+    return [t for out in handle for t in out.token_ids]
 
 
 def main() -> int:
@@ -215,6 +229,12 @@ def _summary(cases: dict[str, Any]) -> dict[str, Any]:
     if tok["laptop_gpu"] and tok["laptop_hybrid"]:
         out["laptop_hybrid_over_gpu"] = tok["laptop_hybrid"] / tok["laptop_gpu"]
         out["laptop_plan"] = cases["laptop_hybrid"]["experts"]["mode"]
+    ref = (cases.get("gpu") or {}).get("greedy_tokens")
+    if ref:  # each mode's greedy tokens that agree with gpu-only's before the first that differs
+        out["leading_greedy_tokens_equal_to_gpu"] = {
+            k: next((i for i, (a, b) in enumerate(zip(ref, c["greedy_tokens"], strict=True))
+                     if a != b), len(ref))
+            for k, c in cases.items() if isinstance(c, dict) and "greedy_tokens" in c}
     kernel = cases.get("kernel")
     if kernel:
         out["cpu_kernel_fraction_of_host_read"] = kernel["fraction_of_host_read"]

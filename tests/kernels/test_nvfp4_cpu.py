@@ -50,7 +50,11 @@ def test_moe_cpu_matches_reference(n: int, k: int, share: float, H: int, F: int)
     assert got.data_ptr() == out.data_ptr()
     assert torch.isfinite(got).all()
     scale = ref.abs().max().clamp(min=1e-6)
-    assert (got - ref).abs().max() / scale < 1e-5
+    # inputs rounded as the kernel rounds them: fp32 summation order apart (a hidden value at
+    # a rounding tie may take the next int8 code), and the unquantized math within 3 %
+    assert (got - ref).abs().max() / scale < 2e-4
+    exact = nc.moe_cpu_ref(x, rows, w, store.slots, quantize_inputs=False)
+    assert (got - exact).abs().max() / scale < 3e-2
     assert torch.equal(got, nc.moe_cpu(x, rows, w, store.slots))  # the same bits again
     assert torch.equal(got, nc.moe_cpu(x, rows, w, store.slots, threads=1))  # on any count
 

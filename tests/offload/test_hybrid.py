@@ -93,8 +93,10 @@ def test_cpu_part_decodes_the_same_tokens(tiny, mode: str, plan: HybridPlan) -> 
     runner = build_runner(cfg, w, num_slots=2, experts=experts)
     tokens, logits = greedy_generate(runner, prompt, 16)
     assert tokens == ref_tokens
-    # the CPU kernel sums in another order than the torch reference (fp32)
-    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4 * ref_logits.abs().max())
+    # the CPU kernel rounds the experts' inputs to int8 per 16 (kernels.nvfp4_cpu): about 1 %
+    # of the largest output per expert; every routed expert of every layer on the CPU moves
+    # the tiny model's logits by about 3 % of the largest
+    assert (logits - ref_logits).abs().max() <= 5e-2 * ref_logits.abs().max()
     computed = experts.cpu_computed
     assert computed is not None and computed > 0
     if plan.mode == "cpu":  # the prefill (one 23-token batch: over MAX_TOKENS) copied

@@ -42,7 +42,8 @@ def test_cpu_part_in_the_decode_graph_keeps_the_tokens(graphs: bool, plan: Hybri
     runner = _runner(cfg, w, experts, graphs)
     tokens, logits = greedy_generate(runner, prompt, 12)
     assert tokens == ref[0]
-    torch.testing.assert_close(logits, ref[1], rtol=2e-2, atol=2e-2 * ref[1].abs().max())
+    # int8 expert inputs on the CPU (kernels.nvfp4_cpu); tests/offload/test_hybrid.py says more
+    assert (logits - ref[1]).abs().max() <= 5e-2 * ref[1].abs().max()
     if graphs:
         assert runner.graphs is not None and runner.graphs.num_graphs >= 1
     torch.cuda.synchronize()

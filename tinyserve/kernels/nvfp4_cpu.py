@@ -7,22 +7,27 @@ host expert store, beside their torch reference.
 
 over the NVFP4 `ExpertSlots` of the host store (`offload.store`: row = layer * E + expert;
 codes, E4M3 block scales per 16 inputs and fp32 globals, specs/nvfp4.md). Pairs with row -1
-are skipped (they run on the GPU). Nothing is dequantized to memory: each weight row is
-decoded into a small L1-resident buffer (codes -> fp32 via bit arithmetic, times its block
-and global scale) and dotted with every token that uses the expert, so the store's bytes are
-read once per call.
+are skipped (they run on the GPU). Nothing is dequantized to memory, and the store's bytes are
+read once per call: the input of each matrix (x, then silu(gate) * up) is quantized to int8
+per block of 16 inputs (scale max|x| / 127, as llama.cpp's CPU dot products do), and each
+weight row is dotted with it in integers: 16 code bytes at a time, the E2M1 codes looked up as
+small integers in a byte table (pshufb), multiplied and pairwise summed (pmaddubsw,
+pmaddwd), each block's sum then scaled in fp32 by its E4M3 scale and the input's block scale.
+The int8 inputs are the kernel's one approximation (about 8 bits, as the GPU's bf16 inputs):
+`moe_cpu_ref` quantizes the same way and matches to fp32 rounding; against unquantized fp32
+math the outputs move by about 1 % of their largest value (the tests bound both).
 
 Parallel in two numba regions: gate_up over (distinct expert, block of rows), then down over
 blocks of output rows (each summing every pair of its rows in a fixed order: the same bits
 on every run and for any thread count), work items handed out one at a time. A call with no
-pair to compute writes zeros and starts no thread. fp32 throughout.
+pair to compute writes zeros and starts no thread.
 
 Why numba: it installs from wheels on every platform (no compiler on the user's machine),
-compiles to LLVM with the host's vector units (the code decode stays in 32-bit lanes through
-`_e2m1`, an LLVM intrinsic), releases the GIL, and compiles a C callback (`host_entry`) that
-a CUDA host function node can call from the driver's thread with no Python at all
-(`offload.hybrid`). `python bench/hybrid_experts.py --kernel-only` times the kernel against
-the host's read bandwidth and the torch reference.
+compiles to LLVM for the host's CPU (the block dot is LLVM IR with SSSE3 intrinsics: every
+x86-64 CPU has them; other CPUs do not run the kernel), releases the GIL, and compiles a C
+callback (`host_entry`) that a CUDA host function node can call from the driver's thread with
+no Python at all (`offload.hybrid`). `python bench/hybrid_experts.py --kernel-only` times the
+kernel against the host's read bandwidth and the torch reference.
 
 `moe_cpu_ref` is the torch reference (dequantize + matmul in fp32).
 """
@@ -44,19 +49,20 @@ DESC_WORDS = 19
 
 
 def available() -> bool:
-    """Whether the CPU expert kernel can run here (numba is installed)."""
+    """Whether the CPU expert kernel can run here: numba is installed and the CPU is x86-64
+    with SSSE3."""
     try:
-        import numba  # noqa: F401
+        from llvmlite import binding
     except ImportError:
         return False
-    return True
+    return binding.get_host_cpu_features().get("ssse3", False)
 
 
 def check_slots(slots: ExpertSlots) -> None:
     if not slots.is_fp4 or slots.device.type != "cpu":
         raise ValueError("the CPU expert kernel reads NVFP4 ExpertSlots in host memory")
     h, f = slots.hidden_size, slots.intermediate_size
-    if h % (2 * ROW_BLOCK) or f % ROW_BLOCK or h % 16 or f % 16:
+    if h % (2 * ROW_BLOCK) or f % ROW_BLOCK:
         raise ValueError(f"the CPU expert kernel needs H % {2 * ROW_BLOCK} == 0 and "
                          f"F % {ROW_BLOCK} == 0, got H={h} F={f}")
 
@@ -104,17 +110,28 @@ def moe_cpu(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, slots: E
     return out
 
 
-def moe_cpu_ref(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
-                slots: ExpertSlots) -> torch.Tensor:
-    """Torch reference of `moe_cpu`: each pair's expert dequantized (fp32) and multiplied."""
+def quantize_blocks_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] rounded as the kernel's int8 inputs are (per block of 16 inputs: scale
+    max|x| / 127, code round(x * 127 / max|x|)), returned dequantized in fp32."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, 16)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv) * (amax / 127.0)).reshape(x.shape)
+
+
+def moe_cpu_ref(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, slots: ExpertSlots,
+                *, quantize_inputs: bool = True) -> torch.Tensor:
+    """Torch reference of `moe_cpu`: each pair's expert dequantized (fp32) and multiplied, its
+    inputs rounded as the kernel's are (`quantize_inputs=False`: the unquantized fp32 math)."""
     f = slots.intermediate_size
+    rnd = quantize_blocks_ref if quantize_inputs else torch.Tensor.float
     out = torch.zeros(x.shape, dtype=torch.float32)
-    xf = x.float()
+    xf = rnd(x.float())
     for r in sorted(set(rows[rows >= 0].tolist())):
         tok, j = (rows == r).nonzero(as_tuple=True)
         w13, w2 = slot_weights(slots, r)
         gu = xf[tok] @ w13.T  # [n_r, 2F]
-        hid = torch.nn.functional.silu(gu[:, :f]) * gu[:, f:]
+        hid = rnd(torch.nn.functional.silu(gu[:, :f]) * gu[:, f:])
         out.index_add_(0, tok, (hid @ w2.T) * weights[tok, j].float()[:, None])
     return out
 

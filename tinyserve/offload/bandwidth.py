@@ -81,8 +81,9 @@ def cpu_expert_times(store: HostExpertStore, top_k: int, *, reps: int = 5,
                      ) -> tuple[float, float]:
     """(seconds per expert, seconds per call) of the CPU kernel for one token on `threads`
     threads (default: all): medians over `reps` calls of 1 and of `top_k` experts, rows drawn
-    across the whole store. `runner`: an `offload.hybrid.CpuExperts` to time through (its
-    stream round trip included; its thread count is set), else `moe_cpu` itself."""
+    across the whole store. `runner`: an `offload.hybrid.CpuExperts` to time through (the
+    round trip a decode layer pays, `time_rows`; its thread count is set), else `moe_cpu`
+    itself."""
     threads = nvfp4_cpu.max_threads() if threads is None else threads
     if runner is not None:
         runner.set_threads(threads)
@@ -95,11 +96,10 @@ def cpu_expert_times(store: HostExpertStore, top_k: int, *, reps: int = 5,
     def once(n: int) -> float:
         rows = torch.randperm(rows_total, generator=g)[:n].view(1, n)
         w = torch.full((1, n), 1.0 / n)
+        if runner is not None:
+            return runner.time_rows(x, rows, w)
         t = time.perf_counter()
-        if runner is None:
-            nvfp4_cpu.moe_cpu(x, rows, w, store.slots, threads=threads)
-        else:
-            runner.time_rows(x, rows, w)
+        nvfp4_cpu.moe_cpu(x, rows, w, store.slots, threads=threads)
         return time.perf_counter() - t
 
     once(1)  # compile, warm the threads

@@ -29,6 +29,7 @@ than gpu at a decode layer's misses, else gpu. Prefill chunks big enough to stre
 from __future__ import annotations
 
 import ctypes
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,6 +140,7 @@ class CpuExperts:
         self._side = torch.cuda.Stream(self.device) if self.cuda else None
         self._entries: dict[tuple[int, int, int], _Entry] = {}
         self._inline_count = 0
+        self._timing: dict[int, list[Any]] = {}  # k -> static inputs and graph of time_rows
 
     def set_threads(self, threads: int) -> None:
         """Run the following calls on `threads` threads (calls already queued included)."""
@@ -178,21 +180,39 @@ class CpuExperts:
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self._side)
 
-    def time_rows(self, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> None:
-        """One CPU call over store `rows` [1, k] through the same path as decode, waited for
-        (the bandwidth probe's timing of the round trip)."""
-        E = self.store.num_experts
-        layer = int(rows[rows >= 0].min()) // E if (rows >= 0).any() else 0
-        # rows of other layers than `layer` are expressed through a relative id >= E: the
-        # kernel only adds the layer's base row
-        ids = torch.where(rows >= 0, rows - layer * E, 0)
+    def time_rows(self, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> float:
+        """Seconds of one CPU call over store `rows` [1, k] (any layers) as a decode layer
+        pays it: on CUDA the fork, the host function and the join captured in a CUDA graph
+        (one per k, kept) and timed between events on the device; elsewhere the inline
+        call."""
         slot = torch.where(rows >= 0, -1, 0).to(torch.int32)
-        dev = self.device
-        y = self.start(layer, x.to(dev), ids.to(dev), slot.to(dev), weights.to(dev))
-        self.join()
-        if self.cuda:
-            torch.cuda.current_stream(dev).synchronize()
-        del y
+        ids = torch.where(rows >= 0, rows, 0)  # rows relative to layer 0's base: any row
+        if not self.cuda:
+            t = time.perf_counter()
+            self.start(0, x, ids, slot, weights)
+            return time.perf_counter() - t
+        k = rows.shape[1]
+        static = self._timing.get(k)
+        if static is None:
+            dev = self.device
+            static = [x.to(dev), ids.to(dev), slot.to(dev), weights.to(dev)]
+            self.start(0, *static)  # buffers made and the first call run outside the capture
+            self.join()
+            torch.cuda.synchronize(dev)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.start(0, *static)
+                self.join()
+            static.append(graph)
+            self._timing[k] = static
+        for dst, src in zip(static[:4], (x, ids, slot, weights), strict=True):
+            dst.copy_(src)
+        begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        begin.record()
+        static[4].replay()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3
 
     def _entry(self, layer: int, n: int, k: int) -> _Entry:
         key = (layer, n, k)
@@ -250,7 +270,8 @@ def configure(experts: Any, mode: str | None, top_k: int) -> HybridPlan:
     if mode != "gpu" and not resident:
         try:
             if not nvfp4_cpu.available():
-                raise ValueError("the CPU expert kernel needs numba (pip install numba)")
+                raise ValueError("the CPU expert kernel needs numba (pip install numba) and an "
+                                 "x86-64 CPU")
             runner = CpuExperts(cache.store, device=cache.device)
         except ValueError:
             if mode is not None:

@@ -34,7 +34,6 @@ from tinyserve.core import (
     ForwardOutput,
     ScheduledSeq,
     TokenLogprobs,
-    forward_context,
 )
 from tinyserve.engine.graph import DecodeGraphs
 from tinyserve.engine.runner_api import PendingStep, Runner
@@ -215,8 +214,7 @@ class ModelRunner(Runner):
 
     def run(self, ctx: ForwardContext) -> torch.Tensor:
         """The model's logits [S, V] float32 for `ctx.logits_indices`."""
-        with forward_context(ctx):
-            return self.model.forward(ctx)
+        return self.model.forward(ctx)
 
     def can_chain(self, batch: Batch) -> bool:
         """Whether `batch` (a decode step whose input tokens are the previous step's sampled

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
+from tinyserve.core import LinearWeight
 from tinyserve.model.config import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -291,12 +291,6 @@ def load_weights(
     """`dict(iter_weights(...))`."""
     return dict(iter_weights(path_or_reader, config, dtype=dtype, device=device,
                              include_experts=include_experts, fuse=fuse, on_entry=on_entry))
-
-
-def to_linear(value: torch.Tensor | LinearWeight) -> LinearWeight:
-    """Wrap a plain tensor as DenseWeight; pass LinearWeights through."""
-    return value if isinstance(value, (DenseWeight, NVFP4Weight, FP8Weight)) else \
-        DenseWeight(value)
 
 
 def resolve_model_path(model: str) -> Path:

@@ -374,7 +374,3 @@ class DeviceExpertCache:
         """(layer, expert) -> slot, read from the device table (a synchronisation)."""
         tab = self.table[:-1].cpu().view(self.num_layers, self.num_experts)
         return {(int(la), int(e)): int(tab[la, e]) for la, e in (tab >= 0).nonzero().tolist()}
-
-    def describe(self) -> dict[str, Any]:
-        return {"mode": self.mode, "slots": self.num_slots, "triton": self.use_triton,
-                **self.stats.as_dict()}

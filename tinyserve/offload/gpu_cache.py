@@ -141,7 +141,7 @@ class DeviceExpertCache:
         Called by the provider when a call's layer is at or below the previous call's, and
         before each CUDA-graph replay. Skipping it only makes victims staler (lookups logged
         over by later ones are lost to the mirror, which the device overrules). Host cost:
-        numpy and a few dict operations per routed expert (bench/offload_host.py).
+        numpy and a few dict operations per routed expert.
 
         The step's log is copied device -> host into a pinned buffer without a host wait,
         ordered on the stream before whatever runs next (which may overwrite the log). With

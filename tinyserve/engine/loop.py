@@ -2,8 +2,8 @@
 
 Any thread may `submit` and `abort`; those go through an inbox the loop thread drains between
 steps, so the scheduler, the pools and the runner are only ever touched by the loop thread.
-One step is `schedule -> runner.forward -> update`. A failing forward of one request fails
-that request alone; a failing shared step is retried one request at a time. The loop never
+One step is `schedule -> runner.launch -> advance -> pending.result() -> record -> emit`. A
+failing step of one request fails that request alone; a failing shared step is retried one request at a time. The loop never
 dies on a request's error.
 
 The runner is an `engine.runner_api.Runner`. With an asynchronous runner (`ModelRunner` on

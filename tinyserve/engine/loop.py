@@ -3,8 +3,8 @@
 Any thread may `submit` and `abort`; those go through an inbox the loop thread drains between
 steps, so the scheduler, the pools and the runner are only ever touched by the loop thread.
 One step is `schedule -> runner.launch -> advance -> pending.result() -> record -> emit`. A
-failing step of one request fails that request alone; a failing shared step is retried one request at a time. The loop never
-dies on a request's error.
+failing step of one request fails that request alone; a failing shared step is retried one
+request at a time. The loop never dies on a request's error.
 
 The runner is an `engine.runner_api.Runner`. With an asynchronous runner (`ModelRunner` on
 CUDA; on the CPU a launch computes the step, so nothing would overlap), a step's outputs
@@ -42,6 +42,7 @@ import torch
 from tinyserve.core import Batch, ForwardOutput, ParamError, SamplingParams
 from tinyserve.engine.config import EngineConfig
 from tinyserve.engine.detokenizer import IncrementalDetokenizer
+from tinyserve.engine.memory_plan import MemoryPlan
 from tinyserve.engine.runner_api import PendingStep, Runner
 from tinyserve.engine.scheduler import RequestRejected, Scheduler, StepEvent
 from tinyserve.engine.stream import RequestHandle, RequestOutput
@@ -73,7 +74,7 @@ class EngineParts:
     state_pool: Any = None
     snapshot_slots: tuple[int, ...] = ()
     snapshot_interval: int = 0
-    memory_plan: Any = None  # engine.memory_plan.MemoryPlan
+    memory_plan: MemoryPlan | None = None
 
 
 @dataclass(frozen=True)

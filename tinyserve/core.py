@@ -6,15 +6,13 @@ Nothing here computes: these are the contracts between the packages.
 - `ScheduledSeq`, `Batch`, `ForwardOutput`: scheduler <-> runner (`schedule() -> Batch`,
   `runner.forward(batch) -> ForwardOutput`, `scheduler.update(batch, output)`).
 - `ForwardContext`: the per-forward tensors the model, the KV backends and the GDN state pool
-  read (positions, page table, write slots, state slots), entered with `forward_context(ctx)`.
+  read (positions, page table, write slots, state slots), passed to every layer.
 - `DenseWeight`, `NVFP4Weight`, `FP8Weight`: how one linear layer's weight is stored.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -230,27 +228,6 @@ class ForwardContext:
     @property
     def is_decode(self) -> bool:
         return all(q == 1 for q in self.q_lens_cpu) and all(p > 0 for p in self.prefix_lens_cpu)
-
-
-_local = threading.local()
-
-
-@contextlib.contextmanager
-def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
-    """Make `ctx` the current forward context for this thread while the block runs."""
-    prev = getattr(_local, "ctx", None)
-    _local.ctx = ctx
-    try:
-        yield ctx
-    finally:
-        _local.ctx = prev
-
-
-def get_forward_context() -> ForwardContext:
-    ctx = getattr(_local, "ctx", None)
-    if ctx is None:
-        raise RuntimeError("no forward context is active (use `with forward_context(ctx):`)")
-    return ctx
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ tests/engine/test_scheduler.py.)"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -16,7 +18,6 @@ import torch
 
 from tests.model.hf_tiny import build_runner, checkpoint
 from tinyserve.core import PENDING_TOKEN, Batch, SamplingParams, ScheduledSeq
-from tinyserve.engine import loop
 from tinyserve.engine.graph import DecodeGraphs
 from tinyserve.engine.llm import LLM
 from tinyserve.engine.runner import ModelRunner
@@ -38,6 +39,15 @@ def static_decode(monkeypatch):
             self.graphs = DecodeGraphs(model, page_size=self.page_size, pad_state_slot=pad)
 
     monkeypatch.setattr(ModelRunner, "__init__", with_graphs)
+
+
+@contextlib.contextmanager
+def _chaining(chain: bool) -> Iterator[None]:
+    """Without `chain`, runners never chain (every step waits for the last one's tokens)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if not chain:
+            mp.setattr(ModelRunner, "can_chain", lambda self, batch: False)
+        yield
 
 
 def _record_chained(engine) -> list[tuple[str, ...]]:
@@ -139,12 +149,11 @@ def test_chained_launches_give_the_serial_tokens(static_decode, params) -> None:
 
 
 def _generate(path: str, prompts: list[list[int]], params: list[SamplingParams], *,
-              chain: bool, monkeypatch, **kwargs) -> tuple[list, int, object]:
+              chain: bool, **kwargs) -> tuple[list, int, object]:
     """(token ids, texts, finish reasons) per prompt, the number of chained launches and the
     engine's final stats."""
-    monkeypatch.setattr(loop, "PIPELINE_DECODE", chain)
-    with LLM(path, device="cpu", max_context=192, max_seqs=4, max_num_batched_tokens=32,
-             cuda_graphs=True, **kwargs) as llm:
+    with _chaining(chain), LLM(path, device="cpu", max_context=192, max_seqs=4,
+                               max_num_batched_tokens=32, cuda_graphs=True, **kwargs) as llm:
         engine = llm.engine
         assert engine.runner.graphs is not None
         chained = _record_chained(engine)
@@ -163,14 +172,13 @@ def _close_logprobs(a, b, tol: float = 1e-4) -> bool:
 
 
 def test_engine_with_chained_decode_matches_the_serial_engine(
-        tiny_checkpoint, static_decode, monkeypatch) -> None:
+        tiny_checkpoint, static_decode) -> None:
     path = str(tiny_checkpoint("bf16"))
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 400, (n,), generator=g).tolist() for n in (11, 30, 7, 19)]
     base = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
             for n in (40, 23, 31, 12)]
-    first, _, _ = _generate(path, prompts, base, chain=False, monkeypatch=monkeypatch,
-                            prefix_cache=False)
+    first, _, _ = _generate(path, prompts, base, chain=False, prefix_cache=False)
     # Ends that only the sampled tokens reveal: a stop token (request 0's 9th token), a stop
     # string (a piece of request 1's text), and a sampled row with penalties (request 3)
     # beside greedy ones.
@@ -184,10 +192,9 @@ def test_engine_with_chained_decode_matches_the_serial_engine(
               SamplingParams(max_tokens=12, temperature=0.9, seed=11, ignore_eos=True,
                              repetition_penalty=1.2, presence_penalty=0.5)]
     for cache in (False, True):
-        want, none, _ = _generate(path, prompts, params, chain=False, monkeypatch=monkeypatch,
-                                  prefix_cache=cache)
+        want, none, _ = _generate(path, prompts, params, chain=False, prefix_cache=cache)
         got, chained, stats = _generate(path, prompts, params, chain=True,
-                                        monkeypatch=monkeypatch, prefix_cache=cache)
+                                        prefix_cache=cache)
         assert none == 0
         # NOTE: the two engines batch differently, so log-probabilities agree to rounding
         assert [g[:3] for g in got] == [w[:3] for w in want]
@@ -201,7 +208,7 @@ def test_engine_with_chained_decode_matches_the_serial_engine(
 
 
 def test_decode_time_snapshots_of_a_chained_engine_serve_the_next_turn(
-        tiny_checkpoint, static_decode, monkeypatch) -> None:
+        tiny_checkpoint, static_decode) -> None:
     """A snapshot taken while a chained step is queued holds the state after the step it
     follows (it is queued between the two): the second turn, resumed from a snapshot that
     turn 1's decode took, gives the tokens of an engine without a cache."""
@@ -211,9 +218,8 @@ def test_decode_time_snapshots_of_a_chained_engine_serve_the_next_turn(
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
 
     def two_turns(chain: bool, cache: bool):
-        monkeypatch.setattr(loop, "PIPELINE_DECODE", chain)
-        with LLM(path, device="cpu", max_context=192, max_seqs=2, cuda_graphs=True,
-                 prefix_cache=cache) as llm:
+        with _chaining(chain), LLM(path, device="cpu", max_context=192, max_seqs=2,
+                                   cuda_graphs=True, prefix_cache=cache) as llm:
             a1 = llm.generate([p1], params)[0].token_ids
             snapshot = _snapshot_state(llm, p1 + a1, 48) if cache else None
             p2 = p1 + a1 + [5, 6, 7]
@@ -254,11 +260,10 @@ def _snapshot_state(llm: LLM, tokens: list[int], n: int):
 
 
 def test_abort_and_late_arrival_while_steps_are_chained(
-        tiny_checkpoint, static_decode, monkeypatch) -> None:
+        tiny_checkpoint, static_decode) -> None:
     """A request aborted while its next step is already queued ends at once with its pages
     and slot back; a request that arrives while steps are chained is admitted and finishes;
     nothing leaks; the survivors chain again afterwards."""
-    monkeypatch.setattr(loop, "PIPELINE_DECODE", True)
     g = torch.Generator().manual_seed(7)
     p_long, p_late = (torch.randint(0, 400, (n,), generator=g).tolist() for n in (17, 9))
     greedy = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
@@ -292,7 +297,7 @@ def test_abort_and_late_arrival_while_steps_are_chained(
 
 
 @pytest.mark.requires_cuda
-def test_cuda_engine_chains_greedy_and_sampled_rows(tiny_checkpoint, monkeypatch) -> None:
+def test_cuda_engine_chains_greedy_and_sampled_rows(tiny_checkpoint) -> None:
     """On CUDA (captured graphs), the engine chains greedy, seeded sampled and penalised rows
     and gives the tokens of the engine without chaining (a near-tie of the tiny model
     aside)."""
@@ -307,8 +312,7 @@ def test_cuda_engine_chains_greedy_and_sampled_rows(tiny_checkpoint, monkeypatch
                              frequency_penalty=0.3)]
     outs = {}
     for chain in (False, True):
-        monkeypatch.setattr(loop, "PIPELINE_DECODE", chain)
-        with LLM(path, device="cuda", max_context=256, max_seqs=4) as llm:
+        with _chaining(chain), LLM(path, device="cuda", max_context=256, max_seqs=4) as llm:
             engine = llm.engine
             assert engine.runner.graphs is not None
             chained = _record_chained(engine)

@@ -31,7 +31,7 @@ from tests.engine.test_graph import (
     _runner,
     assert_same_greedy,
 )
-from tinyserve.core import Batch, SamplingParams, ScheduledSeq, forward_context
+from tinyserve.core import Batch, SamplingParams, ScheduledSeq
 from tinyserve.engine.graph import DecodeGraphs, capacity_pages
 
 
@@ -175,7 +175,7 @@ def test_host_embedding_eager_forward_does_not_sync(fmt: str, mapped: bool,
         batch = Batch(_decode_seqs(last, pos))
         ctx, ref_ctx = host.prepare(batch), dev.prepare(batch)
         torch.cuda.synchronize()
-        with forward_context(ctx), (_no_sync() if step else contextlib.nullcontext()):
+        with _no_sync() if step else contextlib.nullcontext():
             got = host.model.forward(ctx)
         want = dev.run(ref_ctx)
         diff = (got - want).abs().max().item()

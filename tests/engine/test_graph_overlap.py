@@ -16,7 +16,6 @@ from tinyserve.core import Batch, SamplingParams, ScheduledSeq
 from tinyserve.engine.llm import LLM
 from tinyserve.engine.runner import ModelRunner
 from tinyserve.model.config import load_config
-from tinyserve.offload import gpu_cache
 from tinyserve.offload.provider import OffloadedExperts
 from tinyserve.offload.store import HostExpertStore
 
@@ -58,12 +57,10 @@ def _decode(runner: ModelRunner, prompt: list[int], n: int,
     return tokens
 
 
-def test_graph_decode_with_the_deferred_policy_matches_eager(monkeypatch) -> None:
+def test_graph_decode_with_the_deferred_policy_matches_eager() -> None:
     cfg, w = checkpoint("modelopt")
     prompt = torch.randint(0, 500, (13,), generator=torch.Generator().manual_seed(2)).tolist()
-    monkeypatch.setattr(gpu_cache, "DEFER_POLICY", False)
     want = _decode(_runner(cfg, w, graphs=False), prompt, 24)
-    monkeypatch.setattr(gpu_cache, "DEFER_POLICY", True)
     runner = _runner(cfg, w, graphs=True)
     syncs: list[int] = []
     got = _decode(runner, prompt, 24, syncs)

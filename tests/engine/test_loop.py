@@ -14,6 +14,7 @@ import torch
 from tinyserve.core import Batch, ForwardOutput, SamplingParams
 from tinyserve.engine.config import EngineConfig
 from tinyserve.engine.loop import Engine, EngineParts, RequestRejected
+from tinyserve.engine.runner_api import Finished, Runner
 from tinyserve.engine.sampler import Sampler
 
 V = 128  # ASCII byte tokens
@@ -29,7 +30,7 @@ class ByteTokenizer:
         return list(text.encode())
 
 
-class FakeRunner:
+class FakeRunner(Runner):
     """Bigram model: logits depend on the last token only. Raises on POISON."""
 
     def __init__(self) -> None:
@@ -41,7 +42,7 @@ class FakeRunner:
         self.batches: list[Batch] = []
         self.delay = 0.0
 
-    def forward(self, batch: Batch) -> ForwardOutput:
+    def launch(self, batch: Batch, *, after=None) -> Finished:
         self.batches.append(batch)
         if any(POISON in s.token_ids for s in batch.seqs):
             raise RuntimeError("poisoned input")
@@ -49,26 +50,28 @@ class FakeRunner:
         sampling = [s for s in batch.seqs if s.sample]
         logits = self.table[[s.token_ids[-1] for s in sampling]]
         tokens = iter(self.sampler(logits, sampling).tolist()) if sampling else iter(())
-        return ForwardOutput([next(tokens) if s.sample else None for s in batch.seqs])
+        return Finished(ForwardOutput([next(tokens) if s.sample else None
+                                       for s in batch.seqs]))
 
-    def logits(self, ids, *, page_ids, state_slot, chunk_size):
+    def logits(self, ids, *, page_ids=None, state_slot=None, chunk_size=None):
         assert len(page_ids) * 4 >= len(ids) and state_slot >= 0
         return self.table[ids]
 
 
 class OverlapRunner(FakeRunner):
-    """FakeRunner with `ModelRunner`'s overlap hook, called once the step's tokens are known
-    (its 'device work' queued) and before forward returns. Counts the tokens the engine
+    """FakeRunner that runs `ModelRunner`'s overlap hook, called once the step's tokens are
+    known (its 'device work' queued) and before launch returns. Counts the tokens the engine
     emitted from inside the hook."""
+
+    asynchronous = True
 
     def __init__(self) -> None:
         super().__init__()
-        self.overlap_hook = None
         self.engine: Engine | None = None
         self.emitted_in_hook = 0
 
-    def forward(self, batch: Batch) -> ForwardOutput:
-        out = super().forward(batch)
+    def launch(self, batch: Batch, *, after=None) -> Finished:
+        out = super().launch(batch)
         if self.overlap_hook is not None:
             before = self.engine._counts["generation_tokens"]
             self.overlap_hook()

@@ -24,8 +24,8 @@ from tinyserve.engine.planner import (
     plan_checkpoint,
     plan_memory,
 )
+from tinyserve.engine.weight_bytes import checkpoint_weight_bytes, geometry_weight_bytes
 from tinyserve.model.config import ModelConfig, load_config
-from tinyserve.offload.weights import checkpoint_weight_bytes, geometry_weight_bytes
 
 MiB, GiB = 1 << 20, 1 << 30
 QWEN35 = ModelConfig()  # the defaults are Qwen3.5-35B-A3B's

@@ -49,7 +49,7 @@ def test_defaults_describe_qwen35_35b():
     assert c.full_attention_layers == tuple(range(3, 40, 4))
     assert len(c.linear_attention_layers) == 30
     assert (c.linear_key_dim, c.linear_value_dim, c.linear_conv_dim) == (2048, 4096, 8192)
-    assert c.gqa_group == 8
+    assert c.num_attention_heads // c.num_kv_heads == 8
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.hidden_size = 1  # type: ignore[misc]
 

@@ -15,7 +15,7 @@ from tinyserve.kernels.nvfp4_ref import quantize_fp8, quantize_nvfp4
 from tinyserve.model.config import load_config
 from tinyserve.model.loader import CheckpointReader
 from tinyserve.model.loader import load_weights as _load_weights
-from tinyserve.model.quantize import quantize_checkpoint, should_quantize, weight_format
+from tinyserve.model.quantize import quantize_checkpoint, weight_format
 
 
 def load_weights(path, config) -> dict:
@@ -140,10 +140,10 @@ def test_recipe():
            "layers.3.self_attn.q_proj", "layers.3.self_attn.o_proj"]
     no = ["layers.0.mlp.gate", "layers.0.mlp.shared_expert_gate", "lm_head",
           "layers.0.linear_attn.in_proj_qkv", "layers.0.linear_attn.in_proj_b"]
-    assert all(should_quantize(n) for n in yes)
-    assert not any(should_quantize(n) for n in no)
-    assert should_quantize("layers.0.linear_attn.out_proj", quantize_gdn=True)
-    assert not should_quantize("layers.0.linear_attn.in_proj_a", quantize_gdn=True)
+    assert all(weight_format(n) == "nvfp4" for n in yes)
+    assert not any(weight_format(n) == "nvfp4" for n in no)
+    assert weight_format("layers.0.linear_attn.out_proj", quantize_gdn=True) == "nvfp4"
+    assert weight_format("layers.0.linear_attn.in_proj_a", quantize_gdn=True) != "nvfp4"
 
 
 def test_cli(tiny_checkpoint, tmp_path, capsys):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.model.hf_tiny import build_runner, checkpoint
-from tinyserve.core import ScheduledSeq, forward_context
+from tinyserve.core import ScheduledSeq
 from tinyserve.model.qwen35 import Qwen35Model
 
 
@@ -28,8 +28,7 @@ def _prefill_ctx(runner, n: int, seed: int):
 
 
 def _forward(model, ctx, hidden=None) -> torch.Tensor:
-    with forward_context(ctx):
-        return model.forward(ctx, hidden)
+    return model.forward(ctx, hidden)
 
 
 def test_forward_from_hidden_equals_forward(runner) -> None:

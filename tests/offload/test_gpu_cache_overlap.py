@@ -78,17 +78,6 @@ def test_deferred_log_survives_a_boundary_without_after_launch() -> None:
     assert cache.policy.resident() == cache.resident()
 
 
-def test_policy_off_switch_folds_at_the_boundary(monkeypatch) -> None:
-    monkeypatch.setattr(gpu_cache, "DEFER_POLICY", False)
-    trace = synthetic_trace(L, E, K, 10, seed=3)
-    cache = _cache()
-    for n, step in enumerate(trace):
-        _step(cache, [step], deferred=True)
-        assert cache.stats.hits + cache.stats.misses == sum(_distinct([s]) for s in trace[:n])
-        # the boundary folded the previous step; after_launch has nothing left to do
-        assert cache._pending is None
-
-
 def test_filling_slots_rank_as_freshly_used() -> None:
     p = ExpertCachePolicy(6, freq_weight=4.0)
     for layer, e in enumerate(range(4)):  # slots 0..3 hold experts of steps 0..3

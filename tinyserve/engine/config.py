@@ -72,8 +72,8 @@ def describe_size(value: str | int) -> str:
     return f"{value.strip()} read as {number} {prefix}iB ({mib} MiB)"
 
 
-# `--experts`: where offloaded experts that miss the GPU cache run during decode. "gpu" is the
-# default until the CPU part has been measured against it on GPUs (bench/hybrid_experts.py).
+# `--experts`: where offloaded experts that miss the GPU cache run during decode (default
+# "gpu": every miss is copied to the GPU).
 EXPERT_MODES = ("gpu", "cpu", "hybrid", "auto")
 
 

@@ -7,8 +7,8 @@ decoded text, across token boundaries; the text from a stop string on is never e
 tail that could still become a stop string is held back until it cannot.
 
 A Hugging Face fast tokenizer whose decode adds no post-processing (clean_up_tokenization_spaces
-off, as in Qwen3.5) is decoded through its Rust backend directly: the same text for a seventh
-of the per-call cost (the Python wrapper costs ~8 us a call, two calls a token).
+off, as in Qwen3.5) is decoded through its Rust backend directly: the same text without the
+Python wrapper's per-call cost (two calls a token).
 """
 
 from __future__ import annotations

@@ -35,12 +35,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from tinyserve.engine.config import EngineConfig, describe_size
+from tinyserve.engine.memory_plan import GiB, MiB
 from tinyserve.log import get_logger
 
 log = get_logger(__name__)
-
-MiB = 1 << 20
-GiB = 1 << 30
 
 # Measured on the reference GPU, an H200, by bench/memory_budget.py (the runs and the
 # calibration: docs/RESULTS.md, "The whole process inside --gpu-memory"). The start-up figure

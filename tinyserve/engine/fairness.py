@@ -18,7 +18,7 @@ a later 4-token request waited for all of it to finish. The scheduler instead:
   sequences on the CPU, and with the experts they route to when experts are offloaded);
   a group running alone, or beside one as large, runs all its sequences;
 - when pages run out during decode, preempts the newest request of the group holding the most
-  seats (the newest request overall when every group holds one, as before groups existed).
+  seats (the newest request overall when every group holds one).
 
 A preempted request returns its pages and slot and is recomputed when it is admitted again.
 Pure Python: the functions here only read the scheduler's request lists.

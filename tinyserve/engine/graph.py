@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from tinyserve.core import ForwardContext, ScheduledSeq, forward_context
+from tinyserve.core import ForwardContext, ScheduledSeq
 from tinyserve.log import get_logger
 
 log = get_logger(__name__)
@@ -170,11 +170,10 @@ class DecodeGraphs:
 
     def _forward(self, entry: _Entry) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, greedy tokens) of the entry's static inputs: what a graph captures."""
-        with forward_context(entry.ctx):
-            if entry.hidden is None:
-                logits = self.model.forward(entry.ctx)
-            else:
-                logits = self.model.forward(entry.ctx, hidden=entry.hidden)
+        if entry.hidden is None:
+            logits = self.model.forward(entry.ctx)
+        else:
+            logits = self.model.forward(entry.ctx, hidden=entry.hidden)
         return logits, logits.argmax(dim=-1)
 
     def _upload(self, entry: _Entry) -> None:

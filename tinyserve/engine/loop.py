@@ -2,28 +2,27 @@
 
 Any thread may `submit` and `abort`; those go through an inbox the loop thread drains between
 steps, so the scheduler, the pools and the runner are only ever touched by the loop thread.
-One step is `schedule -> runner.forward -> update`. A failing forward of one request fails
-that request alone; a failing shared step is retried one request at a time. The loop never
-dies on a request's error.
+One step is `schedule -> runner.launch -> advance -> pending.result() -> record -> emit`. A
+failing step of one request fails that request alone; a failing shared step is retried one
+request at a time. The loop never dies on a request's error.
 
-With a runner that has an `overlap_hook` and launches asynchronously (`ModelRunner` on
+The runner is an `engine.runner_api.Runner`. With an asynchronous runner (`ModelRunner` on
 CUDA; on the CPU a launch computes the step, so nothing would overlap), a step's outputs
-(detokenizing, stop strings, the stream puts) are emitted from that hook during the next
-step, once its device work is queued, instead of between the two steps; they go out at once
-when no next step follows right away (no work left, or requests or calls waiting in the
-inbox). Every token is still emitted once and in order; a stop string found late ends its
-request one step later, whose extra token is dropped by `Scheduler.record`.
+(detokenizing, stop strings, the stream puts) are emitted from the runner's `overlap_hook`
+during the next step, once its device work is queued, instead of between the two steps; they
+go out at once when no next step follows right away (no work left, or requests or calls
+waiting in the inbox). Every token is still emitted once and in order; a stop string found
+late ends its request one step later, whose extra token is dropped by `Scheduler.record`.
 
-Chained decode (`PIPELINE_DECODE`, a runner with `can_chain`): when a decode step cannot
-change the batch's make-up (`Scheduler.schedule_next`: nobody waits, nobody reaches
-`max_tokens`) and the runner can take its input tokens on the device (decode graphs, and
-sampling that needs no token from the host: greedy or temperature / top-k / top-p / min-p,
-seeded or not, with penalties counted on the device; no logits hook), the next decode step
-is launched before this step's tokens are read, so the device runs step N + 1 while the
-host records step N. A request that ends at step N (EOS, stop token or string, abort) has
-its step N + 1 token dropped; its pages and state slot are freed on the host at once and
-reused only by device work queued after that step. Requests that arrive meanwhile are
-admitted at the step after the chained one.
+Chained decode (`runner.can_chain`): when a decode step cannot change the batch's make-up
+(`Scheduler.schedule_next`: nobody waits, nobody reaches `max_tokens`) and the runner can
+take its input tokens on the device (decode graphs, and sampling that needs no token from the
+host: greedy or temperature / top-k / top-p / min-p, seeded or not, with penalties counted on
+the device; no logits hook), the next decode step is launched before this step's tokens are
+read, so the device runs step N + 1 while the host records step N. A request that ends at
+step N (EOS, stop token or string, abort) has its step N + 1 token dropped; its pages and
+state slot are freed on the host at once and reused only by device work queued after that
+step. Requests that arrive meanwhile are admitted at the step after the chained one.
 """
 
 from __future__ import annotations
@@ -40,9 +39,11 @@ from typing import Any
 
 import torch
 
-from tinyserve.core import Batch, ParamError, SamplingParams
+from tinyserve.core import Batch, ForwardOutput, ParamError, SamplingParams
 from tinyserve.engine.config import EngineConfig
 from tinyserve.engine.detokenizer import IncrementalDetokenizer
+from tinyserve.engine.memory_plan import MemoryPlan
+from tinyserve.engine.runner_api import PendingStep, Runner
 from tinyserve.engine.scheduler import RequestRejected, Scheduler, StepEvent
 from tinyserve.engine.stream import RequestHandle, RequestOutput
 from tinyserve.kv.allocator import PageAllocator
@@ -54,20 +55,16 @@ __all__ = ["Engine", "EngineParts", "EngineStats", "RequestHandle", "RequestOutp
 
 log = get_logger(__name__)
 _SAMPLES = 2048  # latency samples kept for stats()
-# Launch the next decode step before this one's tokens are read, when the batch cannot change
-# (module docstring). False: every step is scheduled after the previous one is recorded.
-PIPELINE_DECODE = True
 
 
 @dataclass
 class EngineParts:
-    """What `engine.build` assembles. `runner.forward(batch) -> ForwardOutput`,
-    `runner.logits(ids, page_ids=, state_slot=, chunk_size=)`, `runner.sampler.logits_hook`.
+    """What `engine.build` assembles. `runner`: the `Runner` the engine steps.
     `max_context` is already min(model, KV pool, --max-context). `state_pool` (the GDN state
     pool, with `copy_slot`) and `snapshot_slots` (its slot ids beyond the sequences' slots)
     enable the prefix cache; without them it is off."""
 
-    runner: Any
+    runner: Runner
     tokenizer: Any
     model_config: Any
     num_kv_pages: int
@@ -77,7 +74,7 @@ class EngineParts:
     state_pool: Any = None
     snapshot_slots: tuple[int, ...] = ()
     snapshot_interval: int = 0
-    memory_plan: Any = None  # engine.memory_plan.MemoryPlan
+    memory_plan: MemoryPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -113,18 +110,6 @@ class EngineStats:
     expert_cache_misses: int | None = None  # ... copied in from the host store
     expert_cache_h2d_bytes: int | None = None  # bytes copied host -> device for misses
     expert_cpu_computed: int | None = None  # misses computed on the CPU (hybrid experts)
-
-
-class _Done:
-    """The launched-step interface over a runner that only has `forward`."""
-
-    device_tokens = None
-
-    def __init__(self, output: Any) -> None:
-        self._output = output
-
-    def result(self) -> Any:
-        return self._output
 
 
 class _Live:
@@ -172,11 +157,11 @@ class Engine:
         self._ttft: deque[float] = deque(maxlen=_SAMPLES)
         self._itl: deque[float] = deque(maxlen=_SAMPLES)
         self._outputs: list[StepEvent] = []  # the last step's, not emitted yet
-        self._ahead: tuple[Batch, Any] | None = None  # a chained step launched, not recorded
+        # a chained step launched, not recorded
+        self._ahead: tuple[Batch, PendingStep] | None = None
         # a runner whose launch computes the step (the CPU) gains nothing from the hook: the
         # outputs would only wait one step longer
-        self._overlap = (hasattr(self.runner, "overlap_hook")
-                         and getattr(self.runner, "asynchronous", True))
+        self._overlap = self.runner.asynchronous
         if self._overlap:
             self.runner.overlap_hook = self._flush
 
@@ -318,12 +303,7 @@ class Engine:
             prefix_cache_pages=pc.num_pages, prefix_cache_snapshots=pc.num_snapshots,
             prefix_cache_snapshot_slots=len(pc.snapshot_slots), prefix_cache_queries=pc.queries,
             prefix_cache_hits=pc.hits, prefix_cached_tokens=pc.hit_tokens)
-        experts = getattr(getattr(self.runner, "model", None), "experts", None)
-        es = getattr(experts, "stats", None)
-        if es is not None and hasattr(es, "hit_rate"):
-            cache.update(expert_cache_hit_rate=float(es.hit_rate), expert_cache_hits=es.hits,
-                         expert_cache_misses=es.misses, expert_cache_h2d_bytes=es.h2d_bytes,
-                         expert_cpu_computed=getattr(experts, "cpu_computed", None))
+        cache.update(self.runner.expert_stats())
         return EngineStats(
             running=len(s.running),
             waiting=len(s.waiting) + sum(item[0] == "add" for item in list(self._inbox)),
@@ -361,29 +341,21 @@ class Engine:
         self._flush()
 
     def step(self) -> None:
-        """One engine step: schedule (or take the chained step launched during the last one),
-        launch, chain the next decode step when it can, read the tokens, hand them out (see
-        the module docstring for when the hand-out waits for the next step's device work)."""
+        """One engine step: take the chained step launched during the last one, or schedule
+        and launch a new one; wait for its tokens (chaining the next decode step first when
+        it can); record them; hand them out (see the module docstring for when the hand-out
+        waits for the next step's device work)."""
         batch, pending = self._take_ahead()
         if pending is None:
-            batch = self.scheduler.schedule()
-            pending = self._launch(batch)
-        output = None
-        if pending is not None:
-            try:
-                self.scheduler.advance(batch)
-                self._ahead = self._chain(batch, pending)
-                output = pending.result()
-            except Exception as exc:
-                self._ahead = None
-                self._step_failed(batch, exc)
+            batch, pending = self._launch(self.scheduler.schedule())
+        output = self._wait(batch, pending)
         self._flush()  # the previous step's outputs, unless the runner's hook sent them
         if output is not None:
             self._outputs = self.scheduler.record(batch, output)
-        if not (self._overlap and self.scheduler.has_work and not self._inbox):
+        if not self._next_step_emits():
             self._flush()
 
-    def _take_ahead(self) -> tuple[Batch, Any]:
+    def _take_ahead(self) -> tuple[Batch, PendingStep | None]:
         """The chained step launched during the last step, unless none of its requests still
         runs (then its tokens are read and dropped)."""
         ahead, self._ahead = self._ahead, None
@@ -396,33 +368,50 @@ class Engine:
         pending.result()
         return Batch([]), None
 
-    def _launch(self, batch: Batch) -> Any:
-        """Launch `batch` (None when it is empty or its launch failed)."""
+    def _launch(self, batch: Batch) -> tuple[Batch, PendingStep | None]:
+        """Launch `batch` (no pending step when it is empty or its launch failed)."""
         if not batch.seqs:
-            return None
+            return batch, None
         self._counts["steps"] += 1
         try:
-            launch = getattr(self.runner, "launch", None)
-            return launch(batch) if launch is not None else _Done(self.runner.forward(batch))
+            return batch, self.runner.launch(batch)
         except Exception as exc:
+            self._step_failed(batch, exc)
+            return batch, None
+
+    def _wait(self, batch: Batch, pending: PendingStep | None) -> ForwardOutput | None:
+        """Advance the scheduler past `batch`, chain the next decode step, then wait for
+        `batch`'s tokens (None when nothing ran or the step failed)."""
+        if pending is None:
+            return None
+        try:
+            self.scheduler.advance(batch)
+            self._ahead = self._chain(batch, pending)
+            return pending.result()
+        except Exception as exc:
+            self._ahead = None
             self._step_failed(batch, exc)
             return None
 
-    def _chain(self, batch: Batch, pending: Any) -> tuple[Batch, Any] | None:
+    def _chain(self, batch: Batch, pending: PendingStep) -> tuple[Batch, PendingStep] | None:
         """Launch the decode step after `batch` (advanced, not recorded) with its input tokens
         read from `pending` on the device, when nothing can change the batch before then."""
-        can_chain = getattr(self.runner, "can_chain", None)
-        if (not PIPELINE_DECODE or can_chain is None or self._inbox or self._stopping
-                or getattr(pending, "device_tokens", None) is None or not can_chain(batch)):
+        if (self._inbox or self._stopping or pending.device_tokens is None
+                or not self.runner.can_chain(batch)):
             return None
         nxt = self.scheduler.schedule_next(batch)
-        if nxt is None or not can_chain(nxt):
+        if nxt is None or not self.runner.can_chain(nxt):
             return None
         try:
             return nxt, self.runner.launch(nxt, after=pending)
         except Exception:  # this step stands; the next one is scheduled as usual
             log.exception("launching a chained decode step failed")
             return None
+
+    def _next_step_emits(self) -> bool:
+        """Whether the next step's launch emits this step's outputs (the overlap hook): the
+        runner is asynchronous, work is left and nothing waits in the inbox."""
+        return self._overlap and self.scheduler.has_work and not self._inbox
 
     def _step_failed(self, batch: Batch, exc: Exception) -> None:
         """A step's launch or result raised: fail its one request, or rerun each alone."""

@@ -35,13 +35,10 @@ from typing import Any
 
 from tinyserve.engine.config import DEFAULT_CONTEXT, DEFAULT_MAX_SEQS, EngineConfig
 from tinyserve.engine.device_memory import DeviceMemory, device_memory
-from tinyserve.engine.memory_plan import MemoryPlan, PlanError, mib
+from tinyserve.engine.memory_plan import GiB, MemoryPlan, MiB, PlanError, mib
+from tinyserve.engine.weight_bytes import WeightBytes, checkpoint_weight_bytes
 from tinyserve.kv.registry import kv_bytes_per_token, resolve_kv
 from tinyserve.kv.state_pool import GDNStatePool
-from tinyserve.offload.weights import WeightBytes, checkpoint_weight_bytes
-
-MiB = 1 << 20
-GiB = 1 << 30
 
 GRAPH_POOL = 64 * MiB  # CUDA-graph private pools of the decode graphs
 # NOTE: the slack covers what the workspace items do not: the caching allocator's rounding

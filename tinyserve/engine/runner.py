@@ -34,11 +34,12 @@ from tinyserve.core import (
     ForwardOutput,
     ScheduledSeq,
     TokenLogprobs,
-    forward_context,
 )
 from tinyserve.engine.graph import DecodeGraphs
+from tinyserve.engine.runner_api import PendingStep, Runner
 from tinyserve.engine.sampler import Sampler, token_logprobs
 from tinyserve.model.linear import kernels_enabled
+from tinyserve.offload.provider import OffloadedExperts
 
 
 def _event(device: torch.device) -> Any:
@@ -116,7 +117,7 @@ class _TokenBuffer:
         self.owner: PendingOutput | None = None
 
 
-class ModelRunner:
+class ModelRunner(Runner):
     """Runs `model` (a `model.qwen35.Qwen35Model`) over scheduler batches.
 
     Args:
@@ -213,12 +214,7 @@ class ModelRunner:
 
     def run(self, ctx: ForwardContext) -> torch.Tensor:
         """The model's logits [S, V] float32 for `ctx.logits_indices`."""
-        with forward_context(ctx):
-            return self.model.forward(ctx)
-
-    def forward(self, batch: Batch) -> ForwardOutput:
-        """One step: forward every sequence's new tokens, sample where `sample` is set."""
-        return self.launch(batch).result()
+        return self.model.forward(ctx)
 
     def can_chain(self, batch: Batch) -> bool:
         """Whether `batch` (a decode step whose input tokens are the previous step's sampled
@@ -231,7 +227,7 @@ class ModelRunner:
                 and self.graphs.supports(seqs) and all(s.sample for s in seqs)
                 and self.sampler.chainable(seqs))
 
-    def launch(self, batch: Batch, *, after: PendingOutput | None = None) -> PendingOutput:
+    def launch(self, batch: Batch, *, after: PendingStep | None = None) -> PendingOutput:
         """Queue one step (forward, sampling, the sampled tokens' copy to the host), then run
         the host work that overlaps it: the experts provider's `after_launch()` and
         `overlap_hook()`.
@@ -281,6 +277,17 @@ class ModelRunner:
         if self.overlap_hook is not None:
             self.overlap_hook()
         return pending
+
+    def expert_stats(self) -> dict[str, Any]:
+        """The expert cache's counters as `EngineStats` fields (empty when the experts are
+        resident without a cache)."""
+        experts = self.model.experts
+        if not isinstance(experts, OffloadedExperts):
+            return {}
+        s = experts.stats
+        return dict(expert_cache_hit_rate=float(s.hit_rate), expert_cache_hits=s.hits,
+                    expert_cache_misses=s.misses, expert_cache_h2d_bytes=s.h2d_bytes,
+                    expert_cpu_computed=experts.cpu_computed)
 
     def _stage(self, buffer: _TokenBuffer, tokens: torch.Tensor, logprobs: Any = None
                ) -> tuple[torch.Tensor, Any]:

@@ -71,7 +71,7 @@ class GatedAttention:
         k = self.rope.norm_apply(k.view(N, Hkv, D), self.k_norm, self.eps, cos, sin)
         # NOTE: a decode step hands v over as a row-strided view: the backends' stores take
         # [N, Hkv, D] of any row stride (unit head and last strides), and decode attention
-        # reads the cache only. Prefill attention gets contiguous K/V as before (one copy).
+        # reads the cache only. Prefill attention gets contiguous K/V (one copy).
         v = (v if ctx.is_decode else v.contiguous()).view(N, Hkv, D)
         o = kv.forward(self.layer_id, q, k, v, ctx, D ** -0.5)  # [N, H, D]
         return linear(sigmoid_mul(o.reshape(N, H, D), gate), self.o_proj)

@@ -115,10 +115,6 @@ class ModelConfig:
         """Channels of the GDN causal conv: q | k | v."""
         return 2 * self.linear_key_dim + self.linear_value_dim
 
-    @property
-    def gqa_group(self) -> int:
-        return self.num_attention_heads // self.num_kv_heads
-
 
 def load_config(path: str | Path) -> ModelConfig:
     """Read a checkpoint directory's (or a config.json file's) text-model configuration.

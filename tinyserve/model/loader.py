@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
+from tinyserve.core import LinearWeight
 from tinyserve.model.config import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -278,25 +278,10 @@ def _fuse(name: str, parts: list[tuple[str, LinearWeight]], dtype: torch.dtype,
         yield name, to_device(fused, device, dtype)
 
 
-def load_weights(
-    path_or_reader: str | Path | CheckpointReader,
-    config: ModelConfig,
-    *,
-    dtype: torch.dtype | None = None,
-    device: torch.device | str = "cpu",
-    include_experts: bool = True,
-    fuse: bool | None = None,
-    on_entry: Callable[[int], None] | None = None,
-) -> dict[str, torch.Tensor | LinearWeight]:
-    """`dict(iter_weights(...))`."""
-    return dict(iter_weights(path_or_reader, config, dtype=dtype, device=device,
-                             include_experts=include_experts, fuse=fuse, on_entry=on_entry))
-
-
-def to_linear(value: torch.Tensor | LinearWeight) -> LinearWeight:
-    """Wrap a plain tensor as DenseWeight; pass LinearWeights through."""
-    return value if isinstance(value, (DenseWeight, NVFP4Weight, FP8Weight)) else \
-        DenseWeight(value)
+def load_weights(path_or_reader: str | Path | CheckpointReader, config: ModelConfig,
+                 **kwargs: Any) -> dict[str, torch.Tensor | LinearWeight]:
+    """`dict(iter_weights(path_or_reader, config, **kwargs))`."""
+    return dict(iter_weights(path_or_reader, config, **kwargs))
 
 
 def resolve_model_path(model: str) -> Path:

@@ -34,7 +34,6 @@ _IGNORED_PARAMS = ("input_scale", "input_global_scale")
 # Dropped silently: KV-cache quantization scales (tinyserve has its own KV formats) and the
 # rotary tables some exporters save.
 _DROPPED = (".k_scale", ".v_scale", ".q_scale", ".prob_scale", "rotary_emb.inv_freq")
-STORAGES = ("dense", "modelopt", "compressed-tensors", "fp8")
 # Same-input linears of a layer yielded as one (`model.linear.concat_rows`): fused name -> the
 # canonical parts whose output rows it stacks, in this order.
 FUSED_LINEARS: dict[str, tuple[str, ...]] = {

@@ -129,11 +129,6 @@ def weight_format(name: str, *, recipe: str = "nvfp4",
     return None
 
 
-def should_quantize(name: str, *, quantize_gdn: bool = False) -> bool:
-    """Whether the canonical linear `name` becomes NVFP4 under the default recipe."""
-    return weight_format(name, quantize_gdn=quantize_gdn) == "nvfp4"
-
-
 def nvfp4_tensors(w: NVFP4Weight, fmt: str) -> dict[str, torch.Tensor]:
     """The checkpoint tensors (param suffix -> tensor) of one NVFP4 linear in format `fmt`."""
     block = w.block_scale.view(torch.float8_e4m3fn)

@@ -9,10 +9,8 @@ every `aging_steps` steps so a hot expert of an old topic fades). The slot with 
 is evicted first; free slots go before any occupied one; ties go to the lower slot id. A slot
 holding an expert that the current step has already asked for is pinned until `end_step()` and
 is never evicted. The default `freq_weight` (2: an expert used in 3 steps ranks as if used 4
-steps later) was chosen on realistic routing (docs/ROUTING.md; bench/cache_policies.py,
-docs/RESULTS.md): as good as plain LRU for one sequence, where a larger weight loses hits at
-the cache sizes of a 6 GiB budget, and as good as a larger weight for a batch of four, where
-plain LRU loses hits.
+steps later) keeps a batch's shared experts resident without costing one sequence the hits
+of plain LRU (docs/ROUTING.md).
 
 Two ways to drive it:
 - host-driven (CPU, eager prefill): `access(layer, experts)` returns the slots and the loads to

@@ -39,14 +39,9 @@ from tinyserve.offload.store import HostExpertStore
 
 logger = get_logger(__name__)
 
-# The policy work of a step boundary waits until the next step's device work is queued
-# (`begin_step(defer=True)` + `after_launch()`): False does it at the boundary, as before.
-DEFER_POLICY = True
 # A fold that overlaps a step in flight guesses which slots that step is filling from its
 # victim lists (per layer, the head of its list as long as the loads of the step just folded
-# + IN_FLIGHT_MARGIN) and ranks them as freshly used; False: no guess (bench/offload_host.py
-# measures the hit rate of each choice; docs/RESULTS.md, "Expert offload").
-IN_FLIGHT_GUESS = True
+# + IN_FLIGHT_MARGIN) and ranks them as freshly used.
 IN_FLIGHT_MARGIN = 2
 
 
@@ -146,7 +141,7 @@ class DeviceExpertCache:
         Called by the provider when a call's layer is at or below the previous call's, and
         before each CUDA-graph replay. Skipping it only makes victims staler (lookups logged
         over by later ones are lost to the mirror, which the device overrules). Host cost:
-        numpy and a few dict operations per routed expert (bench/offload_host.py).
+        numpy and a few dict operations per routed expert.
 
         The step's log is copied device -> host into a pinned buffer without a host wait,
         ordered on the stream before whatever runs next (which may overwrite the log). With
@@ -166,15 +161,15 @@ class DeviceExpertCache:
             self._log_ids[:, :width].fill_(-1)  # after the copy, on the same stream
         self._pending = width
         self._width = 0
-        if not (defer and DEFER_POLICY):
+        if not defer:
             self._fold(in_flight=False)
 
     def after_launch(self) -> None:
         """Fold a log left by `begin_step(defer=True)` while the step queued since runs.
 
         The victim lists written now reach the device after that step (stream order); they
-        skip the slots it may be filling from its own lists, which the policy cannot know of
-        yet (`IN_FLIGHT_GUESS`)."""
+        rank the slots it may be filling from its own lists as freshly used (the policy cannot
+        know of those loads yet; `IN_FLIGHT_MARGIN`)."""
         if self._pending is not None:
             self._fold(in_flight=True)
 
@@ -227,11 +222,9 @@ class DeviceExpertCache:
         np.add.at(per_layer, called[load_i], 1)
         return per_layer
 
-    def _in_flight_slots(self, loads: np.ndarray) -> np.ndarray | None:
+    def _in_flight_slots(self, loads: np.ndarray) -> np.ndarray:
         """Slots the step in flight may be filling: the heads of the victim lists it reads
         (the last ones uploaded), `loads + IN_FLIGHT_MARGIN` entries per layer."""
-        if not IN_FLIGHT_GUESS:
-            return None
         lists = self._victims_host.numpy()  # [L, V], what the device holds now
         n = np.minimum(loads + IN_FLIGHT_MARGIN, lists.shape[1])
         return np.unique(lists[np.arange(lists.shape[1])[None, :] < n[:, None]])
@@ -381,7 +374,3 @@ class DeviceExpertCache:
         """(layer, expert) -> slot, read from the device table (a synchronisation)."""
         tab = self.table[:-1].cpu().view(self.num_layers, self.num_experts)
         return {(int(la), int(e)): int(tab[la, e]) for la, e in (tab >= 0).nonzero().tolist()}
-
-    def describe(self) -> dict[str, Any]:
-        return {"mode": self.mode, "slots": self.num_slots, "triton": self.use_triton,
-                **self.stats.as_dict()}

@@ -46,7 +46,6 @@ from tinyserve.offload import lookup as lk
 
 logger = get_logger(__name__)
 
-ENABLED = True  # NOTE: False switches prefill streaming off everywhere (the cache path runs)
 MIN_PAIRS_PER_EXPERT = 4  # a batch streams from E * this (token, expert) pairs on
 
 Copy = tuple[torch.Tensor, torch.Tensor]  # (destination, source)

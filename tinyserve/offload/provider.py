@@ -33,8 +33,8 @@ class OffloadedExperts:
         cache: the GPU slot cache (it holds the store).
         use_kernel: run the Triton fused MoE (default: on CUDA unless
             TINYSERVE_DISABLE_KERNELS); else `fused_moe_ref`.
-        stream_prefill: stream big batches layer by layer (`offload.prefetch`); default:
-            `prefetch.ENABLED` when the cache has room for two layers but not for all.
+        stream_prefill: stream big batches layer by layer (`offload.prefetch`); default: on
+            when the cache has room for two layers but not for all; False: off.
         streamer: a ready `LayerStreamer` (tests: an injected copy queue, a threshold).
     Attributes:
         streamer: the `LayerStreamer`, or None (every call takes the cache path); to switch
@@ -49,7 +49,7 @@ class OffloadedExperts:
             use_kernel = cache.device.type == "cuda" and not envs.DISABLE_KERNELS.get()
         self.use_kernel = use_kernel
         self._last_layer: int | None = None
-        if streamer is None and (prefetch.ENABLED if stream_prefill is None else stream_prefill):
+        if streamer is None and stream_prefill is not False:
             why = prefetch.can_stream(cache.num_slots, cache.num_layers, cache.num_experts)
             if why is None:
                 streamer = prefetch.LayerStreamer(cache)

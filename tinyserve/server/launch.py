@@ -189,7 +189,7 @@ def serve(args: Any, model: str, default_name: str, banner: str = "") -> int:
 
     # NOTE: the engine thread holds the GIL between tensor ops; with the default 5 ms switch
     # interval every streamed chunk could wait that long for the event loop to run, so the
-    # server switches every 1 ms (its effect on inter-token latency: docs/RESULTS.md, "CPU").
+    # server switches every 1 ms.
     sys.setswitchinterval(_SWITCH_INTERVAL_S)
     state = ServerState(server_config(args, default_name))
     app = create_app(state)

@@ -1,0 +1,83 @@
+"""The runner interface the engine steps.
+
+A step is `runner.launch(batch) -> PendingStep`, then `pending.result() -> ForwardOutput`
+(the step's one wait for the sampled tokens). `ModelRunner` queues device work at launch and
+waits in `result()`; a runner that computes the step at launch returns `Finished(output)`.
+The engine calls every member below directly; the defaults fit a synchronous runner that
+never chains steps.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from tinyserve.core import Batch, ForwardOutput
+from tinyserve.engine.sampler import Sampler
+
+
+class PendingStep(Protocol):
+    """A launched step. `device_tokens` ([S] int64 on the device) is set when every sequence
+    sampled a token there: a chained launch reads its input from it."""
+
+    device_tokens: torch.Tensor | None
+
+    def result(self) -> ForwardOutput:
+        """Wait for the sampled tokens; later calls return the same output."""
+        ...
+
+
+class Finished:
+    """A step computed at launch: its output is ready."""
+
+    device_tokens = None
+
+    def __init__(self, output: ForwardOutput) -> None:
+        self._output = output
+
+    def result(self) -> ForwardOutput:
+        return self._output
+
+
+class Runner(ABC):
+    """What the engine steps.
+
+    Attributes:
+        sampler: samples the next tokens; the engine sets its `logits_hook`.
+        asynchronous: `launch` returns before the step's device work is done, so host work
+            can overlap it (False: launch computes the step).
+        overlap_hook: host work `launch` runs once the step's device work is queued; the
+            engine sets it (to emit the previous step's outputs) when `asynchronous`.
+    """
+
+    sampler: Sampler
+    asynchronous: bool = False
+    overlap_hook: Callable[[], None] | None = None
+
+    @abstractmethod
+    def launch(self, batch: Batch, *, after: PendingStep | None = None) -> PendingStep:
+        """Start one step: forward every sequence's new tokens, sample where `sample` is set.
+        With `after` (a launched step with `device_tokens`), the input tokens are read from
+        it on the device; only batches that pass `can_chain` may be launched so."""
+
+    def forward(self, batch: Batch) -> ForwardOutput:
+        """One step, waited for."""
+        return self.launch(batch).result()
+
+    def can_chain(self, batch: Batch) -> bool:
+        """Whether `batch` (a decode step after a launched one) may take its input tokens on
+        the device (`launch(batch, after=...)`)."""
+        return False
+
+    @abstractmethod
+    def logits(self, token_ids: Sequence[int], *, page_ids: Sequence[int] | None = None,
+               state_slot: int | None = None, chunk_size: int | None = None) -> torch.Tensor:
+        """Teacher-forced logits [T, V] float32 of one sequence, prefilled from position 0
+        on `page_ids` and `state_slot`, in chunks of `chunk_size` tokens."""
+
+    def expert_stats(self) -> dict[str, Any]:
+        """The expert cache's counters as `EngineStats` fields (empty: no expert cache)."""
+        return {}

@@ -1,6 +1,7 @@
-"""ISO CUDA kernels against the torch references (GPU only).
+"""ISO kernels against the torch references (GPU only).
 
-Store and row dequantization compare bytes / bits exactly; decode and extend attention compare
+Store and row dequantization compare bytes / bits exactly; decode (the CUDA tensor-core kernel
+where it applies, the Triton kernel elsewhere) and extend attention compare
 against fp32 attention over `dequantize_ref`-equal rows (cosine >= 0.9999, max relative error
 printed). Output buffers and caches are poisoned first so unwritten elements fail.
 """
@@ -210,34 +211,32 @@ DECODE_CASES = [
                          ids=[f"hq{c[0]}-hkv{c[1]}-d{c[2]}-ps{c[3]}-len{max(c[4])}x{len(c[4])}"
                               for c in DECODE_CASES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("impl", ["cuda", "fields", "interleave", "mma", "mma-tokens"])
+@pytest.mark.parametrize("impl", ["mma", "triton"])
 def test_decode_attention(impl, fmt, case, dtype) -> None:
     hq, hkv, d, ps, lens = case
     if dtype == torch.float32 and max(lens) > 5000:
         pytest.skip("long contexts run in bf16 only")
-    impl, _, loop = impl.partition("-")  # mma: tokens_wide, mma-tokens: the fallback
-    if impl == "mma" and not _mma().mma_supported(fmt, hq, hkv, d):
-        pytest.skip("the mma kernel takes iso3 with GQA group <= 8")
+    from tinyserve.kv.iso_pool import decode_kernel
+
+    if decode_kernel(fmt, hq, hkv, d) != impl:
+        pytest.skip(f"{fmt} {hq}/{hkv} heads, head_dim {d} decodes with the other kernel")
     kc, vc, table = _filled_cache(fmt, sum(lens), hkv, d, ps, lens, seed=len(lens) + d)
     q = torch.randn(len(lens), hq, d, device="cuda").to(dtype)
     out = torch.full_like(q, float("nan"))
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     scale = d ** -0.5
-    if impl == "cuda":
-        _cuda().iso_decode_attention(q, kc, vc, table, seq_lens, ps, fmt, scale, out=out)
-    elif impl == "mma":
-        _mma().iso_decode_attention_mma(q, kc, vc, table, seq_lens, ps, fmt, scale, out=out,
-                                        loop=loop or "tokens_wide")
+    if impl == "mma":
+        _mma().iso_decode_attention_mma(q, kc, vc, table, seq_lens, ps, fmt, scale, out=out)
     else:
         from tinyserve.kernels import iso_triton
 
         iso_triton.iso_decode_attention_triton(q, kc, vc, table, seq_lens, ps, fmt, scale,
-                                               out=out, variant=impl)
+                                               out=out)
     for b, n in enumerate(lens):
         kd = _seq_rows(kc, table, b, n, ps, fmt, d)
         vd = _seq_rows(vc, table, b, n, ps, fmt, d)
         ref = iso.attention_oracle(q[b:b + 1].float(), kd, vd, n - 1, scale)[0]
-        _compare(out[b], ref, f"decode {impl} {loop} {fmt} {case} {dtype} seq {b} len {n}")
+        _compare(out[b], ref, f"decode {impl} {fmt} {case} {dtype} seq {b} len {n}")
 
 
 EXTEND_CASES = [
@@ -282,10 +281,10 @@ def test_extend_attention(fmt, case) -> None:
 
 
 @pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("impl", ["cuda", "triton", "mma"])
-def test_pool_on_cuda_matches_cpu(fmt: str, impl: str, monkeypatch) -> None:
-    """The whole backend (store + decode + extend) on CUDA against the CPU references."""
-    monkeypatch.setenv("TINYSERVE_ISO_DECODE", impl)
+@pytest.mark.parametrize("hq", [16, 32])
+def test_pool_on_cuda_matches_cpu(fmt: str, hq: int) -> None:
+    """The whole backend (store + decode + extend) on CUDA against the CPU references: GQA
+    groups of 8 (35B-A3B: iso3 decodes on the CUDA tensor cores) and 16 (122B: Triton)."""
     from tests.kv.test_iso_pool import _ctx
     from tinyserve.kv.iso_pool import ISOKVBackend
 
@@ -296,7 +295,7 @@ def test_pool_on_cuda_matches_cpu(fmt: str, impl: str, monkeypatch) -> None:
     pages = [[3, 9, 1, 4], [0, 2, 5, 6]]
     for q_lens, prefix in [([20, 5], [0, 0]), ([1, 1], [20, 5]), ([1, 1], [21, 6])]:
         n = sum(q_lens)
-        q = torch.randn(n, 16, 256).bfloat16()
+        q = torch.randn(n, hq, 256).bfloat16()
         k = torch.randn(n, 2, 256).bfloat16()
         v = torch.randn(n, 2, 256).bfloat16()
         ctx = _ctx(q_lens, prefix, pages, 16)
@@ -306,7 +305,7 @@ def test_pool_on_cuda_matches_cpu(fmt: str, impl: str, monkeypatch) -> None:
                      "slot_mapping"):
             setattr(ctx_gpu, name, getattr(ctx_gpu, name).cuda())
         got = gpu.forward(3, q.cuda(), k.cuda(), v.cuda(), ctx_gpu, 256 ** -0.5)
-        _compare(got.cpu(), ref, f"pool {impl} {fmt} {q_lens}/{prefix}")
+        _compare(got.cpu(), ref, f"pool {fmt} hq {hq} {q_lens}/{prefix}")
     assert torch.equal(gpu.buffer.cpu(), cpu.buffer)
 
 

@@ -1,14 +1,15 @@
 """ISO3/ISO4 CUDA kernels: launchers that check shapes and dtypes.
 
-The kernels live in `csrc/iso_store.cu`, `csrc/iso_decode.cu` and `csrc/iso_decode_mma.cu`
-(device code only); `cuda_launch` compiles each instance with NVRTC at first use (cached in
-TINYSERVE_CACHE_DIR) and launches it on torch's current stream, so the launches can be
-captured in CUDA graphs. Nothing here runs at import.
+The kernels live in `csrc/iso_store.cu` and `csrc/iso_decode_mma.cu` (device code only);
+`cuda_launch` compiles each instance with NVRTC at first use (cached in TINYSERVE_CACHE_DIR)
+and launches it on torch's current stream, so the launches can be captured in CUDA graphs.
+Nothing here runs at import.
 
 - `iso_store`: quantize-on-write, byte-exact with `iso.quantize_ref`.
 - `iso_dequant_rows`: packed rows -> dense rows (bit-exact with `iso.dequantize_ref` in fp32).
-- `iso_decode_attention`: paged split-K decode attention in the rotated space (§6.5); the
-  tensor-core variant's launcher and settings are in `iso_mma`.
+- the split-K plan and partial buffers of the decode kernels (`plan_splits`, `decode_splits`,
+  `split_buffers`) and their shared input checks (`_check_decode`); the ISO3 tensor-core
+  decode is in `iso_mma`, the Triton decode (iso4, wide GQA groups) in `iso_triton`.
 The extend attention that uses `iso_dequant_rows` is in `iso_extend`.
 """
 
@@ -22,16 +23,17 @@ import torch
 from tinyserve.kernels import cuda_launch
 from tinyserve.kernels.cuda_launch import I64, F, I, ptr
 from tinyserve.kernels.iso import BLOCK, FORMATS, packed_row_bytes
-from tinyserve.kernels.launch import FLOATS, cdiv, check_pages, decode_output
+from tinyserve.kernels.launch import FLOATS, cdiv, check_pages
 
-STORE, DECODE = "iso_store.cu", "iso_decode.cu"
+STORE = "iso_store.cu"
 _BITS = {"iso3": 3, "iso4": 4}
 # the kernels' element types of fp32 / bf16 / fp16 tensors (csrc/prelude.cuh)
 CTYPE = {torch.float32: "float", torch.bfloat16: "ts::bf16", torch.float16: "ts::f16"}
+# `plan_splits` defaults: splits of whole 32-token tiles, at least 256 tokens each
 _TILE = 32
 MIN_SPLIT_TOKENS = 256
 STORE_WARPS = 4  # csrc/iso_store.cu kStoreWarps
-DECODE_WARPS = 4  # csrc/iso_decode.cu kWarps
+
 
 def scale_log2(scale: float) -> ctypes.c_float:
     """scale * log2(e) rounded as the kernels' fp32 product (scores in exp2 units)."""
@@ -195,47 +197,3 @@ def _check_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if any(t.device != k_cache.device for t in (q, v_cache, page_table, seq_lens)):
         raise ValueError(f"q, the caches, page_table and seq_lens must be on {k_cache.device}")
     return b, hq, d, hkv
-
-
-def iso_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
-                         fmt: str, scale: float, *, max_seq_len: int | None = None,
-                         out: torch.Tensor | None = None,
-                         split_tokens: int | None = None) -> torch.Tensor:
-    """One query per sequence over its packed K/V (rotated-space, split-K).
-
-    Args:
-        q: [B, Hq, D] float; Hq / Hkv in {1, 2, 4, 8, 16} (D=128) or {1, 2, 4, 8} (D=256).
-        k_cache, v_cache: uint8 [slots, Hkv, row_bytes].
-        page_table: int32 [B, max_pages]; seq_lens: int32 [B] (>= 1, the new token included).
-        max_seq_len: an upper bound of seq_lens (avoids a device sync; needed under CUDA graphs:
-            the split grid covers exactly max_seq_len tokens, so it must not be exceeded).
-        split_tokens: force this many tokens per split (tuning); default from `plan_splits`.
-    Returns:
-        [B, Hq, D] in q's dtype (or written into `out`).
-    """
-    bits = format_bits(fmt)
-    b, hq, d, hkv = _check_decode(q, k_cache, v_cache, page_table, seq_lens, fmt)
-    out = decode_output(out, q, b, hq, d)
-    group = hq // hkv
-    if group not in (1, 2, 4, 8, 16) or group * (d // BLOCK) > 16:
-        raise ValueError(f"unsupported GQA group {hq}/{hkv} for head_dim {d}")
-    chunk, splits = decode_splits(q, seq_lens, hkv, max_seq_len, split_tokens, split_tile=_TILE)
-    if b == 0:
-        return out
-    part_acc, part_ml = split_buffers(q, splits)
-    qf = q.float().contiguous()
-    seq_lens = seq_lens.contiguous()
-    be = cuda_launch.backend(q.device)
-    stream = be.stream()
-    kern = be.kernel(DECODE, f"iso::decode_partial_kernel<{bits}, {d // BLOCK}, {group}>")
-    kern.launch((splits, hkv, b), 32 * DECODE_WARPS,
-                (ptr(qf), ptr(k_cache), ptr(v_cache), I64(k_cache.stride(0)), ptr(page_table),
-                 I64(page_table.stride(0)), ptr(seq_lens), I(page_size), I(hkv), I(chunk),
-                 I(splits), scale_log2(scale), ptr(part_acc), ptr(part_ml)),
-                stream=stream)
-    merge = be.kernel(DECODE, f"iso::decode_merge_kernel<{CTYPE[out.dtype]}>")
-    merge.launch((hq, b), cdiv(d // 4, 32) * 32,
-                 (ptr(part_acc), ptr(part_ml), ptr(seq_lens), I(chunk), I(splits), I(hq), I(d),
-                  ptr(out), I64(out.stride(0))), stream=stream)
-    return out

@@ -56,7 +56,11 @@ def _check_cache(cache: torch.Tensor, heads: int, head_dim: int, fmt: str, name:
         raise ValueError(f"{name} rows must be contiguous (strides {cache.stride()})")
 
 
-def _store(k_cache, v_cache, loc, k, v, fmt, dbg: torch.Tensor | None) -> None:
+def iso_store(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor, fmt: str) -> None:
+    """Quantize k, v [N, H, D] (fp32 / bf16 / fp16) into the caches at slots loc [N] (int32
+    or int64), all on one CUDA device. Caches: uint8 [slots, H, row_bytes]. Raises ValueError
+    on bad input."""
     bits = format_bits(fmt)
     if k.dim() != 3 or k.shape != v.shape or k.dtype != v.dtype or k.dtype not in FLOATS:
         raise ValueError(f"k and v must be [N, H, D] of one float dtype, got {k.dtype} "
@@ -82,27 +86,8 @@ def _store(k_cache, v_cache, loc, k, v, fmt, dbg: torch.Tensor | None) -> None:
     kern = be.kernel(STORE, f"iso::store_kernel<{bits}, {CTYPE[k.dtype]}, {idx}>")
     kern.launch((cdiv(n * heads * 2, STORE_WARPS),), 32 * STORE_WARPS,
                 (ptr(k_cache), ptr(v_cache), I64(k_cache.stride(0)), ptr(k), ptr(v),
-                 I64(k.stride(0)), I64(v.stride(0)), ptr(loc), I(n), I(heads), I(d // BLOCK),
-                 ptr(dbg)), stream=be.stream())
-
-
-def iso_store(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor, fmt: str) -> None:
-    """Quantize k, v [N, H, D] (fp32 / bf16 / fp16) into the caches at slots loc [N] (int32
-    or int64), all on one CUDA device. Caches: uint8 [slots, H, row_bytes]. Raises ValueError
-    on bad input."""
-    _store(k_cache, v_cache, loc, k, v, fmt, None)
-
-
-def iso_store_debug(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
-                    k: torch.Tensor, v: torch.Tensor, fmt: str) -> torch.Tensor:
-    """`iso_store` that also returns the per-block norm arithmetic, float32
-    [N, H, 2 (K, V), D/128, 6]: sum of squares, norm, reconstruction sum of squares,
-    reconstruction norm, corrected norm, stored fp16 bits (as a float)."""
-    n, heads, d = k.shape
-    dbg = torch.full((n, heads, 2, d // BLOCK, 6), float("nan"), device=k.device)
-    _store(k_cache, v_cache, loc, k, v, fmt, dbg)
-    return dbg
+                 I64(k.stride(0)), I64(v.stride(0)), ptr(loc), I(n), I(heads), I(d // BLOCK)),
+                stream=be.stream())
 
 
 def iso_dequant_rows(cache: torch.Tensor, slots: torch.Tensor, fmt: str, head_dim: int,

@@ -42,7 +42,15 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from common import Recorder, run_meta  # noqa: E402
 
-from tinyserve.kernels import attention, iso, iso_cuda, iso_extend, iso_mma, iso_triton  # noqa: E402
+from tinyserve.kernels import (  # noqa: E402
+    attention,
+    decode_split,
+    iso,
+    iso_cuda,
+    iso_extend,
+    iso_mma,
+    iso_triton,
+)
 
 HQ, HKV, D = 16, 2, 256
 PAGE = 16
@@ -178,7 +186,7 @@ def bench_decode_iso(st: dict, impl: str, cfg: dict, base_us: float | None) -> d
         ctas = cfg.get("ctas_per_sm", c["ctas_per_sm"])
         fit = iso_mma.ctas_per_sm_fit(st["q"].device, D, cfg.get("warps", c["warps"]))
         row["ctas_per_sm_fit"] = fit
-        row["split_tokens"], row["splits"] = iso_cuda.plan_splits(
+        row["split_tokens"], row["splits"] = decode_split.plan_splits(
             st["batch"], HKV, st["ctx"], sms,
             min_tokens=cfg.get("min_split_tokens", c["min_split_tokens"]),
             ctas_per_sm=ctas or fit, tile=16, one_wave=not ctas)

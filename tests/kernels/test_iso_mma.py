@@ -17,7 +17,7 @@ import torch
 from tests.kernels import emulation
 from tests.kernels.recorder import Recorder
 from tests.kernels.sm90_build import ptxas_entries
-from tinyserve.kernels import cuda_launch, iso, iso_cuda, iso_mma, launch
+from tinyserve.kernels import cuda_launch, decode_split, iso, iso_cuda, iso_mma, launch
 
 CSRC = emulation.CSRC
 
@@ -30,7 +30,7 @@ def backend(tmp_path_factory):
 @pytest.fixture
 def emu(backend, monkeypatch):
     """The emulated backend, with every split-K partial poisoned before the kernel runs."""
-    buffers = iso_cuda.split_buffers
+    buffers = decode_split.split_buffers
 
     def poisoned(q, splits):
         return tuple(t.fill_(float("nan")) for t in buffers(q, splits))
@@ -144,14 +144,14 @@ def test_plan_splits_one_wave() -> None:
     # one wave: never more CTAs than ctas_per_sm x SMs (floor), unlike the CTA target (ceil)
     for batch, ctx, ctas in [(1, 32768, 3), (8, 32768, 7), (8, 131072, 7), (1, 4096, 3),
                              (3, 100000, 5), (64, 32768, 7)]:
-        chunk, splits = iso_cuda.plan_splits(batch, 2, ctx, 132, min_tokens=64,
+        chunk, splits = decode_split.plan_splits(batch, 2, ctx, 132, min_tokens=64,
                                              ctas_per_sm=ctas, tile=16, one_wave=True)
         assert splits * batch * 2 <= max(ctas * 132, batch * 2)
         assert chunk % 16 == 0 and (splits - 1) * chunk < ctx <= splits * chunk
     # batch 1, 32k, 3 CTAs of 4 warps per SM: 187 splits of 176 tokens = 374 of 396 slots
-    assert iso_cuda.plan_splits(1, 2, 32768, 132, min_tokens=64, ctas_per_sm=3, tile=16,
+    assert decode_split.plan_splits(1, 2, 32768, 132, min_tokens=64, ctas_per_sm=3, tile=16,
                                 one_wave=True) == (176, 187)
-    assert iso_cuda.plan_splits(8, 2, 32768, 132, min_tokens=128, ctas_per_sm=7, tile=16,
+    assert decode_split.plan_splits(8, 2, 32768, 132, min_tokens=128, ctas_per_sm=7, tile=16,
                                 one_wave=True) == (576, 57)
 
 

@@ -7,16 +7,14 @@ Nothing here runs at import.
 
 - `iso_store`: quantize-on-write, byte-exact with `iso.quantize_ref`.
 - `iso_dequant_rows`: packed rows -> dense rows (bit-exact with `iso.dequantize_ref` in fp32).
-- the split-K plan and partial buffers of the decode kernels (`plan_splits`, `decode_splits`,
-  `split_buffers`) and their shared input checks (`_check_decode`); the ISO3 tensor-core
-  decode is in `iso_mma`, the Triton decode (iso4, wide GQA groups) in `iso_triton`.
+- the decode launchers' shared input checks (`_check_decode`); the ISO3 tensor-core decode is
+  in `iso_mma`, the Triton decode (iso4, wide GQA groups) in `iso_triton`.
 The extend attention that uses `iso_dequant_rows` is in `iso_extend`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import math
 
 import torch
 
@@ -29,9 +27,6 @@ STORE = "iso_store.cu"
 _BITS = {"iso3": 3, "iso4": 4}
 # the kernels' element types of fp32 / bf16 / fp16 tensors (csrc/prelude.cuh)
 CTYPE = {torch.float32: "float", torch.bfloat16: "ts::bf16", torch.float16: "ts::f16"}
-# `plan_splits` defaults: splits of whole 32-token tiles, at least 256 tokens each
-_TILE = 32
-MIN_SPLIT_TOKENS = 256
 STORE_WARPS = 4  # csrc/iso_store.cu kStoreWarps
 
 
@@ -121,47 +116,6 @@ def iso_dequant_rows(cache: torch.Tensor, slots: torch.Tensor, fmt: str, head_di
                      I64(head_stride), I(m), I(heads), I(head_dim // BLOCK)),
                     stream=be.stream())
     return out
-
-
-def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *,
-                min_tokens: int = MIN_SPLIT_TOKENS, ctas_per_sm: int = 4,
-                tile: int = _TILE, one_wave: bool = False) -> tuple[int, int]:
-    """(tokens per split, number of splits): about `ctas_per_sm` CTAs per SM (with
-    `one_wave`: at most ctas_per_sm x num_sms CTAs, the most that run at once when
-    ctas_per_sm is the kernel's occupancy) and at least `min_tokens` tokens per split, the
-    split a multiple of `tile` tokens."""
-    max_seq_len = max(1, max_seq_len)
-    rows = max(1, batch * num_kv_heads)
-    if one_wave:
-        want = max(1, ctas_per_sm * num_sms // rows)
-    else:
-        want = max(1, math.ceil(ctas_per_sm * num_sms / rows))
-    splits = max(1, min(math.ceil(max_seq_len / max(1, min_tokens)), want))
-    chunk = math.ceil(math.ceil(max_seq_len / splits) / tile) * tile
-    return chunk, math.ceil(max_seq_len / chunk)
-
-
-def decode_splits(q: torch.Tensor, seq_lens: torch.Tensor, num_kv_heads: int,
-                  max_seq_len: int | None, split_tokens: int | None, *, split_tile: int,
-                  **plan: int) -> tuple[int, int]:
-    """(tokens per split, number of splits) of a split-K decode launcher: `split_tokens`
-    (rounded up to `split_tile`) when forced, else `plan_splits(..., **plan)` for the device.
-    Reads max(seq_lens) (a device sync) only when `max_seq_len` is None."""
-    b = q.shape[0]
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max().item()) if b else 1
-    if split_tokens:
-        chunk = math.ceil(split_tokens / split_tile) * split_tile
-        return chunk, math.ceil(max(1, max_seq_len) / chunk)
-    return plan_splits(b, num_kv_heads, max_seq_len, cuda_launch.num_sms(q.device), **plan)
-
-
-def split_buffers(q: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fp32 partials of a split-K decode: accumulators [B, Hq, splits, D] and (max, sum)
-    [B, Hq, splits, 2]."""
-    b, hq, d = q.shape
-    return (torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device),
-            torch.empty(b, hq, splits, 2, dtype=torch.float32, device=q.device))
 
 
 def _check_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyserve.kernels import iso, iso_cuda
+from tinyserve.kernels import decode_split, iso, iso_cuda
 from tinyserve.kernels._decode_triton_common import decode_merge_kernel, kv_rows, split_program
 from tinyserve.kernels.launch import decode_output
 
@@ -188,8 +188,8 @@ def _tables(device: torch.device, fmt: str) -> tuple[torch.Tensor, torch.Tensor]
 def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *,
                 min_tokens: int = MIN_SPLIT_TOKENS, ctas_per_sm: int = CTAS_PER_SM,
                 tile: int = BLOCK_T) -> tuple[int, int]:
-    """`iso_cuda.plan_splits` with this kernel's defaults."""
-    return iso_cuda.plan_splits(batch, num_kv_heads, max_seq_len, num_sms,
+    """`decode_split.plan_splits` with this kernel's defaults."""
+    return decode_split.plan_splits(batch, num_kv_heads, max_seq_len, num_sms,
                                 min_tokens=min_tokens, ctas_per_sm=ctas_per_sm, tile=tile)
 
 
@@ -214,13 +214,13 @@ def iso_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     out = decode_output(out, q, b, hq, d)
     if b == 0:
         return out
-    chunk, splits = iso_cuda.decode_splits(q, seq_lens, hkv, max_seq_len, split_tokens,
+    chunk, splits = decode_split.decode_splits(q, seq_lens, hkv, max_seq_len, split_tokens,
                                            split_tile=block_t, min_tokens=MIN_SPLIT_TOKENS,
                                            ctas_per_sm=ctas_per_sm, tile=block_t)
     group = hq // hkv
     cent, rot = _tables(q.device, fmt)
     qc = q.contiguous()
-    part_acc, part_ml = iso_cuda.split_buffers(q, splits)
+    part_acc, part_ml = decode_split.split_buffers(q, splits)
     iso_decode_partial_kernel[(splits, b * hkv)](
         qc, k_cache, v_cache, k_cache.stride(0), page_table, page_table.stride(0),
         seq_lens.contiguous(), cent, rot, part_acc, part_ml, chunk, splits, page_size,

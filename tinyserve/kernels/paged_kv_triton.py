@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from tinyserve.kernels._decode_triton_common import decode_merge_kernel, kv_rows, split_program
-from tinyserve.kernels.iso_cuda import decode_splits, split_buffers
+from tinyserve.kernels.decode_split import decode_splits, split_buffers
 from tinyserve.kernels.launch import FLOATS, check_pages, decode_output
 
 _LOG2E = 1.4426950408889634

@@ -261,7 +261,7 @@ def _choose(cases: dict) -> dict:
     for name, row in cases.items():
         parts = name.split("/")  # decode/b{B}/{ctx}/iso3/{impl}[/{cfg}]
         if len(parts) < 5 or parts[0] != "decode" or parts[3] != "iso3" \
-                or parts[4] not in ("cuda", "triton", "mma") or int(parts[2]) < 32768 \
+                or parts[4] not in ("triton", "mma") or int(parts[2]) < 32768 \
                 or not row.get("cos_ok") or "ratio_vs_bf16" not in row:
             continue
         key = (parts[4], parts[1], parts[2])

@@ -145,14 +145,14 @@ def test_plan_splits_one_wave() -> None:
     for batch, ctx, ctas in [(1, 32768, 3), (8, 32768, 7), (8, 131072, 7), (1, 4096, 3),
                              (3, 100000, 5), (64, 32768, 7)]:
         chunk, splits = decode_split.plan_splits(batch, 2, ctx, 132, min_tokens=64,
-                                             ctas_per_sm=ctas, tile=16, one_wave=True)
+                                                 ctas_per_sm=ctas, tile=16, one_wave=True)
         assert splits * batch * 2 <= max(ctas * 132, batch * 2)
         assert chunk % 16 == 0 and (splits - 1) * chunk < ctx <= splits * chunk
     # batch 1, 32k, 3 CTAs of 4 warps per SM: 187 splits of 176 tokens = 374 of 396 slots
     assert decode_split.plan_splits(1, 2, 32768, 132, min_tokens=64, ctas_per_sm=3, tile=16,
-                                one_wave=True) == (176, 187)
+                                    one_wave=True) == (176, 187)
     assert decode_split.plan_splits(8, 2, 32768, 132, min_tokens=128, ctas_per_sm=7, tile=16,
-                                one_wave=True) == (576, 57)
+                                    one_wave=True) == (576, 57)
 
 
 def test_decode_launchers_check_devices_and_out() -> None:

@@ -190,7 +190,7 @@ def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *
                 tile: int = BLOCK_T) -> tuple[int, int]:
     """`decode_split.plan_splits` with this kernel's defaults."""
     return decode_split.plan_splits(batch, num_kv_heads, max_seq_len, num_sms,
-                                min_tokens=min_tokens, ctas_per_sm=ctas_per_sm, tile=tile)
+                                    min_tokens=min_tokens, ctas_per_sm=ctas_per_sm, tile=tile)
 
 
 def iso_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -215,8 +215,8 @@ def iso_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     if b == 0:
         return out
     chunk, splits = decode_split.decode_splits(q, seq_lens, hkv, max_seq_len, split_tokens,
-                                           split_tile=block_t, min_tokens=MIN_SPLIT_TOKENS,
-                                           ctas_per_sm=ctas_per_sm, tile=block_t)
+                                               split_tile=block_t, min_tokens=MIN_SPLIT_TOKENS,
+                                               ctas_per_sm=ctas_per_sm, tile=block_t)
     group = hq // hkv
     cent, rot = _tables(q.device, fmt)
     qc = q.contiguous()

@@ -35,10 +35,11 @@ from tinyserve.kernels._decode_triton_common import decode_merge_kernel, kv_rows
 from tinyserve.kernels.launch import decode_output
 
 _LOG2E = 1.4426950408889634
-# Launch settings from the bench/iso_attention.py sweep: 32-token tiles, 4 warps, registers
-# capped at 128 (several programs per SM, a little spilling), ~8 programs per SM.
+# Launch settings: 32-token tiles, 4 warps, registers capped at 128 (several programs per
+# SM, a little spilling), ~8 programs per SM.
 BLOCK_T = 32
 NUM_WARPS = 4
+NUM_STAGES = 2
 MAXNREG = 128
 MIN_SPLIT_TOKENS = 128
 CTAS_PER_SM = 8
@@ -197,16 +198,13 @@ def iso_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 page_table: torch.Tensor, seq_lens: torch.Tensor,
                                 page_size: int, fmt: str, scale: float, *,
                                 max_seq_len: int | None = None, out: torch.Tensor | None = None,
-                                split_tokens: int | None = None, block_t: int = BLOCK_T,
-                                ctas_per_sm: int = CTAS_PER_SM, num_warps: int = NUM_WARPS,
-                                num_stages: int = 2,
-                                maxnreg: int | None = MAXNREG) -> torch.Tensor:
+                                split_tokens: int | None = None) -> torch.Tensor:
     """One query per sequence over its packed K/V (the contract of
     `iso.decode_attention_ref`): q [B, Hq, D] float, caches uint8 [slots, Hkv, row_bytes],
     page_table int32 [B, P] (rows contiguous), seq_lens int32 [B] (each >= 1, <= max_seq_len;
     `max_seq_len` None: read from seq_lens, a device synchronisation). Hq / Hkv <= 16, D 128
-    or 256. Returns [B, Hq, D] in q's dtype (or written into `out`). The keyword settings
-    after `split_tokens` are tuning knobs (defaults: the module's constants)."""
+    or 256. Returns [B, Hq, D] in q's dtype (or written into `out`); `split_tokens` forces the
+    tokens per split (tests)."""
     iso_cuda.format_bits(fmt)  # (checks the format)
     b, hq, d, hkv = iso_cuda._check_decode(q, k_cache, v_cache, page_table, seq_lens, fmt)
     if hq // hkv > 16 or d // iso.BLOCK not in (1, 2):
@@ -215,8 +213,8 @@ def iso_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     if b == 0:
         return out
     chunk, splits = decode_split.decode_splits(q, seq_lens, hkv, max_seq_len, split_tokens,
-                                               split_tile=block_t, min_tokens=MIN_SPLIT_TOKENS,
-                                               ctas_per_sm=ctas_per_sm, tile=block_t)
+                                               split_tile=BLOCK_T, min_tokens=MIN_SPLIT_TOKENS,
+                                               ctas_per_sm=CTAS_PER_SM, tile=BLOCK_T)
     group = hq // hkv
     cent, rot = _tables(q.device, fmt)
     qc = q.contiguous()
@@ -226,8 +224,7 @@ def iso_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         seq_lens.contiguous(), cent, rot, part_acc, part_ml, chunk, splits, page_size,
         float(scale) * _LOG2E, HKV=hkv, G=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         NB=d // iso.BLOCK, BITS=3 if fmt == "iso3" else 4, BB=iso.BLOCK_BYTES[fmt],
-        BLOCK_T=block_t, num_warps=num_warps, num_stages=num_stages,
-        **({"maxnreg": maxnreg} if maxnreg else {}))
+        BLOCK_T=BLOCK_T, num_warps=NUM_WARPS, num_stages=NUM_STAGES, maxnreg=MAXNREG)
     decode_merge_kernel[(b * hq,)](
         part_acc, part_ml, rot, out, splits, out.stride(0), HQ=hq, D=d,
         BLOCK_S=max(2, min(16, triton.next_power_of_2(splits))), IS_ROTATED=True, num_warps=4)

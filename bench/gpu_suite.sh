@@ -37,7 +37,7 @@
 #                                       penalised) -> results/decode_modes[_6GiB].json
 #            decode_overhead  ~1.5 min  bench/decode_overhead.py (8 layers, bf16/iso3 x b1/b8)
 #   kv_formats_1k, kv_formats_32k (not in `all`): bench/kv_formats.py CKPT, tinyserve bench with
-#            iso3 / bf16 / bf16-gather side by side at 1k (2 rounds, ~6 min) and 32k (1 round,
+#            iso3 / bf16 side by side at 1k (2 rounds, ~6 min) and 32k (1 round,
 #            merged into the same results/kv_formats.json); run each in its own command
 #   realistic
 #            checkpoint_realistic ~1-3 min  the same checkpoint with realistic routing

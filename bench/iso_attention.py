@@ -1,41 +1,28 @@
 """ISO3/ISO4 paged decode and extend attention against bf16 SDPA, one layer of Qwen3.5-35B-A3B
 (16 query heads, 2 KV heads, head_dim 256), measured side by side in one run.
 
-Decode: batch 1 and 8, context 4k / 32k / 128k; iso3 with the three decode kernels (the CUDA
-SIMT kernel "cuda", the Triton tensor-core kernel "triton", the CUDA tensor-core kernel "mma"
-of csrc/iso_decode_mma.cu) and a sweep of the mma kernel's settings (warps per CTA, CTAs per
-SM, which set the split count; at 4k the minimum tokens per split), iso4 at 32k (cuda,
-triton), the mma kernel's two row stagings (`iso_mma.LOOPS`: "tokens_wide", the shipped one,
-and its fallback "tokens"; rows mma_loop/{loop}-{setting}; `mma_loops` has the best row per
-loop and point), vs bf16 torch SDPA with GQA (`enable_gqa=True`) over a contiguous bf16 K/V
+Decode: batch 1 and 8, context 4k / 32k / 128k; iso3 with both decode kernels (the Triton
+tensor-core kernel "triton", the CUDA tensor-core kernel "mma" of csrc/iso_decode_mma.cu,
+the one the engine runs for iso3 at GQA groups <= 8) and a sweep of the mma kernel's settings
+(warps per CTA, CTAs per SM, which set the split count; at 4k the minimum tokens per split),
+iso4 at 32k (triton), vs bf16 torch SDPA with GQA (`enable_gqa=True`) over a contiguous bf16 K/V
 (the baseline). Each timed call runs over several distinct layer caches (so nothing stays in
 L2 between layers, as in a real step) inside a CUDA graph; the per-layer time is the graph
 time / calls. Every timed config also records its cosine against an fp32 oracle (dequantized
-rows, fp32 softmax attention) on the same cache. `decode_choice` says which kernel won (the
-value for kv/iso_pool.DECODE_IMPL), `mma_best` the mma settings per batch (the rows for
-iso_mma.MMA_CONFIG).
+rows, fp32 softmax attention) on the same cache. `decode_choice` says which kernel won,
+`mma_best` the mma settings per batch (the rows for iso_mma.MMA_CONFIG).
 Extend: tokens/s of a 2k-token chunk over prefixes 0..30k, the ratio to the bf16 cache's
 attention of the same sequence (`attention.chunk_causal_attention` over contiguous bf16 K/V),
 and the time of the prefix's dequantization, the one part the bf16 cache does not pay.
 
 Writes bench/results/iso_attention.json (bench/common.py Recorder: a failing case is recorded and
-the rest still run). Usage: python bench/iso_attention.py [--quick] [--no-extend] [--loops |
---warps | --layout | --pdl | --extend] (--loops: bf16 and the mma kernel's loops only, iso3 decode
-at the six points, < 60 s, written to bench/results/iso_attention_loops.json; --extend: the extend
+the rest still run). Usage: python bench/iso_attention.py [--quick] [--no-extend] [--warps |
+--extend] (--extend: the extend
 cases only, prefixes 0 / 2k / 8k / 16k / 30k, each also timed inside CUDA graphs (the GPU time
 without the host's launch overhead), < 60 s, written to bench/results/iso_extend.json; --warps:
-bf16, the mma kernel's MMA_CONFIG row and WARPS_SWEEP (4, 8, 16 warps per CTA at one wave and 8
-warps at one CTA per SM), iso3 decode at the six points, < 60 s, written to
-bench/results/iso_attention_warps.json with `mma_warps`: the best row per point and the best
-setting per batch; --layout: bf16 and the shared-memory row layouts of the 16-byte staging,
-"tokens_wide" (128-byte rows) against "tokens_pad" (144-byte rows, the default; no bank conflicts),
-each with the batch's MMA_CONFIG row and with 4, 8, 16 warps per CTA at one wave, iso3 decode at
-the six points, < 60 s, written to bench/results/iso_attention_layout.json with `mma_layout`: the
-best row per point, pad / wide per setting and point, and the best setting per batch as an
-MMA_CONFIG row plus the loop for iso_mma.MMA_LOOP; --pdl: bf16 and the mma decode with its kernels
-launched as programmatic dependents (`iso_mma.DEPENDENT_LAUNCHES`) and plainly, iso3 decode at the
-six points, < 60 s, written to bench/results/iso_attention_pdl.json with `mma_pdl`: on / off per
-point)
+bf16, the mma kernel's MMA_CONFIG row and WARPS_SWEEP (4 and 16 warps per CTA at one wave),
+iso3 decode at the six points, < 60 s, written to bench/results/iso_attention_warps.json with
+`mma_warps`: the best row per point and the best setting per batch)
 """
 
 from __future__ import annotations
@@ -55,7 +42,15 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from common import Recorder, run_meta  # noqa: E402
 
-from tinyserve.kernels import attention, iso, iso_cuda, iso_extend, iso_mma, iso_triton  # noqa: E402
+from tinyserve.kernels import (  # noqa: E402
+    attention,
+    decode_split,
+    iso,
+    iso_cuda,
+    iso_extend,
+    iso_mma,
+    iso_triton,
+)
 
 HQ, HKV, D = 16, 2, 256
 PAGE = 16
@@ -63,10 +58,7 @@ RESULTS_DIR = ROOT / "bench" / "results"
 # The result file of each mode: the sweep flag given (the first of them in this order), "full"
 # without one
 RESULTS_OF_MODE = {
-    "pdl": RESULTS_DIR / "iso_attention_pdl.json",
-    "layout": RESULTS_DIR / "iso_attention_layout.json",
     "warps": RESULTS_DIR / "iso_attention_warps.json",
-    "loops": RESULTS_DIR / "iso_attention_loops.json",
     "extend": RESULTS_DIR / "iso_extend.json",
     "full": RESULTS_DIR / "iso_attention.json",
 }
@@ -132,30 +124,14 @@ def _iso_state(fmt: str, batch: int, ctx: int) -> dict:
 
 
 # ctas_per_sm 0: one wave from the kernel's occupancy (the MMA_CONFIG default)
-MMA_SWEEP = [dict(warps=w, ctas_per_sm=c) for w, cs in ((4, (0, 2, 3, 4)), (2, (0, 4, 6, 8)))
+MMA_SWEEP = [dict(warps=w, ctas_per_sm=c) for w, cs in ((4, (0, 2, 3, 4)), (16, (0, 1)))
              for c in cs]
-# the mma kernel's loops, each with the batch's default settings and one wave of 4- or
-# 2-warp CTAs
-LOOP_SWEEP = [dict(loop=lp, **c) for lp in iso_mma.LOOPS
-              for c in (dict(), dict(warps=4, ctas_per_sm=0), dict(warps=2, ctas_per_sm=0))]
 MIN_SPLIT_SWEEP = (32, 64, 128, 256)  # at 4k, with the batch's default warps / CTAs per SM
 # --warps: warps per CTA (iso_mma.WARPS) at about ctas_per_sm CTAs per SM (0: one wave from
-# the occupancy: 3 CTAs of 4 warps, 1 of 8, 1 of 16 on sm_90), at least one sub-tile per warp
-# and split (min_split_tokens = 16 x warps), beside the batch's MMA_CONFIG row ("default").
-# w4c0 holds 12 warps per SM, w8c0 and w8c1 8 (as the batch-1 default, with half its
-# partials), w16c0 16.
+# the occupancy: 3 CTAs of 4 warps, 1 of 16 on sm_90), at least one sub-tile per warp and
+# split (min_split_tokens = 16 x warps), beside the batch's MMA_CONFIG row ("default").
 WARPS_SWEEP = [dict(warps=w, ctas_per_sm=c, min_split_tokens=16 * w)
-               for w, c in ((4, 0), (8, 0), (8, 1), (16, 0))]
-# --layout: each row layout with the batch's MMA_CONFIG settings and with 4, 8, 16 warps per
-# CTA at one wave (at least one sub-tile per warp and split); "wide-default" is today's
-# default call
-LAYOUTS = {"wide": "tokens_wide", "pad": "tokens_pad"}
-_LAYOUT_SETTINGS = [("default", {})] + [
-    (f"w{w}c0", dict(warps=w, ctas_per_sm=0, min_split_tokens=16 * w)) for w in (4, 8, 16)]
-LAYOUT_SWEEP = {f"{name}-{setting}": dict(loop=loop, **cfg) for name, loop in LAYOUTS.items()
-                for setting, cfg in _LAYOUT_SETTINGS}
-
-
+               for w, c in ((4, 0), (16, 0))]
 def _oracle(st: dict) -> torch.Tensor:
     """fp32 attention over the dequantized rows of the first layer cache: [B, HQ, D]."""
     kc, vc = st["caches"][0]
@@ -175,10 +151,7 @@ def _oracle(st: dict) -> torch.Tensor:
 def _call(st: dict, impl: str, cfg: dict):
     fmt, ctx = st["fmt"], st["ctx"]
     q, table, lens = st["q"], st["table"], st["lens"]
-    if impl == "cuda":
-        return lambda kc, vc, out: iso_cuda.iso_decode_attention(
-            q, kc, vc, table, lens, PAGE, fmt, D ** -0.5, max_seq_len=ctx, out=out, **cfg)
-    if impl in ("mma", "mma_min", "mma_loop", "mma_warps", "mma_layout", "mma_pdl"):
+    if impl in ("mma", "mma_min", "mma_warps"):
         return lambda kc, vc, out: iso_mma.iso_decode_attention_mma(
             q, kc, vc, table, lens, PAGE, fmt, D ** -0.5, max_seq_len=ctx, out=out, **cfg)
     return lambda kc, vc, out: iso_triton.iso_decode_attention_triton(
@@ -186,7 +159,7 @@ def _call(st: dict, impl: str, cfg: dict):
 
 
 def bench_decode_iso(st: dict, impl: str, cfg: dict, base_us: float | None) -> dict:
-    """Time one decode kernel ("cuda", "triton" or "mma", with optional settings) on a
+    """Time one decode kernel ("triton" or "mma", with optional settings) on a
     state, and its cosine against the fp32 oracle on the first layer cache."""
     call = _call(st, impl, cfg)
     check = torch.full_like(st["q"], float("nan"))
@@ -211,10 +184,9 @@ def bench_decode_iso(st: dict, impl: str, cfg: dict, base_us: float | None) -> d
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         c = iso_mma.mma_config(st["batch"], st["ctx"])
         ctas = cfg.get("ctas_per_sm", c["ctas_per_sm"])
-        fit = iso_mma.ctas_per_sm_fit(st["q"].device, D, cfg.get("warps", c["warps"]),
-                                      cfg.get("loop"))
+        fit = iso_mma.ctas_per_sm_fit(st["q"].device, D, cfg.get("warps", c["warps"]))
         row["ctas_per_sm_fit"] = fit
-        row["split_tokens"], row["splits"] = iso_cuda.plan_splits(
+        row["split_tokens"], row["splits"] = decode_split.plan_splits(
             st["batch"], HKV, st["ctx"], sms,
             min_tokens=cfg.get("min_split_tokens", c["min_split_tokens"]),
             ctas_per_sm=ctas or fit, tile=16, one_wave=not ctas)
@@ -289,7 +261,7 @@ def _choose(cases: dict) -> dict:
     for name, row in cases.items():
         parts = name.split("/")  # decode/b{B}/{ctx}/iso3/{impl}[/{cfg}]
         if len(parts) < 5 or parts[0] != "decode" or parts[3] != "iso3" \
-                or parts[4] not in ("cuda", "triton", "mma") or int(parts[2]) < 32768 \
+                or parts[4] not in ("triton", "mma") or int(parts[2]) < 32768 \
                 or not row.get("cos_ok") or "ratio_vs_bf16" not in row:
             continue
         key = (parts[4], parts[1], parts[2])
@@ -319,25 +291,6 @@ def _mma_best(cases: dict) -> dict:
             warps, ctas = cfg[1:].split("c")
             out[batch] = dict(config=cfg, warps=int(warps), ctas_per_sm=int(ctas),
                               geomean_us=geo, contexts=len(vals))
-    return out
-
-
-def _loop_name(cfg: dict) -> str:
-    setting = f"w{cfg['warps']}c{cfg['ctas_per_sm']}" if "warps" in cfg else "default"
-    return f"{cfg['loop']}-{setting}"
-
-
-def _loops(cases: dict) -> dict:
-    """Per decode point and mma loop: the fastest correct row (us, its setting, / bf16)."""
-    out: dict = {}
-    for name, row in cases.items():
-        parts = name.split("/")  # decode/b{B}/{ctx}/iso3/mma_loop/{loop}-{setting}
-        if len(parts) == 6 and parts[4] == "mma_loop" and row.get("cos_ok"):
-            loop, setting = parts[5].split("-", 1)
-            point = out.setdefault(f"{parts[1]}/{parts[2]}", {})
-            if loop not in point or row["us"] < point[loop]["us"]:
-                point[loop] = dict(us=row["us"], setting=setting,
-                                   ratio_vs_bf16=row.get("ratio_vs_bf16"))
     return out
 
 
@@ -409,42 +362,6 @@ def _warps_best(cases: dict) -> dict:
     return dict(points=points, per_batch=batches)
 
 
-def _layout_best(cases: dict) -> dict:
-    """--layout: per decode point the fastest correct mma_layout row (us, / bf16, / the
-    default) and pad / wide per setting; per batch the setting with the lowest geometric-mean
-    time over the contexts it passed at all of, as the MMA_CONFIG row and MMA_LOOP to take."""
-    points, best = _sweep_points(cases, "mma_layout")
-    for key, point in points.items():
-        rows = point["rows"]
-        point.update(_vs_default(cases, key, point, "wide-default"))
-        point["pad_over_wide"] = {
-            setting: rows[f"pad-{setting}"] / rows[f"wide-{setting}"]
-            for setting, _ in _LAYOUT_SETTINGS
-            if f"pad-{setting}" in rows and f"wide-{setting}" in rows}
-    batches = {}
-    for batch, (setting, geo) in best.items():
-        cfg = dict(LAYOUT_SWEEP[setting])
-        loop = cfg.pop("loop")
-        batches[batch] = dict(setting=setting, geomean_us=geo, mma_config=_config_row(cfg),
-                              mma_loop=loop)
-    return dict(points=points, per_batch=batches)
-
-
-def _pdl_points(cases: dict) -> dict:
-    """--pdl: per decode point the decode kernel and its split merge launched as dependents
-    vs plainly (us, on / off, on / bf16)."""
-    points = {}
-    for name, row in cases.items():
-        if "/mma_pdl/on" not in name or "us" not in row:
-            continue
-        off = cases.get(name.replace("/on", "/off"), {})
-        if "us" in off:
-            points[name.split("/iso3")[0]] = dict(
-                on_us=row["us"], off_us=off["us"], on_over_off=row["us"] / off["us"],
-                on_over_bf16=row.get("ratio_vs_bf16"), off_over_bf16=off.get("ratio_vs_bf16"))
-    return points
-
-
 def _summary(cases: dict) -> None:
     print("\ndecode (us per layer, ratio vs bf16, cosine vs oracle):")
     for name, row in cases.items():
@@ -466,33 +383,22 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="4k and 32k only")
     parser.add_argument("--no-extend", action="store_true", help="decode only")
-    parser.add_argument("--loops", action="store_true",
-                        help="bf16 and the mma decode loops only (iso3, no extend)")
     parser.add_argument("--warps", action="store_true",
                         help="bf16 and the mma decode's warps-per-CTA sweep only (iso3, no "
                              "extend; < 60 s)")
-    parser.add_argument("--layout", action="store_true",
-                        help="bf16 and the mma decode's shared row layouts (tokens_wide vs "
-                             "tokens_pad) at 4/8/16 warps only (iso3, no extend; < 60 s)")
-    parser.add_argument("--pdl", action="store_true",
-                        help="bf16 and the mma decode with its split merge launched as a "
-                             "programmatic dependent and plainly (iso3, no extend; < 60 s)")
     parser.add_argument("--extend", action="store_true",
                         help="the extend cases only (prefixes 0 .. 30k, eager and in CUDA "
                              "graphs; < 60 s)")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     mode = next(m for m in RESULTS_OF_MODE if m == "full" or getattr(args, m))
-    only = mode in ("loops", "warps", "layout", "pdl")  # a decode-only sweep
+    only = mode == "warps"  # a decode-only sweep
     rec = Recorder(RESULTS_OF_MODE[mode], run_meta(
         "iso_attention", sms=props.multi_processor_count, cuda=torch.version.cuda,
         shapes=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, page_size=PAGE),
         baseline="decode: torch SDPA bf16, enable_gqa=True, contiguous K/V; extend: "
                  "attention.chunk_causal_attention over contiguous bf16 K/V",
-        mma_config=list(iso_mma.MMA_CONFIG), mma_loops=list(iso_mma.LOOPS),
-        mode=mode,
-        mma_loop=iso_mma.MMA_LOOP, mma_warps=list(iso_mma.WARPS),
-        dependent_launches=iso_mma.DEPENDENT_LAUNCHES,
+        mma_config=list(iso_mma.MMA_CONFIG), mode=mode, mma_warps=list(iso_mma.WARPS),
         triton_block_t=iso_triton.BLOCK_T,
         targets="iso3 <= 0.5x bf16 at 32k and 128k (batch 1); extend iso/bf16 within 1.3x"))
     contexts = [4096, 32768] if args.quick else [4096, 32768, 131072]
@@ -514,21 +420,12 @@ def main() -> int:
                 if rec.run(f"{tag}/{fmt}/state", make) is None:
                     continue
                 st = holder.pop("st")
-                impls = ["cuda", "triton"] + (["mma"] if fmt == "iso3" else [])
+                impls = ["triton"] + (["mma"] if fmt == "iso3" else [])
                 for impl in ([] if only else impls):
                     rec.run(f"{tag}/{fmt}/{impl}", bench_decode_iso, st, impl, {}, base)
-                for name, pdl in (("on", True), ("off", False)) if args.pdl else ():
-                    rec.run(f"{tag}/{fmt}/mma_pdl/{name}", bench_decode_iso, st, "mma_pdl",
-                            dict(pdl=pdl), base)
-                for cfg in LOOP_SWEEP if fmt == "iso3" and not only else ():
-                    rec.run(f"{tag}/{fmt}/mma_loop/{_loop_name(cfg)}", bench_decode_iso, st,
-                            "mma_loop", cfg, base)
                 for cfg in [{}, *WARPS_SWEEP] if args.warps else ():
                     rec.run(f"{tag}/{fmt}/mma_warps/{_warps_name(cfg)}", bench_decode_iso, st,
                             "mma_warps", cfg, base)
-                for name, cfg in LAYOUT_SWEEP.items() if args.layout else ():
-                    rec.run(f"{tag}/{fmt}/mma_layout/{name}", bench_decode_iso, st,
-                            "mma_layout", cfg, base)
                 if fmt == "iso3" and not only:
                     for cfg in MMA_SWEEP:
                         cname = f"w{cfg['warps']}c{cfg['ctas_per_sm']}"
@@ -542,13 +439,8 @@ def main() -> int:
     cases = rec.data["cases"]
     rec.data["decode_choice"] = _choose(cases)
     rec.data["mma_best"] = _mma_best(cases)
-    rec.data["mma_loops"] = _loops(cases)
     if args.warps:
         rec.data["mma_warps"] = _warps_best(cases)
-    if args.layout:
-        rec.data["mma_layout"] = _layout_best(cases)
-    if args.pdl:
-        rec.data["mma_pdl"] = _pdl_points(cases)
     if not (args.no_extend or only):
         for prefix in (0, 2048, 8192, 16384, 30720) if args.extend else (0, 2048, 8192, 30720):
             rec.run(f"extend/iso3/prefix{prefix}", bench_extend, "iso3", prefix)
@@ -564,11 +456,6 @@ def main() -> int:
     _summary(cases)
     print(f"decode_choice: {rec.data['decode_choice']}")
     print(f"mma_best: {rec.data['mma_best']}")
-    print("mma loops (best row per loop: us, setting, x bf16):")
-    for point, loops in rec.data["mma_loops"].items():
-        cells = "  ".join(f"{lp} {r['us']:.1f} ({r['setting']}, x{r['ratio_vs_bf16'] or 0:.2f})"
-                          for lp, r in loops.items())
-        print(f"  {point}: {cells}")
     if args.warps:
         print("mma warps per CTA (us per layer; best row, x bf16, x default):")
         for point, r in rec.data["mma_warps"]["points"].items():
@@ -577,22 +464,6 @@ def main() -> int:
                   f"x{r['best_over_default'] or 0:.2f} default "
                   f"(default x{r['default_over_bf16'] or 0:.2f} bf16)")
         print(f"  per batch (MMA_CONFIG candidate): {rec.data['mma_warps']['per_batch']}")
-    if args.pdl:
-        print("dependent launches (us per layer: on / off, x bf16):")
-        for point, r in rec.data["mma_pdl"].items():
-            print(f"  {point}: {r['on_us']:.1f} / {r['off_us']:.1f} = x{r['on_over_off']:.3f}; "
-                  f"x{r['on_over_bf16'] or 0:.2f} / x{r['off_over_bf16'] or 0:.2f} bf16")
-    if args.layout:
-        print("mma row layouts (us per layer; best row, x bf16, x wide-default; pad/wide):")
-        for point, r in rec.data["mma_layout"]["points"].items():
-            cells = " ".join(f"{k} {v:.1f}" for k, v in r["rows"].items())
-            ratio = " ".join(f"{k} {v:.2f}" for k, v in r["pad_over_wide"].items())
-            print(f"  {point}: {cells}\n    best {r['best']} x{r['best_over_bf16'] or 0:.2f} "
-                  f"bf16, x{r['best_over_default'] or 0:.2f} default (default "
-                  f"x{r['default_over_bf16'] or 0:.2f} bf16) | pad/wide {ratio}")
-        for batch, r in rec.data["mma_layout"]["per_batch"].items():
-            print(f"  {batch}: MMA_CONFIG row {r['mma_config']}, MMA_LOOP {r['mma_loop']!r} "
-                  f"(setting {r['setting']}, geomean {r['geomean_us']:.1f} us)")
     print(f"wrote {RESULTS_OF_MODE[mode]}")
     return 0
 

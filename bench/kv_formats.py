@@ -2,18 +2,17 @@
 --prompt-len P --gen-len G --json` for every format and prompt length, each run in a fresh
 process, the formats alternating, `--repeats` rounds.
 
-Formats: iso3, bf16 (the paged Triton decode kernel) and bf16-gather (the bf16 cache with its
-previous decode path, TINYSERVE_BF16_DECODE=gather: gather the pages + masked SDPA), so one
-run shows both what the kernel changed and where bf16 stands against iso3.
+Formats: iso3 and bf16 (the paged Triton decode kernel), so one run shows where bf16 stands
+against iso3.
 Prompt lengths: 1024 (the decode graphs' capacity is 2048 for 1025..1088 tokens) and 32704
 (capacity 32768 for 32705..32768).
 
 Per (prompt length, format): the runs' decode tok/s and median step, the best-of; per prompt
-length bf16 / iso3 and bf16-gather / bf16 step ratios (the acceptance: bf16 within 5 % of
-iso3 at 1k). Peak memory and the KV bytes per token come from the bench's memory plan.
+length the bf16 / iso3 step ratio (the acceptance: bf16 within 5 % of iso3 at 1k). Peak
+memory and the KV bytes per token come from the bench's memory plan.
 
-    python bench/kv_formats.py CKPT [--prompt-lens 1024 32704] [--formats iso3 bf16
-        bf16-gather] [--repeats 2] [--gen-len 64] [--gpu-memory none] [--merge]
+    python bench/kv_formats.py CKPT [--prompt-lens 1024 32704] [--formats iso3 bf16]
+        [--repeats 2] [--gen-len 64] [--gpu-memory none] [--merge]
         -> bench/results/kv_formats.json
 """
 
@@ -35,8 +34,7 @@ from common import Recorder, run_meta  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "kv_formats.json"
 # format -> (--kv, extra environment)
-FORMATS = {"iso3": ("iso3", {}), "bf16": ("bf16", {"TINYSERVE_BF16_DECODE": "triton"}),
-           "bf16-gather": ("bf16", {"TINYSERVE_BF16_DECODE": "gather"})}
+FORMATS = {"iso3": ("iso3", {}), "bf16": ("bf16", {})}
 KEEP = ("prompt_len", "gen_len", "batch", "prefill_tok_s", "decode_tok_s", "decode_step_ms",
         "ttft_s", "steps", "graphs_captured", "peak_memory_bytes", "commit", "date")
 
@@ -65,7 +63,7 @@ def run_one(ckpt: str, fmt: str, prompt_len: int, gen_len: int, batch: int,
 
 def summarize(cases: dict) -> dict:
     """Per prompt length: per format the runs' decode step (ms) and tok/s, their best and
-    median, and the step ratios bf16 / iso3, bf16-gather / bf16, bf16-gather / iso3."""
+    median, and the step ratio bf16 / iso3."""
     table: dict = {}
     for name, row in cases.items():
         p, fmt = name.split("/")[:2]  # p{P}/{fmt}/run{i}
@@ -79,9 +77,8 @@ def summarize(cases: dict) -> dict:
                         median_step_ms=statistics.median(cell["step_ms"]),
                         best_tok_s=max(cell["tok_s"]))
         step = {f: c["median_step_ms"] for f, c in cells.items()}
-        for a, b in (("bf16", "iso3"), ("bf16-gather", "bf16"), ("bf16-gather", "iso3")):
-            if a in step and b in step:
-                cells[f"{a}_over_{b}"] = step[a] / step[b]
+        if "bf16" in step and "iso3" in step:
+            cells["bf16_over_iso3"] = step["bf16"] / step["iso3"]
         if "bf16_over_iso3" in cells:
             cells["bf16_within_5pct_of_iso3"] = cells["bf16_over_iso3"] <= 1.05
     return table

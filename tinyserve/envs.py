@@ -60,11 +60,6 @@ NVFP4_DEQUANT_MIN_M = IntEnv("TINYSERVE_NVFP4_DEQUANT_MIN_M", "128",
 CUDA_ARCH = StrEnv("TINYSERVE_CUDA_ARCH", "",
                    "build the CUDA kernels as PTX for this older architecture (sm_80, sm_86, "
                    "sm_89, ...) and take its code paths (empty: the GPU's own)")
-ISO_DECODE = StrEnv("TINYSERVE_ISO_DECODE", "",
-                   "ISO KV decode kernel: mma, triton or cuda (empty: the measured default)")
-BF16_DECODE = StrEnv("TINYSERVE_BF16_DECODE", "",
-                     "bf16 KV decode attention on CUDA: triton (the paged split-K kernel) or "
-                     "gather (the reference: gather the pages + masked SDPA); empty: triton")
 API_KEY = StrEnv("TINYSERVE_API_KEY", "",
                  "API key(s), comma-separated, when `tinyserve run` gets no --api-key")
 FULLSIZE_DIR = StrEnv("TINYSERVE_FULLSIZE_DIR", "",

@@ -26,12 +26,8 @@ def instances() -> list[tuple[str, str]]:
            for t in floats for i in ("int32_t", "int64_t")]
     out += [(iso_cuda.STORE, f"iso::dequant_rows_kernel<{b}, {t}>") for b in (3, 4)
             for t in floats]
-    out += [(iso_cuda.DECODE, f"iso::decode_partial_kernel<{b}, {nb}, {g}>") for b in (3, 4)
-            for nb in (1, 2) for g in (1, 2, 4, 8, 16) if g * nb <= 16]
-    out += [(iso_cuda.DECODE, f"iso::decode_merge_kernel<{t}>") for t in floats]
-    out += [(iso_mma.SOURCE, f"iso::mma::decode_mma_kernel<{nb}, {w}, {wide}, {pad}>")
-            for nb in (1, 2) for w in iso_mma.WARPS
-            for wide, pad in (("false", "false"), ("true", "false"), ("true", "true"))]
+    out += [(iso_mma.SOURCE, f"iso::mma::decode_mma_kernel<{nb}, {w}>") for nb in (1, 2)
+            for w in iso_mma.WARPS]
     out += [(iso_mma.SOURCE, f"iso::decode_merge_cols_kernel<{t}, {b}>") for t in floats
             for b in (1, iso_mma.MERGE_BATCH)]
     fmts = ("nvfp4::Bf16", "nvfp4::Fp16")

@@ -1,9 +1,7 @@
-"""The tensor-core ISO3 decode kernel on the GPU: q in each dtype, the one-wave split plan and
-every row staging (`iso_mma.LOOPS`: "tokens_wide", the shipped one, its fallback "tokens", and
-"tokens_pad", the padded shared rows, which must give the same bits as "tokens_wide") against
-an fp32 oracle over the dequantized rows; replays of a CUDA graph of the call; the
-same bits on every run (and from the graph); the unaligned fallback; the occupancy query;
-2, 4, 8 and 16 warps per CTA (`iso_mma.WARPS`).
+"""The tensor-core ISO3 decode kernel on the GPU: q in each dtype and the one-wave split plan
+against an fp32 oracle over the dequantized rows; replays of a CUDA graph of the call; the
+same bits on every run (and from the graph, and as programmatic dependent launches behind the
+store); the occupancy query; 4 and 16 warps per CTA (`iso_mma.WARPS`).
 Bound: cosine >= 0.9999 and |out - ref| <= 1e-2 * max|ref| (fp16 operands, bf16 q/out)."""
 
 from __future__ import annotations
@@ -59,39 +57,30 @@ def _check(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     assert cos >= 0.9999 and err <= 1e-2, f"{what}: cosine {cos.item():.6f}, error {err:.2e}"
 
 
-LOOPS = iso_mma.LOOPS
 SETTINGS = [dict(), dict(warps=4, ctas_per_sm=2, min_split_tokens=128),
-            dict(warps=2, ctas_per_sm=0), dict(split_tokens=16),
-            dict(warps=8, ctas_per_sm=0, min_split_tokens=128),
-            dict(warps=8, ctas_per_sm=1, min_split_tokens=128),
+            dict(warps=4, ctas_per_sm=0), dict(split_tokens=16),
+            dict(warps=16, ctas_per_sm=1, min_split_tokens=128),
             dict(warps=16, ctas_per_sm=0, min_split_tokens=256)]
-# the many-warp CTAs (dynamic shared memory) in the graph and determinism tests
-WIDE_CTAS = [dict(), dict(warps=8, ctas_per_sm=0), dict(warps=16, ctas_per_sm=0)]
+# both CTA sizes in the graph and determinism tests
+WIDE_CTAS = [dict(), dict(warps=4, ctas_per_sm=0), dict(warps=16, ctas_per_sm=0)]
 
 
 @pytest.mark.parametrize("lens", [[1], [4096], [300, 17, 5000, 1], [20000]],
                          ids=lambda lens: f"len{max(lens)}x{len(lens)}")
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32, torch.float16])
-@pytest.mark.parametrize("loop", LOOPS)
-def test_mma_paths_match_the_oracle(loop, lens, q_dtype) -> None:
+def test_mma_matches_the_oracle(lens, q_dtype) -> None:
     kc, vc, table, seq = _state(lens, seed=len(lens) + max(lens))
     q = torch.randn(len(lens), HQ, D, device="cuda").to(q_dtype)
     ref = _oracle(q, kc, vc, table, lens)
     for cfg in SETTINGS:
         out = torch.full_like(q, float("nan"))
         iso_mma.iso_decode_attention_mma(q, kc, vc, table, seq, PS, "iso3", D ** -0.5,
-                                         max_seq_len=max(lens), out=out, loop=loop, **cfg)
-        _check(out, ref, f"{cfg} {loop} {q_dtype} {lens}")
-        if loop == "tokens_pad":  # only where the rows sit in shared memory differs
-            wide = iso_mma.iso_decode_attention_mma(q, kc, vc, table, seq, PS, "iso3",
-                                                    D ** -0.5, max_seq_len=max(lens),
-                                                    loop="tokens_wide", **cfg)
-            assert torch.equal(out, wide), f"{cfg} {q_dtype} {lens}: pad != wide"
+                                         max_seq_len=max(lens), out=out, **cfg)
+        _check(out, ref, f"{cfg} {q_dtype} {lens}")
 
 
 @pytest.mark.parametrize("cfg", WIDE_CTAS, ids=lambda c: f"w{c.get('warps', 'default')}")
-@pytest.mark.parametrize("loop", LOOPS)
-def test_mma_cuda_graph_replays(loop, cfg) -> None:
+def test_mma_cuda_graph_replays(cfg) -> None:
     """A captured call replays with new queries and lengths (nothing per call outside the
     graph: the merge has no state between launches)."""
     kc, vc, table, seq = _state([4096, 4096], seed=3)
@@ -100,7 +89,7 @@ def test_mma_cuda_graph_replays(loop, cfg) -> None:
 
     def call() -> None:
         iso_mma.iso_decode_attention_mma(q, kc, vc, table, seq, PS, "iso3", D ** -0.5,
-                                         max_seq_len=4096, out=out, loop=loop, **cfg)
+                                         max_seq_len=4096, out=out, **cfg)
 
     call()
     torch.cuda.synchronize()
@@ -117,15 +106,14 @@ def test_mma_cuda_graph_replays(loop, cfg) -> None:
 
 
 @pytest.mark.parametrize("cfg", WIDE_CTAS, ids=lambda c: f"w{c.get('warps', 'default')}")
-@pytest.mark.parametrize("loop", LOOPS)
-def test_mma_same_bits_every_run(loop, cfg) -> None:
+def test_mma_same_bits_every_run(cfg) -> None:
     """Fixed reduction order: repeated eager calls and a graph replay give identical bits."""
     kc, vc, table, seq = _state([20000, 3000], seed=5)
     q = torch.randn(2, HQ, D, device="cuda").bfloat16()
 
     def call(out: torch.Tensor) -> torch.Tensor:
         return iso_mma.iso_decode_attention_mma(q, kc, vc, table, seq, PS, "iso3", D ** -0.5,
-                                                max_seq_len=20000, out=out, loop=loop, **cfg)
+                                                max_seq_len=20000, out=out, **cfg)
 
     first = call(torch.empty_like(q)).clone()
     for _ in range(3):
@@ -143,11 +131,11 @@ def test_mma_same_bits_every_run(loop, cfg) -> None:
 @pytest.mark.parametrize("cfg", WIDE_CTAS + [dict(warps=4, ctas_per_sm=2, min_split_tokens=64)],
                          ids=lambda c: f"w{c.get('warps', 'default')}c{c.get('ctas_per_sm', '')}")
 def test_mma_dependent_launches_same_bits(cfg) -> None:
-    """The decode kernel and its split merge launched as programmatic dependents (sm_90+) or
-    plainly: the same bits, eagerly and replayed from a graph (programmatic edges), as in a
-    decode step: the query and lengths rewritten, then the store kernel writing each
-    sequence's newest row right before the decode kernel; poisoned rows, query and output
-    before every replay."""
+    """The decode kernel and its split merge launched as programmatic dependents (sm_90+):
+    the oracle's result and the same bits on every run, eagerly and replayed from a graph
+    (programmatic edges), as in a decode step: the query and lengths rewritten, then the
+    store kernel writing each sequence's newest row right before the decode kernel; poisoned
+    rows, query and output before every run."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90")
     lens = [20000, 3000]
@@ -158,74 +146,43 @@ def test_mma_dependent_launches_same_bits(cfg) -> None:
                          for b, n in enumerate(lens)], device="cuda")
     k_new, v_new = (torch.randn(2, HKV, D, device="cuda") for _ in range(2))
 
-    def call(out: torch.Tensor, pdl: bool) -> torch.Tensor:
+    def call(out: torch.Tensor) -> torch.Tensor:
         q.copy_(q_src)
         seq.copy_(seq_src)
         iso_cuda.iso_store(kc, vc, last, k_new, v_new, "iso3")  # the decode waits for this
         return iso_mma.iso_decode_attention_mma(q, kc, vc, table, seq, PS, "iso3", D ** -0.5,
-                                                max_seq_len=20000, out=out, pdl=pdl, **cfg)
+                                                max_seq_len=20000, out=out, **cfg)
 
     def poison() -> None:
         q.zero_()
         iso_cuda.iso_store(kc, vc, last, -k_new, v_new * 3, "iso3")
 
-    plain = call(torch.full_like(q, float("nan")), False).clone()
-    _check(plain, _oracle(q, kc, vc, table, lens), f"plain {cfg}")
+    first = call(torch.full_like(q, float("nan"))).clone()
+    _check(first, _oracle(q, kc, vc, table, lens), f"first {cfg}")
     for _ in range(3):
         poison()
-        assert torch.equal(call(torch.full_like(q, float("nan")), True), plain)
+        assert torch.equal(call(torch.full_like(q, float("nan"))), first)
     out = torch.empty_like(q)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        call(out, True)
+        call(out)
     for _ in range(3):
         out.fill_(float("nan"))
         poison()
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, plain)
-
-
-@pytest.mark.parametrize("loop", ["tokens_wide", "tokens_pad"])
-def test_mma_tokens_wide_on_unaligned_caches(loop) -> None:
-    """Caches that are not 16-byte aligned (4 is what the 4-byte word copies of "tokens" need
-    at head_dim 256) run "tokens_wide" / "tokens_pad" as "tokens": same bits, oracle bound."""
-    lens = [5000, 77]
-    kc, vc, table, seq = _state(lens, seed=9)
-    q = torch.randn(len(lens), HQ, D, device="cuda").bfloat16()
-    flat_k = torch.empty(kc.numel() + 16, dtype=torch.uint8, device="cuda")
-    flat_v = torch.empty_like(flat_k)
-    kc2 = flat_k[4:4 + kc.numel()].view(kc.shape)
-    vc2 = flat_v[4:4 + vc.numel()].view(vc.shape)
-    kc2.copy_(kc)
-    vc2.copy_(vc)
-    assert kc2.data_ptr() % 16 == 4
-    outs = {}
-    for name, (k, v) in (("tokens", (kc, vc)), (loop, (kc2, vc2))):
-        outs[name] = iso_mma.iso_decode_attention_mma(q, k, v, table, seq, PS, "iso3",
-                                                      D ** -0.5, max_seq_len=max(lens),
-                                                      loop=name)
-    assert torch.equal(outs["tokens"], outs[loop])
-    _check(outs[loop], _oracle(q, kc, vc, table, lens), f"unaligned {loop}")
+        assert torch.equal(out, first)
 
 
 def test_mma_occupancy() -> None:
     dev = torch.device("cuda")
     for d in (128, 256):
         for warps in iso_mma.WARPS:
-            for loop in LOOPS:
-                fit = iso_mma.ctas_per_sm_fit(dev, d, warps, loop)
-                print(f"head_dim {d}, {warps} warps, loop {loop}: {fit} CTAs per SM")
-                assert 1 <= fit <= 32
+            fit = iso_mma.ctas_per_sm_fit(dev, d, warps)
+            print(f"head_dim {d}, {warps} warps: {fit} CTAs per SM")
+            assert 1 <= fit <= 32
     # head_dim 256, registers for 8 warps per SM (csrc/iso_decode_mma.cu: min_ctas_per_sm):
-    # 3 CTAs of 4 warps (151-153 registers), 1 of 8, 1 of 16 (128 registers; 8 and 16
-    # warps: dynamic shared memory of 70656 / 141312 B + 15-18 KB static)
+    # 3 CTAs of 4 warps (151-153 registers), 1 of 16 (128 registers); the shared memory (4
+    # warps 36864 B dynamic + 13.8 KB static, 16 warps 147456 + 18 KB) would fit 4 / 1
     assert iso_mma.ctas_per_sm_fit(dev, 256, 4) == 3
-    assert iso_mma.ctas_per_sm_fit(dev, 256, 8) == 1
     assert iso_mma.ctas_per_sm_fit(dev, 256, 16) == 1
-    # the padded rows keep the occupancy: their shared memory (4 warps 36864 B dynamic +
-    # 13.8 KB static, 8 warps 73728 + 15 KB, 16 warps 147456 + 18 KB) would fit 4 / 2 / 1
-    # CTAs, the registers bound them as the 16-byte rows' kernels
-    for warps in (4, 8, 16):
-        assert iso_mma.ctas_per_sm_fit(dev, 256, warps, "tokens_pad") == \
-            iso_mma.ctas_per_sm_fit(dev, 256, warps, "tokens_wide"), warps

@@ -1,4 +1,4 @@
-"""The tensor-core ISO decode kernel (kernels/iso_triton.py) against `decode_attention_ref`.
+"""The Triton ISO decode kernel (kernels/iso_triton.py) against `decode_attention_ref`.
 
 Without CUDA the kernels run in the Triton interpreter at small sizes (the same code path as
 the GPU, minus the compiler). Outputs and partial buffers are poisoned with NaN first.
@@ -38,6 +38,7 @@ CASES = [  # fmt, hq, hkv, d, page_size, lens, split_tokens, q dtype
     ("iso3", 8, 4, 128, 4, [5, 100], 64, torch.float32),
     ("iso4", 16, 1, 128, 1, [33], 64, torch.bfloat16),
     ("iso4", 4, 2, 256, 8, [200, 3], 128, torch.float32),
+    ("iso3", 32, 2, 256, 16, [40, 3], 32, torch.bfloat16),  # 122B/397B: GQA group 16
 ]
 
 
@@ -59,13 +60,9 @@ def _cache(fmt, hkv, d, ps, lens, seed):
     return kc, vc, table
 
 
-PARAMS = [(c, "fields") for c in CASES] + [(c, "interleave") for c in CASES[:2]]
-
-
-@pytest.mark.parametrize("case,variant", PARAMS,
-                         ids=[f"{v}-{c[0]}-hq{c[1]}-hkv{c[2]}-d{c[3]}-ps{c[4]}-"
-                              f"len{max(c[5])}x{len(c[5])}" for c, v in PARAMS])
-def test_triton_decode_matches_reference(case, variant) -> None:
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-hq{c[1]}-hkv{c[2]}-d{c[3]}-ps{c[4]}-"
+                                             f"len{max(c[5])}x{len(c[5])}" for c in CASES])
+def test_triton_decode_matches_reference(case) -> None:
     fmt, hq, hkv, d, ps, lens, split_tokens, dtype = case
     kc, vc, table = _cache(fmt, hkv, d, ps, lens, seed=len(lens) * d + hq)
     torch.manual_seed(hq + d)
@@ -74,7 +71,7 @@ def test_triton_decode_matches_reference(case, variant) -> None:
     out = torch.full((len(lens), hq, d), float("nan"), dtype=dtype, device=DEV)
     got = it.iso_decode_attention_triton(q.to(DEV), kc.to(DEV), vc.to(DEV), table.to(DEV),
                                          seq.to(DEV), ps, fmt, d ** -0.5, out=out,
-                                         split_tokens=split_tokens, variant=variant)
+                                         split_tokens=split_tokens)
     assert got is out
     ref = iso.decode_attention_ref(q, kc, vc, table, seq, ps, fmt, d ** -0.5)
     err = (out.float().cpu() - ref).abs().max().item() / ref.abs().max().item()
@@ -129,10 +126,8 @@ def test_kernels_build_for_sm90(bits: int) -> None:
         return
     shape = dict(HKV=2, G=8, BLOCK_H=16, NB=2, BITS=bits, BB=iso.BLOCK_BYTES[f"iso{bits}"],
                  BLOCK_T=it.BLOCK_T)
-    cases = [(it._iso_decode_partial, shape, it.NUM_WARPS),
-             (it.iso_decode_partial_fields, shape, it.NUM_WARPS),
-             (it.decode_merge_kernel, dict(HQ=16, D=256, BLOCK_S=16, FIELD_MAJOR=True,
-                                           IS_ROTATED=True), 4)]
+    cases = [(it.iso_decode_partial_kernel, shape, it.NUM_WARPS),
+             (it.decode_merge_kernel, dict(HQ=16, D=256, BLOCK_S=16, IS_ROTATED=True), 4)]
     for jf, consts, warps in cases:
         sig = {n: "constexpr" if n in consts else _TYPES.get(n, "i32") for n in jf.arg_names}
         opts = {"num_warps": warps}

@@ -222,18 +222,6 @@ def test_backend_runs_the_kernels() -> None:
         assert _rel(got, want) < 1e-2
 
 
-def test_decode_impl_from_the_environment(monkeypatch) -> None:
-    from tinyserve.kv import bf16
-
-    monkeypatch.setenv("TINYSERVE_BF16_DECODE", "")
-    assert bf16.decode_impl() == "triton"
-    monkeypatch.setenv("TINYSERVE_BF16_DECODE", " Gather ")
-    assert bf16.decode_impl() == "gather"
-    monkeypatch.setenv("TINYSERVE_BF16_DECODE", "sdpa")
-    with pytest.raises(ValueError, match="TINYSERVE_BF16_DECODE"):
-        bf16.decode_impl()
-
-
 @pytest.mark.requires_cuda
 def test_decode_in_cuda_graph() -> None:
     """Captured once at a bound, replayed with other (shorter) lengths: the same as eager.

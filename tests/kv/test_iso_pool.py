@@ -179,24 +179,25 @@ def test_negative_slot_goes_to_padding_page() -> None:
     assert kv.k_cache(3)[[0, 2, 3, 4, 5, 6, 7]].eq(0).all()
 
 
-def test_decode_impl_choices(monkeypatch) -> None:
-    from tinyserve.kv import iso_pool
+def test_decode_kernel_per_shape() -> None:
+    from tinyserve.kv.iso_pool import DECODE_KERNELS, decode_kernel
 
-    for impl in iso_pool.DECODE_IMPLS:
-        monkeypatch.setenv("TINYSERVE_ISO_DECODE", impl.upper())
-        assert iso_pool.decode_impl() == impl
-    monkeypatch.setenv("TINYSERVE_ISO_DECODE", "")
-    assert iso_pool.decode_impl() == iso_pool.DECODE_IMPL
-    monkeypatch.setenv("TINYSERVE_ISO_DECODE", "fast")
-    with pytest.raises(ValueError, match="TINYSERVE_ISO_DECODE"):
-        iso_pool.decode_impl()
+    # iso3 at GQA groups <= 8 (35B-A3B: 16/2 heads; the tiny models: 4/2, 8/8) takes the CUDA
+    # tensor-core kernel; iso4, groups of 16 (122B/397B: 32/2 heads) and caches it cannot
+    # copy in 16-byte chunks take Triton
+    assert decode_kernel("iso3", 16, 2, 256) == "mma"
+    assert decode_kernel("iso3", 4, 2, 128) == "mma"
+    assert decode_kernel("iso3", 32, 2, 256) == "triton"
+    assert decode_kernel("iso4", 16, 2, 256) == "triton"
+    assert decode_kernel("iso3", 16, 2, 256, aligned=False) == "triton"
+    assert set(DECODE_KERNELS) == {"mma", "triton"}
 
 
-@pytest.mark.parametrize("fmt, want", [("iso3", "mma"), ("iso4", "triton")])
-def test_mma_decode_dispatch(fmt: str, want: str, monkeypatch) -> None:
-    """With the kernels on and TINYSERVE_ISO_DECODE=mma, iso3 decode goes to
-    `iso_mma.iso_decode_attention_mma` (bound from the pool's context) and shapes the MMA
-    kernel does not take go to the Triton kernel (the kernels are stubs here)."""
+@pytest.mark.parametrize("fmt, hq, want", [("iso3", 16, "mma"), ("iso4", 16, "triton"),
+                                           ("iso3", 32, "triton")])
+def test_decode_dispatch(fmt: str, hq: int, want: str, monkeypatch) -> None:
+    """With the kernels on, decode goes to the kernel `decode_kernel` picks at the first step
+    (bound from the pool's context) and stays there (the kernels are stubs here)."""
     from tinyserve.kernels import iso_mma, iso_triton
 
     calls = []
@@ -209,10 +210,10 @@ def test_mma_decode_dispatch(fmt: str, want: str, monkeypatch) -> None:
 
     monkeypatch.setattr(iso_mma, "iso_decode_attention_mma", stub("mma"))
     monkeypatch.setattr(iso_triton, "iso_decode_attention_triton", stub("triton"))
-    monkeypatch.setenv("TINYSERVE_ISO_DECODE", "mma")
     kv = _make(fmt, d=256)
     kv.use_kernels = True
     ctx = _ctx([1, 1], [5, 2], [[0, 1], [2, 3]], 4)
-    out = kv._decode(7, torch.randn(2, 16, 256), ctx, 0.1)
-    assert out.shape == (2, 16, 256)
-    assert calls == [(want, fmt, 4, ctx.seq_len_bound, tuple(kv.k_cache(7).shape))]
+    for _ in range(2):
+        out = kv._decode(7, torch.randn(2, hq, 256), ctx, 0.1)
+        assert out.shape == (2, hq, 256)
+    assert calls == [(want, fmt, 4, ctx.seq_len_bound, tuple(kv.k_cache(7).shape))] * 2

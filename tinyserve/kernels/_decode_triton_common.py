@@ -1,5 +1,5 @@
-"""Pieces shared by the Triton split-K decode attention kernels (the ISO kernels of
-`iso_triton` and `_iso_triton_fields`, the bf16/fp16 kernel of `paged_kv_triton`).
+"""Pieces shared by the Triton split-K decode attention kernels (the ISO kernel of
+`iso_triton`, the bf16/fp16 kernel of `paged_kv_triton`).
 
 One layout for all of them: pass 1 runs a grid (splits, batch * kv heads); a program owns
 `chunk` context tokens of one (sequence, kv head) and the G query heads of its GQA group
@@ -44,11 +44,11 @@ def kv_rows(pt_ptr, pt_stride, b, ts, tmask, page_size, slot_stride, kvh, RB: tl
 @triton.jit
 def decode_merge_kernel(part_acc_ptr, part_ml_ptr, rot_ptr, out_ptr, n_splits, out_stride_b,
                         HQ: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                        FIELD_MAJOR: tl.constexpr, IS_ROTATED: tl.constexpr):
+                        IS_ROTATED: tl.constexpr):
     """Pass 2: out[b, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits.
-    IS_ROTATED: the accumulators are in the ISO rotated space (inverse rotation per 4-D group
-    from rot_ptr [2, 32, 4, 4], the inverse at offset 512); FIELD_MAJOR: element
-    128b + 4g + c is stored at 128b + 32c + g. D a multiple of 4 and D / 4 a power of two."""
+    IS_ROTATED: the ISO kernel's accumulators, in the rotated space (inverse rotation per 4-D
+    group from rot_ptr [2, 32, 4, 4], the inverse at offset 512) and field-major (element
+    128b + 4g + c stored at 128b + 32c + g). D a multiple of 4 and D / 4 a power of two."""
     row = tl.program_id(0).to(tl.int64)  # b * HQ + h
     b = row // HQ
     h = row % HQ
@@ -71,7 +71,7 @@ def decode_merge_kernel(part_acc_ptr, part_ml_ptr, rot_ptr, out_ptr, n_splits, o
         ls = tl.load(part_ml_ptr + (row * n_splits + s) * 2 + 1, mask=smask, other=0.0)
         w = tl.where(ms > float("-inf"), tl.exp2(ms - big), 0.0)
         total += w * ls
-        if FIELD_MAJOR:  # element 128b + 4g + c stored at 128b + 32c + g
+        if IS_ROTATED:  # field-major: element 128b + 4g + c stored at 128b + 32c + g
             eoff = (gi // 32 * 128 + gi % 32)[:, None] + ci[None, :] * 32
         else:
             eoff = gi[:, None] * 4 + ci[None, :]

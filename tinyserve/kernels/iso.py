@@ -152,17 +152,6 @@ def _quantize_blocks(xb: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Te
     return idx, torch.stack([ns, grp_norm, rs, recon, corrected])
 
 
-def norm_terms_ref(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """The norm arithmetic of `quantize_ref` per 128-block, for diagnostics: float32
-    [..., D//128, 5] = (sum of squares, norm, reconstruction sum of squares, reconstruction
-    norm, corrected norm before fp16 rounding)."""
-    _check_fmt(fmt)
-    d = x.shape[-1]
-    packed_row_bytes(d, fmt)
-    xb = x.detach().to("cpu", torch.float32).reshape(-1, BLOCK)
-    return _quantize_blocks(xb, fmt)[1].T.reshape(*x.shape[:-1], d // BLOCK, 5)
-
-
 def quantize_ref(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """Quantize float32 x [..., D] (D % 128 == 0) to packed uint8 [..., D//128*block_bytes].
 

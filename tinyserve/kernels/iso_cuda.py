@@ -1,37 +1,34 @@
 """ISO3/ISO4 CUDA kernels: launchers that check shapes and dtypes.
 
-The kernels live in `csrc/iso_store.cu`, `csrc/iso_decode.cu` and `csrc/iso_decode_mma.cu`
-(device code only); `cuda_launch` compiles each instance with NVRTC at first use (cached in
-TINYSERVE_CACHE_DIR) and launches it on torch's current stream, so the launches can be
-captured in CUDA graphs. Nothing here runs at import.
+The kernels live in `csrc/iso_store.cu` and `csrc/iso_decode_mma.cu` (device code only);
+`cuda_launch` compiles each instance with NVRTC at first use (cached in TINYSERVE_CACHE_DIR)
+and launches it on torch's current stream, so the launches can be captured in CUDA graphs.
+Nothing here runs at import.
 
 - `iso_store`: quantize-on-write, byte-exact with `iso.quantize_ref`.
 - `iso_dequant_rows`: packed rows -> dense rows (bit-exact with `iso.dequantize_ref` in fp32).
-- `iso_decode_attention`: paged split-K decode attention in the rotated space (§6.5); the
-  tensor-core variant's launcher and settings are in `iso_mma`.
+- the decode launchers' shared input checks (`_check_decode`); the ISO3 tensor-core decode is
+  in `iso_mma`, the Triton decode (iso4, wide GQA groups) in `iso_triton`.
 The extend attention that uses `iso_dequant_rows` is in `iso_extend`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import math
 
 import torch
 
 from tinyserve.kernels import cuda_launch
 from tinyserve.kernels.cuda_launch import I64, F, I, ptr
 from tinyserve.kernels.iso import BLOCK, FORMATS, packed_row_bytes
-from tinyserve.kernels.launch import FLOATS, cdiv, check_pages, decode_output
+from tinyserve.kernels.launch import FLOATS, cdiv, check_pages
 
-STORE, DECODE = "iso_store.cu", "iso_decode.cu"
+STORE = "iso_store.cu"
 _BITS = {"iso3": 3, "iso4": 4}
 # the kernels' element types of fp32 / bf16 / fp16 tensors (csrc/prelude.cuh)
 CTYPE = {torch.float32: "float", torch.bfloat16: "ts::bf16", torch.float16: "ts::f16"}
-_TILE = 32
-MIN_SPLIT_TOKENS = 256
 STORE_WARPS = 4  # csrc/iso_store.cu kStoreWarps
-DECODE_WARPS = 4  # csrc/iso_decode.cu kWarps
+
 
 def scale_log2(scale: float) -> ctypes.c_float:
     """scale * log2(e) rounded as the kernels' fp32 product (scores in exp2 units)."""
@@ -54,7 +51,11 @@ def _check_cache(cache: torch.Tensor, heads: int, head_dim: int, fmt: str, name:
         raise ValueError(f"{name} rows must be contiguous (strides {cache.stride()})")
 
 
-def _store(k_cache, v_cache, loc, k, v, fmt, dbg: torch.Tensor | None) -> None:
+def iso_store(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor, fmt: str) -> None:
+    """Quantize k, v [N, H, D] (fp32 / bf16 / fp16) into the caches at slots loc [N] (int32
+    or int64), all on one CUDA device. Caches: uint8 [slots, H, row_bytes]. Raises ValueError
+    on bad input."""
     bits = format_bits(fmt)
     if k.dim() != 3 or k.shape != v.shape or k.dtype != v.dtype or k.dtype not in FLOATS:
         raise ValueError(f"k and v must be [N, H, D] of one float dtype, got {k.dtype} "
@@ -80,27 +81,8 @@ def _store(k_cache, v_cache, loc, k, v, fmt, dbg: torch.Tensor | None) -> None:
     kern = be.kernel(STORE, f"iso::store_kernel<{bits}, {CTYPE[k.dtype]}, {idx}>")
     kern.launch((cdiv(n * heads * 2, STORE_WARPS),), 32 * STORE_WARPS,
                 (ptr(k_cache), ptr(v_cache), I64(k_cache.stride(0)), ptr(k), ptr(v),
-                 I64(k.stride(0)), I64(v.stride(0)), ptr(loc), I(n), I(heads), I(d // BLOCK),
-                 ptr(dbg)), stream=be.stream())
-
-
-def iso_store(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor, fmt: str) -> None:
-    """Quantize k, v [N, H, D] (fp32 / bf16 / fp16) into the caches at slots loc [N] (int32
-    or int64), all on one CUDA device. Caches: uint8 [slots, H, row_bytes]. Raises ValueError
-    on bad input."""
-    _store(k_cache, v_cache, loc, k, v, fmt, None)
-
-
-def iso_store_debug(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
-                    k: torch.Tensor, v: torch.Tensor, fmt: str) -> torch.Tensor:
-    """`iso_store` that also returns the per-block norm arithmetic, float32
-    [N, H, 2 (K, V), D/128, 6]: sum of squares, norm, reconstruction sum of squares,
-    reconstruction norm, corrected norm, stored fp16 bits (as a float)."""
-    n, heads, d = k.shape
-    dbg = torch.full((n, heads, 2, d // BLOCK, 6), float("nan"), device=k.device)
-    _store(k_cache, v_cache, loc, k, v, fmt, dbg)
-    return dbg
+                 I64(k.stride(0)), I64(v.stride(0)), ptr(loc), I(n), I(heads), I(d // BLOCK)),
+                stream=be.stream())
 
 
 def iso_dequant_rows(cache: torch.Tensor, slots: torch.Tensor, fmt: str, head_dim: int,
@@ -136,47 +118,6 @@ def iso_dequant_rows(cache: torch.Tensor, slots: torch.Tensor, fmt: str, head_di
     return out
 
 
-def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *,
-                min_tokens: int = MIN_SPLIT_TOKENS, ctas_per_sm: int = 4,
-                tile: int = _TILE, one_wave: bool = False) -> tuple[int, int]:
-    """(tokens per split, number of splits): about `ctas_per_sm` CTAs per SM (with
-    `one_wave`: at most ctas_per_sm x num_sms CTAs, the most that run at once when
-    ctas_per_sm is the kernel's occupancy) and at least `min_tokens` tokens per split, the
-    split a multiple of `tile` tokens."""
-    max_seq_len = max(1, max_seq_len)
-    rows = max(1, batch * num_kv_heads)
-    if one_wave:
-        want = max(1, ctas_per_sm * num_sms // rows)
-    else:
-        want = max(1, math.ceil(ctas_per_sm * num_sms / rows))
-    splits = max(1, min(math.ceil(max_seq_len / max(1, min_tokens)), want))
-    chunk = math.ceil(math.ceil(max_seq_len / splits) / tile) * tile
-    return chunk, math.ceil(max_seq_len / chunk)
-
-
-def decode_splits(q: torch.Tensor, seq_lens: torch.Tensor, num_kv_heads: int,
-                  max_seq_len: int | None, split_tokens: int | None, *, split_tile: int,
-                  **plan: int) -> tuple[int, int]:
-    """(tokens per split, number of splits) of a split-K decode launcher: `split_tokens`
-    (rounded up to `split_tile`) when forced, else `plan_splits(..., **plan)` for the device.
-    Reads max(seq_lens) (a device sync) only when `max_seq_len` is None."""
-    b = q.shape[0]
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max().item()) if b else 1
-    if split_tokens:
-        chunk = math.ceil(split_tokens / split_tile) * split_tile
-        return chunk, math.ceil(max(1, max_seq_len) / chunk)
-    return plan_splits(b, num_kv_heads, max_seq_len, cuda_launch.num_sms(q.device), **plan)
-
-
-def split_buffers(q: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fp32 partials of a split-K decode: accumulators [B, Hq, splits, D] and (max, sum)
-    [B, Hq, splits, 2]."""
-    b, hq, d = q.shape
-    return (torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device),
-            torch.empty(b, hq, splits, 2, dtype=torch.float32, device=q.device))
-
-
 def _check_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   page_table: torch.Tensor, seq_lens: torch.Tensor,
                   fmt: str) -> tuple[int, int, int, int]:
@@ -195,47 +136,3 @@ def _check_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if any(t.device != k_cache.device for t in (q, v_cache, page_table, seq_lens)):
         raise ValueError(f"q, the caches, page_table and seq_lens must be on {k_cache.device}")
     return b, hq, d, hkv
-
-
-def iso_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
-                         fmt: str, scale: float, *, max_seq_len: int | None = None,
-                         out: torch.Tensor | None = None,
-                         split_tokens: int | None = None) -> torch.Tensor:
-    """One query per sequence over its packed K/V (rotated-space, split-K).
-
-    Args:
-        q: [B, Hq, D] float; Hq / Hkv in {1, 2, 4, 8, 16} (D=128) or {1, 2, 4, 8} (D=256).
-        k_cache, v_cache: uint8 [slots, Hkv, row_bytes].
-        page_table: int32 [B, max_pages]; seq_lens: int32 [B] (>= 1, the new token included).
-        max_seq_len: an upper bound of seq_lens (avoids a device sync; needed under CUDA graphs:
-            the split grid covers exactly max_seq_len tokens, so it must not be exceeded).
-        split_tokens: force this many tokens per split (tuning); default from `plan_splits`.
-    Returns:
-        [B, Hq, D] in q's dtype (or written into `out`).
-    """
-    bits = format_bits(fmt)
-    b, hq, d, hkv = _check_decode(q, k_cache, v_cache, page_table, seq_lens, fmt)
-    out = decode_output(out, q, b, hq, d)
-    group = hq // hkv
-    if group not in (1, 2, 4, 8, 16) or group * (d // BLOCK) > 16:
-        raise ValueError(f"unsupported GQA group {hq}/{hkv} for head_dim {d}")
-    chunk, splits = decode_splits(q, seq_lens, hkv, max_seq_len, split_tokens, split_tile=_TILE)
-    if b == 0:
-        return out
-    part_acc, part_ml = split_buffers(q, splits)
-    qf = q.float().contiguous()
-    seq_lens = seq_lens.contiguous()
-    be = cuda_launch.backend(q.device)
-    stream = be.stream()
-    kern = be.kernel(DECODE, f"iso::decode_partial_kernel<{bits}, {d // BLOCK}, {group}>")
-    kern.launch((splits, hkv, b), 32 * DECODE_WARPS,
-                (ptr(qf), ptr(k_cache), ptr(v_cache), I64(k_cache.stride(0)), ptr(page_table),
-                 I64(page_table.stride(0)), ptr(seq_lens), I(page_size), I(hkv), I(chunk),
-                 I(splits), scale_log2(scale), ptr(part_acc), ptr(part_ml)),
-                stream=stream)
-    merge = be.kernel(DECODE, f"iso::decode_merge_kernel<{CTYPE[out.dtype]}>")
-    merge.launch((hq, b), cdiv(d // 4, 32) * 32,
-                 (ptr(part_acc), ptr(part_ml), ptr(seq_lens), I(chunk), I(splits), I(hq), I(d),
-                  ptr(out), I64(out.stride(0))), stream=stream)
-    return out

@@ -2,9 +2,9 @@
 
 The kernel is compiled and launched like the other ISO kernels (`iso_cuda`, `cuda_launch`);
 this module holds what is specific to it: the measured settings by batch size (`MMA_CONFIG`,
-`mma_config`), which shapes it takes (`mma_supported`) and the launcher
-`iso_decode_attention_mma` (same contract as `iso_cuda.iso_decode_attention`). Nothing here
-runs at import.
+`mma_config`), which shapes and caches it takes (`mma_supported`, `caches_aligned`) and the
+launcher `iso_decode_attention_mma` (the contract of `iso.decode_attention_ref`; iso4 and
+other shapes decode with `iso_triton`). Nothing here runs at import.
 """
 
 from __future__ import annotations
@@ -15,14 +15,9 @@ import torch
 
 from tinyserve.kernels import cuda_launch
 from tinyserve.kernels.cuda_launch import I64, SHARED_SIZE_BYTES, I, ptr
+from tinyserve.kernels.decode_split import decode_splits, split_buffers
 from tinyserve.kernels.iso import BLOCK
-from tinyserve.kernels.iso_cuda import (
-    CTYPE,
-    _check_decode,
-    decode_splits,
-    scale_log2,
-    split_buffers,
-)
+from tinyserve.kernels.iso_cuda import CTYPE, _check_decode, scale_log2
 from tinyserve.kernels.launch import decode_output, dependent_launch
 
 SOURCE = "iso_decode_mma.cu"
@@ -30,12 +25,11 @@ SOURCE = "iso_decode_mma.cu"
 # splits a thread folds at once where it has several
 MERGE_COLS, MERGE_THREADS, MERGE_SLICES, MERGE_BATCH = 32, 256, 32, 4
 
-# Warps per CTA the kernel is built for. The warps of a CTA share its split's tokens (each its
-# own interleaved 16-token sub-tiles, merged in shared memory at the end), so 8 or 16 warps
-# give more warps per SM at the same number of split partials; 8 and 16 take the tile buffers
-# as dynamic shared memory (sm_90: 1 CTA of 8 or 16 warps per SM: the kernel's register budget
-# is 8 warps per SM, 128 registers only for 16).
-WARPS = (2, 4, 8, 16)
+# Warps per CTA the kernel is built for (the `warps` of MMA_CONFIG's rows). The warps of a CTA
+# share its split's tokens (each its own interleaved 16-token sub-tiles, merged in shared
+# memory at the end), so 16 warps give more warps per SM at the same number of split partials;
+# the tile buffers are dynamic shared memory (one CTA of 16 warps per SM, 128 registers).
+WARPS = (4, 16)
 _Q_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernel's q_code
 
 # Settings of the tensor-core decode kernel (csrc/iso_decode_mma.cu) by batch size and
@@ -59,35 +53,6 @@ MMA_CONFIG: tuple[dict, ...] = (
 # CTAs per SM assumed for a one-wave grid where the occupancy is unknown (no CUDA device).
 FALLBACK_CTAS_PER_SM = 2
 
-# The kernel's loop (csrc/iso_decode_mma.cu): the sub-tile's 16 tokens are the score MMA's
-# rows and the query its B operand, P reaches the V MMA's operand through movmatrix.
-# "tokens_wide" stages each row as 16-byte copies of the aligned chunks covering it (the
-# entry runs "tokens" instead unless both caches are 16-byte aligned and the slot stride is a
-# multiple of 4); "tokens" stages rows as 2/4-byte words; `loop="tokens"` forces that
-# fallback (tests, bench).
-# "tokens_pad" is "tokens_wide" with the shared row stride one 16-byte chunk longer (144
-# instead of 128 bytes at head_dim 256): consecutive tokens' rows no longer start on the same
-# bank, so the loop's fragment loads do not replay on bank conflicts; same fallback to
-# "tokens" on unaligned caches, same bits as "tokens_wide".
-LOOPS = ("tokens_wide", "tokens", "tokens_pad")
-_WIDE_CODE = {"tokens": 0, "tokens_wide": 1, "tokens_pad": 2}  # the C entry's `wide`
-# The loop the launcher takes when none is given (one of LOOPS).
-MMA_LOOP = "tokens_pad"
-
-
-# Programmatic dependent launches (sm_90+): the decode kernel's CTAs are scheduled while the
-# kernel before it (the KV store in a decode step) still runs and wait on the GPU for it
-# before their first read; the split merge's likewise for the decode kernel. Below sm_90 both
-# are plain launches.
-DEPENDENT_LAUNCHES = True
-
-
-def _pdl(device: torch.device, pdl: bool | None) -> int:
-    """The C entry's `pdl` argument: 1 where asked (None: DEPENDENT_LAUNCHES) and the GPU is
-    sm_90+."""
-    want = DEPENDENT_LAUNCHES if pdl is None else pdl
-    return int(bool(want) and dependent_launch(device))
-
 
 def mma_config(batch: int, context: int = 0) -> dict:
     """The MMA_CONFIG row for `batch` sequences of up to `context` tokens."""
@@ -97,15 +62,9 @@ def mma_config(batch: int, context: int = 0) -> dict:
     return MMA_CONFIG[-1]
 
 
-def _wide(loop: str) -> int:
-    if loop not in LOOPS:
-        raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
-    return _WIDE_CODE[loop]
-
-
-def _kernel(device: torch.device, head_dim: int, warps: int, wide: bool, pad: bool):
-    """The compiled kernel for (head_dim, warps, staging) and its dynamic shared memory."""
-    args = f"{head_dim // BLOCK}, {warps}, {str(wide).lower()}, {str(pad).lower()}"
+def _kernel(device: torch.device, head_dim: int, warps: int):
+    """The compiled kernel for (head_dim, warps) and its dynamic shared memory."""
+    args = f"{head_dim // BLOCK}, {warps}"
     smem = f"&iso::mma::kDynamicSmem<{args}>"
     kern = cuda_launch.backend(device).kernel(SOURCE, f"iso::mma::decode_mma_kernel<{args}>",
                                               (smem,))
@@ -113,10 +72,10 @@ def _kernel(device: torch.device, head_dim: int, warps: int, wide: bool, pad: bo
 
 
 @functools.cache
-def _occupancy(device: torch.device, head_dim: int, warps: int, wide: int = 1) -> int:
+def _occupancy(device: torch.device, head_dim: int, warps: int) -> int:
     """CTAs of the kernel one SM holds (registers and shared memory, the dynamic part
     included)."""
-    kern, need = _kernel(device, head_dim, warps, wide >= 1, wide == 2)
+    kern, need = _kernel(device, head_dim, warps)
     if need:
         kern.set_max_dynamic_smem(need)
     return kern.occupancy(warps * 32, need)
@@ -136,15 +95,12 @@ def _capped_smem(device: torch.device, kern, need: int, cap: int) -> int:
     return dyn if cap * (fixed + dyn) <= be.smem_per_sm else need
 
 
-def ctas_per_sm_fit(device: torch.device, head_dim: int, warps: int,
-                    loop: str | None = None) -> int:
-    """How many CTAs of the kernel (head_dim, warps, loop; None: MMA_LOOP) one SM holds: the
-    CUDA occupancy on a CUDA device, FALLBACK_CTAS_PER_SM elsewhere or when the query
-    fails."""
-    loop = loop or MMA_LOOP
+def ctas_per_sm_fit(device: torch.device, head_dim: int, warps: int) -> int:
+    """How many CTAs of the kernel (head_dim, warps) one SM holds: the CUDA occupancy on a
+    CUDA device, FALLBACK_CTAS_PER_SM elsewhere or when the query fails."""
     if device.type != "cuda":
         return FALLBACK_CTAS_PER_SM
-    return _occupancy(device, head_dim, warps, _wide(loop)) or FALLBACK_CTAS_PER_SM
+    return _occupancy(device, head_dim, warps) or FALLBACK_CTAS_PER_SM
 
 
 def mma_supported(fmt: str, num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -153,34 +109,48 @@ def mma_supported(fmt: str, num_q_heads: int, num_kv_heads: int, head_dim: int) 
             and num_q_heads // num_kv_heads <= 8 and head_dim in (128, 256))
 
 
+def caches_aligned(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the kernel can stage rows of these caches: it copies 16-byte chunks, so both
+    caches must start on 16 bytes and the slot stride be a multiple of 4 bytes."""
+    return ((k_cache.data_ptr() | v_cache.data_ptr()) % 16 == 0
+            and k_cache.stride(0) % 4 == 0)
+
+
 def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
                              fmt: str, scale: float, *, max_seq_len: int | None = None,
                              out: torch.Tensor | None = None, split_tokens: int | None = None,
                              warps: int | None = None, ctas_per_sm: int | None = None,
-                             min_split_tokens: int | None = None,
-                             loop: str | None = None,
-                             pdl: bool | None = None) -> torch.Tensor:
-    """`iso_cuda.iso_decode_attention` on tensor cores (iso3 only; GQA group <= 8; head_dim
-    128 or 256): fp16 query and centroid operands, fp32 accumulation, q read in its own
-    dtype. Settings default to `mma_config(B, max_seq_len)` (no row for long contexts when
-    max_seq_len is None: the bound is not read back); `split_tokens`, `warps` (one of WARPS),
-    `ctas_per_sm` (0: one wave from the occupancy), `min_split_tokens` override them (tuning;
-    a split shorter than 16 x warps tokens leaves warps idle); `loop="tokens"` forces the
-    word-staged fallback, `loop="tokens_pad"` the padded rows (LOOPS; None: MMA_LOOP); `pdl`
-    (None: DEPENDENT_LAUNCHES) launches the decode kernel and the split merge as programmatic
-    dependents. A grid of `ctas_per_sm` CTAs per SM runs with at most that many on any SM
-    (padded dynamic shared memory; the occupancy would allow more): a dependent launch is
-    scheduled while the kernel before it still holds some SMs, and uncapped its one wave
-    would stack unevenly on the SMs free first. Raises ValueError on shapes or settings it
-    does not take."""
+                             min_split_tokens: int | None = None) -> torch.Tensor:
+    """One query per sequence over its packed K/V on tensor cores (rotated space, split-K):
+    fp16 query and centroid operands, fp32 accumulation, q read in its own dtype.
+
+    Args:
+        q: [B, Hq, D] float; iso3 only, Hq / Hkv <= 8, D 128 or 256.
+        k_cache, v_cache: uint8 [slots, Hkv, row_bytes], `caches_aligned`.
+        page_table: int32 [B, max_pages]; seq_lens: int32 [B] (>= 1, the new token included).
+        max_seq_len: an upper bound of seq_lens (avoids a device sync; needed under CUDA
+            graphs: the split grid covers exactly max_seq_len tokens).
+        split_tokens, warps (one of WARPS), ctas_per_sm (0: one wave from the occupancy),
+            min_split_tokens: override the settings of `mma_config(B, max_seq_len)` (tuning;
+            a split shorter than 16 x warps tokens leaves warps idle).
+    Returns:
+        [B, Hq, D] in q's dtype (or written into `out`).
+
+    On sm_90+ the decode kernel and the split merge are programmatic dependent launches. A
+    grid of `ctas_per_sm` CTAs per SM runs with at most that many on any SM (padded dynamic
+    shared memory; the occupancy would allow more): a dependent launch is scheduled while
+    the kernel before it still holds some SMs, and uncapped its one wave would stack unevenly
+    on the SMs free first. Raises ValueError on shapes, caches or settings it does not take.
+    """
     b, hq, d, hkv = _check_decode(q, k_cache, v_cache, page_table, seq_lens, fmt)
     out = decode_output(out, q, b, hq, d)
     if not mma_supported(fmt, hq, hkv, d):
         raise ValueError(f"the MMA decode kernel takes iso3, GQA group <= 8, head_dim 128/256; "
                          f"got {fmt}, {hq}/{hkv} heads, head_dim {d}")
-    loop = loop or MMA_LOOP
-    wide = _wide(loop)
+    if not caches_aligned(k_cache, v_cache):
+        raise ValueError("the MMA decode kernel needs 16-byte aligned caches and a slot stride "
+                         f"of whole 4-byte words, got stride {k_cache.stride(0)}")
     cfg = mma_config(b, max_seq_len or 0)
     warps = warps or cfg["warps"]
     if warps not in WARPS:
@@ -188,20 +158,17 @@ def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     ctas = ctas_per_sm if ctas_per_sm is not None else cfg["ctas_per_sm"]
     chunk, splits = decode_splits(q, seq_lens, hkv, max_seq_len, split_tokens, split_tile=16,
                                   min_tokens=min_split_tokens or cfg["min_split_tokens"],
-                                  ctas_per_sm=ctas or ctas_per_sm_fit(q.device, d, warps, loop),
+                                  ctas_per_sm=ctas or ctas_per_sm_fit(q.device, d, warps),
                                   one_wave=not ctas)
     if b == 0:
         return out
-    # the 16-byte staging needs 16-byte aligned caches and a slot stride of whole words
-    w16 = wide >= 1 and (k_cache.data_ptr() | v_cache.data_ptr()) % 16 == 0 \
-        and k_cache.stride(0) % 4 == 0
-    kern, need = _kernel(q.device, d, warps, w16, w16 and wide == 2)
+    kern, need = _kernel(q.device, d, warps)
     smem = _capped_smem(q.device, kern, need, ctas or 0)
     if smem:
         kern.set_max_dynamic_smem(smem)  # above the default 48 KB: allowed per kernel
     part_acc, part_ml = split_buffers(q, splits)
     qc, seq_lens = q.contiguous(), seq_lens.contiguous()
-    dependent = bool(_pdl(q.device, pdl))
+    dependent = dependent_launch(q.device)
     be = cuda_launch.backend(q.device)
     stream = be.stream()
     kern.launch((splits, hkv, b), warps * 32,

@@ -1,13 +1,19 @@
-"""ISO3/ISO4 paged decode attention on tensor cores (Triton), in the rotated space (§6.5).
+"""ISO3/ISO4 paged decode attention on tensor cores (Triton), in the rotated space (§6.5): the
+decode of iso4 and of GQA groups over 8 (iso3 at groups <= 8 runs `iso_mma`).
 
-Pass 1 (`_iso_decode_partial`), grid (splits, batch * kv heads): one program owns `chunk`
+Pass 1 (`iso_decode_partial_kernel`), grid (splits, batch * kv heads): one program owns `chunk`
 context tokens of one (sequence, kv head) and the G query heads of its GQA group (padded to
-16 rows for the MMA). It rotates the query once (forward quaternion per 4-D group, fp32),
-scales it by scale * log2(e) and keeps it in fp16. Per tile of BLOCK_T tokens it gathers the
-packed K rows through the page table, unpacks the indices into fp16 centroid values (rotated
-space, unscaled), and computes S = sum_b norm_b * (Q_b @ C_b^T) with tl.dot (one dot per
-128-block, fp32 accumulation); online softmax in base 2; then acc_b += (P * norm_v_b) @ Cv_b.
-It writes the unnormalised rotated accumulator and (max, sum) per split.
+16 rows for the MMA). The 128 values of a block are handled as 4 fields of 32: field c holds
+element 4g + c of every 4-D group g. The packed bytes give each field directly (iso3: 2 low
+bits from qs byte g, the high bit from nibble g of the signs plane; iso4: a nibble of byte 2g
+or 2g + 1), so no interleaving is needed. The query is rotated once straight into the fields
+(r_c[h, g] = sum_k R[g, c, k] q[h, 4g + k], fp32), scaled by scale * log2(e) and kept in
+fp16. Per tile of BLOCK_T tokens the program gathers the packed K rows through the page table,
+decodes them into fp16 centroid values (rotated space, unscaled) and computes
+S = sum_b norm_b * sum_c Q_bc @ C_bc^T with tl.dot (K = 32 per dot, fp32 accumulation);
+online softmax in base 2; then acc_bc += (P * norm_v_b) @ Cv_bc per field. It writes the
+unnormalised rotated accumulator field-major (element b*128 + 4g + c at offset
+b*128 + 32c + g) and (max, sum) per split.
 Pass 2 (`_decode_triton_common.decode_merge_kernel`, shared with the bf16 kernel), one program
 per (sequence, query head): log-sum-exp merge of the splits, inverse rotation per 4-D group
 (fp32), divide by the sum, cast, store.
@@ -24,116 +30,145 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyserve.kernels import iso, iso_cuda
+from tinyserve.kernels import decode_split, iso, iso_cuda
 from tinyserve.kernels._decode_triton_common import decode_merge_kernel, kv_rows, split_program
-from tinyserve.kernels._iso_triton_fields import iso_decode_partial_fields
 from tinyserve.kernels.launch import decode_output
 
 _LOG2E = 1.4426950408889634
-# Launch settings from the bench/iso_attention.py sweep: 32-token tiles, 4 warps, registers
-# capped at 128 (several programs per SM, a little spilling), ~8 programs per SM; 64-token
-# tiles need ~250 registers and leave one program per SM.
+# Launch settings: 32-token tiles, 4 warps, registers capped at 128 (several programs per
+# SM, a little spilling), ~8 programs per SM.
 BLOCK_T = 32
 NUM_WARPS = 4
+NUM_STAGES = 2
 MAXNREG = 128
 MIN_SPLIT_TOKENS = 128
 CTAS_PER_SM = 8
-VARIANT = "fields"
 
 
 @triton.jit
-def _unpack_block(cache_ptr, row, tmask, blk: tl.constexpr, cent_ptr, BITS: tl.constexpr,
-                  BB: tl.constexpr):
-    """Centroid values fp16 [T, 128] and norms fp32 [T] of block `blk` of the rows at byte
-    offsets `row` [T] (int64); masked rows give norm 0."""
-    base = cache_ptr + row + blk * BB  # [T] pointers
+def _fields(cache_ptr, row, tmask, blk: tl.constexpr, cent_ptr, BITS: tl.constexpr,
+            BB: tl.constexpr):
+    """Centroid values fp16 [T, 32] of fields 0..3 of block `blk`, and norms fp32 [T]."""
+    base = cache_ptr + row + blk * BB
     lo = tl.load(base, mask=tmask, other=0).to(tl.int32)
     hi = tl.load(base + 1, mask=tmask, other=0).to(tl.int32)
-    bits = (lo | (hi << 8)).to(tl.int16)
-    nrm = bits.to(tl.float16, bitcast=True).to(tl.float32)
+    nrm = (lo | (hi << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     nrm = tl.where(tmask, nrm, 0.0)
-    if BITS == 4:
-        cols = tl.arange(0, 64)
-        qs = tl.load(base[:, None] + 4 + cols[None, :], mask=tmask[:, None], other=0)
-        qs = qs.to(tl.int32)
-        idx = tl.interleave(qs & 15, qs >> 4)  # element 2i: low nibble, 2i+1: high nibble
-    else:
-        cols = tl.arange(0, 32)
-        qs = tl.load(base[:, None] + 2 + cols[None, :], mask=tmask[:, None], other=0)
-        qs = qs.to(tl.int32)
-        scol = tl.arange(0, 16)
-        sg = tl.load(base[:, None] + 34 + scol[None, :], mask=tmask[:, None], other=0)
-        sg = sg.to(tl.int32)
-        nib = tl.interleave(sg & 15, sg >> 4)  # [T, 32]: the 4 high bits of group g
-        f0 = (qs & 3) | ((nib << 2) & 4)  # index of element 4g + c
-        f1 = ((qs >> 2) & 3) | ((nib << 1) & 4)
-        f2 = ((qs >> 4) & 3) | (nib & 4)
-        f3 = ((qs >> 6) & 3) | ((nib >> 1) & 4)
-        idx = tl.interleave(tl.interleave(f0, f2), tl.interleave(f1, f3))
-    cent = tl.load(cent_ptr + idx)  # fp16 table lookup (L1)
-    return cent, nrm
-
-
-@triton.jit
-def _rotated_query(q_ptr, qrow, hmask, blk: tl.constexpr, rot_ptr, scale_log2,
-                   BLOCK_H: tl.constexpr):
-    """Forward-rotated query block `blk` [BLOCK_H, 128] as fp16, times scale * log2(e)."""
     g = tl.arange(0, 32)
-    c = tl.arange(0, 4)
-    # r[h, g, c] = sum_k R[g, c, k] * q[h, g, k]
-    r = tl.zeros([BLOCK_H, 32, 4], dtype=tl.float32)
-    for k in tl.static_range(4):
-        qk = tl.load(q_ptr + qrow[:, None] + blk * 128 + g[None, :] * 4 + k,
-                     mask=hmask[:, None], other=0.0).to(tl.float32)  # [BLOCK_H, 32]
-        rk = tl.load(rot_ptr + g[:, None] * 16 + c[None, :] * 4 + k)  # [32, 4]
-        r += qk[:, :, None] * rk[None, :, :]
-    return (tl.reshape(r, [BLOCK_H, 128]) * scale_log2).to(tl.float16)
+    if BITS == 4:
+        be = tl.load(base[:, None] + 4 + 2 * g[None, :], mask=tmask[:, None], other=0)
+        bo = tl.load(base[:, None] + 5 + 2 * g[None, :], mask=tmask[:, None], other=0)
+        be = be.to(tl.int32)
+        bo = bo.to(tl.int32)
+        i0, i1, i2, i3 = be & 15, be >> 4, bo & 15, bo >> 4
+    else:
+        qs = tl.load(base[:, None] + 2 + g[None, :], mask=tmask[:, None], other=0)
+        sg = tl.load(base[:, None] + 34 + (g // 2)[None, :], mask=tmask[:, None], other=0)
+        qs = qs.to(tl.int32)
+        nib = sg.to(tl.int32) >> ((g % 2) * 4)[None, :]
+        i0 = (qs & 3) | ((nib << 2) & 4)
+        i1 = ((qs >> 2) & 3) | ((nib << 1) & 4)
+        i2 = ((qs >> 4) & 3) | (nib & 4)
+        i3 = ((qs >> 6) & 3) | ((nib >> 1) & 4)
+    return (tl.load(cent_ptr + i0), tl.load(cent_ptr + i1), tl.load(cent_ptr + i2),
+            tl.load(cent_ptr + i3), nrm)
 
 
 @triton.jit
-def _iso_decode_partial(q_ptr, k_ptr, v_ptr, slot_stride, pt_ptr, pt_stride, lens_ptr,
-                        cent_ptr, rot_ptr, part_acc_ptr, part_ml_ptr, chunk, n_splits,
-                        page_size, scale_log2,
-                        HKV: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr,
-                        NB: tl.constexpr, BITS: tl.constexpr, BB: tl.constexpr,
-                        BLOCK_T: tl.constexpr):
+def _query_fields(q_ptr, qrow, hmask, blk: tl.constexpr, rot_ptr, scale_log2):
+    """The forward-rotated query of block `blk` as 4 fields fp16 [BLOCK_H, 32], times
+    scale * log2(e)."""
+    g = tl.arange(0, 32)
+    base = q_ptr + qrow[:, None] + blk * 128 + 4 * g[None, :]
+    v0 = tl.load(base, mask=hmask[:, None], other=0.0).to(tl.float32)
+    v1 = tl.load(base + 1, mask=hmask[:, None], other=0.0).to(tl.float32)
+    v2 = tl.load(base + 2, mask=hmask[:, None], other=0.0).to(tl.float32)
+    v3 = tl.load(base + 3, mask=hmask[:, None], other=0.0).to(tl.float32)
+    r = rot_ptr + g * 16  # R[g, c, k] at g*16 + c*4 + k
+    f0 = (tl.load(r)[None, :] * v0 + tl.load(r + 1)[None, :] * v1
+          + tl.load(r + 2)[None, :] * v2 + tl.load(r + 3)[None, :] * v3)
+    f1 = (tl.load(r + 4)[None, :] * v0 + tl.load(r + 5)[None, :] * v1
+          + tl.load(r + 6)[None, :] * v2 + tl.load(r + 7)[None, :] * v3)
+    f2 = (tl.load(r + 8)[None, :] * v0 + tl.load(r + 9)[None, :] * v1
+          + tl.load(r + 10)[None, :] * v2 + tl.load(r + 11)[None, :] * v3)
+    f3 = (tl.load(r + 12)[None, :] * v0 + tl.load(r + 13)[None, :] * v1
+          + tl.load(r + 14)[None, :] * v2 + tl.load(r + 15)[None, :] * v3)
+    return ((f0 * scale_log2).to(tl.float16), (f1 * scale_log2).to(tl.float16),
+            (f2 * scale_log2).to(tl.float16), (f3 * scale_log2).to(tl.float16))
+
+
+@triton.jit
+def _scores(q0, q1, q2, q3, c0, c1, c2, c3):
+    return (tl.dot(q0, tl.trans(c0)) + tl.dot(q1, tl.trans(c1)) + tl.dot(q2, tl.trans(c2))
+            + tl.dot(q3, tl.trans(c3)))
+
+
+@triton.jit
+def _store_fields(ptr, prow, hmask, off: tl.constexpr, a0, a1, a2, a3):
+    g = tl.arange(0, 32)
+    base = ptr + prow[:, None] + off + g[None, :]
+    tl.store(base, a0, mask=hmask[:, None])
+    tl.store(base + 32, a1, mask=hmask[:, None])
+    tl.store(base + 64, a2, mask=hmask[:, None])
+    tl.store(base + 96, a3, mask=hmask[:, None])
+
+
+@triton.jit
+def iso_decode_partial_kernel(q_ptr, k_ptr, v_ptr, slot_stride, pt_ptr, pt_stride, lens_ptr,
+                               cent_ptr, rot_ptr, part_acc_ptr, part_ml_ptr, chunk, n_splits,
+                               page_size, scale_log2,
+                               HKV: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr,
+                               NB: tl.constexpr, BITS: tl.constexpr, BB: tl.constexpr,
+                               BLOCK_T: tl.constexpr):
     D: tl.constexpr = NB * 128
     RB: tl.constexpr = NB * BB
     split, b, kvh, t_begin, t_end, hs, hmask, qrow = split_program(lens_ptr, chunk, HKV, G,
                                                                    BLOCK_H, D)
-    q0 = _rotated_query(q_ptr, qrow, hmask, 0, rot_ptr, scale_log2, BLOCK_H)
+    q00, q01, q02, q03 = _query_fields(q_ptr, qrow, hmask, 0, rot_ptr, scale_log2)
     if NB == 2:
-        q1 = _rotated_query(q_ptr, qrow, hmask, 1, rot_ptr, scale_log2, BLOCK_H)
+        q10, q11, q12, q13 = _query_fields(q_ptr, qrow, hmask, 1, rot_ptr, scale_log2)
     m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc0 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    a00 = tl.zeros([BLOCK_H, 32], dtype=tl.float32)
+    a01 = tl.zeros([BLOCK_H, 32], dtype=tl.float32)
+    a02 = tl.zeros([BLOCK_H, 32], dtype=tl.float32)
+    a03 = tl.zeros([BLOCK_H, 32], dtype=tl.float32)
+    a10 = tl.zeros([BLOCK_H, 32], dtype=tl.float32)
+    a11 = tl.zeros([BLOCK_H, 32], dtype=tl.float32)
+    a12 = tl.zeros([BLOCK_H, 32], dtype=tl.float32)
+    a13 = tl.zeros([BLOCK_H, 32], dtype=tl.float32)
     for t0 in range(t_begin, t_end, BLOCK_T):
         ts = t0 + tl.arange(0, BLOCK_T)
         tmask = ts < t_end
         row = kv_rows(pt_ptr, pt_stride, b, ts, tmask, page_size, slot_stride, kvh, RB)
-        ck, nk = _unpack_block(k_ptr, row, tmask, 0, cent_ptr, BITS, BB)
-        s = tl.dot(q0, tl.trans(ck)) * nk[None, :]
+        c0, c1, c2, c3, nk = _fields(k_ptr, row, tmask, 0, cent_ptr, BITS, BB)
+        s = _scores(q00, q01, q02, q03, c0, c1, c2, c3) * nk[None, :]
         if NB == 2:
-            ck1, nk1 = _unpack_block(k_ptr, row, tmask, 1, cent_ptr, BITS, BB)
-            s += tl.dot(q1, tl.trans(ck1)) * nk1[None, :]
+            c0, c1, c2, c3, nk = _fields(k_ptr, row, tmask, 1, cent_ptr, BITS, BB)
+            s += _scores(q10, q11, q12, q13, c0, c1, c2, c3) * nk[None, :]
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
+        alpha = tl.exp2(m - m_new)[:, None]
         p = tl.exp2(s - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        cv, nv = _unpack_block(v_ptr, row, tmask, 0, cent_ptr, BITS, BB)
-        acc0 = acc0 * alpha[:, None] + tl.dot((p * nv[None, :]).to(tl.float16), cv)
+        l_sum = l_sum * tl.exp2(m - m_new) + tl.sum(p, 1)
+        c0, c1, c2, c3, nv = _fields(v_ptr, row, tmask, 0, cent_ptr, BITS, BB)
+        pv = (p * nv[None, :]).to(tl.float16)
+        a00 = a00 * alpha + tl.dot(pv, c0)
+        a01 = a01 * alpha + tl.dot(pv, c1)
+        a02 = a02 * alpha + tl.dot(pv, c2)
+        a03 = a03 * alpha + tl.dot(pv, c3)
         if NB == 2:
-            cv1, nv1 = _unpack_block(v_ptr, row, tmask, 1, cent_ptr, BITS, BB)
-            acc1 = acc1 * alpha[:, None] + tl.dot((p * nv1[None, :]).to(tl.float16), cv1)
+            c0, c1, c2, c3, nv = _fields(v_ptr, row, tmask, 1, cent_ptr, BITS, BB)
+            pv = (p * nv[None, :]).to(tl.float16)
+            a10 = a10 * alpha + tl.dot(pv, c0)
+            a11 = a11 * alpha + tl.dot(pv, c1)
+            a12 = a12 * alpha + tl.dot(pv, c2)
+            a13 = a13 * alpha + tl.dot(pv, c3)
         m = m_new
-    prow = ((b * (HKV * G) + kvh * G + hs).to(tl.int64) * n_splits + split)  # [BLOCK_H]
-    cols = tl.arange(0, 128)
-    tl.store(part_acc_ptr + prow[:, None] * D + cols[None, :], acc0, mask=hmask[:, None])
+    prow = (b * (HKV * G) + kvh * G + hs).to(tl.int64) * n_splits + split
+    _store_fields(part_acc_ptr, prow * D, hmask, 0, a00, a01, a02, a03)
     if NB == 2:
-        tl.store(part_acc_ptr + prow[:, None] * D + 128 + cols[None, :], acc1,
-                 mask=hmask[:, None])
+        _store_fields(part_acc_ptr, prow * D, hmask, 128, a10, a11, a12, a13)
     tl.store(part_ml_ptr + prow * 2, m, mask=hmask)
     tl.store(part_ml_ptr + prow * 2 + 1, l_sum, mask=hmask)
 
@@ -154,27 +189,22 @@ def _tables(device: torch.device, fmt: str) -> tuple[torch.Tensor, torch.Tensor]
 def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *,
                 min_tokens: int = MIN_SPLIT_TOKENS, ctas_per_sm: int = CTAS_PER_SM,
                 tile: int = BLOCK_T) -> tuple[int, int]:
-    """`iso_cuda.plan_splits` with this kernel's defaults."""
-    return iso_cuda.plan_splits(batch, num_kv_heads, max_seq_len, num_sms,
-                                min_tokens=min_tokens, ctas_per_sm=ctas_per_sm, tile=tile)
+    """`decode_split.plan_splits` with this kernel's defaults."""
+    return decode_split.plan_splits(batch, num_kv_heads, max_seq_len, num_sms,
+                                    min_tokens=min_tokens, ctas_per_sm=ctas_per_sm, tile=tile)
 
 
 def iso_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 page_table: torch.Tensor, seq_lens: torch.Tensor,
                                 page_size: int, fmt: str, scale: float, *,
                                 max_seq_len: int | None = None, out: torch.Tensor | None = None,
-                                split_tokens: int | None = None, block_t: int = BLOCK_T,
-                                ctas_per_sm: int = CTAS_PER_SM, num_warps: int = NUM_WARPS,
-                                num_stages: int = 2, maxnreg: int | None = MAXNREG,
-                                variant: str = VARIANT) -> torch.Tensor:
-    """One query per sequence over its packed K/V (same contract as
-    `iso_cuda.iso_decode_attention`): q [B, Hq, D] float, caches uint8 [slots, Hkv, row_bytes],
-    page_table int32 [B, P] (rows contiguous), seq_lens int32 [B] (each >= 1, <= max_seq_len).
-    Hq / Hkv <= 16. Returns [B, Hq, D] in q's dtype (or written into `out`). `variant`:
-    "fields" (per-field dots, kernels/_iso_triton_fields.py) or "interleave" (whole-block
-    dots, the block rebuilt with tl.interleave)."""
-    if variant not in ("fields", "interleave"):
-        raise ValueError(f"variant must be fields or interleave, got {variant!r}")
+                                split_tokens: int | None = None) -> torch.Tensor:
+    """One query per sequence over its packed K/V (the contract of
+    `iso.decode_attention_ref`): q [B, Hq, D] float, caches uint8 [slots, Hkv, row_bytes],
+    page_table int32 [B, P] (rows contiguous), seq_lens int32 [B] (each >= 1, <= max_seq_len;
+    `max_seq_len` None: read from seq_lens, a device synchronisation). Hq / Hkv <= 16, D 128
+    or 256. Returns [B, Hq, D] in q's dtype (or written into `out`); `split_tokens` forces the
+    tokens per split (tests)."""
     iso_cuda.format_bits(fmt)  # (checks the format)
     b, hq, d, hkv = iso_cuda._check_decode(q, k_cache, v_cache, page_table, seq_lens, fmt)
     if hq // hkv > 16 or d // iso.BLOCK not in (1, 2):
@@ -182,23 +212,20 @@ def iso_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     out = decode_output(out, q, b, hq, d)
     if b == 0:
         return out
-    chunk, splits = iso_cuda.decode_splits(q, seq_lens, hkv, max_seq_len, split_tokens,
-                                           split_tile=block_t, min_tokens=MIN_SPLIT_TOKENS,
-                                           ctas_per_sm=ctas_per_sm, tile=block_t)
+    chunk, splits = decode_split.decode_splits(q, seq_lens, hkv, max_seq_len, split_tokens,
+                                               split_tile=BLOCK_T, min_tokens=MIN_SPLIT_TOKENS,
+                                               ctas_per_sm=CTAS_PER_SM, tile=BLOCK_T)
     group = hq // hkv
     cent, rot = _tables(q.device, fmt)
     qc = q.contiguous()
-    part_acc, part_ml = iso_cuda.split_buffers(q, splits)
-    kernel = iso_decode_partial_fields if variant == "fields" else _iso_decode_partial
-    kernel[(splits, b * hkv)](
+    part_acc, part_ml = decode_split.split_buffers(q, splits)
+    iso_decode_partial_kernel[(splits, b * hkv)](
         qc, k_cache, v_cache, k_cache.stride(0), page_table, page_table.stride(0),
         seq_lens.contiguous(), cent, rot, part_acc, part_ml, chunk, splits, page_size,
         float(scale) * _LOG2E, HKV=hkv, G=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         NB=d // iso.BLOCK, BITS=3 if fmt == "iso3" else 4, BB=iso.BLOCK_BYTES[fmt],
-        BLOCK_T=block_t, num_warps=num_warps, num_stages=num_stages,
-        **({"maxnreg": maxnreg} if maxnreg else {}))
+        BLOCK_T=BLOCK_T, num_warps=NUM_WARPS, num_stages=NUM_STAGES, maxnreg=MAXNREG)
     decode_merge_kernel[(b * hq,)](
         part_acc, part_ml, rot, out, splits, out.stride(0), HQ=hq, D=d,
-        BLOCK_S=max(2, min(16, triton.next_power_of_2(splits))), FIELD_MAJOR=variant == "fields",
-        IS_ROTATED=True, num_warps=4)
+        BLOCK_S=max(2, min(16, triton.next_power_of_2(splits))), IS_ROTATED=True, num_warps=4)
     return out

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from tinyserve.kernels._decode_triton_common import decode_merge_kernel, kv_rows, split_program
-from tinyserve.kernels.iso_cuda import decode_splits, split_buffers
+from tinyserve.kernels.decode_split import decode_splits, split_buffers
 from tinyserve.kernels.launch import FLOATS, check_pages, decode_output
 
 _LOG2E = 1.4426950408889634
@@ -192,6 +192,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_warps=num_warps, num_stages=num_stages)
     decode_merge_kernel[(b * hq,)](
         part_acc, part_ml, part_ml, out, splits, out.stride(0), HQ=hq, D=d,
-        BLOCK_S=max(2, min(16, triton.next_power_of_2(splits))), FIELD_MAJOR=False,
-        IS_ROTATED=False, num_warps=4)
+        BLOCK_S=max(2, min(16, triton.next_power_of_2(splits))), IS_ROTATED=False,
+        num_warps=4)
     return out

@@ -6,9 +6,11 @@ is a padding page: tokens whose slot is negative (padded rows of a captured batc
 there and never read.
 
 On CUDA (sm_80+) with a bf16/fp16 cache the store and decode attention run the Triton kernels of
-`kernels.paged_kv_triton` (one launch for the store, split-K decode over the pages in place);
-elsewhere (or with TINYSERVE_DISABLE_KERNELS=1) their references in `kernels.paged_kv`.
-Prefill and extend attention gather the sequence's K/V and call `kernels.attention`.
+`kernels.paged_kv_triton` (one launch for the store, split-K decode over the pages in place;
+the decode for the shapes `decode_supported` takes, picked at the first decode step);
+elsewhere, for other shapes, or with TINYSERVE_DISABLE_KERNELS=1, their references in
+`kernels.paged_kv`. Prefill and extend attention gather the sequence's K/V and call
+`kernels.attention`.
 """
 
 from __future__ import annotations
@@ -20,16 +22,11 @@ from tinyserve.core import ForwardContext
 from tinyserve.kernels.attention import chunk_causal_attention
 from tinyserve.kernels.paged_kv import paged_decode_ref, paged_store_ref
 from tinyserve.kv.base import KVBackend
+from tinyserve.log import get_logger
 
-DECODE_IMPLS = ("triton", "gather")
+log = get_logger(__name__)
 
-
-def decode_impl() -> str:
-    """The CUDA decode attention in use: TINYSERVE_BF16_DECODE, else "triton"."""
-    impl = envs.BF16_DECODE.get().strip().lower() or "triton"
-    if impl not in DECODE_IMPLS:
-        raise ValueError(f"TINYSERVE_BF16_DECODE must be one of {DECODE_IMPLS}, got {impl!r}")
-    return impl
+DECODE_RULE = "Triton split-K (sm_80+, GQA groups <= 16, head_dim a power of two <= 256)"
 
 
 class BF16KVBackend(KVBackend):
@@ -52,6 +49,7 @@ class BF16KVBackend(KVBackend):
                             and dtype in (torch.bfloat16, torch.float16)
                             and not head_dim & (head_dim - 1)
                             and torch.cuda.get_device_capability(self.device)[0] >= 8)
+        self._decode_on_kernel: bool | None = None  # picked at the first decode step
 
     @classmethod
     def bytes_per_token(cls, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -109,8 +107,7 @@ class BF16KVBackend(KVBackend):
         without a host synchronisation (CUDA-graph safe; the work is sized by the host bound
         `max_seq_len`): the split-K Triton kernel reading the pages in place
         (`kernels.paged_kv_triton`) on CUDA, the gather + masked SDPA reference
-        (`kernels.paged_kv.paged_decode_ref`) elsewhere, for shapes the kernel refuses or
-        with TINYSERVE_BF16_DECODE=gather.
+        (`kernels.paged_kv.paged_decode_ref`) elsewhere and for shapes the kernel refuses.
 
         Args:
             q: [B, Hq, D]; page_table: [B, P] int32; seq_lens: [B] int32 (>= 1, the new token
@@ -119,16 +116,28 @@ class BF16KVBackend(KVBackend):
             [B, Hq, D] in q.dtype.
         """
         kc, vc = self._flat(layer_id)
-        if self.use_kernels and decode_impl() == "triton":
+        if self._decode_on_kernel is None:
+            self._decode_on_kernel = self._pick_decode(q.shape[1])
+        if self._decode_on_kernel:
             from tinyserve.kernels import paged_kv_triton
 
-            if paged_kv_triton.decode_supported(q.shape[1], self.num_kv_heads, self.head_dim,
-                                                kc.dtype):
-                return paged_kv_triton.paged_decode_attention(
-                    q, kc, vc, page_table, seq_lens, self.page_size, scale,
-                    max_seq_len=max_seq_len)
+            return paged_kv_triton.paged_decode_attention(
+                q, kc, vc, page_table, seq_lens, self.page_size, scale, max_seq_len=max_seq_len)
         return paged_decode_ref(q, kc, vc, page_table, seq_lens, self.page_size, scale,
                                 max_seq_len=max_seq_len)
+
+    def _pick_decode(self, num_q_heads: int) -> bool:
+        """Whether decode runs the Triton kernel (else the reference), logged once on CUDA."""
+        if not self.use_kernels:
+            return False
+        from tinyserve.kernels import paged_kv_triton
+
+        ok = paged_kv_triton.decode_supported(num_q_heads, self.num_kv_heads, self.head_dim,
+                                              self.dtype)
+        log.info("bf16 decode attention: %s (%d query heads over %d KV heads, head_dim %d)",
+                 "Triton split-K" if ok else "gather + SDPA (torch reference)", num_q_heads,
+                 self.num_kv_heads, self.head_dim)
+        return ok
 
     def _flat(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of one layer as [slots, Hkv, D] views, slot = page * page_size + offset."""

@@ -9,12 +9,13 @@ Ordering contract (§6.2):
 - extend (anything else): attend over the packed prefix plus the chunk's own K/V in the model
   dtype (causal), then store the chunk (deferred quantization).
 
-On CUDA the store and extend run the kernels of `kernels.iso_cuda`; decode runs the
-tensor-core Triton kernel (`kernels.iso_triton`), the CUDA SIMT kernel or the CUDA
-tensor-core kernel (`kernels.iso_mma`, "mma": iso3, GQA group <= 8; other shapes use the
-Triton kernel), as DECODE_IMPL says (TINYSERVE_ISO_DECODE overrides it).
-Elsewhere (or with TINYSERVE_DISABLE_KERNELS=1) the references of `kernels.iso` run: quantize
-on write, dequantize + fp32 attention.
+On CUDA the store and extend run the kernels of `kernels.iso_cuda`; decode runs the one
+kernel `decode_kernel` picks for the model's shapes (at the first decode step, then logged):
+the CUDA tensor-core kernel (`kernels.iso_mma`) for iso3 with GQA groups up to 8 (Qwen3.5-35B-A3B:
+16 query heads over 2 KV heads), the Triton tensor-core kernel (`kernels.iso_triton`) for
+iso4 and wider groups (Qwen3.5-122B/397B: 32 over 2). Elsewhere (or with
+TINYSERVE_DISABLE_KERNELS=1) the references of `kernels.iso` run: quantize on write,
+dequantize + fp32 attention.
 """
 
 from __future__ import annotations
@@ -29,19 +30,20 @@ from tinyserve.log import get_logger
 
 log = get_logger(__name__)
 
-# The decode kernel ("triton", "cuda" or "mma"): the tensor-core kernel, the fastest of the
-# three at every measured point (docs/RESULTS.md); iso4 and GQA groups over 8 fall back to
-# Triton.
-DECODE_IMPL = "mma"
-DECODE_IMPLS = ("triton", "cuda", "mma")
+# The decode kernels on CUDA, as `kernel_check.implementations` names them.
+DECODE_KERNELS = {"mma": "CUDA tensor cores", "triton": "Triton tensor cores"}
+DECODE_RULE = "CUDA tensor cores for iso3 with GQA groups <= 8, Triton tensor cores otherwise"
 
 
-def decode_impl() -> str:
-    """The decode attention kernel in use: TINYSERVE_ISO_DECODE, else DECODE_IMPL."""
-    impl = envs.ISO_DECODE.get().strip().lower() or DECODE_IMPL
-    if impl not in DECODE_IMPLS:
-        raise ValueError(f"TINYSERVE_ISO_DECODE must be one of {DECODE_IMPLS}, got {impl!r}")
-    return impl
+def decode_kernel(fmt: str, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                  aligned: bool = True) -> str:
+    """The decode attention kernel on CUDA for these shapes (a key of DECODE_KERNELS): "mma"
+    where `iso_mma` takes them (iso3, GQA group <= 8, head_dim 128/256, caches `aligned` for
+    its 16-byte copies), "triton" otherwise (iso4, wider groups, odd row strides)."""
+    from tinyserve.kernels.iso_mma import mma_supported
+
+    return "mma" if aligned and mma_supported(fmt, num_q_heads, num_kv_heads,
+                                              head_dim) else "triton"
 
 
 class ISOKVBackend(KVBackend):
@@ -68,7 +70,7 @@ class ISOKVBackend(KVBackend):
         self.buffer = torch.zeros(2, len(self.layer_ids), self.num_slots, num_kv_heads,
                                   self.row_bytes, dtype=torch.uint8, device=self.device)
         self.use_kernels = self.device.type == "cuda" and not envs.DISABLE_KERNELS.get()
-        self._triton_ok = True
+        self._decode_fn = None  # the CUDA decode kernel, picked at the first decode step
 
     @classmethod
     def bytes_per_token(cls, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -113,35 +115,26 @@ class ISOKVBackend(KVBackend):
                 scale: float) -> torch.Tensor:
         kc, vc = self.k_cache(layer_id), self.v_cache(layer_id)
         if self.use_kernels:
-            impl = decode_impl()
-            if impl == "mma":
-                from tinyserve.kernels import iso_mma
-
-                if iso_mma.mma_supported(self.fmt, q.shape[1], self.num_kv_heads,
-                                         self.head_dim):
-                    return iso_mma.iso_decode_attention_mma(
-                        q, kc, vc, ctx.page_table, ctx.seq_lens, ctx.page_size, self.fmt,
-                        scale, max_seq_len=ctx.seq_len_bound)
-                impl = "triton"
-            if impl == "triton" and self._triton_ok:
-                from tinyserve.kernels import iso_triton
-
-                try:
-                    return iso_triton.iso_decode_attention_triton(
-                        q, kc, vc, ctx.page_table, ctx.seq_lens, ctx.page_size, self.fmt,
-                        scale, max_seq_len=ctx.seq_len_bound)
-                except Exception as exc:  # noqa: BLE001 - a compile failure: use the CUDA kernel
-                    log.warning("ISO Triton decode failed (%s: %s); using the CUDA kernel",
-                                type(exc).__name__, str(exc)[:300])
-                    self._triton_ok = False
-            from tinyserve.kernels import iso_cuda
-
-            return iso_cuda.iso_decode_attention(q, kc, vc, ctx.page_table, ctx.seq_lens,
-                                                 ctx.page_size, self.fmt, scale,
-                                                 max_seq_len=ctx.seq_len_bound)
+            if self._decode_fn is None:
+                self._decode_fn = self._pick_decode(q.shape[1])
+            return self._decode_fn(q, kc, vc, ctx.page_table, ctx.seq_lens, ctx.page_size,
+                                   self.fmt, scale, max_seq_len=ctx.seq_len_bound)
         out = iso.decode_attention_ref(q, kc.cpu(), vc.cpu(), ctx.page_table.cpu(),
                                        ctx.seq_lens.cpu(), ctx.page_size, self.fmt, scale)
         return out.to(device=q.device, dtype=q.dtype)
+
+    def _pick_decode(self, num_q_heads: int):
+        """The launcher of `decode_kernel`'s pick for this pool (every layer's caches checked
+        for the 16-byte copies), logged once."""
+        from tinyserve.kernels import iso_mma, iso_triton
+
+        aligned = all(iso_mma.caches_aligned(self.k_cache(lid), self.v_cache(lid))
+                      for lid in self.layer_ids)
+        name = decode_kernel(self.fmt, num_q_heads, self.num_kv_heads, self.head_dim, aligned)
+        log.info("%s decode attention: %s (%d query heads over %d KV heads, head_dim %d)",
+                 self.fmt, DECODE_KERNELS[name], num_q_heads, self.num_kv_heads, self.head_dim)
+        return {"mma": iso_mma.iso_decode_attention_mma,
+                "triton": iso_triton.iso_decode_attention_triton}[name]
 
     def _extend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 ctx: ForwardContext, scale: float) -> torch.Tensor:

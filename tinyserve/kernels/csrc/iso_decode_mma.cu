@@ -1,8 +1,9 @@
 // ISO3 paged decode attention on tensor cores (mma.sync m16n8k16, fp16 in, fp32 accumulate),
-// in the rotated space (specs/iso_kv.md §6.5), split-K. Same contract as iso_decode.cu.
+// in the rotated space (specs/iso_kv.md §6.5), split-K; the contract of
+// iso.decode_attention_ref (launcher: kernels/iso_mma.py).
 //
-// Grid (splits, kv heads, batch), NW = 2, 4, 8 or 16 warps (8 and 16: the tile/merge buffer
-// in dynamic shared memory). Every warp walks its own 16-token sub-tiles of the CTA's chunk
+// Grid (splits, kv heads, batch), NW = 4 or 16 warps (the tile/merge buffer in dynamic
+// shared memory). Every warp walks its own 16-token sub-tiles of the CTA's chunk
 // (cp.async double buffer per warp, no CTA barrier in the loop) and keeps its own online
 // softmax; the warps merge in shared memory at the end, the splits in a second
 // kernel (decode_merge_cols_kernel, iso_split.cuh: grid over heads, sequences and column
@@ -14,12 +15,10 @@
 // rows), k = 16 packed values of block b; the fp16 norms scale S_b per (token, block).
 // Values: O^T[d, h] += V^T[d, t] P^T[t, h], d as M (16 rows per tile), heads as N, 16 tokens
 // as k; P^T (fp16, scaled by the V norm of its (token, block)) reaches the V MMA's B layout
-// through movmatrix. The accumulator holds the rotated output. Two ways to stage a sub-tile
-// (template argument WIDE): each row as the aligned 16-byte chunks covering it (needs 16-byte
-// aligned caches and a slot stride that is a multiple of 4), or as 2/4-byte words (any
-// alignment: the fallback). Same results up to fp32 summation order. The 16-byte staging has
-// two row layouts (template argument PAD): 128-byte buffer rows at D=256, or 144-byte rows
-// that keep the loop's fragment loads free of most bank conflicts; the same bits.
+// through movmatrix. The accumulator holds the rotated output. A sub-tile is staged as the
+// aligned 16-byte chunks covering each row (needs 16-byte aligned caches and a slot stride
+// that is a multiple of 4: the launcher checks), in buffer rows one 16-byte chunk longer than
+// the rows need, which keeps the loop's fragment loads free of most bank conflicts.
 #include "iso_common.cuh"
 #include "iso_mma_prims.cuh"
 #include "iso_split.cuh"
@@ -28,50 +27,46 @@ namespace iso {
 namespace mma {
 
 // Shared-memory layout of one CTA (host and device): per-warp double buffers of K and V rows
-// during the loop, reused for the warp merge after it. PAD (WIDE only): the row stride is one
-// 16-byte chunk longer than the rows need (D=256: 144 instead of 128 bytes, D=128: 80 instead
-// of 64), so consecutive tokens' rows start 4 banks apart instead of on the same bank; the
-// fragment loads of the loop (8 tokens x 4 words, 4 tokens x 8 words) then spread over the
-// 32 banks (bank conflicts measured in docs/RESULTS.md, "ISO3/ISO4 KV cache").
-template <int NB, int NW, bool WIDE, bool PAD = false>
+// during the loop, reused for the warp merge after it. The row stride is one 16-byte chunk
+// longer than the rows need (D=256: 144 instead of 128 bytes, D=128: 80 instead of 64), so
+// consecutive tokens' rows start 4 banks apart instead of on the same bank; the fragment
+// loads of the loop (8 tokens x 4 words, 4 tokens x 8 words) then spread over the 32 banks.
+template <int NB, int NW>
 struct Layout {
-  static_assert(WIDE || !PAD, "the padded rows are a layout of the 16-byte staging");
   static constexpr int D = NB * kBlock;
   static constexpr int BB = Fmt<3>::kBytes;
   static constexpr int RB = NB * BB;
-  // WIDE rows start at the source's address mod 16 (up to 14): RW16 bytes of aligned chunks
+  // rows start at the source's address mod 16 (up to 14): RW16 bytes of aligned chunks
   static constexpr int RW16 = (RB + 14 + 15) / 16 * 16;
   // shared-memory row stride
-  static constexpr int RS = WIDE ? RW16 + (PAD ? 16 : 0) : RB;
+  static constexpr int RS = RW16 + 16;
   static constexpr int kWarpBuf = 2 * 2 * kSub * RS;  // two buffers of K and V rows per warp
   static constexpr int kTileBytes = NW * kWarpBuf;
   static constexpr int kMergeBytes = NW * kRows * PaddedRows<D>::kFloats * 4;
   static constexpr int kRaw = kTileBytes > kMergeBytes ? kTileBytes : kMergeBytes;
   // the kernel's other static arrays (q_sm, off_sm, mis_sm, ml_sm, qf_sm)
   static constexpr int kOther = kRows * (D + 4) * 4 + NW * 2 * kSub * 8 +
-                                (WIDE ? NW : 1) * 2 * kSub + NW * kRows * 2 * 4 + NB * 4 * 32 * 16;
+                                NW * 2 * kSub + NW * kRows * 2 * 4 + NB * 4 * 32 * 16;
   // NOTE: the tile/merge buffer is static while the whole CTA fits the 48 KB of static shared
-  // memory (up to 4 warps without PAD), else dynamic shared memory (8 and 16 warps; 4 warps
-  // with PAD at D=256: 36864 + 13824 bytes); the launcher raises the kernel's limit.
+  // memory, else dynamic shared memory (16 warps; 4 warps at D=256: 36864 + 13824 bytes);
+  // the launcher raises the kernel's limit.
   static constexpr bool kDynamic = NW > 4 || kRaw + kOther > 48 * 1024;
   static constexpr int kDynBytes = kDynamic ? kRaw : 0;
 };
 
 // CTAs per SM the register budget must allow: 8 warps per SM (the grids that run are one
 // wave of at most 2-3 CTAs of 4 warps at batch 1, one CTA of 16 warps at batch 8). sm_90, D =
-// 256: 4 warps 151-153 registers (3 CTAs per SM), 8 warps 151-153 (1 CTA), 16 warps 128
-// (1 CTA), no spills. Bounded at 16 warps per SM (128 registers) instead, ptxas keeps the two
-// blocks' score MMA chains and the value decoding in sequence, which is slower
-// (docs/RESULTS.md).
+// 256: 4 warps 151-153 registers (3 CTAs per SM), 16 warps 128 (1 CTA), no spills. Bounded
+// at 16 warps per SM (128 registers) instead, ptxas keeps the two blocks' score MMA chains
+// and the value decoding in sequence, which is slower (docs/RESULTS.md).
 __host__ __device__ constexpr int min_ctas_per_sm(int n_warps) {
   return n_warps >= 8 ? 1 : 8 / n_warps;
 }
 
-// WIDE: each sub-tile staged in 16-byte copies (see `stage`). NW warps split the CTA's
-// tokens between them (warp w takes sub-tiles w, w + NW, ...), each with its own buffers and
+// NW warps split the CTA's tokens between them (warp w takes sub-tiles w, w + NW, ...), each with its own buffers and
 // online softmax, so more warps per CTA give more warps per SM at the same number of split
 // partials.
-template <int NB, int NW, bool WIDE, bool PAD>
+template <int NB, int NW>
 __global__ void __launch_bounds__(NW * 32, min_ctas_per_sm(NW))
     decode_mma_kernel(const void* __restrict__ q, int q_code,
                       const uint8_t* __restrict__ k_cache,
@@ -80,13 +75,10 @@ __global__ void __launch_bounds__(NW * 32, min_ctas_per_sm(NW))
                       int pt_cols, const int32_t* __restrict__ seq_lens, int page_size,
                       int n_kv_heads, int group, int chunk, int n_splits, float scale_log2,
                       float* __restrict__ part_acc, float* __restrict__ part_ml) {
-  using L = Layout<NB, NW, WIDE, PAD>;
+  using L = Layout<NB, NW>;
   constexpr int D = L::D;
   constexpr int BB = L::BB;
   constexpr int RB = L::RB;
-  using W = typename ts::select<RB % 4 == 0, uint32_t, uint16_t>::type;
-  constexpr int RW = RB / (int)sizeof(W);
-  static_assert(RW <= 32, "one lane per word of a packed row");
   constexpr int RS = L::RS;
   constexpr int kWarpBuf = L::kWarpBuf;
   using Rows = PaddedRows<D>;
@@ -97,7 +89,7 @@ __global__ void __launch_bounds__(NW * 32, min_ctas_per_sm(NW))
   if constexpr (L::kDynamic) raw = dynamic_smem();
   __shared__ float q_sm[kRows][D + 4];
   __shared__ int64_t off_sm[NW][2][kSub];
-  __shared__ uint8_t mis_sm[WIDE ? NW : 1][2][kSub];  // WIDE: a row's start in its buffer row
+  __shared__ uint8_t mis_sm[NW][2][kSub];  // a row's start in its buffer row
   __shared__ float ml_sm[NW][kRows][2];  // also two copies of the centroid table
   static_assert(sizeof(ml_sm) >= 2 * sizeof(Lut), "room for the table");
   // [block nb, word u, j / 2][lane]: (k-step 4u + j, 4u + j + 1) x (a0, a2) of lane's fragment
@@ -149,29 +141,26 @@ __global__ void __launch_bounds__(NW * 32, min_ctas_per_sm(NW))
   // sub-tile ahead, so `stage` does not wait on the page table. NOTE: kept as the table's
   // int32 until that next `stage`: widened where it is loaded, it made each stage wait for
   // the load it had just issued (a sign extension right behind it, before the copies).
-  auto page_of = [&](int t) -> int32_t {
-    return t < t_end ? pt_row[t / page_size] : 0;
-  };
-  // WIDE: the page index and row in the page of lane's token in the next sub-tile to stage,
+  // The page index and row in the page of lane's token in the next sub-tile to stage,
   // advanced by kStride tokens per sub-tile without a division
   int pg_i = pg_first, pg_r = t_first - pg_first * page_size;
   const int pg_dq = kStride / page_size, pg_dr = kStride - pg_dq * page_size;
-  // WIDE: each row is copied as the aligned 16-byte chunks that cover it (up to 7 for 100
-  // bytes, one lane each: 8 copies per lane and sub-tile instead of 32 of 4 bytes) into a
-  // buffer row of RS bytes, starting at the row's address mod 16 (mis_sm). The entry runs
-  // WIDE only on 16-byte aligned caches, so K and V rows share that offset; the last chunk
-  // ends at the row's end rounded up to 16 bytes, inside the (16-byte aligned) allocation.
-  // chunks per row (PAD: the last 16 bytes of a buffer row stay unused), rows per pass
+  // Each row is copied as the aligned 16-byte chunks that cover it (up to 7 for 100 bytes,
+  // one lane each) into a buffer row of RS bytes, starting at the row's address mod 16
+  // (mis_sm). The caches are 16-byte aligned (the launcher checks), so K and V rows share
+  // that offset; the last chunk ends at the row's end rounded up to 16 bytes, inside the
+  // (16-byte aligned) allocation.
+  // chunks per row (the last 16 bytes of a buffer row stay unused), rows per pass
   constexpr int kCh = L::RW16 / 16, kTpi = 32 / kCh;
   static_assert(kSub % kTpi == 0, "whole passes");
   const int chunk_lo = 16 * (lane % kCh) - RB;    // lane's chunk is needed if mis > chunk_lo
-  auto stage_wide = [&](int t0, int buf) {
+  auto stage = [&](int t0, int buf) {  // warp-uniform: copy the K/V rows of a sub-tile
     if (lane < kSub) {
       const int t = t0 + lane;
       int64_t off = 0;
       if (t < t_end) off = ((int64_t)page_next * page_size + pg_r) * slot_stride + kvh * RB;
       off_sm[warp][buf][lane] = off;
-      mis_sm[WIDE ? warp : 0][buf][lane] = (uint8_t)(off & 15);
+      mis_sm[warp][buf][lane] = (uint8_t)(off & 15);
       pg_r += pg_dr;
       pg_i += pg_dq;
       if (pg_r >= page_size) {
@@ -192,33 +181,6 @@ __global__ void __launch_bounds__(NW * 32, min_ctas_per_sm(NW))
       if (tok < n && mis > chunk_lo) {
         copy_chunk16(dst + j * kTpi * RS, k_cache + src);
         copy_chunk16(dst + j * kTpi * RS + kSub * RS, v_cache + src);
-      }
-    }
-    cp_async_commit();
-  };
-  auto stage = [&](int t0, int buf) {  // warp-uniform: copy the K/V rows of a sub-tile
-    if constexpr (WIDE) {
-      stage_wide(t0, buf);
-      return;
-    }
-    if (lane < kSub) {
-      const int t = t0 + lane;
-      int64_t off = 0;
-      if (t < t_end)
-        off = ((int64_t)page_next * page_size + t % page_size) * slot_stride + kvh * RB;
-      off_sm[warp][buf][lane] = off;
-      page_next = page_of(t + kStride);
-    }
-    __syncwarp();
-    const int n = min(kSub, t_end - t0);
-    W* kd = reinterpret_cast<W*>(wbuf + buf * 2 * kSub * RB);
-    W* vd = reinterpret_cast<W*>(wbuf + buf * 2 * kSub * RB + kSub * RB);
-    if (lane < RW) {  // lane = word of the row: no division, one offset per token
-#pragma unroll 4
-      for (int tok = 0; tok < n; ++tok) {
-        const int64_t off = off_sm[warp][buf][tok];
-        copy_word(kd + tok * RW + lane, reinterpret_cast<const W*>(k_cache + off) + lane);
-        copy_word(vd + tok * RW + lane, reinterpret_cast<const W*>(v_cache + off) + lane);
       }
     }
     cp_async_commit();
@@ -281,11 +243,10 @@ __global__ void __launch_bounds__(NW * 32, min_ctas_per_sm(NW))
     const uint8_t* vs = ks + kSub * RS;
     const int n = min(kSub, t_end - t0);
     auto row = [&](int tok) -> int {  // byte offset of a token's row in the K (V) buffer
-      if constexpr (WIDE) return tok * RS + mis_sm[WIDE ? warp : 0][buf][tok];
-      return tok * RB;
+      return tok * RS + mis_sm[warp][buf][tok];
     };
     // whether block nb's qs words are 4-byte aligned in the buffer: rows start at multiples
-    // of 4 when RB is one (WIDE: the entry checks the slot stride), so blocks 1, 3, ...
+    // of 4 when RB is one (the slot stride is a multiple of 4), so blocks 1, 3, ...
     auto qs_a4 = [](int nb) { return RB % 4 == 0 && (nb * BB + 2) % 4 == 0; };
 
     const int rg0 = row(gq), rg1 = row(gq + 8);  // this lane's K tokens (scores, norms)
@@ -411,10 +372,10 @@ __global__ void __launch_bounds__(NW * 32, min_ctas_per_sm(NW))
                             (int64_t)b * hq + kvh * group, n_splits, split, part_acc, part_ml);
 }
 
-// The dynamic shared memory a CTA of decode_mma_kernel<NB, NW, WIDE, PAD> needs (bytes; 0:
-// none), read by the launcher (kernels/iso_mma.py) from the compiled module.
-template <int NB, int NW, bool WIDE, bool PAD>
-__device__ const int kDynamicSmem = Layout<NB, NW, WIDE, PAD>::kDynBytes;
+// The dynamic shared memory a CTA of decode_mma_kernel<NB, NW> needs (bytes; 0: none), read
+// by the launcher (kernels/iso_mma.py) from the compiled module.
+template <int NB, int NW>
+__device__ const int kDynamicSmem = Layout<NB, NW>::kDynBytes;
 
 }  // namespace mma
 }  // namespace iso

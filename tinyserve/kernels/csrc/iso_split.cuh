@@ -1,17 +1,11 @@
-// Split-K decode helpers shared by the ISO decode kernels: cp.async copies and the
-// log-sum-exp merge of the per-split partials (one inverse rotation per 4-D group).
+// Split-K helpers of the ISO tensor-core decode kernel (iso_decode_mma.cu): the merge of a
+// CTA's warp partials, cp.async copies and the log-sum-exp merge of the per-split partials
+// (one inverse rotation per 4-D group).
 #pragma once
 
 #include "iso_common.cuh"
 
 namespace iso {
-
-// Where element d of accumulator row r sits in a warp-merge buffer: r * D + d (plain rows).
-template <int D>
-struct PlainRows {
-  static constexpr int kFloats = D;  // floats per row
-  __host__ __device__ static constexpr int at(int r, int d) { return r * D + d; }
-};
 
 // The last step of a split's CTA: its NW warps each hold an online-softmax partial of `heads`
 // query heads, unnormalised accumulators macc [NW][rows] rows of Rows::kFloats floats (element
@@ -22,7 +16,7 @@ struct PlainRows {
 // ml by its factor exp2(m_w - max) (-1: a warp without tokens, skipped), once per head; then
 // each thread merges 4 columns at a time, its NW x 4 loads independent of one another (not a
 // chain of dependent loads and exp2 per column), one 16-byte store per 4 columns.
-template <int NW, int D, typename Rows = PlainRows<D>>
+template <int NW, int D, typename Rows>
 __device__ __forceinline__ void merge_warp_partials(const float* macc, float* ml, int rows,
                                                     int heads, int64_t row0, int n_splits,
                                                     int split, float* __restrict__ part_acc,
@@ -66,19 +60,6 @@ __device__ __forceinline__ void merge_warp_partials(const float* macc, float* ml
   }
 }
 
-// Asynchronous global -> shared copies (sm_80+); plain copies elsewhere and for 2-byte words.
-template <typename W>
-__device__ __forceinline__ void copy_word(W* dst, const W* src) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (sizeof(W) == 4) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(src));
-    return;
-  }
-#endif
-  *dst = *src;
-}
-
 // 16 bytes global -> shared (both 16-byte aligned), asynchronously on sm_80+.
 __device__ __forceinline__ void copy_chunk16(uint8_t* dst, const uint8_t* src) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -102,45 +83,8 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
-template <typename T>
-__global__ void decode_merge_kernel(const float* __restrict__ part_acc,
-                                    const float* __restrict__ part_ml,
-                                    const int32_t* __restrict__ seq_lens, int chunk, int n_splits,
-                                    int hq, int d, T* __restrict__ out, int64_t out_stride_b) {
-  const int h = blockIdx.x;
-  const int b = blockIdx.y;
-  const int gi = threadIdx.x;  // 4-D group index within the head vector
-  if (gi * 4 >= d) return;
-  const float4 quat = quat_row(gi % 32);
-  const int len = seq_lens[b];
-  const int ns = min(n_splits, (len + chunk - 1) / chunk);
-  const int64_t row0 = ((int64_t)b * hq + h) * n_splits;
-  float mx = -CUDART_INF_F;
-  for (int s = 0; s < ns; ++s) mx = fmaxf(mx, part_ml[(row0 + s) * 2]);
-  float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  float sum = 0.0f;
-  for (int s = 0; s < ns; ++s) {
-    const float ms = part_ml[(row0 + s) * 2];
-    if (ms == -CUDART_INF_F) continue;
-    const float f = exp2f(ms - mx);
-    sum += f * part_ml[(row0 + s) * 2 + 1];
-    const float4 pa = *reinterpret_cast<const float4*>(part_acc + (row0 + s) * d + gi * 4);
-    a[0] += f * pa.x;
-    a[1] += f * pa.y;
-    a[2] += f * pa.z;
-    a[3] += f * pa.w;
-  }
-  float y[4];
-  rotate_by(quat, true, a, y);
-  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-  T* o = out + (int64_t)b * out_stride_b + (int64_t)h * d + gi * 4;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) o[j] = from_float<T>(y[j] * inv);
-}
-
 // The split merge spread over many CTAs: grid (q heads, batch, D / kMergeCols), so batch 1
-// still fills the GPU (16 heads x 8 column slices = 128 CTAs at D = 256, where the kernel
-// above runs 16). Thread (j, gi) folds the splits s = j (mod kMergeSlices) of the 4-D group gi
+// still fills the GPU (16 heads x 8 column slices = 128 CTAs at D = 256). Thread (j, gi) folds the splits s = j (mod kMergeSlices) of the 4-D group gi
 // of its CTA's columns in one pass with an online max (the (max, sum) rows and the partials
 // are loaded together: one round of memory latency per split, not two); the slices are merged
 // by shuffles within a warp and through shared memory across warps, then one inverse rotation

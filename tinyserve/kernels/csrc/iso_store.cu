@@ -34,14 +34,11 @@ __device__ __forceinline__ float warp_sequential_sum(const float (&s)[4], int la
   return __shfl_sync(0xffffffffu, acc, 31);
 }
 
-// dbg (optional): per (token, head, K|V, block) 6 floats: sum of squares, norm, reconstruction
-// sum, reconstruction norm, corrected norm, stored fp16 bits (as a float).
 template <int BITS, typename T, typename IDX>
 __global__ void store_kernel(uint8_t* __restrict__ k_cache, uint8_t* __restrict__ v_cache,
                              int64_t slot_stride, const T* __restrict__ k,
                              const T* __restrict__ v, int64_t k_tok_stride, int64_t v_tok_stride,
-                             const IDX* __restrict__ loc, int n_tokens, int n_heads, int nb,
-                             float* __restrict__ dbg) {
+                             const IDX* __restrict__ loc, int n_tokens, int n_heads, int nb) {
   allow_dependent_launch();  // the decode attention after it may be scheduled (and wait) now
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
@@ -104,15 +101,6 @@ __global__ void store_kernel(uint8_t* __restrict__ k_cache, uint8_t* __restrict_
       if (BITS == 4) {
         blk[2] = 0;
         blk[3] = 0;
-      }
-      if (dbg != nullptr) {
-        float* o = dbg + (item * nb + b) * 6;
-        o[0] = ns;
-        o[1] = grp_norm;
-        o[2] = rs;
-        o[3] = recon;
-        o[4] = corrected;
-        o[5] = (float)hbits;
       }
     }
     if (BITS == 3) {

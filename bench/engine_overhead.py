@@ -28,14 +28,11 @@ Cases (each at batch 1 and 8, greedy, EOS ignored, decode steps only):
   host work between launch and wait overlaps them as on a GPU (the CPU sampler's argmax is
   host time here, device time on a GPU). The decode path goes through DecodeGraphs without
   capture (the graph path's host work: pinned-buffer fill and one upload). Tokenizer: the
-  real tiny byte-level BPE tokenizer of tinyserve.testing. Each case runs `serial` (the
-  engine emits a step's outputs after its tokens arrive, as before the overlap) and
-  `overlap` (the outputs go out during the next step's device work), same run.
+  real tiny byte-level BPE tokenizer of tinyserve.testing.
 - `tiny`: the real tiny random model on CPU (sanity number).
 - `ckpt` (with `--ckpt`, on CUDA): the real checkpoint, CUDA graphs on (`--gpu-memory`: a
-  budget, e.g. 6GiB, that offloads experts); each batch size `serial` (outputs and the
-  expert-cache policy at the step boundary) and `overlap` (both while the next step runs) on
-  the same engine; the baseline in the same run is the runner alone replaying the same
+  budget, e.g. 6GiB, that offloads experts), each batch size on the same engine; the
+  baseline in the same run is the runner alone replaying the same
   decode step (`runner.forward` in a loop, as bench/step_profile.py measures it).
 
     python bench/engine_overhead.py [--gpu-ms 0 3.5 13.3] [--steps 200]
@@ -248,8 +245,7 @@ def tiny_tokenizer(tmp: Path):
     return AutoTokenizer.from_pretrained(str(tmp / "tok"))
 
 
-def standin_engine(tokenizer, batch: int, gpu_ms: float, context: int,
-                   overlap: bool = True) -> Engine:
+def standin_engine(tokenizer, batch: int, gpu_ms: float, context: int) -> Engine:
     page_size = 16
     model = StandinModel(len(tokenizer) - 16, gpu_ms)
     runner = ModelRunner(model, page_size=page_size, device="cpu")
@@ -260,11 +256,7 @@ def standin_engine(tokenizer, batch: int, gpu_ms: float, context: int,
                         model_config=SimpleNamespace(vocab_size=V), num_kv_pages=pages,
                         num_state_slots=batch, max_context=context + 8,
                         eos_token_ids=(tokenizer.eos_token_id,))
-    cfg = EngineConfig(model="standin", max_seqs=batch, prefix_cache=False)
-    engine = Engine(parts, cfg)
-    if not overlap:  # the engine's outputs right after each step, as before the overlap
-        engine._overlap, runner.overlap_hook = False, None
-    return engine
+    return Engine(parts, EngineConfig(model="standin", max_seqs=batch, prefix_cache=False))
 
 
 # ------------------------------------------------------------------------------ measurement
@@ -302,16 +294,16 @@ def drive(engine: Engine, batch: int, prompt_len: int, gen_len: int, vocab: int,
             "itl_median_ms": round(1e3 * statistics.median(itl), 3) if itl else None}
 
 
-def case_standin(tokenizer, batch: int, gpu_ms: float, steps: int, overlap: bool) -> dict:
+def case_standin(tokenizer, batch: int, gpu_ms: float, steps: int) -> dict:
     prompt_len = 32
-    engine = standin_engine(tokenizer, batch, gpu_ms, prompt_len + steps + 8, overlap)
+    engine = standin_engine(tokenizer, batch, gpu_ms, prompt_len + steps + 8)
     ph = Phases()
     instrument(engine, ph)
     with engine:
         drive(engine, batch, prompt_len, 4, vocab=400, seed=1)  # warm-up
         ph.steps.clear()
         out = drive(engine, batch, prompt_len, steps, vocab=400)
-    return {"batch": batch, "gpu_ms": gpu_ms, "overlap": overlap, **out, **ph.summary()}
+    return {"batch": batch, "gpu_ms": gpu_ms, **out, **ph.summary()}
 
 
 def case_tiny(ckpt: str, batch: int, steps: int) -> dict:
@@ -336,16 +328,6 @@ def ckpt_engine(ckpt: str, kv: str, max_batch: int, context: int, steps: int,
     return build_engine(EngineConfig(model=ckpt, kv=kv, max_seqs=max_batch,
                                      max_context=context + steps + 48, prefix_cache=False,
                                      gpu_memory=gpu_memory))
-
-
-def set_overlap(engine: Engine, on: bool) -> None:
-    """Overlap on: outputs during the next step's device work and the expert-cache policy
-    after the launch (the default); off: both at the step boundary, as before."""
-    from tinyserve.offload import gpu_cache
-
-    engine._overlap = on
-    engine.runner.overlap_hook = engine._flush if on else None
-    gpu_cache.DEFER_POLICY = on
 
 
 def case_ckpt(engine: Engine, batch: int, context: int, steps: int) -> dict:
@@ -418,19 +400,14 @@ def main() -> int:
         with ckpt_engine(args.ckpt, args.kv, max(args.batch), args.context, steps,
                          args.gpu_memory) as engine:
             for b in args.batch:
-                for on in (False, True):
-                    engine.call(lambda on=on: set_overlap(engine, on))
-                    rec.run(f"ckpt_b{b}_{'overlap' if on else 'serial'}", case_ckpt, engine,
-                            b, args.context, steps)
+                rec.run(f"ckpt_b{b}", case_ckpt, engine, b, args.context, steps)
     else:
         with tempfile.TemporaryDirectory() as tmp:
             tok = tiny_tokenizer(Path(tmp))
             for gpu_ms in args.gpu_ms:
                 for b in args.batch:
-                    for overlap in (False, True):
-                        mode = "overlap" if overlap else "serial"
-                        rec.run(f"standin_b{b}_gpu{gpu_ms:g}ms_{mode}", case_standin, tok, b,
-                                gpu_ms, args.steps, overlap)
+                    rec.run(f"standin_b{b}_gpu{gpu_ms:g}ms", case_standin, tok, b, gpu_ms,
+                            args.steps)
             from tinyserve.testing import make_tiny_checkpoint
 
             ckpt = str(make_tiny_checkpoint(Path(tmp) / "tiny"))

@@ -1,13 +1,14 @@
 """What fraction of the bandwidth reference a decode GEMV can reach at a given weight size, on
-this GPU, timed as bench/nvfp4.py times its GEMVs (a CUDA graph of back-to-back calls over
-weight copies rotated past L2) -> results/gemv_floor.json.
+this GPU, timed as every kernel benchmark times (bench/common.py `time_graph`: a CUDA graph of
+back-to-back calls over weight copies rotated past L2) -> results/gemv_floor.json.
 
 At each size (NVFP4 weights of 4.7 .. 286 MB, K = 2048): the NVFP4 GEMV (M = 1) with the shipped
 tiles and with the lm_head's persistent tiles, a bf16 cuBLAS GEMV over a bf16 weight of the same
-bytes, and a device-to-device copy of the same bytes (read and written). The bandwidth reference
-`bw` is bench/nvfp4.py's (the larger of a 1 GiB copy and a 1 GiB bf16 GEMV). A small weight
-cannot reach the reference: every call pays a launch, a ramp-up of the first loads and a tail,
-whoever wrote the kernel; cuBLAS at the same bytes says how much of a miss is that floor.
+bytes, and a device-to-device copy of the same bytes (read and written). The bandwidth
+reference `bw` is bench/common.py `bandwidth` (the larger of a 1 GiB copy and a 1 GiB bf16
+GEMV). A small weight cannot reach the reference: every call pays a launch, a ramp-up of
+the first loads and a tail, whoever wrote the kernel; cuBLAS at the same bytes says how much
+of a miss is that floor.
 
 Usage: python bench/gemv_floor.py  (< 60 s on an H200)
 """
@@ -22,8 +23,15 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.common import Recorder, rand_nvfp4, run_meta  # noqa: E402
-from bench.nvfp4 import bandwidth, copies, nvfp4_bytes, time_graph  # noqa: E402
+from bench.common import (  # noqa: E402
+    Recorder,
+    bandwidth,
+    copies,
+    nvfp4_bytes,
+    rand_nvfp4,
+    run_meta,
+    time_graph,
+)
 from tinyserve.kernels.nvfp4 import default_gemv_config, nvfp4_linear  # noqa: E402
 from tinyserve.kernels.nvfp4_tiles import GEMV_TILES  # noqa: E402
 

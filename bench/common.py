@@ -63,6 +63,17 @@ def run_meta(name: str, **extra: object) -> dict:
     return {**meta, **extra}
 
 
+def write_json(path, data: dict) -> None:
+    """Write a result file (its folder made first) and say where."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    print(f"wrote {path}")
+
+
 def sync() -> None:
     """torch.cuda.synchronize() when there is a GPU (CPU dry runs: nothing)."""
     if torch.cuda.is_available():
@@ -178,6 +189,29 @@ def errors(y: torch.Tensor, ref: torch.Tensor) -> dict:
 def nvfp4_bytes(n: int, k: int) -> int:
     """Bytes of an [n, k] NVFP4 weight: the codes and the E4M3 block scales."""
     return n * k // 2 + n * k // 16
+
+
+class StreamError(Exception):
+    """A streamed request that failed: an HTTP error status or an error event."""
+
+
+async def stream_chunks(client, url: str, body: dict, headers: dict | None = None):
+    """The parsed `data:` events of one streamed chat request to `url` (an httpx.AsyncClient),
+    up to `[DONE]`; StreamError on an HTTP error status or an error event."""
+    import json
+
+    async with client.stream("POST", url + "/v1/chat/completions", json=body,
+                             headers=headers) as r:
+        if r.status_code != 200:
+            await r.aread()
+            raise StreamError(f"HTTP {r.status_code}: {r.text[:200]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise StreamError(chunk["error"]["message"][:200])
+            yield chunk
 
 
 def rand_nvfp4(n: int, k: int, dev: str):

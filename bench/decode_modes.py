@@ -20,14 +20,13 @@ Reported per run: decode tok/s, median step (ms), the ratio to greedy.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import engine_arguments, run_meta  # noqa: E402
+from bench.common import engine_arguments, run_meta, write_json  # noqa: E402
 from tinyserve.core import SamplingParams  # noqa: E402
 from tinyserve.engine.bench import run_bench  # noqa: E402
 from tinyserve.engine.build import build_engine  # noqa: E402
@@ -65,8 +64,7 @@ def main() -> int:
         r["vs_greedy"] = r["decode_tok_s"] / base if base and r["decode_tok_s"] else None
         print(f"{name:24s} {r['decode_tok_s']:8.1f} tok/s  step {r['decode_step_ms']:.3f} ms "
               f"({r['vs_greedy']:.3f} of greedy)")
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, out)
     return 0
 
 

@@ -23,15 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.common import (  # noqa: E402
-    Recorder,
-    bandwidth,
-    copies,
-    nvfp4_bytes,
-    rand_nvfp4,
-    run_meta,
-    time_graph,
-)
+from bench import common  # noqa: E402
 from tinyserve.kernels.nvfp4 import default_gemv_config, nvfp4_linear  # noqa: E402
 from tinyserve.kernels.nvfp4_tiles import GEMV_TILES  # noqa: E402
 
@@ -45,22 +37,23 @@ PERSIST = GEMV_TILES[(248320, 2048)]
 
 
 def bench_size(n: int, bw: float) -> dict:
-    wb = nvfp4_bytes(n, K)
+    wb = common.nvfp4_bytes(n, K)
     x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
-    ws = [rand_nvfp4(n, K, "cuda") for _ in range(copies(wb, False))]
-    us_fp4 = time_graph([lambda w=w: nvfp4_linear(x, w) for w in ws])
-    us_persist = time_graph([lambda w=w: nvfp4_linear(x, w, path="gemv", gemv_config=PERSIST)
-                             for w in ws])
+    ws = [common.rand_nvfp4(n, K, "cuda") for _ in range(common.copies(wb, False))]
+    us_fp4 = common.time_graph([lambda w=w: nvfp4_linear(x, w) for w in ws])
+    us_persist = common.time_graph(
+        [lambda w=w: nvfp4_linear(x, w, path="gemv", gemv_config=PERSIST) for w in ws])
     del ws
     kb = wb // (2 * n) // 64 * 64  # bf16 columns with the same bytes per row
     xb = torch.randn(1, kb, device="cuda", dtype=torch.bfloat16)
     dense = [torch.randn(n, kb, device="cuda", dtype=torch.bfloat16)
-             for _ in range(copies(2 * n * kb, False))]
-    us_bf16 = time_graph([lambda d=d: xb @ d.T for d in dense])
+             for _ in range(common.copies(2 * n * kb, False))]
+    us_bf16 = common.time_graph([lambda d=d: xb @ d.T for d in dense])
     del dense
-    src = [torch.empty(wb, dtype=torch.uint8, device="cuda") for _ in range(copies(wb, False))]
+    src = [torch.empty(wb, dtype=torch.uint8, device="cuda")
+           for _ in range(common.copies(wb, False))]
     dst = torch.empty(wb, dtype=torch.uint8, device="cuda")
-    us_copy = time_graph([lambda s=s: dst.copy_(s) for s in src])
+    us_copy = common.time_graph([lambda s=s: dst.copy_(s) for s in src])
     return dict(N=n, K=K, weight_bytes=wb, nvfp4_us=us_fp4, nvfp4_frac_bw=wb / us_fp4 / 1e3 / bw,
                 nvfp4_config=str(default_gemv_config(n, K)), persistent_us=us_persist,
                 persistent_frac_bw=wb / us_persist / 1e3 / bw,
@@ -73,10 +66,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 1
-    rec = Recorder(ROOT / "bench/results/gemv_floor.json", run_meta(
+    rec = common.Recorder(ROOT / "bench/results/gemv_floor.json", common.run_meta(
         "gemv_floor", timing="median of 10 CUDA-graph replays, weights rotated past L2",
         baseline="bf16 cuBLAS GEMV and a device copy at the same bytes, same run"))
-    bw = (rec.run("bandwidth", bandwidth, "cuda") or {}).get("GBps", 4000.0)
+    bw = (rec.run("bandwidth", common.bandwidth, "cuda") or {}).get("GBps", 4000.0)
     for n in ROWS:
         rec.run(f"rows_{n}", bench_size, n, bw)
         torch.cuda.empty_cache()

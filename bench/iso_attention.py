@@ -88,8 +88,14 @@ def main() -> int:
         "iso_extend", shapes=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, page_size=PAGE),
         baseline="attention.chunk_causal_attention over contiguous bf16 K/V",
         target="iso / bf16 within 1.3x at every prefix"))
+    print("extend, 2k chunk (ms; eager | in a CUDA graph; iso / bf16):")
     for prefix in PREFIXES:
-        rec.run(f"extend/{args.fmt}/prefix{prefix}", bench_extend, args.fmt, prefix)
+        r = rec.run(f"extend/{args.fmt}/prefix{prefix}", bench_extend, args.fmt, prefix)
+        if r:
+            graph = (f" | {r['graph_ms']:.3f} vs {r['bf16_graph_ms']:.3f} "
+                     f"x{r['iso_over_bf16_graph']:.2f}" if "graph_ms" in r else "")
+            print(f"  prefix {prefix:6d} {r['ms']:.3f} vs {r['bf16_sdpa_ms']:.3f} "
+                  f"x{r['iso_over_bf16']:.2f}{graph}")
     ext = [r for r in rec.data["cases"].values() if "ms" in r]
     if ext:
         tps = [r["tokens_per_s"] for r in ext]
@@ -99,14 +105,6 @@ def main() -> int:
         if graph:
             rec.data["extend_iso_over_bf16_graph_max"] = max(graph)
     rec.save()
-    print("extend, 2k chunk (ms; eager | in a CUDA graph; iso / bf16):")
-    for name, r in rec.data["cases"].items():
-        if "ms" not in r:
-            continue
-        graph = (f" | {r['graph_ms']:.3f} vs {r['bf16_graph_ms']:.3f} "
-                 f"x{r['iso_over_bf16_graph']:.2f}" if "graph_ms" in r else "")
-        print(f"  {name:28s} {r['ms']:.3f} vs {r['bf16_sdpa_ms']:.3f} "
-              f"x{r['iso_over_bf16']:.2f}{graph}")
     print(f"wrote {args.out}")
     return 0
 

@@ -80,14 +80,21 @@ def _iso_state(fmt: str, batch: int, ctx: int) -> dict:
 
 
 def _oracle(st: dict) -> torch.Tensor:
-    """fp32 attention over the dequantized rows of the first layer cache: [B, HQ, D]."""
+    """fp32 attention over the first layer cache's rows of each sequence (dequantized for an
+    ISO state): [B, HQ, D]."""
     kc, vc = st["caches"][0]
+    fmt = st.get("fmt")
+
+    def rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:  # [T, HKV, D] fp32
+        if fmt is None:
+            return cache[slots].float()
+        return iso_cuda.iso_dequant_rows(cache, slots, fmt, D, torch.float32)
+
     out = torch.empty(st["batch"], HQ, D, device="cuda")
     t = torch.arange(st["ctx"], device="cuda")
     for b in range(st["batch"]):
         slots = st["table"][b].long()[t // PAGE] * PAGE + t % PAGE
-        k = iso_cuda.iso_dequant_rows(kc, slots, st["fmt"], D, torch.float32)  # [T, HKV, D]
-        v = iso_cuda.iso_dequant_rows(vc, slots, st["fmt"], D, torch.float32)
+        k, v = rows(kc, slots), rows(vc, slots)
         qg = st["q"][b].float().reshape(HKV, HQ // HKV, D)
         p = torch.softmax(torch.einsum("hgd,thd->hgt", qg, k) * D ** -0.5, dim=-1)
         out[b] = torch.einsum("hgt,thd->hgd", p, v).reshape(HQ, D)
@@ -133,21 +140,6 @@ def _paged_state(batch: int, ctx: int) -> dict:
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     return dict(batch=batch, ctx=ctx, caches=caches, table=table, q=q, lens=lens,
                 out=torch.empty_like(q), bytes=bytes_layer, n_layers=n_layers)
-
-
-def _paged_oracle(st: dict) -> torch.Tensor:
-    """fp32 attention over the first layer cache's rows of each sequence: [B, HQ, D]."""
-    kc, vc = st["caches"][0]
-    out = torch.empty(st["batch"], HQ, D, device="cuda")
-    t = torch.arange(st["ctx"], device="cuda")
-    for b in range(st["batch"]):
-        slots = st["table"][b].long()[t // PAGE] * PAGE + t % PAGE
-        k, v = kc[slots].float(), vc[slots].float()  # [T, HKV, D]
-        qg = st["q"][b].float().reshape(HKV, HQ // HKV, D)
-        p = torch.softmax(torch.einsum("hgd,thd->hgt", qg, k) * D ** -0.5, dim=-1)
-        out[b] = torch.einsum("hgt,thd->hgd", p, v).reshape(HQ, D)
-        del k, v, p
-    return out
 
 
 def _paged_call(st: dict, impl: str, cfg: dict):
@@ -307,7 +299,7 @@ def main() -> int:
 
             def make_paged(batch=batch, ctx=ctx, held=held) -> dict:
                 held["paged"] = st = _paged_state(batch, ctx)
-                st["oracle"] = _paged_oracle(st)
+                st["oracle"] = _oracle(st)
                 return dict(n_layers=st["n_layers"], bytes=st["bytes"])
 
             if rec.run(f"{tag}/paged_state", make_paged) is not None:

@@ -52,7 +52,6 @@ SUITES: dict[str, tuple[Script, ...]] = {
         Script("step_profile", ("{ckpt}", "--kv", "iso3", "--gpu-memory", "none", "6GiB"),
                ckpt=True),
         Script("decode_overhead"),
-        Script("engine_overhead", gpu=False),
         Script("decode_modes", ("{ckpt}", "--kv", "iso3"), ckpt=True),
         Script("kv_formats", ("{ckpt}", "--prompt-lens", "1024", "--repeats", "2"), ckpt=True),
         Script("kernel_paths", ("{ckpt}", "--kv", "iso3"), ckpt=True),

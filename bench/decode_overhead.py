@@ -299,7 +299,7 @@ def _timeline(steps: list, gpu: list, top: int = 8) -> dict:
     microseconds, under the profiler): `host_lead` from the step's start to its first GPU
     work, `gpu_span` from there to the end of its last GPU work, of which `gaps` is the time
     no kernel or copy runs (the host lead and the gap after the input copy, where the graph
-    launches, also hold the profiler's own host work: 0.1-1 ms on the H200; without it see
+    launches, also hold the profiler's own host work; without it see
     `_graph_gpu_split`), `host_tail` from then to the step's end (sync, token read-out);
     `top_gaps`: the largest gaps by the pair of kernels around them."""
     sums = {"host_lead": 0.0, "gpu_span": 0.0, "gaps": 0.0, "host_tail": 0.0, "nodes": 0}

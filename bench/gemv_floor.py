@@ -10,7 +10,7 @@ GEMV). A small weight cannot reach the reference: every call pays a launch, a ra
 the first loads and a tail, whoever wrote the kernel; cuBLAS at the same bytes says how much
 of a miss is that floor.
 
-Usage: python bench/gemv_floor.py  (< 60 s on an H200)
+Usage: python bench/gemv_floor.py  (< 60 s)
 """
 
 from __future__ import annotations

@@ -277,7 +277,7 @@ def _start_server(ckpt: Path, device: str, *,
 
 def _env(device: str) -> dict[str, str]:
     # NOTE: one intra-op thread on CPU: on a shared, oversubscribed host OpenMP teams stall
-    # (measured 0.5 s vs 8-20 s for the same 32-token request), which would hide the server.
+    # for seconds per request, which would hide the server.
     return {**os.environ, **({"OMP_NUM_THREADS": "1"} if device == "cpu" else {})}
 
 

@@ -16,13 +16,12 @@ median of 10 replays of a CUDA graph that cycles through enough weight copies (>
 miss L2. A failing case is recorded and the rest still run.
 
 Usage: python bench/nvfp4.py [--smoke]  (--smoke: tiny shapes, any device, no timing; checks
-the script itself, e.g. on CPU with TRITON_INTERPRET=1)
+the script itself, on a CPU with TRITON_INTERPRET=1 set)
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -32,25 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from bench.common import (  # noqa: E402
-    Recorder,
-    bandwidth,
-    copies,
-    errors,
-    nvfp4_bytes,
-    rand_nvfp4,
-    run_meta,
-    time_graph,
-)
-from tinyserve.kernels.fused_moe import (  # noqa: E402
-    allocate_expert_slots,
-    fused_moe,
-    fused_moe_ref,
-    single_expert_slots,
-)
+from bench import common  # noqa: E402
+from tinyserve.kernels import fused_moe as moe  # noqa: E402
 from tinyserve.kernels.nvfp4 import nvfp4_linear  # noqa: E402
 from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4  # noqa: E402
 
@@ -65,18 +47,18 @@ MAX_REL_ERR = 1e-2
 
 def timed(call, calls: list, ref: torch.Tensor, smoke: bool) -> dict:
     """Errors of call() against ref; unless smoke or wrong, the time of `calls` in a graph."""
-    res = errors(call(), ref)
+    res = common.errors(call(), ref)
     if res["rel_err"] > MAX_REL_ERR:
         res["wrong"] = True
     elif not smoke:
-        res["us"] = time_graph(calls)
+        res["us"] = common.time_graph(calls)
     return res
 
 
 def bench_gemv(n: int, k: int, bw: float, copy_bw: float, dev: str, smoke: bool) -> dict:
     """`nvfp4_linear` at M = 1 on one [N, K] shape against bf16 cuBLAS."""
-    wb = nvfp4_bytes(n, k)
-    ws = [rand_nvfp4(n, k, dev) for _ in range(copies(wb, smoke))]
+    wb = common.nvfp4_bytes(n, k)
+    ws = [common.rand_nvfp4(n, k, dev) for _ in range(common.copies(wb, smoke))]
     x = torch.randn(1, k, device=dev, dtype=torch.bfloat16 if dev == "cuda" else torch.float32)
     ref = x.float() @ dequantize_nvfp4(ws[0]).to(dev).T
     out: dict = {"N": n, "K": k, "weight_bytes": wb}
@@ -86,14 +68,14 @@ def bench_gemv(n: int, k: int, bw: float, copy_bw: float, dev: str, smoke: bool)
         res.update(frac_bw=wb / res["us"] / 1e3 / bw, frac_copy=wb / res["us"] / 1e3 / copy_bw)
     if not smoke:
         dense = [torch.randn(n, k, device=dev, dtype=torch.bfloat16)
-                 for _ in range(copies(2 * n * k))]
-        us = time_graph([lambda d=d: x @ d.T for d in dense])
+                 for _ in range(common.copies(2 * n * k))]
+        us = common.time_graph([lambda d=d: x @ d.T for d in dense])
         out["bf16_cublas"] = {"us": us, "frac_bw": 2 * n * k / us / 1e3 / bw}
     return out
 
 
 def expert_slots_fp4(num: int, h: int, f: int, dev: str):
-    slots = allocate_expert_slots(num, h, f, fp4=True, device=dev)
+    slots = moe.allocate_expert_slots(num, h, f, fp4=True, device=dev)
     slots.w13.random_(0, 256)
     slots.w2.random_(0, 256)
     slots.w13_scale.random_(0x30, 0x48)
@@ -115,24 +97,26 @@ def bench_moe_decode(n: int, bw: float, copy_bw: float, dev: str, smoke: bool) -
     routes = [torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(n)])
               for _ in range(reps)]
     logits = [torch.randn(n, 1, device=dev, dtype=dt) for _ in range(reps)]
-    shared = [single_expert_slots(rand_nvfp4(f, h, dev), rand_nvfp4(f, h, dev),
-                                  rand_nvfp4(h, f, dev)) for _ in range(reps)]
-    expert_bytes = 3 * nvfp4_bytes(f, h)
+    rand = common.rand_nvfp4
+    shared = [moe.single_expert_slots(rand(f, h, dev), rand(f, h, dev), rand(h, f, dev))
+              for _ in range(reps)]
+    expert_bytes = 3 * common.nvfp4_bytes(f, h)
     distinct = statistics.mean(len(torch.unique(r)) for r in routes)
     out: dict = {"H": h, "F": f, "experts": e, "tokens": n, "distinct_experts": distinct,
                  "bytes_per_expert": expert_bytes}
 
     def routed(i):
-        return fused_moe(x, routes[i], w, slots)
+        return moe.fused_moe(x, routes[i], w, slots)
 
     def layer(i):
-        return fused_moe(x, routes[i], w, slots, shared_slots=shared[i],
-                         shared_logit=logits[i])
+        return moe.fused_moe(x, routes[i], w, slots, shared_slots=shared[i],
+                             shared_logit=logits[i])
 
-    cases = {"layer": (layer, fused_moe_ref(x, routes[0], w, slots, shared_slots=shared[0],
-                                            shared_logit=logits[0]).float(), distinct + 1)}
+    ref_layer = moe.fused_moe_ref(x, routes[0], w, slots, shared_slots=shared[0],
+                                  shared_logit=logits[0]).float()
+    cases = {"layer": (layer, ref_layer, distinct + 1)}
     if n == 1:
-        cases["routed"] = (routed, fused_moe_ref(x, routes[0], w, slots).float(), distinct)
+        cases["routed"] = (routed, moe.fused_moe_ref(x, routes[0], w, slots).float(), distinct)
     for name, (fn, ref, experts) in cases.items():
         read_us = experts * expert_bytes / bw / 1e3
         res = timed(lambda fn=fn: fn(0), [lambda i=i, fn=fn: fn(i) for i in range(reps)],
@@ -156,11 +140,11 @@ def main() -> int:
         return 1
     out = Path("/tmp/nvfp4_smoke.json" if args.smoke
                else args.out or ROOT / "bench/results/nvfp4.json")
-    rec = Recorder(out, run_meta("nvfp4", timing="median of 10 CUDA-graph replays, weights "
-                                 "rotated past L2"))
+    timing = "median of 10 CUDA-graph replays, weights rotated past L2"
+    rec = common.Recorder(out, common.run_meta("nvfp4", timing=timing))
     bw = copy_bw = 4000.0
     if not args.smoke:
-        res = rec.run("bandwidth", bandwidth, dev) or {}
+        res = rec.run("bandwidth", common.bandwidth, dev) or {}
         bw, copy_bw = res.get("GBps", bw), res.get("copy_GBps", copy_bw)
     for n in (1, 4, 8):
         rec.run(f"moe_decode_{n}tok_8of256", bench_moe_decode, n, bw, copy_bw, dev, args.smoke)

@@ -10,9 +10,9 @@ after `--warmup` (the hit rate counts the steps after the warm-up):
 
 Per trace and cache size (5 %-50 % of the 10,240 experts, one pool shared by the layers):
 - host: `offload.cache_sim` policies (exact bookkeeping, one decision per layer): the
-  engine's `ExpertCachePolicy` as "lru" (freq_weight 0), "lru-f2" (2), "lru-f16" (16, the
-  default before this measurement) and "lfu"; the candidates "lru-layer" (per-layer quotas), "slru"
-  (segmented LRU), "lru2" (LRU-2); "belady" (clairvoyant optimum, an upper bound);
+  engine's `ExpertCachePolicy` as "lru" (freq_weight 0), "lru-f2" (2, the default), "lru-f16"
+  (16) and "lfu"; the candidates "lru-layer" (per-layer quotas), "slru" (segmented LRU),
+  "lru2" (LRU-2); "belady" (clairvoyant optimum, an upper bound);
 - device: the engine's decode path itself, `DeviceExpertCache` in mode "device" (the torch
   references on the CPU, small expert rows): victim lists two steps behind the lookups
   (`begin_step(defer=True)`, lookups, `after_launch()`), for the engine policies, at

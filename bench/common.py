@@ -63,6 +63,17 @@ def run_meta(name: str, **extra: object) -> dict:
     return {**meta, **extra}
 
 
+def write_json(path, data: dict) -> None:
+    """Write a result file (its folder made first) and say where."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    print(f"wrote {path}")
+
+
 def sync() -> None:
     """torch.cuda.synchronize() when there is a GPU (CPU dry runs: nothing)."""
     if torch.cuda.is_available():
@@ -107,6 +118,100 @@ class Recorder:
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(self.data, indent=1, default=str) + "\n")
+
+
+ROTATE_BYTES = 256 << 20  # cycle weight copies until this many bytes (> L2)
+
+
+def time_graph(fns: list, reps: int = 10, stat=statistics.median) -> float:
+    """Median (or `stat`) microseconds per call of the calls in `fns`, replayed in one CUDA
+    graph (launch overhead amortised; the calls run back to back)."""
+    for fn in fns[:2]:
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for fn in fns:
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(fns))
+    return stat(times)
+
+
+def graph_us(fn: Callable[[], object], calls_per_run: int = 1) -> tuple[float, str]:
+    """Microseconds of one of the `calls_per_run` calls fn() makes: the median of 15 replays
+    of a CUDA graph of 10 fn() (triton's do_bench where the calls cannot be captured), and
+    which of the two timed it."""
+    try:
+        return time_graph([fn] * 10, reps=15) / calls_per_run, "cuda_graph"
+    except Exception:  # noqa: BLE001
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=25, rep=200) * 1000 / calls_per_run, "do_bench"
+
+
+def bandwidth(dev: str) -> dict:
+    """The bandwidth references: 20 copies of 1 GiB per graph replay (best replay; read +
+    written bytes) and a bf16 cuBLAS GEMV over a 1 GiB weight (read bytes); `GBps` is the
+    larger."""
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    copy = time_graph([lambda: b.copy_(a)] * 20, reps=5, stat=min)
+    w = a.view(torch.bfloat16).view(1 << 15, 1 << 14)
+    v = torch.randn(1 << 14, 1, device=dev, dtype=torch.bfloat16)
+    read = time_graph([lambda: w @ v] * 20, reps=5, stat=min)
+    out = {"copy_GBps": 2 * n / copy / 1e3, "gemv_read_GBps": n / read / 1e3}
+    out["GBps"] = max(out["copy_GBps"], out["gemv_read_GBps"])
+    return out
+
+
+def copies(nbytes: int, smoke: bool = False) -> int:
+    """How many copies of a weight of `nbytes` a timed graph cycles through to miss L2."""
+    return 1 if smoke else max(1, min(32, -(-ROTATE_BYTES // nbytes)))
+
+
+def errors(y: torch.Tensor, ref: torch.Tensor) -> dict:
+    """Relative Frobenius and max errors of y against an fp32 reference."""
+    d = y.float() - ref
+    return {"rel_err": float(d.norm() / ref.norm()),
+            "max_rel_err": float(d.abs().max() / ref.abs().max())}
+
+
+def nvfp4_bytes(n: int, k: int) -> int:
+    """Bytes of an [n, k] NVFP4 weight: the codes and the E4M3 block scales."""
+    return n * k // 2 + n * k // 16
+
+
+class StreamError(Exception):
+    """A streamed request that failed: an HTTP error status or an error event."""
+
+
+async def stream_chunks(client, url: str, body: dict, headers: dict | None = None):
+    """The parsed `data:` events of one streamed chat request to `url` (an httpx.AsyncClient),
+    up to `[DONE]`; StreamError on an HTTP error status or an error event."""
+    import json
+
+    async with client.stream("POST", url + "/v1/chat/completions", json=body,
+                             headers=headers) as r:
+        if r.status_code != 200:
+            await r.aread()
+            raise StreamError(f"HTTP {r.status_code}: {r.text[:200]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise StreamError(chunk["error"]["message"][:200])
+            yield chunk
 
 
 def rand_nvfp4(n: int, k: int, dev: str):

@@ -1,40 +1,33 @@
-"""Decode speed of chained vs synchronous steps, greedy and with penalties, on one engine.
+"""Decode speed of greedy and penalised requests on one engine.
 
 One engine on the full-size checkpoint (`tinyserve bench`'s measurement,
-`engine.bench.run_bench`), four runs of --batch requests of --prompt-len random tokens
-generating --gen-len tokens each:
+`engine.bench.run_bench`), two runs of --batch requests of --prompt-len random tokens
+generating --gen-len tokens each, both with chained decode steps as the engine runs them:
 
-- greedy: chained steps, as the engine runs them (the reference);
-- greedy_synchronous: `loop.PIPELINE_DECODE = False` (every step waits for the host's tokens);
+- greedy: the reference;
 - penalties: presence 1.5 (the value Qwen's model cards suggest against repetition),
-  frequency 0.2, repetition 1.05, greedy; chained (penalties count tokens on the device);
-- penalties_synchronous: the same, synchronous (how penalised rows decoded before they
-  chained).
+  frequency 0.2, repetition 1.05, greedy (the penalties count tokens on the device).
 
-`--gpu-memory 6GiB` puts the embedding table in host RAM: registered with CUDA, the decode
-graph reads its rows on the device and the steps chain; `--host-ids` refuses that
-registration (the rows gathered on the host from host token ids, steps synchronous: how the
-6 GiB plan decoded before).
+`--gpu-memory 6GiB` puts the embedding table in host RAM, registered with CUDA; the decode
+graph reads its rows on the device.
 
 Reported per run: decode tok/s, median step (ms), the ratio to greedy.
 
-    python bench/decode_modes.py CKPT [--kv iso3] [--gpu-memory 6GiB] [--host-ids] [--batch 1]
-        -> bench/results/decode_modes[_6GiB][_host_ids].json
+    python bench/decode_modes.py CKPT [--kv iso3] [--gpu-memory 6GiB] [--batch 1]
+        -> bench/results/decode_modes[_6GiB].json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import engine_arguments, run_meta  # noqa: E402
+from bench.common import engine_arguments, run_meta, write_json  # noqa: E402
 from tinyserve.core import SamplingParams  # noqa: E402
-from tinyserve.engine import loop  # noqa: E402
 from tinyserve.engine.bench import run_bench  # noqa: E402
 from tinyserve.engine.build import build_engine  # noqa: E402
 from tinyserve.engine.config import EngineConfig  # noqa: E402
@@ -46,16 +39,9 @@ PENALTIES = SamplingParams(temperature=0.0, presence_penalty=1.5, frequency_pena
 def main() -> int:
     ap = argparse.ArgumentParser()
     engine_arguments(ap)
-    ap.add_argument("--host-ids", action="store_true",
-                    help="do not register a host embedding table with CUDA")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.host_ids:
-        from tinyserve.model import qwen35
-
-        qwen35.register_mapped = lambda t, what: False
-    tag = (f"_{args.gpu_memory}" if args.gpu_memory else "") + ("_host_ids" if args.host_ids
-                                                                 else "")
+    tag = f"_{args.gpu_memory}" if args.gpu_memory else ""
     args.out = args.out or str(ROOT / f"bench/results/decode_modes{tag}.json")
     config = EngineConfig.from_args(args, max_seqs=args.batch,
                                     max_context=args.prompt_len + args.gen_len)
@@ -65,11 +51,7 @@ def main() -> int:
     try:
         runs["greedy"] = run_bench(engine, **shape)
         runs["penalties"] = run_bench(engine, **shape, sampling=PENALTIES)
-        loop.PIPELINE_DECODE = False
-        runs["greedy_synchronous"] = run_bench(engine, **shape)
-        runs["penalties_synchronous"] = run_bench(engine, **shape, sampling=PENALTIES)
     finally:
-        loop.PIPELINE_DECODE = True
         engine.shutdown()
     keys = ("decode_tok_s", "decode_step_ms", "steps", "expert_hit_rate")
     model = engine.runner.model
@@ -82,8 +64,7 @@ def main() -> int:
         r["vs_greedy"] = r["decode_tok_s"] / base if base and r["decode_tok_s"] else None
         print(f"{name:24s} {r['decode_tok_s']:8.1f} tok/s  step {r['decode_step_ms']:.3f} ms "
               f"({r['vs_greedy']:.3f} of greedy)")
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, out)
     return 0
 
 

@@ -3,7 +3,7 @@ inputs -> forward -> greedy sampling -> tokens on the host) eagerly and as a rep
 graph, against the sum of the step's GPU kernel times from torch.profiler, measured in the
 same run on the same model.
 
-Qwen3.5-35B-A3B geometry with random weights (bench/model_step.py builds them: hidden 2048,
+Qwen3.5-35B-A3B geometry with random weights (`_weights` below: hidden 2048,
 256 NVFP4 experts top-8 resident on the GPU, GDN 16/32 heads, attention 16/2 x 256, the real
 vocabulary), `--layers` layers (default 8: 6 GDN + 2 attention), every sequence at a 1023-token
 context. Cases: KV bf16 and iso3 x batch 1 and 8. Target: decode step <= 1.3x the kernel sum.
@@ -21,10 +21,8 @@ the part the host adds).
 
 Offloaded cases (`--offload-slots`, default 46 slots per layer: the 6 GiB plan's share; 0
 skips them): the routed experts in a pinned host store behind a GPU expert cache (random
-routing), KV bf16, batch 1 and 8, twice: `offload_serial` with the expert-cache policy at
-the step boundary (the device waits for it) and `offload_overlap` with the policy after the
-launch, while the step computes (`gpu_cache.DEFER_POLICY`). Same model, same run; the graph
-step's gap to its kernel sum is the host time the step still waits for.
+routing), KV bf16, batch 1 and 8. Same model, same run; the graph step's gap to its kernel
+sum is the host time the step still waits for.
 
 `--dry` runs every case on the CPU instead, on a small model of the same layer pattern in fp32,
 the graph runner over the static decode path without capture (no profiler sum, no ratios):
@@ -52,16 +50,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import Recorder, run_meta  # noqa: E402
 
-# the same random 35B-A3B-shaped weights as model_step
-from model_step import _config, _weights, model_meta  # noqa: E402
-
-from tinyserve.core import Batch, SamplingParams, ScheduledSeq  # noqa: E402
+from tinyserve.core import Batch, DenseWeight, NVFP4Weight, SamplingParams, ScheduledSeq  # noqa: E402
 from tinyserve.engine.graph import DecodeGraphs  # noqa: E402
 from tinyserve.engine.runner import ModelRunner  # noqa: E402
 from tinyserve.kv.registry import create_kv_backend  # noqa: E402
 from tinyserve.kv.state_pool import GDNStatePool  # noqa: E402
+from tinyserve.model.config import ModelConfig  # noqa: E402
 from tinyserve.model.qwen35 import Qwen35Model  # noqa: E402
-from tinyserve.offload import gpu_cache  # noqa: E402
 from tinyserve.offload.provider import OffloadedExperts  # noqa: E402
 from tinyserve.offload.store import HostExpertStore  # noqa: E402
 
@@ -70,6 +65,72 @@ PAGE = 16
 CONTEXT = 1023  # cached tokens: with the new one 1024, the graphs' capacity exactly
 MAX_BATCH = 8
 TARGET = 1.3
+
+
+def _config(layers: int) -> ModelConfig:
+    types = tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                  for i in range(layers))
+    return ModelConfig(num_layers=layers, layer_types=types)
+
+
+def _weights(cfg: ModelConfig, dev: str) -> dict:
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def dense(o: int, i: int) -> DenseWeight:
+        return DenseWeight((torch.randn(o, i, generator=g, device=dev) * 0.02).bfloat16())
+
+    def fp4(o: int, i: int) -> NVFP4Weight:
+        packed = torch.randint(0, 256, (o, i // 2), generator=g, device=dev, dtype=torch.uint8)
+        # E4M3 bits 0x30..0x3F: block scales 0.5 .. 1.875
+        scale = torch.randint(0x30, 0x40, (o, i // 16), generator=g, device=dev,
+                              dtype=torch.uint8)
+        return NVFP4Weight(packed, scale, 0.004)
+
+    def vec(n: int, base: float = 0.0) -> torch.Tensor:
+        return base + 0.1 * torch.randn(n, generator=g, device=dev)
+
+    H, F = cfg.hidden_size, cfg.moe_intermediate_size
+    w: dict = {"embed_tokens": torch.randn(cfg.vocab_size, H, generator=g, device=dev)
+               .bfloat16() * 0.02, "lm_head": dense(cfg.vocab_size, H), "norm": vec(H)}
+    for L, kind in enumerate(cfg.layer_types):
+        p = f"layers.{L}."
+        w[p + "input_layernorm"], w[p + "post_attention_layernorm"] = vec(H), vec(H)
+        if kind == "linear_attention":
+            a = p + "linear_attn."
+            hv = cfg.linear_num_value_heads
+            w[a + "in_proj_qkv"] = dense(cfg.linear_conv_dim, H)
+            w[a + "in_proj_z"] = dense(cfg.linear_value_dim, H)
+            w[a + "in_proj_b"], w[a + "in_proj_a"] = dense(hv, H), dense(hv, H)
+            w[a + "out_proj"] = dense(H, cfg.linear_value_dim)
+            w[a + "conv1d"] = torch.randn(cfg.linear_conv_dim, cfg.linear_conv_kernel_dim,
+                                          generator=g, device=dev) * 0.3
+            w[a + "A_log"] = torch.rand(hv, generator=g, device=dev).mul(2.7).log1p()
+            w[a + "dt_bias"], w[a + "norm"] = vec(hv), vec(cfg.linear_value_head_dim, 1.0)
+        else:
+            a = p + "self_attn."
+            D = cfg.head_dim
+            w[a + "q_proj"] = dense(2 * cfg.num_attention_heads * D, H)
+            w[a + "k_proj"], w[a + "v_proj"] = dense(cfg.num_kv_heads * D, H), dense(
+                cfg.num_kv_heads * D, H)
+            w[a + "o_proj"] = dense(H, cfg.num_attention_heads * D)
+            w[a + "q_norm"], w[a + "k_norm"] = vec(D), vec(D)
+        m = p + "mlp."
+        w[m + "gate"] = dense(cfg.num_experts, H)
+        S = cfg.shared_expert_intermediate_size
+        w[m + "shared_expert.gate_proj"], w[m + "shared_expert.up_proj"] = fp4(S, H), fp4(S, H)
+        w[m + "shared_expert.down_proj"] = fp4(H, S)
+        w[m + "shared_expert_gate"] = dense(1, H)
+        for e in range(cfg.num_experts):
+            w[f"{m}experts.{e}.gate_proj"], w[f"{m}experts.{e}.up_proj"] = fp4(F, H), fp4(F, H)
+            w[f"{m}experts.{e}.down_proj"] = fp4(H, F)
+    return w
+
+
+def model_meta(cfg: ModelConfig, **extra: object) -> dict:
+    """The JSON description of the `_config` / `_weights` model (with `extra` keys)."""
+    return {"layers": cfg.num_layers, "layer_types": list(cfg.layer_types),
+            "geometry": "Qwen3.5-35B-A3B", "experts": "NVFP4 (random codes)",
+            "other_linears": "bf16 (shared expert NVFP4)", "page_size": PAGE, **extra}
 
 
 def _dry_config(layers: int):
@@ -238,7 +299,7 @@ def _timeline(steps: list, gpu: list, top: int = 8) -> dict:
     microseconds, under the profiler): `host_lead` from the step's start to its first GPU
     work, `gpu_span` from there to the end of its last GPU work, of which `gaps` is the time
     no kernel or copy runs (the host lead and the gap after the input copy, where the graph
-    launches, also hold the profiler's own host work: 0.1-1 ms on the H200; without it see
+    launches, also hold the profiler's own host work; without it see
     `_graph_gpu_split`), `host_tail` from then to the step's end (sync, token read-out);
     `top_gaps`: the largest gaps by the pair of kernels around them."""
     sums = {"host_lead": 0.0, "gpu_span": 0.0, "gaps": 0.0, "host_tail": 0.0, "nodes": 0}
@@ -275,8 +336,7 @@ def _timeline(steps: list, gpu: list, top: int = 8) -> dict:
 
 
 def _case(cfg, w: dict, kv_name: str, n: int, reps: int, dev: str = "cuda",
-          experts=None, defer: bool = True) -> dict:
-    gpu_cache.DEFER_POLICY = defer
+          experts=None) -> dict:
     model = _model(cfg, w, kv_name, dev, experts)
     # as the engine builds them: the logits are not kept
     eager = ModelRunner(model, page_size=PAGE, keep_logits=False)
@@ -296,7 +356,6 @@ def _case(cfg, w: dict, kv_name: str, n: int, reps: int, dev: str = "cuda",
     chained_ms = _chained_step_ms(graph, batch, 10 * reps)
     hits.mark("chained")
     cache = {} if experts is None else {"offload_slots": experts.cache.num_slots,
-                                        "defer_policy": defer,
                                         "expert_hit_rate": round(experts.stats.hit_rate, 4),
                                         "expert_hit_rate_by_mode": hits.rates}
     if dev != "cuda":
@@ -366,13 +425,10 @@ def main() -> int:
         slots = max(args.offload_slots, cfg.num_experts // cfg.num_layers + 1) * cfg.num_layers
         slots = max(slots, cfg.num_experts)
         for n in args.batch:
-            for defer in (False, True):
-                name = f"offload_{'overlap' if defer else 'serial'}_b{n}"
-                rec.run(name, _case, cfg, w, "bf16", n, reps, dev,
-                        _offloaded(store, slots, dev), defer)
-                if dev == "cuda":
-                    torch.cuda.empty_cache()
-        gpu_cache.DEFER_POLICY = True
+            rec.run(f"offload_b{n}", _case, cfg, w, "bf16", n, reps, dev,
+                    _offloaded(store, slots, dev))
+            if dev == "cuda":
+                torch.cuda.empty_cache()
     _summary(rec.data)
     print(f"wrote {out}")
     return 0 if not rec.data["errors"] else 2

@@ -3,8 +3,9 @@
 Runs unattended on one CUDA GPU (~21 GB of local disk, ~20 GB of host RAM for the pinned
 store) and writes bench/results/e2e_offload.json after every case; a failing case is recorded
 and the rest still run. Measured at the model level (Qwen35Model + ModelRunner + the
-OffloadedExperts provider, eager, no CUDA graphs): the engine does not build an offloaded
-model yet.
+OffloadedExperts provider), so that the copy kernels and prefill streaming are timed on their
+own; the engine at `--gpu-memory 6GiB` is measured by bench/memory_budget.py and
+bench/realistic_decode.py.
 
 Cases:
 - checkpoint: write it (testing.fullsize) unless it is already there.

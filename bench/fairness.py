@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 OUT = ROOT / "bench" / "results" / "fairness_cpu.json"
 
-from common import run_meta  # noqa: E402  (bench/ is on sys.path as a script)
+from common import StreamError, run_meta, stream_chunks, write_json  # noqa: E402  (bench/ on sys.path)
 from serve import _start_server, _stop_server  # noqa: E402
 
 
@@ -51,17 +51,8 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, *,
     events = 0
     usage = None
     error = None
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            await r.aread()
-            return {"error": f"HTTP {r.status_code}: {r.text[:200]}"}
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                error = chunk["error"]["message"][:200]
-                break
+    try:
+        async for chunk in stream_chunks(client, url, body):
             if chunk.get("usage"):
                 usage = chunk["usage"]
             if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
@@ -69,6 +60,8 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, *,
                 events += 1
                 if started is not None and events >= after:
                     started.set()
+    except StreamError as exc:
+        error = str(exc)
     out = {"latency_s": time.perf_counter() - t0, "ttft_s": (first or time.perf_counter()) - t0,
            "completion_tokens": (usage or {}).get("completion_tokens")}
     if error:
@@ -169,9 +162,7 @@ def main() -> int:
         "contended_ttft_median_s": _median(result["contended"], "ttft_s"),
         "contended_over_alone": contended / alone if alone and contended else None}
     print(json.dumps(result["summary"], indent=1))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
     return 0
 
 

@@ -3,7 +3,7 @@ FP8 projections of Qwen3.5-35B-A3B -> bench/results/fp8_linear.json.
 
 Measured in one run on one CUDA device:
 1. device bandwidth: a 1 GiB device-to-device copy ((read + written) / time) and a bf16
-   cuBLAS GEMV streaming a 1 GiB weight (read / time), as in bench/nvfp4.py;
+   cuBLAS GEMV streaming a 1 GiB weight (read / time): bench/common.py `bandwidth`;
 2. per shape, M = 1, 4, 16: every fp8 path (gemv, dot, dequant; bit decode, and native
    float8e4nv at M = 1, 16, 2048) and the default, the old path (native e4m3 -> bf16
    conversion of the whole weight, F.linear, fp32 scale: what model.linear did before), bf16
@@ -11,7 +11,7 @@ Measured in one run on one CUDA device:
    bandwidth (target: M = 1 on 8192 x 2048 >= 0.6 of copy bandwidth);
 3. M = 512, 2048: TFLOP/s of dot and dequant vs the old path and bf16 cuBLAS;
 4. a sweep of gemv tiles at M = 1 (`gemv_sweep_*`, best marked).
-Every case is timed inside a CUDA graph over enough weight copies to miss L2 (bench/nvfp4.py
+Every case is timed inside a CUDA graph over enough weight copies to miss L2 (bench/common.py
 `time_graph`: median of 10 replays). Cases run most important first; after BUDGET_S seconds
 the rest are skipped (recorded as such), so the run stays under 90 s.
 Usage: python bench/fp8_linear.py
@@ -30,8 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import Recorder, run_meta  # noqa: E402
-from nvfp4 import bandwidth, time_graph  # noqa: E402
+from common import Recorder, bandwidth, run_meta, time_graph  # noqa: E402
 
 from tinyserve.core import FP8Weight  # noqa: E402
 from tinyserve.kernels.fp8 import (  # noqa: E402

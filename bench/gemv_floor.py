@@ -1,15 +1,16 @@
 """What fraction of the bandwidth reference a decode GEMV can reach at a given weight size, on
-this GPU, timed as bench/nvfp4.py times its GEMVs (a CUDA graph of back-to-back calls over
-weight copies rotated past L2) -> results/gemv_floor.json.
+this GPU, timed as every kernel benchmark times (bench/common.py `time_graph`: a CUDA graph of
+back-to-back calls over weight copies rotated past L2) -> results/gemv_floor.json.
 
 At each size (NVFP4 weights of 4.7 .. 286 MB, K = 2048): the NVFP4 GEMV (M = 1) with the shipped
 tiles and with the lm_head's persistent tiles, a bf16 cuBLAS GEMV over a bf16 weight of the same
-bytes, and a device-to-device copy of the same bytes (read and written). The bandwidth reference
-`bw` is bench/nvfp4.py's (the larger of a 1 GiB copy and a 1 GiB bf16 GEMV). A small weight
-cannot reach the reference: every call pays a launch, a ramp-up of the first loads and a tail,
-whoever wrote the kernel; cuBLAS at the same bytes says how much of a miss is that floor.
+bytes, and a device-to-device copy of the same bytes (read and written). The bandwidth
+reference `bw` is bench/common.py `bandwidth` (the larger of a 1 GiB copy and a 1 GiB bf16
+GEMV). A small weight cannot reach the reference: every call pays a launch, a ramp-up of
+the first loads and a tail, whoever wrote the kernel; cuBLAS at the same bytes says how much
+of a miss is that floor.
 
-Usage: python bench/gemv_floor.py  (< 60 s on an H200)
+Usage: python bench/gemv_floor.py  (< 60 s)
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.common import Recorder, rand_nvfp4, run_meta  # noqa: E402
-from bench.nvfp4 import bandwidth, copies, nvfp4_bytes, time_graph  # noqa: E402
+from bench import common  # noqa: E402
 from tinyserve.kernels.nvfp4 import default_gemv_config, nvfp4_linear  # noqa: E402
 from tinyserve.kernels.nvfp4_tiles import GEMV_TILES  # noqa: E402
 
@@ -37,22 +37,23 @@ PERSIST = GEMV_TILES[(248320, 2048)]
 
 
 def bench_size(n: int, bw: float) -> dict:
-    wb = nvfp4_bytes(n, K)
+    wb = common.nvfp4_bytes(n, K)
     x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
-    ws = [rand_nvfp4(n, K, "cuda") for _ in range(copies(wb, False))]
-    us_fp4 = time_graph([lambda w=w: nvfp4_linear(x, w) for w in ws])
-    us_persist = time_graph([lambda w=w: nvfp4_linear(x, w, path="gemv", gemv_config=PERSIST)
-                             for w in ws])
+    ws = [common.rand_nvfp4(n, K, "cuda") for _ in range(common.copies(wb, False))]
+    us_fp4 = common.time_graph([lambda w=w: nvfp4_linear(x, w) for w in ws])
+    us_persist = common.time_graph(
+        [lambda w=w: nvfp4_linear(x, w, path="gemv", gemv_config=PERSIST) for w in ws])
     del ws
     kb = wb // (2 * n) // 64 * 64  # bf16 columns with the same bytes per row
     xb = torch.randn(1, kb, device="cuda", dtype=torch.bfloat16)
     dense = [torch.randn(n, kb, device="cuda", dtype=torch.bfloat16)
-             for _ in range(copies(2 * n * kb, False))]
-    us_bf16 = time_graph([lambda d=d: xb @ d.T for d in dense])
+             for _ in range(common.copies(2 * n * kb, False))]
+    us_bf16 = common.time_graph([lambda d=d: xb @ d.T for d in dense])
     del dense
-    src = [torch.empty(wb, dtype=torch.uint8, device="cuda") for _ in range(copies(wb, False))]
+    src = [torch.empty(wb, dtype=torch.uint8, device="cuda")
+           for _ in range(common.copies(wb, False))]
     dst = torch.empty(wb, dtype=torch.uint8, device="cuda")
-    us_copy = time_graph([lambda s=s: dst.copy_(s) for s in src])
+    us_copy = common.time_graph([lambda s=s: dst.copy_(s) for s in src])
     return dict(N=n, K=K, weight_bytes=wb, nvfp4_us=us_fp4, nvfp4_frac_bw=wb / us_fp4 / 1e3 / bw,
                 nvfp4_config=str(default_gemv_config(n, K)), persistent_us=us_persist,
                 persistent_frac_bw=wb / us_persist / 1e3 / bw,
@@ -65,10 +66,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 1
-    rec = Recorder(ROOT / "bench/results/gemv_floor.json", run_meta(
+    rec = common.Recorder(ROOT / "bench/results/gemv_floor.json", common.run_meta(
         "gemv_floor", timing="median of 10 CUDA-graph replays, weights rotated past L2",
         baseline="bf16 cuBLAS GEMV and a device copy at the same bytes, same run"))
-    bw = (rec.run("bandwidth", bandwidth, "cuda") or {}).get("GBps", 4000.0)
+    bw = (rec.run("bandwidth", common.bandwidth, "cuda") or {}).get("GBps", 4000.0)
     for n in ROWS:
         rec.run(f"rows_{n}", bench_size, n, bw)
         torch.cuda.empty_cache()

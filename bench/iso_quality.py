@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import run_meta  # noqa: E402  (bench/ is on sys.path as a script)
+from common import run_meta, write_json  # noqa: E402  (bench/ on sys.path)
 
 from tinyserve.kernels import iso  # noqa: E402
 
@@ -116,9 +116,7 @@ def main() -> int:
         res["tiny_model"] = {"error": f"{type(exc).__name__}: {exc}"}
         traceback.print_exc()
     print(json.dumps(res["tiny_model"]), flush=True)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(res, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    write_json(RESULTS, res)
     return 0
 
 

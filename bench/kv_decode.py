@@ -12,7 +12,7 @@ heads, 2 KV heads, head_dim 256, 16-token pages), batch 1 and 8, context 1k / 4k
 
 Each timed call runs over several distinct layer caches (nothing stays in L2 between layers,
 as in a real step) inside a CUDA graph of 10 such runs; the per-layer time is the graph time
-/ calls (bench/iso_attention.py's `_time_us`). Every row records its error against an fp32
+/ calls (bench/common.py `graph_us`). Every row records its error against an fp32
 oracle on its first cache. At 1k every path's kernels are listed once from a profiled eager
 call (`kernels`: name, launches, GPU us, grid), which shows what a decode step launches per
 attention layer. `--sweep` adds the paged kernel's settings (tile, warps, stages, CTAs per SM)
@@ -31,33 +31,98 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import Recorder, run_meta  # noqa: E402
-from iso_attention import (  # noqa: E402
-    HKV,
-    HQ,
-    PAGE,
-    D,
-    _iso_state,
-    _layers_needed,
-    _oracle,
-    _time_us,
-    bench_decode_bf16,
-    bench_decode_iso,
-)
+from common import Recorder, graph_us, run_meta  # noqa: E402
 
-from tinyserve.kernels import iso_mma, paged_kv, paged_kv_triton  # noqa: E402
+from tinyserve.kernels import iso, iso_cuda, iso_mma, paged_kv, paged_kv_triton  # noqa: E402
 
+HQ, HKV, D = 16, 2, 256
+PAGE = 16
 OUT = ROOT / "bench" / "results" / "kv_decode.json"
 CONTEXTS = (1024, 4096, 32768, 131072)
 GATHER_MAX_CONTEXT = 32768  # the gather path's copies grow with the context
 SWEEP = [dict(block_t=bt, num_warps=w, num_stages=st, ctas_per_sm=c)
          for bt, w, st in ((16, 4, 2), (32, 4, 2), (32, 4, 3), (32, 8, 2), (64, 8, 2))
          for c in (2, 4, 8)]
+
+
+def _layers_needed(bytes_per_layer: int) -> int:
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
+    return max(2, min(10, math.ceil(2 * l2 / max(1, bytes_per_layer))))
+
+
+def _iso_state(fmt: str, batch: int, ctx: int) -> dict:
+    """Packed caches for several layers (random bf16 K/V stored through the kernel)."""
+    rb = iso.packed_row_bytes(D, fmt)
+    bytes_layer = 2 * batch * ctx * HKV * rb
+    n_layers = _layers_needed(bytes_layer)
+    pages_per = ctx // PAGE
+    table = torch.randperm(batch * pages_per, device="cuda").int().reshape(batch, pages_per)
+    caches = []
+    slots = torch.arange(batch * ctx, device="cuda")
+    for _ in range(n_layers):
+        kc = torch.empty(batch * ctx, HKV, rb, dtype=torch.uint8, device="cuda")
+        vc = torch.empty_like(kc)
+        for s in range(0, batch * ctx, 1 << 18):
+            e = min(batch * ctx, s + (1 << 18))
+            k = torch.randn(e - s, HKV, D, device="cuda").bfloat16()
+            iso_cuda.iso_store(kc, vc, slots[s:e], k, k, fmt)
+        caches.append((kc, vc))
+    q = torch.randn(batch, HQ, D, device="cuda").bfloat16()
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    return dict(fmt=fmt, batch=batch, ctx=ctx, caches=caches, table=table, q=q, lens=lens,
+                out=torch.empty_like(q), bytes=bytes_layer, n_layers=n_layers)
+
+
+def _oracle(st: dict) -> torch.Tensor:
+    """fp32 attention over the first layer cache's rows of each sequence (dequantized for an
+    ISO state): [B, HQ, D]."""
+    kc, vc = st["caches"][0]
+    fmt = st.get("fmt")
+
+    def rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:  # [T, HKV, D] fp32
+        if fmt is None:
+            return cache[slots].float()
+        return iso_cuda.iso_dequant_rows(cache, slots, fmt, D, torch.float32)
+
+    out = torch.empty(st["batch"], HQ, D, device="cuda")
+    t = torch.arange(st["ctx"], device="cuda")
+    for b in range(st["batch"]):
+        slots = st["table"][b].long()[t // PAGE] * PAGE + t % PAGE
+        k, v = rows(kc, slots), rows(vc, slots)
+        qg = st["q"][b].float().reshape(HKV, HQ // HKV, D)
+        p = torch.softmax(torch.einsum("hgd,thd->hgt", qg, k) * D ** -0.5, dim=-1)
+        out[b] = torch.einsum("hgt,thd->hgd", p, v).reshape(HQ, D)
+        del k, v, p
+    return out
+
+
+def bench_decode_bf16(batch: int, ctx: int) -> dict:
+    bytes_layer = 2 * batch * ctx * HKV * D * 2
+    n_layers = _layers_needed(bytes_layer)
+    kvs = [(torch.randn(batch, HKV, ctx, D, device="cuda").bfloat16(),
+            torch.randn(batch, HKV, ctx, D, device="cuda").bfloat16()) for _ in range(n_layers)]
+    q = torch.randn(batch, HQ, 1, D, device="cuda").bfloat16()
+
+    def run():
+        for k, v in kvs:
+            F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    us, method = graph_us(run, n_layers)
+    return dict(us=us, bytes=bytes_layer, GBps=bytes_layer / us / 1e3, method=method,
+                layers_in_rotation=n_layers)
+
+
+def _iso_call(st: dict):
+    """The ISO3 decode kernel the engine runs (the tensor-core kernel, its shipped settings)."""
+    q, table, lens = st["q"], st["table"], st["lens"]
+    return lambda kc, vc, out: iso_mma.iso_decode_attention_mma(
+        q, kc, vc, table, lens, PAGE, st["fmt"], D ** -0.5, max_seq_len=st["ctx"], out=out)
 
 
 def _paged_state(batch: int, ctx: int) -> dict:
@@ -77,21 +142,6 @@ def _paged_state(batch: int, ctx: int) -> dict:
                 out=torch.empty_like(q), bytes=bytes_layer, n_layers=n_layers)
 
 
-def _paged_oracle(st: dict) -> torch.Tensor:
-    """fp32 attention over the first layer cache's rows of each sequence: [B, HQ, D]."""
-    kc, vc = st["caches"][0]
-    out = torch.empty(st["batch"], HQ, D, device="cuda")
-    t = torch.arange(st["ctx"], device="cuda")
-    for b in range(st["batch"]):
-        slots = st["table"][b].long()[t // PAGE] * PAGE + t % PAGE
-        k, v = kc[slots].float(), vc[slots].float()  # [T, HKV, D]
-        qg = st["q"][b].float().reshape(HKV, HQ // HKV, D)
-        p = torch.softmax(torch.einsum("hgd,thd->hgt", qg, k) * D ** -0.5, dim=-1)
-        out[b] = torch.einsum("hgt,thd->hgd", p, v).reshape(HQ, D)
-        del k, v, p
-    return out
-
-
 def _paged_call(st: dict, impl: str, cfg: dict):
     q, table, lens, ctx = st["q"], st["table"], st["lens"], st["ctx"]
     if impl == "gather":
@@ -103,9 +153,13 @@ def _paged_call(st: dict, impl: str, cfg: dict):
 
 
 def bench_paged(st: dict, impl: str, cfg: dict, base_us: float | None) -> dict:
-    """Time one bf16 paged path ("paged", "paged_bound2x" or "gather") on a state, with its
-    error against the fp32 oracle on the first layer cache."""
-    call = _paged_call(st, impl, cfg)
+    """Time one bf16 paged path ("paged", "paged_bound2x" or "gather") on a state."""
+    return bench_call(st, _paged_call(st, impl, cfg), base_us) | {"config": cfg}
+
+
+def bench_call(st: dict, call, base_us: float | None) -> dict:
+    """Time call(k_cache, v_cache, out) over the state's layer caches, with its error against
+    the fp32 oracle on the first layer cache."""
     check = torch.full_like(st["q"], float("nan"))
     call(*st["caches"][0], check)
     ref = st["oracle"]
@@ -118,10 +172,10 @@ def bench_paged(st: dict, impl: str, cfg: dict, base_us: float | None) -> dict:
         for kc, vc in st["caches"]:
             call(kc, vc, out)
 
-    us, method = _time_us(run, st["n_layers"])
+    us, method = graph_us(run, st["n_layers"])
     row = dict(us=us, max_rel_err=rel, cos_vs_oracle=cos, ok=rel < 1e-2,
                GBps=st["bytes"] / us / 1e3, bytes=st["bytes"], method=method,
-               layers_in_rotation=st["n_layers"], config=cfg)
+               layers_in_rotation=st["n_layers"])
     if base_us:
         row["ratio_vs_sdpa"] = us / base_us
     return row
@@ -156,8 +210,6 @@ def profile_kernels(fn) -> dict:
 
 def _profile_point(rec: Recorder, tag: str, st_paged: dict, st_iso: dict | None) -> None:
     """At one point: the kernels each path launches for one layer (eager, first cache)."""
-    import torch.nn.functional as F
-
     kc, vc = st_paged["caches"][0]
     out = st_paged["out"]
     kvs = (torch.randn(st_paged["batch"], HKV, st_paged["ctx"], D, device="cuda").bfloat16(),
@@ -170,9 +222,7 @@ def _profile_point(rec: Recorder, tag: str, st_paged: dict, st_iso: dict | None)
     }
     if st_iso is not None:
         ikc, ivc = st_iso["caches"][0]
-        calls["iso3_mma"] = lambda: iso_mma.iso_decode_attention_mma(
-            st_iso["q"], ikc, ivc, st_iso["table"], st_iso["lens"], PAGE, "iso3", D ** -0.5,
-            max_seq_len=st_iso["ctx"], out=st_iso["out"])
+        calls["iso3_mma"] = lambda: _iso_call(st_iso)(ikc, ivc, st_iso["out"])
     for name, fn in calls.items():
         rec.run(f"{tag}/kernels/{name}", profile_kernels, fn)
 
@@ -249,7 +299,7 @@ def main() -> int:
 
             def make_paged(batch=batch, ctx=ctx, held=held) -> dict:
                 held["paged"] = st = _paged_state(batch, ctx)
-                st["oracle"] = _paged_oracle(st)
+                st["oracle"] = _oracle(st)
                 return dict(n_layers=st["n_layers"], bytes=st["bytes"])
 
             if rec.run(f"{tag}/paged_state", make_paged) is not None:
@@ -268,7 +318,7 @@ def main() -> int:
                 return dict(n_layers=st["n_layers"], bytes=st["bytes"])
 
             if rec.run(f"{tag}/iso3_state", make_iso) is not None:
-                rec.run(f"{tag}/iso3_mma", bench_decode_iso, held["iso"], "mma", {}, base)
+                rec.run(f"{tag}/iso3_mma", bench_call, held["iso"], _iso_call(held["iso"]), base)
             if ctx == 1024 and "paged" in held:
                 _profile_point(rec, tag, held["paged"], held.get("iso"))
             held.clear()

@@ -2,16 +2,15 @@
 --prompt-len P --gen-len G --json` for every format and prompt length, each run in a fresh
 process, the formats alternating, `--repeats` rounds.
 
-Formats: iso3 and bf16 (the paged Triton decode kernel), so one run shows where bf16 stands
-against iso3.
+Formats: the `--kv` values (iso3 and bf16 by default; iso4 on request).
 Prompt lengths: 1024 (the decode graphs' capacity is 2048 for 1025..1088 tokens) and 32704
 (capacity 32768 for 32705..32768).
 
 Per (prompt length, format): the runs' decode tok/s and median step, the best-of; per prompt
-length the bf16 / iso3 step ratio (the acceptance: bf16 within 5 % of iso3 at 1k). Peak
-memory and the KV bytes per token come from the bench's memory plan.
+length the step ratios of the formats to iso3 (the acceptance: bf16 within 5 % of iso3 at
+1k). Peak memory and the KV bytes per token come from the bench's memory plan.
 
-    python bench/kv_formats.py CKPT [--prompt-lens 1024 32704] [--formats iso3 bf16]
+    python bench/kv_formats.py CKPT [--prompt-lens 1024 32704] [--formats iso3 bf16 iso4]
         [--repeats 2] [--gen-len 64] [--gpu-memory none] [--merge]
         -> bench/results/kv_formats.json
 """
@@ -20,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -33,8 +31,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from common import Recorder, run_meta  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "kv_formats.json"
-# format -> (--kv, extra environment)
-FORMATS = {"iso3": ("iso3", {}), "bf16": ("bf16", {})}
+FORMATS = ("iso3", "bf16", "iso4")
 KEEP = ("prompt_len", "gen_len", "batch", "prefill_tok_s", "decode_tok_s", "decode_step_ms",
         "ttft_s", "steps", "graphs_captured", "peak_memory_bytes", "commit", "date")
 
@@ -42,20 +39,18 @@ KEEP = ("prompt_len", "gen_len", "batch", "prefill_tok_s", "decode_tok_s", "deco
 def run_one(ckpt: str, fmt: str, prompt_len: int, gen_len: int, batch: int,
             gpu_memory: str | None) -> dict:
     """One `tinyserve bench` in a fresh process: its result (the plan's KV figures kept)."""
-    kv, env = FORMATS[fmt]
-    cmd = [sys.executable, "-m", "tinyserve.cli", "bench", ckpt, "--kv", kv, "--prompt-len",
+    cmd = [sys.executable, "-m", "tinyserve.cli", "bench", ckpt, "--kv", fmt, "--prompt-len",
            str(prompt_len), "--gen-len", str(gen_len), "--batch", str(batch), "--json"]
     if gpu_memory:
         cmd += ["--gpu-memory", gpu_memory]
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, **env})
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if res.returncode != 0:
         raise RuntimeError(f"exit {res.returncode}: {res.stderr[-3000:]}")
     lines = res.stdout.splitlines()  # the JSON starts at the last line "{" (indent=2)
     out = json.loads("\n".join(lines[max(i for i, x in enumerate(lines) if x == "{"):]))
     plan = out.get("memory_plan") or {}
     row = {k: out[k] for k in KEEP if k in out}
-    row.update(command="python " + " ".join(cmd[1:]), env=env,
+    row.update(command="python " + " ".join(cmd[1:]),
                kv_bytes_per_token=plan.get("kv_bytes_per_token"),
                kv_bytes=plan.get("kv_bytes"), context_tokens=plan.get("context_tokens"))
     return row
@@ -63,7 +58,7 @@ def run_one(ckpt: str, fmt: str, prompt_len: int, gen_len: int, batch: int,
 
 def summarize(cases: dict) -> dict:
     """Per prompt length: per format the runs' decode step (ms) and tok/s, their best and
-    median, and the step ratio bf16 / iso3."""
+    median, and the step ratio of each format to iso3."""
     table: dict = {}
     for name, row in cases.items():
         p, fmt = name.split("/")[:2]  # p{P}/{fmt}/run{i}
@@ -77,8 +72,9 @@ def summarize(cases: dict) -> dict:
                         median_step_ms=statistics.median(cell["step_ms"]),
                         best_tok_s=max(cell["tok_s"]))
         step = {f: c["median_step_ms"] for f, c in cells.items()}
-        if "bf16" in step and "iso3" in step:
-            cells["bf16_over_iso3"] = step["bf16"] / step["iso3"]
+        for fmt in step.keys() - {"iso3"}:
+            if "iso3" in step:
+                cells[f"{fmt}_over_iso3"] = step[fmt] / step["iso3"]
         if "bf16_over_iso3" in cells:
             cells["bf16_within_5pct_of_iso3"] = cells["bf16_over_iso3"] <= 1.05
     return table
@@ -88,7 +84,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("ckpt")
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 32704])
-    ap.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS))
+    ap.add_argument("--formats", nargs="+", choices=FORMATS, default=["iso3", "bf16"])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--gen-len", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1)
@@ -116,8 +112,7 @@ def main() -> int:
     for p, cells in rec.data["summary"].items():
         line = ", ".join(f"{f} {c['median_step_ms']:.3f} ms ({c['best_tok_s']:.1f} tok/s)"
                          for f, c in cells.items() if isinstance(c, dict))
-        ratios = ", ".join(f"{k} {v:.3f}" for k, v in cells.items() if k.endswith(
-            tuple(f"_over_{f}" for f in FORMATS)))
+        ratios = ", ".join(f"{k} {v:.3f}" for k, v in cells.items() if k.endswith("_over_iso3"))
         print(f"{p}: {line}\n    {ratios}")
     print(f"wrote {args.out}")
     return 0

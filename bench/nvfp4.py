@@ -1,43 +1,29 @@
-"""NVFP4 decode kernels at M = 1, a sweep of gemv and fused-MoE variants -> results/nvfp4.json.
+"""NVFP4 decode kernels at the 35B-A3B shapes, as the model calls them -> results/nvfp4.json.
 
-One unattended run on one GPU (< 120 s, most of it Triton compiles), everything beside its
-baseline from the same run:
+One unattended run on one GPU, everything beside its baseline from the same run:
 1. bandwidth: a 1 GiB device copy (read + written) and a bf16 cuBLAS GEMV over a 1 GiB
    weight (read only); the larger is the reference `bw` for every fraction below, and the
    fractions of the copy bandwidth alone (the targets' reference) are recorded beside them;
-2. gemv M = 1 on the 35B-A3B shapes (qkvz, lm_head, o_proj, gate_up, down): bf16 cuBLAS,
-   the default path (`default_path`: what the model runs), the CUDA gemv at each rows per
-   warp (`cuda_r*`, K in 1024 / 2048 / 4096; `cuda_dependent`: its default tiles as
-   programmatic dependent launches, back to back), the shape's Triton tiles
-   (`default_gemv_config`) and every candidate of `GEMV_SWEEP` (decode "f32" / "h2", rows,
-   blocks, warps, load width, stages, split-K);
-3. fused MoE decode, one token x 8 of 256 experts: the default "fused" path (`cuda_*`: the
-   CUDA kernels of `nvfp4_cuda.moe_decode` where they apply), its Triton kernels (two
-   launches, deterministic; table tiles and `MOE_FUSED_CANDIDATES`) and the "gemv" path (its
-   current tiles), routed only and for the whole layer (+ the shared expert: in the fused
-   launches, vs the model's separate gate_up GEMV, silu_mul, down GEMV and gated_add),
-   against the time to read the experts' bytes at `bw` and at the device copy bandwidth
-   (the target's reference: <= 2x; the copy is the slower of the two); then the whole layer
-   at 4 and 8 tokens (gemv, fused table tiles + the first `FUSED_MULTI` candidates).
-Every variant is first checked against the torch reference on the GPU (relative Frobenius
-and max errors recorded; a variant over 1e-2 is not timed). Timing: the median of 10 replays
-of a CUDA graph that cycles through enough weight copies (>= 256 MB) to miss L2. The winners
-per shape are printed as `nvfp4_tiles.py` table entries. A failing case is recorded and the
-rest still run; past TIME_BUDGET_S the remaining variants are skipped (recorded as such).
+2. GEMV M = 1 on the 35B-A3B shapes (qkvz, lm_head, o_proj, gate_up, down): `nvfp4_linear`
+   as the model calls it, against bf16 cuBLAS over a bf16 weight of the same shape;
+3. MoE decode, 1 / 4 / 8 tokens x 8 of 256 experts: `fused_moe` as the model calls it,
+   routed experts only (1 token) and the whole layer (+ the shared expert), against the time
+   to read the experts' bytes at `bw` and at the copy bandwidth (the target: <= 2x of the
+   copy-bandwidth read time at 1 token).
+Every case is first checked against the torch reference on the GPU (relative Frobenius and
+max errors recorded; over 1e-2 it is not timed). Timing: bench/common.py `time_graph`, the
+median of 10 replays of a CUDA graph that cycles through enough weight copies (>= 256 MB) to
+miss L2. A failing case is recorded and the rest still run.
 
-Usage: python bench/nvfp4.py [--smoke] [--only moe|gemv] [--shape NAME]  (--smoke: tiny
-shapes, any device, no timing; checks the script itself, e.g. on CPU with TRITON_INTERPRET=1;
---only moe: the bandwidth and the MoE rows only, ~40-65 s (variants past MOE_BUDGET_S
-skipped), into results/nvfp4_moe.json; --shape: the gemv rows of one shape of SHAPES).
+Usage: python bench/nvfp4.py [--smoke]  (--smoke: tiny shapes, any device, no timing; checks
+the script itself, on a CPU with TRITON_INTERPRET=1 set)
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,28 +31,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from bench.common import Recorder, rand_nvfp4, run_meta  # noqa: E402
-from tinyserve.core import NVFP4Weight  # noqa: E402
-from tinyserve.kernels import nvfp4_cuda  # noqa: E402
-from tinyserve.kernels.fused_moe import (  # noqa: E402
-    MoEGemvConfig,
-    allocate_expert_slots,
-    default_moe_gemv_config,
-    fused_moe,
-    fused_moe_ref,
-    single_expert_slots,
-)
-from tinyserve.kernels.fused_moe_decode import (  # noqa: E402
-    MOE_FUSED_CANDIDATES,
-    MoEFusedConfig,
-    default_moe_fused_config,
-)
-from tinyserve.kernels.nvfp4 import GemvConfig, default_gemv_config, nvfp4_linear  # noqa: E402
+from bench import common  # noqa: E402
+from tinyserve.kernels import fused_moe as moe  # noqa: E402
+from tinyserve.kernels.nvfp4 import nvfp4_linear  # noqa: E402
 from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4  # noqa: E402
-from tinyserve.kernels.nvfp4_tiles import PERSISTENT_CANDIDATES  # noqa: E402
 
 SHAPES = {  # name: (N, K), most important first
     "qkvz_2048_8192": (8192, 2048), "lm_head_2048_248320": (248320, 2048),
@@ -74,188 +42,40 @@ SHAPES = {  # name: (N, K), most important first
     "down_512_2048": (2048, 512),
 }
 SMOKE_SHAPES = {"qkvz": (64, 1024), "down": (48, 512)}
-G = GemvConfig
-GEMV_SWEEP = [  # K >= 1024 (a block_b past K/16 is masked)
-    G(8, 128, 4), G(16, 128, 4), G(32, 32, 4), G(16, 128, 4, vec=4),
-    G(8, 128, 4, 4),  # split-K up to 4 programs per SM
-    G(8, 128, 4, decode="h2"), G(16, 128, 4, decode="h2"), G(16, 128, 4, vec=4, decode="h2"),
-    G(16, 256, 8, decode="h2"), G(32, 128, 8, decode="h2"), G(64, 128, 8, decode="h2"),
-    G(8, 128, 4, 4, decode="h2"),
-]
-GEMV_SWEEP += PERSISTENT_CANDIDATES  # persistent gemv: fixed grid, next tile's loads in flight
-GEMV_SWEEP_SMALL_K = [  # K = 512 (32 blocks)
-    G(32, 32, 4), G(16, 32, 2), G(64, 32, 8), G(32, 32, 4, decode="h2"),
-    G(16, 32, 2, decode="h2"), G(64, 32, 8, decode="h2"),
-]
-FUSED_MULTI = 5  # fused candidates also timed at 4 and 8 tokens (and routed at 1)
-ROTATE_BYTES = 256 << 20  # cycle weight copies until this many bytes (> L2)
 MAX_REL_ERR = 1e-2
-TIME_BUDGET_S = 100.0
-MOE_BUDGET_S = 62.0  # --only moe: the run stays under ~70 s
-T0 = time.perf_counter()
-SMOKE = False  # --smoke: no timing, no time budget
 
 
-def time_graph(fns: list, reps: int = 10, stat=statistics.median) -> float:
-    """Median (or `stat`) microseconds per call of the calls in `fns`, replayed in one CUDA
-    graph (launch overhead amortised; the calls run back to back)."""
-    for fn in fns[:2]:
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in fns:
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(fns))
-    return stat(times)
+def timed(call, calls: list, ref: torch.Tensor, smoke: bool) -> dict:
+    """Errors of call() against ref; unless smoke or wrong, the time of `calls` in a graph."""
+    res = common.errors(call(), ref)
+    if res["rel_err"] > MAX_REL_ERR:
+        res["wrong"] = True
+    elif not smoke:
+        res["us"] = common.time_graph(calls)
+    return res
 
 
-def errors(y: torch.Tensor, ref: torch.Tensor) -> dict:
-    d = y.float() - ref
-    return {"rel_err": float(d.norm() / ref.norm()),
-            "max_rel_err": float(d.abs().max() / ref.abs().max())}
-
-
-def over_budget() -> bool:
-    return not SMOKE and time.perf_counter() - T0 > TIME_BUDGET_S
-
-
-def bandwidth(dev: str) -> dict:
-    """20 copies of 1 GiB per graph replay (best replay), and a bf16 cuBLAS GEMV over a
-    1 GiB weight (read only)."""
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    copy = time_graph([lambda: b.copy_(a)] * 20, reps=5, stat=min)
-    w = a.view(torch.bfloat16).view(1 << 15, 1 << 14)
-    v = torch.randn(1 << 14, 1, device=dev, dtype=torch.bfloat16)
-    read = time_graph([lambda: w @ v] * 20, reps=5, stat=min)
-    out = {"copy_GBps": 2 * n / copy / 1e3, "gemv_read_GBps": n / read / 1e3}
-    out["GBps"] = max(out["copy_GBps"], out["gemv_read_GBps"])
-    return out
-
-
-def nvfp4_bytes(n: int, k: int) -> int:
-    return n * k // 2 + n * k // 16
-
-
-def copies(nbytes: int, smoke: bool) -> int:
-    return 1 if smoke else max(1, min(32, -(-ROTATE_BYTES // nbytes)))
-
-
-def gemv_key(c: GemvConfig) -> str:
-    return (f"{c.decode}_bn{c.block_n}_bb{c.block_b}_w{c.num_warps}_v{c.vec}_s{c.num_stages}"
-            f"_pps{c.programs_per_sm}{'_pf' if c.prefetch else ''}"
-            f"{f'_persist{c.persistent}' if c.persistent else ''}"
-            f"{'' if c.hoist_x else '_xtile'}")
-
-
-def gemv_table_entry(c: GemvConfig) -> str:
-    extra = (", prefetch=True" if c.prefetch else "") + (
-        f", persistent={c.persistent}" if c.persistent else "") + (
-        "" if c.hoist_x else ", hoist_x=False")
-    return (f"GemvConfig({c.block_n}, {c.block_b}, {c.num_warps}, {c.programs_per_sm}, "
-            f"vec={c.vec}, num_stages={c.num_stages}, decode={c.decode!r}{extra})")
-
-
-def gemv_m4(x1: torch.Tensor, ws: list, cands: list, variants: dict) -> dict:
-    """M = 4 on a large weight: the `dot` path (today's choice) vs the fastest persistent
-    candidate at M = 1 (it decodes a tile once for all 4 rows of x)."""
-    timed = [c for c in cands if c.persistent and "us" in variants.get(gemv_key(c), {})]
-    if not timed:
-        return {"skipped": "no persistent candidate timed at M = 1"}
-    cfg = min(timed, key=lambda c: variants[gemv_key(c)]["us"])
-    x = torch.randn(4, x1.shape[1], device=x1.device, dtype=x1.dtype)
-    ref = x.float() @ dequantize_nvfp4(ws[0]).to(x.device).T
-    out: dict = {"persistent_config": gemv_key(cfg)}
-    for name, kw in (("dot", {"path": "dot"}), ("persistent", {"path": "gemv",
-                                                                "gemv_config": cfg})):
-        try:
-            res = errors(nvfp4_linear(x, ws[0], **kw), ref)
-            if res["rel_err"] <= MAX_REL_ERR:
-                res["us"] = time_graph([lambda w=w, kw=kw: nvfp4_linear(x, w, **kw) for w in ws])
-        except Exception as exc:  # noqa: BLE001
-            res = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-        out[name] = res
-    return out
-
-
-def bench_gemv(n: int, k: int, bw: float, dev: str, smoke: bool,
-               copy_bw: float | None = None) -> dict:
-    """bf16 cuBLAS, the current tiles and the sweep at M = 1 on one [N, K] shape; fractions
-    of `bw` (and of the device copy bandwidth `copy_bw`, where given)."""
-    wb = nvfp4_bytes(n, k)
-    ws = [rand_nvfp4(n, k, dev) for _ in range(copies(wb, smoke))]
+def bench_gemv(n: int, k: int, bw: float, copy_bw: float, dev: str, smoke: bool) -> dict:
+    """`nvfp4_linear` at M = 1 on one [N, K] shape against bf16 cuBLAS."""
+    wb = common.nvfp4_bytes(n, k)
+    ws = [common.rand_nvfp4(n, k, dev) for _ in range(common.copies(wb, smoke))]
     x = torch.randn(1, k, device=dev, dtype=torch.bfloat16 if dev == "cuda" else torch.float32)
     ref = x.float() @ dequantize_nvfp4(ws[0]).to(dev).T
     out: dict = {"N": n, "K": k, "weight_bytes": wb}
+    out["nvfp4"] = res = timed(lambda: nvfp4_linear(x, ws[0]),
+                               [lambda w=w: nvfp4_linear(x, w) for w in ws], ref, smoke)
+    if "us" in res:
+        res.update(frac_bw=wb / res["us"] / 1e3 / bw, frac_copy=wb / res["us"] / 1e3 / copy_bw)
     if not smoke:
         dense = [torch.randn(n, k, device=dev, dtype=torch.bfloat16)
-                 for _ in range(copies(2 * n * k, smoke))]
-        us = time_graph([lambda d=d: x @ d.T for d in dense])
+                 for _ in range(common.copies(2 * n * k))]
+        us = common.time_graph([lambda d=d: x @ d.T for d in dense])
         out["bf16_cublas"] = {"us": us, "frac_bw": 2 * n * k / us / 1e3 / bw}
-        del dense
-    default = default_gemv_config(n, k)
-    cands = GEMV_SWEEP if k // 16 > 32 else GEMV_SWEEP_SMALL_K
-    # persistent tiles cover K: past 2048 inputs they only grow (o_proj: builds, no gain)
-    cands = [c for c in cands if not (c.persistent and k > 2048)]
-    calls = {"default_path": lambda w: nvfp4_linear(x, w)}  # what the model runs
-    if dev == "cuda" and k in nvfp4_cuda.KS and x.dtype != torch.float32:
-        for r in nvfp4_cuda.allowed_rows_per_warp(k):
-            calls[f"cuda_r{r}"] = lambda w, r=r: nvfp4_cuda.gemv_one_row(x, w, rows_per_warp=r)
-        # back to back as dependent launches: each call's weights stream during the last's tail
-        calls["cuda_dependent"] = lambda w: nvfp4_cuda.gemv_one_row(x, w, dependent=True)
-    configs = {gemv_key(c): c for c in [default] + [c for c in cands if c != default]}
-    for key, cfg in configs.items():
-        calls[key] = lambda w, c=cfg: nvfp4_linear(x, w, path="gemv", gemv_config=c)
-    variants: dict = {}
-    for key, call in calls.items():
-        if over_budget():
-            variants[key] = {"skipped": "time budget"}
-            continue
-        try:
-            res = errors(call(ws[0]), ref)
-            if res["rel_err"] <= MAX_REL_ERR and not smoke:
-                us = time_graph([lambda w=w, f=call: f(w) for w in ws])
-                res.update(us=us, frac_bw=wb / us / 1e3 / bw)
-                if copy_bw:
-                    res["frac_copy"] = wb / us / 1e3 / copy_bw
-            elif res["rel_err"] > MAX_REL_ERR:
-                res["wrong"] = True
-        except Exception as exc:  # noqa: BLE001 - one failed variant must not stop the sweep
-            res = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-        variants[key] = res
-    out["default"] = gemv_key(default)
-    out["variants"] = variants
-    timed = {kk: v for kk, v in variants.items() if "us" in v and kk != "default_path"}
-    if timed:
-        best = min(timed, key=lambda kk: timed[kk]["us"])
-        entry = (f"({n}, {k}): {gemv_table_entry(configs[best])}," if best in configs
-                 else f"({n}, {k}): the CUDA gemv ({best})")
-        out["best"] = {"config": best, "us": timed[best]["us"],
-                       "frac_bw": timed[best]["frac_bw"],
-                       "frac_copy": timed[best].get("frac_copy"),
-                       "vs_default": variants[out["default"]].get("us", float("nan"))
-                       / timed[best]["us"],
-                       "table_entry": entry}
-    if n * k > (1 << 23) and not smoke and not over_budget():
-        out["M4"] = gemv_m4(x, ws, cands, variants)
-        print(f"M=4 N={n}: " + ", ".join(f"{kk} {v.get('us', float('nan')):.2f} us"
-                                          for kk, v in out["M4"].items() if isinstance(v, dict)))
     return out
 
 
 def expert_slots_fp4(num: int, h: int, f: int, dev: str):
-    slots = allocate_expert_slots(num, h, f, fp4=True, device=dev)
+    slots = moe.allocate_expert_slots(num, h, f, fp4=True, device=dev)
     slots.w13.random_(0, 256)
     slots.w2.random_(0, 256)
     slots.w13_scale.random_(0x30, 0x48)
@@ -265,226 +85,83 @@ def expert_slots_fp4(num: int, h: int, f: int, dev: str):
     return slots
 
 
-def moe_key(c: MoEGemvConfig) -> str:
-    return (f"{c.decode}_gu{c.gate_up_block_n}x{c.gate_up_block_b}_dn{c.down_block_n}x"
-            f"{c.down_block_b}_w{c.num_warps}_dw{c.down_num_warps}_es{c.down_expert_split}"
-            f"{'_pf' if c.prefetch else ''}")
-
-
-def fused_key(c: MoEFusedConfig) -> str:
-    return (f"{c.decode}_bf{c.block_f}_bb{c.block_b}_w{c.num_warps}_bh{c.block_h}"
-            f"_dw{c.down_warps}{'' if c.down_pdl else '_nopdl'}")
-
-
-def fused_table_entry(h: int, f: int, c: MoEFusedConfig) -> str:
-    return (f"({h}, {f}): MoEFusedConfig({c.block_f}, {c.block_b}, {c.num_warps}, "
-            f"{c.block_h}, {c.down_warps}, {c.decode!r}"
-            f"{'' if c.down_pdl else ', down_pdl=False'}),")
-
-
-def _shared_path(x, sh, logit, routed):
-    """The model's shared expert outside the MoE launch (SparseMoE before the fused path):
-    gate_up GEMV, silu_mul, down GEMV, gated_add (4 launches)."""
-    from tinyserve.kernels import glue
-    from tinyserve.kernels.nvfp4 import nvfp4_linear
-
-    gu = nvfp4_linear(x, sh[1])
-    f = gu.shape[1] // 2
-    return glue.gated_add(routed, logit, nvfp4_linear(glue.silu_mul(gu[:, :f], gu[:, f:]),
-                                                      sh[2]))
-
-
-def bench_moe_decode(bw: float, dev: str, smoke: bool, n: int = 1, h: int = 2048,
-                     f: int = 512, e: int = 256, sweep: bool = True,
-                     copy_bw: float | None = None) -> dict:
-    """n tokens x 8 of `e` experts (+ the shared expert): "gemv" + the separate shared expert
-    and "fused" (two launches, deterministic; table tiles + candidates), each vs the
-    byte-read time at `bw` (and at the device copy bandwidth `copy_bw`, the target's
-    reference, where given)."""
-    k = 8
+def bench_moe_decode(n: int, bw: float, copy_bw: float, dev: str, smoke: bool) -> dict:
+    """n tokens x 8 of 256 experts (+ the shared expert, one per "layer") through `fused_moe`,
+    against the time to read the distinct experts' bytes."""
+    h, f, e, k = (64, 32, 10, 8) if smoke else (2048, 512, 256, 8)
     slots = expert_slots_fp4(e, h, f, dev)
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
     x = torch.randn(n, h, device=dev, dtype=dt)
     w = torch.softmax(torch.randn(n, k, device=dev), -1).to(dt)
-    reps = 1 if smoke else 20
-    # 20 routings (and shared experts, one per "layer") per graph: more bytes than L2
+    reps = 1 if smoke else 20  # routings (and shared experts) per graph: more bytes than L2
     routes = [torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(n)])
               for _ in range(reps)]
     logits = [torch.randn(n, 1, device=dev, dtype=dt) for _ in range(reps)]
-    shared = []
-    for _ in range(reps):
-        sh = single_expert_slots(rand_nvfp4(f, h, dev), rand_nvfp4(f, h, dev),
-                                 rand_nvfp4(h, f, dev))
-        g = float(sh.w13_global[0, 0])  # rand_nvfp4: one global scale per shape
-        shared.append((sh, NVFP4Weight(sh.w13[0], sh.w13_scale[0], g),
-                       NVFP4Weight(sh.w2[0], sh.w2_scale[0], float(sh.w2_global[0]))))
-    expert_bytes = 3 * nvfp4_bytes(f, h)
+    rand = common.rand_nvfp4
+    shared = [moe.single_expert_slots(rand(f, h, dev), rand(f, h, dev), rand(h, f, dev))
+              for _ in range(reps)]
+    expert_bytes = 3 * common.nvfp4_bytes(f, h)
     distinct = statistics.mean(len(torch.unique(r)) for r in routes)
-    read_routed = distinct * expert_bytes / bw / 1e3
-    read_layer = (distinct + 1) * expert_bytes / bw / 1e3
     out: dict = {"H": h, "F": f, "experts": e, "tokens": n, "distinct_experts": distinct,
-                 "bytes_per_expert": expert_bytes, "read_routed_us": read_routed,
-                 "read_layer_us": read_layer}
-    ref_routed = fused_moe_ref(x, routes[0], w, slots).float()
-    ref_layer = fused_moe_ref(x, routes[0], w, slots, shared_slots=shared[0][0],
-                              shared_logit=logits[0]).float()
-    gemv_cfg = default_moe_gemv_config(h, f)
-    fused_cfg = default_moe_fused_config(h, f)
+                 "bytes_per_expert": expert_bytes}
 
-    def routed(path, cfg):
-        def fn(i):
-            if path == "gemv":
-                return fused_moe(x, routes[i], w, slots, path="gemv", gemv_config=gemv_cfg)
-            return fused_moe(x, routes[i], w, slots, path=path, fused_config=cfg)
-        return fn
+    def routed(i):
+        return moe.fused_moe(x, routes[i], w, slots)
 
-    def layer(path, cfg):
-        def fn(i):
-            if path == "gemv":
-                return _shared_path(x, shared[i], logits[i], routed("gemv", None)(i))
-            return fused_moe(x, routes[i], w, slots, shared_slots=shared[i][0],
-                             shared_logit=logits[i], path=path, fused_config=cfg)
-        return fn
+    def layer(i):
+        return moe.fused_moe(x, routes[i], w, slots, shared_slots=shared[i],
+                             shared_logit=logits[i])
 
-    # (key, fn, ref, read time, fused config or None); "cuda": the default fused path (no
-    # config: the CUDA kernels where they apply)
-    cases = [("cuda_layer", layer("fused", None), ref_layer, read_layer, None),
-             ("gemv_layer", layer("gemv", None), ref_layer, read_layer, None),
-             ("fused_layer", layer("fused", fused_cfg), ref_layer, read_layer, fused_cfg)]
+    ref_layer = moe.fused_moe_ref(x, routes[0], w, slots, shared_slots=shared[0],
+                                  shared_logit=logits[0]).float()
+    cases = {"layer": (layer, ref_layer, distinct + 1)}
     if n == 1:
-        cases += [("cuda_routed", routed("fused", None), ref_routed, read_routed, None),
-                  ("gemv_routed", routed("gemv", None), ref_routed, read_routed, None),
-                  ("fused_routed", routed("fused", fused_cfg), ref_routed, read_routed, None)]
-    cands = MOE_FUSED_CANDIDATES if sweep else MOE_FUSED_CANDIDATES[:FUSED_MULTI]
-    cases += [(f"fused_layer_{fused_key(c)}", layer("fused", c), ref_layer, read_layer, c)
-              for c in cands if c != fused_cfg]
-    if n == 1:  # the target's own measure (routed experts only) for the leading candidates
-        cases += [(f"fused_routed_{fused_key(c)}", routed("fused", c), ref_routed, read_routed,
-                   None) for c in MOE_FUSED_CANDIDATES[:FUSED_MULTI] if c != fused_cfg]
-    variants: dict = {}
-    configs: dict = {}
-    for key, fn, ref, read_us, cfg in cases:
-        if cfg is not None:
-            configs[key] = cfg
-        if over_budget():
-            variants[key] = {"skipped": "time budget"}
-            continue
-        try:
-            res = errors(fn(0), ref)
-            if res["rel_err"] <= MAX_REL_ERR and not smoke:
-                us = time_graph([lambda i=i, fn=fn: fn(i) for i in range(reps)])
-                res.update(us=us, ratio_to_read_time=us / read_us)
-                if copy_bw:
-                    res["ratio_to_copy_read_time"] = us / (read_us * bw / copy_bw)
-            elif res["rel_err"] > MAX_REL_ERR:
-                res["wrong"] = True
-        except Exception as exc:  # noqa: BLE001 - one failed variant must not stop the rest
-            res = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-        variants[key] = res
-    out["gemv_config"] = moe_key(gemv_cfg)
-    out["fused_config"] = fused_key(fused_cfg)
-    out["variants"] = variants
-    for what in ("layer", "routed"):
-        gemv, fused = variants.get(f"gemv_{what}", {}), variants.get(f"fused_{what}", {})
-        if "us" in gemv and "us" in fused:
-            out[f"speedup_fused_{what}"] = gemv["us"] / fused["us"]
-    timed = {kk: v for kk, v in variants.items() if kk in configs and "us" in v}
-    if timed:
-        best = min(timed, key=lambda kk: timed[kk]["us"])
-        c = configs[best]
-        out["best"] = {"config": fused_key(c), "us": timed[best]["us"],
-                       "ratio_to_read_time": timed[best]["ratio_to_read_time"],
-                       "table_entry": fused_table_entry(h, f, c)}
+        cases["routed"] = (routed, moe.fused_moe_ref(x, routes[0], w, slots).float(), distinct)
+    for name, (fn, ref, experts) in cases.items():
+        read_us = experts * expert_bytes / bw / 1e3
+        res = timed(lambda fn=fn: fn(0), [lambda i=i, fn=fn: fn(i) for i in range(reps)],
+                    ref, smoke)
+        res["read_us"] = read_us
+        if "us" in res:
+            res.update(ratio_to_read_time=res["us"] / read_us,
+                       ratio_to_copy_read_time=res["us"] / (read_us * bw / copy_bw))
+        out[name] = res
     return out
-
-
-def summary(rec: Recorder) -> None:
-    print("\n== NVFP4 decode sweep ==")
-    for name, case in rec.data["cases"].items():
-        best = case.get("best")
-        if not best:
-            continue
-        if "read_layer_us" in case:
-            v = case["variants"]
-            row = " | ".join(f"{kk} {v[kk]['us']:.2f} us ({v[kk]['ratio_to_read_time']:.2f}x, "
-                             f"{v[kk].get('ratio_to_copy_read_time', float('nan')):.2f}x copy)"
-                             for kk in ("cuda_layer", "gemv_layer", "fused_layer",
-                                        "cuda_routed", "gemv_routed", "fused_routed")
-                             if "us" in v.get(kk, {}))
-            nan = float("nan")
-            print(f"{name:28s}\n    {row}"
-                  f"\n    read time: routed {case['read_routed_us']:.2f} us, layer "
-                  f"{case['read_layer_us']:.2f} us; layer speedup of fused over gemv "
-                  f"{case.get('speedup_fused_layer', nan):.2f}x; best fused "
-                  f"{best['config']} {best['us']:.2f} us ({best['ratio_to_read_time']:.2f}x "
-                  f"the layer read time)")
-        elif "frac_bw" in best:
-            base = case.get("bf16_cublas", {}).get("us", float("nan"))
-            dflt = case["variants"][case["default"]].get("us", float("nan"))
-            path = case["variants"].get("default_path", {}).get("us", float("nan"))
-            print(f"{name:28s} default path {path:8.2f} us | Triton tiles {dflt:8.2f} us | "
-                  f"best {best['us']:8.2f} us "
-                  f"({best['frac_bw']:.0%} of bw) {best['config']} | bf16 cuBLAS {base:8.2f} us")
-        ranked = sorted((v["us"], kk) for kk, v in case["variants"].items() if "us" in v)
-        print("    " + ", ".join(f"{kk} {us:.2f}" for us, kk in ranked))
-        bad = [kk for kk, v in case["variants"].items() if "us" not in v]
-        if bad:
-            print("    not timed (wrong / error / skipped):", ", ".join(bad))
-    print("\ntable entries (nvfp4_tiles.py GEMV_TILES; fused_moe_decode.py "
-          "MOE_FUSED_TILES):")
-    for case in rec.data["cases"].values():
-        if case.get("best"):
-            print("   ", case["best"]["table_entry"])
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, no timing (any device)")
-    ap.add_argument("--only", choices=("all", "moe", "gemv"), default="all",
-                    help="moe / gemv: the bandwidth and those rows only")
-    ap.add_argument("--shape", choices=tuple(SHAPES), default=None,
-                    help="the gemv rows of this shape only")
-    ap.add_argument("--out", default=None, help="default: bench/results/nvfp4.json "
-                    "(--only moe: nvfp4_moe.json)")
+    ap.add_argument("--out", default=None, help="default: bench/results/nvfp4.json")
     args = ap.parse_args()
-    global SMOKE, TIME_BUDGET_S
-    SMOKE = args.smoke
-    if args.only == "moe":
-        TIME_BUDGET_S = MOE_BUDGET_S
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev != "cuda" and not args.smoke:
         print("needs a CUDA GPU (or --smoke)")
         return 1
-    name = "nvfp4_moe.json" if args.only == "moe" else "nvfp4.json"
-    out = Path(args.out or ROOT / "bench/results" / name)
-    if args.smoke:
-        out = Path("/tmp/nvfp4_smoke.json")
-    rec = Recorder(out, run_meta("nvfp4", timing="median of 10 CUDA-graph replays, weights "
-                                 "rotated past L2", budget_s=TIME_BUDGET_S))
-    bw, copy_bw = 4000.0, None
+    out = Path("/tmp/nvfp4_smoke.json" if args.smoke
+               else args.out or ROOT / "bench/results/nvfp4.json")
+    timing = "median of 10 CUDA-graph replays, weights rotated past L2"
+    rec = common.Recorder(out, common.run_meta("nvfp4", timing=timing))
+    bw = copy_bw = 4000.0
     if not args.smoke:
-        res = rec.run("bandwidth", bandwidth, dev)
-        bw = (res or {}).get("GBps", bw)
-        copy_bw = (res or {}).get("copy_GBps")
-    shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    names = list(shapes) if args.only != "moe" else []
-    if args.shape and not args.smoke:
-        names = [args.shape]
-    size = (64, 32, 10) if args.smoke else (2048, 512, 256)
-    for name in names[:1]:
-        rec.run(f"gemv_M1_{name}", bench_gemv, *shapes[name], bw, dev, args.smoke, copy_bw)
-    if args.only != "gemv":
-        rec.run("moe_decode_1tok_8of256", bench_moe_decode, bw, dev, args.smoke, 1, *size,
-                True, copy_bw)
-        for n in (4, 8):
-            rec.run(f"moe_decode_{n}tok_8of256", bench_moe_decode, bw, dev, args.smoke, n,
-                    *size, False, copy_bw)
-    for name in names[1:]:
-        rec.run(f"gemv_M1_{name}", bench_gemv, *shapes[name], bw, dev, args.smoke, copy_bw)
-    rec.data["seconds"] = round(time.perf_counter() - T0, 1)
-    rec.save()
-    summary(rec)
-    print(f"wrote {out} in {rec.data['seconds']} s")
+        res = rec.run("bandwidth", common.bandwidth, dev) or {}
+        bw, copy_bw = res.get("GBps", bw), res.get("copy_GBps", copy_bw)
+    for n in (1, 4, 8):
+        rec.run(f"moe_decode_{n}tok_8of256", bench_moe_decode, n, bw, copy_bw, dev, args.smoke)
+    for name, (n, k) in (SMOKE_SHAPES if args.smoke else SHAPES).items():
+        rec.run(f"gemv_M1_{name}", bench_gemv, n, k, bw, copy_bw, dev, args.smoke)
+    nan = float("nan")
+    for name, case in rec.data["cases"].items():
+        base = case.get("bf16_cublas", {}).get("us", nan)
+        for key in ("nvfp4", "layer", "routed"):
+            r = case.get(key)
+            if not r:
+                continue
+            extra = (f"{r.get('ratio_to_copy_read_time', nan):.2f}x the copy read time"
+                     if "read_us" in r else
+                     f"{r.get('frac_copy', nan):.0%} of the copy bandwidth, bf16 {base:.2f} us")
+            print(f"{name:28s} {key:7s} {r.get('us', nan):8.2f} us  {extra}")
+    print(f"wrote {out}")
     return 0
 
 

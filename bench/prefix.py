@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from common import run_meta  # noqa: E402  (bench/ is on sys.path as a script)
+from common import run_meta, write_json  # noqa: E402  (bench/ on sys.path)
 
 from tinyserve.core import SamplingParams  # noqa: E402
 
@@ -171,10 +171,7 @@ def main() -> int:
         for t in case.get("turns", ()):
             t.pop("answer", None)
     slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
-    out = RESULTS / f"prefix_{slug}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_json(RESULTS / f"prefix_{slug}.json", result)
     return 0
 
 

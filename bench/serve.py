@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 OUT = ROOT / "bench" / "results" / "serve_cpu.json"
 
-from common import run_meta  # noqa: E402  (bench/ is on sys.path as a script)
+from common import StreamError, run_meta, stream_chunks, write_json  # noqa: E402  (bench/ on sys.path)
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -71,23 +71,15 @@ async def _one_http(client: httpx.AsyncClient, url: str, model: str, prompt: str
     stamps: list[float] = []
     tokens = 0
     try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body,
-                                 headers=headers) as r:
-            if r.status_code != 200:
-                await r.aread()
-                return {"error": f"HTTP {r.status_code}: {r.text[:200]}"}
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    return {"error": chunk["error"]["message"][:200]}
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-                for ch in chunk.get("choices", []):
-                    d = ch.get("delta", {})
-                    if d.get("content") or d.get("reasoning_content") or d.get("tool_calls"):
-                        stamps.append(time.perf_counter())
+        async for chunk in stream_chunks(client, url, body, headers):
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for ch in chunk.get("choices", []):
+                d = ch.get("delta", {})
+                if d.get("content") or d.get("reasoning_content") or d.get("tool_calls"):
+                    stamps.append(time.perf_counter())
+    except StreamError as exc:
+        return {"error": str(exc)}
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"[:200]}
     if not stamps:
@@ -226,9 +218,7 @@ def main() -> int:
             _stop_server(server)
         if engine is not None:
             engine.shutdown()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
     return 0
 
 
@@ -287,7 +277,7 @@ def _start_server(ckpt: Path, device: str, *,
 
 def _env(device: str) -> dict[str, str]:
     # NOTE: one intra-op thread on CPU: on a shared, oversubscribed host OpenMP teams stall
-    # (measured 0.5 s vs 8-20 s for the same 32-token request), which would hide the server.
+    # for seconds per request, which would hide the server.
     return {**os.environ, **({"OMP_NUM_THREADS": "1"} if device == "cpu" else {})}
 
 

@@ -1,34 +1,27 @@
-"""NVFP4 decode kernels at M = 1, a sweep of gemv and fused-MoE variants -> results/nvfp4.json.
+"""NVFP4 decode kernels at M = 1 -> results/nvfp4.json.
 
-One unattended run on one GPU (< 120 s, most of it Triton compiles), everything beside its
-baseline from the same run:
+One unattended run on one GPU, everything beside its baseline from the same run:
 1. bandwidth: a 1 GiB device copy (read + written) and a bf16 cuBLAS GEMV over a 1 GiB
    weight (read only); the larger is the reference `bw` for every fraction below, and the
    fractions of the copy bandwidth alone (the targets' reference) are recorded beside them;
 2. gemv M = 1 on the 35B-A3B shapes (qkvz, lm_head, o_proj, gate_up, down): bf16 cuBLAS,
-   the default path (`default_path`: what the model runs), the CUDA gemv at each rows per
-   warp (`cuda_r*`, K in 1024 / 2048 / 4096; `cuda_dependent`: its default tiles as
-   programmatic dependent launches, back to back), the shape's Triton tiles
-   (`default_gemv_config`) and every candidate of `GEMV_SWEEP` (decode "f32" / "h2", rows,
-   blocks, warps, load width, stages, split-K);
-3. fused MoE decode, one token x 8 of 256 experts: the default "fused" path (`cuda_*`: the
-   CUDA kernels of `nvfp4_cuda.moe_decode` where they apply), its Triton kernels (two
-   launches, deterministic; table tiles and `MOE_FUSED_CANDIDATES`) and the "gemv" path (its
-   current tiles), routed only and for the whole layer (+ the shared expert: in the fused
-   launches, vs the model's separate gate_up GEMV, silu_mul, down GEMV and gated_add),
-   against the time to read the experts' bytes at `bw` and at the device copy bandwidth
-   (the target's reference: <= 2x; the copy is the slower of the two); then the whole layer
-   at 4 and 8 tokens (gemv, fused table tiles + the first `FUSED_MULTI` candidates).
+   the default path (`default_path`: what the model runs) and the CUDA gemv at each rows per
+   warp (`cuda_r*`, K in 1024 / 2048 / 4096);
+3. fused MoE decode, 1, 4 and 8 tokens x 8 of 256 experts: the default "fused" path (the CUDA
+   kernels of `nvfp4_cuda.moe_decode`), routed only and for the whole layer (+ the shared
+   expert: in the fused launches, vs the model's separate gate_up GEMV, silu_mul, down GEMV
+   and gated_add), against the time to read the experts' bytes at `bw` and at the device
+   copy bandwidth (the target's reference: <= 2x; the copy is the slower of the two).
 Every variant is first checked against the torch reference on the GPU (relative Frobenius
 and max errors recorded; a variant over 1e-2 is not timed). Timing: the median of 10 replays
-of a CUDA graph that cycles through enough weight copies (>= 256 MB) to miss L2. The winners
-per shape are printed as `nvfp4_tiles.py` table entries. A failing case is recorded and the
-rest still run; past TIME_BUDGET_S the remaining variants are skipped (recorded as such).
+of a CUDA graph that cycles through enough weight copies (>= 256 MB) to miss L2. A failing
+case is recorded and the rest still run; past TIME_BUDGET_S the remaining variants are
+skipped (recorded as such).
 
 Usage: python bench/nvfp4.py [--smoke] [--only moe|gemv] [--shape NAME]  (--smoke: tiny
 shapes, any device, no timing; checks the script itself, e.g. on CPU with TRITON_INTERPRET=1;
---only moe: the bandwidth and the MoE rows only, ~40-65 s (variants past MOE_BUDGET_S
-skipped), into results/nvfp4_moe.json; --shape: the gemv rows of one shape of SHAPES).
+--only moe: the bandwidth and the MoE rows only, into results/nvfp4_moe.json; --shape: the
+gemv rows of one shape of SHAPES).
 """
 
 from __future__ import annotations
@@ -52,21 +45,13 @@ from bench.common import Recorder, rand_nvfp4, run_meta  # noqa: E402
 from tinyserve.core import NVFP4Weight  # noqa: E402
 from tinyserve.kernels import nvfp4_cuda  # noqa: E402
 from tinyserve.kernels.fused_moe import (  # noqa: E402
-    MoEGemvConfig,
     allocate_expert_slots,
-    default_moe_gemv_config,
     fused_moe,
     fused_moe_ref,
     single_expert_slots,
 )
-from tinyserve.kernels.fused_moe_decode import (  # noqa: E402
-    MOE_FUSED_CANDIDATES,
-    MoEFusedConfig,
-    default_moe_fused_config,
-)
-from tinyserve.kernels.nvfp4 import GemvConfig, default_gemv_config, nvfp4_linear  # noqa: E402
+from tinyserve.kernels.nvfp4 import nvfp4_linear  # noqa: E402
 from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4  # noqa: E402
-from tinyserve.kernels.nvfp4_tiles import PERSISTENT_CANDIDATES  # noqa: E402
 
 SHAPES = {  # name: (N, K), most important first
     "qkvz_2048_8192": (8192, 2048), "lm_head_2048_248320": (248320, 2048),
@@ -74,20 +59,6 @@ SHAPES = {  # name: (N, K), most important first
     "down_512_2048": (2048, 512),
 }
 SMOKE_SHAPES = {"qkvz": (64, 1024), "down": (48, 512)}
-G = GemvConfig
-GEMV_SWEEP = [  # K >= 1024 (a block_b past K/16 is masked)
-    G(8, 128, 4), G(16, 128, 4), G(32, 32, 4), G(16, 128, 4, vec=4),
-    G(8, 128, 4, 4),  # split-K up to 4 programs per SM
-    G(8, 128, 4, decode="h2"), G(16, 128, 4, decode="h2"), G(16, 128, 4, vec=4, decode="h2"),
-    G(16, 256, 8, decode="h2"), G(32, 128, 8, decode="h2"), G(64, 128, 8, decode="h2"),
-    G(8, 128, 4, 4, decode="h2"),
-]
-GEMV_SWEEP += PERSISTENT_CANDIDATES  # persistent gemv: fixed grid, next tile's loads in flight
-GEMV_SWEEP_SMALL_K = [  # K = 512 (32 blocks)
-    G(32, 32, 4), G(16, 32, 2), G(64, 32, 8), G(32, 32, 4, decode="h2"),
-    G(16, 32, 2, decode="h2"), G(64, 32, 8, decode="h2"),
-]
-FUSED_MULTI = 5  # fused candidates also timed at 4 and 8 tokens (and routed at 1)
 ROTATE_BYTES = 256 << 20  # cycle weight copies until this many bytes (> L2)
 MAX_REL_ERR = 1e-2
 TIME_BUDGET_S = 100.0
@@ -152,47 +123,10 @@ def copies(nbytes: int, smoke: bool) -> int:
     return 1 if smoke else max(1, min(32, -(-ROTATE_BYTES // nbytes)))
 
 
-def gemv_key(c: GemvConfig) -> str:
-    return (f"{c.decode}_bn{c.block_n}_bb{c.block_b}_w{c.num_warps}_v{c.vec}_s{c.num_stages}"
-            f"_pps{c.programs_per_sm}{'_pf' if c.prefetch else ''}"
-            f"{f'_persist{c.persistent}' if c.persistent else ''}"
-            f"{'' if c.hoist_x else '_xtile'}")
-
-
-def gemv_table_entry(c: GemvConfig) -> str:
-    extra = (", prefetch=True" if c.prefetch else "") + (
-        f", persistent={c.persistent}" if c.persistent else "") + (
-        "" if c.hoist_x else ", hoist_x=False")
-    return (f"GemvConfig({c.block_n}, {c.block_b}, {c.num_warps}, {c.programs_per_sm}, "
-            f"vec={c.vec}, num_stages={c.num_stages}, decode={c.decode!r}{extra})")
-
-
-def gemv_m4(x1: torch.Tensor, ws: list, cands: list, variants: dict) -> dict:
-    """M = 4 on a large weight: the `dot` path (today's choice) vs the fastest persistent
-    candidate at M = 1 (it decodes a tile once for all 4 rows of x)."""
-    timed = [c for c in cands if c.persistent and "us" in variants.get(gemv_key(c), {})]
-    if not timed:
-        return {"skipped": "no persistent candidate timed at M = 1"}
-    cfg = min(timed, key=lambda c: variants[gemv_key(c)]["us"])
-    x = torch.randn(4, x1.shape[1], device=x1.device, dtype=x1.dtype)
-    ref = x.float() @ dequantize_nvfp4(ws[0]).to(x.device).T
-    out: dict = {"persistent_config": gemv_key(cfg)}
-    for name, kw in (("dot", {"path": "dot"}), ("persistent", {"path": "gemv",
-                                                                "gemv_config": cfg})):
-        try:
-            res = errors(nvfp4_linear(x, ws[0], **kw), ref)
-            if res["rel_err"] <= MAX_REL_ERR:
-                res["us"] = time_graph([lambda w=w, kw=kw: nvfp4_linear(x, w, **kw) for w in ws])
-        except Exception as exc:  # noqa: BLE001
-            res = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-        out[name] = res
-    return out
-
-
 def bench_gemv(n: int, k: int, bw: float, dev: str, smoke: bool,
                copy_bw: float | None = None) -> dict:
-    """bf16 cuBLAS, the current tiles and the sweep at M = 1 on one [N, K] shape; fractions
-    of `bw` (and of the device copy bandwidth `copy_bw`, where given)."""
+    """bf16 cuBLAS, the default path and the CUDA gemv's tiles at M = 1 on one [N, K] shape;
+    fractions of `bw` (and of the device copy bandwidth `copy_bw`, where given)."""
     wb = nvfp4_bytes(n, k)
     ws = [rand_nvfp4(n, k, dev) for _ in range(copies(wb, smoke))]
     x = torch.randn(1, k, device=dev, dtype=torch.bfloat16 if dev == "cuda" else torch.float32)
@@ -204,19 +138,10 @@ def bench_gemv(n: int, k: int, bw: float, dev: str, smoke: bool,
         us = time_graph([lambda d=d: x @ d.T for d in dense])
         out["bf16_cublas"] = {"us": us, "frac_bw": 2 * n * k / us / 1e3 / bw}
         del dense
-    default = default_gemv_config(n, k)
-    cands = GEMV_SWEEP if k // 16 > 32 else GEMV_SWEEP_SMALL_K
-    # persistent tiles cover K: past 2048 inputs they only grow (o_proj: builds, no gain)
-    cands = [c for c in cands if not (c.persistent and k > 2048)]
     calls = {"default_path": lambda w: nvfp4_linear(x, w)}  # what the model runs
     if dev == "cuda" and k in nvfp4_cuda.KS and x.dtype != torch.float32:
         for r in nvfp4_cuda.allowed_rows_per_warp(k):
             calls[f"cuda_r{r}"] = lambda w, r=r: nvfp4_cuda.gemv_one_row(x, w, rows_per_warp=r)
-        # back to back as dependent launches: each call's weights stream during the last's tail
-        calls["cuda_dependent"] = lambda w: nvfp4_cuda.gemv_one_row(x, w, dependent=True)
-    configs = {gemv_key(c): c for c in [default] + [c for c in cands if c != default]}
-    for key, cfg in configs.items():
-        calls[key] = lambda w, c=cfg: nvfp4_linear(x, w, path="gemv", gemv_config=c)
     variants: dict = {}
     for key, call in calls.items():
         if over_budget():
@@ -234,23 +159,13 @@ def bench_gemv(n: int, k: int, bw: float, dev: str, smoke: bool,
         except Exception as exc:  # noqa: BLE001 - one failed variant must not stop the sweep
             res = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         variants[key] = res
-    out["default"] = gemv_key(default)
     out["variants"] = variants
-    timed = {kk: v for kk, v in variants.items() if "us" in v and kk != "default_path"}
+    timed = {kk: v for kk, v in variants.items() if "us" in v}
     if timed:
         best = min(timed, key=lambda kk: timed[kk]["us"])
-        entry = (f"({n}, {k}): {gemv_table_entry(configs[best])}," if best in configs
-                 else f"({n}, {k}): the CUDA gemv ({best})")
         out["best"] = {"config": best, "us": timed[best]["us"],
                        "frac_bw": timed[best]["frac_bw"],
-                       "frac_copy": timed[best].get("frac_copy"),
-                       "vs_default": variants[out["default"]].get("us", float("nan"))
-                       / timed[best]["us"],
-                       "table_entry": entry}
-    if n * k > (1 << 23) and not smoke and not over_budget():
-        out["M4"] = gemv_m4(x, ws, cands, variants)
-        print(f"M=4 N={n}: " + ", ".join(f"{kk} {v.get('us', float('nan')):.2f} us"
-                                          for kk, v in out["M4"].items() if isinstance(v, dict)))
+                       "frac_copy": timed[best].get("frac_copy")}
     return out
 
 
@@ -263,23 +178,6 @@ def expert_slots_fp4(num: int, h: int, f: int, dev: str):
     slots.w13_global.fill_(0.5 / h**0.5)
     slots.w2_global.fill_(0.5 / f**0.5)
     return slots
-
-
-def moe_key(c: MoEGemvConfig) -> str:
-    return (f"{c.decode}_gu{c.gate_up_block_n}x{c.gate_up_block_b}_dn{c.down_block_n}x"
-            f"{c.down_block_b}_w{c.num_warps}_dw{c.down_num_warps}_es{c.down_expert_split}"
-            f"{'_pf' if c.prefetch else ''}")
-
-
-def fused_key(c: MoEFusedConfig) -> str:
-    return (f"{c.decode}_bf{c.block_f}_bb{c.block_b}_w{c.num_warps}_bh{c.block_h}"
-            f"_dw{c.down_warps}{'' if c.down_pdl else '_nopdl'}")
-
-
-def fused_table_entry(h: int, f: int, c: MoEFusedConfig) -> str:
-    return (f"({h}, {f}): MoEFusedConfig({c.block_f}, {c.block_b}, {c.num_warps}, "
-            f"{c.block_h}, {c.down_warps}, {c.decode!r}"
-            f"{'' if c.down_pdl else ', down_pdl=False'}),")
 
 
 def _shared_path(x, sh, logit, routed):
@@ -295,11 +193,10 @@ def _shared_path(x, sh, logit, routed):
 
 
 def bench_moe_decode(bw: float, dev: str, smoke: bool, n: int = 1, h: int = 2048,
-                     f: int = 512, e: int = 256, sweep: bool = True,
-                     copy_bw: float | None = None) -> dict:
-    """n tokens x 8 of `e` experts (+ the shared expert): "gemv" + the separate shared expert
-    and "fused" (two launches, deterministic; table tiles + candidates), each vs the
-    byte-read time at `bw` (and at the device copy bandwidth `copy_bw`, the target's
+                     f: int = 512, e: int = 256, copy_bw: float | None = None) -> dict:
+    """n tokens x 8 of `e` experts (+ the shared expert): the default fused path with the
+    shared expert in its launches and beside the model's separate shared-expert GEMVs, each
+    vs the byte-read time at `bw` (and at the device copy bandwidth `copy_bw`, the target's
     reference, where given)."""
     k = 8
     slots = expert_slots_fp4(e, h, f, dev)
@@ -328,44 +225,22 @@ def bench_moe_decode(bw: float, dev: str, smoke: bool, n: int = 1, h: int = 2048
     ref_routed = fused_moe_ref(x, routes[0], w, slots).float()
     ref_layer = fused_moe_ref(x, routes[0], w, slots, shared_slots=shared[0][0],
                               shared_logit=logits[0]).float()
-    gemv_cfg = default_moe_gemv_config(h, f)
-    fused_cfg = default_moe_fused_config(h, f)
 
-    def routed(path, cfg):
-        def fn(i):
-            if path == "gemv":
-                return fused_moe(x, routes[i], w, slots, path="gemv", gemv_config=gemv_cfg)
-            return fused_moe(x, routes[i], w, slots, path=path, fused_config=cfg)
-        return fn
+    def routed(i):
+        return fused_moe(x, routes[i], w, slots)
 
-    def layer(path, cfg):
-        def fn(i):
-            if path == "gemv":
-                return _shared_path(x, shared[i], logits[i], routed("gemv", None)(i))
-            return fused_moe(x, routes[i], w, slots, shared_slots=shared[i][0],
-                             shared_logit=logits[i], path=path, fused_config=cfg)
-        return fn
+    def layer(i):
+        return fused_moe(x, routes[i], w, slots, shared_slots=shared[i][0],
+                         shared_logit=logits[i])
 
-    # (key, fn, ref, read time, fused config or None); "cuda": the default fused path (no
-    # config: the CUDA kernels where they apply)
-    cases = [("cuda_layer", layer("fused", None), ref_layer, read_layer, None),
-             ("gemv_layer", layer("gemv", None), ref_layer, read_layer, None),
-             ("fused_layer", layer("fused", fused_cfg), ref_layer, read_layer, fused_cfg)]
-    if n == 1:
-        cases += [("cuda_routed", routed("fused", None), ref_routed, read_routed, None),
-                  ("gemv_routed", routed("gemv", None), ref_routed, read_routed, None),
-                  ("fused_routed", routed("fused", fused_cfg), ref_routed, read_routed, None)]
-    cands = MOE_FUSED_CANDIDATES if sweep else MOE_FUSED_CANDIDATES[:FUSED_MULTI]
-    cases += [(f"fused_layer_{fused_key(c)}", layer("fused", c), ref_layer, read_layer, c)
-              for c in cands if c != fused_cfg]
-    if n == 1:  # the target's own measure (routed experts only) for the leading candidates
-        cases += [(f"fused_routed_{fused_key(c)}", routed("fused", c), ref_routed, read_routed,
-                   None) for c in MOE_FUSED_CANDIDATES[:FUSED_MULTI] if c != fused_cfg]
+    def separate(i):
+        return _shared_path(x, shared[i], logits[i], routed(i))
+
+    cases = [("fused_layer", layer, ref_layer, read_layer),
+             ("separate_shared_layer", separate, ref_layer, read_layer),
+             ("fused_routed", routed, ref_routed, read_routed)]
     variants: dict = {}
-    configs: dict = {}
-    for key, fn, ref, read_us, cfg in cases:
-        if cfg is not None:
-            configs[key] = cfg
+    for key, fn, ref, read_us in cases:
         if over_budget():
             variants[key] = {"skipped": "time budget"}
             continue
@@ -381,20 +256,12 @@ def bench_moe_decode(bw: float, dev: str, smoke: bool, n: int = 1, h: int = 2048
         except Exception as exc:  # noqa: BLE001 - one failed variant must not stop the rest
             res = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         variants[key] = res
-    out["gemv_config"] = moe_key(gemv_cfg)
-    out["fused_config"] = fused_key(fused_cfg)
     out["variants"] = variants
-    for what in ("layer", "routed"):
-        gemv, fused = variants.get(f"gemv_{what}", {}), variants.get(f"fused_{what}", {})
-        if "us" in gemv and "us" in fused:
-            out[f"speedup_fused_{what}"] = gemv["us"] / fused["us"]
-    timed = {kk: v for kk, v in variants.items() if kk in configs and "us" in v}
+    timed = {kk: v for kk, v in variants.items() if "us" in v}
     if timed:
         best = min(timed, key=lambda kk: timed[kk]["us"])
-        c = configs[best]
-        out["best"] = {"config": fused_key(c), "us": timed[best]["us"],
-                       "ratio_to_read_time": timed[best]["ratio_to_read_time"],
-                       "table_entry": fused_table_entry(h, f, c)}
+        out["best"] = {"config": best, "us": timed[best]["us"],
+                       "ratio_to_read_time": timed[best]["ratio_to_read_time"]}
     return out
 
 
@@ -408,33 +275,20 @@ def summary(rec: Recorder) -> None:
             v = case["variants"]
             row = " | ".join(f"{kk} {v[kk]['us']:.2f} us ({v[kk]['ratio_to_read_time']:.2f}x, "
                              f"{v[kk].get('ratio_to_copy_read_time', float('nan')):.2f}x copy)"
-                             for kk in ("cuda_layer", "gemv_layer", "fused_layer",
-                                        "cuda_routed", "gemv_routed", "fused_routed")
-                             if "us" in v.get(kk, {}))
-            nan = float("nan")
+                             for kk in v if "us" in v[kk])
             print(f"{name:28s}\n    {row}"
                   f"\n    read time: routed {case['read_routed_us']:.2f} us, layer "
-                  f"{case['read_layer_us']:.2f} us; layer speedup of fused over gemv "
-                  f"{case.get('speedup_fused_layer', nan):.2f}x; best fused "
-                  f"{best['config']} {best['us']:.2f} us ({best['ratio_to_read_time']:.2f}x "
-                  f"the layer read time)")
+                  f"{case['read_layer_us']:.2f} us")
         elif "frac_bw" in best:
             base = case.get("bf16_cublas", {}).get("us", float("nan"))
-            dflt = case["variants"][case["default"]].get("us", float("nan"))
             path = case["variants"].get("default_path", {}).get("us", float("nan"))
-            print(f"{name:28s} default path {path:8.2f} us | Triton tiles {dflt:8.2f} us | "
-                  f"best {best['us']:8.2f} us "
+            print(f"{name:28s} default path {path:8.2f} us | best {best['us']:8.2f} us "
                   f"({best['frac_bw']:.0%} of bw) {best['config']} | bf16 cuBLAS {base:8.2f} us")
         ranked = sorted((v["us"], kk) for kk, v in case["variants"].items() if "us" in v)
         print("    " + ", ".join(f"{kk} {us:.2f}" for us, kk in ranked))
         bad = [kk for kk, v in case["variants"].items() if "us" not in v]
         if bad:
             print("    not timed (wrong / error / skipped):", ", ".join(bad))
-    print("\ntable entries (nvfp4_tiles.py GEMV_TILES; fused_moe_decode.py "
-          "MOE_FUSED_TILES):")
-    for case in rec.data["cases"].values():
-        if case.get("best"):
-            print("   ", case["best"]["table_entry"])
 
 
 def main() -> int:
@@ -474,11 +328,9 @@ def main() -> int:
     for name in names[:1]:
         rec.run(f"gemv_M1_{name}", bench_gemv, *shapes[name], bw, dev, args.smoke, copy_bw)
     if args.only != "gemv":
-        rec.run("moe_decode_1tok_8of256", bench_moe_decode, bw, dev, args.smoke, 1, *size,
-                True, copy_bw)
-        for n in (4, 8):
+        for n in (1, 4, 8):
             rec.run(f"moe_decode_{n}tok_8of256", bench_moe_decode, bw, dev, args.smoke, n,
-                    *size, False, copy_bw)
+                    *size, copy_bw)
     for name in names[1:]:
         rec.run(f"gemv_M1_{name}", bench_gemv, *shapes[name], bw, dev, args.smoke, copy_bw)
     rec.data["seconds"] = round(time.perf_counter() - T0, 1)

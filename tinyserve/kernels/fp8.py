@@ -124,6 +124,12 @@ def choose_path(m: int, n: int = 0, k: int = 4) -> str:
     return "dot" if m < DEQUANT_MIN_M else "dequant"
 
 
+def describe() -> str:
+    """The implementation of each regime, for the engine's start-up log."""
+    return (f"Triton gemv (M <= {GEMV_MAX_M}); Triton tl.dot (M < {DEQUANT_MIN_M}, float8e4nv "
+            f"decode on sm_89+); dequantize + cuBLAS")
+
+
 def _check_weight(w: FP8Weight) -> tuple[int, int, torch.Tensor, bool]:
     """(N, K, fp32 scale on the device, per-row?) of a weight the kernels can read."""
     if w.weight.dtype != torch.uint8 or w.weight.dim() != 2:

@@ -163,13 +163,18 @@ def test_quantized_weight_leading_dims_and_default_path(poison):
     assert fp8_linear(x[:0], w).shape == (0, 3, 40)
 
 
-def test_default_native():
-    # dot decodes with float8e4nv by default on sm_89+; every path bit-decodes elsewhere
+def test_default_native(monkeypatch):
+    # dot decodes with float8e4nv by default on sm_89+ (the target architecture: an older one
+    # set by TINYSERVE_CUDA_ARCH bit-decodes); every path bit-decodes elsewhere
+    from tinyserve.kernels.launch import target_arch
+
     assert not any(default_native(p, torch.device("cpu")) for p in PATHS)
     if DEV == "cuda":
         cuda = torch.device("cuda")
-        assert default_native("dot", cuda) == (torch.cuda.get_device_capability() >= (8, 9))
+        assert default_native("dot", cuda) == (target_arch(cuda) >= 89)
         assert not default_native("gemv", cuda) and not default_native("dequant", cuda)
+        monkeypatch.setenv("TINYSERVE_CUDA_ARCH", "sm_86")
+        assert not default_native("dot", cuda)
 
 
 def test_choose_path_and_errors():

@@ -46,7 +46,14 @@ from dataclasses import dataclass
 import torch
 
 from tinyserve.core import FP8Weight
-from tinyserve.kernels.launch import cdiv, dot_tiles, num_sms, split_k_output, split_k_result
+from tinyserve.kernels.launch import (
+    cdiv,
+    dot_tiles,
+    num_sms,
+    split_k_output,
+    split_k_result,
+    target_arch,
+)
 from tinyserve.kernels.nvfp4 import row_range
 
 PATHS = ("gemv", "dot", "dequant")
@@ -105,14 +112,15 @@ def gemv_tiles(n: int, k: int, num_sms: int, cfg: GemvConfig = DEFAULT_GEMV
     return block_n, block_w, cdiv(kw, block_w)
 
 
-@functools.cache
 def _has_native_fp8(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    # NOTE: the target architecture, so TINYSERVE_CUDA_ARCH=sm_86 runs the bit decode of the
+    # GPUs without the conversion on a newer one
+    return device.type == "cuda" and target_arch(device) >= 89
 
 
 def default_native(path: str, device: torch.device) -> bool:
     """Whether `path` decodes with Triton's float8e4nv conversion by default on `device`:
-    paths in NATIVE_PATHS on CUDA devices of compute capability 8.9 or newer."""
+    paths in NATIVE_PATHS on CUDA devices whose `launch.target_arch` is sm_89 or newer."""
     return path in NATIVE_PATHS and _has_native_fp8(torch.device(device))
 
 

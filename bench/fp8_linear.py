@@ -34,11 +34,8 @@ from common import Recorder, bandwidth, run_meta, time_graph  # noqa: E402
 
 from tinyserve.core import FP8Weight  # noqa: E402
 from tinyserve.kernels.fp8 import (  # noqa: E402
-    DEFAULT_GEMV,
-    GemvConfig,
     choose_path,
     fp8_linear,
-    gemv_tiles,
 )
 
 SHAPES = {  # name: (N, K); q_proj shares in_proj_qkv's shape, o_proj out_proj's
@@ -51,10 +48,6 @@ DECODE_M = (1, 4, 16)
 PREFILL_M = (512, 2048)
 VARIANTS = [("gemv", False), ("gemv", True), ("dot", False), ("dot", True), ("dequant", False),
             ("dequant", True)]
-GEMV_SWEEP = [  # (words_per_thread, num_warps, programs_per_sm, max_block_w); default first
-    DEFAULT_GEMV, GemvConfig(8, 4, 2, 1024), GemvConfig(32, 4, 2, 1024),
-    GemvConfig(16, 8, 2, 1024), GemvConfig(8, 8, 2, 1024), GemvConfig(4, 4, 2, 1024),
-    GemvConfig(16, 4, 4, 256)]  # the last splits K (2 or 4 ways) on every shape
 NATIVE_M = (1, 16, 2048)  # native float8e4nv decode measured at these M only (compile time)
 ROTATE_BYTES = 256 << 20  # cycle weight copies until this many bytes (> the 50 MB L2)
 BUDGET_S = 70.0
@@ -121,29 +114,6 @@ def bench_shape(name: str, m: int, bw: dict) -> dict:
     return out
 
 
-def bench_gemv_sweep(name: str, bw: dict) -> dict:
-    n, k = SHAPES[name]
-    ws = [rand_fp8(n, k) for _ in range(copies(n * k, 1))]
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    out: dict = {}
-    for cfg in GEMV_SWEEP:
-        bn, bw_words, split = gemv_tiles(n, k, sms, cfg)
-        key = (f"wpt{cfg.words_per_thread}_w{cfg.num_warps}_pps{cfg.programs_per_sm}"
-               f"_maxw{cfg.max_block_w}")
-        try:
-            us = timed(lambda xx, w, c=cfg: fp8_linear(xx, w, path="gemv", gemv_config=c),
-                       ws, x)
-            out[key] = {"us": round(us, 2), "tiles": [bn, bw_words, split],
-                        "frac_copy_bw": round(n * k / us / 1e3 / bw["copy"], 3)}
-        except Exception as exc:  # noqa: BLE001
-            out[key] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-    timed_us = {kk: v["us"] for kk, v in out.items() if "us" in v}
-    if timed_us:
-        out["best"] = min(timed_us, key=timed_us.get)
-    return out
-
-
 def run(rec: Recorder, name: str, fn, *args) -> None:
     if time.perf_counter() - START > BUDGET_S:
         rec.data["cases"][name] = {"skipped": f"time budget {BUDGET_S:.0f} s spent"}
@@ -181,8 +151,6 @@ def main() -> int:
     for m in PREFILL_M:
         for name in SHAPES:
             run(rec, f"{name}_M{m}", bench_shape, name, m, bw)
-    for name in SHAPES:
-        run(rec, f"gemv_sweep_{name}", bench_gemv_sweep, name, bw)
     rec.data["complete"] = True
     rec.data["seconds"] = round(time.perf_counter() - START, 1)
     rec.save()

@@ -2,13 +2,12 @@
 this GPU, timed as every kernel benchmark times (bench/common.py `time_graph`: a CUDA graph of
 back-to-back calls over weight copies rotated past L2) -> results/gemv_floor.json.
 
-At each size (NVFP4 weights of 4.7 .. 286 MB, K = 2048): the NVFP4 GEMV (M = 1) with the shipped
-tiles and with the lm_head's persistent tiles, a bf16 cuBLAS GEMV over a bf16 weight of the same
-bytes, and a device-to-device copy of the same bytes (read and written). The bandwidth
-reference `bw` is bench/common.py `bandwidth` (the larger of a 1 GiB copy and a 1 GiB bf16
-GEMV). A small weight cannot reach the reference: every call pays a launch, a ramp-up of
-the first loads and a tail, whoever wrote the kernel; cuBLAS at the same bytes says how much
-of a miss is that floor.
+At each size (NVFP4 weights of 4.7 .. 286 MB, K = 2048): the NVFP4 GEMV (M = 1), a bf16
+cuBLAS GEMV over a bf16 weight of the same bytes, and a device-to-device copy of the same
+bytes (read and written). The bandwidth reference `bw` is bench/common.py `bandwidth` (the
+larger of a 1 GiB copy and a 1 GiB bf16 GEMV). A small weight cannot reach the reference:
+every call pays a launch, a ramp-up of the first loads and a tail, whoever wrote the kernel;
+cuBLAS at the same bytes says how much of a miss is that floor.
 
 Usage: python bench/gemv_floor.py  (< 60 s)
 """
@@ -24,16 +23,11 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench import common  # noqa: E402
-from tinyserve.kernels.nvfp4 import default_gemv_config, nvfp4_linear  # noqa: E402
-from tinyserve.kernels.nvfp4_tiles import GEMV_TILES  # noqa: E402
+from tinyserve.kernels.nvfp4 import nvfp4_linear  # noqa: E402
 
 # NVFP4 rows at K = 2048: 4.7 .. 286 MB; 8192 is the qkvz projection and 248320 the lm_head
-# (their tuned tiles from nvfp4_tiles.py), the other sizes run the default tiles
 ROWS = (4096, 8192, 16384, 32768, 65536, 248320)
 K = 2048
-# the lm_head's persistent tiles (nvfp4_tiles.GEMV_TILES), timed at every size beside the
-# shipped choice: where they win, the default for shapes without a table entry
-PERSIST = GEMV_TILES[(248320, 2048)]
 
 
 def bench_size(n: int, bw: float) -> dict:
@@ -41,8 +35,6 @@ def bench_size(n: int, bw: float) -> dict:
     x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
     ws = [common.rand_nvfp4(n, K, "cuda") for _ in range(common.copies(wb, False))]
     us_fp4 = common.time_graph([lambda w=w: nvfp4_linear(x, w) for w in ws])
-    us_persist = common.time_graph(
-        [lambda w=w: nvfp4_linear(x, w, path="gemv", gemv_config=PERSIST) for w in ws])
     del ws
     kb = wb // (2 * n) // 64 * 64  # bf16 columns with the same bytes per row
     xb = torch.randn(1, kb, device="cuda", dtype=torch.bfloat16)
@@ -55,8 +47,6 @@ def bench_size(n: int, bw: float) -> dict:
     dst = torch.empty(wb, dtype=torch.uint8, device="cuda")
     us_copy = common.time_graph([lambda s=s: dst.copy_(s) for s in src])
     return dict(N=n, K=K, weight_bytes=wb, nvfp4_us=us_fp4, nvfp4_frac_bw=wb / us_fp4 / 1e3 / bw,
-                nvfp4_config=str(default_gemv_config(n, K)), persistent_us=us_persist,
-                persistent_frac_bw=wb / us_persist / 1e3 / bw,
                 bf16_cublas_bytes=2 * n * kb, bf16_cublas_us=us_bf16,
                 bf16_cublas_frac_bw=2 * n * kb / us_bf16 / 1e3 / bw,
                 copy_us=us_copy, copy_frac_bw=2 * wb / us_copy / 1e3 / bw)
@@ -74,13 +64,11 @@ def main() -> int:
         rec.run(f"rows_{n}", bench_size, n, bw)
         torch.cuda.empty_cache()
     rec.save()
-    print("fraction of the bandwidth reference (NVFP4 gemv | persistent tiles | bf16 cuBLAS |"
-          " copy):")
+    print("fraction of the bandwidth reference (NVFP4 gemv | bf16 cuBLAS | copy):")
     for name, r in rec.data["cases"].items():
         if name.startswith("rows_") and "nvfp4_us" in r:
             print(f"  {r['weight_bytes'] / 1e6:7.1f} MB: {r['nvfp4_frac_bw']:.2f} "
-                  f"({r['nvfp4_us']:.1f} us) | {r['persistent_frac_bw']:.2f} "
-                  f"({r['persistent_us']:.1f} us) | {r['bf16_cublas_frac_bw']:.2f} "
+                  f"({r['nvfp4_us']:.1f} us) | {r['bf16_cublas_frac_bw']:.2f} "
                   f"({r['bf16_cublas_us']:.1f} us) | {r['copy_frac_bw']:.2f} "
                   f"({r['copy_us']:.1f} us)")
     return 0

@@ -50,13 +50,6 @@ CACHE_DIR = PathEnv("TINYSERVE_CACHE_DIR", "~/.cache/tinyserve",
                     "compiled kernels and the demo checkpoint")
 DISABLE_KERNELS = BoolEnv("TINYSERVE_DISABLE_KERNELS", "0",
                           "run the pure-torch references even on a GPU")
-NVFP4_GEMV_MAX_M = IntEnv("TINYSERVE_NVFP4_GEMV_MAX_M", "4",
-                          "NVFP4 linear: largest M that takes the split-K GEMV path")
-NVFP4_CUDA = BoolEnv("TINYSERVE_NVFP4_CUDA", "1",
-                     "NVFP4 decode: one-row GEMVs and the fused MoE decode of 16-bit x take "
-                     "the CUDA kernels where they apply (0: Triton everywhere)")
-NVFP4_DEQUANT_MIN_M = IntEnv("TINYSERVE_NVFP4_DEQUANT_MIN_M", "128",
-                             "NVFP4 linear: smallest M that dequantizes to a scratch + cuBLAS")
 CUDA_ARCH = StrEnv("TINYSERVE_CUDA_ARCH", "",
                    "build the CUDA kernels as PTX for this older architecture (sm_80, sm_86, "
                    "sm_89, ...) and take its code paths (empty: the GPU's own)")

@@ -35,8 +35,8 @@ def instances() -> list[tuple[str, str]]:
             for t in fmts for k in nvfp4_cuda.KS for r in nvfp4_cuda.allowed_rows_per_warp(k)]
     out += [(nvfp4_cuda.MOE, f"nvfp4::moe_gate_up<{t}, {h // 1024}>") for t in fmts
             for h in nvfp4_cuda.MOE_HS]
-    out += [(nvfp4_cuda.MOE, f"nvfp4::moe_down<{t}, {f}, {r}>") for t in fmts
-            for f in nvfp4_cuda.MOE_FS for r in (1, 2)]
+    out += [(nvfp4_cuda.MOE, f"nvfp4::moe_down<{t}, {f}, {nvfp4_cuda.MOE_DOWN_ROWS}>")
+            for t in fmts for f in nvfp4_cuda.MOE_FS]
     return out
 
 

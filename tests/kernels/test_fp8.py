@@ -26,7 +26,6 @@ pytest.importorskip("triton")
 from tinyserve.core import FP8Weight  # noqa: E402
 from tinyserve.kernels.fp8 import (  # noqa: E402
     PATHS,
-    GemvConfig,
     choose_path,
     default_native,
     fp8_dequantize,
@@ -67,12 +66,11 @@ def _weight(n: int, k: int, per_row: bool) -> tuple[FP8Weight, torch.Tensor]:
 
 
 def check(m: int, n: int, k: int, path: str | None, dtype: torch.dtype, bound: float, *,
-          per_row: bool = False, native: bool | None = False, cfg: GemvConfig | None = None
-          ) -> None:
+          per_row: bool = False, native: bool | None = False) -> None:
     w, wd = _weight(n, k, per_row)
     x = torch.randn(m, k, device=DEV).to(dtype)
     ref = x.float() @ wd.T
-    y = fp8_linear(x, w, path=path, native=native, gemv_config=cfg)
+    y = fp8_linear(x, w, path=path, native=native)
     assert y.shape == (m, n) and y.dtype == dtype
     assert not torch.isnan(y).any()
     assert rel_err(y, ref) < bound, (path, rel_err(y, ref))
@@ -109,11 +107,15 @@ def test_gemv_half_activations(poison, dtype):
 
 
 def test_gemv_split_k(poison):
-    # max_block_w below K/4 forces two K splits (fp32 workspace, summed)
-    cfg = GemvConfig(max_block_w=128)
-    assert gemv_tiles(40, 1024, 1, cfg)[2] == 2
-    check(1, 40, 1024, "gemv", DTYPE, BOUND, cfg=cfg)
-    check(6, 40, 1024, "gemv", DTYPE, BOUND, cfg=cfg, per_row=True)
+    # one weight row: too few programs, so K splits in two (fp32 workspace, summed); on a GPU
+    # K above GEMV_MAX_BLOCK_W words splits as well
+    sms = 1 if DEV == "cpu" else torch.cuda.get_device_properties(0).multi_processor_count
+    assert gemv_tiles(1, 1024, 1)[2] == 2
+    assert gemv_tiles(2048, 8192, 132)[2] == 2
+    for n, k in ((1, 1024), (40, 8192 if DEV == "cuda" else 1024)):
+        if gemv_tiles(n, k, sms)[2] > 1:
+            check(1, n, k, "gemv", DTYPE, BOUND)
+            check(3, n, k, "gemv", DTYPE, BOUND, per_row=True)
 
 
 def test_dot_split_k(poison):
@@ -163,13 +165,18 @@ def test_quantized_weight_leading_dims_and_default_path(poison):
     assert fp8_linear(x[:0], w).shape == (0, 3, 40)
 
 
-def test_default_native():
-    # dot decodes with float8e4nv by default on sm_89+; every path bit-decodes elsewhere
+def test_default_native(monkeypatch):
+    # dot decodes with float8e4nv by default on sm_89+ (the target architecture: an older one
+    # set by TINYSERVE_CUDA_ARCH bit-decodes); every path bit-decodes elsewhere
+    from tinyserve.kernels.launch import target_arch
+
     assert not any(default_native(p, torch.device("cpu")) for p in PATHS)
     if DEV == "cuda":
         cuda = torch.device("cuda")
-        assert default_native("dot", cuda) == (torch.cuda.get_device_capability() >= (8, 9))
+        assert default_native("dot", cuda) == (target_arch(cuda) >= 89)
         assert not default_native("gemv", cuda) and not default_native("dequant", cuda)
+        monkeypatch.setenv("TINYSERVE_CUDA_ARCH", "sm_86")
+        assert not default_native("dot", cuda)
 
 
 def test_choose_path_and_errors():

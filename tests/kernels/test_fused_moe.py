@@ -20,23 +20,21 @@ import pytest  # noqa: E402
 from tests.kernels.test_nvfp4 import rand_nvfp4, rel_err  # noqa: E402
 from tinyserve.core import DenseWeight  # noqa: E402
 from tinyserve.kernels.fused_moe import (  # noqa: E402
+    FUSED_MAX_TOKENS,
     MOE_PATHS,
-    MoEGemvConfig,
     align_pairs,
     allocate_expert_slots,
+    choose_path,
     fused_moe,
     fused_moe_ref,
     pack_expert_slots,
     write_slot,
 )
-from tinyserve.kernels.fused_moe_decode import MOE_FUSED_MAX_TOKENS  # noqa: E402
 
 pytest.importorskip("triton")
 pytestmark = [pytest.mark.usefixtures("poison"), pytest.mark.gpu_shapes]
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-# the interpreter runs one python step per program: big tiles keep it fast on CPU
-CFG = None if DEV == "cuda" else MoEGemvConfig(16, 8, 16, 8)
 
 
 def make_experts(num: int, h: int, f: int, fp4: bool) -> list:
@@ -58,61 +56,32 @@ def check(slots, n: int, k: int, dtype: torch.dtype, bound: float, path=None) ->
     ids, weights = routing(n, slots.num_slots, k)
     x = torch.randn(n, slots.hidden_size, device=DEV).to(dtype)
     ref = fused_moe_ref(x.float(), ids, weights, slots)
-    y = fused_moe(x, ids, weights, slots, path=path, gemv_config=CFG)
+    y = fused_moe(x, ids, weights, slots, path=path)
     assert y.shape == x.shape and y.dtype == dtype
     assert not torch.isnan(y).any()
     assert rel_err(y, ref) < bound, rel_err(y, ref)
 
 
-@pytest.mark.parametrize("path", ["gemv", "dot"])  # "fused": test_fused_moe_decode.py
+SMALL_CASES = [(True, "dot"), (False, "gemv"), (False, "dot")]  # NVFP4 "fused": *_decode.py
+
+
 @pytest.mark.parametrize("n", [1, 5], ids=lambda n: f"N{n}")
-@pytest.mark.parametrize("fp4", [True, False], ids=["nvfp4", "dense"])
-def test_fused_moe_small(fp4, n, path):
+@pytest.mark.parametrize("fp4,path", SMALL_CASES, ids=lambda v: str(v))
+def test_fused_moe_small(fp4, path, n):
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
     slots = pack_expert_slots(make_experts(6, 64, 48, fp4), DEV, dtype=dtype)
     check(slots, n, 3, dtype, 1e-2 if dtype == torch.bfloat16 else 1e-5, path)
 
 
-def test_fused_moe_prefetch():
-    # several K steps per program (gate_up 2, down 3) with the next step loaded ahead
-    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
-    slots = pack_expert_slots(make_experts(6, 64, 48, True), DEV, dtype=dtype)
-    ids, weights = routing(2, 6, 3)
-    x = torch.randn(2, 64, device=DEV).to(dtype)
-    y = fused_moe(x, ids, weights, slots, path="gemv",
-                  gemv_config=MoEGemvConfig(16, 2, 16, 1, 4, prefetch=True))
-    ref = fused_moe_ref(x.float(), ids, weights, slots)
-    assert rel_err(y, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+def test_choose_path():
+    assert choose_path(1, 8, fp4=True) == "fused"
+    assert choose_path(FUSED_MAX_TOKENS, 8, fp4=True) == "fused"
+    assert choose_path(FUSED_MAX_TOKENS + 1, 2, fp4=True) == "dot"
+    assert choose_path(8, 8, fp4=False) == "gemv"
+    assert choose_path(9, 8, fp4=False) == "dot"
 
 
-@pytest.mark.parametrize("n", [1, 2], ids=lambda n: f"N{n}")
-def test_fused_moe_h2(n):
-    # the h2 decode in both kernels (gate_up over x, down over the fp32 intermediate)
-    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
-    slots = pack_expert_slots(make_experts(6, 64, 48, True), DEV, dtype=dtype)
-    ids, weights = routing(n, 6, 3)
-    x = torch.randn(n, 64, device=DEV).to(torch.bfloat16).to(dtype)
-    cfg = MoEGemvConfig(16, 4, 16, 4, 4, decode="h2")
-    y = fused_moe(x, ids, weights, slots, path="gemv", gemv_config=cfg)
-    ref = fused_moe_ref(x.float(), ids, weights, slots)
-    # NOTE: the intermediate is rounded to fp16 (scaled) before the down projection
-    assert rel_err(y, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-3)
-
-
-def test_fused_moe_down_expert_split():
-    # the down kernel's experts in groups of programs, partial sums added after
-    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
-    slots = pack_expert_slots(make_experts(6, 64, 48, True), DEV, dtype=dtype)
-    ids, weights = routing(2, 6, 4)
-    x = torch.randn(2, 64, device=DEV).to(dtype)
-    cfg = MoEGemvConfig(16, 4, 16, 4, 4, down_expert_split=2)  # 4 = 2 groups of 2
-    y = fused_moe(x, ids, weights, slots, path="gemv", gemv_config=cfg)
-    assert y.dtype == dtype
-    ref = fused_moe_ref(x.float(), ids, weights, slots)
-    assert rel_err(y, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
-
-
-def test_fused_moe_default_tiles():
+def test_fused_moe_default_path():
     slots = pack_expert_slots(make_experts(4, 64, 32, True), DEV)
     ids, weights = routing(1, 4, 2)
     x = torch.randn(1, 64, device=DEV)
@@ -142,7 +111,7 @@ def test_write_slot_then_route():
     x = torch.randn(4, 64, device=DEV)
     ids = torch.tensor([[3, 1], [1, 3], [3, 1], [1, 3]], device=DEV)
     weights = torch.rand(4, 2, device=DEV)
-    y = fused_moe(x, ids, weights, slots, gemv_config=CFG)
+    y = fused_moe(x, ids, weights, slots)
     ref = fused_moe_ref(x, torch.where(ids == 3, 0, 1), weights, ref_slots)
     assert rel_err(y, ref.float()) < 1e-2
 
@@ -163,6 +132,14 @@ def test_errors():
         write_slot(slots, 0, *make_experts(1, 32, 16, False)[0])
     with pytest.raises(IndexError):
         write_slot(slots, 2, *make_experts(1, 32, 16, True)[0])
+    ids = torch.zeros(1, 2, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError):  # NVFP4 decode is the fused path's
+        fused_moe(x, ids, torch.ones(1, 2, device=DEV), slots, path="gemv")
+    dense = pack_expert_slots(make_experts(2, 32, 16, False), DEV)
+    with pytest.raises(ValueError):
+        fused_moe(x, ids, torch.ones(1, 2, device=DEV), dense, path="fused")
+    with pytest.raises(ValueError):
+        fused_moe(x, ids, torch.ones(1, 2, device=DEV), slots, path="fused2")
 
 
 # --- Qwen3.5-35B-A3B layer on a GPU ------------------------------------------------------
@@ -173,23 +150,11 @@ def test_errors():
 @pytest.mark.parametrize("n", [1, 3, 64, 2048], ids=lambda n: f"N{n}")
 @pytest.mark.parametrize("fp4", [True, False], ids=["nvfp4", "bf16"])
 def test_fused_moe_gpu(fp4, n, path):
-    if path == "fused" and (not fp4 or n > MOE_FUSED_MAX_TOKENS):
-        pytest.skip("the fused path takes NVFP4 decode batches")
+    if path == "fused" and not fp4:
+        pytest.skip("the fused path takes NVFP4 slots")
+    if path == "gemv" and fp4:
+        pytest.skip("the gemv path takes dense slots")
     check(_gpu_slots(fp4), n, 8, torch.bfloat16, 1e-2, path)
-
-
-@pytest.mark.requires_cuda
-@pytest.mark.parametrize("n", [1, 3], ids=lambda n: f"N{n}")
-def test_fused_moe_h2_gpu(n):
-    slots = _gpu_slots(True)
-    ids, weights = routing(n, slots.num_slots, 8)
-    x = torch.randn(n, 2048, device=DEV, dtype=torch.bfloat16)
-    ref = fused_moe_ref(x.float(), ids, weights, slots)
-    for cfg in (MoEGemvConfig(4, 128, 8, 32, 4, False, 2, decode="h2"),
-                MoEGemvConfig(4, 128, 8, 32, 4, False, 2, down_expert_split=4),
-                MoEGemvConfig(4, 128, 16, 32, 4, False, 4, "h2", down_expert_split=8)):
-        y = fused_moe(x, ids, weights, slots, path="gemv", gemv_config=cfg)
-        assert rel_err(y, ref) < 1e-2, cfg
 
 
 @functools.lru_cache(maxsize=1)

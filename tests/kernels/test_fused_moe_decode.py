@@ -1,19 +1,18 @@
 """The fused NVFP4 decode of `fused_moe` (two launches, deterministic) vs the per-slot torch
-loop.
+loop: the Triton kernels (`fused_moe_decode.py`) here, the CUDA ones in test_nvfp4_cuda.py.
 
 Without CUDA the kernels run in the Triton interpreter over a small grid (H 64-256 incl. 80
 and 208, F 32-128 incl. 48 and 80, 6-16 experts in random slots, top 2-8 incl. 3 and 5, 1, 3,
-4 and 8 tokens, with and without the shared expert, "f32" and "h2" gate_up, one and several
-K steps); the 35B-A3B layer (H 2048, F 512, 256 experts, top 8, + shared) runs on a GPU:
-accuracy at 1, 4 and 8 tokens, a CUDA-graph replay with new inputs, 30 launches with
-identical bits, a CUDA-graph replay equal to eager bitwise over a 40-layer chain. Outputs
-come from a NaN-poisoned torch.empty (the intermediate too). Bounds (relative Frobenius):
-"f32" decode 1e-5, "h2" (x rounded to fp16) 2e-3, bf16 on the GPU 1e-2.
+4 and 8 tokens, with and without the shared expert, one and several gate_up K steps); the
+35B-A3B layer (H 2048, F 512, 256 experts, top 8, + shared) runs on a GPU (bf16 x: the CUDA
+kernels; fp32 x: Triton): accuracy at 1, 4 and 8 tokens, a CUDA-graph replay with new
+inputs, 30 launches with identical bits, a CUDA-graph replay equal to eager bitwise over a
+40-layer chain. Outputs come from a NaN-poisoned torch.empty (the intermediate too). Bounds
+(relative Frobenius): the "h2" gate_up (x rounded to fp16) 2e-3, bf16 on the GPU 1e-2.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
@@ -34,18 +33,12 @@ from tests.kernels.test_nvfp4 import rand_nvfp4, rel_err  # noqa: E402
 from tinyserve.kernels import fused_moe as fm  # noqa: E402
 from tinyserve.kernels import fused_moe_decode as fmd  # noqa: E402
 from tinyserve.kernels.fused_moe import (  # noqa: E402
+    FUSED_MAX_TOKENS,
     allocate_expert_slots,
     fused_moe,
     fused_moe_ref,
     single_expert_slots,
     write_slot,
-)
-from tinyserve.kernels.fused_moe_decode import (  # noqa: E402
-    MOE_FUSED_CANDIDATES,
-    MOE_FUSED_MAX_TOKENS,
-    MOE_FUSED_TILES,
-    MoEFusedConfig,
-    default_moe_fused_config,
 )
 from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4  # noqa: E402
 from tinyserve.model.moe import gated_add_ref  # noqa: E402
@@ -78,12 +71,6 @@ def _routing(n: int, e: int, k: int, slot_of: torch.Tensor):
     return slot_of[ids], weights
 
 
-def _cfg(h: int, decode: str, block_f: int = 16, block_h: int = 8) -> MoEFusedConfig:
-    # the interpreter runs one python step per K loop iteration: one K step (block_b >= H/16)
-    return MoEFusedConfig(block_f, max(1, 1 << (h // 16 - 1).bit_length()), 4, block_h, 4,
-                           decode)
-
-
 # (H, F, experts, top-k, tokens): every size of the grid appears at least once
 SMALL = [(64, 32, 8, 2, 1), (128, 64, 16, 8, 1), (80, 48, 8, 3, 3), (256, 128, 8, 4, 4),
          (208, 80, 6, 5, 8), (64, 128, 16, 4, 4)]
@@ -94,11 +81,9 @@ def _id(case) -> str:
     return f"H{h}-F{f}-E{e}-k{k}-N{n}"
 
 
-@pytest.mark.parametrize(("shared", "decode"),
-                         [(False, "f32"), (True, "f32"), (True, "h2"), (False, "h2")],
-                         ids=["routed-f32", "shared-f32", "shared-h2", "routed-h2"])
+@pytest.mark.parametrize("shared", [False, True], ids=["routed", "shared"])
 @pytest.mark.parametrize("case", SMALL if DEV == "cpu" else [], ids=_id)
-def test_fused_decode_small(case, shared: bool, decode: str) -> None:
+def test_fused_decode_small(case, shared: bool) -> None:
     h, f, e, k, n = case
     slots, slot_of, sh = _layer(h, f, e)
     ids, weights = _routing(n, e, k, slot_of)
@@ -108,26 +93,24 @@ def test_fused_decode_small(case, shared: bool, decode: str) -> None:
         # a column of a wider projection, as SparseMoE hands it over (row stride E + 1)
         kw = {"shared_slots": sh, "shared_logit": torch.randn(n, e + 1, device=DEV)[:, e:]}
     ref = fused_moe_ref(x, ids, weights, slots, **kw)
-    y = fused_moe(x, ids, weights, slots, path="fused", fused_config=_cfg(h, decode), **kw)
+    y = fused_moe(x, ids, weights, slots, path="fused", **kw)
     assert y.shape == x.shape and y.dtype == x.dtype and not torch.isnan(y).any()
-    assert rel_err(y, ref.float()) < (1e-5 if decode == "f32" else 2e-3), rel_err(y, ref)
+    assert rel_err(y, ref.float()) < 2e-3, rel_err(y, ref)
 
 
-@pytest.mark.parametrize("decode", ["f32", "h2"])
-def test_fused_decode_steps_and_tiles(decode: str) -> None:
-    # several gate_up K steps (the next step's loads in flight), feature chunks smaller than
-    # 16 (block_f 4 and 8), output row blocks that do not divide H, int32 ids
-    h, f, e, k, n = 208, 64, 8, 3, 2
-    slots, slot_of, sh = _layer(h, f, e)
+@CPU_ONLY
+def test_fused_decode_k_steps() -> None:
+    # H above 16 * BLOCK_B: two gate_up K steps (the next step's loads in flight, the scale
+    # pass over x under the first), int32 ids
+    h, f, e, k, n = 16 * (fmd.BLOCK_B + 1), 16, 3, 2, 1
+    slots, slot_of, sh = _layer(h, f, e, spare=0)
     ids, weights = _routing(n, e, k, slot_of)
     x = torch.randn(n, h, device=DEV).to(DT)
     logit = torch.randn(n, 1, device=DEV)
     ref = fused_moe_ref(x, ids, weights, slots, shared_slots=sh, shared_logit=logit).float()
-    for cfg in (MoEFusedConfig(4, 4, 4, 16, 2, decode), MoEFusedConfig(8, 8, 2, 32, 1, decode)):
-        y = fused_moe(x, ids.to(torch.int32), weights, slots, shared_slots=sh,
-                      shared_logit=logit, path="fused", fused_config=cfg)
-        bound = 1e-5 if decode == "f32" and DT == torch.float32 else 1e-2
-        assert rel_err(y, ref) < bound, (cfg, rel_err(y, ref))
+    y = fused_moe(x, ids.to(torch.int32), weights, slots, shared_slots=sh, shared_logit=logit,
+                  path="fused")
+    assert rel_err(y, ref) < 2e-3, rel_err(y, ref)
 
 
 def test_fused_decode_repeats_and_padded_rows() -> None:
@@ -141,15 +124,13 @@ def test_fused_decode_repeats_and_padded_rows() -> None:
     x = torch.randn(4, h, device=DEV).to(DT)
     x[2:] = 0
     logit = torch.randn(4, 1, device=DEV)
-    cfg = _cfg(h, "f32")
-    y = fused_moe(x, ids, weights, slots, path="fused", fused_config=cfg, shared_slots=sh,
-                  shared_logit=logit)
-    alone = fused_moe(x[:2], ids[:2], weights[:2], slots, path="fused", fused_config=cfg,
-                      shared_slots=sh, shared_logit=logit[:2])
+    y = fused_moe(x, ids, weights, slots, path="fused", shared_slots=sh, shared_logit=logit)
+    alone = fused_moe(x[:2], ids[:2], weights[:2], slots, path="fused", shared_slots=sh,
+                      shared_logit=logit[:2])
     assert torch.equal(y[2:], torch.zeros_like(y[2:]))
     assert torch.equal(y[:2], alone)  # per-token programs: the batch does not change the bits
     ref = fused_moe_ref(x, ids, weights, slots, shared_slots=sh, shared_logit=logit)
-    assert rel_err(y, ref.float()) < (1e-5 if DT == torch.float32 else 1e-2)
+    assert rel_err(y, ref.float()) < (2e-3 if DT == torch.float32 else 1e-2)
 
 
 @CPU_ONLY
@@ -159,8 +140,7 @@ def test_fused_decode_repeat_is_bitwise() -> None:
     ids, weights = _routing(n, e, k, slot_of)
     x = torch.randn(n, h, device=DEV).to(DT)
     kw = {"shared_slots": sh, "shared_logit": torch.randn(n, 1, device=DEV)}
-    ys = [fused_moe(x, ids, weights, slots, path="fused", fused_config=_cfg(h, "h2"), **kw)
-          for _ in range(2)]
+    ys = [fused_moe(x, ids, weights, slots, path="fused", **kw) for _ in range(2)]
     assert torch.equal(ys[0], ys[1])
 
 
@@ -178,47 +158,41 @@ def test_fused_decode_shared_equals_gated_add() -> None:
     shared = (torch.nn.functional.silu(xf @ g.T) * (xf @ u.T)) @ d.T
     routed = fused_moe_ref(x, ids, weights, slots)
     want = gated_add_ref(routed.float(), logit.float(), shared)
-    y = fused_moe(x, ids, weights, slots, shared_slots=sh, shared_logit=logit, path="fused",
-                  fused_config=_cfg(h, "f32"))
-    assert rel_err(y, want) < (1e-5 if DT == torch.float32 else 1e-2), rel_err(y, want)
+    y = fused_moe(x, ids, weights, slots, shared_slots=sh, shared_logit=logit, path="fused")
+    assert rel_err(y, want) < (2e-3 if DT == torch.float32 else 1e-2), rel_err(y, want)
 
 
 @CPU_ONLY
-@pytest.mark.parametrize("path", ["gemv", "dot"])
-def test_shared_expert_on_the_other_paths(path: str) -> None:
-    # outside the fused path the shared expert runs as a one-expert MoE, summed after
+def test_shared_expert_beside_the_dot_path() -> None:
+    # outside the fused path the shared expert runs as a one-expert MoE (its own path: the
+    # fused decode for a few tokens), summed after
     h, f, e, k, n = 64, 64, 6, 2, 2
     slots, slot_of, sh = _layer(h, f, e)
     ids, weights = _routing(n, e, k, slot_of)
     x = torch.randn(n, h, device=DEV).to(DT)
     kw = {"shared_slots": sh, "shared_logit": torch.randn(n, 1, device=DEV)}
     ref = fused_moe_ref(x, ids, weights, slots, **kw).float()
-    cfg = None if DEV == "cuda" else fm.MoEGemvConfig(16, 4, 16, 4)
-    y = fused_moe(x, ids, weights, slots, path=path, gemv_config=cfg, **kw)
-    assert rel_err(y, ref) < (1e-5 if DT == torch.float32 else 1e-2)
+    y = fused_moe(x, ids, weights, slots, path="dot", **kw)
+    assert rel_err(y, ref) < 2e-3
 
 
 @CPU_ONLY
-def test_switch_selects_the_fused_decode(monkeypatch) -> None:
-    """MOE_FUSED_DECODE on: a 1-token NVFP4 batch takes the fused path by itself, through
-    `moe_fused_decode` with the shared expert and the table's tiles; the switch off: gemv +
-    the shared expert summed after."""
-    monkeypatch.setattr(fmd, "MOE_FUSED_DECODE", True)
+def test_default_path_is_the_fused_decode(monkeypatch) -> None:
+    """A 1-token NVFP4 batch takes the fused path by itself, through `moe_fused_decode` with
+    the shared expert (the CUDA kernels take no CPU tensors); more than FUSED_MAX_TOKENS
+    tokens take the dot path."""
     h, f, e = 64, 32, 8
     slots, slot_of, sh = _layer(h, f, e)
     ids, weights = _routing(1, e, 2, slot_of)
     x = torch.randn(1, h, device=DEV).to(DT)
     calls = []
     real = fm.moe_fused_decode
-    monkeypatch.setattr(fm, "moe_fused_decode", lambda *a: calls.append((a[5], a[7])) or real(*a))
+    monkeypatch.setattr(fm, "moe_fused_decode", lambda *a: calls.append(a[5]) or real(*a))
     logit = torch.randn(1, 1, device=DEV)
     ref = fused_moe_ref(x, ids, weights, slots, shared_slots=sh, shared_logit=logit).float()
-    monkeypatch.setitem(MOE_FUSED_TILES, (h, f), _cfg(h, "h2"))
     y = fused_moe(x, ids, weights, slots, shared_slots=sh, shared_logit=logit)
-    assert calls == [(sh, _cfg(h, "h2"))] and rel_err(y, ref) < 2e-3
-    monkeypatch.setattr(fmd, "MOE_FUSED_DECODE", False)
-    y = fused_moe(x, ids, weights, slots, shared_slots=sh, shared_logit=logit)
-    assert len(calls) == 1 and rel_err(y, ref) < 1e-2
+    assert calls == [sh] and rel_err(y, ref) < 2e-3
+    assert fm.choose_path(FUSED_MAX_TOKENS + 1, 2, fp4=True) == "dot"
 
 
 def test_fused_decode_errors() -> None:
@@ -229,10 +203,6 @@ def test_fused_decode_errors() -> None:
     x = torch.randn(1, h, device=DEV).to(DT)
     with pytest.raises(ValueError):  # dense slots
         fused_moe(x, ids, weights, dense, path="fused")
-    with pytest.raises(ValueError):  # too many tokens
-        n = MOE_FUSED_MAX_TOKENS + 1
-        fused_moe(torch.randn(n, h, device=DEV), ids.expand(n, 2), weights.expand(n, 2),
-                  slots, path="fused")
     with pytest.raises(ValueError):  # an unknown path (the two-launch decode is "fused")
         fused_moe(x, ids, weights, slots, path="fused2")
     with pytest.raises(ValueError):  # a shared expert needs its logit
@@ -241,24 +211,14 @@ def test_fused_decode_errors() -> None:
         fused_moe(x, ids, weights, slots, shared_slots=sh, shared_logit=torch.zeros(1, 2))
     with pytest.raises(ValueError):
         single_expert_slots(*_expert(h, f)[:2], rand_nvfp4(h, 2 * f, DEV))
-    with pytest.raises(ValueError):
-        MoEFusedConfig(block_h=12)
-    with pytest.raises(ValueError):
-        MoEFusedConfig(decode="f16")
-    assert default_moe_fused_config(2048, 512) is MOE_FUSED_TILES[(2048, 512)]
-    assert MOE_FUSED_TILES[(2048, 512)] == MoEFusedConfig(8, 128, 4, 4, 4, "h2")
-    assert default_moe_fused_config(h, f) == MoEFusedConfig()
 
 
 # --- Qwen3.5-35B-A3B layer on a GPU ------------------------------------------------------
 
-GPU_CONFIGS = [None, MoEFusedConfig(4, 128, 4, 8, 4, "f32")]  # the table's h2 and f32
-
-
 @pytest.mark.requires_cuda
 @pytest.mark.parametrize("n", [1, 4, 8], ids=lambda n: f"N{n}")
 def test_fused_decode_gpu(n: int) -> None:
-    # the table's tiles and the f32 decode, with and without the shared expert
+    # bf16 x (the CUDA kernels) and fp32 x (Triton), with and without the shared expert
     slots, slot_of, sh = _gpu_layer()
     ids, weights = _routing(n, 256, 8, slot_of)
     x = torch.randn(n, 2048, device=DEV, dtype=torch.bfloat16)
@@ -266,16 +226,16 @@ def test_fused_decode_gpu(n: int) -> None:
     kw = {"shared_slots": sh, "shared_logit": logit}
     ref = fused_moe_ref(x, ids, weights, slots, **kw).float()
     ref_routed = fused_moe_ref(x, ids, weights, slots).float()
-    for cfg in GPU_CONFIGS:
-        y = fused_moe(x, ids, weights, slots, path="fused", fused_config=cfg, **kw)
-        assert not torch.isnan(y).any() and rel_err(y, ref) < 1e-2, (cfg, rel_err(y, ref))
-        y = fused_moe(x, ids, weights, slots, path="fused", fused_config=cfg)
-        assert rel_err(y, ref_routed) < 1e-2, (cfg, rel_err(y, ref_routed))
+    for dt in (torch.bfloat16, torch.float32):
+        y = fused_moe(x.to(dt), ids, weights, slots, path="fused", **kw)
+        assert not torch.isnan(y).any() and rel_err(y, ref) < 1e-2, (dt, rel_err(y, ref))
+        y = fused_moe(x.to(dt), ids, weights, slots, path="fused")
+        assert rel_err(y, ref_routed) < 1e-2, (dt, rel_err(y, ref_routed))
 
 
 @pytest.mark.requires_cuda
 def test_fused_decode_gpu_graph() -> None:
-    """The default path (the switch on) in a CUDA graph of 3 "layers", replayed with new
+    """The default path in a CUDA graph of 3 "layers", replayed with new
     routing, inputs and gate: every output matches the reference."""
     slots, slot_of, sh = _gpu_layer()
     ids, weights = _routing(2, 256, 8, slot_of)
@@ -299,8 +259,8 @@ def test_fused_decode_gpu_graph() -> None:
 
 @pytest.mark.requires_cuda
 def test_fused_decode_gpu_repeatable() -> None:
-    """30 launches on the same inputs (35B-A3B layer, 1 and 8 tokens + shared, the table's
-    tiles) give the same bits; prints us per launch (20 launches in a graph)."""
+    """30 launches on the same inputs (35B-A3B layer, 1 and 8 tokens + shared) give the same
+    bits; prints us per launch (20 launches in a graph)."""
     slots, slot_of, sh = _gpu_layer()
     for n in (1, 8):
         ids, weights = _routing(n, 256, 8, slot_of)
@@ -361,35 +321,36 @@ def test_fused_decode_gpu_graph_equals_eager_chain() -> None:
 
 
 @pytest.mark.requires_cuda
-def test_fused_decode_gpu_dependent_launch() -> None:
-    """`down_pdl` (the table's default) vs ordinary launches, 35B-A3B layer + shared, 1 and 8
-    tokens: 12 calls issued back to back with new inputs each (a down kernel reading h before
-    its gate_up wrote it would read the previous call's h from the reused intermediate), then
-    the same 12 captured in a CUDA graph and replayed: the same bits as ordinary launches."""
+def test_fused_decode_gpu_dependent_launch(monkeypatch) -> None:
+    """The Triton down kernel as a dependent launch (sm_90+) vs ordinary launches, 35B-A3B
+    layer + shared, fp32 x (the Triton kernels), 1 and 8 tokens: 12 calls issued back to back
+    with new inputs each (a down kernel reading h before its gate_up wrote it would read the
+    previous call's h from the reused intermediate), then the same 12 captured in a CUDA graph
+    and replayed: the same bits as ordinary launches."""
+    if not fmd.dependent_launch(torch.device(DEV)):
+        pytest.skip("dependent launches need sm_90+")
     slots, slot_of, sh = _gpu_layer()
-    on = MOE_FUSED_TILES[(2048, 512)]
-    assert on.down_pdl
-    off = dataclasses.replace(on, down_pdl=False)
     for n in (1, 8):
-        calls = [(*_routing(n, 256, 8, slot_of),
-                  torch.randn(n, 2048, device=DEV, dtype=torch.bfloat16),
-                  torch.randn(n, 1, device=DEV, dtype=torch.bfloat16)) for _ in range(12)]
+        calls = [(*_routing(n, 256, 8, slot_of), torch.randn(n, 2048, device=DEV),
+                  torch.randn(n, 1, device=DEV)) for _ in range(12)]
 
-        def run(cfg, calls=calls):
-            return [fused_moe(x, ids, w, slots, shared_slots=sh, shared_logit=lg, path="fused",
-                              fused_config=cfg) for ids, w, x, lg in calls]
+        def run(calls=calls):
+            return [fused_moe(x, ids, w, slots, shared_slots=sh, shared_logit=lg, path="fused")
+                    for ids, w, x, lg in calls]
 
-        want = run(off)
+        got = run()
         torch.cuda.synchronize()
         ref = fused_moe_ref(calls[0][2], calls[0][0], calls[0][1], slots, shared_slots=sh,
                             shared_logit=calls[0][3]).float()
-        assert rel_err(want[0], ref) < 1e-2, rel_err(want[0], ref)
-        got = run(on)
-        torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), n
+        assert rel_err(got[0], ref) < 1e-2, rel_err(got[0], ref)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            replayed = run(on)
+            replayed = run()
+        with monkeypatch.context() as mp:
+            mp.setattr(fmd, "dependent_launch", lambda device: False)  # ordinary launches
+            want = run()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), n
         for _ in range(2):
             g.replay()
             torch.cuda.synchronize()
@@ -435,26 +396,28 @@ def _build(jf, consts: dict, num_warps: int, name: str) -> str | None:
 
 @pytest.mark.slow
 def test_kernels_build_for_sm90() -> None:
-    """Ahead-of-time build for sm_90 without a GPU (35B-A3B shapes, shared expert, the
-    table's tiles and the bench candidates): no spills (registers printed). Under the
-    interpreter the check runs in a child process with the compiler."""
+    """Ahead-of-time build for sm_90 without a GPU (35B-A3B's and Qwen3.5-122B's H, F and
+    top-k, shared expert, dependent launches on and off): no spills (registers printed).
+    Under the interpreter the check runs in a child process with the compiler."""
     if rerun_without_interpreter(__file__, "build_for_sm90"):
         return
     from tinyserve.kernels import fused_moe_decode_triton as kt
 
-    for cfg in dict.fromkeys((*MOE_FUSED_TILES.values(), *MOE_FUSED_CANDIDATES)):
-        _build(kt.moe_fused_gate_up_kernel,
-               dict(H=2048, F=512, TOPK=8, HAS_SHARED=True, BLOCK_F=cfg.block_f,
-                    BLOCK_B=cfg.block_b, IS_H2=cfg.decode == "h2", USE_ASM=True,
-                    TRIGGER=cfg.down_pdl), cfg.num_warps, "fused_gate_up")
-        _build(kt.moe_fused_down_kernel,
-               dict(H=2048, F=512, TOPK=8, KPAD=8, FBP=32, HAS_SHARED=True,
-                    BLOCK_H=cfg.block_h, PDL=cfg.down_pdl), cfg.down_warps, "fused_down")
+    for h, f, topk in ((2048, 512, 8), (3072, 1024, 8)):
+        for pdl in (True, False):
+            _build(kt.moe_fused_gate_up_kernel,
+                   dict(H=h, F=f, TOPK=topk, HAS_SHARED=True, BLOCK_F=fmd.BLOCK_F,
+                        BLOCK_B=fmd.BLOCK_B, USE_ASM=True, TRIGGER=pdl), fmd.GATE_UP_WARPS,
+                   "fused_gate_up")
+            _build(kt.moe_fused_down_kernel,
+                   dict(H=h, F=f, TOPK=topk, KPAD=1 << (topk - 1).bit_length(), FBP=f // 16,
+                        HAS_SHARED=True, BLOCK_H=fmd.BLOCK_H, PDL=pdl), fmd.DOWN_WARPS,
+                   "fused_down")
 
 
 @pytest.mark.slow
 def test_down_dependent_launch_builds_for_sm90() -> None:
-    """`down_pdl`: gate_up releases its dependents and the down kernel waits once, after its
+    """Dependent launches: gate_up releases its dependents and the down kernel waits once, after its
     weight loads (codes: 128-bit, scales: bytes) and before its loads of h (fp32, no byte
     loads after the wait); without it, neither instruction. Under the interpreter the check
     runs in a child process with the compiler."""
@@ -462,16 +425,14 @@ def test_down_dependent_launch_builds_for_sm90() -> None:
         return
     from tinyserve.kernels import fused_moe_decode_triton as kt
 
-    cfg = MOE_FUSED_TILES[(2048, 512)]
-    assert cfg.down_pdl
     for pdl in (True, False):
         down = _compile(kt.moe_fused_down_kernel,
                         dict(H=2048, F=512, TOPK=8, KPAD=8, FBP=32, HAS_SHARED=True,
-                             BLOCK_H=cfg.block_h, PDL=pdl), cfg.down_warps)
+                             BLOCK_H=fmd.BLOCK_H, PDL=pdl), fmd.DOWN_WARPS)
         gate_up = _compile(kt.moe_fused_gate_up_kernel,
-                           dict(H=2048, F=512, TOPK=8, HAS_SHARED=True, BLOCK_F=cfg.block_f,
-                                BLOCK_B=cfg.block_b, IS_H2=True, USE_ASM=True, TRIGGER=pdl),
-                           cfg.num_warps)
+                           dict(H=2048, F=512, TOPK=8, HAS_SHARED=True, BLOCK_F=fmd.BLOCK_F,
+                                BLOCK_B=fmd.BLOCK_B, USE_ASM=True, TRIGGER=pdl),
+                           fmd.GATE_UP_WARPS)
         assert down.asm["ptx"].count("griddepcontrol.wait") == int(pdl)
         assert gate_up.asm["ptx"].count("griddepcontrol.launch_dependents") == int(pdl)
         sass = sass_instructions(down)
@@ -484,5 +445,6 @@ def test_down_dependent_launch_builds_for_sm90() -> None:
         print(f"\nfused down, dependent launch: {len(before)} global loads before the "
               f"wait, {len(after)} after")
         assert any("LDG.E.128" in ins for ins in before), before
-        assert any("LDG.E.U8" in ins for ins in before), before
-        assert after and not any(".U8" in ins for ins in after), after
+        # the scales: bytes (or pairs of bytes)
+        assert any(".U8" in ins or ".U16" in ins for ins in before), before
+        assert after and not any(".U8" in ins or ".U16" in ins for ins in after), after

@@ -21,7 +21,6 @@ import pytest  # noqa: E402
 from tinyserve.core import NVFP4Weight  # noqa: E402
 from tinyserve.kernels.nvfp4 import (  # noqa: E402
     PATHS,
-    GemvConfig,
     choose_path,
     nvfp4_dequantize,
     nvfp4_linear,
@@ -32,8 +31,6 @@ pytest.importorskip("triton")
 
 pytestmark = pytest.mark.gpu_shapes
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-# the interpreter runs one python step per program: big tiles keep it fast on CPU
-CFG = None if DEV == "cuda" else GemvConfig(block_n=16, block_b=16, programs_per_sm=2)
 
 
 def rand_nvfp4(n: int, k: int, device: str, gen: torch.Generator | None = None) -> NVFP4Weight:
@@ -59,7 +56,7 @@ def check_linear(m: int, n: int, k: int, path: str | None, dtype: torch.dtype, b
     w, wd = _weight(n, k)
     x = torch.randn(m, k, device=DEV).to(dtype)
     ref = x.float() @ wd.T
-    y = nvfp4_linear(x, w, path=path, gemv_config=CFG)
+    y = nvfp4_linear(x, w, path=path)
     assert y.shape == (m, n) and y.dtype == dtype
     assert not torch.isnan(y).any()
     assert rel_err(y, ref) < bound, (path, rel_err(y, ref))
@@ -67,7 +64,7 @@ def check_linear(m: int, n: int, k: int, path: str | None, dtype: torch.dtype, b
 
 # --- interpreter-sized grid (also runs on a GPU) ------------------------------------------
 
-SMALL = [(64, 256), (37, 512), (48, 1024)]  # (N, K): N odd; K=1024 exercises split-K
+SMALL = [(64, 256), (37, 512), (48, 1024)]  # (N, K): N odd; K=1024: split-K in dot
 SMALL_M = [1, 3, 16]
 
 
@@ -86,120 +83,6 @@ def test_gemv_row_groups(poison, m):
     check_linear(m, 40, 256, "gemv", dtype, 1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
-@pytest.mark.parametrize("m", [1, 3], ids=lambda m: f"M{m}")
-def test_gemv_prefetch(poison, m):
-    # four K steps per program with the next step's words loaded ahead
-    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
-    w, wd = _weight(40, 1024)
-    x = torch.randn(m, 1024, device=DEV).to(dtype)
-    y = nvfp4_linear(x, w, path="gemv", gemv_config=GemvConfig(16, 16, 4, 1, prefetch=True))
-    assert rel_err(y, x.float() @ wd.T) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
-
-
-H2 = GemvConfig(16, 16, 4, 0, decode="h2")  # interpreter-sized tiles, the "h2" decode
-
-
-@pytest.mark.parametrize("split", [0, 2], ids=["whole_k", "split_k"])
-@pytest.mark.parametrize("nk", SMALL, ids=lambda s: f"N{s[0]}xK{s[1]}")
-def test_gemv_h2(poison, nk, split):
-    # the h2 decode at M = 1: fp16x2 weight pairs, x scaled per program by a power of two
-    # (bf16-valued x is exact in fp16 after the scale; the interpreter emulates the half2 FMAs
-    # in fp32, so the bound is fp32's) over small and large x; M = 3 takes the f32 decode
-    # fp16 x on the CPU (h2 serves 16-bit x only); the bound is fp16's output rounding there
-    w, wd = _weight(*nk)
-    cfg = GemvConfig(16, 16, 4, split, decode="h2")
-    dtype = torch.bfloat16 if DEV == "cuda" else torch.float16
-    bound = 1e-2 if DEV == "cuda" else 2e-3
-    for m, scale in ((1, 1e-3), (1, 300.0), (3, 1.0)):
-        x = (torch.randn(m, nk[1], device=DEV) * scale).to(torch.bfloat16).to(dtype)
-        y = nvfp4_linear(x, w, path="gemv", gemv_config=cfg)
-        assert y.dtype == dtype and not torch.isnan(y).any()
-        assert rel_err(y, x.float() @ wd.T) < bound, (m, scale, rel_err(y, x.float() @ wd.T))
-
-
-def test_gemv_h2_one_step_matches_steps(poison):
-    # one K step covering x (x loaded once beside the weights, its scale from those values;
-    # 17 of 32 blocks real) against the same rows in 16-block steps: the same scale, the same
-    # per-block products; only the fp32 order of the block sums differs
-    w, wd = _weight(37, 272)
-    x = (torch.randn(1, 272, device=DEV) * 3.0).to(torch.float16)
-    one = nvfp4_linear(x, w, path="gemv", gemv_config=GemvConfig(16, 32, 4, 0, decode="h2"))
-    steps = nvfp4_linear(x, w, path="gemv", gemv_config=GemvConfig(16, 16, 4, 0, decode="h2"))
-    torch.testing.assert_close(one.float(), steps.float(), rtol=2e-3, atol=1e-3)
-    assert rel_err(one, x.float() @ wd.T) < 2e-3
-
-
-def test_gemv_h2_non_finite_x(poison):
-    # an inf in x picks the smallest scale: the other inputs flush to 0 in fp16, and the outputs
-    # are non-finite exactly where the reference's are; a NaN input gives NaN outputs
-    w, wd = _weight(48, 256)
-    cfg = GemvConfig(16, 16, 4, 0, decode="h2")
-    x = torch.randn(1, 256, device=DEV).to(torch.float16)
-    x[0, 17] = float("inf")
-    y = nvfp4_linear(x, w, path="gemv", gemv_config=cfg).float()
-    ref = x.float() @ wd.T
-    assert torch.equal(torch.isinf(y), torch.isinf(ref))
-    assert torch.equal(torch.isnan(y), torch.isnan(ref))
-    assert torch.equal(torch.sign(y[torch.isinf(y)]), torch.sign(ref[torch.isinf(ref)]))
-    x[0, 17] = float("nan")
-    assert torch.isnan(nvfp4_linear(x, w, path="gemv", gemv_config=cfg)).all()
-
-
-def test_gemv_h2_config_keeps_fp32_x_exact(poison):
-    # an fp32 x must not be rounded to fp16 because a tile table entry says "h2": it takes
-    # the f32 decode (fp32 products and sums)
-    w, wd = _weight(48, 256)
-    x = torch.randn(1, 256, device=DEV) * 1.2345  # not representable in fp16
-    y = nvfp4_linear(x, w, path="gemv", gemv_config=GemvConfig(16, 16, 4, 0, decode="h2"))
-    assert rel_err(y, x @ wd.T) < 1e-5
-
-
-def test_gemv_h2_every_code_and_zero_x(poison):
-    codes = torch.arange(256, dtype=torch.uint8).repeat(254 * 2).reshape(254, 512)
-    scales = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
-    w = NVFP4Weight(codes.to(DEV), scales[:, None].expand(254, 64).contiguous().to(DEV), 0.75)
-    x = (torch.randn(1, 1024, device=DEV) * 0.01).to(torch.float16)  # h2: 16-bit x only
-    cfg = GemvConfig(64, 64, 4, 1, decode="h2")
-    y = nvfp4_linear(x, w, path="gemv", gemv_config=cfg)
-    # NOTE: on the GPU each lane sums its 8 products in fp16 (`_H2_DOT8_ASM`), and this
-    # weight's blocks (every code, both signs) cancel: the H200 measured 4.0e-3 where the
-    # interpreter's fp32 sums give < 2e-3
-    bound = 6e-3 if DEV == "cuda" else 2e-3
-    assert rel_err(y, x.float() @ dequantize_nvfp4(w).T) < bound
-    zero = nvfp4_linear(torch.zeros_like(x), w, path="gemv", gemv_config=cfg)
-    assert torch.equal(zero, torch.zeros_like(zero))
-
-
-def test_tile_configs_reject_unknown_decode_and_odd_tiles():
-    from tinyserve.kernels.nvfp4_tiles import MoEGemvConfig
-
-    for bad in (dict(decode="H2"), dict(block_n=12), dict(vec=3)):
-        with pytest.raises(ValueError):
-            GemvConfig(**bad)
-    for bad in (dict(decode="fp16"), dict(down_block_b=48), dict(down_expert_split=0)):
-        with pytest.raises(ValueError):
-            MoEGemvConfig(**bad)
-
-
-def test_gemv_tiles_table(monkeypatch):
-    from tinyserve.kernels import nvfp4_tiles
-
-    cfg = GemvConfig(4, 8, 1, 0, vec=1, num_stages=1)
-    monkeypatch.setitem(nvfp4_tiles.GEMV_TILES, (48, 256), cfg)
-    assert nvfp4_tiles.default_gemv_config(48, 256) is cfg
-    assert nvfp4_tiles.default_gemv_config(4096, 1024) == GemvConfig(8, 128, 4, 0)  # no entry
-    # large weights without an entry take the lm_head's persistent tiles (K 1024..2048)
-    lm_head = nvfp4_tiles.GEMV_TILES[(248320, 2048)]
-    assert lm_head.persistent
-    assert nvfp4_tiles.default_gemv_config(16384, 2048) is lm_head  # 16 MiB of codes
-    assert nvfp4_tiles.default_gemv_config(32768, 1024) is lm_head
-    assert nvfp4_tiles.default_gemv_config(16000, 2048) == GemvConfig(8, 128, 4, 0)  # smaller
-    assert nvfp4_tiles.default_gemv_config(8192, 4096) == GemvConfig(8, 128, 4, 0)  # K > 2048
-    w, wd = _weight(48, 256)
-    x = torch.randn(1, 256, device=DEV)
-    assert rel_err(nvfp4_linear(x, w), x @ wd.T) < 1e-2  # the table's tiles
-
-
 def test_dot_split_k(poison):
     # few output tiles: the dot path splits K (fp32 workspace, summed)
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
@@ -214,7 +97,7 @@ def test_gemv_every_code(poison):
     w = NVFP4Weight(codes.to(DEV), scales[:, None].expand(254, 64).contiguous().to(DEV), 0.75)
     x = torch.randn(3, 1024, device=DEV)
     ref = x @ dequantize_nvfp4(w).T
-    y = nvfp4_linear(x, w, path="gemv", gemv_config=GemvConfig(64, 64, 4, 1))
+    y = nvfp4_linear(x, w, path="gemv")
     assert rel_err(y, ref) < 1e-5
 
 
@@ -224,7 +107,7 @@ def test_linear_leading_dims_and_default_path(poison):
     y = nvfp4_linear(x, w)
     ref = x.float() @ dequantize_nvfp4(w).T
     assert y.shape == (2, 3, 32) and rel_err(y, ref) < 1e-2
-    y1 = nvfp4_linear(x[0, :1], w)  # default gemv tiles
+    y1 = nvfp4_linear(x[0, :1], w)  # the gemv
     assert rel_err(y1, ref[0, :1]) < 1e-2
 
 
@@ -253,6 +136,8 @@ def test_choose_path_and_errors():
     assert choose_path(1, 248320, 2048) == "gemv"
     assert choose_path(4, 1024, 2048) == "gemv"  # small weight: the multi-row gemv
     assert choose_path(4, 8192, 2048) == "dot"
+    assert choose_path(127) == "dot"
+    assert choose_path(128) == "dequant"
     w = rand_nvfp4(16, 64, DEV)
     with pytest.raises(ValueError):
         nvfp4_linear(torch.randn(2, 32, device=DEV), w)
@@ -301,20 +186,6 @@ def test_linear_gpu(poison, name, m, path):
 
 
 @pytest.mark.requires_cuda
-@pytest.mark.parametrize("name", list(SHAPES))
-def test_gemv_h2_gpu(poison, name):
-    # inline-PTX half2 FMAs at M = 1, bf16 and fp16, x over a wide range of magnitudes
-    n, k = SHAPES[name]
-    w, wd = _weight(n, k)
-    cfg = GemvConfig(16, min(128, 1 << (k // 16 - 1).bit_length()), 4, 0, decode="h2")
-    for dtype, scale in ((torch.bfloat16, 1.0), (torch.float16, 1e-3), (torch.bfloat16, 1e4)):
-        x = (torch.randn(1, k, device=DEV) * scale).to(dtype)
-        ref = x.float() @ wd.T
-        y = nvfp4_linear(x, w, path="gemv", gemv_config=cfg)
-        assert rel_err(y, ref) < 1e-2, (dtype, scale, rel_err(y, ref))
-
-
-@pytest.mark.requires_cuda
 def test_linear_gpu_fp16_and_graph(poison):
     w = rand_nvfp4(2048, 2048, DEV)
     x = torch.randn(1, 2048, device=DEV, dtype=torch.float16)
@@ -326,3 +197,14 @@ def test_linear_gpu_fp16_and_graph(poison):
     g.replay()
     torch.cuda.synchronize()
     assert rel_err(y, ref) < 1e-2
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("name", [s for s in SHAPES if s != "lm_head"])
+def test_gemv_fp32_x_gpu(poison, name):
+    # an fp32 model decodes through the Triton gemv (the CUDA kernel takes 16-bit x): fp32
+    # products and sums
+    w, wd = _weight(*SHAPES[name])
+    for m in (1, 3):
+        x = torch.randn(m, SHAPES[name][1], device=DEV)
+        assert rel_err(nvfp4_linear(x, w), x @ wd.T) < 1e-5

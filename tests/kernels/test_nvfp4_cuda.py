@@ -156,36 +156,6 @@ def test_launcher_refuses_what_the_kernel_does_not_take():
 
 
 @pytest.mark.requires_cuda
-def test_dependent_launches_read_the_kernel_before(poison):
-    # two dependent gemvs in a chain (the second's x is the first's output, NaN-filled right
-    # before) give the bits of ordinary launches, eagerly and replayed from a CUDA graph
-    w1, w2 = rand_weight(2048, 2048, "cuda"), rand_weight(1024, 2048, "cuda")
-    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
-    y1 = torch.empty(1, 2048, device="cuda", dtype=torch.bfloat16)
-    y2 = torch.empty(1, 1024, device="cuda", dtype=torch.bfloat16)
-
-    def chain(dependent: bool) -> None:
-        y1.fill_(float("nan"))
-        y2.fill_(float("nan"))
-        nvfp4_cuda.gemv_one_row(x, w1, out=y1, dependent=dependent)
-        nvfp4_cuda.gemv_one_row(y1, w2, out=y2, dependent=dependent)
-
-    chain(False)
-    ref = y2.clone()
-    assert not torch.isnan(ref).any()
-    chain(True)
-    assert torch.equal(y2, ref)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        chain(True)
-    for _ in range(3):
-        y2.fill_(0.0)
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y2, ref)
-
-
-@pytest.mark.requires_cuda
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_model_shapes_default_path_and_graph(poison, name):
     # nvfp4_linear's default M = 1 path (CUDA where it takes the shape, else Triton), bf16
@@ -241,9 +211,9 @@ def moe(device, monkeypatch):
     monkeypatch.setattr(nvfp4_cuda, "moe_buffers",
                         lambda *a: tuple(t.fill_(float("nan")) for t in buffers(*a)))
 
-    def run(x, ids, wts, topk, slots, shared, logit, down_rows=2):
+    def run(x, ids, wts, topk, slots, shared, logit):
         return nvfp4_cuda.moe_decode(x, ids.reshape(-1), wts.reshape(-1), topk, slots, shared,
-                                     logit, down_rows=down_rows)
+                                     logit)
 
     run.device = device
     return run
@@ -252,14 +222,13 @@ def moe(device, monkeypatch):
 @pytest.mark.parametrize("shared", [False, True], ids=["routed", "shared"])
 def test_moe_decode_matches_the_reference(moe, shared):
     # the emulation at H 1024, F 256 (8 pairs side by side per warp), the GPU at 35B-A3B's
-    # 2048 / 512; 1 token (int32 ids, fp32 routing weights, 1 down row per warp) and 3 (int64,
-    # bf16, 2 rows)
+    # 2048 / 512; 1 token (int32 ids, fp32 routing weights) and 3 (int64, bf16)
     from tinyserve.kernels.fused_moe import fused_moe_ref
 
     h, f, experts, topk = (2048, 512, 64, 8) if moe.device == "cuda" else (1024, 256, 6, 3)
     slots, slot_of, sh = moe_layer(h, f, experts, moe.device)
-    for n, id_dtype, w_dtype, down_rows in ((1, torch.int32, torch.float32, 1),
-                                             (3, torch.int64, torch.bfloat16, 2)):
+    for n, id_dtype, w_dtype in ((1, torch.int32, torch.float32),
+                                 (3, torch.int64, torch.bfloat16)):
         ids = torch.stack([slot_of[torch.randperm(experts, device=moe.device)[:topk]]
                            for _ in range(n)]).to(id_dtype)
         wts = torch.softmax(torch.randn(n, topk, device=moe.device), -1).to(w_dtype)
@@ -268,32 +237,32 @@ def test_moe_decode_matches_the_reference(moe, shared):
             else None
         kw = {"shared_slots": sh, "shared_logit": logit} if shared else {}
         ref = fused_moe_ref(x, ids, wts, slots, **kw).float()
-        y = moe(x, ids, wts, topk, slots, sh if shared else None, logit, down_rows)
+        y = moe(x, ids, wts, topk, slots, sh if shared else None, logit)
         assert y.dtype == x.dtype and not torch.isnan(y).any()
-        assert rel_err(y, ref) < MOE_BOUND, (n, down_rows, rel_err(y, ref))
+        assert rel_err(y, ref) < MOE_BOUND, (n, rel_err(y, ref))
 
 
 def test_moe_decode_is_the_default_fused_path(monkeypatch):
-    # no fused config: the CUDA decode where it takes the call; a config: Triton's
+    # the CUDA decode where it takes the call, else Triton's
     from tinyserve.kernels import fused_moe as fm
-    from tinyserve.kernels.fused_moe_decode import MoEFusedConfig
 
     calls = []
-    monkeypatch.setattr(nvfp4_cuda, "moe_takes", lambda *a: True)
+    takes = [True]
+    monkeypatch.setattr(nvfp4_cuda, "moe_takes", lambda *a: takes[0])
     monkeypatch.setattr(nvfp4_cuda, "moe_decode", lambda *a: calls.append("cuda") or a[0])
     monkeypatch.setattr(fm, "moe_fused_decode", lambda *a: calls.append("triton") or a[0])
     slots, slot_of, sh = moe_layer(64, 32, 4, "cpu")
     x = torch.randn(1, 64)
-    fm.fused_moe(x, slot_of[:2][None], torch.ones(1, 2), slots, path="fused")
-    fm.fused_moe(x, slot_of[:2][None], torch.ones(1, 2), slots, path="fused",
-                 fused_config=MoEFusedConfig(decode="f32"))
+    fm.fused_moe(x, slot_of[:2][None], torch.ones(1, 2), slots)
+    takes[0] = False
+    fm.fused_moe(x, slot_of[:2][None], torch.ones(1, 2), slots)
     assert calls == ["cuda", "triton"]
     monkeypatch.undo()
     assert not nvfp4_cuda.moe_takes(x, torch.ones(2), 2, slots, None, None)  # the CPU
 
 
 @pytest.mark.requires_cuda
-def test_moe_decode_graph_dependent_and_repeats(poison):
+def test_moe_decode_graph_dependent_and_repeats(poison, monkeypatch):
     # graph replays == eager, dependent == ordinary launches, bit for bit, at 1 and 8 tokens
     slots, slot_of, sh = moe_layer(2048, 512, 32, "cuda")
     for n in (1, 8):
@@ -302,8 +271,10 @@ def test_moe_decode_graph_dependent_and_repeats(poison):
         x = torch.randn(n, 2048, device="cuda", dtype=torch.bfloat16)
         logit = torch.randn(n, 1, device="cuda", dtype=torch.bfloat16)
         args = (x, ids.view(-1), wts.view(-1), 8, slots, sh, logit)
-        eager = nvfp4_cuda.moe_decode(*args, dependent=False)
-        assert torch.equal(nvfp4_cuda.moe_decode(*args, dependent=True), eager)
+        with monkeypatch.context() as mp:
+            mp.setattr(nvfp4_cuda, "dependent_launch", lambda device: False)  # ordinary
+            eager = nvfp4_cuda.moe_decode(*args)
+        assert torch.equal(nvfp4_cuda.moe_decode(*args), eager)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             y = nvfp4_cuda.moe_decode(*args)
@@ -323,8 +294,8 @@ def test_kernels_build_for_sm90_within_their_occupancy():
     gemv = [f"nvfp4::nvfp4_gemv_one_row<{t}, {k // 1024}, {r}>" for t in fmts
             for k in nvfp4_cuda.KS for r in nvfp4_cuda.allowed_rows_per_warp(k)]
     gate_up = [f"nvfp4::moe_gate_up<{t}, {h // 1024}>" for t in fmts for h in nvfp4_cuda.MOE_HS]
-    down = [f"nvfp4::moe_down<{t}, {f}, {r}>" for t in fmts for f in nvfp4_cuda.MOE_FS
-            for r in (1, 2)]
+    down = [f"nvfp4::moe_down<{t}, {f}, {nvfp4_cuda.MOE_DOWN_ROWS}>" for t in fmts
+            for f in nvfp4_cuda.MOE_FS]
     entries = (ptxas_entries(nvfp4_cuda.GEMV, gemv)
                + ptxas_entries(nvfp4_cuda.MOE, gate_up + down))
     assert len(entries) == len(gemv) + len(gate_up) + len(down)

@@ -128,7 +128,7 @@ def test_fused_model_equals_separate(fmt: str, monkeypatch) -> None:
                for layer in layers if not layer.is_attention)
     attn = [layer.mixer for layer in layers if layer.is_attention]
     assert all((m.qkv_proj is None) == (fmt == "modelopt") for m in attn)
-    monkeypatch.setattr(linear_mod, "FUSE_SAME_INPUT", False)  # the switch: no fusing
+    monkeypatch.setattr(linear_mod, "concat_rows", lambda *ws: None)  # the separate ones
     runner = build_runner(cfg, w)
     assert all(layer.mixer.in_proj_qkvz is None if not layer.is_attention
                else layer.mixer.qkv_proj is None for layer in runner.model.layers)
@@ -147,7 +147,7 @@ def test_fused_model_on_cuda(fmt: str, monkeypatch) -> None:
     cfg, w = checkpoint(fmt)
     fused = _run(cfg, w, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(fused, _run(cfg, w, device="cuda", dtype=torch.bfloat16))
-    monkeypatch.setattr(linear_mod, "FUSE_SAME_INPUT", False)
+    monkeypatch.setattr(linear_mod, "concat_rows", lambda *ws: None)  # the separate ones
     _similar(fused, _run(cfg, w, device="cuda", dtype=torch.bfloat16), rel=0.02, agree=0.85)
 
 
@@ -161,12 +161,11 @@ def test_model_takes_the_loaders_fused_weights(tiny_checkpoint) -> None:
                                                                 fuse=False)))
 
 
-def test_switched_off_the_loader_yields_the_parts(tiny_checkpoint, monkeypatch) -> None:
+def test_unfused_the_loader_yields_the_parts(tiny_checkpoint) -> None:
     path = tiny_checkpoint("bf16")
     cfg = load_config(path)
-    monkeypatch.setattr(linear_mod, "FUSE_SAME_INPUT", False)
-    assert set(load_weights(path, cfg)) == set(expected_weights(cfg))
-    assert set(load_weights(path, cfg, fuse=True)) == _fused_names(cfg)
+    assert set(load_weights(path, cfg, fuse=False)) == set(expected_weights(cfg))
+    assert set(load_weights(path, cfg)) == _fused_names(cfg)
 
 
 # --------------------------------------------------------------------------------------------

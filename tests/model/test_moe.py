@@ -132,12 +132,7 @@ def _nvfp4_block(h: int, f: int, e: int, k: int, dtype: torch.dtype, fuse: bool,
 def test_sparse_moe_shared_in_fused_launch(n: int, tied: bool, monkeypatch) -> None:
     pytest.importorskip("triton")
     from tinyserve.kernels import fused_moe as fm
-    from tinyserve.kernels import fused_moe_decode as fmd
 
-    # every decode-sized batch takes the one-launch path here (by default only the sizes it
-    # was measured faster at do)
-    monkeypatch.setattr(fmd, "MOE_FUSED_DECODE", True)
-    monkeypatch.setattr(fmd, "MOE_FUSED_AUTO_TOKENS", fmd.MOE_FUSED_MAX_TOKENS)
     h, f, e, k = (64, 32, 8, 2) if DEV == "cpu" else (2048, 512, 256, 8)
     dtype = torch.float32 if DEV == "cpu" else torch.bfloat16
     fused = _nvfp4_block(h, f, e, k, dtype, True, tied, monkeypatch)
@@ -153,13 +148,14 @@ def test_sparse_moe_shared_in_fused_launch(n: int, tied: bool, monkeypatch) -> N
         monkeypatch.setattr(mod, name, lambda *a, real=real: launches.append(a[5]) or real(*a))
     got = _run(fused, x, True, monkeypatch).float()
     assert launches == [fused.shared_slots]  # routed + shared: one fused call
-    # without the fused decode (larger batches): separate shared GEMVs over the slot's bytes
-    monkeypatch.setattr(fmd, "MOE_FUSED_DECODE", False)
-    unfused = _run(fused, x, True, monkeypatch).float()
+    # more tokens than the fused decode takes: separate shared GEMVs over the slot's bytes
+    xs = torch.randn(fm.FUSED_MAX_TOKENS + 1, h, device=DEV).to(dtype)
+    unfused = _run(fused, xs, True, monkeypatch).float()
     assert len(launches) == 1
-    for y in (got, unfused):
+    ref_xs = _run(plain, xs, False, monkeypatch).float()
+    for y, want in ((got, ref), (unfused, ref_xs)):
         assert torch.isfinite(y).all()
-        per_token = (y - ref).norm(dim=-1) / ref.norm(dim=-1)
+        per_token = (y - want).norm(dim=-1) / want.norm(dim=-1)
         # NOTE: on the GPU bf16 router logits (one [E + 1, H] GEMM vs two) may flip an 8th
         # expert: the median token only
         worst = per_token.max() if DEV == "cpu" else per_token.median()

@@ -51,18 +51,20 @@ def implementations(device: torch.device, kv: str) -> dict[str, str]:
     """Kernel family -> the implementation it takes on `device` with KV format `kv`."""
     if device.type != "cuda" or envs.DISABLE_KERNELS.get():
         return {"all": "torch references"}
+    from tinyserve.kernels import fp8, fused_moe, nvfp4
     from tinyserve.kv import bf16, iso_pool
 
     be = cuda_launch.backend(device)
     major, minor = cuda_build.nvrtc_version()
     cuda = f"CUDA (NVRTC {major}.{minor}, {be.target})"
-    nvfp4 = cuda if envs.NVFP4_CUDA.get() else "Triton"
     return {
         "CUDA kernels": cuda,
         "dependent launches": "on" if dependent_launch(device) else "off (below sm_90)",
         "E4M3 scales": "cvt (sm_89+)" if be.arch >= 89 else "bit arithmetic (below sm_89)",
-        "NVFP4 one-row GEMV and MoE decode": nvfp4,
-        "NVFP4 / FP8 prefill, GDN, norms": "Triton",
+        "NVFP4 linear": nvfp4.describe(),
+        "MoE experts": fused_moe.describe(),
+        "FP8 linear": fp8.describe(),
+        "GDN, norms": "Triton",
         "KV attention": (f"{kv} store {cuda}, decode: {iso_pool.DECODE_RULE}" if kv != "bf16"
                          else f"bf16 paged store Triton, decode: {bf16.DECODE_RULE}"),
     }

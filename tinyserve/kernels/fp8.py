@@ -41,12 +41,18 @@ needs no triton). The reference is `kernels/nvfp4_ref.py` (`dequantize_fp8`,
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
 from tinyserve.core import FP8Weight
-from tinyserve.kernels.launch import cdiv, dot_tiles, num_sms, split_k_output, split_k_result
+from tinyserve.kernels.launch import (
+    cdiv,
+    dot_tiles,
+    num_sms,
+    split_k_output,
+    split_k_result,
+    target_arch,
+)
 from tinyserve.kernels.nvfp4 import row_range
 
 PATHS = ("gemv", "dot", "dequant")
@@ -59,21 +65,14 @@ NATIVE_PATHS = ("dot",)  # paths that decode with float8e4nv by default on sm_89
 SCRATCH_ELEMS = 1 << 24  # dequant scratch cap (32 MiB in bf16)
 
 
-@dataclass(frozen=True)
-class GemvConfig:
-    """Tiles of the gemv path. A program owns `block_n` rows x `block_w` int32 words (4 inputs
-    each) of the weight: block_w = the whole K range (a power of two, at most `max_block_w`;
-    larger K splits), block_n so that each of the `num_warps` * 32 threads holds about
-    `words_per_thread` words, halved (then K split) while there are fewer than
-    `programs_per_sm` programs per SM."""
-
-    words_per_thread: int = 16
-    num_warps: int = 4
-    programs_per_sm: int = 2
-    max_block_w: int = 1024
-
-
-DEFAULT_GEMV = GemvConfig()
+# gemv tiles: a program owns block_n rows x block_w int32 words (4 inputs each) of the weight:
+# block_w = the whole K range (a power of two, at most GEMV_MAX_BLOCK_W; larger K splits),
+# block_n so that each of the GEMV_WARPS * 32 threads holds about GEMV_WORDS_PER_THREAD
+# words, halved (then K split) while there are fewer than GEMV_PROGRAMS_PER_SM programs per SM.
+GEMV_WORDS_PER_THREAD = 16
+GEMV_WARPS = 4
+GEMV_PROGRAMS_PER_SM = 2
+GEMV_MAX_BLOCK_W = 1024
 
 
 @functools.cache
@@ -91,13 +90,12 @@ def _next_pow2(v: int) -> int:
     return 1 << (max(1, v) - 1).bit_length()
 
 
-def gemv_tiles(n: int, k: int, num_sms: int, cfg: GemvConfig = DEFAULT_GEMV
-               ) -> tuple[int, int, int]:
+def gemv_tiles(n: int, k: int, num_sms: int) -> tuple[int, int, int]:
     """(block_n, block_w, split_k) of the gemv path for an [N, K] weight (K % 4 == 0)."""
     kw = k // 4
-    block_w = min(_next_pow2(kw), cfg.max_block_w)
-    block_n = _pow2_floor(cfg.words_per_thread * 32 * cfg.num_warps // block_w)
-    target = cfg.programs_per_sm * num_sms
+    block_w = min(_next_pow2(kw), GEMV_MAX_BLOCK_W)
+    block_n = _pow2_floor(GEMV_WORDS_PER_THREAD * 32 * GEMV_WARPS // block_w)
+    target = GEMV_PROGRAMS_PER_SM * num_sms
     while block_n > 1 and cdiv(n, block_n) * cdiv(kw, block_w) < target:
         block_n //= 2
     while cdiv(n, block_n) * cdiv(kw, block_w) < target and block_w > 128:
@@ -105,14 +103,15 @@ def gemv_tiles(n: int, k: int, num_sms: int, cfg: GemvConfig = DEFAULT_GEMV
     return block_n, block_w, cdiv(kw, block_w)
 
 
-@functools.cache
 def _has_native_fp8(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    # NOTE: the target architecture, so TINYSERVE_CUDA_ARCH=sm_86 runs the bit decode of the
+    # GPUs without the conversion on a newer one
+    return device.type == "cuda" and target_arch(device) >= 89
 
 
 def default_native(path: str, device: torch.device) -> bool:
     """Whether `path` decodes with Triton's float8e4nv conversion by default on `device`:
-    paths in NATIVE_PATHS on CUDA devices of compute capability 8.9 or newer."""
+    paths in NATIVE_PATHS on CUDA devices whose `launch.target_arch` is sm_89 or newer."""
     return path in NATIVE_PATHS and _has_native_fp8(torch.device(device))
 
 
@@ -122,6 +121,12 @@ def choose_path(m: int, n: int = 0, k: int = 4) -> str:
     if m <= GEMV_MAX_M and k % 4 == 0:
         return "gemv"
     return "dot" if m < DEQUANT_MIN_M else "dequant"
+
+
+def describe() -> str:
+    """The implementation of each regime, for the engine's start-up log."""
+    return (f"Triton gemv (M <= {GEMV_MAX_M}); Triton tl.dot (M < {DEQUANT_MIN_M}, float8e4nv "
+            f"decode on sm_89+); dequantize + cuBLAS")
 
 
 def _check_weight(w: FP8Weight) -> tuple[int, int, torch.Tensor, bool]:
@@ -157,10 +162,10 @@ def _check(x: torch.Tensor, w: FP8Weight) -> tuple[int, int, int, torch.Tensor, 
 
 
 def _gemv(x: torch.Tensor, w: FP8Weight, scale: torch.Tensor, per_row: bool, m: int, n: int,
-          k: int, cfg: GemvConfig, native: bool) -> torch.Tensor:
+          k: int, native: bool) -> torch.Tensor:
     if k % 4:
         raise ValueError(f"the gemv path needs K % 4 == 0, got K={k}")
-    block_n, block_w, split = gemv_tiles(n, k, num_sms(x.device), cfg)
+    block_n, block_w, split = gemv_tiles(n, k, num_sms(x.device))
     is_bf16 = (x.dtype == torch.bfloat16 and x.stride(0) % 4 == 0
                and x.storage_offset() % 4 == 0)
     xv = x.view(torch.int64) if is_bf16 else x  # [M, K/4]: one word = 4 inputs
@@ -170,7 +175,7 @@ def _gemv(x: torch.Tensor, w: FP8Weight, scale: torch.Tensor, per_row: bool, m: 
     kern[grid](xv, w.weight.view(torch.int32), scale, out, m, n, k // 4, xv.stride(0),
                SPLIT_K=split, BLOCK_M=min(4, _next_pow2(m)), BLOCK_N=block_n, BLOCK_W=block_w,
                IS_PER_ROW=per_row, IS_X_BF16=is_bf16, USE_NATIVE=native,
-               num_warps=cfg.num_warps)
+               num_warps=GEMV_WARPS)
     return split_k_result(out, split, x.dtype)
 
 
@@ -233,7 +238,7 @@ def _dequant_matmul(x: torch.Tensor, w: FP8Weight, m: int, n: int, k: int,
 
 
 def fp8_linear(x: torch.Tensor, w: FP8Weight, *, path: str | None = None,
-               gemv_config: GemvConfig | None = None, native: bool | None = None
+               native: bool | None = None
                ) -> torch.Tensor:
     """y = x @ (e4m3(w.weight) * w.scale).T, W8A16 on a GPU (or the Triton interpreter).
 
@@ -241,7 +246,6 @@ def fp8_linear(x: torch.Tensor, w: FP8Weight, *, path: str | None = None,
         x: [M, K] (or [..., K]) bf16 / fp16 / fp32 on the weight's device.
         w: FP8Weight: weight uint8 [N, K] (E4M3 bits, contiguous), scale fp32 scalar or [N, 1].
         path: "gemv" (needs K % 4 == 0), "dot" or "dequant"; None picks by M (`choose_path`).
-        gemv_config: tiles of the gemv path (the bench sweeps them); None = DEFAULT_GEMV.
         native: decode with Triton's float8e4nv type (sm_89+) instead of bit arithmetic;
             None = `default_native(path, x.device)`.
     Returns:
@@ -264,7 +268,7 @@ def fp8_linear(x: torch.Tensor, w: FP8Weight, *, path: str | None = None,
     if native is None:
         native = default_native(path, x.device)
     if path == "gemv":
-        y = _gemv(x2, w, scale, per_row, m, n, k, gemv_config or DEFAULT_GEMV, native)
+        y = _gemv(x2, w, scale, per_row, m, n, k, native)
     elif path == "dot":
         y = _dot(x2, w, scale, per_row, m, n, k, native)
     else:

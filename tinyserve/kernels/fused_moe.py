@@ -1,21 +1,22 @@
-"""Fused MoE over expert slots (Triton), NVFP4 or bf16 experts, with its torch reference.
+"""Fused MoE over expert slots, NVFP4 or bf16 experts, with its torch reference.
 
 Experts live in slot buffers (`ExpertSlots`); a layer's routed experts are addressed by slot
 index, so the same kernels serve all-resident experts (slot = expert id) and the GPU expert
 cache (slot = cache line). `fused_moe` runs every (token, expert) pair of a layer in one launch
 sequence: gate_up -> silu(gate) * up -> down scaled by the routing weight -> sum over the k
 experts of each token, plus optionally a gated shared expert (`shared_slots`, one slot).
-Decode, NVFP4, up to `MOE_FUSED_MAX_TOKENS` tokens ("fused", `fused_moe_decode.py`; in CUDA,
-`nvfp4_cuda.moe_decode`, where it applies): every expert of every token and the shared expert
-in two launches, gate_up + silu * up per (pair, feature chunk), then down per (token, row
-block) summing every pair in registers: no atomics, the same bits every run
-(`fused_moe_decode.MOE_FUSED_DECODE = False` switches it off). Otherwise, decode ("gemv", few
-pairs): gate_up with one program per pair and row block, int64 code loads (the GEMV core of
-`kernels/nvfp4.py`; tiles per (H, F) from `nvfp4_tiles.MOE_GEMV_TILES`), pairs ordered by slot
-so shared experts come from L2; down with one program per token and row block summing its k
-experts (or `down_expert_split` groups of them in separate programs, fp32 partial sums added
-after). Prefill: pairs grouped per slot into BLOCK_M tiles (`align_pairs`, no host sync) and
-tensor-core dots with the weight tile dequantized in the K loop.
+`choose_path` picks one implementation per regime:
+
+- "fused" (NVFP4 slots, decode: up to FUSED_MAX_TOKENS tokens): every expert of every token and
+  the shared expert in two launches, gate_up + silu * up per (pair, feature chunk), then down
+  per (token, row block) summing every pair in registers: no atomics, the same bits every run.
+  In CUDA (`nvfp4_cuda.moe_decode`) where `nvfp4_cuda.moe_takes` the call (16-bit x, the
+  35B-A3B shapes), else in Triton (`fused_moe_decode.py`).
+- "gemv" (dense slots, decode: up to GEMV_MAX_PAIRS pairs): gate_up with one program per pair
+  and row block, pairs ordered by slot; down with one program per token and row block summing
+  its k experts (`fused_moe_triton.py`).
+- "dot" (prefill): pairs grouped per slot into BLOCK_M tiles (`align_pairs`, no host sync) and
+  tensor-core dots with the weight tile dequantized in the K loop.
 
 Slot layout (gate = rows 0..F-1 of w13, up = rows F..2F-1):
 - NVFP4: w13 uint8 [S, 2F, H/2], w13_scale uint8 [S, 2F, H/16], w13_global fp32 [S, 2]
@@ -32,22 +33,34 @@ from dataclasses import dataclass
 import torch
 
 from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
-from tinyserve.kernels import fused_moe_decode as fmd
 from tinyserve.kernels import nvfp4_cuda
-from tinyserve.kernels.fused_moe_decode import (
-    MoEFusedConfig,
-    default_moe_fused_config,
-    fuses_shared_expert,
-    moe_fused_decode,
-)
-from tinyserve.kernels.nvfp4_tiles import MoEGemvConfig, default_moe_gemv_config
+from tinyserve.kernels.fused_moe_decode import moe_fused_decode
 
 MOE_PATHS = ("fused", "gemv", "dot")
-MOE_GEMV_MAX_PAIRS = 64  # default: gemv up to this many (token, expert) pairs, then dot
-
-
-DEFAULT_MOE_GEMV = default_moe_gemv_config(2048, 512)  # Qwen3.5-35B-A3B
+FUSED_MAX_TOKENS = 8  # NVFP4 slots: the fused decode up to this many tokens, then dot
+GEMV_MAX_PAIRS = 64  # dense slots: gemv up to this many (token, expert) pairs, then dot
 MOE_DOT_BLOCK_N, MOE_DOT_BLOCK_K = 64, 128  # dot: output rows / inputs per tile
+
+
+def choose_path(num_tokens: int, topk: int, fp4: bool) -> str:
+    """The path of `num_tokens` tokens of `topk` experts each over NVFP4 (`fp4`) or dense
+    slots: "fused" for NVFP4 decode, "gemv" for dense decode, else "dot"."""
+    if fp4:
+        return "fused" if num_tokens <= FUSED_MAX_TOKENS else "dot"
+    return "gemv" if num_tokens * topk <= GEMV_MAX_PAIRS else "dot"
+
+
+def fuses_shared_expert(num_tokens: int) -> bool:
+    """Whether `fused_moe` runs `num_tokens` tokens over NVFP4 slots in the fused path, which
+    takes an NVFP4 shared expert in its launches (the model then hands it over)."""
+    return 0 < num_tokens <= FUSED_MAX_TOKENS
+
+
+def describe() -> str:
+    """The implementation of each regime, for the engine's start-up log."""
+    return (f"NVFP4 decode (<= {FUSED_MAX_TOKENS} tokens): CUDA fused decode (16-bit x, H in "
+            f"{nvfp4_cuda.MOE_HS}, F in {nvfp4_cuda.MOE_FS}), else Triton fused decode; "
+            f"dense decode: Triton gemv; prefill: Triton tl.dot")
 
 
 @functools.cache
@@ -228,9 +241,8 @@ def _check_shared(x: torch.Tensor, slots: ExpertSlots, shared_slots: ExpertSlots
 
 def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.Tensor,
               slots: ExpertSlots, *, shared_slots: ExpertSlots | None = None,
-              shared_logit: torch.Tensor | None = None, path: str | None = None,
-              gemv_config: MoEGemvConfig | None = None,
-              fused_config: MoEFusedConfig | None = None) -> torch.Tensor:
+              shared_logit: torch.Tensor | None = None, path: str | None = None
+              ) -> torch.Tensor:
     """Routed-expert MLP: sum_j w[t, j] * down_s(silu(gate_s(x_t)) * up_s(x_t)), s = ids[t, j],
     plus sigmoid(shared_logit[t]) * shared(x_t) when a shared expert is given.
 
@@ -240,48 +252,32 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
         topk_weights: [N, k] routing weights (any float dtype).
         slots: the layer's ExpertSlots, on x's device.
         shared_slots: the layer's shared expert in slot 0 of its own ExpertSlots (same H), or
-            None. In the "fused" path (NVFP4, same F) it is a ninth pair of its launches;
-            otherwise it runs as a second call of the same path, summed after.
+            None. In the "fused" path (NVFP4, same F) it is one more pair of its launches;
+            otherwise it runs as a second call (a one-expert MoE), summed after.
         shared_logit: [N, 1] shared-expert gate logits (any row stride), with shared_slots;
             its sigmoid is rounded to x.dtype (as `model.moe.gated_add` does).
-        path: "fused" (two launches, NVFP4, N <= MOE_FUSED_MAX_TOKENS; decode;
-            `fused_moe_decode.py`), "gemv" (one program per pair and row block; decode) or
-            "dot" (pairs grouped per slot into BLOCK_M tiles, tensor cores; prefill); None
-            picks "fused" when `fuses_shared_expert(N)` and the slots are NVFP4, else by
-            N * k.
-        gemv_config: tile sizes of the gemv path (bench sweeps); None =
-            `default_moe_gemv_config(H, F)`.
-        fused_config: Triton tiles of the fused path; None = the CUDA kernels where
-            `nvfp4_cuda.moe_takes` the call (csrc/nvfp4_moe.cu: 16-bit x, 35B-A3B-like
-            shapes), else the table entry (`default_moe_fused_config(H, F)`).
+        path: "fused", "gemv" or "dot" (module docstring); None = `choose_path` (tests name a
+            path to run its implementation on shapes the selection does not send it).
     Returns:
         [N, H] in x.dtype; fp32 accumulation, the silu(gate) * up intermediate in fp32
-        (fused, gemv) or x.dtype (dot). The "h2" decode (gemv: the 35B-A3B default,
-        `MOE_GEMV_TILES`; fused: gate_up) rounds x (and, gemv, the intermediate) to fp16
-        after a power-of-two scale and sums each block of 16 products in fp16. Every path
-        sums in a fixed order (the same bits on every run).
-        No host synchronisation (CUDA-graph safe).
+        (fused, gemv) or x.dtype (dot). The fused path's gate_up (CUDA and Triton) rounds x to
+        fp16 after a power-of-two scale and sums each block of 16 products in fp16. Every path
+        sums in a fixed order (the same bits on every run). No host synchronisation (CUDA-graph
+        safe).
     Raises:
-        ValueError: bad shapes / devices, an unknown path, "fused" with dense slots or
-            more than MOE_FUSED_MAX_TOKENS tokens.
+        ValueError: bad shapes / devices, an unknown path, "fused" with dense slots.
         TypeError: bad dtypes.
     """
     _check(x, topk_slot_ids, topk_weights, slots)
     _check_shared(x, slots, shared_slots, shared_logit)
     n, topk = topk_slot_ids.shape
-    pairs = n * topk
-    if pairs == 0:
+    if n * topk == 0:
         return torch.zeros_like(x)
-    if path is None:
-        if slots.is_fp4 and fuses_shared_expert(n):
-            path = "fused"
-        else:
-            path = "gemv" if pairs <= MOE_GEMV_MAX_PAIRS else "dot"
+    path = path or choose_path(n, topk, slots.is_fp4)
     if path not in MOE_PATHS:
         raise ValueError(f"unknown fused_moe path {path!r}; choose from {MOE_PATHS}")
-    if path == "fused" and (not slots.is_fp4 or n > fmd.MOE_FUSED_MAX_TOKENS):
-        raise ValueError(f"the fused path needs NVFP4 slots and at most "
-                         f"{fmd.MOE_FUSED_MAX_TOKENS} tokens (got {n}, fp4={slots.is_fp4})")
+    if path == "fused" and not slots.is_fp4:
+        raise ValueError("the fused path needs NVFP4 slots")
     x = x.contiguous()
     ids = topk_slot_ids.contiguous().view(-1)
     wts = topk_weights.contiguous().view(-1)
@@ -289,31 +285,27 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
                  and shared_slots.intermediate_size == slots.intermediate_size)
     if path == "fused":
         sh, logit = (shared_slots, shared_logit) if in_kernel else (None, None)
-        if fused_config is None and nvfp4_cuda.moe_takes(x, wts, topk, slots, sh, logit):
+        if nvfp4_cuda.moe_takes(x, wts, topk, slots, sh, logit):
             out = nvfp4_cuda.moe_decode(x, ids, wts, topk, slots, sh, logit)
         else:
-            cfg = fused_config or default_moe_fused_config(slots.hidden_size,
-                                                            slots.intermediate_size)
-            out = moe_fused_decode(x, ids, wts, topk, slots, sh, logit, cfg)
+            out = moe_fused_decode(x, ids, wts, topk, slots, sh, logit)
     elif path == "gemv":
-        cfg = gemv_config or default_moe_gemv_config(slots.hidden_size,
-                                                      slots.intermediate_size)
-        out = _moe_gemv(x, ids, wts, topk, slots, cfg)
+        out = _moe_gemv(x, ids, wts, topk, slots)
     else:
         pair_out = _moe_dot(x, ids, wts, topk, slots)  # [P, H] fp32, weighted
         out = pair_out.view(n, topk, -1).sum(1).to(x.dtype)
     if shared_slots is None or shared_logit is None or in_kernel:
         return out
-    # the shared expert as a one-expert MoE of its own (same path; gemv for fused + dense)
+    # the shared expert as a one-expert MoE of its own
     sh_ids = torch.zeros(n, 1, dtype=torch.int32, device=x.device)
     sh_w = torch.sigmoid(shared_logit.float()).to(x.dtype)
-    sh_path = "gemv" if path == "fused" and not shared_slots.is_fp4 else path
-    return out + fused_moe(x, sh_ids, sh_w, shared_slots, path=sh_path,
-                           gemv_config=gemv_config, fused_config=fused_config)
+    return out + fused_moe(x, sh_ids, sh_w, shared_slots)
 
 
 def _moe_gemv(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
-              slots: ExpertSlots, cfg: MoEGemvConfig) -> torch.Tensor:
+              slots: ExpertSlots) -> torch.Tensor:
+    if slots.is_fp4:
+        raise ValueError("the gemv path takes dense slots (NVFP4 decode: the fused path)")
     kern = _kernels()
     pairs, h, f = ids.numel(), slots.hidden_size, slots.intermediate_size
     n = pairs // topk
@@ -321,31 +313,23 @@ def _moe_gemv(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
     # token needs no order (its k experts differ): decode is two launches.
     has_order = n > 1
     order = torch.argsort(ids, stable=True).to(torch.int32) if has_order else ids
-    fp4 = slots.is_fp4
-    w13 = slots.w13.view(torch.int64) if fp4 else slots.w13  # one word = 16 codes
-    w2 = slots.w2.view(torch.int64) if fp4 else slots.w2
-    s13, s2, g13, g2 = _scales(slots, wts)
-    is_h2 = fp4 and cfg.decode == "h2"
-    use_asm = x.device.type == "cuda"  # NOTE: the interpreter runs the h2 emulation
+    # tiles: gate_up 4 gate + 4 up rows, down 8 rows, x 8 * pow2(K / 16) inputs (at most 1024)
+    # per K step
+    block_k13 = 8 * min(128, _next_pow2(h // 16))
+    block_k2 = 8 * min(128, _next_pow2(f // 16))
     inter = torch.empty(pairs, f, device=x.device, dtype=torch.float32)
-    kern.moe_gate_up_kernel[(pairs, -(-f // cfg.gate_up_block_n))](
-        x, ids, order, w13, s13, g13, inter, x.stride(0), H=h, F=f, TOPK=topk, IS_FP4=fp4,
-        HAS_ORDER=has_order, BLOCK_N=cfg.gate_up_block_n, BLOCK_B=cfg.gate_up_block_b,
-        PREFETCH=cfg.prefetch, IS_H2=is_h2, USE_ASM=use_asm, num_warps=cfg.num_warps)
-    # NOTE: expert groups in separate programs (more programs for one token); fp32 partial
-    # sums [N, groups, H] then one sum
-    split = cfg.down_expert_split if topk % max(1, cfg.down_expert_split) == 0 else 1
-    split = max(1, split)
-    if split == 1:
-        out = torch.empty(n, h, device=x.device, dtype=x.dtype)
-    else:
-        out = torch.empty(n, split, h, device=x.device, dtype=torch.float32)
-    kern.moe_down_kernel[(n, -(-h // cfg.down_block_n), split)](
-        inter, ids, wts, w2, s2, g2, out, H=h, F=f, TOPK=topk, IS_FP4=fp4,
-        BLOCK_N=cfg.down_block_n, BLOCK_B=cfg.down_block_b, PREFETCH=cfg.prefetch,
-        IS_H2=is_h2, USE_ASM=use_asm, EXPERT_SPLIT=split,
-        num_warps=cfg.down_num_warps or cfg.num_warps)
-    return out if split == 1 else out.sum(1).to(x.dtype)
+    kern.moe_gate_up_kernel[(pairs, -(-f // 4))](
+        x, ids, order, slots.w13, inter, x.stride(0), H=h, F=f, TOPK=topk,
+        HAS_ORDER=has_order, BLOCK_N=4, BLOCK_K=block_k13, num_warps=4)
+    out = torch.empty(n, h, device=x.device, dtype=x.dtype)
+    kern.moe_down_kernel[(n, -(-h // 8))](
+        inter, ids, wts, slots.w2, out, H=h, F=f, TOPK=topk, BLOCK_N=8, BLOCK_K=block_k2,
+        num_warps=2)
+    return out
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, v - 1).bit_length()
 
 
 def _scales(slots: ExpertSlots, dummy: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -7,10 +7,10 @@ its sums in a fixed order: the same bits on every run.
 
 1. `moe_fused_gate_up_kernel`, grid (N * KP, F / BLOCK_F): the BLOCK_F gate rows and
    BLOCK_F up rows of one feature chunk of one pair (interleaved in one tile) against x[t];
-   the first K step's code words and scales are requested first; "h2" with one K step loads
-   x once and takes its power-of-two scale from those values (no pass over x before the
-   dot), with several steps the scale pass runs under the first loads and later steps are
-   requested one ahead (`_rows_dot`, h2 through `nvfp4_triton._fp4_rows_dot_h2`);
+   the "h2" decode of `nvfp4_triton._fp4_rows_dot_h2`: the first K step's code words and
+   scales are requested first; with one K step x is loaded once and its power-of-two scale
+   taken from those values (no pass over x before the dot), with several steps the scale
+   pass runs under the first loads and later steps are requested one ahead;
    silu(gate) * up in fp32 into the intermediate h [N * KP, F], block-transposed (feature
    16b + i at i * F/16 + b, so the down kernel's loads of one feature over blocks are
    contiguous).
@@ -37,62 +37,9 @@ from tinyserve.kernels.nvfp4_triton import (
     GEMV_RESCALE_C,
     X_PRESCALE_C,
     _e4m3,
-    _fma4,
     _fp4_rows_dot_h2,
     _nibble_pair,
-    _x_quad,
 )
-
-
-@triton.jit
-def _f32_block_dot(v, raw, xk, ok):
-    """sum over each 16-input block of W[row, block] * x for code words v [BN, BB] int64,
-    scales raw [BN, BB] uint8 and x at xk (+ 16 b), fp32 [BN, BB] in the unit x * X_PRESCALE *
-    E2M1 * 2^-126 * e4m3 * 2^-8 (the f32 nibble-pair decode)."""
-    lo = v.to(tl.uint32)  # inputs 16b + 0..7
-    hi = (v >> 32).to(tl.uint32)  # inputs 16b + 8..15
-    p = tl.zeros(v.shape, dtype=tl.float32)
-    for i in tl.static_range(4):
-        w0, w4 = _nibble_pair(lo, i)
-        w8, w12 = _nibble_pair(hi, i)
-        x0, x4, x8, x12 = _x_quad(xk, i, ok, 1)
-        p = _fma4(p, w0, w4, w8, w12, x0, x4, x8, x12)
-    return p * _e4m3(raw)
-
-
-@triton.jit
-def _rows_dot(x_row, w_ptr, s_ptr, rows, row_mask, KB: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_B: tl.constexpr, IS_H2: tl.constexpr, USE_ASM: tl.constexpr):
-    """sum_k x[k] * (E2M1 * e4m3)[rows, k] over all KB blocks, fp32 [BLOCK_N] lacking
-    FP4_UNIT * global_scale (the unit of `nvfp4_triton._fp4_rows_dot`). h2:
-    `nvfp4_triton._fp4_rows_dot_h2` (the first step's weights requested first; one K step:
-    x loaded once beside them). f32: the first step's loads go out first, the next step's
-    before this step is decoded."""
-    ONE_STEP: tl.constexpr = KB <= BLOCK_B
-    if IS_H2:
-        return _fp4_rows_dot_h2(x_row, w_ptr, s_ptr, rows, row_mask, KB, 0, KB, BLOCK_N,
-                                BLOCK_B, False, 2, USE_ASM, ONE_STEP)
-    offs_b = tl.arange(0, BLOCK_B)
-    rows64 = rows.to(tl.int64)
-    w_rows = w_ptr + rows64[:, None] * KB
-    s_rows = s_ptr + rows64[:, None] * KB
-    blk = tl.max_contiguous(offs_b, 2)
-    m = row_mask[:, None] & (blk < KB)[None, :]
-    v_next = tl.load(w_rows + blk[None, :], mask=m, other=0)  # [BN, BB] int64
-    raw_next = tl.load(s_rows + blk[None, :], mask=m, other=0)  # [BN, BB] uint8
-    acc = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
-    for b0 in range(0, KB, BLOCK_B):
-        v = v_next
-        raw = raw_next
-        blk = tl.max_contiguous(b0 + offs_b, 2)
-        ok = blk < KB
-        if not ONE_STEP:
-            nblk = tl.max_contiguous(b0 + BLOCK_B + offs_b, 2)
-            nm = row_mask[:, None] & (nblk < KB)[None, :]
-            v_next = tl.load(w_rows + nblk[None, :], mask=nm, other=0)
-            raw_next = tl.load(s_rows + nblk[None, :], mask=nm, other=0)
-        acc += _f32_block_dot(v, raw, x_row + blk * 16, ok)
-    return tl.sum(acc, axis=1) * GEMV_RESCALE_C
 
 
 @triton.jit
@@ -100,8 +47,8 @@ def moe_fused_gate_up_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, g13_ptr,
                               sw13_ptr, ss13_ptr, sg13_ptr, h_ptr, stride_xm,
                               H: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
                               HAS_SHARED: tl.constexpr, BLOCK_F: tl.constexpr,
-                              BLOCK_B: tl.constexpr, IS_H2: tl.constexpr,
-                              USE_ASM: tl.constexpr, TRIGGER: tl.constexpr):
+                              BLOCK_B: tl.constexpr, USE_ASM: tl.constexpr,
+                              TRIGGER: tl.constexpr):
     # h[q, i * F/16 + b] = silu(x[t] . W13[f]) * (x[t] . W13[F + f]), f = 16b + i, of pair q;
     # w13 pointers are int64 views of the codes (one word = 16 codes). TRIGGER: the down
     # kernel, a dependent launch, may launch once every program got here (it waits for h)
@@ -127,8 +74,8 @@ def moe_fused_gate_up_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, g13_ptr,
     jj = tl.arange(0, 2 * BLOCK_F)
     f = f0 + jj // 2
     half = jj % 2  # 0 = gate row f, 1 = up row F + f
-    acc = _rows_dot(x_ptr + t * stride_xm, w13, s13, f + half * F, f < F, KB, 2 * BLOCK_F,
-                    BLOCK_B, IS_H2, USE_ASM)
+    acc = _fp4_rows_dot_h2(x_ptr + t * stride_xm, w13, s13, f + half * F, f < F, KB, 0, KB,
+                           2 * BLOCK_F, BLOCK_B, USE_ASM, KB <= BLOCK_B)
     acc = acc * (tl.load(g13 + half) * FP4_UNIT_C)
     g, u = tl.split(tl.reshape(acc, [BLOCK_F, 2]))
     ff = f0 + tl.arange(0, BLOCK_F)

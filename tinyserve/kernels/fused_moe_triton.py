@@ -1,11 +1,10 @@
 """Fused-MoE Triton kernels behind `kernels/fused_moe.py` (NVFP4 or dense expert slots).
 
-Decode (gemv path): gate_up with one program per (token, expert) pair and block of rows, gate
-and up rows interleaved in one tile, silu(gate) * up fused, the intermediate written
-block-transposed; down with one program per (token, block of rows) summing its k experts in
-registers. Prefill (dot path): pairs grouped per slot into BLOCK_M tiles, tensor-core tiles
-with the weight dequantized in the K loop. Imports triton at the top (launchers import it
-lazily).
+Decode over dense slots (gemv path): gate_up with one program per (token, expert) pair and
+block of rows, silu(gate) * up fused; down with one program per (token, block of rows)
+summing its k experts in registers. Prefill (dot path, NVFP4 or dense): pairs grouped per
+slot into BLOCK_M tiles, tensor-core tiles with the weight dequantized in the K loop. Imports
+triton at the top (launchers import it lazily).
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import triton
 import triton.language as tl
 
 from tinyserve.kernels.nvfp4_dot_triton import _tile_dot
-from tinyserve.kernels.nvfp4_triton import FP4_UNIT_C, _fp4_rows_dot, _fp4_rows_dot_h2
 
 
 @triton.jit
@@ -35,104 +33,42 @@ def _dense_rows_dot(x_row, w_ptr, rows, row_mask, K, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _slot_rows_dot(x_row, w_slot, s_slot, rows, row_mask, K: tl.constexpr,
-                   IS_FP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-                   PREFETCH: tl.constexpr, IS_H2: tl.constexpr, USE_ASM: tl.constexpr):
-    # one row of x against `rows` of one slot's weight: fp32 [BLOCK_N] (fp4 lacks FP4_UNIT * gs;
-    # fp4 reads x block-transposed, as moe_gate_up_kernel writes it)
-    if IS_FP4 and IS_H2:
-        acc = _fp4_rows_dot_h2(x_row, w_slot, s_slot, rows, row_mask, K // 16, 0, K // 16,
-                               BLOCK_N, BLOCK_B, True, 2, USE_ASM, K // 16 <= BLOCK_B)
-    elif IS_FP4:
-        acc, _a1, _a2, _a3 = _fp4_rows_dot(x_row, 0, 1, w_slot, s_slot, rows, row_mask,
-                                           K // 16, 0, K // 16, 1, BLOCK_N, BLOCK_B, PREFETCH,
-                                           True)
-    else:
-        acc = _dense_rows_dot(x_row, w_slot, rows, row_mask, K, BLOCK_N, BLOCK_B * 8)
-    return acc
-
-
-@triton.jit
-def moe_gate_up_kernel(x_ptr, ids_ptr, order_ptr, w_ptr, s_ptr, gs_ptr, inter_ptr, stride_xm,
+def moe_gate_up_kernel(x_ptr, ids_ptr, order_ptr, w_ptr, inter_ptr, stride_xm,
                        H: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
-                       IS_FP4: tl.constexpr, HAS_ORDER: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_B: tl.constexpr, PREFETCH: tl.constexpr, IS_H2: tl.constexpr,
-                       USE_ASM: tl.constexpr):
+                       HAS_ORDER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # inter[p, f] = silu(x[t] . W13[slot, f]) * (x[t] . W13[slot, F + f]), p = t * TOPK + j
-    # NOTE: one launch for every pair: grid (pairs, F / BLOCK_N); fp4 w_ptr is the int64 view
+    # NOTE: one launch for every pair: grid (pairs, F / BLOCK_N)
     if HAS_ORDER:
         p = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)  # pairs sorted by slot
     else:
         p = tl.program_id(0).to(tl.int64)
     slot = tl.load(ids_ptr + p).to(tl.int64)
     x_row = x_ptr + (p // TOPK) * stride_xm
-    f0 = tl.program_id(1) * BLOCK_N
-    if IS_FP4:
-        # NOTE: gate row f and up row F + f interleaved in one tile, so both stream at once
-        j = tl.arange(0, 2 * BLOCK_N)
-        f = f0 + j // 2
-        half = j % 2  # 0 = gate, 1 = up
-        w_slot = w_ptr + slot * (2 * F) * (H // 16)
-        s_slot = s_ptr + slot * (2 * F) * (H // 16)
-        if IS_H2:
-            acc = _fp4_rows_dot_h2(x_row, w_slot, s_slot, f + half * F, f < F, H // 16, 0,
-                                   H // 16, 2 * BLOCK_N, BLOCK_B, False, 2, USE_ASM,
-                                   H // 16 <= BLOCK_B)
-        else:
-            acc, _a1, _a2, _a3 = _fp4_rows_dot(x_row, 0, 1, w_slot, s_slot, f + half * F,
-                                               f < F, H // 16, 0, H // 16, 1, 2 * BLOCK_N,
-                                               BLOCK_B, PREFETCH)
-        acc = acc * (tl.load(gs_ptr + 2 * slot + half) * FP4_UNIT_C)
-        g, u = tl.split(tl.reshape(acc, [BLOCK_N, 2]))
-    else:
-        rows = f0 + tl.arange(0, BLOCK_N)
-        w_slot = w_ptr + slot * (2 * F) * H
-        g = _dense_rows_dot(x_row, w_slot, rows, rows < F, H, BLOCK_N, BLOCK_B * 8)
-        u = _dense_rows_dot(x_row, w_slot, rows + F, rows < F, H, BLOCK_N, BLOCK_B * 8)
-    h = g * tl.sigmoid(g) * u
-    rows = f0 + tl.arange(0, BLOCK_N)
-    if IS_FP4:
-        # NOTE: block-transposed (feature 16b + i at i * F/16 + b): the down kernel's loads of
-        # one input position over a warp's blocks are then contiguous
-        dst = (rows % 16) * (F // 16) + rows // 16
-    else:
-        dst = rows
-    tl.store(inter_ptr + p * F + dst, h, mask=rows < F)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_slot = w_ptr + slot * (2 * F) * H
+    g = _dense_rows_dot(x_row, w_slot, rows, rows < F, H, BLOCK_N, BLOCK_K)
+    u = _dense_rows_dot(x_row, w_slot, rows + F, rows < F, H, BLOCK_N, BLOCK_K)
+    tl.store(inter_ptr + p * F + rows, g * tl.sigmoid(g) * u, mask=rows < F)
 
 
 @triton.jit
-def moe_down_kernel(inter_ptr, ids_ptr, wt_ptr, w_ptr, s_ptr, gs_ptr, out_ptr,
-                    H: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
-                    IS_FP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-                    PREFETCH: tl.constexpr, IS_H2: tl.constexpr, USE_ASM: tl.constexpr,
-                    EXPERT_SPLIT: tl.constexpr = 1):
-    # out[t, g, h] = sum_{j in group g} topk_weight[t, j] * inter[t * TOPK + j] . W2[slot_j, h]
-    # in out's dtype; grid (tokens, H / BLOCK_N, EXPERT_SPLIT), TOPK / EXPERT_SPLIT experts
-    # per group (EXPERT_SPLIT 1: out is [tokens, H], the whole sum)
+def moe_down_kernel(inter_ptr, ids_ptr, wt_ptr, w_ptr, out_ptr, H: tl.constexpr,
+                    F: tl.constexpr, TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    # out[t, h] = sum_j topk_weight[t, j] * inter[t * TOPK + j] . W2[slot_j, h] in out's
+    # dtype; grid (tokens, H / BLOCK_N)
     t = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    g = tl.program_id(2)
     row_mask = rows < H
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    PER: tl.constexpr = TOPK // EXPERT_SPLIT
-    # NOTE: unrolled (TOPK, H, F constexpr) so the group's loads are all in flight at once
-    for jj in tl.static_range(PER):
-        p = t * TOPK + g * PER + jj
+    # NOTE: unrolled (TOPK, H, F constexpr) so the loads of all k experts are in flight at once
+    for j in tl.static_range(TOPK):
+        p = t * TOPK + j
         slot = tl.load(ids_ptr + p).to(tl.int64)
-        if IS_FP4:
-            w_slot = w_ptr + slot * H * (F // 16)
-            s_slot = s_ptr + slot * H * (F // 16)
-        else:
-            w_slot = w_ptr + slot * H * F
-            s_slot = s_ptr
-        part = _slot_rows_dot(inter_ptr + p * F, w_slot, s_slot, rows, row_mask, F, IS_FP4,
-                              BLOCK_N, BLOCK_B, PREFETCH, IS_H2, USE_ASM)
-        factor = tl.load(wt_ptr + p).to(tl.float32)
-        if IS_FP4:
-            factor = factor * tl.load(gs_ptr + slot) * FP4_UNIT_C
-        acc += part * factor
-    tl.store(out_ptr + (t * EXPERT_SPLIT + g) * H + rows, acc.to(out_ptr.dtype.element_ty),
-             mask=row_mask)
+        part = _dense_rows_dot(inter_ptr + p * F, w_ptr + slot * H * F, rows, row_mask, F,
+                               BLOCK_N, BLOCK_K)
+        acc += part * tl.load(wt_ptr + p).to(tl.float32)
+    tl.store(out_ptr + t * H + rows, acc.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
 # --------------------------------------------------------------------------------------------

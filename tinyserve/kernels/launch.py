@@ -103,21 +103,3 @@ def split_k_output(split: int, m: int, n: int, x: torch.Tensor) -> torch.Tensor:
 def split_k_result(out: torch.Tensor, split: int, dtype: torch.dtype) -> torch.Tensor:
     """[M, N] in `dtype` from what `split_k_output` gave the kernel."""
     return out if split == 1 else out.sum(0).to(dtype)
-
-
-def resident_programs(kernel, device: torch.device) -> int:
-    """How many programs of a compiled Triton kernel fit on one SM at once (registers, shared
-    memory, threads), or 0 when the device or the kernel does not say (the interpreter, or a
-    Triton without these fields): a persistent grid larger than this runs in waves."""
-    try:
-        kernel._init_handles()  # NOTE: loads the module; fills n_regs
-        props = torch.cuda.get_device_properties(device)
-        warps = kernel.metadata.num_warps
-        regs = cdiv(kernel.n_regs * 32, 256) * 256 * warps  # allocated per warp in 256s
-        by_regs = props.regs_per_multiprocessor // max(1, regs)
-        smem = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)  # sm_90's
-        by_smem = smem // (kernel.metadata.shared + 1024)  # + 1 KB reserved per program
-        by_threads = props.max_threads_per_multi_processor // (32 * warps)
-        return max(0, min(by_regs, by_smem, by_threads, 32))
-    except Exception:  # noqa: BLE001 - an estimate only: the caller keeps its own count
-        return 0

@@ -1,24 +1,20 @@
-"""NVFP4 W4A16 linear in Triton: `nvfp4_linear(x, w) = x @ dequantize(w).T`.
+"""NVFP4 W4A16 linear: `nvfp4_linear(x, w) = x @ dequantize(w).T`.
 
-Three paths (specs/nvfp4.md §5.3), picked by the number of rows M of x:
+One implementation per regime, picked by `choose_path` from the rows M of x and the weight:
 
-- `gemv` (M <= GEMV_MAX_M, decode): for one row of bf16/fp16 x on a GPU with K in 1024 /
-  2048 / 4096, the CUDA kernel of `nvfp4_cuda` (every weight byte requested at entry); else
-  Triton: int64 loads of 16 packed codes, arithmetic E2M1 decode
-  ("f32" or "h2", `nvfp4_tiles.py`), E4M3 decoded from its uint8 bits, split-K when there are
-  too few programs to fill the GPU (fp32 partials, summed by one torch op). Tiles per shape
-  come from `nvfp4_tiles.GEMV_TILES` (rule-based default for other shapes); an entry with
-  `persistent` > 0 runs the persistent gemv (`nvfp4_persist_triton.py`: a fixed grid looping
-  over row tiles, next tile's loads in flight during this one's decode) for M <= 4 and
-  bf16/fp16 x.
-- `dot` (up to DEQUANT_MIN_M): tensor-core `tl.dot` with the weight tile dequantized in the
-  K loop (even and odd inputs as two dots, no lookup table, no scratch).
-- `dequant` (prefill): dequantize to a bf16/fp16 scratch (in row chunks of at most
-  SCRATCH_ELEMS) and call torch.matmul (cuBLAS).
+- "gemv" (decode: M = 1, or M <= GEMV_MAX_M on weights of at most GEMV_MULTI_ROW_MAX_WEIGHTS):
+  one row of bf16/fp16 x with K in 1024 / 2048 / 4096 on a GPU (every decode GEMV of the
+  Qwen3.5 checkpoints) takes the CUDA kernel of `nvfp4_cuda` (every weight byte requested at
+  entry); every other decode call (fp32 x, other K, 2..4 rows) the Triton gemv of
+  `nvfp4_triton.py` (int64 loads of 16 packed codes, E2M1 decoded from bf16 bit patterns,
+  fp32 FMAs, the weight tile decoded once for up to four rows of x).
+- "dot" (M below DEQUANT_MIN_M): tensor-core `tl.dot` with the weight tile dequantized in the
+  K loop (`nvfp4_dot_triton.py`), split-K while there are too few output tiles.
+- "dequant" (prefill): dequantize to a bf16/fp16 scratch (row chunks of at most SCRATCH_ELEMS)
+  and call torch.matmul (cuBLAS).
 
-The thresholds come from TINYSERVE_NVFP4_GEMV_MAX_M / TINYSERVE_NVFP4_DEQUANT_MIN_M; the
-bench (`bench/nvfp4.py`) measures all three. The reference is `kernels/nvfp4_ref.py`.
-Triton is imported on the first call, never at import time.
+The reference is `kernels/nvfp4_ref.py`. Triton is imported on the first call, never at
+import time.
 """
 
 from __future__ import annotations
@@ -27,25 +23,18 @@ import functools
 
 import torch
 
-from tinyserve import envs
 from tinyserve.core import NVFP4Weight
 from tinyserve.kernels import nvfp4_cuda
-from tinyserve.kernels.launch import (
-    cdiv,
-    dot_tiles,
-    num_sms,
-    resident_programs,
-    split_k_output,
-    split_k_result,
-)
-from tinyserve.kernels.nvfp4_tiles import GemvConfig, default_gemv_config
+from tinyserve.kernels.launch import cdiv, dot_tiles, num_sms, split_k_output, split_k_result
 
 PATHS = ("gemv", "dot", "dequant")
+GEMV_MAX_M = 4  # the most rows of x the gemv takes
+GEMV_MULTI_ROW_MAX_WEIGHTS = 1 << 23  # M > 1 takes gemv only up to this N * K (o_proj size)
+DEQUANT_MIN_M = 128  # the fewest rows of x that dequantize to a scratch + cuBLAS
 SCRATCH_ELEMS = 1 << 24  # dequant scratch cap (32 MiB in bf16)
 
 
-__all__ = ["PATHS", "GemvConfig", "choose_path", "default_gemv_config", "nvfp4_dequantize",
-           "nvfp4_linear"]
+__all__ = ["PATHS", "choose_path", "describe", "nvfp4_dequantize", "nvfp4_linear"]
 
 
 @functools.cache
@@ -56,43 +45,29 @@ def _kernels():
 
 
 @functools.cache
-def _persist_kernels():
-    from tinyserve.kernels import nvfp4_persist_triton
-
-    return nvfp4_persist_triton
-
-
-@functools.cache
 def _dot_kernels():
     from tinyserve.kernels import nvfp4_dot_triton
 
     return nvfp4_dot_triton
 
 
-@functools.cache
-def _thresholds() -> tuple[int, int]:
-    return envs.NVFP4_GEMV_MAX_M.get(), envs.NVFP4_DEQUANT_MIN_M.get()
-
-
-PERSISTENT_MAX_M = 4  # rows of x the persistent gemv takes in one program
-# NOTE: at most this many (weight rows x rows of x) per persistent tile: 16 weight rows at
-# M = 2, 8 at M = 3..4 (sm_90 builds spill beyond it; `test_nvfp4_persist.py`)
-PERSISTENT_MAX_ROWS = 32
-GEMV_MULTI_ROW_MAX_WEIGHTS = 1 << 23  # M > 1 takes gemv only up to this N * K (o_proj size)
-
-
 def choose_path(m: int, n: int = 0, k: int = 0) -> str:
-    """The default path for M rows of activations against an [N, K] weight (0: unknown).
+    """The path for M rows of activations against an [N, K] weight (0: unknown).
 
-    M = 1 is gemv; up to TINYSERVE_NVFP4_GEMV_MAX_M rows stay on gemv only for weights of at
-    most GEMV_MULTI_ROW_MAX_WEIGHTS (the gemv decodes a tile once for every row of x, but on
-    larger weights its per-row work makes a 4-row call slower than `dot`); then `dot` below
-    TINYSERVE_NVFP4_DEQUANT_MIN_M, else `dequant`.
+    M = 1 is gemv; up to GEMV_MAX_M rows stay on gemv only for weights of at most
+    GEMV_MULTI_ROW_MAX_WEIGHTS (the gemv decodes a tile once for every row of x, but on larger
+    weights its per-row work makes a 4-row call slower than `dot`); then `dot` below
+    DEQUANT_MIN_M, else `dequant`.
     """
-    gemv_max, dequant_min = _thresholds()
-    if m == 1 or (m <= gemv_max and n * k <= GEMV_MULTI_ROW_MAX_WEIGHTS):
+    if m == 1 or (m <= GEMV_MAX_M and n * k <= GEMV_MULTI_ROW_MAX_WEIGHTS):
         return "gemv"
-    return "dot" if m < dequant_min else "dequant"
+    return "dot" if m < DEQUANT_MIN_M else "dequant"
+
+
+def describe() -> str:
+    """The implementation of each regime, for the engine's start-up log."""
+    return (f"CUDA one-row GEMV (M = 1, 16-bit x, K in {nvfp4_cuda.KS}); Triton gemv (other "
+            f"M <= {GEMV_MAX_M}); Triton tl.dot (M < {DEQUANT_MIN_M}); dequantize + cuBLAS")
 
 
 def _check_weight(w: NVFP4Weight) -> tuple[int, int]:
@@ -135,72 +110,25 @@ def row_range(rows: tuple[int, int] | None, n: int) -> tuple[int, int]:
     return r0, r1
 
 
-def _gemv(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int,
-          cfg: GemvConfig | None) -> torch.Tensor:
-    if cfg is None and nvfp4_cuda.takes(x, w):
+def _gemv(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int) -> torch.Tensor:
+    if nvfp4_cuda.takes(x, w):
         return nvfp4_cuda.gemv_one_row(x, w)
     kern = _kernels()
-    sms = num_sms(x.device)
-    cfg = cfg or default_gemv_config(n, k, sms)
-    if cfg.persistent and m <= PERSISTENT_MAX_M and x.dtype != torch.float32:
-        return _gemv_persistent(x, w, m, n, k, cfg, sms)
     kb = k // 16
-    words = w.packed.view(torch.int64)  # [N, K/16]: one block of 16 codes per word
-    # NOTE: h2 serves one row of 16-bit x; M > 1 and fp32 x (h2 would round it to fp16)
-    # take f32
-    is_h2 = cfg.decode == "h2" and m == 1 and x.dtype != torch.float32
+    # 8 rows x 128 blocks (2048 inputs; x reaches the threads through shared memory in one
+    # coalesced load) when K > 512, else 1024 / (K/16) rows x all of K
+    block_b = 128 if kb > 32 else 1 << (kb - 1).bit_length()
+    block_n = 1024 // block_b
+    num_warps = max(1, min(4, block_n * block_b // 64))
     block_m = 1 if m == 1 else (2 if m == 2 else 4)
     num_m = cdiv(m, block_m)
-    n_blocks = cdiv(n, cfg.block_n)
-    split = 1
-    while (num_m * n_blocks * split < cfg.programs_per_sm * sms
-           and kb // (split * 2) >= cfg.block_b):
-        split *= 2
-    b_split = cdiv(cdiv(kb, split), cfg.block_b) * cfg.block_b
-    split = cdiv(kb, b_split)
-    out = split_k_output(split, m, n, x)
-    factor = kern.FP4_UNIT * float(w.global_scale)
-    grid = (num_m * split * n_blocks,)
-    kern.nvfp4_gemv_kernel[grid](x, words, w.block_scale, out, factor, m, n, kb, x.stride(0),
-                                 b_split, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-                                 BLOCK_B=cfg.block_b, PREFETCH=cfg.prefetch, VEC=cfg.vec,
-                                 IS_H2=is_h2, USE_ASM=x.device.type == "cuda",
-                                 ONE_STEP=is_h2 and b_split <= cfg.block_b,
-                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return split_k_result(out, split, x.dtype)
-
-
-_RESIDENT: dict[tuple, int] = {}  # persistent gemv variant -> programs that fit on one SM
-
-
-def _gemv_persistent(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int,
-                     cfg: GemvConfig, sms: int) -> torch.Tensor:
-    # NOTE: one K step per tile (block_b raised to cover K), all M <= 4 rows of x per program
-    kern = _persist_kernels()
-    kb = k // 16
-    block_b = max(cfg.block_b, 1 << (kb - 1).bit_length())
-    block_m = 1 if m == 1 else (2 if m == 2 else 4)
-    block_n = min(cfg.block_n, PERSISTENT_MAX_ROWS // block_m)  # x words: ~32 regs per row
-    num_tiles = cdiv(n, block_n)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    factor = _kernels().FP4_UNIT * float(w.global_scale)
-    args = (x, w.packed.view(torch.int64), w.block_scale, out, factor, m, n, kb, x.stride(0),
-            num_tiles)
-    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=block_b, VEC=cfg.vec,
-                PREFETCH=cfg.prefetch, HOIST_X=cfg.hoist_x, NUM_STAGES=cfg.num_stages,
-                USE_ASM=x.device.type == "cuda", num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages)
-    per_sm = cfg.persistent
-    if x.device.type == "cuda":
-        # NOTE: more programs than fit on the SMs would run the persistent loop in waves
-        key = (x.device, x.dtype, cfg, block_m, block_b, n % 16, kb % 16, x.stride(0) % 16)
-        fit = _RESIDENT.get(key)
-        if fit is None:
-            compiled = kern.nvfp4_gemv_persistent_kernel.warmup(*args, grid=(1,), **meta)
-            fit = _RESIDENT[key] = resident_programs(compiled, x.device)
-        per_sm = min(per_sm, fit) if fit else per_sm
-    grid = (kern.persistent_grid(num_tiles, sms, per_sm),)
-    kern.nvfp4_gemv_persistent_kernel[grid](*args, **meta)
+    factor = kern.FP4_UNIT * float(w.global_scale)
+    grid = (num_m * cdiv(n, block_n),)
+    # NOTE: one word = one block of 16 codes
+    kern.nvfp4_gemv_kernel[grid](x, w.packed.view(torch.int64), w.block_scale, out, factor, m,
+                                 n, kb, x.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+                                 BLOCK_B=block_b, num_warps=num_warps)
     return out
 
 
@@ -251,21 +179,19 @@ def _dequant_matmul(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int) -> 
     return out
 
 
-def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, *, path: str | None = None,
-                 gemv_config: GemvConfig | None = None) -> torch.Tensor:
+def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, *, path: str | None = None
+                 ) -> torch.Tensor:
     """y = x @ dequantize(w).T, W4A16 on a GPU (or the Triton interpreter).
 
     Args:
         x: [M, K] (or [..., K]) bf16 / fp16 / fp32 on the weight's device.
         w: NVFP4Weight with packed uint8 [N, K/2], block_scale uint8 [N, K/16], contiguous.
-        path: "gemv", "dot" or "dequant"; None picks by M (`choose_path`).
-        gemv_config: Triton tiles of the gemv path (the bench sweeps them); None = the CUDA
-            kernel where `nvfp4_cuda.takes` the call, else the shape's `default_gemv_config`.
+        path: "gemv", "dot" or "dequant"; None = `choose_path` (tests name a path to run its
+            implementation on shapes the selection does not send it).
     Returns:
-        [M, N] (or [..., N]) in x.dtype. Accumulates in fp32, except the CUDA gemv and the
-        "h2" gemv decode (M = 1, or M <= 4 with a persistent config; bf16/fp16 x): x scaled
-        by a power of two (per block of 16 inputs in CUDA, per row in "h2") and rounded to
-        fp16, the 16 products of each block summed in fp16, then in fp32 (`nvfp4_tiles`).
+        [M, N] (or [..., N]) in x.dtype. Accumulates in fp32, except the CUDA gemv (one row
+        of 16-bit x): x scaled by a power of two per block of 16 inputs and rounded to fp16,
+        the 16 products of each block summed in fp16, then in fp32 (`csrc/nvfp4_decode.cuh`).
     Raises:
         ValueError / TypeError on shape, dtype, layout or device mismatch.
     """
@@ -280,7 +206,7 @@ def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, *, path: str | None = None,
     if m == 0:
         return x.new_empty(*lead, n)
     if path == "gemv":
-        y = _gemv(x2, w, m, n, k, gemv_config)
+        y = _gemv(x2, w, m, n, k)
     else:
         y = (_dot if path == "dot" else _dequant_matmul)(x2, w, m, n, k)
     return y.reshape(*lead, n)

@@ -6,9 +6,8 @@ registers), then stages its inputs once in fp16 and decodes; where the weight al
 is one wave, so the DRAM stream starts at once everywhere and the decode overlaps it.
 Numerics: the "h2" decode with the inputs scaled per block of 16 (`csrc/nvfp4_decode.cuh`):
 fp16 products and 16-term sums, then fp32. `nvfp4.nvfp4_linear` takes the GEMV for M = 1
-where `takes` says so, `fused_moe` the MoE decode where `moe_takes` does (both unless
-TINYSERVE_NVFP4_CUDA=0); elsewhere the Triton kernels run. The kernels compile at first use
-(NVRTC, `cuda_launch`).
+where `takes` says so, `fused_moe` the MoE decode where `moe_takes` does; elsewhere the Triton
+kernels run. The kernels compile at first use (NVRTC, `cuda_launch`).
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import ctypes
 
 import torch
 
-from tinyserve import envs
 from tinyserve.core import NVFP4Weight
 from tinyserve.kernels import cuda_launch
 from tinyserve.kernels.cuda_launch import I64, F, I, ptr
@@ -52,24 +50,21 @@ def _aligned(t: torch.Tensor, to: int) -> bool:
 
 
 def takes(x: torch.Tensor, w: NVFP4Weight) -> bool:
-    """Whether the CUDA kernel serves x [1, K] against w (default path): a CUDA device, bf16 /
-    fp16 x, K in KS, the aligned layouts the kernel loads, and TINYSERVE_NVFP4_CUDA on."""
+    """Whether the CUDA kernel serves x [1, K] against w: a CUDA device, bf16 / fp16 x, K in
+    KS, and the aligned layouts the kernel loads."""
     k = w.packed.shape[1] * 2
     return (x.is_cuda and x.dtype in _FORMAT and x.dim() == 2 and x.shape[0] == 1
             and k in KS and x.shape[1] == k and x.stride(-1) == 1 and _aligned(x, 16)
             and _aligned(w.packed, 16) and _aligned(w.block_scale, 2)
-            and w.packed.is_contiguous() and w.block_scale.is_contiguous()
-            and envs.NVFP4_CUDA.get())
+            and w.packed.is_contiguous() and w.block_scale.is_contiguous())
 
 
 def gemv_one_row(x: torch.Tensor, w: NVFP4Weight, *, rows_per_warp: int | None = None,
-                 out: torch.Tensor | None = None, dependent: bool = False) -> torch.Tensor:
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """y [1, N] = x [1, K] @ dequantize(w).T in x.dtype (bf16 / fp16) on a CUDA device.
 
     `rows_per_warp` (1, 2, 4; None = `default_rows_per_warp`) sets the tiles; `out` [1, N]
-    of x.dtype is written when given. `dependent`: a programmatic dependent launch (sm_90 and
-    newer, else ignored: its weight loads start while the kernel before drains; x is read
-    after that kernel ends).
+    of x.dtype is written when given.
     Raises ValueError for inputs the kernel does not take.
     """
     n, k = w.packed.shape[0], w.packed.shape[1] * 2
@@ -98,7 +93,7 @@ def gemv_one_row(x: torch.Tensor, w: NVFP4Weight, *, rows_per_warp: int | None =
     kern = be.kernel(GEMV, f"nvfp4::nvfp4_gemv_one_row<{_FORMAT[x.dtype]}, {k // 1024}, {r}>")
     kern.launch((cdiv(n, WARPS * r),), WARPS * 32,
                 (ptr(w.packed), ptr(w.block_scale), ptr(x), ptr(out), F(w.global_scale), I(n)),
-                stream=be.stream(), pdl=dependent and dependent_launch(x.device))
+                stream=be.stream())
     return out
 
 
@@ -107,10 +102,7 @@ def gemv_one_row(x: torch.Tensor, w: NVFP4Weight, *, rows_per_warp: int | None =
 MOE_HS = (1024, 2048)  # H the MoE kernels are built for
 MOE_FS = (256, 512)  # F
 MOE_MAX_PAIRS = 10  # routed + shared experts per token
-# Launch settings of the down kernel: 2 output rows per warp, a programmatic dependent launch
-# of gate_up (sm_90+), the fastest of the measured settings (docs/RESULTS.md, "NVFP4 decode")
-MOE_DOWN_ROWS = 2
-MOE_DEPENDENT = True
+MOE_DOWN_ROWS = 2  # output rows per warp of the down kernel
 _FLOAT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -119,7 +111,7 @@ def moe_takes(x: torch.Tensor, wts: torch.Tensor, topk: int, slots, shared,
     """Whether `moe_decode` serves this call of the fused MoE decode: a CUDA device, bf16 /
     fp16 x, fp32 / bf16 / fp16 routing weights and gate logit, NVFP4 slots (and shared
     expert) with H in MOE_HS and F in MOE_FS, at most MOE_MAX_PAIRS pairs per token, aligned
-    slot buffers, TINYSERVE_NVFP4_CUDA on."""
+    slot buffers."""
     h, f = slots.hidden_size, slots.intermediate_size
     tensors = [slots.w13, slots.w13_scale, slots.w2, slots.w2_scale]
     if shared is not None:
@@ -129,8 +121,7 @@ def moe_takes(x: torch.Tensor, wts: torch.Tensor, topk: int, slots, shared,
             and f in MOE_FS and topk + (shared is not None) <= MOE_MAX_PAIRS
             and (shared is None or (shared.is_fp4 and shared.intermediate_size == f))
             and x.stride(0) % 8 == 0 and _aligned(x, 16)
-            and all(t.is_contiguous() and _aligned(t, 16) for t in tensors)
-            and envs.NVFP4_CUDA.get())
+            and all(t.is_contiguous() and _aligned(t, 16) for t in tensors))
 
 
 class _Experts(ctypes.Structure):
@@ -159,20 +150,18 @@ def moe_buffers(x: torch.Tensor, kp: int, f: int) -> tuple[torch.Tensor, torch.T
 
 
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int, slots,
-               shared, logit: torch.Tensor | None, *, dependent: bool = MOE_DEPENDENT,
-               down_rows: int = MOE_DOWN_ROWS) -> torch.Tensor:
+               shared, logit: torch.Tensor | None) -> torch.Tensor:
     """The fused MoE decode (`fused_moe_decode.moe_fused_decode`'s contract) in CUDA: x [N, H]
     (rows 16-byte aligned), ids / wts flat [N * topk], NVFP4 `slots` and `shared` (slot 0)
     as checked by `fused_moe` and `moe_takes`, logit [N, 1] with `shared`. Returns [N, H] in
-    x.dtype; two launches (`dependent`: the second a dependent launch of the first, sm_90+;
-    `down_rows`: its output rows per warp, 1 or 2), no host synchronisation, the same bits
-    every run. Raises ValueError for arguments outside these."""
+    x.dtype; two launches (on sm_90+ the second a programmatic dependent launch of the first:
+    its weight loads start while gate_up drains), no host synchronisation, the same bits every
+    run. Raises ValueError for arguments outside these."""
     n, h, f = x.shape[0], slots.hidden_size, slots.intermediate_size
     kp = topk + (shared is not None)
-    if n <= 0 or topk <= 0 or kp > MOE_MAX_PAIRS or down_rows not in (1, 2):
+    if n <= 0 or topk <= 0 or kp > MOE_MAX_PAIRS:
         raise ValueError(f"the CUDA MoE decode takes 1+ tokens, 1 <= topk, <= {MOE_MAX_PAIRS} "
-                         f"pairs per token and 1 or 2 down rows, got {n}, {topk}, {kp}, "
-                         f"{down_rows}")
+                         f"pairs per token, got {n}, {topk}, {kp}")
     if shared is not None and logit is None:
         raise ValueError("the shared expert needs its gate logit")
     if x.dtype not in _FORMAT or h not in MOE_HS or f not in MOE_FS:
@@ -185,11 +174,11 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
     gate_up.launch((f // 16, n * kp), WARPS * 32,
                    (ptr(x), I64(x.stride(0)), ptr(ids), ids64, I(topk), I(kp),
                     _experts(slots, shared, "w13"), ptr(inter), I(f)), stream=stream)
-    down = be.kernel(MOE, f"nvfp4::moe_down<{fmt}, {f}, {down_rows}>")
-    down.launch((cdiv(h, WARPS * down_rows), n), WARPS * 32,
+    down = be.kernel(MOE, f"nvfp4::moe_down<{fmt}, {f}, {MOE_DOWN_ROWS}>")
+    down.launch((cdiv(h, WARPS * MOE_DOWN_ROWS), n), WARPS * 32,
                 (ptr(inter), ptr(ids), ids64, ptr(wts), I(_FLOAT_CODE[wts.dtype]), ptr(logit),
                  I(_FLOAT_CODE[logit.dtype] if logit is not None else 0),
                  I64(logit.stride(0) if logit is not None else 0), I(topk), I(kp),
                  _experts(slots, shared, "w2"), ptr(out), I(h)),
-                stream=stream, pdl=dependent and dependent_launch(x.device))
+                stream=stream, pdl=dependent_launch(x.device))
     return out

@@ -1,5 +1,5 @@
 """NVFP4 decode kernels (W4A16, no FP4 cores): the gemv behind `kernels/nvfp4.py` and the
-row-dot cores the fused-MoE decode kernels (`fused_moe_triton.py`) share.
+row-dot cores the fused-MoE decode kernels (`fused_moe_decode_triton.py`) share.
 
 This module imports triton at the top, so only the launchers import it, lazily. Decoding:
 
@@ -9,8 +9,9 @@ This module imports triton at the top, so only the launchers import it, lazily. 
   (e4m3 subnormals land on fp16 subnormals; works below sm_89, no fp8 type needed).
 
 So E2M1 * e4m3 = decoded product * 2^22 (`FP4_UNIT`), folded into the per-tensor factor.
-The gemv decodes differently (`_nibble_pair`: bf16 bit patterns, fp32 FMAs; or "h2",
-`_fp4_rows_dot_h2`: fp16x2 pairs and packed half2 FMAs), in the same unit.
+The gemv decodes differently (`_nibble_pair`: bf16 bit patterns, fp32 FMAs), the fused MoE
+decode's gate_up with "h2" (`_fp4_rows_dot_h2`: fp16x2 pairs and packed half2 FMAs), in the
+same unit.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def _nibble_pair(w, I: tl.constexpr):
 @triton.jit
 def _x_quad(xk, I: tl.constexpr, m, XS):
     # X_PRESCALE * x at inputs 16b + I, +4, +8, +12 of the blocks at `xk` (mask m), fp32 [BB];
-    # input 16b + i sits at xk + i * XS (XS = 1: plain rows; XS = KB: block-transposed rows)
+    # input 16b + i sits at xk + i * XS
     x0 = tl.load(xk + I * XS, mask=m, other=0.0).to(tl.float32) * X_PRESCALE_C
     x1 = tl.load(xk + (I + 4) * XS, mask=m, other=0.0).to(tl.float32) * X_PRESCALE_C
     x2 = tl.load(xk + (I + 8) * XS, mask=m, other=0.0).to(tl.float32) * X_PRESCALE_C
@@ -89,23 +90,16 @@ def _fma4(p, w0, w4, w8, w12, x0, x4, x8, x12):
 
 
 @triton.jit
-def _fp4_rows_dot(x_ptr, stride_xm, m_rows, w_ptr, s_ptr, rows, row_mask, KB, b_lo, b_hi,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-                  PREFETCH: tl.constexpr = False, X_T: tl.constexpr = False,
-                  VEC: tl.constexpr = 2):
-    """sum_k x[m, k] * (E2M1 * e4m3)[rows, k] over the 16-input blocks [b_lo, b_hi), for the
-    first BLOCK_M (1, 2 or 4; rows >= m_rows read as 0) rows of x: four fp32 [BLOCK_N]
-    (unused ones are zeros), each lacking the factor FP4_UNIT * global_scale.
+def _fp4_rows_dot(x_ptr, stride_xm, m_rows, w_ptr, s_ptr, rows, row_mask, KB,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+    """sum_k x[m, k] * (E2M1 * e4m3)[rows, k] over all KB blocks of 16 inputs, for the first
+    BLOCK_M (1, 2 or 4; rows >= m_rows read as 0) rows of x: four fp32 [BLOCK_N] (unused ones
+    are zeros), each lacking the factor FP4_UNIT * global_scale.
 
     `w_ptr`: int64 view of the codes, [rows, KB] (one word = one block of 16 codes, element
     16b + j in bits 4j..4j+3); `s_ptr`: uint8 block scales [rows, KB]. The weight tile
     [BLOCK_N, BLOCK_B] is decoded once and used for every row of x; products are summed per
-    block, scaled once per block, and reduced across the tile only at the end. PREFETCH: the
-    next K step's words and scales are loaded before this step is decoded (two steps in
-    flight per program; for grids of about one wave). VEC: contiguous words per thread and
-    row (the load width). X_T: each row of x is stored
-    block-transposed (input 16b + i at i * KB + b), so the loads of one input position over
-    the blocks of a warp are contiguous (the MoE intermediate is written that way).
+    block, scaled once per block, and reduced across the tile only at the end.
     """
     offs_b = tl.arange(0, BLOCK_B)
     rows64 = rows.to(tl.int64)
@@ -115,36 +109,18 @@ def _fp4_rows_dot(x_ptr, stride_xm, m_rows, w_ptr, s_ptr, rows, row_mask, KB, b_
     acc1 = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
-    fblk = tl.max_contiguous(b_lo + offs_b, VEC)
-    fmask = row_mask[:, None] & (fblk < b_hi)[None, :]
-    v_next = tl.load(w_rows + fblk[None, :], mask=fmask, other=0)  # used when PREFETCH
-    raw_next = tl.load(s_rows + fblk[None, :], mask=fmask, other=0)
-    for b0 in range(b_lo, b_hi, BLOCK_B):
-        # NOTE: contiguity capped at VEC (2) words so a thread loads 16 bytes per row and
-        # holds several rows (they share its x values) instead of one long row segment
-        blk = tl.max_contiguous(b0 + offs_b, VEC)  # [BB]
-        ok = blk < b_hi
+    for b0 in range(0, KB, BLOCK_B):
+        # NOTE: contiguity capped at 2 words so a thread loads 16 bytes per row and holds
+        # several rows (they share its x values) instead of one long row segment
+        blk = tl.max_contiguous(b0 + offs_b, 2)  # [BB]
+        ok = blk < KB
         zero = tl.zeros_like(blk)  # NOTE: vector masks only (the interpreter rejects scalars)
-        if PREFETCH:
-            cur_v = v_next
-            cur_raw = raw_next
-            nblk = tl.max_contiguous(b0 + BLOCK_B + offs_b, VEC)
-            nmask = row_mask[:, None] & (nblk < b_hi)[None, :]
-            v_next = tl.load(w_rows + nblk[None, :], mask=nmask, other=0)
-            raw_next = tl.load(s_rows + nblk[None, :], mask=nmask, other=0)
-        else:
-            mask = row_mask[:, None] & ok[None, :]
-            cur_v = tl.load(w_rows + blk[None, :], mask=mask, other=0)  # [BN, BB] int64
-            cur_raw = tl.load(s_rows + blk[None, :], mask=mask, other=0)  # [BN, BB] uint8
-        scale = _e4m3(cur_raw)
-        lo = cur_v.to(tl.uint32)  # inputs 16b + 0..7
-        hi = (cur_v >> 32).to(tl.uint32)  # inputs 16b + 8..15
-        if X_T:
-            xk = x_ptr + blk
-            XS = KB
-        else:
-            xk = x_ptr + blk * 16
-            XS = 1
+        mask = row_mask[:, None] & ok[None, :]
+        v = tl.load(w_rows + blk[None, :], mask=mask, other=0)  # [BN, BB] int64
+        scale = _e4m3(tl.load(s_rows + blk[None, :], mask=mask, other=0))  # [BN, BB]
+        lo = v.to(tl.uint32)  # inputs 16b + 0..7
+        hi = (v >> 32).to(tl.uint32)  # inputs 16b + 8..15
+        xk = x_ptr + blk * 16
         p0 = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
         p1 = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
         p2 = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
@@ -152,17 +128,15 @@ def _fp4_rows_dot(x_ptr, stride_xm, m_rows, w_ptr, s_ptr, rows, row_mask, KB, b_
         for i in tl.static_range(4):
             w0, w4 = _nibble_pair(lo, i)
             w8, w12 = _nibble_pair(hi, i)
-            x0, x4, x8, x12 = _x_quad(xk, i, ok & (zero < m_rows), XS)
+            x0, x4, x8, x12 = _x_quad(xk, i, ok & (zero < m_rows), 1)
             p0 = _fma4(p0, w0, w4, w8, w12, x0, x4, x8, x12)
             if BLOCK_M > 1:
-                x0, x4, x8, x12 = _x_quad(xk + stride_xm, i, ok & (zero + 1 < m_rows), XS)
+                x0, x4, x8, x12 = _x_quad(xk + stride_xm, i, ok & (zero + 1 < m_rows), 1)
                 p1 = _fma4(p1, w0, w4, w8, w12, x0, x4, x8, x12)
             if BLOCK_M > 2:
-                x0, x4, x8, x12 = _x_quad(xk + 2 * stride_xm, i, ok & (zero + 2 < m_rows),
-                                          XS)
+                x0, x4, x8, x12 = _x_quad(xk + 2 * stride_xm, i, ok & (zero + 2 < m_rows), 1)
                 p2 = _fma4(p2, w0, w4, w8, w12, x0, x4, x8, x12)
-                x0, x4, x8, x12 = _x_quad(xk + 3 * stride_xm, i, ok & (zero + 3 < m_rows),
-                                          XS)
+                x0, x4, x8, x12 = _x_quad(xk + 3 * stride_xm, i, ok & (zero + 3 < m_rows), 1)
                 p3 = _fma4(p3, w0, w4, w8, w12, x0, x4, x8, x12)
         acc0 += p0 * scale
         if BLOCK_M > 1:
@@ -177,7 +151,8 @@ def _fp4_rows_dot(x_ptr, stride_xm, m_rows, w_ptr, s_ptr, rows, row_mask, KB, b_
 
 
 # --------------------------------------------------------------------------------------------
-# "h2" decode: fp16x2 pairs of E2M1 values, packed half2 FMAs (M = 1).
+# "h2" decode: fp16x2 pairs of E2M1 values, packed half2 FMAs (one row of x; the fused MoE
+# decode's gate_up).
 
 # out = lo-lane + hi-lane of sum_i P_i * X_i over 8 (weight pair, x pair) words, in two
 # chains of four; $1..$8 weight pairs, $9..$16 the matching x pairs, $0 fp32 bits
@@ -344,14 +319,13 @@ def _h2_one_step(v, raw, xk, XS, ok, USE_ASM: tl.constexpr):
 
 @triton.jit
 def _fp4_rows_dot_h2(x_ptr, w_ptr, s_ptr, rows, row_mask, KB, b_lo, b_hi,
-                     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, X_T: tl.constexpr = False,
-                     VEC: tl.constexpr = 2, USE_ASM: tl.constexpr = True,
-                     ONE_STEP: tl.constexpr = False):
+                     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, USE_ASM: tl.constexpr,
+                     ONE_STEP: tl.constexpr):
     """`_fp4_rows_dot` for one row of x with the "h2" decode: fp32 [BLOCK_N] in the same unit
     (lacking FP4_UNIT * global_scale).
 
     x is scaled by xs = 2^s, s chosen per program so that max|x| over inputs [16 b_lo, 16 b_hi)
-    (storage order; X_T needs the whole row) lands in [2^13, 2^14): bf16 x is then exact in
+    lands in [2^13, 2^14): bf16 x is then exact in
     fp16, products (|E2M1| * 2^-14 <= 6 * 2^-14) stay <= 6 and the fp16 sums of a block <= 48.
     Each block's 16 products are summed in fp16 (two chains of four half2 FMAs), then scaled by
     its e4m3 in fp32.
@@ -363,48 +337,41 @@ def _fp4_rows_dot_h2(x_ptr, w_ptr, s_ptr, rows, row_mask, KB, b_lo, b_hi,
     """
     # NOTE: the hint on the range too: with b_lo a literal 0 the sum folds away, and its hint
     # with it (the loads then take another layout, twice the registers)
-    offs_b = tl.max_contiguous(tl.arange(0, BLOCK_B), VEC)
+    offs_b = tl.max_contiguous(tl.arange(0, BLOCK_B), 2)
     rows64 = rows.to(tl.int64)
     w_rows = w_ptr + rows64[:, None] * KB
     s_rows = s_ptr + rows64[:, None] * KB
-    blk = tl.max_contiguous(b_lo + offs_b, VEC)  # [BB]
+    blk = tl.max_contiguous(b_lo + offs_b, 2)  # [BB]
     ok = blk < b_hi
     mask = row_mask[:, None] & ok[None, :]
     v_next = tl.load(w_rows + blk[None, :], mask=mask, other=0)  # [BN, BB] int64
     raw_next = tl.load(s_rows + blk[None, :], mask=mask, other=0)  # [BN, BB] uint8
-    # NOTE: the plain row's input stride stays a literal 1 (a constexpr: the compiler merges
-    # the 16 loads of a block); X_T's is KB
+    # NOTE: the input stride stays a literal 1 (a constexpr: the compiler merges the 16 loads
+    # of a block)
     if ONE_STEP:
-        if X_T:
-            return _h2_one_step(v_next, raw_next, x_ptr + blk, KB, ok, USE_ASM)
         return _h2_one_step(v_next, raw_next, x_ptr + blk * 16, 1, ok, USE_ASM)
     xs, inv_xs = _h2_x_scale(x_ptr, b_lo, b_hi, BLOCK_B)
     acc = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
     for b0 in range(b_lo, b_hi, BLOCK_B):
         v = v_next
         raw = raw_next
-        blk = tl.max_contiguous(b0 + offs_b, VEC)  # [BB]
+        blk = tl.max_contiguous(b0 + offs_b, 2)  # [BB]
         ok = blk < b_hi
-        nblk = tl.max_contiguous(b0 + BLOCK_B + offs_b, VEC)
+        nblk = tl.max_contiguous(b0 + BLOCK_B + offs_b, 2)
         nmask = row_mask[:, None] & (nblk < b_hi)[None, :]
         v_next = tl.load(w_rows + nblk[None, :], mask=nmask, other=0)
         raw_next = tl.load(s_rows + nblk[None, :], mask=nmask, other=0)
         lo = v.to(tl.uint32)  # inputs 16b + 0..7
         hi = (v >> 32).to(tl.uint32)  # inputs 16b + 8..15
-        if X_T:
-            xk = x_ptr + blk
-            XS = KB
-        else:
-            xk = x_ptr + blk * 16
-            XS = 1
-        x0 = _h2_x_pair(xk, 0, 4, XS, ok, xs)[None, :]
-        x1 = _h2_x_pair(xk, 1, 5, XS, ok, xs)[None, :]
-        x2 = _h2_x_pair(xk, 2, 6, XS, ok, xs)[None, :]
-        x3 = _h2_x_pair(xk, 3, 7, XS, ok, xs)[None, :]
-        y0 = _h2_x_pair(xk, 8, 12, XS, ok, xs)[None, :]
-        y1 = _h2_x_pair(xk, 9, 13, XS, ok, xs)[None, :]
-        y2 = _h2_x_pair(xk, 10, 14, XS, ok, xs)[None, :]
-        y3 = _h2_x_pair(xk, 11, 15, XS, ok, xs)[None, :]
+        xk = x_ptr + blk * 16
+        x0 = _h2_x_pair(xk, 0, 4, 1, ok, xs)[None, :]
+        x1 = _h2_x_pair(xk, 1, 5, 1, ok, xs)[None, :]
+        x2 = _h2_x_pair(xk, 2, 6, 1, ok, xs)[None, :]
+        x3 = _h2_x_pair(xk, 3, 7, 1, ok, xs)[None, :]
+        y0 = _h2_x_pair(xk, 8, 12, 1, ok, xs)[None, :]
+        y1 = _h2_x_pair(xk, 9, 13, 1, ok, xs)[None, :]
+        y2 = _h2_x_pair(xk, 10, 14, 1, ok, xs)[None, :]
+        y3 = _h2_x_pair(xk, 11, 15, 1, ok, xs)[None, :]
         p = _h2_dot8(_h2_pair(lo, 0), _h2_pair(lo, 1), _h2_pair(lo, 2), _h2_pair(lo, 3),
                      _h2_pair(hi, 0), _h2_pair(hi, 1), _h2_pair(hi, 2), _h2_pair(hi, 3),
                      _bcast(x0, lo), _bcast(x1, lo), _bcast(x2, lo), _bcast(x3, lo),
@@ -415,36 +382,21 @@ def _fp4_rows_dot_h2(x_ptr, w_ptr, s_ptr, rows, row_mask, KB, b_lo, b_hi,
 
 
 @triton.jit
-def nvfp4_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, factor, M, N, KB, stride_xm, B_SPLIT,
-                      SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_B: tl.constexpr, PREFETCH: tl.constexpr, VEC: tl.constexpr,
-                      IS_H2: tl.constexpr, USE_ASM: tl.constexpr,
-                      ONE_STEP: tl.constexpr = False):
-    # out[pid_k, m, n] = factor * sum_{k in split} x[m, k] * W[n, k], BLOCK_M rows of x at once
-    # (IS_H2: the "h2" decode, BLOCK_M = 1; ONE_STEP: B_SPLIT <= BLOCK_B, one K step each)
+def nvfp4_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, factor, M, N, KB, stride_xm,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+    # out[m, n] = factor * sum_k x[m, k] * W[n, k], BLOCK_M rows of x at once; grid
+    # cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     pid_m = pid % num_m  # NOTE: x row groups vary fastest so one weight tile is reused from L2
-    rest = pid // num_m
-    pid_k = rest % SPLIT_K
-    pid_n = rest // SPLIT_K
+    pid_n = pid // num_m
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
-    b_lo = pid_k * B_SPLIT
-    b_hi = tl.minimum(b_lo + B_SPLIT, KB)
     m0 = pid_m * BLOCK_M
     x_row = x_ptr + m0.to(tl.int64) * stride_xm
-    if IS_H2:
-        a0 = _fp4_rows_dot_h2(x_row, w_ptr, s_ptr, rows, row_mask, KB, b_lo, b_hi, BLOCK_N,
-                              BLOCK_B, False, VEC, USE_ASM, ONE_STEP)
-        a1 = a0
-        a2 = a0
-        a3 = a0
-    else:
-        a0, a1, a2, a3 = _fp4_rows_dot(x_row, stride_xm, M - m0, w_ptr, s_ptr, rows,
-                                       row_mask, KB, b_lo, b_hi, BLOCK_M, BLOCK_N, BLOCK_B,
-                                       PREFETCH, False, VEC)
-    out = out_ptr + (pid_k.to(tl.int64) * M + m0) * N + rows
+    a0, a1, a2, a3 = _fp4_rows_dot(x_row, stride_xm, M - m0, w_ptr, s_ptr, rows, row_mask, KB,
+                                   BLOCK_M, BLOCK_N, BLOCK_B)
+    out = out_ptr + m0.to(tl.int64) * N + rows
     ty = out_ptr.dtype.element_ty
     tl.store(out, (a0 * factor).to(ty), mask=row_mask)
     if BLOCK_M > 1:
@@ -452,5 +404,3 @@ def nvfp4_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, factor, M, N, KB, stride_xm,
     if BLOCK_M > 2:
         tl.store(out + 2 * N, (a2 * factor).to(ty), mask=row_mask & (rows * 0 + m0 + 2 < M))
         tl.store(out + 3 * N, (a3 * factor).to(ty), mask=row_mask & (rows * 0 + m0 + 3 < M))
-
-

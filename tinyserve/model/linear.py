@@ -22,11 +22,6 @@ import torch.nn.functional as F
 from tinyserve import envs
 from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
 
-# Same-input projections as one linear (`fused_linear`; `loader.iter_weights` fuses them on
-# the host). False: the separate projections everywhere (the switch should a fused GEMV be
-# slower on some GPU); a weights dict already holding fused entries is used as it is.
-FUSE_SAME_INPUT = True
-
 
 def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
     """x [..., in] (model dtype) -> [..., out] in x.dtype. No bias (Qwen3.5 has none)."""
@@ -97,12 +92,11 @@ def fused_linear(w: Mapping[str, Any], name: str, parts: tuple[str, ...]
     """(fused weight, Nones) of same-input projections, or (None, the separate weights).
 
     The fused weight is `w[name]` when the dict holds it (the loader fuses on the host), else
-    `concat_rows` of `w[p]` for `parts` when it accepts them (a new copy beside the parts) and
-    FUSE_SAME_INPUT is set.
+    `concat_rows` of `w[p]` for `parts` when it accepts them (a new copy beside the parts).
     """
     if name in w:
         return w[name], (None,) * len(parts)
-    fused = concat_rows(*(w[p] for p in parts)) if FUSE_SAME_INPUT else None
+    fused = concat_rows(*(w[p] for p in parts))
     return fused, tuple(w[p] if fused is None else None for p in parts)
 
 

@@ -210,7 +210,7 @@ def iter_weights(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     include_experts: bool = True,
-    fuse: bool | None = None,
+    fuse: bool = True,
     on_entry: Callable[[int], None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | LinearWeight]]:
     """Yield `(canonical_name, Tensor | LinearWeight)` for every weight, in file order.
@@ -221,7 +221,7 @@ def iter_weights(
     convention). Routed experts are left out with `include_experts=False`. The whole
     checkpoint is checked against `config` (from headers) before the first weight is read.
 
-    With `fuse` (default: `model.linear.FUSE_SAME_INPUT`, on) the parts of each
+    With `fuse` (the default) the parts of each
     `loader_plan.FUSED_LINEARS` group (e.g. `layers.L.linear_attn.in_proj_qkv` and
     `.in_proj_z`) are read to host memory and concatenated there (`model.linear.concat_rows`);
     only the fused weight (`...in_proj_qkvz`) goes to `device`, yielded when its last part
@@ -230,10 +230,8 @@ def iter_weights(
     `on_entry(nbytes)` is called after each checkpoint entry was read, with its bytes on disk
     (load progress). Raises CheckpointError.
     """
-    from tinyserve.model import linear
     from tinyserve.model.loader_plan import fused_group, plan_weights
 
-    fuse = linear.FUSE_SAME_INPUT if fuse is None else fuse
     reader = path_or_reader if isinstance(path_or_reader, CheckpointReader) else \
         CheckpointReader(path_or_reader)
     device = torch.device(device)

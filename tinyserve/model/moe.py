@@ -29,8 +29,12 @@ import torch
 import torch.nn.functional as F
 
 from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
-from tinyserve.kernels.fused_moe import ExpertSlots, pack_expert_slots, single_expert_slots
-from tinyserve.kernels.fused_moe_decode import fuses_shared_expert
+from tinyserve.kernels.fused_moe import (
+    ExpertSlots,
+    fuses_shared_expert,
+    pack_expert_slots,
+    single_expert_slots,
+)
 from tinyserve.model.linear import concat_rows, kernels_enabled, linear
 
 ROUTER_KERNEL_MAX_N = 256  # the router kernel up to this many tokens, torch above

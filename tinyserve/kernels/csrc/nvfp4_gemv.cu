@@ -7,7 +7,6 @@
 // R), so the DRAM stream starts at once on every SM and the decode overlaps it. Decode and
 // numerics: nvfp4_decode.cuh. Launched by kernels/nvfp4_cuda.py: ceil(N / (kWarps * R)) CTAs
 // of kThreads threads.
-#include "dependent_launch.cuh"
 #include "nvfp4_decode.cuh"
 
 namespace nvfp4 {
@@ -29,9 +28,6 @@ nvfp4_gemv_one_row(const uint8_t* __restrict__ codes, const uint8_t* __restrict_
 #pragma unroll
   for (int r = 0; r < R; ++r) rows[r] = min(row0 + r, n - 1);
   const WarpRows<P, R> w = load_warp_rows<P, R>(codes, scales, rows);
-  // As a dependent launch: the weights are in flight, x may be the kernel before's output.
-  wait_for_prior_grid();
-  allow_dependent_launch();
 
   // 2. x, once per CTA, while the weights are in flight.
   __shared__ uint4 xh[K / 8];

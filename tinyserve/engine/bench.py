@@ -1,16 +1,11 @@
 """`tinyserve bench MODEL`: prefill and decode speed of the whole engine.
 
-`--batch` requests of `--prompt-len` random tokens each generate `--gen-len` tokens (greedy,
-EOS ignored), submitted together after a warm-up of the same shape. Reported: prefill tokens/s
-(all prompt tokens over the time until the last request's first token), decode tokens/s
-(tokens after the first over the time after it), the median decode step (inter-token
-interval), time to first token, peak GPU memory, CUDA graphs captured during the measured run
-(0 once warm) and, when the experts are offloaded, the expert-cache hits, misses and
-host-to-device bytes of the measured run and its hit rate, the hit rate of its decode steps
-alone (after every request's first token: a streamed prefill counts every expert of every
-layer as a miss) and of the warm decode steps (after `WARM_TOKENS` tokens of every request);
-with the date, device, torch version and the commit of the checkout that ran it (None
-outside one).
+`--batch` requests of `--prompt-len` random tokens generate `--gen-len` tokens each (greedy,
+EOS ignored), submitted together after a warm-up of the same shape. Prefill tokens/s counts
+every prompt token over the time to the last first token; decode tokens/s the later tokens
+over the rest. With offloaded experts the measured run's cache counters and hit rates are
+reported too: overall, of the decode steps alone (a streamed prefill misses every expert) and
+of the warm decode steps (after `WARM_TOKENS` tokens of every request).
 """
 
 from __future__ import annotations
@@ -28,17 +23,15 @@ from tinyserve.core import SamplingParams
 from tinyserve.engine.build import build_engine
 from tinyserve.engine.config import EngineConfig
 from tinyserve.engine.graph import capacity_pages
-from tinyserve.engine.loop import Engine, RequestHandle
+from tinyserve.engine.loop import Engine, EngineStats, RequestHandle
 from tinyserve.testing.provenance import current_commit
 
 WARM_TOKENS = 64  # decode tokens per request before the warm expert hit rate counts
 
 
 def bench_command(args: Any) -> int:
-    """Run the benchmark described by CLI `args`; prints the memory plan, then a summary
-    (or everything as JSON with --json). With `--bandwidth` only the expert bandwidth probe
-    runs (`bandwidth_command`)."""
-    if getattr(args, "bandwidth", False):
+    """Run the benchmark of CLI `args`; print the memory plan and a summary (or JSON)."""
+    if args.bandwidth:
         return bandwidth_command(args)
     result, plan = bench_from_args(args)
     if args.json:
@@ -49,13 +42,12 @@ def bench_command(args: Any) -> int:
 
 
 def bench_config(args: Any) -> EngineConfig:
-    """The engine config of CLI `args`: the one `tinyserve run` makes with the same flags
-    (so the same memory plan), with `--batch` sequences when it is more than one."""
+    """The config `tinyserve run` makes with the same flags, with room for `--batch` sequences."""
     if min(args.prompt_len, args.gen_len, args.batch) < 1:
         raise ValueError("--prompt-len, --gen-len and --batch must be >= 1")
     overrides: dict[str, Any] = {}
     if args.batch > 1:
-        overrides["max_seqs"] = max(args.batch, getattr(args, "max_seqs", None) or 0)
+        overrides["max_seqs"] = max(args.batch, args.max_seqs or 0)
     return EngineConfig.from_args(args, **overrides)
 
 
@@ -89,8 +81,7 @@ def bandwidth_command(args: Any) -> int:
 
 
 def bench_from_args(args: Any) -> tuple[dict[str, Any], Any]:
-    """Build the engine that CLI `args` describe, measure one batch (`run_bench`) and shut it
-    down; returns the result (with the engine's config and memory plan) and the plan.
+    """Build the engine of CLI `args`, measure one batch and shut it down; (result, plan).
     Raises ValueError when a request of the asked lengths does not fit the plan's context."""
     config = bench_config(args)
     engine = build_engine(config).start()
@@ -108,7 +99,7 @@ def bench_from_args(args: Any) -> tuple[dict[str, Any], Any]:
     result["config"] = {"model": config.model, "kv": plan.kv_format, "device": plan.device,
                         "max_seqs": plan.max_seqs, "max_context": engine.max_context}
     result["memory_plan"] = plan.as_dict()
-    experts_plan = getattr(engine.runner.model.experts, "hybrid_plan", None)
+    experts_plan = engine.runner.model.experts.hybrid_plan
     if experts_plan is not None:
         result["experts"] = experts_plan.as_dict()
     return result, plan
@@ -116,17 +107,14 @@ def bench_from_args(args: Any) -> tuple[dict[str, Any], Any]:
 
 def run_bench(engine: Engine, *, prompt_len: int, gen_len: int, batch: int,
               seed: int = 0, sampling: SamplingParams | None = None) -> dict[str, Any]:
-    """Measure one batch on a started engine; returns plain numbers (seconds, tokens/s).
-    `sampling` (greedy by default) is the measured requests' (max_tokens = gen_len, EOS
-    ignored); the warm-up is greedy."""
+    """Measure one batch on a started engine; plain numbers (seconds, tokens/s). `sampling`
+    (greedy by default) is the measured requests' (max_tokens = gen_len, EOS ignored)."""
     gen = torch.Generator().manual_seed(seed)
     params = replace(sampling or SamplingParams(temperature=0.0), max_tokens=gen_len,
                      ignore_eos=True)
-    # NOTE: the warm-up runs `batch` requests of `prompt_len` other random tokens, so that the
-    # prefill kernels are compiled for the measured chunk shapes and the decode graphs of the
-    # measured batch bucket and context capacity are captured before the clock starts (one
-    # capture costs a few eager steps: ~0.3 s on the full-size model). It decodes through
-    # `gen_len` tokens only when the measured run crosses a graph capacity, else 2.
+    # NOTE: the warm-up (same shape, other tokens) compiles the prefill kernels and captures
+    # the measured run's decode graphs before the clock starts; it decodes through `gen_len`
+    # tokens only when the measured run crosses a graph capacity.
     page_size = engine.config.page_size
     crosses = (capacity_pages(prompt_len + 1, page_size)
                != capacity_pages(prompt_len + gen_len - 1, page_size))
@@ -144,9 +132,8 @@ def run_bench(engine: Engine, *, prompt_len: int, gen_len: int, batch: int,
     graphs0 = _num_graphs(engine)
     start = time.perf_counter()
     handles = [engine.submit(p, params) for p in prompts]
-    # NOTE: counters read from a reader thread when every request has that many tokens; the
-    # device-driven cache folds a step's counts one or two steps later, so a snapshot may
-    # miss the last step or two (~0.5 % of a 512-token run).
+    # NOTE: the device-driven cache folds a step's counts one or two steps late, so a
+    # snapshot may miss the last step or two (~0.5 % of a 512-token run).
     marks = {1: None, 1 + WARM_TOKENS: None} if gen_len > 1 + WARM_TOKENS else {1: None}
     timings = _collect(handles, marks, engine.stats)
     end = time.perf_counter()
@@ -155,9 +142,9 @@ def run_bench(engine: Engine, *, prompt_len: int, gen_len: int, batch: int,
     decoded = sum(n - 1 for n in (len(t) for t in timings))
     decode_time = end - start - last_first
     itl = [b - a for t in timings for a, b in zip(t, t[1:], strict=False)]
-    cache = _expert_cache(engine, stats0)
-    lookups = cache["hits"] + cache["misses"] if cache else 0
     after = engine.stats()
+    cache = _expert_cache(stats0, after)
+    lookups = cache["hits"] + cache["misses"] if cache else 0
     result: dict[str, Any] = {
         "prompt_len": prompt_len, "gen_len": gen_len, "batch": batch,
         "prefill_tok_s": batch * prompt_len / last_first,
@@ -165,7 +152,7 @@ def run_bench(engine: Engine, *, prompt_len: int, gen_len: int, batch: int,
         "decode_step_ms": 1e3 * statistics.median(itl) if itl else None,
         "ttft_s": {"mean": statistics.fmean(first), "max": last_first},
         "total_s": end - start,
-        "steps": engine.stats().steps - steps0,
+        "steps": after.steps - steps0,
         "graphs_captured": _num_graphs(engine) - graphs0,
         "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "expert_hit_rate": cache["hits"] / lookups if lookups else None,
@@ -215,29 +202,28 @@ def _collect(handles: list[RequestHandle], marks: dict[int, Any] | None = None,
 
 
 def _num_graphs(engine: Engine) -> int:
-    graphs = getattr(engine.runner, "graphs", None)
+    graphs = engine.runner.graphs
     return 0 if graphs is None else graphs.num_graphs
 
 
-def _hit_rate(before: Any, after: Any) -> float | None:
+def _hit_rate(before: EngineStats | None, after: EngineStats) -> float | None:
     """Expert-cache hit rate between two engine stats (None without counters or lookups)."""
-    if before is None or getattr(before, "expert_cache_hits", None) is None:
+    if before is None or before.expert_cache_hits is None:
         return None
     hits = after.expert_cache_hits - before.expert_cache_hits
     lookups = hits + after.expert_cache_misses - before.expert_cache_misses
     return hits / lookups if lookups > 0 else None
 
 
-def _expert_cache(engine: Engine, before: Any) -> dict[str, Any] | None:
+def _expert_cache(before: EngineStats, after: EngineStats) -> dict[str, Any] | None:
     """Expert-cache hits, misses and host-to-device bytes during the run (None: no cache)."""
-    after = engine.stats()
-    if getattr(after, "expert_cache_hits", None) is None:
+    if after.expert_cache_hits is None:
         return None
-    out = {k: getattr(after, f"expert_cache_{k}") - (getattr(before, f"expert_cache_{k}") or 0)
-           for k in ("hits", "misses", "h2d_bytes")}
-    cpu = getattr(after, "expert_cpu_computed", None)
-    out["cpu_computed"] = None if cpu is None else cpu - (before.expert_cpu_computed or 0)
-    return out
+    cpu = after.expert_cpu_computed
+    return {"hits": after.expert_cache_hits - (before.expert_cache_hits or 0),
+            "misses": after.expert_cache_misses - (before.expert_cache_misses or 0),
+            "h2d_bytes": after.expert_cache_h2d_bytes - (before.expert_cache_h2d_bytes or 0),
+            "cpu_computed": None if cpu is None else cpu - (before.expert_cpu_computed or 0)}
 
 
 def format_result(r: dict[str, Any]) -> str:

@@ -107,8 +107,8 @@ class DecodeGraphs:
         self.pad_state_slot = pad_state_slot
         self.device = torch.device(model.device)
         self.capture = capture and self.device.type == "cuda"
-        self.host_embedding = (bool(getattr(model, "embed_needs_host_ids", False))
-                               if host_embedding is None else host_embedding)
+        self.host_embedding = (model.embed_needs_host_ids if host_embedding is None
+                               else host_embedding)
         if self.host_embedding and model.embed_tokens.device.type != "cpu":
             raise ValueError("host_embedding needs the model's embedding table in host RAM")
         self.failed = False  # a capture failed (logged); graphs are off from then on
@@ -156,10 +156,9 @@ class DecodeGraphs:
         if input_tokens is not None:
             entry.ctx.input_ids[:len(seqs)].copy_(input_tokens)
         if entry.graph is not None:
-            begin_step = getattr(self.model.experts, "begin_step", None)
-            if begin_step is not None:  # a provider with per-step host state (expert cache)
-                # its policy work waits for the runner's `after_launch()`, after the replay
-                begin_step(defer=True)
+            # a provider's per-step host work (the expert-cache policy) waits for the
+            # runner's `after_launch()`, after the replay
+            self.model.experts.begin_step(defer=True)
             entry.graph.replay()
             logits, tokens = entry.logits, entry.tokens
         else:

@@ -39,7 +39,6 @@ from tinyserve.engine.graph import DecodeGraphs
 from tinyserve.engine.runner_api import PendingStep, Runner
 from tinyserve.engine.sampler import Sampler, token_logprobs
 from tinyserve.model.linear import kernels_enabled
-from tinyserve.offload.provider import OffloadedExperts
 
 
 def _event(device: torch.device) -> Any:
@@ -153,7 +152,7 @@ class ModelRunner(Runner):
         self._buffers = (_TokenBuffer(self.device), _TokenBuffer(self.device))
         self._next_buffer = 0
         if (cuda_graphs and graph_pad_slot is not None and kernels_enabled(self.device)
-                and getattr(model.experts, "capturable", False)):
+                and model.experts.capturable):
             self.graphs = DecodeGraphs(model, page_size=page_size, pad_state_slot=graph_pad_slot)
 
     def prepare(self, batch: Batch | Sequence[ScheduledSeq], *,
@@ -271,9 +270,7 @@ class ModelRunner(Runner):
                                 logprobs=logprobs)
         if buffer is not None:
             buffer.owner = pending
-        after_launch = getattr(getattr(self.model, "experts", None), "after_launch", None)
-        if after_launch is not None:  # e.g. the expert-cache policy of the last step
-            after_launch()
+        self.model.experts.after_launch()  # e.g. the expert-cache policy of the last step
         if self.overlap_hook is not None:
             self.overlap_hook()
         return pending
@@ -282,9 +279,9 @@ class ModelRunner(Runner):
         """The expert cache's counters as `EngineStats` fields (empty when the experts are
         resident without a cache)."""
         experts = self.model.experts
-        if not isinstance(experts, OffloadedExperts):
-            return {}
         s = experts.stats
+        if s is None:
+            return {}
         return dict(expert_cache_hit_rate=float(s.hit_rate), expert_cache_hits=s.hits,
                     expert_cache_misses=s.misses, expert_cache_h2d_bytes=s.h2d_bytes,
                     expert_cpu_computed=experts.cpu_computed)

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from tinyserve.core import Batch, ForwardOutput
+from tinyserve.engine.graph import DecodeGraphs
 from tinyserve.engine.sampler import Sampler
 
 
@@ -51,9 +52,11 @@ class Runner(ABC):
             can overlap it (False: launch computes the step).
         overlap_hook: host work `launch` runs once the step's device work is queued; the
             engine sets it (to emit the previous step's outputs) when `asynchronous`.
+        graphs: the decode CUDA graphs (None: every step runs eagerly).
     """
 
     sampler: Sampler
+    graphs: DecodeGraphs | None = None
     asynchronous: bool = False
     overlap_hook: Callable[[], None] | None = None
 

@@ -35,6 +35,7 @@ from tinyserve.kernels.fused_moe import (
     pack_expert_slots,
     single_expert_slots,
 )
+from tinyserve.model.experts_api import ExpertsProvider
 from tinyserve.model.linear import concat_rows, kernels_enabled, linear
 
 ROUTER_KERNEL_MAX_N = 256  # the router kernel up to this many tokens, torch above
@@ -102,7 +103,7 @@ def gated_add_ref(routed: torch.Tensor, gate_logit: torch.Tensor,
     return routed + torch.sigmoid(gate_logit) * shared
 
 
-class ResidentExperts:
+class ResidentExperts(ExpertsProvider):
     """Every routed expert of the given layers held as LinearWeights on one device.
 
     `weights` maps canonical names (`layers.{L}.mlp.experts.{e}.{gate,up,down}_proj`) to

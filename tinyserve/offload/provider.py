@@ -19,6 +19,7 @@ import torch
 from tinyserve import envs
 from tinyserve.kernels.fused_moe import ExpertSlots, fused_moe, fused_moe_ref
 from tinyserve.log import get_logger
+from tinyserve.model.experts_api import ExpertsProvider
 from tinyserve.offload import prefetch
 from tinyserve.offload.gpu_cache import DeviceExpertCache
 from tinyserve.offload.store import HostExpertStore
@@ -26,7 +27,7 @@ from tinyserve.offload.store import HostExpertStore
 logger = get_logger(__name__)
 
 
-class OffloadedExperts:
+class OffloadedExperts(ExpertsProvider):
     """Routed experts from a `HostExpertStore` through a `DeviceExpertCache`.
 
     Args:

@@ -1,28 +1,20 @@
 """The engine: a background thread stepping the scheduler and the model runner.
 
-Any thread may `submit` and `abort`; those go through an inbox the loop thread drains between
-steps, so the scheduler, the pools and the runner are only ever touched by the loop thread.
-One step is `schedule -> runner.launch -> advance -> pending.result() -> record -> emit`. A
-failing step of one request fails that request alone; a failing shared step is retried one
-request at a time. The loop never dies on a request's error.
+One step reads `schedule -> runner.launch -> scheduler.advance -> pending.result() ->
+scheduler.record -> emit` (`Engine.step`). Other threads `submit`, `abort` and `call` through
+an inbox the loop drains between steps, so only the loop thread touches the scheduler, the
+pools and the runner. A failing step of one request fails that request alone; a failing
+shared step is retried one request at a time.
 
-The runner is an `engine.runner_api.Runner`. With an asynchronous runner (`ModelRunner` on
-CUDA; on the CPU a launch computes the step, so nothing would overlap), a step's outputs
-(detokenizing, stop strings, the stream puts) are emitted from the runner's `overlap_hook`
-during the next step, once its device work is queued, instead of between the two steps; they
-go out at once when no next step follows right away (no work left, or requests or calls
-waiting in the inbox). Every token is still emitted once and in order; a stop string found
-late ends its request one step later, whose extra token is dropped by `Scheduler.record`.
+Overlap (an asynchronous runner, CUDA): a step's outputs (detokenizing, stop strings, stream
+puts) are emitted by the runner's `overlap_hook` once the next step's device work is queued,
+or at once when no next step follows right away. A stop string found late ends its request
+one step later; `Scheduler.record` drops the extra token.
 
-Chained decode (`runner.can_chain`): when a decode step cannot change the batch's make-up
-(`Scheduler.schedule_next`: nobody waits, nobody reaches `max_tokens`) and the runner can
-take its input tokens on the device (decode graphs, and sampling that needs no token from the
-host: greedy or temperature / top-k / top-p / min-p, seeded or not, with penalties counted on
-the device; no logits hook), the next decode step is launched before this step's tokens are
-read, so the device runs step N + 1 while the host records step N. A request that ends at
-step N (EOS, stop token or string, abort) has its step N + 1 token dropped; its pages and
-state slot are freed on the host at once and reused only by device work queued after that
-step. Requests that arrive meanwhile are admitted at the step after the chained one.
+Chained decode (`runner.can_chain`, `Scheduler.schedule_next`): when a decode step cannot
+change the batch's make-up, the next one is launched with its input tokens on the device
+before this step's tokens are read. A request that ends at step N has its step N + 1 token
+dropped; its pages and slot are reused only by device work queued after that step.
 """
 
 from __future__ import annotations
@@ -59,10 +51,8 @@ _SAMPLES = 2048  # latency samples kept for stats()
 
 @dataclass
 class EngineParts:
-    """What `engine.build` assembles. `runner`: the `Runner` the engine steps.
-    `max_context` is already min(model, KV pool, --max-context). `state_pool` (the GDN state
-    pool, with `copy_slot`) and `snapshot_slots` (its slot ids beyond the sequences' slots)
-    enable the prefix cache; without them it is off."""
+    """What `engine.build` assembles. `max_context` is min(model, KV pool, --max-context).
+    `state_pool` and `snapshot_slots` (its slots beyond the sequences') enable the prefix cache."""
 
     runner: Runner
     tokenizer: Any
@@ -157,10 +147,8 @@ class Engine:
         self._ttft: deque[float] = deque(maxlen=_SAMPLES)
         self._itl: deque[float] = deque(maxlen=_SAMPLES)
         self._outputs: list[StepEvent] = []  # the last step's, not emitted yet
-        # a chained step launched, not recorded
-        self._ahead: tuple[Batch, PendingStep] | None = None
-        # a runner whose launch computes the step (the CPU) gains nothing from the hook: the
-        # outputs would only wait one step longer
+        self._ahead: tuple[Batch, PendingStep] | None = None  # chained, not recorded
+        # NOTE: a runner whose launch computes the step (the CPU) would only delay outputs
         self._overlap = self.runner.asynchronous
         if self._overlap:
             self.runner.overlap_hook = self._flush
@@ -200,14 +188,12 @@ class Engine:
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
                request_id: str | None = None, group: str | None = None) -> RequestHandle:
-        """Queue a request; returns its stream at once. Requests of one `group` (the choices of
-        one API request; default: the request alone) share the engine fairly with other
-        groups (`engine.fairness`).
+        """Queue a request; returns its stream at once. Requests of one `group` (the choices
+        of one API request) share the engine fairly with other groups (`engine.fairness`).
 
-        Raises RequestRejected (a ValueError naming the numbers) when the prompt plus
-        `max_tokens` can never fit, ValueError on token ids outside the vocabulary (a
-        ParamError naming `logit_bias` for its keys) and
-        RuntimeError after shutdown.
+        Raises RequestRejected when the prompt plus `max_tokens` can never fit, ValueError on
+        token ids outside the vocabulary (ParamError for `logit_bias` keys), RuntimeError
+        after shutdown.
         """
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
@@ -249,22 +235,17 @@ class Engine:
         self.runner.sampler.logits_hook = fn
 
     def logits(self, token_ids: Sequence[int]) -> Any:
-        """Teacher-forced logits [T, V] float32 of one sequence, on pages and a state slot
-        taken from the engine's pools (chunked like prefill). Raises RequestRejected when the
-        sequence cannot fit, RuntimeError when the pools are busy."""
+        """Teacher-forced logits [T, V] float32 of one sequence, on the engine's pools. Raises
+        RequestRejected when it cannot fit, RuntimeError when the pools are busy."""
         ids = [int(t) for t in token_ids]
         self.scheduler.check(len(ids), SamplingParams(max_tokens=1))
         return self.call(lambda: self._logits(ids))
 
     def warm_up(self, prompt_len: int | None = None) -> float:
-        """Run one throwaway greedy request so that the first real one does not pay one-time
-        costs (kernel builds, library initialisation, decode-graph capture); returns seconds.
-
-        Its prompt (`prompt_len` random tokens; default two prefill chunks and a half, within
-        the context) prefills a chunk without a prefix, one as long as its prefix and a
-        shorter one (the extend attention's paths), then decodes two tokens. It leaves no
-        trace but the expert-cache counters: the prefix cache is cleared, the request
-        counters and TTFT / ITL samples are reset. Raises RuntimeError if it fails.
+        """Run one throwaway greedy request so that the first real one pays no one-time costs
+        (kernel builds, graph capture); returns seconds. Its default prompt of two and a half
+        chunks takes every extend-attention path. It leaves no trace but the expert-cache
+        counters. Raises RuntimeError if it fails.
         """
         chunk = self.config.max_num_batched_tokens
         n = min(prompt_len or 2 * chunk + chunk // 2, self.max_context - 2)
@@ -282,8 +263,7 @@ class Engine:
         return time.perf_counter() - t0
 
     def random_prompt(self, length: int, generator: torch.Generator) -> list[int]:
-        """`length` random token ids that both the model and the tokenizer know (warm-up,
-        benchmarks)."""
+        """`length` random token ids that both the model and the tokenizer know."""
         vocab = min(v for v in (self._vocab, len(self.tokenizer)) if v)
         return torch.randint(0, vocab, (length,), generator=generator).tolist()
 
@@ -341,35 +321,29 @@ class Engine:
         self._flush()
 
     def step(self) -> None:
-        """One engine step: take the chained step launched during the last one, or schedule
-        and launch a new one; wait for its tokens (chaining the next decode step first when
-        it can); record them; hand them out (see the module docstring for when the hand-out
-        waits for the next step's device work)."""
-        batch, pending = self._take_ahead()
-        if pending is None:
-            batch, pending = self._launch(self.scheduler.schedule())
-        output = self._wait(batch, pending)
+        """One engine step (see the module docstring)."""
+        batch, pending = self._take_chained() or self._launch(self.scheduler.schedule())
+        output = self._wait(batch, pending)  # chains the next decode step before the wait
         self._flush()  # the previous step's outputs, unless the runner's hook sent them
         if output is not None:
             self._outputs = self.scheduler.record(batch, output)
         if not self._next_step_emits():
             self._flush()
 
-    def _take_ahead(self) -> tuple[Batch, PendingStep | None]:
-        """The chained step launched during the last step, unless none of its requests still
-        runs (then its tokens are read and dropped)."""
+    def _take_chained(self) -> tuple[Batch, PendingStep] | None:
+        """The step chained during the last one, unless none of its requests still runs
+        (then its tokens are read and dropped)."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
-            return Batch([]), None
+            return None
         batch, pending = ahead
-        if any(self.scheduler.requests.get(s.request_id) is not None for s in batch.seqs):
+        if any(s.request_id in self.scheduler.requests for s in batch.seqs):
             self._counts["steps"] += 1
             return ahead
         pending.result()
-        return Batch([]), None
+        return None
 
     def _launch(self, batch: Batch) -> tuple[Batch, PendingStep | None]:
-        """Launch `batch` (no pending step when it is empty or its launch failed)."""
         if not batch.seqs:
             return batch, None
         self._counts["steps"] += 1
@@ -394,8 +368,8 @@ class Engine:
             return None
 
     def _chain(self, batch: Batch, pending: PendingStep) -> tuple[Batch, PendingStep] | None:
-        """Launch the decode step after `batch` (advanced, not recorded) with its input tokens
-        read from `pending` on the device, when nothing can change the batch before then."""
+        """Launch the decode step after `batch` with its input tokens read from `pending` on
+        the device, when nothing can change the batch before then."""
         if (self._inbox or self._stopping or pending.device_tokens is None
                 or not self.runner.can_chain(batch)):
             return None
@@ -409,8 +383,7 @@ class Engine:
             return None
 
     def _next_step_emits(self) -> bool:
-        """Whether the next step's launch emits this step's outputs (the overlap hook): the
-        runner is asynchronous, work is left and nothing waits in the inbox."""
+        """Whether the next step's launch emits this step's outputs (the overlap hook)."""
         return self._overlap and self.scheduler.has_work and not self._inbox
 
     def _step_failed(self, batch: Batch, exc: Exception) -> None:

@@ -1,10 +1,8 @@
 """EngineConfig: what the engine is asked for, and the one memory-size parser.
 
-Frozen; derived values are properties; what depends on the device and the checkpoint (the
-number of sequences when `max_seqs` is None, the KV pages, the expert-cache slots) is decided
-by the memory plan (`engine.planner`), which returns it. The CLI takes its defaults from these
-fields (`cli.py`), and `tinyserve plan | run | bench` and the offline `LLM` all build one of
-these and hand it to the same planner.
+Frozen; what depends on the device and the checkpoint (sequences, KV pages, expert-cache
+slots) is decided and returned by the memory plan (`engine.planner`). The CLI takes its
+defaults from these fields; `tinyserve plan | run | bench` and `LLM` share one planner.
 """
 
 from __future__ import annotations
@@ -31,11 +29,9 @@ SIZE_HELP = ("a memory size: 6GiB, 6G, 6GB, 6144M or bytes (K, M, G, T are binar
 def parse_size(value: str | int) -> int:
     """'6GiB', '6G', '6GB', '6 gib', '6144M', '1.5GiB', '6442450944' or an int -> bytes.
 
-    K, M, G and T are binary whichever way they are written (6GB = 6GiB = 6 x 2**30 bytes):
-    GPU memory comes in binary units (a "6 GB" card has 6,144 MiB; nvidia-smi counts MiB).
-    A number without a unit is bytes and must be whole (and at least 1 MiB: '6' is refused,
-    not read as 6 bytes). Raises ValueError (one line, with examples) for anything else, and
-    for sizes that are not positive.
+    K, M, G and T are binary however written (6GB = 6GiB: a "6 GB" card has 6,144 MiB). A bare
+    number is whole bytes, at least 1 MiB ('6' is refused). Raises ValueError (one line, with
+    examples) for anything else and for sizes that are not positive.
     """
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ValueError(f"cannot read {value!r} as {SIZE_HELP}")
@@ -72,43 +68,22 @@ def describe_size(value: str | int) -> str:
     return f"{value.strip()} read as {number} {prefix}iB ({mib} MiB)"
 
 
-# `--experts`: where offloaded experts that miss the GPU cache run during decode (default
-# "gpu": every miss is copied to the GPU).
 EXPERT_MODES = ("gpu", "cpu", "hybrid", "auto")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine settings.
+    """Engine settings (the CLI flags of the same names).
 
-    model: checkpoint directory (or Hugging Face repo id).
-    kv: KV cache format (`kv.registry` names, or "auto": `kv.registry.resolve_kv`; the plan
-    says what it resolved to). device: "cuda", "cpu" or None (cuda when
-    available). dtype: "float32" / "bfloat16" / "float16" or None (float32 on CPU, bfloat16
-    on CUDA).
-    gpu_memory: what the whole process may use on the GPU, as the driver counts it (CUDA
-    context and libraries included): "6GiB" (`parse_size`; None: the device's free memory).
-    max_context: cap on prompt + output tokens of one sequence (None: on a GPU whose budget
-    makes the plan offload the experts, DEFAULT_CONTEXT tokens, or less when that would take
-    more than half the memory the expert cache could have; else the model's whole context).
-    max_seqs: most sequences decoded at once (None: 1 on a GPU when the experts are offloaded,
-    else as many as spare memory holds up to DEFAULT_MAX_SEQS; DEFAULT_MAX_SEQS on the CPU).
-    Each costs a GDN state slot (61 MiB on 35B-A3B) and its share of the KV pages.
-    max_num_batched_tokens: token budget of one step (prefill chunk size). page_size: tokens
-    per KV page. num_kv_pages: fixes the KV pool size.
-    prefix_cache: reuse cached prompt prefixes (KV pages + GDN state snapshots) across
-    requests. prefix_snapshot_slots: GDN state snapshots the prefix cache may keep (None: one
-    per sequence and one more; each costs a sequence's whole GDN state; every running request
-    keeps its newest one, so with fewer slots than running requests they displace each other,
-    least recently used first). prefix_snapshot_interval: also snapshot every this many
-    prefill tokens (a multiple of page_size; 0: only at the end of each prompt and request).
-    cuda_graphs: replay CUDA graphs for decode steps on CUDA (`--no-cuda-graph` turns them
-    off). expert_cache_slots: force offloaded routed experts (pinned host store + a GPU slot
-    cache of this many slots, at least one layer's experts) on any device; None: on CUDA the
-    memory plan decides, on CPU every expert is resident.
-    experts: where offloaded experts that miss the GPU cache run during decode: "gpu" (copied),
-    "cpu" (computed on the CPU), "hybrid" (split by the start-up bandwidth probe) or "auto"
-    (hybrid where the probe predicts it faster, else gpu).
+    kv: a `kv.registry` name or "auto". device: "cuda[:N]", "cpu" or None (cuda when there).
+    dtype: None = float32 on CPU, bfloat16 on CUDA. gpu_memory: the whole process's GPU budget
+    (`parse_size`; None: the free memory). max_context / max_seqs: None lets the plan decide.
+    max_num_batched_tokens: the token budget of a step (prefill chunk). num_kv_pages: fixes the
+    KV pool. prefix_snapshot_slots: GDN snapshots the prefix cache may keep (None: max_seqs + 1);
+    prefix_snapshot_interval: also snapshot every this many prefill tokens (a multiple of
+    page_size). expert_cache_slots: force offloaded experts behind this many GPU slots (None: the
+    plan decides on CUDA; resident on CPU). experts: where decode misses run (`EXPERT_MODES`:
+    copied to the GPU, the CPU, split by the start-up probe, or the probe's choice).
     """
 
     model: str
@@ -126,8 +101,6 @@ class EngineConfig:
     prefix_snapshot_interval: int = 0
     cuda_graphs: bool = True
     expert_cache_slots: int | None = None
-    # Hybrid expert execution (offload.hybrid): "gpu", "cpu", "hybrid" or "auto" (the probe
-    # decides); applies when the routed experts are offloaded.
     experts: str = "gpu"
 
     def __post_init__(self) -> None:
@@ -175,8 +148,7 @@ class EngineConfig:
         return cls(**values)
 
     def snapshot_slots(self, max_seqs: int) -> int:
-        """GDN state slots kept for prefix-cache snapshots with `max_seqs` sequences (0 when
-        the cache is off)."""
+        """GDN state slots for prefix-cache snapshots with `max_seqs` sequences."""
         if not self.prefix_cache:
             return 0
         return max_seqs + 1 if self.prefix_snapshot_slots is None else self.prefix_snapshot_slots

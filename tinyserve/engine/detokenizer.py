@@ -1,14 +1,10 @@
 """Incremental detokenization with stop strings.
 
-Text is decoded a few tokens at a time (a window from the last character boundary), so each
-step costs O(1) tokens of decoding. Text that ends in a partial UTF-8 character (the tokenizer
-gives U+FFFD) is held back until the character completes. Stop strings are matched on the
-decoded text, across token boundaries; the text from a stop string on is never emitted, and a
-tail that could still become a stop string is held back until it cannot.
-
-A Hugging Face fast tokenizer whose decode adds no post-processing (clean_up_tokenization_spaces
-off, as in Qwen3.5) is decoded through its Rust backend directly: the same text without the
-Python wrapper's per-call cost (two calls a token).
+Text is decoded from a window starting at the last character boundary (O(1) per token); a
+partial UTF-8 character (U+FFFD) is held back until it completes. Stop strings match across
+token boundaries; text from a stop string on is never emitted, and a tail that could still
+become one is held back. A fast tokenizer without decode post-processing is decoded through
+its Rust backend directly.
 """
 
 from __future__ import annotations

@@ -1,31 +1,15 @@
 """The device side of the memory plan: the budget, and what the process holds on the GPU
 outside torch's caching allocator.
 
-`--gpu-memory X` bounds the process's whole device memory as the driver counts it (what
-nvidia-smi shows for the process). The plan caps torch's allocator at X less what lives
-outside it (`MemoryPlan.allocator_cap`), item by item:
+`--gpu-memory X` bounds the process's whole device memory as the driver counts it. The plan
+caps torch's allocator at X less: the CUDA context and libraries (MEASURED at start-up after a
+bf16 and an fp32 matmul; the reference GPU's figure when planning for a GPU that is elsewhere),
+what grows later (kernel modules, local memory, graph executables) and the device page tables
+of registered host memory (both measured on the reference GPU by bench/memory_budget.py).
 
-- "CUDA context, libraries": the context and the libraries' device state (cuBLAS / cuBLASLt
-  handles, the driver's per-thread local-memory reserve, which grows with the number of SMs).
-  MEASURED at start-up on the running GPU: the process's device memory once the context is
-  made and a bf16 and an fp32 matmul have run, less what torch's allocator holds then.
-- "kernels, local memory, graphs": what grows after start-up and cannot be measured before
-  the model runs: kernel modules as they load, local memory the driver enlarges for kernels
-  that need more of it, CUDA graph executables. A figure measured on the reference GPU (the
-  GPU with the most SMs that tinyserve runs on, so an upper bound for smaller ones) by
-  bench/memory_budget.py.
-- "host memory mappings": the device page tables of registered host memory (the pinned
-  expert store and embedding table the kernels read over PCIe), per GiB registered; measured
-  the same way.
-
-Without the device (`tinyserve plan` for a GPU that is elsewhere) the reference GPU's start-up
-figure stands in for the measurement, and the plan says so.
-
-The process's device memory (`DeviceMemoryProbe.process_used`): NVML's per-process figure
-(nvidia-ml-py, `import pynvml`) when NVML lists this process; else the device's used memory
-less what it used before this process made its CUDA context (an NVML baseline taken first);
-else, without NVML, the device's used memory (`torch.cuda.mem_get_info`), which counts other
-processes too (larger, so the plan stays inside the budget).
+The process's device memory: NVML's per-process figure; else the device's used memory less an
+NVML baseline taken before this process made its context; else, without NVML, the device's
+used memory, which counts other processes too (so the plan stays inside the budget).
 """
 
 from __future__ import annotations
@@ -59,13 +43,8 @@ def _round_up(n: int) -> int:
 
 @dataclass(frozen=True)
 class DeviceMemory:
-    """What the device gives the planner.
-
-    device: "cpu" or "cuda[:N]". name: the GPU's name ("" on the CPU or without the GPU).
-    budget: bytes the whole process may use on the GPU (None on the CPU). budget_source: how
-    the budget was set, for the printed plan. startup: the CUDA context and libraries (bytes
-    outside torch's allocator at start-up). startup_source: how `startup` is known.
-    """
+    """What the device gives the planner: `budget` (bytes for the whole process, None on
+    the CPU), `startup` (context and libraries outside torch's allocator), and how each is known."""
 
     device: str
     name: str = ""
@@ -79,8 +58,8 @@ class DeviceMemory:
         return self.device.startswith("cuda")
 
     def outside_allocator(self, host_mapped_bytes: int) -> tuple[tuple[str, int, str], ...]:
-        """(item, bytes, how it is known) of the process's device memory outside torch's
-        allocator, with `host_mapped_bytes` of host memory registered for the device."""
+        """(item, bytes, how it is known) of the device memory outside torch's allocator,
+        with `host_mapped_bytes` of host memory registered for the device."""
         if not self.is_cuda:
             return ()
         mapped = -(-host_mapped_bytes * MAPPING_PER_GIB // GiB)
@@ -94,8 +73,7 @@ def cpu_device() -> DeviceMemory:
 
 
 def reference_device(config: EngineConfig) -> DeviceMemory:
-    """A GPU that is not here: the budget must be given; the start-up figure is the reference
-    GPU's (H200_STARTUP)."""
+    """A GPU that is not here: the budget must be given; `H200_STARTUP` stands in."""
     budget = config.gpu_memory_bytes
     if budget is None:
         raise ValueError("no CUDA device here: give the budget with --gpu-memory (e.g. 6GiB), "
@@ -107,10 +85,8 @@ def reference_device(config: EngineConfig) -> DeviceMemory:
 
 
 class DeviceMemoryProbe:
-    """The device memory this process uses on one GPU, as the driver counts it.
-
-    Make it before this process touches CUDA (the NVML baseline of the device's used memory
-    is taken then); `process_used()` may be called from any thread."""
+    """The device memory this process uses on one GPU, as the driver counts it. Make it
+    before this process touches CUDA (for the NVML baseline); `process_used()` is thread-safe."""
 
     def __init__(self, index: int = 0) -> None:
         self.index = index
@@ -133,8 +109,6 @@ class DeviceMemoryProbe:
 
     @property
     def source(self) -> str:
-        """How `process_used` measures: 'NVML, this process', 'NVML, device less baseline' or
-        'device-wide (no NVML)'."""
         if self._nvml is not None and self._process_entry() is not None:
             return "NVML, this process"
         if self._nvml is not None and self._baseline is not None:
@@ -169,7 +143,6 @@ class DeviceMemoryProbe:
         return None
 
     def process_used(self) -> int:
-        """Bytes of device memory this process holds (see the module docstring)."""
         used = self._process_entry() if self._nvml is not None else None
         if used is not None:
             return used
@@ -197,12 +170,10 @@ def _device_index(device: str) -> int:
 
 
 def measure_device(config: EngineConfig) -> DeviceMemory:
-    """Make the CUDA context on the device `config` runs on, start cuBLAS, and measure what
-    the process then holds outside torch's allocator (`DeviceMemory.startup`). The budget is
-    `config.gpu_memory`, or the device's free memory plus what this process holds.
-
-    Raises ValueError (one line, with the numbers) when the budget is more than the device
-    can give this process, or when CUDA is not available."""
+    """Make the CUDA context on `config`'s device, start cuBLAS, and measure what the
+    process then holds outside torch's allocator. The budget is `config.gpu_memory`, or the free
+    memory plus what this process holds. Raises ValueError when the budget is more than the device
+    can give, or without CUDA."""
     import torch
 
     if not torch.cuda.is_available():
@@ -238,8 +209,8 @@ def measure_device(config: EngineConfig) -> DeviceMemory:
 
 
 def device_memory(config: EngineConfig, *, measure: bool = True) -> DeviceMemory:
-    """The device `config` runs on: the CPU, a measured GPU, or (with `measure` False and no
-    GPU here, as `tinyserve plan` does) the reference GPU for the budget given."""
+    """The device `config` runs on: the CPU, a measured GPU, or (`measure` False and no
+    GPU here: `tinyserve plan`) the reference GPU."""
     device = config.device
     if device is None:
         import torch
@@ -260,10 +231,9 @@ def device_memory(config: EngineConfig, *, measure: bool = True) -> DeviceMemory
 
 
 def device_memory_report(plan: Any, device: str) -> tuple[str, int]:
-    """After the model ran: one line on the process's device memory against the plan, and
-    the bytes outside torch's allocator now. When those are more than the plan set aside,
-    torch's allocator is capped lower by the difference (the budget holds; a warning says
-    so)."""
+    """After the model ran: one line on the process's device memory against the plan,
+    and the bytes outside torch's allocator now; when those exceed the plan, the allocator is
+    capped lower by the difference (with a warning)."""
     import torch
 
     index = _device_index(device)
@@ -285,8 +255,8 @@ def device_memory_report(plan: Any, device: str) -> tuple[str, int]:
 
 
 def cap_allocator(cap: int, index: int) -> None:
-    """Cap torch's caching allocator on GPU `index` at `cap` bytes, so that an allocation
-    past it fails loudly instead of using the rest of a bigger card."""
+    """Cap torch's allocator on GPU `index` at `cap` bytes: past it, allocations fail
+    loudly instead of using the rest of a bigger card."""
     import torch
 
     total = torch.cuda.get_device_properties(index).total_memory

@@ -1,38 +1,20 @@
-"""CUDA graphs of the decode step: the model's forward over a pure-decode batch, captured once
-per (padded batch size, context capacity) and replayed over static input buffers.
+"""CUDA graphs of the decode step, captured once per (padded batch size, context capacity)
+and replayed over static input buffers.
 
-One decode step = fill a pinned host buffer with the packed inputs (token, position, KV slot,
-GDN state slot, lengths, page table) -> one host-to-device copy -> graph replay -> logits
-[B, V] float32 and their greedy tokens (argmax, [B] int64) in static buffers. The runner
-takes the greedy tokens when every row samples greedily without penalties, else samples from
-the logits, and copies the tokens back: the step's one host synchronisation. A provider with
-per-step host work (the expert cache) starts its step before the replay and does that work
-after it (`runner.launch`). A chained step (`run(..., input_tokens=)`, the engine's decode
-loop) takes its token ids from the previous step's sampled tokens on the device: one device
-copy after the upload overwrites the ids the host wrote.
+One step: pack the inputs (token, position, KV slot, GDN state slot, lengths, page table) into
+a pinned host buffer -> one host-to-device copy -> replay -> logits [B, V] float32 and their
+argmax [B] int64 in static buffers. A chained step (`input_tokens=`) copies its token ids from
+the previous step's sampled tokens on the device after the upload.
 
-Padding: B sequences run in the smallest bucket >= B of `BATCH_BUCKETS`. A padded row has
-token 0 at position 0, KV slot -1 (the backends' padding page), length 1, an all-zero
-page-table row and the spare GDN state slot `pad_state_slot`, which no sequence may hold;
-its logits are dropped. Rows never mix (attention, GDN, MoE and norms work per row), so a
-padded row cannot change a real one.
+Padding: B sequences run in the smallest bucket >= B of `BATCH_BUCKETS`; a padded row has
+token 0 at position 0, KV slot -1 (the padding page), an all-zero page-table row and the spare
+state slot `pad_state_slot`. Rows never mix, so a padded row cannot change a real one. The page
+table holds `capacity // page_size` pages, the capacity being the smallest power of two >= the
+longest sequence (at least `MIN_CAPACITY`).
 
-Context: the page table of a graph holds `capacity // page_size` pages, the capacity being
-the smallest power of two >= the longest sequence of the step (at least `MIN_CAPACITY`
-tokens); decode attention sizes its work by the capacity (`ForwardContext.max_seq_len`),
-at most twice the longest sequence. The host lists of a graph's context are placeholders
-(one new token after capacity - 1 cached ones: upper bounds, never exact lengths).
-
-Host embedding (the model's `embed_tokens` in host RAM that the device cannot read,
-`Qwen35Model.embed_needs_host_ids`): the graph starts from a static hidden-state input [B, H]
-(model dtype) instead of the token ids. Each step gathers the B rows from the host table into
-the tail of the pinned packed buffer (padded rows zero), so the same one host-to-device copy
-fills them. A host table registered with CUDA (`embed_mapped`, the usual case) needs none of
-this: the graph's embedding kernel reads its rows over PCIe from token ids on the device, so
-such steps chain like any other.
-
-Without capture (CPU, or `capture=False`) the same static context runs eagerly: the CPU
-test of everything but the capture itself.
+Host embedding (`Qwen35Model.embed_needs_host_ids`: a host table the device cannot read): the
+graph starts from hidden states [B, H] gathered on the host into the tail of the pinned buffer,
+so the same copy fills them. Without capture (CPU) the same static context runs eagerly.
 """
 
 from __future__ import annotations
@@ -63,6 +45,12 @@ def capacity_pages(max_seq_len: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
+def _is_decode(seqs: Sequence[ScheduledSeq]) -> bool:
+    """One new token after a cached prefix each, at most the largest bucket of sequences."""
+    return (0 < len(seqs) <= BATCH_BUCKETS[-1]
+            and all(s.num_tokens == 1 and s.start_pos > 0 for s in seqs))
+
+
 @dataclass
 class _Entry:
     """Static buffers (and the graph) of one (batch bucket, pages) pair."""
@@ -82,18 +70,11 @@ class _Entry:
 
 
 class DecodeGraphs:
-    """Decode forwards of `model` over static buffers, captured as CUDA graphs on first use.
+    """Decode forwards of `model` (a `Qwen35Model`) over static buffers, captured on first use.
 
-    Args:
-        model: a `model.qwen35.Qwen35Model` (its KV backend and GDN state pool).
-        page_size: tokens per KV page.
-        pad_state_slot: a GDN state slot reserved for padded rows (no sequence may use it).
-        capture: capture CUDA graphs (CUDA only); False runs the static context eagerly.
-        host_embedding: start the graphs from gathered hidden states instead of token ids
-            (None: when the model's embedding needs host token ids,
-            `model.embed_needs_host_ids`).
-    Raises ValueError when `pad_state_slot` is not a slot of the model's state pool, or with
-    `host_embedding` when the embedding table is not in host RAM.
+    `pad_state_slot`: a GDN state slot no sequence uses (padded rows write it). `capture`: False
+    runs the static context eagerly. `host_embedding` defaults to `model.embed_needs_host_ids`.
+    Raises ValueError on a bad `pad_state_slot` or a host embedding not in host RAM.
     """
 
     def __init__(self, model: Any, *, page_size: int, pad_state_slot: int,
@@ -120,26 +101,17 @@ class DecodeGraphs:
         return sum(e.graph is not None for e in self._entries.values())
 
     def supports(self, seqs: Sequence[ScheduledSeq]) -> bool:
-        """Whether `seqs` is a decode step these graphs run (one token each, a cached prefix,
-        not more sequences than the largest bucket). False for good once a capture failed:
-        the caller decodes eagerly then."""
-        return (not self.failed and 0 < len(seqs) <= BATCH_BUCKETS[-1]
-                and all(s.num_tokens == 1 and s.start_pos > 0 for s in seqs))
+        """Whether `seqs` is a decode step these graphs run (False for good once a capture
+        failed: the caller decodes eagerly then)."""
+        return not self.failed and _is_decode(seqs)
 
     @torch.inference_mode()
     def run(self, seqs: Sequence[ScheduledSeq], *, input_tokens: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [B, V] float32, their argmax [B] int64) of one decode step, one row per
-        sequence in order.
-
-        Both are views of static buffers, valid until the next `run`. `input_tokens` ([B]
-        int64 on the device: the previous step's sampled tokens) replaces the sequences' token
-        ids, copied into the graph's input on the device after the upload (not with a host
-        embedding table, whose rows are gathered on the host). Raises ValueError when a
-        sequence's pages do not cover its tokens.
-        """
-        if not (0 < len(seqs) <= BATCH_BUCKETS[-1]
-                and all(s.num_tokens == 1 and s.start_pos > 0 for s in seqs)):
+        """(logits [B, V] float32, argmax [B] int64) of one decode step, views of static
+        buffers valid until the next `run`. `input_tokens` ([B] int64 on the device) replaces the
+        token ids. Raises ValueError when a sequence's pages do not cover its tokens."""
+        if not _is_decode(seqs):
             raise ValueError(f"not a decode step of 1 .. {BATCH_BUCKETS[-1]} sequences")
         if input_tokens is not None and (self.host_embedding
                                          or input_tokens.shape != (len(seqs),)):
@@ -165,10 +137,7 @@ class DecodeGraphs:
             logits, tokens = self._forward(entry)
         return logits[:len(seqs)], tokens[:len(seqs)]
 
-    # ---------------------------------------------------------------------------------------
-
     def _forward(self, entry: _Entry) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits, greedy tokens) of the entry's static inputs: what a graph captures."""
         if entry.hidden is None:
             logits = self.model.forward(entry.ctx)
         else:
@@ -241,8 +210,8 @@ class DecodeGraphs:
 
     def _fill(self, entry: _Entry, seqs: Sequence[ScheduledSeq], *,
               device_ids: bool = False) -> None:
-        """Write the inputs of `seqs` (then padding) into the entry's host buffer; with
-        `device_ids` their token ids come later, on the device (0 written here)."""
+        """Write the inputs of `seqs`, then padding, into the host buffer (token ids 0 with
+        `device_ids`: they come later, on the device)."""
         B, P, ps, n = entry.batch, entry.pages, self.page_size, len(seqs)
         h64 = entry.host[:4 * B].numpy().reshape(4, B)  # ids, positions, KV slots, states
         h32 = entry.host[4 * B:].view(torch.int32).numpy()

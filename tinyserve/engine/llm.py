@@ -29,15 +29,9 @@ class Completion:
 
 
 class LLM:
-    """Load a checkpoint and generate offline.
-
-    Args:
-        model: checkpoint directory or Hugging Face repo id.
-        kv, device, max_context, max_seqs, gpu_memory: as in `EngineConfig` (None keeps its
-            default); `engine_kwargs` sets any other EngineConfig field. The memory plan is
-            the one `tinyserve run` makes with the same settings (`engine.memory_plan`).
-    Raises ValueError / FileNotFoundError when the checkpoint or the settings are unusable.
-    """
+    """Load a checkpoint and generate offline. `kv`, `device`, `max_context`, `max_seqs`,
+    `gpu_memory` and `engine_kwargs` are `EngineConfig` fields (None keeps the default); the plan
+    is `tinyserve run`'s. Raises ValueError / FileNotFoundError on unusable settings."""
 
     def __init__(self, model: str, *, kv: str | None = None, device: str | None = None,
                  max_context: int | None = None, max_seqs: int | None = None,
@@ -89,8 +83,7 @@ class LLM:
                 for ids, o in zip(encoded, outs, strict=True)]
 
     def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Teacher-forced logits float32 [len(token_ids), vocab] on the CPU, computed by the
-        engine's runner on pages and a state slot of the engine's own pools."""
+        """Teacher-forced logits float32 [T, V] on the CPU."""
         return self.engine.logits(token_ids).float().cpu()
 
     def close(self) -> None:

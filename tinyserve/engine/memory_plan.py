@@ -20,21 +20,13 @@ def mib(n: int) -> str:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """The engine's memory, decided before anything is loaded. All sizes in bytes.
+    """The engine's memory, decided before anything is loaded (bytes).
 
-    On a GPU, `gpu_memory` bounds the process's whole device memory: `outside_allocator`
-    (CUDA context and libraries, kernel modules, host-memory mappings: item, bytes, how it is
-    known) + torch's allocator, capped at `allocator_cap`, which holds the resident weights,
-    the embedding when it is on the GPU, the workspace, the GDN states, the KV pages and the
-    expert cache. On the CPU (`device` "cpu") there is no budget and everything is resident
-    (or behind a forced expert cache).
-
-    max_seqs sequences at once, each with up to max_context tokens; state_slots GDN state
-    slots = max_seqs + snapshot_slots (prefix cache) + one for the padded rows of decode
-    graphs when they are on. expert_cache: the routed experts sit in a pinned host store
-    behind `expert_slots` GPU slots (all of them preloaded when they are all there).
-    default_context / default_expert_slots: what the plan without --max-context gives, when
-    --max-context changed it (the trade of KV for expert slots the printout shows).
+    On a GPU `gpu_memory` bounds the whole process: `outside_allocator` (item, bytes, how known)
+    + torch's allocator capped at `allocator_cap`, holding weights, embedding (when on the GPU),
+    workspace, GDN states, KV pages and expert cache. state_slots = max_seqs + snapshot_slots
+    + one graph padding slot. default_context / default_expert_slots: the plan without
+    --max-context, when --max-context changed it.
     """
 
     device: str

@@ -1,29 +1,14 @@
 """The memory planner and `tinyserve plan` (specs/qwen35_moe.md §7).
 
-One `EngineConfig` + the model's geometry and weight bytes + the device (`DeviceMemory`: the
-budget and what lives outside torch's allocator, measured at start-up) -> one `MemoryPlan`.
-`tinyserve plan`, `tinyserve run`, `tinyserve bench` and the offline `LLM` all plan through
-`plan_engine`, so the same flags give the same plan. Only config files and safetensors
-headers are read, so planning a 20 GB checkpoint takes a moment. Anything that cannot fit
-raises `PlanError` with the numbers: what is needed, what was given.
-
-On a GPU, the budget is the whole process: outside_allocator (`engine.device_memory`) +
-torch's allocator, capped at what is left, which holds: the resident non-expert weights, the
-embedding (or a row gather from host RAM), the workspace (the largest prefill chunk's
-activations, attention scratch, logits, graph pools, the allocator's slack), the GDN states,
-the KV pages and the GPU expert cache. Order of decisions:
-1. Everything (all routed experts and the embedding) fits with the model's whole context (or,
-   without --max-context, with DEFAULT_CONTEXT tokens) -> all resident; without --max-seqs,
-   as many sequences as the memory left holds, up to DEFAULT_MAX_SEQS.
-2. All experts fit without the embedding -> experts resident, embedding in host RAM.
-3. Otherwise the experts are offloaded (pinned host store + GPU slot cache), the embedding
-   stays in host RAM, one sequence unless --max-seqs asks for more, and the cache gets what
-   is left; it must hold at least one layer's experts (a prefill chunk can route to all of
-   them). Without --max-context the context is DEFAULT_CONTEXT tokens, or what half of the
-   memory left after the smallest cache holds when that is less. A smaller --max-context
-   trades KV for expert slots, and the printed plan shows the trade.
-On the CPU there is no budget: everything is resident, DEFAULT_MAX_SEQS sequences, and a KV
-pool of max_context tokens for each.
+`EngineConfig` + the model's geometry and weight bytes + the device (`DeviceMemory`) -> one
+`MemoryPlan`; `plan`, `run`, `bench` and `LLM` all plan through `plan_engine` (config files and
+safetensors headers only). What cannot fit raises `PlanError` with the numbers. On a GPU:
+1. everything fits with the whole (or, without --max-context, `DEFAULT_CONTEXT`) context ->
+   all resident, as many sequences as fit up to `DEFAULT_MAX_SEQS` unless --max-seqs;
+2. all experts fit without the embedding -> the embedding goes to host RAM;
+3. else the experts are offloaded behind a GPU cache of at least one layer's experts, one
+   sequence unless --max-seqs, and (without --max-context) `DEFAULT_CONTEXT` tokens or half of
+   what is left after the smallest cache. On the CPU everything is resident.
 """
 
 from __future__ import annotations
@@ -162,8 +147,8 @@ class _Sizes:
 
 def plan_memory(config: EngineConfig, model: Any, weights: WeightBytes,
                 device: DeviceMemory) -> MemoryPlan:
-    """Plan `config` for a model of geometry `model` (a ModelConfig) whose weights take
-    `weights` bytes, on `device`. Raises PlanError (one line, with the numbers)."""
+    """Plan `config` for a model of geometry `model` (a ModelConfig) with `weights` on
+    `device`. Raises PlanError (one line, with the numbers)."""
     s, cfg = _Sizes(config, model, weights, device), config
     if cfg.max_context is not None and cfg.max_context > s.max_pos:
         raise PlanError(f"max_context {cfg.max_context} exceeds the model's "
@@ -262,8 +247,7 @@ def _refuse(s: _Sizes, tokens: int, seqs: int, cap: int, embed_device: str,
 
 
 def plan_checkpoint(config: EngineConfig, path: str | Path, device: DeviceMemory) -> MemoryPlan:
-    """Plan checkpoint directory `path`, reading only its config files and safetensors
-    headers."""
+    """Plan checkpoint directory `path` from its config files and safetensors headers."""
     from tinyserve.model.config import load_config
 
     model = load_config(path)
@@ -273,9 +257,8 @@ def plan_checkpoint(config: EngineConfig, path: str | Path, device: DeviceMemory
 
 def plan_engine(config: EngineConfig, path: str | Path | None = None, *,
                 allow_reference: bool = False) -> MemoryPlan:
-    """The plan of `config` on the device it runs on (a GPU is measured: `device_memory`).
-    `allow_reference`: with a GPU budget and no GPU here, plan for the reference GPU (what
-    `tinyserve plan` does on a machine without the GPU)."""
+    """The plan of `config` on its device (a GPU is measured). `allow_reference`: with a
+    GPU budget and no GPU here, plan for the reference GPU (`tinyserve plan`)."""
     from tinyserve.model.loader import resolve_model_path
 
     path = resolve_model_path(config.model) if path is None else Path(path)
@@ -283,8 +266,7 @@ def plan_engine(config: EngineConfig, path: str | Path | None = None, *,
 
 
 def plan_command(args: Any) -> int:
-    """`tinyserve plan MODEL [--gpu-memory 6GiB] [--kv iso3] [--max-context N] ...`: print the
-    plan `tinyserve run` would make with the same flags (`--json` for JSON)."""
+    """`tinyserve plan MODEL ...`: print the plan `tinyserve run` makes with the same flags."""
     config = EngineConfig.from_args(args)
     plan = plan_engine(config, allow_reference=True)
     print(json.dumps(plan.as_dict(), indent=2) if args.json else plan.format())

@@ -1,15 +1,9 @@
 """LoadProgress: the work of bringing an engine up, counted as it is done.
 
-Stages, in order, each counted in its own units:
-- WEIGHTS: checkpoint bytes of the non-expert weights read (the loader reports each entry);
-- PINNING: host bytes of the expert store registered with the CUDA driver (page-locking
-  18 GB takes seconds; it is done in 1 GiB pieces, each reported);
-- EXPERTS: checkpoint bytes of the routed experts read into the store;
-- WARM_UP: the throwaway request that builds kernels and captures the decode graphs (one
-  unit, done when it returns).
-A stage's weight in the bar is its units times `STAGE_COST` (seconds per unit relative to
-reading a byte), so the bar moves with time spent, not with the order of the stages;
-`timings()` gives each stage's seconds, which the loader logs.
+Stages in order: WEIGHTS (checkpoint bytes of non-expert weights), PINNING (expert-store bytes
+registered with the driver, in 1 GiB pieces), EXPERTS (expert bytes read into the store),
+WARM_UP (one unit). Each stage weighs its units times `STAGE_COST`, so the bar moves with time
+spent; `timings()` gives each stage's seconds.
 """
 
 from __future__ import annotations

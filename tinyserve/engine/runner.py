@@ -1,24 +1,12 @@
-"""Model runner: turns a scheduler `Batch` into a `ForwardContext`, runs the model under it and
-samples. `logits(token_ids)` gives teacher-forced logits of one sequence (tests, `LLM`).
+"""Model runner: turns a scheduler `Batch` into a `ForwardContext`, runs the model and samples.
 
-A step is `launch(batch)` -> `PendingOutput.result()` (`forward` does both): launch queues
-the device work (forward, sampling, the copy of the sampled tokens into a pinned host buffer
-with an event), then runs host work that does not need the tokens while the device computes:
-the experts provider's `after_launch()` (the expert-cache policy) and `overlap_hook()` (the
-engine's output of the previous step). `result()` waits for the tokens: the step's one host
-synchronisation.
-
-Chained decode: `launch(next_batch, after=pending)` queues the decode step that follows a
-launched one before that one's tokens reach the host; its input tokens are `pending`'s
-sampled tokens, copied on the device (`can_chain` says which batches qualify: graph decode,
-sampling that reads no token history, token ids from the device). The host then waits for
-step N while step N + 1 is already queued, so the device does not wait for the host between
-two decode steps. Two pinned token buffers alternate: two launched steps may be unread.
-
-With `cuda_graphs` on a CUDA device (kernels on, a capturable experts provider), pure-decode
-batches replay a CUDA graph of the forward (`engine.graph`; with the embedding table on the
-host the graph starts from host-gathered hidden states); prefill and mixed batches, and
-everything on CPU, run eagerly.
+`launch(batch)` queues the device work (forward, sampling, the sampled tokens' copy into a
+pinned host buffer), then runs host work that overlaps it: the experts provider's
+`after_launch()` and the engine's `overlap_hook()`. `PendingOutput.result()` waits for the
+tokens: the step's one host synchronisation. `launch(next, after=pending)` chains a decode step
+whose input tokens are `pending`'s, still on the device (`can_chain`); two pinned token buffers
+alternate, so two launched steps may be unread. Pure-decode batches replay CUDA graphs
+(`engine.graph`) when `cuda_graphs` is on; everything else runs eagerly.
 """
 
 from __future__ import annotations
@@ -47,14 +35,9 @@ def _event(device: torch.device) -> Any:
 
 
 class PendingOutput:
-    """A launched step: its sampled tokens are on their way into a host buffer.
-
-    `result()` waits for them (the step's host synchronisation) and returns the
-    `ForwardOutput`; later calls return the same object. `device_tokens` ([S] int64 on the
-    device; the decode graph's argmax is a static buffer, valid until the next step is
-    launched) is set when every sequence sampled a token: a chained launch reads its input
-    there.
-    """
+    """A launched step; `result()` waits for its tokens and returns (always the same)
+    `ForwardOutput`. `device_tokens` ([S] int64 on the device, valid until the next launch) is
+    set when every sequence sampled a token."""
 
     def __init__(self, sample_rows: list[int], num_seqs: int, logits: torch.Tensor | None,
                  host: torch.Tensor | None, copied: Any,
@@ -88,8 +71,6 @@ class PendingOutput:
         return self._output
 
     def _read_logprobs(self, next_tokens: list[int | None]) -> list[TokenLogprobs | None] | None:
-        """The sampled rows' log-probabilities per sequence, from the pinned copies that the
-        tokens' event covers."""
         if self._logprobs is None:
             return None
         rows, ks, chosen, top_ids, top_lps = self._logprobs
@@ -105,9 +86,8 @@ class PendingOutput:
 
 
 class _TokenBuffer:
-    """Pinned host buffers for one step's sampled tokens (and the log-probabilities of the
-    rows that ask for them), the event of the copies into them and the step that owns them
-    until its tokens are read."""
+    """Pinned host memory for one step's sampled tokens (and logprobs), the event of the
+    copies into it and the step that owns it until its tokens are read."""
 
     def __init__(self, device: torch.device) -> None:
         # the tokens, then the logprob arrays (chosen, top ids, top logprobs); grown as needed
@@ -117,20 +97,15 @@ class _TokenBuffer:
 
 
 class ModelRunner(Runner):
-    """Runs `model` (a `model.qwen35.Qwen35Model`) over scheduler batches.
+    """Runs `model` (a `Qwen35Model`, whose `kv` and `states` pools the batches index).
 
     Args:
-        model: the model; its `kv` and `states` pools are the ones the batch's page ids and
-            state slots index.
-        page_size: tokens per KV page (the scheduler's page size).
-        device: the model's device (defaults to `model.device`).
-        sampler: `sampler(logits [S, V], seqs) -> [S] int64`; default `Sampler()`.
-        cuda_graphs: replay CUDA graphs for pure-decode batches. Needs `graph_pad_slot`, a
-            GDN state slot that no sequence uses (padded rows write it), a CUDA device with
-            the kernels on and an experts provider with `capturable` true; otherwise eager.
-        keep_logits: put a graph step's logits in its `ForwardOutput` (a copy of the static
-            buffer). False (the engine, which never reads them): a graph step whose tokens are
-            the graph's own argmax returns `logits=None` and costs no copy.
+        sampler: default `Sampler()`.
+        cuda_graphs: replay CUDA graphs for pure-decode batches; needs `graph_pad_slot` (a GDN
+            state slot no sequence uses), a CUDA device with kernels on and a capturable experts
+            provider.
+        keep_logits: copy a graph step's logits into its output (False: `logits=None` when the
+            tokens are the graph's own argmax).
     """
 
     def __init__(self, model: Any, *, page_size: int, device: torch.device | str | None = None,
@@ -142,13 +117,10 @@ class ModelRunner(Runner):
         self.sampler = sampler if sampler is not None else Sampler()
         self.graphs: DecodeGraphs | None = None
         self.keep_logits = keep_logits
-        # Host work to run while a launched step computes (the engine's deferred output).
         self.overlap_hook: Callable[[], None] | None = None
-        # NOTE: on the CPU a launch computes the whole step before it returns: work deferred
-        # to the hook would wait a step instead of overlapping it (the engine checks this)
-        self.asynchronous = self.device.type == "cuda"
-        # Two token buffers, used in turn: a chained step stages its tokens while the step
-        # before it is still unread.
+        self.asynchronous = self.device.type == "cuda"  # on the CPU a launch computes the step
+        # NOTE: two token buffers in turn: a chained step stages its tokens while the step
+        # before it is still unread
         self._buffers = (_TokenBuffer(self.device), _TokenBuffer(self.device))
         self._next_buffer = 0
         if (cuda_graphs and graph_pad_slot is not None and kernels_enabled(self.device)
@@ -157,13 +129,9 @@ class ModelRunner(Runner):
 
     def prepare(self, batch: Batch | Sequence[ScheduledSeq], *,
                 all_logits: bool = False) -> ForwardContext:
-        """Flatten a batch into forward tensors on the device (and the token ids on the host,
-        `input_ids_cpu`, which a host embedding table gathers from).
-
-        `logits_indices` holds the last row of each sequence with `sample=True`, or every row
-        when `all_logits` (teacher-forced logits). Raises ValueError when a sequence's pages do
-        not cover its tokens.
-        """
+        """Flatten a batch into forward tensors on the device (and `input_ids_cpu`).
+        `logits_indices`: the last row of each sampling sequence, or every row with `all_logits`.
+        Raises ValueError when a sequence's pages do not cover its tokens."""
         seqs = batch.seqs if isinstance(batch, Batch) else list(batch)
         ps = self.page_size
         ids: list[int] = []
@@ -212,28 +180,20 @@ class ModelRunner(Runner):
         )
 
     def run(self, ctx: ForwardContext) -> torch.Tensor:
-        """The model's logits [S, V] float32 for `ctx.logits_indices`."""
         return self.model.forward(ctx)
 
     def can_chain(self, batch: Batch) -> bool:
-        """Whether `batch` (a decode step whose input tokens are the previous step's sampled
-        ones) can be launched with `launch(batch, after=...)`: it runs in a decode graph
-        that takes its token ids from the device (not a host embedding table) and every
-        sequence samples without the newest token on the host (`Sampler.chainable`:
-        penalties count tokens on the device)."""
+        """Whether `batch` may take its input tokens from the previous step on the device:
+        a graph decode without a host embedding table, sampling that reads no host history."""
         seqs = batch.seqs
         return (self.graphs is not None and not self.graphs.host_embedding
                 and self.graphs.supports(seqs) and all(s.sample for s in seqs)
                 and self.sampler.chainable(seqs))
 
     def launch(self, batch: Batch, *, after: PendingStep | None = None) -> PendingOutput:
-        """Queue one step (forward, sampling, the sampled tokens' copy to the host), then run
-        the host work that overlaps it: the experts provider's `after_launch()` and
-        `overlap_hook()`.
-
-        With `after` (a launched step whose `device_tokens` are set, one per sequence of
-        `batch`, in order), the step's input tokens are those, read on the device: `batch`
-        must pass `can_chain`. Raises ValueError otherwise."""
+        """Queue one step, then run the host work that overlaps it. With `after` (a launched
+        step with `device_tokens`, one per sequence), the input tokens are read from it on
+        the device; `batch` must pass `can_chain` (ValueError otherwise)."""
         seqs = batch.seqs
         inputs = None
         if after is not None:
@@ -276,8 +236,6 @@ class ModelRunner(Runner):
         return pending
 
     def expert_stats(self) -> dict[str, Any]:
-        """The expert cache's counters as `EngineStats` fields (empty when the experts are
-        resident without a cache)."""
         experts = self.model.experts
         s = experts.stats
         if s is None:
@@ -288,10 +246,9 @@ class ModelRunner(Runner):
 
     def _stage(self, buffer: _TokenBuffer, tokens: torch.Tensor, logprobs: Any = None
                ) -> tuple[torch.Tensor, Any]:
-        """Start copying `tokens` [S] (and the arrays of `logprobs`, `token_logprobs`'s
-        result) into `buffer`'s pinned memory; record its event. Returns the host views. The
-        step that used the buffer before is read out first if nobody has (its memory is never
-        rewritten while a copy into it may be in flight, or before its tokens are read)."""
+        """Start copying `tokens` [S] (and `token_logprobs`'s arrays) into `buffer`'s pinned
+        memory and record its event; the host views. The buffer's previous step is read out first
+        (its memory is never rewritten before its tokens are read)."""
         if buffer.owner is not None and not buffer.owner.done:
             buffer.owner.result()
         buffer.owner = None
@@ -306,8 +263,6 @@ class ModelRunner(Runner):
         return host, logprobs
 
     def _pinned_copy(self, buffer: _TokenBuffer, slot: int, src: torch.Tensor) -> torch.Tensor:
-        """Start copying `src` into `buffer.pinned[slot]`, grown as needed; the host view of
-        `src`'s shape."""
         n = src.numel()
         held = buffer.pinned[slot]
         if held is None or held.numel() < n or held.dtype != src.dtype:
@@ -320,11 +275,8 @@ class ModelRunner(Runner):
     def logits(self, token_ids: Sequence[int], *, page_ids: Sequence[int] | None = None,
                state_slot: int | None = None, chunk_size: int | None = None) -> torch.Tensor:
         """Teacher-forced logits [T, V] float32 of one sequence, prefilled from position 0.
-
-        Uses `page_ids` / `state_slot` when given, else the first pages of the KV pool and a
-        slot taken from (and returned to) the state pool: do not call that form while other
-        sequences live in the pools. `chunk_size` splits the prefill into chunks.
-        """
+        Without `page_ids` / `state_slot` it takes the first pages and a free slot: only
+        while no other sequence lives in the pools. `chunk_size` splits the prefill."""
         T = len(token_ids)
         if page_ids is None:
             need = -(-T // self.page_size)

@@ -1,10 +1,8 @@
 """The runner interface the engine steps.
 
 A step is `runner.launch(batch) -> PendingStep`, then `pending.result() -> ForwardOutput`
-(the step's one wait for the sampled tokens). `ModelRunner` queues device work at launch and
-waits in `result()`; a runner that computes the step at launch returns `Finished(output)`.
-The engine calls every member below directly; the defaults fit a synchronous runner that
-never chains steps.
+(its one wait for the sampled tokens). A runner that computes the step at launch returns
+`Finished(output)`; the defaults fit a synchronous runner that never chains steps.
 """
 
 from __future__ import annotations
@@ -21,8 +19,8 @@ from tinyserve.engine.sampler import Sampler
 
 
 class PendingStep(Protocol):
-    """A launched step. `device_tokens` ([S] int64 on the device) is set when every sequence
-    sampled a token there: a chained launch reads its input from it."""
+    """A launched step; `device_tokens` ([S] int64 on the device) is set when every
+    sequence sampled a token there."""
 
     device_tokens: torch.Tensor | None
 
@@ -48,10 +46,8 @@ class Runner(ABC):
 
     Attributes:
         sampler: samples the next tokens; the engine sets its `logits_hook`.
-        asynchronous: `launch` returns before the step's device work is done, so host work
-            can overlap it (False: launch computes the step).
-        overlap_hook: host work `launch` runs once the step's device work is queued; the
-            engine sets it (to emit the previous step's outputs) when `asynchronous`.
+        asynchronous: `launch` returns before the step's device work is done.
+        overlap_hook: host work `launch` runs once the device work is queued (the engine's).
         graphs: the decode CUDA graphs (None: every step runs eagerly).
     """
 
@@ -62,24 +58,22 @@ class Runner(ABC):
 
     @abstractmethod
     def launch(self, batch: Batch, *, after: PendingStep | None = None) -> PendingStep:
-        """Start one step: forward every sequence's new tokens, sample where `sample` is set.
-        With `after` (a launched step with `device_tokens`), the input tokens are read from
-        it on the device; only batches that pass `can_chain` may be launched so."""
+        """Start one step, sampling where `sample` is set. With `after` (a step with
+        `device_tokens`; only for batches that pass `can_chain`) the input tokens are read
+        from it."""
 
     def forward(self, batch: Batch) -> ForwardOutput:
         """One step, waited for."""
         return self.launch(batch).result()
 
     def can_chain(self, batch: Batch) -> bool:
-        """Whether `batch` (a decode step after a launched one) may take its input tokens on
-        the device (`launch(batch, after=...)`)."""
+        """Whether `batch` may take its input tokens on the device (`after=`)."""
         return False
 
     @abstractmethod
     def logits(self, token_ids: Sequence[int], *, page_ids: Sequence[int] | None = None,
                state_slot: int | None = None, chunk_size: int | None = None) -> torch.Tensor:
-        """Teacher-forced logits [T, V] float32 of one sequence, prefilled from position 0
-        on `page_ids` and `state_slot`, in chunks of `chunk_size` tokens."""
+        """Teacher-forced logits [T, V] float32 of one sequence from position 0."""
 
     def expert_stats(self) -> dict[str, Any]:
         """The expert cache's counters as `EngineStats` fields (empty: no expert cache)."""

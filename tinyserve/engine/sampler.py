@@ -1,17 +1,11 @@
 """Batched sampling on the model's device.
 
-Per row: optional test hook -> penalties (repetition on prompt + output, presence / frequency on
-the output) -> logit bias -> greedy argmax when temperature is 0, otherwise temperature, top-k,
-top-p and min-p filtering and an exponential race (argmax p / q with q ~ Exp(1), which draws
-from p).
-A request with a seed draws its noise from a generator seeded with (seed, tokens generated so
-far), so its output depends neither on the rest of the batch nor on preemption.
-
-Penalties read a sequence's tokens from device-side counts (`TokenCounts`: the tokens seen, for
-the repetition penalty; the output tokens' counts, for presence and frequency), built from the
-host's history and then advanced on the device by every token the sampler draws. So a chained
-step (launched before the host has the previous step's token) samples penalised rows from the
-counts the previous step left; an unchained step rebuilds them from the host's history.
+Per row: test hook -> penalties (repetition over prompt + output, presence / frequency over the
+output) -> logit bias -> argmax at temperature 0, else temperature, top-k, top-p, min-p and an
+exponential race (argmax p / q, q ~ Exp(1), draws from p). A seeded request draws from a
+generator seeded with (seed, tokens generated), independent of the batch and of preemption.
+Penalties read device-side `TokenCounts` that the sampler advances itself, so a chained step
+(launched before the host has the previous token) samples from the counts the last step left.
 """
 
 from __future__ import annotations
@@ -31,43 +25,30 @@ _SEED_STRIDE = 1_000_003
 
 
 class Sampler:
-    """`sampler(logits, seqs) -> tokens`: one token per row of `logits`, rows in `seqs` order.
-
-    Holds the `TokenCounts` of the penalised rows it sampled last (by request id); a call
-    keeps those of its own rows only."""
+    """`sampler(logits, seqs) -> tokens`: one token per row, keeping the `TokenCounts` of
+    the penalised rows it sampled last."""
 
     def __init__(self, logits_hook: LogitsHook | None = None) -> None:
         self.logits_hook = logits_hook
         self._counts: dict[str, TokenCounts] = {}
 
     def argmax_only(self, seqs: Sequence[ScheduledSeq]) -> bool:
-        """Whether sampling `seqs` is the plain argmax of their logits (greedy, no penalties,
-        no logit bias, no logprobs, no hook): then a caller holding the argmax already need
-        not call the sampler."""
+        """Whether sampling `seqs` is the plain argmax of their logits."""
         return (self.chainable(seqs) and not wants_logprobs(seqs)
                 and all(s.params.greedy and not s.params.logit_bias and not _has_penalty(s)
                         for s in seqs))
 
     def chainable(self, seqs: Sequence[ScheduledSeq]) -> bool:
-        """Whether `seqs` can be sampled before the host knows the tokens the step ran on
-        (`chained=True`): no logits hook (it may read anything). Penalised rows read their
-        device-side counts, which the previous step's sampling advanced."""
+        """Whether `seqs` can be sampled before the host has the step's input tokens:
+        no logits hook."""
         return self.logits_hook is None
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq], *,
                  chained: bool = False) -> torch.Tensor:
-        """Sample one token per row.
-
-        Args:
-            logits: [S, V] float32 on the model's device, one row per sampling sequence.
-            seqs: the S sequences (their `params`, `history`, `num_generated`).
-            chained: the step was launched before the host had its input tokens: the
-                sequences' `history` lacks the newest token, so penalised rows use the counts
-                the previous call left for them (RuntimeError if it left none).
-        Returns:
-            [S] int64 token ids on the same device.
-        """
+        """Sample one token per row of `logits` [S, V] float32: [S] int64 on the same device.
+        `chained`: the sequences' `history` lacks the newest token, so penalised rows use the
+        counts the previous call left (RuntimeError if none)."""
         if len(seqs) != logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} logit rows for {len(seqs)} sequences")
         if self.logits_hook is not None:
@@ -87,8 +68,6 @@ class Sampler:
 
     def _take_counts(self, seqs: Sequence[ScheduledSeq], vocab: int, device: torch.device,
                      chained: bool) -> dict[int, TokenCounts]:
-        """Row -> counts of each penalised row: the previous call's when chained, else built
-        from the host's history. Counts of requests not in this call are dropped."""
         counts, kept = {}, {}
         for i, s in enumerate(seqs):
             if not _has_penalty(s):
@@ -106,10 +85,8 @@ class Sampler:
 
 @dataclass
 class TokenCounts:
-    """A penalised sequence's tokens on the device: `seen` [V] bool, every token of prompt and
-    output (None without a repetition penalty); `output` [V] float32, how often each token
-    was generated (None without presence / frequency penalties), and `one`, the [1] float32
-    1.0 that `add` counts with (no allocation per step)."""
+    """A penalised sequence's tokens on the device: `seen` [V] bool (repetition penalty),
+    `output` [V] float32 counts (presence / frequency), `one` a [1] 1.0 for `add`."""
 
     seen: torch.Tensor | None
     output: torch.Tensor | None
@@ -147,11 +124,9 @@ def wants_logprobs(seqs: Sequence[ScheduledSeq]) -> bool:
 def token_logprobs(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], tokens: torch.Tensor
                    ) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor,
                               torch.Tensor] | None:
-    """The model's log-probabilities for the rows whose params ask for them: (rows, each
-    row's k, the sampled tokens' [R] float32, the top ids [R, K] and log-probabilities
-    [R, K] with K the largest k, most likely first), on the logits' device; None when no row
-    asks. `logits` are the model's [S, V] (before penalties, bias and temperature), `tokens`
-    the sampled [S]."""
+    """Log-probabilities of the rows that ask for them: (rows, their k, the sampled
+    tokens' [R], top ids [R, K], top logprobs [R, K]) on the device, or None. `logits` [S, V] are
+    the model's (before penalties), `tokens` the sampled [S]."""
     rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     if not rows:
         return None
@@ -165,9 +140,8 @@ def token_logprobs(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], tokens: t
 
 def apply_penalties(logits: torch.Tensor, seqs: Sequence[ScheduledSeq],
                     counts: dict[int, TokenCounts]) -> torch.Tensor:
-    """Repetition penalty (HF: divide positive logits, multiply negative ones) over every token
-    of the sequence; presence and frequency penalties (OpenAI) over the generated tokens; for
-    the rows in `counts` (row -> its TokenCounts)."""
+    """Repetition (HF: divide positive logits, multiply negative ones), presence and
+    frequency (OpenAI) penalties for the rows in `counts`."""
     if not counts:
         return logits
     logits = logits.clone()
@@ -182,8 +156,7 @@ def apply_penalties(logits: torch.Tensor, seqs: Sequence[ScheduledSeq],
 
 
 def apply_logit_bias(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
-    """Add each row's `logit_bias` (token id -> bias) to its logits: one index_put_ over the
-    batch, ids and biases in one host-to-device copy each."""
+    """Add each row's `logit_bias` (one index_put_ over the batch)."""
     rows, ids, biases = [], [], []
     for i, s in enumerate(seqs):
         for token, bias in s.params.logit_bias:
@@ -202,9 +175,7 @@ def apply_logit_bias(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torc
 
 
 def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on `device` without waiting for the device's queued work (a plain
-    `torch.tensor(..., device=)` synchronises the stream, which would end the overlap of a
-    launched step with the host work after it)."""
+    """A host list on `device` without synchronising (`torch.tensor(..., device=)` waits)."""
     return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
 
 
@@ -214,8 +185,8 @@ def _has_penalty(s: ScheduledSeq) -> bool:
 
 
 def filtered_probs(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
-    """Softmax at each row's temperature with top-k, top-p and min-p applied (not renormalised:
-    the exponential race does not need it). [S, V] float32."""
+    """Softmax at each row's temperature with top-k, top-p and min-p applied, not
+    renormalised (the race does not need it). [S, V] float32."""
     V = logits.shape[1]
     # One host-to-device copy: [S, 4] = temperature, top_k (V: off), top_p (2: off), min_p.
     rows = [(max(p.temperature, 1e-5), p.top_k if 0 < p.top_k < V else V,

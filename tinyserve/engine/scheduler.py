@@ -1,28 +1,16 @@
-"""Continuous-batching scheduler: which requests run in the next step, and with which tokens.
+"""Continuous-batching scheduler: which requests run in the next step, with which tokens.
 
-Pure Python (no torch). Each step `schedule()` builds a `Batch`: first one decode token for
-every running request that has finished its prefill, then prefill chunks (of running requests,
-then of newly admitted ones) under the token budget. Admission takes a GDN state slot and the
-KV pages of all the request's known tokens; decoding takes one more page at each page
-boundary. Requests belong to groups (the choices of one API request) that share the seats
-fairly (`engine.fairness`: round-robin admission between groups, FIFO within one; a group
-holding more seats yields one to a newcomer by preemption and runs, per step, only as many
-sequences as the next largest group holds; when pages run out, the newest request of the
-group holding the most seats is preempted). Preemption returns the pages and
-slot and re-queues the request to recompute its prompt and output so far.
-`update(batch, output)` appends the sampled tokens, applies the token stop conditions and frees
-finished requests; it is `advance(batch)` (the step's tokens count as computed, once it is
-launched) then `record(batch, output)` (its sampled tokens), which the engine calls apart when
-it chains decode steps: `schedule_next(batch)` gives the decode step after an advanced,
-unrecorded one, whose input tokens are still on the device.
+Pure Python. `schedule()` builds a `Batch`: one decode token for every running request past
+its prefill, then prefill chunks under the token budget (running requests first, then newly
+admitted ones). Admission takes a GDN state slot and the pages of the request's known tokens;
+decode takes a page at each page boundary. Groups share seats fairly (`engine.fairness`); a
+preempted request gives back its pages and slot and recomputes later. `update(batch, output)`
+is `advance` (tokens count as computed once launched) + `record` (sampled tokens, stop
+conditions); the engine calls them apart to chain decode steps (`schedule_next`).
 
-With a prefix cache (`kv.prefix_cache`), admission reuses the longest cached prefix that ends
-at a GDN state snapshot (restoring the snapshot into the request's slot) and prefills only the
-rest; prefill chunks are cut at the last page boundary of the known tokens (and every
-`snapshot_interval` tokens), and whenever a forward leaves a request exactly on a page boundary
-its pages and state are cached there (the newest such snapshot of a request replaces its
-previous one, except at those cut points). When pages run short, idle cached pages are evicted
-before anyone waits or is preempted.
+With a prefix cache, admission reuses the longest cached prefix ending at a GDN snapshot;
+chunks are cut at the last page boundary of the known tokens (and every `snapshot_interval`),
+where pages and state are cached. Idle cached pages are evicted before anyone is preempted.
 """
 
 from __future__ import annotations
@@ -44,10 +32,7 @@ def _by_arrival(r: Request) -> int:
 
 class Scheduler:
     """Waiting and running requests over a page allocator and a state-slot allocator.
-
-    Not thread-safe: the engine loop thread is its only caller (submissions reach it through
-    the engine's inbox). `check()` reads only constants and may be called from any thread.
-    """
+    Only the engine loop thread calls it; `check()` reads constants and is thread-safe."""
 
     def __init__(self, *, pages: PageAllocator, slots: PageAllocator, page_size: int,
                  max_context: int, max_seqs: int, max_num_batched_tokens: int,
@@ -292,11 +277,9 @@ class Scheduler:
         return self.record(batch, output)
 
     def advance(self, batch: Batch) -> None:
-        """Count a launched step's tokens as computed (before its sampled tokens are known),
-        and cache the pages and GDN state of a request it leaves on a page boundary.
-
-        Call it once per batch, after the step's device work is queued and before any later
-        step's: a snapshot copies the state on the stream, so it must sit between the two."""
+        """Count a launched step's tokens as computed and cache the pages and state of a
+        request left on a page boundary. Call it once per batch, after the step's device work is
+        queued and before any later step's (a snapshot copies the state on the stream)."""
         for seq in batch.seqs:
             req = self.requests.get(seq.request_id)
             if req is None or not req.running or req.num_computed != seq.start_pos:
@@ -306,9 +289,8 @@ class Scheduler:
                 self._snapshot(req)
 
     def record(self, batch: Batch, output: ForwardOutput) -> list[StepEvent]:
-        """Append an advanced step's sampled tokens and apply the token stop conditions;
-        finished requests are freed. A request that ended or was preempted since the step was
-        scheduled gets nothing (a token sampled one step after its end is dropped here)."""
+        """Append an advanced step's sampled tokens and apply the stop conditions, freeing
+        finished requests. A request ended or preempted since it was scheduled gets nothing."""
         events = []
         logprobs = output.logprobs or [None] * len(batch.seqs)
         for seq, token, lp in zip(batch.seqs, output.next_tokens, logprobs, strict=True):
@@ -327,14 +309,10 @@ class Scheduler:
         return events
 
     def schedule_next(self, batch: Batch) -> Batch | None:
-        """The decode step that follows `batch` (advanced, its tokens not known yet), or None
-        when its make-up could change: every running request is in `batch`, decoding, in the
-        same order, nobody waits, none runs alone and none reaches `max_tokens` with the token
-        `batch` samples. The new tokens are the ones `batch` samples, so the seqs' `token_ids`
-        are `[PENDING_TOKEN]` and the runner takes them from that step's output on the device.
-        Takes each request's page for its next position (evicting idle cached pages, never
-        preempting); None when one is missing. An end that `batch`'s token brings (an EOS or a
-        stop token) is seen one step late: `record` drops the extra token."""
+        """The decode step after `batch` (advanced, its tokens still on the device), or None
+        when its make-up could change (a waiting or solo request, another order, a request reaching
+        `max_tokens`, a page that cannot be had without preemption). Its `token_ids` are
+        `[PENDING_TOKEN]`; an EOS that `batch` samples is seen one step late (`record` drops it)."""
         if self.waiting or len(batch.seqs) != len(self.running) or not batch.seqs:
             return None
         for seq, req in zip(batch.seqs, self.running, strict=True):

@@ -16,13 +16,9 @@ from tinyserve.core import TokenLogprobs
 class RequestOutput:
     """New output of one request since the previous item.
 
-    token_ids: the new token ids. text: the new text (UTF-8-safe; stop strings and text that
-    may begin one are held back, a matched stop string is never emitted). finish_reason:
-    "stop" | "length" | "abort" | "error" on the last item, else None. error: the message when
-    finish_reason is "error". prompt_tokens / completion_tokens: totals so far. cached_tokens:
-    prompt tokens served from the prefix cache. logprobs: one entry per new token when the
-    request asks for them, else empty. stop_str: the stop string that ended the request
-    (finish_reason "stop"), None when an EOS or stop token did.
+    text: UTF-8-safe, stop strings (and tails that may begin one) held back. finish_reason: "stop"
+    | "length" | "abort" | "error" on the last item. cached_tokens: prompt tokens from the prefix
+    cache. stop_str: the stop string that ended the request (None for EOS or a stop token).
     """
 
     request_id: str
@@ -39,12 +35,8 @@ class RequestOutput:
 
 
 class RequestHandle:
-    """The stream of one request. Iterate it once, synchronously or asynchronously; iteration
-    ends after the item with `finished=True`. `abort()` asks the engine to stop the request.
-
-    Items go through a `queue.SimpleQueue`: `put` (the engine thread) never waits for the
-    consumer, whose thread may be descheduled at any moment; a small lock only keeps a second
-    finished item out."""
+    """The stream of one request: iterate it once (sync or async) up to the item with
+    `finished=True`. `put` (the engine thread) never waits for the consumer."""
 
     def __init__(self, request_id: str, prompt_tokens: int,
                  abort: Callable[[str], None]) -> None:

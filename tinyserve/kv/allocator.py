@@ -1,8 +1,7 @@
 """Reference-counted allocator of fixed-size units (KV pages, GDN state slots).
 
-Pure Python, no torch: the scheduler runs it on the host. A unit is free when its reference
-count is zero; `alloc` hands out units with count 1, `incref` lets a second owner (a prefix
-cache) share a unit, and `free` / `decref` return it once the last owner lets go.
+Pure Python. `alloc` hands out units with count 1, `incref` adds an owner (the prefix cache),
+`free` / `decref` return a unit once its last owner lets go.
 """
 
 from __future__ import annotations
@@ -12,11 +11,8 @@ from collections.abc import Iterable
 
 
 class PageAllocator:
-    """Units 0 .. num_pages-1 with reference counts.
-
-    Raises ValueError on a unit id out of range, on `incref` of a free unit and on a free of a
-    unit that is already free (double free).
-    """
+    """Units 0 .. num_pages-1 with reference counts. Raises ValueError on an id out of
+    range, `incref` of a free unit and a double free."""
 
     def __init__(self, num_pages: int) -> None:
         if num_pages < 0:

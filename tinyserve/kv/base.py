@@ -38,14 +38,6 @@ class KVBackend(ABC):
     @abstractmethod
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 ctx: ForwardContext, scale: float) -> torch.Tensor:
-        """Store the new tokens' K/V at `ctx.slot_mapping` and attend causally.
-
-        Args:
-            layer_id: global layer index (one of `layer_ids`).
-            q: [N, Hq, D], k and v: [N, Hkv, D], model dtype, post-norm, post-RoPE.
-            ctx: the forward context (prefix lengths, page table, slots).
-            scale: softmax scale (usually D ** -0.5).
-        Returns:
-            [N, Hq, D] attention output in the model dtype. Query i of sequence b attends to the
-            sequence's cached prefix and to its new tokens up to and including itself.
-        """
+        """Store the new tokens' K/V at `ctx.slot_mapping` and attend causally over each
+        sequence's cached prefix and its new tokens. q [N, Hq, D], k and v [N, Hkv, D] (model dtype,
+        post-norm, post-RoPE) -> [N, Hq, D] in the model dtype."""

@@ -1,21 +1,13 @@
-"""Prefix cache for the hybrid model: a radix tree over token ids whose nodes own KV pages and,
-at chosen page-aligned boundaries, snapshots of the GDN state.
+"""Prefix cache for the hybrid model: a radix tree over token ids whose nodes own KV pages
+and, at page-aligned boundaries, snapshots of the GDN state.
 
-Attention KV can be reused up to any page boundary, but the Gated DeltaNet state is a running
-summary of the whole prefix: a request can resume only where a snapshot of that state was
-taken. A match is therefore the longest cached prefix that ends at a node holding a snapshot.
-
-Pure Python bookkeeping. Pages come from the scheduler's `PageAllocator` and are shared by
-reference count: the tree holds one reference on each page it owns, every running request that
-reuses a page holds its own, and a page is freed when the last reference drops, so evicting
-from the tree never frees a page a running request uses. Snapshots live in dedicated slots of
-the GDN state pool (`states.copy_slot(src, dst)` moves a state in and out). A request copies a
-snapshot into its own slot at admission, so running requests never hold snapshot slots and any
-snapshot may be evicted at any time.
-
-Invariants (`check()`): every edge is a non-empty whole number of pages; every leaf holds a
-snapshot (pages past the last snapshot are useless and are pruned at once); a node without a
-snapshot has at least two children (single-child chains are merged); a page appears once.
+KV is reusable up to any page boundary, but the GDN state summarises the whole prefix, so a
+match is the longest cached prefix ending at a node with a snapshot. Pages are shared by
+reference count (the tree holds one, each request reusing a page another), so eviction never
+frees a page in use. Snapshots live in dedicated state-pool slots and are copied into a
+request's own slot at admission, so any snapshot may be evicted at any time.
+Invariants (`check()`): edges are whole pages; every leaf holds a snapshot; a node without one
+has two children or more; a page appears once.
 """
 
 from __future__ import annotations
@@ -59,18 +51,9 @@ class PrefixMatch:
 
 
 class PrefixCache:
-    """Radix tree of cached prefixes over a page allocator and snapshot slots of a state pool.
-
-    Args:
-        pages: the KV page allocator the scheduler uses (shared, reference-counted).
-        page_size: tokens per KV page.
-        states: the GDN state pool (anything with `copy_slot(src, dst)`).
-        snapshot_slots: state-pool slot ids reserved for snapshots (none of them may be a
-            sequence's slot).
-        snapshot_interval: also keep a snapshot every this many tokens of a prefill (a multiple
-            of page_size; 0: only at the end of each prompt and of each request).
-    Raises ValueError on bad sizes or misaligned inserts.
-    """
+    """Radix tree of cached prefixes over a shared page allocator and snapshot slots
+    of a state pool (`states.copy_slot(src, dst)`). `snapshot_interval`: also keep a snapshot
+    every this many prefill tokens (a multiple of page_size). Raises ValueError on bad sizes."""
 
     def __init__(self, pages: PageAllocator, *, page_size: int, states: Any,
                  snapshot_slots: Sequence[int], snapshot_interval: int = 0) -> None:
@@ -104,8 +87,7 @@ class PrefixCache:
 
     @property
     def num_idle_pages(self) -> int:
-        """Pages held by the tree alone (no running request uses them). Safe to read from
-        another thread (an approximate figure then)."""
+        """Pages held by the tree alone (approximate from another thread)."""
         refcount = self.pages.refcount
         return sum(1 for p in list(self._page_set) if refcount(p) == 1)
 
@@ -158,14 +140,10 @@ class PrefixCache:
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int], state_slot: int, *,
                replace: RadixNode | None = None) -> RadixNode | None:
-        """Cache `tokens` (a whole number of pages, KV in `pages`) with a snapshot of the GDN
-        state now in `state_slot` (the state after exactly these tokens).
-
-        The tree takes a reference on the pages it did not hold yet. `replace` (a node this
-        caller got from an earlier insert) gives up its snapshot to this one. Returns the node
-        that now holds the new snapshot, or None when none was made (the prefix already had
-        one, or no snapshot slot exists).
-        """
+        """Cache `tokens` (whole pages, KV in `pages`) with a snapshot of the GDN state now in
+        `state_slot`; `replace` (a node from an earlier insert) gives its snapshot up. Returns
+        the node holding the new snapshot, or None when none was made (the prefix had one, or
+        no slot exists)."""
         ps, n_tok = self.page_size, len(tokens)
         if n_tok == 0 or n_tok % ps:
             raise ValueError(f"insert of {n_tok} tokens: must be a positive multiple of {ps}")

@@ -120,16 +120,13 @@ def run_bench(engine: Engine, *, prompt_len: int, gen_len: int, batch: int,
                != capacity_pages(prompt_len + gen_len - 1, page_size))
     warm = SamplingParams(max_tokens=gen_len if crosses else min(gen_len, 2), temperature=0.0,
                           ignore_eos=True)
-    warm_prompts = [engine.random_prompt(prompt_len, gen) for _ in range(batch)]
-    _collect([engine.submit(p, warm) for p in warm_prompts])
+    _collect([engine.submit(engine.random_prompt(prompt_len, gen), warm) for _ in range(batch)])
     prompts = [engine.random_prompt(prompt_len, gen) for _ in range(batch)]
     cuda = torch.cuda.is_available() and engine.config.resolved_device.startswith("cuda")
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    stats0 = engine.stats()
-    steps0 = stats0.steps
-    graphs0 = _num_graphs(engine)
+    stats0, graphs0 = engine.stats(), _num_graphs(engine)
     start = time.perf_counter()
     handles = [engine.submit(p, params) for p in prompts]
     # NOTE: the device-driven cache folds a step's counts one or two steps late, so a
@@ -143,8 +140,6 @@ def run_bench(engine: Engine, *, prompt_len: int, gen_len: int, batch: int,
     decode_time = end - start - last_first
     itl = [b - a for t in timings for a, b in zip(t, t[1:], strict=False)]
     after = engine.stats()
-    cache = _expert_cache(stats0, after)
-    lookups = cache["hits"] + cache["misses"] if cache else 0
     result: dict[str, Any] = {
         "prompt_len": prompt_len, "gen_len": gen_len, "batch": batch,
         "prefill_tok_s": batch * prompt_len / last_first,
@@ -152,14 +147,13 @@ def run_bench(engine: Engine, *, prompt_len: int, gen_len: int, batch: int,
         "decode_step_ms": 1e3 * statistics.median(itl) if itl else None,
         "ttft_s": {"mean": statistics.fmean(first), "max": last_first},
         "total_s": end - start,
-        "steps": after.steps - steps0,
+        "steps": after.steps - stats0.steps,
         "graphs_captured": _num_graphs(engine) - graphs0,
         "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-        "expert_hit_rate": cache["hits"] / lookups if lookups else None,
-        "decode_expert_hit_rate": _hit_rate(marks.get(1), after) if cache else None,
-        "warm_expert_hit_rate": (_hit_rate(marks.get(1 + WARM_TOKENS), after)
-                                 if cache else None),
-        "expert_cache": cache,
+        "expert_hit_rate": _hit_rate(stats0, after),
+        "decode_expert_hit_rate": _hit_rate(marks.get(1), after),
+        "warm_expert_hit_rate": _hit_rate(marks.get(1 + WARM_TOKENS), after),
+        "expert_cache": _expert_cache(stats0, after),
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -89,6 +89,8 @@ class DeviceMemoryProbe:
     before this process touches CUDA (for the NVML baseline); `process_used()` is thread-safe."""
 
     def __init__(self, index: int = 0) -> None:
+        import torch
+
         self.index = index
         self._nvml: Any = None
         self._handle: Any = None
@@ -97,58 +99,41 @@ class DeviceMemoryProbe:
             import pynvml
 
             pynvml.nvmlInit()
+            try:  # NVML numbers the devices without CUDA_VISIBLE_DEVICES; torch maps them
+                nvml_index = torch.cuda._get_nvml_device_index(index)
+            except Exception:
+                nvml_index = index
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(nvml_index)
             self._nvml = pynvml
         except Exception:  # no nvidia-ml-py, no driver: fall back to torch
             return
-        import torch
-
         if not torch.cuda.is_initialized():
-            handle = self._device_handle()
-            if handle is not None:
-                self._baseline = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+            self._baseline = int(pynvml.nvmlDeviceGetMemoryInfo(self._handle).used)
 
     @property
     def source(self) -> str:
-        if self._nvml is not None and self._process_entry() is not None:
+        if self._process_entry() is not None:
             return "NVML, this process"
-        if self._nvml is not None and self._baseline is not None:
+        if self._baseline is not None:
             return "NVML, device less baseline"
         return "device-wide, no NVML"
 
-    def _device_handle(self) -> Any:
-        if self._handle is None and self._nvml is not None:
-            import torch
-
-            try:  # NVML numbers the devices without CUDA_VISIBLE_DEVICES; torch maps them
-                nvml_index = torch.cuda._get_nvml_device_index(self.index)
-            except Exception:
-                nvml_index = self.index
-            try:
-                self._handle = self._nvml.nvmlDeviceGetHandleByIndex(nvml_index)
-            except Exception:
-                self._handle = None
-        return self._handle
-
     def _process_entry(self) -> int | None:
-        handle = self._device_handle()
-        if handle is None:
+        if self._nvml is None:
             return None
         try:
-            procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
         except Exception:
             return None
-        for p in procs:
-            if p.pid == os.getpid() and p.usedGpuMemory is not None:
-                return int(p.usedGpuMemory)
-        return None
+        return next((int(p.usedGpuMemory) for p in procs
+                     if p.pid == os.getpid() and p.usedGpuMemory is not None), None)
 
     def process_used(self) -> int:
-        used = self._process_entry() if self._nvml is not None else None
+        used = self._process_entry()
         if used is not None:
             return used
-        handle = self._device_handle() if self._nvml is not None else None
-        if handle is not None and self._baseline is not None:
-            return int(self._nvml.nvmlDeviceGetMemoryInfo(handle).used) - self._baseline
+        if self._baseline is not None:
+            return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used) - self._baseline
         import torch
 
         free, total = torch.cuda.mem_get_info(self.index)
@@ -170,10 +155,10 @@ def _device_index(device: str) -> int:
 
 
 def measure_device(config: EngineConfig) -> DeviceMemory:
-    """Make the CUDA context on `config`'s device, start cuBLAS, and measure what the
-    process then holds outside torch's allocator. The budget is `config.gpu_memory`, or the free
-    memory plus what this process holds. Raises ValueError when the budget is more than the device
-    can give, or without CUDA."""
+    """Make the CUDA context on `config`'s device, start cuBLAS, and measure what the process
+    then holds outside torch's allocator. The budget is `config.gpu_memory`, or the free memory
+    plus what this process holds. Raises ValueError when the budget is more than the device can
+    give, or without CUDA."""
     import torch
 
     if not torch.cuda.is_available():

@@ -205,19 +205,13 @@ class Engine:
         rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         handle = RequestHandle(rid, len(prompt), self.abort)
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
-        with self._cond:
-            if self._stopping:
-                raise RuntimeError("the engine is shut down")
-            self._inbox.append(("add", rid, prompt, params, _Live(handle, detok), group))
-            self._cond.notify_all()
+        self._post(("add", rid, prompt, params, _Live(handle, detok), group))
         return handle
 
     def abort(self, request_id: str) -> None:
         """End a request (finish_reason "abort") and free its pages and state slot before the
         next step. Unknown or finished ids are ignored."""
-        with self._cond:
-            self._inbox.append(("abort", request_id))
-            self._cond.notify_all()
+        self._post(("abort", request_id))
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn()` on the loop thread between steps and return its result (or raise)."""
@@ -225,10 +219,15 @@ class Engine:
                 or self._thread is threading.current_thread()):
             return fn()
         fut: Future = Future()
-        with self._cond:
-            self._inbox.append(("call", fn, fut))
-            self._cond.notify_all()
+        self._post(("call", fn, fut))
         return fut.result()
+
+    def _post(self, item: tuple) -> None:
+        with self._cond:
+            if self._stopping and item[0] == "add":
+                raise RuntimeError("the engine is shut down")
+            self._inbox.append(item)
+            self._cond.notify_all()
 
     def set_logits_hook(self, fn: Callable | None) -> None:
         """`fn(logits [S, V] float32, seqs) -> logits`, run before sampling (tests)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,8 +78,6 @@ class PrefixCache:
         self.hits = 0  # ... and reused a cached prefix
         self.hit_tokens = 0  # prompt tokens served from the cache
 
-    # ---------------------------------------------------------------- sizes
-
     @property
     def num_pages(self) -> int:
         """Pages the tree holds a reference on."""
@@ -95,28 +93,16 @@ class PrefixCache:
     def num_snapshots(self) -> int:
         return len(self._snap_nodes)
 
-    # ---------------------------------------------------------------- lookup
-
     def match(self, tokens: Sequence[int], max_tokens: int | None = None) -> PrefixMatch:
         """The longest cached prefix of `tokens`, at most `max_tokens` long, that ends at a
         snapshot. Marks it recently used."""
-        ps = self.page_size
         limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
-        node, pos = self.root, 0
         pages: list[int] = []
         best: tuple[RadixNode, int, int] | None = None
-        while pos + ps <= limit:
-            child = node.children.get(tuple(tokens[pos:pos + ps]))
-            if child is None:
-                break
-            n = len(child.key)
-            if pos + n > limit or child.key != tuple(tokens[pos:pos + n]):
-                break
-            pos += n
-            pages += child.pages
-            node = child
-            if child.snapshot is not None:
-                best = (child, pos, len(pages))
+        for node, pos in self._path(tokens, limit):
+            pages += node.pages
+            if node.snapshot is not None:
+                best = (node, pos, len(pages))
         if best is None:
             return PrefixMatch()
         found, length, num_pages = best
@@ -135,8 +121,6 @@ class PrefixCache:
         if match.num_tokens:
             self.hits += 1
             self.hit_tokens += match.num_tokens
-
-    # ---------------------------------------------------------------- insertion
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int], state_slot: int, *,
                replace: RadixNode | None = None) -> RadixNode | None:
@@ -175,24 +159,14 @@ class PrefixCache:
             self._free_slots.append(self._detach_snapshot(node))
             self._tidy(node)
 
-    # ---------------------------------------------------------------- eviction
-
     def evictable_pages(self) -> int:
         """Pages that `evict` could free now: those of subtrees no running request uses."""
-        refcount = self.pages.refcount
-        order, stack = [], [self.root]
-        while stack:
-            node = stack.pop()
-            order.append(node)
-            stack.extend(node.children.values())
         idle: dict[int, bool] = {}
         total = 0
-        for node in reversed(order):  # children before parents
-            ok = (all(idle[id(c)] for c in node.children.values())
-                  and all(refcount(p) == 1 for p in node.pages))
-            idle[id(node)] = ok
-            if ok:
-                total += len(node.pages)
+        for node in reversed(self._nodes()):  # children before parents
+            idle[id(node)] = ok = (all(idle[id(c)] for c in node.children.values())
+                                   and self._idle(node))
+            total += len(node.pages) if ok else 0
         return total
 
     def evict(self, num_pages: int) -> int:
@@ -222,8 +196,6 @@ class PrefixCache:
         self._page_set.clear()
         self._snap_nodes.clear()
         self._free_slots = deque(self.snapshot_slots)
-
-    # ---------------------------------------------------------------- checks
 
     def check(self) -> None:
         """Assert the tree's invariants and its page and slot accounting (tests)."""
@@ -260,15 +232,20 @@ class PrefixCache:
     def _idle(self, node: RadixNode) -> bool:
         return all(self.pages.refcount(p) == 1 for p in node.pages)
 
-    def _find(self, key: tuple[int, ...]) -> RadixNode | None:
+    def _path(self, tokens: Sequence[int], limit: int) -> Iterator[tuple[RadixNode, int]]:
+        """(node, tokens up to its end) along the cached whole edges of `tokens[:limit]`."""
         node, pos, ps = self.root, 0, self.page_size
-        while pos < len(key):
-            child = node.children.get(key[pos:pos + ps])
+        while pos + ps <= limit:
+            child = node.children.get(tuple(tokens[pos:pos + ps]))
             n = 0 if child is None else len(child.key)
-            if child is None or child.key != key[pos:pos + n]:
-                return None
+            if child is None or pos + n > limit or child.key != tuple(tokens[pos:pos + n]):
+                return
             node, pos = child, pos + n
-        return node
+            yield node, pos
+
+    def _find(self, key: tuple[int, ...]) -> RadixNode | None:
+        """The node whose path is exactly `key`."""
+        return next((n for n, pos in self._path(key, len(key)) if pos == len(key)), None)
 
     def _take_slot(self, replace: RadixNode | None) -> int | None:
         if replace is not None and replace.alive and replace.snapshot is not None:

@@ -196,23 +196,15 @@ def measure_device(config: EngineConfig) -> DeviceMemory:
 def device_memory(config: EngineConfig, *, measure: bool = True) -> DeviceMemory:
     """The device `config` runs on: the CPU, a measured GPU, or (`measure` False and no
     GPU here: `tinyserve plan`) the reference GPU."""
-    device = config.device
-    if device is None:
-        import torch
-
-        if torch.cuda.is_available():
-            device = "cuda"
-        elif not measure and config.gpu_memory is not None:
-            device = "cuda"  # a GPU budget without a GPU here: plan for that GPU
-        else:
-            device = "cpu"
-    if device == "cpu":
-        return cpu_device()
     import torch
 
-    if not measure and not torch.cuda.is_available():
-        return reference_device(config)
-    return measure_device(config)
+    here = torch.cuda.is_available()
+    # NOTE: a GPU budget without a GPU here (and no measuring) plans for the reference GPU
+    device = config.device or ("cuda" if here or (not measure and config.gpu_memory is not None)
+                               else "cpu")
+    if device == "cpu":
+        return cpu_device()
+    return measure_device(config) if measure or here else reference_device(config)
 
 
 def device_memory_report(plan: Any, device: str) -> tuple[str, int]:

@@ -64,23 +64,18 @@ class Scheduler:
     def check(self, prompt_len: int, params: SamplingParams) -> None:
         """Raise RequestRejected when a request can never fit."""
         total = prompt_len + params.max_tokens
-        if prompt_len < 1:
-            raise RequestRejected("the prompt is empty", prompt_tokens=prompt_len,
-                                  max_tokens=params.max_tokens, limit=self.max_context)
-        if total > self.max_context:
-            raise RequestRejected(
-                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"tokens exceeds the context limit of {self.max_context} tokens",
-                prompt_tokens=prompt_len, max_tokens=params.max_tokens, limit=self.max_context)
-        if self.pages_for(total) > self.pages.num_pages:
-            raise RequestRejected(
-                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) needs "
-                f"{self.pages_for(total)} KV pages; the pool has {self.pages.num_pages}",
-                prompt_tokens=prompt_len, max_tokens=params.max_tokens,
-                limit=self.pages.num_pages * self.page_size)
-        if self.slots.num_pages < 1:
-            raise RequestRejected("no GDN state slots", prompt_tokens=prompt_len,
-                                  max_tokens=params.max_tokens, limit=0)
+        asked = f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens})"
+        pages, pool = self.pages_for(total), self.pages.num_pages
+        for bad, why, limit in (
+                (prompt_len < 1, "the prompt is empty", self.max_context),
+                (total > self.max_context, f"{asked} = {total} tokens exceeds the context limit "
+                 f"of {self.max_context} tokens", self.max_context),
+                (pages > pool, f"{asked} needs {pages} KV pages; the pool has {pool}",
+                 pool * self.page_size),
+                (self.slots.num_pages < 1, "no GDN state slots", 0)):
+            if bad:
+                raise RequestRejected(why, prompt_tokens=prompt_len,
+                                      max_tokens=params.max_tokens, limit=limit)
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
             group: str | None = None) -> Request:

@@ -60,22 +60,16 @@ def expert_slot_bytes(config: Any, fp4: bool, dtype_bytes: int = 2) -> int:
     return n // 2 + n // 16 + 3 * 4 if fp4 else n * dtype_bytes
 
 
+_GROUP_OF = ((".self_attn.", "attention"), (".linear_attn.", "gdn"),
+             (".mlp.shared_expert", "shared_experts"), (".mlp.experts", "experts"))
+
+
 def _group(name: str) -> str:
-    if name == "lm_head":
-        return "lm_head"
-    if name == "embed_tokens":
-        return "embed"
-    if ".self_attn." in name:
-        return "attention"
-    if ".linear_attn." in name:
-        return "gdn"
-    if ".mlp.shared_expert" in name:
-        return "shared_experts"
+    if name in ("lm_head", "embed_tokens"):
+        return "lm_head" if name == "lm_head" else "embed"
     if name.endswith(".mlp.gate"):
         return "routers"
-    if ".mlp.experts" in name:
-        return "experts"
-    return "norms"
+    return next((g for part, g in _GROUP_OF if part in name), "norms")
 
 
 def _linear_bytes(shape: tuple[int, ...], fmt: str, dtype_bytes: int) -> int:
@@ -145,8 +139,7 @@ def _raw_of(plans: list, name: str) -> str | None:
 
 def _finish(config: Any, sums: dict[str, int], fp4: bool, dtype_bytes: int) -> WeightBytes:
     return WeightBytes(
-        embed=sums["embed"], lm_head=sums["lm_head"], attention=sums["attention"],
-        gdn=sums["gdn"], shared_experts=sums["shared_experts"], routers=sums["routers"],
-        norms=sums["norms"], expert_bytes=expert_slot_bytes(config, fp4, dtype_bytes),
+        **{g: sums[g] for g in ("embed", *GROUPS)},
+        expert_bytes=expert_slot_bytes(config, fp4, dtype_bytes),
         num_routed_experts=config.num_layers * config.num_experts, experts_fp4=fp4,
         tied=bool(config.tie_word_embeddings))

@@ -90,10 +90,36 @@ class _TokenBuffer:
     copies into it and the step that owns it until its tokens are read."""
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         # the tokens, then the logprob arrays (chosen, top ids, top logprobs); grown as needed
         self.pinned: list[torch.Tensor | None] = [None, None, None, None]
         self.copied = _event(device)
         self.owner: PendingOutput | None = None
+
+    def stage(self, tokens: torch.Tensor, logprobs: Any = None) -> tuple[torch.Tensor, Any]:
+        """Start copying `tokens` [S] (and `token_logprobs`'s arrays) here and record the
+        event; the host views. The last owner is read out first: the memory is never
+        rewritten before its tokens are read."""
+        if self.owner is not None:
+            self.owner.result()
+        host = self._copy(0, tokens)
+        if logprobs is not None:
+            rows, ks, *arrays = logprobs
+            logprobs = (rows, ks, *(self._copy(i, a) for i, a in enumerate(arrays, start=1)))
+        if self.copied is not None:
+            cuda = self.device.type == "cuda"
+            self.copied.record(torch.cuda.current_stream(self.device) if cuda else None)
+        return host, logprobs
+
+    def _copy(self, slot: int, src: torch.Tensor) -> torch.Tensor:
+        n = src.numel()
+        held = self.pinned[slot]
+        if held is None or held.numel() < n or held.dtype != src.dtype:
+            held = self.pinned[slot] = torch.empty(max(n, 256), dtype=src.dtype,
+                                                   pin_memory=self.device.type == "cuda")
+        host = held[:n].view(src.shape)
+        host.copy_(src, non_blocking=True)
+        return host
 
 
 class ModelRunner(Runner):
@@ -223,7 +249,7 @@ class ModelRunner(Runner):
                 logprobs = token_logprobs(logits, sampled, tokens)
             buffer = self._buffers[self._next_buffer]
             self._next_buffer ^= 1
-            host, logprobs = self._stage(buffer, tokens, logprobs)  # [S] int64 on the host
+            host, logprobs = buffer.stage(tokens, logprobs)  # [S] int64 on the host
         pending = PendingOutput(rows, len(seqs), logits, host,
                                 buffer.copied if buffer is not None else None,
                                 device_tokens=tokens if len(rows) == len(seqs) else None,
@@ -237,40 +263,11 @@ class ModelRunner(Runner):
 
     def expert_stats(self) -> dict[str, Any]:
         experts = self.model.experts
-        s = experts.stats
-        if s is None:
+        if (s := experts.stats) is None:
             return {}
         return dict(expert_cache_hit_rate=float(s.hit_rate), expert_cache_hits=s.hits,
                     expert_cache_misses=s.misses, expert_cache_h2d_bytes=s.h2d_bytes,
                     expert_cpu_computed=experts.cpu_computed)
-
-    def _stage(self, buffer: _TokenBuffer, tokens: torch.Tensor, logprobs: Any = None
-               ) -> tuple[torch.Tensor, Any]:
-        """Start copying `tokens` [S] (and `token_logprobs`'s arrays) into `buffer`'s pinned
-        memory and record its event; the host views. The buffer's previous step is read out first
-        (its memory is never rewritten before its tokens are read)."""
-        if buffer.owner is not None and not buffer.owner.done:
-            buffer.owner.result()
-        buffer.owner = None
-        host = self._pinned_copy(buffer, 0, tokens)
-        if logprobs is not None:
-            rows, ks, *arrays = logprobs
-            logprobs = (rows, ks, *(self._pinned_copy(buffer, i, a)
-                                    for i, a in enumerate(arrays, start=1)))
-        if buffer.copied is not None:
-            cuda = self.device.type == "cuda"
-            buffer.copied.record(torch.cuda.current_stream(self.device) if cuda else None)
-        return host, logprobs
-
-    def _pinned_copy(self, buffer: _TokenBuffer, slot: int, src: torch.Tensor) -> torch.Tensor:
-        n = src.numel()
-        held = buffer.pinned[slot]
-        if held is None or held.numel() < n or held.dtype != src.dtype:
-            held = buffer.pinned[slot] = torch.empty(max(n, 256), dtype=src.dtype,
-                                                     pin_memory=self.device.type == "cuda")
-        host = held[:n].view(src.shape)
-        host.copy_(src, non_blocking=True)
-        return host
 
     def logits(self, token_ids: Sequence[int], *, page_ids: Sequence[int] | None = None,
                state_slot: int | None = None, chunk_size: int | None = None) -> torch.Tensor:

@@ -1,11 +1,8 @@
 """`tinyserve bench MODEL`: prefill and decode speed of the whole engine.
 
 `--batch` requests of `--prompt-len` random tokens generate `--gen-len` tokens each (greedy,
-EOS ignored), submitted together after a warm-up of the same shape. Prefill tokens/s counts
-every prompt token over the time to the last first token; decode tokens/s the later tokens
-over the rest. With offloaded experts the measured run's cache counters and hit rates are
-reported too: overall, of the decode steps alone (a streamed prefill misses every expert) and
-of the warm decode steps (after `WARM_TOKENS` tokens of every request).
+EOS ignored) after a warm-up of the same shape. With offloaded experts the run's cache counters
+and hit rates are reported: overall, decode only, and warm decode (after `WARM_TOKENS`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Incremental detokenization with stop strings.
 
-Text is decoded from a window starting at the last character boundary (O(1) per token); a
-partial UTF-8 character (U+FFFD) is held back until it completes. Stop strings match across
-token boundaries; text from a stop string on is never emitted, and a tail that could still
-become one is held back. A fast tokenizer without decode post-processing is decoded through
-its Rust backend directly.
+Decoding restarts at the last character boundary (O(1) per token); a partial UTF-8 character
+is held back, and so is a tail that could still become a stop string. A fast tokenizer without
+decode post-processing is decoded through its Rust backend directly.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """The device side of the memory plan: the budget, and what the process holds on the GPU
-outside torch's caching allocator.
-
-`--gpu-memory X` bounds the process's whole device memory as the driver counts it. The plan
-caps torch's allocator at X less: the CUDA context and libraries (MEASURED at start-up after a
-bf16 and an fp32 matmul; the reference GPU's figure when planning for a GPU that is elsewhere),
-what grows later (kernel modules, local memory, graph executables) and the device page tables
-of registered host memory (both measured on the reference GPU by bench/memory_budget.py).
-
-The process's device memory: NVML's per-process figure; else the device's used memory less an
-NVML baseline taken before this process made its context; else, without NVML, the device's
-used memory, which counts other processes too (so the plan stays inside the budget).
+outside torch's caching allocator (`--gpu-memory` bounds the whole process as the driver
+counts it): the CUDA context and libraries (measured at start-up), later growth (kernel
+modules, local memory, graphs) and host-memory mappings (measured by bench/memory_budget.py).
+The process's usage comes from NVML (per process, else less a baseline), else the device-wide
+figure, which counts other processes too.
 """
 
 from __future__ import annotations

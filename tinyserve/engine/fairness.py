@@ -1,12 +1,9 @@
-"""Fair sharing of the engine's sequence seats between request groups.
+"""Fair sharing of sequence seats between request groups (the `n` choices of one API request).
 
-A group is what one client asked for at once (the `n` choices of one API request; a request
-alone is its own), so that one `n=16` request cannot hold every seat while a later small one
-waits. The scheduler admits the earliest request of the group holding the fewest seats
-(round-robin between groups, FIFO within one); preempts for a newcomer without a seat the
-newest request of the group holding at least two seats more; runs the largest group with only
-as many sequences per step as the next largest holds (taking turns); and, when decode runs out
-of pages, preempts the newest request of the group holding the most seats. Pure Python.
+Admit the earliest request of the group holding the fewest seats; preempt for it the newest
+request of a group holding two seats more; run the largest group with as many sequences per
+step as the next largest holds; when decode runs out of pages, preempt the newest request of
+the group holding the most seats. Pure Python.
 """
 
 from __future__ import annotations

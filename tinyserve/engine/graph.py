@@ -1,20 +1,10 @@
-"""CUDA graphs of the decode step, captured once per (padded batch size, context capacity)
-and replayed over static input buffers.
+"""CUDA graphs of the decode step, captured per (padded batch size, context capacity).
 
-One step: pack the inputs (token, position, KV slot, GDN state slot, lengths, page table) into
-a pinned host buffer -> one host-to-device copy -> replay -> logits [B, V] float32 and their
-argmax [B] int64 in static buffers. A chained step (`input_tokens=`) copies its token ids from
-the previous step's sampled tokens on the device after the upload.
-
-Padding: B sequences run in the smallest bucket >= B of `BATCH_BUCKETS`; a padded row has
-token 0 at position 0, KV slot -1 (the padding page), an all-zero page-table row and the spare
-state slot `pad_state_slot`. Rows never mix, so a padded row cannot change a real one. The page
-table holds `capacity // page_size` pages, the capacity being the smallest power of two >= the
-longest sequence (at least `MIN_CAPACITY`).
-
-Host embedding (`Qwen35Model.embed_needs_host_ids`: a host table the device cannot read): the
-graph starts from hidden states [B, H] gathered on the host into the tail of the pinned buffer,
-so the same copy fills them. Without capture (CPU) the same static context runs eagerly.
+A step packs its inputs into a pinned host buffer, copies it to the device once and replays
+the graph: logits [B, V] float32 and their argmax [B] in static buffers. B sequences run in
+the smallest bucket >= B; a padded row (token 0, KV slot -1, spare state slot) cannot change a
+real one. A host embedding table the device cannot read is gathered on the host into the same
+buffer. Without capture (CPU) the same static context runs eagerly.
 """
 
 from __future__ import annotations

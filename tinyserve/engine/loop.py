@@ -1,20 +1,10 @@
 """The engine: a background thread stepping the scheduler and the model runner.
 
-One step reads `schedule -> runner.launch -> scheduler.advance -> pending.result() ->
-scheduler.record -> emit` (`Engine.step`). Other threads `submit`, `abort` and `call` through
-an inbox the loop drains between steps, so only the loop thread touches the scheduler, the
-pools and the runner. A failing step of one request fails that request alone; a failing
-shared step is retried one request at a time.
-
-Overlap (an asynchronous runner, CUDA): a step's outputs (detokenizing, stop strings, stream
-puts) are emitted by the runner's `overlap_hook` once the next step's device work is queued,
-or at once when no next step follows right away. A stop string found late ends its request
-one step later; `Scheduler.record` drops the extra token.
-
-Chained decode (`runner.can_chain`, `Scheduler.schedule_next`): when a decode step cannot
-change the batch's make-up, the next one is launched with its input tokens on the device
-before this step's tokens are read. A request that ends at step N has its step N + 1 token
-dropped; its pages and slot are reused only by device work queued after that step.
+A step: `schedule -> runner.launch -> advance -> pending.result() -> record -> emit`. Other
+threads reach the loop through an inbox; a failing step fails its one request, or is retried
+one request at a time. With an asynchronous runner a step's outputs are emitted while the next
+step computes (`overlap_hook`), and a decode step whose batch cannot change is chained: launched
+with its input tokens on the device before this step's tokens are read.
 """
 
 from __future__ import annotations

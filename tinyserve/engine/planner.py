@@ -1,14 +1,10 @@
 """The memory planner and `tinyserve plan` (specs/qwen35_moe.md §7).
 
-`EngineConfig` + the model's geometry and weight bytes + the device (`DeviceMemory`) -> one
-`MemoryPlan`; `plan`, `run`, `bench` and `LLM` all plan through `plan_engine` (config files and
-safetensors headers only). What cannot fit raises `PlanError` with the numbers. On a GPU:
-1. everything fits with the whole (or, without --max-context, `DEFAULT_CONTEXT`) context ->
-   all resident, as many sequences as fit up to `DEFAULT_MAX_SEQS` unless --max-seqs;
-2. all experts fit without the embedding -> the embedding goes to host RAM;
-3. else the experts are offloaded behind a GPU cache of at least one layer's experts, one
-   sequence unless --max-seqs, and (without --max-context) `DEFAULT_CONTEXT` tokens or half of
-   what is left after the smallest cache. On the CPU everything is resident.
+`EngineConfig` + model geometry and weight bytes + `DeviceMemory` -> one `MemoryPlan`, the same
+for `plan`, `run`, `bench` and `LLM`; `PlanError` carries the numbers. On a GPU: all resident
+if it fits (whole or `DEFAULT_CONTEXT` context), else the embedding to host RAM, else the
+experts offloaded behind a cache of at least one layer with one sequence and `DEFAULT_CONTEXT`
+tokens (or half what is left). On the CPU everything is resident.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """LoadProgress: the work of bringing an engine up, counted as it is done.
 
-Stages in order: WEIGHTS (checkpoint bytes of non-expert weights), PINNING (expert-store bytes
-registered with the driver, in 1 GiB pieces), EXPERTS (expert bytes read into the store),
-WARM_UP (one unit). Each stage weighs its units times `STAGE_COST`, so the bar moves with time
-spent; `timings()` gives each stage's seconds.
+Stages: WEIGHTS, PINNING, EXPERTS (bytes) and WARM_UP (one unit), each weighed by
+`STAGE_COST` so the bar moves with time spent; `timings()` gives each stage's seconds.
 """
 
 from __future__ import annotations

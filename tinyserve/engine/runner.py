@@ -1,12 +1,9 @@
 """Model runner: turns a scheduler `Batch` into a `ForwardContext`, runs the model and samples.
 
-`launch(batch)` queues the device work (forward, sampling, the sampled tokens' copy into a
-pinned host buffer), then runs host work that overlaps it: the experts provider's
-`after_launch()` and the engine's `overlap_hook()`. `PendingOutput.result()` waits for the
-tokens: the step's one host synchronisation. `launch(next, after=pending)` chains a decode step
-whose input tokens are `pending`'s, still on the device (`can_chain`); two pinned token buffers
-alternate, so two launched steps may be unread. Pure-decode batches replay CUDA graphs
-(`engine.graph`) when `cuda_graphs` is on; everything else runs eagerly.
+`launch` queues the device work (forward, sampling, the tokens' copy into pinned memory), then
+runs the overlapping host work (`experts.after_launch()`, `overlap_hook`); `result()` is the
+step's one host synchronisation. `launch(next, after=pending)` chains a decode step on
+`pending`'s tokens still on the device. Pure-decode batches replay CUDA graphs (`engine.graph`).
 """
 
 from __future__ import annotations

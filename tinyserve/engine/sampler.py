@@ -1,11 +1,9 @@
 """Batched sampling on the model's device.
 
-Per row: test hook -> penalties (repetition over prompt + output, presence / frequency over the
-output) -> logit bias -> argmax at temperature 0, else temperature, top-k, top-p, min-p and an
-exponential race (argmax p / q, q ~ Exp(1), draws from p). A seeded request draws from a
-generator seeded with (seed, tokens generated), independent of the batch and of preemption.
-Penalties read device-side `TokenCounts` that the sampler advances itself, so a chained step
-(launched before the host has the previous token) samples from the counts the last step left.
+Per row: hook -> penalties -> logit bias -> argmax at temperature 0, else temperature, top-k,
+top-p, min-p and an exponential race (argmax p / q, q ~ Exp(1)). A seeded request draws from
+(seed, tokens generated). Penalties read device-side `TokenCounts` the sampler advances, so a
+chained step samples from the counts the last step left.
 """
 
 from __future__ import annotations

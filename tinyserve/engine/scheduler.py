@@ -1,16 +1,10 @@
 """Continuous-batching scheduler: which requests run in the next step, with which tokens.
 
-Pure Python. `schedule()` builds a `Batch`: one decode token for every running request past
-its prefill, then prefill chunks under the token budget (running requests first, then newly
-admitted ones). Admission takes a GDN state slot and the pages of the request's known tokens;
-decode takes a page at each page boundary. Groups share seats fairly (`engine.fairness`); a
-preempted request gives back its pages and slot and recomputes later. `update(batch, output)`
-is `advance` (tokens count as computed once launched) + `record` (sampled tokens, stop
-conditions); the engine calls them apart to chain decode steps (`schedule_next`).
-
-With a prefix cache, admission reuses the longest cached prefix ending at a GDN snapshot;
-chunks are cut at the last page boundary of the known tokens (and every `snapshot_interval`),
-where pages and state are cached. Idle cached pages are evicted before anyone is preempted.
+Pure Python. `schedule()`: a decode token for every running request past its prefill, then
+prefill chunks under the token budget; groups share seats fairly (`engine.fairness`). `update`
+= `advance` (launched tokens count as computed) + `record` (sampled tokens, stop conditions),
+called apart to chain decode steps (`schedule_next`). With a prefix cache, admission reuses the
+longest cached prefix ending at a GDN snapshot, and chunks end where a snapshot is worth taking.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Bytes of a model's weights by placement group, for the memory planner.
-
-`checkpoint_weight_bytes(path, config)` reads safetensors headers only (the loader's plan);
-`geometry_weight_bytes(config, preset)` computes the same from shapes for a checkpoint that is
-not on disk (e.g. the real Qwen3.5-35B-A3B in tests). Sizes are what the weights take on the
-GPU: dense weights in the model dtype (the GDN fp32 parameters in fp32), NVFP4 and FP8 as
-stored, one routed expert as one fused-MoE slot (`kernels.fused_moe.ExpertSlots`).
+"""Bytes of a model's weights by placement group, for the memory planner: from safetensors
+headers (`checkpoint_weight_bytes`) or from shapes and a quantization preset for a checkpoint
+not on disk (`geometry_weight_bytes`), as the weights take them on the GPU.
 """
 
 from __future__ import annotations

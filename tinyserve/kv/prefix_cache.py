@@ -1,11 +1,8 @@
-"""Prefix cache for the hybrid model: a radix tree over token ids whose nodes own KV pages
-and, at page-aligned boundaries, snapshots of the GDN state.
+"""Prefix cache: a radix tree over token ids whose nodes own KV pages and, at page
+boundaries, snapshots of the GDN state (a request can resume only at a snapshot).
 
-KV is reusable up to any page boundary, but the GDN state summarises the whole prefix, so a
-match is the longest cached prefix ending at a node with a snapshot. Pages are shared by
-reference count (the tree holds one, each request reusing a page another), so eviction never
-frees a page in use. Snapshots live in dedicated state-pool slots and are copied into a
-request's own slot at admission, so any snapshot may be evicted at any time.
+Pages are shared by reference count, so eviction never frees a page in use; snapshots live in
+state-pool slots and are copied into a request's own slot at admission, so any may be evicted.
 Invariants (`check()`): edges are whole pages; every leaf holds a snapshot; a node without one
 has two children or more; a page appears once.
 """

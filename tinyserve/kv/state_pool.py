@@ -1,9 +1,6 @@
-"""GDN state pool: per (GDN layer, slot) conv state and fp32 recurrent state.
-
-conv [num_gdn_layers, slots, C, K-1] in the model dtype (the last K-1 pre-conv inputs, oldest
-first); recurrent [num_gdn_layers, slots, Hv, dk, dv] fp32. A sequence holds one slot from
-admission to finish; the model reads a slot only when the sequence has a cached prefix, and
-writes it after every forward.
+"""GDN state pool: per (GDN layer, slot) conv state [slots, C, K-1] (model dtype, oldest input
+first) and fp32 recurrent state [slots, Hv, dk, dv]. A sequence holds one slot from admission
+to finish.
 """
 
 from __future__ import annotations

@@ -104,33 +104,23 @@ class EngineConfig:
     experts: str = "gpu"
 
     def __post_init__(self) -> None:
-        if self.kv not in KV_CHOICES:
-            raise ValueError(f"kv must be one of {', '.join(KV_CHOICES)}, got {self.kv!r}")
+        for name, choices in (("kv", KV_CHOICES), ("dtype", _DTYPES), ("experts", EXPERT_MODES)):
+            value = getattr(self, name)
+            if value is not None and value not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.dtype is not None and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
-        for name in ("max_seqs", "max_num_batched_tokens", "page_size"):
+        for name, low in (("max_seqs", 1), ("max_num_batched_tokens", 1), ("page_size", 1),
+                          ("max_context", 2), ("num_kv_pages", 1), ("expert_cache_slots", 1),
+                          ("prefix_snapshot_slots", 0)):
             value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+            if value is not None and value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
         if self.max_seqs is not None and self.max_num_batched_tokens < self.max_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
                              f">= max_seqs ({self.max_seqs})")
-        if self.max_context is not None and self.max_context < 2:
-            raise ValueError(f"max_context must be >= 2, got {self.max_context}")
-        if self.num_kv_pages is not None and self.num_kv_pages < 1:
-            raise ValueError(f"num_kv_pages must be >= 1, got {self.num_kv_pages}")
         if self.gpu_memory is not None:
             parse_size(self.gpu_memory)
-        if self.expert_cache_slots is not None and self.expert_cache_slots < 1:
-            raise ValueError(f"expert_cache_slots must be >= 1, got {self.expert_cache_slots}")
-        if self.experts not in EXPERT_MODES:
-            raise ValueError(f"experts must be one of {', '.join(EXPERT_MODES)}, got "
-                             f"{self.experts!r}")
-        if self.prefix_snapshot_slots is not None and self.prefix_snapshot_slots < 0:
-            raise ValueError(f"prefix_snapshot_slots must be >= 0, got "
-                             f"{self.prefix_snapshot_slots}")
         if self.prefix_snapshot_interval < 0 or self.prefix_snapshot_interval % self.page_size:
             raise ValueError(f"prefix_snapshot_interval must be a non-negative multiple of "
                              f"page_size ({self.page_size}), got {self.prefix_snapshot_interval}")

@@ -58,11 +58,9 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[Completion]:
-        """Generate for every prompt (strings or token-id lists), all batched together.
-
-        `params` is one SamplingParams for all prompts or one per prompt. Raises
-        RequestRejected (before anything runs) when a prompt can never fit.
-        """
+        """Generate for every prompt (strings or token-id lists), batched together; `params`
+        is one SamplingParams for all or one per prompt. Raises RequestRejected before anything runs
+        when a prompt can never fit."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt
         encoded = [self.encode(p) for p in prompts]

@@ -178,13 +178,10 @@ class Engine:
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
                request_id: str | None = None, group: str | None = None) -> RequestHandle:
-        """Queue a request; returns its stream at once. Requests of one `group` (the choices
-        of one API request) share the engine fairly with other groups (`engine.fairness`).
-
-        Raises RequestRejected when the prompt plus `max_tokens` can never fit, ValueError on
-        token ids outside the vocabulary (ParamError for `logit_bias` keys), RuntimeError
-        after shutdown.
-        """
+        """Queue a request; returns its stream at once. Requests of one `group` share the
+        engine fairly with other groups. Raises RequestRejected when it can never fit, ValueError on
+        token ids outside the vocabulary (ParamError for `logit_bias` keys), RuntimeError after
+        shutdown."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
         self.scheduler.check(len(prompt), params)
@@ -231,11 +228,10 @@ class Engine:
         return self.call(lambda: self._logits(ids))
 
     def warm_up(self, prompt_len: int | None = None) -> float:
-        """Run one throwaway greedy request so that the first real one pays no one-time costs
-        (kernel builds, graph capture); returns seconds. Its default prompt of two and a half
-        chunks takes every extend-attention path. It leaves no trace but the expert-cache
-        counters. Raises RuntimeError if it fails.
-        """
+        """Run one throwaway greedy request (two and a half chunks by default: every
+        extend-attention path) so that the first real one pays no one-time costs; returns
+        seconds. It leaves no trace but the expert-cache counters. Raises RuntimeError if it
+        fails."""
         chunk = self.config.max_num_batched_tokens
         n = min(prompt_len or 2 * chunk + chunk // 2, self.max_context - 2)
         if n < 1:

@@ -11,11 +11,9 @@ from tinyserve.core import ForwardContext
 
 
 class KVBackend(ABC):
-    """Paged KV store + attention for the full-attention layers of a model.
-
-    Slot of token t of a sequence = page_ids[t // page_size] * page_size + t % page_size.
-    Page 0 .. num_pages-1 are usable; the backend may allocate one extra padding page.
-    """
+    """Paged KV store + attention for the full-attention layers of a model. Token t of a
+    sequence sits in slot page_ids[t // page_size] * page_size + t % page_size; pages
+    0 .. num_pages-1 are usable, one extra may serve as padding."""
 
     name: str = ""
 

@@ -103,18 +103,9 @@ class BF16KVBackend(KVBackend):
 
     def decode(self, layer_id: int, q: torch.Tensor, page_table: torch.Tensor,
                seq_lens: torch.Tensor, max_seq_len: int, scale: float) -> torch.Tensor:
-        """One query per sequence over its first `seq_lens[b]` cached tokens, batched and
-        without a host synchronisation (CUDA-graph safe; the work is sized by the host bound
-        `max_seq_len`): the split-K Triton kernel reading the pages in place
-        (`kernels.paged_kv_triton`) on CUDA, the gather + masked SDPA reference
-        (`kernels.paged_kv.paged_decode_ref`) elsewhere and for shapes the kernel refuses.
-
-        Args:
-            q: [B, Hq, D]; page_table: [B, P] int32; seq_lens: [B] int32 (>= 1, the new token
-                included, <= max_seq_len).
-        Returns:
-            [B, Hq, D] in q.dtype.
-        """
+        """One query per sequence, q [B, Hq, D], over its first `seq_lens[b]` cached tokens
+        ([B] int32, <= `max_seq_len`, the host bound that sizes the work) -> [B, Hq, D]. No host
+        synchronisation (CUDA-graph safe): the split-K Triton kernel on CUDA, else the reference."""
         kc, vc = self._flat(layer_id)
         if self._decode_on_kernel is None:
             self._decode_on_kernel = self._pick_decode(q.shape[1])
@@ -148,11 +139,8 @@ class BF16KVBackend(KVBackend):
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,
                      scale: float) -> torch.Tensor:
-    """Attention of one sequence's chunk with GQA (`kernels.attention`).
-
-    q [n, Hq, D] at positions prefix .. prefix+n-1; k, v [prefix+n, Hkv, D]. Query i sees keys
-    0 .. prefix+i. Returns [n, Hq, D] in q.dtype (SDPA: fp32 softmax inside).
-    """
+    """Attention (GQA) of one sequence's chunk q [n, Hq, D] at positions prefix ..
+    prefix+n-1 over k, v [prefix+n, Hkv, D] -> [n, Hq, D] in q.dtype."""
     if k.shape[0] != prefix + q.shape[0]:
         raise ValueError(f"{k.shape[0]} keys for a prefix of {prefix} and {q.shape[0]} queries")
     o = chunk_causal_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale)

@@ -21,10 +21,8 @@ KV_CHOICES = ("auto", *KV_BACKEND_NAMES)
 
 
 def resolve_kv(name: str, head_dim: int, on_gpu: bool) -> str:
-    """The backend `name` asks for: "auto" is iso3 on a GPU when the model's head_dim is a
-    multiple of 128 (the ISO block; Qwen3.5/3.6: 256), else bf16 (on the CPU the ISO
-    references dequantize every step). iso3 decodes as fast as bf16 at short contexts and
-    several times faster at long ones, in a fifth of the memory (README, "KV cache")."""
+    """The backend `name` asks for: "auto" is iso3 on a GPU when head_dim is a multiple
+    of the ISO block (128), else bf16 (on the CPU the ISO references dequantize every step)."""
     if name != "auto":
         return name
     return "iso3" if on_gpu and head_dim % 128 == 0 else "bf16"

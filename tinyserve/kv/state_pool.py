@@ -13,10 +13,8 @@ from tinyserve.kv.allocator import PageAllocator
 
 
 class GDNStatePool:
-    """Conv and recurrent states of the linear-attention layers for `num_slots` sequences.
-
-    Raises ValueError on a bad slot id or a double free, RuntimeError when no slot is free.
-    """
+    """Conv and recurrent states of the GDN layers for `num_slots` sequences. Raises
+    ValueError on a bad slot id or a double free, RuntimeError when no slot is free."""
 
     def __init__(self, *, layer_ids: list[int], num_slots: int, conv_dim: int,
                  conv_kernel: int, num_v_heads: int, k_head_dim: int, v_head_dim: int,
@@ -75,9 +73,8 @@ class GDNStatePool:
         self.recurrent[:, slot].zero_()
 
     def copy_slot(self, src: int, dst: int) -> None:
-        """Copy slot `src`'s conv and recurrent state of every layer into slot `dst` (the prefix
-        cache: a sequence's state into a snapshot slot, and a snapshot back into a sequence's
-        slot). Runs on the pool's device stream, ordered with the forwards around it."""
+        """Copy slot `src`'s state of every layer into slot `dst` (prefix-cache snapshots),
+        on the pool's device stream, ordered with the forwards around it."""
         self._check(src)
         self._check(dst)
         if src != dst:

@@ -136,45 +136,40 @@ class MemoryPlan:
 
     def format(self) -> str:
         """The plan as a table (the same text for `tinyserve plan` and `tinyserve run`)."""
+
+        def row(label: str, n: int, note: str = "") -> str:
+            return f"    {label:<34}{mib(n):>14}" + (f"  ({note})" if note else "")
+
         rows = self._header()
-        rows += [f"    {g:<34}{mib(b):>14}" for g, b in
-                 (("weights: " + g, b) for g, b in self.resident_weights)]
+        rows += [row("weights: " + g, b) for g, b in self.resident_weights]
         if self.embed_device == self.device.split(":")[0]:
-            rows.append(f"    {'embedding':<34}{mib(self.embed_bytes):>14}")
+            rows.append(row("embedding", self.embed_bytes))
         else:
             rows.append(f"    embedding: host RAM, row gather ({mib(self.embed_bytes)})")
-        rows += [f"    {'workspace: ' + w:<34}{mib(b):>14}" for w, b in self.workspace]
-        parts = [f"{self.max_seqs} sequence{'s' * (self.max_seqs != 1)}"]
-        if self.snapshot_slots:
-            parts.append(f"{self.snapshot_slots} prefix snapshots")
-        if self.state_slots > self.max_seqs + self.snapshot_slots:
-            parts.append("1 graph padding")
-        rows.append(f"    {'GDN states, ' + str(self.state_slots) + ' slots':<34}"
-                    f"{mib(self.state_bytes):>14}  ({', '.join(parts)})")
-        kv = f"KV {self.kv_format}, {self.context_tokens:,} tokens"
-        rows.append(f"    {kv:<34}{mib(self.kv_bytes):>14}  "
-                    f"({self.kv_bytes_per_token:,} B/token)")
-        n, per_layer = self.num_routed_experts, max(1, self.experts_per_layer)
-        layers = max(1, n // per_layer)
+        rows += [row("workspace: " + w, b) for w, b in self.workspace]
+        seqs = f"{self.max_seqs} sequence{'s' * (self.max_seqs != 1)}"
+        parts = [seqs, f"{self.snapshot_slots} prefix snapshots" * bool(self.snapshot_slots),
+                 "1 graph padding" * (self.state_slots > self.max_seqs + self.snapshot_slots)]
+        rows.append(row(f"GDN states, {self.state_slots} slots", self.state_bytes,
+                        ", ".join(p for p in parts if p)))
+        rows.append(row(f"KV {self.kv_format}, {self.context_tokens:,} tokens", self.kv_bytes,
+                        f"{self.kv_bytes_per_token:,} B/token"))
+        n, slots = self.num_routed_experts, self.expert_slots
         if self.expert_cache:
-            slots = (f"expert cache, {self.expert_slots:,} of {n:,} slots")
-            rows.append(f"    {slots:<34}{mib(self.expert_cache_bytes):>14}  "
-                        f"({100.0 * self.expert_slots / n:.1f}%, "
-                        f"{self.expert_slots / layers:.0f} per layer)")
+            layers = max(1, n // max(1, self.experts_per_layer))
+            rows.append(row(f"expert cache, {slots:,} of {n:,} slots", self.expert_cache_bytes,
+                            f"{100.0 * slots / n:.1f}%, {slots / layers:.0f} per layer"))
         else:
-            rows.append(f"    {'routed experts, all ' + f'{n:,}':<34}"
-                        f"{mib(n * self.expert_slot_bytes):>14}")
+            rows.append(row(f"routed experts, all {n:,}", n * self.expert_slot_bytes))
         if self.is_cuda:
-            rows.append(f"    {'unused':<34}{mib(self.free_bytes):>14}")
-        seqs = f"{self.max_seqs} sequence{'s' * (self.max_seqs != 1)} at a time"
-        rows.append(f"context {self.max_context:,} tokens per sequence, {seqs}, "
+            rows.append(row("unused", self.free_bytes))
+        rows.append(f"context {self.max_context:,} tokens per sequence, {seqs} at a time, "
                     f"prefill chunk {self.prefill_chunk:,} tokens")
         if self.default_context is not None and self.default_expert_slots is not None:
-            dkv = self.context_tokens - self.default_context
-            dslots = self.expert_slots - self.default_expert_slots
+            dkv = (self.context_tokens - self.default_context) * self.kv_bytes_per_token / MiB
             rows.append(f"--max-context {self.max_context:,} instead of the default "
-                        f"{self.default_context:,}: KV {dkv * self.kv_bytes_per_token / MiB:+,.1f}"
-                        f" MiB, expert cache {dslots:+,} slots")
+                        f"{self.default_context:,}: KV {dkv:+,.1f} MiB, expert cache "
+                        f"{slots - self.default_expert_slots:+,} slots")
         if self.expert_cache:
             rows.append(f"host RAM: pinned expert store {self.host_expert_bytes / GiB:.2f} GiB")
         return "\n".join(rows)
@@ -184,9 +179,8 @@ class MemoryPlan:
             return ["memory plan for the CPU (host RAM; no GPU budget)"]
         assert self.gpu_memory is not None and self.allocator_cap is not None
         name = f" ({self.device_name})" if self.device_name else ""
-        rows = [f"memory plan for {self.device}{name}: {self.budget_source} for the whole "
-                f"process"]
-        rows.append(f"  {'outside torch allocator':<36}{mib(self.outside_allocator_bytes):>14}")
-        rows += [f"    {item:<34}{mib(b):>14}  ({how})" for item, b, how in self.outside_allocator]
-        rows.append(f"  {'torch allocator, capped at':<36}{mib(self.allocator_cap):>14}")
-        return rows
+        outside = [f"    {item:<34}{mib(b):>14}  ({how})" for item, b, how in
+                   self.outside_allocator]
+        return [f"memory plan for {self.device}{name}: {self.budget_source} for the whole process",
+                f"  {'outside torch allocator':<36}{mib(self.outside_allocator_bytes):>14}",
+                *outside, f"  {'torch allocator, capped at':<36}{mib(self.allocator_cap):>14}"]

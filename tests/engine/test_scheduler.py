@@ -373,9 +373,9 @@ def test_chained_steps_give_the_serial_outputs() -> None:
         for _ in range(1000):
             if not s.has_work:
                 break
-            step(s, forced={rid: f[len(s.requests[rid].output_ids)]
+            step(s, forced={rid: f[s.requests[rid].num_generated]
                             for rid, f in forced.items()
-                            if rid in s.requests and len(s.requests[rid].output_ids) in f})
+                            if rid in s.requests and s.requests[rid].num_generated in f})
     want = want_s.__dict__["test_log"]
     outs, reasons, chained = chained_run(got_s, forced)
     assert (outs, reasons) == want

@@ -51,10 +51,6 @@ class Request:
         return len(self.tokens) - self.prompt_len
 
     @property
-    def output_ids(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
-
-    @property
     def is_decode(self) -> bool:
         return self.num_computed > 0 and len(self.tokens) - self.num_computed == 1
 

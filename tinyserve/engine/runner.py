@@ -160,8 +160,8 @@ class ModelRunner(Runner):
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        cu = [0]
         logit_rows: list[int] = []
+        cu = [0]
         max_pages = max((len(s.page_ids) for s in seqs), default=0)
         table = [[0] * max(max_pages, 1) for _ in seqs]
         for b, s in enumerate(seqs):
@@ -187,20 +187,13 @@ class ModelRunner(Runner):
 
         ids_cpu = torch.tensor(ids, dtype=torch.int64)
         return ForwardContext(
-            input_ids=t(ids_cpu, torch.int64),
-            positions=t(positions, torch.int64),
-            cu_seqlens=t(cu, torch.int32),
-            prefix_lens=t(prefix, torch.int32),
+            input_ids=t(ids_cpu, torch.int64), positions=t(positions, torch.int64),
+            cu_seqlens=t(cu, torch.int32), prefix_lens=t(prefix, torch.int32),
             seq_lens=t([p + q for p, q in zip(prefix, q_lens, strict=True)], torch.int32),
-            page_table=t(table, torch.int32),
-            slot_mapping=t(slots, torch.int64),
+            page_table=t(table, torch.int32), slot_mapping=t(slots, torch.int64),
             state_slots=t([s.state_slot for s in seqs], torch.int64),
-            logits_indices=t(logit_rows, torch.int64),
-            page_size=ps,
-            q_lens_cpu=q_lens,
-            prefix_lens_cpu=prefix,
-            input_ids_cpu=ids_cpu,
-        )
+            logits_indices=t(logit_rows, torch.int64), page_size=ps, q_lens_cpu=q_lens,
+            prefix_lens_cpu=prefix, input_ids_cpu=ids_cpu)
 
     def run(self, ctx: ForwardContext) -> torch.Tensor:
         return self.model.forward(ctx)

@@ -66,12 +66,6 @@ class GDNStatePool:
             raise ValueError(f"double free of GDN state slot {slot}")
         self._slots.free([slot])
 
-    def reset(self, slot: int) -> None:
-        """Zero the slot's state in every layer."""
-        self._check(slot)
-        self.conv[:, slot].zero_()
-        self.recurrent[:, slot].zero_()
-
     def copy_slot(self, src: int, dst: int) -> None:
         """Copy slot `src`'s state of every layer into slot `dst` (prefix-cache snapshots),
         on the pool's device stream, ordered with the forwards around it."""

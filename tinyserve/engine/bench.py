@@ -27,10 +27,29 @@ WARM_TOKENS = 64  # decode tokens per request before the warm expert hit rate co
 
 
 def bench_command(args: Any) -> int:
-    """Run the benchmark of CLI `args`; print the memory plan and a summary (or JSON)."""
+    """Run the benchmark of CLI `args`; print the memory plan and a summary (or JSON).
+    Raises ValueError when a request of the asked lengths does not fit the plan's context."""
     if args.bandwidth:
         return bandwidth_command(args)
-    result, plan = bench_from_args(args)
+    config = bench_config(args)
+    engine = build_engine(config).start()
+    try:
+        need = args.prompt_len + args.gen_len
+        if need > engine.max_context:
+            raise ValueError(f"--prompt-len {args.prompt_len} + --gen-len {args.gen_len} = "
+                             f"{need} tokens, but the plan holds {engine.max_context} per "
+                             f"sequence: lower them or raise --max-context")
+        result = run_bench(engine, prompt_len=args.prompt_len, gen_len=args.gen_len,
+                           batch=args.batch)
+    finally:
+        engine.shutdown()
+    plan = engine.memory_plan
+    result["config"] = {"model": config.model, "kv": plan.kv_format, "device": plan.device,
+                        "max_seqs": plan.max_seqs, "max_context": engine.max_context}
+    result["memory_plan"] = plan.as_dict()
+    experts_plan = engine.runner.model.experts.hybrid_plan
+    if experts_plan is not None:
+        result["experts"] = experts_plan.as_dict()
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -75,31 +94,6 @@ def bandwidth_command(args: Any) -> int:
               "commit": current_commit()}
     print(json.dumps(result, indent=2) if args.json else modes[None].format())
     return 0
-
-
-def bench_from_args(args: Any) -> tuple[dict[str, Any], Any]:
-    """Build the engine of CLI `args`, measure one batch and shut it down; (result, plan).
-    Raises ValueError when a request of the asked lengths does not fit the plan's context."""
-    config = bench_config(args)
-    engine = build_engine(config).start()
-    try:
-        need = args.prompt_len + args.gen_len
-        if need > engine.max_context:
-            raise ValueError(f"--prompt-len {args.prompt_len} + --gen-len {args.gen_len} = "
-                             f"{need} tokens, but the plan holds {engine.max_context} per "
-                             f"sequence: lower them or raise --max-context")
-        result = run_bench(engine, prompt_len=args.prompt_len, gen_len=args.gen_len,
-                           batch=args.batch)
-    finally:
-        engine.shutdown()
-    plan = engine.memory_plan
-    result["config"] = {"model": config.model, "kv": plan.kv_format, "device": plan.device,
-                        "max_seqs": plan.max_seqs, "max_context": engine.max_context}
-    result["memory_plan"] = plan.as_dict()
-    experts_plan = engine.runner.model.experts.hybrid_plan
-    if experts_plan is not None:
-        result["experts"] = experts_plan.as_dict()
-    return result, plan
 
 
 def run_bench(engine: Engine, *, prompt_len: int, gen_len: int, batch: int,

@@ -125,7 +125,7 @@ class Engine:
             page_size=config.page_size, max_context=parts.max_context,
             max_seqs=parts.num_state_slots, max_num_batched_tokens=config.max_num_batched_tokens,
             eos_token_ids=parts.eos_token_ids, prefix_cache=self.prefix_cache)
-        self._vocab = getattr(parts.model_config, "vocab_size", None)
+        self._vocab: int = parts.model_config.vocab_size
         self._inbox: list[tuple] = []
         self._cond = threading.Condition()
         self._live: dict[str, _Live] = {}
@@ -185,9 +185,9 @@ class Engine:
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
         self.scheduler.check(len(prompt), params)
-        if self._vocab and any(not 0 <= t < self._vocab for t in prompt):
+        if any(not 0 <= t < self._vocab for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {self._vocab})")
-        if self._vocab and any(t >= self._vocab for t, _ in params.logit_bias):
+        if any(t >= self._vocab for t, _ in params.logit_bias):
             raise ParamError("logit_bias", f"keys must be token ids in [0, {self._vocab})")
         rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         handle = RequestHandle(rid, len(prompt), self.abort)

@@ -89,10 +89,7 @@ class Scheduler:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        if req.running:
-            self.running.remove(req)
-        else:
-            self.waiting.remove(req)
+        (self.running if req.running else self.waiting).remove(req)
         self._release(req)
         return req
 

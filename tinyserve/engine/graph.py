@@ -108,9 +108,7 @@ class DecodeGraphs:
             raise ValueError("input_tokens must be [B] with the token ids on the device")
         bucket = batch_bucket(len(seqs))
         pages = capacity_pages(max(s.start_pos + 1 for s in seqs), self.page_size)
-        entry = self._entries.get((bucket, pages))
-        if entry is None:
-            entry = self._build(bucket, pages)
+        entry = self._entries.get((bucket, pages)) or self._build(bucket, pages)
         if entry.copied is not None and not entry.copied.query():
             entry.copied.synchronize()  # the last copy out of `host` must finish first
         self._fill(entry, seqs, device_ids=input_tokens is not None)
@@ -128,10 +126,7 @@ class DecodeGraphs:
         return logits[:len(seqs)], tokens[:len(seqs)]
 
     def _forward(self, entry: _Entry) -> tuple[torch.Tensor, torch.Tensor]:
-        if entry.hidden is None:
-            logits = self.model.forward(entry.ctx)
-        else:
-            logits = self.model.forward(entry.ctx, hidden=entry.hidden)
+        logits = self.model.forward(entry.ctx, hidden=entry.hidden)
         return logits, logits.argmax(dim=-1)
 
     def _upload(self, entry: _Entry) -> None:

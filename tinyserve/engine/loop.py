@@ -452,8 +452,7 @@ class Engine:
 
     def _end(self, rid: str, reason: str, *, error: str | None = None) -> None:
         """Finish a request outside the token path (abort, error, shutdown)."""
-        if rid in self.scheduler.requests:
-            self.scheduler.finish(rid)
+        self.scheduler.finish(rid)
         live = self._live.pop(rid, None)
         if live is None:
             return

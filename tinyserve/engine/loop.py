@@ -227,13 +227,13 @@ class Engine:
         self.scheduler.check(len(ids), SamplingParams(max_tokens=1))
         return self.call(lambda: self._logits(ids))
 
-    def warm_up(self, prompt_len: int | None = None) -> float:
+    def warm_up(self) -> float:
         """Run one throwaway greedy request (two and a half chunks by default: every
         extend-attention path) so that the first real one pays no one-time costs; returns
         seconds. It leaves no trace but the expert-cache counters. Raises RuntimeError if it
         fails."""
         chunk = self.config.max_num_batched_tokens
-        n = min(prompt_len or 2 * chunk + chunk // 2, self.max_context - 2)
+        n = min(2 * chunk + chunk // 2, self.max_context - 2)
         if n < 1:
             return 0.0
         prompt = self.random_prompt(n, torch.Generator().manual_seed(0))

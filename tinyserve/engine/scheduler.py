@@ -147,15 +147,13 @@ class Scheduler:
         self._share_seats()
         seqs: list[ScheduledSeq] = []
         budget = self.max_num_batched_tokens
-        decode: list[Request] = []
-        prefill: list[Request] = []
         nxt = self._next_waiting()  # it shares this step already when it has a seat
         joining = [nxt] if nxt is not None and not nxt.solo and self._has_room(nxt) else []
         taking_part = [r for r in fairness.step_share(self.running + joining) if r.running]
         left_out = {id(r) for r in self.running} - {id(r) for r in taking_part}
         trimmed = {r.group for r in self.running if id(r) in left_out}
-        for r in taking_part:
-            (decode if r.is_decode else prefill).append(r)
+        decode = [r for r in taking_part if r.is_decode]
+        prefill = [r for r in taking_part if not r.is_decode]
         for req in decode:
             if req.running and self._reserve_decode_page(req):
                 seqs.append(self._chunk(req, 1))

@@ -77,12 +77,11 @@ def _linear_bytes(shape: tuple[int, ...], fmt: str, dtype_bytes: int) -> int:
     return n * dtype_bytes
 
 
-def geometry_weight_bytes(config: Any, preset: str = "mixed", dtype_bytes: int = 2,
-                          experts_fp4: bool = True) -> WeightBytes:
+def geometry_weight_bytes(config: Any, preset: str = "mixed") -> WeightBytes:
     """Weight bytes of `config`'s geometry quantized like `preset` ("mixed" or "bf16")."""
     from tinyserve.model.loader_plan import expected_weights
 
-    fmts = PRESETS[preset]
+    fmts, dtype_bytes = PRESETS[preset], 2
     sums = dict.fromkeys((*GROUPS, "embed", "experts"), 0)
     for name, (kind, shape) in expected_weights(config).items():
         group = _group(name)
@@ -101,7 +100,7 @@ def geometry_weight_bytes(config: Any, preset: str = "mixed", dtype_bytes: int =
         else:
             nbytes = _linear_bytes(shape, "bf16", dtype_bytes)
         sums[group] += nbytes
-    return _finish(config, sums, experts_fp4, dtype_bytes)
+    return _finish(config, sums, True, dtype_bytes)
 
 
 def checkpoint_weight_bytes(path: str | Path, config: Any, dtype_bytes: int = 2) -> WeightBytes:

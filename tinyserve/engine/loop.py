@@ -143,6 +143,107 @@ class Engine:
         if self._overlap:
             self.runner.overlap_hook = self._flush
 
+    # ---------------------------------------------------------------- the loop (its thread)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._inbox or self._stopping
+                                    or self.scheduler.has_work)
+                if self._stopping:
+                    break
+                inbox, self._inbox = self._inbox, []
+            try:
+                if inbox:  # an abort or a call sees every token sampled so far emitted
+                    self._flush()
+                for item in inbox:
+                    self._apply(item)
+                if self.scheduler.has_work:
+                    self.step()
+            except Exception:  # a bug outside any one request: keep serving
+                log.exception("engine step failed")
+                time.sleep(0.01)
+        self._flush()
+
+    def step(self) -> None:
+        """One engine step (see the module docstring)."""
+        batch, pending = self._take_chained() or self._launch(self.scheduler.schedule())
+        output = self._wait(batch, pending)  # chains the next decode step before the wait
+        self._flush()  # the previous step's outputs, unless the runner's hook sent them
+        if output is not None:
+            self._outputs = self.scheduler.record(batch, output)
+        if not self._next_step_emits():
+            self._flush()
+
+    def _take_chained(self) -> tuple[Batch, PendingStep] | None:
+        """The step chained during the last one, unless none of its requests still runs
+        (then its tokens are read and dropped)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        batch, pending = ahead
+        if any(s.request_id in self.scheduler.requests for s in batch.seqs):
+            self._counts["steps"] += 1
+            return ahead
+        pending.result()
+        return None
+
+    def _launch(self, batch: Batch) -> tuple[Batch, PendingStep | None]:
+        if not batch.seqs:
+            return batch, None
+        self._counts["steps"] += 1
+        try:
+            return batch, self.runner.launch(batch)
+        except Exception as exc:
+            self._step_failed(batch, exc)
+            return batch, None
+
+    def _wait(self, batch: Batch, pending: PendingStep | None) -> ForwardOutput | None:
+        """Advance the scheduler past `batch`, chain the next decode step, then wait for
+        `batch`'s tokens (None when nothing ran or the step failed)."""
+        if pending is None:
+            return None
+        try:
+            self.scheduler.advance(batch)
+            self._ahead = self._chain(batch, pending)
+            return pending.result()
+        except Exception as exc:
+            self._ahead = None
+            self._step_failed(batch, exc)
+            return None
+
+    def _chain(self, batch: Batch, pending: PendingStep) -> tuple[Batch, PendingStep] | None:
+        """Launch the decode step after `batch` with its input tokens read from `pending` on
+        the device, when nothing can change the batch before then."""
+        if (self._inbox or self._stopping or pending.device_tokens is None
+                or not self.runner.can_chain(batch)):
+            return None
+        nxt = self.scheduler.schedule_next(batch)
+        if nxt is None or not self.runner.can_chain(nxt):
+            return None
+        try:
+            return nxt, self.runner.launch(nxt, after=pending)
+        except Exception:  # this step stands; the next one is scheduled as usual
+            log.exception("launching a chained decode step failed")
+            return None
+
+    def _next_step_emits(self) -> bool:
+        """Whether the next step's launch emits this step's outputs (the overlap hook)."""
+        return self._overlap and self.scheduler.has_work and not self._inbox
+
+    def _step_failed(self, batch: Batch, exc: Exception) -> None:
+        """A step's launch or result raised: fail its one request, or rerun each alone."""
+        if len(batch) == 1:
+            log.error("request %s failed", batch.seqs[0].request_id, exc_info=exc)
+            self._end(batch.seqs[0].request_id, "error", error=f"{type(exc).__name__}: {exc}")
+        else:  # which request broke it? rerun each alone, from scratch
+            log.warning("a step of %d requests failed (%s); retrying them one at a time",
+                        len(batch), exc)
+            for seq in batch.seqs:  # each alone until past the failed chunk
+                if seq.request_id in self.scheduler.requests:
+                    self.scheduler.preempt(seq.request_id,
+                                           solo_until=seq.start_pos + seq.num_tokens)
+
     # ---------------------------------------------------------------- any thread
 
     def start(self) -> Engine:
@@ -283,106 +384,7 @@ class Engine:
             steps=c["steps"], ttft_seconds=tuple(self._ttft), itl_seconds=tuple(self._itl),
             **cache)
 
-    # ---------------------------------------------------------------- loop thread
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._inbox or self._stopping
-                                    or self.scheduler.has_work)
-                if self._stopping:
-                    break
-                inbox, self._inbox = self._inbox, []
-            try:
-                if inbox:  # an abort or a call sees every token sampled so far emitted
-                    self._flush()
-                for item in inbox:
-                    self._apply(item)
-                if self.scheduler.has_work:
-                    self.step()
-            except Exception:  # a bug outside any one request: keep serving
-                log.exception("engine step failed")
-                time.sleep(0.01)
-        self._flush()
-
-    def step(self) -> None:
-        """One engine step (see the module docstring)."""
-        batch, pending = self._take_chained() or self._launch(self.scheduler.schedule())
-        output = self._wait(batch, pending)  # chains the next decode step before the wait
-        self._flush()  # the previous step's outputs, unless the runner's hook sent them
-        if output is not None:
-            self._outputs = self.scheduler.record(batch, output)
-        if not self._next_step_emits():
-            self._flush()
-
-    def _take_chained(self) -> tuple[Batch, PendingStep] | None:
-        """The step chained during the last one, unless none of its requests still runs
-        (then its tokens are read and dropped)."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            return None
-        batch, pending = ahead
-        if any(s.request_id in self.scheduler.requests for s in batch.seqs):
-            self._counts["steps"] += 1
-            return ahead
-        pending.result()
-        return None
-
-    def _launch(self, batch: Batch) -> tuple[Batch, PendingStep | None]:
-        if not batch.seqs:
-            return batch, None
-        self._counts["steps"] += 1
-        try:
-            return batch, self.runner.launch(batch)
-        except Exception as exc:
-            self._step_failed(batch, exc)
-            return batch, None
-
-    def _wait(self, batch: Batch, pending: PendingStep | None) -> ForwardOutput | None:
-        """Advance the scheduler past `batch`, chain the next decode step, then wait for
-        `batch`'s tokens (None when nothing ran or the step failed)."""
-        if pending is None:
-            return None
-        try:
-            self.scheduler.advance(batch)
-            self._ahead = self._chain(batch, pending)
-            return pending.result()
-        except Exception as exc:
-            self._ahead = None
-            self._step_failed(batch, exc)
-            return None
-
-    def _chain(self, batch: Batch, pending: PendingStep) -> tuple[Batch, PendingStep] | None:
-        """Launch the decode step after `batch` with its input tokens read from `pending` on
-        the device, when nothing can change the batch before then."""
-        if (self._inbox or self._stopping or pending.device_tokens is None
-                or not self.runner.can_chain(batch)):
-            return None
-        nxt = self.scheduler.schedule_next(batch)
-        if nxt is None or not self.runner.can_chain(nxt):
-            return None
-        try:
-            return nxt, self.runner.launch(nxt, after=pending)
-        except Exception:  # this step stands; the next one is scheduled as usual
-            log.exception("launching a chained decode step failed")
-            return None
-
-    def _next_step_emits(self) -> bool:
-        """Whether the next step's launch emits this step's outputs (the overlap hook)."""
-        return self._overlap and self.scheduler.has_work and not self._inbox
-
-    def _step_failed(self, batch: Batch, exc: Exception) -> None:
-        """A step's launch or result raised: fail its one request, or rerun each alone."""
-        if len(batch) == 1:
-            log.error("request %s failed", batch.seqs[0].request_id, exc_info=exc)
-            self._end(batch.seqs[0].request_id, "error", error=f"{type(exc).__name__}: {exc}")
-        else:  # which request broke it? rerun each alone, from scratch
-            log.warning("a step of %d requests failed (%s); retrying them one at a time",
-                        len(batch), exc)
-            for seq in batch.seqs:  # each alone until past the failed chunk
-                if seq.request_id in self.scheduler.requests:
-                    self.scheduler.preempt(seq.request_id,
-                                           solo_until=seq.start_pos + seq.num_tokens)
+    # ---------------------------------------------------------------- outputs, inbox (loop thread)
 
     def _flush(self) -> None:
         """Emit the last step's outputs (once)."""

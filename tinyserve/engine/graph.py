@@ -131,9 +131,7 @@ class DecodeGraphs:
 
     def _upload(self, entry: _Entry) -> None:
         entry.device_buf.copy_(entry.host, non_blocking=True)
-        if self.device.type == "cuda":
-            if entry.copied is None:
-                entry.copied = torch.cuda.Event()
+        if entry.copied is not None:
             entry.copied.record()
 
     def _build(self, bucket: int, pages: int) -> _Entry:
@@ -156,7 +154,8 @@ class DecodeGraphs:
             logits_indices=torch.arange(B, dtype=torch.int64, device=dev),
             page_size=self.page_size, q_lens_cpu=[1] * B,
             prefix_lens_cpu=[P * self.page_size - 1] * B, max_seq_len=P * self.page_size)
-        entry = _Entry(B, P, host, device_buf, ctx)
+        entry = _Entry(B, P, host, device_buf, ctx,
+                       copied=torch.cuda.Event() if dev.type == "cuda" else None)
         if self.host_embedding:  # [B, H] model dtype, word-aligned after the int inputs
 
             def tail(buf: torch.Tensor) -> torch.Tensor:

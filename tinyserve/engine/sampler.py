@@ -155,14 +155,10 @@ def apply_penalties(logits: torch.Tensor, seqs: Sequence[ScheduledSeq],
 
 def apply_logit_bias(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
     """Add each row's `logit_bias` (one index_put_ over the batch)."""
-    rows, ids, biases = [], [], []
-    for i, s in enumerate(seqs):
-        for token, bias in s.params.logit_bias:
-            rows.append(i)
-            ids.append(token)
-            biases.append(bias)
-    if not rows:
+    entries = [(i, token, bias) for i, s in enumerate(seqs) for token, bias in s.params.logit_bias]
+    if not entries:
         return logits
+    rows, ids, biases = (list(c) for c in zip(*entries, strict=True))
     V = logits.shape[1]
     if max(ids) >= V:
         raise ValueError(f"logit_bias names token {max(ids)}, the vocabulary has {V}")

@@ -80,10 +80,7 @@ class RequestHandle:
             if out.finished:
                 return
 
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._aiter()
-
-    async def _aiter(self) -> AsyncIterator[RequestOutput]:
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         event = asyncio.Event()
         self._waker = (asyncio.get_running_loop(), event)
         while True:

@@ -26,15 +26,7 @@ def seats(running: Sequence[_Grouped]) -> Counter[str]:
 def next_waiting(waiting: Sequence[_Grouped], held: Counter[str]) -> _Grouped | None:
     """The earliest waiting request (`waiting` sorted by arrival) of the group holding the
     fewest seats."""
-    best = None
-    best_key = None
-    for req in waiting:
-        key = held[req.group]
-        if best_key is None or key < best_key:
-            best, best_key = req, key
-            if key == 0:
-                break  # nobody holds fewer; earlier arrivals come first
-    return best
+    return min(waiting, key=lambda r: held[r.group], default=None)
 
 
 def victim(running: Sequence[_Grouped]) -> _Grouped | None:
@@ -44,10 +36,7 @@ def victim(running: Sequence[_Grouped]) -> _Grouped | None:
     if not held:
         return None
     most = max(held.values())
-    for req in reversed(running):
-        if held[req.group] == most:
-            return req
-    return None
+    return next((r for r in reversed(running) if held[r.group] == most), None)
 
 
 def should_yield(running: Sequence[_Grouped], newcomer: _Grouped) -> _Grouped | None:

@@ -9,7 +9,7 @@ after `--warmup` (the hit rate counts the steps after the warm-up):
 - uniform_b1: uniform random routing, what the random checkpoint's router does.
 
 Per trace and cache size (5 %-50 % of the 10,240 experts, one pool shared by the layers):
-- host: `offload.cache_sim` policies (exact bookkeeping, one decision per layer): the
+- host: `bench.cache_sim` policies (exact bookkeeping, one decision per layer): the
   engine's `ExpertCachePolicy` as "lru" (freq_weight 0), "lru-f2" (2, the default), "lru-f16"
   (16) and "lfu"; the candidates "lru-layer" (per-layer quotas), "slru" (segmented LRU),
   "lru2" (LRU-2); "belady" (clairvoyant optimum, an upper bound);
@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import Recorder, run_meta  # noqa: E402
 from tinyserve.model.config import ModelConfig  # noqa: E402
 from tinyserve.offload.cache import ExpertCachePolicy  # noqa: E402
-from tinyserve.offload.cache_sim import (  # noqa: E402
+from bench.cache_sim import (  # noqa: E402
     ENGINE_WEIGHTS,
     POLICIES,
     batch_trace,

@@ -117,7 +117,7 @@ have_ckpt() { [[ -f $CKPT/config.json && -f $CKPT/model.safetensors.index.json ]
 ensure_ckpt() {  # write into a side directory, then move it in: no half-written checkpoint
     have_ckpt && return 0
     rm -rf "$CKPT.partial"
-    run_step checkpoint 420 python3 -m tinyserve.testing.fullsize "$CKPT.partial" &&
+    run_step checkpoint 420 python3 -m bench.fullsize "$CKPT.partial" &&
         { [[ $DRY == 1 ]] || { rm -rf "$CKPT" && mv "$CKPT.partial" "$CKPT"; }; }
 }
 
@@ -128,7 +128,7 @@ need_ckpt() {
 ensure_realistic() {  # the checkpoint with realistic routing, written the same way
     [[ -f $RCKPT/config.json && -f $RCKPT/model.safetensors.index.json ]] && return 0
     rm -rf "$RCKPT.partial"
-    run_step checkpoint_realistic 420 python3 -m tinyserve.testing.fullsize "$RCKPT.partial" \
+    run_step checkpoint_realistic 420 python3 -m bench.fullsize "$RCKPT.partial" \
         --routing realistic &&
         { [[ $DRY == 1 ]] || { rm -rf "$RCKPT" && mv "$RCKPT.partial" "$RCKPT"; }; }
 }

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import Recorder, run_meta  # noqa: E402
 from tinyserve.core import DenseWeight, FP8Weight, SamplingParams  # noqa: E402
 from tinyserve.model.config import ModelConfig  # noqa: E402
-from tinyserve.offload.cache_sim import hit_curve  # noqa: E402
+from bench.cache_sim import hit_curve  # noqa: E402
 from tinyserve.testing.routing import (  # noqa: E402
     REALISTIC,
     RealisticRouting,
@@ -65,7 +65,7 @@ def model_run(layers: int, tokens: int, prompt_len: int, seed: int) -> tuple[dic
     """Decode on the CPU reference model; (checks, recorded decode trace [T, layers, k])."""
     from tinyserve.engine.llm import LLM
     from tinyserve.model.linear import dequantize
-    from tinyserve.testing.fullsize import write_fullsize_checkpoint
+    from bench.fullsize import write_fullsize_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="routing-cal-") as tmp:
         t0 = time.perf_counter()

@@ -56,7 +56,7 @@ CUDA_ARCH = StrEnv("TINYSERVE_CUDA_ARCH", "",
 API_KEY = StrEnv("TINYSERVE_API_KEY", "",
                  "API key(s), comma-separated, when `tinyserve run` gets no --api-key")
 FULLSIZE_DIR = StrEnv("TINYSERVE_FULLSIZE_DIR", "",
-                      "tests and benches: the full-size random checkpoint (testing.fullsize)")
+                      "tests and benches: the full-size random checkpoint (bench.fullsize)")
 WRITE_RESULTS = BoolEnv("TINYSERVE_WRITE_RESULTS", "0",
                         "tests: also write their measured figures to bench/results/*.json")
 BENCH_COMMIT = StrEnv("TINYSERVE_BENCH_COMMIT", "",

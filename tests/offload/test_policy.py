@@ -158,8 +158,8 @@ def test_default_weight_on_realistic_routing() -> None:
     """The reason for the default (bench/cache_policies.py at full size, 40 layers): with
     realistic routing it keeps plain LRU's hits for one sequence, where a heavy frequency
     term loses, and gains over plain LRU for a batch of four."""
-    from tinyserve.offload.cache_sim import EnginePolicy, batch_trace
-    from tinyserve.offload.cache_sim import simulate as replay
+    from bench.cache_sim import EnginePolicy, batch_trace
+    from bench.cache_sim import simulate as replay
     from tinyserve.testing.routing import RealisticRouting
 
     d = RealisticRouting(hidden=2048, num_experts=256, top_k=8, vocab_size=500,

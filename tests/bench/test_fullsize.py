@@ -10,7 +10,7 @@ from tinyserve.engine.planner import plan_checkpoint
 from tinyserve.model.config import load_config
 from tinyserve.model.loader import CheckpointReader
 from tinyserve.offload.store import HostExpertStore
-from tinyserve.testing.fullsize import write_fullsize_checkpoint
+from bench.fullsize import write_fullsize_checkpoint
 
 
 def test_one_layer_with_the_real_shapes(tmp_path) -> None:

@@ -17,7 +17,7 @@ the experts (the worst case for the expert cache); `routing="realistic"` writes 
 embedding and lm_head that route with a real model's skew and locality instead
 (`testing.routing`, docs/ROUTING.md).
 
-    python -m tinyserve.testing.fullsize /tmp/qwen35-fullsize [--layers 4] [--routing realistic]
+    python -m bench.fullsize /tmp/qwen35-fullsize [--layers 4] [--routing realistic]
 """
 
 from __future__ import annotations

@@ -35,9 +35,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import Recorder, run_meta  # noqa: E402
-from tinyserve.model.config import ModelConfig  # noqa: E402
-from tinyserve.offload.cache import ExpertCachePolicy  # noqa: E402
 from bench.cache_sim import (  # noqa: E402
     ENGINE_WEIGHTS,
     POLICIES,
@@ -45,6 +42,9 @@ from bench.cache_sim import (  # noqa: E402
     hit_curve,
     uniform_trace,
 )
+from bench.common import Recorder, run_meta  # noqa: E402
+from tinyserve.model.config import ModelConfig  # noqa: E402
+from tinyserve.offload.cache import ExpertCachePolicy  # noqa: E402
 from tinyserve.offload.gpu_cache import DeviceExpertCache  # noqa: E402
 from tinyserve.offload.store import HostExpertStore  # noqa: E402
 from tinyserve.testing.routing import REALISTIC, RealisticRouting  # noqa: E402

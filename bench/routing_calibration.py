@@ -35,10 +35,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.cache_sim import hit_curve  # noqa: E402
 from bench.common import Recorder, run_meta  # noqa: E402
 from tinyserve.core import DenseWeight, FP8Weight, SamplingParams  # noqa: E402
 from tinyserve.model.config import ModelConfig  # noqa: E402
-from bench.cache_sim import hit_curve  # noqa: E402
 from tinyserve.testing.routing import (  # noqa: E402
     REALISTIC,
     RealisticRouting,
@@ -63,9 +63,9 @@ def design(seed: int) -> RealisticRouting:
 
 def model_run(layers: int, tokens: int, prompt_len: int, seed: int) -> tuple[dict, np.ndarray]:
     """Decode on the CPU reference model; (checks, recorded decode trace [T, layers, k])."""
+    from bench.fullsize import write_fullsize_checkpoint
     from tinyserve.engine.llm import LLM
     from tinyserve.model.linear import dequantize
-    from bench.fullsize import write_fullsize_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="routing-cal-") as tmp:
         t0 = time.perf_counter()

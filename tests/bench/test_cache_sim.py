@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tinyserve.offload.cache import ExpertCachePolicy
 from bench.cache_sim import (
     LRU,
     POLICIES,
@@ -16,6 +15,7 @@ from bench.cache_sim import (
     simulate,
     uniform_trace,
 )
+from tinyserve.offload.cache import ExpertCachePolicy
 
 
 def _skewed(steps: int, layers: int, experts: int, k: int, seed: int) -> np.ndarray:

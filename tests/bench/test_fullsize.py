@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from bench.fullsize import write_fullsize_checkpoint
 from tinyserve.engine.config import EngineConfig
 from tinyserve.engine.device_memory import reference_device
 from tinyserve.engine.planner import plan_checkpoint
 from tinyserve.model.config import load_config
 from tinyserve.model.loader import CheckpointReader
 from tinyserve.offload.store import HostExpertStore
-from bench.fullsize import write_fullsize_checkpoint
 
 
 def test_one_layer_with_the_real_shapes(tmp_path) -> None:

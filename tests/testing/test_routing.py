@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from bench.cache_sim import hit_curve
 from tinyserve.core import SamplingParams
 from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4, quantize_nvfp4
-from bench.cache_sim import hit_curve
 from tinyserve.testing import make_tiny_checkpoint
 from tinyserve.testing.routing import (
     ROUTING_FILE,

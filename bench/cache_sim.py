@@ -265,3 +265,38 @@ def _next_uses(trace: np.ndarray) -> dict:
                 out[(step, layer, e)] = last.get((layer, e), math.inf)
                 last[(layer, e)] = step
     return out
+
+
+def synthetic_trace(num_layers: int, num_experts: int, top_k: int, steps: int, *,
+                    zipf: float = 1.0, drift_every: int = 128, drift_frac: float = 0.25,
+                    seed: int = 0) -> list[list[list[int]]]:
+    """A skewed routing trace `[step][layer] -> top_k distinct experts` (one token per step).
+
+    Each layer has its own Zipf(`zipf`) popularity over a random order of its experts; every
+    `drift_every` steps a random `drift_frac` of the ranks are reshuffled (a topic change).
+    """
+    rng = np.random.default_rng(seed)
+    ranks = np.arange(1, num_experts + 1, dtype=np.float64)
+    weights = ranks ** -zipf
+    order = np.stack([rng.permutation(num_experts) for _ in range(num_layers)])  # [L, E]
+    trace: list[list[list[int]]] = []
+    for step in range(steps):
+        if drift_every and step and step % drift_every == 0:
+            n = max(2, int(drift_frac * num_experts))
+            for layer in range(num_layers):
+                pos = rng.choice(num_experts, size=n, replace=False)
+                order[layer, pos] = order[layer, rng.permutation(pos)]
+        # Efraimidis-Spirakis: top-k of u ** (1 / w) samples k distinct experts by weight.
+        keys = rng.random((num_layers, num_experts)) ** (1.0 / weights)
+        top = np.argpartition(-keys, top_k - 1, axis=1)[:, :top_k]
+        trace.append([order[layer, top[layer]].tolist() for layer in range(num_layers)])
+    return trace
+
+
+def policy_hit_rate(policy: ExpertCachePolicy, trace: list[list[list[int]]]) -> float:
+    """Run `trace` through `policy` (host-driven) and return its hit rate."""
+    for step in trace:
+        for layer, experts in enumerate(step):
+            policy.access(layer, experts)
+        policy.end_step()
+    return policy.stats.hit_rate

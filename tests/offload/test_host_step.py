@@ -11,7 +11,8 @@ import random
 import pytest
 import torch
 
-from tinyserve.offload.cache import ExpertCachePolicy, synthetic_trace
+from bench.cache_sim import synthetic_trace
+from tinyserve.offload.cache import ExpertCachePolicy
 from tinyserve.offload.gpu_cache import DeviceExpertCache
 from tinyserve.offload.store import HostExpertStore
 

@@ -7,12 +7,8 @@ import random
 
 import pytest
 
-from tinyserve.offload.cache import (
-    CacheFullError,
-    ExpertCachePolicy,
-    simulate,
-    synthetic_trace,
-)
+from bench.cache_sim import policy_hit_rate, synthetic_trace
+from tinyserve.offload.cache import CacheFullError, ExpertCachePolicy
 
 
 class RefCache:
@@ -149,8 +145,8 @@ def test_per_layer_hit_rate() -> None:
 
 def test_frequency_term_beats_plain_lru_on_a_skewed_trace() -> None:
     trace = synthetic_trace(8, 64, 4, 300, zipf=1.0, seed=3)
-    lru = simulate(ExpertCachePolicy(128, freq_weight=0.0), trace)
-    lfru = simulate(ExpertCachePolicy(128, freq_weight=16.0), trace)
+    lru = policy_hit_rate(ExpertCachePolicy(128, freq_weight=0.0), trace)
+    lfru = policy_hit_rate(ExpertCachePolicy(128, freq_weight=16.0), trace)
     assert lfru > lru + 0.02, (lru, lfru)
 
 

@@ -46,11 +46,6 @@ def swiglu_mlp(x: torch.Tensor, gate: LinearWeight, up: LinearWeight,
     return linear(silu_mul(linear(x, gate), linear(x, up)), down)
 
 
-def route(x: torch.Tensor, router: LinearWeight, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [N, H] -> (topk_ids [N, k] int64, topk_weights [N, k] in x.dtype, renormalised)."""
-    return topk_softmax(linear(x, router), top_k, x.dtype)  # logits [N, E] model dtype
-
-
 def topk_softmax(logits: torch.Tensor, top_k: int,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [N, E] (unit column stride) -> (ids [N, k] int64 in descending

@@ -115,7 +115,7 @@ def test_observe_replays_the_host_decisions() -> None:
             # As many candidates as distinct experts: the device kernel skips the slots this
             # layer hits and hands the rest to the misses in order.
             unique = list(dict.fromkeys(ids))
-            hit_slots = {b.slot_of(layer, e) for e in unique} - {-1}
+            hit_slots = {b.where.get((layer, e), -1) for e in unique} - {-1}
             victims = [v for v in b.victims(len(unique)) if v not in hit_slots]
             slots, loads = a.access(layer, ids)
             loaded_slots = [s for _, s in loads]

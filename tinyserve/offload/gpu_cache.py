@@ -124,7 +124,7 @@ class DeviceExpertCache:
     def stats(self) -> CacheStats:
         return self.policy.stats
 
-    # ------------------------------------------------------------------ per step
+    # per step
     def begin_step(self, *, defer: bool = False) -> None:
         """Step boundary: fold the last step's lookups into the policy, hand out fresh victims.
 
@@ -221,7 +221,7 @@ class DeviceExpertCache:
         self.victims.copy_(self._victims_host, non_blocking=True)
         _record(self._victims_copied, self.device)
 
-    # ------------------------------------------------------------------ lookup
+    # lookup
     def lookup(self, layer: int, topk_ids: torch.Tensor, *, split: torch.Tensor | None = None,
                on_lookup: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Slots [N, k] int32 holding `topk_ids` of `layer`, after copying in the misses.

@@ -101,7 +101,7 @@ def copy_rows_ref(src: ExpertSlots, dst: ExpertSlots, rows: torch.Tensor,
         b.index_copy_(0, s.to(b.device), a.index_select(0, r.to(a.device)).to(b.device))
 
 
-# -------------------------------------------------------------------------------- Triton
+# Triton
 
 
 @functools.cache

@@ -112,7 +112,7 @@ class HostExpertStore:
                    config.moe_intermediate_size, fp4=fp4, dtype=dtype, pin=pin,
                    on_pinned=on_pinned)
 
-    # ------------------------------------------------------------------ filling
+    # filling
     def row(self, layer: int, expert: int) -> int:
         return layer * self.num_experts + expert
 

@@ -162,7 +162,7 @@ class RealisticRouting:
         self.codes = codes  # [n, D], row p = code of cycle[p]
         self.embed_block = _bf16(torch.from_numpy(block * EMBED_SCALE))  # [V, R]
 
-    # ------------------------------------------------------------------ tensors to write
+    # tensors to write
     @property
     def reserved(self) -> slice:
         return self.layout.reserved
@@ -205,7 +205,7 @@ class RealisticRouting:
                 "reserved_channels": [lay.reserved.start, lay.reserved.stop],
                 "token_dims": lay.token_dims, "cycle": self.cycle.tolist()}
 
-    # ------------------------------------------------------------------ what the model does
+    # what the model does
     def text(self, start: int, n: int) -> list[int]:
         """The `n` tokens greedy decoding produces after token `start`."""
         first = self.next_token.get(start)

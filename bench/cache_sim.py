@@ -17,20 +17,27 @@ Policies (`POLICIES`, each built by `make_policy(name, slots, layers)`):
   an upper bound no policy reaches.
 `simulate(trace, policy)` runs one; the device-driven engine path (victim lists two steps
 behind the lookups) is measured by `bench/cache_policies.py` through `DeviceExpertCache`.
-Plain Python and numpy, no torch.
+`trace_from_checkpoint` reads the trace of a realistic-routing checkpoint;
+`synthetic_trace` draws a Zipf one; `policy_hit_rate` replays one through the engine policy.
 """
 
 from __future__ import annotations
 
 import heapq
+import json
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+import torch
 
+from tinyserve.model.config import load_config
+from tinyserve.model.loader import CheckpointReader
 from tinyserve.offload.cache import ExpertCachePolicy
+from tinyserve.testing.routing import ROUTING_FILE, expected_topk
 
 ENGINE_WEIGHTS = {"lru": 0.0, "lru-f2": 2.0, "lru-f16": 16.0, "lfu": 1e9}
 CANDIDATES = ("lru-layer", "slru", "lru2")
@@ -300,3 +307,21 @@ def policy_hit_rate(policy: ExpertCachePolicy, trace: list[list[list[int]]]) -> 
             policy.access(layer, experts)
         policy.end_step()
     return policy.stats.hit_rate
+
+
+def trace_from_checkpoint(path: str | Path, tokens: list[int] | np.ndarray) -> np.ndarray:
+    """The routing [T, L, k] a realistic checkpoint at `path` gives `tokens` (read from its
+    embedding and routers; the checkpoint must have been written with realistic routing)."""
+    path = Path(path)
+    manifest = json.loads((path / ROUTING_FILE).read_text())
+    lo, hi = manifest["reserved_channels"]
+    config = load_config(path)
+    reader = CheckpointReader(path)
+    names = set(reader.names())
+    prefix = next(p for p in ("model.language_model.", "model.")
+                  if p + "embed_tokens.weight" in names)
+    ids = torch.as_tensor(np.asarray(tokens), dtype=torch.int64)
+    block = reader.get(prefix + "embed_tokens.weight")[ids, lo:hi].float()
+    routers = [reader.get(f"{prefix}layers.{la}.mlp.gate.weight").float()
+               for la in range(config.num_layers)]
+    return expected_topk(block, routers, slice(lo, hi), config.num_experts_per_tok)

@@ -6,7 +6,7 @@ hit rates of real Qwen MoE models, on the CPU.
    model (tinyserve.model on the CPU) greedily for `--tokens` decode tokens after a random
    prompt, records every layer's routed experts and checks that the tokens walk the design's
    cycle and that the routing equals the one computed from the written embedding and routers
-   (`testing.routing.trace_from_checkpoint`).
+   (`bench.cache_sim.trace_from_checkpoint`).
 2. curves: plain-LRU hit rate at 5-50 % of the experts resident (warm: after `--warmup`
    steps), global pool (the engine's `ExpertCachePolicy` with freq_weight 0) and per-layer
    pools, from the recorded trace and from the computed routing of all 40 layers over
@@ -35,14 +35,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.cache_sim import hit_curve  # noqa: E402
+from bench.cache_sim import hit_curve, trace_from_checkpoint  # noqa: E402
 from bench.common import Recorder, run_meta  # noqa: E402
 from tinyserve.core import DenseWeight, FP8Weight, SamplingParams  # noqa: E402
 from tinyserve.model.config import ModelConfig  # noqa: E402
 from tinyserve.testing.routing import (  # noqa: E402
     REALISTIC,
     RealisticRouting,
-    trace_from_checkpoint,
 )
 from tinyserve.testing.tokenizer import special_token_ids  # noqa: E402
 

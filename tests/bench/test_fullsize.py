@@ -56,7 +56,8 @@ def test_realistic_routing_keeps_the_routing_channels_to_the_router(tmp_path) ->
     which no layer writes; its routing is the design's (testing.routing)."""
     import json
 
-    from tinyserve.testing.routing import ROUTING_FILE, trace_from_checkpoint
+    from bench.cache_sim import trace_from_checkpoint
+    from tinyserve.testing.routing import ROUTING_FILE
 
     path = write_fullsize_checkpoint(tmp_path / "ck", layers=1, vocab_size=1024,
                                      max_shard_bytes=1 << 28, routing="realistic")

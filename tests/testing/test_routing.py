@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.cache_sim import hit_curve
+from bench.cache_sim import hit_curve, trace_from_checkpoint
 from tinyserve.core import SamplingParams
 from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4, quantize_nvfp4
 from tinyserve.testing import make_tiny_checkpoint
@@ -17,7 +17,6 @@ from tinyserve.testing.routing import (
     ROUTING_FILE,
     RealisticRouting,
     channel_layout,
-    trace_from_checkpoint,
 )
 
 TEXT = range(491)  # the tiny tokenizer's regular tokens

@@ -1,41 +1,20 @@
 """Realistic routing for random test checkpoints: skewed, temporally local expert choices.
 
-A random checkpoint's router spreads the tokens uniformly over the experts (10 % expert-cache
-hits with 12 % of the experts cached): the worst case, and not what a user's model does. This
-module builds the few tensors that make a random Qwen3.5-MoE checkpoint route like a real one
-while it stays an ordinary checkpoint (plain `mlp.gate.weight` [E, H] on the post-attention
-normed hidden state, no bias, nothing the loader has to know about). Calibration and sources:
-docs/ROUTING.md.
-
-How: the last R channels of the hidden state are reserved for routing (`ChannelLayout`).
-
-- The embedding writes them: channel `const` is the same for every token (the popularity
-  carrier), `topic` holds the token's topic vector, `token` its ±1 identity code.
-- No layer writes them: the rows of o_proj, GDN out_proj and every expert's and the shared
-  expert's down_proj at those channels are zero, so at every layer the residual stream holds
-  exactly the embedding there.
-- `post_attention_layernorm` and the final `norm` have weight 0 (a factor 1 + 0) there.
-- Each layer's router reads only the reserved channels:
-      logit[e] = popularity * pop[l, e] + topic * <u[l, e], T> + token * <w[l, e], code>
-  (pop ~ N(0, 1) per layer and expert: log-normal expert popularity; u, w ~ N(0, 1/dims)).
-  RMSNorm divides the whole hidden state by one number per token, which never changes a
-  top-k, so the routing is a function of the token sequence alone: the same at every depth,
-  on every device and for any number of layers.
-- The lm_head reads only the `token` channels, and row `next(t)` holds token t's code: greedy
-  decoding walks a fixed cycle through the regular tokens of the tiny tokenizer (the specials
-  are left out, so EOS never comes), whatever the prompt. Along the cycle the topic vectors
-  are a smooth periodic Gaussian process (two correlation lengths), which is where the
-  token-to-token locality comes from; the token codes add per-token spread.
-
-`RealisticRouting` holds the design (deterministic in its seed); `expected_topk` computes the
-routing of any token sequence from the tensors as written, which is what the model computes.
+A random router spreads tokens uniformly over the experts (the expert cache's worst case).
+`RealisticRouting` builds the few tensors that make a random Qwen3.5-MoE checkpoint route like
+a real one while it stays an ordinary checkpoint (calibration and design: docs/ROUTING.md).
+The last R hidden channels are reserved (`ChannelLayout`): the embedding writes them (a
+constant popularity carrier, the token's topic vector, its ±1 identity code), no layer writes
+them (zero rows of o_proj, out_proj and every down_proj), the norms in front of the routers
+weigh them 1 + 0, and each router reads only them:
+    logit[e] = popularity * pop[l, e] + topic * <u[l, e], T> + token * <w[l, e], code>
+so the routing is a function of the token sequence alone (`expected_topk`). The lm_head maps
+each code to the next token of a fixed cycle, along which the topics are a smooth periodic
+Gaussian process: greedy decoding walks the cycle, with a real model's locality.
 """
-
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -232,27 +211,6 @@ def expected_topk(block: torch.Tensor, routers: list[torch.Tensor], reserved: sl
     x = block.double()
     out = [torch.topk(x @ w[:, reserved].double().T, top_k, dim=-1).indices for w in routers]
     return torch.stack(out, dim=1).numpy()
-
-
-def trace_from_checkpoint(path: str | Path, tokens: list[int] | np.ndarray) -> np.ndarray:
-    """The routing [T, L, k] a realistic checkpoint at `path` gives `tokens` (read from its
-    embedding and routers; the checkpoint must have been written with realistic routing)."""
-    from tinyserve.model.config import load_config
-    from tinyserve.model.loader import CheckpointReader
-
-    path = Path(path)
-    manifest = json.loads((path / ROUTING_FILE).read_text())
-    lo, hi = manifest["reserved_channels"]
-    config = load_config(path)
-    reader = CheckpointReader(path)
-    names = set(reader.names())
-    prefix = next(p for p in ("model.language_model.", "model.")
-                  if p + "embed_tokens.weight" in names)
-    ids = torch.as_tensor(np.asarray(tokens), dtype=torch.int64)
-    block = reader.get(prefix + "embed_tokens.weight")[ids, lo:hi].float()
-    routers = [reader.get(f"{prefix}layers.{la}.mlp.gate.weight").float()
-               for la in range(config.num_layers)]
-    return expected_topk(block, routers, slice(lo, hi), config.num_experts_per_tok)
 
 
 def _periodic_process(n: int, dims: int, profile: RoutingProfile,

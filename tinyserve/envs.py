@@ -30,16 +30,6 @@ class BoolEnv(_Env):
 
 
 @dataclass(frozen=True)
-class IntEnv(_Env):
-    def get(self) -> int:
-        value = self.raw()
-        try:
-            return int(value)
-        except ValueError:
-            raise ValueError(f"{self.name}={value!r} is not an integer") from None
-
-
-@dataclass(frozen=True)
 class PathEnv(_Env):
     def get(self) -> Path:
         return Path(os.path.expanduser(self.raw()))

@@ -34,10 +34,10 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from bench.routing import ROUTING_FILE, expected_topk
 from tinyserve.model.config import load_config
 from tinyserve.model.loader import CheckpointReader
 from tinyserve.offload.cache import ExpertCachePolicy
-from tinyserve.testing.routing import ROUTING_FILE, expected_topk
 
 ENGINE_WEIGHTS = {"lru": 0.0, "lru-f2": 2.0, "lru-f16": 16.0, "lfu": 1e9}
 CANDIDATES = ("lru-layer", "slru", "lru2")

@@ -41,7 +41,7 @@
 #            merged into the same results/kv_formats.json); run each in its own command
 #   realistic
 #            checkpoint_realistic ~1-3 min  the same checkpoint with realistic routing
-#                                       (testing.routing) in $TINYSERVE_FULLSIZE_DIR-realistic
+#                                       (bench.routing) in $TINYSERVE_FULLSIZE_DIR-realistic
 #            realistic_decode ~5-6 min  bench/realistic_decode.py: decode at 6 GiB under
 #                                       realistic routing (and uniform, when the random
 #                                       checkpoint is there), against --max-context and at

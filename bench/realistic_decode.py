@@ -84,8 +84,8 @@ def run_case(ckpt: str, extra: list[str]) -> dict:
 def design(ckpt: str | None):
     """The checkpoint's routing design (seed from its manifest; seed 0 without one: what
     `--routing realistic` writes by default), full-size geometry."""
+    from bench.routing import ROUTING_FILE, RealisticRouting
     from tinyserve.model.config import ModelConfig
-    from tinyserve.testing.routing import ROUTING_FILE, RealisticRouting
     from tinyserve.testing.tokenizer import special_token_ids
 
     manifest = Path(ckpt or "") / ROUTING_FILE

@@ -1,4 +1,4 @@
-"""Calibration of the realistic routing (`testing.routing`) against published expert-cache
+"""Calibration of the realistic routing (`bench.routing`) against published expert-cache
 hit rates of real Qwen MoE models, on the CPU.
 
 1. model: writes the full-size checkpoint with `--routing realistic` and `--layers` layers
@@ -37,12 +37,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench.cache_sim import hit_curve, trace_from_checkpoint  # noqa: E402
 from bench.common import Recorder, run_meta  # noqa: E402
-from tinyserve.core import DenseWeight, FP8Weight, SamplingParams  # noqa: E402
-from tinyserve.model.config import ModelConfig  # noqa: E402
-from tinyserve.testing.routing import (  # noqa: E402
+from bench.routing import (  # noqa: E402
     REALISTIC,
     RealisticRouting,
 )
+from tinyserve.core import DenseWeight, FP8Weight, SamplingParams  # noqa: E402
+from tinyserve.model.config import ModelConfig  # noqa: E402
 from tinyserve.testing.tokenizer import special_token_ids  # noqa: E402
 
 RESULT = ROOT / "bench" / "results" / "routing_calibration.json"

@@ -156,7 +156,7 @@ def test_default_weight_on_realistic_routing() -> None:
     term loses, and gains over plain LRU for a batch of four."""
     from bench.cache_sim import EnginePolicy, batch_trace
     from bench.cache_sim import simulate as replay
-    from tinyserve.testing.routing import RealisticRouting
+    from bench.routing import RealisticRouting
 
     d = RealisticRouting(hidden=2048, num_experts=256, top_k=8, vocab_size=500,
                          text_tokens=range(491))

@@ -11,15 +11,23 @@ weigh them 1 + 0, and each router reads only them:
 so the routing is a function of the token sequence alone (`expected_topk`). The lm_head maps
 each code to the next token of a fixed cycle, along which the topics are a smooth periodic
 Gaussian process: greedy decoding walks the cycle, with a real model's locality.
+`make_realistic_tiny_checkpoint` writes a tiny checkpoint that routes this way; `bench.fullsize`
+a full-size one.
 """
+
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-ROUTINGS = ("uniform", "realistic")  # the test checkpoints' `routing=` choices
+from tinyserve.testing import make_tiny_checkpoint, special_token_ids, tiny_text_config
+
+ROUTINGS = ("uniform", "realistic")  # the full-size checkpoint's `routing=` choices
 ROUTING_FILE = "tinyserve_routing.json"  # written beside a checkpoint that routes this way
 EMBED_SCALE = 0.02  # magnitude of the reserved embedding channels (the random ones' std)
 
@@ -232,3 +240,53 @@ def _hadamard(n: int) -> np.ndarray:
     while h.shape[0] < n:
         h = np.block([[h, h], [h, -h]])
     return h
+
+
+def make_realistic_tiny_checkpoint(path: str | Path, *, fmt: str = "bf16", seed: int = 0,
+                                   **config_overrides: Any) -> Path:
+    """`make_tiny_checkpoint` with realistic routing: the routing is a function of the token
+    sequence and greedy decoding walks a fixed cycle of tokens; the design's manifest is
+    written to `ROUTING_FILE`. Raises ValueError for a tied lm_head."""
+    text = tiny_text_config(**config_overrides)
+    if text["tie_word_embeddings"]:
+        raise ValueError("realistic routing needs an untied lm_head")
+    design = _routing_design(text, seed)
+    path = make_tiny_checkpoint(path, fmt=fmt, seed=seed, **config_overrides,
+                                transform=lambda state: route_state_dict(state, design))
+    (path / ROUTING_FILE).write_text(json.dumps(design.manifest()) + "\n")
+    return path
+
+
+def _routing_design(text: dict[str, Any], seed: int) -> RealisticRouting:
+    return RealisticRouting(hidden=text["hidden_size"], num_experts=text["num_experts"],
+                            top_k=text["num_experts_per_tok"], vocab_size=text["vocab_size"],
+                            text_tokens=range(min(special_token_ids().values())), seed=seed)
+
+
+# Tensors that write the residual stream (their rows at the routing channels become 0) and
+# the norms in front of the routers and the lm_head (weight 0 there: a factor 1 + 0).
+_WRITERS = ("self_attn.o_proj.weight", "linear_attn.out_proj.weight",
+            "mlp.shared_expert.down_proj.weight")
+_ROUTED_NORMS = ("post_attention_layernorm.weight", "model.norm.weight")
+
+
+def route_state_dict(state: dict[str, torch.Tensor],
+                     design: RealisticRouting) -> dict[str, torch.Tensor]:
+    """`state` (HF names, fused experts) routing as `design` says."""
+    res = design.reserved
+    out = dict(state)
+    for name, t in state.items():
+        if name == "model.embed_tokens.weight":
+            t = design.embedding(t)
+        elif name.endswith("mlp.gate.weight"):
+            t = design.router(int(name.split(".")[2])).to(t.dtype)
+        elif name == "lm_head.weight":
+            t = design.lm_head(len(t)).to(t.dtype)
+        elif name.endswith(_WRITERS) or name.endswith(_ROUTED_NORMS):
+            t = t.clone()
+            t[res] = 0
+        elif name.endswith("mlp.experts.down_proj"):  # [E, H, F]
+            t = t.clone()
+            t[:, res] = 0
+        out[name] = t
+    return out

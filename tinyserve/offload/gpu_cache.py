@@ -46,15 +46,9 @@ def _record(event: Any, device: torch.device) -> None:
 
 
 class DeviceExpertCache:
-    """`num_slots` expert slots on `device`, filled from `store` on demand.
-
-    Args:
-        store: the host expert store (all layers).
-        num_slots: slots in the pool (>= experts per layer; the planner's `expert_slots`).
-        max_ids: most (token, k) pairs one lookup may see (prefill chunk x top_k).
-        mode: "device", "host" or None (device when CUDA and the store is registered).
-        use_triton: run the Triton kernels (default: on CUDA); else the torch references.
-    """
+    """`num_slots` (>= experts per layer) expert slots on `device`, filled from `store` on
+    demand. `max_ids`: most (token, k) pairs one lookup may see; `mode`: "device", "host" or
+    None (device when CUDA and the store is pinned); `use_triton`: default on CUDA."""
 
     def __init__(self, store: HostExpertStore, num_slots: int, *, device: torch.device | str,
                  dtype: torch.dtype = torch.bfloat16, max_ids: int = 2048 * 8,
@@ -225,11 +219,8 @@ class DeviceExpertCache:
     def lookup(self, layer: int, topk_ids: torch.Tensor, *, split: torch.Tensor | None = None,
                on_lookup: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Slots [N, k] int32 holding `topk_ids` of `layer`, after copying in the misses.
-
-        `split` (fp32 [2] on the device, `offload.hybrid`): the misses it leaves to the CPU get
-        slot -1 and are neither loaded nor counted here. `on_lookup(slot_ids)` runs once the
-        slots are known and before the miss copies are queued (the CPU work forks there, so
-        that it does not wait for the copies)."""
+        `split` (`offload.hybrid`): misses left to the CPU get slot -1, not loaded or counted.
+        `on_lookup(slot_ids)` runs before the miss copies are queued (the CPU work forks)."""
         if self.mode == "host":
             slots = self._lookup_host(layer, topk_ids, split)
             if on_lookup is not None:
@@ -320,13 +311,9 @@ class DeviceExpertCache:
         self._fill_victims()
 
     def evict_slots(self, start: int, stop: int) -> None:
-        """Forget what slots [start, stop) hold: device table and owner entries and the policy
-        mirror's, so that no lookup finds them; they stay free until a lookup takes them.
-
-        For the prefill streaming regions (`offload.prefetch`): the caller writes the slots
-        itself, ordered after every earlier reader, and runs no lookup until its writes are
-        ordered before the compute stream's next work. Stream-ordered, no host sync.
-        """
+        """Forget what slots [start, stop) hold (device table and owner, the policy mirror), so
+        no lookup finds them until one takes them again. For `offload.prefetch`, whose writes
+        to the slots are ordered before the next lookup. Stream-ordered, no host sync."""
         dump = self.table.numel() - 1
         held = self.owner[start:stop]
         self.table.index_fill_(0, torch.where(held >= 0, held, dump).long(), -1)

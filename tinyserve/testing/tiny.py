@@ -1,20 +1,12 @@
 """Tiny random Qwen3.5-MoE checkpoints for tests, `tinyserve demo` and benchmarks.
 
 `make_tiny_checkpoint(path, fmt=..., seed=..., **overrides)` writes a complete checkpoint
-directory (config, generation config, tokenizer, safetensors) built from a random
-`transformers.Qwen3_5MoeForCausalLM` (specs/qwen35_moe.md §5) with every norm weight, A_log
-and dt_bias randomised so that none of them is a no-op. Formats:
-
-- "bf16": flat `qwen3_5_moe_text` config, `model.` prefix, per-expert keys, one file.
-- "bf16-official": the official layout: nested `text_config` + small `vision_config`,
-  `model.language_model.` prefix, fused 3-D experts, dummy `model.visual.*` and `mtp.*`
-  tensors (the loader must skip them), two shards with an index.
-- "modelopt", "compressed-tensors": the "bf16" checkpoint run through
-  `tinyserve.model.quantize.quantize_checkpoint` (NVFP4 experts, shared experts, q/k/v/o).
-- "modelopt-mixed": ModelOpt MIXED_PRECISION like nvidia/Qwen3.6-35B-A3B-NVFP4: NVFP4 experts,
-  shared experts and lm_head; FP8 self_attn q/k/v/o and GDN in_proj_qkv/in_proj_z/out_proj.
-
-A_log and linear_attn.norm are stored F32 (as in Qwen3.5), everything else BF16.
+(config, generation config, tokenizer, safetensors) of a random
+`transformers.Qwen3_5MoeForCausalLM` (specs/qwen35_moe.md §5), norms, A_log and dt_bias
+randomised so that none is a no-op. Formats: "bf16" (flat text config, per-expert keys, one
+file); "bf16-official" (nested `text_config` + `vision_config`, `model.language_model.`
+prefix, fused 3-D experts, dummy vision and MTP tensors, two shards); "modelopt",
+"compressed-tensors" and "modelopt-mixed" (the "bf16" one through `quantize_checkpoint`).
 """
 
 from __future__ import annotations

@@ -186,10 +186,6 @@ def load_config(path: str | Path) -> ModelConfig:
         model_type=str(text.get("model_type", model_type)),
         quant=_quant_config(cfg_file, root),
     )
-    return _build(values, where)
-
-
-def _build(values: dict[str, Any], where: str) -> ModelConfig:
     try:
         return ModelConfig(**values)
     except ConfigError as exc:

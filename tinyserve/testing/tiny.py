@@ -23,6 +23,7 @@ from tinyserve.model.config import default_layer_types
 from tinyserve.model.quantize import CheckpointWriter, quantize_checkpoint
 from tinyserve.testing.tokenizer import save_tiny_tokenizer
 
+StateTransform = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 FORMATS = ("bf16", "bf16-official", "modelopt", "compressed-tensors", "modelopt-mixed")
 
 # specs/qwen35_moe.md §5, with room in the vocabulary for the tiny tokenizer (500 ids).
@@ -75,8 +76,8 @@ def tiny_text_config(**overrides: Any) -> dict[str, Any]:
 
 
 def make_tiny_checkpoint(path: str | Path, *, fmt: str = "bf16", seed: int = 0,
-                         transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
-                         | None = None, **config_overrides: Any) -> Path:
+                         transform: StateTransform | None = None,
+                         **config_overrides: Any) -> Path:
     """Write a tiny random checkpoint to directory `path` (created) and return it.
 
     `config_overrides` are Qwen3_5MoeTextConfig fields applied over TINY_CONFIG (e.g.

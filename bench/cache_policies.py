@@ -3,13 +3,13 @@
 Traces (Qwen3.5-35B-A3B geometry: 40 layers x 256 experts, top-8), `--steps` decode steps
 after `--warmup` (the hit rate counts the steps after the warm-up):
 - realistic_b1 / realistic_b4: the routing of the full-size checkpoint written with
-  `--routing realistic` (testing.routing; computed from its embedding and routers, which is
+  `--routing realistic` (bench.routing; computed from its embedding and routers, which is
   what the model routes), one sequence, or four decoding together (different points of
   the text);
 - uniform_b1: uniform random routing, what the random checkpoint's router does.
 
 Per trace and cache size (5 %-50 % of the 10,240 experts, one pool shared by the layers):
-- host: `offload.cache_sim` policies (exact bookkeeping, one decision per layer): the
+- host: `bench.cache_sim` policies (exact bookkeeping, one decision per layer): the
   engine's `ExpertCachePolicy` as "lru" (freq_weight 0), "lru-f2" (2, the default), "lru-f16"
   (16) and "lfu"; the candidates "lru-layer" (per-layer quotas), "slru" (segmented LRU),
   "lru2" (LRU-2); "belady" (clairvoyant optimum, an upper bound);
@@ -35,19 +35,19 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import Recorder, run_meta  # noqa: E402
-from tinyserve.model.config import ModelConfig  # noqa: E402
-from tinyserve.offload.cache import ExpertCachePolicy  # noqa: E402
-from tinyserve.offload.cache_sim import (  # noqa: E402
+from bench.cache_sim import (  # noqa: E402
     ENGINE_WEIGHTS,
     POLICIES,
     batch_trace,
     hit_curve,
     uniform_trace,
 )
+from bench.common import Recorder, run_meta  # noqa: E402
+from bench.routing import REALISTIC, RealisticRouting  # noqa: E402
+from tinyserve.model.config import ModelConfig  # noqa: E402
+from tinyserve.offload.cache import ExpertCachePolicy  # noqa: E402
 from tinyserve.offload.gpu_cache import DeviceExpertCache  # noqa: E402
 from tinyserve.offload.store import HostExpertStore  # noqa: E402
-from tinyserve.testing.routing import REALISTIC, RealisticRouting  # noqa: E402
 from tinyserve.testing.tokenizer import special_token_ids  # noqa: E402
 
 RESULT = ROOT / "bench" / "results" / "cache_policies.json"

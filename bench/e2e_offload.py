@@ -8,7 +8,7 @@ own; the engine at `--gpu-memory 6GiB` is measured by bench/memory_budget.py and
 bench/realistic_decode.py.
 
 Cases:
-- checkpoint: write it (testing.fullsize) unless it is already there.
+- checkpoint: write it (bench.fullsize) unless it is already there.
 - store: load the routed experts into the registered host store.
 - h2d: plain pinned-memory copy (the baseline), cudaMemcpy from the registered store, the
   zero-copy copy kernel over 256 random experts (block sweep) and over 8 (a decode layer),
@@ -101,7 +101,7 @@ def mem_used() -> int:
 def case_checkpoint(ckpt: Path, layers: int | None) -> dict:
     if (ckpt / "config.json").is_file():
         return {"path": str(ckpt), "written": False}
-    from tinyserve.testing.fullsize import write_fullsize_checkpoint
+    from bench.fullsize import write_fullsize_checkpoint
 
     write_fullsize_checkpoint(ckpt, layers=layers)
     size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))

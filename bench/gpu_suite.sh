@@ -41,7 +41,7 @@
 #            merged into the same results/kv_formats.json); run each in its own command
 #   realistic
 #            checkpoint_realistic ~1-3 min  the same checkpoint with realistic routing
-#                                       (testing.routing) in $TINYSERVE_FULLSIZE_DIR-realistic
+#                                       (bench.routing) in $TINYSERVE_FULLSIZE_DIR-realistic
 #            realistic_decode ~5-6 min  bench/realistic_decode.py: decode at 6 GiB under
 #                                       realistic routing (and uniform, when the random
 #                                       checkpoint is there), against --max-context and at
@@ -117,7 +117,7 @@ have_ckpt() { [[ -f $CKPT/config.json && -f $CKPT/model.safetensors.index.json ]
 ensure_ckpt() {  # write into a side directory, then move it in: no half-written checkpoint
     have_ckpt && return 0
     rm -rf "$CKPT.partial"
-    run_step checkpoint 420 python3 -m tinyserve.testing.fullsize "$CKPT.partial" &&
+    run_step checkpoint 420 python3 -m bench.fullsize "$CKPT.partial" &&
         { [[ $DRY == 1 ]] || { rm -rf "$CKPT" && mv "$CKPT.partial" "$CKPT"; }; }
 }
 
@@ -128,7 +128,7 @@ need_ckpt() {
 ensure_realistic() {  # the checkpoint with realistic routing, written the same way
     [[ -f $RCKPT/config.json && -f $RCKPT/model.safetensors.index.json ]] && return 0
     rm -rf "$RCKPT.partial"
-    run_step checkpoint_realistic 420 python3 -m tinyserve.testing.fullsize "$RCKPT.partial" \
+    run_step checkpoint_realistic 420 python3 -m bench.fullsize "$RCKPT.partial" \
         --routing realistic &&
         { [[ $DRY == 1 ]] || { rm -rf "$RCKPT" && mv "$RCKPT.partial" "$RCKPT"; }; }
 }

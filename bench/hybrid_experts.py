@@ -1,7 +1,7 @@
 """Hybrid expert execution (`--experts gpu|cpu|hybrid`): decode tok/s of each mode in one run.
 
 One engine is built on the full-size random Qwen3.5-35B-A3B-shaped NVFP4 checkpoint
-(testing.fullsize; written unless it is there) with `--gpu-memory 6GiB --kv iso3`; the pinned
+(bench.fullsize; written unless it is there) with `--gpu-memory 6GiB --kv iso3`; the pinned
 store is loaded once and each case switches the experts' plan and recaptures the decode
 graphs. Writes bench/results/hybrid_experts.json after every case.
 
@@ -179,7 +179,7 @@ def main() -> int:
     from tinyserve.engine.config import EngineConfig
 
     if not (Path(args.ckpt) / "config.json").is_file():
-        from tinyserve.testing.fullsize import write_fullsize_checkpoint
+        from bench.fullsize import write_fullsize_checkpoint
 
         write_fullsize_checkpoint(Path(args.ckpt))
     config = EngineConfig(model=args.ckpt, kv=args.kv, gpu_memory=args.gpu_memory,

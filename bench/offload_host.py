@@ -8,7 +8,7 @@ here the references compute on the CPU) and one `begin_step()`, which is pure ho
 GPU too: read the step's device logs, replay them into the policy, write the next victim lists.
 
 Routing: uniform random (8 distinct of 256 per layer) and the skewed Zipf(1.0) trace of
-`offload.cache.synthetic_trace`, at 1 and 8 tokens per step (`--batch`). Two orders of the
+`bench.cache_sim.synthetic_trace`, at 1 and 8 tokens per step (`--batch`). Two orders of the
 policy work per case:
 - `serial`: lookups, then `begin_step()` at the boundary (victims one step behind; on a GPU
   the device waits for it);
@@ -35,8 +35,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.cache_sim import synthetic_trace  # noqa: E402
 from bench.common import Recorder, run_meta  # noqa: E402
-from tinyserve.offload.cache import synthetic_trace  # noqa: E402
 from tinyserve.offload.gpu_cache import IN_FLIGHT_MARGIN, DeviceExpertCache  # noqa: E402
 from tinyserve.offload.store import HostExpertStore  # noqa: E402
 

@@ -2,7 +2,7 @@
 rates, against `--max-context` and against the cache size, beside uniform routing.
 
 Checkpoints: the full-size one written with realistic routing (`--ckpt`; written when it is
-missing: ~21 GB, `python -m tinyserve.testing.fullsize DIR --routing realistic`) and, for the
+missing: ~21 GB, `python -m bench.fullsize DIR --routing realistic`) and, for the
 side-by-side, the random one with uniform routing (`--uniform-ckpt`, optional). Every case is
 `tinyserve bench CKPT --kv iso3 --prompt-len 1024 --gen-len 512 --json ...` in a fresh
 process (a budgeted engine caps its process's allocator), batch 1:
@@ -84,8 +84,8 @@ def run_case(ckpt: str, extra: list[str]) -> dict:
 def design(ckpt: str | None):
     """The checkpoint's routing design (seed from its manifest; seed 0 without one: what
     `--routing realistic` writes by default), full-size geometry."""
+    from bench.routing import ROUTING_FILE, RealisticRouting
     from tinyserve.model.config import ModelConfig
-    from tinyserve.testing.routing import ROUTING_FILE, RealisticRouting
     from tinyserve.testing.tokenizer import special_token_ids
 
     manifest = Path(ckpt or "") / ROUTING_FILE
@@ -142,7 +142,7 @@ def main() -> int:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         return 0
     if not (Path(args.ckpt) / "config.json").is_file():
-        from tinyserve.testing.fullsize import write_fullsize_checkpoint
+        from bench.fullsize import write_fullsize_checkpoint
 
         write_fullsize_checkpoint(args.ckpt, routing="realistic")
     rec = Recorder(args.out, run_meta(

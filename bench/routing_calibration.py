@@ -1,4 +1,4 @@
-"""Calibration of the realistic routing (`testing.routing`) against published expert-cache
+"""Calibration of the realistic routing (`bench.routing`) against published expert-cache
 hit rates of real Qwen MoE models, on the CPU.
 
 1. model: writes the full-size checkpoint with `--routing realistic` and `--layers` layers
@@ -6,7 +6,7 @@ hit rates of real Qwen MoE models, on the CPU.
    model (tinyserve.model on the CPU) greedily for `--tokens` decode tokens after a random
    prompt, records every layer's routed experts and checks that the tokens walk the design's
    cycle and that the routing equals the one computed from the written embedding and routers
-   (`testing.routing.trace_from_checkpoint`).
+   (`bench.cache_sim.trace_from_checkpoint`).
 2. curves: plain-LRU hit rate at 5-50 % of the experts resident (warm: after `--warmup`
    steps), global pool (the engine's `ExpertCachePolicy` with freq_weight 0) and per-layer
    pools, from the recorded trace and from the computed routing of all 40 layers over
@@ -35,15 +35,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.cache_sim import hit_curve, trace_from_checkpoint  # noqa: E402
 from bench.common import Recorder, run_meta  # noqa: E402
-from tinyserve.core import DenseWeight, FP8Weight, SamplingParams  # noqa: E402
-from tinyserve.model.config import ModelConfig  # noqa: E402
-from tinyserve.offload.cache_sim import hit_curve  # noqa: E402
-from tinyserve.testing.routing import (  # noqa: E402
+from bench.routing import (  # noqa: E402
     REALISTIC,
     RealisticRouting,
-    trace_from_checkpoint,
 )
+from tinyserve.core import DenseWeight, FP8Weight, SamplingParams  # noqa: E402
+from tinyserve.model.config import ModelConfig  # noqa: E402
 from tinyserve.testing.tokenizer import special_token_ids  # noqa: E402
 
 RESULT = ROOT / "bench" / "results" / "routing_calibration.json"
@@ -63,9 +62,9 @@ def design(seed: int) -> RealisticRouting:
 
 def model_run(layers: int, tokens: int, prompt_len: int, seed: int) -> tuple[dict, np.ndarray]:
     """Decode on the CPU reference model; (checks, recorded decode trace [T, layers, k])."""
+    from bench.fullsize import write_fullsize_checkpoint
     from tinyserve.engine.llm import LLM
     from tinyserve.model.linear import dequantize
-    from tinyserve.testing.fullsize import write_fullsize_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="routing-cal-") as tmp:
         t0 = time.perf_counter()

@@ -9,7 +9,7 @@ Suites: kernels, step (the decode step and the whole engine), offload (memory, e
 offload and cache policy), serving, quality. Each script writes its JSON into bench/results/
 (device, versions, date, commit and the baseline measured in the same run) and runs alone as
 `python bench/<script>.py`. `--ckpt` (default $TINYSERVE_FULLSIZE_DIR, else
-/tmp/tinyserve-fullsize) is the full-size checkpoint (`python -m tinyserve.testing.fullsize
+/tmp/tinyserve-fullsize) is the full-size checkpoint (`python -m bench.fullsize
 DIR`; `DIR-realistic` with `--routing realistic`); a script that needs a GPU is skipped
 without one, a script that needs the checkpoint is skipped while it is missing. A line per
 script at the end: exit code and seconds. `bash bench/gpu_suite.sh` runs the CUDA tests with

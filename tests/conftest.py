@@ -34,8 +34,9 @@ def shared_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
-    """Factory: `tiny_checkpoint(fmt="bf16", **overrides) -> Path` of a tiny random checkpoint
-    (tinyserve.testing.make_tiny_checkpoint), built once per (fmt, overrides) per session.
+    """Factory: `tiny_checkpoint(fmt="bf16", routing="uniform", **overrides) -> Path` of a tiny
+    random checkpoint (tinyserve.testing.make_tiny_checkpoint; `routing="realistic"`:
+    bench.routing.make_realistic_tiny_checkpoint), built once per arguments per session.
     Treat the directory as read-only."""
     import json
 
@@ -44,11 +45,13 @@ def tiny_checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_checkpoints")
     cache: dict[str, Path] = {}
 
-    def make(fmt: str = "bf16", **overrides) -> Path:
-        key = json.dumps([fmt, overrides], sort_keys=True, default=str)
+    def make(fmt: str = "bf16", routing: str = "uniform", **overrides) -> Path:
+        key = json.dumps([fmt, routing, overrides], sort_keys=True, default=str)
         if key not in cache:
-            cache[key] = make_tiny_checkpoint(root / f"ckpt{len(cache)}-{fmt}", fmt=fmt,
-                                              **overrides)
+            maker = make_tiny_checkpoint
+            if routing == "realistic":
+                from bench.routing import make_realistic_tiny_checkpoint as maker
+            cache[key] = maker(root / f"ckpt{len(cache)}-{fmt}", fmt=fmt, **overrides)
         return cache[key]
 
     return make

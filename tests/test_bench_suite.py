@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import run  # noqa: E402
 
-HELPERS = {"common", "run"}
+HELPERS = {"cache_sim", "common", "fullsize", "routing", "run"}
 
 
 def test_every_script_has_one_place() -> None:

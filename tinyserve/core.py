@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-# --------------------------------------------------------------------------------------------
 # Sampling
 
 
@@ -115,7 +114,6 @@ def _check(ok: bool, param: str, message: str) -> None:
         raise ParamError(param, message)
 
 
-# --------------------------------------------------------------------------------------------
 # Scheduler <-> runner
 
 
@@ -181,7 +179,6 @@ class ForwardOutput:
     logprobs: list[TokenLogprobs | None] | None = None
 
 
-# --------------------------------------------------------------------------------------------
 # Per-forward context
 
 
@@ -230,7 +227,6 @@ class ForwardContext:
         return all(q == 1 for q in self.q_lens_cpu) and all(p > 0 for p in self.prefix_lens_cpu)
 
 
-# --------------------------------------------------------------------------------------------
 # Weights of one linear layer (y = x @ W.T, W is [out, in])
 
 

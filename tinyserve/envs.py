@@ -30,16 +30,6 @@ class BoolEnv(_Env):
 
 
 @dataclass(frozen=True)
-class IntEnv(_Env):
-    def get(self) -> int:
-        value = self.raw()
-        try:
-            return int(value)
-        except ValueError:
-            raise ValueError(f"{self.name}={value!r} is not an integer") from None
-
-
-@dataclass(frozen=True)
 class PathEnv(_Env):
     def get(self) -> Path:
         return Path(os.path.expanduser(self.raw()))
@@ -56,7 +46,7 @@ CUDA_ARCH = StrEnv("TINYSERVE_CUDA_ARCH", "",
 API_KEY = StrEnv("TINYSERVE_API_KEY", "",
                  "API key(s), comma-separated, when `tinyserve run` gets no --api-key")
 FULLSIZE_DIR = StrEnv("TINYSERVE_FULLSIZE_DIR", "",
-                      "tests and benches: the full-size random checkpoint (testing.fullsize)")
+                      "tests and benches: the full-size random checkpoint (bench.fullsize)")
 WRITE_RESULTS = BoolEnv("TINYSERVE_WRITE_RESULTS", "0",
                         "tests: also write their measured figures to bench/results/*.json")
 BENCH_COMMIT = StrEnv("TINYSERVE_BENCH_COMMIT", "",

@@ -16,7 +16,7 @@ mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
 ROWS=$OUT/kernel_paths.jsonl
 if [[ ! -f $CKPT/config.json ]]; then
     t0=$SECONDS
-    python3 -m tinyserve.testing.fullsize "$CKPT.partial" > "$OUT/checkpoint.log" 2>&1 \
+    python3 -m bench.fullsize "$CKPT.partial" > "$OUT/checkpoint.log" 2>&1 \
         && mv "$CKPT.partial" "$CKPT"
     echo "checkpoint written in $((SECONDS - t0)) s"
 fi

@@ -52,7 +52,7 @@ graph() {  # log name, then pytest arguments: the full-size graph == eager cases
 }
 if [[ ${GRAPH:-0} == 1 ]]; then
     if [[ ! -f $CKPT/config.json ]]; then
-        python3 -m tinyserve.testing.fullsize "$CKPT.partial" > "$OUT/checkpoint.log" 2>&1 \
+        python3 -m bench.fullsize "$CKPT.partial" > "$OUT/checkpoint.log" 2>&1 \
             && mv "$CKPT.partial" "$CKPT"
         echo "checkpoint written at $((SECONDS - T0)) s" >> "$OUT/graph.txt"
     fi

@@ -1,5 +1,5 @@
 """Graph and eager decode give the same greedy tokens on the full-size random Qwen3.5-35B-A3B
-NVFP4 checkpoint (`testing.fullsize`, at $TINYSERVE_FULLSIZE_DIR), built as `tinyserve run`
+NVFP4 checkpoint (`bench.fullsize`, at $TINYSERVE_FULLSIZE_DIR), built as `tinyserve run`
 builds it (`engine.build.build_parts`): --kv iso3 and bf16, experts resident and under
 --gpu-memory 6GiB, each case in a fresh process (the allocator cap of a budget counts every
 byte the process still holds).
@@ -245,12 +245,12 @@ def _fullsize_missing() -> str | None:
     raw = envs.FULLSIZE_DIR.get().strip()
     if not raw:
         return ("TINYSERVE_FULLSIZE_DIR is not set (write the ~21 GB checkpoint with "
-                "`python -m tinyserve.testing.fullsize DIR` and point the variable at it)")
+                "`python -m bench.fullsize DIR` and point the variable at it)")
     path = Path(raw).expanduser()
     if not (path / "config.json").is_file() or not (
             path / "model.safetensors.index.json").is_file():
         return (f"TINYSERVE_FULLSIZE_DIR={raw} holds no checkpoint (write it with "
-                f"`python -m tinyserve.testing.fullsize {raw}`)")
+                f"`python -m bench.fullsize {raw}`)")
     return None
 
 

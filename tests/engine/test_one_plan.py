@@ -21,7 +21,7 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def geometry(tmp_path_factory) -> Path:
-    from tinyserve.testing.fullsize import write_fullsize_checkpoint
+    from bench.fullsize import write_fullsize_checkpoint
 
     return write_fullsize_checkpoint(tmp_path_factory.mktemp("geom") / "Qwen3.5-35B-A3B-NVFP4",
                                      sparse=True)

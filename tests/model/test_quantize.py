@@ -122,7 +122,8 @@ def test_mixed_recipe_round_trip(tiny_checkpoint, tmp_path):
     dst = quantize_checkpoint(src, tmp_path / "mixed", "modelopt", recipe="mixed")
     cfg = load_config(dst)
     assert (cfg.quant.method, cfg.quant.algo) == ("modelopt", "MIXED_PRECISION")
-    layers = dict(cfg.quant.quantized_layers)
+    hf = json.loads((dst / "hf_quant_config.json").read_text())["quantization"]
+    layers = {k: v["quant_algo"] for k, v in hf["quantized_layers"].items()}
     assert layers["model.layers.0.mlp.experts"] == "W4A16_NVFP4"
     assert layers["lm_head"] == "W4A16_NVFP4"
     assert layers["model.layers.3.self_attn.q_proj"] == "FP8"

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from bench.cache_sim import synthetic_trace
 from tinyserve.offload import gpu_cache
-from tinyserve.offload.cache import ExpertCachePolicy, synthetic_trace
+from tinyserve.offload.cache import ExpertCachePolicy
 from tinyserve.offload.gpu_cache import DeviceExpertCache
 from tinyserve.offload.store import HostExpertStore
 

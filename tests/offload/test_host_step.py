@@ -11,7 +11,8 @@ import random
 import pytest
 import torch
 
-from tinyserve.offload.cache import ExpertCachePolicy, synthetic_trace
+from bench.cache_sim import synthetic_trace
+from tinyserve.offload.cache import ExpertCachePolicy
 from tinyserve.offload.gpu_cache import DeviceExpertCache
 from tinyserve.offload.store import HostExpertStore
 
@@ -112,7 +113,7 @@ def test_device_mode_begin_step_matches_the_heap_replay(kind: str, tokens: int) 
             first = dict(zip(ids, slot_ids, strict=True))  # first appearance order
             es = list(first)
             ref.observe(layer, es, [first[e] for e in es],
-                        [ref.slot_of(layer, e) != first[e] for e in es])
+                        [ref.where.get((layer, e), -1) != first[e] for e in es])
             ref.release()
         ref.end_step()
         assert cache.policy.where == ref.where

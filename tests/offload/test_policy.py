@@ -7,12 +7,8 @@ import random
 
 import pytest
 
-from tinyserve.offload.cache import (
-    CacheFullError,
-    ExpertCachePolicy,
-    simulate,
-    synthetic_trace,
-)
+from bench.cache_sim import policy_hit_rate, synthetic_trace
+from tinyserve.offload.cache import CacheFullError, ExpertCachePolicy
 
 
 class RefCache:
@@ -119,7 +115,7 @@ def test_observe_replays_the_host_decisions() -> None:
             # As many candidates as distinct experts: the device kernel skips the slots this
             # layer hits and hands the rest to the misses in order.
             unique = list(dict.fromkeys(ids))
-            hit_slots = {b.slot_of(layer, e) for e in unique} - {-1}
+            hit_slots = {b.where.get((layer, e), -1) for e in unique} - {-1}
             victims = [v for v in b.victims(len(unique)) if v not in hit_slots]
             slots, loads = a.access(layer, ids)
             loaded_slots = [s for _, s in loads]
@@ -149,8 +145,8 @@ def test_per_layer_hit_rate() -> None:
 
 def test_frequency_term_beats_plain_lru_on_a_skewed_trace() -> None:
     trace = synthetic_trace(8, 64, 4, 300, zipf=1.0, seed=3)
-    lru = simulate(ExpertCachePolicy(128, freq_weight=0.0), trace)
-    lfru = simulate(ExpertCachePolicy(128, freq_weight=16.0), trace)
+    lru = policy_hit_rate(ExpertCachePolicy(128, freq_weight=0.0), trace)
+    lfru = policy_hit_rate(ExpertCachePolicy(128, freq_weight=16.0), trace)
     assert lfru > lru + 0.02, (lru, lfru)
 
 
@@ -158,9 +154,9 @@ def test_default_weight_on_realistic_routing() -> None:
     """The reason for the default (bench/cache_policies.py at full size, 40 layers): with
     realistic routing it keeps plain LRU's hits for one sequence, where a heavy frequency
     term loses, and gains over plain LRU for a batch of four."""
-    from tinyserve.offload.cache_sim import EnginePolicy, batch_trace
-    from tinyserve.offload.cache_sim import simulate as replay
-    from tinyserve.testing.routing import RealisticRouting
+    from bench.cache_sim import EnginePolicy, batch_trace
+    from bench.cache_sim import simulate as replay
+    from bench.routing import RealisticRouting
 
     d = RealisticRouting(hidden=2048, num_experts=256, top_k=8, vocab_size=500,
                          text_tokens=range(491))

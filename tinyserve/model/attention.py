@@ -1,12 +1,7 @@
 """Gated full attention of Qwen3.5-MoE (`self_attn`): q/gate interleaved by head, per-head
 q_norm / k_norm (1 + w), partial RoPE, paged attention through the KV backend, sigmoid output
-gate. On CUDA the norms + RoPE and the output gate run as Triton kernels (`PartialRoPE.norm_apply`,
-`kernels/glue.py: sigmoid_mul`).
-
-q_proj, k_proj and v_proj run as one linear `qkv_proj` (q_proj rows, then k_proj's, then
-v_proj's) where their storages allow (`concat_rows`; taken from the weights dict when the
-loader already fused them), split by views: the norm + RoPE kernel, the output gate and the KV
-backends' stores read row-strided [N, H, D] inputs."""
+gate (Triton kernels on CUDA). q/k/v run as one linear `qkv_proj` where storages allow, split
+by views (the kernels and the KV stores read row-strided [N, H, D] inputs)."""
 
 from __future__ import annotations
 

@@ -36,20 +36,11 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """How a checkpoint says it is quantized (the loader trusts the tensors, not this).
-
-    `method` is "none", "modelopt" or "compressed-tensors"; `algo` the ModelOpt quant_algo
-    ("NVFP4", "W4A16_NVFP4", "FP8", "MIXED_PRECISION") or the compressed-tensors format;
-    `exclude` the ModelOpt `exclude_modules` / compressed-tensors `ignore` patterns;
-    `quantized_layers` the MIXED_PRECISION map as (module, algo) pairs.
-    """
+    """How a checkpoint says it is quantized (the loader trusts the tensors, not this):
+    `method` one of QUANT_METHODS, `algo` the ModelOpt quant_algo or compressed-tensors format."""
 
     method: str = "none"
     algo: str | None = None
-    group_size: int = 16
-    exclude: tuple[str, ...] = ()
-    quantized_layers: tuple[tuple[str, str], ...] = ()
-    kv_cache_algo: str | None = None
 
     @property
     def is_quantized(self) -> bool:
@@ -195,10 +186,6 @@ def load_config(path: str | Path) -> ModelConfig:
         model_type=str(text.get("model_type", model_type)),
         quant=_quant_config(cfg_file, root),
     )
-    return _build(values, where)
-
-
-def _build(values: dict[str, Any], where: str) -> ModelConfig:
     try:
         return ModelConfig(**values)
     except ConfigError as exc:
@@ -296,7 +283,7 @@ def _quant_config(cfg_file: Path, root: dict[str, Any]) -> QuantConfig:
         if fmt is not None and fmt not in CT_FORMATS:
             raise ConfigError(f"{cfg_file}: quantization_config.format {fmt!r} is not supported "
                               f"(expected one of {', '.join(CT_FORMATS)})")
-        return QuantConfig(method=method, algo=fmt, exclude=tuple(q.get("ignore") or ()))
+        return QuantConfig(method=method, algo=fmt)
     if method != "modelopt":
         raise ConfigError(f"{cfg_file}: quantization_config.quant_method {method!r} is not "
                           f"supported (expected modelopt or compressed-tensors)")
@@ -307,12 +294,4 @@ def _quant_config(cfg_file: Path, root: dict[str, Any]) -> QuantConfig:
         src = hf_file if "quant_algo" in hf else cfg_file
         raise ConfigError(f"{src}: quant_algo {algo!r} is not supported "
                           f"(expected one of {', '.join(MODELOPT_ALGOS)})")
-    layers = hf.get("quantized_layers") or q.get("quantized_layers") or {}
-    return QuantConfig(
-        method=method,
-        algo=algo,
-        group_size=int(hf.get("group_size", q.get("group_size", 16)) or 16),
-        exclude=tuple(hf.get("exclude_modules") or q.get("ignore") or ()),
-        quantized_layers=tuple((str(k), str(v.get("quant_algo"))) for k, v in layers.items()),
-        kv_cache_algo=hf.get("kv_cache_quant_algo"),
-    )
+    return QuantConfig(method=method, algo=algo)

@@ -1,18 +1,11 @@
 """Gated DeltaNet mixer of Qwen3.5-MoE (`linear_attn`), batched over varlen sequences.
 
-Projections run over all N tokens at once; the causal conv and the gated delta rule run
-through `kernels/gdn.py` (Triton on CUDA, the pure-torch references of `kernels/gdn_ref.py`
-elsewhere), which read each sequence's conv and recurrent state from the GDN state pool at
-`ctx.state_slots[b]` (a sequence with prefix length 0 starts from zeros and never reads its
-slot) and write the new state back in place. A pure-decode batch (one token per sequence,
-every sequence with a cached prefix) takes the recurrent decode path; anything else the
-chunked varlen path.
-
-The four projections of the same normed input run as two linears where their storages allow
-(`concat_rows`): `in_proj_qkvz` (in_proj_qkv rows, then in_proj_z) and `in_proj_ba` (in_proj_b
-rows, then in_proj_a), taken from the weights dict when the loader already fused them, else
-concatenated here. Their outputs are split by views: the conv, GDN and gated-norm kernels read
-row-strided inputs.
+The causal conv and the gated delta rule run through `kernels/gdn.py` (Triton on CUDA, torch
+references elsewhere), reading each sequence's conv and recurrent state from the state pool at
+`ctx.state_slots[b]` (prefix length 0 starts from zeros) and writing it back in place; a
+pure-decode batch takes the recurrent path, anything else the chunked varlen one. The four
+projections run as two linears where storages allow, `in_proj_qkvz` and `in_proj_ba`, split
+by views (the kernels read row-strided inputs).
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """`linear(x, w)`: y = x @ W.T for every weight storage (dense, NVFP4, FP8).
 
-The single seam where GPU kernels plug in is `_quantized_linear`: on CUDA (unless
-TINYSERVE_DISABLE_KERNELS is set) NVFP4 weights go through the Triton kernel
-`tinyserve.kernels.nvfp4.nvfp4_linear` and FP8 weights through `tinyserve.kernels.fp8`
-(reading the fp8 bytes, no per-call conversion); everywhere else the pure-torch reference
-dequantizes the weight and runs a plain matmul.
-
-`concat_rows(a, b, ...)` stacks the output rows of same-input projections into one weight (one
-GEMV instead of several: the MoE router + shared gate, the GDN in_proj_qkv + in_proj_z, ...).
+Where `kernels_enabled`, NVFP4 and FP8 weights run the Triton kernels on their packed bytes;
+elsewhere the torch reference dequantizes and runs a plain matmul. `concat_rows` stacks the
+output rows of same-input projections into one weight (one GEMV instead of several).
 """
 
 from __future__ import annotations
@@ -56,12 +51,9 @@ def to_device(w: LinearWeight, device: torch.device | str,
 
 
 def concat_rows(*ws: LinearWeight) -> LinearWeight | None:
-    """One weight whose output rows are each weight's in turn (`linear(x, concat_rows(a, b))
-    == [linear(x, a) | linear(x, b)]`: every output row is its own dot product), or None when
-    they cannot share one storage: different storage types or input dims, dense weights of
-    different dtypes, NVFP4 weights of different global scales. FP8 weights keep one
-    per-tensor scale when all are equal, else get a per-row fp32 scale [out, 1]. The result
-    is a new tensor on the weights' device (the parts stay alive until the caller drops them).
+    """One weight with `linear(x, concat_rows(a, b)) == [linear(x, a) | linear(x, b)]` (a new
+    tensor), or None when they cannot share one storage (types, input dims, dense dtypes or
+    NVFP4 global scales differ). FP8 keeps one scale when all are equal, else per-row [out, 1].
     """
     if len(ws) < 2:
         return None
@@ -89,11 +81,8 @@ def concat_rows(*ws: LinearWeight) -> LinearWeight | None:
 
 def fused_linear(w: Mapping[str, Any], name: str, parts: tuple[str, ...]
                  ) -> tuple[LinearWeight | None, tuple[LinearWeight | None, ...]]:
-    """(fused weight, Nones) of same-input projections, or (None, the separate weights).
-
-    The fused weight is `w[name]` when the dict holds it (the loader fuses on the host), else
-    `concat_rows` of `w[p]` for `parts` when it accepts them (a new copy beside the parts).
-    """
+    """(fused weight, Nones) of same-input projections, or (None, the separate weights); the
+    fused weight is `w[name]` (fused by the loader) or `concat_rows` of the parts."""
     if name in w:
         return w[name], (None,) * len(parts)
     fused = concat_rows(*(w[p] for p in parts))
@@ -117,12 +106,9 @@ def _quantized_linear(x: torch.Tensor, w: NVFP4Weight | FP8Weight) -> torch.Tens
 
 
 def fp8_linear(x: torch.Tensor, w: FP8Weight) -> torch.Tensor:
-    """W8A16 y = x @ (e4m3(weight) * scale).T in x.dtype, per-tensor or per-row scale.
-
-    With kernels enabled on x's device: the Triton kernel (`kernels.fp8.fp8_linear`, fp32
-    accumulation, no host sync). Elsewhere the torch path: one native e4m3 -> x.dtype
-    conversion of the weight (exact), the matmul, the scale on the output in fp32.
-    """
+    """W8A16 y = x @ (e4m3(weight) * scale).T in x.dtype, per-tensor or per-row scale: the
+    Triton kernel where enabled, else an exact e4m3 -> x.dtype conversion and the scale on the
+    output in fp32."""
     if kernels_enabled(x.device):
         from tinyserve.kernels import fp8
 

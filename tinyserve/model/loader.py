@@ -1,15 +1,10 @@
 """Checkpoint loading: safetensors shards -> canonical weight names (specs/qwen35_moe.md §3-§4).
 
-- `CheckpointReader(path)`: single-file or sharded (model.safetensors.index.json) safetensors,
-  headers parsed up front (no tensor data read), tensors memory-mapped one at a time.
-- `iter_weights(path_or_reader, config, ...)`: yields `(canonical_name, Tensor | LinearWeight)`
-  in file order after checking every tensor's presence, shape and dtype from the headers;
-  same-input linears fused on the host (`loader_plan.FUSED_LINEARS`).
-- `loader_plan.plan_weights(reader, config)`: the same plan without reading data (storage
-  kind and bytes per canonical weight), for the memory planner and the expert store.
-- `resolve_model_path(model)`: a local directory or a Hugging Face repo id.
-
-Every problem raises `CheckpointError` with one line naming the file and the tensor.
+`CheckpointReader(path)` parses the headers of one file or a sharded index up front and
+memory-maps tensors one at a time; `iter_weights` yields `(canonical_name, Tensor |
+LinearWeight)` after checking the whole checkpoint (`loader_plan.plan_weights`);
+`resolve_model_path` takes a directory or a Hugging Face repo id. Every problem raises
+`CheckpointError` with one line naming the file and the tensor.
 """
 
 from __future__ import annotations
@@ -165,7 +160,6 @@ def _read_header(file: Path, file_index: int) -> list[TensorInfo]:
     return infos
 
 
-# --------------------------------------------------------------------------------------------
 # Names
 
 
@@ -199,7 +193,6 @@ def is_expert_name(name: str) -> bool:
     return _EXPERT_RE.match(name) is not None
 
 
-# --------------------------------------------------------------------------------------------
 # Loading (the plan itself lives in loader_plan.py)
 
 
@@ -217,18 +210,10 @@ def iter_weights(
 
     Dense weights and norms are cast to `dtype` (default: float32 on CPU, bfloat16 elsewhere);
     `linear_attn.{A_log,dt_bias,norm}` stay float32; `conv1d` comes as [C, K]. NVFP4 and FP8
-    weights keep their packed uint8 form (compressed-tensors folded to the multiply
-    convention). Routed experts are left out with `include_experts=False`. The whole
-    checkpoint is checked against `config` (from headers) before the first weight is read.
-
-    With `fuse` (the default) the parts of each
-    `loader_plan.FUSED_LINEARS` group (e.g. `layers.L.linear_attn.in_proj_qkv` and
-    `.in_proj_z`) are read to host memory and concatenated there (`model.linear.concat_rows`);
-    only the fused weight (`...in_proj_qkvz`) goes to `device`, yielded when its last part
-    arrives. When `concat_rows` refuses the parts (NVFP4 of different global scales, ...) the
-    parts are yielded instead. `fuse=False` yields the checkpoint's own linears.
-    `on_entry(nbytes)` is called after each checkpoint entry was read, with its bytes on disk
-    (load progress). Raises CheckpointError.
+    keep their packed uint8 form (compressed-tensors folded to the multiply convention).
+    With `fuse`, each `loader_plan.FUSED_LINEARS` group is concatenated on the host and only
+    the fused weight goes to `device` (its parts when `concat_rows` refuses them).
+    `on_entry(nbytes)`: load progress, after each checkpoint entry. Raises CheckpointError.
     """
     from tinyserve.model.loader_plan import fused_group, plan_weights
 
@@ -284,10 +269,7 @@ def load_weights(path_or_reader: str | Path | CheckpointReader, config: ModelCon
 
 def resolve_model_path(model: str) -> Path:
     """A local checkpoint directory, or a Hugging Face repo id downloaded to the local cache.
-
-    Raises CheckpointError with one line when the path is not a directory or the download
-    fails (offline, repo not found, no access).
-    """
+    Raises CheckpointError when it is neither or the download fails."""
     local = Path(model).expanduser()
     if local.is_dir():
         return local

@@ -1,20 +1,17 @@
 """The loading plan: which checkpoint tensors make each canonical weight, and how.
 
-`plan_weights(reader, config)` matches a checkpoint's tensor names (headers only) against the
-names and shapes the config implies (specs/qwen35_moe.md §3-§4), decides each linear's storage
-from which tensors exist (dense, ModelOpt NVFP4, compressed-tensors NVFP4, FP8), and returns
-entries in file order. Any missing, extra, misshapen or mistyped tensor raises CheckpointError.
-
-The plan keeps one entry per canonical weight (the memory planner and the expert store size
-and read those); `FUSED_LINEARS` names the same-input linears that `loader.iter_weights`
-yields fused (`fused_group`).
+`plan_weights(reader, config)` matches the tensor names (headers only) against the names and
+shapes the config implies (specs/qwen35_moe.md §3-§4), decides each linear's storage from the
+tensors that exist (dense, ModelOpt NVFP4, compressed-tensors NVFP4, FP8) and returns one
+entry per canonical weight in file order. Any missing, extra, misshapen or mistyped tensor
+raises CheckpointError.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -47,24 +44,18 @@ _LAYER_RE = re.compile(r"^(layers\.\d+\.)(.+)$")
 
 @dataclass
 class WeightPlan:
-    """One canonical weight (or, for fused experts, one fused tensor yielding E of them).
-
-    Public fields: `name` (canonical), `kind`, `raw` (param -> checkpoint tensor name),
-    `shape` (canonical; [out, in] for linears, [2F, H] / [H, F] per expert for fused),
-    `storage` ("dense", "modelopt", "compressed-tensors", "fp8"), `nbytes` (on disk, all
-    tensors of the entry), `is_expert`. `load(reader, dtype, device)` yields the weights.
-    """
+    """One canonical weight (or, for fused experts, one fused tensor yielding E of them);
+    `load(reader, dtype, device)` yields the weights."""
 
     name: str
     kind: str  # "tensor" | "fp32" | "conv" | "linear" | "fused_gate_up" | "fused_down"
     raw: dict[str, str]  # param -> checkpoint tensor name
-    shape: tuple[int, ...]  # canonical shape ([out, in] for linears)
-    storage: str = "dense"
-    nbytes: int = 0  # bytes on disk
+    shape: tuple[int, ...]  # [out, in] for linears, [2F, H] / [H, F] per expert when fused
+    storage: str = "dense"  # "dense" | "modelopt" | "compressed-tensors" | "fp8"
+    nbytes: int = 0  # bytes on disk, every tensor of the entry (ignored input scales too)
     order: tuple[int, int] = (0, 0)
     is_expert: bool = False
     num_experts: int = 0  # fused entries only
-    extra: dict[str, str] = field(default_factory=dict)  # ignored params (input scales)
 
     def load(self, reader: CheckpointReader, dtype: torch.dtype,
              device: torch.device) -> Iterator[tuple[str, torch.Tensor | LinearWeight]]:
@@ -127,15 +118,12 @@ def fused_group(name: str) -> tuple[str, tuple[str, ...]] | None:
     return prefix + fused, tuple(prefix + p for p in FUSED_LINEARS[fused])
 
 
-# --------------------------------------------------------------------------------------------
 # What the config implies
 
 
 def expected_weights(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Canonical name -> (kind, shape) of every weight the config implies, per-expert names.
-
-    kind: "tensor" (cast to the model dtype), "fp32", "conv" ([C, K]) or "linear" ([out, in]).
-    """
+    """Canonical name -> (kind, shape) of every weight the config implies, per-expert names;
+    kind: "tensor" (model dtype), "fp32", "conv" ([C, K]) or "linear" ([out, in])."""
     c, h = config, config.hidden_size
     out: dict[str, tuple[str, tuple[int, ...]]] = {"embed_tokens": ("tensor", (c.vocab_size, h))}
     for layer, kind in enumerate(c.layer_types):
@@ -176,16 +164,12 @@ def expected_weights(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...
     return out
 
 
-# --------------------------------------------------------------------------------------------
 # Matching the checkpoint against it
 
 
 def plan_weights(reader: CheckpointReader, config: ModelConfig) -> list[WeightPlan]:
-    """Match every checkpoint tensor to a canonical weight; entries sorted in file order.
-
-    Fused experts give two entries per layer (`layers.L.mlp.experts`, kinds fused_gate_up and
-    fused_down) that each yield E canonical weights. Raises CheckpointError.
-    """
+    """Match every checkpoint tensor to a canonical weight; entries in file order. Fused
+    experts give two entries per layer (fused_gate_up, fused_down). Raises CheckpointError."""
     keys: dict[str, str] = {}  # name without prefix -> checkpoint name
     for raw in reader.names():
         key = strip_prefix(raw)
@@ -322,4 +306,4 @@ class _Matcher:
             self._check(glob, ((), (1,)), FLOAT_DTYPES)
         raws = list(params.values()) + list(ignored.values())
         return WeightPlan(name, "linear", params, shape, storage, self._nbytes(raws),
-                          self._order(raws), extra=ignored)
+                          self._order(raws))

@@ -1,23 +1,15 @@
 """Sparse MoE block of Qwen3.5-MoE and the resident experts provider.
 
-Router: fp32 softmax over the router logits, top-k, ALWAYS renormalised over the top k, cast to
-the model dtype. Shared expert: SwiGLU MLP scaled by sigmoid(shared_expert_gate(x)).
+Router: fp32 softmax, top-k, ALWAYS renormalised over the top k, cast to the model dtype.
+Shared expert: SwiGLU MLP scaled by sigmoid(shared_expert_gate(x)). On CUDA the glue runs as
+Triton kernels beside the torch references here (`*_ref`); `SparseMoE` concatenates the
+shared gate/up and the router/shared gate into one GEMV each when the storage allows, and
+packs an NVFP4 shared expert into a slot of its own so that a provider with
+`accepts_shared` runs it with the routed experts in one launch (decode-sized batches).
 
-On CUDA (`kernels_enabled`) the glue runs as Triton kernels (`kernels/router.py`,
-`kernels/glue.py`) beside the torch references here (`*_ref`, the CPU path), and
-`SparseMoE` concatenates, once at build, the shared expert's gate_proj and up_proj into one
-gate_up weight and the router with shared_expert_gate into one [E + 1, H] weight when each
-pair has the same storage (and NVFP4 global scale): one GEMV for each pair. When the shared
-expert is NVFP4 and the experts provider runs the fused-MoE kernel (`accepts_shared`), the
-shared expert is also packed once into an expert slot of its own (its gate_up / down weights
-are then views of that slot): for decode-sized batches (`fuses_shared_expert(N)`) the
-provider runs it with the routed experts in one launch, weighted by sigmoid(shared gate
-logit); larger batches keep the separate GEMVs and `gated_add`.
-
-Experts provider interface (resident here; an offloaded one lives in `offload/`):
-`forward(layer_id, x [N, H], topk_ids [N, k] int64, topk_weights [N, k]) -> [N, H]`; a
-provider with `accepts_shared` True also takes `shared_slots=` (ExpertSlots) and
-`shared_logit=` ([N, 1]) and adds sigmoid(logit) * shared expert to its output.
+Experts provider interface (resident here, offloaded in `offload/`):
+`forward(layer_id, x [N, H], topk_ids [N, k] int64, topk_weights [N, k]) -> [N, H]`, with
+`shared_slots=` (ExpertSlots) and `shared_logit=` ([N, 1]) when `accepts_shared`.
 """
 
 from __future__ import annotations
@@ -45,11 +37,6 @@ def swiglu_mlp(x: torch.Tensor, gate: LinearWeight, up: LinearWeight,
                down: LinearWeight) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)), x [N, H] -> [N, H]."""
     return linear(silu_mul(linear(x, gate), linear(x, up)), down)
-
-
-def route(x: torch.Tensor, router: LinearWeight, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [N, H] -> (topk_ids [N, k] int64, topk_weights [N, k] in x.dtype, renormalised)."""
-    return topk_softmax(linear(x, router), top_k, x.dtype)  # logits [N, E] model dtype
 
 
 def topk_softmax(logits: torch.Tensor, top_k: int,
@@ -104,15 +91,9 @@ def gated_add_ref(routed: torch.Tensor, gate_logit: torch.Tensor,
 
 
 class ResidentExperts(ExpertsProvider):
-    """Every routed expert of the given layers held as LinearWeights on one device.
-
-    `weights` maps canonical names (`layers.{L}.mlp.experts.{e}.{gate,up,down}_proj`) to
-    weights already on the compute device.
-
-    On CUDA (kernels enabled) each layer's experts are packed once into slot buffers (slot =
-    expert id) and run by the fused-MoE kernel (`kernels/fused_moe.py`); elsewhere, or with
-    `use_kernel=False`, the per-expert torch loop runs (the reference of the kernel).
-    """
+    """Every routed expert of the given layers (`weights`: canonical names -> weights on the
+    compute device). With kernels, each layer is packed once into slot buffers (slot = expert
+    id) for the fused-MoE kernel; else the per-expert torch loop runs (its reference)."""
 
     def __init__(self, weights: dict[str, Any], config: Any, layer_ids: Iterable[int], *,
                  use_kernel: bool | None = None) -> None:
@@ -177,10 +158,9 @@ def _device_of(w: LinearWeight) -> torch.device:
 class SparseMoE:
     """Router + routed experts (through the provider) + gated shared expert, one layer.
 
-    Where kernels run, `gate_up` ([2F, H]) replaces the shared expert's gate and up weights
-    and `router_gate` ([E + 1, H]) the router and shared_expert_gate (None when a pair cannot
-    be concatenated; then the separate weights stay). `shared_slots`: the NVFP4 shared expert
-    as slot 0 of its own ExpertSlots when the provider takes it along (else None).
+    Where kernels run, `gate_up` [2F, H] and `router_gate` [E + 1, H] replace their pairs
+    (None when a pair cannot be concatenated). `shared_slots`: the NVFP4 shared expert as
+    slot 0 of its own ExpertSlots when the provider takes it along.
     """
 
     def __init__(self, layer_id: int, config: Any, w: dict[str, Any], experts: Any) -> None:

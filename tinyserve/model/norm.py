@@ -1,9 +1,6 @@
 """RMSNorms of Qwen3.5-MoE: the zero-centred one (weight enters as 1 + w), the same fused with
 the residual add before it, and the gated one of the GDN output (plain weight w, SiLU gate).
-
-The `*_ref` functions are the pure-torch definitions (the CPU path, and the references of the
-Triton kernels in `kernels/norm.py`, which run instead on CUDA when
-`model.linear.kernels_enabled`).
+The `*_ref` functions are the CPU path and the references of the Triton kernels.
 """
 
 from __future__ import annotations
@@ -15,11 +12,8 @@ from tinyserve.model.linear import kernels_enabled
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`dt(f32(x) * rsqrt(mean(f32(x)^2) + eps) * (1 + f32(w)))` over the last dim.
-
-    Used for the layer norms, the final norm and q_norm / k_norm. The cast back to x.dtype
-    happens after the weight multiply. x [..., D] (unit last stride on CUDA), weight [D].
-    """
+    """`dt(f32(x) * rsqrt(mean(f32(x)^2) + eps) * (1 + f32(w)))` over the last dim (cast after
+    the weight multiply); x [..., D] (unit last stride on CUDA), weight [D]."""
     if kernels_enabled(x.device):
         from tinyserve.kernels import norm as norm_kernels
 
@@ -29,10 +23,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`s = x + residual` in x.dtype, then `rms_norm(s, weight, eps)`; returns (normed, s).
-
-    One kernel on CUDA for the decoder layer's `x = x + h; h = norm(x)`.
-    """
+    """`s = x + residual` in x.dtype, then `rms_norm(s, weight, eps)`; returns (normed, s)."""
     if kernels_enabled(x.device):
         from tinyserve.kernels import norm as norm_kernels
 
@@ -42,12 +33,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
                    eps: float) -> torch.Tensor:
-    """GDN output norm per head: `dt((w * dt(norm(x))) * silu(f32(gate)))`.
-
-    Args:
-        x, gate: [..., D] in the model dtype; weight: [D] (plain, initialised to ones; kept in
-        fp32 or the model dtype, whichever the loader gives).
-    """
+    """GDN output norm per head: `dt((w * dt(norm(x))) * silu(f32(gate)))`; x, gate [..., D]
+    in the model dtype, weight [D] plain (fp32 or the model dtype)."""
     if kernels_enabled(x.device):
         from tinyserve.kernels import norm as norm_kernels
 

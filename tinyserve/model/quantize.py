@@ -1,18 +1,12 @@
 """`tinyserve quantize SRC DST`: turn a bf16 Qwen3.5-MoE checkpoint into NVFP4.
 
-What becomes NVFP4 (the compressed-tensors recipe of specs/nvfp4.md §3.3): routed experts,
-shared experts and the full-attention q/k/v/o projections. What stays bf16: the router
-(`mlp.gate`), `shared_expert_gate`, every GDN (`linear_attn.*`) tensor including in_proj_qkv,
-in_proj_z and out_proj, conv1d, norms, A_log/dt_bias, embeddings and lm_head; vision and MTP
-tensors are copied unchanged. `quantize_gdn=True` also quantizes GDN in_proj_qkv / in_proj_z /
-out_proj (in_proj_a / in_proj_b never: 32 rows). `recipe="mixed"` (ModelOpt only) writes the
-MIXED_PRECISION layout of nvidia/Qwen3.6-35B-A3B-NVFP4 instead (see `weight_format`).
-
-Output: safetensors shards (with an index when more than one), config.json with the format's
-`quantization_config`, hf_quant_config.json for ModelOpt, and the source's tokenizer and
-generation files. Weight-only (W4A16): no activation scales are written. The NVFP4 global
-scale is nudged to an fp32 value whose reciprocal round-trips (see
-`kernels.nvfp4_ref.nvfp4_global_scale`), so both formats dequantize to the same weights.
+NVFP4 (specs/nvfp4.md §3.3): routed and shared experts and the full-attention q/k/v/o; the
+rest stays bf16 and vision / MTP tensors are copied unchanged (`weight_format` has the rules,
+`recipe="mixed"` the ModelOpt MIXED_PRECISION layout of nvidia/Qwen3.6-35B-A3B-NVFP4).
+Output: safetensors shards (+ index), config.json with the format's `quantization_config`,
+hf_quant_config.json for ModelOpt, the source's tokenizer and generation files. Weight-only
+(W4A16). The NVFP4 global scale is nudged to an fp32 value whose reciprocal round-trips, so
+both formats dequantize to the same weights.
 """
 
 from __future__ import annotations

@@ -33,18 +33,14 @@ class Qwen35Model:
 
     Args:
         config: a `model.config.ModelConfig`.
-        weights: canonical name -> Tensor or LinearWeight (see `model.loader`). Expert
-            weights may be absent when `experts` is given.
+        weights: canonical name -> Tensor or LinearWeight; experts may be absent with `experts`.
         kv: KV backend of the full-attention layers (`kv.base.KVBackend`).
         states: GDN state pool of the linear-attention layers (`kv.state_pool.GDNStatePool`).
         experts: routed-experts provider; default `ResidentExperts` over `weights`.
         device, dtype: compute device and model dtype (fp32 on CPU for exact parity).
-        embed_device: where `embed_tokens` lives (default `device`). "cpu" keeps it in host
-            RAM (for tight VRAM), registered with CUDA when the model runs on a GPU, so that
-            a kernel gathers the rows of token ids on the device straight from it
-            (`embed_mapped`); if registration fails the rows are gathered on the host from
-            host token ids (`ctx.input_ids_cpu`) and copied to `device` per forward.
-            Ignored with tied embeddings (lm_head needs it).
+        embed_device: where `embed_tokens` lives (default `device`; ignored when tied). "cpu"
+            keeps it in host RAM, registered with CUDA so a kernel gathers rows from it
+            (`embed_mapped`), else gathered on the host from `ctx.input_ids_cpu`.
     """
 
     def __init__(self, config: Any, weights: dict[str, Any], *, kv: Any, states: Any,

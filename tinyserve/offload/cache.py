@@ -4,22 +4,13 @@ One slot pool is shared by every layer. A slot's priority is
 
     score = last_step + freq_weight * log2(1 + uses)
 
-(LRU with a frequency term: `uses` counts the steps in which the expert was routed to, halved
-every `aging_steps` steps so a hot expert of an old topic fades). The slot with the lowest score
-is evicted first; free slots go before any occupied one; ties go to the lower slot id. A slot
-holding an expert that the current step has already asked for is pinned until `end_step()` and
-is never evicted. The default `freq_weight` (2: an expert used in 3 steps ranks as if used 4
-steps later) keeps a batch's shared experts resident without costing one sequence the hits
-of plain LRU (docs/ROUTING.md).
-
-Two ways to drive it:
-- host-driven (CPU, eager prefill): `access(layer, experts)` returns the slots and the loads to
-  perform;
-- device-driven (decode under a CUDA graph): `victims(n)` hands the device lookup kernel a list
-  of slots it may take, and `observe(layer, experts, slots, loaded)` replays what the kernel did,
-  so the host mirror stays exact (see `offload.lookup`).
-
-Everything here is plain Python and numpy; no torch.
+(`uses`: steps in which the expert was routed to, halved every `aging_steps` steps). Lowest
+score is evicted first, free slots before occupied ones, ties to the lower slot id; a slot the
+current step asked for is pinned until `end_step()`. The default `freq_weight` 2 keeps a
+batch's shared experts resident without costing one sequence the hits of plain LRU
+(docs/ROUTING.md). Host-driven: `access(layer, experts)` -> slots and loads; device-driven:
+`victim_array(n)` feeds the lookup kernel and `replay_step` mirrors what it did. Plain Python
+and numpy.
 """
 
 from __future__ import annotations
@@ -105,7 +96,6 @@ class ExpertCachePolicy:
         # owner's score changes; victims are a stable argsort of it (ties -> lower slot).
         self._score = np.full(num_slots, -math.inf)
 
-    # ---------------------------------------------------------------- scoring
     def score(self, key: Key) -> float:
         uses = self._uses.get(key, 0.0)
         return self._last.get(key, -1) + self.freq_weight * math.log2(1.0 + uses)
@@ -130,20 +120,15 @@ class ExpertCachePolicy:
         key = self.owner[slot]
         self._score[slot] = -math.inf if key is None else self.score(key)
 
-    # ---------------------------------------------------------------- victims
     def victims(self, n: int, exclude: Iterable[int] = ()) -> list[int]:
         """The `n` slots to give up first (lowest score, never pinned), best victim first.
-
-        Raises CacheFullError when fewer than `n` slots are evictable.
-        """
+        Raises CacheFullError when fewer than `n` slots are evictable."""
         return self.victim_array(n, exclude).tolist()
 
     def victim_array(self, n: int, exclude: Iterable[int] = (), *,
                      filling: np.ndarray | None = None) -> np.ndarray:
-        """`victims(n, exclude)` as an int64 numpy array [n]. `filling`: slots being filled
-        now with experts the policy does not know yet (a step in flight on the device); they
-        rank as if they held an expert first used in the current step, unless they already
-        rank higher."""
+        """`victims` as an int64 array [n]. `filling`: slots a step in flight may be filling;
+        they rank at least as an expert first used in the current step."""
         score = self._score
         if filling is not None and len(filling):
             score = score.copy()
@@ -160,13 +145,9 @@ class ExpertCachePolicy:
                 f"be evicted ({len(self._pinned)} pinned by this step)")
         return order[:n]
 
-    # ---------------------------------------------------------------- host-driven path
     def access(self, layer: int, experts: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
-        """Slots of `experts` of `layer` (same order, duplicates allowed) and the loads to do.
-
-        Returns (slots, loads) with loads = [(expert, slot)] for each distinct miss. Every
-        returned slot stays pinned until `end_step()`.
-        """
+        """(slots of `experts` of `layer`, same order; loads [(expert, slot)] per distinct
+        miss). Every returned slot stays pinned until `end_step()`."""
         unique = list(dict.fromkeys(int(e) for e in experts))
         hits = [e for e in unique if (layer, e) in self.where]
         for e in hits:
@@ -190,9 +171,8 @@ class ExpertCachePolicy:
     def _take(self, slot: int, key: Key) -> None:
         """`key` now lives in `slot` (its score is the caller's to set).
 
-        NOTE: a device-driven mirror can miss loads (lookups whose log was overwritten before
-        `begin_step` read it). The device is the truth then: a slot whose owner the mirror
-        had elsewhere is simply overwritten, and a slot the mirror had for `key` is freed.
+        NOTE: a device-driven mirror can miss loads; the device is the truth then: a stale
+        owner is overwritten, and a slot the mirror had for `key` elsewhere is freed.
         """
         where, owner = self.where, self.owner
         old = owner[slot]
@@ -220,12 +200,9 @@ class ExpertCachePolicy:
             for slot in range(self.num_slots):
                 self._push(slot)
 
-    # ---------------------------------------------------------------- device-driven path
     def observe(self, layer: int, experts: Sequence[int], slots: Sequence[int],
                 loaded: Sequence[bool]) -> None:
-        """Replay one device lookup: `experts[i]` of `layer` ended in `slots[i]`, loaded or hit.
-
-        The bookkeeping of `_take` (loads) and `_touch_score` for each distinct expert."""
+        """Replay one device lookup: `experts[i]` of `layer` ended in `slots[i]`, loaded or hit."""
         hits = misses = 0
         seen: set[int] = set()
         for e, s, was_loaded in zip(experts, slots, loaded, strict=True):
@@ -250,11 +227,9 @@ class ExpertCachePolicy:
                     loads: Sequence[tuple[Key, int]]) -> None:
         """`observe(layer, ...)` + `release()` for each of `layers` in order, in one call.
 
-        `hits`: (key, slot) of every expert the step found resident, with the slot the policy
-        had for it when the step began; `loads`: (key, slot) of every copied-in expert, in the
-        order the lookups ran. Each key at most once. Same state and statistics as replaying
-        layer by layer: a key's slot only changes by a load, and a layer never loads into a
-        slot it hits, so the touches can follow all the loads.
+        `hits`: (key, slot as the step began) of every resident expert; `loads`: (key, slot)
+        of every copied-in one, in lookup order; each key at most once. The touches can follow
+        all the loads because a layer never loads into a slot it hits.
         """
         for key, s in loads:
             self._take(s, key)
@@ -274,47 +249,5 @@ class ExpertCachePolicy:
             self.stats.count(layer, n_hits[layer], n_loads[layer], self.bytes_per_expert)
         self._pinned.clear()
 
-    def slot_of(self, layer: int, expert: int) -> int:
-        """The slot holding (layer, expert), or -1."""
-        return self.where.get((layer, expert), -1)
-
     def resident(self) -> dict[Key, int]:
         return dict(self.where)
-
-
-# -------------------------------------------------------------------- measuring a policy
-
-
-def synthetic_trace(num_layers: int, num_experts: int, top_k: int, steps: int, *,
-                    zipf: float = 1.0, drift_every: int = 128, drift_frac: float = 0.25,
-                    seed: int = 0) -> list[list[list[int]]]:
-    """A skewed routing trace `[step][layer] -> top_k distinct experts` (one token per step).
-
-    Each layer has its own Zipf(`zipf`) popularity over a random order of its experts; every
-    `drift_every` steps a random `drift_frac` of the ranks are reshuffled (a topic change).
-    """
-    rng = np.random.default_rng(seed)
-    ranks = np.arange(1, num_experts + 1, dtype=np.float64)
-    weights = ranks ** -zipf
-    order = np.stack([rng.permutation(num_experts) for _ in range(num_layers)])  # [L, E]
-    trace: list[list[list[int]]] = []
-    for step in range(steps):
-        if drift_every and step and step % drift_every == 0:
-            n = max(2, int(drift_frac * num_experts))
-            for layer in range(num_layers):
-                pos = rng.choice(num_experts, size=n, replace=False)
-                order[layer, pos] = order[layer, rng.permutation(pos)]
-        # Efraimidis-Spirakis: top-k of u ** (1 / w) samples k distinct experts by weight.
-        keys = rng.random((num_layers, num_experts)) ** (1.0 / weights)
-        top = np.argpartition(-keys, top_k - 1, axis=1)[:, :top_k]
-        trace.append([order[layer, top[layer]].tolist() for layer in range(num_layers)])
-    return trace
-
-
-def simulate(policy: ExpertCachePolicy, trace: list[list[list[int]]]) -> float:
-    """Run `trace` through `policy` (host-driven) and return its hit rate."""
-    for step in trace:
-        for layer, experts in enumerate(step):
-            policy.access(layer, experts)
-        policy.end_step()
-    return policy.stats.hit_rate

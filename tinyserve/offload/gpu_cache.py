@@ -1,26 +1,16 @@
 """The GPU expert cache: slot buffers, the device lookup table and the host policy mirror.
 
-Two ways to resolve a layer's experts (`lookup(layer, topk_ids) -> slot ids`):
-
-- "device" (CUDA with a registered store; also runnable on CPU through the torch references):
-  the lookup and the miss copies run on the compute stream as two kernels reading the store
-  over PCIe (zero-copy), so a decode step has no host round trip per layer and can be
-  captured in a CUDA graph. The host policy only hands out victim lists, behind the device:
-  `begin_step()` copies the step's lookup log to the host (asynchronously, stream-ordered
-  before the next step overwrites it), replays it into the policy and writes new victim
-  lists, uploaded on the stream before the step after. Deferred (`begin_step(defer=True)`,
-  then `after_launch()` once the next step is queued), that host work runs while the device
-  computes the next step, and victims are two steps behind instead of one. Stale victims
-  cost hit rate, never correctness: the kernel skips slots the layer hits and keeps table
-  and owner exact itself.
-- "host" (CPU, or a pageable store): the ids come to the host, the policy decides, and the
-  misses are copied with plain tensor copies.
-
-Why a copy kernel on the compute stream rather than async copies on a side stream: a layer's
-experts are known only after its router runs, and deciding which to copy on the host needs
-the ids there, i.e. a synchronisation per layer. A kernel that reads the routing from device
-memory and the weights from mapped host memory needs none, and the compute stream orders it
-after the previous layer's fused MoE (whose slots it may overwrite) and before this layer's.
+`lookup(layer, topk_ids) -> slot ids` in one of two modes:
+- "device" (CUDA with a pinned store; on CPU through the torch references): lookup and miss
+  copies are two kernels on the compute stream reading the store zero-copy, so a decode step
+  has no host round trip per layer and can be captured in a CUDA graph. The host policy only
+  hands out victim lists, one step behind (two when deferred, `begin_step(defer=True)` +
+  `after_launch()`). Stale victims cost hit rate, never correctness: the kernel skips slots
+  the layer hits and keeps table and owner exact itself.
+- "host" (CPU, or a pageable store): the policy decides on the host, plain tensor copies.
+Why not async copies on a side stream: the experts are known only after the router runs, so
+the host would have to synchronise per layer; the compute stream also orders the copy after
+the previous layer's fused MoE (whose slots it may overwrite).
 """
 
 from __future__ import annotations
@@ -56,15 +46,9 @@ def _record(event: Any, device: torch.device) -> None:
 
 
 class DeviceExpertCache:
-    """`num_slots` expert slots on `device`, filled from `store` on demand.
-
-    Args:
-        store: the host expert store (all layers).
-        num_slots: slots in the pool (>= experts per layer; the planner's `expert_slots`).
-        max_ids: most (token, k) pairs one lookup may see (prefill chunk x top_k).
-        mode: "device", "host" or None (device when CUDA and the store is registered).
-        use_triton: run the Triton kernels (default: on CUDA); else the torch references.
-    """
+    """`num_slots` (>= experts per layer) expert slots on `device`, filled from `store` on
+    demand. `max_ids`: most (token, k) pairs one lookup may see; `mode`: "device", "host" or
+    None (device when CUDA and the store is pinned); `use_triton`: default on CUDA."""
 
     def __init__(self, store: HostExpertStore, num_slots: int, *, device: torch.device | str,
                  dtype: torch.dtype = torch.bfloat16, max_ids: int = 2048 * 8,
@@ -134,21 +118,14 @@ class DeviceExpertCache:
     def stats(self) -> CacheStats:
         return self.policy.stats
 
-    # ------------------------------------------------------------------ per step
+    # per step
     def begin_step(self, *, defer: bool = False) -> None:
         """Step boundary: fold the last step's lookups into the policy, hand out fresh victims.
 
-        Called by the provider when a call's layer is at or below the previous call's, and
-        before each CUDA-graph replay. Skipping it only makes victims staler (lookups logged
-        over by later ones are lost to the mirror, which the device overrules). Host cost:
-        numpy and a few dict operations per routed expert.
-
-        The step's log is copied device -> host into a pinned buffer without a host wait,
-        ordered on the stream before whatever runs next (which may overwrite the log). With
-        `defer` the policy work waits for `after_launch()`, which the runner calls once the
-        next step's device work is queued: the host work overlaps the device, and the victims
-        that step hands out are two steps behind instead of one. A log still pending from an
-        earlier deferred boundary is folded first, so none is ever lost.
+        Skipping it only makes victims staler. The log is copied to a pinned buffer without a
+        host wait, stream-ordered before whatever may overwrite it. With `defer` the policy
+        work waits for `after_launch()` (called once the next step is queued), so it overlaps
+        the device. A log still pending from an earlier deferred boundary is folded first.
         """
         if self._pending is not None:
             self._fold(in_flight=False)
@@ -165,11 +142,8 @@ class DeviceExpertCache:
             self._fold(in_flight=False)
 
     def after_launch(self) -> None:
-        """Fold a log left by `begin_step(defer=True)` while the step queued since runs.
-
-        The victim lists written now reach the device after that step (stream order); they
-        rank the slots it may be filling from its own lists as freshly used (the policy cannot
-        know of those loads yet; `IN_FLIGHT_MARGIN`)."""
+        """Fold a log left by `begin_step(defer=True)` while the step queued since runs; the
+        slots that step may be filling rank as freshly used (`IN_FLIGHT_MARGIN`)."""
         if self._pending is not None:
             self._fold(in_flight=True)
 
@@ -241,15 +215,12 @@ class DeviceExpertCache:
         self.victims.copy_(self._victims_host, non_blocking=True)
         _record(self._victims_copied, self.device)
 
-    # ------------------------------------------------------------------ lookup
+    # lookup
     def lookup(self, layer: int, topk_ids: torch.Tensor, *, split: torch.Tensor | None = None,
                on_lookup: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Slots [N, k] int32 holding `topk_ids` of `layer`, after copying in the misses.
-
-        `split` (fp32 [2] on the device, `offload.hybrid`): the misses it leaves to the CPU get
-        slot -1 and are neither loaded nor counted here. `on_lookup(slot_ids)` runs once the
-        slots are known and before the miss copies are queued (the CPU work forks there, so
-        that it does not wait for the copies)."""
+        `split` (`offload.hybrid`): misses left to the CPU get slot -1, not loaded or counted.
+        `on_lookup(slot_ids)` runs before the miss copies are queued (the CPU work forks)."""
         if self.mode == "host":
             slots = self._lookup_host(layer, topk_ids, split)
             if on_lookup is not None:
@@ -267,28 +238,24 @@ class DeviceExpertCache:
         ids.copy_(topk_ids.reshape(-1))
         ids = ids.view(topk_ids.shape)
         out = (self._log_rows[layer], self._log_slots[layer])
+        args = (ids, layer, self.table, self.owner, self.victims[layer], self.num_experts)
         result = None
         if self.use_triton:
             try:
-                result = lk.expert_lookup(ids, layer, self.table, self.owner,
-                                          self.victims[layer], self.num_experts,
-                                          scratch=self._scratch, out=out, split=split)
+                result = lk.expert_lookup(*args, scratch=self._scratch, out=out, split=split)
                 if on_lookup is not None:
                     on_lookup(result[0])
                 self._copy(result[1], result[2])
+                return result[0]
             except Exception as exc:  # no Triton, or host memory not device-addressable
                 logger.warning("Triton expert lookup/copy failed (%r); using the torch path",
                                exc)
                 self.use_triton = False
-                if result is not None:  # the lookup ran: only the copy is left
-                    lk.copy_rows_ref(self.store.slots, self.slots, result[1], result[2])
-        if result is None:
-            result = lk.expert_lookup_ref(ids, layer, self.table, self.owner,
-                                          self.victims[layer], self.num_experts, out=out,
-                                          split=split)
+        if result is None:  # else the lookup ran: only the copy is left
+            result = lk.expert_lookup_ref(*args, out=out, split=split)
             if on_lookup is not None:
                 on_lookup(result[0])
-            lk.copy_rows_ref(self.store.slots, self.slots, result[1], result[2])
+        lk.copy_rows_ref(self.store.slots, self.slots, result[1], result[2])
         return result[0]
 
     def _copy(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
@@ -344,13 +311,9 @@ class DeviceExpertCache:
         self._fill_victims()
 
     def evict_slots(self, start: int, stop: int) -> None:
-        """Forget what slots [start, stop) hold: device table and owner entries and the policy
-        mirror's, so that no lookup finds them; they stay free until a lookup takes them.
-
-        For the prefill streaming regions (`offload.prefetch`): the caller writes the slots
-        itself, ordered after every earlier reader, and runs no lookup until its writes are
-        ordered before the compute stream's next work. Stream-ordered, no host sync.
-        """
+        """Forget what slots [start, stop) hold (device table and owner, the policy mirror), so
+        no lookup finds them until one takes them again. For `offload.prefetch`, whose writes
+        to the slots are ordered before the next lookup. Stream-ordered, no host sync."""
         dump = self.table.numel() - 1
         held = self.owner[start:stop]
         self.table.index_fill_(0, torch.where(held >= 0, held, dump).long(), -1)

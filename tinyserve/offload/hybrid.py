@@ -1,29 +1,19 @@
 """Hybrid expert execution: a layer's cache misses split between PCIe copies and the CPU.
 
-At a small GPU budget decode is bound by copying missing experts over PCIe, while the host's
-RAM reads several times faster than the link. Per decode layer, of its m distinct misses the
-GPU copies m - c (and computes them with its hits) while the CPU computes c from the pinned
-store in place (`kernels.nvfp4_cpu`); c makes both finish together:
+Decode at a small GPU budget is bound by PCIe, while host RAM reads faster. Of a decode layer's
+m distinct misses the GPU copies m - c while the CPU computes c from the pinned store in place
+(`kernels.nvfp4_cpu`), with c making both finish together:
 
     (m - c) * t_copy = t_call + c * t_cpu   ->   c = (m * t_copy - t_call) / (t_copy + t_cpu)
 
-with t_copy = bytes per expert / H2D rate, t_cpu = the CPU kernel's time per expert and t_call
-its fixed cost per layer (the host round trip included), all from the start-up probe
-(`offload.bandwidth`). The lookup kernel applies it on the device (`offload.lookup`, `split`
-= (a, b) = (t_copy, t_call) / (t_copy + t_cpu)), so the split needs no host sync. CPU-computed
-experts are not cached (the GPU cache keeps what the GPU copied).
-
-The CPU part runs in stream order without a host sync (`CpuExperts`): on CUDA a forked stream
-copies the layer's inputs (x, routing) to pinned memory, runs the kernel as a CUDA host
-function (`cuLaunchHostFunc`, capturable: a host node of the decode graph; the function is
-numba's C entry, no Python, no CUDA calls) and copies the result back; the compute stream
-copies the GPU's misses and runs its experts meanwhile and joins the fork before adding the
-two parts. On a CPU device it runs inline.
-
-Modes (`--experts`): "gpu" (no CPU part), "cpu" (every miss on the CPU, the GPU computes its
-cache hits), "hybrid" (the split above); None picks hybrid when the probe predicts it faster
-than gpu at a decode layer's misses, else gpu. Prefill chunks big enough to stream
-(`offload.prefetch`) and batches over `MAX_TOKENS` tokens keep the GPU path.
+(t_copy = bytes per expert / H2D rate, t_cpu per expert, t_call per layer; all from the
+start-up probe, `offload.bandwidth`). The lookup kernel applies the split (a, b) = (t_copy,
+t_call) / (t_copy + t_cpu) on the device, so it needs no host sync; CPU-computed experts are
+not cached. On CUDA the CPU part runs in stream order (`CpuExperts`): a forked stream copies
+x and the routing to pinned memory, runs numba's C entry as a CUDA host function
+(`cuLaunchHostFunc`, capturable in the decode graph) and copies the result back.
+Modes (`--experts`): "gpu", "cpu" (every miss on the CPU), "hybrid"; None picks hybrid when
+the probe predicts it faster. Streamed prefill and batches over `MAX_TOKENS` stay on the GPU.
 """
 
 from __future__ import annotations
@@ -106,9 +96,6 @@ def plan_split(bw: Bandwidths, mode: str | None, top_k: int) -> HybridPlan:
     if mode == "cpu":
         return HybridPlan("cpu", 1.0, _ALL, bw, us)
     return HybridPlan("hybrid", a, b, bw, us)
-
-
-# ------------------------------------------------------------------------ the CPU part
 
 
 @dataclass
@@ -259,10 +246,8 @@ class HybridExperts:
 
 def configure(experts: Any, mode: str | None, top_k: int) -> HybridPlan:
     """Probe and give `experts` (an `OffloadedExperts`) the plan for `mode` ("auto" or None:
-    what the probe predicts fastest);
-    returns it (also kept as `experts.hybrid_plan`). "gpu" and a cache that holds every
-    expert need no probe. Raises ValueError when "cpu" / "hybrid" cannot run here (no numba,
-    experts that are not NVFP4, no H2D rate for hybrid)."""
+    the fastest predicted), also kept as `experts.hybrid_plan`. Raises ValueError when "cpu"
+    / "hybrid" cannot run here (no numba, experts not NVFP4, no H2D rate for hybrid)."""
     cache = experts.cache
     resident = cache.num_slots >= cache.num_layers * cache.num_experts
     mode = None if mode == "auto" else mode

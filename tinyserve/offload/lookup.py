@@ -6,16 +6,11 @@ State on the device (`gpu_cache.DeviceExpertCache` owns it):
 - victims int32 [V]: slots this layer may take, best first (from the host policy, one step
   behind); V >= the number of distinct experts the call can ask for.
 
-`expert_lookup(topk_ids, layer, ...)` marks the slots this layer hits, gives the k-th missing
-expert (in expert order) the k-th victim that is not a hit, updates table and owner in place,
-and returns the slot of every (token, k) plus a compacted load list (row, slot), -1 padded.
-`copy_rows(src, dst, rows, slots)` then copies each listed store row into its slot.
-
-Two implementations of each, same results:
-- `*_ref`: fixed-size torch ops (no host synchronisation, capturable in a CUDA graph); this is
-  the readable reference and the CPU path.
-- Triton: `expert_lookup_kernel` (one program) and `kernels/host_rows.copy_rows`, which reads
-  the store straight from registered host memory (zero-copy over PCIe) into the GPU slots.
+`expert_lookup` marks the slots this layer hits, gives the k-th missing expert (in expert
+order) the k-th victim that is not a hit, updates table and owner in place, and returns the
+slot of every (token, k) plus a compacted load list (row, slot), -1 padded; `copy_rows` then
+copies each listed store row into its slot (zero-copy from registered host memory). The
+`*_ref` versions are fixed-size torch ops (capturable, no host sync): the CPU path.
 """
 
 from __future__ import annotations
@@ -101,7 +96,7 @@ def copy_rows_ref(src: ExpertSlots, dst: ExpertSlots, rows: torch.Tensor,
         b.index_copy_(0, s.to(b.device), a.index_select(0, r.to(a.device)).to(b.device))
 
 
-# -------------------------------------------------------------------------------- Triton
+# Triton
 
 
 @functools.cache
@@ -119,8 +114,7 @@ def _triton_kernels():
         emask = offs_e < E
         offs_k = tl.arange(0, BLOCK_K)
         kmask = offs_k < K
-        # needed[e]: reuse the load_rows buffer (K >= 1) is too small; use cand as flags? No:
-        # use marked[S] as nothing; compute needed by scanning ids into a register bitmap.
+        # needed[e]: whether the call routes to e (a register bitmap over the ids)
         needed = tl.zeros([BLOCK_E], dtype=tl.int32)
         for m0 in range(0, M, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)

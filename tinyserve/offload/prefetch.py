@@ -1,38 +1,15 @@
 """Prefill streaming: a big batch copies whole layers of experts while the previous layer computes.
 
-A prefill chunk of ~2k tokens routes to (almost) every expert of every layer, so the cache
-path (`offload.gpu_cache`: lookup, then the miss copy kernel on the compute stream) moves
-all E experts of each layer over PCIe and only then runs the layer's MoE: the copies and the
-compute add up. Here a batch with at least `min_pairs` (token, expert) pairs instead:
-
-- takes two staging regions of E slots out of the cache, slots [0, E) and [E, 2E)
-  (`DeviceExpertCache.evict_slots`: the cache forgets what they held, so it never hands out
-  stale data);
-- keeps layer l's experts in region l % 2: expert e of layer l sits in slot (l % 2) * E + e,
-  so the fused MoE runs on `topk_ids + base` with no lookup and no miss copy;
-- copies a layer as 6 contiguous row ranges of the host store (row = layer * E + expert,
-  `offload.store`) with `Tensor.copy_(non_blocking=True)` on a side stream: the DMA engine,
-  no SMs, so the compute runs at full speed meanwhile.
-
-Ordering at the call for layer l (`LayerStreamer.slot_ids`):
-  1. mark = an event on the compute stream: everything enqueued so far, including the MoE
-     of layer l - 1, the last reader of region (l + 1) % 2;
-  2. when region l % 2 does not hold layer l yet (the first streamed layer), copy layer l
-     after `mark`;
-  3. copy layer l + 1 into region (l + 1) % 2 after `mark` (the prefetch);
-  4. the compute stream waits for layer l's copy, then the MoE of layer l runs.
-`release()` (a call that does not stream, `begin_step`) makes the compute stream wait for
-the last copy, so no copy lands in a slot the cache hands out again; the slots come back free
-(and first in the policy's victim order). Between the streamed chunks of one prefill the
-regions stay reserved, and a layer a region still holds is not copied again.
-
-Counters: every expert a streamed copy moves counts as a miss of its layer (and its bytes as
-H2D bytes, so bytes per token stay honest); a streamed layer counts no hits. The routed ids
-are never read on the host (no synchronisation).
-
-On CPU (and wherever `queue` is a plain `CopyQueue`) copies run at once and events are
-sequence numbers, so the same bookkeeping runs in tests; `CopyQueue` subclasses may log or
-defer copies to check the ordering.
+A prefill chunk routes to almost every expert, so lookup + miss copy on the compute stream
+would serialise all the copies with the compute. A batch of at least `min_pairs` (token,
+expert) pairs instead takes two staging regions of E slots out of the cache (slots [0, 2E),
+`DeviceExpertCache.evict_slots`), keeps layer l's expert e in slot (l % 2) * E + e (the fused
+MoE runs on `topk_ids + base`, no lookup), and copies whole layers on a side stream (the DMA
+engine, no SMs). At layer l: mark the compute stream (the MoE of l - 1 is the last reader of
+region (l + 1) % 2), copy l if its region lacks it, copy l + 1 after the mark, make the
+compute stream wait for l's copy. `release()` waits for the last copy and gives the regions
+back free. A streamed layer counts all E experts as misses (bytes per token stay honest); the
+routed ids are never read on the host. A plain `CopyQueue` copies at once (CPU, tests).
 """
 
 from __future__ import annotations
@@ -113,14 +90,8 @@ def can_stream(num_slots: int, num_layers: int, num_experts: int) -> str | None:
 
 
 class LayerStreamer:
-    """Streams whole layers of experts into two staging regions of `cache` (module docstring).
-
-    Args:
-        cache: a `DeviceExpertCache` with at least 2 x experts-per-layer slots.
-        queue: where the copies run (default: a side stream on CUDA, at once on CPU).
-        min_pairs: smallest (token, expert) pair count of a streamed call
-            (default: MIN_PAIRS_PER_EXPERT x experts per layer).
-    """
+    """Streams whole layers of experts into two staging regions of `cache` (>= 2E slots).
+    `min_pairs`: smallest (token, expert) count of a streamed call (MIN_PAIRS_PER_EXPERT * E)."""
 
     def __init__(self, cache: Any, *, queue: CopyQueue | None = None,
                  min_pairs: int | None = None) -> None:
@@ -175,11 +146,8 @@ class LayerStreamer:
         self.cache.stats.count(layer, 0, E, self.cache.store.bytes_per_expert)
 
     def release(self) -> None:
-        """Give the regions back to the cache (free slots) once their last copy is done.
-
-        A no-op inside a CUDA-graph capture (a capture records no wait on an outside event;
-        the graph runner calls the provider's `begin_step()`, which releases, before each
-        replay)."""
+        """Give the regions back to the cache (free slots) once their last copy is done. A
+        no-op inside a capture (the runner calls `begin_step()`, which releases, per replay)."""
         if not self.active:
             return
         if self.cache.device.type == "cuda" and torch.cuda.is_current_stream_capturing():

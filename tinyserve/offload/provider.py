@@ -1,12 +1,9 @@
 """OffloadedExperts: the experts provider over a host store and a GPU slot cache.
 
-Same interface as `model.moe.ResidentExperts`:
-`forward(layer_id, x [N, H], topk_ids [N, k] int64, topk_weights [N, k]) -> [N, H]`, so the
-model runs with it exactly as with all-resident experts. Each call resolves the layer's experts
-to cache slots (copying misses from the store, see `offload.gpu_cache`) and runs the fused MoE
-over the slots. A call for a layer at or below the previous call's layer starts a new step.
-A big batch (a prefill chunk) instead streams whole layers into two staging regions of the
-cache while the previous layer computes (`offload.prefetch`).
+Same `forward` as `model.moe.ResidentExperts`. Each call resolves the layer's experts to cache
+slots (`offload.gpu_cache`) and runs the fused MoE over them; a call for a layer at or below
+the previous call's starts a new step. A prefill-sized batch streams whole layers instead
+(`offload.prefetch`).
 """
 
 from __future__ import annotations
@@ -30,16 +27,9 @@ logger = get_logger(__name__)
 class OffloadedExperts(ExpertsProvider):
     """Routed experts from a `HostExpertStore` through a `DeviceExpertCache`.
 
-    Args:
-        cache: the GPU slot cache (it holds the store).
-        use_kernel: run the Triton fused MoE (default: on CUDA unless
-            TINYSERVE_DISABLE_KERNELS); else `fused_moe_ref`.
-        stream_prefill: stream big batches layer by layer (`offload.prefetch`); default: on
-            when the cache has room for two layers but not for all; False: off.
-        streamer: a ready `LayerStreamer` (tests: an injected copy queue, a threshold).
-    Attributes:
-        streamer: the `LayerStreamer`, or None (every call takes the cache path); to switch
-            streaming off, call `begin_step()` (it gives the staging slots back), then set None.
+    `use_kernel`: the Triton fused MoE (default: on CUDA unless TINYSERVE_DISABLE_KERNELS).
+    `stream_prefill`: default on when the cache holds two layers but not all. `streamer`: a
+    ready `LayerStreamer` (tests); to switch streaming off later, `begin_step()` then set None.
     """
 
     def __init__(self, cache: DeviceExpertCache, *, use_kernel: bool | None = None,
@@ -69,13 +59,9 @@ class OffloadedExperts(ExpertsProvider):
                                      **cache_kwargs), stream_prefill=stream_prefill)
 
     def begin_step(self, *, defer: bool = False) -> None:
-        """Start a new step (a runner replaying a CUDA graph calls this before each replay;
-        `defer`: leave the policy work to `after_launch`, see `DeviceExpertCache.begin_step`).
-
-        The replay that follows runs lookups this object never sees, so the next eager call
-        must start a new step too, whatever its layer: otherwise its lookups would overwrite
-        the replay's log before the policy has read it (and the host mirror would lose loads).
-        """
+        """Start a new step (called before each CUDA-graph replay; `defer`: see
+        `DeviceExpertCache.begin_step`). The replay's lookups are unseen here, so the next
+        eager call starts a new step too, or it would overwrite the replay's log unread."""
         if self.streamer is not None:
             self.streamer.release()
         self.cache.begin_step(defer=defer)
@@ -104,11 +90,8 @@ class OffloadedExperts(ExpertsProvider):
                 topk_weights: torch.Tensor, *, shared_slots: ExpertSlots | None = None,
                 shared_logit: torch.Tensor | None = None) -> torch.Tensor:
         """Σ_j topk_weights[:, j] * Expert_{topk_ids[:, j]}(x) (+ sigmoid(shared_logit) *
-        the shared expert in `shared_slots`, never offloaded); x [N, H] -> [N, H] in x.dtype.
-
-        With a CPU part (`set_hybrid`) and a decode-sized batch, the misses the split leaves
-        to the CPU get weight 0 on the GPU (slot 0 stands in) and their sum, computed on the
-        CPU meanwhile, is added in fp32 before the cast to x.dtype."""
+        the shared expert in `shared_slots`); x [N, H] -> [N, H] in x.dtype. Misses left to a
+        CPU part (`set_hybrid`) get weight 0 here; their sum is added in fp32 before the cast."""
         if self._last_layer is not None and layer_id <= self._last_layer:
             # NOTE: never inside a CUDA-graph capture (begin_step reads device logs); the
             # graph runner calls begin_step() before each replay instead.
@@ -165,12 +148,9 @@ def load_offloaded_experts(path: Any, config: Any, plan: Any, *, device: torch.d
                            dtype: torch.dtype = torch.bfloat16,
                            on_pinned: Callable[[int], None] | None = None,
                            on_read: Callable[[int], None] | None = None) -> OffloadedExperts:
-    """The experts provider a `MemoryPlan` asks for: the checkpoint's routed experts in a
-    pinned host store behind `plan.expert_slots` GPU slots (all of them preloaded when they
-    are all there). Load the other weights with `iter_weights(..., include_experts=False)`
-    and pass this as `Qwen35Model(experts=...)`. `on_pinned` / `on_read`: load progress
-    (`HostExpertStore.from_checkpoint`). Raises ValueError when the plan's slots are fewer
-    than one layer's experts."""
+    """The experts provider a `MemoryPlan` asks for: the routed experts in a pinned host store
+    behind `plan.expert_slots` GPU slots (preloaded when they hold all). `on_pinned` /
+    `on_read`: load progress. Raises ValueError for fewer slots than one layer's experts."""
     store = HostExpertStore.from_checkpoint(path, config, dtype=dtype, on_pinned=on_pinned,
                                             on_read=on_read)
     experts = OffloadedExperts.create(store, plan.expert_slots, device=device, dtype=dtype,

@@ -1,16 +1,11 @@
 """Host expert store: every routed expert in (pinned) host memory, in the fused-MoE slot layout.
 
-The store is an `ExpertSlots` with num_layers * num_experts rows (row = layer * E + expert)
-whose fields are views into ONE host buffer of the exact byte count, so that a cache miss is a
-plain row copy from the store to a GPU slot (`offload.lookup`). The buffer is a plain CPU
-allocation registered with the CUDA driver (cudaHostRegister, portable + mapped), not the
-pinned caching allocator, which would round 18 GB up to a power of two. Registered memory is
-device-addressable, so a GPU kernel can read it directly (zero-copy).
-
-It fills expert by expert as the loader yields them (`add`), so peak RAM stays near the final
-size. When registration fails or RAM looks short, a warning gives the numbers and the store
-stays pageable (the cache then copies through the host-driven path). On a machine without
-CUDA it is plain memory.
+An `ExpertSlots` with num_layers * num_experts rows (row = layer * E + expert) whose fields
+view ONE host buffer, so a miss is a plain row copy (`offload.lookup`). The buffer is a plain
+allocation registered with the CUDA driver (mapped: kernels read it zero-copy), not the pinned
+caching allocator, which would round 18 GB up to a power of two. It fills expert by expert as
+the loader yields them, so peak RAM stays near the final size. When registration fails or RAM
+looks short, a warning gives the numbers and the store stays pageable (host-driven copies).
 """
 
 from __future__ import annotations
@@ -112,7 +107,7 @@ class HostExpertStore:
                    config.moe_intermediate_size, fp4=fp4, dtype=dtype, pin=pin,
                    on_pinned=on_pinned)
 
-    # ------------------------------------------------------------------ filling
+    # filling
     def row(self, layer: int, expert: int) -> int:
         return layer * self.num_experts + expert
 

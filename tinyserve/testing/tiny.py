@@ -1,27 +1,19 @@
 """Tiny random Qwen3.5-MoE checkpoints for tests, `tinyserve demo` and benchmarks.
 
 `make_tiny_checkpoint(path, fmt=..., seed=..., **overrides)` writes a complete checkpoint
-directory (config, generation config, tokenizer, safetensors) built from a random
-`transformers.Qwen3_5MoeForCausalLM` (specs/qwen35_moe.md §5) with every norm weight, A_log
-and dt_bias randomised so that none of them is a no-op. Formats:
-
-- "bf16": flat `qwen3_5_moe_text` config, `model.` prefix, per-expert keys, one file.
-- "bf16-official": the official layout: nested `text_config` + small `vision_config`,
-  `model.language_model.` prefix, fused 3-D experts, dummy `model.visual.*` and `mtp.*`
-  tensors (the loader must skip them), two shards with an index.
-- "modelopt", "compressed-tensors": the "bf16" checkpoint run through
-  `tinyserve.model.quantize.quantize_checkpoint` (NVFP4 experts, shared experts, q/k/v/o).
-- "modelopt-mixed": ModelOpt MIXED_PRECISION like nvidia/Qwen3.6-35B-A3B-NVFP4: NVFP4 experts,
-  shared experts and lm_head; FP8 self_attn q/k/v/o and GDN in_proj_qkv/in_proj_z/out_proj.
-
-A_log and linear_attn.norm are stored F32 (as in Qwen3.5), everything else BF16.
+(config, generation config, tokenizer, safetensors) of a random
+`transformers.Qwen3_5MoeForCausalLM` (specs/qwen35_moe.md §5), norms, A_log and dt_bias
+randomised so that none is a no-op. Formats: "bf16" (flat text config, per-expert keys, one
+file); "bf16-official" (nested `text_config` + `vision_config`, `model.language_model.`
+prefix, fused 3-D experts, dummy vision and MTP tensors, two shards); "modelopt",
+"compressed-tensors" and "modelopt-mixed" (the "bf16" one through `quantize_checkpoint`).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +21,9 @@ import torch
 
 from tinyserve.model.config import default_layer_types
 from tinyserve.model.quantize import CheckpointWriter, quantize_checkpoint
-from tinyserve.testing.routing import ROUTING_FILE, ROUTINGS, RealisticRouting
-from tinyserve.testing.tokenizer import save_tiny_tokenizer, special_token_ids
+from tinyserve.testing.tokenizer import save_tiny_tokenizer
 
+StateTransform = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 FORMATS = ("bf16", "bf16-official", "modelopt", "compressed-tensors", "modelopt-mixed")
 
 # specs/qwen35_moe.md §5, with room in the vocabulary for the tiny tokenizer (500 ids).
@@ -84,33 +76,26 @@ def tiny_text_config(**overrides: Any) -> dict[str, Any]:
 
 
 def make_tiny_checkpoint(path: str | Path, *, fmt: str = "bf16", seed: int = 0,
-                         routing: str = "uniform", **config_overrides: Any) -> Path:
+                         transform: StateTransform | None = None,
+                         **config_overrides: Any) -> Path:
     """Write a tiny random checkpoint to directory `path` (created) and return it.
 
     `config_overrides` are Qwen3_5MoeTextConfig fields applied over TINY_CONFIG (e.g.
-    `**TINY_CONFIG_HD128`). The same (fmt, seed, routing, overrides) always gives the same
-    bytes. `routing`: "uniform" (the random router) or "realistic" (`testing.routing`: the
-    routing is a function of the token sequence and greedy decoding walks a fixed cycle of
-    tokens; its manifest is written to `routing.ROUTING_FILE`).
-    Raises ValueError for an unknown format or routing.
+    `**TINY_CONFIG_HD128`). The same (fmt, seed, overrides) always gives the same bytes.
+    `transform` rewrites the random state dict (HF names, fused experts) before it is written
+    (`bench.routing`'s realistic routing). Raises ValueError for an unknown format.
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown tiny checkpoint format {fmt!r} (expected one of {FORMATS})")
-    if routing not in ROUTINGS:
-        raise ValueError(f"unknown routing {routing!r} (expected one of {ROUTINGS})")
     path = Path(path)
     if fmt in ("modelopt", "compressed-tensors", "modelopt-mixed"):
         with tempfile.TemporaryDirectory(prefix="tiny-bf16-") as tmp:
-            src = make_tiny_checkpoint(tmp, fmt="bf16", seed=seed, routing=routing,
+            src = make_tiny_checkpoint(tmp, fmt="bf16", seed=seed, transform=transform,
                                        **config_overrides)
             if fmt == "modelopt-mixed":
-                out = quantize_checkpoint(src, path, "modelopt", recipe="mixed",
-                                          overwrite=True)
-            else:
-                out = quantize_checkpoint(src, path, fmt, overwrite=True)
-            if routing == "realistic":
-                shutil.copy(Path(src) / ROUTING_FILE, out / ROUTING_FILE)
-            return out
+                return quantize_checkpoint(src, path, "modelopt", recipe="mixed",
+                                           overwrite=True)
+            return quantize_checkpoint(src, path, fmt, overwrite=True)
     path.mkdir(parents=True, exist_ok=True)
     text = tiny_text_config(**config_overrides)
     specials = save_tiny_tokenizer(path)
@@ -121,12 +106,8 @@ def make_tiny_checkpoint(path: str | Path, *, fmt: str = "bf16", seed: int = 0,
     text.update(eos_token_id=eos, pad_token_id=None, bos_token_id=None,
                 model_type="qwen3_5_moe_text", dtype="bfloat16")
     state = random_state_dict(text, seed)
-    if routing == "realistic":
-        if text["tie_word_embeddings"]:
-            raise ValueError("realistic routing needs an untied lm_head")
-        design = _routing_design(text, seed)
-        state = route_state_dict(state, design)
-        (path / ROUTING_FILE).write_text(json.dumps(design.manifest()) + "\n")
+    if transform is not None:
+        state = transform(state)
     gen = {"eos_token_id": [eos, im_end], "pad_token_id": eos, "bos_token_id": None}
     (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     if fmt == "bf16":
@@ -168,41 +149,6 @@ def random_state_dict(text: dict[str, Any], seed: int) -> dict[str, torch.Tensor
             fp32 = name.endswith(("A_log", "linear_attn.norm.weight"))
             state[name] = t.detach().to(torch.float32 if fp32 else torch.bfloat16).contiguous()
     return state
-
-
-def _routing_design(text: dict[str, Any], seed: int) -> RealisticRouting:
-    return RealisticRouting(hidden=text["hidden_size"], num_experts=text["num_experts"],
-                            top_k=text["num_experts_per_tok"], vocab_size=text["vocab_size"],
-                            text_tokens=range(min(special_token_ids().values())), seed=seed)
-
-
-# Tensors that write the residual stream (their rows at the routing channels become 0) and
-# the norms in front of the routers and the lm_head (weight 0 there: a factor 1 + 0).
-_WRITERS = ("self_attn.o_proj.weight", "linear_attn.out_proj.weight",
-            "mlp.shared_expert.down_proj.weight")
-_ROUTED_NORMS = ("post_attention_layernorm.weight", "model.norm.weight")
-
-
-def route_state_dict(state: dict[str, torch.Tensor],
-                     design: RealisticRouting) -> dict[str, torch.Tensor]:
-    """`state` (HF names, fused experts) with realistic routing (`testing.routing`)."""
-    res = design.reserved
-    out = dict(state)
-    for name, t in state.items():
-        if name == "model.embed_tokens.weight":
-            t = design.embedding(t)
-        elif name.endswith("mlp.gate.weight"):
-            t = design.router(int(name.split(".")[2])).to(t.dtype)
-        elif name == "lm_head.weight":
-            t = design.lm_head(len(t)).to(t.dtype)
-        elif name.endswith(_WRITERS) or name.endswith(_ROUTED_NORMS):
-            t = t.clone()
-            t[res] = 0
-        elif name.endswith("mlp.experts.down_proj"):  # [E, H, F]
-            t = t.clone()
-            t[:, res] = 0
-        out[name] = t
-    return out
 
 
 def _per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,34 +1,18 @@
 """Realistic routing for random test checkpoints: skewed, temporally local expert choices.
 
-A random checkpoint's router spreads the tokens uniformly over the experts (10 % expert-cache
-hits with 12 % of the experts cached): the worst case, and not what a user's model does. This
-module builds the few tensors that make a random Qwen3.5-MoE checkpoint route like a real one
-while it stays an ordinary checkpoint (plain `mlp.gate.weight` [E, H] on the post-attention
-normed hidden state, no bias, nothing the loader has to know about). Calibration and sources:
-docs/ROUTING.md.
-
-How: the last R channels of the hidden state are reserved for routing (`ChannelLayout`).
-
-- The embedding writes them: channel `const` is the same for every token (the popularity
-  carrier), `topic` holds the token's topic vector, `token` its ±1 identity code.
-- No layer writes them: the rows of o_proj, GDN out_proj and every expert's and the shared
-  expert's down_proj at those channels are zero, so at every layer the residual stream holds
-  exactly the embedding there.
-- `post_attention_layernorm` and the final `norm` have weight 0 (a factor 1 + 0) there.
-- Each layer's router reads only the reserved channels:
-      logit[e] = popularity * pop[l, e] + topic * <u[l, e], T> + token * <w[l, e], code>
-  (pop ~ N(0, 1) per layer and expert: log-normal expert popularity; u, w ~ N(0, 1/dims)).
-  RMSNorm divides the whole hidden state by one number per token, which never changes a
-  top-k, so the routing is a function of the token sequence alone: the same at every depth,
-  on every device and for any number of layers.
-- The lm_head reads only the `token` channels, and row `next(t)` holds token t's code: greedy
-  decoding walks a fixed cycle through the regular tokens of the tiny tokenizer (the specials
-  are left out, so EOS never comes), whatever the prompt. Along the cycle the topic vectors
-  are a smooth periodic Gaussian process (two correlation lengths), which is where the
-  token-to-token locality comes from; the token codes add per-token spread.
-
-`RealisticRouting` holds the design (deterministic in its seed); `expected_topk` computes the
-routing of any token sequence from the tensors as written, which is what the model computes.
+A random router spreads tokens uniformly over the experts (the expert cache's worst case).
+`RealisticRouting` builds the few tensors that make a random Qwen3.5-MoE checkpoint route like
+a real one while it stays an ordinary checkpoint (calibration and design: docs/ROUTING.md).
+The last R hidden channels are reserved (`ChannelLayout`): the embedding writes them (a
+constant popularity carrier, the token's topic vector, its ±1 identity code), no layer writes
+them (zero rows of o_proj, out_proj and every down_proj), the norms in front of the routers
+weigh them 1 + 0, and each router reads only them:
+    logit[e] = popularity * pop[l, e] + topic * <u[l, e], T> + token * <w[l, e], code>
+so the routing is a function of the token sequence alone (`expected_topk`). The lm_head maps
+each code to the next token of a fixed cycle, along which the topics are a smooth periodic
+Gaussian process: greedy decoding walks the cycle, with a real model's locality.
+`make_realistic_tiny_checkpoint` writes a tiny checkpoint that routes this way; `bench.fullsize`
+a full-size one.
 """
 
 from __future__ import annotations
@@ -36,11 +20,14 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-ROUTINGS = ("uniform", "realistic")  # the test checkpoints' `routing=` choices
+from tinyserve.testing import make_tiny_checkpoint, special_token_ids, tiny_text_config
+
+ROUTINGS = ("uniform", "realistic")  # the full-size checkpoint's `routing=` choices
 ROUTING_FILE = "tinyserve_routing.json"  # written beside a checkpoint that routes this way
 EMBED_SCALE = 0.02  # magnitude of the reserved embedding channels (the random ones' std)
 
@@ -162,7 +149,7 @@ class RealisticRouting:
         self.codes = codes  # [n, D], row p = code of cycle[p]
         self.embed_block = _bf16(torch.from_numpy(block * EMBED_SCALE))  # [V, R]
 
-    # ------------------------------------------------------------------ tensors to write
+    # tensors to write
     @property
     def reserved(self) -> slice:
         return self.layout.reserved
@@ -205,7 +192,7 @@ class RealisticRouting:
                 "reserved_channels": [lay.reserved.start, lay.reserved.stop],
                 "token_dims": lay.token_dims, "cycle": self.cycle.tolist()}
 
-    # ------------------------------------------------------------------ what the model does
+    # what the model does
     def text(self, start: int, n: int) -> list[int]:
         """The `n` tokens greedy decoding produces after token `start`."""
         first = self.next_token.get(start)
@@ -234,27 +221,6 @@ def expected_topk(block: torch.Tensor, routers: list[torch.Tensor], reserved: sl
     return torch.stack(out, dim=1).numpy()
 
 
-def trace_from_checkpoint(path: str | Path, tokens: list[int] | np.ndarray) -> np.ndarray:
-    """The routing [T, L, k] a realistic checkpoint at `path` gives `tokens` (read from its
-    embedding and routers; the checkpoint must have been written with realistic routing)."""
-    from tinyserve.model.config import load_config
-    from tinyserve.model.loader import CheckpointReader
-
-    path = Path(path)
-    manifest = json.loads((path / ROUTING_FILE).read_text())
-    lo, hi = manifest["reserved_channels"]
-    config = load_config(path)
-    reader = CheckpointReader(path)
-    names = set(reader.names())
-    prefix = next(p for p in ("model.language_model.", "model.")
-                  if p + "embed_tokens.weight" in names)
-    ids = torch.as_tensor(np.asarray(tokens), dtype=torch.int64)
-    block = reader.get(prefix + "embed_tokens.weight")[ids, lo:hi].float()
-    routers = [reader.get(f"{prefix}layers.{la}.mlp.gate.weight").float()
-               for la in range(config.num_layers)]
-    return expected_topk(block, routers, slice(lo, hi), config.num_experts_per_tok)
-
-
 def _periodic_process(n: int, dims: int, profile: RoutingProfile,
                       rng: np.random.Generator) -> np.ndarray:
     """`dims` independent stationary Gaussian processes [n, dims] on a ring of n points,
@@ -274,3 +240,53 @@ def _hadamard(n: int) -> np.ndarray:
     while h.shape[0] < n:
         h = np.block([[h, h], [h, -h]])
     return h
+
+
+def make_realistic_tiny_checkpoint(path: str | Path, *, fmt: str = "bf16", seed: int = 0,
+                                   **config_overrides: Any) -> Path:
+    """`make_tiny_checkpoint` with realistic routing: the routing is a function of the token
+    sequence and greedy decoding walks a fixed cycle of tokens; the design's manifest is
+    written to `ROUTING_FILE`. Raises ValueError for a tied lm_head."""
+    text = tiny_text_config(**config_overrides)
+    if text["tie_word_embeddings"]:
+        raise ValueError("realistic routing needs an untied lm_head")
+    design = _routing_design(text, seed)
+    path = make_tiny_checkpoint(path, fmt=fmt, seed=seed, **config_overrides,
+                                transform=lambda state: route_state_dict(state, design))
+    (path / ROUTING_FILE).write_text(json.dumps(design.manifest()) + "\n")
+    return path
+
+
+def _routing_design(text: dict[str, Any], seed: int) -> RealisticRouting:
+    return RealisticRouting(hidden=text["hidden_size"], num_experts=text["num_experts"],
+                            top_k=text["num_experts_per_tok"], vocab_size=text["vocab_size"],
+                            text_tokens=range(min(special_token_ids().values())), seed=seed)
+
+
+# Tensors that write the residual stream (their rows at the routing channels become 0) and
+# the norms in front of the routers and the lm_head (weight 0 there: a factor 1 + 0).
+_WRITERS = ("self_attn.o_proj.weight", "linear_attn.out_proj.weight",
+            "mlp.shared_expert.down_proj.weight")
+_ROUTED_NORMS = ("post_attention_layernorm.weight", "model.norm.weight")
+
+
+def route_state_dict(state: dict[str, torch.Tensor],
+                     design: RealisticRouting) -> dict[str, torch.Tensor]:
+    """`state` (HF names, fused experts) routing as `design` says."""
+    res = design.reserved
+    out = dict(state)
+    for name, t in state.items():
+        if name == "model.embed_tokens.weight":
+            t = design.embedding(t)
+        elif name.endswith("mlp.gate.weight"):
+            t = design.router(int(name.split(".")[2])).to(t.dtype)
+        elif name == "lm_head.weight":
+            t = design.lm_head(len(t)).to(t.dtype)
+        elif name.endswith(_WRITERS) or name.endswith(_ROUTED_NORMS):
+            t = t.clone()
+            t[res] = 0
+        elif name.endswith("mlp.experts.down_proj"):  # [E, H, F]
+            t = t.clone()
+            t[:, res] = 0
+        out[name] = t
+    return out

@@ -15,9 +15,9 @@ lm_head rows beyond the tiny tokenizer's vocabulary are zero, so greedy sampling
 it; the tokenizer is `testing.tokenizer`'s. The random router spreads the tokens evenly over
 the experts (the worst case for the expert cache); `routing="realistic"` writes a router,
 embedding and lm_head that route with a real model's skew and locality instead
-(`testing.routing`, docs/ROUTING.md).
+(`bench.routing`, docs/ROUTING.md).
 
-    python -m tinyserve.testing.fullsize /tmp/qwen35-fullsize [--layers 4] [--routing realistic]
+    python -m bench.fullsize /tmp/qwen35-fullsize [--layers 4] [--routing realistic]
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
+from bench.routing import ROUTING_FILE, ROUTINGS, RealisticRouting
 from tinyserve.model.config import ModelConfig
-from tinyserve.testing.routing import ROUTING_FILE, ROUTINGS, RealisticRouting
 from tinyserve.testing.tokenizer import (
     TINY_VOCAB_SIZE,
     save_tiny_tokenizer,
@@ -174,7 +174,7 @@ def write_fullsize_checkpoint(path: str | Path, *, layers: int | None = None, se
     `vocab_size` shrinks the vocabulary (tests); everything else keeps the real shapes.
     `routing`: "uniform" (the random router: tokens spread evenly over the experts) or
     "realistic" (skewed, temporally local routing and a fixed greedy text, see
-    `testing.routing`; its manifest is written to `routing.ROUTING_FILE`).
+    `bench.routing`; its manifest is written to `routing.ROUTING_FILE`).
     `sparse`: headers only, over holes (see the module docstring; uniform routing only).
     Raises ValueError for an unknown routing.
     """

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from bench.fullsize import write_fullsize_checkpoint
 from tinyserve.engine.config import EngineConfig
 from tinyserve.engine.device_memory import reference_device
 from tinyserve.engine.planner import plan_checkpoint
 from tinyserve.model.config import load_config
 from tinyserve.model.loader import CheckpointReader
 from tinyserve.offload.store import HostExpertStore
-from tinyserve.testing.fullsize import write_fullsize_checkpoint
 
 
 def test_one_layer_with_the_real_shapes(tmp_path) -> None:
@@ -53,10 +53,11 @@ def test_sparse_checkpoint_has_the_same_headers(tmp_path) -> None:
 
 def test_realistic_routing_keeps_the_routing_channels_to_the_router(tmp_path) -> None:
     """`routing="realistic"`: a valid checkpoint whose routers read only the routing channels,
-    which no layer writes; its routing is the design's (testing.routing)."""
+    which no layer writes; its routing is the design's (bench.routing)."""
     import json
 
-    from tinyserve.testing.routing import ROUTING_FILE, trace_from_checkpoint
+    from bench.cache_sim import trace_from_checkpoint
+    from bench.routing import ROUTING_FILE
 
     path = write_fullsize_checkpoint(tmp_path / "ck", layers=1, vocab_size=1024,
                                      max_shard_bytes=1 << 28, routing="realistic")

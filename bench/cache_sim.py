@@ -17,19 +17,26 @@ Policies (`POLICIES`, each built by `make_policy(name, slots, layers)`):
   an upper bound no policy reaches.
 `simulate(trace, policy)` runs one; the device-driven engine path (victim lists two steps
 behind the lookups) is measured by `bench/cache_policies.py` through `DeviceExpertCache`.
-Plain Python and numpy, no torch.
+`trace_from_checkpoint` reads the trace of a realistic-routing checkpoint;
+`synthetic_trace` draws a Zipf one; `policy_hit_rate` replays one through the engine policy.
 """
 
 from __future__ import annotations
 
 import heapq
+import json
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+import torch
 
+from bench.routing import ROUTING_FILE, expected_topk
+from tinyserve.model.config import load_config
+from tinyserve.model.loader import CheckpointReader
 from tinyserve.offload.cache import ExpertCachePolicy
 
 ENGINE_WEIGHTS = {"lru": 0.0, "lru-f2": 2.0, "lru-f16": 16.0, "lfu": 1e9}
@@ -265,3 +272,56 @@ def _next_uses(trace: np.ndarray) -> dict:
                 out[(step, layer, e)] = last.get((layer, e), math.inf)
                 last[(layer, e)] = step
     return out
+
+
+def synthetic_trace(num_layers: int, num_experts: int, top_k: int, steps: int, *,
+                    zipf: float = 1.0, drift_every: int = 128, drift_frac: float = 0.25,
+                    seed: int = 0) -> list[list[list[int]]]:
+    """A skewed routing trace `[step][layer] -> top_k distinct experts` (one token per step).
+
+    Each layer has its own Zipf(`zipf`) popularity over a random order of its experts; every
+    `drift_every` steps a random `drift_frac` of the ranks are reshuffled (a topic change).
+    """
+    rng = np.random.default_rng(seed)
+    ranks = np.arange(1, num_experts + 1, dtype=np.float64)
+    weights = ranks ** -zipf
+    order = np.stack([rng.permutation(num_experts) for _ in range(num_layers)])  # [L, E]
+    trace: list[list[list[int]]] = []
+    for step in range(steps):
+        if drift_every and step and step % drift_every == 0:
+            n = max(2, int(drift_frac * num_experts))
+            for layer in range(num_layers):
+                pos = rng.choice(num_experts, size=n, replace=False)
+                order[layer, pos] = order[layer, rng.permutation(pos)]
+        # Efraimidis-Spirakis: top-k of u ** (1 / w) samples k distinct experts by weight.
+        keys = rng.random((num_layers, num_experts)) ** (1.0 / weights)
+        top = np.argpartition(-keys, top_k - 1, axis=1)[:, :top_k]
+        trace.append([order[layer, top[layer]].tolist() for layer in range(num_layers)])
+    return trace
+
+
+def policy_hit_rate(policy: ExpertCachePolicy, trace: list[list[list[int]]]) -> float:
+    """Run `trace` through `policy` (host-driven) and return its hit rate."""
+    for step in trace:
+        for layer, experts in enumerate(step):
+            policy.access(layer, experts)
+        policy.end_step()
+    return policy.stats.hit_rate
+
+
+def trace_from_checkpoint(path: str | Path, tokens: list[int] | np.ndarray) -> np.ndarray:
+    """The routing [T, L, k] a realistic checkpoint at `path` gives `tokens` (read from its
+    embedding and routers; the checkpoint must have been written with realistic routing)."""
+    path = Path(path)
+    manifest = json.loads((path / ROUTING_FILE).read_text())
+    lo, hi = manifest["reserved_channels"]
+    config = load_config(path)
+    reader = CheckpointReader(path)
+    names = set(reader.names())
+    prefix = next(p for p in ("model.language_model.", "model.")
+                  if p + "embed_tokens.weight" in names)
+    ids = torch.as_tensor(np.asarray(tokens), dtype=torch.int64)
+    block = reader.get(prefix + "embed_tokens.weight")[ids, lo:hi].float()
+    routers = [reader.get(f"{prefix}layers.{la}.mlp.gate.weight").float()
+               for la in range(config.num_layers)]
+    return expected_topk(block, routers, slice(lo, hi), config.num_experts_per_tok)

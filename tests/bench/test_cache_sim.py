@@ -1,4 +1,4 @@
-"""Trace-driven expert-cache simulation (offload.cache_sim): each policy against a brute-force
+"""Trace-driven expert-cache simulation (bench.cache_sim): each policy against a brute-force
 model, Belady as the bound, LRU's inclusion property, the uniform baseline."""
 
 from __future__ import annotations
@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tinyserve.offload.cache import ExpertCachePolicy
-from tinyserve.offload.cache_sim import (
+from bench.cache_sim import (
     LRU,
     POLICIES,
     batch_trace,
@@ -16,6 +15,7 @@ from tinyserve.offload.cache_sim import (
     simulate,
     uniform_trace,
 )
+from tinyserve.offload.cache import ExpertCachePolicy
 
 
 def _skewed(steps: int, layers: int, experts: int, k: int, seed: int) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Realistic routing (testing.routing): the design, the tiny checkpoint that carries it, the
+"""Realistic routing (bench.routing): the design, the tiny checkpoint that carries it, the
 model's routing equal to the computed one, and the calibrated hit rates."""
 
 from __future__ import annotations
@@ -9,16 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from tinyserve.core import SamplingParams
-from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4, quantize_nvfp4
-from tinyserve.offload.cache_sim import hit_curve
-from tinyserve.testing import make_tiny_checkpoint
-from tinyserve.testing.routing import (
+from bench.cache_sim import hit_curve, trace_from_checkpoint
+from bench.routing import (
     ROUTING_FILE,
     RealisticRouting,
     channel_layout,
-    trace_from_checkpoint,
+    make_realistic_tiny_checkpoint,
 )
+from tinyserve.core import SamplingParams
+from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4, quantize_nvfp4
 
 TEXT = range(491)  # the tiny tokenizer's regular tokens
 
@@ -80,7 +79,7 @@ def test_expected_topk_ignores_the_per_token_scale() -> None:
     tokens = d.text(int(d.cycle[0]), 20)
     a = d.expected_topk(tokens, routers)
     scaled = d.embed_block[tokens] * torch.linspace(0.1, 30, 20)[:, None]
-    from tinyserve.testing.routing import expected_topk
+    from bench.routing import expected_topk
 
     b = expected_topk(scaled, routers, d.reserved, 8)
     assert a.shape == (20, 2, 8) and np.array_equal(a, b)
@@ -111,8 +110,8 @@ def _decode(path, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
 
 @pytest.mark.parametrize("fmt", ["bf16", "bf16-official", "modelopt-mixed", "compressed-tensors"])
 def test_tiny_realistic_checkpoint_routes_as_computed(tmp_path, fmt: str) -> None:
-    path = make_tiny_checkpoint(tmp_path / "ck", fmt=fmt, routing="realistic", num_experts=16,
-                                num_experts_per_tok=4)
+    path = make_realistic_tiny_checkpoint(tmp_path / "ck", fmt=fmt, num_experts=16,
+                                          num_experts_per_tok=4)
     manifest = json.loads((path / ROUTING_FILE).read_text())
     cycle = manifest["cycle"]
     assert manifest["routing"] == "realistic" and len(cycle) == 8
@@ -126,11 +125,9 @@ def test_tiny_realistic_checkpoint_routes_as_computed(tmp_path, fmt: str) -> Non
                                                 computed.reshape(-1, 4).tolist(), strict=True))
 
 
-def test_unknown_routing_is_refused(tmp_path) -> None:
-    with pytest.raises(ValueError, match="unknown routing"):
-        make_tiny_checkpoint(tmp_path / "x", routing="zipf")
+def test_realistic_routing_needs_an_untied_lm_head(tmp_path) -> None:
     with pytest.raises(ValueError, match="untied"):
-        make_tiny_checkpoint(tmp_path / "y", routing="realistic", tie_word_embeddings=True)
+        make_realistic_tiny_checkpoint(tmp_path / "y", tie_word_embeddings=True)
 
 
 def test_calibrated_lru_hit_rates_match_the_published_curve() -> None:

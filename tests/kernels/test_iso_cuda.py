@@ -20,19 +20,19 @@ POISON = 0xAB
 
 
 def _cuda():
-    from tinyserve.kernels import iso_cuda
+    from tinyserve.kernels.iso import cuda as iso_cuda
 
     return iso_cuda
 
 
 def _mma():
-    from tinyserve.kernels import iso_mma
+    from tinyserve.kernels.iso import mma as iso_mma
 
     return iso_mma
 
 
 def _extend():
-    from tinyserve.kernels import iso_extend
+    from tinyserve.kernels.iso import extend as iso_extend
 
     return iso_extend
 
@@ -187,7 +187,7 @@ def test_decode_attention(impl, fmt, case, dtype) -> None:
     if impl == "mma":
         _mma().iso_decode_attention_mma(q, kc, vc, table, seq_lens, ps, fmt, scale, out=out)
     else:
-        from tinyserve.kernels import iso_triton
+        from tinyserve.kernels.iso import triton as iso_triton
 
         iso_triton.iso_decode_attention_triton(q, kc, vc, table, seq_lens, ps, fmt, scale,
                                                out=out)

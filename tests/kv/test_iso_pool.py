@@ -198,7 +198,8 @@ def test_decode_kernel_per_shape() -> None:
 def test_decode_dispatch(fmt: str, hq: int, want: str, monkeypatch) -> None:
     """With the kernels on, decode goes to the kernel `decode_kernel` picks at the first step
     (bound from the pool's context) and stays there (the kernels are stubs here)."""
-    from tinyserve.kernels import iso_mma, iso_triton
+    from tinyserve.kernels.iso import mma as iso_mma
+    from tinyserve.kernels.iso import triton as iso_triton
 
     calls = []
 

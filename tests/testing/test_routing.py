@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tinyserve.core import SamplingParams
-from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4, quantize_nvfp4
+from tinyserve.kernels.nvfp4.ref import dequantize_nvfp4, quantize_nvfp4
 from tinyserve.offload.cache_sim import hit_curve
 from tinyserve.testing import make_tiny_checkpoint
 from tinyserve.testing.routing import (

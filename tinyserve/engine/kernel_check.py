@@ -51,7 +51,8 @@ def implementations(device: torch.device, kv: str) -> dict[str, str]:
     """Kernel family -> the implementation it takes on `device` with KV format `kv`."""
     if device.type != "cuda" or envs.DISABLE_KERNELS.get():
         return {"all": "torch references"}
-    from tinyserve.kernels import fp8, fused_moe, nvfp4
+    from tinyserve.kernels import fp8, nvfp4
+    from tinyserve.kernels.moe import fused as fused_moe
     from tinyserve.kv import bf16, iso_pool
 
     be = cuda_launch.backend(device)

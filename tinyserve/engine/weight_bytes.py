@@ -4,7 +4,7 @@
 `geometry_weight_bytes(config, preset)` computes the same from shapes for a checkpoint that is
 not on disk (e.g. the real Qwen3.5-35B-A3B in tests). Sizes are what the weights take on the
 GPU: dense weights in the model dtype (the GDN fp32 parameters in fp32), NVFP4 and FP8 as
-stored, one routed expert as one fused-MoE slot (`kernels.fused_moe.ExpertSlots`).
+stored, one routed expert as one fused-MoE slot (`kernels.moe.fused.ExpertSlots`).
 """
 
 from __future__ import annotations

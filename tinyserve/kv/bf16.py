@@ -6,11 +6,11 @@ is a padding page: tokens whose slot is negative (padded rows of a captured batc
 there and never read.
 
 On CUDA (sm_80+) with a bf16/fp16 cache the store and decode attention run the Triton kernels of
-`kernels.paged_kv_triton` (one launch for the store, split-K decode over the pages in place;
+`kernels.attention.paged_triton` (one launch for the store, split-K decode over the pages in place;
 the decode for the shapes `decode_supported` takes, picked at the first decode step);
 elsewhere, for other shapes, or with TINYSERVE_DISABLE_KERNELS=1, their references in
-`kernels.paged_kv`. Prefill and extend attention gather the sequence's K/V and call
-`kernels.attention`.
+`kernels.attention.paged_ref`. Prefill and extend attention gather the sequence's K/V and call
+`kernels.attention.chunk`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 
 from tinyserve import envs
 from tinyserve.core import ForwardContext
-from tinyserve.kernels.attention import chunk_causal_attention
-from tinyserve.kernels.paged_kv import paged_decode_ref, paged_store_ref
+from tinyserve.kernels.attention.chunk import chunk_causal_attention
+from tinyserve.kernels.attention.paged_ref import paged_decode_ref, paged_store_ref
 from tinyserve.kv.base import KVBackend
 from tinyserve.log import get_logger
 
@@ -68,7 +68,7 @@ class BF16KVBackend(KVBackend):
         kc, vc = self._flat(layer_id)
         pad_slot = self.num_pages * self.page_size
         if self.use_kernels:
-            from tinyserve.kernels import paged_kv_triton
+            from tinyserve.kernels.attention import paged_triton as paged_kv_triton
 
             paged_kv_triton.paged_store(kc, vc, slot_mapping, k, v, pad_slot)
             return
@@ -106,8 +106,8 @@ class BF16KVBackend(KVBackend):
         """One query per sequence over its first `seq_lens[b]` cached tokens, batched and
         without a host synchronisation (CUDA-graph safe; the work is sized by the host bound
         `max_seq_len`): the split-K Triton kernel reading the pages in place
-        (`kernels.paged_kv_triton`) on CUDA, the gather + masked SDPA reference
-        (`kernels.paged_kv.paged_decode_ref`) elsewhere and for shapes the kernel refuses.
+        (`kernels.attention.paged_triton`) on CUDA, the gather + masked SDPA reference
+        (`kernels.attention.paged_ref`) elsewhere and for shapes the kernel refuses.
 
         Args:
             q: [B, Hq, D]; page_table: [B, P] int32; seq_lens: [B] int32 (>= 1, the new token
@@ -119,7 +119,7 @@ class BF16KVBackend(KVBackend):
         if self._decode_on_kernel is None:
             self._decode_on_kernel = self._pick_decode(q.shape[1])
         if self._decode_on_kernel:
-            from tinyserve.kernels import paged_kv_triton
+            from tinyserve.kernels.attention import paged_triton as paged_kv_triton
 
             return paged_kv_triton.paged_decode_attention(
                 q, kc, vc, page_table, seq_lens, self.page_size, scale, max_seq_len=max_seq_len)
@@ -130,7 +130,7 @@ class BF16KVBackend(KVBackend):
         """Whether decode runs the Triton kernel (else the reference), logged once on CUDA."""
         if not self.use_kernels:
             return False
-        from tinyserve.kernels import paged_kv_triton
+        from tinyserve.kernels.attention import paged_triton as paged_kv_triton
 
         ok = paged_kv_triton.decode_supported(num_q_heads, self.num_kv_heads, self.head_dim,
                                               self.dtype)
@@ -148,7 +148,7 @@ class BF16KVBackend(KVBackend):
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,
                      scale: float) -> torch.Tensor:
-    """Attention of one sequence's chunk with GQA (`kernels.attention`).
+    """Attention of one sequence's chunk with GQA (`kernels.attention.chunk`).
 
     q [n, Hq, D] at positions prefix .. prefix+n-1; k, v [prefix+n, Hkv, D]. Query i sees keys
     0 .. prefix+i. Returns [n, Hq, D] in q.dtype (SDPA: fp32 softmax inside).

@@ -9,12 +9,12 @@ Ordering contract (§6.2):
 - extend (anything else): attend over the packed prefix plus the chunk's own K/V in the model
   dtype (causal), then store the chunk (deferred quantization).
 
-On CUDA the store and extend run the kernels of `kernels.iso_cuda`; decode runs the one
+On CUDA the store and extend run the kernels of `kernels.iso.cuda`; decode runs the one
 kernel `decode_kernel` picks for the model's shapes (at the first decode step, then logged):
-the CUDA tensor-core kernel (`kernels.iso_mma`) for iso3 with GQA groups up to 8 (Qwen3.5-35B-A3B:
-16 query heads over 2 KV heads), the Triton tensor-core kernel (`kernels.iso_triton`) for
+the CUDA tensor-core kernel (`kernels.iso.mma`) for iso3 with GQA groups up to 8 (Qwen3.5-35B-A3B:
+16 query heads over 2 KV heads), the Triton tensor-core kernel (`kernels.iso.triton`) for
 iso4 and wider groups (Qwen3.5-122B/397B: 32 over 2). Elsewhere (or with
-TINYSERVE_DISABLE_KERNELS=1) the references of `kernels.iso` run: quantize on write,
+TINYSERVE_DISABLE_KERNELS=1) the references of `kernels.iso.ref` run: quantize on write,
 dequantize + fp32 attention.
 """
 
@@ -40,7 +40,7 @@ def decode_kernel(fmt: str, num_q_heads: int, num_kv_heads: int, head_dim: int,
     """The decode attention kernel on CUDA for these shapes (a key of DECODE_KERNELS): "mma"
     where `iso_mma` takes them (iso3, GQA group <= 8, head_dim 128/256, caches `aligned` for
     its 16-byte copies), "triton" otherwise (iso4, wider groups, odd row strides)."""
-    from tinyserve.kernels.iso_mma import mma_supported
+    from tinyserve.kernels.iso.mma import mma_supported
 
     return "mma" if aligned and mma_supported(fmt, num_q_heads, num_kv_heads,
                                               head_dim) else "triton"
@@ -94,7 +94,7 @@ class ISOKVBackend(KVBackend):
         kc, vc = self.k_cache(layer_id), self.v_cache(layer_id)
         slots = torch.where(slots < 0, self.num_pages * self.page_size, slots)
         if self.use_kernels:
-            from tinyserve.kernels import iso_cuda
+            from tinyserve.kernels.iso import cuda as iso_cuda
 
             iso_cuda.iso_store(kc, vc, slots, k, v, self.fmt)
             return
@@ -126,7 +126,8 @@ class ISOKVBackend(KVBackend):
     def _pick_decode(self, num_q_heads: int):
         """The launcher of `decode_kernel`'s pick for this pool (every layer's caches checked
         for the 16-byte copies), logged once."""
-        from tinyserve.kernels import iso_mma, iso_triton
+        from tinyserve.kernels.iso import mma as iso_mma
+        from tinyserve.kernels.iso import triton as iso_triton
 
         aligned = all(iso_mma.caches_aligned(self.k_cache(lid), self.v_cache(lid))
                       for lid in self.layer_ids)
@@ -140,7 +141,7 @@ class ISOKVBackend(KVBackend):
                 ctx: ForwardContext, scale: float) -> torch.Tensor:
         kc, vc = self.k_cache(layer_id), self.v_cache(layer_id)
         if self.use_kernels:
-            from tinyserve.kernels import iso_extend
+            from tinyserve.kernels.iso import extend as iso_extend
 
             return iso_extend.iso_extend_attention(
                 q, k, v, kc, vc, ctx.page_table, ctx.cu_seqlens, ctx.q_lens_cpu,

@@ -1,7 +1,7 @@
 """Gated DeltaNet mixer of Qwen3.5-MoE (`linear_attn`), batched over varlen sequences.
 
 Projections run over all N tokens at once; the causal conv and the gated delta rule run
-through `kernels/gdn.py` (Triton on CUDA, the pure-torch references of `kernels/gdn_ref.py`
+through `kernels/gdn/ops.py` (Triton on CUDA, the pure-torch references of `kernels/gdn/ref.py`
 elsewhere), which read each sequence's conv and recurrent state from the GDN state pool at
 `ctx.state_slots[b]` (a sequence with prefix length 0 starts from zeros and never reads its
 slot) and write the new state back in place. A pure-decode batch (one token per sequence,

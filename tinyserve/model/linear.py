@@ -2,7 +2,7 @@
 
 The single seam where GPU kernels plug in is `_quantized_linear`: on CUDA (unless
 TINYSERVE_DISABLE_KERNELS is set) NVFP4 weights go through the Triton kernel
-`tinyserve.kernels.nvfp4.nvfp4_linear` and FP8 weights through `tinyserve.kernels.fp8`
+`tinyserve.kernels.nvfp4.linear.nvfp4_linear` and FP8 weights through `tinyserve.kernels.fp8.linear`
 (reading the fp8 bytes, no per-call conversion); everywhere else the pure-torch reference
 dequantizes the weight and runs a plain matmul.
 
@@ -34,7 +34,7 @@ def dequantize(w: LinearWeight, dtype: torch.dtype) -> torch.Tensor:
     """The dense [out, in] weight of any storage, in `dtype`."""
     if isinstance(w, DenseWeight):
         return w.weight.to(dtype)
-    from tinyserve.kernels import nvfp4_ref
+    from tinyserve.kernels.nvfp4 import ref as nvfp4_ref
 
     if isinstance(w, NVFP4Weight):
         return nvfp4_ref.dequantize_nvfp4(w, dtype=dtype)
@@ -108,7 +108,7 @@ def kernels_enabled(device: torch.device) -> bool:
 
 def _quantized_linear(x: torch.Tensor, w: NVFP4Weight | FP8Weight) -> torch.Tensor:
     if isinstance(w, NVFP4Weight) and kernels_enabled(x.device):
-        from tinyserve.kernels.nvfp4 import nvfp4_linear
+        from tinyserve.kernels.nvfp4.linear import nvfp4_linear
 
         return nvfp4_linear(x, w)
     if isinstance(w, FP8Weight) and kernels_enabled(x.device):
@@ -119,7 +119,7 @@ def _quantized_linear(x: torch.Tensor, w: NVFP4Weight | FP8Weight) -> torch.Tens
 def fp8_linear(x: torch.Tensor, w: FP8Weight) -> torch.Tensor:
     """W8A16 y = x @ (e4m3(weight) * scale).T in x.dtype, per-tensor or per-row scale.
 
-    With kernels enabled on x's device: the Triton kernel (`kernels.fp8.fp8_linear`, fp32
+    With kernels enabled on x's device: the Triton kernel (`kernels.fp8.linear.fp8_linear`, fp32
     accumulation, no host sync). Elsewhere the torch path: one native e4m3 -> x.dtype
     conversion of the weight (exact), the matmul, the scale on the output in fp32.
     """

@@ -3,7 +3,7 @@
 Router: fp32 softmax over the router logits, top-k, ALWAYS renormalised over the top k, cast to
 the model dtype. Shared expert: SwiGLU MLP scaled by sigmoid(shared_expert_gate(x)).
 
-On CUDA (`kernels_enabled`) the glue runs as Triton kernels (`kernels/router.py`,
+On CUDA (`kernels_enabled`) the glue runs as Triton kernels (`kernels/moe/router.py`,
 `kernels/glue.py`) beside the torch references here (`*_ref`, the CPU path), and
 `SparseMoE` concatenates, once at build, the shared expert's gate_proj and up_proj into one
 gate_up weight and the router with shared_expert_gate into one [E + 1, H] weight when each
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
-from tinyserve.kernels.fused_moe import (
+from tinyserve.kernels.moe.fused import (
     ExpertSlots,
     fuses_shared_expert,
     pack_expert_slots,
@@ -56,7 +56,7 @@ def topk_softmax(logits: torch.Tensor, top_k: int,
     """Router logits [N, E] (unit column stride) -> (ids [N, k] int64 in descending
     probability, weights [N, k] in `dtype`): fp32 softmax, top-k, renormalised, cast."""
     if kernels_enabled(logits.device) and logits.shape[0] <= ROUTER_KERNEL_MAX_N:
-        from tinyserve.kernels import router as router_kernels
+        from tinyserve.kernels.moe import router as router_kernels
 
         return router_kernels.topk_softmax(logits, top_k, dtype)
     return topk_softmax_ref(logits, top_k, dtype)
@@ -109,7 +109,7 @@ class ResidentExperts:
     weights already on the compute device.
 
     On CUDA (kernels enabled) each layer's experts are packed once into slot buffers (slot =
-    expert id) and run by the fused-MoE kernel (`kernels/fused_moe.py`); elsewhere, or with
+    expert id) and run by the fused-MoE kernel (`kernels/moe/fused.py`); elsewhere, or with
     `use_kernel=False`, the per-expert torch loop runs (the reference of the kernel).
     """
 
@@ -148,7 +148,7 @@ class ResidentExperts:
         """Σ_j topk_weights[:, j] * Expert_{topk_ids[:, j]}(x) (+ sigmoid(shared_logit) *
         shared expert, kernel only); x [N, H] -> [N, H] in x.dtype."""
         if self.use_kernel:
-            from tinyserve.kernels.fused_moe import fused_moe
+            from tinyserve.kernels.moe.fused import fused_moe
 
             return fused_moe(x, topk_ids, topk_weights, self.slots[layer_id],
                              shared_slots=shared_slots, shared_logit=shared_logit)

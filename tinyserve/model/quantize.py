@@ -12,7 +12,7 @@ Output: safetensors shards (with an index when more than one), config.json with 
 `quantization_config`, hf_quant_config.json for ModelOpt, and the source's tokenizer and
 generation files. Weight-only (W4A16): no activation scales are written. The NVFP4 global
 scale is nudged to an fp32 value whose reciprocal round-trips (see
-`kernels.nvfp4_ref.nvfp4_global_scale`), so both formats dequantize to the same weights.
+`kernels.nvfp4.ref.nvfp4_global_scale`), so both formats dequantize to the same weights.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from tinyserve.core import FP8Weight, NVFP4Weight
-from tinyserve.kernels.nvfp4_ref import quantize_fp8, quantize_nvfp4
+from tinyserve.kernels.nvfp4.ref import quantize_fp8, quantize_nvfp4
 from tinyserve.log import get_logger
 from tinyserve.model.config import load_config
 from tinyserve.model.loader import INDEX_FILE, CheckpointReader, strip_prefix

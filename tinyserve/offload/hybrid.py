@@ -3,7 +3,7 @@
 At a small GPU budget decode is bound by copying missing experts over PCIe, while the host's
 RAM reads several times faster than the link. Per decode layer, of its m distinct misses the
 GPU copies m - c (and computes them with its hits) while the CPU computes c from the pinned
-store in place (`kernels.nvfp4_cpu`); c makes both finish together:
+store in place (`kernels.moe.cpu`); c makes both finish together:
 
     (m - c) * t_copy = t_call + c * t_cpu   ->   c = (m * t_copy - t_call) / (t_copy + t_cpu)
 
@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from tinyserve.kernels import cuda_launch, nvfp4_cpu
+from tinyserve.kernels import cuda_launch
+from tinyserve.kernels.moe import cpu as nvfp4_cpu
 from tinyserve.log import get_logger
 from tinyserve.offload.bandwidth import Bandwidths, probe
 
@@ -119,7 +120,7 @@ class _Entry:
     stage_host: torch.Tensor  # pinned copy of it, read by the host function
     out_host: torch.Tensor  # [N, H] fp32 pinned, written by the host function
     y_dev: torch.Tensor  # [N, H] fp32 on the device
-    desc: torch.Tensor  # int64 descriptor (kernels.nvfp4_cpu.host_descriptor)
+    desc: torch.Tensor  # int64 descriptor (kernels.moe.cpu.host_descriptor)
 
 
 class CpuExperts:

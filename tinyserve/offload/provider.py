@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from tinyserve import envs
-from tinyserve.kernels.fused_moe import ExpertSlots, fused_moe, fused_moe_ref
+from tinyserve.kernels.moe.fused import ExpertSlots, fused_moe, fused_moe_ref
 from tinyserve.log import get_logger
 from tinyserve.offload import prefetch
 from tinyserve.offload.gpu_cache import DeviceExpertCache

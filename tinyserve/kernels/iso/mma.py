@@ -14,10 +14,10 @@ import functools
 import torch
 
 from tinyserve.kernels import cuda_launch
+from tinyserve.kernels.attention.split import decode_splits, split_buffers
 from tinyserve.kernels.cuda_launch import I64, SHARED_SIZE_BYTES, I, ptr
-from tinyserve.kernels.decode_split import decode_splits, split_buffers
-from tinyserve.kernels.iso import BLOCK
-from tinyserve.kernels.iso_cuda import CTYPE, _check_decode, scale_log2
+from tinyserve.kernels.iso.cuda import CTYPE, _check_decode, scale_log2
+from tinyserve.kernels.iso.ref import BLOCK
 from tinyserve.kernels.launch import decode_output, dependent_launch
 
 SOURCE = "iso_decode_mma.cu"

@@ -20,7 +20,7 @@ import torch
 
 from tinyserve.kernels import cuda_launch
 from tinyserve.kernels.cuda_launch import I64, F, I, ptr
-from tinyserve.kernels.iso import BLOCK, FORMATS, packed_row_bytes
+from tinyserve.kernels.iso.ref import BLOCK, FORMATS, packed_row_bytes
 from tinyserve.kernels.launch import FLOATS, cdiv, check_pages
 
 STORE = "iso_store.cu"

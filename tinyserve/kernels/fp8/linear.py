@@ -33,8 +33,8 @@ NaN: 0x7F / 0xFF never occur in checkpoints (quantizers saturate at +-448). The 
 reads them as +-480 (the exponent-15 pattern), the native decode as NaN, the reference as NaN;
 no path checks for them.
 
-The kernels are in `kernels/fp8_triton.py`, imported on the first call (importing this module
-needs no triton). The reference is `kernels/nvfp4_ref.py` (`dequantize_fp8`,
+The kernels are in `kernels/fp8/triton.py`, imported on the first call (importing this module
+needs no triton). The reference is `kernels/nvfp4/ref.py` (`dequantize_fp8`,
 `fp8_linear_ref`).
 """
 
@@ -53,7 +53,7 @@ from tinyserve.kernels.launch import (
     split_k_result,
     target_arch,
 )
-from tinyserve.kernels.nvfp4 import row_range
+from tinyserve.kernels.nvfp4.linear import row_range
 
 PATHS = ("gemv", "dot", "dequant")
 # Path thresholds and decodes, from bench/fp8_linear.py (the data behind each:
@@ -77,7 +77,7 @@ GEMV_MAX_BLOCK_W = 1024
 
 @functools.cache
 def _kernels():
-    from tinyserve.kernels import fp8_triton
+    from tinyserve.kernels.fp8 import triton as fp8_triton
 
     return fp8_triton
 

@@ -1,4 +1,4 @@
-"""The numba code of `kernels.nvfp4_cpu` (imported on its first use: numba is imported here).
+"""The numba code of `kernels.moe.cpu` (imported on its first use: numba is imported here).
 
 Arrays: x [N, H] fp32, rows [N, k] int64 (-1: skipped), wts [N, k] fp32; the store's fields
 w13 uint8 [R, 2F, H/2], s13 uint8 [R, 2F, H/16], g13 fp32 [R, 2], w2 uint8 [R, H, F/2],
@@ -16,8 +16,8 @@ from numba import carray, cfunc, njit, prange, types
 from numba.extending import intrinsic
 from numba.np.ufunc.parallel import _launch_threads
 
-RB = 32  # rows per work item: kernels.nvfp4_cpu.ROW_BLOCK
-DW = 19  # descriptor words: kernels.nvfp4_cpu.DESC_WORDS
+RB = 32  # rows per work item: kernels.moe.cpu.ROW_BLOCK
+DW = 19  # descriptor words: kernels.moe.cpu.DESC_WORDS
 
 
 @intrinsic
@@ -184,7 +184,7 @@ def _quantize(x, q, s):
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True, error_model="numpy")
 def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, setters):
-    """Every pair's expert (module docstring of kernels.nvfp4_cpu) on `threads` threads
+    """Every pair's expert (module docstring of kernels.moe.cpu) on `threads` threads
     (`setters`: the addresses of numba's set_num_threads and set_parallel_chunksize);
     returns the number of distinct experts computed."""
     n, topk = rows.shape
@@ -267,7 +267,7 @@ _launch_threads()
 
 @cfunc(types.void(types.voidptr), nopython=True, cache=True)
 def entry(desc):
-    """`void entry(void *descriptor)`: kernels.nvfp4_cpu.host_descriptor's layout."""
+    """`void entry(void *descriptor)`: kernels.moe.cpu.host_descriptor's layout."""
     d = carray(_ptr_i64(_addr(desc)), (DW,))
     n, topk, base = d[2], d[3], d[4]
     nrows, h, f = d[11], d[12], d[13]
@@ -302,7 +302,7 @@ def entry(desc):
 def build(row_block: int, desc_words: int) -> SimpleNamespace:
     """The compiled kernels: `moe`, the E4M3 table it takes and the C entry's address."""
     if row_block != RB or desc_words != DW:
-        raise ValueError("kernels.nvfp4_cpu and its numba code disagree on their constants")
+        raise ValueError("kernels.moe.cpu and its numba code disagree on their constants")
     from numba.np.ufunc import parallel
 
     setters = np.array([ctypes.cast(f, ctypes.c_void_p).value for f in

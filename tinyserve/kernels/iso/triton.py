@@ -30,8 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyserve.kernels import decode_split, iso, iso_cuda
-from tinyserve.kernels._decode_triton_common import decode_merge_kernel, kv_rows, split_program
+from tinyserve.kernels.attention import split as decode_split
+from tinyserve.kernels.attention.split_triton import decode_merge_kernel, kv_rows, split_program
+from tinyserve.kernels.iso import cuda as iso_cuda
+from tinyserve.kernels.iso import ref as iso
 from tinyserve.kernels.launch import decode_output
 
 _LOG2E = 1.4426950408889634

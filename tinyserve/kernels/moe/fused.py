@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
-from tinyserve.kernels import nvfp4_cuda
-from tinyserve.kernels.fused_moe_decode import moe_fused_decode
+from tinyserve.kernels.moe.decode import moe_fused_decode
+from tinyserve.kernels.nvfp4 import cuda as nvfp4_cuda
 
 MOE_PATHS = ("fused", "gemv", "dot")
 FUSED_MAX_TOKENS = 8  # NVFP4 slots: the fused decode up to this many tokens, then dot
@@ -65,7 +65,7 @@ def describe() -> str:
 
 @functools.cache
 def _kernels():
-    from tinyserve.kernels import fused_moe_triton
+    from tinyserve.kernels.moe import fused_triton as fused_moe_triton
 
     return fused_moe_triton
 
@@ -121,7 +121,7 @@ def allocate_expert_slots(num_slots: int, hidden_size: int, intermediate_size: i
 
 
 def _dense(w: LinearWeight, dtype: torch.dtype) -> torch.Tensor:
-    from tinyserve.kernels.nvfp4_ref import dequantize_fp8, dequantize_nvfp4
+    from tinyserve.kernels.nvfp4.ref import dequantize_fp8, dequantize_nvfp4
 
     if isinstance(w, DenseWeight):
         return w.weight.to(dtype)
@@ -390,7 +390,7 @@ def _moe_dot(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
 
 def slot_weights(slots: ExpertSlots, slot_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense fp32 (w13 [2F, H], w2 [H, F]) of one slot (reference path)."""
-    from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4
+    from tinyserve.kernels.nvfp4.ref import dequantize_nvfp4
 
     if not slots.is_fp4:
         return slots.w13[slot_id].float(), slots.w2[slot_id].float()

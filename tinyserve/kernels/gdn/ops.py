@@ -1,7 +1,7 @@
 """Gated DeltaNet kernels (Triton) over the GDN state pool, read and written IN PLACE by slot.
 
 Public functions (each runs Triton on CUDA tensors and the pure-torch references of
-`kernels/gdn_ref.py` otherwise; `backend="triton"|"torch"` forces one):
+`kernels/gdn/ref.py` otherwise; `backend="triton"|"torch"` forces one):
 
 - `causal_conv1d_update(x [B,C], weight [C,K], conv_pool [slots,C,K-1], slots [B])`: decode.
 - `causal_conv1d_prefill(x [T,C], weight, conv_pool, slots [B], cu_seqlens [B+1],
@@ -17,20 +17,23 @@ The GDN kernels fuse the l2norm of q and k (eps 1e-6), the q scaling by dk**-0.5
 g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) and the value-head grouping (value
 head h reads key head h // (Hv // Hk)); all state math is fp32. Sequences whose
 `has_initial_state` is false start from zeros and never read their slot.
-Kernel source: `kernels/_gdn_triton.py`; the chunked-prefill launcher: `kernels/_gdn_chunk.py`.
+Kernel source: `kernels/gdn/triton.py`; the chunked-prefill launcher: `kernels/gdn/chunk.py`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tinyserve.kernels import _gdn_chunk, _gdn_config, _gdn_triton, gdn_ref
-from tinyserve.kernels._gdn_chunk import chunk_configs_chosen
-from tinyserve.kernels._gdn_config import cdiv as _cdiv
-from tinyserve.kernels._gdn_config import check as _check
-from tinyserve.kernels._gdn_config import last_contig as _last_contig
-from tinyserve.kernels._gdn_config import pow2 as _pow2
-from tinyserve.kernels._gdn_config import strides as _strides
+from tinyserve.kernels.gdn import chunk as _gdn_chunk
+from tinyserve.kernels.gdn import config as _gdn_config
+from tinyserve.kernels.gdn import ref as gdn_ref
+from tinyserve.kernels.gdn import triton as _gdn_triton
+from tinyserve.kernels.gdn.chunk import chunk_configs_chosen
+from tinyserve.kernels.gdn.config import cdiv as _cdiv
+from tinyserve.kernels.gdn.config import check as _check
+from tinyserve.kernels.gdn.config import last_contig as _last_contig
+from tinyserve.kernels.gdn.config import pow2 as _pow2
+from tinyserve.kernels.gdn.config import strides as _strides
 from tinyserve.log import get_logger
 
 __all__ = ["causal_conv1d_prefill", "causal_conv1d_update", "chunk_configs_chosen", "gdn_decode",

@@ -1,5 +1,5 @@
-"""Tensor-core NVFP4 kernels behind `kernels/nvfp4.py`: the `dot` path (weight tile dequantized
-in the K loop, fed to `tl.dot`) and the `dequant` kernel (bf16/fp16 scratch for cuBLAS).
+"""Tensor-core NVFP4 kernels behind `linear.py`: the `dot` path (weight tile dequantized in the
+K loop, fed to `tl.dot`) and the `dequant` kernel (bf16/fp16 scratch for cuBLAS).
 
 Imports triton at the top, so only the launchers import it, lazily. The tile decoder
 (`_dequant_tile`) is shared with the fused-MoE prefill kernels (`fused_moe_triton.py`).
@@ -10,8 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tinyserve.kernels.nvfp4_triton import FP4_UNIT_C, _e2m1, _e4m3
-from tinyserve.kernels.splitk_triton import splitk_tile
+from tinyserve.kernels.nvfp4.splitk_triton import splitk_tile
+from tinyserve.kernels.nvfp4.triton import FP4_UNIT_C, _e2m1, _e4m3
 
 
 @triton.jit

@@ -1,7 +1,7 @@
 """Pure-torch references for the Gated DeltaNet (GDN) mixer: causal conv1d and the gated delta
 rule in chunked (prefill) and recurrent (decode) form, for ONE sequence.
 
-Conventions shared with the Triton kernels (`kernels/gdn.py`):
+Conventions shared with the Triton kernels (`kernels/gdn/ops.py`):
 
 - q and k are already l2-normalised per head, q is already scaled by dk ** -0.5, and the key
   heads are already repeated (`repeat_interleave`) to the value-head count H.

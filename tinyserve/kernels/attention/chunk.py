@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tinyserve.kernels.iso import attention_oracle
+from tinyserve.kernels.iso.ref import attention_oracle
 from tinyserve.log import get_logger
 
 log = get_logger(__name__)

@@ -13,7 +13,7 @@ One implementation per regime, picked by `choose_path` from the rows M of x and 
 - "dequant" (prefill): dequantize to a bf16/fp16 scratch (row chunks of at most SCRATCH_ELEMS)
   and call torch.matmul (cuBLAS).
 
-The reference is `kernels/nvfp4_ref.py`. Triton is imported on the first call, never at
+The reference is `kernels/nvfp4/ref.py`. Triton is imported on the first call, never at
 import time.
 """
 
@@ -24,8 +24,8 @@ import functools
 import torch
 
 from tinyserve.core import NVFP4Weight
-from tinyserve.kernels import nvfp4_cuda
 from tinyserve.kernels.launch import cdiv, dot_tiles, num_sms, split_k_output, split_k_result
+from tinyserve.kernels.nvfp4 import cuda as nvfp4_cuda
 
 PATHS = ("gemv", "dot", "dequant")
 GEMV_MAX_M = 4  # the most rows of x the gemv takes
@@ -39,14 +39,14 @@ __all__ = ["PATHS", "choose_path", "describe", "nvfp4_dequantize", "nvfp4_linear
 
 @functools.cache
 def _kernels():
-    from tinyserve.kernels import nvfp4_triton
+    from tinyserve.kernels.nvfp4 import triton as nvfp4_triton
 
     return nvfp4_triton
 
 
 @functools.cache
 def _dot_kernels():
-    from tinyserve.kernels import nvfp4_dot_triton
+    from tinyserve.kernels.nvfp4 import dot_triton as nvfp4_dot_triton
 
     return nvfp4_dot_triton
 

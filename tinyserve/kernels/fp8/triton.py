@@ -1,4 +1,4 @@
-"""Triton kernels behind `kernels/fp8.py` (FP8 E4M3 W8A16 linear); the decoding is described
+"""Triton kernels behind `kernels/fp8/linear.py` (FP8 E4M3 W8A16 linear); the decoding is described
 there. This module imports triton at the top, so only the launchers import it, lazily."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tinyserve.kernels.splitk_triton import splitk_tile
+from tinyserve.kernels.nvfp4.splitk_triton import splitk_tile
 
 # gemv (bit decode): x * 2^64 keeps x * e4m3 * 2^-120 normal. NOTE: exact products for
 # 2^-61 <= |x| < 2^64; smaller |x| lose bits, |x| >= 2^64 overflow to inf (native: any x)

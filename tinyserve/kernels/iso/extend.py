@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from tinyserve.kernels import iso_cuda
-from tinyserve.kernels.attention import chunk_causal_attention
+from tinyserve.kernels.attention.chunk import chunk_causal_attention
+from tinyserve.kernels.iso import cuda as iso_cuda
 
 
 def _with_prefix(cache: torch.Tensor, slots: torch.Tensor, chunk: torch.Tensor, fmt: str,

@@ -1,4 +1,4 @@
-"""NVFP4 decode kernels (W4A16, no FP4 cores): the gemv behind `kernels/nvfp4.py` and the
+"""NVFP4 decode kernels (W4A16, no FP4 cores): the gemv behind `kernels/nvfp4/linear.py` and the
 row-dot cores the fused-MoE decode kernels (`fused_moe_decode_triton.py`) share.
 
 This module imports triton at the top, so only the launchers import it, lazily. Decoding:

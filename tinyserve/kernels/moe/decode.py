@@ -1,4 +1,4 @@
-"""The fused NVFP4 MoE decode in Triton ("fused" path of `kernels/fused_moe.py` where the CUDA
+"""The fused NVFP4 MoE decode in Triton ("fused" path of `kernels/moe/fused.py` where the CUDA
 kernels of `nvfp4_cuda.moe_decode` do not apply: fp32 x, other (H, F), more pairs per token):
 the launcher of `fused_moe_decode_triton.py`.
 
@@ -20,7 +20,7 @@ import torch
 from tinyserve.kernels.launch import dependent_launch
 
 if TYPE_CHECKING:
-    from tinyserve.kernels.fused_moe import ExpertSlots
+    from tinyserve.kernels.moe.fused import ExpertSlots
 
 # Tiles. gate_up: BLOCK_F features of one expert per program (its BLOCK_F gate and BLOCK_F up
 # rows in one tile), BLOCK_B blocks of 16 inputs per K step (>= H/16: one step, every load of
@@ -35,7 +35,7 @@ INTERPRETER_BLOCK_F = 16
 
 @functools.cache
 def _kernels():
-    from tinyserve.kernels import fused_moe_decode_triton
+    from tinyserve.kernels.moe import decode_triton as fused_moe_decode_triton
 
     return fused_moe_decode_triton
 

@@ -1,5 +1,5 @@
 """Paged bf16/fp16 K/V in Triton: the store and the split-K decode attention of the bf16 KV
-cache (references and layout: `kernels.paged_kv`).
+cache (references and layout: `kernels.attention.paged_ref`).
 
 Store (`paged_store_kernel`), one program per (token, kv head): copies the K and V rows to
 the token's slot (a negative slot: the padding slot), one launch for both caches.
@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyserve.kernels._decode_triton_common import decode_merge_kernel, kv_rows, split_program
-from tinyserve.kernels.decode_split import decode_splits, split_buffers
+from tinyserve.kernels.attention.split import decode_splits, split_buffers
+from tinyserve.kernels.attention.split_triton import decode_merge_kernel, kv_rows, split_program
 from tinyserve.kernels.launch import FLOATS, check_pages, decode_output
 
 _LOG2E = 1.4426950408889634

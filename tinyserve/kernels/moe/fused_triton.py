@@ -1,4 +1,4 @@
-"""Fused-MoE Triton kernels behind `kernels/fused_moe.py` (NVFP4 or dense expert slots).
+"""Fused-MoE Triton kernels behind `kernels/moe/fused.py` (NVFP4 or dense expert slots).
 
 Decode over dense slots (gemv path): gate_up with one program per (token, expert) pair and
 block of rows, silu(gate) * up fused; down with one program per (token, block of rows)
@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tinyserve.kernels.nvfp4_dot_triton import _tile_dot
+from tinyserve.kernels.nvfp4.dot_triton import _tile_dot
 
 
 @triton.jit

@@ -1,5 +1,5 @@
-"""Launch configurations of the GDN chunk kernel (`kernels/_gdn_triton.py`) and their
-shared-memory footprint, so `kernels/_gdn_chunk.py` launches a variant that fits the device;
+"""Launch configurations of the GDN chunk kernel (`kernels/gdn/triton.py`) and their
+shared-memory footprint, so `kernels/gdn/chunk.py` launches a variant that fits the device;
 plus the small argument helpers both GDN launchers (`gdn.py`, `_gdn_chunk.py`) share.
 
 The footprint model is an upper bound fitted to sm_90 builds (triton 3.6 and 3.9, num_stages=1,

@@ -1,9 +1,9 @@
 """The chunked-prefill launcher of the Gated DeltaNet kernels: builds the device-side chunk
 table and the fp32 workspace, launches `gdn_chunk_prep_kernel` + `gdn_chunk_kernel`
-(`kernels/_gdn_triton.py`) and walks down the `_gdn_config.chunk_configs` list when a config
+(`kernels/gdn/triton.py`) and walks down the `_gdn_config.chunk_configs` list when a config
 does not fit the device's shared memory, remembering the choice per shape.
 
-Called by `kernels/gdn.py::gdn_prefill` (which checks the arguments and owns the fallback to the
+Called by `kernels/gdn/ops.py::gdn_prefill` (which checks the arguments and owns the fallback to the
 recurrent kernel); nothing here runs without triton and a CUDA device (or the interpreter).
 """
 
@@ -13,8 +13,9 @@ import os
 
 import torch
 
-from tinyserve.kernels import _gdn_config, _gdn_triton
-from tinyserve.kernels._gdn_config import cdiv, check, last_contig, pow2, strides
+from tinyserve.kernels.gdn import config as _gdn_config
+from tinyserve.kernels.gdn import triton as _gdn_triton
+from tinyserve.kernels.gdn.config import cdiv, check, last_contig, pow2, strides
 from tinyserve.log import get_logger
 
 log = get_logger(__name__)

@@ -1,4 +1,4 @@
-"""Deterministic two-launch NVFP4 MoE decode ("fused" path of `kernels/fused_moe.py`).
+"""Deterministic two-launch NVFP4 MoE decode ("fused" path of `kernels/moe/fused.py`).
 
 Pair q = t * KP + j is expert j of token t (j < TOPK: a routed slot; j == TOPK with
 HAS_SHARED: the layer's shared expert, weight sigmoid(shared logit) rounded to the output
@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tinyserve.kernels.nvfp4_triton import (
+from tinyserve.kernels.nvfp4.triton import (
     FP4_UNIT_C,
     GEMV_RESCALE_C,
     X_PRESCALE_C,

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from tinyserve.kernels.fused_moe import ExpertSlots, slot_weights
+from tinyserve.kernels.moe.fused import ExpertSlots, slot_weights
 
 ROW_BLOCK = 32  # weight rows per work item (both phases)
 # NOTE: the layout of a host-entry descriptor (int64 words, `host_descriptor`)
@@ -225,6 +225,6 @@ def _kernels() -> Any:
         import numba  # noqa: F401
     except ImportError:
         raise RuntimeError("the CPU expert kernel needs numba (pip install numba)") from None
-    from tinyserve.kernels import _nvfp4_cpu_numba
+    from tinyserve.kernels.moe import cpu_numba as _nvfp4_cpu_numba
 
     return _nvfp4_cpu_numba.build(ROW_BLOCK, DESC_WORDS)

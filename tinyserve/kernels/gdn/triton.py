@@ -1,4 +1,4 @@
-"""Triton source of the Gated DeltaNet kernels; launchers and checks live in `kernels/gdn.py`.
+"""Triton source of the Gated DeltaNet kernels; launchers and checks live in `kernels/gdn/ops.py`.
 
 The kernels are plain functions here and become `triton.jit` functions in `build()`, so
 importing this module never imports triton (`tl` is bound when `build()` runs).

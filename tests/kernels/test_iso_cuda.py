@@ -175,9 +175,9 @@ def test_decode_attention(impl, fmt, case, dtype) -> None:
     hq, hkv, d, ps, lens = case
     if dtype == torch.float32 and max(lens) > 5000:
         pytest.skip("long contexts run in bf16 only")
-    from tinyserve.kv.iso_pool import decode_kernel
+    from tinyserve.kernels.iso import choose_decode
 
-    if decode_kernel(fmt, hq, hkv, d) != impl:
+    if choose_decode(fmt, hq, hkv, d) != impl:
         pytest.skip(f"{fmt} {hq}/{hkv} heads, head_dim {d} decodes with the other kernel")
     kc, vc, table = _filled_cache(fmt, sum(lens), hkv, d, ps, lens, seed=len(lens) + d)
     q = torch.randn(len(lens), hq, d, device="cuda").to(dtype)

@@ -19,9 +19,9 @@ from tinyserve.kernels.iso.ref import (
     rotate_ref,
     unrotate_ref,
 )
-from tinyserve.kernels.iso.select import DECODE_KERNELS, DECODE_RULE, choose_decode
+from tinyserve.kernels.iso.select import DECODE_KERNELS, choose_decode, decode_launcher
 
-__all__ = ["BLOCK", "BLOCK_BYTES", "DECODE_KERNELS", "DECODE_RULE", "FORMATS", "attention_oracle",
-           "centroid_table", "choose_decode", "decode_attention_ref", "dequantize_ref",
-           "gather_rows", "packed_row_bytes", "quantize_ref", "quat_table", "rotate_ref",
-           "unrotate_ref"]
+__all__ = ["BLOCK", "BLOCK_BYTES", "DECODE_KERNELS", "FORMATS", "attention_oracle",
+           "centroid_table", "choose_decode", "decode_attention_ref", "decode_launcher",
+           "dequantize_ref", "gather_rows", "packed_row_bytes", "quantize_ref", "quat_table",
+           "rotate_ref", "unrotate_ref"]

@@ -8,7 +8,6 @@ import torch
 
 # The decode kernels on CUDA, as `kernel_check.implementations` names them.
 DECODE_KERNELS = {"mma": "CUDA tensor cores", "triton": "Triton tensor cores"}
-DECODE_RULE = "CUDA tensor cores for iso3 with GQA groups <= 8, Triton tensor cores otherwise"
 
 
 def choose_decode(fmt: str, num_q_heads: int, num_kv_heads: int, head_dim: int,

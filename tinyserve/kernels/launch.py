@@ -1,7 +1,5 @@
-"""Launch arithmetic shared by the Triton kernels: grid sizes, the device's SM count, split-K
-of the linear kernels (NVFP4 and FP8: partial sums in an fp32 workspace [split, M, N], summed
-after the kernel when there is more than one split), and the launch options of the kernels
-that round like torch (`ROUNDING_AS_TORCH`)."""
+"""Launch arithmetic shared by the kernels: grid sizes, SM count, the split-K workspace of the
+linear kernels and the launch options of the kernels that round like torch."""
 
 from __future__ import annotations
 

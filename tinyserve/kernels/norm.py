@@ -1,20 +1,8 @@
-"""RMSNorms of Qwen3.5-MoE as one Triton kernel each (one program per row, fp32 math).
-
-References (pure torch, the CPU path): `model/norm.py` (`rms_norm_ref`, `gated_rms_norm_ref`,
-`add_rms_norm_ref`). The kernels cast back to the model dtype at the same points as the
-references, so a bf16 output differs by at most a rounding step where the fp32 row sum is
-accumulated in another order.
-
-- `rms_norm`: `dt(f32(x) * rsqrt(mean(f32(x)^2) + eps) * (1 + f32(w)))` (zero-centred weight).
-- `add_rms_norm`: `s = dt(x + residual)`, then `rms_norm(s)`; returns (normed, s).
-- `gated_rms_norm`: `dt((w * dt(norm(x))) * silu(f32(z)))` (plain weight; `w * h` rounded to
-  the model dtype when w is in the model dtype, as torch's type promotion does).
-- `rms_norm_rope`: `rms_norm` per head, then NeoX rotate_half RoPE over the first R dims
-  (q_norm / k_norm + `model.rope.PartialRoPE.apply`, reference `model.rope.norm_rope_ref`):
-  `dt(dt(y * cos) + dt(rotate_half(y) * sin))` with y the normed head in the model dtype.
-
-This module imports triton at the top: callers import it lazily (on CUDA only).
-"""
+"""RMSNorms of Qwen3.5-MoE, one Triton kernel each (one program per row, fp32 math), rounding
+to the model dtype where the references of `model/norm.py` and `model/rope.py` do:
+`rms_norm` (zero-centred weight), `add_rms_norm` (returns (normed, x + residual)),
+`gated_rms_norm` (times silu(z)) and `rms_norm_rope` (per-head norm, then NeoX RoPE over the
+first R dims)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
-"""Causal attention of a chunk of queries over its sequence's K/V, through torch's fused
-attention kernels.
+"""Causal attention of a chunk of queries (the last n of S positions) over its sequence's K/V.
 
-The chunk's queries are the last n of the sequence's S positions (a prefill chunk after its
-cached prefix), so query i sees keys 0 .. S - n + i: the lower-right causal mask. Without a
-prefix that is plain causal SDPA. With one, on CUDA, the prefix and the chunk are attended apart
-with cuDNN and merged by their log-sum-exp (`glue.lse_merge`): the prefix non-causally, a KV
-head's query heads stacked on the query axis (GQA without repeating the prefix), the chunk
-causally: faster than flash attention's lower-right causal call at head_dim 256, to which
-SDPA dispatches a lower-right mask (docs/RESULTS.md, "Extend"). Where cuDNN fails or
-disagrees with fp32 math (checked once per device, dtype and head_dim), and on CPU, SDPA runs
-with `causal_lower_right`.
-"""
+Without a prefix: causal SDPA. With one, on CUDA, the prefix (non-causal, a KV head's query
+heads stacked: GQA without repeating K/V) and the chunk (causal) run apart on cuDNN, merged by
+log-sum-exp (`glue.lse_merge`): faster than flash attention's lower-right mask at head_dim 256.
+Where cuDNN fails or disagrees with fp32 math (checked once per device, dtype, head_dim), and
+on CPU, SDPA runs with `causal_lower_right`."""
 
 from __future__ import annotations
 

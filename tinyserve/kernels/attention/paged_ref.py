@@ -1,15 +1,9 @@
-"""Paged K/V in the model dtype (the bf16 KV cache): pure-torch references of its store and its
-decode attention. The Triton kernels with the same contracts are in `paged_kv_triton`.
+"""Pure-torch references of the bf16 KV cache's store and decode (kernels: `paged_triton.py`).
 
-Cache layout: k_cache, v_cache [slots, Hkv, D], slot = page * page_size + offset (a layer of
-`kv.bf16.BF16KVBackend` viewed flat); page_table [B, P] int (rows past a sequence's pages
-hold anything: they are never read); seq_lens [B] int, each >= 1.
-
-Both references run on any device without a host synchronisation (CUDA-graph safe) and are
-what the CPU runs. `paged_decode_ref` gathers the first ceil(max_seq_len / page_size) pages of
-every row, zeroes the rows past each length (stale pages may hold NaN) and calls SDPA with a
-boolean mask: simple, but ~10 launches and two copies of every gathered page per call.
-"""
+k_cache, v_cache [slots, Hkv, D], slot = page * page_size + offset; page_table [B, P] (rows
+past a sequence's pages are never read); seq_lens [B], each >= 1. No host synchronisation.
+`paged_decode_ref` gathers the pages, zeroes rows past each length (stale pages may hold NaN)
+and calls SDPA with a boolean mask."""
 
 from __future__ import annotations
 

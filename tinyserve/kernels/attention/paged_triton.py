@@ -1,26 +1,11 @@
-"""Paged bf16/fp16 K/V in Triton: the store and the split-K decode attention of the bf16 KV
-cache (references and layout: `kernels.attention.paged_ref`).
+"""Paged bf16/fp16 K/V in Triton: the store and split-K decode of the bf16 KV cache (the
+references and layout: `paged_ref.py`).
 
-Store (`paged_store_kernel`), one program per (token, kv head): copies the K and V rows to
-the token's slot (a negative slot: the padding slot), one launch for both caches.
-
-Decode, the layout of `_decode_triton_common` (that of the ISO Triton kernel). Pass 1
-(`paged_decode_partial_kernel`), grid (splits, batch * kv heads): a program owns `chunk`
-context tokens of one (sequence, kv head) and the G query heads of its GQA group (padded to
-16 rows for the MMA). Per tile of BLOCK_T tokens it reads their K rows in place through the
-page table (no gather copy), S = Q @ K^T with tl.dot in the cache dtype (fp32 accumulation),
-online softmax in base 2 (scale * log2(e) applied in fp32), acc += P @ V (P rounded to the
-cache dtype, as flash attention does). Tokens past a sequence's length are never loaded, so
-stale pages (NaN) cannot leak; splits past it do no work and write an empty partial. The
-split grid is sized by the host bound `max_seq_len` (a CUDA graph's capacity), so a call has
-no host synchronisation and no data-dependent shape. Pass 2 is the shared split merge
-(`decode_merge_kernel`, unrotated).
-
-Precision: products of bf16 operands are exact in fp32; the error is P's rounding to bf16
-(2^-9 relative per weight), so |out - ref| <= 1e-2 * max|ref| against an fp32 reference.
-
-This module imports triton at the top: callers import it lazily (on CUDA only).
-"""
+Decode follows `split_triton.py`: pass 1 reads a program's K/V rows in place through the page
+table, S = Q @ K^T in the cache dtype (fp32 accumulation), online softmax in base 2 and
+acc += P @ V with P rounded to the cache dtype; tokens past a length are never loaded (stale
+pages cannot leak). The grid is sized by the host bound `max_seq_len`: no host sync (CUDA-graph
+safe). Error vs fp32: <= 1e-2 * max|ref| (P's rounding)."""
 
 from __future__ import annotations
 

@@ -1,42 +1,14 @@
-"""FP8 E4M3 W8A16 linear in Triton: `fp8_linear(x, w) = x @ (e4m3(w.weight) * w.scale).T`.
-
-The weight bytes are read directly (no per-call conversion of the weight). Three paths, picked
-by the number of rows M of x (`choose_path`):
-
-- `gemv` (M <= GEMV_MAX_M, decode): CUDA cores; the weight read as int32 words (4 codes,
-  16-byte loads), one K range per program held in registers (split-K only when K exceeds
-  `max_block_w` words or there are too few row blocks), decoded once and used for every row
-  of x. bf16 x is read as int64 words (4 inputs) that line up with the weight words.
-- `dot` (up to DEQUANT_MIN_M): tensor-core `tl.dot` with the weight tile converted to x's
-  dtype in the K loop (exact: e4m3 fits in bf16 and fp16); 16-row tiles for small M.
-- `dequant` (prefill): e4m3 * scale to a scratch in x's dtype (row chunks of at most
-  SCRATCH_ELEMS), then torch.matmul (cuBLAS).
-
-Why gemv stops at 4 rows (static sm_90 SASS, Triton 3.9): the gemv costs ~7.4 instructions per
-weight at M = 1 and ~19 at M = 4 (one FMA per row plus per-row x decode and reduction), the
-16-row `dot` ~6 whatever M; bench/fp8_linear.py times both at M = 1, 4, 16.
-
-Decoding without an fp8 type (runs on sm_80/86), from the byte b = s eeee mmm:
-- gemv: two codes per 32-bit half at once; `((w << 8) & 0x80008000) | ((w << 4) & 0x07F007F0)`
-  holds the bf16 patterns of bytes 0 and 2 (`(w & 0x80008000) | ((w >> 4) & 0x07F007F0)`: 1
-  and 3); `bits << 16` and `bits & 0xFFFF0000` are the fp32 values e4m3 * 2^-120 (E4M3
-  subnormals are fp32 subnormals, exact: no .ftz on fma/mul). x is prescaled by 2^64 so the
-  products stay normal; the 2^56 goes back with the scale.
-- dot / dequant: fp16 bits `((b & 0x80) << 8) | ((b & 0x7F) << 7)` = e4m3 * 2^-8 (subnormals
-  land on fp16 subnormals), as in `nvfp4_triton._e4m3`.
-`native=True` uses Triton's float8e4nv conversion instead (sm_89+). By default (`native=None`)
-the paths in NATIVE_PATHS decode natively where the GPU has the conversion (`default_native`):
-the native `dot` is faster than its bit decode, while `gemv` and `dequant` gain nothing from
-it (docs/RESULTS.md, "FP8 W8A16").
-
-NaN: 0x7F / 0xFF never occur in checkpoints (quantizers saturate at +-448). The bit decode
-reads them as +-480 (the exponent-15 pattern), the native decode as NaN, the reference as NaN;
-no path checks for them.
-
-The kernels are in `kernels/fp8/triton.py`, imported on the first call (importing this module
-needs no triton). The reference is `kernels/nvfp4/ref.py` (`dequantize_fp8`,
-`fp8_linear_ref`).
-"""
+"""FP8 E4M3 W8A16 linear: `fp8_linear(x, w) = x @ (e4m3(w.weight) * w.scale).T`, reading the
+weight bytes directly. `choose_path` by the rows M of x:
+- `gemv` (M <= GEMV_MAX_M): CUDA cores, int32 weight words decoded once for every row of x,
+  one K range per program (split-K when K is long or row blocks are few);
+- `dot` (M < DEQUANT_MIN_M): tensor-core `tl.dot`, the weight tile converted in the K loop;
+- `dequant` (prefill): a scratch in x's dtype, then cuBLAS.
+Decoding needs no fp8 type (sm_80/86): gemv builds bf16 patterns of two codes per 32-bit half
+(fp32 values e4m3 * 2^-120, x prescaled by 2^64 so products stay normal); dot / dequant build
+fp16 bits e4m3 * 2^-8. `native=True` uses float8e4nv (sm_89+; the default for NATIVE_PATHS).
+E4M3 0x7F / 0xFF (NaN) never occur in checkpoints; the bit decode reads them as +-480.
+Reference: `nvfp4/ref.py` (`dequantize_fp8`, `fp8_linear_ref`)."""
 
 from __future__ import annotations
 

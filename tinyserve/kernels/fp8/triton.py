@@ -1,5 +1,4 @@
-"""Triton kernels behind `kernels/fp8/linear.py` (FP8 E4M3 W8A16 linear); the decoding is described
-there. This module imports triton at the top, so only the launchers import it, lazily."""
+"""Triton kernels behind `linear.py` (FP8 E4M3 W8A16), which describes the decoding."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""The chunked-prefill launcher of the Gated DeltaNet kernels: builds the device-side chunk
-table and the fp32 workspace, launches `gdn_chunk_prep_kernel` + `gdn_chunk_kernel`
-(`kernels/gdn/triton.py`) and walks down the `_gdn_config.chunk_configs` list when a config
-does not fit the device's shared memory, remembering the choice per shape.
-
-Called by `kernels/gdn/ops.py::gdn_prefill` (which checks the arguments and owns the fallback to the
-recurrent kernel); nothing here runs without triton and a CUDA device (or the interpreter).
-"""
+"""The chunked-prefill launcher of the GDN kernels (called by `ops.gdn_prefill`): the device
+chunk table and fp32 workspace, `gdn_chunk_prep_kernel` + `gdn_chunk_kernel`, walking down
+`config.chunk_configs` when one does not fit the device (remembered per shape)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""Launch configurations of the GDN chunk kernel (`kernels/gdn/triton.py`) and their
-shared-memory footprint, so `kernels/gdn/chunk.py` launches a variant that fits the device;
-plus the small argument helpers both GDN launchers (`gdn.py`, `_gdn_chunk.py`) share.
-
-The footprint model is an upper bound fitted to sm_90 builds (triton 3.6 and 3.9, num_stages=1,
-tf32x3 dots; bf16 and fp32 inputs build the same size): the chunk kernel keeps a few [BT, BK]
-and [BT, BT] fp32 dot operands in shared memory plus [BK, BV] and [BT, BV] ones, and the
-model adds 25% on top. A config whose bound exceeds the device limit is skipped; if a build
-still fails at launch, `_gdn_chunk.py` moves down this list and remembers the choice.
-"""
+"""Launch configurations of the GDN chunk kernel and their shared-memory bound (fitted to sm_90
+builds, +25 %), so `chunk.py` launches one that fits the device (moving down the list when a
+build still fails); plus the argument helpers both GDN launchers share."""
 
 from __future__ import annotations
 

@@ -1,24 +1,11 @@
-"""Gated DeltaNet kernels (Triton) over the GDN state pool, read and written IN PLACE by slot.
+"""Gated DeltaNet entry points over the GDN state pool (read and written IN PLACE by slot).
 
-Public functions (each runs Triton on CUDA tensors and the pure-torch references of
-`kernels/gdn/ref.py` otherwise; `backend="triton"|"torch"` forces one):
-
-- `causal_conv1d_update(x [B,C], weight [C,K], conv_pool [slots,C,K-1], slots [B])`: decode.
-- `causal_conv1d_prefill(x [T,C], weight, conv_pool, slots [B], cu_seqlens [B+1],
-  has_initial_state [B])`: varlen batch (decode rows are sequences of length 1).
-- `gdn_decode(q [B,Hk,dk], k, v [B,Hv,dv], a [B,Hv], b [B,Hv], A_log [Hv], dt_bias [Hv],
-  recurrent_pool [slots,Hv,dk,dv] fp32, slots [B])`: one token per sequence.
-- `gdn_prefill(q [T,Hk,dk], k, v [T,Hv,dv], a [T,Hv], b [T,Hv], A_log, dt_bias,
-  recurrent_pool, slots, cu_seqlens, has_initial_state)`: varlen batch, chunked form (chunk
-  64), or the recurrent kernel over the tokens (`method="recurrent"`, and the fallback if the
-  chunk kernel fails to build).
-
-The GDN kernels fuse the l2norm of q and k (eps 1e-6), the q scaling by dk**-0.5,
-g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) and the value-head grouping (value
-head h reads key head h // (Hv // Hk)); all state math is fp32. Sequences whose
-`has_initial_state` is false start from zeros and never read their slot.
-Kernel source: `kernels/gdn/triton.py`; the chunked-prefill launcher: `kernels/gdn/chunk.py`.
-"""
+Each runs Triton on CUDA tensors, the references of `ref.py` otherwise (`backend=` forces one):
+`causal_conv1d_update` / `causal_conv1d_prefill` (varlen), `gdn_decode` (one token per
+sequence), `gdn_prefill` (varlen, chunked form, or recurrent with `method="recurrent"` and as
+the fallback when the chunk kernel fails to build). The kernels fuse the l2norm of q and k,
+q * dk**-0.5, g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) and the GQA grouping;
+state math is fp32. Sequences without `has_initial_state` start from zeros."""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
-"""Pure-torch references for the Gated DeltaNet (GDN) mixer: causal conv1d and the gated delta
-rule in chunked (prefill) and recurrent (decode) form, for ONE sequence.
-
-Conventions shared with the Triton kernels (`kernels/gdn/ops.py`):
-
-- q and k are already l2-normalised per head, q is already scaled by dk ** -0.5, and the key
-  heads are already repeated (`repeat_interleave`) to the value-head count H.
-- The recurrent state S of a head is [dk, dv] (rows = key dim) and is fp32.
-- Per token t and head: S <- S * exp(g_t); S <- S + k_t (x) beta_t * (v_t - S^T k_t);
-  o_t = S^T q_t.
-- Math runs in fp32, or in fp64 when any input is fp64 (for exactness tests). Outputs come
-  back in that compute dtype; callers cast.
-"""
+"""Pure-torch references of the Gated DeltaNet mixer for ONE sequence: causal conv1d and the
+gated delta rule in chunked and recurrent form. q and k come l2-normalised, q scaled by
+dk**-0.5, key heads repeated to the value heads; the state S [dk, dv] is fp32; per token:
+S <- S * exp(g); S <- S + k (x) beta * (v - S^T k); o = S^T q. Math in fp32 (fp64 when an
+input is fp64); outputs in that dtype."""
 
 from __future__ import annotations
 

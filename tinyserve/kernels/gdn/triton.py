@@ -1,10 +1,6 @@
-"""Triton source of the Gated DeltaNet kernels; launchers and checks live in `kernels/gdn/ops.py`.
-
-The kernels are plain functions here and become `triton.jit` functions in `build()`, so
-importing this module never imports triton (`tl` is bound when `build()` runs).
-All state math is fp32; the chunk kernels' dots take their precision as a constexpr (PREC:
-"tf32x3" = tensor cores at fp32-level accuracy, "ieee" = FMA, "tf32").
-"""
+"""Triton source of the GDN kernels (launchers in `ops.py`, `chunk.py`). The kernels are plain
+functions made `triton.jit` in `build()`, so importing this needs no triton. State math is
+fp32; the chunk dots take PREC: "tf32x3" (fp32-level tensor cores), "ieee" or "tf32"."""
 
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
-"""ISO3/ISO4 CUDA kernels: launchers that check shapes and dtypes.
-
-The kernels live in `csrc/iso_store.cu` and `csrc/iso_decode_mma.cu` (device code only);
-`cuda_launch` compiles each instance with NVRTC at first use (cached in TINYSERVE_CACHE_DIR)
-and launches it on torch's current stream, so the launches can be captured in CUDA graphs.
-Nothing here runs at import.
-
-- `iso_store`: quantize-on-write, byte-exact with `iso.quantize_ref`.
-- `iso_dequant_rows`: packed rows -> dense rows (bit-exact with `iso.dequantize_ref` in fp32).
-- the decode launchers' shared input checks (`_check_decode`); the ISO3 tensor-core decode is
-  in `iso_mma`, the Triton decode (iso4, wide GQA groups) in `iso_triton`.
-The extend attention that uses `iso_dequant_rows` is in `iso_extend`.
-"""
+"""ISO3/ISO4 CUDA launchers (`csrc/iso_store.cu`): `iso_store` (quantize on write, byte-exact
+with `ref.quantize_ref`), `iso_dequant_rows` (bit-exact with `ref.dequantize_ref`) and the
+decode launchers' shared input checks."""
 
 from __future__ import annotations
 

@@ -1,26 +1,13 @@
-"""ISO3/ISO4 paged decode attention on tensor cores (Triton), in the rotated space (§6.5): the
-decode of iso4 and of GQA groups over 8 (iso3 at groups <= 8 runs `iso_mma`).
+"""ISO3/ISO4 paged decode attention on tensor cores (Triton), in the rotated space (§6.5): iso4
+and GQA groups over 8 (iso3 at groups <= 8 runs `mma.py`).
 
-Pass 1 (`iso_decode_partial_kernel`), grid (splits, batch * kv heads): one program owns `chunk`
-context tokens of one (sequence, kv head) and the G query heads of its GQA group (padded to
-16 rows for the MMA). The 128 values of a block are handled as 4 fields of 32: field c holds
-element 4g + c of every 4-D group g. The packed bytes give each field directly (iso3: 2 low
-bits from qs byte g, the high bit from nibble g of the signs plane; iso4: a nibble of byte 2g
-or 2g + 1), so no interleaving is needed. The query is rotated once straight into the fields
-(r_c[h, g] = sum_k R[g, c, k] q[h, 4g + k], fp32), scaled by scale * log2(e) and kept in
-fp16. Per tile of BLOCK_T tokens the program gathers the packed K rows through the page table,
-decodes them into fp16 centroid values (rotated space, unscaled) and computes
-S = sum_b norm_b * sum_c Q_bc @ C_bc^T with tl.dot (K = 32 per dot, fp32 accumulation);
-online softmax in base 2; then acc_bc += (P * norm_v_b) @ Cv_bc per field. It writes the
-unnormalised rotated accumulator field-major (element b*128 + 4g + c at offset
-b*128 + 32c + g) and (max, sum) per split.
-Pass 2 (`_decode_triton_common.decode_merge_kernel`, shared with the bf16 kernel), one program
-per (sequence, query head): log-sum-exp merge of the splits, inverse rotation per 4-D group
-(fp32), divide by the sum, cast, store.
-
-Precision: fp16 query and centroid operands (11-bit mantissa), fp32 accumulation; the
-softmax weights enter the V product in fp16. Results agree with the fp32 reference to ~1e-3.
-"""
+Pass 1, grid (splits, batch * kv heads), a program per `chunk` tokens of one (sequence, kv
+head) and its G query heads (padded to 16 rows). A 128-block is 4 fields of 32 (field c =
+element 4g + c of each 4-D group g), read straight from the packed bytes. The query is rotated
+into the fields once (fp32), scaled by scale * log2(e), kept in fp16;
+S = sum_b norm_b * sum_c Q_bc @ C_bc^T, online softmax in base 2, acc_bc += (P * norm_v) @ Cv_bc;
+the accumulator is written field-major. Pass 2: `split_triton.decode_merge_kernel` with the
+inverse rotation. fp16 operands, fp32 accumulation: ~1e-3 from the fp32 reference."""
 
 from __future__ import annotations
 

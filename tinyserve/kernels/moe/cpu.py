@@ -1,36 +1,13 @@
-"""NVFP4 routed experts on the CPU (numba): the pairs of a decode batch read in place from the
-host expert store, beside their torch reference.
+"""NVFP4 routed experts on the CPU (numba), read in place from the host expert store.
 
-`moe_cpu(x, rows, weights, slots)` computes, for every (token t, pair j) with rows[t, j] >= 0,
-
-    out[t] = sum_j weights[t, j] * down_r(silu(gate_r(x_t)) * up_r(x_t)),   r = rows[t, j]
-
-over the NVFP4 `ExpertSlots` of the host store (`offload.store`: row = layer * E + expert;
-codes, E4M3 block scales per 16 inputs and fp32 globals, specs/nvfp4.md). Pairs with row -1
-are skipped (they run on the GPU). Nothing is dequantized to memory, and the store's bytes are
-read once per call: the input of each matrix (x, then silu(gate) * up) is quantized to int8
-per block of 16 inputs (scale max|x| / 127, as llama.cpp's CPU dot products do), and each
-weight row is dotted with it in integers: 16 code bytes at a time, the E2M1 codes looked up as
-small integers in a byte table (pshufb), multiplied and pairwise summed (pmaddubsw,
-pmaddwd), each block's sum then scaled in fp32 by its E4M3 scale and the input's block scale.
-The int8 inputs are the kernel's one approximation (about 8 bits, as the GPU's bf16 inputs):
-`moe_cpu_ref` quantizes the same way and matches to fp32 rounding; against unquantized fp32
-math the outputs move by about 1 % of their largest value (the tests bound both).
-
-Parallel in two numba regions: gate_up over (distinct expert, block of rows), then down over
-blocks of output rows (each summing every pair of its rows in a fixed order: the same bits
-on every run and for any thread count), work items handed out one at a time. A call with no
-pair to compute writes zeros and starts no thread.
-
-Why numba: it installs from wheels on every platform (no compiler on the user's machine),
-compiles to LLVM for the host's CPU (the block dot is LLVM IR with SSSE3 intrinsics: every
-x86-64 CPU has them; other CPUs do not run the kernel), releases the GIL, and compiles a C
-callback (`host_entry`) that a CUDA host function node can call from the driver's thread with
-no Python at all (`offload.hybrid`). `python bench/hybrid_experts.py --kernel-only` times the
-kernel against the host's read bandwidth and the torch reference.
-
-`moe_cpu_ref` is the torch reference (dequantize + matmul in fp32).
-"""
+`moe_cpu` computes out[t] = sum_j weights[t, j] * down_r(silu(gate_r(x_t)) * up_r(x_t)) for
+every pair with row r = rows[t, j] >= 0 (row -1: the pair runs on the GPU). Each matrix's input
+is quantized to int8 per block of 16 (scale max|x| / 127, as llama.cpp's CPU dots) and dotted
+with the E2M1 codes in integers (SSSE3 pshufb / pmaddubsw, x86-64 only); `moe_cpu_ref` rounds
+the same way (outputs within ~1 % of unquantized fp32 math). Two parallel regions (gate_up per
+expert and row block, down per row block summing its pairs in a fixed order: the same bits for
+any thread count). numba: wheels everywhere, the GIL released, and a C callback (`host_entry`)
+a CUDA host node calls with no Python (`offload.hybrid`)."""
 
 from __future__ import annotations
 

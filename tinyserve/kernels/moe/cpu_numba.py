@@ -1,9 +1,6 @@
-"""The numba code of `kernels.moe.cpu` (imported on its first use: numba is imported here).
-
-Arrays: x [N, H] fp32, rows [N, k] int64 (-1: skipped), wts [N, k] fp32; the store's fields
-w13 uint8 [R, 2F, H/2], s13 uint8 [R, 2F, H/16], g13 fp32 [R, 2], w2 uint8 [R, H, F/2],
-s2 uint8 [R, H, F/16], g2 fp32 [R]; out [N, H] fp32; e4 fp32 [256] (E4M3 values).
-"""
+"""The numba code of `cpu.py` (imported on first use). Arrays: x [N, H] fp32, rows [N, k]
+int64 (-1: skipped), wts [N, k] fp32; w13 uint8 [R, 2F, H/2], s13 [R, 2F, H/16], g13 fp32
+[R, 2], w2 uint8 [R, H, F/2], s2 [R, H, F/16], g2 fp32 [R]; out [N, H] fp32; e4 fp32 [256]."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""The fused NVFP4 MoE decode in Triton ("fused" path of `kernels/moe/fused.py` where the CUDA
-kernels of `nvfp4_cuda.moe_decode` do not apply: fp32 x, other (H, F), more pairs per token):
-the launcher of `fused_moe_decode_triton.py`.
-
-Every (token, expert) pair of a layer, the shared expert included as one more pair: launch
-1 computes silu(gate) * up per (pair, feature chunk) into a small fp32 intermediate
-[N * KP, F]; launch 2 computes blocks of output rows of each token, reading the full down
-rows of all its pairs and summing them in registers in a fixed order (on sm_90+ launch 2 is a
-programmatic dependent of launch 1). No atomics and no workspace that must be kept zero: the
-same bits on every run (graph replay == eager).
-"""
+"""Launcher of the Triton fused NVFP4 MoE decode (`decode_triton.py`): the "fused" path of
+`fused.py` where the CUDA kernels of `nvfp4.cuda.moe_decode` do not apply (fp32 x, other
+(H, F), more pairs per token). Two launches (the second a dependent launch on sm_90+), no
+atomics, no workspace to keep zero: the same bits on every run."""
 
 from __future__ import annotations
 

@@ -1,31 +1,13 @@
-"""Deterministic two-launch NVFP4 MoE decode ("fused" path of `kernels/moe/fused.py`).
+"""Deterministic two-launch NVFP4 MoE decode in Triton (the "fused" path of `fused.py`).
 
-Pair q = t * KP + j is expert j of token t (j < TOPK: a routed slot; j == TOPK with
-HAS_SHARED: the layer's shared expert, weight sigmoid(shared logit) rounded to the output
-dtype). No atomics, no workspace to clear, every output element written by one program with
-its sums in a fixed order: the same bits on every run.
-
-1. `moe_fused_gate_up_kernel`, grid (N * KP, F / BLOCK_F): the BLOCK_F gate rows and
-   BLOCK_F up rows of one feature chunk of one pair (interleaved in one tile) against x[t];
-   the "h2" decode of `nvfp4_triton._fp4_rows_dot_h2`: the first K step's code words and
-   scales are requested first; with one K step x is loaded once and its power-of-two scale
-   taken from those values (no pass over x before the dot), with several steps the scale
-   pass runs under the first loads and later steps are requested one ahead;
-   silu(gate) * up in fp32 into the intermediate h [N * KP, F], block-transposed (feature
-   16b + i at i * F/16 + b, so the down kernel's loads of one feature over blocks are
-   contiguous).
-2. `moe_fused_down_kernel`, grid (N, H / BLOCK_H): BLOCK_H output rows of token t; one load
-   of the full contiguous down rows (F/2 code bytes + F/16 scales) of all TOPK routed pairs
-   as a [KPAD, BLOCK_H, F/16] tile (KPAD = TOPK rounded up to a power of two, masked), and of
-   the shared expert's as a [BLOCK_H, F/16] tile, all in flight at once; the f32 nibble-pair
-   decode against h (loaded in the weight tile's shape, every row its own copy from L1: no
-   exchange of h between threads through shared memory), per-pair sums times pair weight *
-   global scale, summed over the pairs in registers (a fixed tree), written straight to
-   out[t] in its dtype. With PDL it is a programmatic dependent launch of 1 (sm_90+): its
-   weight loads go out before `griddepcontrol.wait`, its loads of h after.
-
-This module imports triton at the top (the launcher imports it lazily).
-"""
+Pair q = t * KP + j is expert j of token t (j == TOPK with HAS_SHARED: the shared expert).
+No atomics: every output element is written by one program summing in a fixed order.
+1. `moe_fused_gate_up_kernel`, grid (N * KP, F / BLOCK_F): the "h2" decode of
+   `nvfp4.triton._fp4_rows_dot_h2`; silu(gate) * up in fp32 into h [N * KP, F],
+   block-transposed (feature 16b + i at i * F/16 + b) for the down kernel's loads.
+2. `moe_fused_down_kernel`, grid (N, H / BLOCK_H): the down rows of all pairs loaded at once,
+   summed over the pairs in registers; with PDL (sm_90+) its weight loads precede
+   `griddepcontrol.wait`."""
 
 from __future__ import annotations
 

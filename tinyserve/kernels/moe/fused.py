@@ -1,22 +1,12 @@
-"""Fused MoE over expert slots, NVFP4 or bf16 experts, with its torch reference.
+"""Fused MoE over expert slots (NVFP4 or dense experts) and its torch reference.
 
-Experts live in slot buffers (`ExpertSlots`); a layer's routed experts are addressed by slot
-index, so the same kernels serve all-resident experts (slot = expert id) and the GPU expert
-cache (slot = cache line). `fused_moe` runs every (token, expert) pair of a layer in one launch
-sequence: gate_up -> silu(gate) * up -> down scaled by the routing weight -> sum over the k
-experts of each token, plus optionally a gated shared expert (`shared_slots`, one slot).
-`choose_path` picks one implementation per regime:
-
-- "fused" (NVFP4 slots, decode: up to FUSED_MAX_TOKENS tokens): every expert of every token and
-  the shared expert in two launches, gate_up + silu * up per (pair, feature chunk), then down
-  per (token, row block) summing every pair in registers: no atomics, the same bits every run.
-  In CUDA (`nvfp4_cuda.moe_decode`) where `nvfp4_cuda.moe_takes` the call (16-bit x, the
-  35B-A3B shapes), else in Triton (`fused_moe_decode.py`).
-- "gemv" (dense slots, decode: up to GEMV_MAX_PAIRS pairs): gate_up with one program per pair
-  and row block, pairs ordered by slot; down with one program per token and row block summing
-  its k experts (`fused_moe_triton.py`).
-- "dot" (prefill): pairs grouped per slot into BLOCK_M tiles (`align_pairs`, no host sync) and
-  tensor-core dots with the weight tile dequantized in the K loop.
+A layer's routed experts are addressed by slot index, so the same kernels serve resident
+experts (slot = expert id) and the GPU expert cache (slot = cache line). `choose_path` picks:
+- "fused" (NVFP4 decode, <= FUSED_MAX_TOKENS tokens): all pairs and the shared expert in two
+  launches, no atomics; CUDA (`nvfp4.cuda.moe_decode`) where `moe_takes` the call, else
+  Triton (`decode.py`).
+- "gemv" (dense decode, <= GEMV_MAX_PAIRS pairs) and "dot" (prefill: pairs grouped per slot
+  into BLOCK_M tiles by `align_pairs`, no host sync): `fused_triton.py`.
 
 Slot layout (gate = rows 0..F-1 of w13, up = rows F..2F-1):
 - NVFP4: w13 uint8 [S, 2F, H/2], w13_scale uint8 [S, 2F, H/16], w13_global fp32 [S, 2]
@@ -43,21 +33,18 @@ MOE_DOT_BLOCK_N, MOE_DOT_BLOCK_K = 64, 128  # dot: output rows / inputs per tile
 
 
 def choose_path(num_tokens: int, topk: int, fp4: bool) -> str:
-    """The path of `num_tokens` tokens of `topk` experts each over NVFP4 (`fp4`) or dense
-    slots: "fused" for NVFP4 decode, "gemv" for dense decode, else "dot"."""
+    """"fused" for NVFP4 decode, "gemv" for dense decode, else "dot"."""
     if fp4:
         return "fused" if num_tokens <= FUSED_MAX_TOKENS else "dot"
     return "gemv" if num_tokens * topk <= GEMV_MAX_PAIRS else "dot"
 
 
 def fuses_shared_expert(num_tokens: int) -> bool:
-    """Whether `fused_moe` runs `num_tokens` tokens over NVFP4 slots in the fused path, which
-    takes an NVFP4 shared expert in its launches (the model then hands it over)."""
+    """Whether NVFP4 slots run the fused path, which takes the shared expert in its launches."""
     return 0 < num_tokens <= FUSED_MAX_TOKENS
 
 
 def describe() -> str:
-    """The implementation of each regime, for the engine's start-up log."""
     return (f"NVFP4 decode (<= {FUSED_MAX_TOKENS} tokens): CUDA fused decode (16-bit x, H in "
             f"{nvfp4_cuda.MOE_HS}, F in {nvfp4_cuda.MOE_FS}), else Triton fused decode; "
             f"dense decode: Triton gemv; prefill: Triton tl.dot")
@@ -134,11 +121,8 @@ def _dense(w: LinearWeight, dtype: torch.dtype) -> torch.Tensor:
 
 def write_slot(slots: ExpertSlots, slot_id: int, gate: LinearWeight, up: LinearWeight,
                down: LinearWeight, *, non_blocking: bool = False) -> None:
-    """Copy one expert (gate, up [F, H], down [H, F]) into slot `slot_id` in place.
-
-    NVFP4 slots need NVFP4 weights (raises TypeError otherwise); dense slots take any weight
-    (NVFP4/FP8 are dequantized). Sources may be on the host (pinned for `non_blocking`).
-    """
+    """Copy one expert (gate, up [F, H], down [H, F]) into slot `slot_id`. NVFP4 slots need
+    NVFP4 weights (else TypeError); dense slots dequantize any weight."""
     f, h = slots.intermediate_size, slots.hidden_size
     for name, w, shape in (("gate", gate, (f, h)), ("up", up, (f, h)), ("down", down, (h, f))):
         if tuple(w.shape) != shape:
@@ -171,10 +155,8 @@ def write_slot(slots: ExpertSlots, slot_id: int, gate: LinearWeight, up: LinearW
 def pack_expert_slots(experts: Sequence[tuple[LinearWeight, LinearWeight, LinearWeight]],
                       device: torch.device | str,
                       dtype: torch.dtype = torch.bfloat16) -> ExpertSlots:
-    """Slot buffers holding `experts[i]` (gate, up, down) in slot i.
-
-    NVFP4 slots when every weight is NVFP4Weight, otherwise dense slots in `dtype`.
-    """
+    """Slot buffers holding `experts[i]` (gate, up, down) in slot i: NVFP4 when every weight
+    is NVFP4, else dense in `dtype`."""
     if not experts:
         raise ValueError("pack_expert_slots needs at least one expert")
     fp4 = all(isinstance(w, NVFP4Weight) for e in experts for w in e)
@@ -186,9 +168,7 @@ def pack_expert_slots(experts: Sequence[tuple[LinearWeight, LinearWeight, Linear
 
 
 def single_expert_slots(gate: NVFP4Weight, up: NVFP4Weight, down: NVFP4Weight) -> ExpertSlots:
-    """One NVFP4 expert (gate, up [F, H], down [H, F], on one device) as slot 0 of its own
-    ExpertSlots (a layer's shared expert): gate | up concatenated (one copy), down's codes
-    and scales viewed in place (copied only when not contiguous)."""
+    """One NVFP4 expert (a layer's shared expert) as slot 0 of its own ExpertSlots."""
     f, h = gate.shape
     if tuple(up.shape) != (f, h) or tuple(down.shape) != (h, f) or h % 16 or f % 16:
         raise ValueError(f"expert shapes gate {list(gate.shape)} up {list(up.shape)} down "
@@ -247,26 +227,16 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
     plus sigmoid(shared_logit[t]) * shared(x_t) when a shared expert is given.
 
     Args:
-        x: [N, H] bf16 / fp16 / fp32 activations.
-        topk_slot_ids: [N, k] int32/int64 slot index of each chosen expert (in [0, S)).
-        topk_weights: [N, k] routing weights (any float dtype).
-        slots: the layer's ExpertSlots, on x's device.
-        shared_slots: the layer's shared expert in slot 0 of its own ExpertSlots (same H), or
-            None. In the "fused" path (NVFP4, same F) it is one more pair of its launches;
-            otherwise it runs as a second call (a one-expert MoE), summed after.
-        shared_logit: [N, 1] shared-expert gate logits (any row stride), with shared_slots;
-            its sigmoid is rounded to x.dtype (as `model.moe.gated_add` does).
-        path: "fused", "gemv" or "dot" (module docstring); None = `choose_path` (tests name a
-            path to run its implementation on shapes the selection does not send it).
+        x: [N, H] bf16 / fp16 / fp32; topk_slot_ids: [N, k] int32/int64 slots in [0, S);
+        topk_weights: [N, k] float; slots: on x's device.
+        shared_slots: the shared expert as slot 0 of its own ExpertSlots, or None; the fused
+            path runs it as one more pair, the others as a second one-expert call.
+        shared_logit: [N, 1] gate logits with shared_slots (sigmoid rounded to x.dtype).
+        path: "fused", "gemv" or "dot"; None = `choose_path` (tests force one).
     Returns:
-        [N, H] in x.dtype; fp32 accumulation, the silu(gate) * up intermediate in fp32
-        (fused, gemv) or x.dtype (dot). The fused path's gate_up (CUDA and Triton) rounds x to
-        fp16 after a power-of-two scale and sums each block of 16 products in fp16. Every path
-        sums in a fixed order (the same bits on every run). No host synchronisation (CUDA-graph
-        safe).
-    Raises:
-        ValueError: bad shapes / devices, an unknown path, "fused" with dense slots.
-        TypeError: bad dtypes.
+        [N, H] in x.dtype: fp32 accumulation in a fixed order (the same bits every run), no
+        host synchronisation. The fused gate_up rounds x to fp16 after a power-of-two scale.
+    Raises ValueError on bad shapes, devices or path, TypeError on bad dtypes.
     """
     _check(x, topk_slot_ids, topk_weights, slots)
     _check_shared(x, slots, shared_slots, shared_logit)
@@ -309,12 +279,10 @@ def _moe_gemv(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
     kern = _kernels()
     pairs, h, f = ids.numel(), slots.hidden_size, slots.intermediate_size
     n = pairs // topk
-    # NOTE: a stable sort keeps token order within a slot; no host synchronisation. One
-    # token needs no order (its k experts differ): decode is two launches.
+    # NOTE: a stable sort keeps token order within a slot; one token needs none.
     has_order = n > 1
     order = torch.argsort(ids, stable=True).to(torch.int32) if has_order else ids
-    # tiles: gate_up 4 gate + 4 up rows, down 8 rows, x 8 * pow2(K / 16) inputs (at most 1024)
-    # per K step
+    # tiles: gate_up 4 + 4 rows, down 8 rows, 8 * pow2(K / 16) <= 1024 inputs per K step
     block_k13 = 8 * min(128, _next_pow2(h // 16))
     block_k2 = 8 * min(128, _next_pow2(f // 16))
     inter = torch.empty(pairs, f, device=x.device, dtype=torch.float32)
@@ -340,11 +308,9 @@ def _scales(slots: ExpertSlots, dummy: torch.Tensor) -> tuple[torch.Tensor, ...]
 
 def align_pairs(ids: torch.Tensor, num_slots: int, block_m: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group pair indices by slot, each slot's run padded to a multiple of `block_m`.
-
-    Returns (sorted_pairs int32 [num_blocks * block_m], pad entries = P; block_slot int32
-    [num_blocks], -1 for blocks past the end). num_blocks is a bound known without a sync.
-    """
+    """Pair indices grouped by slot, each run padded to a multiple of `block_m`: (sorted_pairs
+    int32 [blocks * block_m], pads = P; block_slot int32 [blocks], -1 past the end); the
+    number of blocks is a bound known without a sync."""
     pairs = ids.numel()
     dev = ids.device
     order = torch.argsort(ids, stable=True)
@@ -409,8 +375,7 @@ def slot_weights(slots: ExpertSlots, slot_id: int) -> tuple[torch.Tensor, torch.
 def fused_moe_ref(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.Tensor,
                   slots: ExpertSlots, *, shared_slots: ExpertSlots | None = None,
                   shared_logit: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-slot torch loop in fp32, same contract as `fused_moe` (the shared expert's
-    sigmoid rounded to x.dtype, the rest fp32)."""
+    """Per-slot fp32 torch loop with the contract of `fused_moe`."""
     _check(x, topk_slot_ids, topk_weights, slots)
     _check_shared(x, slots, shared_slots, shared_logit)
     out = _moe_ref(x.float(), topk_slot_ids, topk_weights.float(), slots)

@@ -1,11 +1,6 @@
-"""Fused-MoE Triton kernels behind `kernels/moe/fused.py` (NVFP4 or dense expert slots).
-
-Decode over dense slots (gemv path): gate_up with one program per (token, expert) pair and
-block of rows, silu(gate) * up fused; down with one program per (token, block of rows)
-summing its k experts in registers. Prefill (dot path, NVFP4 or dense): pairs grouped per
-slot into BLOCK_M tiles, tensor-core tiles with the weight dequantized in the K loop. Imports
-triton at the top (launchers import it lazily).
-"""
+"""Fused-MoE Triton kernels behind `fused.py`: the dense decode (gemv: gate_up per pair and row
+block with silu * up fused, down per token summing its k experts) and the prefill (dot: pairs
+grouped per slot into BLOCK_M tiles, weights dequantized in the K loop)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""Host memory a GPU kernel can read, and a row copy from it.
+"""Host memory a GPU kernel can read, and row copies from it (no host sync, graph-capturable).
 
-`register_mapped(t)` page-locks a CPU tensor's memory with the CUDA driver (cudaHostRegister,
-portable + mapped): its pages become device-addressable, so a kernel reads them over PCIe with
-no copy issued by the host (zero-copy). `copy_rows(src, dst, rows, dst_rows)` is such a kernel:
-listed rows of `src` into listed rows of `dst`, the lists on the device, so a CUDA graph can
-copy what it decides on the device from memory that lives in host RAM: `gather_rows(table,
-ids)` embeds tokens from a host table, the expert cache copies missing experts into its slots
-(`offload/lookup.copy_rows`). Triton is imported on the first copy, never at import time.
-"""
+`register_mapped(t)` page-locks a CPU tensor (cudaHostRegister, portable + mapped) so kernels
+read it over PCIe (zero-copy); `copy_rows` copies listed rows into listed rows (the expert
+cache's misses) and `gather_rows` embeds tokens from a host table. Triton loads on first use."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""MoE router in one Triton kernel: fp32 softmax over the router logits, top-k, renormalise
-over the k, cast to the model dtype (one program per token row).
-
-Reference (pure torch, the CPU path and large batches): `model.moe.topk_softmax_ref`.
-Ties: among equal probabilities the lower expert id is taken first; the k ids come out in
-descending probability like `torch.topk(sorted=True)` (which leaves the order of exact ties
-unspecified). A row with a NaN or +inf logit (NaN softmax) gets k distinct ids in [0, E)
-(lowest first) and NaN weights, so the ids can always index expert slots.
-
-This module imports triton at the top: callers import it lazily (on CUDA only).
-"""
+"""MoE router in one Triton kernel (one program per token): fp32 softmax, top-k, renormalise,
+cast to the model dtype (reference: `model.moe.topk_softmax_ref`). Ties take the lower expert
+id first; a row with a NaN or +inf logit gets k distinct ids (lowest first) and NaN weights,
+so the ids can always index expert slots."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""The NVFP4 decode kernels in CUDA: the GEMV of one row of 16-bit activations
-(`csrc/nvfp4_gemv.cu`) and the fused MoE decode (`csrc/nvfp4_moe.cu`).
-
-Every CTA requests all of its weight bytes at entry (a warp owns whole rows, held in
-registers), then stages its inputs once in fp16 and decodes; where the weight allows, the grid
-is one wave, so the DRAM stream starts at once everywhere and the decode overlaps it.
-Numerics: the "h2" decode with the inputs scaled per block of 16 (`csrc/nvfp4_decode.cuh`):
-fp16 products and 16-term sums, then fp32. `nvfp4.nvfp4_linear` takes the GEMV for M = 1
-where `takes` says so, `fused_moe` the MoE decode where `moe_takes` does; elsewhere the Triton
-kernels run. The kernels compile at first use (NVRTC, `cuda_launch`).
-"""
+"""The NVFP4 decode kernels in CUDA: the GEMV of one 16-bit row (`csrc/nvfp4_gemv.cu`) and the
+fused MoE decode (`csrc/nvfp4_moe.cu`). Every CTA requests all its weight bytes at entry and
+the grid is one wave where the weight allows, so the decode overlaps the DRAM stream; the
+"h2" numerics (`csrc/nvfp4_decode.cuh`): fp16 products and 16-term sums, then fp32.
+`takes` / `moe_takes` say which calls they serve (the Triton kernels run the rest)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,10 @@
-"""NVFP4 W4A16 linear: `nvfp4_linear(x, w) = x @ dequantize(w).T`.
-
-One implementation per regime, picked by `choose_path` from the rows M of x and the weight:
-
-- "gemv" (decode: M = 1, or M <= GEMV_MAX_M on weights of at most GEMV_MULTI_ROW_MAX_WEIGHTS):
-  one row of bf16/fp16 x with K in 1024 / 2048 / 4096 on a GPU (every decode GEMV of the
-  Qwen3.5 checkpoints) takes the CUDA kernel of `nvfp4_cuda` (every weight byte requested at
-  entry); every other decode call (fp32 x, other K, 2..4 rows) the Triton gemv of
-  `nvfp4_triton.py` (int64 loads of 16 packed codes, E2M1 decoded from bf16 bit patterns,
-  fp32 FMAs, the weight tile decoded once for up to four rows of x).
-- "dot" (M below DEQUANT_MIN_M): tensor-core `tl.dot` with the weight tile dequantized in the
-  K loop (`nvfp4_dot_triton.py`), split-K while there are too few output tiles.
-- "dequant" (prefill): dequantize to a bf16/fp16 scratch (row chunks of at most SCRATCH_ELEMS)
-  and call torch.matmul (cuBLAS).
-
-The reference is `kernels/nvfp4/ref.py`. Triton is imported on the first call, never at
-import time.
-"""
+"""NVFP4 W4A16 linear: `nvfp4_linear(x, w) = x @ dequantize(w).T`, one path per regime
+(`choose_path`):
+- "gemv" (decode, M <= GEMV_MAX_M): the CUDA GEMV of `cuda.py` for one 16-bit row with K in
+  1024/2048/4096 (every Qwen3.5 decode GEMV), else the Triton gemv of `triton.py`;
+- "dot" (M < DEQUANT_MIN_M): tensor-core dot with the weight tile dequantized in the K loop
+  (`dot_triton.py`), split-K when there are too few output tiles;
+- "dequant" (prefill): dequantize to a scratch and torch.matmul (cuBLAS)."""
 
 from __future__ import annotations
 

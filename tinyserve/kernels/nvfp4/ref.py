@@ -1,11 +1,8 @@
 """NVFP4 and FP8 weights in pure torch: decode, encode, dequantize, quantize, reference linear.
 
-The encoding (specs/nvfp4.md §1): a weight [out, in] is cut into blocks of 16 inputs; each
-element is a 4-bit E2M1 code (two per byte, low nibble = even element), each block has an FP8
-E4M3 scale (stored here as its raw uint8 bits), the tensor has one fp32 global scale in the
-ModelOpt multiply convention: W = E2M1[code] * e4m3(block_scale) * global_scale.
-Everything works on CPU and CUDA tensors and needs no float8 dtype.
-"""
+NVFP4 (specs/nvfp4.md §1): blocks of 16 inputs of 4-bit E2M1 codes (two per byte, low nibble
+first), an E4M3 scale per block (raw uint8 bits) and one fp32 global scale:
+W = E2M1[code] * e4m3(block_scale) * global_scale. Runs on CPU and CUDA, no float8 dtype."""
 
 from __future__ import annotations
 

@@ -1,18 +1,11 @@
-"""NVFP4 decode kernels (W4A16, no FP4 cores): the gemv behind `kernels/nvfp4/linear.py` and the
-row-dot cores the fused-MoE decode kernels (`fused_moe_decode_triton.py`) share.
-
-This module imports triton at the top, so only the launchers import it, lazily. Decoding:
-
-- E2M1 code c -> fp16 bits `((c & 7) << 9) | ((c & 8) << 12)` = E2M1[c] * 2^-14 exactly
-  (subnormal 0.5 and -0 included; no lookup table).
-- E4M3 bits b -> fp16 bits `((b & 0x80) << 8) | ((b & 0x7F) << 7)` = e4m3(b) * 2^-8 exactly
-  (e4m3 subnormals land on fp16 subnormals; works below sm_89, no fp8 type needed).
-
-So E2M1 * e4m3 = decoded product * 2^22 (`FP4_UNIT`), folded into the per-tensor factor.
-The gemv decodes differently (`_nibble_pair`: bf16 bit patterns, fp32 FMAs), the fused MoE
-decode's gate_up with "h2" (`_fp4_rows_dot_h2`: fp16x2 pairs and packed half2 FMAs), in the
-same unit.
-"""
+"""NVFP4 decode kernels (W4A16): the gemv behind `linear.py` and the row-dot cores of the fused
+MoE decode (`moe/decode_triton.py`). Decoding without lookup tables:
+- E2M1 code c -> fp16 bits ((c & 7) << 9) | ((c & 8) << 12) = E2M1[c] * 2^-14 exactly;
+- E4M3 bits b -> fp16 bits ((b & 0x80) << 8) | ((b & 0x7F) << 7) = e4m3(b) * 2^-8 exactly
+  (no fp8 type, runs below sm_89).
+So E2M1 * e4m3 = product * 2^22 (`FP4_UNIT`), folded into the global factor. The gemv decodes
+as bf16 patterns with fp32 FMAs (`_nibble_pair`); the MoE gate_up with "h2" (fp16x2 pairs,
+half2 FMAs, `_fp4_rows_dot_h2`), in the same unit."""
 
 from __future__ import annotations
 

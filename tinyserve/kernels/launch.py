@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 
 import torch
 
@@ -18,6 +19,7 @@ ROUNDING_AS_TORCH = {"enable_fp_fusion": False}
 
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+SCRATCH_ELEMS = 1 << 24  # dequantize + cuBLAS: scratch cap (32 MiB in bf16)
 
 
 def check_pages(page_table: torch.Tensor, seq_lens: torch.Tensor, b: int) -> None:
@@ -47,6 +49,11 @@ def decode_output(out: torch.Tensor | None, q: torch.Tensor, b: int, hq: int,
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def next_pow2(v: int) -> int:
+    """The smallest power of two >= v (1 for v <= 1)."""
+    return 1 << max(0, v - 1).bit_length()
 
 
 @functools.cache
@@ -101,3 +108,17 @@ def split_k_output(split: int, m: int, n: int, x: torch.Tensor) -> torch.Tensor:
 def split_k_result(out: torch.Tensor, split: int, dtype: torch.dtype) -> torch.Tensor:
     """[M, N] in `dtype` from what `split_k_output` gave the kernel."""
     return out if split == 1 else out.sum(0).to(dtype)
+
+
+def dequant_matmul(x: torch.Tensor, dequantize: Callable[..., torch.Tensor], n: int,
+                   k: int) -> torch.Tensor:
+    """x [M, K] @ W.T for an [N, K] weight that `dequantize(dtype, rows=(r0, r1))` expands to
+    a scratch in x's dtype, in row chunks of at most SCRATCH_ELEMS elements (then cuBLAS)."""
+    chunk = max(64, SCRATCH_ELEMS // k // 64 * 64)
+    if chunk >= n:
+        return x @ dequantize(x.dtype).T
+    out = torch.empty(x.shape[0], n, device=x.device, dtype=x.dtype)
+    for r0 in range(0, n, chunk):
+        r1 = min(n, r0 + chunk)
+        out[:, r0:r1] = x @ dequantize(x.dtype, rows=(r0, r1)).T
+    return out

@@ -19,7 +19,9 @@ import torch
 from tinyserve.core import FP8Weight
 from tinyserve.kernels.launch import (
     cdiv,
+    dequant_matmul,
     dot_tiles,
+    next_pow2,
     num_sms,
     split_k_output,
     split_k_result,
@@ -28,19 +30,14 @@ from tinyserve.kernels.launch import (
 from tinyserve.kernels.nvfp4.linear import row_range
 
 PATHS = ("gemv", "dot", "dequant")
-# Path thresholds and decodes, from bench/fp8_linear.py (the data behind each:
-# docs/RESULTS.md, "FP8 W8A16"). The gemv wins at 4 rows on most shapes, loses to dot at 16;
-# dequant + cuBLAS wins from 512 rows (the cut-over between 16 and 512 is not located).
-GEMV_MAX_M = 4  # largest M on the gemv path by default (5..16: dot with 16-row tiles)
-DEQUANT_MIN_M = 256  # smallest M on the dequant path by default
+# Thresholds from bench/fp8_linear.py (docs/RESULTS.md, "FP8 W8A16").
+GEMV_MAX_M = 4
+DEQUANT_MIN_M = 256
 NATIVE_PATHS = ("dot",)  # paths that decode with float8e4nv by default on sm_89+
-SCRATCH_ELEMS = 1 << 24  # dequant scratch cap (32 MiB in bf16)
 
-
-# gemv tiles: a program owns block_n rows x block_w int32 words (4 inputs each) of the weight:
-# block_w = the whole K range (a power of two, at most GEMV_MAX_BLOCK_W; larger K splits),
-# block_n so that each of the GEMV_WARPS * 32 threads holds about GEMV_WORDS_PER_THREAD
-# words, halved (then K split) while there are fewer than GEMV_PROGRAMS_PER_SM programs per SM.
+# gemv tiles: block_n rows x block_w int32 words (the whole K range up to GEMV_MAX_BLOCK_W),
+# about GEMV_WORDS_PER_THREAD words a thread, halved while there are fewer than
+# GEMV_PROGRAMS_PER_SM programs per SM.
 GEMV_WORDS_PER_THREAD = 16
 GEMV_WARPS = 4
 GEMV_PROGRAMS_PER_SM = 2
@@ -58,14 +55,10 @@ def _pow2_floor(v: int) -> int:
     return 1 << (max(1, v).bit_length() - 1)
 
 
-def _next_pow2(v: int) -> int:
-    return 1 << (max(1, v) - 1).bit_length()
-
-
 def gemv_tiles(n: int, k: int, num_sms: int) -> tuple[int, int, int]:
     """(block_n, block_w, split_k) of the gemv path for an [N, K] weight (K % 4 == 0)."""
     kw = k // 4
-    block_w = min(_next_pow2(kw), GEMV_MAX_BLOCK_W)
+    block_w = min(next_pow2(kw), GEMV_MAX_BLOCK_W)
     block_n = _pow2_floor(GEMV_WORDS_PER_THREAD * 32 * GEMV_WARPS // block_w)
     target = GEMV_PROGRAMS_PER_SM * num_sms
     while block_n > 1 and cdiv(n, block_n) * cdiv(kw, block_w) < target:
@@ -75,28 +68,21 @@ def gemv_tiles(n: int, k: int, num_sms: int) -> tuple[int, int, int]:
     return block_n, block_w, cdiv(kw, block_w)
 
 
-def _has_native_fp8(device: torch.device) -> bool:
-    # NOTE: the target architecture, so TINYSERVE_CUDA_ARCH=sm_86 runs the bit decode of the
-    # GPUs without the conversion on a newer one
-    return device.type == "cuda" and target_arch(device) >= 89
-
-
 def default_native(path: str, device: torch.device) -> bool:
-    """Whether `path` decodes with Triton's float8e4nv conversion by default on `device`:
-    paths in NATIVE_PATHS on CUDA devices whose `launch.target_arch` is sm_89 or newer."""
-    return path in NATIVE_PATHS and _has_native_fp8(torch.device(device))
+    """Whether `path` decodes with float8e4nv by default: NATIVE_PATHS where the target
+    architecture (TINYSERVE_CUDA_ARCH or the GPU's) is sm_89+."""
+    device = torch.device(device)
+    return path in NATIVE_PATHS and device.type == "cuda" and target_arch(device) >= 89
 
 
 def choose_path(m: int, n: int = 0, k: int = 4) -> str:
-    """The default path for M rows of x against an [N, K] weight: gemv up to GEMV_MAX_M rows
-    (K % 4 == 0 only), dot below DEQUANT_MIN_M, dequant from there."""
+    """gemv up to GEMV_MAX_M rows (K % 4 == 0), dot below DEQUANT_MIN_M, else dequant."""
     if m <= GEMV_MAX_M and k % 4 == 0:
         return "gemv"
     return "dot" if m < DEQUANT_MIN_M else "dequant"
 
 
 def describe() -> str:
-    """The implementation of each regime, for the engine's start-up log."""
     return (f"Triton gemv (M <= {GEMV_MAX_M}); Triton tl.dot (M < {DEQUANT_MIN_M}, float8e4nv "
             f"decode on sm_89+); dequantize + cuBLAS")
 
@@ -145,7 +131,7 @@ def _gemv(x: torch.Tensor, w: FP8Weight, scale: torch.Tensor, per_row: bool, m: 
     grid = (cdiv(n, block_n) * split,)
     kern = _kernels().fp8_gemv_kernel
     kern[grid](xv, w.weight.view(torch.int32), scale, out, m, n, k // 4, xv.stride(0),
-               SPLIT_K=split, BLOCK_M=min(4, _next_pow2(m)), BLOCK_N=block_n, BLOCK_W=block_w,
+               SPLIT_K=split, BLOCK_M=min(4, next_pow2(m)), BLOCK_N=block_n, BLOCK_W=block_w,
                IS_PER_ROW=per_row, IS_X_BF16=is_bf16, USE_NATIVE=native,
                num_warps=GEMV_WARPS)
     return split_k_result(out, split, x.dtype)
@@ -172,16 +158,9 @@ def _dot(x: torch.Tensor, w: FP8Weight, scale: torch.Tensor, per_row: bool, m: i
 
 def fp8_dequantize(w: FP8Weight, dtype: torch.dtype = torch.bfloat16, *,
                    rows: tuple[int, int] | None = None, native: bool = False) -> torch.Tensor:
-    """Dense [N, K] (or rows [r0, r1)) e4m3(weight) * scale in `dtype`, on the weight's device.
-
-    Args:
-        w: FP8Weight, uint8 [N, K] contiguous, scale fp32 scalar or [N, 1] on the same device.
-        dtype: output dtype (the product is rounded once, from fp32).
-        rows: a row range; None = all rows.
-        native: decode with Triton's float8e4nv type (sm_89+) instead of bit arithmetic.
-    Raises:
-        ValueError / TypeError on a malformed weight or scale, or rows outside [0, N].
-    """
+    """Dense [N, K] (or rows [r0, r1)) e4m3(weight) * scale in `dtype` (one rounding from
+    fp32), on the weight's device; `native`: float8e4nv (sm_89+). Raises ValueError /
+    TypeError on a malformed weight or rows outside [0, N]."""
     n, k, scale, per_row = _check_weight(w)
     r0, r1 = row_range(rows, n)
     if per_row:
@@ -197,35 +176,18 @@ def fp8_dequantize(w: FP8Weight, dtype: torch.dtype = torch.bfloat16, *,
     return out
 
 
-def _dequant_matmul(x: torch.Tensor, w: FP8Weight, m: int, n: int, k: int,
-                    native: bool) -> torch.Tensor:
-    chunk = max(64, SCRATCH_ELEMS // max(k, 1) // 64 * 64)
-    if chunk >= n:
-        return x @ fp8_dequantize(w, x.dtype, native=native).T
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    for r0 in range(0, n, chunk):
-        r1 = min(n, r0 + chunk)
-        out[:, r0:r1] = x @ fp8_dequantize(w, x.dtype, rows=(r0, r1), native=native).T
-    return out
-
-
 def fp8_linear(x: torch.Tensor, w: FP8Weight, *, path: str | None = None,
                native: bool | None = None
                ) -> torch.Tensor:
-    """y = x @ (e4m3(w.weight) * w.scale).T, W8A16 on a GPU (or the Triton interpreter).
+    """y = x @ (e4m3(w.weight) * w.scale).T on a GPU (or the Triton interpreter).
 
     Args:
-        x: [M, K] (or [..., K]) bf16 / fp16 / fp32 on the weight's device.
-        w: FP8Weight: weight uint8 [N, K] (E4M3 bits, contiguous), scale fp32 scalar or [N, 1].
-        path: "gemv" (needs K % 4 == 0), "dot" or "dequant"; None picks by M (`choose_path`).
-        native: decode with Triton's float8e4nv type (sm_89+) instead of bit arithmetic;
-            None = `default_native(path, x.device)`.
-    Returns:
-        [M, N] (or [..., N]) in x.dtype; fp32 accumulation, one rounding to x.dtype (the
-        dequant path also rounds e4m3 * scale to x.dtype). No host synchronisation: the scale
-        is read on the device, so the call can be captured in a CUDA graph.
-    Raises:
-        ValueError / TypeError on shape, dtype, layout or device mismatch.
+        x: [..., K] bf16 / fp16 / fp32 on the weight's device.
+        w: weight uint8 [N, K] (E4M3 bits, contiguous), scale fp32 scalar or [N, 1].
+        path: "gemv" (K % 4 == 0), "dot" or "dequant"; None = `choose_path`.
+        native: float8e4nv decode (sm_89+); None = `default_native`.
+    Returns [..., N] in x.dtype (fp32 accumulation), with no host synchronisation.
+    Raises ValueError / TypeError on shape, dtype, layout or device mismatch.
     """
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
@@ -244,5 +206,5 @@ def fp8_linear(x: torch.Tensor, w: FP8Weight, *, path: str | None = None,
     elif path == "dot":
         y = _dot(x2, w, scale, per_row, m, n, k, native)
     else:
-        y = _dequant_matmul(x2, w, m, n, k, native)
+        y = dequant_matmul(x2, functools.partial(fp8_dequantize, w, native=native), n, k)
     return y.reshape(*lead, n)

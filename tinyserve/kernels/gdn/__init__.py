@@ -2,6 +2,7 @@
 (`chunk`, settings in `config`) and recurrent for decode, in Triton (`triton`) beside the
 torch references of `ref`; `ops` holds the public entry points."""
 
+from tinyserve.kernels.gdn.chunk import chunk_configs_chosen
 from tinyserve.kernels.gdn.ops import (
     causal_conv1d_prefill,
     causal_conv1d_update,
@@ -10,5 +11,5 @@ from tinyserve.kernels.gdn.ops import (
     gdn_prefill,
 )
 
-__all__ = ["causal_conv1d_prefill", "causal_conv1d_update", "gdn_decode", "gdn_gates",
-           "gdn_prefill"]
+__all__ = ["causal_conv1d_prefill", "causal_conv1d_update", "chunk_configs_chosen", "gdn_decode",
+           "gdn_gates", "gdn_prefill"]

@@ -10,7 +10,8 @@ import torch
 
 from tinyserve.kernels.gdn import config as _gdn_config
 from tinyserve.kernels.gdn import triton as _gdn_triton
-from tinyserve.kernels.gdn.config import cdiv, check, last_contig, pow2, strides
+from tinyserve.kernels.gdn.config import check, last_contig, strides
+from tinyserve.kernels.launch import cdiv, next_pow2
 from tinyserve.log import get_logger
 
 log = get_logger(__name__)
@@ -25,7 +26,7 @@ def chunk_configs_chosen() -> list[tuple[tuple, _gdn_config.ChunkConfig]]:
     out = []
     for key, i in _CHOSEN.items():
         dev, BT, dk, dv, block_v, _, _ = key
-        cfgs = _gdn_config.chunk_configs(dv, BT, max(pow2(dk), 16), block_v=block_v,
+        cfgs = _gdn_config.chunk_configs(dv, BT, max(next_pow2(dk), 16), block_v=block_v,
                                          smem_limit=smem_limit(dev))
         out.append((key, cfgs[i]))
     return out
@@ -61,9 +62,9 @@ def launch_chunk(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, BT, bl
     """Run the first config of `chunk_configs` that launches; an OutOfResources at launch
     (nothing has run then) moves to the next smaller one, logged once per shape."""
     dk, dv = q.shape[2], v.shape[2]
-    check(BT >= 16 and BT == pow2(BT), f"chunk_size must be a power of two >= 16, not {BT}")
+    check(BT >= 16 and BT == next_pow2(BT), f"chunk_size must be a power of two >= 16, not {BT}")
     check(precision in ("ieee", "tf32x3", "tf32"), f"bad dot precision {precision!r}")
-    BK = max(pow2(dk), 16)
+    BK = max(next_pow2(dk), 16)
     cfgs = _gdn_config.chunk_configs(dv, BT, BK, block_v=block_v,
                                      smem_limit=smem_limit(q.device))
     key = (q.device, BT, dk, dv, block_v, precision, q.dtype)

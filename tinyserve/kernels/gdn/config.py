@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tinyserve.kernels.launch import next_pow2
+
 # sm_90 (H100, H200) opt-in shared memory per block; used when the device is not queried.
 SM90_SMEM_BYTES = 232_448
 _MARGIN = 1.25
@@ -47,7 +49,7 @@ def chunk_configs(dv: int, chunk: int, block_k: int, *, block_v: int | None = No
     `block_v` pins the dv tile (the bench sweeps it); otherwise dv tiles of 16 give
     Hv * dv / 16 programs (256 for 35B-A3B: about two per SM on 132 SMs).
     """
-    top = max(16, pow2(dv))
+    top = max(16, next_pow2(dv))
     tiles = [block_v] if block_v else [16, 32]
     # NOTE: 4 warps only: a dv-16 tile with 8 warps hit an illegal memory access on the GPU
     # (bench sweep); 4 warps is the configuration the GPU tests verified.
@@ -55,16 +57,6 @@ def chunk_configs(dv: int, chunk: int, block_k: int, *, block_v: int | None = No
     fits = [c for c in ladder if chunk_smem_bytes(c, block_k) <= smem_limit]
     smallest = ChunkConfig(max(16, chunk // 2), 16, 4)
     return [*dict.fromkeys(fits), smallest] if smallest not in fits else fits
-
-
-def pow2(n: int) -> int:
-    """The smallest power of two >= n (1 for n <= 1)."""
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for positive ints."""
-    return (a + b - 1) // b
 
 
 def check(ok: bool, msg: str) -> None:

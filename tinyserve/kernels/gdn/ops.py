@@ -15,16 +15,10 @@ from tinyserve.kernels.gdn import chunk as _gdn_chunk
 from tinyserve.kernels.gdn import config as _gdn_config
 from tinyserve.kernels.gdn import ref as gdn_ref
 from tinyserve.kernels.gdn import triton as _gdn_triton
-from tinyserve.kernels.gdn.chunk import chunk_configs_chosen
-from tinyserve.kernels.gdn.config import cdiv as _cdiv
-from tinyserve.kernels.gdn.config import check as _check
-from tinyserve.kernels.gdn.config import last_contig as _last_contig
-from tinyserve.kernels.gdn.config import pow2 as _pow2
-from tinyserve.kernels.gdn.config import strides as _strides
+from tinyserve.kernels.gdn.config import check, last_contig, strides
+from tinyserve.kernels.launch import cdiv, next_pow2
 from tinyserve.log import get_logger
 
-__all__ = ["causal_conv1d_prefill", "causal_conv1d_update", "chunk_configs_chosen", "gdn_decode",
-           "gdn_gates", "gdn_prefill"]
 log = get_logger(__name__)
 
 _CONV_BLOCK_C = 256
@@ -44,40 +38,30 @@ def _use_triton(backend: str, *tensors: torch.Tensor) -> bool:
 def _one_device(*ts: torch.Tensor) -> None:
     # the Triton kernels read every tensor by pointer
     dev = ts[0].device
-    _check(all(t.device == dev for t in ts), f"GDN kernel inputs must all be on {dev}, got "
+    check(all(t.device == dev for t in ts), f"GDN kernel inputs must all be on {dev}, got "
            f"{sorted({str(t.device) for t in ts})}")
 
 
 def _out(out: torch.Tensor | None, shape: tuple, like: torch.Tensor) -> torch.Tensor:
     if out is None:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
-    _check(tuple(out.shape) == tuple(shape) and out.dtype == like.dtype
+    check(tuple(out.shape) == tuple(shape) and out.dtype == like.dtype
            and out.is_contiguous(), f"out must be contiguous {shape} {like.dtype}")
     return out
-
-
-# --------------------------------------------------------------------------------------------
-# causal conv1d
 
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor,
                          slots: torch.Tensor, *, out: torch.Tensor | None = None,
                          backend: str = "auto") -> torch.Tensor:
-    """One decode step of the depthwise causal conv + SiLU, updating the conv state in place.
-
-    Args:
-        x: [B, C] pre-conv inputs (model dtype); weight: [C, K];
-        conv_pool: [slots, C, K-1] (one layer's view, last dim contiguous), oldest first;
-        slots: [B] int, the pool slot of each row (distinct).
-    Returns:
-        y [B, C] in x.dtype (written to `out` when given).
-    """
+    """One decode step of the depthwise causal conv + SiLU, the conv state updated in place.
+    x [B, C], weight [C, K], conv_pool [slots, C, K-1] (oldest first), slots [B] (distinct).
+    Returns y [B, C] in x.dtype (into `out` when given)."""
     B, C = x.shape
     K = weight.shape[1]
-    _check(weight.shape == (C, K), f"weight {tuple(weight.shape)} != ({C}, {K})")
-    _check(conv_pool.dim() == 3 and conv_pool.shape[1:] == (C, K - 1),
+    check(weight.shape == (C, K), f"weight {tuple(weight.shape)} != ({C}, {K})")
+    check(conv_pool.dim() == 3 and conv_pool.shape[1:] == (C, K - 1),
            f"conv_pool {tuple(conv_pool.shape)} != [slots, {C}, {K - 1}]")
-    _check(slots.shape == (B,), f"slots {tuple(slots.shape)} != ({B},)")
+    check(slots.shape == (B,), f"slots {tuple(slots.shape)} != ({B},)")
     y = _out(out, (B, C), x)
     if not _use_triton(backend, x, conv_pool):
         for i, s in enumerate(slots.tolist()):
@@ -85,14 +69,14 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch
             y[i] = yi[0]
             conv_pool[s] = st
         return y
-    _check(conv_pool.stride(2) == 1, "conv_pool needs a contiguous last dim")
+    check(conv_pool.stride(2) == 1, "conv_pool needs a contiguous last dim")
     _one_device(x, weight, conv_pool, slots, y)
-    x, weight = _last_contig(x), weight.contiguous()
-    grid = (B, _cdiv(C, _CONV_BLOCK_C))
+    x, weight = last_contig(x), weight.contiguous()
+    grid = (B, cdiv(C, _CONV_BLOCK_C))
     _gdn_triton.build().conv1d_update[grid](
         x, weight, conv_pool, slots, y, C,
         x.stride(0), conv_pool.stride(0), conv_pool.stride(1), y.stride(0),
-        K=K, KP=_pow2(K - 1), BLOCK_C=_CONV_BLOCK_C, num_warps=4)
+        K=K, KP=next_pow2(K - 1), BLOCK_C=_CONV_BLOCK_C, num_warps=4)
     return y
 
 
@@ -100,23 +84,15 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_pool: torc
                           slots: torch.Tensor, cu_seqlens: torch.Tensor,
                           has_initial_state: torch.Tensor, *, out: torch.Tensor | None = None,
                           backend: str = "auto") -> torch.Tensor:
-    """Depthwise causal conv + SiLU over a varlen batch, state read and written back in place.
-
-    Args:
-        x: [T, C] pre-conv inputs of all sequences, batch order; weight: [C, K];
-        conv_pool: [slots, C, K-1]; slots: [B] int; cu_seqlens: [B+1] int32 offsets into T;
-        has_initial_state: [B] bool, false -> the sequence starts from a zero state (its slot
-            is not read).
-    Returns:
-        y [T, C] in x.dtype. Every slot in `slots` ends holding the last K-1 inputs.
-    """
+    """Depthwise causal conv + SiLU over a varlen batch x [T, C] (cu_seqlens [B+1] int32),
+    each slot's state read (where has_initial_state) and left holding its last K-1 inputs."""
     T, C = x.shape
     K = weight.shape[1]
     B = slots.shape[0]
-    _check(weight.shape == (C, K), f"weight {tuple(weight.shape)} != ({C}, {K})")
-    _check(conv_pool.dim() == 3 and conv_pool.shape[1:] == (C, K - 1),
+    check(weight.shape == (C, K), f"weight {tuple(weight.shape)} != ({C}, {K})")
+    check(conv_pool.dim() == 3 and conv_pool.shape[1:] == (C, K - 1),
            f"conv_pool {tuple(conv_pool.shape)} != [slots, {C}, {K - 1}]")
-    _check(cu_seqlens.shape == (B + 1,) and has_initial_state.shape == (B,),
+    check(cu_seqlens.shape == (B + 1,) and has_initial_state.shape == (B,),
            "cu_seqlens must be [B+1] and has_initial_state [B]")
     y = _out(out, (T, C), x)
     if not _use_triton(backend, x, conv_pool):
@@ -126,9 +102,9 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_pool: torc
             y[cu[i]:cu[i + 1]], conv_pool[s] = gdn_ref.causal_conv1d_ref(
                 x[cu[i]:cu[i + 1]], weight, st)
         return y
-    _check(conv_pool.stride(2) == 1, "conv_pool needs a contiguous last dim")
+    check(conv_pool.stride(2) == 1, "conv_pool needs a contiguous last dim")
     _one_device(x, weight, conv_pool, slots, cu_seqlens, has_initial_state, y)
-    x, weight = _last_contig(x), weight.contiguous()
+    x, weight = last_contig(x), weight.contiguous()
     cu = cu_seqlens.to(torch.int32)
     init = has_initial_state.to(torch.int32)
     # [T] sequence of each token, without a host synchronisation
@@ -136,28 +112,23 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_pool: torc
                                  right=True).to(torch.int32)
     k = _gdn_triton.build()
     if T > 0:
-        grid = (_cdiv(T, _CONV_BLOCK_T), _cdiv(C, _CONV_BLOCK_C))
+        grid = (cdiv(T, _CONV_BLOCK_T), cdiv(C, _CONV_BLOCK_C))
         k.conv1d_varlen[grid](
             x, weight, conv_pool, slots, cu, init, seq_ids, y, T, C,
             x.stride(0), conv_pool.stride(0), conv_pool.stride(1), y.stride(0),
             K=K, BLOCK_T=_CONV_BLOCK_T, BLOCK_C=_CONV_BLOCK_C, num_warps=4)
     # NOTE: a second launch, so no program overwrites a state another one still reads.
-    grid = (B, _cdiv(C, _CONV_BLOCK_C))
+    grid = (B, cdiv(C, _CONV_BLOCK_C))
     k.conv1d_state_writeback[grid](
         x, conv_pool, slots, cu, init, C,
         x.stride(0), conv_pool.stride(0), conv_pool.stride(1),
-        K=K, KP=_pow2(K - 1), BLOCK_C=_CONV_BLOCK_C, num_warps=4)
+        K=K, KP=next_pow2(K - 1), BLOCK_C=_CONV_BLOCK_C, num_warps=4)
     return y
-
-
-# --------------------------------------------------------------------------------------------
-# gated delta rule
 
 
 def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
               dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(g, beta) fp32 [N, Hv] from the raw projections: g = -exp(A_log) * softplus(a +
-    dt_bias), beta = sigmoid(b). The torch form of what the kernels fuse."""
+    """(g, beta) fp32 [N, Hv]: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)."""
     g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
     return g, b.float().sigmoid()
 
@@ -176,14 +147,14 @@ def _prep_qk(q: torch.Tensor, k: torch.Tensor, Hv: int) -> tuple[torch.Tensor, t
 def _check_gdn(q, k, v, a, b, A_log, dt_bias, pool, slots) -> tuple[int, int, int, int, int]:
     N, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
-    _check(k.shape == q.shape, f"k {tuple(k.shape)} != q {tuple(q.shape)}")
-    _check(v.shape[0] == N and Hv % Hk == 0, f"v {tuple(v.shape)} does not fit q {(N, Hk)}")
-    _check(a.shape == (N, Hv) and b.shape == (N, Hv), f"a, b must be [{N}, {Hv}]")
-    _check(A_log.shape == (Hv,) and dt_bias.shape == (Hv,), f"A_log, dt_bias must be [{Hv}]")
-    _check(pool.dim() == 4 and pool.shape[1:] == (Hv, dk, dv),
+    check(k.shape == q.shape, f"k {tuple(k.shape)} != q {tuple(q.shape)}")
+    check(v.shape[0] == N and Hv % Hk == 0, f"v {tuple(v.shape)} does not fit q {(N, Hk)}")
+    check(a.shape == (N, Hv) and b.shape == (N, Hv), f"a, b must be [{N}, {Hv}]")
+    check(A_log.shape == (Hv,) and dt_bias.shape == (Hv,), f"A_log, dt_bias must be [{Hv}]")
+    check(pool.dim() == 4 and pool.shape[1:] == (Hv, dk, dv),
            f"recurrent_pool {tuple(pool.shape)} != [slots, {Hv}, {dk}, {dv}]")
-    _check(pool.dtype == torch.float32, f"recurrent_pool must be float32, not {pool.dtype}")
-    _check(slots.dim() == 1, "slots must be 1-D")
+    check(pool.dtype == torch.float32, f"recurrent_pool must be float32, not {pool.dtype}")
+    check(slots.dim() == 1, "slots must be 1-D")
     return N, Hk, Hv, dk, dv
 
 
@@ -207,17 +178,15 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tenso
                recurrent_pool: torch.Tensor, slots: torch.Tensor, *,
                out: torch.Tensor | None = None, backend: str = "auto",
                block_v: int = 32) -> torch.Tensor:
-    """One gated-delta-rule step per sequence, the state updated in place in its pool slot.
+    """One gated-delta-rule step per sequence, its state updated in place in its slot.
 
     Args:
-        q, k: [B, Hk, dk] raw (pre-l2norm) post-conv; v: [B, Hv, dv]; a, b: [B, Hv] raw gate
-            projections; A_log, dt_bias: [Hv]; recurrent_pool: [slots, Hv, dk, dv] fp32 (one
-            layer's view, contiguous per slot); slots: [B] int (distinct).
-    Returns:
-        o [B, Hv, dv] in v.dtype. Every sequence reads its slot (decode has a state).
+        q, k: [B, Hk, dk] raw post-conv; v: [B, Hv, dv]; a, b: [B, Hv] raw gate projections;
+        A_log, dt_bias: [Hv]; recurrent_pool: [slots, Hv, dk, dv] fp32; slots: [B] distinct.
+    Returns o [B, Hv, dv] in v.dtype.
     """
     B, Hk, Hv, dk, dv = _check_gdn(q, k, v, a, b, A_log, dt_bias, recurrent_pool, slots)
-    _check(slots.shape == (B,), f"slots {tuple(slots.shape)} != ({B},)")
+    check(slots.shape == (B,), f"slots {tuple(slots.shape)} != ({B},)")
     y = _out(out, (B, Hv, dv), v)
     if not _use_triton(backend, q, recurrent_pool):
         _gdn_torch(q, k, v, a, b, A_log, dt_bias, recurrent_pool, slots,
@@ -232,17 +201,17 @@ def _launch_recurrent(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, b
     B = slots.shape[0]
     Hk, dk = q.shape[1], q.shape[2]
     Hv, dv = v.shape[1], v.shape[2]
-    q, k, v, a, b = (_last_contig(t) for t in (q, k, v, a, b))
-    _check(pool.stride(3) == 1 and pool.stride(2) == dv, "recurrent_pool slots must be contiguous")
-    BV = min(_pow2(dv), block_v)
-    grid = (B, Hv, _cdiv(dv, BV))
+    q, k, v, a, b = (last_contig(t) for t in (q, k, v, a, b))
+    check(pool.stride(3) == 1 and pool.stride(2) == dv, "recurrent_pool slots must be contiguous")
+    BV = min(next_pow2(dv), block_v)
+    grid = (B, Hv, cdiv(dv, BV))
     varlen = cu is not None
     _gdn_triton.build().gdn_recurrent[grid](
         q, k, v, a, b, A_log, dt_bias, pool, slots,
         cu if varlen else slots, init if varlen else slots, y,
-        *_strides(q, k, v, a, b, y), pool.stride(0), pool.stride(1),
+        *strides(q, k, v, a, b, y), pool.stride(0), pool.stride(1),
         dk ** -0.5, Hv // Hk, dk, dv,
-        IS_VARLEN=varlen, BK=_pow2(dk), BV=BV, num_warps=4 if BV <= 32 else 8)
+        IS_VARLEN=varlen, BK=next_pow2(dk), BV=BV, num_warps=4 if BV <= 32 else 8)
     return y
 
 
@@ -256,30 +225,22 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
                 chunk_config: _gdn_config.ChunkConfig | None = None) -> torch.Tensor:
     """Gated delta rule over a varlen batch (prefill chunks and decode rows mixed).
 
-    Args:
-        q, k: [T, Hk, dk] raw post-conv; v: [T, Hv, dv]; a, b: [T, Hv]; A_log, dt_bias: [Hv];
-        recurrent_pool: [slots, Hv, dk, dv] fp32; slots: [B] int (distinct); cu_seqlens: [B+1]
-        int32 offsets into T; has_initial_state: [B] bool (false -> zero initial state, slot
-        not read).
-        method: "chunk" (chunked form, `chunk_size` >= 16, power of two) or "recurrent".
-        block_v: dv tile of one program (None: the chunk form picks one that fits the
-            device's shared memory, `_gdn_config.chunk_configs`; the recurrent kernel 32).
-        chunk_config: run exactly this chunk-kernel config (benchmarks; overrides
-            chunk_size and block_v, no fallback to a smaller one).
-        fallback: when the chunk kernel fails to build or launch for lack of resources on
-            every config, log it once and use the recurrent kernel from then on (False: raise).
-        dot_precision: of the chunk kernels' fp32 dots: "tf32x3" (default: tensor cores,
-            fp32-level accuracy), "ieee" (CUDA-core FMA; large unrolled code, spills on sm_90)
-            or "tf32" (fastest, ~1e-3 relative).
-    The chunk form takes a transient fp32 workspace of T * Hv * chunk_size * 8 bytes.
-    Returns:
-        o [T, Hv, dv] in v.dtype; each sequence's final state is written to its slot.
+    Args: as `gdn_decode` over T tokens, plus cu_seqlens [B+1] int32 and has_initial_state
+        [B] bool (false: a zero initial state, the slot not read).
+        method: "chunk" (`chunk_size` a power of two >= 16; an fp32 workspace of
+            T * Hv * chunk_size * 8 bytes) or "recurrent".
+        block_v: dv tile (None: the chunk form picks one that fits shared memory).
+        chunk_config: exactly this chunk config (benchmarks: no fallback).
+        fallback: when no chunk config builds, log once and use the recurrent kernel from
+            then on (False: raise).
+        dot_precision: "tf32x3" (tensor cores, fp32-level accuracy), "ieee" or "tf32".
+    Returns o [T, Hv, dv] in v.dtype; each final state is written to its slot.
     """
     T, Hk, Hv, dk, dv = _check_gdn(q, k, v, a, b, A_log, dt_bias, recurrent_pool, slots)
     B = slots.shape[0]
-    _check(cu_seqlens.shape == (B + 1,) and has_initial_state.shape == (B,),
+    check(cu_seqlens.shape == (B + 1,) and has_initial_state.shape == (B,),
            "cu_seqlens must be [B+1] and has_initial_state [B]")
-    _check(method in ("chunk", "recurrent"), "method must be 'chunk' or 'recurrent'")
+    check(method in ("chunk", "recurrent"), "method must be 'chunk' or 'recurrent'")
     y = _out(out, (T, Hv, dv), v)
     if not _use_triton(backend, q, recurrent_pool):
         _gdn_torch(q, k, v, a, b, A_log, dt_bias, recurrent_pool, slots,

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tinyserve.kernels.launch import dependent_launch
+from tinyserve.kernels.launch import dependent_launch, next_pow2
 
 if TYPE_CHECKING:
     from tinyserve.kernels.moe.fused import ExpertSlots
@@ -33,10 +33,6 @@ def _kernels():
     return fused_moe_decode_triton
 
 
-def _next_pow2(v: int) -> int:
-    return 1 << max(0, v - 1).bit_length()
-
-
 def moe_fused_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
                      slots: ExpertSlots, shared: ExpertSlots | None,
                      logit: torch.Tensor | None) -> torch.Tensor:
@@ -47,7 +43,7 @@ def moe_fused_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk
     [N, H] in x.dtype. Two launches, no host synchronisation, deterministic.
     """
     n, h, f = x.shape[0], slots.hidden_size, slots.intermediate_size
-    block_f = min(BLOCK_F if x.is_cuda else INTERPRETER_BLOCK_F, _next_pow2(f))
+    block_f = min(BLOCK_F if x.is_cuda else INTERPRETER_BLOCK_F, next_pow2(f))
     while f % block_f:  # NOTE: F is a multiple of 16 (slot layout)
         block_f //= 2
     sh = shared if shared is not None else slots
@@ -63,16 +59,16 @@ def moe_fused_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk
         x, ids, slots.w13.view(torch.int64), slots.w13_scale, slots.w13_global,
         sh.w13.view(torch.int64), sh.w13_scale, sh.w13_global, inter, x.stride(0),
         H=h, F=f, TOPK=topk, HAS_SHARED=shared is not None, BLOCK_F=block_f,
-        BLOCK_B=min(BLOCK_B, _next_pow2(h // 16)), USE_ASM=use_asm, TRIGGER=pdl,
+        BLOCK_B=min(BLOCK_B, next_pow2(h // 16)), USE_ASM=use_asm, TRIGGER=pdl,
         num_warps=GATE_UP_WARPS)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    block_h = min(BLOCK_H, _next_pow2(h))
+    block_h = min(BLOCK_H, next_pow2(h))
     kern.moe_fused_down_kernel[(n, -(-h // block_h))](
         inter, ids, wts, logit if logit is not None else wts,
         slots.w2.view(torch.int64), slots.w2_scale, slots.w2_global,
         sh.w2.view(torch.int64), sh.w2_scale, sh.w2_global, out,
         logit.stride(0) if logit is not None else 0,
-        H=h, F=f, TOPK=topk, KPAD=_next_pow2(topk), FBP=_next_pow2(f // 16),
+        H=h, F=f, TOPK=topk, KPAD=next_pow2(topk), FBP=next_pow2(f // 16),
         HAS_SHARED=shared is not None, BLOCK_H=block_h, PDL=pdl, num_warps=DOWN_WARPS,
         **({"launch_pdl": True} if pdl else {}))
     return out

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
+from tinyserve.kernels.launch import next_pow2
 from tinyserve.kernels.moe.decode import moe_fused_decode
 from tinyserve.kernels.nvfp4 import cuda as nvfp4_cuda
 
@@ -283,8 +284,8 @@ def _moe_gemv(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
     has_order = n > 1
     order = torch.argsort(ids, stable=True).to(torch.int32) if has_order else ids
     # tiles: gate_up 4 + 4 rows, down 8 rows, 8 * pow2(K / 16) <= 1024 inputs per K step
-    block_k13 = 8 * min(128, _next_pow2(h // 16))
-    block_k2 = 8 * min(128, _next_pow2(f // 16))
+    block_k13 = 8 * min(128, next_pow2(h // 16))
+    block_k2 = 8 * min(128, next_pow2(f // 16))
     inter = torch.empty(pairs, f, device=x.device, dtype=torch.float32)
     kern.moe_gate_up_kernel[(pairs, -(-f // 4))](
         x, ids, order, slots.w13, inter, x.stride(0), H=h, F=f, TOPK=topk,
@@ -294,10 +295,6 @@ def _moe_gemv(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
         inter, ids, wts, slots.w2, out, H=h, F=f, TOPK=topk, BLOCK_N=8, BLOCK_K=block_k2,
         num_warps=2)
     return out
-
-
-def _next_pow2(v: int) -> int:
-    return 1 << max(0, v - 1).bit_length()
 
 
 def _scales(slots: ExpertSlots, dummy: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -13,17 +13,20 @@ import functools
 import torch
 
 from tinyserve.core import NVFP4Weight
-from tinyserve.kernels.launch import cdiv, dot_tiles, num_sms, split_k_output, split_k_result
+from tinyserve.kernels.launch import (
+    cdiv,
+    dequant_matmul,
+    dot_tiles,
+    num_sms,
+    split_k_output,
+    split_k_result,
+)
 from tinyserve.kernels.nvfp4 import cuda as nvfp4_cuda
 
 PATHS = ("gemv", "dot", "dequant")
-GEMV_MAX_M = 4  # the most rows of x the gemv takes
+GEMV_MAX_M = 4
 GEMV_MULTI_ROW_MAX_WEIGHTS = 1 << 23  # M > 1 takes gemv only up to this N * K (o_proj size)
-DEQUANT_MIN_M = 128  # the fewest rows of x that dequantize to a scratch + cuBLAS
-SCRATCH_ELEMS = 1 << 24  # dequant scratch cap (32 MiB in bf16)
-
-
-__all__ = ["PATHS", "choose_path", "describe", "nvfp4_dequantize", "nvfp4_linear"]
+DEQUANT_MIN_M = 128
 
 
 @functools.cache
@@ -41,26 +44,20 @@ def _dot_kernels():
 
 
 def choose_path(m: int, n: int = 0, k: int = 0) -> str:
-    """The path for M rows of activations against an [N, K] weight (0: unknown).
-
-    M = 1 is gemv; up to GEMV_MAX_M rows stay on gemv only for weights of at most
-    GEMV_MULTI_ROW_MAX_WEIGHTS (the gemv decodes a tile once for every row of x, but on larger
-    weights its per-row work makes a 4-row call slower than `dot`); then `dot` below
-    DEQUANT_MIN_M, else `dequant`.
-    """
+    """The path for M rows of x against an [N, K] weight: gemv for M = 1, and up to
+    GEMV_MAX_M rows on weights of at most GEMV_MULTI_ROW_MAX_WEIGHTS (on larger ones its
+    per-row work loses to dot); dot below DEQUANT_MIN_M; else dequant."""
     if m == 1 or (m <= GEMV_MAX_M and n * k <= GEMV_MULTI_ROW_MAX_WEIGHTS):
         return "gemv"
     return "dot" if m < DEQUANT_MIN_M else "dequant"
 
 
 def describe() -> str:
-    """The implementation of each regime, for the engine's start-up log."""
     return (f"CUDA one-row GEMV (M = 1, 16-bit x, K in {nvfp4_cuda.KS}); Triton gemv (other "
             f"M <= {GEMV_MAX_M}); Triton tl.dot (M < {DEQUANT_MIN_M}); dequantize + cuBLAS")
 
 
 def _check_weight(w: NVFP4Weight) -> tuple[int, int]:
-    """(N, K) of a weight the kernels can read: uint8, contiguous, scales [N, K/16]."""
     if w.packed.dtype != torch.uint8 or w.block_scale.dtype != torch.uint8:
         raise TypeError("NVFP4 packed codes and block scales must be uint8")
     if w.packed.dim() != 2:
@@ -104,8 +101,7 @@ def _gemv(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int) -> torch.Tens
         return nvfp4_cuda.gemv_one_row(x, w)
     kern = _kernels()
     kb = k // 16
-    # 8 rows x 128 blocks (2048 inputs; x reaches the threads through shared memory in one
-    # coalesced load) when K > 512, else 1024 / (K/16) rows x all of K
+    # 8 rows x 128 blocks when K > 512, else 1024 / (K/16) rows x all of K
     block_b = 128 if kb > 32 else 1 << (kb - 1).bit_length()
     block_n = 1024 // block_b
     num_warps = max(1, min(4, block_n * block_b // 64))
@@ -114,7 +110,6 @@ def _gemv(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int) -> torch.Tens
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     factor = kern.FP4_UNIT * float(w.global_scale)
     grid = (num_m * cdiv(n, block_n),)
-    # NOTE: one word = one block of 16 codes
     kern.nvfp4_gemv_kernel[grid](x, w.packed.view(torch.int64), w.block_scale, out, factor, m,
                                  n, kb, x.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
                                  BLOCK_B=block_b, num_warps=num_warps)
@@ -138,10 +133,7 @@ def _dot(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int) -> torch.Tenso
 
 def nvfp4_dequantize(w: NVFP4Weight, dtype: torch.dtype = torch.bfloat16, *,
                      rows: tuple[int, int] | None = None) -> torch.Tensor:
-    """Dense [N, K] (or rows [r0, r1)) of an NVFP4 weight in `dtype`, on the weight's device.
-
-    Raises ValueError / TypeError on a malformed weight or a row range outside [0, N].
-    """
+    """Dense [N, K] (or rows [r0, r1)) of an NVFP4 weight in `dtype`, on its device."""
     kern = _dot_kernels()
     n, k = _check_weight(w)
     r0, r1 = row_range(rows, n)
@@ -156,33 +148,17 @@ def nvfp4_dequantize(w: NVFP4Weight, dtype: torch.dtype = torch.bfloat16, *,
     return out
 
 
-def _dequant_matmul(x: torch.Tensor, w: NVFP4Weight, m: int, n: int, k: int) -> torch.Tensor:
-    dtype = x.dtype
-    chunk = max(64, SCRATCH_ELEMS // k // 64 * 64)
-    if chunk >= n:
-        return x @ nvfp4_dequantize(w, dtype).T
-    out = torch.empty(m, n, device=x.device, dtype=dtype)
-    for r0 in range(0, n, chunk):
-        r1 = min(n, r0 + chunk)
-        out[:, r0:r1] = x @ nvfp4_dequantize(w, dtype, rows=(r0, r1)).T
-    return out
-
-
 def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, *, path: str | None = None
                  ) -> torch.Tensor:
-    """y = x @ dequantize(w).T, W4A16 on a GPU (or the Triton interpreter).
+    """y = x @ dequantize(w).T on a GPU (or the Triton interpreter).
 
     Args:
-        x: [M, K] (or [..., K]) bf16 / fp16 / fp32 on the weight's device.
-        w: NVFP4Weight with packed uint8 [N, K/2], block_scale uint8 [N, K/16], contiguous.
-        path: "gemv", "dot" or "dequant"; None = `choose_path` (tests name a path to run its
-            implementation on shapes the selection does not send it).
-    Returns:
-        [M, N] (or [..., N]) in x.dtype. Accumulates in fp32, except the CUDA gemv (one row
-        of 16-bit x): x scaled by a power of two per block of 16 inputs and rounded to fp16,
-        the 16 products of each block summed in fp16, then in fp32 (`csrc/nvfp4_decode.cuh`).
-    Raises:
-        ValueError / TypeError on shape, dtype, layout or device mismatch.
+        x: [..., K] bf16 / fp16 / fp32 on the weight's device.
+        w: packed uint8 [N, K/2], block_scale uint8 [N, K/16], contiguous.
+        path: "gemv", "dot" or "dequant"; None = `choose_path` (tests force one).
+    Returns [..., N] in x.dtype: fp32 accumulation, except the CUDA gemv's fp16 sums of each
+    block of 16 products (`csrc/nvfp4_decode.cuh`).
+    Raises ValueError / TypeError on shape, dtype, layout or device mismatch.
     """
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
@@ -196,6 +172,8 @@ def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, *, path: str | None = None
         return x.new_empty(*lead, n)
     if path == "gemv":
         y = _gemv(x2, w, m, n, k)
+    elif path == "dot":
+        y = _dot(x2, w, m, n, k)
     else:
-        y = (_dot if path == "dot" else _dequant_matmul)(x2, w, m, n, k)
+        y = dequant_matmul(x2, functools.partial(nvfp4_dequantize, w), n, k)
     return y.reshape(*lead, n)

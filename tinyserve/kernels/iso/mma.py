@@ -1,11 +1,6 @@
-"""ISO3 decode attention on tensor cores (csrc/iso_decode_mma.cu): settings and launcher.
-
-The kernel is compiled and launched like the other ISO kernels (`iso_cuda`, `cuda_launch`);
-this module holds what is specific to it: the measured settings by batch size (`MMA_CONFIG`,
-`mma_config`), which shapes and caches it takes (`mma_supported`, `caches_aligned`) and the
-launcher `iso_decode_attention_mma` (the contract of `iso.decode_attention_ref`; iso4 and
-other shapes decode with `iso_triton`). Nothing here runs at import.
-"""
+"""ISO3 decode attention on tensor cores (`csrc/iso_decode_mma.cu`): its settings by batch
+size (`MMA_CONFIG`), the shapes and caches it takes (`mma_supported`, `caches_aligned`) and
+the launcher (the contract of `ref.decode_attention_ref`)."""
 
 from __future__ import annotations
 
@@ -21,27 +16,19 @@ from tinyserve.kernels.iso.ref import BLOCK
 from tinyserve.kernels.launch import decode_output, dependent_launch
 
 SOURCE = "iso_decode_mma.cu"
-# csrc/iso_split.cuh: the split merge's columns and threads per CTA, split slices per CTA and
-# splits a thread folds at once where it has several
+# csrc/iso_split.cuh: the merge's columns and threads per CTA, split slices per CTA, splits
+# a thread folds at once
 MERGE_COLS, MERGE_THREADS, MERGE_SLICES, MERGE_BATCH = 32, 256, 32, 4
 
-# Warps per CTA the kernel is built for (the `warps` of MMA_CONFIG's rows). The warps of a CTA
-# share its split's tokens (each its own interleaved 16-token sub-tiles, merged in shared
-# memory at the end), so 16 warps give more warps per SM at the same number of split partials;
-# the tile buffers are dynamic shared memory (one CTA of 16 warps per SM, 128 registers).
+# Warps per CTA the kernel is built for: a CTA's warps share its split's tokens (interleaved
+# 16-token sub-tiles, merged in shared memory), so 16 warps add warps per SM, not partials.
 WARPS = (4, 16)
 _Q_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernel's q_code
 
-# Settings of the tensor-core decode kernel (csrc/iso_decode_mma.cu) by batch size and
-# context: the first row with `max_batch` >= batch and `min_context` (0 if absent) <= the
-# call's longest sequence (its bound) is used (the last row otherwise). `warps` per CTA
-# (one of WARPS), about `ctas_per_sm` CTAs per SM (None: one full wave, as many CTAs as the
-# kernel's occupancy lets every SM hold), at least `min_split_tokens` tokens per split.
-# The CTA count comes from the kernel's occupancy (sm_90: 151-153 registers, 3 CTAs of 4
-# warps per SM), so a grid never runs a partial second wave. min_split_tokens = one 16-token
-# sub-tile per warp (64 for 4 warps, 256 for 16): short contexts get more, shorter splits.
-# Values from the sweeps of bench/iso_attention.py (numbers in docs/RESULTS.md, "ISO3/ISO4 KV
-# cache").
+# Settings by batch and context (the first row with batch <= `max_batch` and the longest
+# sequence >= `min_context`): `warps` per CTA, about `ctas_per_sm` CTAs per SM (None: one full
+# wave by the kernel's occupancy), at least `min_split_tokens` (one 16-token sub-tile per
+# warp) per split. From bench/iso_attention.py (docs/RESULTS.md, "ISO3/ISO4 KV cache").
 MMA_CONFIG: tuple[dict, ...] = (
     # batch 1 from 96k tokens: one full wave of 4-warp CTAs
     dict(max_batch=1, min_context=98304, warps=4, ctas_per_sm=None, min_split_tokens=64),
@@ -73,8 +60,7 @@ def _kernel(device: torch.device, head_dim: int, warps: int):
 
 @functools.cache
 def _occupancy(device: torch.device, head_dim: int, warps: int) -> int:
-    """CTAs of the kernel one SM holds (registers and shared memory, the dynamic part
-    included)."""
+    """CTAs of the kernel one SM holds (registers and all shared memory)."""
     kern, need = _kernel(device, head_dim, warps)
     if need:
         kern.set_max_dynamic_smem(need)
@@ -82,9 +68,8 @@ def _occupancy(device: torch.device, head_dim: int, warps: int) -> int:
 
 
 def _capped_smem(device: torch.device, kern, need: int, cap: int) -> int:
-    """Dynamic shared memory for a CTA that needs `need` bytes such that at most `cap` CTAs
-    fit on one SM (0: no cap): a grid of cap x SMs CTAs then runs cap on every SM instead
-    of, possibly, up to the occupancy on some SMs and fewer on others."""
+    """Dynamic shared memory (at least `need`) such that at most `cap` CTAs fit on an SM
+    (0: no cap), so a grid of cap x SMs CTAs spreads evenly."""
     if cap <= 0:
         return need
     be = cuda_launch.backend(device)
@@ -96,8 +81,7 @@ def _capped_smem(device: torch.device, kern, need: int, cap: int) -> int:
 
 
 def ctas_per_sm_fit(device: torch.device, head_dim: int, warps: int) -> int:
-    """How many CTAs of the kernel (head_dim, warps) one SM holds: the CUDA occupancy on a
-    CUDA device, FALLBACK_CTAS_PER_SM elsewhere or when the query fails."""
+    """CTAs of the kernel one SM holds (FALLBACK_CTAS_PER_SM off CUDA or if unknown)."""
     if device.type != "cuda":
         return FALLBACK_CTAS_PER_SM
     return _occupancy(device, head_dim, warps) or FALLBACK_CTAS_PER_SM
@@ -110,8 +94,8 @@ def mma_supported(fmt: str, num_q_heads: int, num_kv_heads: int, head_dim: int) 
 
 
 def caches_aligned(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the kernel can stage rows of these caches: it copies 16-byte chunks, so both
-    caches must start on 16 bytes and the slot stride be a multiple of 4 bytes."""
+    """Whether the kernel's 16-byte copies can stage rows of these caches (16-byte aligned,
+    the slot stride whole 4-byte words)."""
     return ((k_cache.data_ptr() | v_cache.data_ptr()) % 16 == 0
             and k_cache.stride(0) % 4 == 0)
 
@@ -122,26 +106,21 @@ def iso_decode_attention_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                              out: torch.Tensor | None = None, split_tokens: int | None = None,
                              warps: int | None = None, ctas_per_sm: int | None = None,
                              min_split_tokens: int | None = None) -> torch.Tensor:
-    """One query per sequence over its packed K/V on tensor cores (rotated space, split-K):
-    fp16 query and centroid operands, fp32 accumulation, q read in its own dtype.
+    """One query per sequence over its packed K/V on tensor cores (rotated space, split-K,
+    fp16 operands, fp32 accumulation).
 
     Args:
-        q: [B, Hq, D] float; iso3 only, Hq / Hkv <= 8, D 128 or 256.
+        q: [B, Hq, D] float; iso3, Hq / Hkv <= 8, D 128 or 256.
         k_cache, v_cache: uint8 [slots, Hkv, row_bytes], `caches_aligned`.
-        page_table: int32 [B, max_pages]; seq_lens: int32 [B] (>= 1, the new token included).
-        max_seq_len: an upper bound of seq_lens (avoids a device sync; needed under CUDA
-            graphs: the split grid covers exactly max_seq_len tokens).
-        split_tokens, warps (one of WARPS), ctas_per_sm (0: one wave from the occupancy),
-            min_split_tokens: override the settings of `mma_config(B, max_seq_len)` (tuning;
-            a split shorter than 16 x warps tokens leaves warps idle).
-    Returns:
-        [B, Hq, D] in q's dtype (or written into `out`).
-
-    On sm_90+ the decode kernel and the split merge are programmatic dependent launches. A
-    grid of `ctas_per_sm` CTAs per SM runs with at most that many on any SM (padded dynamic
-    shared memory; the occupancy would allow more): a dependent launch is scheduled while
-    the kernel before it still holds some SMs, and uncapped its one wave would stack unevenly
-    on the SMs free first. Raises ValueError on shapes, caches or settings it does not take.
+        page_table: int32 [B, max_pages]; seq_lens: int32 [B] (>= 1).
+        max_seq_len: a bound of seq_lens (no device sync; under CUDA graphs the grid covers
+            exactly that many tokens).
+        split_tokens, warps, ctas_per_sm (0: one wave), min_split_tokens: override
+            `mma_config` (tuning).
+    Returns [B, Hq, D] in q's dtype (or into `out`). On sm_90+ the kernel and the merge are
+    dependent launches; the CTAs per SM are capped by padded shared memory, since a dependent
+    launch starts while the previous kernel holds some SMs and would stack unevenly.
+    Raises ValueError on shapes, caches or settings it does not take.
     """
     b, hq, d, hkv = _check_decode(q, k_cache, v_cache, page_table, seq_lens, fmt)
     out = decode_output(out, q, b, hq, d)

@@ -26,8 +26,7 @@ DESC_WORDS = 19
 
 
 def available() -> bool:
-    """Whether the CPU expert kernel can run here: numba is installed and the CPU is x86-64
-    with SSSE3."""
+    """Whether the CPU expert kernel can run here (numba, an x86-64 CPU with SSSE3)."""
     try:
         from llvmlite import binding
     except ImportError:
@@ -52,21 +51,10 @@ def _store_arrays(slots: ExpertSlots) -> tuple[Any, ...]:
 
 def moe_cpu(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, slots: ExpertSlots, *,
             out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
-    """The CPU-side routed experts of a batch (module docstring).
-
-    Args:
-        x: [N, H] float (any float dtype; computed in fp32), on the CPU.
-        rows: [N, k] int: the store row of each pair, -1 for a pair not computed here.
-        weights: [N, k] float routing weights.
-        slots: NVFP4 ExpertSlots in host memory (the host store's `slots`).
-        out: [N, H] float32 contiguous CPU tensor to write (every element is written).
-        threads: CPU threads to run on (default: `max_threads()`).
-    Returns:
-        out: [N, H] float32.
-    Raises:
-        ValueError: shapes, devices or slots the kernel does not take; RuntimeError when
-            numba is missing.
-    """
+    """The CPU-side routed experts of a batch (module docstring): x [N, H] float, rows [N, k]
+    store rows (-1: not here), weights [N, k], NVFP4 slots in host memory, all on the CPU.
+    Returns out [N, H] float32 (every element written) on `threads` (default: all). Raises
+    ValueError on inputs the kernel does not take, RuntimeError without numba."""
     check_slots(slots)
     n, h = x.shape
     if h != slots.hidden_size or rows.shape != weights.shape or rows.shape[0] != n:
@@ -88,8 +76,7 @@ def moe_cpu(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, slots: E
 
 
 def quantize_blocks_ref(x: torch.Tensor) -> torch.Tensor:
-    """x [..., K] rounded as the kernel's int8 inputs are (per block of 16 inputs: scale
-    max|x| / 127, code round(x * 127 / max|x|)), returned dequantized in fp32."""
+    """x [..., K] rounded as the kernel's int8 inputs (per block of 16), dequantized, fp32."""
     blocks = x.float().reshape(*x.shape[:-1], -1, 16)
     amax = blocks.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
@@ -98,8 +85,8 @@ def quantize_blocks_ref(x: torch.Tensor) -> torch.Tensor:
 
 def moe_cpu_ref(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, slots: ExpertSlots,
                 *, quantize_inputs: bool = True) -> torch.Tensor:
-    """Torch reference of `moe_cpu`: each pair's expert dequantized (fp32) and multiplied, its
-    inputs rounded as the kernel's are (`quantize_inputs=False`: the unquantized fp32 math)."""
+    """Torch reference of `moe_cpu` in fp32, inputs rounded as the kernel's (unless not
+    `quantize_inputs`)."""
     f = slots.intermediate_size
     rnd = quantize_blocks_ref if quantize_inputs else torch.Tensor.float
     out = torch.zeros(x.shape, dtype=torch.float32)
@@ -122,9 +109,8 @@ def moe_cpu_bytes(rows: torch.Tensor, slots: ExpertSlots) -> int:
 
 
 def read_host(buffer: torch.Tensor) -> int:
-    """Read every byte of a contiguous CPU tensor with all the kernel's threads (its size a
-    multiple of 8 bytes); returns a checksum (so that nothing is optimised away). The host
-    read-bandwidth probe of `offload.bandwidth`."""
+    """A checksum of every 8-byte word of a contiguous CPU tensor, read with all the kernel's
+    threads (the host read-bandwidth probe of `offload.bandwidth`)."""
     words = buffer.view(torch.uint8).reshape(-1)
     words = words[:words.numel() // 8 * 8].view(torch.int64).numpy().view("uint64")
     return int(_kernels().read_sum(words))
@@ -144,15 +130,11 @@ def check_threads(threads: int) -> int:
     return threads
 
 
-# ------------------------------------------------------------------------ host function entry
-
-
 def host_descriptor(slots: ExpertSlots, stage: torch.Tensor, out: torch.Tensor,
                     top_k: int, row_base: int, threads: int) -> torch.Tensor:
-    """The int64 [DESC_WORDS] descriptor `host_entry` reads: one CPU call on `threads`
-    threads (word D_THREADS; may be changed between calls) over a staging buffer `stage`
-    (float32 [N, H + 2k]: x | rows as int32 bits, relative to `row_base`, -1 skipped |
-    weights) into `out` (float32 [N, H]). Both must outlive every call."""
+    """The int64 [DESC_WORDS] descriptor `host_entry` reads: a call on `threads` threads
+    (word D_THREADS, changeable) over `stage` (float32 [N, H + 2k]: x | rows as int32 bits
+    relative to `row_base` | weights) into `out` (float32 [N, H]); both outlive every call."""
     check_slots(slots)
     n, h = out.shape
     if stage.shape != (n, h + 2 * top_k) or stage.dtype != torch.float32 \
@@ -172,9 +154,8 @@ def host_descriptor(slots: ExpertSlots, stage: torch.Tensor, out: torch.Tensor,
 
 
 def host_entry_address() -> int:
-    """Address of `void entry(void *descriptor)`: runs `moe_cpu` on the descriptor's buffers
-    without Python (a CUDA host function; it calls no CUDA), adds the distinct experts it
-    computed to word D_COUNT and 1 to D_CALLS."""
+    """Address of `void entry(void *descriptor)`: `moe_cpu` on the descriptor's buffers with no
+    Python (a CUDA host function), counting experts in D_COUNT and calls in D_CALLS."""
     return _kernels().entry_address
 
 
@@ -184,9 +165,6 @@ def run_host_entry(descriptor: torch.Tensor) -> None:
 
     fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(host_entry_address())
     fn(descriptor.data_ptr())
-
-
-# ------------------------------------------------------------------------ numba
 
 
 @functools.cache

@@ -29,9 +29,8 @@ def allowed_rows_per_warp(k: int) -> tuple[int, ...]:
 
 
 def default_rows_per_warp(n: int, k: int, sms: int) -> int:
-    """The fewest rows per warp whose grid fits the GPU in one wave (CTAS_PER_SM per SM), else
-    the most (fewer, longer CTAs: a weight too large for one wave, such as the lm_head, runs
-    fastest with the most rows per warp; docs/RESULTS.md)."""
+    """The fewest rows per warp whose grid fits one wave, else the most (a weight too large
+    for one wave, such as the lm_head, runs fastest so; docs/RESULTS.md)."""
     allowed = allowed_rows_per_warp(k)
     for r in allowed:
         if cdiv(n, WARPS * r) <= CTAS_PER_SM * sms:
@@ -43,24 +42,25 @@ def _aligned(t: torch.Tensor, to: int) -> bool:
     return t.data_ptr() % to == 0
 
 
+def _layout_ok(x: torch.Tensor, w: NVFP4Weight) -> bool:
+    """Contiguous, 16-byte aligned x and codes, 2-byte aligned scales."""
+    return (x.stride(-1) == 1 and _aligned(x, 16) and _aligned(w.packed, 16)
+            and _aligned(w.block_scale, 2) and w.packed.is_contiguous()
+            and w.block_scale.is_contiguous())
+
+
 def takes(x: torch.Tensor, w: NVFP4Weight) -> bool:
-    """Whether the CUDA kernel serves x [1, K] against w: a CUDA device, bf16 / fp16 x, K in
-    KS, and the aligned layouts the kernel loads."""
+    """Whether the CUDA GEMV serves x [1, K] against w (CUDA, 16-bit x, K in KS, layout)."""
     k = w.packed.shape[1] * 2
     return (x.is_cuda and x.dtype in _FORMAT and x.dim() == 2 and x.shape[0] == 1
-            and k in KS and x.shape[1] == k and x.stride(-1) == 1 and _aligned(x, 16)
-            and _aligned(w.packed, 16) and _aligned(w.block_scale, 2)
-            and w.packed.is_contiguous() and w.block_scale.is_contiguous())
+            and k in KS and x.shape[1] == k and _layout_ok(x, w))
 
 
 def gemv_one_row(x: torch.Tensor, w: NVFP4Weight, *, rows_per_warp: int | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """y [1, N] = x [1, K] @ dequantize(w).T in x.dtype (bf16 / fp16) on a CUDA device.
-
-    `rows_per_warp` (1, 2, 4; None = `default_rows_per_warp`) sets the tiles; `out` [1, N]
-    of x.dtype is written when given.
-    Raises ValueError for inputs the kernel does not take.
-    """
+    """y [1, N] = x [1, K] @ dequantize(w).T in x.dtype (bf16 / fp16) on a CUDA device (into
+    `out` when given); `rows_per_warp` None = `default_rows_per_warp`. Raises ValueError for
+    inputs the kernel does not take."""
     n, k = w.packed.shape[0], w.packed.shape[1] * 2
     if x.dtype not in _FORMAT or tuple(x.shape) != (1, k):
         raise ValueError(f"x must be bf16/fp16 [1, {k}], got {x.dtype} {list(x.shape)}")
@@ -69,9 +69,7 @@ def gemv_one_row(x: torch.Tensor, w: NVFP4Weight, *, rows_per_warp: int | None =
     if tuple(w.block_scale.shape) != (n, k // 16) or w.packed.dtype != torch.uint8:
         raise ValueError(f"malformed NVFP4 weight: codes {list(w.packed.shape)}, scales "
                          f"{list(w.block_scale.shape)}")
-    if not (x.stride(-1) == 1 and _aligned(x, 16) and _aligned(w.packed, 16)
-            and _aligned(w.block_scale, 2) and w.packed.is_contiguous()
-            and w.block_scale.is_contiguous()):
+    if not _layout_ok(x, w):
         raise ValueError("the CUDA NVFP4 gemv needs contiguous, 16-byte aligned x and codes "
                          "and 2-byte aligned scales")
     r = rows_per_warp or default_rows_per_warp(n, k, cuda_launch.num_sms(x.device))
@@ -102,10 +100,8 @@ _FLOAT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 def moe_takes(x: torch.Tensor, wts: torch.Tensor, topk: int, slots, shared,
               logit: torch.Tensor | None) -> bool:
-    """Whether `moe_decode` serves this call of the fused MoE decode: a CUDA device, bf16 /
-    fp16 x, fp32 / bf16 / fp16 routing weights and gate logit, NVFP4 slots (and shared
-    expert) with H in MOE_HS and F in MOE_FS, at most MOE_MAX_PAIRS pairs per token, aligned
-    slot buffers."""
+    """Whether `moe_decode` serves this call: CUDA, 16-bit x, float weights and logit, NVFP4
+    slots with H in MOE_HS and F in MOE_FS, <= MOE_MAX_PAIRS pairs, aligned buffers."""
     h, f = slots.hidden_size, slots.intermediate_size
     tensors = [slots.w13, slots.w13_scale, slots.w2, slots.w2_scale]
     if shared is not None:
@@ -126,8 +122,7 @@ class _Experts(ctypes.Structure):
 
 
 def _experts(slots, shared, which: str) -> _Experts:
-    """The `which` ("w13" or "w2") weights of `slots` and `shared` (codes, scales, global
-    scales)."""
+    """The `which` ("w13" or "w2") codes, scales and global scales of slots and shared."""
     def parts(e) -> list:
         if e is None:
             return [None] * 3
@@ -145,12 +140,9 @@ def moe_buffers(x: torch.Tensor, kp: int, f: int) -> tuple[torch.Tensor, torch.T
 
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int, slots,
                shared, logit: torch.Tensor | None) -> torch.Tensor:
-    """The fused MoE decode (`fused_moe_decode.moe_fused_decode`'s contract) in CUDA: x [N, H]
-    (rows 16-byte aligned), ids / wts flat [N * topk], NVFP4 `slots` and `shared` (slot 0)
-    as checked by `fused_moe` and `moe_takes`, logit [N, 1] with `shared`. Returns [N, H] in
-    x.dtype; two launches (on sm_90+ the second a programmatic dependent launch of the first:
-    its weight loads start while gate_up drains), no host synchronisation, the same bits every
-    run. Raises ValueError for arguments outside these."""
+    """The fused MoE decode (the contract of `moe.decode.moe_fused_decode`) in CUDA for calls
+    `moe_takes`: two launches (the second a dependent launch on sm_90+), no host sync, the
+    same bits every run. Raises ValueError for arguments outside these."""
     n, h, f = x.shape[0], slots.hidden_size, slots.intermediate_size
     kp = topk + (shared is not None)
     if n <= 0 or topk <= 0 or kp > MOE_MAX_PAIRS:

@@ -27,17 +27,10 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
                      scale: float, *, max_seq_len: int,
                      gather_bytes: int | None = None) -> torch.Tensor:
-    """One query per sequence over its first `seq_lens[b]` cached tokens.
-
-    Args:
-        q: [B, Hq, D] (Hq a multiple of Hkv); k_cache, v_cache: [slots, Hkv, D] (slots a
-            multiple of page_size); page_table: [B, P] int; seq_lens: [B] int, each in
-            1 .. max_seq_len; max_seq_len: host bound of seq_lens (sizes the gather).
-        gather_bytes: rows whose gathered K/V exceed it together run in groups (None:
-            DECODE_GATHER_BYTES).
-    Returns:
-        [B, Hq, D] in q's dtype (SDPA in the cache dtype).
-    """
+    """One query q [B, Hq, D] per sequence over its first `seq_lens[b]` cached tokens
+    (layout in the module docstring); `max_seq_len` bounds seq_lens and sizes the gather,
+    run in groups of rows whose K/V stay under `gather_bytes` (None: DECODE_GATHER_BYTES).
+    Returns [B, Hq, D] in q's dtype (SDPA in the cache dtype)."""
     B, _, D = q.shape
     hkv = k_cache.shape[1]
     kc = k_cache.view(-1, page_size, hkv, D)

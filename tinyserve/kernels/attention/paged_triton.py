@@ -144,12 +144,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_t: int = BLOCK_T, num_warps: int = NUM_WARPS,
                            num_stages: int = NUM_STAGES, ctas_per_sm: int = CTAS_PER_SM,
                            min_split_tokens: int = MIN_SPLIT_TOKENS) -> torch.Tensor:
-    """One query per sequence over its paged bf16/fp16 K/V (`paged_kv.paged_decode_ref`'s
-    contract): q [B, Hq, D] float, caches [slots, Hkv, D] (contiguous rows), page_table int32
-    [B, P] (rows contiguous), seq_lens int32 [B] (each in 1 .. max_seq_len). `max_seq_len`
-    sizes the split grid (None: read from seq_lens, a device synchronisation);
-    `split_tokens` forces the tokens per split. Returns [B, Hq, D] in q's dtype (or written
-    into `out`). Raises ValueError on shapes `decode_supported` refuses."""
+    """The contract of `paged_ref.paged_decode_ref` (caches with contiguous rows, int32 page
+    table and lengths); `max_seq_len` sizes the split grid (None: read from seq_lens, a device
+    sync), `split_tokens` forces the split. Returns [B, Hq, D] in q's dtype (or into `out`).
+    Raises ValueError on shapes `decode_supported` refuses."""
     if q.dim() != 3 or q.dtype not in FLOATS:
         raise ValueError(f"q must be [B, Hq, D] float, got {q.dtype} {tuple(q.shape)}")
     b, hq, d = q.shape

@@ -19,10 +19,8 @@ MIN_SPLIT_TOKENS = 256
 def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *,
                 min_tokens: int = MIN_SPLIT_TOKENS, ctas_per_sm: int = 4,
                 tile: int = _TILE, one_wave: bool = False) -> tuple[int, int]:
-    """(tokens per split, number of splits): about `ctas_per_sm` CTAs per SM (with
-    `one_wave`: at most ctas_per_sm x num_sms CTAs, the most that run at once when
-    ctas_per_sm is the kernel's occupancy) and at least `min_tokens` tokens per split, the
-    split a multiple of `tile` tokens."""
+    """(tokens per split, splits): about `ctas_per_sm` CTAs per SM (`one_wave`: at most that
+    many), >= `min_tokens` tokens per split, the split a multiple of `tile`."""
     max_seq_len = max(1, max_seq_len)
     rows = max(1, batch * num_kv_heads)
     if one_wave:

@@ -18,16 +18,9 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor,
                       state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv (no bias) followed by SiLU, continuing from a conv state.
-
-    Args:
-        x: [T, C] new pre-conv inputs (model dtype).
-        weight: [C, K] depthwise conv taps; tap K-1 multiplies the newest input.
-        state: [C, K-1] the K-1 pre-conv inputs before x (oldest first; zeros at start).
-    Returns:
-        (y [T, C] = silu(conv(x)) in x.dtype, new_state [C, K-1] in state.dtype: the last K-1
-        pre-conv inputs of cat(state, x)).
-    """
+    """Depthwise causal conv (tap K-1 on the newest input) + SiLU of x [T, C] after `state`
+    [C, K-1] (the previous inputs, oldest first). Returns (y [T, C] in x.dtype, the last K-1
+    inputs [C, K-1] in state.dtype)."""
     T, C = x.shape
     K = weight.shape[1]
     assert weight.shape == (C, K), f"weight {tuple(weight.shape)} != ({C}, {K})"
@@ -47,14 +40,8 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor,
 def recurrent_gated_delta_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                    g: torch.Tensor, beta: torch.Tensor,
                                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-by-token gated delta rule.
-
-    Args:
-        q, k: [T, H, dk]; v: [T, H, dv]; g (log decay, <= 0) and beta: [T, H];
-        state: [H, dk, dv] initial state.
-    Returns:
-        (o [T, H, dv], new_state [H, dk, dv]), both in the compute dtype.
-    """
+    """Token-by-token gated delta rule: q, k [T, H, dk], v [T, H, dv], g (log decay) and beta
+    [T, H], state [H, dk, dv] -> (o [T, H, dv], new state), in the compute dtype."""
     dt = _compute_dtype(q, k, v, g, beta, state)
     q, k, v, g, beta = (t.to(dt) for t in (q, k, v, g, beta))
     S = state.to(dt).clone()  # [H, dk, dv]

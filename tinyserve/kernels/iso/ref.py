@@ -219,15 +219,9 @@ def gather_rows(cache: torch.Tensor, page_ids: torch.Tensor, page_size: int,
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
                          fmt: str, scale: float) -> torch.Tensor:
-    """One query per sequence over its packed K/V, computed in the rotated space (§6.5).
-
-    Args:
-        q: [B, Hq, D] (any float dtype), Hq a multiple of Hkv.
-        k_cache, v_cache: uint8 [slots, Hkv, row_bytes]; slot = page * page_size + offset.
-        page_table: [B, max_pages] int; seq_lens: [B] int, each >= 1.
-    Returns:
-        float32 [B, Hq, D] on the CPU.
-    """
+    """One query q [B, Hq, D] per sequence over its packed K/V (uint8 [slots, Hkv, row_bytes],
+    slot = page * page_size + offset; page_table [B, P], seq_lens [B] >= 1) in the rotated
+    space (§6.5). Returns float32 [B, Hq, D] on the CPU."""
     b_count, hq, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv

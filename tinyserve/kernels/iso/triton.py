@@ -178,7 +178,7 @@ def _tables(device: torch.device, fmt: str) -> tuple[torch.Tensor, torch.Tensor]
 def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *,
                 min_tokens: int = MIN_SPLIT_TOKENS, ctas_per_sm: int = CTAS_PER_SM,
                 tile: int = BLOCK_T) -> tuple[int, int]:
-    """`decode_split.plan_splits` with this kernel's defaults."""
+    """`split.plan_splits` with this kernel's defaults."""
     return decode_split.plan_splits(batch, num_kv_heads, max_seq_len, num_sms,
                                     min_tokens=min_tokens, ctas_per_sm=ctas_per_sm, tile=tile)
 
@@ -188,12 +188,9 @@ def iso_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 page_size: int, fmt: str, scale: float, *,
                                 max_seq_len: int | None = None, out: torch.Tensor | None = None,
                                 split_tokens: int | None = None) -> torch.Tensor:
-    """One query per sequence over its packed K/V (the contract of
-    `iso.decode_attention_ref`): q [B, Hq, D] float, caches uint8 [slots, Hkv, row_bytes],
-    page_table int32 [B, P] (rows contiguous), seq_lens int32 [B] (each >= 1, <= max_seq_len;
-    `max_seq_len` None: read from seq_lens, a device synchronisation). Hq / Hkv <= 16, D 128
-    or 256. Returns [B, Hq, D] in q's dtype (or written into `out`); `split_tokens` forces the
-    tokens per split (tests)."""
+    """The contract of `ref.decode_attention_ref` with int32 page table and lengths, Hq / Hkv
+    <= 16, D 128 or 256; `max_seq_len` None reads it from seq_lens (a device sync),
+    `split_tokens` forces the split. Returns [B, Hq, D] in q's dtype (or into `out`)."""
     iso_cuda.format_bits(fmt)  # (checks the format)
     b, hq, d, hkv = iso_cuda._check_decode(q, k_cache, v_cache, page_table, seq_lens, fmt)
     if hq // hkv > 16 or d // iso.BLOCK not in (1, 2):

@@ -36,12 +36,8 @@ def _kernels():
 def moe_fused_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
                      slots: ExpertSlots, shared: ExpertSlots | None,
                      logit: torch.Tensor | None) -> torch.Tensor:
-    """sum_j wts[t, j] * expert_{ids[t, j]}(x_t) (+ sigmoid(logit[t]) * shared(x_t)).
-
-    x [N, H] contiguous, ids / wts flat [N * topk], NVFP4 `slots` and `shared` (slot 0, same
-    H and F) checked by `fused_moe`; logit [N, 1] (any row stride) with `shared`. Returns
-    [N, H] in x.dtype. Two launches, no host synchronisation, deterministic.
-    """
+    """sum_j wts[t, j] * expert_{ids[t, j]}(x_t) (+ sigmoid(logit[t]) * shared(x_t)) in
+    x.dtype: x [N, H] contiguous, ids / wts flat [N * topk], slots checked by `fused_moe`."""
     n, h, f = x.shape[0], slots.hidden_size, slots.intermediate_size
     block_f = min(BLOCK_F if x.is_cuda else INTERPRETER_BLOCK_F, next_pow2(f))
     while f % block_f:  # NOTE: F is a multiple of 16 (slot layout)

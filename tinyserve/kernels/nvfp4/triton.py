@@ -38,14 +38,9 @@ def _e4m3(raw):
 
 @triton.jit
 def _nibble_pair(w, I: tl.constexpr):
-    """Nibbles I and I + 4 of uint32 words `w` -> two fp32 tensors E2M1 * 2^-126.
-
-    Both bf16 bit patterns are built at once, one per 16-bit half (magnitude bits 4I..4I+2
-    -> 6..8, sign bit 4I+3 -> 15), then each half becomes an fp32 by a shift or a mask: six
-    integer ops per pair, no conversion instruction. Code 1 (0.5) is an fp32 subnormal, exact
-    (no flush to zero: Triton emits no .ftz for fma/mul); callers prescale x by X_PRESCALE so
-    products stay normal.
-    """
+    """Nibbles I and I + 4 of uint32 words `w` -> two fp32 tensors E2M1 * 2^-126: both bf16
+    patterns built at once (one per 16-bit half), each made fp32 by a shift or a mask. Code 1
+    is an fp32 subnormal, exact (no .ftz); callers prescale x by X_PRESCALE."""
     SM: tl.constexpr = 6 - 4 * I
     SS: tl.constexpr = 12 - 4 * I
     if SM >= 0:
@@ -85,15 +80,10 @@ def _fma4(p, w0, w4, w8, w12, x0, x4, x8, x12):
 @triton.jit
 def _fp4_rows_dot(x_ptr, stride_xm, m_rows, w_ptr, s_ptr, rows, row_mask, KB,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
-    """sum_k x[m, k] * (E2M1 * e4m3)[rows, k] over all KB blocks of 16 inputs, for the first
-    BLOCK_M (1, 2 or 4; rows >= m_rows read as 0) rows of x: four fp32 [BLOCK_N] (unused ones
-    are zeros), each lacking the factor FP4_UNIT * global_scale.
-
-    `w_ptr`: int64 view of the codes, [rows, KB] (one word = one block of 16 codes, element
-    16b + j in bits 4j..4j+3); `s_ptr`: uint8 block scales [rows, KB]. The weight tile
-    [BLOCK_N, BLOCK_B] is decoded once and used for every row of x; products are summed per
-    block, scaled once per block, and reduced across the tile only at the end.
-    """
+    """sum_k x[m, k] * (E2M1 * e4m3)[rows, k] for the first BLOCK_M (1, 2, 4) rows of x (rows
+    >= m_rows read as 0): four fp32 [BLOCK_N] lacking FP4_UNIT * global_scale. `w_ptr`: int64
+    view of the codes [rows, KB] (one word = 16 codes), `s_ptr`: uint8 scales [rows, KB]. The
+    weight tile is decoded once for every row of x, each block's sum scaled once."""
     offs_b = tl.arange(0, BLOCK_B)
     rows64 = rows.to(tl.int64)
     w_rows = w_ptr + rows64[:, None] * KB
@@ -235,20 +225,24 @@ def _h2_dot8(p0, p1, p2, p3, q0, q1, q2, q3, x0, x1, x2, x3, y0, y1, y2, y3,
 
 
 @triton.jit
+def _h2_scale(amax):
+    # (xs, 1 / xs) with amax * xs in [2^13, 2^14): the biased exponent of xs = 2^(13 - e)
+    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    c = tl.minimum(tl.maximum(267 - e, 2), 253)
+    return (c << 23).to(tl.float32, bitcast=True), ((254 - c) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _h2_x_scale(x_ptr, b_lo, b_hi, BLOCK_B: tl.constexpr):
-    """(xs, 1 / xs), xs = 2^s with max|x| over inputs [16 b_lo, 16 b_hi) times xs in
-    [2^13, 2^14) (a pass over x from L1/L2; x all zero: the largest scale, 2^126)."""
+    """`_h2_scale` of max|x| over inputs [16 b_lo, 16 b_hi) (x all zero: xs = 2^126)."""
     offs_x = tl.arange(0, 16 * BLOCK_B)
     xmax = tl.zeros([16 * BLOCK_B], dtype=tl.float32)
     for b0 in range(b_lo, b_hi, BLOCK_B):
         kx = 16 * b0 + offs_x
         xv = tl.load(x_ptr + kx, mask=kx < 16 * b_hi, other=0.0).to(tl.float32)
         xmax = tl.maximum(xmax, tl.abs(xv))
-    e = (tl.max(xmax, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
-    c = tl.minimum(tl.maximum(267 - e, 2), 253)  # biased exponent of xs = 2^(13 - floor(log2))
-    xs = (c << 23).to(tl.float32, bitcast=True)
-    inv_xs = ((254 - c) << 23).to(tl.float32, bitcast=True)
-    return xs, inv_xs
+    return _h2_scale(tl.max(xmax, axis=0))
+
 
 
 @triton.jit
@@ -261,11 +255,8 @@ def _h2_pack(a, b):
 
 @triton.jit
 def _h2_one_step(v, raw, xk, XS, ok, USE_ASM: tl.constexpr):
-    """The "h2" dot of one K step that covers the program's whole range of x, summed over the
-    blocks: fp32 [BN] in the unit of `_fp4_rows_dot_h2`. Code words v [BN, BB] int64 and
-    scales raw [BN, BB] (already requested), x's input 16b + i at xk + i * XS (mask ok [BB]).
-    x is loaded once and its power-of-two scale taken from those values (`_h2_x_scale`'s rule),
-    so no pass over x runs before the dot."""
+    """The "h2" dot of a single K step covering the program's x: fp32 [BN] in the unit of
+    `_fp4_rows_dot_h2`, x loaded once and its scale taken from those values (no scale pass)."""
     x0 = tl.load(xk + 0 * XS, mask=ok, other=0.0).to(tl.float32)
     x1 = tl.load(xk + 1 * XS, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(xk + 2 * XS, mask=ok, other=0.0).to(tl.float32)
@@ -290,11 +281,7 @@ def _h2_one_step(v, raw, xk, XS, ok, USE_ASM: tl.constexpr):
                                             tl.maximum(tl.abs(x10), tl.abs(x11))),
                                  tl.maximum(tl.maximum(tl.abs(x12), tl.abs(x13)),
                                             tl.maximum(tl.abs(x14), tl.abs(x15)))))
-    # NOTE: the exponent rule of `_h2_x_scale`: max|x| * xs in [2^13, 2^14)
-    e = (tl.max(m, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
-    c = tl.minimum(tl.maximum(267 - e, 2), 253)
-    xs = (c << 23).to(tl.float32, bitcast=True)
-    inv_xs = ((254 - c) << 23).to(tl.float32, bitcast=True)
+    xs, inv_xs = _h2_scale(tl.max(m, axis=0))
     lo = v.to(tl.uint32)  # inputs 16b + 0..7
     hi = (v >> 32).to(tl.uint32)  # inputs 16b + 8..15
     p = _h2_dot8(_h2_pair(lo, 0), _h2_pair(lo, 1), _h2_pair(lo, 2), _h2_pair(lo, 3),
@@ -314,20 +301,12 @@ def _h2_one_step(v, raw, xk, XS, ok, USE_ASM: tl.constexpr):
 def _fp4_rows_dot_h2(x_ptr, w_ptr, s_ptr, rows, row_mask, KB, b_lo, b_hi,
                      BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, USE_ASM: tl.constexpr,
                      ONE_STEP: tl.constexpr):
-    """`_fp4_rows_dot` for one row of x with the "h2" decode: fp32 [BLOCK_N] in the same unit
-    (lacking FP4_UNIT * global_scale).
-
-    x is scaled by xs = 2^s, s chosen per program so that max|x| over inputs [16 b_lo, 16 b_hi)
-    lands in [2^13, 2^14): bf16 x is then exact in
-    fp16, products (|E2M1| * 2^-14 <= 6 * 2^-14) stay <= 6 and the fp16 sums of a block <= 48.
-    Each block's 16 products are summed in fp16 (two chains of four half2 FMAs), then scaled by
-    its e4m3 in fp32.
-
-    The first K step's code words and scales are requested before anything else. ONE_STEP
-    (the caller guarantees b_hi - b_lo <= BLOCK_B): `_h2_one_step`, x loaded once beside
-    them. Otherwise the scale pass over x runs under those loads, and every later step is
-    requested before the one before it is decoded (two steps in flight).
-    """
+    """`_fp4_rows_dot` for one row of x with the "h2" decode (same unit). x is scaled by
+    xs = 2^s so that max|x| over inputs [16 b_lo, 16 b_hi) lies in [2^13, 2^14): bf16 x is
+    exact in fp16 and a block's fp16 sums stay <= 48; each block's 16 products are summed in
+    fp16, then scaled by its e4m3 in fp32. The first step's loads are issued first; ONE_STEP
+    (b_hi - b_lo <= BLOCK_B): `_h2_one_step`; else the scale pass runs under those loads and
+    each step is requested one ahead."""
     # NOTE: the hint on the range too: with b_lo a literal 0 the sum folds away, and its hint
     # with it (the loads then take another layout, twice the registers)
     offs_b = tl.max_contiguous(tl.arange(0, BLOCK_B), 2)

@@ -127,11 +127,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`s = x + residual` (rounded to x.dtype), then `rms_norm(s)`, in one pass.
-
-    x, residual [..., D] same shape and dtype; weight [D]. Returns (normed, s), both new
-    contiguous tensors in x.dtype.
-    """
+    """s = x + residual (rounded to x.dtype), then `rms_norm(s)`, in one pass; returns
+    (normed, s), both new contiguous tensors in x.dtype."""
     d = _check(x, weight, residual)
     x2, r2 = _rows(x, d), _rows(residual, d)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -171,12 +168,8 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
 
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                   sin: torch.Tensor) -> torch.Tensor:
-    """Per-head zero-centred RMSNorm, then RoPE (rotate_half) over the first R dims.
-
-    x [N, H, D] (unit last stride, any other strides, e.g. the q half of q|gate rows),
-    weight [D], cos / sin [N, R] in x.dtype (R even, <= D; unit last stride) -> [N, H, D]
-    contiguous in x.dtype.
-    """
+    """Per-head zero-centred RMSNorm, then RoPE (rotate_half) over the first R dims: x
+    [N, H, D] (unit last stride), cos / sin [N, R] in x.dtype (R even, <= D) -> [N, H, D]."""
     d = _check(x, weight)
     if x.dim() != 3 or x.stride(-1) != 1:
         raise ValueError(f"x must be [N, H, D] with unit last stride, got {list(x.shape)}")

@@ -22,13 +22,9 @@ _PORTABLE_MAPPED = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMap
 
 def register_mapped(t: torch.Tensor, what: str,
                     on_progress: Callable[[int], None] | None = None) -> bool:
-    """Page-lock and map the memory of contiguous CPU tensor `t` for every device while `t`
-    lives (unregistered when it is freed). False, with a warning naming `what`, when CUDA
-    refuses (no driver, not enough lockable memory): `t` stays pageable.
-
-    One registration of the whole range, `on_progress(nbytes)` after it. NOTE: not in pieces:
-    an asynchronous copy whose source spans two registrations is refused (cudaErrorInvalidValue;
-    the expert streamer's layer copies cross any piece boundary)."""
+    """Page-lock and map contiguous CPU tensor `t` for every device while it lives; False,
+    with a warning naming `what`, when CUDA refuses (`t` stays pageable). NOTE: one
+    registration of the whole range: a copy whose source spans two is refused."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError(f"{what}: only a contiguous CPU tensor can be registered")
     ptr, size = t.data_ptr(), t.numel() * t.element_size()
@@ -84,11 +80,9 @@ def _index_list(t: torch.Tensor, name: str) -> None:
 
 def copy_rows(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor,
               dst_rows: torch.Tensor | None = None, *, block: int = 1024) -> None:
-    """dst[dst_rows[i]] = src[rows[i]] (dst[i] without `dst_rows`) for every i with
-    rows[i] >= 0, in one launch on `dst`'s device. src [R, ...] and dst [S, ...] contiguous with
-    rows of the same shape and dtype; src on that device or in host memory that
-    `register_mapped` made device-addressable; rows / dst_rows [N] int32/int64 on the device,
-    in range (not checked: the kernel reads them there)."""
+    """dst[dst_rows[i]] = src[rows[i]] (dst[i] without `dst_rows`) for every rows[i] >= 0, in
+    one launch on dst's device; src on that device or `register_mapped`; rows / dst_rows [N]
+    int on the device, in range (not checked)."""
     if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
         raise ValueError(f"rows differ: src {src.dtype} {tuple(src.shape)}, dst {dst.dtype} "
                          f"{tuple(dst.shape)}")

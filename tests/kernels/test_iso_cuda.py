@@ -243,14 +243,17 @@ def test_extend_attention(fmt, case) -> None:
 @pytest.mark.parametrize("hq", [16, 32])
 def test_pool_on_cuda_matches_cpu(fmt: str, hq: int) -> None:
     """The whole backend (store + decode + extend) on CUDA against the CPU references: GQA
-    groups of 8 (35B-A3B: iso3 decodes on the CUDA tensor cores) and 16 (122B: Triton)."""
+    groups of 8 (35B-A3B: iso3 decodes on the CUDA tensor cores) and 16 (122B: Triton), the
+    decode kernel chosen when the pool is built."""
     from tests.kv.test_iso_pool import _ctx
     from tinyserve.kv.iso_pool import ISOKVBackend
 
     torch.manual_seed(1)
     kw = dict(layer_ids=[3], num_kv_heads=2, head_dim=256, num_pages=16, page_size=16)
-    gpu = ISOKVBackend(device="cuda", dtype=torch.bfloat16, fmt=fmt, **kw)
+    gpu = ISOKVBackend(device="cuda", dtype=torch.bfloat16, fmt=fmt, num_q_heads=hq, **kw)
     cpu = ISOKVBackend(device="cpu", dtype=torch.float32, fmt=fmt, **kw)
+    want = "mma" if fmt == "iso3" and hq == 16 else "triton"
+    assert gpu.decode_impl == iso.DECODE_KERNELS[want] and gpu._decode_fn is not None
     pages = [[3, 9, 1, 4], [0, 2, 5, 6]]
     for q_lens, prefix in [([20, 5], [0, 0]), ([1, 1], [20, 5]), ([1, 1], [21, 6])]:
         n = sum(q_lens)

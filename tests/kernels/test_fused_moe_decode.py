@@ -1,5 +1,5 @@
 """The fused NVFP4 decode of `fused_moe` (two launches, deterministic) vs the per-slot torch
-loop: the Triton kernels (`fused_moe_decode.py`) here, the CUDA ones in test_nvfp4_cuda.py.
+loop: the Triton kernels (`kernels/moe/decode.py`) here, the CUDA ones in test_nvfp4_cuda.py.
 
 Without CUDA the kernels run in the Triton interpreter over a small grid (H 64-256 incl. 80
 and 208, F 32-128 incl. 48 and 80, 6-16 experts in random slots, top 2-8 incl. 3 and 5, 1, 3,

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from tinyserve.kernels.moe.fused import ExpertSlots, slot_weights
+from tinyserve.kernels.moe.fused import ExpertSlots, moe_pairs_ref
 
 ROW_BLOCK = 32  # weight rows per work item (both phases)
 # NOTE: the layout of a host-entry descriptor (int64 words, `host_descriptor`)
@@ -87,17 +87,8 @@ def moe_cpu_ref(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, slot
                 *, quantize_inputs: bool = True) -> torch.Tensor:
     """Torch reference of `moe_cpu` in fp32, inputs rounded as the kernel's (unless not
     `quantize_inputs`)."""
-    f = slots.intermediate_size
     rnd = quantize_blocks_ref if quantize_inputs else torch.Tensor.float
-    out = torch.zeros(x.shape, dtype=torch.float32)
-    xf = rnd(x.float())
-    for r in sorted(set(rows[rows >= 0].tolist())):
-        tok, j = (rows == r).nonzero(as_tuple=True)
-        w13, w2 = slot_weights(slots, r)
-        gu = xf[tok] @ w13.T  # [n_r, 2F]
-        hid = rnd(torch.nn.functional.silu(gu[:, :f]) * gu[:, f:])
-        out.index_add_(0, tok, (hid @ w2.T) * weights[tok, j].float()[:, None])
-    return out
+    return moe_pairs_ref(rnd(x.float()), rows, weights.float(), slots, rnd)
 
 
 def moe_cpu_bytes(rows: torch.Tensor, slots: ExpertSlots) -> int:

@@ -17,7 +17,7 @@ Slot layout (gate = rows 0..F-1 of w13, up = rows F..2F-1):
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -375,22 +375,27 @@ def fused_moe_ref(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: to
     """Per-slot fp32 torch loop with the contract of `fused_moe`."""
     _check(x, topk_slot_ids, topk_weights, slots)
     _check_shared(x, slots, shared_slots, shared_logit)
-    out = _moe_ref(x.float(), topk_slot_ids, topk_weights.float(), slots)
+    out = moe_pairs_ref(x.float(), topk_slot_ids, topk_weights.float(), slots)
     if shared_slots is not None and shared_logit is not None:
         gate = torch.sigmoid(shared_logit.float()).to(x.dtype).float()  # [N, 1]
         zeros = torch.zeros(x.shape[0], 1, dtype=torch.int64, device=x.device)
-        out += _moe_ref(x.float(), zeros, gate, shared_slots)
+        out += moe_pairs_ref(x.float(), zeros, gate, shared_slots)
     return out.to(x.dtype)
 
 
-def _moe_ref(xf: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-             slots: ExpertSlots) -> torch.Tensor:
+def moe_pairs_ref(xf: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                  slots: ExpertSlots, rnd: Callable[[torch.Tensor], torch.Tensor] | None = None
+                  ) -> torch.Tensor:
+    """fp32 sum over the pairs (ids >= 0) of weight * expert(xf); `rnd` rounds the hidden
+    activations (the CPU kernel's int8 inputs)."""
     f = slots.intermediate_size
     out = torch.zeros(xf.shape, dtype=torch.float32, device=xf.device)
-    for s in torch.unique(ids).tolist():
+    for s in torch.unique(ids[ids >= 0]).tolist():
         tok, j = (ids == s).nonzero(as_tuple=True)
         w13, w2 = slot_weights(slots, s)
         gu = xf[tok] @ w13.T  # [n_s, 2F]
         hid = torch.nn.functional.silu(gu[:, :f]) * gu[:, f:]
+        if rnd is not None:
+            hid = rnd(hid)
         out.index_add_(0, tok, (hid @ w2.T) * weights[tok, j][:, None])
     return out

@@ -105,7 +105,7 @@ def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, hkv: int | None,
 
 def paged_store(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                 k: torch.Tensor, v: torch.Tensor, pad_slot: int) -> None:
-    """`paged_kv.paged_store_ref` in one launch: k, v [N, Hkv, D] float (any row stride,
+    """`paged_ref.paged_store_ref` in one launch: k, v [N, Hkv, D] float (any row stride,
     unit head and last strides as `D, 1`), slots [N] int32/int64, caches bf16/fp16
     [slots, Hkv, D] with contiguous rows; D a power of two."""
     n, hkv, d = k.shape

@@ -1,7 +1,6 @@
-"""The split-K plan and partial buffers shared by the paged decode attention kernels (the ISO
-kernels of `iso_mma` and `iso_triton`, the bf16 kernel of `paged_kv_triton`): a grid of
-(splits, kv heads, batch) programs, each over `chunk` tokens of one sequence, writing fp32
-partials that a second kernel merges by their log-sum-exp."""
+"""The split-K plan and partial buffers of the paged decode kernels (`iso/mma.py`,
+`iso/triton.py`, `paged_triton.py`): programs over `chunk` tokens of a sequence write fp32
+partials that a second kernel merges by log-sum-exp."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""Pieces shared by the Triton split-K decode attention kernels (the ISO kernel of
-`iso_triton`, the bf16/fp16 kernel of `paged_kv_triton`).
-
-One layout for all of them: pass 1 runs a grid (splits, batch * kv heads); a program owns
-`chunk` context tokens of one (sequence, kv head) and the G query heads of its GQA group
-(`split_program`), reads the K/V rows of its tokens through the page table (`kv_rows`) and
-writes an unnormalised fp32 accumulator [B, Hq, splits, D] and (max in base 2, sum)
-[B, Hq, splits, 2] per split. Pass 2 (`decode_merge_kernel`), one program per (sequence,
-query head), merges the splits by their log-sum-exp and writes the output in its dtype.
-"""
+"""Pieces of the Triton split-K decode kernels (`iso/triton.py`, `paged_triton.py`): pass 1,
+grid (splits, batch * kv heads), a program per `chunk` tokens of one (sequence, kv head) and
+its GQA group (`split_program`), K/V rows through the page table (`kv_rows`), fp32 partials
+[B, Hq, splits, D] and (max in base 2, sum); pass 2 (`decode_merge_kernel`) merges the splits
+by log-sum-exp."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""ISO3/ISO4 extend attention: the queries of a prefill chunk over their packed prefix plus the
-chunk's own bf16 K/V (causal; the chunk never attends to its own quantized K/V).
-
-Per sequence, the prefix is dequantized once per layer (`iso_cuda.iso_dequant_rows`,
-bit-exact) straight into head-major [Hkv, P + n, D] rows whose last n rows are the chunk's
-K/V, and `attention.chunk_causal_attention` attends the whole: the call a bf16 KV cache makes
-on the same sequence, plus the dequantization.
-"""
+"""ISO3/ISO4 extend attention: a prefill chunk's queries over the packed prefix plus the
+chunk's own K/V (causal; never its own quantized K/V). The prefix is dequantized bit-exactly
+(`cuda.iso_dequant_rows`) into head-major rows followed by the chunk, then
+`attention.chunk.chunk_causal_attention` runs as on a bf16 cache."""
 
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
-"""ISO3_0 / ISO4_0 KV-cache formats: constants and pure-torch references.
+"""ISO3_0 / ISO4_0 KV-cache formats: constants and pure-torch references (specs/iso_kv.md).
 
-Each 128-value block is normalised, rotated by a fixed unit quaternion per 4-D group (left
-Hamilton product), snapped to Lloyd-Max centroids and stored with one fp16 "corrected norm"
-(specs/iso_kv.md §1-§4). `quantize_ref` / `dequantize_ref` are strict: sequential fp32 sums,
-no FMA, the C reference's operation order, so they match it bit for bit on every golden row.
-
-`decode_attention_ref` documents the attention the CUDA kernel runs in the rotated space
-(§6.5): the query is rotated once per block, scores are norm * dot(q_rot, centroids), V is
-accumulated in the rotated space and un-rotated once at the end.
-"""
+Each 128-value block is normalised, rotated by a fixed unit quaternion per 4-D group, snapped
+to Lloyd-Max centroids and stored with one fp16 "corrected norm". `quantize_ref` /
+`dequantize_ref` follow the C reference's operation order (sequential fp32 sums, no FMA): bit
+for bit on every golden row. `decode_attention_ref` is the attention the kernels run in the
+rotated space (§6.5)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 # Tiles. gate_up: BLOCK_F features of one expert per program (its BLOCK_F gate and BLOCK_F up
 # rows in one tile), BLOCK_B blocks of 16 inputs per K step (>= H/16: one step, every load of
-# a program in flight at once), GATE_UP_WARPS warps, the "h2" decode (`nvfp4_triton`). down:
+# a program in flight at once), GATE_UP_WARPS warps, the "h2" decode (`nvfp4/triton.py`). down:
 # BLOCK_H output rows per program (all pairs of a token, full rows of F/2 code bytes),
 # DOWN_WARPS warps. The Triton interpreter (no GPU) runs one Python step per program: there
 # gate_up takes INTERPRETER_BLOCK_F features per program.

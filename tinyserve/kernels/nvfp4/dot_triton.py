@@ -1,9 +1,6 @@
-"""Tensor-core NVFP4 kernels behind `linear.py`: the `dot` path (weight tile dequantized in the
-K loop, fed to `tl.dot`) and the `dequant` kernel (bf16/fp16 scratch for cuBLAS).
-
-Imports triton at the top, so only the launchers import it, lazily. The tile decoder
-(`_dequant_tile`) is shared with the fused-MoE prefill kernels (`fused_moe_triton.py`).
-"""
+"""Tensor-core NVFP4 kernels behind `linear.py`: the `dot` path (the weight tile dequantized in
+the K loop) and the `dequant` kernel (scratch for cuBLAS). `_tile_dot` is shared with the
+fused-MoE prefill (`moe/fused_triton.py`)."""
 
 from __future__ import annotations
 

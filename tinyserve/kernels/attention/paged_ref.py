@@ -25,12 +25,11 @@ def paged_store_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.T
 
 def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
-                     scale: float, *, max_seq_len: int,
-                     gather_bytes: int | None = None) -> torch.Tensor:
+                     scale: float, *, max_seq_len: int) -> torch.Tensor:
     """One query q [B, Hq, D] per sequence over its first `seq_lens[b]` cached tokens
     (layout in the module docstring); `max_seq_len` bounds seq_lens and sizes the gather,
-    run in groups of rows whose K/V stay under `gather_bytes` (None: DECODE_GATHER_BYTES).
-    Returns [B, Hq, D] in q's dtype (SDPA in the cache dtype)."""
+    run in groups of rows whose K/V stay under DECODE_GATHER_BYTES. Returns [B, Hq, D] in
+    q's dtype (SDPA in the cache dtype)."""
     B, _, D = q.shape
     hkv = k_cache.shape[1]
     kc = k_cache.view(-1, page_size, hkv, D)
@@ -38,8 +37,7 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     n_pages = max(1, min(-(-max_seq_len // page_size), page_table.shape[1]))
     pages = page_table[:, :n_pages].long()  # [B, P]
     row_bytes = 2 * n_pages * kc[0].numel() * kc.element_size()
-    budget = DECODE_GATHER_BYTES if gather_bytes is None else gather_bytes
-    group = max(1, budget // row_bytes)
+    group = max(1, DECODE_GATHER_BYTES // row_bytes)
     if group >= B:
         return _gathered_decode(q, kc, vc, pages, seq_lens, scale)
     out = torch.empty_like(q)

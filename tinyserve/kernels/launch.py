@@ -34,9 +34,8 @@ def check_pages(page_table: torch.Tensor, seq_lens: torch.Tensor, b: int) -> Non
 
 def decode_output(out: torch.Tensor | None, q: torch.Tensor, b: int, hq: int,
                   d: int) -> torch.Tensor:
-    """Where a decode kernel writes [B, Hq, D]: a new tensor in q's dtype, or `out` when it is
-    a float tensor on q's device with that shape and contiguous rows (ValueError otherwise:
-    the kernels write through its pointer)."""
+    """Where a decode kernel writes [B, Hq, D]: a new tensor in q's dtype, or `out` (a float
+    tensor on q's device of that shape with contiguous rows, else ValueError)."""
     if out is None:
         return torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     if out.dtype not in FLOATS or out.device != q.device:
@@ -64,9 +63,8 @@ def num_sms(device: torch.device) -> int:
 
 
 def target_arch(device: torch.device) -> int:
-    """The architecture the kernels on CUDA `device` are built for and take the paths of (86
-    for sm_86): TINYSERVE_CUDA_ARCH when set (an older GPU's code on this one), else the
-    device's compute capability."""
+    """The architecture the kernels on `device` are built for (86 for sm_86):
+    TINYSERVE_CUDA_ARCH when set, else the device's compute capability."""
     raw = envs.CUDA_ARCH.get().strip().lower()
     if raw:
         m = re.fullmatch(r"(?:sm_?)?(\d{2,3})", raw)
@@ -78,17 +76,16 @@ def target_arch(device: torch.device) -> int:
 
 
 def dependent_launch(device: torch.device) -> bool:
-    """Whether kernels on `device` may be programmatic dependent launches (a kernel's programs
-    start while the previous kernel in the stream still runs, and wait for its writes with
-    `griddepcontrol.wait`): a CUDA device whose `target_arch` is sm_90 or newer."""
+    """Whether kernels on `device` may be programmatic dependent launches (started while the
+    previous kernel runs, waiting with `griddepcontrol.wait`): `target_arch` sm_90+."""
     return device.type == "cuda" and target_arch(device) >= 90
 
 
 def dot_tiles(num_m: int, n: int, k: int, block_n: int, block_k: int,
               target: int) -> tuple[int, int, int]:
-    """(block_n, split, k_split) of a tiled dot with `num_m` row tiles: halve block_n (down to
-    16), then double the K splits, while there are fewer than `target` tiles; each split covers
-    `k_split` inputs (a multiple of block_k)."""
+    """(block_n, split, k_split) of a tiled dot: halve block_n (down to 16), then double the K
+    splits (of k_split inputs, a multiple of block_k) while there are fewer than `target`
+    tiles."""
     while block_n > 16 and num_m * cdiv(n, block_n) < target:
         block_n //= 2
     split = 1

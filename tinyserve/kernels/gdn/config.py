@@ -29,11 +29,8 @@ class ChunkConfig:
 
 
 def chunk_smem_bytes(cfg: ChunkConfig, block_k: int) -> int:
-    """Upper bound of `gdn_chunk_kernel`'s shared memory (bytes) for one program.
-
-    Measured on sm_90 (BT=64, BK=128, num_stages=1): 80 KiB at BV=16, 96 KiB at BV=32.
-    Every extra pipeline stage buffers one more chunk of q, k (fp32 worst case), v, Ti, att.
-    """
+    """Upper bound of `gdn_chunk_kernel`'s shared memory (bytes) per program (sm_90, BT=64,
+    BK=128: 80 KiB at BV=16, 96 KiB at BV=32; each extra stage buffers one more chunk)."""
     fp32, bt, bv = 4, cfg.chunk, cfg.block_v
     base = (2 * bt * block_k + 2 * bt * bt) * fp32  # q/k operands, Ti/att
     tiles = (block_k * bv + 2 * bt * bv) * fp32 * 2  # S, v_new (tf32 hi/lo)
@@ -43,12 +40,8 @@ def chunk_smem_bytes(cfg: ChunkConfig, block_k: int) -> int:
 
 def chunk_configs(dv: int, chunk: int, block_k: int, *, block_v: int | None = None,
                   smem_limit: int = SM90_SMEM_BYTES) -> list[ChunkConfig]:
-    """Launch variants to try, best first; all but the last fit `smem_limit` by
-    `chunk_smem_bytes`, the last is the smallest one (half the chunk, dv tile 16).
-
-    `block_v` pins the dv tile (the bench sweeps it); otherwise dv tiles of 16 give
-    Hv * dv / 16 programs (256 for 35B-A3B: about two per SM on 132 SMs).
-    """
+    """Launch variants to try, best first: those that fit `smem_limit`, then the smallest
+    (half the chunk, dv tile 16). `block_v` pins the dv tile (benchmarks)."""
     top = max(16, next_pow2(dv))
     tiles = [block_v] if block_v else [16, 32]
     # NOTE: 4 warps only: a dv-16 tile with 8 warps hit an illegal memory access on the GPU

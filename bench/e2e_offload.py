@@ -115,7 +115,7 @@ def case_store(ckpt: Path, config: Any) -> tuple[dict, HostExpertStore]:
 
 
 def case_h2d(store: HostExpertStore, config: Any) -> dict:
-    from tinyserve.kernels.fused_moe import allocate_expert_slots
+    from tinyserve.kernels.moe.fused import allocate_expert_slots
     from tinyserve.offload import lookup as lk
 
     n = 1 << 30

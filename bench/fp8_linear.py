@@ -1,4 +1,4 @@
-"""FP8 W8A16 linear (kernels/fp8.py) vs the old convert + cuBLAS path and bf16 cuBLAS, on the
+"""FP8 W8A16 linear (kernels/fp8/linear.py) vs the old convert + cuBLAS path and bf16 cuBLAS, on the
 FP8 projections of Qwen3.5-35B-A3B -> bench/results/fp8_linear.json.
 
 Measured in one run on one CUDA device:
@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from common import Recorder, bandwidth, run_meta, time_graph  # noqa: E402
 
 from tinyserve.core import FP8Weight  # noqa: E402
-from tinyserve.kernels.fp8 import (  # noqa: E402
+from tinyserve.kernels.fp8.linear import (  # noqa: E402
     choose_path,
     fp8_linear,
 )

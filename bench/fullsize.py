@@ -277,7 +277,7 @@ def _route_tensor(design: RealisticRouting, name: str, t: torch.Tensor) -> torch
 def _routed_lm_head(design: RealisticRouting, out: int, inp: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4 (codes, block scales, global scale) of the lm_head that walks the token cycle."""
-    from tinyserve.kernels.nvfp4_ref import quantize_nvfp4
+    from tinyserve.kernels.nvfp4.ref import quantize_nvfp4
 
     q = quantize_nvfp4(design.lm_head(TINY_VOCAB_SIZE))
     codes = torch.zeros(out, inp // 2, dtype=torch.uint8)

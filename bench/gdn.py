@@ -176,7 +176,7 @@ SWEEP = [  # (chunk, dv tile, warps, stages, prep warps[, blocked inverse])
 
 def bench_chunk_configs(T: int) -> dict:
     """Each chunk-kernel launch config on one T-token sequence (bf16 inputs): time, error."""
-    from tinyserve.kernels._gdn_config import ChunkConfig
+    from tinyserve.kernels.gdn.config import ChunkConfig
 
     rec, _ = _pools()
     slots = torch.tensor([3], device="cuda")
@@ -243,7 +243,7 @@ def main() -> int:
         "gdn", bench="gdn",
         shapes={"Hk": Hk, "Hv": Hv, "dk": DK, "dv": DV, "conv_dim": C, "conv_kernel": K,
                 "dtype": str(DTYPE), "state": "fp32"},
-        baseline="pure-torch references (kernels/gdn_ref.py) on the same GPU, same run"))
+        baseline="pure-torch references (kernels/gdn/ref.py) on the same GPU, same run"))
     res = rec.data
 
     def case(name: str, fn, *a) -> None:

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench import common  # noqa: E402
-from tinyserve.kernels.nvfp4 import nvfp4_linear  # noqa: E402
+from tinyserve.kernels.nvfp4.linear import nvfp4_linear  # noqa: E402
 
 # NVFP4 rows at K = 2048: 4.7 .. 286 MB; 8192 is the qkvz projection and 248320 the lm_head
 ROWS = (4096, 8192, 16384, 32768, 65536, 248320)

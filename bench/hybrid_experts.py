@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from common import Recorder, run_meta  # noqa: E402  (bench/ is on sys.path as a script)
 
-from tinyserve.kernels import nvfp4_cpu  # noqa: E402
+from tinyserve.kernels.moe import cpu as nvfp4_cpu  # noqa: E402
 from tinyserve.offload import bandwidth, hybrid  # noqa: E402
 
 RESULT = ROOT / "bench" / "results" / "hybrid_experts.json"

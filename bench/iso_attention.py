@@ -26,7 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import Recorder, graph_us, run_meta  # noqa: E402
-from tinyserve.kernels import attention, iso, iso_cuda, iso_extend  # noqa: E402
+from tinyserve.kernels import iso  # noqa: E402
+from tinyserve.kernels.attention import chunk as attention  # noqa: E402
+from tinyserve.kernels.iso import cuda as iso_cuda  # noqa: E402
+from tinyserve.kernels.iso import extend as iso_extend  # noqa: E402
 
 HQ, HKV, D = 16, 2, 256
 PAGE = 16

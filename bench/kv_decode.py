@@ -2,13 +2,13 @@
 heads, 2 KV heads, head_dim 256, 16-token pages), batch 1 and 8, context 1k / 4k / 32k / 128k:
 
 - `sdpa`: torch SDPA with GQA over contiguous bf16 K/V (the design targets' baseline);
-- `paged`: the bf16 cache's paged split-K Triton kernel (`kernels.paged_kv_triton`), its
+- `paged`: the bf16 cache's paged split-K Triton kernel (`kernels.attention.paged_triton`), its
   split grid sized by the context (`paged_bound2x`: by twice the context, the widest grid a
   decode graph gives it: its capacity is the next power of two >= the longest sequence);
 - `gather`: the bf16 cache's previous decode path and today's reference
-  (`kernels.paged_kv.paged_decode_ref`: gather the pages, zero past the length, SDPA with a
-  boolean mask), up to 32k;
-- `iso3_mma`: the ISO3 tensor-core CUDA kernel (`kernels.iso_mma`) with its shipped settings.
+  (`kernels.attention.paged_ref.paged_decode_ref`: gather the pages, zero past the
+  length, SDPA with a boolean mask), up to 32k;
+- `iso3_mma`: the ISO3 tensor-core CUDA kernel (`kernels.iso.mma`) with its shipped settings.
 
 Each timed call runs over several distinct layer caches (nothing stays in L2 between layers,
 as in a real step) inside a CUDA graph of 10 such runs; the per-layer time is the graph time
@@ -39,7 +39,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from common import Recorder, graph_us, run_meta  # noqa: E402
 
-from tinyserve.kernels import iso, iso_cuda, iso_mma, paged_kv, paged_kv_triton  # noqa: E402
+from tinyserve.kernels import iso  # noqa: E402
+from tinyserve.kernels.attention import paged_ref as paged_kv  # noqa: E402
+from tinyserve.kernels.attention import paged_triton as paged_kv_triton  # noqa: E402
+from tinyserve.kernels.iso import cuda as iso_cuda  # noqa: E402
+from tinyserve.kernels.iso import mma as iso_mma  # noqa: E402
 
 HQ, HKV, D = 16, 2, 256
 PAGE = 16

@@ -101,7 +101,7 @@ def _mapping_cost(sampler: Sampler) -> float:
     """MiB of device memory per GiB of host memory registered with the driver."""
     import torch
 
-    from tinyserve.kernels.host_rows import register_mapped
+    from tinyserve.kernels.moe.host_rows import register_mapped
 
     before = sampler.sample()
     buf = torch.empty(2 << 30, dtype=torch.uint8)

@@ -32,9 +32,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench import common  # noqa: E402
-from tinyserve.kernels import fused_moe as moe  # noqa: E402
-from tinyserve.kernels.nvfp4 import nvfp4_linear  # noqa: E402
-from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4  # noqa: E402
+from tinyserve.kernels.moe import fused as moe  # noqa: E402
+from tinyserve.kernels.nvfp4.linear import nvfp4_linear  # noqa: E402
+from tinyserve.kernels.nvfp4.ref import dequantize_nvfp4  # noqa: E402
 
 SHAPES = {  # name: (N, K), most important first
     "qkvz_2048_8192": (8192, 2048), "lm_head_2048_248320": (248320, 2048),

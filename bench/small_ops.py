@@ -2,7 +2,7 @@
 
 Per op, at decode sizes of Qwen3.5-35B-A3B (batch 1 and 8): the pure-torch reference (the
 code the model ran before: `*_ref` in `model/norm.py` and `model/moe.py`) and the kernel
-(`kernels/norm.py`, `kernels/router.py`, `kernels/glue.py`), each timed inside one
+(`kernels/norm.py`, `kernels/moe/router.py`, `kernels/glue.py`), each timed inside one
 CUDA graph of CALLS back-to-back calls (median of the replays, per call), with the max
 relative difference of the outputs. The `moe_glue` case is one MoE block without its routed
 experts (NVFP4 shared expert, bf16 router and shared gate): separate projections + torch glue
@@ -107,7 +107,7 @@ def cases(n: int, dev: str, dt: torch.dtype):
     """name -> (torch reference fn, fused fn) at batch n."""
     from tinyserve.kernels import glue as ks
     from tinyserve.kernels import norm as kn
-    from tinyserve.kernels import router as kr
+    from tinyserve.kernels.moe import router as kr
 
     r = lambda *s: torch.randn(*s, device=dev).to(dt)  # noqa: E731
     x, res, w = r(n, H), r(n, H), 0.1 * r(H)

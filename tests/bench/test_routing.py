@@ -17,7 +17,7 @@ from bench.routing import (
     make_realistic_tiny_checkpoint,
 )
 from tinyserve.core import SamplingParams
-from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4, quantize_nvfp4
+from tinyserve.kernels.nvfp4.ref import dequantize_nvfp4, quantize_nvfp4
 
 TEXT = range(491)  # the tiny tokenizer's regular tokens
 

@@ -78,7 +78,7 @@ def test_bf16_batched_decode_equals_per_sequence(budget: int,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """`BF16KVBackend.decode` (what graphs run) against the per-sequence eager attention, with
     NaN in every unwritten slot and a page table wider than the lengths."""
-    monkeypatch.setattr("tinyserve.kernels.paged_kv.DECODE_GATHER_BYTES", budget)
+    monkeypatch.setattr("tinyserve.kernels.attention.paged_ref.DECODE_GATHER_BYTES", budget)
     g = torch.Generator().manual_seed(3)
     kv = BF16KVBackend(layer_ids=[0], num_kv_heads=2, head_dim=8, num_pages=12, page_size=PAGE,
                        device="cpu", dtype=torch.float32)

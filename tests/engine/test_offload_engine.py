@@ -125,7 +125,7 @@ def test_server_completions_and_metrics_with_offloaded_experts(tiny_checkpoint) 
         engine.shutdown()
 
 
-@pytest.mark.skipif(not __import__("tinyserve.kernels.nvfp4_cpu", fromlist=["x"]).available(),
+@pytest.mark.skipif(not __import__("tinyserve.kernels.moe.cpu", fromlist=["x"]).available(),
                     reason="numba is not installed")
 def test_cpu_experts_engine_generates_the_same_tokens(tiny_checkpoint) -> None:
     """`experts="cpu"`: every decode miss computed on the CPU kernel; same greedy tokens, the

@@ -11,7 +11,7 @@ import torch
 from tinyserve.engine.build import build_engine
 from tinyserve.engine.config import EngineConfig
 from tinyserve.engine.progress import EXPERTS, PINNING, WARM_UP, WEIGHTS, LoadProgress
-from tinyserve.kernels import host_rows
+from tinyserve.kernels.moe import host_rows
 
 
 def test_fraction_weighs_the_stages_by_their_cost() -> None:

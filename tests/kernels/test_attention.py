@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tinyserve.kernels import attention
-from tinyserve.kernels.attention import chunk_causal_attention
+from tinyserve.kernels.attention import chunk as attention
+from tinyserve.kernels.attention.chunk import chunk_causal_attention
 
 pytestmark = pytest.mark.gpu_shapes
 

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from tinyserve.kernels import cuda_build, iso_cuda, iso_mma, nvfp4_cuda
+from tinyserve.kernels import cuda_build
+from tinyserve.kernels.iso import cuda as iso_cuda
+from tinyserve.kernels.iso import mma as iso_mma
+from tinyserve.kernels.nvfp4 import cuda as nvfp4_cuda
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from tinyserve.core import FP8Weight  # noqa: E402
-from tinyserve.kernels.fp8 import (  # noqa: E402
+from tinyserve.kernels.fp8.linear import (  # noqa: E402
     PATHS,
     choose_path,
     default_native,
@@ -32,7 +32,7 @@ from tinyserve.kernels.fp8 import (  # noqa: E402
     fp8_linear,
     gemv_tiles,
 )
-from tinyserve.kernels.nvfp4_ref import dequantize_fp8, quantize_fp8  # noqa: E402
+from tinyserve.kernels.nvfp4.ref import dequantize_fp8, quantize_fp8  # noqa: E402
 
 pytestmark = pytest.mark.gpu_shapes
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 
 from tests.kernels.test_nvfp4 import rand_nvfp4, rel_err  # noqa: E402
 from tinyserve.core import DenseWeight  # noqa: E402
-from tinyserve.kernels.fused_moe import (  # noqa: E402
+from tinyserve.kernels.moe.fused import (  # noqa: E402
     FUSED_MAX_TOKENS,
     MOE_PATHS,
     align_pairs,

@@ -1,5 +1,5 @@
 """The fused NVFP4 decode of `fused_moe` (two launches, deterministic) vs the per-slot torch
-loop: the Triton kernels (`fused_moe_decode.py`) here, the CUDA ones in test_nvfp4_cuda.py.
+loop: the Triton kernels (`kernels/moe/decode.py`) here, the CUDA ones in test_nvfp4_cuda.py.
 
 Without CUDA the kernels run in the Triton interpreter over a small grid (H 64-256 incl. 80
 and 208, F 32-128 incl. 48 and 80, 6-16 experts in random slots, top 2-8 incl. 3 and 5, 1, 3,
@@ -30,9 +30,9 @@ from tests.kernels.sm90_build import (  # noqa: E402
     usage_field,
 )
 from tests.kernels.test_nvfp4 import rand_nvfp4, rel_err  # noqa: E402
-from tinyserve.kernels import fused_moe as fm  # noqa: E402
-from tinyserve.kernels import fused_moe_decode as fmd  # noqa: E402
-from tinyserve.kernels.fused_moe import (  # noqa: E402
+from tinyserve.kernels.moe import decode as fmd  # noqa: E402
+from tinyserve.kernels.moe import fused as fm  # noqa: E402
+from tinyserve.kernels.moe.fused import (  # noqa: E402
     FUSED_MAX_TOKENS,
     allocate_expert_slots,
     fused_moe,
@@ -40,7 +40,7 @@ from tinyserve.kernels.fused_moe import (  # noqa: E402
     single_expert_slots,
     write_slot,
 )
-from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4  # noqa: E402
+from tinyserve.kernels.nvfp4.ref import dequantize_nvfp4  # noqa: E402
 from tinyserve.model.moe import gated_add_ref  # noqa: E402
 
 pytest.importorskip("triton")
@@ -401,7 +401,7 @@ def test_kernels_build_for_sm90() -> None:
     Under the interpreter the check runs in a child process with the compiler."""
     if rerun_without_interpreter(__file__, "build_for_sm90"):
         return
-    from tinyserve.kernels import fused_moe_decode_triton as kt
+    from tinyserve.kernels.moe import decode_triton as kt
 
     for h, f, topk in ((2048, 512, 8), (3072, 1024, 8)):
         for pdl in (True, False):
@@ -423,7 +423,7 @@ def test_down_dependent_launch_builds_for_sm90() -> None:
     runs in a child process with the compiler."""
     if rerun_without_interpreter(__file__, "dependent_launch_builds"):
         return
-    from tinyserve.kernels import fused_moe_decode_triton as kt
+    from tinyserve.kernels.moe import decode_triton as kt
 
     for pdl in (True, False):
         down = _compile(kt.moe_fused_down_kernel,

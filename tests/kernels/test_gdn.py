@@ -1,4 +1,4 @@
-"""GDN kernels (`kernels/gdn.py`) against the torch references of `kernels/gdn_ref.py`.
+"""GDN kernels (`kernels/gdn/ops.py`) against the torch references of `kernels/gdn/ref.py`.
 
 Every case uses fresh random inputs, NaN-poisoned outputs, NaN-poisoned unused pool slots (their
 bytes must stay untouched) and NaN in the slots of sequences that start from a zero state (they
@@ -18,7 +18,10 @@ import pytest
 import torch
 
 from tests.kernels.sm90_build import rerun_without_interpreter
-from tinyserve.kernels import _gdn_chunk, _gdn_config, gdn, gdn_ref
+from tinyserve.kernels import gdn
+from tinyserve.kernels.gdn import chunk as _gdn_chunk
+from tinyserve.kernels.gdn import config as _gdn_config
+from tinyserve.kernels.gdn import ref as gdn_ref
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 interp_only = pytest.mark.skipif(not INTERP, reason="runs in the TRITON_INTERPRET=1 child")
@@ -393,7 +396,7 @@ def test_kernels_build_for_sm90() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from tinyserve.kernels import _gdn_triton
+    from tinyserve.kernels.gdn import triton as _gdn_triton
 
     ks = _gdn_triton.build()
     cases = [

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tinyserve.kernels.gdn_ref import (
+from tinyserve.kernels.gdn.ref import (
     causal_conv1d_ref,
     chunk_gated_delta_rule_ref,
     recurrent_gated_delta_rule_ref,

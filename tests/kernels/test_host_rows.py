@@ -1,4 +1,4 @@
-"""`kernels/host_rows.py`: the row copy and gather (Triton; the interpreter on CPU) against
+"""`kernels/moe/host_rows.py`: the row copy and gather (Triton; the interpreter on CPU) against
 torch indexing, and host-memory registration. On a GPU the table lives in registered host memory and
 the gather reads it from the device, inside a CUDA graph too."""
 
@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from tinyserve.kernels.host_rows import copy_rows, gather_rows, register_mapped  # noqa: E402
+from tinyserve.kernels.moe.host_rows import copy_rows, gather_rows, register_mapped  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -20,19 +20,19 @@ POISON = 0xAB
 
 
 def _cuda():
-    from tinyserve.kernels import iso_cuda
+    from tinyserve.kernels.iso import cuda as iso_cuda
 
     return iso_cuda
 
 
 def _mma():
-    from tinyserve.kernels import iso_mma
+    from tinyserve.kernels.iso import mma as iso_mma
 
     return iso_mma
 
 
 def _extend():
-    from tinyserve.kernels import iso_extend
+    from tinyserve.kernels.iso import extend as iso_extend
 
     return iso_extend
 
@@ -175,9 +175,9 @@ def test_decode_attention(impl, fmt, case, dtype) -> None:
     hq, hkv, d, ps, lens = case
     if dtype == torch.float32 and max(lens) > 5000:
         pytest.skip("long contexts run in bf16 only")
-    from tinyserve.kv.iso_pool import decode_kernel
+    from tinyserve.kernels.iso import choose_decode
 
-    if decode_kernel(fmt, hq, hkv, d) != impl:
+    if choose_decode(fmt, hq, hkv, d) != impl:
         pytest.skip(f"{fmt} {hq}/{hkv} heads, head_dim {d} decodes with the other kernel")
     kc, vc, table = _filled_cache(fmt, sum(lens), hkv, d, ps, lens, seed=len(lens) + d)
     q = torch.randn(len(lens), hq, d, device="cuda").to(dtype)
@@ -187,7 +187,7 @@ def test_decode_attention(impl, fmt, case, dtype) -> None:
     if impl == "mma":
         _mma().iso_decode_attention_mma(q, kc, vc, table, seq_lens, ps, fmt, scale, out=out)
     else:
-        from tinyserve.kernels import iso_triton
+        from tinyserve.kernels.iso import triton as iso_triton
 
         iso_triton.iso_decode_attention_triton(q, kc, vc, table, seq_lens, ps, fmt, scale,
                                                out=out)
@@ -243,14 +243,17 @@ def test_extend_attention(fmt, case) -> None:
 @pytest.mark.parametrize("hq", [16, 32])
 def test_pool_on_cuda_matches_cpu(fmt: str, hq: int) -> None:
     """The whole backend (store + decode + extend) on CUDA against the CPU references: GQA
-    groups of 8 (35B-A3B: iso3 decodes on the CUDA tensor cores) and 16 (122B: Triton)."""
+    groups of 8 (35B-A3B: iso3 decodes on the CUDA tensor cores) and 16 (122B: Triton), the
+    decode kernel chosen when the pool is built."""
     from tests.kv.test_iso_pool import _ctx
     from tinyserve.kv.iso_pool import ISOKVBackend
 
     torch.manual_seed(1)
     kw = dict(layer_ids=[3], num_kv_heads=2, head_dim=256, num_pages=16, page_size=16)
-    gpu = ISOKVBackend(device="cuda", dtype=torch.bfloat16, fmt=fmt, **kw)
+    gpu = ISOKVBackend(device="cuda", dtype=torch.bfloat16, fmt=fmt, num_q_heads=hq, **kw)
     cpu = ISOKVBackend(device="cpu", dtype=torch.float32, fmt=fmt, **kw)
+    want = "mma" if fmt == "iso3" and hq == 16 else "triton"
+    assert gpu.decode_impl == iso.DECODE_KERNELS[want] and gpu._decode_fn is not None
     pages = [[3, 9, 1, 4], [0, 2, 5, 6]]
     for q_lens, prefix in [([20, 5], [0, 0]), ([1, 1], [20, 5]), ([1, 1], [21, 6])]:
         n = sum(q_lens)

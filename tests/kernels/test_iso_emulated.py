@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from tests.kernels import emulation
-from tinyserve.kernels import cuda_launch, iso, iso_cuda, iso_extend
+from tinyserve.kernels import cuda_launch, iso
+from tinyserve.kernels.iso import cuda as iso_cuda
+from tinyserve.kernels.iso import extend as iso_extend
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,10 @@ import torch
 from tests.kernels import emulation
 from tests.kernels.recorder import Recorder
 from tests.kernels.sm90_build import ptxas_entries
-from tinyserve.kernels import cuda_launch, decode_split, iso, iso_cuda, iso_mma, launch
+from tinyserve.kernels import cuda_launch, iso, launch
+from tinyserve.kernels.attention import split as decode_split
+from tinyserve.kernels.iso import cuda as iso_cuda
+from tinyserve.kernels.iso import mma as iso_mma
 
 CSRC = emulation.CSRC
 
@@ -178,7 +181,7 @@ def test_decode_launchers_check_devices_and_out() -> None:
 def test_every_cuda_source_has_a_launcher() -> None:
     # every .cu file is compiled by a launcher module, every header included by a .cu file;
     # the build cache hashes every file of csrc/ (a header change rebuilds every kernel)
-    from tinyserve.kernels import nvfp4_cuda
+    from tinyserve.kernels.nvfp4 import cuda as nvfp4_cuda
 
     sources = {iso_cuda.STORE, iso_mma.SOURCE, nvfp4_cuda.GEMV, nvfp4_cuda.MOE}
     assert {p.name for p in CSRC.glob("*.cu")} == sources

@@ -11,7 +11,9 @@ import math
 import pytest
 import torch
 
-from tinyserve.kernels import iso, iso_cuda, iso_mma
+from tinyserve.kernels import iso
+from tinyserve.kernels.iso import cuda as iso_cuda
+from tinyserve.kernels.iso import mma as iso_mma
 
 pytestmark = pytest.mark.requires_cuda
 HQ, HKV, D, PS = 16, 2, 256, 16

@@ -1,4 +1,4 @@
-"""The Triton ISO decode kernel (kernels/iso_triton.py) against `decode_attention_ref`.
+"""The Triton ISO decode kernel (kernels/iso/triton.py) against `decode_attention_ref`.
 
 Without CUDA the kernels run in the Triton interpreter at small sizes (the same code path as
 the GPU, minus the compiler). Outputs and partial buffers are poisoned with NaN first.
@@ -26,7 +26,7 @@ from tests.kernels.sm90_build import (  # noqa: E402
     usage_field,
 )
 from tinyserve.kernels import iso  # noqa: E402
-from tinyserve.kernels import iso_triton as it  # noqa: E402
+from tinyserve.kernels.iso import triton as it  # noqa: E402
 
 pytestmark = pytest.mark.gpu_shapes
 

@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 
 from tests.kernels.test_attention import _math_with_lse  # noqa: E402
 from tests.kernels.test_norm import interpreter_ok, run_in_interpreter_child  # noqa: E402, F401
-from tinyserve.kernels.attention import lse_merge_ref  # noqa: E402
+from tinyserve.kernels.attention.chunk import lse_merge_ref  # noqa: E402
 
 pytest.importorskip("triton")
 from tinyserve.kernels import glue  # noqa: E402

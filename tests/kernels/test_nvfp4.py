@@ -19,13 +19,13 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from tinyserve.core import NVFP4Weight  # noqa: E402
-from tinyserve.kernels.nvfp4 import (  # noqa: E402
+from tinyserve.kernels.nvfp4.linear import (  # noqa: E402
     PATHS,
     choose_path,
     nvfp4_dequantize,
     nvfp4_linear,
 )
-from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4, quantize_nvfp4  # noqa: E402
+from tinyserve.kernels.nvfp4.ref import dequantize_nvfp4, quantize_nvfp4  # noqa: E402
 
 pytest.importorskip("triton")
 

@@ -7,9 +7,9 @@ import threading
 import pytest
 import torch
 
-from tinyserve.kernels import nvfp4_cpu as nc
-from tinyserve.kernels.fused_moe import write_slot
-from tinyserve.kernels.nvfp4_ref import quantize_nvfp4
+from tinyserve.kernels.moe import cpu as nc
+from tinyserve.kernels.moe.fused import write_slot
+from tinyserve.kernels.nvfp4.ref import quantize_nvfp4
 from tinyserve.offload.store import HostExpertStore
 
 pytestmark = pytest.mark.skipif(not nc.available(), reason="numba is not installed")

@@ -19,8 +19,9 @@ import torch
 from tests.kernels import emulation
 from tests.kernels.sm90_build import ptxas_entries
 from tinyserve.core import NVFP4Weight
-from tinyserve.kernels import cuda_launch, nvfp4_cuda
-from tinyserve.kernels.nvfp4_ref import dequantize_nvfp4
+from tinyserve.kernels import cuda_launch
+from tinyserve.kernels.nvfp4 import cuda as nvfp4_cuda
+from tinyserve.kernels.nvfp4.ref import dequantize_nvfp4
 
 BOUND = 3e-3
 DTYPES = (torch.bfloat16, torch.float16)
@@ -160,7 +161,7 @@ def test_launcher_refuses_what_the_kernel_does_not_take():
 def test_model_shapes_default_path_and_graph(poison, name):
     # nvfp4_linear's default M = 1 path (CUDA where it takes the shape, else Triton), bf16
     # and fp16, eagerly and replayed from a CUDA graph
-    from tinyserve.kernels.nvfp4 import nvfp4_linear
+    from tinyserve.kernels.nvfp4.linear import nvfp4_linear
 
     n, k = SHAPES[name]
     w = rand_weight(n, k, "cuda")
@@ -187,7 +188,7 @@ MOE_BOUND = 5e-3
 def moe_layer(h: int, f: int, experts: int, device: str):
     """`experts` random NVFP4 experts in random slots of an (experts + 2)-slot buffer, the
     slot of each expert, and a shared expert in its own slots."""
-    from tinyserve.kernels.fused_moe import (
+    from tinyserve.kernels.moe.fused import (
         allocate_expert_slots,
         single_expert_slots,
         write_slot,
@@ -223,7 +224,7 @@ def moe(device, monkeypatch):
 def test_moe_decode_matches_the_reference(moe, shared):
     # the emulation at H 1024, F 256 (8 pairs side by side per warp), the GPU at 35B-A3B's
     # 2048 / 512; 1 token (int32 ids, fp32 routing weights) and 3 (int64, bf16)
-    from tinyserve.kernels.fused_moe import fused_moe_ref
+    from tinyserve.kernels.moe.fused import fused_moe_ref
 
     h, f, experts, topk = (2048, 512, 64, 8) if moe.device == "cuda" else (1024, 256, 6, 3)
     slots, slot_of, sh = moe_layer(h, f, experts, moe.device)
@@ -244,7 +245,7 @@ def test_moe_decode_matches_the_reference(moe, shared):
 
 def test_moe_decode_is_the_default_fused_path(monkeypatch):
     # the CUDA decode where it takes the call, else Triton's
-    from tinyserve.kernels import fused_moe as fm
+    from tinyserve.kernels.moe import fused as fm
 
     calls = []
     takes = [True]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tinyserve.core import FP8Weight, NVFP4Weight
-from tinyserve.kernels.nvfp4_ref import (
+from tinyserve.kernels.nvfp4.ref import (
     E2M1_VALUES,
     dequantize_fp8,
     dequantize_nvfp4,

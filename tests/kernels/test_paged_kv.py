@@ -1,5 +1,5 @@
-"""The paged bf16/fp16 KV kernels (kernels/paged_kv_triton.py) against their torch references
-(kernels/paged_kv.py) and an fp32 attention oracle over exactly each sequence's tokens.
+"""The paged bf16/fp16 KV kernels (kernels/attention/paged_triton.py) against their torch references
+(kernels/attention/paged_ref.py) and an fp32 attention oracle over exactly each sequence's tokens.
 
 Without CUDA the kernels run in the Triton interpreter at small sizes; with one the GPU suite
 adds the 35B-A3B shapes (16 query heads, 2 kv heads, head_dim 256) at long contexts. Every
@@ -23,11 +23,11 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from tests.kernels.test_norm import interpreter_ok, run_in_interpreter_child  # noqa: E402, F401
-from tinyserve.kernels import paged_kv  # noqa: E402
-from tinyserve.kernels.iso import attention_oracle  # noqa: E402
+from tinyserve.kernels.attention import paged_ref as paged_kv  # noqa: E402
+from tinyserve.kernels.iso.ref import attention_oracle  # noqa: E402
 
 pytest.importorskip("triton")
-from tinyserve.kernels import paged_kv_triton as pk  # noqa: E402
+from tinyserve.kernels.attention import paged_triton as pk  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("poison"), pytest.mark.gpu_shapes]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,4 +1,4 @@
-"""Router and shared-expert glue kernels (`kernels/router.py`, `kernels/glue.py`) vs
+"""Router and shared-expert glue kernels (`kernels/moe/router.py`, `kernels/glue.py`) vs
 the torch references in `model/moe.py`.
 
 Without CUDA the kernels run in the Triton interpreter at small sizes; the 35B-A3B router
@@ -27,7 +27,7 @@ from tinyserve.model.moe import gated_add_ref, silu_mul_ref, topk_softmax_ref  #
 
 pytest.importorskip("triton")
 from tinyserve.kernels import glue as S  # noqa: E402
-from tinyserve.kernels import router as R  # noqa: E402
+from tinyserve.kernels.moe import router as R  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("poison", "interpreter_ok"), pytest.mark.gpu_shapes]
 

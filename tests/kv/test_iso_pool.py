@@ -180,25 +180,26 @@ def test_negative_slot_goes_to_padding_page() -> None:
 
 
 def test_decode_kernel_per_shape() -> None:
-    from tinyserve.kv.iso_pool import DECODE_KERNELS, decode_kernel
+    from tinyserve.kernels.iso import DECODE_KERNELS, choose_decode
 
     # iso3 at GQA groups <= 8 (35B-A3B: 16/2 heads; the tiny models: 4/2, 8/8) takes the CUDA
     # tensor-core kernel; iso4, groups of 16 (122B/397B: 32/2 heads) and caches it cannot
     # copy in 16-byte chunks take Triton
-    assert decode_kernel("iso3", 16, 2, 256) == "mma"
-    assert decode_kernel("iso3", 4, 2, 128) == "mma"
-    assert decode_kernel("iso3", 32, 2, 256) == "triton"
-    assert decode_kernel("iso4", 16, 2, 256) == "triton"
-    assert decode_kernel("iso3", 16, 2, 256, aligned=False) == "triton"
+    assert choose_decode("iso3", 16, 2, 256) == "mma"
+    assert choose_decode("iso3", 4, 2, 128) == "mma"
+    assert choose_decode("iso3", 32, 2, 256) == "triton"
+    assert choose_decode("iso4", 16, 2, 256) == "triton"
+    assert choose_decode("iso3", 16, 2, 256, aligned=False) == "triton"
     assert set(DECODE_KERNELS) == {"mma", "triton"}
 
 
 @pytest.mark.parametrize("fmt, hq, want", [("iso3", 16, "mma"), ("iso4", 16, "triton"),
                                            ("iso3", 32, "triton")])
 def test_decode_dispatch(fmt: str, hq: int, want: str, monkeypatch) -> None:
-    """With the kernels on, decode goes to the kernel `decode_kernel` picks at the first step
+    """With the kernels on, decode goes to the kernel `choose_decode` picks at the first step
     (bound from the pool's context) and stays there (the kernels are stubs here)."""
-    from tinyserve.kernels import iso_mma, iso_triton
+    from tinyserve.kernels.iso import mma as iso_mma
+    from tinyserve.kernels.iso import triton as iso_triton
 
     calls = []
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tinyserve.kernels.nvfp4_ref import fp8_linear_ref, quantize_fp8
+from tinyserve.kernels.nvfp4.ref import fp8_linear_ref, quantize_fp8
 from tinyserve.model.linear import fp8_linear
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.requires_cuda)]

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.model.hf_tiny import build_runner, checkpoint
 from tinyserve.core import Batch, DenseWeight, FP8Weight, NVFP4Weight, SamplingParams, ScheduledSeq
-from tinyserve.kernels.nvfp4_ref import quantize_fp8, quantize_nvfp4
+from tinyserve.kernels.nvfp4.ref import quantize_fp8, quantize_nvfp4
 from tinyserve.model import linear as linear_mod
 from tinyserve.model.config import load_config
 from tinyserve.model.linear import concat_rows, linear

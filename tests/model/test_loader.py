@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tinyserve.core import DenseWeight, FP8Weight, NVFP4Weight
-from tinyserve.kernels.nvfp4_ref import dequantize_fp8, dequantize_nvfp4, quantize_fp8
+from tinyserve.kernels.nvfp4.ref import dequantize_fp8, dequantize_nvfp4, quantize_fp8
 from tinyserve.model.config import ConfigError, load_config
 from tinyserve.model.loader import (
     CheckpointError,

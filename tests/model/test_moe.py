@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 
 from tests.kernels.test_norm import interpreter_ok, run_in_interpreter_child  # noqa: E402, F401
 from tinyserve.core import DenseWeight  # noqa: E402
-from tinyserve.kernels.nvfp4_ref import quantize_nvfp4  # noqa: E402
+from tinyserve.kernels.nvfp4.ref import quantize_nvfp4  # noqa: E402
 from tinyserve.model import moe  # noqa: E402
 
 pytestmark = pytest.mark.gpu_shapes
@@ -131,7 +131,7 @@ def _nvfp4_block(h: int, f: int, e: int, k: int, dtype: torch.dtype, fuse: bool,
 @pytest.mark.parametrize(("n", "tied"), [(1, True), (3, False)], ids=["N1-tied", "N3"])
 def test_sparse_moe_shared_in_fused_launch(n: int, tied: bool, monkeypatch) -> None:
     pytest.importorskip("triton")
-    from tinyserve.kernels import fused_moe as fm
+    from tinyserve.kernels.moe import fused as fm
 
     h, f, e, k = (64, 32, 8, 2) if DEV == "cpu" else (2048, 512, 256, 8)
     dtype = torch.float32 if DEV == "cpu" else torch.bfloat16

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from tinyserve.cli import main as cli_main
 from tinyserve.core import DenseWeight, FP8Weight, NVFP4Weight
-from tinyserve.kernels.nvfp4_ref import quantize_fp8, quantize_nvfp4
+from tinyserve.kernels.nvfp4.ref import quantize_fp8, quantize_nvfp4
 from tinyserve.model.config import load_config
 from tinyserve.model.loader import CheckpointReader
 from tinyserve.model.loader import load_weights as _load_weights

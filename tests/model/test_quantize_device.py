@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinyserve.kernels.nvfp4_ref import BLOCK, E2M1_VALUES, quantize_fp8, quantize_nvfp4
+from tinyserve.kernels.nvfp4.ref import BLOCK, E2M1_VALUES, quantize_fp8, quantize_nvfp4
 from tinyserve.model.quantize import quantize_checkpoint
 
 SHAPES = [(1, 16), (7, 48), (64, 256), (256, 1024)]

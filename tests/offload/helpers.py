@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from tinyserve.core import Batch, SamplingParams, ScheduledSeq
-from tinyserve.kernels.fused_moe import ExpertSlots, fused_moe, pack_expert_slots
-from tinyserve.kernels.nvfp4_ref import quantize_nvfp4
+from tinyserve.kernels.moe.fused import ExpertSlots, fused_moe, pack_expert_slots
+from tinyserve.kernels.nvfp4.ref import quantize_nvfp4
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 

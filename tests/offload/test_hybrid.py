@@ -8,7 +8,7 @@ import torch
 
 from tests.model.hf_tiny import build_runner, checkpoint
 from tests.offload.helpers import greedy_generate
-from tinyserve.kernels import nvfp4_cpu
+from tinyserve.kernels.moe import cpu as nvfp4_cpu
 from tinyserve.offload import lookup as lk
 from tinyserve.offload.bandwidth import Bandwidths, probe, thread_counts
 from tinyserve.offload.hybrid import CpuExperts, HybridExperts, HybridPlan, plan_split
@@ -93,7 +93,7 @@ def test_cpu_part_decodes_the_same_tokens(tiny, mode: str, plan: HybridPlan) -> 
     runner = build_runner(cfg, w, num_slots=2, experts=experts)
     tokens, logits = greedy_generate(runner, prompt, 16)
     assert tokens == ref_tokens
-    # the CPU kernel rounds the experts' inputs to int8 per 16 (kernels.nvfp4_cpu): about 1 %
+    # the CPU kernel rounds the experts' inputs to int8 per 16 (kernels.moe.cpu): about 1 %
     # of the largest output per expert; every routed expert of every layer on the CPU moves
     # the tiny model's logits by about 3 % of the largest
     assert (logits - ref_logits).abs().max() <= 5e-2 * ref_logits.abs().max()

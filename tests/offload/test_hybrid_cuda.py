@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.offload.helpers import greedy_generate
-from tinyserve.kernels import nvfp4_cpu
+from tinyserve.kernels.moe import cpu as nvfp4_cpu
 from tinyserve.offload import bandwidth
 from tinyserve.offload.hybrid import CpuExperts, HybridExperts, HybridPlan, configure
 from tinyserve.offload.provider import OffloadedExperts
@@ -42,7 +42,7 @@ def test_cpu_part_in_the_decode_graph_keeps_the_tokens(graphs: bool, plan: Hybri
     runner = _runner(cfg, w, experts, graphs)
     tokens, logits = greedy_generate(runner, prompt, 12)
     assert tokens == ref[0]
-    # int8 expert inputs on the CPU (kernels.nvfp4_cpu); tests/offload/test_hybrid.py says more
+    # int8 expert inputs on the CPU (kernels.moe.cpu); tests/offload/test_hybrid.py says more
     assert (logits - ref[1]).abs().max() <= 5e-2 * ref[1].abs().max()
     if graphs:
         assert runner.graphs is not None and runner.graphs.num_graphs >= 1

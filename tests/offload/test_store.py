@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinyserve.kernels.fused_moe import pack_expert_slots
+from tinyserve.kernels.moe.fused import pack_expert_slots
 from tinyserve.model.config import load_config
 from tinyserve.model.loader import load_weights
 from tinyserve.offload.store import HostExpertStore, slot_fields

@@ -107,7 +107,8 @@ def build_parts(config: EngineConfig, *, plan: MemoryPlan | None = None,
         hybrid.configure(experts, config.experts, mcfg.num_experts_per_tok)
     states = GDNStatePool.for_config(mcfg, plan.state_slots, device=device, dtype=dtype)
     kv = create_kv_backend(plan.kv_format, layer_ids=list(mcfg.full_attention_layers),
-                           num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim,
+                           num_kv_heads=mcfg.num_kv_heads, num_q_heads=mcfg.num_attention_heads,
+                           head_dim=mcfg.head_dim,
                            num_pages=plan.kv_pages, page_size=config.page_size, device=device,
                            dtype=dtype)
     model = Qwen35Model(mcfg, weights, kv=kv, states=states, experts=experts, device=device,
@@ -123,7 +124,7 @@ def build_parts(config: EngineConfig, *, plan: MemoryPlan | None = None,
     eos = tuple(dict.fromkeys(mcfg.eos_token_ids + _tokenizer_eos(tokenizer)))
     if device.type == "cuda":
         log.info("kernels: %s", "; ".join(
-            f"{k}: {v}" for k, v in kernel_check.implementations(device, plan.kv_format).items()))
+            f"{k}: {v}" for k, v in kernel_check.implementations(device, kv).items()))
     log.info("%s: %d KV pages of %d tokens (%s), %d sequences (+%d prefix-cache snapshots), "
              "max context %d tokens, %s", path.name, plan.kv_pages,
              config.page_size, plan.kv_format, seqs, snaps, plan.max_context,

@@ -4,11 +4,16 @@ implementation each kernel family takes on this device, which the engine logs on
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from tinyserve import envs
 from tinyserve.kernels import cuda_build, cuda_launch
 from tinyserve.kernels.launch import dependent_launch
+
+if TYPE_CHECKING:
+    from tinyserve.kv.base import KVBackend
 
 
 class KernelUnavailable(OSError):
@@ -47,12 +52,12 @@ def check(device: torch.device) -> None:
             f"TINYSERVE_DISABLE_KERNELS=1 to run the slow torch references") from None
 
 
-def implementations(device: torch.device, kv: str) -> dict[str, str]:
-    """Kernel family -> the implementation it takes on `device` with KV format `kv`."""
+def implementations(device: torch.device, kv: KVBackend) -> dict[str, str]:
+    """Kernel family -> the implementation it takes on `device` with the KV pool `kv`."""
     if device.type != "cuda" or envs.DISABLE_KERNELS.get():
         return {"all": "torch references"}
-    from tinyserve.kernels import fp8, fused_moe, nvfp4
-    from tinyserve.kv import bf16, iso_pool
+    from tinyserve.kernels import fp8, nvfp4
+    from tinyserve.kernels.moe import fused as fused_moe
 
     be = cuda_launch.backend(device)
     major, minor = cuda_build.nvrtc_version()
@@ -65,6 +70,6 @@ def implementations(device: torch.device, kv: str) -> dict[str, str]:
         "MoE experts": fused_moe.describe(),
         "FP8 linear": fp8.describe(),
         "GDN, norms": "Triton",
-        "KV attention": (f"{kv} store {cuda}, decode: {iso_pool.DECODE_RULE}" if kv != "bf16"
-                         else f"bf16 paged store Triton, decode: {bf16.DECODE_RULE}"),
+        "KV attention": (f"{kv.name} store {cuda}" if kv.name != "bf16"
+                         else "bf16 paged store Triton") + f", decode: {kv.decode_impl}",
     }

@@ -1,14 +1,8 @@
-"""Compile the CUDA kernels of `csrc/` with NVRTC at first use: no CUDA toolkit, no host compiler.
-
-torch's CUDA wheels bring NVRTC (the `nvidia-cuda-nvrtc*` package); it turns a kernel source
-(csrc/*.cu with its headers, no toolkit header needed: prelude.cuh) into a cubin for the GPU's
-architecture, or into PTX for an older one that the driver compiles when it loads it (the
-`TINYSERVE_CUDA_ARCH` mode that runs another generation's code on this GPU). One compile per
-kernel instance: a template's name expression (`iso::store_kernel<3, float, int>`) with the
-`__device__` variables its launcher reads; the result is cached in TINYSERVE_CACHE_DIR keyed by
-the sources, the name expressions, the target and the NVRTC version. `cuda_launch` loads and
-launches what this returns. Nothing here runs at import.
-"""
+"""Compile the CUDA kernels of `csrc/` with NVRTC (from torch's CUDA wheel) at first use: no
+CUDA toolkit, no host compiler. One compile per kernel instance (a template's name expression
+and the `__device__` variables its launcher reads) into a cubin for the GPU, or PTX for an
+older architecture (`TINYSERVE_CUDA_ARCH`); cached in TINYSERVE_CACHE_DIR keyed by the
+sources, names, target and NVRTC version."""
 
 from __future__ import annotations
 

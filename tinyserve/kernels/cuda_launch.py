@@ -1,17 +1,10 @@
-"""Load and launch the kernels `cuda_build` compiles, through the CUDA driver API (libcuda, which
-every NVIDIA driver installs): no CUDA runtime library and no host compiler.
+"""Load and launch the kernels `cuda_build` compiles through the CUDA driver API (libcuda):
+no CUDA runtime library, no host compiler.
 
-`backend(device)` is the one entry: a `CudaBackend` for a CUDA device (its architecture as the
-kernels are built for it, SM count, shared memory, current stream) whose `kernel(source, name)`
-compiles (cached), loads and returns a `Kernel`; `Kernel.launch` enqueues it on torch's current
-stream, so the launches are captured by CUDA graphs like torch's own. Launchers written against
-this interface also run under the tests' CPU emulation of CUDA, which `use_backend` installs.
-
-`TINYSERVE_CUDA_ARCH=sm_80` (86, 89, ...) builds the kernels as PTX for that architecture (the
-driver compiles it for the GPU at load) and makes the launchers take that architecture's paths
-(no programmatic dependent launch below sm_90; the E4M3 bit route below sm_89): an older
-laptop GPU's code, run on a newer GPU.
-"""
+`backend(device).kernel(source, name)` compiles (cached), loads and returns a `Kernel` whose
+`launch` enqueues on torch's current stream (CUDA graphs capture it). `use_backend` installs
+the tests' CPU emulation. `TINYSERVE_CUDA_ARCH=sm_80` builds PTX for an older architecture and
+takes its paths (no dependent launches below sm_90, no E4M3 cvt below sm_89)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,8 @@
-"""Elementwise glue of the decoder layer in Triton, rounding like the torch code.
-
-- `silu_mul(gate, up)`: `dt(dt(silu(gate)) * up)`, the SwiGLU middle; gate and up may be the
-  two column halves of one [N, 2F] gate_up projection.
-- `gated_add(routed, gate_logit, shared)`: `dt(routed + dt(dt(sigmoid(gate_logit)) * shared))`,
-  the shared expert's sigmoid gate and the sum with the routed experts.
-- `sigmoid_mul(x, gate)`: `dt(x * dt(sigmoid(gate)))` over [N, H, D] rows, the attention
-  output gate (gate read in place from the q|gate projection, no copy).
-- `lse_merge(a, lse_a, b, lse_b)`: two attention results over disjoint keys merged by their
-  log-sum-exp, in fp32, one rounding (a chunk's prefix and its own keys,
-  `attention.chunk_causal_attention`).
-
-References (pure torch): `model.moe.silu_mul_ref`, `model.moe.gated_add_ref`,
-`model.attention.sigmoid_mul_ref`, `attention.lse_merge_ref`. The dt(...)
-points are where torch rounds a model-dtype intermediate; the math between them is fp32.
-
-This module imports triton at the top: callers import it lazily (on CUDA only).
-"""
+"""Elementwise glue of the decoder layer in Triton, rounding where torch rounds (dt(...)):
+`silu_mul` = dt(dt(silu(gate)) * up); `gated_add` = dt(routed + dt(dt(sigmoid(g)) * shared));
+`sigmoid_mul` = dt(x * dt(sigmoid(gate))); `lse_merge`: two attentions over disjoint keys
+merged by their log-sum-exp in fp32. References: `model.moe`, `model.attention`,
+`attention.chunk.lse_merge_ref`."""
 
 from __future__ import annotations
 

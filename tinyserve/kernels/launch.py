@@ -1,12 +1,11 @@
-"""Launch arithmetic shared by the Triton kernels: grid sizes, the device's SM count, split-K
-of the linear kernels (NVFP4 and FP8: partial sums in an fp32 workspace [split, M, N], summed
-after the kernel when there is more than one split), and the launch options of the kernels
-that round like torch (`ROUNDING_AS_TORCH`)."""
+"""Launch arithmetic shared by the kernels: grid sizes, SM count, the split-K workspace of the
+linear kernels and the launch options of the kernels that round like torch."""
 
 from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 
 import torch
 
@@ -20,6 +19,7 @@ ROUNDING_AS_TORCH = {"enable_fp_fusion": False}
 
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+SCRATCH_ELEMS = 1 << 24  # dequantize + cuBLAS: scratch cap (32 MiB in bf16)
 
 
 def check_pages(page_table: torch.Tensor, seq_lens: torch.Tensor, b: int) -> None:
@@ -34,9 +34,8 @@ def check_pages(page_table: torch.Tensor, seq_lens: torch.Tensor, b: int) -> Non
 
 def decode_output(out: torch.Tensor | None, q: torch.Tensor, b: int, hq: int,
                   d: int) -> torch.Tensor:
-    """Where a decode kernel writes [B, Hq, D]: a new tensor in q's dtype, or `out` when it is
-    a float tensor on q's device with that shape and contiguous rows (ValueError otherwise:
-    the kernels write through its pointer)."""
+    """Where a decode kernel writes [B, Hq, D]: a new tensor in q's dtype, or `out` (a float
+    tensor on q's device of that shape with contiguous rows, else ValueError)."""
     if out is None:
         return torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     if out.dtype not in FLOATS or out.device != q.device:
@@ -51,6 +50,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def next_pow2(v: int) -> int:
+    """The smallest power of two >= v (1 for v <= 1)."""
+    return 1 << max(0, v - 1).bit_length()
+
+
 @functools.cache
 def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -59,9 +63,8 @@ def num_sms(device: torch.device) -> int:
 
 
 def target_arch(device: torch.device) -> int:
-    """The architecture the kernels on CUDA `device` are built for and take the paths of (86
-    for sm_86): TINYSERVE_CUDA_ARCH when set (an older GPU's code on this one), else the
-    device's compute capability."""
+    """The architecture the kernels on `device` are built for (86 for sm_86):
+    TINYSERVE_CUDA_ARCH when set, else the device's compute capability."""
     raw = envs.CUDA_ARCH.get().strip().lower()
     if raw:
         m = re.fullmatch(r"(?:sm_?)?(\d{2,3})", raw)
@@ -73,17 +76,16 @@ def target_arch(device: torch.device) -> int:
 
 
 def dependent_launch(device: torch.device) -> bool:
-    """Whether kernels on `device` may be programmatic dependent launches (a kernel's programs
-    start while the previous kernel in the stream still runs, and wait for its writes with
-    `griddepcontrol.wait`): a CUDA device whose `target_arch` is sm_90 or newer."""
+    """Whether kernels on `device` may be programmatic dependent launches (started while the
+    previous kernel runs, waiting with `griddepcontrol.wait`): `target_arch` sm_90+."""
     return device.type == "cuda" and target_arch(device) >= 90
 
 
 def dot_tiles(num_m: int, n: int, k: int, block_n: int, block_k: int,
               target: int) -> tuple[int, int, int]:
-    """(block_n, split, k_split) of a tiled dot with `num_m` row tiles: halve block_n (down to
-    16), then double the K splits, while there are fewer than `target` tiles; each split covers
-    `k_split` inputs (a multiple of block_k)."""
+    """(block_n, split, k_split) of a tiled dot: halve block_n (down to 16), then double the K
+    splits (of k_split inputs, a multiple of block_k) while there are fewer than `target`
+    tiles."""
     while block_n > 16 and num_m * cdiv(n, block_n) < target:
         block_n //= 2
     split = 1
@@ -103,3 +105,17 @@ def split_k_output(split: int, m: int, n: int, x: torch.Tensor) -> torch.Tensor:
 def split_k_result(out: torch.Tensor, split: int, dtype: torch.dtype) -> torch.Tensor:
     """[M, N] in `dtype` from what `split_k_output` gave the kernel."""
     return out if split == 1 else out.sum(0).to(dtype)
+
+
+def dequant_matmul(x: torch.Tensor, dequantize: Callable[..., torch.Tensor], n: int,
+                   k: int) -> torch.Tensor:
+    """x [M, K] @ W.T for an [N, K] weight that `dequantize(dtype, rows=(r0, r1))` expands to
+    a scratch in x's dtype, in row chunks of at most SCRATCH_ELEMS elements (then cuBLAS)."""
+    chunk = max(64, SCRATCH_ELEMS // k // 64 * 64)
+    if chunk >= n:
+        return x @ dequantize(x.dtype).T
+    out = torch.empty(x.shape[0], n, device=x.device, dtype=x.dtype)
+    for r0 in range(0, n, chunk):
+        r1 = min(n, r0 + chunk)
+        out[:, r0:r1] = x @ dequantize(x.dtype, rows=(r0, r1)).T
+    return out

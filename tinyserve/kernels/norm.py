@@ -1,20 +1,8 @@
-"""RMSNorms of Qwen3.5-MoE as one Triton kernel each (one program per row, fp32 math).
-
-References (pure torch, the CPU path): `model/norm.py` (`rms_norm_ref`, `gated_rms_norm_ref`,
-`add_rms_norm_ref`). The kernels cast back to the model dtype at the same points as the
-references, so a bf16 output differs by at most a rounding step where the fp32 row sum is
-accumulated in another order.
-
-- `rms_norm`: `dt(f32(x) * rsqrt(mean(f32(x)^2) + eps) * (1 + f32(w)))` (zero-centred weight).
-- `add_rms_norm`: `s = dt(x + residual)`, then `rms_norm(s)`; returns (normed, s).
-- `gated_rms_norm`: `dt((w * dt(norm(x))) * silu(f32(z)))` (plain weight; `w * h` rounded to
-  the model dtype when w is in the model dtype, as torch's type promotion does).
-- `rms_norm_rope`: `rms_norm` per head, then NeoX rotate_half RoPE over the first R dims
-  (q_norm / k_norm + `model.rope.PartialRoPE.apply`, reference `model.rope.norm_rope_ref`):
-  `dt(dt(y * cos) + dt(rotate_half(y) * sin))` with y the normed head in the model dtype.
-
-This module imports triton at the top: callers import it lazily (on CUDA only).
-"""
+"""RMSNorms of Qwen3.5-MoE, one Triton kernel each (one program per row, fp32 math), rounding
+to the model dtype where the references of `model/norm.py` and `model/rope.py` do:
+`rms_norm` (zero-centred weight), `add_rms_norm` (returns (normed, x + residual)),
+`gated_rms_norm` (times silu(z)) and `rms_norm_rope` (per-head norm, then NeoX RoPE over the
+first R dims)."""
 
 from __future__ import annotations
 
@@ -139,11 +127,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`s = x + residual` (rounded to x.dtype), then `rms_norm(s)`, in one pass.
-
-    x, residual [..., D] same shape and dtype; weight [D]. Returns (normed, s), both new
-    contiguous tensors in x.dtype.
-    """
+    """s = x + residual (rounded to x.dtype), then `rms_norm(s)`, in one pass; returns
+    (normed, s), both new contiguous tensors in x.dtype."""
     d = _check(x, weight, residual)
     x2, r2 = _rows(x, d), _rows(residual, d)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -183,12 +168,8 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
 
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                   sin: torch.Tensor) -> torch.Tensor:
-    """Per-head zero-centred RMSNorm, then RoPE (rotate_half) over the first R dims.
-
-    x [N, H, D] (unit last stride, any other strides, e.g. the q half of q|gate rows),
-    weight [D], cos / sin [N, R] in x.dtype (R even, <= D; unit last stride) -> [N, H, D]
-    contiguous in x.dtype.
-    """
+    """Per-head zero-centred RMSNorm, then RoPE (rotate_half) over the first R dims: x
+    [N, H, D] (unit last stride), cos / sin [N, R] in x.dtype (R even, <= D) -> [N, H, D]."""
     d = _check(x, weight)
     if x.dim() != 3 or x.stride(-1) != 1:
         raise ValueError(f"x must be [N, H, D] with unit last stride, got {list(x.shape)}")

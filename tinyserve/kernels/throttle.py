@@ -1,13 +1,8 @@
-"""A debug throttle for benchmarks: hold the stream so that a copy moves at most a given rate.
-
-`stamp(device)` records the GPU's global timer in a device word; `hold(rows, seconds_per_row)`,
-queued after a copy of the listed rows (-1 entries skipped), spins one program until
-`seconds_per_row` x (listed rows) has passed since the stamp. Between the two sits the real
-copy, so a copy faster than the target ends at the target rate and a slower one is left as it
-is. Both are single-program Triton kernels (capturable in a CUDA graph, no host sync): the
-expert cache's miss copies use them to play a slower PCIe link (`DeviceExpertCache.
-throttle_bytes_per_s`, `bench/hybrid_experts.py --h2d-gbps`). CUDA only (PTX %globaltimer).
-"""
+"""A debug throttle for benchmarks: `stamp(device)` records the GPU timer; `hold(rows,
+seconds_per_row)`, queued after a copy of the listed rows, spins until that much time has
+passed since the stamp, so a faster copy ends at the target rate (the expert cache plays a
+slower PCIe link: `bench/hybrid_experts.py --h2d-gbps`). Single-program Triton kernels, CUDA
+only (PTX %globaltimer)."""
 
 from __future__ import annotations
 

@@ -6,11 +6,11 @@ is a padding page: tokens whose slot is negative (padded rows of a captured batc
 there and never read.
 
 On CUDA (sm_80+) with a bf16/fp16 cache the store and decode attention run the Triton kernels of
-`kernels.paged_kv_triton` (one launch for the store, split-K decode over the pages in place;
-the decode for the shapes `decode_supported` takes, picked at the first decode step);
+`kernels.attention.paged_triton` (one launch for the store, split-K decode over the pages in place;
+the decode for the shapes `decode_supported` takes, picked when the pool is built);
 elsewhere, for other shapes, or with TINYSERVE_DISABLE_KERNELS=1, their references in
-`kernels.paged_kv`. Prefill and extend attention gather the sequence's K/V and call
-`kernels.attention`.
+`kernels.attention.paged_ref`. Prefill and extend attention gather the sequence's K/V and call
+`kernels.attention.chunk`.
 """
 
 from __future__ import annotations
@@ -19,24 +19,20 @@ import torch
 
 from tinyserve import envs
 from tinyserve.core import ForwardContext
-from tinyserve.kernels.attention import chunk_causal_attention
-from tinyserve.kernels.paged_kv import paged_decode_ref, paged_store_ref
+from tinyserve.kernels.attention.chunk import chunk_causal_attention
+from tinyserve.kernels.attention.paged_ref import paged_decode_ref, paged_store_ref
 from tinyserve.kv.base import KVBackend
-from tinyserve.log import get_logger
-
-log = get_logger(__name__)
-
-DECODE_RULE = "Triton split-K (sm_80+, GQA groups <= 16, head_dim a power of two <= 256)"
 
 
 class BF16KVBackend(KVBackend):
-    """KV backend storing post-norm, post-RoPE K/V unquantized in the model dtype."""
+    """KV backend storing post-norm, post-RoPE K/V unquantized in the model dtype. With
+    `num_q_heads` the decode kernel is chosen here, else at the first decode."""
 
     name = "bf16"
 
     def __init__(self, *, layer_ids: list[int], num_kv_heads: int, head_dim: int,
                  num_pages: int, page_size: int, device: torch.device | str,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, num_q_heads: int | None = None) -> None:
         super().__init__(layer_ids=layer_ids, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          num_pages=num_pages, page_size=page_size, device=device, dtype=dtype)
         self._index = {L: i for i, L in enumerate(self.layer_ids)}
@@ -49,7 +45,10 @@ class BF16KVBackend(KVBackend):
                             and dtype in (torch.bfloat16, torch.float16)
                             and not head_dim & (head_dim - 1)
                             and torch.cuda.get_device_capability(self.device)[0] >= 8)
-        self._decode_on_kernel: bool | None = None  # picked at the first decode step
+        self._decode_on_kernel: bool | None = None
+        self.decode_impl = "gather + SDPA (torch reference)"
+        if num_q_heads:
+            self._decode_on_kernel = self._pick_decode(num_q_heads)
 
     @classmethod
     def bytes_per_token(cls, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -68,7 +67,7 @@ class BF16KVBackend(KVBackend):
         kc, vc = self._flat(layer_id)
         pad_slot = self.num_pages * self.page_size
         if self.use_kernels:
-            from tinyserve.kernels import paged_kv_triton
+            from tinyserve.kernels.attention import paged_triton as paged_kv_triton
 
             paged_kv_triton.paged_store(kc, vc, slot_mapping, k, v, pad_slot)
             return
@@ -110,7 +109,7 @@ class BF16KVBackend(KVBackend):
         if self._decode_on_kernel is None:
             self._decode_on_kernel = self._pick_decode(q.shape[1])
         if self._decode_on_kernel:
-            from tinyserve.kernels import paged_kv_triton
+            from tinyserve.kernels.attention import paged_triton as paged_kv_triton
 
             return paged_kv_triton.paged_decode_attention(
                 q, kc, vc, page_table, seq_lens, self.page_size, scale, max_seq_len=max_seq_len)
@@ -118,16 +117,15 @@ class BF16KVBackend(KVBackend):
                                 max_seq_len=max_seq_len)
 
     def _pick_decode(self, num_q_heads: int) -> bool:
-        """Whether decode runs the Triton kernel (else the reference), logged once on CUDA."""
+        """Whether decode runs the Triton kernel (else the reference); `decode_impl` names it."""
         if not self.use_kernels:
             return False
-        from tinyserve.kernels import paged_kv_triton
+        from tinyserve.kernels.attention import paged_triton as paged_kv_triton
 
         ok = paged_kv_triton.decode_supported(num_q_heads, self.num_kv_heads, self.head_dim,
                                               self.dtype)
-        log.info("bf16 decode attention: %s (%d query heads over %d KV heads, head_dim %d)",
-                 "Triton split-K" if ok else "gather + SDPA (torch reference)", num_q_heads,
-                 self.num_kv_heads, self.head_dim)
+        if ok:
+            self.decode_impl = "Triton split-K"
         return ok
 
     def _flat(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,12 +9,12 @@ Ordering contract (§6.2):
 - extend (anything else): attend over the packed prefix plus the chunk's own K/V in the model
   dtype (causal), then store the chunk (deferred quantization).
 
-On CUDA the store and extend run the kernels of `kernels.iso_cuda`; decode runs the one
-kernel `decode_kernel` picks for the model's shapes (at the first decode step, then logged):
-the CUDA tensor-core kernel (`kernels.iso_mma`) for iso3 with GQA groups up to 8 (Qwen3.5-35B-A3B:
-16 query heads over 2 KV heads), the Triton tensor-core kernel (`kernels.iso_triton`) for
+On CUDA the store and extend run the kernels of `kernels.iso.cuda`; decode runs the one
+kernel `kernels.iso.choose_decode` picks for the model's shapes (when the pool is built):
+the CUDA tensor-core kernel (`kernels.iso.mma`) for iso3 with GQA groups up to 8 (Qwen3.5-35B-A3B:
+16 query heads over 2 KV heads), the Triton tensor-core kernel (`kernels.iso.triton`) for
 iso4 and wider groups (Qwen3.5-122B/397B: 32 over 2). Elsewhere (or with
-TINYSERVE_DISABLE_KERNELS=1) the references of `kernels.iso` run: quantize on write,
+TINYSERVE_DISABLE_KERNELS=1) the references of `kernels.iso.ref` run: quantize on write,
 dequantize + fp32 attention.
 """
 
@@ -26,34 +26,17 @@ from tinyserve import envs
 from tinyserve.core import ForwardContext
 from tinyserve.kernels import iso
 from tinyserve.kv.base import KVBackend
-from tinyserve.log import get_logger
-
-log = get_logger(__name__)
-
-# The decode kernels on CUDA, as `kernel_check.implementations` names them.
-DECODE_KERNELS = {"mma": "CUDA tensor cores", "triton": "Triton tensor cores"}
-DECODE_RULE = "CUDA tensor cores for iso3 with GQA groups <= 8, Triton tensor cores otherwise"
-
-
-def decode_kernel(fmt: str, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                  aligned: bool = True) -> str:
-    """The decode attention kernel on CUDA for these shapes (a key of DECODE_KERNELS): "mma"
-    where `iso_mma` takes them (iso3, GQA group <= 8, head_dim 128/256, caches `aligned` for
-    its 16-byte copies), "triton" otherwise (iso4, wider groups, odd row strides)."""
-    from tinyserve.kernels.iso_mma import mma_supported
-
-    return "mma" if aligned and mma_supported(fmt, num_q_heads, num_kv_heads,
-                                              head_dim) else "triton"
 
 
 class ISOKVBackend(KVBackend):
-    """Paged ISO3/ISO4 KV store and attention. Raises ValueError when head_dim % 128 != 0."""
+    """Paged ISO3/ISO4 KV store and attention. Raises ValueError when head_dim % 128 != 0.
+    With `num_q_heads` the CUDA decode kernel is chosen here, else at the first decode."""
 
     name = "iso"
 
     def __init__(self, *, layer_ids: list[int], num_kv_heads: int, head_dim: int,
                  num_pages: int, page_size: int, device: torch.device | str,
-                 dtype: torch.dtype, fmt: str = "iso3") -> None:
+                 dtype: torch.dtype, fmt: str = "iso3", num_q_heads: int | None = None) -> None:
         if fmt not in iso.FORMATS:
             raise ValueError(f"unknown ISO format {fmt!r}; expected one of {iso.FORMATS}")
         if head_dim % iso.BLOCK:
@@ -70,7 +53,10 @@ class ISOKVBackend(KVBackend):
         self.buffer = torch.zeros(2, len(self.layer_ids), self.num_slots, num_kv_heads,
                                   self.row_bytes, dtype=torch.uint8, device=self.device)
         self.use_kernels = self.device.type == "cuda" and not envs.DISABLE_KERNELS.get()
-        self._decode_fn = None  # the CUDA decode kernel, picked at the first decode step
+        self._decode_fn = None  # the CUDA decode kernel
+        self.decode_impl = "torch reference"
+        if self.use_kernels and num_q_heads:
+            self._pick_decode(num_q_heads)
 
     @classmethod
     def bytes_per_token(cls, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -94,7 +80,7 @@ class ISOKVBackend(KVBackend):
         kc, vc = self.k_cache(layer_id), self.v_cache(layer_id)
         slots = torch.where(slots < 0, self.num_pages * self.page_size, slots)
         if self.use_kernels:
-            from tinyserve.kernels import iso_cuda
+            from tinyserve.kernels.iso import cuda as iso_cuda
 
             iso_cuda.iso_store(kc, vc, slots, k, v, self.fmt)
             return
@@ -116,31 +102,30 @@ class ISOKVBackend(KVBackend):
         kc, vc = self.k_cache(layer_id), self.v_cache(layer_id)
         if self.use_kernels:
             if self._decode_fn is None:
-                self._decode_fn = self._pick_decode(q.shape[1])
+                self._pick_decode(q.shape[1])
             return self._decode_fn(q, kc, vc, ctx.page_table, ctx.seq_lens, ctx.page_size,
                                    self.fmt, scale, max_seq_len=ctx.seq_len_bound)
         out = iso.decode_attention_ref(q, kc.cpu(), vc.cpu(), ctx.page_table.cpu(),
                                        ctx.seq_lens.cpu(), ctx.page_size, self.fmt, scale)
         return out.to(device=q.device, dtype=q.dtype)
 
-    def _pick_decode(self, num_q_heads: int):
-        """The launcher of `decode_kernel`'s pick for this pool (every layer's caches checked
-        for the 16-byte copies), logged once."""
-        from tinyserve.kernels import iso_mma, iso_triton
+    def _pick_decode(self, num_q_heads: int) -> None:
+        """Choose the CUDA decode kernel for this pool (every layer's caches checked for the
+        16-byte copies); `decode_impl` names it for the start-up log."""
+        from tinyserve.kernels.iso.mma import caches_aligned
 
-        aligned = all(iso_mma.caches_aligned(self.k_cache(lid), self.v_cache(lid))
+        aligned = all(caches_aligned(self.k_cache(lid), self.v_cache(lid))
                       for lid in self.layer_ids)
-        name = decode_kernel(self.fmt, num_q_heads, self.num_kv_heads, self.head_dim, aligned)
-        log.info("%s decode attention: %s (%d query heads over %d KV heads, head_dim %d)",
-                 self.fmt, DECODE_KERNELS[name], num_q_heads, self.num_kv_heads, self.head_dim)
-        return {"mma": iso_mma.iso_decode_attention_mma,
-                "triton": iso_triton.iso_decode_attention_triton}[name]
+        name = iso.choose_decode(self.fmt, num_q_heads, self.num_kv_heads, self.head_dim,
+                                 aligned)
+        self.decode_impl = iso.DECODE_KERNELS[name]
+        self._decode_fn = iso.decode_launcher(name)
 
     def _extend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 ctx: ForwardContext, scale: float) -> torch.Tensor:
         kc, vc = self.k_cache(layer_id), self.v_cache(layer_id)
         if self.use_kernels:
-            from tinyserve.kernels import iso_extend
+            from tinyserve.kernels.iso import extend as iso_extend
 
             return iso_extend.iso_extend_attention(
                 q, k, v, kc, vc, ctx.page_table, ctx.cu_seqlens, ctx.q_lens_cpu,

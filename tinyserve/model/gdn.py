@@ -1,6 +1,6 @@
 """Gated DeltaNet mixer of Qwen3.5-MoE (`linear_attn`), batched over varlen sequences.
 
-The causal conv and the gated delta rule run through `kernels/gdn.py` (Triton on CUDA, torch
+The causal conv and the gated delta rule run through `kernels/gdn/` (Triton on CUDA, torch
 references elsewhere), reading each sequence's conv and recurrent state from the state pool at
 `ctx.state_slots[b]` (prefix length 0 starts from zeros) and writing it back in place; a
 pure-decode batch takes the recurrent path, anything else the chunked varlen one. The four

@@ -29,7 +29,7 @@ def dequantize(w: LinearWeight, dtype: torch.dtype) -> torch.Tensor:
     """The dense [out, in] weight of any storage, in `dtype`."""
     if isinstance(w, DenseWeight):
         return w.weight.to(dtype)
-    from tinyserve.kernels import nvfp4_ref
+    from tinyserve.kernels.nvfp4 import ref as nvfp4_ref
 
     if isinstance(w, NVFP4Weight):
         return nvfp4_ref.dequantize_nvfp4(w, dtype=dtype)
@@ -97,7 +97,7 @@ def kernels_enabled(device: torch.device) -> bool:
 
 def _quantized_linear(x: torch.Tensor, w: NVFP4Weight | FP8Weight) -> torch.Tensor:
     if isinstance(w, NVFP4Weight) and kernels_enabled(x.device):
-        from tinyserve.kernels.nvfp4 import nvfp4_linear
+        from tinyserve.kernels.nvfp4.linear import nvfp4_linear
 
         return nvfp4_linear(x, w)
     if isinstance(w, FP8Weight) and kernels_enabled(x.device):

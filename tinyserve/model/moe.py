@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
-from tinyserve.kernels.fused_moe import (
+from tinyserve.kernels.moe.fused import (
     ExpertSlots,
     fuses_shared_expert,
     pack_expert_slots,
@@ -44,7 +44,7 @@ def topk_softmax(logits: torch.Tensor, top_k: int,
     """Router logits [N, E] (unit column stride) -> (ids [N, k] int64 in descending
     probability, weights [N, k] in `dtype`): fp32 softmax, top-k, renormalised, cast."""
     if kernels_enabled(logits.device) and logits.shape[0] <= ROUTER_KERNEL_MAX_N:
-        from tinyserve.kernels import router as router_kernels
+        from tinyserve.kernels.moe import router as router_kernels
 
         return router_kernels.topk_softmax(logits, top_k, dtype)
     return topk_softmax_ref(logits, top_k, dtype)
@@ -130,7 +130,7 @@ class ResidentExperts(ExpertsProvider):
         """Σ_j topk_weights[:, j] * Expert_{topk_ids[:, j]}(x) (+ sigmoid(shared_logit) *
         shared expert, kernel only); x [N, H] -> [N, H] in x.dtype."""
         if self.use_kernel:
-            from tinyserve.kernels.fused_moe import fused_moe
+            from tinyserve.kernels.moe.fused import fused_moe
 
             return fused_moe(x, topk_ids, topk_weights, self.slots[layer_id],
                              shared_slots=shared_slots, shared_logit=shared_logit)

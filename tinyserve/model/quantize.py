@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from tinyserve.core import FP8Weight, NVFP4Weight
-from tinyserve.kernels.nvfp4_ref import quantize_fp8, quantize_nvfp4
+from tinyserve.kernels.nvfp4.ref import quantize_fp8, quantize_nvfp4
 from tinyserve.log import get_logger
 from tinyserve.model.config import load_config
 from tinyserve.model.loader import INDEX_FILE, CheckpointReader, strip_prefix

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from tinyserve.core import DenseWeight, ForwardContext, LinearWeight
-from tinyserve.kernels.host_rows import gather_rows, register_mapped
+from tinyserve.kernels.moe.host_rows import gather_rows, register_mapped
 from tinyserve.model.attention import GatedAttention
 from tinyserve.model.gdn import GatedDeltaNet
 from tinyserve.model.linear import linear, to_device

@@ -1,6 +1,6 @@
 """Start-up probe of the two ways a missing expert can be served: its copy over PCIe (the miss
 copy kernel from the mapped host store, as decode runs it) and its computation on the CPU
-(`kernels.nvfp4_cpu`, one token, as decode runs it), beside the host's read bandwidth.
+(`kernels.moe.cpu`, one token, as decode runs it), beside the host's read bandwidth.
 
 `probe(store, ...)` takes about a second; `tinyserve bench --bandwidth` prints it, the hybrid
 plan (`offload.hybrid.plan_split`) is computed from it.
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tinyserve.kernels import nvfp4_cpu
+from tinyserve.kernels.moe import cpu as nvfp4_cpu
 from tinyserve.offload.store import HostExpertStore
 
 
@@ -114,7 +114,7 @@ def h2d_bandwidth(cache: Any, n: int, reps: int = 5) -> float | None:
     included) copying `n` experts into scratch slots; None off CUDA."""
     if cache.device.type != "cuda":
         return None
-    from tinyserve.kernels.fused_moe import allocate_expert_slots
+    from tinyserve.kernels.moe.fused import allocate_expert_slots
 
     src = cache.store.slots
     scratch = allocate_expert_slots(n, src.hidden_size, src.intermediate_size, fp4=src.is_fp4,

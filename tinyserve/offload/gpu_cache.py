@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tinyserve.kernels.fused_moe import allocate_expert_slots
+from tinyserve.kernels.moe.fused import allocate_expert_slots
 from tinyserve.log import get_logger
 from tinyserve.offload import lookup as lk
 from tinyserve.offload.cache import CacheStats, ExpertCachePolicy

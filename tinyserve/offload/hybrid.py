@@ -2,7 +2,7 @@
 
 Decode at a small GPU budget is bound by PCIe, while host RAM reads faster. Of a decode layer's
 m distinct misses the GPU copies m - c while the CPU computes c from the pinned store in place
-(`kernels.nvfp4_cpu`), with c making both finish together:
+(`kernels.moe.cpu`), with c making both finish together:
 
     (m - c) * t_copy = t_call + c * t_cpu   ->   c = (m * t_copy - t_call) / (t_copy + t_cpu)
 
@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from tinyserve.kernels import cuda_launch, nvfp4_cpu
+from tinyserve.kernels import cuda_launch
+from tinyserve.kernels.moe import cpu as nvfp4_cpu
 from tinyserve.log import get_logger
 from tinyserve.offload.bandwidth import Bandwidths, probe
 
@@ -106,7 +107,7 @@ class _Entry:
     stage_host: torch.Tensor  # pinned copy of it, read by the host function
     out_host: torch.Tensor  # [N, H] fp32 pinned, written by the host function
     y_dev: torch.Tensor  # [N, H] fp32 on the device
-    desc: torch.Tensor  # int64 descriptor (kernels.nvfp4_cpu.host_descriptor)
+    desc: torch.Tensor  # int64 descriptor (kernels.moe.cpu.host_descriptor)
 
 
 class CpuExperts:

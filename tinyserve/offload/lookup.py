@@ -19,8 +19,8 @@ import functools
 
 import torch
 
-from tinyserve.kernels import host_rows
-from tinyserve.kernels.fused_moe import ExpertSlots
+from tinyserve.kernels.moe import host_rows
+from tinyserve.kernels.moe.fused import ExpertSlots
 
 FIELDS = ("w13", "w13_scale", "w13_global", "w2", "w2_scale", "w2_global")
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from tinyserve import envs
-from tinyserve.kernels.fused_moe import ExpertSlots, fused_moe, fused_moe_ref
+from tinyserve.kernels.moe.fused import ExpertSlots, fused_moe, fused_moe_ref
 from tinyserve.log import get_logger
 from tinyserve.model.experts_api import ExpertsProvider
 from tinyserve.offload import prefetch

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from tinyserve.core import LinearWeight, NVFP4Weight
-from tinyserve.kernels.fused_moe import ExpertSlots, write_slot
-from tinyserve.kernels.host_rows import register_mapped
+from tinyserve.kernels.moe.fused import ExpertSlots, write_slot
+from tinyserve.kernels.moe.host_rows import register_mapped
 from tinyserve.log import get_logger
 
 logger = get_logger(__name__)
@@ -28,7 +28,7 @@ _ALIGN = 4096
 
 def slot_fields(num_rows: int, hidden: int, inter: int, *, fp4: bool,
                 dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """(field, shape, dtype) of an ExpertSlots with `num_rows` rows (kernels.fused_moe)."""
+    """(field, shape, dtype) of an ExpertSlots with `num_rows` rows (kernels.moe.fused)."""
     r, h, f = num_rows, hidden, inter
     if fp4:
         return [("w13", (r, 2 * f, h // 2), torch.uint8), ("w13_scale", (r, 2 * f, h // 16),

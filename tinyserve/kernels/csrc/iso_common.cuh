@@ -1,6 +1,6 @@
 // ISO3_0 / ISO4_0 shared device code: quaternion and centroid tables, exact-rounding helpers.
 // Plain CUDA with no toolkit header (prelude.cuh), so NVRTC compiles every .cu file alone.
-// Formats and operation order: specs/iso_kv.md §1-§4; the torch reference is kernels/iso.py.
+// Formats and operation order: specs/iso_kv.md §1-§4; the torch reference is kernels/iso/ref.py.
 #pragma once
 
 #include "dependent_launch.cuh"

@@ -1,6 +1,6 @@
 // ISO3 paged decode attention on tensor cores (mma.sync m16n8k16, fp16 in, fp32 accumulate),
 // in the rotated space (specs/iso_kv.md §6.5), split-K; the contract of
-// iso.decode_attention_ref (launcher: kernels/iso_mma.py).
+// iso.decode_attention_ref (launcher: kernels/iso/mma.py).
 //
 // Grid (splits, kv heads, batch), NW = 4 or 16 warps (the tile/merge buffer in dynamic
 // shared memory). Every warp walks its own 16-token sub-tiles of the CTA's chunk
@@ -373,7 +373,7 @@ __global__ void __launch_bounds__(NW * 32, min_ctas_per_sm(NW))
 }
 
 // The dynamic shared memory a CTA of decode_mma_kernel<NB, NW> needs (bytes; 0: none), read
-// by the launcher (kernels/iso_mma.py) from the compiled module.
+// by the launcher (kernels/iso/mma.py) from the compiled module.
 template <int NB, int NW>
 __device__ const int kDynamicSmem = Layout<NB, NW>::kDynBytes;
 

@@ -2,7 +2,7 @@
 //
 // iso_store: K and V rows [N, H, D] (fp32 / bf16 / fp16) -> packed slots of the paged cache
 // (uint8 [slots, H, row_bytes]) at locations loc[N] (int32 or int64). One warp per (token,
-// head, K|V); lane g owns group g of each 128-block. Byte-exact with kernels/iso.py
+// head, K|V); lane g owns group g of each 128-block. Byte-exact with kernels/iso/ref.py
 // quantize_ref: explicit round-to-nearest intrinsics (no FMA), the two norms summed
 // sequentially over j = 0..127 (the reference order) by every lane from values broadcast with
 // shuffles (no shared memory), and the fp16 norm rounded in integer arithmetic.
@@ -10,7 +10,7 @@
 // iso_dequant_rows: packed rows at slots[M] -> out[h * head_stride + m * row_stride + d] in
 // fp32 / bf16 / fp16, bit-exact in fp32 with dequantize_ref.
 //
-// Launched by kernels/iso_cuda.py: store_kernel<BITS, T, IDX> on ceil(N * H * 2 / kStoreWarps)
+// Launched by kernels/iso/cuda.py: store_kernel<BITS, T, IDX> on ceil(N * H * 2 / kStoreWarps)
 // CTAs of 32 * kStoreWarps threads, dequant_rows_kernel<BITS, T> on ceil(M * H / 4) CTAs of 128.
 #include "iso_common.cuh"
 

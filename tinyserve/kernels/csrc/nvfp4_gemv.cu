@@ -5,7 +5,7 @@
 // else: a warp owns R whole rows, lane L the pieces L, L + 32, ... of each row, held in
 // registers until decoded. Where the weight allows, the grid is one wave (the launcher picks
 // R), so the DRAM stream starts at once on every SM and the decode overlaps it. Decode and
-// numerics: nvfp4_decode.cuh. Launched by kernels/nvfp4_cuda.py: ceil(N / (kWarps * R)) CTAs
+// numerics: nvfp4_decode.cuh. Launched by kernels/nvfp4/cuda.py: ceil(N / (kWarps * R)) CTAs
 // of kThreads threads.
 #include "nvfp4_decode.cuh"
 

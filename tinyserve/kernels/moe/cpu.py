@@ -1,0 +1,176 @@
+"""NVFP4 routed experts on the CPU (numba), read in place from the host expert store.
+
+`moe_cpu` computes out[t] = sum_j weights[t, j] * down_r(silu(gate_r(x_t)) * up_r(x_t)) for
+every pair with row r = rows[t, j] >= 0 (row -1: the pair runs on the GPU). Each matrix's input
+is quantized to int8 per block of 16 (scale max|x| / 127, as llama.cpp's CPU dots) and dotted
+with the E2M1 codes in integers (SSSE3 pshufb / pmaddubsw, x86-64 only); `moe_cpu_ref` rounds
+the same way (outputs within ~1 % of unquantized fp32 math). Two parallel regions (gate_up per
+expert and row block, down per row block summing its pairs in a fixed order: the same bits for
+any thread count). numba: wheels everywhere, the GIL released, and a C callback (`host_entry`)
+a CUDA host node calls with no Python (`offload.hybrid`)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from tinyserve.kernels.moe.fused import ExpertSlots, moe_pairs_ref
+
+ROW_BLOCK = 32  # weight rows per work item (both phases)
+# NOTE: the layout of a host-entry descriptor (int64 words, `host_descriptor`)
+DESC_WORDS = 19
+(D_STAGE, D_OUT, D_N, D_K, D_ROW_BASE, D_W13, D_S13, D_G13, D_W2, D_S2, D_G2, D_ROWS, D_H, D_F,
+ D_COUNT, D_CALLS, D_THREADS, D_SET_THREADS, D_SET_CHUNK) = range(DESC_WORDS)
+
+
+def available() -> bool:
+    """Whether the CPU expert kernel can run here (numba, an x86-64 CPU with SSSE3)."""
+    try:
+        from llvmlite import binding
+    except ImportError:
+        return False
+    return binding.get_host_cpu_features().get("ssse3", False)
+
+
+def check_slots(slots: ExpertSlots) -> None:
+    if not slots.is_fp4 or slots.device.type != "cpu":
+        raise ValueError("the CPU expert kernel reads NVFP4 ExpertSlots in host memory")
+    h, f = slots.hidden_size, slots.intermediate_size
+    if h % (2 * ROW_BLOCK) or f % ROW_BLOCK:
+        raise ValueError(f"the CPU expert kernel needs H % {2 * ROW_BLOCK} == 0 and "
+                         f"F % {ROW_BLOCK} == 0, got H={h} F={f}")
+
+
+def _store_arrays(slots: ExpertSlots) -> tuple[Any, ...]:
+    """numpy views (no copy) of the store's fields: w13, s13, g13, w2, s2, g2."""
+    return tuple(t.numpy() for t in (slots.w13, slots.w13_scale, slots.w13_global, slots.w2,
+                                     slots.w2_scale, slots.w2_global))
+
+
+def moe_cpu(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, slots: ExpertSlots, *,
+            out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+    """The CPU-side routed experts of a batch (module docstring): x [N, H] float, rows [N, k]
+    store rows (-1: not here), weights [N, k], NVFP4 slots in host memory, all on the CPU.
+    Returns out [N, H] float32 (every element written) on `threads` (default: all). Raises
+    ValueError on inputs the kernel does not take, RuntimeError without numba."""
+    check_slots(slots)
+    n, h = x.shape
+    if h != slots.hidden_size or rows.shape != weights.shape or rows.shape[0] != n:
+        raise ValueError(f"x {list(x.shape)}, rows {list(rows.shape)}, weights "
+                         f"{list(weights.shape)} do not match H={slots.hidden_size}")
+    if any(t.device.type != "cpu" for t in (x, rows, weights)):
+        raise ValueError("moe_cpu takes CPU tensors")
+    if out is None:
+        out = torch.empty(n, h, dtype=torch.float32)
+    elif out.shape != (n, h) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 [{n}, {h}] tensor")
+    k = _kernels()
+    threads = check_threads(max_threads() if threads is None else threads)
+    xf = x.detach().to(torch.float32).contiguous().numpy()
+    r = rows.detach().to(torch.int64).contiguous().numpy()
+    w = weights.detach().to(torch.float32).contiguous().numpy()
+    k.moe(xf, r, w, *_store_arrays(slots), out.numpy(), k.e4m3, threads, k.setters)
+    return out
+
+
+def quantize_blocks_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] rounded as the kernel's int8 inputs (per block of 16), dequantized, fp32."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, 16)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv) * (amax / 127.0)).reshape(x.shape)
+
+
+def moe_cpu_ref(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, slots: ExpertSlots,
+                *, quantize_inputs: bool = True) -> torch.Tensor:
+    """Torch reference of `moe_cpu` in fp32, inputs rounded as the kernel's (unless not
+    `quantize_inputs`)."""
+    rnd = quantize_blocks_ref if quantize_inputs else torch.Tensor.float
+    return moe_pairs_ref(rnd(x.float()), rows, weights.float(), slots, rnd)
+
+
+def moe_cpu_bytes(rows: torch.Tensor, slots: ExpertSlots) -> int:
+    """Bytes of the store a `moe_cpu` call over `rows` reads (each distinct expert once)."""
+    distinct = len(set(rows[rows >= 0].tolist()))
+    per = sum(t[0].numel() * t.element_size() for t in (
+        slots.w13, slots.w13_scale, slots.w13_global, slots.w2, slots.w2_scale, slots.w2_global))
+    return distinct * per
+
+
+def read_host(buffer: torch.Tensor) -> int:
+    """A checksum of every 8-byte word of a contiguous CPU tensor, read with all the kernel's
+    threads (the host read-bandwidth probe of `offload.bandwidth`)."""
+    words = buffer.view(torch.uint8).reshape(-1)
+    words = words[:words.numel() // 8 * 8].view(torch.int64).numpy().view("uint64")
+    return int(_kernels().read_sum(words))
+
+
+def max_threads() -> int:
+    """The most threads the CPU kernel can run on (numba's pool; NUMBA_NUM_THREADS sets it)."""
+    import numba
+
+    _kernels()
+    return numba.config.NUMBA_NUM_THREADS
+
+
+def check_threads(threads: int) -> int:
+    if not 1 <= threads <= max_threads():
+        raise ValueError(f"threads must be in 1..{max_threads()}, got {threads}")
+    return threads
+
+
+def host_descriptor(slots: ExpertSlots, stage: torch.Tensor, out: torch.Tensor,
+                    top_k: int, row_base: int, threads: int) -> torch.Tensor:
+    """The int64 [DESC_WORDS] descriptor `host_entry` reads: a call on `threads` threads
+    (word D_THREADS, changeable) over `stage` (float32 [N, H + 2k]: x | rows as int32 bits
+    relative to `row_base` | weights) into `out` (float32 [N, H]); both outlive every call."""
+    check_slots(slots)
+    n, h = out.shape
+    if stage.shape != (n, h + 2 * top_k) or stage.dtype != torch.float32 \
+            or out.dtype != torch.float32 or not (stage.is_contiguous() and out.is_contiguous()):
+        raise ValueError("host_descriptor: stage must be float32 [N, H + 2k], out float32 [N, H]")
+    d = torch.zeros(DESC_WORDS, dtype=torch.int64)
+    d[D_STAGE], d[D_OUT], d[D_N], d[D_K], d[D_ROW_BASE] = (stage.data_ptr(), out.data_ptr(), n,
+                                                           top_k, row_base)
+    for i, t in zip((D_W13, D_S13, D_G13, D_W2, D_S2, D_G2),
+                    (slots.w13, slots.w13_scale, slots.w13_global, slots.w2, slots.w2_scale,
+                     slots.w2_global), strict=True):
+        d[i] = t.data_ptr()
+    d[D_ROWS], d[D_H], d[D_F] = slots.num_slots, h, slots.intermediate_size
+    d[D_THREADS] = check_threads(threads)
+    d[D_SET_THREADS], d[D_SET_CHUNK] = (int(a) for a in _kernels().setters)
+    return d
+
+
+def host_entry_address() -> int:
+    """Address of `void entry(void *descriptor)`: `moe_cpu` on the descriptor's buffers with no
+    Python (a CUDA host function), counting experts in D_COUNT and calls in D_CALLS."""
+    return _kernels().entry_address
+
+
+def run_host_entry(descriptor: torch.Tensor) -> None:
+    """Call `host_entry_address()` on `descriptor` from this thread (CPU use and tests)."""
+    import ctypes
+
+    fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(host_entry_address())
+    fn(descriptor.data_ptr())
+
+
+@functools.cache
+def _kernels() -> Any:
+    import os
+    import sys
+
+    if "numba" not in sys.modules:  # compiled code cached beside the other kernels
+        from tinyserve import envs
+
+        os.environ.setdefault("NUMBA_CACHE_DIR", str(envs.CACHE_DIR.get() / "numba"))
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        raise RuntimeError("the CPU expert kernel needs numba (pip install numba)") from None
+    from tinyserve.kernels.moe import cpu_numba as _nvfp4_cpu_numba
+
+    return _nvfp4_cpu_numba.build(ROW_BLOCK, DESC_WORDS)

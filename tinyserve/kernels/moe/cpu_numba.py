@@ -1,0 +1,322 @@
+"""The numba code of `cpu.py` (imported on first use). Arrays: x [N, H] fp32, rows [N, k]
+int64 (-1: skipped), wts [N, k] fp32; w13 uint8 [R, 2F, H/2], s13 [R, 2F, H/16], g13 fp32
+[R, 2], w2 uint8 [R, H, F/2], s2 [R, H, F/16], g2 fp32 [R]; out [N, H] fp32; e4 fp32 [256]."""
+
+from __future__ import annotations
+
+import ctypes
+from types import SimpleNamespace
+
+import numpy as np
+from llvmlite import ir
+from numba import carray, cfunc, njit, prange, types
+from numba.extending import intrinsic
+from numba.np.ufunc.parallel import _launch_threads
+
+RB = 32  # rows per work item: kernels.moe.cpu.ROW_BLOCK
+DW = 19  # descriptor words: kernels.moe.cpu.DESC_WORDS
+
+
+@intrinsic
+def _addr(typingctx, ptr):
+    sig = types.int64(types.voidptr)
+
+    def codegen(context, builder, signature, args):
+        return builder.ptrtoint(args[0], ir.IntType(64))
+
+    return sig, codegen
+
+
+def _typed_ptr(dtype):
+    @intrinsic
+    def ptr(typingctx, addr):
+        sig = types.CPointer(dtype)(types.int64)
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+        return sig, codegen
+
+    return ptr
+
+
+@intrinsic
+def _call_i32(typingctx, addr, value):
+    """`int f(int)` at address `addr` called with `value` (numba's threading-layer setters,
+    reached through addresses passed in: a cached function may not hold their ctypes
+    objects)."""
+    sig = types.int64(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        fn = builder.inttoptr(args[0], ir.FunctionType(i32, [i32]).as_pointer())
+        return builder.sext(builder.call(fn, [builder.trunc(args[1], i32)]), ir.IntType(64))
+
+    return sig, codegen
+
+
+_ptr_f32 = _typed_ptr(types.float32)
+_ptr_i32 = _typed_ptr(types.int32)
+_ptr_i64 = _typed_ptr(types.int64)
+_ptr_u8 = _typed_ptr(types.uint8)
+
+
+# The block dot, written in LLVM IR with SSSE3 instructions (every x86-64 CPU since 2006; VEX
+# encoded where the host has AVX): 16 code bytes (32 inputs, two scale blocks) per iteration.
+_I8, _I16, _I32, _I64, _F32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
+                               ir.FloatType())
+_V16I8, _V8I16, _V4I32, _V4F32 = (ir.VectorType(_I8, 16), ir.VectorType(_I16, 8),
+                                  ir.VectorType(_I32, 4), ir.VectorType(_F32, 4))
+# twice the E2M1 value of each code (integers; the sign is bit 3)
+_E2M1_X2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def _declare(module: ir.Module, name: str, ret: ir.Type, *args: ir.Type) -> ir.Function:
+    fn = module.globals.get(name)
+    return fn if fn is not None else ir.Function(module, ir.FunctionType(ret, args), name)
+
+
+def _splat(ty: ir.VectorType, value: int | float) -> ir.Constant:
+    return ir.Constant(ty, [ir.Constant(ty.element, value)] * ty.count)
+
+
+def _dot_function(module: ir.Module) -> ir.Function:
+    """`float dot(i8 *codes, i8 *scales, float *e4, i8 *xq, float *xs, i64 chunks)`: the sum
+    over blocks of 16 inputs of e4[scales[b]] * xs[b] * (sum of 2 * E2M1(code) * xq) (see
+    `_quantize` for xq's layout); `chunks` >= 1 iterations of 16 code bytes."""
+    name = "tinyserve_nvfp4_i8_dot"
+    fn = module.globals.get(name)
+    if fn is not None:
+        return fn
+    i8p, f32p = _I8.as_pointer(), _F32.as_pointer()
+    fn = ir.Function(module, ir.FunctionType(_F32, [i8p, i8p, f32p, i8p, f32p, _I64]), name)
+    fn.linkage = "internal"
+    codes, scales, e4, xq, xs, chunks = fn.args
+    pshufb = _declare(module, "llvm.x86.ssse3.pshuf.b.128", _V16I8, _V16I8, _V16I8)
+    psign = _declare(module, "llvm.x86.ssse3.psign.b.128", _V16I8, _V16I8, _V16I8)
+    maddubs = _declare(module, "llvm.x86.ssse3.pmadd.ub.sw.128", _V8I16, _V16I8, _V16I8)
+    maddwd = _declare(module, "llvm.x86.sse2.pmadd.wd", _V4I32, _V8I16, _V8I16)
+    entry, loop, done = (fn.append_basic_block(n) for n in ("entry", "loop", "done"))
+    b = ir.IRBuilder(entry)
+    b.branch(loop)
+    b.position_at_end(loop)
+    i = b.phi(_I64)
+    acc = b.phi(_V4F32)
+
+    def const(v: int) -> ir.Constant:
+        return ir.Constant(_I64, v)
+
+    def load16(ptr: ir.Value, offset: ir.Value) -> ir.Value:
+        return b.load(b.bitcast(b.gep(ptr, [offset]), _V16I8.as_pointer()), align=1)
+
+    c = load16(codes, b.mul(i, const(16)))
+    table = ir.Constant(_V16I8, [ir.Constant(_I8, v & 0xFF) for v in _E2M1_X2])
+    w_even = b.call(pshufb, [table, b.and_(c, _splat(_V16I8, 15))])
+    w_odd = b.call(pshufb, [table, b.lshr(c, _splat(_V16I8, 4))])
+    x_even = load16(xq, b.mul(i, const(32)))
+    x_odd = load16(xq, b.add(b.mul(i, const(32)), const(16)))
+    # |w| (unsigned) times x with w's sign, pairs summed to int16, then quads to int32: lanes
+    # 0-1 hold the first scale block of the chunk, lanes 2-3 the second
+    pairs = b.add(b.call(maddubs, [b.call(psign, [w_even, w_even]),
+                                   b.call(psign, [x_even, w_even])]),
+                  b.call(maddubs, [b.call(psign, [w_odd, w_odd]),
+                                   b.call(psign, [x_odd, w_odd])]))
+    quads = b.sitofp(b.call(maddwd, [pairs, _splat(_V8I16, 1)]), _V4F32)
+    scale = ir.Constant(_V4F32, ir.Undefined)
+    for j in range(2):
+        blk = b.add(b.mul(i, const(2)), const(j))
+        s = b.fmul(b.load(b.gep(e4, [b.zext(b.load(b.gep(scales, [blk])), _I64)])),
+                   b.load(b.gep(xs, [blk])))
+        for lane in (2 * j, 2 * j + 1):
+            scale = b.insert_element(scale, s, ir.Constant(_I32, lane))
+    acc_next = b.fadd(acc, b.fmul(quads, scale))
+    i_next = b.add(i, const(1))
+    i.add_incoming(const(0), entry)
+    i.add_incoming(i_next, loop)
+    acc.add_incoming(_splat(_V4F32, 0.0), entry)
+    acc.add_incoming(acc_next, loop)
+    b.cbranch(b.icmp_unsigned("<", i_next, chunks), loop, done)
+    b.position_at_end(done)
+    lane = [b.extract_element(acc_next, ir.Constant(_I32, j)) for j in range(4)]
+    b.ret(b.fadd(b.fadd(lane[0], lane[1]), b.fadd(lane[2], lane[3])))
+    return fn
+
+
+@intrinsic
+def _dot(typingctx, codes, scales, e4, xq, xs):
+    """One weight row (codes uint8 [K/2], scales uint8 [K/16]) against one quantized input
+    (xq int8 [K], xs fp32 [K/16]); twice the dot (the table holds 2 * E2M1), before the row's
+    global scale. K % 32 == 0."""
+    sig = types.float32(codes, scales, e4, xq, xs)
+
+    def codegen(context, builder, signature, args):
+        i8p, f32p = _I8.as_pointer(), _F32.as_pointer()
+        ptrs = [builder.bitcast(context.make_array(t)(context, builder, v).data, p)
+                for t, v, p in zip(signature.args, args, (i8p, i8p, f32p, i8p, f32p),
+                                   strict=True)]
+        codes_array = context.make_array(signature.args[0])(context, builder, args[0])
+        chunks = builder.udiv(builder.extract_value(codes_array.shape, 0), ir.Constant(_I64, 16))
+        return builder.call(_dot_function(builder.module), [*ptrs, chunks])
+
+    return sig, codegen
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def _quantize(x, q, s):
+    """x fp32 [K] -> q int8 [K], s fp32 [K/16]: per block of 16 inputs s = max|x| / 127 and
+    q = round(x * 127 / max|x|), stored per chunk of 32 inputs as its 16 even inputs then its
+    16 odd ones (the order the dot splits the code bytes in). Not fast-math: the torch
+    reference rounds the same way."""
+    for blk in range(x.shape[0] // 16):
+        amax = np.float32(0.0)
+        for i in range(blk * 16, blk * 16 + 16):
+            amax = max(amax, abs(x[i]))
+        s[blk] = amax / np.float32(127.0)
+        inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+        base = (blk // 2) * 32 + (blk % 2) * 8
+        for j in range(8):
+            q[base + j] = np.int8(np.round(x[blk * 16 + 2 * j] * inv))
+            q[base + 16 + j] = np.int8(np.round(x[blk * 16 + 2 * j + 1] * inv))
+
+
+@njit(parallel=True, fastmath=True, nogil=True, cache=True, error_model="numpy")
+def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, setters):
+    """Every pair's expert (module docstring of kernels.moe.cpu) on `threads` threads
+    (`setters`: the addresses of numba's set_num_threads and set_parallel_chunksize);
+    returns the number of distinct experts computed."""
+    n, topk = rows.shape
+    h = x.shape[1]
+    f = w2.shape[2] * 2
+    # pairs with a row, grouped by row (ascending; stable within a row)
+    flat = rows.reshape(-1)
+    order = np.argsort(flat, kind="mergesort")
+    first = 0
+    while first < order.shape[0] and flat[order[first]] < 0:
+        first += 1
+    pairs = order[first:]
+    npairs = pairs.shape[0]
+    starts = np.zeros(npairs + 1, np.int64)  # group u = pairs[starts[u]:starts[u + 1]]
+    groups = 0
+    for p in range(npairs):
+        if p == 0 or flat[pairs[p]] != flat[pairs[p - 1]]:
+            starts[groups] = p
+            groups += 1
+    starts[groups] = npairs
+    if groups == 0:
+        out[:] = 0.0
+        return 0
+    _call_i32(setters[0], threads)
+    # work items handed out one at a time: a thread the OS preempts (the engine's own threads
+    # share the cores) delays one item, not a fixed share of the call
+    chunk = _call_i32(setters[1], 1)
+    xq = np.empty((n, h), np.int8)
+    xs = np.empty((n, h // 16), np.float32)
+    for t in range(n):
+        _quantize(x[t], xq[t], xs[t])
+    gu = np.empty((npairs, 2 * f), np.float32)  # gate | up of each pair (in `pairs` order)
+    nb1 = 2 * f // RB
+    for item in prange(groups * nb1):
+        u = item // nb1
+        r = flat[pairs[starts[u]]]
+        for o in range(item % nb1 * RB, item % nb1 * RB + RB):
+            g = g13[r, o // f] * np.float32(0.5)
+            for p in range(starts[u], starts[u + 1]):
+                t = pairs[p] // topk
+                gu[p, o] = _dot(w13[r, o], s13[r, o], e4, xq[t], xs[t]) * g
+    hq = np.empty((npairs, f), np.int8)  # silu(gate) * up, quantized as x is
+    hs = np.empty((npairs, f // 16), np.float32)
+    hid = np.empty(f, np.float32)
+    for p in range(npairs):
+        for i in range(f):
+            g = gu[p, i]
+            hid[i] = g / (np.float32(1.0) + np.exp(-g)) * gu[p, f + i]
+        _quantize(hid, hq[p], hs[p])
+    for item in prange(h // RB):
+        acc = np.zeros(n, np.float32)
+        for o in range(item * RB, item * RB + RB):
+            acc[:] = 0.0
+            for u in range(groups):
+                r = flat[pairs[starts[u]]]
+                for p in range(starts[u], starts[u + 1]):
+                    q = pairs[p]
+                    acc[q // topk] += wts.reshape(-1)[q] * g2[r] * np.float32(0.5) * _dot(
+                        w2[r, o], s2[r, o], e4, hq[p], hs[p])
+            for t in range(n):
+                out[t, o] = acc[t]
+    _call_i32(setters[1], chunk)
+    return groups
+
+
+def _e4m3_values() -> np.ndarray:
+    """fp32 [256]: every E4M3 bit pattern's value (specs/nvfp4.md §1; NaN for 0x7F / 0xFF)."""
+    b = np.arange(256)
+    e, m = (b >> 3) & 15, (b & 7).astype(np.float64)
+    mag = np.where(e == 0, m * 2.0**-9, (1.0 + m / 8) * 2.0 ** (e - 7.0))
+    mag = np.where((b & 0x7F) == 0x7F, np.nan, mag)
+    return np.where(b & 0x80, -mag, mag).astype(np.float32)
+
+
+_E4M3 = _e4m3_values()
+# NOTE: the threading layer first: a cached `entry` (it calls the parallel `moe`) links
+# against its scheduler symbols when loaded.
+_launch_threads()
+
+
+@cfunc(types.void(types.voidptr), nopython=True, cache=True)
+def entry(desc):
+    """`void entry(void *descriptor)`: kernels.moe.cpu.host_descriptor's layout."""
+    d = carray(_ptr_i64(_addr(desc)), (DW,))
+    n, topk, base = d[2], d[3], d[4]
+    nrows, h, f = d[11], d[12], d[13]
+    width = h + 2 * topk
+    stage_f = carray(_ptr_f32(d[0]), (n, width))
+    stage_i = carray(_ptr_i32(d[0]), (n, width))
+    out = carray(_ptr_f32(d[1]), (n, h))
+    w13 = carray(_ptr_u8(d[5]), (nrows, 2 * f, h // 2))
+    s13 = carray(_ptr_u8(d[6]), (nrows, 2 * f, h // 16))
+    g13 = carray(_ptr_f32(d[7]), (nrows, 2))
+    w2 = carray(_ptr_u8(d[8]), (nrows, h, f // 2))
+    s2 = carray(_ptr_u8(d[9]), (nrows, h, f // 16))
+    g2 = carray(_ptr_f32(d[10]), (nrows,))
+    x = np.empty((n, h), np.float32)
+    rows = np.empty((n, topk), np.int64)
+    wts = np.empty((n, topk), np.float32)
+    for t in range(n):
+        for i in range(h):
+            x[t, i] = stage_f[t, i]
+        for j in range(topk):
+            r = stage_i[t, h + j]
+            rows[t, j] = r + base if r >= 0 else -1
+            wts[t, j] = stage_f[t, h + topk + j]
+    e4 = np.empty(256, np.float32)  # (a writable array: the same `moe` as Python calls)
+    e4[:] = _E4M3
+    setters = np.empty(2, np.int64)
+    setters[0], setters[1] = d[17], d[18]
+    d[14] += moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, d[16], setters)
+    d[15] += 1
+
+
+def build(row_block: int, desc_words: int) -> SimpleNamespace:
+    """The compiled kernels: `moe`, the E4M3 table it takes and the C entry's address."""
+    if row_block != RB or desc_words != DW:
+        raise ValueError("kernels.moe.cpu and its numba code disagree on their constants")
+    from numba.np.ufunc import parallel
+
+    setters = np.array([ctypes.cast(f, ctypes.c_void_p).value for f in
+                        (parallel._set_num_threads, parallel._set_parallel_chunksize)], np.int64)
+    return SimpleNamespace(moe=moe, e4m3=_E4M3.copy(), entry_address=entry.address,
+                           read_sum=read_sum, setters=setters)
+
+
+@njit(parallel=True, nogil=True, cache=True, error_model="numpy")
+def read_sum(words):
+    """Sum of uint64 words [n] read by every thread (a host read-bandwidth probe)."""
+    chunks = 256
+    per = (words.shape[0] + chunks - 1) // chunks
+    part = np.zeros(chunks, np.uint64)
+    for c in prange(chunks):
+        acc = np.uint64(0)
+        for i in range(c * per, min(words.shape[0], (c + 1) * per)):
+            acc += words[i]
+        part[c] = acc
+    return part.sum()

@@ -184,7 +184,6 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/messages")
     async def messages(req: MessagesRequest, request: Request) -> Response:
-        state.require_engine()
         state.check_model(req.model)
         chat, prefix = to_chat_request(req)
         prep = await prepare_chat(state, chat, max_param="max_tokens", clamp=True,
@@ -197,7 +196,6 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(req: CountTokensRequest) -> dict[str, Any]:
-        state.require_engine()
         state.check_model(req.model)
         chat, prefix = to_chat_request(req)
         prompt, _ = await render_prompt(state, chat, answer_prefix=prefix)

@@ -1,13 +1,9 @@
-"""The generation driver shared by every generating route (chat/completions, completions,
-messages, responses).
+"""The generation driver shared by every generating route.
 
-Submits to the engine, then either streams SSE events (keep-alive comments while nothing
-arrives; if generation fails or the server shuts down after the stream started, the API's own
-end of a failed stream: OpenAI's error event and `data: [DONE]`, Anthropic's `error` event,
-the Responses API's `response.failed`) or collects one body while watching the client.
-Whenever the client goes away before the request finishes, the request is aborted in the
-engine, which frees its KV pages and state slot. The formatters decide the events' shapes and
-framing (`encode`, `error_event`, `stream_end`).
+Submits to the engine, then streams SSE events (keep-alive comments while nothing arrives; a
+failure after the stream started ends it as its API ends a failed stream: the formatter's
+`error_event`) or collects one body while watching the client. When the client goes away
+first, the request is aborted in the engine, which frees its KV pages and state slot.
 """
 
 from __future__ import annotations
@@ -97,13 +93,6 @@ async def generate(state: ServerState, request: Request, fmts: Sequence[Formatte
     return await run.collect(request)
 
 
-def _failure(out: Any) -> APIError:
-    """The error for a request the engine ended by itself (a failure, or its shutdown)."""
-    if out.finish_reason == "abort":
-        return APIError(503, f"the request was stopped: {out.error or 'engine shutdown'}")
-    return APIError(500, f"generation failed: {out.error}")
-
-
 class _Run:
     """One HTTP request's choices (engine requests) on their way back to the client."""
 
@@ -143,12 +132,9 @@ class _Run:
                                         self.completion_tokens, time.monotonic() - self.t0)
 
     def _abort(self) -> None:
-        if self.finished:
-            return
-        self.finished = True
-        self._abort_open()
-        self.state.metrics.request_done(self.fmt.endpoint, "abort", self.prompt_tokens,
-                                        self.completion_tokens, time.monotonic() - self.t0)
+        if not self.finished:
+            self._abort_open()
+            self._done("abort")
 
     def _abort_open(self) -> None:
         """Abort the choices that have not finished."""
@@ -163,6 +149,32 @@ class _Run:
         reasons = [f.finish_reason for f in self.fmts]
         return next((r for r in reasons if r and r != "stop"), reasons[0] or "stop")
 
+    async def _next(self, pump: OutputPump, timeout: float) -> tuple[int, Any] | None:
+        try:
+            return await pump.next(timeout)
+        except StopAsyncIteration:
+            self._done("error")
+            raise APIError(500, "generation ended without a result") from None
+
+    def _take(self, i: int, out: Any) -> tuple[Formatter, list[dict[str, Any]], APIError | None]:
+        """One engine output of choice `i`: its formatter, its chunks, and the error when the
+        engine ended the request by itself (a failure, or its shutdown)."""
+        fmt = self.fmts[i]
+        self._account(i, out)
+        chunks = fmt.on_text(out.text or "", getattr(out, "logprobs", ()))
+        if not out.finished:
+            return fmt, chunks, None
+        self.open.discard(i)
+        if out.finish_reason in ("error", "abort"):
+            self._abort_open()  # the other choices are not wanted any more
+            self._done(out.finish_reason)
+            if out.finish_reason == "abort":
+                msg = out.error or "engine shutdown"
+                return fmt, chunks, APIError(503, f"the request was stopped: {msg}")
+            return fmt, chunks, APIError(500, f"generation failed: {out.error}")
+        chunks += fmt.on_finish(out.finish_reason, getattr(out, "stop_str", None))
+        return fmt, chunks, None
+
     async def stream(self, include_usage: bool) -> AsyncIterator[str]:
         pump = OutputPump(self.handles)
         try:
@@ -170,35 +182,22 @@ class _Run:
                 for chunk in fmt.start():
                     yield fmt.encode(chunk)
             while self.open:
-                try:
-                    item = await pump.next(self.state.config.keepalive_s)
-                except StopAsyncIteration:
-                    self._done("error")
-                    yield self.fmt.error_event(APIError(500, "generation ended without a result"))
-                    return
+                item = await self._next(pump, self.state.config.keepalive_s)
                 if item is None:
                     yield KEEPALIVE
                     continue
-                i, out = item
-                fmt = self.fmts[i]
-                self._account(i, out)
-                for chunk in fmt.on_text(out.text or "", getattr(out, "logprobs", ())):
+                fmt, chunks, err = self._take(*item)
+                for chunk in chunks:
                     yield fmt.encode(chunk)
-                if not out.finished:
-                    continue
-                if out.finish_reason in ("error", "abort"):  # abort here: engine shutdown
-                    self.open.discard(i)
-                    self._abort_open()  # the other choices are not wanted any more
-                    self._done(out.finish_reason)
-                    yield self.fmt.error_event(_failure(out))
+                if err is not None:
+                    yield self.fmt.error_event(err)
                     return
-                self.open.discard(i)
-                for chunk in fmt.on_finish(out.finish_reason, getattr(out, "stop_str", None)):
-                    yield fmt.encode(chunk)
             self._done(self._finish_reason())
             for event in self.fmt.stream_end(self.prompt_tokens, self.completion_tokens,
                                              self.cached_tokens, include_usage):
                 yield event
+        except APIError as err:
+            yield self.fmt.error_event(err)
         except Exception as exc:
             log.exception("stream %s failed", self.fmt.id)
             self._abort()
@@ -211,29 +210,15 @@ class _Run:
         pump = OutputPump(self.handles)
         try:
             while self.open:
-                try:
-                    item = await pump.next(self.state.config.disconnect_poll_s)
-                except StopAsyncIteration:
-                    self._done("error")
-                    raise APIError(500, "generation ended without a result") from None
+                item = await self._next(pump, self.state.config.disconnect_poll_s)
                 if item is None:
                     if await request.is_disconnected():
                         self._abort()
                         return Response(status_code=499)
                     continue
-                i, out = item
-                fmt = self.fmts[i]
-                self._account(i, out)
-                fmt.on_text(out.text or "", getattr(out, "logprobs", ()))
-                if not out.finished:
-                    continue
-                if out.finish_reason in ("error", "abort"):
-                    self.open.discard(i)
-                    self._abort_open()  # the other choices are not wanted any more
-                    self._done(out.finish_reason)
-                    raise _failure(out)
-                self.open.discard(i)
-                fmt.on_finish(out.finish_reason, getattr(out, "stop_str", None))
+                _, _, err = self._take(*item)
+                if err is not None:
+                    raise err
             self._done(self._finish_reason())
             choices = [f.choice() for f in self.fmts] if len(self.fmts) > 1 else None
             return JSONResponse(self.fmt.body(self.prompt_tokens, self.completion_tokens,

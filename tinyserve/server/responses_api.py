@@ -152,7 +152,6 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/responses")
     async def responses(req: ResponsesRequest, request: Request) -> Response:
-        state.require_engine()
         state.check_model(req.model)
         chat = to_chat_request(req)
         prep = await prepare_chat(state, chat, prompt_param="input",

@@ -1,28 +1,14 @@
-"""The Anthropic Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`) as a
-translator onto the chat pipeline.
+"""The Anthropic Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`) translated
+onto the chat pipeline.
 
-A request becomes a `ChatCompletionRequest`: `system` (a string or text blocks) the system
-message; user turns' `tool_result` blocks tool messages (in block order, text blocks between
-them user messages); assistant turns' `thinking` blocks `reasoning_content`, `text` blocks the
-content and `tool_use` blocks tool calls; tools (`input_schema`) function tools; `tool_choice`
-auto / any / tool / none the chat forms ("required" and a named function are forced by
-prefilling the call, `server.tool_choice`); `stop_sequences` stop strings; `thinking`
-enabled / adaptive / disabled the template's `enable_thinking` (absent: the template's
-default). A final assistant turn of text is the start of the answer (Anthropic's prefill).
-The template gets `preserve_thinking: true` unless the request's `chat_template_kwargs` (an
-extension) says otherwise: Anthropic clients send the thinking blocks back.
-
-`max_tokens` is required, as Anthropic requires it; one beyond what the context has left is
-cut to it, and a response that ends there stops with `model_context_window_exceeded`. A
-prompt the context cannot hold is a 400 "prompt is too long: N tokens > M maximum", refused
-before it is tokenised in full. Errors are Anthropic error objects (`errors.error_body_for`).
-
-The bodies (`anthropic_protocol`) are validated as the OpenAI ones are: strict types, Anthropic's
-ranges, unknown fields refused by name. Refused with a 400: images, documents and other block
-kinds, Anthropic's own tool types (web search, bash, text editor, ...), MCP servers,
-containers and structured outputs. Special-token strings anywhere in the request
-(`<|im_end|>`, ...) are text, as on every chat route.
+`system` becomes the system message; user turns' `tool_result` blocks tool messages; assistant
+turns' `thinking` / `text` / `tool_use` blocks reasoning, content and tool calls; `tool_choice`
+auto / any / tool / none the chat forms; `thinking` the template's `enable_thinking`. A final
+assistant turn of text is the start of the answer (Anthropic's prefill). `max_tokens` beyond
+the context's room is cut to it (the answer then stops with `model_context_window_exceeded`);
+a prompt the context cannot hold is "prompt is too long: N tokens > M maximum".
 """
+
 
 from __future__ import annotations
 
@@ -45,7 +31,7 @@ from tinyserve.server.anthropic_protocol import (
 from tinyserve.server.errors import APIError
 from tinyserve.server.generate import generate
 from tinyserve.server.prepare import prepare_chat, render_prompt
-from tinyserve.server.protocol import ChatCompletionRequest, chat_request
+from tinyserve.server.protocol import ChatCompletionRequest, chat_request, function_tool
 from tinyserve.server.state import ServerState
 from tinyserve.server.tool_parser import json_text
 
@@ -159,20 +145,15 @@ def to_chat_request(req: CountTokensRequest) -> tuple[ChatCompletionRequest, str
         else:
             messages.append(_assistant_message(_blocks(msg.content), where))
     tool_choice, parallel = _tool_choice(req.tool_choice)
-    tools = [{"type": "function", "function": {
-        "name": t.name, "description": t.description,
-        "parameters": t.input_schema or {"type": "object", "properties": {}}}}
-        for t in req.tools or []]
-    body: dict[str, Any] = {
-        "messages": messages, "tools": tools or None, "tool_choice": tool_choice,
-        "parallel_tool_calls": parallel,
-        "chat_template_kwargs": {"preserve_thinking": True, **(req.chat_template_kwargs or {})}}
+    tools = [function_tool(t.name, t.description, t.input_schema) for t in req.tools or []]
+    body: dict[str, Any] = {"messages": messages, "tools": tools or None,
+                            "tool_choice": tool_choice, "parallel_tool_calls": parallel}
     if req.thinking is not None:
         body["thinking"] = {"type": "disabled" if req.thinking.type == "disabled" else "enabled"}
     if isinstance(req, MessagesRequest):
         body.update(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                     top_k=req.top_k, stop=req.stop_sequences or None, stream=req.stream)
-    return chat_request(body), prefix
+    return chat_request(body, req.chat_template_kwargs), prefix
 
 
 def _too_long(size: str, context: int) -> str:

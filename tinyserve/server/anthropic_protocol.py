@@ -1,14 +1,11 @@
-"""Request bodies of the Anthropic Messages API (`/v1/messages`, `/v1/messages/count_tokens`),
-validated as the OpenAI ones are (`protocol.StrictModel`): strict types, finite numbers,
-Anthropic's ranges, unknown fields refused by name (as Anthropic's API refuses them).
+"""Request bodies of the Anthropic Messages API, validated as the OpenAI ones are.
 
-Content blocks are typed by their `type`: text, thinking, redacted_thinking, tool_use and
-tool_result; a block of any other kind (image, document, a server tool's) is an `OtherKind`
-that `anthropic_api` refuses naming it. Accepted and without effect: `metadata`,
-`service_tier`, `cache_control` on blocks and tools, `citations` on text blocks,
-`context_management`, `output_config.effort`, `thinking.budget_tokens` (not enforced), the
-thinking blocks' `signature` (not checked).
+Content blocks are typed by their `type`; a block of another kind (image, document, a server
+tool's) is an `OtherKind` that `anthropic_api` refuses naming it. Accepted without effect:
+`metadata`, `service_tier`, `cache_control`, `citations`, `context_management`,
+`output_config.effort`, `thinking.budget_tokens` and thinking blocks' `signature`.
 """
+
 
 from __future__ import annotations
 

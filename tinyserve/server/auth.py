@@ -1,8 +1,7 @@
-"""ASGI middlewares: API-key check (every route but /health) and the request body size limit.
-
-Both are plain ASGI (no BaseHTTPMiddleware), so streaming responses and disconnect detection
-pass through untouched.
+"""ASGI middlewares: the API key (every route but /health) and the body size limit. Plain ASGI,
+so streaming responses and disconnect detection pass through untouched.
 """
+
 
 from __future__ import annotations
 

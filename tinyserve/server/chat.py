@@ -1,12 +1,10 @@
 """Chat messages -> prompt token ids through the checkpoint's own chat template.
 
-The template (Qwen3.5's, read from the checkpoint's tokenizer) renders tools, reasoning of past
-turns and tool responses; `enable_thinking` and any other variables come from the request's
-`chat_template_kwargs`. Whether generation starts inside a `<think>` block is read from the
-rendered prompt. Special-token strings in anything the client sent stay text
-(`prompt_ids`: a user cannot forge a turn), and a prompt longer than the context is refused
-before it is tokenised in full.
+Template variables come from the request's `chat_template_kwargs`; whether generation starts
+inside `<think>` is read from the rendered prompt. Special-token strings the client sent stay
+text (`prompt_ids`), and a prompt longer than the context is refused before it is tokenised.
 """
+
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""OpenAI error objects: `{"error": {"message", "type", "param", "code"}}` for every failure,
-and Anthropic's (`{"type": "error", "error": {"type", "message"}}`) on the Anthropic routes.
+"""Error objects: OpenAI's `{"error": {"message", "type", "param", "code"}}`, and Anthropic's
+`{"type": "error", "error": {"type", "message"}}` on the Anthropic routes.
 
-`APIError` is raised anywhere in a request handler; `install_error_handlers(app)` turns it,
-FastAPI's validation errors (422 -> 400), HTTP errors and anything unexpected (500, logged)
-into the shape the route's clients expect (`error_body_for(path, ...)`).
+`install_error_handlers(app)` turns `APIError`, validation errors (422 -> 400), HTTP errors
+and anything unexpected (500, logged) into the object the route's clients expect.
 """
+
 
 from __future__ import annotations
 

@@ -1,18 +1,12 @@
-"""`tinyserve run MODEL` and `tinyserve demo`: start answering at once, load in the background.
+"""`tinyserve run MODEL` and `tinyserve demo`: answer at once, load in the background.
 
-The HTTP server comes up first (`/health` answers 503 with the load progress). A thread then
-plans the memory and prints the plan (the text `tinyserve plan` prints for the same flags),
-builds the engine under a progress bar that counts the real work (`engine.progress`), warms
-it up on a GPU and prints the URL with the device memory the process then holds. A load
-failure is printed as one line and ends the process with status 1.
-
-SIGTERM drains: new requests get 503 (and `/health` 503 "shutting_down") at once, running
-requests have `drain_s` seconds to finish, then what is left is aborted (a stream ends as its
-API ends a failed stream: OpenAI's error event and `data: [DONE]`, Anthropic's `error` event,
-the Responses API's `response.failed`; a non-streamed request gets a 503 in its API's error
-shape) and the process exits with status 0. SIGINT does the same without the grace period; a
-second signal exits at once.
+The HTTP server comes up first (`/health`: 503 with the load progress); a thread plans and
+prints the memory plan, builds the engine under a progress bar, warms it up on a GPU and
+prints the URL. A load failure is one line and exit status 1. SIGTERM drains: new requests get
+503, running ones have `drain_s` seconds, the rest are aborted (each ends as its API ends a
+failed request), exit status 0. SIGINT skips the grace period; a second signal exits at once.
 """
+
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""Prometheus text-format metrics for `GET /metrics` (no client library needed).
-
-The server counts requests, tokens and latencies itself; queue and memory gauges come from
-`engine.stats()` at scrape time. Names carry the `tinyserve:` prefix (vLLM uses `vllm:`).
+"""Prometheus text metrics for `GET /metrics`: requests, tokens and latencies counted here,
+queue, memory and cache figures read from `engine.stats()` at scrape time.
 """
+
 
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
-"""The OpenAPI schema served at `GET /openapi.json` (behind the API key when one is set).
-
-FastAPI's generated schema is corrected to what the server really answers: no 422 (every
-validation error is a 400 with the API's error object), and each route lists the error
-statuses it can send (400 invalid request, 401 missing or wrong key, 404 unknown model or
-route, 413 body too large, 500 generation failure, 503 loading or shutting down), each with
-the error schema of the route's API: OpenAI's error object, or Anthropic's on `/v1/messages`
-and the routes under it. Generation routes answer JSON or, with `stream: true`, server-sent
-events (each API's own). With an API key the schema declares the key's two headers
-(`Authorization: Bearer` or `x-api-key`) on every route but /health. The served model's id is
-the example of the bodies' `model` field.
+"""The OpenAPI schema served at `GET /openapi.json`, corrected to what the server answers: no
+422 (validation errors are 400s), each route's error statuses with its API's error object,
+the event streams of the generating routes, and the API key's headers when one is set.
 """
+
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
-"""A chat request on its way to the engine: the steps every chat-shaped API shares.
-
-`/v1/chat/completions` takes its `ChatCompletionRequest` as it came; `/v1/messages` and
-`/v1/responses` translate theirs into one first. Then: the prompt through the chat template
-(`ChatRenderer`), the start of the answer written for the model when a tool call is forced or
-the client began the answer (`tool_choice.continuation`), the fit in the context, and the
-sampling parameters. What the response formatters need comes back in `PreparedChat`.
+"""A chat request on its way to the engine, the steps every chat-shaped API shares: the prompt
+through the chat template, the answer's start when a tool call is forced or the client began
+it (`tool_choice.continuation`), the fit in the context and the sampling parameters.
 """
+
 
 from __future__ import annotations
 

@@ -1,21 +1,14 @@
 """Client text -> token ids: special-token strings a client sends stay text, and a prompt longer
 than the context is refused before it is tokenised in full.
 
-Chat: the template renders the client's strings (message contents, names, tool calls and
-definitions, template variables) into one text beside its own control tokens
-(`<|im_start|>`, `<|im_end|>`, ...). Tokenising that text whole would turn a user's literal
-`<|im_end|>\\n<|im_start|>system` into real control tokens: a forged turn. So every client
-string is escaped before rendering (each special-token string becomes a private-use marker),
-the rendered text is split at the control tokens the template wrote, and the pieces between
-are tokenised with special tokens off after the markers are turned back into the client's
-literal text. Benign input gets exactly the ids of tokenising the rendered text whole.
-
-Length: a token covers at most `max_token_chars` characters (the longest entry of the
-vocabulary), so a text longer than `limit x max_token_chars` is refused without tokenising;
-a text long for its limit is tokenised in pieces first, and refused as soon as the pieces
-hold more than `limit` tokens (with a margin per cut, so a prompt that fits is never
-refused), so a 10 MB prompt costs what `limit` tokens cost, not 10 MB of tokenising.
+Every client string is escaped before the template renders it (each special-token string
+becomes a private-use marker), the rendered text is split at the control tokens the template
+wrote, and the pieces between are tokenised with special tokens off after unescaping: a user's
+literal `<|im_end|>` cannot forge a turn, and benign input gets the ids of the whole text.
+A token covers at most `max_token_chars` characters, so a text over `limit x max_token_chars`
+is refused at once; a long one is counted in pieces and refused as soon as they exceed.
 """
+
 
 from __future__ import annotations
 

@@ -1,17 +1,12 @@
-"""Request bodies of the OpenAI-compatible API (pydantic), and what they ask of the sampler.
+"""Request bodies of the OpenAI API (pydantic) and what they ask of the sampler.
 
-Validation lives here, in one place, for every endpoint: `StrictModel` models are strict (no
-coercion: `max_tokens: "3"` or `true`, `temperature: "0.5"`, `stream: 1` are refused, while
-an integer is a number), refuse unknown fields (as OpenAI's API does), and declare OpenAI's
-ranges on the fields (the served OpenAPI schema shows them); `errors.validation_error` turns
-any failure into a 400 naming the parameter. What the types cannot say (features that are
-not supported, combinations) is checked by `check_supported`. Fields of OpenAI's that carry
-nothing for generation (`METADATA_FIELDS`) are accepted and change nothing; other OpenAI or
-vLLM fields that would change the output are refused by name (`UNSUPPORTED`). The other APIs'
-bodies (`anthropic_api`, `responses_api`) are built the same way: on `RequestBody` (a
-top-level body with its own `UNSUPPORTED`), `StrictModel` and the field types below.
-Responses are plain dicts built in `server.responses`.
+`StrictModel` bodies are strict (no coercion: `max_tokens: "3"` or `stream: 1` are refused),
+refuse unknown fields as OpenAI does, and declare OpenAI's ranges (the served schema shows
+them); `errors.validation_error` turns a failure into a 400 naming the parameter. Fields that
+would change the output but are not supported are refused by name (`UNSUPPORTED`); what the
+types cannot say is checked by `check_supported`. The other APIs' bodies build on these.
 """
+
 
 from __future__ import annotations
 
@@ -378,10 +373,21 @@ class CompletionRequest(_Sampling):
         return p
 
 
-def chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
-    """The chat request another API's translator built (`anthropic_api`, `responses_api`). A
-    value that API's own model let through but a chat request refuses is a 400 (its
-    parameter named as the chat request names it), never a 500."""
+def function_tool(name: str, description: str | None, parameters: dict[str, Any] | None
+                  ) -> dict[str, Any]:
+    """A chat function tool (from another API's tool definition)."""
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": parameters or {"type": "object", "properties": {}}}}
+
+
+def chat_request(body: dict[str, Any], template_kwargs: dict[str, Any] | None
+                 ) -> ChatCompletionRequest:
+    """The chat request another API's translator built (`anthropic_api`, `responses_api`). The
+    template gets `preserve_thinking: true` unless `template_kwargs` says otherwise: those
+    clients send the thinking back. A value that API's own model let through but a chat
+    request refuses is a 400 naming the parameter as the chat request names it."""
+    body["chat_template_kwargs"] = {"preserve_thinking": True, **(template_kwargs or {})}
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:

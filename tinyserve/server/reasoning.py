@@ -1,13 +1,11 @@
-"""Qwen3.5 reasoning split: text before `</think>` is reasoning, text after it is the answer.
+"""Qwen3.5 reasoning split: text before `</think>` is reasoning, text after it the answer.
 
-The Qwen3.5 template opens `<think>` in the prompt, so generation starts inside the reasoning
-block and only `</think>` appears in the output. With thinking off the prompt already holds
-`<think>\\n\\n</think>\\n\\n` and all output is content; which case applies is read from the
-prompt (`reasoning_open_in_prompt`). `<tool_call>` ends reasoning implicitly (the tool call
-itself stays in the content stream for the tool parser). A `<think>` at the very start of the
-output (older Qwen3 templates) is stripped. Whitespace around the reasoning is trimmed, and
-the answer's leading whitespace too, identically when streaming and when not.
+Generation starts inside `<think>` when the prompt left it open (`reasoning_open_in_prompt`);
+with thinking off all output is content. `<tool_call>` ends reasoning too, a `<think>` at the
+very start of the output is stripped, and whitespace around the parts is trimmed, the same
+way streamed and not.
 """
+
 
 from __future__ import annotations
 

@@ -1,34 +1,14 @@
-"""The OpenAI Responses API (`POST /v1/responses`), as far as Codex CLI and the openai SDK use
-it, as a translator onto the chat pipeline.
+"""The OpenAI Responses API (`POST /v1/responses`), as Codex CLI and the openai SDK use it,
+translated onto the chat pipeline.
 
-A request becomes a `ChatCompletionRequest`: `instructions` and every system / developer
-message the one system message (the chat template takes it only first); user and assistant
-messages (`input_text` / `output_text` parts) chat messages; a `reasoning` item the
-`reasoning_content` of the assistant turn it starts; `function_call` items that turn's tool
-calls; `function_call_output` items tool messages; function tools chat tools; `tool_choice`
-"required" or `{"type": "function", "name"}` a forced call (`server.tool_choice`);
-`reasoning.effort` "none" turns thinking off (other efforts: the template's default, on).
-The template gets `preserve_thinking: true` unless the request's `chat_template_kwargs` (an
-extension) says otherwise.
-
-The server keeps no state: the client sends the whole conversation each time (as Codex does,
-with `store: false`). Reasoning comes back to a client that asks for
-`include: ["reasoning.encrypted_content"]` as `encrypted_content` (this server's own opaque
-encoding of the text), so a client that returns its reasoning items that way, as Codex does,
-keeps the model's earlier thinking. Refused with a 400 naming the field: `store: true`,
-`previous_response_id`, `conversation`, `background`, `prompt`, item references, built-in and
-custom tools (web search, file search, shell, ...), `strict: true` functions (no constrained
-decoding), images and files, structured outputs (`text.format` other than text),
-`truncation: "auto"`, logprobs and `max_tool_calls`. Accepted without effect: `metadata`,
-`user`, `prompt_cache_key`, `prompt_cache_retention`, `service_tier`, `safety_identifier`,
-`client_metadata`, `stream_options`, `reasoning.summary`, `text.verbosity` and the `id` /
-`status` of items sent back.
-
-The body (`responses_protocol`) is validated as chat/completions' is: strict types, OpenAI's
-ranges, unknown fields refused by name; items and parts of a kind this server does not take
-are refused naming their kind. Special-token strings in any of the client's text are text, as
-on every chat route.
+`instructions` and system / developer messages become the one system message; a `reasoning`
+item the `reasoning_content` of the assistant turn it starts, `function_call` items that
+turn's tool calls, `function_call_output` items tool messages; `reasoning.effort` "none" turns
+thinking off. The server keeps no state: the client sends the whole conversation (`store:
+false`), and gets its reasoning back as `encrypted_content` when it includes
+"reasoning.encrypted_content", so that it can return the model's earlier thinking.
 """
+
 
 from __future__ import annotations
 
@@ -40,7 +20,7 @@ from fastapi.responses import Response
 from tinyserve.server.errors import APIError
 from tinyserve.server.generate import generate
 from tinyserve.server.prepare import prepare_chat
-from tinyserve.server.protocol import ChatCompletionRequest, chat_request
+from tinyserve.server.protocol import ChatCompletionRequest, chat_request, function_tool
 from tinyserve.server.responses_events import ResponsesFormatter, decode_reasoning
 from tinyserve.server.responses_protocol import (
     ENCRYPTED_INCLUDE,
@@ -132,19 +112,15 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     tool_choice: Any = req.tool_choice
     if isinstance(tool_choice, FunctionChoice):
         tool_choice = {"type": "function", "function": {"name": tool_choice.name}}
-    tools = [{"type": "function", "function": {
-        "name": t.name, "description": t.description,
-        "parameters": t.parameters or {"type": "object", "properties": {}}}}
-        for t in req.tools or []]
+    tools = [function_tool(t.name, t.description, t.parameters) for t in req.tools or []]
     body: dict[str, Any] = {
         "messages": messages, "tools": tools or None, "tool_choice": tool_choice,
         "parallel_tool_calls": req.parallel_tool_calls, "max_tokens": req.max_output_tokens,
-        "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream,
-        "chat_template_kwargs": {"preserve_thinking": True, **(req.chat_template_kwargs or {})}}
+        "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream}
     effort = req.reasoning.effort if req.reasoning is not None else None
     if effort is not None:
         body["thinking"] = {"type": "disabled" if effort == "none" else "enabled"}
-    return chat_request(body)
+    return chat_request(body, req.chat_template_kwargs)
 
 
 def add_responses_routes(app: FastAPI, state: ServerState) -> None:

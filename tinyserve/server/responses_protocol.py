@@ -1,12 +1,10 @@
-"""Request body of the OpenAI Responses API (`/v1/responses`), validated as chat/completions'
-is (`protocol.StrictModel`): strict types, finite numbers, OpenAI's ranges, unknown fields
-refused by name.
+"""Request body of the OpenAI Responses API, validated as chat/completions' is.
 
-Input items are typed by their `type` (a message when it has none): message, reasoning,
-function_call, function_call_output; content parts: input_text / output_text / text. An item
-or part of any other kind (item references, images, files, ...) is an `OtherKind` that
-`responses_api` refuses naming it. `check_supported` refuses what the types cannot say.
+Input items are typed by their `type` (a message when it has none); an item or part of
+another kind (item references, images, files) is an `OtherKind` that `responses_api` refuses
+naming it.
 """
+
 
 from __future__ import annotations
 

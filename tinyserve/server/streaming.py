@@ -1,10 +1,8 @@
-"""Server-Sent Events framing and the bridge from an engine request to the event loop.
-
-`OutputPump` drains `RequestHandle`s (async iteration) into a queue, each in its own task, so
-the handler can wait for the next output with a timeout (to send `: keep-alive` comments during a
-long prefill and to notice a client that went away) without ever cancelling the handle's own
-iterator.
+"""Server-Sent Events framing, and `OutputPump`: engine request handles -> one queue, each
+drained by its own task, so the handler can wait with a timeout (keep-alives, disconnects)
+without cancelling a handle's iterator.
 """
+
 
 from __future__ import annotations
 

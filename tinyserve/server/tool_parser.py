@@ -1,6 +1,4 @@
-"""Streaming parser for Qwen3.5 XML tool calls.
-
-The model writes one block per call::
+"""Streaming parser for Qwen3.5 XML tool calls, one block per call::
 
     <tool_call>
     <function=get_weather>
@@ -10,16 +8,12 @@ The model writes one block per call::
     </function>
     </tool_call>
 
-`ToolCallParser.feed(text)` takes the next piece of generated text and returns events:
-`ContentDelta` for text outside the blocks, `ToolCallStart` when a function name is known,
-`ToolCallArgs` with the next fragment of the call's JSON `arguments` (the fragments of one call
-concatenate to a JSON object). Parameter values are converted to the JSON type their tool's
-schema declares; whatever the model writes and whatever the client's schema says, the
-arguments are strict JSON (a value that would not be - a set, bytes, an infinite or NaN
-number - stays the model's text). `finish()` flushes what is left, closing a half-written
-call when its name is known and returning the raw text as content otherwise (a malformed
-block is never lost).
+`feed(text)` returns `ContentDelta` (text outside the blocks), `ToolCallStart` (a name is
+known) and `ToolCallArgs` (the next fragment of the call's JSON arguments). Values take the
+JSON type their schema declares, and the arguments are always strict JSON. `finish()` closes a
+half-written call whose name is known and gives anything else back as content.
 """
+
 
 from __future__ import annotations
 

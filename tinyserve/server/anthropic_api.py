@@ -9,7 +9,6 @@ the context's room is cut to it (the answer then stops with `model_context_windo
 a prompt the context cannot hold is "prompt is too long: N tokens > M maximum".
 """
 
-
 from __future__ import annotations
 
 from typing import Any

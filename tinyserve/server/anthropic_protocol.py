@@ -6,7 +6,6 @@ tool's) is an `OtherKind` that `anthropic_api` refuses naming it. Accepted witho
 `output_config.effort`, `thinking.budget_tokens` and thinking blocks' `signature`.
 """
 
-
 from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal

@@ -2,7 +2,6 @@
 so streaming responses and disconnect detection pass through untouched.
 """
 
-
 from __future__ import annotations
 
 import hmac

@@ -5,7 +5,6 @@ inside `<think>` is read from the rendered prompt. Special-token strings the cli
 text (`prompt_ids`), and a prompt longer than the context is refused before it is tokenised.
 """
 
-
 from __future__ import annotations
 
 import json

@@ -7,7 +7,6 @@ prints the URL. A load failure is one line and exit status 1. SIGTERM drains: ne
 failed request), exit status 0. SIGINT skips the grace period; a second signal exits at once.
 """
 
-
 from __future__ import annotations
 
 import signal

@@ -5,7 +5,6 @@ A token's text is its own bytes decoded alone (byte-level BPE: U+FFFD in `token`
 character, the exact `bytes`); minus infinity is sent as -9999.0, as OpenAI does.
 """
 
-
 from __future__ import annotations
 
 import functools

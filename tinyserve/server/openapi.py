@@ -3,7 +3,6 @@
 the event streams of the generating routes, and the API key's headers when one is set.
 """
 
-
 from __future__ import annotations
 
 from typing import Any

@@ -3,7 +3,6 @@ through the chat template, the answer's start when a tool call is forced or the 
 it (`tool_choice.continuation`), the fit in the context and the sampling parameters.
 """
 
-
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -9,7 +9,6 @@ A token covers at most `max_token_chars` characters, so a text over `limit x max
 is refused at once; a long one is counted in pieces and refused as soon as they exceed.
 """
 
-
 from __future__ import annotations
 
 import re

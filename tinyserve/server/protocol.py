@@ -7,7 +7,6 @@ would change the output but are not supported are refused by name (`UNSUPPORTED`
 types cannot say is checked by `check_supported`. The other APIs' bodies build on these.
 """
 
-
 from __future__ import annotations
 
 import dataclasses

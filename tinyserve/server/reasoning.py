@@ -6,7 +6,6 @@ very start of the output is stripped, and whitespace around the parts is trimmed
 way streamed and not.
 """
 
-
 from __future__ import annotations
 
 from tinyserve.server.tool_parser import TOOL_OPEN, partial_suffix_len

@@ -9,7 +9,6 @@ false`), and gets its reasoning back as `encrypted_content` when it includes
 "reasoning.encrypted_content", so that it can return the model's earlier thinking.
 """
 
-
 from __future__ import annotations
 
 from typing import Any

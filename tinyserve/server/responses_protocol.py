@@ -5,7 +5,6 @@ another kind (item references, images, files) is an `OtherKind` that `responses_
 naming it.
 """
 
-
 from __future__ import annotations
 
 from typing import Any, ClassVar, Literal

@@ -3,7 +3,6 @@ drained by its own task, so the handler can wait with a timeout (keep-alives, di
 without cancelling a handle's iterator.
 """
 
-
 from __future__ import annotations
 
 import asyncio

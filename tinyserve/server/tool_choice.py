@@ -6,7 +6,6 @@ the generation prompt: an empty think block closed when the prompt left it open,
 the parameters; the response's parsers read the preamble first, as if generated.
 """
 
-
 from __future__ import annotations
 
 from typing import Any

@@ -14,7 +14,6 @@ JSON type their schema declares, and the arguments are always strict JSON. `fini
 half-written call whose name is known and gives anything else back as content.
 """
 
-
 from __future__ import annotations
 
 import ast

@@ -178,5 +178,5 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
     async def count_tokens(req: CountTokensRequest) -> dict[str, Any]:
         state.check_model(req.model)
         chat, prefix = to_chat_request(req)
-        prompt, _ = await render_prompt(state, chat, answer_prefix=prefix)
+        prompt = await render_prompt(state, chat, answer_prefix=prefix)
         return {"input_tokens": len(prompt.ids)}

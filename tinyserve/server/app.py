@@ -17,7 +17,7 @@ from tinyserve.server.auth import APIKeyMiddleware, BodyLimitMiddleware
 from tinyserve.server.chat import encode_text
 from tinyserve.server.errors import APIError, install_error_handlers
 from tinyserve.server.formatters import ChatFormatter, CompletionFormatter
-from tinyserve.server.generate import check_fits, context_length, generate, make_params
+from tinyserve.server.generate import check_fits, choice_params, context_length, generate
 from tinyserve.server.openapi import openapi_schema
 from tinyserve.server.prepare import prepare_chat
 from tinyserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -103,8 +103,7 @@ def create_app(state: ServerState) -> FastAPI:
             ids = _check_token_ids(prompt, len(engine.tokenizer))
         max_tokens = check_fits(len(ids), req.requested_max_tokens, context,
                                 prompt_param="prompt", max_param="max_tokens")
-        params = make_params(lambda: req.choice_params(
-            max_tokens=max_tokens, stop_token_ids=state.stop_token_ids), "max_tokens")
+        params = choice_params(state, req, max_tokens, "max_tokens")
         fmts = _choices(state, req, params,
                         lambda **kw: CompletionFormatter(state.config.served_model_name, **kw))
         return await generate(state, request, fmts, ids, params, stream=req.stream,

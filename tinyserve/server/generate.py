@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -24,7 +24,6 @@ from tinyserve.server.state import ServerState
 from tinyserve.server.streaming import KEEPALIVE, SSE_HEADERS, OutputPump
 
 log = get_logger(__name__)
-T = TypeVar("T")
 
 
 def context_length(engine: Any) -> int:
@@ -51,10 +50,11 @@ def check_fits(prompt_len: int, max_tokens: int | None, max_context: int, *,
     return max_tokens
 
 
-def make_params(build: Callable[[], T], max_param: str) -> T:
-    """Call `build()` (a request's sampling parameters); range errors become 400s."""
+def choice_params(state: ServerState, req: Any, max_tokens: int, max_param: str
+                  ) -> list[SamplingParams]:
+    """`req`'s sampling parameters, one per choice; range errors become 400s."""
     try:
-        return build()
+        return req.choice_params(max_tokens=max_tokens, stop_token_ids=state.stop_token_ids)
     except ParamError as exc:
         param = max_param if exc.param == "max_tokens" else exc.param
         raise APIError(400, str(exc).replace(exc.param, param, 1), param=param) from None
@@ -72,19 +72,17 @@ async def generate(state: ServerState, request: Request, fmts: Sequence[Formatte
     try:
         for rid, p in zip(rids, params, strict=True):  # the choices share seats as one group
             handles.append(engine.submit(prompt_ids, p, request_id=rid, group=fmts[0].id))
-    except ValueError as exc:
+    except (ValueError, RuntimeError) as exc:
         for rid in rids[:len(handles)]:  # the choices already queued go too
             engine.abort(rid)
+        if isinstance(exc, RuntimeError):  # the engine is shutting down
+            raise APIError(503, f"the engine is not accepting requests: {exc}") from None
         state.metrics.request_done(fmts[0].endpoint, "rejected")
         if isinstance(exc, ParamError):  # a parameter the engine checks (logit_bias ids)
             raise APIError(400, str(exc), param=exc.param) from None
         # RequestRejected: can never fit, with the numbers
         raise APIError(400, str(exc), param=getattr(exc, "param", None) or fmts[0].prompt_param,
                        code="context_length_exceeded") from None
-    except RuntimeError as exc:  # the engine is shutting down
-        for rid in rids[:len(handles)]:
-            engine.abort(rid)
-        raise APIError(503, f"the engine is not accepting requests: {exc}") from None
     run = _Run(state, fmts, handles, rids, len(prompt_ids), t0)
     if stream:
         usage = include_usage or state.config.always_include_usage

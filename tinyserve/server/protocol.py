@@ -32,27 +32,20 @@ MAX_CHOICES = 16  # the most choices (`n`) one request may ask for
 MAX_STOP = 16  # the most stop strings
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' max_tokens when it is omitted or null
 
-# OpenAI fields that would change the output if they were ignored: refused by name when set
-# (null, false and empty values are as good as absent, and the harmless values below too).
+# OpenAI (and vLLM) fields that would change the output if they were ignored: refused by name
+# when set (null, false, empty and `HARMLESS` values are as good as absent)
 UNSUPPORTED = {
     "audio": "audio output is not supported",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
-    "verbosity": "verbosity is not supported",
-    "functions": "functions/function_call are deprecated; use tools",
-    "function_call": "functions/function_call are deprecated; use tools",
-    "guided_json": "guided decoding is not supported",
-    "guided_regex": "guided decoding is not supported",
-    "guided_choice": "guided decoding is not supported",
-    "guided_grammar": "guided decoding is not supported",
     "structured_outputs": "structured outputs are not supported",
-    "min_tokens": "min_tokens is not supported",
-    "include_stop_str_in_output": "include_stop_str_in_output is not supported",
+    **dict.fromkeys(("functions", "function_call"),
+                    "functions/function_call are deprecated; use tools"),
+    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar"),
+                    "guided decoding is not supported"),
+    **{k: f"{k} is not supported" for k in ("verbosity", "min_tokens",
+                                             "include_stop_str_in_output")},
 }
-_HARMLESS = {"min_tokens": 0}
-# OpenAI fields that carry nothing for generation here: accepted, and they change nothing.
-METADATA_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key",
-                   "safety_identifier")
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
 
 Probability = Annotated[float, Field(ge=0, le=1)]
@@ -67,9 +60,8 @@ class StrictModel(BaseModel):
 
 
 class RequestBody(StrictModel):
-    """A top-level body. `UNSUPPORTED`: the API's fields that would change the output if they
-    were ignored, refused by name with the reason when set (`errors.validation_error`); sent
-    empty (null, false, "", [], {}) or with their `HARMLESS` value they are as good as absent."""
+    """A top-level body. `UNSUPPORTED`: its API's fields refused by name with the reason when
+    set (`errors.validation_error`), dropped when empty or `HARMLESS`."""
 
     UNSUPPORTED: ClassVar[dict[str, str]] = {}
     HARMLESS: ClassVar[dict[str, Any]] = {}
@@ -77,7 +69,6 @@ class RequestBody(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _drop_unset(cls, data: Any) -> Any:
-        """Unsupported fields sent empty or harmless are dropped."""
         if not isinstance(data, dict) or not any(k in cls.UNSUPPORTED for k in data):
             return data
         return {k: v for k, v in data.items()
@@ -97,7 +88,7 @@ class OpenAIBody(RequestBody):
     """An OpenAI body: its metadata fields are accepted and change nothing."""
 
     UNSUPPORTED: ClassVar[dict[str, str]] = UNSUPPORTED
-    HARMLESS: ClassVar[dict[str, Any]] = _HARMLESS
+    HARMLESS: ClassVar[dict[str, Any]] = {"min_tokens": 0}
 
     user: str | None = None
     metadata: dict[str, str] | None = None

@@ -129,7 +129,6 @@ class ResponsesRequest(OpenAIBody):
         "max_tool_calls": "max_tool_calls is not supported",
         "top_logprobs": "top_logprobs is not supported",
     }
-    HARMLESS: ClassVar[dict[str, Any]] = {}
 
     model: str | None = None
     input: str | list[Item]

@@ -98,7 +98,7 @@ def create_app(state: ServerState) -> FastAPI:
         context = context_length(engine)
         if isinstance(prompt, str):
             ids = await anyio.to_thread.run_sync(
-                lambda: encode_text(engine.tokenizer, prompt, "prompt", context=context))
+                lambda: encode_text(engine.tokenizer, prompt, "prompt", context))
         else:
             ids = _check_token_ids(prompt, len(engine.tokenizer))
         max_tokens = check_fits(len(ids), req.requested_max_tokens, context,

@@ -36,29 +36,21 @@ _WHY = {
     "503": "the model is still loading or the server is shutting down",
 }
 _GENERATE = ("400", "401", "404", "413", "500", "503")
-# statuses each route may answer besides 200 (method, path)
-_ERRORS = {
-    ("POST", "/v1/chat/completions"): _GENERATE,
-    ("POST", "/v1/completions"): _GENERATE,
-    ("POST", "/v1/messages"): _GENERATE,
-    ("POST", "/v1/messages/count_tokens"): ("400", "401", "404", "413", "503"),
-    ("POST", "/v1/responses"): _GENERATE,
-    ("GET", "/v1/models"): ("401", "503"),
-    ("GET", "/v1/models/{model_id}"): ("401", "404", "503"),
-    ("GET", "/metrics"): ("401",),
-    ("GET", "/health"): ("503",),
+_ERRORS = {  # the statuses each route may answer besides 200
+    "/v1/chat/completions": _GENERATE, "/v1/completions": _GENERATE,
+    "/v1/messages": _GENERATE, "/v1/responses": _GENERATE,
+    "/v1/messages/count_tokens": ("400", "401", "404", "413", "503"),
+    "/v1/models": ("401", "503"), "/v1/models/{model_id}": ("401", "404", "503"),
+    "/metrics": ("401",), "/health": ("503",),
 }
-# what a streamed answer (`stream: true`) of each generating route is
-_STREAMING = {
-    ("POST", "/v1/chat/completions"): "server-sent events (`stream: true`): `data:` chunks "
-    "ending with `data: [DONE]` (after an error event too)",
-    ("POST", "/v1/completions"): "server-sent events (`stream: true`): `data:` chunks ending "
-    "with `data: [DONE]` (after an error event too)",
-    ("POST", "/v1/messages"): "server-sent events (`stream: true`), each named by its type: "
-    "`message_start` ... `message_stop`, or an `error` event after a failure",
-    ("POST", "/v1/responses"): "server-sent events (`stream: true`), each named by its type "
-    "and numbered: `response.created` ... `response.completed` (or `response.incomplete`), "
-    "or `response.failed` after a failure",
+_OPENAI_STREAM = "`data:` chunks ending with `data: [DONE]` (after an error event too)"
+_STREAMING = {  # what a streamed answer of each generating route is
+    "/v1/chat/completions": _OPENAI_STREAM, "/v1/completions": _OPENAI_STREAM,
+    "/v1/messages": "events named by their type: `message_start` ... `message_stop`, or an "
+                    "`error` event after a failure",
+    "/v1/responses": "events named by their type and numbered: `response.created` ... "
+                     "`response.completed` (or `response.incomplete`), or `response.failed` "
+                     "after a failure",
 }
 
 
@@ -86,22 +78,22 @@ def openapi_schema(app: Any, *, with_key: bool, model: str | None = None) -> dic
             "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
         schema["security"] = [{"bearer": []}, {"apiKey": []}]  # either header
     for path, item in schema.get("paths", {}).items():
-        for method, op in item.items():
-            key = (method.upper(), path)
+        for op in item.values():
             responses = op.setdefault("responses", {})
             responses.pop("422", None)
             ref = {"$ref": "#/components/schemas/" + ("AnthropicErrorResponse"
                                                       if is_anthropic_path(path)
                                                       else "ErrorResponse")}
-            for status in _ERRORS.get(key, ("401",) if with_key else ()):
+            for status in _ERRORS.get(path, ("401",) if with_key else ()):
                 if status == "401" and not with_key:
                     continue
                 responses[status] = {"description": _WHY[status],
                                      "content": {"application/json": {"schema": ref}}}
-            if key in _STREAMING:
+            if path in _STREAMING:
                 ok = responses.setdefault("200", {"description": "Successful Response"})
                 ok.setdefault("content", {})["text/event-stream"] = {"schema": {
-                    "type": "string", "description": _STREAMING[key]}}
+                    "type": "string",
+                    "description": f"server-sent events (`stream: true`): {_STREAMING[path]}"}}
             if path == "/health" and with_key:
                 op["security"] = []
     return schema

@@ -16,28 +16,19 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def sse(obj: dict[str, Any], event: str | None = None) -> str:
-    """One SSE event carrying `obj` as strict JSON (a NaN or an infinity raises ValueError,
-    as in the non-streamed bodies: they are not JSON), named `event` when given (the
-    Anthropic and Responses APIs name each event by its type)."""
+    """One SSE event carrying `obj` as strict JSON (NaN raises ValueError), named `event`
+    when given."""
     text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     return f"data: {text}\n\n" if event is None else f"event: {event}\ndata: {text}\n\n"
 
 
-class _End:
-    pass
-
-
-_END = _End()
+_END = object()  # a handle is exhausted
 
 
 class OutputPump:
-    """Reads the outputs of one or more request handles (the choices of one HTTP request),
-    each in its own background task, into one queue.
-
-    `await next(timeout)` returns the next `(choice index, output)`, `None` when `timeout`
-    passed first, and raises StopAsyncIteration once every handle is exhausted (or re-raises
-    a handle's exception).
-    """
+    """The outputs of the request handles of one HTTP request's choices, in one queue.
+    `await next(timeout)`: the next `(choice index, output)`, None when `timeout` passed
+    first; StopAsyncIteration once every handle is exhausted (or a handle's exception)."""
 
     def __init__(self, handles: Sequence[Any]) -> None:
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -49,8 +40,6 @@ class OutputPump:
         try:
             async for out in handle:
                 self._queue.put_nowait((index, out))
-        except asyncio.CancelledError:
-            raise
         except Exception as exc:  # surfaced to the handler as the next item
             self._queue.put_nowait(exc)
         finally:

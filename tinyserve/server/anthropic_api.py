@@ -244,15 +244,11 @@ def _blocks(content: str | list[Any]) -> list[Any]:
     return [TextBlock(type="text", text=content)] if isinstance(content, str) else content
 
 
-def _check_supported(req: CountTokensRequest) -> None:
+def to_chat_request(req: CountTokensRequest) -> tuple[ChatCompletionRequest, str]:
+    """The chat request `req` stands for, and the answer's start (a final assistant turn)."""
     if req.output_config is not None and req.output_config.format:
         raise APIError(400, "output_config.format is not supported (no constrained decoding)",
                        param="output_config.format")
-
-
-def to_chat_request(req: CountTokensRequest) -> tuple[ChatCompletionRequest, str]:
-    """The chat request `req` stands for, and the answer's start (a final assistant turn)."""
-    _check_supported(req)
     messages: list[dict[str, Any]] = []
     if req.system:
         system = req.system if isinstance(req.system, str) else _text_of(req.system, "system")
@@ -284,10 +280,6 @@ def to_chat_request(req: CountTokensRequest) -> tuple[ChatCompletionRequest, str
     return chat_request(body, req.chat_template_kwargs), prefix
 
 
-def _too_long(size: str, context: int) -> str:
-    return f"prompt is too long: {size} tokens > {context - 1} maximum"
-
-
 def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
     """Register POST /v1/messages and POST /v1/messages/count_tokens on `app`."""
 
@@ -296,7 +288,8 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
         state.check_model(req.model)
         chat, prefix = to_chat_request(req)
         prep = await prepare_chat(state, chat, max_param="max_tokens", clamp=True,
-                                  answer_prefix=prefix, too_long=_too_long)
+                                  answer_prefix=prefix, too_long=lambda size, context:
+                                  f"prompt is too long: {size} tokens > {context - 1} maximum")
         fmt = MessagesFormatter(state.config.served_model_name,
                                 prep.assembler(chat.parallel_tool_calls),
                                 prompt_tokens=len(prep.prompt.ids), clamped=prep.clamped)

@@ -229,25 +229,6 @@ class _Sampling(OpenAIBody):
             raise APIError(400, f"response_format {fmt!r} is not supported (no constrained "
                            "decoding); use 'text'", param="response_format")
 
-    def sampling_params(self, *, max_tokens: int, stop_token_ids: tuple[int, ...] = ()
-                        ) -> SamplingParams:
-        """The SamplingParams of this request (ParamError names a field out of range)."""
-        kw: dict[str, Any] = {}
-        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                     "frequency_penalty", "repetition_penalty", "seed"):
-            value = getattr(self, name)
-            if value is not None:
-                kw[name] = value
-        if kw.get("top_k") == -1:
-            kw["top_k"] = 0
-        if kw.get("top_p") == 0:  # nothing but the most likely token: greedy
-            kw.update(top_p=1.0, temperature=0.0)
-        stops = tuple(self.stop_token_ids or ()) + (() if self.ignore_eos else stop_token_ids)
-        return SamplingParams(max_tokens=max_tokens, stop=self.stop, ignore_eos=self.ignore_eos,
-                              stop_token_ids=tuple(dict.fromkeys(stops)),
-                              logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
-                              logprobs=self.top_k_logprobs, **kw)
-
     @property
     def top_k_logprobs(self) -> int | None:
         """How many alternatives per token the request's logprobs ask for (None: none)."""
@@ -255,9 +236,22 @@ class _Sampling(OpenAIBody):
 
     def choice_params(self, *, max_tokens: int, stop_token_ids: tuple[int, ...] = ()
                       ) -> list[SamplingParams]:
-        """The SamplingParams of each of the `n` choices: the request's, with the seed (when
-        given) advanced by the choice's index so that seeded choices differ."""
-        first = self.sampling_params(max_tokens=max_tokens, stop_token_ids=stop_token_ids)
+        """The SamplingParams of each of the `n` choices, the seed (when given) advanced by the
+        choice's index so that seeded choices differ. ParamError names a field out of range."""
+        kw: dict[str, Any] = {}
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "seed"):
+            if getattr(self, name) is not None:
+                kw[name] = getattr(self, name)
+        if kw.get("top_k") == -1:
+            kw["top_k"] = 0
+        if kw.get("top_p") == 0:  # nothing but the most likely token: greedy
+            kw.update(top_p=1.0, temperature=0.0)
+        stops = tuple(self.stop_token_ids or ()) + (() if self.ignore_eos else stop_token_ids)
+        first = SamplingParams(max_tokens=max_tokens, stop=self.stop, ignore_eos=self.ignore_eos,
+                               stop_token_ids=tuple(dict.fromkeys(stops)),
+                               logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+                               logprobs=self.top_k_logprobs, **kw)
         n = self.n or 1
         if n == 1 or first.seed is None:
             return [first] * n

@@ -162,8 +162,9 @@ def install_error_handlers(app: Any) -> None:
     def handler(to_error: Any) -> Any:
         async def handle(request: Any, exc: Exception) -> JSONResponse:
             err = to_error(request, exc)
+            headers = exc.headers if isinstance(exc, HTTPException) else None
             return JSONResponse(err.body_for(request.url.path), status_code=err.status,
-                                headers=getattr(exc, "headers", None))
+                                headers=headers)
         return handle
 
     def on_http(request: Any, exc: HTTPException) -> APIError:

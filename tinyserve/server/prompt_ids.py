@@ -50,8 +50,6 @@ class PromptEncoder:
         self._find = re.compile("|".join([re.escape(_ESC), *map(re.escape, specials)]))
         self.max_token_chars = _longest_token(tokenizer)
 
-    # ----------------------------------------------------------------- client strings
-
     def escape(self, value: Any) -> Any:
         """`value` (strings, lists, dicts, nested) with every special-token string in its
         strings (dict keys included) replaced by a marker; other values as they are."""
@@ -71,8 +69,6 @@ class PromptEncoder:
             return text
         return re.sub(f"{_ESC}(.)", lambda m: self._unmarker.get(m.group(1), m.group(1)), text,
                       flags=re.S)
-
-    # ----------------------------------------------------------------- token ids
 
     def encode_rendered(self, text: str, limit: int | None = None) -> list[int]:
         """Ids of a template's output whose client strings were `escape`d: the control tokens

@@ -52,8 +52,6 @@ class ReasoningParser:
             return buf.strip(), ""
         return "", buf
 
-    # ---------------------------------------------------------------------------------------
-
     def _step_start(self) -> None:
         head = self._buf.lstrip()
         if head.startswith(THINK_OPEN):
@@ -65,12 +63,16 @@ class ReasoningParser:
             self._state = "reasoning" if self._open else "content"
         self._lstrip = True
 
-    def _step_reasoning(self) -> str:
+    def _at_text(self) -> bool:
+        """Whether text is buffered, once the part's leading whitespace is dropped."""
         if self._lstrip:
             self._buf = self._buf.lstrip()
-            if not self._buf:
-                return ""
-            self._lstrip = False
+            self._lstrip = not self._buf
+        return bool(self._buf)
+
+    def _step_reasoning(self) -> str:
+        if not self._at_text():
+            return ""
         buf = self._buf
         ends = [(p, tag) for tag in (THINK_CLOSE, TOOL_OPEN) if (p := buf.find(tag)) >= 0]
         if ends:
@@ -87,10 +89,7 @@ class ReasoningParser:
         return out
 
     def _step_content(self) -> str:
-        if self._lstrip:
-            self._buf = self._buf.lstrip()
-            if not self._buf:
-                return ""
-            self._lstrip = False
+        if not self._at_text():
+            return ""
         out, self._buf = self._buf, ""
         return out

@@ -56,8 +56,6 @@ class ChatAssembler:
             return "tool_calls"
         return engine_reason
 
-    # ---------------------------------------------------------------------------------------
-
     def _deltas(self, reasoning: str, content: str, final: bool) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         if reasoning:

@@ -202,8 +202,6 @@ class ToolCallParser:
         self._buf = self._pending_ws = ""
         return events
 
-    # ---------------------------------------------------------------------------------------
-
     def _emit_content(self, text: str, events: list[ToolEvent]) -> None:
         if not text:
             return

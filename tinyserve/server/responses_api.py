@@ -26,6 +26,7 @@ from tinyserve.server.generate import generate
 from tinyserve.server.prepare import prepare_chat
 from tinyserve.server.protocol import (
     ChatCompletionRequest,
+    FunctionDef,
     OpenAIBody,
     Probability,
     StrictModel,
@@ -95,12 +96,8 @@ Item = by_type({"message": MessageItem, "reasoning": ReasoningItem,
                 "function_call_output": FunctionCallOutputItem}, default="message")
 
 
-class FunctionTool(StrictModel):
+class FunctionTool(FunctionDef):
     type: str
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
     @field_validator("type")
     @classmethod

@@ -42,13 +42,12 @@ class ChatAssembler:
 
     def message(self) -> dict[str, Any]:
         """The whole assistant message (non-streaming responses)."""
-        msg: dict[str, Any] = {"role": "assistant", "content": self.content or None}
+        msg: dict[str, Any] = {"role": "assistant",
+                               "content": self.content or (None if self.tool_calls else "")}
         if self.reasoning:
             msg["reasoning_content"] = msg["reasoning"] = self.reasoning
         if self.tool_calls:
             msg["tool_calls"] = self.tool_calls
-        elif msg["content"] is None:
-            msg["content"] = ""
         return msg
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
@@ -62,13 +61,10 @@ class ChatAssembler:
             self.reasoning += reasoning
             out.append({"reasoning_content": reasoning, "reasoning": reasoning})
         if self._tools is None:
-            if content:
-                self.content += content
-                out.append({"content": content})
-            return out
-        events = self._tools.feed(content) if content else []
-        if final:
-            events += self._tools.finish()
+            events: list[ToolEvent] = [ContentDelta(content)] if content else []
+        else:
+            events = self._tools.feed(content) if content else []
+            events += self._tools.finish() if final else []
         for ev in events:
             self._tool_event(ev, out)
         return out

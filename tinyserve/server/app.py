@@ -6,6 +6,7 @@ then. `/openapi.json` is behind the API key like every route but `/health`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -114,7 +115,8 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-def _choices(state: ServerState, req: Any, params: list[Any], new: Any) -> list[Any]:
+def _choices(state: ServerState, req: Any, params: list[Any], new: Callable[..., Any]
+             ) -> list[Any]:
     """One formatter per choice (`new(**kw)` makes one), sharing the first one's id."""
     token_text = state.token_text if params[0].logprobs is not None else None
     fmts: list[Any] = []

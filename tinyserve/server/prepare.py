@@ -41,7 +41,7 @@ class PreparedChat:
 async def render_prompt(state: ServerState, req: ChatCompletionRequest, *,
                         prompt_param: str = "messages", answer_prefix: str = "",
                         context: int | None = None) -> RenderedPrompt:
-    """The prompt of `req`, continuation included (`ChatRenderer.render`)."""
+    """The prompt of `req`, continuation included (`ChatRenderer.render_messages`)."""
     forced = forced_function(req.tool_choice, req.tools)  # a 400 for a forced call of no tool
     renderer = state.renderer
     return await anyio.to_thread.run_sync(lambda: renderer.render(

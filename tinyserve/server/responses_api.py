@@ -26,7 +26,6 @@ from tinyserve.server.generate import generate
 from tinyserve.server.prepare import prepare_chat
 from tinyserve.server.protocol import (
     ChatCompletionRequest,
-    FunctionDef,
     OpenAIBody,
     Probability,
     StrictModel,
@@ -96,8 +95,12 @@ Item = by_type({"message": MessageItem, "reasoning": ReasoningItem,
                 "function_call_output": FunctionCallOutputItem}, default="message")
 
 
-class FunctionTool(FunctionDef):
+class FunctionTool(StrictModel):
     type: str
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
     @field_validator("type")
     @classmethod

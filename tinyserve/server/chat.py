@@ -13,7 +13,7 @@ from typing import Any
 
 from tinyserve.server.errors import APIError, ContextLengthError
 from tinyserve.server.prompt_ids import PromptTooLong, encoder_for
-from tinyserve.server.protocol import ChatCompletionRequest, ChatMessage, ContentPart, ToolCall
+from tinyserve.server.protocol import ChatCompletionRequest, ChatMessage, ToolCall
 from tinyserve.server.reasoning import reasoning_open_in_prompt
 from tinyserve.server.tool_choice import continuation
 
@@ -27,12 +27,6 @@ class RenderedPrompt:
     ids: list[int]
     reasoning_open: bool  # generation starts inside <think> ... </think>
     prefill: str = ""  # the end of `text` the response's parsers read first, as if generated
-
-
-def _content_text(content: str | list[ContentPart] | None) -> str | None:
-    if isinstance(content, list):
-        return "".join(part.text or "" for part in content)
-    return content
 
 
 def _tool_call_for_template(call: ToolCall, where: str) -> dict[str, Any]:
@@ -56,8 +50,11 @@ def _tool_call_for_template(call: ToolCall, where: str) -> dict[str, Any]:
 def message_for_template(msg: ChatMessage, index: int) -> dict[str, Any]:
     """One request message as the template expects it (developer -> system, text parts joined,
     tool-call arguments as mappings, `reasoning` accepted for `reasoning_content`)."""
+    content = msg.content
+    if isinstance(content, list):
+        content = "".join(part.text or "" for part in content)
     out: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role,
-                           "content": _content_text(msg.content) or ""}
+                           "content": content or ""}
     reasoning = msg.reasoning_content if msg.reasoning_content is not None else msg.reasoning
     if reasoning is not None:
         out["reasoning_content"] = reasoning

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import re
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 _ESC = "\ue000"  # private use area: marks a client's special-token string (or a literal _ESC)
@@ -76,8 +75,9 @@ class PromptEncoder:
         Raises PromptTooLong when `limit` is set and the ids would be more."""
         self._check_chars(text, limit)
         ids: list[int] = []
-        for piece, special in self._pieces(text):
-            if special:
+        pieces = self._split.split(text) if self._split is not None else [text]
+        for k, piece in enumerate(pieces):
+            if k % 2:  # a control token the template wrote
                 ids.append(self._special_ids[piece])
             elif piece:
                 left = None if limit is None else limit - len(ids)
@@ -125,13 +125,6 @@ class PromptEncoder:
     def _ids(self, text: str, specials: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False,
                                           split_special_tokens=not specials))
-
-    def _pieces(self, text: str) -> Iterator[tuple[str, bool]]:
-        if self._split is None:
-            yield text, False
-            return
-        for i, piece in enumerate(self._split.split(text)):
-            yield piece, i % 2 == 1
 
 
 def _cut(text: str, end: int) -> int:

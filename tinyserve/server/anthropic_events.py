@@ -16,8 +16,8 @@ import uuid
 from typing import Any
 
 from tinyserve.server.errors import APIError, anthropic_error_body
+from tinyserve.server.formatters import sse
 from tinyserve.server.responses import ChatAssembler, ItemWriter
-from tinyserve.server.streaming import sse
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0

@@ -1,4 +1,4 @@
-"""OpenAI response shapes: one choice's text deltas -> streamed chunks or one response body.
+"""OpenAI response shapes: one choice's text deltas -> SSE chunks or one response body.
 
 A formatter (the `Formatter` protocol, which the Anthropic and Responses formatters follow
 too) turns one choice's deltas into chunks, frames them as SSE events and builds the body;
@@ -10,6 +10,7 @@ text is held back has its entry in a later chunk); every token's entry is sent o
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Sequence
@@ -19,7 +20,15 @@ from tinyserve.core import TokenLogprobs
 from tinyserve.server.errors import APIError
 from tinyserve.server.logprobs import TokenText, chat_entries, completion_logprobs
 from tinyserve.server.responses import ChatAssembler
-from tinyserve.server.streaming import DONE, sse
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(obj: dict[str, Any], event: str | None = None) -> str:
+    """One SSE event carrying `obj` as strict JSON (NaN raises ValueError), named `event`
+    when given."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return f"data: {text}\n\n" if event is None else f"event: {event}\ndata: {text}\n\n"
 
 
 class Formatter(Protocol):

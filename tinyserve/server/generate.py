@@ -4,6 +4,8 @@ Submits to the engine, then streams SSE events (keep-alive comments while nothin
 failure after the stream started ends it as its API ends a failed stream: the formatter's
 `error_event`) or collects one body while watching the client. When the client goes away
 first, the request is aborted in the engine, which frees its KV pages and state slot.
+`OutputPump` reads the choices' handles, each in its own task, so that the handler can wait
+with a timeout without cancelling a handle's iterator.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from tinyserve.log import get_logger
 from tinyserve.server.errors import APIError, ContextLengthError
 from tinyserve.server.formatters import Formatter
 from tinyserve.server.state import ServerState
-from tinyserve.server.streaming import KEEPALIVE, SSE_HEADERS, OutputPump
 
 log = get_logger(__name__)
+KEEPALIVE = ": keep-alive\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def context_length(engine: Any) -> int:
@@ -89,6 +92,49 @@ async def generate(state: ServerState, request: Request, fmts: Sequence[Formatte
         return StreamingResponse(run.stream(usage), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     return await run.collect(request)
+
+
+_END = object()  # a handle is exhausted
+
+
+class OutputPump:
+    """The outputs of the request handles of one HTTP request's choices, in one queue.
+    `await next(timeout)`: the next `(choice index, output)`, None when `timeout` passed
+    first; StopAsyncIteration once every handle is exhausted (or a handle's exception)."""
+
+    def __init__(self, handles: Sequence[Any]) -> None:
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._open = len(handles)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._run(i, h)) for i, h in enumerate(handles)]
+
+    async def _run(self, index: int, handle: Any) -> None:
+        try:
+            async for out in handle:
+                self._queue.put_nowait((index, out))
+        except Exception as exc:  # surfaced to the handler as the next item
+            self._queue.put_nowait(exc)
+        finally:
+            self._queue.put_nowait(_END)
+
+    async def next(self, timeout: float | None) -> tuple[int, Any] | None:
+        while True:
+            if not self._open:
+                raise StopAsyncIteration
+            try:
+                item = await asyncio.wait_for(self._queue.get(), timeout)
+            except asyncio.TimeoutError:
+                return None
+            if item is _END:
+                self._open -= 1
+                continue
+            if isinstance(item, Exception):
+                raise item
+            return item
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
 
 
 class _Run:

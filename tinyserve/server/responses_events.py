@@ -20,8 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 from tinyserve.server.errors import APIError
+from tinyserve.server.formatters import sse
 from tinyserve.server.responses import ChatAssembler, ItemWriter
-from tinyserve.server.streaming import sse
 
 _MARK = "tsr1."
 _ECHOED = ("instructions", "max_output_tokens", "parallel_tool_calls", "temperature", "top_p",

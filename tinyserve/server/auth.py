@@ -23,11 +23,8 @@ async def _send_error(send: Any, status: int, body: dict[str, Any],
 
 
 def key_matches(given: str, keys: tuple[str, ...]) -> bool:
-    """Constant-time comparison against every configured key."""
-    ok = False
-    for key in keys:
-        ok |= hmac.compare_digest(given.encode(), key.encode())
-    return ok
+    """Constant-time comparison against every configured key (all of them compared)."""
+    return any([hmac.compare_digest(given.encode(), key.encode()) for key in keys])
 
 
 class APIKeyMiddleware:

@@ -142,14 +142,6 @@ def _convert(value: str, schema: Any) -> Any:
     return value
 
 
-def _strip_one_newline(value: str) -> str:
-    if value.startswith("\n"):
-        value = value[1:]
-    if value.endswith("\n"):
-        value = value[:-1]
-    return value
-
-
 class ToolCallParser:
     """Incremental parser for one response. Not thread-safe; one instance per request."""
 
@@ -283,7 +275,7 @@ class ToolCallParser:
 
     def _add_param(self, key: str, raw: str, events: list[ToolEvent]) -> None:
         schema = self._schemas.get(self._name or "", {}).get(key)
-        value = convert_value(_strip_one_newline(raw), schema)
+        value = convert_value(raw.removeprefix("\n").removesuffix("\n"), schema)
         sep = "{" if self._num_params == 0 else ", "
         self._num_params += 1
         events.append(ToolCallArgs(self._index, f"{sep}{json.dumps(key, ensure_ascii=False)}: "

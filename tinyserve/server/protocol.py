@@ -352,7 +352,7 @@ class CompletionRequest(_Sampling):
             if len(p) != 1:
                 raise APIError(400, "one prompt per request is supported", param="prompt")
             p = p[0]
-        if (isinstance(p, str) and not p) or (isinstance(p, list) and not p):
+        if not p:
             raise APIError(400, "prompt must not be empty", param="prompt")
         return p
 

@@ -1,53 +1,167 @@
-"""The Anthropic Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`) as a
-translator onto the chat pipeline.
+"""The Anthropic Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`) translated
+onto the chat pipeline.
 
-A request becomes a `ChatCompletionRequest`: `system` (a string or text blocks) the system
-message; user turns' `tool_result` blocks tool messages (in block order, text blocks between
-them user messages); assistant turns' `thinking` blocks `reasoning_content`, `text` blocks the
-content and `tool_use` blocks tool calls; tools (`input_schema`) function tools; `tool_choice`
-auto / any / tool / none the chat forms ("required" and a named function are forced by
-prefilling the call, `server.tool_choice`); `stop_sequences` stop strings; `thinking`
-enabled / adaptive / disabled the template's `enable_thinking` (absent: the template's
-default). A final assistant turn of text is the start of the answer (Anthropic's prefill).
-The template gets `preserve_thinking: true` unless the request's `chat_template_kwargs` (an
-extension) says otherwise: Anthropic clients send the thinking blocks back.
+`system` becomes the system message; user turns' `tool_result` blocks tool messages; assistant
+turns' `thinking` / `text` / `tool_use` blocks reasoning, content and tool calls; `tool_choice`
+auto / any / tool / none the chat forms; `thinking` the template's `enable_thinking`. A final
+assistant turn of text is the start of the answer (Anthropic's prefill). `max_tokens` beyond
+the context's room is cut to it (the answer then stops with `model_context_window_exceeded`);
+a prompt the context cannot hold is "prompt is too long: N tokens > M maximum".
 
-`max_tokens` is required, as Anthropic requires it; one beyond what the context has left is
-cut to it, and a response that ends there stops with `model_context_window_exceeded`. A
-prompt the context cannot hold is a 400 "prompt is too long: N tokens > M maximum", refused
-before it is tokenised in full. Errors are Anthropic error objects (`errors.error_body_for`).
-
-The bodies (`anthropic_protocol`) are validated as the OpenAI ones are: strict types, Anthropic's
-ranges, unknown fields refused by name. Refused with a 400: images, documents and other block
-kinds, Anthropic's own tool types (web search, bash, text editor, ...), MCP servers,
-containers and structured outputs. Special-token strings anywhere in the request
-(`<|im_end|>`, ...) are text, as on every chat route.
+The bodies are validated as the OpenAI ones are (`protocol.StrictModel`); a block of a kind
+this server does not take (image, document, a server tool's) is refused naming it. Accepted
+without effect: `metadata`, `service_tier`, `cache_control`, `citations`,
+`context_management`, `output_config.effort`, `thinking.budget_tokens` and `signature`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from pydantic import Field, field_validator, model_validator
 
 from tinyserve.server.anthropic_events import MessagesFormatter
-from tinyserve.server.anthropic_protocol import (
-    AnthropicToolChoice,
-    CountTokensRequest,
-    MessagesRequest,
-    RedactedThinkingBlock,
-    TextBlock,
-    ThinkingBlock,
-    ToolResultBlock,
-    ToolUseBlock,
-)
 from tinyserve.server.errors import APIError
 from tinyserve.server.generate import generate
 from tinyserve.server.prepare import prepare_chat, render_prompt
-from tinyserve.server.protocol import ChatCompletionRequest, chat_request
+from tinyserve.server.protocol import (
+    MAX_STOP,
+    ChatCompletionRequest,
+    RequestBody,
+    StrictModel,
+    by_type,
+    chat_request,
+    function_tool,
+)
 from tinyserve.server.state import ServerState
 from tinyserve.server.tool_parser import json_text
+
+
+class _Cacheable(StrictModel):
+    cache_control: dict[str, Any] | None = None  # prompt caching hints: no effect here
+
+
+class TextBlock(_Cacheable):
+    type: Literal["text"]
+    text: str
+    citations: list[dict[str, Any]] | None = None
+
+
+class ThinkingBlock(StrictModel):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None  # not checked
+
+
+class RedactedThinkingBlock(StrictModel):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+class ToolUseBlock(_Cacheable):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+TextOrOther = by_type({"text": TextBlock})
+
+
+class ToolResultBlock(_Cacheable):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextOrOther] | None = None
+    is_error: bool | None = None
+
+
+Block = by_type({"text": TextBlock, "thinking": ThinkingBlock,
+                 "redacted_thinking": RedactedThinkingBlock, "tool_use": ToolUseBlock,
+                 "tool_result": ToolResultBlock})
+
+
+class AnthropicTool(_Cacheable):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    type: str | None = None  # "custom" or absent: a client tool; Anthropic's own are refused
+
+    @field_validator("type")
+    @classmethod
+    def _custom_only(cls, kind: str | None) -> str | None:
+        if kind not in (None, "custom"):
+            raise ValueError(f"Anthropic's {kind!r} tool is not supported; only custom tools "
+                             "(name, description, input_schema) are")
+        return kind
+
+
+class AnthropicToolChoice(StrictModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+    @model_validator(mode="after")
+    def _named(self) -> AnthropicToolChoice:
+        if self.type == "tool" and self.name is None:
+            raise ValueError("tool_choice.name is required with type 'tool'")
+        return self
+
+
+class ThinkingParam(StrictModel):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(None, ge=1024)  # not enforced
+
+    @model_validator(mode="after")
+    def _budget(self) -> ThinkingParam:
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise ValueError("thinking.budget_tokens is required with type 'enabled' "
+                             "(an integer >= 1024)")
+        return self
+
+
+class OutputConfig(StrictModel):
+    effort: Literal["low", "medium", "high", "max"] | None = None  # no effect
+    format: dict[str, Any] | None = None  # refused: structured outputs
+
+
+class AnthropicMessage(StrictModel):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class CountTokensRequest(RequestBody):
+    """The body of /v1/messages/count_tokens (and everything /v1/messages shares with it)."""
+
+    UNSUPPORTED: ClassVar[dict[str, str]] = {
+        "mcp_servers": "mcp_servers is not supported: this server connects to no MCP servers",
+        "container": "container is not supported: this server runs no code containers",
+        "output_format": "output_format is not supported (structured outputs need "
+                         "constrained decoding)",
+    }
+
+    model: str
+    messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
+    system: str | list[TextOrOther] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: ThinkingParam | None = None
+    context_management: dict[str, Any] | None = None  # no effect
+    output_config: OutputConfig | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extension
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: Annotated[list[Annotated[str, Field(min_length=1)]],
+                              Field(max_length=MAX_STOP)] | None = None
+    stream: bool = False
+    temperature: float | None = Field(default=None, ge=0, le=1)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    metadata: dict[str, Any] | None = None  # no effect
+    service_tier: str | None = None  # no effect
 
 
 def _text_of(blocks: list[Any], where: str) -> str:
@@ -130,15 +244,11 @@ def _blocks(content: str | list[Any]) -> list[Any]:
     return [TextBlock(type="text", text=content)] if isinstance(content, str) else content
 
 
-def _check_supported(req: CountTokensRequest) -> None:
+def to_chat_request(req: CountTokensRequest) -> tuple[ChatCompletionRequest, str]:
+    """The chat request `req` stands for, and the answer's start (a final assistant turn)."""
     if req.output_config is not None and req.output_config.format:
         raise APIError(400, "output_config.format is not supported (no constrained decoding)",
                        param="output_config.format")
-
-
-def to_chat_request(req: CountTokensRequest) -> tuple[ChatCompletionRequest, str]:
-    """The chat request `req` stands for, and the answer's start (a final assistant turn)."""
-    _check_supported(req)
     messages: list[dict[str, Any]] = []
     if req.system:
         system = req.system if isinstance(req.system, str) else _text_of(req.system, "system")
@@ -159,24 +269,15 @@ def to_chat_request(req: CountTokensRequest) -> tuple[ChatCompletionRequest, str
         else:
             messages.append(_assistant_message(_blocks(msg.content), where))
     tool_choice, parallel = _tool_choice(req.tool_choice)
-    tools = [{"type": "function", "function": {
-        "name": t.name, "description": t.description,
-        "parameters": t.input_schema or {"type": "object", "properties": {}}}}
-        for t in req.tools or []]
-    body: dict[str, Any] = {
-        "messages": messages, "tools": tools or None, "tool_choice": tool_choice,
-        "parallel_tool_calls": parallel,
-        "chat_template_kwargs": {"preserve_thinking": True, **(req.chat_template_kwargs or {})}}
+    tools = [function_tool(t.name, t.description, t.input_schema) for t in req.tools or []]
+    body: dict[str, Any] = {"messages": messages, "tools": tools or None,
+                            "tool_choice": tool_choice, "parallel_tool_calls": parallel}
     if req.thinking is not None:
         body["thinking"] = {"type": "disabled" if req.thinking.type == "disabled" else "enabled"}
     if isinstance(req, MessagesRequest):
         body.update(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                     top_k=req.top_k, stop=req.stop_sequences or None, stream=req.stream)
-    return chat_request(body), prefix
-
-
-def _too_long(size: str, context: int) -> str:
-    return f"prompt is too long: {size} tokens > {context - 1} maximum"
+    return chat_request(body, req.chat_template_kwargs), prefix
 
 
 def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
@@ -184,11 +285,11 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/messages")
     async def messages(req: MessagesRequest, request: Request) -> Response:
-        state.require_engine()
         state.check_model(req.model)
         chat, prefix = to_chat_request(req)
         prep = await prepare_chat(state, chat, max_param="max_tokens", clamp=True,
-                                  answer_prefix=prefix, too_long=_too_long)
+                                  answer_prefix=prefix, too_long=lambda size, context:
+                                  f"prompt is too long: {size} tokens > {context - 1} maximum")
         fmt = MessagesFormatter(state.config.served_model_name,
                                 prep.assembler(chat.parallel_tool_calls),
                                 prompt_tokens=len(prep.prompt.ids), clamped=prep.clamped)
@@ -197,8 +298,7 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(req: CountTokensRequest) -> dict[str, Any]:
-        state.require_engine()
         state.check_model(req.model)
         chat, prefix = to_chat_request(req)
-        prompt, _ = await render_prompt(state, chat, answer_prefix=prefix)
+        prompt = await render_prompt(state, chat, answer_prefix=prefix)
         return {"input_tokens": len(prompt.ids)}

@@ -1,13 +1,12 @@
-"""The FastAPI app: OpenAI-compatible routes over one engine (and, from their own modules, the
-Anthropic Messages and OpenAI Responses routes).
-
-`create_app(state)` builds the app; `state.engine` may be set later (the server answers
-`/health` with 503 and its load progress until then). `/openapi.json` serves the schema
-(`server.openapi`), behind the API key like every route but `/health`.
+"""The FastAPI app: the OpenAI routes (the Anthropic and Responses routes come from their own
+modules). `state.engine` may be set later: `/health` answers 503 with the load progress until
+then. `/openapi.json` is behind the API key like every route but `/health`.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -19,22 +18,20 @@ from tinyserve.server.auth import APIKeyMiddleware, BodyLimitMiddleware
 from tinyserve.server.chat import encode_text
 from tinyserve.server.errors import APIError, install_error_handlers
 from tinyserve.server.formatters import ChatFormatter, CompletionFormatter
-from tinyserve.server.generate import check_fits, context_length, generate, make_params
+from tinyserve.server.generate import check_fits, choice_params, context_length, generate
 from tinyserve.server.openapi import openapi_schema
 from tinyserve.server.prepare import prepare_chat
 from tinyserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from tinyserve.server.responses import now
 from tinyserve.server.responses_api import add_responses_routes
 from tinyserve.server.state import ServerState
+
+_CREATED = int(time.time())
 
 
 def model_card(state: ServerState) -> dict[str, Any]:
     n = context_length(state.require_engine())
     return {"id": state.config.served_model_name, "object": "model", "created": _CREATED,
             "owned_by": "tinyserve", "max_model_len": n, "context_length": n}
-
-
-_CREATED = now()
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -72,66 +69,61 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict[str, Any]:
-        card = model_card(state)
         state.check_model(model_id)
-        return card
+        return model_card(state)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        stats = None
-        if state.engine is not None:
-            try:
-                stats = state.engine.stats()
-            except Exception:  # metrics must never fail the scrape
-                stats = None
+        try:
+            stats = state.engine.stats() if state.engine is not None else None
+        except Exception:  # metrics must never fail the scrape
+            stats = None
         return PlainTextResponse(state.metrics.render(stats),
                                  media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        state.require_engine()
         state.check_model(req.model)
         req.check_supported()
         prep = await prepare_chat(state, req)
-        params = prep.params
-        token_text = state.token_text if params[0].logprobs is not None else None
-        fmts: list[ChatFormatter] = []
-        for i in range(len(params)):
-            fmts.append(ChatFormatter(state.config.served_model_name,
-                                      prep.assembler(req.parallel_tool_calls),
-                                      usage_null=req.include_usage, token_text=token_text,
-                                      index=i, first=fmts[0] if fmts else None))
-        return await generate(state, request, fmts, prep.prompt.ids, params, stream=req.stream,
-                              include_usage=req.include_usage)
+        fmts = _choices(state, req, prep.params, lambda **kw: ChatFormatter(
+            state.config.served_model_name, prep.assembler(req.parallel_tool_calls), **kw))
+        return await generate(state, request, fmts, prep.prompt.ids, prep.params,
+                              stream=req.stream, include_usage=req.include_usage)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
-        engine = state.require_engine()
-        state.check_model(req.model)
+        engine = state.check_model(req.model)
         req.check_supported()
         prompt = req.prompt_input()
         context = context_length(engine)
         if isinstance(prompt, str):
             ids = await anyio.to_thread.run_sync(
-                lambda: encode_text(engine.tokenizer, prompt, "prompt", context=context))
+                lambda: encode_text(engine.tokenizer, prompt, "prompt", context))
         else:
             ids = _check_token_ids(prompt, len(engine.tokenizer))
         max_tokens = check_fits(len(ids), req.requested_max_tokens, context,
                                 prompt_param="prompt", max_param="max_tokens")
-        params = make_params(lambda: req.choice_params(
-            max_tokens=max_tokens, stop_token_ids=state.stop_token_ids), "max_tokens")
-        token_text = state.token_text if params[0].logprobs is not None else None
-        fmts: list[CompletionFormatter] = []
-        for i in range(len(params)):
-            fmts.append(CompletionFormatter(
-                state.config.served_model_name, usage_null=req.include_usage,
-                token_text=token_text, index=i, first=fmts[0] if fmts else None))
+        params = choice_params(state, req, max_tokens, "max_tokens")
+        fmts = _choices(state, req, params,
+                        lambda **kw: CompletionFormatter(state.config.served_model_name, **kw))
         return await generate(state, request, fmts, ids, params, stream=req.stream,
                               include_usage=req.include_usage)
 
     add_anthropic_routes(app, state)
     add_responses_routes(app, state)
     return app
+
+
+def _choices(state: ServerState, req: Any, params: list[Any], new: Callable[..., Any]
+             ) -> list[Any]:
+    """One formatter per choice (`new(**kw)` makes one), sharing the first one's id."""
+    token_text = state.token_text if params[0].logprobs is not None else None
+    fmts: list[Any] = []
+    for i in range(len(params)):
+        fmts.append(new(usage_null=req.include_usage, token_text=token_text, index=i,
+                        first=fmts[0] if fmts else None))
+    return fmts
 
 
 def _cache(app: FastAPI, cfg: Any) -> dict[str, Any]:

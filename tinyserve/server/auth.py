@@ -1,7 +1,5 @@
-"""ASGI middlewares: API-key check (every route but /health) and the request body size limit.
-
-Both are plain ASGI (no BaseHTTPMiddleware), so streaming responses and disconnect detection
-pass through untouched.
+"""ASGI middlewares: the API key (every route but /health) and the body size limit. Plain ASGI,
+so streaming responses and disconnect detection pass through untouched.
 """
 
 from __future__ import annotations
@@ -25,11 +23,8 @@ async def _send_error(send: Any, status: int, body: dict[str, Any],
 
 
 def key_matches(given: str, keys: tuple[str, ...]) -> bool:
-    """Constant-time comparison against every configured key."""
-    ok = False
-    for key in keys:
-        ok |= hmac.compare_digest(given.encode(), key.encode())
-    return ok
+    """Constant-time comparison against every configured key (all of them compared)."""
+    return any([hmac.compare_digest(given.encode(), key.encode()) for key in keys])
 
 
 class APIKeyMiddleware:

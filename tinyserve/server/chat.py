@@ -1,11 +1,8 @@
 """Chat messages -> prompt token ids through the checkpoint's own chat template.
 
-The template (Qwen3.5's, read from the checkpoint's tokenizer) renders tools, reasoning of past
-turns and tool responses; `enable_thinking` and any other variables come from the request's
-`chat_template_kwargs`. Whether generation starts inside a `<think>` block is read from the
-rendered prompt. Special-token strings in anything the client sent stay text
-(`prompt_ids`: a user cannot forge a turn), and a prompt longer than the context is refused
-before it is tokenised in full.
+Template variables come from the request's `chat_template_kwargs`; whether generation starts
+inside `<think>` is read from the rendered prompt. Special-token strings the client sent stay
+text (`prompt_ids`), and a prompt longer than the context is refused before it is tokenised.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ from typing import Any
 
 from tinyserve.server.errors import APIError, ContextLengthError
 from tinyserve.server.prompt_ids import PromptTooLong, encoder_for
-from tinyserve.server.protocol import ChatCompletionRequest, ChatMessage, ContentPart, ToolCall
+from tinyserve.server.protocol import ChatCompletionRequest, ChatMessage, ToolCall
 from tinyserve.server.reasoning import reasoning_open_in_prompt
 from tinyserve.server.tool_choice import continuation
 
@@ -30,12 +27,6 @@ class RenderedPrompt:
     ids: list[int]
     reasoning_open: bool  # generation starts inside <think> ... </think>
     prefill: str = ""  # the end of `text` the response's parsers read first, as if generated
-
-
-def _content_text(content: str | list[ContentPart] | None) -> str | None:
-    if isinstance(content, list):
-        return "".join(part.text or "" for part in content)
-    return content
 
 
 def _tool_call_for_template(call: ToolCall, where: str) -> dict[str, Any]:
@@ -59,8 +50,11 @@ def _tool_call_for_template(call: ToolCall, where: str) -> dict[str, Any]:
 def message_for_template(msg: ChatMessage, index: int) -> dict[str, Any]:
     """One request message as the template expects it (developer -> system, text parts joined,
     tool-call arguments as mappings, `reasoning` accepted for `reasoning_content`)."""
+    content = msg.content
+    if isinstance(content, list):
+        content = "".join(part.text or "" for part in content)
     out: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role,
-                           "content": _content_text(msg.content) or ""}
+                           "content": content or ""}
     reasoning = msg.reasoning_content if msg.reasoning_content is not None else msg.reasoning
     if reasoning is not None:
         out["reasoning_content"] = reasoning
@@ -79,25 +73,21 @@ class ChatRenderer:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
-    def render_messages(self, messages: list[dict[str, Any]], *,
-                        tools: list[dict[str, Any]] | None = None, context: int | None = None,
-                        param: str = "messages", answer_prefix: str = "",
-                        forced: str | None = None, **template_kwargs: Any) -> RenderedPrompt:
-        """Render plain message dicts (the template's own input) to a prompt. Every string
-        the client sent (in `messages`, `tools`, the template variables and `answer_prefix`)
-        is text, even where it spells a special token. With `context` (tokens of prompt +
-        output), a prompt that leaves no room for output is refused (a `ContextLengthError`
-        naming `param`) before it is tokenised in full.
-
-        The answer is begun for the model after the generation prompt when the client wrote
-        its start (`answer_prefix`) or a tool call is forced (`forced`, as
-        `tool_choice.forced_function` returns it): `tool_choice.continuation`; the part the
-        response's parsers must read as generated is the result's `prefill`."""
+    def render(self, req: ChatCompletionRequest, *, context: int | None = None,
+               param: str = "messages", answer_prefix: str = "", forced: str | None = None
+               ) -> RenderedPrompt:
+        """`req`'s prompt; every string the client sent is text, even where it spells a
+        special token. With `context` (tokens of prompt + output), a prompt that
+        leaves no room for output is a `ContextLengthError` naming `param`, raised before it
+        is tokenised in full. The answer is begun for the model (`tool_choice.continuation`)
+        with the client's `answer_prefix` and/or a `forced` tool call."""
+        messages = [message_for_template(m, i) for i, m in enumerate(req.messages)]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.use_tools else None
+        kwargs = {k: v for k, v in req.template_kwargs().items() if k not in _RESERVED_KWARGS}
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions",
                            param=param)
         enc = encoder_for(self.tokenizer)
-        kwargs = {k: v for k, v in template_kwargs.items() if k not in _RESERVED_KWARGS}
         try:
             text = self.tokenizer.apply_chat_template(
                 enc.escape(messages), tools=enc.escape(tools) or None,
@@ -117,21 +107,9 @@ class ChatRenderer:
         return RenderedPrompt(text=text, ids=ids, reasoning_open=reasoning_open_in_prompt(text),
                               prefill=enc.unescape(prefill))
 
-    def render(self, req: ChatCompletionRequest, *, context: int | None = None,
-               param: str = "messages", answer_prefix: str = "", forced: str | None = None
-               ) -> RenderedPrompt:
-        """`req`'s prompt (`render_messages`: `context`, `param`, `answer_prefix`, `forced`)."""
-        messages = [message_for_template(m, i) for i, m in enumerate(req.messages)]
-        tools = ([t.model_dump(exclude_none=True) for t in req.tools]
-                 if req.use_tools else None)
-        return self.render_messages(messages, tools=tools, context=context, param=param,
-                                    answer_prefix=answer_prefix, forced=forced,
-                                    **req.template_kwargs())
-
 
 def check_unicode(text: str, param: str) -> None:
-    """A string with a lone surrogate (a JSON `\\ud800` escape) is not valid Unicode and the
-    tokenizer cannot take it: a 400 naming `param`."""
+    """A 400 naming `param` for a lone surrogate (a JSON `\\ud800` escape): not Unicode."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -140,21 +118,16 @@ def check_unicode(text: str, param: str) -> None:
 
 
 def too_long(exc: PromptTooLong, context: int | None, param: str) -> ContextLengthError:
-    """The 400 for a prompt that leaves no room for output (its length is exact, or a lower
-    bound when it was refused before it was tokenised in full)."""
+    """The 400 for a prompt that leaves no room for output."""
     size = f"{exc.tokens}" if exc.exact else f"more than {exc.limit}"
     return ContextLengthError(size, context or exc.limit + 1, param)
 
 
-def encode_text(tokenizer: Any, text: str, param: str, *, context: int | None = None,
-                specials: bool = True) -> list[int]:
-    """Token ids of `text` (no special tokens added; special-token strings in it are control
-    tokens, or text when `specials` is false). With `context` (tokens of prompt + output), a
-    text that leaves no room for output is refused before it is tokenised in full. A 400
-    naming `param` for that and for a lone surrogate."""
+def encode_text(tokenizer: Any, text: str, param: str, context: int) -> list[int]:
+    """Token ids of raw `text` (`PromptEncoder.encode`); a 400 naming `param` for a lone
+    surrogate or a text that leaves no room for output in `context` tokens."""
     check_unicode(text, param)
     try:
-        return encoder_for(tokenizer).encode(text, None if context is None else context - 1,
-                                             specials=specials)
+        return encoder_for(tokenizer).encode(text, context - 1)
     except PromptTooLong as exc:
         raise too_long(exc, context, param) from None

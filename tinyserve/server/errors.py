@@ -1,9 +1,8 @@
-"""OpenAI error objects: `{"error": {"message", "type", "param", "code"}}` for every failure,
-and Anthropic's (`{"type": "error", "error": {"type", "message"}}`) on the Anthropic routes.
+"""Error objects: OpenAI's `{"error": {"message", "type", "param", "code"}}`, and Anthropic's
+`{"type": "error", "error": {"type", "message"}}` on the Anthropic routes.
 
-`APIError` is raised anywhere in a request handler; `install_error_handlers(app)` turns it,
-FastAPI's validation errors (422 -> 400), HTTP errors and anything unexpected (500, logged)
-into the shape the route's clients expect (`error_body_for(path, ...)`).
+`install_error_handlers(app)` turns `APIError`, validation errors (422 -> 400), HTTP errors
+and anything unexpected (500, logged) into the object the route's clients expect.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ log = get_logger(__name__)
 
 
 class APIError(Exception):
-    """An error answered with an OpenAI error object and `status`."""
+    """An error answered with `status` and the error object of the route's API."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
                  code: str | None = None, type: str | None = None) -> None:
@@ -34,14 +33,13 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
     def body_for(self, path: str) -> dict[str, Any]:
-        """The error object in the shape the clients of `path` expect."""
         return error_body_for(path, self.status, self.message, self.type, self.param, self.code)
 
 
 class ContextLengthError(APIError):
     """A 400 for a prompt that leaves no room for output in a `context` of tokens. `size`:
     its tokens ("1234", or "more than 999" when it was refused before it was tokenised in
-    full). Each API may word it its own way (`prepare.prepare_chat`)."""
+    full), for the APIs that word the message their own way."""
 
     def __init__(self, size: str, context: int, param: str | None) -> None:
         super().__init__(400, f"the prompt is {size} tokens, but this server's context holds "
@@ -56,16 +54,15 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-ANTHROPIC_PATHS = ("/v1/messages",)  # these routes and those under them answer Anthropic errors
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
-                    429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
-                    529: "overloaded_error"}
+                   403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                   429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+                   529: "overloaded_error"}
 
 
 def is_anthropic_path(path: str) -> bool:
-    """Whether a request to `path` gets Anthropic's error objects."""
-    return any(path == p or path.startswith(p + "/") for p in ANTHROPIC_PATHS)
+    """Whether a request to `path` gets Anthropic's error objects (/v1/messages and below)."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
 def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
@@ -104,16 +101,13 @@ def _loc_to_param(loc: tuple | list) -> str | None:
     return out or None
 
 
-def _union_member(p: Any) -> bool:
-    return isinstance(p, str) and bool(_MEMBER.fullmatch(p))
-
-
 def _deepest_alternative(errors: list[dict[str, Any]]) -> dict[str, Any]:
     """The first error, or when it is one member's of a union (`str | list[Part]`) the deepest
     error of any member of that union: the member the value was meant for got furthest."""
     first = errors[0]
     loc = tuple(first.get("loc", ()))
-    cut = next((i for i, p in enumerate(loc) if _union_member(p)), None)
+    cut = next((i for i, p in enumerate(loc) if isinstance(p, str) and _MEMBER.fullmatch(p)),
+               None)
     if cut is None:
         return first
     same = [e for e in errors if tuple(e.get("loc", ()))[:cut] == loc[:cut]]
@@ -160,33 +154,31 @@ def _unsupported_of(request: Any) -> Mapping[str, str]:
 
 
 def install_error_handlers(app: Any) -> None:
-    """Register handlers so every error the app returns is an OpenAI error object."""
+    """Register handlers so every error the app returns is its API's error object."""
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException
 
-    async def on_api_error(request, exc: APIError):
-        return JSONResponse(exc.body_for(request.url.path), status_code=exc.status)
+    def handler(to_error: Any) -> Any:
+        async def handle(request: Any, exc: Exception) -> JSONResponse:
+            err = to_error(request, exc)
+            headers = exc.headers if isinstance(exc, HTTPException) else None
+            return JSONResponse(err.body_for(request.url.path), status_code=err.status,
+                                headers=headers)
+        return handle
 
-    async def on_validation(request, exc: RequestValidationError):
-        err = validation_error(list(exc.errors()), _unsupported_of(request))
-        return JSONResponse(err.body_for(request.url.path), status_code=err.status)
-
-    async def on_http(request, exc: HTTPException):
+    def on_http(request: Any, exc: HTTPException) -> APIError:
         if exc.status_code == 404:
-            err = APIError(404, f"no route {request.method} {request.url.path}",
-                           code="not_found")
-        else:
-            err = APIError(exc.status_code, str(exc.detail))
-        return JSONResponse(err.body_for(request.url.path), status_code=err.status,
-                            headers=exc.headers)
+            return APIError(404, f"no route {request.method} {request.url.path}",
+                            code="not_found")
+        return APIError(exc.status_code, str(exc.detail))
 
-    async def on_any(request, exc: Exception):
+    def on_any(request: Any, exc: Exception) -> APIError:
         log.exception("internal error on %s %s", request.method, request.url.path)
-        err = APIError(500, f"internal error: {type(exc).__name__}")
-        return JSONResponse(err.body_for(request.url.path), status_code=500)
+        return APIError(500, f"internal error: {type(exc).__name__}")
 
-    app.add_exception_handler(APIError, on_api_error)
-    app.add_exception_handler(RequestValidationError, on_validation)
-    app.add_exception_handler(HTTPException, on_http)
-    app.add_exception_handler(Exception, on_any)
+    app.add_exception_handler(APIError, handler(lambda request, exc: exc))
+    app.add_exception_handler(RequestValidationError, handler(
+        lambda request, exc: validation_error(list(exc.errors()), _unsupported_of(request))))
+    app.add_exception_handler(HTTPException, handler(on_http))
+    app.add_exception_handler(Exception, handler(on_any))

@@ -1,38 +1,34 @@
-"""Per-endpoint response shapes: engine outputs -> streamed chunks or one response body.
+"""OpenAI response shapes: one choice's text deltas -> SSE chunks or one response body.
 
-A formatter (the `Formatter` protocol) turns one choice's text deltas into chunks (`start`,
-`on_text`, `on_finish`), frames them as SSE events (`encode`, `error_event`, `stream_end`:
-OpenAI's `data:` lines, a usage chunk on request and `data: [DONE]` here, after an error
-event too; every event strict JSON: `streaming.sse`) and builds the
-non-streamed body (`body`, with every choice's `choice()` when the request asks for `n` > 1:
-one formatter per choice, sharing the response id). The generation driver in
-`server.generate` is shared by every endpoint; only these shapes differ (the Anthropic and
-Responses formatters live beside their translators).
+A formatter (the `Formatter` protocol, which the Anthropic and Responses formatters follow
+too) turns one choice's deltas into chunks, frames them as SSE events and builds the body;
+with `n` > 1 there is one formatter per choice, sharing the response id.
 
-Log-probabilities (when the request asks: `token_text` set) travel with the first chunk
-sent after their tokens arrive: a token whose text is held back (a possible stop string, a
-tool call being parsed) has its entry in a later chunk, the last ones in the finishing
-chunk; every token's entry is sent once, in order. Chat entries cover every generated token,
-reasoning included.
+Log-probabilities travel with the first chunk sent after their tokens arrive (a token whose
+text is held back has its entry in a later chunk); every token's entry is sent once, in order.
 """
 
 from __future__ import annotations
 
+import json
+import time
+import uuid
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 from tinyserve.core import TokenLogprobs
 from tinyserve.server.errors import APIError
 from tinyserve.server.logprobs import TokenText, chat_entries, completion_logprobs
-from tinyserve.server.responses import (
-    ChatAssembler,
-    chat_chunk,
-    completion_chunk,
-    new_id,
-    now,
-    usage,
-)
-from tinyserve.server.streaming import DONE, sse
+from tinyserve.server.responses import ChatAssembler
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(obj: dict[str, Any], event: str | None = None) -> str:
+    """One SSE event carrying `obj` as strict JSON (NaN raises ValueError), named `event`
+    when given."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return f"data: {text}\n\n" if event is None else f"event: {event}\ndata: {text}\n\n"
 
 
 class Formatter(Protocol):
@@ -57,144 +53,141 @@ class Formatter(Protocol):
              choices: list[dict[str, Any]] | None = None) -> dict[str, Any]: ...
 
 
-class _OpenAIEvents:
-    """OpenAI's SSE framing: `data: {json}` events, the usage chunk when asked, `[DONE]`."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+          ) -> dict[str, Any]:
+    """The usage object; `cached_tokens`: prompt tokens served from the prefix cache."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+class _OpenAIFormatter:
+    """One choice of an OpenAI response: `data: {json}` events, the usage chunk when asked,
+    `data: [DONE]` (after an error event too)."""
+
+    endpoint: str
+    prompt_param: str
+    id_prefix: str
+    object: str  # the body's
+    chunk_object: str  # the streamed chunks'
+
+    def __init__(self, model: str, *, usage_null: bool, token_text: TokenText | None = None,
+                 index: int = 0, first: _OpenAIFormatter | None = None) -> None:
+        self.id = first.id if first is not None else f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = first.created if first is not None else int(time.time())
+        self.index = index
+        self.model = model
+        self._usage_null = usage_null
+        self._text_of = token_text
+        self._logprobs: list[Any] = []  # every token's entry, for the body
+        self._unsent = 0  # entries not in a chunk yet (the last ones of _logprobs)
+        self.finish_reason: str | None = None
+
+    def _envelope(self, choices: list[dict[str, Any]], object: str) -> dict[str, Any]:
+        return {"id": self.id, "object": object, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def _chunk(self, choice: dict[str, Any], reason: str | None = None) -> dict[str, Any]:
+        choice = {"index": self.index, **choice, "logprobs": None, "finish_reason": reason}
+        if self._unsent:
+            choice["logprobs"] = self._unsent_logprobs(self._logprobs[-self._unsent:])
+            self._unsent = 0
+        chunk = self._envelope([choice], self.chunk_object)
+        if self._usage_null:
+            chunk["usage"] = None
+        return chunk
+
+    def _add_logprobs(self, logprobs: Sequence[TokenLogprobs]) -> None:
+        if self._text_of is not None and logprobs:
+            self._logprobs += self._entries(logprobs)
+            self._unsent += len(logprobs)
 
     def encode(self, chunk: dict[str, Any]) -> str:
         return sse(chunk)
 
     def error_event(self, err: APIError) -> str:
-        return sse(err.body()) + DONE  # the stream ends as every OpenAI stream does
+        return sse(err.body()) + DONE
 
     def stream_end(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
                    include_usage: bool) -> list[str]:
-        usage_event = [sse(self.usage_chunk(prompt_tokens, completion_tokens, cached_tokens))]
-        return (usage_event if include_usage else []) + [DONE]
+        last = self._envelope([], self.chunk_object)
+        last["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
+        return ([sse(last)] if include_usage else []) + [DONE]
+
+    def body(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+             choices: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        out = self._envelope(choices or [self.choice()], self.object)
+        out["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
+        return out
 
 
-class ChatFormatter(_OpenAIEvents):
-    endpoint = "chat"
-    prompt_param = "messages"
+class ChatFormatter(_OpenAIFormatter):
+    endpoint, prompt_param, id_prefix = "chat", "messages", "chatcmpl"
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, model: str, assembler: ChatAssembler, *, usage_null: bool,
-                 token_text: TokenText | None = None, index: int = 0,
-                 first: ChatFormatter | None = None) -> None:
-        self.id = first.id if first is not None else new_id("chatcmpl")
-        self.created = first.created if first is not None else now()
-        self.index = index
-        self.model = model
+    def __init__(self, model: str, assembler: ChatAssembler, **kw: Any) -> None:
+        super().__init__(model, **kw)
         self.assembler = assembler
-        self._usage_null = usage_null
-        self._text_of = token_text
-        self._logprobs: list[dict[str, Any]] = []  # every entry, for the body
-        self._unsent = 0  # entries not in a chunk yet (the last ones of _logprobs)
-        self.finish_reason: str | None = None
 
-    def _chunk(self, delta: dict[str, Any] | None, reason: str | None = None) -> dict[str, Any]:
-        chunk = chat_chunk(self.id, self.created, self.model, delta, reason,
-                           with_usage_null=self._usage_null, index=self.index)
-        if self._unsent:
-            chunk["choices"][0]["logprobs"] = {"content": self._logprobs[-self._unsent:]}
-            self._unsent = 0
-        return chunk
+    def _entries(self, logprobs: Sequence[TokenLogprobs]) -> list[dict[str, Any]]:
+        return chat_entries(self._text_of, logprobs)
 
-    def _add_logprobs(self, logprobs: Sequence[TokenLogprobs]) -> None:
-        if self._text_of is not None and logprobs:
-            self._logprobs += chat_entries(self._text_of, logprobs)
-            self._unsent += len(logprobs)
+    def _unsent_logprobs(self, entries: list[Any]) -> dict[str, Any]:
+        return {"content": entries}
 
     def start(self) -> list[dict[str, Any]]:
-        return [self._chunk({"role": "assistant", "content": ""})]
+        return [self._chunk({"delta": {"role": "assistant", "content": ""}})]
 
     def on_text(self, text: str, logprobs: Sequence[TokenLogprobs] = ()) -> list[dict[str, Any]]:
         self._add_logprobs(logprobs)
-        return [self._chunk(d) for d in self.assembler.feed(text)] if text else []
+        return [self._chunk({"delta": d}) for d in self.assembler.feed(text)] if text else []
 
     def on_finish(self, engine_reason: str | None, stop_str: str | None = None
                   ) -> list[dict[str, Any]]:
-        chunks = [self._chunk(d) for d in self.assembler.finish()]
+        chunks = [self._chunk({"delta": d}) for d in self.assembler.finish()]
         self.finish_reason = self.assembler.finish_reason(engine_reason)
-        return chunks + [self._chunk({}, self.finish_reason)]
-
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int,
-                    cached_tokens: int = 0) -> dict[str, Any]:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.model, "choices": [],
-                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
+        return chunks + [self._chunk({"delta": {}}, self.finish_reason)]
 
     def choice(self) -> dict[str, Any]:
         return {"index": self.index, "message": self.assembler.message(),
                 "logprobs": {"content": self._logprobs} if self._text_of is not None else None,
                 "finish_reason": self.finish_reason}
 
-    def body(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
-             choices: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.model, "choices": choices or [self.choice()],
-                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
+class CompletionFormatter(_OpenAIFormatter):
+    endpoint, prompt_param, id_prefix = "completions", "prompt", "cmpl"
+    object = chunk_object = "text_completion"
 
-class CompletionFormatter(_OpenAIEvents):
-    endpoint = "completions"
-    prompt_param = "prompt"
-
-    def __init__(self, model: str, *, usage_null: bool, token_text: TokenText | None = None,
-                 index: int = 0, first: CompletionFormatter | None = None) -> None:
-        self.id = first.id if first is not None else new_id("cmpl")
-        self.created = first.created if first is not None else now()
-        self.index = index
-        self.model = model
-        self._usage_null = usage_null
-        self._text_of = token_text
-        self._logprobs: list[TokenLogprobs] = []  # every token's, for the body
-        self._unsent = 0  # tokens not in a chunk yet (the last ones of _logprobs)
+    def __init__(self, model: str, **kw: Any) -> None:
+        super().__init__(model, **kw)
         self._offset = 0  # text offset of the first unsent token
         self.text = ""
-        self.finish_reason: str | None = None
 
-    def _chunk(self, text: str, reason: str | None = None) -> dict[str, Any]:
-        chunk = completion_chunk(self.id, self.created, self.model, text, reason,
-                                 with_usage_null=self._usage_null, index=self.index)
-        if self._unsent:
-            lp = completion_logprobs(self._text_of, self._logprobs[-self._unsent:],
-                                     self._offset)
-            chunk["choices"][0]["logprobs"] = lp
-            self._offset += sum(len(t) for t in lp["tokens"])
-            self._unsent = 0
-        return chunk
+    def _entries(self, logprobs: Sequence[TokenLogprobs]) -> list[TokenLogprobs]:
+        return list(logprobs)
+
+    def _unsent_logprobs(self, entries: list[Any]) -> dict[str, Any]:
+        lp = completion_logprobs(self._text_of, entries, self._offset)
+        self._offset += sum(len(t) for t in lp["tokens"])
+        return lp
 
     def start(self) -> list[dict[str, Any]]:
         return []
 
     def on_text(self, text: str, logprobs: Sequence[TokenLogprobs] = ()) -> list[dict[str, Any]]:
-        if self._text_of is not None and logprobs:
-            self._logprobs += logprobs
-            self._unsent += len(logprobs)
+        self._add_logprobs(logprobs)
         if not text:
             return []
         self.text += text
-        return [self._chunk(text)]
+        return [self._chunk({"text": text})]
 
     def on_finish(self, engine_reason: str | None, stop_str: str | None = None
                   ) -> list[dict[str, Any]]:
         self.finish_reason = engine_reason
-        return [self._chunk("", engine_reason)]
-
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int,
-                    cached_tokens: int = 0) -> dict[str, Any]:
-        return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": [],
-                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
+        return [self._chunk({"text": ""}, engine_reason)]
 
     def choice(self) -> dict[str, Any]:
         return {"index": self.index, "text": self.text,
                 "logprobs": (completion_logprobs(self._text_of, self._logprobs, 0)
                              if self._text_of is not None else None),
                 "finish_reason": self.finish_reason}
-
-    def body(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
-             choices: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": choices or [self.choice()],
-                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
-

@@ -1,21 +1,19 @@
-"""The generation driver shared by every generating route (chat/completions, completions,
-messages, responses).
+"""The generation driver shared by every generating route.
 
-Submits to the engine, then either streams SSE events (keep-alive comments while nothing
-arrives; if generation fails or the server shuts down after the stream started, the API's own
-end of a failed stream: OpenAI's error event and `data: [DONE]`, Anthropic's `error` event,
-the Responses API's `response.failed`) or collects one body while watching the client.
-Whenever the client goes away before the request finishes, the request is aborted in the
-engine, which frees its KV pages and state slot. The formatters decide the events' shapes and
-framing (`encode`, `error_event`, `stream_end`).
+Submits to the engine, then streams SSE events (keep-alive comments while nothing arrives; a
+failure after the stream started ends it as its API ends a failed stream: the formatter's
+`error_event`) or collects one body while watching the client. When the client goes away
+first, the request is aborted in the engine, which frees its KV pages and state slot.
+`OutputPump` reads the choices' handles, each in its own task, so that the handler can wait
+with a timeout without cancelling a handle's iterator.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -25,10 +23,10 @@ from tinyserve.log import get_logger
 from tinyserve.server.errors import APIError, ContextLengthError
 from tinyserve.server.formatters import Formatter
 from tinyserve.server.state import ServerState
-from tinyserve.server.streaming import KEEPALIVE, SSE_HEADERS, OutputPump
 
 log = get_logger(__name__)
-T = TypeVar("T")
+KEEPALIVE = ": keep-alive\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def context_length(engine: Any) -> int:
@@ -55,10 +53,11 @@ def check_fits(prompt_len: int, max_tokens: int | None, max_context: int, *,
     return max_tokens
 
 
-def make_params(build: Callable[[], T], max_param: str) -> T:
-    """Call `build()` (a request's sampling parameters); range errors become 400s."""
+def choice_params(state: ServerState, req: Any, max_tokens: int, max_param: str
+                  ) -> list[SamplingParams]:
+    """`req`'s sampling parameters, one per choice; range errors become 400s."""
     try:
-        return build()
+        return req.choice_params(max_tokens=max_tokens, stop_token_ids=state.stop_token_ids)
     except ParamError as exc:
         param = max_param if exc.param == "max_tokens" else exc.param
         raise APIError(400, str(exc).replace(exc.param, param, 1), param=param) from None
@@ -76,19 +75,17 @@ async def generate(state: ServerState, request: Request, fmts: Sequence[Formatte
     try:
         for rid, p in zip(rids, params, strict=True):  # the choices share seats as one group
             handles.append(engine.submit(prompt_ids, p, request_id=rid, group=fmts[0].id))
-    except ValueError as exc:
+    except (ValueError, RuntimeError) as exc:
         for rid in rids[:len(handles)]:  # the choices already queued go too
             engine.abort(rid)
+        if isinstance(exc, RuntimeError):  # the engine is shutting down
+            raise APIError(503, f"the engine is not accepting requests: {exc}") from None
         state.metrics.request_done(fmts[0].endpoint, "rejected")
         if isinstance(exc, ParamError):  # a parameter the engine checks (logit_bias ids)
             raise APIError(400, str(exc), param=exc.param) from None
         # RequestRejected: can never fit, with the numbers
         raise APIError(400, str(exc), param=getattr(exc, "param", None) or fmts[0].prompt_param,
                        code="context_length_exceeded") from None
-    except RuntimeError as exc:  # the engine is shutting down
-        for rid in rids[:len(handles)]:
-            engine.abort(rid)
-        raise APIError(503, f"the engine is not accepting requests: {exc}") from None
     run = _Run(state, fmts, handles, rids, len(prompt_ids), t0)
     if stream:
         usage = include_usage or state.config.always_include_usage
@@ -97,11 +94,47 @@ async def generate(state: ServerState, request: Request, fmts: Sequence[Formatte
     return await run.collect(request)
 
 
-def _failure(out: Any) -> APIError:
-    """The error for a request the engine ended by itself (a failure, or its shutdown)."""
-    if out.finish_reason == "abort":
-        return APIError(503, f"the request was stopped: {out.error or 'engine shutdown'}")
-    return APIError(500, f"generation failed: {out.error}")
+_END = object()  # a handle is exhausted
+
+
+class OutputPump:
+    """The outputs of the request handles of one HTTP request's choices, in one queue.
+    `await next(timeout)`: the next `(choice index, output)`, None when `timeout` passed
+    first; StopAsyncIteration once every handle is exhausted (or a handle's exception)."""
+
+    def __init__(self, handles: Sequence[Any]) -> None:
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._open = len(handles)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._run(i, h)) for i, h in enumerate(handles)]
+
+    async def _run(self, index: int, handle: Any) -> None:
+        try:
+            async for out in handle:
+                self._queue.put_nowait((index, out))
+        except Exception as exc:  # surfaced to the handler as the next item
+            self._queue.put_nowait(exc)
+        finally:
+            self._queue.put_nowait(_END)
+
+    async def next(self, timeout: float | None) -> tuple[int, Any] | None:
+        while True:
+            if not self._open:
+                raise StopAsyncIteration
+            try:
+                item = await asyncio.wait_for(self._queue.get(), timeout)
+            except asyncio.TimeoutError:
+                return None
+            if item is _END:
+                self._open -= 1
+                continue
+            if isinstance(item, Exception):
+                raise item
+            return item
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
 
 
 class _Run:
@@ -143,12 +176,9 @@ class _Run:
                                         self.completion_tokens, time.monotonic() - self.t0)
 
     def _abort(self) -> None:
-        if self.finished:
-            return
-        self.finished = True
-        self._abort_open()
-        self.state.metrics.request_done(self.fmt.endpoint, "abort", self.prompt_tokens,
-                                        self.completion_tokens, time.monotonic() - self.t0)
+        if not self.finished:
+            self._abort_open()
+            self._done("abort")
 
     def _abort_open(self) -> None:
         """Abort the choices that have not finished."""
@@ -163,6 +193,32 @@ class _Run:
         reasons = [f.finish_reason for f in self.fmts]
         return next((r for r in reasons if r and r != "stop"), reasons[0] or "stop")
 
+    async def _next(self, pump: OutputPump, timeout: float) -> tuple[int, Any] | None:
+        try:
+            return await pump.next(timeout)
+        except StopAsyncIteration:
+            self._done("error")
+            raise APIError(500, "generation ended without a result") from None
+
+    def _take(self, i: int, out: Any) -> tuple[Formatter, list[dict[str, Any]], APIError | None]:
+        """One engine output of choice `i`: its formatter, its chunks, and the error when the
+        engine ended the request by itself (a failure, or its shutdown)."""
+        fmt = self.fmts[i]
+        self._account(i, out)
+        chunks = fmt.on_text(out.text or "", getattr(out, "logprobs", ()))
+        if not out.finished:
+            return fmt, chunks, None
+        self.open.discard(i)
+        if out.finish_reason in ("error", "abort"):
+            self._abort_open()  # the other choices are not wanted any more
+            self._done(out.finish_reason)
+            if out.finish_reason == "abort":
+                msg = out.error or "engine shutdown"
+                return fmt, chunks, APIError(503, f"the request was stopped: {msg}")
+            return fmt, chunks, APIError(500, f"generation failed: {out.error}")
+        chunks += fmt.on_finish(out.finish_reason, getattr(out, "stop_str", None))
+        return fmt, chunks, None
+
     async def stream(self, include_usage: bool) -> AsyncIterator[str]:
         pump = OutputPump(self.handles)
         try:
@@ -170,35 +226,22 @@ class _Run:
                 for chunk in fmt.start():
                     yield fmt.encode(chunk)
             while self.open:
-                try:
-                    item = await pump.next(self.state.config.keepalive_s)
-                except StopAsyncIteration:
-                    self._done("error")
-                    yield self.fmt.error_event(APIError(500, "generation ended without a result"))
-                    return
+                item = await self._next(pump, self.state.config.keepalive_s)
                 if item is None:
                     yield KEEPALIVE
                     continue
-                i, out = item
-                fmt = self.fmts[i]
-                self._account(i, out)
-                for chunk in fmt.on_text(out.text or "", getattr(out, "logprobs", ())):
+                fmt, chunks, err = self._take(*item)
+                for chunk in chunks:
                     yield fmt.encode(chunk)
-                if not out.finished:
-                    continue
-                if out.finish_reason in ("error", "abort"):  # abort here: engine shutdown
-                    self.open.discard(i)
-                    self._abort_open()  # the other choices are not wanted any more
-                    self._done(out.finish_reason)
-                    yield self.fmt.error_event(_failure(out))
+                if err is not None:
+                    yield self.fmt.error_event(err)
                     return
-                self.open.discard(i)
-                for chunk in fmt.on_finish(out.finish_reason, getattr(out, "stop_str", None)):
-                    yield fmt.encode(chunk)
             self._done(self._finish_reason())
             for event in self.fmt.stream_end(self.prompt_tokens, self.completion_tokens,
                                              self.cached_tokens, include_usage):
                 yield event
+        except APIError as err:
+            yield self.fmt.error_event(err)
         except Exception as exc:
             log.exception("stream %s failed", self.fmt.id)
             self._abort()
@@ -211,29 +254,15 @@ class _Run:
         pump = OutputPump(self.handles)
         try:
             while self.open:
-                try:
-                    item = await pump.next(self.state.config.disconnect_poll_s)
-                except StopAsyncIteration:
-                    self._done("error")
-                    raise APIError(500, "generation ended without a result") from None
+                item = await self._next(pump, self.state.config.disconnect_poll_s)
                 if item is None:
                     if await request.is_disconnected():
                         self._abort()
                         return Response(status_code=499)
                     continue
-                i, out = item
-                fmt = self.fmts[i]
-                self._account(i, out)
-                fmt.on_text(out.text or "", getattr(out, "logprobs", ()))
-                if not out.finished:
-                    continue
-                if out.finish_reason in ("error", "abort"):
-                    self.open.discard(i)
-                    self._abort_open()  # the other choices are not wanted any more
-                    self._done(out.finish_reason)
-                    raise _failure(out)
-                self.open.discard(i)
-                fmt.on_finish(out.finish_reason, getattr(out, "stop_str", None))
+                _, _, err = self._take(*item)
+                if err is not None:
+                    raise err
             self._done(self._finish_reason())
             choices = [f.choice() for f in self.fmts] if len(self.fmts) > 1 else None
             return JSONResponse(self.fmt.body(self.prompt_tokens, self.completion_tokens,

@@ -1,17 +1,10 @@
-"""`tinyserve run MODEL` and `tinyserve demo`: start answering at once, load in the background.
+"""`tinyserve run MODEL` and `tinyserve demo`: answer at once, load in the background.
 
-The HTTP server comes up first (`/health` answers 503 with the load progress). A thread then
-plans the memory and prints the plan (the text `tinyserve plan` prints for the same flags),
-builds the engine under a progress bar that counts the real work (`engine.progress`), warms
-it up on a GPU and prints the URL with the device memory the process then holds. A load
-failure is printed as one line and ends the process with status 1.
-
-SIGTERM drains: new requests get 503 (and `/health` 503 "shutting_down") at once, running
-requests have `drain_s` seconds to finish, then what is left is aborted (a stream ends as its
-API ends a failed stream: OpenAI's error event and `data: [DONE]`, Anthropic's `error` event,
-the Responses API's `response.failed`; a non-streamed request gets a 503 in its API's error
-shape) and the process exits with status 0. SIGINT does the same without the grace period; a
-second signal exits at once.
+The HTTP server comes up first (`/health`: 503 with the load progress); a thread plans and
+prints the memory plan, builds the engine under a progress bar, warms it up on a GPU and
+prints the URL. A load failure is one line and exit status 1. SIGTERM drains: new requests get
+503, running ones have `drain_s` seconds, the rest are aborted (each ends as its API ends a
+failed request), exit status 0. SIGINT skips the grace period; a second signal exits at once.
 """
 
 from __future__ import annotations
@@ -32,9 +25,8 @@ _SWITCH_INTERVAL_S = 0.001
 
 
 def server_config(args: Any, default_name: str) -> ServerConfig:
-    """ServerConfig from CLI arguments (missing ones keep the dataclass defaults). Raises
-    ValueError when `--api-key` (or a set TINYSERVE_API_KEY) holds no key: a blank list
-    must not turn authentication off."""
+    """ServerConfig from CLI arguments. A ValueError when `--api-key` (or TINYSERVE_API_KEY)
+    holds no key: a blank list must not turn authentication off."""
     key = getattr(args, "api_key", None)
     where = "--api-key"
     if key is None and envs.API_KEY.raw():
@@ -54,52 +46,43 @@ def server_config(args: Any, default_name: str) -> ServerConfig:
 
 
 class _ProgressBar:
-    """The load's progress (`engine.progress.LoadProgress`) as a tqdm bar on stderr and in
-    `/health`."""
+    """The load's progress as a tqdm bar on stderr and in `/health`."""
 
-    def __init__(self, state: ServerState, show: bool) -> None:
+    def __init__(self, state: ServerState) -> None:
+        from tqdm import tqdm
+
         self.state = state
-        self._bar = None
         self._shown = (-1, "")
-        if show:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=100, desc="loading", unit="%", file=sys.stderr,
-                             bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}")
+        self._bar = tqdm(total=100, desc="loading", unit="%", file=sys.stderr,
+                         bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}")
 
     def update(self, fraction: float, stage: str) -> None:
         self.state.set_progress(fraction, stage)
         shown = (int(fraction * 100), stage)
-        if self._bar is not None and shown != self._shown:
+        if shown != self._shown:
             self._shown = shown
             self._bar.set_description_str(stage, refresh=False)
             self._bar.n = shown[0]
             self._bar.refresh()
 
     def close(self, ok: bool) -> None:
-        if self._bar is not None:
-            if ok:
-                self._bar.n = 100
-                self._bar.refresh()
-            self._bar.close()
-            self._bar = None
+        if ok:
+            self._bar.n = 100
+            self._bar.refresh()
+        self._bar.close()
 
 
 def memory_summary(engine: Any, device_line: str = "") -> str:
-    """A short description of what the engine holds (its memory plan was printed before)."""
-    stats = engine.stats()
-    cfg, plan = engine.config, engine.memory_plan
-    lines = [f"  {plan.device}, {str(cfg.torch_dtype).replace('torch.', '')}, "
-             f"KV {plan.kv_format}: {stats.kv_pages_total} pages x {stats.page_size} tokens, "
-             f"{stats.state_slots_total} sequence{'s' * (stats.state_slots_total != 1)} at "
-             f"once, {stats.max_context} tokens each"]
-    if device_line:
-        lines.append(f"  {device_line}")
-    return "\n".join(lines)
+    """What the engine holds, in short (its memory plan was printed before)."""
+    stats, plan = engine.stats(), engine.memory_plan
+    n = stats.state_slots_total
+    text = (f"  {plan.device}, {str(engine.config.torch_dtype).replace('torch.', '')}, "
+            f"KV {plan.kv_format}: {stats.kv_pages_total} pages x {stats.page_size} tokens, "
+            f"{n} sequence{'s' * (n != 1)} at once, {stats.max_context} tokens each")
+    return text + (f"\n  {device_line}" if device_line else "")
 
 
-def _load(state: ServerState, args: Any, model: str, server: Any, show_progress: bool,
-          on_ready: Any = None) -> None:
+def _load(state: ServerState, args: Any, model: str, server: Any, on_ready: Any) -> None:
     from tinyserve.engine.build import build_engine
     from tinyserve.engine.config import EngineConfig
     from tinyserve.engine.device_memory import device_memory_report
@@ -115,7 +98,7 @@ def _load(state: ServerState, args: Any, model: str, server: Any, show_progress:
         state.set_progress(0.0, "planning")
         plan = plan_engine(config, path)
         print(plan.format(), flush=True)  # the same text as `tinyserve plan` with these flags
-        bar = _ProgressBar(state, show_progress)
+        bar = _ProgressBar(state)
         progress = LoadProgress(on_change=bar.update)
         if plan.is_cuda:  # kernel builds, library set-up, graph capture: GPU only
             progress.expect(WARM_UP, 1)
@@ -131,8 +114,7 @@ def _load(state: ServerState, args: Any, model: str, server: Any, show_progress:
         bar.close(ok=True)
         bar = None
         state.set_engine(engine)
-        if on_ready is not None:
-            on_ready(engine, device_line)
+        on_ready(engine, device_line)
     except Exception as exc:  # any failure: one line, then stop the server
         if bar is not None:
             bar.close(ok=False)
@@ -143,8 +125,8 @@ def _load(state: ServerState, args: Any, model: str, server: Any, show_progress:
 
 
 class Drainer:
-    """Handles a uvicorn server's exit signals: the first SIGTERM (or SIGINT) drains the
-    engine before the server exits (module docstring); a second one is uvicorn's own exit."""
+    """A uvicorn server's exit signals: the first drains the engine (module docstring), a
+    second one is uvicorn's own exit."""
 
     def __init__(self, server: Any, state: ServerState) -> None:
         self.server = server
@@ -163,8 +145,8 @@ class Drainer:
         self.thread.start()
 
     def drain(self, grace_s: float) -> None:
-        """Refuse new requests, give the running ones `grace_s` seconds, abort the rest (their
-        streams end with their API's error event), then let uvicorn close the connections."""
+        """Refuse new requests, give the running ones `grace_s` seconds, abort the rest, then
+        let uvicorn close the connections."""
         state = self.state
         state.shutting_down = True
         engine = state.engine
@@ -188,8 +170,7 @@ def serve(args: Any, model: str, default_name: str, banner: str = "") -> int:
     from tinyserve.server.app import create_app
 
     # NOTE: the engine thread holds the GIL between tensor ops; with the default 5 ms switch
-    # interval every streamed chunk could wait that long for the event loop to run, so the
-    # server switches every 1 ms.
+    # interval every streamed chunk could wait that long for the event loop
     sys.setswitchinterval(_SWITCH_INTERVAL_S)
     state = ServerState(server_config(args, default_name))
     app = create_app(state)
@@ -206,8 +187,7 @@ def serve(args: Any, model: str, default_name: str, banner: str = "") -> int:
             print(banner, flush=True)
 
     print(f"tinyserve: listening on http://{shown}:{port} (loading {model})", flush=True)
-    loader = threading.Thread(target=_load, args=(state, args, model, server,
-                                                  True, ready),
+    loader = threading.Thread(target=_load, args=(state, args, model, server, ready),
                               name="tinyserve-load", daemon=True)
     loader.start()
     try:
@@ -217,9 +197,7 @@ def serve(args: Any, model: str, default_name: str, banner: str = "") -> int:
         loader.join(timeout=0.1)
         if state.engine is not None:
             state.engine.shutdown()
-    if state.load_error:
-        return 1
-    return 0 if server.started else 1
+    return 0 if server.started and not state.load_error else 1
 
 
 def run_command(args: Any) -> int:

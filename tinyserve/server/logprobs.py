@@ -1,12 +1,8 @@
-"""Log-probabilities in the OpenAI shapes: chat's `logprobs.content` entries and the legacy
-completions object (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`).
+"""Log-probabilities in OpenAI's shapes: chat's `logprobs.content` entries and the completions
+object (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`).
 
-A token's text is its own bytes decoded on their own: for a byte-level BPE vocabulary (Qwen's)
-those are the bytes the token stands for (`bytes` in chat entries; a token holding part of a
-UTF-8 character shows U+FFFD in `token` and the exact bytes in `bytes`); for other tokenizers,
-and for added tokens outside the byte alphabet, what `decode([id])` gives. A log-probability
-of minus infinity (a token the model rules out) is sent as -9999.0, as OpenAI does: JSON has
-no infinity.
+A token's text is its own bytes decoded alone (byte-level BPE: U+FFFD in `token` for part of a
+character, the exact `bytes`); minus infinity is sent as -9999.0, as OpenAI does.
 """
 
 from __future__ import annotations

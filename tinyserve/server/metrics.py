@@ -1,7 +1,5 @@
-"""Prometheus text-format metrics for `GET /metrics` (no client library needed).
-
-The server counts requests, tokens and latencies itself; queue and memory gauges come from
-`engine.stats()` at scrape time. Names carry the `tinyserve:` prefix (vLLM uses `vllm:`).
+"""Prometheus text metrics for `GET /metrics`: requests, tokens and latencies counted here,
+queue, memory and cache figures read from `engine.stats()` at scrape time.
 """
 
 from __future__ import annotations
@@ -14,21 +12,21 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0
                     0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _PREFIX = "tinyserve:"
 
-# EngineStats attribute -> (metric name, help). The first attribute the engine has is used.
+# EngineStats attribute -> (gauge name, help)
 _GAUGES = (
-    (("num_running", "running"), "num_requests_running", "requests being generated"),
-    (("num_waiting", "waiting"), "num_requests_waiting", "requests queued for admission"),
-    (("kv_pages_used", "used_pages", "num_used_pages"), "kv_pages_used", "KV cache pages in use"),
-    (("kv_pages_total", "total_pages", "num_pages"), "kv_pages_total", "KV cache pages in all"),
-    (("state_slots_used",), "gdn_state_slots_used",
+    ("running", "num_requests_running", "requests being generated"),
+    ("waiting", "num_requests_waiting", "requests queued for admission"),
+    ("kv_pages_used", "kv_pages_used", "KV cache pages in use"),
+    ("kv_pages_total", "kv_pages_total", "KV cache pages in all"),
+    ("state_slots_used", "gdn_state_slots_used",
      "GDN state slots held by running requests (one each)"),
-    (("state_slots_total",), "gdn_state_slots_total",
+    ("state_slots_total", "gdn_state_slots_total",
      "GDN state slots in all (the most sequences at once)"),
-    (("expert_cache_hit_rate",), "expert_cache_hit_rate",
+    ("expert_cache_hit_rate", "expert_cache_hit_rate",
      "fraction of routed-expert lookups served from the GPU expert cache"),
-    (("prefix_cache_pages",), "prefix_cache_pages", "KV cache pages held by the prefix cache"),
+    ("prefix_cache_pages", "prefix_cache_pages", "KV cache pages held by the prefix cache"),
 )
-# EngineStats attribute -> (counter name, help), rendered when the engine has the attribute.
+# EngineStats attribute -> (counter name, help)
 _COUNTERS = (
     ("preemptions", "preemptions_total",
      "running requests preempted (pages and state slot returned, recomputed later)"),
@@ -116,34 +114,28 @@ class ServerMetrics:
 
     def render(self, stats: Any | None = None) -> str:
         """The Prometheus text exposition (version 0.0.4)."""
-        p = _PREFIX
-        lines = [f"# HELP {p}requests_total finished requests by endpoint and outcome",
-                 f"# TYPE {p}requests_total counter"]
+        lines: list[str] = []
+
+        def add(name: str, kind: str, help_: str, *values: str) -> None:
+            lines.extend([f"# HELP {_PREFIX}{name} {help_}", f"# TYPE {_PREFIX}{name} {kind}",
+                          *values])
+
         with self._lock:
-            for (endpoint, outcome), n in sorted(self.requests.items()):
-                lines.append(f"{p}requests_total"
-                             f"{_labels({'endpoint': endpoint, 'outcome': outcome})} {n}")
+            add("requests_total", "counter", "finished requests by endpoint and outcome",
+                *(f"{_PREFIX}requests_total{_labels({'endpoint': e, 'outcome': o})} {n}"
+                  for (e, o), n in sorted(self.requests.items())))
             for name, value, help_ in (
                     ("prompt_tokens_total", self.prompt_tokens, "prompt tokens processed"),
                     ("generation_tokens_total", self.generation_tokens, "tokens generated")):
-                lines += [f"# HELP {p}{name} {help_}", f"# TYPE {p}{name} counter",
-                          f"{p}{name} {value}"]
+                add(name, "counter", help_, f"{_PREFIX}{name} {value}")
             for name, hist, help_ in (
                     ("time_to_first_token_seconds", self.ttft, "time to the first token"),
                     ("inter_token_latency_seconds", self.itl, "time between streamed tokens"),
                     ("e2e_request_latency_seconds", self.e2e, "request latency")):
-                lines += [f"# HELP {p}{name} {help_}", f"# TYPE {p}{name} histogram"]
-                lines += hist.lines(p + name)
-        if stats is not None:
-            for attrs, name, help_ in _GAUGES:
-                value = next((getattr(stats, a) for a in attrs
-                              if getattr(stats, a, None) is not None), None)
+                add(name, "histogram", help_, *hist.lines(_PREFIX + name))
+        for table, kind in ((_GAUGES, "gauge"), (_COUNTERS, "counter")):
+            for attr, name, help_ in table:
+                value = getattr(stats, attr, None)  # absent when the engine has no such part
                 if isinstance(value, (int, float)):
-                    lines += [f"# HELP {p}{name} {help_}", f"# TYPE {p}{name} gauge",
-                              f"{p}{name} {_fmt(value)}"]
-            for attr, name, help_ in _COUNTERS:
-                value = getattr(stats, attr, None)
-                if isinstance(value, int):
-                    lines += [f"# HELP {p}{name} {help_}", f"# TYPE {p}{name} counter",
-                              f"{p}{name} {value}"]
+                    add(name, kind, help_, f"{_PREFIX}{name} {_fmt(value)}")
         return "\n".join(lines) + "\n"

@@ -1,14 +1,6 @@
-"""The OpenAPI schema served at `GET /openapi.json` (behind the API key when one is set).
-
-FastAPI's generated schema is corrected to what the server really answers: no 422 (every
-validation error is a 400 with the API's error object), and each route lists the error
-statuses it can send (400 invalid request, 401 missing or wrong key, 404 unknown model or
-route, 413 body too large, 500 generation failure, 503 loading or shutting down), each with
-the error schema of the route's API: OpenAI's error object, or Anthropic's on `/v1/messages`
-and the routes under it. Generation routes answer JSON or, with `stream: true`, server-sent
-events (each API's own). With an API key the schema declares the key's two headers
-(`Authorization: Bearer` or `x-api-key`) on every route but /health. The served model's id is
-the example of the bodies' `model` field.
+"""The OpenAPI schema served at `GET /openapi.json`, corrected to what the server answers: no
+422 (validation errors are 400s), each route's error statuses with its API's error object,
+the event streams of the generating routes, and the API key's headers when one is set.
 """
 
 from __future__ import annotations
@@ -44,29 +36,21 @@ _WHY = {
     "503": "the model is still loading or the server is shutting down",
 }
 _GENERATE = ("400", "401", "404", "413", "500", "503")
-# statuses each route may answer besides 200 (method, path)
-_ERRORS = {
-    ("POST", "/v1/chat/completions"): _GENERATE,
-    ("POST", "/v1/completions"): _GENERATE,
-    ("POST", "/v1/messages"): _GENERATE,
-    ("POST", "/v1/messages/count_tokens"): ("400", "401", "404", "413", "503"),
-    ("POST", "/v1/responses"): _GENERATE,
-    ("GET", "/v1/models"): ("401", "503"),
-    ("GET", "/v1/models/{model_id}"): ("401", "404", "503"),
-    ("GET", "/metrics"): ("401",),
-    ("GET", "/health"): ("503",),
+_ERRORS = {  # the statuses each route may answer besides 200
+    "/v1/chat/completions": _GENERATE, "/v1/completions": _GENERATE,
+    "/v1/messages": _GENERATE, "/v1/responses": _GENERATE,
+    "/v1/messages/count_tokens": ("400", "401", "404", "413", "503"),
+    "/v1/models": ("401", "503"), "/v1/models/{model_id}": ("401", "404", "503"),
+    "/metrics": ("401",), "/health": ("503",),
 }
-# what a streamed answer (`stream: true`) of each generating route is
-_STREAMING = {
-    ("POST", "/v1/chat/completions"): "server-sent events (`stream: true`): `data:` chunks "
-    "ending with `data: [DONE]` (after an error event too)",
-    ("POST", "/v1/completions"): "server-sent events (`stream: true`): `data:` chunks ending "
-    "with `data: [DONE]` (after an error event too)",
-    ("POST", "/v1/messages"): "server-sent events (`stream: true`), each named by its type: "
-    "`message_start` ... `message_stop`, or an `error` event after a failure",
-    ("POST", "/v1/responses"): "server-sent events (`stream: true`), each named by its type "
-    "and numbered: `response.created` ... `response.completed` (or `response.incomplete`), "
-    "or `response.failed` after a failure",
+_OPENAI_STREAM = "`data:` chunks ending with `data: [DONE]` (after an error event too)"
+_STREAMING = {  # what a streamed answer of each generating route is
+    "/v1/chat/completions": _OPENAI_STREAM, "/v1/completions": _OPENAI_STREAM,
+    "/v1/messages": "events named by their type: `message_start` ... `message_stop`, or an "
+                    "`error` event after a failure",
+    "/v1/responses": "events named by their type and numbered: `response.created` ... "
+                     "`response.completed` (or `response.incomplete`), or `response.failed` "
+                     "after a failure",
 }
 
 
@@ -94,22 +78,22 @@ def openapi_schema(app: Any, *, with_key: bool, model: str | None = None) -> dic
             "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
         schema["security"] = [{"bearer": []}, {"apiKey": []}]  # either header
     for path, item in schema.get("paths", {}).items():
-        for method, op in item.items():
-            key = (method.upper(), path)
+        for op in item.values():
             responses = op.setdefault("responses", {})
             responses.pop("422", None)
             ref = {"$ref": "#/components/schemas/" + ("AnthropicErrorResponse"
                                                       if is_anthropic_path(path)
                                                       else "ErrorResponse")}
-            for status in _ERRORS.get(key, ("401",) if with_key else ()):
+            for status in _ERRORS.get(path, ("401",) if with_key else ()):
                 if status == "401" and not with_key:
                     continue
                 responses[status] = {"description": _WHY[status],
                                      "content": {"application/json": {"schema": ref}}}
-            if key in _STREAMING:
+            if path in _STREAMING:
                 ok = responses.setdefault("200", {"description": "Successful Response"})
                 ok.setdefault("content", {})["text/event-stream"] = {"schema": {
-                    "type": "string", "description": _STREAMING[key]}}
+                    "type": "string",
+                    "description": f"server-sent events (`stream: true`): {_STREAMING[path]}"}}
             if path == "/health" and with_key:
                 op["security"] = []
     return schema

@@ -1,10 +1,6 @@
-"""A chat request on its way to the engine: the steps every chat-shaped API shares.
-
-`/v1/chat/completions` takes its `ChatCompletionRequest` as it came; `/v1/messages` and
-`/v1/responses` translate theirs into one first. Then: the prompt through the chat template
-(`ChatRenderer`), the start of the answer written for the model when a tool call is forced or
-the client began the answer (`tool_choice.continuation`), the fit in the context, and the
-sampling parameters. What the response formatters need comes back in `PreparedChat`.
+"""A chat request on its way to the engine, the steps every chat-shaped API shares: the prompt
+through the chat template, the answer's start when a tool call is forced or the client began
+it (`tool_choice.continuation`), the fit in the context and the sampling parameters.
 """
 
 from __future__ import annotations
@@ -18,7 +14,7 @@ import anyio
 from tinyserve.core import SamplingParams
 from tinyserve.server.chat import RenderedPrompt
 from tinyserve.server.errors import APIError, ContextLengthError
-from tinyserve.server.generate import check_fits, context_length, make_params
+from tinyserve.server.generate import check_fits, choice_params, context_length
 from tinyserve.server.protocol import ChatCompletionRequest
 from tinyserve.server.responses import ChatAssembler
 from tinyserve.server.state import ServerState
@@ -29,33 +25,27 @@ from tinyserve.server.tool_choice import forced_function
 class PreparedChat:
     """prompt: the rendered prompt, continuation included. params: one SamplingParams per
     choice. tools: the tools whose calls the response parses (None: tool calls stay text).
-    prefill: what the response's parsers read before the generated text (a forced call's
-    preamble). clamped: max_tokens was cut to what the context has left."""
+    clamped: max_tokens was cut to what the context has left."""
 
     prompt: RenderedPrompt
     params: list[SamplingParams]
     tools: list[dict[str, Any]] | None
-    prefill: str = ""
     clamped: bool = False
 
     def assembler(self, parallel_tool_calls: bool | None = True) -> ChatAssembler:
         """A fresh parser of one choice's generated text."""
         return ChatAssembler(reasoning_open=self.prompt.reasoning_open, tools=self.tools,
-                             parallel_tool_calls=parallel_tool_calls, prefill=self.prefill)
+                             parallel_tool_calls=parallel_tool_calls, prefill=self.prompt.prefill)
 
 
 async def render_prompt(state: ServerState, req: ChatCompletionRequest, *,
                         prompt_param: str = "messages", answer_prefix: str = "",
-                        context: int | None = None) -> tuple[RenderedPrompt, str]:
-    """The prompt of `req` (continuation included) and what the response's parsers read
-    first (`PreparedChat.prefill`). `answer_prefix`: the start of the answer, written by the
-    client (not sent back). `context`: refuse a prompt that leaves no room for output in that
-    many tokens before it is tokenised in full (`ChatRenderer.render_messages`)."""
+                        context: int | None = None) -> RenderedPrompt:
+    """The prompt of `req`, continuation included (`ChatRenderer.render_messages`)."""
     forced = forced_function(req.tool_choice, req.tools)  # a 400 for a forced call of no tool
     renderer = state.renderer
-    prompt = await anyio.to_thread.run_sync(lambda: renderer.render(
+    return await anyio.to_thread.run_sync(lambda: renderer.render(
         req, context=context, param=prompt_param, answer_prefix=answer_prefix, forced=forced))
-    return prompt, prompt.prefill
 
 
 async def prepare_chat(state: ServerState, req: ChatCompletionRequest, *,
@@ -63,11 +53,10 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, *,
                        clamp: bool = False, answer_prefix: str = "",
                        too_long: Callable[[str, int], str] | None = None) -> PreparedChat:
     """Render `req`, check that it fits and build its sampling parameters (400s name
-    `prompt_param` / `max_param`, by default the request's max_tokens field). `clamp`: a
-    max_tokens beyond what the context has left is cut to it instead of refused.
-    `answer_prefix`: as in `render_prompt`. `too_long(size, context)`: the message of the 400
-    for a prompt the context cannot hold, in the API's own wording (`size`: the prompt's
-    tokens as `ContextLengthError.size` gives them)."""
+    `prompt_param` / `max_param`, by default the request's max_tokens field). `clamp`: cut a
+    max_tokens beyond the context's room instead of refusing it. `answer_prefix`: the answer's
+    start, written by the client. `too_long(size, context)`: the API's own wording of the 400
+    for a prompt the context cannot hold."""
     engine = state.require_engine()
     ctx = context_length(engine)
     # NOTE: every message renders to >= 2 tokens; refuse a huge list before the template
@@ -77,8 +66,8 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, *,
                        f"context of {ctx} tokens", param=prompt_param,
                        code="context_length_exceeded")
     try:
-        prompt, prefill = await render_prompt(state, req, prompt_param=prompt_param,
-                                              answer_prefix=answer_prefix, context=ctx)
+        prompt = await render_prompt(state, req, prompt_param=prompt_param,
+                                     answer_prefix=answer_prefix, context=ctx)
         want, name = req.requested_max_tokens
         max_param = max_param or name
         clamped = False
@@ -93,7 +82,6 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, *,
             raise
         raise APIError(400, too_long(exc.size, exc.context), param=prompt_param,
                        code=exc.code) from None
-    params = make_params(lambda: req.choice_params(
-        max_tokens=max_tokens, stop_token_ids=state.stop_token_ids), max_param)
+    params = choice_params(state, req, max_tokens, max_param)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.use_tools else None
-    return PreparedChat(prompt, params, tools, prefill, clamped)
+    return PreparedChat(prompt, params, tools, clamped)

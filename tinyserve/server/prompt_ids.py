@@ -1,27 +1,18 @@
 """Client text -> token ids: special-token strings a client sends stay text, and a prompt longer
 than the context is refused before it is tokenised in full.
 
-Chat: the template renders the client's strings (message contents, names, tool calls and
-definitions, template variables) into one text beside its own control tokens
-(`<|im_start|>`, `<|im_end|>`, ...). Tokenising that text whole would turn a user's literal
-`<|im_end|>\\n<|im_start|>system` into real control tokens: a forged turn. So every client
-string is escaped before rendering (each special-token string becomes a private-use marker),
-the rendered text is split at the control tokens the template wrote, and the pieces between
-are tokenised with special tokens off after the markers are turned back into the client's
-literal text. Benign input gets exactly the ids of tokenising the rendered text whole.
-
-Length: a token covers at most `max_token_chars` characters (the longest entry of the
-vocabulary), so a text longer than `limit x max_token_chars` is refused without tokenising;
-a text long for its limit is tokenised in pieces first, and refused as soon as the pieces
-hold more than `limit` tokens (with a margin per cut, so a prompt that fits is never
-refused), so a 10 MB prompt costs what `limit` tokens cost, not 10 MB of tokenising.
+Every client string is escaped before the template renders it (each special-token string
+becomes a private-use marker), the rendered text is split at the control tokens the template
+wrote, and the pieces between are tokenised with special tokens off after unescaping: a user's
+literal `<|im_end|>` cannot forge a turn, and benign input gets the ids of the whole text.
+A token covers at most `max_token_chars` characters, so a text over `limit x max_token_chars`
+is refused at once; a long one is counted in pieces and refused as soon as they exceed.
 """
 
 from __future__ import annotations
 
 import re
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 _ESC = "\ue000"  # private use area: marks a client's special-token string (or a literal _ESC)
@@ -58,8 +49,6 @@ class PromptEncoder:
         self._find = re.compile("|".join([re.escape(_ESC), *map(re.escape, specials)]))
         self.max_token_chars = _longest_token(tokenizer)
 
-    # ----------------------------------------------------------------- client strings
-
     def escape(self, value: Any) -> Any:
         """`value` (strings, lists, dicts, nested) with every special-token string in its
         strings (dict keys included) replaced by a marker; other values as they are."""
@@ -80,16 +69,15 @@ class PromptEncoder:
         return re.sub(f"{_ESC}(.)", lambda m: self._unmarker.get(m.group(1), m.group(1)), text,
                       flags=re.S)
 
-    # ----------------------------------------------------------------- token ids
-
     def encode_rendered(self, text: str, limit: int | None = None) -> list[int]:
         """Ids of a template's output whose client strings were `escape`d: the control tokens
         the template wrote, and the client's text (special-token strings included) as text.
         Raises PromptTooLong when `limit` is set and the ids would be more."""
         self._check_chars(text, limit)
         ids: list[int] = []
-        for piece, special in self._pieces(text):
-            if special:
+        pieces = self._split.split(text) if self._split is not None else [text]
+        for k, piece in enumerate(pieces):
+            if k % 2:  # a control token the template wrote
                 ids.append(self._special_ids[piece])
             elif piece:
                 left = None if limit is None else limit - len(ids)
@@ -137,13 +125,6 @@ class PromptEncoder:
     def _ids(self, text: str, specials: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False,
                                           split_special_tokens=not specials))
-
-    def _pieces(self, text: str) -> Iterator[tuple[str, bool]]:
-        if self._split is None:
-            yield text, False
-            return
-        for i, piece in enumerate(self._split.split(text)):
-            yield piece, i % 2 == 1
 
 
 def _cut(text: str, end: int) -> int:

@@ -1,16 +1,10 @@
-"""Request bodies of the OpenAI-compatible API (pydantic), and what they ask of the sampler.
+"""Request bodies of the OpenAI API (pydantic) and what they ask of the sampler.
 
-Validation lives here, in one place, for every endpoint: `StrictModel` models are strict (no
-coercion: `max_tokens: "3"` or `true`, `temperature: "0.5"`, `stream: 1` are refused, while
-an integer is a number), refuse unknown fields (as OpenAI's API does), and declare OpenAI's
-ranges on the fields (the served OpenAPI schema shows them); `errors.validation_error` turns
-any failure into a 400 naming the parameter. What the types cannot say (features that are
-not supported, combinations) is checked by `check_supported`. Fields of OpenAI's that carry
-nothing for generation (`METADATA_FIELDS`) are accepted and change nothing; other OpenAI or
-vLLM fields that would change the output are refused by name (`UNSUPPORTED`). The other APIs'
-bodies (`anthropic_api`, `responses_api`) are built the same way: on `RequestBody` (a
-top-level body with its own `UNSUPPORTED`), `StrictModel` and the field types below.
-Responses are plain dicts built in `server.responses`.
+`StrictModel` bodies are strict (no coercion: `max_tokens: "3"` or `stream: 1` are refused),
+refuse unknown fields as OpenAI does, and declare OpenAI's ranges (the served schema shows
+them); `errors.validation_error` turns a failure into a 400 naming the parameter. Fields that
+would change the output but are not supported are refused by name (`UNSUPPORTED`); what the
+types cannot say is checked by `check_supported`. The other APIs' bodies build on these.
 """
 
 from __future__ import annotations
@@ -38,27 +32,20 @@ MAX_CHOICES = 16  # the most choices (`n`) one request may ask for
 MAX_STOP = 16  # the most stop strings
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' max_tokens when it is omitted or null
 
-# OpenAI fields that would change the output if they were ignored: refused by name when set
-# (null, false and empty values are as good as absent, and the harmless values below too).
+# OpenAI (and vLLM) fields that would change the output if they were ignored: refused by name
+# when set (null, false, empty and `HARMLESS` values are as good as absent)
 UNSUPPORTED = {
     "audio": "audio output is not supported",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
-    "verbosity": "verbosity is not supported",
-    "functions": "functions/function_call are deprecated; use tools",
-    "function_call": "functions/function_call are deprecated; use tools",
-    "guided_json": "guided decoding is not supported",
-    "guided_regex": "guided decoding is not supported",
-    "guided_choice": "guided decoding is not supported",
-    "guided_grammar": "guided decoding is not supported",
     "structured_outputs": "structured outputs are not supported",
-    "min_tokens": "min_tokens is not supported",
-    "include_stop_str_in_output": "include_stop_str_in_output is not supported",
+    **dict.fromkeys(("functions", "function_call"),
+                    "functions/function_call are deprecated; use tools"),
+    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar"),
+                    "guided decoding is not supported"),
+    **{k: f"{k} is not supported" for k in ("verbosity", "min_tokens",
+                                             "include_stop_str_in_output")},
 }
-_HARMLESS = {"min_tokens": 0}
-# OpenAI fields that carry nothing for generation here: accepted, and they change nothing.
-METADATA_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key",
-                   "safety_identifier")
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
 
 Probability = Annotated[float, Field(ge=0, le=1)]
@@ -73,9 +60,8 @@ class StrictModel(BaseModel):
 
 
 class RequestBody(StrictModel):
-    """A top-level body. `UNSUPPORTED`: the API's fields that would change the output if they
-    were ignored, refused by name with the reason when set (`errors.validation_error`); sent
-    empty (null, false, "", [], {}) or with their `HARMLESS` value they are as good as absent."""
+    """A top-level body. `UNSUPPORTED`: its API's fields refused by name with the reason when
+    set (`errors.validation_error`), dropped when empty or `HARMLESS`."""
 
     UNSUPPORTED: ClassVar[dict[str, str]] = {}
     HARMLESS: ClassVar[dict[str, Any]] = {}
@@ -83,7 +69,6 @@ class RequestBody(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _drop_unset(cls, data: Any) -> Any:
-        """Unsupported fields sent empty or harmless are dropped."""
         if not isinstance(data, dict) or not any(k in cls.UNSUPPORTED for k in data):
             return data
         return {k: v for k, v in data.items()
@@ -103,7 +88,7 @@ class OpenAIBody(RequestBody):
     """An OpenAI body: its metadata fields are accepted and change nothing."""
 
     UNSUPPORTED: ClassVar[dict[str, str]] = UNSUPPORTED
-    HARMLESS: ClassVar[dict[str, Any]] = _HARMLESS
+    HARMLESS: ClassVar[dict[str, Any]] = {"min_tokens": 0}
 
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -244,25 +229,6 @@ class _Sampling(OpenAIBody):
             raise APIError(400, f"response_format {fmt!r} is not supported (no constrained "
                            "decoding); use 'text'", param="response_format")
 
-    def sampling_params(self, *, max_tokens: int, stop_token_ids: tuple[int, ...] = ()
-                        ) -> SamplingParams:
-        """The SamplingParams of this request (ParamError names a field out of range)."""
-        kw: dict[str, Any] = {}
-        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                     "frequency_penalty", "repetition_penalty", "seed"):
-            value = getattr(self, name)
-            if value is not None:
-                kw[name] = value
-        if kw.get("top_k") == -1:
-            kw["top_k"] = 0
-        if kw.get("top_p") == 0:  # nothing but the most likely token: greedy
-            kw.update(top_p=1.0, temperature=0.0)
-        stops = tuple(self.stop_token_ids or ()) + (() if self.ignore_eos else stop_token_ids)
-        return SamplingParams(max_tokens=max_tokens, stop=self.stop, ignore_eos=self.ignore_eos,
-                              stop_token_ids=tuple(dict.fromkeys(stops)),
-                              logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
-                              logprobs=self.top_k_logprobs, **kw)
-
     @property
     def top_k_logprobs(self) -> int | None:
         """How many alternatives per token the request's logprobs ask for (None: none)."""
@@ -270,9 +236,22 @@ class _Sampling(OpenAIBody):
 
     def choice_params(self, *, max_tokens: int, stop_token_ids: tuple[int, ...] = ()
                       ) -> list[SamplingParams]:
-        """The SamplingParams of each of the `n` choices: the request's, with the seed (when
-        given) advanced by the choice's index so that seeded choices differ."""
-        first = self.sampling_params(max_tokens=max_tokens, stop_token_ids=stop_token_ids)
+        """The SamplingParams of each of the `n` choices, the seed (when given) advanced by the
+        choice's index so that seeded choices differ. ParamError names a field out of range."""
+        kw: dict[str, Any] = {}
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "seed"):
+            if getattr(self, name) is not None:
+                kw[name] = getattr(self, name)
+        if kw.get("top_k") == -1:
+            kw["top_k"] = 0
+        if kw.get("top_p") == 0:  # nothing but the most likely token: greedy
+            kw.update(top_p=1.0, temperature=0.0)
+        stops = tuple(self.stop_token_ids or ()) + (() if self.ignore_eos else stop_token_ids)
+        first = SamplingParams(max_tokens=max_tokens, stop=self.stop, ignore_eos=self.ignore_eos,
+                               stop_token_ids=tuple(dict.fromkeys(stops)),
+                               logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+                               logprobs=self.top_k_logprobs, **kw)
         n = self.n or 1
         if n == 1 or first.seed is None:
             return [first] * n
@@ -373,15 +352,26 @@ class CompletionRequest(_Sampling):
             if len(p) != 1:
                 raise APIError(400, "one prompt per request is supported", param="prompt")
             p = p[0]
-        if (isinstance(p, str) and not p) or (isinstance(p, list) and not p):
+        if not p:
             raise APIError(400, "prompt must not be empty", param="prompt")
         return p
 
 
-def chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
-    """The chat request another API's translator built (`anthropic_api`, `responses_api`). A
-    value that API's own model let through but a chat request refuses is a 400 (its
-    parameter named as the chat request names it), never a 500."""
+def function_tool(name: str, description: str | None, parameters: dict[str, Any] | None
+                  ) -> dict[str, Any]:
+    """A chat function tool (from another API's tool definition)."""
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": parameters or {"type": "object", "properties": {}}}}
+
+
+def chat_request(body: dict[str, Any], template_kwargs: dict[str, Any] | None
+                 ) -> ChatCompletionRequest:
+    """The chat request another API's translator built (`anthropic_api`, `responses_api`). The
+    template gets `preserve_thinking: true` unless `template_kwargs` says otherwise: those
+    clients send the thinking back. A value that API's own model let through but a chat
+    request refuses is a 400 naming the parameter as the chat request names it."""
+    body["chat_template_kwargs"] = {"preserve_thinking": True, **(template_kwargs or {})}
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:

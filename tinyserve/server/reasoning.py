@@ -1,12 +1,9 @@
-"""Qwen3.5 reasoning split: text before `</think>` is reasoning, text after it is the answer.
+"""Qwen3.5 reasoning split: text before `</think>` is reasoning, text after it the answer.
 
-The Qwen3.5 template opens `<think>` in the prompt, so generation starts inside the reasoning
-block and only `</think>` appears in the output. With thinking off the prompt already holds
-`<think>\\n\\n</think>\\n\\n` and all output is content; which case applies is read from the
-prompt (`reasoning_open_in_prompt`). `<tool_call>` ends reasoning implicitly (the tool call
-itself stays in the content stream for the tool parser). A `<think>` at the very start of the
-output (older Qwen3 templates) is stripped. Whitespace around the reasoning is trimmed, and
-the answer's leading whitespace too, identically when streaming and when not.
+Generation starts inside `<think>` when the prompt left it open (`reasoning_open_in_prompt`);
+with thinking off all output is content. `<tool_call>` ends reasoning too, a `<think>` at the
+very start of the output is stripped, and whitespace around the parts is trimmed, the same
+way streamed and not.
 """
 
 from __future__ import annotations
@@ -55,8 +52,6 @@ class ReasoningParser:
             return buf.strip(), ""
         return "", buf
 
-    # ---------------------------------------------------------------------------------------
-
     def _step_start(self) -> None:
         head = self._buf.lstrip()
         if head.startswith(THINK_OPEN):
@@ -68,12 +63,16 @@ class ReasoningParser:
             self._state = "reasoning" if self._open else "content"
         self._lstrip = True
 
-    def _step_reasoning(self) -> str:
+    def _at_text(self) -> bool:
+        """Whether text is buffered, once the part's leading whitespace is dropped."""
         if self._lstrip:
             self._buf = self._buf.lstrip()
-            if not self._buf:
-                return ""
-            self._lstrip = False
+            self._lstrip = not self._buf
+        return bool(self._buf)
+
+    def _step_reasoning(self) -> str:
+        if not self._at_text():
+            return ""
         buf = self._buf
         ends = [(p, tag) for tag in (THINK_CLOSE, TOOL_OPEN) if (p := buf.find(tag)) >= 0]
         if ends:
@@ -90,10 +89,7 @@ class ReasoningParser:
         return out
 
     def _step_content(self) -> str:
-        if self._lstrip:
-            self._buf = self._buf.lstrip()
-            if not self._buf:
-                return ""
-            self._lstrip = False
+        if not self._at_text():
+            return ""
         out, self._buf = self._buf, ""
         return out

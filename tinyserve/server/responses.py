@@ -1,31 +1,16 @@
-"""Generated text -> OpenAI chat deltas and messages.
+"""Generated text -> chat deltas and messages, and the writer of output items built on them.
 
 `ChatAssembler` runs the reasoning splitter and (when the request has tools) the tool-call
-parser over the engine's text deltas. The streaming chunks and the non-streamed message come
-from the same deltas, so both carry the same text. The Anthropic and Responses formatters
-translate the same deltas into their own events.
+parser over the engine's text deltas; streamed chunks and the non-streamed message come from
+the same deltas. `ItemWriter` turns the deltas into the Anthropic and Responses output items.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Any
 
 from tinyserve.server.reasoning import ReasoningParser
 from tinyserve.server.tool_parser import ContentDelta, ToolCallParser, ToolCallStart, ToolEvent
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
-          ) -> dict[str, Any]:
-    """The usage object; `cached_tokens`: prompt tokens served from the prefix cache."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class ChatAssembler:
@@ -57,13 +42,12 @@ class ChatAssembler:
 
     def message(self) -> dict[str, Any]:
         """The whole assistant message (non-streaming responses)."""
-        msg: dict[str, Any] = {"role": "assistant", "content": self.content or None}
+        msg: dict[str, Any] = {"role": "assistant",
+                               "content": self.content or (None if self.tool_calls else "")}
         if self.reasoning:
             msg["reasoning_content"] = msg["reasoning"] = self.reasoning
         if self.tool_calls:
             msg["tool_calls"] = self.tool_calls
-        elif msg["content"] is None:
-            msg["content"] = ""
         return msg
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
@@ -71,21 +55,16 @@ class ChatAssembler:
             return "tool_calls"
         return engine_reason
 
-    # ---------------------------------------------------------------------------------------
-
     def _deltas(self, reasoning: str, content: str, final: bool) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         if reasoning:
             self.reasoning += reasoning
             out.append({"reasoning_content": reasoning, "reasoning": reasoning})
         if self._tools is None:
-            if content:
-                self.content += content
-                out.append({"content": content})
-            return out
-        events = self._tools.feed(content) if content else []
-        if final:
-            events += self._tools.finish()
+            events: list[ToolEvent] = [ContentDelta(content)] if content else []
+        else:
+            events = self._tools.feed(content) if content else []
+            events += self._tools.finish() if final else []
         for ev in events:
             self._tool_event(ev, out)
         return out
@@ -111,29 +90,62 @@ class ChatAssembler:
                                     "function": {"arguments": ev.fragment}}]})
 
 
-def chat_chunk(rid: str, created: int, model: str, delta: dict[str, Any] | None,
-               finish_reason: str | None = None, *, with_usage_null: bool = False,
-               index: int = 0) -> dict[str, Any]:
-    chunk: dict[str, Any] = {
-        "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-        "choices": [{"index": index, "delta": delta or {}, "logprobs": None,
-                     "finish_reason": finish_reason}]}
-    if with_usage_null:
-        chunk["usage"] = None
-    return chunk
+class ItemWriter:
+    """Chat deltas -> output items (Anthropic's content blocks, the Responses API's output
+    items) and their events, each item opened when the model starts it and closed when it
+    moves on. Subclasses name the kinds (`REASONING`, `TEXT`, `TOOL`) and write the items and
+    events (`_new_text`, `_new_call`, `_started`, `_append`, `_call_args`, `_closed`)."""
 
+    REASONING: str
+    TEXT: str
+    TOOL: str
 
-def completion_chunk(rid: str, created: int, model: str, text: str,
-                     finish_reason: str | None = None, *, with_usage_null: bool = False,
-                     index: int = 0) -> dict[str, Any]:
-    chunk: dict[str, Any] = {
-        "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": index, "text": text, "logprobs": None,
-                     "finish_reason": finish_reason}]}
-    if with_usage_null:
-        chunk["usage"] = None
-    return chunk
+    def __init__(self, assembler: ChatAssembler) -> None:
+        self.assembler = assembler
+        self.items: list[dict[str, Any]] = []
+        self._open: str | None = None  # the kind of the item being written
+        self._tool_item: dict[int, int] = {}  # tool call index -> item index
+        self.finish_reason: str | None = None  # the chat finish reason once finished
 
+    def on_text(self, text: str, logprobs: Any = ()) -> list[dict[str, Any]]:
+        return self._events(self.assembler.feed(text)) if text else []
 
-def now() -> int:
-    return int(time.time())
+    def _finish(self, engine_reason: str | None) -> list[dict[str, Any]]:
+        events = self._events(self.assembler.finish()) + self._close()
+        self.finish_reason = self.assembler.finish_reason(engine_reason)
+        return events
+
+    def _events(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for d in deltas:
+            if "reasoning_content" in d:
+                out += self._text(self.REASONING, d["reasoning_content"])
+            elif "content" in d:
+                out += self._text(self.TEXT, d["content"])
+            for call in d.get("tool_calls") or ():
+                fn = call.get("function") or {}
+                if "id" in call:  # a new call
+                    out += self._close()
+                    out += self._begin(self.TOOL, self._new_call(call["id"], fn.get("name")))
+                    self._tool_item[call["index"]] = len(self.items) - 1
+                else:
+                    out += self._call_args(self._tool_item[call["index"]],
+                                           fn.get("arguments", ""))
+        return out
+
+    def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
+        out = []
+        if self._open != kind:
+            out += self._close() + self._begin(kind, self._new_text(kind))
+        return out + self._append(len(self.items) - 1, kind, text)
+
+    def _begin(self, kind: str, item: dict[str, Any]) -> list[dict[str, Any]]:
+        self._open = kind
+        self.items.append(item)
+        return self._started(len(self.items) - 1, item)
+
+    def _close(self) -> list[dict[str, Any]]:
+        if self._open is None:
+            return []
+        kind, self._open = self._open, None
+        return self._closed(len(self.items) - 1, kind)

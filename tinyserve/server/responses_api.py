@@ -1,58 +1,194 @@
-"""The OpenAI Responses API (`POST /v1/responses`), as far as Codex CLI and the openai SDK use
-it, as a translator onto the chat pipeline.
+"""The OpenAI Responses API (`POST /v1/responses`), as Codex CLI and the openai SDK use it,
+translated onto the chat pipeline.
 
-A request becomes a `ChatCompletionRequest`: `instructions` and every system / developer
-message the one system message (the chat template takes it only first); user and assistant
-messages (`input_text` / `output_text` parts) chat messages; a `reasoning` item the
-`reasoning_content` of the assistant turn it starts; `function_call` items that turn's tool
-calls; `function_call_output` items tool messages; function tools chat tools; `tool_choice`
-"required" or `{"type": "function", "name"}` a forced call (`server.tool_choice`);
-`reasoning.effort` "none" turns thinking off (other efforts: the template's default, on).
-The template gets `preserve_thinking: true` unless the request's `chat_template_kwargs` (an
-extension) says otherwise.
+`instructions` and system / developer messages become the one system message; a `reasoning`
+item the `reasoning_content` of the assistant turn it starts, `function_call` items that
+turn's tool calls, `function_call_output` items tool messages; `reasoning.effort` "none" turns
+thinking off. The server keeps no state: the client sends the whole conversation (`store:
+false`), and gets its reasoning back as `encrypted_content` when it includes
+"reasoning.encrypted_content", so that it can return the model's earlier thinking.
 
-The server keeps no state: the client sends the whole conversation each time (as Codex does,
-with `store: false`). Reasoning comes back to a client that asks for
-`include: ["reasoning.encrypted_content"]` as `encrypted_content` (this server's own opaque
-encoding of the text), so a client that returns its reasoning items that way, as Codex does,
-keeps the model's earlier thinking. Refused with a 400 naming the field: `store: true`,
-`previous_response_id`, `conversation`, `background`, `prompt`, item references, built-in and
-custom tools (web search, file search, shell, ...), `strict: true` functions (no constrained
-decoding), images and files, structured outputs (`text.format` other than text),
-`truncation: "auto"`, logprobs and `max_tool_calls`. Accepted without effect: `metadata`,
-`user`, `prompt_cache_key`, `prompt_cache_retention`, `service_tier`, `safety_identifier`,
-`client_metadata`, `stream_options`, `reasoning.summary`, `text.verbosity` and the `id` /
-`status` of items sent back.
-
-The body (`responses_protocol`) is validated as chat/completions' is: strict types, OpenAI's
-ranges, unknown fields refused by name; items and parts of a kind this server does not take
-are refused naming their kind. Special-token strings in any of the client's text are text, as
-on every chat route.
+The body is validated as chat/completions' is (`protocol.StrictModel`); items are typed by
+their `type` (a message when it has none), and one of a kind this server does not take (item
+references, images, files) is refused naming it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from pydantic import Field, field_validator
 
 from tinyserve.server.errors import APIError
 from tinyserve.server.generate import generate
 from tinyserve.server.prepare import prepare_chat
-from tinyserve.server.protocol import ChatCompletionRequest, chat_request
-from tinyserve.server.responses_events import ResponsesFormatter, decode_reasoning
-from tinyserve.server.responses_protocol import (
-    ENCRYPTED_INCLUDE,
-    FunctionCallItem,
-    FunctionCallOutputItem,
-    FunctionChoice,
-    MessageItem,
-    ReasoningItem,
-    ResponsesRequest,
-    TextPart,
+from tinyserve.server.protocol import (
+    ChatCompletionRequest,
+    OpenAIBody,
+    Probability,
+    StrictModel,
+    by_type,
+    chat_request,
+    function_tool,
 )
+from tinyserve.server.responses_events import ResponsesFormatter, decode_reasoning
 from tinyserve.server.state import ServerState
+
+ENCRYPTED_INCLUDE = "reasoning.encrypted_content"
+
+_STATELESS = "is not supported (this server keeps no state and runs no background work)"
+
+
+class TextPart(StrictModel):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+    annotations: list[Any] | None = None  # what an echoed output_text part carries
+    logprobs: list[Any] | None = None
+
+
+Part = by_type({"input_text": TextPart, "output_text": TextPart, "text": TextPart})
+
+
+class MessageItem(StrictModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[Part]
+    id: str | None = None
+    status: str | None = None
+
+
+class ReasoningText(StrictModel):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(StrictModel):
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[ReasoningText] | None = None
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
+class FunctionCallItem(StrictModel):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(StrictModel):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[Part]
+    id: str | None = None
+    status: str | None = None
+
+
+Item = by_type({"message": MessageItem, "reasoning": ReasoningItem,
+                "function_call": FunctionCallItem,
+                "function_call_output": FunctionCallOutputItem}, default="message")
+
+
+class FunctionTool(StrictModel):
+    type: str
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("type")
+    @classmethod
+    def _function_only(cls, kind: str) -> str:
+        if kind != "function":
+            hint = " (in Codex: web_search = \"disabled\")" if kind == "web_search" else ""
+            raise ValueError(f"the {kind!r} tool is not supported; only function tools "
+                             f"are{hint}")
+        return kind
+
+
+class FunctionChoice(StrictModel):
+    type: Literal["function"]
+    name: str
+
+
+class ReasoningParam(StrictModel):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None  # no effect
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # no effect
+
+
+class TextFormat(StrictModel):
+    type: Literal["text", "json_schema", "json_object"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextParam(StrictModel):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # no effect
+
+
+class ResponsesStreamOptions(StrictModel):
+    include_obfuscation: bool | None = None  # no effect: events are not padded
+
+
+class ResponsesRequest(OpenAIBody):
+    UNSUPPORTED: ClassVar[dict[str, str]] = {
+        "previous_response_id": f"previous_response_id {_STATELESS}",
+        "conversation": f"conversation {_STATELESS}",
+        "background": f"background {_STATELESS}",
+        "prompt": f"prompt {_STATELESS}",
+        "context_management": f"context_management {_STATELESS}",
+        "max_tool_calls": "max_tool_calls is not supported",
+        "top_logprobs": "top_logprobs is not supported",
+    }
+
+    model: str | None = None
+    input: str | list[Item]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: Probability | None = None
+    stream: bool = False
+    stream_options: ResponsesStreamOptions | None = None
+    reasoning: ReasoningParam | None = None
+    include: list[str] | None = None
+    text: TextParam | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    client_metadata: dict[str, Any] | None = None  # no effect
+    prompt_cache_retention: str | None = None  # no effect
+    chat_template_kwargs: dict[str, Any] | None = None  # extension
+
+    def check_supported(self) -> None:
+        if self.store:
+            raise APIError(400, "store: true is not supported: this server keeps no responses; "
+                           "send the whole conversation with store: false", param="store")
+        for i, item in enumerate(self.include or []):
+            if item != ENCRYPTED_INCLUDE:
+                raise APIError(400, f"include {item!r} is not supported (only "
+                               f"{ENCRYPTED_INCLUDE!r})", param=f"include[{i}]")
+        fmt = self.text.format.type if self.text and self.text.format else "text"
+        if fmt != "text":
+            raise APIError(400, f"text.format {fmt!r} is not supported (no constrained "
+                           "decoding)", param="text.format")
+        if self.truncation not in (None, "disabled"):
+            raise APIError(400, "truncation must be 'disabled'", param="truncation")
+        for i, tool in enumerate(self.tools or []):
+            if tool.strict:
+                raise APIError(400, "strict function calling needs constrained decoding, which "
+                               "is not supported; send strict: false",
+                               param=f"tools[{i}].strict")
 
 
 def _text_parts(content: str | list[Any], where: str) -> str:
@@ -132,19 +268,15 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     tool_choice: Any = req.tool_choice
     if isinstance(tool_choice, FunctionChoice):
         tool_choice = {"type": "function", "function": {"name": tool_choice.name}}
-    tools = [{"type": "function", "function": {
-        "name": t.name, "description": t.description,
-        "parameters": t.parameters or {"type": "object", "properties": {}}}}
-        for t in req.tools or []]
+    tools = [function_tool(t.name, t.description, t.parameters) for t in req.tools or []]
     body: dict[str, Any] = {
         "messages": messages, "tools": tools or None, "tool_choice": tool_choice,
         "parallel_tool_calls": req.parallel_tool_calls, "max_tokens": req.max_output_tokens,
-        "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream,
-        "chat_template_kwargs": {"preserve_thinking": True, **(req.chat_template_kwargs or {})}}
+        "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream}
     effort = req.reasoning.effort if req.reasoning is not None else None
     if effort is not None:
         body["thinking"] = {"type": "disabled" if effort == "none" else "enabled"}
-    return chat_request(body)
+    return chat_request(body, req.chat_template_kwargs)
 
 
 def add_responses_routes(app: FastAPI, state: ServerState) -> None:
@@ -152,7 +284,6 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/responses")
     async def responses(req: ResponsesRequest, request: Request) -> Response:
-        state.require_engine()
         state.check_model(req.model)
         chat = to_chat_request(req)
         prep = await prepare_chat(state, chat, prompt_param="input",

@@ -1,18 +1,12 @@
-"""OpenAI Responses output: the chat deltas of `ChatAssembler` as output items and events.
+"""OpenAI Responses output: the chat deltas as output items, streamed or in one body.
 
-Items in the order the model writes them: a `reasoning` item (its text as `reasoning_text`
-content, plus `encrypted_content` when the request includes it), a `message` item with one
-`output_text` part, one `function_call` item per call. Streamed as the Responses API sends
-them, each SSE event named by its type and numbered (`sequence_number`): `response.created`,
-`response.in_progress`, per item `response.output_item.added`, its part's
-`response.content_part.added`, the deltas (`response.reasoning_text.delta`,
-`response.output_text.delta`, `response.function_call_arguments.delta`), their `.done` events
-and `response.output_item.done`; then `response.completed` (or `response.incomplete` when
-max_output_tokens ran out) with the whole response and its usage. A failure after the stream
-started is `response.failed`. The non-streamed response is the same object.
-
-`encrypted_content` is not encrypted: it is this server's opaque encoding of the reasoning
-text (`tsr1.` + base64), read back by `decode_reasoning` when a client returns the item.
+Items in the order the model writes them: `reasoning` (`reasoning_text` content, plus
+`encrypted_content` when the request includes it), `message` (one `output_text` part), one
+`function_call` per call. Events are named by their type and numbered: `response.created`,
+`response.in_progress`, per item `output_item.added`, `content_part.added`, the deltas, their
+`.done` events and `output_item.done`; then `response.completed` (or `response.incomplete`),
+or `response.failed` after a failure. `encrypted_content` is not encrypted: it is this
+server's opaque encoding of the text (`tsr1.` + base64), read back by `decode_reasoning`.
 """
 
 from __future__ import annotations
@@ -22,13 +16,12 @@ import binascii
 import json
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-from tinyserve.core import TokenLogprobs
 from tinyserve.server.errors import APIError
-from tinyserve.server.responses import ChatAssembler
-from tinyserve.server.streaming import sse
+from tinyserve.server.formatters import sse
+from tinyserve.server.responses import ChatAssembler, ItemWriter
 
 _MARK = "tsr1."
 _ECHOED = ("instructions", "max_output_tokens", "parallel_tool_calls", "temperature", "top_p",
@@ -57,21 +50,21 @@ def decode_reasoning(item: dict[str, Any]) -> str:
     return ""
 
 
-class ResponsesFormatter:
+class ResponsesFormatter(ItemWriter):
     """One response's events and body (`server.formatters.Formatter`). `echo`: the request
     (its settings are repeated in the response object); `count_tokens`: text -> tokens (the
     reasoning part of the usage)."""
 
-    endpoint = "responses"
-    prompt_param = "input"
+    endpoint, prompt_param = "responses", "input"
+    REASONING, TEXT, TOOL = "reasoning", "message", "function_call"
 
     def __init__(self, model: str, assembler: ChatAssembler, *, echo: Any,
                  with_encrypted: bool = False,
                  count_tokens: Callable[[str], int] | None = None) -> None:
+        super().__init__(assembler)
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self.model = model
-        self.assembler = assembler
         settings = echo.model_dump(mode="json", exclude_none=True, by_alias=True)
         self._echo = {k: settings.get(k) for k in _ECHOED}
         self._echo["tools"] = self._echo["tools"] or []
@@ -79,27 +72,16 @@ class ResponsesFormatter:
         self._echo["parallel_tool_calls"] = self._echo["parallel_tool_calls"] is not False
         self._with_encrypted = with_encrypted
         self._count = count_tokens
-        self.output: list[dict[str, Any]] = []
-        self._open: str | None = None  # the kind of the item being written
-        self._tool_item: dict[int, int] = {}  # tool call index -> output index
         self._seq = 0
-        self.finish_reason: str | None = None  # the chat finish reason once finished
-
-    # -- events ----------------------------------------------------------------------------
 
     def start(self) -> list[dict[str, Any]]:
         snapshot = self._response("in_progress", None)
         return [{"type": "response.created", "response": snapshot},
                 {"type": "response.in_progress", "response": snapshot}]
 
-    def on_text(self, text: str, logprobs: Sequence[TokenLogprobs] = ()) -> list[dict[str, Any]]:
-        return self._events(self.assembler.feed(text)) if text else []
-
     def on_finish(self, engine_reason: str | None, stop_str: str | None = None
                   ) -> list[dict[str, Any]]:
-        events = self._events(self.assembler.finish()) + self._close()
-        self.finish_reason = self.assembler.finish_reason(engine_reason)
-        return events
+        return self._finish(engine_reason)
 
     def encode(self, event: dict[str, Any]) -> str:
         event["sequence_number"] = self._seq
@@ -118,10 +100,8 @@ class ResponsesFormatter:
         kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
         return [self.encode({"type": kind, "response": body})]
 
-    # -- the body --------------------------------------------------------------------------
-
     def choice(self) -> dict[str, Any]:
-        return {"output": self.output}
+        return {"output": self.items}
 
     def body(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
              choices: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -141,94 +121,66 @@ class ResponsesFormatter:
     def _response(self, status: str, use: dict[str, Any] | None) -> dict[str, Any]:
         return {"id": self.id, "object": "response", "created_at": self.created_at,
                 "status": status, "model": self.model,
-                "output": [dict(item) for item in self.output] if use else [],
+                "output": [dict(item) for item in self.items] if use else [],
                 "usage": use, "error": None, "incomplete_details": None, "store": False,
                 "previous_response_id": None, "truncation": "disabled", "background": False,
                 **self._echo}
 
-    # -- chat deltas -> item events --------------------------------------------------------
+    # -- output items (`ItemWriter`): reasoning and message items hold one text part -------
 
-    def _events(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        for d in deltas:
-            if "reasoning_content" in d:
-                out += self._text("reasoning", d["reasoning_content"])
-            elif "content" in d:
-                out += self._text("message", d["content"])
-            for call in d.get("tool_calls") or ():
-                out += self._tool_event(call)
-        return out
+    def _new_text(self, kind: str) -> dict[str, Any]:
+        if kind == "reasoning":
+            return {"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning", "summary": [],
+                    "content": [{"type": "reasoning_text", "text": ""}],
+                    "status": "in_progress"}
+        return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
+                "status": "in_progress", "content": [
+                    {"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}
 
-    def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
-        out = []
-        if self._open != kind:
-            out += self._close()
-            if kind == "reasoning":
-                item = {"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning", "summary": [],
-                        "content": [], "status": "in_progress"}
-                part = {"type": "reasoning_text", "text": ""}
-            else:
-                item = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
-                        "status": "in_progress", "content": []}
-                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            out += self._begin(kind, item)
-            item["content"] = [part]
-            out.append({"type": "response.content_part.added", **self._where(),
-                        "content_index": 0, "part": dict(part)})
-        index = len(self.output) - 1
-        self.output[index]["content"][0]["text"] += text
-        delta = {"type": "response.reasoning_text.delta" if kind == "reasoning" else
-                 "response.output_text.delta", **self._where(), "content_index": 0,
-                 "delta": text}
+    def _new_call(self, call_id: str, name: str | None) -> dict[str, Any]:
+        return {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call",
+                "status": "in_progress", "call_id": call_id, "name": name, "arguments": ""}
+
+    def _where(self, index: int) -> dict[str, Any]:
+        return {"item_id": self.items[index]["id"], "output_index": index}
+
+    def _started(self, index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
+        if "content" not in item:
+            return [{"type": "response.output_item.added", "output_index": index,
+                     "item": dict(item)}]
+        return [{"type": "response.output_item.added", "output_index": index,
+                 "item": dict(item, content=[])},
+                {"type": "response.content_part.added", **self._where(index),
+                 "content_index": 0, "part": dict(item["content"][0])}]
+
+    def _text_event(self, index: int, kind: str, done: bool, **fields: Any) -> dict[str, Any]:
+        name = "reasoning_text" if kind == "reasoning" else "output_text"
+        event = {"type": f"response.{name}.{'done' if done else 'delta'}", **self._where(index),
+                 "content_index": 0, **fields}
         if kind == "message":
-            delta["logprobs"] = []
-        return out + [delta]
+            event["logprobs"] = []
+        return event
 
-    def _tool_event(self, call: dict[str, Any]) -> list[dict[str, Any]]:
-        fn = call.get("function") or {}
-        if "id" in call:  # a new call
-            out = self._close()
-            out += self._begin("function_call", {
-                "id": f"fc_{uuid.uuid4().hex}", "type": "function_call",
-                "status": "in_progress", "call_id": call["id"], "name": fn.get("name"),
-                "arguments": ""})
-            self._tool_item[call["index"]] = len(self.output) - 1
-            return out
-        index = self._tool_item[call["index"]]
-        self.output[index]["arguments"] += fn.get("arguments", "")
+    def _append(self, index: int, kind: str, text: str) -> list[dict[str, Any]]:
+        self.items[index]["content"][0]["text"] += text
+        return [self._text_event(index, kind, False, delta=text)]
+
+    def _call_args(self, index: int, fragment: str) -> list[dict[str, Any]]:
+        self.items[index]["arguments"] += fragment
         return [{"type": "response.function_call_arguments.delta", **self._where(index),
-                 "delta": fn.get("arguments", "")}]
+                 "delta": fragment}]
 
-    def _where(self, index: int | None = None) -> dict[str, Any]:
-        index = len(self.output) - 1 if index is None else index
-        return {"item_id": self.output[index]["id"], "output_index": index}
-
-    def _begin(self, kind: str, item: dict[str, Any]) -> list[dict[str, Any]]:
-        self._open = kind
-        self.output.append(item)
-        return [{"type": "response.output_item.added", "output_index": len(self.output) - 1,
-                 "item": dict(item, content=[]) if "content" in item else dict(item)}]
-
-    def _close(self) -> list[dict[str, Any]]:
-        if self._open is None:
-            return []
-        index, kind = len(self.output) - 1, self._open
-        self._open = None
-        item = self.output[index]
+    def _closed(self, index: int, kind: str) -> list[dict[str, Any]]:
+        item = self.items[index]
         item["status"] = "completed"
-        out: list[dict[str, Any]] = []
         if kind == "function_call":
-            out.append({"type": "response.function_call_arguments.done", **self._where(index),
-                        "name": item["name"], "arguments": item["arguments"]})
+            out = [{"type": "response.function_call_arguments.done", **self._where(index),
+                    "name": item["name"], "arguments": item["arguments"]}]
         else:
             part = item["content"][0]
-            done = {"type": "response.reasoning_text.done" if kind == "reasoning" else
-                    "response.output_text.done", **self._where(index), "content_index": 0,
-                    "text": part["text"]}
-            if kind == "message":
-                done["logprobs"] = []
-            out += [done, {"type": "response.content_part.done", **self._where(index),
-                           "content_index": 0, "part": dict(part)}]
+            out = [self._text_event(index, kind, True, text=part["text"]),
+                   {"type": "response.content_part.done", **self._where(index),
+                    "content_index": 0, "part": dict(part)}]
             if kind == "reasoning" and self._with_encrypted:
                 item["encrypted_content"] = encode_reasoning(part["text"])
         return out + [{"type": "response.output_item.done", "output_index": index,

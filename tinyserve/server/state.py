@@ -100,8 +100,11 @@ class ServerState:
             raise APIError(503, f"the model is still loading ({self.load_progress:.0%})")
         return self.engine
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> Any:
+        """The engine, once the request's `model` is known to be the one served."""
+        engine = self.require_engine()
         if model is not None and model != self.config.served_model_name:
             raise APIError(404, f"the model {model!r} does not exist; this server serves "
                            f"{self.config.served_model_name!r}", param="model",
                            code="model_not_found")
+        return engine

@@ -1,18 +1,9 @@
-"""Forced tool calls without constrained decoding: `tool_choice` "required" or a named function.
+"""Forced tool calls without constrained decoding: `tool_choice` "required" or a function.
 
-The Qwen3.5 chat template writes an assistant turn that calls a tool as
-`<think>\\n{reasoning}\\n</think>\\n\\n<tool_call>\\n<function=NAME>\\n<parameter=...`, and with
-thinking off the generation prompt already holds the closed, empty think block. A forced call
-is that preamble written into the prompt after the generation prompt: the think block closed
-empty when the prompt left it open (exactly the template's `enable_thinking: false` form),
-then `<tool_call>\\n<function=` and, for a named function (or "required" with one tool only),
-the name and `>\\n`. The model writes the parameters (and may add further calls). The
-response's parsers read the preamble first, as if the model had written it, so the call is
-reported as any other (`ChatAssembler(prefill=...)`).
-
-`tool_choice` here is in the chat/completions form ("none" | "auto" | "required" |
-`{"type": "function", "function": {"name": ...}}`); the Anthropic and Responses translators
-map their own forms onto it.
+A forced call is the preamble the Qwen3.5 template writes for a call, put in the prompt after
+the generation prompt: an empty think block closed when the prompt left it open, then
+`<tool_call>\\n<function=` and, when the function is known, its name and `>\\n`. The model writes
+the parameters; the response's parsers read the preamble first, as if generated.
 """
 
 from __future__ import annotations

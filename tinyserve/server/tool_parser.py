@@ -1,6 +1,4 @@
-"""Streaming parser for Qwen3.5 XML tool calls.
-
-The model writes one block per call::
+"""Streaming parser for Qwen3.5 XML tool calls, one block per call::
 
     <tool_call>
     <function=get_weather>
@@ -10,15 +8,10 @@ The model writes one block per call::
     </function>
     </tool_call>
 
-`ToolCallParser.feed(text)` takes the next piece of generated text and returns events:
-`ContentDelta` for text outside the blocks, `ToolCallStart` when a function name is known,
-`ToolCallArgs` with the next fragment of the call's JSON `arguments` (the fragments of one call
-concatenate to a JSON object). Parameter values are converted to the JSON type their tool's
-schema declares; whatever the model writes and whatever the client's schema says, the
-arguments are strict JSON (a value that would not be - a set, bytes, an infinite or NaN
-number - stays the model's text). `finish()` flushes what is left, closing a half-written
-call when its name is known and returning the raw text as content otherwise (a malformed
-block is never lost).
+`feed(text)` returns `ContentDelta` (text outside the blocks), `ToolCallStart` (a name is
+known) and `ToolCallArgs` (the next fragment of the call's JSON arguments). Values take the
+JSON type their schema declares, and the arguments are always strict JSON. `finish()` closes a
+half-written call whose name is known and gives anything else back as content.
 """
 
 from __future__ import annotations
@@ -149,14 +142,6 @@ def _convert(value: str, schema: Any) -> Any:
     return value
 
 
-def _strip_one_newline(value: str) -> str:
-    if value.startswith("\n"):
-        value = value[1:]
-    if value.endswith("\n"):
-        value = value[:-1]
-    return value
-
-
 class ToolCallParser:
     """Incremental parser for one response. Not thread-safe; one instance per request."""
 
@@ -208,8 +193,6 @@ class ToolCallParser:
             events.append(ContentDelta(self._pending_ws + tail))
         self._buf = self._pending_ws = ""
         return events
-
-    # ---------------------------------------------------------------------------------------
 
     def _emit_content(self, text: str, events: list[ToolEvent]) -> None:
         if not text:
@@ -292,7 +275,7 @@ class ToolCallParser:
 
     def _add_param(self, key: str, raw: str, events: list[ToolEvent]) -> None:
         schema = self._schemas.get(self._name or "", {}).get(key)
-        value = convert_value(_strip_one_newline(raw), schema)
+        value = convert_value(raw.removeprefix("\n").removesuffix("\n"), schema)
         sep = "{" if self._num_params == 0 else ", "
         self._num_params += 1
         events.append(ToolCallArgs(self._index, f"{sep}{json.dumps(key, ensure_ascii=False)}: "

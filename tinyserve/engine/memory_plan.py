@@ -122,16 +122,14 @@ class MemoryPlan:
         return 0 if self.gpu_memory is None else self.gpu_memory - self.gpu_bytes
 
     def as_dict(self) -> dict[str, Any]:
+        """The fields and the derived figures (every property), for `tinyserve plan --json`."""
         d = asdict(self)
         d["outside_allocator"] = {k: {"bytes": b, "source": s}
                                   for k, b, s in self.outside_allocator}
         d["resident_weights"] = dict(self.resident_weights)
         d["workspace"] = dict(self.workspace)
-        for name in ("outside_allocator_bytes", "allocator_cap", "resident_weight_bytes",
-                     "workspace_bytes", "state_bytes", "kv_bytes", "context_tokens",
-                     "expert_cache_bytes", "experts_offloaded", "host_expert_bytes",
-                     "allocated_bytes", "gpu_bytes", "free_bytes"):
-            d[name] = getattr(self, name)
+        d.update({name: getattr(self, name) for name, attr in vars(MemoryPlan).items()
+                  if isinstance(attr, property) and name != "is_cuda"})
         return d
 
     def format(self) -> str:

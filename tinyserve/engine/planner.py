@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from tinyserve.engine.config import DEFAULT_CONTEXT, DEFAULT_MAX_SEQS, EngineConfig
 from tinyserve.engine.device_memory import DeviceMemory, device_memory
@@ -217,29 +217,26 @@ def _plan_gpu(s: _Sizes, tokens: int, forced: int | None) -> MemoryPlan:
 
 
 def _refuse(s: _Sizes, tokens: int, seqs: int, cap: int, embed_device: str,
-            slots: int) -> None:
-    dev, w = s.dev, s.w
-    assert dev.budget is not None
-    outside = sum(b for _, b, _ in s.outside(embed_device, True))
-    embed_gpu = s.embed if embed_device == "cuda" else 0
-    ws = sum(b for _, b in s.workspace(tokens, seqs, cap))
-    states = s.state_slots(seqs) * s.per_slot
-    kv = s.pages(tokens) * s.page * s.kv_tok
-    need = outside + s.fixed(tokens, seqs, cap) + embed_gpu + slots * w.expert_bytes
-    parts = [f"outside torch's allocator {mib(outside)}",
-             f"weights {mib(sum(b for _, b in w.resident_groups()))}"]
-    if embed_gpu:
-        parts.append(f"embedding {mib(embed_gpu)}")
-    parts += [f"workspace {mib(ws)}", f"GDN states {mib(states)} ({s.state_slots(seqs)} slots)",
-              f"KV {mib(kv)} ({s.pages(tokens) * s.page} tokens {s.kv})",
-              f"expert cache {mib(slots * w.expert_bytes)} (at least {slots} slots of "
-              f"{w.expert_bytes / MiB:.2f} MiB)"]
+            slots: int) -> NoReturn:
+    w, kv_tokens, state_slots = s.w, s.pages(tokens) * s.page, s.state_slots(seqs)
+    assert s.dev.budget is not None
+    parts = [  # (what, bytes, note): the whole need
+        ("outside torch's allocator", sum(b for _, b, _ in s.outside(embed_device, True)), ""),
+        ("weights", sum(b for _, b in w.resident_groups()), ""),
+        ("embedding", s.embed if embed_device == "cuda" else 0, ""),
+        ("workspace", sum(b for _, b in s.workspace(tokens, seqs, cap)), ""),
+        ("GDN states", state_slots * s.per_slot, f" ({state_slots} slots)"),
+        ("KV", kv_tokens * s.kv_tok, f" ({kv_tokens} tokens {s.kv})"),
+        ("expert cache", slots * w.expert_bytes,
+         f" (at least {slots} slots of {w.expert_bytes / MiB:.2f} MiB)")]
+    need = sum(b for _, b, _ in parts)
+    shown = ", ".join(f"{what} {mib(b)}{note}" for what, b, note in parts
+                      if b or what != "embedding")
     hints = ["lower --max-context" if s.cfg.max_context else "",
              "lower --max-seqs" if s.cfg.max_seqs and s.cfg.max_seqs > 1 else "",
              "use --kv iso3" if s.kv == "bf16" else "", "raise --gpu-memory"]
     raise PlanError(f"the model needs at least {mib(need)} of GPU memory but the budget is "
-                    f"{dev.budget_source}: {', '.join(parts)}; "
-                    f"{', '.join(h for h in hints if h)}")
+                    f"{s.dev.budget_source}: {shown}; {', '.join(h for h in hints if h)}")
 
 
 def plan_checkpoint(config: EngineConfig, path: str | Path, device: DeviceMemory) -> MemoryPlan:

@@ -147,30 +147,26 @@ class Scheduler:
         self._share_seats()
         seqs: list[ScheduledSeq] = []
         budget = self.max_num_batched_tokens
+
+        def take(req: Request) -> None:
+            nonlocal budget
+            seqs.append(self._chunk(req, budget))
+            budget -= seqs[-1].num_tokens
+
         nxt = self._next_waiting()  # it shares this step already when it has a seat
         joining = [nxt] if nxt is not None and not nxt.solo and self._has_room(nxt) else []
         taking_part = [r for r in fairness.step_share(self.running + joining) if r.running]
-        left_out = {id(r) for r in self.running} - {id(r) for r in taking_part}
-        trimmed = {r.group for r in self.running if id(r) in left_out}
-        decode = [r for r in taking_part if r.is_decode]
-        prefill = [r for r in taking_part if not r.is_decode]
-        for req in decode:
-            if req.running and self._reserve_decode_page(req):
-                seqs.append(self._chunk(req, 1))
-                budget -= 1
-        for req in prefill:
-            if budget <= 0:
-                break
-            if not req.running:  # preempted by a decode's page reservation above
-                continue
-            seqs.append(self._chunk(req, budget))
-            budget -= seqs[-1].num_tokens
+        trimmed = {r.group for r in self.running if r not in taking_part}
+        # decodes first; a decode's page reservation may preempt a request after it
+        for req in sorted(taking_part, key=lambda r: not r.is_decode):
+            if req.running and budget > 0 and (not req.is_decode
+                                               or self._reserve_decode_page(req)):
+                take(req)
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             req = self._next_waiting()
             if req.solo or req.group in trimmed or not self._admit(req):
                 break  # nobody overtakes the next request in the fair order
-            seqs.append(self._chunk(req, budget))
-            budget -= seqs[-1].num_tokens
+            take(req)
         return Batch(seqs)
 
     def _next_waiting(self) -> Request | None:
@@ -198,15 +194,20 @@ class Scheduler:
     def _reserve_decode_page(self, req: Request) -> bool:
         """Make room for one more token of `req`, preempting newer requests if needed.
         False when `req` itself had to be preempted."""
-        while len(req.pages) < self.pages_for(req.num_computed + 1):
-            page = self.alloc_pages(1)
-            if page is not None:
-                req.pages += page
-                break
+        while not self._grow_for_next_token(req):
             victim = fairness.victim(self.running)
             self.preempt(victim.request_id)
             if victim is req:
                 return False
+        return True
+
+    def _grow_for_next_token(self, req: Request) -> bool:
+        """Whether `req` has a page for one more token, taking a free one if needed."""
+        if len(req.pages) < self.pages_for(req.num_computed + 1):
+            page = self.alloc_pages(1)
+            if page is None:
+                return False
+            req.pages += page
         return True
 
     def _admit(self, req: Request) -> bool:
@@ -306,11 +307,8 @@ class Scheduler:
                 return None
         seqs = []
         for req in self.running:  # NOTE: a page taken before a refusal is needed next step
-            if len(req.pages) < self.pages_for(req.num_computed + 1):
-                page = self.alloc_pages(1)
-                if page is None:
-                    return None
-                req.pages += page
+            if not self._grow_for_next_token(req):
+                return None
             seqs.append(ScheduledSeq(
                 request_id=req.request_id, token_ids=[PENDING_TOKEN],
                 start_pos=req.num_computed, page_ids=req.pages, state_slot=req.slot,

@@ -8,6 +8,7 @@ figure, which counts other processes too.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -72,10 +73,14 @@ def reference_device(config: EngineConfig) -> DeviceMemory:
     if budget is None:
         raise ValueError("no CUDA device here: give the budget with --gpu-memory (e.g. 6GiB), "
                          "or plan for the CPU with --device cpu")
-    source = f"--gpu-memory {describe_size(config.gpu_memory)}"  # type: ignore[arg-type]
-    return DeviceMemory(device=config.device or "cuda", budget=budget, budget_source=source,
+    return DeviceMemory(device=config.device or "cuda", budget=budget,
+                        budget_source=_budget_flag(config),
                         startup=H200_STARTUP,
                         startup_source="H200 measurement (no CUDA device here)")
+
+
+def _budget_flag(config: EngineConfig) -> str:
+    return f"--gpu-memory {describe_size(config.gpu_memory)}"  # type: ignore[arg-type]
 
 
 class DeviceMemoryProbe:
@@ -134,14 +139,10 @@ class DeviceMemoryProbe:
         return int(total - free)
 
 
-_PROBES: dict[int, DeviceMemoryProbe] = {}
-
-
+@functools.cache
 def probe_for(index: int) -> DeviceMemoryProbe:
     """The process's probe of GPU `index` (made on first use: before CUDA, when possible)."""
-    if index not in _PROBES:
-        _PROBES[index] = DeviceMemoryProbe(index)
-    return _PROBES[index]
+    return DeviceMemoryProbe(index)
 
 
 def _device_index(device: str) -> int:
@@ -172,18 +173,18 @@ def measure_device(config: EngineConfig) -> DeviceMemory:
     available = free + used
     name = torch.cuda.get_device_name(index)
     budget = config.gpu_memory_bytes
+    if budget is not None and budget > available:
+        raise ValueError(f"--gpu-memory {config.gpu_memory} asks for {budget / MiB:,.0f} "
+                         f"MiB but {name} has {available / MiB:,.0f} MiB for this process "
+                         f"({total / MiB:,.0f} MiB in all, the rest used by others)")
+    log.info("%s: %.0f MiB outside torch's allocator after start-up (%s)", name,
+             startup / MiB, probe.source)
     if budget is None:
         budget, source = available, f"free device memory ({available / MiB:,.0f} MiB)"
     else:
-        source = f"--gpu-memory {describe_size(config.gpu_memory)}"  # type: ignore[arg-type]
-        if budget > available:
-            raise ValueError(f"--gpu-memory {config.gpu_memory} asks for {budget / MiB:,.0f} "
-                             f"MiB but {name} has {available / MiB:,.0f} MiB for this process "
-                             f"({total / MiB:,.0f} MiB in all, the rest used by others)")
-    log.info("%s: %.0f MiB outside torch's allocator after start-up (%s)", name,
-             startup / MiB, probe.source)
-    return DeviceMemory(device=device, name=name,
-                        budget=budget, budget_source=source, startup=startup,
+        source = _budget_flag(config)
+    return DeviceMemory(device=device, name=name, budget=budget, budget_source=source,
+                        startup=startup,
                         startup_source=f"measured at start-up ({probe.source})")
 
 

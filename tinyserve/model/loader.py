@@ -35,9 +35,7 @@ class CheckpointError(ValueError):
     """A checkpoint's files or tensors do not match what its config describes."""
 
 
-class TensorInfo(NamedTuple):
-    """Where one tensor lives: its file, safetensors dtype name, shape and byte range."""
-
+class TensorInfo(NamedTuple):  # where one tensor lives; dtype: the safetensors name
     name: str
     file: Path
     file_index: int
@@ -48,20 +46,14 @@ class TensorInfo(NamedTuple):
 
 
 class CheckpointReader:
-    """Lazy reader over a directory of safetensors files (or one .safetensors file).
-
-    Only headers are read at construction; `get(name)` reads one tensor through a memory map.
-    Raises CheckpointError for a missing shard, an unreadable or truncated file.
-    """
+    """Lazy reader over a directory of safetensors files (or one file): headers at
+    construction, `get(name)` one tensor through a memory map. Raises CheckpointError."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.files = self._find_files()
-        infos: list[TensorInfo] = []
-        for i, file in enumerate(self.files):
-            infos.extend(_read_header(file, i))
-        infos.sort(key=lambda t: (t.file_index, t.offset))
-        self._infos = {t.name: t for t in infos}
+        infos = [t for i, file in enumerate(self.files) for t in _read_header(file, i)]
+        self._infos = {t.name: t for t in sorted(infos, key=lambda t: (t.file_index, t.offset))}
         self._handles: dict[Path, Any] = {}
 
     def _find_files(self) -> list[Path]:
@@ -95,8 +87,7 @@ class CheckpointReader:
     def info(self, name: str) -> TensorInfo:
         return self._infos[name]
 
-    def tensor_info(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
-        """(torch dtype, shape) of one tensor, from the headers alone."""
+    def tensor_info(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:  # from the header
         t = self._infos[name]
         return _TORCH_DTYPES.get(t.dtype, torch.uint8), t.shape
 
@@ -174,12 +165,10 @@ def strip_prefix(raw: str) -> str | None:
     (vision tower, MTP head). Unknown prefixes come back unchanged."""
     if raw.startswith(_SKIP_PREFIXES):
         return None
-    for p in _HEAD_PREFIXES:
-        if raw.startswith(p):
-            return "lm_head." + raw[len(p):]
-    for p in _LM_PREFIXES:
-        if raw.startswith(p):
-            return raw[len(p):]
+    for prefixes, new in ((_HEAD_PREFIXES, "lm_head."), (_LM_PREFIXES, "")):
+        p = next((p for p in prefixes if raw.startswith(p)), None)
+        if p is not None:
+            return new + raw[len(p):]
     return raw
 
 
@@ -230,17 +219,14 @@ def iter_weights(
             group = fused_group(entry.name) if fuse else None
             if group is None:
                 yield from entry.load(reader, dtype, device)
-                if on_entry is not None:
-                    on_entry(entry.nbytes)
-                continue
-            fused, parts = group
-            got = pending.setdefault(fused, {})
-            got.update(entry.load(reader, dtype, torch.device("cpu")))
+            else:
+                got = pending.setdefault(group[0], {})
+                got.update(entry.load(reader, dtype, torch.device("cpu")))
             if on_entry is not None:
                 on_entry(entry.nbytes)
-            if len(got) == len(parts):
-                del pending[fused]
-                yield from _fuse(fused, [(p, got.pop(p)) for p in parts], dtype, device)
+            if group is not None and len(got) == len(group[1]):
+                del pending[group[0]]
+                yield from _fuse(group[0], [(p, got.pop(p)) for p in group[1]], dtype, device)
         assert not pending, f"incomplete fused linears {sorted(pending)}"  # the plan has all
     finally:
         if reader is not path_or_reader:
@@ -263,7 +249,6 @@ def _fuse(name: str, parts: list[tuple[str, LinearWeight]], dtype: torch.dtype,
 
 def load_weights(path_or_reader: str | Path | CheckpointReader, config: ModelConfig,
                  **kwargs: Any) -> dict[str, torch.Tensor | LinearWeight]:
-    """`dict(iter_weights(path_or_reader, config, **kwargs))`."""
     return dict(iter_weights(path_or_reader, config, **kwargs))
 
 

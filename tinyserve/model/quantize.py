@@ -187,14 +187,9 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str = "modelopt",
             if plan is not None and key is not None and plan.kind != "linear":
                 # Fused 3-D experts [E, 2F, H] / [E, H, F] are written per expert.
                 prefix = raw[: len(raw) - len(key)]
-                for e in range(plan.num_experts):
-                    w = reader.get(raw, e)
-                    f = w.shape[0] // 2
-                    parts = ({"gate_proj": w[:f], "up_proj": w[f:]}
-                             if plan.kind == "fused_gate_up" else {"down_proj": w})
-                    for proj, part in parts.items():
-                        name = f"{plan.name}.{e}.{proj}"
-                        add(prefix + name, name, part, writer)
+                dtype = reader.tensor_info(raw)[0]
+                for name, w in plan.load(reader, dtype, torch.device("cpu")):
+                    add(prefix + name, name, w.weight, writer)
                 continue
             if plan is not None and key is not None and raw.endswith(".weight") and add(
                     raw.removesuffix(".weight"), plan.name, reader.get(raw), writer):
@@ -239,26 +234,22 @@ def _write_configs(src: Path, dst: Path, fmt: str, recipe: str, done: dict[str, 
                 exclude += ([f"{p}linear_attn.in_proj_a", f"{p}linear_attn.in_proj_b",
                              f"{p}linear_attn.conv1d"] if quantized else [f"{p}linear_attn*"])
         producer = {"name": "modelopt", "version": "tinyserve"}
-        group = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
-        quant: dict[str, Any] = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None,
-                                 "group_size": 16, "exclude_modules": exclude}
-        cfg["quantization_config"] = {
-            "quant_method": "modelopt", "quant_algo": "NVFP4", "producer": producer,
-            "config_groups": {"group_0": {"weights": group, "targets": ["Linear"]}},
-            "ignore": exclude, "kv_cache_scheme": None,
-        }
         if recipe == "mixed":
-            layers: dict[str, Any] = {}
-            for module, kind in done.items():
-                module = re.sub(r"\.experts\.\d+\.(gate|up|down)_proj$", ".experts", module)
-                layers[module] = ({"quant_algo": "FP8"} if kind == "fp8"
-                                  else {"quant_algo": "W4A16_NVFP4", "group_size": 16})
-            quant = {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None,
-                     "quantized_layers": layers, "exclude_modules": exclude}
-            cfg["quantization_config"] = {
-                "quant_method": "modelopt", "quant_algo": "MIXED_PRECISION",
-                "producer": producer, "quantized_layers": layers, "ignore": exclude,
-                "kv_cache_scheme": None}
+            layers = {re.sub(r"\.experts\.\d+\.(gate|up|down)_proj$", ".experts", module):
+                      {"quant_algo": "FP8"} if kind == "fp8"
+                      else {"quant_algo": "W4A16_NVFP4", "group_size": 16}
+                      for module, kind in done.items()}
+            algo, extra = "MIXED_PRECISION", {"quantized_layers": layers}
+            quant: dict[str, Any] = {"quant_algo": algo, "kv_cache_quant_algo": None, **extra}
+        else:
+            group = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+            algo = "NVFP4"
+            extra = {"config_groups": {"group_0": {"weights": group, "targets": ["Linear"]}}}
+            quant = {"quant_algo": algo, "kv_cache_quant_algo": None, "group_size": 16}
+        quant["exclude_modules"] = exclude
+        cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": algo,
+                                      "producer": producer, **extra, "ignore": exclude,
+                                      "kv_cache_scheme": None}
         hf = {"producer": producer, "quantization": quant}
         (dst / "hf_quant_config.json").write_text(json.dumps(hf, indent=2) + "\n")
     (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

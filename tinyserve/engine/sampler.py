@@ -32,13 +32,12 @@ class Sampler:
 
     def argmax_only(self, seqs: Sequence[ScheduledSeq]) -> bool:
         """Whether sampling `seqs` is the plain argmax of their logits."""
-        return (self.chainable(seqs) and not wants_logprobs(seqs)
-                and all(s.params.greedy and not s.params.logit_bias and not _has_penalty(s)
-                        for s in seqs))
+        return self.chainable(seqs) and all(
+            s.params.greedy and not s.params.logit_bias and not _has_penalty(s)
+            and s.params.logprobs is None for s in seqs)
 
     def chainable(self, seqs: Sequence[ScheduledSeq]) -> bool:
-        """Whether `seqs` can be sampled before the host has the step's input tokens:
-        no logits hook."""
+        """Whether `seqs` can be sampled before the host has the step's input tokens."""
         return self.logits_hook is None
 
     @torch.inference_mode()
@@ -101,10 +100,9 @@ class TokenCounts:
         if p.presence_penalty or p.frequency_penalty:
             output = torch.zeros(vocab, device=device)
             one = torch.ones(1, device=device)
-            out = seq.history[len(seq.history) - seq.num_generated:] if seq.num_generated else []
-            if out:
-                ids = _to_device(out, torch.long, device)
-                output.index_add_(0, ids, one.expand(len(out)))
+            if seq.num_generated:
+                out = _to_device(seq.history[-seq.num_generated:], torch.long, device)
+                output.index_add_(0, out, one.expand(len(out)))
         return cls(seen, output, one)
 
     def add(self, token: torch.Tensor) -> None:
@@ -113,10 +111,6 @@ class TokenCounts:
             self.seen.index_fill_(0, token, True)
         if self.output is not None:
             self.output.index_add_(0, token, self.one)
-
-
-def wants_logprobs(seqs: Sequence[ScheduledSeq]) -> bool:
-    return any(s.params.logprobs is not None for s in seqs)
 
 
 def token_logprobs(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], tokens: torch.Tensor
@@ -162,10 +156,9 @@ def apply_logit_bias(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torc
     V = logits.shape[1]
     if max(ids) >= V:
         raise ValueError(f"logit_bias names token {max(ids)}, the vocabulary has {V}")
-    device = logits.device
-    index = _to_device([rows, ids], torch.long, device)
-    return logits.index_put((index[0], index[1]), _to_device(biases, logits.dtype, device),
-                            accumulate=True)
+    index = _to_device([rows, ids], torch.long, logits.device)
+    return logits.index_put((index[0], index[1]), _to_device(biases, logits.dtype,
+                                                             logits.device), accumulate=True)
 
 
 def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -22,13 +22,10 @@ from tinyserve.kv.registry import kv_bytes_per_token, resolve_kv
 from tinyserve.kv.state_pool import GDNStatePool
 
 GRAPH_POOL = 64 * MiB  # CUDA-graph private pools of the decode graphs
-# NOTE: the slack covers what the workspace items do not: the caching allocator's rounding
-# and fragmentation and transient buffers (sampler, expert-miss lists, cuBLAS/Triton
-# scratch). It is a share of the allocator's cap, never below the floor: a small model under
-# a small budget still needs the cuBLAS workspace (32 MiB on sm_90) and the allocator's
-# 2/20 MiB segments, which do not shrink with the budget. bench/memory_budget.py records the
-# peak reserved less the peak allocated (docs/RESULTS.md, "The whole process inside
-# --gpu-memory").
+# NOTE: the slack covers the caching allocator's rounding and fragmentation and transient
+# buffers (sampler, expert-miss lists, cuBLAS/Triton scratch): a share of the cap, never below
+# the floor (the cuBLAS workspace and the allocator's 2/20 MiB segments do not shrink with
+# the budget). bench/memory_budget.py measures it.
 ALLOCATOR_SLACK = 0.06
 ALLOCATOR_SLACK_MIN = 96 * MiB
 ALLOCATOR_SLACK_MAX = 1 * GiB  # a big budget's slack need not grow with it
@@ -51,7 +48,6 @@ def activation_bytes_per_token(config: Any, dtype_bytes: int = 2) -> int:
 
 
 def dtype_bytes(config: EngineConfig, device: DeviceMemory) -> int:
-    """Bytes per element of the model dtype on `device` (float32 on the CPU by default)."""
     if config.dtype is not None:
         return {"float32": 4, "bfloat16": 2, "float16": 2}[config.dtype]
     return 2 if device.is_cuda else 4
@@ -111,7 +107,7 @@ class _Sizes:
         return tuple(items)
 
     def fixed(self, tokens: int, seqs: int, cap: int) -> int:
-        """Resident weights (no embedding, no routed experts) + workspace + states + KV."""
+        # resident weights (no embedding, no routed experts) + workspace + states + KV
         return (sum(b for _, b in self.w.resident_groups())
                 + sum(b for _, b in self.workspace(tokens, seqs, cap))
                 + self.state_slots(seqs) * self.per_slot
@@ -143,8 +139,8 @@ class _Sizes:
 
 def plan_memory(config: EngineConfig, model: Any, weights: WeightBytes,
                 device: DeviceMemory) -> MemoryPlan:
-    """Plan `config` for a model of geometry `model` (a ModelConfig) with `weights` on
-    `device`. Raises PlanError (one line, with the numbers)."""
+    """Plan `config` for geometry `model` (a ModelConfig) with `weights` on `device`.
+    Raises PlanError (one line, with the numbers)."""
     s, cfg = _Sizes(config, model, weights, device), config
     if cfg.max_context is not None and cfg.max_context > s.max_pos:
         raise PlanError(f"max_context {cfg.max_context} exceeds the model's "
@@ -250,8 +246,8 @@ def plan_checkpoint(config: EngineConfig, path: str | Path, device: DeviceMemory
 
 def plan_engine(config: EngineConfig, path: str | Path | None = None, *,
                 allow_reference: bool = False) -> MemoryPlan:
-    """The plan of `config` on its device (a GPU is measured). `allow_reference`: with a
-    GPU budget and no GPU here, plan for the reference GPU (`tinyserve plan`)."""
+    """The plan of `config` on its device (a GPU is measured; `allow_reference`: the
+    reference GPU when there is none here)."""
     from tinyserve.model.loader import resolve_model_path
 
     path = resolve_model_path(config.model) if path is None else Path(path)

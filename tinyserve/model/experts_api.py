@@ -1,9 +1,6 @@
-"""The experts provider interface: what the MoE layers and the engine call on routed experts.
-
-Implementations: `model.moe.ResidentExperts` (every expert on the device) and
-`offload.provider.OffloadedExperts` (host store + GPU slot cache). The defaults fit a provider
-without per-step host state.
-"""
+"""The experts provider interface: what the MoE layers and the engine call on routed experts
+(`model.moe.ResidentExperts`, `offload.provider.OffloadedExperts`). The defaults fit a provider
+without per-step host state."""
 
 from __future__ import annotations
 
@@ -34,13 +31,11 @@ class ExpertsProvider(ABC):
         and `shared_logit=` [N, 1] and adds sigmoid(logit) * the shared expert."""
 
     @property
-    def capturable(self) -> bool:
-        """Whether a decode step through `forward` can be captured in a CUDA graph."""
+    def capturable(self) -> bool:  # a decode step through `forward` fits in a CUDA graph
         return False
 
     @property
-    def accepts_shared(self) -> bool:
-        """Whether `forward` takes the layer's shared expert along (the fused-MoE kernel)."""
+    def accepts_shared(self) -> bool:  # `forward` takes the shared expert along
         return False
 
     def begin_step(self, *, defer: bool = False) -> None:  # noqa: B027 - no-op default

@@ -22,7 +22,13 @@ def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
     """x [..., in] (model dtype) -> [..., out] in x.dtype. No bias (Qwen3.5 has none)."""
     if isinstance(w, DenseWeight):
         return F.linear(x, w.weight)
-    return _quantized_linear(x, w)
+    if isinstance(w, FP8Weight) and kernels_enabled(x.device):
+        return fp8_linear(x, w)
+    if isinstance(w, NVFP4Weight) and kernels_enabled(x.device):
+        from tinyserve.kernels.nvfp4 import nvfp4_linear
+
+        return nvfp4_linear(x, w)
+    return F.linear(x, dequantize(w, x.dtype))
 
 
 def dequantize(w: LinearWeight, dtype: torch.dtype) -> torch.Tensor:
@@ -55,10 +61,8 @@ def concat_rows(*ws: LinearWeight) -> LinearWeight | None:
     tensor), or None when they cannot share one storage (types, input dims, dense dtypes or
     NVFP4 global scales differ). FP8 keeps one scale when all are equal, else per-row [out, 1].
     """
-    if len(ws) < 2:
-        return None
     a = ws[0]
-    if any(type(w) is not type(a) or w.shape[1] != a.shape[1] for w in ws):
+    if len(ws) < 2 or any(type(w) is not type(a) or w.shape[1] != a.shape[1] for w in ws):
         return None
     if isinstance(a, DenseWeight):
         if any(w.weight.dtype != a.weight.dtype for w in ws):
@@ -93,16 +97,6 @@ def kernels_enabled(device: torch.device) -> bool:
     """Whether GPU kernels run on `device`: CUDA, triton importable, and
     TINYSERVE_DISABLE_KERNELS unset (read at every call, so tests can flip it)."""
     return device.type == "cuda" and not envs.DISABLE_KERNELS.get() and _has_triton()
-
-
-def _quantized_linear(x: torch.Tensor, w: NVFP4Weight | FP8Weight) -> torch.Tensor:
-    if isinstance(w, NVFP4Weight) and kernels_enabled(x.device):
-        from tinyserve.kernels.nvfp4 import nvfp4_linear
-
-        return nvfp4_linear(x, w)
-    if isinstance(w, FP8Weight) and kernels_enabled(x.device):
-        return fp8_linear(x, w)
-    return F.linear(x, dequantize(w, x.dtype))
 
 
 def fp8_linear(x: torch.Tensor, w: FP8Weight) -> torch.Tensor:

@@ -1,9 +1,7 @@
-"""Qwen3.5-MoE model configuration: `ModelConfig` and `load_config(path)`.
-
-`load_config` reads `config.json` (nested `text_config` or a flat `qwen3_5_moe_text` config),
-`generation_config.json` (extra EOS ids) and, for ModelOpt checkpoints, `hf_quant_config.json`.
-The defaults of `ModelConfig` are Qwen3.5-35B-A3B's, so `ModelConfig()` describes the real model.
-Every problem raises `ConfigError` with one sentence naming the file and the field.
+"""Qwen3.5-MoE model configuration: `ModelConfig` (defaults: Qwen3.5-35B-A3B) and
+`load_config(path)`, which reads config.json (nested `text_config` or flat),
+generation_config.json (extra EOS ids) and, for ModelOpt, hf_quant_config.json. Every problem
+raises `ConfigError` with one sentence naming the file and the field.
 """
 
 from __future__ import annotations
@@ -36,8 +34,8 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """How a checkpoint says it is quantized (the loader trusts the tensors, not this):
-    `method` one of QUANT_METHODS, `algo` the ModelOpt quant_algo or compressed-tensors format."""
+    """What a checkpoint says of its quantization (the loader trusts the tensors): `method`
+    one of QUANT_METHODS, `algo` the ModelOpt quant_algo or compressed-tensors format."""
 
     method: str = "none"
     algo: str | None = None
@@ -119,11 +117,9 @@ _HF_NAMES = {"num_layers": "num_hidden_layers", "num_kv_heads": "num_key_value_h
 
 
 def load_config(path: str | Path) -> ModelConfig:
-    """Read a checkpoint directory's (or a config.json file's) text-model configuration.
-
-    Raises ConfigError (one sentence naming the file and field) for a missing or unreadable
-    config, an unsupported model_type, a missing field or an impossible value.
-    """
+    """A checkpoint directory's (or config.json file's) text-model configuration. Raises
+    ConfigError for a missing or unreadable file, an unsupported model_type, a missing field or
+    an impossible value."""
     path = Path(path)
     cfg_file = path if path.is_file() else path / "config.json"
     root = _read_json(cfg_file, required=True)

@@ -1,10 +1,9 @@
 """Checkpoint loading: safetensors shards -> canonical weight names (specs/qwen35_moe.md §3-§4).
 
-`CheckpointReader(path)` parses the headers of one file or a sharded index up front and
-memory-maps tensors one at a time; `iter_weights` yields `(canonical_name, Tensor |
-LinearWeight)` after checking the whole checkpoint (`loader_plan.plan_weights`);
-`resolve_model_path` takes a directory or a Hugging Face repo id. Every problem raises
-`CheckpointError` with one line naming the file and the tensor.
+`CheckpointReader` reads headers up front and tensors one at a time; `iter_weights` yields
+`(canonical_name, Tensor | LinearWeight)` after checking the whole checkpoint
+(`loader_plan.plan_weights`). Every problem raises `CheckpointError` with one line naming the
+file and the tensor.
 """
 
 from __future__ import annotations
@@ -151,9 +150,6 @@ def _read_header(file: Path, file_index: int) -> list[TensorInfo]:
     return infos
 
 
-# Names
-
-
 _SKIP_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
 _HEAD_PREFIXES = ("lm_head.", "language_model.lm_head.")
 _LM_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
@@ -182,9 +178,6 @@ def is_expert_name(name: str) -> bool:
     return _EXPERT_RE.match(name) is not None
 
 
-# Loading (the plan itself lives in loader_plan.py)
-
-
 def iter_weights(
     path_or_reader: str | Path | CheckpointReader,
     config: ModelConfig,
@@ -197,12 +190,10 @@ def iter_weights(
 ) -> Iterator[tuple[str, torch.Tensor | LinearWeight]]:
     """Yield `(canonical_name, Tensor | LinearWeight)` for every weight, in file order.
 
-    Dense weights and norms are cast to `dtype` (default: float32 on CPU, bfloat16 elsewhere);
-    `linear_attn.{A_log,dt_bias,norm}` stay float32; `conv1d` comes as [C, K]. NVFP4 and FP8
-    keep their packed uint8 form (compressed-tensors folded to the multiply convention).
-    With `fuse`, each `loader_plan.FUSED_LINEARS` group is concatenated on the host and only
-    the fused weight goes to `device` (its parts when `concat_rows` refuses them).
-    `on_entry(nbytes)`: load progress, after each checkpoint entry. Raises CheckpointError.
+    Dense weights and norms in `dtype` (default: float32 on CPU, else bfloat16), GDN
+    A_log / dt_bias / norm in float32, `conv1d` as [C, K]; NVFP4 and FP8 stay packed. `fuse`:
+    each `FUSED_LINEARS` group is concatenated on the host before it goes to `device`.
+    `on_entry(nbytes)`: progress after each checkpoint entry. Raises CheckpointError.
     """
     from tinyserve.model.loader_plan import fused_group, plan_weights
 
@@ -253,8 +244,8 @@ def load_weights(path_or_reader: str | Path | CheckpointReader, config: ModelCon
 
 
 def resolve_model_path(model: str) -> Path:
-    """A local checkpoint directory, or a Hugging Face repo id downloaded to the local cache.
-    Raises CheckpointError when it is neither or the download fails."""
+    """A local checkpoint directory, or a Hugging Face repo id downloaded to the local cache
+    (CheckpointError when it is neither or the download fails)."""
     local = Path(model).expanduser()
     if local.is_dir():
         return local

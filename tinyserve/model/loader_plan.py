@@ -1,10 +1,9 @@
 """The loading plan: which checkpoint tensors make each canonical weight, and how.
 
-`plan_weights(reader, config)` matches the tensor names (headers only) against the names and
-shapes the config implies (specs/qwen35_moe.md §3-§4), decides each linear's storage from the
-tensors that exist (dense, ModelOpt NVFP4, compressed-tensors NVFP4, FP8) and returns one
-entry per canonical weight in file order. Any missing, extra, misshapen or mistyped tensor
-raises CheckpointError.
+`plan_weights(reader, config)` matches the headers against the names and shapes the config
+implies (specs/qwen35_moe.md §3-§4), takes each linear's storage from the tensors that exist
+(`_layouts`) and returns one entry per canonical weight in file order. Any missing, extra,
+misshapen or mistyped tensor raises CheckpointError.
 """
 
 from __future__ import annotations
@@ -46,8 +45,7 @@ def _layouts(out: int, inp: int) -> dict[str, dict[str, tuple[tuple, tuple[str, 
 
 _LINEAR_PARAMS = tuple(dict.fromkeys(p for layout in _layouts(1, 1).values() for p in layout))
 _IGNORED_PARAMS = ("input_scale", "input_global_scale")
-# Dropped silently: KV-cache quantization scales (tinyserve has its own KV formats) and the
-# rotary tables some exporters save.
+# Dropped silently: KV-cache quantization scales (own KV formats) and saved rotary tables.
 _DROPPED = (".k_scale", ".v_scale", ".q_scale", ".prob_scale", "rotary_emb.inv_freq")
 # Same-input linears of a layer yielded as one (`model.linear.concat_rows`): fused name -> the
 # canonical parts whose output rows it stacks, in this order.
@@ -62,8 +60,7 @@ _LAYER_RE = re.compile(r"^(layers\.\d+\.)(.+)$")
 
 @dataclass
 class WeightPlan:
-    """One canonical weight (or, for fused experts, one fused tensor yielding E of them);
-    `load(reader, dtype, device)` yields the weights."""
+    """One canonical weight (or a fused experts tensor yielding E of them)."""
 
     name: str
     kind: str  # "tensor" | "fp32" | "conv" | "linear" | "fused_gate_up" | "fused_down"
@@ -126,17 +123,14 @@ def _load_linear(reader: CheckpointReader, raw: dict[str, str], storage: str,
 
 
 def fused_group(name: str) -> tuple[str, tuple[str, ...]] | None:
-    """'layers.3.self_attn.k_proj' -> ('layers.3.self_attn.qkv_proj', the canonical names of
-    its q_proj, k_proj and v_proj); None for a weight that no fused linear takes."""
+    """'layers.3.self_attn.k_proj' -> ('layers.3.self_attn.qkv_proj', its parts' names); None
+    for a weight that no fused linear takes."""
     m = _LAYER_RE.match(name)
     fused = _FUSED_OF.get(m.group(2)) if m else None
     if fused is None:
         return None
     prefix = m.group(1)
     return prefix + fused, tuple(prefix + p for p in FUSED_LINEARS[fused])
-
-
-# What the config implies
 
 
 def expected_weights(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -180,9 +174,6 @@ def expected_weights(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...
     out["norm"] = ("tensor", (h,))
     out["lm_head"] = ("linear", (c.vocab_size, h))
     return out
-
-
-# Matching the checkpoint against it
 
 
 def plan_weights(reader: CheckpointReader, config: ModelConfig) -> list[WeightPlan]:

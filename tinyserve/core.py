@@ -17,8 +17,7 @@ MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for per token
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """A sampled token's log-probability and the `top` most likely tokens' (id, logprob),
-    most likely first."""
+    """A sampled token's logprob and the `top` most likely (id, logprob), most likely first."""
 
     token_id: int
     logprob: float
@@ -27,10 +26,8 @@ class TokenLogprobs:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What one request asks of the sampler. Temperature 0 is greedy.
-
-    Raises ValueError naming the field when a value is out of range.
-    """
+    """What one request asks of the sampler (temperature 0: greedy). Raises ParamError
+    naming the field when a value is out of range."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -201,8 +198,6 @@ class ForwardContext:
 # Weights of one linear layer (y = x @ W.T, W is [out, in])
 @dataclass
 class DenseWeight:
-    """A plain weight [out, in] in bf16 / fp16 / fp32."""
-
     weight: torch.Tensor
 
     @property

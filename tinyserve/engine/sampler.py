@@ -1,9 +1,7 @@
-"""Batched sampling on the model's device.
-
-Per row: hook -> penalties -> logit bias -> argmax at temperature 0, else temperature, top-k,
-top-p, min-p and an exponential race (argmax p / q, q ~ Exp(1)). A seeded request draws from
-(seed, tokens generated). Penalties read device-side `TokenCounts` the sampler advances, so a
-chained step samples from the counts the last step left.
+"""Batched sampling on the model's device. Per row: hook -> penalties -> logit bias -> argmax
+at temperature 0, else temperature, top-k, top-p, min-p and an exponential race (argmax p / q,
+q ~ Exp(1)); a seeded request draws from (seed, tokens generated). Penalties read device-side
+`TokenCounts` the sampler advances, so a chained step uses the counts the last step left.
 """
 
 from __future__ import annotations
@@ -16,8 +14,8 @@ import torch
 from tinyserve.core import ScheduledSeq
 
 LogitsHook = Callable[[torch.Tensor, Sequence[ScheduledSeq]], torch.Tensor]
-"""`hook(logits [S, V] float32, seqs) -> logits`: runs before everything else (tests use it to
-force scripted tokens through the real sampler)."""
+"""`hook(logits [S, V] float32, seqs) -> logits`, before everything else (tests force
+scripted tokens through the real sampler with it)."""
 
 _SEED_STRIDE = 1_000_003
 
@@ -116,9 +114,8 @@ class TokenCounts:
 def token_logprobs(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], tokens: torch.Tensor
                    ) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor,
                               torch.Tensor] | None:
-    """Log-probabilities of the rows that ask for them: (rows, their k, the sampled
-    tokens' [R], top ids [R, K], top logprobs [R, K]) on the device, or None. `logits` [S, V] are
-    the model's (before penalties), `tokens` the sampled [S]."""
+    """(rows asking for logprobs, their k, sampled tokens' logprobs [R], top ids [R, K], top
+    logprobs [R, K]) on the device, or None; `logits` [S, V] before penalties, `tokens` [S]."""
     rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     if not rows:
         return None
@@ -172,8 +169,8 @@ def _has_penalty(s: ScheduledSeq) -> bool:
 
 
 def filtered_probs(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
-    """Softmax at each row's temperature with top-k, top-p and min-p applied, not
-    renormalised (the race does not need it). [S, V] float32."""
+    """Softmax [S, V] at each row's temperature after top-k, top-p and min-p, not renormalised
+    (the race does not need it)."""
     V = logits.shape[1]
     # One host-to-device copy: [S, 4] = temperature, top_k (V: off), top_p (2: off), min_p.
     rows = [(max(p.temperature, 1e-5), p.top_k if 0 < p.top_k < V else V,

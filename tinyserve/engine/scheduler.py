@@ -1,10 +1,9 @@
-"""Continuous-batching scheduler: which requests run in the next step, with which tokens.
+"""Continuous-batching scheduler (pure Python): which requests run in the next step.
 
-Pure Python. `schedule()`: a decode token for every running request past its prefill, then
-prefill chunks under the token budget; groups share seats fairly (`engine.fairness`). `update`
-= `advance` (launched tokens count as computed) + `record` (sampled tokens, stop conditions),
-called apart to chain decode steps (`schedule_next`). With a prefix cache, admission reuses the
-longest cached prefix ending at a GDN snapshot, and chunks end where a snapshot is worth taking.
+`schedule()`: decode tokens first, then prefill chunks under the token budget; groups share
+seats fairly (`engine.fairness`). `update` = `advance` + `record`, called apart to chain decode
+steps (`schedule_next`). A prefix cache reuses the longest cached prefix ending at a GDN
+snapshot, and chunks end where a snapshot is worth taking.
 """
 
 from __future__ import annotations
@@ -49,8 +48,6 @@ class Scheduler:
         self.num_preemptions = 0
         self._arrivals = 0
         self._steps = 0  # sequences scheduled so far (`Request.last_step` orders a rotation)
-
-    # ---------------------------------------------------------------- submission and removal
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -120,14 +117,11 @@ class Scheduler:
         """`n` free pages, evicting idle cached pages when needed; None when they cannot be had."""
         return self.pages.alloc(n) if self._make_room(n) else None
 
-    def _make_room(self, n: int) -> bool:
-        """Whether `n` pages are free, after evicting idle cached pages when that suffices."""
+    def _make_room(self, n: int) -> bool:  # evicts idle cached pages when that suffices
         short = n - self.pages.num_free
         if short > 0 and self.cache is not None and self.cache.evictable_pages() >= short:
             self.cache.evict(short)
         return self.pages.can_alloc(n)
-
-    # ---------------------------------------------------------------- one step
 
     @property
     def has_work(self) -> bool:
@@ -257,7 +251,6 @@ class Scheduler:
             params=req.params, history=req.tokens, num_generated=req.num_generated)
 
     def update(self, batch: Batch, output: ForwardOutput) -> list[StepEvent]:
-        """Record a finished step: `advance(batch)` then `record(batch, output)`."""
         self.advance(batch)
         return self.record(batch, output)
 
@@ -317,7 +310,7 @@ class Scheduler:
         return Batch(seqs)
 
     def _snapshot(self, req: Request) -> None:
-        """Cache the request's computed pages and its state, which sit on a page boundary."""
+        # its computed pages and its state sit on a page boundary
         n = req.num_computed
         every = self.cache.snapshot_interval
         keep = n == req.prompt_len // self.page_size * self.page_size or (every and n % every == 0)

@@ -8,7 +8,7 @@ output rows of same-input projections into one weight (one GEMV instead of sever
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -61,9 +61,10 @@ def concat_rows(*ws: LinearWeight) -> LinearWeight | None:
     tensor), or None when they cannot share one storage (types, input dims, dense dtypes or
     NVFP4 global scales differ). FP8 keeps one scale when all are equal, else per-row [out, 1].
     """
-    a = ws[0]
-    if len(ws) < 2 or any(type(w) is not type(a) or w.shape[1] != a.shape[1] for w in ws):
+    if len(ws) < 2 or any(type(w) is not type(ws[0]) or w.shape[1] != ws[0].shape[1]
+                          for w in ws):
         return None
+    a = ws[0]
     if isinstance(a, DenseWeight):
         if any(w.weight.dtype != a.weight.dtype for w in ws):
             return None
@@ -83,14 +84,26 @@ def concat_rows(*ws: LinearWeight) -> LinearWeight | None:
     return None
 
 
-def fused_linear(w: Mapping[str, Any], name: str, parts: tuple[str, ...]
-                 ) -> tuple[LinearWeight | None, tuple[LinearWeight | None, ...]]:
-    """(fused weight, Nones) of same-input projections, or (None, the separate weights); the
-    fused weight is `w[name]` (fused by the loader) or `concat_rows` of the parts."""
-    if name in w:
-        return w[name], (None,) * len(parts)
-    fused = concat_rows(*(w[p] for p in parts))
-    return fused, tuple(w[p] if fused is None else None for p in parts)
+class SplitLinear:
+    """Same-input projections: `split(x, sizes)` is `(linear(x, p) for p in parts)`, as
+    row-strided views of one GEMM through `fused` (given, or `concat_rows` of the parts with
+    `fuse`) when there is one, else projection by projection (`parts`)."""
+
+    def __init__(self, parts: Sequence[LinearWeight], fused: LinearWeight | None = None, *,
+                 fuse: bool = True) -> None:
+        self.fused = fused if fused is not None or not fuse else concat_rows(*parts)
+        self.parts = tuple(parts) if self.fused is None else ()
+
+    @classmethod
+    def of(cls, w: Mapping[str, Any], name: str, parts: tuple[str, ...]) -> SplitLinear:
+        """From `w[name]` (fused by the loader) or else the weights `w[part]`."""
+        return cls((), w[name]) if name in w else cls([w[p] for p in parts])
+
+    def split(self, x: torch.Tensor, sizes: Sequence[int]) -> tuple[torch.Tensor, ...]:
+        """x [N, in] -> one [N, size] per part (`sizes`: the parts' output dims)."""
+        if self.fused is None:
+            return tuple(linear(x, p) for p in self.parts)
+        return linear(x, self.fused).split(list(sizes), dim=-1)
 
 
 def kernels_enabled(device: torch.device) -> bool:

@@ -23,7 +23,7 @@ from tinyserve.kernels.fused_moe import (
     single_expert_slots,
 )
 from tinyserve.model.experts_api import ExpertsProvider
-from tinyserve.model.linear import concat_rows, kernels_enabled, linear
+from tinyserve.model.linear import SplitLinear, kernels_enabled, linear
 
 ROUTER_KERNEL_MAX_N = 256  # the router kernel up to this many tokens, torch above
 
@@ -144,9 +144,9 @@ def _device_of(w: LinearWeight) -> torch.device:
 class SparseMoE:
     """Router + routed experts (through the provider) + gated shared expert, one layer.
 
-    Where kernels run, `gate_up` [2F, H] and `router_gate` [E + 1, H] replace their pairs
-    (None when a pair cannot be concatenated). `shared_slots`: the NVFP4 shared expert as
-    slot 0 of its own ExpertSlots when the provider takes it along.
+    Where kernels run, `gate_up` [2F, H] and `router_gate` [E + 1, H] run as one GEMM each
+    when the storages allow. `shared_slots`: the NVFP4 shared expert as slot 0 of its own
+    ExpertSlots when the provider takes it along.
     """
 
     def __init__(self, layer_id: int, config: Any, w: dict[str, Any], experts: Any) -> None:
@@ -162,24 +162,15 @@ class SparseMoE:
         self.shared_slots: ExpertSlots | None = None
         if (fuse and getattr(experts, "accepts_shared", False)
                 and _swiglu_fp4(gate, up, self.down)):
-            self.shared_slots, self.gate_up, gate, up, self.down = _shared_slot(
-                gate, up, self.down)
+            self.shared_slots, gate_up, gate, up, self.down = _shared_slot(gate, up, self.down)
+            self.gate_up = SplitLinear((gate, up), gate_up, fuse=False)
         else:
-            self.gate_up = concat_rows(gate, up) if fuse else None
-        router, shared_gate = w["gate"], w["shared_expert_gate"]
-        self.router_gate = concat_rows(router, shared_gate) if fuse else None
-        self.gate, self.up = (gate, up) if self.gate_up is None else (None, None)
-        self.router, self.shared_gate = ((router, shared_gate) if self.router_gate is None
-                                         else (None, None))
+            self.gate_up = SplitLinear((gate, up), fuse=fuse)
+        self.router_gate = SplitLinear((w["gate"], w["shared_expert_gate"]), fuse=fuse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, H] (normed) -> [N, H]."""
-        E = self.num_experts
-        if self.router_gate is not None:
-            logits = linear(x, self.router_gate)  # [N, E + 1]: router | shared gate
-            router_logits, gate_logit = logits[:, :E], logits[:, E:]
-        else:
-            router_logits, gate_logit = linear(x, self.router), linear(x, self.shared_gate)
+        router_logits, gate_logit = self.router_gate.split(x, (self.num_experts, 1))
         ids, weights = topk_softmax(router_logits, self.top_k, x.dtype)
         if self.shared_slots is not None and fuses_shared_expert(x.shape[0]):
             # routed + sigmoid(gate_logit) * shared, one launch
@@ -190,13 +181,8 @@ class SparseMoE:
 
     def shared(self, x: torch.Tensor) -> torch.Tensor:
         """The ungated shared expert through its own GEMVs: x [N, H] -> [N, H]."""
-        if self.gate_up is not None:
-            gu = linear(x, self.gate_up)  # [N, 2F]: gate | up
-            f = gu.shape[1] // 2
-            h = silu_mul(gu[:, :f], gu[:, f:])
-        else:
-            h = silu_mul(linear(x, self.gate), linear(x, self.up))
-        return linear(h, self.down)  # [N, H]
+        f = self.down.shape[1]
+        return linear(silu_mul(*self.gate_up.split(x, (f, f))), self.down)  # [N, H]
 
 
 def _swiglu_fp4(gate: LinearWeight, up: LinearWeight, down: LinearWeight) -> bool:

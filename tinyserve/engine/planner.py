@@ -1,10 +1,9 @@
 """The memory planner and `tinyserve plan` (specs/qwen35_moe.md §7).
 
-`EngineConfig` + model geometry and weight bytes + `DeviceMemory` -> one `MemoryPlan`, the same
-for `plan`, `run`, `bench` and `LLM`; `PlanError` carries the numbers. On a GPU: all resident
-if it fits (whole or `DEFAULT_CONTEXT` context), else the embedding to host RAM, else the
-experts offloaded behind a cache of at least one layer with one sequence and `DEFAULT_CONTEXT`
-tokens (or half what is left). On the CPU everything is resident.
+`EngineConfig` + model geometry and weight bytes + `DeviceMemory` -> one `MemoryPlan` for
+`plan`, `run`, `bench` and `LLM`. On a GPU: all resident if it fits (whole or `DEFAULT_CONTEXT`
+context), else the embedding to host RAM, else the experts behind a cache of at least one layer
+with one sequence and `DEFAULT_CONTEXT` tokens (or half what is left). CPU: all resident.
 """
 
 from __future__ import annotations

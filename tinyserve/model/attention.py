@@ -1,7 +1,7 @@
 """Gated full attention of Qwen3.5-MoE (`self_attn`): q/gate interleaved by head, per-head
 q_norm / k_norm (1 + w), partial RoPE, paged attention through the KV backend, sigmoid output
-gate (Triton kernels on CUDA). q/k/v run as one linear `qkv_proj` where storages allow, split
-by views (the kernels and the KV stores read row-strided [N, H, D] inputs)."""
+gate (Triton kernels on CUDA). q/k/v run as one `SplitLinear` (the kernels and the KV stores
+read row-strided [N, H, D] inputs)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """Gated DeltaNet mixer of Qwen3.5-MoE (`linear_attn`), batched over varlen sequences.
 
-The causal conv and the gated delta rule run through `kernels/gdn.py` (Triton on CUDA, torch
-references elsewhere), reading each sequence's conv and recurrent state from the state pool at
-`ctx.state_slots[b]` (prefix length 0 starts from zeros) and writing it back in place; a
+The causal conv and the gated delta rule (`kernels/gdn.py`) read each sequence's conv and
+recurrent state at `ctx.state_slots[b]` (prefix length 0: zeros) and write it back in place; a
 pure-decode batch takes the recurrent path, anything else the chunked varlen one. The four
-projections run as two linears where storages allow, `in_proj_qkvz` and `in_proj_ba`, split
-by views (the kernels read row-strided inputs).
+projections run as two `SplitLinear`s (the kernels read row-strided inputs).
 """
 
 from __future__ import annotations

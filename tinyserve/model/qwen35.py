@@ -26,18 +26,11 @@ _FP32_SUFFIXES = (".linear_attn.A_log", ".linear_attn.dt_bias", ".linear_attn.no
 
 
 class Qwen35Model:
-    """Qwen3.5-MoE forward over canonical weights.
-
-    Args:
-        config: a `model.config.ModelConfig`.
-        weights: canonical name -> Tensor or LinearWeight; experts may be absent with `experts`.
-        kv: KV backend of the full-attention layers (`kv.base.KVBackend`).
-        states: GDN state pool of the linear-attention layers (`kv.state_pool.GDNStatePool`).
-        experts: routed-experts provider; default `ResidentExperts` over `weights`.
-        device, dtype: compute device and model dtype (fp32 on CPU for exact parity).
-        embed_device: where `embed_tokens` lives (default `device`; ignored when tied). "cpu"
-            keeps it in host RAM, registered with CUDA so a kernel gathers rows from it
-            (`embed_mapped`), else gathered on the host from `ctx.input_ids_cpu`.
+    """Qwen3.5-MoE forward over canonical weights (name -> Tensor or LinearWeight; routed
+    experts may be absent when an `experts` provider is given, default `ResidentExperts`).
+    `kv`: the KV backend (`kv.base.KVBackend`); `states`: the GDN state pool. `embed_device`:
+    where `embed_tokens` lives (default `device`; ignored when tied); "cpu" keeps it in host
+    RAM, registered with CUDA when it can be (`embed_mapped`).
     """
 
     def __init__(self, config: Any, weights: dict[str, Any], *, kv: Any, states: Any,

@@ -9,6 +9,7 @@ snapshot, and chunks end where a snapshot is worth taking.
 from __future__ import annotations
 
 import bisect
+import itertools
 
 from tinyserve.core import PENDING_TOKEN, Batch, ForwardOutput, SamplingParams, ScheduledSeq
 from tinyserve.engine import fairness
@@ -46,8 +47,9 @@ class Scheduler:
         self.running: list[Request] = []  # sorted by arrival
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        self._arrivals = 0
-        self._steps = 0  # sequences scheduled so far (`Request.last_step` orders a rotation)
+        self._arrivals = itertools.count()
+        # sequences scheduled so far (`Request.last_step` orders a rotation)
+        self._steps = itertools.count(1)
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -74,9 +76,8 @@ class Scheduler:
         self.check(len(prompt_ids), params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = Request(request_id, len(prompt_ids), params, self._arrivals, list(prompt_ids),
+        req = Request(request_id, len(prompt_ids), params, next(self._arrivals), list(prompt_ids),
                       group=group or request_id)
-        self._arrivals += 1
         self.requests[request_id] = req
         self.waiting.append(req)  # newest arrival: stays sorted
         return req
@@ -231,8 +232,7 @@ class Scheduler:
         return True
 
     def _chunk(self, req: Request, budget: int) -> ScheduledSeq:
-        self._steps += 1
-        req.last_step = self._steps
+        req.last_step = next(self._steps)
         start = req.num_computed
         end = min(len(req.tokens), start + budget)
         if self.cache is not None:  # end a chunk where a snapshot is worth keeping

@@ -180,7 +180,8 @@ def load_config(path: str | Path) -> ModelConfig:
                                               text.get("tie_word_embeddings", False))),
             eos_token_ids=_eos_ids(cfg_file, root, text),
             model_type=str(text.get("model_type", model_type)),
-            quant=_quant_config(cfg_file, root))
+            quant=_quant_config(cfg_file, root.get("quantization_config")
+                                or text.get("quantization_config")))
     except ConfigError as exc:
         raise ConfigError(str(exc).replace("ModelConfig:", f"{where}:", 1)) from None
 
@@ -252,10 +253,7 @@ def _eos_ids(cfg_file: Path, root: dict[str, Any], text: dict[str, Any]) -> tupl
     return tuple(dict.fromkeys(ids))
 
 
-def _quant_config(cfg_file: Path, root: dict[str, Any]) -> QuantConfig:
-    q = root.get("quantization_config")
-    if q is None and isinstance(root.get("text_config"), dict):
-        q = root["text_config"].get("quantization_config")
+def _quant_config(cfg_file: Path, q: dict[str, Any] | None) -> QuantConfig:
     if not q:
         return QuantConfig()
     method = q.get("quant_method")

@@ -112,6 +112,11 @@ class _Sizes:
                 + self.state_slots(seqs) * self.per_slot
                 + self.pages(tokens) * self.page * self.kv_tok)
 
+    def left(self, tokens: int, seqs: int, embed_device: str, expert_cache: bool) -> int:
+        """What the allocator cap leaves for the routed experts (all, or the cache)."""
+        cap = self.cap(embed_device, expert_cache)
+        return cap - self.fixed(tokens, seqs, cap) - (self.embed if embed_device == "cuda" else 0)
+
     def make(self, *, tokens: int, seqs: int, embed_device: str, expert_cache: bool,
              slots: int) -> MemoryPlan:
         dev, cfg, m = self.dev, self.cfg, self.model
@@ -179,41 +184,36 @@ def _plan_gpu(s: _Sizes, tokens: int, forced: int | None) -> MemoryPlan:
     contexts = [tokens] if cfg.max_context is not None or cfg.num_kv_pages is not None \
         else sorted({tokens, min(DEFAULT_CONTEXT, tokens)}, reverse=True)
     for context in contexts if forced is None else ():
-        cap = s.cap("cuda", False)
-        if s.fixed(context, seqs, cap) + all_experts + s.embed <= cap:
+        if s.left(context, seqs, "cuda", False) >= all_experts:
             most = min(DEFAULT_MAX_SEQS, cfg.max_num_batched_tokens)
-            while cfg.max_seqs is None and seqs < most and \
-                    s.fixed(context, seqs + 1, cap) + all_experts + s.embed <= cap:
+            while (cfg.max_seqs is None and seqs < most
+                   and s.left(context, seqs + 1, "cuda", False) >= all_experts):
                 seqs += 1
             return s.make(tokens=context, seqs=seqs, embed_device="cuda", expert_cache=False,
                           slots=n)
-        cap = s.cap("cpu", False)
-        if not w.tied and s.fixed(context, seqs, cap) + all_experts <= cap:
+        if not w.tied and s.left(context, seqs, "cpu", False) >= all_experts:
             return s.make(tokens=context, seqs=seqs, embed_device="cpu", expert_cache=False,
                           slots=n)
     # Step 3: offload the experts.
     embed_device = "cuda" if w.tied else "cpu"
-    embed_gpu = s.embed if embed_device == "cuda" else 0
-    cap = s.cap(embed_device, True)
     min_slots = s.model.num_experts
     if cfg.max_context is None and cfg.num_kv_pages is None:
-        spare = cap - s.fixed(0, seqs, cap) - embed_gpu - min_slots * slot_bytes
-        per_token = s.kv_tok + s.scratch_tok
-        tokens = min(DEFAULT_CONTEXT, s.max_pos, max(spare, 0) // 2 // per_token)
+        spare = s.left(0, seqs, embed_device, True) - min_slots * slot_bytes
+        tokens = min(DEFAULT_CONTEXT, s.max_pos, max(spare, 0) // 2 // (s.kv_tok + s.scratch_tok))
         tokens = tokens // s.page * s.page
         if tokens < s.page:
-            _refuse(s, max(s.page, 1), seqs, cap, embed_device, min_slots)
-    left = cap - s.fixed(tokens, seqs, cap) - embed_gpu
+            _refuse(s, max(s.page, 1), seqs, embed_device, min_slots)
+    left = s.left(tokens, seqs, embed_device, True)
     slots = forced if forced is not None else min(n, max(left, 0) // slot_bytes)
     if slots < min_slots or left < slots * slot_bytes:
-        _refuse(s, tokens, seqs, cap, embed_device, slots if forced else min_slots)
+        _refuse(s, tokens, seqs, embed_device, slots if forced else min_slots)
     return s.make(tokens=tokens, seqs=seqs, embed_device=embed_device, expert_cache=True,
                   slots=int(slots))
 
 
-def _refuse(s: _Sizes, tokens: int, seqs: int, cap: int, embed_device: str,
-            slots: int) -> NoReturn:
+def _refuse(s: _Sizes, tokens: int, seqs: int, embed_device: str, slots: int) -> NoReturn:
     w, kv_tokens, state_slots = s.w, s.pages(tokens) * s.page, s.state_slots(seqs)
+    cap = s.cap(embed_device, True)
     assert s.dev.budget is not None
     parts = [  # (what, bytes, note): the whole need
         ("outside torch's allocator", sum(b for _, b, _ in s.outside(embed_device, True)), ""),

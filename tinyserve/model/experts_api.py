@@ -11,17 +11,11 @@ import torch
 
 
 class ExpertsProvider(ABC):
-    """Routed experts of every MoE layer.
+    """Routed experts of every MoE layer."""
 
-    Attributes:
-        hybrid_plan: the CPU/GPU split of expert work chosen at start-up (None: no choice made).
-        stats: the expert cache's counters (`offload.cache.CacheStats`; None: no cache).
-        cpu_computed: distinct experts computed on the CPU so far (None: no CPU part).
-    """
-
-    hybrid_plan: Any = None
-    stats: Any = None
-    cpu_computed: int | None = None
+    hybrid_plan: Any = None  # the CPU/GPU split of expert work chosen at start-up
+    stats: Any = None  # the expert cache's counters (`offload.cache.CacheStats`)
+    cpu_computed: int | None = None  # distinct experts computed on the CPU so far
 
     @abstractmethod
     def forward(self, layer_id: int, x: torch.Tensor, topk_ids: torch.Tensor,

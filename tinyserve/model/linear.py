@@ -1,8 +1,6 @@
-"""`linear(x, w)`: y = x @ W.T for every weight storage (dense, NVFP4, FP8).
-
-Where `kernels_enabled`, NVFP4 and FP8 weights run the Triton kernels on their packed bytes;
-elsewhere the torch reference dequantizes and runs a plain matmul. `concat_rows` stacks the
-output rows of same-input projections into one weight (one GEMV instead of several).
+"""`linear(x, w)`: y = x @ W.T for every weight storage (dense, NVFP4, FP8): Triton kernels
+on the packed bytes where `kernels_enabled`, else dequantize and matmul. `concat_rows` and
+`SplitLinear` run same-input projections as one GEMM.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ def model_run(layers: int, tokens: int, prompt_len: int, seed: int) -> tuple[dic
     """Decode on the CPU reference model; (checks, recorded decode trace [T, layers, k])."""
     from bench.fullsize import write_fullsize_checkpoint
     from tinyserve.engine.llm import LLM
-    from tinyserve.model.linear import dequantize
+    from tinyserve.model.linear import SplitLinear, dequantize
 
     with tempfile.TemporaryDirectory(prefix="routing-cal-") as tmp:
         t0 = time.perf_counter()
@@ -76,11 +76,16 @@ def model_run(layers: int, tokens: int, prompt_len: int, seed: int) -> tuple[dic
         # NOTE: the CPU reference dequantizes a quantized weight at every call; FP8 to float
         # is slow on the CPU, so the mixers' FP8 weights are dequantized once here (the same
         # numbers: dequantize, then matmul).
+        def dense(w):
+            return DenseWeight(dequantize(w, torch.float32)) if isinstance(w, FP8Weight) else w
+
         for layer in model.layers:
             for obj in (layer.mixer, layer.mlp):
                 for name, w in list(vars(obj).items()):
-                    if isinstance(w, FP8Weight):
-                        setattr(obj, name, DenseWeight(dequantize(w, torch.float32)))
+                    if isinstance(w, SplitLinear):
+                        w.parts = tuple(dense(p) for p in w.parts)
+                    elif isinstance(w, FP8Weight):
+                        setattr(obj, name, dense(w))
         calls: list[tuple[int, torch.Tensor]] = []
         forward = model.experts.forward
 

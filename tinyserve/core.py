@@ -1,13 +1,8 @@
-"""Plain data shared by every layer of tinyserve.
+"""Plain data shared by every layer of tinyserve: the contracts between the packages.
 
-Nothing here computes: these are the contracts between the packages.
-
-- `SamplingParams`: what a request asks of the sampler.
-- `ScheduledSeq`, `Batch`, `ForwardOutput`: scheduler <-> runner (`schedule() -> Batch`,
-  `runner.forward(batch) -> ForwardOutput`, `scheduler.update(batch, output)`).
-- `ForwardContext`: the per-forward tensors the model, the KV backends and the GDN state pool
-  read (positions, page table, write slots, state slots), passed to every layer.
-- `DenseWeight`, `NVFP4Weight`, `FP8Weight`: how one linear layer's weight is stored.
+`SamplingParams` (a request's sampling), `ScheduledSeq` / `Batch` / `ForwardOutput`
+(scheduler <-> runner), `ForwardContext` (the per-forward tensors every layer reads) and
+`DenseWeight` / `NVFP4Weight` / `FP8Weight` (how one linear layer's weight is stored).
 """
 
 from __future__ import annotations
@@ -17,16 +12,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Sampling
-
-
 MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for per token
 
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """A sampled token's log-probability and the `top` most likely tokens' (id, logprob),
-    most likely first."""
+    """A sampled token's logprob and the `top` most likely (id, logprob), most likely first."""
 
     token_id: int
     logprob: float
@@ -35,10 +26,8 @@ class TokenLogprobs:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What one request asks of the sampler. Temperature 0 is greedy.
-
-    Raises ValueError naming the field when a value is out of range.
-    """
+    """What one request asks of the sampler (temperature 0: greedy). Raises ParamError
+    naming the field when a value is out of range."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -60,11 +49,7 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        stop = self.stop
-        if stop is None:
-            stop = ()
-        elif isinstance(stop, str):
-            stop = (stop,)
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop or ()
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         bias = self.logit_bias or ()
@@ -114,24 +99,16 @@ def _check(ok: bool, param: str, message: str) -> None:
         raise ParamError(param, message)
 
 
-# Scheduler <-> runner
-
-
 PENDING_TOKEN = -1  # a decode input still on the device (see ScheduledSeq)
 
 
 @dataclass
 class ScheduledSeq:
-    """One sequence's share of a forward step.
-
-    `token_ids` are the new tokens to run (a prefill chunk, or the one last sampled token when
-    decoding); the KV cache and GDN state already hold `start_pos` tokens of this sequence.
-    `page_ids` cover at least `start_pos + len(token_ids)` tokens. `sample` asks for a token
-    to be sampled after this chunk (the last prefill chunk, or a decode step).
-    `history` is every token of the sequence so far (prompt + output), for penalties.
-    A decode step scheduled before its input token is known (`Scheduler.schedule_next`) has
-    `token_ids == [PENDING_TOKEN]`: the runner reads the token from the previous step's
-    output on the device.
+    """One sequence's share of a forward step: `token_ids` (a prefill chunk or the last
+    sampled token) after the `start_pos` tokens the KV cache and GDN state hold; `page_ids`
+    cover them all. `sample`: sample a token after this chunk. `history`: prompt + output so
+    far (penalties). `[PENDING_TOKEN]`: a chained decode whose input the runner reads from the
+    previous step's output on the device (`Scheduler.schedule_next`).
     """
 
     request_id: str
@@ -151,8 +128,6 @@ class ScheduledSeq:
 
 @dataclass
 class Batch:
-    """What the scheduler hands the runner for one step."""
-
     seqs: list[ScheduledSeq]
 
     @property
@@ -169,9 +144,8 @@ class Batch:
 
 @dataclass
 class ForwardOutput:
-    """What the runner returns: one sampled token per sequence with `sample=True`, in batch
-    order (`None` for sequences that did not sample). `logits` is optional (tests, LLM.logits).
-    """
+    """One sampled token per sequence in batch order (None where `sample` is False);
+    `logits` for tests and LLM.logits."""
 
     next_tokens: list[int | None]
     logits: torch.Tensor | None = None
@@ -179,16 +153,10 @@ class ForwardOutput:
     logprobs: list[TokenLogprobs | None] | None = None
 
 
-# Per-forward context
-
-
 @dataclass
 class ForwardContext:
-    """Tensors describing one forward over a batch of B sequences and N new tokens.
-
-    All index tensors live on the model's device. Host copies (`*_cpu` lists) let CPU-side
-    loops run without a device synchronisation.
-    """
+    """One forward over B sequences and N new tokens: index tensors on the model's device,
+    host copies (`*_cpu`) for host loops without a synchronisation."""
 
     input_ids: torch.Tensor  # [N] int64, new tokens of all sequences, batch order
     positions: torch.Tensor  # [N] int64, absolute position of each new token
@@ -228,12 +196,8 @@ class ForwardContext:
 
 
 # Weights of one linear layer (y = x @ W.T, W is [out, in])
-
-
 @dataclass
 class DenseWeight:
-    """A plain weight [out, in] in bf16 / fp16 / fp32."""
-
     weight: torch.Tensor
 
     @property
@@ -243,12 +207,10 @@ class DenseWeight:
 
 @dataclass
 class NVFP4Weight:
-    """NVFP4: E2M1 codes, FP8 E4M3 scale per 16 inputs, one fp32 global scale.
-
-    `packed` uint8 [out, in/2] (low nibble = even input element), `block_scale` uint8 [out, in/16]
-    holding the raw E4M3 bits, `global_scale` a python float in the ModelOpt (multiply)
-    convention: W = E2M1[code] * e4m3(block_scale) * global_scale. compressed-tensors checkpoints
-    are folded to this convention at load (global_scale = 1 / weight_global_scale).
+    """NVFP4: `packed` uint8 [out, in/2] E2M1 codes (low nibble = even input), `block_scale`
+    uint8 [out, in/16] raw E4M3 bits, `global_scale` a float in the ModelOpt (multiply)
+    convention: W = E2M1[code] * e4m3(block_scale) * global_scale (compressed-tensors is
+    folded to it at load: 1 / weight_global_scale).
     """
 
     packed: torch.Tensor

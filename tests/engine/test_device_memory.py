@@ -41,8 +41,10 @@ def _proc(pid: int, used: int | None):
 
 
 @pytest.fixture(autouse=True)
-def fresh_probes(monkeypatch):
-    monkeypatch.setattr(dm, "_PROBES", {})
+def fresh_probes():
+    dm.probe_for.cache_clear()
+    yield
+    dm.probe_for.cache_clear()
 
 
 def test_probe_prefers_the_per_process_figure(monkeypatch) -> None:

@@ -11,7 +11,7 @@ import pytest
 from tinyserve.core import SamplingParams
 from tinyserve.engine.build import build_engine
 from tinyserve.engine.config import EngineConfig
-from tinyserve.engine.device_memory import cpu_device, reference_device
+from tinyserve.engine.device_memory import DeviceMemory, reference_device
 from tinyserve.engine.llm import LLM
 from tinyserve.engine.planner import plan_checkpoint
 from tinyserve.model.config import load_config
@@ -90,7 +90,7 @@ def test_builder_takes_the_plans_numbers(tiny_checkpoint, monkeypatch) -> None:
         assert engine.runner.model.experts.cache.num_slots == mcfg.num_experts + 3
         assert engine.memory_plan is plan and engine.max_context == plan.max_context
     # the CPU's own plan: 8 sequences of max_context tokens each, every expert resident
-    own = plan_checkpoint(cpu, ckpt, cpu_device())
+    own = plan_checkpoint(cpu, ckpt, DeviceMemory(device="cpu"))
     assert own.kv_pages == 8 * 256 // 16 and not own.expert_cache
 
 

@@ -124,14 +124,15 @@ def test_fused_model_equals_separate(fmt: str, monkeypatch) -> None:
     fused = _run(cfg, w)
     runner = build_runner(cfg, w)
     layers = runner.model.layers
-    assert all(layer.mixer.in_proj_qkvz is not None and layer.mixer.in_proj_ba is not None
+    assert all(layer.mixer.in_proj_qkvz.fused is not None
+               and layer.mixer.in_proj_ba.fused is not None
                for layer in layers if not layer.is_attention)
     attn = [layer.mixer for layer in layers if layer.is_attention]
-    assert all((m.qkv_proj is None) == (fmt == "modelopt") for m in attn)
+    assert all((m.qkv_proj.fused is None) == (fmt == "modelopt") for m in attn)
     monkeypatch.setattr(linear_mod, "concat_rows", lambda *ws: None)  # the separate ones
     runner = build_runner(cfg, w)
-    assert all(layer.mixer.in_proj_qkvz is None if not layer.is_attention
-               else layer.mixer.qkv_proj is None for layer in runner.model.layers)
+    assert all(layer.mixer.in_proj_qkvz.fused is None if not layer.is_attention
+               else layer.mixer.qkv_proj.fused is None for layer in runner.model.layers)
     _close(fused, _run(cfg, w))
 
 

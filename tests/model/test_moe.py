@@ -76,9 +76,9 @@ def test_sparse_moe_fused_matches_torch_fp32(n: int, monkeypatch) -> None:
     pytest.importorskip("triton")
     h, f, e, k = (64, 32, 8, 2) if DEV == "cpu" else (2048, 512, 256, 8)
     fused = _block(h, f, e, k, torch.float32, True, monkeypatch)
-    assert fused.gate_up is not None and fused.router_gate is not None
+    assert fused.gate_up.fused is not None and fused.router_gate.fused is not None
     plain = _block(h, f, e, k, torch.float32, False, monkeypatch)
-    assert plain.gate_up is None and plain.router_gate is None
+    assert plain.gate_up.fused is None and plain.router_gate.fused is None
     x = torch.randn(n, h, device=DEV)
     ref = _run(plain, x, False, monkeypatch)
     got = _run(fused, x, True, monkeypatch)
@@ -136,7 +136,7 @@ def test_sparse_moe_shared_in_fused_launch(n: int, tied: bool, monkeypatch) -> N
     h, f, e, k = (64, 32, 8, 2) if DEV == "cpu" else (2048, 512, 256, 8)
     dtype = torch.float32 if DEV == "cpu" else torch.bfloat16
     fused = _nvfp4_block(h, f, e, k, dtype, True, tied, monkeypatch)
-    assert fused.shared_slots is not None and (fused.gate_up is not None) == tied
+    assert fused.shared_slots is not None and (fused.gate_up.fused is not None) == tied
     plain = _nvfp4_block(h, f, e, k, dtype, False, tied, monkeypatch)
     assert plain.shared_slots is None
     n = n if DEV == "cpu" else 8  # GPU: a full decode bucket (the median token is checked)

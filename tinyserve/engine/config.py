@@ -130,10 +130,9 @@ class EngineConfig:
         """From parsed CLI arguments: attributes that are missing or None keep the defaults."""
         names = {f.name for f in fields(cls)}
         values = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
-        if getattr(args, "no_prefix_cache", False):
-            values["prefix_cache"] = False
-        if getattr(args, "no_cuda_graph", False):
-            values["cuda_graphs"] = False
+        for flag, name in (("no_prefix_cache", "prefix_cache"), ("no_cuda_graph", "cuda_graphs")):
+            if getattr(args, flag, False):
+                values[name] = False
         values.update(overrides)
         return cls(**values)
 

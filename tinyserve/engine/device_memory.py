@@ -1,13 +1,13 @@
-"""The device side of the memory plan: the budget, and what the process holds on the GPU
-outside torch's caching allocator (`--gpu-memory` bounds the whole process as the driver
-counts it): the CUDA context and libraries (measured at start-up), later growth (kernel
-modules, local memory, graphs) and host-memory mappings (measured by bench/memory_budget.py).
-The process's usage comes from NVML (per process, else less a baseline), else the device-wide
-figure, which counts other processes too.
+"""The device side of the memory plan: the budget (`--gpu-memory` bounds the whole process as
+the driver counts it) and what the process holds outside torch's allocator: the CUDA context
+and libraries (measured at start-up), later growth and host-memory mappings (measured by
+bench/memory_budget.py). Usage comes from NVML (per process, else less a baseline), else the
+device-wide figure, which counts other processes too.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -18,9 +18,8 @@ from tinyserve.log import get_logger
 
 log = get_logger(__name__)
 
-# Measured on the reference GPU, an H200, by bench/memory_budget.py (the runs and the
-# calibration: docs/RESULTS.md, "The whole process inside --gpu-memory"). The start-up figure
-# is only used where no GPU can be measured.
+# Measured on the reference GPU, an H200, by bench/memory_budget.py (docs/RESULTS.md, "The
+# whole process inside --gpu-memory"); the start-up figure only where no GPU is measured.
 H200_STARTUP = 680 * MiB  # context + cuBLAS/cuBLASLt after a bf16 and an fp32 matmul
 LATE_GROWTH = 192 * MiB  # kernel modules, local-memory growth, graph executables
 MAPPING_PER_GIB = 0  # device memory per GiB of registered host memory
@@ -37,8 +36,8 @@ def _round_up(n: int) -> int:
 
 @dataclass(frozen=True)
 class DeviceMemory:
-    """What the device gives the planner: `budget` (bytes for the whole process, None on
-    the CPU), `startup` (context and libraries outside torch's allocator), and how each is known."""
+    """`budget`: bytes for the whole process (None on the CPU); `startup`: context and
+    libraries outside torch's allocator; `*_source`: how each is known."""
 
     device: str
     name: str = ""
@@ -62,25 +61,25 @@ class DeviceMemory:
                 (MAPPING_ITEM, _round_up(mapped), "H200 measurement"))
 
 
-def cpu_device() -> DeviceMemory:
-    return DeviceMemory(device="cpu")
-
-
 def reference_device(config: EngineConfig) -> DeviceMemory:
     """A GPU that is not here: the budget must be given; `H200_STARTUP` stands in."""
     budget = config.gpu_memory_bytes
     if budget is None:
         raise ValueError("no CUDA device here: give the budget with --gpu-memory (e.g. 6GiB), "
                          "or plan for the CPU with --device cpu")
-    source = f"--gpu-memory {describe_size(config.gpu_memory)}"  # type: ignore[arg-type]
-    return DeviceMemory(device=config.device or "cuda", budget=budget, budget_source=source,
+    return DeviceMemory(device=config.device or "cuda", budget=budget,
+                        budget_source=_budget_flag(config),
                         startup=H200_STARTUP,
                         startup_source="H200 measurement (no CUDA device here)")
 
 
+def _budget_flag(config: EngineConfig) -> str:
+    return f"--gpu-memory {describe_size(config.gpu_memory)}"  # type: ignore[arg-type]
+
+
 class DeviceMemoryProbe:
-    """The device memory this process uses on one GPU, as the driver counts it. Make it
-    before this process touches CUDA (for the NVML baseline); `process_used()` is thread-safe."""
+    """This process's device memory on one GPU as the driver counts it. Made before CUDA
+    starts (for the NVML baseline); `process_used()` is thread-safe."""
 
     def __init__(self, index: int = 0) -> None:
         import torch
@@ -134,14 +133,10 @@ class DeviceMemoryProbe:
         return int(total - free)
 
 
-_PROBES: dict[int, DeviceMemoryProbe] = {}
-
-
+@functools.cache
 def probe_for(index: int) -> DeviceMemoryProbe:
     """The process's probe of GPU `index` (made on first use: before CUDA, when possible)."""
-    if index not in _PROBES:
-        _PROBES[index] = DeviceMemoryProbe(index)
-    return _PROBES[index]
+    return DeviceMemoryProbe(index)
 
 
 def _device_index(device: str) -> int:
@@ -149,10 +144,9 @@ def _device_index(device: str) -> int:
 
 
 def measure_device(config: EngineConfig) -> DeviceMemory:
-    """Make the CUDA context on `config`'s device, start cuBLAS, and measure what the process
-    then holds outside torch's allocator. The budget is `config.gpu_memory`, or the free memory
-    plus what this process holds. Raises ValueError when the budget is more than the device can
-    give, or without CUDA."""
+    """Start CUDA and cuBLAS on `config`'s device and measure what the process then holds
+    outside torch's allocator; budget: `config.gpu_memory` or the free memory plus the process's
+    own. Raises ValueError without CUDA or for a budget the device cannot give."""
     import torch
 
     if not torch.cuda.is_available():
@@ -172,39 +166,37 @@ def measure_device(config: EngineConfig) -> DeviceMemory:
     available = free + used
     name = torch.cuda.get_device_name(index)
     budget = config.gpu_memory_bytes
+    if budget is not None and budget > available:
+        raise ValueError(f"--gpu-memory {config.gpu_memory} asks for {budget / MiB:,.0f} "
+                         f"MiB but {name} has {available / MiB:,.0f} MiB for this process "
+                         f"({total / MiB:,.0f} MiB in all, the rest used by others)")
+    log.info("%s: %.0f MiB outside torch's allocator after start-up (%s)", name,
+             startup / MiB, probe.source)
     if budget is None:
         budget, source = available, f"free device memory ({available / MiB:,.0f} MiB)"
     else:
-        source = f"--gpu-memory {describe_size(config.gpu_memory)}"  # type: ignore[arg-type]
-        if budget > available:
-            raise ValueError(f"--gpu-memory {config.gpu_memory} asks for {budget / MiB:,.0f} "
-                             f"MiB but {name} has {available / MiB:,.0f} MiB for this process "
-                             f"({total / MiB:,.0f} MiB in all, the rest used by others)")
-    log.info("%s: %.0f MiB outside torch's allocator after start-up (%s)", name,
-             startup / MiB, probe.source)
-    return DeviceMemory(device=device, name=name,
-                        budget=budget, budget_source=source, startup=startup,
+        source = _budget_flag(config)
+    return DeviceMemory(device=device, name=name, budget=budget, budget_source=source,
+                        startup=startup,
                         startup_source=f"measured at start-up ({probe.source})")
 
 
 def device_memory(config: EngineConfig, *, measure: bool = True) -> DeviceMemory:
-    """The device `config` runs on: the CPU, a measured GPU, or (`measure` False and no
-    GPU here: `tinyserve plan`) the reference GPU."""
+    """The device `config` runs on: the CPU, a measured GPU, or (`measure` False, a GPU
+    budget and no GPU here: `tinyserve plan`) the reference GPU."""
     import torch
 
     here = torch.cuda.is_available()
-    # NOTE: a GPU budget without a GPU here (and no measuring) plans for the reference GPU
     device = config.device or ("cuda" if here or (not measure and config.gpu_memory is not None)
                                else "cpu")
     if device == "cpu":
-        return cpu_device()
+        return DeviceMemory(device="cpu")
     return measure_device(config) if measure or here else reference_device(config)
 
 
 def device_memory_report(plan: Any, device: str) -> tuple[str, int]:
-    """After the model ran: one line on the process's device memory against the plan,
-    and the bytes outside torch's allocator now; when those exceed the plan, the allocator is
-    capped lower by the difference (with a warning)."""
+    """After the model ran: (one line on the device memory against the plan, the bytes
+    outside torch's allocator); past the plan's figure the allocator is capped lower (warned)."""
     import torch
 
     index = _device_index(device)
@@ -226,8 +218,7 @@ def device_memory_report(plan: Any, device: str) -> tuple[str, int]:
 
 
 def cap_allocator(cap: int, index: int) -> None:
-    """Cap torch's allocator on GPU `index` at `cap` bytes: past it, allocations fail
-    loudly instead of using the rest of a bigger card."""
+    """Cap torch's allocator on GPU `index` at `cap` bytes (allocations past it fail loudly)."""
     import torch
 
     total = torch.cuda.get_device_properties(index).total_memory

@@ -20,13 +20,10 @@ def mib(n: int) -> str:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """The engine's memory, decided before anything is loaded (bytes).
-
-    On a GPU `gpu_memory` bounds the whole process: `outside_allocator` (item, bytes, how known)
-    + torch's allocator capped at `allocator_cap`, holding weights, embedding (when on the GPU),
-    workspace, GDN states, KV pages and expert cache. state_slots = max_seqs + snapshot_slots
-    + one graph padding slot. default_context / default_expert_slots: the plan without
-    --max-context, when --max-context changed it.
+    """The engine's memory in bytes, decided before anything is loaded. On a GPU
+    `gpu_memory` bounds the whole process: `outside_allocator` (item, bytes, how known) + torch's
+    allocator capped at `allocator_cap`. default_context / default_expert_slots: the plan
+    without --max-context, when --max-context changed it.
     """
 
     device: str
@@ -65,8 +62,7 @@ class MemoryPlan:
         return sum(b for _, b, _ in self.outside_allocator)
 
     @property
-    def allocator_cap(self) -> int | None:
-        """What torch's caching allocator may reserve (None on the CPU)."""
+    def allocator_cap(self) -> int | None:  # what torch's allocator may reserve
         return None if self.gpu_memory is None else self.gpu_memory - self.outside_allocator_bytes
 
     @property
@@ -94,18 +90,15 @@ class MemoryPlan:
         return self.expert_slots * self.expert_slot_bytes
 
     @property
-    def experts_offloaded(self) -> bool:
-        """Fewer GPU slots than routed experts: misses are copied in from the host store."""
+    def experts_offloaded(self) -> bool:  # fewer GPU slots than routed experts
         return self.expert_cache and self.expert_slots < self.num_routed_experts
 
     @property
-    def host_expert_bytes(self) -> int:
-        """Pinned host RAM for the expert store (0 when every expert is resident)."""
+    def host_expert_bytes(self) -> int:  # the pinned host expert store
         return self.num_routed_experts * self.expert_slot_bytes if self.expert_cache else 0
 
     @property
-    def allocated_bytes(self) -> int:
-        """What the plan puts in torch's allocator (on the CPU: in host RAM)."""
+    def allocated_bytes(self) -> int:  # in torch's allocator (on the CPU: host RAM)
         embed = self.embed_bytes if self.embed_device == self.device.split(":")[0] else 0
         experts = (self.expert_cache_bytes if self.expert_cache
                    else self.num_routed_experts * self.expert_slot_bytes)
@@ -113,8 +106,7 @@ class MemoryPlan:
                 + self.kv_bytes + experts)
 
     @property
-    def gpu_bytes(self) -> int:
-        """The process's planned device memory (0 on the CPU)."""
+    def gpu_bytes(self) -> int:  # the process's planned device memory
         return self.outside_allocator_bytes + self.allocated_bytes if self.is_cuda else 0
 
     @property
@@ -122,21 +114,17 @@ class MemoryPlan:
         return 0 if self.gpu_memory is None else self.gpu_memory - self.gpu_bytes
 
     def as_dict(self) -> dict[str, Any]:
+        """The fields and the derived figures (every property), for `tinyserve plan --json`."""
         d = asdict(self)
         d["outside_allocator"] = {k: {"bytes": b, "source": s}
                                   for k, b, s in self.outside_allocator}
         d["resident_weights"] = dict(self.resident_weights)
         d["workspace"] = dict(self.workspace)
-        for name in ("outside_allocator_bytes", "allocator_cap", "resident_weight_bytes",
-                     "workspace_bytes", "state_bytes", "kv_bytes", "context_tokens",
-                     "expert_cache_bytes", "experts_offloaded", "host_expert_bytes",
-                     "allocated_bytes", "gpu_bytes", "free_bytes"):
-            d[name] = getattr(self, name)
+        d.update({name: getattr(self, name) for name, attr in vars(MemoryPlan).items()
+                  if isinstance(attr, property) and name != "is_cuda"})
         return d
 
     def format(self) -> str:
-        """The plan as a table (the same text for `tinyserve plan` and `tinyserve run`)."""
-
         def row(label: str, n: int, note: str = "") -> str:
             return f"    {label:<34}{mib(n):>14}" + (f"  ({note})" if note else "")
 

@@ -1,10 +1,9 @@
 """The memory planner and `tinyserve plan` (specs/qwen35_moe.md §7).
 
-`EngineConfig` + model geometry and weight bytes + `DeviceMemory` -> one `MemoryPlan`, the same
-for `plan`, `run`, `bench` and `LLM`; `PlanError` carries the numbers. On a GPU: all resident
-if it fits (whole or `DEFAULT_CONTEXT` context), else the embedding to host RAM, else the
-experts offloaded behind a cache of at least one layer with one sequence and `DEFAULT_CONTEXT`
-tokens (or half what is left). On the CPU everything is resident.
+`EngineConfig` + model geometry and weight bytes + `DeviceMemory` -> one `MemoryPlan` for
+`plan`, `run`, `bench` and `LLM`. On a GPU: all resident if it fits (whole or `DEFAULT_CONTEXT`
+context), else the embedding to host RAM, else the experts behind a cache of at least one layer
+with one sequence and `DEFAULT_CONTEXT` tokens (or half what is left). CPU: all resident.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from tinyserve.engine.config import DEFAULT_CONTEXT, DEFAULT_MAX_SEQS, EngineConfig
 from tinyserve.engine.device_memory import DeviceMemory, device_memory
@@ -22,13 +21,10 @@ from tinyserve.kv.registry import kv_bytes_per_token, resolve_kv
 from tinyserve.kv.state_pool import GDNStatePool
 
 GRAPH_POOL = 64 * MiB  # CUDA-graph private pools of the decode graphs
-# NOTE: the slack covers what the workspace items do not: the caching allocator's rounding
-# and fragmentation and transient buffers (sampler, expert-miss lists, cuBLAS/Triton
-# scratch). It is a share of the allocator's cap, never below the floor: a small model under
-# a small budget still needs the cuBLAS workspace (32 MiB on sm_90) and the allocator's
-# 2/20 MiB segments, which do not shrink with the budget. bench/memory_budget.py records the
-# peak reserved less the peak allocated (docs/RESULTS.md, "The whole process inside
-# --gpu-memory").
+# NOTE: the slack covers the caching allocator's rounding and fragmentation and transient
+# buffers (sampler, expert-miss lists, cuBLAS/Triton scratch): a share of the cap, never below
+# the floor (the cuBLAS workspace and the allocator's 2/20 MiB segments do not shrink with
+# the budget). bench/memory_budget.py measures it.
 ALLOCATOR_SLACK = 0.06
 ALLOCATOR_SLACK_MIN = 96 * MiB
 ALLOCATOR_SLACK_MAX = 1 * GiB  # a big budget's slack need not grow with it
@@ -51,7 +47,6 @@ def activation_bytes_per_token(config: Any, dtype_bytes: int = 2) -> int:
 
 
 def dtype_bytes(config: EngineConfig, device: DeviceMemory) -> int:
-    """Bytes per element of the model dtype on `device` (float32 on the CPU by default)."""
     if config.dtype is not None:
         return {"float32": 4, "bfloat16": 2, "float16": 2}[config.dtype]
     return 2 if device.is_cuda else 4
@@ -111,11 +106,16 @@ class _Sizes:
         return tuple(items)
 
     def fixed(self, tokens: int, seqs: int, cap: int) -> int:
-        """Resident weights (no embedding, no routed experts) + workspace + states + KV."""
+        # resident weights (no embedding, no routed experts) + workspace + states + KV
         return (sum(b for _, b in self.w.resident_groups())
                 + sum(b for _, b in self.workspace(tokens, seqs, cap))
                 + self.state_slots(seqs) * self.per_slot
                 + self.pages(tokens) * self.page * self.kv_tok)
+
+    def left(self, tokens: int, seqs: int, embed_device: str, expert_cache: bool) -> int:
+        """What the allocator cap leaves for the routed experts (all, or the cache)."""
+        cap = self.cap(embed_device, expert_cache)
+        return cap - self.fixed(tokens, seqs, cap) - (self.embed if embed_device == "cuda" else 0)
 
     def make(self, *, tokens: int, seqs: int, embed_device: str, expert_cache: bool,
              slots: int) -> MemoryPlan:
@@ -143,8 +143,8 @@ class _Sizes:
 
 def plan_memory(config: EngineConfig, model: Any, weights: WeightBytes,
                 device: DeviceMemory) -> MemoryPlan:
-    """Plan `config` for a model of geometry `model` (a ModelConfig) with `weights` on
-    `device`. Raises PlanError (one line, with the numbers)."""
+    """Plan `config` for geometry `model` (a ModelConfig) with `weights` on `device`.
+    Raises PlanError (one line, with the numbers)."""
     s, cfg = _Sizes(config, model, weights, device), config
     if cfg.max_context is not None and cfg.max_context > s.max_pos:
         raise PlanError(f"max_context {cfg.max_context} exceeds the model's "
@@ -184,62 +184,54 @@ def _plan_gpu(s: _Sizes, tokens: int, forced: int | None) -> MemoryPlan:
     contexts = [tokens] if cfg.max_context is not None or cfg.num_kv_pages is not None \
         else sorted({tokens, min(DEFAULT_CONTEXT, tokens)}, reverse=True)
     for context in contexts if forced is None else ():
-        cap = s.cap("cuda", False)
-        if s.fixed(context, seqs, cap) + all_experts + s.embed <= cap:
+        if s.left(context, seqs, "cuda", False) >= all_experts:
             most = min(DEFAULT_MAX_SEQS, cfg.max_num_batched_tokens)
-            while cfg.max_seqs is None and seqs < most and \
-                    s.fixed(context, seqs + 1, cap) + all_experts + s.embed <= cap:
+            while (cfg.max_seqs is None and seqs < most
+                   and s.left(context, seqs + 1, "cuda", False) >= all_experts):
                 seqs += 1
             return s.make(tokens=context, seqs=seqs, embed_device="cuda", expert_cache=False,
                           slots=n)
-        cap = s.cap("cpu", False)
-        if not w.tied and s.fixed(context, seqs, cap) + all_experts <= cap:
+        if not w.tied and s.left(context, seqs, "cpu", False) >= all_experts:
             return s.make(tokens=context, seqs=seqs, embed_device="cpu", expert_cache=False,
                           slots=n)
     # Step 3: offload the experts.
     embed_device = "cuda" if w.tied else "cpu"
-    embed_gpu = s.embed if embed_device == "cuda" else 0
-    cap = s.cap(embed_device, True)
     min_slots = s.model.num_experts
     if cfg.max_context is None and cfg.num_kv_pages is None:
-        spare = cap - s.fixed(0, seqs, cap) - embed_gpu - min_slots * slot_bytes
-        per_token = s.kv_tok + s.scratch_tok
-        tokens = min(DEFAULT_CONTEXT, s.max_pos, max(spare, 0) // 2 // per_token)
+        spare = s.left(0, seqs, embed_device, True) - min_slots * slot_bytes
+        tokens = min(DEFAULT_CONTEXT, s.max_pos, max(spare, 0) // 2 // (s.kv_tok + s.scratch_tok))
         tokens = tokens // s.page * s.page
         if tokens < s.page:
-            _refuse(s, max(s.page, 1), seqs, cap, embed_device, min_slots)
-    left = cap - s.fixed(tokens, seqs, cap) - embed_gpu
+            _refuse(s, max(s.page, 1), seqs, embed_device, min_slots)
+    left = s.left(tokens, seqs, embed_device, True)
     slots = forced if forced is not None else min(n, max(left, 0) // slot_bytes)
     if slots < min_slots or left < slots * slot_bytes:
-        _refuse(s, tokens, seqs, cap, embed_device, slots if forced else min_slots)
+        _refuse(s, tokens, seqs, embed_device, slots if forced else min_slots)
     return s.make(tokens=tokens, seqs=seqs, embed_device=embed_device, expert_cache=True,
                   slots=int(slots))
 
 
-def _refuse(s: _Sizes, tokens: int, seqs: int, cap: int, embed_device: str,
-            slots: int) -> None:
-    dev, w = s.dev, s.w
-    assert dev.budget is not None
-    outside = sum(b for _, b, _ in s.outside(embed_device, True))
-    embed_gpu = s.embed if embed_device == "cuda" else 0
-    ws = sum(b for _, b in s.workspace(tokens, seqs, cap))
-    states = s.state_slots(seqs) * s.per_slot
-    kv = s.pages(tokens) * s.page * s.kv_tok
-    need = outside + s.fixed(tokens, seqs, cap) + embed_gpu + slots * w.expert_bytes
-    parts = [f"outside torch's allocator {mib(outside)}",
-             f"weights {mib(sum(b for _, b in w.resident_groups()))}"]
-    if embed_gpu:
-        parts.append(f"embedding {mib(embed_gpu)}")
-    parts += [f"workspace {mib(ws)}", f"GDN states {mib(states)} ({s.state_slots(seqs)} slots)",
-              f"KV {mib(kv)} ({s.pages(tokens) * s.page} tokens {s.kv})",
-              f"expert cache {mib(slots * w.expert_bytes)} (at least {slots} slots of "
-              f"{w.expert_bytes / MiB:.2f} MiB)"]
+def _refuse(s: _Sizes, tokens: int, seqs: int, embed_device: str, slots: int) -> NoReturn:
+    w, kv_tokens, state_slots = s.w, s.pages(tokens) * s.page, s.state_slots(seqs)
+    cap = s.cap(embed_device, True)
+    assert s.dev.budget is not None
+    parts = [  # (what, bytes, note): the whole need
+        ("outside torch's allocator", sum(b for _, b, _ in s.outside(embed_device, True)), ""),
+        ("weights", sum(b for _, b in w.resident_groups()), ""),
+        ("embedding", s.embed if embed_device == "cuda" else 0, ""),
+        ("workspace", sum(b for _, b in s.workspace(tokens, seqs, cap)), ""),
+        ("GDN states", state_slots * s.per_slot, f" ({state_slots} slots)"),
+        ("KV", kv_tokens * s.kv_tok, f" ({kv_tokens} tokens {s.kv})"),
+        ("expert cache", slots * w.expert_bytes,
+         f" (at least {slots} slots of {w.expert_bytes / MiB:.2f} MiB)")]
+    need = sum(b for _, b, _ in parts)
+    shown = ", ".join(f"{what} {mib(b)}{note}" for what, b, note in parts
+                      if b or what != "embedding")
     hints = ["lower --max-context" if s.cfg.max_context else "",
              "lower --max-seqs" if s.cfg.max_seqs and s.cfg.max_seqs > 1 else "",
              "use --kv iso3" if s.kv == "bf16" else "", "raise --gpu-memory"]
     raise PlanError(f"the model needs at least {mib(need)} of GPU memory but the budget is "
-                    f"{dev.budget_source}: {', '.join(parts)}; "
-                    f"{', '.join(h for h in hints if h)}")
+                    f"{s.dev.budget_source}: {shown}; {', '.join(h for h in hints if h)}")
 
 
 def plan_checkpoint(config: EngineConfig, path: str | Path, device: DeviceMemory) -> MemoryPlan:
@@ -253,8 +245,8 @@ def plan_checkpoint(config: EngineConfig, path: str | Path, device: DeviceMemory
 
 def plan_engine(config: EngineConfig, path: str | Path | None = None, *,
                 allow_reference: bool = False) -> MemoryPlan:
-    """The plan of `config` on its device (a GPU is measured). `allow_reference`: with a
-    GPU budget and no GPU here, plan for the reference GPU (`tinyserve plan`)."""
+    """The plan of `config` on its device (a GPU is measured; `allow_reference`: the
+    reference GPU when there is none here)."""
     from tinyserve.model.loader import resolve_model_path
 
     path = resolve_model_path(config.model) if path is None else Path(path)

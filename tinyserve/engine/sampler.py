@@ -1,9 +1,7 @@
-"""Batched sampling on the model's device.
-
-Per row: hook -> penalties -> logit bias -> argmax at temperature 0, else temperature, top-k,
-top-p, min-p and an exponential race (argmax p / q, q ~ Exp(1)). A seeded request draws from
-(seed, tokens generated). Penalties read device-side `TokenCounts` the sampler advances, so a
-chained step samples from the counts the last step left.
+"""Batched sampling on the model's device. Per row: hook -> penalties -> logit bias -> argmax
+at temperature 0, else temperature, top-k, top-p, min-p and an exponential race (argmax p / q,
+q ~ Exp(1)); a seeded request draws from (seed, tokens generated). Penalties read device-side
+`TokenCounts` the sampler advances, so a chained step uses the counts the last step left.
 """
 
 from __future__ import annotations
@@ -16,8 +14,8 @@ import torch
 from tinyserve.core import ScheduledSeq
 
 LogitsHook = Callable[[torch.Tensor, Sequence[ScheduledSeq]], torch.Tensor]
-"""`hook(logits [S, V] float32, seqs) -> logits`: runs before everything else (tests use it to
-force scripted tokens through the real sampler)."""
+"""`hook(logits [S, V] float32, seqs) -> logits`, before everything else (tests force
+scripted tokens through the real sampler with it)."""
 
 _SEED_STRIDE = 1_000_003
 
@@ -32,13 +30,12 @@ class Sampler:
 
     def argmax_only(self, seqs: Sequence[ScheduledSeq]) -> bool:
         """Whether sampling `seqs` is the plain argmax of their logits."""
-        return (self.chainable(seqs) and not wants_logprobs(seqs)
-                and all(s.params.greedy and not s.params.logit_bias and not _has_penalty(s)
-                        for s in seqs))
+        return self.chainable(seqs) and all(
+            s.params.greedy and not s.params.logit_bias and not _has_penalty(s)
+            and s.params.logprobs is None for s in seqs)
 
     def chainable(self, seqs: Sequence[ScheduledSeq]) -> bool:
-        """Whether `seqs` can be sampled before the host has the step's input tokens:
-        no logits hook."""
+        """Whether `seqs` can be sampled before the host has the step's input tokens."""
         return self.logits_hook is None
 
     @torch.inference_mode()
@@ -101,10 +98,9 @@ class TokenCounts:
         if p.presence_penalty or p.frequency_penalty:
             output = torch.zeros(vocab, device=device)
             one = torch.ones(1, device=device)
-            out = seq.history[len(seq.history) - seq.num_generated:] if seq.num_generated else []
-            if out:
-                ids = _to_device(out, torch.long, device)
-                output.index_add_(0, ids, one.expand(len(out)))
+            if seq.num_generated:
+                out = _to_device(seq.history[-seq.num_generated:], torch.long, device)
+                output.index_add_(0, out, one.expand(len(out)))
         return cls(seen, output, one)
 
     def add(self, token: torch.Tensor) -> None:
@@ -115,16 +111,11 @@ class TokenCounts:
             self.output.index_add_(0, token, self.one)
 
 
-def wants_logprobs(seqs: Sequence[ScheduledSeq]) -> bool:
-    return any(s.params.logprobs is not None for s in seqs)
-
-
 def token_logprobs(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], tokens: torch.Tensor
                    ) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor,
                               torch.Tensor] | None:
-    """Log-probabilities of the rows that ask for them: (rows, their k, the sampled
-    tokens' [R], top ids [R, K], top logprobs [R, K]) on the device, or None. `logits` [S, V] are
-    the model's (before penalties), `tokens` the sampled [S]."""
+    """(rows asking for logprobs, their k, sampled tokens' logprobs [R], top ids [R, K], top
+    logprobs [R, K]) on the device, or None; `logits` [S, V] before penalties, `tokens` [S]."""
     rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     if not rows:
         return None
@@ -162,10 +153,9 @@ def apply_logit_bias(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torc
     V = logits.shape[1]
     if max(ids) >= V:
         raise ValueError(f"logit_bias names token {max(ids)}, the vocabulary has {V}")
-    device = logits.device
-    index = _to_device([rows, ids], torch.long, device)
-    return logits.index_put((index[0], index[1]), _to_device(biases, logits.dtype, device),
-                            accumulate=True)
+    index = _to_device([rows, ids], torch.long, logits.device)
+    return logits.index_put((index[0], index[1]), _to_device(biases, logits.dtype,
+                                                             logits.device), accumulate=True)
 
 
 def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -179,8 +169,8 @@ def _has_penalty(s: ScheduledSeq) -> bool:
 
 
 def filtered_probs(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
-    """Softmax at each row's temperature with top-k, top-p and min-p applied, not
-    renormalised (the race does not need it). [S, V] float32."""
+    """Softmax [S, V] at each row's temperature after top-k, top-p and min-p, not renormalised
+    (the race does not need it)."""
     V = logits.shape[1]
     # One host-to-device copy: [S, 4] = temperature, top_k (V: off), top_p (2: off), min_p.
     rows = [(max(p.temperature, 1e-5), p.top_k if 0 < p.top_k < V else V,

@@ -1,15 +1,15 @@
-"""Continuous-batching scheduler: which requests run in the next step, with which tokens.
+"""Continuous-batching scheduler (pure Python): which requests run in the next step.
 
-Pure Python. `schedule()`: a decode token for every running request past its prefill, then
-prefill chunks under the token budget; groups share seats fairly (`engine.fairness`). `update`
-= `advance` (launched tokens count as computed) + `record` (sampled tokens, stop conditions),
-called apart to chain decode steps (`schedule_next`). With a prefix cache, admission reuses the
-longest cached prefix ending at a GDN snapshot, and chunks end where a snapshot is worth taking.
+`schedule()`: decode tokens first, then prefill chunks under the token budget; groups share
+seats fairly (`engine.fairness`). `update` = `advance` + `record`, called apart to chain decode
+steps (`schedule_next`). A prefix cache reuses the longest cached prefix ending at a GDN
+snapshot, and chunks end where a snapshot is worth taking.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 
 from tinyserve.core import PENDING_TOKEN, Batch, ForwardOutput, SamplingParams, ScheduledSeq
 from tinyserve.engine import fairness
@@ -47,10 +47,9 @@ class Scheduler:
         self.running: list[Request] = []  # sorted by arrival
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        self._arrivals = 0
-        self._steps = 0  # sequences scheduled so far (`Request.last_step` orders a rotation)
-
-    # ---------------------------------------------------------------- submission and removal
+        self._arrivals = itertools.count()
+        # sequences scheduled so far (`Request.last_step` orders a rotation)
+        self._steps = itertools.count(1)
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -77,9 +76,8 @@ class Scheduler:
         self.check(len(prompt_ids), params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = Request(request_id, len(prompt_ids), params, self._arrivals, list(prompt_ids),
+        req = Request(request_id, len(prompt_ids), params, next(self._arrivals), list(prompt_ids),
                       group=group or request_id)
-        self._arrivals += 1
         self.requests[request_id] = req
         self.waiting.append(req)  # newest arrival: stays sorted
         return req
@@ -120,14 +118,11 @@ class Scheduler:
         """`n` free pages, evicting idle cached pages when needed; None when they cannot be had."""
         return self.pages.alloc(n) if self._make_room(n) else None
 
-    def _make_room(self, n: int) -> bool:
-        """Whether `n` pages are free, after evicting idle cached pages when that suffices."""
+    def _make_room(self, n: int) -> bool:  # evicts idle cached pages when that suffices
         short = n - self.pages.num_free
         if short > 0 and self.cache is not None and self.cache.evictable_pages() >= short:
             self.cache.evict(short)
         return self.pages.can_alloc(n)
-
-    # ---------------------------------------------------------------- one step
 
     @property
     def has_work(self) -> bool:
@@ -147,30 +142,26 @@ class Scheduler:
         self._share_seats()
         seqs: list[ScheduledSeq] = []
         budget = self.max_num_batched_tokens
+
+        def take(req: Request) -> None:
+            nonlocal budget
+            seqs.append(self._chunk(req, budget))
+            budget -= seqs[-1].num_tokens
+
         nxt = self._next_waiting()  # it shares this step already when it has a seat
         joining = [nxt] if nxt is not None and not nxt.solo and self._has_room(nxt) else []
         taking_part = [r for r in fairness.step_share(self.running + joining) if r.running]
-        left_out = {id(r) for r in self.running} - {id(r) for r in taking_part}
-        trimmed = {r.group for r in self.running if id(r) in left_out}
-        decode = [r for r in taking_part if r.is_decode]
-        prefill = [r for r in taking_part if not r.is_decode]
-        for req in decode:
-            if req.running and self._reserve_decode_page(req):
-                seqs.append(self._chunk(req, 1))
-                budget -= 1
-        for req in prefill:
-            if budget <= 0:
-                break
-            if not req.running:  # preempted by a decode's page reservation above
-                continue
-            seqs.append(self._chunk(req, budget))
-            budget -= seqs[-1].num_tokens
+        trimmed = {r.group for r in self.running if r not in taking_part}
+        # decodes first; a decode's page reservation may preempt a request after it
+        for req in sorted(taking_part, key=lambda r: not r.is_decode):
+            if req.running and budget > 0 and (not req.is_decode
+                                               or self._reserve_decode_page(req)):
+                take(req)
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             req = self._next_waiting()
             if req.solo or req.group in trimmed or not self._admit(req):
                 break  # nobody overtakes the next request in the fair order
-            seqs.append(self._chunk(req, budget))
-            budget -= seqs[-1].num_tokens
+            take(req)
         return Batch(seqs)
 
     def _next_waiting(self) -> Request | None:
@@ -198,15 +189,20 @@ class Scheduler:
     def _reserve_decode_page(self, req: Request) -> bool:
         """Make room for one more token of `req`, preempting newer requests if needed.
         False when `req` itself had to be preempted."""
-        while len(req.pages) < self.pages_for(req.num_computed + 1):
-            page = self.alloc_pages(1)
-            if page is not None:
-                req.pages += page
-                break
+        while not self._grow_for_next_token(req):
             victim = fairness.victim(self.running)
             self.preempt(victim.request_id)
             if victim is req:
                 return False
+        return True
+
+    def _grow_for_next_token(self, req: Request) -> bool:
+        """Whether `req` has a page for one more token, taking a free one if needed."""
+        if len(req.pages) < self.pages_for(req.num_computed + 1):
+            page = self.alloc_pages(1)
+            if page is None:
+                return False
+            req.pages += page
         return True
 
     def _admit(self, req: Request) -> bool:
@@ -236,8 +232,7 @@ class Scheduler:
         return True
 
     def _chunk(self, req: Request, budget: int) -> ScheduledSeq:
-        self._steps += 1
-        req.last_step = self._steps
+        req.last_step = next(self._steps)
         start = req.num_computed
         end = min(len(req.tokens), start + budget)
         if self.cache is not None:  # end a chunk where a snapshot is worth keeping
@@ -256,7 +251,6 @@ class Scheduler:
             params=req.params, history=req.tokens, num_generated=req.num_generated)
 
     def update(self, batch: Batch, output: ForwardOutput) -> list[StepEvent]:
-        """Record a finished step: `advance(batch)` then `record(batch, output)`."""
         self.advance(batch)
         return self.record(batch, output)
 
@@ -306,11 +300,8 @@ class Scheduler:
                 return None
         seqs = []
         for req in self.running:  # NOTE: a page taken before a refusal is needed next step
-            if len(req.pages) < self.pages_for(req.num_computed + 1):
-                page = self.alloc_pages(1)
-                if page is None:
-                    return None
-                req.pages += page
+            if not self._grow_for_next_token(req):
+                return None
             seqs.append(ScheduledSeq(
                 request_id=req.request_id, token_ids=[PENDING_TOKEN],
                 start_pos=req.num_computed, page_ids=req.pages, state_slot=req.slot,
@@ -319,7 +310,7 @@ class Scheduler:
         return Batch(seqs)
 
     def _snapshot(self, req: Request) -> None:
-        """Cache the request's computed pages and its state, which sit on a page boundary."""
+        # its computed pages and its state sit on a page boundary
         n = req.num_computed
         every = self.cache.snapshot_interval
         keep = n == req.prompt_len // self.page_size * self.page_size or (every and n % every == 0)

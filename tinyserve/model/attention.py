@@ -1,7 +1,7 @@
 """Gated full attention of Qwen3.5-MoE (`self_attn`): q/gate interleaved by head, per-head
 q_norm / k_norm (1 + w), partial RoPE, paged attention through the KV backend, sigmoid output
-gate (Triton kernels on CUDA). q/k/v run as one linear `qkv_proj` where storages allow, split
-by views (the kernels and the KV stores read row-strided [N, H, D] inputs)."""
+gate (Triton kernels on CUDA). q/k/v run as one `SplitLinear` (the kernels and the KV stores
+read row-strided [N, H, D] inputs)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from tinyserve.core import ForwardContext, LinearWeight
-from tinyserve.model.linear import fused_linear, kernels_enabled, linear
+from tinyserve.model.linear import SplitLinear, kernels_enabled, linear
 from tinyserve.model.rope import PartialRoPE
 
 
@@ -39,9 +39,7 @@ class GatedAttention:
         self.head_dim = config.head_dim
         self.eps = config.rms_norm_eps
         self.rope = rope
-        # [2 * H * D + 2 * Hkv * D, hidden], or None (then the separate weights)
-        self.qkv_proj, (self.q_proj, self.k_proj, self.v_proj) = fused_linear(
-            w, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+        self.qkv_proj = SplitLinear.of(w, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
         self.o_proj: LinearWeight = w["o_proj"]
         self.q_norm: torch.Tensor = w["q_norm"]
         self.k_norm: torch.Tensor = w["k_norm"]
@@ -51,13 +49,7 @@ class GatedAttention:
         """x [N, hidden] (normed) -> [N, hidden]. `cos_sin` from `rope.cos_sin(ctx.positions)`."""
         N = x.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv_proj is not None:
-            qkv = linear(x, self.qkv_proj)  # [N, 2 * H * D + 2 * Hkv * D]
-            qd, kd = 2 * H * D, Hkv * D
-            qg, k, v = qkv[:, :qd], qkv[:, qd:qd + kd], qkv[:, qd + kd:]  # row-strided views
-        else:
-            qg, k, v = (linear(x, self.q_proj), linear(x, self.k_proj),
-                        linear(x, self.v_proj))
+        qg, k, v = self.qkv_proj.split(x, (2 * H * D, Hkv * D, Hkv * D))
         # NOTE: q_proj rows are [q_h | gate_h] per head h, not [all q | all gates].
         qg = qg.view(N, H, 2 * D)
         q, gate = qg[..., :D], qg[..., D:]  # [N, H, D] views

@@ -1,9 +1,7 @@
-"""Qwen3.5-MoE model configuration: `ModelConfig` and `load_config(path)`.
-
-`load_config` reads `config.json` (nested `text_config` or a flat `qwen3_5_moe_text` config),
-`generation_config.json` (extra EOS ids) and, for ModelOpt checkpoints, `hf_quant_config.json`.
-The defaults of `ModelConfig` are Qwen3.5-35B-A3B's, so `ModelConfig()` describes the real model.
-Every problem raises `ConfigError` with one sentence naming the file and the field.
+"""Qwen3.5-MoE model configuration: `ModelConfig` (defaults: Qwen3.5-35B-A3B) and
+`load_config(path)`, which reads config.json (nested `text_config` or flat),
+generation_config.json (extra EOS ids) and, for ModelOpt, hf_quant_config.json. Every problem
+raises `ConfigError` with one sentence naming the file and the field.
 """
 
 from __future__ import annotations
@@ -36,8 +34,8 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """How a checkpoint says it is quantized (the loader trusts the tensors, not this):
-    `method` one of QUANT_METHODS, `algo` the ModelOpt quant_algo or compressed-tensors format."""
+    """What a checkpoint says of its quantization (the loader trusts the tensors): `method`
+    one of QUANT_METHODS, `algo` the ModelOpt quant_algo or compressed-tensors format."""
 
     method: str = "none"
     algo: str | None = None
@@ -107,12 +105,21 @@ class ModelConfig:
         return 2 * self.linear_key_dim + self.linear_value_dim
 
 
-def load_config(path: str | Path) -> ModelConfig:
-    """Read a checkpoint directory's (or a config.json file's) text-model configuration.
+# Integer fields of ModelConfig, read from config.json under the name in _HF_NAMES (or their
+# own); those in _INT_DEFAULTS may be missing.
+_INT_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads",
+               "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+               "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+               "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+               "shared_expert_intermediate_size", "max_position_embeddings")
+_INT_DEFAULTS = {"linear_conv_kernel_dim": 4, "max_position_embeddings": 262144}
+_HF_NAMES = {"num_layers": "num_hidden_layers", "num_kv_heads": "num_key_value_heads"}
 
-    Raises ConfigError (one sentence naming the file and field) for a missing or unreadable
-    config, an unsupported model_type, a missing field or an impossible value.
-    """
+
+def load_config(path: str | Path) -> ModelConfig:
+    """A checkpoint directory's (or config.json file's) text-model configuration. Raises
+    ConfigError for a missing or unreadable file, an unsupported model_type, a missing field or
+    an impossible value."""
     path = Path(path)
     cfg_file = path if path.is_file() else path / "config.json"
     root = _read_json(cfg_file, required=True)
@@ -125,69 +132,56 @@ def load_config(path: str | Path) -> ModelConfig:
         raise ConfigError(f"{cfg_file}: model_type {model_type!r} is not supported "
                           f"(expected one of {', '.join(SUPPORTED_MODEL_TYPES)})")
 
-    def get(name: str, default: Any = ..., *, kind: type = int) -> Any:
+    def get(name: str, default: Any = ...) -> Any:
         value = text.get(name, root.get(name, default))
         if value is ...:
             raise ConfigError(f"{where}: field {name!r} is missing")
-        if kind is int and not (isinstance(value, int) and not isinstance(value, bool)):
-            raise ConfigError(f"{where}: field {name!r} must be an integer, got {value!r}")
-        if kind is float and not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: field {name!r} must be a number, got {value!r}")
         return value
 
-    num_layers = get("num_hidden_layers")
+    def number(name: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: field {name!r} must be a number, got {value!r}")
+        return float(value)
+
+    ints: dict[str, int] = {}
+    for field_name in _INT_FIELDS:
+        heads = ints.get("num_attention_heads")
+        derived = {"num_kv_heads": heads, "head_dim": heads and ints["hidden_size"] // heads}
+        name = _HF_NAMES.get(field_name, field_name)
+        value = get(name, derived.get(field_name, _INT_DEFAULTS.get(field_name, ...)))
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{where}: field {name!r} must be an integer, got {value!r}")
+        ints[field_name] = value
+
     layer_types = text.get("layer_types")
     if layer_types is None:
         interval = get("full_attention_interval", 4)
         if interval < 1:
             raise ConfigError(f"{where}: field 'full_attention_interval' must be >= 1")
-        layer_types = list(default_layer_types(num_layers, interval))
+        layer_types = list(default_layer_types(ints["num_layers"], interval))
     if not isinstance(layer_types, list):
         raise ConfigError(f"{where}: field 'layer_types' must be a list")
 
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise ConfigError(f"{where}: field 'rope_parameters' must be an object")
-    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
         log.warning("%s: rope_type %r is not supported; using default RoPE (exact within "
-                    "max_position_embeddings)", where, rope.get("rope_type", rope.get("type")))
-    rope_theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
-    partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
-    for name, value in (("rope_theta", rope_theta), ("partial_rotary_factor", partial)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: field {name!r} must be a number, got {value!r}")
-
-    hidden = get("hidden_size")
-    heads = get("num_attention_heads")
-    values = dict(
-        vocab_size=get("vocab_size"),
-        hidden_size=hidden,
-        num_layers=num_layers,
-        layer_types=tuple(layer_types),
-        num_attention_heads=heads,
-        num_kv_heads=get("num_key_value_heads", heads),
-        head_dim=get("head_dim", hidden // heads if heads else 0),
-        rope_theta=float(rope_theta),
-        partial_rotary_factor=float(partial),
-        linear_num_key_heads=get("linear_num_key_heads"),
-        linear_num_value_heads=get("linear_num_value_heads"),
-        linear_key_head_dim=get("linear_key_head_dim"),
-        linear_value_head_dim=get("linear_value_head_dim"),
-        linear_conv_kernel_dim=get("linear_conv_kernel_dim", 4),
-        num_experts=get("num_experts"),
-        num_experts_per_tok=get("num_experts_per_tok"),
-        moe_intermediate_size=get("moe_intermediate_size"),
-        shared_expert_intermediate_size=get("shared_expert_intermediate_size"),
-        rms_norm_eps=float(get("rms_norm_eps", 1e-6, kind=float)),
-        max_position_embeddings=get("max_position_embeddings", 262144),
-        tie_word_embeddings=bool(root.get("tie_word_embeddings",
-                                          text.get("tie_word_embeddings", False))),
-        eos_token_ids=_eos_ids(cfg_file, root, text),
-        model_type=str(text.get("model_type", model_type)),
-        quant=_quant_config(cfg_file, root),
-    )
+                    "max_position_embeddings)", where, rope_type)
     try:
-        return ModelConfig(**values)
+        return ModelConfig(
+            **ints, layer_types=tuple(layer_types),
+            rope_theta=number("rope_theta", rope.get("rope_theta", get("rope_theta", 10000.0))),
+            partial_rotary_factor=number("partial_rotary_factor", rope.get(
+                "partial_rotary_factor", get("partial_rotary_factor", 0.25))),
+            rms_norm_eps=number("rms_norm_eps", get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(root.get("tie_word_embeddings",
+                                              text.get("tie_word_embeddings", False))),
+            eos_token_ids=_eos_ids(cfg_file, root, text),
+            model_type=str(text.get("model_type", model_type)),
+            quant=_quant_config(cfg_file, root.get("quantization_config")
+                                or text.get("quantization_config")))
     except ConfigError as exc:
         raise ConfigError(str(exc).replace("ModelConfig:", f"{where}:", 1)) from None
 
@@ -196,13 +190,9 @@ def _validate(cfg: ModelConfig, where: str) -> None:
     def fail(name: str, why: str) -> None:
         raise ConfigError(f"{where}: field {name!r} {why}")
 
-    for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
-                 "num_kv_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
-                 "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
-                 "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                 "shared_expert_intermediate_size", "max_position_embeddings"):
+    for name in _INT_FIELDS:
         if getattr(cfg, name) < 1:
-            fail(_hf_name(name), f"must be >= 1, got {getattr(cfg, name)}")
+            fail(_HF_NAMES.get(name, name), f"must be >= 1, got {getattr(cfg, name)}")
     if len(cfg.layer_types) != cfg.num_layers:
         fail("layer_types", f"has {len(cfg.layer_types)} entries for "
                             f"num_hidden_layers={cfg.num_layers}")
@@ -233,11 +223,6 @@ def _validate(cfg: ModelConfig, where: str) -> None:
         fail("quant_method", f"{cfg.quant.method!r} is not supported")
 
 
-def _hf_name(name: str) -> str:
-    return {"num_layers": "num_hidden_layers", "num_kv_heads": "num_key_value_heads"}.get(
-        name, name)
-
-
 def _read_json(file: Path, *, required: bool) -> dict[str, Any]:
     if not file.is_file():
         if required:
@@ -252,29 +237,23 @@ def _read_json(file: Path, *, required: bool) -> dict[str, Any]:
     return data
 
 
-def _as_ids(value: Any, file: Path, name: str) -> list[int]:
-    if value is None:
-        return []
-    ids = value if isinstance(value, list) else [value]
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise ConfigError(f"{file}: field {name!r} must be an integer or a list of integers")
-    return ids
-
-
 def _eos_ids(cfg_file: Path, root: dict[str, Any], text: dict[str, Any]) -> tuple[int, ...]:
+    """The union, in order, of the text config's, the top level's and generation_config.json's."""
     gen_file = cfg_file.parent / "generation_config.json"
-    gen = _read_json(gen_file, required=False)
-    ids = (_as_ids(text.get("eos_token_id"), cfg_file, "eos_token_id")
-           + _as_ids(root.get("eos_token_id") if text is not root else None, cfg_file,
-                     "eos_token_id")
-           + _as_ids(gen.get("eos_token_id"), gen_file, "eos_token_id"))
+    found = [(cfg_file, text.get("eos_token_id")),
+             (cfg_file, root.get("eos_token_id") if text is not root else None),
+             (gen_file, _read_json(gen_file, required=False).get("eos_token_id"))]
+    ids: list[int] = []
+    for file, value in found:
+        value = [] if value is None else value if isinstance(value, list) else [value]
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            raise ConfigError(f"{file}: field 'eos_token_id' must be an integer or a list of "
+                              f"integers")
+        ids += value
     return tuple(dict.fromkeys(ids))
 
 
-def _quant_config(cfg_file: Path, root: dict[str, Any]) -> QuantConfig:
-    q = root.get("quantization_config")
-    if q is None and isinstance(root.get("text_config"), dict):
-        q = root["text_config"].get("quantization_config")
+def _quant_config(cfg_file: Path, q: dict[str, Any] | None) -> QuantConfig:
     if not q:
         return QuantConfig()
     method = q.get("quant_method")

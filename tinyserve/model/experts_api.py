@@ -1,9 +1,6 @@
-"""The experts provider interface: what the MoE layers and the engine call on routed experts.
-
-Implementations: `model.moe.ResidentExperts` (every expert on the device) and
-`offload.provider.OffloadedExperts` (host store + GPU slot cache). The defaults fit a provider
-without per-step host state.
-"""
+"""The experts provider interface: what the MoE layers and the engine call on routed experts
+(`model.moe.ResidentExperts`, `offload.provider.OffloadedExperts`). The defaults fit a provider
+without per-step host state."""
 
 from __future__ import annotations
 
@@ -14,17 +11,11 @@ import torch
 
 
 class ExpertsProvider(ABC):
-    """Routed experts of every MoE layer.
+    """Routed experts of every MoE layer."""
 
-    Attributes:
-        hybrid_plan: the CPU/GPU split of expert work chosen at start-up (None: no choice made).
-        stats: the expert cache's counters (`offload.cache.CacheStats`; None: no cache).
-        cpu_computed: distinct experts computed on the CPU so far (None: no CPU part).
-    """
-
-    hybrid_plan: Any = None
-    stats: Any = None
-    cpu_computed: int | None = None
+    hybrid_plan: Any = None  # the CPU/GPU split of expert work chosen at start-up
+    stats: Any = None  # the expert cache's counters (`offload.cache.CacheStats`)
+    cpu_computed: int | None = None  # distinct experts computed on the CPU so far
 
     @abstractmethod
     def forward(self, layer_id: int, x: torch.Tensor, topk_ids: torch.Tensor,
@@ -34,13 +25,11 @@ class ExpertsProvider(ABC):
         and `shared_logit=` [N, 1] and adds sigmoid(logit) * the shared expert."""
 
     @property
-    def capturable(self) -> bool:
-        """Whether a decode step through `forward` can be captured in a CUDA graph."""
+    def capturable(self) -> bool:  # a decode step through `forward` fits in a CUDA graph
         return False
 
     @property
-    def accepts_shared(self) -> bool:
-        """Whether `forward` takes the layer's shared expert along (the fused-MoE kernel)."""
+    def accepts_shared(self) -> bool:  # `forward` takes the shared expert along
         return False
 
     def begin_step(self, *, defer: bool = False) -> None:  # noqa: B027 - no-op default

@@ -1,11 +1,9 @@
 """Gated DeltaNet mixer of Qwen3.5-MoE (`linear_attn`), batched over varlen sequences.
 
-The causal conv and the gated delta rule run through `kernels/gdn/` (Triton on CUDA, torch
-references elsewhere), reading each sequence's conv and recurrent state from the state pool at
-`ctx.state_slots[b]` (prefix length 0 starts from zeros) and writing it back in place; a
+The causal conv and the gated delta rule (`kernels/gdn/`) read each sequence's conv and
+recurrent state at `ctx.state_slots[b]` (prefix length 0: zeros) and write it back in place; a
 pure-decode batch takes the recurrent path, anything else the chunked varlen one. The four
-projections run as two linears where storages allow, `in_proj_qkvz` and `in_proj_ba`, split
-by views (the kernels read row-strided inputs).
+projections run as two `SplitLinear`s (the kernels read row-strided inputs).
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ import torch
 
 from tinyserve.core import ForwardContext, LinearWeight
 from tinyserve.kernels import gdn as gdn_kernels
-from tinyserve.model.linear import fused_linear, linear
+from tinyserve.model.linear import SplitLinear, linear
 from tinyserve.model.norm import gated_rms_norm
 
 
@@ -30,11 +28,8 @@ class GatedDeltaNet:
         self.dk = config.linear_key_head_dim
         self.dv = config.linear_value_head_dim
         self.eps = config.rms_norm_eps
-        # [C + Hv * dv, hidden] and [2 * Hv, hidden], or None (then the separate weights)
-        self.in_proj_qkvz, (self.in_proj_qkv, self.in_proj_z) = fused_linear(
-            w, "in_proj_qkvz", ("in_proj_qkv", "in_proj_z"))
-        self.in_proj_ba, (self.in_proj_b, self.in_proj_a) = fused_linear(
-            w, "in_proj_ba", ("in_proj_b", "in_proj_a"))
+        self.in_proj_qkvz = SplitLinear.of(w, "in_proj_qkvz", ("in_proj_qkv", "in_proj_z"))
+        self.in_proj_ba = SplitLinear.of(w, "in_proj_ba", ("in_proj_b", "in_proj_a"))
         self.out_proj: LinearWeight = w["out_proj"]
         self.conv_weight: torch.Tensor = w["conv1d"]  # [C, K] model dtype
         self.A_log: torch.Tensor = w["A_log"]  # [Hv] fp32
@@ -46,18 +41,10 @@ class GatedDeltaNet:
         N = x.shape[0]
         Hk, Hv, dk, dv = self.Hk, self.Hv, self.dk, self.dv
         C = self.conv_weight.shape[0]
-        if self.in_proj_qkvz is not None:
-            qkvz = linear(x, self.in_proj_qkvz)  # [N, C + Hv * dv]
-            qkv, z = qkvz[:, :C], qkvz[:, C:]  # row-strided views
-        else:
-            qkv, z = linear(x, self.in_proj_qkv), linear(x, self.in_proj_z)
-        # qkv [N, C]: q | k | v, contiguous channel blocks
+        # qkv [N, C]: q | k | v, contiguous channel blocks; z [N, Hv * dv]
+        qkv, z = self.in_proj_qkvz.split(x, (C, Hv * dv))
         z = z.view(N, Hv, dv)
-        if self.in_proj_ba is not None:
-            ba = linear(x, self.in_proj_ba)  # [N, 2 * Hv]
-            b, a = ba[:, :Hv], ba[:, Hv:]
-        else:
-            b, a = linear(x, self.in_proj_b), linear(x, self.in_proj_a)
+        b, a = self.in_proj_ba.split(x, (Hv, Hv))
         # b [N, Hv]: beta = sigmoid(b) inside the kernel;
         # a [N, Hv]: g = -exp(A_log) * softplus(a + dt_bias)
 

@@ -1,14 +1,12 @@
-"""`linear(x, w)`: y = x @ W.T for every weight storage (dense, NVFP4, FP8).
-
-Where `kernels_enabled`, NVFP4 and FP8 weights run the Triton kernels on their packed bytes;
-elsewhere the torch reference dequantizes and runs a plain matmul. `concat_rows` stacks the
-output rows of same-input projections into one weight (one GEMV instead of several).
+"""`linear(x, w)`: y = x @ W.T for every weight storage (dense, NVFP4, FP8): Triton kernels
+on the packed bytes where `kernels_enabled`, else dequantize and matmul. `concat_rows` and
+`SplitLinear` run same-input projections as one GEMM.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,7 +20,13 @@ def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
     """x [..., in] (model dtype) -> [..., out] in x.dtype. No bias (Qwen3.5 has none)."""
     if isinstance(w, DenseWeight):
         return F.linear(x, w.weight)
-    return _quantized_linear(x, w)
+    if isinstance(w, FP8Weight) and kernels_enabled(x.device):
+        return fp8_linear(x, w)
+    if isinstance(w, NVFP4Weight) and kernels_enabled(x.device):
+        from tinyserve.kernels.nvfp4 import nvfp4_linear
+
+        return nvfp4_linear(x, w)
+    return F.linear(x, dequantize(w, x.dtype))
 
 
 def dequantize(w: LinearWeight, dtype: torch.dtype) -> torch.Tensor:
@@ -55,11 +59,10 @@ def concat_rows(*ws: LinearWeight) -> LinearWeight | None:
     tensor), or None when they cannot share one storage (types, input dims, dense dtypes or
     NVFP4 global scales differ). FP8 keeps one scale when all are equal, else per-row [out, 1].
     """
-    if len(ws) < 2:
+    if len(ws) < 2 or any(type(w) is not type(ws[0]) or w.shape[1] != ws[0].shape[1]
+                          for w in ws):
         return None
     a = ws[0]
-    if any(type(w) is not type(a) or w.shape[1] != a.shape[1] for w in ws):
-        return None
     if isinstance(a, DenseWeight):
         if any(w.weight.dtype != a.weight.dtype for w in ws):
             return None
@@ -79,30 +82,32 @@ def concat_rows(*ws: LinearWeight) -> LinearWeight | None:
     return None
 
 
-def fused_linear(w: Mapping[str, Any], name: str, parts: tuple[str, ...]
-                 ) -> tuple[LinearWeight | None, tuple[LinearWeight | None, ...]]:
-    """(fused weight, Nones) of same-input projections, or (None, the separate weights); the
-    fused weight is `w[name]` (fused by the loader) or `concat_rows` of the parts."""
-    if name in w:
-        return w[name], (None,) * len(parts)
-    fused = concat_rows(*(w[p] for p in parts))
-    return fused, tuple(w[p] if fused is None else None for p in parts)
+class SplitLinear:
+    """Same-input projections: `split(x, sizes)` is `(linear(x, p) for p in parts)`, as
+    row-strided views of one GEMM through `fused` (given, or `concat_rows` of the parts with
+    `fuse`) when there is one, else projection by projection (`parts`)."""
+
+    def __init__(self, parts: Sequence[LinearWeight], fused: LinearWeight | None = None, *,
+                 fuse: bool = True) -> None:
+        self.fused = fused if fused is not None or not fuse else concat_rows(*parts)
+        self.parts = tuple(parts) if self.fused is None else ()
+
+    @classmethod
+    def of(cls, w: Mapping[str, Any], name: str, parts: tuple[str, ...]) -> SplitLinear:
+        """From `w[name]` (fused by the loader) or else the weights `w[part]`."""
+        return cls((), w[name]) if name in w else cls([w[p] for p in parts])
+
+    def split(self, x: torch.Tensor, sizes: Sequence[int]) -> tuple[torch.Tensor, ...]:
+        """x [N, in] -> one [N, size] per part (`sizes`: the parts' output dims)."""
+        if self.fused is None:
+            return tuple(linear(x, p) for p in self.parts)
+        return linear(x, self.fused).split(list(sizes), dim=-1)
 
 
 def kernels_enabled(device: torch.device) -> bool:
     """Whether GPU kernels run on `device`: CUDA, triton importable, and
     TINYSERVE_DISABLE_KERNELS unset (read at every call, so tests can flip it)."""
     return device.type == "cuda" and not envs.DISABLE_KERNELS.get() and _has_triton()
-
-
-def _quantized_linear(x: torch.Tensor, w: NVFP4Weight | FP8Weight) -> torch.Tensor:
-    if isinstance(w, NVFP4Weight) and kernels_enabled(x.device):
-        from tinyserve.kernels.nvfp4.linear import nvfp4_linear
-
-        return nvfp4_linear(x, w)
-    if isinstance(w, FP8Weight) and kernels_enabled(x.device):
-        return fp8_linear(x, w)
-    return F.linear(x, dequantize(w, x.dtype))
 
 
 def fp8_linear(x: torch.Tensor, w: FP8Weight) -> torch.Tensor:

@@ -1,10 +1,9 @@
 """Checkpoint loading: safetensors shards -> canonical weight names (specs/qwen35_moe.md §3-§4).
 
-`CheckpointReader(path)` parses the headers of one file or a sharded index up front and
-memory-maps tensors one at a time; `iter_weights` yields `(canonical_name, Tensor |
-LinearWeight)` after checking the whole checkpoint (`loader_plan.plan_weights`);
-`resolve_model_path` takes a directory or a Hugging Face repo id. Every problem raises
-`CheckpointError` with one line naming the file and the tensor.
+`CheckpointReader` reads headers up front and tensors one at a time; `iter_weights` yields
+`(canonical_name, Tensor | LinearWeight)` after checking the whole checkpoint
+(`loader_plan.plan_weights`). Every problem raises `CheckpointError` with one line naming the
+file and the tensor.
 """
 
 from __future__ import annotations
@@ -35,9 +34,7 @@ class CheckpointError(ValueError):
     """A checkpoint's files or tensors do not match what its config describes."""
 
 
-class TensorInfo(NamedTuple):
-    """Where one tensor lives: its file, safetensors dtype name, shape and byte range."""
-
+class TensorInfo(NamedTuple):  # where one tensor lives; dtype: the safetensors name
     name: str
     file: Path
     file_index: int
@@ -48,20 +45,14 @@ class TensorInfo(NamedTuple):
 
 
 class CheckpointReader:
-    """Lazy reader over a directory of safetensors files (or one .safetensors file).
-
-    Only headers are read at construction; `get(name)` reads one tensor through a memory map.
-    Raises CheckpointError for a missing shard, an unreadable or truncated file.
-    """
+    """Lazy reader over a directory of safetensors files (or one file): headers at
+    construction, `get(name)` one tensor through a memory map. Raises CheckpointError."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.files = self._find_files()
-        infos: list[TensorInfo] = []
-        for i, file in enumerate(self.files):
-            infos.extend(_read_header(file, i))
-        infos.sort(key=lambda t: (t.file_index, t.offset))
-        self._infos = {t.name: t for t in infos}
+        infos = [t for i, file in enumerate(self.files) for t in _read_header(file, i)]
+        self._infos = {t.name: t for t in sorted(infos, key=lambda t: (t.file_index, t.offset))}
         self._handles: dict[Path, Any] = {}
 
     def _find_files(self) -> list[Path]:
@@ -95,8 +86,7 @@ class CheckpointReader:
     def info(self, name: str) -> TensorInfo:
         return self._infos[name]
 
-    def tensor_info(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
-        """(torch dtype, shape) of one tensor, from the headers alone."""
+    def tensor_info(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:  # from the header
         t = self._infos[name]
         return _TORCH_DTYPES.get(t.dtype, torch.uint8), t.shape
 
@@ -160,9 +150,6 @@ def _read_header(file: Path, file_index: int) -> list[TensorInfo]:
     return infos
 
 
-# Names
-
-
 _SKIP_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
 _HEAD_PREFIXES = ("lm_head.", "language_model.lm_head.")
 _LM_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
@@ -174,12 +161,10 @@ def strip_prefix(raw: str) -> str | None:
     (vision tower, MTP head). Unknown prefixes come back unchanged."""
     if raw.startswith(_SKIP_PREFIXES):
         return None
-    for p in _HEAD_PREFIXES:
-        if raw.startswith(p):
-            return "lm_head." + raw[len(p):]
-    for p in _LM_PREFIXES:
-        if raw.startswith(p):
-            return raw[len(p):]
+    for prefixes, new in ((_HEAD_PREFIXES, "lm_head."), (_LM_PREFIXES, "")):
+        p = next((p for p in prefixes if raw.startswith(p)), None)
+        if p is not None:
+            return new + raw[len(p):]
     return raw
 
 
@@ -191,9 +176,6 @@ def parse_expert_name(name: str) -> tuple[int, int, str] | None:
 
 def is_expert_name(name: str) -> bool:
     return _EXPERT_RE.match(name) is not None
-
-
-# Loading (the plan itself lives in loader_plan.py)
 
 
 def iter_weights(
@@ -208,12 +190,10 @@ def iter_weights(
 ) -> Iterator[tuple[str, torch.Tensor | LinearWeight]]:
     """Yield `(canonical_name, Tensor | LinearWeight)` for every weight, in file order.
 
-    Dense weights and norms are cast to `dtype` (default: float32 on CPU, bfloat16 elsewhere);
-    `linear_attn.{A_log,dt_bias,norm}` stay float32; `conv1d` comes as [C, K]. NVFP4 and FP8
-    keep their packed uint8 form (compressed-tensors folded to the multiply convention).
-    With `fuse`, each `loader_plan.FUSED_LINEARS` group is concatenated on the host and only
-    the fused weight goes to `device` (its parts when `concat_rows` refuses them).
-    `on_entry(nbytes)`: load progress, after each checkpoint entry. Raises CheckpointError.
+    Dense weights and norms in `dtype` (default: float32 on CPU, else bfloat16), GDN
+    A_log / dt_bias / norm in float32, `conv1d` as [C, K]; NVFP4 and FP8 stay packed. `fuse`:
+    each `FUSED_LINEARS` group is concatenated on the host before it goes to `device`.
+    `on_entry(nbytes)`: progress after each checkpoint entry. Raises CheckpointError.
     """
     from tinyserve.model.loader_plan import fused_group, plan_weights
 
@@ -230,17 +210,14 @@ def iter_weights(
             group = fused_group(entry.name) if fuse else None
             if group is None:
                 yield from entry.load(reader, dtype, device)
-                if on_entry is not None:
-                    on_entry(entry.nbytes)
-                continue
-            fused, parts = group
-            got = pending.setdefault(fused, {})
-            got.update(entry.load(reader, dtype, torch.device("cpu")))
+            else:
+                got = pending.setdefault(group[0], {})
+                got.update(entry.load(reader, dtype, torch.device("cpu")))
             if on_entry is not None:
                 on_entry(entry.nbytes)
-            if len(got) == len(parts):
-                del pending[fused]
-                yield from _fuse(fused, [(p, got.pop(p)) for p in parts], dtype, device)
+            if group is not None and len(got) == len(group[1]):
+                del pending[group[0]]
+                yield from _fuse(group[0], [(p, got.pop(p)) for p in group[1]], dtype, device)
         assert not pending, f"incomplete fused linears {sorted(pending)}"  # the plan has all
     finally:
         if reader is not path_or_reader:
@@ -263,13 +240,12 @@ def _fuse(name: str, parts: list[tuple[str, LinearWeight]], dtype: torch.dtype,
 
 def load_weights(path_or_reader: str | Path | CheckpointReader, config: ModelConfig,
                  **kwargs: Any) -> dict[str, torch.Tensor | LinearWeight]:
-    """`dict(iter_weights(path_or_reader, config, **kwargs))`."""
     return dict(iter_weights(path_or_reader, config, **kwargs))
 
 
 def resolve_model_path(model: str) -> Path:
-    """A local checkpoint directory, or a Hugging Face repo id downloaded to the local cache.
-    Raises CheckpointError when it is neither or the download fails."""
+    """A local checkpoint directory, or a Hugging Face repo id downloaded to the local cache
+    (CheckpointError when it is neither or the download fails)."""
     local = Path(model).expanduser()
     if local.is_dir():
         return local

@@ -1,10 +1,9 @@
 """The loading plan: which checkpoint tensors make each canonical weight, and how.
 
-`plan_weights(reader, config)` matches the tensor names (headers only) against the names and
-shapes the config implies (specs/qwen35_moe.md §3-§4), decides each linear's storage from the
-tensors that exist (dense, ModelOpt NVFP4, compressed-tensors NVFP4, FP8) and returns one
-entry per canonical weight in file order. Any missing, extra, misshapen or mistyped tensor
-raises CheckpointError.
+`plan_weights(reader, config)` matches the headers against the names and shapes the config
+implies (specs/qwen35_moe.md §3-§4), takes each linear's storage from the tensors that exist
+(`_layouts`) and returns one entry per canonical weight in file order. Any missing, extra,
+misshapen or mistyped tensor raises CheckpointError.
 """
 
 from __future__ import annotations
@@ -25,11 +24,28 @@ from tinyserve.model.loader import (
     strip_prefix,
 )
 
-_LINEAR_PARAMS = ("weight", "weight_scale", "weight_scale_2", "weight_packed",
-                  "weight_global_scale")
+_SCALAR = ((), (1,))
+_E4M3_BITS = ("F8_E4M3", "U8")
+
+
+def _layouts(out: int, inp: int) -> dict[str, dict[str, tuple[tuple, tuple[str, ...]]]]:
+    """Storage of a linear [out, in] -> its checkpoint tensors -> (accepted shapes, dtypes)."""
+    return {
+        "dense": {"weight": (((out, inp),), FLOAT_DTYPES)},
+        "fp8": {"weight": (((out, inp),), ("F8_E4M3",)),
+                "weight_scale": ((*_SCALAR, (out, 1), (out,)), FLOAT_DTYPES)},
+        "modelopt": {"weight": (((out, inp // 2),), ("U8",)),
+                     "weight_scale": (((out, inp // 16),), _E4M3_BITS),
+                     "weight_scale_2": (_SCALAR, FLOAT_DTYPES)},
+        "compressed-tensors": {"weight_packed": (((out, inp // 2),), ("U8",)),
+                               "weight_scale": (((out, inp // 16),), _E4M3_BITS),
+                               "weight_global_scale": (_SCALAR, FLOAT_DTYPES)},
+    }
+
+
+_LINEAR_PARAMS = tuple(dict.fromkeys(p for layout in _layouts(1, 1).values() for p in layout))
 _IGNORED_PARAMS = ("input_scale", "input_global_scale")
-# Dropped silently: KV-cache quantization scales (tinyserve has its own KV formats) and the
-# rotary tables some exporters save.
+# Dropped silently: KV-cache quantization scales (own KV formats) and saved rotary tables.
 _DROPPED = (".k_scale", ".v_scale", ".q_scale", ".prob_scale", "rotary_emb.inv_freq")
 # Same-input linears of a layer yielded as one (`model.linear.concat_rows`): fused name -> the
 # canonical parts whose output rows it stacks, in this order.
@@ -44,8 +60,7 @@ _LAYER_RE = re.compile(r"^(layers\.\d+\.)(.+)$")
 
 @dataclass
 class WeightPlan:
-    """One canonical weight (or, for fused experts, one fused tensor yielding E of them);
-    `load(reader, dtype, device)` yields the weights."""
+    """One canonical weight (or a fused experts tensor yielding E of them)."""
 
     name: str
     kind: str  # "tensor" | "fp32" | "conv" | "linear" | "fused_gate_up" | "fused_down"
@@ -108,17 +123,14 @@ def _load_linear(reader: CheckpointReader, raw: dict[str, str], storage: str,
 
 
 def fused_group(name: str) -> tuple[str, tuple[str, ...]] | None:
-    """'layers.3.self_attn.k_proj' -> ('layers.3.self_attn.qkv_proj', the canonical names of
-    its q_proj, k_proj and v_proj); None for a weight that no fused linear takes."""
+    """'layers.3.self_attn.k_proj' -> ('layers.3.self_attn.qkv_proj', its parts' names); None
+    for a weight that no fused linear takes."""
     m = _LAYER_RE.match(name)
     fused = _FUSED_OF.get(m.group(2)) if m else None
     if fused is None:
         return None
     prefix = m.group(1)
     return prefix + fused, tuple(prefix + p for p in FUSED_LINEARS[fused])
-
-
-# What the config implies
 
 
 def expected_weights(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -162,9 +174,6 @@ def expected_weights(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...
     out["norm"] = ("tensor", (h,))
     out["lm_head"] = ("linear", (c.vocab_size, h))
     return out
-
-
-# Matching the checkpoint against it
 
 
 def plan_weights(reader: CheckpointReader, config: ModelConfig) -> list[WeightPlan]:
@@ -220,7 +229,7 @@ class _Matcher:
                                 ("fused_down", (c.num_experts, h, f))):
                 key = f"{base}.{'gate_up_proj' if kind == 'fused_gate_up' else 'down_proj'}"
                 raw = self._take(key)
-                self._check(raw, shape, FLOAT_DTYPES)
+                self._check(raw, (shape,), FLOAT_DTYPES)
                 plans.append(WeightPlan(base, kind, {"weight": raw}, shape[1:], "dense",
                                         self._nbytes([raw]), self._order([raw]), True,
                                         c.num_experts))
@@ -242,13 +251,13 @@ class _Matcher:
     def _nbytes(self, raws: list[str]) -> int:
         return sum(self.reader.info(r).nbytes for r in raws)
 
-    def _check(self, raw: str, shape: tuple[int, ...] | tuple[tuple[int, ...], ...],
+    def _check(self, raw: str, shapes: tuple[tuple[int, ...], ...],
                dtypes: tuple[str, ...]) -> None:
+        """The tensor `raw` has one of `shapes` (the first is named when not) and `dtypes`."""
         t = self.reader.info(raw)
         if t.dtype not in dtypes:
             raise CheckpointError(f"{t.file}: tensor '{raw}' has dtype {t.dtype}, expected "
                                   f"{' or '.join(dtypes)}")
-        shapes = shape if shape and isinstance(shape[0], tuple) else (shape,)
         if t.shape not in shapes:
             raise CheckpointError(f"{t.file}: tensor '{raw}' has shape {list(t.shape)}, "
                                   f"expected {list(shapes[0])}")
@@ -256,7 +265,7 @@ class _Matcher:
     def _tensor(self, name: str, kind: str, shape: tuple[int, ...]) -> WeightPlan:
         bare = name.endswith(("A_log", "dt_bias"))
         raw = self._take(name if bare else name + ".weight")
-        shapes = (shape, (shape[0], 1, shape[1])) if kind == "conv" else shape
+        shapes = (shape, (shape[0], 1, shape[1])) if kind == "conv" else (shape,)
         self._check(raw, shapes, FLOAT_DTYPES)
         return WeightPlan(name, kind, {"weight": raw}, shape, "dense", self._nbytes([raw]),
                           self._order([raw]))
@@ -278,32 +287,20 @@ class _Matcher:
                 raise CheckpointError(f"{t.file}: tensor '{params['weight']}' has dtype "
                                       f"{t.dtype}, expected BF16, F16 or F32 (dense), U8 "
                                       f"(NVFP4) or F8_E4M3 (FP8)")
-        needed = {"dense": ("weight",), "fp8": ("weight", "weight_scale"),
-                  "modelopt": ("weight", "weight_scale", "weight_scale_2"),
-                  "compressed-tensors": ("weight_packed", "weight_scale",
-                                         "weight_global_scale")}[storage]
-        for p in needed:
+        layout = _layouts(out, inp)[storage]
+        for p in layout:
             if p not in params:
                 raise self._missing(f"{name}.{p}")
         for p, raw in params.items():
-            if p not in needed:
+            if p not in layout:
                 raise CheckpointError(f"{self.reader.info(raw).file}: unexpected tensor "
                                       f"'{raw}' beside a {storage} weight")
-        if storage == "dense":
-            self._check(params["weight"], shape, FLOAT_DTYPES)
-        elif storage == "fp8":
-            self._check(params["weight"], shape, ("F8_E4M3",))
-            self._check(params["weight_scale"], ((), (1,), (out, 1), (out,)), FLOAT_DTYPES)
-        else:
-            if inp % 16:
-                raise CheckpointError(f"{self.reader.info(params['weight_scale']).file}: "
-                                      f"NVFP4 tensor '{params['weight_scale']}' needs an input "
-                                      f"dim divisible by 16, got {inp}")
-            codes = params["weight" if storage == "modelopt" else "weight_packed"]
-            glob = params["weight_scale_2" if storage == "modelopt" else "weight_global_scale"]
-            self._check(codes, (out, inp // 2), ("U8",))
-            self._check(params["weight_scale"], (out, inp // 16), ("F8_E4M3", "U8"))
-            self._check(glob, ((), (1,)), FLOAT_DTYPES)
+        if storage in ("modelopt", "compressed-tensors") and inp % 16:
+            raise CheckpointError(f"{self.reader.info(params['weight_scale']).file}: "
+                                  f"NVFP4 tensor '{params['weight_scale']}' needs an input "
+                                  f"dim divisible by 16, got {inp}")
+        for p, (shapes, dtypes) in layout.items():
+            self._check(params[p], shapes, dtypes)
         raws = list(params.values()) + list(ignored.values())
         return WeightPlan(name, "linear", params, shape, storage, self._nbytes(raws),
                           self._order(raws))

@@ -1,15 +1,10 @@
-"""Sparse MoE block of Qwen3.5-MoE and the resident experts provider.
+"""Sparse MoE block of Qwen3.5-MoE and the resident experts provider (`experts_api`).
 
 Router: fp32 softmax, top-k, ALWAYS renormalised over the top k, cast to the model dtype.
 Shared expert: SwiGLU MLP scaled by sigmoid(shared_expert_gate(x)). On CUDA the glue runs as
-Triton kernels beside the torch references here (`*_ref`); `SparseMoE` concatenates the
-shared gate/up and the router/shared gate into one GEMV each when the storage allows, and
-packs an NVFP4 shared expert into a slot of its own so that a provider with
-`accepts_shared` runs it with the routed experts in one launch (decode-sized batches).
-
-Experts provider interface (resident here, offloaded in `offload/`):
-`forward(layer_id, x [N, H], topk_ids [N, k] int64, topk_weights [N, k]) -> [N, H]`, with
-`shared_slots=` (ExpertSlots) and `shared_logit=` ([N, 1]) when `accepts_shared`.
+Triton kernels beside the torch references here (`*_ref`); an NVFP4 shared expert gets a slot
+of its own so that a provider with `accepts_shared` runs it with the routed experts in one
+launch (decode-sized batches).
 """
 
 from __future__ import annotations
@@ -28,7 +23,7 @@ from tinyserve.kernels.moe.fused import (
     single_expert_slots,
 )
 from tinyserve.model.experts_api import ExpertsProvider
-from tinyserve.model.linear import concat_rows, kernels_enabled, linear
+from tinyserve.model.linear import SplitLinear, kernels_enabled, linear
 
 ROUTER_KERNEL_MAX_N = 256  # the router kernel up to this many tokens, torch above
 
@@ -97,31 +92,26 @@ class ResidentExperts(ExpertsProvider):
 
     def __init__(self, weights: dict[str, Any], config: Any, layer_ids: Iterable[int], *,
                  use_kernel: bool | None = None) -> None:
-        self.num_experts = config.num_experts
         self.experts: dict[int, list[tuple[LinearWeight, LinearWeight, LinearWeight]]] = {}
         self.slots: dict[int, Any] = {}
-        layer_ids = list(layer_ids)
-        first = weights[f"layers.{layer_ids[0]}.mlp.experts.0.gate_proj"] if layer_ids else None
-        device = _device_of(first) if first is not None else torch.device("cpu")
-        self.use_kernel = kernels_enabled(device) if use_kernel is None else use_kernel
         for L in layer_ids:
             p = f"layers.{L}.mlp.experts"
-            experts = [(weights[f"{p}.{e}.gate_proj"], weights[f"{p}.{e}.up_proj"],
-                        weights[f"{p}.{e}.down_proj"]) for e in range(self.num_experts)]
-            if self.use_kernel:
-                dtype = first.weight.dtype if isinstance(first, DenseWeight) else torch.bfloat16
-                self.slots[L] = pack_expert_slots(experts, device, dtype)
-            else:
-                self.experts[L] = experts
+            self.experts[L] = [tuple(weights[f"{p}.{e}.{proj}_proj"] for proj in
+                                     ("gate", "up", "down")) for e in range(config.num_experts)]
+        first = next(iter(self.experts.values()), [(None,)])[0][0]
+        device = _device_of(first) if first is not None else torch.device("cpu")
+        self.use_kernel = kernels_enabled(device) if use_kernel is None else use_kernel
+        if self.use_kernel:
+            dtype = first.weight.dtype if isinstance(first, DenseWeight) else torch.bfloat16
+            self.slots = {L: pack_expert_slots(self.experts.pop(L), device, dtype)
+                          for L in list(self.experts)}
 
     @property
-    def capturable(self) -> bool:
-        """Whether `forward` runs without host synchronisation (CUDA-graph safe): the kernel."""
+    def capturable(self) -> bool:  # the kernel: no host synchronisation
         return self.use_kernel
 
     @property
-    def accepts_shared(self) -> bool:
-        """Whether `forward` takes a shared expert along (the fused-MoE kernel runs)."""
+    def accepts_shared(self) -> bool:  # the fused-MoE kernel takes it along
         return self.use_kernel
 
     def forward(self, layer_id: int, x: torch.Tensor, topk_ids: torch.Tensor,
@@ -136,10 +126,6 @@ class ResidentExperts(ExpertsProvider):
                              shared_slots=shared_slots, shared_logit=shared_logit)
         if shared_slots is not None:
             raise ValueError("the shared expert rides along with the kernel only")
-        return self._forward_loop(layer_id, x, topk_ids, topk_weights)
-
-    def _forward_loop(self, layer_id: int, x: torch.Tensor, topk_ids: torch.Tensor,
-                      topk_weights: torch.Tensor) -> torch.Tensor:
         experts = self.experts[layer_id]
         out = torch.zeros_like(x)
         # NOTE: experts in ascending order and index_add_, like HF's eager loop.
@@ -158,9 +144,9 @@ def _device_of(w: LinearWeight) -> torch.device:
 class SparseMoE:
     """Router + routed experts (through the provider) + gated shared expert, one layer.
 
-    Where kernels run, `gate_up` [2F, H] and `router_gate` [E + 1, H] replace their pairs
-    (None when a pair cannot be concatenated). `shared_slots`: the NVFP4 shared expert as
-    slot 0 of its own ExpertSlots when the provider takes it along.
+    Where kernels run, `gate_up` [2F, H] and `router_gate` [E + 1, H] run as one GEMM each
+    when the storages allow. `shared_slots`: the NVFP4 shared expert as slot 0 of its own
+    ExpertSlots when the provider takes it along.
     """
 
     def __init__(self, layer_id: int, config: Any, w: dict[str, Any], experts: Any) -> None:
@@ -169,30 +155,22 @@ class SparseMoE:
         self.num_experts = config.num_experts
         self.experts = experts
         gate, up = w["shared_expert.gate_proj"], w["shared_expert.up_proj"]
-        router, shared_gate = w["gate"], w["shared_expert_gate"]
-        down = w["shared_expert.down_proj"]
-        self.down: LinearWeight = down
+        self.down: LinearWeight = w["shared_expert.down_proj"]
         # NOTE: fused weights only where kernels run, so the CPU path (and its parity with
         # transformers) keeps the separate projections.
-        fuse = kernels_enabled(_device_of(router))
+        fuse = kernels_enabled(_device_of(w["gate"]))
         self.shared_slots: ExpertSlots | None = None
-        if fuse and getattr(experts, "accepts_shared", False) and _swiglu_fp4(gate, up, down):
-            self.shared_slots, self.gate_up, gate, up, self.down = _shared_slot(gate, up, down)
+        if (fuse and getattr(experts, "accepts_shared", False)
+                and _swiglu_fp4(gate, up, self.down)):
+            self.shared_slots, gate_up, gate, up, self.down = _shared_slot(gate, up, self.down)
+            self.gate_up = SplitLinear((gate, up), gate_up, fuse=False)
         else:
-            self.gate_up = concat_rows(gate, up) if fuse else None
-        self.router_gate = concat_rows(router, shared_gate) if fuse else None
-        self.gate, self.up = (gate, up) if self.gate_up is None else (None, None)
-        self.router, self.shared_gate = ((router, shared_gate) if self.router_gate is None
-                                         else (None, None))
+            self.gate_up = SplitLinear((gate, up), fuse=fuse)
+        self.router_gate = SplitLinear((w["gate"], w["shared_expert_gate"]), fuse=fuse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, H] (normed) -> [N, H]."""
-        E = self.num_experts
-        if self.router_gate is not None:
-            logits = linear(x, self.router_gate)  # [N, E + 1]: router | shared gate
-            router_logits, gate_logit = logits[:, :E], logits[:, E:]
-        else:
-            router_logits, gate_logit = linear(x, self.router), linear(x, self.shared_gate)
+        router_logits, gate_logit = self.router_gate.split(x, (self.num_experts, 1))
         ids, weights = topk_softmax(router_logits, self.top_k, x.dtype)
         if self.shared_slots is not None and fuses_shared_expert(x.shape[0]):
             # routed + sigmoid(gate_logit) * shared, one launch
@@ -203,13 +181,8 @@ class SparseMoE:
 
     def shared(self, x: torch.Tensor) -> torch.Tensor:
         """The ungated shared expert through its own GEMVs: x [N, H] -> [N, H]."""
-        if self.gate_up is not None:
-            gu = linear(x, self.gate_up)  # [N, 2F]: gate | up
-            f = gu.shape[1] // 2
-            h = silu_mul(gu[:, :f], gu[:, f:])
-        else:
-            h = silu_mul(linear(x, self.gate), linear(x, self.up))
-        return linear(h, self.down)  # [N, H]
+        f = self.down.shape[1]
+        return linear(silu_mul(*self.gate_up.split(x, (f, f))), self.down)  # [N, H]
 
 
 def _swiglu_fp4(gate: LinearWeight, up: LinearWeight, down: LinearWeight) -> bool:

@@ -1,7 +1,6 @@
-"""RMSNorms of Qwen3.5-MoE: the zero-centred one (weight enters as 1 + w), the same fused with
-the residual add before it, and the gated one of the GDN output (plain weight w, SiLU gate).
-The `*_ref` functions are the CPU path and the references of the Triton kernels.
-"""
+"""RMSNorms of Qwen3.5-MoE: zero-centred (weight enters as 1 + w), fused with the residual
+add before it, and the GDN output's gated one (plain w, SiLU gate). `*_ref`: the CPU path and
+the Triton kernels' references."""
 
 from __future__ import annotations
 

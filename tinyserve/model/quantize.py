@@ -1,12 +1,10 @@
-"""`tinyserve quantize SRC DST`: turn a bf16 Qwen3.5-MoE checkpoint into NVFP4.
+"""`tinyserve quantize SRC DST`: a bf16 Qwen3.5-MoE checkpoint to NVFP4 (specs/nvfp4.md §3.3).
 
-NVFP4 (specs/nvfp4.md §3.3): routed and shared experts and the full-attention q/k/v/o; the
-rest stays bf16 and vision / MTP tensors are copied unchanged (`weight_format` has the rules,
-`recipe="mixed"` the ModelOpt MIXED_PRECISION layout of nvidia/Qwen3.6-35B-A3B-NVFP4).
-Output: safetensors shards (+ index), config.json with the format's `quantization_config`,
-hf_quant_config.json for ModelOpt, the source's tokenizer and generation files. Weight-only
-(W4A16). The NVFP4 global scale is nudged to an fp32 value whose reciprocal round-trips, so
-both formats dequantize to the same weights.
+Weight-only; which linears, per recipe: `weight_format`; vision / MTP tensors are copied
+unchanged. Output: safetensors shards (+ index), config.json with the format's
+`quantization_config`, hf_quant_config.json for ModelOpt, the tokenizer and generation files.
+The global scale is an fp32 value whose reciprocal round-trips, so both formats dequantize to
+the same weights.
 """
 
 from __future__ import annotations
@@ -39,11 +37,9 @@ log = get_logger(__name__)
 
 
 class CheckpointWriter:
-    """Writes tensors into safetensors shards of at most `max_shard_bytes` (one shard is named
-    model.safetensors; several get model-0000i-of-0000n.safetensors and an index).
-
-    Raises ValueError when `path` already holds safetensors files, unless `overwrite` (then
-    they and the index are deleted first).
+    """Writes tensors into safetensors shards of at most `max_shard_bytes` (model.safetensors,
+    or model-0000i-of-0000n.safetensors and an index). Raises ValueError when `path` already
+    holds safetensors files, unless `overwrite` (then they and the index go first).
     """
 
     def __init__(self, path: str | Path, max_shard_bytes: int = 4 << 30, *,
@@ -106,11 +102,10 @@ class CheckpointWriter:
 def weight_format(name: str, *, recipe: str = "nvfp4",
                   quantize_gdn: bool = False) -> str | None:
     """How the canonical linear `name` is stored under `recipe`: "nvfp4", "fp8" or None (bf16).
-
-    "nvfp4": routed experts, shared experts, self_attn q/k/v/o (+ GDN in_proj_qkv / in_proj_z /
-    out_proj with `quantize_gdn`). "mixed" (ModelOpt MIXED_PRECISION, the layout of
-    nvidia/Qwen3.6-35B-A3B-NVFP4): routed and shared experts and lm_head NVFP4 (weight-only),
-    self_attn q/k/v/o and GDN in_proj_qkv / in_proj_z / out_proj FP8 per-tensor.
+    "nvfp4": experts (routed, shared), self_attn q/k/v/o (+ GDN in_proj_qkv / in_proj_z /
+    out_proj with `quantize_gdn`). "mixed" (ModelOpt MIXED_PRECISION, as
+    nvidia/Qwen3.6-35B-A3B-NVFP4): experts and lm_head NVFP4, self_attn q/k/v/o and those GDN
+    linears FP8 per-tensor.
     """
     if _EXPERTS.search(name) or _SHARED.search(name):
         return "nvfp4"
@@ -144,13 +139,10 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str = "modelopt",
                         recipe: str = "nvfp4", quantize_gdn: bool = False,
                         max_shard_bytes: int = 4 << 30, device: str = "cpu",
                         overwrite: bool = False) -> Path:
-    """Quantize the bf16 checkpoint `src` into `dst` in format `fmt` ("modelopt" or
-    "compressed-tensors") under `recipe` (see `weight_format`; "mixed" is ModelOpt only);
-    returns `dst`. Reads and writes one tensor at a time; fused 3-D experts come out per expert.
-    `device="cuda"` runs the quantizer there (bit-identical results, faster on big models).
-
-    Raises ValueError for an unknown format or recipe or an already quantized source,
-    ConfigError / CheckpointError for a bad source.
+    """Quantize the bf16 checkpoint `src` into `dst` (returned) in format `fmt` under `recipe`
+    ("mixed": ModelOpt only), one tensor at a time; fused 3-D experts come out per expert.
+    `device`: where the quantizer runs (bit-identical results). Raises ValueError for an
+    unknown format or recipe or a quantized source, ConfigError / CheckpointError for a bad one.
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r} (expected {' or '.join(FORMATS)})")
@@ -187,14 +179,9 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str = "modelopt",
             if plan is not None and key is not None and plan.kind != "linear":
                 # Fused 3-D experts [E, 2F, H] / [E, H, F] are written per expert.
                 prefix = raw[: len(raw) - len(key)]
-                for e in range(plan.num_experts):
-                    w = reader.get(raw, e)
-                    f = w.shape[0] // 2
-                    parts = ({"gate_proj": w[:f], "up_proj": w[f:]}
-                             if plan.kind == "fused_gate_up" else {"down_proj": w})
-                    for proj, part in parts.items():
-                        name = f"{plan.name}.{e}.{proj}"
-                        add(prefix + name, name, part, writer)
+                dtype = reader.tensor_info(raw)[0]
+                for name, w in plan.load(reader, dtype, torch.device("cpu")):
+                    add(prefix + name, name, w.weight, writer)
                 continue
             if plan is not None and key is not None and raw.endswith(".weight") and add(
                     raw.removesuffix(".weight"), plan.name, reader.get(raw), writer):
@@ -239,26 +226,22 @@ def _write_configs(src: Path, dst: Path, fmt: str, recipe: str, done: dict[str, 
                 exclude += ([f"{p}linear_attn.in_proj_a", f"{p}linear_attn.in_proj_b",
                              f"{p}linear_attn.conv1d"] if quantized else [f"{p}linear_attn*"])
         producer = {"name": "modelopt", "version": "tinyserve"}
-        group = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
-        quant: dict[str, Any] = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None,
-                                 "group_size": 16, "exclude_modules": exclude}
-        cfg["quantization_config"] = {
-            "quant_method": "modelopt", "quant_algo": "NVFP4", "producer": producer,
-            "config_groups": {"group_0": {"weights": group, "targets": ["Linear"]}},
-            "ignore": exclude, "kv_cache_scheme": None,
-        }
         if recipe == "mixed":
-            layers: dict[str, Any] = {}
-            for module, kind in done.items():
-                module = re.sub(r"\.experts\.\d+\.(gate|up|down)_proj$", ".experts", module)
-                layers[module] = ({"quant_algo": "FP8"} if kind == "fp8"
-                                  else {"quant_algo": "W4A16_NVFP4", "group_size": 16})
-            quant = {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None,
-                     "quantized_layers": layers, "exclude_modules": exclude}
-            cfg["quantization_config"] = {
-                "quant_method": "modelopt", "quant_algo": "MIXED_PRECISION",
-                "producer": producer, "quantized_layers": layers, "ignore": exclude,
-                "kv_cache_scheme": None}
+            layers = {re.sub(r"\.experts\.\d+\.(gate|up|down)_proj$", ".experts", module):
+                      {"quant_algo": "FP8"} if kind == "fp8"
+                      else {"quant_algo": "W4A16_NVFP4", "group_size": 16}
+                      for module, kind in done.items()}
+            algo, extra = "MIXED_PRECISION", {"quantized_layers": layers}
+            quant: dict[str, Any] = {"quant_algo": algo, "kv_cache_quant_algo": None, **extra}
+        else:
+            group = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+            algo = "NVFP4"
+            extra = {"config_groups": {"group_0": {"weights": group, "targets": ["Linear"]}}}
+            quant = {"quant_algo": algo, "kv_cache_quant_algo": None, "group_size": 16}
+        quant["exclude_modules"] = exclude
+        cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": algo,
+                                      "producer": producer, **extra, "ignore": exclude,
+                                      "kv_cache_scheme": None}
         hf = {"producer": producer, "quantization": quant}
         (dst / "hf_quant_config.json").write_text(json.dumps(hf, indent=2) + "\n")
     (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

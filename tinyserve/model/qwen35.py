@@ -1,12 +1,9 @@
 """The Qwen3.5-MoE text model over canonical weights, batched over varlen sequences.
 
-`Qwen35Model.forward(ctx)` runs the new tokens of every sequence of a forward context (prefill
-chunks and decode tokens mixed) through embedding -> layers [GDN | gated attention] + MoE ->
-final norm -> lm_head, for the rows `ctx.logits_indices` only. Full-attention layers read and
-write K/V through the KV backend; GDN layers read and write the GDN state pool.
-
-The embedding is a separate first stage: `embed(input_ids)`, then `forward(ctx, hidden)` from
-the hidden states (a captured decode graph starts there when the table lives on the host).
+`forward(ctx)`: embedding -> layers [GDN | gated attention] + MoE -> final norm -> lm_head for
+the rows `ctx.logits_indices`, prefill chunks and decode tokens mixed. The embedding is a
+separate first stage (`embed`): a captured decode graph starts after it when the table lives
+on the host.
 """
 
 from __future__ import annotations
@@ -29,29 +26,19 @@ _FP32_SUFFIXES = (".linear_attn.A_log", ".linear_attn.dt_bias", ".linear_attn.no
 
 
 class Qwen35Model:
-    """Qwen3.5-MoE forward over canonical weights.
-
-    Args:
-        config: a `model.config.ModelConfig`.
-        weights: canonical name -> Tensor or LinearWeight; experts may be absent with `experts`.
-        kv: KV backend of the full-attention layers (`kv.base.KVBackend`).
-        states: GDN state pool of the linear-attention layers (`kv.state_pool.GDNStatePool`).
-        experts: routed-experts provider; default `ResidentExperts` over `weights`.
-        device, dtype: compute device and model dtype (fp32 on CPU for exact parity).
-        embed_device: where `embed_tokens` lives (default `device`; ignored when tied). "cpu"
-            keeps it in host RAM, registered with CUDA so a kernel gathers rows from it
-            (`embed_mapped`), else gathered on the host from `ctx.input_ids_cpu`.
+    """Qwen3.5-MoE forward over canonical weights (name -> Tensor or LinearWeight; routed
+    experts may be absent when an `experts` provider is given, default `ResidentExperts`).
+    `kv`: the KV backend (`kv.base.KVBackend`); `states`: the GDN state pool. `embed_device`:
+    where `embed_tokens` lives (default `device`; ignored when tied); "cpu" keeps it in host
+    RAM, registered with CUDA when it can be (`embed_mapped`).
     """
 
     def __init__(self, config: Any, weights: dict[str, Any], *, kv: Any, states: Any,
                  experts: Any = None, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32,
                  embed_device: torch.device | str | None = None) -> None:
-        self.config = config
-        self.kv = kv
-        self.states = states
+        self.config, self.kv, self.states, self.dtype = config, kv, states, dtype
         self.device = torch.device(device)
-        self.dtype = dtype
         self.embed_device = torch.device(
             embed_device if embed_device is not None and not config.tie_word_embeddings
             else self.device)
@@ -67,10 +54,7 @@ class Qwen35Model:
             self.embed_tokens = self.embed_tokens.clone(memory_format=torch.contiguous_format)
             self.embed_mapped = register_mapped(self.embed_tokens, "embedding table")
         self.norm: torch.Tensor = w["norm"]
-        lm_head = w.get("lm_head")
-        if lm_head is None and config.tie_word_embeddings:
-            lm_head = DenseWeight(self.embed_tokens)
-        self.lm_head: LinearWeight = lm_head
+        self.lm_head: LinearWeight = w.get("lm_head") or DenseWeight(self.embed_tokens)
         if experts is None:
             experts = ResidentExperts(w, config, range(config.num_layers))
         self.experts = experts
@@ -86,14 +70,12 @@ class Qwen35Model:
         return to_device(t, self.device, self.dtype)
 
     @property
-    def embed_on_host(self) -> bool:
-        """Whether the embedding table lives in host RAM while the model runs on a device."""
+    def embed_on_host(self) -> bool:  # in host RAM while the model runs on a device
         return self.embed_device.type == "cpu" and self.device.type != "cpu"
 
     @property
     def embed_needs_host_ids(self) -> bool:
-        """Whether embedding needs the token ids on the host (a host table the device cannot
-        read): then a decode step cannot start from token ids on the device."""
+        """A host table the device cannot read: a decode step cannot start from ids there."""
         return self.embed_on_host and not self.embed_mapped
 
     def embed_host(self, input_ids: torch.Tensor, out: torch.Tensor | None = None
@@ -103,13 +85,9 @@ class Qwen35Model:
         return torch.index_select(self.embed_tokens, 0, input_ids, out=out)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Embedding rows [N, H] on the model's device for token ids [N] int64.
-
-        With the table on the host and registered (`embed_mapped`), a kernel on the device reads
-        the rows from it (no synchronisation, capturable). Otherwise ids on the host are
-        gathered into pinned memory and copied to the device without blocking; ids on the
-        device cost a device -> host copy first (a synchronisation).
-        """
+        """Embedding rows [N, H] on the model's device for token ids [N] int64. A host table
+        is read by a device kernel when `embed_mapped`, else gathered on the host into pinned
+        memory (ids on the device cost a synchronisation first)."""
         if not self.embed_on_host:
             return self.embed_tokens[input_ids.to(self.device, non_blocking=True)]
         if self.embed_mapped:
@@ -124,11 +102,7 @@ class Qwen35Model:
     @torch.inference_mode()
     def forward(self, ctx: ForwardContext, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [S, V] float32 for the rows `ctx.logits_indices` of the N new tokens.
-
-        `hidden` [N, H] (model dtype, on the device): the embedded tokens, read and never
-        written; None embeds `ctx.input_ids` (from `ctx.input_ids_cpu` when the table is on
-        the host and the context has them).
-        """
+        `hidden` [N, H]: the embedded tokens (read only); None embeds `ctx.input_ids`."""
         if hidden is None:
             host_ids = ctx.input_ids_cpu if self.embed_needs_host_ids else None
             hidden = self.embed(host_ids if host_ids is not None else ctx.input_ids)

@@ -1,8 +1,6 @@
 """Partial rotary position embedding (NeoX rotate_half) over the first `rotary_dim` dims of
-each head. For text-only input Qwen3.5's interleaved mRoPE equals this 1-D RoPE.
-
-`norm_apply` is the attention's q_norm / k_norm followed by the rotation: one Triton kernel on
-CUDA (`kernels/norm.py: rms_norm_rope`), `norm_rope_ref` elsewhere."""
+each head (for text-only input Qwen3.5's interleaved mRoPE equals this 1-D RoPE). `norm_apply`:
+q_norm / k_norm then the rotation, one Triton kernel on CUDA, `norm_rope_ref` elsewhere."""
 
 from __future__ import annotations
 

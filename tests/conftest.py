@@ -15,6 +15,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("TINYSERVE_SHARED", ROOT.parent / "shared"))
 
+if not torch.cuda.is_available():
+    # Without a GPU the Triton kernels run in the interpreter. Set here, before any test module
+    # is imported: `triton.jit` reads it when a kernel module is first imported (by whichever
+    # test imports one first), not when the kernel runs.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -11,20 +11,14 @@ e4m3 * scale to x.dtype: same bounds.
 from __future__ import annotations
 
 import functools
-import os
 
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    # NOTE: must precede the first import of the kernel module (decoration reads it).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from tinyserve.core import FP8Weight  # noqa: E402
-from tinyserve.kernels.fp8.linear import (  # noqa: E402
+from tinyserve.core import FP8Weight
+from tinyserve.kernels.fp8.linear import (
     PATHS,
     choose_path,
     default_native,
@@ -32,7 +26,7 @@ from tinyserve.kernels.fp8.linear import (  # noqa: E402
     fp8_linear,
     gemv_tiles,
 )
-from tinyserve.kernels.nvfp4.ref import dequantize_fp8, quantize_fp8  # noqa: E402
+from tinyserve.kernels.nvfp4.ref import dequantize_fp8, quantize_fp8
 
 pytestmark = pytest.mark.gpu_shapes
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -8,18 +8,13 @@ Bound: relative Frobenius error < 1e-2 (bf16 activations), < 1e-5 (fp32, interpr
 from __future__ import annotations
 
 import functools
-import os
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from tests.kernels.test_nvfp4 import rand_nvfp4, rel_err  # noqa: E402
-from tinyserve.core import DenseWeight  # noqa: E402
-from tinyserve.kernels.moe.fused import (  # noqa: E402
+from tests.kernels.test_nvfp4 import rand_nvfp4, rel_err
+from tinyserve.core import DenseWeight
+from tinyserve.kernels.moe.fused import (
     FUSED_MAX_TOKENS,
     MOE_PATHS,
     align_pairs,

@@ -13,26 +13,20 @@ inputs, 30 launches with identical bits, a CUDA-graph replay equal to eager bitw
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from tests.kernels.sm90_build import (  # noqa: E402
+from tests.kernels.sm90_build import (
     compile_sm90,
     rerun_without_interpreter,
     resource_usage,
     sass_instructions,
     usage_field,
 )
-from tests.kernels.test_nvfp4 import rand_nvfp4, rel_err  # noqa: E402
-from tinyserve.kernels.moe import decode as fmd  # noqa: E402
-from tinyserve.kernels.moe import fused as fm  # noqa: E402
-from tinyserve.kernels.moe.fused import (  # noqa: E402
+from tests.kernels.test_nvfp4 import rand_nvfp4, rel_err
+from tinyserve.kernels.moe import decode as fmd
+from tinyserve.kernels.moe import fused as fm
+from tinyserve.kernels.moe.fused import (
     FUSED_MAX_TOKENS,
     allocate_expert_slots,
     fused_moe,
@@ -40,8 +34,8 @@ from tinyserve.kernels.moe.fused import (  # noqa: E402
     single_expert_slots,
     write_slot,
 )
-from tinyserve.kernels.nvfp4.ref import dequantize_nvfp4  # noqa: E402
-from tinyserve.model.moe import gated_add_ref  # noqa: E402
+from tinyserve.kernels.nvfp4.ref import dequantize_nvfp4
+from tinyserve.model.moe import gated_add_ref
 
 pytest.importorskip("triton")
 pytestmark = [pytest.mark.usefixtures("poison"), pytest.mark.gpu_shapes]

@@ -4,16 +4,10 @@ the gather reads it from the device, inside a CUDA graph too."""
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from tinyserve.kernels.moe.host_rows import copy_rows, gather_rows, register_mapped  # noqa: E402
+from tinyserve.kernels.moe.host_rows import copy_rows, gather_rows, register_mapped
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -8,25 +8,20 @@ Bound: fp16 operands with fp32 accumulation, so |out - ref| <= 2e-3 * max|ref| (
 from __future__ import annotations
 
 import math
-import os
 
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from tests.kernels.sm90_build import (  # noqa: E402
+from tests.kernels.sm90_build import (
     compile_sm90,
     rerun_without_interpreter,
     resource_usage,
     usage_field,
 )
-from tinyserve.kernels import iso  # noqa: E402
-from tinyserve.kernels.iso import triton as it  # noqa: E402
+from tinyserve.kernels import iso
+from tinyserve.kernels.iso import triton as it
 
 pytestmark = pytest.mark.gpu_shapes
 

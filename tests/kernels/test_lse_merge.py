@@ -10,21 +10,15 @@ truncates, 2^-6).
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from tests.kernels.test_attention import _math_with_lse  # noqa: E402
-from tests.kernels.test_norm import interpreter_ok, run_in_interpreter_child  # noqa: E402, F401
-from tinyserve.kernels.attention.chunk import lse_merge_ref  # noqa: E402
+from tests.kernels.test_attention import _math_with_lse
+from tests.kernels.test_norm import interpreter_ok, run_in_interpreter_child  # noqa: F401
+from tinyserve.kernels.attention.chunk import lse_merge_ref
 
 pytest.importorskip("triton")
-from tinyserve.kernels import glue  # noqa: E402
+from tinyserve.kernels import glue
 
 pytestmark = [pytest.mark.usefixtures("poison", "interpreter_ok"), pytest.mark.gpu_shapes]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

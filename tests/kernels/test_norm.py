@@ -15,21 +15,17 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from tinyserve.model.norm import (  # noqa: E402
+from tinyserve.model.norm import (
     add_rms_norm_ref,
     gated_rms_norm_ref,
     rms_norm_ref,
 )
 
 pytest.importorskip("triton")
-from tinyserve.kernels import norm as K  # noqa: E402
+from tinyserve.kernels import norm as K
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

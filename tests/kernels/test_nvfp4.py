@@ -8,24 +8,18 @@ Bound: relative Frobenius error < 1e-2 for bf16 activations, < 1e-5 for fp32 (in
 from __future__ import annotations
 
 import functools
-import os
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # NOTE: must precede the first import of the kernel module (decoration reads it).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from tinyserve.core import NVFP4Weight  # noqa: E402
-from tinyserve.kernels.nvfp4.linear import (  # noqa: E402
+from tinyserve.core import NVFP4Weight
+from tinyserve.kernels.nvfp4.linear import (
     PATHS,
     choose_path,
     nvfp4_dequantize,
     nvfp4_linear,
 )
-from tinyserve.kernels.nvfp4.ref import dequantize_nvfp4, quantize_nvfp4  # noqa: E402
+from tinyserve.kernels.nvfp4.ref import dequantize_nvfp4, quantize_nvfp4
 
 pytest.importorskip("triton")
 

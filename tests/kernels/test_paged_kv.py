@@ -12,22 +12,17 @@ split partials start as NaN (`poison`). Decode bound: |out - oracle| <= 1e-2 * m
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import replace
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from tests.kernels.test_norm import interpreter_ok, run_in_interpreter_child  # noqa: E402, F401
-from tinyserve.kernels.attention import paged_ref as paged_kv  # noqa: E402
-from tinyserve.kernels.iso.ref import attention_oracle  # noqa: E402
+from tests.kernels.test_norm import interpreter_ok, run_in_interpreter_child  # noqa: F401
+from tinyserve.kernels.attention import paged_ref as paged_kv
+from tinyserve.kernels.iso.ref import attention_oracle
 
 pytest.importorskip("triton")
-from tinyserve.kernels.attention import paged_triton as pk  # noqa: E402
+from tinyserve.kernels.attention import paged_triton as pk
 
 pytestmark = [pytest.mark.usefixtures("poison"), pytest.mark.gpu_shapes]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

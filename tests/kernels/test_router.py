@@ -12,22 +12,16 @@ may cancel); the interpreter truncates fp32 -> bf16, so 2^-5 on the CPU.
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from tests.kernels.test_norm import assert_close as _assert_close  # noqa: E402
-from tests.kernels.test_norm import interpreter_ok, run_in_interpreter_child  # noqa: E402, F401
-from tinyserve.model.moe import gated_add_ref, silu_mul_ref, topk_softmax_ref  # noqa: E402
+from tests.kernels.test_norm import assert_close as _assert_close
+from tests.kernels.test_norm import interpreter_ok, run_in_interpreter_child  # noqa: F401
+from tinyserve.model.moe import gated_add_ref, silu_mul_ref, topk_softmax_ref
 
 pytest.importorskip("triton")
-from tinyserve.kernels import glue as S  # noqa: E402
-from tinyserve.kernels.moe import router as R  # noqa: E402
+from tinyserve.kernels import glue as S
+from tinyserve.kernels.moe import router as R
 
 pytestmark = [pytest.mark.usefixtures("poison", "interpreter_ok"), pytest.mark.gpu_shapes]
 

@@ -7,20 +7,15 @@ the kernels off. (`concat_rows`, which the block uses, is tested in test_fused_l
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from tests.kernels.test_norm import interpreter_ok, run_in_interpreter_child  # noqa: E402, F401
-from tinyserve.core import DenseWeight  # noqa: E402
-from tinyserve.kernels.nvfp4.ref import quantize_nvfp4  # noqa: E402
-from tinyserve.model import moe  # noqa: E402
+from tests.kernels.test_norm import interpreter_ok, run_in_interpreter_child  # noqa: F401
+from tinyserve.core import DenseWeight
+from tinyserve.kernels.nvfp4.ref import quantize_nvfp4
+from tinyserve.model import moe
 
 pytestmark = pytest.mark.gpu_shapes
 

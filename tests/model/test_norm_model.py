@@ -9,18 +9,12 @@ path of GDN and attention; slow in the interpreter).
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from tests.kernels.test_norm import interpreter_ok, run_in_interpreter_child  # noqa: E402, F401
-from tests.model.hf_tiny import build_runner, checkpoint  # noqa: E402
-from tinyserve.model import attention, moe, norm, rope  # noqa: E402
+from tests.kernels.test_norm import interpreter_ok, run_in_interpreter_child  # noqa: F401
+from tests.model.hf_tiny import build_runner, checkpoint
+from tinyserve.model import attention, moe, norm, rope
 
 pytestmark = pytest.mark.gpu_shapes
 

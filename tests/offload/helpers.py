@@ -15,11 +15,12 @@ from tinyserve.kernels.nvfp4.ref import quantize_nvfp4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 
 
-def greedy_generate(runner: Any, prompt: list[int], n: int, chunk: int | None = None
-                    ) -> tuple[list[int], torch.Tensor]:
+def greedy_generate(runner: Any, prompt: list[int], n: int, chunk: int | None = None,
+                    forced: list[int] | None = None) -> tuple[list[int], torch.Tensor]:
     """Prefill `prompt` (in chunks of `chunk` tokens; one chunk when None) from position 0 in
     state slot 0 and KV pages 0..31, then decode greedily: (`n` tokens, their logits [n, V]
-    fp32, copied: a graph's logits buffer is static)."""
+    fp32, copied: a graph's logits buffer is static). With `forced`, step i + 1 reads
+    forced[i] instead of the token sampled at step i (teacher forcing)."""
     pages = list(range(32))
     step = chunk or len(prompt)
     out = None
@@ -31,7 +32,8 @@ def greedy_generate(runner: Any, prompt: list[int], n: int, chunk: int | None = 
     tokens, logits = [out.next_tokens[0]], [out.logits.float().clone()]
     for _ in range(n - 1):
         pos = len(prompt) + len(tokens) - 1
-        seq = ScheduledSeq("r", [tokens[-1]], start_pos=pos, page_ids=pages, state_slot=0,
+        last = tokens[-1] if forced is None else forced[len(tokens) - 1]
+        seq = ScheduledSeq("r", [last], start_pos=pos, page_ids=pages, state_slot=0,
                            sample=True, params=GREEDY)
         out = runner.forward(Batch([seq]))
         tokens.append(out.next_tokens[0])

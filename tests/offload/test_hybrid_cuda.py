@@ -40,10 +40,17 @@ def test_cpu_part_in_the_decode_graph_keeps_the_tokens(graphs: bool, plan: Hybri
     runner_cpu = CpuExperts(store, device="cuda")
     experts.set_hybrid(HybridExperts(plan, runner_cpu))
     runner = _runner(cfg, w, experts, graphs)
-    tokens, logits = greedy_generate(runner, prompt, 12)
-    assert tokens == ref[0]
+    # teacher-forced on the reference's tokens, so every step compares the same context
+    tokens, logits = greedy_generate(runner, prompt, 12, forced=ref[0])
     # int8 expert inputs on the CPU (kernels.moe.cpu); tests/offload/test_hybrid.py says more
-    assert (logits - ref[1]).abs().max() <= 5e-2 * ref[1].abs().max()
+    diff = (logits - ref[1]).abs().max()
+    assert diff <= 5e-2 * ref[1].abs().max()
+    # greedy tokens equal wherever the reference's top two are further apart than the error
+    top2 = ref[1].topk(2, dim=-1).values
+    clear = ((top2[:, 0] - top2[:, 1]) > 2 * diff).tolist()
+    assert sum(clear) > 0
+    for got, want, c in zip(tokens, ref[0], clear, strict=True):
+        assert got == want or not c
     if graphs:
         assert runner.graphs is not None and runner.graphs.num_graphs >= 1
     torch.cuda.synchronize()

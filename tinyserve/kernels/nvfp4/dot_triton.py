@@ -51,7 +51,10 @@ def _tile_dot(acc, x_rows, x_mask, w_ptr, s_ptr, rows, row_mask, K, SW, SS,
         else:
             w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * SW + kk[None, :],
                         mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += tl.dot(xv, tl.trans(w.to(xv.dtype)))
+        if xv.dtype == tl.float32:  # fp32 x (tests, CPU-sized checks): exact products, not tf32
+            acc += tl.dot(xv, tl.trans(w.to(xv.dtype)), input_precision="ieee")
+        else:
+            acc += tl.dot(xv, tl.trans(w.to(xv.dtype)))
     return acc
 
 

@@ -39,6 +39,7 @@ from tinyserve.core import DenseWeight  # noqa: E402
 from tinyserve.model import moe  # noqa: E402
 from tinyserve.model import norm as model_norm  # noqa: E402
 from tinyserve.model.attention import sigmoid_mul_ref  # noqa: E402
+from tinyserve.model.experts_api import ExpertsProvider  # noqa: E402
 from tinyserve.model.linear import linear  # noqa: E402
 from tinyserve.model.rope import PartialRoPE, norm_rope_ref  # noqa: E402
 
@@ -149,7 +150,11 @@ def moe_glue(n: int, dev: str, dt: torch.dtype):
     up.global_scale = gate.global_scale  # as ModelOpt writes a fusable pair
     router = DenseWeight(0.02 * torch.randn(E, H, device=dev).to(dt))
     sgate = DenseWeight(0.02 * torch.randn(1, H, device=dev).to(dt))
-    provider = SimpleNamespace(forward=lambda layer_id, x, ids, weights: routed)
+    class Provider(ExpertsProvider):
+        def forward(self, layer_id, x, ids, weights):
+            return routed
+
+    provider = Provider()
     cfg = SimpleNamespace(num_experts_per_tok=TOPK, num_experts=E)
     block = moe.SparseMoE(0, cfg, {"gate": router, "shared_expert_gate": sgate,
                                    "shared_expert.gate_proj": gate, "shared_expert.up_proj": up,

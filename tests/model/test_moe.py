@@ -16,6 +16,7 @@ from tests.kernels.test_norm import interpreter_ok, run_in_interpreter_child  # 
 from tinyserve.core import DenseWeight
 from tinyserve.kernels.nvfp4.ref import quantize_nvfp4
 from tinyserve.model import moe
+from tinyserve.model.experts_api import ExpertsProvider
 
 pytestmark = pytest.mark.gpu_shapes
 
@@ -27,7 +28,7 @@ def _w(o: int, i: int, seed: int, device: str = "cpu") -> torch.Tensor:
     return (torch.randn(o, i, generator=g) / i**0.5).to(device)
 
 
-class _TorchExperts:
+class _TorchExperts(ExpertsProvider):
     """Routed experts as the plain torch loop (the provider interface)."""
 
     def __init__(self, experts) -> None:

@@ -149,7 +149,8 @@ class SparseMoE:
     ExpertSlots when the provider takes it along.
     """
 
-    def __init__(self, layer_id: int, config: Any, w: dict[str, Any], experts: Any) -> None:
+    def __init__(self, layer_id: int, config: Any, w: dict[str, Any],
+                 experts: ExpertsProvider) -> None:
         self.layer_id = layer_id
         self.top_k = config.num_experts_per_tok
         self.num_experts = config.num_experts
@@ -160,7 +161,7 @@ class SparseMoE:
         # transformers) keeps the separate projections.
         fuse = kernels_enabled(_device_of(w["gate"]))
         self.shared_slots: ExpertSlots | None = None
-        if (fuse and getattr(experts, "accepts_shared", False)
+        if (fuse and experts.accepts_shared
                 and _swiglu_fp4(gate, up, self.down)):
             self.shared_slots, gate_up, gate, up, self.down = _shared_slot(gate, up, self.down)
             self.gate_up = SplitLinear((gate, up), gate_up, fuse=False)

@@ -15,6 +15,7 @@ import torch
 from tinyserve.core import DenseWeight, ForwardContext, LinearWeight
 from tinyserve.kernels.moe.host_rows import gather_rows, register_mapped
 from tinyserve.model.attention import GatedAttention
+from tinyserve.model.experts_api import ExpertsProvider
 from tinyserve.model.gdn import GatedDeltaNet
 from tinyserve.model.linear import linear, to_device
 from tinyserve.model.moe import ResidentExperts, SparseMoE
@@ -34,7 +35,7 @@ class Qwen35Model:
     """
 
     def __init__(self, config: Any, weights: dict[str, Any], *, kv: Any, states: Any,
-                 experts: Any = None, device: torch.device | str = "cpu",
+                 experts: ExpertsProvider | None = None, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32,
                  embed_device: torch.device | str | None = None) -> None:
         self.config, self.kv, self.states, self.dtype = config, kv, states, dtype
@@ -120,7 +121,7 @@ class _Layer:
     next norm, see `forward`)."""
 
     def __init__(self, L: int, config: Any, w: dict[str, Any], rope: PartialRoPE,
-                 experts: Any) -> None:
+                 experts: ExpertsProvider) -> None:
         p = f"layers.{L}."
         self.eps = config.rms_norm_eps
         self.input_layernorm = w[p + "input_layernorm"]

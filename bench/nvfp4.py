@@ -15,8 +15,9 @@ max errors recorded; over 1e-2 it is not timed). Timing: bench/common.py `time_g
 median of 10 replays of a CUDA graph that cycles through enough weight copies (>= 256 MB) to
 miss L2. A failing case is recorded and the rest still run.
 
-Usage: python bench/nvfp4.py [--smoke]  (--smoke: tiny shapes, any device, no timing; checks
-the script itself, on a CPU with TRITON_INTERPRET=1 set)
+Usage: python bench/nvfp4.py [--smoke] [--family]  (--smoke: tiny shapes, any device, no
+timing; checks the script itself, on a CPU with TRITON_INTERPRET=1 set. --family: only the MoE
+decode, at the layer shape of each family member)
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ SHAPES = {  # name: (N, K), most important first
     "down_512_2048": (2048, 512),
 }
 SMOKE_SHAPES = {"qkvz": (64, 1024), "down": (48, 512)}
+# MoE layer shapes of the family (H, F, experts, top-k; specs/qwen35_moe.md 1.2) for --family
+FAMILY = {"35B-A3B": (2048, 512, 256, 8), "122B-A10B": (3072, 1024, 256, 8),
+          "397B-A17B": (4096, 1024, 512, 10)}
 MAX_REL_ERR = 1e-2
 
 
@@ -85,10 +89,12 @@ def expert_slots_fp4(num: int, h: int, f: int, dev: str):
     return slots
 
 
-def bench_moe_decode(n: int, bw: float, copy_bw: float, dev: str, smoke: bool) -> dict:
-    """n tokens x 8 of 256 experts (+ the shared expert, one per "layer") through `fused_moe`,
-    against the time to read the distinct experts' bytes."""
-    h, f, e, k = (64, 32, 10, 8) if smoke else (2048, 512, 256, 8)
+def bench_moe_decode(n: int, bw: float, copy_bw: float, dev: str, smoke: bool,
+                     shape: tuple[int, int, int, int] = FAMILY["35B-A3B"]) -> dict:
+    """n tokens x top-k of the experts (+ the shared expert, one per "layer") through
+    `fused_moe` at `shape` (H, F, experts, top-k), against the time to read the distinct
+    experts' bytes."""
+    h, f, e, k = (64, 32, 10, 8) if smoke else shape
     slots = expert_slots_fp4(e, h, f, dev)
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
     x = torch.randn(n, h, device=dev, dtype=dt)
@@ -133,6 +139,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, no timing (any device)")
     ap.add_argument("--out", default=None, help="default: bench/results/nvfp4.json")
+    ap.add_argument("--family", action="store_true",
+                    help="only the MoE decode, at every family member's layer shape")
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev != "cuda" and not args.smoke:
@@ -146,9 +154,14 @@ def main() -> int:
     if not args.smoke:
         res = rec.run("bandwidth", common.bandwidth, dev) or {}
         bw, copy_bw = res.get("GBps", bw), res.get("copy_GBps", copy_bw)
-    for n in (1, 4, 8):
+    if args.family:
+        for model, shape in FAMILY.items():
+            for n in (1, 4):
+                rec.run(f"moe_decode_{n}tok_{model}", bench_moe_decode, n, bw, copy_bw, dev,
+                        args.smoke, shape)
+    for n in () if args.family else (1, 4, 8):
         rec.run(f"moe_decode_{n}tok_8of256", bench_moe_decode, n, bw, copy_bw, dev, args.smoke)
-    for name, (n, k) in (SMOKE_SHAPES if args.smoke else SHAPES).items():
+    for name, (n, k) in {} if args.family else (SMOKE_SHAPES if args.smoke else SHAPES).items():
         rec.run(f"gemv_M1_{name}", bench_gemv, n, k, bw, copy_bw, dev, args.smoke)
     nan = float("nan")
     for name, case in rec.data["cases"].items():

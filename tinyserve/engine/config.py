@@ -58,14 +58,12 @@ def describe_size(value: str | int) -> str:
     """How `parse_size` read `value`, for the printed plan: '6GB read as 6 GiB (6,144 MiB)'."""
     size = parse_size(value)
     mib = f"{size / 2**20:,.1f}".removesuffix(".0")
-    if isinstance(value, int) or re.fullmatch(r"\s*\d+\s*[bB]?\s*", value):
+    m = _SIZE_RE.fullmatch(value) if isinstance(value, str) else None
+    if m is None or m.group(2) is None:  # bytes
         return f"{size:,} bytes ({mib} MiB)"
-    m = _SIZE_RE.fullmatch(value)
-    assert m is not None
-    number, prefix = m.group(1), (m.group(2) or "").upper()
     if m.group(3).lower() == "ib":  # already written as a binary unit
         return f"{value.strip()} ({mib} MiB)"
-    return f"{value.strip()} read as {number} {prefix}iB ({mib} MiB)"
+    return f"{value.strip()} read as {m.group(1)} {m.group(2).upper()}iB ({mib} MiB)"
 
 
 EXPERT_MODES = ("gpu", "cpu", "hybrid", "auto")
@@ -152,11 +150,16 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> Any:
+        return self.dtype_on(self.resolved_device)
+
+    def dtype_on(self, device: str) -> Any:
+        """The model's torch dtype on `device`: `dtype`, else float32 on the CPU and bfloat16
+        on CUDA."""
         import torch
 
         if self.dtype is not None:
             return getattr(torch, self.dtype)
-        return torch.float32 if self.resolved_device == "cpu" else torch.bfloat16
+        return torch.float32 if device == "cpu" else torch.bfloat16
 
     @property
     def gpu_memory_bytes(self) -> int | None:

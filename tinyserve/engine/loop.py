@@ -16,7 +16,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -92,15 +92,15 @@ class EngineStats:
     expert_cpu_computed: int | None = None  # misses computed on the CPU (hybrid experts)
 
 
+@dataclass
 class _Live:
     """Loop-thread state of one request."""
 
-    def __init__(self, handle: RequestHandle, detok: IncrementalDetokenizer) -> None:
-        self.handle = handle
-        self.detok = detok
-        self.submitted = time.perf_counter()
-        self.last_token: float | None = None
-        self.completion_tokens = 0
+    handle: RequestHandle
+    detok: IncrementalDetokenizer
+    submitted: float = field(default_factory=time.perf_counter)
+    last_token: float | None = None
+    completion_tokens: int = 0
 
 
 class Engine:

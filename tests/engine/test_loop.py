@@ -13,9 +13,10 @@ import torch
 
 from tinyserve.core import Batch, ForwardOutput, SamplingParams
 from tinyserve.engine.config import EngineConfig
-from tinyserve.engine.loop import Engine, EngineParts, RequestRejected
+from tinyserve.engine.loop import Engine, EngineParts
 from tinyserve.engine.runner_api import Runner
 from tinyserve.engine.sampler import Sampler
+from tinyserve.engine.scheduler import RequestRejected
 
 V = 128  # ASCII byte tokens
 EOS = 0

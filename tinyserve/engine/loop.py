@@ -26,14 +26,11 @@ from tinyserve.engine.config import EngineConfig
 from tinyserve.engine.detokenizer import IncrementalDetokenizer
 from tinyserve.engine.memory_plan import MemoryPlan
 from tinyserve.engine.runner_api import PendingStep, Runner
-from tinyserve.engine.scheduler import RequestRejected, Scheduler, StepEvent
+from tinyserve.engine.scheduler import Scheduler, StepEvent
 from tinyserve.engine.stream import RequestHandle, RequestOutput
 from tinyserve.kv.allocator import PageAllocator
 from tinyserve.kv.prefix_cache import PrefixCache
 from tinyserve.log import get_logger
-
-__all__ = ["Engine", "EngineParts", "EngineStats", "RequestHandle", "RequestOutput",
-           "RequestRejected"]
 
 log = get_logger(__name__)
 _SAMPLES = 2048  # latency samples kept for stats()

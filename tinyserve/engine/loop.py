@@ -169,8 +169,8 @@ class Engine:
         self._flush()  # the previous step's outputs, unless the runner's hook sent them
         if output is not None:
             self._outputs = self.scheduler.record(batch, output)
-        if not self._next_step_emits():
-            self._flush()
+        if not (self._overlap and self.scheduler.has_work and not self._inbox):
+            self._flush()  # else the next step's launch emits them (the overlap hook)
 
     def _take_chained(self) -> tuple[Batch, PendingStep] | None:
         """The step chained during the last one, unless none of its requests still runs
@@ -223,10 +223,6 @@ class Engine:
         except Exception:  # this step stands; the next one is scheduled as usual
             log.exception("launching a chained decode step failed")
             return None
-
-    def _next_step_emits(self) -> bool:
-        """Whether the next step's launch emits this step's outputs (the overlap hook)."""
-        return self._overlap and self.scheduler.has_work and not self._inbox
 
     def _step_failed(self, batch: Batch, exc: Exception) -> None:
         """A step's launch or result raised: fail its one request, or rerun each alone."""

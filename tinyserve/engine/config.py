@@ -35,20 +35,18 @@ def parse_size(value: str | int) -> int:
     """
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ValueError(f"cannot read {value!r} as {SIZE_HELP}")
-    if isinstance(value, int):
-        if value <= 0:
-            raise ValueError(f"a memory size must be positive, got {value}")
-        return value
-    m = _SIZE_RE.fullmatch(value)
-    if m is None:
-        raise ValueError(f"cannot read {value!r} as {SIZE_HELP}")
-    number, prefix = m.group(1), (m.group(2) or "").lower()
-    if not prefix and "." in number:
-        raise ValueError(f"cannot read {value!r} as {SIZE_HELP}: bytes must be a whole number")
-    size = round(float(number) * 1024 ** _POWERS[prefix])
-    if not prefix and 0 < size < 2**20:
-        raise ValueError(f"{value!r} is {size} bytes, surely not meant: give the unit "
-                         f"(e.g. {value.strip()}GiB)")
+    size = value
+    if isinstance(value, str):
+        m = _SIZE_RE.fullmatch(value)
+        if m is None:
+            raise ValueError(f"cannot read {value!r} as {SIZE_HELP}")
+        number, prefix = m.group(1), (m.group(2) or "").lower()
+        if not prefix and "." in number:
+            raise ValueError(f"cannot read {value!r} as {SIZE_HELP}: bytes must be a whole number")
+        size = round(float(number) * 1024 ** _POWERS[prefix])
+        if not prefix and 0 < size < 2**20:
+            raise ValueError(f"{value!r} is {size} bytes, surely not meant: give the unit "
+                             f"(e.g. {value.strip()}GiB)")
     if size <= 0:
         raise ValueError(f"a memory size must be positive, got {value!r}")
     return size

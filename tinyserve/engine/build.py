@@ -132,8 +132,7 @@ def build_parts(config: EngineConfig, *, plan: MemoryPlan | None = None,
     return EngineParts(runner=runner, tokenizer=tokenizer, model_config=mcfg,
                        num_kv_pages=plan.kv_pages, num_state_slots=seqs,
                        max_context=plan.max_context, eos_token_ids=eos, state_pool=states,
-                       snapshot_slots=tuple(range(seqs, seqs + snaps)),
-                       snapshot_interval=config.prefix_snapshot_interval, memory_plan=plan)
+                       snapshot_slots=tuple(range(seqs, seqs + snaps)), memory_plan=plan)
 
 
 def _tokenizer_eos(tokenizer: Any) -> tuple[int, ...]:

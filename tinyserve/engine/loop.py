@@ -50,7 +50,6 @@ class EngineParts:
     eos_token_ids: tuple[int, ...] = ()
     state_pool: Any = None
     snapshot_slots: tuple[int, ...] = ()
-    snapshot_interval: int = 0
     memory_plan: MemoryPlan | None = None
 
 
@@ -116,7 +115,7 @@ class Engine:
             self.prefix_cache = PrefixCache(
                 pages, page_size=config.page_size, states=parts.state_pool,
                 snapshot_slots=parts.snapshot_slots,
-                snapshot_interval=parts.snapshot_interval)
+                snapshot_interval=config.prefix_snapshot_interval)
         self.scheduler = Scheduler(
             pages=pages, slots=PageAllocator(parts.num_state_slots),
             page_size=config.page_size, max_context=parts.max_context,

@@ -153,12 +153,13 @@ def plan_memory(config: EngineConfig, model: Any, weights: WeightBytes,
 
 
 def _plan_gpu(s: _Sizes, tokens: int, forced: int | None) -> MemoryPlan:
+    """The first plan that fits, in the module docstring's order (PlanError when none does)."""
     cfg, n = s.cfg, s.w.num_routed_experts
     seqs = cfg.max_seqs or 1
 
-    def resident(context: int, seqs: int, embed_device: str) -> MemoryPlan:
-        return s.make(tokens=context, seqs=seqs, embed_device=embed_device, expert_cache=False,
-                      slots=n)
+    def resident(context: int, num_seqs: int, embed_device: str) -> MemoryPlan:
+        return s.make(tokens=context, seqs=num_seqs, embed_device=embed_device,
+                      expert_cache=False, slots=n)
 
     def cached(tokens: int, slots: int, embed_device: str) -> MemoryPlan:
         return s.make(tokens=tokens, seqs=seqs, embed_device=embed_device, expert_cache=True,
@@ -189,7 +190,7 @@ def _plan_gpu(s: _Sizes, tokens: int, forced: int | None) -> MemoryPlan:
         tokens = tokens // s.page * s.page
         if tokens < s.page:
             _refuse(s, cached(s.page, min_slots, embed_device))
-    left = cached(tokens, 0, embed_device).free_bytes  # for the expert cache
+    left = cached(tokens, 0, embed_device).free_bytes  # what the expert cache may take
     slots = forced if forced is not None else min(n, max(left, 0) // s.w.expert_bytes)
     plan = cached(tokens, slots, embed_device)
     if slots < min_slots or plan.free_bytes < 0:

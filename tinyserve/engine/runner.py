@@ -202,7 +202,7 @@ class ModelRunner(Runner):
         seqs = batch.seqs
         return (self.graphs is not None and not self.graphs.host_embedding
                 and self.graphs.supports(seqs) and all(s.sample for s in seqs)
-                and self.sampler.chainable(seqs))
+                and self.sampler.chainable)
 
     def launch(self, batch: Batch, *, after: PendingStep | None = None) -> PendingOutput:
         """Queue one step, then run the host work that overlaps it. With `after` (a launched

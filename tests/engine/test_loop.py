@@ -13,9 +13,10 @@ import torch
 
 from tinyserve.core import Batch, ForwardOutput, SamplingParams
 from tinyserve.engine.config import EngineConfig
-from tinyserve.engine.loop import Engine, EngineParts, RequestRejected
-from tinyserve.engine.runner_api import Finished, Runner
+from tinyserve.engine.loop import Engine, EngineParts
+from tinyserve.engine.runner_api import Runner
 from tinyserve.engine.sampler import Sampler
+from tinyserve.engine.scheduler import RequestRejected
 
 V = 128  # ASCII byte tokens
 EOS = 0
@@ -28,6 +29,18 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
+
+
+class Finished:
+    """The `PendingStep` of a step computed at launch."""
+
+    device_tokens = None
+
+    def __init__(self, output: ForwardOutput) -> None:
+        self.output = output
+
+    def result(self) -> ForwardOutput:
+        return self.output
 
 
 class FakeRunner(Runner):

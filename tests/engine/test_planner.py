@@ -4,6 +4,7 @@ Qwen3.5-35B-A3B geometry, refusals with numbers, `tinyserve plan`."""
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -24,10 +25,54 @@ from tinyserve.engine.planner import (
     plan_checkpoint,
     plan_memory,
 )
-from tinyserve.engine.weight_bytes import checkpoint_weight_bytes, geometry_weight_bytes
+from tinyserve.engine.weight_bytes import (
+    GROUPS,
+    WeightBytes,
+    checkpoint_weight_bytes,
+    expert_slot_bytes,
+    weight_group,
+)
 from tinyserve.model.config import ModelConfig, load_config
+from tinyserve.model.loader_plan import expected_weights
 
 MiB, GiB = 1 << 20, 1 << 30
+_FP8_MIXER = ("in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def geometry_weight_bytes(config: ModelConfig, preset: str) -> WeightBytes:
+    """Weight bytes of `config`'s geometry with NVFP4 experts and the other linears like
+    `preset` (specs/qwen35_moe.md §7.2): "mixed" is nvidia/Qwen3.6-35B-A3B-NVFP4 (GDN and
+    attention FP8, shared experts and lm_head NVFP4), "bf16" the experts-only NVFP4 layout."""
+
+    def linear(shape: tuple[int, ...], fmt: str) -> int:
+        n = math.prod(shape)
+        return {"nvfp4": n // 2 + n // 16 + 4, "fp8": n + 4, "bf16": 2 * n}[fmt]
+
+    mixed = preset == "mixed"
+    sums = dict.fromkeys((*GROUPS, "embed"), 0)
+    for name, (kind, shape) in expected_weights(config).items():
+        group = weight_group(name)
+        if group == "experts":
+            continue
+        if kind != "linear":
+            nbytes = math.prod(shape) * (4 if kind == "fp32" else 2)
+        elif mixed and group in ("attention", "gdn") and name.rsplit(".", 1)[1] in _FP8_MIXER:
+            nbytes = linear(shape, "fp8")
+        elif mixed and (group == "lm_head" or group == "shared_experts"
+                        and not name.endswith("shared_expert_gate")):
+            nbytes = linear(shape, "nvfp4")
+        else:
+            nbytes = linear(shape, "bf16")
+        sums[group] += nbytes
+    return WeightBytes(**sums, expert_bytes=expert_slot_bytes(config, True),
+                       num_routed_experts=config.num_layers * config.num_experts,
+                       tied=config.tie_word_embeddings)
+
+
+def resident_and_embed(w: WeightBytes) -> int:
+    return w.embed + sum(b for _, b in w.resident_groups())
+
+
 QWEN35 = ModelConfig()  # the defaults are Qwen3.5-35B-A3B's
 MIXED = geometry_weight_bytes(QWEN35, "mixed")
 
@@ -67,11 +112,9 @@ def test_size_parser_says_what_it_took_and_refuses_junk() -> None:
 def test_weight_bytes_match_the_spec() -> None:
     # specs/qwen35_moe.md §7.2: 2.706 GB with the embedding, 1.69 GB resident without it.
     assert MIXED.embed / 1e9 == pytest.approx(1.017, abs=1e-3)
-    assert (MIXED.total - MIXED.num_routed_experts * MIXED.expert_bytes) / 1e9 == \
-        pytest.approx(2.706, abs=2e-3)
+    assert resident_and_embed(MIXED) / 1e9 == pytest.approx(2.706, abs=2e-3)
     bf16 = geometry_weight_bytes(QWEN35, "bf16")
-    assert (bf16.total - bf16.num_routed_experts * bf16.expert_bytes) / 1e9 == \
-        pytest.approx(4.897, abs=2e-3)
+    assert resident_and_embed(bf16) / 1e9 == pytest.approx(4.897, abs=2e-3)
     # nvfp4.md §6: a W4A16 expert is 1,769,484 B; 10,240 of them.
     assert MIXED.expert_bytes == 1_769_484
     assert MIXED.num_routed_experts == 10_240
@@ -144,6 +187,16 @@ def test_big_budget_keeps_everything_resident() -> None:
     assert dict((k, b) for k, b, _ in plan.outside_allocator)["host memory mappings"] == 0
 
 
+def test_a_tied_embedding_is_counted_once_as_the_lm_head() -> None:
+    tied = WeightBytes(**{**vars(MIXED), "lm_head": MIXED.embed, "tied": True})
+    config = gpu(kv="iso3")
+    plan = plan_memory(config, QWEN35, tied, reference_device(config))
+    assert plan.embed_device == "cuda" and plan.embed_bytes == 0
+    assert dict(plan.resident_weights)["lm_head"] == MIXED.embed
+    assert 0 <= plan.free_bytes < plan.expert_slot_bytes  # the cache takes the rest
+    assert "(tied)" in plan.format()
+
+
 def test_context_beyond_the_model_is_refused() -> None:
     with pytest.raises(PlanError, match="max_position_embeddings 262144"):
         plan35(gpu(max_context=300000))
@@ -200,7 +253,6 @@ def tiny_nvfp4(tmp_path_factory) -> Path:
 def test_checkpoint_bytes_from_headers(tiny_nvfp4: Path) -> None:
     config = load_config(tiny_nvfp4)
     w = checkpoint_weight_bytes(tiny_nvfp4, config)
-    assert w.experts_fp4
     assert w.expert_bytes == 3 * 32 * 64 // 2 + 3 * 32 * 64 // 16 + 12
     assert w.embed == 512 * 64 * 2
     assert w.num_routed_experts == 4 * 8

@@ -160,7 +160,7 @@ def test_logit_bias_bans_and_forces() -> None:
             seq(SamplingParams(temperature=0.0, logit_bias={7: 100, 8: -1.5})),
             seq(SamplingParams(temperature=0.0))]
     sampler = Sampler()
-    assert not sampler.argmax_only(seqs) and sampler.chainable(seqs)
+    assert not sampler.argmax_only(seqs) and sampler.chainable
     out = sampler(logits, seqs)
     assert out[0] != top[0] and out[1] == 7 and out[2] == top[2]
     # sampled rows never draw a banned token; the logits passed in are not modified

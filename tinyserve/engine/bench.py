@@ -20,7 +20,8 @@ from tinyserve.core import SamplingParams
 from tinyserve.engine.build import build_engine
 from tinyserve.engine.config import EngineConfig
 from tinyserve.engine.graph import capacity_pages
-from tinyserve.engine.loop import Engine, EngineStats, RequestHandle
+from tinyserve.engine.loop import Engine, EngineStats
+from tinyserve.engine.stream import RequestHandle
 from tinyserve.testing.provenance import current_commit
 
 WARM_TOKENS = 64  # decode tokens per request before the warm expert hit rate counts
@@ -131,7 +132,7 @@ def run_bench(engine: Engine, *, prompt_len: int, gen_len: int, batch: int,
     decode_time = end - start - last_first
     itl = [b - a for t in timings for a, b in zip(t, t[1:], strict=False)]
     after = engine.stats()
-    result: dict[str, Any] = {
+    return {
         "prompt_len": prompt_len, "gen_len": gen_len, "batch": batch,
         "prefill_tok_s": batch * prompt_len / last_first,
         "decode_tok_s": decoded / decode_time if decode_time > 0 and decoded else None,
@@ -150,7 +151,6 @@ def run_bench(engine: Engine, *, prompt_len: int, gen_len: int, batch: int,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "commit": current_commit(),
     }
-    return result
 
 
 def _collect(handles: list[RequestHandle], marks: dict[int, Any] | None = None,
@@ -215,25 +215,23 @@ def format_result(r: dict[str, Any]) -> str:
     def num(v: Any, fmt: str) -> str:
         return "n/a" if v is None else format(v, fmt)
 
-    mem = r["peak_memory_bytes"]
+    mem, cache = r["peak_memory_bytes"], r["expert_cache"]
     lines = [
         f"device            {r['device']}",
         f"batch x prompt    {r['batch']} x {r['prompt_len']} tokens, {r['gen_len']} generated",
         f"prefill           {num(r['prefill_tok_s'], ',.1f')} tok/s",
         f"decode            {num(r['decode_tok_s'], ',.1f')} tok/s",
-        f"decode step       {num(r.get('decode_step_ms'), ',.2f')} ms (median)",
+        f"decode step       {num(r['decode_step_ms'], ',.2f')} ms (median)",
         f"TTFT mean / max   {r['ttft_s']['mean'] * 1e3:,.1f} / {r['ttft_s']['max'] * 1e3:,.1f} ms",
         f"peak GPU memory   {'n/a' if mem is None else f'{mem / 2**30:.2f} GiB'}",
         f"expert hit rate   {num(r['expert_hit_rate'], '.1%')} (decode "
-        f"{num(r.get('decode_expert_hit_rate'), '.1%')}, warm decode "
-        f"{num(r.get('warm_expert_hit_rate'), '.1%')})",
-        *([f"expert misses     {r['expert_cache']['misses']:,} "
-           f"({r['expert_cache']['h2d_bytes'] / 2**30:.2f} GiB host to device)"]
-          if r.get("expert_cache") else []),
-        *([f"experts on CPU    {r['expert_cache']['cpu_computed']:,} "
-           f"({r['experts']['mode']})"]
-          if r.get("expert_cache") and r["expert_cache"].get("cpu_computed") is not None
-          and r.get("experts") else []),
-        f"engine steps      {r['steps']} ({r.get('graphs_captured', 0)} graphs captured)",
+        f"{num(r['decode_expert_hit_rate'], '.1%')}, warm decode "
+        f"{num(r['warm_expert_hit_rate'], '.1%')})",
     ]
+    if cache:
+        lines.append(f"expert misses     {cache['misses']:,} "
+                     f"({cache['h2d_bytes'] / 2**30:.2f} GiB host to device)")
+        if cache["cpu_computed"] is not None and "experts" in r:
+            lines.append(f"experts on CPU    {cache['cpu_computed']:,} ({r['experts']['mode']})")
+    lines.append(f"engine steps      {r['steps']} ({r['graphs_captured']} graphs captured)")
     return "\n".join(lines)

@@ -118,9 +118,8 @@ def build_parts(config: EngineConfig, *, plan: MemoryPlan | None = None,
     # NOTE: the slot after the snapshots takes the padded rows of decode graphs (the plan
     # counts it on every device; the runner captures graphs on CUDA only).
     pad_slot = seqs + snaps if config.cuda_graphs else None
-    runner = ModelRunner(model, page_size=config.page_size, device=device,
-                         cuda_graphs=config.cuda_graphs, graph_pad_slot=pad_slot,
-                         keep_logits=False)
+    runner = ModelRunner(model, page_size=config.page_size, cuda_graphs=config.cuda_graphs,
+                         graph_pad_slot=pad_slot, keep_logits=False)
     eos = tuple(dict.fromkeys(mcfg.eos_token_ids + _tokenizer_eos(tokenizer)))
     if device.type == "cuda":
         log.info("kernels: %s", "; ".join(
@@ -133,8 +132,7 @@ def build_parts(config: EngineConfig, *, plan: MemoryPlan | None = None,
     return EngineParts(runner=runner, tokenizer=tokenizer, model_config=mcfg,
                        num_kv_pages=plan.kv_pages, num_state_slots=seqs,
                        max_context=plan.max_context, eos_token_ids=eos, state_pool=states,
-                       snapshot_slots=tuple(range(seqs, seqs + snaps)),
-                       snapshot_interval=config.prefix_snapshot_interval, memory_plan=plan)
+                       snapshot_slots=tuple(range(seqs, seqs + snaps)), memory_plan=plan)
 
 
 def _tokenizer_eos(tokenizer: Any) -> tuple[int, ...]:

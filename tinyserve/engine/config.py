@@ -35,20 +35,18 @@ def parse_size(value: str | int) -> int:
     """
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ValueError(f"cannot read {value!r} as {SIZE_HELP}")
-    if isinstance(value, int):
-        if value <= 0:
-            raise ValueError(f"a memory size must be positive, got {value}")
-        return value
-    m = _SIZE_RE.fullmatch(value)
-    if m is None:
-        raise ValueError(f"cannot read {value!r} as {SIZE_HELP}")
-    number, prefix = m.group(1), (m.group(2) or "").lower()
-    if not prefix and "." in number:
-        raise ValueError(f"cannot read {value!r} as {SIZE_HELP}: bytes must be a whole number")
-    size = round(float(number) * 1024 ** _POWERS[prefix])
-    if not prefix and 0 < size < 2**20:
-        raise ValueError(f"{value!r} is {size} bytes, surely not meant: give the unit "
-                         f"(e.g. {value.strip()}GiB)")
+    size = value
+    if isinstance(value, str):
+        m = _SIZE_RE.fullmatch(value)
+        if m is None:
+            raise ValueError(f"cannot read {value!r} as {SIZE_HELP}")
+        number, prefix = m.group(1), (m.group(2) or "").lower()
+        if not prefix and "." in number:
+            raise ValueError(f"cannot read {value!r} as {SIZE_HELP}: bytes must be a whole number")
+        size = round(float(number) * 1024 ** _POWERS[prefix])
+        if not prefix and 0 < size < 2**20:
+            raise ValueError(f"{value!r} is {size} bytes, surely not meant: give the unit "
+                             f"(e.g. {value.strip()}GiB)")
     if size <= 0:
         raise ValueError(f"a memory size must be positive, got {value!r}")
     return size
@@ -58,14 +56,12 @@ def describe_size(value: str | int) -> str:
     """How `parse_size` read `value`, for the printed plan: '6GB read as 6 GiB (6,144 MiB)'."""
     size = parse_size(value)
     mib = f"{size / 2**20:,.1f}".removesuffix(".0")
-    if isinstance(value, int) or re.fullmatch(r"\s*\d+\s*[bB]?\s*", value):
+    m = _SIZE_RE.fullmatch(value) if isinstance(value, str) else None
+    if m is None or m.group(2) is None:  # bytes
         return f"{size:,} bytes ({mib} MiB)"
-    m = _SIZE_RE.fullmatch(value)
-    assert m is not None
-    number, prefix = m.group(1), (m.group(2) or "").upper()
     if m.group(3).lower() == "ib":  # already written as a binary unit
         return f"{value.strip()} ({mib} MiB)"
-    return f"{value.strip()} read as {number} {prefix}iB ({mib} MiB)"
+    return f"{value.strip()} read as {m.group(1)} {m.group(2).upper()}iB ({mib} MiB)"
 
 
 EXPERT_MODES = ("gpu", "cpu", "hybrid", "auto")
@@ -152,11 +148,16 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> Any:
+        return self.dtype_on(self.resolved_device)
+
+    def dtype_on(self, device: str) -> Any:
+        """The model's torch dtype on `device`: `dtype`, else float32 on the CPU and bfloat16
+        on CUDA."""
         import torch
 
         if self.dtype is not None:
             return getattr(torch, self.dtype)
-        return torch.float32 if self.resolved_device == "cpu" else torch.bfloat16
+        return torch.float32 if device == "cpu" else torch.bfloat16
 
     @property
     def gpu_memory_bytes(self) -> int | None:

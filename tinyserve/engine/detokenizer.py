@@ -26,15 +26,13 @@ class IncrementalDetokenizer:
     `finish()` returns the text still held back when the request ends for another reason.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), *,
-                 skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
-        self.skip_special_tokens = skip_special_tokens
         self.stopped = False
         self.matched: str | None = None  # the stop string that ended the text
         self._max_stop = max((len(s) for s in self.stop), default=0)
-        self._decode_fn = _decoder(tokenizer, skip_special_tokens)
+        self._decode_fn = _decoder(tokenizer)
         self._ids: list[int] = []
         self._prefix_offset = 0  # start of the decode window (a character boundary)
         self._read_offset = 0  # tokens whose text is already in self._text
@@ -81,9 +79,7 @@ class IncrementalDetokenizer:
         self._read_offset = end
 
     def _decode_ids(self, ids: list[int]) -> str:
-        if not ids:
-            return ""
-        return self._decode_fn(ids)
+        return self._decode_fn(ids) if ids else ""
 
     def _emit(self, *, final: bool) -> str:
         end = len(self._text)
@@ -105,14 +101,15 @@ class IncrementalDetokenizer:
         return delta
 
 
-def _decoder(tokenizer: Tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]:
-    """`ids -> text`: the Rust backend of a Hugging Face fast tokenizer when its `decode` would
-    return the backend's text unchanged, else `tokenizer.decode`."""
+def _decoder(tokenizer: Tokenizer) -> Callable[[list[int]], str]:
+    """`ids -> text` without special tokens: the Rust backend of a Hugging Face fast tokenizer
+    when its `decode` would return the backend's text unchanged, else `tokenizer.decode`."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = tokenizer
     if (getattr(tokenizer, "clean_up_tokenization_spaces", None) is False
             and callable(getattr(backend, "decode", None))):
-        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        decoder = backend
+    return lambda ids: decoder.decode(ids, skip_special_tokens=True)
 
 
 def _stop_prefix_len(text: str, stops: tuple[str, ...], max_len: int) -> int:

@@ -25,10 +25,6 @@ LATE_GROWTH = 192 * MiB  # kernel modules, local-memory growth, graph executable
 MAPPING_PER_GIB = 0  # device memory per GiB of registered host memory
 _ROUND = 8 * MiB  # measured figures are rounded up to this, so that plan and run agree
 
-CONTEXT_ITEM = "CUDA context, libraries"
-LATE_ITEM = "kernels, local memory, graphs"
-MAPPING_ITEM = "host memory mappings"
-
 
 def _round_up(n: int) -> int:
     return -(-max(n, 0) // _ROUND) * _ROUND
@@ -56,9 +52,9 @@ class DeviceMemory:
         if not self.is_cuda:
             return ()
         mapped = -(-host_mapped_bytes * MAPPING_PER_GIB // GiB)
-        return ((CONTEXT_ITEM, self.startup, self.startup_source),
-                (LATE_ITEM, LATE_GROWTH, "H200 measurement"),
-                (MAPPING_ITEM, _round_up(mapped), "H200 measurement"))
+        return (("CUDA context, libraries", self.startup, self.startup_source),
+                ("kernels, local memory, graphs", LATE_GROWTH, "H200 measurement"),
+                ("host memory mappings", _round_up(mapped), "H200 measurement"))
 
 
 def reference_device(config: EngineConfig) -> DeviceMemory:

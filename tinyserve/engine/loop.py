@@ -16,7 +16,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,14 +26,11 @@ from tinyserve.engine.config import EngineConfig
 from tinyserve.engine.detokenizer import IncrementalDetokenizer
 from tinyserve.engine.memory_plan import MemoryPlan
 from tinyserve.engine.runner_api import PendingStep, Runner
-from tinyserve.engine.scheduler import RequestRejected, Scheduler, StepEvent
+from tinyserve.engine.scheduler import Scheduler, StepEvent
 from tinyserve.engine.stream import RequestHandle, RequestOutput
 from tinyserve.kv.allocator import PageAllocator
 from tinyserve.kv.prefix_cache import PrefixCache
 from tinyserve.log import get_logger
-
-__all__ = ["Engine", "EngineParts", "EngineStats", "RequestHandle", "RequestOutput",
-           "RequestRejected"]
 
 log = get_logger(__name__)
 _SAMPLES = 2048  # latency samples kept for stats()
@@ -53,7 +50,6 @@ class EngineParts:
     eos_token_ids: tuple[int, ...] = ()
     state_pool: Any = None
     snapshot_slots: tuple[int, ...] = ()
-    snapshot_interval: int = 0
     memory_plan: MemoryPlan | None = None
 
 
@@ -92,15 +88,15 @@ class EngineStats:
     expert_cpu_computed: int | None = None  # misses computed on the CPU (hybrid experts)
 
 
+@dataclass
 class _Live:
     """Loop-thread state of one request."""
 
-    def __init__(self, handle: RequestHandle, detok: IncrementalDetokenizer) -> None:
-        self.handle = handle
-        self.detok = detok
-        self.submitted = time.perf_counter()
-        self.last_token: float | None = None
-        self.completion_tokens = 0
+    handle: RequestHandle
+    detok: IncrementalDetokenizer
+    submitted: float = field(default_factory=time.perf_counter)
+    last_token: float | None = None
+    completion_tokens: int = 0
 
 
 class Engine:
@@ -119,7 +115,7 @@ class Engine:
             self.prefix_cache = PrefixCache(
                 pages, page_size=config.page_size, states=parts.state_pool,
                 snapshot_slots=parts.snapshot_slots,
-                snapshot_interval=parts.snapshot_interval)
+                snapshot_interval=config.prefix_snapshot_interval)
         self.scheduler = Scheduler(
             pages=pages, slots=PageAllocator(parts.num_state_slots),
             page_size=config.page_size, max_context=parts.max_context,
@@ -172,8 +168,8 @@ class Engine:
         self._flush()  # the previous step's outputs, unless the runner's hook sent them
         if output is not None:
             self._outputs = self.scheduler.record(batch, output)
-        if not self._next_step_emits():
-            self._flush()
+        if not (self._overlap and self.scheduler.has_work and not self._inbox):
+            self._flush()  # else the next step's launch emits them (the overlap hook)
 
     def _take_chained(self) -> tuple[Batch, PendingStep] | None:
         """The step chained during the last one, unless none of its requests still runs
@@ -226,10 +222,6 @@ class Engine:
         except Exception:  # this step stands; the next one is scheduled as usual
             log.exception("launching a chained decode step failed")
             return None
-
-    def _next_step_emits(self) -> bool:
-        """Whether the next step's launch emits this step's outputs (the overlap hook)."""
-        return self._overlap and self.scheduler.has_work and not self._inbox
 
     def _step_failed(self, batch: Batch, exc: Exception) -> None:
         """A step's launch or result raised: fail its one request, or rerun each alone."""

@@ -33,7 +33,7 @@ class MemoryPlan:
     outside_allocator: tuple[tuple[str, int, str], ...]
     resident_weights: tuple[tuple[str, int], ...]  # (group, bytes), no embedding
     embed_device: str  # "cuda" | "cpu" (row gather from host RAM)
-    embed_bytes: int
+    embed_bytes: int  # 0 when tied to the lm_head (a resident weight)
     workspace: tuple[tuple[str, int], ...]
     prefill_chunk: int
     max_seqs: int
@@ -131,7 +131,7 @@ class MemoryPlan:
         rows = self._header()
         rows += [row("weights: " + g, b) for g, b in self.resident_weights]
         if self.embed_device == self.device.split(":")[0]:
-            rows.append(row("embedding", self.embed_bytes))
+            rows.append(row("embedding", self.embed_bytes, "" if self.embed_bytes else "tied"))
         else:
             rows.append(f"    embedding: host RAM, row gather ({mib(self.embed_bytes)})")
         rows += [row("workspace: " + w, b) for w, b in self.workspace]

@@ -46,19 +46,13 @@ def activation_bytes_per_token(config: Any, dtype_bytes: int = 2) -> int:
     return hidden + mixer + moe
 
 
-def dtype_bytes(config: EngineConfig, device: DeviceMemory) -> int:
-    if config.dtype is not None:
-        return {"float32": 4, "bfloat16": 2, "float16": 2}[config.dtype]
-    return 2 if device.is_cuda else 4
-
-
 class _Sizes:
     """The byte arithmetic of one (config, model, weights, device)."""
 
     def __init__(self, config: EngineConfig, model: Any, weights: WeightBytes,
                  device: DeviceMemory) -> None:
         self.cfg, self.model, self.w, self.dev = config, model, weights, device
-        self.dtype_bytes = dtype_bytes(config, device)
+        self.dtype_bytes = config.dtype_on(device.device).itemsize
         self.kv = resolve_kv(config.kv, model.head_dim, device.is_cuda)
         self.kv_tok = kv_bytes_per_token(self.kv, len(model.full_attention_layers),
                                          model.num_kv_heads, model.head_dim)
@@ -79,13 +73,9 @@ class _Sizes:
         return -(-tokens // self.page)
 
     def outside(self, embed_device: str, expert_cache: bool) -> tuple[tuple[str, int, str], ...]:
-        mapped = self.w.embed if embed_device == "cpu" and not self.w.tied else 0
+        mapped = self.embed if embed_device == "cpu" else 0
         mapped += self.w.num_routed_experts * self.w.expert_bytes if expert_cache else 0
         return self.dev.outside_allocator(mapped)
-
-    def cap(self, embed_device: str, expert_cache: bool) -> int:
-        assert self.dev.budget is not None
-        return self.dev.budget - sum(b for _, b, _ in self.outside(embed_device, expert_cache))
 
     def workspace(self, tokens: int, seqs: int, cap: int) -> tuple[tuple[str, int], ...]:
         m, cfg = self.model, self.cfg
@@ -105,32 +95,20 @@ class _Sizes:
         items.append(("allocator slack", slack))
         return tuple(items)
 
-    def fixed(self, tokens: int, seqs: int, cap: int) -> int:
-        # resident weights (no embedding, no routed experts) + workspace + states + KV
-        return (sum(b for _, b in self.w.resident_groups())
-                + sum(b for _, b in self.workspace(tokens, seqs, cap))
-                + self.state_slots(seqs) * self.per_slot
-                + self.pages(tokens) * self.page * self.kv_tok)
-
-    def left(self, tokens: int, seqs: int, embed_device: str, expert_cache: bool) -> int:
-        """What the allocator cap leaves for the routed experts (all, or the cache)."""
-        cap = self.cap(embed_device, expert_cache)
-        return cap - self.fixed(tokens, seqs, cap) - (self.embed if embed_device == "cuda" else 0)
-
     def make(self, *, tokens: int, seqs: int, embed_device: str, expert_cache: bool,
              slots: int) -> MemoryPlan:
+        """The plan of these choices; on a GPU its `free_bytes` < 0 when it does not fit."""
         dev, cfg, m = self.dev, self.cfg, self.model
         cuda = dev.is_cuda
         pages = self.pages(tokens) if cuda or cfg.num_kv_pages is not None \
             else self.pages(tokens) * seqs
-        cap = self.cap(embed_device, expert_cache) if cuda else 0
+        outside = self.outside(embed_device, expert_cache) if cuda else ()
+        cap = dev.budget - sum(b for _, b, _ in outside) if cuda else 0
         return MemoryPlan(
             device=dev.device, device_name=dev.name, gpu_memory=dev.budget,
-            budget_source=dev.budget_source,
-            outside_allocator=self.outside(embed_device, expert_cache) if cuda else (),
+            budget_source=dev.budget_source, outside_allocator=outside,
             resident_weights=self.w.resident_groups(), embed_device=embed_device,
-            embed_bytes=self.w.embed,
-            workspace=self.workspace(tokens, seqs, cap) if cuda else (),
+            embed_bytes=self.embed, workspace=self.workspace(tokens, seqs, cap) if cuda else (),
             prefill_chunk=cfg.max_num_batched_tokens, max_seqs=seqs,
             snapshot_slots=cfg.snapshot_slots(seqs), state_slots=self.state_slots(seqs),
             state_bytes_per_slot=self.per_slot, kv_format=self.kv,
@@ -175,63 +153,69 @@ def plan_memory(config: EngineConfig, model: Any, weights: WeightBytes,
 
 
 def _plan_gpu(s: _Sizes, tokens: int, forced: int | None) -> MemoryPlan:
-    cfg, w = s.cfg, s.w
-    n, slot_bytes = w.num_routed_experts, w.expert_bytes
-    all_experts = n * slot_bytes
+    """The first plan that fits, in the module docstring's order (PlanError when none does)."""
+    cfg, n = s.cfg, s.w.num_routed_experts
     seqs = cfg.max_seqs or 1
+
+    def resident(context: int, num_seqs: int, embed_device: str) -> MemoryPlan:
+        return s.make(tokens=context, seqs=num_seqs, embed_device=embed_device,
+                      expert_cache=False, slots=n)
+
+    def cached(tokens: int, slots: int, embed_device: str) -> MemoryPlan:
+        return s.make(tokens=tokens, seqs=seqs, embed_device=embed_device, expert_cache=True,
+                      slots=slots)
+
     # Steps 1 and 2: everything resident, with the model's whole context or else (without
     # --max-context) the default one: resident experts beat a big cache.
     contexts = [tokens] if cfg.max_context is not None or cfg.num_kv_pages is not None \
         else sorted({tokens, min(DEFAULT_CONTEXT, tokens)}, reverse=True)
     for context in contexts if forced is None else ():
-        if s.left(context, seqs, "cuda", False) >= all_experts:
+        plan = resident(context, seqs, "cuda")
+        if plan.free_bytes >= 0:
             most = min(DEFAULT_MAX_SEQS, cfg.max_num_batched_tokens)
-            while (cfg.max_seqs is None and seqs < most
-                   and s.left(context, seqs + 1, "cuda", False) >= all_experts):
-                seqs += 1
-            return s.make(tokens=context, seqs=seqs, embed_device="cuda", expert_cache=False,
-                          slots=n)
-        if not w.tied and s.left(context, seqs, "cpu", False) >= all_experts:
-            return s.make(tokens=context, seqs=seqs, embed_device="cpu", expert_cache=False,
-                          slots=n)
+            while cfg.max_seqs is None and plan.max_seqs < most:
+                more = resident(context, plan.max_seqs + 1, "cuda")
+                if more.free_bytes < 0:
+                    break
+                plan = more
+            return plan
+        if not s.w.tied and (plan := resident(context, seqs, "cpu")).free_bytes >= 0:
+            return plan
     # Step 3: offload the experts.
-    embed_device = "cuda" if w.tied else "cpu"
+    embed_device = "cuda" if s.w.tied else "cpu"
     min_slots = s.model.num_experts
     if cfg.max_context is None and cfg.num_kv_pages is None:
-        spare = s.left(0, seqs, embed_device, True) - min_slots * slot_bytes
+        spare = cached(0, min_slots, embed_device).free_bytes
         tokens = min(DEFAULT_CONTEXT, s.max_pos, max(spare, 0) // 2 // (s.kv_tok + s.scratch_tok))
         tokens = tokens // s.page * s.page
         if tokens < s.page:
-            _refuse(s, max(s.page, 1), seqs, embed_device, min_slots)
-    left = s.left(tokens, seqs, embed_device, True)
-    slots = forced if forced is not None else min(n, max(left, 0) // slot_bytes)
-    if slots < min_slots or left < slots * slot_bytes:
-        _refuse(s, tokens, seqs, embed_device, slots if forced else min_slots)
-    return s.make(tokens=tokens, seqs=seqs, embed_device=embed_device, expert_cache=True,
-                  slots=int(slots))
+            _refuse(s, cached(s.page, min_slots, embed_device))
+    left = cached(tokens, 0, embed_device).free_bytes  # what the expert cache may take
+    slots = forced if forced is not None else min(n, max(left, 0) // s.w.expert_bytes)
+    plan = cached(tokens, slots, embed_device)
+    if slots < min_slots or plan.free_bytes < 0:
+        _refuse(s, plan if forced else cached(tokens, min_slots, embed_device))
+    return plan
 
 
-def _refuse(s: _Sizes, tokens: int, seqs: int, embed_device: str, slots: int) -> NoReturn:
-    w, kv_tokens, state_slots = s.w, s.pages(tokens) * s.page, s.state_slots(seqs)
-    cap = s.cap(embed_device, True)
-    assert s.dev.budget is not None
+def _refuse(s: _Sizes, plan: MemoryPlan) -> NoReturn:
+    """Raise PlanError with what `plan` (with the smallest expert cache allowed) needs."""
     parts = [  # (what, bytes, note): the whole need
-        ("outside torch's allocator", sum(b for _, b, _ in s.outside(embed_device, True)), ""),
-        ("weights", sum(b for _, b in w.resident_groups()), ""),
-        ("embedding", s.embed if embed_device == "cuda" else 0, ""),
-        ("workspace", sum(b for _, b in s.workspace(tokens, seqs, cap)), ""),
-        ("GDN states", state_slots * s.per_slot, f" ({state_slots} slots)"),
-        ("KV", kv_tokens * s.kv_tok, f" ({kv_tokens} tokens {s.kv})"),
-        ("expert cache", slots * w.expert_bytes,
-         f" (at least {slots} slots of {w.expert_bytes / MiB:.2f} MiB)")]
-    need = sum(b for _, b, _ in parts)
+        ("outside torch's allocator", plan.outside_allocator_bytes, ""),
+        ("weights", plan.resident_weight_bytes, ""),
+        ("embedding", plan.embed_bytes if plan.embed_device == "cuda" else 0, ""),
+        ("workspace", plan.workspace_bytes, ""),
+        ("GDN states", plan.state_bytes, f" ({plan.state_slots} slots)"),
+        ("KV", plan.kv_bytes, f" ({plan.context_tokens} tokens {plan.kv_format})"),
+        ("expert cache", plan.expert_cache_bytes,
+         f" (at least {plan.expert_slots} slots of {plan.expert_slot_bytes / MiB:.2f} MiB)")]
     shown = ", ".join(f"{what} {mib(b)}{note}" for what, b, note in parts
                       if b or what != "embedding")
     hints = ["lower --max-context" if s.cfg.max_context else "",
              "lower --max-seqs" if s.cfg.max_seqs and s.cfg.max_seqs > 1 else "",
              "use --kv iso3" if s.kv == "bf16" else "", "raise --gpu-memory"]
-    raise PlanError(f"the model needs at least {mib(need)} of GPU memory but the budget is "
-                    f"{s.dev.budget_source}: {shown}; {', '.join(h for h in hints if h)}")
+    raise PlanError(f"the model needs at least {mib(plan.gpu_bytes)} of GPU memory but the "
+                    f"budget is {s.dev.budget_source}: {shown}; {', '.join(h for h in hints if h)}")
 
 
 def plan_checkpoint(config: EngineConfig, path: str | Path, device: DeviceMemory) -> MemoryPlan:
@@ -239,8 +223,8 @@ def plan_checkpoint(config: EngineConfig, path: str | Path, device: DeviceMemory
     from tinyserve.model.config import load_config
 
     model = load_config(path)
-    return plan_memory(config, model, checkpoint_weight_bytes(
-        path, model, dtype_bytes(config, device)), device)
+    dtype_bytes = config.dtype_on(device.device).itemsize
+    return plan_memory(config, model, checkpoint_weight_bytes(path, model, dtype_bytes), device)
 
 
 def plan_engine(config: EngineConfig, path: str | Path | None = None, *,

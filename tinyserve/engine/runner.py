@@ -123,7 +123,6 @@ class ModelRunner(Runner):
     """Runs `model` (a `Qwen35Model`, whose `kv` and `states` pools the batches index).
 
     Args:
-        sampler: default `Sampler()`.
         cuda_graphs: replay CUDA graphs for pure-decode batches; needs `graph_pad_slot` (a GDN
             state slot no sequence uses), a CUDA device with kernels on and a capturable experts
             provider.
@@ -131,13 +130,12 @@ class ModelRunner(Runner):
             tokens are the graph's own argmax).
     """
 
-    def __init__(self, model: Any, *, page_size: int, device: torch.device | str | None = None,
-                 sampler: Any = None, cuda_graphs: bool = False,
+    def __init__(self, model: Any, *, page_size: int, cuda_graphs: bool = False,
                  graph_pad_slot: int | None = None, keep_logits: bool = True) -> None:
         self.model = model
         self.page_size = page_size
-        self.device = torch.device(device) if device is not None else model.device
-        self.sampler = sampler if sampler is not None else Sampler()
+        self.device: torch.device = model.device
+        self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
         self.keep_logits = keep_logits
         self.overlap_hook: Callable[[], None] | None = None
@@ -204,7 +202,7 @@ class ModelRunner(Runner):
         seqs = batch.seqs
         return (self.graphs is not None and not self.graphs.host_embedding
                 and self.graphs.supports(seqs) and all(s.sample for s in seqs)
-                and self.sampler.chainable(seqs))
+                and self.sampler.chainable)
 
     def launch(self, batch: Batch, *, after: PendingStep | None = None) -> PendingOutput:
         """Queue one step, then run the host work that overlaps it. With `after` (a launched

@@ -1,8 +1,8 @@
 """The runner interface the engine steps.
 
 A step is `runner.launch(batch) -> PendingStep`, then `pending.result() -> ForwardOutput`
-(its one wait for the sampled tokens). A runner that computes the step at launch returns
-`Finished(output)`; the defaults fit a synchronous runner that never chains steps.
+(its one wait for the sampled tokens). The defaults fit a synchronous runner (one that computes
+the step at launch) that never chains steps.
 """
 
 from __future__ import annotations
@@ -27,18 +27,6 @@ class PendingStep(Protocol):
     def result(self) -> ForwardOutput:
         """Wait for the sampled tokens; later calls return the same output."""
         ...
-
-
-class Finished:
-    """A step computed at launch: its output is ready."""
-
-    device_tokens = None
-
-    def __init__(self, output: ForwardOutput) -> None:
-        self._output = output
-
-    def result(self) -> ForwardOutput:
-        return self._output
 
 
 class Runner(ABC):

@@ -30,12 +30,14 @@ class Sampler:
 
     def argmax_only(self, seqs: Sequence[ScheduledSeq]) -> bool:
         """Whether sampling `seqs` is the plain argmax of their logits."""
-        return self.chainable(seqs) and all(
+        return self.chainable and all(
             s.params.greedy and not s.params.logit_bias and not _has_penalty(s)
             and s.params.logprobs is None for s in seqs)
 
-    def chainable(self, seqs: Sequence[ScheduledSeq]) -> bool:
-        """Whether `seqs` can be sampled before the host has the step's input tokens."""
+    @property
+    def chainable(self) -> bool:
+        """Whether sampling may run before the host has the step's input tokens (a logits
+        hook reads them)."""
         return self.logits_hook is None
 
     @torch.inference_mode()

@@ -19,7 +19,7 @@ from tinyserve.offload.store import HostExpertStore
 
 class HeapPolicy(ExpertCachePolicy):
     """The previous implementation: a lazy heap of (score, slot, version), victims popped and
-    pushed back, observe through `_assign` + `_touch`."""
+    pushed back, observe through `_assign` + `_use`."""
 
     def __init__(self, num_slots: int, **kwargs) -> None:
         super().__init__(num_slots, **kwargs)
@@ -60,7 +60,8 @@ class HeapPolicy(ExpertCachePolicy):
             else:
                 self._pinned.add(s)
                 hits += 1
-            self._touch((layer, e))
+            self._use((layer, e))
+            self._push(self.where[(layer, e)])
         self.stats.count(layer, hits, misses, self.bytes_per_expert)
 
 

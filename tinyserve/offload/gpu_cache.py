@@ -304,8 +304,9 @@ class DeviceExpertCache:
         ar = torch.arange(rows, dtype=torch.int32, device=self.device)
         self.table[:rows] = ar
         self.owner[:rows] = ar
-        for r in range(rows):
-            self.policy.observe(r // self.num_experts, [r % self.num_experts], [r], [True])
+        E = self.num_experts
+        loads = [((r // E, r % E), r) for r in range(rows)]
+        self.policy.replay_step(range(self.num_layers), [], loads)
         self.policy.end_step()
         self.policy.stats = CacheStats()
         self._fill_victims()

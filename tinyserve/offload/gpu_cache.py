@@ -278,8 +278,7 @@ class DeviceExpertCache:
             a, b = split.tolist()
             where = self.policy.where
             misses = sorted({e for e in ids if (layer, e) not in where})
-            c = min(max(int(np.floor(a * len(misses) - b + 0.5)), 0), len(misses))
-            cpu = set(misses[len(misses) - c:])
+            cpu = set(misses[len(misses) - lk.cpu_share(a, b, len(misses)):])
         gpu_ids = [e for e in ids if e not in cpu]
         slots, loads = self.policy.access(layer, gpu_ids) if gpu_ids else ([], [])
         self.policy.release()  # this layer's copies are ordered before any later eviction

@@ -23,6 +23,8 @@ from tinyserve.offload.store import HostExpertStore
 
 logger = get_logger(__name__)
 
+CPU_MAX_TOKENS = 16  # largest batch whose misses may go to the CPU (`set_hybrid`)
+
 
 class OffloadedExperts(ExpertsProvider):
     """Routed experts from a `HostExpertStore` through a `DeviceExpertCache`.
@@ -47,8 +49,9 @@ class OffloadedExperts(ExpertsProvider):
             elif stream_prefill or cache.num_slots < cache.num_layers * cache.num_experts:
                 logger.info("prefill streaming off: %s", why)
         self.streamer = streamer
-        self.hybrid: Any = None  # an offload.hybrid.HybridExperts (`set_hybrid`), or None
-        self.hybrid_plan: Any = None  # the offload.hybrid.HybridPlan chosen at start-up
+        self.hybrid_plan: Any = None  # the offload.hybrid.HybridPlan in force (`set_hybrid`)
+        self.cpu_runner: Any = None  # its offload.hybrid.CpuExperts, None for a "gpu" plan
+        self._split: torch.Tensor | None = None  # fp32 [2] on the device: the plan's (a, b)
 
     @classmethod
     def create(cls, store: HostExpertStore, num_slots: int, *, device: torch.device | str,
@@ -76,15 +79,19 @@ class OffloadedExperts(ExpertsProvider):
         """Whether `forward` takes the layer's shared expert along (the fused-MoE kernel)."""
         return self.use_kernel
 
-    def set_hybrid(self, hybrid: Any) -> None:
-        """Run the CPU share of decode misses with `hybrid` (an `offload.hybrid.HybridExperts`;
-        None: every miss is copied). Decode graphs captured before must be dropped."""
-        self.hybrid = hybrid
+    def set_hybrid(self, plan: Any, runner: Any = None) -> None:
+        """Serve decode misses by `plan` (an `offload.hybrid.HybridPlan`), its CPU share on
+        `runner` (an `offload.hybrid.CpuExperts`, unused by a "gpu" plan). Decode graphs
+        captured before must be dropped."""
+        self.hybrid_plan = plan
+        self.cpu_runner = None if plan.mode == "gpu" else runner
+        self._split = torch.tensor([plan.a, plan.b], dtype=torch.float32,
+                                   device=self.cache.device)
 
     @property
     def cpu_computed(self) -> int | None:
         """Distinct experts computed on the CPU so far (None without a CPU part)."""
-        return None if self.hybrid is None else self.hybrid.runner.computed
+        return None if self.cpu_runner is None else self.cpu_runner.computed
 
     def forward(self, layer_id: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, *, shared_slots: ExpertSlots | None = None,
@@ -111,7 +118,7 @@ class OffloadedExperts(ExpertsProvider):
                   shared_logit=shared_logit)
         if not cpu_part:
             return out
-        self.hybrid.runner.join()
+        self.cpu_runner.join()
         return (out.float() + cpu_part[0]).to(x.dtype)
 
     def _slot_ids(self, layer_id: int, topk_ids: torch.Tensor, *, x: torch.Tensor | None = None,
@@ -125,14 +132,14 @@ class OffloadedExperts(ExpertsProvider):
             if streamer.wants(topk_ids):
                 return streamer.slot_ids(layer_id, topk_ids)
             streamer.release()
-        hybrid = self.hybrid
-        if hybrid is None or cpu_part is None or not hybrid.takes(topk_ids.shape[0]):
+        runner = self.cpu_runner
+        if runner is None or cpu_part is None or not 0 < topk_ids.shape[0] <= CPU_MAX_TOKENS:
             return self.cache.lookup(layer_id, topk_ids)
 
         def fork(slot_ids: torch.Tensor) -> None:
-            cpu_part.append(hybrid.runner.start(layer_id, x, topk_ids, slot_ids, topk_weights))
+            cpu_part.append(runner.start(layer_id, x, topk_ids, slot_ids, topk_weights))
 
-        return self.cache.lookup(layer_id, topk_ids, split=hybrid.split, on_lookup=fork)
+        return self.cache.lookup(layer_id, topk_ids, split=self._split, on_lookup=fork)
 
     @property
     def capturable(self) -> bool:

@@ -70,8 +70,9 @@ def _streaming(cfg, w, slots: int, mode: str, queue: prefetch.CopyQueue | None =
     cache = DeviceExpertCache(store, slots, device="cpu", dtype=torch.float32, mode=mode,
                               use_triton=False)
     # 16 pairs: a 20-token chunk (40 pairs) streams, a decode token (2 pairs) does not.
-    streamer = prefetch.LayerStreamer(cache, queue=queue, min_pairs=16)
-    return OffloadedExperts(cache, streamer=streamer)
+    experts = OffloadedExperts(cache)
+    experts.streamer = prefetch.LayerStreamer(cache, queue=queue, min_pairs=16)
+    return experts
 
 
 @pytest.mark.parametrize("chunk", [20, 40], ids=lambda c: f"chunk{c}")
@@ -191,7 +192,6 @@ def test_streaming_needs_two_layers_of_slots_and_not_all() -> None:
     assert make(2 * E).streamer is not None
     assert make(2 * E - 1).streamer is None
     assert make(L * E).streamer is None
-    assert make(2 * E, stream_prefill=False).streamer is None
     assert prefetch.can_stream(2 * E - 1, L, E) is not None
     with pytest.raises(ValueError, match="slots"):
         prefetch.LayerStreamer(make(E).cache)

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from tinyserve import envs
 from tinyserve.kernels.moe.fused import ExpertSlots, fused_moe, fused_moe_ref
 from tinyserve.log import get_logger
 from tinyserve.model.experts_api import ExpertsProvider
+from tinyserve.model.linear import kernels_enabled
 from tinyserve.offload import prefetch
 from tinyserve.offload.gpu_cache import DeviceExpertCache
 from tinyserve.offload.store import HostExpertStore
@@ -27,39 +27,30 @@ CPU_MAX_TOKENS = 16  # largest batch whose misses may go to the CPU (`set_hybrid
 
 
 class OffloadedExperts(ExpertsProvider):
-    """Routed experts from a `HostExpertStore` through a `DeviceExpertCache`.
+    """Routed experts from a `HostExpertStore` through a `DeviceExpertCache`. Prefill streams
+    (`streamer`) when the cache holds two layers but not all; to switch streaming off later,
+    `begin_step()` then set `streamer` to None."""
 
-    `use_kernel`: the Triton fused MoE (default: on CUDA unless TINYSERVE_DISABLE_KERNELS).
-    `stream_prefill`: default on when the cache holds two layers but not all. `streamer`: a
-    ready `LayerStreamer` (tests); to switch streaming off later, `begin_step()` then set None.
-    """
-
-    def __init__(self, cache: DeviceExpertCache, *, use_kernel: bool | None = None,
-                 stream_prefill: bool | None = None,
-                 streamer: prefetch.LayerStreamer | None = None) -> None:
+    def __init__(self, cache: DeviceExpertCache) -> None:
         self.cache = cache
-        if use_kernel is None:
-            use_kernel = cache.device.type == "cuda" and not envs.DISABLE_KERNELS.get()
-        self.use_kernel = use_kernel
+        self.use_kernel = kernels_enabled(cache.device)  # the Triton fused MoE
         self._last_layer: int | None = None
-        if streamer is None and stream_prefill is not False:
-            why = prefetch.can_stream(cache.num_slots, cache.num_layers, cache.num_experts)
-            if why is None:
-                streamer = prefetch.LayerStreamer(cache)
-            elif stream_prefill or cache.num_slots < cache.num_layers * cache.num_experts:
-                logger.info("prefill streaming off: %s", why)
-        self.streamer = streamer
+        self.streamer: prefetch.LayerStreamer | None = None
+        why = prefetch.can_stream(cache.num_slots, cache.num_layers, cache.num_experts)
+        if why is None:
+            self.streamer = prefetch.LayerStreamer(cache)
+        elif cache.num_slots < cache.num_layers * cache.num_experts:
+            logger.info("prefill streaming off: %s", why)
         self.hybrid_plan: Any = None  # the offload.hybrid.HybridPlan in force (`set_hybrid`)
         self.cpu_runner: Any = None  # its offload.hybrid.CpuExperts, None for a "gpu" plan
         self._split: torch.Tensor | None = None  # fp32 [2] on the device: the plan's (a, b)
 
     @classmethod
     def create(cls, store: HostExpertStore, num_slots: int, *, device: torch.device | str,
-               dtype: torch.dtype = torch.bfloat16, stream_prefill: bool | None = None,
-               **cache_kwargs: Any) -> OffloadedExperts:
+               dtype: torch.dtype = torch.bfloat16, **cache_kwargs: Any) -> OffloadedExperts:
         """A provider with a fresh cache of `num_slots` slots on `device`."""
         return cls(DeviceExpertCache(store, num_slots, device=device, dtype=dtype,
-                                     **cache_kwargs), stream_prefill=stream_prefill)
+                                     **cache_kwargs))
 
     def begin_step(self, *, defer: bool = False) -> None:
         """Start a new step (called before each CUDA-graph replay; `defer`: see

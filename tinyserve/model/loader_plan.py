@@ -20,7 +20,7 @@ from tinyserve.model.loader import (
     FLOAT_DTYPES,
     CheckpointError,
     CheckpointReader,
-    is_expert_name,
+    parse_expert_name,
     strip_prefix,
 )
 
@@ -210,8 +210,8 @@ class _Matcher:
                  or f"layers.{layer}.mlp.experts.down_proj" in self.keys}
         plans = []
         for name, (kind, shape) in expected_weights(c).items():
-            expert = is_expert_name(name)
-            if expert and int(name.split(".")[1]) in fused:
+            expert = parse_expert_name(name)
+            if expert is not None and expert[0] in fused:
                 continue
             if name == "lm_head" and c.tie_word_embeddings and "lm_head.weight" not in self.keys:
                 embed = next(p for p in plans if p.name == "embed_tokens")
@@ -220,7 +220,7 @@ class _Matcher:
                 continue
             plan = self._linear(name, shape) if kind == "linear" else self._tensor(name, kind,
                                                                                   shape)
-            plan.is_expert = expert
+            plan.is_expert = expert is not None
             plans.append(plan)
         f, h = c.moe_intermediate_size, c.hidden_size
         for layer in sorted(fused):

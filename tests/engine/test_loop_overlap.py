@@ -40,7 +40,7 @@ def device_mode(monkeypatch):
     real = OffloadedExperts.create.__func__
 
     def create(cls, *args, **kwargs):
-        return real(cls, *args, mode="device", use_triton=False, **kwargs)
+        return real(cls, *args, mode="device", **kwargs)
 
     monkeypatch.setattr(OffloadedExperts, "create", classmethod(create))
 

@@ -21,7 +21,7 @@ L, E, K, S = 6, 32, 4, 60
 
 def _cache(slots: int = S, max_ids: int = 4 * K) -> DeviceExpertCache:
     store = HostExpertStore(L, E, 64, 32, fp4=True, pin=False)
-    return DeviceExpertCache(store, slots, device="cpu", mode="device", use_triton=False,
+    return DeviceExpertCache(store, slots, device="cpu", mode="device",
                              max_ids=max_ids)
 
 

@@ -99,7 +99,7 @@ def test_device_mode_begin_step_matches_the_heap_replay(kind: str, tokens: int) 
     victim lists after every step."""
     L, E, k, S = 6, 32, 4, 60
     store = HostExpertStore(L, E, 64, 32, fp4=True, pin=False)
-    cache = DeviceExpertCache(store, S, device="cpu", mode="device", use_triton=False,
+    cache = DeviceExpertCache(store, S, device="cpu", mode="device",
                               max_ids=4 * k)
     ref = HeapPolicy(S, bytes_per_expert=store.bytes_per_expert)
     trace = _trace(kind, 40 * tokens, L, E, k, seed=2)
@@ -136,7 +136,7 @@ def test_lookups_of_two_replays_in_one_log_keep_the_mirror_consistent() -> None:
     with the device again for every expert a step loads."""
     L, E, k, S = 3, 8, 2, 12
     store = HostExpertStore(L, E, 64, 32, fp4=True, pin=False)
-    cache = DeviceExpertCache(store, S, device="cpu", mode="device", use_triton=False,
+    cache = DeviceExpertCache(store, S, device="cpu", mode="device",
                               max_ids=k)
     g = torch.Generator().manual_seed(0)
     for step in range(60):

@@ -88,7 +88,7 @@ def test_cpu_part_decodes_the_same_tokens(tiny, mode: str, plan: HybridPlan) -> 
     cfg, w, prompt, ref_tokens, ref_logits = tiny
     store = HostExpertStore.from_weights(w, cfg)
     experts = OffloadedExperts.create(store, cfg.num_experts + 2, device="cpu",
-                                      dtype=torch.float32, mode=mode, use_triton=False)
+                                      dtype=torch.float32, mode=mode)
     experts.set_hybrid(plan, CpuExperts(store, device="cpu"))
     runner = build_runner(cfg, w, num_slots=2, experts=experts)
     tokens, logits = greedy_generate(runner, prompt, 16)

@@ -67,8 +67,7 @@ def tiny():
 def _streaming(cfg, w, slots: int, mode: str, queue: prefetch.CopyQueue | None = None
                ) -> OffloadedExperts:
     store = HostExpertStore.from_weights(w, cfg)
-    cache = DeviceExpertCache(store, slots, device="cpu", dtype=torch.float32, mode=mode,
-                              use_triton=False)
+    cache = DeviceExpertCache(store, slots, device="cpu", dtype=torch.float32, mode=mode)
     # 16 pairs: a 20-token chunk (40 pairs) streams, a decode token (2 pairs) does not.
     experts = OffloadedExperts(cache)
     experts.streamer = prefetch.LayerStreamer(cache, queue=queue, min_pairs=16)
@@ -154,8 +153,7 @@ def test_evict_slots_invalidates_exactly_the_range() -> None:
     L, E = cfg.num_layers, cfg.num_experts
     store = HostExpertStore.from_weights(w, cfg)
     S = 3 * E
-    cache = DeviceExpertCache(store, S, device="cpu", dtype=torch.float32, mode="device",
-                              use_triton=False)
+    cache = DeviceExpertCache(store, S, device="cpu", dtype=torch.float32, mode="device")
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
         cache.begin_step()
@@ -186,8 +184,7 @@ def test_streaming_needs_two_layers_of_slots_and_not_all() -> None:
     store = HostExpertStore.from_weights(w, cfg)
 
     def make(slots: int, **kw) -> OffloadedExperts:
-        return OffloadedExperts.create(store, slots, device="cpu", dtype=torch.float32,
-                                       use_triton=False, **kw)
+        return OffloadedExperts.create(store, slots, device="cpu", dtype=torch.float32, **kw)
 
     assert make(2 * E).streamer is not None
     assert make(2 * E - 1).streamer is None

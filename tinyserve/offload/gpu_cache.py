@@ -48,12 +48,11 @@ def _record(event: Any, device: torch.device) -> None:
 class DeviceExpertCache:
     """`num_slots` (>= experts per layer) expert slots on `device`, filled from `store` on
     demand. `max_ids`: most (token, k) pairs one lookup may see; `mode`: "device", "host" or
-    None (device when CUDA and the store is pinned); `use_triton`: default on CUDA."""
+    None (device when CUDA and the store is pinned)."""
 
     def __init__(self, store: HostExpertStore, num_slots: int, *, device: torch.device | str,
                  dtype: torch.dtype = torch.bfloat16, max_ids: int = 2048 * 8,
-                 mode: str | None = None, use_triton: bool | None = None,
-                 policy: ExpertCachePolicy | None = None) -> None:
+                 mode: str | None = None, policy: ExpertCachePolicy | None = None) -> None:
         self.store = store
         self.device = torch.device(device)
         L, E = store.num_layers, store.num_experts
@@ -73,7 +72,7 @@ class DeviceExpertCache:
             logger.warning("expert store is not pinned: expert misses go through the host")
             mode = "host"
         self.mode = mode
-        self.use_triton = cuda if use_triton is None else use_triton
+        self.use_triton = cuda  # else the torch references
         # Debug knob of benchmarks: hold the stream after each miss copy so that misses move
         # at most this many bytes per second (0: off; `kernels.throttle`).
         self.throttle_bytes_per_s = 0.0

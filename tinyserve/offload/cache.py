@@ -180,6 +180,15 @@ class ExpertCachePolicy:
         owner[slot] = key
         where[key] = slot
 
+    def forget(self, start: int, stop: int) -> None:
+        """Slots [start, stop) hold nothing now (free: first in line)."""
+        for slot in range(start, stop):
+            key = self.owner[slot]
+            if key is not None and self.where.get(key) == slot:
+                del self.where[key]
+            self.owner[slot] = None
+            self._push(slot)
+
     def release(self) -> None:
         """Unpin every slot without ending the step (the pinned layer's work is ordered
         before any later copy, e.g. on one stream)."""

@@ -156,7 +156,7 @@ class DeviceExpertCache:
             log = self._log_host[:self.num_layers * cols].view(self.num_layers, cols)
             loads = self._replay(log.numpy())
         for start, stop in self._evicted:  # evictions queued after the log's lookups
-            self._forget(start, stop)
+            self.policy.forget(start, stop)
         self._evicted.clear()
         self.policy.end_step()
         if loads is not None:
@@ -320,17 +320,7 @@ class DeviceExpertCache:
         if self._pending:  # a deferred log of lookups before this: the mirror forgets after it
             self._evicted.append((start, stop))
         else:
-            self._forget(start, stop)
-
-    def _forget(self, start: int, stop: int) -> None:
-        """The mirror's half of `evict_slots`."""
-        policy = self.policy
-        for slot in range(start, stop):
-            key = policy.owner[slot]
-            if key is not None and policy.where.get(key) == slot:
-                del policy.where[key]
-            policy.owner[slot] = None
-            policy._push(slot)  # a free slot scores -inf: first in line
+            self.policy.forget(start, stop)
 
     def resident(self) -> dict[tuple[int, int], int]:
         """(layer, expert) -> slot, read from the device table (a synchronisation)."""

@@ -96,40 +96,37 @@ class OffloadedExperts(ExpertsProvider):
             if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
                 self.cache.begin_step(defer=True)
         self._last_layer = layer_id
-        cpu_part: list[torch.Tensor] = []
-        slot_ids = self._slot_ids(layer_id, topk_ids, x=x, topk_weights=topk_weights,
-                                  cpu_part=cpu_part)  # [N, k] int32
+        cpu_y: list[torch.Tensor] = []  # the CPU part's output [N, H] fp32, when one runs
+
+        def fork(slot_ids: torch.Tensor) -> None:
+            cpu_y.append(self.cpu_runner.start(layer_id, x, topk_ids, slot_ids, topk_weights))
+
+        slot_ids = self._slot_ids(layer_id, topk_ids, fork)  # [N, k] int32
         weights = topk_weights
-        if cpu_part:
+        if cpu_y:
             on_cpu = slot_ids < 0
             slot_ids = torch.where(on_cpu, 0, slot_ids)
             weights = torch.where(on_cpu, 0, topk_weights)
         moe = fused_moe if self.use_kernel else fused_moe_ref
         out = moe(x, slot_ids, weights, self.cache.slots, shared_slots=shared_slots,
                   shared_logit=shared_logit)
-        if not cpu_part:
+        if not cpu_y:
             return out
         self.cpu_runner.join()
-        return (out.float() + cpu_part[0]).to(x.dtype)
+        return (out.float() + cpu_y[0]).to(x.dtype)
 
-    def _slot_ids(self, layer_id: int, topk_ids: torch.Tensor, *, x: torch.Tensor | None = None,
-                  topk_weights: torch.Tensor | None = None,
-                  cpu_part: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def _slot_ids(self, layer_id: int, topk_ids: torch.Tensor,
+                  fork: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """The slots of `topk_ids` [N, k]: streamed for a big batch, else from the cache; with
-        a CPU part for a decode-sized batch, the CPU's pairs get slot -1 and their work is
-        forked (its result appended to `cpu_part`)."""
+        a CPU part and `fork` for a decode-sized batch, the CPU's pairs get slot -1 and
+        `fork(slot_ids)` starts their work."""
         streamer = self.streamer
         if streamer is not None:
             if streamer.wants(topk_ids):
                 return streamer.slot_ids(layer_id, topk_ids)
             streamer.release()
-        runner = self.cpu_runner
-        if runner is None or cpu_part is None or not 0 < topk_ids.shape[0] <= CPU_MAX_TOKENS:
+        if self.cpu_runner is None or fork is None or not 0 < len(topk_ids) <= CPU_MAX_TOKENS:
             return self.cache.lookup(layer_id, topk_ids)
-
-        def fork(slot_ids: torch.Tensor) -> None:
-            cpu_part.append(runner.start(layer_id, x, topk_ids, slot_ids, topk_weights))
-
         return self.cache.lookup(layer_id, topk_ids, split=self._split, on_lookup=fork)
 
     @property

@@ -240,7 +240,6 @@ def configure(experts: Any, mode: str | None, top_k: int) -> HybridPlan:
         except ValueError:
             if mode is not None:
                 raise
-            runner = None
         if runner is not None:
             plan = plan_split(probe(cache.store, top_k, cache=cache, runner=runner), mode,
                               top_k)

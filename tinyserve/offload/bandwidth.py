@@ -163,10 +163,9 @@ def synthetic_store(config: Any, max_bytes: int = 4 << 30) -> HostExpertStore:
     """A store of `config`'s expert geometry, filled with random bytes, of at most
     `max_bytes` (whole layers, at least one): what `tinyserve bench --bandwidth` probes
     without reading a checkpoint."""
-    probe_store = HostExpertStore(1, config.num_experts, config.hidden_size,
-                                  config.moe_intermediate_size, pin=False)
-    layers = max(1, min(config.num_layers, max_bytes // probe_store.nbytes))
-    del probe_store
+    one_layer = HostExpertStore(1, config.num_experts, config.hidden_size,
+                                config.moe_intermediate_size, pin=False).nbytes
+    layers = max(1, min(config.num_layers, max_bytes // one_layer))
     store = HostExpertStore(layers, config.num_experts, config.hidden_size,
                             config.moe_intermediate_size, pin=torch.cuda.is_available())
     g = torch.Generator().manual_seed(0)

@@ -122,7 +122,7 @@ def test_device_mode_begin_step_matches_the_heap_replay(kind: str, tokens: int) 
         n = cache._victim_n
         want = torch.tensor(ref.victims(n), dtype=torch.int32)[cache._victim_perm]
         assert torch.equal(cache.victims, want)
-    assert cache.policy.resident() == cache.resident()
+    assert cache.policy.where == cache.resident()
     # A second begin_step without lookups in between replays nothing twice.
     stats = cache.stats.as_dict()
     cache.begin_step()

@@ -100,7 +100,7 @@ def test_streamed_prefill_generates_the_resident_tokens(tiny, mode: str, chunk: 
     assert not experts.streamer.active
     if mode == "device":
         experts.begin_step()
-        assert experts.cache.policy.resident() == experts.cache.resident()
+        assert experts.cache.policy.where == experts.cache.resident()
     cache = experts.cache
     for (layer, e), slot in cache.resident().items():
         row = layer * E + e
@@ -161,13 +161,13 @@ def test_evict_slots_invalidates_exactly_the_range() -> None:
             cache.lookup(layer, torch.randperm(E, generator=g)[:6].view(2, 3))
     cache.begin_step()
     before = cache.resident()
-    assert cache.policy.resident() == before
+    assert cache.policy.where == before
     assert any(s < 2 * E for s in before.values()) and any(s >= 2 * E for s in before.values())
     cache.evict_slots(0, 2 * E)
     after = cache.resident()
     assert after == {key: s for key, s in before.items() if s >= 2 * E}
     assert torch.all(cache.owner[:2 * E] == -1)
-    assert cache.policy.resident() == after
+    assert cache.policy.where == after
     # Released slots are the policy's first victims, and a lookup after the eviction finds
     # every expert where the table says, copying the evicted ones back in.
     assert set(cache.policy.victims(2 * E)) == set(range(2 * E))

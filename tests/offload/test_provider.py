@@ -48,7 +48,7 @@ def test_device_mode_mirror_follows_the_device(tiny) -> None:
                                       mode="device")
     greedy_generate(build_runner(cfg, w, num_slots=2, experts=experts), prompt, 6)
     experts.begin_step()
-    assert experts.cache.policy.resident() == experts.cache.resident()
+    assert experts.cache.policy.where == experts.cache.resident()
     assert 0.0 < experts.stats.hit_rate < 1.0
     assert set(experts.stats.as_dict()["layer_hit_rate"]) == set(range(cfg.num_layers))
 
@@ -71,4 +71,4 @@ def test_eager_call_after_a_replay_keeps_the_mirror(tiny) -> None:
             experts.cache.lookup(layer, ids.view(1, -1))
         greedy_generate(runner, prompt, 2)  # eager prefill + decode right after the "replay"
         experts.begin_step()
-        assert experts.cache.policy.resident() == experts.cache.resident()
+        assert experts.cache.policy.where == experts.cache.resident()

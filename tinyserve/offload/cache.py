@@ -228,6 +228,3 @@ class ExpertCachePolicy:
         for layer in layers:
             self.stats.count(layer, n_hits[layer], n_loads[layer], self.bytes_per_expert)
         self._pinned.clear()
-
-    def resident(self) -> dict[Key, int]:
-        return dict(self.where)

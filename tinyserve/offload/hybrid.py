@@ -225,8 +225,8 @@ def launch_host_func(stream: Any, desc: torch.Tensor) -> None:
 
 def configure(experts: Any, mode: str | None, top_k: int) -> HybridPlan:
     """Probe and give `experts` (an `OffloadedExperts`) the plan for `mode` ("auto" or None:
-    the fastest predicted). Raises ValueError when "cpu"
-    / "hybrid" cannot run here (no numba, experts not NVFP4, no H2D rate for hybrid)."""
+    the fastest predicted). Raises ValueError when "cpu" / "hybrid" cannot run here (no
+    numba, experts not NVFP4, no H2D rate for hybrid)."""
     cache = experts.cache
     resident = cache.num_slots >= cache.num_layers * cache.num_experts
     mode = None if mode == "auto" else mode

@@ -140,7 +140,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
 
-    from tinyserve.testing import make_tiny_checkpoint
+    from tinyserve.testing.tiny import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny", fmt="bf16",
                                 max_position_embeddings=4096)

@@ -110,8 +110,7 @@ def _set_mode(engine: Any, plan: hybrid.HybridPlan, runner: hybrid.CpuExperts) -
 
     def switch() -> None:
         experts = engine.runner.model.experts
-        experts.set_hybrid(None if plan.mode == "gpu" else hybrid.HybridExperts(plan, runner))
-        experts.hybrid_plan = plan
+        experts.set_hybrid(plan, runner)
         old = engine.runner.graphs
         if old is not None:
             engine.runner.graphs = DecodeGraphs(old.model, page_size=old.page_size,

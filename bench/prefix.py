@@ -141,7 +141,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from tinyserve.testing import make_tiny_checkpoint
+            from tinyserve.testing.tiny import make_tiny_checkpoint
 
             total = script["first"] + script["turns"] * (script["gen"] + script["user"]) + 64
             model = str(make_tiny_checkpoint(Path(tmp) / "tiny",

@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tinyserve.testing import make_tiny_checkpoint, special_token_ids, tiny_text_config
+from tinyserve.testing.tiny import make_tiny_checkpoint, tiny_text_config
+from tinyserve.testing.tokenizer import special_token_ids
 
 ROUTINGS = ("uniform", "realistic")  # the full-size checkpoint's `routing=` choices
 ROUTING_FILE = "tinyserve_routing.json"  # written beside a checkpoint that routes this way

@@ -235,7 +235,7 @@ def _run_case(out: list, path: str, concurrency: int, args: Any, fn: Any) -> Non
 
 
 def _tiny_checkpoint() -> Path:
-    from tinyserve.testing import make_tiny_checkpoint
+    from tinyserve.testing.tiny import make_tiny_checkpoint
 
     return make_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny", fmt="bf16",
                                 max_position_embeddings=2048)

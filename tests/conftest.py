@@ -41,12 +41,12 @@ def shared_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """Factory: `tiny_checkpoint(fmt="bf16", routing="uniform", **overrides) -> Path` of a tiny
-    random checkpoint (tinyserve.testing.make_tiny_checkpoint; `routing="realistic"`:
+    random checkpoint (tinyserve.testing.tiny.make_tiny_checkpoint; `routing="realistic"`:
     bench.routing.make_realistic_tiny_checkpoint), built once per arguments per session.
     Treat the directory as read-only."""
     import json
 
-    from tinyserve.testing import make_tiny_checkpoint
+    from tinyserve.testing.tiny import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("tiny_checkpoints")
     cache: dict[str, Path] = {}

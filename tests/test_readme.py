@@ -139,7 +139,7 @@ def test_readme_run_line_serves_the_checkpoint_by_its_name(tiny_checkpoint, tmp_
     if shutil.which("curl") is None:
         pytest.skip("curl is not installed")
     ckpt = tmp_path / CKPT_NAME
-    from tinyserve.testing import TINY_CONFIG_HD128
+    from tinyserve.testing.tiny import TINY_CONFIG_HD128
 
     shutil.copytree(tiny_checkpoint("modelopt", max_position_embeddings=4096, **TINY_CONFIG_HD128),
                     ckpt)  # iso3 needs head_dim 128

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(handler(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, FileNotFoundError, OSError) as exc:
+    except (ValueError, OSError) as exc:
         # Loader, planner and config errors are one-line messages meant for the user.
         print(f"tinyserve: error: {exc}", file=sys.stderr)
         return 2

@@ -69,7 +69,7 @@ def test_graph_decode_with_the_deferred_policy_matches_eager() -> None:
     experts = runner.model.experts
     assert experts.stats.misses > cfg.num_layers * cfg.num_experts  # it evicted
     experts.begin_step()
-    assert experts.cache.policy.resident() == experts.cache.resident()
+    assert experts.cache.policy.where == experts.cache.resident()
     # After the capture: no synchronising copy or call in a graph step (the token wait is
     # an event, which the sync debug mode does not count; the log copy is asynchronous).
     assert max(syncs[3:]) == 0, syncs

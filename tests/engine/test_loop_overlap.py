@@ -28,7 +28,7 @@ def _generate(ckpt, **kwargs):
             def check() -> bool:
                 assert experts.cache.mode == "device"
                 experts.begin_step()
-                return experts.cache.policy.resident() == experts.cache.resident()
+                return experts.cache.policy.where == experts.cache.resident()
             mirror_ok = llm.engine.call(check)
         return [(o.token_ids, o.text, o.finish_reason) for o in outs], llm.engine.stats(), \
             mirror_ok
@@ -40,7 +40,7 @@ def device_mode(monkeypatch):
     real = OffloadedExperts.create.__func__
 
     def create(cls, *args, **kwargs):
-        return real(cls, *args, mode="device", use_triton=False, **kwargs)
+        return real(cls, *args, mode="device", **kwargs)
 
     monkeypatch.setattr(OffloadedExperts, "create", classmethod(create))
 

@@ -51,7 +51,7 @@ def _offloaded_runner(cfg, w, log: list[str], monkeypatch):
     monkeypatch.setattr(gpu_cache, "_event", lambda device: FakeEvent(log, next(names)))
     store = HostExpertStore.from_weights(w, cfg)
     experts = OffloadedExperts.create(store, cfg.num_experts + 2, device="cpu",
-                                      dtype=torch.float32, mode="device", use_triton=False)
+                                      dtype=torch.float32, mode="device")
     return build_runner(cfg, w, num_slots=2, poison=False, experts=experts), experts
 
 

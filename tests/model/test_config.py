@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tinyserve.model.config import ConfigError, ModelConfig, QuantConfig, load_config
-from tinyserve.testing import tiny_text_config
+from tinyserve.testing.tiny import tiny_text_config
 
 
 def _write(dir: Path, name: str, data: dict) -> Path:

@@ -1,4 +1,4 @@
-"""The fast FP8 (W8A16) linear equals the bit-level reference."""
+"""`linear` of an FP8 (W8A16) weight equals the bit-level reference."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tinyserve.kernels.nvfp4.ref import fp8_linear_ref, quantize_fp8
-from tinyserve.model.linear import fp8_linear
+from tinyserve.model.linear import linear
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.requires_cuda)]
 
@@ -21,7 +21,7 @@ def test_fp8_linear_matches_reference(device, per_channel, dtype, bound) -> None
     q = type(q)(q.weight.to(device), q.scale.to(device))
     x = torch.randn(7, 192, device=device)
     ref = fp8_linear_ref(x.float().cpu(), type(q)(q.weight.cpu(), q.scale.cpu()))
-    got = fp8_linear(x.to(dtype), q)
+    got = linear(x.to(dtype), q)
     assert got.dtype == dtype and got.shape == (7, 257)
     err = ((got.float().cpu() - ref).norm() / ref.norm()).item()
     assert err < bound, err

@@ -21,7 +21,7 @@ L, E, K, S = 6, 32, 4, 60
 
 def _cache(slots: int = S, max_ids: int = 4 * K) -> DeviceExpertCache:
     store = HostExpertStore(L, E, 64, 32, fp4=True, pin=False)
-    return DeviceExpertCache(store, slots, device="cpu", mode="device", use_triton=False,
+    return DeviceExpertCache(store, slots, device="cpu", mode="device",
                              max_ids=max_ids)
 
 
@@ -56,7 +56,7 @@ def test_deferred_policy_lags_one_more_step_and_loses_nothing(tokens: int) -> No
         assert all(p.owner[slot] == key for key, slot in p.where.items())
     cache.begin_step()  # a synchronous boundary folds the last step too
     assert cache.stats.hits + cache.stats.misses == sum(_distinct(p) for p in steps)
-    assert cache.policy.resident() == cache.resident()
+    assert cache.policy.where == cache.resident()
     # A boundary without lookups in between replays nothing twice, deferred or not.
     before = cache.stats.as_dict()
     cache.begin_step(defer=True)
@@ -76,7 +76,7 @@ def test_deferred_log_survives_a_boundary_without_after_launch() -> None:
             cache.lookup(layer, torch.tensor([step[layer]]))
     cache.begin_step()
     assert cache.stats.hits + cache.stats.misses == sum(_distinct([s]) for s in trace)
-    assert cache.policy.resident() == cache.resident()
+    assert cache.policy.where == cache.resident()
 
 
 def test_filling_slots_rank_as_freshly_used() -> None:
@@ -153,6 +153,6 @@ def test_eviction_after_a_deferred_boundary_waits_for_the_fold() -> None:
     cache.evict_slots(0, 2 * E // 4)
     cache.after_launch()
     assert cache.stats.hits + cache.stats.misses == sum(_distinct([s]) for s in trace[:5])
-    assert cache.policy.resident() == cache.resident()
+    assert cache.policy.where == cache.resident()
     assert all(cache.policy.owner[s] is None for s in range(2 * E // 4))
     assert set(cache.victims[:, 0].tolist()) <= set(range(2 * E // 4))

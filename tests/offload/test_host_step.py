@@ -19,7 +19,7 @@ from tinyserve.offload.store import HostExpertStore
 
 class HeapPolicy(ExpertCachePolicy):
     """The previous implementation: a lazy heap of (score, slot, version), victims popped and
-    pushed back, observe through `_assign` + `_touch`."""
+    pushed back, observe through `_assign` + `_use`."""
 
     def __init__(self, num_slots: int, **kwargs) -> None:
         super().__init__(num_slots, **kwargs)
@@ -60,7 +60,8 @@ class HeapPolicy(ExpertCachePolicy):
             else:
                 self._pinned.add(s)
                 hits += 1
-            self._touch((layer, e))
+            self._use((layer, e))
+            self._push(self.where[(layer, e)])
         self.stats.count(layer, hits, misses, self.bytes_per_expert)
 
 
@@ -98,7 +99,7 @@ def test_device_mode_begin_step_matches_the_heap_replay(kind: str, tokens: int) 
     victim lists after every step."""
     L, E, k, S = 6, 32, 4, 60
     store = HostExpertStore(L, E, 64, 32, fp4=True, pin=False)
-    cache = DeviceExpertCache(store, S, device="cpu", mode="device", use_triton=False,
+    cache = DeviceExpertCache(store, S, device="cpu", mode="device",
                               max_ids=4 * k)
     ref = HeapPolicy(S, bytes_per_expert=store.bytes_per_expert)
     trace = _trace(kind, 40 * tokens, L, E, k, seed=2)
@@ -121,7 +122,7 @@ def test_device_mode_begin_step_matches_the_heap_replay(kind: str, tokens: int) 
         n = cache._victim_n
         want = torch.tensor(ref.victims(n), dtype=torch.int32)[cache._victim_perm]
         assert torch.equal(cache.victims, want)
-    assert cache.policy.resident() == cache.resident()
+    assert cache.policy.where == cache.resident()
     # A second begin_step without lookups in between replays nothing twice.
     stats = cache.stats.as_dict()
     cache.begin_step()
@@ -135,7 +136,7 @@ def test_lookups_of_two_replays_in_one_log_keep_the_mirror_consistent() -> None:
     with the device again for every expert a step loads."""
     L, E, k, S = 3, 8, 2, 12
     store = HostExpertStore(L, E, 64, 32, fp4=True, pin=False)
-    cache = DeviceExpertCache(store, S, device="cpu", mode="device", use_triton=False,
+    cache = DeviceExpertCache(store, S, device="cpu", mode="device",
                               max_ids=k)
     g = torch.Generator().manual_seed(0)
     for step in range(60):

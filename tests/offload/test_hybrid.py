@@ -11,7 +11,7 @@ from tests.offload.helpers import greedy_generate
 from tinyserve.kernels.moe import cpu as nvfp4_cpu
 from tinyserve.offload import lookup as lk
 from tinyserve.offload.bandwidth import Bandwidths, probe, thread_counts
-from tinyserve.offload.hybrid import CpuExperts, HybridExperts, HybridPlan, plan_split
+from tinyserve.offload.hybrid import CpuExperts, HybridPlan, plan_split
 from tinyserve.offload.provider import OffloadedExperts
 from tinyserve.offload.store import HostExpertStore
 
@@ -88,8 +88,8 @@ def test_cpu_part_decodes_the_same_tokens(tiny, mode: str, plan: HybridPlan) -> 
     cfg, w, prompt, ref_tokens, ref_logits = tiny
     store = HostExpertStore.from_weights(w, cfg)
     experts = OffloadedExperts.create(store, cfg.num_experts + 2, device="cpu",
-                                      dtype=torch.float32, mode=mode, use_triton=False)
-    experts.set_hybrid(HybridExperts(plan, CpuExperts(store, device="cpu")))
+                                      dtype=torch.float32, mode=mode)
+    experts.set_hybrid(plan, CpuExperts(store, device="cpu"))
     runner = build_runner(cfg, w, num_slots=2, experts=experts)
     tokens, logits = greedy_generate(runner, prompt, 16)
     assert tokens == ref_tokens
@@ -99,7 +99,7 @@ def test_cpu_part_decodes_the_same_tokens(tiny, mode: str, plan: HybridPlan) -> 
     assert (logits - ref_logits).abs().max() <= 5e-2 * ref_logits.abs().max()
     computed = experts.cpu_computed
     assert computed is not None and computed > 0
-    if plan.mode == "cpu":  # the prefill (one 23-token batch: over MAX_TOKENS) copied
+    if plan.mode == "cpu":  # the prefill (one 23-token batch: over CPU_MAX_TOKENS) copied
         experts.begin_step()
         assert experts.stats.hits > 0
 

@@ -9,7 +9,7 @@ import torch
 from tests.offload.helpers import greedy_generate
 from tinyserve.kernels.moe import cpu as nvfp4_cpu
 from tinyserve.offload import bandwidth
-from tinyserve.offload.hybrid import CpuExperts, HybridExperts, HybridPlan, configure
+from tinyserve.offload.hybrid import CpuExperts, HybridPlan, configure
 from tinyserve.offload.provider import OffloadedExperts
 from tinyserve.offload.store import HostExpertStore
 
@@ -38,7 +38,7 @@ def test_cpu_part_in_the_decode_graph_keeps_the_tokens(graphs: bool, plan: Hybri
     ref = greedy_generate(_runner(cfg, w, copied, graphs), prompt, 12)
     experts = OffloadedExperts.create(store, E + 2, device="cuda", max_ids=64)
     runner_cpu = CpuExperts(store, device="cuda")
-    experts.set_hybrid(HybridExperts(plan, runner_cpu))
+    experts.set_hybrid(plan, runner_cpu)
     runner = _runner(cfg, w, experts, graphs)
     # teacher-forced on the reference's tokens, so every step compares the same context
     tokens, logits = greedy_generate(runner, prompt, 12, forced=ref[0])
@@ -56,7 +56,7 @@ def test_cpu_part_in_the_decode_graph_keeps_the_tokens(graphs: bool, plan: Hybri
     torch.cuda.synchronize()
     assert experts.cpu_computed > 0
     experts.begin_step()
-    assert experts.cache.policy.resident() == experts.cache.resident()
+    assert experts.cache.policy.where == experts.cache.resident()
     assert experts.stats.misses < L * E * 12  # decode copied less than everything
 
 
@@ -73,4 +73,4 @@ def test_probe_and_throttle() -> None:
     plan = configure(experts, None, 8)
     bw = plan.bandwidths
     assert bw is not None and bw.h2d is not None and bw.cpu_overhead_s >= 0
-    assert experts.hybrid_plan is plan and (plan.mode == "gpu") == (experts.hybrid is None)
+    assert experts.hybrid_plan is plan and (plan.mode == "gpu") == (experts.cpu_runner is None)

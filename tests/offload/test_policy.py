@@ -106,26 +106,24 @@ def test_slots_needed_by_the_step_are_never_evicted() -> None:
     assert loads == [(0, slots[0])]
 
 
-def test_observe_replays_the_host_decisions() -> None:
+def test_replay_step_replays_the_host_decisions() -> None:
     trace = _random_trace(5, 30, 4, 12, 3)
     a = ExpertCachePolicy(16, freq_weight=16.0, aging_steps=5)
     b = ExpertCachePolicy(16, freq_weight=16.0, aging_steps=5)
     for step in trace:
+        used: set[int] = set()  # slots of the step's earlier layers (pinned in `a`)
         for layer, ids in enumerate(step):
             # As many candidates as distinct experts: the device kernel skips the slots this
             # layer hits and hands the rest to the misses in order.
             unique = list(dict.fromkeys(ids))
             hit_slots = {b.where.get((layer, e), -1) for e in unique} - {-1}
-            victims = [v for v in b.victims(len(unique)) if v not in hit_slots]
+            victims = [v for v in b.victims(len(unique), exclude=used) if v not in hit_slots]
             slots, loads = a.access(layer, ids)
-            loaded_slots = [s for _, s in loads]
-            assert loaded_slots == victims[:len(loads)]
-            loaded = []
-            seen = set()
-            for e, s in zip(ids, slots, strict=True):
-                loaded.append(s in loaded_slots and e not in seen)
-                seen.add(e)
-            b.observe(layer, ids, slots, loaded)
+            assert [s for _, s in loads] == victims[:len(loads)]
+            hits = [((layer, e), b.where[(layer, e)]) for e in unique
+                    if b.where.get((layer, e)) in hit_slots]
+            b.replay_step([layer], hits, [((layer, e), s) for e, s in loads])
+            used.update(slots)
         a.end_step()
         b.end_step()
         assert a.where == b.where

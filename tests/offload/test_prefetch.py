@@ -67,11 +67,11 @@ def tiny():
 def _streaming(cfg, w, slots: int, mode: str, queue: prefetch.CopyQueue | None = None
                ) -> OffloadedExperts:
     store = HostExpertStore.from_weights(w, cfg)
-    cache = DeviceExpertCache(store, slots, device="cpu", dtype=torch.float32, mode=mode,
-                              use_triton=False)
+    cache = DeviceExpertCache(store, slots, device="cpu", dtype=torch.float32, mode=mode)
     # 16 pairs: a 20-token chunk (40 pairs) streams, a decode token (2 pairs) does not.
-    streamer = prefetch.LayerStreamer(cache, queue=queue, min_pairs=16)
-    return OffloadedExperts(cache, streamer=streamer)
+    experts = OffloadedExperts(cache)
+    experts.streamer = prefetch.LayerStreamer(cache, queue=queue, min_pairs=16)
+    return experts
 
 
 @pytest.mark.parametrize("chunk", [20, 40], ids=lambda c: f"chunk{c}")
@@ -100,7 +100,7 @@ def test_streamed_prefill_generates_the_resident_tokens(tiny, mode: str, chunk: 
     assert not experts.streamer.active
     if mode == "device":
         experts.begin_step()
-        assert experts.cache.policy.resident() == experts.cache.resident()
+        assert experts.cache.policy.where == experts.cache.resident()
     cache = experts.cache
     for (layer, e), slot in cache.resident().items():
         row = layer * E + e
@@ -153,8 +153,7 @@ def test_evict_slots_invalidates_exactly_the_range() -> None:
     L, E = cfg.num_layers, cfg.num_experts
     store = HostExpertStore.from_weights(w, cfg)
     S = 3 * E
-    cache = DeviceExpertCache(store, S, device="cpu", dtype=torch.float32, mode="device",
-                              use_triton=False)
+    cache = DeviceExpertCache(store, S, device="cpu", dtype=torch.float32, mode="device")
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
         cache.begin_step()
@@ -162,13 +161,13 @@ def test_evict_slots_invalidates_exactly_the_range() -> None:
             cache.lookup(layer, torch.randperm(E, generator=g)[:6].view(2, 3))
     cache.begin_step()
     before = cache.resident()
-    assert cache.policy.resident() == before
+    assert cache.policy.where == before
     assert any(s < 2 * E for s in before.values()) and any(s >= 2 * E for s in before.values())
     cache.evict_slots(0, 2 * E)
     after = cache.resident()
     assert after == {key: s for key, s in before.items() if s >= 2 * E}
     assert torch.all(cache.owner[:2 * E] == -1)
-    assert cache.policy.resident() == after
+    assert cache.policy.where == after
     # Released slots are the policy's first victims, and a lookup after the eviction finds
     # every expert where the table says, copying the evicted ones back in.
     assert set(cache.policy.victims(2 * E)) == set(range(2 * E))
@@ -185,13 +184,11 @@ def test_streaming_needs_two_layers_of_slots_and_not_all() -> None:
     store = HostExpertStore.from_weights(w, cfg)
 
     def make(slots: int, **kw) -> OffloadedExperts:
-        return OffloadedExperts.create(store, slots, device="cpu", dtype=torch.float32,
-                                       use_triton=False, **kw)
+        return OffloadedExperts.create(store, slots, device="cpu", dtype=torch.float32, **kw)
 
     assert make(2 * E).streamer is not None
     assert make(2 * E - 1).streamer is None
     assert make(L * E).streamer is None
-    assert make(2 * E, stream_prefill=False).streamer is None
     assert prefetch.can_stream(2 * E - 1, L, E) is not None
     with pytest.raises(ValueError, match="slots"):
         prefetch.LayerStreamer(make(E).cache)

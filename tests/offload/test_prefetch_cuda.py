@@ -43,7 +43,7 @@ def test_streamed_provider_equals_resident_without_host_sync() -> None:
         assert_resident_outputs(outs, xs, ids, wts, resident)
     experts.begin_step()
     assert not s.active
-    assert experts.cache.policy.resident() == experts.cache.resident()
+    assert experts.cache.policy.where == experts.cache.resident()
     stats = experts.stats
     assert stats.h2d_bytes == stats.misses * store.bytes_per_expert
 
@@ -122,5 +122,5 @@ def test_streamed_tiny_model_generates_the_resident_tokens(graphs: bool) -> None
     if graphs:
         assert runner.graphs is not None and runner.graphs.num_graphs >= 1
     streamed.begin_step()
-    assert streamed.cache.policy.resident() == streamed.cache.resident()
+    assert streamed.cache.policy.where == streamed.cache.resident()
     assert streamed.stats.misses >= 2 * L * E  # two streamed prefills

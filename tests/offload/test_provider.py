@@ -26,7 +26,7 @@ def test_offloaded_model_generates_the_resident_tokens(tiny, mode: str) -> None:
     store = HostExpertStore.from_weights(w, cfg)
     total = cfg.num_layers * cfg.num_experts  # 32
     experts = OffloadedExperts.create(store, cfg.num_experts + 2, device="cpu",
-                                      dtype=torch.float32, mode=mode, use_triton=False)
+                                      dtype=torch.float32, mode=mode)
     tokens, logits = greedy_generate(build_runner(cfg, w, num_slots=2, experts=experts), prompt, 24)
     assert tokens == ref_tokens
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5 * ref_logits.abs().max())
@@ -45,10 +45,10 @@ def test_device_mode_mirror_follows_the_device(tiny) -> None:
     cfg, w, prompt, _, _ = tiny
     store = HostExpertStore.from_weights(w, cfg)
     experts = OffloadedExperts.create(store, 12, device="cpu", dtype=torch.float32,
-                                      mode="device", use_triton=False)
+                                      mode="device")
     greedy_generate(build_runner(cfg, w, num_slots=2, experts=experts), prompt, 6)
     experts.begin_step()
-    assert experts.cache.policy.resident() == experts.cache.resident()
+    assert experts.cache.policy.where == experts.cache.resident()
     assert 0.0 < experts.stats.hit_rate < 1.0
     assert set(experts.stats.as_dict()["layer_hit_rate"]) == set(range(cfg.num_layers))
 
@@ -60,7 +60,7 @@ def test_eager_call_after_a_replay_keeps_the_mirror(tiny) -> None:
     cfg, w, prompt, _, _ = tiny
     store = HostExpertStore.from_weights(w, cfg)
     experts = OffloadedExperts.create(store, cfg.num_experts + 2, device="cpu",
-                                      dtype=torch.float32, mode="device", use_triton=False)
+                                      dtype=torch.float32, mode="device")
     runner = build_runner(cfg, w, num_slots=2, experts=experts)
     greedy_generate(runner, prompt, 2)
     g = torch.Generator().manual_seed(1)
@@ -71,4 +71,4 @@ def test_eager_call_after_a_replay_keeps_the_mirror(tiny) -> None:
             experts.cache.lookup(layer, ids.view(1, -1))
         greedy_generate(runner, prompt, 2)  # eager prefill + decode right after the "replay"
         experts.begin_step()
-        assert experts.cache.policy.resident() == experts.cache.resident()
+        assert experts.cache.policy.where == experts.cache.resident()

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from tinyserve.model.config import load_config
-from tinyserve.testing import (
+from tinyserve.testing.tiny import (
     TINY_CONFIG,
     TINY_CONFIG_HD128,
     make_tiny_checkpoint,
-    special_token_ids,
     tiny_text_config,
 )
+from tinyserve.testing.tokenizer import special_token_ids
 
 
 def _files(path):

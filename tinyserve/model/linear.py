@@ -21,7 +21,9 @@ def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
     if isinstance(w, DenseWeight):
         return F.linear(x, w.weight)
     if isinstance(w, FP8Weight) and kernels_enabled(x.device):
-        return fp8_linear(x, w)
+        from tinyserve.kernels import fp8
+
+        return fp8.fp8_linear(x, w)
     if isinstance(w, NVFP4Weight) and kernels_enabled(x.device):
         from tinyserve.kernels.nvfp4 import nvfp4_linear
 
@@ -108,20 +110,6 @@ def kernels_enabled(device: torch.device) -> bool:
     """Whether GPU kernels run on `device`: CUDA, triton importable, and
     TINYSERVE_DISABLE_KERNELS unset (read at every call, so tests can flip it)."""
     return device.type == "cuda" and not envs.DISABLE_KERNELS.get() and _has_triton()
-
-
-def fp8_linear(x: torch.Tensor, w: FP8Weight) -> torch.Tensor:
-    """W8A16 y = x @ (e4m3(weight) * scale).T in x.dtype, per-tensor or per-row scale: the
-    Triton kernel where enabled, else an exact e4m3 -> x.dtype conversion and the scale on the
-    output in fp32."""
-    if kernels_enabled(x.device):
-        from tinyserve.kernels import fp8
-
-        return fp8.fp8_linear(x, w)
-    wt = w.weight.view(torch.float8_e4m3fn).to(x.dtype)  # [out, in], exact
-    y = F.linear(x, wt)
-    scale = w.scale.to(device=y.device, dtype=torch.float32).reshape(-1)
-    return (y.float() * scale).to(x.dtype)
 
 
 @functools.cache

@@ -174,10 +174,6 @@ def parse_expert_name(name: str) -> tuple[int, int, str] | None:
     return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
 
 
-def is_expert_name(name: str) -> bool:
-    return _EXPERT_RE.match(name) is not None
-
-
 def iter_weights(
     path_or_reader: str | Path | CheckpointReader,
     config: ModelConfig,

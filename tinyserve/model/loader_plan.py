@@ -20,7 +20,7 @@ from tinyserve.model.loader import (
     FLOAT_DTYPES,
     CheckpointError,
     CheckpointReader,
-    is_expert_name,
+    parse_expert_name,
     strip_prefix,
 )
 
@@ -74,24 +74,24 @@ class WeightPlan:
 
     def load(self, reader: CheckpointReader, dtype: torch.dtype,
              device: torch.device) -> Iterator[tuple[str, torch.Tensor | LinearWeight]]:
-        if self.kind in ("fused_gate_up", "fused_down"):
-            f = self.shape[0] // 2 if self.kind == "fused_gate_up" else 0
+        if self.kind == "linear":
+            yield self.name, _load_linear(reader, self.raw, self.storage, dtype, device)
+        elif self.kind == "fused_gate_up":
+            f = self.shape[0] // 2
             for e in range(self.num_experts):
-                w = reader.get(self.raw["weight"], e)  # [2F, H] or [H, F]
-                if self.kind == "fused_gate_up":
-                    yield f"{self.name}.{e}.gate_proj", _dense(w[:f], dtype, device)
-                    yield f"{self.name}.{e}.up_proj", _dense(w[f:], dtype, device)
-                else:
-                    yield f"{self.name}.{e}.down_proj", _dense(w, dtype, device)
-            return
-        if self.kind != "linear":
+                w = reader.get(self.raw["weight"], e)  # [2F, H]
+                yield f"{self.name}.{e}.gate_proj", _dense(w[:f], dtype, device)
+                yield f"{self.name}.{e}.up_proj", _dense(w[f:], dtype, device)
+        elif self.kind == "fused_down":
+            for e in range(self.num_experts):
+                w = reader.get(self.raw["weight"], e)  # [H, F]
+                yield f"{self.name}.{e}.down_proj", _dense(w, dtype, device)
+        else:
             t = reader.get(self.raw["weight"])
             if self.kind == "conv":
                 t = t.reshape(self.shape)
             yield self.name, t.to(device=device,
                                   dtype=torch.float32 if self.kind == "fp32" else dtype)
-            return
-        yield self.name, _load_linear(reader, self.raw, self.storage, dtype, device)
 
 
 def _dense(w: torch.Tensor, dtype: torch.dtype, device: torch.device) -> DenseWeight:
@@ -210,8 +210,8 @@ class _Matcher:
                  or f"layers.{layer}.mlp.experts.down_proj" in self.keys}
         plans = []
         for name, (kind, shape) in expected_weights(c).items():
-            expert = is_expert_name(name)
-            if expert and int(name.split(".")[1]) in fused:
+            expert = parse_expert_name(name)
+            if expert is not None and expert[0] in fused:
                 continue
             if name == "lm_head" and c.tie_word_embeddings and "lm_head.weight" not in self.keys:
                 embed = next(p for p in plans if p.name == "embed_tokens")
@@ -220,7 +220,7 @@ class _Matcher:
                 continue
             plan = self._linear(name, shape) if kind == "linear" else self._tensor(name, kind,
                                                                                   shape)
-            plan.is_expert = expert
+            plan.is_expert = expert is not None
             plans.append(plan)
         f, h = c.moe_intermediate_size, c.hidden_size
         for layer in sorted(fused):

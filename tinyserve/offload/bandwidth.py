@@ -76,18 +76,15 @@ def host_read_bandwidth(store: HostExpertStore, max_bytes: int = 4 << 30,
     return buf.numel() / best, buf.numel()
 
 
-def cpu_expert_times(store: HostExpertStore, top_k: int, *, reps: int = 5,
-                     runner: Any = None, threads: int | None = None, seed: int = 0
-                     ) -> tuple[float, float]:
+def cpu_expert_times(store: HostExpertStore, top_k: int, threads: int, runner: Any = None,
+                     reps: int = 5) -> tuple[float, float]:
     """(seconds per expert, seconds per call) of the CPU kernel for one token on `threads`
-    threads (default: all): medians over `reps` calls of 1 and of `top_k` experts, rows drawn
-    across the whole store. `runner`: an `offload.hybrid.CpuExperts` to time through (the
-    round trip a decode layer pays, `time_rows`; its thread count is set), else `moe_cpu`
-    itself."""
-    threads = nvfp4_cpu.max_threads() if threads is None else threads
+    threads: medians over `reps` calls of 1 and of `top_k` experts, rows drawn across the whole
+    store. `runner`: an `offload.hybrid.CpuExperts` to time through (the round trip a decode
+    layer pays, `time_rows`; its thread count is set), else `moe_cpu` itself."""
     if runner is not None:
         runner.set_threads(threads)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(0)
     rows_total = store.num_layers * store.num_experts
     h = store.slots.hidden_size
     x = torch.randn(1, h, generator=g)
@@ -143,7 +140,7 @@ def probe(store: HostExpertStore, top_k: int, *, cache: Any = None, runner: Any 
     """Measure everything `Bandwidths` holds (`cache`: the GPU expert cache whose miss copies
     to time; `runner`: the CpuExperts whose round trip to time)."""
     host, nbytes = host_read_bandwidth(store)
-    times = {t: cpu_expert_times(store, top_k, runner=runner, threads=t)
+    times = {t: cpu_expert_times(store, top_k, t, runner)
              for t in thread_counts(nvfp4_cpu.max_threads())}
     call_us = {t: (overhead + top_k * per) * 1e6 for t, (per, overhead) in times.items()}
     threads = min(call_us, key=call_us.__getitem__)
@@ -166,10 +163,9 @@ def synthetic_store(config: Any, max_bytes: int = 4 << 30) -> HostExpertStore:
     """A store of `config`'s expert geometry, filled with random bytes, of at most
     `max_bytes` (whole layers, at least one): what `tinyserve bench --bandwidth` probes
     without reading a checkpoint."""
-    probe_store = HostExpertStore(1, config.num_experts, config.hidden_size,
-                                  config.moe_intermediate_size, pin=False)
-    layers = max(1, min(config.num_layers, max_bytes // probe_store.nbytes))
-    del probe_store
+    one_layer = HostExpertStore(1, config.num_experts, config.hidden_size,
+                                config.moe_intermediate_size, pin=False).nbytes
+    layers = max(1, min(config.num_layers, max_bytes // one_layer))
     store = HostExpertStore(layers, config.num_experts, config.hidden_size,
                             config.moe_intermediate_size, pin=torch.cuda.is_available())
     g = torch.Generator().manual_seed(0)

@@ -100,7 +100,7 @@ class ExpertCachePolicy:
         uses = self._uses.get(key, 0.0)
         return self._last.get(key, -1) + self.freq_weight * math.log2(1.0 + uses)
 
-    def _touch_score(self, key: Key) -> float:
+    def _use(self, key: Key) -> float:
         """Count `key` as used in this step (once per step); its new score."""
         if key in self._touched:
             u = self._uses[key]
@@ -109,12 +109,6 @@ class ExpertCachePolicy:
             u = self._uses[key] = self._uses.get(key, 0.0) + 1.0
         self._last[key] = self.step
         return self.step + self.freq_weight * math.log2(1.0 + u)
-
-    def _touch(self, key: Key) -> None:
-        self._touch_score(key)
-        slot = self.where.get(key)
-        if slot is not None:
-            self._push(slot)
 
     def _push(self, slot: int) -> None:
         key = self.owner[slot]
@@ -159,7 +153,8 @@ class ExpertCachePolicy:
                 self._assign(slot, (layer, e))
                 loads.append((e, slot))
         for e in unique:
-            self._touch((layer, e))
+            self._use((layer, e))
+            self._push(self.where[(layer, e)])
         self.stats.count(layer, len(hits), len(misses), self.bytes_per_expert)
         return [self.where[(layer, int(e))] for e in experts], loads
 
@@ -185,6 +180,15 @@ class ExpertCachePolicy:
         owner[slot] = key
         where[key] = slot
 
+    def forget(self, start: int, stop: int) -> None:
+        """Slots [start, stop) hold nothing now (free: first in line)."""
+        for slot in range(start, stop):
+            key = self.owner[slot]
+            if key is not None and self.where.get(key) == slot:
+                del self.where[key]
+            self.owner[slot] = None
+            self._push(slot)
+
     def release(self) -> None:
         """Unpin every slot without ending the step (the pinned layer's work is ordered
         before any later copy, e.g. on one stream)."""
@@ -200,36 +204,12 @@ class ExpertCachePolicy:
             for slot in range(self.num_slots):
                 self._push(slot)
 
-    def observe(self, layer: int, experts: Sequence[int], slots: Sequence[int],
-                loaded: Sequence[bool]) -> None:
-        """Replay one device lookup: `experts[i]` of `layer` ended in `slots[i]`, loaded or hit."""
-        hits = misses = 0
-        seen: set[int] = set()
-        for e, s, was_loaded in zip(experts, slots, loaded, strict=True):
-            e, s = int(e), int(s)
-            if e in seen:
-                continue
-            seen.add(e)
-            key = (layer, e)
-            if was_loaded:
-                self._take(s, key)
-                misses += 1
-            else:
-                hits += 1
-            self._pinned.add(s)
-            score = self._touch_score(key)
-            slot = self.where.get(key)
-            if slot is not None:
-                self._score[slot] = score
-        self.stats.count(layer, hits, misses, self.bytes_per_expert)
-
     def replay_step(self, layers: Sequence[int], hits: Sequence[tuple[Key, int]],
                     loads: Sequence[tuple[Key, int]]) -> None:
-        """`observe(layer, ...)` + `release()` for each of `layers` in order, in one call.
-
-        `hits`: (key, slot as the step began) of every resident expert; `loads`: (key, slot)
-        of every copied-in one, in lookup order; each key at most once. The touches can follow
-        all the loads because a layer never loads into a slot it hits.
+        """Mirror a step of device lookups over `layers`: `hits` are (key, slot as the step
+        began) of every resident expert, `loads` (key, slot) of every copied-in one, in lookup
+        order; each key at most once. Unpins everything, like `release()`. The touches can
+        follow all the loads because a layer never loads into a slot it hits.
         """
         for key, s in loads:
             self._take(s, key)
@@ -237,7 +217,7 @@ class ExpertCachePolicy:
         new: list[float] = []
         for part in (hits, loads):
             for key, _ in part:
-                score = self._touch_score(key)
+                score = self._use(key)
                 slot = self.where.get(key)
                 if slot is not None:  # (distinct keys hold distinct slots)
                     at.append(slot)
@@ -248,6 +228,3 @@ class ExpertCachePolicy:
         for layer in layers:
             self.stats.count(layer, n_hits[layer], n_loads[layer], self.bytes_per_expert)
         self._pinned.clear()
-
-    def resident(self) -> dict[Key, int]:
-        return dict(self.where)

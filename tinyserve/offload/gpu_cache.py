@@ -48,12 +48,11 @@ def _record(event: Any, device: torch.device) -> None:
 class DeviceExpertCache:
     """`num_slots` (>= experts per layer) expert slots on `device`, filled from `store` on
     demand. `max_ids`: most (token, k) pairs one lookup may see; `mode`: "device", "host" or
-    None (device when CUDA and the store is pinned); `use_triton`: default on CUDA."""
+    None (device when CUDA and the store is pinned)."""
 
     def __init__(self, store: HostExpertStore, num_slots: int, *, device: torch.device | str,
                  dtype: torch.dtype = torch.bfloat16, max_ids: int = 2048 * 8,
-                 mode: str | None = None, use_triton: bool | None = None,
-                 policy: ExpertCachePolicy | None = None) -> None:
+                 mode: str | None = None, policy: ExpertCachePolicy | None = None) -> None:
         self.store = store
         self.device = torch.device(device)
         L, E = store.num_layers, store.num_experts
@@ -73,7 +72,7 @@ class DeviceExpertCache:
             logger.warning("expert store is not pinned: expert misses go through the host")
             mode = "host"
         self.mode = mode
-        self.use_triton = cuda if use_triton is None else use_triton
+        self.use_triton = cuda  # else the torch references
         # Debug knob of benchmarks: hold the stream after each miss copy so that misses move
         # at most this many bytes per second (0: off; `kernels.throttle`).
         self.throttle_bytes_per_s = 0.0
@@ -157,7 +156,7 @@ class DeviceExpertCache:
             log = self._log_host[:self.num_layers * cols].view(self.num_layers, cols)
             loads = self._replay(log.numpy())
         for start, stop in self._evicted:  # evictions queued after the log's lookups
-            self._forget(start, stop)
+            self.policy.forget(start, stop)
         self._evicted.clear()
         self.policy.end_step()
         if loads is not None:
@@ -278,8 +277,7 @@ class DeviceExpertCache:
             a, b = split.tolist()
             where = self.policy.where
             misses = sorted({e for e in ids if (layer, e) not in where})
-            c = min(max(int(np.floor(a * len(misses) - b + 0.5)), 0), len(misses))
-            cpu = set(misses[len(misses) - c:])
+            cpu = set(misses[len(misses) - lk.cpu_share(a, b, len(misses)):])
         gpu_ids = [e for e in ids if e not in cpu]
         slots, loads = self.policy.access(layer, gpu_ids) if gpu_ids else ([], [])
         self.policy.release()  # this layer's copies are ordered before any later eviction
@@ -304,8 +302,9 @@ class DeviceExpertCache:
         ar = torch.arange(rows, dtype=torch.int32, device=self.device)
         self.table[:rows] = ar
         self.owner[:rows] = ar
-        for r in range(rows):
-            self.policy.observe(r // self.num_experts, [r % self.num_experts], [r], [True])
+        E = self.num_experts
+        loads = [((r // E, r % E), r) for r in range(rows)]
+        self.policy.replay_step(range(self.num_layers), [], loads)
         self.policy.end_step()
         self.policy.stats = CacheStats()
         self._fill_victims()
@@ -321,17 +320,7 @@ class DeviceExpertCache:
         if self._pending:  # a deferred log of lookups before this: the mirror forgets after it
             self._evicted.append((start, stop))
         else:
-            self._forget(start, stop)
-
-    def _forget(self, start: int, stop: int) -> None:
-        """The mirror's half of `evict_slots`."""
-        policy = self.policy
-        for slot in range(start, stop):
-            key = policy.owner[slot]
-            if key is not None and policy.where.get(key) == slot:
-                del policy.where[key]
-            policy.owner[slot] = None
-            policy._push(slot)  # a free slot scores -inf: first in line
+            self.policy.forget(start, stop)
 
     def resident(self) -> dict[tuple[int, int], int]:
         """(layer, expert) -> slot, read from the device table (a synchronisation)."""

@@ -13,7 +13,8 @@ not cached. On CUDA the CPU part runs in stream order (`CpuExperts`): a forked s
 x and the routing to pinned memory, runs numba's C entry as a CUDA host function
 (`cuLaunchHostFunc`, capturable in the decode graph) and copies the result back.
 Modes (`--experts`): "gpu", "cpu" (every miss on the CPU), "hybrid"; None picks hybrid when
-the probe predicts it faster. Streamed prefill and batches over `MAX_TOKENS` stay on the GPU.
+the probe predicts it faster. Streamed prefill and batches over `CPU_MAX_TOKENS` tokens
+(`offload.provider`) stay on the GPU.
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ from tinyserve.kernels import cuda_launch
 from tinyserve.kernels.moe import cpu as nvfp4_cpu
 from tinyserve.log import get_logger
 from tinyserve.offload.bandwidth import Bandwidths, probe
+from tinyserve.offload.lookup import cpu_share
 
 logger = get_logger(__name__)
 
 EXPERT_MODES = ("gpu", "cpu", "hybrid")
-MAX_TOKENS = 16  # largest batch whose misses may go to the CPU
 AUTO_MARGIN = 0.9  # auto picks hybrid when it predicts at most this share of the gpu time
 _ALL = -1.0e6  # b of the "cpu" split: every miss
 
@@ -51,9 +52,7 @@ class HybridPlan:
 
     def cpu_share(self, misses: int) -> int:
         """c of a layer with `misses` distinct misses (what the lookup computes)."""
-        import math
-
-        return min(max(int(math.floor(self.a * misses - self.b + 0.5)), 0), misses)
+        return cpu_share(self.a, self.b, misses)
 
     def as_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "a": self.a, "b": self.b, "layer_us": self.layer_us,
@@ -77,26 +76,22 @@ def plan_split(bw: Bandwidths, mode: str | None, top_k: int) -> HybridPlan:
     if mode is not None and mode not in EXPERT_MODES:
         raise ValueError(f"experts must be one of {', '.join(EXPERT_MODES)}, got {mode!r}")
     if bw.h2d is None:
-        if mode in (None, "gpu"):
-            return HybridPlan("gpu", bandwidths=bw)
+        if mode == "hybrid":
+            raise ValueError("the hybrid split needs the H2D rate (a CUDA device)")
         if mode == "cpu":
             return HybridPlan("cpu", 1.0, _ALL, bw)
-        raise ValueError("the hybrid split needs the H2D rate (a CUDA device)")
+        return HybridPlan("gpu", bandwidths=bw)
     t_copy = bw.bytes_per_expert / bw.h2d
     t_cpu, t_call = bw.cpu_expert_s, bw.cpu_overhead_s
     a, b = t_copy / (t_copy + t_cpu), t_call / (t_copy + t_cpu)
-    hybrid = HybridPlan("hybrid", a, b, bw)
     m = top_k
-    c = hybrid.cpu_share(m)
+    c = cpu_share(a, b, m)
     us = {"gpu": m * t_copy * 1e6, "cpu": (t_call + m * t_cpu) * 1e6,
           "hybrid": max((m - c) * t_copy, t_call + c * t_cpu if c else 0.0) * 1e6}
     if mode is None:
         mode = "hybrid" if us["hybrid"] <= AUTO_MARGIN * us["gpu"] else "gpu"
-    if mode == "gpu":
-        return HybridPlan("gpu", bandwidths=bw, layer_us=us)
-    if mode == "cpu":
-        return HybridPlan("cpu", 1.0, _ALL, bw, us)
-    return HybridPlan("hybrid", a, b, bw, us)
+    a, b = {"gpu": (0.0, 0.0), "cpu": (1.0, _ALL), "hybrid": (a, b)}[mode]
+    return HybridPlan(mode, a, b, bw, us)
 
 
 @dataclass
@@ -228,31 +223,14 @@ def launch_host_func(stream: Any, desc: torch.Tensor) -> None:
                          ctypes.c_void_p(desc.data_ptr())), "cuLaunchHostFunc")
 
 
-class HybridExperts:
-    """What the offloaded provider needs to run a plan: the split on the device, the CPU
-    runner, and the largest batch that uses them."""
-
-    def __init__(self, plan: HybridPlan, runner: CpuExperts, *,
-                 max_tokens: int = MAX_TOKENS) -> None:
-        if plan.mode == "gpu":
-            raise ValueError("a gpu plan has no CPU part")
-        self.plan = plan
-        self.runner = runner
-        self.max_tokens = max_tokens
-        self.split = torch.tensor([plan.a, plan.b], dtype=torch.float32, device=runner.device)
-
-    def takes(self, num_tokens: int) -> bool:
-        return 0 < num_tokens <= self.max_tokens
-
-
 def configure(experts: Any, mode: str | None, top_k: int) -> HybridPlan:
     """Probe and give `experts` (an `OffloadedExperts`) the plan for `mode` ("auto" or None:
-    the fastest predicted), also kept as `experts.hybrid_plan`. Raises ValueError when "cpu"
-    / "hybrid" cannot run here (no numba, experts not NVFP4, no H2D rate for hybrid)."""
+    the fastest predicted). Raises ValueError when "cpu" / "hybrid" cannot run here (no
+    numba, experts not NVFP4, no H2D rate for hybrid)."""
     cache = experts.cache
     resident = cache.num_slots >= cache.num_layers * cache.num_experts
     mode = None if mode == "auto" else mode
-    plan = HybridPlan("gpu")
+    plan, runner = HybridPlan("gpu"), None
     if mode != "gpu" and not resident:
         try:
             if not nvfp4_cpu.available():
@@ -262,12 +240,9 @@ def configure(experts: Any, mode: str | None, top_k: int) -> HybridPlan:
         except ValueError:
             if mode is not None:
                 raise
-            runner = None
         if runner is not None:
             plan = plan_split(probe(cache.store, top_k, cache=cache, runner=runner), mode,
                               top_k)
-            if plan.mode != "gpu":
-                experts.set_hybrid(HybridExperts(plan, runner))
-    experts.hybrid_plan = plan
+    experts.set_hybrid(plan, runner)
     logger.info("expert execution plan:\n%s", plan.format())
     return plan

@@ -16,6 +16,7 @@ copies each listed store row into its slot (zero-copy from registered host memor
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -23,6 +24,12 @@ from tinyserve.kernels.moe import host_rows
 from tinyserve.kernels.moe.fused import ExpertSlots
 
 FIELDS = ("w13", "w13_scale", "w13_global", "w2", "w2_scale", "w2_global")
+
+
+def cpu_share(a: float, b: float, misses: int) -> int:
+    """c = clamp(floor(a * misses - b + 0.5), 0, misses): how many of a layer's distinct misses
+    a split (a, b) leaves to the CPU (`offload.hybrid`); the lookups compute the same."""
+    return min(max(math.floor(a * misses - b + 0.5), 0), misses)
 
 
 def expert_lookup_ref(topk_ids: torch.Tensor, layer: int, table: torch.Tensor,
@@ -37,8 +44,8 @@ def expert_lookup_ref(topk_ids: torch.Tensor, layer: int, table: torch.Tensor,
     int32 [K] tensors to write the load lists into (returned as they are).
 
     `split` (fp32 [2] on the device: a, b): of the layer's m distinct misses, the last
-    c = clamp(floor(a * m - b + 0.5), 0, m) in expert order get no slot (slot id -1, table
-    unchanged, not loaded): they are computed on the CPU (`offload.hybrid.cpu_share`).
+    `cpu_share(a, b, m)` in expert order get no slot (slot id -1, table unchanged, not
+    loaded): they are computed on the CPU (`offload.hybrid`).
     """
     dev, E = table.device, num_experts
     S, K = owner.numel() - 1, victims.numel()

@@ -115,10 +115,6 @@ class LayerStreamer:
             return False
         return not (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing())
 
-    def base(self, layer: int) -> int:
-        """First slot of the region that holds `layer`'s experts."""
-        return (layer % 2) * self.cache.num_experts
-
     def slot_ids(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
         """Slots [N, k] int32 of `topk_ids` [N, k] of `layer`, its experts streamed in; the
         compute stream is ordered after their copy, and layer + 1's copy is under way."""
@@ -130,7 +126,7 @@ class LayerStreamer:
         if layer + 1 < self.cache.num_layers:
             self._copy(layer + 1, mark)
         self.queue.wait(self._ready[layer % 2])
-        return (topk_ids + self.base(layer)).to(torch.int32)
+        return (topk_ids + (layer % 2) * self.cache.num_experts).to(torch.int32)  # its region
 
     def _copy(self, layer: int, after: Any) -> None:
         """Copy `layer` into its region after `after`, unless the region holds it already."""

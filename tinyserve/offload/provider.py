@@ -13,50 +13,44 @@ from typing import Any
 
 import torch
 
-from tinyserve import envs
 from tinyserve.kernels.moe.fused import ExpertSlots, fused_moe, fused_moe_ref
 from tinyserve.log import get_logger
 from tinyserve.model.experts_api import ExpertsProvider
+from tinyserve.model.linear import kernels_enabled
 from tinyserve.offload import prefetch
 from tinyserve.offload.gpu_cache import DeviceExpertCache
 from tinyserve.offload.store import HostExpertStore
 
 logger = get_logger(__name__)
 
+CPU_MAX_TOKENS = 16  # largest batch whose misses may go to the CPU (`set_hybrid`)
+
 
 class OffloadedExperts(ExpertsProvider):
-    """Routed experts from a `HostExpertStore` through a `DeviceExpertCache`.
+    """Routed experts from a `HostExpertStore` through a `DeviceExpertCache`. Prefill streams
+    (`streamer`) when the cache holds two layers but not all; to switch streaming off later,
+    `begin_step()` then set `streamer` to None."""
 
-    `use_kernel`: the Triton fused MoE (default: on CUDA unless TINYSERVE_DISABLE_KERNELS).
-    `stream_prefill`: default on when the cache holds two layers but not all. `streamer`: a
-    ready `LayerStreamer` (tests); to switch streaming off later, `begin_step()` then set None.
-    """
-
-    def __init__(self, cache: DeviceExpertCache, *, use_kernel: bool | None = None,
-                 stream_prefill: bool | None = None,
-                 streamer: prefetch.LayerStreamer | None = None) -> None:
+    def __init__(self, cache: DeviceExpertCache) -> None:
         self.cache = cache
-        if use_kernel is None:
-            use_kernel = cache.device.type == "cuda" and not envs.DISABLE_KERNELS.get()
-        self.use_kernel = use_kernel
+        self.use_kernel = kernels_enabled(cache.device)  # the Triton fused MoE
         self._last_layer: int | None = None
-        if streamer is None and stream_prefill is not False:
-            why = prefetch.can_stream(cache.num_slots, cache.num_layers, cache.num_experts)
-            if why is None:
-                streamer = prefetch.LayerStreamer(cache)
-            elif stream_prefill or cache.num_slots < cache.num_layers * cache.num_experts:
-                logger.info("prefill streaming off: %s", why)
-        self.streamer = streamer
-        self.hybrid: Any = None  # an offload.hybrid.HybridExperts (`set_hybrid`), or None
-        self.hybrid_plan: Any = None  # the offload.hybrid.HybridPlan chosen at start-up
+        self.streamer: prefetch.LayerStreamer | None = None
+        why = prefetch.can_stream(cache.num_slots, cache.num_layers, cache.num_experts)
+        if why is None:
+            self.streamer = prefetch.LayerStreamer(cache)
+        elif cache.num_slots < cache.num_layers * cache.num_experts:
+            logger.info("prefill streaming off: %s", why)
+        self.hybrid_plan: Any = None  # the offload.hybrid.HybridPlan in force (`set_hybrid`)
+        self.cpu_runner: Any = None  # its offload.hybrid.CpuExperts, None for a "gpu" plan
+        self._split: torch.Tensor | None = None  # fp32 [2] on the device: the plan's (a, b)
 
     @classmethod
     def create(cls, store: HostExpertStore, num_slots: int, *, device: torch.device | str,
-               dtype: torch.dtype = torch.bfloat16, stream_prefill: bool | None = None,
-               **cache_kwargs: Any) -> OffloadedExperts:
+               dtype: torch.dtype = torch.bfloat16, **cache_kwargs: Any) -> OffloadedExperts:
         """A provider with a fresh cache of `num_slots` slots on `device`."""
         return cls(DeviceExpertCache(store, num_slots, device=device, dtype=dtype,
-                                     **cache_kwargs), stream_prefill=stream_prefill)
+                                     **cache_kwargs))
 
     def begin_step(self, *, defer: bool = False) -> None:
         """Start a new step (called before each CUDA-graph replay; `defer`: see
@@ -76,15 +70,19 @@ class OffloadedExperts(ExpertsProvider):
         """Whether `forward` takes the layer's shared expert along (the fused-MoE kernel)."""
         return self.use_kernel
 
-    def set_hybrid(self, hybrid: Any) -> None:
-        """Run the CPU share of decode misses with `hybrid` (an `offload.hybrid.HybridExperts`;
-        None: every miss is copied). Decode graphs captured before must be dropped."""
-        self.hybrid = hybrid
+    def set_hybrid(self, plan: Any, runner: Any = None) -> None:
+        """Serve decode misses by `plan` (an `offload.hybrid.HybridPlan`), its CPU share on
+        `runner` (an `offload.hybrid.CpuExperts`, unused by a "gpu" plan). Decode graphs
+        captured before must be dropped."""
+        self.hybrid_plan = plan
+        self.cpu_runner = None if plan.mode == "gpu" else runner
+        self._split = torch.tensor([plan.a, plan.b], dtype=torch.float32,
+                                   device=self.cache.device)
 
     @property
     def cpu_computed(self) -> int | None:
         """Distinct experts computed on the CPU so far (None without a CPU part)."""
-        return None if self.hybrid is None else self.hybrid.runner.computed
+        return None if self.cpu_runner is None else self.cpu_runner.computed
 
     def forward(self, layer_id: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, *, shared_slots: ExpertSlots | None = None,
@@ -98,41 +96,38 @@ class OffloadedExperts(ExpertsProvider):
             if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
                 self.cache.begin_step(defer=True)
         self._last_layer = layer_id
-        cpu_part: list[torch.Tensor] = []
-        slot_ids = self._slot_ids(layer_id, topk_ids, x=x, topk_weights=topk_weights,
-                                  cpu_part=cpu_part)  # [N, k] int32
+        cpu_y: list[torch.Tensor] = []  # the CPU part's output [N, H] fp32, when one runs
+
+        def fork(slot_ids: torch.Tensor) -> None:
+            cpu_y.append(self.cpu_runner.start(layer_id, x, topk_ids, slot_ids, topk_weights))
+
+        slot_ids = self._slot_ids(layer_id, topk_ids, fork)  # [N, k] int32
         weights = topk_weights
-        if cpu_part:
+        if cpu_y:
             on_cpu = slot_ids < 0
             slot_ids = torch.where(on_cpu, 0, slot_ids)
             weights = torch.where(on_cpu, 0, topk_weights)
         moe = fused_moe if self.use_kernel else fused_moe_ref
         out = moe(x, slot_ids, weights, self.cache.slots, shared_slots=shared_slots,
                   shared_logit=shared_logit)
-        if not cpu_part:
+        if not cpu_y:
             return out
-        self.hybrid.runner.join()
-        return (out.float() + cpu_part[0]).to(x.dtype)
+        self.cpu_runner.join()
+        return (out.float() + cpu_y[0]).to(x.dtype)
 
-    def _slot_ids(self, layer_id: int, topk_ids: torch.Tensor, *, x: torch.Tensor | None = None,
-                  topk_weights: torch.Tensor | None = None,
-                  cpu_part: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def _slot_ids(self, layer_id: int, topk_ids: torch.Tensor,
+                  fork: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """The slots of `topk_ids` [N, k]: streamed for a big batch, else from the cache; with
-        a CPU part for a decode-sized batch, the CPU's pairs get slot -1 and their work is
-        forked (its result appended to `cpu_part`)."""
+        a CPU part and `fork` for a decode-sized batch, the CPU's pairs get slot -1 and
+        `fork(slot_ids)` starts their work."""
         streamer = self.streamer
         if streamer is not None:
             if streamer.wants(topk_ids):
                 return streamer.slot_ids(layer_id, topk_ids)
             streamer.release()
-        hybrid = self.hybrid
-        if hybrid is None or cpu_part is None or not hybrid.takes(topk_ids.shape[0]):
+        if self.cpu_runner is None or fork is None or not 0 < len(topk_ids) <= CPU_MAX_TOKENS:
             return self.cache.lookup(layer_id, topk_ids)
-
-        def fork(slot_ids: torch.Tensor) -> None:
-            cpu_part.append(hybrid.runner.start(layer_id, x, topk_ids, slot_ids, topk_weights))
-
-        return self.cache.lookup(layer_id, topk_ids, split=hybrid.split, on_lookup=fork)
+        return self.cache.lookup(layer_id, topk_ids, split=self._split, on_lookup=fork)
 
     @property
     def capturable(self) -> bool:

@@ -10,6 +10,7 @@ looks short, a warning gives the numbers and the store stays pageable (host-driv
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,10 +40,7 @@ def slot_fields(num_rows: int, hidden: int, inter: int, *, fp4: bool,
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = dtype.itemsize
-    for s in shape:
-        n *= s
-    return n
+    return math.prod(shape) * dtype.itemsize
 
 
 def _available_ram() -> int | None:
@@ -107,10 +105,6 @@ class HostExpertStore:
                    config.moe_intermediate_size, fp4=fp4, dtype=dtype, pin=pin,
                    on_pinned=on_pinned)
 
-    # filling
-    def row(self, layer: int, expert: int) -> int:
-        return layer * self.num_experts + expert
-
     def add(self, name: str, weight: Any) -> bool:
         """Take one canonical weight; True if it was a routed expert's (and is now stored)."""
         from tinyserve.model.loader import parse_expert_name
@@ -123,7 +117,7 @@ class HostExpertStore:
         parts[proj] = weight
         if len(parts) == 3:
             del self._pending[(layer, expert)]
-            row = self.row(layer, expert)
+            row = layer * self.num_experts + expert
             write_slot(self.slots, row, parts["gate_proj"], parts["up_proj"],
                        parts["down_proj"])
             self._filled[row] = True

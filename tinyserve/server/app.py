@@ -120,8 +120,8 @@ def _choices(state: ServerState, req: Any, params: list[Any], new: Callable[...,
     """One formatter per choice (`new(**kw)` makes one), sharing the first one's id."""
     token_text = state.token_text if params[0].logprobs is not None else None
     fmts: list[Any] = []
-    for i in range(len(params)):
-        fmts.append(new(usage_null=req.include_usage, token_text=token_text, index=i,
+    for _ in params:
+        fmts.append(new(usage_null=req.include_usage, token_text=token_text,
                         first=fmts[0] if fmts else None))
     return fmts
 

@@ -16,6 +16,16 @@ from tinyserve.log import get_logger
 
 log = get_logger(__name__)
 
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                   403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                   429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+                   529: "overloaded_error"}
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Whether a request to `path` gets Anthropic's error objects (/v1/messages and below)."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
 
 class APIError(Exception):
     """An error answered with `status` and the error object of the route's API."""
@@ -30,10 +40,20 @@ class APIError(Exception):
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
+        """OpenAI's error object."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's error object; its `type` follows the HTTP status as Anthropic's API does."""
+        kind = ANTHROPIC_TYPES.get(self.status,
+                                   "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
 
     def body_for(self, path: str) -> dict[str, Any]:
-        return error_body_for(path, self.status, self.message, self.type, self.param, self.code)
+        """The error object for a request to `path`: Anthropic's on the Anthropic routes (the
+        field a message names is in its text), OpenAI's everywhere else."""
+        return self.anthropic_body() if is_anthropic_path(path) else self.body()
 
 
 class ContextLengthError(APIError):
@@ -47,37 +67,6 @@ class ContextLengthError(APIError):
                          code="context_length_exceeded")
         self.size = size
         self.context = context
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                   403: "permission_error", 404: "not_found_error", 413: "request_too_large",
-                   429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
-                   529: "overloaded_error"}
-
-
-def is_anthropic_path(path: str) -> bool:
-    """Whether a request to `path` gets Anthropic's error objects (/v1/messages and below)."""
-    return path == "/v1/messages" or path.startswith("/v1/messages/")
-
-
-def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
-    """Anthropic's error object; its `type` follows the HTTP status as Anthropic's API does."""
-    kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
-
-
-def error_body_for(path: str, status: int, message: str, type: str = "invalid_request_error",
-                   param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """The error object for a request to `path`: Anthropic's on the Anthropic routes (the
-    field a message names is in its text), OpenAI's everywhere else."""
-    if is_anthropic_path(path):
-        return anthropic_error_body(status, message)
-    return error_body(message, type, param, code)
 
 
 # pydantic's names of union members and validators in an error's location (not fields):

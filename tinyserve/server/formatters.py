@@ -14,6 +14,7 @@ import json
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tinyserve.core import TokenLogprobs
@@ -31,6 +32,15 @@ def sse(obj: dict[str, Any], event: str | None = None) -> str:
     return f"data: {text}\n\n" if event is None else f"event: {event}\ndata: {text}\n\n"
 
 
+@dataclass(frozen=True)
+class TokenCounts:
+    """A response's tokens; `cached`: prompt tokens served from the prefix cache."""
+
+    prompt: int
+    completion: int
+    cached: int = 0
+
+
 class Formatter(Protocol):
     """What the generation driver asks of one choice's formatter."""
 
@@ -46,24 +56,20 @@ class Formatter(Protocol):
                   ) -> list[dict[str, Any]]: ...
     def encode(self, chunk: dict[str, Any]) -> str: ...
     def error_event(self, err: APIError) -> str: ...  # a failed stream's last events
-    def stream_end(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
-                   include_usage: bool) -> list[str]: ...
-    def choice(self) -> dict[str, Any]: ...
-    def body(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
-             choices: list[dict[str, Any]] | None = None) -> dict[str, Any]: ...
+    def stream_end(self, counts: TokenCounts, include_usage: bool) -> list[str]: ...
+    def body(self, counts: TokenCounts) -> dict[str, Any]: ...
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
-          ) -> dict[str, Any]:
-    """The usage object; `cached_tokens`: prompt tokens served from the prefix cache."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(counts: TokenCounts) -> dict[str, Any]:
+    return {"prompt_tokens": counts.prompt, "completion_tokens": counts.completion,
+            "total_tokens": counts.prompt + counts.completion,
+            "prompt_tokens_details": {"cached_tokens": counts.cached}}
 
 
 class _OpenAIFormatter:
     """One choice of an OpenAI response: `data: {json}` events, the usage chunk when asked,
-    `data: [DONE]` (after an error event too)."""
+    `data: [DONE]` (after an error event too). `first`: the formatter of the response's first
+    choice, whose id this one shares and whose body holds every choice."""
 
     endpoint: str
     prompt_param: str
@@ -72,10 +78,14 @@ class _OpenAIFormatter:
     chunk_object: str  # the streamed chunks'
 
     def __init__(self, model: str, *, usage_null: bool, token_text: TokenText | None = None,
-                 index: int = 0, first: _OpenAIFormatter | None = None) -> None:
-        self.id = first.id if first is not None else f"{self.id_prefix}-{uuid.uuid4().hex}"
-        self.created = first.created if first is not None else int(time.time())
-        self.index = index
+                 first: _OpenAIFormatter | None = None) -> None:
+        if first is None:
+            self.id, self.created = f"{self.id_prefix}-{uuid.uuid4().hex}", int(time.time())
+            self.choices: list[_OpenAIFormatter] = []
+        else:
+            self.id, self.created, self.choices = first.id, first.created, first.choices
+        self.index = len(self.choices)
+        self.choices.append(self)
         self.model = model
         self._usage_null = usage_null
         self._text_of = token_text
@@ -108,16 +118,14 @@ class _OpenAIFormatter:
     def error_event(self, err: APIError) -> str:
         return sse(err.body()) + DONE
 
-    def stream_end(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
-                   include_usage: bool) -> list[str]:
+    def stream_end(self, counts: TokenCounts, include_usage: bool) -> list[str]:
         last = self._envelope([], self.chunk_object)
-        last["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
+        last["usage"] = usage(counts)
         return ([sse(last)] if include_usage else []) + [DONE]
 
-    def body(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
-             choices: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        out = self._envelope(choices or [self.choice()], self.object)
-        out["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
+    def body(self, counts: TokenCounts) -> dict[str, Any]:
+        out = self._envelope([f.choice() for f in self.choices], self.object)
+        out["usage"] = usage(counts)
         return out
 
 

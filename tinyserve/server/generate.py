@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tinyserve.core import ParamError, SamplingParams
 from tinyserve.log import get_logger
 from tinyserve.server.errors import APIError, ContextLengthError
-from tinyserve.server.formatters import Formatter
+from tinyserve.server.formatters import Formatter, TokenCounts
 from tinyserve.server.state import ServerState
 
 log = get_logger(__name__)
@@ -153,8 +153,8 @@ class _Run:
         self._last_token_t: float | None = None
 
     @property
-    def completion_tokens(self) -> int:
-        return sum(self.completion)
+    def counts(self) -> TokenCounts:
+        return TokenCounts(self.prompt_tokens, sum(self.completion), self.cached_tokens)
 
     def _account(self, i: int, out: Any) -> None:
         n_new = len(getattr(out, "token_ids", ()) or ())
@@ -173,7 +173,7 @@ class _Run:
     def _done(self, outcome: str) -> None:
         self.finished = True
         self.state.metrics.request_done(self.fmt.endpoint, outcome, self.prompt_tokens,
-                                        self.completion_tokens, time.monotonic() - self.t0)
+                                        sum(self.completion), time.monotonic() - self.t0)
 
     def _abort(self) -> None:
         if not self.finished:
@@ -237,8 +237,7 @@ class _Run:
                     yield self.fmt.error_event(err)
                     return
             self._done(self._finish_reason())
-            for event in self.fmt.stream_end(self.prompt_tokens, self.completion_tokens,
-                                             self.cached_tokens, include_usage):
+            for event in self.fmt.stream_end(self.counts, include_usage):
                 yield event
         except APIError as err:
             yield self.fmt.error_event(err)
@@ -264,9 +263,7 @@ class _Run:
                 if err is not None:
                     raise err
             self._done(self._finish_reason())
-            choices = [f.choice() for f in self.fmts] if len(self.fmts) > 1 else None
-            return JSONResponse(self.fmt.body(self.prompt_tokens, self.completion_tokens,
-                                              self.cached_tokens, choices))
+            return JSONResponse(self.fmt.body(self.counts))
         except asyncio.CancelledError:
             self._abort()
             raise

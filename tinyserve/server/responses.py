@@ -110,7 +110,8 @@ class ItemWriter:
     def on_text(self, text: str, logprobs: Any = ()) -> list[dict[str, Any]]:
         return self._events(self.assembler.feed(text)) if text else []
 
-    def _finish(self, engine_reason: str | None) -> list[dict[str, Any]]:
+    def on_finish(self, engine_reason: str | None, stop_str: str | None = None
+                  ) -> list[dict[str, Any]]:
         events = self._events(self.assembler.finish()) + self._close()
         self.finish_reason = self.assembler.finish_reason(engine_reason)
         return events

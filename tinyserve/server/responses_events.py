@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tinyserve.server.errors import APIError
-from tinyserve.server.formatters import sse
+from tinyserve.server.formatters import TokenCounts, sse
 from tinyserve.server.responses import ChatAssembler, ItemWriter
 
 _MARK = "tsr1."
@@ -79,10 +79,6 @@ class ResponsesFormatter(ItemWriter):
         return [{"type": "response.created", "response": snapshot},
                 {"type": "response.in_progress", "response": snapshot}]
 
-    def on_finish(self, engine_reason: str | None, stop_str: str | None = None
-                  ) -> list[dict[str, Any]]:
-        return self._finish(engine_reason)
-
     def encode(self, event: dict[str, Any]) -> str:
         event["sequence_number"] = self._seq
         self._seq += 1
@@ -94,24 +90,19 @@ class ResponsesFormatter(ItemWriter):
                            "invalid_request_error", "message": err.message}
         return self.encode({"type": "response.failed", "response": failed})
 
-    def stream_end(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
-                   include_usage: bool) -> list[str]:
-        body = self.body(prompt_tokens, completion_tokens, cached_tokens)
+    def stream_end(self, counts: TokenCounts, include_usage: bool) -> list[str]:
+        body = self.body(counts)
         kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
         return [self.encode({"type": kind, "response": body})]
 
-    def choice(self) -> dict[str, Any]:
-        return {"output": self.items}
-
-    def body(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
-             choices: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def body(self, counts: TokenCounts) -> dict[str, Any]:
         reasoning = self._count(self.assembler.reasoning) if (
             self._count and self.assembler.reasoning) else 0
-        use = {"input_tokens": prompt_tokens,
-               "input_tokens_details": {"cached_tokens": cached_tokens},
-               "output_tokens": completion_tokens,
-               "output_tokens_details": {"reasoning_tokens": min(reasoning, completion_tokens)},
-               "total_tokens": prompt_tokens + completion_tokens}
+        use = {"input_tokens": counts.prompt,
+               "input_tokens_details": {"cached_tokens": counts.cached},
+               "output_tokens": counts.completion,
+               "output_tokens_details": {"reasoning_tokens": min(reasoning, counts.completion)},
+               "total_tokens": counts.prompt + counts.completion}
         if self.finish_reason == "length":
             out = self._response("incomplete", use)
             out["incomplete_details"] = {"reason": "max_output_tokens"}

@@ -43,8 +43,6 @@ def check_fits(prompt_len: int, max_tokens: int | None, max_context: int, *,
         raise ContextLengthError(str(prompt_len), max_context, prompt_param)
     if max_tokens is None:
         return max_context - prompt_len
-    if max_tokens < 1:
-        raise APIError(400, f"{max_param} must be >= 1", param=max_param)
     if prompt_len + max_tokens > max_context:
         raise APIError(400, f"this server's context holds {max_context} tokens, but "
                        f"{prompt_len + max_tokens} were requested ({prompt_len} in the prompt, "

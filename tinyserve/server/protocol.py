@@ -281,7 +281,7 @@ class ChatCompletionRequest(_Sampling):
             raise APIError(400, "only the text modality is supported", param="modalities")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        forced_function(self.tool_choice, self.tools)  # a 400 for an unusable tool_choice
+        self.forced_call()  # a 400 for an unusable tool_choice
         for i, tool in enumerate(self.tools or ()):
             if tool.function.strict:
                 raise APIError(400, "strict function calling needs constrained decoding, which "
@@ -303,6 +303,10 @@ class ChatCompletionRequest(_Sampling):
     @property
     def top_k_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def forced_call(self) -> str | None:
+        """The call `tool_choice` forces (`tool_choice.forced_function`)."""
+        return forced_function(self.tool_choice, [t.function.name for t in self.tools or ()])
 
     @property
     def use_tools(self) -> bool:

@@ -70,5 +70,4 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, *,
     max_tokens = check_fits(len(prompt.ids), room if clamped else want, ctx,
                             prompt_param=prompt_param, max_param=max_param)
     params = choice_params(state, req, max_tokens, max_param)
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.use_tools else None
-    return PreparedChat(prompt, params, tools, clamped)
+    return PreparedChat(prompt, params, req.tool_dicts(), clamped)

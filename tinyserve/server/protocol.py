@@ -308,9 +308,11 @@ class ChatCompletionRequest(_Sampling):
         """The call `tool_choice` forces (`tool_choice.forced_function`)."""
         return forced_function(self.tool_choice, [t.function.name for t in self.tools or ()])
 
-    @property
-    def use_tools(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools the template shows the model (None: none, or tool_choice "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def template_kwargs(self) -> dict[str, Any]:
         """Extra variables for the chat template (enable_thinking and the caller's own)."""

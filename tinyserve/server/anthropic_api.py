@@ -293,8 +293,7 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
         except ContextLengthError as exc:  # in Anthropic's words
             raise APIError(400, f"prompt is too long: {exc.size} tokens > {exc.context - 1} "
                            "maximum", param=exc.param, code=exc.code) from None
-        fmt = MessagesFormatter(state.config.served_model_name,
-                                prep.assembler(chat.parallel_tool_calls),
+        fmt = MessagesFormatter(state.config.served_model_name, prep.assembler(),
                                 prompt_tokens=len(prep.prompt.ids), clamped=prep.clamped)
         return await generate(state, request, [fmt], prep.prompt.ids, prep.params,
                               stream=req.stream, include_usage=True)

@@ -93,7 +93,7 @@ def create_app(state: ServerState) -> FastAPI:
         req.check_supported()
         prep = await prepare_chat(state, req)
         fmts = _choices(state, req, prep.params, lambda **kw: ChatFormatter(
-            state.config.served_model_name, prep.assembler(req.parallel_tool_calls), **kw))
+            state.config.served_model_name, prep.assembler(), **kw))
         return await generate(state, request, fmts, prep.prompt.ids, prep.params,
                               stream=req.stream, include_usage=req.include_usage)
 

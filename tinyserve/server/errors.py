@@ -148,26 +148,24 @@ def install_error_handlers(app: Any) -> None:
     from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException
 
-    def handler(to_error: Any) -> Any:
-        async def handle(request: Any, exc: Exception) -> JSONResponse:
-            err = to_error(request, exc)
-            headers = exc.headers if isinstance(exc, HTTPException) else None
-            return JSONResponse(err.body_for(request.url.path), status_code=err.status,
-                                headers=headers)
-        return handle
-
-    def on_http(request: Any, exc: HTTPException) -> APIError:
-        if exc.status_code == 404:
+    def as_api_error(request: Any, exc: Exception) -> APIError:
+        if isinstance(exc, APIError):
+            return exc
+        if isinstance(exc, RequestValidationError):
+            return validation_error(list(exc.errors()), _unsupported_of(request))
+        if isinstance(exc, HTTPException) and exc.status_code == 404:
             return APIError(404, f"no route {request.method} {request.url.path}",
                             code="not_found")
-        return APIError(exc.status_code, str(exc.detail))
-
-    def on_any(request: Any, exc: Exception) -> APIError:
+        if isinstance(exc, HTTPException):
+            return APIError(exc.status_code, str(exc.detail))
         log.exception("internal error on %s %s", request.method, request.url.path)
         return APIError(500, f"internal error: {type(exc).__name__}")
 
-    app.add_exception_handler(APIError, handler(lambda request, exc: exc))
-    app.add_exception_handler(RequestValidationError, handler(
-        lambda request, exc: validation_error(list(exc.errors()), _unsupported_of(request))))
-    app.add_exception_handler(HTTPException, handler(on_http))
-    app.add_exception_handler(Exception, handler(on_any))
+    async def handle(request: Any, exc: Exception) -> JSONResponse:
+        err = as_api_error(request, exc)
+        headers = exc.headers if isinstance(exc, HTTPException) else None
+        return JSONResponse(err.body_for(request.url.path), status_code=err.status,
+                            headers=headers)
+
+    for kind in (APIError, RequestValidationError, HTTPException, Exception):
+        app.add_exception_handler(kind, handle)

@@ -6,7 +6,6 @@ it (`tool_choice.continuation`), the fit in the context and the sampling paramet
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import anyio
 
@@ -22,18 +21,20 @@ from tinyserve.server.state import ServerState
 @dataclass(frozen=True)
 class PreparedChat:
     """prompt: the rendered prompt, continuation included. params: one SamplingParams per
-    choice. tools: the tools whose calls the response parses (None: tool calls stay text).
-    clamped: max_tokens was cut to what the context has left."""
+    choice. clamped: max_tokens was cut to what the context has left."""
 
+    req: ChatCompletionRequest
     prompt: RenderedPrompt
     params: list[SamplingParams]
-    tools: list[dict[str, Any]] | None
     clamped: bool = False
 
-    def assembler(self, parallel_tool_calls: bool | None = True) -> ChatAssembler:
-        """A fresh parser of one choice's generated text."""
-        return ChatAssembler(reasoning_open=self.prompt.reasoning_open, tools=self.tools,
-                             parallel_tool_calls=parallel_tool_calls, prefill=self.prompt.prefill)
+    def assembler(self) -> ChatAssembler:
+        """A fresh parser of one choice's generated text (tool calls are parsed when the
+        prompt showed the model tools)."""
+        return ChatAssembler(reasoning_open=self.prompt.reasoning_open,
+                             tools=self.req.tool_dicts(),
+                             parallel_tool_calls=self.req.parallel_tool_calls,
+                             prefill=self.prompt.prefill)
 
 
 async def render_prompt(state: ServerState, req: ChatCompletionRequest, *,
@@ -70,4 +71,4 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, *,
     max_tokens = check_fits(len(prompt.ids), room if clamped else want, ctx,
                             prompt_param=prompt_param, max_param=max_param)
     params = choice_params(state, req, max_tokens, max_param)
-    return PreparedChat(prompt, params, req.tool_dicts(), clamped)
+    return PreparedChat(req, prompt, params, clamped)

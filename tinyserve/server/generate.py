@@ -82,7 +82,7 @@ async def generate(state: ServerState, request: Request, fmts: Sequence[Formatte
         if isinstance(exc, ParamError):  # a parameter the engine checks (logit_bias ids)
             raise APIError(400, str(exc), param=exc.param) from None
         # RequestRejected: can never fit, with the numbers
-        raise APIError(400, str(exc), param=getattr(exc, "param", None) or fmts[0].prompt_param,
+        raise APIError(400, str(exc), param=fmts[0].prompt_param,
                        code="context_length_exceeded") from None
     run = _Run(state, fmts, handles, rids, len(prompt_ids), t0)
     if stream:
@@ -155,11 +155,10 @@ class _Run:
         return TokenCounts(self.prompt_tokens, sum(self.completion), self.cached_tokens)
 
     def _account(self, i: int, out: Any) -> None:
-        n_new = len(getattr(out, "token_ids", ()) or ())
-        self.prompt_tokens = getattr(out, "prompt_tokens", None) or self.prompt_tokens
-        self.cached_tokens = getattr(out, "cached_tokens", None) or self.cached_tokens
-        self.completion[i] = getattr(out, "completion_tokens", None) or (
-            self.completion[i] + n_new)
+        n_new = len(out.token_ids)
+        self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
+        self.cached_tokens = out.cached_tokens or self.cached_tokens
+        self.completion[i] = out.completion_tokens or self.completion[i] + n_new
         if n_new:
             t = time.monotonic()
             if self._last_token_t is None:
@@ -203,7 +202,7 @@ class _Run:
         engine ended the request by itself (a failure, or its shutdown)."""
         fmt = self.fmts[i]
         self._account(i, out)
-        chunks = fmt.on_text(out.text or "", getattr(out, "logprobs", ()))
+        chunks = fmt.on_text(out.text, out.logprobs)
         if not out.finished:
             return fmt, chunks, None
         self.open.discard(i)
@@ -214,7 +213,7 @@ class _Run:
                 msg = out.error or "engine shutdown"
                 return fmt, chunks, APIError(503, f"the request was stopped: {msg}")
             return fmt, chunks, APIError(500, f"generation failed: {out.error}")
-        chunks += fmt.on_finish(out.finish_reason, getattr(out, "stop_str", None))
+        chunks += fmt.on_finish(out.finish_reason, out.stop_str)
         return fmt, chunks, None
 
     async def stream(self, include_usage: bool) -> AsyncIterator[str]:

@@ -101,7 +101,7 @@ class ChatRenderer:
         try:
             ids = enc.encode_rendered(text, None if context is None else context - 1)
         except PromptTooLong as exc:
-            raise too_long(exc, context, param) from None
+            raise too_long(exc, param) from None
         text = enc.unescape(text)
         return RenderedPrompt(text=text, ids=ids, reasoning_open=reasoning_open_in_prompt(text),
                               prefill=enc.unescape(prefill))
@@ -116,10 +116,10 @@ def check_unicode(text: str, param: str) -> None:
                        "valid Unicode", param=param) from None
 
 
-def too_long(exc: PromptTooLong, context: int | None, param: str) -> ContextLengthError:
-    """The 400 for a prompt that leaves no room for output."""
+def too_long(exc: PromptTooLong, param: str) -> ContextLengthError:
+    """The 400 for a prompt that leaves no room for output (`exc.limit` + 1: the context)."""
     size = f"{exc.tokens}" if exc.exact else f"more than {exc.limit}"
-    return ContextLengthError(size, context or exc.limit + 1, param)
+    return ContextLengthError(size, exc.limit + 1, param)
 
 
 def encode_text(tokenizer: Any, text: str, param: str, context: int) -> list[int]:
@@ -129,4 +129,4 @@ def encode_text(tokenizer: Any, text: str, param: str, context: int) -> list[int
     try:
         return encoder_for(tokenizer).encode(text, context - 1)
     except PromptTooLong as exc:
-        raise too_long(exc, context, param) from None
+        raise too_long(exc, param) from None

@@ -31,13 +31,13 @@ class APIError(Exception):
     """An error answered with `status` and the error object of the route's API."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type: str | None = None) -> None:
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
-        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.type = "invalid_request_error" if status < 500 else "server_error"
 
     def body(self) -> dict[str, Any]:
         """OpenAI's error object."""
@@ -103,14 +103,12 @@ def _deepest_alternative(errors: list[dict[str, Any]]) -> dict[str, Any]:
     return max(same, key=lambda e: len(e.get("loc", ())))
 
 
-def validation_error(errors: list[dict[str, Any]],
-                     unsupported: Mapping[str, str] | None = None) -> APIError:
+def validation_error(errors: list[dict[str, Any]], unsupported: Mapping[str, str]) -> APIError:
     """FastAPI/pydantic validation errors -> one 400 APIError naming the first bad field.
 
     An unknown field is refused as OpenAI refuses it ("unrecognized request argument"), or
     with the reason when it is a top-level field known not to be supported (`unsupported`:
     name -> reason, the body model's `UNSUPPORTED`)."""
-    unsupported = unsupported or {}
     if not errors:
         return APIError(400, "invalid request body")
     first = _deepest_alternative(errors)

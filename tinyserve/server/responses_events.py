@@ -59,8 +59,7 @@ class ResponsesFormatter(ItemWriter):
     REASONING, TEXT, TOOL = "reasoning", "message", "function_call"
 
     def __init__(self, model: str, assembler: ChatAssembler, *, echo: Any,
-                 with_encrypted: bool = False,
-                 count_tokens: Callable[[str], int] | None = None) -> None:
+                 with_encrypted: bool, count_tokens: Callable[[str], int]) -> None:
         super().__init__(assembler)
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
@@ -86,8 +85,7 @@ class ResponsesFormatter(ItemWriter):
 
     def error_event(self, err: APIError) -> str:
         failed = self._response("failed", None)
-        failed["error"] = {"code": "server_error" if err.status >= 500 else
-                           "invalid_request_error", "message": err.message}
+        failed["error"] = {"code": err.type, "message": err.message}
         return self.encode({"type": "response.failed", "response": failed})
 
     def stream_end(self, counts: TokenCounts, include_usage: bool) -> list[str]:
@@ -96,8 +94,7 @@ class ResponsesFormatter(ItemWriter):
         return [self.encode({"type": kind, "response": body})]
 
     def body(self, counts: TokenCounts) -> dict[str, Any]:
-        reasoning = self._count(self.assembler.reasoning) if (
-            self._count and self.assembler.reasoning) else 0
+        reasoning = self._count(self.assembler.reasoning) if self.assembler.reasoning else 0
         use = {"input_tokens": counts.prompt,
                "input_tokens_details": {"cached_tokens": counts.cached},
                "output_tokens": counts.completion,

@@ -89,8 +89,8 @@ class _OpenAIFormatter:
         self.model = model
         self._usage_null = usage_null
         self._text_of = token_text
-        self._logprobs: list[Any] = []  # every token's entry, for the body
-        self._unsent = 0  # entries not in a chunk yet (the last ones of _logprobs)
+        self._logprobs: list[TokenLogprobs] = []  # every token's, for the body
+        self._unsent = 0  # tokens not in a chunk yet (the last ones of _logprobs)
         self.finish_reason: str | None = None
 
     def _envelope(self, choices: list[dict[str, Any]], object: str) -> dict[str, Any]:
@@ -100,7 +100,7 @@ class _OpenAIFormatter:
     def _chunk(self, choice: dict[str, Any], reason: str | None = None) -> dict[str, Any]:
         choice = {"index": self.index, **choice, "logprobs": None, "finish_reason": reason}
         if self._unsent:
-            choice["logprobs"] = self._unsent_logprobs(self._logprobs[-self._unsent:])
+            choice["logprobs"] = self._chunk_logprobs(self._logprobs[-self._unsent:])
             self._unsent = 0
         chunk = self._envelope([choice], self.chunk_object)
         if self._usage_null:
@@ -109,7 +109,7 @@ class _OpenAIFormatter:
 
     def _add_logprobs(self, logprobs: Sequence[TokenLogprobs]) -> None:
         if self._text_of is not None and logprobs:
-            self._logprobs += self._entries(logprobs)
+            self._logprobs += logprobs
             self._unsent += len(logprobs)
 
     def encode(self, chunk: dict[str, Any]) -> str:
@@ -137,11 +137,8 @@ class ChatFormatter(_OpenAIFormatter):
         super().__init__(model, **kw)
         self.assembler = assembler
 
-    def _entries(self, logprobs: Sequence[TokenLogprobs]) -> list[dict[str, Any]]:
-        return chat_entries(self._text_of, logprobs)
-
-    def _unsent_logprobs(self, entries: list[Any]) -> dict[str, Any]:
-        return {"content": entries}
+    def _chunk_logprobs(self, tokens: list[TokenLogprobs]) -> dict[str, Any]:
+        return {"content": chat_entries(self._text_of, tokens)}
 
     def start(self) -> list[dict[str, Any]]:
         return [self._chunk({"delta": {"role": "assistant", "content": ""}})]
@@ -158,7 +155,8 @@ class ChatFormatter(_OpenAIFormatter):
 
     def choice(self) -> dict[str, Any]:
         return {"index": self.index, "message": self.assembler.message(),
-                "logprobs": {"content": self._logprobs} if self._text_of is not None else None,
+                "logprobs": (self._chunk_logprobs(self._logprobs)
+                             if self._text_of is not None else None),
                 "finish_reason": self.finish_reason}
 
 
@@ -171,11 +169,8 @@ class CompletionFormatter(_OpenAIFormatter):
         self._offset = 0  # text offset of the first unsent token
         self.text = ""
 
-    def _entries(self, logprobs: Sequence[TokenLogprobs]) -> list[TokenLogprobs]:
-        return list(logprobs)
-
-    def _unsent_logprobs(self, entries: list[Any]) -> dict[str, Any]:
-        lp = completion_logprobs(self._text_of, entries, self._offset)
+    def _chunk_logprobs(self, tokens: list[TokenLogprobs]) -> dict[str, Any]:
+        lp = completion_logprobs(self._text_of, tokens, self._offset)
         self._offset += sum(len(t) for t in lp["tokens"])
         return lp
 

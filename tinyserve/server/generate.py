@@ -178,7 +178,6 @@ class _Run:
             self._done("abort")
 
     def _abort_open(self) -> None:
-        """Abort the choices that have not finished."""
         for i in self.open:
             try:
                 self.state.engine.abort(self.rids[i])

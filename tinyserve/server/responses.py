@@ -14,7 +14,7 @@ from tinyserve.server.tool_parser import ContentDelta, ToolCallParser, ToolCallS
 
 
 class ChatAssembler:
-    """Per-request text processing for chat completions."""
+    """One choice's generated text -> chat deltas, and the whole message at the end."""
 
     def __init__(self, *, reasoning_open: bool, tools: list[dict] | None = None,
                  parallel_tool_calls: bool | None = True, prefill: str = "") -> None:

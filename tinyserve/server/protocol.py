@@ -72,10 +72,7 @@ class RequestBody(StrictModel):
         if not isinstance(data, dict) or not any(k in cls.UNSUPPORTED for k in data):
             return data
         return {k: v for k, v in data.items()
-                if k not in cls.UNSUPPORTED or not _unset(v, cls.HARMLESS.get(k, _NO_VALUE))}
-
-
-_NO_VALUE = object()
+                if k not in cls.UNSUPPORTED or not _unset(v, cls.HARMLESS.get(k))}
 
 
 def _unset(value: Any, harmless: Any) -> bool:
@@ -344,7 +341,6 @@ class CompletionRequest(_Sampling):
 
     @property
     def requested_max_tokens(self) -> int:
-        """max_tokens, or 16 when it is omitted or null (OpenAI's default here)."""
         return COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
 
     @property

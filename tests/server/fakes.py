@@ -24,6 +24,9 @@ class FakeOutput:
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[Any] = field(default_factory=list)
+    stop_str: str | None = None
 
 
 class FakeHandle:

@@ -31,7 +31,7 @@ NAMED = {"type": "function", "function": {"name": "get_time"}}
     ("required", TOOLS, ""), ("required", TOOLS[:1], "get_weather"), (NAMED, TOOLS, "get_time"),
 ], ids=["unset", "auto", "none", "required", "required_one_tool", "named"])
 def test_forced_function(choice, tools, expected):
-    assert forced_function(choice, tools) == expected
+    assert forced_function(choice, [t["function"]["name"] for t in tools]) == expected
 
 
 @pytest.mark.parametrize("choice, tools", [
@@ -40,7 +40,7 @@ def test_forced_function(choice, tools, expected):
 ], ids=["required_no_tools", "named_unknown", "bad_string", "responses_form"])
 def test_forced_function_refuses(choice, tools):
     with pytest.raises(APIError) as exc:
-        forced_function(choice, tools, param="tool_choice")
+        forced_function(choice, [t["function"]["name"] for t in tools or ()])
     assert exc.value.status == 400 and exc.value.param == "tool_choice"
 
 

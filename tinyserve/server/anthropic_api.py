@@ -23,7 +23,7 @@ from fastapi.responses import Response
 from pydantic import Field, field_validator, model_validator
 
 from tinyserve.server.anthropic_events import MessagesFormatter
-from tinyserve.server.errors import APIError
+from tinyserve.server.errors import APIError, ContextLengthError
 from tinyserve.server.generate import generate
 from tinyserve.server.prepare import prepare_chat, render_prompt
 from tinyserve.server.protocol import (
@@ -287,11 +287,13 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
     async def messages(req: MessagesRequest, request: Request) -> Response:
         state.check_model(req.model)
         chat, prefix = to_chat_request(req)
-        prep = await prepare_chat(state, chat, max_param="max_tokens", clamp=True,
-                                  answer_prefix=prefix, too_long=lambda size, context:
-                                  f"prompt is too long: {size} tokens > {context - 1} maximum")
-        fmt = MessagesFormatter(state.config.served_model_name,
-                                prep.assembler(chat.parallel_tool_calls),
+        try:
+            prep = await prepare_chat(state, chat, max_param="max_tokens", clamp=True,
+                                      answer_prefix=prefix)
+        except ContextLengthError as exc:  # in Anthropic's words
+            raise APIError(400, f"prompt is too long: {exc.size} tokens > {exc.context - 1} "
+                           "maximum", param=exc.param, code=exc.code) from None
+        fmt = MessagesFormatter(state.config.served_model_name, prep.assembler(),
                                 prompt_tokens=len(prep.prompt.ids), clamped=prep.clamped)
         return await generate(state, request, [fmt], prep.prompt.ids, prep.params,
                               stream=req.stream, include_usage=True)

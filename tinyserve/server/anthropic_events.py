@@ -15,15 +15,14 @@ import json
 import uuid
 from typing import Any
 
-from tinyserve.server.errors import APIError, anthropic_error_body
-from tinyserve.server.formatters import sse
+from tinyserve.server.errors import APIError
+from tinyserve.server.formatters import TokenCounts, sse
 from tinyserve.server.responses import ChatAssembler, ItemWriter
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
-          ) -> dict[str, Any]:
-    return {"input_tokens": prompt_tokens - cached_tokens, "output_tokens": completion_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached_tokens}
+def usage(counts: TokenCounts) -> dict[str, Any]:
+    return {"input_tokens": counts.prompt - counts.cached, "output_tokens": counts.completion,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": counts.cached}
 
 
 def stop_reason(chat_reason: str | None, stop_str: str | None, clamped: bool) -> str:
@@ -54,13 +53,13 @@ class MessagesFormatter(ItemWriter):
         self.stop_sequence: str | None = None
 
     def start(self) -> list[dict[str, Any]]:
-        message = self._message(None, usage(self.prompt_tokens, 0))
+        message = self._message(None, usage(TokenCounts(self.prompt_tokens, 0)))
         message["content"] = []
         return [{"type": "message_start", "message": message}, {"type": "ping"}]
 
     def on_finish(self, engine_reason: str | None, stop_str: str | None = None
                   ) -> list[dict[str, Any]]:
-        events = self._finish(engine_reason)
+        events = super().on_finish(engine_reason)
         self.stop_reason = stop_reason(self.finish_reason, stop_str, self.clamped)
         self.stop_sequence = stop_str if self.stop_reason == "stop_sequence" else None
         return events
@@ -69,22 +68,16 @@ class MessagesFormatter(ItemWriter):
         return sse(event, event["type"])
 
     def error_event(self, err: APIError) -> str:
-        return self.encode(anthropic_error_body(err.status, err.message))
+        return self.encode(err.anthropic_body())
 
-    def stream_end(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
-                   include_usage: bool) -> list[str]:
+    def stream_end(self, counts: TokenCounts, include_usage: bool) -> list[str]:
         delta = {"type": "message_delta",
                  "delta": {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence},
-                 "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
+                 "usage": usage(counts)}
         return [self.encode(delta), self.encode({"type": "message_stop"})]
 
-    def choice(self) -> dict[str, Any]:
-        return {"content": self.items, "stop_reason": self.stop_reason}
-
-    def body(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
-             choices: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        return self._message(self.stop_reason,
-                             usage(prompt_tokens, completion_tokens, cached_tokens))
+    def body(self, counts: TokenCounts) -> dict[str, Any]:
+        return self._message(self.stop_reason, usage(counts))
 
     def _message(self, reason: str | None, use: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,

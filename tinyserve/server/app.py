@@ -5,6 +5,7 @@ then. `/openapi.json` is behind the API key like every route but `/health`.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,7 +40,12 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.tinyserve = state
     install_error_handlers(app)
     cfg = state.config
-    app.openapi = lambda: app.openapi_schema or _cache(app, cfg)
+
+    @functools.cache
+    def schema() -> dict[str, Any]:
+        return openapi_schema(app, with_key=bool(cfg.api_keys), model=cfg.served_model_name)
+
+    app.openapi = schema
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
     app.add_middleware(APIKeyMiddleware, keys=cfg.api_keys)
     if cfg.cors_origins:
@@ -87,7 +93,7 @@ def create_app(state: ServerState) -> FastAPI:
         req.check_supported()
         prep = await prepare_chat(state, req)
         fmts = _choices(state, req, prep.params, lambda **kw: ChatFormatter(
-            state.config.served_model_name, prep.assembler(req.parallel_tool_calls), **kw))
+            state.config.served_model_name, prep.assembler(), **kw))
         return await generate(state, request, fmts, prep.prompt.ids, prep.params,
                               stream=req.stream, include_usage=req.include_usage)
 
@@ -100,8 +106,11 @@ def create_app(state: ServerState) -> FastAPI:
         if isinstance(prompt, str):
             ids = await anyio.to_thread.run_sync(
                 lambda: encode_text(engine.tokenizer, prompt, "prompt", context))
-        else:
-            ids = _check_token_ids(prompt, len(engine.tokenizer))
+        else:  # token ids, each >= 0 (the request's type)
+            vocab = len(engine.tokenizer)
+            if any(t >= vocab for t in prompt):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+            ids = list(prompt)
         max_tokens = check_fits(len(ids), req.requested_max_tokens, context,
                                 prompt_param="prompt", max_param="max_tokens")
         params = choice_params(state, req, max_tokens, "max_tokens")
@@ -120,19 +129,7 @@ def _choices(state: ServerState, req: Any, params: list[Any], new: Callable[...,
     """One formatter per choice (`new(**kw)` makes one), sharing the first one's id."""
     token_text = state.token_text if params[0].logprobs is not None else None
     fmts: list[Any] = []
-    for i in range(len(params)):
-        fmts.append(new(usage_null=req.include_usage, token_text=token_text, index=i,
+    for _ in params:
+        fmts.append(new(usage_null=req.include_usage, token_text=token_text,
                         first=fmts[0] if fmts else None))
     return fmts
-
-
-def _cache(app: FastAPI, cfg: Any) -> dict[str, Any]:
-    app.openapi_schema = openapi_schema(app, with_key=bool(cfg.api_keys),
-                                        model=cfg.served_model_name)
-    return app.openapi_schema
-
-
-def _check_token_ids(ids: list[int], vocab: int) -> list[int]:
-    if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
-        raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-    return list(ids)

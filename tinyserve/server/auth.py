@@ -8,15 +8,15 @@ import hmac
 import json
 from typing import Any
 
-from tinyserve.server.errors import error_body_for
+from tinyserve.server.errors import APIError
 
 OPEN_PATHS = frozenset({"/health"})
 
 
-async def _send_error(send: Any, status: int, body: dict[str, Any],
+async def _send_error(send: Any, path: str, err: APIError,
                       headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    payload = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
+    payload = json.dumps(err.body_for(path)).encode()
+    await send({"type": "http.response.start", "status": err.status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(payload)).encode())] + (headers or [])})
     await send({"type": "http.response.body", "body": payload})
@@ -45,8 +45,7 @@ class APIKeyMiddleware:
             return await self.app(scope, receive, send)
         message = ("missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
                    if not given else "incorrect API key")
-        await _send_error(send, 401, error_body_for(scope["path"], 401, message,
-                                                    code="invalid_api_key"),
+        await _send_error(send, scope["path"], APIError(401, message, code="invalid_api_key"),
                           [(b"www-authenticate", b"Bearer")])
 
 
@@ -62,15 +61,14 @@ class BodyLimitMiddleware:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         length = headers.get(b"content-length")
-        too_big = error_body_for(scope["path"], 413,
-                                 f"request body larger than {self.max_bytes} bytes",
-                                 code="request_too_large")
+        path = scope["path"]
+        too_big = APIError(413, f"request body larger than {self.max_bytes} bytes",
+                           code="request_too_large")
         try:
             if length is not None and int(length) > self.max_bytes:
-                return await _send_error(send, 413, too_big)
+                return await _send_error(send, path, too_big)
         except ValueError:
-            return await _send_error(send, 400, error_body_for(scope["path"], 400,
-                                                               "invalid Content-Length"))
+            return await _send_error(send, path, APIError(400, "invalid Content-Length"))
         seen, refused = 0, False
 
         async def limited_receive() -> dict:
@@ -83,7 +81,7 @@ class BodyLimitMiddleware:
                     # that is dropped
                     if not refused:
                         refused = True
-                        await _send_error(send, 413, too_big)
+                        await _send_error(send, path, too_big)
                     return {"type": "http.disconnect"}
             return message
 

@@ -32,11 +32,10 @@ class RenderedPrompt:
 def _tool_call_for_template(call: ToolCall, where: str) -> dict[str, Any]:
     args = call.function.arguments
     if isinstance(args, str):
-        try:  # NOTE: numbers past Python's digit limit raise ValueError, deep nesting
-            args = json.loads(args) if args.strip() else {}  # RecursionError
-        except (ValueError, RecursionError):
-            raise APIError(400, "tool call arguments must be a JSON object",
-                           param=f"{where}.function.arguments") from None
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except (ValueError, RecursionError):  # also too many digits, too deep a nesting
+            args = None
     if not isinstance(args, dict):
         raise APIError(400, "tool call arguments must be a JSON object",
                        param=f"{where}.function.arguments")
@@ -82,7 +81,7 @@ class ChatRenderer:
         is tokenised in full. The answer is begun for the model (`tool_choice.continuation`)
         with the client's `answer_prefix` and/or a `forced` tool call."""
         messages = [message_for_template(m, i) for i, m in enumerate(req.messages)]
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.use_tools else None
+        tools = req.tool_dicts()
         kwargs = {k: v for k, v in req.template_kwargs().items() if k not in _RESERVED_KWARGS}
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions",
@@ -102,7 +101,7 @@ class ChatRenderer:
         try:
             ids = enc.encode_rendered(text, None if context is None else context - 1)
         except PromptTooLong as exc:
-            raise too_long(exc, context, param) from None
+            raise too_long(exc, param) from None
         text = enc.unescape(text)
         return RenderedPrompt(text=text, ids=ids, reasoning_open=reasoning_open_in_prompt(text),
                               prefill=enc.unescape(prefill))
@@ -117,10 +116,10 @@ def check_unicode(text: str, param: str) -> None:
                        "valid Unicode", param=param) from None
 
 
-def too_long(exc: PromptTooLong, context: int | None, param: str) -> ContextLengthError:
-    """The 400 for a prompt that leaves no room for output."""
+def too_long(exc: PromptTooLong, param: str) -> ContextLengthError:
+    """The 400 for a prompt that leaves no room for output (`exc.limit` + 1: the context)."""
     size = f"{exc.tokens}" if exc.exact else f"more than {exc.limit}"
-    return ContextLengthError(size, context or exc.limit + 1, param)
+    return ContextLengthError(size, exc.limit + 1, param)
 
 
 def encode_text(tokenizer: Any, text: str, param: str, context: int) -> list[int]:
@@ -130,4 +129,4 @@ def encode_text(tokenizer: Any, text: str, param: str, context: int) -> list[int
     try:
         return encoder_for(tokenizer).encode(text, context - 1)
     except PromptTooLong as exc:
-        raise too_long(exc, context, param) from None
+        raise too_long(exc, param) from None

@@ -16,24 +16,44 @@ from tinyserve.log import get_logger
 
 log = get_logger(__name__)
 
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                   403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                   429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+                   529: "overloaded_error"}
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Whether a request to `path` gets Anthropic's error objects (/v1/messages and below)."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
 
 class APIError(Exception):
     """An error answered with `status` and the error object of the route's API."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type: str | None = None) -> None:
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
-        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.type = "invalid_request_error" if status < 500 else "server_error"
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
+        """OpenAI's error object."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's error object; its `type` follows the HTTP status as Anthropic's API does."""
+        kind = ANTHROPIC_TYPES.get(self.status,
+                                   "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
 
     def body_for(self, path: str) -> dict[str, Any]:
-        return error_body_for(path, self.status, self.message, self.type, self.param, self.code)
+        """The error object for a request to `path`: Anthropic's on the Anthropic routes (the
+        field a message names is in its text), OpenAI's everywhere else."""
+        return self.anthropic_body() if is_anthropic_path(path) else self.body()
 
 
 class ContextLengthError(APIError):
@@ -47,37 +67,6 @@ class ContextLengthError(APIError):
                          code="context_length_exceeded")
         self.size = size
         self.context = context
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                   403: "permission_error", 404: "not_found_error", 413: "request_too_large",
-                   429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
-                   529: "overloaded_error"}
-
-
-def is_anthropic_path(path: str) -> bool:
-    """Whether a request to `path` gets Anthropic's error objects (/v1/messages and below)."""
-    return path == "/v1/messages" or path.startswith("/v1/messages/")
-
-
-def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
-    """Anthropic's error object; its `type` follows the HTTP status as Anthropic's API does."""
-    kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
-
-
-def error_body_for(path: str, status: int, message: str, type: str = "invalid_request_error",
-                   param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """The error object for a request to `path`: Anthropic's on the Anthropic routes (the
-    field a message names is in its text), OpenAI's everywhere else."""
-    if is_anthropic_path(path):
-        return anthropic_error_body(status, message)
-    return error_body(message, type, param, code)
 
 
 # pydantic's names of union members and validators in an error's location (not fields):
@@ -114,14 +103,12 @@ def _deepest_alternative(errors: list[dict[str, Any]]) -> dict[str, Any]:
     return max(same, key=lambda e: len(e.get("loc", ())))
 
 
-def validation_error(errors: list[dict[str, Any]],
-                     unsupported: Mapping[str, str] | None = None) -> APIError:
+def validation_error(errors: list[dict[str, Any]], unsupported: Mapping[str, str]) -> APIError:
     """FastAPI/pydantic validation errors -> one 400 APIError naming the first bad field.
 
     An unknown field is refused as OpenAI refuses it ("unrecognized request argument"), or
     with the reason when it is a top-level field known not to be supported (`unsupported`:
     name -> reason, the body model's `UNSUPPORTED`)."""
-    unsupported = unsupported or {}
     if not errors:
         return APIError(400, "invalid request body")
     first = _deepest_alternative(errors)
@@ -159,26 +146,24 @@ def install_error_handlers(app: Any) -> None:
     from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException
 
-    def handler(to_error: Any) -> Any:
-        async def handle(request: Any, exc: Exception) -> JSONResponse:
-            err = to_error(request, exc)
-            headers = exc.headers if isinstance(exc, HTTPException) else None
-            return JSONResponse(err.body_for(request.url.path), status_code=err.status,
-                                headers=headers)
-        return handle
-
-    def on_http(request: Any, exc: HTTPException) -> APIError:
-        if exc.status_code == 404:
+    def as_api_error(request: Any, exc: Exception) -> APIError:
+        if isinstance(exc, APIError):
+            return exc
+        if isinstance(exc, RequestValidationError):
+            return validation_error(list(exc.errors()), _unsupported_of(request))
+        if isinstance(exc, HTTPException) and exc.status_code == 404:
             return APIError(404, f"no route {request.method} {request.url.path}",
                             code="not_found")
-        return APIError(exc.status_code, str(exc.detail))
-
-    def on_any(request: Any, exc: Exception) -> APIError:
+        if isinstance(exc, HTTPException):
+            return APIError(exc.status_code, str(exc.detail))
         log.exception("internal error on %s %s", request.method, request.url.path)
         return APIError(500, f"internal error: {type(exc).__name__}")
 
-    app.add_exception_handler(APIError, handler(lambda request, exc: exc))
-    app.add_exception_handler(RequestValidationError, handler(
-        lambda request, exc: validation_error(list(exc.errors()), _unsupported_of(request))))
-    app.add_exception_handler(HTTPException, handler(on_http))
-    app.add_exception_handler(Exception, handler(on_any))
+    async def handle(request: Any, exc: Exception) -> JSONResponse:
+        err = as_api_error(request, exc)
+        headers = exc.headers if isinstance(exc, HTTPException) else None
+        return JSONResponse(err.body_for(request.url.path), status_code=err.status,
+                            headers=headers)
+
+    for kind in (APIError, RequestValidationError, HTTPException, Exception):
+        app.add_exception_handler(kind, handle)

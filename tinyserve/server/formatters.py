@@ -14,6 +14,7 @@ import json
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tinyserve.core import TokenLogprobs
@@ -31,6 +32,15 @@ def sse(obj: dict[str, Any], event: str | None = None) -> str:
     return f"data: {text}\n\n" if event is None else f"event: {event}\ndata: {text}\n\n"
 
 
+@dataclass(frozen=True)
+class TokenCounts:
+    """A response's tokens; `cached`: prompt tokens served from the prefix cache."""
+
+    prompt: int
+    completion: int
+    cached: int = 0
+
+
 class Formatter(Protocol):
     """What the generation driver asks of one choice's formatter."""
 
@@ -46,24 +56,20 @@ class Formatter(Protocol):
                   ) -> list[dict[str, Any]]: ...
     def encode(self, chunk: dict[str, Any]) -> str: ...
     def error_event(self, err: APIError) -> str: ...  # a failed stream's last events
-    def stream_end(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
-                   include_usage: bool) -> list[str]: ...
-    def choice(self) -> dict[str, Any]: ...
-    def body(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
-             choices: list[dict[str, Any]] | None = None) -> dict[str, Any]: ...
+    def stream_end(self, counts: TokenCounts, include_usage: bool) -> list[str]: ...
+    def body(self, counts: TokenCounts) -> dict[str, Any]: ...
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
-          ) -> dict[str, Any]:
-    """The usage object; `cached_tokens`: prompt tokens served from the prefix cache."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(counts: TokenCounts) -> dict[str, Any]:
+    return {"prompt_tokens": counts.prompt, "completion_tokens": counts.completion,
+            "total_tokens": counts.prompt + counts.completion,
+            "prompt_tokens_details": {"cached_tokens": counts.cached}}
 
 
 class _OpenAIFormatter:
     """One choice of an OpenAI response: `data: {json}` events, the usage chunk when asked,
-    `data: [DONE]` (after an error event too)."""
+    `data: [DONE]` (after an error event too). `first`: the formatter of the response's first
+    choice, whose id this one shares and whose body holds every choice."""
 
     endpoint: str
     prompt_param: str
@@ -72,15 +78,19 @@ class _OpenAIFormatter:
     chunk_object: str  # the streamed chunks'
 
     def __init__(self, model: str, *, usage_null: bool, token_text: TokenText | None = None,
-                 index: int = 0, first: _OpenAIFormatter | None = None) -> None:
-        self.id = first.id if first is not None else f"{self.id_prefix}-{uuid.uuid4().hex}"
-        self.created = first.created if first is not None else int(time.time())
-        self.index = index
+                 first: _OpenAIFormatter | None = None) -> None:
+        if first is None:
+            self.id, self.created = f"{self.id_prefix}-{uuid.uuid4().hex}", int(time.time())
+            self.choices: list[_OpenAIFormatter] = []
+        else:
+            self.id, self.created, self.choices = first.id, first.created, first.choices
+        self.index = len(self.choices)
+        self.choices.append(self)
         self.model = model
         self._usage_null = usage_null
         self._text_of = token_text
-        self._logprobs: list[Any] = []  # every token's entry, for the body
-        self._unsent = 0  # entries not in a chunk yet (the last ones of _logprobs)
+        self._logprobs: list[TokenLogprobs] = []  # every token's, for the body
+        self._unsent = 0  # tokens not in a chunk yet (the last ones of _logprobs)
         self.finish_reason: str | None = None
 
     def _envelope(self, choices: list[dict[str, Any]], object: str) -> dict[str, Any]:
@@ -90,7 +100,7 @@ class _OpenAIFormatter:
     def _chunk(self, choice: dict[str, Any], reason: str | None = None) -> dict[str, Any]:
         choice = {"index": self.index, **choice, "logprobs": None, "finish_reason": reason}
         if self._unsent:
-            choice["logprobs"] = self._unsent_logprobs(self._logprobs[-self._unsent:])
+            choice["logprobs"] = self._chunk_logprobs(self._logprobs[-self._unsent:])
             self._unsent = 0
         chunk = self._envelope([choice], self.chunk_object)
         if self._usage_null:
@@ -99,7 +109,7 @@ class _OpenAIFormatter:
 
     def _add_logprobs(self, logprobs: Sequence[TokenLogprobs]) -> None:
         if self._text_of is not None and logprobs:
-            self._logprobs += self._entries(logprobs)
+            self._logprobs += logprobs
             self._unsent += len(logprobs)
 
     def encode(self, chunk: dict[str, Any]) -> str:
@@ -108,16 +118,14 @@ class _OpenAIFormatter:
     def error_event(self, err: APIError) -> str:
         return sse(err.body()) + DONE
 
-    def stream_end(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
-                   include_usage: bool) -> list[str]:
+    def stream_end(self, counts: TokenCounts, include_usage: bool) -> list[str]:
         last = self._envelope([], self.chunk_object)
-        last["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
+        last["usage"] = usage(counts)
         return ([sse(last)] if include_usage else []) + [DONE]
 
-    def body(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
-             choices: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        out = self._envelope(choices or [self.choice()], self.object)
-        out["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
+    def body(self, counts: TokenCounts) -> dict[str, Any]:
+        out = self._envelope([f.choice() for f in self.choices], self.object)
+        out["usage"] = usage(counts)
         return out
 
 
@@ -129,11 +137,8 @@ class ChatFormatter(_OpenAIFormatter):
         super().__init__(model, **kw)
         self.assembler = assembler
 
-    def _entries(self, logprobs: Sequence[TokenLogprobs]) -> list[dict[str, Any]]:
-        return chat_entries(self._text_of, logprobs)
-
-    def _unsent_logprobs(self, entries: list[Any]) -> dict[str, Any]:
-        return {"content": entries}
+    def _chunk_logprobs(self, tokens: list[TokenLogprobs]) -> dict[str, Any]:
+        return {"content": chat_entries(self._text_of, tokens)}
 
     def start(self) -> list[dict[str, Any]]:
         return [self._chunk({"delta": {"role": "assistant", "content": ""}})]
@@ -150,7 +155,8 @@ class ChatFormatter(_OpenAIFormatter):
 
     def choice(self) -> dict[str, Any]:
         return {"index": self.index, "message": self.assembler.message(),
-                "logprobs": {"content": self._logprobs} if self._text_of is not None else None,
+                "logprobs": (self._chunk_logprobs(self._logprobs)
+                             if self._text_of is not None else None),
                 "finish_reason": self.finish_reason}
 
 
@@ -163,11 +169,8 @@ class CompletionFormatter(_OpenAIFormatter):
         self._offset = 0  # text offset of the first unsent token
         self.text = ""
 
-    def _entries(self, logprobs: Sequence[TokenLogprobs]) -> list[TokenLogprobs]:
-        return list(logprobs)
-
-    def _unsent_logprobs(self, entries: list[Any]) -> dict[str, Any]:
-        lp = completion_logprobs(self._text_of, entries, self._offset)
+    def _chunk_logprobs(self, tokens: list[TokenLogprobs]) -> dict[str, Any]:
+        lp = completion_logprobs(self._text_of, tokens, self._offset)
         self._offset += sum(len(t) for t in lp["tokens"])
         return lp
 

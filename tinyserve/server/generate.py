@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tinyserve.core import ParamError, SamplingParams
 from tinyserve.log import get_logger
 from tinyserve.server.errors import APIError, ContextLengthError
-from tinyserve.server.formatters import Formatter
+from tinyserve.server.formatters import Formatter, TokenCounts
 from tinyserve.server.state import ServerState
 
 log = get_logger(__name__)
@@ -43,8 +43,6 @@ def check_fits(prompt_len: int, max_tokens: int | None, max_context: int, *,
         raise ContextLengthError(str(prompt_len), max_context, prompt_param)
     if max_tokens is None:
         return max_context - prompt_len
-    if max_tokens < 1:
-        raise APIError(400, f"{max_param} must be >= 1", param=max_param)
     if prompt_len + max_tokens > max_context:
         raise APIError(400, f"this server's context holds {max_context} tokens, but "
                        f"{prompt_len + max_tokens} were requested ({prompt_len} in the prompt, "
@@ -84,7 +82,7 @@ async def generate(state: ServerState, request: Request, fmts: Sequence[Formatte
         if isinstance(exc, ParamError):  # a parameter the engine checks (logit_bias ids)
             raise APIError(400, str(exc), param=exc.param) from None
         # RequestRejected: can never fit, with the numbers
-        raise APIError(400, str(exc), param=getattr(exc, "param", None) or fmts[0].prompt_param,
+        raise APIError(400, str(exc), param=fmts[0].prompt_param,
                        code="context_length_exceeded") from None
     run = _Run(state, fmts, handles, rids, len(prompt_ids), t0)
     if stream:
@@ -153,15 +151,14 @@ class _Run:
         self._last_token_t: float | None = None
 
     @property
-    def completion_tokens(self) -> int:
-        return sum(self.completion)
+    def counts(self) -> TokenCounts:
+        return TokenCounts(self.prompt_tokens, sum(self.completion), self.cached_tokens)
 
     def _account(self, i: int, out: Any) -> None:
-        n_new = len(getattr(out, "token_ids", ()) or ())
-        self.prompt_tokens = getattr(out, "prompt_tokens", None) or self.prompt_tokens
-        self.cached_tokens = getattr(out, "cached_tokens", None) or self.cached_tokens
-        self.completion[i] = getattr(out, "completion_tokens", None) or (
-            self.completion[i] + n_new)
+        n_new = len(out.token_ids)
+        self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
+        self.cached_tokens = out.cached_tokens or self.cached_tokens
+        self.completion[i] = out.completion_tokens or self.completion[i] + n_new
         if n_new:
             t = time.monotonic()
             if self._last_token_t is None:
@@ -173,7 +170,7 @@ class _Run:
     def _done(self, outcome: str) -> None:
         self.finished = True
         self.state.metrics.request_done(self.fmt.endpoint, outcome, self.prompt_tokens,
-                                        self.completion_tokens, time.monotonic() - self.t0)
+                                        sum(self.completion), time.monotonic() - self.t0)
 
     def _abort(self) -> None:
         if not self.finished:
@@ -181,7 +178,6 @@ class _Run:
             self._done("abort")
 
     def _abort_open(self) -> None:
-        """Abort the choices that have not finished."""
         for i in self.open:
             try:
                 self.state.engine.abort(self.rids[i])
@@ -205,7 +201,7 @@ class _Run:
         engine ended the request by itself (a failure, or its shutdown)."""
         fmt = self.fmts[i]
         self._account(i, out)
-        chunks = fmt.on_text(out.text or "", getattr(out, "logprobs", ()))
+        chunks = fmt.on_text(out.text, out.logprobs)
         if not out.finished:
             return fmt, chunks, None
         self.open.discard(i)
@@ -216,7 +212,7 @@ class _Run:
                 msg = out.error or "engine shutdown"
                 return fmt, chunks, APIError(503, f"the request was stopped: {msg}")
             return fmt, chunks, APIError(500, f"generation failed: {out.error}")
-        chunks += fmt.on_finish(out.finish_reason, getattr(out, "stop_str", None))
+        chunks += fmt.on_finish(out.finish_reason, out.stop_str)
         return fmt, chunks, None
 
     async def stream(self, include_usage: bool) -> AsyncIterator[str]:
@@ -237,8 +233,7 @@ class _Run:
                     yield self.fmt.error_event(err)
                     return
             self._done(self._finish_reason())
-            for event in self.fmt.stream_end(self.prompt_tokens, self.completion_tokens,
-                                             self.cached_tokens, include_usage):
+            for event in self.fmt.stream_end(self.counts, include_usage):
                 yield event
         except APIError as err:
             yield self.fmt.error_event(err)
@@ -264,9 +259,7 @@ class _Run:
                 if err is not None:
                     raise err
             self._done(self._finish_reason())
-            choices = [f.choice() for f in self.fmts] if len(self.fmts) > 1 else None
-            return JSONResponse(self.fmt.body(self.prompt_tokens, self.completion_tokens,
-                                              self.cached_tokens, choices))
+            return JSONResponse(self.fmt.body(self.counts))
         except asyncio.CancelledError:
             self._abort()
             raise

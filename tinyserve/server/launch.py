@@ -27,16 +27,15 @@ _SWITCH_INTERVAL_S = 0.001
 def server_config(args: Any, default_name: str) -> ServerConfig:
     """ServerConfig from CLI arguments. A ValueError when `--api-key` (or TINYSERVE_API_KEY)
     holds no key: a blank list must not turn authentication off."""
-    key = getattr(args, "api_key", None)
-    where = "--api-key"
+    key, where = args.api_key, "--api-key"
     if key is None and envs.API_KEY.raw():
         key, where = envs.API_KEY.get(), envs.API_KEY.name
-    drain = getattr(args, "drain_timeout", None)
+    drain = args.drain_timeout
     try:
         return ServerConfig(
-            served_model_name=getattr(args, "served_model_name", None) or default_name,
-            api_key=key, cors_origins=tuple(getattr(args, "cors_origin", None) or ()),
-            always_include_usage=bool(getattr(args, "always_include_usage", False)),
+            served_model_name=args.served_model_name or default_name, api_key=key,
+            cors_origins=tuple(args.cors_origin or ()),
+            always_include_usage=args.always_include_usage,
             **({} if drain is None else {"drain_s": drain}))
     except ValueError as exc:
         if key is not None and "API key" in str(exc):
@@ -217,6 +216,6 @@ def demo_command(args: Any) -> int:
 
     print(DEMO_WARNING, flush=True)
     path = demo_checkpoint()
-    if getattr(args, "device", None) is None:
+    if args.device is None:
         args.device = "cpu"
     return serve(args, str(path), DEMO_NAME, banner=DEMO_WARNING)

@@ -53,13 +53,6 @@ def _fmt(value: float) -> str:
     return repr(float(value)) if isinstance(value, float) else str(value)
 
 
-def _labels(labels: dict[str, str]) -> str:
-    if not labels:
-        return ""
-    inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    return "{" + inner + "}"
-
-
 class _Histogram:
     def __init__(self, buckets: tuple[float, ...]) -> None:
         self.buckets = buckets
@@ -122,7 +115,7 @@ class ServerMetrics:
 
         with self._lock:
             add("requests_total", "counter", "finished requests by endpoint and outcome",
-                *(f"{_PREFIX}requests_total{_labels({'endpoint': e, 'outcome': o})} {n}"
+                *(f'{_PREFIX}requests_total{{endpoint="{e}",outcome="{o}"}} {n}'
                   for (e, o), n in sorted(self.requests.items())))
             for name, value, help_ in (
                     ("prompt_tokens_total", self.prompt_tokens, "prompt tokens processed"),

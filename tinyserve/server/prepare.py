@@ -5,44 +5,43 @@ it (`tool_choice.continuation`), the fit in the context and the sampling paramet
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import anyio
 
 from tinyserve.core import SamplingParams
 from tinyserve.server.chat import RenderedPrompt
-from tinyserve.server.errors import APIError, ContextLengthError
+from tinyserve.server.errors import APIError
 from tinyserve.server.generate import check_fits, choice_params, context_length
 from tinyserve.server.protocol import ChatCompletionRequest
 from tinyserve.server.responses import ChatAssembler
 from tinyserve.server.state import ServerState
-from tinyserve.server.tool_choice import forced_function
 
 
 @dataclass(frozen=True)
 class PreparedChat:
     """prompt: the rendered prompt, continuation included. params: one SamplingParams per
-    choice. tools: the tools whose calls the response parses (None: tool calls stay text).
-    clamped: max_tokens was cut to what the context has left."""
+    choice. clamped: max_tokens was cut to what the context has left."""
 
+    req: ChatCompletionRequest
     prompt: RenderedPrompt
     params: list[SamplingParams]
-    tools: list[dict[str, Any]] | None
     clamped: bool = False
 
-    def assembler(self, parallel_tool_calls: bool | None = True) -> ChatAssembler:
-        """A fresh parser of one choice's generated text."""
-        return ChatAssembler(reasoning_open=self.prompt.reasoning_open, tools=self.tools,
-                             parallel_tool_calls=parallel_tool_calls, prefill=self.prompt.prefill)
+    def assembler(self) -> ChatAssembler:
+        """A fresh parser of one choice's generated text (tool calls are parsed when the
+        prompt showed the model tools)."""
+        return ChatAssembler(reasoning_open=self.prompt.reasoning_open,
+                             tools=self.req.tool_dicts(),
+                             parallel_tool_calls=self.req.parallel_tool_calls,
+                             prefill=self.prompt.prefill)
 
 
 async def render_prompt(state: ServerState, req: ChatCompletionRequest, *,
                         prompt_param: str = "messages", answer_prefix: str = "",
                         context: int | None = None) -> RenderedPrompt:
-    """The prompt of `req`, continuation included (`ChatRenderer.render_messages`)."""
-    forced = forced_function(req.tool_choice, req.tools)  # a 400 for a forced call of no tool
+    """The prompt of `req`, continuation included (`ChatRenderer.render`)."""
+    forced = req.forced_call()  # a 400 for a forced call of no tool
     renderer = state.renderer
     return await anyio.to_thread.run_sync(lambda: renderer.render(
         req, context=context, param=prompt_param, answer_prefix=answer_prefix, forced=forced))
@@ -50,38 +49,26 @@ async def render_prompt(state: ServerState, req: ChatCompletionRequest, *,
 
 async def prepare_chat(state: ServerState, req: ChatCompletionRequest, *,
                        prompt_param: str = "messages", max_param: str | None = None,
-                       clamp: bool = False, answer_prefix: str = "",
-                       too_long: Callable[[str, int], str] | None = None) -> PreparedChat:
+                       clamp: bool = False, answer_prefix: str = "") -> PreparedChat:
     """Render `req`, check that it fits and build its sampling parameters (400s name
-    `prompt_param` / `max_param`, by default the request's max_tokens field). `clamp`: cut a
-    max_tokens beyond the context's room instead of refusing it. `answer_prefix`: the answer's
-    start, written by the client. `too_long(size, context)`: the API's own wording of the 400
-    for a prompt the context cannot hold."""
-    engine = state.require_engine()
-    ctx = context_length(engine)
+    `prompt_param` / `max_param`, by default the request's max_tokens field; a prompt the
+    context cannot hold is a `ContextLengthError`). `clamp`: cut a max_tokens beyond the
+    context's room instead of refusing it. `answer_prefix`: the answer's start, written by the
+    client."""
+    ctx = context_length(state.require_engine())
     # NOTE: every message renders to >= 2 tokens; refuse a huge list before the template
     # spends seconds of CPU on it
     if 2 * len(req.messages) >= ctx:
         raise APIError(400, f"{len(req.messages)} messages cannot fit in this server's "
                        f"context of {ctx} tokens", param=prompt_param,
                        code="context_length_exceeded")
-    try:
-        prompt = await render_prompt(state, req, prompt_param=prompt_param,
-                                     answer_prefix=answer_prefix, context=ctx)
-        want, name = req.requested_max_tokens
-        max_param = max_param or name
-        clamped = False
-        if clamp and want is not None:
-            room = check_fits(len(prompt.ids), None, ctx, prompt_param=prompt_param,
-                              max_param=max_param)
-            clamped, want = want > room, min(want, room)
-        max_tokens = check_fits(len(prompt.ids), want, ctx, prompt_param=prompt_param,
-                                max_param=max_param)
-    except ContextLengthError as exc:
-        if too_long is None or exc.param != prompt_param:
-            raise
-        raise APIError(400, too_long(exc.size, exc.context), param=prompt_param,
-                       code=exc.code) from None
+    prompt = await render_prompt(state, req, prompt_param=prompt_param,
+                                 answer_prefix=answer_prefix, context=ctx)
+    want, name = req.requested_max_tokens
+    max_param = max_param or name
+    room = ctx - len(prompt.ids)  # when none is left, check_fits refuses the prompt
+    clamped = clamp and want is not None and want > room
+    max_tokens = check_fits(len(prompt.ids), room if clamped else want, ctx,
+                            prompt_param=prompt_param, max_param=max_param)
     params = choice_params(state, req, max_tokens, max_param)
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.use_tools else None
-    return PreparedChat(prompt, params, tools, clamped)
+    return PreparedChat(req, prompt, params, clamped)

@@ -72,10 +72,7 @@ class RequestBody(StrictModel):
         if not isinstance(data, dict) or not any(k in cls.UNSUPPORTED for k in data):
             return data
         return {k: v for k, v in data.items()
-                if k not in cls.UNSUPPORTED or not _unset(v, cls.HARMLESS.get(k, _NO_VALUE))}
-
-
-_NO_VALUE = object()
+                if k not in cls.UNSUPPORTED or not _unset(v, cls.HARMLESS.get(k))}
 
 
 def _unset(value: Any, harmless: Any) -> bool:
@@ -281,7 +278,7 @@ class ChatCompletionRequest(_Sampling):
             raise APIError(400, "only the text modality is supported", param="modalities")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        forced_function(self.tool_choice, self.tools)  # a 400 for an unusable tool_choice
+        self.forced_call()  # a 400 for an unusable tool_choice
         for i, tool in enumerate(self.tools or ()):
             if tool.function.strict:
                 raise APIError(400, "strict function calling needs constrained decoding, which "
@@ -304,9 +301,15 @@ class ChatCompletionRequest(_Sampling):
     def top_k_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    @property
-    def use_tools(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
+    def forced_call(self) -> str | None:
+        """The call `tool_choice` forces (`tool_choice.forced_function`)."""
+        return forced_function(self.tool_choice, [t.function.name for t in self.tools or ()])
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools the template shows the model (None: none, or tool_choice "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def template_kwargs(self) -> dict[str, Any]:
         """Extra variables for the chat template (enable_thinking and the caller's own)."""
@@ -338,7 +341,6 @@ class CompletionRequest(_Sampling):
 
     @property
     def requested_max_tokens(self) -> int:
-        """max_tokens, or 16 when it is omitted or null (OpenAI's default here)."""
         return COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
 
     @property

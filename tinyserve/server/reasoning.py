@@ -46,9 +46,7 @@ class ReasoningParser:
         buf, self._buf = self._buf, ""
         if self._state == "reasoning":
             return buf.rstrip(), ""
-        if self._state == "start" and not self._open:
-            return "", buf
-        if self._state == "start":
+        if self._state == "start" and self._open:
             return buf.strip(), ""
         return "", buf
 

@@ -14,7 +14,7 @@ from tinyserve.server.tool_parser import ContentDelta, ToolCallParser, ToolCallS
 
 
 class ChatAssembler:
-    """Per-request text processing for chat completions."""
+    """One choice's generated text -> chat deltas, and the whole message at the end."""
 
     def __init__(self, *, reasoning_open: bool, tools: list[dict] | None = None,
                  parallel_tool_calls: bool | None = True, prefill: str = "") -> None:
@@ -110,7 +110,8 @@ class ItemWriter:
     def on_text(self, text: str, logprobs: Any = ()) -> list[dict[str, Any]]:
         return self._events(self.assembler.feed(text)) if text else []
 
-    def _finish(self, engine_reason: str | None) -> list[dict[str, Any]]:
+    def on_finish(self, engine_reason: str | None, stop_str: str | None = None
+                  ) -> list[dict[str, Any]]:
         events = self._events(self.assembler.finish()) + self._close()
         self.finish_reason = self.assembler.finish_reason(engine_reason)
         return events

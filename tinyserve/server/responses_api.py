@@ -290,7 +290,7 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
                                   max_param="max_output_tokens")
         tokenizer = state.renderer.tokenizer
         fmt = ResponsesFormatter(
-            state.config.served_model_name, prep.assembler(chat.parallel_tool_calls),
+            state.config.served_model_name, prep.assembler(),
             echo=req, with_encrypted=ENCRYPTED_INCLUDE in (req.include or ()),
             count_tokens=lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
         return await generate(state, request, [fmt], prep.prompt.ids, prep.params,

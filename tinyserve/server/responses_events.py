@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tinyserve.server.errors import APIError
-from tinyserve.server.formatters import sse
+from tinyserve.server.formatters import TokenCounts, sse
 from tinyserve.server.responses import ChatAssembler, ItemWriter
 
 _MARK = "tsr1."
@@ -59,8 +59,7 @@ class ResponsesFormatter(ItemWriter):
     REASONING, TEXT, TOOL = "reasoning", "message", "function_call"
 
     def __init__(self, model: str, assembler: ChatAssembler, *, echo: Any,
-                 with_encrypted: bool = False,
-                 count_tokens: Callable[[str], int] | None = None) -> None:
+                 with_encrypted: bool, count_tokens: Callable[[str], int]) -> None:
         super().__init__(assembler)
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
@@ -79,10 +78,6 @@ class ResponsesFormatter(ItemWriter):
         return [{"type": "response.created", "response": snapshot},
                 {"type": "response.in_progress", "response": snapshot}]
 
-    def on_finish(self, engine_reason: str | None, stop_str: str | None = None
-                  ) -> list[dict[str, Any]]:
-        return self._finish(engine_reason)
-
     def encode(self, event: dict[str, Any]) -> str:
         event["sequence_number"] = self._seq
         self._seq += 1
@@ -90,28 +85,21 @@ class ResponsesFormatter(ItemWriter):
 
     def error_event(self, err: APIError) -> str:
         failed = self._response("failed", None)
-        failed["error"] = {"code": "server_error" if err.status >= 500 else
-                           "invalid_request_error", "message": err.message}
+        failed["error"] = {"code": err.type, "message": err.message}
         return self.encode({"type": "response.failed", "response": failed})
 
-    def stream_end(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
-                   include_usage: bool) -> list[str]:
-        body = self.body(prompt_tokens, completion_tokens, cached_tokens)
+    def stream_end(self, counts: TokenCounts, include_usage: bool) -> list[str]:
+        body = self.body(counts)
         kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
         return [self.encode({"type": kind, "response": body})]
 
-    def choice(self) -> dict[str, Any]:
-        return {"output": self.items}
-
-    def body(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
-             choices: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        reasoning = self._count(self.assembler.reasoning) if (
-            self._count and self.assembler.reasoning) else 0
-        use = {"input_tokens": prompt_tokens,
-               "input_tokens_details": {"cached_tokens": cached_tokens},
-               "output_tokens": completion_tokens,
-               "output_tokens_details": {"reasoning_tokens": min(reasoning, completion_tokens)},
-               "total_tokens": prompt_tokens + completion_tokens}
+    def body(self, counts: TokenCounts) -> dict[str, Any]:
+        reasoning = self._count(self.assembler.reasoning) if self.assembler.reasoning else 0
+        use = {"input_tokens": counts.prompt,
+               "input_tokens_details": {"cached_tokens": counts.cached},
+               "output_tokens": counts.completion,
+               "output_tokens_details": {"reasoning_tokens": min(reasoning, counts.completion)},
+               "total_tokens": counts.prompt + counts.completion}
         if self.finish_reason == "length":
             out = self._response("incomplete", use)
             out["incomplete_details"] = {"reason": "max_output_tokens"}

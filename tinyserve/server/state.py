@@ -67,10 +67,9 @@ class ServerState:
         if engine is not None:
             self.set_engine(engine)
 
-    def set_progress(self, fraction: float, stage: str | None = None) -> None:
+    def set_progress(self, fraction: float, stage: str) -> None:
         self.load_progress = max(0.0, min(1.0, float(fraction)))
-        if stage:
-            self.load_stage = stage
+        self.load_stage = stage
 
     def set_engine(self, engine: Any) -> None:
         """Make `engine` serve requests (called once loading has finished)."""

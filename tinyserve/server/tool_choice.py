@@ -17,33 +17,23 @@ from tinyserve.server.tool_parser import TOOL_OPEN
 _CLOSE_THINK = f"\n{THINK_CLOSE}\n\n"  # after the prompt's `<think>\n`: the empty block
 
 
-def _tool_names(tools: list[Any] | None) -> list[str]:
-    names = []
-    for tool in tools or []:
-        fn = tool.get("function") if isinstance(tool, dict) else getattr(tool, "function", None)
-        name = fn.get("name") if isinstance(fn, dict) else getattr(fn, "name", None)
-        names.append(name)
-    return names
-
-
-def forced_function(tool_choice: Any, tools: list[Any] | None,
-                    param: str = "tool_choice") -> str | None:
+def forced_function(tool_choice: Any, tool_names: list[str]) -> str | None:
     """Which call `tool_choice` forces: None (none forced: "auto", "none" or unset), "" (any
-    tool: "required" with several tools) or a function name. Raises a 400 naming `param` for
-    an unknown value, a forced call without tools, or a function that is not in `tools`."""
+    tool: "required" with several tools) or a function name. Raises a 400 naming tool_choice
+    for an unknown value, a forced call without tools, or a function not in `tool_names`."""
     if tool_choice in (None, "auto", "none"):
         return None
-    names = _tool_names(tools)
+    param = "tool_choice"
     if tool_choice == "required":
-        if not names:
+        if not tool_names:
             raise APIError(400, "tool_choice 'required' needs tools", param=param)
-        return names[0] if len(names) == 1 else ""
+        return tool_names[0] if len(tool_names) == 1 else ""
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     if (not isinstance(tool_choice, dict) or tool_choice.get("type") != "function"
             or not isinstance(fn, dict) or not isinstance(fn.get("name"), str)):
         raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or "
                        "{'type': 'function', 'function': {'name': ...}}", param=param)
-    if fn["name"] not in names:
+    if fn["name"] not in tool_names:
         raise APIError(400, f"tool_choice names the function {fn['name']!r}, which is not in "
                        "tools", param=param)
     return fn["name"]

@@ -61,6 +61,11 @@ def partial_suffix_len(text: str, tag: str) -> int:
     return 0
 
 
+def _first(text: str, *tags: str, start: int = 0) -> int:
+    """Where the first of `tags` found in `text` from `start` begins, or -1."""
+    return min((p for tag in tags if (p := text.find(tag, start)) >= 0), default=-1)
+
+
 def schema_types(tools: list[dict] | None) -> dict[str, dict[str, Any]]:
     """{function name: {parameter name: JSON-schema of that parameter}} from request tools."""
     out: dict[str, dict[str, Any]] = {}
@@ -150,12 +155,11 @@ class ToolCallParser:
         self._buf = ""  # text not yet turned into events
         self._in_call = False
         self._after_func = False
-        self._index = -1  # index of the current / last call
         self._name: str | None = None  # function name of the open call once known
         self._num_params = 0
         self._pending_ws = ""  # whitespace held back in content (dropped before a call)
         self._ws_before = ""
-        self.num_calls = 0
+        self.num_calls = 0  # calls started; the open or last call's index is one less
 
     def feed(self, text: str) -> list[ToolEvent]:
         self._buf += text
@@ -233,35 +237,31 @@ class ToolCallParser:
                     self._in_call = False
                 return
             self._name = m.group(1).strip()
-            self._index += 1
             self.num_calls += 1
-            events.append(ToolCallStart(self._index, f"call_{uuid.uuid4().hex[:24]}", self._name))
+            events.append(ToolCallStart(self.num_calls - 1, f"call_{uuid.uuid4().hex[:24]}",
+                                        self._name))
             self._buf = buf[m.end():]
             return
         m = _PARAM_RE.search(buf)
-        fclose = buf.find(_FUNC_CLOSE)
-        tclose = buf.find(TOOL_CLOSE)
-        ends = [p for p in (fclose, tclose) if p >= 0]
-        end = min(ends) if ends else -1
+        end = _first(buf, _FUNC_CLOSE, TOOL_CLOSE)
         if m is not None and (end < 0 or m.start() < end):
+            # the value ends at the first closing tag or the next parameter
             vstart = m.end()
-            vend = buf.find(_PARAM_CLOSE, vstart)
+            stop = _first(buf, _PARAM_CLOSE, _FUNC_CLOSE, TOOL_CLOSE, start=vstart)
             nxt = _PARAM_RE.search(buf, vstart)
-            stops = [p for p in (vend, nxt.start() if nxt else -1) if p >= 0]
-            stops += [p for p in (buf.find(_FUNC_CLOSE, vstart), buf.find(TOOL_CLOSE, vstart))
-                      if p >= 0]
-            if not stops:
+            if nxt is not None and (stop < 0 or nxt.start() < stop):
+                stop = nxt.start()
+            if stop < 0:
                 return  # value not complete yet
-            stop = min(stops)
             self._add_param(m.group(1).strip(), buf[vstart:stop], events)
-            self._buf = buf[stop + (len(_PARAM_CLOSE) if stop == vend else 0):]
+            self._buf = buf[stop:].removeprefix(_PARAM_CLOSE)
             return
         if end >= 0:
             self._close_call(events)
-            if end == tclose:
-                self._buf = buf[tclose + len(TOOL_CLOSE):]
+            if buf.startswith(TOOL_CLOSE, end):
+                self._buf = buf[end + len(TOOL_CLOSE):]
             else:
-                self._buf = buf[fclose + len(_FUNC_CLOSE):]
+                self._buf = buf[end + len(_FUNC_CLOSE):]
                 self._after_func = True
 
     def _step_after_func(self) -> None:
@@ -278,11 +278,12 @@ class ToolCallParser:
         value = convert_value(raw.removeprefix("\n").removesuffix("\n"), schema)
         sep = "{" if self._num_params == 0 else ", "
         self._num_params += 1
-        events.append(ToolCallArgs(self._index, f"{sep}{json.dumps(key, ensure_ascii=False)}: "
-                                                f"{json_text(value)}"))
+        events.append(ToolCallArgs(self.num_calls - 1,
+                                   f"{sep}{json.dumps(key, ensure_ascii=False)}: "
+                                   f"{json_text(value)}"))
 
     def _close_call(self, events: list[ToolEvent]) -> None:
-        events.append(ToolCallArgs(self._index, "}" if self._num_params else "{}"))
+        events.append(ToolCallArgs(self.num_calls - 1, "}" if self._num_params else "{}"))
         self._name = None
         self._num_params = 0
         self._in_call = False

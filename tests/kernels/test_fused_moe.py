@@ -57,7 +57,7 @@ def check(slots, n: int, k: int, dtype: torch.dtype, bound: float, path=None) ->
     assert rel_err(y, ref) < bound, rel_err(y, ref)
 
 
-SMALL_CASES = [(True, "dot"), (False, "gemv"), (False, "dot")]  # NVFP4 "fused": *_decode.py
+SMALL_CASES = [(True, "dot"), (False, "gemv"), (False, "dot")]  # "fused": *_decode.py
 
 
 @pytest.mark.parametrize("n", [1, 5], ids=lambda n: f"N{n}")

@@ -244,20 +244,26 @@ def test_moe_decode_matches_the_reference(moe, shared):
 
 
 def test_moe_decode_is_the_default_fused_path(monkeypatch):
-    # the CUDA decode where it takes the call, else Triton's
+    # a decode-sized NVFP4 call: the CUDA decode with the shared expert where it takes the
+    # call (and `fuses_shared_expert` says so), else the dot path and the shared expert as a
+    # second, one-expert call
     from tinyserve.kernels.moe import fused as fm
 
     calls = []
     takes = [True]
     monkeypatch.setattr(nvfp4_cuda, "moe_takes", lambda *a: takes[0])
     monkeypatch.setattr(nvfp4_cuda, "moe_decode", lambda *a: calls.append("cuda") or a[0])
-    monkeypatch.setattr(fm, "moe_fused_decode", lambda *a: calls.append("triton") or a[0])
+    dot = fm._moe_dot
+    monkeypatch.setattr(fm, "_moe_dot", lambda *a: calls.append("dot") or dot(*a))
     slots, slot_of, sh = moe_layer(64, 32, 4, "cpu")
-    x = torch.randn(1, 64)
-    fm.fused_moe(x, slot_of[:2][None], torch.ones(1, 2), slots)
+    x, ids = torch.randn(1, 64), slot_of[:2][None]
+    wts, logit = torch.ones(1, 2), torch.ones(1, 1)
+    assert fm.fuses_shared_expert(x, wts, sh, logit)
+    fm.fused_moe(x, ids, wts, slots, shared_slots=sh, shared_logit=logit)
     takes[0] = False
-    fm.fused_moe(x, slot_of[:2][None], torch.ones(1, 2), slots)
-    assert calls == ["cuda", "triton"]
+    assert not fm.fuses_shared_expert(x, wts, sh, logit)
+    fm.fused_moe(x, ids, wts, slots, shared_slots=sh, shared_logit=logit)
+    assert calls == ["cuda", "dot", "dot"]
     monkeypatch.undo()
     assert not nvfp4_cuda.moe_takes(x, torch.ones(2), 2, slots, None, None)  # the CPU
 

@@ -95,7 +95,7 @@ def test_sparse_moe_fused_matches_torch_bf16_cuda(n: int, monkeypatch) -> None:
     assert per_token.median().item() < 2e-2, per_token.tolist()
 
 
-# --- the NVFP4 shared expert in the fused decode launch ----------------------------------
+# --- the NVFP4 shared expert in the CUDA MoE decode ---------------------------------------
 
 
 def _nvfp4_block(h: int, f: int, e: int, k: int, dtype: torch.dtype, fuse: bool, tied: bool,
@@ -138,13 +138,20 @@ def test_sparse_moe_shared_in_fused_launch(n: int, tied: bool, monkeypatch) -> N
     n = n if DEV == "cpu" else 8  # GPU: a full decode bucket (the median token is checked)
     x = torch.randn(n, h, device=DEV).to(dtype)
     ref = _run(plain, x, False, monkeypatch).float()
-    launches = []  # the shared slots each fused decode call got (its 6th argument)
-    for mod, name in ((fm, "moe_fused_decode"), (fm.nvfp4_cuda, "moe_decode")):  # Triton, CUDA
-        real = getattr(mod, name)
-        monkeypatch.setattr(mod, name, lambda *a, real=real: launches.append(a[5]) or real(*a))
+    launches = []  # the shared slots each CUDA decode call got (its 6th argument)
+    decode = fm.nvfp4_cuda.moe_decode
+    if DEV == "cpu":  # the CUDA decode's contract, through the reference
+        monkeypatch.setattr(fm.nvfp4_cuda, "moe_takes", lambda *a: True)
+
+        def decode(x, ids, wts, topk, slots, shared, logit):
+            return fm.fused_moe_ref(x, ids.view(-1, topk), wts.view(-1, topk), slots,
+                                    shared_slots=shared, shared_logit=logit)
+
+    monkeypatch.setattr(fm.nvfp4_cuda, "moe_decode",
+                        lambda *a: launches.append(a[5]) or decode(*a))
     got = _run(fused, x, True, monkeypatch).float()
-    assert launches == [fused.shared_slots]  # routed + shared: one fused call
-    # more tokens than the fused decode takes: separate shared GEMVs over the slot's bytes
+    assert launches == [fused.shared_slots]  # routed + shared: one CUDA decode
+    # more tokens than the CUDA decode takes: separate shared GEMVs over the slot's bytes
     xs = torch.randn(fm.FUSED_MAX_TOKENS + 1, h, device=DEV).to(dtype)
     unfused = _run(fused, xs, True, monkeypatch).float()
     assert len(launches) == 1

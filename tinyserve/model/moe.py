@@ -3,8 +3,8 @@
 Router: fp32 softmax, top-k, ALWAYS renormalised over the top k, cast to the model dtype.
 Shared expert: SwiGLU MLP scaled by sigmoid(shared_expert_gate(x)). On CUDA the glue runs as
 Triton kernels beside the torch references here (`*_ref`); an NVFP4 shared expert gets a slot
-of its own so that a provider with `accepts_shared` runs it with the routed experts in one
-launch (decode-sized batches).
+of its own so that a provider with `accepts_shared` runs it with the routed experts in the
+launches of the CUDA MoE decode (where `fuses_shared_expert`).
 """
 
 from __future__ import annotations
@@ -173,8 +173,9 @@ class SparseMoE:
         """x [N, H] (normed) -> [N, H]."""
         router_logits, gate_logit = self.router_gate.split(x, (self.num_experts, 1))
         ids, weights = topk_softmax(router_logits, self.top_k, x.dtype)
-        if self.shared_slots is not None and fuses_shared_expert(x.shape[0]):
-            # routed + sigmoid(gate_logit) * shared, one launch
+        if (self.shared_slots is not None
+                and fuses_shared_expert(x, weights, self.shared_slots, gate_logit)):
+            # routed + sigmoid(gate_logit) * shared in the CUDA decode's launches
             return self.experts.forward(self.layer_id, x, ids, weights,
                                         shared_slots=self.shared_slots, shared_logit=gate_logit)
         routed = self.experts.forward(self.layer_id, x, ids, weights)

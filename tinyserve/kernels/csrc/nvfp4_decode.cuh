@@ -5,7 +5,7 @@
 // memory once per CTA as fp16 pairs, each block of 16 scaled by the power of two 2^e that
 // puts its max|x| in [2^14, 2^15) (bf16/fp16 values stay exact).
 //
-// Numerics (the "h2" decode of the Triton kernels, with a scale per block of inputs): an E2M1
+// Numerics ("h2": packed fp16x2 products, with a scale per block of inputs): an E2M1
 // code becomes the fp16 value code * 2^-14 with two bit-selects and a mask (the E2M1 and fp16
 // formats share their subnormal structure, so the 3 magnitude bits placed at fp16 bits 9..11
 // are exactly that); each lane sums a block's 16 products in fp16 (8 per half of a packed

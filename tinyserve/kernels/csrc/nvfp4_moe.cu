@@ -1,4 +1,4 @@
-// The NVFP4 MoE decode in two launches (the CUDA form of fused_moe_decode_triton.py): for
+// The NVFP4 MoE decode in two launches (the "fused" path of kernels/moe/fused.py): for
 // every (token, expert) pair q = t * KP + j of a few tokens (j < topk: routed slot ids[t, j];
 // j == topk: the layer's shared expert, when KP = topk + 1)
 //   1. moe_gate_up: h[q, f] = silu(x_t . W13_q[f]) * (x_t . W13_q[F + f]), fp32;

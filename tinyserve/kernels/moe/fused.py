@@ -2,11 +2,12 @@
 
 A layer's routed experts are addressed by slot index, so the same kernels serve resident
 experts (slot = expert id) and the GPU expert cache (slot = cache line). `choose_path` picks:
-- "fused" (NVFP4 decode, <= FUSED_MAX_TOKENS tokens): all pairs and the shared expert in two
-  launches, no atomics; CUDA (`nvfp4.cuda.moe_decode`) where `moe_takes` the call, else
-  Triton (`decode.py`).
-- "gemv" (dense decode, <= GEMV_MAX_PAIRS pairs) and "dot" (prefill: pairs grouped per slot
-  into BLOCK_M tiles by `align_pairs`, no host sync): `fused_triton.py`.
+- "fused" (NVFP4 decode, <= FUSED_MAX_TOKENS tokens): the CUDA decode `nvfp4.cuda.moe_decode`,
+  all pairs and the shared expert in two launches, no atomics, where `moe_takes` the call
+  (16-bit x at the 35B-A3B's expert shapes); any other call runs as "dot";
+- "gemv" (dense decode, <= GEMV_MAX_PAIRS pairs) and "dot" (pairs grouped per slot into
+  BLOCK_M tiles by `align_pairs`, no host sync): `fused_triton.py`.
+A shared expert outside the CUDA decode runs as a second, one-expert call.
 
 Slot layout (gate = rows 0..F-1 of w13, up = rows F..2F-1):
 - NVFP4: w13 uint8 [S, 2F, H/2], w13_scale uint8 [S, 2F, H/16], w13_global fp32 [S, 2]
@@ -24,11 +25,10 @@ import torch
 
 from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
 from tinyserve.kernels.launch import next_pow2
-from tinyserve.kernels.moe.decode import moe_fused_decode
 from tinyserve.kernels.nvfp4 import cuda as nvfp4_cuda
 
 MOE_PATHS = ("fused", "gemv", "dot")
-FUSED_MAX_TOKENS = 8  # NVFP4 slots: the fused decode up to this many tokens, then dot
+FUSED_MAX_TOKENS = 8  # NVFP4 slots: the CUDA decode up to this many tokens, then dot
 GEMV_MAX_PAIRS = 64  # dense slots: gemv up to this many (token, expert) pairs, then dot
 MOE_DOT_BLOCK_N, MOE_DOT_BLOCK_K = 64, 128  # dot: output rows / inputs per tile
 
@@ -40,15 +40,20 @@ def choose_path(num_tokens: int, topk: int, fp4: bool) -> str:
     return "gemv" if num_tokens * topk <= GEMV_MAX_PAIRS else "dot"
 
 
-def fuses_shared_expert(num_tokens: int) -> bool:
-    """Whether NVFP4 slots run the fused path, which takes the shared expert in its launches."""
-    return 0 < num_tokens <= FUSED_MAX_TOKENS
+def fuses_shared_expert(x: torch.Tensor, topk_weights: torch.Tensor, shared_slots: ExpertSlots,
+                        shared_logit: torch.Tensor) -> bool:
+    """Whether `fused_moe` runs this shared expert inside the CUDA decode, for routed slots of
+    its shape (as in every Qwen3.5 checkpoint; others still get it added, by a second call).
+    Callers run it through their own GEMVs otherwise: faster than a one-expert dot."""
+    n, topk = topk_weights.shape
+    return n <= FUSED_MAX_TOKENS and nvfp4_cuda.moe_takes(
+        x, topk_weights, topk, shared_slots, shared_slots, shared_logit)
 
 
 def describe() -> str:
-    return (f"NVFP4 decode (<= {FUSED_MAX_TOKENS} tokens): CUDA fused decode (16-bit x, H in "
-            f"{nvfp4_cuda.MOE_HS}, F in {nvfp4_cuda.MOE_FS}), else Triton fused decode; "
-            f"dense decode: Triton gemv; prefill: Triton tl.dot")
+    return (f"NVFP4 decode (<= {FUSED_MAX_TOKENS} tokens, 16-bit x, H in {nvfp4_cuda.MOE_HS}, "
+            f"F in {nvfp4_cuda.MOE_FS}): CUDA fused decode; dense decode: Triton gemv; "
+            f"else Triton tl.dot")
 
 
 @functools.cache
@@ -230,13 +235,14 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
     Args:
         x: [N, H] bf16 / fp16 / fp32; topk_slot_ids: [N, k] int32/int64 slots in [0, S);
         topk_weights: [N, k] float; slots: on x's device.
-        shared_slots: the shared expert as slot 0 of its own ExpertSlots, or None; the fused
-            path runs it as one more pair, the others as a second one-expert call.
+        shared_slots: the shared expert as slot 0 of its own ExpertSlots, or None; the CUDA
+            decode runs it as one more pair, the other paths as a second one-expert call.
         shared_logit: [N, 1] gate logits with shared_slots (sigmoid rounded to x.dtype).
         path: "fused", "gemv" or "dot"; None = `choose_path` (tests force one).
     Returns:
         [N, H] in x.dtype: fp32 accumulation in a fixed order (the same bits every run), no
-        host synchronisation. The fused gate_up rounds x to fp16 after a power-of-two scale.
+        host synchronisation. The CUDA decode rounds x and the intermediate to fp16 after a
+        power-of-two scale per block of 16.
     Raises ValueError on bad shapes, devices or path, TypeError on bad dtypes.
     """
     _check(x, topk_slot_ids, topk_weights, slots)
@@ -252,20 +258,14 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
     x = x.contiguous()
     ids = topk_slot_ids.contiguous().view(-1)
     wts = topk_weights.contiguous().view(-1)
-    in_kernel = (path == "fused" and shared_slots is not None and shared_slots.is_fp4
-                 and shared_slots.intermediate_size == slots.intermediate_size)
-    if path == "fused":
-        sh, logit = (shared_slots, shared_logit) if in_kernel else (None, None)
-        if nvfp4_cuda.moe_takes(x, wts, topk, slots, sh, logit):
-            out = nvfp4_cuda.moe_decode(x, ids, wts, topk, slots, sh, logit)
-        else:
-            out = moe_fused_decode(x, ids, wts, topk, slots, sh, logit)
-    elif path == "gemv":
+    if path == "fused" and nvfp4_cuda.moe_takes(x, wts, topk, slots, shared_slots, shared_logit):
+        return nvfp4_cuda.moe_decode(x, ids, wts, topk, slots, shared_slots, shared_logit)
+    if path == "gemv":
         out = _moe_gemv(x, ids, wts, topk, slots)
     else:
         pair_out = _moe_dot(x, ids, wts, topk, slots)  # [P, H] fp32, weighted
         out = pair_out.view(n, topk, -1).sum(1).to(x.dtype)
-    if shared_slots is None or shared_logit is None or in_kernel:
+    if shared_slots is None or shared_logit is None:
         return out
     # the shared expert as a one-expert MoE of its own
     sh_ids = torch.zeros(n, 1, dtype=torch.int32, device=x.device)

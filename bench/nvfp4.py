@@ -7,7 +7,8 @@ One unattended run on one GPU, everything beside its baseline from the same run:
 2. GEMV M = 1 on the 35B-A3B shapes (qkvz, lm_head, o_proj, gate_up, down): `nvfp4_linear`
    as the model calls it, against bf16 cuBLAS over a bf16 weight of the same shape;
 3. MoE decode, 1 / 4 / 8 tokens x 8 of 256 experts: `fused_moe` as the model calls it,
-   routed experts only (1 token) and the whole layer (+ the shared expert), against the time
+   routed experts only (1 token) and the whole layer (+ the shared expert: in the CUDA
+   decode where `fuses_shared_expert`, else through its own GEMVs), against the time
    to read the experts' bytes at `bw` and at the copy bandwidth (the target: <= 2x of the
    copy-bandwidth read time at 1 token).
 Every case is first checked against the torch reference on the GPU (relative Frobenius and
@@ -36,6 +37,7 @@ from bench import common  # noqa: E402
 from tinyserve.kernels.moe import fused as moe  # noqa: E402
 from tinyserve.kernels.nvfp4.linear import nvfp4_linear  # noqa: E402
 from tinyserve.kernels.nvfp4.ref import dequantize_nvfp4  # noqa: E402
+from tinyserve.model.moe import gated_add, swiglu_mlp  # noqa: E402
 
 SHAPES = {  # name: (N, K), most important first
     "qkvz_2048_8192": (8192, 2048), "lm_head_2048_248320": (248320, 2048),
@@ -104,8 +106,8 @@ def bench_moe_decode(n: int, bw: float, copy_bw: float, dev: str, smoke: bool,
               for _ in range(reps)]
     logits = [torch.randn(n, 1, device=dev, dtype=dt) for _ in range(reps)]
     rand = common.rand_nvfp4
-    shared = [moe.single_expert_slots(rand(f, h, dev), rand(f, h, dev), rand(h, f, dev))
-              for _ in range(reps)]
+    shared_w = [(rand(f, h, dev), rand(f, h, dev), rand(h, f, dev)) for _ in range(reps)]
+    shared = [moe.single_expert_slots(*ws) for ws in shared_w]
     expert_bytes = 3 * common.nvfp4_bytes(f, h)
     distinct = statistics.mean(len(torch.unique(r)) for r in routes)
     out: dict = {"H": h, "F": f, "experts": e, "tokens": n, "distinct_experts": distinct,
@@ -115,8 +117,11 @@ def bench_moe_decode(n: int, bw: float, copy_bw: float, dev: str, smoke: bool,
         return moe.fused_moe(x, routes[i], w, slots)
 
     def layer(i):
-        return moe.fused_moe(x, routes[i], w, slots, shared_slots=shared[i],
-                             shared_logit=logits[i])
+        if moe.fuses_shared_expert(x, w, shared[i], logits[i]):
+            return moe.fused_moe(x, routes[i], w, slots, shared_slots=shared[i],
+                                 shared_logit=logits[i])
+        # as SparseMoE runs it: the shared expert through its own GEMVs
+        return gated_add(routed(i), logits[i], swiglu_mlp(x, *shared_w[i]))
 
     ref_layer = moe.fused_moe_ref(x, routes[0], w, slots, shared_slots=shared[0],
                                   shared_logit=logits[0]).float()

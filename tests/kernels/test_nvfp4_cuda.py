@@ -205,12 +205,9 @@ def moe_layer(h: int, f: int, experts: int, device: str):
 
 
 @pytest.fixture
-def moe(device, monkeypatch):
+def moe(device, poison):
     """moe(x, ids, wts, topk, slots, shared, logit) -> [N, H] through the CUDA MoE decode (the
     emulated kernels on the CPU), its intermediate and output poisoned with NaN."""
-    buffers = nvfp4_cuda.moe_buffers
-    monkeypatch.setattr(nvfp4_cuda, "moe_buffers",
-                        lambda *a: tuple(t.fill_(float("nan")) for t in buffers(*a)))
 
     def run(x, ids, wts, topk, slots, shared, logit):
         return nvfp4_cuda.moe_decode(x, ids.reshape(-1), wts.reshape(-1), topk, slots, shared,

@@ -43,12 +43,6 @@ def check_slots(slots: ExpertSlots) -> None:
                          f"F % {ROW_BLOCK} == 0, got H={h} F={f}")
 
 
-def _store_arrays(slots: ExpertSlots) -> tuple[Any, ...]:
-    """numpy views (no copy) of the store's fields: w13, s13, g13, w2, s2, g2."""
-    return tuple(t.numpy() for t in (slots.w13, slots.w13_scale, slots.w13_global, slots.w2,
-                                     slots.w2_scale, slots.w2_global))
-
-
 def moe_cpu(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, slots: ExpertSlots, *,
             out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
     """The CPU-side routed experts of a batch (module docstring): x [N, H] float, rows [N, k]
@@ -71,7 +65,8 @@ def moe_cpu(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, slots: E
     xf = x.detach().to(torch.float32).contiguous().numpy()
     r = rows.detach().to(torch.int64).contiguous().numpy()
     w = weights.detach().to(torch.float32).contiguous().numpy()
-    k.moe(xf, r, w, *_store_arrays(slots), out.numpy(), k.e4m3, threads, k.setters)
+    store = (t.numpy() for t in slots.buffers)  # views, no copy
+    k.moe(xf, r, w, *store, out.numpy(), k.e4m3, threads, k.setters)
     return out
 
 
@@ -94,8 +89,7 @@ def moe_cpu_ref(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, slot
 def moe_cpu_bytes(rows: torch.Tensor, slots: ExpertSlots) -> int:
     """Bytes of the store a `moe_cpu` call over `rows` reads (each distinct expert once)."""
     distinct = len(set(rows[rows >= 0].tolist()))
-    per = sum(t[0].numel() * t.element_size() for t in (
-        slots.w13, slots.w13_scale, slots.w13_global, slots.w2, slots.w2_scale, slots.w2_global))
+    per = sum(t[0].numel() * t.element_size() for t in slots.buffers)
     return distinct * per
 
 
@@ -134,9 +128,7 @@ def host_descriptor(slots: ExpertSlots, stage: torch.Tensor, out: torch.Tensor,
     d = torch.zeros(DESC_WORDS, dtype=torch.int64)
     d[D_STAGE], d[D_OUT], d[D_N], d[D_K], d[D_ROW_BASE] = (stage.data_ptr(), out.data_ptr(), n,
                                                            top_k, row_base)
-    for i, t in zip((D_W13, D_S13, D_G13, D_W2, D_S2, D_G2),
-                    (slots.w13, slots.w13_scale, slots.w13_global, slots.w2, slots.w2_scale,
-                     slots.w2_global), strict=True):
+    for i, t in zip((D_W13, D_S13, D_G13, D_W2, D_S2, D_G2), slots.buffers, strict=True):
         d[i] = t.data_ptr()
     d[D_ROWS], d[D_H], d[D_F] = slots.num_slots, h, slots.intermediate_size
     d[D_THREADS] = check_threads(threads)

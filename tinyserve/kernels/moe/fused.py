@@ -94,6 +94,12 @@ class ExpertSlots:
     def device(self) -> torch.device:
         return self.w13.device
 
+    @property
+    def buffers(self) -> tuple[torch.Tensor | None, ...]:
+        """(w13, w13_scale, w13_global, w2, w2_scale, w2_global)."""
+        return (self.w13, self.w13_scale, self.w13_global, self.w2, self.w2_scale,
+                self.w2_global)
+
 
 def allocate_expert_slots(num_slots: int, hidden_size: int, intermediate_size: int, *,
                           fp4: bool, device: torch.device | str,
@@ -203,9 +209,7 @@ def _check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         raise TypeError(f"topk_slot_ids must be int32/int64, got {ids.dtype}")
     if not (x.device == ids.device == weights.device == slots.device):
         raise ValueError("x, topk ids/weights and the slots must be on one device")
-    bufs = (slots.w13, slots.w2, slots.w13_scale, slots.w2_scale, slots.w13_global,
-            slots.w2_global)
-    if not all(b is None or b.is_contiguous() for b in bufs):
+    if not all(b is None or b.is_contiguous() for b in slots.buffers):
         raise ValueError("ExpertSlots buffers must be contiguous")
 
 
@@ -262,7 +266,7 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
         return nvfp4_cuda.moe_decode(x, ids, wts, topk, slots, shared_slots, shared_logit)
     if path == "gemv":
         out = _moe_gemv(x, ids, wts, topk, slots)
-    else:
+    else:  # "dot", and the "fused" calls the CUDA decode does not take
         pair_out = _moe_dot(x, ids, wts, topk, slots)  # [P, H] fp32, weighted
         out = pair_out.view(n, topk, -1).sum(1).to(x.dtype)
     if shared_slots is None or shared_logit is None:
@@ -295,12 +299,6 @@ def _moe_gemv(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
         inter, ids, wts, slots.w2, out, H=h, F=f, TOPK=topk, BLOCK_N=8, BLOCK_K=block_k2,
         num_warps=2)
     return out
-
-
-def _scales(slots: ExpertSlots, dummy: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    if slots.is_fp4:
-        return slots.w13_scale, slots.w2_scale, slots.w13_global, slots.w2_global
-    return dummy, dummy, dummy, dummy
 
 
 def align_pairs(ids: torch.Tensor, num_slots: int, block_m: int
@@ -337,7 +335,9 @@ def _moe_dot(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
     sorted_pairs, block_slot = align_pairs(ids.long(), slots.num_slots, block_m)
     num_blocks = block_slot.numel()
     fp4 = slots.is_fp4
-    s13, s2, g13, g2 = _scales(slots, wts)
+    # dense slots: wts stands in for the scale pointers the kernels do not read
+    s13, s2, g13, g2 = ((slots.w13_scale, slots.w2_scale, slots.w13_global, slots.w2_global)
+                        if fp4 else (wts,) * 4)
     inter = torch.empty(pairs, f, device=x.device, dtype=x.dtype)
     kern.moe_dot_gate_up_kernel[(num_blocks, -(-f // MOE_DOT_BLOCK_N))](
         x, block_slot, sorted_pairs, slots.w13, s13, g13, inter, topk, pairs, x.stride(0),

@@ -131,18 +131,12 @@ def _experts(slots, shared, which: str) -> _Experts:
     return _Experts(*parts(slots), *parts(shared))
 
 
-def moe_buffers(x: torch.Tensor, kp: int, f: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MoE decode's fp32 intermediate [N * KP, F] and its output [N, H] in x.dtype."""
-    n, h = x.shape
-    return (torch.empty(n * kp, f, dtype=torch.float32, device=x.device),
-            torch.empty(n, h, dtype=x.dtype, device=x.device))
-
-
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int, slots,
                shared, logit: torch.Tensor | None) -> torch.Tensor:
-    """The fused MoE decode (the contract of `moe.decode.moe_fused_decode`) in CUDA for calls
-    `moe_takes`: two launches (the second a dependent launch on sm_90+), no host sync, the
-    same bits every run. Raises ValueError for arguments outside these."""
+    """sum_j wts[t, j] * expert_{ids[t, j]}(x_t) (+ sigmoid(logit[t]) * shared(x_t)) in x.dtype
+    for calls `moe_takes`: x [N, H], ids / wts flat [N * topk], slots checked by `fused_moe`.
+    Two launches (the second a dependent launch on sm_90+), no host sync, the same bits every
+    run. Raises ValueError for arguments outside these."""
     n, h, f = x.shape[0], slots.hidden_size, slots.intermediate_size
     kp = topk + (shared is not None)
     if n <= 0 or topk <= 0 or kp > MOE_MAX_PAIRS:
@@ -153,7 +147,8 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
     if x.dtype not in _FORMAT or h not in MOE_HS or f not in MOE_FS:
         raise ValueError(f"the CUDA MoE decode takes bf16/fp16 x, H in {MOE_HS}, F in "
                          f"{MOE_FS}; got {x.dtype}, {h}, {f}")
-    inter, out = moe_buffers(x, kp, f)
+    inter = torch.empty(n * kp, f, dtype=torch.float32, device=x.device)
+    out = torch.empty(n, h, dtype=x.dtype, device=x.device)
     be = cuda_launch.backend(x.device)
     stream, fmt, ids64 = be.stream(), _FORMAT[x.dtype], ctypes.c_bool(ids.dtype == torch.int64)
     gate_up = be.kernel(MOE, f"nvfp4::moe_gate_up<{fmt}, {h // 1024}>")

@@ -20,11 +20,6 @@ _BOUNDS_TIE_DOWN = (0.25, 1.25, 2.5, 5.0)  # tie -> lower (even) code: count onl
 _BOUNDS_TIE_UP = (0.75, 1.75, 3.5)  # tie -> upper (even) code: count when at or above
 
 
-def e2m1_table(device: torch.device | str = "cpu") -> torch.Tensor:
-    """The 16 E2M1 values as fp32 [16]."""
-    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
-
-
 def _exp2i(e: torch.Tensor) -> torch.Tensor:
     """2**e as fp32, exactly, for integer e in [-126, 127] (built from the exponent bits)."""
     return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
@@ -84,7 +79,7 @@ def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
 def dequantize_nvfp4(w: NVFP4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """NVFP4Weight -> dense [out, in] in `dtype` (computed in fp32)."""
     codes = unpack_e2m1(w.packed).to(torch.int64)  # [out, in]
-    values = e2m1_table(w.packed.device)[codes]
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w.packed.device)[codes]
     scales = e4m3_to_float(w.block_scale).repeat_interleave(BLOCK, dim=-1)  # [out, in]
     glob = torch.tensor(w.global_scale, dtype=torch.float32, device=values.device)
     return (values * scales * glob).to(dtype)

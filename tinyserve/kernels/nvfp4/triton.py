@@ -56,13 +56,12 @@ def _nibble_pair(w, I: tl.constexpr):
 
 
 @triton.jit
-def _x_quad(xk, I: tl.constexpr, m, XS):
-    # X_PRESCALE * x at inputs 16b + I, +4, +8, +12 of the blocks at `xk` (mask m), fp32 [BB];
-    # input 16b + i sits at xk + i * XS
-    x0 = tl.load(xk + I * XS, mask=m, other=0.0).to(tl.float32) * X_PRESCALE_C
-    x1 = tl.load(xk + (I + 4) * XS, mask=m, other=0.0).to(tl.float32) * X_PRESCALE_C
-    x2 = tl.load(xk + (I + 8) * XS, mask=m, other=0.0).to(tl.float32) * X_PRESCALE_C
-    x3 = tl.load(xk + (I + 12) * XS, mask=m, other=0.0).to(tl.float32) * X_PRESCALE_C
+def _x_quad(xk, I: tl.constexpr, m):
+    # X_PRESCALE * x at inputs 16b + I, +4, +8, +12 of the blocks at `xk` (mask m), fp32 [BB]
+    x0 = tl.load(xk + I, mask=m, other=0.0).to(tl.float32) * X_PRESCALE_C
+    x1 = tl.load(xk + I + 4, mask=m, other=0.0).to(tl.float32) * X_PRESCALE_C
+    x2 = tl.load(xk + I + 8, mask=m, other=0.0).to(tl.float32) * X_PRESCALE_C
+    x3 = tl.load(xk + I + 12, mask=m, other=0.0).to(tl.float32) * X_PRESCALE_C
     return x0, x1, x2, x3
 
 
@@ -109,15 +108,15 @@ def _fp4_rows_dot(x_ptr, stride_xm, m_rows, w_ptr, s_ptr, rows, row_mask, KB,
         for i in tl.static_range(4):
             w0, w4 = _nibble_pair(lo, i)
             w8, w12 = _nibble_pair(hi, i)
-            x0, x4, x8, x12 = _x_quad(xk, i, ok & (zero < m_rows), 1)
+            x0, x4, x8, x12 = _x_quad(xk, i, ok & (zero < m_rows))
             p0 = _fma4(p0, w0, w4, w8, w12, x0, x4, x8, x12)
             if BLOCK_M > 1:
-                x0, x4, x8, x12 = _x_quad(xk + stride_xm, i, ok & (zero + 1 < m_rows), 1)
+                x0, x4, x8, x12 = _x_quad(xk + stride_xm, i, ok & (zero + 1 < m_rows))
                 p1 = _fma4(p1, w0, w4, w8, w12, x0, x4, x8, x12)
             if BLOCK_M > 2:
-                x0, x4, x8, x12 = _x_quad(xk + 2 * stride_xm, i, ok & (zero + 2 < m_rows), 1)
+                x0, x4, x8, x12 = _x_quad(xk + 2 * stride_xm, i, ok & (zero + 2 < m_rows))
                 p2 = _fma4(p2, w0, w4, w8, w12, x0, x4, x8, x12)
-                x0, x4, x8, x12 = _x_quad(xk + 3 * stride_xm, i, ok & (zero + 3 < m_rows), 1)
+                x0, x4, x8, x12 = _x_quad(xk + 3 * stride_xm, i, ok & (zero + 3 < m_rows))
                 p3 = _fma4(p3, w0, w4, w8, w12, x0, x4, x8, x12)
         acc0 += p0 * scale
         if BLOCK_M > 1:

@@ -181,19 +181,7 @@ def pack_expert_slots(experts: Sequence[tuple[LinearWeight, LinearWeight, Linear
 
 def single_expert_slots(gate: NVFP4Weight, up: NVFP4Weight, down: NVFP4Weight) -> ExpertSlots:
     """One NVFP4 expert (a layer's shared expert) as slot 0 of its own ExpertSlots."""
-    f, h = gate.shape
-    if tuple(up.shape) != (f, h) or tuple(down.shape) != (h, f) or h % 16 or f % 16:
-        raise ValueError(f"expert shapes gate {list(gate.shape)} up {list(up.shape)} down "
-                         f"{list(down.shape)} do not form an NVFP4 slot")
-    dev = gate.packed.device
-    return ExpertSlots(
-        w13=torch.cat([gate.packed, up.packed])[None],
-        w2=down.packed.contiguous()[None],
-        w13_scale=torch.cat([gate.block_scale, up.block_scale])[None],
-        w2_scale=down.block_scale.contiguous()[None],
-        w13_global=torch.tensor([[gate.global_scale, up.global_scale]], dtype=torch.float32,
-                                device=dev),
-        w2_global=torch.tensor([down.global_scale], dtype=torch.float32, device=dev))
+    return pack_expert_slots([(gate, up, down)], gate.packed.device)
 
 
 def _check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

@@ -33,7 +33,7 @@ class OffloadedExperts(ExpertsProvider):
 
     def __init__(self, cache: DeviceExpertCache) -> None:
         self.cache = cache
-        self.use_kernel = kernels_enabled(cache.device)  # the Triton fused MoE
+        self.use_kernel = kernels_enabled(cache.device)  # fused_moe's kernels
         self._last_layer: int | None = None
         self.streamer: prefetch.LayerStreamer | None = None
         why = prefetch.can_stream(cache.num_slots, cache.num_layers, cache.num_experts)

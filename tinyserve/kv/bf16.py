@@ -25,14 +25,14 @@ from tinyserve.kv.base import KVBackend
 
 
 class BF16KVBackend(KVBackend):
-    """KV backend storing post-norm, post-RoPE K/V unquantized in the model dtype. With
-    `num_q_heads` the decode kernel is chosen here, else at the first decode."""
+    """KV backend storing post-norm, post-RoPE K/V unquantized in the model dtype. The decode
+    kernel for `num_q_heads` is chosen here."""
 
     name = "bf16"
 
     def __init__(self, *, layer_ids: list[int], num_kv_heads: int, head_dim: int,
                  num_pages: int, page_size: int, device: torch.device | str,
-                 dtype: torch.dtype, num_q_heads: int | None = None) -> None:
+                 num_q_heads: int, dtype: torch.dtype) -> None:
         super().__init__(layer_ids=layer_ids, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          num_pages=num_pages, page_size=page_size, device=device, dtype=dtype)
         self._index = {L: i for i, L in enumerate(self.layer_ids)}
@@ -45,10 +45,10 @@ class BF16KVBackend(KVBackend):
                             and dtype in (torch.bfloat16, torch.float16)
                             and not head_dim & (head_dim - 1)
                             and torch.cuda.get_device_capability(self.device)[0] >= 8)
-        self._decode_on_kernel: bool | None = None
+        self._decode_on_kernel = False
         self.decode_impl = "gather + SDPA (torch reference)"
-        if num_q_heads:
-            self._decode_on_kernel = self._pick_decode(num_q_heads)
+        if self.use_kernels:
+            self._pick_decode(num_q_heads)
 
     @classmethod
     def bytes_per_token(cls, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -106,8 +106,6 @@ class BF16KVBackend(KVBackend):
         ([B] int32, <= `max_seq_len`, the host bound that sizes the work) -> [B, Hq, D]. No host
         synchronisation (CUDA-graph safe): the split-K Triton kernel on CUDA, else the reference."""
         kc, vc = self._flat(layer_id)
-        if self._decode_on_kernel is None:
-            self._decode_on_kernel = self._pick_decode(q.shape[1])
         if self._decode_on_kernel:
             from tinyserve.kernels.attention import paged_triton as paged_kv_triton
 
@@ -116,17 +114,15 @@ class BF16KVBackend(KVBackend):
         return paged_decode_ref(q, kc, vc, page_table, seq_lens, self.page_size, scale,
                                 max_seq_len=max_seq_len)
 
-    def _pick_decode(self, num_q_heads: int) -> bool:
-        """Whether decode runs the Triton kernel (else the reference); `decode_impl` names it."""
-        if not self.use_kernels:
-            return False
+    def _pick_decode(self, num_q_heads: int) -> None:
+        """Decode on the Triton kernel where it takes the shapes (else the reference);
+        `decode_impl` names the choice for the start-up log."""
         from tinyserve.kernels.attention import paged_triton as paged_kv_triton
 
-        ok = paged_kv_triton.decode_supported(num_q_heads, self.num_kv_heads, self.head_dim,
-                                              self.dtype)
-        if ok:
+        self._decode_on_kernel = paged_kv_triton.decode_supported(
+            num_q_heads, self.num_kv_heads, self.head_dim, self.dtype)
+        if self._decode_on_kernel:
             self.decode_impl = "Triton split-K"
-        return ok
 
     def _flat(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of one layer as [slots, Hkv, D] views, slot = page * page_size + offset."""

@@ -30,13 +30,13 @@ from tinyserve.kv.base import KVBackend
 
 class ISOKVBackend(KVBackend):
     """Paged ISO3/ISO4 KV store and attention. Raises ValueError when head_dim % 128 != 0.
-    With `num_q_heads` the CUDA decode kernel is chosen here, else at the first decode."""
+    On CUDA the decode kernel for `num_q_heads` is chosen here."""
 
     name = "iso"
 
     def __init__(self, *, layer_ids: list[int], num_kv_heads: int, head_dim: int,
                  num_pages: int, page_size: int, device: torch.device | str,
-                 dtype: torch.dtype, fmt: str = "iso3", num_q_heads: int | None = None) -> None:
+                 num_q_heads: int, dtype: torch.dtype, fmt: str = "iso3") -> None:
         if fmt not in iso.FORMATS:
             raise ValueError(f"unknown ISO format {fmt!r}; expected one of {iso.FORMATS}")
         if head_dim % iso.BLOCK:
@@ -55,7 +55,7 @@ class ISOKVBackend(KVBackend):
         self.use_kernels = self.device.type == "cuda" and not envs.DISABLE_KERNELS.get()
         self._decode_fn = None  # the CUDA decode kernel
         self.decode_impl = "torch reference"
-        if self.use_kernels and num_q_heads:
+        if self.use_kernels:
             self._pick_decode(num_q_heads)
 
     @classmethod
@@ -100,9 +100,7 @@ class ISOKVBackend(KVBackend):
     def _decode(self, layer_id: int, q: torch.Tensor, ctx: ForwardContext,
                 scale: float) -> torch.Tensor:
         kc, vc = self.k_cache(layer_id), self.v_cache(layer_id)
-        if self.use_kernels:
-            if self._decode_fn is None:
-                self._pick_decode(q.shape[1])
+        if self._decode_fn is not None:
             return self._decode_fn(q, kc, vc, ctx.page_table, ctx.seq_lens, ctx.page_size,
                                    self.fmt, scale, max_seq_len=ctx.seq_len_bound)
         out = iso.decode_attention_ref(q, kc.cpu(), vc.cpu(), ctx.page_table.cpu(),

@@ -14,7 +14,6 @@ import torch
 from tinyserve.kernels.gdn import chunk as _gdn_chunk
 from tinyserve.kernels.gdn import config as _gdn_config
 from tinyserve.kernels.gdn import ref as gdn_ref
-from tinyserve.kernels.gdn import triton as _gdn_triton
 from tinyserve.kernels.gdn.config import check, last_contig, strides
 from tinyserve.kernels.launch import cdiv, next_pow2
 from tinyserve.log import get_logger
@@ -72,8 +71,10 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch
     check(conv_pool.stride(2) == 1, "conv_pool needs a contiguous last dim")
     _one_device(x, weight, conv_pool, slots, y)
     x, weight = last_contig(x), weight.contiguous()
+    from tinyserve.kernels.gdn import triton as gdn_triton
+
     grid = (B, cdiv(C, _CONV_BLOCK_C))
-    _gdn_triton.build().conv1d_update[grid](
+    gdn_triton.conv1d_update_kernel[grid](
         x, weight, conv_pool, slots, y, C,
         x.stride(0), conv_pool.stride(0), conv_pool.stride(1), y.stride(0),
         K=K, KP=next_pow2(K - 1), BLOCK_C=_CONV_BLOCK_C, num_warps=4)
@@ -110,16 +111,17 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_pool: torc
     # [T] sequence of each token, without a host synchronisation
     seq_ids = torch.searchsorted(cu[1:], torch.arange(T, dtype=torch.int32, device=x.device),
                                  right=True).to(torch.int32)
-    k = _gdn_triton.build()
+    from tinyserve.kernels.gdn import triton as gdn_triton
+
     if T > 0:
         grid = (cdiv(T, _CONV_BLOCK_T), cdiv(C, _CONV_BLOCK_C))
-        k.conv1d_varlen[grid](
+        gdn_triton.conv1d_varlen_kernel[grid](
             x, weight, conv_pool, slots, cu, init, seq_ids, y, T, C,
             x.stride(0), conv_pool.stride(0), conv_pool.stride(1), y.stride(0),
             K=K, BLOCK_T=_CONV_BLOCK_T, BLOCK_C=_CONV_BLOCK_C, num_warps=4)
     # NOTE: a second launch, so no program overwrites a state another one still reads.
     grid = (B, cdiv(C, _CONV_BLOCK_C))
-    k.conv1d_state_writeback[grid](
+    gdn_triton.conv1d_state_writeback_kernel[grid](
         x, conv_pool, slots, cu, init, C,
         x.stride(0), conv_pool.stride(0), conv_pool.stride(1),
         K=K, KP=next_pow2(K - 1), BLOCK_C=_CONV_BLOCK_C, num_warps=4)
@@ -198,6 +200,8 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tenso
 
 
 def _launch_recurrent(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, block_v):
+    from tinyserve.kernels.gdn import triton as gdn_triton
+
     B = slots.shape[0]
     Hk, dk = q.shape[1], q.shape[2]
     Hv, dv = v.shape[1], v.shape[2]
@@ -206,7 +210,7 @@ def _launch_recurrent(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, b
     BV = min(next_pow2(dv), block_v)
     grid = (B, Hv, cdiv(dv, BV))
     varlen = cu is not None
-    _gdn_triton.build().gdn_recurrent[grid](
+    gdn_triton.gdn_recurrent_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, pool, slots,
         cu if varlen else slots, init if varlen else slots, y,
         *strides(q, k, v, a, b, y), pool.stride(0), pool.stride(1),

@@ -75,6 +75,10 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
 
 namespace ts {
 
+// fp16 -> fp32 of the low / high half of a packed pair
+__device__ __forceinline__ float half_lo(uint32_t h) { return f16_to_float((uint16_t)h); }
+__device__ __forceinline__ float half_hi(uint32_t h) { return f16_to_float((uint16_t)(h >> 16)); }
+
 // std::conditional without the standard library
 template <bool C, typename A, typename B>
 struct select {

@@ -224,10 +224,8 @@ def test_extend_attention(fmt, case) -> None:
     q = torch.randn(n_tok, hq, d, device="cuda").bfloat16()
     k = torch.randn(n_tok, hkv, d, device="cuda").bfloat16()
     v = torch.randn(n_tok, hkv, d, device="cuda").bfloat16()
-    cu = torch.tensor([0] + list(np.cumsum(chunks)), dtype=torch.int32, device="cuda")
     scale = d ** -0.5
-    out = _extend().iso_extend_attention(q, k, v, kc, vc, big, cu, chunks, prefixes, ps, fmt,
-                                       scale)
+    out = _extend().iso_extend_attention(q, k, v, kc, vc, big, chunks, prefixes, ps, fmt, scale)
     start = 0
     for b, (p, n) in enumerate(zip(prefixes, chunks, strict=True)):
         kd = _seq_rows(kc, big, b, p, ps, fmt, d)

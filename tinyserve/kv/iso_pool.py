@@ -126,8 +126,8 @@ class ISOKVBackend(KVBackend):
             from tinyserve.kernels.iso import extend as iso_extend
 
             return iso_extend.iso_extend_attention(
-                q, k, v, kc, vc, ctx.page_table, ctx.cu_seqlens, ctx.q_lens_cpu,
-                ctx.prefix_lens_cpu, ctx.page_size, self.fmt, scale)
+                q, k, v, kc, vc, ctx.page_table, ctx.q_lens_cpu, ctx.prefix_lens_cpu,
+                ctx.page_size, self.fmt, scale)
         out = torch.empty(q.shape, dtype=torch.float32)
         start = 0
         for b, (n, prefix) in enumerate(zip(ctx.q_lens_cpu, ctx.prefix_lens_cpu, strict=True)):

@@ -179,14 +179,6 @@ def _tables(device: torch.device, fmt: str) -> tuple[torch.Tensor, torch.Tensor]
     return cent.to(device), rot.to(device)
 
 
-def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *,
-                min_tokens: int = MIN_SPLIT_TOKENS, ctas_per_sm: int = CTAS_PER_SM,
-                tile: int = BLOCK_T) -> tuple[int, int]:
-    """`split.plan_splits` with this kernel's defaults."""
-    return decode_split.plan_splits(batch, num_kv_heads, max_seq_len, num_sms,
-                                    min_tokens=min_tokens, ctas_per_sm=ctas_per_sm, tile=tile)
-
-
 def iso_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 page_table: torch.Tensor, seq_lens: torch.Tensor,
                                 page_size: int, fmt: str, scale: float, *,

@@ -15,7 +15,6 @@ from tinyserve.log import get_logger
 
 log = get_logger(__name__)
 
-_BROKEN: list[bool] = [False]
 # (device, chunk, dk, dv, block_v, precision, dtype) -> index of the first config that launched
 _CHOSEN: dict[tuple, int] = {}
 
@@ -29,13 +28,6 @@ def chunk_configs_chosen() -> list[tuple[tuple, _gdn_config.ChunkConfig]]:
                                          smem_limit=smem_limit(dev))
         out.append((key, cfgs[i]))
     return out
-
-
-def chunk_broken(set_broken: bool = False) -> bool:
-    """Whether the chunk kernel failed to build in this process (`set_broken` records it)."""
-    if set_broken:
-        _BROKEN[0] = True
-    return _BROKEN[0]
 
 
 def is_build_error(e: Exception) -> bool:

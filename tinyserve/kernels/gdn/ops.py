@@ -22,6 +22,7 @@ log = get_logger(__name__)
 
 _CONV_BLOCK_C = 256
 _CONV_BLOCK_T = 16
+_chunk_broken = False  # the chunk kernel failed to build: the recurrent one runs from then on
 
 
 def _use_triton(backend: str, *tensors: torch.Tensor) -> bool:
@@ -49,6 +50,15 @@ def _out(out: torch.Tensor | None, shape: tuple, like: torch.Tensor) -> torch.Te
     return out
 
 
+def _check_conv(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor) -> int:
+    """The conv width K of weight [C, K] for x [*, C] and conv_pool [slots, C, K-1]."""
+    C, K = x.shape[1], weight.shape[1]
+    check(weight.shape == (C, K), f"weight {tuple(weight.shape)} != ({C}, {K})")
+    check(conv_pool.dim() == 3 and conv_pool.shape[1:] == (C, K - 1),
+           f"conv_pool {tuple(conv_pool.shape)} != [slots, {C}, {K - 1}]")
+    return K
+
+
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor,
                          slots: torch.Tensor, *, out: torch.Tensor | None = None,
                          backend: str = "auto") -> torch.Tensor:
@@ -56,10 +66,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch
     x [B, C], weight [C, K], conv_pool [slots, C, K-1] (oldest first), slots [B] (distinct).
     Returns y [B, C] in x.dtype (into `out` when given)."""
     B, C = x.shape
-    K = weight.shape[1]
-    check(weight.shape == (C, K), f"weight {tuple(weight.shape)} != ({C}, {K})")
-    check(conv_pool.dim() == 3 and conv_pool.shape[1:] == (C, K - 1),
-           f"conv_pool {tuple(conv_pool.shape)} != [slots, {C}, {K - 1}]")
+    K = _check_conv(x, weight, conv_pool)
     check(slots.shape == (B,), f"slots {tuple(slots.shape)} != ({B},)")
     y = _out(out, (B, C), x)
     if not _use_triton(backend, x, conv_pool):
@@ -88,11 +95,8 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_pool: torc
     """Depthwise causal conv + SiLU over a varlen batch x [T, C] (cu_seqlens [B+1] int32),
     each slot's state read (where has_initial_state) and left holding its last K-1 inputs."""
     T, C = x.shape
-    K = weight.shape[1]
+    K = _check_conv(x, weight, conv_pool)
     B = slots.shape[0]
-    check(weight.shape == (C, K), f"weight {tuple(weight.shape)} != ({C}, {K})")
-    check(conv_pool.dim() == 3 and conv_pool.shape[1:] == (C, K - 1),
-           f"conv_pool {tuple(conv_pool.shape)} != [slots, {C}, {K - 1}]")
     check(cu_seqlens.shape == (B + 1,) and has_initial_state.shape == (B,),
            "cu_seqlens must be [B+1] and has_initial_state [B]")
     y = _out(out, (T, C), x)
@@ -128,13 +132,6 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_pool: torc
     return y
 
 
-def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
-              dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(g, beta) fp32 [N, Hv]: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)."""
-    g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
-    return g, b.float().sigmoid()
-
-
 def _prep_qk(q: torch.Tensor, k: torch.Tensor, Hv: int) -> tuple[torch.Tensor, torch.Tensor]:
     """l2norm (eps 1e-6), q * dk**-0.5, key heads repeated to Hv; fp32 [N, Hv, dk]."""
     def l2(u: torch.Tensor) -> torch.Tensor:
@@ -161,7 +158,8 @@ def _check_gdn(q, k, v, a, b, A_log, dt_bias, pool, slots) -> tuple[int, int, in
 
 
 def _gdn_torch(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, chunked) -> None:
-    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
+    beta = b.float().sigmoid()  # g and beta fp32 [N, Hv]
     qn, kn = _prep_qk(q, k, v.shape[1])
     fn = gdn_ref.chunk_gated_delta_rule_ref if chunked else gdn_ref.recurrent_gated_delta_rule_ref
     for i, (s, has) in enumerate(zip(slots.tolist(), init, strict=True)):
@@ -254,7 +252,8 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
                 has_initial_state, y)
     cu = cu_seqlens.to(torch.int32)
     init = has_initial_state.to(torch.int32)
-    if method == "chunk" and not _gdn_chunk.chunk_broken():
+    global _chunk_broken
+    if method == "chunk" and not _chunk_broken:
         try:
             return _gdn_chunk.launch_chunk(q, k, v, a, b, A_log, dt_bias, recurrent_pool, slots,
                                            cu, init, y, chunk_size, block_v, dot_precision,
@@ -263,6 +262,6 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
             if not (fallback and _gdn_chunk.is_build_error(e)):
                 raise
             log.warning("GDN chunk kernel failed to build (%s); using the recurrent kernel", e)
-            _gdn_chunk.chunk_broken(set_broken=True)
+            _chunk_broken = True
     return _launch_recurrent(q, k, v, a, b, A_log, dt_bias, recurrent_pool, slots, cu, init,
                              y, block_v or 32)

@@ -51,10 +51,10 @@ class BF16KVBackend(KVBackend):
             self._pick_decode(num_q_heads)
 
     @classmethod
-    def bytes_per_token(cls, num_layers: int, num_kv_heads: int, head_dim: int,
-                        dtype_bytes: int = 2) -> int:
-        """K and V of every attention layer: 10 x 2 x 2 x 256 x 2 B = 20,480 B for 35B-A3B."""
-        return num_layers * 2 * num_kv_heads * head_dim * dtype_bytes
+    def bytes_per_token(cls, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        """K and V of every attention layer in 16 bits: 10 x 2 x 2 x 256 x 2 B = 20,480 B for
+        35B-A3B."""
+        return num_layers * 2 * num_kv_heads * head_dim * 2
 
     def layer_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of one layer, each [num_pages + 1, page_size, Hkv, D] (views)."""

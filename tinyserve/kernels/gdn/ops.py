@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from tinyserve import envs
 from tinyserve.kernels.gdn import chunk as _gdn_chunk
 from tinyserve.kernels.gdn import config as _gdn_config
 from tinyserve.kernels.gdn import ref as gdn_ref
@@ -27,8 +28,6 @@ _chunk_broken = False  # the chunk kernel failed to build: the recurrent one run
 
 def _use_triton(backend: str, *tensors: torch.Tensor) -> bool:
     if backend == "auto":
-        from tinyserve import envs
-
         return all(t.is_cuda for t in tensors) and not envs.DISABLE_KERNELS.get()
     if backend not in ("triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', not {backend!r}")

@@ -6,11 +6,10 @@ is a padding page: tokens whose slot is negative (padded rows of a captured batc
 there and never read.
 
 On CUDA (sm_80+) with a bf16/fp16 cache the store and decode attention run the Triton kernels of
-`kernels.attention.paged_triton` (one launch for the store, split-K decode over the pages in place;
-the decode for the shapes `decode_supported` takes, picked when the pool is built);
-elsewhere, for other shapes, or with TINYSERVE_DISABLE_KERNELS=1, their references in
-`kernels.attention.paged_ref`. Prefill and extend attention gather the sequence's K/V and call
-`kernels.attention.chunk`.
+`kernels.attention.paged_triton` (decode: for the shapes `decode_supported` takes, chosen when
+the pool is built); elsewhere, for other shapes, or with TINYSERVE_DISABLE_KERNELS=1, their
+references in `kernels.attention.paged_ref`. Prefill and extend attention gather the sequence's
+K/V and call `kernels.attention.chunk`.
 """
 
 from __future__ import annotations

@@ -9,11 +9,9 @@ Ordering contract (§6.2):
 - extend (anything else): attend over the packed prefix plus the chunk's own K/V in the model
   dtype (causal), then store the chunk (deferred quantization).
 
-On CUDA the store and extend run the kernels of `kernels.iso.cuda`; decode runs the one
-kernel `kernels.iso.choose_decode` picks for the model's shapes (when the pool is built):
-the CUDA tensor-core kernel (`kernels.iso.mma`) for iso3 with GQA groups up to 8 (Qwen3.5-35B-A3B:
-16 query heads over 2 KV heads), the Triton tensor-core kernel (`kernels.iso.triton`) for
-iso4 and wider groups (Qwen3.5-122B/397B: 32 over 2). Elsewhere (or with
+On CUDA the store and extend run `kernels.iso.cuda` and `kernels.iso.extend`; decode runs the
+one kernel `kernels.iso.choose_decode` picks for the model's shapes when the pool is built
+(CUDA tensor cores for iso3 with GQA groups up to 8, else Triton). Elsewhere (or with
 TINYSERVE_DISABLE_KERNELS=1) the references of `kernels.iso.ref` run: quantize on write,
 dequantize + fp32 attention.
 """

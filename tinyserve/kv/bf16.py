@@ -44,7 +44,7 @@ class BF16KVBackend(KVBackend):
                             and dtype in (torch.bfloat16, torch.float16)
                             and not head_dim & (head_dim - 1)
                             and torch.cuda.get_device_capability(self.device)[0] >= 8)
-        self._decode_on_kernel = False
+        self._decode_fn = paged_decode_ref  # or the Triton kernel (`_pick_decode`)
         self.decode_impl = "gather + SDPA (torch reference)"
         if self.use_kernels:
             self._pick_decode(num_q_heads)
@@ -105,22 +105,17 @@ class BF16KVBackend(KVBackend):
         ([B] int32, <= `max_seq_len`, the host bound that sizes the work) -> [B, Hq, D]. No host
         synchronisation (CUDA-graph safe): the split-K Triton kernel on CUDA, else the reference."""
         kc, vc = self._flat(layer_id)
-        if self._decode_on_kernel:
-            from tinyserve.kernels.attention import paged_triton as paged_kv_triton
-
-            return paged_kv_triton.paged_decode_attention(
-                q, kc, vc, page_table, seq_lens, self.page_size, scale, max_seq_len=max_seq_len)
-        return paged_decode_ref(q, kc, vc, page_table, seq_lens, self.page_size, scale,
-                                max_seq_len=max_seq_len)
+        return self._decode_fn(q, kc, vc, page_table, seq_lens, self.page_size, scale,
+                               max_seq_len=max_seq_len)
 
     def _pick_decode(self, num_q_heads: int) -> None:
         """Decode on the Triton kernel where it takes the shapes (else the reference);
         `decode_impl` names the choice for the start-up log."""
         from tinyserve.kernels.attention import paged_triton as paged_kv_triton
 
-        self._decode_on_kernel = paged_kv_triton.decode_supported(
-            num_q_heads, self.num_kv_heads, self.head_dim, self.dtype)
-        if self._decode_on_kernel:
+        if paged_kv_triton.decode_supported(num_q_heads, self.num_kv_heads, self.head_dim,
+                                            self.dtype):
+            self._decode_fn = paged_kv_triton.paged_decode_attention
             self.decode_impl = "Triton split-K"
 
     def _flat(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:

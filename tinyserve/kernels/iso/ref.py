@@ -142,9 +142,8 @@ def quantize_ref(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
     Strict: matches the C reference bit for bit (sequential sums, no FMA). Runs on CPU.
     """
-    _check_fmt(fmt)
     d = x.shape[-1]
-    packed_row_bytes(d, fmt)
+    packed_row_bytes(d, fmt)  # (checks the format and head_dim)
     lead = x.shape[:-1]
     xb = x.detach().to("cpu", torch.float32).reshape(-1, BLOCK)  # [R, 128]
     idx, corrected = _quantize_blocks(xb, fmt)

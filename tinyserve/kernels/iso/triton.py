@@ -187,7 +187,6 @@ def iso_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     """The contract of `ref.decode_attention_ref` with int32 page table and lengths, Hq / Hkv
     <= 16, D 128 or 256; `max_seq_len` None reads it from seq_lens (a device sync),
     `split_tokens` forces the split. Returns [B, Hq, D] in q's dtype (or into `out`)."""
-    iso_cuda.format_bits(fmt)  # (checks the format)
     b, hq, d, hkv = iso_cuda._check_decode(q, k_cache, v_cache, page_table, seq_lens, fmt)
     if hq // hkv > 16 or d // iso.BLOCK not in (1, 2):
         raise ValueError(f"unsupported GQA group {hq}/{hkv} or head_dim {d}")

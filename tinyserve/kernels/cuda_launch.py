@@ -94,13 +94,11 @@ def driver() -> ctypes.CDLL:
         except OSError:
             continue
         lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-        for fn in ("cuLaunchKernel", "cuLaunchKernelEx"):
-            if hasattr(lib, fn):
-                getattr(lib, fn).argtypes = (
-                    [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p,
-                     ctypes.c_void_p] if fn == "cuLaunchKernel"
-                    else [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
-                          ctypes.c_void_p])
+        lib.cuLaunchKernel.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
+                                       ctypes.c_void_p, ctypes.c_void_p]
+        if hasattr(lib, "cuLaunchKernelEx"):  # (CUDA 12+ drivers)
+            lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
+                                             ctypes.c_void_p, ctypes.c_void_p]
         return lib
     raise cuda_build.KernelBuildError("the CUDA kernels need the NVIDIA driver (libcuda.so.1)")
 

@@ -151,7 +151,8 @@ def _model(cfg, w: dict, kv_name: str, dev: str = "cuda", experts=None) -> Qwen3
     per = CONTEXT // PAGE + 2
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     kv = create_kv_backend(kv_name, layer_ids=list(cfg.full_attention_layers),
-                           num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                           num_kv_heads=cfg.num_kv_heads,
+                           num_q_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
                            num_pages=MAX_BATCH * per, page_size=PAGE, device=dev, dtype=dtype)
     slots = torch.arange(MAX_BATCH * per * PAGE, device=dev)
     for L in cfg.full_attention_layers:  # real K/V in every slot (ISO: quantized on store)

@@ -337,7 +337,8 @@ def build_runner(ckpt: Path, config: Any, plan: Any, experts: Any, weights: dict
                  graphs: bool = False) -> ModelRunner:
     dtype = torch.bfloat16
     kv = create_kv_backend(plan.kv_format, layer_ids=list(config.full_attention_layers),
-                           num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                           num_kv_heads=config.num_kv_heads,
+                           num_q_heads=config.num_attention_heads, head_dim=config.head_dim,
                            num_pages=plan.kv_pages, page_size=plan.page_size, device="cuda",
                            dtype=dtype)
     states = GDNStatePool.for_config(config, plan.state_slots, device="cuda", dtype=dtype)

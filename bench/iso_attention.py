@@ -54,13 +54,12 @@ def bench_extend(fmt: str, prefix: int, chunk: int = 2048) -> dict:
     table = torch.arange(pages, device="cuda", dtype=torch.int32)[None]
     q = torch.randn(chunk, HQ, D, device="cuda").bfloat16()
     k = torch.randn(chunk, HKV, D, device="cuda").bfloat16()
-    cu = torch.tensor([0, chunk], dtype=torch.int32, device="cuda")
     kb = torch.randn(HKV, total, D, device="cuda").bfloat16()
     qh = q.transpose(0, 1)
 
     def iso_call():
-        return iso_extend.iso_extend_attention(q, k, k, kc, vc, table, cu, [chunk], [prefix],
-                                               PAGE, fmt, D ** -0.5)
+        return iso_extend.iso_extend_attention(q, k, k, kc, vc, table, [chunk], [prefix], PAGE,
+                                               fmt, D ** -0.5)
 
     def bf16_call():
         return attention.chunk_causal_attention(qh, kb, kb, D ** -0.5)

@@ -76,7 +76,8 @@ def tiny_model_kl(n_tokens: int = 48) -> dict:
 
     def logits(kv_name: str, chunk: int) -> torch.Tensor:
         kv = create_kv_backend(kv_name, layer_ids=list(cfg.full_attention_layers),
-                               num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                               num_kv_heads=cfg.num_kv_heads,
+                               num_q_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
                                num_pages=32, page_size=4, device="cpu", dtype=torch.float32)
         states = GDNStatePool.for_config(cfg, 2, device="cpu", dtype=torch.float32)
         model = Qwen35Model(cfg, weights, kv=kv, states=states, device="cpu",

@@ -29,7 +29,8 @@ def _runner(fmt: str, kv: str, *, device: str, dtype: torch.dtype,
             graphs: bool = False, embed_device: str | None = None) -> ModelRunner:
     cfg, w = checkpoint(fmt, "hd128")
     backend = create_kv_backend(kv, layer_ids=list(cfg.full_attention_layers),
-                                num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                num_kv_heads=cfg.num_kv_heads,
+                                num_q_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
                                 num_pages=NUM_SEQS * PAGES_PER_SEQ, page_size=PAGE,
                                 device=device, dtype=dtype)
     states = GDNStatePool.for_config(cfg, NUM_SEQS + 1, device=device, dtype=dtype)
@@ -80,8 +81,8 @@ def test_bf16_batched_decode_equals_per_sequence(budget: int,
     NaN in every unwritten slot and a page table wider than the lengths."""
     monkeypatch.setattr("tinyserve.kernels.attention.paged_ref.DECODE_GATHER_BYTES", budget)
     g = torch.Generator().manual_seed(3)
-    kv = BF16KVBackend(layer_ids=[0], num_kv_heads=2, head_dim=8, num_pages=12, page_size=PAGE,
-                       device="cpu", dtype=torch.float32)
+    kv = BF16KVBackend(layer_ids=[0], num_kv_heads=2, num_q_heads=4, head_dim=8, num_pages=12,
+                       page_size=PAGE, device="cpu", dtype=torch.float32)
     kv.k_cache.fill_(float("nan"))
     kv.v_cache.fill_(float("nan"))
     lens, tables = [5, 13, 1], [[4, 0, 0], [7, 2, 9, 11], [3]]

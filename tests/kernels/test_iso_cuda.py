@@ -224,10 +224,8 @@ def test_extend_attention(fmt, case) -> None:
     q = torch.randn(n_tok, hq, d, device="cuda").bfloat16()
     k = torch.randn(n_tok, hkv, d, device="cuda").bfloat16()
     v = torch.randn(n_tok, hkv, d, device="cuda").bfloat16()
-    cu = torch.tensor([0] + list(np.cumsum(chunks)), dtype=torch.int32, device="cuda")
     scale = d ** -0.5
-    out = _extend().iso_extend_attention(q, k, v, kc, vc, big, cu, chunks, prefixes, ps, fmt,
-                                       scale)
+    out = _extend().iso_extend_attention(q, k, v, kc, vc, big, chunks, prefixes, ps, fmt, scale)
     start = 0
     for b, (p, n) in enumerate(zip(prefixes, chunks, strict=True)):
         kd = _seq_rows(kc, big, b, p, ps, fmt, d)
@@ -249,8 +247,9 @@ def test_pool_on_cuda_matches_cpu(fmt: str, hq: int) -> None:
     from tinyserve.kv.iso_pool import ISOKVBackend
 
     torch.manual_seed(1)
-    kw = dict(layer_ids=[3], num_kv_heads=2, head_dim=256, num_pages=16, page_size=16)
-    gpu = ISOKVBackend(device="cuda", dtype=torch.bfloat16, fmt=fmt, num_q_heads=hq, **kw)
+    kw = dict(layer_ids=[3], num_kv_heads=2, num_q_heads=hq, head_dim=256, num_pages=16,
+              page_size=16)
+    gpu = ISOKVBackend(device="cuda", dtype=torch.bfloat16, fmt=fmt, **kw)
     cpu = ISOKVBackend(device="cpu", dtype=torch.float32, fmt=fmt, **kw)
     want = "mma" if fmt == "iso3" and hq == 16 else "triton"
     assert gpu.decode_impl == iso.DECODE_KERNELS[want] and gpu._decode_fn is not None
@@ -286,7 +285,8 @@ def test_tiny_model_on_cuda_close_to_bf16(fmt: str) -> None:
 
     def logits(kv_name: str, chunk: int) -> torch.Tensor:
         kv = create_kv_backend(kv_name, layer_ids=list(cfg.full_attention_layers),
-                               num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                               num_kv_heads=cfg.num_kv_heads,
+                               num_q_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
                                num_pages=32, page_size=16, device="cuda", dtype=torch.bfloat16)
         states = GDNStatePool.for_config(cfg, 2, device="cuda", dtype=torch.bfloat16)
         model = Qwen35Model(cfg, w, kv=kv, states=states, device="cuda", dtype=torch.bfloat16)

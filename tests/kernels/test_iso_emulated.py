@@ -67,9 +67,8 @@ def test_extend_on_cpu(emu, fmt: str) -> None:
     vc = iso.quantize_ref(torch.randn(3 * 8 * ps, hkv, d), fmt)
     n = sum(chunks)
     q, k, v = torch.randn(n, hq, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)
-    cu = torch.tensor([0, 5, 8, 9], dtype=torch.int32)
-    out = iso_extend.iso_extend_attention(q, k, v, kc, vc, table, cu, chunks, prefixes, ps, fmt,
-                                        d ** -0.5)
+    out = iso_extend.iso_extend_attention(q, k, v, kc, vc, table, chunks, prefixes, ps, fmt,
+                                          d ** -0.5)
     start = 0
     for b, (p, m) in enumerate(zip(prefixes, chunks, strict=True)):
         rows = iso.gather_rows(kc, table[b], ps, p)

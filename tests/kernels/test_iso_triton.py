@@ -87,12 +87,18 @@ def test_rotation_tables_are_the_quaternions() -> None:
 
 def test_plan_splits_keeps_the_gpu_busy() -> None:
     # batch 8, 2 kv heads, 32k on 132 SMs: >= 2 waves of programs, >= 128 tokens per split
-    chunk, splits = it.plan_splits(8, 2, 32768, 132)
+    from tinyserve.kernels.attention.split import plan_splits
+
+    def plan(batch: int, max_seq_len: int) -> tuple[int, int]:  # this kernel's settings
+        return plan_splits(batch, 2, max_seq_len, 132, min_tokens=it.MIN_SPLIT_TOKENS,
+                           ctas_per_sm=it.CTAS_PER_SM, tile=it.BLOCK_T)
+
+    chunk, splits = plan(8, 32768)
     assert splits * 16 >= 2 * 132 and chunk >= 128 and chunk % it.BLOCK_T == 0
     assert chunk * splits >= 32768 and chunk * (splits - 1) < 32768
-    chunk, splits = it.plan_splits(1, 2, 32768, 132)
+    chunk, splits = plan(1, 32768)
     assert chunk >= 128 and splits * 2 >= 2 * 132
-    assert it.plan_splits(1, 2, 1, 132) == (it.BLOCK_T, 1)
+    assert plan(1, 1) == (it.BLOCK_T, 1)
 
 
 def test_rejects_bad_shapes() -> None:

@@ -192,9 +192,11 @@ def test_backend_runs_the_kernels() -> None:
     gen = torch.Generator().manual_seed(5)
     kvs = []
     for kernels in (True, False):
-        kv = BF16KVBackend(layer_ids=[1], num_kv_heads=hkv, head_dim=d, num_pages=8,
-                           page_size=ps, device=DEV, dtype=torch.bfloat16)
-        kv.use_kernels = kernels  # on the CPU it would not take them itself
+        kv = BF16KVBackend(layer_ids=[1], num_kv_heads=hkv, num_q_heads=hq, head_dim=d,
+                           num_pages=8, page_size=ps, device=DEV, dtype=torch.bfloat16)
+        if kernels:  # on the CPU it would not take them itself
+            kv.use_kernels = True
+            kv._pick_decode(hq)
         kv.k_cache.fill_(float("nan"))
         kv.v_cache.fill_(float("nan"))
         kvs.append(kv)

@@ -69,8 +69,9 @@ def test_two_steps_scattered_pages_poisoned() -> None:
     """Prefill two sequences, then decode one and extend the other; compare with attention
     over the contiguous K/V, with every untouched page NaN."""
     ps, Hq, Hkv, D = 4, 4, 2, 16
-    kv = create_kv_backend("bf16", layer_ids=[3, 7], num_kv_heads=Hkv, head_dim=D,
-                           num_pages=12, page_size=ps, device="cpu", dtype=torch.float32)
+    kv = create_kv_backend("bf16", layer_ids=[3, 7], num_kv_heads=Hkv, num_q_heads=Hq,
+                           head_dim=D, num_pages=12, page_size=ps, device="cpu",
+                           dtype=torch.float32)
     kv.k_cache.fill_(float("nan"))
     kv.v_cache.fill_(float("nan"))
     pages = [[9, 2, 5], [0, 11, 4, 7]]
@@ -99,8 +100,8 @@ def test_two_steps_scattered_pages_poisoned() -> None:
 
 
 def test_negative_slots_go_to_padding_page() -> None:
-    kv = BF16KVBackend(layer_ids=[0], num_kv_heads=1, head_dim=4, num_pages=2, page_size=2,
-                       device="cpu", dtype=torch.float32)
+    kv = BF16KVBackend(layer_ids=[0], num_kv_heads=1, num_q_heads=1, head_dim=4, num_pages=2,
+                       page_size=2, device="cpu", dtype=torch.float32)
     kv.k_cache.fill_(float("nan"))
     k = torch.ones(3, 1, 4)
     kv.write(0, k, k, torch.tensor([3, -1, -1]))
@@ -120,8 +121,8 @@ def test_bf16_on_cuda_matches_cpu() -> None:
     v = torch.randn(47, Hkv, D, generator=g).bfloat16()
     outs = []
     for dev in ("cpu", "cuda"):
-        kv = BF16KVBackend(layer_ids=[0], num_kv_heads=Hkv, head_dim=D, num_pages=4,
-                           page_size=ps, device=dev, dtype=torch.bfloat16)
+        kv = BF16KVBackend(layer_ids=[0], num_kv_heads=Hkv, num_q_heads=Hq, head_dim=D,
+                           num_pages=4, page_size=ps, device=dev, dtype=torch.bfloat16)
         c = ForwardContext(**{f: (getattr(ctx, f).to(dev) if isinstance(getattr(ctx, f),
                                                                          torch.Tensor)
                                   else getattr(ctx, f)) for f in ctx.__dataclass_fields__})

@@ -21,9 +21,10 @@ def test_bytes_per_token_35b_a3b() -> None:
     assert 10 * 2 * 256 * 2 * 2 / 4000 > 5.0
 
 
-def _make(fmt: str, num_pages: int = 8, page_size: int = 4, hkv: int = 2, d: int = 128):
-    return create_kv_backend(fmt, layer_ids=[3, 7], num_kv_heads=hkv, head_dim=d,
-                             num_pages=num_pages, page_size=page_size, device="cpu",
+def _make(fmt: str, num_pages: int = 8, page_size: int = 4, hkv: int = 2, d: int = 128,
+          hq: int = 4):
+    return create_kv_backend(fmt, layer_ids=[3, 7], num_kv_heads=hkv, num_q_heads=hq,
+                             head_dim=d, num_pages=num_pages, page_size=page_size, device="cpu",
                              dtype=torch.float32)
 
 
@@ -124,8 +125,9 @@ def _runner(cfg, weights, kv_name: str):
     from tinyserve.model.qwen35 import Qwen35Model
 
     kv = create_kv_backend(kv_name, layer_ids=list(cfg.full_attention_layers),
-                           num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, num_pages=32,
-                           page_size=4, device="cpu", dtype=torch.float32)
+                           num_kv_heads=cfg.num_kv_heads, num_q_heads=cfg.num_attention_heads,
+                           head_dim=cfg.head_dim, num_pages=32, page_size=4, device="cpu",
+                           dtype=torch.float32)
     states = GDNStatePool.for_config(cfg, 2, device="cpu", dtype=torch.float32)
     model = Qwen35Model(cfg, weights, kv=kv, states=states, device="cpu", dtype=torch.float32)
     return ModelRunner(model, page_size=4)
@@ -196,8 +198,8 @@ def test_decode_kernel_per_shape() -> None:
 @pytest.mark.parametrize("fmt, hq, want", [("iso3", 16, "mma"), ("iso4", 16, "triton"),
                                            ("iso3", 32, "triton")])
 def test_decode_dispatch(fmt: str, hq: int, want: str, monkeypatch) -> None:
-    """With the kernels on, decode goes to the kernel `choose_decode` picks at the first step
-    (bound from the pool's context) and stays there (the kernels are stubs here)."""
+    """With the kernels on, decode goes to the kernel `choose_decode` picks for the pool's
+    shapes (bound from the pool's context) at every step (the kernels are stubs here)."""
     from tinyserve.kernels.iso import mma as iso_mma
     from tinyserve.kernels.iso import triton as iso_triton
 
@@ -211,8 +213,8 @@ def test_decode_dispatch(fmt: str, hq: int, want: str, monkeypatch) -> None:
 
     monkeypatch.setattr(iso_mma, "iso_decode_attention_mma", stub("mma"))
     monkeypatch.setattr(iso_triton, "iso_decode_attention_triton", stub("triton"))
-    kv = _make(fmt, d=256)
-    kv.use_kernels = True
+    kv = _make(fmt, d=256, hq=hq)
+    kv._pick_decode(hq)  # what the constructor does on CUDA
     ctx = _ctx([1, 1], [5, 2], [[0, 1], [2, 3]], 4)
     for _ in range(2):
         out = kv._decode(7, torch.randn(2, hq, 256), ctx, 0.1)

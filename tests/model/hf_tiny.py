@@ -96,8 +96,8 @@ def build_runner(cfg: ModelConfig, weights: dict[str, Any], *, num_pages: int = 
     `experts`: a routed-experts provider (the model then leaves the expert weights alone),
     `runner_kwargs`: more ModelRunner arguments (cuda_graphs, graph_pad_slot)."""
     kv = BF16KVBackend(layer_ids=list(cfg.full_attention_layers), num_kv_heads=cfg.num_kv_heads,
-                       head_dim=cfg.head_dim, num_pages=num_pages, page_size=page_size,
-                       device=device, dtype=dtype)
+                       num_q_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
+                       num_pages=num_pages, page_size=page_size, device=device, dtype=dtype)
     states = GDNStatePool.for_config(cfg, num_slots, device=device, dtype=dtype)
     if poison:
         for t in (kv.k_cache, kv.v_cache, states.conv, states.recurrent):

@@ -111,16 +111,13 @@ def _sources_digest() -> str:
     return h.hexdigest()
 
 
-def _target(arch: int, ptx: bool) -> str:
-    return f"--gpu-architecture={'compute' if ptx else 'sm'}_{arch}"
-
-
 def build(source: str, names: tuple[str, ...], arch: int, *, ptx: bool = False,
           options: tuple[str, ...] = ()) -> Built:
     """Compile csrc/`source` for `arch` (e.g. 86) instantiating the name expressions `names`
     (kernels, and `&`-prefixed `__device__` variables). Cached on disk; KernelBuildError with
     NVRTC's log when the source does not compile."""
-    opts = (_target(arch, ptx), f"-I{CSRC}", *OPTIONS, *options)
+    target = f"--gpu-architecture={'compute' if ptx else 'sm'}_{arch}"
+    opts = (target, f"-I{CSRC}", *OPTIONS, *options)
     key = json.dumps([_sources_digest(), source, names, opts, nvrtc_version()])
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]
     out_dir = envs.CACHE_DIR.get() / "kernels"

@@ -28,7 +28,7 @@ _INVALID_CONTEXT = 201
 # device attributes
 _SM_COUNT, _SMEM_PER_SM, _RESERVED_SMEM = 16, 81, 111
 # function attributes
-SHARED_SIZE_BYTES, LOCAL_SIZE_BYTES, NUM_REGS, MAX_DYNAMIC_SHARED = 1, 3, 4, 8
+SHARED_SIZE_BYTES, MAX_DYNAMIC_SHARED = 1, 8
 
 
 class _LaunchAttribute(ctypes.Structure):
@@ -65,7 +65,7 @@ class Kernel(Protocol):
         """The value of an `int` `__device__` variable compiled with the kernel."""
 
     def attribute(self, attr: int) -> int:
-        """A function attribute (SHARED_SIZE_BYTES, NUM_REGS, ...)."""
+        """A function attribute (SHARED_SIZE_BYTES, ...)."""
 
     def set_max_dynamic_smem(self, nbytes: int) -> None:
         """Allow launches with up to `nbytes` of dynamic shared memory (above 48 KB)."""
@@ -94,13 +94,11 @@ def driver() -> ctypes.CDLL:
         except OSError:
             continue
         lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-        for fn in ("cuLaunchKernel", "cuLaunchKernelEx"):
-            if hasattr(lib, fn):
-                getattr(lib, fn).argtypes = (
-                    [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p,
-                     ctypes.c_void_p] if fn == "cuLaunchKernel"
-                    else [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
-                          ctypes.c_void_p])
+        lib.cuLaunchKernel.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
+                                       ctypes.c_void_p, ctypes.c_void_p]
+        if hasattr(lib, "cuLaunchKernelEx"):  # (CUDA 12+ drivers)
+            lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
+                                             ctypes.c_void_p, ctypes.c_void_p]
         return lib
     raise cuda_build.KernelBuildError("the CUDA kernels need the NVIDIA driver (libcuda.so.1)")
 

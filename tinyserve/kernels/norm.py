@@ -14,12 +14,19 @@ from tinyserve.kernels.launch import ROUNDING_AS_TORCH
 
 
 @triton.jit
-def rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, D, stride_x, stride_r, stride_y,
-                    stride_s, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
+def _load_row(x_ptr, stride_x, D, BLOCK_D: tl.constexpr):
+    """This program's row of x: (row index, columns, column mask, x fp32 [BLOCK_D])."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     m = cols < D
     x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+    return row, cols, m, x
+
+
+@triton.jit
+def rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, D, stride_x, stride_r, stride_y,
+                    stride_s, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
+    row, cols, m, x = _load_row(x_ptr, stride_x, D, BLOCK_D)
     if HAS_RESIDUAL:
         r = tl.load(r_ptr + row * stride_r + cols, mask=m, other=0.0).to(tl.float32)
         s = (x + r).to(s_ptr.dtype.element_ty)  # the new residual, in the model dtype
@@ -36,10 +43,7 @@ def rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, D, stride_x, stride_r, st
 def gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, D, HZ, stride_x, stride_zn, stride_zh,
                           stride_y, eps, ROUND_WH: tl.constexpr, BLOCK_D: tl.constexpr):
     # row = n * HZ + h: z's row at n * stride_zn + h * stride_zh (HZ = 1: plain row stride)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    m = cols < D
-    x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+    row, cols, m, x = _load_row(x_ptr, stride_x, D, BLOCK_D)
     z_row = (row // HZ) * stride_zn + (row % HZ) * stride_zh
     z = tl.load(z_ptr + z_row + cols, mask=m, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)

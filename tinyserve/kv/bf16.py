@@ -6,11 +6,10 @@ is a padding page: tokens whose slot is negative (padded rows of a captured batc
 there and never read.
 
 On CUDA (sm_80+) with a bf16/fp16 cache the store and decode attention run the Triton kernels of
-`kernels.attention.paged_triton` (one launch for the store, split-K decode over the pages in place;
-the decode for the shapes `decode_supported` takes, picked when the pool is built);
-elsewhere, for other shapes, or with TINYSERVE_DISABLE_KERNELS=1, their references in
-`kernels.attention.paged_ref`. Prefill and extend attention gather the sequence's K/V and call
-`kernels.attention.chunk`.
+`kernels.attention.paged_triton` (decode: for the shapes `decode_supported` takes, chosen when
+the pool is built); elsewhere, for other shapes, or with TINYSERVE_DISABLE_KERNELS=1, their
+references in `kernels.attention.paged_ref`. Prefill and extend attention gather the sequence's
+K/V and call `kernels.attention.chunk`.
 """
 
 from __future__ import annotations
@@ -25,14 +24,14 @@ from tinyserve.kv.base import KVBackend
 
 
 class BF16KVBackend(KVBackend):
-    """KV backend storing post-norm, post-RoPE K/V unquantized in the model dtype. With
-    `num_q_heads` the decode kernel is chosen here, else at the first decode."""
+    """KV backend storing post-norm, post-RoPE K/V unquantized in the model dtype. The decode
+    kernel for `num_q_heads` is chosen here."""
 
     name = "bf16"
 
     def __init__(self, *, layer_ids: list[int], num_kv_heads: int, head_dim: int,
                  num_pages: int, page_size: int, device: torch.device | str,
-                 dtype: torch.dtype, num_q_heads: int | None = None) -> None:
+                 num_q_heads: int, dtype: torch.dtype) -> None:
         super().__init__(layer_ids=layer_ids, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          num_pages=num_pages, page_size=page_size, device=device, dtype=dtype)
         self._index = {L: i for i, L in enumerate(self.layer_ids)}
@@ -45,16 +44,16 @@ class BF16KVBackend(KVBackend):
                             and dtype in (torch.bfloat16, torch.float16)
                             and not head_dim & (head_dim - 1)
                             and torch.cuda.get_device_capability(self.device)[0] >= 8)
-        self._decode_on_kernel: bool | None = None
+        self._decode_fn = paged_decode_ref  # or the Triton kernel (`_pick_decode`)
         self.decode_impl = "gather + SDPA (torch reference)"
-        if num_q_heads:
-            self._decode_on_kernel = self._pick_decode(num_q_heads)
+        if self.use_kernels:
+            self._pick_decode(num_q_heads)
 
     @classmethod
-    def bytes_per_token(cls, num_layers: int, num_kv_heads: int, head_dim: int,
-                        dtype_bytes: int = 2) -> int:
-        """K and V of every attention layer: 10 x 2 x 2 x 256 x 2 B = 20,480 B for 35B-A3B."""
-        return num_layers * 2 * num_kv_heads * head_dim * dtype_bytes
+    def bytes_per_token(cls, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        """K and V of every attention layer in 16 bits: 10 x 2 x 2 x 256 x 2 B = 20,480 B for
+        35B-A3B."""
+        return num_layers * 2 * num_kv_heads * head_dim * 2
 
     def layer_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of one layer, each [num_pages + 1, page_size, Hkv, D] (views)."""
@@ -106,27 +105,18 @@ class BF16KVBackend(KVBackend):
         ([B] int32, <= `max_seq_len`, the host bound that sizes the work) -> [B, Hq, D]. No host
         synchronisation (CUDA-graph safe): the split-K Triton kernel on CUDA, else the reference."""
         kc, vc = self._flat(layer_id)
-        if self._decode_on_kernel is None:
-            self._decode_on_kernel = self._pick_decode(q.shape[1])
-        if self._decode_on_kernel:
-            from tinyserve.kernels.attention import paged_triton as paged_kv_triton
+        return self._decode_fn(q, kc, vc, page_table, seq_lens, self.page_size, scale,
+                               max_seq_len=max_seq_len)
 
-            return paged_kv_triton.paged_decode_attention(
-                q, kc, vc, page_table, seq_lens, self.page_size, scale, max_seq_len=max_seq_len)
-        return paged_decode_ref(q, kc, vc, page_table, seq_lens, self.page_size, scale,
-                                max_seq_len=max_seq_len)
-
-    def _pick_decode(self, num_q_heads: int) -> bool:
-        """Whether decode runs the Triton kernel (else the reference); `decode_impl` names it."""
-        if not self.use_kernels:
-            return False
+    def _pick_decode(self, num_q_heads: int) -> None:
+        """Decode on the Triton kernel where it takes the shapes (else the reference);
+        `decode_impl` names the choice for the start-up log."""
         from tinyserve.kernels.attention import paged_triton as paged_kv_triton
 
-        ok = paged_kv_triton.decode_supported(num_q_heads, self.num_kv_heads, self.head_dim,
-                                              self.dtype)
-        if ok:
+        if paged_kv_triton.decode_supported(num_q_heads, self.num_kv_heads, self.head_dim,
+                                            self.dtype):
+            self._decode_fn = paged_kv_triton.paged_decode_attention
             self.decode_impl = "Triton split-K"
-        return ok
 
     def _flat(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of one layer as [slots, Hkv, D] views, slot = page * page_size + offset."""

@@ -9,11 +9,9 @@ Ordering contract (§6.2):
 - extend (anything else): attend over the packed prefix plus the chunk's own K/V in the model
   dtype (causal), then store the chunk (deferred quantization).
 
-On CUDA the store and extend run the kernels of `kernels.iso.cuda`; decode runs the one
-kernel `kernels.iso.choose_decode` picks for the model's shapes (when the pool is built):
-the CUDA tensor-core kernel (`kernels.iso.mma`) for iso3 with GQA groups up to 8 (Qwen3.5-35B-A3B:
-16 query heads over 2 KV heads), the Triton tensor-core kernel (`kernels.iso.triton`) for
-iso4 and wider groups (Qwen3.5-122B/397B: 32 over 2). Elsewhere (or with
+On CUDA the store and extend run `kernels.iso.cuda` and `kernels.iso.extend`; decode runs the
+one kernel `kernels.iso.choose_decode` picks for the model's shapes when the pool is built
+(CUDA tensor cores for iso3 with GQA groups up to 8, else Triton). Elsewhere (or with
 TINYSERVE_DISABLE_KERNELS=1) the references of `kernels.iso.ref` run: quantize on write,
 dequantize + fp32 attention.
 """
@@ -30,15 +28,13 @@ from tinyserve.kv.base import KVBackend
 
 class ISOKVBackend(KVBackend):
     """Paged ISO3/ISO4 KV store and attention. Raises ValueError when head_dim % 128 != 0.
-    With `num_q_heads` the CUDA decode kernel is chosen here, else at the first decode."""
+    On CUDA the decode kernel for `num_q_heads` is chosen here."""
 
     name = "iso"
 
     def __init__(self, *, layer_ids: list[int], num_kv_heads: int, head_dim: int,
                  num_pages: int, page_size: int, device: torch.device | str,
-                 dtype: torch.dtype, fmt: str = "iso3", num_q_heads: int | None = None) -> None:
-        if fmt not in iso.FORMATS:
-            raise ValueError(f"unknown ISO format {fmt!r}; expected one of {iso.FORMATS}")
+                 num_q_heads: int, dtype: torch.dtype, fmt: str = "iso3") -> None:
         if head_dim % iso.BLOCK:
             raise ValueError(f"--kv {fmt} needs head_dim % {iso.BLOCK} == 0, but the model has "
                              f"head_dim={head_dim}; use --kv bf16")
@@ -46,7 +42,7 @@ class ISOKVBackend(KVBackend):
                          num_pages=num_pages, page_size=page_size, device=device, dtype=dtype)
         self.fmt = fmt
         self.name = fmt
-        self.row_bytes = iso.packed_row_bytes(head_dim, fmt)
+        self.row_bytes = iso.packed_row_bytes(head_dim, fmt)  # (ValueError: unknown format)
         self._layer_index = {lid: i for i, lid in enumerate(self.layer_ids)}
         self.num_slots = (num_pages + 1) * page_size
         # [2, L, slots, Hkv, row_bytes]
@@ -55,7 +51,7 @@ class ISOKVBackend(KVBackend):
         self.use_kernels = self.device.type == "cuda" and not envs.DISABLE_KERNELS.get()
         self._decode_fn = None  # the CUDA decode kernel
         self.decode_impl = "torch reference"
-        if self.use_kernels and num_q_heads:
+        if self.use_kernels:
             self._pick_decode(num_q_heads)
 
     @classmethod
@@ -100,9 +96,7 @@ class ISOKVBackend(KVBackend):
     def _decode(self, layer_id: int, q: torch.Tensor, ctx: ForwardContext,
                 scale: float) -> torch.Tensor:
         kc, vc = self.k_cache(layer_id), self.v_cache(layer_id)
-        if self.use_kernels:
-            if self._decode_fn is None:
-                self._pick_decode(q.shape[1])
+        if self._decode_fn is not None:
             return self._decode_fn(q, kc, vc, ctx.page_table, ctx.seq_lens, ctx.page_size,
                                    self.fmt, scale, max_seq_len=ctx.seq_len_bound)
         out = iso.decode_attention_ref(q, kc.cpu(), vc.cpu(), ctx.page_table.cpu(),
@@ -128,8 +122,8 @@ class ISOKVBackend(KVBackend):
             from tinyserve.kernels.iso import extend as iso_extend
 
             return iso_extend.iso_extend_attention(
-                q, k, v, kc, vc, ctx.page_table, ctx.cu_seqlens, ctx.q_lens_cpu,
-                ctx.prefix_lens_cpu, ctx.page_size, self.fmt, scale)
+                q, k, v, kc, vc, ctx.page_table, ctx.q_lens_cpu, ctx.prefix_lens_cpu,
+                ctx.page_size, self.fmt, scale)
         out = torch.empty(q.shape, dtype=torch.float32)
         start = 0
         for b, (n, prefix) in enumerate(zip(ctx.q_lens_cpu, ctx.prefix_lens_cpu, strict=True)):

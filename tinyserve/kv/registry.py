@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-from functools import partial
 from typing import Any
 
 from tinyserve.kv.base import KVBackend
@@ -28,24 +27,20 @@ def resolve_kv(name: str, head_dim: int, on_gpu: bool) -> str:
     return "iso3" if on_gpu and head_dim % 128 == 0 else "bf16"
 
 
-def kv_backend_class(name: str):
-    """The backend class for `name`, with its fixed kwargs bound (a callable and the class)."""
+def _backend(name: str) -> tuple[type[KVBackend], dict[str, Any]]:
+    """The backend class for `name` and its fixed constructor kwargs."""
     if name not in _BACKENDS:
         raise ValueError(f"unknown KV format {name!r}; choose one of {', '.join(_BACKENDS)}")
     target, kwargs = _BACKENDS[name]
     module_name, cls_name = target.split(":")
-    cls = getattr(importlib.import_module(module_name), cls_name)
-    return partial(cls, **kwargs), cls
+    return getattr(importlib.import_module(module_name), cls_name), kwargs
 
 
 def kv_bytes_per_token(name: str, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
-    factory, cls = kv_backend_class(name)
-    kwargs = _BACKENDS[name][1]
-    if kwargs:
-        return cls.bytes_per_token(num_layers, num_kv_heads, head_dim, **kwargs)
-    return cls.bytes_per_token(num_layers, num_kv_heads, head_dim)
+    cls, kwargs = _backend(name)
+    return cls.bytes_per_token(num_layers, num_kv_heads, head_dim, **kwargs)
 
 
 def create_kv_backend(name: str, **kwargs: Any) -> KVBackend:
-    factory, _ = kv_backend_class(name)
-    return factory(**kwargs)
+    cls, fixed = _backend(name)
+    return cls(**fixed, **kwargs)

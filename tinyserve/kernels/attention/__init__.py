@@ -3,8 +3,3 @@
 `chunk`: causal attention of a prefill chunk over its prefix (cuDNN / SDPA); `paged_ref` and
 `paged_triton`: the paged bf16/fp16 store and split-K decode (`decode_supported` picks the
 kernel); `split` and `split_triton`: the split-K plan and pieces the decode kernels share."""
-
-from tinyserve.kernels.attention.chunk import chunk_causal_attention, lse_merge_ref
-from tinyserve.kernels.attention.paged_ref import paged_decode_ref, paged_store_ref
-
-__all__ = ["chunk_causal_attention", "lse_merge_ref", "paged_decode_ref", "paged_store_ref"]

@@ -90,12 +90,11 @@ def paged_decode_partial_kernel(q_ptr, k_ptr, v_ptr, slot_stride, pt_ptr, pt_str
 
 
 def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, hkv: int | None,
-                  d: int | None) -> None:
+                  d: int) -> None:
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.dim() != 3 or c.dtype not in CACHE_DTYPES or c.stride(2) != 1 \
-                or c.stride(1) != c.shape[2] or (hkv is not None and c.shape[1] != hkv) \
-                or (d is not None and c.shape[2] != d):
-            raise ValueError(f"{name} must be bf16/fp16 [slots, {hkv or 'Hkv'}, {d or 'D'}] "
+                or c.stride(1) != d or c.shape[2] != d or (hkv is not None and c.shape[1] != hkv):
+            raise ValueError(f"{name} must be bf16/fp16 [slots, {hkv or 'Hkv'}, {d}] "
                              f"with contiguous rows, got {c.dtype} {tuple(c.shape)} strides "
                              f"{c.stride()}")
     if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype \

@@ -10,14 +10,10 @@ import torch
 
 from tinyserve.kernels import cuda_launch
 
-# `plan_splits` defaults: splits of whole 32-token tiles, at least 256 tokens each
-_TILE = 32
-MIN_SPLIT_TOKENS = 256
-
 
 def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *,
-                min_tokens: int = MIN_SPLIT_TOKENS, ctas_per_sm: int = 4,
-                tile: int = _TILE, one_wave: bool = False) -> tuple[int, int]:
+                min_tokens: int, ctas_per_sm: int, tile: int = 32,
+                one_wave: bool = False) -> tuple[int, int]:
     """(tokens per split, splits): about `ctas_per_sm` CTAs per SM (`one_wave`: at most that
     many), >= `min_tokens` tokens per split, the split a multiple of `tile`."""
     max_seq_len = max(1, max_seq_len)

@@ -55,17 +55,16 @@ struct Layout {
 };
 
 // CTAs per SM the register budget must allow: 8 warps per SM (the grids that run are one
-// wave of at most 2-3 CTAs of 4 warps at batch 1, one CTA of 16 warps at batch 8). sm_90, D =
-// 256: 4 warps 151-153 registers (3 CTAs per SM), 16 warps 128 (1 CTA), no spills. Bounded
-// at 16 warps per SM (128 registers) instead, ptxas keeps the two blocks' score MMA chains
-// and the value decoding in sequence, which is slower (docs/RESULTS.md).
+// wave of at most 2-3 CTAs of 4 warps at batch 1, one CTA of 16 warps at batch 8). Bounded
+// at 16 warps per SM instead, ptxas keeps the two blocks' score MMA chains and the value
+// decoding in sequence, which is slower (docs/RESULTS.md).
 __host__ __device__ constexpr int min_ctas_per_sm(int n_warps) {
   return n_warps >= 8 ? 1 : 8 / n_warps;
 }
 
-// NW warps split the CTA's tokens between them (warp w takes sub-tiles w, w + NW, ...), each with its own buffers and
-// online softmax, so more warps per CTA give more warps per SM at the same number of split
-// partials.
+// NW warps split the CTA's tokens (warp w takes sub-tiles w, w + NW, ...), each with its own
+// buffers and online softmax: more warps per CTA give more warps per SM at the same number of
+// split partials.
 template <int NB, int NW>
 __global__ void __launch_bounds__(NW * 32, min_ctas_per_sm(NW))
     decode_mma_kernel(const void* __restrict__ q, int q_code,

@@ -33,8 +33,6 @@ inline uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) {
   };
   return one(a, b, c) | (uint32_t)one(a >> 16, b >> 16, c >> 16) << 16;
 }
-inline float half_lo(uint32_t h) { return h2f(h & 0xFFFF); }
-inline float half_hi(uint32_t h) { return h2f(h >> 16); }
 inline uint4 load_stream(const uint4* p) { return *p; }
 inline uint32_t bit_select(uint32_t a, uint32_t b, uint32_t mask) {
   return (a & mask) | (b & ~mask);
@@ -44,16 +42,6 @@ __device__ __forceinline__ uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) {
   uint32_t d;
   asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
   return d;
-}
-__device__ __forceinline__ float half_lo(uint32_t h) {
-  float f;
-  asm("{.reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.f32.f16 %0, lo;}" : "=f"(f) : "r"(h));
-  return f;
-}
-__device__ __forceinline__ float half_hi(uint32_t h) {
-  float f;
-  asm("{.reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.f32.f16 %0, hi;}" : "=f"(f) : "r"(h));
-  return f;
 }
 // (a & mask) | (b & ~mask) as one instruction (left to itself, nvcc splits the constant masks
 // of a bit-select over two).
@@ -102,7 +90,7 @@ __device__ __forceinline__ float block_dot(uint32_t w0, uint32_t w1, uint4 x0, u
   acc = hfma2(b1, x1.y, acc);
   acc = hfma2(b2, x1.z, acc);
   acc = hfma2(b3, x1.w, acc);
-  return half_lo(acc) + half_hi(acc);
+  return ts::half_lo(acc) + ts::half_hi(acc);
 }
 
 // An E4M3 byte (bits 0..7 of `b`) as fp32: the fp32 bits of value * 2^-120 (subnormals
@@ -117,8 +105,8 @@ __device__ __forceinline__ void e4m3_pair(uint32_t s, float& lo, float& hi) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   uint32_t h;
   asm("{.reg .b16 t;\n cvt.u16.u32 t, %1;\n cvt.rn.f16x2.e4m3x2 %0, t;}" : "=r"(h) : "r"(s));
-  lo = half_lo(h);
-  hi = half_hi(h);
+  lo = ts::half_lo(h);
+  hi = ts::half_hi(h);
 #else
   lo = e4m3_value(s);
   hi = e4m3_value(s >> 8);
@@ -151,7 +139,7 @@ struct Bf16 {
   }
 };
 struct Fp16 {
-  __device__ __forceinline__ static float value(uint32_t bits) { return half_lo(bits); }
+  __device__ __forceinline__ static float value(uint32_t bits) { return ts::half_lo(bits); }
   __device__ __forceinline__ static void load8(const void* in, int g, float (&v)[8]) {
     load8_16bit<Fp16>(in, g, v);
   }

@@ -1,8 +1,8 @@
 // What the kernels take from CUDA beyond the language itself: fixed-width integers, fp16 /
-// bf16 values as raw bits with their conversions, infinity, a type selector. No toolkit
-// header is needed: NVRTC (kernels/cuda_build.py) compiles every kernel with this alone, on a
-// machine with nothing but the driver and the pip packages. Compiled by a plain C++ compiler
-// (no __CUDACC__), the file brings in the tests' CPU emulation of CUDA instead
+// bf16 values as raw bits with their conversions, infinity. No toolkit header is needed:
+// NVRTC (kernels/cuda_build.py) compiles every kernel with this alone, on a machine with
+// nothing but the driver and the pip packages. Compiled by a plain C++ compiler (no
+// __CUDACC__), the file brings in the tests' CPU emulation of CUDA instead
 // (tests/kernels/cuda_emu/emu.h, on the include path of those builds).
 #pragma once
 
@@ -75,14 +75,8 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
 
 namespace ts {
 
-// std::conditional without the standard library
-template <bool C, typename A, typename B>
-struct select {
-  using type = A;
-};
-template <typename A, typename B>
-struct select<false, A, B> {
-  using type = B;
-};
+// fp16 -> fp32 of the low / high half of a packed pair
+__device__ __forceinline__ float half_lo(uint32_t h) { return f16_to_float((uint16_t)h); }
+__device__ __forceinline__ float half_hi(uint32_t h) { return f16_to_float((uint16_t)(h >> 16)); }
 
 }  // namespace ts

@@ -7,9 +7,8 @@ from tinyserve.kernels.gdn.ops import (
     causal_conv1d_prefill,
     causal_conv1d_update,
     gdn_decode,
-    gdn_gates,
     gdn_prefill,
 )
 
 __all__ = ["causal_conv1d_prefill", "causal_conv1d_update", "chunk_configs_chosen", "gdn_decode",
-           "gdn_gates", "gdn_prefill"]
+           "gdn_prefill"]

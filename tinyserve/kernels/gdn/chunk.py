@@ -9,14 +9,12 @@ import os
 import torch
 
 from tinyserve.kernels.gdn import config as _gdn_config
-from tinyserve.kernels.gdn import triton as _gdn_triton
 from tinyserve.kernels.gdn.config import check, last_contig, strides
 from tinyserve.kernels.launch import cdiv, next_pow2
 from tinyserve.log import get_logger
 
 log = get_logger(__name__)
 
-_BROKEN: list[bool] = [False]
 # (device, chunk, dk, dv, block_v, precision, dtype) -> index of the first config that launched
 _CHOSEN: dict[tuple, int] = {}
 
@@ -30,13 +28,6 @@ def chunk_configs_chosen() -> list[tuple[tuple, _gdn_config.ChunkConfig]]:
                                          smem_limit=smem_limit(dev))
         out.append((key, cfgs[i]))
     return out
-
-
-def chunk_broken(set_broken: bool = False) -> bool:
-    """Whether the chunk kernel failed to build in this process (`set_broken` records it)."""
-    if set_broken:
-        _BROKEN[0] = True
-    return _BROKEN[0]
 
 
 def is_build_error(e: Exception) -> bool:
@@ -96,7 +87,8 @@ def run_chunk(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, cfg, BK, 
     BT, BV = cfg.chunk, cfg.block_v
     q, k, v, a, b = (last_contig(t) for t in (q, k, v, a, b))
     check(pool.stride(3) == 1 and pool.stride(2) == dv, "recurrent_pool slots must be contiguous")
-    kern = _gdn_triton.build()
+    from tinyserve.kernels.gdn import triton as gdn_triton
+
     # chunk table on the device (no host sync): chunk c -> (sequence, first token)
     max_chunks = cdiv(T, BT) + B
     nch = (cu[1:] - cu[:-1] + BT - 1) // BT  # [B]
@@ -109,7 +101,7 @@ def run_chunk(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, cfg, BK, 
     # [2, T, Hv, BT] fp32: row t of [0] holds Ti[t - chunk start, :] of its chunk, of [1] att
     ws = torch.empty(2, T, Hv, BT, dtype=torch.float32, device=q.device)
     ti, att = ws[0], ws[1]
-    kern.gdn_chunk_prep[(max_chunks, Hv)](
+    gdn_triton.gdn_chunk_prep_kernel[(max_chunks, Hv)](
         q, k, a, b, A_log, dt_bias, cseq, cstart, cu, ti, att,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), a.stride(0), b.stride(0),
         ti.stride(0), ti.stride(1), dk ** -0.5, Hv // Hk, dk,
@@ -117,7 +109,7 @@ def run_chunk(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, cfg, BK, 
         NLEVELS=max((BT // 16).bit_length() - 1, 1), BLOCKED=cfg.blocked_inverse,
         num_warps=cfg.prep_warps, num_stages=1)
     grid = (B, Hv, cdiv(dv, BV))
-    kern.gdn_chunk[grid](
+    gdn_triton.gdn_chunk_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, ti, att, y,
         *strides(q, k, v, a, b, y), ti.stride(0), ti.stride(1), pool.stride(0),
         pool.stride(1), dk ** -0.5, Hv // Hk, dk, dv,

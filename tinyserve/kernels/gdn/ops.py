@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from tinyserve import envs
 from tinyserve.kernels.gdn import chunk as _gdn_chunk
 from tinyserve.kernels.gdn import config as _gdn_config
 from tinyserve.kernels.gdn import ref as gdn_ref
-from tinyserve.kernels.gdn import triton as _gdn_triton
 from tinyserve.kernels.gdn.config import check, last_contig, strides
 from tinyserve.kernels.launch import cdiv, next_pow2
 from tinyserve.log import get_logger
@@ -23,12 +23,11 @@ log = get_logger(__name__)
 
 _CONV_BLOCK_C = 256
 _CONV_BLOCK_T = 16
+_chunk_broken = False  # the chunk kernel failed to build: the recurrent one runs from then on
 
 
 def _use_triton(backend: str, *tensors: torch.Tensor) -> bool:
     if backend == "auto":
-        from tinyserve import envs
-
         return all(t.is_cuda for t in tensors) and not envs.DISABLE_KERNELS.get()
     if backend not in ("triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', not {backend!r}")
@@ -50,6 +49,15 @@ def _out(out: torch.Tensor | None, shape: tuple, like: torch.Tensor) -> torch.Te
     return out
 
 
+def _check_conv(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor) -> int:
+    """The conv width K of weight [C, K] for x [*, C] and conv_pool [slots, C, K-1]."""
+    C, K = x.shape[1], weight.shape[1]
+    check(weight.shape == (C, K), f"weight {tuple(weight.shape)} != ({C}, {K})")
+    check(conv_pool.dim() == 3 and conv_pool.shape[1:] == (C, K - 1),
+           f"conv_pool {tuple(conv_pool.shape)} != [slots, {C}, {K - 1}]")
+    return K
+
+
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor,
                          slots: torch.Tensor, *, out: torch.Tensor | None = None,
                          backend: str = "auto") -> torch.Tensor:
@@ -57,10 +65,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch
     x [B, C], weight [C, K], conv_pool [slots, C, K-1] (oldest first), slots [B] (distinct).
     Returns y [B, C] in x.dtype (into `out` when given)."""
     B, C = x.shape
-    K = weight.shape[1]
-    check(weight.shape == (C, K), f"weight {tuple(weight.shape)} != ({C}, {K})")
-    check(conv_pool.dim() == 3 and conv_pool.shape[1:] == (C, K - 1),
-           f"conv_pool {tuple(conv_pool.shape)} != [slots, {C}, {K - 1}]")
+    K = _check_conv(x, weight, conv_pool)
     check(slots.shape == (B,), f"slots {tuple(slots.shape)} != ({B},)")
     y = _out(out, (B, C), x)
     if not _use_triton(backend, x, conv_pool):
@@ -72,8 +77,10 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch
     check(conv_pool.stride(2) == 1, "conv_pool needs a contiguous last dim")
     _one_device(x, weight, conv_pool, slots, y)
     x, weight = last_contig(x), weight.contiguous()
+    from tinyserve.kernels.gdn import triton as gdn_triton
+
     grid = (B, cdiv(C, _CONV_BLOCK_C))
-    _gdn_triton.build().conv1d_update[grid](
+    gdn_triton.conv1d_update_kernel[grid](
         x, weight, conv_pool, slots, y, C,
         x.stride(0), conv_pool.stride(0), conv_pool.stride(1), y.stride(0),
         K=K, KP=next_pow2(K - 1), BLOCK_C=_CONV_BLOCK_C, num_warps=4)
@@ -87,11 +94,8 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_pool: torc
     """Depthwise causal conv + SiLU over a varlen batch x [T, C] (cu_seqlens [B+1] int32),
     each slot's state read (where has_initial_state) and left holding its last K-1 inputs."""
     T, C = x.shape
-    K = weight.shape[1]
+    K = _check_conv(x, weight, conv_pool)
     B = slots.shape[0]
-    check(weight.shape == (C, K), f"weight {tuple(weight.shape)} != ({C}, {K})")
-    check(conv_pool.dim() == 3 and conv_pool.shape[1:] == (C, K - 1),
-           f"conv_pool {tuple(conv_pool.shape)} != [slots, {C}, {K - 1}]")
     check(cu_seqlens.shape == (B + 1,) and has_initial_state.shape == (B,),
            "cu_seqlens must be [B+1] and has_initial_state [B]")
     y = _out(out, (T, C), x)
@@ -110,27 +114,21 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_pool: torc
     # [T] sequence of each token, without a host synchronisation
     seq_ids = torch.searchsorted(cu[1:], torch.arange(T, dtype=torch.int32, device=x.device),
                                  right=True).to(torch.int32)
-    k = _gdn_triton.build()
+    from tinyserve.kernels.gdn import triton as gdn_triton
+
     if T > 0:
         grid = (cdiv(T, _CONV_BLOCK_T), cdiv(C, _CONV_BLOCK_C))
-        k.conv1d_varlen[grid](
+        gdn_triton.conv1d_varlen_kernel[grid](
             x, weight, conv_pool, slots, cu, init, seq_ids, y, T, C,
             x.stride(0), conv_pool.stride(0), conv_pool.stride(1), y.stride(0),
             K=K, BLOCK_T=_CONV_BLOCK_T, BLOCK_C=_CONV_BLOCK_C, num_warps=4)
     # NOTE: a second launch, so no program overwrites a state another one still reads.
     grid = (B, cdiv(C, _CONV_BLOCK_C))
-    k.conv1d_state_writeback[grid](
+    gdn_triton.conv1d_state_writeback_kernel[grid](
         x, conv_pool, slots, cu, init, C,
         x.stride(0), conv_pool.stride(0), conv_pool.stride(1),
         K=K, KP=next_pow2(K - 1), BLOCK_C=_CONV_BLOCK_C, num_warps=4)
     return y
-
-
-def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
-              dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(g, beta) fp32 [N, Hv]: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)."""
-    g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
-    return g, b.float().sigmoid()
 
 
 def _prep_qk(q: torch.Tensor, k: torch.Tensor, Hv: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,7 +157,8 @@ def _check_gdn(q, k, v, a, b, A_log, dt_bias, pool, slots) -> tuple[int, int, in
 
 
 def _gdn_torch(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, chunked) -> None:
-    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
+    beta = b.float().sigmoid()  # g and beta fp32 [N, Hv]
     qn, kn = _prep_qk(q, k, v.shape[1])
     fn = gdn_ref.chunk_gated_delta_rule_ref if chunked else gdn_ref.recurrent_gated_delta_rule_ref
     for i, (s, has) in enumerate(zip(slots.tolist(), init, strict=True)):
@@ -198,6 +197,8 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tenso
 
 
 def _launch_recurrent(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, block_v):
+    from tinyserve.kernels.gdn import triton as gdn_triton
+
     B = slots.shape[0]
     Hk, dk = q.shape[1], q.shape[2]
     Hv, dv = v.shape[1], v.shape[2]
@@ -206,7 +207,7 @@ def _launch_recurrent(q, k, v, a, b, A_log, dt_bias, pool, slots, cu, init, y, b
     BV = min(next_pow2(dv), block_v)
     grid = (B, Hv, cdiv(dv, BV))
     varlen = cu is not None
-    _gdn_triton.build().gdn_recurrent[grid](
+    gdn_triton.gdn_recurrent_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, pool, slots,
         cu if varlen else slots, init if varlen else slots, y,
         *strides(q, k, v, a, b, y), pool.stride(0), pool.stride(1),
@@ -250,7 +251,8 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
                 has_initial_state, y)
     cu = cu_seqlens.to(torch.int32)
     init = has_initial_state.to(torch.int32)
-    if method == "chunk" and not _gdn_chunk.chunk_broken():
+    global _chunk_broken
+    if method == "chunk" and not _chunk_broken:
         try:
             return _gdn_chunk.launch_chunk(q, k, v, a, b, A_log, dt_bias, recurrent_pool, slots,
                                            cu, init, y, chunk_size, block_v, dot_precision,
@@ -259,6 +261,6 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
             if not (fallback and _gdn_chunk.is_build_error(e)):
                 raise
             log.warning("GDN chunk kernel failed to build (%s); using the recurrent kernel", e)
-            _gdn_chunk.chunk_broken(set_broken=True)
+            _chunk_broken = True
     return _launch_recurrent(q, k, v, a, b, A_log, dt_bias, recurrent_pool, slots, cu, init,
                              y, block_v or 32)

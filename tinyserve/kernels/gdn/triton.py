@@ -1,46 +1,30 @@
-"""Triton source of the GDN kernels (launchers in `ops.py`, `chunk.py`). The kernels are plain
-functions made `triton.jit` in `build()`, so importing this needs no triton. State math is
-fp32; the chunk dots take PREC: "tf32x3" (fp32-level tensor cores), "ieee" or "tf32"."""
+"""Triton GDN kernels (launchers in `ops.py`, `chunk.py`, which import this on their first
+call). State math is fp32; the chunk dots take PREC: "tf32x3" (fp32-level tensor cores),
+"ieee" or "tf32"."""
 
 from __future__ import annotations
 
-import functools
-from types import SimpleNamespace
-from typing import Any
-
-tl: Any = None  # triton.language, bound by build()
-
-
-@functools.cache
-def build() -> SimpleNamespace:
-    """Import triton and jit the kernels (once per process: cached)."""
-    global tl
-    import triton
-    import triton.language
-
-    tl = triton.language
-    return SimpleNamespace(
-        conv1d_update=triton.jit(conv1d_update_kernel),
-        conv1d_varlen=triton.jit(conv1d_varlen_kernel),
-        conv1d_state_writeback=triton.jit(conv1d_state_writeback_kernel),
-        gdn_recurrent=triton.jit(gdn_recurrent_kernel),
-        gdn_chunk_prep=triton.jit(gdn_chunk_prep_kernel),
-        gdn_chunk=triton.jit(gdn_chunk_kernel),
-    )
-
+import triton
+import triton.language as tl
 
 # --------------------------------------------------------------------------------------------
 # causal conv1d (state [C, K-1] per slot, oldest column first)
 
 
+@triton.jit
+def _conv_state_tile(C, K: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This program's channels c [BLOCK_C] and state columns j [KP], with their masks."""
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    j = tl.arange(0, KP)
+    return c, j, c < C, j < K - 1
+
+
+@triton.jit
 def conv1d_update_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, y_ptr, C,
                          stride_xb, stride_ps, stride_pc, stride_yb,
                          K: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr):
     b = tl.program_id(0)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    j = tl.arange(0, KP)
-    cmask = c < C
-    jmask = j < K - 1
+    c, j, cmask, jmask = _conv_state_tile(C, K, KP, BLOCK_C)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     st_ptrs = pool_ptr + slot * stride_ps + c[:, None] * stride_pc + j[None, :]  # [BC, KP]
     m2 = cmask[:, None] & jmask[None, :]
@@ -59,6 +43,7 @@ def conv1d_update_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, y_ptr, C,
              mask=cmask)
 
 
+@triton.jit
 def conv1d_varlen_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, cu_ptr, init_ptr, seq_ptr, y_ptr,
                          T, C, stride_xt, stride_ps, stride_pc, stride_yt,
                          K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -88,14 +73,12 @@ def conv1d_varlen_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, cu_ptr, init_ptr, se
              mask=tmask[:, None] & cmask[None, :])
 
 
+@triton.jit
 def conv1d_state_writeback_kernel(x_ptr, pool_ptr, slots_ptr, cu_ptr, init_ptr, C,
                                   stride_xt, stride_ps, stride_pc,
                                   K: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr):
     b = tl.program_id(0)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    j = tl.arange(0, KP)
-    cmask = c < C
-    jmask = j < K - 1
+    c, j, cmask, jmask = _conv_state_tile(C, K, KP, BLOCK_C)
     start = tl.load(cu_ptr + b)
     end = tl.load(cu_ptr + b + 1)
     slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -116,6 +99,7 @@ def conv1d_state_writeback_kernel(x_ptr, pool_ptr, slots_ptr, cu_ptr, init_ptr, 
 # gated delta rule; state [Hv, dk, dv] fp32 per slot; grid (B, Hv, cdiv(dv, BV))
 
 
+@triton.jit
 def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, pool_ptr,
                          slots_ptr, cu_ptr, init_ptr, o_ptr,
                          s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_at, s_bt, s_ot, s_oh,
@@ -163,6 +147,7 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, p
     tl.store(s_ptrs, S, mask=smask)
 
 
+@triton.jit
 def gdn_chunk_prep_kernel(q_ptr, k_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cseq_ptr, cstart_ptr,
                           cu_ptr, ti_ptr, att_ptr, s_qt, s_qh, s_kt, s_kh, s_at, s_bt, s_tt,
                           s_th, scale, G, DK,
@@ -249,6 +234,7 @@ def gdn_chunk_prep_kernel(q_ptr, k_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cseq_pt
     tl.store(ti_ptr + t[:, None] * s_tt + h * s_th + rows[None, :], Ti, mask=tmask[:, None])
 
 
+@triton.jit
 def gdn_chunk_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, pool_ptr,
                      slots_ptr, cu_ptr, init_ptr, ti_ptr, att_ptr, o_ptr,
                      s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_at, s_bt, s_ot, s_oh,

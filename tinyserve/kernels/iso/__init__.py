@@ -17,11 +17,10 @@ from tinyserve.kernels.iso.ref import (
     quantize_ref,
     quat_table,
     rotate_ref,
-    unrotate_ref,
 )
 from tinyserve.kernels.iso.select import DECODE_KERNELS, choose_decode, decode_launcher
 
 __all__ = ["BLOCK", "BLOCK_BYTES", "DECODE_KERNELS", "FORMATS", "attention_oracle",
            "centroid_table", "choose_decode", "decode_attention_ref", "decode_launcher",
            "dequantize_ref", "gather_rows", "packed_row_bytes", "quantize_ref", "quat_table",
-           "rotate_ref", "unrotate_ref"]
+           "rotate_ref"]

@@ -24,8 +24,8 @@ def _with_prefix(cache: torch.Tensor, slots: torch.Tensor, chunk: torch.Tensor, 
 
 def iso_extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                         cu_seqlens: torch.Tensor, q_lens: list[int], prefix_lens: list[int],
-                         page_size: int, fmt: str, scale: float) -> torch.Tensor:
+                         q_lens: list[int], prefix_lens: list[int], page_size: int, fmt: str,
+                         scale: float) -> torch.Tensor:
     """Prefill chunks: q [N, Hq, D] over each sequence's packed prefix and its own k, v
     [N, Hkv, D] (causal). Does not store anything. Returns [N, Hq, D] in q's dtype."""
     iso_cuda.format_bits(fmt)  # (checks the format)

@@ -103,18 +103,11 @@ def _rotate(v: torch.Tensor, conj: bool) -> torch.Tensor:
     return torch.stack((r0, r1, r2, r3), dim=-1).reshape(v.shape)
 
 
-def rotate_ref(x: torch.Tensor) -> torch.Tensor:
-    """Forward rotation of every 128-block of x (float32 [..., D]); used on queries."""
-    d = x.shape[-1]
-    blocks = x.float().reshape(*x.shape[:-1], d // BLOCK, BLOCK)
-    return _rotate(blocks, conj=False).reshape(x.shape)
-
-
-def unrotate_ref(x: torch.Tensor) -> torch.Tensor:
-    """Inverse rotation of every 128-block of x (float32 [..., D])."""
-    d = x.shape[-1]
-    blocks = x.float().reshape(*x.shape[:-1], d // BLOCK, BLOCK)
-    return _rotate(blocks, conj=True).reshape(x.shape)
+def rotate_ref(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """The rotation (forward: of queries; `inverse`: back from the rotated space) of every
+    128-block of x (float32 [..., D])."""
+    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    return _rotate(blocks, conj=inverse).reshape(x.shape)
 
 
 def _seq_sum_sq(v: torch.Tensor) -> torch.Tensor:
@@ -127,10 +120,8 @@ def _seq_sum_sq(v: torch.Tensor) -> torch.Tensor:
 
 
 def _quantize_blocks(xb: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 blocks [R, 128] -> (indices int64 [R, 128], norm terms float32 [5, R]: sum of
-    squares, norm, reconstruction sum of squares, reconstruction norm, corrected norm)."""
-    ns = _seq_sum_sq(xb)
-    grp_norm = torch.sqrt(ns)
+    """float32 blocks [R, 128] -> (indices int64 [R, 128], corrected norms float32 [R])."""
+    grp_norm = torch.sqrt(_seq_sum_sq(xb))
     inv = torch.where(grp_norm > _THRESH, 1.0 / grp_norm, torch.zeros_like(grp_norm))
     v = xb * inv[:, None]
     r = _rotate(v, conj=False)  # [R, 128]
@@ -142,10 +133,8 @@ def _quantize_blocks(xb: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Te
         better = dist < best
         idx = torch.where(better, i, idx)
         best = torch.where(better, dist, best)
-    rs = _seq_sum_sq(cent[idx])
-    recon = torch.sqrt(rs)
-    corrected = torch.where(recon > _THRESH, grp_norm / recon, grp_norm)
-    return idx, torch.stack([ns, grp_norm, rs, recon, corrected])
+    recon = torch.sqrt(_seq_sum_sq(cent[idx]))
+    return idx, torch.where(recon > _THRESH, grp_norm / recon, grp_norm)
 
 
 def quantize_ref(x: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -153,13 +142,11 @@ def quantize_ref(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
     Strict: matches the C reference bit for bit (sequential sums, no FMA). Runs on CPU.
     """
-    _check_fmt(fmt)
     d = x.shape[-1]
-    packed_row_bytes(d, fmt)
+    packed_row_bytes(d, fmt)  # (checks the format and head_dim)
     lead = x.shape[:-1]
     xb = x.detach().to("cpu", torch.float32).reshape(-1, BLOCK)  # [R, 128]
-    idx, terms = _quantize_blocks(xb, fmt)
-    corrected = terms[4]
+    idx, corrected = _quantize_blocks(xb, fmt)
     norm_bytes = corrected.half().view(torch.uint8).reshape(-1, 2)  # little-endian
     if fmt == "iso3":
         low = (idx & 3).reshape(-1, 32, 4)
@@ -235,7 +222,7 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         scores = (dots * kn).sum(-1) * scale  # [T, Hq]
         p = torch.softmax(scores, dim=0)
         acc = (p[:, :, None, None] * vn[..., None] * vc).sum(0)  # [Hq, nb, 128], rotated
-        out[b] = unrotate_ref(acc.reshape(hq, d))
+        out[b] = rotate_ref(acc.reshape(hq, d), inverse=True)
     return out
 
 

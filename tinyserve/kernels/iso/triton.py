@@ -87,9 +87,23 @@ def _query_fields(q_ptr, qrow, hmask, blk: tl.constexpr, rot_ptr, scale_log2):
 
 
 @triton.jit
-def _scores(q0, q1, q2, q3, c0, c1, c2, c3):
-    return (tl.dot(q0, tl.trans(c0)) + tl.dot(q1, tl.trans(c1)) + tl.dot(q2, tl.trans(c2))
-            + tl.dot(q3, tl.trans(c3)))
+def _block_scores(k_ptr, row, tmask, blk: tl.constexpr, cent_ptr, BITS: tl.constexpr,
+                  BB: tl.constexpr, q0, q1, q2, q3):
+    """The scores fp32 [BLOCK_H, T] of block `blk`: norm_b * sum_c Q_bc @ C_bc^T."""
+    c0, c1, c2, c3, nk = _fields(k_ptr, row, tmask, blk, cent_ptr, BITS, BB)
+    s = (tl.dot(q0, tl.trans(c0)) + tl.dot(q1, tl.trans(c1)) + tl.dot(q2, tl.trans(c2))
+         + tl.dot(q3, tl.trans(c3)))
+    return s * nk[None, :]
+
+
+@triton.jit
+def _accumulate(v_ptr, row, tmask, blk: tl.constexpr, cent_ptr, BITS: tl.constexpr,
+                BB: tl.constexpr, p, alpha, a0, a1, a2, a3):
+    """The accumulator fields of block `blk` rescaled by alpha, plus (P * norm_v) @ Cv_bc."""
+    c0, c1, c2, c3, nv = _fields(v_ptr, row, tmask, blk, cent_ptr, BITS, BB)
+    pv = (p * nv[None, :]).to(tl.float16)
+    return (a0 * alpha + tl.dot(pv, c0), a1 * alpha + tl.dot(pv, c1),
+            a2 * alpha + tl.dot(pv, c2), a3 * alpha + tl.dot(pv, c3))
 
 
 @triton.jit
@@ -130,29 +144,19 @@ def iso_decode_partial_kernel(q_ptr, k_ptr, v_ptr, slot_stride, pt_ptr, pt_strid
         ts = t0 + tl.arange(0, BLOCK_T)
         tmask = ts < t_end
         row = kv_rows(pt_ptr, pt_stride, b, ts, tmask, page_size, slot_stride, kvh, RB)
-        c0, c1, c2, c3, nk = _fields(k_ptr, row, tmask, 0, cent_ptr, BITS, BB)
-        s = _scores(q00, q01, q02, q03, c0, c1, c2, c3) * nk[None, :]
+        s = _block_scores(k_ptr, row, tmask, 0, cent_ptr, BITS, BB, q00, q01, q02, q03)
         if NB == 2:
-            c0, c1, c2, c3, nk = _fields(k_ptr, row, tmask, 1, cent_ptr, BITS, BB)
-            s += _scores(q10, q11, q12, q13, c0, c1, c2, c3) * nk[None, :]
+            s += _block_scores(k_ptr, row, tmask, 1, cent_ptr, BITS, BB, q10, q11, q12, q13)
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)[:, None]
         p = tl.exp2(s - m_new[:, None])
         l_sum = l_sum * tl.exp2(m - m_new) + tl.sum(p, 1)
-        c0, c1, c2, c3, nv = _fields(v_ptr, row, tmask, 0, cent_ptr, BITS, BB)
-        pv = (p * nv[None, :]).to(tl.float16)
-        a00 = a00 * alpha + tl.dot(pv, c0)
-        a01 = a01 * alpha + tl.dot(pv, c1)
-        a02 = a02 * alpha + tl.dot(pv, c2)
-        a03 = a03 * alpha + tl.dot(pv, c3)
+        a00, a01, a02, a03 = _accumulate(v_ptr, row, tmask, 0, cent_ptr, BITS, BB, p, alpha,
+                                         a00, a01, a02, a03)
         if NB == 2:
-            c0, c1, c2, c3, nv = _fields(v_ptr, row, tmask, 1, cent_ptr, BITS, BB)
-            pv = (p * nv[None, :]).to(tl.float16)
-            a10 = a10 * alpha + tl.dot(pv, c0)
-            a11 = a11 * alpha + tl.dot(pv, c1)
-            a12 = a12 * alpha + tl.dot(pv, c2)
-            a13 = a13 * alpha + tl.dot(pv, c3)
+            a10, a11, a12, a13 = _accumulate(v_ptr, row, tmask, 1, cent_ptr, BITS, BB, p,
+                                             alpha, a10, a11, a12, a13)
         m = m_new
     prow = (b * (HKV * G) + kvh * G + hs).to(tl.int64) * n_splits + split
     _store_fields(part_acc_ptr, prow * D, hmask, 0, a00, a01, a02, a03)
@@ -175,14 +179,6 @@ def _tables(device: torch.device, fmt: str) -> tuple[torch.Tensor, torch.Tensor]
     return cent.to(device), rot.to(device)
 
 
-def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *,
-                min_tokens: int = MIN_SPLIT_TOKENS, ctas_per_sm: int = CTAS_PER_SM,
-                tile: int = BLOCK_T) -> tuple[int, int]:
-    """`split.plan_splits` with this kernel's defaults."""
-    return decode_split.plan_splits(batch, num_kv_heads, max_seq_len, num_sms,
-                                    min_tokens=min_tokens, ctas_per_sm=ctas_per_sm, tile=tile)
-
-
 def iso_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 page_table: torch.Tensor, seq_lens: torch.Tensor,
                                 page_size: int, fmt: str, scale: float, *,
@@ -191,7 +187,6 @@ def iso_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     """The contract of `ref.decode_attention_ref` with int32 page table and lengths, Hq / Hkv
     <= 16, D 128 or 256; `max_seq_len` None reads it from seq_lens (a device sync),
     `split_tokens` forces the split. Returns [B, Hq, D] in q's dtype (or into `out`)."""
-    iso_cuda.format_bits(fmt)  # (checks the format)
     b, hq, d, hkv = iso_cuda._check_decode(q, k_cache, v_cache, page_table, seq_lens, fmt)
     if hq // hkv > 16 or d // iso.BLOCK not in (1, 2):
         raise ValueError(f"unsupported GQA group {hq}/{hkv} or head_dim {d}")

@@ -64,7 +64,8 @@ def model_run(layers: int, tokens: int, prompt_len: int, seed: int) -> tuple[dic
     """Decode on the CPU reference model; (checks, recorded decode trace [T, layers, k])."""
     from bench.fullsize import write_fullsize_checkpoint
     from tinyserve.engine.llm import LLM
-    from tinyserve.model.linear import SplitLinear, dequantize
+    from tinyserve.kernels.nvfp4.ref import dequantize
+    from tinyserve.model.linear import SplitLinear
 
     with tempfile.TemporaryDirectory(prefix="routing-cal-") as tmp:
         t0 = time.perf_counter()

@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from tinyserve.engine.runner import ModelRunner
+from tinyserve.kernels.nvfp4.ref import dequantize
 from tinyserve.kv.bf16 import BF16KVBackend
 from tinyserve.kv.state_pool import GDNStatePool
 from tinyserve.model.config import ModelConfig, load_config
-from tinyserve.model.linear import dequantize
 from tinyserve.model.loader import load_weights
 from tinyserve.model.qwen35 import Qwen35Model
 from tinyserve.testing.tiny import TINY_CONFIG_HD128, make_tiny_checkpoint, tiny_text_config

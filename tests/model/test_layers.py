@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tinyserve.core import DenseWeight
-from tinyserve.kernels.nvfp4.ref import quantize_fp8, quantize_nvfp4
-from tinyserve.model.linear import dequantize, linear
+from tinyserve.kernels.nvfp4.ref import dequantize, quantize_fp8, quantize_nvfp4
+from tinyserve.model.linear import linear
 from tinyserve.model.moe import topk_softmax
 from tinyserve.model.norm import gated_rms_norm, rms_norm
 from tinyserve.model.rope import PartialRoPE

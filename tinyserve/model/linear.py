@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from tinyserve import envs
 from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
+from tinyserve.kernels.nvfp4.ref import dequantize
 
 
 def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
@@ -29,19 +30,6 @@ def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
 
         return nvfp4_linear(x, w)
     return F.linear(x, dequantize(w, x.dtype))
-
-
-def dequantize(w: LinearWeight, dtype: torch.dtype) -> torch.Tensor:
-    """The dense [out, in] weight of any storage, in `dtype`."""
-    if isinstance(w, DenseWeight):
-        return w.weight.to(dtype)
-    from tinyserve.kernels.nvfp4 import ref as nvfp4_ref
-
-    if isinstance(w, NVFP4Weight):
-        return nvfp4_ref.dequantize_nvfp4(w, dtype=dtype)
-    if isinstance(w, FP8Weight):
-        return nvfp4_ref.dequantize_fp8(w, dtype=dtype)
-    raise TypeError(f"unknown weight storage {type(w).__name__}")
 
 
 def to_device(w: LinearWeight, device: torch.device | str,

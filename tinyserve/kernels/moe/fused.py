@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
+from tinyserve.core import LinearWeight, NVFP4Weight
 from tinyserve.kernels.launch import next_pow2
 from tinyserve.kernels.nvfp4 import cuda as nvfp4_cuda
+from tinyserve.kernels.nvfp4.ref import dequantize, dequantize_nvfp4
 
 MOE_PATHS = ("fused", "gemv", "dot")
 FUSED_MAX_TOKENS = 8  # NVFP4 slots: the CUDA decode up to this many tokens, then dot
@@ -119,18 +120,6 @@ def allocate_expert_slots(num_slots: int, hidden_size: int, intermediate_size: i
                        w2=torch.zeros(s, h, f, dtype=dtype, device=device))
 
 
-def _dense(w: LinearWeight, dtype: torch.dtype) -> torch.Tensor:
-    from tinyserve.kernels.nvfp4.ref import dequantize_fp8, dequantize_nvfp4
-
-    if isinstance(w, DenseWeight):
-        return w.weight.to(dtype)
-    if isinstance(w, NVFP4Weight):
-        return dequantize_nvfp4(w, dtype)
-    if isinstance(w, FP8Weight):
-        return dequantize_fp8(w, dtype)
-    raise TypeError(f"not a linear weight: {type(w).__name__}")
-
-
 def write_slot(slots: ExpertSlots, slot_id: int, gate: LinearWeight, up: LinearWeight,
                down: LinearWeight, *, non_blocking: bool = False) -> None:
     """Copy one expert (gate, up [F, H], down [H, F]) into slot `slot_id`. NVFP4 slots need
@@ -143,9 +132,9 @@ def write_slot(slots: ExpertSlots, slot_id: int, gate: LinearWeight, up: LinearW
         raise IndexError(f"slot {slot_id} out of range [0, {slots.num_slots})")
     if not slots.is_fp4:
         dt = slots.w13.dtype
-        slots.w13[slot_id, :f].copy_(_dense(gate, dt), non_blocking=non_blocking)
-        slots.w13[slot_id, f:].copy_(_dense(up, dt), non_blocking=non_blocking)
-        slots.w2[slot_id].copy_(_dense(down, dt), non_blocking=non_blocking)
+        slots.w13[slot_id, :f].copy_(dequantize(gate, dt), non_blocking=non_blocking)
+        slots.w13[slot_id, f:].copy_(dequantize(up, dt), non_blocking=non_blocking)
+        slots.w2[slot_id].copy_(dequantize(down, dt), non_blocking=non_blocking)
         return
     if not all(isinstance(w, NVFP4Weight) for w in (gate, up, down)):
         raise TypeError("NVFP4 expert slots need NVFP4Weight gate, up and down")
@@ -341,8 +330,6 @@ def _moe_dot(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
 
 def slot_weights(slots: ExpertSlots, slot_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense fp32 (w13 [2F, H], w2 [H, F]) of one slot (reference path)."""
-    from tinyserve.kernels.nvfp4.ref import dequantize_nvfp4
-
     if not slots.is_fp4:
         return slots.w13[slot_id].float(), slots.w2[slot_id].float()
     assert slots.w13_scale is not None and slots.w2_scale is not None

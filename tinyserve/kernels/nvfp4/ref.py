@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from tinyserve.core import FP8Weight, NVFP4Weight
+from tinyserve.core import DenseWeight, FP8Weight, LinearWeight, NVFP4Weight
 
 BLOCK = 16
 E2M1_MAX = 6.0
@@ -91,6 +91,17 @@ def dequantize_fp8(w: FP8Weight, dtype: torch.dtype = torch.float32) -> torch.Te
     if scale.dim() == 1:
         scale = scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(())
     return (e4m3_to_float(w.weight) * scale).to(dtype)
+
+
+def dequantize(w: LinearWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The dense [out, in] weight of any storage (dense, NVFP4, FP8), in `dtype`."""
+    if isinstance(w, DenseWeight):
+        return w.weight.to(dtype)
+    if isinstance(w, NVFP4Weight):
+        return dequantize_nvfp4(w, dtype)
+    if isinstance(w, FP8Weight):
+        return dequantize_fp8(w, dtype)
+    raise TypeError(f"unknown weight storage {type(w).__name__}")
 
 
 def nvfp4_global_scale(amax: float) -> float:

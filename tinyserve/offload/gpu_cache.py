@@ -247,14 +247,14 @@ class DeviceExpertCache:
     def _copy(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """The miss copy kernel (then the debug throttle of the host-to-device rate, when
         `throttle_bytes_per_s` is set: a benchmark's slower PCIe link)."""
-        if not self.throttle_bytes_per_s:
-            lk.copy_rows(self.store.slots, self.slots, rows, slots)
-            return
-        from tinyserve.kernels import throttle
+        rate = self.throttle_bytes_per_s
+        if rate:
+            from tinyserve.kernels import throttle
 
-        throttle.stamp(self.device)
+            throttle.stamp(self.device)
         lk.copy_rows(self.store.slots, self.slots, rows, slots)
-        throttle.hold(rows, self.store.bytes_per_expert / self.throttle_bytes_per_s)
+        if rate:
+            throttle.hold(rows, self.store.bytes_per_expert / rate)
 
     def preload_all(self) -> None:
         """Copy every expert into slot = row (needs num_slots >= layers x experts): the

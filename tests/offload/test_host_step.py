@@ -19,7 +19,7 @@ from tinyserve.offload.store import HostExpertStore
 
 class HeapPolicy(ExpertCachePolicy):
     """The previous implementation: a lazy heap of (score, slot, version), victims popped and
-    pushed back, observe through `_assign` + `_use`."""
+    pushed back, observe through `_take` + `_use`."""
 
     def __init__(self, num_slots: int, **kwargs) -> None:
         super().__init__(num_slots, **kwargs)
@@ -55,7 +55,8 @@ class HeapPolicy(ExpertCachePolicy):
                 continue
             seen.add(e)
             if was_loaded:
-                self._assign(s, (layer, e))
+                self._take(s, (layer, e))
+                self._pinned.add(s)
                 misses += 1
             else:
                 self._pinned.add(s)

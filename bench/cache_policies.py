@@ -78,7 +78,7 @@ def device_hit_rates(trace: np.ndarray, slots: int, freq_weight: float,
     """`device_hit_rate` from each of `warmups`, in one pass."""
     layers = trace.shape[1]
     store = HostExpertStore(layers, E, 64, 32, fp4=True, pin=False)
-    cache = DeviceExpertCache(store, slots, device="cpu", mode="device",
+    cache = DeviceExpertCache(store, slots, device="cpu",
                               policy=ExpertCachePolicy(slots, freq_weight=freq_weight))
     ids = torch.from_numpy(trace.astype(np.int64))
     marks: dict[int, tuple[int, int]] = {}

@@ -170,12 +170,11 @@ def _model(cfg, w: dict, kv_name: str, dev: str = "cuda", experts=None) -> Qwen3
 
 
 def _offloaded(store: HostExpertStore, slots: int, dev: str) -> OffloadedExperts:
-    """A fresh expert cache of `slots` slots over `store` (device mode; torch references on
-    the CPU for --dry)."""
-    kw = {} if dev == "cuda" else dict(mode="device")
+    """A fresh expert cache of `slots` slots over `store` (torch references on the CPU for
+    --dry)."""
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     return OffloadedExperts.create(store, slots, device=dev, dtype=dtype,
-                                   max_ids=MAX_BATCH * 8, **kw)
+                                   max_ids=MAX_BATCH * 8)
 
 
 def _batch(n: int) -> Batch:

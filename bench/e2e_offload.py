@@ -398,7 +398,8 @@ def main() -> int:
                                           max_ids=plan.prefill_chunk * 8)
         runner = build_runner(ckpt, config, plan, experts, weights)
         return {"expert_slots": plan.expert_slots, "context_tokens": plan.context_tokens,
-                "mode": experts.cache.mode, "prefill_streaming": experts.streamer is not None,
+                "triton_lookup": experts.cache.use_triton,
+                "prefill_streaming": experts.streamer is not None,
                 **measure(runner, plan, args.quick)}, runner
 
     runner = rec.run("offload", offload_case)

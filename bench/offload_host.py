@@ -52,8 +52,7 @@ def random_trace(steps: int, seed: int = 0) -> list[list[list[int]]]:
 def run(trace: list[list[list[int]]], store: HostExpertStore, warmup: int, batch: int,
         deferred: bool) -> dict:
     torch.set_num_threads(1)
-    cache = DeviceExpertCache(store, SLOTS, device="cpu", mode="device",
-                              max_ids=MAX_IDS)
+    cache = DeviceExpertCache(store, SLOTS, device="cpu", max_ids=MAX_IDS)
     steps = [trace[i:i + batch] for i in range(0, len(trace) - batch + 1, batch)]
     ids = [[torch.tensor([tok[layer] for tok in step]) for layer in range(L)]
            for step in steps]

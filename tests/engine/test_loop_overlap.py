@@ -1,11 +1,9 @@
-"""The overlapped engine step on the tiny model (CPU): offloaded experts with the device-mode
+"""The overlapped engine step on the tiny model (CPU): offloaded experts with the
 cache (torch references, a cache smaller than the experts) and the policy deferred to after
 each launch give the resident engine's tokens and texts; the host mirror agrees with the
 device afterwards."""
 
 from __future__ import annotations
-
-import pytest
 
 from tinyserve.core import SamplingParams
 from tinyserve.engine.llm import LLM
@@ -26,7 +24,6 @@ def _generate(ckpt, **kwargs):
         mirror_ok = None
         if isinstance(experts, OffloadedExperts):
             def check() -> bool:
-                assert experts.cache.mode == "device"
                 experts.begin_step()
                 return experts.cache.policy.where == experts.cache.resident()
             mirror_ok = llm.engine.call(check)
@@ -34,19 +31,7 @@ def _generate(ckpt, **kwargs):
             mirror_ok
 
 
-@pytest.fixture
-def device_mode(monkeypatch):
-    """Offloaded experts in the device mode on CPU (the CUDA decode path's protocol)."""
-    real = OffloadedExperts.create.__func__
-
-    def create(cls, *args, **kwargs):
-        return real(cls, *args, mode="device", **kwargs)
-
-    monkeypatch.setattr(OffloadedExperts, "create", classmethod(create))
-
-
-def test_overlapped_offloaded_engine_generates_the_resident_tokens(
-        tiny_checkpoint, device_mode) -> None:
+def test_overlapped_offloaded_engine_generates_the_resident_tokens(tiny_checkpoint) -> None:
     ckpt = tiny_checkpoint("modelopt")
     cfg = load_config(ckpt)
     want, _, _ = _generate(ckpt)

@@ -2,7 +2,7 @@
 before the host work that overlaps it (the experts provider's `after_launch`, the overlap
 hook), the tokens come back through two alternating buffers, neither rewritten while a copy
 into it may be in flight (a fake event that stays pending until waited for), and the tokens
-are the serial path's (CPU, tiny model; offloaded experts in the device mode through the torch
+are the serial path's (CPU, tiny model; offloaded experts through the torch
 references)."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _offloaded_runner(cfg, w, log: list[str], monkeypatch):
     monkeypatch.setattr(gpu_cache, "_event", lambda device: FakeEvent(log, next(names)))
     store = HostExpertStore.from_weights(w, cfg)
     experts = OffloadedExperts.create(store, cfg.num_experts + 2, device="cpu",
-                                      dtype=torch.float32, mode="device")
+                                      dtype=torch.float32)
     return build_runner(cfg, w, num_slots=2, poison=False, experts=experts), experts
 
 

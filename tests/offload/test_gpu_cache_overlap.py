@@ -1,5 +1,5 @@
 """The deferred expert-cache policy (`begin_step(defer=True)` + `after_launch()`, the order of
-an overlapped decode step) on the device-mode cache through the torch references (CPU): the
+an overlapped decode step) on the expert cache through the torch references (CPU): the
 policy folds exactly one step less than the lookups so far, nothing is lost or counted
 twice, the mirror catches up with the device at a synchronous boundary, the guess of the
 in-flight step's slots, and the hit-rate cost of the extra step of lag."""
@@ -21,8 +21,7 @@ L, E, K, S = 6, 32, 4, 60
 
 def _cache(slots: int = S, max_ids: int = 4 * K) -> DeviceExpertCache:
     store = HostExpertStore(L, E, 64, 32, fp4=True, pin=False)
-    return DeviceExpertCache(store, slots, device="cpu", mode="device",
-                             max_ids=max_ids)
+    return DeviceExpertCache(store, slots, device="cpu", max_ids=max_ids)
 
 
 def _step(cache: DeviceExpertCache, step: list[list[list[int]]], *, deferred: bool) -> None:

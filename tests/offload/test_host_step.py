@@ -1,6 +1,6 @@
 """The fast per-step host path of the expert cache against the heap-based policy it replaced:
 same victims, residency and statistics on random and skewed traces, host-driven and through
-the device-mode cache's `begin_step` (CPU, torch references)."""
+the expert cache's `begin_step` (CPU, torch references)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from tinyserve.offload.store import HostExpertStore
 
 class HeapPolicy(ExpertCachePolicy):
     """The previous implementation: a lazy heap of (score, slot, version), victims popped and
-    pushed back, observe through `_assign` + `_use`."""
+    pushed back, observe through `_take` + `_use`."""
 
     def __init__(self, num_slots: int, **kwargs) -> None:
         super().__init__(num_slots, **kwargs)
@@ -55,7 +55,8 @@ class HeapPolicy(ExpertCachePolicy):
                 continue
             seen.add(e)
             if was_loaded:
-                self._assign(s, (layer, e))
+                self._take(s, (layer, e))
+                self._pinned.add(s)
                 misses += 1
             else:
                 self._pinned.add(s)
@@ -92,15 +93,14 @@ def test_host_driven_policy_matches_the_heap_policy(kind: str, freq_weight: floa
 
 @pytest.mark.parametrize("kind", ["random", "zipf"])
 @pytest.mark.parametrize("tokens", [1, 3], ids=lambda n: f"N{n}")
-def test_device_mode_begin_step_matches_the_heap_replay(kind: str, tokens: int) -> None:
-    """Drive the device-mode cache through its lookups and `begin_step`; replay the same
+def test_begin_step_matches_the_heap_replay(kind: str, tokens: int) -> None:
+    """Drive the expert cache through its lookups and `begin_step`; replay the same
     lookups into the heap policy the way the previous `begin_step` did (experts in order of
     first appearance, loaded = not where the mirror had it): same residency, statistics and
     victim lists after every step."""
     L, E, k, S = 6, 32, 4, 60
     store = HostExpertStore(L, E, 64, 32, fp4=True, pin=False)
-    cache = DeviceExpertCache(store, S, device="cpu", mode="device",
-                              max_ids=4 * k)
+    cache = DeviceExpertCache(store, S, device="cpu", max_ids=4 * k)
     ref = HeapPolicy(S, bytes_per_expert=store.bytes_per_expert)
     trace = _trace(kind, 40 * tokens, L, E, k, seed=2)
     for step in range(40):
@@ -136,8 +136,7 @@ def test_lookups_of_two_replays_in_one_log_keep_the_mirror_consistent() -> None:
     with the device again for every expert a step loads."""
     L, E, k, S = 3, 8, 2, 12
     store = HostExpertStore(L, E, 64, 32, fp4=True, pin=False)
-    cache = DeviceExpertCache(store, S, device="cpu", mode="device",
-                              max_ids=k)
+    cache = DeviceExpertCache(store, S, device="cpu", max_ids=k)
     g = torch.Generator().manual_seed(0)
     for step in range(60):
         loaded = []

@@ -64,10 +64,10 @@ def tiny():
     return cfg, w, prompt, ref
 
 
-def _streaming(cfg, w, slots: int, mode: str, queue: prefetch.CopyQueue | None = None
+def _streaming(cfg, w, slots: int, queue: prefetch.CopyQueue | None = None
                ) -> OffloadedExperts:
     store = HostExpertStore.from_weights(w, cfg)
-    cache = DeviceExpertCache(store, slots, device="cpu", dtype=torch.float32, mode=mode)
+    cache = DeviceExpertCache(store, slots, device="cpu", dtype=torch.float32)
     # 16 pairs: a 20-token chunk (40 pairs) streams, a decode token (2 pairs) does not.
     experts = OffloadedExperts(cache)
     experts.streamer = prefetch.LayerStreamer(cache, queue=queue, min_pairs=16)
@@ -75,14 +75,12 @@ def _streaming(cfg, w, slots: int, mode: str, queue: prefetch.CopyQueue | None =
 
 
 @pytest.mark.parametrize("chunk", [20, 40], ids=lambda c: f"chunk{c}")
-@pytest.mark.parametrize("mode", ["host", "device"])
 @pytest.mark.parametrize("queue", ["now", "deferred"])
-def test_streamed_prefill_generates_the_resident_tokens(tiny, mode: str, chunk: int,
-                                                        queue: str) -> None:
+def test_streamed_prefill_generates_the_resident_tokens(tiny, chunk: int, queue: str) -> None:
     cfg, w, prompt, ref = tiny
     E = cfg.num_experts
     q = DeferredQueue() if queue == "deferred" else prefetch.CopyQueue()
-    experts = _streaming(cfg, w, 2 * E + 1, mode, q)  # < all 32 experts: the cache evicts
+    experts = _streaming(cfg, w, 2 * E + 1, q)  # < all 32 experts: the cache evicts
     runner = build_runner(cfg, w, num_slots=2, experts=experts)
     ref_tokens, ref_logits = ref[chunk]
     # Twice: the second prefill streams over slots the first decode filled (stale entries
@@ -98,9 +96,8 @@ def test_streamed_prefill_generates_the_resident_tokens(tiny, mode: str, chunk: 
     assert stats.h2d_bytes == stats.misses * experts.cache.store.bytes_per_expert
     assert stats.misses >= cfg.num_layers * E
     assert not experts.streamer.active
-    if mode == "device":
-        experts.begin_step()
-        assert experts.cache.policy.where == experts.cache.resident()
+    experts.begin_step()
+    assert experts.cache.policy.where == experts.cache.resident()
     cache = experts.cache
     for (layer, e), slot in cache.resident().items():
         row = layer * E + e
@@ -111,7 +108,7 @@ def test_copy_and_wait_order() -> None:
     cfg, w = checkpoint("modelopt")
     L, E, k = cfg.num_layers, cfg.num_experts, cfg.num_experts_per_tok
     q = LogQueue()
-    experts = _streaming(cfg, w, 2 * E, "device", q)
+    experts = _streaming(cfg, w, 2 * E, q)
     s = experts.streamer
     src = experts.cache.store.slots.w13
     row_ptr = [src[la * E].data_ptr() for la in range(L)]
@@ -153,7 +150,7 @@ def test_evict_slots_invalidates_exactly_the_range() -> None:
     L, E = cfg.num_layers, cfg.num_experts
     store = HostExpertStore.from_weights(w, cfg)
     S = 3 * E
-    cache = DeviceExpertCache(store, S, device="cpu", dtype=torch.float32, mode="device")
+    cache = DeviceExpertCache(store, S, device="cpu", dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
         cache.begin_step()

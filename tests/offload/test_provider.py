@@ -20,13 +20,12 @@ def tiny():
     return cfg, w, prompt, ref_tokens, ref_logits
 
 
-@pytest.mark.parametrize("mode", ["host", "device"])
-def test_offloaded_model_generates_the_resident_tokens(tiny, mode: str) -> None:
+def test_offloaded_model_generates_the_resident_tokens(tiny) -> None:
     cfg, w, prompt, ref_tokens, ref_logits = tiny
     store = HostExpertStore.from_weights(w, cfg)
     total = cfg.num_layers * cfg.num_experts  # 32
     experts = OffloadedExperts.create(store, cfg.num_experts + 2, device="cpu",
-                                      dtype=torch.float32, mode=mode)
+                                      dtype=torch.float32)
     tokens, logits = greedy_generate(build_runner(cfg, w, num_slots=2, experts=experts), prompt, 24)
     assert tokens == ref_tokens
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5 * ref_logits.abs().max())
@@ -41,11 +40,10 @@ def test_offloaded_model_generates_the_resident_tokens(tiny, mode: str) -> None:
         assert torch.equal(cache.slots.w2_scale[slot], store.slots.w2_scale[row])
 
 
-def test_device_mode_mirror_follows_the_device(tiny) -> None:
+def test_mirror_follows_the_device(tiny) -> None:
     cfg, w, prompt, _, _ = tiny
     store = HostExpertStore.from_weights(w, cfg)
-    experts = OffloadedExperts.create(store, 12, device="cpu", dtype=torch.float32,
-                                      mode="device")
+    experts = OffloadedExperts.create(store, 12, device="cpu", dtype=torch.float32)
     greedy_generate(build_runner(cfg, w, num_slots=2, experts=experts), prompt, 6)
     experts.begin_step()
     assert experts.cache.policy.where == experts.cache.resident()
@@ -60,7 +58,7 @@ def test_eager_call_after_a_replay_keeps_the_mirror(tiny) -> None:
     cfg, w, prompt, _, _ = tiny
     store = HostExpertStore.from_weights(w, cfg)
     experts = OffloadedExperts.create(store, cfg.num_experts + 2, device="cpu",
-                                      dtype=torch.float32, mode="device")
+                                      dtype=torch.float32)
     runner = build_runner(cfg, w, num_slots=2, experts=experts)
     greedy_generate(runner, prompt, 2)
     g = torch.Generator().manual_seed(1)

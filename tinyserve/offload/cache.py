@@ -8,9 +8,9 @@ One slot pool is shared by every layer. A slot's priority is
 score is evicted first, free slots before occupied ones, ties to the lower slot id; a slot the
 current step asked for is pinned until `end_step()`. The default `freq_weight` 2 keeps a
 batch's shared experts resident without costing one sequence the hits of plain LRU
-(docs/ROUTING.md). Host-driven: `access(layer, experts)` -> slots and loads; device-driven:
-`victim_array(n)` feeds the lookup kernel and `replay_step` mirrors what it did. Plain Python
-and numpy.
+(docs/ROUTING.md). The cache drives it from the device: `victim_array(n)` feeds the lookup
+kernel and `replay_step` mirrors what it did; `access(layer, experts)` -> slots and loads is the
+same policy driven from the host (simulations and tests). Plain Python and numpy.
 """
 
 from __future__ import annotations
@@ -150,18 +150,14 @@ class ExpertCachePolicy:
         loads: list[tuple[int, int]] = []
         if misses:
             for e, slot in zip(misses, self.victims(len(misses)), strict=True):
-                self._assign(slot, (layer, e))
+                self._take(slot, (layer, e))
+                self._pinned.add(slot)
                 loads.append((e, slot))
         for e in unique:
             self._use((layer, e))
             self._push(self.where[(layer, e)])
         self.stats.count(layer, len(hits), len(misses), self.bytes_per_expert)
         return [self.where[(layer, int(e))] for e in experts], loads
-
-    def _assign(self, slot: int, key: Key) -> None:
-        self._take(slot, key)
-        self._pinned.add(slot)
-        self._push(slot)
 
     def _take(self, slot: int, key: Key) -> None:
         """`key` now lives in `slot` (its score is the caller's to set).

@@ -1,13 +1,12 @@
 """The GPU expert cache: slot buffers, the device lookup table and the host policy mirror.
 
-`lookup(layer, topk_ids) -> slot ids` in one of two modes:
-- "device" (CUDA with a pinned store; on CPU through the torch references): lookup and miss
-  copies are two kernels on the compute stream reading the store zero-copy, so a decode step
-  has no host round trip per layer and can be captured in a CUDA graph. The host policy only
-  hands out victim lists, one step behind (two when deferred, `begin_step(defer=True)` +
-  `after_launch()`). Stale victims cost hit rate, never correctness: the kernel skips slots
-  the layer hits and keeps table and owner exact itself.
-- "host" (CPU, or a pageable store): the policy decides on the host, plain tensor copies.
+`lookup(layer, topk_ids) -> slot ids`: lookup and miss copies are two kernels on the compute
+stream reading the store zero-copy, so a decode step has no host round trip per layer and can
+be captured in a CUDA graph (on CPU, or with a store that is not pinned, the torch references
+do the same with a host sync per copy). The host policy only hands out victim lists, one step
+behind (two when deferred, `begin_step(defer=True)` + `after_launch()`). Stale victims cost
+hit rate, never correctness: the lookup skips slots the layer hits and keeps table and owner
+exact itself.
 Why not async copies on a side stream: the experts are known only after the router runs, so
 the host would have to synchronise per layer; the compute stream also orders the copy after
 the previous layer's fused MoE (whose slots it may overwrite).
@@ -47,12 +46,11 @@ def _record(event: Any, device: torch.device) -> None:
 
 class DeviceExpertCache:
     """`num_slots` (>= experts per layer) expert slots on `device`, filled from `store` on
-    demand. `max_ids`: most (token, k) pairs one lookup may see; `mode`: "device", "host" or
-    None (device when CUDA and the store is pinned)."""
+    demand. `max_ids`: most (token, k) pairs one lookup may see."""
 
     def __init__(self, store: HostExpertStore, num_slots: int, *, device: torch.device | str,
                  dtype: torch.dtype = torch.bfloat16, max_ids: int = 2048 * 8,
-                 mode: str | None = None, policy: ExpertCachePolicy | None = None) -> None:
+                 policy: ExpertCachePolicy | None = None) -> None:
         self.store = store
         self.device = torch.device(device)
         L, E = store.num_layers, store.num_experts
@@ -66,13 +64,9 @@ class DeviceExpertCache:
         self.policy = policy or ExpertCachePolicy(num_slots,
                                                   bytes_per_expert=store.bytes_per_expert)
         cuda = self.device.type == "cuda"
-        if mode is None:
-            mode = "device" if cuda and store.pinned else "host"
-        if mode == "device" and cuda and not store.pinned:
+        if cuda and not store.pinned:
             logger.warning("expert store is not pinned: expert misses go through the host")
-            mode = "host"
-        self.mode = mode
-        self.use_triton = cuda  # else the torch references
+        self.use_triton = cuda and store.pinned  # else the torch references
         # Debug knob of benchmarks: hold the stream after each miss copy so that misses move
         # at most this many bytes per second (0: off; `kernels.throttle`).
         self.throttle_bytes_per_s = 0.0
@@ -128,7 +122,7 @@ class DeviceExpertCache:
         """
         if self._pending is not None:
             self._fold(in_flight=False)
-        width = max(self._width, self._graph_width) if self.mode == "device" else 0
+        width = max(self._width, self._graph_width)
         if width > 0:
             cols = 2 * self.victim_len + width
             host = self._log_host[:self.num_layers * cols].view(self.num_layers, cols)
@@ -205,8 +199,6 @@ class DeviceExpertCache:
     def _fill_victims(self, busy: np.ndarray | None = None) -> None:
         """Victim lists from the policy: disjoint per layer while the pool allows; `busy`
         slots (a step in flight may be filling them) rank as freshly used."""
-        if self.mode != "device":
-            return
         order = self.policy.victim_array(self._victim_n, filling=busy)
         if self._victims_copied is not None:
             self._victims_copied.synchronize()  # the last copy out of the staging buffer
@@ -220,11 +212,6 @@ class DeviceExpertCache:
         """Slots [N, k] int32 holding `topk_ids` of `layer`, after copying in the misses.
         `split` (`offload.hybrid`): misses left to the CPU get slot -1, not loaded or counted.
         `on_lookup(slot_ids)` runs before the miss copies are queued (the CPU work forks)."""
-        if self.mode == "host":
-            slots = self._lookup_host(layer, topk_ids, split)
-            if on_lookup is not None:
-                on_lookup(slots)
-            return slots
         m = topk_ids.numel()
         if m > self._log_ids.shape[1]:
             raise ValueError(f"{m} routed pairs exceed the cache's max_ids "
@@ -246,7 +233,7 @@ class DeviceExpertCache:
                     on_lookup(result[0])
                 self._copy(result[1], result[2])
                 return result[0]
-            except Exception as exc:  # no Triton, or host memory not device-addressable
+            except Exception as exc:  # no Triton
                 logger.warning("Triton expert lookup/copy failed (%r); using the torch path",
                                exc)
                 self.use_triton = False
@@ -260,34 +247,14 @@ class DeviceExpertCache:
     def _copy(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """The miss copy kernel (then the debug throttle of the host-to-device rate, when
         `throttle_bytes_per_s` is set: a benchmark's slower PCIe link)."""
-        if not self.throttle_bytes_per_s:
-            lk.copy_rows(self.store.slots, self.slots, rows, slots)
-            return
-        from tinyserve.kernels import throttle
+        rate = self.throttle_bytes_per_s
+        if rate:
+            from tinyserve.kernels import throttle
 
-        throttle.stamp(self.device)
+            throttle.stamp(self.device)
         lk.copy_rows(self.store.slots, self.slots, rows, slots)
-        throttle.hold(rows, self.store.bytes_per_expert / self.throttle_bytes_per_s)
-
-    def _lookup_host(self, layer: int, topk_ids: torch.Tensor,
-                     split: torch.Tensor | None = None) -> torch.Tensor:
-        ids = topk_ids.reshape(-1).tolist()
-        cpu: set[int] = set()
-        if split is not None:  # the same choice as lookup.expert_lookup_ref's
-            a, b = split.tolist()
-            where = self.policy.where
-            misses = sorted({e for e in ids if (layer, e) not in where})
-            cpu = set(misses[len(misses) - lk.cpu_share(a, b, len(misses)):])
-        gpu_ids = [e for e in ids if e not in cpu]
-        slots, loads = self.policy.access(layer, gpu_ids) if gpu_ids else ([], [])
-        self.policy.release()  # this layer's copies are ordered before any later eviction
-        if loads:
-            rows = torch.tensor([layer * self.num_experts + e for e, _ in loads])
-            dst = torch.tensor([s for _, s in loads], device=self.device)
-            lk.copy_rows_ref(self.store.slots, self.slots, rows, dst)
-        it = iter(slots)
-        every = [-1 if e in cpu else next(it) for e in ids]
-        return torch.tensor(every, dtype=torch.int32, device=self.device).view(topk_ids.shape)
+        if rate:
+            throttle.hold(rows, self.store.bytes_per_expert / rate)
 
     def preload_all(self) -> None:
         """Copy every expert into slot = row (needs num_slots >= layers x experts): the

@@ -50,18 +50,15 @@ class HybridPlan:
     bandwidths: Bandwidths | None = None
     layer_us: dict[str, float] | None = None
 
-    def cpu_share(self, misses: int) -> int:
-        """c of a layer with `misses` distinct misses (what the lookup computes)."""
-        return cpu_share(self.a, self.b, misses)
-
     def as_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "a": self.a, "b": self.b, "layer_us": self.layer_us,
                 "bandwidths": None if self.bandwidths is None else self.bandwidths.as_dict()}
 
     def format(self) -> str:
-        lines = [f"experts           {self.mode}"
-                 + ("" if self.mode != "hybrid" else f" (of m misses, CPU takes "
-                                                      f"{self.a:.2f} * m - {self.b:.2f})")]
+        head = f"experts           {self.mode}"
+        if self.mode == "hybrid":
+            head += f" (of m misses, CPU takes {self.a:.2f} * m - {self.b:.2f})"
+        lines = [head]
         if self.bandwidths is not None:
             lines.append(f"bandwidth         {self.bandwidths.format()}")
         if self.layer_us:

@@ -151,6 +151,5 @@ class LayerStreamer:
         if self._last is not None:
             self.queue.wait(self._last)
         self.active = False
-        self.region_layer = [None, None]
-        self._ready = [None, None]
+        self.region_layer = [None, None]  # (the next copy of each region sets its _ready)
         self._last = None

@@ -132,7 +132,7 @@ class OffloadedExperts(ExpertsProvider):
     @property
     def capturable(self) -> bool:
         """A decode step through this provider can be captured in a CUDA graph."""
-        return self.cache.mode == "device" and self.cache.use_triton
+        return self.cache.use_triton
 
     @property
     def stats(self):

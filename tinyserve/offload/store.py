@@ -5,7 +5,8 @@ view ONE host buffer, so a miss is a plain row copy (`offload.lookup`). The buff
 allocation registered with the CUDA driver (mapped: kernels read it zero-copy), not the pinned
 caching allocator, which would round 18 GB up to a power of two. It fills expert by expert as
 the loader yields them, so peak RAM stays near the final size. When registration fails or RAM
-looks short, a warning gives the numbers and the store stays pageable (host-driven copies).
+looks short, a warning gives the numbers and the store stays pageable (the cache then copies
+misses through the torch references, one host sync each).
 """
 
 from __future__ import annotations

@@ -40,6 +40,31 @@ def test_offloaded_equals_resident_without_host_sync(tokens: int) -> None:
     assert experts.cache.policy.where == experts.cache.resident()
 
 
+def test_unpinned_store_serves_through_the_references() -> None:
+    """A store the driver could not register (pageable memory) is served by the torch
+    references on the device: the outputs of all-resident slots, never captured in a graph."""
+    L, E, H, F, k = 2, 8, 256, 128, 2
+    cfg = SimpleNamespace(num_layers=L, num_experts=E, hidden_size=H, moe_intermediate_size=F)
+    w = random_experts(L, E, H, F)
+    store = HostExpertStore.from_weights(w, cfg, pin=False)
+    assert not store.pinned
+    resident = resident_layers(w, L, E)
+    experts = OffloadedExperts.create(store, E + 1, device="cuda", max_ids=16 * k)
+    assert not experts.cache.use_triton and not experts.capturable
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for tokens in (1, 4, 1):
+        experts.begin_step()
+        xs = [torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=g)
+              for _ in range(L)]
+        ids = [torch.rand(tokens, E, device="cuda", generator=g).topk(k).indices
+               for _ in range(L)]
+        wts = [torch.rand(tokens, k, device="cuda", generator=g) for _ in range(L)]
+        outs = [experts.forward(la, xs[la], ids[la], wts[la]) for la in range(L)]
+        assert_resident_outputs(outs, xs, ids, wts, resident)
+    experts.begin_step()
+    assert experts.stats.misses > E  # evictions happened
+
+
 def _decode_syncs(cfg, weights, experts) -> int:
     """Host synchronisations of one eager tiny-model decode step (after a prefill and a decode
     warm-up), counted with torch's sync debug mode."""

@@ -16,19 +16,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch  # noqa: F401 - a CUDA build of torch loads its NVRTC first
+
 from tinyserve import envs
 from tinyserve.log import get_logger
 
 log = get_logger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-OPTIONS = ("-std=c++17",)  # besides the target and the include path
-
-# The library's file names, newest first (Linux; Windows names them nvrtc64_*).
-_SONAMES = ("libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so")
-_INSTALL_HINT = ("install NVIDIA's NVRTC wheel matching torch's CUDA (pip install "
-                 "nvidia-cuda-nvrtc-cu12 for CUDA 12 builds of torch, nvidia-cuda-nvrtc for "
-                 "CUDA 13)")
 
 
 class KernelBuildError(RuntimeError):
@@ -49,7 +44,7 @@ class Built:
 def _candidates() -> list[str]:
     """Where libnvrtc may be: the names the loader resolves (torch preloads its own), then the
     nvidia-* wheels in site-packages, then a toolkit under CUDA_HOME."""
-    found = list(_SONAMES)
+    found = ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]  # newest first
     roots = [p for p in sys.path if p.endswith("site-packages")]
     for root in roots:
         found += sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libnvrtc.so*")),
@@ -64,10 +59,6 @@ def _candidates() -> list[str]:
 def nvrtc() -> ctypes.CDLL:
     """The NVRTC library; KernelBuildError (one line: what is missing, how to get it) when
     there is none."""
-    try:
-        import torch  # noqa: F401 - a CUDA build of torch loads its NVRTC first
-    except ImportError:
-        pass
     for name in _candidates():
         try:
             lib = ctypes.CDLL(name)
@@ -75,8 +66,10 @@ def nvrtc() -> ctypes.CDLL:
             continue
         lib.nvrtcGetErrorString.restype = ctypes.c_char_p
         return lib
-    raise KernelBuildError(f"the CUDA kernels need NVRTC (libnvrtc.so.12 or .13) and none was "
-                           f"found: {_INSTALL_HINT}")
+    raise KernelBuildError("the CUDA kernels need NVRTC (libnvrtc.so.12 or .13) and none was "
+                           "found: install NVIDIA's NVRTC wheel matching torch's CUDA (pip "
+                           "install nvidia-cuda-nvrtc-cu12 for CUDA 12 builds of torch, "
+                           "nvidia-cuda-nvrtc for CUDA 13)")
 
 
 def nvrtc_version() -> tuple[int, int]:
@@ -117,7 +110,7 @@ def build(source: str, names: tuple[str, ...], arch: int, *, ptx: bool = False,
     (kernels, and `&`-prefixed `__device__` variables). Cached on disk; KernelBuildError with
     NVRTC's log when the source does not compile."""
     target = f"--gpu-architecture={'compute' if ptx else 'sm'}_{arch}"
-    opts = (target, f"-I{CSRC}", *OPTIONS, *options)
+    opts = (target, f"-I{CSRC}", "-std=c++17", *options)
     key = json.dumps([_sources_digest(), source, names, opts, nvrtc_version()])
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]
     out_dir = envs.CACHE_DIR.get() / "kernels"

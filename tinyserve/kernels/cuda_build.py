@@ -121,9 +121,8 @@ def build(source: str, names: tuple[str, ...], arch: int, *, ptx: bool = False,
         return Built(image_path.read_bytes(), ptx, meta["lowered"], meta["log"])
     built = _compile(source, names, opts, ptx)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for path, data in ((image_path, built.image),
-                       (names_path, json.dumps({"lowered": built.lowered,
-                                                "log": built.log}).encode())):
+    meta = json.dumps({"lowered": built.lowered, "log": built.log}).encode()
+    for path, data in ((image_path, built.image), (names_path, meta)):
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_bytes(data)
         os.replace(tmp, path)

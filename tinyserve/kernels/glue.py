@@ -94,10 +94,9 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     y = torch.empty(n, f, dtype=gate.dtype, device=gate.device)
     if n and f:
         block = min(BLOCK, triton.next_power_of_2(f))
-        silu_mul_kernel[(n, triton.cdiv(f, block))](gate, up, y, f, gate.stride(0),
-                                                    up.stride(0), y.stride(0), BLOCK_F=block,
-                                                    num_warps=max(1, min(4, block // 256)),
-                                                    **ROUNDING_AS_TORCH)
+        silu_mul_kernel[(n, triton.cdiv(f, block))](
+            gate, up, y, f, gate.stride(0), up.stride(0), y.stride(0), BLOCK_F=block,
+            num_warps=max(1, min(4, block // 256)), **ROUNDING_AS_TORCH)
     return y
 
 
@@ -115,12 +114,10 @@ def gated_add(routed: torch.Tensor, gate_logit: torch.Tensor,
     y = torch.empty(n, h, dtype=routed.dtype, device=routed.device)
     if n and h:
         block = min(BLOCK, triton.next_power_of_2(h))
-        gated_add_kernel[(n, triton.cdiv(h, block))](routed, shared, gate_logit, y, h,
-                                                     routed.stride(0), shared.stride(0),
-                                                     gate_logit.stride(0), y.stride(0),
-                                                     BLOCK_H=block,
-                                                     num_warps=max(1, min(4, block // 256)),
-                                                     **ROUNDING_AS_TORCH)
+        gated_add_kernel[(n, triton.cdiv(h, block))](
+            routed, shared, gate_logit, y, h, routed.stride(0), shared.stride(0),
+            gate_logit.stride(0), y.stride(0), BLOCK_H=block,
+            num_warps=max(1, min(4, block // 256)), **ROUNDING_AS_TORCH)
     return y
 
 

@@ -1,8 +1,7 @@
 """Compile the CUDA kernels of `csrc/` with NVRTC (from torch's CUDA wheel) at first use: no
 CUDA toolkit, no host compiler. One compile per kernel instance (a template's name expression
 and the `__device__` variables its launcher reads) into a cubin for the GPU, or PTX for an
-older architecture (`TINYSERVE_CUDA_ARCH`); cached in TINYSERVE_CACHE_DIR keyed by the
-sources, names, target and NVRTC version."""
+older architecture (`TINYSERVE_CUDA_ARCH`), cached in TINYSERVE_CACHE_DIR."""
 
 from __future__ import annotations
 
@@ -83,15 +82,15 @@ def supported_archs() -> tuple[int, ...]:
     """The architectures this NVRTC compiles for (e.g. 75, 80, ..., 120)."""
     lib = nvrtc()
     n = ctypes.c_int()
-    _check(lib, lib.nvrtcGetNumSupportedArchs(ctypes.byref(n)), "nvrtcGetNumSupportedArchs")
+    _check(lib.nvrtcGetNumSupportedArchs(ctypes.byref(n)), "nvrtcGetNumSupportedArchs")
     archs = (ctypes.c_int * n.value)()
-    _check(lib, lib.nvrtcGetSupportedArchs(archs), "nvrtcGetSupportedArchs")
+    _check(lib.nvrtcGetSupportedArchs(archs), "nvrtcGetSupportedArchs")
     return tuple(archs)
 
 
-def _check(lib: ctypes.CDLL, rc: int, what: str) -> None:
+def _check(rc: int, what: str) -> None:
     if rc != 0:
-        raise KernelBuildError(f"{what} failed: {lib.nvrtcGetErrorString(rc).decode()}")
+        raise KernelBuildError(f"{what} failed: {nvrtc().nvrtcGetErrorString(rc).decode()}")
 
 
 @functools.cache
@@ -133,11 +132,11 @@ def _compile(source: str, names: tuple[str, ...], opts: tuple[str, ...], ptx: bo
     lib = nvrtc()
     text = (CSRC / source).read_bytes()
     prog = ctypes.c_void_p()
-    _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), text, source.encode(), 0, None, None),
+    _check(lib.nvrtcCreateProgram(ctypes.byref(prog), text, source.encode(), 0, None, None),
            "nvrtcCreateProgram")
     try:
         for name in names:
-            _check(lib, lib.nvrtcAddNameExpression(prog, name.encode()),
+            _check(lib.nvrtcAddNameExpression(prog, name.encode()),
                    f"nvrtcAddNameExpression({name})")
         c_opts = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
         log.debug("compiling %s %s (%s)", source, ", ".join(names), opts[0].split("=")[1])
@@ -153,14 +152,14 @@ def _compile(source: str, names: tuple[str, ...], opts: tuple[str, ...], ptx: bo
         lowered = {}
         for name in names:
             low = ctypes.c_char_p()
-            _check(lib, lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(low)),
+            _check(lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(low)),
                    f"nvrtcGetLoweredName({name})")
             lowered[name] = low.value.decode()
         get_size, get = ((lib.nvrtcGetPTXSize, lib.nvrtcGetPTX) if ptx
                          else (lib.nvrtcGetCUBINSize, lib.nvrtcGetCUBIN))
-        _check(lib, get_size(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+        _check(get_size(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
         image = ctypes.create_string_buffer(size.value)
-        _check(lib, get(prog, image), "nvrtcGetCUBIN")
+        _check(get(prog, image), "nvrtcGetCUBIN")
         return Built(image.raw, ptx, lowered, text_log)
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))

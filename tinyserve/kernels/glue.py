@@ -150,8 +150,7 @@ def lse_merge(a: torch.Tensor, lse_a: torch.Tensor, b: torch.Tensor,
     if a.stride(-1) != 1 or b.stride(-1) != 1:
         raise ValueError("a and b need a unit last stride")
     h, n, d = a.shape
-    if lse_a.shape != (h, n) or lse_b.shape != (h, n) or lse_a.dtype != torch.float32 \
-            or lse_b.dtype != torch.float32:
+    if any(t.shape != (h, n) or t.dtype != torch.float32 for t in (lse_a, lse_b)):
         raise ValueError(f"lse_a, lse_b must be fp32 [{h}, {n}], got {lse_a.dtype} "
                          f"{list(lse_a.shape)}, {lse_b.dtype} {list(lse_b.shape)}")
     y = torch.empty(h, n, d, dtype=a.dtype, device=a.device)

@@ -1,8 +1,7 @@
 """Compile the CUDA kernels of `csrc/` with NVRTC (from torch's CUDA wheel) at first use: no
 CUDA toolkit, no host compiler. One compile per kernel instance (a template's name expression
 and the `__device__` variables its launcher reads) into a cubin for the GPU, or PTX for an
-older architecture (`TINYSERVE_CUDA_ARCH`); cached in TINYSERVE_CACHE_DIR keyed by the
-sources, names, target and NVRTC version."""
+older architecture (`TINYSERVE_CUDA_ARCH`), cached in TINYSERVE_CACHE_DIR."""
 
 from __future__ import annotations
 
@@ -16,19 +15,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch  # noqa: F401 - a CUDA build of torch loads its NVRTC first
+
 from tinyserve import envs
 from tinyserve.log import get_logger
 
 log = get_logger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-OPTIONS = ("-std=c++17",)  # besides the target and the include path
-
-# The library's file names, newest first (Linux; Windows names them nvrtc64_*).
-_SONAMES = ("libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so")
-_INSTALL_HINT = ("install NVIDIA's NVRTC wheel matching torch's CUDA (pip install "
-                 "nvidia-cuda-nvrtc-cu12 for CUDA 12 builds of torch, nvidia-cuda-nvrtc for "
-                 "CUDA 13)")
 
 
 class KernelBuildError(RuntimeError):
@@ -49,7 +43,7 @@ class Built:
 def _candidates() -> list[str]:
     """Where libnvrtc may be: the names the loader resolves (torch preloads its own), then the
     nvidia-* wheels in site-packages, then a toolkit under CUDA_HOME."""
-    found = list(_SONAMES)
+    found = ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]  # newest first
     roots = [p for p in sys.path if p.endswith("site-packages")]
     for root in roots:
         found += sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libnvrtc.so*")),
@@ -64,10 +58,6 @@ def _candidates() -> list[str]:
 def nvrtc() -> ctypes.CDLL:
     """The NVRTC library; KernelBuildError (one line: what is missing, how to get it) when
     there is none."""
-    try:
-        import torch  # noqa: F401 - a CUDA build of torch loads its NVRTC first
-    except ImportError:
-        pass
     for name in _candidates():
         try:
             lib = ctypes.CDLL(name)
@@ -75,8 +65,10 @@ def nvrtc() -> ctypes.CDLL:
             continue
         lib.nvrtcGetErrorString.restype = ctypes.c_char_p
         return lib
-    raise KernelBuildError(f"the CUDA kernels need NVRTC (libnvrtc.so.12 or .13) and none was "
-                           f"found: {_INSTALL_HINT}")
+    raise KernelBuildError("the CUDA kernels need NVRTC (libnvrtc.so.12 or .13) and none was "
+                           "found: install NVIDIA's NVRTC wheel matching torch's CUDA (pip "
+                           "install nvidia-cuda-nvrtc-cu12 for CUDA 12 builds of torch, "
+                           "nvidia-cuda-nvrtc for CUDA 13)")
 
 
 def nvrtc_version() -> tuple[int, int]:
@@ -90,15 +82,15 @@ def supported_archs() -> tuple[int, ...]:
     """The architectures this NVRTC compiles for (e.g. 75, 80, ..., 120)."""
     lib = nvrtc()
     n = ctypes.c_int()
-    _check(lib, lib.nvrtcGetNumSupportedArchs(ctypes.byref(n)), "nvrtcGetNumSupportedArchs")
+    _check(lib.nvrtcGetNumSupportedArchs(ctypes.byref(n)), "nvrtcGetNumSupportedArchs")
     archs = (ctypes.c_int * n.value)()
-    _check(lib, lib.nvrtcGetSupportedArchs(archs), "nvrtcGetSupportedArchs")
+    _check(lib.nvrtcGetSupportedArchs(archs), "nvrtcGetSupportedArchs")
     return tuple(archs)
 
 
-def _check(lib: ctypes.CDLL, rc: int, what: str) -> None:
+def _check(rc: int, what: str) -> None:
     if rc != 0:
-        raise KernelBuildError(f"{what} failed: {lib.nvrtcGetErrorString(rc).decode()}")
+        raise KernelBuildError(f"{what} failed: {nvrtc().nvrtcGetErrorString(rc).decode()}")
 
 
 @functools.cache
@@ -117,7 +109,7 @@ def build(source: str, names: tuple[str, ...], arch: int, *, ptx: bool = False,
     (kernels, and `&`-prefixed `__device__` variables). Cached on disk; KernelBuildError with
     NVRTC's log when the source does not compile."""
     target = f"--gpu-architecture={'compute' if ptx else 'sm'}_{arch}"
-    opts = (target, f"-I{CSRC}", *OPTIONS, *options)
+    opts = (target, f"-I{CSRC}", "-std=c++17", *options)
     key = json.dumps([_sources_digest(), source, names, opts, nvrtc_version()])
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]
     out_dir = envs.CACHE_DIR.get() / "kernels"
@@ -128,9 +120,8 @@ def build(source: str, names: tuple[str, ...], arch: int, *, ptx: bool = False,
         return Built(image_path.read_bytes(), ptx, meta["lowered"], meta["log"])
     built = _compile(source, names, opts, ptx)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for path, data in ((image_path, built.image),
-                       (names_path, json.dumps({"lowered": built.lowered,
-                                                "log": built.log}).encode())):
+    meta = json.dumps({"lowered": built.lowered, "log": built.log}).encode()
+    for path, data in ((image_path, built.image), (names_path, meta)):
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_bytes(data)
         os.replace(tmp, path)
@@ -141,11 +132,11 @@ def _compile(source: str, names: tuple[str, ...], opts: tuple[str, ...], ptx: bo
     lib = nvrtc()
     text = (CSRC / source).read_bytes()
     prog = ctypes.c_void_p()
-    _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), text, source.encode(), 0, None, None),
+    _check(lib.nvrtcCreateProgram(ctypes.byref(prog), text, source.encode(), 0, None, None),
            "nvrtcCreateProgram")
     try:
         for name in names:
-            _check(lib, lib.nvrtcAddNameExpression(prog, name.encode()),
+            _check(lib.nvrtcAddNameExpression(prog, name.encode()),
                    f"nvrtcAddNameExpression({name})")
         c_opts = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
         log.debug("compiling %s %s (%s)", source, ", ".join(names), opts[0].split("=")[1])
@@ -161,14 +152,14 @@ def _compile(source: str, names: tuple[str, ...], opts: tuple[str, ...], ptx: bo
         lowered = {}
         for name in names:
             low = ctypes.c_char_p()
-            _check(lib, lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(low)),
+            _check(lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(low)),
                    f"nvrtcGetLoweredName({name})")
             lowered[name] = low.value.decode()
         get_size, get = ((lib.nvrtcGetPTXSize, lib.nvrtcGetPTX) if ptx
                          else (lib.nvrtcGetCUBINSize, lib.nvrtcGetCUBIN))
-        _check(lib, get_size(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+        _check(get_size(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
         image = ctypes.create_string_buffer(size.value)
-        _check(lib, get(prog, image), "nvrtcGetCUBIN")
+        _check(get(prog, image), "nvrtcGetCUBIN")
         return Built(image.raw, ptx, lowered, text_log)
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))

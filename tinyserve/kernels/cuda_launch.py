@@ -23,7 +23,6 @@ from tinyserve.log import get_logger
 
 log = get_logger(__name__)
 
-_PDL_ATTR = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 _INVALID_CONTEXT = 201
 # device attributes
 _SM_COUNT, _SMEM_PER_SM, _RESERVED_SMEM = 16, 81, 111
@@ -42,7 +41,7 @@ class _LaunchConfig(ctypes.Structure):
                 ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
 
 
-_PDL = _LaunchAttribute(id=_PDL_ATTR, value=1)
+_PDL = _LaunchAttribute(id=6, value=1)  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 # Kernel arguments: ctypes values of the kernel's parameter types.
 I, I64, F, P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -150,20 +149,20 @@ class CudaKernel:
                smem: int = 0, stream: int = 0, pdl: bool = False) -> None:
         g = (*grid, 1, 1)[:3]
         params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-        for attempt in range(2):
-            rc = self._launch(g, block, params, smem, stream, pdl)
-            if rc != _INVALID_CONTEXT or attempt:
-                break
-            _make_current(self._index)  # a thread that never used CUDA before
-        check(rc, f"launching {self.name}")
-
-    def _launch(self, g, block, params, smem, stream, pdl) -> int:
         lib = driver()
         if pdl and self._has_ex:
             cfg = _LaunchConfig((ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(block, 1, 1), smem,
                                 stream, ctypes.pointer(_PDL), 1)
-            return lib.cuLaunchKernelEx(ctypes.byref(cfg), self._func, params, None)
-        return lib.cuLaunchKernel(self._func, *g, block, 1, 1, smem, stream, params, None)
+            call = functools.partial(lib.cuLaunchKernelEx, ctypes.byref(cfg), self._func,
+                                     params, None)
+        else:
+            call = functools.partial(lib.cuLaunchKernel, self._func, *g, block, 1, 1, smem,
+                                     stream, params, None)
+        rc = call()
+        if rc == _INVALID_CONTEXT:  # a thread that never used CUDA before
+            _make_current(self._index)
+            rc = call()
+        check(rc, f"launching {self.name}")
 
     def global_int(self, name: str) -> int:
         lib = driver()
@@ -195,43 +194,39 @@ class CudaKernel:
 
 
 class CudaBackend:
-    """The kernels of one CUDA device (`Backend`): compiled for its architecture as a cubin,
-    or as PTX for TINYSERVE_CUDA_ARCH (or for the newest architecture NVRTC knows when the GPU
-    is newer than that)."""
+    """The kernels of one CUDA device (`Backend`)."""
 
     def __init__(self, index: int) -> None:
         self.index = index
         major, minor = torch.cuda.get_device_capability(index)
         native = 10 * major + minor
-        device = torch.device("cuda", index)
-        forced = launch.target_arch(device) if envs.CUDA_ARCH.get().strip() else None
         archs = cuda_build.supported_archs()
-        if forced is not None:
-            if forced > native:
-                raise ValueError(f"TINYSERVE_CUDA_ARCH=sm_{forced} is newer than this GPU "
+        if envs.CUDA_ARCH.get().strip():  # PTX for an older architecture
+            self.arch, self.ptx = launch.target_arch(torch.device("cuda", index)), True
+            if self.arch > native:
+                raise ValueError(f"TINYSERVE_CUDA_ARCH=sm_{self.arch} is newer than this GPU "
                                  f"(sm_{native})")
-            self.arch, self.ptx = forced, True
-        elif native in archs:
+        elif native in archs:  # a cubin
             self.arch, self.ptx = native, False
         else:  # a GPU newer than this NVRTC: the newest PTX it makes, compiled by the driver
             self.arch, self.ptx = max(a for a in archs if a <= native), True
         if self.arch not in archs:
             raise cuda_build.KernelBuildError(
                 f"NVRTC {cuda_build.nvrtc_version()} cannot build for sm_{self.arch}")
-        lib = driver()
         _make_current(index)
-        self.num_sms = self._attr(lib, _SM_COUNT)
-        self.smem_per_sm = self._attr(lib, _SMEM_PER_SM)
-        self.reserved_smem_per_block = self._attr(lib, _RESERVED_SMEM)
+        self.num_sms = self._attr(_SM_COUNT)
+        self.smem_per_sm = self._attr(_SMEM_PER_SM)
+        self.reserved_smem_per_block = self._attr(_RESERVED_SMEM)
         self._kernels: dict[tuple[str, str], CudaKernel] = {}
         self._lock = threading.Lock()
         major, minor = cuda_build.nvrtc_version()
         log.info("CUDA kernels for %s: compiled by NVRTC %d.%d at first use, cached in %s",
                  self.target, major, minor, envs.CACHE_DIR.get() / "kernels")
 
-    def _attr(self, lib: ctypes.CDLL, attr: int) -> int:
+    def _attr(self, attr: int) -> int:
         v = ctypes.c_int()
-        check(lib.cuDeviceGetAttribute(ctypes.byref(v), attr, self.index), "cuDeviceGetAttribute")
+        check(driver().cuDeviceGetAttribute(ctypes.byref(v), attr, self.index),
+              "cuDeviceGetAttribute")
         return v.value
 
     @property
@@ -254,11 +249,7 @@ class CudaBackend:
 
 
 _override: Backend | None = None
-
-
-@functools.cache
-def _cuda_backend(index: int) -> CudaBackend:
-    return CudaBackend(index)
+_cuda_backend = functools.cache(CudaBackend)  # one per device index
 
 
 def backend(device: torch.device) -> Backend:

@@ -94,10 +94,9 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     y = torch.empty(n, f, dtype=gate.dtype, device=gate.device)
     if n and f:
         block = min(BLOCK, triton.next_power_of_2(f))
-        silu_mul_kernel[(n, triton.cdiv(f, block))](gate, up, y, f, gate.stride(0),
-                                                    up.stride(0), y.stride(0), BLOCK_F=block,
-                                                    num_warps=max(1, min(4, block // 256)),
-                                                    **ROUNDING_AS_TORCH)
+        silu_mul_kernel[(n, triton.cdiv(f, block))](
+            gate, up, y, f, gate.stride(0), up.stride(0), y.stride(0), BLOCK_F=block,
+            num_warps=max(1, min(4, block // 256)), **ROUNDING_AS_TORCH)
     return y
 
 
@@ -115,12 +114,10 @@ def gated_add(routed: torch.Tensor, gate_logit: torch.Tensor,
     y = torch.empty(n, h, dtype=routed.dtype, device=routed.device)
     if n and h:
         block = min(BLOCK, triton.next_power_of_2(h))
-        gated_add_kernel[(n, triton.cdiv(h, block))](routed, shared, gate_logit, y, h,
-                                                     routed.stride(0), shared.stride(0),
-                                                     gate_logit.stride(0), y.stride(0),
-                                                     BLOCK_H=block,
-                                                     num_warps=max(1, min(4, block // 256)),
-                                                     **ROUNDING_AS_TORCH)
+        gated_add_kernel[(n, triton.cdiv(h, block))](
+            routed, shared, gate_logit, y, h, routed.stride(0), shared.stride(0),
+            gate_logit.stride(0), y.stride(0), BLOCK_H=block,
+            num_warps=max(1, min(4, block // 256)), **ROUNDING_AS_TORCH)
     return y
 
 
@@ -153,8 +150,7 @@ def lse_merge(a: torch.Tensor, lse_a: torch.Tensor, b: torch.Tensor,
     if a.stride(-1) != 1 or b.stride(-1) != 1:
         raise ValueError("a and b need a unit last stride")
     h, n, d = a.shape
-    if lse_a.shape != (h, n) or lse_b.shape != (h, n) or lse_a.dtype != torch.float32 \
-            or lse_b.dtype != torch.float32:
+    if any(t.shape != (h, n) or t.dtype != torch.float32 for t in (lse_a, lse_b)):
         raise ValueError(f"lse_a, lse_b must be fp32 [{h}, {n}], got {lse_a.dtype} "
                          f"{list(lse_a.shape)}, {lse_b.dtype} {list(lse_b.shape)}")
     y = torch.empty(h, n, d, dtype=a.dtype, device=a.device)

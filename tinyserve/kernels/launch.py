@@ -17,7 +17,6 @@ from tinyserve import envs
 # and a few percent of the RMSNorm+RoPE outputs differ from torch by a rounding step.
 ROUNDING_AS_TORCH = {"enable_fp_fusion": False}
 
-
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 SCRATCH_ELEMS = 1 << 24  # dequantize + cuBLAS: scratch cap (32 MiB in bf16)
 

@@ -1,8 +1,5 @@
 """RMSNorms of Qwen3.5-MoE, one Triton kernel each (one program per row, fp32 math), rounding
-to the model dtype where the references of `model/norm.py` and `model/rope.py` do:
-`rms_norm` (zero-centred weight), `add_rms_norm` (returns (normed, x + residual)),
-`gated_rms_norm` (times silu(z)) and `rms_norm_rope` (per-head norm, then NeoX RoPE over the
-first R dims)."""
+to the model dtype where the references of `model/norm.py` and `model/rope.py` do."""
 
 from __future__ import annotations
 
@@ -10,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyserve.kernels.launch import ROUNDING_AS_TORCH
+from tinyserve.kernels.launch import FLOATS, ROUNDING_AS_TORCH
 
 
 @triton.jit
@@ -85,9 +82,6 @@ def rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, H, D, R, stride_
     tl.store(y_ptr + (n * H + h) * D + cols, out.to(dt), mask=m)
 
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
 def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
     """t [..., D] as [R, D] rows with unit column stride (a view when the strides allow)."""
     t2 = t.reshape(-1, d)
@@ -96,7 +90,7 @@ def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
 
 def _check(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor) -> int:
     d = x.shape[-1]
-    if x.dtype not in _DTYPES:
+    if x.dtype not in FLOATS:
         raise TypeError(f"x must be bf16/fp16/fp32, got {x.dtype}")
     if weight.shape != (d,):
         raise ValueError(f"weight {list(weight.shape)} does not match the last dim {d}")

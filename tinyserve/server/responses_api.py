@@ -51,12 +51,15 @@ class TextPart(StrictModel):
 Part = by_type({"input_text": TextPart, "output_text": TextPart, "text": TextPart})
 
 
-class MessageItem(StrictModel):
+class _Item(StrictModel):
+    id: str | None = None  # what an echoed output item carries
+    status: str | None = None
+
+
+class MessageItem(_Item):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[Part]
-    id: str | None = None
-    status: str | None = None
 
 
 class ReasoningText(StrictModel):
@@ -64,30 +67,24 @@ class ReasoningText(StrictModel):
     text: str
 
 
-class ReasoningItem(StrictModel):
+class ReasoningItem(_Item):
     type: Literal["reasoning"]
-    id: str | None = None
     summary: list[ReasoningText] | None = None
     content: list[ReasoningText] | None = None
     encrypted_content: str | None = None
-    status: str | None = None
 
 
-class FunctionCallItem(StrictModel):
+class FunctionCallItem(_Item):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutputItem(StrictModel):
+class FunctionCallOutputItem(_Item):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[Part]
-    id: str | None = None
-    status: str | None = None
 
 
 Item = by_type({"message": MessageItem, "reasoning": ReasoningItem,

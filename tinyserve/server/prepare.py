@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 
 from tinyserve.core import ParamError, SamplingParams
-from tinyserve.server.chat import RenderedPrompt
+from tinyserve.server.chat import RenderedPrompt, render_chat
 from tinyserve.server.errors import APIError, ContextLengthError
 from tinyserve.server.protocol import ChatCompletionRequest
 from tinyserve.server.responses import ChatAssembler
@@ -68,11 +68,12 @@ def fit_params(state: ServerState, req: Any, prompt_len: int, max_tokens: int | 
 async def render_prompt(state: ServerState, req: ChatCompletionRequest, *,
                         prompt_param: str = "messages", answer_prefix: str = "",
                         context: int | None = None) -> RenderedPrompt:
-    """The prompt of `req`, continuation included (`ChatRenderer.render`)."""
+    """The prompt of `req`, continuation included (`chat.render_chat`)."""
     forced = req.forced_call()  # a 400 for a forced call of no tool
-    renderer = state.renderer
-    return await anyio.to_thread.run_sync(lambda: renderer.render(
-        req, context=context, param=prompt_param, answer_prefix=answer_prefix, forced=forced))
+    tokenizer = state.require_engine().tokenizer
+    return await anyio.to_thread.run_sync(lambda: render_chat(
+        tokenizer, req, context=context, param=prompt_param, answer_prefix=answer_prefix,
+        forced=forced))
 
 
 async def prepare_chat(state: ServerState, req: ChatCompletionRequest, *,

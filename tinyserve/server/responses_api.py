@@ -281,11 +281,10 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/responses")
     async def responses(req: ResponsesRequest, request: Request) -> Response:
-        state.check_model(req.model)
+        tokenizer = state.check_model(req.model).tokenizer
         chat = to_chat_request(req)
         prep = await prepare_chat(state, chat, prompt_param="input",
                                   max_param="max_output_tokens")
-        tokenizer = state.renderer.tokenizer
         fmt = ResponsesFormatter(
             state.config.served_model_name, prep.assembler(),
             echo=req, with_encrypted=ENCRYPTED_INCLUDE in (req.include or ()),

@@ -129,10 +129,9 @@ class _Run:
         self.completion[i] = out.completion_tokens or self.completion[i] + n_new
         if n_new:
             t = time.monotonic()
-            if self._last_token_t is None:
-                self.state.metrics.observe_ttft(t - self.t0)
-            else:
-                self.state.metrics.observe_itl((t - self._last_token_t) / n_new)
+            first = self._last_token_t is None
+            gap = t - self.t0 if first else (t - self._last_token_t) / n_new
+            self.state.metrics.observe_latency(gap, first_token=first)
             self._last_token_t = t
 
     def _done(self, outcome: str) -> None:

@@ -115,7 +115,7 @@ def test_official_layout_is_sharded_and_skips_vision_and_mtp(tiny_checkpoint):
     names = reader.names()
     assert any(n.startswith("model.visual.") for n in names)
     assert any(n.startswith("mtp.") for n in names)
-    assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in reader
+    assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in reader.names()
     assert reader.tensor_info("model.language_model.layers.0.mlp.experts.gate_up_proj") == (
         torch.bfloat16, (8, 64, 64))
 

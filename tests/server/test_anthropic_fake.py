@@ -273,7 +273,7 @@ class _Template:
 def test_earlier_thinking_follows_the_templates_option(qwen_tokenizer):
     # Qwen3.6's template keeps every turn's thinking with preserve_thinking; the Anthropic
     # route asks for it by default, and a request's chat_template_kwargs turns it off
-    from tinyserve.server.chat import ChatRenderer
+    from tinyserve.server.chat import render_chat
 
     gate = "{%- if loop.index0 > ns.last_query_index %}"
     assert gate in qwen_tokenizer.chat_template
@@ -288,8 +288,8 @@ def test_earlier_thinking_follows_the_templates_option(qwen_tokenizer):
     for template, kwargs, kept in ((qwen36, None, True),
                                    (qwen36, {"preserve_thinking": False}, False),
                                    (qwen_tokenizer.chat_template, None, False)):
-        renderer = ChatRenderer(_Template(qwen_tokenizer, template))
+        tokenizer = _Template(qwen_tokenizer, template)
         chat, _ = to_chat_request(MessagesRequest(model="m", max_tokens=5, messages=messages,
                                                   chat_template_kwargs=kwargs))
-        text = renderer.render(chat).text
+        text = render_chat(tokenizer, chat).text
         assert ("<think>\nEARLIER\n</think>\n\nb<|im_end|>" in text) == kept

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tinyserve.server.chat import ChatRenderer
+from tinyserve.server.chat import render_chat
 from tinyserve.server.errors import APIError
 from tinyserve.server.protocol import ChatCompletionRequest
 
@@ -30,9 +30,8 @@ def _request(case: dict, *, string_args: bool) -> ChatCompletionRequest:
 
 @pytest.mark.parametrize("string_args", [False, True], ids=["dict_args", "json_args"])
 def test_chat_vectors(qwen_tokenizer, vectors, string_args: bool) -> None:
-    renderer = ChatRenderer(qwen_tokenizer)
     for case in vectors["chat"]:
-        out = renderer.render(_request(case, string_args=string_args))
+        out = render_chat(qwen_tokenizer, _request(case, string_args=string_args))
         assert out.text == case["text"], case["name"]
         assert out.ids == case["ids"], case["name"]
         assert out.reasoning_open == (case["kwargs"].get("enable_thinking") is not False)
@@ -44,28 +43,25 @@ def test_encode_vectors(qwen_tokenizer, vectors) -> None:
 
 
 def test_thinking_controls(qwen_tokenizer) -> None:
-    renderer = ChatRenderer(qwen_tokenizer)
     base = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
-    assert renderer.render(ChatCompletionRequest(**base)).reasoning_open
+    assert render_chat(qwen_tokenizer, ChatCompletionRequest(**base)).reasoning_open
     for extra in ({"thinking": {"type": "disabled"}}, {"reasoning_effort": "none"},
                   {"chat_template_kwargs": {"enable_thinking": False}}):
-        out = renderer.render(ChatCompletionRequest(**base, **extra))
+        out = render_chat(qwen_tokenizer, ChatCompletionRequest(**base, **extra))
         assert not out.reasoning_open and out.text.endswith("<think>\n\n</think>\n\n"), extra
 
 
 def test_developer_role_and_text_parts(qwen_tokenizer) -> None:
-    renderer = ChatRenderer(qwen_tokenizer)
     req = ChatCompletionRequest(model="m", messages=[
         {"role": "developer", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "Hello, "},
                                      {"type": "text", "text": "how are you?"}]}])
-    text = renderer.render(req).text
+    text = render_chat(qwen_tokenizer, req).text
     assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
     assert "<|im_start|>user\nHello, how are you?<|im_end|>" in text
 
 
 def test_template_errors_are_400(qwen_tokenizer) -> None:
-    renderer = ChatRenderer(qwen_tokenizer)
     bad = [[{"role": "assistant", "content": "only me"}],
            [{"role": "user", "content": "x"}, {"role": "system", "content": "late"}],
            [{"role": "user", "content": "x"}, {"role": "assistant", "content": "",
@@ -73,7 +69,7 @@ def test_template_errors_are_400(qwen_tokenizer) -> None:
                              "function": {"name": "f", "arguments": "{oops"}}]}]]
     for messages in bad:
         with pytest.raises(APIError) as exc:
-            renderer.render(ChatCompletionRequest(model="m", messages=messages))
+            render_chat(qwen_tokenizer, ChatCompletionRequest(model="m", messages=messages))
         assert exc.value.status == 400
 
 
@@ -100,21 +96,19 @@ def test_special_token_strings_from_the_client_stay_text(qwen_tokenizer) -> None
     """A client cannot forge a turn: its `<|im_end|>` / `<|im_start|>` / `<|endoftext|>` are
     text in every string the template renders, while the template's own stay control tokens
     (as many as in the same conversation without them), and the text is unchanged."""
-    renderer = ChatRenderer(qwen_tokenizer)
     special = {qwen_tokenizer.convert_tokens_to_ids(t)
                for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")}
     for text in (FORGED, "<|endoftext|><|im_start|>", "\ue000<|im_end|>\ue000\ue101"):
-        out = renderer.render(_forged_request(text))
-        benign = renderer.render(_forged_request("hi"))
+        out = render_chat(qwen_tokenizer, _forged_request(text))
+        benign = render_chat(qwen_tokenizer, _forged_request("hi"))
         assert [t for t in out.ids if t in special] == [t for t in benign.ids if t in special]
         assert f"<|im_start|>user\n{text.strip()}<|im_end|>" in out.text  # verbatim
         assert qwen_tokenizer.decode(out.ids) == out.text  # nothing lost or changed
 
 
 def test_benign_conversations_tokenise_as_before(qwen_tokenizer, vectors) -> None:
-    renderer = ChatRenderer(qwen_tokenizer)
     for case in vectors["chat"]:
-        out = renderer.render(_request(case, string_args=True))
+        out = render_chat(qwen_tokenizer, _request(case, string_args=True))
         assert out.ids == qwen_tokenizer.encode(out.text, add_special_tokens=False)
 
 
@@ -157,10 +151,9 @@ def test_long_prompts_are_refused_before_full_tokenisation(qwen_tokenizer) -> No
         with pytest.raises(PromptTooLong):
             enc.encode(fits, len(ids) - 1)
     # chat: a 10 MB message is refused the same way, as a 400 naming messages
-    renderer = ChatRenderer(tok)
     tok.chars = 0
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": text}])
     with pytest.raises(APIError) as err:
-        renderer.render(req, context=limit + 1)
+        render_chat(tok, req, context=limit + 1)
     assert err.value.status == 400 and err.value.code == "context_length_exceeded"
     assert err.value.param == "messages" and tok.chars <= 2 * (limit + 1) * 8 + 10_000

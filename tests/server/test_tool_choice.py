@@ -12,7 +12,7 @@ import pytest
 
 from tests.server.fakes import FakeEngine, serve
 from tinyserve.server.app import create_app
-from tinyserve.server.chat import ChatRenderer
+from tinyserve.server.chat import render_chat
 from tinyserve.server.errors import APIError
 from tinyserve.server.protocol import ChatCompletionRequest
 from tinyserve.server.responses import ChatAssembler
@@ -60,11 +60,10 @@ def test_continuation_forms():
 def test_preamble_is_the_templates_tool_call_turn(qwen_tokenizer, thinking):
     # the forced prompt is the template's rendering of a turn that calls the tool, cut after
     # the function name: the model continues a form it was trained on
-    renderer = ChatRenderer(qwen_tokenizer)
     kw = {"chat_template_kwargs": {"enable_thinking": thinking}}
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Weather?"}],
                                 tools=TOOLS, **kw)
-    prompt = renderer.render(req)
+    prompt = render_chat(qwen_tokenizer, req)
     suffix, _ = continuation(prompt.reasoning_open, forced="get_weather")
     history = ChatCompletionRequest(model="m", tools=TOOLS, **kw, messages=[
         {"role": "user", "content": "Weather?"},
@@ -72,7 +71,7 @@ def test_preamble_is_the_templates_tool_call_turn(qwen_tokenizer, thinking):
             {"id": "c", "type": "function",
              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "c", "content": "sunny"}])
-    turn = renderer.render(history).text
+    turn = render_chat(qwen_tokenizer, history).text
     forced = prompt.text + suffix
     assert turn.startswith(forced) and forced.endswith("<function=get_weather>\n")
     assert turn[len(forced):].startswith("<parameter=city>\nParis\n</parameter>\n</function>")

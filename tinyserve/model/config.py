@@ -77,7 +77,41 @@ class ModelConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
-        _validate(self, "ModelConfig")
+
+        def fail(name: str, why: str) -> None:
+            raise ConfigError(f"ModelConfig: field {name!r} {why}")
+
+        for name in _INT_FIELDS:
+            if getattr(self, name) < 1:
+                fail(_HF_NAMES.get(name, name), f"must be >= 1, got {getattr(self, name)}")
+        if len(self.layer_types) != self.num_layers:
+            fail("layer_types", f"has {len(self.layer_types)} entries for "
+                                f"num_hidden_layers={self.num_layers}")
+        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+        if bad:
+            fail("layer_types", f"has unknown layer type {bad[0]!r}")
+        if self.num_attention_heads % self.num_kv_heads:
+            fail("num_key_value_heads", f"({self.num_kv_heads}) must divide num_attention_heads "
+                                        f"({self.num_attention_heads})")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            fail("linear_num_value_heads", f"({self.linear_num_value_heads}) must be a multiple of "
+                                           f"linear_num_key_heads ({self.linear_num_key_heads})")
+        if self.num_experts_per_tok > self.num_experts:
+            fail("num_experts_per_tok", f"({self.num_experts_per_tok}) exceeds num_experts "
+                                        f"({self.num_experts})")
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            fail("partial_rotary_factor", f"must be in (0, 1], got {self.partial_rotary_factor}")
+        if self.rotary_dim % 2 or self.rotary_dim < 2:
+            fail("partial_rotary_factor", f"gives an odd or empty rotary dim {self.rotary_dim}")
+        if self.rope_theta <= 0:
+            fail("rope_theta", f"must be > 0, got {self.rope_theta}")
+        if not self.rms_norm_eps > 0:
+            fail("rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
+        if any(not 0 <= t < self.vocab_size for t in self.eos_token_ids):
+            fail("eos_token_id", f"{list(self.eos_token_ids)} is outside the vocabulary "
+                                 f"(vocab_size {self.vocab_size})")
+        if self.quant.method not in QUANT_METHODS:
+            fail("quant_method", f"{self.quant.method!r} is not supported")
 
     @property
     def rotary_dim(self) -> int:
@@ -184,43 +218,6 @@ def load_config(path: str | Path) -> ModelConfig:
                                 or text.get("quantization_config")))
     except ConfigError as exc:
         raise ConfigError(str(exc).replace("ModelConfig:", f"{where}:", 1)) from None
-
-
-def _validate(cfg: ModelConfig, where: str) -> None:
-    def fail(name: str, why: str) -> None:
-        raise ConfigError(f"{where}: field {name!r} {why}")
-
-    for name in _INT_FIELDS:
-        if getattr(cfg, name) < 1:
-            fail(_HF_NAMES.get(name, name), f"must be >= 1, got {getattr(cfg, name)}")
-    if len(cfg.layer_types) != cfg.num_layers:
-        fail("layer_types", f"has {len(cfg.layer_types)} entries for "
-                            f"num_hidden_layers={cfg.num_layers}")
-    bad = [t for t in cfg.layer_types if t not in LAYER_TYPES]
-    if bad:
-        fail("layer_types", f"has unknown layer type {bad[0]!r}")
-    if cfg.num_attention_heads % cfg.num_kv_heads:
-        fail("num_key_value_heads", f"({cfg.num_kv_heads}) must divide num_attention_heads "
-                                    f"({cfg.num_attention_heads})")
-    if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
-        fail("linear_num_value_heads", f"({cfg.linear_num_value_heads}) must be a multiple of "
-                                       f"linear_num_key_heads ({cfg.linear_num_key_heads})")
-    if cfg.num_experts_per_tok > cfg.num_experts:
-        fail("num_experts_per_tok", f"({cfg.num_experts_per_tok}) exceeds num_experts "
-                                    f"({cfg.num_experts})")
-    if not 0.0 < cfg.partial_rotary_factor <= 1.0:
-        fail("partial_rotary_factor", f"must be in (0, 1], got {cfg.partial_rotary_factor}")
-    if cfg.rotary_dim % 2 or cfg.rotary_dim < 2:
-        fail("partial_rotary_factor", f"gives an odd or empty rotary dim {cfg.rotary_dim}")
-    if cfg.rope_theta <= 0:
-        fail("rope_theta", f"must be > 0, got {cfg.rope_theta}")
-    if not cfg.rms_norm_eps > 0:
-        fail("rms_norm_eps", f"must be > 0, got {cfg.rms_norm_eps}")
-    if any(not 0 <= t < cfg.vocab_size for t in cfg.eos_token_ids):
-        fail("eos_token_id", f"{list(cfg.eos_token_ids)} is outside the vocabulary "
-                             f"(vocab_size {cfg.vocab_size})")
-    if cfg.quant.method not in QUANT_METHODS:
-        fail("quant_method", f"{cfg.quant.method!r} is not supported")
 
 
 def _read_json(file: Path, *, required: bool) -> dict[str, Any]:

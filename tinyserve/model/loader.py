@@ -80,9 +80,6 @@ class CheckpointReader:
         """Every tensor name, in file order (shard, then byte offset)."""
         return list(self._infos)
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._infos
-
     def info(self, name: str) -> TensorInfo:
         return self._infos[name]
 

@@ -161,8 +161,7 @@ class SparseMoE:
         # transformers) keeps the separate projections.
         fuse = kernels_enabled(_device_of(w["gate"]))
         self.shared_slots: ExpertSlots | None = None
-        if (fuse and experts.accepts_shared
-                and _swiglu_fp4(gate, up, self.down)):
+        if fuse and experts.accepts_shared and _swiglu_fp4(gate, up, self.down):
             self.shared_slots, gate_up, gate, up, self.down = _shared_slot(gate, up, self.down)
             self.gate_up = SplitLinear((gate, up), gate_up, fuse=False)
         else:

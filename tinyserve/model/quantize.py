@@ -175,16 +175,16 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str = "modelopt",
         plans = {p.raw["weight"]: p for p in plan_weights(reader, config)
                  if p.kind in ("linear", "fused_gate_up", "fused_down")}
         for raw in reader.names():
-            key, plan = strip_prefix(raw), plans.get(raw)
-            if plan is not None and key is not None and plan.kind != "linear":
+            plan = plans.get(raw)  # every planned tensor has a prefix and a `.weight` name
+            if plan is not None and plan.kind != "linear":
                 # Fused 3-D experts [E, 2F, H] / [E, H, F] are written per expert.
-                prefix = raw[: len(raw) - len(key)]
+                prefix = raw.removesuffix(strip_prefix(raw))
                 dtype = reader.tensor_info(raw)[0]
                 for name, w in plan.load(reader, dtype, torch.device("cpu")):
                     add(prefix + name, name, w.weight, writer)
                 continue
-            if plan is not None and key is not None and raw.endswith(".weight") and add(
-                    raw.removesuffix(".weight"), plan.name, reader.get(raw), writer):
+            if plan is not None and add(raw.removesuffix(".weight"), plan.name, reader.get(raw),
+                                        writer):
                 continue
             t = reader.get(raw)
             if reader.info(raw).dtype == "F8_E4M3":

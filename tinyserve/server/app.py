@@ -19,9 +19,9 @@ from tinyserve.server.auth import APIKeyMiddleware, BodyLimitMiddleware
 from tinyserve.server.chat import encode_text
 from tinyserve.server.errors import APIError, install_error_handlers
 from tinyserve.server.formatters import ChatFormatter, CompletionFormatter
-from tinyserve.server.generate import check_fits, choice_params, context_length, generate
+from tinyserve.server.generate import generate
 from tinyserve.server.openapi import openapi_schema
-from tinyserve.server.prepare import prepare_chat
+from tinyserve.server.prepare import context_length, fit_params, prepare_chat
 from tinyserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from tinyserve.server.responses_api import add_responses_routes
 from tinyserve.server.state import ServerState
@@ -111,9 +111,8 @@ def create_app(state: ServerState) -> FastAPI:
             if any(t >= vocab for t in prompt):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
             ids = list(prompt)
-        max_tokens = check_fits(len(ids), req.requested_max_tokens, context,
-                                prompt_param="prompt", max_param="max_tokens")
-        params = choice_params(state, req, max_tokens, "max_tokens")
+        params = fit_params(state, req, len(ids), req.requested_max_tokens, context,
+                            prompt_param="prompt", max_param="max_tokens")
         fmts = _choices(state, req, params,
                         lambda **kw: CompletionFormatter(state.config.served_model_name, **kw))
         return await generate(state, request, fmts, ids, params, stream=req.stream,

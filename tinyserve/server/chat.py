@@ -66,45 +66,39 @@ def message_for_template(msg: ChatMessage, index: int) -> dict[str, Any]:
     return out
 
 
-class ChatRenderer:
-    """Renders chat requests with `tokenizer.apply_chat_template` and tokenizes the result."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-
-    def render(self, req: ChatCompletionRequest, *, context: int | None = None,
-               param: str = "messages", answer_prefix: str = "", forced: str | None = None
-               ) -> RenderedPrompt:
-        """`req`'s prompt; every string the client sent is text, even where it spells a
-        special token. With `context` (tokens of prompt + output), a prompt that
-        leaves no room for output is a `ContextLengthError` naming `param`, raised before it
-        is tokenised in full. The answer is begun for the model (`tool_choice.continuation`)
-        with the client's `answer_prefix` and/or a `forced` tool call."""
-        messages = [message_for_template(m, i) for i, m in enumerate(req.messages)]
-        tools = req.tool_dicts()
-        kwargs = {k: v for k, v in req.template_kwargs().items() if k not in _RESERVED_KWARGS}
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(400, "this model has no chat template; use /v1/completions",
-                           param=param)
-        enc = encoder_for(self.tokenizer)
-        try:
-            text = self.tokenizer.apply_chat_template(
-                enc.escape(messages), tools=enc.escape(tools) or None,
-                add_generation_prompt=True, tokenize=False, **enc.escape(kwargs))
-        except Exception as exc:  # jinja errors: raise_exception() in the template, bad input
-            raise APIError(400, f"cannot render the chat template: {enc.unescape(str(exc))}",
-                           param=param) from None
-        suffix, prefill = continuation(reasoning_open_in_prompt(text), enc.escape(answer_prefix),
-                                       enc.escape(forced))
-        text += suffix
-        check_unicode(text, param)
-        try:
-            ids = enc.encode_rendered(text, None if context is None else context - 1)
-        except PromptTooLong as exc:
-            raise too_long(exc, param) from None
-        text = enc.unescape(text)
-        return RenderedPrompt(text=text, ids=ids, reasoning_open=reasoning_open_in_prompt(text),
-                              prefill=enc.unescape(prefill))
+def render_chat(tokenizer: Any, req: ChatCompletionRequest, *, context: int | None = None,
+                param: str = "messages", answer_prefix: str = "", forced: str | None = None
+                ) -> RenderedPrompt:
+    """`req`'s prompt through `tokenizer`'s chat template; every string the client sent is
+    text, even where it spells a special token. With `context` (tokens of prompt + output), a
+    prompt that leaves no room for output is a `ContextLengthError` naming `param`, raised
+    before it is tokenised in full. The answer is begun for the model
+    (`tool_choice.continuation`) with the client's `answer_prefix` and/or a `forced` tool
+    call."""
+    messages = [message_for_template(m, i) for i, m in enumerate(req.messages)]
+    tools = req.tool_dicts()
+    kwargs = {k: v for k, v in req.template_kwargs().items() if k not in _RESERVED_KWARGS}
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model has no chat template; use /v1/completions", param=param)
+    enc = encoder_for(tokenizer)
+    try:
+        text = tokenizer.apply_chat_template(
+            enc.escape(messages), tools=enc.escape(tools) or None,
+            add_generation_prompt=True, tokenize=False, **enc.escape(kwargs))
+    except Exception as exc:  # jinja errors: raise_exception() in the template, bad input
+        raise APIError(400, f"cannot render the chat template: {enc.unescape(str(exc))}",
+                       param=param) from None
+    suffix, prefill = continuation(reasoning_open_in_prompt(text), enc.escape(answer_prefix),
+                                   enc.escape(forced))
+    text += suffix
+    check_unicode(text, param)
+    try:
+        ids = enc.encode_rendered(text, None if context is None else context - 1)
+    except PromptTooLong as exc:
+        raise too_long(exc, param) from None
+    text = enc.unescape(text)
+    return RenderedPrompt(text=text, ids=ids, reasoning_open=reasoning_open_in_prompt(text),
+                          prefill=enc.unescape(prefill))
 
 
 def check_unicode(text: str, param: str) -> None:

@@ -133,13 +133,6 @@ def validation_error(errors: list[dict[str, Any]], unsupported: Mapping[str, str
     return APIError(400, f"{param}: {msg}" if param else msg, param=param)
 
 
-def _unsupported_of(request: Any) -> Mapping[str, str]:
-    """The `UNSUPPORTED` fields of the body model of the route `request` reached."""
-    field = getattr(request.scope.get("route"), "body_field", None)
-    model = getattr(getattr(field, "field_info", None), "annotation", None)
-    return getattr(model, "UNSUPPORTED", None) or {}
-
-
 def install_error_handlers(app: Any) -> None:
     """Register handlers so every error the app returns is its API's error object."""
     from fastapi.exceptions import RequestValidationError
@@ -149,8 +142,10 @@ def install_error_handlers(app: Any) -> None:
     def as_api_error(request: Any, exc: Exception) -> APIError:
         if isinstance(exc, APIError):
             return exc
-        if isinstance(exc, RequestValidationError):
-            return validation_error(list(exc.errors()), _unsupported_of(request))
+        if isinstance(exc, RequestValidationError):  # UNSUPPORTED: the route body model's
+            field = getattr(request.scope.get("route"), "body_field", None)
+            model = getattr(getattr(field, "field_info", None), "annotation", None)
+            return validation_error(list(exc.errors()), getattr(model, "UNSUPPORTED", None) or {})
         if isinstance(exc, HTTPException) and exc.status_code == 404:
             return APIError(404, f"no route {request.method} {request.url.path}",
                             code="not_found")

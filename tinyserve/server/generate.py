@@ -20,45 +20,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tinyserve.core import ParamError, SamplingParams
 from tinyserve.log import get_logger
-from tinyserve.server.errors import APIError, ContextLengthError
+from tinyserve.server.errors import APIError
 from tinyserve.server.formatters import Formatter, TokenCounts
 from tinyserve.server.state import ServerState
 
 log = get_logger(__name__)
 KEEPALIVE = ": keep-alive\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def context_length(engine: Any) -> int:
-    """What a request may use (prompt + output): the real KV capacity, at most the model's
-    position limit."""
-    limit = getattr(engine.model_config, "max_position_embeddings", None)
-    return int(min(engine.max_context, limit)) if limit else int(engine.max_context)
-
-
-def check_fits(prompt_len: int, max_tokens: int | None, max_context: int, *,
-               prompt_param: str, max_param: str) -> int:
-    """The max_tokens to use; raises a 400 with the numbers when the request cannot fit."""
-    if prompt_len >= max_context:
-        raise ContextLengthError(str(prompt_len), max_context, prompt_param)
-    if max_tokens is None:
-        return max_context - prompt_len
-    if prompt_len + max_tokens > max_context:
-        raise APIError(400, f"this server's context holds {max_context} tokens, but "
-                       f"{prompt_len + max_tokens} were requested ({prompt_len} in the prompt, "
-                       f"{max_tokens} in the output)", param=max_param,
-                       code="context_length_exceeded")
-    return max_tokens
-
-
-def choice_params(state: ServerState, req: Any, max_tokens: int, max_param: str
-                  ) -> list[SamplingParams]:
-    """`req`'s sampling parameters, one per choice; range errors become 400s."""
-    try:
-        return req.choice_params(max_tokens=max_tokens, stop_token_ids=state.stop_token_ids)
-    except ParamError as exc:
-        param = max_param if exc.param == "max_tokens" else exc.param
-        raise APIError(400, str(exc).replace(exc.param, param, 1), param=param) from None
 
 
 async def generate(state: ServerState, request: Request, fmts: Sequence[Formatter],
@@ -161,10 +129,9 @@ class _Run:
         self.completion[i] = out.completion_tokens or self.completion[i] + n_new
         if n_new:
             t = time.monotonic()
-            if self._last_token_t is None:
-                self.state.metrics.observe_ttft(t - self.t0)
-            else:
-                self.state.metrics.observe_itl((t - self._last_token_t) / n_new)
+            first = self._last_token_t is None
+            gap = t - self.t0 if first else (t - self._last_token_t) / n_new
+            self.state.metrics.observe_latency(gap, first_token=first)
             self._last_token_t = t
 
     def _done(self, outcome: str) -> None:

@@ -21,7 +21,6 @@ from tinyserve.log import get_logger
 from tinyserve.server.state import ServerConfig, ServerState
 
 log = get_logger(__name__)
-_SWITCH_INTERVAL_S = 0.001
 
 
 def server_config(args: Any, default_name: str) -> ServerConfig:
@@ -170,7 +169,7 @@ def serve(args: Any, model: str, default_name: str, banner: str = "") -> int:
 
     # NOTE: the engine thread holds the GIL between tensor ops; with the default 5 ms switch
     # interval every streamed chunk could wait that long for the event loop
-    sys.setswitchinterval(_SWITCH_INTERVAL_S)
+    sys.setswitchinterval(0.001)
     state = ServerState(server_config(args, default_name))
     app = create_app(state)
     host, port = args.host, args.port

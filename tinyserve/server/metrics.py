@@ -97,13 +97,10 @@ class ServerMetrics:
             if latency_s is not None:
                 self.e2e.observe(latency_s)
 
-    def observe_ttft(self, seconds: float) -> None:
+    def observe_latency(self, seconds: float, *, first_token: bool) -> None:
+        """The time to the first token, or one token's share of the time between two."""
         with self._lock:
-            self.ttft.observe(seconds)
-
-    def observe_itl(self, seconds: float) -> None:
-        with self._lock:
-            self.itl.observe(seconds)
+            (self.ttft if first_token else self.itl).observe(seconds)
 
     def render(self, stats: Any | None = None) -> str:
         """The Prometheus text exposition (version 0.0.4)."""

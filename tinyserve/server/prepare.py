@@ -6,13 +6,13 @@ it (`tool_choice.continuation`), the fit in the context and the sampling paramet
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 
-from tinyserve.core import SamplingParams
-from tinyserve.server.chat import RenderedPrompt
-from tinyserve.server.errors import APIError
-from tinyserve.server.generate import check_fits, choice_params, context_length
+from tinyserve.core import ParamError, SamplingParams
+from tinyserve.server.chat import RenderedPrompt, render_chat
+from tinyserve.server.errors import APIError, ContextLengthError
 from tinyserve.server.protocol import ChatCompletionRequest
 from tinyserve.server.responses import ChatAssembler
 from tinyserve.server.state import ServerState
@@ -37,14 +37,43 @@ class PreparedChat:
                              prefill=self.prompt.prefill)
 
 
+def context_length(engine: Any) -> int:
+    """What a request may use (prompt + output): the real KV capacity, at most the model's
+    position limit."""
+    limit = getattr(engine.model_config, "max_position_embeddings", None)
+    return int(min(engine.max_context, limit)) if limit else int(engine.max_context)
+
+
+def fit_params(state: ServerState, req: Any, prompt_len: int, max_tokens: int | None,
+               context: int, *, prompt_param: str, max_param: str) -> list[SamplingParams]:
+    """`req`'s sampling parameters, one per choice, with `max_tokens` (None: all the room the
+    context has left). A 400 naming the field when the request cannot fit in `context` or a
+    value is out of range."""
+    if prompt_len >= context:
+        raise ContextLengthError(str(prompt_len), context, prompt_param)
+    if max_tokens is None:
+        max_tokens = context - prompt_len
+    elif prompt_len + max_tokens > context:
+        raise APIError(400, f"this server's context holds {context} tokens, but "
+                       f"{prompt_len + max_tokens} were requested ({prompt_len} in the prompt, "
+                       f"{max_tokens} in the output)", param=max_param,
+                       code="context_length_exceeded")
+    try:
+        return req.choice_params(max_tokens=max_tokens, stop_token_ids=state.stop_token_ids)
+    except ParamError as exc:
+        param = max_param if exc.param == "max_tokens" else exc.param
+        raise APIError(400, str(exc).replace(exc.param, param, 1), param=param) from None
+
+
 async def render_prompt(state: ServerState, req: ChatCompletionRequest, *,
                         prompt_param: str = "messages", answer_prefix: str = "",
                         context: int | None = None) -> RenderedPrompt:
-    """The prompt of `req`, continuation included (`ChatRenderer.render`)."""
+    """The prompt of `req`, continuation included (`chat.render_chat`)."""
     forced = req.forced_call()  # a 400 for a forced call of no tool
-    renderer = state.renderer
-    return await anyio.to_thread.run_sync(lambda: renderer.render(
-        req, context=context, param=prompt_param, answer_prefix=answer_prefix, forced=forced))
+    tokenizer = state.require_engine().tokenizer
+    return await anyio.to_thread.run_sync(lambda: render_chat(
+        tokenizer, req, context=context, param=prompt_param, answer_prefix=answer_prefix,
+        forced=forced))
 
 
 async def prepare_chat(state: ServerState, req: ChatCompletionRequest, *,
@@ -66,9 +95,8 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, *,
                                  answer_prefix=answer_prefix, context=ctx)
     want, name = req.requested_max_tokens
     max_param = max_param or name
-    room = ctx - len(prompt.ids)  # when none is left, check_fits refuses the prompt
+    room = ctx - len(prompt.ids)  # when none is left, fit_params refuses the prompt
     clamped = clamp and want is not None and want > room
-    max_tokens = check_fits(len(prompt.ids), room if clamped else want, ctx,
-                            prompt_param=prompt_param, max_param=max_param)
-    params = choice_params(state, req, max_tokens, max_param)
+    params = fit_params(state, req, len(prompt.ids), room if clamped else want, ctx,
+                        prompt_param=prompt_param, max_param=max_param)
     return PreparedChat(req, prompt, params, clamped)

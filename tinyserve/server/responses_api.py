@@ -51,12 +51,15 @@ class TextPart(StrictModel):
 Part = by_type({"input_text": TextPart, "output_text": TextPart, "text": TextPart})
 
 
-class MessageItem(StrictModel):
+class _Item(StrictModel):
+    id: str | None = None  # what an echoed output item carries
+    status: str | None = None
+
+
+class MessageItem(_Item):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[Part]
-    id: str | None = None
-    status: str | None = None
 
 
 class ReasoningText(StrictModel):
@@ -64,30 +67,24 @@ class ReasoningText(StrictModel):
     text: str
 
 
-class ReasoningItem(StrictModel):
+class ReasoningItem(_Item):
     type: Literal["reasoning"]
-    id: str | None = None
     summary: list[ReasoningText] | None = None
     content: list[ReasoningText] | None = None
     encrypted_content: str | None = None
-    status: str | None = None
 
 
-class FunctionCallItem(StrictModel):
+class FunctionCallItem(_Item):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutputItem(StrictModel):
+class FunctionCallOutputItem(_Item):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[Part]
-    id: str | None = None
-    status: str | None = None
 
 
 Item = by_type({"message": MessageItem, "reasoning": ReasoningItem,
@@ -284,11 +281,10 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/responses")
     async def responses(req: ResponsesRequest, request: Request) -> Response:
-        state.check_model(req.model)
+        tokenizer = state.check_model(req.model).tokenizer
         chat = to_chat_request(req)
         prep = await prepare_chat(state, chat, prompt_param="input",
                                   max_param="max_output_tokens")
-        tokenizer = state.renderer.tokenizer
         fmt = ResponsesFormatter(
             state.config.served_model_name, prep.assembler(),
             echo=req, with_encrypted=ENCRYPTED_INCLUDE in (req.include or ()),

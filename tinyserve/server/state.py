@@ -6,7 +6,6 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from tinyserve.server.chat import ChatRenderer
 from tinyserve.server.errors import APIError
 from tinyserve.server.logprobs import TokenText
 from tinyserve.server.metrics import ServerMetrics
@@ -56,7 +55,6 @@ class ServerState:
         self.config = config
         self.metrics = ServerMetrics()
         self.engine: Any | None = None
-        self.renderer: ChatRenderer | None = None
         self.token_text: TokenText | None = None  # token texts of logprobs, per tokenizer
         self.stop_token_ids: tuple[int, ...] = ()
         self.load_progress = 0.0
@@ -83,7 +81,6 @@ class ServerState:
             ids.append(int(tokenizer.eos_token_id))
         encoder_for(tokenizer)  # its vocabulary scan now, not in the first request
         with self._lock:
-            self.renderer = ChatRenderer(tokenizer)
             self.token_text = TokenText(tokenizer)
             self.stop_token_ids = tuple(dict.fromkeys(ids))
             self.load_progress = 1.0

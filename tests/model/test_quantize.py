@@ -136,6 +136,24 @@ def test_mixed_recipe_round_trip(tiny_checkpoint, tmp_path):
         quantize_checkpoint(src, tmp_path / "x", "compressed-tensors", recipe="mixed")
 
 
+def test_tied_lm_head_stays_the_embedding(tmp_path):
+    """A tied checkpoint without lm_head.weight: the mixed recipe quantizes lm_head, but a tied
+    lm_head is the embedding, which stays in the model dtype (and the output loads)."""
+    from tinyserve.testing.tiny import make_tiny_checkpoint
+
+    src = make_tiny_checkpoint(tmp_path / "tied", tie_word_embeddings=True,
+                               transform=lambda sd: {k: v for k, v in sd.items()
+                                                     if k != "lm_head.weight"})
+    dst = quantize_checkpoint(src, tmp_path / "mixed", "modelopt", recipe="mixed")
+    hf = json.loads((dst / "hf_quant_config.json").read_text())["quantization"]
+    assert "lm_head" not in hf["quantized_layers"]
+    w = load_weights(dst, load_config(dst))
+    source = load_weights(src, load_config(src))
+    assert torch.equal(w["embed_tokens"], source["embed_tokens"])
+    assert isinstance(w["lm_head"], DenseWeight)
+    assert torch.equal(w["lm_head"].weight, source["embed_tokens"])
+
+
 def test_recipe():
     yes = ["layers.0.mlp.experts.3.gate_proj", "layers.0.mlp.shared_expert.down_proj",
            "layers.3.self_attn.q_proj", "layers.3.self_attn.o_proj"]

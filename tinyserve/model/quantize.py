@@ -172,8 +172,12 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str = "modelopt",
 
     with (CheckpointReader(src) as reader,
           CheckpointWriter(dst, max_shard_bytes, overwrite=overwrite) as writer):
-        plans = {p.raw["weight"]: p for p in plan_weights(reader, config)
-                 if p.kind in ("linear", "fused_gate_up", "fused_down")}
+        every = plan_weights(reader, config)
+        # a tied lm_head reads the embedding's tensor, which stays in the model dtype
+        embed = next(p.raw["weight"] for p in every if p.name == "embed_tokens")
+        plans = {p.raw["weight"]: p for p in every
+                 if p.kind in ("linear", "fused_gate_up", "fused_down")
+                 and p.raw["weight"] != embed}
         for raw in reader.names():
             plan = plans.get(raw)  # every planned tensor has a prefix and a `.weight` name
             if plan is not None and plan.kind != "linear":

@@ -253,7 +253,8 @@ def tiny_nvfp4(tmp_path_factory) -> Path:
 def test_checkpoint_bytes_from_headers(tiny_nvfp4: Path) -> None:
     config = load_config(tiny_nvfp4)
     w = checkpoint_weight_bytes(tiny_nvfp4, config)
-    assert w.expert_bytes == 3 * 32 * 64 // 2 + 3 * 32 * 64 // 16 + 12
+    assert (config.hidden_size, config.moe_intermediate_size) == (64, 64)
+    assert w.expert_bytes == 3 * 64 * 64 // 2 + 3 * 64 * 64 // 16 + 12
     assert w.embed == 512 * 64 * 2
     assert w.num_routed_experts == 4 * 8
     cfg = gpu("2GiB")

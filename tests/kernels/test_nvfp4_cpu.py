@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -31,8 +29,8 @@ def _rows(n: int, k: int, rows: int, cpu_share: float, g: torch.Generator) -> to
     return torch.where(keep, ids, -1)
 
 
-@pytest.mark.parametrize("n,k,share,H,F", [(1, 8, 1.0, 128, 64), (1, 8, 0.5, 256, 96),
-                                           (3, 4, 0.6, 128, 64), (8, 8, 0.8, 64, 32),
+@pytest.mark.parametrize("n,k,share,H,F", [(1, 8, 1.0, 128, 64), (1, 8, 0.5, 256, 192),
+                                           (3, 4, 0.6, 128, 64), (8, 8, 0.8, 64, 64),
                                            (2, 2, 0.0, 128, 64)],
                          ids=["1tok-all", "1tok-half", "3tok", "8tok-shared", "none"])
 def test_moe_cpu_matches_reference(n: int, k: int, share: float, H: int, F: int) -> None:
@@ -59,7 +57,7 @@ def test_moe_cpu_matches_reference(n: int, k: int, share: float, H: int, F: int)
     assert torch.equal(got, nc.moe_cpu(x, rows, w, store.slots, threads=1))  # on any count
 
 
-def test_host_entry_matches_moe_cpu_without_the_gil() -> None:
+def test_host_worker_matches_moe_cpu() -> None:
     L, E, H, F, n, k = 3, 4, 128, 64, 2, 3
     store = _store(L, E, H, F, seed=7)
     g = torch.Generator().manual_seed(1)
@@ -70,24 +68,32 @@ def test_host_entry_matches_moe_cpu_without_the_gil() -> None:
     w = torch.rand(n, k, generator=g)
     stage = torch.cat([x, rel.view(torch.float32), w], dim=1).contiguous()
     out = torch.full((n, H), float("nan"))
-    desc = nc.host_descriptor(store.slots, stage, out, k, layer * E, nc.max_threads())
     rows = torch.where(rel >= 0, rel.long() + layer * E, -1)
     want = nc.moe_cpu(x, rows, w, store.slots)
+    worker = nc.HostWorker(spin=10)  # the loop also sleeps between requests
+    empty = nc.host_descriptor(store.slots, torch.zeros(n, H + 2 * k) - 0.0, torch.zeros(n, H),
+                               k, 0, 1)
+    empty[nc.D_STAGE] = 0  # never requested: a bad pointer the worker must not touch
+    desc = nc.host_descriptor(store.slots, stage, out, k, layer * E, nc.max_threads())
+    assert (worker.add(empty), worker.add(desc)) == (1, 2)
     for threads in (nc.max_threads(), 1):
         desc[nc.D_THREADS] = threads
         out.fill_(float("nan"))
-        # ctypes drops the GIL around the call: run it from another thread, as a driver would
-        t = threading.Thread(target=nc.run_host_entry, args=(desc,))
-        t.start()
-        t.join()
-        # the entry holds its own compiled copy of the kernel: fastmath sums may round apart
+        worker.call(2)
+        # the worker's loop holds its own compiled copy of the kernel: fastmath sums may
+        # round apart
         assert (out - want).abs().max() <= 1e-6 * want.abs().max()
     assert int(desc[nc.D_COUNT]) == 2 * len(set(rows[rows >= 0].tolist()))
-    assert int(desc[nc.D_CALLS]) == 2
+    assert int(desc[nc.D_CALLS]) == 2 and int(empty[nc.D_CALLS]) == 0
+    assert int(worker.flags[worker.GO]) == 0
+    worker.close()
+    assert not worker._stop.alive
 
 
 def test_moe_cpu_refuses_what_it_cannot_run() -> None:
-    store = _store(1, 2, 64, 32, seed=0)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        nc.check_slots(_store(1, 2, 64, 32, seed=0).slots)
+    store = _store(1, 2, 64, 64, seed=0)
     x, rows, w = torch.randn(1, 64), torch.tensor([[0, 1]]), torch.rand(1, 2)
     with pytest.raises(ValueError, match="do not match"):
         nc.moe_cpu(torch.randn(1, 32), rows, w, store.slots)
@@ -95,7 +101,7 @@ def test_moe_cpu_refuses_what_it_cannot_run() -> None:
         nc.moe_cpu(x, rows, w, store.slots, threads=0)
     with pytest.raises(ValueError, match="out must be"):
         nc.moe_cpu(x, rows, w, store.slots, out=torch.empty(1, 64, dtype=torch.bfloat16))
-    dense = HostExpertStore(1, 2, 64, 32, fp4=False, pin=False)
+    dense = HostExpertStore(1, 2, 64, 64, fp4=False, pin=False)
     with pytest.raises(ValueError, match="NVFP4"):
         nc.moe_cpu(x, rows, w, dense.slots)
     assert nc.moe_cpu_bytes(rows, store.slots) == 2 * store.bytes_per_expert

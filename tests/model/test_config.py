@@ -71,7 +71,7 @@ def test_flat_tiny_config(tmp_path):
     assert c.layer_types == ("linear_attention",) * 3 + ("full_attention",)
     assert (c.num_attention_heads, c.num_kv_heads, c.rotary_dim) == (4, 2, 8)
     assert (c.linear_num_key_heads, c.linear_num_value_heads) == (2, 4)
-    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (8, 2, 32)
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (8, 2, 64)
     assert c.rope_theta == 1e7 and c.eos_token_ids == (491,)
     assert c.quant == QuantConfig() and not c.quant.is_quantized
 

@@ -81,7 +81,7 @@ def test_canonical_forms(bf16_weights):
     for n in ("A_log", "dt_bias", "norm"):
         assert w[f"layers.0.linear_attn.{n}"].dtype == torch.float32
     assert isinstance(w["layers.1.mlp.experts.7.down_proj"], DenseWeight)
-    assert w["layers.1.mlp.experts.7.down_proj"].shape == (64, 32)
+    assert w["layers.1.mlp.experts.7.down_proj"].shape == (64, 64)
     assert w["layers.3.self_attn.q_proj"].shape == (256, 64)
     # norms were randomised: not the zero init
     assert w["layers.0.input_layernorm"].abs().max() > 0
@@ -117,7 +117,7 @@ def test_official_layout_is_sharded_and_skips_vision_and_mtp(tiny_checkpoint):
     assert any(n.startswith("mtp.") for n in names)
     assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in reader.names()
     assert reader.tensor_info("model.language_model.layers.0.mlp.experts.gate_up_proj") == (
-        torch.bfloat16, (8, 64, 64))
+        torch.bfloat16, (8, 128, 64))
 
 
 def test_iteration_is_in_file_order_and_can_skip_experts(tiny_checkpoint):
@@ -144,7 +144,7 @@ def test_plan_reports_storage_and_bytes(tiny_checkpoint):
     path = tiny_checkpoint("modelopt")
     plans = {p.name: p for p in plan_weights(CheckpointReader(path), load_config(path))}
     e = plans["layers.0.mlp.experts.0.gate_proj"]
-    assert (e.storage, e.is_expert, e.nbytes) == ("modelopt", True, 32 * 32 + 32 * 4 + 4)
+    assert (e.storage, e.is_expert, e.nbytes) == ("modelopt", True, 64 * 32 + 64 * 4 + 4)
     assert plans["layers.0.mlp.gate"].storage == "dense"
     path = tiny_checkpoint("compressed-tensors")
     plans = {p.name: p for p in plan_weights(CheckpointReader(path), load_config(path))}

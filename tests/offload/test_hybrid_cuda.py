@@ -1,5 +1,6 @@
-"""Hybrid expert execution on a GPU: the CPU part as host-function nodes of the decode graph
-(and eagerly) decodes the tiny model's greedy tokens; the probe and the debug throttle."""
+"""Hybrid expert execution on a GPU: the CPU part, requested by stream memory operations in the
+decode graph (and eagerly), decodes the tiny model's greedy tokens; the probe and the debug
+throttle."""
 
 from __future__ import annotations
 

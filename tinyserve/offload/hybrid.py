@@ -9,9 +9,12 @@ m distinct misses the GPU copies m - c while the CPU computes c from the pinned 
 (t_copy = bytes per expert / H2D rate, t_cpu per expert, t_call per layer; all from the
 start-up probe, `offload.bandwidth`). The lookup kernel applies the split (a, b) = (t_copy,
 t_call) / (t_copy + t_cpu) on the device, so it needs no host sync; CPU-computed experts are
-not cached. On CUDA the CPU part runs in stream order (`CpuExperts`): a forked stream copies
-x and the routing to pinned memory, runs numba's C entry as a CUDA host function
-(`cuLaunchHostFunc`, capturable in the decode graph) and copies the result back.
+not cached. On CUDA the CPU part runs in stream order (`CpuExperts`): the stream copies x and
+the routing to pinned memory and raises the request flag of the CPU worker
+(`kernels.moe.cpu.HostWorker`, spinning on it) before the layer's miss copies, and waits for its
+answer flag before adding the result, with stream memory operations (`cuStreamWriteValue32` /
+`cuStreamWaitValue32`, capturable in the decode graph; no host function and no driver thread
+in the path).
 Modes (`--experts`): "gpu", "cpu" (every miss on the CPU), "hybrid"; None picks hybrid when
 the probe predicts it faster. Streamed prefill and batches over `CPU_MAX_TOKENS` tokens
 (`offload.provider`) stay on the GPU.
@@ -96,17 +99,18 @@ class _Entry:
     """Buffers of one (layer, batch size) CPU call on CUDA (kept for the graphs' lifetime)."""
 
     stage_dev: torch.Tensor  # [N, H + 2k] fp32: x | rows (int32 bits) | weights
-    stage_host: torch.Tensor  # pinned copy of it, read by the host function
-    out_host: torch.Tensor  # [N, H] fp32 pinned, written by the host function
+    stage_host: torch.Tensor  # pinned copy of it, read by the CPU worker
+    out_host: torch.Tensor  # [N, H] fp32 pinned, written by the CPU worker
     y_dev: torch.Tensor  # [N, H] fp32 on the device
     desc: torch.Tensor  # int64 descriptor (kernels.moe.cpu.host_descriptor)
+    number: int  # its request number at the worker
 
 
 class CpuExperts:
     """Runs the CPU share of a layer's experts in stream order (module docstring).
 
-    `start(layer, x, ids, slot_ids, weights)` forks the CPU work of the pairs whose slot is -1
-    and returns where its result [N, H] fp32 lands (valid on the compute stream after
+    `start(layer, x, ids, slot_ids, weights)` requests the CPU work of the pairs whose slot is
+    -1 and returns where its result [N, H] fp32 lands (valid on the compute stream after
     `join()`); `computed` counts the distinct experts computed so far. The kernel runs on
     `threads` CPU threads (`set_threads`; the probe picks the fastest count).
     """
@@ -117,8 +121,12 @@ class CpuExperts:
         self.store = store
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self._side = torch.cuda.Stream(self.device) if self.cuda else None
+        self._worker = nvfp4_cpu.HostWorker(pin=True) if self.cuda else None
+        if self._worker is not None:  # the device addresses of its request and answer flags
+            w = self._worker
+            self._go, self._done = (flags_address(w.flags, i) for i in (w.GO, w.DONE))
         self._entries: dict[tuple[int, int, int], _Entry] = {}
+        self._pending: _Entry | None = None  # requested by `start`, not yet joined
         self._inline_count = 0
         self._timing: dict[int, list[Any]] = {}  # k -> static inputs and graph of time_rows
 
@@ -136,8 +144,9 @@ class CpuExperts:
 
     def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Tensor,
               weights: torch.Tensor) -> torch.Tensor:
-        """Fork the CPU work of `layer`'s pairs with slot_ids < 0. x [N, H]; ids, slot_ids,
-        weights [N, k] on the device. Returns y [N, H] fp32 (read it after `join()`)."""
+        """Request the CPU work of `layer`'s pairs with slot_ids < 0 on the current stream (the
+        GPU work queued after it runs while the CPU computes). x [N, H]; ids, slot_ids, weights
+        [N, k] on the device. Returns y [N, H] fp32 (read it after `join()`)."""
         rel = torch.where(slot_ids < 0, ids.to(torch.int32), -1)  # [N, k] expert or -1
         if not self.cuda:
             rows = torch.where(rel >= 0, rel.long() + layer * self.store.num_experts, -1)
@@ -146,23 +155,25 @@ class CpuExperts:
         e = self._entry(layer, *ids.shape)
         torch.cat([x.float(), rel.view(torch.float32), weights.float()], dim=1,
                   out=e.stage_dev)
-        current = torch.cuda.current_stream(self.device)
-        side = self._side
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            e.stage_host.copy_(e.stage_dev, non_blocking=True)
-            launch_host_func(side, e.desc)
-            e.y_dev.copy_(e.out_host, non_blocking=True)
+        e.stage_host.copy_(e.stage_dev, non_blocking=True)
+        stream_write(torch.cuda.current_stream(self.device), self._go, e.number)
+        self._pending = e
         return e.y_dev
 
     def join(self) -> None:
-        """Order the compute stream's next work after the last forked CPU work."""
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self._side)
+        """Hold the current stream's next work until the CPU answered the last request, and
+        copy its result in. NOTE: one stream for both: a wait on a separate stream can hold
+        the GPU work queued behind it on a shared hardware queue, serialising the two."""
+        e, self._pending = self._pending, None
+        if e is not None:
+            stream = torch.cuda.current_stream(self.device)
+            stream_wait(stream, self._done, e.number)
+            stream_write(stream, self._done, 0)
+            e.y_dev.copy_(e.out_host, non_blocking=True)
 
     def time_rows(self, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> float:
         """Seconds of one CPU call over store `rows` [1, k] (any layers) as a decode layer
-        pays it: on CUDA the fork, the host function and the join captured in a CUDA graph
+        pays it: on CUDA the request, the answer and the copies captured in a CUDA graph
         (one per k, kept) and timed between events on the device; elsewhere the inline
         call."""
         slot = torch.where(rows >= 0, -1, 0).to(torch.int32)
@@ -206,18 +217,33 @@ class CpuExperts:
                                                  layer * self.store.num_experts, self.threads)
             e = _Entry(torch.zeros(n, h + 2 * k, dtype=torch.float32, device=self.device),
                        stage_host, out_host,
-                       torch.zeros(n, h, dtype=torch.float32, device=self.device), desc)
+                       torch.zeros(n, h, dtype=torch.float32, device=self.device), desc,
+                       self._worker.add(desc))
             self._entries[key] = e
         return e
 
 
-def launch_host_func(stream: Any, desc: torch.Tensor) -> None:
-    """Queue the CPU kernel's C entry on `stream` with `desc` (captured as a host node when
-    the stream is capturing). Raises RuntimeError with the driver's error."""
-    fn = cuda_launch.driver().cuLaunchHostFunc
-    cuda_launch.check(fn(ctypes.c_void_p(stream.cuda_stream),
-                         ctypes.c_void_p(nvfp4_cpu.host_entry_address()),
-                         ctypes.c_void_p(desc.data_ptr())), "cuLaunchHostFunc")
+def flags_address(flags: torch.Tensor, index: int) -> int:
+    """The device address of int32 `flags[index]` (pinned host memory, mapped)."""
+    address = ctypes.c_uint64()
+    cuda_launch.check(cuda_launch.driver().cuMemHostGetDevicePointer_v2(
+        ctypes.byref(address), ctypes.c_void_p(flags.data_ptr()), 0), "cuMemHostGetDevicePointer")
+    return address.value + 4 * index
+
+
+def stream_write(stream: Any, address: int, value: int) -> None:
+    """Queue `*address = value` (int32, after the stream's earlier work and a memory fence)."""
+    cuda_launch.check(cuda_launch.driver().cuStreamWriteValue32_v2(
+        ctypes.c_void_p(stream.cuda_stream), ctypes.c_uint64(address), ctypes.c_uint32(value),
+        0), "cuStreamWriteValue32")
+
+
+def stream_wait(stream: Any, address: int, value: int) -> None:
+    """Hold the stream's later work until `*address == value` (int32)."""
+    eq = 1  # CU_STREAM_WAIT_VALUE_EQ
+    cuda_launch.check(cuda_launch.driver().cuStreamWaitValue32_v2(
+        ctypes.c_void_p(stream.cuda_stream), ctypes.c_uint64(address), ctypes.c_uint32(value),
+        eq), "cuStreamWaitValue32")
 
 
 def configure(experts: Any, mode: str | None, top_k: int) -> HybridPlan:

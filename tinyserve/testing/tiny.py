@@ -42,7 +42,7 @@ TINY_CONFIG: dict[str, Any] = {
     "linear_conv_kernel_dim": 4,
     "num_experts": 8,
     "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
+    "moe_intermediate_size": 64,
     "shared_expert_intermediate_size": 32,
     "rms_norm_eps": 1e-6,
     "max_position_embeddings": 512,

@@ -3,11 +3,13 @@
 `moe_cpu` computes out[t] = sum_j weights[t, j] * down_r(silu(gate_r(x_t)) * up_r(x_t)) for
 every pair with row r = rows[t, j] >= 0 (row -1: the pair runs on the GPU). Each matrix's input
 is quantized to int8 per block of 16 (scale max|x| / 127, as llama.cpp's CPU dots) and dotted
-with the E2M1 codes in integers (SSSE3 pshufb / pmaddubsw, x86-64 only); `moe_cpu_ref` rounds
-the same way (outputs within ~1 % of unquantized fp32 math). Two parallel regions (gate_up per
-expert and row block, down per row block summing its pairs in a fixed order: the same bits for
-any thread count). numba: wheels everywhere, the GIL released, and a C callback (`host_entry`)
-a CUDA host node calls with no Python (`offload.hybrid`)."""
+with the E2M1 codes in integers (AVX2 pshufb / pmaddubsw, x86-64 only); `moe_cpu_ref` rounds
+the same way (outputs within ~1 % of unquantized fp32 math). Two parallel regions (per expert
+and block of hidden units: gate and up rows, silu-mul, its int8 rounding; down per row block
+summing its pairs in a fixed order: the same bits for any thread count). numba: wheels
+everywhere, the GIL released, and a native loop (`HostWorker`) that serves calls requested
+through flags in pinned memory with no Python, which the GPU raises and waits on with stream
+memory operations (`offload.hybrid`)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch
 
 from tinyserve.kernels.moe.fused import ExpertSlots, moe_pairs_ref
 
-ROW_BLOCK = 32  # weight rows per work item (both phases)
+ROW_BLOCK = 32  # hidden units (gate and up rows) or down rows per work item
 # NOTE: the layout of a host-entry descriptor (int64 words, `host_descriptor`)
 DESC_WORDS = 19
 (D_STAGE, D_OUT, D_N, D_K, D_ROW_BASE, D_W13, D_S13, D_G13, D_W2, D_S2, D_G2, D_ROWS, D_H, D_F,
@@ -26,21 +28,20 @@ DESC_WORDS = 19
 
 
 def available() -> bool:
-    """Whether the CPU expert kernel can run here (numba, an x86-64 CPU with SSSE3)."""
+    """Whether the CPU expert kernel can run here (numba, an x86-64 CPU with AVX2)."""
     try:
         from llvmlite import binding
     except ImportError:
         return False
-    return binding.get_host_cpu_features().get("ssse3", False)
+    return binding.get_host_cpu_features().get("avx2", False)
 
 
 def check_slots(slots: ExpertSlots) -> None:
     if not slots.is_fp4 or slots.device.type != "cpu":
         raise ValueError("the CPU expert kernel reads NVFP4 ExpertSlots in host memory")
     h, f = slots.hidden_size, slots.intermediate_size
-    if h % (2 * ROW_BLOCK) or f % ROW_BLOCK:
-        raise ValueError(f"the CPU expert kernel needs H % {2 * ROW_BLOCK} == 0 and "
-                         f"F % {ROW_BLOCK} == 0, got H={h} F={f}")
+    if h % 64 or f % 64:
+        raise ValueError(f"the CPU expert kernel needs H and F multiples of 64, got H={h} F={f}")
 
 
 def moe_cpu(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, slots: ExpertSlots, *,
@@ -117,7 +118,7 @@ def check_threads(threads: int) -> int:
 
 def host_descriptor(slots: ExpertSlots, stage: torch.Tensor, out: torch.Tensor,
                     top_k: int, row_base: int, threads: int) -> torch.Tensor:
-    """The int64 [DESC_WORDS] descriptor `host_entry` reads: a call on `threads` threads
+    """The int64 [DESC_WORDS] descriptor of a `HostWorker` call: on `threads` threads
     (word D_THREADS, changeable) over `stage` (float32 [N, H + 2k]: x | rows as int32 bits
     relative to `row_base` | weights) into `out` (float32 [N, H]); both outlive every call."""
     check_slots(slots)
@@ -136,18 +137,62 @@ def host_descriptor(slots: ExpertSlots, stage: torch.Tensor, out: torch.Tensor,
     return d
 
 
-def host_entry_address() -> int:
-    """Address of `void entry(void *descriptor)`: `moe_cpu` on the descriptor's buffers with no
-    Python (a CUDA host function), counting experts in D_COUNT and calls in D_CALLS."""
-    return _kernels().entry_address
+class HostWorker:
+    """A native thread running CPU expert calls on request, with no Python and no GIL.
+
+    A requester (the GPU through stream memory operations, or `call` from any thread) writes
+    flags[GO] = i for descriptor i (`add`'s number); the worker clears GO, runs the call and
+    answers flags[DONE] = i. One request at a time. It spins (`pause`) while requests come and
+    polls every 50 us after `spin` idle polls. `close()` (or garbage collection) stops it.
+    `pin`: the flags in pinned memory (for a GPU requester).
+    """
+
+    GO, DONE, STOP = 0, 1, 2
+
+    def __init__(self, *, pin: bool = False, capacity: int = 4096, spin: int = 100_000) -> None:
+        import ctypes
+        import threading
+        import weakref
+
+        k = _kernels()
+        self.flags = torch.zeros(4, dtype=torch.int32, pin_memory=pin)
+        self.table = torch.zeros(capacity, dtype=torch.int64)
+        self._descriptors: list[torch.Tensor] = []
+        usleep = ctypes.cast(ctypes.CDLL(None).usleep, ctypes.c_void_p).value
+        self._control = torch.tensor([self.flags.data_ptr(), self.table.data_ptr(), capacity,
+                                      usleep, spin], dtype=torch.int64)
+        serve = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(k.serve_address)
+        thread = threading.Thread(target=serve, args=(self._control.data_ptr(),), daemon=True,
+                                  name="tinyserve-cpu-experts")
+        thread.start()
+        # the buffers outlive the loop: the finalizer holds them until the thread is joined
+        self._stop = weakref.finalize(self, _stop_worker, self.flags, thread, self._control,
+                                      self.table, self._descriptors)
+
+    def add(self, descriptor: torch.Tensor) -> int:
+        """Register `descriptor` (`host_descriptor`; kept alive here): its request number."""
+        if len(self._descriptors) == self.table.numel():
+            raise ValueError(f"the CPU expert worker holds at most {self.table.numel()} calls")
+        self._descriptors.append(descriptor)
+        self.table[len(self._descriptors) - 1] = descriptor.data_ptr()
+        return len(self._descriptors)
+
+    def call(self, number: int) -> None:
+        """Request call `number` and wait for its answer (CPU use and tests)."""
+        import time
+
+        self.flags[self.GO] = number
+        while int(self.flags[self.DONE]) != number:
+            time.sleep(0)
+        self.flags[self.DONE] = 0
+
+    def close(self) -> None:
+        self._stop()
 
 
-def run_host_entry(descriptor: torch.Tensor) -> None:
-    """Call `host_entry_address()` on `descriptor` from this thread (CPU use and tests)."""
-    import ctypes
-
-    fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(host_entry_address())
-    fn(descriptor.data_ptr())
+def _stop_worker(flags: torch.Tensor, thread: Any, *buffers: Any) -> None:
+    flags[HostWorker.STOP] = 1
+    thread.join()
 
 
 @functools.cache

@@ -15,6 +15,9 @@ from numba.np.ufunc.parallel import _launch_threads
 
 RB = 32  # rows per work item: kernels.moe.cpu.ROW_BLOCK
 DW = 19  # descriptor words: kernels.moe.cpu.DESC_WORDS
+# code bytes the dot prefetches ahead of its loads: rows are contiguous, so this runs into the
+# next rows of the work item and keeps the memory reads in flight while the core computes
+PREFETCH = 2048
 
 
 @intrinsic
@@ -55,18 +58,57 @@ def _call_i32(typingctx, addr, value):
     return sig, codegen
 
 
+@intrinsic
+def _load_acquire_i32(typingctx, addr):
+    """The int32 at address `addr`, read with acquire ordering (never hoisted out of a loop)."""
+    sig = types.int64(types.int64)
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.inttoptr(args[0], ir.IntType(32).as_pointer())
+        return builder.sext(builder.load_atomic(ptr, "acquire", 4), ir.IntType(64))
+
+    return sig, codegen
+
+
+@intrinsic
+def _store_release_i32(typingctx, addr, value):
+    sig = types.void(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.inttoptr(args[0], ir.IntType(32).as_pointer())
+        builder.store_atomic(builder.trunc(args[1], ir.IntType(32)), ptr, "release", 4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _pause(typingctx):
+    """The spin-wait hint (x86 `pause`)."""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        fn = builder.module.globals.get("llvm.x86.sse2.pause") or ir.Function(
+            builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause")
+        builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 _ptr_f32 = _typed_ptr(types.float32)
 _ptr_i32 = _typed_ptr(types.int32)
 _ptr_i64 = _typed_ptr(types.int64)
 _ptr_u8 = _typed_ptr(types.uint8)
 
 
-# The block dot, written in LLVM IR with SSSE3 instructions (every x86-64 CPU since 2006; VEX
-# encoded where the host has AVX): 16 code bytes (32 inputs, two scale blocks) per iteration.
+# The block dot, written in LLVM IR with AVX2 instructions (every x86-64 CPU since 2013-2015:
+# Haswell, Zen): 32 code bytes (64 inputs, four scale blocks) per iteration.
 _I8, _I16, _I32, _I64, _F32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
                                ir.FloatType())
-_V16I8, _V8I16, _V4I32, _V4F32 = (ir.VectorType(_I8, 16), ir.VectorType(_I16, 8),
-                                  ir.VectorType(_I32, 4), ir.VectorType(_F32, 4))
+_V32I8, _V16I16, _V8I32, _V4F32, _V8F32 = (ir.VectorType(_I8, 32), ir.VectorType(_I16, 16),
+                                           ir.VectorType(_I32, 8), ir.VectorType(_F32, 4),
+                                           ir.VectorType(_F32, 8))
 # twice the E2M1 value of each code (integers; the sign is bit 3)
 _E2M1_X2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
@@ -83,7 +125,7 @@ def _splat(ty: ir.VectorType, value: int | float) -> ir.Constant:
 def _dot_function(module: ir.Module) -> ir.Function:
     """`float dot(i8 *codes, i8 *scales, float *e4, i8 *xq, float *xs, i64 chunks)`: the sum
     over blocks of 16 inputs of e4[scales[b]] * xs[b] * (sum of 2 * E2M1(code) * xq) (see
-    `_quantize` for xq's layout); `chunks` >= 1 iterations of 16 code bytes."""
+    `_quantize` for xq's layout); `chunks` >= 1 iterations of 32 code bytes."""
     name = "tinyserve_nvfp4_i8_dot"
     fn = module.globals.get(name)
     if fn is not None:
@@ -92,53 +134,58 @@ def _dot_function(module: ir.Module) -> ir.Function:
     fn = ir.Function(module, ir.FunctionType(_F32, [i8p, i8p, f32p, i8p, f32p, _I64]), name)
     fn.linkage = "internal"
     codes, scales, e4, xq, xs, chunks = fn.args
-    pshufb = _declare(module, "llvm.x86.ssse3.pshuf.b.128", _V16I8, _V16I8, _V16I8)
-    psign = _declare(module, "llvm.x86.ssse3.psign.b.128", _V16I8, _V16I8, _V16I8)
-    maddubs = _declare(module, "llvm.x86.ssse3.pmadd.ub.sw.128", _V8I16, _V16I8, _V16I8)
-    maddwd = _declare(module, "llvm.x86.sse2.pmadd.wd", _V4I32, _V8I16, _V8I16)
+    pshufb = _declare(module, "llvm.x86.avx2.pshuf.b", _V32I8, _V32I8, _V32I8)
+    psign = _declare(module, "llvm.x86.avx2.psign.b", _V32I8, _V32I8, _V32I8)
+    maddubs = _declare(module, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, _V32I8, _V32I8)
+    maddwd = _declare(module, "llvm.x86.avx2.pmadd.wd", _V8I32, _V16I16, _V16I16)
     entry, loop, done = (fn.append_basic_block(n) for n in ("entry", "loop", "done"))
     b = ir.IRBuilder(entry)
     b.branch(loop)
     b.position_at_end(loop)
     i = b.phi(_I64)
-    acc = b.phi(_V4F32)
+    acc = b.phi(_V8F32)
 
     def const(v: int) -> ir.Constant:
         return ir.Constant(_I64, v)
 
-    def load16(ptr: ir.Value, offset: ir.Value) -> ir.Value:
-        return b.load(b.bitcast(b.gep(ptr, [offset]), _V16I8.as_pointer()), align=1)
+    def load(ptr: ir.Value, offset: ir.Value, ty: ir.VectorType) -> ir.Value:
+        return b.load(b.bitcast(b.gep(ptr, [offset]), ty.as_pointer()), align=1)
 
-    c = load16(codes, b.mul(i, const(16)))
-    table = ir.Constant(_V16I8, [ir.Constant(_I8, v & 0xFF) for v in _E2M1_X2])
-    w_even = b.call(pshufb, [table, b.and_(c, _splat(_V16I8, 15))])
-    w_odd = b.call(pshufb, [table, b.lshr(c, _splat(_V16I8, 4))])
-    x_even = load16(xq, b.mul(i, const(32)))
-    x_odd = load16(xq, b.add(b.mul(i, const(32)), const(16)))
+    prefetch = _declare(module, "llvm.prefetch.p0", ir.VoidType(), i8p, _I32, _I32, _I32)
+    b.call(prefetch, [b.gep(codes, [b.add(b.mul(i, const(32)), const(PREFETCH))]),
+                      *(ir.Constant(_I32, v) for v in (0, 3, 1))])
+    c = load(codes, b.mul(i, const(32)), _V32I8)
+    table = ir.Constant(_V32I8, [ir.Constant(_I8, v & 0xFF) for v in _E2M1_X2 * 2])
+    w_even = b.call(pshufb, [table, b.and_(c, _splat(_V32I8, 15))])
+    w_odd = b.call(pshufb, [table, b.lshr(c, _splat(_V32I8, 4))])
+    x_even = load(xq, b.mul(i, const(64)), _V32I8)
+    x_odd = load(xq, b.add(b.mul(i, const(64)), const(32)), _V32I8)
     # |w| (unsigned) times x with w's sign, pairs summed to int16, then quads to int32: lanes
-    # 0-1 hold the first scale block of the chunk, lanes 2-3 the second
+    # 2b and 2b + 1 hold scale block b of the chunk
     pairs = b.add(b.call(maddubs, [b.call(psign, [w_even, w_even]),
                                    b.call(psign, [x_even, w_even])]),
                   b.call(maddubs, [b.call(psign, [w_odd, w_odd]),
                                    b.call(psign, [x_odd, w_odd])]))
-    quads = b.sitofp(b.call(maddwd, [pairs, _splat(_V8I16, 1)]), _V4F32)
-    scale = ir.Constant(_V4F32, ir.Undefined)
-    for j in range(2):
-        blk = b.add(b.mul(i, const(2)), const(j))
-        s = b.fmul(b.load(b.gep(e4, [b.zext(b.load(b.gep(scales, [blk])), _I64)])),
-                   b.load(b.gep(xs, [blk])))
-        for lane in (2 * j, 2 * j + 1):
-            scale = b.insert_element(scale, s, ir.Constant(_I32, lane))
+    quads = b.sitofp(b.call(maddwd, [pairs, _splat(_V16I16, 1)]), _V8F32)
+    w_scale = ir.Constant(_V4F32, ir.Undefined)
+    for j in range(4):
+        code = b.zext(b.load(b.gep(scales, [b.add(b.mul(i, const(4)), const(j))])), _I64)
+        w_scale = b.insert_element(w_scale, b.load(b.gep(e4, [code])), ir.Constant(_I32, j))
+    scale = b.fmul(w_scale, load(xs, b.mul(i, const(4)), _V4F32))
+    pick = ir.Constant(ir.VectorType(_I32, 8), [ir.Constant(_I32, j // 2) for j in range(8)])
+    scale = b.shuffle_vector(scale, scale, pick)
     acc_next = b.fadd(acc, b.fmul(quads, scale))
     i_next = b.add(i, const(1))
     i.add_incoming(const(0), entry)
     i.add_incoming(i_next, loop)
-    acc.add_incoming(_splat(_V4F32, 0.0), entry)
+    acc.add_incoming(_splat(_V8F32, 0.0), entry)
     acc.add_incoming(acc_next, loop)
     b.cbranch(b.icmp_unsigned("<", i_next, chunks), loop, done)
     b.position_at_end(done)
-    lane = [b.extract_element(acc_next, ir.Constant(_I32, j)) for j in range(4)]
-    b.ret(b.fadd(b.fadd(lane[0], lane[1]), b.fadd(lane[2], lane[3])))
+    lane = [b.extract_element(acc_next, ir.Constant(_I32, j)) for j in range(8)]
+    while len(lane) > 1:
+        lane = [b.fadd(lane[j], lane[j + 1]) for j in range(0, len(lane), 2)]
+    b.ret(lane[0])
     return fn
 
 
@@ -146,7 +193,7 @@ def _dot_function(module: ir.Module) -> ir.Function:
 def _dot(typingctx, codes, scales, e4, xq, xs):
     """One weight row (codes uint8 [K/2], scales uint8 [K/16]) against one quantized input
     (xq int8 [K], xs fp32 [K/16]); twice the dot (the table holds 2 * E2M1), before the row's
-    global scale. K % 32 == 0."""
+    global scale. K % 64 == 0."""
     sig = types.float32(codes, scales, e4, xq, xs)
 
     def codegen(context, builder, signature, args):
@@ -155,28 +202,28 @@ def _dot(typingctx, codes, scales, e4, xq, xs):
                 for t, v, p in zip(signature.args, args, (i8p, i8p, f32p, i8p, f32p),
                                    strict=True)]
         codes_array = context.make_array(signature.args[0])(context, builder, args[0])
-        chunks = builder.udiv(builder.extract_value(codes_array.shape, 0), ir.Constant(_I64, 16))
+        chunks = builder.udiv(builder.extract_value(codes_array.shape, 0), ir.Constant(_I64, 32))
         return builder.call(_dot_function(builder.module), [*ptrs, chunks])
 
     return sig, codegen
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def _quantize(x, q, s):
-    """x fp32 [K] -> q int8 [K], s fp32 [K/16]: per block of 16 inputs s = max|x| / 127 and
-    q = round(x * 127 / max|x|), stored per chunk of 32 inputs as its 16 even inputs then its
-    16 odd ones (the order the dot splits the code bytes in). Not fast-math: the torch
-    reference rounds the same way."""
-    for blk in range(x.shape[0] // 16):
+def _quantize(x, q, s, first, end):
+    """x fp32 [K] -> q int8 [K], s fp32 [K/16], blocks `first` to `end` - 1 of 16 inputs: per
+    block s = max|x| / 127 and q = round(x * 127 / max|x|), stored per chunk of 64 inputs as
+    its 32 even inputs then its 32 odd ones (the order the dot splits the code bytes in). Not
+    fast-math: the torch reference rounds the same way."""
+    for blk in range(first, end):
         amax = np.float32(0.0)
         for i in range(blk * 16, blk * 16 + 16):
             amax = max(amax, abs(x[i]))
         s[blk] = amax / np.float32(127.0)
         inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-        base = (blk // 2) * 32 + (blk % 2) * 8
+        base = (blk // 4) * 64 + (blk % 4) * 8
         for j in range(8):
             q[base + j] = np.int8(np.round(x[blk * 16 + 2 * j] * inv))
-            q[base + 16 + j] = np.int8(np.round(x[blk * 16 + 2 * j + 1] * inv))
+            q[base + 32 + j] = np.int8(np.round(x[blk * 16 + 2 * j + 1] * inv))
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True, error_model="numpy")
@@ -212,25 +259,26 @@ def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, setters):
     xq = np.empty((n, h), np.int8)
     xs = np.empty((n, h // 16), np.float32)
     for t in range(n):
-        _quantize(x[t], xq[t], xs[t])
-    gu = np.empty((npairs, 2 * f), np.float32)  # gate | up of each pair (in `pairs` order)
-    nb1 = 2 * f // RB
+        _quantize(x[t], xq[t], xs[t], 0, h // 16)
+    # gate and up rows of a row block, then silu(gate) * up quantized as x is (the block's
+    # own scale blocks: RB % 16 == 0)
+    hid = np.empty((npairs, f), np.float32)
+    hq = np.empty((npairs, f), np.int8)
+    hs = np.empty((npairs, f // 16), np.float32)
+    nb1 = f // RB
     for item in prange(groups * nb1):
         u = item // nb1
         r = flat[pairs[starts[u]]]
-        for o in range(item % nb1 * RB, item % nb1 * RB + RB):
-            g = g13[r, o // f] * np.float32(0.5)
+        first = item % nb1 * RB
+        g_gate, g_up = g13[r, 0] * np.float32(0.5), g13[r, 1] * np.float32(0.5)
+        for o in range(first, first + RB):
             for p in range(starts[u], starts[u + 1]):
                 t = pairs[p] // topk
-                gu[p, o] = _dot(w13[r, o], s13[r, o], e4, xq[t], xs[t]) * g
-    hq = np.empty((npairs, f), np.int8)  # silu(gate) * up, quantized as x is
-    hs = np.empty((npairs, f // 16), np.float32)
-    hid = np.empty(f, np.float32)
-    for p in range(npairs):
-        for i in range(f):
-            g = gu[p, i]
-            hid[i] = g / (np.float32(1.0) + np.exp(-g)) * gu[p, f + i]
-        _quantize(hid, hq[p], hs[p])
+                g = _dot(w13[r, o], s13[r, o], e4, xq[t], xs[t]) * g_gate
+                up = _dot(w13[r, f + o], s13[r, f + o], e4, xq[t], xs[t]) * g_up
+                hid[p, o] = g / (np.float32(1.0) + np.exp(-g)) * up
+        for p in range(starts[u], starts[u + 1]):
+            _quantize(hid[p], hq[p], hs[p], first // 16, (first + RB) // 16)
     for item in prange(h // RB):
         acc = np.zeros(n, np.float32)
         for o in range(item * RB, item * RB + RB):
@@ -257,15 +305,15 @@ def _e4m3_values() -> np.ndarray:
 
 
 _E4M3 = _e4m3_values()
-# NOTE: the threading layer first: a cached `entry` (it calls the parallel `moe`) links
+# NOTE: the threading layer first: a cached `serve` (it calls the parallel `moe`) links
 # against its scheduler symbols when loaded.
 _launch_threads()
 
 
-@cfunc(types.void(types.voidptr), nopython=True, cache=True)
-def entry(desc):
-    """`void entry(void *descriptor)`: kernels.moe.cpu.host_descriptor's layout."""
-    d = carray(_ptr_i64(_addr(desc)), (DW,))
+@njit(nogil=True, cache=True)
+def _run(address):
+    """One call described by the descriptor at `address` (kernels.moe.cpu.host_descriptor)."""
+    d = carray(_ptr_i64(address), (DW,))
     n, topk, base = d[2], d[3], d[4]
     nrows, h, f = d[11], d[12], d[13]
     width = h + 2 * topk
@@ -296,6 +344,32 @@ def entry(desc):
     d[15] += 1
 
 
+@cfunc(types.void(types.voidptr), nopython=True, cache=True)
+def serve(control):
+    """`void serve(void *control)`: the worker loop of kernels.moe.cpu.HostWorker. Waits for
+    a request (flag GO = i + 1), runs descriptor table[i], then answers (DONE = i + 1); spins
+    while requests come, sleeps between polls once none came for SPIN polls; returns on
+    STOP."""
+    c = carray(_ptr_i64(_addr(control)), (5,))  # flags, table, its size, usleep, SPIN
+    go, done, stop = c[0], c[0] + 4, c[0] + 8
+    table = carray(_ptr_i64(c[1]), (c[2],))
+    idle = 0
+    while True:
+        i = _load_acquire_i32(go)
+        if i > 0:
+            _store_release_i32(go, 0)
+            _run(table[i - 1])
+            _store_release_i32(done, i)
+            idle = 0
+        elif _load_acquire_i32(stop) != 0:
+            return
+        elif idle < c[4]:
+            idle += 1
+            _pause()
+        else:
+            _call_i32(c[3], 50)
+
+
 def build(row_block: int, desc_words: int) -> SimpleNamespace:
     """The compiled kernels: `moe`, the E4M3 table it takes and the C entry's address."""
     if row_block != RB or desc_words != DW:
@@ -304,7 +378,7 @@ def build(row_block: int, desc_words: int) -> SimpleNamespace:
 
     setters = np.array([ctypes.cast(f, ctypes.c_void_p).value for f in
                         (parallel._set_num_threads, parallel._set_parallel_chunksize)], np.int64)
-    return SimpleNamespace(moe=moe, e4m3=_E4M3.copy(), entry_address=entry.address,
+    return SimpleNamespace(moe=moe, e4m3=_E4M3.copy(), serve_address=serve.address,
                            read_sum=read_sum, setters=setters)
 
 

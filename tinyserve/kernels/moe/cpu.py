@@ -87,13 +87,6 @@ def moe_cpu_ref(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, slot
     return moe_pairs_ref(rnd(x.float()), rows, weights.float(), slots, rnd)
 
 
-def moe_cpu_bytes(rows: torch.Tensor, slots: ExpertSlots) -> int:
-    """Bytes of the store a `moe_cpu` call over `rows` reads (each distinct expert once)."""
-    distinct = len(set(rows[rows >= 0].tolist()))
-    per = sum(t[0].numel() * t.element_size() for t in slots.buffers)
-    return distinct * per
-
-
 def read_host(buffer: torch.Tensor) -> int:
     """A checksum of every 8-byte word of a contiguous CPU tensor, read with all the kernel's
     threads (the host read-bandwidth probe of `offload.bandwidth`)."""

@@ -13,8 +13,10 @@ Cases:
   the measurement behind choosing numba.
 - probe: the start-up probe and the plan of every mode.
 - gpu, cpu, hybrid: `engine.bench.run_bench` (prompt 1024, 64 generated, batch 1): decode
-  tok/s, the median step, hits / misses / experts computed on the CPU, and the greedy tokens
-  of one fixed prompt (the summary counts how many agree with gpu-only's).
+  tok/s, the median step, hits / misses / experts computed on the CPU, the greedy tokens of
+  one fixed prompt (the summary counts how many agree with gpu-only's), and the top-20
+  logprobs of 16 decode steps teacher-forced on gpu-only's tokens (the summary compares them
+  with gpu-only's: the CPU path's effect on the logits of the full-size model).
 - laptop_gpu, laptop_hybrid: the miss copies throttled to `--h2d-gbps` (12 GB/s: an RTX 4060
   laptop's PCIe 4.0 x8) by the cache's debug throttle (kernels.throttle), the probe run
   again under it (the plan moves work to the CPU), then gpu-only and the probe's plan.
@@ -121,19 +123,25 @@ def _set_mode(engine: Any, plan: hybrid.HybridPlan, runner: hybrid.CpuExperts) -
 
 
 def decode_case(engine: Any, plan: hybrid.HybridPlan, runner: hybrid.CpuExperts,
-                args: argparse.Namespace) -> dict[str, Any]:
+                args: argparse.Namespace, forced_on: list[int] | None = None) -> dict[str, Any]:
+    """One mode's decode; `forced_on`: the tokens to teacher-force its logprobs on (None:
+    its own greedy tokens)."""
     from tinyserve.engine.bench import run_bench
 
     _set_mode(engine, plan, runner)
     r = run_bench(engine, prompt_len=args.prompt_len, gen_len=args.gen_len, batch=args.batch)
     r["experts"] = plan.as_dict()
     r["greedy_tokens"] = _greedy_tokens(engine, args.prompt_len, TOKEN_CHECK)
+    if forced_on is not None or plan.mode == "gpu":
+        r["forced_top_logprobs"] = _forced_logprobs(
+            engine, args.prompt_len, (forced_on or r["greedy_tokens"])[:FORCED])
     print(f"  {plan.mode}: decode {r['decode_tok_s']:.1f} tok/s, step "
           f"{r['decode_step_ms']:.2f} ms, {r['expert_cache']}", flush=True)
     return r
 
 
 TOKEN_CHECK = 32  # greedy tokens each mode decodes from one fixed prompt
+FORCED = 16  # decode steps each mode's logprobs are compared on, teacher-forced
 
 
 def _greedy_tokens(engine: Any, prompt_len: int, n: int) -> list[int]:
@@ -143,6 +151,34 @@ def _greedy_tokens(engine: Any, prompt_len: int, n: int) -> list[int]:
     handle = engine.submit(prompt, SamplingParams(temperature=0.0, max_tokens=n,
                                                   ignore_eos=True))
     return [t for out in handle for t in out.token_ids]
+
+
+def _forced_logprobs(engine: Any, prompt_len: int, tokens: list[int]) -> list[list]:
+    """Top-20 (id, logprob) of one decode step after the fixed prompt + tokens[:i], for each
+    i: that context is prefilled (always on the GPU) and two tokens generated; the first comes
+    from the prefill, the second from a decode step, whose logprobs these are."""
+    from tinyserve.core import MAX_TOP_LOGPROBS, SamplingParams
+
+    prompt = engine.random_prompt(prompt_len, torch.Generator().manual_seed(1234))
+    steps = []
+    for i in range(len(tokens)):
+        handle = engine.submit(prompt + tokens[:i], SamplingParams(
+            temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=MAX_TOP_LOGPROBS))
+        logprobs = [lp for out in handle for lp in out.logprobs]
+        steps.append([list(t) for t in logprobs[1].top])
+    return steps
+
+
+def _compare_logprobs(ref: list[list], got: list[list]) -> dict[str, Any]:
+    """Per step: the largest |logprob difference| over the ids both top-20s hold, and whether
+    the top id agrees."""
+    diffs, top1 = [], 0
+    for a, b in zip(ref, got, strict=True):
+        da, db = dict((int(i), v) for i, v in a), dict((int(i), v) for i, v in b)
+        diffs.append(max(abs(da[i] - db[i]) for i in da.keys() & db.keys()))
+        top1 += a[0][0] == b[0][0]
+    return {"max_abs_logprob_diff": max(diffs), "median_max_abs_logprob_diff":
+            statistics.median(diffs), "top1_equal": top1, "steps": len(ref)}
 
 
 def main() -> int:
@@ -192,8 +228,10 @@ def main() -> int:
         runner = hybrid.CpuExperts(store, device=cache.device)
         bw = rec.run("probe", lambda: _probe(store, top_k, cache, runner))
         plans = {m: hybrid.plan_split(bw, m, top_k) for m in ("gpu", "cpu", "hybrid")}
-        for mode in ("gpu", "cpu", "hybrid"):
-            rec.run(mode, decode_case, engine, plans[mode], runner, args)
+        gpu = rec.run("gpu", decode_case, engine, plans["gpu"], runner, args)
+        for mode in ("cpu", "hybrid"):
+            rec.run(mode, decode_case, engine, plans[mode], runner, args,
+                    (gpu or {}).get("greedy_tokens"))
         if args.h2d_gbps > 0:
             cache.throttle_bytes_per_s = args.h2d_gbps * 1e9
             slow = rec.run("laptop_probe", lambda: _probe(store, top_k, cache, runner))
@@ -242,6 +280,10 @@ def _summary(cases: dict[str, Any]) -> dict[str, Any]:
             k: next((i for i, (a, b) in enumerate(zip(ref, c["greedy_tokens"], strict=True))
                      if a != b), len(ref))
             for k, c in cases.items() if isinstance(c, dict) and "greedy_tokens" in c}
+    if ref and "forced_top_logprobs" in (cases.get("gpu") or {}):
+        out["forced_logprobs_vs_gpu"] = {
+            k: _compare_logprobs(cases["gpu"]["forced_top_logprobs"], c["forced_top_logprobs"])
+            for k, c in cases.items() if k in ("cpu", "hybrid") and "forced_top_logprobs" in c}
     kernel = cases.get("kernel")
     if kernel:
         out["cpu_kernel_fraction_of_host_read"] = kernel["fraction_of_host_read"]

@@ -135,8 +135,9 @@ class HostWorker:
 
     A requester (the GPU through stream memory operations, or `call` from any thread) writes
     flags[GO] = i for descriptor i (`add`'s number); the worker clears GO, runs the call and
-    answers flags[DONE] = i. One request at a time. It spins (`pause`) while requests come and
-    polls every 50 us after `spin` idle polls. `close()` (or garbage collection) stops it.
+    answers flags[DONE] = i. One request at a time. It spins (`pause`) while requests come, polls
+    every 50 us after `spin` idle polls and every 1 ms after ~0.1 s more. `close()` (or garbage
+    collection) stops it.
     `pin`: the flags in pinned memory (for a GPU requester).
     """
 

@@ -260,8 +260,8 @@ def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, setters):
     xs = np.empty((n, h // 16), np.float32)
     for t in range(n):
         _quantize(x[t], xq[t], xs[t], 0, h // 16)
-    # gate and up rows of a row block, then silu(gate) * up quantized as x is (the block's
-    # own scale blocks: RB % 16 == 0)
+    # per expert and block of RB hidden units: their gate and up rows, then silu(gate) * up
+    # rounded as x is (whole scale blocks: RB % 16 == 0)
     hid = np.empty((npairs, f), np.float32)
     hq = np.empty((npairs, f), np.int8)
     hs = np.empty((npairs, f // 16), np.float32)

@@ -174,7 +174,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str = "modelopt",
           CheckpointWriter(dst, max_shard_bytes, overwrite=overwrite) as writer):
         every = plan_weights(reader, config)
         # a tied lm_head reads the embedding's tensor, which stays in the model dtype
-        embed = next(p.raw["weight"] for p in every if p.name == "embed_tokens")
+        embed = next((p.raw["weight"] for p in every if p.name == "embed_tokens"), None)
         plans = {p.raw["weight"]: p for p in every
                  if p.kind in ("linear", "fused_gate_up", "fused_down")
                  and p.raw["weight"] != embed}

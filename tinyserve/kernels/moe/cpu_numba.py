@@ -88,9 +88,7 @@ def _pause(typingctx):
     sig = types.void()
 
     def codegen(context, builder, signature, args):
-        fn = builder.module.globals.get("llvm.x86.sse2.pause") or ir.Function(
-            builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause")
-        builder.call(fn, [])
+        builder.call(_declare(builder.module, "llvm.x86.sse2.pause", ir.VoidType()), [])
         return context.get_dummy_value()
 
     return sig, codegen
@@ -372,7 +370,7 @@ def serve(control):
 
 
 def build(row_block: int, desc_words: int) -> SimpleNamespace:
-    """The compiled kernels: `moe`, the E4M3 table it takes and the C entry's address."""
+    """The compiled kernels: `moe`, the E4M3 table it takes and the worker loop's address."""
     if row_block != RB or desc_words != DW:
         raise ValueError("kernels.moe.cpu and its numba code disagree on their constants")
     from numba.np.ufunc import parallel

@@ -1,20 +1,20 @@
-"""The numba code of `cpu.py` (imported on first use). Arrays: x [N, H] fp32, rows [N, k]
-int64 (-1: skipped), wts [N, k] fp32; w13 uint8 [R, 2F, H/2], s13 [R, 2F, H/16], g13 fp32
-[R, 2], w2 uint8 [R, H, F/2], s2 [R, H, F/16], g2 fp32 [R]; out [N, H] fp32; e4 fp32 [256]."""
+"""The numba code of `cpu.py` (imported on first use): the block dot in LLVM IR, the
+pool's thread loops and the work they share. Store arrays (descriptor words): w13 uint8
+[R, 2F, H/2], s13 [R, 2F, H/16], g13 fp32 [R, 2], w2 uint8 [R, H, F/2], s2 [R, H, F/16],
+g2 fp32 [R]; per call: x [N, H] fp32 (quantized to xq int8 [N, H], xs fp32 [N, H/16]), the
+pairs' rows [N * k] int64 (-1: skipped) and weights [N * k] fp32, out [N, H] fp32."""
 
 from __future__ import annotations
 
-import ctypes
 from types import SimpleNamespace
 
 import numpy as np
 from llvmlite import ir
-from numba import carray, cfunc, njit, prange, types
+from numba import carray, cfunc, njit, types
 from numba.extending import intrinsic
-from numba.np.ufunc.parallel import _launch_threads
 
 RB = 32  # rows per work item: kernels.moe.cpu.ROW_BLOCK
-DW = 19  # descriptor words: kernels.moe.cpu.DESC_WORDS
+DW = 17  # descriptor words: kernels.moe.cpu.DESC_WORDS
 # code bytes the dot prefetches ahead of its loads: rows are contiguous, so this runs into the
 # next rows of the work item and keeps the memory reads in flight while the core computes
 PREFETCH = 2048
@@ -45,9 +45,8 @@ def _typed_ptr(dtype):
 
 @intrinsic
 def _call_i32(typingctx, addr, value):
-    """`int f(int)` at address `addr` called with `value` (numba's threading-layer setters,
-    reached through addresses passed in: a cached function may not hold their ctypes
-    objects)."""
+    """`int f(int)` at address `addr` called with `value` (libc's usleep, reached through an
+    address passed in: a cached function may not hold a ctypes object)."""
     sig = types.int64(types.int64, types.int64)
 
     def codegen(context, builder, signature, args):
@@ -58,28 +57,53 @@ def _call_i32(typingctx, addr, value):
     return sig, codegen
 
 
+def _load_acquire(bits: int):
+    @intrinsic
+    def load(typingctx, addr):
+        """The int at address `addr`, read with acquire ordering (never hoisted out of a
+        loop)."""
+        sig = types.int64(types.int64)
+
+        def codegen(context, builder, signature, args):
+            ptr = builder.inttoptr(args[0], ir.IntType(bits).as_pointer())
+            value = builder.load_atomic(ptr, "acquire", bits // 8)
+            return value if bits == 64 else builder.sext(value, ir.IntType(64))
+
+        return sig, codegen
+
+    return load
+
+
+def _store_release(bits: int):
+    @intrinsic
+    def store(typingctx, addr, value):
+        sig = types.void(types.int64, types.int64)
+
+        def codegen(context, builder, signature, args):
+            ptr = builder.inttoptr(args[0], ir.IntType(bits).as_pointer())
+            value = args[1] if bits == 64 else builder.trunc(args[1], ir.IntType(bits))
+            builder.store_atomic(value, ptr, "release", bits // 8)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return store
+
+
 @intrinsic
-def _load_acquire_i32(typingctx, addr):
-    """The int32 at address `addr`, read with acquire ordering (never hoisted out of a loop)."""
-    sig = types.int64(types.int64)
+def _fetch_add(typingctx, addr, value):
+    """Atomically add `value` to the int64 at `addr`; returns the value before."""
+    sig = types.int64(types.int64, types.int64)
 
     def codegen(context, builder, signature, args):
-        ptr = builder.inttoptr(args[0], ir.IntType(32).as_pointer())
-        return builder.sext(builder.load_atomic(ptr, "acquire", 4), ir.IntType(64))
+        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+        return builder.atomic_rmw("add", ptr, args[1], "acq_rel")
 
     return sig, codegen
 
 
-@intrinsic
-def _store_release_i32(typingctx, addr, value):
-    sig = types.void(types.int64, types.int64)
-
-    def codegen(context, builder, signature, args):
-        ptr = builder.inttoptr(args[0], ir.IntType(32).as_pointer())
-        builder.store_atomic(builder.trunc(args[1], ir.IntType(32)), ptr, "release", 4)
-        return context.get_dummy_value()
-
-    return sig, codegen
+_load_acquire_i32, _load_acquire_i64 = _load_acquire(32), _load_acquire(64)
+_store_release_i32, _store_release_i64 = _store_release(32), _store_release(64)
 
 
 @intrinsic
@@ -98,6 +122,7 @@ _ptr_f32 = _typed_ptr(types.float32)
 _ptr_i32 = _typed_ptr(types.int32)
 _ptr_i64 = _typed_ptr(types.int64)
 _ptr_u8 = _typed_ptr(types.uint8)
+_ptr_i8 = _typed_ptr(types.int8)
 
 
 # The block dot, written in LLVM IR with AVX2 instructions (every x86-64 CPU since 2013-2015:
@@ -224,75 +249,6 @@ def _quantize(x, q, s, first, end):
             q[base + 32 + j] = np.int8(np.round(x[blk * 16 + 2 * j + 1] * inv))
 
 
-@njit(parallel=True, fastmath=True, nogil=True, cache=True, error_model="numpy")
-def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, setters):
-    """Every pair's expert (module docstring of kernels.moe.cpu) on `threads` threads
-    (`setters`: the addresses of numba's set_num_threads and set_parallel_chunksize);
-    returns the number of distinct experts computed."""
-    n, topk = rows.shape
-    h = x.shape[1]
-    f = w2.shape[2] * 2
-    # pairs with a row, grouped by row (ascending; stable within a row)
-    flat = rows.reshape(-1)
-    order = np.argsort(flat, kind="mergesort")
-    first = 0
-    while first < order.shape[0] and flat[order[first]] < 0:
-        first += 1
-    pairs = order[first:]
-    npairs = pairs.shape[0]
-    starts = np.zeros(npairs + 1, np.int64)  # group u = pairs[starts[u]:starts[u + 1]]
-    groups = 0
-    for p in range(npairs):
-        if p == 0 or flat[pairs[p]] != flat[pairs[p - 1]]:
-            starts[groups] = p
-            groups += 1
-    starts[groups] = npairs
-    if groups == 0:
-        out[:] = 0.0
-        return 0
-    _call_i32(setters[0], threads)
-    # work items handed out one at a time: a thread the OS preempts (the engine's own threads
-    # share the cores) delays one item, not a fixed share of the call
-    chunk = _call_i32(setters[1], 1)
-    xq = np.empty((n, h), np.int8)
-    xs = np.empty((n, h // 16), np.float32)
-    for t in range(n):
-        _quantize(x[t], xq[t], xs[t], 0, h // 16)
-    # per expert and block of RB hidden units: their gate and up rows, then silu(gate) * up
-    # rounded as x is (whole scale blocks: RB % 16 == 0)
-    hid = np.empty((npairs, f), np.float32)
-    hq = np.empty((npairs, f), np.int8)
-    hs = np.empty((npairs, f // 16), np.float32)
-    nb1 = f // RB
-    for item in prange(groups * nb1):
-        u = item // nb1
-        r = flat[pairs[starts[u]]]
-        first = item % nb1 * RB
-        g_gate, g_up = g13[r, 0] * np.float32(0.5), g13[r, 1] * np.float32(0.5)
-        for o in range(first, first + RB):
-            for p in range(starts[u], starts[u + 1]):
-                t = pairs[p] // topk
-                g = _dot(w13[r, o], s13[r, o], e4, xq[t], xs[t]) * g_gate
-                up = _dot(w13[r, f + o], s13[r, f + o], e4, xq[t], xs[t]) * g_up
-                hid[p, o] = g / (np.float32(1.0) + np.exp(-g)) * up
-        for p in range(starts[u], starts[u + 1]):
-            _quantize(hid[p], hq[p], hs[p], first // 16, (first + RB) // 16)
-    for item in prange(h // RB):
-        acc = np.zeros(n, np.float32)
-        for o in range(item * RB, item * RB + RB):
-            acc[:] = 0.0
-            for u in range(groups):
-                r = flat[pairs[starts[u]]]
-                for p in range(starts[u], starts[u + 1]):
-                    q = pairs[p]
-                    acc[q // topk] += wts.reshape(-1)[q] * g2[r] * np.float32(0.5) * _dot(
-                        w2[r, o], s2[r, o], e4, hq[p], hs[p])
-            for t in range(n):
-                out[t, o] = acc[t]
-    _call_i32(setters[1], chunk)
-    return groups
-
-
 def _e4m3_values() -> np.ndarray:
     """fp32 [256]: every E4M3 bit pattern's value (specs/nvfp4.md §1; NaN for 0x7F / 0xFF)."""
     b = np.arange(256)
@@ -303,52 +259,178 @@ def _e4m3_values() -> np.ndarray:
 
 
 _E4M3 = _e4m3_values()
-# NOTE: the threading layer first: a cached `serve` (it calls the parallel `moe`) links
-# against its scheduler symbols when loaded.
-_launch_threads()
+
+# The pool's shared words (int64; each field on its own 64-byte line): the call generation,
+# the two phases' work-item counters, items of phase 1 done, the stop request, the call record
+# (written by the leader before it publishes a generation, read-only during the call), then
+# per thread the last generation it finished.
+P_GEN, P_NEXT1, P_DONE1, P_NEXT2, P_STOP, P_CALL, P_FIN = 0, 8, 16, 24, 32, 40, 64
+(C_DESC, C_THREADS, C_XQ, C_XS, C_HID, C_HQ, C_HS, C_FLAT, C_WTS, C_PAIRS, C_STARTS, C_GROUPS,
+ C_NPAIRS) = range(13)
+
+
+def pool_words(threads: int) -> int:
+    return P_FIN + 8 * threads
 
 
 @njit(nogil=True, cache=True)
-def _run(address):
-    """One call described by the descriptor at `address` (kernels.moe.cpu.host_descriptor)."""
-    d = carray(_ptr_i64(address), (DW,))
-    n, topk, base = d[2], d[3], d[4]
+def _weights(d):
+    """The store's arrays named by descriptor words `d` (kernels.moe.cpu.host_descriptor)."""
     nrows, h, f = d[11], d[12], d[13]
+    return (carray(_ptr_u8(d[5]), (nrows, 2 * f, h // 2)),
+            carray(_ptr_u8(d[6]), (nrows, 2 * f, h // 16)),
+            carray(_ptr_f32(d[7]), (nrows, 2)),
+            carray(_ptr_u8(d[8]), (nrows, h, f // 2)),
+            carray(_ptr_u8(d[9]), (nrows, h, f // 16)),
+            carray(_ptr_f32(d[10]), (nrows,)))
+
+
+@njit(nogil=True, fastmath=True, cache=True, error_model="numpy")
+def _work(pool, tid):
+    """Thread `tid`'s part of the published call: work items taken one at a time (a thread
+    the OS preempts delays one item, not a share of the call). Phase 1, per expert and block
+    of RB hidden units: their gate and up rows, silu(gate) * up, rounded as x is (whole scale
+    blocks: RB % 16 == 0). Phase 2, once every phase-1 item is done, per block of RB output
+    rows: the down rows of every pair, summed in a fixed order (the same bits for any thread
+    count)."""
+    c = carray(_ptr_i64(pool + 8 * P_CALL), (16,))
+    d = carray(_ptr_i64(c[C_DESC]), (DW,))
+    w13, s13, g13, w2, s2, g2 = _weights(d)
+    n, topk, h, f = d[2], d[3], d[12], d[13]
+    groups, npairs = c[C_GROUPS], c[C_NPAIRS]
+    out = carray(_ptr_f32(d[1]), (n, h))
+    xq = carray(_ptr_i8(c[C_XQ]), (n, h))
+    xs = carray(_ptr_f32(c[C_XS]), (n, h // 16))
+    hid = carray(_ptr_f32(c[C_HID]), (npairs, f))
+    hq = carray(_ptr_i8(c[C_HQ]), (npairs, f))
+    hs = carray(_ptr_f32(c[C_HS]), (npairs, f // 16))
+    flat = carray(_ptr_i64(c[C_FLAT]), (n * topk,))
+    wts = carray(_ptr_f32(c[C_WTS]), (n * topk,))
+    pairs = carray(_ptr_i64(c[C_PAIRS]), (npairs,))
+    starts = carray(_ptr_i64(c[C_STARTS]), (groups + 1,))
+    nb1 = f // RB
+    while True:
+        item = _fetch_add(pool + 8 * P_NEXT1, 1)
+        if item >= groups * nb1:
+            break
+        u = item // nb1
+        r = flat[pairs[starts[u]]]
+        first = item % nb1 * RB
+        g_gate, g_up = g13[r, 0] * np.float32(0.5), g13[r, 1] * np.float32(0.5)
+        for o in range(first, first + RB):
+            for p in range(starts[u], starts[u + 1]):
+                t = pairs[p] // topk
+                g = _dot(w13[r, o], s13[r, o], _E4M3, xq[t], xs[t]) * g_gate
+                up = _dot(w13[r, f + o], s13[r, f + o], _E4M3, xq[t], xs[t]) * g_up
+                hid[p, o] = g / (np.float32(1.0) + np.exp(-g)) * up
+        for p in range(starts[u], starts[u + 1]):
+            _quantize(hid[p], hq[p], hs[p], first // 16, (first + RB) // 16)
+        _fetch_add(pool + 8 * P_DONE1, 1)
+    while _load_acquire_i64(pool + 8 * P_DONE1) < groups * nb1:
+        _pause()
+    acc = np.zeros(n, np.float32)
+    while True:
+        item = _fetch_add(pool + 8 * P_NEXT2, 1)
+        if item >= h // RB:
+            break
+        for o in range(item * RB, item * RB + RB):
+            acc[:] = 0.0
+            for u in range(groups):
+                r = flat[pairs[starts[u]]]
+                for p in range(starts[u], starts[u + 1]):
+                    q = pairs[p]
+                    acc[q // topk] += wts[q] * g2[r] * np.float32(0.5) * _dot(
+                        w2[r, o], s2[r, o], _E4M3, hq[p], hs[p])
+            for t in range(n):
+                out[t, o] = acc[t]
+
+
+@njit(nogil=True, cache=True)
+def _publish_and_work(pool, address, threads, xq, xs, hid, hq, hs, flat, wts, pairs, starts,
+                      groups):
+    """Publish the call (its arrays stay alive as this function's arguments), do thread 0's
+    part and wait until every helper of the call finished its own."""
+    c = carray(_ptr_i64(pool + 8 * P_CALL), (16,))
+    c[C_DESC], c[C_THREADS], c[C_GROUPS], c[C_NPAIRS] = address, threads, groups, hid.shape[0]
+    c[C_XQ], c[C_XS], c[C_HID], c[C_HQ], c[C_HS] = (xq.ctypes.data, xs.ctypes.data,
+                                                    hid.ctypes.data, hq.ctypes.data,
+                                                    hs.ctypes.data)
+    c[C_FLAT], c[C_WTS], c[C_PAIRS], c[C_STARTS] = (flat.ctypes.data, wts.ctypes.data,
+                                                    pairs.ctypes.data, starts.ctypes.data)
+    words = carray(_ptr_i64(pool), (P_CALL,))
+    words[P_NEXT1], words[P_DONE1], words[P_NEXT2] = 0, 0, 0
+    gen = words[P_GEN] + 1
+    _store_release_i64(pool + 8 * P_GEN, gen)
+    _work(pool, 0)
+    for i in range(1, threads):
+        while _load_acquire_i64(pool + 8 * (P_FIN + 8 * i)) != gen:
+            _pause()
+
+
+@njit(nogil=True, cache=True)
+def _lead(pool, size, address):
+    """Run the call of the descriptor at `address` (kernels.moe.cpu.host_descriptor) on the
+    pool of `size` threads: read the stage, group the pairs by row, quantize x, then share
+    the experts' work with the helpers."""
+    d = carray(_ptr_i64(address), (DW,))
+    n, topk, base, h, f = d[2], d[3], d[4], d[12], d[13]
     width = h + 2 * topk
     stage_f = carray(_ptr_f32(d[0]), (n, width))
     stage_i = carray(_ptr_i32(d[0]), (n, width))
-    out = carray(_ptr_f32(d[1]), (n, h))
-    w13 = carray(_ptr_u8(d[5]), (nrows, 2 * f, h // 2))
-    s13 = carray(_ptr_u8(d[6]), (nrows, 2 * f, h // 16))
-    g13 = carray(_ptr_f32(d[7]), (nrows, 2))
-    w2 = carray(_ptr_u8(d[8]), (nrows, h, f // 2))
-    s2 = carray(_ptr_u8(d[9]), (nrows, h, f // 16))
-    g2 = carray(_ptr_f32(d[10]), (nrows,))
-    x = np.empty((n, h), np.float32)
-    rows = np.empty((n, topk), np.int64)
-    wts = np.empty((n, topk), np.float32)
+    flat = np.empty(n * topk, np.int64)
+    wts = np.empty(n * topk, np.float32)
     for t in range(n):
-        for i in range(h):
-            x[t, i] = stage_f[t, i]
         for j in range(topk):
             r = stage_i[t, h + j]
-            rows[t, j] = r + base if r >= 0 else -1
-            wts[t, j] = stage_f[t, h + topk + j]
-    e4 = np.empty(256, np.float32)  # (a writable array: the same `moe` as Python calls)
-    e4[:] = _E4M3
-    setters = np.empty(2, np.int64)
-    setters[0], setters[1] = d[17], d[18]
-    d[14] += moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, d[16], setters)
+            flat[t * topk + j] = r + base if r >= 0 else -1
+            wts[t * topk + j] = stage_f[t, h + topk + j]
+    # pairs with a row, grouped by row (ascending; stable within a row)
+    order = np.argsort(flat, kind="mergesort")
+    first = 0
+    while first < order.shape[0] and flat[order[first]] < 0:
+        first += 1
+    pairs = order[first:].copy()
+    npairs = pairs.shape[0]
+    starts = np.zeros(npairs + 1, np.int64)  # group u = pairs[starts[u]:starts[u + 1]]
+    groups = 0
+    for p in range(npairs):
+        if p == 0 or flat[pairs[p]] != flat[pairs[p - 1]]:
+            starts[groups] = p
+            groups += 1
+    starts[groups] = npairs
     d[15] += 1
+    if groups == 0:
+        carray(_ptr_f32(d[1]), (n, h))[:] = 0.0
+        return
+    xq = np.empty((n, h), np.int8)
+    xs = np.empty((n, h // 16), np.float32)
+    for t in range(n):
+        _quantize(stage_f[t, :h], xq[t], xs[t], 0, h // 16)
+    hid = np.empty((npairs, f), np.float32)
+    hq = np.empty((npairs, f), np.int8)
+    hs = np.empty((npairs, f // 16), np.float32)
+    _publish_and_work(pool, address, max(1, min(d[16], size)), xq, xs, hid, hq, hs, flat, wts,
+                      pairs, starts, groups)
+    d[14] += groups
+
+
+@njit(nogil=True, cache=True)
+def _idle(idle, usleep, spin):
+    """One idle poll's wait: spin (`pause`) for `spin` polls, then sleep 50 us per poll, and
+    1 ms after a further ~0.1 s (an idle server costs next to nothing)."""
+    if idle < spin:
+        _pause()
+    else:
+        _call_i32(usleep, 50 if idle < spin + 2000 else 1000)
+    return idle + 1
 
 
 @cfunc(types.void(types.voidptr), nopython=True, cache=True)
-def serve(control):
-    """`void serve(void *control)`: the worker loop of kernels.moe.cpu.HostWorker. Waits for
-    a request (flag GO = i + 1), runs descriptor table[i], then answers (DONE = i + 1); spins
-    while requests come; once none came for SPIN polls, sleeps 50 us between polls, and 1 ms
-    after a further ~0.1 s (an idle server costs next to nothing); returns on STOP."""
-    c = carray(_ptr_i64(_addr(control)), (5,))  # flags, table, its size, usleep, SPIN
+def lead(control):
+    """`void lead(void *control)`: thread 0 of kernels.moe.cpu.HostWorker. Waits for a request
+    (flag GO = i + 1), runs descriptor table[i] with the helpers, then answers (DONE = i + 1);
+    returns on STOP. Control words: flags, table, its size, usleep, spin polls, pool, size."""
+    c = carray(_ptr_i64(_addr(control)), (7,))
     go, done, stop = c[0], c[0] + 4, c[0] + 8
     table = carray(_ptr_i64(c[1]), (c[2],))
     idle = 0
@@ -356,40 +438,51 @@ def serve(control):
         i = _load_acquire_i32(go)
         if i > 0:
             _store_release_i32(go, 0)
-            _run(table[i - 1])
+            _lead(c[5], c[6], table[i - 1])
             _store_release_i32(done, i)
             idle = 0
         elif _load_acquire_i32(stop) != 0:
             return
-        elif idle < c[4]:
-            idle += 1
-            _pause()
         else:
-            idle += 1
-            _call_i32(c[3], 50 if idle < c[4] + 2000 else 1000)
+            idle = _idle(idle, c[3], c[4])
+
+
+@cfunc(types.void(types.voidptr), nopython=True, cache=True)
+def assist(control):
+    """`void assist(void *control)`: helper thread `tid` of the pool. On each new generation
+    it joins the call if the call runs on more than `tid` threads, then records the generation
+    as finished; returns on the pool's STOP. Control words: pool, tid, usleep, spin polls."""
+    c = carray(_ptr_i64(_addr(control)), (4,))
+    pool, tid = c[0], c[1]
+    seen, idle = 0, 0  # from generation 0: a thread started late still joins the first call
+    while True:
+        gen = _load_acquire_i64(pool + 8 * P_GEN)
+        if gen != seen:
+            seen = gen
+            if tid < carray(_ptr_i64(pool + 8 * P_CALL), (16,))[C_THREADS]:
+                _work(pool, tid)
+                _store_release_i64(pool + 8 * (P_FIN + 8 * tid), gen)
+                idle = 0
+                continue
+        if _load_acquire_i64(pool + 8 * P_STOP) != 0:
+            return
+        idle = _idle(idle, c[2], c[3])
+
+
+@njit(nogil=True, cache=True)
+def read_sum(words):
+    """Sum of uint64 words [n] (one thread's share of the host read-bandwidth probe)."""
+    acc = np.uint64(0)
+    for i in range(words.shape[0]):
+        acc += words[i]
+    return acc
 
 
 def build(row_block: int, desc_words: int) -> SimpleNamespace:
-    """The compiled kernels: `moe`, the E4M3 table it takes and the worker loop's address."""
+    """The compiled kernels: the pool's thread loops (addresses), a call led from Python and
+    the read probe."""
     if row_block != RB or desc_words != DW:
         raise ValueError("kernels.moe.cpu and its numba code disagree on their constants")
-    from numba.np.ufunc import parallel
-
-    setters = np.array([ctypes.cast(f, ctypes.c_void_p).value for f in
-                        (parallel._set_num_threads, parallel._set_parallel_chunksize)], np.int64)
-    return SimpleNamespace(moe=moe, e4m3=_E4M3.copy(), serve_address=serve.address,
-                           read_sum=read_sum, setters=setters)
-
-
-@njit(parallel=True, nogil=True, cache=True, error_model="numpy")
-def read_sum(words):
-    """Sum of uint64 words [n] read by every thread (a host read-bandwidth probe)."""
-    chunks = 256
-    per = (words.shape[0] + chunks - 1) // chunks
-    part = np.zeros(chunks, np.uint64)
-    for c in prange(chunks):
-        acc = np.uint64(0)
-        for i in range(c * per, min(words.shape[0], (c + 1) * per)):
-            acc += words[i]
-        part[c] = acc
-    return part.sum()
+    return SimpleNamespace(lead_address=lead.address, assist_address=assist.address,
+                           lead_call=_lead, read_sum=read_sum, pool_words=pool_words,
+                           P_STOP=P_STOP)

@@ -11,10 +11,22 @@ from types import SimpleNamespace
 import numpy as np
 from numba import carray, cfunc, njit, types
 
-from tinyserve.kernels.moe.cpu_ir import (addr, call_i32, dot, fetch_add, load_acquire_i32,
-                                          load_acquire_i64, pause, ptr_f32, ptr_i8, ptr_i32,
-                                          ptr_i64, ptr_u8, store_release_i32,
-                                          store_release_i64)
+from tinyserve.kernels.moe.cpu_ir import (
+    addr,
+    call_i32,
+    dot,
+    fetch_add,
+    load_acquire_i32,
+    load_acquire_i64,
+    pause,
+    ptr_f32,
+    ptr_i8,
+    ptr_i32,
+    ptr_i64,
+    ptr_u8,
+    store_release_i32,
+    store_release_i64,
+)
 
 RB = 32  # rows per work item: kernels.moe.cpu.ROW_BLOCK
 DW = 17  # descriptor words: kernels.moe.cpu.DESC_WORDS

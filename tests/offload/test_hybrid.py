@@ -50,6 +50,27 @@ def test_split_balances_copy_and_cpu_time() -> None:
     assert "hybrid" in plan.format() and plan.as_dict()["a"] == plan.a
 
 
+def test_split_takes_the_share_measured_fastest() -> None:
+    """Both sides at once contend for host memory: the measured layer times, not the rates
+    alone, pick the CPU's share at top_k misses and the mode."""
+    from dataclasses import replace
+
+    rates = _bw(41e9, 74e9, 30e-6)  # alone, the rates would give the CPU 5 of 8
+    assert lk.cpu_share(plan_split(rates, "hybrid", top_k=8).a,
+                        plan_split(rates, "hybrid", top_k=8).b, 8) == 5
+    measured = replace(rates, split_us={0: 350.0, 1: 320.0, 2: 290.0, 3: 250.0, 4: 262.0,
+                                        5: 280.0, 6: 300.0, 7: 330.0, 8: 360.0})
+    plan = plan_split(measured, None, top_k=8)
+    assert plan.mode == "hybrid" and lk.cpu_share(plan.a, plan.b, 8) == 3
+    assert plan.layer_us == {"gpu": 350.0, "cpu": 360.0, "hybrid": 250.0}
+    assert "(measured)" in plan.format()
+    # fewer misses scale with the rates' slope from there
+    assert [lk.cpu_share(plan.a, plan.b, m) for m in (0, 2, 4, 6, 8)] == [0, 0, 0, 2, 3]
+    # a measured best that saves under 10 %: auto keeps gpu-only
+    flat = replace(rates, split_us={c: 350.0 - 5 * (c == 2) for c in range(9)})
+    assert plan_split(flat, None, top_k=8).mode == "gpu"
+
+
 @pytest.mark.parametrize("a,b", [(0.5, 0.0), (1.0, -1e6), (0.3, 0.4)])
 def test_lookup_split_leaves_the_last_misses_unloaded(a: float, b: float) -> None:
     L, E, S = 2, 16, 20

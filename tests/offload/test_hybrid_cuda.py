@@ -74,4 +74,5 @@ def test_probe_and_throttle() -> None:
     plan = configure(experts, None, 8)
     bw = plan.bandwidths
     assert bw is not None and bw.h2d is not None and bw.cpu_overhead_s >= 0
+    assert sorted(bw.split_us) == list(range(9)) and min(bw.split_us.values()) > 0
     assert experts.hybrid_plan is plan and (plan.mode == "gpu") == (experts.cpu_runner is None)

@@ -1,6 +1,8 @@
 """Start-up probe of the two ways a missing expert can be served: its copy over PCIe (the miss
 copy kernel from the mapped host store, as decode runs it) and its computation on the CPU
-(`kernels.moe.cpu`, one token, as decode runs it), beside the host's read bandwidth.
+(`kernels.moe.cpu`, one token, as decode runs it), beside the host's read bandwidth; then both
+at once, as a hybrid decode layer runs them (`split_times`: the two share the host's memory, so
+each is slower than alone).
 
 `probe(store, ...)` takes about a second; `tinyserve bench --bandwidth` prints it, the hybrid
 plan (`offload.hybrid.plan_split`) is computed from it.
@@ -29,6 +31,8 @@ class Bandwidths:
         part of one call (on CUDA with the host-function round trip: copies and node launch),
         on `threads` threads: of the counts tried (`call_us`: a top_k call's time on each), the
         fastest.
+    split_us: a decode layer's top_k misses served both ways at once, by how many of them the
+        CPU computes (0..top_k), microseconds on the device (empty: not measured).
     """
 
     host_read: float
@@ -39,6 +43,7 @@ class Bandwidths:
     bytes_per_expert: int
     threads: int
     call_us: dict[int, float] = field(default_factory=dict)
+    split_us: dict[int, float] = field(default_factory=dict)
 
     @property
     def cpu_kernel(self) -> float:
@@ -55,10 +60,14 @@ class Bandwidths:
 
     def format(self) -> str:
         h2d = "n/a" if self.h2d is None else f"{self.h2d / 1e9:.1f} GB/s"
-        return (f"host read {self.host_read / 1e9:.1f} GB/s, H2D miss copy {h2d}, CPU expert "
+        text = (f"host read {self.host_read / 1e9:.1f} GB/s, H2D miss copy {h2d}, CPU expert "
                 f"kernel {self.cpu_kernel / 1e9:.1f} GB/s on {self.threads} threads "
                 f"({self.cpu_fraction:.0%} of host read; {self.cpu_expert_s * 1e6:.0f} us per "
                 f"expert + {self.cpu_overhead_s * 1e6:.0f} us per call)")
+        if self.split_us:
+            text += "; layer by CPU share " + " ".join(
+                f"{c}:{us:.0f}" for c, us in self.split_us.items()) + " us"
+        return text
 
 
 def host_read_bandwidth(store: HostExpertStore, max_bytes: int = 4 << 30,
@@ -147,10 +156,63 @@ def probe(store: HostExpertStore, top_k: int, *, cache: Any = None, runner: Any 
     if runner is not None:
         runner.set_threads(threads)
     h2d = h2d_bandwidth(cache, top_k) if cache is not None else None
+    split = split_times(cache, runner, top_k) if h2d is not None and runner is not None else {}
     per, overhead = times[threads]
     return Bandwidths(host_read=host, read_bytes=nbytes, h2d=h2d, cpu_expert_s=per,
                       cpu_overhead_s=overhead, bytes_per_expert=store.bytes_per_expert,
-                      threads=threads, call_us=call_us)
+                      threads=threads, call_us=call_us, split_us=split)
+
+
+def split_times(cache: Any, runner: Any, top_k: int, reps: int = 7) -> dict[int, float]:
+    """Microseconds of one token's `top_k` misses in a decode layer's order, for c = 0..top_k
+    of them computed on the CPU (`runner`, an `offload.hybrid.CpuExperts` on CUDA): the CPU
+    call requested, the other top_k - c copied by the cache's miss-copy path (its throttle
+    included) into scratch slots, the answer waited for; captured in a CUDA graph per c and
+    timed on the device, fresh rows each replay, median of `reps`. c = 0 copies alone."""
+    from tinyserve.kernels.moe.fused import allocate_expert_slots
+
+    src, dev = cache.store.slots, cache.device
+    scratch = allocate_expert_slots(top_k, src.hidden_size, src.intermediate_size,
+                                    fp4=src.is_fp4, device=dev)
+    rows_total, h = cache.num_layers * cache.num_experts, src.hidden_size
+    g = torch.Generator().manual_seed(0)
+    first = torch.arange(top_k).view(1, top_k)
+    x = torch.randn(1, h, generator=g).to(dev)
+    weights = torch.full((1, top_k), 1.0 / top_k, device=dev)
+    rows = torch.zeros(1, top_k, dtype=torch.int32, device=dev)
+    dst = torch.arange(top_k, dtype=torch.int32, device=dev)
+    out: dict[int, float] = {}
+    slots, cache.slots = cache.slots, scratch
+    try:
+        for c in range(top_k + 1):
+            slot = torch.where(first < c, -1, 0).to(torch.int32).to(dev)
+
+            def layer(c: int = c, slot: torch.Tensor = slot) -> None:
+                if c:
+                    runner.start(0, x, rows, slot, weights)
+                if c < top_k:
+                    cache._copy(rows[0, c:], dst[:top_k - c])
+                if c:
+                    runner.join()
+
+            layer()  # the runner's buffers made outside the capture
+            torch.cuda.synchronize(dev)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                layer()
+            times = []
+            for _ in range(reps):
+                rows.copy_(torch.randperm(rows_total, generator=g)[:top_k].view(1, top_k))
+                begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                begin.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(begin.elapsed_time(end) * 1e3)
+            out[c] = statistics.median(times)
+    finally:
+        cache.slots = slots
+    return out
 
 
 def thread_counts(n: int) -> list[int]:

@@ -45,7 +45,9 @@ _ALL = -1.0e6  # b of the "cpu" split: every miss
 @dataclass(frozen=True)
 class HybridPlan:
     """The chosen mode and its split (a, b); `bandwidths` is the probe behind it (None: none
-    ran) and `layer_us` the predicted time of a decode layer's misses per mode (m = top_k)."""
+    ran) and `layer_us` the time of a decode layer's top_k misses per mode: measured with both
+    sides at once where the probe did (`Bandwidths.split_us`), else predicted from the
+    rates."""
 
     mode: str
     a: float = 0.0
@@ -65,14 +67,17 @@ class HybridPlan:
         if self.bandwidths is not None:
             lines.append(f"bandwidth         {self.bandwidths.format()}")
         if self.layer_us:
-            lines.append("predicted misses  " + ", ".join(
-                f"{k} {v:.0f} us" for k, v in self.layer_us.items()) + " per decode layer")
+            how = "measured" if self.bandwidths and self.bandwidths.split_us else "predicted"
+            lines.append("layer misses      " + ", ".join(
+                f"{k} {v:.0f} us" for k, v in self.layer_us.items()) + f" ({how})")
         return "\n".join(lines)
 
 
 def plan_split(bw: Bandwidths, mode: str | None, top_k: int) -> HybridPlan:
-    """The plan for `mode` (None: auto) from probe `bw`. Raises ValueError for an unknown mode
-    or a split that needs the H2D rate when the probe has none."""
+    """The plan for `mode` (None: auto) from probe `bw`: a from the two rates alone, b such
+    that a layer of top_k misses gives the CPU the share that measured fastest (`split_us`;
+    without it, the share the rates predict). Raises ValueError for an unknown mode or a split
+    that needs the H2D rate when the probe has none."""
     if mode is not None and mode not in EXPERT_MODES:
         raise ValueError(f"experts must be one of {', '.join(EXPERT_MODES)}, got {mode!r}")
     if bw.h2d is None:
@@ -88,6 +93,10 @@ def plan_split(bw: Bandwidths, mode: str | None, top_k: int) -> HybridPlan:
     c = cpu_share(a, b, m)
     us = {"gpu": m * t_copy * 1e6, "cpu": (t_call + m * t_cpu) * 1e6,
           "hybrid": max((m - c) * t_copy, t_call + c * t_cpu if c else 0.0) * 1e6}
+    if sorted(bw.split_us) == list(range(m + 1)):  # both at once contend for host memory
+        c = min(bw.split_us, key=lambda i: (bw.split_us[i], i))
+        b = a * m - c
+        us = {"gpu": bw.split_us[0], "cpu": bw.split_us[m], "hybrid": bw.split_us[c]}
     if mode is None:
         mode = "hybrid" if us["hybrid"] <= AUTO_MARGIN * us["gpu"] else "gpu"
     a, b = {"gpu": (0.0, 0.0), "cpu": (1.0, _ALL), "hybrid": (a, b)}[mode]

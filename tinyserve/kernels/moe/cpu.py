@@ -157,9 +157,10 @@ class HostWorker:
 
         k = _kernels()
         self.threads = threads = check_threads(max_threads() if threads is None else threads)
-        self.flags = torch.zeros(4, dtype=torch.int32, pin_memory=pin)
-        self.table = torch.zeros(capacity, dtype=torch.int64)
-        self.pool = torch.zeros(k.pool_words(threads), dtype=torch.int64)
+        with torch.inference_mode(False):  # written from anywhere, the finalizer included
+            self.flags = torch.zeros(4, dtype=torch.int32, pin_memory=pin)
+            self.table = torch.zeros(capacity, dtype=torch.int64)
+            self.pool = torch.zeros(k.pool_words(threads), dtype=torch.int64)
         self._descriptors: list[torch.Tensor] = []
         self._lock = threading.Lock()
         usleep = ctypes.cast(ctypes.CDLL(None).usleep, ctypes.c_void_p).value

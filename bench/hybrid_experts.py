@@ -81,7 +81,7 @@ def kernel_case(store: Any, top_k: int, reps: int) -> dict[str, Any]:
                                           "fraction_of_host_read": nbytes / t / host}
     n = out["threads"]
     out["threads_sweep"] = {}
-    for threads in sorted({t for t in (1, 2, 4, 8, *bandwidth.thread_counts(n)) if t <= n}):
+    for threads in sorted({t for t in (1, 2, 4, 8, n, *bandwidth.thread_counts(n)) if t <= n}):
         t = _median_s(functools.partial(nvfp4_cpu.moe_cpu, threads=threads), args[1, top_k],
                       reps)
         out["threads_sweep"][threads] = {"ms": t * 1e3,

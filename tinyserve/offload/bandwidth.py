@@ -216,9 +216,10 @@ def split_times(cache: Any, runner: Any, top_k: int, reps: int = 7) -> dict[int,
 
 
 def thread_counts(n: int) -> list[int]:
-    """The CPU kernel's thread counts the probe tries with `n` CPUs: all of them, all but the
-    two that the engine's own threads (Python, the CUDA driver's) run on, and half."""
-    return sorted({n, max(1, n - 2), max(1, n // 2)}, reverse=True)
+    """The CPU kernel's thread counts the probe tries with `n` CPUs: all but two (the pool
+    spins through decode; the engine's own threads, Python and the CUDA driver's, keep
+    theirs), half and a quarter (host memory saturates before the cores do)."""
+    return sorted({max(1, n - 2), max(1, n // 2), max(1, n // 4)}, reverse=True)
 
 
 def synthetic_store(config: Any, max_bytes: int = 4 << 30) -> HostExpertStore:

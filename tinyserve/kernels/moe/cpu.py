@@ -10,8 +10,8 @@ takes requests through flags in memory (pinned: the GPU raises and waits on them
 memory operations, `offload.hybrid`), prepares the call and shares its work items with the
 helpers in two phases (per expert and block of hidden units: gate and up rows, silu-mul, int8
 rounding; then per block of down rows, each summing its pairs in a fixed order: the same bits
-for any thread count). A pool that spins costs ~1 us to start a call where a sleeping thread
-team costs tens of microseconds per phase, at every decode layer.
+for any thread count). Threads that spin start a decode layer's call at once; a thread team
+that sleeps between calls (numba's parallel regions, before) must first be woken.
 """
 
 from __future__ import annotations
@@ -141,9 +141,9 @@ class HostWorker:
     A requester (the GPU through stream memory operations, or `call`) writes flags[GO] = i
     for descriptor i (`add`'s number); the leader thread clears GO, runs the call with the
     helpers and answers flags[DONE] = i. `run` leads a call from the calling thread instead.
-    One call at a time. Each thread spins (`pause`)
-    while calls come, polls every 50 us after `spin` idle polls and every 1 ms after ~0.1 s
-    more. `close()` (or garbage collection) stops the pool.
+    One call at a time. Each thread spins (`pause`) while calls come, polls every 50 us after
+    `spin` idle polls and every 1 ms after ~0.1 s more. `close()` (or garbage collection)
+    stops the pool.
     `pin`: the flags in pinned memory (for a GPU requester).
     """
 

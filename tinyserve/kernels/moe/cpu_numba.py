@@ -110,10 +110,12 @@ def _work(pool, tid):
     pairs = carray(ptr_i64(c[C_PAIRS]), (npairs,))
     starts = carray(ptr_i64(c[C_STARTS]), (groups + 1,))
     nb1 = f // RB
+    mine = 0  # phase-1 items done here, counted once when the phase runs out of items
     while True:
         item = fetch_add(pool + 8 * P_NEXT1, 1)
         if item >= groups * nb1:
             break
+        mine += 1
         u = item // nb1
         r = flat[pairs[starts[u]]]
         first = item % nb1 * RB
@@ -126,7 +128,7 @@ def _work(pool, tid):
                 hid[p, o] = g / (np.float32(1.0) + np.exp(-g)) * up
         for p in range(starts[u], starts[u + 1]):
             _quantize(hid[p], hq[p], hs[p], first // 16, (first + RB) // 16)
-        fetch_add(pool + 8 * P_DONE1, 1)
+    fetch_add(pool + 8 * P_DONE1, mine)
     while load_acquire_i64(pool + 8 * P_DONE1) < groups * nb1:
         pause()
     acc = np.zeros(n, np.float32)

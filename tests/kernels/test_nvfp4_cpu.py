@@ -72,7 +72,7 @@ def test_host_worker_matches_moe_cpu() -> None:
     out = torch.full((n, H), float("nan"))
     rows = torch.where(rel >= 0, rel.long() + layer * E, -1)
     want = nc.moe_cpu(x, rows, w, store.slots)
-    worker = nc.HostWorker(spin=10)  # the loops sleep between requests: 50 us, then 1 ms polls
+    worker = nc.HostWorker(spin=10)  # the loop sleeps between requests: 50 us, then 1 ms polls
     empty = nc.host_descriptor(store.slots, torch.zeros(n, H + 2 * k), torch.zeros(n, H),
                                k, 0, 1)
     empty[nc.D_STAGE] = 0  # never requested: a bad pointer the worker must not touch
@@ -81,9 +81,11 @@ def test_host_worker_matches_moe_cpu() -> None:
     for threads in (nc.max_threads(), 1):
         desc[nc.D_THREADS] = threads
         out.fill_(float("nan"))
-        time.sleep(0.2)  # the second request finds the pool on its slow polls
+        time.sleep(0.2)  # the second request finds the worker on its slow polls
         worker.call(2)
-        assert torch.equal(out, want)
+        # the worker's loop holds its own compiled copy of the kernel: fastmath sums may
+        # round apart
+        assert (out - want).abs().max() <= 1e-6 * want.abs().max()
     assert int(desc[nc.D_COUNT]) == 2 * len(set(rows[rows >= 0].tolist()))
     assert int(desc[nc.D_CALLS]) == 2 and int(empty[nc.D_CALLS]) == 0
     assert int(worker.flags[worker.GO]) == 0

@@ -11,10 +11,10 @@ start-up probe, `offload.bandwidth`). The lookup kernel applies the split (a, b)
 t_call) / (t_copy + t_cpu) on the device, so it needs no host sync; CPU-computed experts are
 not cached. On CUDA the CPU part runs in stream order (`CpuExperts`): the stream copies x and
 the routing to pinned memory and raises the request flag of the CPU worker
-(`kernels.moe.cpu.HostWorker`, a pool of threads spinning on it) before the layer's miss
-copies, and waits for its answer flag before adding the result, with stream memory
-operations (`cuStreamWriteValue32` / `cuStreamWaitValue32`, capturable in the decode graph; no
-host function and no driver thread in the path).
+(`kernels.moe.cpu.HostWorker`, spinning on it) before the layer's miss copies, and waits for its
+answer flag before adding the result, with stream memory operations (`cuStreamWriteValue32` /
+`cuStreamWaitValue32`, capturable in the decode graph; no host function and no driver thread
+in the path).
 Modes (`--experts`): "gpu", "cpu" (every miss on the CPU), "hybrid"; None picks hybrid when
 the probe predicts it faster. Streamed prefill and batches over `CPU_MAX_TOKENS` tokens
 (`offload.provider`) stay on the GPU.
@@ -130,7 +130,7 @@ class CpuExperts:
         self.store = store
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self._worker = nvfp4_cpu.worker() if self.cuda else None
+        self._worker = nvfp4_cpu.HostWorker(pin=True) if self.cuda else None
         if self._worker is not None:  # the device addresses of its request and answer flags
             w = self._worker
             self._go, self._done = (flags_address(w.flags, i) for i in (w.GO, w.DONE))

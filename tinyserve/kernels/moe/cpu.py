@@ -4,31 +4,27 @@
 every pair with row r = rows[t, j] >= 0 (row -1: the pair runs on the GPU). Each matrix's input
 is quantized to int8 per block of 16 (scale max|x| / 127, as llama.cpp's CPU dots) and dotted
 with the E2M1 codes in integers (AVX2 pshufb / pmaddubsw, x86-64 only); `moe_cpu_ref` rounds
-the same way (outputs within ~1 % of unquantized fp32 math). Every call runs on `HostWorker`, a
-pool of native threads (numba cfuncs: no Python, no GIL) that spin between calls: a leader
-takes requests through flags in memory (pinned: the GPU raises and waits on them with stream
-memory operations, `offload.hybrid`), prepares the call and shares its work items with the
-helpers in two phases (per expert and block of hidden units: gate and up rows, silu-mul, int8
-rounding; then per block of down rows, each summing its pairs in a fixed order: the same bits
-for any thread count). Threads that spin start a decode layer's call at once; a thread team
-that sleeps between calls (numba's parallel regions, before) must first be woken.
-"""
+the same way (outputs within ~1 % of unquantized fp32 math). Two parallel regions (per expert
+and block of hidden units: gate and up rows, silu-mul, its int8 rounding; down per row block
+summing its pairs in a fixed order: the same bits for any thread count). numba: wheels
+everywhere, the GIL released, and a native loop (`HostWorker`) that serves calls requested
+through flags in pinned memory with no Python, which the GPU raises and waits on with stream
+memory operations (`offload.hybrid`)."""
 
 from __future__ import annotations
 
 import functools
 from typing import Any
 
-import numpy as np
 import torch
 
 from tinyserve.kernels.moe.fused import ExpertSlots, moe_pairs_ref
 
 ROW_BLOCK = 32  # hidden units (gate and up rows) or down rows per work item
-# NOTE: the layout of a call's descriptor (int64 words, `host_descriptor`)
-DESC_WORDS = 17
+# NOTE: the layout of a host-entry descriptor (int64 words, `host_descriptor`)
+DESC_WORDS = 19
 (D_STAGE, D_OUT, D_N, D_K, D_ROW_BASE, D_W13, D_S13, D_G13, D_W2, D_S2, D_G2, D_ROWS, D_H, D_F,
- D_COUNT, D_CALLS, D_THREADS) = range(DESC_WORDS)
+ D_COUNT, D_CALLS, D_THREADS, D_SET_THREADS, D_SET_CHUNK) = range(DESC_WORDS)
 
 
 def available() -> bool:
@@ -67,10 +63,13 @@ def moe_cpu(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, slots: E
         out = torch.empty(n, h, dtype=torch.float32)
     elif out.shape != (n, h) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous float32 [{n}, {h}] tensor")
+    k = _kernels()
     threads = check_threads(max_threads() if threads is None else threads)
-    stage = torch.cat([x.detach().float(), rows.detach().to(torch.int32).view(torch.float32),
-                       weights.detach().float()], dim=1)
-    worker().run(host_descriptor(slots, stage, out, rows.shape[1], 0, threads))
+    xf = x.detach().to(torch.float32).contiguous().numpy()
+    r = rows.detach().to(torch.int64).contiguous().numpy()
+    w = weights.detach().to(torch.float32).contiguous().numpy()
+    store = (t.numpy() for t in slots.buffers)  # views, no copy
+    k.moe(xf, r, w, *store, out.numpy(), k.e4m3, threads, k.setters)
     return out
 
 
@@ -91,20 +90,18 @@ def moe_cpu_ref(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, slot
 
 
 def read_host(buffer: torch.Tensor) -> int:
-    """A checksum of every 8-byte word of a contiguous CPU tensor, read with `max_threads()`
+    """A checksum of every 8-byte word of a contiguous CPU tensor, read with all the kernel's
     threads (the host read-bandwidth probe of `offload.bandwidth`)."""
     words = buffer.view(torch.uint8).reshape(-1)
     words = words[:words.numel() // 8 * 8].view(torch.int64).numpy().view("uint64")
-    parts = np.array_split(words, max_threads())
-    return sum(int(s) for s in _readers().map(_kernels().read_sum, parts)) % 2**64
+    return int(_kernels().read_sum(words))
 
 
 def max_threads() -> int:
-    """The pool's threads: numba's thread count (the CPUs this process may run on;
-    NUMBA_NUM_THREADS sets it)."""
+    """The most threads the CPU kernel can run on (numba's pool; NUMBA_NUM_THREADS sets it)."""
     import numba
 
-    _kernels()  # numba imported after its cache directory is set
+    _kernels()
     return numba.config.NUMBA_NUM_THREADS
 
 
@@ -124,59 +121,50 @@ def host_descriptor(slots: ExpertSlots, stage: torch.Tensor, out: torch.Tensor,
     if stage.shape != (n, h + 2 * top_k) or stage.dtype != torch.float32 \
             or out.dtype != torch.float32 or not (stage.is_contiguous() and out.is_contiguous()):
         raise ValueError("host_descriptor: stage must be float32 [N, H + 2k], out float32 [N, H]")
-    # NOTE: built as a list (one tensor write per word costs ~2 us: moe_cpu builds one per call)
-    d = [stage.data_ptr(), out.data_ptr(), n, top_k, row_base,
-         *(t.data_ptr() for t in slots.buffers), slots.num_slots, h, slots.intermediate_size,
-         0, 0, check_threads(threads)]
-    assert len(d) == DESC_WORDS and d[D_THREADS] == threads and d[D_ROWS] == slots.num_slots
-    return torch.tensor(d, dtype=torch.int64)
+    d = torch.zeros(DESC_WORDS, dtype=torch.int64)
+    d[D_STAGE], d[D_OUT], d[D_N], d[D_K], d[D_ROW_BASE] = (stage.data_ptr(), out.data_ptr(), n,
+                                                           top_k, row_base)
+    for i, t in zip((D_W13, D_S13, D_G13, D_W2, D_S2, D_G2), slots.buffers, strict=True):
+        d[i] = t.data_ptr()
+    d[D_ROWS], d[D_H], d[D_F] = slots.num_slots, h, slots.intermediate_size
+    d[D_THREADS] = check_threads(threads)
+    d[D_SET_THREADS], d[D_SET_CHUNK] = (int(a) for a in _kernels().setters)
+    return d
 
 
 class HostWorker:
-    """A pool of `threads` native threads running CPU expert calls on request (module
-    docstring), with no Python and no GIL.
+    """A native thread running CPU expert calls on request, with no Python and no GIL.
 
-    A requester (the GPU through stream memory operations, or `call`) writes flags[GO] = i
-    for descriptor i (`add`'s number); the leader thread clears GO, runs the call with the
-    helpers and answers flags[DONE] = i. `run` leads a call from the calling thread instead.
-    One call at a time. Each thread spins (`pause`) while calls come, polls every 50 us after
-    `spin` idle polls and every 1 ms after ~0.1 s more. `close()` (or garbage collection)
-    stops the pool.
+    A requester (the GPU through stream memory operations, or `call` from any thread) writes
+    flags[GO] = i for descriptor i (`add`'s number); the worker clears GO, runs the call and
+    answers flags[DONE] = i. One request at a time. It spins (`pause`) while requests come, polls
+    every 50 us after `spin` idle polls and every 1 ms after ~0.1 s more. `close()` (or garbage
+    collection) stops it.
     `pin`: the flags in pinned memory (for a GPU requester).
     """
 
     GO, DONE, STOP = 0, 1, 2
 
-    def __init__(self, *, pin: bool = False, threads: int | None = None, capacity: int = 4096,
-                 spin: int = 100_000) -> None:
+    def __init__(self, *, pin: bool = False, capacity: int = 4096, spin: int = 100_000) -> None:
         import ctypes
         import threading
         import weakref
 
         k = _kernels()
-        self.threads = threads = check_threads(max_threads() if threads is None else threads)
         with torch.inference_mode(False):  # written from anywhere, the finalizer included
             self.flags = torch.zeros(4, dtype=torch.int32, pin_memory=pin)
             self.table = torch.zeros(capacity, dtype=torch.int64)
-            self.pool = torch.zeros(k.pool_words(threads), dtype=torch.int64)
         self._descriptors: list[torch.Tensor] = []
-        self._lock = threading.Lock()
         usleep = ctypes.cast(ctypes.CDLL(None).usleep, ctypes.c_void_p).value
-        pool = self.pool.data_ptr()
-        controls = [torch.tensor([self.flags.data_ptr(), self.table.data_ptr(), capacity,
-                                  usleep, spin, pool, threads], dtype=torch.int64)]
-        controls += [torch.tensor([pool, i, usleep, spin], dtype=torch.int64)
-                     for i in range(1, threads)]
-        loops = [ctypes.CFUNCTYPE(None, ctypes.c_void_p)(a)
-                 for a in (k.lead_address, k.assist_address)]
-        pool_threads = [threading.Thread(target=loops[i > 0], args=(c.data_ptr(),),
-                                         daemon=True, name=f"tinyserve-cpu-experts-{i}")
-                        for i, c in enumerate(controls)]
-        for t in pool_threads:
-            t.start()
-        # the buffers outlive the loops: the finalizer holds them until the threads are joined
-        self._stop = weakref.finalize(self, _stop_pool, self.flags, self.pool, k.P_STOP,
-                                      pool_threads, controls, self.table, self._descriptors)
+        self._control = torch.tensor([self.flags.data_ptr(), self.table.data_ptr(), capacity,
+                                      usleep, spin], dtype=torch.int64)
+        serve = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(k.serve_address)
+        thread = threading.Thread(target=serve, args=(self._control.data_ptr(),), daemon=True,
+                                  name="tinyserve-cpu-experts")
+        thread.start()
+        # the buffers outlive the loop: the finalizer holds them until the thread is joined
+        self._stop = weakref.finalize(self, _stop_worker, self.flags, thread, self._control,
+                                      self.table, self._descriptors)
 
     def add(self, descriptor: torch.Tensor) -> int:
         """Register `descriptor` (`host_descriptor`; kept alive here): its request number."""
@@ -187,47 +175,21 @@ class HostWorker:
         return len(self._descriptors)
 
     def call(self, number: int) -> None:
-        """Request call `number` through the flags, as the GPU does, and wait for its answer
-        (tests)."""
+        """Request call `number` and wait for its answer (CPU use and tests)."""
         import time
 
-        with self._lock:
-            flags = self.flags.numpy()
-            flags[self.GO] = number
-            while flags[self.DONE] != number:
-                time.sleep(0)
-            flags[self.DONE] = 0
-
-    def run(self, descriptor: torch.Tensor) -> None:
-        """Run the call of `descriptor` with the calling thread as the pool's thread 0 (no
-        request, no waiting thread; the GIL released). Never while a GPU request runs."""
-        with self._lock:
-            _kernels().lead_call(self.pool.data_ptr(), self.threads, descriptor.data_ptr())
+        self.flags[self.GO] = number
+        while int(self.flags[self.DONE]) != number:
+            time.sleep(0)
+        self.flags[self.DONE] = 0
 
     def close(self) -> None:
         self._stop()
 
 
-def _stop_pool(flags: torch.Tensor, pool: torch.Tensor, stop: int, threads: list[Any],
-               *buffers: Any) -> None:
+def _stop_worker(flags: torch.Tensor, thread: Any, *buffers: Any) -> None:
     flags[HostWorker.STOP] = 1
-    pool[stop] = 1
-    for t in threads:
-        t.join()
-
-
-@functools.cache
-def worker() -> HostWorker:
-    """The process's pool (flags pinned where CUDA runs): every call of the kernel runs on it,
-    so its threads never compete with another pool's."""
-    return HostWorker(pin=torch.cuda.is_available())
-
-
-@functools.cache
-def _readers() -> Any:
-    from concurrent.futures import ThreadPoolExecutor
-
-    return ThreadPoolExecutor(max_threads(), thread_name_prefix="tinyserve-read")
+    thread.join()
 
 
 @functools.cache

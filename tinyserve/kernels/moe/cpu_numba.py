@@ -1,35 +1,209 @@
-"""The numba code of `cpu.py` (imported on first use): the pool's thread loops and the work
-they share (the LLVM IR it calls: `cpu_ir.py`). Store arrays (descriptor words): w13 uint8
-[R, 2F, H/2], s13 [R, 2F, H/16], g13 fp32 [R, 2], w2 uint8 [R, H, F/2], s2 [R, H, F/16],
-g2 fp32 [R]; per call: x [N, H] fp32 (quantized to xq int8 [N, H], xs fp32 [N, H/16]), the
-pairs' rows [N * k] int64 (-1: skipped) and weights [N * k] fp32, out [N, H] fp32."""
+"""The numba code of `cpu.py` (imported on first use). Arrays: x [N, H] fp32, rows [N, k]
+int64 (-1: skipped), wts [N, k] fp32; w13 uint8 [R, 2F, H/2], s13 [R, 2F, H/16], g13 fp32
+[R, 2], w2 uint8 [R, H, F/2], s2 [R, H, F/16], g2 fp32 [R]; out [N, H] fp32; e4 fp32 [256]."""
 
 from __future__ import annotations
 
+import ctypes
 from types import SimpleNamespace
 
 import numpy as np
-from numba import carray, cfunc, njit, types
-
-from tinyserve.kernels.moe.cpu_ir import (
-    addr,
-    call_i32,
-    dot,
-    fetch_add,
-    load_acquire_i32,
-    load_acquire_i64,
-    pause,
-    ptr_f32,
-    ptr_i8,
-    ptr_i32,
-    ptr_i64,
-    ptr_u8,
-    store_release_i32,
-    store_release_i64,
-)
+from llvmlite import ir
+from numba import carray, cfunc, njit, prange, types
+from numba.extending import intrinsic
+from numba.np.ufunc.parallel import _launch_threads
 
 RB = 32  # rows per work item: kernels.moe.cpu.ROW_BLOCK
-DW = 17  # descriptor words: kernels.moe.cpu.DESC_WORDS
+DW = 19  # descriptor words: kernels.moe.cpu.DESC_WORDS
+# code bytes the dot prefetches ahead of its loads: rows are contiguous, so this runs into the
+# next rows of the work item and keeps the memory reads in flight while the core computes
+PREFETCH = 2048
+
+
+@intrinsic
+def _addr(typingctx, ptr):
+    sig = types.int64(types.voidptr)
+
+    def codegen(context, builder, signature, args):
+        return builder.ptrtoint(args[0], ir.IntType(64))
+
+    return sig, codegen
+
+
+def _typed_ptr(dtype):
+    @intrinsic
+    def ptr(typingctx, addr):
+        sig = types.CPointer(dtype)(types.int64)
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+        return sig, codegen
+
+    return ptr
+
+
+@intrinsic
+def _call_i32(typingctx, addr, value):
+    """`int f(int)` at address `addr` called with `value` (numba's threading-layer setters,
+    reached through addresses passed in: a cached function may not hold their ctypes
+    objects)."""
+    sig = types.int64(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        fn = builder.inttoptr(args[0], ir.FunctionType(i32, [i32]).as_pointer())
+        return builder.sext(builder.call(fn, [builder.trunc(args[1], i32)]), ir.IntType(64))
+
+    return sig, codegen
+
+
+@intrinsic
+def _load_acquire_i32(typingctx, addr):
+    """The int32 at address `addr`, read with acquire ordering (never hoisted out of a loop)."""
+    sig = types.int64(types.int64)
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.inttoptr(args[0], ir.IntType(32).as_pointer())
+        return builder.sext(builder.load_atomic(ptr, "acquire", 4), ir.IntType(64))
+
+    return sig, codegen
+
+
+@intrinsic
+def _store_release_i32(typingctx, addr, value):
+    sig = types.void(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.inttoptr(args[0], ir.IntType(32).as_pointer())
+        builder.store_atomic(builder.trunc(args[1], ir.IntType(32)), ptr, "release", 4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _pause(typingctx):
+    """The spin-wait hint (x86 `pause`)."""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        builder.call(_declare(builder.module, "llvm.x86.sse2.pause", ir.VoidType()), [])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_ptr_f32 = _typed_ptr(types.float32)
+_ptr_i32 = _typed_ptr(types.int32)
+_ptr_i64 = _typed_ptr(types.int64)
+_ptr_u8 = _typed_ptr(types.uint8)
+
+
+# The block dot, written in LLVM IR with AVX2 instructions (every x86-64 CPU since 2013-2015:
+# Haswell, Zen): 32 code bytes (64 inputs, four scale blocks) per iteration.
+_I8, _I16, _I32, _I64, _F32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
+                               ir.FloatType())
+_V32I8, _V16I16, _V8I32, _V4F32, _V8F32 = (ir.VectorType(_I8, 32), ir.VectorType(_I16, 16),
+                                           ir.VectorType(_I32, 8), ir.VectorType(_F32, 4),
+                                           ir.VectorType(_F32, 8))
+# twice the E2M1 value of each code (integers; the sign is bit 3)
+_E2M1_X2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def _declare(module: ir.Module, name: str, ret: ir.Type, *args: ir.Type) -> ir.Function:
+    fn = module.globals.get(name)
+    return fn if fn is not None else ir.Function(module, ir.FunctionType(ret, args), name)
+
+
+def _splat(ty: ir.VectorType, value: int | float) -> ir.Constant:
+    return ir.Constant(ty, [ir.Constant(ty.element, value)] * ty.count)
+
+
+def _dot_function(module: ir.Module) -> ir.Function:
+    """`float dot(i8 *codes, i8 *scales, float *e4, i8 *xq, float *xs, i64 chunks)`: the sum
+    over blocks of 16 inputs of e4[scales[b]] * xs[b] * (sum of 2 * E2M1(code) * xq) (see
+    `_quantize` for xq's layout); `chunks` >= 1 iterations of 32 code bytes."""
+    name = "tinyserve_nvfp4_i8_dot"
+    fn = module.globals.get(name)
+    if fn is not None:
+        return fn
+    i8p, f32p = _I8.as_pointer(), _F32.as_pointer()
+    fn = ir.Function(module, ir.FunctionType(_F32, [i8p, i8p, f32p, i8p, f32p, _I64]), name)
+    fn.linkage = "internal"
+    codes, scales, e4, xq, xs, chunks = fn.args
+    pshufb = _declare(module, "llvm.x86.avx2.pshuf.b", _V32I8, _V32I8, _V32I8)
+    psign = _declare(module, "llvm.x86.avx2.psign.b", _V32I8, _V32I8, _V32I8)
+    maddubs = _declare(module, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, _V32I8, _V32I8)
+    maddwd = _declare(module, "llvm.x86.avx2.pmadd.wd", _V8I32, _V16I16, _V16I16)
+    entry, loop, done = (fn.append_basic_block(n) for n in ("entry", "loop", "done"))
+    b = ir.IRBuilder(entry)
+    b.branch(loop)
+    b.position_at_end(loop)
+    i = b.phi(_I64)
+    acc = b.phi(_V8F32)
+
+    def const(v: int) -> ir.Constant:
+        return ir.Constant(_I64, v)
+
+    def load(ptr: ir.Value, offset: ir.Value, ty: ir.VectorType) -> ir.Value:
+        return b.load(b.bitcast(b.gep(ptr, [offset]), ty.as_pointer()), align=1)
+
+    prefetch = _declare(module, "llvm.prefetch.p0", ir.VoidType(), i8p, _I32, _I32, _I32)
+    b.call(prefetch, [b.gep(codes, [b.add(b.mul(i, const(32)), const(PREFETCH))]),
+                      *(ir.Constant(_I32, v) for v in (0, 3, 1))])
+    c = load(codes, b.mul(i, const(32)), _V32I8)
+    table = ir.Constant(_V32I8, [ir.Constant(_I8, v & 0xFF) for v in _E2M1_X2 * 2])
+    w_even = b.call(pshufb, [table, b.and_(c, _splat(_V32I8, 15))])
+    w_odd = b.call(pshufb, [table, b.lshr(c, _splat(_V32I8, 4))])
+    x_even = load(xq, b.mul(i, const(64)), _V32I8)
+    x_odd = load(xq, b.add(b.mul(i, const(64)), const(32)), _V32I8)
+    # |w| (unsigned) times x with w's sign, pairs summed to int16, then quads to int32: lanes
+    # 2b and 2b + 1 hold scale block b of the chunk
+    pairs = b.add(b.call(maddubs, [b.call(psign, [w_even, w_even]),
+                                   b.call(psign, [x_even, w_even])]),
+                  b.call(maddubs, [b.call(psign, [w_odd, w_odd]),
+                                   b.call(psign, [x_odd, w_odd])]))
+    quads = b.sitofp(b.call(maddwd, [pairs, _splat(_V16I16, 1)]), _V8F32)
+    w_scale = ir.Constant(_V4F32, ir.Undefined)
+    for j in range(4):
+        code = b.zext(b.load(b.gep(scales, [b.add(b.mul(i, const(4)), const(j))])), _I64)
+        w_scale = b.insert_element(w_scale, b.load(b.gep(e4, [code])), ir.Constant(_I32, j))
+    scale = b.fmul(w_scale, load(xs, b.mul(i, const(4)), _V4F32))
+    pick = ir.Constant(ir.VectorType(_I32, 8), [ir.Constant(_I32, j // 2) for j in range(8)])
+    scale = b.shuffle_vector(scale, scale, pick)
+    acc_next = b.fadd(acc, b.fmul(quads, scale))
+    i_next = b.add(i, const(1))
+    i.add_incoming(const(0), entry)
+    i.add_incoming(i_next, loop)
+    acc.add_incoming(_splat(_V8F32, 0.0), entry)
+    acc.add_incoming(acc_next, loop)
+    b.cbranch(b.icmp_unsigned("<", i_next, chunks), loop, done)
+    b.position_at_end(done)
+    lane = [b.extract_element(acc_next, ir.Constant(_I32, j)) for j in range(8)]
+    while len(lane) > 1:
+        lane = [b.fadd(lane[j], lane[j + 1]) for j in range(0, len(lane), 2)]
+    b.ret(lane[0])
+    return fn
+
+
+@intrinsic
+def _dot(typingctx, codes, scales, e4, xq, xs):
+    """One weight row (codes uint8 [K/2], scales uint8 [K/16]) against one quantized input
+    (xq int8 [K], xs fp32 [K/16]); twice the dot (the table holds 2 * E2M1), before the row's
+    global scale. K % 64 == 0."""
+    sig = types.float32(codes, scales, e4, xq, xs)
+
+    def codegen(context, builder, signature, args):
+        i8p, f32p = _I8.as_pointer(), _F32.as_pointer()
+        ptrs = [builder.bitcast(context.make_array(t)(context, builder, v).data, p)
+                for t, v, p in zip(signature.args, args, (i8p, i8p, f32p, i8p, f32p),
+                                   strict=True)]
+        codes_array = context.make_array(signature.args[0])(context, builder, args[0])
+        chunks = builder.udiv(builder.extract_value(codes_array.shape, 0), ir.Constant(_I64, 32))
+        return builder.call(_dot_function(builder.module), [*ptrs, chunks])
+
+    return sig, codegen
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
@@ -50,6 +224,75 @@ def _quantize(x, q, s, first, end):
             q[base + 32 + j] = np.int8(np.round(x[blk * 16 + 2 * j + 1] * inv))
 
 
+@njit(parallel=True, fastmath=True, nogil=True, cache=True, error_model="numpy")
+def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, setters):
+    """Every pair's expert (module docstring of kernels.moe.cpu) on `threads` threads
+    (`setters`: the addresses of numba's set_num_threads and set_parallel_chunksize);
+    returns the number of distinct experts computed."""
+    n, topk = rows.shape
+    h = x.shape[1]
+    f = w2.shape[2] * 2
+    # pairs with a row, grouped by row (ascending; stable within a row)
+    flat = rows.reshape(-1)
+    order = np.argsort(flat, kind="mergesort")
+    first = 0
+    while first < order.shape[0] and flat[order[first]] < 0:
+        first += 1
+    pairs = order[first:]
+    npairs = pairs.shape[0]
+    starts = np.zeros(npairs + 1, np.int64)  # group u = pairs[starts[u]:starts[u + 1]]
+    groups = 0
+    for p in range(npairs):
+        if p == 0 or flat[pairs[p]] != flat[pairs[p - 1]]:
+            starts[groups] = p
+            groups += 1
+    starts[groups] = npairs
+    if groups == 0:
+        out[:] = 0.0
+        return 0
+    _call_i32(setters[0], threads)
+    # work items handed out one at a time: a thread the OS preempts (the engine's own threads
+    # share the cores) delays one item, not a fixed share of the call
+    chunk = _call_i32(setters[1], 1)
+    xq = np.empty((n, h), np.int8)
+    xs = np.empty((n, h // 16), np.float32)
+    for t in range(n):
+        _quantize(x[t], xq[t], xs[t], 0, h // 16)
+    # per expert and block of RB hidden units: their gate and up rows, then silu(gate) * up
+    # rounded as x is (whole scale blocks: RB % 16 == 0)
+    hid = np.empty((npairs, f), np.float32)
+    hq = np.empty((npairs, f), np.int8)
+    hs = np.empty((npairs, f // 16), np.float32)
+    nb1 = f // RB
+    for item in prange(groups * nb1):
+        u = item // nb1
+        r = flat[pairs[starts[u]]]
+        first = item % nb1 * RB
+        g_gate, g_up = g13[r, 0] * np.float32(0.5), g13[r, 1] * np.float32(0.5)
+        for o in range(first, first + RB):
+            for p in range(starts[u], starts[u + 1]):
+                t = pairs[p] // topk
+                g = _dot(w13[r, o], s13[r, o], e4, xq[t], xs[t]) * g_gate
+                up = _dot(w13[r, f + o], s13[r, f + o], e4, xq[t], xs[t]) * g_up
+                hid[p, o] = g / (np.float32(1.0) + np.exp(-g)) * up
+        for p in range(starts[u], starts[u + 1]):
+            _quantize(hid[p], hq[p], hs[p], first // 16, (first + RB) // 16)
+    for item in prange(h // RB):
+        acc = np.zeros(n, np.float32)
+        for o in range(item * RB, item * RB + RB):
+            acc[:] = 0.0
+            for u in range(groups):
+                r = flat[pairs[starts[u]]]
+                for p in range(starts[u], starts[u + 1]):
+                    q = pairs[p]
+                    acc[q // topk] += wts.reshape(-1)[q] * g2[r] * np.float32(0.5) * _dot(
+                        w2[r, o], s2[r, o], e4, hq[p], hs[p])
+            for t in range(n):
+                out[t, o] = acc[t]
+    _call_i32(setters[1], chunk)
+    return groups
+
+
 def _e4m3_values() -> np.ndarray:
     """fp32 [256]: every E4M3 bit pattern's value (specs/nvfp4.md §1; NaN for 0x7F / 0xFF)."""
     b = np.arange(256)
@@ -60,232 +303,93 @@ def _e4m3_values() -> np.ndarray:
 
 
 _E4M3 = _e4m3_values()
-
-# The pool's shared words (int64; each field on its own 64-byte line): the call generation,
-# the two phases' work-item counters, items of phase 1 done, the stop request, the call record
-# (written by the leader before it publishes a generation, read-only during the call), then
-# per thread the last generation it finished.
-P_GEN, P_NEXT1, P_DONE1, P_NEXT2, P_STOP, P_CALL, P_FIN = 0, 8, 16, 24, 32, 40, 64
-(C_DESC, C_THREADS, C_XQ, C_XS, C_HID, C_HQ, C_HS, C_FLAT, C_WTS, C_PAIRS, C_STARTS, C_GROUPS,
- C_NPAIRS) = range(13)
-
-
-def pool_words(threads: int) -> int:
-    return P_FIN + 8 * threads
+# NOTE: the threading layer first: a cached `serve` (it calls the parallel `moe`) links
+# against its scheduler symbols when loaded.
+_launch_threads()
 
 
 @njit(nogil=True, cache=True)
-def _weights(d):
-    """The store's arrays named by descriptor words `d` (kernels.moe.cpu.host_descriptor)."""
+def _run(address):
+    """One call described by the descriptor at `address` (kernels.moe.cpu.host_descriptor)."""
+    d = carray(_ptr_i64(address), (DW,))
+    n, topk, base = d[2], d[3], d[4]
     nrows, h, f = d[11], d[12], d[13]
-    return (carray(ptr_u8(d[5]), (nrows, 2 * f, h // 2)),
-            carray(ptr_u8(d[6]), (nrows, 2 * f, h // 16)),
-            carray(ptr_f32(d[7]), (nrows, 2)),
-            carray(ptr_u8(d[8]), (nrows, h, f // 2)),
-            carray(ptr_u8(d[9]), (nrows, h, f // 16)),
-            carray(ptr_f32(d[10]), (nrows,)))
-
-
-@njit(nogil=True, fastmath=True, cache=True, error_model="numpy")
-def _work(pool, tid):
-    """Thread `tid`'s part of the published call: work items taken one at a time (a thread
-    the OS preempts delays one item, not a share of the call). Phase 1, per expert and block
-    of RB hidden units: their gate and up rows, silu(gate) * up, rounded as x is (whole scale
-    blocks: RB % 16 == 0). Phase 2, once every phase-1 item is done, per block of RB output
-    rows: the down rows of every pair, summed in a fixed order (the same bits for any thread
-    count)."""
-    c = carray(ptr_i64(pool + 8 * P_CALL), (16,))
-    d = carray(ptr_i64(c[C_DESC]), (DW,))
-    w13, s13, g13, w2, s2, g2 = _weights(d)
-    n, topk, h, f = d[2], d[3], d[12], d[13]
-    groups, npairs = c[C_GROUPS], c[C_NPAIRS]
-    out = carray(ptr_f32(d[1]), (n, h))
-    xq = carray(ptr_i8(c[C_XQ]), (n, h))
-    xs = carray(ptr_f32(c[C_XS]), (n, h // 16))
-    hid = carray(ptr_f32(c[C_HID]), (npairs, f))
-    hq = carray(ptr_i8(c[C_HQ]), (npairs, f))
-    hs = carray(ptr_f32(c[C_HS]), (npairs, f // 16))
-    flat = carray(ptr_i64(c[C_FLAT]), (n * topk,))
-    wts = carray(ptr_f32(c[C_WTS]), (n * topk,))
-    pairs = carray(ptr_i64(c[C_PAIRS]), (npairs,))
-    starts = carray(ptr_i64(c[C_STARTS]), (groups + 1,))
-    nb1 = f // RB
-    mine = 0  # phase-1 items done here, counted once when the phase runs out of items
-    while True:
-        item = fetch_add(pool + 8 * P_NEXT1, 1)
-        if item >= groups * nb1:
-            break
-        mine += 1
-        u = item // nb1
-        r = flat[pairs[starts[u]]]
-        first = item % nb1 * RB
-        g_gate, g_up = g13[r, 0] * np.float32(0.5), g13[r, 1] * np.float32(0.5)
-        for o in range(first, first + RB):
-            for p in range(starts[u], starts[u + 1]):
-                t = pairs[p] // topk
-                g = dot(w13[r, o], s13[r, o], _E4M3, xq[t], xs[t]) * g_gate
-                up = dot(w13[r, f + o], s13[r, f + o], _E4M3, xq[t], xs[t]) * g_up
-                hid[p, o] = g / (np.float32(1.0) + np.exp(-g)) * up
-        for p in range(starts[u], starts[u + 1]):
-            _quantize(hid[p], hq[p], hs[p], first // 16, (first + RB) // 16)
-    fetch_add(pool + 8 * P_DONE1, mine)
-    while load_acquire_i64(pool + 8 * P_DONE1) < groups * nb1:
-        pause()
-    acc = np.zeros(n, np.float32)
-    while True:
-        item = fetch_add(pool + 8 * P_NEXT2, 1)
-        if item >= h // RB:
-            break
-        for o in range(item * RB, item * RB + RB):
-            acc[:] = 0.0
-            for u in range(groups):
-                r = flat[pairs[starts[u]]]
-                for p in range(starts[u], starts[u + 1]):
-                    q = pairs[p]
-                    acc[q // topk] += wts[q] * g2[r] * np.float32(0.5) * dot(
-                        w2[r, o], s2[r, o], _E4M3, hq[p], hs[p])
-            for t in range(n):
-                out[t, o] = acc[t]
-
-
-@njit(nogil=True, cache=True)
-def _publish_and_work(pool, address, threads, xq, xs, hid, hq, hs, flat, wts, pairs, starts,
-                      groups):
-    """Publish the call (its arrays stay alive as this function's arguments), do thread 0's
-    part and wait until every helper of the call finished its own."""
-    c = carray(ptr_i64(pool + 8 * P_CALL), (16,))
-    c[C_DESC], c[C_THREADS], c[C_GROUPS], c[C_NPAIRS] = address, threads, groups, hid.shape[0]
-    c[C_XQ], c[C_XS], c[C_HID], c[C_HQ], c[C_HS] = (xq.ctypes.data, xs.ctypes.data,
-                                                    hid.ctypes.data, hq.ctypes.data,
-                                                    hs.ctypes.data)
-    c[C_FLAT], c[C_WTS], c[C_PAIRS], c[C_STARTS] = (flat.ctypes.data, wts.ctypes.data,
-                                                    pairs.ctypes.data, starts.ctypes.data)
-    words = carray(ptr_i64(pool), (P_CALL,))
-    words[P_NEXT1], words[P_DONE1], words[P_NEXT2] = 0, 0, 0
-    gen = words[P_GEN] + 1
-    store_release_i64(pool + 8 * P_GEN, gen)
-    _work(pool, 0)
-    for i in range(1, threads):
-        while load_acquire_i64(pool + 8 * (P_FIN + 8 * i)) != gen:
-            pause()
-
-
-@njit(nogil=True, cache=True)
-def _lead(pool, size, address):
-    """Run the call of the descriptor at `address` (kernels.moe.cpu.host_descriptor) on the
-    pool of `size` threads: read the stage, group the pairs by row, quantize x, then share
-    the experts' work with the helpers."""
-    d = carray(ptr_i64(address), (DW,))
-    n, topk, base, h, f = d[2], d[3], d[4], d[12], d[13]
     width = h + 2 * topk
-    stage_f = carray(ptr_f32(d[0]), (n, width))
-    stage_i = carray(ptr_i32(d[0]), (n, width))
-    flat = np.empty(n * topk, np.int64)
-    wts = np.empty(n * topk, np.float32)
+    stage_f = carray(_ptr_f32(d[0]), (n, width))
+    stage_i = carray(_ptr_i32(d[0]), (n, width))
+    out = carray(_ptr_f32(d[1]), (n, h))
+    w13 = carray(_ptr_u8(d[5]), (nrows, 2 * f, h // 2))
+    s13 = carray(_ptr_u8(d[6]), (nrows, 2 * f, h // 16))
+    g13 = carray(_ptr_f32(d[7]), (nrows, 2))
+    w2 = carray(_ptr_u8(d[8]), (nrows, h, f // 2))
+    s2 = carray(_ptr_u8(d[9]), (nrows, h, f // 16))
+    g2 = carray(_ptr_f32(d[10]), (nrows,))
+    x = np.empty((n, h), np.float32)
+    rows = np.empty((n, topk), np.int64)
+    wts = np.empty((n, topk), np.float32)
     for t in range(n):
+        for i in range(h):
+            x[t, i] = stage_f[t, i]
         for j in range(topk):
             r = stage_i[t, h + j]
-            flat[t * topk + j] = r + base if r >= 0 else -1
-            wts[t * topk + j] = stage_f[t, h + topk + j]
-    # pairs with a row, grouped by row (ascending; stable within a row)
-    order = np.argsort(flat, kind="mergesort")
-    first = 0
-    while first < order.shape[0] and flat[order[first]] < 0:
-        first += 1
-    pairs = order[first:].copy()
-    npairs = pairs.shape[0]
-    starts = np.zeros(npairs + 1, np.int64)  # group u = pairs[starts[u]:starts[u + 1]]
-    groups = 0
-    for p in range(npairs):
-        if p == 0 or flat[pairs[p]] != flat[pairs[p - 1]]:
-            starts[groups] = p
-            groups += 1
-    starts[groups] = npairs
+            rows[t, j] = r + base if r >= 0 else -1
+            wts[t, j] = stage_f[t, h + topk + j]
+    e4 = np.empty(256, np.float32)  # (a writable array: the same `moe` as Python calls)
+    e4[:] = _E4M3
+    setters = np.empty(2, np.int64)
+    setters[0], setters[1] = d[17], d[18]
+    d[14] += moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, d[16], setters)
     d[15] += 1
-    if groups == 0:
-        carray(ptr_f32(d[1]), (n, h))[:] = 0.0
-        return
-    xq = np.empty((n, h), np.int8)
-    xs = np.empty((n, h // 16), np.float32)
-    for t in range(n):
-        _quantize(stage_f[t, :h], xq[t], xs[t], 0, h // 16)
-    hid = np.empty((npairs, f), np.float32)
-    hq = np.empty((npairs, f), np.int8)
-    hs = np.empty((npairs, f // 16), np.float32)
-    _publish_and_work(pool, address, max(1, min(d[16], size)), xq, xs, hid, hq, hs, flat, wts,
-                      pairs, starts, groups)
-    d[14] += groups
-
-
-@njit(nogil=True, cache=True)
-def _idle(idle, usleep, spin):
-    """One idle poll's wait: spin (`pause`) for `spin` polls, then sleep 50 us per poll, and
-    1 ms after a further ~0.1 s (an idle server costs next to nothing)."""
-    if idle < spin:
-        pause()
-    else:
-        call_i32(usleep, 50 if idle < spin + 2000 else 1000)
-    return idle + 1
 
 
 @cfunc(types.void(types.voidptr), nopython=True, cache=True)
-def lead(control):
-    """`void lead(void *control)`: thread 0 of kernels.moe.cpu.HostWorker. Waits for a request
-    (flag GO = i + 1), runs descriptor table[i] with the helpers, then answers (DONE = i + 1);
-    returns on STOP. Control words: flags, table, its size, usleep, spin polls, pool, size."""
-    c = carray(ptr_i64(addr(control)), (7,))
+def serve(control):
+    """`void serve(void *control)`: the worker loop of kernels.moe.cpu.HostWorker. Waits for
+    a request (flag GO = i + 1), runs descriptor table[i], then answers (DONE = i + 1); spins
+    while requests come; once none came for SPIN polls, sleeps 50 us between polls, and 1 ms
+    after a further ~0.1 s (an idle server costs next to nothing); returns on STOP."""
+    c = carray(_ptr_i64(_addr(control)), (5,))  # flags, table, its size, usleep, SPIN
     go, done, stop = c[0], c[0] + 4, c[0] + 8
-    table = carray(ptr_i64(c[1]), (c[2],))
+    table = carray(_ptr_i64(c[1]), (c[2],))
     idle = 0
     while True:
-        i = load_acquire_i32(go)
+        i = _load_acquire_i32(go)
         if i > 0:
-            store_release_i32(go, 0)
-            _lead(c[5], c[6], table[i - 1])
-            store_release_i32(done, i)
+            _store_release_i32(go, 0)
+            _run(table[i - 1])
+            _store_release_i32(done, i)
             idle = 0
-        elif load_acquire_i32(stop) != 0:
+        elif _load_acquire_i32(stop) != 0:
             return
+        elif idle < c[4]:
+            idle += 1
+            _pause()
         else:
-            idle = _idle(idle, c[3], c[4])
-
-
-@cfunc(types.void(types.voidptr), nopython=True, cache=True)
-def assist(control):
-    """`void assist(void *control)`: helper thread `tid` of the pool. On each new generation
-    it joins the call if the call runs on more than `tid` threads, then records the generation
-    as finished; returns on the pool's STOP. Control words: pool, tid, usleep, spin polls."""
-    c = carray(ptr_i64(addr(control)), (4,))
-    pool, tid = c[0], c[1]
-    seen, idle = 0, 0  # from generation 0: a thread started late still joins the first call
-    while True:
-        gen = load_acquire_i64(pool + 8 * P_GEN)
-        if gen != seen:
-            seen = gen
-            if tid < carray(ptr_i64(pool + 8 * P_CALL), (16,))[C_THREADS]:
-                _work(pool, tid)
-                store_release_i64(pool + 8 * (P_FIN + 8 * tid), gen)
-                idle = 0
-                continue
-        if load_acquire_i64(pool + 8 * P_STOP) != 0:
-            return
-        idle = _idle(idle, c[2], c[3])
-
-
-@njit(nogil=True, cache=True)
-def read_sum(words):
-    """Sum of uint64 words [n] (one thread's share of the host read-bandwidth probe)."""
-    acc = np.uint64(0)
-    for i in range(words.shape[0]):
-        acc += words[i]
-    return acc
+            idle += 1
+            _call_i32(c[3], 50 if idle < c[4] + 2000 else 1000)
 
 
 def build(row_block: int, desc_words: int) -> SimpleNamespace:
-    """The compiled kernels: the pool's thread loops (addresses), a call led from Python and
-    the read probe."""
+    """The compiled kernels: `moe`, the E4M3 table it takes and the worker loop's address."""
     if row_block != RB or desc_words != DW:
         raise ValueError("kernels.moe.cpu and its numba code disagree on their constants")
-    return SimpleNamespace(lead_address=lead.address, assist_address=assist.address,
-                           lead_call=_lead, read_sum=read_sum, pool_words=pool_words,
-                           P_STOP=P_STOP)
+    from numba.np.ufunc import parallel
+
+    setters = np.array([ctypes.cast(f, ctypes.c_void_p).value for f in
+                        (parallel._set_num_threads, parallel._set_parallel_chunksize)], np.int64)
+    return SimpleNamespace(moe=moe, e4m3=_E4M3.copy(), serve_address=serve.address,
+                           read_sum=read_sum, setters=setters)
+
+
+@njit(parallel=True, nogil=True, cache=True, error_model="numpy")
+def read_sum(words):
+    """Sum of uint64 words [n] read by every thread (a host read-bandwidth probe)."""
+    chunks = 256
+    per = (words.shape[0] + chunks - 1) // chunks
+    part = np.zeros(chunks, np.uint64)
+    for c in prange(chunks):
+        acc = np.uint64(0)
+        for i in range(c * per, min(words.shape[0], (c + 1) * per)):
+            acc += words[i]
+        part[c] = acc
+    return part.sum()

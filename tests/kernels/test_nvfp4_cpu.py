@@ -100,6 +100,10 @@ def test_moe_cpu_refuses_what_it_cannot_run() -> None:
     x, rows, w = torch.randn(1, 64), torch.tensor([[0, 1]]), torch.rand(1, 2)
     with pytest.raises(ValueError, match="do not match"):
         nc.moe_cpu(torch.randn(1, 32), rows, w, store.slots)
+    with pytest.raises(ValueError, match="store rows 0..1"):
+        nc.moe_cpu(x, torch.tensor([[0, 2]]), w, store.slots)
+    with pytest.raises(ValueError, match="store rows"):
+        nc.moe_cpu(x, torch.tensor([[-2, 1]]), w, store.slots)
     with pytest.raises(ValueError, match="threads must be"):
         nc.moe_cpu(x, rows, w, store.slots, threads=0)
     with pytest.raises(ValueError, match="out must be"):

@@ -10,8 +10,10 @@ plan (`offload.hybrid.plan_split`) is computed from it.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -120,28 +122,41 @@ def h2d_bandwidth(cache: Any, n: int, reps: int = 5) -> float | None:
     included) copying `n` experts into scratch slots; None off CUDA."""
     if cache.device.type != "cuda":
         return None
+    rows_total = cache.num_layers * cache.num_experts
+    dst = torch.arange(n, dtype=torch.int32, device=cache.device)
+    times = []
+    with scratch_slots(cache, n):
+        for i in range(reps + 1):
+            rows = (torch.randperm(rows_total)[:n]).to(torch.int32).to(cache.device)
+            t = device_seconds(lambda rows=rows: cache._copy(rows, dst))
+            if i:
+                times.append(t)
+    return n * cache.store.bytes_per_expert / statistics.median(times)
+
+
+@contextlib.contextmanager
+def scratch_slots(cache: Any, n: int) -> Iterator[None]:
+    """Within: the cache's miss copies land in `n` fresh slots (its own slots untouched)."""
     from tinyserve.kernels.moe.fused import allocate_expert_slots
 
     src = cache.store.slots
     scratch = allocate_expert_slots(n, src.hidden_size, src.intermediate_size, fp4=src.is_fp4,
                                     device=cache.device)
-    rows_total = cache.num_layers * cache.num_experts
-    dst = torch.arange(n, dtype=torch.int32, device=cache.device)
     slots, cache.slots = cache.slots, scratch
     try:
-        times = []
-        for i in range(reps + 1):
-            rows = (torch.randperm(rows_total)[:n]).to(torch.int32).to(cache.device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            cache._copy(rows, dst)
-            end.record()
-            end.synchronize()
-            if i:
-                times.append(start.elapsed_time(end) / 1e3)
+        yield
     finally:
         cache.slots = slots
-    return n * cache.store.bytes_per_expert / statistics.median(times)
+
+
+def device_seconds(fn: Callable[[], None]) -> float:
+    """Seconds the current CUDA stream spends on the work `fn` queues (between two events)."""
+    begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    begin.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3
 
 
 def probe(store: HostExpertStore, top_k: int, *, cache: Any = None, runner: Any = None
@@ -169,12 +184,8 @@ def split_times(cache: Any, runner: Any, top_k: int, reps: int = 7) -> dict[int,
     call requested, the other top_k - c copied by the cache's miss-copy path (its throttle
     included) into scratch slots, the answer waited for; captured in a CUDA graph per c and
     timed on the device, fresh rows each replay, median of `reps`. c = 0 copies alone."""
-    from tinyserve.kernels.moe.fused import allocate_expert_slots
-
-    src, dev = cache.store.slots, cache.device
-    scratch = allocate_expert_slots(top_k, src.hidden_size, src.intermediate_size,
-                                    fp4=src.is_fp4, device=dev)
-    rows_total, h = cache.num_layers * cache.num_experts, src.hidden_size
+    dev, h = cache.device, cache.store.slots.hidden_size
+    rows_total = cache.num_layers * cache.num_experts
     g = torch.Generator().manual_seed(0)
     first = torch.arange(top_k).view(1, top_k)
     x = torch.randn(1, h, generator=g).to(dev)
@@ -182,8 +193,7 @@ def split_times(cache: Any, runner: Any, top_k: int, reps: int = 7) -> dict[int,
     rows = torch.zeros(1, top_k, dtype=torch.int32, device=dev)
     dst = torch.arange(top_k, dtype=torch.int32, device=dev)
     out: dict[int, float] = {}
-    slots, cache.slots = cache.slots, scratch
-    try:
+    with scratch_slots(cache, top_k):
         for c in range(top_k + 1):
             slot = torch.where(first < c, -1, 0).to(torch.int32).to(dev)
 
@@ -203,15 +213,8 @@ def split_times(cache: Any, runner: Any, top_k: int, reps: int = 7) -> dict[int,
             times = []
             for _ in range(reps):
                 rows.copy_(torch.randperm(rows_total, generator=g)[:top_k].view(1, top_k))
-                begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-                begin.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(begin.elapsed_time(end) * 1e3)
+                times.append(device_seconds(graph.replay) * 1e6)
             out[c] = statistics.median(times)
-    finally:
-        cache.slots = slots
     return out
 
 

@@ -32,7 +32,7 @@ import torch
 from tinyserve.kernels import cuda_launch
 from tinyserve.kernels.moe import cpu as nvfp4_cpu
 from tinyserve.log import get_logger
-from tinyserve.offload.bandwidth import Bandwidths, probe
+from tinyserve.offload.bandwidth import Bandwidths, device_seconds, probe
 from tinyserve.offload.lookup import cpu_share
 
 logger = get_logger(__name__)
@@ -90,13 +90,14 @@ def plan_split(bw: Bandwidths, mode: str | None, top_k: int) -> HybridPlan:
     t_cpu, t_call = bw.cpu_expert_s, bw.cpu_overhead_s
     a, b = t_copy / (t_copy + t_cpu), t_call / (t_copy + t_cpu)
     m = top_k
-    c = cpu_share(a, b, m)
-    us = {"gpu": m * t_copy * 1e6, "cpu": (t_call + m * t_cpu) * 1e6,
-          "hybrid": max((m - c) * t_copy, t_call + c * t_cpu if c else 0.0) * 1e6}
     if sorted(bw.split_us) == list(range(m + 1)):  # both at once contend for host memory
         c = min(bw.split_us, key=lambda i: (bw.split_us[i], i))
         b = a * m - c
         us = {"gpu": bw.split_us[0], "cpu": bw.split_us[m], "hybrid": bw.split_us[c]}
+    else:
+        c = cpu_share(a, b, m)
+        us = {"gpu": m * t_copy * 1e6, "cpu": (t_call + m * t_cpu) * 1e6,
+              "hybrid": max((m - c) * t_copy, t_call + c * t_cpu if c else 0.0) * 1e6}
     if mode is None:
         mode = "hybrid" if us["hybrid"] <= AUTO_MARGIN * us["gpu"] else "gpu"
     a, b = {"gpu": (0.0, 0.0), "cpu": (1.0, _ALL), "hybrid": (a, b)}[mode]
@@ -207,12 +208,7 @@ class CpuExperts:
             self._timing[k] = static
         for dst, src in zip(static[:4], (x, ids, slot, weights), strict=True):
             dst.copy_(src)
-        begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        begin.record()
-        static[4].replay()
-        end.record()
-        end.synchronize()
-        return begin.elapsed_time(end) / 1e3
+        return device_seconds(static[4].replay)
 
     def _entry(self, layer: int, n: int, k: int) -> _Entry:
         key = (layer, n, k)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The hybrid expert path on a GPU machine in one go: numba from a carried site directory
 # (.whl/site.tar.xz: the numba and llvmlite wheels unpacked, where the machine has no
-# numba), bench/hybrid_experts.py on the full-size random checkpoint (written first unless
+# numba), bench/hybrid_experts.py on the full-size random checkpoint (which it writes unless
 # it is there), then the CPU kernel and hybrid tests. Logs and the result JSON in $OUT.
 #   OUT=dir [CKPT=dir] bash bench/device/hybrid.sh [bench/hybrid_experts.py arguments]
 set -uo pipefail
@@ -15,12 +15,6 @@ fi
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nproc; python3 -V
   python3 -c "import numba, torch; print(numba.__version__, torch.__version__)"; } \
     > "$OUT/env.txt" 2>&1
-if [[ ! -f $CKPT/config.json ]]; then
-    t0=$SECONDS
-    python3 -m bench.fullsize "$CKPT.partial" > "$OUT/checkpoint.log" 2>&1 \
-        && mv "$CKPT.partial" "$CKPT"
-    echo "checkpoint written in $((SECONDS - t0)) s"
-fi
 t0=$SECONDS
 timeout -s INT 420 python3 bench/hybrid_experts.py --ckpt "$CKPT" --out "$OUT/hybrid_experts.json" \
     "$@" > "$OUT/hybrid_experts.log" 2>&1

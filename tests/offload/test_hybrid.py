@@ -56,8 +56,8 @@ def test_split_takes_the_share_measured_fastest() -> None:
     from dataclasses import replace
 
     rates = _bw(41e9, 74e9, 30e-6)  # alone, the rates would give the CPU 5 of 8
-    assert lk.cpu_share(plan_split(rates, "hybrid", top_k=8).a,
-                        plan_split(rates, "hybrid", top_k=8).b, 8) == 5
+    predicted = plan_split(rates, "hybrid", top_k=8)
+    assert lk.cpu_share(predicted.a, predicted.b, 8) == 5
     measured = replace(rates, split_us={0: 350.0, 1: 320.0, 2: 290.0, 3: 250.0, 4: 262.0,
                                         5: 280.0, 6: 300.0, 7: 330.0, 8: 360.0})
     plan = plan_split(measured, None, top_k=8)

@@ -2,7 +2,8 @@
 # The hybrid expert path on a GPU machine in one go: numba from a carried site directory
 # (.whl/site.tar.xz: the numba and llvmlite wheels unpacked, where the machine has no
 # numba), the CPU kernel and hybrid tests, then bench/hybrid_experts.py on the full-size
-# random checkpoint (which it writes unless it is there). Logs and the result JSON in $OUT.
+# random checkpoint (which it writes unless it is there), then bench/cpu_call_phases.py.
+# Logs and the result JSONs in $OUT.
 #   OUT=dir [CKPT=dir] bash bench/device/hybrid.sh [bench/hybrid_experts.py arguments]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -16,10 +17,14 @@ fi
   python3 -c "import numba, torch; print(numba.__version__, torch.__version__)"; } \
     > "$OUT/env.txt" 2>&1
 t0=$SECONDS
-timeout -s INT 170 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_nvfp4_cpu.py \
+timeout -s INT 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_nvfp4_cpu.py \
     tests/offload/test_hybrid.py tests/offload/test_hybrid_cuda.py > "$OUT/tests.log" 2>&1
 echo "tests rc=$? in $((SECONDS - t0)) s"; tail -3 "$OUT/tests.log"
 t0=$SECONDS
-timeout -s INT 380 python3 bench/hybrid_experts.py --ckpt "$CKPT" --out "$OUT/hybrid_experts.json" \
+timeout -s INT 350 python3 bench/hybrid_experts.py --ckpt "$CKPT" --out "$OUT/hybrid_experts.json" \
     "$@" > "$OUT/hybrid_experts.log" 2>&1
 echo "bench rc=$? in $((SECONDS - t0)) s"; tail -30 "$OUT/hybrid_experts.log"
+t0=$SECONDS
+timeout -s INT 70 python3 bench/cpu_call_phases.py --store-gib 2 --reps 100 \
+    --out "$OUT/cpu_call_phases.json" > "$OUT/cpu_call_phases.log" 2>&1
+echo "phases rc=$? in $((SECONDS - t0)) s"

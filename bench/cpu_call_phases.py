@@ -1,0 +1,214 @@
+"""Where one call of the CPU expert kernel spends its time (kernels.moe.cpu).
+
+A copy of `cpu_numba.moe` with time-stamp-counter stamps: the call's entry, its setup (pairs
+grouped, inputs quantized), both parallel regions' ends, and every work item's start and end
+with the thread that ran it. From them: the setup, each region's launch (region start to the
+first item), its work (items' own time, summed per thread), its tail (last item end to region
+end) and the stragglers (threads that took their first item late). One token, 1 and top_k
+experts of a random store, each thread count, back to back and after a 300 us idle gap (as a
+decode layer calls it).
+
+    python bench/cpu_call_phases.py [--store-gib 4] [--out bench/results/cpu_call_phases.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from common import run_meta  # noqa: E402
+
+from tinyserve.kernels.moe import cpu as nvfp4_cpu  # noqa: E402
+from tinyserve.kernels.moe import cpu_numba as K  # noqa: E402
+from tinyserve.offload import bandwidth  # noqa: E402
+
+
+@intrinsic
+def _tsc(typingctx):
+    sig = types.int64()
+
+    def codegen(context, builder, signature, args):
+        fn = K._declare(builder.module, "llvm.readcyclecounter", ir.IntType(64))
+        return builder.call(fn, [])
+
+    return sig, codegen
+
+
+@intrinsic
+def _thread_id(typingctx):
+    sig = types.int64()
+
+    def codegen(context, builder, signature, args):
+        fn = K._declare(builder.module, "omp_get_thread_num", ir.IntType(32))
+        return builder.sext(builder.call(fn, []), ir.IntType(64))
+
+    return sig, codegen
+
+
+@njit(parallel=True, fastmath=True, nogil=True, error_model="numpy")
+def moe_stamped(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, setters, st, it):
+    """`cpu_numba.moe` with stamps: st [5] (entry, setup done, region 1 end, region 2 end,
+    exit), it [items, 3] (start, end, thread) per work item of both regions."""
+    st[0] = _tsc()
+    n, topk = rows.shape
+    h = x.shape[1]
+    f = w2.shape[2] * 2
+    flat = rows.reshape(-1)
+    order = np.argsort(flat, kind="mergesort")
+    first = 0
+    while first < order.shape[0] and flat[order[first]] < 0:
+        first += 1
+    pairs = order[first:]
+    npairs = pairs.shape[0]
+    starts = np.zeros(npairs + 1, np.int64)
+    groups = 0
+    for p in range(npairs):
+        if p == 0 or flat[pairs[p]] != flat[pairs[p - 1]]:
+            starts[groups] = p
+            groups += 1
+    starts[groups] = npairs
+    K._call_i32(setters[0], threads)
+    chunk = K._call_i32(setters[1], 1)
+    xq = np.empty((n, h), np.int8)
+    xs = np.empty((n, h // 16), np.float32)
+    for t in range(n):
+        K._quantize(x[t], xq[t], xs[t], 0, h // 16)
+    hid = np.empty((npairs, f), np.float32)
+    hq = np.empty((npairs, f), np.int8)
+    hs = np.empty((npairs, f // 16), np.float32)
+    nb1 = f // K.RB
+    st[1] = _tsc()
+    for item in prange(groups * nb1):
+        it[item, 0] = _tsc()
+        u = item // nb1
+        r = flat[pairs[starts[u]]]
+        first = item % nb1 * K.RB
+        g_gate, g_up = g13[r, 0] * np.float32(0.5), g13[r, 1] * np.float32(0.5)
+        for o in range(first, first + K.RB):
+            for p in range(starts[u], starts[u + 1]):
+                t = pairs[p] // topk
+                g = K._dot(w13[r, o], s13[r, o], e4, xq[t], xs[t]) * g_gate
+                up = K._dot(w13[r, f + o], s13[r, f + o], e4, xq[t], xs[t]) * g_up
+                hid[p, o] = g / (np.float32(1.0) + np.exp(-g)) * up
+        for p in range(starts[u], starts[u + 1]):
+            K._quantize(hid[p], hq[p], hs[p], first // 16, (first + K.RB) // 16)
+        it[item, 1] = _tsc()
+        it[item, 2] = _thread_id()
+    st[2] = _tsc()
+    base = groups * nb1
+    for item in prange(h // K.RB):
+        it[base + item, 0] = _tsc()
+        acc = np.zeros(n, np.float32)
+        for o in range(item * K.RB, item * K.RB + K.RB):
+            acc[:] = 0.0
+            for u in range(groups):
+                r = flat[pairs[starts[u]]]
+                for p in range(starts[u], starts[u + 1]):
+                    q = pairs[p]
+                    acc[q // topk] += wts.reshape(-1)[q] * g2[r] * np.float32(0.5) * K._dot(
+                        w2[r, o], s2[r, o], e4, hq[p], hs[p])
+            for t in range(n):
+                out[t, o] = acc[t]
+        it[base + item, 1] = _tsc()
+        it[base + item, 2] = _thread_id()
+    st[3] = _tsc()
+    K._call_i32(setters[1], chunk)
+    st[4] = _tsc()
+    return groups
+
+
+def tsc_hz() -> float:
+    a, t = _tsc_now(), time.perf_counter()
+    time.sleep(0.2)
+    return (_tsc_now() - a) / (time.perf_counter() - t)
+
+
+@njit
+def _tsc_now():
+    return _tsc()
+
+
+def phases(st: np.ndarray, it: np.ndarray, items1: int, hz: float) -> dict[str, float]:
+    us = 1e6 / hz
+    out = {"setup": (st[1] - st[0]) * us}
+    for name, lo, hi, begin, end in (("r1", 0, items1, st[1], st[2]),
+                                     ("r2", items1, len(it), st[2], st[3])):
+        rows = it[lo:hi]
+        firsts = {}
+        for s, _, th in rows:
+            firsts[th] = min(firsts.get(th, s), s)
+        busy = {}
+        for s, e, th in rows:
+            busy[th] = busy.get(th, 0) + (e - s)
+        out[f"{name}_total"] = (end - begin) * us
+        out[f"{name}_launch"] = (rows[:, 0].min() - begin) * us  # region start to first item
+        out[f"{name}_last_start"] = (max(firsts.values()) - begin) * us  # latest thread's start
+        out[f"{name}_busy_max"] = max(busy.values()) * us  # the busiest thread's item time
+        out[f"{name}_tail"] = (end - rows[:, 1].max()) * us  # last item end to region end
+        out[f"{name}_threads"] = len(firsts)
+    out["total"] = (st[4] - st[0]) * us
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--store-gib", type=float, default=4.0)
+    p.add_argument("--reps", type=int, default=200)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "cpu_call_phases.json"))
+    args = p.parse_args()
+    geometry = SimpleNamespace(num_layers=40, num_experts=256, hidden_size=2048,
+                               moe_intermediate_size=512)  # Qwen3.5-35B-A3B's experts
+    store = bandwidth.synthetic_store(geometry, int(args.store_gib * (1 << 30)))
+    k = nvfp4_cpu._kernels()
+    slots = [t.numpy() for t in store.slots.buffers]
+    h, f = store.slots.hidden_size, store.slots.intermediate_size
+    total = store.num_layers * store.num_experts
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, h)).astype(np.float32)
+    out = np.empty((1, h), np.float32)
+    hz = tsc_hz()
+    result = {**run_meta("cpu_call_phases", tsc_ghz=hz / 1e9, threads_max=nvfp4_cpu.max_threads()),
+              "cases": {}}
+    for threads in sorted({1, 2, 4, 8, *bandwidth.thread_counts(nvfp4_cpu.max_threads()),
+                           nvfp4_cpu.max_threads()}):
+        for n in (1, 8):
+            for gap_us in (0, 300):
+                samples = []
+                for rep in range(args.reps + 5):
+                    rows = rng.permutation(total)[:n].reshape(1, n).astype(np.int64)
+                    w = np.full((1, n), 1.0 / n, np.float32)
+                    items1 = n * (f // K.RB)
+                    st = np.zeros(5, np.int64)
+                    it = np.zeros((items1 + h // K.RB, 3), np.int64)
+                    if gap_us:
+                        end = time.perf_counter() + gap_us * 1e-6
+                        while time.perf_counter() < end:
+                            pass
+                    t = time.perf_counter()
+                    moe_stamped(x, rows, w, *slots, out, k.e4m3, threads, k.setters, st, it)
+                    wall = (time.perf_counter() - t) * 1e6
+                    if rep >= 5:
+                        samples.append({**phases(st, it, items1, hz), "wall": wall})
+                med = {key: round(statistics.median(s[key] for s in samples), 1)
+                       for key in samples[0]}
+                result["cases"][f"threads={threads} experts={n} gap={gap_us}us"] = med
+                print(f"threads={threads:2d} experts={n} gap={gap_us:3d}us", med, flush=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -22,9 +22,9 @@ from tinyserve.kernels.moe.fused import ExpertSlots, moe_pairs_ref
 
 ROW_BLOCK = 32  # hidden units (gate and up rows) or down rows per work item
 # NOTE: the layout of a host-entry descriptor (int64 words, `host_descriptor`)
-DESC_WORDS = 19
+DESC_WORDS = 18
 (D_STAGE, D_OUT, D_N, D_K, D_ROW_BASE, D_W13, D_S13, D_G13, D_W2, D_S2, D_G2, D_ROWS, D_H, D_F,
- D_COUNT, D_CALLS, D_THREADS, D_SET_THREADS, D_SET_CHUNK) = range(DESC_WORDS)
+ D_COUNT, D_CALLS, D_THREADS, D_SET_THREADS) = range(DESC_WORDS)
 
 
 def available() -> bool:
@@ -69,7 +69,7 @@ def moe_cpu(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, slots: E
     r = rows.detach().to(torch.int64).contiguous().numpy()
     w = weights.detach().to(torch.float32).contiguous().numpy()
     store = (t.numpy() for t in slots.buffers)  # views, no copy
-    k.moe(xf, r, w, *store, out.numpy(), k.e4m3, threads, k.setters)
+    k.moe(xf, r, w, *store, out.numpy(), k.e4m3, threads, k.set_threads)
     return out
 
 
@@ -128,7 +128,7 @@ def host_descriptor(slots: ExpertSlots, stage: torch.Tensor, out: torch.Tensor,
         d[i] = t.data_ptr()
     d[D_ROWS], d[D_H], d[D_F] = slots.num_slots, h, slots.intermediate_size
     d[D_THREADS] = check_threads(threads)
-    d[D_SET_THREADS], d[D_SET_CHUNK] = (int(a) for a in _kernels().setters)
+    d[D_SET_THREADS] = _kernels().set_threads
     return d
 
 

@@ -14,7 +14,7 @@ from numba.extending import intrinsic
 from numba.np.ufunc.parallel import _launch_threads
 
 RB = 32  # rows per work item: kernels.moe.cpu.ROW_BLOCK
-DW = 19  # descriptor words: kernels.moe.cpu.DESC_WORDS
+DW = 18  # descriptor words: kernels.moe.cpu.DESC_WORDS
 # code bytes the dot prefetches ahead of its loads: rows are contiguous, so this runs into the
 # next rows of the work item and keeps the memory reads in flight while the core computes
 PREFETCH = 2048
@@ -45,9 +45,8 @@ def _typed_ptr(dtype):
 
 @intrinsic
 def _call_i32(typingctx, addr, value):
-    """`int f(int)` at address `addr` called with `value` (numba's threading-layer setters,
-    reached through addresses passed in: a cached function may not hold their ctypes
-    objects)."""
+    """`int f(int)` at address `addr` called with `value` (numba's set_num_threads, reached
+    through an address passed in: a cached function may not hold its ctypes object)."""
     sig = types.int64(types.int64, types.int64)
 
     def codegen(context, builder, signature, args):
@@ -78,6 +77,19 @@ def _store_release_i32(typingctx, addr, value):
         ptr = builder.inttoptr(args[0], ir.IntType(32).as_pointer())
         builder.store_atomic(builder.trunc(args[1], ir.IntType(32)), ptr, "release", 4)
         return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _take(typingctx, counters, index):
+    """counters[index] += 1 atomically (int64 [n] array); returns the value before."""
+    sig = types.int64(counters, types.int64)
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        ptr = builder.gep(array.data, [args[1]])
+        return builder.atomic_rmw("add", ptr, ir.Constant(_I64, 1), "monotonic")
 
     return sig, codegen
 
@@ -225,10 +237,10 @@ def _quantize(x, q, s, first, end):
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True, error_model="numpy")
-def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, setters):
+def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, set_threads):
     """Every pair's expert (module docstring of kernels.moe.cpu) on `threads` threads
-    (`setters`: the addresses of numba's set_num_threads and set_parallel_chunksize);
-    returns the number of distinct experts computed."""
+    (`set_threads`: the address of numba's set_num_threads); returns the number of distinct
+    experts computed."""
     n, topk = rows.shape
     h = x.shape[1]
     f = w2.shape[2] * 2
@@ -250,46 +262,53 @@ def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, setters):
     if groups == 0:
         out[:] = 0.0
         return 0
-    _call_i32(setters[0], threads)
-    # work items handed out one at a time: a thread the OS preempts (the engine's own threads
-    # share the cores) delays one item, not a fixed share of the call
-    chunk = _call_i32(setters[1], 1)
+    _call_i32(set_threads, threads)
     xq = np.empty((n, h), np.int8)
     xs = np.empty((n, h // 16), np.float32)
     for t in range(n):
         _quantize(x[t], xq[t], xs[t], 0, h // 16)
+    # Each region is one iteration per thread, which takes work items from a shared counter
+    # until none is left: a thread the OS preempts (the engine's own threads share the cores)
+    # delays one item, not a fixed share of the call, and the region starts in O(threads)
+    # (numba's own dynamic schedule, chunk size 1, lays out every item first).
+    taken = np.zeros(2, np.int64)
     # per expert and block of RB hidden units: their gate and up rows, then silu(gate) * up
     # rounded as x is (whole scale blocks: RB % 16 == 0)
     hid = np.empty((npairs, f), np.float32)
     hq = np.empty((npairs, f), np.int8)
     hs = np.empty((npairs, f // 16), np.float32)
     nb1 = f // RB
-    for item in prange(groups * nb1):
-        u = item // nb1
-        r = flat[pairs[starts[u]]]
-        first = item % nb1 * RB
-        g_gate, g_up = g13[r, 0] * np.float32(0.5), g13[r, 1] * np.float32(0.5)
-        for o in range(first, first + RB):
-            for p in range(starts[u], starts[u + 1]):
-                t = pairs[p] // topk
-                g = _dot(w13[r, o], s13[r, o], e4, xq[t], xs[t]) * g_gate
-                up = _dot(w13[r, f + o], s13[r, f + o], e4, xq[t], xs[t]) * g_up
-                hid[p, o] = g / (np.float32(1.0) + np.exp(-g)) * up
-        for p in range(starts[u], starts[u + 1]):
-            _quantize(hid[p], hq[p], hs[p], first // 16, (first + RB) // 16)
-    for item in prange(h // RB):
-        acc = np.zeros(n, np.float32)
-        for o in range(item * RB, item * RB + RB):
-            acc[:] = 0.0
-            for u in range(groups):
-                r = flat[pairs[starts[u]]]
+    for _ in prange(threads):
+        item = _take(taken, 0)
+        while item < groups * nb1:
+            u = item // nb1
+            r = flat[pairs[starts[u]]]
+            first = item % nb1 * RB
+            g_gate, g_up = g13[r, 0] * np.float32(0.5), g13[r, 1] * np.float32(0.5)
+            for o in range(first, first + RB):
                 for p in range(starts[u], starts[u + 1]):
-                    q = pairs[p]
-                    acc[q // topk] += wts.reshape(-1)[q] * g2[r] * np.float32(0.5) * _dot(
-                        w2[r, o], s2[r, o], e4, hq[p], hs[p])
-            for t in range(n):
-                out[t, o] = acc[t]
-    _call_i32(setters[1], chunk)
+                    t = pairs[p] // topk
+                    g = _dot(w13[r, o], s13[r, o], e4, xq[t], xs[t]) * g_gate
+                    up = _dot(w13[r, f + o], s13[r, f + o], e4, xq[t], xs[t]) * g_up
+                    hid[p, o] = g / (np.float32(1.0) + np.exp(-g)) * up
+            for p in range(starts[u], starts[u + 1]):
+                _quantize(hid[p], hq[p], hs[p], first // 16, (first + RB) // 16)
+            item = _take(taken, 0)
+    for _ in prange(threads):
+        acc = np.zeros(n, np.float32)
+        item = _take(taken, 1)
+        while item < h // RB:
+            for o in range(item * RB, item * RB + RB):
+                acc[:] = 0.0
+                for u in range(groups):
+                    r = flat[pairs[starts[u]]]
+                    for p in range(starts[u], starts[u + 1]):
+                        q = pairs[p]
+                        acc[q // topk] += wts.reshape(-1)[q] * g2[r] * np.float32(0.5) * _dot(
+                            w2[r, o], s2[r, o], e4, hq[p], hs[p])
+                for t in range(n):
+                    out[t, o] = acc[t]
+            item = _take(taken, 1)
     return groups
 
 
@@ -336,9 +355,7 @@ def _run(address):
             wts[t, j] = stage_f[t, h + topk + j]
     e4 = np.empty(256, np.float32)  # (a writable array: the same `moe` as Python calls)
     e4[:] = _E4M3
-    setters = np.empty(2, np.int64)
-    setters[0], setters[1] = d[17], d[18]
-    d[14] += moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, d[16], setters)
+    d[14] += moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, d[16], d[17])
     d[15] += 1
 
 
@@ -375,10 +392,9 @@ def build(row_block: int, desc_words: int) -> SimpleNamespace:
         raise ValueError("kernels.moe.cpu and its numba code disagree on their constants")
     from numba.np.ufunc import parallel
 
-    setters = np.array([ctypes.cast(f, ctypes.c_void_p).value for f in
-                        (parallel._set_num_threads, parallel._set_parallel_chunksize)], np.int64)
+    set_threads = ctypes.cast(parallel._set_num_threads, ctypes.c_void_p).value
     return SimpleNamespace(moe=moe, e4m3=_E4M3.copy(), serve_address=serve.address,
-                           read_sum=read_sum, setters=setters)
+                           read_sum=read_sum, set_threads=set_threads)
 
 
 @njit(parallel=True, nogil=True, cache=True, error_model="numpy")

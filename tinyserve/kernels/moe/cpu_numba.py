@@ -267,48 +267,60 @@ def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, set_threads):
     xs = np.empty((n, h // 16), np.float32)
     for t in range(n):
         _quantize(x[t], xq[t], xs[t], 0, h // 16)
-    # Each region is one iteration per thread, which takes work items from a shared counter
-    # until none is left: a thread the OS preempts (the engine's own threads share the cores)
-    # delays one item, not a fixed share of the call, and the region starts in O(threads)
-    # (numba's own dynamic schedule, chunk size 1, lays out every item first).
-    taken = np.zeros(2, np.int64)
+    # Each region is one iteration per thread, which runs the work items of its own contiguous
+    # share (a thread streams through neighbouring rows), then what is left of the others':
+    # a share's next item comes from its counter (atomic; one cache line each), so a thread the
+    # OS preempts (the engine's own threads share the cores) delays one item, not its share,
+    # and a region starts in O(threads) (numba's dynamic schedule, chunk size 1, lays out
+    # every item first).
+    taken = np.zeros((2, threads, 8), np.int64)
     # per expert and block of RB hidden units: their gate and up rows, then silu(gate) * up
     # rounded as x is (whole scale blocks: RB % 16 == 0)
     hid = np.empty((npairs, f), np.float32)
     hq = np.empty((npairs, f), np.int8)
     hs = np.empty((npairs, f // 16), np.float32)
     nb1 = f // RB
-    for _ in prange(threads):
-        item = _take(taken, 0)
-        while item < groups * nb1:
-            u = item // nb1
-            r = flat[pairs[starts[u]]]
-            first = item % nb1 * RB
-            g_gate, g_up = g13[r, 0] * np.float32(0.5), g13[r, 1] * np.float32(0.5)
-            for o in range(first, first + RB):
-                for p in range(starts[u], starts[u + 1]):
-                    t = pairs[p] // topk
-                    g = _dot(w13[r, o], s13[r, o], e4, xq[t], xs[t]) * g_gate
-                    up = _dot(w13[r, f + o], s13[r, f + o], e4, xq[t], xs[t]) * g_up
-                    hid[p, o] = g / (np.float32(1.0) + np.exp(-g)) * up
-            for p in range(starts[u], starts[u + 1]):
-                _quantize(hid[p], hq[p], hs[p], first // 16, (first + RB) // 16)
-            item = _take(taken, 0)
-    for _ in prange(threads):
-        acc = np.zeros(n, np.float32)
-        item = _take(taken, 1)
-        while item < h // RB:
-            for o in range(item * RB, item * RB + RB):
-                acc[:] = 0.0
-                for u in range(groups):
-                    r = flat[pairs[starts[u]]]
+    items = groups * nb1
+    per = (items + threads - 1) // threads
+    for tid in prange(threads):
+        for v in range(threads):
+            share = (tid + v) % threads
+            end = min(items, (share + 1) * per)
+            item = share * per + _take(taken[0, share], 0)
+            while item < end:
+                u = item // nb1
+                r = flat[pairs[starts[u]]]
+                first = item % nb1 * RB
+                g_gate, g_up = g13[r, 0] * np.float32(0.5), g13[r, 1] * np.float32(0.5)
+                for o in range(first, first + RB):
                     for p in range(starts[u], starts[u + 1]):
-                        q = pairs[p]
-                        acc[q // topk] += wts.reshape(-1)[q] * g2[r] * np.float32(0.5) * _dot(
-                            w2[r, o], s2[r, o], e4, hq[p], hs[p])
-                for t in range(n):
-                    out[t, o] = acc[t]
-            item = _take(taken, 1)
+                        t = pairs[p] // topk
+                        g = _dot(w13[r, o], s13[r, o], e4, xq[t], xs[t]) * g_gate
+                        up = _dot(w13[r, f + o], s13[r, f + o], e4, xq[t], xs[t]) * g_up
+                        hid[p, o] = g / (np.float32(1.0) + np.exp(-g)) * up
+                for p in range(starts[u], starts[u + 1]):
+                    _quantize(hid[p], hq[p], hs[p], first // 16, (first + RB) // 16)
+                item = share * per + _take(taken[0, share], 0)
+    # per block of RB down rows: every pair's part, summed in a fixed order
+    per2 = (h // RB + threads - 1) // threads
+    for tid in prange(threads):
+        acc = np.zeros(n, np.float32)
+        for v in range(threads):
+            share = (tid + v) % threads
+            end = min(h // RB, (share + 1) * per2)
+            item = share * per2 + _take(taken[1, share], 0)
+            while item < end:
+                for o in range(item * RB, item * RB + RB):
+                    acc[:] = 0.0
+                    for u in range(groups):
+                        r = flat[pairs[starts[u]]]
+                        for p in range(starts[u], starts[u + 1]):
+                            q = pairs[p]
+                            acc[q // topk] += wts.reshape(-1)[q] * g2[r] * np.float32(0.5) * \
+                                _dot(w2[r, o], s2[r, o], e4, hq[p], hs[p])
+                    for t in range(n):
+                        out[t, o] = acc[t]
+                item = share * per2 + _take(taken[1, share], 0)
     return groups
 
 

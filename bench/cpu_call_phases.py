@@ -47,19 +47,9 @@ def _tsc(typingctx):
     return sig, codegen
 
 
-@intrinsic
-def _thread_id(typingctx):
-    sig = types.int64()
-
-    def codegen(context, builder, signature, args):
-        fn = K._declare(builder.module, "omp_get_thread_num", ir.IntType(32))
-        return builder.sext(builder.call(fn, []), ir.IntType(64))
-
-    return sig, codegen
-
-
 @njit(parallel=True, fastmath=True, nogil=True, error_model="numpy")
-def moe_stamped(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, setters, st, it):
+def moe_stamped(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, set_threads, st,
+                it):
     """`cpu_numba.moe` with stamps: st [5] (entry, setup done, region 1 end, region 2 end,
     exit), it [items, 3] (start, end, thread) per work item of both regions."""
     st[0] = _tsc()
@@ -80,52 +70,65 @@ def moe_stamped(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, sette
             starts[groups] = p
             groups += 1
     starts[groups] = npairs
-    K._call_i32(setters[0], threads)
-    chunk = K._call_i32(setters[1], 1)
+    K._call_i32(set_threads, threads)
     xq = np.empty((n, h), np.int8)
     xs = np.empty((n, h // 16), np.float32)
     for t in range(n):
         K._quantize(x[t], xq[t], xs[t], 0, h // 16)
+    taken = np.zeros((2, threads, 8), np.int64)
     hid = np.empty((npairs, f), np.float32)
     hq = np.empty((npairs, f), np.int8)
     hs = np.empty((npairs, f // 16), np.float32)
     nb1 = f // K.RB
+    items = groups * nb1
+    per = (items + threads - 1) // threads
     st[1] = _tsc()
-    for item in prange(groups * nb1):
-        it[item, 0] = _tsc()
-        u = item // nb1
-        r = flat[pairs[starts[u]]]
-        first = item % nb1 * K.RB
-        g_gate, g_up = g13[r, 0] * np.float32(0.5), g13[r, 1] * np.float32(0.5)
-        for o in range(first, first + K.RB):
-            for p in range(starts[u], starts[u + 1]):
-                t = pairs[p] // topk
-                g = K._dot(w13[r, o], s13[r, o], e4, xq[t], xs[t]) * g_gate
-                up = K._dot(w13[r, f + o], s13[r, f + o], e4, xq[t], xs[t]) * g_up
-                hid[p, o] = g / (np.float32(1.0) + np.exp(-g)) * up
-        for p in range(starts[u], starts[u + 1]):
-            K._quantize(hid[p], hq[p], hs[p], first // 16, (first + K.RB) // 16)
-        it[item, 1] = _tsc()
-        it[item, 2] = _thread_id()
-    st[2] = _tsc()
-    base = groups * nb1
-    for item in prange(h // K.RB):
-        it[base + item, 0] = _tsc()
-        acc = np.zeros(n, np.float32)
-        for o in range(item * K.RB, item * K.RB + K.RB):
-            acc[:] = 0.0
-            for u in range(groups):
+    for tid in prange(threads):
+        for v in range(threads):
+            share = (tid + v) % threads
+            end = min(items, (share + 1) * per)
+            item = share * per + K._take(taken[0, share], 0)
+            while item < end:
+                it[item, 0] = _tsc()
+                u = item // nb1
                 r = flat[pairs[starts[u]]]
+                first = item % nb1 * K.RB
+                g_gate, g_up = g13[r, 0] * np.float32(0.5), g13[r, 1] * np.float32(0.5)
+                for o in range(first, first + K.RB):
+                    for p in range(starts[u], starts[u + 1]):
+                        t = pairs[p] // topk
+                        g = K._dot(w13[r, o], s13[r, o], e4, xq[t], xs[t]) * g_gate
+                        up = K._dot(w13[r, f + o], s13[r, f + o], e4, xq[t], xs[t]) * g_up
+                        hid[p, o] = g / (np.float32(1.0) + np.exp(-g)) * up
                 for p in range(starts[u], starts[u + 1]):
-                    q = pairs[p]
-                    acc[q // topk] += wts.reshape(-1)[q] * g2[r] * np.float32(0.5) * K._dot(
-                        w2[r, o], s2[r, o], e4, hq[p], hs[p])
-            for t in range(n):
-                out[t, o] = acc[t]
-        it[base + item, 1] = _tsc()
-        it[base + item, 2] = _thread_id()
+                    K._quantize(hid[p], hq[p], hs[p], first // 16, (first + K.RB) // 16)
+                it[item, 1] = _tsc()
+                it[item, 2] = tid
+                item = share * per + K._take(taken[0, share], 0)
+    st[2] = _tsc()
+    per2 = (h // K.RB + threads - 1) // threads
+    for tid in prange(threads):
+        acc = np.zeros(n, np.float32)
+        for v in range(threads):
+            share = (tid + v) % threads
+            end = min(h // K.RB, (share + 1) * per2)
+            item = share * per2 + K._take(taken[1, share], 0)
+            while item < end:
+                it[items + item, 0] = _tsc()
+                for o in range(item * K.RB, item * K.RB + K.RB):
+                    acc[:] = 0.0
+                    for u in range(groups):
+                        r = flat[pairs[starts[u]]]
+                        for p in range(starts[u], starts[u + 1]):
+                            q = pairs[p]
+                            acc[q // topk] += wts.reshape(-1)[q] * g2[r] * np.float32(0.5) * \
+                                K._dot(w2[r, o], s2[r, o], e4, hq[p], hs[p])
+                    for t in range(n):
+                        out[t, o] = acc[t]
+                it[items + item, 1] = _tsc()
+                it[items + item, 2] = tid
+                item = share * per2 + K._take(taken[1, share], 0)
     st[3] = _tsc()
-    K._call_i32(setters[1], chunk)
     st[4] = _tsc()
     return groups
 
@@ -198,7 +201,7 @@ def main() -> int:
                         while time.perf_counter() < end:
                             pass
                     t = time.perf_counter()
-                    moe_stamped(x, rows, w, *slots, out, k.e4m3, threads, k.setters, st, it)
+                    moe_stamped(x, rows, w, *slots, out, k.e4m3, threads, k.set_threads, st, it)
                     wall = (time.perf_counter() - t) * 1e6
                     if rep >= 5:
                         samples.append({**phases(st, it, items1, hz), "wall": wall})

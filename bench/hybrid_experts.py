@@ -17,6 +17,8 @@ Cases:
   one fixed prompt (the summary counts how many agree with gpu-only's), and the top-20
   logprobs of 16 decode steps teacher-forced on gpu-only's tokens (the summary compares them
   with gpu-only's: the CPU path's effect on the logits of the full-size model).
+- split_sweep (--sweep): decode tok/s with the CPU taking c = 0..top_k / 2 of a layer's
+  misses on each of the probe's thread counts, against the probe's choice.
 - laptop_gpu, laptop_hybrid: the miss copies throttled to `--h2d-gbps` (12 GB/s: an RTX 4060
   laptop's PCIe 4.0 x8) by the cache's debug throttle (kernels.throttle), the probe run
   again under it (the plan moves work to the CPU), then gpu-only and the probe's plan.
@@ -170,15 +172,48 @@ def _forced_logprobs(engine: Any, prompt_len: int, tokens: list[int]) -> list[li
 
 
 def _compare_logprobs(ref: list[list], got: list[list]) -> dict[str, Any]:
-    """Per step: the largest |logprob difference| over the ids both top-20s hold, and whether
-    the top id agrees."""
-    diffs, top1 = [], 0
+    """Per step: the largest |logprob difference| over the ids both top-20s hold (steps
+    whose top-20s share none are counted, not compared: a random-weight model's logits are
+    near-uniform, its top-20 within ~0.4 nats), the difference of the top logprobs, and
+    whether the top id agrees."""
+    diffs, tops, top1, disjoint = [], [], 0, 0
     for a, b in zip(ref, got, strict=True):
         da, db = dict((int(i), v) for i, v in a), dict((int(i), v) for i, v in b)
-        diffs.append(max(abs(da[i] - db[i]) for i in da.keys() & db.keys()))
+        shared = da.keys() & db.keys()
+        if shared:
+            diffs.append(max(abs(da[i] - db[i]) for i in shared))
+        else:
+            disjoint += 1
+        tops.append(abs(a[0][1] - b[0][1]))
         top1 += a[0][0] == b[0][0]
-    return {"max_abs_logprob_diff": max(diffs), "median_max_abs_logprob_diff":
-            statistics.median(diffs), "top1_equal": top1, "steps": len(ref)}
+    return {"max_abs_logprob_diff": max(diffs, default=None),
+            "median_max_abs_logprob_diff": statistics.median(diffs) if diffs else None,
+            "max_top_logprob_diff": max(tops), "steps_sharing_no_top20_id": disjoint,
+            "top1_equal": top1, "steps": len(ref)}
+
+
+def split_sweep(engine: Any, bw: Any, runner: hybrid.CpuExperts, top_k: int,
+                args: argparse.Namespace) -> dict[str, Any]:
+    """Decode tok/s with the CPU taking c = 0..top_k / 2 of a layer's top_k misses (the
+    probe's a, b = a * top_k - c) on each of the probe's thread counts: what the decode itself
+    measures against the probe's choice (`split_us`, measured one layer at a time)."""
+    from tinyserve.engine.bench import run_bench
+
+    base = hybrid.plan_split(bw, "hybrid", top_k)
+    out: dict[str, Any] = {"probe_threads": bw.threads, "probe_c": round(
+        base.a * top_k - base.b), "decode_tok_s": {}}
+    for threads in bandwidth.thread_counts(nvfp4_cpu.max_threads()):
+        runner.set_threads(threads)
+        for c in range(top_k // 2 + 1):
+            plan = (hybrid.HybridPlan("gpu") if c == 0 else
+                    hybrid.HybridPlan("hybrid", base.a, base.a * top_k - c, bw))
+            _set_mode(engine, plan, runner)
+            r = run_bench(engine, prompt_len=args.prompt_len, gen_len=args.gen_len,
+                          batch=args.batch)
+            out["decode_tok_s"][f"threads={threads} c={c}"] = r["decode_tok_s"]
+            print(f"  threads {threads}, c {c}: {r['decode_tok_s']:.1f} tok/s", flush=True)
+    runner.set_threads(bw.threads)
+    return out
 
 
 def main() -> int:
@@ -194,6 +229,9 @@ def main() -> int:
     p.add_argument("--h2d-gbps", type=float, default=12.0,
                    help="the laptop case's miss-copy rate (0: skip the laptop case)")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--sweep", action="store_true",
+                   help="also decode with the CPU taking 0..top_k / 2 misses on each thread "
+                        "count (split_sweep)")
     p.add_argument("--kernel-only", action="store_true",
                    help="only the kernel case, on a random store (no GPU, no checkpoint)")
     p.add_argument("--store-gib", type=float, default=4.0,
@@ -232,6 +270,8 @@ def main() -> int:
         for mode in ("cpu", "hybrid"):
             rec.run(mode, decode_case, engine, plans[mode], runner, args,
                     (gpu or {}).get("greedy_tokens"))
+        if args.sweep:
+            rec.run("split_sweep", split_sweep, engine, bw, runner, top_k, args)
         if args.h2d_gbps > 0:
             cache.throttle_bytes_per_s = args.h2d_gbps * 1e9
             slow = rec.run("laptop_probe", lambda: _probe(store, top_k, cache, runner))
@@ -271,6 +311,10 @@ def _summary(cases: dict[str, Any]) -> dict[str, Any]:
     if tok["gpu"] and tok["hybrid"]:
         out["hybrid_over_gpu"] = tok["hybrid"] / tok["gpu"]
         out["hybrid_over_best_alone"] = tok["hybrid"] / max(tok["gpu"], tok["cpu"] or 0)
+    auto = (((cases.get("probe") or {}).get("plans") or {}).get("auto") or {}).get("mode")
+    if auto and tok.get(auto):  # what `--experts auto` decodes at: the mode the probe picked
+        out["auto_plan"], out["auto_over_best_alone"] = auto, tok[auto] / max(
+            tok["gpu"] or 0, tok["cpu"] or 0)
     if tok["laptop_gpu"] and tok["laptop_hybrid"]:
         out["laptop_hybrid_over_gpu"] = tok["laptop_hybrid"] / tok["laptop_gpu"]
         out["laptop_plan"] = cases["laptop_hybrid"]["experts"]["mode"]

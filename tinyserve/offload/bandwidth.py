@@ -30,11 +30,12 @@ class Bandwidths:
     host_read: bytes/s of every CPU thread reading `read_bytes` of the store.
     h2d: bytes/s of the miss-copy path (None off CUDA).
     cpu_expert_s / cpu_overhead_s: the CPU kernel's time per expert (one token) and the fixed
-        part of one call (on CUDA with the host-function round trip: copies and node launch),
-        on `threads` threads: of the counts tried (`call_us`: a top_k call's time on each), the
-        fastest.
-    split_us: a decode layer's top_k misses served both ways at once, by how many of them the
-        CPU computes (0..top_k), microseconds on the device (empty: not measured).
+        part of one call (on CUDA with the round trip: copies, request, answer), on `threads`
+        threads: of the counts tried (`call_us`: a top_k call's time on each), the one with the
+        fastest split (below), or else the fastest call.
+    split_us: a decode layer's top_k misses served both ways at once on `threads` threads, by
+        how many of them the CPU computes (0..top_k), microseconds on the device (empty: not
+        measured).
     """
 
     host_read: float
@@ -162,20 +163,28 @@ def device_seconds(fn: Callable[[], None]) -> float:
 def probe(store: HostExpertStore, top_k: int, *, cache: Any = None, runner: Any = None
           ) -> Bandwidths:
     """Measure everything `Bandwidths` holds (`cache`: the GPU expert cache whose miss copies
-    to time; `runner`: the CpuExperts whose round trip to time)."""
+    to time; `runner`: the CpuExperts whose round trip to time). The thread count is the one
+    whose best measured split (`split_times`, where both can run) or else whose top_k call is
+    fastest."""
     host, nbytes = host_read_bandwidth(store)
-    times = {t: cpu_expert_times(store, top_k, t, runner)
-             for t in thread_counts(nvfp4_cpu.max_threads())}
+    counts = thread_counts(nvfp4_cpu.max_threads())
+    times = {t: cpu_expert_times(store, top_k, t, runner) for t in counts}
     call_us = {t: (overhead + top_k * per) * 1e6 for t, (per, overhead) in times.items()}
-    threads = min(call_us, key=call_us.__getitem__)
+    h2d = h2d_bandwidth(cache, top_k) if cache is not None else None
+    splits: dict[int, dict[int, float]] = {}
+    if h2d is not None and runner is not None:
+        for t in counts:  # the copies slow the CPU down, more so on more threads
+            runner.set_threads(t)
+            splits[t] = split_times(cache, runner, top_k)
+        threads = min(splits, key=lambda t: min(splits[t].values()))
+    else:
+        threads = min(call_us, key=call_us.__getitem__)
     if runner is not None:
         runner.set_threads(threads)
-    h2d = h2d_bandwidth(cache, top_k) if cache is not None else None
-    split = split_times(cache, runner, top_k) if h2d is not None and runner is not None else {}
     per, overhead = times[threads]
     return Bandwidths(host_read=host, read_bytes=nbytes, h2d=h2d, cpu_expert_s=per,
                       cpu_overhead_s=overhead, bytes_per_expert=store.bytes_per_expert,
-                      threads=threads, call_us=call_us, split_us=split)
+                      threads=threads, call_us=call_us, split_us=splits.get(threads, {}))
 
 
 def split_times(cache: Any, runner: Any, top_k: int, reps: int = 7) -> dict[int, float]:

@@ -270,8 +270,6 @@ def main() -> int:
         for mode in ("cpu", "hybrid"):
             rec.run(mode, decode_case, engine, plans[mode], runner, args,
                     (gpu or {}).get("greedy_tokens"))
-        if args.sweep:
-            rec.run("split_sweep", split_sweep, engine, bw, runner, top_k, args)
         if args.h2d_gbps > 0:
             cache.throttle_bytes_per_s = args.h2d_gbps * 1e9
             slow = rec.run("laptop_probe", lambda: _probe(store, top_k, cache, runner))
@@ -280,6 +278,8 @@ def main() -> int:
             rec.run("laptop_hybrid", decode_case, engine, hybrid.plan_split(slow, None, top_k),
                     runner, args)
             cache.throttle_bytes_per_s = 0.0
+        if args.sweep:
+            rec.run("split_sweep", split_sweep, engine, bw, runner, top_k, args)
         rec.data["summary"] = _summary(rec.data["cases"])
         rec.save()
         print(rec.data["summary"], flush=True)

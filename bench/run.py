@@ -63,6 +63,7 @@ SUITES: dict[str, tuple[Script, ...]] = {
                                   "--h2d-gbps", "12")),
         Script("realistic_decode", ("--ckpt", "{ckpt}-realistic", "--uniform-ckpt", "{ckpt}")),
         Script("offload_host", gpu=False),
+        Script("cpu_call_phases", gpu=False),
         Script("cache_policies", gpu=False),
         Script("routing_calibration", ("--layers", "2", "--tokens", "200"), gpu=False),
     ),

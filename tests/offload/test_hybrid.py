@@ -66,8 +66,8 @@ def test_split_takes_the_share_measured_fastest() -> None:
     assert "(measured)" in plan.format()
     # fewer misses scale with the rates' slope from there
     assert [lk.cpu_share(plan.a, plan.b, m) for m in (0, 2, 4, 6, 8)] == [0, 0, 0, 2, 3]
-    # a measured best that saves under 10 %: auto keeps gpu-only
-    flat = replace(rates, split_us={c: 350.0 - 5 * (c == 2) for c in range(9)})
+    # a measured best that saves under 20 %: auto keeps gpu-only
+    flat = replace(rates, split_us={c: 350.0 - 45 * (c == 2) for c in range(9)})
     assert plan_split(flat, None, top_k=8).mode == "gpu"
 
 

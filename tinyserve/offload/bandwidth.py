@@ -231,7 +231,7 @@ def thread_counts(n: int) -> list[int]:
     """The CPU kernel's thread counts the probe tries with `n` CPUs: all but two (the engine's
     own threads, Python and the CUDA driver's, keep theirs while the kernel's threads spin
     between its parallel regions), half and a quarter (host memory saturates before the cores
-    do: 8 of 16 ran a decode layer's call fastest, `hybrid_experts.json`)."""
+    do: 8 of 16 ran a decode layer's call fastest, `hybrid_experts_4dad20e.json`)."""
     return sorted({max(1, n - 2), max(1, n // 2), max(1, n // 4)}, reverse=True)
 
 

@@ -50,37 +50,26 @@ def _tsc(typingctx):
 @njit(parallel=True, fastmath=True, nogil=True, error_model="numpy")
 def moe_stamped(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, set_threads, st,
                 it):
-    """`cpu_numba.moe` with stamps: st [5] (entry, setup done, region 1 end, region 2 end,
-    exit), it [items, 3] (start, end, thread) per work item of both regions."""
+    """`cpu_numba.moe` (its schedule around the same work items) with stamps: st [5] (entry,
+    setup done, region 1 end, region 2 end, exit), it [items, 3] (start, end, thread) per work
+    item of both regions."""
     st[0] = _tsc()
     n, topk = rows.shape
     h = x.shape[1]
     f = w2.shape[2] * 2
     flat = rows.reshape(-1)
-    order = np.argsort(flat, kind="mergesort")
-    first = 0
-    while first < order.shape[0] and flat[order[first]] < 0:
-        first += 1
-    pairs = order[first:]
-    npairs = pairs.shape[0]
-    starts = np.zeros(npairs + 1, np.int64)
-    groups = 0
-    for p in range(npairs):
-        if p == 0 or flat[pairs[p]] != flat[pairs[p - 1]]:
-            starts[groups] = p
-            groups += 1
-    starts[groups] = npairs
+    pairs, starts, groups = K.group_pairs(flat)
     K._call_i32(set_threads, threads)
     xq = np.empty((n, h), np.int8)
     xs = np.empty((n, h // 16), np.float32)
     for t in range(n):
         K._quantize(x[t], xq[t], xs[t], 0, h // 16)
     taken = np.zeros((2, threads, 8), np.int64)
+    npairs = pairs.shape[0]
     hid = np.empty((npairs, f), np.float32)
     hq = np.empty((npairs, f), np.int8)
     hs = np.empty((npairs, f // 16), np.float32)
-    nb1 = f // K.RB
-    items = groups * nb1
+    items = groups * (f // K.RB)
     per = (items + threads - 1) // threads
     st[1] = _tsc()
     for tid in prange(threads):
@@ -90,18 +79,8 @@ def moe_stamped(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, set_t
             item = share * per + K._take(taken[0, share], 0)
             while item < end:
                 it[item, 0] = _tsc()
-                u = item // nb1
-                r = flat[pairs[starts[u]]]
-                first = item % nb1 * K.RB
-                g_gate, g_up = g13[r, 0] * np.float32(0.5), g13[r, 1] * np.float32(0.5)
-                for o in range(first, first + K.RB):
-                    for p in range(starts[u], starts[u + 1]):
-                        t = pairs[p] // topk
-                        g = K._dot(w13[r, o], s13[r, o], e4, xq[t], xs[t]) * g_gate
-                        up = K._dot(w13[r, f + o], s13[r, f + o], e4, xq[t], xs[t]) * g_up
-                        hid[p, o] = g / (np.float32(1.0) + np.exp(-g)) * up
-                for p in range(starts[u], starts[u + 1]):
-                    K._quantize(hid[p], hq[p], hs[p], first // 16, (first + K.RB) // 16)
+                K.gate_up_item(item, flat, pairs, starts, topk, w13, s13, g13, e4, xq, xs, hid,
+                               hq, hs)
                 it[item, 1] = _tsc()
                 it[item, 2] = tid
                 item = share * per + K._take(taken[0, share], 0)
@@ -115,16 +94,8 @@ def moe_stamped(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, set_t
             item = share * per2 + K._take(taken[1, share], 0)
             while item < end:
                 it[items + item, 0] = _tsc()
-                for o in range(item * K.RB, item * K.RB + K.RB):
-                    acc[:] = 0.0
-                    for u in range(groups):
-                        r = flat[pairs[starts[u]]]
-                        for p in range(starts[u], starts[u + 1]):
-                            q = pairs[p]
-                            acc[q // topk] += wts.reshape(-1)[q] * g2[r] * np.float32(0.5) * \
-                                K._dot(w2[r, o], s2[r, o], e4, hq[p], hs[p])
-                    for t in range(n):
-                        out[t, o] = acc[t]
+                K.down_item(item, flat, pairs, starts, groups, topk, wts, w2, s2, g2, e4, hq,
+                            hs, out, acc)
                 it[items + item, 1] = _tsc()
                 it[items + item, 2] = tid
                 item = share * per2 + K._take(taken[1, share], 0)

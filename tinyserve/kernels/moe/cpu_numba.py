@@ -236,6 +236,64 @@ def _quantize(x, q, s, first, end):
             q[base + 32 + j] = np.int8(np.round(x[blk * 16 + 2 * j + 1] * inv))
 
 
+@njit(nogil=True, cache=True)
+def group_pairs(flat):
+    """The pairs of flat rows [N * k] that have a row (>= 0), grouped by row (ascending;
+    stable within a row): (pairs, starts, groups), group u = pairs[starts[u]:starts[u + 1]]."""
+    order = np.argsort(flat, kind="mergesort")
+    first = 0
+    while first < order.shape[0] and flat[order[first]] < 0:
+        first += 1
+    pairs = order[first:]
+    npairs = pairs.shape[0]
+    starts = np.zeros(npairs + 1, np.int64)
+    groups = 0
+    for p in range(npairs):
+        if p == 0 or flat[pairs[p]] != flat[pairs[p - 1]]:
+            starts[groups] = p
+            groups += 1
+    starts[groups] = npairs
+    return pairs, starts, groups
+
+
+@njit(fastmath=True, nogil=True, cache=True, error_model="numpy")
+def gate_up_item(item, flat, pairs, starts, topk, w13, s13, g13, e4, xq, xs, hid, hq, hs):
+    """Work item `item` of the first region: expert group item // (F / RB), its block of RB
+    hidden units: their gate and up rows, then silu(gate) * up into hid, rounded as x is
+    into hq / hs (whole scale blocks: RB % 16 == 0)."""
+    f = hid.shape[1]
+    nb1 = f // RB
+    u = item // nb1
+    r = flat[pairs[starts[u]]]
+    first = item % nb1 * RB
+    g_gate, g_up = g13[r, 0] * np.float32(0.5), g13[r, 1] * np.float32(0.5)
+    for o in range(first, first + RB):
+        for p in range(starts[u], starts[u + 1]):
+            t = pairs[p] // topk
+            g = _dot(w13[r, o], s13[r, o], e4, xq[t], xs[t]) * g_gate
+            up = _dot(w13[r, f + o], s13[r, f + o], e4, xq[t], xs[t]) * g_up
+            hid[p, o] = g / (np.float32(1.0) + np.exp(-g)) * up
+    for p in range(starts[u], starts[u + 1]):
+        _quantize(hid[p], hq[p], hs[p], first // 16, (first + RB) // 16)
+
+
+@njit(fastmath=True, nogil=True, cache=True, error_model="numpy")
+def down_item(item, flat, pairs, starts, groups, topk, wts, w2, s2, g2, e4, hq, hs, out, acc):
+    """Work item `item` of the second region: its block of RB down rows, every pair's part
+    summed in a fixed order (`acc`: [N] scratch)."""
+    n = out.shape[0]
+    for o in range(item * RB, item * RB + RB):
+        acc[:] = 0.0
+        for u in range(groups):
+            r = flat[pairs[starts[u]]]
+            for p in range(starts[u], starts[u + 1]):
+                q = pairs[p]
+                acc[q // topk] += wts.reshape(-1)[q] * g2[r] * np.float32(0.5) * _dot(
+                    w2[r, o], s2[r, o], e4, hq[p], hs[p])
+        for t in range(n):
+            out[t, o] = acc[t]
+
+
 @njit(parallel=True, fastmath=True, nogil=True, cache=True, error_model="numpy")
 def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, set_threads):
     """Every pair's expert (module docstring of kernels.moe.cpu) on `threads` threads
@@ -244,21 +302,8 @@ def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, set_threads):
     n, topk = rows.shape
     h = x.shape[1]
     f = w2.shape[2] * 2
-    # pairs with a row, grouped by row (ascending; stable within a row)
     flat = rows.reshape(-1)
-    order = np.argsort(flat, kind="mergesort")
-    first = 0
-    while first < order.shape[0] and flat[order[first]] < 0:
-        first += 1
-    pairs = order[first:]
-    npairs = pairs.shape[0]
-    starts = np.zeros(npairs + 1, np.int64)  # group u = pairs[starts[u]:starts[u + 1]]
-    groups = 0
-    for p in range(npairs):
-        if p == 0 or flat[pairs[p]] != flat[pairs[p - 1]]:
-            starts[groups] = p
-            groups += 1
-    starts[groups] = npairs
+    pairs, starts, groups = group_pairs(flat)
     if groups == 0:
         out[:] = 0.0
         return 0
@@ -274,13 +319,11 @@ def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, set_threads):
     # and a region starts in O(threads) (numba's dynamic schedule, chunk size 1, lays out
     # every item first).
     taken = np.zeros((2, threads, 8), np.int64)
-    # per expert and block of RB hidden units: their gate and up rows, then silu(gate) * up
-    # rounded as x is (whole scale blocks: RB % 16 == 0)
+    npairs = pairs.shape[0]
     hid = np.empty((npairs, f), np.float32)
     hq = np.empty((npairs, f), np.int8)
     hs = np.empty((npairs, f // 16), np.float32)
-    nb1 = f // RB
-    items = groups * nb1
+    items = groups * (f // RB)
     per = (items + threads - 1) // threads
     for tid in prange(threads):
         for v in range(threads):
@@ -288,20 +331,9 @@ def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, set_threads):
             end = min(items, (share + 1) * per)
             item = share * per + _take(taken[0, share], 0)
             while item < end:
-                u = item // nb1
-                r = flat[pairs[starts[u]]]
-                first = item % nb1 * RB
-                g_gate, g_up = g13[r, 0] * np.float32(0.5), g13[r, 1] * np.float32(0.5)
-                for o in range(first, first + RB):
-                    for p in range(starts[u], starts[u + 1]):
-                        t = pairs[p] // topk
-                        g = _dot(w13[r, o], s13[r, o], e4, xq[t], xs[t]) * g_gate
-                        up = _dot(w13[r, f + o], s13[r, f + o], e4, xq[t], xs[t]) * g_up
-                        hid[p, o] = g / (np.float32(1.0) + np.exp(-g)) * up
-                for p in range(starts[u], starts[u + 1]):
-                    _quantize(hid[p], hq[p], hs[p], first // 16, (first + RB) // 16)
+                gate_up_item(item, flat, pairs, starts, topk, w13, s13, g13, e4, xq, xs, hid,
+                             hq, hs)
                 item = share * per + _take(taken[0, share], 0)
-    # per block of RB down rows: every pair's part, summed in a fixed order
     per2 = (h // RB + threads - 1) // threads
     for tid in prange(threads):
         acc = np.zeros(n, np.float32)
@@ -310,16 +342,8 @@ def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, set_threads):
             end = min(h // RB, (share + 1) * per2)
             item = share * per2 + _take(taken[1, share], 0)
             while item < end:
-                for o in range(item * RB, item * RB + RB):
-                    acc[:] = 0.0
-                    for u in range(groups):
-                        r = flat[pairs[starts[u]]]
-                        for p in range(starts[u], starts[u + 1]):
-                            q = pairs[p]
-                            acc[q // topk] += wts.reshape(-1)[q] * g2[r] * np.float32(0.5) * \
-                                _dot(w2[r, o], s2[r, o], e4, hq[p], hs[p])
-                    for t in range(n):
-                        out[t, o] = acc[t]
+                down_item(item, flat, pairs, starts, groups, topk, wts, w2, s2, g2, e4, hq, hs,
+                          out, acc)
                 item = share * per2 + _take(taken[1, share], 0)
     return groups
 

@@ -72,7 +72,7 @@ def test_host_worker_matches_moe_cpu() -> None:
     out = torch.full((n, H), float("nan"))
     rows = torch.where(rel >= 0, rel.long() + layer * E, -1)
     want = nc.moe_cpu(x, rows, w, store.slots)
-    worker = nc.HostWorker(spin=10)  # the loop sleeps between requests: 50 us, then 1 ms polls
+    worker = nc.HostWorker(spin=1e-3, doze=0.05)  # asleep after 1 ms: 50 us, then 1 ms polls
     empty = nc.host_descriptor(store.slots, torch.zeros(n, H + 2 * k), torch.zeros(n, H),
                                k, 0, 1)
     empty[nc.D_STAGE] = 0  # never requested: a bad pointer the worker must not touch

@@ -137,15 +137,17 @@ class HostWorker:
 
     A requester (the GPU through stream memory operations, or `call` from any thread) writes
     flags[GO] = i for descriptor i (`add`'s number); the worker clears GO, runs the call and
-    answers flags[DONE] = i. One request at a time. It spins (`pause`) while requests come, polls
-    every 50 us after `spin` idle polls and every 1 ms after ~0.1 s more. `close()` (or garbage
+    answers flags[DONE] = i. One request at a time. It spins (`pause`) until `spin` seconds
+    passed without a request (longer than a decode step, so decode never waits for it to wake),
+    then polls every 50 us, and every 1 ms after `doze` seconds more. `close()` (or garbage
     collection) stops it.
     `pin`: the flags in pinned memory (for a GPU requester).
     """
 
     GO, DONE, STOP = 0, 1, 2
 
-    def __init__(self, *, pin: bool = False, capacity: int = 4096, spin: int = 100_000) -> None:
+    def __init__(self, *, pin: bool = False, capacity: int = 4096, spin: float = 0.05,
+                 doze: float = 0.1) -> None:
         import ctypes
         import threading
         import weakref
@@ -156,8 +158,10 @@ class HostWorker:
             self.table = torch.zeros(capacity, dtype=torch.int64)
         self._descriptors: list[torch.Tensor] = []
         usleep = ctypes.cast(ctypes.CDLL(None).usleep, ctypes.c_void_p).value
+        hz = _tsc_hz()
         self._control = torch.tensor([self.flags.data_ptr(), self.table.data_ptr(), capacity,
-                                      usleep, spin], dtype=torch.int64)
+                                      usleep, int(spin * hz), int(doze * hz)],
+                                     dtype=torch.int64)
         serve = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(k.serve_address)
         thread = threading.Thread(target=serve, args=(self._control.data_ptr(),), daemon=True,
                                   name="tinyserve-cpu-experts")
@@ -190,6 +194,18 @@ class HostWorker:
 def _stop_worker(flags: torch.Tensor, thread: Any, *buffers: Any) -> None:
     flags[HostWorker.STOP] = 1
     thread.join()
+
+
+@functools.cache
+def _tsc_hz() -> float:
+    """Ticks per second of the time-stamp counter (over 10 ms)."""
+    import time
+
+    tsc = _kernels().tsc
+    tsc()
+    a, t = tsc(), time.perf_counter()
+    time.sleep(0.01)
+    return (tsc() - a) / (time.perf_counter() - t)
 
 
 @functools.cache

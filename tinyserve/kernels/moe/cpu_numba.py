@@ -106,6 +106,23 @@ def _pause(typingctx):
     return sig, codegen
 
 
+@intrinsic
+def _tsc(typingctx):
+    """The time-stamp counter (x86 `rdtsc`: constant rate on every CPU the kernel runs on)."""
+    sig = types.int64()
+
+    def codegen(context, builder, signature, args):
+        return builder.call(_declare(builder.module, "llvm.readcyclecounter", _I64), [])
+
+    return sig, codegen
+
+
+@njit(nogil=True, cache=True)
+def tsc():
+    """The time-stamp counter, from Python."""
+    return _tsc()
+
+
 _ptr_f32 = _typed_ptr(types.float32)
 _ptr_i32 = _typed_ptr(types.int32)
 _ptr_i64 = _typed_ptr(types.int64)
@@ -399,38 +416,40 @@ def _run(address):
 def serve(control):
     """`void serve(void *control)`: the worker loop of kernels.moe.cpu.HostWorker. Waits for
     a request (flag GO = i + 1), runs descriptor table[i], then answers (DONE = i + 1); spins
-    while requests come; once none came for SPIN polls, sleeps 50 us between polls, and 1 ms
-    after a further ~0.1 s (an idle server costs next to nothing); returns on STOP."""
-    c = carray(_ptr_i64(_addr(control)), (5,))  # flags, table, its size, usleep, SPIN
+    until SPIN time-stamp-counter ticks passed without a request, then sleeps 50 us between
+    polls, and 1 ms once DOZE more ticks passed (an idle server costs next to nothing);
+    returns on STOP."""
+    c = carray(_ptr_i64(_addr(control)), (6,))  # flags, table, its size, usleep, SPIN, DOZE
     go, done, stop = c[0], c[0] + 4, c[0] + 8
     table = carray(_ptr_i64(c[1]), (c[2],))
-    idle = 0
+    last = _tsc()
     while True:
         i = _load_acquire_i32(go)
         if i > 0:
             _store_release_i32(go, 0)
             _run(table[i - 1])
             _store_release_i32(done, i)
-            idle = 0
+            last = _tsc()
         elif _load_acquire_i32(stop) != 0:
             return
-        elif idle < c[4]:
-            idle += 1
-            _pause()
         else:
-            idle += 1
-            _call_i32(c[3], 50 if idle < c[4] + 2000 else 1000)
+            idle = _tsc() - last
+            if idle < c[4]:
+                _pause()
+            else:
+                _call_i32(c[3], 50 if idle < c[4] + c[5] else 1000)
 
 
 def build(row_block: int, desc_words: int) -> SimpleNamespace:
-    """The compiled kernels: `moe`, the E4M3 table it takes and the worker loop's address."""
+    """The compiled kernels: `moe`, the E4M3 table it takes, the worker loop's address and
+    the time-stamp counter."""
     if row_block != RB or desc_words != DW:
         raise ValueError("kernels.moe.cpu and its numba code disagree on their constants")
     from numba.np.ufunc import parallel
 
     set_threads = ctypes.cast(parallel._set_num_threads, ctypes.c_void_p).value
     return SimpleNamespace(moe=moe, e4m3=_E4M3.copy(), serve_address=serve.address,
-                           read_sum=read_sum, set_threads=set_threads)
+                           read_sum=read_sum, set_threads=set_threads, tsc=tsc)
 
 
 @njit(parallel=True, nogil=True, cache=True, error_model="numpy")

@@ -2,7 +2,8 @@
 # The hybrid expert path on a GPU machine in one go: numba from a carried site directory
 # (.whl/site.tar.xz: the numba and llvmlite wheels unpacked, where the machine has no
 # numba), the CPU kernel and hybrid tests, then bench/hybrid_experts.py on the full-size
-# random checkpoint (which it writes unless it is there), then bench/cpu_call_phases.py.
+# random checkpoint (which it writes unless it is there), after bench/cpu_round_trip.py (with
+# the worker's own idle spin and with none).
 # Logs and the result JSONs in $OUT.
 #   OUT=dir [CKPT=dir] bash bench/device/hybrid.sh [bench/hybrid_experts.py arguments]
 set -uo pipefail
@@ -21,10 +22,12 @@ timeout -s INT 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_n
     tests/offload/test_hybrid.py tests/offload/test_hybrid_cuda.py > "$OUT/tests.log" 2>&1
 echo "tests rc=$? in $((SECONDS - t0)) s"; tail -3 "$OUT/tests.log"
 t0=$SECONDS
+timeout -s INT 90 python3 bench/cpu_round_trip.py --out "$OUT/cpu_round_trip.json" \
+    > "$OUT/cpu_round_trip.log" 2>&1
+timeout -s INT 90 python3 bench/cpu_round_trip.py --spin 0 --out "$OUT/cpu_round_trip_nospin.json" \
+    > "$OUT/cpu_round_trip_nospin.log" 2>&1
+echo "round trip rc=$? in $((SECONDS - t0)) s"; cat "$OUT"/cpu_round_trip*.log | grep -v Warn
+t0=$SECONDS
 timeout -s INT 350 python3 bench/hybrid_experts.py --ckpt "$CKPT" --out "$OUT/hybrid_experts.json" \
     "$@" > "$OUT/hybrid_experts.log" 2>&1
 echo "bench rc=$? in $((SECONDS - t0)) s"; tail -30 "$OUT/hybrid_experts.log"
-t0=$SECONDS
-timeout -s INT 70 python3 bench/cpu_call_phases.py --store-gib 2 --reps 100 \
-    --out "$OUT/cpu_call_phases.json" > "$OUT/cpu_call_phases.log" 2>&1
-echo "phases rc=$? in $((SECONDS - t0)) s"

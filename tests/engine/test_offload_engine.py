@@ -12,9 +12,12 @@ from tinyserve.core import SamplingParams
 from tinyserve.engine.build import build_engine
 from tinyserve.engine.config import EngineConfig
 from tinyserve.engine.device_memory import DeviceMemory, reference_device
+from tinyserve.engine.expert_mode import settle_expert_mode
 from tinyserve.engine.llm import LLM
 from tinyserve.engine.planner import plan_checkpoint
+from tinyserve.kernels.moe import cpu as nvfp4_cpu
 from tinyserve.model.config import load_config
+from tinyserve.offload.hybrid import CpuExperts, HybridPlan
 from tinyserve.offload.provider import OffloadedExperts
 
 PROMPTS = ["Hello, how are you?", "The quick brown fox jumps over the lazy dog. " * 2, "42"]
@@ -143,3 +146,35 @@ def test_cpu_experts_engine_generates_the_same_tokens(tiny_checkpoint) -> None:
     from tinyserve.server.metrics import ServerMetrics
 
     assert "tinyserve:expert_cpu_computed_total" in ServerMetrics().render(stats)
+
+
+@pytest.mark.skipif(not nvfp4_cpu.available(), reason="numba is not installed")
+def test_auto_hybrid_is_settled_by_decoding(tiny_checkpoint) -> None:
+    """An auto plan of hybrid is kept only if it decodes faster: the engine's first start
+    decodes each way, keeps the faster and leaves no requests counted; once settled, nothing
+    more is measured, and the tokens stay the resident ones."""
+    ckpt = tiny_checkpoint("modelopt")
+    cfg = load_config(ckpt)
+    resident, _, _ = _generate(ckpt)
+    config = EngineConfig(model=str(ckpt), device="cpu", max_context=96, max_seqs=3,
+                          max_num_batched_tokens=16, expert_cache_slots=cfg.num_experts + 2)
+    engine = build_engine(config)
+    experts = engine.runner.model.experts
+    runner = CpuExperts(experts.cache.store, device="cpu")
+    experts.set_hybrid(HybridPlan("hybrid", 0.5, 0.0, auto=True), runner)
+    with engine.start():
+        settled = experts.hybrid_plan
+        assert settled.decode_tok_s is not None and set(settled.decode_tok_s) == {"gpu",
+                                                                                 "hybrid"}
+        assert settled.mode == max(settled.decode_tok_s, key=settled.decode_tok_s.__getitem__)
+        assert (experts.cpu_runner is None) == (settled.mode == "gpu")
+        assert (settled.a, settled.b) == ((0.5, 0.0) if settled.mode == "hybrid" else (0, 0))
+        assert "tok/s (measured)" in settled.format()
+        assert engine.stats().requests_submitted == engine.stats().steps == 0
+        assert settle_expert_mode(engine) is None
+        handles = [engine.submit(engine.tokenizer.encode(p), GREEDY) for p in PROMPTS]
+        assert [[t for out in h for t in out.token_ids] for h in handles] == resident
+    # nothing to settle: a plan auto left on the GPU, or one asked for
+    for plan in (HybridPlan("gpu", auto=True), HybridPlan("hybrid", 0.5, 0.0)):
+        experts.set_hybrid(plan, runner)
+        assert settle_expert_mode(engine) is None and experts.hybrid_plan is plan

@@ -61,14 +61,17 @@ def test_split_takes_the_share_measured_fastest() -> None:
     measured = replace(rates, split_us={0: 350.0, 1: 320.0, 2: 290.0, 3: 250.0, 4: 262.0,
                                         5: 280.0, 6: 300.0, 7: 330.0, 8: 360.0})
     plan = plan_split(measured, None, top_k=8)
-    assert plan.mode == "hybrid" and lk.cpu_share(plan.a, plan.b, 8) == 3
+    assert plan.mode == "hybrid" and plan.auto and lk.cpu_share(plan.a, plan.b, 8) == 3
     assert plan.layer_us == {"gpu": 350.0, "cpu": 360.0, "hybrid": 250.0}
     assert "(measured)" in plan.format()
     # fewer misses scale with the rates' slope from there
     assert [lk.cpu_share(plan.a, plan.b, m) for m in (0, 2, 4, 6, 8)] == [0, 0, 0, 2, 3]
-    # a measured best that saves under 20 %: auto keeps gpu-only
-    flat = replace(rates, split_us={c: 350.0 - 45 * (c == 2) for c in range(9)})
+    # any saving proposes hybrid (decoding settles it: engine.expert_mode); none keeps gpu
+    near = replace(rates, split_us={c: 350.0 - 10 * (c == 2) for c in range(9)})
+    assert plan_split(near, None, top_k=8).mode == "hybrid"
+    flat = replace(rates, split_us={c: 350.0 + c for c in range(9)})
     assert plan_split(flat, None, top_k=8).mode == "gpu"
+    assert plan_split(flat, "gpu", top_k=8).auto is False
 
 
 @pytest.mark.parametrize("a,b", [(0.5, 0.0), (1.0, -1e6), (0.3, 0.4)])

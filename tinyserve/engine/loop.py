@@ -24,6 +24,7 @@ import torch
 from tinyserve.core import Batch, ForwardOutput, ParamError, SamplingParams
 from tinyserve.engine.config import EngineConfig
 from tinyserve.engine.detokenizer import IncrementalDetokenizer
+from tinyserve.engine.expert_mode import settle_expert_mode
 from tinyserve.engine.memory_plan import MemoryPlan
 from tinyserve.engine.runner_api import PendingStep, Runner
 from tinyserve.engine.scheduler import Scheduler, StepEvent
@@ -239,11 +240,17 @@ class Engine:
     # ---------------------------------------------------------------- any thread
 
     def start(self) -> Engine:
+        """Start the loop thread; the first start settles `--experts auto` by decoding a few
+        tokens each way (`engine.expert_mode`), leaving no trace but the expert counters."""
         with self._cond:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="tinyserve-engine",
-                                                daemon=True)
-                self._thread.start()
+            if self._thread is not None:
+                return self
+            self._thread = threading.Thread(target=self._loop, name="tinyserve-engine",
+                                            daemon=True)
+            self._thread.start()
+        if settle_expert_mode(self) is not None:
+            self.clear_prefix_cache()
+            self.call(self._reset_counts)
         return self
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
@@ -308,6 +315,10 @@ class Engine:
                 raise RuntimeError("the engine is shut down")
             self._inbox.append(item)
             self._cond.notify_all()
+
+    def set_expert_plan(self, plan: Any, cpu_runner: Any = None) -> None:
+        """Serve decode misses by `plan` (an `offload.hybrid.HybridPlan`) from the next step."""
+        self.call(lambda: self.runner.set_expert_plan(plan, cpu_runner))
 
     def set_logits_hook(self, fn: Callable | None) -> None:
         """`fn(logits [S, V] float32, seqs) -> logits`, run before sampling (tests)."""

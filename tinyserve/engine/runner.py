@@ -148,6 +148,15 @@ class ModelRunner(Runner):
                 and model.experts.capturable):
             self.graphs = DecodeGraphs(model, page_size=page_size, pad_state_slot=graph_pad_slot)
 
+    def set_expert_plan(self, plan: Any, cpu_runner: Any = None) -> None:
+        """Serve the offloaded experts' decode misses by `plan` (`OffloadedExperts.set_hybrid`)
+        and drop the decode graphs, which captured the old path."""
+        self.model.experts.set_hybrid(plan, cpu_runner)
+        old = self.graphs
+        if old is not None:
+            self.graphs = DecodeGraphs(old.model, page_size=old.page_size,
+                                       pad_state_slot=old.pad_state_slot)
+
     def prepare(self, batch: Batch | Sequence[ScheduledSeq], *,
                 all_logits: bool = False) -> ForwardContext:
         """Flatten a batch into forward tensors on the device (and `input_ids_cpu`).

@@ -15,8 +15,9 @@ the routing to pinned memory and raises the request flag of the CPU worker
 answer flag before adding the result, with stream memory operations (`cuStreamWriteValue32` /
 `cuStreamWaitValue32`, capturable in the decode graph; no host function and no driver thread
 in the path).
-Modes (`--experts`): "gpu", "cpu" (every miss on the CPU), "hybrid"; None picks hybrid when
-the probe predicts it faster. Streamed prefill and batches over `CPU_MAX_TOKENS` tokens
+Modes (`--experts`): "gpu", "cpu" (every miss on the CPU), "hybrid"; None ("auto") picks
+hybrid when the probe predicts it faster, and the started engine keeps it only if it decodes
+faster (`engine.expert_mode`). Streamed prefill and batches over `CPU_MAX_TOKENS` tokens
 (`offload.provider`) stay on the GPU.
 """
 
@@ -38,9 +39,6 @@ from tinyserve.offload.lookup import cpu_share
 logger = get_logger(__name__)
 
 EXPERT_MODES = ("gpu", "cpu", "hybrid")
-# auto picks hybrid when the probe's layer time is at most this share of gpu-only's: one layer
-# measured alone flatters the hybrid against a whole decode step (`hybrid_experts.json`)
-AUTO_MARGIN = 0.8
 _ALL = -1.0e6  # b of the "cpu" split: every miss
 
 
@@ -49,20 +47,24 @@ class HybridPlan:
     """The chosen mode and its split (a, b); `bandwidths` is the probe behind it (None: none
     ran) and `layer_us` the time of a decode layer's top_k misses per mode: measured with both
     sides at once where the probe did (`Bandwidths.split_us`), else predicted from the
-    rates."""
+    rates. `auto`: chosen by auto, which a hybrid choice leaves for decoding to settle
+    (`engine.expert_mode`); `decode_tok_s`: what that measured per mode."""
 
     mode: str
     a: float = 0.0
     b: float = 0.0
     bandwidths: Bandwidths | None = None
     layer_us: dict[str, float] | None = None
+    auto: bool = False
+    decode_tok_s: dict[str, float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "a": self.a, "b": self.b, "layer_us": self.layer_us,
+                "auto": self.auto, "decode_tok_s": self.decode_tok_s,
                 "bandwidths": None if self.bandwidths is None else self.bandwidths.as_dict()}
 
     def format(self) -> str:
-        head = f"experts           {self.mode}"
+        head = f"experts           {self.mode}" + (" (auto)" if self.auto else "")
         if self.mode == "hybrid":
             head += f" (of m misses, CPU takes {self.a:.2f} * m - {self.b:.2f})"
         lines = [head]
@@ -72,14 +74,18 @@ class HybridPlan:
             how = "measured" if self.bandwidths and self.bandwidths.split_us else "predicted"
             lines.append("layer misses      " + ", ".join(
                 f"{k} {v:.0f} us" for k, v in self.layer_us.items()) + f" ({how})")
+        if self.decode_tok_s:
+            lines.append("decode            " + ", ".join(
+                f"{k} {v:.1f} tok/s" for k, v in self.decode_tok_s.items()) + " (measured)")
         return "\n".join(lines)
 
 
 def plan_split(bw: Bandwidths, mode: str | None, top_k: int) -> HybridPlan:
-    """The plan for `mode` (None: auto) from probe `bw`: a from the two rates alone, b such
-    that a layer of top_k misses gives the CPU the share that measured fastest (`split_us`;
-    without it, the share the rates predict). Raises ValueError for an unknown mode or a split
-    that needs the H2D rate when the probe has none."""
+    """The plan for `mode` (None: auto, hybrid where its layer time is below gpu-only's) from
+    probe `bw`: a from the two rates alone, b such that a layer of top_k misses gives the CPU
+    the share that measured fastest (`split_us`; without it, the share the rates predict).
+    Raises ValueError for an unknown mode or a split that needs the H2D rate when the probe
+    has none."""
     if mode is not None and mode not in EXPERT_MODES:
         raise ValueError(f"experts must be one of {', '.join(EXPERT_MODES)}, got {mode!r}")
     if bw.h2d is None:
@@ -87,7 +93,7 @@ def plan_split(bw: Bandwidths, mode: str | None, top_k: int) -> HybridPlan:
             raise ValueError("the hybrid split needs the H2D rate (a CUDA device)")
         if mode == "cpu":
             return HybridPlan("cpu", 1.0, _ALL, bw)
-        return HybridPlan("gpu", bandwidths=bw)
+        return HybridPlan("gpu", bandwidths=bw, auto=mode is None)
     t_copy = bw.bytes_per_expert / bw.h2d
     t_cpu, t_call = bw.cpu_expert_s, bw.cpu_overhead_s
     a, b = t_copy / (t_copy + t_cpu), t_call / (t_copy + t_cpu)
@@ -100,10 +106,11 @@ def plan_split(bw: Bandwidths, mode: str | None, top_k: int) -> HybridPlan:
         c = cpu_share(a, b, m)
         us = {"gpu": m * t_copy * 1e6, "cpu": (t_call + m * t_cpu) * 1e6,
               "hybrid": max((m - c) * t_copy, t_call + c * t_cpu if c else 0.0) * 1e6}
-    if mode is None:
-        mode = "hybrid" if us["hybrid"] <= AUTO_MARGIN * us["gpu"] else "gpu"
+    auto = mode is None
+    if auto:
+        mode = "hybrid" if us["hybrid"] < us["gpu"] else "gpu"
     a, b = {"gpu": (0.0, 0.0), "cpu": (1.0, _ALL), "hybrid": (a, b)}[mode]
-    return HybridPlan(mode, a, b, bw, us)
+    return HybridPlan(mode, a, b, bw, us, auto)
 
 
 @dataclass
@@ -255,8 +262,8 @@ def stream_wait(stream: Any, address: int, value: int) -> None:
 
 def configure(experts: Any, mode: str | None, top_k: int) -> HybridPlan:
     """Probe and give `experts` (an `OffloadedExperts`) the plan for `mode` ("auto" or None:
-    the fastest predicted). Raises ValueError when "cpu" / "hybrid" cannot run here (no
-    numba, experts not NVFP4, no H2D rate for hybrid)."""
+    the fastest predicted, settled by decoding once the engine runs). Raises ValueError when
+    "cpu" / "hybrid" cannot run here (no numba, experts not NVFP4, no H2D rate for hybrid)."""
     cache = experts.cache
     resident = cache.num_slots >= cache.num_layers * cache.num_experts
     mode = None if mode == "auto" else mode

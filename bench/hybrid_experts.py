@@ -17,11 +17,13 @@ Cases:
   one fixed prompt (the summary counts how many agree with gpu-only's), and the top-20
   logprobs of 16 decode steps teacher-forced on gpu-only's tokens (the summary compares them
   with gpu-only's: the CPU path's effect on the logits of the full-size model).
+- auto: `--experts auto`: the probe's choice, settled by decoding (`engine.expert_mode`), then
+  decoded as the others.
 - split_sweep (--sweep): decode tok/s with the CPU taking c = 0..top_k / 2 of a layer's
   misses on each of the probe's thread counts, against the probe's choice.
 - laptop_gpu, laptop_hybrid: the miss copies throttled to `--h2d-gbps` (12 GB/s: an RTX 4060
   laptop's PCIe 4.0 x8) by the cache's debug throttle (kernels.throttle), the probe run
-  again under it (the plan moves work to the CPU), then gpu-only and the probe's plan.
+  again under it (the plan moves work to the CPU), then gpu-only and auto.
 A summary compares hybrid with gpu and cpu, and the laptop hybrid with the laptop gpu.
 
     python bench/hybrid_experts.py [--ckpt DIR] [--gpu-memory 6GiB] [--h2d-gbps 12]
@@ -109,19 +111,19 @@ def kernel_case(store: Any, top_k: int, reps: int) -> dict[str, Any]:
 
 
 def _set_mode(engine: Any, plan: hybrid.HybridPlan, runner: hybrid.CpuExperts) -> None:
-    """Give the experts `plan` and drop the decode graphs (they captured the old path)."""
-    from tinyserve.engine.graph import DecodeGraphs
+    engine.set_expert_plan(plan, None if plan.mode == "gpu" else runner)
+    torch.cuda.synchronize()
 
-    def switch() -> None:
-        experts = engine.runner.model.experts
-        experts.set_hybrid(plan, runner)
-        old = engine.runner.graphs
-        if old is not None:
-            engine.runner.graphs = DecodeGraphs(old.model, page_size=old.page_size,
-                                                pad_state_slot=old.pad_state_slot)
-        torch.cuda.synchronize()
 
-    engine.call(switch)
+def auto_case(engine: Any, plan: hybrid.HybridPlan, runner: hybrid.CpuExperts,
+              args: argparse.Namespace) -> dict[str, Any]:
+    """`--experts auto`: the probe's choice `plan`, settled by decoding where it is hybrid
+    (`engine.expert_mode`), then decoded as the other cases."""
+    from tinyserve.engine.expert_mode import settle_expert_mode
+
+    engine.set_expert_plan(plan, runner)
+    settled = settle_expert_mode(engine) or plan
+    return decode_case(engine, settled, runner, args)
 
 
 def decode_case(engine: Any, plan: hybrid.HybridPlan, runner: hybrid.CpuExperts,
@@ -270,12 +272,13 @@ def main() -> int:
         for mode in ("cpu", "hybrid"):
             rec.run(mode, decode_case, engine, plans[mode], runner, args,
                     (gpu or {}).get("greedy_tokens"))
+        rec.run("auto", auto_case, engine, hybrid.plan_split(bw, None, top_k), runner, args)
         if args.h2d_gbps > 0:
             cache.throttle_bytes_per_s = args.h2d_gbps * 1e9
             slow = rec.run("laptop_probe", lambda: _probe(store, top_k, cache, runner))
             rec.run("laptop_gpu", decode_case, engine, hybrid.plan_split(slow, "gpu", top_k),
                     runner, args)
-            rec.run("laptop_hybrid", decode_case, engine, hybrid.plan_split(slow, None, top_k),
+            rec.run("laptop_hybrid", auto_case, engine, hybrid.plan_split(slow, None, top_k),
                     runner, args)
             cache.throttle_bytes_per_s = 0.0
         if args.sweep:
@@ -311,10 +314,11 @@ def _summary(cases: dict[str, Any]) -> dict[str, Any]:
     if tok["gpu"] and tok["hybrid"]:
         out["hybrid_over_gpu"] = tok["hybrid"] / tok["gpu"]
         out["hybrid_over_best_alone"] = tok["hybrid"] / max(tok["gpu"], tok["cpu"] or 0)
-    auto = (((cases.get("probe") or {}).get("plans") or {}).get("auto") or {}).get("mode")
-    if auto and tok.get(auto):  # what `--experts auto` decodes at: the mode the probe picked
-        out["auto_plan"], out["auto_over_best_alone"] = auto, tok[auto] / max(
-            tok["gpu"] or 0, tok["cpu"] or 0)
+    auto = cases.get("auto") or {}
+    if auto.get("decode_tok_s") and tok["gpu"]:  # `--experts auto`, settled by decoding
+        out["auto_plan"], out["auto_settle_tok_s"] = (auto["experts"]["mode"],
+                                                      auto["experts"]["decode_tok_s"])
+        out["auto_over_best_alone"] = auto["decode_tok_s"] / max(tok["gpu"], tok["cpu"] or 0)
     if tok["laptop_gpu"] and tok["laptop_hybrid"]:
         out["laptop_hybrid_over_gpu"] = tok["laptop_hybrid"] / tok["laptop_gpu"]
         out["laptop_plan"] = cases["laptop_hybrid"]["experts"]["mode"]

@@ -87,7 +87,7 @@ def moe_stamped(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, set_t
     st[2] = _tsc()
     per2 = (h // K.RB + threads - 1) // threads
     for tid in prange(threads):
-        acc = np.zeros(n, np.float32)
+        acc = np.empty((K.RB, n), np.float32)
         for v in range(threads):
             share = (tid + v) % threads
             end = min(h // K.RB, (share + 1) * per2)

@@ -296,19 +296,23 @@ def gate_up_item(item, flat, pairs, starts, topk, w13, s13, g13, e4, xq, xs, hid
 
 @njit(fastmath=True, nogil=True, cache=True, error_model="numpy")
 def down_item(item, flat, pairs, starts, groups, topk, wts, w2, s2, g2, e4, hq, hs, out, acc):
-    """Work item `item` of the second region: its block of RB down rows, every pair's part
-    summed in a fixed order (`acc`: [N] scratch)."""
+    """Work item `item` of the second region: its block of RB down rows, one expert's rows
+    after another (each a contiguous stretch of its matrix), every output summed over the
+    pairs in a fixed order (`acc`: [RB, N] scratch)."""
     n = out.shape[0]
-    for o in range(item * RB, item * RB + RB):
-        acc[:] = 0.0
-        for u in range(groups):
-            r = flat[pairs[starts[u]]]
+    first = item * RB
+    flat_w = wts.reshape(-1)
+    acc[:, :] = 0.0
+    for u in range(groups):
+        r = flat[pairs[starts[u]]]
+        for o in range(RB):
             for p in range(starts[u], starts[u + 1]):
                 q = pairs[p]
-                acc[q // topk] += wts.reshape(-1)[q] * g2[r] * np.float32(0.5) * _dot(
-                    w2[r, o], s2[r, o], e4, hq[p], hs[p])
-        for t in range(n):
-            out[t, o] = acc[t]
+                acc[o, q // topk] += flat_w[q] * g2[r] * np.float32(0.5) * _dot(
+                    w2[r, first + o], s2[r, first + o], e4, hq[p], hs[p])
+    for t in range(n):
+        for o in range(RB):
+            out[t, first + o] = acc[o, t]
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True, error_model="numpy")
@@ -353,7 +357,7 @@ def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, set_threads):
                 item = share * per + _take(taken[0, share], 0)
     per2 = (h // RB + threads - 1) // threads
     for tid in prange(threads):
-        acc = np.zeros(n, np.float32)
+        acc = np.empty((RB, n), np.float32)
         for v in range(threads):
             share = (tid + v) % threads
             end = min(h // RB, (share + 1) * per2)

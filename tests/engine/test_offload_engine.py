@@ -150,9 +150,9 @@ def test_cpu_experts_engine_generates_the_same_tokens(tiny_checkpoint) -> None:
 
 @pytest.mark.skipif(not nvfp4_cpu.available(), reason="numba is not installed")
 def test_auto_hybrid_is_settled_by_decoding(tiny_checkpoint) -> None:
-    """An auto plan of hybrid is kept only if it decodes faster: the engine's first start
-    decodes each way, keeps the faster and leaves no requests counted; once settled, nothing
-    more is measured, and the tokens stay the resident ones."""
+    """An auto plan of hybrid is kept only if it decodes fastest: the engine's first start
+    decodes each way (gpu, cpu, hybrid), keeps the fastest and leaves no requests counted;
+    once settled, nothing more is measured, and the tokens stay the resident ones."""
     ckpt = tiny_checkpoint("modelopt")
     cfg = load_config(ckpt)
     resident, _, _ = _generate(ckpt)
@@ -164,11 +164,12 @@ def test_auto_hybrid_is_settled_by_decoding(tiny_checkpoint) -> None:
     experts.set_hybrid(HybridPlan("hybrid", 0.5, 0.0, auto=True), runner)
     with engine.start():
         settled = experts.hybrid_plan
-        assert settled.decode_tok_s is not None and set(settled.decode_tok_s) == {"gpu",
-                                                                                 "hybrid"}
+        assert settled.decode_tok_s is not None and set(settled.decode_tok_s) == {
+            "gpu", "cpu", "hybrid"}
         assert settled.mode == max(settled.decode_tok_s, key=settled.decode_tok_s.__getitem__)
         assert (experts.cpu_runner is None) == (settled.mode == "gpu")
-        assert (settled.a, settled.b) == ((0.5, 0.0) if settled.mode == "hybrid" else (0, 0))
+        assert (settled.a, settled.b) == {"hybrid": (0.5, 0.0), "gpu": (0, 0),
+                                          "cpu": (1.0, -1e6)}[settled.mode]
         assert "tok/s (measured)" in settled.format()
         assert engine.stats().requests_submitted == engine.stats().steps == 0
         assert settle_expert_mode(engine) is None

@@ -48,6 +48,12 @@ def test_split_balances_copy_and_cpu_time() -> None:
     with pytest.raises(ValueError, match="experts must be"):
         plan_split(_bw(41e9, 57e9), "fpga", top_k=8)
     assert "hybrid" in plan.format() and plan.as_dict()["a"] == plan.a
+    # one probe, each mode's split (what decoding compares: engine.expert_mode)
+    assert lk.cpu_share(*[getattr(plan.with_mode("cpu"), v) for v in "ab"], 8) == 8
+    assert (plan.with_mode("gpu").a, plan.with_mode("gpu").b) == (0.0, 0.0)
+    assert plan.with_mode("hybrid") == plan and plan.with_mode("cpu").bandwidths is plan.bandwidths
+    with pytest.raises(ValueError, match="plan_split"):
+        cpu.with_mode("hybrid")
 
 
 def test_split_takes_the_share_measured_fastest() -> None:

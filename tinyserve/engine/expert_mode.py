@@ -1,8 +1,9 @@
 """`--experts auto` settled by decoding: where the start-up probe predicts the hybrid split
 faster than gpu-only (`offload.hybrid.plan_split`), the started engine decodes a few greedy
-tokens in each mode and keeps the faster. The probe times one layer's misses alone; a decode
-step also runs the layer's other work, and the copies and the CPU share the host's memory
-with everything else the step does, so the prediction can be wrong either way."""
+tokens in each mode (gpu, cpu, hybrid) and keeps the fastest. The probe times one layer's
+misses alone; a decode step also runs the layer's other work, its misses vary with the cache's
+hits, and the copies and the CPU share the host's memory with everything else the step does,
+so the prediction can be wrong either way."""
 
 from __future__ import annotations
 
@@ -23,21 +24,21 @@ _SKIP = 4  # first steps not timed (the decode graph's capture, the cache fillin
 
 
 def settle_expert_mode(engine: Any, tokens: int = SETTLE_TOKENS) -> HybridPlan | None:
-    """Decode `tokens` greedy tokens of a random prompt with gpu-only and with the auto plan's
-    hybrid split, and keep the faster (its plan's `decode_tok_s` holds both rates). Returns
-    that plan, or None where nothing was left to settle (no auto plan, or auto chose gpu)."""
+    """Decode `tokens` greedy tokens of a random prompt with gpu-only, cpu-only and the auto
+    plan's hybrid split, and keep the fastest (its plan's `decode_tok_s` holds every rate).
+    Returns that plan, or None where nothing was left to settle (no auto plan, or auto chose
+    gpu)."""
     experts = getattr(getattr(engine.runner, "model", None), "experts", None)
     plan: HybridPlan | None = getattr(experts, "hybrid_plan", None)
     if plan is None or not plan.auto or plan.mode != "hybrid" or plan.decode_tok_s:
         return None
     runner = experts.cpu_runner
-    gpu = replace(plan, mode="gpu", a=0.0, b=0.0)
     rates = {}
-    for candidate in (gpu, plan):
-        engine.set_expert_plan(candidate, runner)
-        rates[candidate.mode] = decode_rate(engine, tokens)
+    for mode in ("gpu", "cpu", "hybrid"):
+        engine.set_expert_plan(plan.with_mode(mode), runner)
+        rates[mode] = decode_rate(engine, tokens)
     best = max(rates, key=rates.__getitem__)
-    settled = replace(gpu if best == "gpu" else plan, decode_tok_s=rates)
+    settled = replace(plan.with_mode(best), decode_tok_s=rates)
     engine.set_expert_plan(settled, runner)
     logger.info("experts: decoding measured %s: %s kept", ", ".join(
         f"{m} {r:.1f} tok/s" for m, r in rates.items()), best)

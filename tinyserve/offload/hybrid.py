@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -62,6 +62,13 @@ class HybridPlan:
         return {"mode": self.mode, "a": self.a, "b": self.b, "layer_us": self.layer_us,
                 "auto": self.auto, "decode_tok_s": self.decode_tok_s,
                 "bandwidths": None if self.bandwidths is None else self.bandwidths.as_dict()}
+
+    def with_mode(self, mode: str) -> HybridPlan:
+        """This plan's probe with `mode`'s split ("hybrid": this plan's own)."""
+        if mode == "hybrid" and self.mode != "hybrid":
+            raise ValueError("a hybrid split comes from plan_split")
+        a, b = {"gpu": (0.0, 0.0), "cpu": (1.0, _ALL), "hybrid": (self.a, self.b)}[mode]
+        return replace(self, mode=mode, a=a, b=b)
 
     def format(self) -> str:
         head = f"experts           {self.mode}" + (" (auto)" if self.auto else "")

@@ -16,9 +16,9 @@ answer flag before adding the result, with stream memory operations (`cuStreamWr
 `cuStreamWaitValue32`, capturable in the decode graph; no host function and no driver thread
 in the path).
 Modes (`--experts`): "gpu", "cpu" (every miss on the CPU), "hybrid"; None ("auto") picks
-hybrid when the probe predicts it faster, and the started engine keeps it only if it decodes
-faster (`engine.expert_mode`). Streamed prefill and batches over `CPU_MAX_TOKENS` tokens
-(`offload.provider`) stay on the GPU.
+hybrid when the probe predicts it faster, and the started engine then keeps whichever of the
+three decodes fastest (`engine.expert_mode`). Streamed prefill and batches over
+`CPU_MAX_TOKENS` tokens (`offload.provider`) stay on the GPU.
 """
 
 from __future__ import annotations
@@ -116,8 +116,7 @@ def plan_split(bw: Bandwidths, mode: str | None, top_k: int) -> HybridPlan:
     auto = mode is None
     if auto:
         mode = "hybrid" if us["hybrid"] < us["gpu"] else "gpu"
-    a, b = {"gpu": (0.0, 0.0), "cpu": (1.0, _ALL), "hybrid": (a, b)}[mode]
-    return HybridPlan(mode, a, b, bw, us, auto)
+    return HybridPlan("hybrid", a, b, bw, us, auto).with_mode(mode)
 
 
 @dataclass

@@ -53,7 +53,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", choices=EXPERT_MODES, default=_default("experts"),
                    help="offloaded experts missing from the GPU cache during decode: copied "
                         "(gpu), computed on the CPU (cpu), split by measured bandwidth "
-                        "(hybrid) or what the start-up probe predicts fastest (auto)")
+                        "(hybrid) or, where the start-up probe predicts hybrid faster, whichever "
+                        "mode decodes fastest when the engine starts (auto)")
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:

@@ -79,7 +79,7 @@ class EngineConfig:
     prefix_snapshot_interval: also snapshot every this many prefill tokens (a multiple of
     page_size). expert_cache_slots: force offloaded experts behind this many GPU slots (None: the
     plan decides on CUDA; resident on CPU). experts: where decode misses run (`EXPERT_MODES`:
-    copied to the GPU, the CPU, split by the start-up probe, or the probe's choice).
+    copied to the GPU, the CPU, split by the start-up probe, or auto: `engine.expert_mode`).
     """
 
     model: str

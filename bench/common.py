@@ -63,6 +63,18 @@ def run_meta(name: str, **extra: object) -> dict:
     return {**meta, **extra}
 
 
+def expert_store(gib: float):
+    """A random host expert store of Qwen3.5-35B-A3B's expert geometry, `gib` GiB at most
+    (whole layers; `offload.bandwidth.synthetic_store`): what the CPU expert benches read."""
+    from types import SimpleNamespace
+
+    from tinyserve.offload.bandwidth import synthetic_store
+
+    geometry = SimpleNamespace(num_layers=40, num_experts=256, hidden_size=2048,
+                               moe_intermediate_size=512)
+    return synthetic_store(geometry, int(gib * (1 << 30)))
+
+
 def write_json(path, data: dict) -> None:
     """Write a result file (its folder made first) and say where."""
     import json

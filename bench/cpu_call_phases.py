@@ -19,32 +19,18 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba import njit, prange
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import run_meta  # noqa: E402
+from common import expert_store, run_meta  # noqa: E402
 
 from tinyserve.kernels.moe import cpu as nvfp4_cpu  # noqa: E402
 from tinyserve.kernels.moe import cpu_numba as K  # noqa: E402
 from tinyserve.offload import bandwidth  # noqa: E402
-
-
-@intrinsic
-def _tsc(typingctx):
-    sig = types.int64()
-
-    def codegen(context, builder, signature, args):
-        fn = K._declare(builder.module, "llvm.readcyclecounter", ir.IntType(64))
-        return builder.call(fn, [])
-
-    return sig, codegen
 
 
 @njit(parallel=True, fastmath=True, nogil=True, error_model="numpy")
@@ -53,7 +39,7 @@ def moe_stamped(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, set_t
     """`cpu_numba.moe` (its schedule around the same work items) with stamps: st [5] (entry,
     setup done, region 1 end, region 2 end, exit), it [items, 3] (start, end, thread) per work
     item of both regions."""
-    st[0] = _tsc()
+    st[0] = K._tsc()
     n, topk = rows.shape
     h = x.shape[1]
     f = w2.shape[2] * 2
@@ -71,20 +57,20 @@ def moe_stamped(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, set_t
     hs = np.empty((npairs, f // 16), np.float32)
     items = groups * (f // K.RB)
     per = (items + threads - 1) // threads
-    st[1] = _tsc()
+    st[1] = K._tsc()
     for tid in prange(threads):
         for v in range(threads):
             share = (tid + v) % threads
             end = min(items, (share + 1) * per)
             item = share * per + K._take(taken[0, share], 0)
             while item < end:
-                it[item, 0] = _tsc()
+                it[item, 0] = K._tsc()
                 K.gate_up_item(item, flat, pairs, starts, topk, w13, s13, g13, e4, xq, xs, hid,
                                hq, hs)
-                it[item, 1] = _tsc()
+                it[item, 1] = K._tsc()
                 it[item, 2] = tid
                 item = share * per + K._take(taken[0, share], 0)
-    st[2] = _tsc()
+    st[2] = K._tsc()
     per2 = (h // K.RB + threads - 1) // threads
     for tid in prange(threads):
         acc = np.empty((K.RB, n), np.float32)
@@ -93,26 +79,15 @@ def moe_stamped(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, set_t
             end = min(h // K.RB, (share + 1) * per2)
             item = share * per2 + K._take(taken[1, share], 0)
             while item < end:
-                it[items + item, 0] = _tsc()
+                it[items + item, 0] = K._tsc()
                 K.down_item(item, flat, pairs, starts, groups, topk, wts, w2, s2, g2, e4, hq,
                             hs, out, acc)
-                it[items + item, 1] = _tsc()
+                it[items + item, 1] = K._tsc()
                 it[items + item, 2] = tid
                 item = share * per2 + K._take(taken[1, share], 0)
-    st[3] = _tsc()
-    st[4] = _tsc()
+    st[3] = K._tsc()
+    st[4] = K._tsc()
     return groups
-
-
-def tsc_hz() -> float:
-    a, t = _tsc_now(), time.perf_counter()
-    time.sleep(0.2)
-    return (_tsc_now() - a) / (time.perf_counter() - t)
-
-
-@njit
-def _tsc_now():
-    return _tsc()
 
 
 def phases(st: np.ndarray, it: np.ndarray, items1: int, hz: float) -> dict[str, float]:
@@ -143,9 +118,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=200)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "cpu_call_phases.json"))
     args = p.parse_args()
-    geometry = SimpleNamespace(num_layers=40, num_experts=256, hidden_size=2048,
-                               moe_intermediate_size=512)  # Qwen3.5-35B-A3B's experts
-    store = bandwidth.synthetic_store(geometry, int(args.store_gib * (1 << 30)))
+    store = expert_store(args.store_gib)
     k = nvfp4_cpu._kernels()
     slots = [t.numpy() for t in store.slots.buffers]
     h, f = store.slots.hidden_size, store.slots.intermediate_size
@@ -153,7 +126,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, h)).astype(np.float32)
     out = np.empty((1, h), np.float32)
-    hz = tsc_hz()
+    hz = nvfp4_cpu._tsc_hz()
     result = {**run_meta("cpu_call_phases", tsc_ghz=hz / 1e9, threads_max=nvfp4_cpu.max_threads()),
               "cases": {}}
     for threads in sorted({1, 2, 4, 8, *bandwidth.thread_counts(nvfp4_cpu.max_threads()),

@@ -34,7 +34,7 @@ from numba import njit
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import run_meta  # noqa: E402
+from common import expert_store, run_meta  # noqa: E402
 
 from tinyserve.kernels.moe import cpu as nvfp4_cpu  # noqa: E402
 from tinyserve.kernels.moe import cpu_numba as K  # noqa: E402
@@ -155,9 +155,7 @@ def main() -> int:
                    help="seconds the worker spins idle before it sleeps (default: its own)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "cpu_round_trip.json"))
     args = p.parse_args()
-    geometry = SimpleNamespace(num_layers=40, num_experts=256, hidden_size=2048,
-                               moe_intermediate_size=512)  # Qwen3.5-35B-A3B's experts
-    store = bandwidth.synthetic_store(geometry, int(args.store_gib * (1 << 30)))
+    store = expert_store(args.store_gib)
     k = nvfp4_cpu._kernels()
     slots = [t.numpy() for t in store.slots.buffers]
     h = store.slots.hidden_size

@@ -46,7 +46,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import Recorder, run_meta  # noqa: E402  (bench/ is on sys.path as a script)
+from common import Recorder, expert_store, run_meta  # noqa: E402  (bench/ is on sys.path as a script)
 
 from tinyserve.kernels.moe import cpu as nvfp4_cpu  # noqa: E402
 from tinyserve.offload import bandwidth, hybrid  # noqa: E402
@@ -242,11 +242,7 @@ def main() -> int:
     args = p.parse_args()
     rec = Recorder(Path(args.out), run_meta("hybrid_experts", args=vars(args)))
     if args.kernel_only:
-        from types import SimpleNamespace
-
-        geometry = SimpleNamespace(num_layers=40, num_experts=256, hidden_size=2048,
-                                   moe_intermediate_size=512)
-        store = bandwidth.synthetic_store(geometry, int(args.store_gib * 2**30))
+        store = expert_store(args.store_gib)
         rec.run("kernel", kernel_case, store, 8, args.reps)
         return 0
 

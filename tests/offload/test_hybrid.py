@@ -54,6 +54,8 @@ def test_split_balances_copy_and_cpu_time() -> None:
     assert plan.with_mode("hybrid") == plan and plan.with_mode("cpu").bandwidths is plan.bandwidths
     with pytest.raises(ValueError, match="plan_split"):
         cpu.with_mode("hybrid")
+    with pytest.raises(ValueError, match="experts must be"):
+        plan.with_mode("fpga")
 
 
 def test_split_takes_the_share_measured_fastest() -> None:

@@ -65,6 +65,8 @@ class HybridPlan:
 
     def with_mode(self, mode: str) -> HybridPlan:
         """This plan's probe with `mode`'s split ("hybrid": this plan's own)."""
+        if mode not in EXPERT_MODES:
+            raise ValueError(f"experts must be one of {', '.join(EXPERT_MODES)}, got {mode!r}")
         if mode == "hybrid" and self.mode != "hybrid":
             raise ValueError("a hybrid split comes from plan_split")
         a, b = {"gpu": (0.0, 0.0), "cpu": (1.0, _ALL), "hybrid": (self.a, self.b)}[mode]

@@ -25,8 +25,10 @@ Cases:
   laptop's PCIe 4.0 x8) by the cache's debug throttle (kernels.throttle), the probe run
   again under it (the plan moves work to the CPU), then gpu-only and auto.
 A summary compares hybrid with gpu and cpu, and the laptop hybrid with the laptop gpu.
+`--cases` runs some of them (the probe always runs).
 
     python bench/hybrid_experts.py [--ckpt DIR] [--gpu-memory 6GiB] [--h2d-gbps 12]
+                                   [--cases gpu,cpu,laptop]
     python bench/hybrid_experts.py --kernel-only   # no GPU needed: the kernel case alone
 """
 
@@ -144,6 +146,7 @@ def decode_case(engine: Any, plan: hybrid.HybridPlan, runner: hybrid.CpuExperts,
     return r
 
 
+CASES = ("kernel", "gpu", "cpu", "hybrid", "auto", "laptop")
 TOKEN_CHECK = 32  # greedy tokens each mode decodes from one fixed prompt
 FORCED = 16  # decode steps each mode's logprobs are compared on, teacher-forced
 
@@ -231,6 +234,9 @@ def main() -> int:
     p.add_argument("--h2d-gbps", type=float, default=12.0,
                    help="the laptop case's miss-copy rate (0: skip the laptop case)")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--cases", default=",".join(CASES),
+                   help=f"comma-separated, of {', '.join(CASES)} (the probe always runs; "
+                        "cpu and hybrid compare with gpu where it ran)")
     p.add_argument("--sweep", action="store_true",
                    help="also decode with the CPU taking 0..top_k / 2 misses on each thread "
                         "count (split_sweep)")
@@ -240,6 +246,9 @@ def main() -> int:
                    help="--kernel-only: size of the random store (keep it above the LLC)")
     p.add_argument("--out", default=str(RESULT))
     args = p.parse_args()
+    cases = set(args.cases.split(","))
+    if not cases <= set(CASES):
+        p.error(f"--cases: unknown {', '.join(sorted(cases - set(CASES)))}")
     rec = Recorder(Path(args.out), run_meta("hybrid_experts", args=vars(args)))
     if args.kernel_only:
         store = expert_store(args.store_gib)
@@ -260,16 +269,21 @@ def main() -> int:
         experts = engine.runner.model.experts
         cache, store = experts.cache, experts.cache.store
         top_k = engine.runner.model.config.num_experts_per_tok
-        rec.run("kernel", kernel_case, store, top_k, args.reps)
+        if "kernel" in cases:
+            rec.run("kernel", kernel_case, store, top_k, args.reps)
         runner = hybrid.CpuExperts(store, device=cache.device)
         bw = rec.run("probe", lambda: _probe(store, top_k, cache, runner))
         plans = {m: hybrid.plan_split(bw, m, top_k) for m in ("gpu", "cpu", "hybrid")}
-        gpu = rec.run("gpu", decode_case, engine, plans["gpu"], runner, args)
+        gpu = (rec.run("gpu", decode_case, engine, plans["gpu"], runner, args)
+               if "gpu" in cases else None)
         for mode in ("cpu", "hybrid"):
-            rec.run(mode, decode_case, engine, plans[mode], runner, args,
-                    (gpu or {}).get("greedy_tokens"))
-        rec.run("auto", auto_case, engine, hybrid.plan_split(bw, None, top_k), runner, args)
-        if args.h2d_gbps > 0:
+            if mode in cases:
+                rec.run(mode, decode_case, engine, plans[mode], runner, args,
+                        (gpu or {}).get("greedy_tokens"))
+        if "auto" in cases:
+            rec.run("auto", auto_case, engine, hybrid.plan_split(bw, None, top_k), runner,
+                    args)
+        if "laptop" in cases and args.h2d_gbps > 0:
             cache.throttle_bytes_per_s = args.h2d_gbps * 1e9
             slow = rec.run("laptop_probe", lambda: _probe(store, top_k, cache, runner))
             rec.run("laptop_gpu", decode_case, engine, hybrid.plan_split(slow, "gpu", top_k),

@@ -1,9 +1,10 @@
 """Hybrid expert execution (`--experts gpu|cpu|hybrid`): decode tok/s of each mode in one run.
 
 One engine is built on the full-size random Qwen3.5-35B-A3B-shaped NVFP4 checkpoint
-(bench.fullsize; written unless it is there) with `--gpu-memory 6GiB --kv iso3`; the pinned
-store is loaded once and each case switches the experts' plan and recaptures the decode
-graphs. Writes bench/results/hybrid_experts.json after every case.
+(bench.fullsize; written unless it is there; `--routing realistic`: routed with a real
+model's skew and locality, bench.routing, instead of uniformly) with `--gpu-memory 6GiB
+--kv iso3`; the pinned store is loaded once and each case switches the experts' plan and
+recaptures the decode graphs. Writes bench/results/hybrid_experts.json after every case.
 
 Cases:
 - kernel: the CPU expert kernel against the host read bandwidth measured in the same run
@@ -225,6 +226,9 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--ckpt", default=os.environ.get("TINYSERVE_FULLSIZE_DIR",
                                                     "/tmp/tinyserve-fullsize"))
+    p.add_argument("--routing", choices=("uniform", "realistic"), default="uniform",
+                   help="the checkpoint's routing, written so where --ckpt has none "
+                        "(bench.routing: realistic is a real model's skew and locality)")
     p.add_argument("--gpu-memory", default="6GiB")
     p.add_argument("--kv", default="iso3")
     p.add_argument("--max-context", type=int, default=131072)
@@ -255,13 +259,16 @@ def main() -> int:
         rec.run("kernel", kernel_case, store, 8, args.reps)
         return 0
 
+    from bench.fullsize import write_fullsize_checkpoint
+    from bench.routing import ROUTING_FILE
     from tinyserve.engine.build import build_engine
     from tinyserve.engine.config import EngineConfig
 
-    if not (Path(args.ckpt) / "config.json").is_file():
-        from bench.fullsize import write_fullsize_checkpoint
-
-        write_fullsize_checkpoint(Path(args.ckpt))
+    ckpt = Path(args.ckpt)
+    if not (ckpt / "config.json").is_file():
+        write_fullsize_checkpoint(ckpt, routing=args.routing)
+    elif (ckpt / ROUTING_FILE).is_file() != (args.routing == "realistic"):
+        p.error(f"{ckpt} was not written with --routing {args.routing}")
     config = EngineConfig(model=args.ckpt, kv=args.kv, gpu_memory=args.gpu_memory,
                           max_context=args.max_context, max_seqs=args.batch, experts="gpu")
     engine = build_engine(config).start()

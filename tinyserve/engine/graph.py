@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from tinyserve.core import ForwardContext, ScheduledSeq
+from tinyserve.kernels.launch import host_event
 from tinyserve.log import get_logger
 
 log = get_logger(__name__)
@@ -155,7 +156,7 @@ class DecodeGraphs:
             page_size=self.page_size, q_lens_cpu=[1] * B,
             prefix_lens_cpu=[P * self.page_size - 1] * B, max_seq_len=P * self.page_size)
         entry = _Entry(B, P, host, device_buf, ctx,
-                       copied=torch.cuda.Event() if dev.type == "cuda" else None)
+                       copied=host_event(dev))
         if self.host_embedding:  # [B, H] model dtype, word-aligned after the int inputs
 
             def tail(buf: torch.Tensor) -> torch.Tensor:

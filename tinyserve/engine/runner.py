@@ -23,12 +23,8 @@ from tinyserve.core import (
 from tinyserve.engine.graph import DecodeGraphs
 from tinyserve.engine.runner_api import PendingStep, Runner
 from tinyserve.engine.sampler import Sampler, token_logprobs
+from tinyserve.kernels.launch import host_event
 from tinyserve.model.linear import kernels_enabled
-
-
-def _event(device: torch.device) -> Any:
-    """The event marking the token copy into the pinned buffer (None off CUDA)."""
-    return torch.cuda.Event() if device.type == "cuda" else None
 
 
 class PendingOutput:
@@ -90,7 +86,7 @@ class _TokenBuffer:
         self.device = device
         # the tokens, then the logprob arrays (chosen, top ids, top logprobs); grown as needed
         self.pinned: list[torch.Tensor | None] = [None, None, None, None]
-        self.copied = _event(device)
+        self.copied = host_event(device)
         self.owner: PendingOutput | None = None
 
     def stage(self, tokens: torch.Tensor, logprobs: Any = None) -> tuple[torch.Tensor, Any]:

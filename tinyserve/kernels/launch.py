@@ -21,6 +21,14 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 SCRATCH_ELEMS = 1 << 24  # dequantize + cuBLAS: scratch cap (32 MiB in bf16)
 
 
+def host_event(device: torch.device) -> torch.cuda.Event | None:
+    """An event a host thread waits on for a copy into or out of pinned memory (None off
+    CUDA). Blocking: the waiting thread sleeps instead of spinning on a core, which the CPU
+    expert kernel's threads and the server's need (a laptop has few). The engine waits on
+    a step while the next one is already queued, so the later wake-up costs no GPU time."""
+    return torch.cuda.Event(blocking=True) if device.type == "cuda" else None
+
+
 def check_pages(page_table: torch.Tensor, seq_lens: torch.Tensor, b: int) -> None:
     """The paged decode kernels' page table (int32 [B, P], rows contiguous) and lengths (int32
     [B]); ValueError otherwise."""

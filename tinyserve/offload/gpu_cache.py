@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tinyserve.kernels.launch import host_event
 from tinyserve.kernels.moe.fused import allocate_expert_slots
 from tinyserve.log import get_logger
 from tinyserve.offload import lookup as lk
@@ -32,11 +33,6 @@ logger = get_logger(__name__)
 # victim lists (per layer, the head of its list as long as the loads of the step just folded
 # + IN_FLIGHT_MARGIN) and ranks them as freshly used.
 IN_FLIGHT_MARGIN = 2
-
-
-def _event(device: torch.device) -> Any:
-    """The event marking an asynchronous copy to or from a pinned buffer (None off CUDA)."""
-    return torch.cuda.Event() if device.type == "cuda" else None
 
 
 def _record(event: Any, device: torch.device) -> None:
@@ -81,7 +77,7 @@ class DeviceExpertCache:
         # in flight, and nothing synchronises between __init__ and preload_all).
         self._victims_host = torch.zeros(L, self.victim_len, dtype=torch.int32,
                                          pin_memory=cuda)
-        self._victims_copied = _event(self.device)
+        self._victims_copied = host_event(self.device)
         self._scratch = (torch.empty(num_slots + 1, **i32),
                          torch.empty(self.victim_len + 1, **i32))
         # The step's log, read by begin_step in one copy: per layer the load list (rows, slots;
@@ -93,7 +89,7 @@ class DeviceExpertCache:
         self._log_ids = self._log[:, 2 * V:]
         # The log's host copy (begin_step, without a host wait): read after `_log_copied`.
         self._log_host = torch.empty(self._log.numel(), dtype=torch.int32, pin_memory=cuda)
-        self._log_copied = _event(self.device)
+        self._log_copied = host_event(self.device)
         self._pending: int | None = None  # ids width of a copied log not folded yet
         self._evicted: list[tuple[int, int]] = []  # evict_slots ranges waiting for that fold
         self._width = 0  # most ids of an eager call since begin_step

@@ -194,7 +194,9 @@ def split_times(cache: Any, runner: Any, top_k: int, reps: int = 7) -> dict[int,
     of them computed on the CPU (`runner`, an `offload.hybrid.CpuExperts` on CUDA): the CPU
     call requested, the other top_k - c copied by the cache's miss-copy path (its throttle
     included) into scratch slots, the answer waited for; captured in a CUDA graph per c and
-    timed on the device, fresh rows each replay, median of `reps`. c = 0 copies alone."""
+    timed on the device, fresh rows each replay, median of `reps` taken in turns over the c
+    (a slow spell of the host's memory then lands on every c, not on one). c = 0 copies
+    alone."""
     dev, h = cache.device, cache.store.slots.hidden_size
     rows_total = cache.num_layers * cache.num_experts
     g = torch.Generator().manual_seed(0)
@@ -203,9 +205,10 @@ def split_times(cache: Any, runner: Any, top_k: int, reps: int = 7) -> dict[int,
     weights = torch.full((1, top_k), 1.0 / top_k, device=dev)
     rows = torch.zeros(1, top_k, dtype=torch.int32, device=dev)
     dst = torch.arange(top_k, dtype=torch.int32, device=dev)
-    out: dict[int, float] = {}
+    times: dict[int, list[float]] = {c: [] for c in range(top_k + 1)}
     with scratch_slots(cache, top_k):
-        for c in range(top_k + 1):
+        graphs = {}
+        for c in times:
             slot = torch.where(first < c, -1, 0).to(torch.int32).to(dev)
 
             def layer(c: int = c, slot: torch.Tensor = slot) -> None:
@@ -218,15 +221,14 @@ def split_times(cache: Any, runner: Any, top_k: int, reps: int = 7) -> dict[int,
 
             layer()  # the runner's buffers made outside the capture
             torch.cuda.synchronize(dev)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            graphs[c] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[c]):
                 layer()
-            times = []
-            for _ in range(reps):
+        for _ in range(reps):
+            for c, graph in graphs.items():
                 rows.copy_(torch.randperm(rows_total, generator=g)[:top_k].view(1, top_k))
-                times.append(device_seconds(graph.replay) * 1e6)
-            out[c] = statistics.median(times)
-    return out
+                times[c].append(device_seconds(graph.replay) * 1e6)
+    return {c: statistics.median(t) for c, t in times.items()}
 
 
 def thread_counts(n: int) -> list[int]:

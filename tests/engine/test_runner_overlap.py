@@ -46,9 +46,9 @@ def tiny():
 
 
 def _offloaded_runner(cfg, w, log: list[str], monkeypatch):
-    monkeypatch.setattr(runner_mod, "_event", lambda device: FakeEvent(log, "tokens"))
+    monkeypatch.setattr(runner_mod, "host_event", lambda device: FakeEvent(log, "tokens"))
     names = iter(("victims", "log"))
-    monkeypatch.setattr(gpu_cache, "_event", lambda device: FakeEvent(log, next(names)))
+    monkeypatch.setattr(gpu_cache, "host_event", lambda device: FakeEvent(log, next(names)))
     store = HostExpertStore.from_weights(w, cfg)
     experts = OffloadedExperts.create(store, cfg.num_experts + 2, device="cpu",
                                       dtype=torch.float32)

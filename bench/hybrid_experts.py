@@ -227,8 +227,9 @@ def main() -> int:
     p.add_argument("--ckpt", default=os.environ.get("TINYSERVE_FULLSIZE_DIR",
                                                     "/tmp/tinyserve-fullsize"))
     p.add_argument("--routing", choices=("uniform", "realistic"), default="uniform",
-                   help="the checkpoint's routing, written so where --ckpt has none "
-                        "(bench.routing: realistic is a real model's skew and locality)")
+                   help="the checkpoint's routing: written so where --ckpt holds none, "
+                        "checked where it holds one (realistic: a real model's skew and "
+                        "locality, bench.routing)")
     p.add_argument("--gpu-memory", default="6GiB")
     p.add_argument("--kv", default="iso3")
     p.add_argument("--max-context", type=int, default=131072)

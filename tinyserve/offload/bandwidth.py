@@ -194,9 +194,7 @@ def split_times(cache: Any, runner: Any, top_k: int, reps: int = 7) -> dict[int,
     of them computed on the CPU (`runner`, an `offload.hybrid.CpuExperts` on CUDA): the CPU
     call requested, the other top_k - c copied by the cache's miss-copy path (its throttle
     included) into scratch slots, the answer waited for; captured in a CUDA graph per c and
-    timed on the device, fresh rows each replay, median of `reps` taken in turns over the c
-    (a slow spell of the host's memory then lands on every c, not on one). c = 0 copies
-    alone."""
+    timed on the device, fresh rows each replay, median of `reps`. c = 0 copies alone."""
     dev, h = cache.device, cache.store.slots.hidden_size
     rows_total = cache.num_layers * cache.num_experts
     g = torch.Generator().manual_seed(0)
@@ -205,10 +203,9 @@ def split_times(cache: Any, runner: Any, top_k: int, reps: int = 7) -> dict[int,
     weights = torch.full((1, top_k), 1.0 / top_k, device=dev)
     rows = torch.zeros(1, top_k, dtype=torch.int32, device=dev)
     dst = torch.arange(top_k, dtype=torch.int32, device=dev)
-    times: dict[int, list[float]] = {c: [] for c in range(top_k + 1)}
+    out: dict[int, float] = {}
     with scratch_slots(cache, top_k):
-        graphs = {}
-        for c in times:
+        for c in range(top_k + 1):
             slot = torch.where(first < c, -1, 0).to(torch.int32).to(dev)
 
             def layer(c: int = c, slot: torch.Tensor = slot) -> None:
@@ -221,14 +218,15 @@ def split_times(cache: Any, runner: Any, top_k: int, reps: int = 7) -> dict[int,
 
             layer()  # the runner's buffers made outside the capture
             torch.cuda.synchronize(dev)
-            graphs[c] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graphs[c]):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
                 layer()
-        for _ in range(reps):
-            for c, graph in graphs.items():
+            times = []
+            for _ in range(reps):
                 rows.copy_(torch.randperm(rows_total, generator=g)[:top_k].view(1, top_k))
-                times[c].append(device_seconds(graph.replay) * 1e6)
-    return {c: statistics.median(t) for c, t in times.items()}
+                times.append(device_seconds(graph.replay) * 1e6)
+            out[c] = statistics.median(times)
+    return out
 
 
 def thread_counts(n: int) -> list[int]:

@@ -151,10 +151,8 @@ def scratch_slots(cache: Any, n: int) -> Iterator[None]:
 
 
 def device_seconds(fn: Callable[[], None]) -> float:
-    """Seconds the current CUDA stream spends on the work `fn` queues (between two events).
-    The host waits blocked, as the engine's decode does (`kernels.launch.host_event`): a
-    spinning thread would slow the CPU expert kernel it times."""
-    begin, end = (torch.cuda.Event(enable_timing=True, blocking=True) for _ in range(2))
+    """Seconds the current CUDA stream spends on the work `fn` queues (between two events)."""
+    begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
     begin.record()
     fn()
     end.record()

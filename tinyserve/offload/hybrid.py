@@ -42,6 +42,11 @@ EXPERT_MODES = ("gpu", "cpu", "hybrid")
 _ALL = -1.0e6  # b of the "cpu" split: every miss
 
 
+def _check_mode(mode: str) -> None:
+    if mode not in EXPERT_MODES:
+        raise ValueError(f"experts must be one of {', '.join(EXPERT_MODES)}, got {mode!r}")
+
+
 @dataclass(frozen=True)
 class HybridPlan:
     """The chosen mode and its split (a, b); `bandwidths` is the probe behind it (None: none
@@ -65,8 +70,7 @@ class HybridPlan:
 
     def with_mode(self, mode: str) -> HybridPlan:
         """This plan's probe with `mode`'s split ("hybrid": this plan's own)."""
-        if mode not in EXPERT_MODES:
-            raise ValueError(f"experts must be one of {', '.join(EXPERT_MODES)}, got {mode!r}")
+        _check_mode(mode)
         if mode == "hybrid" and self.mode != "hybrid":
             raise ValueError("a hybrid split comes from plan_split")
         a, b = {"gpu": (0.0, 0.0), "cpu": (1.0, _ALL), "hybrid": (self.a, self.b)}[mode]
@@ -95,8 +99,8 @@ def plan_split(bw: Bandwidths, mode: str | None, top_k: int) -> HybridPlan:
     the share that measured fastest (`split_us`; without it, the share the rates predict).
     Raises ValueError for an unknown mode or a split that needs the H2D rate when the probe
     has none."""
-    if mode is not None and mode not in EXPERT_MODES:
-        raise ValueError(f"experts must be one of {', '.join(EXPERT_MODES)}, got {mode!r}")
+    if mode is not None:
+        _check_mode(mode)
     if bw.h2d is None:
         if mode == "hybrid":
             raise ValueError("the hybrid split needs the H2D rate (a CUDA device)")

@@ -48,8 +48,10 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    # misses copied, as every build path runs them (older checkouts have no `experts`)
+    gpu = {"experts": "gpu"} if "experts" in EngineConfig.__dataclass_fields__ else {}
     config = EngineConfig(model=args.ckpt, kv=args.kv, gpu_memory=args.gpu_memory,
-                          max_context=1024 + 64, max_seqs=1)
+                          max_context=1024 + 64, max_seqs=1, **gpu)
     t0 = time.perf_counter()
     engine = build_engine(config).start()
     startup = time.perf_counter() - t0

@@ -4,8 +4,9 @@ rates, against `--max-context` and against the cache size, beside uniform routin
 Checkpoints: the full-size one written with realistic routing (`--ckpt`; written when it is
 missing: ~21 GB, `python -m bench.fullsize DIR --routing realistic`) and, for the
 side-by-side, the random one with uniform routing (`--uniform-ckpt`, optional). Every case is
-`tinyserve bench CKPT --kv iso3 --prompt-len 1024 --gen-len 512 --json ...` in a fresh
-process (a budgeted engine caps its process's allocator), batch 1:
+`tinyserve bench CKPT --kv iso3 --prompt-len 1024 --gen-len 512 --experts gpu --json ...`
+(every miss copied: the cache's own hit rates) in a fresh process (a budgeted engine caps its
+process's allocator), batch 1:
 
 - `realistic_6GiB`, `uniform_6GiB`: `--gpu-memory 6GiB` (max context = prompt + output);
 - `context_<N>`: `--gpu-memory 6GiB --max-context N`: a smaller KV pool leaves more slots;
@@ -63,7 +64,7 @@ def cases(args: argparse.Namespace) -> dict[str, tuple[str, list[str]]]:
 
 def run_case(ckpt: str, extra: list[str]) -> dict:
     cmd = [sys.executable, "-m", "tinyserve", "bench", ckpt, "--kv", "iso3", "--prompt-len",
-           str(PROMPT_LEN), "--gen-len", str(GEN_LEN), "--json", *extra]
+           str(PROMPT_LEN), "--gen-len", str(GEN_LEN), "--experts", "gpu", "--json", *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if done.returncode:

@@ -64,6 +64,7 @@ SUITES: dict[str, tuple[Script, ...]] = {
         Script("realistic_decode", ("--ckpt", "{ckpt}-realistic", "--uniform-ckpt", "{ckpt}")),
         Script("offload_host", gpu=False),
         Script("cpu_call_phases", gpu=False),
+        Script("cpu_expert_error", gpu=False),  # the int8 inputs against NVFP4's own error
         Script("cpu_round_trip"),  # the CPU expert call through the decode graph
         Script("cache_policies", gpu=False),
         Script("routing_calibration", ("--layers", "2", "--tokens", "200"), gpu=False),

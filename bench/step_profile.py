@@ -84,7 +84,7 @@ def measure(ckpt: str, kv: str, budget: str | None, context: int, steps: int, to
             prefill_tokens: int = 0) -> dict:
     tokens = max(context + 4 * steps + 8, prefill_tokens)
     config = EngineConfig(model=ckpt, kv=kv, gpu_memory=budget, max_seqs=1,
-                          max_context=tokens + 56, prefix_cache=False)
+                          max_context=tokens + 56, prefix_cache=False, experts="gpu")
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     parts = build_parts(config)

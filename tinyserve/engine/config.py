@@ -97,7 +97,7 @@ class EngineConfig:
     prefix_snapshot_interval: int = 0
     cuda_graphs: bool = True
     expert_cache_slots: int | None = None
-    experts: str = "gpu"
+    experts: str = "auto"
 
     def __post_init__(self) -> None:
         for name, choices in (("kv", KV_CHOICES), ("dtype", _DTYPES), ("experts", EXPERT_MODES)):

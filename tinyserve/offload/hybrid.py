@@ -273,14 +273,16 @@ def stream_wait(stream: Any, address: int, value: int) -> None:
 
 
 def configure(experts: Any, mode: str | None, top_k: int) -> HybridPlan:
-    """Probe and give `experts` (an `OffloadedExperts`) the plan for `mode` ("auto" or None:
-    the fastest predicted, settled by decoding once the engine runs). Raises ValueError when
-    "cpu" / "hybrid" cannot run here (no numba, experts not NVFP4, no H2D rate for hybrid)."""
+    """Probe and give `experts` (an `OffloadedExperts`) the plan for `mode` ("auto" or None,
+    the default: the fastest predicted, settled by decoding once the engine runs). Raises
+    ValueError when "cpu" / "hybrid" cannot run here (no numba, experts not NVFP4, no H2D rate
+    for hybrid)."""
     cache = experts.cache
     resident = cache.num_slots >= cache.num_layers * cache.num_experts
     mode = None if mode == "auto" else mode
-    plan, runner = HybridPlan("gpu"), None
-    if mode != "gpu" and not resident:
+    plan, runner = HybridPlan("gpu", auto=mode is None), None
+    # auto off CUDA: no copies to split the misses against, so nothing to probe
+    if mode != "gpu" and not resident and (mode is not None or cache.device.type == "cuda"):
         try:
             if not nvfp4_cpu.available():
                 raise ValueError("the CPU expert kernel needs numba (pip install numba) and an "

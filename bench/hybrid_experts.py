@@ -86,6 +86,15 @@ def kernel_case(store: Any, top_k: int, reps: int) -> dict[str, Any]:
         nbytes = min(n * k, rows_total) * store.bytes_per_expert  # distinct experts (about)
         out["calls"][f"{n}tok_{k}exp"] = {"ms": t * 1e3, "gbps": nbytes / t / 1e9,
                                           "fraction_of_host_read": nbytes / t / host}
+    # the kernel's arithmetic alone: one call's experts again and again (they stay in the
+    # last-level cache where it holds them), then 4 tokens on the same experts (a batch)
+    x, rows, w, slots = args[1, top_k][0]
+    for name, call in ((f"1tok_{top_k}exp_cached", (x, rows, w, slots)),
+                       (f"4tok_{top_k}exp_shared", (torch.randn(4, h, generator=g),
+                                                     rows.expand(4, -1).contiguous(),
+                                                     torch.rand(4, top_k, generator=g), slots))):
+        t = _median_s(nvfp4_cpu.moe_cpu, [call] * (reps + 1), reps)
+        out["calls"][name] = {"ms": t * 1e3, "gbps": top_k * store.bytes_per_expert / t / 1e9}
     n = out["threads"]
     out["threads_sweep"] = {}
     for threads in sorted({t for t in (1, 2, 4, 8, n, *bandwidth.thread_counts(n)) if t <= n}):

@@ -149,28 +149,29 @@ def _splat(ty: ir.VectorType, value: int | float) -> ir.Constant:
     return ir.Constant(ty, [ir.Constant(ty.element, value)] * ty.count)
 
 
-def _dot_function(module: ir.Module) -> ir.Function:
-    """`float dot(i8 *codes, i8 *scales, float *e4, i8 *xq, float *xs, i64 chunks)`: the sum
-    over blocks of 16 inputs of e4[scales[b]] * xs[b] * (sum of 2 * E2M1(code) * xq) (see
-    `_quantize` for xq's layout); `chunks` >= 1 iterations of 32 code bytes."""
-    name = "tinyserve_nvfp4_i8_dot"
+def _dot_function(module: ir.Module, nrows: int) -> ir.Function:
+    """`void dot(i8 *codes, i64 row_bytes, i8 *scales, i64 row_scales, float *e4, i8 *xq,
+    float *xs, i64 chunks, float *out)`: for each of `nrows` weight rows (row j's codes and
+    scales at j * row_bytes / j * row_scales past the first's), the sum over blocks of 16
+    inputs of e4[scale] * xs[b] * (sum of 2 * E2M1(code) * xq), into out[j] (see `_quantize`
+    for xq's layout); `chunks` >= 1 iterations of 32 code bytes per row. The rows share the
+    input's loads, the loop and its count."""
+    name = f"tinyserve_nvfp4_i8_dot{nrows}"
     fn = module.globals.get(name)
     if fn is not None:
         return fn
     i8p, f32p = _I8.as_pointer(), _F32.as_pointer()
-    fn = ir.Function(module, ir.FunctionType(_F32, [i8p, i8p, f32p, i8p, f32p, _I64]), name)
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [i8p, _I64, i8p, _I64, f32p, i8p,
+                                                             f32p, _I64, f32p]), name)
     fn.linkage = "internal"
-    codes, scales, e4, xq, xs, chunks = fn.args
+    codes, row_bytes, scales, row_scales, e4, xq, xs, chunks, out = fn.args
     pshufb = _declare(module, "llvm.x86.avx2.pshuf.b", _V32I8, _V32I8, _V32I8)
     psign = _declare(module, "llvm.x86.avx2.psign.b", _V32I8, _V32I8, _V32I8)
     maddubs = _declare(module, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, _V32I8, _V32I8)
     maddwd = _declare(module, "llvm.x86.avx2.pmadd.wd", _V8I32, _V16I16, _V16I16)
+    prefetch = _declare(module, "llvm.prefetch.p0", ir.VoidType(), i8p, _I32, _I32, _I32)
     entry, loop, done = (fn.append_basic_block(n) for n in ("entry", "loop", "done"))
     b = ir.IRBuilder(entry)
-    b.branch(loop)
-    b.position_at_end(loop)
-    i = b.phi(_I64)
-    acc = b.phi(_V8F32)
 
     def const(v: int) -> ir.Constant:
         return ir.Constant(_I64, v)
@@ -178,61 +179,88 @@ def _dot_function(module: ir.Module) -> ir.Function:
     def load(ptr: ir.Value, offset: ir.Value, ty: ir.VectorType) -> ir.Value:
         return b.load(b.bitcast(b.gep(ptr, [offset]), ty.as_pointer()), align=1)
 
-    prefetch = _declare(module, "llvm.prefetch.p0", ir.VoidType(), i8p, _I32, _I32, _I32)
-    b.call(prefetch, [b.gep(codes, [b.add(b.mul(i, const(32)), const(PREFETCH))]),
-                      *(ir.Constant(_I32, v) for v in (0, 3, 1))])
-    c = load(codes, b.mul(i, const(32)), _V32I8)
+    row_codes = [b.gep(codes, [b.mul(row_bytes, const(j))]) for j in range(nrows)]
+    row_scale = [b.gep(scales, [b.mul(row_scales, const(j))]) for j in range(nrows)]
+    b.branch(loop)
+    b.position_at_end(loop)
+    i = b.phi(_I64)
+    accs = [b.phi(_V8F32) for _ in range(nrows)]
     table = ir.Constant(_V32I8, [ir.Constant(_I8, v & 0xFF) for v in _E2M1_X2 * 2])
-    w_even = b.call(pshufb, [table, b.and_(c, _splat(_V32I8, 15))])
-    w_odd = b.call(pshufb, [table, b.lshr(c, _splat(_V32I8, 4))])
     x_even = load(xq, b.mul(i, const(64)), _V32I8)
     x_odd = load(xq, b.add(b.mul(i, const(64)), const(32)), _V32I8)
-    # |w| (unsigned) times x with w's sign, pairs summed to int16, then quads to int32: lanes
-    # 2b and 2b + 1 hold scale block b of the chunk
-    pairs = b.add(b.call(maddubs, [b.call(psign, [w_even, w_even]),
-                                   b.call(psign, [x_even, w_even])]),
-                  b.call(maddubs, [b.call(psign, [w_odd, w_odd]),
-                                   b.call(psign, [x_odd, w_odd])]))
-    quads = b.sitofp(b.call(maddwd, [pairs, _splat(_V16I16, 1)]), _V8F32)
-    w_scale = ir.Constant(_V4F32, ir.Undefined)
-    for j in range(4):
-        code = b.zext(b.load(b.gep(scales, [b.add(b.mul(i, const(4)), const(j))])), _I64)
-        w_scale = b.insert_element(w_scale, b.load(b.gep(e4, [code])), ir.Constant(_I32, j))
-    scale = b.fmul(w_scale, load(xs, b.mul(i, const(4)), _V4F32))
+    x_scale = load(xs, b.mul(i, const(4)), _V4F32)
     pick = ir.Constant(ir.VectorType(_I32, 8), [ir.Constant(_I32, j // 2) for j in range(8)])
-    scale = b.shuffle_vector(scale, scale, pick)
-    acc_next = b.fadd(acc, b.fmul(quads, scale))
+    nexts = []
+    for row, row_s, acc in zip(row_codes, row_scale, accs, strict=True):
+        b.call(prefetch, [b.gep(row, [b.add(b.mul(i, const(32)), const(PREFETCH))]),
+                          *(ir.Constant(_I32, v) for v in (0, 3, 1))])
+        c = load(row, b.mul(i, const(32)), _V32I8)
+        w_even = b.call(pshufb, [table, b.and_(c, _splat(_V32I8, 15))])
+        w_odd = b.call(pshufb, [table, b.lshr(c, _splat(_V32I8, 4))])
+        # |w| (unsigned) times x with w's sign, pairs summed to int16, then quads to int32:
+        # lanes 2b and 2b + 1 hold scale block b of the chunk
+        pairs = b.add(b.call(maddubs, [b.call(psign, [w_even, w_even]),
+                                       b.call(psign, [x_even, w_even])]),
+                      b.call(maddubs, [b.call(psign, [w_odd, w_odd]),
+                                       b.call(psign, [x_odd, w_odd])]))
+        quads = b.sitofp(b.call(maddwd, [pairs, _splat(_V16I16, 1)]), _V8F32)
+        w_scale = ir.Constant(_V4F32, ir.Undefined)
+        for j in range(4):
+            code = b.zext(b.load(b.gep(row_s, [b.add(b.mul(i, const(4)), const(j))])), _I64)
+            w_scale = b.insert_element(w_scale, b.load(b.gep(e4, [code])),
+                                       ir.Constant(_I32, j))
+        scale = b.fmul(w_scale, x_scale)
+        nexts.append(b.fadd(acc, b.fmul(quads, b.shuffle_vector(scale, scale, pick))))
     i_next = b.add(i, const(1))
     i.add_incoming(const(0), entry)
     i.add_incoming(i_next, loop)
-    acc.add_incoming(_splat(_V8F32, 0.0), entry)
-    acc.add_incoming(acc_next, loop)
+    for acc, acc_next in zip(accs, nexts, strict=True):
+        acc.add_incoming(_splat(_V8F32, 0.0), entry)
+        acc.add_incoming(acc_next, loop)
     b.cbranch(b.icmp_unsigned("<", i_next, chunks), loop, done)
     b.position_at_end(done)
-    lane = [b.extract_element(acc_next, ir.Constant(_I32, j)) for j in range(8)]
-    while len(lane) > 1:
-        lane = [b.fadd(lane[j], lane[j + 1]) for j in range(0, len(lane), 2)]
-    b.ret(lane[0])
+    for j, acc_next in enumerate(nexts):
+        lane = [b.extract_element(acc_next, ir.Constant(_I32, k)) for k in range(8)]
+        while len(lane) > 1:
+            lane = [b.fadd(lane[k], lane[k + 1]) for k in range(0, len(lane), 2)]
+        b.store(lane[0], b.gep(out, [const(j)]))
+    b.ret_void()
     return fn
 
 
-@intrinsic
-def _dot(typingctx, codes, scales, e4, xq, xs):
-    """One weight row (codes uint8 [K/2], scales uint8 [K/16]) against one quantized input
-    (xq int8 [K], xs fp32 [K/16]); twice the dot (the table holds 2 * E2M1), before the row's
-    global scale. K % 64 == 0."""
-    sig = types.float32(codes, scales, e4, xq, xs)
+def _dots(nrows: int):
+    """The intrinsic `_dots(codes, row_bytes, scales, row_scales, e4, xq, xs, out)`: `nrows`
+    weight rows (the first's codes uint8 [K/2] and scales uint8 [K/16], the others
+    row_bytes / row_scales further on) against one quantized input (xq int8 [K], xs fp32
+    [K/16]), into out fp32 [nrows]; twice each dot (the table holds 2 * E2M1), before the
+    row's global scale. K % 64 == 0."""
 
-    def codegen(context, builder, signature, args):
-        i8p, f32p = _I8.as_pointer(), _F32.as_pointer()
-        ptrs = [builder.bitcast(context.make_array(t)(context, builder, v).data, p)
-                for t, v, p in zip(signature.args, args, (i8p, i8p, f32p, i8p, f32p),
-                                   strict=True)]
-        codes_array = context.make_array(signature.args[0])(context, builder, args[0])
-        chunks = builder.udiv(builder.extract_value(codes_array.shape, 0), ir.Constant(_I64, 32))
-        return builder.call(_dot_function(builder.module), [*ptrs, chunks])
+    @intrinsic
+    def dots(typingctx, codes, row_bytes, scales, row_scales, e4, xq, xs, out):
+        sig = types.void(codes, types.int64, scales, types.int64, e4, xq, xs, out)
 
-    return sig, codegen
+        def codegen(context, builder, signature, args):
+            i8p, f32p = _I8.as_pointer(), _F32.as_pointer()
+
+            def data(k, ptr_type):
+                array = context.make_array(signature.args[k])(context, builder, args[k])
+                return builder.bitcast(array.data, ptr_type)
+
+            codes_array = context.make_array(signature.args[0])(context, builder, args[0])
+            chunks = builder.udiv(builder.extract_value(codes_array.shape, 0),
+                                  ir.Constant(_I64, 32))
+            builder.call(_dot_function(builder.module, nrows),
+                         [data(0, i8p), args[1], data(2, i8p), args[3], data(4, f32p),
+                          data(5, i8p), data(6, f32p), chunks, data(7, f32p)])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return dots
+
+
+_dot2 = _dots(2)  # a hidden unit's gate and up rows
+_dot4 = _dots(4)  # four neighbouring down rows
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
@@ -284,11 +312,13 @@ def gate_up_item(item, flat, pairs, starts, topk, w13, s13, g13, e4, xq, xs, hid
     r = flat[pairs[starts[u]]]
     first = item % nb1 * RB
     g_gate, g_up = g13[r, 0] * np.float32(0.5), g13[r, 1] * np.float32(0.5)
+    up_bytes, up_scales = f * w13.shape[2], f * s13.shape[2]
+    dot = np.empty(2, np.float32)
     for o in range(first, first + RB):
         for p in range(starts[u], starts[u + 1]):
             t = pairs[p] // topk
-            g = _dot(w13[r, o], s13[r, o], e4, xq[t], xs[t]) * g_gate
-            up = _dot(w13[r, f + o], s13[r, f + o], e4, xq[t], xs[t]) * g_up
+            _dot2(w13[r, o], up_bytes, s13[r, o], up_scales, e4, xq[t], xs[t], dot)
+            g, up = dot[0] * g_gate, dot[1] * g_up
             hid[p, o] = g / (np.float32(1.0) + np.exp(-g)) * up
     for p in range(starts[u], starts[u + 1]):
         _quantize(hid[p], hq[p], hs[p], first // 16, (first + RB) // 16)
@@ -297,19 +327,24 @@ def gate_up_item(item, flat, pairs, starts, topk, w13, s13, g13, e4, xq, xs, hid
 @njit(fastmath=True, nogil=True, cache=True, error_model="numpy")
 def down_item(item, flat, pairs, starts, groups, topk, wts, w2, s2, g2, e4, hq, hs, out, acc):
     """Work item `item` of the second region: its block of RB down rows, one expert's rows
-    after another (each a contiguous stretch of its matrix), every output summed over the
-    pairs in a fixed order (`acc`: [RB, N] scratch)."""
+    after another (each a contiguous stretch of its matrix), four rows per pass, every output
+    summed over the pairs in a fixed order (`acc`: [RB, N] scratch)."""
     n = out.shape[0]
     first = item * RB
     flat_w = wts.reshape(-1)
+    row_bytes, row_scales = w2.shape[2], s2.shape[2]
+    dot = np.empty(4, np.float32)
     acc[:, :] = 0.0
     for u in range(groups):
         r = flat[pairs[starts[u]]]
-        for o in range(RB):
+        for o in range(0, RB, 4):
             for p in range(starts[u], starts[u + 1]):
                 q = pairs[p]
-                acc[o, q // topk] += flat_w[q] * g2[r] * np.float32(0.5) * _dot(
-                    w2[r, first + o], s2[r, first + o], e4, hq[p], hs[p])
+                _dot4(w2[r, first + o], row_bytes, s2[r, first + o], row_scales, e4, hq[p],
+                      hs[p], dot)
+                w = flat_w[q] * g2[r] * np.float32(0.5)
+                for j in range(4):
+                    acc[o + j, q // topk] += w * dot[j]
     for t in range(n):
         for o in range(RB):
             out[t, first + o] = acc[o, t]

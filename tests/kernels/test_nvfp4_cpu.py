@@ -93,6 +93,38 @@ def test_host_worker_matches_moe_cpu() -> None:
     assert not worker._stop.alive
 
 
+def test_host_worker_needs_no_gil() -> None:
+    """A call on every thread completes while the requesting thread holds the GIL (a thread
+    that waits on the answer in native code; numba's parallel regions would wait for the GIL
+    to start, for ever)."""
+    from numba import njit
+
+    from tinyserve.kernels.moe import cpu_numba as K
+
+    @njit  # the GIL held throughout
+    def request(flags, number, ticks):
+        start = K._tsc()
+        K._store_release_i32(flags, number)
+        while K._load_acquire_i32(flags + 4) != number:
+            if K._tsc() - start > ticks:
+                return False
+        return True
+
+    L, E, H, F, k = 1, 4, 128, 64, 2
+    store = _store(L, E, H, F, seed=3)
+    x = torch.randn(1, H)
+    rows = torch.tensor([[2, 0]], dtype=torch.int32)
+    w = torch.rand(1, k)
+    stage = torch.cat([x, rows.view(torch.float32), w], dim=1).contiguous()
+    out = torch.full((1, H), float("nan"))
+    worker = nc.HostWorker()
+    number = worker.add(nc.host_descriptor(store.slots, stage, out, k, 0, nc.max_threads()))
+    assert request(worker.flags.data_ptr(), number, int(10 * nc._tsc_hz()))
+    want = nc.moe_cpu(x, rows.long(), w, store.slots)
+    assert (out - want).abs().max() <= 1e-6 * want.abs().max()
+    worker.close()
+
+
 def test_moe_cpu_refuses_what_it_cannot_run() -> None:
     with pytest.raises(ValueError, match="multiples of 64"):
         nc.check_slots(_store(1, 2, 64, 32, seed=0).slots)

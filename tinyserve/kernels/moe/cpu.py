@@ -22,9 +22,12 @@ from tinyserve.kernels.moe.fused import ExpertSlots, moe_pairs_ref
 
 ROW_BLOCK = 32  # hidden units (gate and up rows) or down rows per work item
 # NOTE: the layout of a host-entry descriptor (int64 words, `host_descriptor`)
-DESC_WORDS = 18
+DESC_WORDS = 17
 (D_STAGE, D_OUT, D_N, D_K, D_ROW_BASE, D_W13, D_S13, D_G13, D_W2, D_S2, D_G2, D_ROWS, D_H, D_F,
- D_COUNT, D_CALLS, D_THREADS, D_SET_THREADS) = range(DESC_WORDS)
+ D_COUNT, D_CALLS, D_THREADS) = range(DESC_WORDS)
+# NOTE: the layout of a `HostWorker`'s pool control block (int64 words; cpu_numba.helper)
+POOL_WORDS = 8
+P_REGION, P_JOB, P_DONE, P_STOP, P_SPIN, P_DOZE, P_USLEEP, P_HELPERS = range(POOL_WORDS)
 
 
 def available() -> bool:
@@ -128,7 +131,6 @@ def host_descriptor(slots: ExpertSlots, stage: torch.Tensor, out: torch.Tensor,
         d[i] = t.data_ptr()
     d[D_ROWS], d[D_H], d[D_F] = slots.num_slots, h, slots.intermediate_size
     d[D_THREADS] = check_threads(threads)
-    d[D_SET_THREADS] = _kernels().set_threads
     return d
 
 
@@ -137,10 +139,12 @@ class HostWorker:
 
     A requester (the GPU through stream memory operations, or `call` from any thread) writes
     flags[GO] = i for descriptor i (`add`'s number); the worker clears GO, runs the call and
-    answers flags[DONE] = i. One request at a time. It spins (`pause`) until `spin` seconds
-    passed without a request (longer than a decode step, so decode never waits for it to wake),
-    then polls every 50 us, and every 1 ms after `doze` seconds more. `close()` (or garbage
-    collection) stops it.
+    answers flags[DONE] = i. One request at a time. A call's threads beyond the worker are
+    helper threads of its own (`max_threads() - 1`, native too: numba's parallel regions
+    would take the GIL to start, and wait for any Python thread that holds it). Each thread
+    spins (`pause`) until `spin` seconds passed without work (longer than a decode step, so
+    decode never waits for it to wake), then polls every 50 us, and every 1 ms after `doze`
+    seconds more. `close()` (or garbage collection) stops them.
     `pin`: the flags in pinned memory (for a GPU requester).
     """
 
@@ -153,22 +157,33 @@ class HostWorker:
         import weakref
 
         k = _kernels()
+        hz = _tsc_hz()
         with torch.inference_mode(False):  # written from anywhere, the finalizer included
             self.flags = torch.zeros(4, dtype=torch.int32, pin_memory=pin)
             self.table = torch.zeros(capacity, dtype=torch.int64)
+            self.pool = torch.zeros(POOL_WORDS, dtype=torch.int64)
         self._descriptors: list[torch.Tensor] = []
-        usleep = ctypes.cast(ctypes.CDLL(None).usleep, ctypes.c_void_p).value
-        hz = _tsc_hz()
+        self.pool[P_SPIN], self.pool[P_DOZE] = int(spin * hz), int(doze * hz)
+        self.pool[P_USLEEP] = ctypes.cast(ctypes.CDLL(None).usleep, ctypes.c_void_p).value
         self._control = torch.tensor([self.flags.data_ptr(), self.table.data_ptr(), capacity,
-                                      usleep, int(spin * hz), int(doze * hz)],
-                                     dtype=torch.int64)
+                                      self.pool.data_ptr()], dtype=torch.int64)
+        self.pool[P_HELPERS] = max_threads() - 1
+        self._helper_controls = torch.tensor([[self.pool.data_ptr(), tid]
+                                              for tid in range(1, max_threads())],
+                                             dtype=torch.int64).view(-1, 2)
+        helper = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(k.helper_address)
+        helpers = [threading.Thread(target=helper, args=(c.data_ptr(),), daemon=True,
+                                    name=f"tinyserve-cpu-experts-{i + 1}")
+                   for i, c in enumerate(self._helper_controls)]
         serve = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(k.serve_address)
         thread = threading.Thread(target=serve, args=(self._control.data_ptr(),), daemon=True,
                                   name="tinyserve-cpu-experts")
-        thread.start()
-        # the buffers outlive the loop: the finalizer holds them until the thread is joined
-        self._stop = weakref.finalize(self, _stop_worker, self.flags, thread, self._control,
-                                      self.table, self._descriptors)
+        for t in (*helpers, thread):
+            t.start()
+        # the buffers outlive the loops: the finalizer holds them until the threads are joined
+        self._stop = weakref.finalize(self, _stop_worker, self.flags, self.pool, thread, helpers,
+                                      self._control, self._helper_controls, self.table,
+                                      self._descriptors)
 
     def add(self, descriptor: torch.Tensor) -> int:
         """Register `descriptor` (`host_descriptor`; kept alive here): its request number."""
@@ -191,9 +206,13 @@ class HostWorker:
         self._stop()
 
 
-def _stop_worker(flags: torch.Tensor, thread: Any, *buffers: Any) -> None:
+def _stop_worker(flags: torch.Tensor, pool: torch.Tensor, thread: Any, helpers: list[Any],
+                 *buffers: Any) -> None:
     flags[HostWorker.STOP] = 1
-    thread.join()
+    thread.join()  # (a call in flight needs its helpers)
+    pool[P_STOP] = 1
+    for t in helpers:
+        t.join()
 
 
 @functools.cache
@@ -223,4 +242,4 @@ def _kernels() -> Any:
         raise RuntimeError("the CPU expert kernel needs numba (pip install numba)") from None
     from tinyserve.kernels.moe import cpu_numba as _nvfp4_cpu_numba
 
-    return _nvfp4_cpu_numba.build(ROW_BLOCK, DESC_WORDS)
+    return _nvfp4_cpu_numba.build(ROW_BLOCK, DESC_WORDS, POOL_WORDS)

@@ -14,7 +14,7 @@ from numba.extending import intrinsic
 from numba.np.ufunc.parallel import _launch_threads
 
 RB = 32  # rows per work item: kernels.moe.cpu.ROW_BLOCK
-DW = 18  # descriptor words: kernels.moe.cpu.DESC_WORDS
+DW = 17  # descriptor words: kernels.moe.cpu.DESC_WORDS
 # code bytes the dot prefetches ahead of its loads: rows are contiguous, so this runs into the
 # next rows of the work item and keeps the memory reads in flight while the core computes
 PREFETCH = 2048
@@ -95,6 +95,20 @@ def _take(typingctx, counters, index):
 
 
 @intrinsic
+def _add_release(typingctx, addr):
+    """The int64 at address `addr` += 1, atomically, after every earlier write of this thread
+    (release: whoever reads the new count with acquire sees them)."""
+    sig = types.void(types.int64)
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.inttoptr(args[0], _I64.as_pointer())
+        builder.atomic_rmw("add", ptr, ir.Constant(_I64, 1), "release")
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def _pause(typingctx):
     """The spin-wait hint (x86 `pause`)."""
     sig = types.void()
@@ -126,6 +140,7 @@ def tsc():
 _ptr_f32 = _typed_ptr(types.float32)
 _ptr_i32 = _typed_ptr(types.int32)
 _ptr_i64 = _typed_ptr(types.int64)
+_ptr_i8 = _typed_ptr(types.int8)
 _ptr_u8 = _typed_ptr(types.uint8)
 
 
@@ -350,58 +365,202 @@ def down_item(item, flat, pairs, starts, groups, topk, wts, w2, s2, g2, e4, hq, 
             out[t, first + o] = acc[o, t]
 
 
-@njit(parallel=True, fastmath=True, nogil=True, cache=True, error_model="numpy")
-def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, set_threads):
-    """Every pair's expert (module docstring of kernels.moe.cpu) on `threads` threads
-    (`set_threads`: the address of numba's set_num_threads); returns the number of distinct
-    experts computed."""
-    n, topk = rows.shape
-    h = x.shape[1]
-    f = w2.shape[2] * 2
+@njit(fastmath=True, nogil=True, cache=True, error_model="numpy")
+def gate_up_region(tid, threads, taken, flat, pairs, starts, groups, topk, w13, s13, g13, e4,
+                   xq, xs, hid, hq, hs):
+    """Thread `tid`'s part of the first region: the work items of its own contiguous share (a
+    thread streams through neighbouring rows), then what is left of the others'. A share's
+    next item comes from its counter (atomic; one cache line each), so a thread the OS
+    preempts (the engine's own threads share the cores) delays one item, not its share."""
+    items = groups * (hid.shape[1] // RB)
+    per = (items + threads - 1) // threads
+    for v in range(threads):
+        share = (tid + v) % threads
+        end = min(items, (share + 1) * per)
+        item = share * per + _take(taken[0, share], 0)
+        while item < end:
+            gate_up_item(item, flat, pairs, starts, topk, w13, s13, g13, e4, xq, xs, hid, hq,
+                         hs)
+            item = share * per + _take(taken[0, share], 0)
+
+
+@njit(fastmath=True, nogil=True, cache=True, error_model="numpy")
+def down_region(tid, threads, taken, flat, pairs, starts, groups, topk, wts, w2, s2, g2, e4,
+                hq, hs, out):
+    """Thread `tid`'s part of the second region (as `gate_up_region`)."""
+    items = out.shape[1] // RB
+    per = (items + threads - 1) // threads
+    acc = np.empty((RB, out.shape[0]), np.float32)
+    for v in range(threads):
+        share = (tid + v) % threads
+        end = min(items, (share + 1) * per)
+        item = share * per + _take(taken[1, share], 0)
+        while item < end:
+            down_item(item, flat, pairs, starts, groups, topk, wts, w2, s2, g2, e4, hq, hs,
+                      out, acc)
+            item = share * per + _take(taken[1, share], 0)
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def _prepare(x, rows, f, threads):
+    """A call's shared state: (flat rows, pairs, starts, groups, xq, xs, hid, hq, hs, taken)."""
+    n, h = x.shape
     flat = rows.reshape(-1)
     pairs, starts, groups = group_pairs(flat)
-    if groups == 0:
-        out[:] = 0.0
-        return 0
-    _call_i32(set_threads, threads)
     xq = np.empty((n, h), np.int8)
     xs = np.empty((n, h // 16), np.float32)
     for t in range(n):
         _quantize(x[t], xq[t], xs[t], 0, h // 16)
-    # Each region is one iteration per thread, which runs the work items of its own contiguous
-    # share (a thread streams through neighbouring rows), then what is left of the others':
-    # a share's next item comes from its counter (atomic; one cache line each), so a thread the
-    # OS preempts (the engine's own threads share the cores) delays one item, not its share,
-    # and a region starts in O(threads) (numba's dynamic schedule, chunk size 1, lays out
-    # every item first).
-    taken = np.zeros((2, threads, 8), np.int64)
     npairs = pairs.shape[0]
-    hid = np.empty((npairs, f), np.float32)
-    hq = np.empty((npairs, f), np.int8)
-    hs = np.empty((npairs, f // 16), np.float32)
-    items = groups * (f // RB)
-    per = (items + threads - 1) // threads
+    return (flat, pairs, starts, groups, xq, xs, np.empty((npairs, f), np.float32),
+            np.empty((npairs, f), np.int8), np.empty((npairs, f // 16), np.float32),
+            np.zeros((2, threads, 8), np.int64))
+
+
+@njit(parallel=True, fastmath=True, nogil=True, cache=True, error_model="numpy")
+def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, set_threads):
+    """Every pair's expert (module docstring of kernels.moe.cpu) on `threads` threads of
+    numba's pool (`set_threads`: the address of numba's set_num_threads; each region takes the
+    GIL for a moment to start: for Python callers); returns the number of distinct experts
+    computed."""
+    topk = rows.shape[1]
+    f = w2.shape[2] * 2
+    flat, pairs, starts, groups, xq, xs, hid, hq, hs, taken = _prepare(x, rows, f, threads)
+    if groups == 0:
+        out[:] = 0.0
+        return 0
+    _call_i32(set_threads, threads)
     for tid in prange(threads):
-        for v in range(threads):
-            share = (tid + v) % threads
-            end = min(items, (share + 1) * per)
-            item = share * per + _take(taken[0, share], 0)
-            while item < end:
-                gate_up_item(item, flat, pairs, starts, topk, w13, s13, g13, e4, xq, xs, hid,
-                             hq, hs)
-                item = share * per + _take(taken[0, share], 0)
-    per2 = (h // RB + threads - 1) // threads
+        gate_up_region(tid, threads, taken, flat, pairs, starts, groups, topk, w13, s13, g13,
+                       e4, xq, xs, hid, hq, hs)
     for tid in prange(threads):
-        acc = np.empty((RB, n), np.float32)
-        for v in range(threads):
-            share = (tid + v) % threads
-            end = min(h // RB, (share + 1) * per2)
-            item = share * per2 + _take(taken[1, share], 0)
-            while item < end:
-                down_item(item, flat, pairs, starts, groups, topk, wts, w2, s2, g2, e4, hq, hs,
-                          out, acc)
-                item = share * per2 + _take(taken[1, share], 0)
+        down_region(tid, threads, taken, flat, pairs, starts, groups, topk, wts, w2, s2, g2,
+                    e4, hq, hs, out)
     return groups
+
+
+# The worker's own pool of helper threads: numba's parallel regions each take the GIL to start,
+# so a Python thread running bytecode would hold every call of the worker up (a switch
+# interval a region). The pool's control block, int64 words: the region word (an int32: a
+# count * 256 + the region's threads; each region changes it), the job's address, the count
+# of helpers done with the region, STOP, the idle spin, doze and usleep of every thread of
+# the pool (`serve`'s docstring) and the number of helpers. A job: int64 [JW], the region, the
+# call's shapes and its arrays' addresses.
+PW = 8
+P_REGION, P_JOB, P_DONE, P_STOP, P_SPIN, P_DOZE, P_USLEEP, P_HELPERS = range(PW)
+JW = 27
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def _job(region, groups, flat, pairs, starts, wts, w13, s13, g13, w2, s2, g2, e4, xq, xs, hid,
+         hq, hs, out, taken):
+    j = np.empty(JW, np.int64)
+    n, h = out.shape
+    j[0], j[1], j[2], j[3], j[4] = region, n, wts.shape[1], w13.shape[0], h
+    j[5], j[6], j[7], j[8] = hid.shape[1], groups, pairs.shape[0], taken.shape[1]
+    arrays = (flat.ctypes.data, pairs.ctypes.data, starts.ctypes.data, wts.ctypes.data,
+              w13.ctypes.data, s13.ctypes.data, g13.ctypes.data, w2.ctypes.data,
+              s2.ctypes.data, g2.ctypes.data, e4.ctypes.data, xq.ctypes.data, xs.ctypes.data,
+              hid.ctypes.data, hq.ctypes.data, hs.ctypes.data, out.ctypes.data,
+              taken.ctypes.data)
+    for i in range(len(arrays)):
+        j[9 + i] = arrays[i]
+    return j
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def _work(address, tid):
+    """Thread `tid`'s part of the region of the job at `address`."""
+    j = carray(_ptr_i64(address), (JW,))
+    region, n, topk, nrows, h, f, groups, npairs, threads = (j[0], j[1], j[2], j[3], j[4],
+                                                             j[5], j[6], j[7], j[8])
+    flat = carray(_ptr_i64(j[9]), (n * topk,))
+    pairs = carray(_ptr_i64(j[10]), (npairs,))
+    starts = carray(_ptr_i64(j[11]), (npairs + 1,))
+    e4 = carray(_ptr_f32(j[19]), (256,))
+    hq = carray(_ptr_i8(j[23]), (npairs, f))
+    hs = carray(_ptr_f32(j[24]), (npairs, f // 16))
+    taken = carray(_ptr_i64(j[26]), (2, threads, 8))
+    if region == 1:
+        gate_up_region(tid, threads, taken, flat, pairs, starts, groups, topk,
+                       carray(_ptr_u8(j[13]), (nrows, 2 * f, h // 2)),
+                       carray(_ptr_u8(j[14]), (nrows, 2 * f, h // 16)),
+                       carray(_ptr_f32(j[15]), (nrows, 2)), e4,
+                       carray(_ptr_i8(j[20]), (n, h)), carray(_ptr_f32(j[21]), (n, h // 16)),
+                       carray(_ptr_f32(j[22]), (npairs, f)), hq, hs)
+    else:
+        down_region(tid, threads, taken, flat, pairs, starts, groups, topk,
+                    carray(_ptr_f32(j[12]), (n, topk)),
+                    carray(_ptr_u8(j[16]), (nrows, h, f // 2)),
+                    carray(_ptr_u8(j[17]), (nrows, h, f // 16)),
+                    carray(_ptr_f32(j[18]), (nrows,)), e4, hq, hs,
+                    carray(_ptr_f32(j[25]), (n, h)))
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def _pool_region(pool_address, job, threads):
+    """The region of `job` on the calling thread (tid 0) and helpers 1 .. threads - 1; returns
+    once all of them are done with it."""
+    pool = carray(_ptr_i64(pool_address), (PW,))
+    if threads > 1:
+        pool[P_DONE] = 0
+        pool[P_JOB] = job.ctypes.data
+        count = (_load_acquire_i32(pool_address) >> 8) + 1
+        _store_release_i32(pool_address, count % (1 << 22) * 256 + threads)
+    _work(job.ctypes.data, 0)
+    while _load_acquire_i32(pool_address + 8 * P_DONE) < threads - 1:
+        _pause()
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def moe_pooled(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, pool_address):
+    """`moe` on the calling thread and the helpers of the pool at `pool_address` (no GIL), on
+    at most the pool's threads."""
+    threads = min(threads, carray(_ptr_i64(pool_address), (PW,))[P_HELPERS] + 1)
+    f = w2.shape[2] * 2
+    flat, pairs, starts, groups, xq, xs, hid, hq, hs, taken = _prepare(x, rows, f, threads)
+    if groups == 0:
+        out[:] = 0.0
+        return 0
+    for region in range(1, 3):
+        _pool_region(pool_address, _job(region, groups, flat, pairs, starts, wts, w13, s13,
+                                        g13, w2, s2, g2, e4, xq, xs, hid, hq, hs, out, taken),
+                     threads)
+    return groups
+
+
+@njit(nogil=True, cache=True)
+def _idle(pool, last):
+    """Wait a little, by how long the thread has been idle (`serve`'s docstring)."""
+    idle = _tsc() - last
+    if idle < pool[P_SPIN]:
+        _pause()
+    else:
+        _call_i32(pool[P_USLEEP], 50 if idle < pool[P_SPIN] + pool[P_DOZE] else 1000)
+
+
+@cfunc(types.void(types.voidptr), nopython=True, cache=True)
+def helper(control):
+    """`void helper(int64 *control)`: helper thread control[1] of the pool at control[0]. It
+    joins every region whose threads exceed its number, idles as `serve` does between them,
+    returns on STOP."""
+    c = carray(_ptr_i64(_addr(control)), (2,))
+    pool_address, tid = c[0], c[1]
+    pool = carray(_ptr_i64(pool_address), (PW,))
+    seen = 0  # the word before any region: a helper that starts late joins the first one
+    last = _tsc()
+    while True:
+        word = _load_acquire_i32(pool_address)
+        if word != seen:
+            seen = word
+            if tid < word % 256:  # (a helper the calls leave out goes idle)
+                _work(pool[P_JOB], tid)
+                _add_release(pool_address + 8 * P_DONE)
+                last = _tsc()
+        elif _load_acquire_i32(pool_address + 8 * P_STOP) != 0:
+            return
+        else:
+            _idle(pool, last)
 
 
 def _e4m3_values() -> np.ndarray:
@@ -420,8 +579,9 @@ _launch_threads()
 
 
 @njit(nogil=True, cache=True)
-def _run(address):
-    """One call described by the descriptor at `address` (kernels.moe.cpu.host_descriptor)."""
+def _run(address, pool_address):
+    """One call described by the descriptor at `address` (kernels.moe.cpu.host_descriptor),
+    on the pool at `pool_address`."""
     d = carray(_ptr_i64(address), (DW,))
     n, topk, base = d[2], d[3], d[4]
     nrows, h, f = d[11], d[12], d[13]
@@ -445,50 +605,48 @@ def _run(address):
             r = stage_i[t, h + j]
             rows[t, j] = r + base if r >= 0 else -1
             wts[t, j] = stage_f[t, h + topk + j]
-    e4 = np.empty(256, np.float32)  # (a writable array: the same `moe` as Python calls)
+    e4 = np.empty(256, np.float32)  # (a writable array: the same regions as Python calls)
     e4[:] = _E4M3
-    d[14] += moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, d[16], d[17])
+    d[14] += moe_pooled(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, d[16], pool_address)
     d[15] += 1
 
 
 @cfunc(types.void(types.voidptr), nopython=True, cache=True)
 def serve(control):
     """`void serve(void *control)`: the worker loop of kernels.moe.cpu.HostWorker. Waits for
-    a request (flag GO = i + 1), runs descriptor table[i], then answers (DONE = i + 1); spins
-    until SPIN time-stamp-counter ticks passed without a request, then sleeps 50 us between
-    polls, and 1 ms once DOZE more ticks passed (an idle server costs next to nothing);
-    returns on STOP."""
-    c = carray(_ptr_i64(_addr(control)), (6,))  # flags, table, its size, usleep, SPIN, DOZE
+    a request (flag GO = i + 1), runs descriptor table[i] on the pool, then answers (DONE =
+    i + 1); spins until the pool's SPIN time-stamp-counter ticks passed without a request,
+    then sleeps 50 us between polls, and 1 ms once DOZE more ticks passed (an idle server
+    costs next to nothing); returns on STOP."""
+    c = carray(_ptr_i64(_addr(control)), (4,))  # flags, table, its size, the pool
     go, done, stop = c[0], c[0] + 4, c[0] + 8
     table = carray(_ptr_i64(c[1]), (c[2],))
+    pool = carray(_ptr_i64(c[3]), (PW,))
     last = _tsc()
     while True:
         i = _load_acquire_i32(go)
         if i > 0:
             _store_release_i32(go, 0)
-            _run(table[i - 1])
+            _run(table[i - 1], c[3])
             _store_release_i32(done, i)
             last = _tsc()
         elif _load_acquire_i32(stop) != 0:
             return
         else:
-            idle = _tsc() - last
-            if idle < c[4]:
-                _pause()
-            else:
-                _call_i32(c[3], 50 if idle < c[4] + c[5] else 1000)
+            _idle(pool, last)
 
 
-def build(row_block: int, desc_words: int) -> SimpleNamespace:
-    """The compiled kernels: `moe`, the E4M3 table it takes, the worker loop's address and
-    the time-stamp counter."""
-    if row_block != RB or desc_words != DW:
+def build(row_block: int, desc_words: int, pool_words: int) -> SimpleNamespace:
+    """The compiled kernels: `moe`, the E4M3 table it takes, the worker and helper loops'
+    addresses and the time-stamp counter."""
+    if (row_block, desc_words, pool_words) != (RB, DW, PW):
         raise ValueError("kernels.moe.cpu and its numba code disagree on their constants")
     from numba.np.ufunc import parallel
 
     set_threads = ctypes.cast(parallel._set_num_threads, ctypes.c_void_p).value
     return SimpleNamespace(moe=moe, e4m3=_E4M3.copy(), serve_address=serve.address,
-                           read_sum=read_sum, set_threads=set_threads, tsc=tsc)
+                           helper_address=helper.address, read_sum=read_sum,
+                           set_threads=set_threads, tsc=tsc)
 
 
 @njit(parallel=True, nogil=True, cache=True, error_model="numpy")

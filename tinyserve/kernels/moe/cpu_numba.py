@@ -498,9 +498,12 @@ def _work(address, tid):
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def _pool_region(pool_address, job, threads):
-    """The region of `job` on the calling thread (tid 0) and helpers 1 .. threads - 1; returns
-    once all of them are done with it."""
+def _pool_region(pool_address, threads, region, groups, flat, pairs, starts, wts, w13, s13,
+                 g13, w2, s2, g2, e4, xq, xs, hid, hq, hs, out, taken):
+    """Region `region` of a call on the calling thread (tid 0) and helpers 1 .. threads - 1;
+    returns once all of them are done with it (the arrays, arguments, live that long)."""
+    job = _job(region, groups, flat, pairs, starts, wts, w13, s13, g13, w2, s2, g2, e4, xq, xs,
+               hid, hq, hs, out, taken)
     pool = carray(_ptr_i64(pool_address), (PW,))
     if threads > 1:
         pool[P_DONE] = 0
@@ -510,6 +513,7 @@ def _pool_region(pool_address, job, threads):
     _work(job.ctypes.data, 0)
     while _load_acquire_i32(pool_address + 8 * P_DONE) < threads - 1:
         _pause()
+    job[0] = 0  # the helpers read the job until here: it must not be freed earlier
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
@@ -522,10 +526,9 @@ def moe_pooled(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, pool_a
     if groups == 0:
         out[:] = 0.0
         return 0
-    for region in range(1, 3):
-        _pool_region(pool_address, _job(region, groups, flat, pairs, starts, wts, w13, s13,
-                                        g13, w2, s2, g2, e4, xq, xs, hid, hq, hs, out, taken),
-                     threads)
+    for region in (1, 2):
+        _pool_region(pool_address, threads, region, groups, flat, pairs, starts, wts, w13, s13,
+                     g13, w2, s2, g2, e4, xq, xs, hid, hq, hs, out, taken)
     return groups
 
 

@@ -66,6 +66,7 @@ SUITES: dict[str, tuple[Script, ...]] = {
         Script("cpu_call_phases", gpu=False),
         Script("cpu_expert_error", gpu=False),  # the int8 inputs against NVFP4's own error
         Script("cpu_round_trip"),  # the CPU expert call through the decode graph
+        Script("cpu_worker_gil", gpu=False),  # the worker beside a Python thread holding the GIL
         Script("cache_policies", gpu=False),
         Script("routing_calibration", ("--layers", "2", "--tokens", "200"), gpu=False),
     ),

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The hybrid expert path on a GPU machine in one go: numba from a carried site directory
 # (.whl/site.tar.xz: the numba and llvmlite wheels unpacked, where the machine has no
-# numba), the CPU kernel and hybrid tests, then bench/hybrid_experts.py on the full-size
-# random checkpoint (which it writes unless it is there), after bench/cpu_round_trip.py (with
-# the worker's own idle spin and with none).
+# numba), the CPU kernel, hybrid and offloaded-engine tests, then bench/hybrid_experts.py on
+# the full-size random checkpoint (which it writes unless it is there), after
+# bench/cpu_round_trip.py (with the worker's own idle spin and with none).
 # Logs and the result JSONs in $OUT.
 #   OUT=dir [CKPT=dir] bash bench/device/hybrid.sh [bench/hybrid_experts.py arguments]
 set -uo pipefail
@@ -18,8 +18,10 @@ fi
   python3 -c "import numba, torch; print(numba.__version__, torch.__version__)"; } \
     > "$OUT/env.txt" 2>&1
 t0=$SECONDS
-timeout -s INT 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_nvfp4_cpu.py \
-    tests/offload/test_hybrid.py tests/offload/test_hybrid_cuda.py > "$OUT/tests.log" 2>&1
+timeout -s INT 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_nvfp4_cpu.py \
+    tests/offload/test_hybrid.py tests/offload/test_hybrid_cuda.py \
+    tests/engine/test_offload_engine.py tests/engine/test_offload_engine_cuda.py \
+    > "$OUT/tests.log" 2>&1
 echo "tests rc=$? in $((SECONDS - t0)) s"; tail -3 "$OUT/tests.log"
 t0=$SECONDS
 timeout -s INT 90 python3 bench/cpu_round_trip.py --out "$OUT/cpu_round_trip.json" \

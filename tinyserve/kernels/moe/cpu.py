@@ -169,7 +169,7 @@ class HostWorker:
                                       self.pool.data_ptr()], dtype=torch.int64)
         self.pool[P_HELPERS] = max_threads() - 1
         self._helper_controls = torch.tensor([[self.pool.data_ptr(), tid]
-                                              for tid in range(1, max_threads())],
+                                              for tid in range(1, int(self.pool[P_HELPERS]) + 1)],
                                              dtype=torch.int64).view(-1, 2)
         helper = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(k.helper_address)
         helpers = [threading.Thread(target=helper, args=(c.data_ptr(),), daemon=True,

@@ -366,39 +366,29 @@ def down_item(item, flat, pairs, starts, groups, topk, wts, w2, s2, g2, e4, hq, 
 
 
 @njit(fastmath=True, nogil=True, cache=True, error_model="numpy")
-def gate_up_region(tid, threads, taken, flat, pairs, starts, groups, topk, w13, s13, g13, e4,
-                   xq, xs, hid, hq, hs):
-    """Thread `tid`'s part of the first region: the work items of its own contiguous share (a
-    thread streams through neighbouring rows), then what is left of the others'. A share's
-    next item comes from its counter (atomic; one cache line each), so a thread the OS
-    preempts (the engine's own threads share the cores) delays one item, not its share."""
-    items = groups * (hid.shape[1] // RB)
+def region(r, tid, threads, taken, groups, flat, pairs, starts, wts, w13, s13, g13, w2, s2, g2,
+           e4, xq, xs, hid, hq, hs, out):
+    """Thread `tid`'s part of region `r` (1: gate_up items, 2: down items): the work items of
+    its own contiguous share (a thread streams through neighbouring rows), then what is left
+    of the others'. A share's next item comes from its counter (atomic; one cache line each),
+    so a thread the OS preempts (the engine's own threads share the cores) delays one item,
+    not its share."""
+    topk = wts.shape[1]
+    items = groups * (hid.shape[1] // RB) if r == 1 else out.shape[1] // RB
     per = (items + threads - 1) // threads
+    acc = np.empty((RB if r == 2 else 0, out.shape[0]), np.float32)
     for v in range(threads):
         share = (tid + v) % threads
         end = min(items, (share + 1) * per)
-        item = share * per + _take(taken[0, share], 0)
+        item = share * per + _take(taken[r - 1, share], 0)
         while item < end:
-            gate_up_item(item, flat, pairs, starts, topk, w13, s13, g13, e4, xq, xs, hid, hq,
-                         hs)
-            item = share * per + _take(taken[0, share], 0)
-
-
-@njit(fastmath=True, nogil=True, cache=True, error_model="numpy")
-def down_region(tid, threads, taken, flat, pairs, starts, groups, topk, wts, w2, s2, g2, e4,
-                hq, hs, out):
-    """Thread `tid`'s part of the second region (as `gate_up_region`)."""
-    items = out.shape[1] // RB
-    per = (items + threads - 1) // threads
-    acc = np.empty((RB, out.shape[0]), np.float32)
-    for v in range(threads):
-        share = (tid + v) % threads
-        end = min(items, (share + 1) * per)
-        item = share * per + _take(taken[1, share], 0)
-        while item < end:
-            down_item(item, flat, pairs, starts, groups, topk, wts, w2, s2, g2, e4, hq, hs,
-                      out, acc)
-            item = share * per + _take(taken[1, share], 0)
+            if r == 1:
+                gate_up_item(item, flat, pairs, starts, topk, w13, s13, g13, e4, xq, xs, hid,
+                             hq, hs)
+            else:
+                down_item(item, flat, pairs, starts, groups, topk, wts, w2, s2, g2, e4, hq, hs,
+                          out, acc)
+            item = share * per + _take(taken[r - 1, share], 0)
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
@@ -423,7 +413,6 @@ def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, set_threads):
     numba's pool (`set_threads`: the address of numba's set_num_threads; each region takes the
     GIL for a moment to start: for Python callers); returns the number of distinct experts
     computed."""
-    topk = rows.shape[1]
     f = w2.shape[2] * 2
     flat, pairs, starts, groups, xq, xs, hid, hq, hs, taken = _prepare(x, rows, f, threads)
     if groups == 0:
@@ -431,11 +420,11 @@ def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, set_threads):
         return 0
     _call_i32(set_threads, threads)
     for tid in prange(threads):
-        gate_up_region(tid, threads, taken, flat, pairs, starts, groups, topk, w13, s13, g13,
-                       e4, xq, xs, hid, hq, hs)
+        region(1, tid, threads, taken, groups, flat, pairs, starts, wts, w13, s13, g13, w2, s2,
+               g2, e4, xq, xs, hid, hq, hs, out)
     for tid in prange(threads):
-        down_region(tid, threads, taken, flat, pairs, starts, groups, topk, wts, w2, s2, g2,
-                    e4, hq, hs, out)
+        region(2, tid, threads, taken, groups, flat, pairs, starts, wts, w13, s13, g13, w2, s2,
+               g2, e4, xq, xs, hid, hq, hs, out)
     return groups
 
 
@@ -452,11 +441,11 @@ JW = 27
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def _job(region, groups, flat, pairs, starts, wts, w13, s13, g13, w2, s2, g2, e4, xq, xs, hid,
+def _job(r, groups, flat, pairs, starts, wts, w13, s13, g13, w2, s2, g2, e4, xq, xs, hid,
          hq, hs, out, taken):
     j = np.empty(JW, np.int64)
     n, h = out.shape
-    j[0], j[1], j[2], j[3], j[4] = region, n, wts.shape[1], w13.shape[0], h
+    j[0], j[1], j[2], j[3], j[4] = r, n, wts.shape[1], w13.shape[0], h
     j[5], j[6], j[7], j[8] = hid.shape[1], groups, pairs.shape[0], taken.shape[1]
     arrays = (flat.ctypes.data, pairs.ctypes.data, starts.ctypes.data, wts.ctypes.data,
               w13.ctypes.data, s13.ctypes.data, g13.ctypes.data, w2.ctypes.data,
@@ -472,37 +461,27 @@ def _job(region, groups, flat, pairs, starts, wts, w13, s13, g13, w2, s2, g2, e4
 def _work(address, tid):
     """Thread `tid`'s part of the region of the job at `address`."""
     j = carray(_ptr_i64(address), (JW,))
-    region, n, topk, nrows, h, f, groups, npairs, threads = (j[0], j[1], j[2], j[3], j[4],
-                                                             j[5], j[6], j[7], j[8])
-    flat = carray(_ptr_i64(j[9]), (n * topk,))
-    pairs = carray(_ptr_i64(j[10]), (npairs,))
-    starts = carray(_ptr_i64(j[11]), (npairs + 1,))
-    e4 = carray(_ptr_f32(j[19]), (256,))
-    hq = carray(_ptr_i8(j[23]), (npairs, f))
-    hs = carray(_ptr_f32(j[24]), (npairs, f // 16))
-    taken = carray(_ptr_i64(j[26]), (2, threads, 8))
-    if region == 1:
-        gate_up_region(tid, threads, taken, flat, pairs, starts, groups, topk,
-                       carray(_ptr_u8(j[13]), (nrows, 2 * f, h // 2)),
-                       carray(_ptr_u8(j[14]), (nrows, 2 * f, h // 16)),
-                       carray(_ptr_f32(j[15]), (nrows, 2)), e4,
-                       carray(_ptr_i8(j[20]), (n, h)), carray(_ptr_f32(j[21]), (n, h // 16)),
-                       carray(_ptr_f32(j[22]), (npairs, f)), hq, hs)
-    else:
-        down_region(tid, threads, taken, flat, pairs, starts, groups, topk,
-                    carray(_ptr_f32(j[12]), (n, topk)),
-                    carray(_ptr_u8(j[16]), (nrows, h, f // 2)),
-                    carray(_ptr_u8(j[17]), (nrows, h, f // 16)),
-                    carray(_ptr_f32(j[18]), (nrows,)), e4, hq, hs,
-                    carray(_ptr_f32(j[25]), (n, h)))
+    r, n, topk, nrows, h, f, groups, npairs, threads = (j[0], j[1], j[2], j[3], j[4], j[5],
+                                                        j[6], j[7], j[8])
+    region(r, tid, threads, carray(_ptr_i64(j[26]), (2, threads, 8)), groups,
+           carray(_ptr_i64(j[9]), (n * topk,)), carray(_ptr_i64(j[10]), (npairs,)),
+           carray(_ptr_i64(j[11]), (npairs + 1,)), carray(_ptr_f32(j[12]), (n, topk)),
+           carray(_ptr_u8(j[13]), (nrows, 2 * f, h // 2)),
+           carray(_ptr_u8(j[14]), (nrows, 2 * f, h // 16)), carray(_ptr_f32(j[15]), (nrows, 2)),
+           carray(_ptr_u8(j[16]), (nrows, h, f // 2)),
+           carray(_ptr_u8(j[17]), (nrows, h, f // 16)), carray(_ptr_f32(j[18]), (nrows,)),
+           carray(_ptr_f32(j[19]), (256,)), carray(_ptr_i8(j[20]), (n, h)),
+           carray(_ptr_f32(j[21]), (n, h // 16)), carray(_ptr_f32(j[22]), (npairs, f)),
+           carray(_ptr_i8(j[23]), (npairs, f)), carray(_ptr_f32(j[24]), (npairs, f // 16)),
+           carray(_ptr_f32(j[25]), (n, h)))
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def _pool_region(pool_address, threads, region, groups, flat, pairs, starts, wts, w13, s13,
+def _pool_region(pool_address, threads, r, groups, flat, pairs, starts, wts, w13, s13,
                  g13, w2, s2, g2, e4, xq, xs, hid, hq, hs, out, taken):
-    """Region `region` of a call on the calling thread (tid 0) and helpers 1 .. threads - 1;
+    """Region `r` of a call on the calling thread (tid 0) and helpers 1 .. threads - 1;
     returns once all of them are done with it (the arrays, arguments, live that long)."""
-    job = _job(region, groups, flat, pairs, starts, wts, w13, s13, g13, w2, s2, g2, e4, xq, xs,
+    job = _job(r, groups, flat, pairs, starts, wts, w13, s13, g13, w2, s2, g2, e4, xq, xs,
                hid, hq, hs, out, taken)
     pool = carray(_ptr_i64(pool_address), (PW,))
     if threads > 1:
@@ -526,8 +505,8 @@ def moe_pooled(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, pool_a
     if groups == 0:
         out[:] = 0.0
         return 0
-    for region in (1, 2):
-        _pool_region(pool_address, threads, region, groups, flat, pairs, starts, wts, w13, s13,
+    for r in (1, 2):
+        _pool_region(pool_address, threads, r, groups, flat, pairs, starts, wts, w13, s13,
                      g13, w2, s2, g2, e4, xq, xs, hid, hq, hs, out, taken)
     return groups
 

@@ -151,8 +151,9 @@ def decode_case(engine: Any, plan: hybrid.HybridPlan, runner: hybrid.CpuExperts,
     if forced_on is not None or plan.mode == "gpu":
         r["forced_top_logprobs"] = _forced_logprobs(
             engine, args.prompt_len, (forced_on or r["greedy_tokens"])[:FORCED])
-    print(f"  {plan.mode}: decode {r['decode_tok_s']:.1f} tok/s, step "
-          f"{r['decode_step_ms']:.2f} ms, {r['expert_cache']}", flush=True)
+    print(f"  {plan.mode}: decode {r['decode_tok_s']:.1f} tok/s, step {r['decode_step_ms']:.2f} "
+          f"(p90 {r['decode_step_ms_p90']:.2f}, max {r['decode_step_ms_max']:.2f}) ms, "
+          f"{r['expert_cache']}", flush=True)
     return r
 
 

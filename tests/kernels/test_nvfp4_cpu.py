@@ -125,6 +125,34 @@ def test_host_worker_needs_no_gil() -> None:
     worker.close()
 
 
+def test_pooled_call_waits_for_items_not_helpers() -> None:
+    """A pool call finishes on the calling thread alone when its helpers never run (threads
+    the OS has not scheduled), with the same result; a helper that wakes after the regions
+    claims nothing of the finished call."""
+    from tinyserve.kernels.moe import cpu_numba as K
+
+    L, E, H, F, n, k = 2, 6, 128, 128, 3, 4
+    store = _store(L, E, H, F, seed=11)
+    g = torch.Generator().manual_seed(5)
+    rows = _rows(n, k, L * E, 0.8, g)
+    x, w = torch.randn(n, H, generator=g), torch.rand(n, k, generator=g)
+    want = nc.moe_cpu(x, rows, w, store.slots)
+    pool = torch.zeros(nc.POOL_WORDS, dtype=torch.int64)
+    job = torch.zeros(K.JW, dtype=torch.int64)
+    shares = torch.zeros(4, 8, dtype=torch.int64)
+    pool[nc.P_HELPERS], pool[nc.P_JOB], pool[nc.P_SHARES] = 3, job.data_ptr(), shares.data_ptr()
+    out = torch.full((n, H), float("nan"))
+    slots = (t.numpy() for t in store.slots.buffers)
+    groups = K.moe_pooled(x.numpy(), rows.numpy(), w.numpy(), *slots, out.numpy(),
+                          nc._kernels().e4m3, 4, pool.data_ptr())
+    assert groups == len(set(rows[rows >= 0].tolist()))
+    assert (out - want).abs().max() <= 1e-6 * want.abs().max()
+    word = int(pool[nc.P_REGION])
+    assert word % 256 == 4 and int(pool[nc.P_DONE]) == 0  # the caller ran every item
+    K._work(pool.data_ptr(), 1, word >> 8, 4)  # a helper waking now
+    assert int(pool[nc.P_DONE]) == 0
+
+
 def test_moe_cpu_refuses_what_it_cannot_run() -> None:
     with pytest.raises(ValueError, match="multiples of 64"):
         nc.check_slots(_store(1, 2, 64, 32, seed=0).slots)

@@ -137,6 +137,8 @@ def run_bench(engine: Engine, *, prompt_len: int, gen_len: int, batch: int,
         "prefill_tok_s": batch * prompt_len / last_first,
         "decode_tok_s": decoded / decode_time if decode_time > 0 and decoded else None,
         "decode_step_ms": 1e3 * statistics.median(itl) if itl else None,
+        "decode_step_ms_p90": 1e3 * _quantile(itl, 0.9) if itl else None,
+        "decode_step_ms_max": 1e3 * max(itl) if itl else None,
         "ttft_s": {"mean": statistics.fmean(first), "max": last_first},
         "total_s": end - start,
         "steps": after.steps - stats0.steps,
@@ -186,6 +188,12 @@ def _collect(handles: list[RequestHandle], marks: dict[int, Any] | None = None,
     return timings
 
 
+def _quantile(xs: list[float], q: float) -> float:
+    """The q-quantile of xs (nearest rank)."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
 def _num_graphs(engine: Engine) -> int:
     graphs = engine.runner.graphs
     return 0 if graphs is None else graphs.num_graphs
@@ -219,7 +227,8 @@ def format_result(r: dict[str, Any]) -> str:
         f"batch x prompt    {r['batch']} x {r['prompt_len']} tokens, {r['gen_len']} generated",
         f"prefill           {num(r['prefill_tok_s'], ',.1f')} tok/s",
         f"decode            {num(r['decode_tok_s'], ',.1f')} tok/s",
-        f"decode step       {num(r['decode_step_ms'], ',.2f')} ms (median)",
+        "decode step       " + " / ".join(num(r[f"decode_step_ms{q}"], ",.2f") for q in
+                                            ("", "_p90", "_max")) + " ms (median / p90 / max)",
         f"TTFT mean / max   {r['ttft_s']['mean'] * 1e3:,.1f} / {r['ttft_s']['max'] * 1e3:,.1f} ms",
         f"peak GPU memory   {'n/a' if mem is None else f'{mem / 2**30:.2f} GiB'}",
         f"expert hit rate   {num(r['expert_hit_rate'], '.1%')} (decode "

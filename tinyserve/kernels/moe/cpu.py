@@ -26,8 +26,8 @@ DESC_WORDS = 17
 (D_STAGE, D_OUT, D_N, D_K, D_ROW_BASE, D_W13, D_S13, D_G13, D_W2, D_S2, D_G2, D_ROWS, D_H, D_F,
  D_COUNT, D_CALLS, D_THREADS) = range(DESC_WORDS)
 # NOTE: the layout of a `HostWorker`'s pool control block (int64 words; cpu_numba.helper)
-POOL_WORDS = 8
-P_REGION, P_JOB, P_DONE, P_STOP, P_SPIN, P_DOZE, P_USLEEP, P_HELPERS = range(POOL_WORDS)
+POOL_WORDS = 9
+P_REGION, P_JOB, P_DONE, P_STOP, P_SPIN, P_DOZE, P_USLEEP, P_HELPERS, P_SHARES = range(POOL_WORDS)
 
 
 def available() -> bool:
@@ -141,7 +141,9 @@ class HostWorker:
     flags[GO] = i for descriptor i (`add`'s number); the worker clears GO, runs the call and
     answers flags[DONE] = i. One request at a time. A call's threads beyond the worker are
     helper threads of its own (`max_threads() - 1`, native too: numba's parallel regions
-    would take the GIL to start, and wait for any Python thread that holds it). Each thread
+    would take the GIL to start, and wait for any Python thread that holds it). A call waits
+    for its work items, not for its helpers: one the OS has not run yet leaves its share to
+    the threads that run (`cpu_numba`, shares). Each thread
     spins (`pause`) until `spin` seconds passed without work (longer than a decode step, so
     decode never waits for it to wake), then polls every 50 us, and every 1 ms after `doze`
     seconds more. `close()` (or garbage collection) stops them.
@@ -168,6 +170,9 @@ class HostWorker:
         self._control = torch.tensor([self.flags.data_ptr(), self.table.data_ptr(), capacity,
                                       self.pool.data_ptr()], dtype=torch.int64)
         self.pool[P_HELPERS] = max_threads() - 1
+        self._job = torch.zeros(k.job_words, dtype=torch.int64)  # the pool's, for every call
+        self._shares = torch.zeros(max_threads(), 8, dtype=torch.int64)
+        self.pool[P_JOB], self.pool[P_SHARES] = self._job.data_ptr(), self._shares.data_ptr()
         self._helper_controls = torch.tensor([[self.pool.data_ptr(), tid]
                                               for tid in range(1, int(self.pool[P_HELPERS]) + 1)],
                                              dtype=torch.int64).view(-1, 2)
@@ -183,7 +188,7 @@ class HostWorker:
         # the buffers outlive the loops: the finalizer holds them until the threads are joined
         self._stop = weakref.finalize(self, _stop_worker, self.flags, self.pool, thread, helpers,
                                       self._control, self._helper_controls, self.table,
-                                      self._descriptors)
+                                      self._job, self._shares, self._descriptors)
 
     def add(self, descriptor: torch.Tensor) -> int:
         """Register `descriptor` (`host_descriptor`; kept alive here): its request number."""

@@ -82,27 +82,49 @@ def _store_release_i32(typingctx, addr, value):
 
 
 @intrinsic
-def _take(typingctx, counters, index):
-    """counters[index] += 1 atomically (int64 [n] array); returns the value before."""
-    sig = types.int64(counters, types.int64)
+def _load_acquire_i64(typingctx, addr):
+    sig = types.int64(types.int64)
 
     def codegen(context, builder, signature, args):
-        array = context.make_array(signature.args[0])(context, builder, args[0])
-        ptr = builder.gep(array.data, [args[1]])
-        return builder.atomic_rmw("add", ptr, ir.Constant(_I64, 1), "monotonic")
+        return builder.load_atomic(builder.inttoptr(args[0], _I64.as_pointer()), "acquire", 8)
 
     return sig, codegen
 
 
 @intrinsic
-def _add_release(typingctx, addr):
-    """The int64 at address `addr` += 1, atomically, after every earlier write of this thread
-    (release: whoever reads the new count with acquire sees them)."""
-    sig = types.void(types.int64)
+def _store_release_i64(typingctx, addr, value):
+    sig = types.void(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        builder.store_atomic(args[1], builder.inttoptr(args[0], _I64.as_pointer()), "release", 8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _cas_i64(typingctx, addr, expected, new):
+    """The int64 at address `addr` set to `new` if it holds `expected`, atomically; returns the
+    value it held."""
+    sig = types.int64(types.int64, types.int64, types.int64)
 
     def codegen(context, builder, signature, args):
         ptr = builder.inttoptr(args[0], _I64.as_pointer())
-        builder.atomic_rmw("add", ptr, ir.Constant(_I64, 1), "release")
+        pair = builder.cmpxchg(ptr, args[1], args[2], "acq_rel", "acquire")
+        return builder.extract_value(pair, 0)
+
+    return sig, codegen
+
+
+@intrinsic
+def _add_release(typingctx, addr, value):
+    """The int64 at address `addr` += value, atomically, after every earlier write of this
+    thread (release: whoever reads the new sum with acquire sees them)."""
+    sig = types.void(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.inttoptr(args[0], _I64.as_pointer())
+        builder.atomic_rmw("add", ptr, args[1], "release")
         return context.get_dummy_value()
 
     return sig, codegen
@@ -365,35 +387,77 @@ def down_item(item, flat, pairs, starts, groups, topk, wts, w2, s2, g2, e4, hq, 
             out[t, first + o] = acc[o, t]
 
 
-@njit(fastmath=True, nogil=True, cache=True, error_model="numpy")
-def region(r, tid, threads, taken, groups, flat, pairs, starts, wts, w13, s13, g13, w2, s2, g2,
-           e4, xq, xs, hid, hq, hs, out):
-    """Thread `tid`'s part of region `r` (1: gate_up items, 2: down items): the work items of
-    its own contiguous share (a thread streams through neighbouring rows), then what is left
-    of the others'. A share's next item comes from its counter (atomic; one cache line each),
-    so a thread the OS preempts (the engine's own threads share the cores) delays one item,
-    not its share."""
-    topk = wts.shape[1]
-    items = groups * (hid.shape[1] // RB) if r == 1 else out.shape[1] // RB
+# Work items are claimed from shares: thread t starts on its own contiguous share of a region's
+# items (it streams through neighbouring rows), then takes what is left of the others'. A
+# share is int64 [8] (a cache line): its next item and its end, each tagged with the region's
+# number in the high 32 bits, so a claim succeeds only for an item of the region that is
+# running. A call waits for its items, never for its threads: a thread the OS preempts or
+# wakes late (the engine's own threads share the cores) holds up at most the one item it
+# claimed, and one that arrives after the region finds nothing to claim.
+_LOW = (1 << 32) - 1
+
+
+@njit(nogil=True, cache=True)
+def _open_shares(shares, tag, items, threads):
+    """Shares [threads, 8] of region `tag`'s `items` items (each end written before its next:
+    a claim that reads the new next reads the new end)."""
     per = (items + threads - 1) // threads
+    base = shares.ctypes.data
+    for s in range(threads):
+        end = min(items, (s + 1) * per)
+        shares[s, 1] = (tag << 32) | end
+        _store_release_i64(base + 64 * s, (tag << 32) | min(s * per, end))
+
+
+@njit(nogil=True, cache=True)
+def _claim(shares_address, share, tag):
+    """The next item of share `share` of region `tag` (claimed atomically), or -1 once it has
+    none or the region is no longer `tag`."""
+    next_address = shares_address + 64 * share
+    v = _load_acquire_i64(next_address)
+    while True:
+        end = _load_acquire_i64(next_address + 8)
+        if v >> 32 != tag or end >> 32 != tag or (v & _LOW) >= (end & _LOW):
+            return -1
+        seen = _cas_i64(next_address, v, v + 1)
+        if seen == v:
+            return v & _LOW
+        v = seen
+
+
+@njit(fastmath=True, nogil=True, cache=True, error_model="numpy")
+def region(r, tid, threads, tag, shares_address, item, groups, flat, pairs, starts, wts, w13,
+           s13, g13, w2, s2, g2, e4, xq, xs, hid, hq, hs, out):
+    """Thread `tid`'s part of region `r` (1: gate_up items, 2: down items) of region number
+    `tag`: `item` (-1: none) claimed from its own share, then every item it can claim from
+    its share and the others'. Returns the number of items it ran."""
+    topk = wts.shape[1]
     acc = np.empty((RB if r == 2 else 0, out.shape[0]), np.float32)
+    count = 0
     for v in range(threads):
         share = (tid + v) % threads
-        end = min(items, (share + 1) * per)
-        item = share * per + _take(taken[r - 1, share], 0)
-        while item < end:
+        if item < 0:
+            item = _claim(shares_address, share, tag)
+        while item >= 0:
             if r == 1:
                 gate_up_item(item, flat, pairs, starts, topk, w13, s13, g13, e4, xq, xs, hid,
                              hq, hs)
             else:
                 down_item(item, flat, pairs, starts, groups, topk, wts, w2, s2, g2, e4, hq, hs,
                           out, acc)
-            item = share * per + _take(taken[r - 1, share], 0)
+            count += 1
+            item = _claim(shares_address, share, tag)
+    return count
+
+
+@njit(nogil=True, cache=True)
+def _items(r, groups, f, h):
+    return groups * (f // RB) if r == 1 else h // RB
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def _prepare(x, rows, f, threads):
-    """A call's shared state: (flat rows, pairs, starts, groups, xq, xs, hid, hq, hs, taken)."""
+def _prepare(x, rows, f):
+    """A call's shared state: (flat rows, pairs, starts, groups, xq, xs, hid, hq, hs)."""
     n, h = x.shape
     flat = rows.reshape(-1)
     pairs, starts, groups = group_pairs(flat)
@@ -403,8 +467,7 @@ def _prepare(x, rows, f, threads):
         _quantize(x[t], xq[t], xs[t], 0, h // 16)
     npairs = pairs.shape[0]
     return (flat, pairs, starts, groups, xq, xs, np.empty((npairs, f), np.float32),
-            np.empty((npairs, f), np.int8), np.empty((npairs, f // 16), np.float32),
-            np.zeros((2, threads, 8), np.int64))
+            np.empty((npairs, f), np.int8), np.empty((npairs, f // 16), np.float32))
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True, error_model="numpy")
@@ -413,101 +476,103 @@ def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, set_threads):
     numba's pool (`set_threads`: the address of numba's set_num_threads; each region takes the
     GIL for a moment to start: for Python callers); returns the number of distinct experts
     computed."""
-    f = w2.shape[2] * 2
-    flat, pairs, starts, groups, xq, xs, hid, hq, hs, taken = _prepare(x, rows, f, threads)
+    f, h = w2.shape[2] * 2, out.shape[1]
+    flat, pairs, starts, groups, xq, xs, hid, hq, hs = _prepare(x, rows, f)
     if groups == 0:
         out[:] = 0.0
         return 0
     _call_i32(set_threads, threads)
-    for tid in prange(threads):
-        region(1, tid, threads, taken, groups, flat, pairs, starts, wts, w13, s13, g13, w2, s2,
-               g2, e4, xq, xs, hid, hq, hs, out)
-    for tid in prange(threads):
-        region(2, tid, threads, taken, groups, flat, pairs, starts, wts, w13, s13, g13, w2, s2,
-               g2, e4, xq, xs, hid, hq, hs, out)
+    shares = np.empty((threads, 8), np.int64)
+    for r in (1, 2):
+        _open_shares(shares, r, _items(r, groups, f, h), threads)
+        for tid in prange(threads):
+            region(r, tid, threads, r, shares.ctypes.data, -1, groups, flat, pairs, starts,
+                   wts, w13, s13, g13, w2, s2, g2, e4, xq, xs, hid, hq, hs, out)
     return groups
 
 
 # The worker's own pool of helper threads: numba's parallel regions each take the GIL to start,
 # so a Python thread running bytecode would hold every call of the worker up (a switch
-# interval a region). The pool's control block, int64 words: the region word (an int32: a
-# count * 256 + the region's threads; each region changes it), the job's address, the count
-# of helpers done with the region, STOP, the idle spin, doze and usleep of every thread of
-# the pool (`serve`'s docstring) and the number of helpers. A job: int64 [JW], the region, the
-# call's shapes and its arrays' addresses.
-PW = 8
-P_REGION, P_JOB, P_DONE, P_STOP, P_SPIN, P_DOZE, P_USLEEP, P_HELPERS = range(PW)
-JW = 27
+# interval a region). The pool's control block, int64 words: the region word (an int32: the
+# region's number * 256 + its threads; number = tag, mod 2^22), the address of the job (int64
+# [JW]: the region, the call's shapes and its arrays' addresses, written before the word), the
+# items helpers finished in the region, STOP, the idle spin, doze and usleep of every thread
+# of the pool (`serve`'s docstring), the number of helpers and the address of the shares
+# (int64 [helpers + 1, 8]). The job and the shares belong to the pool and outlive every call.
+PW = 9
+P_REGION, P_JOB, P_DONE, P_STOP, P_SPIN, P_DOZE, P_USLEEP, P_HELPERS, P_SHARES = range(PW)
+JW = 26
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def _job(r, groups, flat, pairs, starts, wts, w13, s13, g13, w2, s2, g2, e4, xq, xs, hid,
-         hq, hs, out, taken):
-    j = np.empty(JW, np.int64)
+def _set_job(j, r, groups, flat, pairs, starts, wts, w13, s13, g13, w2, s2, g2, e4, xq, xs,
+             hid, hq, hs, out):
     n, h = out.shape
     j[0], j[1], j[2], j[3], j[4] = r, n, wts.shape[1], w13.shape[0], h
-    j[5], j[6], j[7], j[8] = hid.shape[1], groups, pairs.shape[0], taken.shape[1]
+    j[5], j[6], j[7] = hid.shape[1], groups, pairs.shape[0]
     arrays = (flat.ctypes.data, pairs.ctypes.data, starts.ctypes.data, wts.ctypes.data,
               w13.ctypes.data, s13.ctypes.data, g13.ctypes.data, w2.ctypes.data,
               s2.ctypes.data, g2.ctypes.data, e4.ctypes.data, xq.ctypes.data, xs.ctypes.data,
-              hid.ctypes.data, hq.ctypes.data, hs.ctypes.data, out.ctypes.data,
-              taken.ctypes.data)
+              hid.ctypes.data, hq.ctypes.data, hs.ctypes.data, out.ctypes.data)
     for i in range(len(arrays)):
-        j[9 + i] = arrays[i]
-    return j
+        j[8 + i] = arrays[i]
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def _work(address, tid):
-    """Thread `tid`'s part of the region of the job at `address`."""
-    j = carray(_ptr_i64(address), (JW,))
-    r, n, topk, nrows, h, f, groups, npairs, threads = (j[0], j[1], j[2], j[3], j[4], j[5],
-                                                        j[6], j[7], j[8])
-    region(r, tid, threads, carray(_ptr_i64(j[26]), (2, threads, 8)), groups,
-           carray(_ptr_i64(j[9]), (n * topk,)), carray(_ptr_i64(j[10]), (npairs,)),
-           carray(_ptr_i64(j[11]), (npairs + 1,)), carray(_ptr_f32(j[12]), (n, topk)),
-           carray(_ptr_u8(j[13]), (nrows, 2 * f, h // 2)),
-           carray(_ptr_u8(j[14]), (nrows, 2 * f, h // 16)), carray(_ptr_f32(j[15]), (nrows, 2)),
-           carray(_ptr_u8(j[16]), (nrows, h, f // 2)),
-           carray(_ptr_u8(j[17]), (nrows, h, f // 16)), carray(_ptr_f32(j[18]), (nrows,)),
-           carray(_ptr_f32(j[19]), (256,)), carray(_ptr_i8(j[20]), (n, h)),
-           carray(_ptr_f32(j[21]), (n, h // 16)), carray(_ptr_f32(j[22]), (npairs, f)),
-           carray(_ptr_i8(j[23]), (npairs, f)), carray(_ptr_f32(j[24]), (npairs, f // 16)),
-           carray(_ptr_f32(j[25]), (n, h)))
-
-
-@njit(nogil=True, cache=True, error_model="numpy")
-def _pool_region(pool_address, threads, r, groups, flat, pairs, starts, wts, w13, s13,
-                 g13, w2, s2, g2, e4, xq, xs, hid, hq, hs, out, taken):
-    """Region `r` of a call on the calling thread (tid 0) and helpers 1 .. threads - 1;
-    returns once all of them are done with it (the arrays, arguments, live that long)."""
-    job = _job(r, groups, flat, pairs, starts, wts, w13, s13, g13, w2, s2, g2, e4, xq, xs,
-               hid, hq, hs, out, taken)
+def _work(pool_address, tid, tag, threads):
+    """Thread `tid`'s part of region `tag` of the pool's job: nothing unless it claims an
+    item while the region runs (the job is the region's until its last item is done)."""
     pool = carray(_ptr_i64(pool_address), (PW,))
-    if threads > 1:
-        pool[P_DONE] = 0
-        pool[P_JOB] = job.ctypes.data
-        count = (_load_acquire_i32(pool_address) >> 8) + 1
-        _store_release_i32(pool_address, count % (1 << 22) * 256 + threads)
-    _work(job.ctypes.data, 0)
-    while _load_acquire_i32(pool_address + 8 * P_DONE) < threads - 1:
-        _pause()
-    job[0] = 0  # the helpers read the job until here: it must not be freed earlier
+    shares_address = pool[P_SHARES]
+    item, v = -1, 0
+    while item < 0 and v < threads:
+        item = _claim(shares_address, (tid + v) % threads, tag)
+        v += 1
+    if item < 0:
+        return
+    j = carray(_ptr_i64(pool[P_JOB]), (JW,))
+    r, n, topk, nrows, h, f, groups, npairs = j[0], j[1], j[2], j[3], j[4], j[5], j[6], j[7]
+    count = region(r, (tid + v - 1) % threads, threads, tag, shares_address, item, groups,
+                   carray(_ptr_i64(j[8]), (n * topk,)), carray(_ptr_i64(j[9]), (npairs,)),
+                   carray(_ptr_i64(j[10]), (npairs + 1,)), carray(_ptr_f32(j[11]), (n, topk)),
+                   carray(_ptr_u8(j[12]), (nrows, 2 * f, h // 2)),
+                   carray(_ptr_u8(j[13]), (nrows, 2 * f, h // 16)),
+                   carray(_ptr_f32(j[14]), (nrows, 2)),
+                   carray(_ptr_u8(j[15]), (nrows, h, f // 2)),
+                   carray(_ptr_u8(j[16]), (nrows, h, f // 16)),
+                   carray(_ptr_f32(j[17]), (nrows,)), carray(_ptr_f32(j[18]), (256,)),
+                   carray(_ptr_i8(j[19]), (n, h)), carray(_ptr_f32(j[20]), (n, h // 16)),
+                   carray(_ptr_f32(j[21]), (npairs, f)), carray(_ptr_i8(j[22]), (npairs, f)),
+                   carray(_ptr_f32(j[23]), (npairs, f // 16)), carray(_ptr_f32(j[24]), (n, h)))
+    _add_release(pool_address + 8 * P_DONE, count)
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
 def moe_pooled(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, pool_address):
     """`moe` on the calling thread and the helpers of the pool at `pool_address` (no GIL), on
-    at most the pool's threads."""
-    threads = min(threads, carray(_ptr_i64(pool_address), (PW,))[P_HELPERS] + 1)
-    f = w2.shape[2] * 2
-    flat, pairs, starts, groups, xq, xs, hid, hq, hs, taken = _prepare(x, rows, f, threads)
+    at most the pool's threads. Each region is the caller's to finish: helpers take items as
+    they come, and it returns once every item is done."""
+    pool = carray(_ptr_i64(pool_address), (PW,))
+    threads = min(threads, pool[P_HELPERS] + 1)
+    f, h = w2.shape[2] * 2, out.shape[1]
+    flat, pairs, starts, groups, xq, xs, hid, hq, hs = _prepare(x, rows, f)
     if groups == 0:
         out[:] = 0.0
         return 0
+    shares = carray(_ptr_i64(pool[P_SHARES]), (threads, 8))
+    job = carray(_ptr_i64(pool[P_JOB]), (JW,))
     for r in (1, 2):
-        _pool_region(pool_address, threads, r, groups, flat, pairs, starts, wts, w13, s13,
-                     g13, w2, s2, g2, e4, xq, xs, hid, hq, hs, out, taken)
+        items = _items(r, groups, f, h)
+        tag = ((_load_acquire_i32(pool_address) >> 8) + 1) % (1 << 22)
+        _set_job(job, r, groups, flat, pairs, starts, wts, w13, s13, g13, w2, s2, g2, e4, xq,
+                 xs, hid, hq, hs, out)
+        _open_shares(shares, tag, items, threads)
+        pool[P_DONE] = 0
+        _store_release_i32(pool_address, tag * 256 + threads)
+        mine = region(r, 0, threads, tag, pool[P_SHARES], -1, groups, flat, pairs, starts, wts,
+                      w13, s13, g13, w2, s2, g2, e4, xq, xs, hid, hq, hs, out)
+        while _load_acquire_i64(pool_address + 8 * P_DONE) + mine < items:
+            _pause()
     return groups
 
 
@@ -536,8 +601,7 @@ def helper(control):
         if word != seen:
             seen = word
             if tid < word % 256:  # (a helper the calls leave out goes idle)
-                _work(pool[P_JOB], tid)
-                _add_release(pool_address + 8 * P_DONE)
+                _work(pool_address, tid, word >> 8, word % 256)
                 last = _tsc()
         elif _load_acquire_i32(pool_address + 8 * P_STOP) != 0:
             return
@@ -628,7 +692,7 @@ def build(row_block: int, desc_words: int, pool_words: int) -> SimpleNamespace:
     set_threads = ctypes.cast(parallel._set_num_threads, ctypes.c_void_p).value
     return SimpleNamespace(moe=moe, e4m3=_E4M3.copy(), serve_address=serve.address,
                            helper_address=helper.address, read_sum=read_sum,
-                           set_threads=set_threads, tsc=tsc)
+                           set_threads=set_threads, tsc=tsc, job_words=JW)
 
 
 @njit(parallel=True, nogil=True, cache=True, error_model="numpy")

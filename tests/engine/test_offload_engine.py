@@ -162,7 +162,12 @@ def test_auto_hybrid_is_settled_by_decoding(tiny_checkpoint) -> None:
     experts = engine.runner.model.experts
     runner = CpuExperts(experts.cache.store, device="cpu")
     experts.set_hybrid(HybridPlan("hybrid", 0.5, 0.0, auto=True), runner)
+    prompts, submit = [], engine.submit
+    engine.submit = lambda prompt, *args, **kwargs: (prompts.append(tuple(prompt)),
+                                                     submit(prompt, *args, **kwargs))[1]
     with engine.start():
+        del engine.submit
+        assert len(set(prompts)) == len(prompts) == 3  # each mode its own tokens
         settled = experts.hybrid_plan
         assert settled.decode_tok_s is not None and set(settled.decode_tok_s) == {
             "gpu", "cpu", "hybrid"}

@@ -34,9 +34,9 @@ def settle_expert_mode(engine: Any, tokens: int = SETTLE_TOKENS) -> HybridPlan |
         return None
     runner = experts.cpu_runner
     rates = {}
-    for mode in ("gpu", "cpu", "hybrid"):
+    for seed, mode in enumerate(("gpu", "cpu", "hybrid")):
         engine.set_expert_plan(plan.with_mode(mode), runner)
-        rates[mode] = decode_rate(engine, tokens)
+        rates[mode] = decode_rate(engine, tokens, seed)
     best = max(rates, key=rates.__getitem__)
     settled = replace(plan.with_mode(best), decode_tok_s=rates)
     engine.set_expert_plan(settled, runner)
@@ -45,10 +45,12 @@ def settle_expert_mode(engine: Any, tokens: int = SETTLE_TOKENS) -> HybridPlan |
     return settled
 
 
-def decode_rate(engine: Any, tokens: int) -> float:
-    """Decode tokens/s of one greedy request of `tokens` tokens after a short random prompt,
-    its first `_SKIP` steps left out."""
-    prompt = engine.random_prompt(16, torch.Generator().manual_seed(0))
+def decode_rate(engine: Any, tokens: int, seed: int) -> float:
+    """Decode tokens/s of one greedy request of `tokens` tokens after a short random prompt
+    drawn with `seed`, its first `_SKIP` steps left out. NOTE: each mode decodes its own
+    prompt: the experts of tokens decoded before stay in the cache, and a mode that repeats
+    them would time hits the others paid for as misses."""
+    prompt = engine.random_prompt(16, torch.Generator().manual_seed(seed))
     handle = engine.submit(prompt, SamplingParams(max_tokens=tokens + _SKIP + 1,
                                                   temperature=0.0, ignore_eos=True),
                            request_id="experts-settle")

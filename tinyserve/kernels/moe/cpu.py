@@ -140,13 +140,13 @@ class HostWorker:
     A requester (the GPU through stream memory operations, or `call` from any thread) writes
     flags[GO] = i for descriptor i (`add`'s number); the worker clears GO, runs the call and
     answers flags[DONE] = i. One request at a time. A call's threads beyond the worker are
-    helper threads of its own (`max_threads() - 1`, native too: numba's parallel regions
-    would take the GIL to start, and wait for any Python thread that holds it). A call waits
-    for its work items, not for its helpers: one the OS has not run yet leaves its share to
-    the threads that run (`cpu_numba`, shares). Each thread
-    spins (`pause`) until `spin` seconds passed without work (longer than a decode step, so
-    decode never waits for it to wake), then polls every 50 us, and every 1 ms after `doze`
-    seconds more. `close()` (or garbage collection) stops them.
+    helper threads of its own (`max_threads() - 1`, at most 254: the region word holds the
+    count in a byte), native too: numba's parallel regions would take the GIL to start, and
+    wait for any Python thread that holds it. A call waits for its work items, not for its
+    helpers: one the OS has not run yet leaves its share to the threads that run (`cpu_numba`,
+    shares). Each thread spins (`pause`) until `spin` seconds passed without work (longer than
+    a decode step, so decode never waits for it to wake), then polls every 50 us, and every
+    1 ms after `doze` seconds more. `close()` (or garbage collection) stops them.
     `pin`: the flags in pinned memory (for a GPU requester).
     """
 
@@ -169,9 +169,9 @@ class HostWorker:
         self.pool[P_USLEEP] = ctypes.cast(ctypes.CDLL(None).usleep, ctypes.c_void_p).value
         self._control = torch.tensor([self.flags.data_ptr(), self.table.data_ptr(), capacity,
                                       self.pool.data_ptr()], dtype=torch.int64)
-        self.pool[P_HELPERS] = max_threads() - 1
+        self.pool[P_HELPERS] = min(max_threads(), 255) - 1
         self._job = torch.zeros(k.job_words, dtype=torch.int64)  # the pool's, for every call
-        self._shares = torch.zeros(max_threads(), 8, dtype=torch.int64)
+        self._shares = torch.zeros(int(self.pool[P_HELPERS]) + 1, 8, dtype=torch.int64)
         self.pool[P_JOB], self.pool[P_SHARES] = self._job.data_ptr(), self._shares.data_ptr()
         self._helper_controls = torch.tensor([[self.pool.data_ptr(), tid]
                                               for tid in range(1, int(self.pool[P_HELPERS]) + 1)],

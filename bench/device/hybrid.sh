@@ -4,8 +4,10 @@
 # numba), the CPU kernel, hybrid and offloaded-engine tests, then bench/hybrid_experts.py on
 # the full-size random checkpoint (which it writes unless it is there), after
 # bench/cpu_round_trip.py (with the worker's own idle spin and with none).
-# Logs and the result JSONs in $OUT.
-#   OUT=dir [CKPT=dir] bash bench/device/hybrid.sh [bench/hybrid_experts.py arguments]
+# Logs and the result JSONs in $OUT. TINYSERVE_BENCH_COMMIT names the commit in the results
+# where the copied tree's .git may lag behind it.
+#   OUT=dir [CKPT=dir] [TINYSERVE_BENCH_COMMIT=sha] bash bench/device/hybrid.sh [arguments of
+#   bench/hybrid_experts.py]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/tinyserve-out}; CKPT=${CKPT:-/tmp/tinyserve-fullsize}

@@ -619,8 +619,8 @@ def _e4m3_values() -> np.ndarray:
 
 
 _E4M3 = _e4m3_values()
-# NOTE: the threading layer first: a cached `serve` (it calls the parallel `moe`) links
-# against its scheduler symbols when loaded.
+# NOTE: numba's threading layer started at import: `build` takes the address of its
+# set_num_threads, which exists only once the layer is loaded (for `moe`'s Python callers).
 _launch_threads()
 
 

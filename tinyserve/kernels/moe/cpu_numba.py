@@ -186,22 +186,25 @@ def _splat(ty: ir.VectorType, value: int | float) -> ir.Constant:
     return ir.Constant(ty, [ir.Constant(ty.element, value)] * ty.count)
 
 
-def _dot_function(module: ir.Module, nrows: int) -> ir.Function:
+def _dot_function(module: ir.Module, nrows: int, ntok: int) -> ir.Function:
     """`void dot(i8 *codes, i64 row_bytes, i8 *scales, i64 row_scales, float *e4, i8 *xq,
-    float *xs, i64 chunks, float *out)`: for each of `nrows` weight rows (row j's codes and
-    scales at j * row_bytes / j * row_scales past the first's), the sum over blocks of 16
-    inputs of e4[scale] * xs[b] * (sum of 2 * E2M1(code) * xq), into out[j] (see `_quantize`
-    for xq's layout); `chunks` >= 1 iterations of 32 code bytes per row. The rows share the
-    input's loads, the loop and its count."""
-    name = f"tinyserve_nvfp4_i8_dot{nrows}"
+    i64 xq_step, float *xs, i64 xs_step, i64 chunks, float *out)`: for each of `nrows` weight
+    rows (row j's codes and scales at j * row_bytes / j * row_scales past the first's) and
+    each of `ntok` inputs (input t's at t * xq_step / t * xs_step past the first's), the sum
+    over blocks of 16 inputs of e4[scale] * xs[b] * (sum of 2 * E2M1(code) * xq), into
+    out[j * ntok + t] (see `_quantize` for xq's layout); `chunks` >= 1 iterations of 32 code
+    bytes per row. The rows share the inputs' loads, the inputs each row's decoded codes, and
+    all of them the loop and its count."""
+    name = f"tinyserve_nvfp4_i8_dot{nrows}x{ntok}"
     fn = module.globals.get(name)
     if fn is not None:
         return fn
     i8p, f32p = _I8.as_pointer(), _F32.as_pointer()
     fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [i8p, _I64, i8p, _I64, f32p, i8p,
-                                                             f32p, _I64, f32p]), name)
+                                                             _I64, f32p, _I64, _I64, f32p]),
+                     name)
     fn.linkage = "internal"
-    codes, row_bytes, scales, row_scales, e4, xq, xs, chunks, out = fn.args
+    codes, row_bytes, scales, row_scales, e4, xq, xq_step, xs, xs_step, chunks, out = fn.args
     pshufb = _declare(module, "llvm.x86.avx2.pshuf.b", _V32I8, _V32I8, _V32I8)
     psign = _declare(module, "llvm.x86.avx2.psign.b", _V32I8, _V32I8, _V32I8)
     maddubs = _declare(module, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, _V32I8, _V32I8)
@@ -218,36 +221,39 @@ def _dot_function(module: ir.Module, nrows: int) -> ir.Function:
 
     row_codes = [b.gep(codes, [b.mul(row_bytes, const(j))]) for j in range(nrows)]
     row_scale = [b.gep(scales, [b.mul(row_scales, const(j))]) for j in range(nrows)]
+    tok_q = [b.gep(xq, [b.mul(xq_step, const(t))]) for t in range(ntok)]
+    tok_s = [b.gep(xs, [b.mul(xs_step, const(t))]) for t in range(ntok)]
     b.branch(loop)
     b.position_at_end(loop)
     i = b.phi(_I64)
-    accs = [b.phi(_V8F32) for _ in range(nrows)]
+    accs = [b.phi(_V8F32) for _ in range(nrows * ntok)]
     table = ir.Constant(_V32I8, [ir.Constant(_I8, v & 0xFF) for v in _E2M1_X2 * 2])
-    x_even = load(xq, b.mul(i, const(64)), _V32I8)
-    x_odd = load(xq, b.add(b.mul(i, const(64)), const(32)), _V32I8)
-    x_scale = load(xs, b.mul(i, const(4)), _V4F32)
+    x_even = [load(q, b.mul(i, const(64)), _V32I8) for q in tok_q]
+    x_odd = [load(q, b.add(b.mul(i, const(64)), const(32)), _V32I8) for q in tok_q]
+    x_scale = [load(xs_t, b.mul(i, const(4)), _V4F32) for xs_t in tok_s]
     pick = ir.Constant(ir.VectorType(_I32, 8), [ir.Constant(_I32, j // 2) for j in range(8)])
     nexts = []
-    for row, row_s, acc in zip(row_codes, row_scale, accs, strict=True):
+    for row, row_s in zip(row_codes, row_scale, strict=True):
         b.call(prefetch, [b.gep(row, [b.add(b.mul(i, const(32)), const(PREFETCH))]),
                           *(ir.Constant(_I32, v) for v in (0, 3, 1))])
         c = load(row, b.mul(i, const(32)), _V32I8)
         w_even = b.call(pshufb, [table, b.and_(c, _splat(_V32I8, 15))])
         w_odd = b.call(pshufb, [table, b.lshr(c, _splat(_V32I8, 4))])
-        # |w| (unsigned) times x with w's sign, pairs summed to int16, then quads to int32:
-        # lanes 2b and 2b + 1 hold scale block b of the chunk
-        pairs = b.add(b.call(maddubs, [b.call(psign, [w_even, w_even]),
-                                       b.call(psign, [x_even, w_even])]),
-                      b.call(maddubs, [b.call(psign, [w_odd, w_odd]),
-                                       b.call(psign, [x_odd, w_odd])]))
-        quads = b.sitofp(b.call(maddwd, [pairs, _splat(_V16I16, 1)]), _V8F32)
+        abs_even, abs_odd = b.call(psign, [w_even, w_even]), b.call(psign, [w_odd, w_odd])
         w_scale = ir.Constant(_V4F32, ir.Undefined)
         for j in range(4):
             code = b.zext(b.load(b.gep(row_s, [b.add(b.mul(i, const(4)), const(j))])), _I64)
             w_scale = b.insert_element(w_scale, b.load(b.gep(e4, [code])),
                                        ir.Constant(_I32, j))
-        scale = b.fmul(w_scale, x_scale)
-        nexts.append(b.fadd(acc, b.fmul(quads, b.shuffle_vector(scale, scale, pick))))
+        for t in range(ntok):
+            # |w| (unsigned) times x with w's sign, pairs summed to int16, then quads to
+            # int32: lanes 2b and 2b + 1 hold scale block b of the chunk
+            pairs = b.add(b.call(maddubs, [abs_even, b.call(psign, [x_even[t], w_even])]),
+                          b.call(maddubs, [abs_odd, b.call(psign, [x_odd[t], w_odd])]))
+            quads = b.sitofp(b.call(maddwd, [pairs, _splat(_V16I16, 1)]), _V8F32)
+            scale = b.fmul(w_scale, x_scale[t])
+            acc = accs[len(nexts)]
+            nexts.append(b.fadd(acc, b.fmul(quads, b.shuffle_vector(scale, scale, pick))))
     i_next = b.add(i, const(1))
     i.add_incoming(const(0), entry)
     i.add_incoming(i_next, loop)
@@ -265,30 +271,35 @@ def _dot_function(module: ir.Module, nrows: int) -> ir.Function:
     return fn
 
 
-def _dots(nrows: int):
-    """The intrinsic `_dots(codes, row_bytes, scales, row_scales, e4, xq, xs, out)`: `nrows`
-    weight rows (the first's codes uint8 [K/2] and scales uint8 [K/16], the others
-    row_bytes / row_scales further on) against one quantized input (xq int8 [K], xs fp32
-    [K/16]), into out fp32 [nrows]; twice each dot (the table holds 2 * E2M1), before the
-    row's global scale. K % 64 == 0."""
+def _dots(nrows: int, ntok: int):
+    """The intrinsic `_dots(codes, row_bytes, scales, row_scales, e4, xq, xs, step, out)`:
+    `nrows` weight rows (the first's codes uint8 [K/2] and scales uint8 [K/16], the others
+    row_bytes / row_scales further on) against `ntok` quantized inputs (the first xq int8
+    [K], xs fp32 [K/16], a row of a contiguous [N, K] / [N, K/16] pair; input t is `step` *
+    t rows further on), into out fp32 [nrows * ntok] (row-major); twice each dot (the table
+    holds 2 * E2M1), before the row's global scale. K % 64 == 0."""
 
     @intrinsic
-    def dots(typingctx, codes, row_bytes, scales, row_scales, e4, xq, xs, out):
-        sig = types.void(codes, types.int64, scales, types.int64, e4, xq, xs, out)
+    def dots(typingctx, codes, row_bytes, scales, row_scales, e4, xq, xs, step, out):
+        sig = types.void(codes, types.int64, scales, types.int64, e4, xq, xs, types.int64, out)
 
         def codegen(context, builder, signature, args):
             i8p, f32p = _I8.as_pointer(), _F32.as_pointer()
 
-            def data(k, ptr_type):
-                array = context.make_array(signature.args[k])(context, builder, args[k])
-                return builder.bitcast(array.data, ptr_type)
+            def array(k):
+                return context.make_array(signature.args[k])(context, builder, args[k])
 
-            codes_array = context.make_array(signature.args[0])(context, builder, args[0])
-            chunks = builder.udiv(builder.extract_value(codes_array.shape, 0),
-                                  ir.Constant(_I64, 32))
-            builder.call(_dot_function(builder.module, nrows),
+            def data(k, ptr_type):
+                return builder.bitcast(array(k).data, ptr_type)
+
+            def length(k):
+                return builder.extract_value(array(k).shape, 0)
+
+            chunks = builder.udiv(length(0), ir.Constant(_I64, 32))
+            builder.call(_dot_function(builder.module, nrows, ntok),
                          [data(0, i8p), args[1], data(2, i8p), args[3], data(4, f32p),
-                          data(5, i8p), data(6, f32p), chunks, data(7, f32p)])
+                          data(5, i8p), builder.mul(args[7], length(5)), data(6, f32p),
+                          builder.mul(args[7], length(6)), chunks, data(8, f32p)])
             return context.get_dummy_value()
 
         return sig, codegen
@@ -296,8 +307,10 @@ def _dots(nrows: int):
     return dots
 
 
-_dot2 = _dots(2)  # a hidden unit's gate and up rows
-_dot4 = _dots(4)  # four neighbouring down rows
+_dot2 = _dots(2, 1)  # a hidden unit's gate and up rows
+_dot4 = _dots(4, 1)  # four neighbouring down rows
+_dot2x2 = _dots(2, 2)  # the same for two inputs: the pairs of an expert decode its codes once
+_dot4x2 = _dots(4, 2)
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
@@ -338,11 +351,17 @@ def group_pairs(flat):
     return pairs, starts, groups
 
 
+@njit(fastmath=True, nogil=True, cache=True, error_model="numpy", inline="always")
+def _silu_mul(g, up):
+    return g / (np.float32(1.0) + np.exp(-g)) * up
+
+
 @njit(fastmath=True, nogil=True, cache=True, error_model="numpy")
 def gate_up_item(item, flat, pairs, starts, topk, w13, s13, g13, e4, xq, xs, hid, hq, hs):
     """Work item `item` of the first region: expert group item // (F / RB), its block of RB
-    hidden units: their gate and up rows, then silu(gate) * up into hid, rounded as x is
-    into hq / hs (whole scale blocks: RB % 16 == 0)."""
+    hidden units: their gate and up rows (for two of the group's pairs at a time), then
+    silu(gate) * up into hid, rounded as x is into hq / hs (whole scale blocks: RB % 16 ==
+    0)."""
     f = hid.shape[1]
     nb1 = f // RB
     u = item // nb1
@@ -350,38 +369,54 @@ def gate_up_item(item, flat, pairs, starts, topk, w13, s13, g13, e4, xq, xs, hid
     first = item % nb1 * RB
     g_gate, g_up = g13[r, 0] * np.float32(0.5), g13[r, 1] * np.float32(0.5)
     up_bytes, up_scales = f * w13.shape[2], f * s13.shape[2]
-    dot = np.empty(2, np.float32)
+    lo, hi = starts[u], starts[u + 1]
+    dot = np.empty(4, np.float32)
     for o in range(first, first + RB):
-        for p in range(starts[u], starts[u + 1]):
+        for p in range(lo, hi, 2):
             t = pairs[p] // topk
-            _dot2(w13[r, o], up_bytes, s13[r, o], up_scales, e4, xq[t], xs[t], dot)
-            g, up = dot[0] * g_gate, dot[1] * g_up
-            hid[p, o] = g / (np.float32(1.0) + np.exp(-g)) * up
-    for p in range(starts[u], starts[u + 1]):
+            if p + 1 < hi:
+                _dot2x2(w13[r, o], up_bytes, s13[r, o], up_scales, e4, xq[t], xs[t],
+                        pairs[p + 1] // topk - t, dot)
+                hid[p, o] = _silu_mul(dot[0] * g_gate, dot[2] * g_up)
+                hid[p + 1, o] = _silu_mul(dot[1] * g_gate, dot[3] * g_up)
+            else:
+                _dot2(w13[r, o], up_bytes, s13[r, o], up_scales, e4, xq[t], xs[t], 0, dot)
+                hid[p, o] = _silu_mul(dot[0] * g_gate, dot[1] * g_up)
+    for p in range(lo, hi):
         _quantize(hid[p], hq[p], hs[p], first // 16, (first + RB) // 16)
 
 
 @njit(fastmath=True, nogil=True, cache=True, error_model="numpy")
 def down_item(item, flat, pairs, starts, groups, topk, wts, w2, s2, g2, e4, hq, hs, out, acc):
     """Work item `item` of the second region: its block of RB down rows, one expert's rows
-    after another (each a contiguous stretch of its matrix), four rows per pass, every output
-    summed over the pairs in a fixed order (`acc`: [RB, N] scratch)."""
+    after another (each a contiguous stretch of its matrix), four rows and two of the
+    expert's pairs per pass, every output summed over the pairs in a fixed order (`acc`:
+    [RB, N] scratch)."""
     n = out.shape[0]
     first = item * RB
     flat_w = wts.reshape(-1)
     row_bytes, row_scales = w2.shape[2], s2.shape[2]
-    dot = np.empty(4, np.float32)
+    dot = np.empty(8, np.float32)
     acc[:, :] = 0.0
     for u in range(groups):
         r = flat[pairs[starts[u]]]
+        lo, hi = starts[u], starts[u + 1]
+        g = g2[r] * np.float32(0.5)
         for o in range(0, RB, 4):
-            for p in range(starts[u], starts[u + 1]):
+            for p in range(lo, hi, 2):
                 q = pairs[p]
-                _dot4(w2[r, first + o], row_bytes, s2[r, first + o], row_scales, e4, hq[p],
-                      hs[p], dot)
-                w = flat_w[q] * g2[r] * np.float32(0.5)
-                for j in range(4):
-                    acc[o + j, q // topk] += w * dot[j]
+                if p + 1 < hi:  # the pairs' hidden rows are neighbours in hq / hs
+                    _dot4x2(w2[r, first + o], row_bytes, s2[r, first + o], row_scales, e4,
+                            hq[p], hs[p], 1, dot)
+                    q1 = pairs[p + 1]
+                    for j in range(4):
+                        acc[o + j, q // topk] += flat_w[q] * g * dot[2 * j]
+                        acc[o + j, q1 // topk] += flat_w[q1] * g * dot[2 * j + 1]
+                else:
+                    _dot4(w2[r, first + o], row_bytes, s2[r, first + o], row_scales, e4,
+                          hq[p], hs[p], 0, dot)
+                    for j in range(4):
+                        acc[o + j, q // topk] += flat_w[q] * g * dot[j]
     for t in range(n):
         for o in range(RB):
             out[t, first + o] = acc[o, t]

@@ -50,41 +50,39 @@ def moe_stamped(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, set_t
     xs = np.empty((n, h // 16), np.float32)
     for t in range(n):
         K._quantize(x[t], xq[t], xs[t], 0, h // 16)
-    taken = np.zeros((2, threads, 8), np.int64)
     npairs = pairs.shape[0]
     hid = np.empty((npairs, f), np.float32)
     hq = np.empty((npairs, f), np.int8)
     hs = np.empty((npairs, f // 16), np.float32)
     items = groups * (f // K.RB)
-    per = (items + threads - 1) // threads
+    shares = np.empty((threads, 8), np.int64)
+    K._open_shares(shares, 1, items, threads)
     st[1] = K._tsc()
     for tid in prange(threads):
         for v in range(threads):
             share = (tid + v) % threads
-            end = min(items, (share + 1) * per)
-            item = share * per + K._take(taken[0, share], 0)
-            while item < end:
+            item = K._claim(shares.ctypes.data, share, 1)
+            while item >= 0:
                 it[item, 0] = K._tsc()
                 K.gate_up_item(item, flat, pairs, starts, topk, w13, s13, g13, e4, xq, xs, hid,
                                hq, hs)
                 it[item, 1] = K._tsc()
                 it[item, 2] = tid
-                item = share * per + K._take(taken[0, share], 0)
+                item = K._claim(shares.ctypes.data, share, 1)
     st[2] = K._tsc()
-    per2 = (h // K.RB + threads - 1) // threads
+    K._open_shares(shares, 2, h // K.RB, threads)
     for tid in prange(threads):
         acc = np.empty((K.RB, n), np.float32)
         for v in range(threads):
             share = (tid + v) % threads
-            end = min(h // K.RB, (share + 1) * per2)
-            item = share * per2 + K._take(taken[1, share], 0)
-            while item < end:
+            item = K._claim(shares.ctypes.data, share, 2)
+            while item >= 0:
                 it[items + item, 0] = K._tsc()
                 K.down_item(item, flat, pairs, starts, groups, topk, wts, w2, s2, g2, e4, hq,
                             hs, out, acc)
                 it[items + item, 1] = K._tsc()
                 it[items + item, 2] = tid
-                item = share * per2 + K._take(taken[1, share], 0)
+                item = K._claim(shares.ctypes.data, share, 2)
     st[3] = K._tsc()
     st[4] = K._tsc()
     return groups

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import numba
 import numpy as np
 from numba import njit, prange
 
@@ -34,8 +35,7 @@ from tinyserve.offload import bandwidth  # noqa: E402
 
 
 @njit(parallel=True, fastmath=True, nogil=True, error_model="numpy")
-def moe_stamped(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, set_threads, st,
-                it):
+def moe_stamped(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, st, it):
     """`cpu_numba.moe` (its schedule around the same work items) with stamps: st [5] (entry,
     setup done, region 1 end, region 2 end, exit), it [items, 3] (start, end, thread) per work
     item of both regions."""
@@ -45,7 +45,6 @@ def moe_stamped(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, set_t
     f = w2.shape[2] * 2
     flat = rows.reshape(-1)
     pairs, starts, groups = K.group_pairs(flat)
-    K._call_i32(set_threads, threads)
     xq = np.empty((n, h), np.int8)
     xs = np.empty((n, h // 16), np.float32)
     for t in range(n):
@@ -130,6 +129,7 @@ def main() -> int:
     most = nvfp4_cpu.max_threads()
     for threads in sorted({t for t in (1, 2, 4, 8, *bandwidth.thread_counts(most), most)
                            if t <= most}):
+        numba.set_num_threads(threads)
         for n in (1, 8):
             for gap_us in (0, 300):
                 samples = []
@@ -144,7 +144,7 @@ def main() -> int:
                         while time.perf_counter() < end:
                             pass
                     t = time.perf_counter()
-                    moe_stamped(x, rows, w, *slots, out, k.e4m3, threads, k.set_threads, st, it)
+                    moe_stamped(x, rows, w, *slots, out, k.e4m3, threads, st, it)
                     wall = (time.perf_counter() - t) * 1e6
                     if rep >= 5:
                         samples.append({**phases(st, it, items1, hz), "wall": wall})

@@ -3,7 +3,7 @@
 One token's call of 0 (an empty request: no pair on the CPU), 1 and top_k experts of a random
 store, on each thread count the probe tries, timed four ways:
 
-    kernel   `moe` called from Python on numpy inputs (wall clock)
+    kernel   `moe_pooled` called from Python on numpy inputs (wall clock; `moe_cpu`'s pool)
     worker   the HostWorker's native loop, requested and awaited by Python polling its flags
     graph    the decode layer's round trip (`CpuExperts.start` / `join` in a CUDA graph: the
              stage copy, the request flag, the wait for the answer, the copy back), one replay
@@ -11,7 +11,7 @@ store, on each thread count the probe tries, timed four ways:
     chain    R such round trips in one graph, each after a GPU spin of `gap` us (a decode
              layer's other work), timed together and divided by R
 
-plus the numba threading layer and the length of the worker's spin-wait before it sleeps.
+plus the length of the worker's spin-wait before it sleeps.
 
     python bench/cpu_round_trip.py [--store-gib 2] [--out bench/results/cpu_round_trip.json]
 """
@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import numba
 import numpy as np
 import torch
 from numba import njit
@@ -75,7 +74,8 @@ def one_case(c: SimpleNamespace, threads: int, n: int) -> dict[str, float]:
     def kernel_call() -> float:
         r = c.rng.permutation(total)[:kk].reshape(1, kk) if n else np.full((1, kk), -1)
         t = time.perf_counter()
-        k.moe(x, r.astype(np.int64), w, *c.slots, c.out, k.e4m3, threads, k.set_threads)
+        k.moe_pooled(x, r.astype(np.int64), w, *c.slots, c.out, k.e4m3, threads,
+                     nvfp4_cpu._python_pool().address)
         return (time.perf_counter() - t) * 1e6
 
     # the worker and the graph: expert ids of layer 0's rows (store rows of any layer)
@@ -181,7 +181,6 @@ def main() -> int:
             case = one_case(ctx, threads, n)
             result["cases"][f"threads={threads} experts={n}"] = case
             print(f"threads={threads:2d} experts={n}", case, flush=True)
-    result["threading_layer"] = numba.threading_layer()
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 

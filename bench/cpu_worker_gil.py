@@ -1,12 +1,13 @@
 """The CPU expert worker against Python threads that hold the GIL (kernels.moe.cpu.HostWorker).
 
-The worker is a native thread, but every parallel region of numba's kernel takes the GIL for a
-moment when it starts (numba's parallel wrapper: PyGILState_Ensure, then PyEval_SaveThread):
-two per call. A Python thread running bytecode keeps the GIL until the interpreter's switch
-interval forces it off, so each region may wait that long. One token's call of 1 and top_k
-experts of a random store, requested and awaited without the GIL (a native wait that sleeps,
-timed by the time-stamp counter), with the GIL free and with one Python thread counting in a
-loop, at the default switch interval and at `--interval`.
+The worker and its helpers are native threads that never take the GIL. numba's parallel
+regions, which the kernel ran on before d5a146c, each took it for a moment when they started
+(numba's parallel wrapper: PyGILState_Ensure, then PyEval_SaveThread), so a Python thread
+running bytecode, which keeps the GIL until the switch interval forces it off, held every call
+up (`bench/results/cpu_worker_gil.json` holds both). One token's call of 1 and top_k experts of
+a random store, requested and awaited without the GIL (a native wait that sleeps, timed by the
+time-stamp counter), with the GIL free and with one Python thread counting in a loop, at the
+default switch interval and at `--interval`.
 
     python bench/cpu_worker_gil.py [--threads 1] [--out bench/results/cpu_worker_gil.json]
 """

@@ -320,8 +320,6 @@ def main() -> int:
 
 
 def _probe(store: Any, top_k: int, cache: Any, runner: Any) -> tuple[dict, Any]:
-    import numba
-
     bw = bandwidth.probe(store, top_k, cache=cache, runner=runner)
     print("  " + bw.format(), flush=True)
     plans = {str(m or "auto"): hybrid.plan_split(bw, m, top_k).as_dict()
@@ -331,8 +329,7 @@ def _probe(store: Any, top_k: int, cache: Any, runner: Any) -> tuple[dict, Any]:
     empty = statistics.median(
         runner.time_rows(torch.zeros(1, h), torch.full((1, top_k), -1), torch.zeros(1, top_k))
         for _ in range(20))
-    return {"bandwidths": bw.as_dict(), "plans": plans, "empty_round_trip_us": empty * 1e6,
-            "numba_threading_layer": numba.threading_layer()}, bw
+    return {"bandwidths": bw.as_dict(), "plans": plans, "empty_round_trip_us": empty * 1e6}, bw
 
 
 def _summary(cases: dict[str, Any]) -> dict[str, Any]:

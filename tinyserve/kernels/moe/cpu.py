@@ -6,10 +6,10 @@ is quantized to int8 per block of 16 (scale max|x| / 127, as llama.cpp's CPU dot
 with the E2M1 codes in integers (AVX2 pshufb / pmaddubsw, x86-64 only); `moe_cpu_ref` rounds
 the same way (outputs within ~1 % of unquantized fp32 math). Two parallel regions (per expert
 and block of hidden units: gate and up rows, silu-mul, its int8 rounding; down per row block
-summing its pairs in a fixed order: the same bits for any thread count). numba: wheels
-everywhere, the GIL released, and a native loop (`HostWorker`) that serves calls requested
-through flags in pinned memory with no Python, which the GPU raises and waits on with stream
-memory operations (`offload.hybrid`)."""
+summing its pairs in a fixed order: the same bits for any thread count) on native helper
+threads (`HelperPool`). numba: wheels everywhere, the GIL released, and a native loop
+(`HostWorker`) that serves calls requested through flags in pinned memory with no Python,
+which the GPU raises and waits on with stream memory operations (`offload.hybrid`)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,9 @@ def moe_cpu(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, slots: E
     r = rows.detach().to(torch.int64).contiguous().numpy()
     w = weights.detach().to(torch.float32).contiguous().numpy()
     store = (t.numpy() for t in slots.buffers)  # views, no copy
-    k.moe(xf, r, w, *store, out.numpy(), k.e4m3, threads, k.set_threads)
+    pool = _python_pool()
+    with pool.lock:  # (the GIL released meanwhile)
+        k.moe_pooled(xf, r, w, *store, out.numpy(), k.e4m3, threads, pool.address)
     return out
 
 
@@ -101,7 +103,8 @@ def read_host(buffer: torch.Tensor) -> int:
 
 
 def max_threads() -> int:
-    """The most threads the CPU kernel can run on (numba's pool; NUMBA_NUM_THREADS sets it)."""
+    """The most threads the CPU kernel can run on (the CPUs numba sees; NUMBA_NUM_THREADS sets
+    it)."""
     import numba
 
     _kernels()
@@ -134,20 +137,73 @@ def host_descriptor(slots: ExpertSlots, stage: torch.Tensor, out: torch.Tensor,
     return d
 
 
+class HelperPool:
+    """Native helper threads for the kernel's calls, with no Python and no GIL: `threads - 1`
+    of them (`max_threads()`, at most 255: the region word holds the count in a byte) run the
+    work items of every call made on the pool (`cpu_numba.moe_pooled`, on the calling thread
+    and the helpers). numba's own parallel regions would take the GIL to start, and wait for
+    any Python thread that holds it. A call waits for its work items, not for its helpers: one
+    the OS has not run yet leaves its share to the threads that run (`cpu_numba`, shares).
+    Each helper spins (`pause`) until `spin` seconds passed without work (longer than a decode
+    step, so decode never waits for it to wake), then polls every 50 us, and every 1 ms after
+    `doze` seconds more. One call at a time (`lock` for Python callers); `close()` (or garbage
+    collection) stops the helpers.
+    """
+
+    def __init__(self, *, spin: float = 0.05, doze: float = 0.1) -> None:
+        import ctypes
+        import threading
+        import weakref
+
+        k = _kernels()
+        hz = _tsc_hz()
+        self.threads = min(max_threads(), 255)
+        with torch.inference_mode(False):  # written from anywhere, the finalizer included
+            self.pool = torch.zeros(POOL_WORDS, dtype=torch.int64)
+            self._job = torch.zeros(k.job_words, dtype=torch.int64)  # every call's, in turn
+            self._shares = torch.zeros(self.threads, 8, dtype=torch.int64)
+        self.pool[P_SPIN], self.pool[P_DOZE] = int(spin * hz), int(doze * hz)
+        self.pool[P_USLEEP] = ctypes.cast(ctypes.CDLL(None).usleep, ctypes.c_void_p).value
+        self.pool[P_HELPERS] = self.threads - 1
+        self.pool[P_JOB], self.pool[P_SHARES] = self._job.data_ptr(), self._shares.data_ptr()
+        self.address = self.pool.data_ptr()
+        self.lock = threading.Lock()
+        self._controls = torch.tensor([[self.address, tid] for tid in range(1, self.threads)],
+                                      dtype=torch.int64).view(-1, 2)
+        helper = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(k.helper_address)
+        helpers = [threading.Thread(target=helper, args=(c.data_ptr(),), daemon=True,
+                                    name=f"tinyserve-cpu-experts-{i + 1}")
+                   for i, c in enumerate(self._controls)]
+        for t in helpers:
+            t.start()
+        # the buffers outlive the loops: the finalizer holds them until the threads are joined
+        self._stop = weakref.finalize(self, _stop_helpers, self.pool, helpers, self._controls,
+                                      self._job, self._shares)
+
+    def close(self) -> None:
+        self._stop()
+
+
+def _stop_helpers(pool: torch.Tensor, helpers: list[Any], *buffers: Any) -> None:
+    pool[P_STOP] = 1
+    for t in helpers:
+        t.join()
+
+
+@functools.cache
+def _python_pool() -> HelperPool:
+    """The helper pool of `moe_cpu`'s calls (made on first use)."""
+    return HelperPool()
+
+
 class HostWorker:
     """A native thread running CPU expert calls on request, with no Python and no GIL.
 
     A requester (the GPU through stream memory operations, or `call` from any thread) writes
-    flags[GO] = i for descriptor i (`add`'s number); the worker clears GO, runs the call and
-    answers flags[DONE] = i. One request at a time. A call's threads beyond the worker are
-    helper threads of its own (`max_threads() - 1`, at most 254: the region word holds the
-    count in a byte), native too: numba's parallel regions would take the GIL to start, and
-    wait for any Python thread that holds it. A call waits for its work items, not for its
-    helpers: one the OS has not run yet leaves its share to the threads that run (`cpu_numba`,
-    shares). Each thread spins (`pause`) until `spin` seconds passed without work (longer than
-    a decode step, so decode never waits for it to wake), then polls every 50 us, and every
-    1 ms after `doze` seconds more. `close()` (or garbage collection) stops them.
-    `pin`: the flags in pinned memory (for a GPU requester).
+    flags[GO] = i for descriptor i (`add`'s number); the worker clears GO, runs the call on
+    itself and a `HelperPool` of its own (`spin`, `doze`: its helpers' and its own idling) and
+    answers flags[DONE] = i. One request at a time. `close()` (or garbage collection) stops
+    them. `pin`: the flags in pinned memory (for a GPU requester).
     """
 
     GO, DONE, STOP = 0, 1, 2
@@ -159,36 +215,21 @@ class HostWorker:
         import weakref
 
         k = _kernels()
-        hz = _tsc_hz()
         with torch.inference_mode(False):  # written from anywhere, the finalizer included
             self.flags = torch.zeros(4, dtype=torch.int32, pin_memory=pin)
             self.table = torch.zeros(capacity, dtype=torch.int64)
-            self.pool = torch.zeros(POOL_WORDS, dtype=torch.int64)
+        self.helpers = HelperPool(spin=spin, doze=doze)
+        self.pool = self.helpers.pool
         self._descriptors: list[torch.Tensor] = []
-        self.pool[P_SPIN], self.pool[P_DOZE] = int(spin * hz), int(doze * hz)
-        self.pool[P_USLEEP] = ctypes.cast(ctypes.CDLL(None).usleep, ctypes.c_void_p).value
         self._control = torch.tensor([self.flags.data_ptr(), self.table.data_ptr(), capacity,
-                                      self.pool.data_ptr()], dtype=torch.int64)
-        self.pool[P_HELPERS] = min(max_threads(), 255) - 1
-        self._job = torch.zeros(k.job_words, dtype=torch.int64)  # the pool's, for every call
-        self._shares = torch.zeros(int(self.pool[P_HELPERS]) + 1, 8, dtype=torch.int64)
-        self.pool[P_JOB], self.pool[P_SHARES] = self._job.data_ptr(), self._shares.data_ptr()
-        self._helper_controls = torch.tensor([[self.pool.data_ptr(), tid]
-                                              for tid in range(1, int(self.pool[P_HELPERS]) + 1)],
-                                             dtype=torch.int64).view(-1, 2)
-        helper = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(k.helper_address)
-        helpers = [threading.Thread(target=helper, args=(c.data_ptr(),), daemon=True,
-                                    name=f"tinyserve-cpu-experts-{i + 1}")
-                   for i, c in enumerate(self._helper_controls)]
+                                      self.helpers.address], dtype=torch.int64)
         serve = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(k.serve_address)
         thread = threading.Thread(target=serve, args=(self._control.data_ptr(),), daemon=True,
                                   name="tinyserve-cpu-experts")
-        for t in (*helpers, thread):
-            t.start()
-        # the buffers outlive the loops: the finalizer holds them until the threads are joined
-        self._stop = weakref.finalize(self, _stop_worker, self.flags, self.pool, thread, helpers,
-                                      self._control, self._helper_controls, self.table,
-                                      self._job, self._shares, self._descriptors)
+        thread.start()
+        # the buffers outlive the loop, and the helpers the worker (its finalizer holds them)
+        self._stop = weakref.finalize(self, _stop_worker, self.flags, thread, self.helpers,
+                                      self._control, self.table, self._descriptors)
 
     def add(self, descriptor: torch.Tensor) -> int:
         """Register `descriptor` (`host_descriptor`; kept alive here): its request number."""
@@ -211,13 +252,10 @@ class HostWorker:
         self._stop()
 
 
-def _stop_worker(flags: torch.Tensor, pool: torch.Tensor, thread: Any, helpers: list[Any],
-                 *buffers: Any) -> None:
+def _stop_worker(flags: torch.Tensor, thread: Any, helpers: HelperPool, *buffers: Any) -> None:
     flags[HostWorker.STOP] = 1
-    thread.join()  # (a call in flight needs its helpers)
-    pool[P_STOP] = 1
-    for t in helpers:
-        t.join()
+    thread.join()
+    helpers.close()
 
 
 @functools.cache

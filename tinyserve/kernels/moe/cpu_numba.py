@@ -4,14 +4,12 @@ int64 (-1: skipped), wts [N, k] fp32; w13 uint8 [R, 2F, H/2], s13 [R, 2F, H/16],
 
 from __future__ import annotations
 
-import ctypes
 from types import SimpleNamespace
 
 import numpy as np
 from llvmlite import ir
 from numba import carray, cfunc, njit, prange, types
 from numba.extending import intrinsic
-from numba.np.ufunc.parallel import _launch_threads
 
 RB = 32  # rows per work item: kernels.moe.cpu.ROW_BLOCK
 DW = 17  # descriptor words: kernels.moe.cpu.DESC_WORDS
@@ -45,8 +43,8 @@ def _typed_ptr(dtype):
 
 @intrinsic
 def _call_i32(typingctx, addr, value):
-    """`int f(int)` at address `addr` called with `value` (numba's set_num_threads, reached
-    through an address passed in: a cached function may not hold its ctypes object)."""
+    """`int f(int)` at address `addr` called with `value` (usleep, reached through an address
+    passed in: a cached function may not hold its ctypes object)."""
     sig = types.int64(types.int64, types.int64)
 
     def codegen(context, builder, signature, args):
@@ -505,29 +503,8 @@ def _prepare(x, rows, f):
             np.empty((npairs, f), np.int8), np.empty((npairs, f // 16), np.float32))
 
 
-@njit(parallel=True, fastmath=True, nogil=True, cache=True, error_model="numpy")
-def moe(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, set_threads):
-    """Every pair's expert (module docstring of kernels.moe.cpu) on `threads` threads of
-    numba's pool (`set_threads`: the address of numba's set_num_threads; each region takes the
-    GIL for a moment to start: for Python callers); returns the number of distinct experts
-    computed."""
-    f, h = w2.shape[2] * 2, out.shape[1]
-    flat, pairs, starts, groups, xq, xs, hid, hq, hs = _prepare(x, rows, f)
-    if groups == 0:
-        out[:] = 0.0
-        return 0
-    _call_i32(set_threads, threads)
-    shares = np.empty((threads, 8), np.int64)
-    for r in (1, 2):
-        _open_shares(shares, r, _items(r, groups, f, h), threads)
-        for tid in prange(threads):
-            region(r, tid, threads, r, shares.ctypes.data, -1, groups, flat, pairs, starts,
-                   wts, w13, s13, g13, w2, s2, g2, e4, xq, xs, hid, hq, hs, out)
-    return groups
-
-
-# The worker's own pool of helper threads: numba's parallel regions each take the GIL to start,
-# so a Python thread running bytecode would hold every call of the worker up (a switch
+# A pool of helper threads (kernels.moe.cpu.HelperPool): numba's parallel regions each take the
+# GIL to start, so a Python thread running bytecode would hold every call up (a switch
 # interval a region). The pool's control block, int64 words: the region word (an int32: the
 # region's number * 256 + its threads; number = tag, mod 2^22), the address of the job (int64
 # [JW]: the region, the call's shapes and its arrays' addresses, written before the word), the
@@ -584,9 +561,10 @@ def _work(pool_address, tid, tag, threads):
 
 @njit(nogil=True, cache=True, error_model="numpy")
 def moe_pooled(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, pool_address):
-    """`moe` on the calling thread and the helpers of the pool at `pool_address` (no GIL), on
-    at most the pool's threads. Each region is the caller's to finish: helpers take items as
-    they come, and it returns once every item is done."""
+    """Every pair's expert (module docstring of kernels.moe.cpu) on the calling thread and the
+    helpers of the pool at `pool_address` (no GIL), on at most `threads` of them; returns the
+    number of distinct experts computed. Each region is the caller's to finish: helpers take
+    items as they come, and it returns once every item is done."""
     pool = carray(_ptr_i64(pool_address), (PW,))
     threads = min(threads, pool[P_HELPERS] + 1)
     f, h = w2.shape[2] * 2, out.shape[1]
@@ -654,11 +632,6 @@ def _e4m3_values() -> np.ndarray:
 
 
 _E4M3 = _e4m3_values()
-# NOTE: numba's threading layer started at import: `build` takes the address of its
-# set_num_threads, which exists only once the layer is loaded (for `moe`'s Python callers).
-_launch_threads()
-
-
 @njit(nogil=True, cache=True)
 def _run(address, pool_address):
     """One call described by the descriptor at `address` (kernels.moe.cpu.host_descriptor),
@@ -718,16 +691,13 @@ def serve(control):
 
 
 def build(row_block: int, desc_words: int, pool_words: int) -> SimpleNamespace:
-    """The compiled kernels: `moe`, the E4M3 table it takes, the worker and helper loops'
-    addresses and the time-stamp counter."""
+    """The compiled kernels: `moe_pooled`, the E4M3 table it takes, the worker and helper
+    loops' addresses, the job's size, the host read probe and the time-stamp counter."""
     if (row_block, desc_words, pool_words) != (RB, DW, PW):
         raise ValueError("kernels.moe.cpu and its numba code disagree on their constants")
-    from numba.np.ufunc import parallel
-
-    set_threads = ctypes.cast(parallel._set_num_threads, ctypes.c_void_p).value
-    return SimpleNamespace(moe=moe, e4m3=_E4M3.copy(), serve_address=serve.address,
-                           helper_address=helper.address, read_sum=read_sum,
-                           set_threads=set_threads, tsc=tsc, job_words=JW)
+    return SimpleNamespace(moe_pooled=moe_pooled, e4m3=_E4M3.copy(),
+                           serve_address=serve.address, helper_address=helper.address,
+                           job_words=JW, read_sum=read_sum, tsc=tsc)
 
 
 @njit(parallel=True, nogil=True, cache=True, error_model="numpy")

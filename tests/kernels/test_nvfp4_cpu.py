@@ -153,6 +153,34 @@ def test_pooled_call_waits_for_items_not_helpers() -> None:
     assert int(pool[nc.P_DONE]) == 0
 
 
+def test_moe_cpu_from_several_threads_at_once() -> None:
+    """Python threads calling `moe_cpu` together share its helper pool one call at a time:
+    every result is the one the call gives alone."""
+    import threading
+
+    L, E, H, F, k = 2, 8, 128, 64, 4
+    store = _store(L, E, H, F, seed=4)
+    g = torch.Generator().manual_seed(9)
+    calls = [(torch.randn(2, H, generator=g), _rows(2, k, L * E, 0.9, g),
+              torch.rand(2, k, generator=g)) for _ in range(12)]
+    want = [nc.moe_cpu(x, r, w, store.slots) for x, r, w in calls]
+    got: dict[int, torch.Tensor] = {}
+
+    def run(first: int) -> None:
+        for _ in range(50):
+            for i in range(first, len(calls), 3):
+                got[i] = nc.moe_cpu(*calls[i], store.slots)
+
+    threads = [threading.Thread(target=run, args=(t,), daemon=True) for t in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+        assert not t.is_alive(), "a moe_cpu call never returned"
+    for i, w in enumerate(want):
+        assert torch.equal(got[i], w)
+
+
 def test_moe_cpu_refuses_what_it_cannot_run() -> None:
     with pytest.raises(ValueError, match="multiples of 64"):
         nc.check_slots(_store(1, 2, 64, 32, seed=0).slots)

@@ -167,8 +167,8 @@ def main() -> int:
     runner = CpuExperts(store, device=dev)
     hz = nvfp4_cpu._tsc_hz()
     if args.spin is not None:  # the loop reads it on every poll
-        runner._worker.pool[nvfp4_cpu.P_SPIN] = int(args.spin * hz)
-    spin_ms = int(runner._worker.pool[nvfp4_cpu.P_SPIN]) / hz * 1e3
+        runner._worker.helpers.pool[nvfp4_cpu.P_SPIN] = int(args.spin * hz)
+    spin_ms = int(runner._worker.helpers.pool[nvfp4_cpu.P_SPIN]) / hz * 1e3
     result = {**run_meta("cpu_round_trip", threads_max=nvfp4_cpu.max_threads(),
                          pause_ns=pause_ns(), worker_spin_ms=spin_ms), "cases": {}}
     print({key: result[key] for key in ("pause_ns", "worker_spin_ms")})

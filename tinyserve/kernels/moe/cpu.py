@@ -25,7 +25,7 @@ ROW_BLOCK = 32  # hidden units (gate and up rows) or down rows per work item
 DESC_WORDS = 17
 (D_STAGE, D_OUT, D_N, D_K, D_ROW_BASE, D_W13, D_S13, D_G13, D_W2, D_S2, D_G2, D_ROWS, D_H, D_F,
  D_COUNT, D_CALLS, D_THREADS) = range(DESC_WORDS)
-# NOTE: the layout of a `HostWorker`'s pool control block (int64 words; cpu_numba.helper)
+# NOTE: the layout of a `HelperPool`'s control block (int64 words; cpu_numba.helper)
 POOL_WORDS = 9
 P_REGION, P_JOB, P_DONE, P_STOP, P_SPIN, P_DOZE, P_USLEEP, P_HELPERS, P_SHARES = range(POOL_WORDS)
 
@@ -219,7 +219,6 @@ class HostWorker:
             self.flags = torch.zeros(4, dtype=torch.int32, pin_memory=pin)
             self.table = torch.zeros(capacity, dtype=torch.int64)
         self.helpers = HelperPool(spin=spin, doze=doze)
-        self.pool = self.helpers.pool
         self._descriptors: list[torch.Tensor] = []
         self._control = torch.tensor([self.flags.data_ptr(), self.table.data_ptr(), capacity,
                                       self.helpers.address], dtype=torch.int64)

@@ -6,7 +6,7 @@ store, on each thread count the probe tries, timed four ways:
     kernel   `moe_pooled` called from Python on numpy inputs (wall clock; `moe_cpu`'s pool)
     worker   the HostWorker's native loop, requested and awaited by Python polling its flags
     graph    the decode layer's round trip (`CpuExperts.start` / `join` in a CUDA graph: the
-             stage copy, the request flag, the wait for the answer, the copy back), one replay
+             request written, its flag, the wait for the answer, the answer added), one replay
              timed between events, as the start-up probe times it
     chain    R such round trips in one graph, each after a GPU spin of `gap` us (a decode
              layer's other work), timed together and divided by R
@@ -83,6 +83,7 @@ def one_case(c: SimpleNamespace, threads: int, n: int) -> dict[str, float]:
     slot = torch.full((1, kk), -1 if n else 0, dtype=torch.int32, device=dev)
     xd = torch.from_numpy(x).to(dev)
     wd = torch.from_numpy(w).to(dev)
+    base = torch.zeros(1, h, dtype=torch.bfloat16, device=dev)  # the GPU part's output
 
     def new_rows() -> None:  # distinct experts per call of a chain: none read from the cache
         rows = torch.randperm(total, generator=g)[:kk * chain_len].view(chain_len, 1, kk)
@@ -90,14 +91,14 @@ def one_case(c: SimpleNamespace, threads: int, n: int) -> dict[str, float]:
             dst.copy_(src)
 
     runner.start(0, xd, ids[0], slot, wd)  # the entry made, the first call run
-    runner.join()
+    runner.join(base)
     torch.cuda.synchronize()
     entry = runner._entries[(0, 1, kk)]
 
     def worker_call() -> float:
         rel = torch.randperm(total, generator=g)[:kk].to(torch.int32) if n else \
             torch.full((kk,), -1, dtype=torch.int32)
-        entry.stage_host[0, h:h + kk] = rel.view(torch.float32)
+        entry.stage[0, h:h + kk] = rel.view(torch.float32)
         t = time.perf_counter()
         worker.flags[worker.GO] = entry.number
         while int(worker.flags[worker.DONE]) != entry.number:
@@ -109,7 +110,7 @@ def one_case(c: SimpleNamespace, threads: int, n: int) -> dict[str, float]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         runner.start(0, xd, ids[0], slot, wd)
-        runner.join()
+        runner.join(base)
 
     def graph_call() -> float:
         new_rows()
@@ -126,7 +127,7 @@ def one_case(c: SimpleNamespace, threads: int, n: int) -> dict[str, float]:
                 if cyc:
                     torch.cuda._sleep(cyc)
                 runner.start(0, xd, ids[i], slot, wd)
-                runner.join()
+                runner.join(base)
         spin_only = 0.0
         if cyc:
             only = torch.cuda.CUDAGraph()

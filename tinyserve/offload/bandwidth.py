@@ -191,14 +191,16 @@ def split_times(cache: Any, runner: Any, top_k: int, reps: int = 7) -> dict[int,
     """Microseconds of one token's `top_k` misses in a decode layer's order, for c = 0..top_k
     of them computed on the CPU (`runner`, an `offload.hybrid.CpuExperts` on CUDA): the CPU
     call requested, the other top_k - c copied by the cache's miss-copy path (its throttle
-    included) into scratch slots, the answer waited for; captured in a CUDA graph per c and
-    timed on the device, fresh rows each replay, median of `reps`. c = 0 copies alone."""
+    included) into scratch slots, the answer waited for and added; captured in a CUDA graph
+    per c and timed on the device, fresh rows each replay, median of `reps`. c = 0 copies
+    alone."""
     dev, h = cache.device, cache.store.slots.hidden_size
     rows_total = cache.num_layers * cache.num_experts
     g = torch.Generator().manual_seed(0)
     first = torch.arange(top_k).view(1, top_k)
     x = torch.randn(1, h, generator=g).to(dev)
     weights = torch.full((1, top_k), 1.0 / top_k, device=dev)
+    base = torch.zeros(1, h, dtype=torch.bfloat16, device=dev)  # the GPU part's output
     rows = torch.zeros(1, top_k, dtype=torch.int32, device=dev)
     dst = torch.arange(top_k, dtype=torch.int32, device=dev)
     out: dict[int, float] = {}
@@ -212,7 +214,7 @@ def split_times(cache: Any, runner: Any, top_k: int, reps: int = 7) -> dict[int,
                 if c < top_k:
                     cache._copy(rows[0, c:], dst[:top_k - c])
                 if c:
-                    runner.join()
+                    runner.join(base)
 
             layer()  # the runner's buffers made outside the capture
             torch.cuda.synchronize(dev)

@@ -9,12 +9,13 @@ m distinct misses the GPU copies m - c while the CPU computes c from the pinned 
 (t_copy = bytes per expert / H2D rate, t_cpu per expert, t_call per layer; all from the
 start-up probe, `offload.bandwidth`). The lookup kernel applies the split (a, b) = (t_copy,
 t_call) / (t_copy + t_cpu) on the device, so it needs no host sync; CPU-computed experts are
-not cached. On CUDA the CPU part runs in stream order (`CpuExperts`): the stream copies x and
-the routing to pinned memory and raises the request flag of the CPU worker
-(`kernels.moe.cpu.HostWorker`, spinning on it) before the layer's miss copies, and waits for its
-answer flag before adding the result, with stream memory operations (`cuStreamWriteValue32` /
-`cuStreamWaitValue32`, capturable in the decode graph; no host function and no driver thread
-in the path).
+not cached. On CUDA the CPU part runs in stream order (`CpuExperts`): a kernel writes x and
+the routing into pinned memory and the stream raises the request flag of the CPU worker
+(`kernels.moe.cpu.HostWorker`, spinning on it) before the layer's miss copies, then waits for its
+answer flag and a kernel adds the answer from pinned memory (`kernels.moe.cpu_exchange`), with
+stream memory operations for the flags (`cuStreamWriteValue32` / `cuStreamWaitValue32`,
+capturable in the decode graph; no host function, no driver thread and no copy-engine
+transfer in the path).
 Modes (`--experts`): "gpu", "cpu" (every miss on the CPU), "hybrid"; None ("auto") picks
 hybrid when the probe predicts it faster, and the started engine then keeps whichever of the
 three decodes fastest (`engine.expert_mode`). Streamed prefill and batches over
@@ -32,6 +33,7 @@ import torch
 
 from tinyserve.kernels import cuda_launch
 from tinyserve.kernels.moe import cpu as nvfp4_cpu
+from tinyserve.kernels.moe import cpu_exchange
 from tinyserve.log import get_logger
 from tinyserve.offload.bandwidth import Bandwidths, device_seconds, probe
 from tinyserve.offload.lookup import cpu_share
@@ -129,10 +131,8 @@ def plan_split(bw: Bandwidths, mode: str | None, top_k: int) -> HybridPlan:
 class _Entry:
     """Buffers of one (layer, batch size) CPU call on CUDA (kept for the graphs' lifetime)."""
 
-    stage_dev: torch.Tensor  # [N, H + 2k] fp32: x | rows (int32 bits) | weights
-    stage_host: torch.Tensor  # pinned copy of it, read by the CPU worker
-    out_host: torch.Tensor  # [N, H] fp32 pinned, written by the CPU worker
-    y_dev: torch.Tensor  # [N, H] fp32 on the device
+    stage: torch.Tensor  # [N, H + 2k] fp32 pinned: x | rows (int32 bits) | weights
+    answer: torch.Tensor  # [N, H] fp32 pinned, written by the CPU worker
     desc: torch.Tensor  # int64 descriptor (kernels.moe.cpu.host_descriptor)
     number: int  # its request number at the worker
 
@@ -141,9 +141,9 @@ class CpuExperts:
     """Runs the CPU share of a layer's experts in stream order (module docstring).
 
     `start(layer, x, ids, slot_ids, weights)` requests the CPU work of the pairs whose slot is
-    -1 and returns where its result [N, H] fp32 lands (valid on the compute stream after
-    `join()`); `computed` counts the distinct experts computed so far. The kernel runs on
-    `threads` CPU threads (`set_threads`; the probe picks the fastest count).
+    -1, and `join(out)` adds its result to the GPU part's output; `computed` counts the
+    distinct experts computed so far. The kernel runs on `threads` CPU threads (`set_threads`;
+    the probe picks the fastest count).
     """
 
     def __init__(self, store: Any, *, device: torch.device | str) -> None:
@@ -157,7 +157,7 @@ class CpuExperts:
             w = self._worker
             self._go, self._done = (flags_address(w.flags, i) for i in (w.GO, w.DONE))
         self._entries: dict[tuple[int, int, int], _Entry] = {}
-        self._pending: _Entry | None = None  # requested by `start`, not yet joined
+        self._pending: _Entry | torch.Tensor | None = None  # started, not joined (CPU: its y)
         self._inline_count = 0
         self._timing: dict[int, list[Any]] = {}  # k -> static inputs and graph of time_rows
 
@@ -174,57 +174,62 @@ class CpuExperts:
                                         for e in self._entries.values())
 
     def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Tensor,
-              weights: torch.Tensor) -> torch.Tensor:
+              weights: torch.Tensor) -> None:
         """Request the CPU work of `layer`'s pairs with slot_ids < 0 on the current stream (the
-        GPU work queued after it runs while the CPU computes). x [N, H]; ids, slot_ids, weights
-        [N, k] on the device. Returns y [N, H] fp32 (read it after `join()`)."""
-        rel = torch.where(slot_ids < 0, ids.to(torch.int32), -1)  # [N, k] expert or -1
+        GPU work queued after it runs while the CPU computes). x [N, H]; ids, slot_ids (int32),
+        weights [N, k] on the device."""
         if not self.cuda:
-            rows = torch.where(rel >= 0, rel.long() + layer * self.store.num_experts, -1)
+            rel = torch.where(slot_ids < 0, ids.long(), -1)
+            rows = torch.where(rel >= 0, rel + layer * self.store.num_experts, -1)
             self._inline_count += len(set(rows[rows >= 0].tolist()))
-            return nvfp4_cpu.moe_cpu(x, rows, weights, self.store.slots, threads=self.threads)
+            self._pending = nvfp4_cpu.moe_cpu(x, rows, weights, self.store.slots,
+                                              threads=self.threads)
+            return
         e = self._entry(layer, *ids.shape)
-        torch.cat([x.float(), rel.view(torch.float32), weights.float()], dim=1,
-                  out=e.stage_dev)
-        e.stage_host.copy_(e.stage_dev, non_blocking=True)
+        cpu_exchange.write_request(x.contiguous(), ids.contiguous(), slot_ids.contiguous(),
+                                   weights.contiguous(), e.stage)
         stream_write(torch.cuda.current_stream(self.device), self._go, e.number)
         self._pending = e
-        return e.y_dev
 
-    def join(self) -> None:
-        """Hold the current stream's next work until the CPU answered the last request, and
-        copy its result in. NOTE: one stream for both: a wait on a separate stream can hold
+    def join(self, out: torch.Tensor) -> torch.Tensor:
+        """`out` [N, H] (the GPU part of the layer's experts) plus the CPU part of the last
+        `start`, in fp32 rounded to out's dtype. On CUDA the current stream's next work waits
+        until the CPU answered. NOTE: one stream for both: a wait on a separate stream can hold
         the GPU work queued behind it on a shared hardware queue, serialising the two."""
         e, self._pending = self._pending, None
-        if e is not None:
-            stream = torch.cuda.current_stream(self.device)
-            stream_wait(stream, self._done, e.number)
-            stream_write(stream, self._done, 0)
-            e.y_dev.copy_(e.out_host, non_blocking=True)
+        if e is None:
+            raise RuntimeError("join() without a start()")
+        if isinstance(e, torch.Tensor):
+            return cpu_exchange.add_answer_ref(out, e)
+        stream = torch.cuda.current_stream(self.device)
+        stream_wait(stream, self._done, e.number)
+        stream_write(stream, self._done, 0)
+        return cpu_exchange.add_answer(out.contiguous(), e.answer)
 
     def time_rows(self, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> float:
         """Seconds of one CPU call over store `rows` [1, k] (any layers) as a decode layer
-        pays it: on CUDA the request, the answer and the copies captured in a CUDA graph
-        (one per k, kept) and timed between events on the device; elsewhere the inline
-        call."""
+        pays it: on CUDA the request, the answer and its sum captured in a CUDA graph (one
+        per k, kept) and timed between events on the device; elsewhere the inline call."""
         slot = torch.where(rows >= 0, -1, 0).to(torch.int32)
         ids = torch.where(rows >= 0, rows, 0)  # rows relative to layer 0's base: any row
         if not self.cuda:
             t = time.perf_counter()
             self.start(0, x, ids, slot, weights)
+            self.join(torch.zeros_like(x))
             return time.perf_counter() - t
         k = rows.shape[1]
         static = self._timing.get(k)
         if static is None:
             dev = self.device
             static = [x.to(dev), ids.to(dev), slot.to(dev), weights.to(dev)]
+            base = torch.zeros_like(static[0], dtype=torch.bfloat16)
             self.start(0, *static)  # buffers made and the first call run outside the capture
-            self.join()
+            self.join(base)
             torch.cuda.synchronize(dev)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 self.start(0, *static)
-                self.join()
+                self.join(base)
             static.append(graph)
             self._timing[k] = static
         for dst, src in zip(static[:4], (x, ids, slot, weights), strict=True):
@@ -237,14 +242,11 @@ class CpuExperts:
         if e is None:
             h = self.store.slots.hidden_size
             pin = dict(dtype=torch.float32, pin_memory=True)
-            stage_host, out_host = torch.zeros(n, h + 2 * k, **pin), torch.zeros(n, h, **pin)
+            stage, answer = torch.zeros(n, h + 2 * k, **pin), torch.zeros(n, h, **pin)
             with torch.inference_mode(False):  # `set_threads` writes it from any thread
-                desc = nvfp4_cpu.host_descriptor(self.store.slots, stage_host, out_host, k,
+                desc = nvfp4_cpu.host_descriptor(self.store.slots, stage, answer, k,
                                                  layer * self.store.num_experts, self.threads)
-            e = _Entry(torch.zeros(n, h + 2 * k, dtype=torch.float32, device=self.device),
-                       stage_host, out_host,
-                       torch.zeros(n, h, dtype=torch.float32, device=self.device), desc,
-                       self._worker.add(desc))
+            e = _Entry(stage, answer, desc, self._worker.add(desc))
             self._entries[key] = e
         return e
 

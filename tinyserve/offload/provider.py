@@ -96,24 +96,22 @@ class OffloadedExperts(ExpertsProvider):
             if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
                 self.cache.begin_step(defer=True)
         self._last_layer = layer_id
-        cpu_y: list[torch.Tensor] = []  # the CPU part's output [N, H] fp32, when one runs
+        forked: list[bool] = []  # whether a CPU part runs
 
         def fork(slot_ids: torch.Tensor) -> None:
-            cpu_y.append(self.cpu_runner.start(layer_id, x, topk_ids, slot_ids, topk_weights))
+            self.cpu_runner.start(layer_id, x, topk_ids, slot_ids, topk_weights)
+            forked.append(True)
 
         slot_ids = self._slot_ids(layer_id, topk_ids, fork)  # [N, k] int32
         weights = topk_weights
-        if cpu_y:
+        if forked:
             on_cpu = slot_ids < 0
             slot_ids = torch.where(on_cpu, 0, slot_ids)
             weights = torch.where(on_cpu, 0, topk_weights)
         moe = fused_moe if self.use_kernel else fused_moe_ref
         out = moe(x, slot_ids, weights, self.cache.slots, shared_slots=shared_slots,
                   shared_logit=shared_logit)
-        if not cpu_y:
-            return out
-        self.cpu_runner.join()
-        return (out.float() + cpu_y[0]).to(x.dtype)
+        return self.cpu_runner.join(out) if forked else out
 
     def _slot_ids(self, layer_id: int, topk_ids: torch.Tensor,
                   fork: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:

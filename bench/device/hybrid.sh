@@ -21,6 +21,7 @@ fi
     > "$OUT/env.txt" 2>&1
 t0=$SECONDS
 timeout -s INT 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_nvfp4_cpu.py \
+    tests/kernels/test_cpu_exchange.py \
     tests/offload/test_hybrid.py tests/offload/test_hybrid_cuda.py \
     tests/engine/test_offload_engine.py tests/engine/test_offload_engine_cuda.py \
     > "$OUT/tests.log" 2>&1

@@ -13,7 +13,7 @@ Cases:
   probe's thread counts, and the torch reference (dequantize + matmul) on the same experts:
   the measurement behind choosing numba.
 - probe: the start-up probe and the plan of every mode.
-- gpu, cpu, hybrid: `engine.bench.run_bench` (prompt 1024, 64 generated, batch 1): decode
+- gpu, cpu, hybrid: `engine.bench.run_bench` (prompt 1024, 256 generated, batch 1): decode
   tok/s, the median step, hits / misses / experts computed on the CPU, the greedy tokens of
   one fixed prompt (the summary counts how many agree with gpu-only's), and the top-20
   logprobs of 16 decode steps teacher-forced on gpu-only's tokens (the summary compares them
@@ -244,7 +244,8 @@ def main() -> int:
     p.add_argument("--kv", default="iso3")
     p.add_argument("--max-context", type=int, default=131072)
     p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--gen-len", type=int, default=64)
+    p.add_argument("--gen-len", type=int, default=256,
+                   help="decode steps per case (64-step runs spread more: hybrid_exchange_ab.json)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--h2d-gbps", type=float, default=12.0,
                    help="the laptop case's miss-copy rate (0: skip the laptop case)")

@@ -184,6 +184,14 @@ def _splat(ty: ir.VectorType, value: int | float) -> ir.Constant:
     return ir.Constant(ty, [ir.Constant(ty.element, value)] * ty.count)
 
 
+def _add_neighbours(b: ir.IRBuilder, u: ir.Value, v: ir.Value) -> ir.Value:
+    """[u0 + u1, u2 + u3, u4 + u5, u6 + u7, v0 + v1, ..., v6 + v7] of two <8 x float>."""
+    def lanes(first: int) -> ir.Constant:
+        return ir.Constant(_V8I32, [ir.Constant(_I32, k) for k in range(first, 16, 2)])
+
+    return b.fadd(b.shuffle_vector(u, v, lanes(0)), b.shuffle_vector(u, v, lanes(1)))
+
+
 def _dot_function(module: ir.Module, nrows: int, ntok: int) -> ir.Function:
     """`void dot(i8 *codes, i64 row_bytes, i8 *scales, i64 row_scales, float *e4, i8 *xq,
     i64 xq_step, float *xs, i64 xs_step, i64 chunks, float *out)`: for each of `nrows` weight
@@ -260,11 +268,18 @@ def _dot_function(module: ir.Module, nrows: int, ntok: int) -> ir.Function:
         acc.add_incoming(acc_next, loop)
     b.cbranch(b.icmp_unsigned("<", i_next, chunks), loop, done)
     b.position_at_end(done)
-    for j, acc_next in enumerate(nexts):
-        lane = [b.extract_element(acc_next, ir.Constant(_I32, k)) for k in range(8)]
-        while len(lane) > 1:
-            lane = [b.fadd(lane[k], lane[k + 1]) for k in range(0, len(lane), 2)]
-        b.store(lane[0], b.gep(out, [const(j)]))
+    # every accumulator's eight lanes summed as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 +
+    # l7)), all of them at once: three rounds of adding neighbouring lanes of two vectors
+    m = len(nexts)
+    level = list(nexts)
+    for _ in range(3):
+        level = [_add_neighbours(b, level[k], level[min(k + 1, len(level) - 1)])
+                 for k in range(0, len(level), 2)]
+    sums = level[0]  # lanes 0..m-1: the m dots
+    if m < 8:
+        sums = b.shuffle_vector(sums, sums, ir.Constant(ir.VectorType(_I32, m),
+                                                        [ir.Constant(_I32, k) for k in range(m)]))
+    b.store(sums, b.bitcast(out, ir.VectorType(_F32, m).as_pointer()), align=4)
     b.ret_void()
     return fn
 

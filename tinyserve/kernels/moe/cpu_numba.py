@@ -201,6 +201,8 @@ def _dot_function(module: ir.Module, nrows: int, ntok: int) -> ir.Function:
     out[j * ntok + t] (see `_quantize` for xq's layout); `chunks` >= 1 iterations of 32 code
     bytes per row. The rows share the inputs' loads, the inputs each row's decoded codes, and
     all of them the loop and its count."""
+    if not 2 <= nrows * ntok <= 8:  # the final sums fill one vector
+        raise ValueError(f"a block dot holds 2 to 8 accumulators, not {nrows} x {ntok}")
     name = f"tinyserve_nvfp4_i8_dot{nrows}x{ntok}"
     fn = module.globals.get(name)
     if fn is not None:

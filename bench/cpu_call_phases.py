@@ -1,12 +1,12 @@
 """Where one call of the CPU expert kernel spends its time (kernels.moe.cpu).
 
-A copy of `cpu_numba.moe` with time-stamp-counter stamps: the call's entry, its setup (pairs
-grouped, inputs quantized), both parallel regions' ends, and every work item's start and end
-with the thread that ran it. From them: the setup, each region's launch (region start to the
-first item), its work (items' own time, summed per thread), its tail (last item end to region
-end) and the stragglers (threads that took their first item late). One token, 1 and top_k
-experts of a random store, each thread count, back to back and after a 300 us idle gap (as a
-decode layer calls it).
+A copy of `cpu_numba.moe_pooled`'s call (numba's threads in place of the helper pool) with
+time-stamp-counter stamps: the call's entry, its setup (pairs grouped, inputs quantized), both
+parallel regions' ends, and every work item's start and end with the thread that ran it. From
+them: the setup, each region's launch (region start to the first item), its work (items' own
+time, summed per thread), its tail (last item end to region end) and the stragglers (threads
+that took their first item late). One token, 1 and top_k experts of a random store, each thread
+count, back to back and after a 300 us idle gap (as a decode layer calls it).
 
     python bench/cpu_call_phases.py [--store-gib 4] [--out bench/results/cpu_call_phases.json]
 """
@@ -36,24 +36,15 @@ from tinyserve.offload import bandwidth  # noqa: E402
 
 @njit(parallel=True, fastmath=True, nogil=True, error_model="numpy")
 def moe_stamped(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, st, it):
-    """`cpu_numba.moe` (its schedule around the same work items) with stamps: st [5] (entry,
-    setup done, region 1 end, region 2 end, exit), it [items, 3] (start, end, thread) per work
-    item of both regions."""
+    """`cpu_numba.moe_pooled` (its setup and its schedule of the same work items, on numba's
+    threads) with stamps: st [5] (entry, setup done, region 1 end, region 2 end, exit), it
+    [items, 3] (start, end, thread) per work item of both regions."""
     st[0] = K._tsc()
     n, topk = rows.shape
     h = x.shape[1]
     f = w2.shape[2] * 2
-    flat = rows.reshape(-1)
-    pairs, starts, groups = K.group_pairs(flat)
-    xq = np.empty((n, h), np.int8)
-    xs = np.empty((n, h // 16), np.float32)
-    for t in range(n):
-        K._quantize(x[t], xq[t], xs[t], 0, h // 16)
-    npairs = pairs.shape[0]
-    hid = np.empty((npairs, f), np.float32)
-    hq = np.empty((npairs, f), np.int8)
-    hs = np.empty((npairs, f // 16), np.float32)
-    items = groups * (f // K.RB)
+    flat, pairs, starts, groups, xq, xs, hid, hq, hs = K._prepare(x, rows, f)
+    items = K._items(1, groups, f, h)
     shares = np.empty((threads, 8), np.int64)
     K._open_shares(shares, 1, items, threads)
     st[1] = K._tsc()
@@ -69,7 +60,7 @@ def moe_stamped(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, st, i
                 it[item, 2] = tid
                 item = K._claim(shares.ctypes.data, share, 1)
     st[2] = K._tsc()
-    K._open_shares(shares, 2, h // K.RB, threads)
+    K._open_shares(shares, 2, K._items(2, groups, f, h), threads)
     for tid in prange(threads):
         acc = np.empty((K.RB, n), np.float32)
         for v in range(threads):

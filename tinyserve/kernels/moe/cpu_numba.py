@@ -649,6 +649,8 @@ def _e4m3_values() -> np.ndarray:
 
 
 _E4M3 = _e4m3_values()
+
+
 @njit(nogil=True, cache=True)
 def _run(address, pool_address):
     """One call described by the descriptor at `address` (kernels.moe.cpu.host_descriptor),

@@ -29,20 +29,28 @@ def _pairs(n: int, h: int, k: int, seed: int, dtype: torch.dtype = torch.bfloat1
     return [t.to(DEV) for t in (x, ids, slot_ids, weights)]
 
 
-@pytest.mark.parametrize("n,h,k,dtype", [(1, 512, 8, torch.bfloat16), (3, 320, 6, torch.float32),
-                                         (16, 64, 1, torch.float16)],
-                         ids=["decode", "odd-h", "batch"])
-def test_write_request_equals_reference(n, h, k, dtype) -> None:
+@pytest.mark.parametrize("n,h,k,dtype,wdtype", [
+    (1, 512, 8, torch.bfloat16, torch.float32), (3, 320, 6, torch.float32, torch.float32),
+    (16, 64, 1, torch.float16, torch.bfloat16)], ids=["decode", "odd-h", "batch-bf16-weights"])
+def test_write_request_equals_reference(n, h, k, dtype, wdtype) -> None:
     x, ids, slot_ids, weights = _pairs(n, h, k, seed=n + h, dtype=dtype)
+    weights = weights.to(wdtype)
     want = torch.empty(n, h + 2 * k)
-    write_request_ref(x.cpu(), ids.cpu(), slot_ids.cpu(), weights.cpu(), want)
+    want_slots, want_weights = write_request_ref(x.cpu(), ids.cpu(), slot_ids.cpu(),
+                                                 weights.cpu(), want)
     stage = torch.full((n, h + 2 * k), float("nan"), pin_memory=PIN)
-    write_request(x, ids, slot_ids, weights, stage)
+    gpu_slots, gpu_weights = write_request(x, ids, slot_ids, weights, stage)
     if PIN:
         torch.cuda.synchronize()
     assert torch.equal(stage.view(torch.int32), want.view(torch.int32))  # bits: ids, NaN
     rel = stage[:, h:h + k].view(torch.int32)
     assert torch.equal(rel, torch.where(slot_ids.cpu() < 0, ids.cpu().int(), -1))
+    # the GPU part: the CPU's pairs at slot 0 with weight 0, the others as they were
+    assert gpu_slots.dtype == torch.int32 and gpu_weights.dtype == wdtype
+    assert torch.equal(gpu_slots.cpu(), want_slots) and torch.equal(gpu_weights.cpu(),
+                                                                   want_weights)
+    assert (want_weights[slot_ids.cpu() < 0] == 0).all()
+    assert torch.equal(want_weights[slot_ids.cpu() >= 0], weights.cpu()[slot_ids.cpu() >= 0])
 
 
 @pytest.mark.parametrize("n,h,dtype", [(1, 512, torch.bfloat16), (5, 300, torch.float16),
@@ -85,7 +93,7 @@ def test_exchange_in_a_cuda_graph_sees_each_replays_host_data() -> None:
     out = torch.randn(n, h, device="cuda").bfloat16()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        write_request(x, ids, slot_ids, weights, stage)
+        gpu_part = write_request(x, ids, slot_ids, weights, stage)
         res = add_answer(out, answer)
     for seed in range(3):
         x.copy_(torch.randn(n, h, generator=torch.Generator().manual_seed(seed)))
@@ -93,6 +101,7 @@ def test_exchange_in_a_cuda_graph_sees_each_replays_host_data() -> None:
         graph.replay()
         torch.cuda.synchronize()
         want = torch.empty_like(stage)
-        write_request_ref(x.cpu(), ids.cpu(), slot_ids.cpu(), weights.cpu(), want)
+        want_part = write_request_ref(x.cpu(), ids.cpu(), slot_ids.cpu(), weights.cpu(), want)
         assert torch.equal(stage.view(torch.int32), want.view(torch.int32))
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(gpu_part, want_part, strict=True))
         assert torch.equal(res.cpu(), add_answer_ref(out.cpu(), answer))

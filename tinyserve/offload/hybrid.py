@@ -141,9 +141,9 @@ class CpuExperts:
     """Runs the CPU share of a layer's experts in stream order (module docstring).
 
     `start(layer, x, ids, slot_ids, weights)` requests the CPU work of the pairs whose slot is
-    -1, and `join(out)` adds its result to the GPU part's output; `computed` counts the
-    distinct experts computed so far. The kernel runs on `threads` CPU threads (`set_threads`;
-    the probe picks the fastest count).
+    -1 and returns the GPU part's pairs, and `join(out)` adds its result to the GPU part's
+    output; `computed` counts the distinct experts computed so far. The kernel runs on
+    `threads` CPU threads (`set_threads`; the probe picks the fastest count).
     """
 
     def __init__(self, store: Any, *, device: torch.device | str) -> None:
@@ -174,22 +174,25 @@ class CpuExperts:
                                         for e in self._entries.values())
 
     def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Tensor,
-              weights: torch.Tensor) -> None:
+              weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Request the CPU work of `layer`'s pairs with slot_ids < 0 on the current stream (the
         GPU work queued after it runs while the CPU computes). x [N, H]; ids, slot_ids (int32),
-        weights [N, k] on the device."""
+        weights [N, k] on the device. Returns the GPU part's (slot_ids, weights): the CPU's
+        pairs at slot 0 with weight 0."""
         if not self.cuda:
-            rel = torch.where(slot_ids < 0, ids.long(), -1)
-            rows = torch.where(rel >= 0, rel + layer * self.store.num_experts, -1)
+            on_cpu = slot_ids < 0
+            rows = torch.where(on_cpu, ids.long() + layer * self.store.num_experts, -1)
             self._inline_count += len(set(rows[rows >= 0].tolist()))
             self._pending = nvfp4_cpu.moe_cpu(x, rows, weights, self.store.slots,
                                               threads=self.threads)
-            return
+            return torch.where(on_cpu, 0, slot_ids), torch.where(on_cpu, 0, weights)
         e = self._entry(layer, *ids.shape)
-        cpu_exchange.write_request(x.contiguous(), ids.contiguous(), slot_ids.contiguous(),
-                                   weights.contiguous(), e.stage)
+        gpu_part = cpu_exchange.write_request(x.contiguous(), ids.contiguous(),
+                                              slot_ids.contiguous(), weights.contiguous(),
+                                              e.stage)
         stream_write(torch.cuda.current_stream(self.device), self._go, e.number)
         self._pending = e
+        return gpu_part
 
     def join(self, out: torch.Tensor) -> torch.Tensor:
         """`out` [N, H] (the GPU part of the layer's experts) plus the CPU part of the last

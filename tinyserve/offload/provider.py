@@ -96,22 +96,19 @@ class OffloadedExperts(ExpertsProvider):
             if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
                 self.cache.begin_step(defer=True)
         self._last_layer = layer_id
-        forked: list[bool] = []  # whether a CPU part runs
+        gpu_part: list[tuple[torch.Tensor, torch.Tensor]] = []  # when a CPU part runs
 
         def fork(slot_ids: torch.Tensor) -> None:
-            self.cpu_runner.start(layer_id, x, topk_ids, slot_ids, topk_weights)
-            forked.append(True)
+            gpu_part.append(self.cpu_runner.start(layer_id, x, topk_ids, slot_ids, topk_weights))
 
         slot_ids = self._slot_ids(layer_id, topk_ids, fork)  # [N, k] int32
         weights = topk_weights
-        if forked:
-            on_cpu = slot_ids < 0
-            slot_ids = torch.where(on_cpu, 0, slot_ids)
-            weights = torch.where(on_cpu, 0, topk_weights)
+        if gpu_part:  # the CPU's pairs at slot 0 with weight 0
+            slot_ids, weights = gpu_part[0]
         moe = fused_moe if self.use_kernel else fused_moe_ref
         out = moe(x, slot_ids, weights, self.cache.slots, shared_slots=shared_slots,
                   shared_logit=shared_logit)
-        return self.cpu_runner.join(out) if forked else out
+        return self.cpu_runner.join(out) if gpu_part else out
 
     def _slot_ids(self, layer_id: int, topk_ids: torch.Tensor,
                   fork: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:

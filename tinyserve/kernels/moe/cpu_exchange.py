@@ -3,7 +3,8 @@ pinned host memory: no copy-engine transfer, one kernel each way.
 
 `write_request` writes a decode layer's request row by row into the pinned stage the CPU worker
 reads (float32 [N, H + 2k]: x | expert ids of the pairs whose slot is < 0, else -1, as int32
-bits | weights); `add_answer` adds the worker's float32 answer [N, H], read from pinned memory
+bits | weights) and returns the GPU part's pairs (those pairs at slot 0 with weight 0);
+`add_answer` adds the worker's float32 answer [N, H], read from pinned memory
 with system-scope (volatile) loads so no cached line of an earlier answer is seen, to the GPU
 part's output in fp32 and rounds once to its dtype. Triton (the interpreter on CPU tensors);
 the `_ref` functions are the torch references."""
@@ -18,10 +19,14 @@ BLOCK = 256  # elements per program: several programs per row read the answer in
 
 
 def write_request_ref(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Tensor,
-                      weights: torch.Tensor, stage: torch.Tensor) -> None:
-    """stage[:] = x | where(slot_ids < 0, ids, -1) (int32 bits) | weights, in float32."""
-    rel = torch.where(slot_ids < 0, ids.to(torch.int32), -1)
+                      weights: torch.Tensor, stage: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """stage[:] = x | where(slot_ids < 0, ids, -1) (int32 bits) | weights, in float32;
+    returns where(slot_ids < 0, 0, slot_ids), where(slot_ids < 0, 0, weights)."""
+    on_cpu = slot_ids < 0
+    rel = torch.where(on_cpu, ids.to(torch.int32), -1)
     stage.copy_(torch.cat([x.float(), rel.view(torch.float32), weights.float()], dim=1))
+    return torch.where(on_cpu, 0, slot_ids), torch.where(on_cpu, 0, weights)
 
 
 def add_answer_ref(out: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
@@ -35,8 +40,9 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def write_request_kernel(x_ptr, ids_ptr, slot_ptr, w_ptr, stage_ptr, stage_bits_ptr, H, K,
-                             BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+    def write_request_kernel(x_ptr, ids_ptr, slot_ptr, w_ptr, stage_ptr, stage_bits_ptr,
+                             gpu_slot_ptr, gpu_w_ptr, H, K, BLOCK: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
         n = tl.program_id(0)
         part = tl.program_id(1)
         W = H + 2 * K
@@ -49,9 +55,12 @@ def _kernels():
             kmask = offs_k < K
             ids = tl.load(ids_ptr + n * K + offs_k, mask=kmask, other=0).to(tl.int32)
             slot = tl.load(slot_ptr + n * K + offs_k, mask=kmask, other=0)
-            tl.store(stage_bits_ptr + n * W + H + offs_k, tl.where(slot < 0, ids, -1), mask=kmask)
-            w = tl.load(w_ptr + n * K + offs_k, mask=kmask, other=0.0).to(tl.float32)
-            tl.store(stage_ptr + n * W + H + K + offs_k, w, mask=kmask)
+            on_cpu = slot < 0
+            tl.store(stage_bits_ptr + n * W + H + offs_k, tl.where(on_cpu, ids, -1), mask=kmask)
+            w = tl.load(w_ptr + n * K + offs_k, mask=kmask, other=0.0)
+            tl.store(stage_ptr + n * W + H + K + offs_k, w.to(tl.float32), mask=kmask)
+            tl.store(gpu_slot_ptr + n * K + offs_k, tl.where(on_cpu, 0, slot), mask=kmask)
+            tl.store(gpu_w_ptr + n * K + offs_k, tl.where(on_cpu, 0.0, w), mask=kmask)
 
     @triton.jit
     def add_answer_kernel(out_ptr, answer_ptr, res_ptr, H, BLOCK: tl.constexpr):
@@ -78,11 +87,13 @@ def _check_pairs(x: torch.Tensor, *pairs: torch.Tensor) -> tuple[int, int, int]:
 
 
 def write_request(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Tensor,
-                  weights: torch.Tensor, stage: torch.Tensor) -> None:
+                  weights: torch.Tensor, stage: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Write the request of x [N, H] float and the pairs ids (int), slot_ids (int32), weights
     (float) [N, k] (all contiguous, on one device) into `stage` (float32 [N, H + 2k],
     contiguous: on the CPU, or pinned host memory a kernel on x's device writes), in stream
-    order; ValueError on other shapes."""
+    order. Returns the GPU part's (slot_ids, weights), new tensors on x's device: the CPU's
+    pairs at slot 0 with weight 0. ValueError on other shapes."""
     n, h, k = _check_pairs(x, ids, slot_ids, weights)
     if stage.shape != (n, h + 2 * k) or stage.dtype != torch.float32 or not stage.is_contiguous():
         raise ValueError(f"stage must be contiguous float32 [{n}, {h + 2 * k}], got "
@@ -90,9 +101,12 @@ def write_request(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Tensor,
     if slot_ids.dtype != torch.int32:
         raise ValueError(f"slot_ids must be int32, got {slot_ids.dtype}")
     triton, kernel, _ = _kernels()
+    gpu_slots, gpu_weights = torch.empty_like(slot_ids), torch.empty_like(weights)
     kernel[(n, triton.cdiv(h, BLOCK))](x, ids, slot_ids, weights, stage,
-                                       stage.view(torch.int32), h, k, BLOCK=BLOCK,
-                                       BLOCK_K=triton.next_power_of_2(k), num_warps=4)
+                                       stage.view(torch.int32), gpu_slots, gpu_weights, h, k,
+                                       BLOCK=BLOCK, BLOCK_K=triton.next_power_of_2(k),
+                                       num_warps=4)
+    return gpu_slots, gpu_weights
 
 
 def add_answer(out: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:

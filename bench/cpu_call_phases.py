@@ -127,9 +127,9 @@ def main() -> int:
                 for rep in range(args.reps + 5):
                     rows = rng.permutation(total)[:n].reshape(1, n).astype(np.int64)
                     w = np.full((1, n), 1.0 / n, np.float32)
-                    items1 = n * (f // K.RB)
+                    items1 = K._items(1, n, f, h)
                     st = np.zeros(5, np.int64)
-                    it = np.zeros((items1 + h // K.RB, 3), np.int64)
+                    it = np.zeros((items1 + K._items(2, n, f, h), 3), np.int64)
                     if gap_us:
                         end = time.perf_counter() + gap_us * 1e-6
                         while time.perf_counter() < end:

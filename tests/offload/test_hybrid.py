@@ -10,7 +10,7 @@ from tests.model.hf_tiny import build_runner, checkpoint
 from tests.offload.helpers import greedy_generate
 from tinyserve.kernels.moe import cpu as nvfp4_cpu
 from tinyserve.offload import lookup as lk
-from tinyserve.offload.bandwidth import Bandwidths, probe, thread_counts
+from tinyserve.offload.bandwidth import Bandwidths, cpu_expert_times, probe, thread_counts
 from tinyserve.offload.hybrid import CpuExperts, HybridPlan, plan_split
 from tinyserve.offload.provider import OffloadedExperts
 from tinyserve.offload.store import HostExpertStore
@@ -147,3 +147,26 @@ def test_probe_measures_the_cpu_kernel() -> None:
     assert sorted(bw.call_us) == sorted(thread_counts(nvfp4_cpu.max_threads()))
     assert bw.call_us[bw.threads] == min(bw.call_us.values())
     assert "CPU expert kernel" in bw.format()
+
+
+class _SpellRunner:
+    """A CpuExperts stand-in whose calls take 40 us + 25 us per expert, five times as long
+    during calls spell .. spell + 2 (a slow spell of the host's)."""
+
+    def __init__(self, spell: int) -> None:
+        self.calls, self.spell = 0, spell
+
+    def set_threads(self, threads: int) -> None:
+        pass
+
+    def time_rows(self, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> float:
+        slow = self.spell <= self.calls < self.spell + 3
+        self.calls += 1
+        return (40e-6 + 25e-6 * rows.shape[1]) * (5 if slow else 1)
+
+
+@pytest.mark.parametrize("spell", range(1, 9))
+def test_cpu_rates_survive_a_slow_spell(spell: int) -> None:
+    store = HostExpertStore(2, 8, 128, 64, pin=False)
+    per, overhead = cpu_expert_times(store, 8, 4, _SpellRunner(spell), reps=5)
+    assert per == pytest.approx(25e-6) and overhead == pytest.approx(40e-6)

@@ -91,9 +91,12 @@ def host_read_bandwidth(store: HostExpertStore, max_bytes: int = 4 << 30,
 def cpu_expert_times(store: HostExpertStore, top_k: int, threads: int, runner: Any = None,
                      reps: int = 5) -> tuple[float, float]:
     """(seconds per expert, seconds per call) of the CPU kernel for one token on `threads`
-    threads: medians over `reps` calls of 1 and of `top_k` experts, rows drawn across the whole
-    store. `runner`: an `offload.hybrid.CpuExperts` to time through (the round trip a decode
-    layer pays, `time_rows`; its thread count is set), else `moe_cpu` itself."""
+    threads, rows drawn across the whole store: `reps` pairs of calls of 1 and of `top_k`
+    experts, one after the other; the median of the 1-expert calls and of the pairs'
+    differences (a slow spell of the host's over any three calls in a row leaves both as they
+    were).
+    `runner`: an `offload.hybrid.CpuExperts` to time through (the round trip a decode layer
+    pays, `time_rows`; its thread count is set), else `moe_cpu` itself."""
     if runner is not None:
         runner.set_threads(threads)
     g = torch.Generator().manual_seed(0)
@@ -112,9 +115,9 @@ def cpu_expert_times(store: HostExpertStore, top_k: int, threads: int, runner: A
         return time.perf_counter() - t
 
     once(1)  # compile, warm the threads
-    t1 = statistics.median(once(1) for _ in range(reps))
-    tk = statistics.median(once(k) for _ in range(reps))
-    per = max((tk - t1) / (k - 1), 1e-9)
+    pairs = [(once(1), once(k)) for _ in range(reps)]
+    t1 = statistics.median(one for one, _ in pairs)
+    per = max(statistics.median(many - one for one, many in pairs) / (k - 1), 1e-9)
     return per, max(t1 - per, 0.0)
 
 

@@ -10,7 +10,8 @@ m distinct misses the GPU copies m - c while the CPU computes c from the pinned 
 start-up probe, `offload.bandwidth`). The lookup kernel applies the split (a, b) = (t_copy,
 t_call) / (t_copy + t_cpu) on the device, so it needs no host sync; CPU-computed experts are
 not cached. On CUDA the CPU part runs in stream order (`CpuExperts`): a kernel writes x and
-the routing into pinned memory and the stream raises the request flag of the CPU worker
+the routing into pinned memory and the GPU part's pairs (the CPU's at weight 0) on the
+device, and the stream raises the request flag of the CPU worker
 (`kernels.moe.cpu.HostWorker`, spinning on it) before the layer's miss copies, then waits for its
 answer flag and a kernel adds the answer from pinned memory (`kernels.moe.cpu_exchange`), with
 stream memory operations for the flags (`cuStreamWriteValue32` / `cuStreamWaitValue32`,

@@ -94,9 +94,8 @@ def cpu_expert_times(store: HostExpertStore, top_k: int, threads: int, runner: A
     threads, rows drawn across the whole store: `reps` pairs of calls of 1 and of `top_k`
     experts, one after the other; the median of the 1-expert calls and of the pairs'
     differences (a slow spell of the host's over any three calls in a row leaves both as they
-    were).
-    `runner`: an `offload.hybrid.CpuExperts` to time through (the round trip a decode layer
-    pays, `time_rows`; its thread count is set), else `moe_cpu` itself."""
+    were). `runner`: an `offload.hybrid.CpuExperts` to time through (the round trip a decode
+    layer pays, `time_rows`; its thread count is set), else `moe_cpu` itself."""
     if runner is not None:
         runner.set_threads(threads)
     g = torch.Generator().manual_seed(0)

@@ -4,9 +4,9 @@ pinned host memory: no copy-engine transfer, one kernel each way.
 `write_request` writes a decode layer's request row by row into the pinned stage the CPU worker
 reads (float32 [N, H + 2k]: x | expert ids of the pairs whose slot is < 0, else -1, as int32
 bits | weights) and returns the GPU part's pairs (those pairs at slot 0 with weight 0);
-`add_answer` adds the worker's float32 answer [N, H], read from pinned memory
-with system-scope (volatile) loads so no cached line of an earlier answer is seen, to the GPU
-part's output in fp32 and rounds once to its dtype. Triton (the interpreter on CPU tensors);
+`add_answer` adds the worker's float32 answer [N, H], read from pinned memory with
+system-scope (volatile) loads so no cached line of an earlier answer is seen, to the GPU part's
+output in fp32 and rounds once to its dtype. Triton (the interpreter on CPU tensors);
 the `_ref` functions are the torch references."""
 
 from __future__ import annotations

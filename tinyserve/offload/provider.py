@@ -8,11 +8,13 @@ the previous call's starts a new step. A prefill-sized batch streams whole layer
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from tinyserve.kernels.moe import cpu as nvfp4_cpu
 from tinyserve.kernels.moe.fused import ExpertSlots, fused_moe, fused_moe_ref
 from tinyserve.log import get_logger
 from tinyserve.model.experts_api import ExpertsProvider
@@ -34,6 +36,7 @@ class OffloadedExperts(ExpertsProvider):
     def __init__(self, cache: DeviceExpertCache) -> None:
         self.cache = cache
         self.use_kernel = kernels_enabled(cache.device)  # fused_moe's kernels
+        self.round_like_cpu = False  # a check's reference (`forward`; decode eager only)
         self._last_layer: int | None = None
         self.streamer: prefetch.LayerStreamer | None = None
         why = prefetch.can_stream(cache.num_slots, cache.num_layers, cache.num_experts)
@@ -89,7 +92,10 @@ class OffloadedExperts(ExpertsProvider):
                 shared_logit: torch.Tensor | None = None) -> torch.Tensor:
         """Σ_j topk_weights[:, j] * Expert_{topk_ids[:, j]}(x) (+ sigmoid(shared_logit) *
         the shared expert in `shared_slots`); x [N, H] -> [N, H] in x.dtype. Misses left to a
-        CPU part (`set_hybrid`) get weight 0 here; their sum is added in fp32 before the cast."""
+        CPU part (`set_hybrid`) get weight 0 here; their sum is added in fp32 before the cast.
+        With `round_like_cpu`, batches a CPU part could take run the routed experts here
+        through the torch reference with the CPU kernel's int8 rounding: then a CPU part moves
+        the sum by its rounding order alone."""
         if self._last_layer is not None and layer_id <= self._last_layer:
             # NOTE: never inside a CUDA-graph capture (begin_step reads device logs); the
             # graph runner calls begin_step() before each replay instead.
@@ -105,7 +111,10 @@ class OffloadedExperts(ExpertsProvider):
         weights = topk_weights
         if gpu_part:  # the CPU's pairs at slot 0 with weight 0
             slot_ids, weights = gpu_part[0]
-        moe = fused_moe if self.use_kernel else fused_moe_ref
+        if self.round_like_cpu and x.shape[0] <= CPU_MAX_TOKENS:
+            moe = functools.partial(fused_moe_ref, rnd=nvfp4_cpu.quantize_blocks_ref)
+        else:
+            moe = fused_moe if self.use_kernel else fused_moe_ref
         out = moe(x, slot_ids, weights, self.cache.slots, shared_slots=shared_slots,
                   shared_logit=shared_logit)
         return self.cpu_runner.join(out) if gpu_part else out

@@ -346,11 +346,15 @@ def slot_weights(slots: ExpertSlots, slot_id: int) -> tuple[torch.Tensor, torch.
 
 def fused_moe_ref(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.Tensor,
                   slots: ExpertSlots, *, shared_slots: ExpertSlots | None = None,
-                  shared_logit: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-slot fp32 torch loop with the contract of `fused_moe`."""
+                  shared_logit: torch.Tensor | None = None,
+                  rnd: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """Per-slot fp32 torch loop with the contract of `fused_moe`; `rnd` rounds the routed
+    experts' inputs and hidden activations (as the CPU kernel's int8 inputs,
+    `kernels.moe.cpu.quantize_blocks_ref`), not the shared expert's."""
     _check(x, topk_slot_ids, topk_weights, slots)
     _check_shared(x, slots, shared_slots, shared_logit)
-    out = moe_pairs_ref(x.float(), topk_slot_ids, topk_weights.float(), slots)
+    xf = x.float() if rnd is None else rnd(x.float())
+    out = moe_pairs_ref(xf, topk_slot_ids, topk_weights.float(), slots, rnd)
     if shared_slots is not None and shared_logit is not None:
         gate = torch.sigmoid(shared_logit.float()).to(x.dtype).float()  # [N, 1]
         zeros = torch.zeros(x.shape[0], 1, dtype=torch.int64, device=x.device)

@@ -22,6 +22,11 @@ Cases:
   decoded as the others.
 - split_sweep (--sweep): decode tok/s with the CPU taking c = 0..top_k / 2 of a layer's
   misses on each of the probe's thread counts, against the probe's choice.
+- fair (`--cases fair`, alone: its engine decodes without CUDA graphs): gpu-only and hybrid
+  with the GPU's routed experts in decode through the torch reference rounded as the CPU
+  kernel rounds (`OffloadedExperts.round_like_cpu`): the greedy tokens and teacher-forced
+  logprobs then differ by the CPU part's rounding order alone, the check the random model's
+  flat logits leave to it.
 - laptop_gpu, laptop_hybrid: the miss copies throttled to `--h2d-gbps` (12 GB/s: an RTX 4060
   laptop's PCIe 4.0 x8) by the cache's debug throttle (kernels.throttle), the probe run
   again under it (the plan moves work to the CPU), then gpu-only and auto.
@@ -157,7 +162,34 @@ def decode_case(engine: Any, plan: hybrid.HybridPlan, runner: hybrid.CpuExperts,
     return r
 
 
-CASES = ("kernel", "gpu", "cpu", "hybrid", "auto", "laptop")
+def fair_case(engine: Any, plans: dict[str, hybrid.HybridPlan], runner: hybrid.CpuExperts,
+              args: argparse.Namespace) -> dict[str, Any]:
+    """gpu-only and hybrid against the rounded reference (module docstring)."""
+    experts = engine.runner.model.experts
+    engine.call(lambda: setattr(experts, "round_like_cpu", True))
+    try:
+        out: dict[str, Any] = {}
+        for mode in ("gpu", "hybrid"):
+            _set_mode(engine, plans[mode], runner)
+            tokens = _greedy_tokens(engine, args.prompt_len, TOKEN_CHECK)
+            ref = out["gpu"]["greedy_tokens"] if out else tokens
+            out[mode] = {"greedy_tokens": tokens, "cpu_computed": experts.cpu_computed,
+                         "forced_top_logprobs": _forced_logprobs(engine, args.prompt_len,
+                                                                 ref[:FORCED])}
+    finally:
+        engine.call(lambda: setattr(experts, "round_like_cpu", False))
+    gpu, hyb = out["gpu"], out["hybrid"]
+    out["leading_greedy_tokens_equal"] = next(
+        (i for i, (a, b) in enumerate(zip(gpu["greedy_tokens"], hyb["greedy_tokens"],
+                                          strict=True)) if a != b), TOKEN_CHECK)
+    out["forced_logprobs"] = _compare_logprobs(gpu["forced_top_logprobs"],
+                                               hyb["forced_top_logprobs"])
+    print(f"  fair: {out['leading_greedy_tokens_equal']} of {TOKEN_CHECK} greedy tokens "
+          f"equal, {out['forced_logprobs']}", flush=True)
+    return out
+
+
+CASES = ("kernel", "gpu", "cpu", "hybrid", "auto", "laptop", "fair")
 TOKEN_CHECK = 32  # greedy tokens each mode decodes from one fixed prompt
 FORCED = 16  # decode steps each mode's logprobs are compared on, teacher-forced
 
@@ -265,6 +297,8 @@ def main() -> int:
     cases = set(args.cases.split(","))
     if not cases <= set(CASES):
         p.error(f"--cases: unknown {', '.join(sorted(cases - set(CASES)))}")
+    if "fair" in cases and len(cases) > 1:
+        p.error("--cases fair runs alone (its engine decodes without CUDA graphs)")
     rec = Recorder(Path(args.out), run_meta("hybrid_experts", args=vars(args)))
     if args.kernel_only:
         store = expert_store(args.store_gib)
@@ -282,7 +316,8 @@ def main() -> int:
     elif (ckpt / ROUTING_FILE).is_file() != (args.routing == "realistic"):
         p.error(f"{ckpt} was not written with --routing {args.routing}")
     config = EngineConfig(model=args.ckpt, kv=args.kv, gpu_memory=args.gpu_memory,
-                          max_context=args.max_context, max_seqs=args.batch, experts="gpu")
+                          max_context=args.max_context, max_seqs=args.batch, experts="gpu",
+                          cuda_graphs="fair" not in cases)
     engine = build_engine(config).start()
     try:
         experts = engine.runner.model.experts
@@ -310,6 +345,8 @@ def main() -> int:
             rec.run("laptop_hybrid", auto_case, engine, hybrid.plan_split(slow, None, top_k),
                     runner, args)
             cache.throttle_bytes_per_s = 0.0
+        if "fair" in cases:
+            rec.run("fair", fair_case, engine, plans, runner, args)
         if args.sweep:
             rec.run("split_sweep", split_sweep, engine, bw, runner, top_k, args)
         rec.data["summary"] = _summary(rec.data["cases"])
@@ -361,6 +398,9 @@ def _summary(cases: dict[str, Any]) -> dict[str, Any]:
     kernel = cases.get("kernel")
     if kernel:
         out["cpu_kernel_fraction_of_host_read"] = kernel["fraction_of_host_read"]
+    fair = cases.get("fair")
+    if fair:
+        out["fair"] = {k: fair[k] for k in ("leading_greedy_tokens_equal", "forced_logprobs")}
     return out
 
 

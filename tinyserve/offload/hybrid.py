@@ -181,12 +181,11 @@ class CpuExperts:
         weights [N, k] on the device. Returns the GPU part's (slot_ids, weights): the CPU's
         pairs at slot 0 with weight 0."""
         if not self.cuda:
-            on_cpu = slot_ids < 0
-            rows = torch.where(on_cpu, ids.long() + layer * self.store.num_experts, -1)
+            rows = torch.where(slot_ids < 0, ids.long() + layer * self.store.num_experts, -1)
             self._inline_count += len(set(rows[rows >= 0].tolist()))
             self._pending = nvfp4_cpu.moe_cpu(x, rows, weights, self.store.slots,
                                               threads=self.threads)
-            return torch.where(on_cpu, 0, slot_ids), torch.where(on_cpu, 0, weights)
+            return cpu_exchange.gpu_part_ref(slot_ids, weights)
         e = self._entry(layer, *ids.shape)
         gpu_part = cpu_exchange.write_request(x.contiguous(), ids.contiguous(),
                                               slot_ids.contiguous(), weights.contiguous(),

@@ -18,15 +18,21 @@ import torch
 BLOCK = 256  # elements per program: several programs per row read the answer in parallel
 
 
+def gpu_part_ref(slot_ids: torch.Tensor, weights: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GPU part's pairs: where(slot_ids < 0, 0, slot_ids), where(slot_ids < 0, 0, weights)."""
+    on_cpu = slot_ids < 0
+    return torch.where(on_cpu, 0, slot_ids), torch.where(on_cpu, 0, weights)
+
+
 def write_request_ref(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Tensor,
                       weights: torch.Tensor, stage: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """stage[:] = x | where(slot_ids < 0, ids, -1) (int32 bits) | weights, in float32;
-    returns where(slot_ids < 0, 0, slot_ids), where(slot_ids < 0, 0, weights)."""
-    on_cpu = slot_ids < 0
-    rel = torch.where(on_cpu, ids.to(torch.int32), -1)
+    returns `gpu_part_ref(slot_ids, weights)`."""
+    rel = torch.where(slot_ids < 0, ids.to(torch.int32), -1)
     stage.copy_(torch.cat([x.float(), rel.view(torch.float32), weights.float()], dim=1))
-    return torch.where(on_cpu, 0, slot_ids), torch.where(on_cpu, 0, weights)
+    return gpu_part_ref(slot_ids, weights)
 
 
 def add_answer_ref(out: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,8 @@ Cases:
   with the GPU's routed experts in decode through the torch reference rounded as the CPU
   kernel rounds (`OffloadedExperts.round_like_cpu`): the greedy tokens and teacher-forced
   logprobs then differ by the CPU part's rounding order alone, the check the random model's
-  flat logits leave to it.
+  flat logits leave to it; and gpu-only again with that reference's experts summed in the
+  other order (gpu_reordered): how far an fp32 reordering alone moves this model's tokens.
 - laptop_gpu, laptop_hybrid: the miss copies throttled to `--h2d-gbps` (12 GB/s: an RTX 4060
   laptop's PCIe 4.0 x8) by the cache's debug throttle (kernels.throttle), the probe run
   again under it (the plan moves work to the CPU), then gpu-only and auto.
@@ -162,30 +163,56 @@ def decode_case(engine: Any, plan: hybrid.HybridPlan, runner: hybrid.CpuExperts,
     return r
 
 
+def _reversed_pairs(xf: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slots: Any,
+                    rnd: Any = None) -> torch.Tensor:
+    """`fused.moe_pairs_ref` with the experts summed in descending slot order: the same
+    products, another fp32 order (the fair case's noise floor)."""
+    out = torch.zeros(xf.shape, dtype=torch.float32, device=xf.device)
+    for s in sorted(torch.unique(ids[ids >= 0]).tolist(), reverse=True):
+        out += _ascending_pairs(xf, torch.where(ids == s, ids, -1), weights, slots, rnd)
+    return out
+
+
+_ascending_pairs = None  # fused.moe_pairs_ref, while `_reversed_pairs` stands in for it
+
+
 def fair_case(engine: Any, plans: dict[str, hybrid.HybridPlan], runner: hybrid.CpuExperts,
               args: argparse.Namespace) -> dict[str, Any]:
-    """gpu-only and hybrid against the rounded reference (module docstring)."""
+    """gpu-only and hybrid against the rounded reference (module docstring), and gpu-only
+    with the reference's experts summed in the other order: how far an fp32 reordering alone
+    moves this model's tokens and logprobs."""
+    global _ascending_pairs
+    from tinyserve.kernels.moe import fused
+
     experts = engine.runner.model.experts
     engine.call(lambda: setattr(experts, "round_like_cpu", True))
+    out: dict[str, Any] = {}
     try:
-        out: dict[str, Any] = {}
-        for mode in ("gpu", "hybrid"):
-            _set_mode(engine, plans[mode], runner)
-            tokens = _greedy_tokens(engine, args.prompt_len, TOKEN_CHECK)
-            ref = out["gpu"]["greedy_tokens"] if out else tokens
-            out[mode] = {"greedy_tokens": tokens, "cpu_computed": experts.cpu_computed,
-                         "forced_top_logprobs": _forced_logprobs(engine, args.prompt_len,
-                                                                 ref[:FORCED])}
+        for name, mode in (("gpu", "gpu"), ("gpu_reordered", "gpu"), ("hybrid", "hybrid")):
+            _ascending_pairs = fused.moe_pairs_ref
+            if name == "gpu_reordered":
+                fused.moe_pairs_ref = _reversed_pairs
+            try:
+                _set_mode(engine, plans[mode], runner)
+                tokens = _greedy_tokens(engine, args.prompt_len, TOKEN_CHECK)
+                ref = out["gpu"]["greedy_tokens"] if out else tokens
+                out[name] = {"greedy_tokens": tokens,
+                             "forced_top_logprobs": _forced_logprobs(engine, args.prompt_len,
+                                                                     ref[:FORCED])}
+            finally:
+                fused.moe_pairs_ref = _ascending_pairs
     finally:
         engine.call(lambda: setattr(experts, "round_like_cpu", False))
-    gpu, hyb = out["gpu"], out["hybrid"]
-    out["leading_greedy_tokens_equal"] = next(
-        (i for i, (a, b) in enumerate(zip(gpu["greedy_tokens"], hyb["greedy_tokens"],
-                                          strict=True)) if a != b), TOKEN_CHECK)
-    out["forced_logprobs"] = _compare_logprobs(gpu["forced_top_logprobs"],
-                                               hyb["forced_top_logprobs"])
-    print(f"  fair: {out['leading_greedy_tokens_equal']} of {TOKEN_CHECK} greedy tokens "
-          f"equal, {out['forced_logprobs']}", flush=True)
+    gpu = out["gpu"]
+    for name in ("gpu_reordered", "hybrid"):
+        got = out[name]
+        out[name]["leading_greedy_tokens_equal"] = next(
+            (i for i, (a, b) in enumerate(zip(gpu["greedy_tokens"], got["greedy_tokens"],
+                                              strict=True)) if a != b), TOKEN_CHECK)
+        out[name]["forced_logprobs"] = _compare_logprobs(gpu["forced_top_logprobs"],
+                                                         got["forced_top_logprobs"])
+        print(f"  fair {name}: {got['leading_greedy_tokens_equal']} of {TOKEN_CHECK} greedy "
+              f"tokens equal to gpu-only's, {got['forced_logprobs']}", flush=True)
     return out
 
 
@@ -400,7 +427,9 @@ def _summary(cases: dict[str, Any]) -> dict[str, Any]:
         out["cpu_kernel_fraction_of_host_read"] = kernel["fraction_of_host_read"]
     fair = cases.get("fair")
     if fair:
-        out["fair"] = {k: fair[k] for k in ("leading_greedy_tokens_equal", "forced_logprobs")}
+        out["fair"] = {name: {k: fair[name][k] for k in ("leading_greedy_tokens_equal",
+                                                         "forced_logprobs")}
+                       for name in ("gpu_reordered", "hybrid")}
     return out
 
 

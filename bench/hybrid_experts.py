@@ -26,8 +26,9 @@ Cases:
   with the GPU's routed experts in decode through the torch reference rounded as the CPU
   kernel rounds (`OffloadedExperts.round_like_cpu`): the greedy tokens and teacher-forced
   logprobs then differ by the CPU part's rounding order alone, the check the random model's
-  flat logits leave to it; and gpu-only again with that reference's experts summed in the
-  other order (gpu_reordered): how far an fp32 reordering alone moves this model's tokens.
+  flat logits leave to it; and gpu-only again with each token's routed experts summed in two
+  halves, the first rounded to bf16 before the second is added (gpu_split: hybrid's rounding
+  with no CPU): how far that rounding alone moves this model's tokens.
 - laptop_gpu, laptop_hybrid: the miss copies throttled to `--h2d-gbps` (12 GB/s: an RTX 4060
   laptop's PCIe 4.0 x8) by the cache's debug throttle (kernels.throttle), the probe run
   again under it (the plan moves work to the CPU), then gpu-only and auto.
@@ -163,35 +164,39 @@ def decode_case(engine: Any, plan: hybrid.HybridPlan, runner: hybrid.CpuExperts,
     return r
 
 
-def _reversed_pairs(xf: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slots: Any,
-                    rnd: Any = None) -> torch.Tensor:
-    """`fused.moe_pairs_ref` with the experts summed in descending slot order: the same
-    products, another fp32 order (the fair case's noise floor)."""
-    out = torch.zeros(xf.shape, dtype=torch.float32, device=xf.device)
-    for s in sorted(torch.unique(ids[ids >= 0]).tolist(), reverse=True):
-        out += _ascending_pairs(xf, torch.where(ids == s, ids, -1), weights, slots, rnd)
-    return out
+def _split_pairs(xf: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slots: Any,
+                 rnd: Any = None) -> torch.Tensor:
+    """`fused.moe_pairs_ref` with the second half of each token's pairs summed apart and
+    added to the first half's sum rounded to bf16: hybrid's rounding (its GPU part rounded,
+    the CPU part added in fp32) with no CPU (the fair case's noise floor)."""
+    half = ids.shape[1] // 2
+    if half == 0:  # the shared expert
+        return _whole_pairs(xf, ids, weights, slots, rnd)
+    col = torch.arange(ids.shape[1], device=ids.device)
+    first = _whole_pairs(xf, torch.where(col < half, ids, -1), weights, slots, rnd)
+    return first.bfloat16().float() + _whole_pairs(xf, torch.where(col < half, -1, ids),
+                                                   weights, slots, rnd)
 
 
-_ascending_pairs = None  # fused.moe_pairs_ref, while `_reversed_pairs` stands in for it
+_whole_pairs = None  # fused.moe_pairs_ref, while `_split_pairs` stands in for it
 
 
 def fair_case(engine: Any, plans: dict[str, hybrid.HybridPlan], runner: hybrid.CpuExperts,
               args: argparse.Namespace) -> dict[str, Any]:
     """gpu-only and hybrid against the rounded reference (module docstring), and gpu-only
-    with the reference's experts summed in the other order: how far an fp32 reordering alone
-    moves this model's tokens and logprobs."""
-    global _ascending_pairs
+    with hybrid's rounding and no CPU (`_split_pairs`): how far that rounding alone moves this
+    model's tokens and logprobs."""
+    global _whole_pairs
     from tinyserve.kernels.moe import fused
 
     experts = engine.runner.model.experts
     engine.call(lambda: setattr(experts, "round_like_cpu", True))
     out: dict[str, Any] = {}
     try:
-        for name, mode in (("gpu", "gpu"), ("gpu_reordered", "gpu"), ("hybrid", "hybrid")):
-            _ascending_pairs = fused.moe_pairs_ref
-            if name == "gpu_reordered":
-                fused.moe_pairs_ref = _reversed_pairs
+        for name, mode in (("gpu", "gpu"), ("gpu_split", "gpu"), ("hybrid", "hybrid")):
+            _whole_pairs = fused.moe_pairs_ref
+            if name == "gpu_split":
+                fused.moe_pairs_ref = _split_pairs
             try:
                 _set_mode(engine, plans[mode], runner)
                 tokens = _greedy_tokens(engine, args.prompt_len, TOKEN_CHECK)
@@ -200,11 +205,11 @@ def fair_case(engine: Any, plans: dict[str, hybrid.HybridPlan], runner: hybrid.C
                              "forced_top_logprobs": _forced_logprobs(engine, args.prompt_len,
                                                                      ref[:FORCED])}
             finally:
-                fused.moe_pairs_ref = _ascending_pairs
+                fused.moe_pairs_ref = _whole_pairs
     finally:
         engine.call(lambda: setattr(experts, "round_like_cpu", False))
     gpu = out["gpu"]
-    for name in ("gpu_reordered", "hybrid"):
+    for name in ("gpu_split", "hybrid"):
         got = out[name]
         out[name]["leading_greedy_tokens_equal"] = next(
             (i for i, (a, b) in enumerate(zip(gpu["greedy_tokens"], got["greedy_tokens"],
@@ -429,7 +434,7 @@ def _summary(cases: dict[str, Any]) -> dict[str, Any]:
     if fair:
         out["fair"] = {name: {k: fair[name][k] for k in ("leading_greedy_tokens_equal",
                                                          "forced_logprobs")}
-                       for name in ("gpu_reordered", "hybrid")}
+                       for name in ("gpu_split", "hybrid")}
     return out
 
 

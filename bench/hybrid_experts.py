@@ -181,43 +181,48 @@ def _split_pairs(xf: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slo
 _whole_pairs = None  # fused.moe_pairs_ref, while `_split_pairs` stands in for it
 
 
-def fair_case(engine: Any, plans: dict[str, hybrid.HybridPlan], runner: hybrid.CpuExperts,
-              args: argparse.Namespace) -> dict[str, Any]:
-    """gpu-only and hybrid against the rounded reference (module docstring), and gpu-only
-    with hybrid's rounding and no CPU (`_split_pairs`): how far that rounding alone moves this
-    model's tokens and logprobs."""
+FAIR_PASSES = {"gpu": "gpu", "gpu_split": "gpu", "hybrid": "hybrid"}  # name: plan
+
+
+def fair_pass(engine: Any, plan: hybrid.HybridPlan, runner: hybrid.CpuExperts,
+              args: argparse.Namespace, name: str, ref_tokens: list[int] | None
+              ) -> dict[str, Any]:
+    """One pass of the fair case (module docstring): `plan` with the routed experts of decode
+    through the rounded reference (`_split_pairs` in place of its sum for gpu_split), its
+    greedy tokens and its logprobs teacher-forced on `ref_tokens` (None: its own)."""
     global _whole_pairs
     from tinyserve.kernels.moe import fused
 
     experts = engine.runner.model.experts
     engine.call(lambda: setattr(experts, "round_like_cpu", True))
-    out: dict[str, Any] = {}
+    _whole_pairs = fused.moe_pairs_ref
+    if name == "gpu_split":
+        fused.moe_pairs_ref = _split_pairs
     try:
-        for name, mode in (("gpu", "gpu"), ("gpu_split", "gpu"), ("hybrid", "hybrid")):
-            _whole_pairs = fused.moe_pairs_ref
-            if name == "gpu_split":
-                fused.moe_pairs_ref = _split_pairs
-            try:
-                _set_mode(engine, plans[mode], runner)
-                tokens = _greedy_tokens(engine, args.prompt_len, TOKEN_CHECK)
-                ref = out["gpu"]["greedy_tokens"] if out else tokens
-                out[name] = {"greedy_tokens": tokens,
-                             "forced_top_logprobs": _forced_logprobs(engine, args.prompt_len,
-                                                                     ref[:FORCED])}
-            finally:
-                fused.moe_pairs_ref = _whole_pairs
+        _set_mode(engine, plan, runner)
+        tokens = _greedy_tokens(engine, args.prompt_len, TOKEN_CHECK)
+        return {"greedy_tokens": tokens, "forced_top_logprobs": _forced_logprobs(
+            engine, args.prompt_len, (ref_tokens or tokens)[:FORCED])}
     finally:
+        fused.moe_pairs_ref = _whole_pairs
         engine.call(lambda: setattr(experts, "round_like_cpu", False))
-    gpu = out["gpu"]
+
+
+def fair_compare(cases: dict[str, Any]) -> dict[str, Any]:
+    """gpu_split and hybrid against gpu, all rounded as the CPU kernel rounds."""
+    gpu = cases["fair_gpu"]
+    out = {}
     for name in ("gpu_split", "hybrid"):
-        got = out[name]
-        out[name]["leading_greedy_tokens_equal"] = next(
+        got = cases.get(f"fair_{name}")
+        if got is None:
+            continue
+        out[name] = {"leading_greedy_tokens_equal": next(
             (i for i, (a, b) in enumerate(zip(gpu["greedy_tokens"], got["greedy_tokens"],
-                                              strict=True)) if a != b), TOKEN_CHECK)
-        out[name]["forced_logprobs"] = _compare_logprobs(gpu["forced_top_logprobs"],
-                                                         got["forced_top_logprobs"])
-        print(f"  fair {name}: {got['leading_greedy_tokens_equal']} of {TOKEN_CHECK} greedy "
-              f"tokens equal to gpu-only's, {got['forced_logprobs']}", flush=True)
+                                              strict=True)) if a != b), TOKEN_CHECK),
+            "forced_logprobs": _compare_logprobs(gpu["forced_top_logprobs"],
+                                                 got["forced_top_logprobs"])}
+        print(f"  fair {name}: {out[name]['leading_greedy_tokens_equal']} of {TOKEN_CHECK} "
+              f"greedy tokens equal to gpu-only's, {out[name]['forced_logprobs']}", flush=True)
     return out
 
 
@@ -378,7 +383,12 @@ def main() -> int:
                     runner, args)
             cache.throttle_bytes_per_s = 0.0
         if "fair" in cases:
-            rec.run("fair", fair_case, engine, plans, runner, args)
+            for name, mode in FAIR_PASSES.items():
+                ref = (rec.data["cases"].get("fair_gpu") or {}).get("greedy_tokens")
+                rec.run(f"fair_{name}", fair_pass, engine, plans[mode], runner, args, name,
+                        ref)
+            if "fair_gpu" in rec.data["cases"]:
+                rec.run("fair", fair_compare, rec.data["cases"])
         if args.sweep:
             rec.run("split_sweep", split_sweep, engine, bw, runner, top_k, args)
         rec.data["summary"] = _summary(rec.data["cases"])
@@ -432,9 +442,7 @@ def _summary(cases: dict[str, Any]) -> dict[str, Any]:
         out["cpu_kernel_fraction_of_host_read"] = kernel["fraction_of_host_read"]
     fair = cases.get("fair")
     if fair:
-        out["fair"] = {name: {k: fair[name][k] for k in ("leading_greedy_tokens_equal",
-                                                         "forced_logprobs")}
-                       for name in ("gpu_split", "hybrid")}
+        out["fair"] = {k: v for k, v in fair.items() if k != "seconds"}
     return out
 
 

@@ -97,20 +97,24 @@ def kernel_case(store: Any, top_k: int, reps: int) -> dict[str, Any]:
     # last-level cache where it holds them), then 4 tokens on the same experts (a batch)
     x, rows, w, slots = args[1, top_k][0]
     for name, call in ((f"1tok_{top_k}exp_cached", (x, rows, w, slots)),
+                       ("1tok_1exp_cached", args[1, 1][0]),
                        (f"4tok_{top_k}exp_shared", (torch.randn(4, h, generator=g),
                                                      rows.expand(4, -1).contiguous(),
                                                      torch.rand(4, top_k, generator=g), slots))):
         t = _median_s(nvfp4_cpu.moe_cpu, [call] * (reps + 1), reps)
-        out["calls"][name] = {"ms": t * 1e3, "gbps": top_k * store.bytes_per_expert / t / 1e9}
+        out["calls"][name] = {"ms": t * 1e3, "gbps": call[1].shape[1] * store.bytes_per_expert
+                              / t / 1e9}
     n = out["threads"]
-    out["threads_sweep"] = {}
-    for threads in sorted({t for t in (1, 2, 4, 8, n, *bandwidth.thread_counts(n)) if t <= n}):
-        t = _median_s(functools.partial(nvfp4_cpu.moe_cpu, threads=threads), args[1, top_k],
-                      reps)
-        out["threads_sweep"][threads] = {"ms": t * 1e3,
-                                         "gbps": top_k * store.bytes_per_expert / t / 1e9}
-    sweep = ", ".join(f"{k}: {v['gbps']:.1f} GB/s" for k, v in out["threads_sweep"].items())
-    print(f"  1 token x {top_k} experts by threads: {sweep}", flush=True)
+    # by threads, top_k experts and one (a call's fixed cost against its bytes)
+    for key, k in (("threads_sweep", top_k), ("threads_sweep_1exp", 1)):
+        out[key] = {}
+        for threads in sorted({t for t in (1, 2, 4, 8, n, *bandwidth.thread_counts(n))
+                               if t <= n}):
+            t = _median_s(functools.partial(nvfp4_cpu.moe_cpu, threads=threads), args[1, k],
+                          reps)
+            out[key][threads] = {"ms": t * 1e3, "gbps": k * store.bytes_per_expert / t / 1e9}
+        sweep = ", ".join(f"{t}: {v['ms'] * 1e3:.0f} us" for t, v in out[key].items())
+        print(f"  1 token x {k} experts by threads: {sweep}", flush=True)
     x = torch.randn(1, h, generator=g)
     rows = torch.randperm(rows_total, generator=g)[:top_k].view(1, top_k)
     w = torch.rand(1, top_k, generator=g)

@@ -80,21 +80,29 @@ def test_moe_cpu_matches_reference(n: int, k: int, share: float, H: int, F: int)
 
 
 def test_reference_rounds_inputs_as_the_kernel() -> None:
-    """Every int8 input code of the reference is the kernel's, at exact ties too: bf16 inputs
-    hit them (x = amax / 2 scales to 63.5)."""
-    nc.available()
+    """Every int8 input code and scale of the reference is the kernel's (a call's setup,
+    `_prepare`), at exact ties too: bf16 inputs hit them (x = amax / 2 scales to 63.5)."""
+    nc._kernels()
     from tinyserve.kernels.moe import cpu_numba as K
 
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(64, 16, generator=g).to(torch.bfloat16).float()
-    x[:, 1] = x[:, 0] / 2  # ties, whichever input is the block's largest
-    x[:, 2] = -x[:, 3] * 0.75
-    x[0] = 0.0
-    q, scales = torch.empty(1024, dtype=torch.int8), torch.empty(64)
-    K._quantize(x.reshape(-1).numpy(), q.numpy(), scales.numpy(), 0, 64)
+    x = torch.randn(4, 256, generator=g).to(torch.bfloat16).float()
+    blocks = x.view(4, 16, 16)
+    blocks[:, :, 1] = blocks[:, :, 0] / 2  # ties, whichever input is the block's largest
+    blocks[:, :, 2] = -blocks[:, :, 3] * 0.75
+    blocks[0, 0] = 0.0
+    rows = torch.zeros(4, 1, dtype=torch.int64)
+    want = nc.quantize_blocks_ref(x).view(4, 16, 16)
+    q, scales = (torch.from_numpy(a) for a in K._prepare(x.numpy(), rows.numpy(), 64)[4:6])
     # the kernel stores each chunk of 64 inputs as its 32 even inputs, then its 32 odd ones
-    codes = q.reshape(-1, 2, 32).transpose(1, 2).reshape(64, 16).float()
-    assert torch.equal(codes * scales[:, None], nc.quantize_blocks_ref(x))
+    codes = q.reshape(4, -1, 2, 32).transpose(2, 3).reshape(4, 16, 16).float()
+    assert torch.equal(codes * scales[..., None], want)
+    # the hidden activations' call (numba may hold it compiled with gate_up_item's fast-math)
+    q, scales = torch.empty(4, 256, dtype=torch.int8), torch.empty(4, 16)
+    for t in range(4):
+        K._quantize(x[t].numpy(), q[t].numpy(), scales[t].numpy(), 0, 16)
+    codes = q.reshape(4, -1, 2, 32).transpose(2, 3).reshape(4, 16, 16).float()
+    assert torch.equal(codes * scales[..., None], want)
 
 
 def test_host_worker_matches_moe_cpu() -> None:

@@ -80,14 +80,13 @@ def moe_cpu(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, slots: E
 
 def quantize_blocks_ref(x: torch.Tensor) -> torch.Tensor:
     """x [..., K] rounded as the kernel's int8 inputs (per block of 16), dequantized, fp32:
-    the same bits. (True divisions, as the kernel's: torch divides by a Python scalar, or
-    divides one, through a reciprocal, one rounding more, and a bf16 input at an exact tie
-    then takes the other code.)"""
+    the same bits. (Its code is round(x * (127 / amax)) with a true division: torch divides a
+    Python scalar by a tensor through the tensor's reciprocal, one rounding more, and a bf16
+    input at an exact tie then takes the other code.)"""
     blocks = x.float().reshape(*x.shape[:-1], -1, 16)
     amax = blocks.abs().amax(-1, keepdim=True)
-    c127 = torch.full_like(amax, 127.0)
-    inv = torch.where(amax > 0, c127 / amax, torch.zeros_like(amax))
-    return (torch.round(blocks * inv) * (amax / c127)).reshape(x.shape)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv) * (amax * torch.full_like(amax, 1 / 127))).reshape(x.shape)
 
 
 def moe_cpu_ref(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, slots: ExpertSlots,

@@ -331,14 +331,15 @@ _dot4x2 = _dots(4, 2)
 @njit(nogil=True, cache=True, error_model="numpy")
 def _quantize(x, q, s, first, end):
     """x fp32 [K] -> q int8 [K], s fp32 [K/16], blocks `first` to `end` - 1 of 16 inputs: per
-    block s = max|x| / 127 and q = round(x * 127 / max|x|), stored per chunk of 64 inputs as
-    its 32 even inputs then its 32 odd ones (the order the dot splits the code bytes in). Not
-    fast-math: the torch reference rounds the same way."""
+    block s = max|x| * (1 / 127) and q = round(x * (127 / max|x|)), stored per chunk of 64
+    inputs as its 32 even inputs then its 32 odd ones (the order the dot splits the code bytes
+    in). The same bits as the torch reference, also where numba compiles it with a fast-math
+    caller's flags (`gate_up_item`), which may turn a division by a constant into a multiply."""
     for blk in range(first, end):
         amax = np.float32(0.0)
         for i in range(blk * 16, blk * 16 + 16):
             amax = max(amax, abs(x[i]))
-        s[blk] = amax / np.float32(127.0)
+        s[blk] = amax * np.float32(1.0 / 127.0)
         inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
         base = (blk // 4) * 64 + (blk % 4) * 8
         for j in range(8):

@@ -80,8 +80,9 @@ def test_moe_cpu_matches_reference(n: int, k: int, share: float, H: int, F: int)
 
 
 def test_reference_rounds_inputs_as_the_kernel() -> None:
-    """Every int8 input code and scale of the reference is the kernel's (a call's setup,
-    `_prepare`), at exact ties too: bf16 inputs hit them (x = amax / 2 scales to 63.5)."""
+    """Every int8 code and scale of the reference is the kernel's, on the inputs' call (a
+    call's setup, `_prepare`) and the hidden activations', at exact ties too: bf16 inputs hit
+    them (x = amax / 2 scales to 63.5)."""
     nc._kernels()
     from tinyserve.kernels.moe import cpu_numba as K
 

@@ -169,20 +169,17 @@ def decode_case(engine: Any, plan: hybrid.HybridPlan, runner: hybrid.CpuExperts,
 
 
 def _split_pairs(xf: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slots: Any,
-                 rnd: Any = None) -> torch.Tensor:
-    """`fused.moe_pairs_ref` with the second half of each token's pairs summed apart and
-    added to the first half's sum rounded to bf16: hybrid's rounding (its GPU part rounded,
-    the CPU part added in fp32) with no CPU (the fair case's noise floor)."""
+                 rnd: Any = None, *, whole: Any) -> torch.Tensor:
+    """`whole` (`fused.moe_pairs_ref`) with the second half of each token's pairs summed apart
+    and added to the first half's sum rounded to bf16: hybrid's rounding (its GPU part
+    rounded, the CPU part added in fp32) with no CPU (the fair case's noise floor)."""
     half = ids.shape[1] // 2
     if half == 0:  # the shared expert
-        return _whole_pairs(xf, ids, weights, slots, rnd)
+        return whole(xf, ids, weights, slots, rnd)
     col = torch.arange(ids.shape[1], device=ids.device)
-    first = _whole_pairs(xf, torch.where(col < half, ids, -1), weights, slots, rnd)
-    return first.bfloat16().float() + _whole_pairs(xf, torch.where(col < half, -1, ids),
-                                                   weights, slots, rnd)
-
-
-_whole_pairs = None  # fused.moe_pairs_ref, while `_split_pairs` stands in for it
+    first = whole(xf, torch.where(col < half, ids, -1), weights, slots, rnd)
+    return first.bfloat16().float() + whole(xf, torch.where(col < half, -1, ids), weights,
+                                            slots, rnd)
 
 
 FAIR_PASSES = {"gpu": "gpu", "gpu_split": "gpu", "hybrid": "hybrid"}  # name: plan
@@ -194,21 +191,20 @@ def fair_pass(engine: Any, plan: hybrid.HybridPlan, runner: hybrid.CpuExperts,
     """One pass of the fair case (module docstring): `plan` with the routed experts of decode
     through the rounded reference (`_split_pairs` in place of its sum for gpu_split), its
     greedy tokens and its logprobs teacher-forced on `ref_tokens` (None: its own)."""
-    global _whole_pairs
     from tinyserve.kernels.moe import fused
 
     experts = engine.runner.model.experts
     engine.call(lambda: setattr(experts, "round_like_cpu", True))
-    _whole_pairs = fused.moe_pairs_ref
+    whole = fused.moe_pairs_ref
     if name == "gpu_split":
-        fused.moe_pairs_ref = _split_pairs
+        fused.moe_pairs_ref = functools.partial(_split_pairs, whole=whole)
     try:
         _set_mode(engine, plan, runner)
         tokens = _greedy_tokens(engine, args.prompt_len, FAIR_TOKENS)
         return {"greedy_tokens": tokens, "forced_top_logprobs": _forced_logprobs(
             engine, args.prompt_len, (ref_tokens or tokens)[:FAIR_FORCED])}
     finally:
-        fused.moe_pairs_ref = _whole_pairs
+        fused.moe_pairs_ref = whole
         engine.call(lambda: setattr(experts, "round_like_cpu", False))
 
 

@@ -22,7 +22,10 @@ Cases:
   decoded as the others.
 - split_sweep (--sweep): decode tok/s with the CPU taking c = 0..top_k / 2 of a layer's
   misses on each of the probe's thread counts, against the probe's choice.
-- fair (`--cases fair`, alone: its engine decodes without CUDA graphs): gpu-only and hybrid
+- fair (`--cases fair`, alone: its engine decodes without CUDA graphs): first fair_layers,
+  each layer's experts replayed on the MoE inputs of one gpu-only decode step with every
+  routed expert a miss, under gpu, hybrid and cpu, as the engine runs them and rounded as
+  below: each layer's output against gpu-only's on the same input. Then gpu-only and hybrid
   with the GPU's routed experts in decode through the torch reference rounded as the CPU
   kernel rounds (`OffloadedExperts.round_like_cpu`): the greedy tokens and teacher-forced
   logprobs then differ by the CPU part's rounding order alone, the check the random model's
@@ -43,11 +46,13 @@ A summary compares hybrid with gpu and cpu, and the laptop hybrid with the lapto
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -185,27 +190,105 @@ def _split_pairs(xf: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slo
 FAIR_PASSES = {"gpu": "gpu", "gpu_split": "gpu", "hybrid": "hybrid"}  # name: plan
 
 
+@contextlib.contextmanager
+def _rounded_like_cpu(engine: Any, split: bool = False) -> Iterator[None]:
+    """The GPU's routed experts of decode through the reference rounded as the CPU kernel
+    rounds (`round_like_cpu`); `split`: each token's pairs summed in two halves
+    (`_split_pairs`)."""
+    from tinyserve.kernels.moe import fused
+
+    experts = engine.runner.model.experts
+    engine.call(lambda: setattr(experts, "round_like_cpu", True))
+    whole = fused.moe_pairs_ref
+    if split:
+        fused.moe_pairs_ref = functools.partial(_split_pairs, whole=whole)
+    try:
+        yield
+    finally:
+        fused.moe_pairs_ref = whole
+        engine.call(lambda: setattr(experts, "round_like_cpu", False))
+
+
 def fair_pass(engine: Any, plan: hybrid.HybridPlan, runner: hybrid.CpuExperts,
               args: argparse.Namespace, name: str, ref_tokens: list[int] | None
               ) -> dict[str, Any]:
     """One pass of the fair case (module docstring): `plan` with the routed experts of decode
     through the rounded reference (`_split_pairs` in place of its sum for gpu_split), its
     greedy tokens and its logprobs teacher-forced on `ref_tokens` (None: its own)."""
-    from tinyserve.kernels.moe import fused
-
-    experts = engine.runner.model.experts
-    engine.call(lambda: setattr(experts, "round_like_cpu", True))
-    whole = fused.moe_pairs_ref
-    if name == "gpu_split":
-        fused.moe_pairs_ref = functools.partial(_split_pairs, whole=whole)
-    try:
+    with _rounded_like_cpu(engine, split=name == "gpu_split"):
         _set_mode(engine, plan, runner)
         tokens = _greedy_tokens(engine, args.prompt_len, FAIR_TOKENS)
         return {"greedy_tokens": tokens, "forced_top_logprobs": _forced_logprobs(
             engine, args.prompt_len, (ref_tokens or tokens)[:FAIR_FORCED])}
+
+
+def fair_layers(engine: Any, plans: dict[str, hybrid.HybridPlan], runner: hybrid.CpuExperts,
+                args: argparse.Namespace) -> dict[str, Any]:
+    """Every layer's experts on the same inputs: the MoE inputs of one decode step recorded
+    under gpu-only, then each layer's call replayed under each plan with every routed expert
+    a miss (the cache emptied first), as the engine runs it and through the rounded
+    reference: how far each layer's output lies from gpu-only's on the full-size model,
+    without the 40 layers' amplification that the token comparison carries."""
+    experts = engine.runner.model.experts
+    calls: list[tuple] = []
+    forward = experts.forward
+
+    def record(layer_id: int, x: torch.Tensor, *tensors: torch.Tensor, **kw: Any) -> Any:
+        if x.shape[0] == 1 and len(calls) < experts.cache.num_layers:
+            calls.append((layer_id, x.clone(), *(t.clone() for t in tensors),
+                          {k: v.clone() if isinstance(v, torch.Tensor) else v
+                           for k, v in kw.items()}))
+        return forward(layer_id, x, *tensors, **kw)
+
+    _set_mode(engine, plans["gpu"], runner)
+    engine.call(lambda: setattr(experts, "forward", record))
+    try:
+        _greedy_tokens(engine, args.prompt_len, 2)  # the prefill's token, then one decode step
     finally:
-        fused.moe_pairs_ref = whole
-        engine.call(lambda: setattr(experts, "round_like_cpu", False))
+        engine.call(lambda: delattr(experts, "forward"))
+
+    def replay(mode: str) -> torch.Tensor:
+        def run() -> torch.Tensor:
+            experts.begin_step()
+            experts.cache.evict_slots(0, experts.cache.num_slots)
+            return torch.stack([experts.forward(layer, x, ids, w, **kw).float()
+                                for layer, x, ids, w, kw in calls])
+
+        _set_mode(engine, plans[mode], runner)
+        computed = runner.computed
+        out = engine.call(run)
+        torch.cuda.synchronize()
+        if mode != "gpu" and runner.computed == computed:
+            raise RuntimeError(f"the {mode} replay computed no expert on the CPU")
+        return out
+
+    outs = {mode: replay(mode) for mode in ("gpu", "hybrid", "cpu")}
+    for name, mode in (("gpu", "gpu"), ("gpu_split", "gpu"), ("hybrid", "hybrid"),
+                       ("cpu", "cpu")):
+        with _rounded_like_cpu(engine, split=name == "gpu_split"):
+            outs[f"{name}_rounded"] = replay(mode)
+    out = {"layers": len(calls), "plans": {m: plans[m].as_dict() for m in ("hybrid", "cpu")}}
+    for name, ref in (("gpu_rounded", "gpu"), ("hybrid", "gpu"), ("cpu", "gpu"),
+                      ("gpu_split_rounded", "gpu_rounded"), ("hybrid_rounded", "gpu_rounded"),
+                      ("cpu_rounded", "gpu_rounded")):
+        out[f"{name}_vs_{ref}"] = _layer_diff(outs[name], outs[ref])
+        print(f"  layers {name} vs {ref}: {out[f'{name}_vs_{ref}']}", flush=True)
+    return out
+
+
+def _layer_diff(got: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
+    """`got` against `ref` ([L, N, H] bf16 values held in fp32): per layer the largest
+    difference over the largest |ref| and the L2 ratio (their max and median over layers),
+    the share of values that differ and the largest difference in bf16 units in the last
+    place of the ref value (the join's rounding: 1)."""
+    d = (got - ref).abs()
+    rel_max = (d.amax((1, 2)) / ref.abs().amax((1, 2))).tolist()
+    rel_l2 = (d.norm(dim=(1, 2)) / ref.norm(dim=(1, 2))).tolist()
+    ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(2.0 ** -126))) - 7)
+    return {"rel_max": max(rel_max), "rel_max_median": statistics.median(rel_max),
+            "rel_l2": max(rel_l2), "rel_l2_median": statistics.median(rel_l2),
+            "values_differing": float((d > 0).float().mean()),
+            "max_ulps": float((d / ulp).amax())}
 
 
 def fair_compare(cases: dict[str, Any]) -> dict[str, Any]:
@@ -385,6 +468,7 @@ def main() -> int:
                     runner, args)
             cache.throttle_bytes_per_s = 0.0
         if "fair" in cases:
+            rec.run("fair_layers", fair_layers, engine, plans, runner, args)
             for name, mode in FAIR_PASSES.items():
                 ref = (rec.data["cases"].get("fair_gpu") or {}).get("greedy_tokens")
                 rec.run(f"fair_{name}", fair_pass, engine, plans[mode], runner, args, name,

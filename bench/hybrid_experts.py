@@ -28,10 +28,10 @@ Cases:
   below: each layer's output against gpu-only's on the same input. Then gpu-only and hybrid
   with the GPU's routed experts in decode through the torch reference rounded as the CPU
   kernel rounds (`OffloadedExperts.round_like_cpu`): the greedy tokens and teacher-forced
-  logprobs then differ by the CPU part's rounding order alone, the check the random model's
-  flat logits leave to it; and gpu-only again with each token's routed experts summed in two
-  halves, the first rounded to bf16 before the second is added (gpu_split: hybrid's rounding
-  with no CPU): how far that rounding alone moves this model's tokens.
+  logprobs then differ by the CPU part's summation order alone, the check the random
+  model's flat logits leave to it; and gpu-only again with each token's routed experts summed
+  in two halves, the second added to the first in fp32 (gpu_split: a hybrid's order with no
+  CPU): how far that order alone moves this model's tokens.
 - laptop_gpu, laptop_hybrid: the miss copies throttled to `--h2d-gbps` (12 GB/s: an RTX 4060
   laptop's PCIe 4.0 x8) by the cache's debug throttle (kernels.throttle), the probe run
   again under it (the plan moves work to the CPU), then gpu-only and auto.
@@ -176,15 +176,14 @@ def decode_case(engine: Any, plan: hybrid.HybridPlan, runner: hybrid.CpuExperts,
 def _split_pairs(xf: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slots: Any,
                  rnd: Any = None, *, whole: Any) -> torch.Tensor:
     """`whole` (`fused.moe_pairs_ref`) with the second half of each token's pairs summed apart
-    and added to the first half's sum rounded to bf16: hybrid's rounding (its GPU part
-    rounded, the CPU part added in fp32) with no CPU (the fair case's noise floor)."""
+    and added to the first half's sum: a hybrid's summation order (the GPU part's sum, then
+    the CPU part's added in fp32) with no CPU (the fair case's noise floor)."""
     half = ids.shape[1] // 2
     if half == 0:  # the shared expert
         return whole(xf, ids, weights, slots, rnd)
     col = torch.arange(ids.shape[1], device=ids.device)
     first = whole(xf, torch.where(col < half, ids, -1), weights, slots, rnd)
-    return first.bfloat16().float() + whole(xf, torch.where(col < half, -1, ids), weights,
-                                            slots, rnd)
+    return first + whole(xf, torch.where(col < half, -1, ids), weights, slots, rnd)
 
 
 FAIR_PASSES = {"gpu": "gpu", "gpu_split": "gpu", "hybrid": "hybrid"}  # name: plan
@@ -280,7 +279,7 @@ def _layer_diff(got: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
     """`got` against `ref` ([L, N, H] bf16 values held in fp32): per layer the largest
     difference over the largest |ref| and the L2 ratio (their max and median over layers),
     the share of values that differ and the largest difference in bf16 units in the last
-    place of the ref value (the join's rounding: 1)."""
+    place of the ref value."""
     d = (got - ref).abs()
     rel_max = (d.amax((1, 2)) / ref.abs().amax((1, 2))).tolist()
     rel_l2 = (d.norm(dim=(1, 2)) / ref.norm(dim=(1, 2))).tolist()

@@ -53,15 +53,19 @@ def test_write_request_equals_reference(n, h, k, dtype, wdtype) -> None:
     assert torch.equal(want_weights[slot_ids.cpu() >= 0], weights.cpu()[slot_ids.cpu() >= 0])
 
 
-@pytest.mark.parametrize("n,h,dtype", [(1, 512, torch.bfloat16), (5, 300, torch.float16),
-                                       (2, 64, torch.float32)], ids=["bf16", "f16-odd", "f32"])
-def test_add_answer_equals_reference(n, h, dtype) -> None:
+@pytest.mark.parametrize("n,h,dtype,out_dtype", [
+    (1, 512, torch.bfloat16, None), (5, 300, torch.float16, None), (2, 64, torch.float32, None),
+    (1, 512, torch.float32, torch.bfloat16)], ids=["bf16", "f16-odd", "f32", "f32-to-bf16"])
+def test_add_answer_equals_reference(n, h, dtype, out_dtype) -> None:
+    # f32-to-bf16: a GPU part summed in fp32, the layer's sum rounded once
     g = torch.Generator().manual_seed(h)
     out = torch.randn(n, h, generator=g).to(dtype).to(DEV)
     answer = torch.randn(n, h, generator=g).pin_memory() if PIN else torch.randn(n, h, generator=g)
-    got = add_answer(out, answer)
+    got = add_answer(out, answer, out_dtype)
+    dtype = out_dtype or dtype
     assert got.dtype == dtype and got.device == out.device
-    want = add_answer_ref(out.cpu(), answer)
+    want = add_answer_ref(out.cpu(), answer, out_dtype)
+    assert want.dtype == dtype
     if DEV == "cpu" and dtype != torch.float32:  # the interpreter truncates: one rounding step
         step = want.float().abs() * torch.finfo(dtype).eps
         assert ((got.float() - want.float()).abs() <= step).all()

@@ -55,6 +55,9 @@ def check(slots, n: int, k: int, dtype: torch.dtype, bound: float, path=None) ->
     assert y.shape == x.shape and y.dtype == dtype
     assert not torch.isnan(y).any()
     assert rel_err(y, ref) < bound, rel_err(y, ref)
+    # the sum left in fp32 (a CPU part joins it before the one rounding): the same sum
+    y32 = fused_moe(x, ids, weights, slots, path=path, out_dtype=torch.float32)
+    assert y32.dtype == torch.float32 and torch.equal(y32.to(dtype), y)
 
 
 SMALL_CASES = [(True, "dot"), (False, "gemv"), (False, "dot")]  # "fused": *_decode.py
@@ -120,6 +123,9 @@ def test_errors():
                   torch.ones(1, 2, device=DEV), slots)
     with pytest.raises(TypeError):
         fused_moe(x, torch.zeros(1, 2, device=DEV), torch.ones(1, 2, device=DEV), slots)
+    with pytest.raises(TypeError, match="float32"):  # fp32 x, an fp16 sum
+        fused_moe(x, torch.zeros(1, 2, dtype=torch.int64, device=DEV),
+                  torch.ones(1, 2, device=DEV), slots, out_dtype=torch.float16)
     with pytest.raises(TypeError):  # integer activations
         fused_moe(x.to(torch.int32), torch.zeros(1, 2, dtype=torch.int64, device=DEV),
                   torch.ones(1, 2, device=DEV), slots)

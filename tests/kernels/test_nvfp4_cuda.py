@@ -209,9 +209,9 @@ def moe(device, poison):
     """moe(x, ids, wts, topk, slots, shared, logit) -> [N, H] through the CUDA MoE decode (the
     emulated kernels on the CPU), its intermediate and output poisoned with NaN."""
 
-    def run(x, ids, wts, topk, slots, shared, logit):
+    def run(x, ids, wts, topk, slots, shared, logit, out_dtype=None):
         return nvfp4_cuda.moe_decode(x, ids.reshape(-1), wts.reshape(-1), topk, slots, shared,
-                                     logit)
+                                     logit, out_dtype)
 
     run.device = device
     return run
@@ -238,6 +238,10 @@ def test_moe_decode_matches_the_reference(moe, shared):
         y = moe(x, ids, wts, topk, slots, sh if shared else None, logit)
         assert y.dtype == x.dtype and not torch.isnan(y).any()
         assert rel_err(y, ref) < MOE_BOUND, (n, rel_err(y, ref))
+        # the sum unrounded (for a CPU part to join): the same sum, rounded once by the caller
+        y32 = moe(x, ids, wts, topk, slots, sh if shared else None, logit, torch.float32)
+        assert y32.dtype == torch.float32 and torch.equal(y32.to(x.dtype), y)
+        assert not torch.equal(y32, y.float())
 
 
 def test_moe_decode_is_the_default_fused_path(monkeypatch):

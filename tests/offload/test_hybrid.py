@@ -12,7 +12,7 @@ from tinyserve.kernels.moe import cpu as nvfp4_cpu
 from tinyserve.offload import lookup as lk
 from tinyserve.offload.bandwidth import Bandwidths, cpu_expert_times, probe, thread_counts
 from tinyserve.offload.hybrid import CpuExperts, HybridPlan, plan_split
-from tinyserve.offload.provider import OffloadedExperts
+from tinyserve.offload.provider import CPU_MAX_TOKENS, OffloadedExperts
 from tinyserve.offload.store import HostExpertStore
 
 needs_numba = pytest.mark.skipif(not nvfp4_cpu.available(), reason="numba is not installed")
@@ -135,6 +135,43 @@ def test_cpu_part_equals_the_rounded_reference(tiny, plan: HybridPlan) -> None:
     # 2e-7 measured (fp32 rounding); an int8 rounding that the order tips the other way moves
     # one hidden value by 1/127 of its block's largest
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def _layer_outputs(cfg, w, plan: HybridPlan, x: torch.Tensor, ids: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor:
+    """Every layer's bf16 experts on (x, ids, weights) under `plan`, through the reference
+    rounded as the CPU kernel rounds, every expert a miss: [layers, N, H]."""
+    store = HostExpertStore.from_weights(w, cfg)
+    experts = OffloadedExperts.create(store, cfg.num_layers * cfg.num_experts, device="cpu",
+                                      dtype=torch.bfloat16)
+    experts.round_like_cpu = True
+    experts.set_hybrid(plan, CpuExperts(store, device="cpu"))
+    out = torch.stack([experts.forward(layer, x, ids, weights)
+                       for layer in range(cfg.num_layers)])
+    assert out.dtype == torch.bfloat16
+    assert plan.mode == "gpu" or experts.cpu_computed > 0
+    return out.float()
+
+
+@needs_numba
+@pytest.mark.parametrize("plan", [HybridPlan("hybrid", 0.5, 0.0), HybridPlan("cpu", 1.0, -1e6)],
+                         ids=["hybrid-0.5-0", "cpu"])
+def test_cpu_part_joins_before_the_one_rounding(tiny, plan: HybridPlan) -> None:
+    """bf16 experts: the GPU part's sum stays in fp32 until the CPU part's joins it, so a
+    layer's output is gpu-only's but where the fp32 order tips a bf16 rounding (none here;
+    rounding the GPU part first moved 14 % of the values)."""
+    cfg, w, *_ = tiny
+    g = torch.Generator().manual_seed(7)
+    n, k = CPU_MAX_TOKENS, cfg.num_experts_per_tok
+    x = torch.randn(n, cfg.hidden_size, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:k] for _ in range(n)])
+    weights = torch.softmax(torch.randn(n, k, generator=g), -1).bfloat16()
+    want = _layer_outputs(cfg, w, HybridPlan("gpu"), x, ids, weights)
+    got = _layer_outputs(cfg, w, plan, x, ids, weights)
+    step = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(2.0 ** -126))) - 7)
+    diff = (got - want).abs()
+    assert (diff <= step).all()  # one bf16 step at most
+    assert (diff > 0).float().mean() < 0.02, (diff > 0).float().mean()
 
 
 @needs_numba

@@ -194,20 +194,21 @@ class CpuExperts:
         self._pending = e
         return gpu_part
 
-    def join(self, out: torch.Tensor) -> torch.Tensor:
-        """`out` [N, H] (the GPU part of the layer's experts) plus the CPU part of the last
-        `start`, in fp32 rounded to out's dtype. On CUDA the current stream's next work waits
+    def join(self, out: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`out` [N, H] (the GPU part of the layer's experts, best in float32: then the layer's
+        sum is rounded once) plus the CPU part of the last `start`, in fp32 rounded to `dtype`
+        (None: out's). On CUDA the current stream's next work waits
         until the CPU answered. NOTE: one stream for both: a wait on a separate stream can hold
         the GPU work queued behind it on a shared hardware queue, serialising the two."""
         e, self._pending = self._pending, None
         if e is None:
             raise RuntimeError("join() without a start()")
         if isinstance(e, torch.Tensor):
-            return cpu_exchange.add_answer_ref(out, e)
+            return cpu_exchange.add_answer_ref(out, e, dtype)
         stream = torch.cuda.current_stream(self.device)
         stream_wait(stream, self._done, e.number)
         stream_write(stream, self._done, 0)
-        return cpu_exchange.add_answer(out.contiguous(), e.answer)
+        return cpu_exchange.add_answer(out.contiguous(), e.answer, dtype)
 
     def time_rows(self, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> float:
         """Seconds of one CPU call over store `rows` [1, k] (any layers) as a decode layer

@@ -92,7 +92,8 @@ class OffloadedExperts(ExpertsProvider):
                 shared_logit: torch.Tensor | None = None) -> torch.Tensor:
         """Σ_j topk_weights[:, j] * Expert_{topk_ids[:, j]}(x) (+ sigmoid(shared_logit) *
         the shared expert in `shared_slots`); x [N, H] -> [N, H] in x.dtype. Misses left to a
-        CPU part (`set_hybrid`) get weight 0 here; their sum is added in fp32 before the cast.
+        CPU part (`set_hybrid`) get weight 0 here; the GPU part's sum stays in fp32 and the
+        CPU part's is added to it before the one rounding to x.dtype.
         With `round_like_cpu`, batches a CPU part could take run the routed experts here
         through the torch reference with the CPU kernel's int8 rounding: then a CPU part moves
         the sum by its rounding order alone."""
@@ -116,8 +117,8 @@ class OffloadedExperts(ExpertsProvider):
         else:
             moe = fused_moe if self.use_kernel else fused_moe_ref
         out = moe(x, slot_ids, weights, self.cache.slots, shared_slots=shared_slots,
-                  shared_logit=shared_logit)
-        return self.cpu_runner.join(out) if gpu_part else out
+                  shared_logit=shared_logit, out_dtype=torch.float32 if gpu_part else None)
+        return self.cpu_runner.join(out, x.dtype) if gpu_part else out
 
     def _slot_ids(self, layer_id: int, topk_ids: torch.Tensor,
                   fork: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:

@@ -3,7 +3,8 @@
 // j == topk: the layer's shared expert, when KP = topk + 1)
 //   1. moe_gate_up: h[q, f] = silu(x_t . W13_q[f]) * (x_t . W13_q[F + f]), fp32;
 //   2. moe_down:    out[t, r] = sum_j w_tj * (h[q] . W2_q[r]), the shared pair weighted by
-//                   sigmoid(logit_t) rounded to the output dtype;
+//                   sigmoid(logit_t) rounded to x's dtype; out in x's dtype or fp32 (a sum
+//                   that a CPU part joins before its one rounding);
 // a programmatic dependent launch of 1 on sm_90 (its ids, routing weights and weight rows
 // are requested before it waits for h). As in the GEMV (nvfp4_gemv.cu) every CTA requests
 // all of its weight bytes first and stages its inputs once in shared memory; every sum runs
@@ -94,7 +95,7 @@ __global__ void __launch_bounds__(kThreads)
 moe_down(const float* __restrict__ h, const void* __restrict__ ids, bool ids64,
          const void* __restrict__ wts, int wts_dtype, const void* __restrict__ logit,
          int logit_dtype, int64_t logit_stride, int topk, int kp, Experts w,
-         uint16_t* __restrict__ out, int h_size) {
+         void* __restrict__ out, bool out_f32, int h_size) {
   constexpr int PR = F / 32, G = 32 / PR, JL = (kMaxPairs + G - 1) / G;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int t = blockIdx.y, grp = lane / PR, piece = lane % PR;
@@ -163,7 +164,12 @@ moe_down(const float* __restrict__ h, const void* __restrict__ ids, bool ids64,
   const float sum = warp_sum_rows<R>(acc);
   const int row = row0 + lane / (32 / R);
   if (lane % (32 / R) == 0 && row < h_size) {
-    out[(size_t)t * h_size + row] = T::bits(sum * 0x1p14f);
+    const size_t i = (size_t)t * h_size + row;
+    if (out_f32) {
+      static_cast<float*>(out)[i] = sum * 0x1p14f;
+    } else {
+      static_cast<uint16_t*>(out)[i] = T::bits(sum * 0x1p14f);
+    }
   }
 }
 

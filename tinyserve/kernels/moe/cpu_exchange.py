@@ -6,8 +6,8 @@ reads (float32 [N, H + 2k]: x | expert ids of the pairs whose slot is < 0, else 
 bits | weights) and returns the GPU part's pairs (those pairs at slot 0 with weight 0);
 `add_answer` adds the worker's float32 answer [N, H], read from pinned memory with
 system-scope (volatile) loads so no cached line of an earlier answer is seen, to the GPU part's
-output in fp32 and rounds once to its dtype. Triton (the interpreter on CPU tensors);
-the `_ref` functions are the torch references."""
+output (float32: the layer's sum is rounded once) in fp32 and rounds to the layer's dtype.
+Triton (the interpreter on CPU tensors); the `_ref` functions are the torch references."""
 
 from __future__ import annotations
 
@@ -35,9 +35,10 @@ def write_request_ref(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Tensor
     return gpu_part_ref(slot_ids, weights)
 
 
-def add_answer_ref(out: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
-    """(out + answer) in fp32, rounded to out's dtype."""
-    return (out.float() + answer.to(out.device)).to(out.dtype)
+def add_answer_ref(out: torch.Tensor, answer: torch.Tensor,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(out + answer) in fp32, rounded to `dtype` (None: out's)."""
+    return (out.float() + answer.to(out.device)).to(dtype or out.dtype)
 
 
 @functools.cache
@@ -115,10 +116,12 @@ def write_request(x: torch.Tensor, ids: torch.Tensor, slot_ids: torch.Tensor,
     return gpu_slots, gpu_weights
 
 
-def add_answer(out: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
-    """(out + answer) in fp32 rounded to out's dtype, as a new tensor on out's device: out
-    [N, H] float, contiguous; answer float32 [N, H] contiguous, on the CPU (pinned, when out is
-    on a GPU: the kernel reads it in place, in stream order). ValueError otherwise."""
+def add_answer(out: torch.Tensor, answer: torch.Tensor,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(out + answer) in fp32 rounded to `dtype` (None: out's), as a new tensor on out's
+    device: out [N, H] float, contiguous; answer float32 [N, H] contiguous, on the CPU (pinned,
+    when out is on a GPU: the kernel reads it in place, in stream order). ValueError
+    otherwise."""
     if out.dim() != 2 or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous [N, H] tensor, got {tuple(out.shape)}")
     if answer.shape != out.shape or answer.dtype != torch.float32 or not answer.is_contiguous():
@@ -126,6 +129,6 @@ def add_answer(out: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
                          f"{answer.dtype} {tuple(answer.shape)}")
     triton, _, kernel = _kernels()
     n, h = out.shape
-    res = torch.empty_like(out)
+    res = torch.empty_like(out, dtype=dtype or out.dtype)
     kernel[(n, triton.cdiv(h, BLOCK))](out, answer, res, h, BLOCK=BLOCK, num_warps=4)
     return res

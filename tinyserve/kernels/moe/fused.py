@@ -208,8 +208,8 @@ def _check_shared(x: torch.Tensor, slots: ExpertSlots, shared_slots: ExpertSlots
 
 def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.Tensor,
               slots: ExpertSlots, *, shared_slots: ExpertSlots | None = None,
-              shared_logit: torch.Tensor | None = None, path: str | None = None
-              ) -> torch.Tensor:
+              shared_logit: torch.Tensor | None = None, path: str | None = None,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Routed-expert MLP: sum_j w[t, j] * down_s(silu(gate_s(x_t)) * up_s(x_t)), s = ids[t, j],
     plus sigmoid(shared_logit[t]) * shared(x_t) when a shared expert is given.
 
@@ -220,17 +220,21 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
             decode runs it as one more pair, the other paths as a second one-expert call.
         shared_logit: [N, 1] gate logits with shared_slots (sigmoid rounded to x.dtype).
         path: "fused", "gemv" or "dot"; None = `choose_path` (tests force one).
+        out_dtype: x.dtype (None) or float32 (a sum that another part joins before rounding).
     Returns:
-        [N, H] in x.dtype: fp32 accumulation in a fixed order (the same bits every run), no
+        [N, H] in out_dtype: fp32 accumulation in a fixed order (the same bits every run), no
         host synchronisation. The CUDA decode rounds x and the intermediate to fp16 after a
         power-of-two scale per block of 16.
     Raises ValueError on bad shapes, devices or path, TypeError on bad dtypes.
     """
     _check(x, topk_slot_ids, topk_weights, slots)
     _check_shared(x, slots, shared_slots, shared_logit)
+    out_dtype = out_dtype or x.dtype
+    if out_dtype not in (x.dtype, torch.float32):
+        raise TypeError(f"fused_moe writes x's dtype or float32, not {out_dtype}")
     n, topk = topk_slot_ids.shape
     if n * topk == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x, dtype=out_dtype)
     path = path or choose_path(n, topk, slots.is_fp4)
     if path not in MOE_PATHS:
         raise ValueError(f"unknown fused_moe path {path!r}; choose from {MOE_PATHS}")
@@ -240,22 +244,23 @@ def fused_moe(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.
     ids = topk_slot_ids.contiguous().view(-1)
     wts = topk_weights.contiguous().view(-1)
     if path == "fused" and nvfp4_cuda.moe_takes(x, wts, topk, slots, shared_slots, shared_logit):
-        return nvfp4_cuda.moe_decode(x, ids, wts, topk, slots, shared_slots, shared_logit)
+        return nvfp4_cuda.moe_decode(x, ids, wts, topk, slots, shared_slots, shared_logit,
+                                     out_dtype)
     if path == "gemv":
-        out = _moe_gemv(x, ids, wts, topk, slots)
+        out = _moe_gemv(x, ids, wts, topk, slots, out_dtype)
     else:  # "dot", and the "fused" calls the CUDA decode does not take
         pair_out = _moe_dot(x, ids, wts, topk, slots)  # [P, H] fp32, weighted
-        out = pair_out.view(n, topk, -1).sum(1).to(x.dtype)
+        out = pair_out.view(n, topk, -1).sum(1).to(out_dtype)
     if shared_slots is None or shared_logit is None:
         return out
     # the shared expert as a one-expert MoE of its own
     sh_ids = torch.zeros(n, 1, dtype=torch.int32, device=x.device)
     sh_w = torch.sigmoid(shared_logit.float()).to(x.dtype)
-    return out + fused_moe(x, sh_ids, sh_w, shared_slots)
+    return out + fused_moe(x, sh_ids, sh_w, shared_slots, out_dtype=out_dtype)
 
 
 def _moe_gemv(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
-              slots: ExpertSlots) -> torch.Tensor:
+              slots: ExpertSlots, out_dtype: torch.dtype) -> torch.Tensor:
     if slots.is_fp4:
         raise ValueError("the gemv path takes dense slots (NVFP4 decode: the fused path)")
     kern = _kernels()
@@ -271,7 +276,7 @@ def _moe_gemv(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
     kern.moe_gate_up_kernel[(pairs, -(-f // 4))](
         x, ids, order, slots.w13, inter, x.stride(0), H=h, F=f, TOPK=topk,
         HAS_ORDER=has_order, BLOCK_N=4, BLOCK_K=block_k13, num_warps=4)
-    out = torch.empty(n, h, device=x.device, dtype=x.dtype)
+    out = torch.empty(n, h, device=x.device, dtype=out_dtype)
     kern.moe_down_kernel[(n, -(-h // 8))](
         inter, ids, wts, slots.w2, out, H=h, F=f, TOPK=topk, BLOCK_N=8, BLOCK_K=block_k2,
         num_warps=2)
@@ -347,7 +352,8 @@ def slot_weights(slots: ExpertSlots, slot_id: int) -> tuple[torch.Tensor, torch.
 def fused_moe_ref(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: torch.Tensor,
                   slots: ExpertSlots, *, shared_slots: ExpertSlots | None = None,
                   shared_logit: torch.Tensor | None = None,
-                  rnd: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                  rnd: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Per-slot fp32 torch loop with the contract of `fused_moe`; `rnd` rounds the routed
     experts' inputs and hidden activations (as the CPU kernel's int8 inputs,
     `kernels.moe.cpu.quantize_blocks_ref`), not the shared expert's."""
@@ -359,7 +365,7 @@ def fused_moe_ref(x: torch.Tensor, topk_slot_ids: torch.Tensor, topk_weights: to
         gate = torch.sigmoid(shared_logit.float()).to(x.dtype).float()  # [N, 1]
         zeros = torch.zeros(x.shape[0], 1, dtype=torch.int64, device=x.device)
         out += moe_pairs_ref(x.float(), zeros, gate, shared_slots)
-    return out.to(x.dtype)
+    return out.to(out_dtype or x.dtype)
 
 
 def moe_pairs_ref(xf: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

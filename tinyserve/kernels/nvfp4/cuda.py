@@ -132,11 +132,13 @@ def _experts(slots, shared, which: str) -> _Experts:
 
 
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int, slots,
-               shared, logit: torch.Tensor | None) -> torch.Tensor:
-    """sum_j wts[t, j] * expert_{ids[t, j]}(x_t) (+ sigmoid(logit[t]) * shared(x_t)) in x.dtype
-    for calls `moe_takes`: x [N, H], ids / wts flat [N * topk], slots checked by `fused_moe`.
-    Two launches (the second a dependent launch on sm_90+), no host sync, the same bits every
-    run. Raises ValueError for arguments outside these."""
+               shared, logit: torch.Tensor | None, out_dtype: torch.dtype | None = None
+               ) -> torch.Tensor:
+    """sum_j wts[t, j] * expert_{ids[t, j]}(x_t) (+ sigmoid(logit[t]) * shared(x_t)) in
+    `out_dtype` (x.dtype or float32; None: x.dtype) for calls `moe_takes`: x [N, H], ids / wts
+    flat [N * topk], slots checked by `fused_moe`. Two launches (the second a dependent launch
+    on sm_90+), no host sync, the same bits every run. Raises ValueError for arguments outside
+    these."""
     n, h, f = x.shape[0], slots.hidden_size, slots.intermediate_size
     kp = topk + (shared is not None)
     if n <= 0 or topk <= 0 or kp > MOE_MAX_PAIRS:
@@ -147,8 +149,11 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
     if x.dtype not in _FORMAT or h not in MOE_HS or f not in MOE_FS:
         raise ValueError(f"the CUDA MoE decode takes bf16/fp16 x, H in {MOE_HS}, F in "
                          f"{MOE_FS}; got {x.dtype}, {h}, {f}")
+    out_dtype = out_dtype or x.dtype
+    if out_dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"the CUDA MoE decode writes x's dtype or float32, not {out_dtype}")
     inter = torch.empty(n * kp, f, dtype=torch.float32, device=x.device)
-    out = torch.empty(n, h, dtype=x.dtype, device=x.device)
+    out = torch.empty(n, h, dtype=out_dtype, device=x.device)
     be = cuda_launch.backend(x.device)
     stream, fmt, ids64 = be.stream(), _FORMAT[x.dtype], ctypes.c_bool(ids.dtype == torch.int64)
     gate_up = be.kernel(MOE, f"nvfp4::moe_gate_up<{fmt}, {h // 1024}>")
@@ -160,6 +165,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, topk: int,
                 (ptr(inter), ptr(ids), ids64, ptr(wts), I(_FLOAT_CODE[wts.dtype]), ptr(logit),
                  I(_FLOAT_CODE[logit.dtype] if logit is not None else 0),
                  I64(logit.stride(0) if logit is not None else 0), I(topk), I(kp),
-                 _experts(slots, shared, "w2"), ptr(out), I(h)),
+                 _experts(slots, shared, "w2"), ptr(out),
+                 ctypes.c_bool(out_dtype == torch.float32), I(h)),
                 stream=stream, pdl=dependent_launch(x.device))
     return out

@@ -143,9 +143,10 @@ def test_sparse_moe_shared_in_fused_launch(n: int, tied: bool, monkeypatch) -> N
     if DEV == "cpu":  # the CUDA decode's contract, through the reference
         monkeypatch.setattr(fm.nvfp4_cuda, "moe_takes", lambda *a: True)
 
-        def decode(x, ids, wts, topk, slots, shared, logit):
+        def decode(x, ids, wts, topk, slots, shared, logit, out_dtype):
             return fm.fused_moe_ref(x, ids.view(-1, topk), wts.view(-1, topk), slots,
-                                    shared_slots=shared, shared_logit=logit)
+                                    shared_slots=shared, shared_logit=logit,
+                                    out_dtype=out_dtype)
 
     monkeypatch.setattr(fm.nvfp4_cuda, "moe_decode",
                         lambda *a: launches.append(a[5]) or decode(*a))

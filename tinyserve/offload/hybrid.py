@@ -197,9 +197,9 @@ class CpuExperts:
     def join(self, out: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """`out` [N, H] (the GPU part of the layer's experts, best in float32: then the layer's
         sum is rounded once) plus the CPU part of the last `start`, in fp32 rounded to `dtype`
-        (None: out's). On CUDA the current stream's next work waits
-        until the CPU answered. NOTE: one stream for both: a wait on a separate stream can hold
-        the GPU work queued behind it on a shared hardware queue, serialising the two."""
+        (None: out's). On CUDA the current stream's next work waits until the CPU answered.
+        NOTE: one stream for both: a wait on a separate stream can hold the GPU work queued
+        behind it on a shared hardware queue, serialising the two."""
         e, self._pending = self._pending, None
         if e is None:
             raise RuntimeError("join() without a start()")

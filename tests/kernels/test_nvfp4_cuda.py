@@ -256,9 +256,10 @@ def test_moe_decode_is_the_default_fused_path(monkeypatch):
     monkeypatch.setattr(nvfp4_cuda, "moe_decode", lambda *a: calls.append("cuda") or a[0])
     dot = fm._moe_dot
     monkeypatch.setattr(fm, "_moe_dot", lambda *a: calls.append("dot") or dot(*a))
-    slots, slot_of, sh = moe_layer(64, 32, 4, "cpu")
-    x, ids = torch.randn(1, 64), slot_of[:2][None]
-    wts, logit = torch.ones(1, 2), torch.ones(1, 1)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the dot path's Triton kernels
+    slots, slot_of, sh = moe_layer(64, 32, 4, dev)
+    x, ids = torch.randn(1, 64, device=dev), slot_of[:2][None]
+    wts, logit = torch.ones(1, 2, device=dev), torch.ones(1, 1, device=dev)
     assert fm.fuses_shared_expert(x, wts, sh, logit)
     fm.fused_moe(x, ids, wts, slots, shared_slots=sh, shared_logit=logit)
     takes[0] = False
@@ -266,7 +267,7 @@ def test_moe_decode_is_the_default_fused_path(monkeypatch):
     fm.fused_moe(x, ids, wts, slots, shared_slots=sh, shared_logit=logit)
     assert calls == ["cuda", "dot", "dot"]
     monkeypatch.undo()
-    assert not nvfp4_cuda.moe_takes(x, torch.ones(2), 2, slots, None, None)  # the CPU
+    assert not nvfp4_cuda.moe_takes(x.cpu(), torch.ones(2), 2, slots, None, None)  # the CPU
 
 
 @pytest.mark.requires_cuda

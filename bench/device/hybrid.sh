@@ -4,7 +4,7 @@
 # numba), the CPU kernel, hybrid and offloaded-engine tests, then bench/hybrid_experts.py on
 # the full-size random checkpoint (which it writes unless it is there), after
 # bench/cpu_round_trip.py (with the worker's own idle spin and with none); ~420 s. The fair
-# case runs in a call of its own (`python3 bench/hybrid_experts.py --cases fair`, ~300 s).
+# case runs in a call of its own (`python3 bench/hybrid_experts.py --cases fair`, ~350 s).
 # Logs and the result JSONs in $OUT. TINYSERVE_BENCH_COMMIT names the commit in the results
 # where the copied tree's .git may lag behind it.
 #   OUT=dir [CKPT=dir] [TINYSERVE_BENCH_COMMIT=sha] bash bench/device/hybrid.sh [arguments of

@@ -82,21 +82,32 @@ def _median_s(fn, args: list, reps: int) -> float:
     return statistics.median(times)
 
 
+def _native(calls: list, threads: int) -> list:
+    """`moe_cpu` calls' arguments (x, rows, weights, slots) as the kernel's own function takes
+    them (`cpu_numba.moe_pooled`, on `threads` threads of `moe_cpu`'s pool): timed straight,
+    without `moe_cpu`'s checks and conversions (as the engine's worker runs it, with no Python)."""
+    k, pool = nvfp4_cpu._kernels(), nvfp4_cpu._python_pool()
+    out = torch.empty(calls[0][0].shape).numpy()
+    return [(x.numpy(), rows.numpy(), w.numpy(), *(b.numpy() for b in slots.buffers), out,
+             k.e4m3, threads, pool.address) for x, rows, w, slots in calls]
+
+
 def kernel_case(store: Any, top_k: int, reps: int) -> dict[str, Any]:
     """The CPU kernel's read rate of expert bytes vs the host read bandwidth (same run)."""
     host, nbytes = bandwidth.host_read_bandwidth(store)
     g = torch.Generator().manual_seed(0)
     rows_total = store.num_layers * store.num_experts
     h = store.slots.hidden_size
+    threads = nvfp4_cpu.max_threads()
+    kernel = nvfp4_cpu._kernels().moe_pooled
     out: dict[str, Any] = {"host_read_gbps": host / 1e9, "host_read_bytes": nbytes,
-                           "threads": nvfp4_cpu.max_threads(), "store_bytes": store.nbytes,
-                           "calls": {}}
+                           "threads": threads, "store_bytes": store.nbytes, "calls": {}}
     args: dict[tuple[int, int], list] = {}  # (tokens, experts) -> the calls' arguments
     for n, k in ((1, 1), (1, 2), (1, 4), (1, top_k), (8, top_k)):
         calls = args[n, k] = [(torch.randn(n, h, generator=g),
                   torch.stack([torch.randperm(rows_total, generator=g)[:k] for _ in range(n)]),
                   torch.rand(n, k, generator=g), store.slots) for _ in range(reps + 1)]
-        t = _median_s(nvfp4_cpu.moe_cpu, calls, reps)
+        t = _median_s(kernel, _native(calls, threads), reps)
         nbytes = min(n * k, rows_total) * store.bytes_per_expert  # distinct experts (about)
         out["calls"][f"{n}tok_{k}exp"] = {"ms": t * 1e3, "gbps": nbytes / t / 1e9,
                                           "fraction_of_host_read": nbytes / t / host}
@@ -108,20 +119,23 @@ def kernel_case(store: Any, top_k: int, reps: int) -> dict[str, Any]:
                        (f"4tok_{top_k}exp_shared", (torch.randn(4, h, generator=g),
                                                      rows.expand(4, -1).contiguous(),
                                                      torch.rand(4, top_k, generator=g), slots))):
-        t = _median_s(nvfp4_cpu.moe_cpu, [call] * (reps + 1), reps)
+        t = _median_s(kernel, _native([call], threads) * (reps + 1), reps)
         out["calls"][name] = {"ms": t * 1e3, "gbps": call[1].shape[1] * store.bytes_per_expert
                               / t / 1e9}
-    n = out["threads"]
-    # by threads, top_k experts and one (a call's fixed cost against its bytes)
-    for key, k in (("threads_sweep", top_k), ("threads_sweep_1exp", 1)):
+    # by threads, top_k experts, one and none (every row -1: a call's fixed cost)
+    args[1, 0] = [(x, torch.full_like(rows, -1), w, slots) for x, rows, w, slots in args[1, 1]]
+    for key, k in (("threads_sweep", top_k), ("threads_sweep_1exp", 1),
+                   ("threads_sweep_empty", 0)):
         out[key] = {}
-        for threads in sorted({t for t in (1, 2, 4, 8, n, *bandwidth.thread_counts(n))
-                               if t <= n}):
-            t = _median_s(functools.partial(nvfp4_cpu.moe_cpu, threads=threads), args[1, k],
-                          reps)
-            out[key][threads] = {"ms": t * 1e3, "gbps": k * store.bytes_per_expert / t / 1e9}
+        for used in sorted({t for t in (1, 2, 4, 8, threads, *bandwidth.thread_counts(threads))
+                            if t <= threads}):
+            t = _median_s(kernel, _native(args[1, k], used), reps)
+            out[key][used] = {"ms": t * 1e3, "gbps": k * store.bytes_per_expert / t / 1e9}
         sweep = ", ".join(f"{t}: {v['ms'] * 1e3:.0f} us" for t, v in out[key].items())
         print(f"  1 token x {k} experts by threads: {sweep}", flush=True)
+    # what `moe_cpu` adds around the kernel (its checks, conversions and numba's dispatch)
+    out["moe_cpu_empty_us"] = _median_s(nvfp4_cpu.moe_cpu, args[1, 0], reps) * 1e6
+    print(f"  an empty call through moe_cpu: {out['moe_cpu_empty_us']:.0f} us", flush=True)
     x = torch.randn(1, h, generator=g)
     rows = torch.randperm(rows_total, generator=g)[:top_k].view(1, top_k)
     w = torch.rand(1, top_k, generator=g)

@@ -246,3 +246,13 @@ def test_moe_cpu_refuses_what_it_cannot_run() -> None:
     dense = HostExpertStore(1, 2, 64, 64, fp4=False, pin=False)
     with pytest.raises(ValueError, match="NVFP4"):
         nc.moe_cpu(x, rows, w, dense.slots)
+
+
+@pytest.mark.parametrize("nbytes", [8, 4096 + 24, 1 << 20])
+def test_read_host_is_the_sum_of_every_word(nbytes: int) -> None:
+    """The host read probe reads every 8-byte word once (chunks of any remainder included):
+    its checksum is the words' sum modulo 2**64; a trailing partial word is not read."""
+    g = torch.Generator().manual_seed(nbytes)
+    buf = torch.randint(0, 256, (nbytes + 5,), dtype=torch.uint8, generator=g)
+    words = buf[:nbytes].view(torch.int64).numpy().view("uint64")
+    assert nc.read_host(buf) == int(words.sum(dtype="uint64"))

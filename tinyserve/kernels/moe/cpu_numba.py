@@ -727,8 +727,9 @@ def read_sum(words):
     per = (words.shape[0] + chunks - 1) // chunks
     part = np.zeros(chunks, np.uint64)
     for c in prange(chunks):
+        chunk = words[c * per:(c + 1) * per]  # indexed from 0: the loop vectorizes
         acc = np.uint64(0)
-        for i in range(c * per, min(words.shape[0], (c + 1) * per)):
-            acc += words[i]
+        for i in range(chunk.shape[0]):
+            acc += chunk[i]
         part[c] = acc
     return part.sum()

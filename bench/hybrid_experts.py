@@ -9,9 +9,10 @@ recaptures the decode graphs. Writes bench/results/hybrid_experts.json after eve
 Cases:
 - kernel: the CPU expert kernel against the host read bandwidth measured in the same run
   (every thread reading 4 GiB of the store), for 1..top_k experts of one token and for
-  top_k experts of a batch of 8 tokens, one token's top_k experts on 1, 2, 4, 8 and the
-  probe's thread counts, and the torch reference (dequantize + matmul) on the same experts:
-  the measurement behind choosing numba.
+  top_k experts of a batch of 8 tokens, one token's top_k experts, one and none on 1, 2, 4,
+  8 and the probe's thread counts (the kernel's own function, as the engine's worker calls
+  it; an empty call through `moe_cpu` beside them: its Python), and the torch reference
+  (dequantize + matmul) on the same experts: the measurement behind choosing numba.
 - probe: the start-up probe and the plan of every mode.
 - gpu, cpu, hybrid: `engine.bench.run_bench` (prompt 1024, 256 generated, batch 1): decode
   tok/s, the median step, hits / misses / experts computed on the CPU, the greedy tokens of

@@ -74,7 +74,7 @@ def one_case(c: SimpleNamespace, threads: int, n: int) -> dict[str, float]:
     def kernel_call() -> float:
         r = c.rng.permutation(total)[:kk].reshape(1, kk) if n else np.full((1, kk), -1)
         t = time.perf_counter()
-        k.moe_pooled(x, r.astype(np.int64), w, *c.slots, c.out, k.e4m3, threads,
+        k.moe_pooled(x, r.astype(np.int64), w, *c.slots, c.out, threads,
                      nvfp4_cpu._python_pool().address)
         return (time.perf_counter() - t) * 1e6
 

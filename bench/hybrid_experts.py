@@ -87,10 +87,10 @@ def _native(calls: list, threads: int) -> list:
     """`moe_cpu` calls' arguments (x, rows, weights, slots) as the kernel's own function takes
     them (`cpu_numba.moe_pooled`, on `threads` threads of `moe_cpu`'s pool): timed straight,
     without `moe_cpu`'s checks and conversions (as the engine's worker runs it, with no Python)."""
-    k, pool = nvfp4_cpu._kernels(), nvfp4_cpu._python_pool()
+    pool = nvfp4_cpu._python_pool()
     out = torch.empty(calls[0][0].shape).numpy()
     return [(x.numpy(), rows.numpy(), w.numpy(), *(b.numpy() for b in slots.buffers), out,
-             k.e4m3, threads, pool.address) for x, rows, w, slots in calls]
+             threads, pool.address) for x, rows, w, slots in calls]
 
 
 def kernel_case(store: Any, top_k: int, reps: int) -> dict[str, Any]:

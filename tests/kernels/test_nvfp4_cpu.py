@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -79,7 +80,21 @@ def test_moe_cpu_matches_reference(n: int, k: int, share: float, H: int, F: int)
     assert torch.equal(got, nc.moe_cpu(x, rows, w, store.slots, threads=1))  # on any count
 
 
-def test_reference_rounds_inputs_as_the_kernel() -> None:
+def _natural_scales(scales: torch.Tensor, k: int) -> torch.Tensor:
+    """[N, K/16] of the kernel's per-block words [N, scale_words(K)] (its input scales or code
+    sums): each pair of chunks' eight in block order, after checking that an odd last chunk
+    leaves its pair's other four 0."""
+    from tinyserve.kernels.moe import cpu_numba as K
+
+    n = scales.shape[0]
+    assert scales.shape[1] == K.scale_words(k)
+    blocks = scales.view(n, -1, 8)[:, :, torch.from_numpy(K._SCALE_SLOT)].reshape(n, -1)
+    assert not blocks[:, k // 16:].any()
+    return blocks[:, :k // 16]
+
+
+@pytest.mark.parametrize("k", [256, 192], ids=["pairs", "odd-chunk"])
+def test_reference_rounds_inputs_as_the_kernel(k: int) -> None:
     """Every int8 code and scale of the reference is the kernel's, on the inputs' call (a
     call's setup, `_prepare`) and the hidden activations', at exact ties too: bf16 inputs hit
     them (x = amax / 2 scales to 63.5)."""
@@ -87,23 +102,84 @@ def test_reference_rounds_inputs_as_the_kernel() -> None:
     from tinyserve.kernels.moe import cpu_numba as K
 
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(4, 256, generator=g).to(torch.bfloat16).float()
-    blocks = x.view(4, 16, 16)
+    nb = k // 16
+    x = torch.randn(4, k, generator=g).to(torch.bfloat16).float()
+    blocks = x.view(4, nb, 16)
     blocks[:, :, 1] = blocks[:, :, 0] / 2  # ties, whichever input is the block's largest
     blocks[:, :, 2] = -blocks[:, :, 3] * 0.75
     blocks[0, 0] = 0.0
     rows = torch.zeros(4, 1, dtype=torch.int64)
-    want = nc.quantize_blocks_ref(x).view(4, 16, 16)
-    q, scales = (torch.from_numpy(a) for a in K._prepare(x.numpy(), rows.numpy(), 64)[4:6])
-    # the kernel stores each chunk of 64 inputs as its 32 even inputs, then its 32 odd ones
-    codes = q.reshape(4, -1, 2, 32).transpose(2, 3).reshape(4, 16, 16).float()
-    assert torch.equal(codes * scales[..., None], want)
+    want = nc.quantize_blocks_ref(x).view(4, nb, 16)
+    q, scales, sums = (torch.from_numpy(a)
+                       for a in K._prepare(x.numpy(), rows.numpy(), 64)[4:7])
+
+    def check(q: torch.Tensor, scales: torch.Tensor, sums: torch.Tensor) -> None:
+        # each chunk of 64 inputs stored as its 32 even inputs, then its 32 odd ones
+        codes = q.reshape(4, -1, 2, 32).transpose(2, 3).reshape(4, nb, 16)
+        assert torch.equal(codes.float() * _natural_scales(scales, k)[..., None], want)
+        assert torch.equal(_natural_scales(sums, k), K.OFFSET * codes.int().sum(-1))
+
+    check(q, scales, sums)
     # the hidden activations' call (numba may hold it compiled with gate_up_item's fast-math)
-    q, scales = torch.empty(4, 256, dtype=torch.int8), torch.empty(4, 16)
+    q, scales = torch.empty(4, k, dtype=torch.int8), torch.zeros(4, K.scale_words(k))
+    sums = torch.zeros(4, K.scale_words(k), dtype=torch.int32)
     for t in range(4):
-        K._quantize(x[t].numpy(), q[t].numpy(), scales[t].numpy(), 0, 16)
-    codes = q.reshape(4, -1, 2, 32).transpose(2, 3).reshape(4, 16, 16).float()
-    assert torch.equal(codes * scales[..., None], want)
+        K._quantize(x[t].numpy(), q[t].numpy(), scales[t].numpy(), sums[t].numpy(), 0, nb)
+    check(q, scales, sums)
+
+
+def _dot_driver(nrows: int, ntok: int):
+    """A numba loop running the block dot of `nrows` rows x `ntok` inputs over every row of
+    codes uint8 [R, K/2] / scales uint8 [R, K/16], against inputs xq int8 [2, K] / xs fp32 /
+    xc int32 [2, scale_words(K)], into out fp32 [R, ntok]."""
+    from numba import njit
+
+    from tinyserve.kernels.moe import cpu_numba as K
+
+    dot = {(2, 1): K._dot2, (4, 1): K._dot4, (2, 2): K._dot2x2, (4, 2): K._dot4x2}[nrows, ntok]
+
+    @njit
+    def run(codes, scales, xq, xs, xc, out):
+        buf = np.empty(8, np.float32)
+        for r in range(0, codes.shape[0], nrows):
+            dot(codes[r], codes.shape[1], scales[r], scales.shape[1], xq[0], xs[0], xc[0], 1,
+                buf)
+            for m in range(nrows * ntok):
+                out[r + m // ntok, m % ntok] = buf[m]
+
+    return run
+
+
+@pytest.mark.parametrize("k", [64, 192, 256], ids=["one-chunk", "odd-chunks", "pairs"])
+@pytest.mark.parametrize("nrows,ntok", [(2, 1), (4, 1), (2, 2), (4, 2)])
+def test_block_dot_reads_every_scale_code(k: int, nrows: int, ntok: int) -> None:
+    """Each block dot against the dequantized math, on 256 rows whose block scales are each
+    one E4M3 code, every code (subnormals and negatives; 0x7F / 0xFF read as +-480, as the
+    GPU kernels read them), the largest products included: a lone chunk, pairs with an odd
+    last one, and pairs."""
+    nc._kernels()
+    from tinyserve.kernels.moe import cpu_numba as K
+    from tinyserve.kernels.nvfp4.ref import E2M1_VALUES, e4m3_to_float, unpack_e2m1
+
+    g = torch.Generator().manual_seed(k + 10 * nrows + ntok)
+    codes = torch.randint(0, 256, (256, k // 2), dtype=torch.uint8, generator=g)
+    scale_codes = torch.arange(256, dtype=torch.uint8)
+    scales = scale_codes[:, None].expand(256, k // 16).contiguous()
+    codes[:4], codes[4:8] = 0x77, 0xFF  # every code +6, then -6: the int16 sums' largest
+    x = torch.randn(2, k, generator=g)
+    x[:, :32], x[:, 32:64] = 1.0, -1.0  # (inputs of +-127)
+    xq, xs = torch.empty(2, k, dtype=torch.int8), torch.zeros(2, K.scale_words(k))
+    xc = torch.zeros(2, K.scale_words(k), dtype=torch.int32)
+    for t in range(2):
+        K._quantize(x[t].numpy(), xq[t].numpy(), xs[t].numpy(), xc[t].numpy(), 0, k // 16)
+    out = torch.full((256, ntok), float("nan"))
+    _dot_driver(nrows, ntok)(*(a.numpy() for a in (codes, scales, xq, xs, xc, out)))
+    e4 = e4m3_to_float(scale_codes)
+    e4[0x7F], e4[0xFF] = 480.0, -480.0
+    w = torch.tensor(E2M1_VALUES)[unpack_e2m1(codes).long()] * e4[:, None]
+    xr = nc.quantize_blocks_ref(x[:ntok])
+    want, bound = w @ xr.T, w.abs() @ xr.abs().T
+    assert ((out / K.DOT_SCALE - want).abs() <= 4e-6 * bound).all()
 
 
 def test_host_worker_matches_moe_cpu() -> None:
@@ -190,8 +266,8 @@ def test_pooled_call_waits_for_items_not_helpers() -> None:
     pool[nc.P_HELPERS], pool[nc.P_JOB], pool[nc.P_SHARES] = 3, job.data_ptr(), shares.data_ptr()
     out = torch.full((n, H), float("nan"))
     slots = (t.numpy() for t in store.slots.buffers)
-    groups = K.moe_pooled(x.numpy(), rows.numpy(), w.numpy(), *slots, out.numpy(),
-                          nc._kernels().e4m3, 4, pool.data_ptr())
+    groups = K.moe_pooled(x.numpy(), rows.numpy(), w.numpy(), *slots, out.numpy(), 4,
+                          pool.data_ptr())
     assert groups == len(set(rows[rows >= 0].tolist()))
     assert (out - want).abs().max() <= 1e-6 * want.abs().max()
     word = int(pool[nc.P_REGION])

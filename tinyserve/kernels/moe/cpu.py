@@ -74,7 +74,7 @@ def moe_cpu(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, slots: E
     store = (t.numpy() for t in slots.buffers)  # views, no copy
     pool = _python_pool()
     with pool.lock:  # (the GIL released meanwhile)
-        k.moe_pooled(xf, r, w, *store, out.numpy(), k.e4m3, threads, pool.address)
+        k.moe_pooled(xf, r, w, *store, out.numpy(), threads, pool.address)
     return out
 
 

@@ -1,6 +1,6 @@
 """The numba code of `cpu.py` (imported on first use). Arrays: x [N, H] fp32, rows [N, k]
 int64 (-1: skipped), wts [N, k] fp32; w13 uint8 [R, 2F, H/2], s13 [R, 2F, H/16], g13 fp32
-[R, 2], w2 uint8 [R, H, F/2], s2 [R, H, F/16], g2 fp32 [R]; out [N, H] fp32; e4 fp32 [256]."""
+[R, 2], w2 uint8 [R, H, F/2], s2 [R, H, F/16], g2 fp32 [R]; out [N, H] fp32."""
 
 from __future__ import annotations
 
@@ -164,15 +164,28 @@ _ptr_i8 = _typed_ptr(types.int8)
 _ptr_u8 = _typed_ptr(types.uint8)
 
 
-# The block dot, written in LLVM IR with AVX2 instructions (every x86-64 CPU since 2013-2015:
-# Haswell, Zen): 32 code bytes (64 inputs, four scale blocks) per iteration.
+# The block dot, written in LLVM IR with AVX2, FMA and F16C instructions (every x86-64 CPU
+# since 2013-2015: Haswell, Zen): two chunks of 32 code bytes (128 inputs, eight scale blocks,
+# one cache line of each row) per iteration.
 _I8, _I16, _I32, _I64, _F32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
                                ir.FloatType())
-_V32I8, _V16I16, _V8I32, _V4F32, _V8F32 = (ir.VectorType(_I8, 32), ir.VectorType(_I16, 16),
-                                           ir.VectorType(_I32, 8), ir.VectorType(_F32, 4),
-                                           ir.VectorType(_F32, 8))
+_V8I8, _V8I16, _V32I8, _V16I16, _V8I32, _V8F32 = (
+    ir.VectorType(_I8, 8), ir.VectorType(_I16, 8), ir.VectorType(_I8, 32),
+    ir.VectorType(_I16, 16), ir.VectorType(_I32, 8), ir.VectorType(_F32, 8))
 # twice the E2M1 value of each code (integers; the sign is bit 3)
 _E2M1_X2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+# the dot's table holds 2 * E2M1 + OFFSET (0..24: unsigned, as pmaddubsw takes its first
+# operand); each block's sum then holds OFFSET * the block's input codes too, which an input
+# carries precomputed (`_quantize`) and the dot subtracts
+OFFSET = 12
+# the block dot's sums are the dot times this: 2 * E2M1 (the table) times E4M3 / 256 (a scale
+# read as fp16), both exact
+DOT_SCALE = 2.0 / 256.0
+_UNSCALE = np.float32(1.0 / DOT_SCALE)  # (a power of two: folded into the global scales)
+# a pair of chunks' eight blocks (A0..A3, then B0..B3) as the dot sums them: lane k holds
+# block _GROUP_ORDER[k], and block j sits in lane _GROUP_ORDER[j] (the order is its own inverse)
+_GROUP_ORDER = (0, 1, 4, 5, 2, 3, 6, 7)  # [A0, A1, B0, B1, A2, A3, B2, B3]
+_SCALE_SLOT = np.array(_GROUP_ORDER, np.int64)  # (as numba code indexes it)
 
 
 def _declare(module: ir.Module, name: str, ret: ir.Type, *args: ir.Type) -> ir.Function:
@@ -184,23 +197,37 @@ def _splat(ty: ir.VectorType, value: int | float) -> ir.Constant:
     return ir.Constant(ty, [ir.Constant(ty.element, value)] * ty.count)
 
 
+def _lanes(ty: ir.Type, values) -> ir.Constant:
+    return ir.Constant(ir.VectorType(ty, len(values)), [ir.Constant(ty, v) for v in values])
+
+
 def _add_neighbours(b: ir.IRBuilder, u: ir.Value, v: ir.Value) -> ir.Value:
     """[u0 + u1, u2 + u3, u4 + u5, u6 + u7, v0 + v1, ..., v6 + v7] of two <8 x float>."""
-    def lanes(first: int) -> ir.Constant:
-        return ir.Constant(_V8I32, [ir.Constant(_I32, k) for k in range(first, 16, 2)])
+    return b.fadd(b.shuffle_vector(u, v, _lanes(_I32, range(0, 16, 2))),
+                  b.shuffle_vector(u, v, _lanes(_I32, range(1, 16, 2))))
 
-    return b.fadd(b.shuffle_vector(u, v, lanes(0)), b.shuffle_vector(u, v, lanes(1)))
+
+def _e4m3_as_half(b: ir.IRBuilder, codes: ir.Value) -> ir.Value:
+    """<8 x float> of <8 x i8> E4M3 codes, each E4M3 / 256 exactly: the code's bits moved
+    into fp16's (exponent bias 7 -> 15, subnormals included), then converted (F16C). 0x7F reads
+    480 / 256, as the GPU kernels read it (a NaN scale is no checkpoint's)."""
+    bits = b.shl(b.sext(codes, _V8I16), _splat(_V8I16, 7))  # the sign lands on bits 14 and 15
+    bits = b.and_(bits, _splat(_V8I16, 0xBFFF - 0x10000))
+    return b.fpext(b.bitcast(bits, ir.VectorType(ir.HalfType(), 8)), _V8F32)
 
 
 def _dot_function(module: ir.Module, nrows: int, ntok: int) -> ir.Function:
-    """`void dot(i8 *codes, i64 row_bytes, i8 *scales, i64 row_scales, float *e4, i8 *xq,
-    i64 xq_step, float *xs, i64 xs_step, i64 chunks, float *out)`: for each of `nrows` weight
-    rows (row j's codes and scales at j * row_bytes / j * row_scales past the first's) and
-    each of `ntok` inputs (input t's at t * xq_step / t * xs_step past the first's), the sum
-    over blocks of 16 inputs of e4[scale] * xs[b] * (sum of 2 * E2M1(code) * xq), into
-    out[j * ntok + t] (see `_quantize` for xq's layout); `chunks` >= 1 iterations of 32 code
-    bytes per row. The rows share the inputs' loads, the inputs each row's decoded codes, and
-    all of them the loop and its count."""
+    """`void dot(i8 *codes, i64 row_bytes, i8 *scales, i64 row_scales, i8 *xq, i64 xq_step,
+    float *xs, i32 *xc, i64 xs_step, i64 chunks, float *out)`: for each of `nrows` weight rows
+    (row j's codes and scales at j * row_bytes / j * row_scales past the first's) and each of
+    `ntok` inputs (input t's xq at t * xq_step past the first's, its xs and xc at t *
+    xs_step), the sum over blocks of 16 inputs of E4M3(scale) * xs * (sum of E2M1(code) * xq)
+    times `DOT_SCALE`, into out[j * ntok + t] (`_quantize` gives xq's, xs's and xc's layouts);
+    `chunks` >= 1 chunks of 32 code bytes per row, two per iteration and an odd last one
+    alone. Per chunk the codes' products with xq are summed to int16 per four inputs; a pair
+    of chunks' are then summed to one int32 per block (`_GROUP_ORDER`), less `OFFSET` times
+    the block's xq (xc), and scaled in fp32. The rows share the inputs' loads, the inputs
+    each row's decoded codes and scales, and all of them the loop."""
     if not 2 <= nrows * ntok <= 8:  # the final sums fill one vector
         raise ValueError(f"a block dot holds 2 to 8 accumulators, not {nrows} x {ntok}")
     name = f"tinyserve_nvfp4_i8_dot{nrows}x{ntok}"
@@ -208,95 +235,133 @@ def _dot_function(module: ir.Module, nrows: int, ntok: int) -> ir.Function:
     if fn is not None:
         return fn
     i8p, f32p = _I8.as_pointer(), _F32.as_pointer()
-    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [i8p, _I64, i8p, _I64, f32p, i8p,
-                                                             _I64, f32p, _I64, _I64, f32p]),
-                     name)
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [
+        i8p, _I64, i8p, _I64, i8p, _I64, f32p, _I32.as_pointer(), _I64, _I64, f32p]), name)
     fn.linkage = "internal"
-    codes, row_bytes, scales, row_scales, e4, xq, xq_step, xs, xs_step, chunks, out = fn.args
+    codes, row_bytes, scales, row_scales, xq, xq_step, xs, xc, xs_step, chunks, out = fn.args
     pshufb = _declare(module, "llvm.x86.avx2.pshuf.b", _V32I8, _V32I8, _V32I8)
-    psign = _declare(module, "llvm.x86.avx2.psign.b", _V32I8, _V32I8, _V32I8)
     maddubs = _declare(module, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, _V32I8, _V32I8)
+    phaddw = _declare(module, "llvm.x86.avx2.phadd.w", _V16I16, _V16I16, _V16I16)
     maddwd = _declare(module, "llvm.x86.avx2.pmadd.wd", _V8I32, _V16I16, _V16I16)
+    fma = _declare(module, "llvm.fma.v8f32", _V8F32, _V8F32, _V8F32, _V8F32)
     prefetch = _declare(module, "llvm.prefetch.p0", ir.VoidType(), i8p, _I32, _I32, _I32)
-    entry, loop, done = (fn.append_basic_block(n) for n in ("entry", "loop", "done"))
+    entry, loop, after, tail, done = (fn.append_basic_block(n)
+                                      for n in ("entry", "loop", "after", "tail", "done"))
     b = ir.IRBuilder(entry)
 
     def const(v: int) -> ir.Constant:
         return ir.Constant(_I64, v)
 
-    def load(ptr: ir.Value, offset: ir.Value, ty: ir.VectorType) -> ir.Value:
+    def load(ptr: ir.Value, offset: ir.Value, ty: ir.Type) -> ir.Value:
         return b.load(b.bitcast(b.gep(ptr, [offset]), ty.as_pointer()), align=1)
 
     row_codes = [b.gep(codes, [b.mul(row_bytes, const(j))]) for j in range(nrows)]
     row_scale = [b.gep(scales, [b.mul(row_scales, const(j))]) for j in range(nrows)]
     tok_q = [b.gep(xq, [b.mul(xq_step, const(t))]) for t in range(ntok)]
     tok_s = [b.gep(xs, [b.mul(xs_step, const(t))]) for t in range(ntok)]
-    b.branch(loop)
+    tok_c = [b.gep(xc, [b.mul(xs_step, const(t))]) for t in range(ntok)]
+    table = _lanes(_I8, [v + OFFSET for v in _E2M1_X2 * 2])
+
+    def group(accs: list, g: ir.Value, both: bool) -> list:
+        """The accumulators after pair of chunks `g` (`both`), or its first chunk alone (the
+        second's sums and scales zero)."""
+        if both:
+            w_scale = [_e4m3_as_half(b, b.shuffle_vector(s, s, _lanes(_I32, _GROUP_ORDER)))
+                       for s in (load(r, b.mul(g, const(8)), _V8I8) for r in row_scale)]
+        else:  # (only the chunk's own four scales are read: the row may end there)
+            four = ir.VectorType(_I8, 4)
+            pad = [j if j < 4 else 4 for j in _GROUP_ORDER]  # (B's lanes: a zero)
+            w_scale = [_e4m3_as_half(b, b.shuffle_vector(s, _splat(four, 0), _lanes(_I32, pad)))
+                       for s in (load(r, b.mul(g, const(8)), four) for r in row_scale)]
+        x_scale = [load(s, b.mul(g, const(8)), _V8F32) for s in tok_s]
+        x_sums = [load(c, b.mul(g, const(8)), _V8I32) for c in tok_c]
+        sums = {}  # (chunk, row, input) -> int16 per four inputs
+        for c in range(2 if both else 1):
+            chunk = b.add(b.mul(g, const(2)), const(c))
+            x_even = [load(q, b.mul(chunk, const(64)), _V32I8) for q in tok_q]
+            x_odd = [load(q, b.add(b.mul(chunk, const(64)), const(32)), _V32I8) for q in tok_q]
+            for j, row in enumerate(row_codes):
+                if c == 0:  # one line ahead per iteration: the reads stay in flight
+                    b.call(prefetch, [b.gep(row, [b.add(b.mul(chunk, const(32)),
+                                                        const(PREFETCH))]),
+                                      *(ir.Constant(_I32, v) for v in (0, 3, 1))])
+                code = load(row, b.mul(chunk, const(32)), _V32I8)
+                w_even = b.call(pshufb, [table, b.and_(code, _splat(_V32I8, 15))])
+                w_odd = b.call(pshufb, [table, b.lshr(code, _splat(_V32I8, 4))])
+                for t in range(ntok):
+                    # (w + OFFSET) times x, neighbours summed to int16: lanes 4b .. 4b + 3 hold
+                    # block b of the chunk (at most 4 * 24 * 127 each, and 8 * 24 * 127 <
+                    # 2^15 once a pair's are summed)
+                    sums[c, j, t] = b.add(b.call(maddubs, [w_even, x_even[t]]),
+                                          b.call(maddubs, [w_odd, x_odd[t]]))
+        accs = list(accs)
+        for j in range(nrows):
+            for t in range(ntok):
+                second = sums[1, j, t] if both else _splat(_V16I16, 0)
+                blocks = b.sub(b.call(maddwd, [b.call(phaddw, [sums[0, j, t], second]),
+                                               _splat(_V16I16, 1)]), x_sums[t])
+                k = j * ntok + t
+                accs[k] = b.call(fma, [b.sitofp(blocks, _V8F32),
+                                       b.fmul(w_scale[j], x_scale[t]), accs[k]])
+        return accs
+
+    zeros = [_splat(_V8F32, 0.0)] * (nrows * ntok)
+    pairs = b.lshr(chunks, const(1))
+    b.cbranch(b.icmp_unsigned("!=", pairs, const(0)), loop, after)
     b.position_at_end(loop)
     i = b.phi(_I64)
-    accs = [b.phi(_V8F32) for _ in range(nrows * ntok)]
-    table = ir.Constant(_V32I8, [ir.Constant(_I8, v & 0xFF) for v in _E2M1_X2 * 2])
-    x_even = [load(q, b.mul(i, const(64)), _V32I8) for q in tok_q]
-    x_odd = [load(q, b.add(b.mul(i, const(64)), const(32)), _V32I8) for q in tok_q]
-    x_scale = [load(xs_t, b.mul(i, const(4)), _V4F32) for xs_t in tok_s]
-    pick = ir.Constant(ir.VectorType(_I32, 8), [ir.Constant(_I32, j // 2) for j in range(8)])
-    nexts = []
-    for row, row_s in zip(row_codes, row_scale, strict=True):
-        b.call(prefetch, [b.gep(row, [b.add(b.mul(i, const(32)), const(PREFETCH))]),
-                          *(ir.Constant(_I32, v) for v in (0, 3, 1))])
-        c = load(row, b.mul(i, const(32)), _V32I8)
-        w_even = b.call(pshufb, [table, b.and_(c, _splat(_V32I8, 15))])
-        w_odd = b.call(pshufb, [table, b.lshr(c, _splat(_V32I8, 4))])
-        abs_even, abs_odd = b.call(psign, [w_even, w_even]), b.call(psign, [w_odd, w_odd])
-        w_scale = ir.Constant(_V4F32, ir.Undefined)
-        for j in range(4):
-            code = b.zext(b.load(b.gep(row_s, [b.add(b.mul(i, const(4)), const(j))])), _I64)
-            w_scale = b.insert_element(w_scale, b.load(b.gep(e4, [code])),
-                                       ir.Constant(_I32, j))
-        for t in range(ntok):
-            # |w| (unsigned) times x with w's sign, pairs summed to int16, then quads to
-            # int32: lanes 2b and 2b + 1 hold scale block b of the chunk
-            pairs = b.add(b.call(maddubs, [abs_even, b.call(psign, [x_even[t], w_even])]),
-                          b.call(maddubs, [abs_odd, b.call(psign, [x_odd[t], w_odd])]))
-            quads = b.sitofp(b.call(maddwd, [pairs, _splat(_V16I16, 1)]), _V8F32)
-            scale = b.fmul(w_scale, x_scale[t])
-            acc = accs[len(nexts)]
-            nexts.append(b.fadd(acc, b.fmul(quads, b.shuffle_vector(scale, scale, pick))))
+    accs = [b.phi(_V8F32) for _ in zeros]
+    looped = group(accs, i, True)
     i_next = b.add(i, const(1))
     i.add_incoming(const(0), entry)
     i.add_incoming(i_next, loop)
-    for acc, acc_next in zip(accs, nexts, strict=True):
-        acc.add_incoming(_splat(_V8F32, 0.0), entry)
+    for acc, acc_next, zero in zip(accs, looped, zeros, strict=True):
+        acc.add_incoming(zero, entry)
         acc.add_incoming(acc_next, loop)
-    b.cbranch(b.icmp_unsigned("<", i_next, chunks), loop, done)
+    b.cbranch(b.icmp_unsigned("<", i_next, pairs), loop, after)
+
+    def merge(*incoming: tuple) -> list:
+        """The accumulators where the blocks of `incoming` ((values, block), ...) meet."""
+        phis = [b.phi(_V8F32) for _ in zeros]
+        for values, block in incoming:
+            for phi, v in zip(phis, values, strict=True):
+                phi.add_incoming(v, block)
+        return phis
+
+    b.position_at_end(after)
+    paired = merge((zeros, entry), (looped, loop))
+    b.cbranch(b.icmp_unsigned("!=", b.and_(chunks, const(1)), const(0)), tail, done)
+    b.position_at_end(tail)
+    last = group(paired, pairs, False)
+    b.branch(done)
     b.position_at_end(done)
+    final = merge((paired, after), (last, tail))
     # every accumulator's eight lanes summed as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 +
     # l7)), all of them at once: three rounds of adding neighbouring lanes of two vectors
-    m = len(nexts)
-    level = list(nexts)
+    m = len(final)
+    level = final
     for _ in range(3):
         level = [_add_neighbours(b, level[k], level[min(k + 1, len(level) - 1)])
                  for k in range(0, len(level), 2)]
-    sums = level[0]  # lanes 0..m-1: the m dots
+    total = level[0]  # lanes 0..m-1: the m dots
     if m < 8:
-        sums = b.shuffle_vector(sums, sums, ir.Constant(ir.VectorType(_I32, m),
-                                                        [ir.Constant(_I32, k) for k in range(m)]))
-    b.store(sums, b.bitcast(out, ir.VectorType(_F32, m).as_pointer()), align=4)
+        total = b.shuffle_vector(total, total, _lanes(_I32, range(m)))
+    b.store(total, b.bitcast(out, ir.VectorType(_F32, m).as_pointer()), align=4)
     b.ret_void()
     return fn
 
 
 def _dots(nrows: int, ntok: int):
-    """The intrinsic `_dots(codes, row_bytes, scales, row_scales, e4, xq, xs, step, out)`:
+    """The intrinsic `_dots(codes, row_bytes, scales, row_scales, xq, xs, xc, step, out)`:
     `nrows` weight rows (the first's codes uint8 [K/2] and scales uint8 [K/16], the others
-    row_bytes / row_scales further on) against `ntok` quantized inputs (the first xq int8
-    [K], xs fp32 [K/16], a row of a contiguous [N, K] / [N, K/16] pair; input t is `step` *
-    t rows further on), into out fp32 [nrows * ntok] (row-major); twice each dot (the table
-    holds 2 * E2M1), before the row's global scale. K % 64 == 0."""
+    row_bytes / row_scales further on) against `ntok` quantized inputs (the first's xq int8
+    [K], xs fp32 and xc int32 [`scale_words(K)`], rows of contiguous arrays; input t is `step`
+    * t rows further on), into out fp32 [nrows * ntok] (row-major), times `DOT_SCALE`.
+    K % 64 == 0."""
 
     @intrinsic
-    def dots(typingctx, codes, row_bytes, scales, row_scales, e4, xq, xs, step, out):
-        sig = types.void(codes, types.int64, scales, types.int64, e4, xq, xs, types.int64, out)
+    def dots(typingctx, codes, row_bytes, scales, row_scales, xq, xs, xc, step, out):
+        sig = types.void(codes, types.int64, scales, types.int64, xq, xs, xc, types.int64, out)
 
         def codegen(context, builder, signature, args):
             i8p, f32p = _I8.as_pointer(), _F32.as_pointer()
@@ -312,9 +377,10 @@ def _dots(nrows: int, ntok: int):
 
             chunks = builder.udiv(length(0), ir.Constant(_I64, 32))
             builder.call(_dot_function(builder.module, nrows, ntok),
-                         [data(0, i8p), args[1], data(2, i8p), args[3], data(4, f32p),
-                          data(5, i8p), builder.mul(args[7], length(5)), data(6, f32p),
-                          builder.mul(args[7], length(6)), chunks, data(8, f32p)])
+                         [data(0, i8p), args[1], data(2, i8p), args[3], data(4, i8p),
+                          builder.mul(args[7], length(4)), data(5, f32p),
+                          data(6, _I32.as_pointer()), builder.mul(args[7], length(5)), chunks,
+                          data(8, f32p)])
             return context.get_dummy_value()
 
         return sig, codegen
@@ -328,23 +394,37 @@ _dot2x2 = _dots(2, 2)  # the same for two inputs: the pairs of an expert decode 
 _dot4x2 = _dots(4, 2)
 
 
+@njit(nogil=True, cache=True)
+def scale_words(k):
+    """The length of an input's scales (`_quantize`): eight per pair of chunks (128 inputs)."""
+    return (k + 127) // 128 * 8
+
+
 @njit(nogil=True, cache=True, error_model="numpy")
-def _quantize(x, q, s, first, end):
-    """x fp32 [K] -> q int8 [K], s fp32 [K/16], blocks `first` to `end` - 1 of 16 inputs: per
-    block s = max|x| * (1 / 127) and q = round(x * (127 / max|x|)), stored per chunk of 64
-    inputs as its 32 even inputs then its 32 odd ones (the order the dot splits the code bytes
-    in). The same bits as the torch reference, also where numba compiles it with a fast-math
-    caller's flags (`gate_up_item`), which may turn a division by a constant into a multiply."""
+def _quantize(x, q, s, c, first, end):
+    """x fp32 [K] -> q int8 [K], s fp32 and c int32 [`scale_words(K)`], blocks `first` to
+    `end` - 1 of 16 inputs: per block s = max|x| * (1 / 127), q = round(x * (127 / max|x|))
+    and c = `OFFSET` * the sum of its q. q is stored per chunk of 64 inputs as its 32 even
+    inputs then its 32 odd ones (the order the dot splits the code bytes in), s and c per pair
+    of chunks in the order the dot sums their blocks (`_GROUP_ORDER`; an odd last chunk's pair
+    leaves its second chunk's four words alone: zeros where the caller made them so). The
+    same bits as the torch reference, also where numba compiles it with a fast-math caller's
+    flags (`gate_up_item`), which may turn a division by a constant into a multiply."""
     for blk in range(first, end):
         amax = np.float32(0.0)
         for i in range(blk * 16, blk * 16 + 16):
             amax = max(amax, abs(x[i]))
-        s[blk] = amax * np.float32(1.0 / 127.0)
+        slot = blk // 8 * 8 + _SCALE_SLOT[blk % 8]
+        s[slot] = amax * np.float32(1.0 / 127.0)
         inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
         base = (blk // 4) * 64 + (blk % 4) * 8
+        total = 0
         for j in range(8):
-            q[base + j] = np.int8(np.round(x[blk * 16 + 2 * j] * inv))
-            q[base + 32 + j] = np.int8(np.round(x[blk * 16 + 2 * j + 1] * inv))
+            even = np.int8(np.round(x[blk * 16 + 2 * j] * inv))
+            odd = np.int8(np.round(x[blk * 16 + 2 * j + 1] * inv))
+            q[base + j], q[base + 32 + j] = even, odd
+            total += np.int32(even) + np.int32(odd)
+        c[slot] = OFFSET * total
 
 
 @njit(nogil=True, cache=True)
@@ -373,7 +453,7 @@ def _silu_mul(g, up):
 
 
 @njit(fastmath=True, nogil=True, cache=True, error_model="numpy")
-def gate_up_item(item, flat, pairs, starts, topk, w13, s13, g13, e4, xq, xs, hid, hq, hs):
+def gate_up_item(item, flat, pairs, starts, topk, w13, s13, g13, xq, xs, xc, hid, hq, hs, hc):
     """Work item `item` of the first region: expert group item // (F / RB), its block of RB
     hidden units: their gate and up rows (for two of the group's pairs at a time), then
     silu(gate) * up into hid, rounded as x is into hq / hs (whole scale blocks: RB % 16 ==
@@ -383,7 +463,7 @@ def gate_up_item(item, flat, pairs, starts, topk, w13, s13, g13, e4, xq, xs, hid
     u = item // nb1
     r = flat[pairs[starts[u]]]
     first = item % nb1 * RB
-    g_gate, g_up = g13[r, 0] * np.float32(0.5), g13[r, 1] * np.float32(0.5)
+    g_gate, g_up = g13[r, 0] * _UNSCALE, g13[r, 1] * _UNSCALE
     up_bytes, up_scales = f * w13.shape[2], f * s13.shape[2]
     lo, hi = starts[u], starts[u + 1]
     dot = np.empty(4, np.float32)
@@ -391,19 +471,19 @@ def gate_up_item(item, flat, pairs, starts, topk, w13, s13, g13, e4, xq, xs, hid
         for p in range(lo, hi, 2):
             t = pairs[p] // topk
             if p + 1 < hi:
-                _dot2x2(w13[r, o], up_bytes, s13[r, o], up_scales, e4, xq[t], xs[t],
+                _dot2x2(w13[r, o], up_bytes, s13[r, o], up_scales, xq[t], xs[t], xc[t],
                         pairs[p + 1] // topk - t, dot)
                 hid[p, o] = _silu_mul(dot[0] * g_gate, dot[2] * g_up)
                 hid[p + 1, o] = _silu_mul(dot[1] * g_gate, dot[3] * g_up)
             else:
-                _dot2(w13[r, o], up_bytes, s13[r, o], up_scales, e4, xq[t], xs[t], 0, dot)
+                _dot2(w13[r, o], up_bytes, s13[r, o], up_scales, xq[t], xs[t], xc[t], 0, dot)
                 hid[p, o] = _silu_mul(dot[0] * g_gate, dot[1] * g_up)
     for p in range(lo, hi):
-        _quantize(hid[p], hq[p], hs[p], first // 16, (first + RB) // 16)
+        _quantize(hid[p], hq[p], hs[p], hc[p], first // 16, (first + RB) // 16)
 
 
 @njit(fastmath=True, nogil=True, cache=True, error_model="numpy")
-def down_item(item, flat, pairs, starts, groups, topk, wts, w2, s2, g2, e4, hq, hs, out, acc):
+def down_item(item, flat, pairs, starts, groups, topk, wts, w2, s2, g2, hq, hs, hc, out, acc):
     """Work item `item` of the second region: its block of RB down rows, one expert's rows
     after another (each a contiguous stretch of its matrix), four rows and two of the
     expert's pairs per pass, every output summed over the pairs in a fixed order (`acc`:
@@ -417,20 +497,20 @@ def down_item(item, flat, pairs, starts, groups, topk, wts, w2, s2, g2, e4, hq, 
     for u in range(groups):
         r = flat[pairs[starts[u]]]
         lo, hi = starts[u], starts[u + 1]
-        g = g2[r] * np.float32(0.5)
+        g = g2[r] * _UNSCALE
         for o in range(0, RB, 4):
             for p in range(lo, hi, 2):
                 q = pairs[p]
                 if p + 1 < hi:  # the pairs' hidden rows are neighbours in hq / hs
-                    _dot4x2(w2[r, first + o], row_bytes, s2[r, first + o], row_scales, e4,
-                            hq[p], hs[p], 1, dot)
+                    _dot4x2(w2[r, first + o], row_bytes, s2[r, first + o], row_scales,
+                            hq[p], hs[p], hc[p], 1, dot)
                     q1 = pairs[p + 1]
                     for j in range(4):
                         acc[o + j, q // topk] += flat_w[q] * g * dot[2 * j]
                         acc[o + j, q1 // topk] += flat_w[q1] * g * dot[2 * j + 1]
                 else:
-                    _dot4(w2[r, first + o], row_bytes, s2[r, first + o], row_scales, e4,
-                          hq[p], hs[p], 0, dot)
+                    _dot4(w2[r, first + o], row_bytes, s2[r, first + o], row_scales,
+                          hq[p], hs[p], hc[p], 0, dot)
                     for j in range(4):
                         acc[o + j, q // topk] += flat_w[q] * g * dot[j]
     for t in range(n):
@@ -478,7 +558,7 @@ def _claim(shares_address, share, tag):
 
 @njit(fastmath=True, nogil=True, cache=True, error_model="numpy")
 def region(r, tid, threads, tag, shares_address, item, groups, flat, pairs, starts, wts, w13,
-           s13, g13, w2, s2, g2, e4, xq, xs, hid, hq, hs, out):
+           s13, g13, w2, s2, g2, xq, xs, xc, hid, hq, hs, hc, out):
     """Thread `tid`'s part of region `r` (1: gate_up items, 2: down items) of region number
     `tag`: `item` (-1: none) claimed from its own share, then every item it can claim from
     its share and the others'. Returns the number of items it ran."""
@@ -491,10 +571,10 @@ def region(r, tid, threads, tag, shares_address, item, groups, flat, pairs, star
             item = _claim(shares_address, share, tag)
         while item >= 0:
             if r == 1:
-                gate_up_item(item, flat, pairs, starts, topk, w13, s13, g13, e4, xq, xs, hid,
-                             hq, hs)
+                gate_up_item(item, flat, pairs, starts, topk, w13, s13, g13, xq, xs, xc, hid,
+                             hq, hs, hc)
             else:
-                down_item(item, flat, pairs, starts, groups, topk, wts, w2, s2, g2, e4, hq, hs,
+                down_item(item, flat, pairs, starts, groups, topk, wts, w2, s2, g2, hq, hs, hc,
                           out, acc)
             count += 1
             item = _claim(shares_address, share, tag)
@@ -508,17 +588,20 @@ def _items(r, groups, f, h):
 
 @njit(nogil=True, cache=True, error_model="numpy")
 def _prepare(x, rows, f):
-    """A call's shared state: (flat rows, pairs, starts, groups, xq, xs, hid, hq, hs)."""
+    """A call's shared state: (flat rows, pairs, starts, groups, xq, xs, xc, hid, hq, hs,
+    hc)."""
     n, h = x.shape
     flat = rows.reshape(-1)
     pairs, starts, groups = group_pairs(flat)
     xq = np.empty((n, h), np.int8)
-    xs = np.empty((n, h // 16), np.float32)
+    xs = np.zeros((n, scale_words(h)), np.float32)
+    xc = np.zeros((n, scale_words(h)), np.int32)
     for t in range(n):
-        _quantize(x[t], xq[t], xs[t], 0, h // 16)
+        _quantize(x[t], xq[t], xs[t], xc[t], 0, h // 16)
     npairs = pairs.shape[0]
-    return (flat, pairs, starts, groups, xq, xs, np.empty((npairs, f), np.float32),
-            np.empty((npairs, f), np.int8), np.empty((npairs, f // 16), np.float32))
+    return (flat, pairs, starts, groups, xq, xs, xc, np.empty((npairs, f), np.float32),
+            np.empty((npairs, f), np.int8), np.zeros((npairs, scale_words(f)), np.float32),
+            np.zeros((npairs, scale_words(f)), np.int32))
 
 
 # A pool of helper threads (kernels.moe.cpu.HelperPool): numba's parallel regions each take the
@@ -531,19 +614,19 @@ def _prepare(x, rows, f):
 # (int64 [helpers + 1, 8]). The job and the shares belong to the pool and outlive every call.
 PW = 9
 P_REGION, P_JOB, P_DONE, P_STOP, P_SPIN, P_DOZE, P_USLEEP, P_HELPERS, P_SHARES = range(PW)
-JW = 26
+JW = 27
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def _set_job(j, r, groups, flat, pairs, starts, wts, w13, s13, g13, w2, s2, g2, e4, xq, xs,
-             hid, hq, hs, out):
+def _set_job(j, r, groups, flat, pairs, starts, wts, w13, s13, g13, w2, s2, g2, xq, xs, xc,
+             hid, hq, hs, hc, out):
     n, h = out.shape
     j[0], j[1], j[2], j[3], j[4] = r, n, wts.shape[1], w13.shape[0], h
     j[5], j[6], j[7] = hid.shape[1], groups, pairs.shape[0]
     arrays = (flat.ctypes.data, pairs.ctypes.data, starts.ctypes.data, wts.ctypes.data,
               w13.ctypes.data, s13.ctypes.data, g13.ctypes.data, w2.ctypes.data,
-              s2.ctypes.data, g2.ctypes.data, e4.ctypes.data, xq.ctypes.data, xs.ctypes.data,
-              hid.ctypes.data, hq.ctypes.data, hs.ctypes.data, out.ctypes.data)
+              s2.ctypes.data, g2.ctypes.data, xq.ctypes.data, xs.ctypes.data, xc.ctypes.data,
+              hid.ctypes.data, hq.ctypes.data, hs.ctypes.data, hc.ctypes.data, out.ctypes.data)
     for i in range(len(arrays)):
         j[8 + i] = arrays[i]
 
@@ -570,15 +653,18 @@ def _work(pool_address, tid, tag, threads):
                    carray(_ptr_f32(j[14]), (nrows, 2)),
                    carray(_ptr_u8(j[15]), (nrows, h, f // 2)),
                    carray(_ptr_u8(j[16]), (nrows, h, f // 16)),
-                   carray(_ptr_f32(j[17]), (nrows,)), carray(_ptr_f32(j[18]), (256,)),
-                   carray(_ptr_i8(j[19]), (n, h)), carray(_ptr_f32(j[20]), (n, h // 16)),
+                   carray(_ptr_f32(j[17]), (nrows,)), carray(_ptr_i8(j[18]), (n, h)),
+                   carray(_ptr_f32(j[19]), (n, scale_words(h))),
+                   carray(_ptr_i32(j[20]), (n, scale_words(h))),
                    carray(_ptr_f32(j[21]), (npairs, f)), carray(_ptr_i8(j[22]), (npairs, f)),
-                   carray(_ptr_f32(j[23]), (npairs, f // 16)), carray(_ptr_f32(j[24]), (n, h)))
+                   carray(_ptr_f32(j[23]), (npairs, scale_words(f))),
+                   carray(_ptr_i32(j[24]), (npairs, scale_words(f))),
+                   carray(_ptr_f32(j[25]), (n, h)))
     _add_release(pool_address + 8 * P_DONE, count)
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def moe_pooled(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, pool_address):
+def moe_pooled(x, rows, wts, w13, s13, g13, w2, s2, g2, out, threads, pool_address):
     """Every pair's expert (module docstring of kernels.moe.cpu) on the calling thread and the
     helpers of the pool at `pool_address` (no GIL), on at most `threads` of them; returns the
     number of distinct experts computed. Each region is the caller's to finish: helpers take
@@ -586,7 +672,7 @@ def moe_pooled(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, pool_a
     pool = carray(_ptr_i64(pool_address), (PW,))
     threads = min(threads, pool[P_HELPERS] + 1)
     f, h = w2.shape[2] * 2, out.shape[1]
-    flat, pairs, starts, groups, xq, xs, hid, hq, hs = _prepare(x, rows, f)
+    flat, pairs, starts, groups, xq, xs, xc, hid, hq, hs, hc = _prepare(x, rows, f)
     if groups == 0:
         out[:] = 0.0
         return 0
@@ -595,13 +681,13 @@ def moe_pooled(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, threads, pool_a
     for r in (1, 2):
         items = _items(r, groups, f, h)
         tag = ((_load_acquire_i32(pool_address) >> 8) + 1) % (1 << 22)
-        _set_job(job, r, groups, flat, pairs, starts, wts, w13, s13, g13, w2, s2, g2, e4, xq,
-                 xs, hid, hq, hs, out)
+        _set_job(job, r, groups, flat, pairs, starts, wts, w13, s13, g13, w2, s2, g2, xq, xs,
+                 xc, hid, hq, hs, hc, out)
         _open_shares(shares, tag, items, threads)
         pool[P_DONE] = 0
         _store_release_i32(pool_address, tag * 256 + threads)
         mine = region(r, 0, threads, tag, pool[P_SHARES], -1, groups, flat, pairs, starts, wts,
-                      w13, s13, g13, w2, s2, g2, e4, xq, xs, hid, hq, hs, out)
+                      w13, s13, g13, w2, s2, g2, xq, xs, xc, hid, hq, hs, hc, out)
         while _load_acquire_i64(pool_address + 8 * P_DONE) + mine < items:
             _pause()
     return groups
@@ -640,16 +726,6 @@ def helper(control):
             _idle(pool, last)
 
 
-def _e4m3_values() -> np.ndarray:
-    """fp32 [256]: every E4M3 bit pattern's value (specs/nvfp4.md §1; NaN for 0x7F / 0xFF)."""
-    b = np.arange(256)
-    e, m = (b >> 3) & 15, (b & 7).astype(np.float64)
-    mag = np.where(e == 0, m * 2.0**-9, (1.0 + m / 8) * 2.0 ** (e - 7.0))
-    mag = np.where((b & 0x7F) == 0x7F, np.nan, mag)
-    return np.where(b & 0x80, -mag, mag).astype(np.float32)
-
-
-_E4M3 = _e4m3_values()
 
 
 @njit(nogil=True, cache=True)
@@ -679,9 +755,7 @@ def _run(address, pool_address):
             r = stage_i[t, h + j]
             rows[t, j] = r + base if r >= 0 else -1
             wts[t, j] = stage_f[t, h + topk + j]
-    e4 = np.empty(256, np.float32)  # (a writable array: the same regions as Python calls)
-    e4[:] = _E4M3
-    d[14] += moe_pooled(x, rows, wts, w13, s13, g13, w2, s2, g2, out, e4, d[16], pool_address)
+    d[14] += moe_pooled(x, rows, wts, w13, s13, g13, w2, s2, g2, out, d[16], pool_address)
     d[15] += 1
 
 
@@ -711,13 +785,13 @@ def serve(control):
 
 
 def build(row_block: int, desc_words: int, pool_words: int) -> SimpleNamespace:
-    """The compiled kernels: `moe_pooled`, the E4M3 table it takes, the worker and helper
-    loops' addresses, the job's size, the host read probe and the time-stamp counter."""
+    """The compiled kernels: `moe_pooled`, the worker and helper loops' addresses, the job's
+    size, the host read probe and the time-stamp counter."""
     if (row_block, desc_words, pool_words) != (RB, DW, PW):
         raise ValueError("kernels.moe.cpu and its numba code disagree on their constants")
-    return SimpleNamespace(moe_pooled=moe_pooled, e4m3=_E4M3.copy(),
-                           serve_address=serve.address, helper_address=helper.address,
-                           job_words=JW, read_sum=read_sum, tsc=tsc)
+    return SimpleNamespace(moe_pooled=moe_pooled, serve_address=serve.address,
+                           helper_address=helper.address, job_words=JW, read_sum=read_sum,
+                           tsc=tsc)
 
 
 @njit(parallel=True, nogil=True, cache=True, error_model="numpy")

@@ -332,3 +332,20 @@ def test_read_host_is_the_sum_of_every_word(nbytes: int) -> None:
     buf = torch.randint(0, 256, (nbytes + 5,), dtype=torch.uint8, generator=g)
     words = buf[:nbytes].view(torch.int64).numpy().view("uint64")
     assert nc.read_host(buf) == int(words.sum(dtype="uint64"))
+
+
+@pytest.mark.slow
+def test_kernel_built_for_a_cpu_without_avx512_matches_reference(tmp_path) -> None:
+    """numba compiles for the CPU it runs on: built for Haswell (AVX2, FMA and F16C; no
+    AVX-512 or GFNI, as the Intel CPUs of most laptops), the kernel passes its reference
+    tests (compiled afresh, in a process of its own)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "+avx2",
+           "NUMBA_CACHE_DIR": str(tmp_path)}
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
+                          "not slow", "-k", "moe_cpu_matches or block_dot or rounds_inputs",
+                          __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -292,7 +292,7 @@ def configure(experts: Any, mode: str | None, top_k: int) -> HybridPlan:
         try:
             if not nvfp4_cpu.available():
                 raise ValueError("the CPU expert kernel needs numba (pip install numba) and an "
-                                 "x86-64 CPU")
+                                 "x86-64 CPU with AVX2, FMA and F16C")
             runner = CpuExperts(cache.store, device=cache.device)
         except ValueError:
             if mode is not None:

@@ -31,12 +31,14 @@ P_REGION, P_JOB, P_DONE, P_STOP, P_SPIN, P_DOZE, P_USLEEP, P_HELPERS, P_SHARES =
 
 
 def available() -> bool:
-    """Whether the CPU expert kernel can run here (numba, an x86-64 CPU with AVX2)."""
+    """Whether the CPU expert kernel can run here (numba, an x86-64 CPU with AVX2, FMA and F16C:
+    every one since Haswell and Zen)."""
     try:
         from llvmlite import binding
     except ImportError:
         return False
-    return binding.get_host_cpu_features().get("avx2", False)
+    features = binding.get_host_cpu_features()
+    return all(features.get(f, False) for f in ("avx2", "fma", "f16c"))
 
 
 def check_slots(slots: ExpertSlots) -> None:

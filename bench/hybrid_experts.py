@@ -11,7 +11,8 @@ Cases:
   (every thread reading 4 GiB of the store), for 1..top_k experts of one token and for
   top_k experts of a batch of 8 tokens, one token's top_k experts, one and none on 1, 2, 4,
   8 and the probe's thread counts (the kernel's own function, as the engine's worker calls
-  it; an empty call through `moe_cpu` beside them: its Python), and the torch reference
+  it; an empty call through `moe_cpu` beside them: its Python), the same top_k experts again
+  and again on each thread count (cached: the arithmetic's rate per core), and the torch reference
   (dequantize + matmul) on the same experts: the measurement behind choosing numba.
 - probe: the start-up probe and the plan of every mode.
 - gpu, cpu, hybrid: `engine.bench.run_bench` (prompt 1024, 256 generated, batch 1): decode
@@ -123,17 +124,21 @@ def kernel_case(store: Any, top_k: int, reps: int) -> dict[str, Any]:
         t = _median_s(kernel, _native([call], threads) * (reps + 1), reps)
         out["calls"][name] = {"ms": t * 1e3, "gbps": call[1].shape[1] * store.bytes_per_expert
                               / t / 1e9}
-    # by threads, top_k experts, one and none (every row -1: a call's fixed cost)
+    # by threads, top_k experts, one and none (every row -1: a call's fixed cost), and one
+    # call's top_k experts again and again (the arithmetic, where the cache holds them)
     args[1, 0] = [(x, torch.full_like(rows, -1), w, slots) for x, rows, w, slots in args[1, 1]]
-    for key, k in (("threads_sweep", top_k), ("threads_sweep_1exp", 1),
-                   ("threads_sweep_empty", 0)):
+    sweeps = (("threads_sweep", top_k, args[1, top_k]), ("threads_sweep_1exp", 1, args[1, 1]),
+              ("threads_sweep_empty", 0, args[1, 0]),
+              ("threads_sweep_cached", top_k, [args[1, top_k][0]] * (reps + 1)))
+    for key, k, calls in sweeps:
         out[key] = {}
         for used in sorted({t for t in (1, 2, 4, 8, threads, *bandwidth.thread_counts(threads))
                             if t <= threads}):
-            t = _median_s(kernel, _native(args[1, k], used), reps)
+            t = _median_s(kernel, _native(calls, used), reps)
             out[key][used] = {"ms": t * 1e3, "gbps": k * store.bytes_per_expert / t / 1e9}
-        sweep = ", ".join(f"{t}: {v['ms'] * 1e3:.0f} us" for t, v in out[key].items())
-        print(f"  1 token x {k} experts by threads: {sweep}", flush=True)
+        sweep = ", ".join(f"{t}: {v['ms'] * 1e3:.0f} us ({v['gbps']:.1f} GB/s)"
+                          for t, v in out[key].items())
+        print(f"  {key}, 1 token x {k} experts by threads: {sweep}", flush=True)
     # what `moe_cpu` adds around the kernel (its checks, conversions and numba's dispatch)
     out["moe_cpu_empty_us"] = _median_s(nvfp4_cpu.moe_cpu, args[1, 0], reps) * 1e6
     print(f"  an empty call through moe_cpu: {out['moe_cpu_empty_us']:.0f} us", flush=True)

@@ -447,9 +447,72 @@ def group_pairs(flat):
     return pairs, starts, groups
 
 
-@njit(fastmath=True, nogil=True, cache=True, error_model="numpy", inline="always")
-def _silu_mul(g, up):
-    return g / (np.float32(1.0) + np.exp(-g)) * up
+def _silu_mul_function(module: ir.Module) -> ir.Function:
+    """`void silu_mul(float *gate, float *up, i64 n)`: gate[i] = silu(gate[i]) * up[i] for i <
+    n (n % 8 == 0), eight at a time: exp(-g) as Cephes' expf (2^k times a polynomial of the
+    remainder, within 2 ulp), -g clamped to [-87, 88] (2^k stays normal) and silu(g) 0 for
+    -g > 88, as fp32 math gives it."""
+    name = "tinyserve_silu_mul"
+    fn = module.globals.get(name)
+    if fn is not None:
+        return fn
+    f32p = _F32.as_pointer()
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [f32p, f32p, _I64]), name)
+    fn.linkage = "internal"
+    gate, up, n = fn.args
+    fma = _declare(module, "llvm.fma.v8f32", _V8F32, _V8F32, _V8F32, _V8F32)
+    rint = _declare(module, "llvm.rint.v8f32", _V8F32, _V8F32)
+    entry, loop, done = (fn.append_basic_block(k) for k in ("entry", "loop", "done"))
+    b = ir.IRBuilder(entry)
+    b.cbranch(b.icmp_unsigned("!=", n, ir.Constant(_I64, 0)), loop, done)
+    b.position_at_end(loop)
+    i = b.phi(_I64)
+    g_ptr = b.bitcast(b.gep(gate, [i]), _V8F32.as_pointer())
+    g = b.load(g_ptr, align=4)
+    u = b.load(b.bitcast(b.gep(up, [i]), _V8F32.as_pointer()), align=4)
+
+    def c(v: float) -> ir.Constant:
+        return _splat(_V8F32, v)
+
+    x = b.fsub(c(0.0), g)
+    vanish = b.fcmp_ordered(">", x, c(88.0))
+    x = b.select(b.fcmp_ordered("<", x, c(-87.0)), c(-87.0), b.select(vanish, c(88.0), x))
+    k = b.call(rint, [b.fmul(x, c(1.4426950408889634))])
+    r = b.call(fma, [k, c(-0.693359375), x])
+    r = b.call(fma, [k, c(2.12194440e-4), r])
+    p = c(1.9875691500e-4)
+    for coef in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+                 5.0000001201e-1):
+        p = b.call(fma, [p, r, c(coef)])
+    e_r = b.fadd(b.call(fma, [b.fmul(p, r), r, r]), c(1.0))  # p r^2 + r + 1
+    two_k = b.bitcast(b.shl(b.add(b.fptosi(k, _V8I32), _splat(_V8I32, 127)),
+                            _splat(_V8I32, 23)), _V8F32)
+    e = b.fmul(e_r, two_k)
+    b.store(b.select(vanish, c(0.0), b.fdiv(b.fmul(g, u), b.fadd(c(1.0), e))), g_ptr, align=4)
+    i_next = b.add(i, ir.Constant(_I64, 8))
+    i.add_incoming(ir.Constant(_I64, 0), entry)
+    i.add_incoming(i_next, loop)
+    b.cbranch(b.icmp_unsigned("<", i_next, n), loop, done)
+    b.position_at_end(done)
+    b.ret_void()
+    return fn
+
+
+@intrinsic
+def _silu_mul(typingctx, gate, up):
+    """gate[i] = silu(gate[i]) * up[i], in place: contiguous fp32 [n], n % 8 == 0."""
+    sig = types.void(gate, up)
+
+    def codegen(context, builder, signature, args):
+        f32p = _F32.as_pointer()
+        g, u = (context.make_array(t)(context, builder, a)
+                for t, a in zip(signature.args, args, strict=True))
+        builder.call(_silu_mul_function(builder.module),
+                     [builder.bitcast(g.data, f32p), builder.bitcast(u.data, f32p),
+                      builder.extract_value(g.shape, 0)])
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 @njit(fastmath=True, nogil=True, cache=True, error_model="numpy")
@@ -467,18 +530,20 @@ def gate_up_item(item, flat, pairs, starts, topk, w13, s13, g13, xq, xs, xc, hid
     up_bytes, up_scales = f * w13.shape[2], f * s13.shape[2]
     lo, hi = starts[u], starts[u + 1]
     dot = np.empty(4, np.float32)
+    ups = np.empty((hi - lo, RB), np.float32)  # (the gates go to hid)
     for o in range(first, first + RB):
         for p in range(lo, hi, 2):
             t = pairs[p] // topk
             if p + 1 < hi:
                 _dot2x2(w13[r, o], up_bytes, s13[r, o], up_scales, xq[t], xs[t], xc[t],
                         pairs[p + 1] // topk - t, dot)
-                hid[p, o] = _silu_mul(dot[0] * g_gate, dot[2] * g_up)
-                hid[p + 1, o] = _silu_mul(dot[1] * g_gate, dot[3] * g_up)
+                hid[p, o], ups[p - lo, o - first] = dot[0] * g_gate, dot[2] * g_up
+                hid[p + 1, o], ups[p + 1 - lo, o - first] = dot[1] * g_gate, dot[3] * g_up
             else:
                 _dot2(w13[r, o], up_bytes, s13[r, o], up_scales, xq[t], xs[t], xc[t], 0, dot)
-                hid[p, o] = _silu_mul(dot[0] * g_gate, dot[1] * g_up)
+                hid[p, o], ups[p - lo, o - first] = dot[0] * g_gate, dot[1] * g_up
     for p in range(lo, hi):
+        _silu_mul(hid[p, first:first + RB], ups[p - lo])
         _quantize(hid[p], hq[p], hs[p], hc[p], first // 16, (first + RB) // 16)
 
 

@@ -94,6 +94,15 @@ def _native(calls: list, threads: int) -> list:
              threads, pool.address) for x, rows, w, slots in calls]
 
 
+def _numba_target() -> str:
+    """The CPU numba builds the kernel for: this one's, unless NUMBA_CPU_NAME names another."""
+    import os
+
+    from llvmlite import binding
+
+    return os.environ.get("NUMBA_CPU_NAME") or binding.get_host_cpu_name()
+
+
 def kernel_case(store: Any, top_k: int, reps: int) -> dict[str, Any]:
     """The CPU kernel's read rate of expert bytes vs the host read bandwidth (same run)."""
     host, nbytes = bandwidth.host_read_bandwidth(store)
@@ -103,7 +112,8 @@ def kernel_case(store: Any, top_k: int, reps: int) -> dict[str, Any]:
     threads = nvfp4_cpu.max_threads()
     kernel = nvfp4_cpu._kernels().moe_pooled
     out: dict[str, Any] = {"host_read_gbps": host / 1e9, "host_read_bytes": nbytes,
-                           "threads": threads, "store_bytes": store.nbytes, "calls": {}}
+                           "threads": threads, "store_bytes": store.nbytes,
+                           "built_for": _numba_target(), "calls": {}}
     args: dict[tuple[int, int], list] = {}  # (tokens, experts) -> the calls' arguments
     for n, k in ((1, 1), (1, 2), (1, 4), (1, top_k), (8, top_k)):
         calls = args[n, k] = [(torch.randn(n, h, generator=g),

@@ -450,8 +450,8 @@ def group_pairs(flat):
 def _silu_mul_function(module: ir.Module) -> ir.Function:
     """`void silu_mul(float *gate, float *up, i64 n)`: gate[i] = silu(gate[i]) * up[i] for i <
     n (n % 8 == 0), eight at a time: exp(-g) as Cephes' expf (2^k times a polynomial of the
-    remainder, within 2 ulp), -g clamped to [-87, 88] (2^k stays normal) and silu(g) 0 for
-    -g > 88, as fp32 math gives it."""
+    remainder; the product within 1e-6 of fp64 math), -g clamped to [-87, 88] (2^k stays
+    normal) and silu(g) 0 for -g > 88, as fp32 math gives it."""
     name = "tinyserve_silu_mul"
     fn = module.globals.get(name)
     if fn is not None:

@@ -1,6 +1,10 @@
 """The numba code of `cpu.py` (imported on first use). Arrays: x [N, H] fp32, rows [N, k]
 int64 (-1: skipped), wts [N, k] fp32; w13 uint8 [R, 2F, H/2], s13 [R, 2F, H/16], g13 fp32
-[R, 2], w2 uint8 [R, H, F/2], s2 [R, H, F/16], g2 fp32 [R]; out [N, H] fp32."""
+[R, 2], w2 uint8 [R, H, F/2], s2 [R, H, F/16], g2 fp32 [R]; out [N, H] fp32.
+
+One file, past the usual size: numba's on-disk cache (cache=True) checks only the source file
+of the function it caches, so the LLVM IR its functions inline (the block dot, the silu-mul)
+lives beside them, and a change to either recompiles everything."""
 
 from __future__ import annotations
 
